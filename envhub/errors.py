@@ -1,0 +1,92 @@
+"""The exceptions envhub raises.
+
+Every message says what failed, the offending value, and how to fix it; tests pin the
+wording of the ones users meet most (unknown id, bad kwargs, step after the end).
+
+    EnvhubError
+    ├── RegistryError
+    │   ├── UnknownEnvError        unknown id, with a "did you mean ...?" hint
+    │   ├── EnvKwargsError         make() got kwargs the env does not accept
+    │   └── RegistrationError      a malformed id or a conflicting register() call
+    ├── EpisodeError
+    │   ├── ResetNeededError       step() before the first reset()
+    │   └── EpisodeOverError       step() after terminated/truncated
+    ├── ActionParseError           model text could not be parsed (envs turn it into feedback)
+    └── EnvCheckError              check_env() found problems (lists all of them)
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "EnvhubError",
+    "RegistryError",
+    "UnknownEnvError",
+    "EnvKwargsError",
+    "RegistrationError",
+    "EpisodeError",
+    "ResetNeededError",
+    "EpisodeOverError",
+    "ActionParseError",
+    "EnvCheckError",
+]
+
+
+class EnvhubError(Exception):
+    """Base class of every error envhub raises on purpose."""
+
+
+class RegistryError(EnvhubError, KeyError):
+    """A registry lookup or registration failed.
+
+    Subclasses ``KeyError`` too, so code written for dict-like registries keeps working, but
+    overrides ``__str__`` so the message is not shown wrapped in quotes.
+    """
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class UnknownEnvError(RegistryError):
+    """No environment is registered under the requested id."""
+
+
+class EnvKwargsError(RegistryError, TypeError):
+    """``make()`` was given keyword arguments the environment does not accept."""
+
+
+class RegistrationError(RegistryError, ValueError):
+    """``register()`` was called with a malformed id or one that is already taken."""
+
+
+class EpisodeError(EnvhubError, RuntimeError):
+    """An env method was called in the wrong episode state."""
+
+
+class ResetNeededError(EpisodeError):
+    """``step()`` was called before ``reset()``."""
+
+
+class EpisodeOverError(EpisodeError):
+    """``step()`` was called after the episode terminated or was truncated."""
+
+
+class ActionParseError(EnvhubError, ValueError):
+    """The model's text holds no action in the expected format.
+
+    Environments never let this escape ``step()``: they catch it, give a penalty, and send
+    ``feedback`` back to the model as the next observation so it can correct itself.
+    """
+
+    def __init__(self, message: str, *, feedback: str | None = None) -> None:
+        super().__init__(message)
+        self.feedback = feedback or message
+
+
+class EnvCheckError(EnvhubError, AssertionError):
+    """``check_env`` found one or more problems; ``problems`` lists every one of them."""
+
+    def __init__(self, env_name: str, problems: list[str]) -> None:
+        self.env_name = env_name
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{env_name} failed {len(self.problems)} check(s):\n{lines}")

@@ -1,0 +1,123 @@
+"""Pull the action out of a model's chatty text.
+
+Models think aloud, repeat the format instructions, wrap answers in code fences and change
+case. ``ActionParser`` finds the action robustly and, when it cannot, raises
+``ActionParseError`` whose ``feedback`` tells the model exactly what format to use.
+
+Formats
+-------
+``"tag"`` (default)
+    The content of the *last* ``<answer>...</answer>`` block (tag name configurable,
+    case-insensitive, whitespace and code fences stripped). With ``lenient=True`` (default)
+    text with no tag at all falls back to ``"last_line"`` so plain answers still count;
+    an unclosed ``<answer>`` takes the rest of the text.
+``"last_line"``
+    The last non-empty line.
+``"raw"``
+    The whole text, stripped.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from envhub.errors import ActionParseError
+
+__all__ = ["ActionFormat", "ActionParser", "extract_answer"]
+
+ActionFormat = Literal["tag", "last_line", "raw"]
+_FENCE = re.compile(r"^```[\w-]*\s*\n?(.*?)\n?```$", re.DOTALL)
+
+
+def _strip(text: str) -> str:
+    text = text.strip()
+    fenced = _FENCE.match(text)
+    if fenced:
+        text = fenced.group(1).strip()
+    return text.strip("`").strip()
+
+
+@dataclass(frozen=True)
+class ActionParser:
+    """Extract an action from model text (see the module docstring for the formats)."""
+
+    format: ActionFormat = "tag"
+    tag: str = "answer"
+    lenient: bool = True
+    max_length: int = 1_000
+
+    def __post_init__(self) -> None:
+        if self.format not in ("tag", "last_line", "raw"):
+            raise ValueError(
+                f"unknown action format {self.format!r}; use 'tag', 'last_line' or 'raw'"
+            )
+        if not re.fullmatch(r"[A-Za-z_][\w-]*", self.tag):
+            raise ValueError(f"action tag {self.tag!r} must be a plain name like 'answer'")
+
+    @property
+    def instructions(self) -> str:
+        """One sentence telling the model how to format its action."""
+        if self.format == "tag":
+            return f"Put your action inside <{self.tag}>...</{self.tag}>."
+        if self.format == "last_line":
+            return "Write your action alone on the last line."
+        return "Reply with the action only."
+
+    def wrap(self, action: str) -> str:
+        """Format an action the way this parser expects it (for experts and examples)."""
+        return f"<{self.tag}>{action}</{self.tag}>" if self.format == "tag" else action
+
+    def parse(self, text: str) -> str:
+        """Return the action in ``text`` or raise ``ActionParseError`` with model feedback."""
+        if not isinstance(text, str):
+            raise ActionParseError(f"expected text, got {type(text).__name__}")
+        if self.format == "tag":
+            action = self._parse_tag(text)
+        elif self.format == "last_line":
+            action = self._parse_last_line(text)
+        else:
+            action = _strip(text)
+        if not action:
+            raise ActionParseError(
+                "empty action", feedback=f"Your reply contained no action. {self.instructions}"
+            )
+        if len(action) > self.max_length:
+            raise ActionParseError(
+                f"action of {len(action)} characters exceeds max_length={self.max_length}",
+                feedback=f"Your action is too long ({len(action)} characters). "
+                f"Give just the action. {self.instructions}",
+            )
+        return action
+
+    def _parse_tag(self, text: str) -> str:
+        tag = re.escape(self.tag)
+        closed = re.findall(rf"<{tag}\s*>(.*?)</\s*{tag}\s*>", text, re.IGNORECASE | re.DOTALL)
+        if closed:
+            return _strip(closed[-1])
+        opened = list(re.finditer(rf"<{tag}\s*>", text, re.IGNORECASE))
+        if opened:
+            return _strip(text[opened[-1].end() :])
+        if self.lenient:
+            return self._parse_last_line(text)
+        raise ActionParseError(
+            f"no <{self.tag}> tag in the text",
+            feedback=f"I could not find your action. {self.instructions}",
+        )
+
+    def _parse_last_line(self, text: str) -> str:
+        lines = [line for line in _strip(text).splitlines() if line.strip()]
+        if not lines:
+            raise ActionParseError(
+                "empty text", feedback=f"Your reply was empty. {self.instructions}"
+            )
+        return _strip(lines[-1])
+
+
+def extract_answer(text: str, tag: str = "answer") -> str | None:
+    """The content of the last ``<tag>...</tag>`` block, or ``None`` if there is none."""
+    try:
+        return ActionParser(format="tag", tag=tag, lenient=False).parse(text)
+    except ActionParseError:
+        return None
