@@ -19,6 +19,7 @@ accepts the same ids.
 
 from __future__ import annotations
 
+import contextvars
 import difflib
 import importlib
 import importlib.metadata
@@ -79,7 +80,7 @@ class EnvSpec:
     family: str = ""
     """The id this spec was registered under; variants share their family's id."""
     variant: str | None = None
-    source: str = "user"
+    source: str = field(default="user", compare=False)
     """Who registered it: ``envhub.games``, a plugin's entry-point name, or ``user``."""
 
     @property
@@ -111,15 +112,29 @@ class EnvSpec:
         return target
 
     def accepted_kwargs(self) -> list[str] | None:
-        """Keyword arguments the entry point accepts, or ``None`` if it takes ``**kwargs``."""
-        signature = inspect.signature(self.load_entry_point())
-        names = []
-        for parameter in signature.parameters.values():
-            if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-                return None
-            if parameter.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-                names.append(parameter.name)
-        return names
+        """Keyword arguments the entry point accepts, or ``None`` if it takes any.
+
+        For a class whose ``__init__`` forwards ``**kwargs`` to its parent (the usual
+        ``super().__init__(**kwargs)``), the parents' parameters are followed up the MRO.
+        """
+        target = self.load_entry_point()
+        initialisers: list[Callable[..., Any]] = []
+        if inspect.isclass(target):
+            initialisers = [k.__dict__["__init__"] for k in target.__mro__ if "__init__" in k.__dict__ and k is not object]
+        else:
+            initialisers = [target]
+        names: list[str] = []
+        for initialiser in initialisers:
+            forwards = False
+            for parameter in inspect.signature(initialiser).parameters.values():
+                if parameter.kind is inspect.Parameter.VAR_KEYWORD:
+                    forwards = True
+                elif parameter.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+                    if parameter.name != "self" and parameter.name not in names:
+                        names.append(parameter.name)
+            if not forwards:
+                return names
+        return None if not inspect.isclass(target) else names
 
     def make(self, **kwargs: Any) -> Any:
         """Build the environment with this spec's kwargs overridden by ``kwargs``."""
@@ -246,6 +261,7 @@ class Registry:
 
     def _load_one(self, name: str, target: str) -> None:
         self._loading = name
+        token = _ACTIVE.set(self)  # the plugin's envhub.register() calls land here
         try:
             module_name, _, attr = target.partition(":")
             plugin: Any = importlib.import_module(module_name)
@@ -263,6 +279,7 @@ class Registry:
                 stacklevel=3,
             )
         finally:
+            _ACTIVE.reset(token)
             self._loading = None
 
     def plugin_errors(self) -> list[PluginFailure]:
@@ -354,11 +371,14 @@ def _attach_gymnasium_spec(env: Any, spec: EnvSpec, overrides: dict[str, Any]) -
 
 
 registry = Registry()
+_ACTIVE: contextvars.ContextVar[Registry | None] = contextvars.ContextVar("envhub_active_registry", default=None)
+"""The registry whose plugins are loading; plugins' ``register()`` calls go to it."""
 
 
 def register(id: str, entry_point: str | Callable[..., Any], **options: Any) -> EnvSpec:
     """Register an environment in the shared registry (see ``Registry.register``)."""
-    return registry.register(id, entry_point, **options)
+    active = _ACTIVE.get()
+    return (registry if active is None else active).register(id, entry_point, **options)
 
 
 def make(id: str, **kwargs: Any) -> Any:

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# System packages the test tiers use. Installs only what is missing, so it is quick to rerun.
+set -euo pipefail
+need=()
+command -v tmux >/dev/null || need+=(tmux)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "missing system packages: ${need[*]} (install them, e.g. sudo apt-get install -y ${need[*]})" >&2
+    exit 0
+  fi
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi

@@ -1,0 +1,38 @@
+# Two commands do all set-up on a fresh machine (see README):
+#   make demo   - create .venv, install envhub, run the main job
+#   make test   - create .venv, install envhub with test extras and system tools, run the tests
+# Override the interpreter with PYTHON=..., the venv with VENV=..., pytest args with PYTEST_ARGS=...
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all install system-deps clean
+
+$(BIN)/.installed: pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $@
+
+install: $(BIN)/.installed
+
+# The main job. Until the trainer lands: random vs expert agents over every game.
+demo: install
+	$(BIN)/envhub list --no-variants
+	$(BIN)/envhub eval --episodes 20
+
+system-deps:
+	@bash .ci/system-deps.sh
+
+# The default test tier (-m "not slow", set in pyproject). Exit code 5 (no tests ran) fails.
+test: install system-deps
+	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
+
+test-all: PYTEST_ARGS += -m ""
+test-all: test
+
+clean:
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info

@@ -1,0 +1,355 @@
+"""``check_env``: does an environment keep the ``TextEnv`` contract?
+
+The checker is a list of small ``check_*`` functions, each testing one promise of the
+contract (see ``envhub.core``) and failing with a message that names the fix. ``check_env``
+runs them all and reports every problem at once::
+
+    report = envhub.check_env(envhub.make("acme/maze-v0"))   # raises EnvCheckError on failure
+    report = envhub.check_env(env, raise_on_failure=False)    # or inspect report.failures
+
+Gymnasium's own ``gymnasium.utils.env_checker.check_env`` runs too (``check_gymnasium``).
+One deliberate difference: Gymnasium's checker treats a step after the episode ended as
+the caller's problem, while a ``TextEnv`` refuses it with ``EpisodeOverError``; the
+envhub check below requires that refusal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pickle
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+from envhub.core import ChatSpace, TextEnv
+from envhub.errors import EnvCheckError, EpisodeError
+
+__all__ = ["CheckResult", "CheckReport", "CheckFailed", "check_env", "CHECKS"]
+
+MAX_EPISODE_STEPS = 1_000
+"""An episode that has not ended after this many steps fails ``check_episode_ends``."""
+
+
+class CheckFailed(Exception):
+    """Raised by a ``check_*`` function; the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    passed: bool
+    message: str = ""
+    seconds: float = 0.0
+    skipped: bool = False
+
+
+@dataclass
+class CheckReport:
+    """The outcome of every check for one environment."""
+
+    env_name: str
+    results: list[CheckResult] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.passed for r in self.results)
+
+    @property
+    def failures(self) -> list[CheckResult]:
+        return [r for r in self.results if not r.passed]
+
+    def raise_for_failures(self) -> None:
+        if not self.ok:
+            raise EnvCheckError(self.env_name, [f"{r.name}: {r.message}" for r in self.failures])
+
+
+@dataclass
+class _Context:
+    """What the checks share: the env, how to build a fresh one, and the action sampler."""
+
+    env: gym.Env
+    factory: Callable[[], gym.Env] | None
+    seed: int
+    actions: np.random.Generator
+
+    def sample_action(self, env: gym.Env) -> str:
+        sampler = getattr(env.action_space, "sampler", None)
+        if sampler is not None:
+            return sampler(self.actions)
+        return env.action_space.sample()
+
+
+def _json_problem(value: Any, what: str) -> str | None:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        return f"{what} is not JSON-serialisable ({exc}); use plain str/int/float/bool/list/dict values so it can cross the network"
+    return None
+
+
+def _check_reset_output(result: Any, space: gym.Space) -> None:
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise CheckFailed(f"reset() must return (observation, info), got {type(result).__name__}")
+    observation, info = result
+    if isinstance(space, ChatSpace) and not (space.contains(observation) and observation):
+        raise CheckFailed(
+            f"reset() observation must be a non-empty list of {{'role', 'content': str}} messages, "
+            f"got {observation!r:.120}; return a string or messages from on_reset()"
+        )
+    if not isinstance(info, dict):
+        raise CheckFailed(f"reset() info must be a dict, got {type(info).__name__}")
+    for problem in (_json_problem(observation, "the reset() observation"), _json_problem(info, "the reset() info")):
+        if problem:
+            raise CheckFailed(problem)
+
+
+def _check_step_output(result: Any, space: gym.Space) -> tuple[Any, float, bool, bool, dict]:
+    if not (isinstance(result, tuple) and len(result) == 5):
+        raise CheckFailed("step() must return (observation, reward, terminated, truncated, info)")
+    observation, reward, terminated, truncated, info = result
+    if isinstance(space, ChatSpace) and not space.contains(observation):
+        raise CheckFailed(f"step() observation is not a list of chat messages: {observation!r:.120}")
+    if not isinstance(reward, (float, int)) or isinstance(reward, bool) or not math.isfinite(reward):
+        raise CheckFailed(f"step() reward must be a finite float, got {reward!r}")
+    if not isinstance(terminated, bool) or not isinstance(truncated, bool):
+        raise CheckFailed(f"terminated/truncated must be bool, got {terminated!r}, {truncated!r}")
+    if terminated and truncated:
+        raise CheckFailed("terminated and truncated are both True; an episode ends one way or the other")
+    if not isinstance(info, dict):
+        raise CheckFailed(f"step() info must be a dict, got {type(info).__name__}")
+    for problem in (_json_problem(observation, "the step() observation"), _json_problem(info, "the step() info")):
+        if problem:
+            raise CheckFailed(problem)
+    return result
+
+
+def _play(ctx: _Context, env: gym.Env, seed: int, max_steps: int = MAX_EPISODE_STEPS) -> list[Any]:
+    """Play one episode with sampled actions; return everything observed."""
+    ctx.actions = np.random.default_rng(seed)
+    env.action_space.seed(seed)
+    transcript: list[Any] = [env.reset(seed=seed)]
+    for _ in range(max_steps):
+        result = env.step(ctx.sample_action(env))
+        transcript.append(result)
+        if result[2] or result[3]:
+            break
+    return transcript
+
+
+# ---------------------------------------------------------------------------- checks
+def check_spaces(ctx: _Context) -> None:
+    """The env declares Gymnasium spaces; text envs use ChatSpace/TextSpace."""
+    env = ctx.env
+    if not isinstance(env, gym.Env):
+        raise CheckFailed(f"{type(env).__name__} is not a gymnasium.Env; subclass envhub.TextEnv")
+    for name in ("observation_space", "action_space"):
+        if not isinstance(getattr(env, name, None), gym.spaces.Space):
+            raise CheckFailed(f"{name} is missing or not a gymnasium Space; call super().__init__() in your env")
+
+
+def check_reset(ctx: _Context) -> None:
+    """reset() returns (messages, info), JSON-friendly, with the contract's info keys."""
+    _check_reset_output(ctx.env.reset(seed=ctx.seed), ctx.env.observation_space)
+    if isinstance(ctx.env.unwrapped, TextEnv):
+        _, info = ctx.env.reset(seed=ctx.seed)
+        missing = {"turn", "success", "invalid_action"} - set(info)
+        if missing:
+            raise CheckFailed(f"reset() info lacks {sorted(missing)}; don't override TextEnv.reset, implement on_reset")
+
+
+def check_step(ctx: _Context) -> None:
+    """Each step returns well-typed, finite, JSON-friendly values; bad text never raises."""
+    env = ctx.env
+    env.reset(seed=ctx.seed)
+    probes = ["", "   ", "\x00\x01 not an action %%%", "<answer></answer>", "x" * 20_000, ctx.sample_action(env)]
+    for action in probes:
+        try:
+            result = env.step(action)
+        except EpisodeError:
+            env.reset(seed=ctx.seed)
+            continue
+        except Exception as exc:
+            raise CheckFailed(
+                f"step({action[:30]!r}) raised {type(exc).__name__}: {exc}; answer malformed text "
+                "with self.invalid_action(feedback) instead of raising"
+            ) from exc
+        _check_step_output(result, env.observation_space)
+        if result[2] or result[3]:
+            env.reset(seed=ctx.seed)
+
+
+def check_seed_determinism(ctx: _Context) -> None:
+    """The same seed and actions give the same episode (observations, rewards, flags)."""
+    first = _play(ctx, ctx.env, ctx.seed)
+    second = _play(ctx, ctx.env, ctx.seed)
+    if json.dumps(first, default=repr) != json.dumps(second, default=repr):
+        for i, (a, b) in enumerate(zip(first, second)):
+            if json.dumps(a, default=repr) != json.dumps(b, default=repr):
+                where = "reset()" if i == 0 else f"step {i}"
+                raise CheckFailed(
+                    f"two episodes with seed={ctx.seed} and the same actions differ at {where}; "
+                    "draw every random choice from self.np_random (seeded by reset)"
+                )
+        raise CheckFailed(f"two episodes with seed={ctx.seed} and the same actions had different lengths")
+
+
+def check_episode_ends(ctx: _Context) -> None:
+    """Episodes end (terminated or truncated) within a bounded number of steps."""
+    transcript = _play(ctx, ctx.env, ctx.seed + 1)
+    last = transcript[-1]
+    if len(transcript) == 1 or not (last[2] or last[3]):
+        raise CheckFailed(
+            f"an episode of random actions did not end within {MAX_EPISODE_STEPS} steps; "
+            "register the env with max_turns=N (or pass max_turns) so episodes truncate"
+        )
+    info = last[4]
+    if isinstance(ctx.env.unwrapped, TextEnv) and not isinstance(info.get("success"), bool):
+        raise CheckFailed("the final info must carry success: bool; set Turn(success=...)")
+
+
+def check_step_after_end(ctx: _Context) -> None:
+    """step() after the episode ended is refused with a clear error."""
+    _play(ctx, ctx.env, ctx.seed + 2)
+    try:
+        ctx.env.step(ctx.sample_action(ctx.env))
+    except EpisodeError:
+        return
+    except Exception as exc:
+        if isinstance(ctx.env.unwrapped, TextEnv):
+            raise CheckFailed(
+                f"step() after the end raised {type(exc).__name__} ({exc}) instead of EpisodeOverError; "
+                "don't override TextEnv.step"
+            ) from exc
+        return
+    raise CheckFailed("step() after the episode ended was accepted; refuse it (TextEnv does so for you)")
+
+
+def check_step_before_reset(ctx: _Context) -> None:
+    """step() on a fresh env is refused, and a non-str action is a TypeError."""
+    if ctx.factory is None:
+        raise _Skip("needs a factory for a fresh env")
+    fresh = ctx.factory()
+    try:
+        try:
+            fresh.step("up")
+        except EpisodeError:
+            pass
+        else:
+            raise CheckFailed("step() before reset() was accepted; don't override TextEnv.step")
+        fresh.reset(seed=ctx.seed)
+        try:
+            fresh.step(12345)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        else:
+            raise CheckFailed("step(12345) was accepted; actions are the model's text (str)")
+    finally:
+        fresh.close()
+
+
+def check_picklable(ctx: _Context) -> None:
+    """The env pickles, and the copy plays the same episode (process workers need this)."""
+    ctx.env.reset(seed=ctx.seed)
+    try:
+        copy = pickle.loads(pickle.dumps(ctx.env))
+    except Exception as exc:
+        raise CheckFailed(
+            f"pickle failed ({type(exc).__name__}: {exc}); keep open handles (sockets, processes) "
+            "out of __init__ or implement __getstate__/__setstate__"
+        ) from exc
+    try:
+        if json.dumps(_play(ctx, copy, ctx.seed)) != json.dumps(_play(ctx, ctx.env, ctx.seed)):
+            raise CheckFailed("the unpickled copy plays a different episode for the same seed and actions")
+    finally:
+        copy.close()
+
+
+def check_gymnasium(ctx: _Context) -> None:
+    """Gymnasium's own env checker passes (its warnings are ignored)."""
+    from gymnasium.utils.env_checker import check_env as gymnasium_check_env
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            gymnasium_check_env(ctx.env.unwrapped, skip_render_check=True)
+        except Exception as exc:
+            raise CheckFailed(f"gymnasium.utils.env_checker.check_env failed: {type(exc).__name__}: {exc}") from exc
+
+
+def check_close_twice(ctx: _Context) -> None:
+    """close() can be called twice without error."""
+    for attempt in ("first", "second"):
+        try:
+            ctx.env.close()
+        except Exception as exc:
+            raise CheckFailed(f"the {attempt} close() raised {type(exc).__name__}: {exc}; make close() idempotent") from exc
+
+
+class _Skip(Exception):
+    pass
+
+
+CHECKS: list[Callable[[_Context], None]] = [
+    check_spaces,
+    check_reset,
+    check_step,
+    check_seed_determinism,
+    check_episode_ends,
+    check_step_after_end,
+    check_step_before_reset,
+    check_picklable,
+    check_gymnasium,
+    check_close_twice,
+]
+"""The checks ``check_env`` runs, in order (``check_close_twice`` must stay last)."""
+
+
+def check_env(
+    env: gym.Env,
+    *,
+    factory: Callable[[], gym.Env] | None = None,
+    seed: int = 0,
+    raise_on_failure: bool = True,
+    gymnasium_checks: bool = True,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> CheckReport:
+    """Run every check against ``env`` and report all problems at once.
+
+    ``factory`` builds a fresh env (enables the step-before-reset check); ``on_result`` is
+    called after each check (the CLI prints them live). Closes ``env`` at the end. Raises
+    ``EnvCheckError`` listing every failure unless ``raise_on_failure=False``.
+    """
+    name = getattr(getattr(env, "spec", None), "id", None) or type(env).__name__
+    ctx = _Context(env=env, factory=factory, seed=seed, actions=np.random.default_rng(seed))
+    report = CheckReport(env_name=name)
+    for check in CHECKS:
+        if check is check_gymnasium and not gymnasium_checks:
+            continue
+        start = time.perf_counter()
+        try:
+            check(ctx)
+            result = CheckResult(check.__name__, True, seconds=time.perf_counter() - start)
+        except _Skip as skip:
+            result = CheckResult(check.__name__, True, f"skipped: {skip}", time.perf_counter() - start, skipped=True)
+        except CheckFailed as failure:
+            result = CheckResult(check.__name__, False, str(failure), time.perf_counter() - start)
+        except Exception as exc:  # a crash inside the env is a failed check, not a crashed checker
+            message = (
+                f"the env raised {type(exc).__name__}: {exc}; reset() and step() must not raise "
+                "for any text (answer bad actions with self.invalid_action(feedback))"
+            )
+            result = CheckResult(check.__name__, False, message, time.perf_counter() - start)
+        report.results.append(result)
+        if on_result is not None:
+            on_result(result)
+        if check is check_spaces and not result.passed:
+            break  # nothing else can run on something that is not an env
+    if raise_on_failure:
+        report.raise_for_failures()
+    return report

@@ -1,0 +1,251 @@
+"""The ``envhub`` command line: list, inspect, check, play and evaluate environments.
+
+Each command is a thin layer over the Python API (``envhub.list_envs``, ``envhub.spec``,
+``envhub.check_env``, ``envhub.play``, ``envhub.evaluate``); heavy imports happen inside the
+command that needs them, so ``envhub --help`` stays instant. Later subsystems add their own
+commands (``serve``, ``train``, ``bench``) to the ``main`` group.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from envhub import __version__
+from envhub.errors import EnvhubError
+
+__all__ = ["main"]
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+def _parse_kwargs(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``("size=8", "slippery=true")`` -> ``{"size": 8, "slippery": True}`` (JSON values)."""
+    kwargs: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} is not key=value (e.g. -k size=8)", param_hint="--kwarg")
+        try:
+            kwargs[key] = json.loads(raw)
+        except json.JSONDecodeError:
+            kwargs[key] = raw
+    return kwargs
+
+
+def _fail(error: Exception) -> None:
+    err_console.print(f"[bold red]error:[/] {error}", markup=True, highlight=False)
+    sys.exit(2)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, "-V", "--version", prog_name="envhub")
+def main() -> None:
+    """envhub: a hub of multi-turn text environments for language-model agents.
+
+    \b
+    Try:
+      envhub list                         every environment id
+      envhub info games/sokoban-v0        what an env is and how to configure it
+      envhub play games/sokoban-v0        play it yourself in the terminal
+      envhub check games/sokoban-v0       does it keep the TextEnv contract?
+      envhub eval --episodes 10           random vs expert agents over the games
+    """
+    # Plugin failures are shown by `envhub list` (and named in unknown-id errors), not as
+    # Python warnings in the middle of every command's output.
+    warnings.filterwarnings("ignore", message="envhub: plugin", category=RuntimeWarning)
+
+
+@main.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@click.option("--namespace", "-n", default=None, help="Only ids in this namespace (e.g. games).")
+@click.option("--no-variants", is_flag=True, help="Hide size/difficulty variants.")
+def list_command(as_json: bool, namespace: str | None, no_variants: bool) -> None:
+    """List registered environments (built-in and from installed plugins)."""
+    from envhub.registry import list_envs, plugin_errors
+
+    specs = list_envs(namespace, variants=not no_variants)
+    failures = plugin_errors()
+    if as_json:
+        rows = [
+            {
+                "id": s.id,
+                "family": s.family,
+                "variant": s.variant,
+                "description": s.description,
+                "max_turns": s.max_turns,
+                "kwargs": s.kwargs,
+                "source": s.source,
+                "entry_point": s.entry_point if isinstance(s.entry_point, str) else repr(s.entry_point),
+            }
+            for s in specs
+        ]
+        click.echo(json.dumps({"envs": rows, "plugin_errors": [f.__dict__ for f in failures]}, indent=2, default=repr))
+        return
+    table = Table(title=f"{len(specs)} environments", title_justify="left")
+    table.add_column("id", no_wrap=True)
+    table.add_column("max turns", justify="right")
+    table.add_column("source")
+    table.add_column("description", overflow="fold")
+    for s in specs:
+        description = s.description if s.variant is None else f"variant of {s.family}: " + ", ".join(f"{k}={v}" for k, v in s.kwargs.items())
+        table.add_row(s.id, str(s.kwargs.get("max_turns", s.max_turns) or "-"), s.source, description)
+    console.print(table)
+    for failure in failures:
+        err_console.print(f"[yellow]plugin {failure.name!r} ({failure.target}) failed to load:[/] {failure.error}", highlight=False)
+
+
+@main.command("info")
+@click.argument("env_id")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def info_command(env_id: str, as_json: bool) -> None:
+    """Describe one environment: entry point, kwargs, variants, first observation."""
+    import inspect
+
+    from envhub.registry import list_envs, spec
+
+    try:
+        s = spec(env_id)
+        accepted = s.accepted_kwargs()
+        target = s.load_entry_point()
+        env = s.make()
+        messages, info = env.reset(seed=0)
+        env.close()
+    except EnvhubError as error:
+        _fail(error)
+    variants = [v.id for v in list_envs() if v.family == s.family and v.id != s.id]
+    doc = inspect.getdoc(target) or ""
+    data = {
+        "id": s.id,
+        "description": s.description,
+        "entry_point": s.entry_point if isinstance(s.entry_point, str) else repr(s.entry_point),
+        "kwargs": s.kwargs,
+        "max_turns": s.kwargs.get("max_turns", s.max_turns),
+        "accepted_kwargs": accepted,
+        "variants": variants,
+        "source": s.source,
+        "tools": info.get("tools", []),
+        "first_observation": messages,
+    }
+    if as_json:
+        click.echo(json.dumps(data, indent=2, default=repr))
+        return
+    console.print(f"[bold]{s.id}[/]  ({s.source})  {s.description}", highlight=False)
+    if doc:
+        console.print(doc.splitlines()[0], style="dim", highlight=False, markup=False)
+    for key in ("entry_point", "kwargs", "max_turns", "accepted_kwargs", "variants"):
+        console.print(f"  {key:16} {data[key]}", highlight=False, markup=False)
+    if data["tools"]:
+        console.print(f"  {'tools':16} {[t['function']['name'] for t in data['tools']]}", markup=False)
+    console.print("first observation (seed 0):", style="bold")
+    for message in messages:
+        console.print(f"[{message['role']}]", style="cyan", markup=False)
+        console.print(message["content"], markup=False, highlight=False)
+
+
+@main.command("check")
+@click.argument("env_ids", nargs=-1)
+@click.option("--all", "check_all", is_flag=True, help="Check every registered id.")
+@click.option("--seed", default=0, show_default=True, help="Seed for the episodes the checker plays.")
+@click.option("--kwarg", "-k", "kwargs", multiple=True, help="Constructor override key=value (repeatable).")
+@click.option("--no-gymnasium", is_flag=True, help="Skip Gymnasium's own env checker.")
+def check_command(env_ids: tuple[str, ...], check_all: bool, seed: int, kwargs: tuple[str, ...], no_gymnasium: bool) -> None:
+    """Check that environments keep the TextEnv contract; exit code 1 on any failure."""
+    from envhub.checker import check_env
+    from envhub.registry import list_envs, spec
+
+    overrides = _parse_kwargs(kwargs)
+    ids = [s.id for s in list_envs()] if check_all else list(env_ids)
+    if not ids:
+        raise click.UsageError("give one or more env ids, or --all")
+    failed = []
+    for env_id in ids:
+        try:
+            s = spec(env_id)
+            env = s.make(**overrides)
+        except EnvhubError as error:
+            _fail(error)
+        console.print(f"[bold]{s.id}[/]", highlight=False)
+
+        def show(result: Any) -> None:
+            mark = "[yellow]-[/]" if result.skipped else ("[green]✓[/]" if result.passed else "[red]✗[/]")
+            detail = f" [dim]({result.message})[/]" if result.skipped else (f"\n      [red]{result.message}[/]" if not result.passed else "")
+            console.print(f"  {mark} {result.name}{detail}", highlight=False, soft_wrap=True)
+
+        report = check_env(
+            env,
+            factory=lambda: s.make(**overrides),
+            seed=seed,
+            raise_on_failure=False,
+            gymnasium_checks=not no_gymnasium,
+            on_result=show,
+        )
+        if not report.ok:
+            failed.append(s.id)
+    if failed:
+        console.print(f"[red]{len(failed)} of {len(ids)} environment(s) failed:[/] {', '.join(failed)}", highlight=False)
+        sys.exit(1)
+    console.print(f"[green]all {len(ids)} environment(s) passed[/]")
+
+
+@main.command("play")
+@click.argument("env_id")
+@click.option("--seed", default=None, type=int, help="Seed of the first episode (then +1 each episode).")
+@click.option("--kwarg", "-k", "kwargs", multiple=True, help="Constructor override key=value (repeatable).")
+def play_command(env_id: str, seed: int | None, kwargs: tuple[str, ...]) -> None:
+    """Play an environment yourself: read observations, type actions."""
+    from envhub.play import play
+    from envhub.registry import make
+
+    try:
+        env = make(env_id, **_parse_kwargs(kwargs))
+    except EnvhubError as error:
+        _fail(error)
+    try:
+        play(env, seed=seed, console=console)
+    finally:
+        env.close()
+
+
+@main.command("eval")
+@click.argument("env_ids", nargs=-1)
+@click.option("--agent", "agents", multiple=True, type=click.Choice(["random", "expert"]), help="Agents to compare (default: both).")
+@click.option("--episodes", default=10, show_default=True, help="Episodes per env and agent.")
+@click.option("--seed", default=0, show_default=True, help="First episode seed.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+def eval_command(env_ids: tuple[str, ...], agents: tuple[str, ...], episodes: int, seed: int, as_json: bool) -> None:
+    """Evaluate built-in agents on environments (default: every game, no variants)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from envhub.evaluate import evaluate
+    from envhub.registry import list_envs, spec
+
+    try:
+        ids = [spec(i).id for i in env_ids] or [s.id for s in list_envs("games", variants=False)]
+    except EnvhubError as error:
+        _fail(error)
+    agents = agents or ("random", "expert")
+    total = len(ids) * len(agents) * episodes
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True, disable=as_json) as progress:
+        task = progress.add_task("evaluating", total=total)
+        summaries = evaluate(ids, agents, episodes=episodes, seed=seed, on_episode=lambda stats: progress.advance(task))
+    if as_json:
+        click.echo(json.dumps([s.as_dict() for s in summaries], indent=2))
+        return
+    table = Table(title=f"{episodes} episodes per env and agent (seeds {seed}..{seed + episodes - 1})", title_justify="left")
+    for column in ("env", "agent", "success", "mean return", "mean turns", "invalid/turn", "steps/s"):
+        table.add_column(column, justify="left" if column in ("env", "agent") else "right", no_wrap=column == "env")
+    for s in summaries:
+        table.add_row(s.env_id, s.agent, f"{s.success_rate:.0%}", f"{s.mean_return:+.2f}", f"{s.mean_turns:.1f}", f"{s.invalid_rate:.2f}", f"{s.steps_per_second:,.0f}")
+    console.print(table)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
