@@ -15,6 +15,7 @@ from typing import Any
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from envhub import __version__
@@ -41,7 +42,7 @@ def _parse_kwargs(pairs: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _fail(error: Exception) -> None:
-    err_console.print(f"[bold red]error:[/] {error}", markup=True, highlight=False)
+    err_console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
     sys.exit(2)
 
 

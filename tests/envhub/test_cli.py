@@ -1,0 +1,86 @@
+"""The envhub CLI as a user types it (click's runner, in-process)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import envhub
+from envhub.cli import main
+
+
+@pytest.fixture
+def cli():
+    runner = CliRunner()
+
+    def invoke(*args: str, input: str | None = None):
+        return runner.invoke(main, list(args), input=input, catch_exceptions=False)
+
+    return invoke
+
+
+def test_version_and_help(cli):
+    assert cli("--version").output.strip() == f"envhub, version {envhub.__version__}"
+    help_text = cli("--help").output
+    for command in ("list", "info", "check", "play", "eval"):
+        assert command in help_text
+    assert "envhub play games/sokoban-v0" in help_text
+
+
+def test_list_json_has_at_least_four_games(cli):
+    result = cli("list", "--json")
+    assert result.exit_code == 0
+    envs = json.loads(result.output)["envs"]
+    families = {row["family"] for row in envs if row["id"].startswith("games/")}
+    assert len(families) >= 4
+    assert {"games/sokoban-v0", "games/frozen-lake-v0", "games/wordle-v0"} <= {row["id"] for row in envs}
+
+
+def test_list_table_and_filters(cli):
+    output = cli("list", "--namespace", "games", "--no-variants").output
+    assert "games/sokoban-v0" in output and "games/sokoban-8x8-v0" not in output
+
+
+def test_info_shows_kwargs_and_first_observation(cli):
+    result = cli("info", "games/guess-number-v0", "--json")
+    data = json.loads(result.output)
+    assert "high" in data["accepted_kwargs"] and data["max_turns"] == 10
+    assert "games/guess-number-hard-v0" in data["variants"]
+    assert data["first_observation"][0]["role"] == "user"
+
+
+def test_unknown_id_exits_2_with_a_hint(cli):
+    result = CliRunner().invoke(main, ["info", "games/sokobn-v0"])
+    assert result.exit_code == 2
+    assert "Did you mean 'games/sokoban-v0'" in result.output
+
+
+def test_check_passes_and_bad_kwargs_are_explained(cli):
+    result = cli("check", "games/guess-number-v0", "-k", "high=30")
+    assert result.exit_code == 0 and "all 1 environment(s) passed" in result.output
+    result = CliRunner().invoke(main, ["check", "games/guess-number-v0", "-k", "hihg=30"])
+    assert result.exit_code == 2 and "did you mean 'high'?" in result.output
+    result = CliRunner().invoke(main, ["check", "games/guess-number-v0", "-k", "oops"])
+    assert result.exit_code == 2 and "is not key=value" in result.output
+
+
+def test_check_without_ids_is_a_usage_error():
+    result = CliRunner().invoke(main, ["check"])
+    assert result.exit_code == 2 and "give one or more env ids, or --all" in result.output
+
+
+def test_eval_compares_agents(cli):
+    result = cli("eval", "games/guess-number-v0", "--episodes", "5", "--json")
+    rows = {row["agent"]: row for row in json.loads(result.output)}
+    assert rows["expert"]["success_rate"] == 1.0
+    assert rows["random"]["success_rate"] < 1.0
+    assert rows["random"]["episodes"] == 5
+
+
+def test_play_from_piped_input(cli):
+    result = cli("play", "games/guess-number-easy-v0", "--seed", "0", input=":hint\n10\n:quit\n")
+    assert "between 1 and 20" in result.output
+    assert "hint: <answer>10</answer>" in result.output
+    assert "reward" in result.output and "bye" in result.output
