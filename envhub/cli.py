@@ -8,6 +8,7 @@ commands (``serve``, ``train``, ``bench``) to the ``main`` group.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import warnings
@@ -41,12 +42,34 @@ def _parse_kwargs(pairs: tuple[str, ...]) -> dict[str, Any]:
     return kwargs
 
 
+class LazyGroup(click.Group):
+    """A command group whose subsystem commands are imported only when invoked.
+
+    ``LAZY_COMMANDS`` maps a command name to ``"module:attr"`` (a ``click.Command``). Each
+    subsystem (sandboxes, server, trainer) keeps its command next to its code and adds one
+    line here, so ``envhub --help`` stays fast and never imports torch, ray or fastapi.
+    """
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *LAZY_COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name in LAZY_COMMANDS:
+            module_name, _, attr = LAZY_COMMANDS[name].partition(":")
+            return getattr(importlib.import_module(module_name), attr)
+        return super().get_command(ctx, name)
+
+
+LAZY_COMMANDS: dict[str, str] = {}
+"""Subsystem commands: name -> "module:click_command"."""
+
+
 def _fail(error: Exception) -> None:
     err_console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
     sys.exit(2)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, "-V", "--version", prog_name="envhub")
 def main() -> None:
     """envhub: a hub of multi-turn text environments for language-model agents.
