@@ -19,6 +19,7 @@ Formats
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 from typing import Literal
@@ -121,3 +122,221 @@ def extract_answer(text: str, tag: str = "answer") -> str | None:
         return ActionParser(format="tag", tag=tag, lenient=False).parse(text)
     except ActionParseError:
         return None
+
+
+# ============================================================================ tool calls
+# Function-calling envs publish OpenAI-format tool schemas (``envhub.function_tool``) and
+# read calls from the model's text as JSON inside ``<tool_call>...</tool_call>`` tags (the
+# Hermes/Qwen convention). Models get the JSON slightly wrong all the time, so the parser is
+# lenient about what does not change the meaning (code fences, trailing commas, Python-style
+# quotes and literals, ``arguments`` given as a JSON string, a list of calls in one tag) and
+# strict about what does (unknown tool, missing or mistyped arguments), answering with
+# feedback that names the problem and shows the expected form.
+
+import ast as _ast
+import json as _json
+from typing import Any as _Any
+
+__all__ += ["ToolCall", "ToolCallParser", "parse_tool_calls", "format_tool_call"]
+
+_TRAILING_COMMA = re.compile(r",\s*([}\]])")
+_JSON_TYPES: dict[str, tuple[type, ...]] = {
+    "string": (str,),
+    "integer": (int,),
+    "number": (int, float),
+    "boolean": (bool,),
+    "object": (dict,),
+    "array": (list,),
+    "null": (type(None),),
+}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One parsed call: the tool's ``name``, its ``arguments`` and a stable ``id``."""
+
+    name: str
+    arguments: dict[str, _Any]
+    id: str = "call_0"
+
+    def as_message(self) -> dict[str, _Any]:
+        """The call as an OpenAI ``tool_calls`` entry (arguments JSON-encoded)."""
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": _json.dumps(self.arguments, sort_keys=True)},
+        }
+
+
+def format_tool_call(name: str, arguments: dict[str, _Any] | None = None, tag: str = "tool_call") -> str:
+    """A call written the way ``ToolCallParser`` reads it (for experts, docs and prompts)."""
+    body = _json.dumps({"name": name, "arguments": arguments or {}}, sort_keys=True)
+    return f"<{tag}>{body}</{tag}>"
+
+
+def _loads_lenient(text: str) -> _Any:
+    """JSON, else JSON without trailing commas, else a Python literal (single quotes, True)."""
+    text = _strip(text)
+    try:
+        return _json.loads(text)
+    except ValueError:
+        pass
+    cleaned = _TRAILING_COMMA.sub(r"\1", text)
+    try:
+        return _json.loads(cleaned)
+    except ValueError as exc:
+        json_error = exc
+    try:
+        return _ast.literal_eval(cleaned)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        raise json_error from None
+
+
+def _type_ok(value: _Any, schema: dict[str, _Any]) -> bool:
+    expected = schema.get("type")
+    if expected is None:
+        return True
+    names = expected if isinstance(expected, list) else [expected]
+    for name in names:
+        kinds = _JSON_TYPES.get(name, (object,))
+        if isinstance(value, bool) and name in ("integer", "number"):
+            continue
+        if isinstance(value, kinds):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class ToolCallParser:
+    """Read tool calls from model text and check them against the published schemas.
+
+    ``parse(text)`` returns every call in the text (several tags, or a list in one tag);
+    an empty list means the text holds no call. A malformed or invalid call raises
+    ``ActionParseError`` whose ``feedback`` says what is wrong and how to write it.
+    ``tools`` are OpenAI-format schemas; when empty, names and arguments are not checked.
+    """
+
+    tools: tuple[dict[str, _Any], ...] = ()
+    tag: str = "tool_call"
+    max_calls: int = 8
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z_][\w-]*", self.tag):
+            raise ValueError(f"tool-call tag {self.tag!r} must be a plain name like 'tool_call'")
+        object.__setattr__(self, "tools", tuple(self.tools))
+
+    @property
+    def schemas(self) -> dict[str, dict[str, _Any]]:
+        return {t["function"]["name"]: t["function"] for t in self.tools}
+
+    @property
+    def instructions(self) -> str:
+        """How to call a tool, in one sentence with an example."""
+        example = next(iter(self.schemas), "tool_name")
+        return (
+            f"Call a tool by writing <{self.tag}>{{\"name\": \"{example}\", \"arguments\": {{...}}}}</{self.tag}>"
+            " (JSON; one call per tag)."
+        )
+
+    def has_call(self, text: str) -> bool:
+        return re.search(rf"<{re.escape(self.tag)}\s*>", text, re.IGNORECASE) is not None
+
+    def parse(self, text: str) -> list[ToolCall]:
+        """Every tool call in ``text`` (possibly none); raises ``ActionParseError`` on a bad one."""
+        if not isinstance(text, str):
+            raise ActionParseError(f"expected text, got {type(text).__name__}")
+        tag = re.escape(self.tag)
+        bodies = re.findall(rf"<{tag}\s*>(.*?)(?:</\s*{tag}\s*>|$)", text, re.IGNORECASE | re.DOTALL)
+        calls: list[ToolCall] = []
+        for body in bodies:
+            for raw in self._decode(body):
+                calls.append(self._validate(raw, index=len(calls)))
+        if len(calls) > self.max_calls:
+            raise ActionParseError(
+                f"{len(calls)} tool calls exceed max_calls={self.max_calls}",
+                feedback=f"You made {len(calls)} tool calls in one reply; make at most {self.max_calls}.",
+            )
+        return calls
+
+    def _decode(self, body: str) -> list[_Any]:
+        if not _strip(body):
+            raise ActionParseError("empty tool call", feedback=f"Your <{self.tag}> tag was empty. {self.instructions}")
+        try:
+            value = _loads_lenient(body)
+        except ValueError as exc:
+            raise ActionParseError(
+                f"tool call is not JSON: {exc}",
+                feedback=f"Your tool call is not valid JSON ({exc}): {_strip(body)[:200]!r}. {self.instructions}",
+            ) from None
+        return list(value) if isinstance(value, list) else [value]
+
+    def _validate(self, raw: _Any, *, index: int) -> ToolCall:
+        if isinstance(raw, dict) and isinstance(raw.get("function"), dict):
+            raw = raw["function"]  # the OpenAI message form {"type": "function", "function": {...}}
+        if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
+            raise ActionParseError(
+                f"tool call without a name: {raw!r:.120}",
+                feedback=f"A tool call must be a JSON object with \"name\" and \"arguments\". {self.instructions}",
+            )
+        name = raw["name"].strip()
+        arguments = raw.get("arguments", raw.get("parameters", {}))
+        if isinstance(arguments, str):  # OpenAI encodes arguments as a JSON string
+            try:
+                arguments = _loads_lenient(arguments) if arguments.strip() else {}
+            except ValueError:
+                arguments = None
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
+            raise ActionParseError(
+                f"arguments of {name!r} are not an object: {arguments!r:.120}",
+                feedback=f"The arguments of {name!r} must be a JSON object like {{\"x\": 1}}, got {arguments!r:.120}.",
+            )
+        schemas = self.schemas
+        if schemas:
+            self._check_against_schema(name, arguments, schemas)
+        return ToolCall(name=name, arguments=arguments, id=f"call_{index}")
+
+    def _check_against_schema(self, name: str, arguments: dict[str, _Any], schemas: dict[str, dict[str, _Any]]) -> None:
+        schema = schemas.get(name)
+        if schema is None:
+            close = difflib.get_close_matches(name, list(schemas), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ActionParseError(
+                f"unknown tool {name!r}",
+                feedback=f"There is no tool named {name!r}.{hint} Available tools: {', '.join(schemas)}.",
+            )
+        parameters = schema.get("parameters") or {}
+        properties: dict[str, _Any] = parameters.get("properties") or {}
+        missing = [p for p in parameters.get("required", []) if p not in arguments]
+        if missing:
+            raise ActionParseError(
+                f"{name}: missing required argument(s) {missing}",
+                feedback=f"Tool {name!r} needs the argument(s) {', '.join(missing)}; "
+                f"its parameters are {_json.dumps(properties)}.",
+            )
+        if parameters.get("additionalProperties") is False or properties:
+            unknown = [a for a in arguments if a not in properties]
+            if unknown:
+                raise ActionParseError(
+                    f"{name}: unknown argument(s) {unknown}",
+                    feedback=f"Tool {name!r} has no argument(s) {', '.join(unknown)}; "
+                    f"it takes {', '.join(properties) or 'none'}.",
+                )
+        for key, value in arguments.items():
+            spec = properties.get(key, {})
+            if not _type_ok(value, spec):
+                raise ActionParseError(
+                    f"{name}: argument {key}={value!r:.60} is not {spec.get('type')}",
+                    feedback=f"Argument {key!r} of {name!r} must be of type {spec.get('type')}, got {value!r:.60}.",
+                )
+            if "enum" in spec and value not in spec["enum"]:
+                raise ActionParseError(
+                    f"{name}: argument {key}={value!r:.60} not in {spec['enum']}",
+                    feedback=f"Argument {key!r} of {name!r} must be one of {spec['enum']}, got {value!r:.60}.",
+                )
+
+
+def parse_tool_calls(text: str, tools: list[dict[str, _Any]] | tuple[dict[str, _Any], ...] = (), tag: str = "tool_call") -> list[ToolCall]:
+    """Every tool call in ``text``, checked against ``tools`` (see ``ToolCallParser``)."""
+    return ToolCallParser(tools=tuple(tools), tag=tag).parse(text)

@@ -208,17 +208,3 @@ def test_bad_maps_are_refused():
     for bad in [["SF", "F"], ["SX", "FG"], ["FF", "FG"], ["SS", "FG"]]:
         with pytest.raises(ValueError):
             parse_map(bad)
-
-
-# ---------------------------------------------------------------------------- checkers
-@pytest.mark.parametrize("env_id", ["games/frozen-lake-v0", "games/frozen-lake-slippery-v0"])
-def test_gymnasium_env_checker_passes(env_id):
-    from gymnasium.utils.env_checker import check_env
-
-    check_env(envhub.make(env_id), skip_render_check=True)
-
-
-@pytest.mark.parametrize("env_id", ["games/frozen-lake-v0", "games/frozen-lake-slippery-v0"])
-def test_envhub_check_env_passes(env_id):
-    checker = pytest.importorskip("envhub.checker")
-    checker.check_env(envhub.make(env_id))

@@ -256,16 +256,3 @@ def test_bad_constructor_arguments_and_levels_are_refused():
         parse_level("#####\n#PXO_\n#___#\n#___#\n#####")  # open border
     with pytest.raises(ValueError):
         parse_level("#####\n#PXX#\n#_O_#\n#___#\n#####")  # two boxes, one target
-
-
-# ---------------------------------------------------------------------------- checkers
-@pytest.mark.parametrize("env_id", ["games/sokoban-5x5-v0", "games/sokoban-10x10-v0"])
-def test_gymnasium_env_checker_passes(env_id):
-    from gymnasium.utils.env_checker import check_env
-
-    check_env(envhub.make(env_id), skip_render_check=True)
-
-
-def test_envhub_check_env_passes():
-    checker = pytest.importorskip("envhub.checker")
-    checker.check_env(envhub.make("games/sokoban-v0"))

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import pickle
-import warnings
 
 import pytest
-from gymnasium.utils.env_checker import check_env as gymnasium_check_env
 
 import envhub
 from envs.games.wordle import WordleEnv, best_guess, consistent_words, score_guess
@@ -218,15 +216,3 @@ def test_pickle_round_trip_mid_episode():
     env.step("<answer>crane</answer>")
     clone = pickle.loads(pickle.dumps(env))
     assert clone.step("<answer>slate</answer>") == env.step("<answer>slate</answer>")
-
-
-# ------------------------------------------------------------------ contract checkers
-def test_envhub_check_env():
-    checker = pytest.importorskip("envhub.checker")
-    checker.check_env(make())
-
-
-def test_gymnasium_check_env():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        gymnasium_check_env(make(), skip_render_check=True)
