@@ -7,12 +7,16 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
+# torch is installed first, pinned, so pip takes this machine's CPU wheel instead of pulling a
+# multi-GB CUDA build; on a GPU machine use e.g. TORCH_SPEC='torch' (or your CUDA build).
+TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo test test-all install system-deps clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q '$(TORCH_SPEC)'
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	@touch $@
 

@@ -3,6 +3,9 @@
 set -euo pipefail
 need=()
 command -v tmux >/dev/null || need+=(tmux)
+command -v chromium >/dev/null || need+=(chromium)  # web/browser-v0 tests (Playwright drives the system Chromium)
+command -v bwrap >/dev/null || need+=(bubblewrap)  # sandboxes: the local backend's namespaces
+command -v dockerd >/dev/null || [ -x /usr/sbin/dockerd ] || need+=(docker.io)  # sandboxes: docker tests start their own dockerd
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "missing system packages: ${need[*]} (install them, e.g. sudo apt-get install -y ${need[*]})" >&2

@@ -60,7 +60,11 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
-LAZY_COMMANDS: dict[str, str] = {}
+LAZY_COMMANDS: dict[str, str] = {
+    "serve": "envhub.server.cli:serve",
+    "sandbox": "sandboxes.cli:sandbox",
+    "train": "trainer.cli:train",
+}
 """Subsystem commands: name -> "module:click_command"."""
 
 

@@ -48,7 +48,7 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "envhub.envs"
-BUILTIN_PLUGINS: dict[str, str] = {"envhub.games": "envs.games:register"}
+BUILTIN_PLUGINS: dict[str, str] = {"envhub.games": "envs.games:register", "envhub.tools": "envs.tools:register", "envhub.web": "envs.web:register", "envhub.code": "envs.code:register"}
 """envhub's own environment packages, loaded before third-party plugins."""
 
 _ID = re.compile(r"^(?P<ns>[a-z0-9][a-z0-9_.]*)/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)-v(?P<version>\d+)$")
@@ -381,8 +381,16 @@ def register(id: str, entry_point: str | Callable[..., Any], **options: Any) -> 
     return (registry if active is None else active).register(id, entry_point, **options)
 
 
-def make(id: str, **kwargs: Any) -> Any:
-    """Build a registered environment: ``envhub.make("games/sokoban-v0", size=8)``."""
+def make(id: str, *, hub: str | None = None, **kwargs: Any) -> Any:
+    """Build a registered environment: ``envhub.make("games/sokoban-v0", size=8)``.
+
+    With ``hub="ws://host:port"`` (and ``token=...``), return an ``envhub.client.RemoteEnv``
+    whose episodes run on that hub instead.
+    """
+    if hub is not None:
+        from envhub.client import RemoteEnv
+
+        return RemoteEnv(id, hub, **kwargs)
     return registry.make(id, **kwargs)
 
 

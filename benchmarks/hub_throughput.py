@@ -1,0 +1,497 @@
+"""Hub throughput: steps/s and step latency over WebSocket sessions, side by side with the stack's limit and OpenEnv.
+
+Why: trainers step thousands of episodes through the hub at once; the hub must add little
+on top of the web stack it runs on. In one run (this machine's CPU share varies, so only
+ratios within a run mean anything), closed loop (each session steps as soon as its answer
+arrives), at 1, 64, 256 and 1,000 concurrent sessions:
+
+* ``hub noop``    - ``envhub serve`` (2 worker processes) serving a no-op env;
+* ``hub sokoban`` - the same serving ``games/sokoban-v0`` (sessions reset when an episode ends);
+* ``bare``        - a bare FastAPI + uvicorn (uvloop) WebSocket server answering no-op steps
+                    in-process: the stack's limit on this machine;
+* ``openenv``     - OpenEnv (``openenv-core`` from PyPI, installed into its own temp venv)
+                    serving an equivalent echo env, ``max_concurrent_envs`` raised to fit;
+* ``gymnasium AsyncVectorEnv`` (8 no-op envs, local, no network) for scale.
+
+Every server runs in its own process; the same load generator (``--clients`` processes,
+asyncio + uvloop + the ``websockets`` client) drives all of them. Server CPU is the server process
+plus its children (workers), in cores; RSS is their sum at the end. Each point gets a fresh
+server process.
+
+    python benchmarks/hub_throughput.py [--seconds 4] [--sessions 1,64,256,1000] [--clients 2] [--skip-openenv]
+
+Last line: ``hub_vs_openenv_1000: X x`` (hub no-op steps/s over OpenEnv's at 1,000 sessions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from envhub.core import TextEnv, Turn
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+TOKEN = "bench-token-0123456789"
+CLIENTS = 2
+"""Load-generator processes (set by --clients): one Python client cannot saturate a server."""
+OPENENV_VENV = Path(tempfile.gettempdir()) / "envhub-bench-openenv-venv"
+
+
+# ---------------------------------------------------------------------- the env served
+class NoopEnv(TextEnv):
+    """Answers every action with "ok": measures the hub, not an env."""
+
+    def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return "ok", {}
+
+    def on_step(self, action: str) -> Turn:
+        return Turn("ok")
+
+
+# ---------------------------------------------------------------------- servers (subprocess modes)
+def serve_hub(port: int, env: str, backend: str) -> None:
+    import envhub
+    from envhub.server.cli import run
+    from envhub.server.config import HubConfig
+
+    sys.path.insert(0, str(HERE))
+    envhub.register("bench/noop-v0", "hub_throughput:NoopEnv", max_turns=10**9)
+    config = HubConfig(envs=[env], workers=2, backend=backend, token=TOKEN, max_sessions=4096, max_sessions_per_client=4096)
+    run(config, port=port)
+
+
+def serve_bare(port: int) -> None:
+    import uvicorn
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    answer = b'{"terminated":false,"truncated":false,"reward":0.0,"observation":[{"role":"user","content":"ok"}],"info":{"turn":1,"success":false,"invalid_action":false}}'
+
+    async def ws(websocket: Any) -> None:
+        await websocket.accept()
+        try:
+            while True:
+                message = orjson.loads(await websocket.receive_text())
+                await websocket.send_text(b"".join((b'{"type":"step_result","seq":', str(message.get("seq", 0)).encode(), b',"result":', answer, b"}")).decode())
+        except Exception:
+            return
+
+    app.router.add_websocket_route("/ws", ws)
+    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", ws="websockets-sansio", ws_per_message_deflate=False, log_level="error", backlog=4096)
+
+
+# ---------------------------------------------------------------------- load generator
+class Protocol:
+    """How one kind of server is spoken to: URL, headers, session start, a step frame."""
+
+    path = "/ws"
+    headers: dict[str, str] = {}
+
+    async def start(self, ws: Any) -> None:
+        pass
+
+    def step(self, seq: int) -> str:
+        return '{"type":"step","seq":%d,"action":"x"}' % seq
+
+    def done(self, reply: dict[str, Any]) -> bool:
+        return False
+
+    async def reset(self, ws: Any, seq: int) -> None:
+        pass
+
+
+class HubProtocol(Protocol):
+    path = "/v1/session"
+
+    def __init__(self, env: str, action: str) -> None:
+        self.env, self.action = env, action
+        self.headers = {"Authorization": f"Bearer {TOKEN}"}
+
+    async def start(self, ws: Any) -> None:
+        await ws.send(orjson.dumps({"type": "hello", "env": self.env}).decode())
+        welcome = orjson.loads(await ws.recv())
+        if welcome["type"] != "welcome":
+            raise RuntimeError(f"hub refused a session: {welcome}")
+        await self.reset(ws, 1)
+
+    async def reset(self, ws: Any, seq: int) -> None:
+        await ws.send('{"type":"reset","seq":%d,"seed":%d}' % (seq, seq))
+        reply = orjson.loads(await ws.recv())
+        if reply["type"] != "reset_result":
+            raise RuntimeError(f"reset failed: {reply}")
+
+    def step(self, seq: int) -> str:
+        return '{"type":"step","seq":%d,"action":"%s"}' % (seq, self.action)
+
+    def done(self, reply: dict[str, Any]) -> bool:
+        result = reply.get("result")
+        if result is None:
+            raise RuntimeError(f"step failed: {reply}")
+        return result["terminated"] or result["truncated"]
+
+
+async def drive(port: int, protocol: Protocol, sessions: int, warmup: float, seconds: float, barrier: Any) -> tuple[int, list[float]]:
+    """One load-generator process: ``sessions`` connections, closed loop; steps and latencies in the window."""
+    from websockets.asyncio.client import connect
+
+    url = f"ws://127.0.0.1:{port}{protocol.path}"
+    ready = asyncio.Event()
+    measuring = {"on": False}
+    latencies: list[float] = []
+    counts = [0]
+    gate = asyncio.Semaphore(4)  # OpenEnv's server wedges under many concurrent handshakes
+    connected = [0]
+    stop = asyncio.Event()
+
+    async def session() -> None:
+        async with gate:
+            ws = await connect(url, additional_headers=protocol.headers, compression=None, max_size=None, ping_interval=None, open_timeout=300)
+            await protocol.start(ws)
+        connected[0] += 1
+        if connected[0] == sessions:
+            ready.set()
+        await ready.wait()
+        seq = 2
+        perf = time.perf_counter
+        try:
+            while not stop.is_set():
+                began = perf()
+                await ws.send(protocol.step(seq))
+                reply = orjson.loads(await ws.recv())
+                if measuring["on"]:
+                    latencies.append(perf() - began)
+                    counts[0] += 1
+                seq += 1
+                if protocol.done(reply):
+                    await protocol.reset(ws, seq)
+                    seq += 1
+        finally:
+            await ws.close()
+
+    tasks = [asyncio.create_task(session()) for _ in range(sessions)]
+    waiter = asyncio.create_task(ready.wait())
+    done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED, timeout=600)
+    if waiter not in done:
+        for task in done:
+            task.result()  # raise the session's error
+        raise RuntimeError("sessions did not connect in time")
+    await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 600)  # all clients connected
+    await asyncio.sleep(warmup)
+    measuring["on"] = True
+    await asyncio.sleep(seconds)
+    measuring["on"] = False
+    steps = counts[0]
+    stop.set()
+    await asyncio.wait(tasks, timeout=30)
+    return steps, latencies
+
+
+def _client(port: int, protocol: Protocol, sessions: int, warmup: float, seconds: float, barrier: Any, results: Any) -> None:
+    import uvloop
+
+    try:
+        results.put(uvloop.run(drive(port, protocol, sessions, warmup, seconds, barrier)))
+    except BaseException as exc:
+        barrier.abort()
+        results.put(exc)
+        raise
+
+
+def load(port: int, protocol: Protocol, sessions: int, seconds: float, pids: list[int], clients: int) -> dict[str, float]:
+    """Run ``sessions`` closed-loop sessions from ``clients`` processes; measure one window."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    clients = max(1, min(clients, sessions))
+    barrier, results = context.Barrier(clients + 1), context.Queue()
+    warmup = min(1.0, seconds / 4)
+    shares = [sessions // clients + (1 if i < sessions % clients else 0) for i in range(clients)]
+    procs = [context.Process(target=_client, args=(port, protocol, n, warmup, seconds, barrier, results)) for n in shares]
+    for proc in procs:
+        proc.start()
+    barrier.wait(600)
+    time.sleep(warmup)
+    cpu0, t0 = cpu_seconds(pids), time.perf_counter()
+    time.sleep(seconds)
+    elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pids) - cpu0
+    rss = rss_mib(pids)
+    steps, latencies = 0, []
+    for _ in procs:
+        got = results.get(timeout=120)
+        if isinstance(got, BaseException):
+            raise got
+        steps += got[0]
+        latencies += got[1]
+    for proc in procs:
+        proc.join(30)
+    latencies.sort()
+    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000 if latencies else float("nan")  # noqa: E731
+    return {"steps_per_s": steps / elapsed, "p50_ms": pick(0.5), "p99_ms": pick(0.99), "cpu_cores": cpu / elapsed, "rss_mib": rss}
+
+
+# ---------------------------------------------------------------------- process accounting
+def family(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    found, grew = {pid}, True
+    while grew:
+        grew = False
+        for child, parent in parents.items():
+            if parent in found and child not in found:
+                found.add(child)
+                grew = True
+    return sorted(found)
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def rss_mib(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        try:
+            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess, waited for until its port accepts connections."""
+
+    def __init__(self, command: list[str], port: int, env: dict[str, str] | None = None) -> None:
+        self.port = port
+        self.proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{' '.join(command)} exited: {self.proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                time.sleep(0.2)
+        time.sleep(1.0)  # let workers finish starting
+        self.pids = family(self.proc.pid)
+
+    def stop(self) -> None:
+        for pid in reversed(family(self.proc.pid)):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(10)
+
+
+# ---------------------------------------------------------------------- Gymnasium, locally
+def gymnasium_async_vector_rate(seconds: float, num_envs: int = 8) -> float:
+    """Env-steps/s of ``gymnasium.vector.AsyncVectorEnv`` over ``num_envs`` no-op text envs."""
+    import gymnasium
+
+    vector = gymnasium.vector.AsyncVectorEnv([NoopEnv for _ in range(num_envs)], shared_memory=False)
+    try:
+        vector.reset(seed=0)
+        actions = tuple("x" for _ in range(num_envs))
+        for _ in range(50):
+            vector.step(actions)
+        steps, began = 0, time.perf_counter()
+        while time.perf_counter() - began < seconds:
+            vector.step(actions)
+            steps += num_envs
+        return steps / (time.perf_counter() - began)
+    finally:
+        vector.close()
+
+
+# ---------------------------------------------------------------------- main
+def measure(name: str, start: Any, protocol: Protocol, sessions: list[int], seconds: float, rows: list[dict[str, Any]]) -> None:
+    """Measure one server at each session count, on a fresh server process per count.
+
+    A fresh process per point keeps RSS comparable and sidesteps OpenEnv's server refusing
+    new sessions after the previous point's sessions disconnect (seen with openenv-core 0.3.0).
+    """
+    for count in sessions:
+        server = start()
+        try:
+            result = load(server.port, protocol, count, seconds, server.pids, CLIENTS)
+        except Exception as exc:  # record it and go on: one failing server must not lose the run
+            print(f"{name:14} {count:>6} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
+            nan = float("nan")
+            result = {"steps_per_s": nan, "p50_ms": nan, "p99_ms": nan, "cpu_cores": nan, "rss_mib": nan}
+        finally:
+            server.stop()
+        row = {"server": name, "sessions": count, **result}
+        rows.append(row)
+        print(f"{name:14} {count:>6} {row['steps_per_s']:>10,.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['cpu_cores']:>6.2f} {row['rss_mib']:>8.0f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per point")
+    parser.add_argument("--sessions", default="1,64,256,1000", help="concurrent sessions, comma-separated")
+    parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    parser.add_argument("--skip-openenv", action="store_true", help="do not install or run OpenEnv")
+    parser.add_argument("--servers", default="bare,hub,inline,sokoban,openenv", help="which servers to measure")
+    parser.add_argument("--openenv-venv", type=Path, default=OPENENV_VENV, help="venv for openenv-core (created if missing)")
+    parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)  # internal: run one server
+    args = parser.parse_args()
+    if args.serve:
+        kind, port = args.serve[0], int(args.serve[1])
+        if kind == "hub":
+            serve_hub(port, args.serve[2], args.serve[3])
+        elif kind == "bare":
+            serve_bare(port)
+        return
+    global CLIENTS
+    CLIENTS = args.clients
+    sessions = [int(s) for s in args.sessions.split(",")]
+    me = [sys.executable, str(Path(__file__).resolve()), "--serve"]
+    rows: list[dict[str, Any]] = []
+    print(f"{'server':14} {'sess':>6} {'steps/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'cpu':>6} {'rss MiB':>8}", flush=True)
+    chosen = set(args.servers.split(","))
+    runs = [
+        ("bare", "bare", ["bare"], Protocol()),
+        ("hub", "hub noop", ["hub", "bench/noop-v0", "local"], HubProtocol("bench/noop-v0", "x")),
+        ("inline", "hub noop inl", ["hub", "bench/noop-v0", "inline"], HubProtocol("bench/noop-v0", "x")),
+        ("sokoban", "hub sokoban", ["hub", "games/sokoban-v0", "local"], HubProtocol("games/sokoban-v0", "<answer>left</answer>")),
+    ]
+    for key, name, serve, protocol in runs:
+        if key in chosen:
+            measure(name, lambda serve=serve: _start([*me, serve[0], "{port}", *serve[1:]]), protocol, sessions, args.seconds, rows)
+    if "openenv" in chosen and not args.skip_openenv:
+        from_openenv(sessions, args.seconds, rows, args.openenv_venv)
+    gym_rate = gymnasium_async_vector_rate(args.seconds)
+    print(f"gymnasium AsyncVectorEnv (8 no-op envs, local): {gym_rate:,.0f} env-steps/s")
+    by = {(r["server"], r["sessions"]): r for r in rows}
+    top = max(sessions)
+    hub = by.get(("hub noop", top))
+    if hub is None:
+        return
+    for name in ("bare", "hub noop inl"):
+        other = by.get((name, top))
+        if other is not None:
+            print(f"hub_vs_{name.replace(' ', '_')}_{top}: {hub['steps_per_s'] / other['steps_per_s']:.2f} x")
+    cpu_us = {name: 1e6 * r["cpu_cores"] / r["steps_per_s"] for (name, count), r in by.items() if count == top and r["steps_per_s"] > 0}
+    print(f"server CPU per step at {top} sessions (us, workers included): " + ", ".join(f"{k} {v:.0f}" for k, v in cpu_us.items()))
+    if ("hub noop", 64) in by:
+        print(f"hub_p99_ms_64: {by[('hub noop', 64)]['p99_ms']:.2f} ms")
+    if ("openenv", top) in by:
+        print(f"hub_vs_openenv_{top}: {hub['steps_per_s'] / by[('openenv', top)]['steps_per_s']:.2f} x")
+
+
+OPENENV_SERVER = """
+import sys
+import uvicorn
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class EchoAction(Action):
+    message: str
+
+
+class EchoObservation(Observation):
+    echoed_message: str
+
+
+class EchoEnvironment(Environment):
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self):
+        super().__init__()
+        self._state = State(step_count=0)
+
+    def reset(self, seed=None, episode_id=None, **kwargs):
+        self._state = State(step_count=0)
+        return EchoObservation(echoed_message="ok", done=False, reward=0.0)
+
+    def step(self, action, timeout_s=None, **kwargs):
+        self._state.step_count += 1
+        return EchoObservation(echoed_message=action.message, done=False, reward=0.0)
+
+    @property
+    def state(self):
+        return self._state
+
+
+app = create_app(EchoEnvironment, EchoAction, EchoObservation, max_concurrent_envs=4096)
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="error", backlog=4096)
+"""
+
+
+class OpenEnvProtocol(Protocol):
+    async def start(self, ws: Any) -> None:
+        await self.reset(ws, 0)
+
+    async def reset(self, ws: Any, seq: int) -> None:
+        await ws.send('{"type":"reset","data":{}}')
+        reply = orjson.loads(await ws.recv())
+        if reply.get("type") != "observation":
+            raise RuntimeError(f"OpenEnv reset failed: {reply}")
+
+    def step(self, seq: int) -> str:
+        return '{"type":"step","data":{"message":"x"}}'
+
+    def done(self, reply: dict[str, Any]) -> bool:
+        if reply.get("type") != "observation":
+            raise RuntimeError(f"OpenEnv step failed: {reply}")
+        return False
+
+
+def openenv_python(venv: Path) -> Path:
+    """The temp venv holding ``openenv-core`` (created on first use, kept for reruns)."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"installing openenv-core into {venv} (once) ...", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "openenv-core", "uvloop"], check=True)
+    return python
+
+
+def from_openenv(sessions: list[int], seconds: float, rows: list[dict[str, Any]], venv: Path) -> None:
+    python = openenv_python(venv)
+    script = venv / "envhub_bench_echo_server.py"
+    script.write_text(OPENENV_SERVER)
+    measure("openenv", lambda: _start([str(python), str(script), "{port}"], env={"ENABLE_WEB_INTERFACE": "false"}), OpenEnvProtocol(), sessions, seconds, rows)
+
+
+def _start(command: list[str], env: dict[str, str] | None = None) -> Server:
+    port = free_port()
+    return Server([part.replace("{port}", str(port)) for part in command], port, env=env)
+
+
+if __name__ == "__main__":
+    main()

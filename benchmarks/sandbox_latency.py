@@ -1,0 +1,153 @@
+"""Start+exec latency and exec throughput of every sandbox path, side by side in one run.
+
+Why: code environments run a sandboxed command on every step; what a sandbox costs per call
+decides whether the hot path is the model or the sandbox. Paths measured, all running the
+same command (``true`` by default: pure sandbox overhead):
+
+- ``subprocess``   plain ``subprocess.run`` on the host, no isolation (the floor);
+- ``local-cold``   ``LocalSandbox``: start + run + stop per call (namespaces, uid, cgroups, tmpfs);
+- ``local-warm``   ``SandboxPool("local")``: acquire + run + release (reset happens in the background);
+- ``docker-warm``  ``SandboxPool("docker")``: acquire + ``docker exec`` + release;
+- ``docker-run``   the ``docker run --rm --network none ...`` CLI per call (a cold container).
+
+For each: p50/p99 latency of one call at concurrency 1, and calls/s at concurrency 1, 2, 8
+(threads). Docker paths use ``--docker-host`` or a private dockerd this script starts (root).
+
+    python benchmarks/sandbox_latency.py [--ops 40] [--command true] [--docker-host unix:///...]
+
+Last line: ``local_warm_p50: X ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+from sandboxes import Limits, SandboxPool, SandboxUnavailableError
+from sandboxes.local import LocalSandbox
+
+LIMITS = Limits(wall_time_s=30, memory_mb=256, max_processes=64)
+
+
+def measure(op: Callable[[], None], *, concurrency: int, ops: int) -> tuple[list[float], float]:
+    """Run ``ops`` calls spread over ``concurrency`` threads: (per-call latencies in s, calls/s)."""
+    latencies: list[float] = []
+    lock = threading.Lock()
+    per_thread = max(1, ops // concurrency)
+
+    def worker() -> None:
+        for _ in range(per_thread):
+            t0 = time.perf_counter()
+            op()
+            dt = time.perf_counter() - t0
+            with lock:
+                latencies.append(dt)
+
+    op()  # warm-up (page cache, first-call imports)
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return latencies, len(latencies) / (time.perf_counter() - start)
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up pools and dockerd when killed
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--ops", type=int, default=40, help="calls per (path, concurrency); docker-run uses a quarter")
+    parser.add_argument("--command", default="true", help="the command every path runs (argv, split on spaces)")
+    parser.add_argument("--docker-host", default=None, help="engine URL; default: start a private dockerd (root)")
+    parser.add_argument("--no-docker", action="store_true", help="skip the docker paths")
+    args = parser.parse_args()
+    argv = args.command.split()
+
+    paths: dict[str, Callable[[], None]] = {}
+    cleanups: list[Callable[[], None]] = []
+    paths["subprocess"] = lambda: subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+
+    def local_cold() -> None:
+        with LocalSandbox(limits=LIMITS) as sb:
+            sb.run(argv)
+
+    local_pool = SandboxPool("local", size=8, limits=LIMITS)
+    cleanups.append(local_pool.close)
+
+    def local_warm() -> None:
+        with local_pool.acquire() as sb:
+            sb.run(argv)
+
+    paths["local-cold"], paths["local-warm"] = local_cold, local_warm
+    isolation = LocalSandbox(limits=LIMITS).start()
+    print(f"local isolation: {isolation.isolation}; protections: {isolation.protections}")
+    isolation.stop()
+
+    with contextlib.ExitStack() as stack:
+        if not args.no_docker:
+            try:
+                url = args.docker_host
+                if url is None:
+                    from sandboxes.dockerd import private_dockerd
+
+                    url = stack.enter_context(private_dockerd())
+                from sandboxes.dockerd import HOST_USR_RO, import_host_image
+
+                image = import_host_image(url)
+                docker_pool = SandboxPool("docker", size=8, limits=LIMITS, image=image, base_url=url,
+                                          volumes=HOST_USR_RO)
+                cleanups.append(docker_pool.close)
+
+                def docker_warm() -> None:
+                    with docker_pool.acquire() as sb:
+                        sb.run(argv)
+
+                cli = shutil.which("docker") or "docker"
+                run_cmd = [cli, "-H", url, "run", "--rm", "--network", "none", "--memory", "256m", "--pids-limit", "67",
+                           "--read-only", "-u", "1000:1000", "-v", "/usr:/usr:ro", image, *argv]
+
+                def docker_run() -> None:
+                    subprocess.run(run_cmd, check=True, stdout=subprocess.DEVNULL)
+
+                paths["docker-warm"], paths["docker-run"] = docker_warm, docker_run
+            except (SandboxUnavailableError, ImportError) as e:
+                print(f"docker paths skipped: {e}")
+
+        rows = []
+        for name, op in paths.items():
+            ops = max(8, args.ops // 4) if name == "docker-run" else args.ops
+            lat, rate1 = measure(op, concurrency=1, ops=ops)
+            rates = {1: rate1}
+            for conc in (2, 8):
+                rates[conc] = measure(op, concurrency=conc, ops=ops)[1]
+            rows.append((name, pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3, rates))
+            print(f"{name:12} p50 {rows[-1][1]:8.1f} ms  p99 {rows[-1][2]:8.1f} ms  "
+                  + "  ".join(f"c{c}: {r:7.1f}/s" for c, r in rates.items()), flush=True)
+        for cleanup in cleanups:
+            cleanup()
+
+    base = next(r for r in rows if r[0] == "subprocess")
+    print("\n| path | p50 ms | p99 ms | calls/s c1 | c2 | c8 | p50 vs subprocess |")
+    print("|---|---|---|---|---|---|---|")
+    for name, p50, p99, rates in rows:
+        print(f"| {name} | {p50:.1f} | {p99:.1f} | {rates[1]:.0f} | {rates[2]:.0f} | {rates[8]:.0f} | "
+              f"{p50 / base[1]:.1f} x |")
+    warm = next(r for r in rows if r[0] == "local-warm")
+    print(f"\nlocal_warm_p50: {statistics.fmean([warm[1]]):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

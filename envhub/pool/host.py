@@ -1,0 +1,124 @@
+"""``EnvHost``: the env-side half of a worker, shared by every backend.
+
+A host builds env instances from a factory, keeps one per live episode, and turns each
+request into ``(status, body)`` where ``body`` is JSON bytes (see ``envhub.pool.base``).
+Process workers run a host in a child process, Ray workers inside an actor, and the
+``inline`` backend calls it directly in the caller's event loop. Closed episodes hand their
+env back to a small free list, so the next episode skips construction.
+"""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+
+from envhub.errors import EpisodeError
+from envhub.pool.base import (
+    OP_CLOSE,
+    OP_PING,
+    OP_RESET,
+    OP_STEP,
+    STATUS_ENV_ERROR,
+    STATUS_OK,
+    STATUS_USAGE_ERROR,
+    dumps,
+)
+
+__all__ = ["EnvHost", "spec_factory", "RUNNING_PREFIX"]
+
+_MAX_IDLE = 8
+RUNNING_PREFIX = b'{"terminated":false,"truncated":false'
+"""How a step body starts while the episode goes on."""
+
+
+def spec_factory(env: Any, env_kwargs: dict[str, Any]) -> Callable[[], Any]:
+    """A zero-argument env builder from an id (``str``) or an ``EnvSpec`` plus kwargs."""
+    from envhub.registry import spec as lookup
+
+    spec = lookup(env) if isinstance(env, str) else env
+
+    def build() -> Any:
+        return spec.make(**env_kwargs)
+
+    return build
+
+
+class EnvHost:
+    """Many env instances keyed by episode id, driven by ``handle(op, episode, body)``."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory = factory
+        self.envs: dict[int, Any] = {}
+        self.idle: list[Any] = []
+
+    def handle(self, op: int, episode: int, body: bytes) -> tuple[int, bytes]:
+        """Run one request; never raises (errors become a status and a JSON body)."""
+        try:
+            if op == OP_STEP:
+                return self._step(episode, body)
+            if op == OP_RESET:
+                return self._reset(episode, body)
+            if op == OP_CLOSE:
+                self._close(episode)
+                return STATUS_OK, b"null"
+            if op == OP_PING:
+                return STATUS_OK, b"null"
+            return STATUS_USAGE_ERROR, dumps({"error": "BadRequest", "message": f"unknown op {op}"})
+        except EpisodeError as exc:
+            return STATUS_USAGE_ERROR, dumps({"error": type(exc).__name__, "message": str(exc)})
+        except Exception as exc:  # an env bug: the episode is lost, the worker lives on
+            self._discard(episode)
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            return STATUS_ENV_ERROR, dumps({"error": type(exc).__name__, "message": detail})
+
+    def _step(self, episode: int, body: bytes) -> tuple[int, bytes]:
+        # terminated/truncated first: a server tells "episode still running" from the
+        # prefix ``RUNNING_PREFIX`` without decoding the body.
+        env = self.envs.get(episode)
+        if env is None:
+            return STATUS_USAGE_ERROR, dumps(
+                {"error": "ResetNeededError", "message": f"episode {episode} has no env here; reset it first"}
+            )
+        observation, reward, terminated, truncated, info = env.step(body.decode())
+        return STATUS_OK, dumps(
+            {"terminated": terminated, "truncated": truncated, "reward": reward, "observation": observation, "info": info}
+        )
+
+    def _reset(self, episode: int, body: bytes) -> tuple[int, bytes]:
+        seed, options = orjson.loads(body)
+        env = self.envs.get(episode)
+        if env is None:
+            env = self.idle.pop() if self.idle else self.factory()
+            self.envs[episode] = env
+        observation, info = env.reset(seed=seed, options=options)
+        return STATUS_OK, dumps({"observation": observation, "info": info})
+
+    def _close(self, episode: int) -> None:
+        env = self.envs.pop(episode, None)
+        if env is None:
+            return
+        if len(self.idle) < _MAX_IDLE:
+            self.idle.append(env)
+        else:
+            env.close()
+
+    def _discard(self, episode: int) -> None:
+        env = self.envs.pop(episode, None)
+        if env is not None:
+            try:
+                env.close()
+            except Exception:
+                pass
+
+    def close(self) -> None:
+        """Close every env this host holds."""
+        for env in [*self.envs.values(), *self.idle]:
+            try:
+                env.close()
+            except Exception:
+                pass
+        self.envs.clear()
+        self.idle.clear()

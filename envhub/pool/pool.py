@@ -1,0 +1,400 @@
+"""``EnvPool``: many episodes over N self-healing env workers, behind an async API.
+
+See ``envhub.pool`` (the package docstring) for the user-facing API. This module holds the
+scheduling: where a new episode goes (the live worker with the fewest episodes), the
+back-pressure when every slot is taken, the watchdog that kills a worker making no
+progress, and the healing that turns a dead worker's episodes into ``EpisodeFailure``
+records and starts a replacement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from envhub.errors import EpisodeError, EpisodeOverError, ResetNeededError
+from envhub.pool.base import (
+    OP_CLOSE,
+    OP_RESET,
+    OP_STEP,
+    STATUS_ENV_ERROR,
+    STATUS_LOST,
+    STATUS_OK,
+    EpisodeFailure,
+    PoolStats,
+    ResetResult,
+    StepResult,
+    Worker,
+    dumps,
+)
+from envhub.pool.errors import PoolClosedError, PoolFullError, UnknownEpisodeError
+
+__all__ = ["EnvPool", "Backend"]
+
+Backend = Literal["process", "local", "inline", "ray"]
+_BACKENDS = ("process", "local", "inline", "ray")
+_USAGE_ERRORS: dict[str, type[EpisodeError]] = {
+    "ResetNeededError": ResetNeededError,
+    "EpisodeOverError": EpisodeOverError,
+}
+
+
+@dataclass(slots=True)
+class _Episode:
+    id: int
+    worker: Any
+    slot: int
+    turn: int = 0
+    op: int = 0
+    failure: EpisodeFailure | None = None
+
+
+class EnvPool:
+    """N env workers hosting any number of episodes (see ``envhub.pool``)."""
+
+    def __init__(
+        self,
+        env: Any,
+        *,
+        num_workers: int = 2,
+        backend: Backend = "process",
+        env_kwargs: dict[str, Any] | None = None,
+        step_timeout_s: float = 30.0,
+        reset_timeout_s: float | None = None,
+        start_timeout_s: float = 60.0,
+        max_episodes: int | None = None,
+        ray_options: dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
+        if backend not in _BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
+        for name, value in (("step_timeout_s", step_timeout_s), ("start_timeout_s", start_timeout_s), ("reset_timeout_s", reset_timeout_s)):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if max_episodes is not None and (not isinstance(max_episodes, int) or max_episodes < 1):
+            raise ValueError(f"max_episodes must be a positive int or None (unbounded), got {max_episodes!r}")
+        from envhub.registry import EnvSpec, spec
+
+        self.spec: EnvSpec = spec(env) if isinstance(env, str) else env
+        if not isinstance(self.spec, EnvSpec):
+            raise TypeError(f"env must be an env id or an EnvSpec, got {type(env).__name__}: {env!r:.80}")
+        self.env_id = self.spec.id
+        self.backend = "process" if backend == "local" else backend
+        self.num_workers = num_workers
+        self.env_kwargs = dict(env_kwargs or {})
+        self.step_timeout_s = float(step_timeout_s)
+        self.reset_timeout_s = float(reset_timeout_s or step_timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.max_episodes = max_episodes
+        self.ray_options = dict(ray_options or {})
+        self._slots: list[Any] = [None] * num_workers
+        self._generation = [0] * num_workers
+        self._episodes: dict[int, _Episode] = {}
+        self._per_slot = [0] * num_workers
+        self._ids = itertools.count(1)
+        self._changed: asyncio.Condition | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._respawns: set[asyncio.Task[None]] = set()
+        self._started = False
+        self._closed = False
+        self._start_lock: asyncio.Lock | None = None
+        self.last_worker_error = ""
+        self._steps = self._resets = self._failures = self._restarts = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start every worker (``reset`` does this on first use); raises ``WorkerStartError``."""
+        if self._closed:
+            raise PoolClosedError(f"the pool for {self.env_id} is closed; build a new EnvPool")
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+            self._changed = asyncio.Condition()
+        async with self._start_lock:
+            if self._started:
+                return
+            results = await asyncio.gather(*(self._spawn(slot) for slot in range(self.num_workers)), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                await self.aclose()
+                raise errors[0]
+            self._started = True
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+
+    def _worker_class(self) -> Any:
+        if self.backend == "process":
+            from envhub.pool.local import ProcessWorker
+
+            return ProcessWorker
+        if self.backend == "inline":
+            from envhub.pool.local import InlineWorker
+
+            return InlineWorker
+        from envhub.pool.ray import RayWorker
+
+        return RayWorker
+
+    async def _spawn(self, slot: int) -> None:
+        self._generation[slot] += 1
+        name = f"{self.backend}-{slot}.{self._generation[slot]}"
+        options = {"start_timeout_s": self.start_timeout_s}
+        if self.backend == "ray":
+            options["ray_options"] = self.ray_options
+        worker = self._worker_class()(name, self.spec, self.env_kwargs, self._on_dead, **options)
+        worker.slot = slot
+        await worker.start()
+        if self._closed:
+            await worker.stop()
+            return
+        self._slots[slot] = worker
+        async with self._changed:  # type: ignore[union-attr]
+            self._changed.notify_all()  # type: ignore[union-attr]
+
+    async def _respawn(self, slot: int) -> None:
+        delay = 0.2
+        while not self._closed:
+            try:
+                await self._spawn(slot)
+                return
+            except Exception as exc:  # keep trying: a crash loop must not take the pool down
+                self.last_worker_error = f"{type(exc).__name__}: {exc}"
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    def _on_dead(self, worker: Worker, reason: str, detail: str) -> None:
+        """A worker died or was killed: fail its episodes, then replace it."""
+        slot = getattr(worker, "slot", -1)
+        if 0 <= slot < len(self._slots) and self._slots[slot] is worker:
+            self._slots[slot] = None
+        if self._closed or reason == "pool_closed":
+            return
+        culprit = worker.head_episode
+        for ep in self._episodes.values():
+            if ep.worker is worker and ep.failure is None:
+                own = ep.id == culprit or culprit < 0
+                why = reason if own else "worker_lost"
+                text = detail if own else f"{detail} (while serving episode {culprit}; this episode shared the worker)"
+                ep.failure = EpisodeFailure(ep.id, why, text, worker.name, ep.turn)  # type: ignore[arg-type]
+                self._failures += 1
+        if self._started:
+            self._restarts += 1
+            task = asyncio.get_running_loop().create_task(self._respawn(slot))
+            self._respawns.add(task)
+            task.add_done_callback(self._respawns.discard)
+
+    async def _watch(self) -> None:
+        """Kill a worker whose head request has run longer than its timeout."""
+        tick = max(0.01, min(0.25, self.step_timeout_s / 4, self.reset_timeout_s / 4))
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            await asyncio.sleep(tick)
+            now = loop.time()
+            for worker in self._slots:
+                if worker is None or not worker.alive or not worker.inflight:
+                    continue
+                head = self._episodes.get(worker.head_episode)
+                limit = self.reset_timeout_s if head is not None and head.op == OP_RESET else self.step_timeout_s
+                waited = now - worker.head_since
+                if waited > limit:
+                    what = "reset" if head is not None and head.op == OP_RESET else "step"
+                    worker.kill(
+                        "step_timeout",
+                        f"episode {worker.head_episode}'s {what} ran {waited:.1f} s, past the {limit:g} s timeout; "
+                        f"worker {worker.name} ({worker.location}) was killed and is being replaced",
+                    )
+
+    async def aclose(self) -> None:
+        """Stop every worker and fail open episodes with ``pool_closed``. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in [self._watchdog, *self._respawns]:
+            if task is not None:
+                task.cancel()
+        for ep in self._episodes.values():
+            if ep.failure is None:
+                ep.failure = EpisodeFailure(ep.id, "pool_closed", "the pool was closed", ep.worker.name, ep.turn)
+        workers = [w for w in self._slots if w is not None]
+        self._slots = [None] * self.num_workers
+        await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
+        if self._changed is not None:
+            async with self._changed:
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Kill every worker now, without waiting (for ``finally`` blocks and atexit)."""
+        self._closed = True
+        for task in [self._watchdog, *self._respawns]:
+            if task is not None:
+                task.cancel()
+        for worker in self._slots:
+            if worker is not None:
+                worker.kill("pool_closed", "the pool was closed")
+        self._slots = [None] * self.num_workers
+
+    async def __aenter__(self) -> EnvPool:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ placement
+    async def _place(self, wait_s: float | None) -> tuple[Any, int]:
+        """The live worker with the fewest episodes, waiting for capacity or a replacement."""
+        changed = self._changed
+        loop = asyncio.get_running_loop()
+        deadline = None if wait_s is None else loop.time() + wait_s
+        while True:
+            if self._closed:
+                raise PoolClosedError(f"the pool for {self.env_id} is closed; build a new EnvPool")
+            full = self.max_episodes is not None and len(self._episodes) >= self.max_episodes
+            if not full:
+                best = -1
+                for slot, worker in enumerate(self._slots):
+                    if worker is not None and worker.alive and (best < 0 or self._per_slot[slot] < self._per_slot[best]):
+                        best = slot
+                if best >= 0:
+                    return self._slots[best], best
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                why = (
+                    f"all {self.max_episodes} episode slots are busy"
+                    if full
+                    else f"no worker is running (last error: {self.last_worker_error or 'none'})"
+                )
+                raise PoolFullError(f"{self.env_id}: {why} after waiting {wait_s:g} s; close finished episodes or raise max_episodes/num_workers")
+            async with changed:  # type: ignore[union-attr]
+                try:
+                    await asyncio.wait_for(changed.wait(), timeout=min(remaining or 1.0, 1.0))  # type: ignore[union-attr]
+                except asyncio.TimeoutError:
+                    pass
+
+    # ------------------------------------------------------------------ the API
+    async def reset_json(
+        self, episode: int | None = None, *, seed: int | None = None, options: dict[str, Any] | None = None, wait_s: float | None = None
+    ) -> tuple[int, bytes] | EpisodeFailure:
+        """Like ``reset`` but return ``(episode, JSON bytes of {observation, info})``."""
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__}: {seed!r:.40}")
+        if not self._started:
+            await self.start()
+        ep = self._episodes.get(episode) if episode is not None else None
+        if episode is not None and ep is None:
+            raise UnknownEpisodeError(f"episode {episode} is not in this pool; call reset() without an episode to start one")
+        if ep is not None and ep.failure is not None:  # a fresh env on a live worker, same id
+            self._drop(ep)
+            ep = None
+        if ep is None:
+            worker, slot = await self._place(wait_s)
+            ep = _Episode(episode if episode is not None else next(self._ids), worker, slot)
+            self._episodes[ep.id] = ep
+            self._per_slot[slot] += 1
+        ep.op = OP_RESET
+        ep.turn = 0
+        status, body = await ep.worker.submit(OP_RESET, ep.id, dumps([seed, options or {}]))
+        if status == STATUS_OK:
+            self._resets += 1
+            return ep.id, body
+        return self._not_ok(ep, status, body)
+
+    async def reset(
+        self, episode: int | None = None, *, seed: int | None = None, options: dict[str, Any] | None = None, wait_s: float | None = None
+    ) -> ResetResult | EpisodeFailure:
+        """Start an episode (or restart ``episode`` in place); see ``envhub.pool``."""
+        result = await self.reset_json(episode, seed=seed, options=options, wait_s=wait_s)
+        if isinstance(result, EpisodeFailure):
+            return result
+        data = orjson.loads(result[1])
+        return ResetResult(result[0], data["observation"], data["info"])
+
+    async def step_json(self, episode: int, action: str) -> bytes | EpisodeFailure:
+        """Like ``step`` but return the JSON bytes of ``{observation, reward, terminated, truncated, info}``."""
+        ep = self._episodes.get(episode)
+        if ep is None:
+            raise UnknownEpisodeError(f"episode {episode} is not in this pool; call reset() to start an episode first")
+        if ep.failure is not None:
+            return ep.failure
+        if not isinstance(action, str):
+            raise TypeError(f"step() takes the model's text as a str, got {type(action).__name__}: {action!r:.80}")
+        ep.op = OP_STEP
+        status, body = await ep.worker.submit(OP_STEP, episode, action.encode())
+        if status == STATUS_OK:
+            ep.turn += 1
+            self._steps += 1
+            return body
+        return self._not_ok(ep, status, body)
+
+    async def step(self, episode: int, action: str) -> StepResult | EpisodeFailure:
+        """Apply ``action`` to ``episode``; a failure comes back as an ``EpisodeFailure``."""
+        result = await self.step_json(episode, action)
+        if isinstance(result, EpisodeFailure):
+            return result
+        d = orjson.loads(result)
+        return StepResult(episode, d["observation"], d["reward"], d["terminated"], d["truncated"], d["info"])
+
+    async def close_episode(self, episode: int) -> None:
+        """Free the episode's slot (its env is kept for reuse). Unknown ids are ignored."""
+        ep = self._episodes.get(episode)
+        if ep is None:
+            return
+        self._drop(ep)
+        if ep.failure is None and ep.worker.alive:
+            await ep.worker.submit(OP_CLOSE, ep.id, b"")
+        if self._changed is not None:
+            async with self._changed:
+                self._changed.notify_all()
+
+    def _drop(self, ep: _Episode) -> None:
+        if self._episodes.pop(ep.id, None) is not None:
+            self._per_slot[ep.slot] -= 1
+
+    def _not_ok(self, ep: _Episode, status: int, body: bytes) -> EpisodeFailure:
+        data = orjson.loads(body)
+        if status == STATUS_ENV_ERROR:
+            ep.failure = EpisodeFailure(ep.id, "env_error", data.get("message", ""), ep.worker.name, ep.turn)
+            self._failures += 1
+            return ep.failure
+        if status == STATUS_LOST:
+            if ep.failure is None:  # the death callback names it; this is a fallback
+                ep.failure = EpisodeFailure(ep.id, data.get("reason", "worker_lost"), data.get("detail", ""), ep.worker.name, ep.turn)
+                self._failures += 1
+            return ep.failure
+        error = _USAGE_ERRORS.get(data.get("error", ""), EpisodeError)
+        raise error(data.get("message", "the env refused the call"))
+
+    # ------------------------------------------------------------------ introspection
+    def stats(self) -> PoolStats:
+        live = [w for w in self._slots if w is not None]
+        return PoolStats(
+            backend=self.backend,
+            workers=self.num_workers,
+            workers_alive=sum(1 for w in live if w.alive),
+            episodes=len(self._episodes),
+            capacity=self.max_episodes,
+            steps=self._steps,
+            resets=self._resets,
+            failures=self._failures,
+            worker_restarts=self._restarts,
+            placement={w.name: w.location for w in live},
+        )
+
+    def workers(self) -> list[Any]:
+        """The live workers (for placement reports and tests)."""
+        return [w for w in self._slots if w is not None]
+
+    def episode_worker(self, episode: int) -> Any:
+        """The worker hosting ``episode``."""
+        ep = self._episodes.get(episode)
+        if ep is None:
+            raise UnknownEpisodeError(f"episode {episode} is not in this pool")
+        return ep.worker
+
+    @property
+    def closed(self) -> bool:
+        return self._closed

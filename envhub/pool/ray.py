@@ -1,0 +1,155 @@
+"""The ``ray`` worker backend: each worker is a Ray actor hosting many envs.
+
+``EnvPool(..., backend="ray")`` places ``num_workers`` actors on the cluster the driver is
+connected to (``ray.init(address=...)`` first; without it a local Ray instance starts).
+By default actors take one CPU each and are spread across nodes
+(``scheduling_strategy="SPREAD"``); pass ``ray_options`` to change that (``resources``,
+``num_cpus``, a placement group). An actor whose process or node dies fails its pending
+calls with ``ActorDiedError``: the pool turns its episodes into ``EpisodeFailure`` records
+and starts a replacement wherever the cluster has room. A worker that dies while idle is
+noticed at its next call (which then fails as above). Ray is imported only here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+from typing import Any
+
+from envhub.pool.errors import WorkerStartError
+from envhub.pool.host import EnvHost, spec_factory
+from envhub.pool.local import DeathCallback, WorkerBase
+
+__all__ = ["RayWorker", "DEFAULT_RAY_OPTIONS"]
+
+DEFAULT_RAY_OPTIONS: dict[str, Any] = {"num_cpus": 1, "scheduling_strategy": "SPREAD", "max_restarts": 0}
+
+
+class RayEnvHost:
+    """The actor body: an ``EnvHost`` plus a report of where it runs."""
+
+    def __init__(self, env: Any, env_kwargs: dict[str, Any]) -> None:
+        self.host = EnvHost(spec_factory(env, env_kwargs))
+        self.host.idle.append(self.host.factory())  # fail fast on a bad env
+
+    def where(self) -> dict[str, Any]:
+        import ray
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
+
+    def handle(self, op: int, episode: int, body: bytes) -> tuple[int, bytes]:
+        return self.host.handle(op, episode, body)
+
+    def close(self) -> None:
+        self.host.close()
+
+
+_actor_class: Any = None
+
+
+def _remote_class() -> Any:
+    global _actor_class
+    if _actor_class is None:
+        import ray
+
+        _actor_class = ray.remote(RayEnvHost)
+    return _actor_class
+
+
+class RayWorker(WorkerBase):
+    """One Ray actor (see the module docstring)."""
+
+    kind = "ray"
+
+    def __init__(
+        self,
+        name: str,
+        env: Any,
+        env_kwargs: dict[str, Any],
+        on_dead: DeathCallback,
+        *,
+        start_timeout_s: float = 60.0,
+        ray_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(name, on_dead)
+        self._env, self._env_kwargs = env, env_kwargs
+        self._options = {**DEFAULT_RAY_OPTIONS, **(ray_options or {})}
+        self._start_timeout_s = start_timeout_s
+        self._actor: Any = None
+        self._pending_ids: collections.deque[Any] = collections.deque()
+        self.node_id = ""
+        self.pid = 0
+
+    async def start(self) -> None:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+        self._actor = _remote_class().options(name=None, **self._options).remote(self._env, self._env_kwargs)
+        try:
+            where = await asyncio.wait_for(asyncio.wrap_future(self._actor.where.remote().future()), self._start_timeout_s)
+        except asyncio.TimeoutError:
+            ray.kill(self._actor, no_restart=True)
+            raise WorkerStartError(
+                f"ray worker {self.name} was not placed within {self._start_timeout_s:.0f} s; the cluster may lack "
+                f"the resources it asks for ({self._options}); check `ray status` or lower num_workers"
+            ) from None
+        except Exception as exc:
+            ray.kill(self._actor, no_restart=True)
+            raise WorkerStartError(f"ray worker {self.name} could not build the env: {exc}") from exc
+        self.node_id, self.pid = where["node_id"], where["pid"]
+        self.location = self.node_id
+        self._alive = True
+
+    def submit(self, op: int, episode: int, body: bytes) -> asyncio.Future[tuple[int, bytes]]:
+        if not self._alive:
+            return self._lost_future()
+        future = self._loop.create_future()
+        if not self._pending:
+            self._head_since = self._loop.time()
+        entry = (0, episode, future)
+        self._pending.append(entry)
+        ref = self._actor.handle.remote(op, episode, body)
+        loop = self._loop
+        ref.future().add_done_callback(lambda done: loop.call_soon_threadsafe(self._finish, entry, done))
+        return future
+
+    def _finish(self, entry: tuple[int, int, asyncio.Future[tuple[int, bytes]]], done: Any) -> None:
+        future = entry[2]
+        if future.done():  # already resolved as lost
+            return
+        try:
+            result = done.result()
+        except Exception as exc:
+            self._die("worker_crashed", f"ray worker {self.name} on node {self.node_id[:12]} (pid {self.pid}) died: {type(exc).__name__}: {str(exc)[:300]}")
+            return
+        if self._pending and self._pending[0] is entry:
+            self._pending.popleft()
+        else:
+            try:
+                self._pending.remove(entry)
+            except ValueError:
+                pass
+        self._head_since = self._loop.time()
+        future.set_result(result)
+
+    def kill(self, reason: str, detail: str) -> None:
+        if self._actor is not None:
+            import ray
+
+            try:
+                ray.kill(self._actor, no_restart=True)
+            except Exception:
+                pass
+        self._die(reason, detail)
+
+    async def stop(self) -> None:
+        if self._alive and self._actor is not None:
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(self._actor.close.remote().future()), 5)
+            except Exception:
+                pass
+        self.kill("pool_closed", "the pool was closed")
+
+

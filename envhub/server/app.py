@@ -1,0 +1,193 @@
+"""The hub's FastAPI app: HTTP routes, the WebSocket route, limits, lifespan.
+
+``create_app(HubConfig(...))`` builds an app whose lifespan starts the env pools and
+stops them (closing every session) on shutdown. HTTP: ``GET /health`` (no token; 503 while
+draining), ``GET /metrics`` (Prometheus text), ``GET /v1/envs``, ``GET /v1/protocol`` (JSON
+Schemas of the WebSocket messages) and ``POST /v1/rollout`` (a one-shot episode).
+WebSocket: ``/v1/session`` (see ``envhub.server.wire`` for the protocol). Every route but
+``/health`` needs ``Authorization: Bearer <token>`` unless auth is off (loopback only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from envhub import __version__
+from envhub.errors import EpisodeOverError, ResetNeededError
+from envhub.pool.base import EpisodeFailure
+from envhub.pool.errors import PoolClosedError, PoolFullError
+from envhub.server.config import HubConfig
+from envhub.server.hub import Hub
+from envhub.server.wire import EnvInfo, EnvList, ErrorMessage, Health, ProtocolSchema, RolloutRequest, RolloutResponse, server_message, client_message
+from envhub.server.ws import session_endpoint
+
+__all__ = ["create_app"]
+
+_bearer = HTTPBearer(auto_error=False, description="The hub's token (envhub serve --token).")
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        self.status, self.code, self.message = status, code, message
+
+
+class BodyLimit:
+    """Refuse HTTP bodies over ``limit`` bytes with 413, before the app reads them."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.limit:
+                return await self._too_large(send)
+        seen = 0
+
+        async def limited() -> Any:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._too_large(send)
+
+    async def _too_large(self, send: Any) -> None:
+        body = ErrorMessage(code="message_too_large", message=f"request body is over the {self.limit} byte limit").model_dump_json().encode()
+        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass
+
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorMessage, "description": "Missing or wrong token."},
+    413: {"model": ErrorMessage, "description": "Request body too large."},
+}
+
+
+def create_app(config: HubConfig) -> FastAPI:
+    """The hub's ASGI app for ``config`` (pools start in the lifespan)."""
+    hub = Hub(config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await hub.start()
+        try:
+            yield
+        finally:
+            await hub.stop()
+
+    app = FastAPI(
+        title="envhub hub",
+        version=__version__,
+        description="Serve envhub environments over WebSocket sessions (/v1/session) and HTTP one-shot calls.",
+        lifespan=lifespan,
+    )
+    app.state.hub = hub
+
+    def auth(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+        header = f"{credentials.scheme} {credentials.credentials}" if credentials else None
+        if not hub.authorised(header):
+            hub.metrics.rejected.labels("unauthorized").inc()
+            raise HTTPError(401, "unauthorized", "missing or wrong token: send the header 'Authorization: Bearer <token>'")
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(ErrorMessage(code=exc.code, message=exc.message).model_dump(), status_code=exc.status, headers=headers)  # type: ignore[arg-type]
+
+    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "Draining."}})
+    async def health() -> Any:
+        """Liveness: 200 while serving, 503 while draining (no token needed)."""
+        stats = [pool.stats() for pool in hub.pools.values()]
+        body = Health(
+            status="draining" if hub.draining else "ok",
+            sessions=len(hub.sessions.sessions),
+            workers_alive=sum(s.workers_alive for s in stats),
+            workers=sum(s.workers for s in stats),
+        )
+        return JSONResponse(body.model_dump(), status_code=503 if hub.draining else 200)
+
+    @app.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(auth)], responses=_ERRORS)
+    async def metrics() -> PlainTextResponse:
+        """Prometheus metrics: sessions, steps, step latency, worker restarts, errors."""
+        return PlainTextResponse(hub.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/envs", response_model=EnvList, dependencies=[Depends(auth)], responses=_ERRORS)
+    async def envs() -> EnvList:
+        """The envs this hub serves."""
+        infos = []
+        for env_id, pool in hub.pools.items():
+            spec, stats = hub.specs[env_id], pool.stats()
+            infos.append(EnvInfo(id=env_id, description=spec.description, max_turns=spec.kwargs.get("max_turns", spec.max_turns), workers=stats.workers, workers_alive=stats.workers_alive, episodes=stats.episodes))
+        return EnvList(envs=infos)
+
+    @app.get("/v1/protocol", response_model=ProtocolSchema, dependencies=[Depends(auth)], responses=_ERRORS)
+    async def protocol() -> ProtocolSchema:
+        """JSON Schemas of the WebSocket messages (client -> server and server -> client)."""
+        return ProtocolSchema(client=client_message.json_schema(), server=server_message.json_schema())
+
+    @app.post(
+        "/v1/rollout",
+        response_model=RolloutResponse,
+        dependencies=[Depends(auth)],
+        responses={**_ERRORS, 404: {"model": ErrorMessage, "description": "Env not served."}, 503: {"model": ErrorMessage, "description": "Pool full or draining."}},
+    )
+    async def rollout(request: RolloutRequest) -> RolloutResponse:
+        """A one-shot episode: reset, apply ``actions`` in order until the episode ends."""
+        pool = hub.pools.get(request.env)
+        if pool is None:
+            raise HTTPError(404, "unknown_env", f"this hub does not serve {request.env!r}; it serves: {', '.join(hub.pools)}")
+        if hub.draining:
+            raise HTTPError(503, "draining", "the hub is shutting down; retry on another hub")
+        try:
+            started = await pool.reset_json(seed=request.seed, options=request.options, wait_s=hub.config.reset_wait_s)
+        except PoolFullError as exc:
+            raise HTTPError(503, "pool_busy", str(exc)) from exc
+        except PoolClosedError as exc:
+            raise HTTPError(503, "draining", str(exc)) from exc
+        except (TypeError, orjson.JSONEncodeError) as exc:
+            raise HTTPError(422, "bad_message", f"options must be JSON values: {exc}") from exc
+        if isinstance(started, EpisodeFailure):
+            await pool.close_episode(started.episode)
+            return RolloutResponse(env=request.env, reset=None, steps=[], failure=started.as_dict())
+        episode, body = started
+        steps: list[dict[str, Any]] = []
+        failure = error = None
+        try:
+            for action in request.actions:
+                began = time.perf_counter()
+                try:
+                    result = await pool.step_json(episode, action)
+                except (ResetNeededError, EpisodeOverError) as exc:
+                    error = ErrorMessage(code="episode_over", message=f"action {len(steps)} was not applied: {exc}")
+                    break
+                if isinstance(result, EpisodeFailure):
+                    failure = result.as_dict()
+                    break
+                steps.append(orjson.loads(result))
+                hub.metrics.step_done(request.env, time.perf_counter() - began)
+        finally:
+            await pool.close_episode(episode)
+        return RolloutResponse(env=request.env, reset=orjson.loads(body), steps=steps, failure=failure, error=error)
+
+    app.add_api_websocket_route("/v1/session", session_endpoint)
+    app.add_middleware(BodyLimit, limit=config.max_message_bytes)
+    return app

@@ -1,0 +1,118 @@
+"""``envhub serve``: serve env pools over WebSocket sessions and HTTP.
+
+Only click is imported at module level; FastAPI, uvicorn and Ray load when the command runs.
+SIGTERM (or a first Ctrl-C) drains: new sessions and resets are refused, running episodes
+get ``--drain-timeout`` seconds to finish, then every session and worker is closed and the
+process exits 0. A second signal forces an immediate exit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Any
+
+import click
+
+__all__ = ["serve"]
+
+
+@click.command("serve")
+@click.option("--env", "envs", multiple=True, required=True, help="Env id to serve (repeatable).")
+@click.option("--workers", default=2, show_default=True, help="Workers per env.")
+@click.option("--backend", type=click.Choice(["local", "ray", "inline"]), default="local", show_default=True, help="local: worker processes; ray: Ray actors; inline: in the server process (trusted envs only).")
+@click.option("--address", "ray_address", default=None, help="Ray cluster address for --backend ray ('auto' joins the local cluster).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True)
+@click.option("--token", envvar="ENVHUB_TOKEN", default=None, help="Bearer token clients must send (or set ENVHUB_TOKEN).")
+@click.option("--no-auth", is_flag=True, help="Serve without a token (loopback hosts only).")
+@click.option("--max-sessions", default=4096, show_default=True, help="Open sessions, all clients together.")
+@click.option("--max-sessions-per-client", default=1024, show_default=True)
+@click.option("--max-message-bytes", default=1 << 20, show_default=True)
+@click.option("--idle-timeout", "idle_timeout_s", default=600.0, show_default=True, help="Close a connected session silent this long (s).")
+@click.option("--grace", "grace_s", default=120.0, show_default=True, help="How long a dropped session may be resumed (s).")
+@click.option("--step-timeout", "step_timeout_s", default=60.0, show_default=True, help="Kill a worker whose env call runs longer (s).")
+@click.option("--drain-timeout", "drain_timeout_s", default=30.0, show_default=True, help="On SIGTERM, time running episodes get to finish (s).")
+@click.option("--log-level", default="warning", show_default=True, type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+def serve(envs: tuple[str, ...], port: int, log_level: str, no_auth: bool, **settings: Any) -> None:
+    """Serve environments to remote clients: envhub.make(ID, hub="ws://HOST:PORT", token=...)."""
+    from pydantic import ValidationError
+
+    from envhub.errors import EnvhubError
+    from envhub.server.config import HubConfig
+
+    try:
+        config = HubConfig(envs=list(envs), allow_no_auth=no_auth, **settings)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
+        raise click.UsageError(problems) from None
+    try:
+        run(config, port=port, log_level=log_level)
+    except EnvhubError as error:
+        click.echo(f"error: {error}", err=True)
+        sys.exit(2)
+
+
+def run(config: Any, *, port: int, log_level: str = "warning") -> None:
+    """Run a hub until SIGTERM/SIGINT, then drain and exit."""
+    import uvicorn
+
+    from envhub.server.app import create_app
+
+    app = create_app(config)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        ws="websockets-sansio",
+        ws_max_size=2 * config.max_message_bytes,
+        ws_per_message_deflate=False,
+        ws_ping_interval=20.0,  # a client that stops reading (or vanishes) is dropped after
+        ws_ping_timeout=20.0,  # ~40 s; its session then waits --grace for a resume
+        log_level=log_level,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+        backlog=4096,
+    )
+    server = DrainingServer(uv_config, hub=app.state.hub)
+    click.echo(f"envhub: serving {', '.join(config.envs)} on ws://{config.host}:{port} (pid {os.getpid()})", err=True)
+    server.run()
+
+
+def _server_class() -> Any:
+    import uvicorn
+
+    class _DrainingServer(uvicorn.Server):
+        """uvicorn, with a first SIGTERM/SIGINT starting the hub's drain instead of exiting."""
+
+        def __init__(self, config: Any, hub: Any) -> None:
+            super().__init__(config)
+            self.hub = hub
+            self._drain_requested = False
+            self._drain_task: Any = None
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if sig in (signal.SIGTERM, signal.SIGINT) and not self._drain_requested:
+                self._drain_requested = True
+                return
+            super().handle_exit(sig, frame)
+
+        async def on_tick(self, counter: int) -> bool:
+            if self._drain_requested and self._drain_task is None:
+                import asyncio
+
+                click.echo("envhub: draining (finishing running episodes)", err=True)
+                self._drain_task = asyncio.get_running_loop().create_task(self.hub.drain())
+            if self._drain_task is not None and self._drain_task.done():
+                return True
+            return await super().on_tick(counter)
+
+    return _DrainingServer
+
+
+def DrainingServer(config: Any, *, hub: Any) -> Any:  # noqa: N802 - a class factory keeps uvicorn lazy
+    """A ``uvicorn.Server`` that drains the hub on the first SIGTERM/SIGINT."""
+    return _server_class()(config, hub)

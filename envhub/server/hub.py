@@ -1,0 +1,134 @@
+"""``Hub``: the state behind one ``envhub serve``: pools, sessions, metrics, drain.
+
+The FastAPI app (``envhub.server.app``) and the WebSocket handler (``envhub.server.ws``)
+hold no state of their own; they call into the ``Hub`` kept on ``app.state.hub``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+
+from envhub.pool import EnvPool
+from envhub.server.config import HubConfig
+from envhub.server.metrics import HubMetrics
+from envhub.server.sessions import Session, SessionManager
+
+__all__ = ["Hub"]
+
+
+class Hub:
+    """Pools (one per served env), the session manager, metrics and the drain logic."""
+
+    def __init__(self, config: HubConfig) -> None:
+        from envhub.registry import spec
+
+        self.config = config
+        self.specs = {env_id: spec(env_id) for env_id in config.envs}  # fail fast on unknown ids
+        self.pools: dict[str, EnvPool] = {}
+        self.sessions = SessionManager(
+            max_sessions=config.max_sessions,
+            max_sessions_per_client=config.max_sessions_per_client,
+            idle_timeout_s=config.idle_timeout_s,
+            grace_s=config.grace_s,
+            on_close=self._on_session_closed,
+        )
+        self.metrics = HubMetrics(lambda: self.pools, self.sessions.counts)
+        self.draining = False
+        self.drained = asyncio.Event()
+        self._token = config.token.encode() if config.token else None
+        self._reaper: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Start every pool and the reaper; raises ``WorkerStartError`` on a bad env."""
+        if self.config.backend == "ray":
+            import ray
+
+            if not ray.is_initialized():
+                ray.init(address=self.config.ray_address, include_dashboard=False, log_to_driver=False)
+        for env_id, env_spec in self.specs.items():
+            pool = EnvPool(
+                env_spec,
+                num_workers=self.config.workers,
+                backend=self.config.backend,
+                step_timeout_s=self.config.step_timeout_s,
+                max_episodes=self.config.max_sessions,
+            )
+            self.pools[env_id] = pool
+            try:
+                await pool.start()
+            except BaseException:
+                await asyncio.gather(*(p.aclose() for p in self.pools.values()), return_exceptions=True)
+                raise
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+
+    async def stop(self) -> None:
+        """Close every session and pool (after a drain, or at once)."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for session in list(self.sessions.sessions.values()):
+            if session.conn is not None:
+                session.conn.kick(1001, _going_away())
+            await self.sessions.close(session, "shutdown")
+        await asyncio.gather(*(pool.aclose() for pool in self.pools.values()), return_exceptions=True)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(min(1.0, self.config.idle_timeout_s / 4, max(self.config.grace_s / 4, 0.05)))
+            try:
+                await self.sessions.reap()
+                self.metrics.tick()
+            except Exception:  # the reaper must outlive any one bad session
+                pass
+
+    def _on_session_closed(self, session: Session, reason: str) -> None:
+        self.metrics.sessions_closed.labels(reason).inc()
+
+    # ------------------------------------------------------------------ auth
+    def authorised(self, header: str | None) -> bool:
+        """Whether an ``Authorization`` header carries the hub's token."""
+        if self._token is None:
+            return True
+        if not header or not header.startswith("Bearer "):
+            return False
+        return hmac.compare_digest(header[7:].strip().encode(), self._token)
+
+    def client_key(self, header: str | None, host: str | None) -> str:
+        """Who a connection belongs to, for per-client limits: token digest + address."""
+        digest = hashlib.sha256((header or "").encode()).hexdigest()[:12]
+        return f"{digest}@{host or '?'}"
+
+    # ------------------------------------------------------------------ drain
+    async def drain(self) -> None:
+        """Refuse new sessions and resets; let running episodes finish; then close all."""
+        if self.draining:
+            await self.drained.wait()
+            return
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.drain_timeout_s
+        notice = _draining()
+        for session in list(self.sessions.sessions.values()):
+            if session.conn is not None:
+                session.conn.notify(notice)
+        while True:
+            for session in list(self.sessions.sessions.values()):
+                if not session.running and not session.busy_seq:
+                    if session.conn is not None:
+                        session.conn.kick(1001, notice)
+                    await self.sessions.close(session, "drained")
+            if not self.sessions.sessions or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        await self.stop()
+        self.drained.set()
+
+
+def _draining() -> str:
+    return '{"type":"draining","message":"the hub is shutting down: finish this episode; new sessions and resets are refused"}'
+
+
+def _going_away() -> str:
+    return '{"type":"error","code":"draining","message":"the hub shut down; reconnect to another hub","seq":null}'

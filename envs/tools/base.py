@@ -1,0 +1,183 @@
+"""What every function-calling env shares: tool schemas, call parsing, tool messages, answers.
+
+A ``ToolEnv`` publishes OpenAI-format tool schemas (``self.tools``, also in reset info), reads
+calls from the model's text as JSON in ``<tool_call>...</tool_call>`` tags
+(``envhub.parsing.ToolCallParser``) and answers each call with a
+``{"role": "tool", "name": ..., "tool_call_id": ..., "content": ...}`` message. The episode
+ends when the model writes a final ``<answer>...</answer>``, which the subclass grades.
+
+A subclass implements four things:
+
+``start(task) -> str``
+    Set up the task (build a database, pick documents) and return the question.
+``call_tool(name, arguments) -> str``
+    Run one (already schema-checked) call; raise ``ToolError`` for a call that is well formed
+    but fails (bad SQL, unknown document): its message goes back to the model.
+``grade(answer) -> float``
+    Score the final answer in ``[0, 1]``; ``1.0`` is a success.
+``plan() -> list[str]``
+    The oracle's actions for the current task (tool calls, then the answer), computed at
+    ``start``; ``expert_action()`` walks it.
+
+Rewards: the graded score on the answer turn, ``invalid_action_penalty`` for text that is
+neither a valid call nor an answer, 0 for tool turns. Tool output is truncated to
+``max_tool_chars`` so a flood never reaches the model whole.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+from envhub.core import Message, TextEnv, Turn
+from envhub.errors import ActionParseError
+from envhub.parsing import ToolCall, ToolCallParser, extract_answer, format_tool_call
+from envs.datasets import Split, Task, TaskSet, as_taskset
+
+__all__ = ["ToolEnv", "ToolError", "truncate"]
+
+
+class ToolError(Exception):
+    """A well-formed tool call that failed; the message is shown to the model as the result."""
+
+
+def truncate(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters with a note saying how much was dropped."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n... [truncated {len(text) - limit} characters]"
+
+
+class ToolEnv(TextEnv):
+    """Base class of the ``tools/`` envs (see the module docstring)."""
+
+    tool_schemas: list[dict[str, Any]] = []
+    """The OpenAI-format schemas of this env's tools (subclasses set it, or set ``self.tools``)."""
+    required_fields: tuple[str, ...] = ()
+    """Fields every task of a user dataset must have."""
+    intro = "Answer the question using the tools."
+
+    def __init__(
+        self,
+        *,
+        dataset: str | TaskSet | Iterable[Mapping[str, Any]] | None = None,
+        split: Split = "all",
+        eval_fraction: float = 0.0,
+        max_turns: int | None = 12,
+        max_calls_per_turn: int = 4,
+        max_tool_chars: int = 2_000,
+        invalid_action_penalty: float = -0.1,
+        render_mode: Any = None,
+    ) -> None:
+        super().__init__(max_turns=max_turns, render_mode=render_mode)
+        self.tasks = as_taskset(
+            dataset,
+            default=self.builtin_tasks() if dataset is None else (),
+            split=split,
+            eval_fraction=eval_fraction,
+            required=self.required_fields if dataset is not None else (),
+            name=type(self).__name__,
+        )
+        self.tools = list(self.tool_schemas)
+        self.parser = ToolCallParser(tools=tuple(self.tools), max_calls=max_calls_per_turn)
+        self.max_tool_chars = max_tool_chars
+        self.invalid_action_penalty = invalid_action_penalty
+        self.system_prompt = self._system_prompt()
+        self.task: Task = {}
+        self._plan: list[str] = []
+        self._plan_position = 0
+
+    # ----------------------------------------------------------------- for subclasses
+    def builtin_tasks(self) -> TaskSet | Iterable[Mapping[str, Any]]:
+        """The tasks used when no ``dataset`` is given."""
+        raise NotImplementedError
+
+    def start(self, task: Task) -> str:
+        raise NotImplementedError
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        raise NotImplementedError
+
+    def grade(self, answer: str) -> float:
+        raise NotImplementedError
+
+    def plan(self) -> list[str]:
+        return []
+
+    def random_call(self, np_random: np.random.Generator) -> str:
+        """A plausible random tool call for ``sample_action`` (override per env)."""
+        schema = self.tools[int(np_random.integers(len(self.tools)))]["function"]
+        return format_tool_call(schema["name"], {})
+
+    # ----------------------------------------------------------------- TextEnv
+    def _system_prompt(self) -> str:
+        listing = "\n".join(json.dumps(tool["function"], sort_keys=True) for tool in self.tools)
+        return (
+            f"{self.intro}\nYou can call these tools:\n{listing}\n{self.parser.instructions} "
+            "Each result comes back as a tool message. When you know the answer, write it as "
+            "<answer>...</answer>; that ends the episode."
+        )
+
+    def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        self.task = self.tasks.select(options, self.np_random)
+        question = self.start(self.task)
+        self._plan = self.plan()
+        self._plan_position = 0
+        return question, {"task_id": self.task["id"]}
+
+    def on_step(self, action: str) -> Turn:
+        if self._plan_position < len(self._plan) and action == self._plan[self._plan_position]:
+            self._plan_position += 1
+        try:
+            calls = self.parser.parse(action)
+        except ActionParseError as error:
+            return self.invalid_action(error.feedback)
+        if calls:
+            messages = [self._run(call) for call in calls]
+            errors = sum(message["content"].startswith("Error:") for message in messages)
+            return Turn(messages, info={"tool_calls": [c.name for c in calls], "tool_errors": errors})
+        answer = extract_answer(action)
+        if answer is None:
+            return self.invalid_action(
+                "I found neither a tool call nor an answer. " + self.parser.instructions
+                + " Or give your final answer as <answer>...</answer>."
+            )
+        score = float(min(1.0, max(0.0, self.grade(answer))))
+        verdict = "correct" if score >= 1.0 else ("partly correct" if score > 0 else "incorrect")
+        return Turn(
+            f"Your answer {answer[:200]!r} is {verdict}.",
+            reward=score,
+            terminated=True,
+            success=score >= 1.0,
+            info={"answer": answer[:200], "score": score},
+        )
+
+    def _run(self, call: ToolCall) -> Message:
+        try:
+            result = self.call_tool(call.name, call.arguments)
+        except ToolError as error:
+            result = f"Error: {error}"
+        return {
+            "role": "tool",
+            "name": call.name,
+            "tool_call_id": call.id,
+            "content": truncate(str(result), self.max_tool_chars),
+        }
+
+    def expert_action(self) -> str | None:
+        if self.done or not self._plan:
+            return None
+        return self._plan[min(self._plan_position, len(self._plan) - 1)]
+
+    def sample_action(self, np_random: np.random.Generator) -> str:
+        roll = np_random.random()
+        if roll < 0.6 and self.tools:
+            return self.random_call(np_random)
+        if roll < 0.75:
+            return '<tool_call>{"name": "' + str(self.tools[0]["function"]["name"] if self.tools else "x") + '", "arguments": {</tool_call>'
+        if roll < 0.85:
+            return "I am thinking about it."
+        return f"<answer>{int(np_random.integers(0, 1000))}</answer>"

@@ -1,0 +1,175 @@
+"""``tools/mcp-v0``: the tools of any MCP server, offered to the model as function tools.
+
+The env connects to an MCP server with the official ``mcp`` SDK, over stdio
+(``command=["python", "my_server.py"]``) or streamable HTTP (``url="http://127.0.0.1:8000/mcp"``),
+lists its tools, publishes them as OpenAI-format schemas and forwards every parsed
+``<tool_call>`` to the server; results come back as ``tool`` messages. Calls are bounded by
+``call_timeout_s``; a server that dies mid-episode ends the episode as a failed one
+(``info["failed"] = True``) instead of hanging or raising.
+
+Tasks are ``{"question", "answer"}`` records (``dataset=``); an optional ``"plan"`` — a list
+of ``{"name", "arguments"}`` calls — lets the oracle solve them. With no server given, the
+env spawns the built-in warehouse server (``envs.tools.mcp_demo_server``) and uses its tasks.
+The connection opens on the first ``reset`` and is dropped when the env is pickled.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from envhub.core import Turn, function_tool
+from envhub.parsing import ToolCallParser, format_tool_call
+from envs.datasets import Task
+from envs.tools.base import ToolEnv, ToolError
+from envs.tools.calculator import parse_number
+from envs.tools.mcp_client import McpConnection, McpError
+from envs.tools.mcp_demo_server import INVENTORY, PRICES_USD, RATES
+
+__all__ = ["McpEnv", "demo_tasks"]
+
+DEMO_COMMAND = [sys.executable, "-m", "envs.tools.mcp_demo_server"]
+
+
+def demo_tasks() -> list[Task]:
+    """Questions about the demo warehouse, each with the oracle's call plan."""
+    tasks: list[Task] = []
+    items = list(INVENTORY)
+    for i, item in enumerate(items):
+        for currency in ("EUR", "GBP"):
+            value_usd = round(INVENTORY[item] * PRICES_USD[item], 2)
+            answer = f"{value_usd / RATES['USD'] * RATES[currency]:.2f}"
+            tasks.append({
+                "id": f"value-{item}-{currency.lower()}",
+                "question": f"What is the total value in {currency} of all {item}s in stock? Round to cents.",
+                "answer": answer,
+                "plan": [
+                    {"name": "get_inventory", "arguments": {"item": item}},
+                    {"name": "get_price", "arguments": {"item": item}},
+                    {"name": "convert_currency", "arguments": {"amount": value_usd, "from_currency": "USD", "to_currency": currency}},
+                ],
+            })
+        other = items[(i + 1) % len(items)]
+        tasks.append({
+            "id": f"stock-{item}-{other}",
+            "question": f"How many more units of {item} than of {other} are in stock? (Negative if fewer.)",
+            "answer": str(INVENTORY[item] - INVENTORY[other]),
+            "plan": [{"name": "get_inventory", "arguments": {"item": item}}, {"name": "get_inventory", "arguments": {"item": other}}],
+        })
+    return tasks
+
+
+class McpEnv(ToolEnv):
+    """Tasks solved with the tools of an MCP server (see the module docstring)."""
+
+    required_fields = ("question", "answer")
+    intro = "Answer the question using the tools of the connected MCP server."
+
+    def __init__(
+        self,
+        *,
+        command: Sequence[str] | None = None,
+        url: str | None = None,
+        server_env: dict[str, str] | None = None,
+        dataset: str | Iterable[Mapping[str, Any]] | None = None,
+        hidden_tools: Sequence[str] | None = None,
+        call_timeout_s: float = 10.0,
+        connect_timeout_s: float = 30.0,
+        **options: Any,
+    ) -> None:
+        if command is not None and url is not None:
+            raise ValueError("give command=[...] (stdio) or url='http://...' (streamable HTTP), not both")
+        builtin = command is None and url is None
+        if not builtin and dataset is None:
+            raise ValueError(
+                "tools/mcp-v0 with your own MCP server needs dataset= (JSONL or list of {'question', 'answer'} tasks)"
+            )
+        self.command = list(DEMO_COMMAND if builtin else command) if url is None else None
+        self.url = url
+        self.server_env = server_env
+        self.hidden_tools = set(hidden_tools if hidden_tools is not None else (("slow_echo", "flood") if builtin else ()))
+        self.call_timeout_s = call_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self._connection: McpConnection | None = None
+        super().__init__(dataset=dataset, **options)
+
+    def builtin_tasks(self) -> list[Task]:
+        return demo_tasks()
+
+    # ------------------------------------------------------------------ connection
+    def connection(self) -> McpConnection:
+        """The live connection, opened (and the tool list read) on first use."""
+        if self._connection is None or not self._connection.alive:
+            if self._connection is not None:
+                self._connection.close()
+            self._connection = McpConnection(
+                command=self.command, url=self.url, env=self.server_env,
+                connect_timeout_s=self.connect_timeout_s, call_timeout_s=self.call_timeout_s,
+            )
+            self.tools = [
+                function_tool(t.name, t.description or "", t.input_schema or {"type": "object", "properties": {}})
+                for t in sorted(self._connection.tools, key=lambda t: t.name)
+                if t.name not in self.hidden_tools
+            ]
+            self.parser = ToolCallParser(tools=tuple(self.tools), max_calls=self.parser.max_calls)
+            self.system_prompt = self._system_prompt()
+        return self._connection
+
+    def start(self, task: Task) -> str:
+        self.connection()
+        return str(task["question"])
+
+    def on_step(self, action: str) -> Turn:
+        try:
+            return super().on_step(action)
+        except McpError as error:  # the server died: a failed episode, reported as data
+            return Turn(
+                f"The tool server stopped responding ({error}). The episode ends.",
+                terminated=True,
+                info={"failed": True, "error": str(error)},
+            )
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        result = self.connection_for_call().call_tool(name, arguments)
+        if result.is_error:
+            raise ToolError(result.text)
+        return result.text
+
+    def connection_for_call(self) -> McpConnection:
+        if self._connection is None:  # e.g. an unpickled copy: connect now
+            return self.connection()
+        if not self._connection.alive:
+            raise McpError(f"the MCP server {self._connection.describe()} is no longer connected")
+        return self._connection
+
+    def grade(self, answer: str) -> float:
+        expected = str(self.task["answer"]).strip()
+        if answer.strip().lower() == expected.lower():
+            return 1.0
+        given, target = parse_number(answer), parse_number(expected)
+        if given is not None and target is not None and expected.replace(".", "").lstrip("-").isdigit():
+            return 1.0 if abs(given - target) <= 0.005 + abs(target) * 1e-9 else 0.0
+        return 0.0
+
+    def plan(self) -> list[str]:
+        calls = [format_tool_call(step["name"], step.get("arguments", {})) for step in self.task.get("plan", [])]
+        return [*calls, f"<answer>{self.task['answer']}</answer>"]
+
+    def random_call(self, np_random: np.random.Generator) -> str:
+        item = str(np_random.choice([*INVENTORY, "thingamajig"]))
+        name = str(np_random.choice(["get_inventory", "get_price", "list_items"]))
+        return format_tool_call(name, {} if name == "list_items" else {"item": item})
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_close(self) -> None:
+        if self._connection is not None:
+            self._connection.close()
+            self._connection = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_connection"] = None  # reconnected on the next reset
+        return state

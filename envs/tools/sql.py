@@ -1,0 +1,251 @@
+"""Answer questions by querying a small SQLite database: ``tools/sql-v0``.
+
+Each task has its own company database (departments, employees, projects, assignments)
+generated from the task's seed, so the answer cannot be memorised: the model must look at
+the schema (``list_tables``, ``describe_table``) and query it (``run_sql``). The oracle
+runs the gold query and answers with its result.
+
+Queries run read-only (``PRAGMA query_only``, ``ATTACH`` refused by an authorizer), are
+aborted after a fixed number of SQLite VM steps (so a cross join of cross joins cannot hang
+the env) and return at most ``max_rows`` rows.
+
+A user dataset is JSONL of ``{"question", "answer"}`` plus either ``"database"`` (a path to
+a SQLite file, opened read-only) or nothing (the generated database of the task's seed);
+``"sql"`` (the gold query) lets the oracle solve it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from typing import Any
+
+import numpy as np
+
+from envhub.core import function_tool
+from envhub.parsing import format_tool_call
+from envs.datasets import Task
+from envs.tools.base import ToolEnv, ToolError
+
+__all__ = ["SqlEnv", "build_company_db", "QUESTIONS"]
+
+MAX_VM_STEPS = 2_000_000
+_FIRST = ["Ada", "Bram", "Cleo", "Dov", "Edda", "Finn", "Gia", "Hugo", "Ines", "Jora", "Kai", "Lior", "Mira", "Nils", "Oona", "Pax", "Quin", "Rhea", "Sami", "Tove"]
+_LAST = ["Arkwright", "Bellamy", "Castell", "Drummond", "Everly", "Fairweather", "Galloway", "Hartnell", "Ivers", "Jessop", "Kettering", "Lowther"]
+_DEPARTMENTS = ["Research", "Sales", "Support", "Finance", "Legal", "Design", "Operations", "Marketing"]
+_CITIES = ["Lisbon", "Oslo", "Tallinn", "Porto", "Ghent", "Turku", "Bergen", "Krakow"]
+_PROJECTS = ["Apollo", "Borealis", "Cobalt", "Dynamo", "Ember", "Fjord", "Granite", "Helix", "Iris", "Juniper", "Kestrel", "Lumen"]
+
+QUESTIONS: list[tuple[str, str]] = [
+    (
+        "Which department has the highest total salary bill? Answer with the department name.",
+        "SELECT d.name FROM departments d JOIN employees e ON e.dept_id = d.id GROUP BY d.id ORDER BY SUM(e.salary) DESC LIMIT 1",
+    ),
+    (
+        "How many employees hired after {year} work in departments located in {city}?",
+        "SELECT COUNT(*) FROM employees e JOIN departments d ON e.dept_id = d.id WHERE e.hired_year > {year} AND d.city = '{city}'",
+    ),
+    (
+        "Who logged the most hours on project {project}? Answer with the employee's full name.",
+        "SELECT e.name FROM assignments a JOIN employees e ON a.employee_id = e.id JOIN projects p ON a.project_id = p.id "
+        "WHERE p.name = '{project}' ORDER BY a.hours DESC LIMIT 1",
+    ),
+    (
+        "What is the average salary in the {department} department, rounded to the nearest whole number?",
+        "SELECT CAST(ROUND(AVG(e.salary)) AS INTEGER) FROM employees e JOIN departments d ON e.dept_id = d.id WHERE d.name = '{department}'",
+    ),
+    (
+        "Which project has the largest budget per assigned employee? Answer with the project name.",
+        "SELECT p.name FROM projects p JOIN assignments a ON a.project_id = p.id GROUP BY p.id "
+        "ORDER BY p.budget * 1.0 / COUNT(DISTINCT a.employee_id) DESC LIMIT 1",
+    ),
+]
+
+
+def build_company_db(seed: int) -> sqlite3.Connection:
+    """An in-memory company database drawn from ``seed`` (same seed, same rows)."""
+    rng = np.random.default_rng(seed)
+    db = sqlite3.connect(":memory:", check_same_thread=False)
+    db.executescript(
+        """
+        CREATE TABLE departments (id INTEGER PRIMARY KEY, name TEXT NOT NULL, city TEXT NOT NULL);
+        CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT NOT NULL, dept_id INTEGER REFERENCES departments(id),
+                                salary INTEGER NOT NULL, hired_year INTEGER NOT NULL);
+        CREATE TABLE projects (id INTEGER PRIMARY KEY, name TEXT NOT NULL, dept_id INTEGER REFERENCES departments(id),
+                               budget INTEGER NOT NULL);
+        CREATE TABLE assignments (employee_id INTEGER REFERENCES employees(id), project_id INTEGER REFERENCES projects(id),
+                                  hours INTEGER NOT NULL, PRIMARY KEY (employee_id, project_id));
+        """
+    )
+    departments = rng.permutation(_DEPARTMENTS)[: int(rng.integers(4, 7))]
+    for i, name in enumerate(departments, 1):
+        db.execute("INSERT INTO departments VALUES (?, ?, ?)", (i, str(name), str(rng.choice(_CITIES[:4]))))
+    names = rng.permutation([f"{f} {l}" for f in _FIRST for l in _LAST])[: int(rng.integers(25, 45))]
+    for i, name in enumerate(names, 1):
+        db.execute(
+            "INSERT INTO employees VALUES (?, ?, ?, ?, ?)",
+            (i, str(name), int(rng.integers(1, len(departments) + 1)), int(rng.integers(40, 160)) * 1_000 + int(rng.integers(0, 999)), int(rng.integers(2008, 2025))),
+        )
+    projects = rng.permutation(_PROJECTS)[: int(rng.integers(5, 9))]
+    for i, name in enumerate(projects, 1):
+        db.execute("INSERT INTO projects VALUES (?, ?, ?, ?)", (i, str(name), int(rng.integers(1, len(departments) + 1)), int(rng.integers(20, 900)) * 1_000 + int(rng.integers(0, 999))))
+    for employee in range(1, len(names) + 1):
+        for project in rng.choice(np.arange(1, len(projects) + 1), size=int(rng.integers(1, 3)), replace=False):
+            db.execute("INSERT INTO assignments VALUES (?, ?, ?)", (employee, int(project), int(rng.integers(5, 400))))
+    db.commit()
+    return db
+
+
+def _readonly(db: sqlite3.Connection) -> sqlite3.Connection:
+    def authorize(action: int, *args: Any) -> int:
+        return sqlite3.SQLITE_DENY if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH) else sqlite3.SQLITE_OK
+
+    db.execute("PRAGMA query_only = ON")
+    db.set_authorizer(authorize)
+    return db
+
+
+class SqlEnv(ToolEnv):
+    """Questions about a generated company database, answered with SQL tools."""
+
+    tool_schemas = [
+        function_tool("list_tables", "List the tables of the database.", {"type": "object", "properties": {}}),
+        function_tool(
+            "describe_table",
+            "Show a table's columns (name and type) and its first three rows.",
+            {"type": "object", "properties": {"table": {"type": "string"}}, "required": ["table"]},
+        ),
+        function_tool(
+            "run_sql",
+            "Run one read-only SQLite query and return the rows (at most 50).",
+            {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]},
+        ),
+    ]
+    required_fields = ("question", "answer")
+    intro = "Answer the question about the company database by querying it with SQL."
+
+    def __init__(self, *, num_builtin: int = 200, max_rows: int = 50, **options: Any) -> None:
+        self.num_builtin = num_builtin
+        self.max_rows = max_rows
+        self._db: sqlite3.Connection | None = None
+        super().__init__(**options)
+
+    # ------------------------------------------------------------------ tasks
+    def builtin_tasks(self) -> list[Task]:
+        return [{"id": f"sql-{i:04d}", "template": i % len(QUESTIONS), "seed": 20_000 + i} for i in range(self.num_builtin)]
+
+    def _database(self) -> sqlite3.Connection:
+        if self._db is None:
+            path = self.task.get("database")
+            if path:
+                try:
+                    self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+                except sqlite3.Error as exc:
+                    raise ToolError(f"cannot open database {path!r}: {exc}") from None
+            else:
+                self._db = build_company_db(int(self.task["seed"]))
+            _readonly(self._db)
+        return self._db
+
+    def _query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+        db = self._database()
+        steps = [0]
+
+        def progress() -> int:
+            steps[0] += 1
+            return 1 if steps[0] * 1_000 > MAX_VM_STEPS else 0
+
+        db.set_progress_handler(progress, 1_000)
+        try:
+            cursor = db.execute(sql)
+            rows = cursor.fetchmany(self.max_rows + 1)
+        except sqlite3.OperationalError as exc:
+            if "interrupted" in str(exc):
+                raise ToolError(f"query aborted after {MAX_VM_STEPS:,} steps; add a WHERE clause or a LIMIT") from None
+            raise ToolError(f"SQL error: {exc}") from None
+        except (sqlite3.Error, sqlite3.Warning, ValueError) as exc:
+            raise ToolError(f"SQL error: {exc}") from None
+        finally:
+            db.set_progress_handler(None, 1_000)
+        columns = [c[0] for c in cursor.description or []]
+        return columns, rows
+
+    def start(self, task: Task) -> str:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+        if "question" in task:
+            return str(task["question"])
+        rng = np.random.default_rng(int(task["seed"]))
+        db = self._database()
+        template, gold = QUESTIONS[int(task["template"])]
+        fill = {
+            "year": int(rng.integers(2010, 2020)),
+            "city": str(rng.choice([row[0] for row in db.execute("SELECT DISTINCT city FROM departments ORDER BY city")])),
+            "project": str(rng.choice([row[0] for row in db.execute("SELECT name FROM projects ORDER BY id")])),
+            "department": str(rng.choice([row[0] for row in db.execute("SELECT name FROM departments ORDER BY id")])),
+        }
+        self.task["sql"] = gold.format(**fill)
+        self.task["answer"] = str(db.execute(self.task["sql"]).fetchone()[0])
+        return template.format(**fill)
+
+    # ------------------------------------------------------------------ tools
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        if name == "list_tables":
+            _, rows = self._query("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            return ", ".join(row[0] for row in rows)
+        if name == "describe_table":
+            table = arguments["table"]
+            _, tables = self._query("SELECT name FROM sqlite_master WHERE type = 'table'")
+            if table not in {row[0] for row in tables}:
+                raise ToolError(f"no table named {table!r}; call list_tables to see them")
+            columns = self._database().execute(f'PRAGMA table_info("{table}")').fetchall()
+            header, rows = self._query(f'SELECT * FROM "{table}" LIMIT 3')
+            lines = [f"{table}(" + ", ".join(f"{c[1]} {c[2]}" for c in columns) + ")"]
+            lines += [" | ".join(map(str, row)) for row in rows]
+            return "\n".join(lines)
+        columns, rows = self._query(arguments["query"])
+        more = len(rows) > self.max_rows
+        lines = [" | ".join(columns)] + [" | ".join(map(str, row)) for row in rows[: self.max_rows]]
+        if more:
+            lines.append(f"... (more rows; only the first {self.max_rows} are shown)")
+        return "\n".join(lines) if rows else " | ".join(columns) + "\n(no rows)"
+
+    def grade(self, answer: str) -> float:
+        expected = str(self.task["answer"]).strip().lower()
+        given = answer.strip().strip(".'\"").lower()
+        if given == expected:
+            return 1.0
+        try:
+            return 1.0 if abs(float(given.replace(",", "")) - float(expected)) < 1e-6 else 0.0
+        except ValueError:
+            return 0.0
+
+    def plan(self) -> list[str]:
+        if "sql" not in self.task:
+            return [f"<answer>{self.task['answer']}</answer>"]
+        return [
+            format_tool_call("list_tables"),
+            format_tool_call("describe_table", {"table": "employees"}),
+            format_tool_call("run_sql", {"query": self.task["sql"]}),
+            f"<answer>{self.task['answer']}</answer>",
+        ]
+
+    def random_call(self, np_random: np.random.Generator) -> str:
+        roll = np_random.random()
+        if roll < 0.3:
+            return format_tool_call("list_tables")
+        table = str(np_random.choice(["employees", "departments", "projects", "assignments", "staff"]))
+        if roll < 0.6:
+            return format_tool_call("describe_table", {"table": table})
+        return format_tool_call("run_sql", {"query": f"SELECT * FROM {table} LIMIT {int(np_random.integers(1, 5))}"})
+
+    # ------------------------------------------------------------------ lifecycle
+    def on_close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_db"] = None  # rebuilt from the task's seed (or file) on first use
+        return state

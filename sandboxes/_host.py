@@ -1,0 +1,290 @@
+"""Host-side resources of a local sandbox: a private uid, cgroups, a size-capped scratch tmpfs,
+and symlink-safe file access into scratch.
+
+Why each exists:
+
+- **A uid per sandbox** (leased with ``flock`` so parallel processes never share one): the
+  kernel counts RLIMIT_NPROC per uid, so a fork bomb in one sandbox cannot starve another, and
+  one sandbox's processes cannot signal or ptrace another's.
+- **cgroup v1 ``memory`` and ``pids``** (children of this process's own cgroups, where they are
+  writable): a memory cap for the whole sandbox with an OOM-kill counter to report, a process
+  cap that holds even for root-in-userns, and a list of every process to kill.
+- **A tmpfs scratch** (``mount -t tmpfs -o size=``): a disk-fill attack fills at most
+  ``Limits.disk_mb``, and ``reset()`` is an unmount.
+- **``*at()`` file access with ``O_NOFOLLOW``**: the host reads and writes scratch as root, and
+  the sandboxed program may have planted symlinks there (``ln -s /etc/shadow out.txt``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import random
+import signal
+import stat
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from sandboxes.errors import SandboxError, SandboxFileError
+
+__all__ = ["UidLease", "Cgroup", "mount_tmpfs", "unmount", "write_at", "read_at", "is_root"]
+
+UID_BASE = 200_000
+UID_COUNT = 8192
+LEASE_DIR = Path("/run/envhub-sandbox-uids") if os.access("/run", os.W_OK) else Path("/tmp/envhub-sandbox-uids")
+
+
+def is_root() -> bool:
+    return os.geteuid() == 0
+
+
+class UidLease:
+    """An unused uid in [UID_BASE, UID_BASE+UID_COUNT), held until ``release()``."""
+
+    def __init__(self) -> None:
+        LEASE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
+        start = random.randrange(UID_COUNT)
+        for i in range(UID_COUNT):
+            uid = UID_BASE + (start + i) % UID_COUNT
+            fd = os.open(LEASE_DIR / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.uid, self._fd = uid, fd
+            return
+        raise SandboxError(f"all {UID_COUNT} sandbox uids are in use; stop some sandboxes (leases in {LEASE_DIR})")
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def uid_lease_held(uid: int) -> bool:
+    """Whether some live process holds the lease on ``uid``."""
+    try:
+        fd = os.open(LEASE_DIR / f"{uid}.lock", os.O_RDWR | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # closing drops the probe lock if we took it
+    return False
+
+
+def _own_cgroup(controller: str) -> Path | None:
+    """The writable cgroup v1 directory this process lives in for ``controller``, if any."""
+    root = Path("/sys/fs/cgroup") / controller
+    try:
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controller in controllers.split(","):
+                here = root / path.lstrip("/")
+                return here if here.is_dir() and os.access(here, os.W_OK) else None
+    except OSError:
+        return None
+    return None
+
+
+def cgroups_available() -> bool:
+    return _own_cgroup("memory") is not None and _own_cgroup("pids") is not None
+
+
+class Cgroup:
+    """A memory+pids cgroup v1 pair named ``name`` under this process's own cgroups.
+
+    ``parent`` nests it (limits of the parent still apply). ``delegate_uid`` may move
+    processes in (its ``cgroup.procs`` is chowned), so an unprivileged launcher can join.
+    """
+
+    def __init__(self, name: str, *, memory_bytes: int | None = None, pids_max: int | None = None,
+                 parent: Cgroup | None = None, delegate_uid: int | None = None) -> None:
+        self.dirs: dict[str, Path] = {}
+        try:
+            self._create(name, memory_bytes, pids_max, parent, delegate_uid)
+        except BaseException:
+            for path in self.dirs.values():
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+            raise
+
+    def _create(self, name: str, memory_bytes: int | None, pids_max: int | None, parent: Cgroup | None,
+                delegate_uid: int | None) -> None:
+        for controller in ("memory", "pids"):
+            base = parent.dirs[controller] if parent else _own_cgroup(controller)
+            if base is None:
+                raise SandboxError(f"cgroup v1 {controller} controller is not writable here")
+            path = base / name
+            path.mkdir()
+            self.dirs[controller] = path
+            if delegate_uid is not None:
+                for f in ("cgroup.procs", "tasks"):
+                    os.chown(path / f, delegate_uid, -1)
+        if memory_bytes is not None:
+            (self.dirs["memory"] / "memory.limit_in_bytes").write_text(str(memory_bytes))
+            with contextlib.suppress(OSError):  # absent without swap accounting
+                (self.dirs["memory"] / "memory.memsw.limit_in_bytes").write_text(str(memory_bytes))
+            with contextlib.suppress(OSError):
+                (self.dirs["memory"] / "memory.swappiness").write_text("0")
+        if pids_max is not None:
+            (self.dirs["pids"] / "pids.max").write_text(str(pids_max))
+
+    @property
+    def procs_files(self) -> list[str]:
+        return [str(p / "cgroup.procs") for p in self.dirs.values()]
+
+    def pids(self) -> set[int]:
+        found: set[int] = set()
+        for path in self.dirs.values():
+            with contextlib.suppress(OSError):
+                found.update(int(x) for x in (path / "cgroup.procs").read_text().split())
+        return found
+
+    def oom_kills(self) -> int:
+        try:
+            for line in (self.dirs["memory"] / "memory.oom_control").read_text().splitlines():
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+        except OSError:
+            pass
+        return 0
+
+    def kill_all(self, timeout: float = 5.0, exclude: set[int] | frozenset[int] = frozenset()) -> bool:
+        """SIGKILL every process in the cgroup (but ``exclude``) until none is left; forks race
+        us, and pids.max bounds how many."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = self.pids() - exclude
+            if not pids:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.002)
+
+    def remove(self) -> None:
+        self.kill_all()
+        for path in self.dirs.values():
+            for _ in range(200):  # rmdir fails with EBUSY until the killed tasks are reaped
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError as e:
+                    if e.errno != errno.EBUSY:
+                        raise
+                    time.sleep(0.005)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MS_NOSUID, _MS_NODEV = 2, 4
+_MNT_DETACH = 2
+
+
+def mount_tmpfs(path: Path, *, size_mb: int, uid: int, gid: int) -> None:
+    """Mount a size-capped tmpfs at ``path``, owned by uid:gid, mode 0700 (needs CAP_SYS_ADMIN)."""
+    opts = f"size={size_mb}m,mode=0700,uid={uid},gid={gid}".encode()
+    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount tmpfs on {path}: {os.strerror(err)}")
+
+
+def unmount(path: Path) -> None:
+    if _libc.umount2(os.fsencode(path), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        if err not in (errno.EINVAL, errno.ENOENT):  # not mounted / gone: nothing to do
+            raise OSError(err, f"umount {path}: {os.strerror(err)}")
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@contextlib.contextmanager
+def _parent_dir(root: Path, parts: tuple[str, ...], *, create: bool, owner: tuple[int, int] | None) -> Iterator[int]:
+    fd = os.open(root, _DIR_FLAGS)
+    try:
+        for i, name in enumerate(parts[:-1]):
+            try:
+                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not create:
+                    missing = "/".join(parts[:i + 1])
+                    raise SandboxFileError(f"{'/'.join(parts)!r}: directory {missing!r} does not exist") from None
+                os.mkdir(name, 0o755, dir_fd=fd)
+                if owner:
+                    os.chown(name, *owner, dir_fd=fd, follow_symlinks=False)
+                nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise SandboxFileError(
+                        f"{'/'.join(parts)!r}: {'/'.join(parts[:i + 1])!r} is a symlink or not a directory; "
+                        "scratch paths may not go through symlinks") from None
+                raise
+            os.close(fd)
+            fd = nfd
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def write_at(root: Path, parts: tuple[str, ...], data: bytes, *, owner: tuple[int, int] | None) -> None:
+    """Write ``root/parts`` without following any symlink; chown new dirs and the file to ``owner``."""
+    with _parent_dir(root, parts, create=True, owner=owner) as dfd:
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
+                raise SandboxFileError(
+                    f"{'/'.join(parts)!r} is a symlink, directory or device; cannot write it") from None
+            if e.errno == errno.ENOSPC:
+                raise SandboxFileError(f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb") from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SandboxFileError(f"{'/'.join(parts)!r} is not a regular file; cannot write it")
+            if owner:
+                os.fchown(fd, *owner)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise SandboxFileError(f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb") from None
+            raise
+        finally:
+            os.close(fd)
+
+
+def read_at(root: Path, parts: tuple[str, ...]) -> bytes:
+    """Read ``root/parts`` without following any symlink; only regular files."""
+    with _parent_dir(root, parts, create=False, owner=None) as dfd:
+        try:
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+        except FileNotFoundError:
+            raise SandboxFileError(f"{'/'.join(parts)!r} does not exist in scratch") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise SandboxFileError(f"{'/'.join(parts)!r} is a symlink; refusing to follow it") from None
+            raise
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise SandboxFileError(f"{'/'.join(parts)!r} is not a regular file")
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)

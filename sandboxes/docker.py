@@ -1,0 +1,409 @@
+"""``docker``: one container per sandbox, driven through the ``docker`` SDK (``pip install docker``).
+
+``start()`` creates a container from ``image`` that just sleeps (under ``docker-init``);
+each ``run`` is a ``docker exec`` wrapped so that, when it returns, every other process of the
+run's uid is killed (``kill -9 -1``); a timeout does the same from a second exec.
+
+Protects against (adversarial tests in ``tests/sandboxes/test_adversarial.py``, marked ``docker``):
+
+- **Infinite loops**: wall-clock deadline, then SIGKILL of every process of the run's uid;
+  RLIMIT_CPU (``ulimits``) as a second bound.
+- **Fork bombs**: ``pids_limit`` (cgroup) on the container.
+- **Memory bombs**: ``mem_limit`` = ``memswap_limit`` (cgroup, no swap); OOM kills are read
+  from the engine's ``oom`` events and reported as ``oom_killed``.
+- **Disk fill**: root filesystem read-only; ``/sandbox`` and ``/tmp`` are size-capped tmpfs;
+  RLIMIT_FSIZE caps each file.
+- **Output floods**: ``max_output_bytes`` per stream, then the run is killed.
+- **Network egress**: ``network_mode="none"`` (only a loopback of its own).
+- **Reading host files**: only the image's files (and ``volumes=`` you pass) are visible.
+- **Writing outside scratch**: read-only root, unprivileged uid 1000, all capabilities
+  dropped, ``no-new-privileges``.
+- **Orphans, signals**: the container's PID namespace; leftover processes of a run are killed
+  when it returns. **Env leakage**: exec gets ``BASE_ENV`` + ``env=`` only.
+
+Does NOT protect against: kernel exploits (the default seccomp profile applies, nothing more),
+a compromised or remote engine, images that ship secrets. Persistent sessions run as uid
+1001 (group 1000) so a ``run``'s cleanup does not kill them. ``exit_code`` follows the 128+N
+convention like every backend. Interrupting one session command (instead of restarting the
+session) needs the engine on this host (it finds the process via ``/proc``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import select
+import socket
+import struct
+import subprocess
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from sandboxes.base import ExecResult, Limits, Sandbox, Session, _decode
+from sandboxes.errors import SandboxConfigError, SandboxError, SandboxFileError, SandboxUnavailableError
+
+__all__ = ["DockerSandbox"]
+
+RUN_USER, SESSION_USER, KEEPALIVE_USER = "1000:1000", "1001:1000", "65534:65534"
+"""Runs, sessions and the container's sleeping main process each have a uid, so ``kill -9 -1``
+as one of them (a run's cleanup) never touches the others."""
+_WRAP = 'umask 002; "$@"; rc=$?; kill -9 -1 2>/dev/null; exit $rc'
+_GRACE_S = 2.0
+
+
+def _import_docker() -> Any:
+    try:
+        import docker
+    except ImportError:
+        raise SandboxUnavailableError(
+            "the docker backend needs the docker SDK: pip install 'envhub[docker]' (or pip install docker)"
+        ) from None
+    return docker
+
+
+class _ExecStream:
+    """A hijacked ``docker exec`` socket: write stdin, read (stream, bytes) frames with a deadline."""
+
+    def __init__(self, api: Any, exec_id: str) -> None:
+        self.exec_id = exec_id
+        self._wrapper = api.exec_start(exec_id, socket=True, demux=False)
+        self.sock: socket.socket = getattr(self._wrapper, "_sock", self._wrapper)
+        self.sock.setblocking(False)
+        self._buf = bytearray()
+        self.eof = False
+
+    def send(self, data: bytes, deadline: float) -> None:
+        view = memoryview(data)
+        while view and time.monotonic() < deadline:
+            _, ready, _ = select.select([], [self.sock], [], 0.2)
+            if ready:
+                try:
+                    view = view[self.sock.send(view[:65536]):]
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    return
+
+    def close_stdin(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_WR)
+
+    def frames(self, timeout: float) -> list[tuple[int, bytes]]:
+        """Frames available within ``timeout`` (empty list if none); sets ``eof`` at the end."""
+        ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+        if ready:
+            try:
+                chunk = self.sock.recv(65536)
+            except BlockingIOError:
+                chunk = None
+            except OSError:
+                chunk = b""
+            if chunk == b"":
+                self.eof = True
+            elif chunk:
+                self._buf += chunk
+        out = []
+        while len(self._buf) >= 8:
+            kind, size = self._buf[0], struct.unpack(">I", self._buf[4:8])[0]
+            if len(self._buf) < 8 + size:
+                break
+            out.append((kind, bytes(self._buf[8:8 + size])))
+            del self._buf[:8 + size]
+        return out
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        with contextlib.suppress(Exception):
+            self._wrapper.close()
+
+
+class DockerSandbox(Sandbox):
+    """A container per sandbox. See the module docstring for what it protects against.
+
+    ``image``: an image present on the engine (it is never pulled unless ``pull=True``).
+    ``client``: a ``docker.DockerClient`` (default: ``docker.from_env()``, i.e. ``DOCKER_HOST``).
+    ``volumes``: extra mounts in the SDK's form, e.g. ``{"/usr": {"bind": "/usr", "mode": "ro"}}``.
+    ``cpus``: CPU quota of the container (``nano_cpus``).
+    """
+
+    backend = "docker"
+
+    def __init__(self, *, limits: Limits | None = None, image: str = "python:3.11-slim", client: Any = None,
+                 base_url: str | None = None, volumes: Mapping[str, Any] | None = None, cpus: float = 1.0,
+                 pull: bool = False) -> None:
+        super().__init__(limits=limits)
+        if not isinstance(image, str) or not image:
+            raise SandboxConfigError(f"image must be an image name like 'python:3.11-slim', got {image!r}")
+        if not (isinstance(cpus, (int, float)) and cpus > 0):
+            raise SandboxConfigError(f"cpus must be a positive number, got {cpus!r}")
+        self.image, self.cpus, self.pull = image, float(cpus), pull
+        self.volumes = dict(volumes or {})
+        self._client, self._base_url = client, base_url
+        self.container: Any = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    def _start(self) -> None:
+        docker = _import_docker()
+        try:
+            if self._client is None:
+                self._client = docker.DockerClient(base_url=self._base_url) if self._base_url else docker.from_env()
+            self._client.ping()
+        except Exception as e:  # noqa: BLE001 - any failure to reach the engine
+            raise SandboxUnavailableError(
+                f"no Docker engine reachable ({self._base_url or os.environ.get('DOCKER_HOST', 'default socket')}): "
+                f"{e}. Start dockerd or set DOCKER_HOST / base_url=.") from None
+        self.api = self._client.api
+        try:
+            self._client.images.get(self.image)
+        except docker.errors.ImageNotFound:
+            if not self.pull:
+                raise SandboxUnavailableError(
+                    f"image {self.image!r} is not on the engine; `docker pull {self.image}` (or build/import it), "
+                    "or pass pull=True") from None
+            self._client.images.pull(self.image)
+        lim = self.limits
+        cpu = max(1, math.ceil(lim.cpu_time_s))
+        ulimits = [docker.types.Ulimit(name="cpu", soft=cpu, hard=cpu + 1),
+                   docker.types.Ulimit(name="fsize", soft=lim.max_file_size_mb << 20, hard=lim.max_file_size_mb << 20),
+                   docker.types.Ulimit(name="core", soft=0, hard=0),
+                   docker.types.Ulimit(name="nofile", soft=1024, hard=1024)]
+        try:
+            self.container = self._client.containers.run(
+                self.image, ["sleep", "infinity"], detach=True, init=True, user=KEEPALIVE_USER,
+                working_dir=self.workdir, hostname="sandbox", read_only=True,
+                network_mode=None if lim.network else "none",
+                mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m",
+                pids_limit=lim.max_processes + 3,
+                nano_cpus=int(self.cpus * 1e9), cap_drop=["ALL"], security_opt=["no-new-privileges"],
+                ulimits=ulimits, environment={}, labels={"envhub.sandbox": self.id}, volumes=self.volumes,
+                tmpfs={self.workdir: f"rw,exec,size={lim.disk_mb}m,uid=1000,gid=1000",
+                       "/tmp": f"rw,exec,size={lim.disk_mb}m,mode=1777"})
+        except Exception as e:  # noqa: BLE001
+            for leftover in self._client.containers.list(all=True, filters={"label": f"envhub.sandbox={self.id}"}):
+                with contextlib.suppress(Exception):
+                    leftover.remove(force=True)
+            raise SandboxError(f"could not start a container from {self.image!r}: {e}") from e
+        # group-writable scratch, so sessions (uid 1001, group 1000) share it with runs
+        setup = self._quick(["chmod", "2770", self.workdir], user=RUN_USER)
+        if setup.exit_code != 0:
+            self._stop()
+            raise SandboxError(f"could not prepare {self.workdir} in image {self.image!r}: {setup.stderr.strip()}")
+
+    def _kill_running(self) -> None:
+        container = self.container
+        if container is not None:
+            with contextlib.suppress(Exception):
+                container.kill()
+
+    def _stop(self) -> None:
+        if self.container is not None:
+            with contextlib.suppress(Exception):
+                self.container.remove(force=True)
+            self.container = None
+
+    def _reset(self) -> None:
+        for user in (SESSION_USER, RUN_USER):
+            self._quick(["kill", "-9", "-1"], user=user)
+        r = self._quick(["sh", "-c", f"find {self.workdir} /tmp -mindepth 1 -delete 2>&1"], user=RUN_USER)
+        if r.exit_code != 0:  # something it cannot delete: start over with a new container
+            self._stop()
+            self._start()
+
+    # ---- exec ------------------------------------------------------------------------------
+    def _exec_stream(self, argv: list[str], *, env: Mapping[str, str], user: str) -> _ExecStream:
+        try:
+            created = self.api.exec_create(self.container.id, argv, stdin=True, stdout=True, stderr=True, tty=False,
+                                           environment=dict(env), workdir=self.workdir, user=user)
+            return _ExecStream(self.api, created["Id"])
+        except Exception as e:  # noqa: BLE001 - container gone, engine down
+            raise SandboxError(f"docker exec in {self!r} failed: {e}") from e
+
+    def _quick(self, argv: list[str], *, user: str, stdin: bytes | None = None, timeout: float = 30.0,
+               max_bytes: int = 1 << 20) -> ExecResult:
+        """An internal exec (cleanup, file transfer) with the engine's view of the exit code."""
+        return self._drive(argv, user=user, env=self._env({}), stdin=stdin, timeout=timeout, max_bytes=max_bytes,
+                           kill_user=user)
+
+    def _kill_user(self, user: str) -> None:
+        with contextlib.suppress(SandboxError):
+            stream = self._exec_stream(["kill", "-9", "-1"], env={}, user=user)
+            deadline = time.monotonic() + 5
+            while not stream.eof and time.monotonic() < deadline:
+                stream.frames(0.2)
+            stream.close()
+
+    def _drive(self, argv: list[str], *, user: str, env: Mapping[str, str], stdin: bytes | None, timeout: float,
+               max_bytes: int, kill_user: str) -> ExecResult:
+        t0 = time.monotonic()
+        stream = self._exec_stream(argv, env=env, user=user)
+        deadline = t0 + timeout
+        if stdin:
+            stream.send(stdin, deadline)
+        stream.close_stdin()
+        bufs = {1: bytearray(), 2: bytearray()}
+        timed_out = truncated = False
+        killer: _ExecStream | None = None
+        give_up: float | None = None
+        try:
+            while not stream.eof:
+                now = time.monotonic()
+                if killer is None and now >= deadline:
+                    timed_out = True
+                if killer is None and (timed_out or truncated):
+                    # kill from a second exec, and keep draining this one: the engine stalls
+                    # new execs while an exec's output is left unread
+                    with contextlib.suppress(SandboxError):
+                        killer = self._exec_stream(["kill", "-9", "-1"], env={}, user=kill_user)
+                        killer.close_stdin()
+                    give_up = time.monotonic() + _GRACE_S
+                if give_up is not None and now >= give_up:
+                    break
+                for kind, data in stream.frames(min(0.5, max(0.0, (give_up or deadline) - now))):
+                    buf = bufs.get(kind, bufs[2])
+                    room = max_bytes - len(buf)
+                    buf += data[:max(0, room)]
+                    truncated = truncated or len(data) > room
+                if killer is not None and not killer.eof:
+                    killer.frames(0)
+        finally:
+            stream.close()
+            if killer is not None:
+                killer.close()
+        code = self._exit_code(stream.exec_id)
+        wall = time.monotonic() - t0
+        oom = code == 137 and not timed_out and not truncated and self._oom_since(t0, wall)
+        return ExecResult(exit_code=code, stdout=_decode(bytes(bufs[1])), stderr=_decode(bytes(bufs[2])),
+                          wall_time_s=wall, timed_out=timed_out, oom_killed=oom, output_truncated=truncated,
+                          cpu_time_exceeded=code == 152 and not timed_out)
+
+    def _exit_code(self, exec_id: str) -> int:
+        for _ in range(100):
+            info = self.api.exec_inspect(exec_id)
+            if not info.get("Running") and info.get("ExitCode") is not None:
+                return int(info["ExitCode"])
+            time.sleep(0.01)
+        return 137
+
+    def _oom_since(self, t0_monotonic: float, wall: float) -> bool:
+        since = time.time() - wall - 1.0
+        try:
+            events = self.api.events(since=int(since), until=int(time.time()) + 1, decode=True,
+                                     filters={"container": self.container.id, "event": "oom"})
+            return any(True for _ in events)
+        except Exception:  # noqa: BLE001 - no event stream: report what we know
+            return False
+
+    def _exec(self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]) -> ExecResult:
+        return self._drive(["/bin/sh", "-c", _WRAP, "envhub", *argv], user=RUN_USER, env=env, stdin=stdin,
+                           timeout=timeout, max_bytes=self.limits.max_output_bytes, kill_user=RUN_USER)
+
+    # ---- files -----------------------------------------------------------------------------
+    def _write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
+        path = "/".join((self.workdir, *parts))
+        r = self._quick(["sh", "-c", 'umask 002; mkdir -p "$(dirname "$1")" && cat > "$1"', "sh", path],
+                        user=RUN_USER, stdin=data)
+        if r.exit_code != 0:
+            raise SandboxFileError(f"could not write {path!r} in {self!r}: {r.stderr.strip() or r.describe()}")
+
+    def _read_bytes(self, parts: tuple[str, ...]) -> bytes:
+        path = "/".join((self.workdir, *parts))
+        stream = self._exec_stream(["sh", "-c", 'test -f "$1" && exec cat -- "$1"', "sh", path], env=self._env({}),
+                                   user=RUN_USER)
+        stream.close_stdin()
+        out, err = bytearray(), bytearray()
+        deadline = time.monotonic() + 60
+        while not stream.eof and time.monotonic() < deadline:
+            for kind, data in stream.frames(0.5):
+                (out if kind == 1 else err).extend(data)
+        stream.close()
+        if self._exit_code(stream.exec_id) != 0:
+            raise SandboxFileError(f"{path!r} is not a readable regular file in {self!r} {_decode(bytes(err)).strip()}")
+        return bytes(out)
+
+    # ---- sessions --------------------------------------------------------------------------
+    def _open_session(self, language: str) -> Session:
+        from sandboxes.session import PipeSession
+
+        def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
+            stream = self._exec_stream(["/bin/sh", "-c", 'umask 002; exec "$@"', "envhub", *argv],
+                                       env=self._env({}), user=SESSION_USER)
+            return _ExecProcess(self.api, stream)  # type: ignore[return-value]
+
+        def kill(proc: subprocess.Popen[bytes]) -> None:
+            self._kill_user(SESSION_USER)
+            proc.kill()
+
+        return PipeSession(language, spawn=spawn, kill=kill, cleanup=lambda: None, limits=self.limits,
+                           workdir=self.workdir)
+
+
+class _ExecProcess:
+    """Enough of ``subprocess.Popen`` over a docker exec for ``PipeSession``: real OS pipes for
+    stdin/stdout/stderr, pumped to and from the exec socket by one thread."""
+
+    def __init__(self, api: Any, stream: _ExecStream) -> None:
+        self._api, self._stream = api, stream
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        self.stdin, self.stdout, self.stderr = os.fdopen(in_w, "wb"), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")
+        self._fds = (in_r, out_w, err_w)
+        self.returncode: int | None = None
+        self._pid = 0
+        self._thread = threading.Thread(target=self._pump, daemon=True, name="docker-session-pump")
+        self._thread.start()
+
+    def _pump(self) -> None:
+        in_r, out_w, err_w = self._fds
+        os.set_blocking(in_r, False)
+        try:
+            while not self._stream.eof:
+                with contextlib.suppress(BlockingIOError):
+                    data = os.read(in_r, 65536)
+                    if data:
+                        self._stream.send(data, time.monotonic() + 30)
+                for kind, chunk in self._stream.frames(0.02):
+                    with contextlib.suppress(OSError):
+                        os.write(out_w if kind == 1 else err_w, chunk)
+        finally:
+            self._stream.close()
+            for fd in self._fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            info: dict[str, Any] = {}
+            with contextlib.suppress(Exception):
+                for _ in range(50):
+                    info = self._api.exec_inspect(self._stream.exec_id)
+                    if not info.get("Running"):
+                        break
+                    time.sleep(0.01)
+            code = info.get("ExitCode")
+            self.returncode = int(code) if code is not None else 137
+
+    @property
+    def pid(self) -> int:
+        """The exec's host pid (0 if the engine does not say, e.g. a remote engine)."""
+        for _ in range(50):
+            if self._pid or self.returncode is not None:
+                break
+            with contextlib.suppress(Exception):
+                self._pid = int(self._api.exec_inspect(self._stream.exec_id).get("Pid") or 0)
+            if not self._pid:
+                time.sleep(0.01)
+        return self._pid
+
+    def poll(self) -> int | None:
+        return self.returncode if not self._thread.is_alive() else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise subprocess.TimeoutExpired("docker exec", timeout or 0)
+        return self.returncode if self.returncode is not None else 137
+
+    def kill(self) -> None:
+        self._stream.close()

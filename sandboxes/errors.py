@@ -1,0 +1,46 @@
+"""Errors raised by ``sandboxes``: each says what failed, the bad value, and the fix.
+
+Everything derives from :class:`SandboxError`, so a caller that only wants "the sandbox could
+not do it" catches one class. What the *sandboxed program* did (crashed, timed out, ran out of
+memory) is never an exception: it is data in :class:`sandboxes.ExecResult`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "SandboxError",
+    "SandboxConfigError",
+    "SandboxUnavailableError",
+    "SandboxStateError",
+    "SandboxFileError",
+    "SessionError",
+    "PoolClosedError",
+]
+
+
+class SandboxError(RuntimeError):
+    """Base class: the sandbox machinery (not the sandboxed program) failed."""
+
+
+class SandboxConfigError(SandboxError, ValueError):
+    """A bad argument: an unknown backend, a negative limit, a malformed env var."""
+
+
+class SandboxUnavailableError(SandboxError):
+    """The backend cannot run on this host (tool missing, no permission, no engine, no key)."""
+
+
+class SandboxStateError(SandboxError):
+    """The sandbox is in the wrong state for the call (not started, already stopped)."""
+
+
+class SandboxFileError(SandboxError):
+    """A file path is outside the scratch directory, missing, or not a regular file."""
+
+
+class SessionError(SandboxError):
+    """A persistent session died or could not be started."""
+
+
+class PoolClosedError(SandboxError):
+    """``SandboxPool.acquire`` was called after ``close()``."""

@@ -1,0 +1,294 @@
+"""Persistent sessions: one long-lived ``bash`` or Python interpreter inside a sandbox.
+
+The interpreter reads commands from a pipe. Each call sends the code plus a random nonce;
+the interpreter runs it *in its own state* (``eval`` in bash, ``exec`` in one globals dict in
+Python) with stdin from ``/dev/null``, then prints an end marker carrying the exit status on
+stdout and a second one on stderr. We read both streams until both markers arrive.
+
+On timeout we first interrupt just the command (SIGKILL to the shell's descendants; SIGINT
+to the Python interpreter, which raises ``KeyboardInterrupt`` in the cell), so cwd, variables
+and imports survive. If the marker still does not come, the interpreter is killed and
+restarted, and ``restarts`` counts it. Output past ``max_output_bytes`` interrupts the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import selectors
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+from sandboxes.base import ExecResult, Limits, Session, _decode
+from sandboxes.errors import SessionError
+
+__all__ = ["PipeSession", "PYTHON_DRIVER", "bash_frame", "python_frame"]
+
+_MARK = b"__ENVHUB_END_"
+_GRACE_S = 2.0
+
+PYTHON_DRIVER = r"""
+import ast, os, signal, sys, traceback
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background launch may have ignored it
+proto = os.fdopen(os.dup(0), "rb", buffering=0)
+null = os.open(os.devnull, os.O_RDONLY); os.dup2(null, 0); os.close(null)
+sys.stdin = open(os.devnull)
+g = {"__name__": "__main__", "__builtins__": __builtins__}
+def read_exact(n):
+    data = b""
+    while len(data) < n:
+        chunk = proto.read(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+while True:
+    try:
+        line = b""
+        while not line.endswith(b"\n"):
+            c = proto.read(1)
+            if not c:
+                raise EOFError
+            line += c
+        nonce, size = line.split()
+        code = read_exact(int(size)).decode()
+    except EOFError:
+        break
+    rc = 0
+    try:
+        try:
+            tree = ast.parse(code, "<cell>", "exec")
+            last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+            exec(compile(tree, "<cell>", "exec"), g)
+            if last is not None:
+                value = eval(compile(ast.Expression(last.value), "<cell>", "eval"), g)
+                if value is not None:
+                    print(repr(value))
+        except SystemExit as e:
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        except KeyboardInterrupt:
+            traceback.print_exc(); rc = 130
+        except BaseException:
+            traceback.print_exc(); rc = 1
+    except KeyboardInterrupt:
+        rc = 130
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os.write(1, b"\n__ENVHUB_END_" + nonce + b"_RC_" + str(rc).encode() + b"\n")
+    os.write(2, b"\n__ENVHUB_END_" + nonce + b"\n")
+"""
+
+
+def bash_frame(code: str, nonce: str) -> bytes:
+    """``eval $'<code as \\xHH>' </dev/null`` + end markers: any text, even broken syntax, is safe."""
+    quoted = "".join(f"\\x{b:02x}" for b in code.encode())
+    return (f"eval $'{quoted}' </dev/null\n__envhub_rc=$?\n"
+            f"printf '\\n{_MARK.decode()}{nonce}_RC_%d\\n' \"$__envhub_rc\"\n"
+            f"printf '\\n{_MARK.decode()}{nonce}\\n' >&2\n").encode()
+
+
+def python_frame(code: str, nonce: str) -> bytes:
+    data = code.encode()
+    return f"{nonce} {len(data)}\n".encode() + data
+
+
+_COMMANDS = {
+    "bash": (["bash", "--noprofile", "--norc"], bash_frame, "bash"),
+    "python": (["python3", "-I", "-u", "-c", PYTHON_DRIVER], python_frame, "python3"),
+}
+
+
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError):
+                kids += [int(x) for x in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return kids
+
+
+def _descendants(pid: int) -> list[int]:
+    out, i = [pid], 0  # breadth-first, so the shallowest match comes first
+    while i < len(out):
+        out += [kid for kid in _children(out[i]) if kid not in out]
+        i += 1
+    return out[1:]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+class _Stream:
+    """One output stream: keeps up to ``cap`` bytes and spots the end marker."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap, self.kept, self.window, self.truncated = cap, bytearray(), bytearray(), False
+
+    def feed(self, chunk: bytes, marker: re.Pattern[bytes]) -> re.Match[bytes] | None:
+        self.window += chunk
+        found = marker.search(self.window)
+        body = self.window[:found.start()] if found else self.window[:max(0, len(self.window) - 96)]
+        room = self.cap - len(self.kept)
+        if len(body) > room:
+            self.truncated = True
+        self.kept += body[:max(0, room)]
+        self.window = self.window[found.end():] if found else self.window[len(body):]
+        return found
+
+
+class PipeSession(Session):
+    """A persistent interpreter driven over pipes; backends supply ``spawn`` and ``kill``."""
+
+    def __init__(self, language: str, *, spawn: Callable[[list[str]], subprocess.Popen[bytes]],
+                 kill: Callable[[subprocess.Popen[bytes]], None], cleanup: Callable[[], None],
+                 limits: Limits, workdir: str) -> None:
+        self.language = language
+        self._argv, self._frame, self._comm = _COMMANDS[language]
+        self._spawn, self._kill, self._cleanup = spawn, kill, cleanup
+        self._limits, self.workdir = limits, workdir
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._closed = False
+        self.restarts = 0
+        self._launch()
+
+    def _launch(self) -> None:
+        self._proc = self._spawn(self._argv)
+        for stream in (self._proc.stdout, self._proc.stderr):
+            os.set_blocking(stream.fileno(), False)  # type: ignore[union-attr]
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._proc is not None and self._proc.poll() is None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._proc is not None:
+            self._kill(self._proc)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+            for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
+                if stream is not None:
+                    stream.close()
+        self._cleanup()
+
+    def _restart(self) -> None:
+        if self._proc is not None:
+            self._kill(self._proc)
+            self._proc.wait()
+            for stream in (self._proc.stdin, self._proc.stdout, self._proc.stderr):
+                if stream is not None:
+                    stream.close()
+        self.restarts += 1
+        self._launch()
+
+    def _interpreter_pid(self) -> int | None:
+        """The host pid of the interpreter (the shallowest descendant named like it)."""
+        if self._proc is None or not self._proc.pid:
+            return None
+        for pid in [self._proc.pid, *_descendants(self._proc.pid)]:
+            if _comm(pid) == self._comm:
+                return pid
+        return None
+
+    def _interrupt(self) -> None:
+        """Stop the running command but keep the interpreter (and its state)."""
+        pid = self._interpreter_pid()
+        if pid is None:
+            return
+        for _ in range(3):
+            for kid in _descendants(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(kid, signal.SIGKILL)
+        if self.language == "python":
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGINT)
+
+    def run(self, code: str, *, timeout: float | None = None) -> ExecResult:
+        if self._closed:
+            raise SessionError(f"this {self.language} session is closed; open a new one with sandbox.session()")
+        if not isinstance(code, str):
+            raise SessionError(f"session code must be a str, got {type(code).__name__}")
+        if not self.alive:
+            self._restart()
+        proc = self._proc
+        if proc is None or proc.stdin is None or proc.stdout is None or proc.stderr is None:
+            raise SessionError(f"the {self.language} session has no interpreter pipes; open a new session")
+        wall = timeout if timeout is not None else self._limits.wall_time_s
+        nonce = uuid.uuid4().hex
+        out_marker = re.compile(b"\n" + _MARK + nonce.encode() + rb"_RC_(-?\d+)\n")
+        err_marker = re.compile(b"\n" + _MARK + nonce.encode() + b"\n")
+        out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
+        streams = {out_fd: _Stream(self._limits.max_output_bytes), err_fd: _Stream(self._limits.max_output_bytes)}
+        t0 = time.monotonic()
+        try:
+            proc.stdin.write(self._frame(code, nonce))
+            proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+        rc: int | None = None
+        err_done = timed_out = interrupted = False
+        give_up = t0 + wall
+        sel = selectors.DefaultSelector()
+        for fd in streams:
+            sel.register(fd, selectors.EVENT_READ)
+        while rc is None or not err_done:
+            now = time.monotonic()
+            if now >= give_up:
+                if interrupted:
+                    break
+                timed_out = interrupted = True
+                self._interrupt()
+                give_up = now + _GRACE_S
+            events = sel.select(timeout=max(0.0, min(give_up - now, 0.5)))
+            for key, _ in events:
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except BlockingIOError:
+                    continue
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                stream = streams[key.fd]
+                if key.fd == out_fd:
+                    found = stream.feed(chunk, out_marker)
+                    if found:
+                        rc = int(found.group(1))
+                else:
+                    err_done = err_done or stream.feed(chunk, err_marker) is not None
+                if stream.truncated and not interrupted:
+                    interrupted = True
+                    self._interrupt()
+                    give_up = time.monotonic() + _GRACE_S
+            if not sel.get_map():
+                break  # the interpreter exited (e.g. `exit` in bash)
+        note = b""
+        if rc is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                if not sel.get_map():
+                    proc.wait(timeout=1)
+            if proc.poll() is not None:
+                rc = 128 + -proc.returncode if proc.returncode < 0 else proc.returncode
+                note = b"\n[envhub: the session's interpreter exited; the next call starts a fresh one]\n"
+            else:
+                rc = 137
+                self._restart()
+                note = b"\n[envhub: the command could not be interrupted; session restarted, state lost]\n"
+        sel.close()
+        out, err = streams[out_fd], streams[err_fd]
+        return ExecResult(exit_code=rc, stdout=_decode(bytes(out.kept)), stderr=_decode(bytes(err.kept) + note),
+                          wall_time_s=time.monotonic() - t0, timed_out=timed_out,
+                          output_truncated=out.truncated or err.truncated)

@@ -1,0 +1,83 @@
+"""Env-specific guarantees of the calculator, SQL and retrieval tools."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import envhub
+from envs.tools.base import ToolError
+from envs.tools.calculator import safe_eval
+from envs.tools.retrieval import RetrievalEnv
+
+
+@pytest.mark.parametrize("expression, value", [("2 + 3 * 4", 14), ("1,234 * 2", 2468), ("round(10 / 3, 2)", 3.33), ("2^10", 1024), ("ceil(7 / 2)", 4)])
+def test_calculator_evaluates_arithmetic(expression, value):
+    assert safe_eval(expression) == value
+
+
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("__import__('os').system('echo hi')", "is not allowed"),
+        ("(1).__class__", "is not allowed"),
+        ("9**9**9", "exponent too large"),
+        ("10**99 * 10**99", "out of range"),
+        ("1 / 0", "division by zero"),
+        ("sqrt(-1)", "math error"),
+        ("1 +", "cannot parse"),
+        ("1" * 600, "too long"),
+    ],
+)
+def test_calculator_refuses_code_and_runaway_numbers_quickly(expression, message):
+    start = time.perf_counter()
+    with pytest.raises(ToolError, match=message):
+        safe_eval(expression)
+    assert time.perf_counter() - start < 0.5
+
+
+def sql(env, query):
+    return env.step(f'<tool_call>{{"name": "run_sql", "arguments": {{"query": "{query}"}}}}</tool_call>')[0][0]["content"]
+
+
+def test_sql_is_read_only_and_bounded():
+    env = envhub.make("tools/sql-v0")
+    env.reset(seed=1)
+    assert "Error: SQL error" in sql(env, "DROP TABLE employees")
+    assert "Error: SQL error" in sql(env, "ATTACH DATABASE '/tmp/x.db' AS x")
+    assert "employees" in env.call_tool("list_tables", {})
+    start = time.perf_counter()
+    runaway = sql(env, "SELECT COUNT(*) FROM employees a, employees b, employees c, employees d, employees e")
+    assert "aborted" in runaway and time.perf_counter() - start < 10
+    assert "more rows" in sql(env, "SELECT a.id FROM employees a, employees b")
+    assert "no table named 'staff'" in env.step('<tool_call>{"name": "describe_table", "arguments": {"table": "staff"}}</tool_call>')[0][0]["content"]
+
+
+def test_sql_database_differs_by_task_and_survives_pickling():
+    import pickle
+
+    env = envhub.make("tools/sql-v0")
+    env.reset(seed=2)
+    copy = pickle.loads(pickle.dumps(env))
+    assert copy.call_tool("run_sql", {"query": "SELECT COUNT(*) FROM employees"}) == env.call_tool("run_sql", {"query": "SELECT COUNT(*) FROM employees"})
+    counts = set()
+    for seed in range(6):
+        env.reset(seed=seed)
+        counts.add(env.call_tool("run_sql", {"query": "SELECT COUNT(*), SUM(salary) FROM employees"}))
+    assert len(counts) > 1
+
+
+def test_retrieval_needs_two_hops_and_accepts_a_custom_corpus(tmp_path):
+    env = RetrievalEnv()
+    env.reset(options={"task_id": "doc-03-0"})
+    plan = env.plan()
+    assert sum('"read"' in step for step in plan) == 2
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"id": "a", "title": "Zorbl", "text": "Zorbl is a moon of Quax."}\n{"id": "b", "title": "Quax", "text": "Quax has 7 moons."}\n')
+    custom = RetrievalEnv(documents=str(docs), dataset=[{"question": "How many moons has the planet Zorbl orbits?", "answer": "7", "docs": ["a", "b"]}])
+    custom.reset(seed=0)
+    assert "[a] Zorbl" in custom.call_tool("search", {"query": "zorbl moon"})
+    while not custom.done:
+        _, reward, *_ = custom.step(custom.expert_action())
+    assert reward == 1.0

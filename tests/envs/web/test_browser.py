@@ -1,0 +1,106 @@
+"""web/browser-v0 in real headless Chromium: tasks, timeouts, crashes, and reaping."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+
+import envhub
+from envhub.evaluate import AGENTS, run_episode
+from envs.web.browser_pool import BrowserPool, chromium_path
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(chromium_path() is None, reason="Chromium is not installed (apt-get install -y chromium)"),
+]
+pytest.importorskip("playwright", reason="Playwright is not installed (pip install 'envhub[web]')")
+
+
+def chromium_alive(pids):
+    alive = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def test_browser_env_passes_the_checker_and_leaves_no_chromium_behind():
+    spec = envhub.spec("web/browser-v0")
+    make = lambda: spec.make(max_turns=2, kinds=["store-hours"])  # noqa: E731 - short episodes keep this test fast
+    env = make()
+    env.reset(seed=0)
+    pids = BrowserPool.for_this_thread().pids
+    assert pids, "the pool should have started Chromium"
+    report = envhub.check_env(env, factory=make, raise_on_failure=False)
+    assert report.ok, [f"{r.name}: {r.message}" for r in report.failures]
+    assert chromium_alive(pids) == []
+
+
+def test_oracle_solves_every_task_kind_and_random_rarely_does():
+    env = envhub.make("web/browser-v0")
+    try:
+        for kind in ("signup", "contact", "member-id", "store-hours"):
+            messages, _ = env.reset(options={"task_id": f"{kind}-002"})
+            assert "Task:" in messages[-1]["content"] and "[1] link" in messages[-1]["content"]
+            while not env.done:
+                _, reward, terminated, _, info = env.step(env.expert_action())
+            assert terminated and info["success"] and reward == 1.0, kind
+        forms = envhub.make("web/browser-forms-v0", max_turns=6)
+        try:
+            random = [run_episode(forms, AGENTS["random"], seed=s) for s in range(3)]
+        finally:
+            forms.close()
+        assert not any(r.success for r in random)
+    finally:
+        env.close()
+
+
+def test_observation_has_element_ids_roles_and_values():
+    env = envhub.make("web/browser-v0")
+    try:
+        env.reset(options={"task_id": "signup-000"})
+        env.step("<answer>goto [/signup]</answer>")
+        reply, *_ = env.step("<answer>type [6] [Ada Park]</answer>")
+        text = reply[0]["content"]
+        assert '[6] textbox "Full name" value="Ada Park"' in text
+        assert 'combobox "Plan" value="Choose a plan" options=[Choose a plan, Basic, Plus, Pro]' in text
+        assert 'checkbox "I accept the terms" unchecked' in text
+        reply, _, _, _, info = env.step("<answer>click [99]</answer>")
+        assert "There is no element [99]" in reply[0]["content"] and info["invalid_action"]
+        reply, _, _, _, info = env.step("<answer>goto [http://example.com/]</answer>")
+        assert "limited to this site" in reply[0]["content"]
+    finally:
+        env.close()
+
+
+def test_a_page_that_never_loads_is_an_observation_not_a_hang():
+    env = envhub.make("web/browser-v0", page_timeout_s=1.5)
+    try:
+        env.reset(seed=0)
+        env._site.slow_seconds = 4
+        reply, _, terminated, _, _ = env.step("<answer>goto [/slow]</answer>")
+        assert "did not load within 1.5s" in reply[0]["content"] and not terminated
+    finally:
+        env.close()
+
+
+def test_a_browser_crash_mid_episode_is_a_failed_episode_and_the_pool_recovers():
+    env = envhub.make("web/browser-v0")
+    try:
+        env.reset(seed=0)
+        for pid in chromium_alive(BrowserPool.for_this_thread().pids):
+            os.kill(pid, signal.SIGKILL)
+        _, reward, terminated, _, info = env.step("<answer>click [2]</answer>")
+        assert terminated and info["failed"] and reward == 0.0
+        messages, _ = env.reset(seed=1)
+        assert "[1] link" in messages[-1]["content"]
+    finally:
+        env.close()
+    assert chromium_alive(BrowserPool.for_this_thread().pids) == []

@@ -1,0 +1,98 @@
+"""Fixtures for sandbox tests: real backends only.
+
+- ``make_sandbox_for``: parametrised over ``local-bwrap``, ``local-warm`` (bwrap + the warm
+  executor pools use), ``local-unshare`` and ``docker``;
+  each param skips with the reason when its tool is missing on this host.
+- ``docker_engine``: a private ``dockerd`` (``sandboxes.dockerd.private_dockerd``: own
+  data/exec roots and socket, no iptables, no bridge) started once per test session and
+  stopped by pid at the end; docker tests skip with its reason when it cannot start.
+- ``docker_image``: ``envhub-sandbox-test:1``, ``docker import``-ed from a tiny rootfs;
+  containers bind the host's ``/usr`` read-only, so no registry is needed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from sandboxes import Limits, Sandbox, SandboxUnavailableError
+from sandboxes.dockerd import HOST_USR_RO as USR_RO
+TEST_IMAGE = "envhub-sandbox-test:1"
+BACKENDS = [
+    pytest.param("bwrap", id="local-bwrap"),
+    pytest.param("warm", id="local-warm"),
+    pytest.param("unshare", id="local-unshare"),
+    pytest.param("docker", id="docker", marks=pytest.mark.docker),
+]
+
+
+@pytest.fixture(scope="session")
+def docker_engine() -> Iterator[str]:
+    """``unix://...`` of a dockerd started for this test session (stopped by pid at the end)."""
+    pytest.importorskip("docker", reason="docker SDK missing: pip install 'envhub[docker]'")
+    from sandboxes.dockerd import private_dockerd
+
+    engine = private_dockerd()
+    try:
+        url = engine.__enter__()
+    except SandboxUnavailableError as e:
+        pytest.skip(f"no Docker engine for the docker tests: {e}")
+    try:
+        yield url
+    finally:
+        engine.__exit__(None, None, None)
+
+
+@pytest.fixture(scope="session")
+def docker_image(docker_engine: str) -> str:
+    from sandboxes.dockerd import import_host_image
+
+    return import_host_image(docker_engine, TEST_IMAGE)
+
+
+def _local_skip_reason(kind: str) -> str | None:
+    from sandboxes import _host
+    from sandboxes._isolation import probe
+
+    return probe(kind, _host.UID_BASE - 1 if _host.is_root() and kind == "bwrap" else None)
+
+
+@pytest.fixture(params=BACKENDS)
+def make_sandbox_for(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandbox]]:
+    """``factory(**limit_fields)`` -> a started sandbox of this param's backend (stopped after)."""
+    kind = request.param
+    isolation = "bwrap" if kind == "warm" else kind
+    if kind == "warm" and os.geteuid() != 0:
+        pytest.skip("the warm executor needs root (cgroups)")
+    if kind != "docker" and (reason := _local_skip_reason(isolation)):
+        pytest.skip(f"local isolation {kind!r} unavailable: {reason}")
+    created: list[Sandbox] = []
+
+    def factory(**fields: object) -> Sandbox:
+        limits = Limits(**{"wall_time_s": 5.0, **fields})  # type: ignore[arg-type]
+        if kind == "docker":
+            from sandboxes.docker import DockerSandbox
+
+            sandbox: Sandbox = DockerSandbox(limits=limits, image=request.getfixturevalue("docker_image"),
+                                             base_url=request.getfixturevalue("docker_engine"), volumes=USR_RO)
+        else:
+            from sandboxes.local import LocalSandbox
+
+            sandbox = LocalSandbox(limits=limits, isolation=isolation, warm_exec=kind == "warm")
+        created.append(sandbox)
+        return sandbox.start()
+
+    factory.kind = kind  # type: ignore[attr-defined]
+    yield factory
+    for sandbox in created:
+        sandbox.stop()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The unshare fallback runs the adversarial suite in the default tier; its copy of the
+    contract tests (same code paths as bwrap above the launcher) is in the slow tier."""
+    for item in items:
+        if "test_contract.py" in item.nodeid and "[local-unshare]" in item.nodeid:
+            item.add_marker(pytest.mark.slow)

@@ -1,0 +1,234 @@
+"""Hostile programs, one property per test, on every backend that runs here.
+
+Each test attacks, then checks three things: the attack was contained (and reported in
+ExecResult), the same sandbox still runs a normal command, and the host is unharmed.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from sandboxes import Sandbox, SandboxFileError
+
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+def still_works(sb: Sandbox) -> None:
+    r = sb.run(["python3", "-c", "print('alive')"], timeout=20)
+    assert r.ok and r.stdout == "alive\n", r
+    assert subprocess.run(["true"]).returncode == 0  # the host can still fork
+
+
+def host_processes_with(marker: str) -> list[str]:
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline:
+                found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def test_infinite_loop_is_killed_at_the_wall_time_limit(make_sandbox_for):
+    sb = make_sandbox_for(cpu_time_s=60)
+    t0 = time.monotonic()
+    r = sb.run(["python3", "-c", "while True: pass"], timeout=1.0)
+    assert r.timed_out and not r.ok and r.exit_code == 137, r
+    assert time.monotonic() - t0 < 1.0 + 4.0, "the kill must follow the deadline closely"
+    still_works(sb)
+
+
+def test_cpu_time_limit_kills_a_busy_program(make_sandbox_for):
+    sb = make_sandbox_for(cpu_time_s=1)
+    r = sb.run(["python3", "-c", "while True: pass"], timeout=20)
+    assert not r.timed_out and r.cpu_time_exceeded and r.exit_code == 128 + 24, r
+    still_works(sb)
+
+
+def test_fork_bomb_is_capped_and_returns_in_bounded_time(make_sandbox_for):
+    sb = make_sandbox_for(max_processes=32)
+    counter = ("import os, time\nn = 0\nfor _ in range(500):\n    try:\n        pid = os.fork()\n"
+               "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30); os._exit(0)\n"
+               "    n += 1\nprint(n)\n")
+    r = sb.run(["python3", "-c", counter], timeout=20)
+    assert r.ok, r
+    assert int(r.stdout) < 32, f"forked {r.stdout.strip()} children with max_processes=32"
+    t0 = time.monotonic()
+    r = sb.run("bomb() { bomb | bomb & }; bomb; wait", timeout=3)
+    assert time.monotonic() - t0 < 3 + 10, "a fork bomb must not outlive its deadline by much"
+    assert r.timed_out or "Cannot fork" in r.stderr, r  # the process cap stopped it
+    still_works(sb)
+
+
+def test_memory_bomb_is_oom_killed_and_reported(make_sandbox_for):
+    sb = make_sandbox_for(memory_mb=128)
+    bomb = "chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))\n"
+    r = sb.run(["python3", "-c", bomb], timeout=30)
+    assert not r.ok and not r.timed_out, r
+    if getattr(sb, "protections", {}).get("memory", "cgroup").startswith("cgroup"):
+        assert r.oom_killed and r.exit_code == 137, r
+    else:
+        assert "MemoryError" in r.stderr, r
+    still_works(sb)
+
+
+def test_disk_fill_in_scratch_and_tmp_stops_at_the_cap(make_sandbox_for):
+    sb = make_sandbox_for(disk_mb=16, max_file_size_mb=64)
+    capped = getattr(sb, "protections", {}).get("disk", "tmpfs").startswith("tmpfs")  # non-root local: /tmp only
+    for target in ("big", "/tmp/big") if capped else ("/tmp/big",):
+        r = sb.run(f"dd if=/dev/zero of={target} bs=1M count=200 2>&1; stat -c %s {target}", timeout=20)
+        assert "No space left" in r.stdout, r
+        assert int(r.stdout.split()[-1]) <= 16 << 20, r
+    sb.run("rm -f big", timeout=10)
+    sb2 = make_sandbox_for(disk_mb=64, max_file_size_mb=4)
+    r = sb2.run("head -c 10000000 /dev/zero > one; echo rc=$?; stat -c %s one", timeout=20)
+    assert int(r.stdout.split()[-1]) <= 4 << 20, r
+    still_works(sb)
+
+
+def test_output_flood_is_truncated_and_the_run_stopped(make_sandbox_for):
+    sb = make_sandbox_for(max_output_bytes=50_000)
+    flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 4096); sys.stderr.write('y' * 4096)\n"
+    t0 = time.monotonic()
+    r = sb.run(["python3", "-c", flood], timeout=30)
+    assert r.output_truncated and not r.ok, r.describe()
+    assert len(r.stdout) <= 50_000 and len(r.stderr) <= 50_000
+    assert time.monotonic() - t0 < 15, "a flood must be cut off, not drained until the deadline"
+    still_works(sb)
+
+
+def test_network_egress_to_loopback_and_outside_fails(make_sandbox_for):
+    sb = make_sandbox_for()
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.5)
+    port = server.getsockname()[1]
+    probe = ("import socket, sys\n"
+             f"for host, port in (('127.0.0.1', {port}), ('192.0.2.1', 80)):\n"
+             "    try:\n        socket.create_connection((host, port), timeout=3); print(host, 'CONNECTED')\n"
+             "    except OSError as e:\n        print(host, e.errno)\n")
+    r = sb.run(["python3", "-c", probe], timeout=20)
+    try:
+        with pytest.raises(OSError):
+            server.accept()  # nothing from the sandbox reached the host's listener
+    finally:
+        server.close()
+    lines = dict(line.split() for line in r.stdout.splitlines())
+    assert r.ok and "CONNECTED" not in r.stdout, r
+    assert int(lines["127.0.0.1"]) in (errno.ECONNREFUSED, errno.ENETUNREACH), r
+    # no route at all (not a timeout): the packet never left the namespace
+    assert int(lines["192.0.2.1"]) == errno.ENETUNREACH, r
+    still_works(sb)
+
+
+def test_host_files_are_not_readable(make_sandbox_for):
+    sb = make_sandbox_for()
+    targets = ["/etc/shadow", "/root", str(PROJECT / "README.md"), str(PROJECT), "/home", "/etc/ssh", "/var/log"]
+    probe = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n"
+             "        data = os.listdir(p) if os.path.isdir(p) else open(p, 'rb').read(64)\n"
+             "        print(p, 'GOT', data)\n    except OSError as e:\n        print(p, 'DENIED', e.errno)\n")
+    r = sb.run(["python3", "-c", probe, *targets], timeout=20)
+    assert r.ok, r
+    verdicts = [line.split()[1] for line in r.stdout.splitlines()]
+    assert verdicts == ["DENIED"] * len(targets), r.stdout
+    still_works(sb)
+
+
+def test_writes_outside_scratch_fail_and_tmp_is_private(make_sandbox_for):
+    sb = make_sandbox_for()
+    marker = f"envhub-escape-{uuid.uuid4().hex}"
+    targets = [f"/usr/{marker}", f"/etc/{marker}", f"/{marker}", f"/proc/{marker}", str(PROJECT / marker)]
+    probe = ("import sys\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'w').write('x'); print(p, 'WROTE')\n"
+             "    except OSError as e:\n        print(p, 'DENIED', e.errno)\n")
+    r = sb.run(["python3", "-c", probe, *targets], timeout=20)
+    assert r.ok and "WROTE" not in r.stdout and r.stdout.count("DENIED") == len(targets), r
+    r = sb.run(f"echo hi > /tmp/{marker} && echo hi > {marker} && cat /tmp/{marker}", timeout=20)
+    assert r.ok and r.stdout == "hi\n", r
+    for host_path in [f"/tmp/{marker}", *targets]:
+        assert not os.path.exists(host_path), f"{host_path} appeared on the host"
+    still_works(sb)
+
+
+def test_background_processes_do_not_survive_a_timeout(make_sandbox_for):
+    sb = make_sandbox_for()
+    marker = f"{time.time_ns() % 10**6 + 1000}.{os.getpid() % 1000}"
+    script = (f"(sleep {marker} &); setsid sleep {marker} & nohup sleep {marker} >/dev/null 2>&1 & "
+              "python3 -c 'import os\nif os.fork(): os._exit(0)\nos.setsid()\nimport time; time.sleep(999)' & "
+              "while :; do :; done")
+    r = sb.run(script, timeout=1.5)
+    assert r.timed_out, r
+    deadline = time.monotonic() + 5
+    while (left := host_processes_with(f"sleep {marker}")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"orphans survived the timeout: {left}"
+    r = sb.run(f"sleep {marker} & echo started", timeout=10)  # and after a normal exit
+    assert r.ok and r.stdout == "started\n", r
+    time.sleep(0.3)
+    assert not host_processes_with(f"sleep {marker}")
+    still_works(sb)
+
+
+def test_signals_cannot_reach_the_host_and_cannot_stop_the_kill(make_sandbox_for):
+    sb = make_sandbox_for()
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        attack = (f"import os, signal\nfor target in ({victim.pid}, {os.getpid()}, 1, -1):\n    try:\n"
+                  "        os.kill(target, signal.SIGKILL) if target != -1 else None\n        print(target, 'sent')\n"
+                  "    except OSError as e:\n        print(target, 'refused', e.errno)\n")
+        r = sb.run(["python3", "-c", attack], timeout=20)
+        assert victim.poll() is None, "a host process was killed from inside the sandbox"
+        assert f"{victim.pid} sent" not in r.stdout or victim.poll() is None
+        stubborn = ("import signal, time\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
+                    "    signal.signal(s, signal.SIG_IGN)\nwhile True: time.sleep(0.01)\n")
+        r = sb.run(["python3", "-c", stubborn], timeout=1.0)
+        assert r.timed_out and r.exit_code == 137, r
+        r = sb.run("kill -9 -1; echo survived-own-kill", timeout=10)  # kills only its own namespace
+        assert victim.poll() is None
+    finally:
+        victim.kill()
+        victim.wait()
+    still_works(sb)
+
+
+def test_host_environment_does_not_leak(make_sandbox_for, monkeypatch):
+    secret = f"s3cr3t-{uuid.uuid4().hex}"
+    monkeypatch.setenv("ENVHUB_TEST_SECRET", secret)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    sb = make_sandbox_for()
+    r = sb.run("env; cat /proc/self/environ /proc/1/environ 2>/dev/null | tr '\\0' '\\n'",
+               env={"GIVEN": "yes"}, timeout=20)
+    assert secret not in r.stdout + r.stderr, "a host secret leaked into the sandbox"
+    assert "GIVEN=yes" in r.stdout and "AWS_SECRET_ACCESS_KEY" not in r.stdout
+    still_works(sb)
+
+
+def test_planted_symlinks_do_not_expose_host_files(make_sandbox_for):
+    sb = make_sandbox_for()
+    r = sb.run("ln -s /etc/shadow leak.txt && ln -s /etc etcdir && ln -s /root rootdir", timeout=20)
+    assert r.ok, r
+    host_shadow = Path("/etc/shadow").read_bytes() if os.access("/etc/shadow", os.R_OK) else b"\0never"
+    try:
+        data = sb.read_bytes("leak.txt")
+        assert data != host_shadow, "read_file followed a planted symlink to the host's /etc/shadow"
+    except SandboxFileError:
+        pass
+    marker = f"envhub-{uuid.uuid4().hex}"
+    for path in (f"etcdir/{marker}", f"rootdir/{marker}"):
+        try:
+            sb.write_file(path, "pwned")
+        except SandboxFileError:
+            pass
+    assert not os.path.exists(f"/etc/{marker}") and not os.path.exists(f"/root/{marker}")
+    still_works(sb)

@@ -1,0 +1,98 @@
+"""Losses pinned against values worked out by hand (arithmetic in comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer.algos.losses import (
+    aggregate, entropy_from_logits, gspo_loss, kl_estimate, policy_loss, ppo_clip_loss, value_loss,
+)
+
+
+def test_aggregation_modes_by_hand() -> None:
+    # row 0: losses [1, 2, 3] all masked in ; row 1: [4, x, x] only first in
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 50.0, 60.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    # token-mean: (1+2+3+4)/4 = 2.5
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx(2.5)
+    # seq-mean-token-mean: mean(6/3, 4/1) = 3
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx(3.0)
+    # seq-mean-token-sum: mean(6, 4) = 5
+    assert aggregate(loss, mask, "seq-mean-token-sum").item() == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="unknown loss aggregation 'mean'"):
+        aggregate(loss, mask, "mean")  # type: ignore[arg-type]
+
+
+def test_ppo_clip_asymmetric_bounds_by_hand() -> None:
+    # ratios e^{log r}: [1.5, 0.5, 1.1] ; advantages [+1, -1, +1]; clip_low 0.2, clip_high 0.28
+    # tok0: A>0, r=1.5 -> clip to 1.28: max(-1.5, -1.28) = -1.28 (clipped)
+    # tok1: A<0, r=0.5 -> clip to 0.8 : max(0.5, 0.8) = 0.8 (clipped)
+    # tok2: A>0, r=1.1 inside -> -1.1
+    logp = torch.log(torch.tensor([[1.5, 0.5, 1.1]]))
+    old = torch.zeros(1, 3)
+    adv = torch.tensor([[1.0, -1.0, 1.0]])
+    loss, clipped = ppo_clip_loss(logp, old, adv, clip_low=0.2, clip_high=0.28)
+    torch.testing.assert_close(loss, torch.tensor([[-1.28, 0.8, -1.1]]))
+    torch.testing.assert_close(clipped, torch.tensor([[1.0, 1.0, 0.0]]))
+
+
+def test_ppo_dual_clip_caps_negative_advantage_by_hand() -> None:
+    # A = -2, ratio = 10: plain PPO loss = max(20, 2*1.2=2.4) = 20 ; dual clip c=3 caps at -A*c = 6
+    # A = -2, ratio = 2: loss = max(4, 2.4) = 4 < 6 -> unchanged ; A = +1 is never dual-clipped
+    logp = torch.log(torch.tensor([[10.0, 2.0, 10.0]]))
+    adv = torch.tensor([[-2.0, -2.0, 1.0]])
+    loss, _ = ppo_clip_loss(logp, torch.zeros(1, 3), adv, 0.2, 0.2, dual_clip=3.0)
+    torch.testing.assert_close(loss, torch.tensor([[6.0, 4.0, -1.2]]))
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        ppo_clip_loss(logp, torch.zeros(1, 3), adv, dual_clip=0.5)
+
+
+def test_gspo_sequence_ratio_by_hand() -> None:
+    # row: token log-ratios [0.2, 0.0, (env, masked) 5.0] -> mean over policy tokens = 0.1
+    # s = e^0.1 = 1.10517 ; A = +1, clip_high = 0.05 -> clipped to 1.05 -> loss = -1.05 per token
+    logp = torch.tensor([[0.2, 0.0, 5.0]], requires_grad=True)
+    old = torch.zeros(1, 3)
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    adv = torch.ones(1, 3)
+    loss, clipped = gspo_loss(logp, old, adv, mask, clip_low=0.05, clip_high=0.05)
+    torch.testing.assert_close(loss[0, :2], torch.tensor([-1.05, -1.05]))
+    assert clipped[0, :2].tolist() == [1.0, 1.0]
+    # inside the bounds the per-token gradient is -A * s (the sequence ratio): with wide bounds
+    loss, _ = gspo_loss(logp, old, adv, mask, clip_low=0.5, clip_high=0.5)
+    aggregate(loss, mask, "seq-mean-token-mean").backward()
+    # d/dlogp_t of mean_t(-s * e^{logp_t - sg}) = -s/2 for each of the 2 policy tokens
+    torch.testing.assert_close(logp.grad[0, :2], torch.full((2,), -math.exp(0.1) / 2))
+    assert logp.grad[0, 2].item() == 0.0
+    with pytest.raises(ValueError, match="use 'ppo' or 'gspo'"):
+        policy_loss("trpo", logp, old, adv, mask, 0.2, 0.2)  # type: ignore[arg-type]
+
+
+def test_kl_estimators_by_hand() -> None:
+    # logp - ref = d = [0.5, -0.5]
+    logp = torch.tensor([0.0, -1.0])
+    ref = torch.tensor([-0.5, -0.5])
+    torch.testing.assert_close(kl_estimate(logp, ref, "k1"), torch.tensor([0.5, -0.5]))
+    torch.testing.assert_close(kl_estimate(logp, ref, "k2"), torch.tensor([0.125, 0.125]))
+    # k3 = e^{-d} + d - 1: e^-0.5 + 0.5 - 1 = 0.106531 ; e^0.5 - 0.5 - 1 = 0.148721
+    torch.testing.assert_close(kl_estimate(logp, ref, "k3"), torch.tensor([0.106531, 0.148721]), atol=1e-6, rtol=0)
+    with pytest.raises(ValueError, match="use 'k1', 'k2' or 'k3'"):
+        kl_estimate(logp, ref, "k4")  # type: ignore[arg-type]
+
+
+def test_entropy_by_hand() -> None:
+    # uniform over 4 -> ln 4 = 1.386294 ; one-hot (huge logit) -> ~0
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(entropy_from_logits(logits), torch.tensor([math.log(4), 0.0]), atol=1e-5, rtol=0)
+
+
+def test_value_loss_clipped_by_hand() -> None:
+    # V=2, old=1, R=0, clip 0.5: V_clip = 1.5 ; 0.5*max(4, 2.25) = 2
+    # V=0.2, old=1, R=1: V_clip = 0.5 ; 0.5*max(0.64, 0.25) = 0.32
+    v = torch.tensor([2.0, 0.2])
+    out = value_loss(v, torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0]), clip=0.5)
+    torch.testing.assert_close(out, torch.tensor([2.0, 0.32]))
+    torch.testing.assert_close(value_loss(v, v, torch.zeros(2), clip=None), torch.tensor([2.0, 0.02]))

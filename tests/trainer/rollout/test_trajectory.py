@@ -1,0 +1,54 @@
+"""Trajectories: appended token ids equal a one-shot rendering; collate pads and places rewards."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate
+
+
+def test_appended_turns_equal_the_whole_conversation_rendered_at_once(policy) -> None:
+    _, tokenizer = policy
+    renderer = ChatRenderer(tokenizer)
+    conversation = [
+        {"role": "user", "content": "Let's play Frozen Lake on a 3x3 grid.\n\nP F H\nF F F\nH F G\n\nYour first move?"},
+        {"role": "assistant", "content": "down"},
+        {"role": "user", "content": "You moved down.\n\nS F H\nP F F\nH F G\n\nYour next move?"},
+        {"role": "assistant", "content": "right"},
+        {"role": "user", "content": "You moved right.\n\nS F H\nF P F\nH F G\n\nYour next move?"},
+    ]
+    ids = renderer.prompt(conversation[:1])
+    ids += renderer.answer("down") + renderer.continuation(conversation[2:3], stopped_on_eos=True)
+    ids += renderer.answer("right") + renderer.continuation(conversation[4:5], stopped_on_eos=True)
+    whole = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert ids == tokenizer.encode(whole, add_special_tokens=False)
+    # a turn cut off by the token limit (no EOS generated) gets the EOS as context
+    assert renderer.continuation(conversation[2:3], stopped_on_eos=False)[0] == tokenizer.eos_token_id
+
+
+def test_collate_pads_right_and_puts_turn_rewards_on_the_last_policy_token() -> None:
+    a = Trajectory("e", 0, group_id=3)
+    a.append_context([10, 11])
+    a.append_policy([12, 13], [-0.5, -0.25])
+    a.end_turn(0.5)
+    a.append_context([14])
+    a.append_policy([15], [-1.0])
+    a.end_turn(1.0)
+    a.final_reward = 2.0
+    b = Trajectory("e", 1, group_id=4)
+    b.append_context([20])
+    b.append_policy([21], [-0.1])
+    b.end_turn(-0.1)
+    batch = collate([a, b], pad_token_id=0)
+    assert batch["input_ids"].tolist() == [[10, 11, 12, 13, 14, 15], [20, 21, 0, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
+    assert batch["response_mask"].tolist() == [[0, 0, 1, 1, 0, 1], [0, 1, 0, 0, 0, 0]]
+    assert batch["old_logprobs"][0].tolist() == [0, 0, -0.5, -0.25, 0, -1.0]
+    # turn 1 reward at t=3 (its last policy token); turn 2 reward + final reward at t=5
+    assert batch["token_rewards"][0].tolist() == [0, 0, 0, 0.5, 0, 3.0]
+    assert batch["scores"].tolist() == [3.5, pytest.approx(-0.1)]
+    assert batch["group_ids"].tolist() == [3, 4]
+    with pytest.raises(ValueError, match="2 generated tokens but 1 log-probs"):
+        a.append_policy([1, 2], [0.0])

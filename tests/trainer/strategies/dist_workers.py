@@ -1,0 +1,97 @@
+"""Code that runs inside spawned ranks (importable by name, so ``mp.spawn`` can pickle it).
+
+Each function is one rank's body: it joins a gloo group on a given port, does its part and
+writes what the test asserts on into ``out`` (a ``mp.Manager().dict()``) under ``(rank, key)``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def tiny_qwen2(seed: int = 0, *, layers: int = 2, vocab: int = 61, tie: bool = False, bias: bool = True) -> Any:
+    """A small random Qwen2 (GQA: 4 query heads, 2 KV heads) built from a config."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=tie, rms_norm_eps=1e-6, rope_theta=10000.0)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if not bias:
+        for module in model.modules():
+            for name in ("q_proj", "k_proj", "v_proj"):
+                proj = getattr(module, name, None)
+                if proj is not None and proj.bias is not None:
+                    torch.nn.init.zeros_(proj.bias)
+    return model
+
+
+def tiny_batch(rows: int = 4, width: int = 12, vocab: int = 61, seed: int = 1) -> dict[str, Any]:
+    """Equal-length rows (no padding), so per-rank token-mean losses average to the global one."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (rows, width), generator=g)
+    mask = torch.ones(rows, width, dtype=torch.long)
+    response = mask.clone()
+    response[:, 0] = 0
+    return {"input_ids": ids, "attention_mask": mask, "response_mask": response}
+
+
+def nll_loss(out: Any, mb: Any) -> tuple[Any, dict[str, float]]:
+    mask = mb["response_mask"].float()
+    loss = -(out.logprobs * mask).sum() / mask.sum()
+    return loss, {"nll": float(loss.detach())}
+
+
+def join(rank: int, world: int, port: int) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def fsdp2_rank(rank: int, world: int, port: int, out: Any) -> None:
+    """Two FSDP2 runs on a tiny Qwen2: an even split (2 steps), then a ragged one (rank 0: 3 rows, rank 1: 1)."""
+    join(rank, world, port)
+    from trainer.strategies.distributed import shutdown_process_group
+    from trainer.strategies.fsdp2 import FSDP2TrainStrategy
+
+    for tag, rows_per_rank, steps in (("even", [2, 2], 2), ("ragged", [3, 1], 1)):
+        batch = tiny_batch(rows=sum(rows_per_rank))
+        start = sum(rows_per_rank[:rank])
+        mine = {k: v[start:start + rows_per_rank[rank]] for k, v in batch.items()}
+        strategy = FSDP2TrainStrategy(tiny_qwen2(), lr=1e-2, micro_batch_size=1, device="cpu")
+        out[(tag, rank, "logprobs")] = strategy.forward(mine).logprobs
+        out[(tag, rank, "metrics")] = [strategy.train_step(mine, nll_loss) for _ in range(steps)]
+        out[(tag, rank, "weights")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
+        out[(tag, rank, "state_keys")] = sorted(strategy.full_state_dict())
+    shutdown_process_group()
+
+
+def megatron_rank(rank: int, world: int, port: int, out: Any) -> None:
+    """Megatron on 2 gloo ranks: TP=2 (both ranks see half the rows each), then TP=1 x DP=2."""
+    join(rank, world, port)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from megatron.core import parallel_state as mpu
+
+    from trainer.strategies.distributed import shutdown_process_group
+    from trainer.strategies.megatron import MegatronTrainStrategy
+
+    batch = tiny_batch(rows=4)
+    mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
+    for tag, tp in (("tp2", 2), ("dp2", 1)):
+        strategy = MegatronTrainStrategy(tiny_qwen2(tie=tp == 1), lr=1e-2, micro_batch_size=2, device="cpu",
+                                         tensor_parallel_size=tp)
+        out[(tag, rank, "shard_rows")] = int(strategy.model.state_dict()["decoder.layers.0.mlp.linear_fc1.weight"].shape[0])
+        out[(tag, rank, "logprobs")] = strategy.forward(mine).logprobs
+        out[(tag, rank, "metrics")] = strategy.train_step(mine, nll_loss)
+        out[(tag, rank, "weights")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
+        mpu.destroy_model_parallel()
+    shutdown_process_group()

@@ -1,0 +1,175 @@
+"""Atomic checkpoints: round trip, RNG restore, pruning, and kill -9 in the middle of a write."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trainer.checkpoint import CheckpointManager, capture_rng, restore_rng
+from trainer.errors import CheckpointError
+
+torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0, then -e '.[train]')")
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def tiny_model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_round_trip_restores_model_optimizer_seeds_extra_and_rng(tmp_path: Path) -> None:
+    model, optimizer = tiny_model_and_optimizer()
+    manager = CheckpointManager(tmp_path, keep=2)
+    path = manager.save(
+        3,
+        states={"actor": model.state_dict(), "actor_optim": optimizer.state_dict()},
+        seeds={"data": 11, "env": [5, 6]},
+        extra={"episodes_seen": 96, "history": [0.1, 0.2]},
+        config={"train": {"lr": 0.1}},
+    )
+    after_save = (random.random(), float(np.random.rand()), float(torch.rand(1)))
+
+    fresh, fresh_optimizer = torch.nn.Linear(4, 2), None
+    ckpt = manager.load()
+    assert ckpt.path == path == tmp_path / "step_00000003" and ckpt.step == 3
+    fresh.load_state_dict(ckpt.load_state("actor"))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    fresh_optimizer.load_state_dict(ckpt.load_state("actor_optim"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    exp_avg = fresh_optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(exp_avg, optimizer.state_dict()["state"][0]["exp_avg"])
+    assert ckpt.seeds == {"data": 11, "env": [5, 6]}
+    assert ckpt.extra == {"episodes_seen": 96, "history": [0.1, 0.2]}
+    assert ckpt.config == {"train": {"lr": 0.1}}
+
+    random.random(), np.random.rand(), torch.rand(1)  # move every generator on
+    restore_rng(ckpt.rng)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == after_save
+
+
+def test_keep_prunes_old_checkpoints_and_latest_follows(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path, keep=2)
+    for step in range(1, 6):
+        manager.save(step, states={"w": torch.tensor([float(step)])}, rng=False)
+    assert [p.name for p in manager.list()] == ["step_00000004", "step_00000005"]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000005"
+    manager.save(5, states={"w": torch.tensor([50.0])})  # re-saving a step replaces it
+    assert float(manager.load().load_state("w")) == 50.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000004", "step_00000005"]
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, states={"w": torch.zeros(2)})
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        with manager.writing(2) as writer:
+            writer.save_state("w", torch.ones(2))
+            raise RuntimeError("disk on fire")
+    assert manager.latest() == tmp_path / "step_00000001"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+
+
+def test_files_written_by_callables_and_a_bad_pointer(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    manager.save(7, files={"hf_model": lambda folder: (folder / "config.json").write_text("{}")})
+    assert (tmp_path / "step_00000007" / "hf_model" / "config.json").read_text() == "{}"
+    (tmp_path / "latest").write_text("step_99999999\n")  # a stale pointer: the newest commit wins
+    assert manager.load().step == 7
+    CheckpointManager(tmp_path)  # and the next manager repairs the pointer
+    assert (tmp_path / "latest").read_text() == "step_00000007\n"
+
+
+def test_errors_name_the_fix(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path / "empty")
+    with pytest.raises(CheckpointError, match="no checkpoint in .*empty; run without --resume to start fresh"):
+        manager.load()
+    manager.save(1, states={"actor": {}}, rng=False)
+    with pytest.raises(CheckpointError, match=r"has no state 'critic'; it has \['actor'\]"):
+        manager.load().load_state("critic")
+    with pytest.raises(CheckpointError, match="state name 'a/b' must use only"):
+        manager.save(2, states={"a/b": 1})
+    with pytest.raises(CheckpointError, match="keep=0: must keep at least 1"):
+        CheckpointManager(tmp_path, keep=0)
+
+
+def test_rng_capture_covers_python_numpy_torch() -> None:
+    state = capture_rng()
+    assert {"python", "numpy", "torch"} <= set(state)
+
+
+# --------------------------------------------------------------------------- kill -9
+
+CHILD_MID_WRITE = """
+import sys, time, torch
+from trainer.checkpoint import CheckpointManager
+manager = CheckpointManager(sys.argv[1], keep=2)
+manager.save(1, states={"model": {"w": torch.ones(4)}}, seeds={"env": 1})
+with manager.writing(2) as writer:
+    writer.save_state("model", {"w": torch.full((4,), 2.0)})
+    print("MID-WRITE", flush=True)
+    time.sleep(120)
+"""
+
+CHILD_LOOP = """
+import sys, torch
+from trainer.checkpoint import CheckpointManager
+manager = CheckpointManager(sys.argv[1], keep=2)
+step = 0
+while True:
+    step += 1
+    manager.save(step, states={"model": {"w": torch.full((1 << 18,), float(step))}}, seeds={"step": step})
+    print(step, flush=True)
+"""
+
+
+def run_child(code: str, root: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def test_kill_9_mid_write_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    child = run_child(CHILD_MID_WRITE, tmp_path)
+    try:
+        assert child.stdout.readline().strip() == "MID-WRITE"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    assert any(p.name.startswith(".tmp-step_00000002") for p in tmp_path.iterdir())  # the torn write
+
+    manager = CheckpointManager(tmp_path)
+    assert [p.name for p in manager.removed_partial] and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+    ckpt = manager.load()
+    assert ckpt.step == 1 and ckpt.seeds == {"env": 1}
+    assert torch.equal(ckpt.load_state("model")["w"], torch.ones(4))
+
+
+def test_kill_9_at_an_arbitrary_moment_of_a_save_loop(tmp_path: Path) -> None:
+    child = run_child(CHILD_LOOP, tmp_path)
+    try:
+        while int(child.stdout.readline()) < 3:
+            pass
+        time.sleep(random.uniform(0.0, 0.2))  # somewhere inside a later save
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.wait(timeout=30)
+    manager = CheckpointManager(tmp_path)
+    complete = manager.list()
+    assert complete, "the completed checkpoints were lost"
+    ckpt = manager.load()
+    assert ckpt.path == complete[-1] and ckpt.step >= 3
+    assert (tmp_path / "latest").read_text().strip() == ckpt.path.name
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert float(ckpt.load_state("model")["w"][0]) == float(ckpt.step) and ckpt.seeds == {"step": ckpt.step}

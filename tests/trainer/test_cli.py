@@ -1,0 +1,103 @@
+"""`envhub train` end to end: a real short run, clear errors, NaN stop, and resume after kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
+from click.testing import CliRunner
+
+from envhub.cli import main
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+TINY = ["sft.episodes=16", "sft.batch_size=8", "eval.episodes=8", "env.num_groups=2", "env.group_size=4",
+        "logging.progress=false", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64"]
+
+
+def nan_reward(episode) -> float:
+    """A buggy user reward (importable by the reward worker)."""
+    return float("nan")
+
+
+def envhub_train(*args: str, cwd: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(QUICKSTART.parents[1]), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "envhub.cli", "train", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_short_run_writes_metrics_curve_checkpoints_and_policy(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = envhub_train(str(QUICKSTART), *TINY, "train.steps=2", "eval.every=0", f"output_dir={out}", cwd=tmp_path)
+    log, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, log
+    assert log.splitlines()[0] == f"output: {out.resolve()}"
+    metrics = rows(out)
+    assert [r["step"] for r in metrics] == [0, 1, 2]
+    assert metrics[0]["eval/success"] is not None and "sft/nll" in metrics[0]  # evaluated before any RL update
+    assert metrics[-1]["eval/success"] is not None  # and at the end
+    for key in ("time_s", "train/success", "train/reward", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
+                "timing/rollout_s", "timing/train_s"):
+        assert key in metrics[1], key
+    assert (out / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(out / "final_policy") is not None
+
+
+@pytest.mark.parametrize(("text", "override", "expected"), [
+    ("model: [unclosed", (), "broken YAML"),
+    ("env:\n  group_sise: 4\n", (), "env.group_sise: unknown key"),
+    ("model:\n  path: /nonexistent/qwen\n", (), "model.path '/nonexistent/qwen' is not a model folder"),
+])
+def test_bad_configs_fail_clearly(tmp_path: Path, text: str, override: tuple[str, ...], expected: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    result = CliRunner().invoke(main, ["train", str(config), f"output_dir={tmp_path / 'o'}", *override])
+    assert result.exit_code in (1, 2) and expected in result.output, result.output
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    out = tmp_path / "nan"
+    reward = "{kind: function, function: 'tests.trainer.test_cli:nan_reward'}"
+    result = CliRunner().invoke(main, ["train", str(QUICKSTART), *TINY, "train.steps=3", "sft.epochs=0",
+                                       f"output_dir={out}", f"env.rewards=[{reward}]"])
+    assert result.exit_code == 1, result.output
+    assert "step 1: the loss became nan" in result.output and "last good checkpoint is" in result.output
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000000"
+
+
+def test_resume_after_kill_9_gives_identical_next_step_metrics(tmp_path: Path) -> None:
+    out = tmp_path / "resume"
+    args = [str(QUICKSTART), *TINY, "train.steps=4", "checkpoint.every=2", "eval.every=0", f"output_dir={out}"]
+    proc = envhub_train(*args, cwd=tmp_path)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:  # kill once step 3 is logged, not checkpointed
+        if (out / "metrics.jsonl").exists() and any(r["step"] == 3 for r in rows(out)):
+            break
+        time.sleep(0.02)
+    assert proc.poll() is None, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    killed = {r["step"]: r for r in rows(out)}
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    resumed = envhub_train(*args, "--resume", cwd=tmp_path)
+    log, _ = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, log
+    after = {r["step"]: r for r in rows(out)}
+    assert sorted(after) == [0, 1, 2, 3, 4]
+    same = lambda row: {k: v for k, v in row.items() if not k.startswith("timing/") and k != "time_s"}  # noqa: E731
+    assert same(after[3]) == same(killed[3])  # the step after the checkpoint, replayed identically
+    assert after[3]["time_s"] >= after[2]["time_s"]

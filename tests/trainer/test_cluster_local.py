@@ -1,0 +1,98 @@
+"""Clusters on the in-process backend: typed calls, dispatch, ordering, futures, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+
+from tests.trainer.fake_workers import CountingCluster
+from trainer.config import RoleConfig
+from trainer.controller.batch import Batch
+from trainer.errors import DispatchError, WorkerCallError
+
+
+@pytest.fixture
+def cluster():
+    with CountingCluster("actor_train", world_size=3, worker_kwargs={"start": 10}) as c:
+        yield c
+
+
+def test_typed_calls_honour_the_registered_modes(cluster: CountingCluster) -> None:
+    out = cluster.double(Batch({"x": [1, 2, 3, 4, 5, 6]}))
+    assert out["x"] == [2, 4, 6, 8, 10, 12] and out["rank"] == [0, 0, 1, 1, 2, 2]
+    assert cluster.stats(Batch({"x": list(range(6))})) == {"rows": 2.0, "rank": 1.0}
+    assert cluster.add(5) == [15, 16, 17]
+    assert cluster.whoami()[0] == 0
+    with pytest.raises(DispatchError, match="does not split evenly over 3 ranks"):
+        cluster.double(Batch({"x": [1, 2]}))
+
+
+def overlap(intervals: list[tuple[float, float]]) -> bool:
+    """True when every interval overlaps every other one (they ran at the same time)."""
+    return max(start for start, _ in intervals) < min(end for _, end in intervals)
+
+
+def test_calls_to_one_worker_run_in_order_and_workers_run_concurrently(cluster: CountingCluster) -> None:
+    first = cluster.add_async(1, delay=0.3)
+    second = cluster.add_async(2)
+    assert not first.done()
+    assert second.result(timeout=30) == [13, 14, 15]  # waited for the first add on every rank
+    assert first.done() and first.result() == [11, 12, 13]
+    assert cluster.history() == [["add 1", "add 2"]] * 3
+    assert overlap(cluster.sleep_async(0.3).result())  # the three ranks slept at the same time
+
+
+def test_futures_are_awaitable(cluster: CountingCluster) -> None:
+    async def both() -> list:
+        return await asyncio.gather(cluster.add_async(1), cluster.add_async(1))
+
+    assert asyncio.run(both()) == [[11, 12, 13], [12, 13, 14]]
+
+
+def test_a_failing_rank_is_named(cluster: CountingCluster) -> None:
+    with pytest.raises(WorkerCallError, match=r"actor_train worker rank 2 failed in fail_on\(\): ValueError: rank 2 "
+                                              r"was told to fail") as info:
+        cluster.fail_on(2)
+    assert isinstance(info.value.__cause__, ValueError)
+
+    async def awaited() -> None:
+        await cluster._call_async("fail_on", 1)
+
+    with pytest.raises(WorkerCallError, match="rank 1 failed"):
+        asyncio.run(awaited())
+
+
+def test_timeouts_and_shutdown(cluster: CountingCluster) -> None:
+    slow = cluster.add_async(1, delay=0.5)
+    with pytest.raises(TimeoutError, match="actor_train.add did not finish within 0.05 s"):
+        slow.result(timeout=0.05)
+    assert slow.result() == [11, 12, 13]
+    cluster.shutdown()
+    with pytest.raises(DispatchError, match="is shut down"):
+        cluster.add(1)
+
+
+def test_offload_reload_and_placement_from_role_config() -> None:
+    config = RoleConfig(device_mapping=[2, 3, 4, 5], num_devices_per_worker=2)
+    with CountingCluster("critic", config) as c:
+        assert c.world_size == 2
+        c.offload()
+        info = c.node_info()
+        assert [i["devices"] for i in info] == [[2, 3], [4, 5]] and all(i["offloaded"] for i in info)
+        c.reload()
+        assert c.history() == [["offload", "reload"]] * 2
+
+
+def test_unregistered_method_is_refused(cluster: CountingCluster) -> None:
+    with pytest.raises(DispatchError, match="CountingWorker.__init__ is not registered"):
+        cluster._call("__init__")
+
+
+def test_importing_the_controller_core_loads_neither_ray_nor_torch() -> None:
+    code = ("import sys; import trainer.controller.dispatch, trainer.controller.cluster, trainer.devices, "
+            "trainer.config; print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,53 @@
+"""Buckets: bounded sizes, exact round trips of mixed dtypes, a clear error when one tensor cannot fit."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer.weights.buckets import ALIGN, iter_buckets, pack, plan_buckets  # noqa: E402
+from trainer.weights.errors import BucketTooSmallError  # noqa: E402
+
+
+def weights() -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        ("a.weight", torch.randn(33, 17, generator=g)),
+        ("b.weight", torch.randn(100, generator=g).to(torch.bfloat16)),
+        ("c.ids", torch.arange(7)),
+        ("d.weight", torch.randn(64, 64, generator=g)),
+        ("e.half", torch.randn(3, 5, generator=g).half()),
+    ]
+
+
+def test_round_trip_is_exact_for_every_dtype_and_bounded_in_size() -> None:
+    bound = 64 * 64 * 4 + ALIGN
+    buckets = list(iter_buckets(weights(), bound))
+    assert len(buckets) >= 2 and all(b.nbytes <= bound for b in buckets)
+    back = [item for bucket in buckets for item in bucket.tensors()]
+    assert [n for n, _ in back] == [n for n, _ in weights()]
+    for (name, got), (_, want) in zip(back, weights(), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
+
+
+def test_plan_matches_streaming_and_fails_before_anything_moves() -> None:
+    sizes = [(n, t.numel() * t.element_size()) for n, t in weights()]
+    plan = plan_buckets(sizes, 64 * 64 * 4 + ALIGN)
+    assert plan == [[m.name for m in b.metas] for b in iter_buckets(weights(), 64 * 64 * 4 + ALIGN)]
+    with pytest.raises(BucketTooSmallError, match=r"tensor 'd.weight' needs 16,384 bytes but bucket_bytes=4,096; "
+                                                  r"raise the bucket size to at least 16,384 bytes"):
+        plan_buckets(sizes, 4096)
+
+
+def test_streaming_raises_on_the_tensor_that_does_not_fit() -> None:
+    stream = iter_buckets(weights(), 3000)
+    with pytest.raises(BucketTooSmallError, match="tensor 'a.weight' needs 2,244 bytes|tensor 'd.weight'"):
+        list(stream)
+
+
+def test_pack_views_alias_the_one_buffer() -> None:
+    bucket = pack(weights()[:2])
+    _, first = next(bucket.tensors())
+    first.zero_()
+    assert int(bucket.buffer[:4].sum()) == 0

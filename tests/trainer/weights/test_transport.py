@@ -1,0 +1,116 @@
+"""Weight transport: shared memory and a gloo broadcast group into a real HFEngine in another
+process; after each sync its greedy outputs equal the trainer's; half syncs are never served."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.trainer.weights import procs  # noqa: E402
+from trainer.weights.buckets import iter_buckets  # noqa: E402
+from trainer.weights.errors import StaleWeightsError, TransportError  # noqa: E402
+from trainer.weights.transport import (  # noqa: E402
+    BroadcastGroup,
+    VersionedEngine,
+    confirm_versions,
+    share_bucket,
+)
+
+
+def trainer_weights(seed: int) -> tuple[list[tuple[str, torch.Tensor]], list[list[int]]]:
+    engine = procs.make_engine(seed)
+    seen: set[int] = set()
+    named = []
+    for name, tensor in engine.engine.model.state_dict().items():
+        if tensor.data_ptr() not in seen:  # tied lm_head sent once, as the sync does
+            seen.add(tensor.data_ptr())
+            named.append((name, tensor))
+    return named, procs.greedy(engine.engine)
+
+
+def test_shared_memory_and_broadcast_syncs_reproduce_the_trainer_outputs() -> None:
+    import torch.multiprocessing as mp
+
+    from trainer.strategies.distributed import free_port
+
+    ctx = mp.get_context("spawn")
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    port = free_port()
+    proc = ctx.Process(target=procs.receiver, args=(inbox, outbox, port), daemon=True)
+    proc.start()
+    try:
+        first, first_out = trainer_weights(seed=1)
+        second, second_out = trainer_weights(seed=2)
+        tag, before = outbox.get(timeout=120)
+        assert tag == "before" and before != first_out
+        # colocated: shared-memory buckets through a queue
+        inbox.put((1, [n for n, _ in first]))
+        releases = []
+        for bucket in iter_buckets(first, 8192):
+            handle, release = share_bucket(bucket)
+            inbox.put(handle)
+            releases.append(release)
+        inbox.put(None)
+        message = outbox.get(timeout=120)
+        assert message[0] == "shm", message
+        assert message[1] == 1 and message[2] == first_out
+        for release in releases:
+            release()
+        # disaggregated: a broadcast group between this process (rank 0) and the engine
+        group = BroadcastGroup("127.0.0.1", port, rank=0, world_size=2, timeout_s=30)
+        assert group.send_weights(second, version=2, bucket_bytes=8192) == len(second)
+        message = outbox.get(timeout=120)
+        assert message[0] == "broadcast", message
+        assert message[1] == 2 and message[2] == second_out
+        confirm_versions([message[1]], 2)
+        # the engine dies after the first bucket: the sender gets a TransportError, not a hang
+        group = BroadcastGroup("127.0.0.1", port + 1, rank=0, world_size=2, timeout_s=5)
+        with pytest.raises(TransportError, match="a member of the group died or timed out"):
+            group.send_weights(second, version=3, bucket_bytes=8192)
+        proc.join(timeout=30)
+        assert outbox.empty(), outbox.get()
+    finally:
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_half_updated_engine_refuses_to_generate_until_a_full_sync() -> None:
+    from trainer.strategies.base import GenerationRequest
+
+    engine = procs.make_engine(seed=5)
+    named, _ = trainer_weights(seed=6)
+    buckets = list(iter_buckets(named, 8192))
+
+    def dies_half_way():
+        yield buckets[0]
+        raise ConnectionError("trainer went away")
+
+    with pytest.raises(ConnectionError):
+        engine.load(dies_half_way(), version=1, expected_names=[n for n, _ in named])
+    request = GenerationRequest("r", [1, 2, 3], max_new_tokens=2, temperature=0.0)
+    with pytest.raises(StaleWeightsError, match="half-updated"):
+        asyncio.run(engine.generate(request))
+    with pytest.raises(StaleWeightsError, match=r"delivered \d+ of \d+ tensors"):
+        engine.load(buckets[:1], version=1, expected_names=[n for n, _ in named])
+    assert engine.load(buckets, version=1, expected_names=[n for n, _ in named]) == 1
+    result = asyncio.run(engine.generate(request))
+    assert result.policy_version == 1 and len(result.token_ids) == 2
+    with pytest.raises(StaleWeightsError, match="engines \\[1\\] serve \\[None\\]"):
+        confirm_versions([1, None], 1)
+
+
+def test_engine_that_ignores_updates_is_caught() -> None:
+    class Deaf:
+        version = 0
+
+        def update_weights(self, weights):
+            for _ in weights:
+                pass
+
+    named, _ = trainer_weights(seed=7)
+    with pytest.raises(StaleWeightsError, match="Deaf.update_weights did not bump its version"):
+        VersionedEngine(Deaf()).load(iter_buckets(named, 1 << 20), version=1, expected_names=[n for n, _ in named])

@@ -1,0 +1,280 @@
+"""Reading trainer configs: YAML with line numbers, ``a.b.c=value`` overrides, and turning
+pydantic's validation errors into one :class:`~trainer.errors.Problem` per bad value.
+
+Kept apart from ``trainer.config`` so the tree stays readable; ``trainer.config.load_config``
+is the public entry point. Every problem names its dotted path, says what is wrong in plain
+words (``unknown key; did you mean group_size?``), shows the bad value, and points at its
+origin: ``file.yaml:LINE`` or ``override 'a.b=value'``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from trainer.errors import ConfigError, Problem
+
+_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+# --------------------------------------------------------------------------- YAML
+
+
+def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int], list[Problem]]:
+    """Parse ``path``: the data, the line of every dotted key, and duplicate-key problems."""
+    import yaml
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError([Problem("", f"config file {str(path)!r} does not exist; check the path")]) from None
+    except OSError as err:
+        raise ConfigError([Problem("", f"cannot read config file {str(path)!r}: {err}")]) from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        what = " ".join(str(x) for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x)
+        raise ConfigError([Problem("", f"broken YAML: {what or err}", where)], source=str(path)) from None
+    if data is None:
+        return {}, {}, []
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [Problem("", "the top level must be a mapping of sections (model:, env:, ...), "
+                         f"not a {type(data).__name__}", str(path))], source=str(path))
+    lines: dict[str, int] = {}
+    problems: list[Problem] = []
+    _index_nodes(node, "", lines, problems, path)
+    return data, lines, problems
+
+
+def _index_nodes(node: Any, prefix: str, lines: dict[str, int], problems: list[Problem], path: Path) -> None:
+    import yaml
+
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            dotted = f"{prefix}.{key}" if prefix else key
+            if key in seen:
+                problems.append(Problem(dotted, "duplicate key; the later value would silently win, keep one",
+                                        f"{path}:{key_node.start_mark.line + 1}"))
+            seen.add(key)
+            lines[dotted] = key_node.start_mark.line + 1
+            _index_nodes(value_node, dotted, lines, problems, path)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            dotted = f"{prefix}[{i}]"
+            lines[dotted] = item.start_mark.line + 1
+            _index_nodes(item, dotted, lines, problems, path)
+
+
+# --------------------------------------------------------------------------- overrides
+
+
+def overrides_to_tree(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
+    """``["a.b=1"]`` -> ``{"a": {"b": 1}}``; values are parsed as YAML (``[0,1]``, ``null``)."""
+    import yaml
+
+    tree: dict[str, Any] = {}
+    problems: list[Problem] = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not _KEY.match(key):
+            problems.append(Problem("", f"override {item!r} is not of the form a.b.c=value (dotted keys, then =)"))
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as err:
+            problems.append(Problem(key, f"cannot parse the value {raw!r} as YAML: {getattr(err, 'problem', err)}",
+                                    f"override {item!r}"))
+            continue
+        node = tree
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                problems.append(Problem(".".join(parts[: depth + 1]),
+                                        f"override {item!r} goes inside a value set by another override"))
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    return tree, problems
+
+
+def merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> list[Problem]:
+    """Merge ``over`` into ``base`` in place (dicts recursively, anything else replaced)."""
+    problems = []
+    for key, value in over.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if isinstance(value, dict) and key in base and isinstance(base[key], dict):
+            problems += merge(base[key], value, dotted)
+        elif isinstance(value, dict) and key in base and base[key] is not None:
+            problems.append(Problem(dotted, f"is {base[key]!r} in the file, not a section; override it whole "
+                                            f"({dotted}=...) instead of its parts"))
+        else:
+            base[key] = value
+    return problems
+
+
+def _override_sources(overrides: list[str]) -> dict[str, str]:
+    return {item.partition("=")[0].strip(): f"override {item!r}" for item in overrides}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_validated(cls: type[BaseModel], path: str | Path | None, overrides: list[str]) -> Any:
+    """Read, override, validate; raise one ConfigError with every problem found."""
+    data: dict[str, Any] = {}
+    lines: dict[str, int] = {}
+    problems: list[Problem] = []
+    source = str(path) if path is not None else None
+    if path is not None:
+        data, lines, problems = read_yaml(Path(path))
+    tree, override_problems = overrides_to_tree(overrides)
+    problems += override_problems
+    problems += merge(data, tree)
+    try:
+        config = cls.model_validate(data)
+    except ValidationError as err:
+        problems += validation_problems(err, cls, data)
+        config = None
+    if problems:
+        sources = _override_sources(overrides)
+        file_lines = {k: f"{path}:{n}" for k, n in lines.items()}
+        raise ConfigError([_locate(p, sources, file_lines) for p in problems], source=source)
+    return config
+
+
+def _locate(problem: Problem, sources: dict[str, str], lines: dict[str, str]) -> Problem:
+    """Attach where the value came from: the longest override or file key that covers its path."""
+    if problem.where or not problem.path:
+        return problem
+    path = problem.path
+    while path:
+        for table in (sources, lines):
+            if path in table:
+                return Problem(problem.path, problem.message, table[path])
+        path = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", path) if ("." in path or "[" in path) else ""
+    return problem
+
+
+# --------------------------------------------------------------------------- pydantic errors
+
+
+def validation_problems(err: ValidationError, cls: type[BaseModel], data: Any) -> list[Problem]:
+    """One Problem per bad path; union-branch errors at the same path are merged."""
+    merged: dict[str, list[str]] = {}
+    got: dict[str, str] = {}
+    extra: list[Problem] = []
+    for e in err.errors(include_url=False):
+        cause = (e.get("ctx") or {}).get("error")
+        if isinstance(cause, ConfigError):  # cross-section checks, already with paths
+            extra += cause.problems
+            continue
+        segments = _real_segments(e["loc"], data, keep_last=e["type"] == "missing")
+        dotted = _dotted(segments)
+        if e["type"] == "extra_forbidden":
+            message = _unknown_key_message(cls, segments)
+        else:
+            message = e["msg"].removeprefix("Value error, ")
+            if e["type"] != "missing" and not e["type"].startswith("value_error") and _is_scalar(e.get("input")):
+                got[dotted] = f" (got {_short(e['input'])})"
+        merged.setdefault(dotted, [])
+        if message not in merged[dotted]:
+            merged[dotted].append(message)
+    return [Problem(path, "; or ".join(msgs) + got.get(path, "")) for path, msgs in merged.items()] + extra
+
+
+def _real_segments(loc: tuple[Any, ...], data: Any, keep_last: bool) -> list[str | int]:
+    """Drop pydantic's union-branch tags (``'str'``, ``'list[str]'``) by walking the input."""
+    out: list[str | int] = []
+    node = data
+    for i, seg in enumerate(loc):
+        if isinstance(node, dict) and seg in node:
+            out.append(seg)
+            node = node[seg]
+        elif isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
+            out.append(seg)
+            node = node[seg]
+        elif keep_last and i == len(loc) - 1 and isinstance(seg, str):
+            out.append(seg)
+        elif isinstance(node, dict) and isinstance(seg, str) and i == len(loc) - 1:
+            out.append(seg)  # a key pydantic reports under a dict that the input lacks
+    return out
+
+
+def _dotted(segments: list[str | int]) -> str:
+    text = ""
+    for seg in segments:
+        text += f"[{seg}]" if isinstance(seg, int) else (f".{seg}" if text else str(seg))
+    return text
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (str, int, float, bool))
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _model_at(cls: type[BaseModel], segments: list[str | int]) -> type[BaseModel] | None:
+    """The section class that the dotted path ``segments`` lives in (None if not a section)."""
+    current: type[BaseModel] | None = cls
+    for seg in segments:
+        if current is None or not isinstance(seg, str) or seg not in current.model_fields:
+            return None
+        current = _section_class(current.model_fields[seg].annotation)
+    return current
+
+
+def _section_class(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _section_class(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _all_fields(cls: type[BaseModel], prefix: str = "") -> list[str]:
+    out = []
+    for name, field in cls.model_fields.items():
+        dotted = f"{prefix}.{name}" if prefix else name
+        out.append(dotted)
+        sub = _section_class(field.annotation)
+        if sub is not None:
+            out += _all_fields(sub, dotted)
+    return out
+
+
+def _unknown_key_message(cls: type[BaseModel], segments: list[str | int]) -> str:
+    key = str(segments[-1]) if segments else ""
+    section = _model_at(cls, segments[:-1])
+    fields = list(section.model_fields) if section is not None else []
+    close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean {close[0]}?"
+    elsewhere = [p for p in _all_fields(cls) if p.rsplit(".", 1)[-1] == key]
+    if not elsewhere:
+        names = {p.rsplit(".", 1)[-1]: p for p in _all_fields(cls)}
+        near = difflib.get_close_matches(key, list(names), n=1, cutoff=0.75)
+        elsewhere = [names[near[0]]] if near else []
+    if elsewhere:
+        return f"unknown key; did you mean {elsewhere[0]}?"
+    return f"unknown key; valid keys here: {', '.join(fields)}" if fields else "unknown key"

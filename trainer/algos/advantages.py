@@ -1,0 +1,173 @@
+"""Advantage estimators: GAE (with a critic), GRPO, Reinforce++ and RLOO.
+
+Shapes and conventions (shared with ``losses.py``):
+
+- ``response_mask``: ``(B, T)`` float, 1 where the *policy* wrote token ``t`` (the only
+  tokens that are trained); env/tool/prompt tokens are 0. A multi-turn episode is one row.
+- ``token_rewards``: ``(B, T)`` float, a turn's reward sits on the last policy token of that
+  turn (``rollout.trajectory`` places them); 0 elsewhere.
+- ``scores``: ``(B,)`` one scalar per episode (the episode return), used by the group
+  estimators; ``group_ids``: ``(B,)`` long, episodes with the same id were sampled from the
+  same task/seed and are compared with each other.
+
+Every function returns ``advantages`` of shape ``(B, T)``, zero outside ``response_mask``.
+Multi-turn GAE and Reinforce++ treat the policy tokens of a row as *the* time axis: env
+tokens between turns are skipped (they are transitions of the environment, not actions).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "AdvantageEstimator",
+    "compute_advantages",
+    "gae",
+    "grpo",
+    "masked_whiten",
+    "reinforce_plus_plus",
+    "rloo",
+]
+
+AdvantageEstimator = Literal["gae", "grpo", "reinforce_plus_plus", "rloo"]
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(values - mean) / std`` over the masked entries (population std); 0 outside the mask."""
+    import torch
+
+    count = mask.sum().clamp(min=1.0)
+    mean = (values * mask).sum() / count
+    var = (((values - mean) ** 2) * mask).sum() / count
+    return (values - mean) * torch.rsqrt(var + eps) * mask
+
+
+def gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over the policy tokens of each row.
+
+    ``delta_t = r_t + gamma * V(next policy token) - V_t`` and
+    ``A_t = delta_t + gamma * lam * A(next policy token)``; the value after the last policy
+    token is 0 (the episode ended). Returns ``(advantages, returns)`` with
+    ``returns = advantages + values``, both ``(B, T)`` and zero outside ``response_mask``.
+    """
+    import torch
+
+    mask = response_mask.to(values.dtype)
+    batch, length = values.shape
+    advantages = torch.zeros_like(values)
+    last_gae = values.new_zeros(batch)
+    next_value = values.new_zeros(batch)
+    for t in reversed(range(length)):
+        on = mask[:, t] > 0
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        current = delta + gamma * lam * last_gae
+        advantages[:, t] = torch.where(on, current, torch.zeros_like(current))
+        last_gae = torch.where(on, current, last_gae)
+        next_value = torch.where(on, values[:, t], next_value)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-episode (group mean, group population std, group size) for each episode's group."""
+    import torch
+
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
+    scores = scores.double()
+    count = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(scores))
+    total = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, scores)
+    mean = total / count
+    sq = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+    std = (sq / count).sqrt()
+    return mean[inverse], std[inverse], count[inverse]
+
+
+def grpo(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    eps: float = 1e-6,
+    normalize_std: bool = True,
+) -> torch.Tensor:
+    """GRPO: ``A_i = (s_i - mean_group) / (std_group + eps)`` on every policy token of row i.
+
+    ``std`` is the population std of the group; with ``normalize_std=False`` only the mean
+    is subtracted (Dr. GRPO). A group whose scores are all equal gets advantage 0.
+    """
+    mean, std, _ = _group_stats(scores, group_ids)
+    centred = scores.double() - mean
+    adv = centred / (std + eps) if normalize_std else centred
+    return adv.to(response_mask.dtype)[:, None] * response_mask
+
+
+def rloo(scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """RLOO: ``A_i = s_i - mean_{j != i in group} s_j = n/(n-1) * (s_i - mean_group)``.
+
+    A group of one episode has no baseline: its advantage is 0.
+    """
+    import torch
+
+    mean, _, count = _group_stats(scores, group_ids)
+    scale = torch.where(count > 1, count / (count - 1).clamp(min=1.0), torch.zeros_like(count))
+    adv = scale * (scores.double() - mean)
+    return adv.to(response_mask.dtype)[:, None] * response_mask
+
+
+def reinforce_plus_plus(
+    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, whiten: bool = True
+) -> torch.Tensor:
+    """Reinforce++: discounted return-to-go over policy tokens, whitened over the whole batch.
+
+    ``G_t = r_t + gamma * G(next policy token)``; with ``whiten`` the returns are normalised
+    by the mean and std of all policy tokens in the batch (no critic, no groups).
+    """
+    import torch
+
+    mask = response_mask.to(token_rewards.dtype)
+    batch, length = token_rewards.shape
+    returns = torch.zeros_like(token_rewards)
+    running = token_rewards.new_zeros(batch)
+    for t in reversed(range(length)):
+        on = mask[:, t] > 0
+        current = token_rewards[:, t] + gamma * running
+        running = torch.where(on, current, running)
+        returns[:, t] = torch.where(on, current, torch.zeros_like(current))
+    return masked_whiten(returns, mask) if whiten else returns
+
+
+def compute_advantages(
+    estimator: AdvantageEstimator,
+    *,
+    response_mask: torch.Tensor,
+    token_rewards: torch.Tensor,
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    normalize_std: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Dispatch on ``estimator``; returns ``(advantages, returns)`` (returns only for GAE)."""
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("advantage estimator 'gae' needs critic values; enable the critic or pick grpo/rloo")
+        return gae(token_rewards, values, response_mask, gamma, lam)
+    if estimator == "grpo":
+        return grpo(scores, group_ids, response_mask, normalize_std=normalize_std), None
+    if estimator == "rloo":
+        return rloo(scores, group_ids, response_mask), None
+    if estimator == "reinforce_plus_plus":
+        return reinforce_plus_plus(token_rewards, response_mask, gamma), None
+    raise ValueError(
+        f"unknown advantage estimator {estimator!r}; use one of 'gae', 'grpo', 'reinforce_plus_plus', 'rloo'"
+    )

@@ -1,0 +1,169 @@
+"""Policy, value, KL and entropy losses, and how per-token losses become one number.
+
+All per-token tensors are ``(B, T)`` and aligned with ``input_ids`` (see ``advantages.py``);
+``response_mask`` selects the policy tokens. Each function returns the *per-token* loss so
+that ``aggregate`` alone decides how tokens and sequences are weighted:
+
+``token-mean``           sum(loss * mask) / sum(mask)          every token counts the same
+``seq-mean-token-mean``  mean_i [ sum_t loss * mask / sum_t mask ]   every episode the same
+``seq-mean-token-sum``   mean_i [ sum_t loss * mask ]          long episodes count more
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "AggregationMode",
+    "KLEstimator",
+    "PolicyLossKind",
+    "aggregate",
+    "entropy_from_logits",
+    "gspo_loss",
+    "kl_estimate",
+    "policy_loss",
+    "ppo_clip_loss",
+    "value_loss",
+]
+
+AggregationMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLEstimator = Literal["k1", "k2", "k3"]
+PolicyLossKind = Literal["ppo", "gspo"]
+
+
+def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: AggregationMode = "token-mean") -> torch.Tensor:
+    """Reduce a ``(B, T)`` per-token loss to a scalar (see the module docstring for modes)."""
+    mask = mask.to(loss.dtype)
+    if mode == "token-mean":
+        return (loss * mask).sum() / mask.sum().clamp(min=1.0)
+    per_seq_sum = (loss * mask).sum(dim=-1)
+    has_tokens = (mask.sum(dim=-1) > 0).to(loss.dtype)
+    seqs = has_tokens.sum().clamp(min=1.0)
+    if mode == "seq-mean-token-mean":
+        return (per_seq_sum / mask.sum(dim=-1).clamp(min=1.0) * has_tokens).sum() / seqs
+    if mode == "seq-mean-token-sum":
+        return (per_seq_sum * has_tokens).sum() / seqs
+    raise ValueError(
+        f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum'"
+    )
+
+
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate per token, with asymmetric bounds and optional dual clip.
+
+    ``ratio = exp(logprobs - old_logprobs)``;
+    ``loss = max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high))``; with
+    ``dual_clip = c > 1`` a negative-advantage token's loss is also capped at ``-A * c``
+    (so a huge ratio on a bad action cannot blow up the update). Returns
+    ``(per_token_loss, clipped)`` where ``clipped`` is 1.0 where the clip was active.
+    """
+    import torch
+
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (e.g. 3.0) or None, got {dual_clip!r}")
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    was_clipped = (clipped > unclipped).to(loss.dtype)
+    if dual_clip is not None:
+        capped = torch.minimum(loss, -advantages * dual_clip)
+        loss = torch.where(advantages < 0, capped, loss)
+    return loss, was_clipped
+
+
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GSPO: one importance ratio per sequence, the length-normalised likelihood ratio.
+
+    ``s_i = exp(mean_{t in response} (logprobs - old_logprobs))``; per token the ratio is
+    ``sg(s_i) * exp(logprobs_t - sg(logprobs_t))`` (value ``s_i``, gradient per token), then
+    clipped like PPO with GSPO's much tighter default bounds. Returns
+    ``(per_token_loss, clipped)``; aggregate it with ``seq-mean-token-mean``.
+    """
+    import torch
+
+    mask = response_mask.to(logprobs.dtype)
+    log_ratio = ((logprobs - old_logprobs) * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)
+    seq_ratio = torch.exp(log_ratio.detach())[:, None]
+    ratio = seq_ratio * torch.exp(logprobs - logprobs.detach())
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    return loss, (clipped > unclipped).to(loss.dtype)
+
+
+def policy_loss(
+    kind: PolicyLossKind,
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ppo_clip_loss`` or ``gspo_loss`` by name; returns ``(per_token_loss, clipped)``."""
+    if kind == "ppo":
+        return ppo_clip_loss(logprobs, old_logprobs, advantages, clip_low, clip_high, dual_clip)
+    if kind == "gspo":
+        return gspo_loss(logprobs, old_logprobs, advantages, response_mask, clip_low, clip_high)
+    raise ValueError(f"unknown policy loss {kind!r}; use 'ppo' or 'gspo'")
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEstimator = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3).
+
+    ``k1 = logp - ref``; ``k2 = (logp - ref)^2 / 2``; ``k3 = exp(ref - logp) - (ref - logp) - 1``
+    (unbiased and always >= 0). Used as a reward penalty or added to the loss.
+    """
+    import torch
+
+    diff = logprobs - ref_logprobs
+    if kind == "k1":
+        return diff
+    if kind == "k2":
+        return 0.5 * diff**2
+    if kind == "k3":
+        return torch.exp(-diff) + diff - 1.0
+    raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax over the last dim: ``logsumexp(z) - sum(softmax(z) * z)``."""
+    import torch
+
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float | None = 0.2
+) -> torch.Tensor:
+    """Clipped value loss per token: ``0.5 * max((V - R)^2, (V_clip - R)^2)``.
+
+    ``V_clip = old_V + clip(V - old_V, -clip, clip)``; with ``clip=None`` just ``0.5 (V - R)^2``.
+    """
+    import torch
+
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * unclipped
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    return 0.5 * torch.maximum(unclipped, (clipped_values - returns) ** 2)

@@ -1,0 +1,95 @@
+"""``envhub train CONFIG [a.b=value ...] [--resume]``: run the trainer from the command line.
+
+Only click is imported at module level (``envhub --help`` stays instant); the config, torch
+and the pipeline load when the command runs. The run folder (``output_dir``) is printed
+first; a live progress bar shows the train/eval success and reward of each step; the folder
+ends up with ``metrics.jsonl``, checkpoints, ``reward_curve.png`` and ``final_policy/``.
+Starting again without ``--resume`` moves an existing run folder aside (nothing is deleted).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+__all__ = ["train"]
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+@click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("overrides", nargs=-1)
+@click.option("--resume", is_flag=True, help="Continue the run in output_dir from its latest checkpoint.")
+def train(config: Path, overrides: tuple[str, ...], resume: bool) -> None:
+    """Train a policy on envhub environments as CONFIG (YAML) says.
+
+    \b
+    OVERRIDES are a.b.c=value pairs (YAML values), e.g.:
+      envhub train examples/quickstart.yaml train.steps=20 output_dir=runs/try
+      envhub train examples/quickstart.yaml --resume      # after a crash or kill -9
+    """
+    from rich.console import Console
+
+    from trainer.errors import TrainerError
+
+    console, errors = Console(), Console(stderr=True)
+    try:
+        from trainer.config import load_config
+
+        cfg = load_config(config, overrides)
+    except TrainerError as error:
+        errors.print(f"[bold red]error:[/] {error}", highlight=False, markup=True, soft_wrap=True)
+        sys.exit(2)
+    out = Path(cfg.output_dir)
+    if not resume and out.exists() and any(out.iterdir()):
+        aside = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
+        out.rename(aside)
+        console.print(f"moved the previous run in {out} to {aside} (use --resume to continue a run)")
+    console.print(f"output: {out.resolve()}", highlight=False)
+    try:
+        rows = _run(cfg, resume, console)
+    except TrainerError as error:
+        errors.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+    last_eval = next((r for r in reversed(rows) if r.get("eval/success") is not None), {})
+    first_eval = next((r for r in rows if r.get("eval/success") is not None), {})
+    console.print(
+        f"done: eval/success {_fmt(first_eval.get('eval/success'))} (step {first_eval.get('step', '-')}) -> "
+        f"{_fmt(last_eval.get('eval/success'))} (step {last_eval.get('step', '-')}) in "
+        f"{rows[-1]['time_s'] / 60:.1f} min\n"
+        f"  metrics  {out / 'metrics.jsonl'}\n  curve    {out / 'reward_curve.png'}\n"
+        f"  policy   {out / 'final_policy'}", highlight=False)
+
+
+def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from trainer.pipeline import AgenticPipeline
+
+    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("{task.fields[status]}")]
+    with Progress(*columns, console=console, disable=not cfg.logging.progress, transient=False) as progress:
+        task = progress.add_task("starting", total=cfg.train.steps, status="building policy and workers")
+        eval_success: list[Any] = [None]
+
+        def on_step(metrics: dict[str, Any]) -> None:
+            if metrics.get("eval/success") is not None:
+                eval_success[0] = metrics["eval/success"]
+            step = metrics["step"]
+            status = (f"train success {_fmt(metrics.get('train/success'))}  reward {_fmt(metrics.get('train/reward'))}"
+                      f"  eval success {_fmt(eval_success[0])}")
+            progress.update(task, completed=step, description="RL" if step else "warm start", status=status)
+            if not cfg.logging.progress:
+                console.print(f"step {step}: {status}", highlight=False)
+
+        pipeline = AgenticPipeline(cfg, resume=resume, on_step=on_step)
+        progress.update(task, completed=pipeline.step, description="warm start" if not resume else "resuming",
+                        status="")
+        return pipeline.fit()

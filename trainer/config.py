@@ -1,0 +1,513 @@
+"""The trainer's one typed config tree, loaded from YAML with ``a.b.c=value`` overrides.
+
+Every section is a small pydantic model with ``extra="forbid"`` and a docstring per field
+(shown by ``TrainerConfig.model_json_schema()`` and in error hints). ``load_config`` reads
+a YAML file, applies command-line overrides (values parsed as YAML scalars, so ``lr=3e-4``
+is a float and ``roles.actor_train.device_mapping=[0,1]`` a list), validates the whole
+tree, and reports *every* problem at once with its dotted path and where it came from::
+
+    invalid trainer config examples/run.yaml: 2 problems
+      - rollout.group_sise: unknown key; did you mean env.group_size? (at examples/run.yaml:9)
+      - train.lr: Input should be greater than 0 (got -0.1) (at override 'train.lr=-0.1')
+
+Field checks run first; checks across sections (the device mapping, the batch splitting
+evenly over data-parallel ranks, an unknown env id) run once every field is valid, and are
+also reported all together. Derived values (``batch_size``, ``active_roles``,
+``device_plan``, ...) are computed once, during validation.
+
+Sections: ``model``, ``env``, ``rollout``, ``algorithm`` (with ``algorithm.loss``),
+``train``, ``roles`` (one :class:`RoleConfig` per role), ``cluster``, ``checkpoint``,
+``eval``, ``sft``, ``logging``; plus ``output_dir`` and ``seed`` at the top.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+
+from trainer.devices import AutoDeviceMapping, DevicePlan
+from trainer.errors import ConfigError, Problem
+
+__all__ = [
+    "Section",
+    "TinyModelConfig",
+    "ModelConfig",
+    "EnvConfig",
+    "RolloutConfig",
+    "LossConfig",
+    "AlgorithmConfig",
+    "TrainConfig",
+    "RoleConfig",
+    "RolesConfig",
+    "ClusterConfig",
+    "CheckpointConfig",
+    "EvalConfig",
+    "SFTConfig",
+    "LoggingConfig",
+    "TrainerConfig",
+    "ROLE_NAMES",
+    "load_config",
+    "parse_overrides",
+]
+
+ROLE_NAMES: tuple[str, ...] = ("actor_train", "actor_infer", "reference", "critic", "reward")
+"""Every role the trainer knows, in the order clusters are created."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, field docstrings are docs."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
+
+
+# --------------------------------------------------------------------------- model
+
+
+class TinyModelConfig(Section):
+    """A small causal LM built from config (no download), for CPU runs and tests."""
+
+    architecture: str = "llama"
+    """HF ``model_type`` of the model to build: ``llama`` or ``gpt2`` (``qwen2`` cannot be built with a
+    custom tokenizer: AutoTokenizer forces Qwen2Tokenizer for it; load real Qwen checkpoints by path)."""
+    hidden_size: int = Field(64, gt=0)
+    """Width of the residual stream."""
+    num_layers: int = Field(2, gt=0)
+    """Number of transformer blocks."""
+    num_heads: int = Field(4, gt=0)
+    """Attention heads; must divide ``hidden_size``."""
+    num_kv_heads: int | None = Field(None, gt=0)
+    """Key/value heads (grouped-query attention); None means ``num_heads``."""
+    intermediate_size: int = Field(256, gt=0)
+    """Width of the MLP."""
+    max_position_embeddings: int = Field(2048, gt=0)
+    """Longest sequence (prompt plus all turns) the model accepts."""
+    tokenizer: str = "bpe"
+    """How to build the tokenizer over the env's texts: ``bpe`` (shortest sequences), ``word`` or
+    ``char`` (see ``trainer.models``)."""
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
+        if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        return self
+
+
+class ModelConfig(Section):
+    """The policy: a local HF checkpoint (``path``) or a tiny model built from ``tiny``."""
+
+    path: str | None = None
+    """Folder of a HF causal LM (``from_pretrained``); must exist where the workers run."""
+    tiny: TinyModelConfig | None = None
+    """Build a small model from this spec instead of loading one (exclusive with ``path``)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype for training and inference."""
+    chat_template: str | None = None
+    """Jinja chat template overriding the tokenizer's own (None: the tokenizer's)."""
+
+    @model_validator(mode="after")
+    def _path_or_tiny(self) -> ModelConfig:
+        if self.path is not None and self.tiny is not None:
+            raise ValueError("set model.path (a local checkpoint) or model.tiny (build one), not both")
+        if self.path is None and self.tiny is None:
+            raise ValueError("set model.path (a local HF checkpoint folder) or model.tiny: {} (build a tiny one)")
+        return self
+
+
+# --------------------------------------------------------------------------- env and rollout
+
+
+class EnvConfig(Section):
+    """Which environments to train on, where they run, and how episodes are grouped."""
+
+    id: str | list[str] = "games/frozen-lake-v0"
+    """Registered env id, or a list of ids (groups are spread over them round-robin)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra constructor kwargs passed to ``envhub.make`` for every env."""
+    hub: str | None = None
+    """URL of a remote ``envhub serve`` (``ws://host:port``); None runs an in-process pool."""
+    token: str | None = None
+    """Auth token for ``hub``; None reads the ``ENVHUB_TOKEN`` environment variable."""
+    group_size: int = Field(8, gt=0)
+    """Episodes per group: the same task/seed played this many times (GRPO/RLOO baselines)."""
+    num_groups: int = Field(4, gt=0)
+    """Groups per training step; the step's batch is ``group_size * num_groups`` episodes."""
+    pool_workers: int = Field(0, ge=0)
+    """0 runs envs in this process (``envhub.make``); N > 0 runs them in an ``envhub.pool.EnvPool`` of N
+    worker processes (a crashed or hung env is replaced, its episode retried)."""
+    rewards: list[dict[str, Any]] = Field(default_factory=list)
+    """Reward functions the ``reward`` role adds to finished episodes, routed by env domain, e.g.
+    ``{kind: exact, domain: "games", target: answer}`` (kinds: exact, numeric, function, judge;
+    see ``trainer.rewards``). Empty: the envs' own rewards only."""
+
+    @property
+    def ids(self) -> list[str]:
+        """The env ids as a list, whether one or several were given."""
+        return [self.id] if isinstance(self.id, str) else list(self.id)
+
+
+class RolloutConfig(Section):
+    """How episodes are generated: turn and token limits, sampling, the inference engine."""
+
+    max_turns: int = Field(8, gt=0)
+    """Most policy turns per episode; the episode is truncated after that."""
+    max_new_tokens: int = Field(32, gt=0)
+    """Most tokens the policy may generate in one turn."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature for training rollouts (0 is greedy)."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Inference engine for ``actor_infer``: embedded torch generation or vLLM."""
+
+
+# --------------------------------------------------------------------------- algorithm
+
+
+class LossConfig(Section):
+    """The policy loss: PPO clipping, GSPO, KL to the reference, entropy, aggregation."""
+
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """Lower PPO clip: ratios below ``1 - clip_low`` stop contributing gradient."""
+    clip_high: float = Field(0.2, ge=0)
+    """Upper PPO clip: ratios above ``1 + clip_high`` (asymmetric, e.g. 0.28, is allowed)."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant c > 1 bounding the loss for negative advantages; None disables."""
+    gspo: bool = False
+    """Use a sequence-level importance ratio (GSPO) instead of per-token ratios."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the KL to the reference policy; 0 disables the reference role."""
+    kl_mode: Literal["penalty", "loss"] = "loss"
+    """``penalty``: subtract KL from rewards; ``loss``: add KL as a loss term."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator per token (Schulman's k1, k2, k3)."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Weight of the entropy bonus."""
+    agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses are reduced over the batch."""
+
+
+class AlgorithmConfig(Section):
+    """Advantage estimation and the policy loss."""
+
+    advantage_estimator: Literal["gae", "grpo", "reinforce_pp", "rloo"] = "grpo"
+    """``gae`` needs the critic role; the others use group/batch baselines."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount factor across tokens/turns."""
+    lam: float = Field(1.0, ge=0, le=1)
+    """GAE lambda."""
+    loss: LossConfig = Field(default_factory=LossConfig)
+    """The policy loss."""
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the critic role is trained and queried (GAE only)."""
+        return self.advantage_estimator == "gae"
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether reference log-probs are computed (a KL term is on)."""
+        return self.loss.kl_coef > 0
+
+
+class TrainConfig(Section):
+    """The optimisation loop of ``actor_train`` (and ``critic``)."""
+
+    lr: float = Field(1e-4, gt=0)
+    """Adam learning rate of the policy."""
+    critic_lr: float | None = Field(None, gt=0)
+    """Learning rate of the critic; None means ``lr``."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    steps: int = Field(100, ge=0)
+    """Training steps (each: one rollout batch, then updates)."""
+    micro_batch_size: int = Field(8, gt=0)
+    """Sequences per forward/backward pass on one data-parallel rank."""
+    grad_accumulation: int | None = Field(None, gt=0)
+    """Micro-batches per optimiser step; None accumulates the whole per-rank batch (one step)."""
+    max_grad_norm: float | None = Field(1.0, gt=0)
+    """Clip the global gradient norm to this; None disables clipping."""
+    ppo_epochs: int = Field(1, gt=0)
+    """Passes over each rollout batch (PPO-style reuse; the clip keeps later passes close to the
+    sampling policy). More passes learn more per rollout at the cost of update time."""
+
+
+# --------------------------------------------------------------------------- roles and cluster
+
+
+class RoleConfig(Section):
+    """Where and how one role's workers run."""
+
+    strategy: str | None = None
+    """Strategy name (``hf``, ``fsdp2``, ``megatron``, ``vllm``, ...); None: the role's default."""
+    device_mapping: list[int] = Field(default_factory=lambda: [0])
+    """Global device ids this role uses; empty runs device-less CPU workers (``num_workers``)."""
+    num_devices_per_worker: int = Field(1, gt=0)
+    """Devices each worker holds; must divide ``len(device_mapping)``."""
+    num_workers: int = Field(1, gt=0)
+    """Worker count when ``device_mapping`` is empty (otherwise derived from the mapping)."""
+    offload_params: bool = True
+    """When colocated, move parameters to CPU memory while another role uses the devices."""
+    offload_optimizer: bool = True
+    """When colocated, move optimizer state to CPU memory between train phases."""
+    strategy_args: dict[str, Any] = Field(default_factory=dict)
+    """Strategy-specific settings (parallel sizes, engine options), passed through as is."""
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers of this role."""
+        if not self.device_mapping:
+            return self.num_workers
+        return max(1, len(self.device_mapping) // self.num_devices_per_worker)
+
+
+class RolesConfig(Section):
+    """One entry per role. Roles the algorithm does not need are not started."""
+
+    actor_train: RoleConfig = Field(default_factory=lambda: RoleConfig(strategy="hf"))
+    """The trained policy."""
+    actor_infer: RoleConfig = Field(default_factory=RoleConfig)
+    """Rollout generation; its strategy defaults to ``rollout.engine``."""
+    reference: RoleConfig = Field(default_factory=lambda: RoleConfig(strategy="hf"))
+    """Frozen initial policy for the KL term (started only when ``algorithm.loss.kl_coef > 0``)."""
+    critic: RoleConfig = Field(default_factory=lambda: RoleConfig(strategy="hf"))
+    """Value model (started only for ``algorithm.advantage_estimator: gae``)."""
+    reward: RoleConfig = Field(default_factory=lambda: RoleConfig(strategy="function", device_mapping=[]))
+    """Reward workers scoring what envs don't (started only when reward functions are set)."""
+
+    @model_validator(mode="after")
+    def _mappings_well_formed(self) -> RolesConfig:
+        # Per-role checks run here so they are reported together with other field errors;
+        # colocation checks need the active roles and run on the whole tree.
+        mapping = AutoDeviceMapping(dict(self.items()), path_prefix="roles")
+        problems = mapping.check_ids() + mapping.check_world_sizes()
+        if problems:
+            raise ConfigError(problems)
+        return self
+
+    def items(self) -> list[tuple[str, RoleConfig]]:
+        """``(name, config)`` for every role, in :data:`ROLE_NAMES` order."""
+        return [(name, getattr(self, name)) for name in ROLE_NAMES]
+
+
+class ClusterConfig(Section):
+    """Where workers run: in-process, a local Ray started for the run, or a Ray cluster."""
+
+    backend: Literal["ray", "local"] = "ray"
+    """``ray``: each worker is a Ray actor; ``local``: workers are objects in this process."""
+    address: str | None = None
+    """Ray address to join (``auto`` or ``host:port``); None starts a local Ray for the run."""
+    device_resource: str = "envhub_device"
+    """Ray resource that stands for one device: ``GPU`` on GPU clusters, a custom one on CPU."""
+    num_devices: int | None = Field(None, gt=0)
+    """Devices a locally started Ray declares; None: enough for the highest mapped device id."""
+    num_cpus: int | None = Field(None, gt=0)
+    """CPUs a locally started Ray declares; None: all of this machine's."""
+
+
+# --------------------------------------------------------------------------- run lifecycle
+
+
+class CheckpointConfig(Section):
+    """Atomic checkpoints for ``--resume``."""
+
+    every: int = Field(10, ge=0)
+    """Save every N steps (and after the last step); 0 saves only at the end."""
+    keep: int = Field(2, gt=0)
+    """Keep the newest N checkpoints; older ones are deleted after a successful save."""
+    dir: str | None = None
+    """Checkpoint folder; None means ``{output_dir}/checkpoints``; relative to ``output_dir``."""
+
+
+class EvalConfig(Section):
+    """Periodic evaluation (greedy by default) on fresh seeds."""
+
+    every: int = Field(10, ge=0)
+    """Evaluate every N steps (plus before the first and after the last); 0: start and end only."""
+    episodes: int = Field(32, gt=0)
+    """Episodes per evaluation."""
+    temperature: float = Field(0.0, ge=0)
+    """Sampling temperature during evaluation (0 is greedy)."""
+
+
+class SFTConfig(Section):
+    """Optional supervised warm start before RL, with the same masks and checkpoint format."""
+
+    epochs: int = Field(0, ge=0)
+    """Passes over the demonstrations; 0 skips the warm start."""
+    source: Literal["expert", "file"] = "expert"
+    """``expert``: collect demonstrations with the env's scripted expert; ``file``: read ``path``."""
+    path: str | None = None
+    """JSONL of trajectories (``source: file``)."""
+    episodes: int = Field(64, gt=0)
+    """Demonstrations to collect from the expert (``source: expert``)."""
+    lr: float | None = Field(None, gt=0)
+    """Learning rate of the warm start; None means ``train.lr``."""
+    batch_size: int = Field(32, gt=0)
+    """Demonstrations per SFT optimiser step."""
+
+    @model_validator(mode="after")
+    def _file_needs_path(self) -> SFTConfig:
+        if self.source == "file" and not self.path:
+            raise ValueError("source 'file' needs path: a JSONL of trajectories")
+        return self
+
+
+class LoggingConfig(Section):
+    """Where metrics go besides ``metrics.jsonl`` (always written)."""
+
+    tensorboard: bool = False
+    """Write TensorBoard event files under ``{output_dir}/tensorboard``."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs ``wandb`` installed and configured)."""
+    wandb_project: str = "envhub"
+    """W&B project name."""
+    progress: bool = True
+    """Show the live progress bar."""
+
+
+# --------------------------------------------------------------------------- the tree
+
+
+class TrainerConfig(Section):
+    """The whole trainer. Build it with :func:`load_config` or ``TrainerConfig.model_validate``."""
+
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig()))
+    """The policy model."""
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    """Environments and batch shape."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Episode generation."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Advantages and loss."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Optimisation."""
+    roles: RolesConfig = Field(default_factory=RolesConfig)
+    """Per-role placement and strategy."""
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    """Worker backend and Ray cluster."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Checkpointing."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Evaluation."""
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    """Supervised warm start."""
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    """Metric sinks."""
+    output_dir: str = "runs/latest"
+    """Run folder: ``metrics.jsonl``, checkpoints, plots. Printed at start."""
+    seed: int = 0
+    """Seed of everything (model init, sampling, env seeds)."""
+
+    _device_plan: DevicePlan | None = PrivateAttr(default=None)
+
+    # -- derived values (computed once, in validation) --------------------------------
+
+    @property
+    def batch_size(self) -> int:
+        """Episodes per training step: ``env.group_size * env.num_groups``."""
+        return self.env.group_size * self.env.num_groups
+
+    @property
+    def active_roles(self) -> list[str]:
+        """Roles this run starts, in creation order (reference/critic only when needed)."""
+        active = ["actor_train", "actor_infer"]
+        if self.algorithm.needs_reference:
+            active.append("reference")
+        if self.algorithm.needs_critic:
+            active.append("critic")
+        return active
+
+    @property
+    def device_plan(self) -> DevicePlan:
+        """Colocation groups and per-worker devices of the active roles (not yet node-bound)."""
+        if self._device_plan is None:  # only when validation was bypassed (model_construct)
+            self._device_plan = self.device_mapping().plan()
+        return self._device_plan
+
+    @property
+    def local_num_devices(self) -> int:
+        """Devices a locally started Ray declares: ``cluster.num_devices``, else highest mapped id + 1."""
+        if self.cluster.num_devices is not None:
+            return self.cluster.num_devices
+        mapped = [d for name in self.active_roles for d in getattr(self.roles, name).device_mapping]
+        return max(mapped, default=0) + 1
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Absolute-or-relative checkpoint folder with ``output_dir`` applied."""
+        return Path(self.output_dir) / (self.checkpoint.dir or "checkpoints")
+
+    def device_mapping(self, **kwargs: Any) -> AutoDeviceMapping:
+        """An :class:`AutoDeviceMapping` over the active roles (kwargs: ``can_offload``)."""
+        roles = {name: getattr(self.roles, name) for name in self.active_roles}
+        return AutoDeviceMapping(roles, path_prefix="roles", **kwargs)
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> TrainerConfig:
+        if self.roles.actor_infer.strategy is None:
+            self.roles.actor_infer.strategy = self.rollout.engine
+        for _, role in self.roles.items():
+            if role.strategy is None:
+                role.strategy = "hf"
+        problems = self.problems()
+        if problems:
+            raise ConfigError(problems)
+        self._device_plan = self.device_mapping().plan()
+        return self
+
+    def problems(self) -> list[Problem]:
+        """Every cross-section problem of an otherwise well-typed config (empty when fine)."""
+        problems: list[Problem] = []
+        if self.roles.actor_infer.strategy != self.rollout.engine:
+            problems.append(Problem(
+                "roles.actor_infer.strategy",
+                f"{self.roles.actor_infer.strategy!r} disagrees with rollout.engine={self.rollout.engine!r}; "
+                "set only rollout.engine"))
+        dp = self.roles.actor_train.world_size
+        if self.batch_size % dp:
+            problems.append(Problem(
+                "env.num_groups",
+                f"the batch of {self.batch_size} episodes (env.group_size * env.num_groups) does not split "
+                f"evenly over the {dp} actor_train workers; make it a multiple of {dp}"))
+        problems.extend(self.device_mapping().problems())
+        if self.env.hub is None:
+            problems.extend(_unknown_env_ids(self.env.ids))
+        return problems
+
+
+def _unknown_env_ids(ids: list[str]) -> list[Problem]:
+    import envhub  # the registry (lazy: loading it discovers plugins)
+
+    problems = []
+    for i, env_id in enumerate(ids):
+        try:
+            envhub.spec(env_id)
+        except KeyError as err:  # UnknownEnvError / RegistrationError carry the hint
+            path = "env.id" if len(ids) == 1 else f"env.id[{i}]"
+            problems.append(Problem(path, str(err)))
+    return problems
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
+    """Load ``path`` (YAML; None for defaults only), apply ``a.b.c=value`` overrides, validate.
+
+    Raises :class:`~trainer.errors.ConfigError` listing every problem with its dotted path
+    and where the bad value came from (file and line, or the override).
+    """
+    from trainer._config_io import load_validated
+
+    return load_validated(TrainerConfig, path, list(overrides))
+
+
+def parse_overrides(overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """Turn ``["a.b=1", "a.c=[0,1]"]`` into ``{"a": {"b": 1, "c": [0, 1]}}`` (YAML scalars)."""
+    from trainer._config_io import overrides_to_tree
+
+    tree, problems = overrides_to_tree(list(overrides))
+    if problems:
+        raise ConfigError(problems)
+    return tree

@@ -1,0 +1,58 @@
+"""The single controller: dispatch modes, workers, and clusters of workers per role.
+
+- :mod:`trainer.controller.dispatch` — ``Dispatch``/``Collect`` modes, ``@register``, and the
+  pure functions that split a call over ranks and combine the answers (no Ray).
+- :mod:`trainer.controller.batch` — ``Batch``, the columns-of-rows unit that ``DP_SPLIT``
+  cuts across data-parallel ranks.
+- :mod:`trainer.controller.worker` — ``Worker``, the base of every role's worker, with the
+  ``offload()``/``reload()`` hooks colocation uses.
+- :mod:`trainer.controller.cluster` — ``Cluster``: all workers of one role, in-process
+  (``local``) or as Ray actors (``ray``); typed role methods call ``_call``/``_call_async``.
+- :mod:`trainer.controller.resources` — ``ResourceManager``: a device mapping as Ray
+  placement groups across nodes; ``init_local_ray``.
+
+Names are imported lazily; nothing here imports Ray until a Ray-backed cluster is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "Dispatch",
+    "Collect",
+    "register",
+    "Batch",
+    "Worker",
+    "WorkerContext",
+    "Cluster",
+    "CallFuture",
+    "ResourceManager",
+    "init_local_ray",
+]
+
+_LAZY: dict[str, str] = {
+    "Dispatch": "trainer.controller.dispatch",
+    "Collect": "trainer.controller.dispatch",
+    "register": "trainer.controller.dispatch",
+    "Batch": "trainer.controller.batch",
+    "Worker": "trainer.controller.worker",
+    "WorkerContext": "trainer.controller.worker",
+    "Cluster": "trainer.controller.cluster",
+    "CallFuture": "trainer.controller.cluster",
+    "ResourceManager": "trainer.controller.resources",
+    "init_local_ray": "trainer.controller.resources",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'trainer.controller' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

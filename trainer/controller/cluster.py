@@ -1,0 +1,306 @@
+"""``Cluster``: the driver's handle on all workers of one role, in-process or as Ray actors.
+
+A cluster creates ``world_size`` workers of one class and forwards calls to them as the
+method's ``@register`` modes say (see :mod:`trainer.controller.dispatch`). Role code
+exposes *typed* methods on a subclass, so readers and IDEs can follow every call::
+
+    class ActorCluster(Cluster):
+        worker_cls = ActorWorker
+
+        def train_step(self, batch: Batch) -> dict[str, float]:
+            return self._call("train_step", batch)
+
+        def train_step_async(self, batch: Batch) -> CallFuture[dict[str, float]]:
+            return self._call_async("train_step", batch)
+
+``_call`` blocks until every reached rank answered; ``_call_async`` returns a
+:class:`CallFuture` at once (``.result(timeout)``, ``.done()``, or ``await`` it). Calls to one
+worker run in submission order on both backends; different workers run concurrently.
+
+Backends:
+
+- ``local``: workers are objects in this process, each with its own single thread (so the
+  ordering and concurrency match Ray's). No Ray needed: unit tests and small CPU runs.
+- ``ray``: each worker is a Ray actor placed by a
+  :class:`~trainer.controller.resources.ResourceManager` into the placement-group bundle of
+  its first device; the worker sets ``ENVHUB_DEVICES`` to its node-local device ids. Ray is
+  imported only here, only when this backend is used.
+
+A worker that raises surfaces as :class:`~trainer.errors.WorkerCallError` naming the role,
+rank and method, with the worker's exception chained.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures as cf
+import time
+from collections.abc import Callable, Generator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+
+from trainer.controller.dispatch import MethodSpec, collect_results, dispatch_call, method_spec
+from trainer.controller.worker import Worker, WorkerContext
+from trainer.devices import AutoDeviceMapping, RolePlacement, WorkerSlot
+from trainer.errors import DispatchError, WorkerCallError
+
+if TYPE_CHECKING:
+    from trainer.controller.resources import ResourceManager
+
+__all__ = ["Cluster", "CallFuture", "Backend"]
+
+T = TypeVar("T")
+Backend = Literal["local", "ray"]
+
+
+class CallFuture(Generic[T]):
+    """The pending result of one cluster call: ``.result()``, ``.done()``, or ``await`` it."""
+
+    def __init__(self, cluster: Cluster, spec: MethodSpec, ranks: list[int], handles: list[Any]) -> None:
+        self._cluster = cluster
+        self._spec = spec
+        self._ranks = ranks
+        self._handles = handles
+        self._value: Any = None
+        self._resolved = False
+
+    def done(self) -> bool:
+        """True when every reached rank has answered (or failed)."""
+        return self._resolved or self._cluster._backend_done(self._handles)
+
+    def result(self, timeout: float | None = None) -> T:
+        """Wait (at most ``timeout`` seconds, else ``TimeoutError``) and return the collected result."""
+        if not self._resolved:
+            results = self._cluster._backend_wait(self._spec.name, self._ranks, self._handles, timeout)
+            self._value = collect_results(self._spec, results)
+            self._resolved = True
+        return self._value
+
+    def __await__(self) -> Generator[Any, None, T]:
+        return self._wait_async().__await__()
+
+    async def _wait_async(self) -> T:
+        if not self._resolved:
+            results = await self._cluster._backend_wait_async(self._spec.name, self._ranks, self._handles)
+            self._value = collect_results(self._spec, results)
+            self._resolved = True
+        return self._value
+
+
+class Cluster:
+    """All workers of one role. Subclass per role with typed methods that call ``_call``.
+
+    ``config`` is handed to every worker (and read for ``device_mapping`` when no placement
+    is given). ``placement`` (a :class:`~trainer.devices.RolePlacement`) or ``resources``
+    (a bound :class:`~trainer.controller.resources.ResourceManager`, required by the Ray
+    backend for roles with devices) decide the workers and their devices; without either,
+    the role's own ``config.device_mapping`` is used, or ``world_size`` device-less workers.
+    ``env_vars`` are set in Ray workers' environment (e.g. ``OMP_NUM_THREADS``);
+    ``extra`` reaches every worker as ``ctx.extra``.
+    """
+
+    worker_cls: ClassVar[type[Worker]] = Worker
+    """The worker class this cluster builds; role subclasses set it."""
+
+    def __init__(
+        self,
+        role: str,
+        config: Any = None,
+        *,
+        worker_cls: type[Worker] | None = None,
+        backend: Backend = "local",
+        placement: RolePlacement | None = None,
+        resources: ResourceManager | None = None,
+        world_size: int | None = None,
+        worker_kwargs: Mapping[str, Any] | None = None,
+        env_vars: Mapping[str, str] | None = None,
+        extra: Mapping[str, Any] | None = None,
+    ) -> None:
+        if backend not in ("local", "ray"):
+            raise DispatchError(f"unknown cluster backend {backend!r}; use 'local' or 'ray'")
+        self.role = role
+        self.config = config
+        self.backend: Backend = backend
+        if worker_cls is not None:
+            self.worker_cls = worker_cls
+        self.resources = resources
+        self.slots = self._resolve_slots(role, config, placement, resources, world_size)
+        self._env_vars = dict(env_vars or {})
+        self._closed = False
+        contexts = self._contexts(dict(extra or {}))
+        kwargs = dict(worker_kwargs or {})
+        if backend == "local":
+            self._workers: list[Any] = [self.worker_cls(ctx, config, **kwargs) for ctx in contexts]
+            self._threads = [cf.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-{r}") for r in range(len(contexts))]
+        else:
+            self._workers = self._spawn_ray(contexts, config, kwargs)
+            if self.world_size > 1:
+                address, port = self._call("_rendezvous_address")
+                self._call("_set_distributed_env", address, port)
+
+    # -- public -------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers."""
+        return len(self.slots)
+
+    def offload(self) -> None:
+        """Every rank moves its device state to CPU memory (see ``Worker.offload``)."""
+        self._call("offload")
+
+    def reload(self) -> None:
+        """Every rank brings its device state back (see ``Worker.reload``)."""
+        self._call("reload")
+
+    def node_info(self) -> list[dict[str, Any]]:
+        """Where each rank runs (host, pid, Ray node id, devices), in rank order."""
+        return self._call("node_info")
+
+    def shutdown(self) -> None:
+        """Stop the workers (kill the Ray actors / the local threads). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.backend == "local":
+            for pool in self._threads:
+                pool.shutdown(wait=True, cancel_futures=True)
+        else:
+            import ray
+
+            for handle in self._workers:
+                try:
+                    ray.kill(handle)
+                except Exception:  # already dead: nothing to stop
+                    pass
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(role={self.role!r}, world_size={self.world_size}, backend={self.backend!r})"
+
+    # -- calls (for typed methods in subclasses) ----------------------------------------
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on the workers as registered; block; return the collected result."""
+        return self._call_async(method, *args, **kwargs).result()
+
+    def _call_async(self, method: str, *args: Any, **kwargs: Any) -> CallFuture[Any]:
+        """Like :meth:`_call` but return a :class:`CallFuture` immediately."""
+        if self._closed:
+            raise DispatchError(f"{self!r} is shut down; create a new cluster")
+        spec = method_spec(self.worker_cls, method)
+        calls = dispatch_call(spec, self.world_size, args, kwargs)
+        handles = [self._submit(call.rank, method, call.args, call.kwargs) for call in calls]
+        return CallFuture(self, spec, [call.rank for call in calls], handles)
+
+    # -- placement ----------------------------------------------------------------------
+
+    @staticmethod
+    def _resolve_slots(role: str, config: Any, placement: RolePlacement | None,
+                       resources: ResourceManager | None, world_size: int | None) -> list[WorkerSlot]:
+        if resources is not None:
+            if role not in resources.plan.roles:
+                raise DispatchError(f"the resource manager has no placement for role {role!r}; "
+                                    f"it knows {sorted(resources.plan.roles)}")
+            return list(resources.plan.roles[role].workers)
+        if placement is not None:
+            return list(placement.workers)
+        if config is not None and hasattr(config, "device_mapping") and world_size is None:
+            return list(AutoDeviceMapping({role: config}).plan().roles[role].workers)
+        return [WorkerSlot(role, rank, ()) for rank in range(world_size or 1)]
+
+    def _contexts(self, extra: dict[str, Any]) -> list[WorkerContext]:
+        contexts, seen_on_node = [], {}
+        for slot in self.slots:
+            local_rank = seen_on_node.get(slot.node, 0)
+            seen_on_node[slot.node] = local_rank + 1
+            contexts.append(WorkerContext(
+                role=self.role, rank=slot.rank, world_size=len(self.slots), devices=slot.devices,
+                local_devices=slot.local_devices, node=slot.node, local_rank=local_rank,
+                backend=self.backend, extra=extra))
+        return contexts
+
+    def _spawn_ray(self, contexts: list[WorkerContext], config: Any, kwargs: dict[str, Any]) -> list[Any]:
+        import ray
+
+        remote_cls = ray.remote(self.worker_cls)
+        handles = []
+        for slot, ctx in zip(self.slots, contexts):
+            if slot.devices and self.resources is None:
+                raise DispatchError(
+                    f"role {self.role!r} maps devices {list(slot.devices)}, so the ray backend needs "
+                    "resources=ResourceManager(...) to place it; or give the role an empty device_mapping")
+            options = self.resources.actor_options(slot) if self.resources is not None else {"num_cpus": 0}
+            if self._env_vars:  # a runtime env of its own costs a fresh worker process; only when asked
+                options["runtime_env"] = {"env_vars": dict(self._env_vars)}
+            handles.append(remote_cls.options(**options).remote(ctx, config, **kwargs))
+        return handles
+
+    # -- backend plumbing (used by CallFuture) -------------------------------------------
+
+    def _submit(self, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if self.backend == "local":
+            bound: Callable[..., Any] = getattr(self._workers[rank], method)
+            return self._threads[rank].submit(bound, *args, **kwargs)
+        return getattr(self._workers[rank], method).remote(*args, **kwargs)
+
+    def _backend_done(self, handles: list[Any]) -> bool:
+        if self.backend == "local":
+            return all(h.done() for h in handles)
+        import ray
+
+        ready, _ = ray.wait(handles, num_returns=len(handles), timeout=0)
+        return len(ready) == len(handles)
+
+    def _fail(self, method: str, rank: int, err: BaseException) -> WorkerCallError:
+        cause = getattr(err, "cause", None) or err  # RayTaskError wraps the worker's exception
+        error = WorkerCallError(self.role, rank, method, f"{type(cause).__name__}: {cause}")
+        error.__cause__ = cause
+        return error
+
+    def _backend_wait(self, method: str, ranks: list[int], handles: list[Any], timeout: float | None) -> list[Any]:
+        """Results in rank order; the first failure (in completion order) raises at once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        rank_of = {id(h): r for h, r in zip(handles, ranks)}
+        results: dict[int, Any] = {}
+        pending = list(handles)
+        if self.backend == "local":
+            while pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                done, not_done = cf.wait(pending, timeout=left, return_when=cf.FIRST_EXCEPTION)
+                for h in done:
+                    if h.exception() is not None:
+                        raise self._fail(method, rank_of[id(h)], h.exception())
+                    results[rank_of[id(h)]] = h.result()
+                if not_done and not done:
+                    raise TimeoutError(f"{self.role}.{method} did not finish within {timeout} s")
+                pending = list(not_done)
+        else:
+            import ray
+
+            while pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+                if not ready:
+                    raise TimeoutError(f"{self.role}.{method} did not finish within {timeout} s")
+                for h in ready:
+                    try:
+                        results[rank_of[id(h)]] = ray.get(h)
+                    except ray.exceptions.RayError as err:
+                        raise self._fail(method, rank_of[id(h)], err)  # noqa: B904 (cause set)
+        return [results[r] for r in ranks]
+
+    async def _backend_wait_async(self, method: str, ranks: list[int], handles: list[Any]) -> list[Any]:
+        async def one(rank: int, handle: Any) -> Any:
+            try:
+                if self.backend == "local":
+                    return await asyncio.wrap_future(handle)
+                return await handle
+            except Exception as err:
+                raise self._fail(method, rank, err)  # noqa: B904 (cause set)
+
+        return list(await asyncio.gather(*(one(r, h) for r, h in zip(ranks, handles))))

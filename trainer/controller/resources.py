@@ -1,0 +1,225 @@
+"""``ResourceManager``: binds an AutoDeviceMapping to a live Ray cluster as placement groups.
+
+The Ray layer under :mod:`trainer.devices`. It reads the alive nodes that offer the device
+resource (``GPU`` on GPU clusters; a custom resource such as ``envhub_device`` on CPU, so
+the same logic runs on any machine), orders them (head node first, then by node id), and
+numbers their devices globally in that order. It validates the mapping against those nodes
+(every problem at once), then reserves, per node in use, one ``STRICT_PACK`` placement
+group pinned to that node (label ``ray.io/node-id``), with one bundle per used device.
+
+Each worker is scheduled into the bundle of its first device and asks for a sliver of the
+device resource, so colocated roles share bundles while Ray still keeps other jobs off the
+reserved devices. ``actor_options(slot)`` gives the ``.options(...)`` for one worker.
+
+On GPU clusters (``device_resource="GPU"``) Ray makes only the first bundle's GPU visible
+to a worker; a worker that holds several devices (tensor-parallel inference) must look up
+the physical ids of its other bundles itself. That belongs to the parallel strategies;
+the seam is ``WorkerSlot.local_devices``.
+
+:func:`init_local_ray` starts a single-node Ray for a run on this machine (loopback only,
+no dashboard) declaring the devices as a custom resource.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainer.devices import AutoDeviceMapping, DevicePlan, WorkerSlot
+from trainer.errors import DeviceMappingError, Problem
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
+
+__all__ = [
+    "NodeInfo",
+    "ResourceManager",
+    "init_local_ray",
+    "resources_for",
+    "cluster_nodes",
+    "WORKER_DEVICE_SHARE",
+    "LOOPBACK_NODE_IP",
+]
+
+WORKER_DEVICE_SHARE = 0.01
+"""Amount of the device resource each worker requests inside its bundle (colocation-friendly)."""
+
+LOOPBACK_NODE_IP = "127.0.0.2"
+"""Node address for a Ray started on this machine only. Ray replaces ``127.0.0.1`` (and
+``localhost``) by the machine's interface address, but keeps any other loopback address, so
+this keeps all of Ray's traffic on the loopback interface."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """One Ray node that offers devices."""
+
+    index: int
+    node_id: str
+    address: str
+    num_devices: int
+    is_head: bool
+
+
+def cluster_nodes(device_resource: str) -> list[NodeInfo]:
+    """Alive nodes offering ``device_resource``: head first, then by node id."""
+    import ray
+
+    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(device_resource, 0) >= 1]
+    nodes.sort(key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeID"]))
+    return [
+        NodeInfo(i, n["NodeID"], n.get("NodeManagerAddress", ""), int(n["Resources"][device_resource]),
+                 "node:__internal_head__" in n["Resources"])
+        for i, n in enumerate(nodes)
+    ]
+
+
+class ResourceManager:
+    """Validates a device mapping against the Ray cluster and reserves its devices.
+
+    Raises :class:`~trainer.errors.DeviceMappingError` (all problems at once) when the mapping
+    does not fit the cluster, and ``TimeoutError`` when Ray cannot reserve the devices within
+    ``timeout_s`` (another job holds them). Call :meth:`shutdown` to release the reservation.
+    """
+
+    def __init__(
+        self,
+        mapping: AutoDeviceMapping,
+        *,
+        device_resource: str = "envhub_device",
+        timeout_s: float = 60.0,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if not ray.is_initialized():
+            raise DeviceMappingError([Problem("cluster", "Ray is not initialised; call ray.init(...) "
+                                                         "or trainer.controller.resources.init_local_ray() first")])
+        self.device_resource = device_resource
+        self.nodes = cluster_nodes(device_resource)
+        if not self.nodes and any(s.device_mapping for s in mapping.roles.values()):
+            found = sorted({k for n in ray.nodes() if n.get("Alive") for k in n.get("Resources", {})
+                            if not k.startswith("node:")})
+            problems = [Problem("cluster.device_resource",
+                                f"no Ray node offers the resource {device_resource!r} (resources seen: {found}); "
+                                f"start Ray with resources={{'{device_resource}': N}} or set cluster.device_resource")]
+            raise DeviceMappingError(problems + mapping.problems())
+        self.plan: DevicePlan = mapping.plan([n.num_devices for n in self.nodes])
+        self._id = uuid.uuid4().hex[:8]
+        self._bundle_of: dict[tuple[int, int], tuple[Any, int]] = {}
+        self.placement_groups: list[Any] = []
+        used: dict[int, list[int]] = {}
+        for placement in self.plan.roles.values():
+            for slot in placement.workers:
+                if slot.node is not None and slot.local_devices is not None:
+                    used.setdefault(slot.node, [])
+                    used[slot.node] += [d for d in slot.local_devices if d not in used[slot.node]]
+        for node_index in sorted(used):
+            node = self.nodes[node_index]
+            local_ids = sorted(used[node_index])
+            bundles = [{device_resource: 1.0} for _ in local_ids]
+            pg = placement_group(bundles, strategy="STRICT_PACK", name=f"envhub-{self._id}-node{node_index}",
+                                 bundle_label_selector=[{"ray.io/node-id": node.node_id}] * len(bundles))
+            self.placement_groups.append(pg)
+            for bundle_index, local in enumerate(local_ids):
+                self._bundle_of[(node_index, local)] = (pg, bundle_index)
+        for pg in self.placement_groups:
+            if not pg.wait(timeout_s):
+                self.shutdown()
+                raise TimeoutError(
+                    f"Ray could not reserve the mapped devices within {timeout_s:.0f} s (placement group "
+                    f"{pg.bundle_specs}); another job may hold them: check `ray status`")
+
+    def actor_options(self, slot: WorkerSlot) -> dict[str, Any]:
+        """``ray.remote(...).options(**actor_options(slot))`` for the worker in ``slot``."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if not slot.devices:
+            return {"num_cpus": 0}
+        if slot.node is None or slot.local_devices is None:
+            raise DeviceMappingError([Problem(f"roles.{slot.role}", f"worker {slot.rank} is not bound to a node")])
+        pg, bundle_index = self._bundle_of[(slot.node, slot.local_devices[0])]
+        options: dict[str, Any] = {
+            "num_cpus": 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=bundle_index),
+        }
+        if self.device_resource == "GPU":
+            options["num_gpus"] = WORKER_DEVICE_SHARE
+        else:
+            options["resources"] = {self.device_resource: WORKER_DEVICE_SHARE}
+        return options
+
+    def node_id(self, node_index: int) -> str:
+        """Ray node id of node ``node_index`` in this manager's order."""
+        return self.nodes[node_index].node_id
+
+    def shutdown(self) -> None:
+        """Release every placement group (safe to call twice)."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for pg in self.placement_groups:
+            if ray.is_initialized():
+                try:
+                    remove_placement_group(pg)
+                except Exception:  # already removed
+                    pass
+        self.placement_groups = []
+        self._bundle_of = {}
+
+
+def init_local_ray(
+    num_devices: int,
+    *,
+    device_resource: str = "envhub_device",
+    num_cpus: int | None = None,
+    env_vars: dict[str, str] | None = None,
+    **kwargs: Any,
+) -> None:
+    """Start a new single-node Ray declaring ``num_devices`` of ``device_resource``.
+
+    It listens on :data:`LOOPBACK_NODE_IP` only, with no dashboard, and never joins a Ray
+    another process started (``address="local"``). No-op if Ray is already initialised in
+    this process. ``env_vars`` reach every worker process (via the job's runtime env);
+    ``kwargs`` go to ``ray.init``.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    runtime_env = {"env_vars": dict(env_vars)} if env_vars else None
+    if device_resource == "GPU":  # Ray declares GPUs itself, never as a custom resource
+        devices: dict[str, Any] = {"num_gpus": num_devices}
+    else:
+        devices = {"resources": {device_resource: float(num_devices)}}
+    ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        **devices,
+        include_dashboard=False,
+        _node_ip_address=LOOPBACK_NODE_IP,
+        runtime_env=runtime_env,
+        **kwargs,
+    )
+
+
+def resources_for(config: TrainerConfig, **mapping_kwargs: Any) -> ResourceManager | None:
+    """The resource manager a run of ``config`` uses; None for ``cluster.backend: local``.
+
+    Joins ``cluster.address`` or starts a local Ray with ``config.local_num_devices``
+    devices, then validates and reserves the active roles' devices. ``mapping_kwargs`` go to
+    :meth:`TrainerConfig.device_mapping` (e.g. ``can_offload=`` from the strategies).
+    """
+    if config.cluster.backend == "local":
+        return None
+    import ray
+
+    cluster = config.cluster
+    if not ray.is_initialized():
+        if cluster.address is None:
+            init_local_ray(config.local_num_devices, device_resource=cluster.device_resource, num_cpus=cluster.num_cpus)
+        else:
+            ray.init(address=cluster.address)
+    return ResourceManager(config.device_mapping(**mapping_kwargs), device_resource=cluster.device_resource)

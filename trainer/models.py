@@ -1,0 +1,241 @@
+"""Policies as Hugging Face causal LMs: load a local checkpoint, or build a tiny one to train.
+
+A real run points ``model.path`` at a local folder (e.g. Qwen2.5-0.5B-Instruct) and loads it
+with ``AutoModelForCausalLM.from_pretrained`` / ``AutoTokenizer.from_pretrained``. Nothing
+can be downloaded here, so the CPU quickstart *builds* a policy instead: a tiny model from a
+config (Qwen2, Llama or GPT-2; 0.1-2M parameters) and a small tokenizer made with the
+``tokenizers`` library over the game's own vocabulary, wrapped as a
+``PreTrainedTokenizerFast`` with a ChatML chat template. ``build_policy`` saves both with
+``save_pretrained`` and every later stage loads them back through the very same
+``load_policy(path)`` a user's checkpoint takes, so the two paths cannot drift apart.
+
+Tokenizer kinds
+---------------
+``bpe``   byte-pair merges learnt on the env's own texts. Digits stay single tokens and
+          each grid row (a line of single-character cells, ``P F H``) is its own piece, so
+          the fixed prose of a game collapses into a few tokens and a grid becomes one token
+          per row: short sequences (fast on a CPU) whose rows sit at fixed offsets from the
+          end of every turn, which a tiny RoPE model reads far more easily than cells.
+``word``  words with their leading space (`` up``), single digits, ``\\n``, punctuation.
+``char``  one token per character: tiny vocabulary, long sequences.
+All three round-trip exactly (``decode(encode(text)) == text``) on text made of characters
+the corpus contains; anything else becomes ``<unk>``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from trainer.errors import ModelError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "build_model",
+    "build_policy",
+    "build_tokenizer",
+    "env_corpus",
+    "load_policy",
+    "count_parameters",
+]
+
+TokenizerKind = Literal["bpe", "word", "char"]
+_KIND_ALIASES = {"chars": "char", "words": "word", "char": "char", "word": "word", "bpe": "bpe"}
+Architecture = Literal["llama", "gpt2"]
+
+PAD, UNK, IM_START, IM_END = "<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, UNK, IM_START, IM_END)
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML (as Qwen uses), without a default system prompt."""
+
+_WORD_PIECES = r" ?[A-Za-z]+| ?\d|\n|\s|[^\sA-Za-z\d]"
+_CHAR_PIECES = r"[\s\S]"
+_BPE_ISOLATED = r" ?\d|^\S(?: \S)+$"
+
+
+def env_corpus(env_id: str, env_kwargs: dict[str, Any] | None = None, episodes: int = 200, seed: int = 0) -> list[str]:
+    """Texts an env produces (observations and actions) over seeded episodes.
+
+    Plays the env's expert and its random ``sample_action`` alternately so feedback for
+    invalid actions is covered too; the result is the tokenizer's training corpus.
+    """
+    import numpy as np
+
+    import envhub
+
+    rng = np.random.default_rng(seed)
+    env = envhub.make(env_id, **(env_kwargs or {}))
+    texts: list[str] = ["system\n", "user\n", "assistant\n", "tool\n"] * episodes  # chat-template glue
+    try:
+        for episode in range(episodes):
+            messages, _ = env.reset(seed=seed + episode)
+            texts += [m["content"] for m in messages]
+            done = False
+            while not done:
+                expert = env.expert_action()
+                action = expert if expert is not None and rng.random() < 0.7 else env.action_space.sample()
+                texts.append(action)
+                messages, _, terminated, truncated, _ = env.step(action)
+                texts += [m["content"] for m in messages]
+                done = terminated or truncated
+    finally:
+        env.close()
+    return texts
+
+
+def build_tokenizer(corpus: Iterable[str], kind: str = "bpe", max_vocab: int = 2048) -> Any:
+    """A small tokenizer over ``corpus`` (see "Tokenizer kinds"), with ChatML special tokens.
+
+    Returns a ``PreTrainedTokenizerFast``; specials come first (``<|endoftext|>`` is id 0,
+    the pad token) and ``<|im_end|>`` is the end-of-turn (EOS) token.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    resolved = _KIND_ALIASES.get(kind)
+    if resolved is None:
+        raise ModelError(f"unknown tokenizer kind {kind!r}; use 'bpe', 'word' or 'char'")
+    texts = list(corpus)
+    alphabet = [chr(c) for c in range(32, 127)] + ["\n"]
+    if resolved == "bpe":
+        backend = Tokenizer(models.BPE(unk_token=UNK))
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex(_BPE_ISOLATED), behavior="isolated")
+        trainer = trainers.BpeTrainer(vocab_size=max_vocab, special_tokens=list(SPECIAL_TOKENS),
+                                      initial_alphabet=alphabet, show_progress=False, max_token_length=256)
+        backend.train_from_iterator(texts, trainer)
+    else:
+        splitter = pre_tokenizers.Split(Regex(_WORD_PIECES if resolved == "word" else _CHAR_PIECES), behavior="isolated")
+        counts: Counter[str] = Counter()
+        for text in texts:
+            counts.update(piece for piece, _ in splitter.pre_tokenize_str(text))
+        if resolved == "char":
+            counts.update(dict.fromkeys(alphabet, 0))
+        pieces = [p for p, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if p not in SPECIAL_TOKENS]
+        vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *pieces[: max(0, max_vocab - len(SPECIAL_TOKENS))]])}
+        backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+        backend.pre_tokenizer = splitter
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=IM_END, pad_token=PAD, unk_token=UNK,
+        additional_special_tokens=[IM_START], clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHATML_TEMPLATE
+    return tokenizer
+
+
+def _arch_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
+                 num_kv_heads: int | None, intermediate_size: int, max_positions: int, tokens: dict[str, int]) -> Any:
+    from transformers import AutoConfig
+
+    if arch == "gpt2":
+        return AutoConfig.for_model(
+            "gpt2", vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
+            n_inner=intermediate_size, n_positions=max_positions, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, tie_word_embeddings=True, **tokens,
+        )
+    if arch == "qwen2":
+        raise ModelError(
+            "model.tiny.architecture 'qwen2' cannot be built here: transformers' AutoTokenizer always loads "
+            "model_type qwen2 with Qwen2Tokenizer, which cannot hold a tokenizer built from an env corpus. "
+            "Use 'llama' (the same block: RMSNorm, RoPE, SwiGLU) or load a real Qwen2 checkpoint with model.path"
+        )
+    if arch == "llama":
+        return AutoConfig.for_model(
+            arch, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
+            num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads, intermediate_size=intermediate_size,
+            max_position_embeddings=max_positions, tie_word_embeddings=True, rope_theta=10_000.0,
+            **tokens,
+        )
+    raise ModelError(f"unknown model.tiny.architecture {arch!r}; use 'llama' or 'gpt2'")
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerBase,
+    arch: str = "llama",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int | None = None,
+    intermediate_size: int = 256,
+    max_positions: int = 2048,
+    seed: int = 0,
+) -> PreTrainedModel:
+    """A randomly initialised causal LM sized for ``tokenizer`` (seeded, so reproducible)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if hidden_size % num_heads:
+        raise ModelError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
+    tokens = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
+              "bos_token_id": tokenizer.pad_token_id}
+    config = _arch_config(arch, len(tokenizer), hidden_size, num_layers, num_heads, num_kv_heads,
+                          intermediate_size, max_positions, tokens)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.random.set_rng_state(state)
+    return model
+
+
+def build_policy(out_dir: str | Path, corpus: Iterable[str], *, tokenizer_kind: str = "bpe",
+                 **model_kwargs: Any) -> Path:
+    """Build a tokenizer over ``corpus`` and a tiny model, ``save_pretrained`` both to ``out_dir``."""
+    out = Path(out_dir)
+    tokenizer = build_tokenizer(corpus, tokenizer_kind)
+    model = build_model(tokenizer, **model_kwargs)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "envhub_policy.json").write_text(json.dumps({"tokenizer_kind": tokenizer_kind, **model_kwargs}))
+    return out
+
+
+def load_policy(path: str | Path, *, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a local folder, with clear errors.
+
+    The tokenizer must define an EOS token and a chat template (instruct checkpoints do);
+    a missing pad token falls back to EOS.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ModelError(
+            f"model path {str(path)!r} does not exist or is not a folder; set model.path to a local "
+            "checkpoint folder (with config.json), or remove model.path to build a tiny policy"
+        )
+    if not (folder / "config.json").is_file():
+        raise ModelError(f"model path {str(folder)!r} has no config.json; point model.path at a save_pretrained folder")
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ModelError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    if tokenizer.eos_token_id is None:
+        raise ModelError(f"the tokenizer in {str(folder)!r} has no eos_token; set one in tokenizer_config.json")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError(f"the tokenizer in {str(folder)!r} has no chat_template; use an instruct checkpoint")
+    return model, tokenizer
+
+
+def count_parameters(model: Any) -> int:
+    """Number of distinct parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())

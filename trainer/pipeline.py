@@ -1,0 +1,317 @@
+"""``AgenticPipeline``: the single controller's training loop, SFT warm start to final eval.
+
+``fit()`` is the table of contents; every phase is a short method below it. Step 0 is the
+warm-started policy before any RL update (evaluated, and checkpointed so ``--resume``
+always has something to continue from); RL steps are numbered 1..``train.steps``.
+
+Determinism: every episode's seed derives from ``(seed, step)``, the sampling RNG of each
+inference rank, the actor's model/optimiser/RNG and the driver's RNG are checkpointed, so a
+run resumed after ``kill -9`` produces the same next-step metrics as one never interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from trainer.config import TrainerConfig
+from trainer.controller.batch import Batch
+from trainer.errors import NonFiniteLossError, WorkerCallError
+from trainer.metrics import MetricsLog, plot_curves, summarise
+from trainer.rollout.env_manager import EnvManager, LocalEnvSource, PoolEnvSource, Sampling
+from trainer.rollout.groups import plan_eval, plan_groups, run_episodes
+from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate
+from trainer.roles import prepare_policy, start_roles
+
+__all__ = ["AgenticPipeline"]
+
+_ESTIMATORS = {"reinforce_pp": "reinforce_plus_plus"}
+
+
+def _quiet_transformers() -> None:
+    """No per-load progress bars or advisory warnings in the run's output (workers load models)."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+class AgenticPipeline:
+    """One training run of ``config`` (see the module docstring)."""
+
+    def __init__(self, config: TrainerConfig, *, resume: bool = False,
+                 on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.cfg, self.resume, self.on_step = config, resume, on_step or (lambda metrics: None)
+        self.out = Path(config.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        _quiet_transformers()
+        self.start_time, self.time_offset, self.step = time.monotonic(), 0.0, 0
+        self.model_path = prepare_policy(config)
+        self.renderer = self._renderer()
+        self.roles = start_roles(config, self.model_path)
+        self.envs = self._env_source()
+        self.rewards = self._reward_router()
+        self.manager = EnvManager(self.roles.engine, self.renderer, max_turns=config.rollout.max_turns,
+                                  max_context_tokens=self._context_limit(),
+                                  on_episode_end=self.rewards.score if self.rewards else None)
+        from trainer.checkpoint import CheckpointManager
+
+        self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.checkpoint.keep)
+        self.log = MetricsLog(self.out, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
+                              wandb_project=config.logging.wandb_project, config=config.model_dump(mode="json"))
+        self.loop = asyncio.new_event_loop()
+
+    # ================================================================== the loop
+    def fit(self) -> list[dict[str, Any]]:
+        """Warm start, then rollout -> reference -> values -> advantages -> train -> sync -> log."""
+        try:
+            if self.resume:
+                self.restore()
+            else:
+                self.log_step({"step": 0, **self.warm_start(), **self.evaluate()})
+                self.save_checkpoint()
+            for step in range(self.step + 1, self.cfg.train.steps + 1):
+                timing: dict[str, float] = {}
+                with self.phase("rollout", timing):
+                    episodes, failed = self.rollout(step)
+                batch = self.to_batch(episodes)
+                with self.phase("reference", timing):
+                    self.reference_logprobs(batch)
+                with self.phase("values", timing):
+                    self.values(batch)
+                with self.phase("advantages", timing):
+                    self.compute_advantages(batch)
+                with self.phase("train", timing):
+                    losses = self.train_step(batch, step)
+                with self.phase("sync", timing):
+                    self.sync_weights()
+                self.step = step
+                metrics = {"step": step, **summarise(episodes, "train"), "train/failed_episodes": len(failed),
+                           **losses, **timing}
+                if self.eval_due(step):
+                    with self.phase("eval", metrics):
+                        metrics.update(self.evaluate())
+                self.log_step(metrics)
+                if self.checkpoint_due(step):
+                    self.save_checkpoint()
+            return self.finish()
+        finally:
+            self.close()
+
+    # ================================================================== phases
+    def rollout(self, step: int) -> tuple[list[Trajectory], list[Trajectory]]:
+        """Play this step's groups with the current policy (sampling)."""
+        env = self.cfg.env
+        specs = plan_groups(step, num_groups=env.num_groups, group_size=env.group_size, env_ids=env.ids, seed=self.cfg.seed)
+        return self._play(specs, self.cfg.rollout.temperature)
+
+    def to_batch(self, episodes: list[Trajectory]) -> Batch:
+        return Batch(collate(episodes, self.renderer.tokenizer.pad_token_id), meta={"episodes": len(episodes)})
+
+    def reference_logprobs(self, batch: Batch) -> None:
+        """Log-probs of the frozen reference (only when a KL term is on), and recomputed old
+        log-probs when rollouts were not sampled at temperature 1."""
+        if self.roles.reference is not None:
+            batch["ref_logprobs"] = self.roles.reference.compute_logprobs(batch)["ref_logprobs"]
+        if self.cfg.rollout.temperature != 1.0 or self.cfg.rollout.top_p != 1.0:
+            batch["old_logprobs"] = self.roles.actor.compute_logprobs(batch)["logprobs"]
+
+    def values(self, batch: Batch) -> None:
+        """Critic values of every policy token (GAE only)."""
+        if self.roles.critic is not None:
+            batch["values"] = self.roles.critic.compute_values(batch)["values"]
+
+    def compute_advantages(self, batch: Batch) -> None:
+        from trainer.algos.advantages import compute_advantages
+        from trainer.algos.losses import kl_estimate
+
+        algo, loss = self.cfg.algorithm, self.cfg.algorithm.loss
+        token_rewards, scores = batch["token_rewards"], batch["scores"]
+        if loss.kl_coef > 0 and loss.kl_mode == "penalty":
+            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], loss.kl_estimator) * batch["response_mask"]
+            token_rewards, scores = token_rewards - loss.kl_coef * kl, scores - loss.kl_coef * kl.sum(-1)
+        advantages, returns = compute_advantages(
+            _ESTIMATORS.get(algo.advantage_estimator, algo.advantage_estimator),  # type: ignore[arg-type]
+            response_mask=batch["response_mask"], token_rewards=token_rewards, scores=scores,
+            group_ids=batch["group_ids"], values=batch["values"] if "values" in batch else None,
+            gamma=algo.gamma, lam=algo.lam)
+        batch["advantages"] = advantages
+        if returns is not None:
+            batch["returns"] = returns
+
+    def train_step(self, batch: Batch, step: int) -> dict[str, float]:
+        """Update the critic (GAE) and the policy; a NaN loss stops the run, nothing is applied."""
+        metrics: dict[str, float] = {}
+        try:
+            if self.roles.critic is not None:
+                metrics.update(self.roles.critic.train_step(batch))
+            metrics.update(self.roles.actor.train_step(batch, self.cfg.train.ppo_epochs))
+        except (NonFiniteLossError, WorkerCallError) as error:
+            cause = error if isinstance(error, NonFiniteLossError) else error.__cause__
+            if not isinstance(cause, NonFiniteLossError):
+                raise
+            latest = self.checkpoints.latest()
+            raise NonFiniteLossError(f"step {step}: {cause}. Stopped; the last good checkpoint is {latest} "
+                                     "(continue from it with --resume after changing the config)") from error
+        return metrics
+
+    def sync_weights(self) -> None:
+        """Copy the trained weights into the inference engine (full tensors, HF names)."""
+        self.roles.engine.update_weights(self.roles.actor.get_weights())
+
+    def evaluate(self) -> dict[str, float]:
+        """The fixed evaluation set at ``eval.temperature`` (greedy by default)."""
+        specs = plan_eval(self.cfg.eval.episodes, env_ids=self.cfg.env.ids)
+        episodes, _ = self._play(specs, self.cfg.eval.temperature)
+        return summarise(episodes, "eval")
+
+    def warm_start(self) -> dict[str, float]:
+        """Behaviour cloning on expert or file demonstrations (``sft.epochs`` passes)."""
+        sft = self.cfg.sft
+        if sft.epochs == 0:
+            return {}
+        from trainer import sft as demos
+
+        if sft.source == "file":
+            data = demos.load_jsonl(str(sft.path), self.renderer)
+        else:
+            data = demos.expert_trajectories(self.cfg.env.ids, self.cfg.env.kwargs, self.renderer,
+                                             episodes=sft.episodes, max_turns=self.cfg.rollout.max_turns)
+            demos.write_jsonl(data, self.out / "sft_demos.jsonl")
+        order, rng, stats = list(range(len(data))), random.Random(self.cfg.seed), {}
+        for _ in range(sft.epochs):
+            rng.shuffle(order)
+            for first in range(0, len(order), sft.batch_size):
+                chunk = [data[i] for i in order[first:first + sft.batch_size]]
+                stats = self.roles.actor.sft_step(Batch(collate(chunk, self.renderer.tokenizer.pad_token_id)),
+                                                  sft.lr or self.cfg.train.lr)
+        self.roles.actor.set_lr(self.cfg.train.lr)
+        self.sync_weights()
+        if self.roles.reference is not None:  # KL is measured against the warm-started policy
+            self.roles.reference.load_weights(self.roles.actor.get_weights())
+        return {**stats, "sft/demos": float(len(data)), "sft/demo_success": sum(t.success for t in data) / len(data)}
+
+    # ================================================================== bookkeeping
+    def eval_due(self, step: int) -> bool:
+        every = self.cfg.eval.every
+        return step == self.cfg.train.steps or (every > 0 and step % every == 0)
+
+    def checkpoint_due(self, step: int) -> bool:
+        every = self.cfg.checkpoint.every
+        return step == self.cfg.train.steps or (every > 0 and step % every == 0)
+
+    @property
+    def elapsed(self) -> float:
+        return self.time_offset + time.monotonic() - self.start_time
+
+    def log_step(self, metrics: dict[str, Any]) -> None:
+        metrics = {"step": metrics["step"], "time_s": round(self.elapsed, 3), **metrics}
+        self.log.write(metrics)
+        self.on_step(metrics)
+
+    @contextlib.contextmanager
+    def phase(self, name: str, timing: dict[str, Any]) -> Iterator[None]:
+        """Time a phase; around colocated roles, offload the others and reload the one used."""
+        self._swap_in({"rollout": "actor_infer", "eval": "actor_infer", "train": "actor_train"}.get(name))
+        started = time.monotonic()
+        yield
+        timing[f"timing/{name}_s"] = round(time.monotonic() - started, 4)
+
+    def save_checkpoint(self) -> Path:
+        states: dict[str, Any] = {"actor": self.roles.actor.state_dict(), "engine": self.roles.engine.get_state()}
+        if self.roles.critic is not None:
+            states["critic"] = self.roles.critic.state_dict()
+        if self.roles.reference is not None and self.cfg.sft.epochs > 0:
+            states["reference"] = self.roles.reference.get_weights()
+        return self.checkpoints.save(self.step, states=states, seeds={"seed": self.cfg.seed, "next_step": self.step + 1},
+                                     extra={"time_s": self.elapsed}, config=self.cfg.model_dump(mode="json"))
+
+    def restore(self) -> None:
+        """Continue from the latest checkpoint: weights, optimiser, sampling RNGs, step, clock."""
+        from trainer.checkpoint import restore_rng
+
+        checkpoint = self.checkpoints.load()
+        self.roles.actor.load_state_dict(checkpoint.load_state("actor"))
+        if self.roles.critic is not None:
+            self.roles.critic.load_state_dict(checkpoint.load_state("critic"))
+        if self.roles.reference is not None and "reference" in checkpoint.state_names:
+            self.roles.reference.load_weights(checkpoint.load_state("reference"))
+        self.sync_weights()
+        self.roles.engine.set_state(checkpoint.load_state("engine"))
+        restore_rng(checkpoint.rng)
+        self.step, self.time_offset = checkpoint.step, float(checkpoint.extra.get("time_s", 0.0))
+        self.log.truncate_after(self.step)
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The reward curve PNG and the final policy folder; returns every metrics row."""
+        rows = self.log.read()
+        plot_curves(rows, self.out / "reward_curve.png", title=f"envhub train: {', '.join(self.cfg.env.ids)}")
+        self.roles.actor.save_pretrained(str(self.out / "final_policy"))
+        return rows
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.loop.run_until_complete(self.roles.engine.close())
+            self.loop.run_until_complete(self.envs.aclose())
+        self.loop.close()
+        self.log.close()
+        if self.rewards is not None:
+            self.rewards.shutdown()
+        self.roles.shutdown()
+
+    # ================================================================== helpers
+    def _play(self, specs: list[Any], temperature: float) -> tuple[list[Trajectory], list[Trajectory]]:
+        sampling = Sampling(self.cfg.rollout.max_new_tokens, temperature, self.cfg.rollout.top_p)
+        return self.loop.run_until_complete(run_episodes(specs, self.manager, self.envs, sampling))
+
+    def _swap_in(self, role: str | None) -> None:
+        plan = self.cfg.device_plan
+        if role is None or not any(g.colocated for g in plan.groups):
+            return
+        clusters = {"actor_train": self.roles.actor, "actor_infer": self.roles.infer,
+                    "reference": self.roles.reference, "critic": self.roles.critic}
+        for other in plan.colocated_with(role):
+            if clusters.get(other) is not None:
+                clusters[other].offload()
+        clusters[role].reload()
+
+    def _renderer(self) -> ChatRenderer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        if self.cfg.model.chat_template:
+            tokenizer.chat_template = self.cfg.model.chat_template
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return ChatRenderer(tokenizer)
+
+    def _context_limit(self) -> int:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(self.model_path)
+        return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
+
+    def _env_source(self) -> Any:
+        env = self.cfg.env
+        if env.hub is not None:
+            if env.kwargs:
+                from trainer.errors import ConfigError, Problem
+
+                raise ConfigError([Problem("env.kwargs", f"env kwargs cannot be sent to the remote hub {env.hub!r}; "
+                                                         "configure the env where the hub serves it, or remove env.hub")])
+            return LocalEnvSource(hub=env.hub, token=env.token)
+        if env.pool_workers > 0:
+            return PoolEnvSource(env.kwargs, num_workers=env.pool_workers)
+        return LocalEnvSource(env.kwargs)
+
+    def _reward_router(self) -> Any:
+        if not self.cfg.env.rewards:
+            return None
+        from trainer.rewards.router import RewardRouter
+
+        return RewardRouter.from_config(self.cfg.env.rewards, self.cfg.roles.reward, backend=self.cfg.cluster.backend)

@@ -1,0 +1,128 @@
+"""Turn a config into running roles: the policy folder, the clusters, the driver's engine.
+
+``prepare_policy`` resolves ``model.path`` (checked to exist) or builds the tiny policy of
+``model.tiny`` once into ``{output_dir}/initial_policy`` (reused on ``--resume``), so every
+role then loads the same folder through ``from_pretrained``. ``start_roles`` creates one
+cluster per active role: in-process workers (``cluster.backend: local``) placed by the
+config's device plan, or Ray actors in placement groups from a ``ResourceManager``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.errors import ModelError
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
+    from trainer.workers.actor import ActorCluster
+    from trainer.workers.critic import CriticCluster
+    from trainer.workers.infer import ClusterEngine, InferCluster
+    from trainer.workers.reference import ReferenceCluster
+
+__all__ = ["Roles", "prepare_policy", "start_roles"]
+
+
+def prepare_policy(cfg: TrainerConfig) -> Path:
+    """The folder every role loads the policy from (built once for ``model.tiny``)."""
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise ModelError(
+                f"model.path {cfg.model.path!r} is not a model folder (no config.json there); point it at a local "
+                "save_pretrained checkpoint (e.g. a downloaded Qwen2.5-0.5B-Instruct) or use model.tiny to build one"
+            )
+        return path
+    from trainer.models import build_policy, env_corpus
+
+    target = Path(cfg.output_dir) / "initial_policy"
+    if (target / "config.json").is_file():
+        return target
+    tiny = cfg.model.tiny
+    if tiny is None:  # the config validator requires path or tiny; kept for readers
+        raise ModelError("set model.path or model.tiny")
+    corpus: list[str] = []
+    for env_id in cfg.env.ids:
+        corpus += env_corpus(env_id, cfg.env.kwargs, episodes=300, seed=cfg.seed)
+    partial = target.with_name(target.name + ".partial")
+    build_policy(partial, corpus, tokenizer_kind=tiny.tokenizer, arch=tiny.architecture,
+                 hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
+                 num_kv_heads=tiny.num_kv_heads, intermediate_size=tiny.intermediate_size,
+                 max_positions=tiny.max_position_embeddings, seed=cfg.seed)
+    partial.rename(target)
+    return target
+
+
+@dataclass
+class Roles:
+    """The running clusters of one run (absent roles are None) and the driver's engine."""
+
+    actor: ActorCluster
+    infer: InferCluster
+    engine: ClusterEngine
+    reference: ReferenceCluster | None = None
+    critic: CriticCluster | None = None
+    resources: Any = None
+    clusters: list[Any] = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        for cluster in self.clusters:
+            cluster.shutdown()
+        if self.resources is not None:
+            self.resources.shutdown()
+
+
+def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
+    """Create the clusters of ``cfg.active_roles`` on the configured backend."""
+    from trainer.workers.actor import ActorCluster
+    from trainer.workers.critic import CriticCluster
+    from trainer.workers.infer import ClusterEngine, InferCluster
+    from trainer.workers.reference import ReferenceCluster
+
+    resources = _ray_resources(cfg) if cfg.cluster.backend == "ray" else None
+    plan = resources.plan if resources is not None else cfg.device_plan
+    common = {"model_path": str(model_path), "dtype": cfg.model.dtype}
+    optim = {"lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, "max_grad_norm": cfg.train.max_grad_norm,
+             "micro_batch_size": cfg.train.micro_batch_size, "grad_accumulation": cfg.train.grad_accumulation}
+    clusters: list[Any] = []
+
+    def start(cls: type, role: str, **kwargs: Any) -> Any:
+        placement_kwargs = {"resources": resources} if resources is not None else {"placement": plan.roles[role]}
+        cluster = cls(role, getattr(cfg.roles, role), backend=cfg.cluster.backend, worker_kwargs=kwargs,
+                      **placement_kwargs)
+        clusters.append(cluster)
+        return cluster
+
+    try:
+        actor = start(ActorCluster, "actor_train", **common, seed=cfg.seed, optim=optim,
+                      loss=cfg.algorithm.loss.model_dump())
+        infer = start(InferCluster, "actor_infer", **common, seed=cfg.seed)
+        reference = (start(ReferenceCluster, "reference", **common, micro_batch_size=cfg.train.micro_batch_size)
+                     if "reference" in cfg.active_roles else None)
+        critic_optim = {**optim, "lr": cfg.train.critic_lr or cfg.train.lr}
+        critic = (start(CriticCluster, "critic", **common, seed=cfg.seed, optim=critic_optim)
+                  if "critic" in cfg.active_roles else None)
+    except BaseException:
+        for cluster in clusters:
+            cluster.shutdown()
+        if resources is not None:
+            resources.shutdown()
+        raise
+    return Roles(actor, infer, ClusterEngine(infer), reference, critic, resources, clusters)
+
+
+def _ray_resources(cfg: TrainerConfig) -> Any:
+    from trainer.controller.resources import ResourceManager, init_local_ray
+
+    if cfg.cluster.address is None:
+        highest = max((d for _, role in cfg.roles.items() for d in role.device_mapping), default=-1)
+        init_local_ray(cfg.cluster.num_devices or highest + 1, device_resource=cfg.cluster.device_resource,
+                       num_cpus=cfg.cluster.num_cpus)
+    else:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(address=cfg.cluster.address)
+    return ResourceManager(cfg.device_mapping(), device_resource=cfg.cluster.device_resource)

@@ -1,0 +1,217 @@
+"""One episode against one env: observation -> chat template -> tokens -> generate -> step.
+
+``EnvManager.run`` is the per-episode loop the rollout scheduler runs many of at once
+(asyncio): each turn it sends the running token ids to the ``InferenceEngine``, appends the
+generated ids (policy tokens) unchanged, decodes them to the action text, steps the env,
+and appends the tokens of the env's reply (context). A crashed env ends the episode as
+``failed`` (the caller drops or replaces it); it never raises into the batch.
+
+Where envs live is an ``EnvSource``:
+
+``LocalEnvSource``  ``envhub.make`` in this process (the default; games step in microseconds)
+``PoolEnvSource``   an ``envhub.pool.EnvPool`` of worker processes / Ray actors (crash- and
+                    hang-isolated), or a remote ``envhub serve`` through the pool's client
+Both hand out ``EnvSession`` objects with async ``reset`` / ``step`` / ``close``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from trainer.rollout.trajectory import ChatRenderer, Trajectory
+from trainer.strategies.base import GenerationRequest, InferenceEngine
+
+__all__ = [
+    "EnvManager",
+    "EnvSession",
+    "EnvSource",
+    "LocalEnvSource",
+    "PoolEnvSource",
+    "Sampling",
+    "StepOutcome",
+]
+
+StepOutcome = tuple[list[dict[str, Any]], float, bool, bool, dict[str, Any]]
+_request_ids = itertools.count()
+
+
+class EnvSession(Protocol):
+    """One env instance for one episode at a time."""
+
+    async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
+
+    async def step(self, action: str) -> StepOutcome: ...
+
+    async def close(self) -> None: ...
+
+
+class EnvSource(Protocol):
+    """Hands out env sessions for an env id (and cleans up at the end of the run)."""
+
+    async def session(self, env_id: str) -> EnvSession: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _LocalSession:
+    def __init__(self, env: Any, threaded: bool) -> None:
+        self.env, self.threaded = env, threaded
+
+    async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return await asyncio.to_thread(fn, *args, **kwargs) if self.threaded else fn(*args, **kwargs)
+
+    async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        return await self._run(self.env.reset, seed=seed)
+
+    async def step(self, action: str) -> StepOutcome:
+        outcome = await self._run(self.env.step, action)
+        if outcome[4].get("episode_failed"):  # a hub's worker crashed or hung: the episode is lost
+            raise RuntimeError(f"remote episode failed: {outcome[4].get('failure')}")
+        return outcome
+
+    async def close(self) -> None:
+        await self._run(self.env.close)
+
+
+class LocalEnvSource:
+    """``envhub.make`` in this process, one env per episode; ``hub=URL`` makes ``RemoteEnv``s
+    (an ``envhub serve`` hub) whose blocking calls run in threads."""
+
+    def __init__(self, env_kwargs: dict[str, Any] | None = None, make: Callable[..., Any] | None = None,
+                 *, hub: str | None = None, token: str | None = None) -> None:
+        import envhub
+
+        self.env_kwargs = dict(env_kwargs or {})
+        self.hub = hub
+        if hub is not None:
+            self.env_kwargs = {"hub": hub, "token": token}
+        self._make = make or envhub.make
+
+    async def session(self, env_id: str) -> EnvSession:
+        return _LocalSession(self._make(env_id, **self.env_kwargs), threaded=self.hub is not None)
+
+    async def aclose(self) -> None:
+        """Local envs are closed by their sessions."""
+
+
+class _PoolSession:
+    def __init__(self, pool: Any) -> None:
+        self.pool, self.episode = pool, None
+
+    async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        result = await self.pool.reset(seed=seed)
+        if result.failed:
+            raise RuntimeError(f"env reset failed: {result.reason}: {result.detail}")
+        self.episode = result.episode
+        return result.observation, result.info
+
+    async def step(self, action: str) -> StepOutcome:
+        result = await self.pool.step(self.episode, action)
+        if result.failed:
+            raise RuntimeError(f"env step failed: {result.reason}: {result.detail}")
+        return result.observation, result.reward, result.terminated, result.truncated, result.info
+
+    async def close(self) -> None:
+        if self.episode is not None:
+            await self.pool.close_episode(self.episode)
+
+
+class PoolEnvSource:
+    """An ``envhub.pool.EnvPool`` per env id: envs in worker processes (or Ray actors)."""
+
+    def __init__(self, env_kwargs: dict[str, Any] | None = None, *, num_workers: int = 2,
+                 backend: str = "process", step_timeout_s: float = 30.0) -> None:
+        self.env_kwargs = dict(env_kwargs or {})
+        self.num_workers, self.backend, self.step_timeout_s = num_workers, backend, step_timeout_s
+        self._pools: dict[str, Any] = {}
+
+    async def session(self, env_id: str) -> EnvSession:
+        if env_id not in self._pools:
+            from envhub.pool import EnvPool
+
+            pool = EnvPool(env_id, num_workers=self.num_workers, backend=self.backend,  # type: ignore[arg-type]
+                           env_kwargs=self.env_kwargs, step_timeout_s=self.step_timeout_s)
+            await pool.start()
+            self._pools[env_id] = pool
+        return _PoolSession(self._pools[env_id])
+
+    async def aclose(self) -> None:
+        for pool in self._pools.values():
+            await pool.aclose()
+        self._pools.clear()
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Per-turn generation settings of an episode."""
+
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+
+
+class EnvManager:
+    """Runs episodes with one engine and one chat renderer (see the module docstring)."""
+
+    def __init__(self, engine: InferenceEngine, renderer: ChatRenderer, *, max_turns: int,
+                 max_context_tokens: int, on_episode_end: Callable[[Trajectory], Awaitable[None]] | None = None) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.max_turns = max_turns
+        self.max_context_tokens = max_context_tokens
+        self.on_episode_end = on_episode_end
+
+    async def run(self, session: EnvSession, env_id: str, seed: int, sampling: Sampling, group_id: int = 0) -> Trajectory:
+        """Play one episode to its end (or ``max_turns``/context limit); never raises for env crashes."""
+        trajectory = Trajectory(env_id=env_id, seed=seed, group_id=group_id)
+        try:
+            messages, info = await session.reset(seed)
+        except Exception as error:  # a crashed env is data, not a crash of the run
+            return self._failed(trajectory, "reset", error)
+        trajectory.info = dict(info)
+        trajectory.messages.extend(messages)
+        trajectory.append_context(self.renderer.prompt(messages))
+        trajectory.prompt_length = len(trajectory.token_ids)
+        for _ in range(self.max_turns):
+            budget = min(sampling.max_new_tokens, self.max_context_tokens - len(trajectory.token_ids))
+            if budget <= 0:
+                trajectory.truncated = True
+                break
+            request = GenerationRequest(f"ep{next(_request_ids)}", list(trajectory.token_ids), budget,
+                                        sampling.temperature, sampling.top_p)
+            result = await self.engine.generate(request)
+            if result.finish_reason == "abort":
+                trajectory.failed, trajectory.failure = True, "aborted"
+                break
+            trajectory.append_policy(result.token_ids, result.logprobs)
+            trajectory.policy_versions.append(result.policy_version)
+            action = self.renderer.decode(result.token_ids)
+            trajectory.messages.append({"role": "assistant", "content": action})
+            try:
+                messages, reward, terminated, truncated, info = await session.step(action)
+            except Exception as error:
+                return self._failed(trajectory, "step", error)
+            trajectory.end_turn(reward)
+            trajectory.messages.extend(messages)
+            trajectory.invalid_actions += int(bool(info.get("invalid_action")))
+            trajectory.success = bool(info.get("success"))
+            if terminated or truncated:
+                trajectory.terminated, trajectory.truncated = terminated, truncated
+                break
+            stopped = bool(result.token_ids) and result.token_ids[-1] == self.renderer.eos_token_id
+            trajectory.append_context(self.renderer.continuation(messages, stopped_on_eos=stopped))
+        else:
+            trajectory.truncated = True
+        if self.on_episode_end is not None and not trajectory.failed:
+            await self.on_episode_end(trajectory)
+        return trajectory
+
+    @staticmethod
+    def _failed(trajectory: Trajectory, where: str, error: BaseException) -> Trajectory:
+        trajectory.failed = True
+        trajectory.failure = f"env {where} raised {type(error).__name__}: {error}"[:500]
+        return trajectory

@@ -1,0 +1,182 @@
+"""A multi-turn episode as ONE token sequence, and how sequences become a training batch.
+
+``Trajectory`` grows turn by turn: the rendered opening prompt (context), the tokens the
+policy generated (``response_mask = 1``, with the log-prob each was sampled with), then the
+chat-template rendering of the env's reply (context again), and so on. Token ids come from
+the engine unchanged and env messages are tokenised on their own and *appended*: nothing is
+ever re-tokenised, so the ids trained on are exactly the ids that were sampled.
+
+``ChatRenderer`` turns messages into the token ids to append, for any chat template, with
+the usual "delta" trick: render a fixed dummy conversation with and without the new
+messages and tokenise only the difference, so templates that add a default system prompt
+(Qwen) or a BOS token do not repeat it mid-episode.
+
+``collate`` pads trajectories (right padding) into the tensors every algorithm uses::
+
+    input_ids      (B, T) long    attention_mask (B, T) long    response_mask (B, T) float
+    old_logprobs   (B, T) float   token_rewards  (B, T) float   (turn reward on its last policy token)
+    scores         (B,)   float   episode return                group_ids     (B,) long
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ChatRenderer", "Trajectory", "collate"]
+
+
+@dataclass
+class Trajectory:
+    """One episode: tokens, which of them the policy wrote, rewards per turn and in total."""
+
+    env_id: str
+    seed: int
+    group_id: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    response_mask: list[int] = field(default_factory=list)
+    """1 where the policy generated the token, 0 for prompt/env/tool/template tokens."""
+    logprobs: list[float] = field(default_factory=list)
+    """Log-prob each policy token was sampled with (0.0 on context tokens)."""
+    turn_rewards: list[float] = field(default_factory=list)
+    turn_ends: list[int] = field(default_factory=list)
+    """Index of the last policy token of each turn (where that turn's reward sits)."""
+    prompt_length: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+    """The env's reset info (task-driven envs put the task / expected answer here)."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The transcript (env messages and the decoded actions), for logs, judges and SFT files."""
+    success: bool = False
+    terminated: bool = False
+    truncated: bool = False
+    failed: bool = False
+    """The env crashed; the episode is dropped or replaced, never trained on."""
+    failure: str | None = None
+    invalid_actions: int = 0
+    final_reward: float = 0.0
+    """Reward added at the end by reward workers (verifiers, judges, user functions)."""
+    policy_versions: list[int] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ building
+    def append_context(self, ids: Sequence[int]) -> None:
+        """Tokens the policy did not write: the prompt, env replies, template glue."""
+        self.token_ids.extend(ids)
+        self.response_mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+
+    def append_policy(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        """Tokens the policy generated this turn, with their sampling log-probs."""
+        if len(ids) != len(logprobs):
+            raise ValueError(f"{len(ids)} generated tokens but {len(logprobs)} log-probs")
+        self.token_ids.extend(ids)
+        self.response_mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs)
+
+    def end_turn(self, reward: float) -> None:
+        """Record the env's reward for the turn whose tokens were appended last."""
+        self.turn_rewards.append(float(reward))
+        self.turn_ends.append(len(self.token_ids) - 1)
+
+    # ------------------------------------------------------------------ views
+    @property
+    def num_turns(self) -> int:
+        return len(self.turn_rewards)
+
+    @property
+    def episode_reward(self) -> float:
+        """The return: the sum of turn rewards plus any reward-worker score."""
+        return sum(self.turn_rewards) + self.final_reward
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return sum(self.response_mask)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown trajectory field(s) {sorted(unknown)}; expected some of {sorted(known)}")
+        return cls(**data)
+
+
+class ChatRenderer:
+    """Token ids for chat messages under a tokenizer's chat template (see module docstring)."""
+
+    _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        base = self._render(self._BASE, generation_prompt=False)
+        self._base_text = base
+        closing = base[base.rindex("y") + 1:]
+        eos = tokenizer.eos_token or ""
+        self._closing_after_eos = closing[len(eos):] if eos and closing.startswith(eos) else closing
+        self._closing_without_eos = closing if closing.startswith(eos) else eos + closing
+
+    def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, tokenize=False)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """The opening prompt: all messages plus the assistant generation prompt."""
+        return self.encode(self._render(messages, generation_prompt=True))
+
+    def continuation(self, new_messages: Sequence[dict[str, Any]], stopped_on_eos: bool) -> list[int]:
+        """Ids to append after a policy turn: close the turn, the new messages, the next prompt."""
+        full = self._render([*self._BASE, *new_messages], generation_prompt=True)
+        if not full.startswith(self._base_text):
+            raise ValueError("the chat template renders a conversation differently when it grows; "
+                             "it cannot be used for multi-turn token appending")
+        closing = self._closing_after_eos if stopped_on_eos else self._closing_without_eos
+        return self.encode(closing + full[len(self._base_text):])
+
+    def answer(self, content: str) -> list[int]:
+        """Ids of an assistant answer as the template writes it, EOS included (for SFT data)."""
+        return self.encode(content + (self.tokenizer.eos_token or ""))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded training tensors for ``trajectories`` (shapes in the module docstring)."""
+    import torch
+
+    rows = len(trajectories)
+    width = max(len(t.token_ids) for t in trajectories)
+    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((rows, width), dtype=torch.long)
+    response_mask = torch.zeros((rows, width))
+    old_logprobs = torch.zeros((rows, width))
+    token_rewards = torch.zeros((rows, width))
+    for i, t in enumerate(trajectories):
+        n = len(t.token_ids)
+        input_ids[i, :n] = torch.tensor(t.token_ids, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        response_mask[i, :n] = torch.tensor(t.response_mask, dtype=torch.float32)
+        old_logprobs[i, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
+        for end, reward in zip(t.turn_ends, t.turn_rewards, strict=True):
+            token_rewards[i, end] += reward
+        if t.final_reward and t.turn_ends:
+            token_rewards[i, t.turn_ends[-1]] += t.final_reward
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+        "old_logprobs": old_logprobs,
+        "token_rewards": token_rewards,
+        "scores": torch.tensor([t.episode_reward for t in trajectories], dtype=torch.float32),
+        "group_ids": torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+    }

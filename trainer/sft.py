@@ -1,0 +1,117 @@
+"""Warm start data: behaviour-cloning trajectories from a scripted expert or a JSONL file.
+
+Demonstrations become ``Trajectory`` objects exactly like RL rollouts (same chat template,
+same appended-not-re-tokenised ids, ``response_mask`` on the assistant tokens), so the SFT
+stage trains with the same collate, the same strategy and the same checkpoint format.
+
+``expert_trajectories`` plays envs from the hub with their ``expert_action()``;
+``load_jsonl`` reads one conversation per line, ``{"messages": [{"role": ..., "content":
+...}, ...]}`` (extra keys such as ``env_id``, ``seed``, ``success`` are kept when present);
+``write_jsonl`` writes that same format, so collected demonstrations can be reused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import TrainerError
+from trainer.rollout.trajectory import ChatRenderer, Trajectory
+
+__all__ = ["SFT_SEED_BASE", "expert_trajectories", "from_messages", "load_jsonl", "write_jsonl"]
+
+SFT_SEED_BASE = 1_500_000_000
+"""Seeds of expert demonstrations: disjoint from training (< 1e9) and evaluation (1e9 + i)."""
+
+
+def expert_trajectories(env_ids: Sequence[str], env_kwargs: dict[str, Any], renderer: ChatRenderer, *,
+                        episodes: int, max_turns: int, seed_offset: int = 0) -> list[Trajectory]:
+    """``episodes`` demonstrations by the envs' scripted experts (round-robin over ``env_ids``)."""
+    import envhub
+
+    demos = []
+    for i in range(episodes):
+        env_id = env_ids[i % len(env_ids)]
+        env = envhub.make(env_id, **env_kwargs)
+        try:
+            messages, _ = env.reset(seed=SFT_SEED_BASE + seed_offset + i)
+            trajectory = Trajectory(env_id=env_id, seed=SFT_SEED_BASE + seed_offset + i, messages=list(messages))
+            trajectory.append_context(renderer.prompt(messages))
+            trajectory.prompt_length = len(trajectory.token_ids)
+            for _ in range(max_turns):
+                action = env.expert_action()
+                if action is None:
+                    if trajectory.num_turns == 0:
+                        raise TrainerError(f"{env_id} has no expert_action(); use sft.source: file with sft.path")
+                    break
+                ids = renderer.answer(action)
+                trajectory.append_policy(ids, [0.0] * len(ids))
+                trajectory.messages.append({"role": "assistant", "content": action})
+                messages, reward, terminated, truncated, info = env.step(action)
+                trajectory.end_turn(reward)
+                trajectory.messages.extend(messages)
+                trajectory.success = bool(info.get("success"))
+                if terminated or truncated:
+                    break
+                trajectory.append_context(renderer.continuation(messages, stopped_on_eos=True))
+        finally:
+            env.close()
+        demos.append(trajectory)
+    return demos
+
+
+def from_messages(messages: Sequence[dict[str, Any]], renderer: ChatRenderer, **fields: Any) -> Trajectory:
+    """A trajectory from a chat transcript: assistant messages are the trained tokens."""
+    trajectory = Trajectory(env_id=str(fields.pop("env_id", "file")), seed=int(fields.pop("seed", 0)),
+                            messages=list(messages), success=bool(fields.pop("success", False)))
+    pending: list[dict[str, Any]] = []
+    for message in messages:
+        if message.get("role") != "assistant":
+            pending.append(message)
+            continue
+        if trajectory.num_turns == 0:
+            trajectory.append_context(renderer.prompt(pending))
+            trajectory.prompt_length = len(trajectory.token_ids)
+        else:
+            trajectory.append_context(renderer.continuation(pending, stopped_on_eos=True))
+        ids = renderer.answer(str(message.get("content", "")))
+        trajectory.append_policy(ids, [0.0] * len(ids))
+        trajectory.end_turn(0.0)
+        pending = []
+    return trajectory
+
+
+def load_jsonl(path: str | Path, renderer: ChatRenderer) -> list[Trajectory]:
+    """Trajectories from a JSONL file of ``{"messages": [...]}`` lines (see module docstring)."""
+    source = Path(path).expanduser()
+    if not source.is_file():
+        raise TrainerError(f"sft.path {str(path)!r} does not exist; point it at a JSONL of {{\"messages\": [...]}} lines")
+    trajectories = []
+    for number, line in enumerate(source.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            messages = record.pop("messages")
+        except (json.JSONDecodeError, KeyError, AttributeError) as error:
+            raise TrainerError(f"{source}:{number}: each line must be a JSON object with \"messages\" ({error})") from None
+        known = {k: record[k] for k in ("env_id", "seed", "success") if k in record}
+        trajectory = from_messages(messages, renderer, **known)
+        if trajectory.num_turns == 0:
+            raise TrainerError(f"{source}:{number}: the conversation has no assistant message to learn from")
+        trajectories.append(trajectory)
+    if not trajectories:
+        raise TrainerError(f"{source} holds no conversations")
+    return trajectories
+
+
+def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> Path:
+    """Write transcripts as ``load_jsonl`` reads them."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("w") as f:
+        for t in trajectories:
+            f.write(json.dumps({"env_id": t.env_id, "seed": t.seed, "success": t.success, "messages": t.messages}) + "\n")
+    return target

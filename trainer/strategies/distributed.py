@@ -1,0 +1,87 @@
+"""``torch.distributed`` plumbing shared by the parallel strategies: one process group per worker.
+
+The same code runs on CPU and GPU: the backend is ``gloo`` when the strategy's device is
+``cpu`` and ``nccl`` on CUDA (``cpu:gloo,cuda:nccl`` so CPU-side collectives still work).
+A worker started by the trainer's cluster finds ``MASTER_ADDR``/``RANK``/``WORLD_SIZE`` set
+(``Worker._set_distributed_env``) and joins with ``env://``; a strategy built in a plain
+process (a notebook, a benchmark) without those variables gets a one-rank group on a free
+loopback port, so FSDP2 and Megatron-Core work there too.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["all_max", "backend_for", "ensure_process_group", "free_port", "resolve_device", "shutdown_process_group"]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def backend_for(device: str) -> str:
+    """``gloo`` for CPU training, ``cpu:gloo,cuda:nccl`` for CUDA training."""
+    return "gloo" if device.startswith("cpu") else "cpu:gloo,cuda:nccl"
+
+
+def resolve_device(device: str | None) -> str:
+    """``auto``/None -> ``cuda:<LOCAL_RANK>`` when CUDA is present, else ``cpu``; ``cuda`` gets the index."""
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device in (None, "auto"):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{local_rank % max(torch.cuda.device_count(), 1)}"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device={device!r} but this torch has no CUDA; use device='cpu'")
+        torch.cuda.set_device(torch.device(device))
+    return device
+
+
+def ensure_process_group(device: str) -> tuple[int, int]:
+    """Join (or create) the default process group; returns ``(rank, world_size)``."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if "MASTER_ADDR" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+                           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    kwargs = {}
+    if device.startswith("cuda"):
+        import torch
+
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(backend=backend_for(device), init_method="env://", **kwargs)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_process_group() -> None:
+    """Barrier, then destroy the default group (without the barrier a rank may abort)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_max(value: int, device: torch.device | str = "cpu") -> int:
+    """The maximum of an int over all ranks (micro-batch counts must agree before collectives)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())

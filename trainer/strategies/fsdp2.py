@@ -1,0 +1,310 @@
+"""``FSDP2TrainStrategy``: sharded data-parallel training of an HF causal LM with ``fully_shard``.
+
+A ``TrainStrategy`` (see ``base.py``) a worker holds exactly like ``HFTrainStrategy``. Every
+rank of the role builds the same model; the strategy joins the process group
+(``distributed.ensure_process_group``: gloo on CPU, NCCL on CUDA, same code), builds a 1-D
+``init_device_mesh`` over all ranks and applies ``fully_shard`` to each transformer block
+(the classes HF lists in ``model._no_split_modules``) and then to the root, so each rank
+holds ``1/world`` of every parameter, gradient and AdamW state.
+
+Options (``roles.actor_train.strategy_args``)
+-------------------------------------------
+``mixed_precision``          bf16 compute with fp32 master weights and fp32 gradient
+                             reduction (``MixedPrecisionPolicy``); default on for CUDA, off on CPU.
+``activation_checkpointing`` recompute each block in backward (HF gradient checkpointing,
+                             non-reentrant); trades ~30% compute for activation memory.
+``cpu_offload``              keep parameters, gradients and optimiser state in host memory
+                             (``CPUOffloadPolicy``); the optimiser step runs on the CPU. CUDA only.
+``reshard_after_forward``    free gathered parameters after forward (ZeRO-3, default) or keep
+                             them until backward (ZeRO-2-like, faster, more memory).
+
+Gradient accumulation: ``grad_accumulation`` micro-batches per optimiser step; gradient
+reduce-scatter runs only on the last micro-batch of a step (``set_requires_gradient_sync``).
+Ranks must issue the same collectives, so a rank with fewer micro-batches than another runs
+zero-weighted dummy ones (a ragged data-parallel split never deadlocks).
+
+Weights for the sync: ``full_weights()`` is a *collective* (every rank must call it); it
+yields each parameter gathered to a full tensor in HF naming, one at a time, so the weight
+sync can bucket them without ever holding the whole model twice. ``full_state_dict()``
+gathers everything to rank 0's CPU memory at once with
+``get_model_state_dict(..., StateDictOptions(full_state_dict=True, cpu_offload=True))``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from trainer.errors import NonFiniteLossError
+from trainer.strategies.base import ForwardOutput, LossFn
+from trainer.strategies.distributed import all_max, ensure_process_group, resolve_device
+from trainer.strategies.parallel_errors import ParallelConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["FSDP2TrainStrategy", "block_modules"]
+
+
+def block_modules(model: Any) -> list[Any]:
+    """The transformer blocks to shard one by one: instances of ``model._no_split_modules``."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    inner = getattr(model, "model", None)  # a value-head wrapper keeps the LM as .model
+    if not names and inner is not None:
+        names = set(getattr(inner, "_no_split_modules", None) or [])
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+class FSDP2TrainStrategy:
+    """Runs and trains one model sharded over all ranks (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        micro_batch_size: int = 8,
+        grad_accumulation: int | None = None,
+        trainable: bool = True,
+        kind: Literal["lm", "value"] = "lm",
+        device: str | None = "auto",
+        mixed_precision: bool | None = None,
+        activation_checkpointing: bool = False,
+        cpu_offload: bool = False,
+        reshard_after_forward: bool = True,
+    ) -> None:
+        import torch
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        self.device = resolve_device(device)
+        on_cuda = self.device.startswith("cuda")
+        if cpu_offload and not on_cuda:
+            raise ParallelConfigError(
+                "fsdp2 cpu_offload=True needs a CUDA device (on CPU the state already lives in host "
+                "memory); drop strategy_args.cpu_offload or train on GPU"
+            )
+        self.rank, self.world_size = ensure_process_group(self.device)
+        self.kind = kind
+        self.micro_batch_size = micro_batch_size
+        self.grad_accumulation = grad_accumulation
+        self.max_grad_norm = max_grad_norm
+        self.mixed_precision = on_cuda if mixed_precision is None else bool(mixed_precision)
+        self.cpu_offload = cpu_offload
+        self.mesh = init_device_mesh("cuda" if on_cuda else "cpu", (self.world_size,), mesh_dim_names=("dp",))
+
+        if activation_checkpointing:
+            if not hasattr(model, "gradient_checkpointing_enable"):
+                raise ParallelConfigError(
+                    f"activation_checkpointing needs an HF PreTrainedModel; {type(model).__name__} has no "
+                    "gradient_checkpointing_enable()"
+                )
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(model, "config"):
+                model.config.use_cache = False
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.mixed_precision else MixedPrecisionPolicy()
+        offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        shard = {"mesh": self.mesh, "mp_policy": policy, "offload_policy": offload}
+        blocks = block_modules(model)
+        if not blocks:
+            raise ParallelConfigError(
+                f"fsdp2 found no transformer blocks in {type(model).__name__} (model._no_split_modules is "
+                "empty); use strategy 'hf' for this model or give it _no_split_modules"
+            )
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
+        fully_shard(model, reshard_after_forward=reshard_after_forward, **shard)
+        if not cpu_offload and not on_cuda:
+            model.to(self.device)
+        self.model = model
+        self.optimizer: torch.optim.Optimizer | None = None
+        if trainable:
+            self.optimizer = torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
+                foreach=not cpu_offload,
+            )
+        else:
+            model.requires_grad_(False)
+        model.train(trainable)
+
+    # ------------------------------------------------------------------ micro-batches
+    def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """This rank's micro-batches, right-trimmed, padded in count to the max over ranks."""
+        rows, width = batch["input_ids"].shape
+        micros = []
+        for start in range(0, rows, self.micro_batch_size):
+            micro = {k: v[start:start + self.micro_batch_size] for k, v in batch.items()}
+            used = max(1, int(micro["attention_mask"].sum(-1).max()))  # right padding: trim the tail
+            micros.append({k: (v[:, :used] if v.dim() >= 2 and v.shape[1] == width else v).to(self.device)
+                           for k, v in micro.items()})
+        total = all_max(len(micros), self.device)
+        while len(micros) < total:  # a dummy the loss ignores, so every rank runs the same collectives
+            dummy = {k: v[:1].to(self.device) for k, v in batch.items()}
+            dummy["_dummy"] = dummy["input_ids"].new_ones(())
+            micros.append(dummy)
+        return micros
+
+    def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
+        from trainer.strategies.hf import token_logprobs
+
+        out = self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])
+        if self.kind == "value":
+            values = out.float()
+            return ForwardOutput(logprobs=values * 0.0, values=values)
+        logprobs, entropy = token_logprobs(out.logits, micro["input_ids"], with_entropy)
+        return ForwardOutput(logprobs=logprobs, entropy=entropy)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False) -> ForwardOutput:
+        """Per-token outputs for this rank's batch, no gradients, padded back to the batch width."""
+        import torch
+
+        width = batch["input_ids"].shape[1]
+        parts: list[ForwardOutput] = []
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            for micro in self._micro_batches(batch):
+                out = self._run(micro, with_entropy)
+                if "_dummy" not in micro:
+                    parts.append(out)
+        self.model.train(was_training)
+
+        def cat(field: str) -> torch.Tensor | None:
+            tensors = [getattr(p, field) for p in parts]
+            if not tensors or tensors[0] is None:
+                return None
+            return torch.cat([torch.nn.functional.pad(t.float().cpu(), (0, width - t.shape[1])) for t in tensors])
+
+        return ForwardOutput(logprobs=cat("logprobs"), entropy=cat("entropy"), values=cat("values"))  # type: ignore[arg-type]
+
+    # ------------------------------------------------------------------ train
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
+        """One or more optimiser steps over this rank's ``batch`` (``grad_accumulation`` micro-batches each)."""
+        import torch
+
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen model; build the strategy with trainable=True")
+        micros = self._micro_batches(batch)
+        real = sum(1 for m in micros if "_dummy" not in m)
+        per_step = self.grad_accumulation or len(micros)
+        totals: dict[str, float] = {}
+        steps = 0
+        self.model.train()
+        for first in range(0, len(micros), per_step):
+            group = micros[first:first + per_step]
+            self.optimizer.zero_grad(set_to_none=True)
+            for index, micro in enumerate(group):
+                self.model.set_requires_gradient_sync(index == len(group) - 1)
+                out = self._run(micro, with_entropy)
+                if "_dummy" in micro:
+                    loss = out.logprobs.sum() * 0.0 if self.kind == "lm" else out.values.sum() * 0.0  # type: ignore[union-attr]
+                    metrics: dict[str, float] = {}
+                else:
+                    loss, metrics = loss_fn(out, micro)
+                if not torch.isfinite(loss.detach()):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise NonFiniteLossError(
+                        f"the loss became {loss.item()} on rank {self.rank} (metrics {metrics}); the update was "
+                        "not applied. Lower train.lr, raise the loss clip, or check the rewards"
+                    )
+                (loss / len(group)).backward()
+                for key, value in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + value / max(real, 1)
+            norm = self._clip()
+            if not math.isfinite(norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteLossError(
+                    f"the gradient norm became {norm}; the update was not applied. Lower train.lr or set "
+                    "train.max_grad_norm"
+                )
+            self.optimizer.step()
+            steps += 1
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm
+        self.model.set_requires_gradient_sync(True)
+        totals["grad_norm"] = totals.get("grad_norm", 0.0) / max(steps, 1)
+        totals["optimizer_steps"] = float(steps)
+        return totals
+
+    def _clip(self) -> float:
+        """Clip the global gradient norm (over all shards); returns the norm before clipping."""
+        import torch
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=not self.cpu_offload)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate of every parameter group."""
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+
+    # ------------------------------------------------------------------ weights and state
+    def full_weights(self, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: every parameter/buffer gathered to a full tensor, HF names, one at a time.
+
+        Every rank must iterate to the end (each ``full_tensor()`` is an all-gather). Tensors are
+        on ``device`` (default: the training device; ``"cpu"`` for host copies).
+        """
+        for name, tensor in self.model.state_dict().items():
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            full = full.detach()
+            yield name, (full.to(device) if device is not None else full)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the whole model as full CPU tensors on rank 0 (empty dict on other ranks)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: model + optimiser as full tensors (rank 0 receives them; others get empty dicts)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if self.optimizer is None:
+            return {"model": self.full_state_dict()}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        return {"model": model_state, "optimizer": optim_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Collective: load full tensors (present on every rank) back into the shards."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+        options = StateDictOptions(full_state_dict=True)
+        if self.optimizer is not None and state.get("optimizer"):
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                           optim_state_dict=state["optimizer"], options=options)
+        else:
+            set_model_state_dict(self.model, state["model"], options=options)
+
+    def offload(self) -> None:
+        """Move this rank's shards and optimiser state to host memory (CUDA only; no-op on CPU)."""
+        if self.device.startswith("cuda") and not self.cpu_offload:
+            self._move("cpu")
+
+    def reload(self) -> None:
+        if self.device.startswith("cuda") and not self.cpu_offload:
+            self._move(self.device)
+
+    def _move(self, device: str) -> None:
+        import torch
+
+        self.model.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device, non_blocking=True)
+        if device == "cpu":
+            torch.cuda.empty_cache()

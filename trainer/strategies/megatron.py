@@ -1,0 +1,447 @@
+"""``MegatronTrainStrategy``: tensor- and data-parallel training of HF Qwen2/Llama models with Megatron-Core.
+
+A ``TrainStrategy`` (see ``base.py``). Each rank is handed the same HF model; the strategy
+
+1. joins the process group (gloo on CPU, NCCL on CUDA; ``distributed.py``) and initialises
+   Megatron's model-parallel groups (``tensor_parallel_size`` x data-parallel = world);
+2. builds a Megatron-Core ``GPTModel`` with the *local* layer spec (no Transformer Engine or
+   Apex needed) from the HF config, and loads this TP rank's shard of the HF weights through
+   ``megatron_convert.hf_to_megatron`` (exact);
+3. trains it: fp32 master weights and AdamW, bf16 autocast on CUDA, per-token log-probs from
+   vocab-parallel logits gathered over the TP group, gradients averaged over data-parallel
+   replicas and the global norm clipped over TP shards;
+4. gives the weight sync full HF-named tensors (``full_weights``, a collective over the TP
+   group, one layer at a time) via ``megatron_convert.megatron_to_hf``.
+
+Attention: ``attention="sdpa"`` (default) swaps Megatron's unfused ``DotProductAttention``
+for :class:`SDPACoreAttention` (``torch.nn.functional.scaled_dot_product_attention``, flash
+kernels on GPU); ``"local"`` keeps Megatron's own. Both are causal; batches are right-padded,
+so padding never leaks into real tokens.
+
+Data: the cluster splits a batch over *all* ranks, but a TP group must see the same rows.
+So each rank all-gathers its TP peers' rows, the group runs the union, and each rank returns
+the outputs of its own rows - the caller's data-parallel split stays correct for any TP.
+
+On CPU, ``megatron_cpu_shim.activate`` is called (CPU RNG tracker, CPU allocation); on GPU
+it never is. Pipeline parallelism is mapped by the converter (stage slices) but not run by
+this strategy yet: ``pipeline_parallel_size > 1`` raises ``ParallelConfigError``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from trainer.errors import NonFiniteLossError
+from trainer.strategies.base import ForwardOutput, LossFn
+from trainer.strategies.distributed import all_max, ensure_process_group, resolve_device
+from trainer.strategies.megatron_convert import MegatronLayout, hf_to_megatron, layout_from_hf_config, megatron_to_hf
+from trainer.strategies.parallel_errors import ParallelConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["MegatronTrainStrategy", "SDPACoreAttention", "build_gpt_model"]
+
+
+class SDPACoreAttention:  # the real class is built lazily (torch/megatron imports) by _sdpa_class()
+    """Causal ``scaled_dot_product_attention`` with Megatron's core-attention signature."""
+
+
+def _sdpa_class() -> type:
+    import torch
+    from megatron.core.transformer.module import MegatronModule
+
+    class _SDPACoreAttention(MegatronModule):
+        """Megatron core attention via torch SDPA: q [sq,b,np,hn], k/v [sk,b,ng,hn] -> [sq,b,np*hn]."""
+
+        def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                     attention_dropout: float | None = None, softmax_scale: float | None = None,
+                     **_: Any) -> None:
+            super().__init__(config=config)
+            self.softmax_scale = softmax_scale
+            self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+
+        def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+                    attn_mask_type: Any = None, attention_bias: Any = None, packed_seq_params: Any = None) -> torch.Tensor:
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, heads, s, hn]
+            if k.shape[1] != q.shape[1]:
+                repeat = q.shape[1] // k.shape[1]
+                k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.softmax_scale,
+                dropout_p=self.dropout if self.training else 0.0)
+            sq, b = query.shape[0], query.shape[1]
+            return out.permute(2, 0, 1, 3).reshape(sq, b, -1)
+
+    return _SDPACoreAttention
+
+
+def build_gpt_model(layout: MegatronLayout, *, attention: Literal["sdpa", "local"] = "sdpa",
+                    recompute: bool = False, params_dtype: Any = None) -> Any:
+    """A Megatron-Core ``GPTModel`` equivalent to the HF model ``layout`` describes (this rank's shard)."""
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    extra: dict[str, Any] = {}
+    if recompute:
+        extra = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    config = TransformerConfig(
+        num_layers=layout.num_layers, hidden_size=layout.hidden_size, num_attention_heads=layout.num_heads,
+        num_query_groups=layout.num_kv_heads, kv_channels=layout.head_dim, ffn_hidden_size=layout.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=layout.rms_norm_eps, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp, params_dtype=params_dtype or torch.float32,
+        use_cpu_initialization=True, perform_initialization=False, bias_activation_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, **extra,
+    )
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = _sdpa_class()
+    elif attention != "local":
+        raise ParallelConfigError(f"unknown megatron attention {attention!r}; use 'sdpa' or 'local'")
+    return GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=layout.padded_vocab_size,
+        max_sequence_length=layout.max_positions, share_embeddings_and_output_weights=layout.tied_embeddings,
+        position_embedding_type="rope", rotary_base=int(layout.rope_theta), parallel_output=True,
+    )
+
+
+class _GatherLastDim:
+    """All-gather along the last dim over a group; backward keeps this rank's slice."""
+
+    @staticmethod
+    def apply(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+        import torch
+        import torch.distributed as dist
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+                ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+                parts = [torch.empty_like(x) for _ in range(ctx.size)]
+                dist.all_gather(parts, x.contiguous(), group=group)
+                return torch.cat(parts, dim=-1)
+
+            @staticmethod
+            def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+                return grad.chunk(ctx.size, dim=-1)[ctx.rank].contiguous()
+
+        return Fn.apply(tensor)
+
+
+class MegatronTrainStrategy:
+    """Runs and trains an HF Qwen2/Llama model as a Megatron-Core GPTModel (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        micro_batch_size: int = 8,
+        grad_accumulation: int | None = None,
+        trainable: bool = True,
+        kind: Literal["lm", "value"] = "lm",
+        device: str | None = "auto",
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        mixed_precision: bool | None = None,
+        activation_checkpointing: bool = False,
+        attention: Literal["sdpa", "local"] = "sdpa",
+        seed: int = 0,
+    ) -> None:
+        import torch
+        from megatron.core import parallel_state as mpu
+
+        if kind != "lm":
+            raise ParallelConfigError("the megatron strategy trains causal LMs only; use 'fsdp2' or 'hf' for a critic")
+        if pipeline_parallel_size != 1:
+            raise ParallelConfigError(
+                f"pipeline_parallel_size={pipeline_parallel_size}: the megatron strategy runs TP x DP only so far "
+                "(the converter maps PP stages); set pipeline_parallel_size: 1"
+            )
+        self.device = resolve_device(device)
+        on_cuda = self.device.startswith("cuda")
+        if activation_checkpointing and not on_cuda:
+            raise ParallelConfigError(
+                "megatron activation_checkpointing needs CUDA (its recompute saves CUDA RNG states); "
+                "drop strategy_args.activation_checkpointing on CPU"
+            )
+        self.layout = layout_from_hf_config(model.config, tp=tensor_parallel_size, pp=pipeline_parallel_size)
+        self.rank, self.world_size = ensure_process_group(self.device)
+        if self.world_size % tensor_parallel_size:
+            raise ParallelConfigError(
+                f"world size {self.world_size} is not divisible by tensor_parallel_size={tensor_parallel_size}; "
+                "give the role a device count that is a multiple of it"
+            )
+        if mpu.model_parallel_is_initialized():
+            if mpu.get_tensor_model_parallel_world_size() != tensor_parallel_size:
+                raise ParallelConfigError(
+                    f"this process already runs Megatron with TP={mpu.get_tensor_model_parallel_world_size()}, "
+                    f"not {tensor_parallel_size}; one TP degree per process"
+                )
+        else:
+            mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+        self.tp_group, self.dp_group = mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
+        self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), tensor_parallel_size
+        self.dp_size = mpu.get_data_parallel_world_size()
+        if on_cuda:
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+            model_parallel_cuda_manual_seed(seed)
+        else:
+            from trainer.strategies import megatron_cpu_shim
+
+            megatron_cpu_shim.activate(seed, self.tp_rank)
+        self.mixed_precision = on_cuda if mixed_precision is None else bool(mixed_precision)
+        self.micro_batch_size, self.grad_accumulation, self.max_grad_norm = micro_batch_size, grad_accumulation, max_grad_norm
+        self.hf_config = model.config
+        self.model = build_gpt_model(self.layout, attention=attention, recompute=activation_checkpointing)
+        self._load_hf(model.state_dict())
+        self.model.to(self.device)
+        self.optimizer: torch.optim.Optimizer | None = None
+        if trainable:
+            self.optimizer = torch.optim.AdamW(list(self.model.parameters()), lr=lr, weight_decay=weight_decay)
+        else:
+            self.model.requires_grad_(False)
+        self.model.train(trainable)
+
+    def _load_hf(self, hf_state: Mapping[str, torch.Tensor]) -> None:
+        shard = hf_to_megatron(hf_state, self.layout, tp_rank=self.tp_rank)
+        missing, unexpected = self.model.load_state_dict(shard, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise ParallelConfigError(f"megatron shard does not fit GPTModel: missing {missing}, unexpected {unexpected}")
+
+    # ------------------------------------------------------------------ data
+    def _group_rows(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
+        """The union of the TP group's rows, and where this rank's own rows sit in it."""
+        import torch
+        import torch.distributed as dist
+
+        cpu = {k: v.cpu() for k, v in batch.items()}
+        if self.tp_size == 1:
+            return cpu, slice(0, cpu["input_ids"].shape[0])
+        gathered: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(gathered, cpu, group=self.tp_group)
+        counts = [g["input_ids"].shape[0] for g in gathered]
+        width = max(g["input_ids"].shape[1] for g in gathered)
+        union = {k: torch.cat([torch.nn.functional.pad(g[k], (0, width - g[k].shape[1])) if g[k].dim() >= 2 else g[k]
+                               for g in gathered]) for k in cpu}
+        start = sum(counts[:self.tp_rank])
+        return union, slice(start, start + counts[self.tp_rank])
+
+    def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        rows, width = batch["input_ids"].shape
+        micros = []
+        for start in range(0, rows, self.micro_batch_size):
+            micro = {k: v[start:start + self.micro_batch_size] for k, v in batch.items()}
+            used = max(1, int(micro["attention_mask"].sum(-1).max()))
+            micros.append({k: (v[:, :used] if v.dim() >= 2 and v.shape[1] == width else v).to(self.device)
+                           for k, v in micro.items()})
+        total = all_max(len(micros), self.device)
+        while len(micros) < total:
+            dummy = {k: v[:1].to(self.device) for k, v in batch.items()}
+            dummy["_dummy"] = dummy["input_ids"].new_ones(())
+            micros.append(dummy)
+        return micros
+
+    def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
+        import torch
+
+        from trainer.strategies.hf import token_logprobs
+
+        ids = micro["input_ids"]
+        positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.mixed_precision and ids.is_cuda):
+            logits = self.model(input_ids=ids, position_ids=positions, attention_mask=None)
+        if self.tp_size > 1:
+            logits = _GatherLastDim.apply(logits, self.tp_group)
+        logits = logits[..., :self.layout.vocab_size]
+        logprobs, entropy = token_logprobs(logits, ids, with_entropy)
+        return ForwardOutput(logprobs=logprobs, entropy=entropy)
+
+    # ------------------------------------------------------------------ forward / train
+    def forward(self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False) -> ForwardOutput:
+        """Per-token outputs for this rank's rows, no gradients, padded back to the batch width."""
+        import torch
+
+        width = batch["input_ids"].shape[1]
+        union, mine = self._group_rows(batch)
+        parts: list[ForwardOutput] = []
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            for micro in self._micro_batches(union):
+                out = self._run(micro, with_entropy)
+                if "_dummy" not in micro:
+                    parts.append(out)
+        self.model.train(was_training)
+
+        def cat(field: str) -> torch.Tensor | None:
+            tensors = [getattr(p, field) for p in parts]
+            if not tensors or tensors[0] is None:
+                return None
+            full = torch.cat([torch.nn.functional.pad(t.float().cpu(), (0, union["input_ids"].shape[1] - t.shape[1]))
+                              for t in tensors])
+            return full[mine, :width]
+
+        return ForwardOutput(logprobs=cat("logprobs"), entropy=cat("entropy"))  # type: ignore[arg-type]
+
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
+        """Optimiser steps over the TP group's rows (``grad_accumulation`` micro-batches each)."""
+        import torch
+
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen model; build the strategy with trainable=True")
+        union, _ = self._group_rows(batch)
+        micros = self._micro_batches(union)
+        real = sum(1 for m in micros if "_dummy" not in m)
+        per_step = self.grad_accumulation or len(micros)
+        totals: dict[str, float] = {}
+        steps = 0
+        self.model.train()
+        for first in range(0, len(micros), per_step):
+            group = micros[first:first + per_step]
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in group:
+                out = self._run(micro, with_entropy)
+                if "_dummy" in micro:
+                    loss, metrics = out.logprobs.sum() * 0.0, {}
+                else:
+                    loss, metrics = loss_fn(out, micro)
+                if not torch.isfinite(loss.detach()):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    raise NonFiniteLossError(
+                        f"the loss became {loss.item()} on rank {self.rank} (metrics {metrics}); the update was not "
+                        "applied. Lower train.lr, raise the loss clip, or check the rewards"
+                    )
+                (loss / len(group)).backward()
+                for key, value in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + value / max(real, 1)
+            self._reduce_data_parallel()
+            norm = self._clip()
+            if not math.isfinite(norm):
+                self.optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteLossError(f"the gradient norm became {norm}; the update was not applied. Lower train.lr")
+            self.optimizer.step()
+            steps += 1
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm
+        totals["grad_norm"] = totals.get("grad_norm", 0.0) / max(steps, 1)
+        totals["optimizer_steps"] = float(steps)
+        return totals
+
+    def _reduce_data_parallel(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if self.dp_size == 1:
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.dp_size
+        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(reduced)
+
+    def _clip(self) -> float:
+        """Global grad norm over TP shards (replicated norms counted once), then clip.
+
+        Every parameter of this GPTModel is split over TP except the RMSNorm weights (the
+        local spec has no row-parallel biases); megatron's ``tensor_model_parallel`` flag is
+        not set when weights are loaded rather than initialised, so the names decide.
+        """
+        import torch
+        import torch.distributed as dist
+
+        named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
+        if not named:
+            return 0.0
+        device = named[0][1].grad.device
+        sharded = torch.zeros((), device=device)
+        replicated = torch.zeros((), device=device)
+        for name, param in named:
+            square = param.grad.float().pow(2).sum()
+            if "layernorm" in name:
+                replicated += square
+            else:
+                sharded += square
+        if self.tp_size > 1:
+            dist.all_reduce(sharded, group=self.tp_group)
+        norm = float((sharded + replicated).sqrt())
+        if self.max_grad_norm is not None and math.isfinite(norm) and norm > self.max_grad_norm:
+            for _, param in named:
+                param.grad.mul_(self.max_grad_norm / (norm + 1e-6))
+        return norm
+
+    def set_lr(self, lr: float) -> None:
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+
+    # ------------------------------------------------------------------ weights and state
+    def full_weights(self, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective over the TP group: full HF-named tensors, gathered and converted one layer at a time."""
+        import torch
+        import torch.distributed as dist
+
+        local = self.model.state_dict()
+        chunks: dict[str, list[str]] = {}
+        for name in local:
+            if name.endswith("_extra_state"):
+                continue
+            key = ".".join(name.split(".")[:3]) if name.startswith("decoder.layers.") else name
+            chunks.setdefault(key, []).append(name)
+        for names in chunks.values():
+            shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
+            for name in names:
+                tensor = local[name].detach()
+                if self.tp_size == 1:
+                    shards[0][name] = tensor
+                    continue
+                parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+                dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
+                for rank, part in enumerate(parts):
+                    shards[rank][name] = part
+            for name, tensor in megatron_to_hf([shards], self.layout).items():
+                yield name, (tensor.to(device) if device is not None else tensor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: the model as full HF tensors on CPU, and this rank's optimiser state."""
+        state: dict[str, Any] = {"model": {k: v.cpu() for k, v in self.full_weights()}}
+        if self.optimizer is not None:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load full HF tensors (re-sliced for this rank) and, when present, the optimiser state."""
+        self._load_hf(state["model"])
+        if self.optimizer is not None and state.get("optimizer"):
+            self.optimizer.load_state_dict(state["optimizer"])
+
+    def offload(self) -> None:
+        if self.device.startswith("cuda"):
+            self._move("cpu")
+
+    def reload(self) -> None:
+        if self.device.startswith("cuda"):
+            self._move(self.device)
+
+    def _move(self, device: str) -> None:
+        import torch
+
+        self.model.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device)
+        if device == "cpu":
+            torch.cuda.empty_cache()

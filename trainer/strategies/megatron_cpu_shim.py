@@ -1,0 +1,102 @@
+"""The one place where Megatron-Core is taught to run on a CPU. Never active on GPU.
+
+Megatron-Core assumes CUDA in two places our CPU training reaches:
+
+1. Its RNG tracker (``tensor_parallel.random.CudaRNGStatesTracker``) seeds, saves and
+   restores *CUDA* generator states (``torch.cuda.get_rng_state``/``manual_seed``) to give
+   tensor-parallel regions their own dropout/initialisation streams.
+2. A few buffers are allocated with ``device=torch.cuda.current_device()`` (e.g. the
+   all-gather output in ``tensor_parallel.mappings``).
+
+``activate(seed)`` replaces (1) with :class:`CpuRNGStatesTracker`, the same bookkeeping
+over the CPU generator (``torch.get_rng_state``/``set_rng_state``), seeded exactly as
+``model_parallel_cuda_manual_seed`` seeds its streams; and, only when this torch has no
+CUDA at all, makes ``torch.cuda.current_device`` return ``"cpu"`` so (2) allocates host
+memory. Nothing else changes: same modules, same math, same collectives (gloo).
+
+It is called by ``MegatronTrainStrategy`` when, and only when, the training device is the
+CPU; ``activate`` refuses to run in a process whose torch sees a GPU (a half-CPU,
+half-CUDA Megatron would silently mix devices). ``is_active()`` tells tests and logs.
+Dropout must be 0 on CPU (the strategy sets it), so no random stream affects the math.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from trainer.strategies.parallel_errors import ParallelConfigError
+
+__all__ = ["CpuRNGStatesTracker", "activate", "is_active"]
+
+_ACTIVE = False
+
+
+def _tracker_class() -> type:
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        """``CudaRNGStatesTracker`` over the CPU generator (same names, same seeds)."""
+
+        def add(self, name: str, seed: int) -> None:
+            import torch
+
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise ParallelConfigError(f"megatron rng seed {seed} is already tracked; use distinct seeds")
+            if name in self.states_:
+                raise ParallelConfigError(f"megatron rng state {name!r} is already tracked")
+            self.seeds_.add(seed)
+            saved = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(saved)
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+            import torch
+
+            if name not in self.states_:
+                raise ParallelConfigError(f"megatron rng state {name!r} was never added")
+            saved = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(saved)
+
+    return CpuRNGStatesTracker
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CpuRNGStatesTracker":
+        return _tracker_class()
+    raise AttributeError(name)
+
+
+def activate(seed: int, tp_rank: int = 0) -> None:
+    """Install the CPU RNG tracker (seeded like ``model_parallel_cuda_manual_seed``) and CPU allocation."""
+    global _ACTIVE
+    import torch
+    from megatron.core.tensor_parallel import random as mrandom
+
+    if torch.cuda.is_available():
+        raise ParallelConfigError(
+            "megatron CPU training was asked for in a process that sees a GPU; train on device 'cuda', or "
+            "hide the GPUs (CUDA_VISIBLE_DEVICES='') so no CUDA tensor mixes into the CPU run"
+        )
+    tracker = _tracker_class()()
+    tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+    tracker.add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+    tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
+    mrandom._CUDA_RNG_STATE_TRACKER = tracker
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # CPU-only torch: nothing else uses it
+    _ACTIVE = True
+
+
+def is_active() -> bool:
+    """Whether :func:`activate` ran in this process."""
+    return _ACTIVE

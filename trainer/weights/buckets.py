@@ -1,0 +1,135 @@
+"""Size-bounded buckets of full HF-named tensors, each one flat byte buffer.
+
+The weight sync never moves a model as one blob (twice the memory) nor tensor by tensor
+(one IPC handle or collective per tensor): it packs consecutive tensors into buckets of at
+most ``bucket_bytes``, each a single contiguous ``uint8`` buffer plus a small list of
+:class:`TensorMeta` (name, dtype, shape, byte offset). One buffer is one CUDA IPC handle,
+one shared-memory segment or one broadcast; the receiver unpacks zero-copy views.
+
+A tensor larger than ``bucket_bytes`` cannot be split across buckets (the receiver loads
+whole tensors), so :func:`plan_buckets` and :func:`iter_buckets` raise
+``BucketTooSmallError`` naming that tensor and the smallest size that works. ``plan_buckets``
+checks a whole model's tensor sizes *before* any bucket moves, so a bad setting fails before
+the engine is touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from trainer.weights.errors import BucketTooSmallError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["ALIGN", "Bucket", "TensorMeta", "iter_buckets", "pack", "plan_buckets"]
+
+ALIGN = 64
+"""Byte alignment of each tensor inside a bucket (any dtype's views stay aligned)."""
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Where one tensor lives in a bucket's buffer."""
+
+    name: str
+    dtype: str
+    """``torch`` dtype name, e.g. ``"bfloat16"``."""
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass
+class Bucket:
+    """One flat ``uint8`` buffer holding the tensors ``metas`` describes."""
+
+    buffer: torch.Tensor
+    metas: list[TensorMeta]
+    index: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Zero-copy views ``(name, tensor)`` into the buffer, in packing order."""
+        import torch
+
+        for meta in self.metas:
+            raw = self.buffer[meta.offset:meta.offset + meta.nbytes]
+            yield meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)
+
+
+def _too_small(name: str, nbytes: int, bucket_bytes: int) -> BucketTooSmallError:
+    return BucketTooSmallError(
+        f"tensor {name!r} needs {nbytes:,} bytes but bucket_bytes={bucket_bytes:,}; raise the bucket size to at "
+        f"least {_aligned(nbytes):,} bytes ({_aligned(nbytes) / 2**20:.2f} MiB), e.g. weight_sync.bucket_mb="
+        f"{-(-_aligned(nbytes) // 2**20)}"
+    )
+
+
+def plan_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
+    """Group ``(name, nbytes)`` into buckets, in order; raises if any tensor exceeds ``bucket_bytes``."""
+    if bucket_bytes <= 0:
+        raise BucketTooSmallError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    sizes = list(sizes)
+    largest = max(sizes, key=lambda item: item[1], default=None)
+    if largest is not None and _aligned(largest[1]) > bucket_bytes:
+        raise _too_small(largest[0], largest[1], bucket_bytes)
+    plan: list[list[str]] = [[]]
+    used = 0
+    for name, nbytes in sizes:
+        if plan[-1] and used + _aligned(nbytes) > bucket_bytes:
+            plan.append([])
+            used = 0
+        plan[-1].append(name)
+        used += _aligned(nbytes)
+    return [group for group in plan if group]
+
+
+def pack(named: list[tuple[str, torch.Tensor]], *, index: int = 0, device: torch.device | str | None = None,
+         buffer: torch.Tensor | None = None) -> Bucket:
+    """Copy ``named`` tensors into one flat buffer (on ``device``, default the first tensor's)."""
+    import torch
+
+    metas: list[TensorMeta] = []
+    offset = 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        offset += _aligned(nbytes)
+    target = device if device is not None else (named[0][1].device if named else "cpu")
+    if buffer is None or buffer.numel() < offset:
+        buffer = torch.empty(offset, dtype=torch.uint8, device=target)
+    bucket = Bucket(buffer[:offset], metas, index)
+    for (_, tensor), (_, view) in zip(named, bucket.tensors(), strict=True):
+        view.copy_(tensor.detach().reshape(view.shape), non_blocking=True)
+    return bucket
+
+
+def iter_buckets(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
+                 device: torch.device | str | None = None) -> Iterator[Bucket]:
+    """Stream ``weights`` into buckets of at most ``bucket_bytes`` (checked per tensor as it comes)."""
+    items = weights.items() if isinstance(weights, Mapping) else weights
+    pending: list[tuple[str, torch.Tensor]] = []
+    used = 0
+    index = 0
+    for name, tensor in items:
+        nbytes = _aligned(tensor.numel() * tensor.element_size())
+        if nbytes > bucket_bytes:
+            raise _too_small(name, tensor.numel() * tensor.element_size(), bucket_bytes)
+        if pending and used + nbytes > bucket_bytes:
+            yield pack(pending, index=index, device=device)
+            index += 1
+            pending, used = [], 0
+        pending.append((name, tensor))
+        used += nbytes
+    if pending:
+        yield pack(pending, index=index, device=device)

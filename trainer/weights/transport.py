@@ -1,0 +1,349 @@
+"""Handing weight buckets from the trainer to inference engines, and never serving a half sync.
+
+Two ways a bucket (``buckets.Bucket``: one flat buffer + tensor metadata) travels:
+
+Colocated (trainer and engine on the same host / GPU)
+    :func:`share_bucket` turns a bucket into a small picklable :class:`SharedBucket` handle:
+    a CUDA IPC handle when the buffer is on a GPU (``torch.multiprocessing.reductions``;
+    the receiver maps the sender's memory, no host round trip), or a named POSIX
+    shared-memory segment for CPU buffers. The handle goes through any RPC (a Ray call, a
+    ``multiprocessing`` queue); :func:`open_bucket` on the other side gives zero-copy views.
+    The sender keeps the buffer alive until the receiver acknowledges (``release``).
+
+Disaggregated (engines on other hosts)
+    :class:`BroadcastGroup`: a stand-alone process group (its own ``TCPStore``; gloo on CPU,
+    NCCL on GPU) of trainer rank 0 (rank 0 here) and every inference worker. Rank 0
+    broadcasts each bucket's header then its buffer; receivers unpack and load; a final
+    MIN all-reduce of every engine's served version is the acknowledgement, so the trainer
+    learns of an engine that died or failed mid-sync (``TransportError``/``StaleWeightsError``).
+    It is independent of the trainer's own default group, so engines need not join that.
+
+Versioning (:class:`VersionedEngine`)
+    Wraps any ``InferenceEngine``. A sync announces a version and the names it will send;
+    while it runs - and after one that failed half way - the wrapper refuses to generate
+    (``StaleWeightsError``) instead of sampling from a mix of old and new tensors. After the
+    last bucket it checks every announced name arrived and that the engine took the update,
+    and only then serves the new ``weights_version``. :func:`confirm_versions` is the
+    trainer's check after each sync that every engine reports the version it just sent.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from trainer.weights.buckets import Bucket, TensorMeta, iter_buckets
+from trainer.weights.errors import StaleWeightsError, TransportError
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.strategies.base import GenerationRequest, GenerationResult
+
+__all__ = ["BroadcastGroup", "SharedBucket", "VersionedEngine", "confirm_versions", "open_bucket", "share_bucket"]
+
+
+# --------------------------------------------------------------------------- colocated
+
+
+@dataclass
+class SharedBucket:
+    """A picklable reference to a bucket living in shared memory (CPU) or CUDA IPC memory (GPU)."""
+
+    metas: list[TensorMeta]
+    index: int
+    nbytes: int
+    shm_name: str | None = None
+    cuda_ipc: tuple[Any, tuple[Any, ...]] | None = None
+    """``(rebuild_fn, args)`` from ``torch.multiprocessing.reductions.reduce_tensor``."""
+
+
+def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
+    """A handle another process can open, and ``release()`` to call once it acknowledged."""
+    if bucket.buffer.is_cuda:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return SharedBucket(bucket.metas, bucket.index, bucket.nbytes, cuda_ipc=reduce_tensor(bucket.buffer)), lambda: None
+    import torch
+    from multiprocessing import shared_memory
+
+    segment = shared_memory.SharedMemory(create=True, size=max(bucket.nbytes, 1))
+    torch.frombuffer(segment.buf, dtype=torch.uint8, count=bucket.nbytes).copy_(bucket.buffer)
+
+    def release() -> None:
+        segment.close()
+        segment.unlink()
+
+    return SharedBucket(bucket.metas, bucket.index, bucket.nbytes, shm_name=segment.name), release
+
+
+def open_bucket(handle: SharedBucket) -> tuple[Bucket, Callable[[], None]]:
+    """Zero-copy views of a shared bucket in this process, and ``close()`` to call when loaded."""
+    import torch
+
+    if handle.cuda_ipc is not None:
+        rebuild, args = handle.cuda_ipc
+        try:
+            buffer = rebuild(*args)
+        except RuntimeError as error:
+            raise TransportError(
+                f"could not open the CUDA IPC handle of bucket {handle.index} ({error}); both processes must see "
+                "the same GPU (same CUDA_VISIBLE_DEVICES device) and the sender must still be alive"
+            ) from error
+        return Bucket(buffer, handle.metas, handle.index), lambda: None
+    from multiprocessing import shared_memory
+
+    try:
+        segment = shared_memory.SharedMemory(name=handle.shm_name)
+    except FileNotFoundError as error:
+        raise TransportError(
+            f"shared-memory segment {handle.shm_name!r} of bucket {handle.index} is gone; the sender released it "
+            "before this engine loaded it (release only after the receiver acknowledges)"
+        ) from error
+    buffer = torch.frombuffer(segment.buf, dtype=torch.uint8, count=handle.nbytes)
+
+    def close() -> None:
+        nonlocal buffer
+        del buffer
+        segment.close()
+
+    return Bucket(buffer, handle.metas, handle.index), close
+
+
+# --------------------------------------------------------------------------- disaggregated
+
+_HEADER_BYTES = 1 << 20  # pickled header (names, shapes) of one bucket; 1 MiB holds ~10k tensors
+
+
+class BroadcastGroup:
+    """Rank 0 (the trainer) broadcasts buckets to ranks 1..N (inference workers); see the module docstring."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, *, device: str = "cpu",
+                 timeout_s: float = 300.0) -> None:
+        import torch
+        import torch.distributed as dist
+
+        self.rank, self.world_size, self.device = rank, world_size, device
+        timeout = timedelta(seconds=timeout_s)
+        try:
+            self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        except (RuntimeError, OSError) as error:
+            raise TransportError(
+                f"weight broadcast group rank {rank}/{world_size} could not reach {host}:{port} ({error}); start "
+                "every member with the same host/port and world size within the timeout"
+            ) from error
+        if device.startswith("cuda"):
+            self.group = dist.ProcessGroupNCCL(self.store, rank, world_size)
+        else:
+            self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+        self._header = torch.zeros(_HEADER_BYTES, dtype=torch.uint8, device=device)
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        try:
+            self.group.broadcast([tensor], options).wait()
+        except RuntimeError as error:
+            raise TransportError(
+                f"weight broadcast failed on rank {self.rank} ({error}); a member of the group died or timed out - "
+                "the engines keep refusing to serve until a complete sync succeeds"
+            ) from error
+
+    def _send_header(self, header: dict[str, Any]) -> None:
+        import torch
+
+        data = pickle.dumps(header)
+        if len(data) + 8 > _HEADER_BYTES:
+            raise TransportError(f"bucket header of {len(data)} bytes exceeds {_HEADER_BYTES}; use smaller buckets")
+        payload = torch.frombuffer(bytearray(len(data).to_bytes(8, "little") + data), dtype=torch.uint8)
+        self._header.zero_()
+        self._header[:payload.numel()].copy_(payload)
+        self._broadcast(self._header)
+
+    def _recv_header(self) -> dict[str, Any]:
+        self._broadcast(self._header)
+        raw = self._header.cpu().numpy().tobytes()
+        size = int.from_bytes(raw[:8], "little")
+        return pickle.loads(raw[8:8 + size])
+
+    def send_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
+                     version: int, bucket_bytes: int) -> int:
+        """Rank 0: stream ``weights`` as buckets, then an end marker with ``version``; returns tensors sent."""
+        if self.rank != 0:
+            raise TransportError(f"send_weights on rank {self.rank}; only rank 0 (the trainer) sends")
+        names: list[str] = []
+        for bucket in iter_buckets(weights, bucket_bytes, device=self.device):
+            self._send_header({"kind": "bucket", "index": bucket.index, "metas": bucket.metas, "version": version})
+            self._broadcast(bucket.buffer)
+            names.extend(meta.name for meta in bucket.metas)
+        self._send_header({"kind": "end", "version": version, "names": names})
+        served = self._min_version(version)
+        if served != version:
+            raise StaleWeightsError(
+                f"after broadcasting weights version {version}, at least one engine serves {served} (-1: its load "
+                "failed); it refuses to generate until a complete sync - rerun the sync or restart it"
+            )
+        return len(names)
+
+    def _min_version(self, mine: int) -> int:
+        """All members' served versions, reduced by MIN (the acknowledgement that closes a sync)."""
+        import torch
+        import torch.distributed as dist
+
+        value = torch.tensor([mine], dtype=torch.long, device=self.device)
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        try:
+            self.group.allreduce([value], options).wait()
+        except RuntimeError as error:
+            raise TransportError(
+                f"weight sync acknowledgement failed on rank {self.rank} ({error}); a member of the group died or "
+                "timed out - the engines keep refusing to serve until a complete sync succeeds"
+            ) from error
+        return int(value.item())
+
+    def receive(self) -> Iterator[Bucket | dict[str, Any]]:
+        """Ranks 1..N: yield each received ``Bucket``, then the end marker ``{"version", "names"}``."""
+        import torch
+
+        while True:
+            header = self._recv_header()
+            if header["kind"] == "end":
+                yield header
+                return
+            metas: list[TensorMeta] = header["metas"]
+            nbytes = metas[-1].offset + metas[-1].nbytes if metas else 0
+            size = -(-nbytes // 64) * 64
+            buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+            self._broadcast(buffer)
+            yield Bucket(buffer, metas, header["index"])
+
+    def receive_into(self, engine: VersionedEngine) -> int:
+        """Ranks 1..N: load one whole sync into ``engine``; returns the version now served."""
+        received: list[Bucket] = []
+        end: dict[str, Any] = {}
+        for item in self.receive():
+            if isinstance(item, Bucket):
+                received.append(item)
+            else:
+                end = item
+        try:
+            served = engine.load(received, version=end["version"], expected_names=end["names"])
+        except Exception:
+            self._min_version(-1)  # tell the trainer this engine did not take the version
+            raise
+        self._min_version(served)
+        return served
+
+    def close(self) -> None:
+        """Drop the group (and the store, on rank 0)."""
+        self.group = None
+        self.store = None
+
+
+# --------------------------------------------------------------------------- versioning
+
+
+class VersionedEngine:
+    """An ``InferenceEngine`` that serves only complete, announced weight versions (see the module docstring)."""
+
+    def __init__(self, engine: Any, *, weights_version: int = 0) -> None:
+        self.engine = engine
+        self.weights_version: int | None = weights_version
+        """The version being served; None during a sync and after a failed one."""
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load(self, buckets: Iterable[Bucket], *, version: int, expected_names: Sequence[str]) -> int:
+        """Apply all ``buckets`` as one update; serve ``version`` only if every expected tensor arrived."""
+        self.weights_version = None
+        seen: list[str] = []
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket in buckets:
+                for name, tensor in bucket.tensors():
+                    seen.append(name)
+                    yield name, tensor
+
+        before = self.engine.version
+        self.engine.update_weights(stream())
+        missing = sorted(set(expected_names) - set(seen))
+        if missing:
+            raise StaleWeightsError(
+                f"weight sync to version {version} delivered {len(seen)} of {len(expected_names)} tensors (missing "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}); the engine will not serve until a full sync"
+            )
+        if self.engine.version == before:
+            raise StaleWeightsError(
+                f"{type(self.engine).__name__}.update_weights did not bump its version ({before}); the engine "
+                "may not have taken the weights - fix the engine's update_weights"
+            )
+        self.weights_version = version
+        return version
+
+    def check(self, expected: int | None = None) -> int:
+        """The served version; raises ``StaleWeightsError`` if half-updated or not ``expected``."""
+        if self.weights_version is None:
+            raise StaleWeightsError(
+                "this engine's weights are half-updated (a sync is running or failed); run a complete weight sync "
+                "before generating"
+            )
+        if expected is not None and self.weights_version != expected:
+            raise StaleWeightsError(f"engine serves weights version {self.weights_version}, the trainer is at {expected}")
+        return self.weights_version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        version = self.check()
+        result = await self.engine.generate(request)
+        result.policy_version = version
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def update_weights(self, weights: Any) -> None:
+        """Direct (unbucketed) update: announced as one version higher than the served one."""
+        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+        self.load([_single_bucket(items)], version=(self.weights_version or 0) + 1,
+                  expected_names=[name for name, _ in items])
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def get_state(self) -> dict[str, Any]:
+        return {**self.engine.get_state(), "weights_version": self.weights_version}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.engine.set_state(state)
+        self.weights_version = state.get("weights_version", self.weights_version)
+
+
+class _ListBucket(Bucket):
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.items  # type: ignore[attr-defined]
+
+
+def _single_bucket(items: list[tuple[str, torch.Tensor]]) -> Bucket:
+    bucket = _ListBucket(buffer=None, metas=[], index=0)  # type: ignore[arg-type]
+    bucket.items = items  # type: ignore[attr-defined]
+    return bucket
+
+
+def confirm_versions(versions: Sequence[int | None], expected: int) -> None:
+    """The trainer's check after a sync: every engine serves ``expected``, or ``StaleWeightsError`` says which not."""
+    bad = [(i, v) for i, v in enumerate(versions) if v != expected]
+    if bad:
+        raise StaleWeightsError(
+            f"after syncing version {expected}, engines {[i for i, _ in bad]} serve {[v for _, v in bad]} "
+            "(None: half-updated); rerun the sync, or restart those engines"
+        )

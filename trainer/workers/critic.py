@@ -1,0 +1,114 @@
+"""``critic``: a value model for GAE: the policy's architecture with a scalar head per token.
+
+``ValueModel`` loads the same checkpoint as the policy (``from_pretrained``), reads the last
+hidden state and maps it through a zero-initialised linear head, so training starts from
+values of 0. The critic trains with the clipped value loss of ``trainer.algos.losses``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from trainer.controller.batch import Batch
+from trainer.controller.cluster import Cluster
+from trainer.controller.dispatch import Collect, Dispatch, register
+from trainer.controller.worker import Worker, WorkerContext
+from trainer.strategies.base import ForwardOutput
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CriticCluster", "CriticWorker", "ValueModel", "build_value_model"]
+
+
+def build_value_model(model_path: str, dtype: str = "float32") -> Any:
+    """A ``ValueModel`` on the backbone of the checkpoint at ``model_path``."""
+    import torch
+
+    from trainer.models import load_policy
+
+    class ValueModel(torch.nn.Module):
+        """Causal LM backbone + linear value head: ``forward(...) -> values (B, T)``."""
+
+        def __init__(self, lm: Any) -> None:
+            super().__init__()
+            self.lm = lm
+            self.value_head = torch.nn.Linear(lm.config.hidden_size, 1)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
+
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            return self.value_head(out.hidden_states[-1].float()).squeeze(-1)
+
+    lm, _ = load_policy(model_path, dtype=dtype)
+    return ValueModel(lm)
+
+
+ValueModel = build_value_model  # the class is built lazily (torch import); this is its factory
+
+
+def value_loss_fn(clip: float | None):  # noqa: ANN201 - returns a LossFn closure
+    from trainer.algos.losses import aggregate, value_loss
+
+    def compute(out: ForwardOutput, mb: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+        per_token = value_loss(out.values, mb["values"], mb["returns"], clip)
+        loss = aggregate(per_token, mb["response_mask"], "token-mean")
+        return loss, {"critic/value_loss": float(loss.detach())}
+
+    return compute
+
+
+class CriticWorker(Worker):
+    """One rank of the value model."""
+
+    def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
+                 seed: int = 0, optim: Mapping[str, Any] | None = None, value_clip: float | None = 0.2) -> None:
+        super().__init__(ctx, config)
+        import torch
+
+        from trainer.workers.actor import make_train_strategy
+
+        torch.manual_seed(seed + 1000 + ctx.rank)
+        self.value_clip = value_clip
+        self.strategy = make_train_strategy(getattr(config, "strategy", None), build_value_model(model_path, dtype),
+                                            kind="value", world_size=ctx.world_size, **dict(optim or {}))
+
+    @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
+    def compute_values(self, batch: Batch) -> Batch:
+        out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
+        return Batch({"values": out.values * batch["response_mask"]})
+
+    @register(Dispatch.DP_SPLIT, collect=Collect.MEAN)
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        tensors = {k: batch[k] for k in ("input_ids", "attention_mask", "response_mask", "values", "returns")}
+        from trainer.workers.actor import _namespaced
+
+        return _namespaced(self.strategy.train_step(tensors, value_loss_fn(self.value_clip)), "critic")
+
+    @register(Dispatch.RANK_ZERO)
+    def state_dict(self) -> dict[str, Any]:
+        return self.strategy.state_dict()
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.strategy.load_state_dict(state)
+
+
+class CriticCluster(Cluster):
+    """Typed calls to the ``critic`` workers."""
+
+    worker_cls = CriticWorker
+
+    def compute_values(self, batch: Batch) -> Batch:
+        return self._call("compute_values", batch)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        return self._call("train_step", batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._call("state_dict")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._call("load_state_dict", state)
