@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import pickle
 
+import numpy as np
 import pytest
 
 import envhub
@@ -70,3 +72,28 @@ def test_expert_beats_random_and_reports_success(env_id):
     random = [run_episode(env, AGENTS["random"], seed=s) for s in range(10)]
     assert sum(e.success for e in expert) >= 8
     assert sum(e.episode_return for e in expert) > sum(e.episode_return for e in random)
+
+
+@pytest.mark.parametrize("env_id", FAMILIES)
+def test_sampled_actions_are_mostly_valid_and_never_raise(env_id):
+    env = envhub.make(env_id)
+    rng = np.random.default_rng(0)
+    invalid = 0
+    env.reset(seed=0)
+    for _ in range(200):
+        _, reward, terminated, truncated, info = env.step(env.sample_action(rng))
+        assert isinstance(reward, float)
+        invalid += info["invalid_action"]
+        if terminated or truncated:
+            env.reset(seed=int(rng.integers(1000)))
+    assert 5 <= invalid <= 100, "random agents should see both valid and invalid actions"
+
+
+@pytest.mark.parametrize("env_id", FAMILIES)
+def test_pickle_round_trip_mid_episode(env_id):
+    env = envhub.make(env_id)
+    env.reset(seed=6)
+    env.step(env.expert_action())
+    clone = pickle.loads(pickle.dumps(env))
+    action = env.expert_action()
+    assert clone.step(action) == env.step(action)
