@@ -1,5 +1,5 @@
 # Two commands do all set-up on a fresh machine (see README):
-#   make demo   - create .venv, install envhub, run the main job
+#   make demo   - create .venv, install envhub, run the main job (envhub train examples/quickstart.yaml)
 #   make test   - create .venv, install envhub with test extras and system tools, run the tests
 # Override the interpreter with PYTHON=..., the venv with VENV=..., pytest args with PYTEST_ARGS=...
 
@@ -22,10 +22,9 @@ $(BIN)/.installed: pyproject.toml
 
 install: $(BIN)/.installed
 
-# The main job. Until the trainer lands: random vs expert agents over every game.
+# The main job: warm start + RL of a tiny policy on FrozenLake, on the CPU (~5 minutes).
 demo: install
-	$(BIN)/envhub list --no-variants
-	$(BIN)/envhub eval --episodes 20
+	$(BIN)/envhub train examples/quickstart.yaml
 
 system-deps:
 	@bash .ci/system-deps.sh

@@ -77,6 +77,7 @@ def env_corpus(env_id: str, env_kwargs: dict[str, Any] | None = None, episodes: 
 
     rng = np.random.default_rng(seed)
     env = envhub.make(env_id, **(env_kwargs or {}))
+    env.action_space.seed(seed)  # random actions too: the same corpus (and tokenizer) in every process
     texts: list[str] = ["system\n", "user\n", "assistant\n", "tool\n"] * episodes  # chat-template glue
     try:
         for episode in range(episodes):

@@ -29,6 +29,15 @@ def test_bpe_makes_each_grid_row_one_token_and_compresses_prose() -> None:
     assert tokens == ["You moved right.\n\n", "S F H", "\n", "F P F", "\n", "H F G", "\n\nYour next move?"]
 
 
+def test_env_corpus_and_tokenizer_are_reproducible() -> None:
+    # the corpus mixes in random actions; unseeded, every run built a different tokenizer
+    # (and so a different policy), so the same config gave a different step-0 eval each time
+    first, second = env_corpus(LAKE, LAKE_KWARGS, episodes=20), env_corpus(LAKE, LAKE_KWARGS, episodes=20)
+    assert first == second
+    assert env_corpus(LAKE, LAKE_KWARGS, episodes=20, seed=1) != first
+    assert build_tokenizer(first, "bpe").get_vocab() == build_tokenizer(second, "bpe").get_vocab()
+
+
 def test_saved_policy_loads_through_auto_classes(policy_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
