@@ -93,16 +93,19 @@ class ToolEnv(TextEnv):
     # ----------------------------------------------------------------- for subclasses
     def builtin_tasks(self) -> TaskSet | Iterable[Mapping[str, Any]]:
         """The tasks used when no ``dataset`` is given."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement builtin_tasks() (or be given a dataset)")
 
     def start(self, task: Task) -> str:
-        raise NotImplementedError
+        """Prepare ``task`` (databases, documents, servers); return the opening question."""
+        raise NotImplementedError(f"{type(self).__name__} must implement start(task)")
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
-        raise NotImplementedError
+        """Run one tool call and return its result text (the ``tool`` message)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement call_tool(name, arguments)")
 
     def grade(self, answer: str) -> float:
-        raise NotImplementedError
+        """The reward in [0, 1] for a final ``answer`` to the current task."""
+        raise NotImplementedError(f"{type(self).__name__} must implement grade(answer)")
 
     def plan(self) -> list[str]:
         return []
