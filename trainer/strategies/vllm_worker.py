@@ -1,0 +1,66 @@
+"""The vLLM worker extension ``VLLMEngine`` installs: in-place weight reloads on every worker.
+
+vLLM mixes ``worker_extension_cls`` into each of its workers (the in-process worker on CPU,
+one process per tensor-parallel rank on GPUs) and ``collective_rpc(name, ...)`` calls a
+method of it on all of them; this module must therefore be importable by the workers, and
+import nothing heavy itself.
+
+Why ``reload_weights`` and not ``model.load_weights``: on CPU vLLM repacks linear layers into
+kernel layouts after loading, and a second ``load_weights`` into the repacked layers fails;
+``model_runner.reload_weights`` restores the checkpoint layout layer by layer, loads the new
+tensors and repacks again. The method is not called ``update_weights`` because vLLM's
+worker already has a method of that name (its own weight-transfer API).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+__all__ = ["EnvhubWorkerExtension"]
+
+
+class EnvhubWorkerExtension:
+    """Methods ``collective_rpc`` runs on each vLLM worker (``self`` is the worker)."""
+
+    model_runner: Any
+
+    def envhub_reload_weights(self, weights: Iterable[tuple[str, Any]] | None = None,
+                              safetensors_bytes: bytes | None = None, path: str | None = None) -> int:
+        """Load full HF-named tensors in place; returns how many tensors were given.
+
+        ``weights`` (an iterable of ``(name, tensor)``) works only in-process, where the
+        object is handed over as is; across processes pass ``safetensors_bytes`` (tensors
+        sent through ``collective_rpc`` would arrive as nested lists) or a ``path`` to a
+        folder of ``*.safetensors`` files.
+        """
+        count = 0
+        failure: BaseException | None = None
+
+        def guarded(items: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
+            # A source that fails part-way ends the stream cleanly instead of raising inside
+            # vLLM: the reload then still restores every layer to its kernel layout (a raise
+            # would leave layers mid-reload, and every later reload would fail too). The
+            # weights are then a mix, so the error is re-raised and the caller must resync.
+            nonlocal count, failure
+            try:
+                for name, tensor in items:
+                    count += 1
+                    yield name, tensor
+            except Exception as error:  # noqa: BLE001 - re-raised after the reload finished
+                failure = error
+
+        if safetensors_bytes is not None:
+            from safetensors.torch import load
+
+            weights = load(safetensors_bytes).items()
+        if weights is not None:
+            self.model_runner.reload_weights(weights_iterator=guarded(weights))
+            if failure is not None:
+                raise failure
+        elif path is not None:
+            self.model_runner.reload_weights(weights_path=path)
+            count = -1
+        else:
+            raise ValueError("envhub_reload_weights needs weights, safetensors_bytes or path")
+        return count
