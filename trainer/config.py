@@ -162,6 +162,30 @@ class RolloutConfig(Section):
     """Nucleus sampling mass."""
     engine: Literal["hf", "vllm"] = "hf"
     """Inference engine for ``actor_infer``: embedded torch generation or vLLM."""
+    mode: Literal["batch", "sync", "async"] = "batch"
+    """``batch``: each step plays its groups together and waits for the last one; ``sync``: the
+    rollout scheduler, on-policy (a batch is taken as soon as enough groups finish; redundancy,
+    dynamic sampling, failed-group replacement); ``async``: the scheduler keeps rolling out while
+    the trainer trains, within ``max_staleness`` (``trainer.rollout.scheduler``)."""
+    max_staleness: int = Field(1, ge=0)
+    """``async``: most policy versions a trained token may lag the policy being trained."""
+    redundancy: float = Field(1.0, ge=1.0)
+    """Scheduler modes: groups started per group a batch needs; the surplus is aborted."""
+    dynamic_sampling: bool = False
+    """Scheduler modes: drop groups whose rewards are all equal and play replacements."""
+    is_truncation: float | None = Field(2.0, gt=0)
+    """``async``: cap of the per-token importance weight pi_train / pi_behaviour (truncated IS);
+    None turns the correction off."""
+    env_timeout_s: float | None = Field(None, gt=0)
+    """Fail an episode whose env does not answer a reset/step within this many seconds
+    (envs on a hub, in a pool or in threads); None waits as long as it takes."""
+
+    @model_validator(mode="after")
+    def _scheduler_options_need_the_scheduler(self) -> RolloutConfig:
+        if self.mode == "batch" and (self.redundancy > 1.0 or self.dynamic_sampling):
+            raise ValueError("redundancy and dynamic_sampling need the rollout scheduler; set rollout.mode: sync "
+                             "(on-policy) or async")
+        return self
 
 
 # --------------------------------------------------------------------------- algorithm
@@ -233,6 +257,26 @@ class TrainConfig(Section):
     ppo_epochs: int = Field(1, gt=0)
     """Passes over each rollout batch (PPO-style reuse; the clip keeps later passes close to the
     sampling policy). More passes learn more per rollout at the cost of update time."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """How the RL learning rate moves over ``steps``: ``constant``, or ``linear``/``cosine`` decay from
+    ``lr`` to ``lr * min_lr_ratio`` at the last step (a policy that found the answer stops drifting)."""
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """Final learning rate of a decaying schedule, as a fraction of ``lr``."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warm-up from ``lr / (warmup_steps + 1)`` to ``lr`` before the schedule starts."""
+
+    def lr_at(self, step: int) -> float:
+        """The policy learning rate of RL step ``step`` (1-based), by ``lr_schedule`` and ``warmup_steps``."""
+        import math
+
+        if step <= self.warmup_steps:
+            return self.lr * step / (self.warmup_steps + 1)
+        if self.lr_schedule == "constant":
+            return self.lr
+        span = max(self.steps - self.warmup_steps - 1, 1)
+        progress = min(max(step - self.warmup_steps - 1, 0) / span, 1.0)
+        shape = 1.0 - progress if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape)
 
 
 # --------------------------------------------------------------------------- roles and cluster
@@ -308,6 +352,18 @@ class ClusterConfig(Section):
     """CPUs a locally started Ray declares; None: all of this machine's."""
 
 
+class WeightSyncConfig(Section):
+    """How trained weights reach the inference engines after each step (``trainer.weights.sync``)."""
+
+    transport: Literal["auto", "shared_memory", "broadcast"] = "auto"
+    """``shared_memory`` (colocated, CUDA IPC on GPU), ``broadcast`` (a collective group between
+    trainer rank 0 and the inference workers), or ``auto``: shared memory when they share a host."""
+    bucket_mb: float = Field(256.0, gt=0)
+    """Largest bucket in MiB; must hold the largest single tensor (the error says the size needed)."""
+    only_changed: bool = False
+    """Send only tensors that changed since the last sync (costs one host copy of the model)."""
+
+
 # --------------------------------------------------------------------------- run lifecycle
 
 
@@ -348,6 +404,11 @@ class SFTConfig(Section):
     """Learning rate of the warm start; None means ``train.lr``."""
     batch_size: int = Field(32, gt=0)
     """Demonstrations per SFT optimiser step."""
+    expert_noise: float = Field(0.0, ge=0, le=1)
+    """Probability that an expert demonstration move is replaced (a sloppy demonstrator; ``source:
+    expert``): by ``noise_action``, or by a random move the expert has made when that is None."""
+    noise_action: str | None = None
+    """The sloppy demonstrator's habitual move (e.g. ``down``); None: random moves (epsilon-greedy)."""
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> SFTConfig:
@@ -389,6 +450,8 @@ class TrainerConfig(Section):
     """Per-role placement and strategy."""
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     """Worker backend and Ray cluster."""
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    """Train -> inference weight sync (buckets, transport)."""
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     """Checkpointing."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -450,6 +513,8 @@ class TrainerConfig(Section):
     def _cross_section(self) -> TrainerConfig:
         if self.roles.actor_infer.strategy is None:
             self.roles.actor_infer.strategy = self.rollout.engine
+        elif "engine" not in self.rollout.model_fields_set and self.roles.actor_infer.strategy in ("hf", "vllm"):
+            self.rollout.engine = self.roles.actor_infer.strategy  # either key selects the engine
         for _, role in self.roles.items():
             if role.strategy is None:
                 role.strategy = "hf"
@@ -474,9 +539,35 @@ class TrainerConfig(Section):
                 f"the batch of {self.batch_size} episodes (env.group_size * env.num_groups) does not split "
                 f"evenly over the {dp} actor_train workers; make it a multiple of {dp}"))
         problems.extend(self.device_mapping().problems())
+        problems.extend(_parallel_problems(self))
         if self.env.hub is None:
             problems.extend(_unknown_env_ids(self.env.ids))
+        elif self.env.kwargs:
+            problems.append(Problem("env.kwargs", f"env kwargs cannot be sent to the remote hub {self.env.hub!r}; "
+                                                  "configure the env where the hub serves it, or remove env.kwargs"))
         return problems
+
+
+def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
+    """Sharded training strategies and the weight sync: layouts that cannot run, with the fix."""
+    problems = []
+    actor = cfg.roles.actor_train
+    if actor.strategy in ("fsdp2", "megatron") and actor.world_size > 1 and cfg.cluster.backend == "local":
+        problems.append(Problem(
+            "cluster.backend",
+            f"actor_train strategy {actor.strategy!r} on {actor.world_size} workers needs one process per rank; "
+            "'local' runs workers as threads of one process - set cluster.backend: ray"))
+    if actor.strategy == "megatron":
+        tp = actor.strategy_args.get("tensor_parallel_size", 1)
+        if not isinstance(tp, int) or tp < 1 or actor.world_size % tp:
+            problems.append(Problem(
+                "roles.actor_train.strategy_args.tensor_parallel_size",
+                f"{tp!r} must be a positive divisor of the role's {actor.world_size} workers (its device_mapping)"))
+    if cfg.weight_sync.only_changed and cfg.rollout.engine == "vllm":
+        problems.append(Problem(
+            "weight_sync.only_changed",
+            "vLLM reloads whole layers, so every sync must carry every tensor; set weight_sync.only_changed: false"))
+    return problems
 
 
 def _unknown_env_ids(ids: list[str]) -> list[Problem]:

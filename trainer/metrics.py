@@ -5,12 +5,21 @@ the run started, warm start included), rollout statistics under ``train/``, eval
 under ``eval/`` (when evaluated), losses under ``actor/``/``critic/``/``sft/`` and the time
 of each phase under ``timing/``. On ``--resume`` lines after the checkpoint's step are
 dropped, so the file reads as one uninterrupted run.
+
+``logging.tensorboard`` writes scalar event files under ``{output_dir}/tensorboard``: through
+``torch.utils.tensorboard`` when the ``tensorboard`` package is installed, otherwise through
+:class:`EventFileWriter`, a small writer of the same TFRecord/``Event`` format (so TensorBoard,
+installed anywhere, reads the run without the trainer depending on it).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +27,7 @@ from typing import Any
 from trainer.errors import TrainerError
 from trainer.rollout.trajectory import Trajectory
 
-__all__ = ["MetricsLog", "plot_curves", "summarise"]
+__all__ = ["EventFileWriter", "MetricsLog", "plot_curves", "summarise"]
 
 
 def summarise(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
@@ -43,14 +52,16 @@ class MetricsLog:
                  wandb_project: str = "envhub", config: dict[str, Any] | None = None) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tb = self._wandb = None
+        self._tb: Any = None
+        self._wandb: Any = None
         if tensorboard:
+            logdir = self.path.parent / "tensorboard"
             try:
                 from torch.utils.tensorboard import SummaryWriter
-            except ImportError as error:
-                raise TrainerError(f"logging.tensorboard needs the tensorboard package ({error}); "
-                                   "pip install tensorboard, or set logging.tensorboard=false") from None
-            self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+            except ImportError:  # no tensorboard package: the built-in writer of the same format
+                self._tb = EventFileWriter(logdir)
+            else:
+                self._tb = SummaryWriter(str(logdir))
         if wandb:
             try:
                 import wandb as wandb_module
@@ -88,6 +99,87 @@ class MetricsLog:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _crc32c_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ 0x82F63B78 if crc & 1 else crc >> 1
+        table.append(crc)
+    return table
+
+
+_CRC32C_TABLE = _crc32c_table()
+
+
+def crc32c(data: bytes) -> int:
+    """CRC-32C (Castagnoli), the checksum of TFRecord files."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = _CRC32C_TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+    return crc ^ 0xFFFFFFFF
+
+
+def _masked_crc(data: bytes) -> int:
+    crc = crc32c(data)
+    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    value &= (1 << 64) - 1  # int64 fields are encoded as their two's complement
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _length_delimited(field: int, payload: bytes) -> bytes:
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+class EventFileWriter:
+    """Scalars as a TensorBoard event file, written without the ``tensorboard`` package.
+
+    The file is a TFRecord stream (``uint64 length, masked CRC-32C of it, data, masked
+    CRC-32C of data``) of ``tensorflow.Event`` protobufs: first ``file_version:
+    "brain.Event:2"``, then one event per ``add_scalar`` holding ``summary.value {tag,
+    simple_value}``, the fields TensorBoard's scalar dashboard reads. The protobuf bytes are
+    encoded here by field number (wall_time=1, step=2, file_version=3, summary=5; Summary.value=1;
+    Value.tag=1, Value.simple_value=2). Same ``add_scalar``/``flush``/``close`` calls as
+    ``torch.utils.tensorboard.SummaryWriter``.
+    """
+
+    def __init__(self, logdir: str | Path) -> None:
+        self.logdir = Path(logdir)
+        self.logdir.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.envhub"
+        self.path = self.logdir / name
+        self._file = self.path.open("ab")
+        self._write_event(_length_delimited(3, b"brain.Event:2"), step=0)
+        self.flush()
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        """One scalar ``value`` of ``tag`` at global step ``step``."""
+        summary_value = _length_delimited(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", float(value))
+        self._write_event(_length_delimited(5, _length_delimited(1, summary_value)), step=step)
+
+    def _write_event(self, body: bytes, *, step: int) -> None:
+        event = _varint(1 << 3 | 1) + struct.pack("<d", time.time())
+        if step:
+            event += _varint(2 << 3) + _varint(int(step))
+        event += body
+        header = struct.pack("<Q", len(event))
+        self._file.write(header + struct.pack("<I", _masked_crc(header)) + event + struct.pack("<I", _masked_crc(event)))
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def plot_curves(rows: Sequence[dict[str, Any]], png: str | Path, title: str = "envhub train") -> Path:

@@ -25,6 +25,7 @@ from trainer.errors import NonFiniteLossError, WorkerCallError
 from trainer.metrics import MetricsLog, plot_curves, summarise
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, PoolEnvSource, Sampling
 from trainer.rollout.groups import plan_eval, plan_groups, run_episodes
+from trainer.rollout.scheduled import ScheduledRollouts
 from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate
 from trainer.roles import prepare_policy, start_roles
 
@@ -54,6 +55,9 @@ class AgenticPipeline:
         self.model_path = prepare_policy(config)
         self.renderer = self._renderer()
         self.roles = start_roles(config, self.model_path)
+        from trainer.weights.sync import WeightSync
+
+        self.weight_sync = WeightSync.from_config(self.roles, config.weight_sync)
         self.envs = self._env_source()
         self.rewards = self._reward_router()
         self.manager = EnvManager(self.roles.engine, self.renderer, max_turns=config.rollout.max_turns,
@@ -65,6 +69,8 @@ class AgenticPipeline:
         self.log = MetricsLog(self.out, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
                               wandb_project=config.logging.wandb_project, config=config.model_dump(mode="json"))
         self.loop = asyncio.new_event_loop()
+        self.scheduled = None if config.rollout.mode == "batch" else ScheduledRollouts.for_roles(
+            config, self.roles, self.manager, self.envs)  # the rollout scheduler (trainer.rollout.scheduled)
 
     # ================================================================== the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -92,7 +98,7 @@ class AgenticPipeline:
                     self.sync_weights()
                 self.step = step
                 metrics = {"step": step, **summarise(episodes, "train"), "train/failed_episodes": len(failed),
-                           **losses, **timing}
+                           **losses, **timing, **(self.scheduled.last_metrics if self.scheduled else {})}
                 if self.eval_due(step):
                     with self.phase("eval", metrics):
                         metrics.update(self.evaluate())
@@ -107,6 +113,8 @@ class AgenticPipeline:
     def rollout(self, step: int) -> tuple[list[Trajectory], list[Trajectory]]:
         """Play this step's groups with the current policy (sampling)."""
         env = self.cfg.env
+        if self.scheduled is not None:  # sync/async: the scheduler's next batch (metrics in last_metrics)
+            return self.scheduled.next_batch()
         specs = plan_groups(step, num_groups=env.num_groups, group_size=env.group_size, env_ids=env.ids, seed=self.cfg.seed)
         return self._play(specs, self.cfg.rollout.temperature)
 
@@ -120,6 +128,8 @@ class AgenticPipeline:
             batch["ref_logprobs"] = self.roles.reference.compute_logprobs(batch)["ref_logprobs"]
         if self.cfg.rollout.temperature != 1.0 or self.cfg.rollout.top_p != 1.0:
             batch["old_logprobs"] = self.roles.actor.compute_logprobs(batch)["logprobs"]
+        if self.scheduled is not None:  # async: tokens from older policies get truncated IS weights
+            self.scheduled.off_policy_correction(batch, self.roles.actor)
 
     def values(self, batch: Batch) -> None:
         """Critic values of every policy token (GAE only)."""
@@ -147,6 +157,10 @@ class AgenticPipeline:
     def train_step(self, batch: Batch, step: int) -> dict[str, float]:
         """Update the critic (GAE) and the policy; a NaN loss stops the run, nothing is applied."""
         metrics: dict[str, float] = {}
+        train = self.cfg.train
+        if train.lr_schedule != "constant" or train.warmup_steps:  # from the step alone, so resume agrees
+            metrics["actor/lr"] = train.lr_at(step)
+            self.roles.actor.set_lr(metrics["actor/lr"])
         try:
             if self.roles.critic is not None:
                 metrics.update(self.roles.critic.train_step(batch))
@@ -161,8 +175,11 @@ class AgenticPipeline:
         return metrics
 
     def sync_weights(self) -> None:
-        """Copy the trained weights into the inference engine (full tensors, HF names)."""
-        self.roles.engine.update_weights(self.roles.actor.get_weights())
+        """Copy the trained weights into the inference engines (bucketed full HF tensors, version-checked)."""
+        if self.scheduled is not None:  # pause the engines, preempt in-flight turns, sync, resume them
+            self.scheduled.update_weights(self.weight_sync.sync)
+            return
+        self.weight_sync.sync()
 
     def evaluate(self) -> dict[str, float]:
         """The fixed evaluation set at ``eval.temperature`` (greedy by default)."""
@@ -181,7 +198,8 @@ class AgenticPipeline:
             data = demos.load_jsonl(str(sft.path), self.renderer)
         else:
             data = demos.expert_trajectories(self.cfg.env.ids, self.cfg.env.kwargs, self.renderer,
-                                             episodes=sft.episodes, max_turns=self.cfg.rollout.max_turns)
+                                             episodes=sft.episodes, max_turns=self.cfg.rollout.max_turns,
+                                             noise=sft.expert_noise, noise_action=sft.noise_action, seed=self.cfg.seed)
             demos.write_jsonl(data, self.out / "sft_demos.jsonl")
         order, rng, stats = list(range(len(data))), random.Random(self.cfg.seed), {}
         for _ in range(sft.epochs):
@@ -229,7 +247,8 @@ class AgenticPipeline:
         if self.roles.reference is not None and self.cfg.sft.epochs > 0:
             states["reference"] = self.roles.reference.get_weights()
         return self.checkpoints.save(self.step, states=states, seeds={"seed": self.cfg.seed, "next_step": self.step + 1},
-                                     extra={"time_s": self.elapsed}, config=self.cfg.model_dump(mode="json"))
+                                     extra={"time_s": self.elapsed, **(self.scheduled.state_dict() if self.scheduled else {})},
+                                     config=self.cfg.model_dump(mode="json"))
 
     def restore(self) -> None:
         """Continue from the latest checkpoint: weights, optimiser, sampling RNGs, step, clock."""
@@ -244,6 +263,8 @@ class AgenticPipeline:
         self.sync_weights()
         self.roles.engine.set_state(checkpoint.load_state("engine"))
         restore_rng(checkpoint.rng)
+        if self.scheduled is not None:
+            self.scheduled.load_state_dict(checkpoint.extra)
         self.step, self.time_offset = checkpoint.step, float(checkpoint.extra.get("time_s", 0.0))
         self.log.truncate_after(self.step)
 
@@ -255,9 +276,18 @@ class AgenticPipeline:
         return rows
 
     def close(self) -> None:
+        if self.scheduled is not None:
+            with contextlib.suppress(Exception):
+                self.scheduled.close()
         with contextlib.suppress(Exception):
             self.loop.run_until_complete(self.roles.engine.close())
+        with contextlib.suppress(Exception):
             self.loop.run_until_complete(self.envs.aclose())
+        with contextlib.suppress(Exception):  # let cancelled tasks (e.g. an EnvPool's watchdog) finish
+            pending = asyncio.all_tasks(self.loop)
+            for task in pending:
+                task.cancel()
+            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
         self.log.close()
         if self.rewards is not None:
@@ -267,11 +297,14 @@ class AgenticPipeline:
     # ================================================================== helpers
     def _play(self, specs: list[Any], temperature: float) -> tuple[list[Trajectory], list[Trajectory]]:
         sampling = Sampling(self.cfg.rollout.max_new_tokens, temperature, self.cfg.rollout.top_p)
+        if self.scheduled is not None:
+            return self.scheduled.play(specs, sampling)
         return self.loop.run_until_complete(run_episodes(specs, self.manager, self.envs, sampling))
 
     def _swap_in(self, role: str | None) -> None:
         plan = self.cfg.device_plan
-        if role is None or not any(g.colocated for g in plan.groups):
+        if role is None or not any(g.colocated for g in plan.groups) or self.cfg.rollout.mode == "async":
+            # async: rollouts run during training, so colocated roles stay resident together
             return
         clusters = {"actor_train": self.roles.actor, "actor_infer": self.roles.infer,
                     "reference": self.roles.reference, "critic": self.roles.critic}

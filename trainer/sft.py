@@ -4,7 +4,12 @@ Demonstrations become ``Trajectory`` objects exactly like RL rollouts (same chat
 same appended-not-re-tokenised ids, ``response_mask`` on the assistant tokens), so the SFT
 stage trains with the same collate, the same strategy and the same checkpoint format.
 
-``expert_trajectories`` plays envs from the hub with their ``expert_action()``;
+``expert_trajectories`` plays envs from the hub with their ``expert_action()``, optionally
+as a *sloppy* demonstrator: with probability ``noise`` a move is replaced by ``noise_action``
+(a habit, e.g. always "down") or, when that is None, by a random move among those the expert
+has made so far (epsilon-greedy). Demonstrations that are mostly a habit teach the answer
+format and some play while the greedy policy stays as weak as the habit, yet the expert's
+moves are in the data often enough for RL to find and amplify them (RL then beats its teacher);
 ``load_jsonl`` reads one conversation per line, ``{"messages": [{"role": ..., "content":
 ...}, ...]}`` (extra keys such as ``env_id``, ``seed``, ``success`` are kept when present);
 ``write_jsonl`` writes that same format, so collected demonstrations can be reused.
@@ -13,6 +18,7 @@ stage trains with the same collate, the same strategy and the same checkpoint fo
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,10 +33,19 @@ SFT_SEED_BASE = 1_500_000_000
 
 
 def expert_trajectories(env_ids: Sequence[str], env_kwargs: dict[str, Any], renderer: ChatRenderer, *,
-                        episodes: int, max_turns: int, seed_offset: int = 0) -> list[Trajectory]:
-    """``episodes`` demonstrations by the envs' scripted experts (round-robin over ``env_ids``)."""
+                        episodes: int, max_turns: int, seed_offset: int = 0, noise: float = 0.0,
+                        noise_action: str | None = None, seed: int = 0) -> list[Trajectory]:
+    """``episodes`` demonstrations by the envs' scripted experts (round-robin over ``env_ids``).
+
+    With ``noise > 0`` each move is, with that probability, ``noise_action`` instead of the
+    expert's (or, if None, a random one of the expert's moves seen so far); ``seed`` seeds
+    that choice, so the same config collects the same demonstrations.
+    """
     import envhub
 
+    if not 0.0 <= noise <= 1.0:
+        raise TrainerError(f"sft.expert_noise must be in [0, 1], got {noise!r}")
+    rng, seen = random.Random(seed), {}
     demos = []
     for i in range(episodes):
         env_id = env_ids[i % len(env_ids)]
@@ -46,6 +61,9 @@ def expert_trajectories(env_ids: Sequence[str], env_kwargs: dict[str, Any], rend
                     if trajectory.num_turns == 0:
                         raise TrainerError(f"{env_id} has no expert_action(); use sft.source: file with sft.path")
                     break
+                seen.setdefault(action, None)
+                if noise and rng.random() < noise:
+                    action = noise_action if noise_action is not None else rng.choice(list(seen))
                 ids = renderer.answer(action)
                 trajectory.append_policy(ids, [0.0] * len(ids))
                 trajectory.messages.append({"role": "assistant", "content": action})

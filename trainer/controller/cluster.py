@@ -164,6 +164,10 @@ class Cluster:
         if self.backend == "local":
             for pool in self._threads:
                 pool.shutdown(wait=True, cancel_futures=True)
+            for worker in self._workers:  # in-process workers may hold engines with threads and memory
+                close = getattr(worker, "close", None)
+                if callable(close):
+                    close()
         else:
             import ray
 

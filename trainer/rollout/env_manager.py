@@ -155,44 +155,67 @@ class Sampling:
 
 
 class EnvManager:
-    """Runs episodes with one engine and one chat renderer (see the module docstring)."""
+    """Runs episodes with one engine and one chat renderer (see the module docstring).
+
+    Request ids are ``"{episode_key}/{turn}"`` so a router can keep an episode on one
+    inference worker (prefix-cache reuse; see ``trainer.rollout.router``). An env may cap the
+    next turn's generation length with ``info["max_new_tokens"]`` (reset or step info).
+    ``step_timeout_s`` bounds every env call that yields to the event loop (hub, pool and
+    threaded envs); a timeout, an env exception or an engine error ends the episode as
+    ``failed`` with the reason, and an aborted generation ends it as ``failed="aborted"``.
+    """
 
     def __init__(self, engine: InferenceEngine, renderer: ChatRenderer, *, max_turns: int,
-                 max_context_tokens: int, on_episode_end: Callable[[Trajectory], Awaitable[None]] | None = None) -> None:
+                 max_context_tokens: int, on_episode_end: Callable[[Trajectory], Awaitable[None]] | None = None,
+                 step_timeout_s: float | None = None) -> None:
         self.engine = engine
         self.renderer = renderer
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
         self.on_episode_end = on_episode_end
+        self.step_timeout_s = step_timeout_s
 
-    async def run(self, session: EnvSession, env_id: str, seed: int, sampling: Sampling, group_id: int = 0) -> Trajectory:
-        """Play one episode to its end (or ``max_turns``/context limit); never raises for env crashes."""
+    async def run(self, session: EnvSession, env_id: str, seed: int, sampling: Sampling, group_id: int = 0,
+                  *, episode_key: str | None = None) -> Trajectory:
+        """Play one episode to its end (or ``max_turns``/context limit); never raises for env crashes.
+
+        ``episode_key`` (unique per episode; default: a fresh one) prefixes the request ids."""
         trajectory = Trajectory(env_id=env_id, seed=seed, group_id=group_id)
+        key = episode_key or f"ep{next(_request_ids)}"
         try:
-            messages, info = await session.reset(seed)
+            messages, info = await self._env_call(session.reset(seed))
         except Exception as error:  # a crashed env is data, not a crash of the run
             return self._failed(trajectory, "reset", error)
         trajectory.info = dict(info)
         trajectory.messages.extend(messages)
         trajectory.append_context(self.renderer.prompt(messages))
         trajectory.prompt_length = len(trajectory.token_ids)
-        for _ in range(self.max_turns):
-            budget = min(sampling.max_new_tokens, self.max_context_tokens - len(trajectory.token_ids))
+        for turn in range(self.max_turns):
+            budget = min(sampling.max_new_tokens, int(info.get("max_new_tokens") or sampling.max_new_tokens),
+                         self.max_context_tokens - len(trajectory.token_ids))
             if budget <= 0:
                 trajectory.truncated = True
                 break
-            request = GenerationRequest(f"ep{next(_request_ids)}", list(trajectory.token_ids), budget,
+            request = GenerationRequest(f"{key}/{turn}", list(trajectory.token_ids), budget,
                                         sampling.temperature, sampling.top_p)
-            result = await self.engine.generate(request)
+            try:
+                result = await self.engine.generate(request)
+            except Exception as error:  # noqa: BLE001 - an engine error loses this episode, not the batch
+                trajectory.failed = True
+                trajectory.failure = f"engine error {type(error).__name__}: {error}"[:500]
+                return trajectory
             if result.finish_reason == "abort":
                 trajectory.failed, trajectory.failure = True, "aborted"
                 break
-            trajectory.append_policy(result.token_ids, result.logprobs)
+            trajectory.append_policy(result.token_ids, result.logprobs, result.policy_version)
+            resumed = result.extra.get("token_versions")  # a turn preempted by a weight update
+            if resumed:
+                trajectory.token_versions[len(trajectory.token_versions) - len(resumed):] = resumed
             trajectory.policy_versions.append(result.policy_version)
             action = self.renderer.decode(result.token_ids)
             trajectory.messages.append({"role": "assistant", "content": action})
             try:
-                messages, reward, terminated, truncated, info = await session.step(action)
+                messages, reward, terminated, truncated, info = await self._env_call(session.step(action))
             except Exception as error:
                 return self._failed(trajectory, "step", error)
             trajectory.end_turn(reward)
@@ -209,6 +232,14 @@ class EnvManager:
         if self.on_episode_end is not None and not trajectory.failed:
             await self.on_episode_end(trajectory)
         return trajectory
+
+    async def _env_call(self, call: Awaitable[Any]) -> Any:
+        if self.step_timeout_s is None:
+            return await call
+        try:
+            return await asyncio.wait_for(call, self.step_timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"no answer within {self.step_timeout_s} s (rollout.env_timeout_s)") from None
 
     @staticmethod
     def _failed(trajectory: Trajectory, where: str, error: BaseException) -> Trajectory:

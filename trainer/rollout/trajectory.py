@@ -61,6 +61,11 @@ class Trajectory:
     final_reward: float = 0.0
     """Reward added at the end by reward workers (verifiers, judges, user functions)."""
     policy_versions: list[int] = field(default_factory=list)
+    """Engine weight version of each generation call (one per turn, more when a turn was
+    preempted by a weight update and resumed)."""
+    token_versions: list[int] = field(default_factory=list)
+    """Per token: the policy version that generated it (-1 on context tokens). With partial
+    rollouts one turn can mix versions; staleness is measured from the oldest."""
 
     # ------------------------------------------------------------------ building
     def append_context(self, ids: Sequence[int]) -> None:
@@ -68,14 +73,17 @@ class Trajectory:
         self.token_ids.extend(ids)
         self.response_mask.extend([0] * len(ids))
         self.logprobs.extend([0.0] * len(ids))
+        self.token_versions.extend([-1] * len(ids))
 
-    def append_policy(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
-        """Tokens the policy generated this turn, with their sampling log-probs."""
+    def append_policy(self, ids: Sequence[int], logprobs: Sequence[float], version: int = 0) -> None:
+        """Tokens the policy generated this turn, with their sampling log-probs and the
+        weight version that sampled them."""
         if len(ids) != len(logprobs):
             raise ValueError(f"{len(ids)} generated tokens but {len(logprobs)} log-probs")
         self.token_ids.extend(ids)
         self.response_mask.extend([1] * len(ids))
         self.logprobs.extend(logprobs)
+        self.token_versions.extend([int(version)] * len(ids))
 
     def end_turn(self, reward: float) -> None:
         """Record the env's reward for the turn whose tokens were appended last."""
@@ -95,6 +103,12 @@ class Trajectory:
     @property
     def num_policy_tokens(self) -> int:
         return sum(self.response_mask)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """The oldest policy version among the generated tokens (None before any)."""
+        versions = [v for v, m in zip(self.token_versions, self.response_mask, strict=False) if m]
+        return min(versions) if versions else None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -31,8 +31,11 @@ The strategy owns the model, optimiser, precision and parallel layout; the worke
 entropy / hidden states) for a padded batch; ``train_step(batch, loss_fn)`` runs the
 micro-batches, accumulates, clips and steps, and raises ``NonFiniteLossError`` instead of
 applying a NaN update. ``state_dict()`` / ``load_state_dict()`` cover model + optimiser for
-checkpoints; ``full_weights()`` yields full tensors for the weight sync; ``offload()`` /
-``reload()`` move state off and back onto the device around colocated phases.
+checkpoints; ``full_weights()`` yields full tensors for the weight sync; ``save_pretrained(path)``
+writes an HF folder (``from_pretrained`` loads it); ``offload()`` / ``reload()`` move state off
+and back onto the device around colocated phases. In a sharded strategy (``fsdp2``,
+``megatron``) ``full_weights``, ``state_dict`` and ``save_pretrained`` are *collectives*: every
+rank calls them; rank 0 receives the full tensors (and writes the folder).
 """
 
 from __future__ import annotations
@@ -136,6 +139,8 @@ class TrainStrategy(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def save_pretrained(self, path: str) -> None: ...
 
     def offload(self) -> None: ...
 

@@ -277,6 +277,12 @@ class FSDP2TrainStrategy:
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model_state, "optimizer": optim_state}
 
+    def save_pretrained(self, path: str) -> None:
+        """Collective: gather the full model and let rank 0 write it as an HF folder."""
+        state = self.full_state_dict()
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Collective: load full tensors (present on every rank) back into the shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict

@@ -176,6 +176,10 @@ class HFTrainStrategy:
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
 
+    def save_pretrained(self, path: str) -> None:
+        """Write the model as an HF folder (``from_pretrained(path)`` loads it back)."""
+        self.model.save_pretrained(path)
+
     def set_lr(self, lr: float) -> None:
         """Change the learning rate of every parameter group (the SFT stage uses its own)."""
         if self.optimizer is not None:

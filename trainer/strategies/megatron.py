@@ -25,6 +25,13 @@ the outputs of its own rows - the caller's data-parallel split stays correct for
 On CPU, ``megatron_cpu_shim.activate`` is called (CPU RNG tracker, CPU allocation); on GPU
 it never is. Pipeline parallelism is mapped by the converter (stage slices) but not run by
 this strategy yet: ``pipeline_parallel_size > 1`` raises ``ParallelConfigError``.
+
+Checkpoints: ``state_dict`` (a collective) gives rank 0 the model as full HF tensors plus
+every rank's optimiser shard (``optimizer_ranks``, by global rank); ``load_state_dict``
+re-slices the model and hands each rank its own optimiser shard, so a resumed run must use
+the same world size. ``save_pretrained`` writes an HF folder (safetensors + config) from rank 0.
+Offload/reload (AutoDeviceMapping colocation) move parameters and AdamW state to host memory
+and back on CUDA; on CPU they are no-ops (the state already lives in host memory).
 """
 
 from __future__ import annotations
@@ -413,18 +420,67 @@ class MegatronTrainStrategy:
             for name, tensor in megatron_to_hf([shards], self.layout).items():
                 yield name, (tensor.to(device) if device is not None else tensor)
 
+    def _gather_to_rank0(self) -> dict[str, torch.Tensor]:
+        """Collective: full HF tensors on CPU kept by rank 0 only (other ranks take part, keep nothing)."""
+        kept: dict[str, torch.Tensor] = {}
+        for name, tensor in self.full_weights():
+            if self.rank == 0:
+                kept[name] = tensor.cpu().contiguous()
+        return kept
+
     def state_dict(self) -> dict[str, Any]:
-        """Collective: the model as full HF tensors on CPU, and this rank's optimiser state."""
-        state: dict[str, Any] = {"model": {k: v.cpu() for k, v in self.full_weights()}}
+        """Collective: the model as full HF tensors on CPU and every rank's optimiser state (rank 0 gets them).
+
+        Other ranks return empty dicts. Optimiser state is per shard, so it is gathered as a
+        list indexed by global rank; ``load_state_dict`` gives each rank its own entry back.
+        """
+        import torch.distributed as dist
+
+        model = self._gather_to_rank0()
+        optim = self.optimizer.state_dict() if self.optimizer is not None else None
+        ranks: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        if self.world_size > 1:
+            dist.gather_object(optim, ranks, dst=0)
+        elif ranks is not None:
+            ranks[0] = optim
+        if self.rank != 0:
+            return {}
+        state: dict[str, Any] = {"model": model}
         if self.optimizer is not None:
-            state["optimizer"] = self.optimizer.state_dict()
+            state["optimizer_ranks"] = ranks
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load full HF tensors (re-sliced for this rank) and, when present, the optimiser state."""
+        """Load full HF tensors (re-sliced for this rank) and, when present, this rank's optimiser state."""
         self._load_hf(state["model"])
-        if self.optimizer is not None and state.get("optimizer"):
+        if self.optimizer is None:
+            return
+        ranks = state.get("optimizer_ranks")
+        if ranks is not None:
+            if len(ranks) != self.world_size:
+                raise ParallelConfigError(
+                    f"the checkpoint holds optimiser state for {len(ranks)} megatron ranks but this run has "
+                    f"{self.world_size}; resume with the same device_mapping and tensor_parallel_size"
+                )
+            self.optimizer.load_state_dict(ranks[self.rank])
+        elif state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
+
+    def save_pretrained(self, path: str) -> None:
+        """Collective: gather and convert the full model; rank 0 writes an HF folder (safetensors + config)."""
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        weights = self._gather_to_rank0()
+        if self.rank != 0:
+            return
+        if self.layout.tied_embeddings:  # HF re-ties lm_head to the embedding on load
+            weights.pop("lm_head.weight", None)
+        folder = Path(path)
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        self.hf_config.save_pretrained(str(folder))
 
     def offload(self) -> None:
         if self.device.startswith("cuda"):

@@ -24,7 +24,7 @@ from trainer.weights.errors import BucketTooSmallError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALIGN", "Bucket", "TensorMeta", "iter_buckets", "pack", "plan_buckets"]
+__all__ = ["ALIGN", "Bucket", "TensorMeta", "group_tensors", "iter_buckets", "pack", "plan_buckets"]
 
 ALIGN = 64
 """Byte alignment of each tensor inside a bucket (any dtype's views stay aligned)."""
@@ -114,22 +114,31 @@ def pack(named: list[tuple[str, torch.Tensor]], *, index: int = 0, device: torch
     return bucket
 
 
-def iter_buckets(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-                 device: torch.device | str | None = None) -> Iterator[Bucket]:
-    """Stream ``weights`` into buckets of at most ``bucket_bytes`` (checked per tensor as it comes)."""
+def group_tensors(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Consecutive ``(name, tensor)`` groups whose aligned sizes fit ``bucket_bytes`` (no copy).
+
+    The grouping depends only on tensor sizes, so every rank of a sharded trainer that
+    iterates the same full tensors forms the same groups (they step through a sync in lockstep).
+    """
     items = weights.items() if isinstance(weights, Mapping) else weights
     pending: list[tuple[str, torch.Tensor]] = []
     used = 0
-    index = 0
     for name, tensor in items:
         nbytes = _aligned(tensor.numel() * tensor.element_size())
         if nbytes > bucket_bytes:
             raise _too_small(name, tensor.numel() * tensor.element_size(), bucket_bytes)
         if pending and used + nbytes > bucket_bytes:
-            yield pack(pending, index=index, device=device)
-            index += 1
+            yield pending
             pending, used = [], 0
         pending.append((name, tensor))
         used += nbytes
     if pending:
-        yield pack(pending, index=index, device=device)
+        yield pending
+
+
+def iter_buckets(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
+                 device: torch.device | str | None = None) -> Iterator[Bucket]:
+    """Stream ``weights`` into buckets of at most ``bucket_bytes`` (checked per tensor as it comes)."""
+    for index, group in enumerate(group_tensors(weights, bucket_bytes)):
+        yield pack(group, index=index, device=device)

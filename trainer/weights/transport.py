@@ -43,7 +43,8 @@ if TYPE_CHECKING:
 
     from trainer.strategies.base import GenerationRequest, GenerationResult
 
-__all__ = ["BroadcastGroup", "SharedBucket", "VersionedEngine", "confirm_versions", "open_bucket", "share_bucket"]
+__all__ = ["BroadcastGroup", "SharedBucket", "VersionedEngine", "confirm_versions", "open_bucket", "pack_shared",
+           "SharedSegment", "share_bucket"]
 
 
 # --------------------------------------------------------------------------- colocated
@@ -67,8 +68,9 @@ def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
         from torch.multiprocessing.reductions import reduce_tensor
 
         return SharedBucket(bucket.metas, bucket.index, bucket.nbytes, cuda_ipc=reduce_tensor(bucket.buffer)), lambda: None
-    import torch
     from multiprocessing import shared_memory
+
+    import torch
 
     segment = shared_memory.SharedMemory(create=True, size=max(bucket.nbytes, 1))
     torch.frombuffer(segment.buf, dtype=torch.uint8, count=bucket.nbytes).copy_(bucket.buffer)
@@ -78,6 +80,58 @@ def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
         segment.unlink()
 
     return SharedBucket(bucket.metas, bucket.index, bucket.nbytes, shm_name=segment.name), release
+
+
+class SharedSegment:
+    """A reusable POSIX shared-memory segment a sender packs buckets into (no fresh pages per bucket).
+
+    Writing into new shared memory costs a page fault per 4 KiB; reusing one segment for every
+    bucket of every sync pays that once. One bucket at a time: the caller packs the next bucket
+    only after the receiver has loaded (copied) the previous one. ``close()`` unlinks it.
+    """
+
+    def __init__(self) -> None:
+        import atexit
+
+        self.segment: Any = None
+        atexit.register(self.close)  # unlink at exit (a killed process leaves it to Python's resource tracker)
+
+    def pack(self, named: list[tuple[str, torch.Tensor]], *, index: int = 0) -> SharedBucket:
+        """Pack host tensors into the segment (grown when too small); returns the handle to send."""
+        from multiprocessing import shared_memory
+
+        import torch
+
+        from trainer.weights.buckets import _aligned, pack
+
+        nbytes = sum(_aligned(t.numel() * t.element_size()) for _, t in named)
+        if self.segment is None or self.segment.size < nbytes:
+            self.close()
+            self.segment = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+        buffer = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=max(nbytes, 1))
+        bucket = pack(named, index=index, buffer=buffer)
+        handle = SharedBucket(bucket.metas, index, bucket.nbytes, shm_name=self.segment.name)
+        del bucket, buffer  # no views may outlive a later close()
+        return handle
+
+    def close(self) -> None:
+        if self.segment is not None:
+            self.segment.close()
+            self.segment.unlink()
+            self.segment = None
+
+
+def pack_shared(named: list[tuple[str, torch.Tensor]], *, index: int = 0,
+                segment: SharedSegment | None = None) -> tuple[SharedBucket, Callable[[], None]]:
+    """A handle to ``named`` packed into shared memory (``segment`` reused if given) or CUDA IPC, and ``release``."""
+    from trainer.weights.buckets import pack
+
+    if named and named[0][1].is_cuda:
+        return share_bucket(pack(named, index=index))
+    if segment is not None:
+        return segment.pack(named, index=index), lambda: None
+    own = SharedSegment()
+    return own.pack(named, index=index), own.close
 
 
 def open_bucket(handle: SharedBucket) -> tuple[Bucket, Callable[[], None]]:
@@ -115,6 +169,7 @@ def open_bucket(handle: SharedBucket) -> tuple[Bucket, Callable[[], None]]:
 
 # --------------------------------------------------------------------------- disaggregated
 
+_END = object()  # end of a multi-call weight update
 _HEADER_BYTES = 1 << 20  # pickled header (names, shapes) of one bucket; 1 MiB holds ~10k tensors
 
 
@@ -224,16 +279,18 @@ class BroadcastGroup:
             yield Bucket(buffer, metas, header["index"])
 
     def receive_into(self, engine: VersionedEngine) -> int:
-        """Ranks 1..N: load one whole sync into ``engine``; returns the version now served."""
-        received: list[Bucket] = []
+        """Ranks 1..N: stream one whole sync into ``engine`` (one bucket held at a time); returns its version."""
         end: dict[str, Any] = {}
-        for item in self.receive():
-            if isinstance(item, Bucket):
-                received.append(item)
-            else:
-                end = item
+
+        def buckets() -> Iterator[Bucket]:
+            for item in self.receive():
+                if isinstance(item, Bucket):
+                    yield item
+                else:
+                    end.update(item)
+
         try:
-            served = engine.load(received, version=end["version"], expected_names=end["names"])
+            served = engine.load_stream(buckets(), lambda: (end["version"], end["names"]))
         except Exception:
             self._min_version(-1)  # tell the trainer this engine did not take the version
             raise
@@ -263,7 +320,13 @@ class VersionedEngine:
 
     def load(self, buckets: Iterable[Bucket], *, version: int, expected_names: Sequence[str]) -> int:
         """Apply all ``buckets`` as one update; serve ``version`` only if every expected tensor arrived."""
+        return self.load_stream(buckets, lambda: (version, expected_names))
+
+    def load_stream(self, buckets: Iterable[Bucket], closing: Callable[[], tuple[int, Sequence[str]]]) -> int:
+        """Like ``load``, but the version and names are known only once ``buckets`` is exhausted."""
+        self.abandon_sync()
         self.weights_version = None
+        self._version_before = self.engine.version
         seen: list[str] = []
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -272,18 +335,112 @@ class VersionedEngine:
                     seen.append(name)
                     yield name, tensor
 
-        before = self.engine.version
         self.engine.update_weights(stream())
+        version, expected_names = closing()
+        return self._close(version, expected_names, seen)
+
+    # -- a sync spread over several calls (one per bucket) --------------------------------
+    # The engine gets ONE update_weights call per sync (vLLM reloads whole layers, so it needs
+    # every tensor in one call): ``begin`` starts it on a helper thread, reading an iterator
+    # that ``load_part`` feeds bucket by bucket (copies: the caller frees its buffer after),
+    # and ``finish`` ends the iterator, waits for the engine and checks what arrived.
+
+    def begin(self, version: int) -> None:
+        """Start an update to ``version``; generation is refused until ``finish`` succeeds."""
+        import queue
+        import threading
+
+        self.abandon_sync()
+        self.weights_version = None
+        self._target = version
+        self._seen: list[str] = []
+        self._version_before = self.engine.version
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        channel = self._queue
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            while (item := channel.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield from item
+
+        def run() -> None:
+            try:
+                self.engine.update_weights(stream())
+            except BaseException as error:  # handed to the caller in load_part/finish
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name="weight-load", daemon=True)
+        self._thread.start()
+
+    def load_part(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy one bucket's tensors into the running update (between ``begin`` and ``finish``)."""
+        if getattr(self, "_target", None) is None:
+            raise StaleWeightsError("load_part outside a sync; call begin(version) first")
+        items = [(name, tensor.clone()) for name, tensor in named]
+        self._put(items)
+        self._seen.extend(name for name, _ in items)
+        return len(items)
+
+    def _put(self, item: Any) -> None:
+        import queue
+
+        while True:
+            self._raise_engine_error()
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _raise_engine_error(self) -> None:
+        if self._error is None and self._thread.is_alive():
+            return
+        error = self._error or RuntimeError("update_weights returned before the sync ended")
+        self._target = None
+        raise StaleWeightsError(
+            f"the engine failed while loading weights ({type(error).__name__}: {error}); it refuses to generate "
+            "until a complete sync"
+        ) from error
+
+    def finish(self, version: int, expected_names: Sequence[str]) -> int:
+        """Close the update: every announced tensor arrived and the engine took it, else ``StaleWeightsError``."""
+        target = getattr(self, "_target", None)
+        if target != version:
+            self.abandon_sync()
+            raise StaleWeightsError(f"finish(version={version}) but the running sync began for version {target}; "
+                                    "the engine will not serve until a complete sync")
+        self._put(_END)
+        self._thread.join()
+        self._target = None
+        if self._error is not None:
+            raise StaleWeightsError(
+                f"the engine failed while loading weights version {version} ({type(self._error).__name__}: "
+                f"{self._error}); it refuses to generate until a complete sync"
+            ) from self._error
+        return self._close(version, expected_names, self._seen)
+
+    def abandon_sync(self) -> None:
+        """Abandon a running multi-call update (the engine's update fails; nothing is served until a full sync)."""
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread.is_alive():
+            self._queue.put(StaleWeightsError("the weight sync was abandoned"))
+            thread.join()
+        self._target = None
+        self._thread = None
+
+    def _close(self, version: int, expected_names: Sequence[str], seen: Sequence[str]) -> int:
         missing = sorted(set(expected_names) - set(seen))
         if missing:
             raise StaleWeightsError(
                 f"weight sync to version {version} delivered {len(seen)} of {len(expected_names)} tensors (missing "
                 f"{missing[:5]}{' ...' if len(missing) > 5 else ''}); the engine will not serve until a full sync"
             )
-        if self.engine.version == before:
+        if seen and self.engine.version == self._version_before:
             raise StaleWeightsError(
-                f"{type(self.engine).__name__}.update_weights did not bump its version ({before}); the engine "
-                "may not have taken the weights - fix the engine's update_weights"
+                f"{type(self.engine).__name__}.update_weights did not bump its version ({self._version_before}); "
+                "the engine may not have taken the weights - fix the engine's update_weights"
             )
         self.weights_version = version
         return version
@@ -304,6 +461,20 @@ class VersionedEngine:
         result = await self.engine.generate(request)
         result.policy_version = version
         return result
+
+    def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """The engine's synchronous batch call, refused while half-updated; results carry ``weights_version``."""
+        version = self.check()
+        results = self.engine.generate_batch(requests)
+        for result in results:
+            result.policy_version = version
+        return results
+
+    def __getattr__(self, name: str) -> Any:
+        # anything else the wrapped engine offers (num_unfinished, close, shutdown, model, ...)
+        if name in ("engine", "weights_version") or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)

@@ -2,12 +2,22 @@
 
 The worker owns the *loss* (PPO clip or GSPO, KL to the reference as a loss term, entropy
 bonus, one of three aggregation modes - all from ``trainer.algos.losses``); the strategy
-(``hf`` here; fsdp2/megatron later) owns how forward/backward/step run.
+(``roles.actor_train.strategy``: ``hf``, ``fsdp2`` or ``megatron``) owns how
+forward/backward/step run and how the model is laid out over the role's ranks.
+
+Sharded strategies need one OS process per rank (``torch.distributed`` has one default
+group per process), so a multi-rank ``fsdp2``/``megatron`` role runs on the Ray backend,
+where every worker is a process; the cluster exports the rendezvous variables and then
+calls ``setup`` on all ranks at once, which builds the strategy (joining the group is a
+collective). Gathering full weights is a collective too, so ``get_weights``,
+``state_dict`` and ``save_pretrained`` run on *every* rank and the caller gets rank 0's
+answer (the full HF-named tensors). ``weight_buckets`` streams the same tensors in
+size-bounded buckets for the weight sync (``trainer.weights.sync``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from trainer.controller.batch import Batch
@@ -15,21 +25,35 @@ from trainer.controller.cluster import Cluster
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import Worker, WorkerContext
 from trainer.strategies.base import ForwardOutput
+from trainer.strategies.parallel_errors import ParallelConfigError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ActorCluster", "ActorWorker", "make_train_strategy", "ppo_loss_fn", "sft_loss_fn"]
+__all__ = ["ActorCluster", "ActorWorker", "TRAIN_STRATEGIES", "make_train_strategy", "ppo_loss_fn", "sft_loss_fn"]
 
-TRAIN_COLUMNS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "advantages", "ref_logprobs")
+TRAIN_COLUMNS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "advantages", "ref_logprobs",
+                 "is_weights")
+"""``is_weights`` (optional, async rollouts): truncated importance weights of the behaviour policy
+that sampled each token, multiplied into the per-token policy loss (see ``AgenticPipeline``)."""
+TRAIN_STRATEGIES = ("hf", "fsdp2", "megatron")
+SHARDED_STRATEGIES = ("fsdp2", "megatron")
 
 
-def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1, **kwargs: Any) -> Any:
-    """The ``TrainStrategy`` called ``name`` around ``model`` (only ``hf`` ships in this issue).
+def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1,
+                        strategy_args: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+    """The ``TrainStrategy`` called ``name`` around ``model``.
+
+    ``kwargs`` are the optimiser settings every strategy takes (``lr``, ``micro_batch_size``,
+    ...); ``strategy_args`` (``roles.<role>.strategy_args``) the strategy's own options, e.g.
+    ``tensor_parallel_size`` for ``megatron`` or ``mixed_precision`` for ``fsdp2``.
 
     ``hf`` trains one full copy on one device (CUDA when visible, else CPU) and does not
     synchronise gradients, so it refuses ``world_size > 1`` rather than train diverging copies.
+    ``fsdp2`` shards every parameter over all ranks; ``megatron`` runs tensor x data parallel
+    (``tensor_parallel_size`` must divide the rank count).
     """
+    args = dict(strategy_args or {})
     if name in (None, "hf"):
         import torch
 
@@ -39,8 +63,37 @@ def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1, **
             raise ValueError(f"the 'hf' training strategy runs on one device but this role has {world_size} workers; "
                              "map it to one device (device_mapping: [0]) or use a data-parallel strategy (fsdp2)")
         kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-        return HFTrainStrategy(model, **kwargs)
-    raise ValueError(f"unknown training strategy {name!r}; use 'hf' (fsdp2 and megatron are not built yet)")
+        return HFTrainStrategy(model, **{**kwargs, **args})
+    if name == "fsdp2":
+        from trainer.strategies.fsdp2 import FSDP2TrainStrategy
+
+        return _build(FSDP2TrainStrategy, name, model, kwargs, args)
+    if name == "megatron":
+        from trainer.strategies.megatron import MegatronTrainStrategy
+
+        tp = int(args.get("tensor_parallel_size", 1))
+        if tp < 1 or world_size % tp:
+            raise ParallelConfigError(
+                f"megatron tensor_parallel_size={tp} does not divide the role's {world_size} workers; set "
+                f"roles.actor_train.strategy_args.tensor_parallel_size to a divisor of {world_size} or map "
+                f"{tp} (or a multiple) devices"
+            )
+        return _build(MegatronTrainStrategy, name, model, kwargs, args)
+    raise ValueError(f"unknown training strategy {name!r}; use one of {', '.join(TRAIN_STRATEGIES)}")
+
+
+def _build(cls: type, name: str, model: Any, kwargs: dict[str, Any], args: dict[str, Any]) -> Any:
+    """``cls(model, **kwargs, **args)``; an unknown strategy_args key names the ones that exist."""
+    import inspect
+
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "model"}
+    unknown = sorted(set(args) - accepted)
+    if unknown:
+        raise ParallelConfigError(
+            f"strategy_args {unknown} are not options of the {name!r} strategy; it takes "
+            f"{sorted(accepted - set(kwargs))}"
+        )
+    return cls(model, **{**kwargs, **args})
 
 
 def ppo_loss_fn(loss: Mapping[str, Any]):  # noqa: ANN201 - returns a LossFn closure
@@ -52,6 +105,8 @@ def ppo_loss_fn(loss: Mapping[str, Any]):  # noqa: ANN201 - returns a LossFn clo
         kind = "gspo" if loss.get("gspo") else "ppo"
         per_token, clipped = policy_loss(kind, out.logprobs, mb["old_logprobs"], mb["advantages"], mask,
                                          loss["clip_low"], loss["clip_high"], loss.get("dual_clip"))
+        if "is_weights" in mb:  # off-policy (async) tokens: truncated importance-sampling correction
+            per_token = per_token * mb["is_weights"]
         total = aggregate(per_token, mask, loss["agg_mode"])
         metrics = {"actor/pg_loss": float(total.detach()),
                    "actor/clipfrac": float(aggregate(clipped, mask, "token-mean")),
@@ -85,20 +140,49 @@ def _namespaced(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 
 
 class ActorWorker(Worker):
-    """One rank of the trained policy."""
+    """One rank of the trained policy (see the module docstring)."""
 
     def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
                  seed: int = 0, optim: Mapping[str, Any] | None = None, loss: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, config)
+        name = getattr(config, "strategy", None)
+        if name in SHARDED_STRATEGIES and ctx.world_size > 1 and ctx.backend != "ray":
+            raise ParallelConfigError(
+                f"actor_train strategy {name!r} with {ctx.world_size} workers needs one process per rank, but "
+                f"cluster.backend={ctx.backend!r} runs workers as threads of one process; set cluster.backend: ray"
+            )
+        self.model_path, self.dtype, self.seed = model_path, dtype, seed
+        self.optim = dict(optim or {})
+        self.loss = dict(loss or {})
+        self._strategy: Any = None
+        self._sync: Iterator[Any] | None = None
+        self._release: Any = None
+        self._sender: Any = None
+        if ctx.world_size == 1 or name not in SHARDED_STRATEGIES:
+            self.setup()  # nothing to rendezvous with: build now
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def setup(self) -> None:
+        """Load the policy and build the strategy (a collective for sharded strategies); idempotent."""
+        if self._strategy is not None:
+            return
         import torch
+        from transformers.utils import logging as hf_logging
 
         from trainer.models import load_policy
 
-        torch.manual_seed(seed + ctx.rank)
-        model, self.tokenizer = load_policy(model_path, dtype=dtype)
-        self.loss = dict(loss or {})
-        self.strategy = make_train_strategy(getattr(config, "strategy", None), model, world_size=ctx.world_size,
-                                            **dict(optim or {}))
+        hf_logging.disable_progress_bar()  # no per-rank "Loading weights" bars in the run's output
+        torch.manual_seed(self.seed + self.ctx.rank)
+        model, self.tokenizer = load_policy(self.model_path, dtype=self.dtype)
+        self._strategy = make_train_strategy(getattr(self.config, "strategy", None), model,
+                                             world_size=self.ctx.world_size,
+                                             strategy_args=getattr(self.config, "strategy_args", None), **self.optim)
+
+    @property
+    def strategy(self) -> Any:
+        if self._strategy is None:
+            raise RuntimeError(f"actor_train rank {self.rank}: the strategy is not built; call setup() on all ranks")
+        return self._strategy
 
     @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:
@@ -125,63 +209,185 @@ class ActorWorker(Worker):
     def set_lr(self, lr: float) -> None:
         self.strategy.set_lr(lr)
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def get_weights(self) -> dict[str, Any]:
-        return {name: tensor.clone() for name, tensor in self.strategy.full_weights()}
+        """Collective: the full HF-named CPU tensors (rank 0's answer is the result; others return {})."""
+        weights: dict[str, Any] = {}
+        for name, tensor in self.strategy.full_weights():  # every rank takes part in each gather
+            if self.rank == 0:
+                weights[name] = tensor.detach().cpu().clone()
+        return weights
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def state_dict(self) -> dict[str, Any]:
+        """Collective: rank 0 holds the strategy state; every rank adds its own RNG state."""
         from trainer.checkpoint import capture_rng
 
         return {**self.strategy.state_dict(), "rng": capture_rng()}
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Every rank loads the full state; ``rng`` may be one state per rank (this rank takes its own)."""
         from trainer.checkpoint import restore_rng
 
         self.strategy.load_state_dict(state)
-        if "rng" in state:
-            restore_rng(state["rng"])
+        rng = state.get("rng")
+        if isinstance(rng, list):
+            rng = rng[self.rank] if self.rank < len(rng) else None
+        if rng is not None:
+            restore_rng(rng)
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def save_pretrained(self, path: str) -> None:
-        self.strategy.model.save_pretrained(path)
-        self.tokenizer.save_pretrained(path)
+        """Collective: rank 0 writes the policy (model + tokenizer) as an HF folder."""
+        self.strategy.save_pretrained(path)
+        if self.rank == 0:
+            self.tokenizer.save_pretrained(path)
+
+    # ------------------------------------------------------------------ bucketed weight sync
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def begin_weight_sync(self, bucket_bytes: int, only_changed: bool = False) -> None:
+        """Start streaming full weights in buckets of at most ``bucket_bytes`` (see ``trainer.weights.sync``)."""
+        from trainer.weights.sync import SenderState
+
+        self.end_weight_sync()
+        self._sender = self._sender or SenderState()
+        self._sync = self._sender.shared_buckets(self.strategy.full_weights(), bucket_bytes, is_sender=self.rank == 0,
+                                                 only_changed=only_changed)
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def next_weight_bucket(self) -> Any:
+        """Collective: gather the next bucket; rank 0 returns its shared handle (None when done)."""
+        if self._release is not None:
+            self._release()
+            self._release = None
+        if self._sync is None:
+            return None
+        item = next(self._sync, None)
+        if item is None:
+            self._sync = None
+            return None
+        handle, self._release = item
+        return handle
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def end_weight_sync(self) -> None:
+        """Free the last shared bucket and drop an unfinished stream (safe to call twice)."""
+        if self._release is not None:
+            self._release()
+            self._release = None
+        self._sync = None
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def close_weight_sync(self) -> None:
+        """Unlink the reusable shared-memory segment (a killed Ray worker would leak it)."""
+        self.end_weight_sync()
+        if self._sender is not None:
+            self._sender.segment.close()
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def broadcast_weights(self, address: tuple[str, int], world_size: int, *, version: int, bucket_bytes: int,
+                          only_changed: bool = False, timeout_s: float = 300.0) -> int:
+        """Collective: rank 0 joins the weight broadcast group as its rank 0 and streams the buckets."""
+        from trainer.weights.sync import SenderState
+
+        self._sender = self._sender or SenderState()
+        return self._sender.broadcast(self.strategy.full_weights(), address, world_size, is_sender=self.rank == 0,
+                                      version=version, bucket_bytes=bucket_bytes, only_changed=only_changed,
+                                      timeout_s=timeout_s)
 
     def offload(self) -> None:
-        self.strategy.offload()
+        if self._strategy is not None:
+            self.strategy.offload()
         super().offload()
 
     def reload(self) -> None:
-        self.strategy.reload()
+        if self._strategy is not None:
+            self.strategy.reload()
         super().reload()
 
 
+class RaggedBatch(Batch):
+    """A ``Batch`` that ``Dispatch.DP_SPLIT`` cuts into near-equal parts (the first ``len % n`` ranks
+    get one row more) instead of refusing: a rollout whose failed episodes were dropped rarely
+    has a multiple of the rank count. The sharded strategies pad a short rank with zero-weight
+    micro-batches, so every rank still runs the same collectives."""
+
+    def split(self, n: int, *, even: bool = True) -> list[Batch]:
+        return super().split(n, even=False)
+
+
+def _ragged(batch: Batch) -> Batch:
+    return RaggedBatch(batch.columns, batch.meta)
+
+
 class ActorCluster(Cluster):
-    """Typed calls to the ``actor_train`` workers."""
+    """Typed calls to the ``actor_train`` workers (batches of any size split over the ranks)."""
 
     worker_cls = ActorWorker
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        try:
+            self._call("setup")  # sharded strategies join their process group here, all ranks at once
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def shutdown(self) -> None:
+        """Free the workers' shared-memory segments, then stop them."""
+        if not self._closed:
+            try:
+                self._call("close_weight_sync")
+            except Exception:  # noqa: BLE001 - a dead worker has nothing left to free
+                pass
+        super().shutdown()
+
     def compute_logprobs(self, batch: Batch) -> Batch:
-        return self._call("compute_logprobs", batch)
+        return self._call("compute_logprobs", _ragged(batch))
 
     def train_step(self, batch: Batch, epochs: int = 1) -> dict[str, float]:
-        return self._call("train_step", batch, epochs)
+        return self._call("train_step", _ragged(batch), epochs)
 
     def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
-        return self._call("sft_step", batch, lr)
+        return self._call("sft_step", _ragged(batch), lr)
 
     def get_weights(self) -> dict[str, Any]:
+        """The full HF-named policy tensors on CPU (every rank takes part in the gather)."""
         return self._call("get_weights")
 
     def set_lr(self, lr: float) -> None:
         self._call("set_lr", lr)
 
     def state_dict(self) -> dict[str, Any]:
-        return self._call("state_dict")
+        """Rank 0's full state plus every rank's RNG state (``rng`` becomes a per-rank list)."""
+        states = self._call("state_dict")
+        merged = dict(states[0])
+        if len(states) > 1:
+            merged["rng"] = [state["rng"] for state in states]
+        return merged
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._call("load_state_dict", state)
 
     def save_pretrained(self, path: str) -> None:
         self._call("save_pretrained", path)
+
+    def begin_weight_sync(self, bucket_bytes: int, only_changed: bool = False) -> None:
+        self._call("begin_weight_sync", bucket_bytes, only_changed)
+
+    def next_weight_bucket(self) -> Any:
+        return self._call("next_weight_bucket")
+
+    def end_weight_sync(self) -> None:
+        self._call("end_weight_sync")
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """A host and free port on trainer rank 0's machine for the weight broadcast group."""
+        return self._call("_rendezvous_address")
+
+    def broadcast_weights_async(self, address: tuple[str, int], world_size: int, *, version: int, bucket_bytes: int,
+                                only_changed: bool = False, timeout_s: float = 300.0) -> Any:
+        """Start ``broadcast_weights`` on all ranks; returns a ``CallFuture`` (the receivers run meanwhile)."""
+        return self._call_async("broadcast_weights", address, world_size, version=version, bucket_bytes=bucket_bytes,
+                                only_changed=only_changed, timeout_s=timeout_s)

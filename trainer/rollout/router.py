@@ -1,0 +1,326 @@
+"""``EngineRouter``: one ``InferenceEngine`` in front of several, for the rollout scheduler.
+
+What it adds to the engines behind it (each a full ``InferenceEngine``: an ``HFEngine``,
+a ``VLLMEngine``, or one rank of the ``actor_infer`` cluster):
+
+Routing
+    A new episode goes to the engine with the fewest requests in flight (least-loaded);
+    its later turns go to the same engine (sticky), so the engine's prefix cache already
+    holds the conversation. The episode is read from the request id, which env managers
+    write as ``"{episode_key}/{turn}"`` (everything before the last ``/``).
+Abort
+    ``abort(request_id)`` goes to the engine that holds the request (a real engine abort:
+    the slot is freed); the caller's ``generate`` returns ``finish_reason="abort"``.
+Preemption (partial rollouts)
+    ``update_weights_live(weights)`` closes the gate for new requests, aborts every
+    in-flight generation, waits until the engines are idle, loads the weights, reopens the
+    gate, and each preempted generation *resumes* under the new weights with the tokens it
+    already had (prompt + partial tokens, remaining budget). The result carries
+    ``extra["token_versions"]``: the weight version of every generated token, counted by the
+    router itself (one per update through it), so it is right whatever the engines report.
+Accounting
+    Busy time per engine (time with at least one request in flight), requests, tokens,
+    aborts and preemptions; ``take_stats()`` returns them since the last call.
+
+Weight updates reach the engines through ``update``: by default each engine's own
+``update_weights``; the pipeline passes one call that updates every cluster rank at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainer.strategies.base import GenerationRequest, GenerationResult, InferenceEngine, Weights
+
+__all__ = ["EngineRouter", "RouterStats", "episode_key"]
+
+_STICKY_CAPACITY = 65_536
+"""Episodes remembered for sticky routing (oldest forgotten first)."""
+
+
+def episode_key(request_id: str) -> str:
+    """The episode a request belongs to: the id up to its last ``/`` (the whole id without one)."""
+    head, sep, _ = request_id.rpartition("/")
+    return head if sep else request_id
+
+
+@dataclass
+class RouterStats:
+    """Counters since the last ``take_stats`` (busy seconds per engine, wall seconds)."""
+
+    wall_s: float = 0.0
+    busy_s: list[float] = field(default_factory=list)
+    requests: int = 0
+    new_tokens: int = 0
+    aborted: int = 0
+    preempted: int = 0
+    errors: int = 0
+
+    @property
+    def busy_fraction(self) -> float:
+        """Mean over engines of the share of wall time with at least one request in flight."""
+        if not self.busy_s or self.wall_s <= 0:
+            return 0.0
+        return min(1.0, sum(self.busy_s) / (len(self.busy_s) * self.wall_s))
+
+
+@dataclass
+class _Flight:
+    """One ``generate`` call: where its current part runs and what happened to it."""
+
+    engine: int
+    sub_id: str
+    cancelled: bool = False
+    preempted: bool = False
+    submitted: bool = False
+
+
+class EngineRouter:
+    """Routes, aborts and preempts requests over ``engines`` (see the module docstring)."""
+
+    def __init__(self, engines: Sequence[InferenceEngine], *, update: Callable[[Weights], None] | None = None) -> None:
+        if not engines:
+            raise ValueError("EngineRouter needs at least one engine")
+        self.engines = list(engines)
+        self._update = update
+        self.version = max(int(getattr(e, "version", 0)) for e in self.engines)
+        self._load = [0] * len(self.engines)
+        self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._flights: dict[str, _Flight] = {}
+        self._cancelled: set[str] = set()
+        self._gate: asyncio.Event | None = None
+        self._idle: asyncio.Event | None = None
+        self._paused = False
+        self._stats = RouterStats(busy_s=[0.0] * len(self.engines))
+        self._busy_since: list[float | None] = [None] * len(self.engines)
+        self._stats_since = time.monotonic()
+        self._total = RouterStats(busy_s=[0.0] * len(self.engines))
+
+    # ------------------------------------------------------------------ InferenceEngine
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate on the episode's engine; resumes across weight updates (module docstring)."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        reason = "length"
+        flight = self._flights.setdefault(request.request_id, _Flight(-1, request.request_id))
+        try:
+            for part in itertools.count():
+                await self._wait_open()
+                if flight.cancelled or episode_key(request.request_id) in self._cancelled:
+                    reason = "abort"
+                    break
+                sub = request if part == 0 else GenerationRequest(
+                    f"{request.request_id}.{part}", request.prompt_ids + ids, request.max_new_tokens - len(ids),
+                    request.temperature, request.top_p, request.stop_token_ids)
+                flight.engine, flight.sub_id, flight.preempted = self._route(request.request_id), sub.request_id, False
+                issued = self.version  # weights change only while the gate is closed and nothing is in flight
+                self._enter(flight)
+                try:
+                    result = await self.engines[flight.engine].generate(sub)
+                except Exception:
+                    self._stats.errors += 1
+                    raise
+                finally:
+                    self._leave(flight)
+                ids += result.token_ids
+                logprobs += result.logprobs
+                versions += [issued] * len(result.token_ids)
+                self._stats.new_tokens += len(result.token_ids)
+                reason = result.finish_reason
+                if reason != "abort" or flight.cancelled or not flight.preempted:
+                    break
+                self._stats.preempted += 1
+                if len(ids) >= request.max_new_tokens:
+                    reason = "length"
+                    break
+        finally:
+            self._flights.pop(request.request_id, None)
+        self._stats.requests += 1
+        if reason == "abort":
+            self._stats.aborted += 1
+        return GenerationResult(request.request_id, ids, logprobs, reason,  # type: ignore[arg-type]
+                                versions[-1] if versions else self.version, {"token_versions": versions})
+
+    async def abort(self, request_id: str) -> None:
+        """Abort in the engine that holds the request; unknown or finished ids are ignored."""
+        flight = self._flights.get(request_id)
+        if flight is None:
+            return
+        flight.cancelled = True
+        if flight.submitted:
+            await self.engines[flight.engine].abort(flight.sub_id)
+
+    async def abort_episode(self, key: str) -> None:
+        """Abort the episode's running request and refuse its later ones (until ``forget``)."""
+        self._cancelled.add(key)
+        for request_id in [r for r in self._flights if episode_key(r) == key]:
+            await self.abort(request_id)
+
+    def forget(self, key: str) -> None:
+        """The episode ended: drop its sticky engine and its cancelled mark."""
+        self._cancelled.discard(key)
+        self._sticky.pop(key, None)
+
+    def update_weights(self, weights: Weights) -> None:
+        """Load weights into every engine now (callers make sure nothing is in flight)."""
+        if self._update is not None:
+            self._update(weights)
+        else:
+            materialised = dict(weights.items()) if hasattr(weights, "items") else dict(weights)  # type: ignore[arg-type]
+            for engine in self.engines:
+                engine.update_weights(materialised)
+        self.version += 1
+
+    async def update_weights_live(self, weights: Weights | Callable[[], Any]) -> float:
+        """Pause, preempt in-flight generations, load ``weights``, resume; returns seconds paused.
+
+        ``weights`` may instead be a callable that loads every engine itself once they are idle
+        (run in a thread); either way the router's version goes up by one."""
+        started = time.monotonic()
+        await self.pause()
+        try:
+            if callable(weights):  # the caller loads the engines itself (the pipeline's weight sync)
+                await asyncio.to_thread(weights)
+                self.version += 1
+            else:
+                await asyncio.to_thread(self.update_weights, weights)
+        finally:
+            self.resume()
+        return time.monotonic() - started
+
+    async def pause(self) -> None:
+        """Stop new requests, abort in-flight ones for resumption, wait until every engine is idle."""
+        self._ensure_events()
+        assert self._gate is not None and self._idle is not None
+        self._paused = True
+        self._gate.clear()
+        for flight in list(self._flights.values()):
+            if not flight.cancelled and flight.submitted:
+                flight.preempted = True
+                await self.engines[flight.engine].abort(flight.sub_id)
+        await self._idle.wait()
+
+    def resume(self) -> None:
+        """Reopen the gate closed by ``pause``."""
+        self._paused = False
+        if self._gate is not None:
+            self._gate.set()
+
+    def sleep(self) -> None:
+        for engine in self.engines:
+            engine.sleep()
+
+    def wake_up(self) -> None:
+        for engine in self.engines:
+            engine.wake_up()
+
+    def get_state(self) -> dict[str, Any]:
+        return {"engines": [e.get_state() for e in self.engines], "version": self.version}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        for engine, engine_state in zip(self.engines, state["engines"], strict=True):
+            engine.set_state(engine_state)
+        self.version = int(state.get("version", self.version))
+
+    async def close(self) -> None:
+        for engine in self.engines:
+            close = getattr(engine, "close", None)
+            if close is not None:
+                await close()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def in_flight(self) -> int:
+        """Requests submitted to an engine and not answered yet."""
+        return sum(self._load)
+
+    @property
+    def loads(self) -> list[int]:
+        """In-flight requests per engine."""
+        return list(self._load)
+
+    def engine_of(self, key: str) -> int | None:
+        """The engine an episode is pinned to (None before its first request)."""
+        return self._sticky.get(key)
+
+    def take_stats(self) -> RouterStats:
+        """Counters since the previous call (busy time of running requests is split at now)."""
+        now = time.monotonic()
+        stats = self._stats
+        for i, since in enumerate(self._busy_since):
+            if since is not None:
+                stats.busy_s[i] += now - since
+                self._busy_since[i] = now
+        stats.wall_s = now - self._stats_since
+        self._stats, self._stats_since = RouterStats(busy_s=[0.0] * len(self.engines)), now
+        total = self._total
+        total.wall_s += stats.wall_s
+        total.busy_s = [a + b for a, b in zip(total.busy_s, stats.busy_s, strict=True)]
+        for name in ("requests", "new_tokens", "aborted", "preempted", "errors"):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+        return stats
+
+    def totals(self) -> RouterStats:
+        """Counters since the router was made (or ``reset_totals``), up to now; does not
+        disturb ``take_stats`` intervals (the scheduler's per-batch metrics)."""
+        now, total, current = time.monotonic(), self._total, self._stats
+        busy = [t + c + (now - since if since is not None else 0.0)
+                for t, c, since in zip(total.busy_s, current.busy_s, self._busy_since, strict=True)]
+        counts = {name: getattr(total, name) + getattr(current, name)
+                  for name in ("requests", "new_tokens", "aborted", "preempted", "errors")}
+        return RouterStats(wall_s=total.wall_s + now - self._stats_since, busy_s=busy, **counts)
+
+    def reset_totals(self) -> None:
+        """Start ``totals`` afresh (from now)."""
+        self.take_stats()
+        self._total = RouterStats(busy_s=[0.0] * len(self.engines))
+
+    # ------------------------------------------------------------------ internals
+    def _ensure_events(self) -> None:
+        if self._gate is None or self._idle is None:
+            self._gate, self._idle = asyncio.Event(), asyncio.Event()
+            if not self._paused:
+                self._gate.set()
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def _wait_open(self) -> None:
+        self._ensure_events()
+        assert self._gate is not None
+        await self._gate.wait()
+
+    def _route(self, request_id: str) -> int:
+        key = episode_key(request_id)
+        index = self._sticky.get(key)
+        if index is None:
+            index = min(range(len(self.engines)), key=lambda i: (self._load[i], i))
+            self._sticky[key] = index
+            if len(self._sticky) > _STICKY_CAPACITY:
+                self._sticky.popitem(last=False)
+        else:
+            self._sticky.move_to_end(key)
+        return index
+
+    def _enter(self, flight: _Flight) -> None:
+        index, flight.submitted = flight.engine, True
+        if self._load[index] == 0:
+            self._busy_since[index] = time.monotonic()
+        self._load[index] += 1
+        if self._idle is not None:
+            self._idle.clear()
+
+    def _leave(self, flight: _Flight) -> None:
+        index, flight.submitted = flight.engine, False
+        self._load[index] -= 1
+        if self._load[index] == 0 and self._busy_since[index] is not None:
+            self._stats.busy_s[index] += time.monotonic() - self._busy_since[index]  # type: ignore[operator]
+            self._busy_since[index] = None
+        if self.in_flight == 0 and self._idle is not None:
+            self._idle.set()

@@ -1,0 +1,381 @@
+"""``RolloutScheduler``: every sample's lifecycle, from group start to the training batch.
+
+Episodes come in *groups* (one task, ``group_size`` plays, compared by GRPO/RLOO). The
+scheduler keeps groups running on an ``EngineRouter`` and hands out a batch of
+``num_groups`` finished groups as soon as that many are ready::
+
+    start group -> episodes play (EnvManager, concurrently) -> group done
+        -> failed?   (an episode still failed after retries)  -> recorded, replaced
+        -> filtered? (dynamic sampling: all rewards equal)    -> recorded, replaced
+        -> stale?    (async: oldest token > max_staleness)    -> recorded, replaced
+        -> ready queue -> next_batch() takes num_groups groups
+
+Modes:
+
+``sync``  (on-policy) groups run only while a batch is being collected;
+          ``ceil(num_groups * redundancy)`` start at once, and when the batch is full the
+          surplus is aborted in the engine and its envs closed. Weights change only
+          between batches, so every token has the version being trained.
+``async`` rollouts keep running while the trainer trains (up to
+          ``ceil(num_groups * redundancy) + num_groups * (max_staleness - 1)`` groups in play).
+          A weight update preempts in-flight generations, which resume under the new
+          weights with their tokens kept (per-token versions recorded); groups that can no
+          longer meet the bound are aborted at once, and no group whose oldest token is more
+          than ``max_staleness`` versions behind the trained policy enters a batch.
+
+Task seeds are drawn in order from ``(seed, group number)`` exactly like ``plan_groups``,
+so ``sync`` with no redundancy, no filter and no failures plays the same tasks as the
+plain batched rollout. Failures never hang the run: an episode whose env raised, timed out
+or whose generation errored is replayed on a fresh env (``max_retries``), then its group is
+replaced; ``RolloutError`` stops the run when ``max_failed_groups`` groups in a row failed.
+
+``LoopThread`` runs the scheduler's event loop in a background thread so a blocking
+trainer (``AgenticPipeline.fit``) can train while rollouts continue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import math
+import statistics
+import threading
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+from trainer.errors import RolloutError
+from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
+from trainer.rollout.groups import EVAL_SEED_BASE
+from trainer.rollout.router import EngineRouter
+from trainer.rollout.trajectory import Trajectory
+from trainer.strategies.base import Weights
+
+__all__ = ["LoopThread", "RolloutBatch", "RolloutScheduler", "SchedulerConfig"]
+
+T = TypeVar("T")
+Mode = Literal["sync", "async"]
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """What the scheduler produces and how (see the module docstring)."""
+
+    num_groups: int
+    """Groups per training batch."""
+    group_size: int
+    """Episodes per group (same task and seed)."""
+    env_ids: tuple[str, ...]
+    """Tasks are spread round-robin over these envs."""
+    seed: int = 0
+    mode: Mode = "sync"
+    redundancy: float = 1.0
+    """Groups started per group needed (>= 1); the first to finish fill the batch."""
+    max_staleness: int = 0
+    """``async``: most policy versions a trained token may lag the trained policy."""
+    dynamic_sampling: bool = False
+    """Drop groups whose episode rewards are all equal (they carry no GRPO signal)."""
+    max_filtered_per_batch: int | None = None
+    """Filtered groups per batch after which the filter lets groups through (default 4x
+    ``num_groups``), so a policy that always wins or always loses cannot stall training."""
+    max_retries: int = 2
+    """Replays of a failed episode (fresh env, same task) before its group is replaced."""
+    max_failed_groups: int | None = None
+    """Consecutive failed groups that stop the run (default ``2 * num_groups + 2``)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"scheduler mode {self.mode!r} is unknown; use 'sync' or 'async'")
+        if self.redundancy < 1.0:
+            raise ValueError(f"redundancy {self.redundancy} starts fewer groups than a batch needs; use >= 1.0")
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.num_groups <= 0 or self.group_size <= 0 or not self.env_ids:
+            raise ValueError("num_groups and group_size must be > 0 and env_ids not empty")
+
+    @property
+    def capacity(self) -> int:
+        """Groups in play (running + ready) at most: ``ceil(num_groups * redundancy)``, plus in
+        ``async`` one more batch per staleness step beyond the first. With ``max_staleness=1``
+        the groups refilled when a batch is taken play during the train phase and make the
+        next batch one version behind; a larger buffer would only produce groups that go stale."""
+        running = math.ceil(self.num_groups * self.redundancy)
+        return running + (self.num_groups * max(self.max_staleness - 1, 0) if self.mode == "async" else 0)
+
+
+@dataclass
+class RolloutBatch:
+    """One training batch: ``num_groups * group_size`` trajectories (group after group)."""
+
+    trajectories: list[Trajectory]
+    failed: list[Trajectory]
+    """Failed attempts recorded since the previous batch (never trained on)."""
+    metrics: dict[str, float]
+    version: int
+    """The policy version this batch is trained at (staleness is measured against it)."""
+
+
+@dataclass
+class _Group:
+    number: int
+    env_id: str
+    seed: int
+    tasks: list[asyncio.Task[Trajectory]] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    started_version: int = 0
+    """Policy version when the group started: no token of it is older."""
+    finished_at: float = 0.0
+    cancelled: bool = False
+
+    def trajectories(self) -> list[Trajectory]:
+        return [task.result() for task in self.tasks]
+
+    def oldest_version(self) -> int | None:
+        versions = [v for t in self.trajectories() if (v := t.oldest_version) is not None]
+        return min(versions) if versions else None
+
+
+class RolloutScheduler:
+    """Keeps groups playing and hands out batches (see the module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, manager: EnvManager, router: EngineRouter, source: EnvSource,
+                 sampling: Sampling, *, first_group: int = 0) -> None:
+        if manager.engine is not router:
+            raise ValueError("the EnvManager must generate through the scheduler's EngineRouter (manager.engine)")
+        self.cfg, self.manager, self.router, self.source, self.sampling = config, manager, router, source, sampling
+        self.next_group = first_group
+        """The next task number to start (checkpointed so a resumed run does not repeat tasks)."""
+        self._running: dict[int, _Group] = {}
+        self._ready: list[_Group] = []
+        self._failed: list[Trajectory] = []
+        self._collecting = config.mode == "async"
+        self._changed: asyncio.Event | None = None
+        self._failed_in_a_row = 0
+        self._filtered_this_batch = 0
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._closed = False
+
+    # ------------------------------------------------------------------ public
+    async def next_batch(self) -> RolloutBatch:
+        """Wait until ``num_groups`` groups are ready and return them as one batch."""
+        self._changed = self._changed or asyncio.Event()
+        self._collecting = True
+        self._fill()
+        while True:
+            self._drop_stale_ready()
+            if len(self._ready) >= self.cfg.num_groups:
+                break
+            if self._failed_in_a_row >= (self.cfg.max_failed_groups or 2 * self.cfg.num_groups + 2):
+                reasons = sorted({t.failure or "unknown" for t in self._failed[-20:]})[:3]
+                raise RolloutError(
+                    f"{self._failed_in_a_row} groups in a row failed (each episode retried {self.cfg.max_retries} "
+                    f"times); first reasons: {reasons}. Run `envhub check ENV_ID` to see what breaks the env")
+            self._changed.clear()
+            self._fill()
+            await self._changed.wait()
+        self._ready.sort(key=lambda g: (g.oldest_version() or 0, g.finished_at))
+        taken, self._ready = self._ready[: self.cfg.num_groups], self._ready[self.cfg.num_groups:]
+        if self.cfg.mode == "sync":
+            self._collecting = False
+            surplus = list(self._running.values()) + self._ready
+            self._ready = []
+            await asyncio.gather(*(self._cancel(g, "aborted_surplus") for g in surplus))
+        trajectories = [t for g in taken for t in g.trajectories()]
+        failed, self._failed = self._failed, []
+        metrics = self._metrics(trajectories)
+        self._filtered_this_batch = 0
+        self._fill()
+        return RolloutBatch(trajectories, failed, metrics, self.router.version)
+
+    async def update_weights(self, weights: Weights | Callable[[], Any]) -> float:
+        """Load new weights (preempting and resuming in-flight turns); returns seconds paused.
+
+        ``weights``: tensors for every engine, or a callable that loads them itself (see
+        ``EngineRouter.update_weights_live``). Then aborts running groups that can no longer
+        meet ``max_staleness``."""
+        paused = await self.router.update_weights_live(weights)
+        self._counts["weight_pause_s"] += paused
+        if self.cfg.mode == "async":
+            bound = self.router.version - self.cfg.max_staleness
+            doomed = [g for g in self._running.values() if g.started_version < bound]
+            await asyncio.gather(*(self._cancel(g, "stale_aborted_groups") for g in doomed))
+            self._drop_stale_ready()
+            self._fill()
+        return paused
+
+    async def close(self) -> None:
+        """Abort everything still running (engine requests and envs)."""
+        self._closed = True
+        self._collecting = False
+        await asyncio.gather(*(self._cancel(g, "aborted_at_close") for g in list(self._running.values())))
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next_group": self.next_group}
+
+    # ------------------------------------------------------------------ groups
+    def _fill(self) -> None:
+        while self._collecting and not self._closed and len(self._running) + len(self._ready) < self.cfg.capacity:
+            self._start_group()
+
+    def _start_group(self) -> None:
+        number = self.next_group
+        self.next_group += 1
+        group = _Group(number, self.cfg.env_ids[number % len(self.cfg.env_ids)],
+                       (self.cfg.seed * 7_919 + number) % EVAL_SEED_BASE, started_version=self.router.version)
+        for index in range(self.cfg.group_size):
+            key = f"g{number}e{index}"
+            group.keys.append(key)
+            group.tasks.append(asyncio.ensure_future(self._play(group, key)))
+        self._running[number] = group
+        gathered = asyncio.gather(*group.tasks, return_exceptions=True)
+        gathered.add_done_callback(lambda _: self._group_done(group))
+
+    async def _play(self, group: _Group, key: str) -> Trajectory:
+        """One episode with replays on fresh envs; returns the last attempt."""
+        trajectory = Trajectory(group.env_id, group.seed, group.number, failed=True, failure="not started")
+        for attempt in range(1 + self.cfg.max_retries):
+            attempt_key = f"{key}a{attempt}"
+            try:
+                session = await self.source.session(group.env_id)
+            except Exception as error:  # noqa: BLE001 - a broken env start is a recorded failure
+                trajectory = Trajectory(group.env_id, group.seed, group.number, failed=True,
+                                        failure=f"env start raised {type(error).__name__}: {error}"[:500])
+            else:
+                try:
+                    trajectory = await self.manager.run(session, group.env_id, group.seed, self.sampling,
+                                                        group.number, episode_key=attempt_key)
+                finally:
+                    self.router.forget(attempt_key)
+                    with contextlib.suppress(Exception):  # closing a crashed env may fail too
+                        await session.close()
+            if not trajectory.failed or group.cancelled:
+                return trajectory
+            self._failed.append(trajectory)
+            self._counts["failed_episodes"] += 1
+        return trajectory
+
+    def _group_done(self, group: _Group) -> None:
+        self._running.pop(group.number, None)
+        group.finished_at = time.monotonic()
+        if not group.cancelled:
+            self._judge(group)
+        self._fill()
+        if self._changed is not None:
+            self._changed.set()
+
+    def _judge(self, group: _Group) -> None:
+        errors = [task.exception() for task in group.tasks if task.exception() is not None]
+        if errors:  # a bug, not an env failure: surface it rather than loop forever
+            self._counts["failed_groups"] += 1
+            self._failed_in_a_row += 1
+            self._failed.append(Trajectory(group.env_id, group.seed, group.number, failed=True,
+                                           failure=f"scheduler error {type(errors[0]).__name__}: {errors[0]}"))
+            return
+        trajectories = group.trajectories()
+        if any(t.failed for t in trajectories):
+            self._counts["failed_groups"] += 1
+            self._failed_in_a_row += 1
+            return
+        self._failed_in_a_row = 0
+        rewards = {round(t.episode_reward, 9) for t in trajectories}
+        if self.cfg.dynamic_sampling and len(rewards) == 1 and self.cfg.group_size > 1:
+            limit = self.cfg.max_filtered_per_batch
+            if self._filtered_this_batch < (4 * self.cfg.num_groups if limit is None else limit):
+                self._filtered_this_batch += 1
+                self._counts["filtered_groups"] += 1
+                return
+            self._counts["filter_passed_over_limit"] += 1
+        self._ready.append(group)
+
+    async def _cancel(self, group: _Group, reason: str) -> None:
+        """Abort a group's generations in the engine and let its episodes close their envs."""
+        group.cancelled = True
+        self._running.pop(group.number, None)
+        running = sum(not task.done() for task in group.tasks)
+        self._counts[reason] += running if reason != "stale_aborted_groups" else 1
+        for key in group.keys:
+            for attempt in range(1 + self.cfg.max_retries):
+                await self.router.abort_episode(f"{key}a{attempt}")
+        if group.tasks:
+            await asyncio.wait(group.tasks)
+
+    def _drop_stale_ready(self) -> None:
+        if self.cfg.mode != "async":
+            return
+        bound = self.router.version - self.cfg.max_staleness
+        keep = []
+        for group in self._ready:
+            oldest = group.oldest_version()
+            if oldest is not None and oldest < bound:
+                self._counts["stale_dropped_groups"] += 1
+            else:
+                keep.append(group)
+        self._ready = keep
+
+    # ------------------------------------------------------------------ metrics
+    def _metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
+        stats = self.router.take_stats()
+        turns = sorted(t.num_turns for t in trajectories)
+        tokens = sorted(t.num_policy_tokens for t in trajectories)
+        version = self.router.version
+        metrics: dict[str, float] = {
+            "rollout/engine_busy_frac": round(stats.busy_fraction, 4),
+            "rollout/ready_groups": float(len(self._ready)),
+            "rollout/running_groups": float(len(self._running)),
+            "rollout/engine_in_flight": float(self.router.in_flight),
+            "rollout/turns_mean": statistics.fmean(turns),
+            "rollout/turns_p90": float(turns[int(0.9 * (len(turns) - 1))]),
+            "rollout/turns_max": float(turns[-1]),
+            "rollout/policy_tokens_mean": statistics.fmean(tokens),
+            "rollout/policy_tokens_p90": float(tokens[int(0.9 * (len(tokens) - 1))]),
+            "rollout/policy_tokens_max": float(tokens[-1]),
+            "rollout/preempted_turns": float(stats.preempted),
+            "rollout/engine_aborts": float(stats.aborted),
+            "rollout/engine_errors": float(stats.errors),
+        }
+        for name in ("aborted_surplus", "filtered_groups", "failed_episodes", "failed_groups", "stale_dropped_groups",
+                     "stale_aborted_groups", "filter_passed_over_limit", "weight_pause_s"):
+            metrics[f"rollout/{name}"] = float(self._counts.pop(name, 0))
+        lags = collections.Counter(version - (t.oldest_version if t.oldest_version is not None else version)
+                                   for t in trajectories)
+        for lag in range(max(self.cfg.max_staleness, max(lags, default=0)) + 1):
+            metrics[f"rollout/staleness_{lag}"] = float(lags.get(lag, 0))
+        return metrics
+
+
+class LoopThread:
+    """An asyncio event loop in a daemon thread; ``run(coro)`` blocks the caller for the result."""
+
+    def __init__(self, name: str = "rollout-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        """Schedule ``coro`` on the loop; returns a ``concurrent.futures.Future``."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T] | Awaitable[T], timeout: float | None = None) -> T:
+        """Run ``coro`` on the loop and wait for its result (exceptions re-raised here)."""
+        return self.submit(coro).result(timeout)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Stop the loop and join the thread (pending tasks are cancelled)."""
+        if self.loop.is_closed():
+            return
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        try:
+            self.run(cancel_all(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+            self.loop.close()
