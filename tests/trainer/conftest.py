@@ -26,6 +26,15 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vllm_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Llama with attention head size 32 (vLLM's CPU kernels need 32, 64, ...)."""
+    from trainer.models import build_policy, env_corpus
+
+    return build_policy(tmp_path_factory.mktemp("vllm_policy"), env_corpus(LAKE, LAKE_KWARGS, episodes=60),
+                        hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=0)
+
+
+@pytest.fixture(scope="session")
 def policy(policy_dir: Path):
     from trainer.models import load_policy
 

