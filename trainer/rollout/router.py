@@ -197,15 +197,14 @@ class EngineRouter:
 
     async def pause(self) -> None:
         """Stop new requests, abort in-flight ones for resumption, wait until every engine is idle."""
-        self._ensure_events()
-        assert self._gate is not None and self._idle is not None
+        gate, idle = self._ensure_events()
         self._paused = True
-        self._gate.clear()
+        gate.clear()
         for flight in list(self._flights.values()):
             if not flight.cancelled and flight.submitted:
                 flight.preempted = True
                 await self.engines[flight.engine].abort(flight.sub_id)
-        await self._idle.wait()
+        await idle.wait()
 
     def resume(self) -> None:
         """Reopen the gate closed by ``pause``."""
@@ -283,18 +282,19 @@ class EngineRouter:
         self._total = RouterStats(busy_s=[0.0] * len(self.engines))
 
     # ------------------------------------------------------------------ internals
-    def _ensure_events(self) -> None:
+    def _ensure_events(self) -> tuple[asyncio.Event, asyncio.Event]:
+        """The gate and idle events, created on first use inside the running loop."""
         if self._gate is None or self._idle is None:
             self._gate, self._idle = asyncio.Event(), asyncio.Event()
             if not self._paused:
                 self._gate.set()
             if self.in_flight == 0:
                 self._idle.set()
+        return self._gate, self._idle
 
     async def _wait_open(self) -> None:
-        self._ensure_events()
-        assert self._gate is not None
-        await self._gate.wait()
+        gate, _ = self._ensure_events()
+        await gate.wait()
 
     def _route(self, request_id: str) -> int:
         key = episode_key(request_id)
