@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["all_max", "backend_for", "ensure_process_group", "free_port", "resolve_device", "shutdown_process_group"]
+__all__ = ["all_max", "backend_for", "ensure_process_group", "free_port", "resolve_device", "shutdown_process_group",
+           "split_micro_batches"]
 
 
 def free_port() -> int:
@@ -85,3 +87,25 @@ def all_max(value: int, device: torch.device | str = "cpu") -> int:
     tensor = torch.tensor([value], dtype=torch.long, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
+
+
+def split_micro_batches(batch: Mapping[str, torch.Tensor], size: int, device: torch.device | str, *,
+                        same_count_on_all_ranks: bool = False) -> list[dict[str, torch.Tensor]]:
+    """``batch`` cut into micro-batches of ``size`` rows, each right-trimmed to its longest row and
+    moved to ``device``. With ``same_count_on_all_ranks`` the list is padded with one-row dummies
+    (marked ``_dummy``, which losses ignore) up to the largest count over ranks, so every rank
+    runs the same number of forward/backward collectives."""
+    rows, width = batch["input_ids"].shape
+    micros = []
+    for start in range(0, rows, size):
+        micro = {k: v[start:start + size] for k, v in batch.items()}
+        used = max(1, int(micro["attention_mask"].sum(-1).max()))  # right padding: trim the tail
+        micros.append({k: (v[:, :used] if v.dim() >= 2 and v.shape[1] == width else v).to(device)
+                       for k, v in micro.items()})
+    if same_count_on_all_ranks:
+        total = all_max(len(micros), device)
+        while len(micros) < total:
+            dummy = {k: v[:1].to(device) for k, v in batch.items()}
+            dummy["_dummy"] = dummy["input_ids"].new_ones(())
+            micros.append(dummy)
+    return micros

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.errors import NonFiniteLossError
 from trainer.strategies.base import ForwardOutput, LossFn
-from trainer.strategies.distributed import all_max, ensure_process_group, resolve_device
+from trainer.strategies.distributed import ensure_process_group, resolve_device, split_micro_batches
 from trainer.strategies.parallel_errors import ParallelConfigError
 
 if TYPE_CHECKING:
@@ -133,20 +133,8 @@ class FSDP2TrainStrategy:
 
     # ------------------------------------------------------------------ micro-batches
     def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro-batches, right-trimmed, padded in count to the max over ranks."""
-        rows, width = batch["input_ids"].shape
-        micros = []
-        for start in range(0, rows, self.micro_batch_size):
-            micro = {k: v[start:start + self.micro_batch_size] for k, v in batch.items()}
-            used = max(1, int(micro["attention_mask"].sum(-1).max()))  # right padding: trim the tail
-            micros.append({k: (v[:, :used] if v.dim() >= 2 and v.shape[1] == width else v).to(self.device)
-                           for k, v in micro.items()})
-        total = all_max(len(micros), self.device)
-        while len(micros) < total:  # a dummy the loss ignores, so every rank runs the same collectives
-            dummy = {k: v[:1].to(self.device) for k, v in batch.items()}
-            dummy["_dummy"] = dummy["input_ids"].new_ones(())
-            micros.append(dummy)
-        return micros
+        """This rank's micro-batches, padded in count to the max over ranks (see ``split_micro_batches``)."""
+        return split_micro_batches(batch, self.micro_batch_size, self.device, same_count_on_all_ranks=True)
 
     def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
         from trainer.strategies.hf import token_logprobs

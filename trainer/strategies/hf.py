@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.errors import NonFiniteLossError
 from trainer.strategies.base import ForwardOutput, LossFn
+from trainer.strategies.distributed import split_micro_batches
 
 if TYPE_CHECKING:
     import torch
@@ -75,13 +76,8 @@ class HFTrainStrategy:
         self.model.train(trainable)
 
     # ------------------------------------------------------------------ forward
-    def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> Iterator[dict[str, torch.Tensor]]:
-        rows, width = batch["input_ids"].shape
-        for start in range(0, rows, self.micro_batch_size):
-            micro = {k: v[start:start + self.micro_batch_size] for k, v in batch.items()}
-            used = int(micro["attention_mask"].sum(-1).max())  # right padding: trim the tail
-            yield {k: (v[:, :used] if v.dim() >= 2 and v.shape[1] == width else v).to(self.device)
-                   for k, v in micro.items()}
+    def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        return split_micro_batches(batch, self.micro_batch_size, self.device)
 
     def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
         out = self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])
