@@ -53,6 +53,9 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool) -> None:
         out.rename(aside)
         console.print(f"moved the previous run in {out} to {aside} (use --resume to continue a run)")
     console.print(f"output: {out.resolve()}", highlight=False)
+    if resume:
+        for line in config_drift(cfg):
+            errors.print(f"[bold yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
     try:
         rows = _run(cfg, resume, console)
     except TrainerError as error:
@@ -66,6 +69,45 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool) -> None:
         f"{rows[-1]['time_s'] / 60:.1f} min\n"
         f"  metrics  {out / 'metrics.jsonl'}\n  curve    {out / 'reward_curve.png'}\n"
         f"  policy   {out / 'final_policy'}", highlight=False)
+
+
+def config_drift(cfg: Any, *, limit: int = 12) -> list[str]:
+    """Lines naming every setting that differs from the config saved in the latest checkpoint.
+
+    ``--resume`` runs the config as given now (so ``train.steps=200`` can extend a run), but an
+    edited YAML silently changing a resumed run is a classic surprise: the differences are
+    listed so the user sees them before training continues. Empty when nothing differs or
+    there is no checkpoint with a saved config.
+    """
+    import json
+
+    from trainer.checkpoint import CheckpointManager
+
+    try:
+        latest = CheckpointManager(cfg.checkpoint_dir).latest()
+    except Exception:  # noqa: BLE001 - no checkpoint folder: the pipeline reports that itself
+        return []
+    if latest is None or not (latest / "config.json").is_file():
+        return []
+    saved = json.loads((latest / "config.json").read_text())
+    now = json.loads(json.dumps(cfg.model_dump(mode="json"), default=str))
+    changed = _diff(saved, now)
+    if not changed:
+        return []
+    lines = [f"{key}: {old!r} in {latest.name} -> {new!r} now" for key, old, new in changed[:limit]]
+    if len(changed) > limit:
+        lines.append(f"... and {len(changed) - limit} more")
+    return [f"the config differs from the one the run was saved with ({len(changed)} setting(s)); "
+            f"resuming with the config as given now:", *lines]
+
+
+def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: list[tuple[str, Any, Any]] = []
+        for key in sorted(set(old) | set(new), key=str):
+            out += _diff(old.get(key), new.get(key), f"{prefix}{key}.")
+        return out
+    return [] if old == new else [(prefix.rstrip("."), old, new)]
 
 
 def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:

@@ -101,3 +101,19 @@ def test_resume_after_kill_9_gives_identical_next_step_metrics(tmp_path: Path) -
     same = lambda row: {k: v for k, v in row.items() if not k.startswith("timing/") and k != "time_s"}  # noqa: E731
     assert same(after[3]) == same(killed[3])  # the step after the checkpoint, replayed identically
     assert after[3]["time_s"] >= after[2]["time_s"]
+
+
+def test_resume_lists_settings_that_differ_from_the_saved_config(tmp_path: Path) -> None:
+    from trainer.checkpoint import CheckpointManager
+    from trainer.cli import config_drift
+    from trainer.config import load_config
+
+    saved = load_config(QUICKSTART, [f"output_dir={tmp_path}"])
+    CheckpointManager(saved.checkpoint_dir).save(2, config=saved.model_dump(mode="json"), rng=False)
+    assert config_drift(load_config(QUICKSTART, [f"output_dir={tmp_path}"])) == []
+    edited = load_config(QUICKSTART, [f"output_dir={tmp_path}", "train.lr=0.5", "env.group_size=3"])
+    lines = config_drift(edited)
+    assert "2 setting(s)" in lines[0]
+    assert any(line.startswith("train.lr: ") and "-> 0.5 now" in line for line in lines)
+    assert any(line.startswith("env.group_size: ") and "step_00000002" in line for line in lines)
+    assert config_drift(load_config(QUICKSTART, [f"output_dir={tmp_path / 'fresh'}"])) == []  # no checkpoint yet
