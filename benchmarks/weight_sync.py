@@ -2,9 +2,10 @@
 
 For random Llama models of ~10M, ~100M and ~500M parameters (fp32), each trainer rank a Ray
 worker process (gloo) and the engine (vLLM, TP=1; ``--engine hf`` for the torch engine) in
-another, it times the real sync path (``trainer.weights.sync.WeightSync``: gather per bucket
-into full HF tensors, hand over through shared memory or a gloo broadcast group, load into
-the engine, version check) side by side with
+another, it times the real sync paths (``trainer.weights.sync.WeightSync``): ``shm`` - each
+trainer rank writes its own shards straight into shared-memory buckets laid out as full HF
+tensors, the engine loads zero-copy views of them, version check; ``bcast`` - gather per
+bucket into full HF tensors, gloo broadcast to the engine, version check - side by side with
 
 * ``memcpy``: one ``copy_`` of the same number of bytes between two host buffers (the bound a
   colocated sync cannot beat: every byte is copied at least once), and
@@ -88,6 +89,7 @@ def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path
         out["shm_s"] = best(lambda: reports.append(shm.sync()), repeats)
         out["nbytes"] = reports[-1].nbytes
         out["buckets"] = reports[-1].buckets
+        out["phases"] = min(reports[1:] or reports, key=lambda r: r.seconds).phases
         bcast = WeightSync(actor, infer, engine, transport="broadcast", bucket_mb=256)
         bcast.version = shm.version
         out["broadcast_s"] = best(bcast.sync, repeats)
@@ -143,6 +145,8 @@ def main() -> None:
                           f"{row['shm_s']:>7.3f} {gbps['shm']:>6.2f} | {row['broadcast_s']:>7.3f} {gbps['broadcast']:>6.2f}"
                           f" | {row['disk_s']:>7.3f} {gbps['disk']:>6.2f} | {memcpy:>11.2f} | {ratio:.3f}"
                           f"   ({row['buckets']} buckets, trainer start {row['start_s']:.1f} s)", flush=True)
+                    print("         shm phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in row["phases"].items()),
+                          flush=True)
             finally:
                 infer.shutdown()
             shutil.rmtree(folder, ignore_errors=True)

@@ -32,10 +32,11 @@ entropy / hidden states) for a padded batch; ``train_step(batch, loss_fn)`` runs
 micro-batches, accumulates, clips and steps, and raises ``NonFiniteLossError`` instead of
 applying a NaN update. ``state_dict()`` / ``load_state_dict()`` cover model + optimiser for
 checkpoints; ``full_weights()`` yields full tensors for the weight sync; ``save_pretrained(path)``
-writes an HF folder (``from_pretrained`` loads it); ``offload()`` / ``reload()`` move state off
-and back onto the device around colocated phases. In a sharded strategy (``fsdp2``,
-``megatron``) ``full_weights``, ``state_dict`` and ``save_pretrained`` are *collectives*: every
-rank calls them; rank 0 receives the full tensors (and writes the folder).
+writes an HF folder (``from_pretrained`` loads it); ``offload(params=, optimizer=)`` / ``reload()``
+move state off and back onto the device around colocated phases (``trainer.strategies.offload``:
+tracked no-ops on CPU; a call that needs an offloaded state reloads it first). In a sharded
+strategy (``fsdp2``, ``megatron``) ``full_weights``, ``state_dict`` and ``save_pretrained`` are
+*collectives*: every rank calls them; rank 0 receives the full tensors (and writes the folder).
 """
 
 from __future__ import annotations
@@ -142,6 +143,6 @@ class TrainStrategy(Protocol):
 
     def save_pretrained(self, path: str) -> None: ...
 
-    def offload(self) -> None: ...
+    def offload(self, *, params: bool = True, optimizer: bool = True) -> None: ...
 
     def reload(self) -> None: ...

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["all_max", "backend_for", "ensure_process_group", "free_port", "resolve_device", "shutdown_process_group",
-           "split_micro_batches"]
+__all__ = ["all_max", "backend_for", "ensure_process_group", "free_port", "gather_group_rows", "resolve_device",
+           "shutdown_process_group", "split_micro_batches"]
 
 
 def free_port() -> int:
@@ -109,3 +109,26 @@ def split_micro_batches(batch: Mapping[str, torch.Tensor], size: int, device: to
             dummy["_dummy"] = dummy["input_ids"].new_ones(())
             micros.append(dummy)
     return micros
+
+
+def gather_group_rows(batch: Mapping[str, torch.Tensor], group: object, size: int
+                      ) -> tuple[dict[str, torch.Tensor], slice]:
+    """The union of the rows every rank of ``group`` (``size`` ranks) was given, right-padded to one
+    width, and where this rank's own rows sit in it. Model-parallel peers (tensor-parallel ranks,
+    pipeline stages) must run the same rows while the cluster splits a batch over all ranks: they
+    run the union, and each returns its own rows, so the caller's data-parallel split stays right."""
+    import torch
+    import torch.distributed as dist
+
+    cpu = {k: v.cpu() for k, v in batch.items()}
+    if size == 1:
+        return cpu, slice(0, cpu["input_ids"].shape[0])
+    me = dist.get_rank(group)
+    gathered: list[Any] = [None] * size
+    dist.all_gather_object(gathered, cpu, group=group)
+    counts = [g["input_ids"].shape[0] for g in gathered]
+    width = max(g["input_ids"].shape[1] for g in gathered)
+    union = {k: torch.cat([torch.nn.functional.pad(g[k], (0, width - g[k].shape[1])) if g[k].dim() >= 2 else g[k]
+                           for g in gathered]) for k in cpu}
+    start = sum(counts[:me])
+    return union, slice(start, start + counts[me])

@@ -17,6 +17,11 @@ Options (``roles.actor_train.strategy_args``)
                              (``CPUOffloadPolicy``); the optimiser step runs on the CPU. CUDA only.
 ``reshard_after_forward``    free gathered parameters after forward (ZeRO-3, default) or keep
                              them until backward (ZeRO-2-like, faster, more memory).
+``tensor_parallel_size``     DTensor tensor parallelism inside each block (2-D mesh dp x tp):
+                             q/k/v, gate/up column-wise, o/down row-wise (``parallelize_module``),
+                             then FSDP2 over the data-parallel dimension. The TP ranks of one
+                             group run the same rows (their union, like Megatron's TP); the
+                             gradient norm is summed per mesh. Llama/Qwen2-style blocks only.
 
 Gradient accumulation: ``grad_accumulation`` micro-batches per optimiser step; gradient
 reduce-scatter runs only on the last micro-batch of a step (``set_requires_gradient_sync``).
@@ -38,7 +43,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.errors import NonFiniteLossError
 from trainer.strategies.base import ForwardOutput, LossFn
-from trainer.strategies.distributed import ensure_process_group, resolve_device, split_micro_batches
+from trainer.strategies.distributed import (
+    ensure_process_group,
+    gather_group_rows,
+    resolve_device,
+    split_micro_batches,
+)
+from trainer.strategies.offload import Residency, state_movers
 from trainer.strategies.parallel_errors import ParallelConfigError
 
 if TYPE_CHECKING:
@@ -48,12 +59,46 @@ __all__ = ["FSDP2TrainStrategy", "block_modules"]
 
 
 def block_modules(model: Any) -> list[Any]:
-    """The transformer blocks to shard one by one: instances of ``model._no_split_modules``."""
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    inner = getattr(model, "model", None)  # a value-head wrapper keeps the LM as .model
-    if not names and inner is not None:
-        names = set(getattr(inner, "_no_split_modules", None) or [])
+    """The transformer blocks to shard one by one: instances of ``_no_split_modules`` of the model or of
+    an HF model inside it (a critic's value-head wrapper keeps the LM as a submodule)."""
+    names: set[str] = set()
+    for module in model.modules():
+        names |= set(getattr(module, "_no_split_modules", None) or [])
     return [m for m in model.modules() if type(m).__name__ in names]
+
+
+TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
+           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
+           "mlp.down_proj": "rowwise"}
+"""DTensor tensor-parallel plan of one Llama/Qwen2-style block (``fsdp2`` ``tensor_parallel_size``)."""
+
+
+def _tensor_parallel(model: Any, mesh: Any, tp: int) -> None:
+    """Apply ``TP_PLAN`` to every transformer block of ``model`` over the 1-D ``mesh``; refuse what it cannot split."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    config = getattr(model, "config", None) or getattr(getattr(model, "lm", None), "config", None)
+    problems = []
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, what, None)
+        if value is None or value % tp:
+            problems.append(f"{what}={value} is not divisible by tensor_parallel_size={tp}")
+    blocks = block_modules(model)
+    def has(block: Any, name: str) -> bool:
+        try:
+            block.get_submodule(name)
+        except AttributeError:
+            return False
+        return True
+
+    if not blocks or not all(has(block, name) for block in blocks for name in TP_PLAN):
+        problems.append("no Llama/Qwen2-style blocks (self_attn.q_proj ... mlp.down_proj) to split")
+    if problems:
+        raise ParallelConfigError("fsdp2 tensor parallelism impossible for this model: " + "; ".join(problems)
+                                  + ". Choose a tensor_parallel_size that divides them, or drop it")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for block in blocks:
+        parallelize_module(block, mesh, {name: styles[style]() for name, style in TP_PLAN.items()})
 
 
 class FSDP2TrainStrategy:
@@ -75,6 +120,7 @@ class FSDP2TrainStrategy:
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
+        tensor_parallel_size: int = 1,
     ) -> None:
         import torch
         from torch.distributed.device_mesh import init_device_mesh
@@ -94,7 +140,22 @@ class FSDP2TrainStrategy:
         self.max_grad_norm = max_grad_norm
         self.mixed_precision = on_cuda if mixed_precision is None else bool(mixed_precision)
         self.cpu_offload = cpu_offload
-        self.mesh = init_device_mesh("cuda" if on_cuda else "cpu", (self.world_size,), mesh_dim_names=("dp",))
+        self.tp_size = int(tensor_parallel_size)
+        if self.tp_size < 1 or self.world_size % self.tp_size:
+            raise ParallelConfigError(
+                f"fsdp2 tensor_parallel_size={tensor_parallel_size} does not divide the role's {self.world_size} "
+                "ranks; choose a divisor of the device count"
+            )
+        mesh_device = "cuda" if on_cuda else "cpu"
+        if self.tp_size == 1:
+            self.mesh = init_device_mesh(mesh_device, (self.world_size,), mesh_dim_names=("dp",))
+            self.tp_group: Any = None
+        else:
+            full = init_device_mesh(mesh_device, (self.world_size // self.tp_size, self.tp_size),
+                                    mesh_dim_names=("dp", "tp"))
+            self.mesh = full["dp"]
+            self.tp_group = full["tp"].get_group()
+            _tensor_parallel(model, full["tp"], self.tp_size)
 
         if activation_checkpointing:
             if not hasattr(model, "gradient_checkpointing_enable"):
@@ -130,6 +191,9 @@ class FSDP2TrainStrategy:
         else:
             model.requires_grad_(False)
         model.train(trainable)
+        # with cpu_offload the shards and AdamW state live in host memory already: nothing to move
+        self.residency = Residency(self.device, {} if cpu_offload else state_movers(model, self.optimizer),
+                                   owner=f"fsdp2 rank {self.rank}")
 
     # ------------------------------------------------------------------ micro-batches
     def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -151,7 +215,9 @@ class FSDP2TrainStrategy:
         """Per-token outputs for this rank's batch, no gradients, padded back to the batch width."""
         import torch
 
+        self.residency.require("params")
         width = batch["input_ids"].shape[1]
+        batch, mine = gather_group_rows(batch, self.tp_group, self.tp_size)
         parts: list[ForwardOutput] = []
         was_training = self.model.training
         self.model.eval()
@@ -166,7 +232,9 @@ class FSDP2TrainStrategy:
             tensors = [getattr(p, field) for p in parts]
             if not tensors or tensors[0] is None:
                 return None
-            return torch.cat([torch.nn.functional.pad(t.float().cpu(), (0, width - t.shape[1])) for t in tensors])
+            full = batch["input_ids"].shape[1]
+            return torch.cat([torch.nn.functional.pad(t.float().cpu(), (0, full - t.shape[1]))
+                              for t in tensors])[mine, :width]
 
         return ForwardOutput(logprobs=cat("logprobs"), entropy=cat("entropy"), values=cat("values"))  # type: ignore[arg-type]
 
@@ -177,6 +245,8 @@ class FSDP2TrainStrategy:
 
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen model; build the strategy with trainable=True")
+        self.residency.require("params", "optimizer")
+        batch, _ = gather_group_rows(batch, self.tp_group, self.tp_size)  # TP peers train on the same rows
         micros = self._micro_batches(batch)
         real = sum(1 for m in micros if "_dummy" not in m)
         per_step = self.grad_accumulation or len(micros)
@@ -226,10 +296,24 @@ class FSDP2TrainStrategy:
         if not params:
             return 0.0
         limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=not self.cpu_offload)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return float(norm)
+        if self.tp_size == 1:
+            norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=not self.cpu_offload)
+            if hasattr(norm, "full_tensor"):
+                norm = norm.full_tensor()
+            return float(norm)
+        # with TP, gradients live on two meshes (dp x tp for TP weights, dp for the rest): one norm per mesh
+        by_mesh: dict[Any, list[Any]] = {}
+        for param in params:
+            by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
+        squares = 0.0
+        for group in by_mesh.values():
+            part = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=not self.cpu_offload)
+            squares += float(part.full_tensor() if hasattr(part, "full_tensor") else part) ** 2
+        norm = math.sqrt(squares)
+        if math.isfinite(norm) and norm > limit:
+            for group in by_mesh.values():
+                torch.nn.utils.clip_grads_with_norm_(group, limit, torch.tensor(norm), foreach=not self.cpu_offload)
+        return norm
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate of every parameter group."""
@@ -244,6 +328,7 @@ class FSDP2TrainStrategy:
         Every rank must iterate to the end (each ``full_tensor()`` is an all-gather). Tensors are
         on ``device`` (default: the training device; ``"cpu"`` for host copies).
         """
+        self.residency.require("params")
         for name, tensor in self.model.state_dict().items():
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             full = full.detach()
@@ -259,6 +344,7 @@ class FSDP2TrainStrategy:
         """Collective: model + optimiser as full tensors (rank 0 receives them; others get empty dicts)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+        self.residency.require("params", "optimizer")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if self.optimizer is None:
             return {"model": self.full_state_dict()}
@@ -275,6 +361,7 @@ class FSDP2TrainStrategy:
         """Collective: load full tensors (present on every rank) back into the shards."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
 
+        self.residency.require("params", "optimizer")
         options = StateDictOptions(full_state_dict=True)
         if self.optimizer is not None and state.get("optimizer"):
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
@@ -282,23 +369,13 @@ class FSDP2TrainStrategy:
         else:
             set_model_state_dict(self.model, state["model"], options=options)
 
-    def offload(self) -> None:
-        """Move this rank's shards and optimiser state to host memory (CUDA only; no-op on CPU)."""
-        if self.device.startswith("cuda") and not self.cpu_offload:
-            self._move("cpu")
+    def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameters and/or optimiser state to host memory (colocation); a tracked no-op on CPU.
+
+        See ``trainer.strategies.offload``: the next call that needs a state reloads it.
+        """
+        self.residency.offload(params=params, optimizer=optimizer)
 
     def reload(self) -> None:
-        if self.device.startswith("cuda") and not self.cpu_offload:
-            self._move(self.device)
-
-    def _move(self, device: str) -> None:
-        import torch
-
-        self.model.to(device)
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and key != "step":
-                        state[key] = value.to(device, non_blocking=True)
-        if device == "cpu":
-            torch.cuda.empty_cache()
+        """Bring every offloaded state back onto the device."""
+        self.residency.reload()

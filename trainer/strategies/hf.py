@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from trainer.errors import NonFiniteLossError
 from trainer.strategies.base import ForwardOutput, LossFn
 from trainer.strategies.distributed import split_micro_batches
+from trainer.strategies.offload import Residency, state_movers
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +75,7 @@ class HFTrainStrategy:
         else:
             self.model.requires_grad_(False)
         self.model.train(trainable)
+        self.residency = Residency(str(device), state_movers(self.model, self.optimizer), owner="hf")
 
     # ------------------------------------------------------------------ forward
     def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -90,6 +92,7 @@ class HFTrainStrategy:
         """Per-token outputs for the whole batch, no gradients, padded back to the batch width."""
         import torch
 
+        self.residency.require("params")
         width = batch["input_ids"].shape[1]
         parts: list[ForwardOutput] = []
         was_training = self.model.training
@@ -114,6 +117,7 @@ class HFTrainStrategy:
 
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen model; build the strategy with trainable=True")
+        self.residency.require("params", "optimizer")
         micros = list(self._micro_batches(batch))
         per_step = self.grad_accumulation or len(micros)
         totals: dict[str, float] = {}
@@ -158,16 +162,19 @@ class HFTrainStrategy:
 
     # ------------------------------------------------------------------ weights and state
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self.residency.require("params")
         for name, tensor in self.model.state_dict().items():
             yield name, tensor.detach()
 
     def state_dict(self) -> dict[str, Any]:
+        self.residency.require("params", "optimizer")
         state: dict[str, Any] = {"model": self.model.state_dict()}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.residency.require("params", "optimizer")
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
@@ -182,11 +189,13 @@ class HFTrainStrategy:
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
 
-    def offload(self) -> None:
-        """On CPU there is nowhere cheaper to put the state; on GPU, move it to host memory."""
-        if self.device != "cpu":
-            self.model.to("cpu")
+    def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameters and/or optimiser state to host memory (colocation); a tracked no-op on CPU.
+
+        See ``trainer.strategies.offload``: the next call that needs a state reloads it.
+        """
+        self.residency.offload(params=params, optimizer=optimizer)
 
     def reload(self) -> None:
-        if self.device != "cpu":
-            self.model.to(self.device)
+        """Bring every offloaded state back onto the device."""
+        self.residency.reload()

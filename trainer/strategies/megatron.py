@@ -1,4 +1,4 @@
-"""``MegatronTrainStrategy``: tensor- and data-parallel training of HF Qwen2/Llama models with Megatron-Core.
+"""``MegatronTrainStrategy``: tensor-, pipeline- and data-parallel training of HF Qwen2/Llama models with Megatron-Core.
 
 A ``TrainStrategy`` (see ``base.py``). Each rank is handed the same HF model; the strategy
 
@@ -9,29 +9,45 @@ A ``TrainStrategy`` (see ``base.py``). Each rank is handed the same HF model; th
    ``megatron_convert.hf_to_megatron`` (exact);
 3. trains it: fp32 master weights and AdamW, bf16 autocast on CUDA, per-token log-probs from
    vocab-parallel logits gathered over the TP group, gradients averaged over data-parallel
-   replicas and the global norm clipped over TP shards;
+   replicas and the global norm clipped over TP shards and PP stages;
 4. gives the weight sync full HF-named tensors (``full_weights``, a collective over the TP
-   group, one layer at a time) via ``megatron_convert.megatron_to_hf``.
+   group and, with pipeline stages, the PP group: one layer at a time) via
+   ``megatron_convert.megatron_to_hf``.
+
+Pipeline parallelism (``pipeline_parallel_size`` = PP > 1): each stage builds only its slice
+of layers (``pre_process`` = embedding on the first stage, ``post_process`` = final norm and
+output layer on the last) and micro-batches run through Megatron-Core's own 1F1B schedule
+(``get_forward_backward_func``; activations and their gradients cross stages by point-to-point
+send/receive, gloo on CPU). Every micro-batch of one schedule is padded to one shape
+[rows, width] (the schedule's send/receive buffers have a fixed shape); outputs are cut back
+to the real rows and tokens before the loss, so padding never reaches it. The loss and the
+log-probs are computed on the last stage and broadcast to the other stages of the pipeline.
+Tied embeddings (``tie_word_embeddings``) with PP > 1: the last stage keeps its own copy of
+the embedding as its output layer (the converter hands it the same tensor) and, after each
+backward, the two copies' gradients are summed over Megatron's embedding group - so both
+apply the same update and stay equal (the tie HF computes in one process). Megatron's own
+tied-PP setup is not used: it moves the copy with ``.cuda()``.
 
 Attention: ``attention="sdpa"`` (default) swaps Megatron's unfused ``DotProductAttention``
 for :class:`SDPACoreAttention` (``torch.nn.functional.scaled_dot_product_attention``, flash
 kernels on GPU); ``"local"`` keeps Megatron's own. Both are causal; batches are right-padded,
 so padding never leaks into real tokens.
 
-Data: the cluster splits a batch over *all* ranks, but a TP group must see the same rows.
-So each rank all-gathers its TP peers' rows, the group runs the union, and each rank returns
-the outputs of its own rows - the caller's data-parallel split stays correct for any TP.
+Data: the cluster splits a batch over *all* ranks, but a TP group (and the stages of one
+pipeline) must see the same rows. So each rank all-gathers its model-parallel (TP x PP)
+peers' rows, the group runs the union, and each rank returns the outputs of its own rows -
+the caller's data-parallel split stays correct for any TP and PP.
 
-On CPU, ``megatron_cpu_shim.activate`` is called (CPU RNG tracker, CPU allocation); on GPU
-it never is. Pipeline parallelism is mapped by the converter (stage slices) but not run by
-this strategy yet: ``pipeline_parallel_size > 1`` raises ``ParallelConfigError``.
+On CPU, ``megatron_cpu_shim.activate`` is called (CPU RNG tracker, CPU allocation, the
+schedules' CUDA token counter); on GPU it never is.
 
 Checkpoints: ``state_dict`` (a collective) gives rank 0 the model as full HF tensors plus
 every rank's optimiser shard (``optimizer_ranks``, by global rank); ``load_state_dict``
 re-slices the model and hands each rank its own optimiser shard, so a resumed run must use
 the same world size. ``save_pretrained`` writes an HF folder (safetensors + config) from rank 0.
-Offload/reload (AutoDeviceMapping colocation) move parameters and AdamW state to host memory
-and back on CUDA; on CPU they are no-ops (the state already lives in host memory).
+Offload/reload (AutoDeviceMapping colocation) move parameters and/or AdamW state to host
+memory and back on CUDA, as the role's ``offload_params``/``offload_optimizer`` say; on CPU they
+are tracked no-ops (``trainer.strategies.offload``: the state already lives in host memory).
 """
 
 from __future__ import annotations
@@ -42,8 +58,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.errors import NonFiniteLossError
 from trainer.strategies.base import ForwardOutput, LossFn
-from trainer.strategies.distributed import ensure_process_group, resolve_device, split_micro_batches
+from trainer.strategies.distributed import (
+    ensure_process_group,
+    gather_group_rows,
+    resolve_device,
+    split_micro_batches,
+)
 from trainer.strategies.megatron_convert import MegatronLayout, hf_to_megatron, layout_from_hf_config, megatron_to_hf
+from trainer.strategies.offload import Residency, state_movers
 from trainer.strategies.parallel_errors import ParallelConfigError
 
 if TYPE_CHECKING:
@@ -86,8 +108,14 @@ def _sdpa_class() -> type:
 
 
 def build_gpt_model(layout: MegatronLayout, *, attention: Literal["sdpa", "local"] = "sdpa",
-                    recompute: bool = False, params_dtype: Any = None) -> Any:
-    """A Megatron-Core ``GPTModel`` equivalent to the HF model ``layout`` describes (this rank's shard)."""
+                    recompute: bool = False, params_dtype: Any = None, pre_process: bool = True,
+                    post_process: bool = True) -> Any:
+    """A Megatron-Core ``GPTModel`` equivalent to the HF model ``layout`` describes (this rank's shard).
+
+    With ``layout.pp > 1`` it is one pipeline stage (Megatron's parallel state decides which
+    layers): ``pre_process`` on the first stage, ``post_process`` on the last. A tied model
+    gets an untied output layer on the last stage; the strategy keeps the tie (module docstring).
+    """
     import torch
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -103,6 +131,8 @@ def build_gpt_model(layout: MegatronLayout, *, attention: Literal["sdpa", "local
         activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0, tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp, params_dtype=params_dtype or torch.float32,
+        pipeline_dtype=params_dtype or torch.float32,
+        batch_p2p_sync=False,  # the CUDA sync megatron keeps for old PyTorch's batch_isend_irecv race
         use_cpu_initialization=True, perform_initialization=False, bias_activation_fusion=False,
         masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, **extra,
@@ -114,8 +144,10 @@ def build_gpt_model(layout: MegatronLayout, *, attention: Literal["sdpa", "local
         raise ParallelConfigError(f"unknown megatron attention {attention!r}; use 'sdpa' or 'local'")
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=layout.padded_vocab_size,
-        max_sequence_length=layout.max_positions, share_embeddings_and_output_weights=layout.tied_embeddings,
+        max_sequence_length=layout.max_positions,
+        share_embeddings_and_output_weights=layout.tied_embeddings and layout.pp == 1,
         position_embedding_type="rope", rotary_base=int(layout.rope_theta), parallel_output=True,
+        pre_process=pre_process, post_process=post_process,
     )
 
 
@@ -169,11 +201,6 @@ class MegatronTrainStrategy:
 
         if kind != "lm":
             raise ParallelConfigError("the megatron strategy trains causal LMs only; use 'fsdp2' or 'hf' for a critic")
-        if pipeline_parallel_size != 1:
-            raise ParallelConfigError(
-                f"pipeline_parallel_size={pipeline_parallel_size}: the megatron strategy runs TP x DP only so far "
-                "(the converter maps PP stages); set pipeline_parallel_size: 1"
-            )
         self.device = resolve_device(device)
         on_cuda = self.device.startswith("cuda")
         if activation_checkpointing and not on_cuda:
@@ -183,21 +210,27 @@ class MegatronTrainStrategy:
             )
         self.layout = layout_from_hf_config(model.config, tp=tensor_parallel_size, pp=pipeline_parallel_size)
         self.rank, self.world_size = ensure_process_group(self.device)
-        if self.world_size % tensor_parallel_size:
+        model_parallel = tensor_parallel_size * pipeline_parallel_size
+        if self.world_size % model_parallel:
             raise ParallelConfigError(
-                f"world size {self.world_size} is not divisible by tensor_parallel_size={tensor_parallel_size}; "
-                "give the role a device count that is a multiple of it"
+                f"world size {self.world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = "
+                f"{tensor_parallel_size} x {pipeline_parallel_size}; give the role a device count that is a multiple of it"
             )
         if mpu.model_parallel_is_initialized():
-            if mpu.get_tensor_model_parallel_world_size() != tensor_parallel_size:
+            have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
+            if have != (tensor_parallel_size, pipeline_parallel_size):
                 raise ParallelConfigError(
-                    f"this process already runs Megatron with TP={mpu.get_tensor_model_parallel_world_size()}, "
-                    f"not {tensor_parallel_size}; one TP degree per process"
+                    f"this process already runs Megatron with TP={have[0]}, PP={have[1]}, not "
+                    f"TP={tensor_parallel_size}, PP={pipeline_parallel_size}; one layout per process"
                 )
         else:
-            mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size)
+            mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
+                                          pipeline_model_parallel_size=pipeline_parallel_size)
         self.tp_group, self.dp_group = mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
         self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), tensor_parallel_size
+        self.pp_group, self.mp_group = mpu.get_pipeline_model_parallel_group(), mpu.get_model_parallel_group()
+        self.pp_rank, self.pp_size = mpu.get_pipeline_model_parallel_rank(), pipeline_parallel_size
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.dp_size = mpu.get_data_parallel_world_size()
         if on_cuda:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -210,7 +243,8 @@ class MegatronTrainStrategy:
         self.mixed_precision = on_cuda if mixed_precision is None else bool(mixed_precision)
         self.micro_batch_size, self.grad_accumulation, self.max_grad_norm = micro_batch_size, grad_accumulation, max_grad_norm
         self.hf_config = model.config
-        self.model = build_gpt_model(self.layout, attention=attention, recompute=activation_checkpointing)
+        self.model = build_gpt_model(self.layout, attention=attention, recompute=activation_checkpointing,
+                                     pre_process=self.first_stage, post_process=self.last_stage)
         self._load_hf(model.state_dict())
         self.model.to(self.device)
         self.optimizer: torch.optim.Optimizer | None = None
@@ -219,9 +253,11 @@ class MegatronTrainStrategy:
         else:
             self.model.requires_grad_(False)
         self.model.train(trainable)
+        self.residency = Residency(self.device, state_movers(self.model, self.optimizer),
+                                   owner=f"megatron rank {self.rank}")
 
     def _load_hf(self, hf_state: Mapping[str, torch.Tensor]) -> None:
-        shard = hf_to_megatron(hf_state, self.layout, tp_rank=self.tp_rank)
+        shard = hf_to_megatron(hf_state, self.layout, tp_rank=self.tp_rank, pp_rank=self.pp_rank)
         missing, unexpected = self.model.load_state_dict(shard, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
@@ -229,21 +265,8 @@ class MegatronTrainStrategy:
 
     # ------------------------------------------------------------------ data
     def _group_rows(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
-        """The union of the TP group's rows, and where this rank's own rows sit in it."""
-        import torch
-        import torch.distributed as dist
-
-        cpu = {k: v.cpu() for k, v in batch.items()}
-        if self.tp_size == 1:
-            return cpu, slice(0, cpu["input_ids"].shape[0])
-        gathered: list[Any] = [None] * self.tp_size
-        dist.all_gather_object(gathered, cpu, group=self.tp_group)
-        counts = [g["input_ids"].shape[0] for g in gathered]
-        width = max(g["input_ids"].shape[1] for g in gathered)
-        union = {k: torch.cat([torch.nn.functional.pad(g[k], (0, width - g[k].shape[1])) if g[k].dim() >= 2 else g[k]
-                               for g in gathered]) for k in cpu}
-        start = sum(counts[:self.tp_rank])
-        return union, slice(start, start + counts[self.tp_rank])
+        """The union of the model-parallel (TP x PP) group's rows, and where this rank's own rows sit in it."""
+        return gather_group_rows(batch, self.mp_group, self.tp_size * self.pp_size)
 
     def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches, padded in count to the max over ranks (see ``split_micro_batches``)."""
@@ -269,16 +292,18 @@ class MegatronTrainStrategy:
         """Per-token outputs for this rank's rows, no gradients, padded back to the batch width."""
         import torch
 
+        self.residency.require("params")
         width = batch["input_ids"].shape[1]
         union, mine = self._group_rows(batch)
-        parts: list[ForwardOutput] = []
         was_training = self.model.training
         self.model.eval()
         with torch.no_grad():
-            for micro in self._micro_batches(union):
-                out = self._run(micro, with_entropy)
-                if "_dummy" not in micro:
-                    parts.append(out)
+            micros = self._micro_batches(union)
+            if self.pp_size > 1:
+                outs, _ = self._pipeline(micros, with_entropy, loss_fn=None)
+            else:
+                outs = [self._run(micro, with_entropy) for micro in micros]
+            parts = [out for out, micro in zip(outs, micros, strict=True) if "_dummy" not in micro]
         self.model.train(was_training)
 
         def cat(field: str) -> torch.Tensor | None:
@@ -292,11 +317,10 @@ class MegatronTrainStrategy:
         return ForwardOutput(logprobs=cat("logprobs"), entropy=cat("entropy"))  # type: ignore[arg-type]
 
     def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
-        """Optimiser steps over the TP group's rows (``grad_accumulation`` micro-batches each)."""
-        import torch
-
+        """Optimiser steps over the model-parallel group's rows (``grad_accumulation`` micro-batches each)."""
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen model; build the strategy with trainable=True")
+        self.residency.require("params", "optimizer")
         union, _ = self._group_rows(batch)
         micros = self._micro_batches(union)
         real = sum(1 for m in micros if "_dummy" not in m)
@@ -307,21 +331,25 @@ class MegatronTrainStrategy:
         for first in range(0, len(micros), per_step):
             group = micros[first:first + per_step]
             self.optimizer.zero_grad(set_to_none=True)
-            for micro in group:
-                out = self._run(micro, with_entropy)
-                if "_dummy" in micro:
-                    loss, metrics = out.logprobs.sum() * 0.0, {}
-                else:
-                    loss, metrics = loss_fn(out, micro)
-                if not torch.isfinite(loss.detach()):
+            if self.pp_size > 1:
+                _, losses = self._pipeline(group, with_entropy, loss_fn=loss_fn)
+            else:
+                losses = []
+                for micro in group:
+                    loss, metrics = self._micro_loss(self._run(micro, with_entropy), micro, loss_fn)
+                    losses.append((float(loss.detach()), metrics))
+                    if math.isfinite(losses[-1][0]):
+                        (loss / len(group)).backward()
+            for value, metrics in losses:
+                if not math.isfinite(value):
                     self.optimizer.zero_grad(set_to_none=True)
                     raise NonFiniteLossError(
-                        f"the loss became {loss.item()} on rank {self.rank} (metrics {metrics}); the update was not "
+                        f"the loss became {value} (metrics {metrics}); the update was not "
                         "applied. Lower train.lr, raise the loss clip, or check the rewards"
                     )
-                (loss / len(group)).backward()
-                for key, value in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + value / max(real, 1)
+                for key, metric in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + metric / max(real, 1)
+            self._reduce_tied_embedding()
             self._reduce_data_parallel()
             norm = self._clip()
             if not math.isfinite(norm):
@@ -333,6 +361,80 @@ class MegatronTrainStrategy:
         totals["grad_norm"] = totals.get("grad_norm", 0.0) / max(steps, 1)
         totals["optimizer_steps"] = float(steps)
         return totals
+
+    @staticmethod
+    def _micro_loss(out: ForwardOutput, micro: Mapping[str, torch.Tensor],
+                    loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, float]]:
+        """The worker's loss on a real micro-batch; a zero-weighted one (same graph) on a dummy."""
+        if "_dummy" in micro:
+            return out.logprobs.sum() * 0.0, {}
+        return loss_fn(out, micro)
+
+    def _pipeline(self, micros: list[dict[str, torch.Tensor]], with_entropy: bool,
+                  loss_fn: LossFn | None) -> tuple[list[ForwardOutput], list[tuple[float, dict[str, float]]]]:
+        """Run ``micros`` through Megatron-Core's pipeline schedule (PP > 1); a collective over the pipeline.
+
+        With ``loss_fn`` it is a training pass (1F1B: forward and backward interleaved, gradients
+        accumulated, each loss scaled by ``1/len(micros)`` like the PP=1 path); without it a
+        forward-only pass. Returns, on *every* stage (broadcast from the last one), the detached
+        per-micro-batch outputs (forward-only) and the ``(loss, metrics)`` of each micro-batch.
+        """
+        import torch
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from trainer.strategies.hf import token_logprobs
+
+        rows = max(m["input_ids"].shape[0] for m in micros)
+        width = max(m["input_ids"].shape[1] for m in micros)
+        outputs: list[ForwardOutput] = []
+        losses: list[tuple[float, dict[str, float]]] = []
+
+        def finish(micro: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+            n, w = micro["input_ids"].shape
+            logits = logits[:n, :w]  # the real rows and tokens of this micro-batch
+            if self.tp_size > 1:
+                logits = _GatherLastDim.apply(logits, self.tp_group)
+            logprobs, entropy = token_logprobs(logits[..., :self.layout.vocab_size], micro["input_ids"], with_entropy)
+            out = ForwardOutput(logprobs=logprobs, entropy=entropy)
+            if loss_fn is None:
+                outputs.append(ForwardOutput(logprobs=logprobs.detach().float().cpu(),
+                                             entropy=None if entropy is None else entropy.detach().float().cpu()))
+                return logprobs.sum() * 0.0, {}
+            loss, metrics = self._micro_loss(out, micro, loss_fn)
+            losses.append((float(loss.detach()), metrics))
+            if not math.isfinite(losses[-1][0]):
+                loss = logprobs.sum() * 0.0  # keep the schedule going on every stage; the step is refused after it
+            return loss, {}
+
+        def step(data: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
+            micro = next(data)
+            ids = micro["input_ids"]
+            ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1], 0, rows - ids.shape[0]))
+            positions = torch.arange(width, device=ids.device).expand_as(ids)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.mixed_precision and ids.is_cuda):
+                output = model(input_ids=ids, position_ids=positions, attention_mask=None)
+            return output, lambda logits: finish(micro, logits)
+
+        get_forward_backward_func()(
+            forward_step_func=step, data_iterator=iter(micros), model=[self.model], num_microbatches=len(micros),
+            seq_length=width, micro_batch_size=rows, forward_only=loss_fn is None)
+        shared: list[Any] = [(outputs, losses)]
+        dist.broadcast_object_list(shared, src=mpu.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+        return shared[0]
+
+    def _reduce_tied_embedding(self) -> None:
+        """PP > 1 with tied embeddings: sum the gradients of the first stage's embedding and the last
+        stage's output-layer copy (Megatron's embedding group), so both copies take the same step."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as mpu
+
+        if not (self.layout.tied_embeddings and self.pp_size > 1) or not (self.first_stage or self.last_stage):
+            return
+        param = self.model.embedding.word_embeddings.weight if self.first_stage else self.model.output_layer.weight
+        if param.grad is not None:
+            dist.all_reduce(param.grad, group=mpu.get_embedding_group())
 
     def _reduce_data_parallel(self) -> None:
         import torch
@@ -358,19 +460,22 @@ class MegatronTrainStrategy:
         import torch.distributed as dist
 
         named = [(n, p) for n, p in self.model.named_parameters() if p.grad is not None]
-        if not named:
-            return 0.0
-        device = named[0][1].grad.device
+        device = named[0][1].grad.device if named else self.device
         sharded = torch.zeros((), device=device)
         replicated = torch.zeros((), device=device)
+        tied_copy = self.layout.tied_embeddings and self.pp_size > 1
         for name, param in named:
+            if tied_copy and name == "output_layer.weight":
+                continue  # the same tensor as the first stage's embedding: counted there
             square = param.grad.float().pow(2).sum()
             if "layernorm" in name:
                 replicated += square
             else:
                 sharded += square
-        if self.tp_size > 1:
-            dist.all_reduce(sharded, group=self.tp_group)
+        if self.tp_size * self.pp_size > 1:
+            dist.all_reduce(sharded, group=self.mp_group)  # distinct TP slices and distinct stages
+        if self.pp_size > 1:
+            dist.all_reduce(replicated, group=self.pp_group)  # norms: the same on a stage's TP ranks
         norm = float((sharded + replicated).sqrt())
         if self.max_grad_norm is not None and math.isfinite(norm) and norm > self.max_grad_norm:
             for _, param in named:
@@ -384,30 +489,65 @@ class MegatronTrainStrategy:
 
     # ------------------------------------------------------------------ weights and state
     def full_weights(self, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        """Collective over the TP group: full HF-named tensors, gathered and converted one layer at a time."""
+        """Collective: full HF-named tensors, gathered and converted one layer at a time.
+
+        Each layer is all-gathered over its stage's TP group and converted; with PP > 1 each
+        stage's converted layers are then broadcast over the pipeline group, stage by stage,
+        so every rank yields the whole model (in the same order) and rank 0 can send it.
+        """
+        self.residency.require("params")
+        if self.pp_size == 1:
+            for chunk in self._stage_chunks():
+                for name, tensor in self._hf_chunk(chunk).items():
+                    yield name, (tensor.to(device) if device is not None else tensor)
+            return
         import torch
         import torch.distributed as dist
 
-        local = self.model.state_dict()
+        for stage in range(self.pp_size):
+            source = dist.get_global_rank(self.pp_group, stage)
+            chunks = self._stage_chunks() if stage == self.pp_rank else []
+            count = [len(chunks)]
+            dist.broadcast_object_list(count, src=source, group=self.pp_group)
+            for index in range(count[0]):
+                hf = self._hf_chunk(chunks[index]) if stage == self.pp_rank else {}
+                meta = [[(name, tuple(t.shape), t.dtype) for name, t in hf.items()]]
+                dist.broadcast_object_list(meta, src=source, group=self.pp_group)
+                for name, shape, dtype in meta[0]:
+                    tensor = hf[name].contiguous() if stage == self.pp_rank else torch.empty(
+                        shape, dtype=dtype, device=self.device)
+                    dist.broadcast(tensor, src=source, group=self.pp_group)
+                    yield name, (tensor.to(device) if device is not None else tensor)
+
+    def _stage_chunks(self) -> list[list[str]]:
+        """This rank's Megatron parameter names grouped per layer (embedding, each layer, norm, output)."""
         chunks: dict[str, list[str]] = {}
-        for name in local:
+        for name in self.model.state_dict():
             if name.endswith("_extra_state"):
                 continue
             key = ".".join(name.split(".")[:3]) if name.startswith("decoder.layers.") else name
             chunks.setdefault(key, []).append(name)
-        for names in chunks.values():
-            shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
-            for name in names:
-                tensor = local[name].detach()
-                if self.tp_size == 1:
-                    shards[0][name] = tensor
-                    continue
-                parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
-                dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
-                for rank, part in enumerate(parts):
-                    shards[rank][name] = part
-            for name, tensor in megatron_to_hf([shards], self.layout).items():
-                yield name, (tensor.to(device) if device is not None else tensor)
+        return list(chunks.values())
+
+    def _hf_chunk(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Collective over the TP group: the named local tensors gathered and converted to HF tensors."""
+        import torch
+        import torch.distributed as dist
+
+        local = self.model.state_dict()
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp_size)]
+        for name in names:
+            tensor = local[name].detach()
+            if self.tp_size == 1:
+                shards[0][name] = tensor
+                continue
+            parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+            dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
+            for rank, part in enumerate(parts):
+                shards[rank][name] = part
+        stages: list[list[Mapping[str, torch.Tensor]]] = [[{}] * self.tp_size for _ in range(self.pp_size)]
+        stages[self.pp_rank] = shards
+        return megatron_to_hf(stages, self.layout)
 
     def _gather_to_rank0(self) -> dict[str, torch.Tensor]:
         """Collective: full HF tensors on CPU kept by rank 0 only (other ranks take part, keep nothing)."""
@@ -425,6 +565,7 @@ class MegatronTrainStrategy:
         """
         import torch.distributed as dist
 
+        self.residency.require("params", "optimizer")
         model = self._gather_to_rank0()
         optim = self.optimizer.state_dict() if self.optimizer is not None else None
         ranks: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
@@ -441,6 +582,7 @@ class MegatronTrainStrategy:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load full HF tensors (re-sliced for this rank) and, when present, this rank's optimiser state."""
+        self.residency.require("params", "optimizer")
         self._load_hf(state["model"])
         if self.optimizer is None:
             return
@@ -471,22 +613,13 @@ class MegatronTrainStrategy:
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
         self.hf_config.save_pretrained(str(folder))
 
-    def offload(self) -> None:
-        if self.device.startswith("cuda"):
-            self._move("cpu")
+    def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameters and/or optimiser state to host memory (colocation); a tracked no-op on CPU.
+
+        See ``trainer.strategies.offload``: the next call that needs a state reloads it.
+        """
+        self.residency.offload(params=params, optimizer=optimizer)
 
     def reload(self) -> None:
-        if self.device.startswith("cuda"):
-            self._move(self.device)
-
-    def _move(self, device: str) -> None:
-        import torch
-
-        self.model.to(device)
-        if self.optimizer is not None:
-            for state in self.optimizer.state.values():
-                for key, value in state.items():
-                    if isinstance(value, torch.Tensor) and key != "step":
-                        state[key] = value.to(device)
-        if device == "cpu":
-            torch.cuda.empty_cache()
+        """Bring every offloaded state back onto the device."""
+        self.residency.reload()

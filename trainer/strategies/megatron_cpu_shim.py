@@ -1,18 +1,24 @@
 """The one place where Megatron-Core is taught to run on a CPU. Never active on GPU.
 
-Megatron-Core assumes CUDA in two places our CPU training reaches:
+Megatron-Core assumes CUDA in three places our CPU training reaches:
 
 1. Its RNG tracker (``tensor_parallel.random.CudaRNGStatesTracker``) seeds, saves and
    restores *CUDA* generator states (``torch.cuda.get_rng_state``/``manual_seed``) to give
    tensor-parallel regions their own dropout/initialisation streams.
 2. A few buffers are allocated with ``device=torch.cuda.current_device()`` (e.g. the
-   all-gather output in ``tensor_parallel.mappings``).
+   all-gather output in ``tensor_parallel.mappings``, the pipeline's send/receive buffers in
+   ``pipeline_parallel.p2p_communication``).
+3. The pipeline schedules (``pipeline_parallel.schedules``, megatron-core 0.16) create their
+   token counter with a literal ``torch.zeros([], dtype=torch.int, device="cuda")``, which a
+   CPU-only torch refuses ("Torch not compiled with CUDA enabled").
 
 ``activate(seed)`` replaces (1) with :class:`CpuRNGStatesTracker`, the same bookkeeping
 over the CPU generator (``torch.get_rng_state``/``set_rng_state``), seeded exactly as
 ``model_parallel_cuda_manual_seed`` seeds its streams; and, only when this torch has no
 CUDA at all, makes ``torch.cuda.current_device`` return ``"cpu"`` so (2) allocates host
-memory. Nothing else changes: same modules, same math, same collectives (gloo).
+memory, and gives the schedules module (only it) a ``torch`` whose ``zeros`` maps
+``device="cuda"`` to the CPU (3). Nothing else changes: same modules, same math, same
+collectives (gloo; pipeline send/receive are gloo ``isend``/``irecv``).
 
 It is called by ``MegatronTrainStrategy`` when, and only when, the training device is the
 CPU; ``activate`` refuses to run in a process whose torch sees a GPU (a half-CPU,
@@ -76,6 +82,21 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(name)
 
 
+class _SchedulesTorch:
+    """``torch`` as ``megatron.core.pipeline_parallel.schedules`` sees it on CPU: ``zeros(device="cuda")`` -> CPU."""
+
+    def __init__(self, torch_module: Any) -> None:
+        self._torch = torch_module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def zeros(self, *args: Any, device: Any = None, **kwargs: Any) -> Any:
+        if device is not None and str(device).startswith("cuda"):
+            device = "cpu"
+        return self._torch.zeros(*args, device=device, **kwargs)
+
+
 def activate(seed: int, tp_rank: int = 0) -> None:
     """Install the CPU RNG tracker (seeded like ``model_parallel_cuda_manual_seed``) and CPU allocation."""
     global _ACTIVE
@@ -94,6 +115,10 @@ def activate(seed: int, tp_rank: int = 0) -> None:
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # CPU-only torch: nothing else uses it
+    from megatron.core.pipeline_parallel import schedules
+
+    if not isinstance(schedules.torch, _SchedulesTorch):
+        schedules.torch = _SchedulesTorch(torch)  # type: ignore[attr-defined]
     _ACTIVE = True
 
 

@@ -222,8 +222,13 @@ class VLLMEngine:
 
     def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate for ``requests`` (blocking); they are batched with whatever else runs."""
-        pendings = [self._submit(r) for r in requests]
-        return [p.future.result() for p in pendings]
+        futures = [self.submit(r) for r in requests]
+        return [f.result() for f in futures]
+
+    def submit(self, request: GenerationRequest) -> concurrent.futures.Future[GenerationResult]:
+        """Queue ``request`` and return at once (for threads); the future resolves with its result.
+        An ``abort_sync`` of its id made after this returns always reaches it (commands run in order)."""
+        return self._submit(request).future
 
     async def abort(self, request_id: str) -> None:
         """Abort every running request with this id inside vLLM; unknown ids are ignored.

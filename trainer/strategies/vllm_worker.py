@@ -37,18 +37,29 @@ class EnvhubWorkerExtension:
         count = 0
         failure: BaseException | None = None
 
+        tied = bool(getattr(self.model_runner.model_config.hf_config, "tie_word_embeddings", False))
+
         def guarded(items: Iterable[tuple[str, Any]]) -> Iterable[tuple[str, Any]]:
             # A source that fails part-way ends the stream cleanly instead of raising inside
             # vLLM: the reload then still restores every layer to its kernel layout (a raise
             # would leave layers mid-reload, and every later reload would fail too). The
             # weights are then a mix, so the error is re-raised and the caller must resync.
             nonlocal count, failure
+            embedding, head = None, False
             try:
                 for name, tensor in items:
                     count += 1
+                    if name == "model.embed_tokens.weight":
+                        embedding = tensor
+                    head = head or name == "lm_head.weight"
                     yield name, tensor
             except Exception as error:  # noqa: BLE001 - re-raised after the reload finished
                 failure = error
+                return
+            if tied and embedding is not None and not head:
+                # vLLM on CPU repacks the tied LM head only when lm_head.weight itself arrives;
+                # without it the head keeps serving the previous embedding
+                yield "lm_head.weight", embedding
 
         if safetensors_bytes is not None:
             from safetensors.torch import load

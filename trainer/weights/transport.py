@@ -9,6 +9,9 @@ Colocated (trainer and engine on the same host / GPU)
     shared-memory segment for CPU buffers. The handle goes through any RPC (a Ray call, a
     ``multiprocessing`` queue); :func:`open_bucket` on the other side gives zero-copy views.
     The sender keeps the buffer alive until the receiver acknowledges (``release``).
+    :class:`SegmentPool` is the shard-direct variant on CPU: one segment per bucket, kept
+    from sync to sync, every trainer rank writing its own shards in; its handles are
+    ``stable`` (unchanged until the sync finishes), so receivers pass views without copying.
 
 Disaggregated (engines on other hosts)
     :class:`BroadcastGroup`: a stand-alone process group (its own ``TCPStore``; gloo on CPU,
@@ -43,8 +46,8 @@ if TYPE_CHECKING:
 
     from trainer.strategies.base import GenerationRequest, GenerationResult
 
-__all__ = ["BroadcastGroup", "SharedBucket", "VersionedEngine", "confirm_versions", "open_bucket", "pack_shared",
-           "SharedSegment", "share_bucket"]
+__all__ = ["BroadcastGroup", "SegmentPool", "SharedBucket", "VersionedEngine", "confirm_versions", "open_bucket",
+           "pack_shared", "SharedSegment", "share_bucket"]
 
 
 # --------------------------------------------------------------------------- colocated
@@ -60,6 +63,9 @@ class SharedBucket:
     shm_name: str | None = None
     cuda_ipc: tuple[Any, tuple[Any, ...]] | None = None
     """``(rebuild_fn, args)`` from ``torch.multiprocessing.reductions.reduce_tensor``."""
+    stable: bool = False
+    """The segment stays unchanged until the sync finishes (``SegmentPool``): receivers may hand the
+    engine views of it without copying. Otherwise it is reused once the load call returns."""
 
 
 def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
@@ -73,6 +79,7 @@ def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
     import torch
 
     segment = shared_memory.SharedMemory(create=True, size=max(bucket.nbytes, 1))
+    _CREATED.add(segment.name)
     torch.frombuffer(segment.buf, dtype=torch.uint8, count=bucket.nbytes).copy_(bucket.buffer)
 
     def release() -> None:
@@ -108,6 +115,7 @@ class SharedSegment:
         if self.segment is None or self.segment.size < nbytes:
             self.close()
             self.segment = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
+            _CREATED.add(self.segment.name)
         buffer = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=max(nbytes, 1))
         bucket = pack(named, index=index, buffer=buffer)
         handle = SharedBucket(bucket.metas, index, bucket.nbytes, shm_name=self.segment.name)
@@ -119,6 +127,110 @@ class SharedSegment:
             self.segment.close()
             self.segment.unlink()
             self.segment = None
+
+
+_CREATED: set[str] = set()  # segments this process created (and must keep registered for cleanup)
+
+
+def _attach(name: str) -> Any:
+    """Open an existing segment without adopting it: Python < 3.13 registers every opened segment
+    with this process's resource tracker, which would unlink it when this process exits."""
+    from multiprocessing import resource_tracker, shared_memory
+
+    segment = shared_memory.SharedMemory(name=name)
+    if name in _CREATED:  # our own (a receiver thread of the same process): registered once already
+        return segment
+    try:
+        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    except Exception:  # noqa: BLE001 - no tracker running: nothing to undo
+        pass
+    return segment
+
+
+class SegmentPool:
+    """Shared-memory segments of one colocated sync, one per bucket, kept from sync to sync.
+
+    The trainer rank that owns the pool (rank 0) creates them (``ensure``); every trainer rank
+    maps them by name (``buffer``) and writes its own shard of each tensor straight in. Kept
+    across syncs, a segment's pages are faulted in once, not per sync; and since no segment is
+    rewritten before the engine finished the whole update, the engine reads views of it with no
+    copy of its own. The price: one copy of the model in host shared memory while the trainer lives.
+    ``close()`` unlinks what this process created and unmaps the rest.
+    """
+
+    def __init__(self) -> None:
+        import atexit
+
+        self.owned: list[Any] = []
+        self.mapped: dict[str, tuple[Any, Any]] = {}  # name -> (SharedMemory, uint8 tensor over it)
+        atexit.register(self.close)
+
+    def ensure(self, sizes: Sequence[int]) -> list[str]:
+        """Segment names for buckets of ``sizes`` bytes (existing ones reused when big enough)."""
+        from multiprocessing import shared_memory
+
+        for index, size in enumerate(sizes):
+            if index < len(self.owned) and self.owned[index].size >= size:
+                continue
+            segment = shared_memory.SharedMemory(create=True, size=max(size, 1))
+            _CREATED.add(segment.name)
+            if index < len(self.owned):
+                old, self.owned[index] = self.owned[index], segment
+                self.mapped.pop(old.name, None)
+                try:
+                    old.close()
+                except BufferError:  # a view is still alive: the mapping goes with the process
+                    pass
+                old.unlink()
+            else:
+                self.owned.append(segment)
+        return [segment.name for segment in self.owned[:len(sizes)]]
+
+    def buffer(self, name: str) -> torch.Tensor:
+        """The whole segment ``name`` as a ``uint8`` tensor (mapped once per process)."""
+        import torch
+
+        if name not in self.mapped:
+            own = next((s for s in self.owned if s.name == name), None)
+            try:
+                segment = own if own is not None else _attach(name)
+            except FileNotFoundError as error:
+                raise TransportError(f"shared-memory segment {name!r} is gone; the trainer rank that owns the "
+                                     "weight-sync segments exited or recreated them - rerun the sync") from error
+            self.mapped[name] = (segment, torch.frombuffer(segment.buf, dtype=torch.uint8, count=segment.size))
+        return self.mapped[name][1]
+
+    def keep_only(self, names: Iterable[str]) -> None:
+        """Unmap segments this process attached that are not in ``names`` (recreated by their owner)."""
+        keep = set(names)
+        for name in [n for n in self.mapped if n not in keep]:
+            self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        entry = self.mapped.pop(name, None)
+        if entry is None:
+            return
+        segment, tensor = entry
+        del entry, tensor
+        if all(segment is not own for own in self.owned):
+            try:
+                segment.close()
+            except BufferError:  # a view is still alive somewhere: the mapping goes with the process
+                pass
+
+    def close(self) -> None:
+        for name in list(self.mapped):
+            self._forget(name)
+        for segment in self.owned:
+            try:
+                segment.close()
+            except BufferError:
+                pass
+            try:
+                segment.unlink()
+            except FileNotFoundError:
+                pass
+        self.owned = []
 
 
 def pack_shared(named: list[tuple[str, torch.Tensor]], *, index: int = 0,
@@ -148,10 +260,8 @@ def open_bucket(handle: SharedBucket) -> tuple[Bucket, Callable[[], None]]:
                 "the same GPU (same CUDA_VISIBLE_DEVICES device) and the sender must still be alive"
             ) from error
         return Bucket(buffer, handle.metas, handle.index), lambda: None
-    from multiprocessing import shared_memory
-
     try:
-        segment = shared_memory.SharedMemory(name=handle.shm_name)
+        segment = _attach(handle.shm_name)  # type: ignore[arg-type]
     except FileNotFoundError as error:
         raise TransportError(
             f"shared-memory segment {handle.shm_name!r} of bucket {handle.index} is gone; the sender released it "
@@ -374,11 +484,16 @@ class VersionedEngine:
         self._thread = threading.Thread(target=run, name="weight-load", daemon=True)
         self._thread.start()
 
-    def load_part(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copy one bucket's tensors into the running update (between ``begin`` and ``finish``)."""
+    def load_part(self, named: Iterable[tuple[str, torch.Tensor]], *, copy: bool = True) -> int:
+        """Hand one bucket's tensors to the running update (between ``begin`` and ``finish``).
+
+        ``copy=True`` clones them first (the caller frees its buffer when this returns);
+        ``copy=False`` passes them as they are - only for memory that stays unchanged until
+        ``finish`` returned (``SharedBucket.stable``), since the engine may read it until then.
+        """
         if getattr(self, "_target", None) is None:
             raise StaleWeightsError("load_part outside a sync; call begin(version) first")
-        items = [(name, tensor.clone()) for name, tensor in named]
+        items = [(name, tensor.clone() if copy else tensor) for name, tensor in named]
         self._put(items)
         self._seen.extend(name for name, _ in items)
         return len(items)

@@ -50,8 +50,8 @@ def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1,
 
     ``hf`` trains one full copy on one device (CUDA when visible, else CPU) and does not
     synchronise gradients, so it refuses ``world_size > 1`` rather than train diverging copies.
-    ``fsdp2`` shards every parameter over all ranks; ``megatron`` runs tensor x data parallel
-    (``tensor_parallel_size`` must divide the rank count).
+    ``fsdp2`` shards every parameter over all ranks; ``megatron`` runs tensor x pipeline x data
+    parallel (``tensor_parallel_size`` x ``pipeline_parallel_size`` must divide the rank count).
     """
     args = dict(strategy_args or {})
     if name in (None, "hf"):
@@ -72,14 +72,29 @@ def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1,
         from trainer.strategies.megatron import MegatronTrainStrategy
 
         tp = int(args.get("tensor_parallel_size", 1))
-        if tp < 1 or world_size % tp:
+        pp = int(args.get("pipeline_parallel_size", 1))
+        if tp < 1 or pp < 1 or world_size % (tp * pp):
             raise ParallelConfigError(
-                f"megatron tensor_parallel_size={tp} does not divide the role's {world_size} workers; set "
-                f"roles.actor_train.strategy_args.tensor_parallel_size to a divisor of {world_size} or map "
-                f"{tp} (or a multiple) devices"
+                f"megatron tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} does not divide the role's "
+                f"{world_size} workers; set roles.actor_train.strategy_args.tensor_parallel_size / "
+                f"pipeline_parallel_size so their product divides {world_size}, or map {tp * pp} (or a multiple) devices"
             )
         return _build(MegatronTrainStrategy, name, model, kwargs, args)
     raise ValueError(f"unknown training strategy {name!r}; use one of {', '.join(TRAIN_STRATEGIES)}")
+
+
+def offload_flags(config: Any) -> dict[str, bool]:
+    """``roles.<role>.offload_params/offload_optimizer`` as ``strategy.offload`` keywords (default: both)."""
+    return {"params": bool(getattr(config, "offload_params", True)),
+            "optimizer": bool(getattr(config, "offload_optimizer", True))}
+
+
+def residency_history(strategy: Any) -> list[tuple[str, str, bool, str]]:
+    """A strategy's offload/reload transitions (``trainer.strategies.offload``), plain tuples for RPC."""
+    residency = getattr(strategy, "residency", None)
+    if residency is None:
+        return []
+    return [(e.action, e.state, e.moved, e.reason) for e in residency.history]
 
 
 def _build(cls: type, name: str, model: Any, kwargs: dict[str, Any], args: dict[str, Any]) -> Any:
@@ -284,6 +299,35 @@ class ActorWorker(Worker):
         self.end_weight_sync()
         if self._sender is not None:
             self._sender.segment.close()
+        if getattr(self, "_shards", None) is not None:
+            self._shards.close()
+
+    # shard-direct colocated sync: each rank writes its own shards into shared memory (trainer.weights.sync)
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def weight_sizes(self) -> list[tuple[str, int]]:
+        """``(HF name, bytes)`` of every full tensor, known without gathering (checks bucket sizes early)."""
+        from trainer.weights.shards import shard_layout
+
+        return shard_layout(self.strategy, rank=self.rank, gather=False).sizes()
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def begin_shard_sync(self, bucket_bytes: int, only_changed: bool = False) -> Any:
+        """Plan the buckets (raises ``BucketTooSmallError`` before anything moves); rank 0 returns the handles."""
+        from trainer.weights.sync import ShardSender
+
+        if getattr(self, "_shards", None) is None:
+            self._shards = ShardSender()
+        return self._shards.begin(self.strategy, rank=self.rank, bucket_bytes=bucket_bytes, only_changed=only_changed)
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def write_weight_bucket(self, handle: Any) -> list[str]:
+        """Copy this rank's shards of one bucket's tensors into its shared segment; returns the names written."""
+        return self._shards.write(handle)
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def reset_shard_sync(self) -> None:
+        if getattr(self, "_shards", None) is not None:
+            self._shards.reset()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def broadcast_weights(self, address: tuple[str, int], world_size: int, *, version: int, bucket_bytes: int,
@@ -297,14 +341,20 @@ class ActorWorker(Worker):
                                       timeout_s=timeout_s)
 
     def offload(self) -> None:
+        """Colocation: offload what ``roles.actor_train.offload_params/offload_optimizer`` say (no-op moves on CPU)."""
         if self._strategy is not None:
-            self.strategy.offload()
+            self.strategy.offload(**offload_flags(self.config))
         super().offload()
 
     def reload(self) -> None:
         if self._strategy is not None:
             self.strategy.reload()
         super().reload()
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def residency(self) -> list[tuple[str, str, bool, str]]:
+        """This rank's offload/reload transitions so far as ``(action, state, moved, reason)``."""
+        return residency_history(self._strategy)
 
 
 class RaggedBatch(Batch):
@@ -359,6 +409,10 @@ class ActorCluster(Cluster):
     def set_lr(self, lr: float) -> None:
         self._call("set_lr", lr)
 
+    def residency(self) -> list[list[tuple[str, str, bool, str]]]:
+        """Each rank's offload/reload transitions (see ``ActorWorker.residency``)."""
+        return self._call("residency")
+
     def state_dict(self) -> dict[str, Any]:
         """Rank 0's full state plus every rank's RNG state (``rng`` becomes a per-rank list)."""
         states = self._call("state_dict")
@@ -381,6 +435,18 @@ class ActorCluster(Cluster):
 
     def end_weight_sync(self) -> None:
         self._call("end_weight_sync")
+
+    def weight_sizes(self) -> list[tuple[str, int]]:
+        return self._call("weight_sizes")
+
+    def begin_shard_sync(self, bucket_bytes: int, only_changed: bool = False) -> Any:
+        return self._call("begin_shard_sync", bucket_bytes, only_changed)
+
+    def write_weight_bucket(self, handle: Any) -> list[list[str]]:
+        return self._call("write_weight_bucket", handle)
+
+    def reset_shard_sync(self) -> None:
+        self._call("reset_shard_sync")
 
     def weight_group_address(self) -> tuple[str, int]:
         """A host and free port on trainer rank 0's machine for the weight broadcast group."""

@@ -3,6 +3,11 @@
 ``ValueModel`` loads the same checkpoint as the policy (``from_pretrained``), reads the last
 hidden state and maps it through a zero-initialised linear head, so training starts from
 values of 0. The critic trains with the clipped value loss of ``trainer.algos.losses``.
+
+Its strategy is ``roles.critic.strategy`` (``hf`` or ``fsdp2``; ``megatron`` trains causal LMs
+only). A multi-rank ``fsdp2`` critic runs one Ray worker process per rank and, like
+``actor_train``, builds its strategy in ``setup`` on all ranks at once (joining the process
+group is a collective); ``state_dict`` is then a collective whose rank-0 answer is returned.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from trainer.controller.cluster import Cluster
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import Worker, WorkerContext
 from trainer.strategies.base import ForwardOutput
+from trainer.strategies.parallel_errors import ParallelConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -66,14 +72,40 @@ class CriticWorker(Worker):
     def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
                  seed: int = 0, optim: Mapping[str, Any] | None = None, value_clip: float | None = 0.2) -> None:
         super().__init__(ctx, config)
+        from trainer.workers.actor import SHARDED_STRATEGIES
+
+        name = getattr(config, "strategy", None)
+        if name in SHARDED_STRATEGIES and ctx.world_size > 1 and ctx.backend != "ray":
+            raise ParallelConfigError(
+                f"critic strategy {name!r} with {ctx.world_size} workers needs one process per rank, but "
+                f"cluster.backend={ctx.backend!r} runs workers as threads of one process; set cluster.backend: ray"
+            )
+        self.model_path, self.dtype, self.seed, self.optim = model_path, dtype, seed, dict(optim or {})
+        self.value_clip = value_clip
+        self._strategy: Any = None
+        if ctx.world_size == 1 or name not in SHARDED_STRATEGIES:
+            self.setup()  # nothing to rendezvous with: build now
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def setup(self) -> None:
+        """Build the value model and its strategy (a collective for sharded strategies); idempotent."""
+        if self._strategy is not None:
+            return
         import torch
 
         from trainer.workers.actor import make_train_strategy
 
-        torch.manual_seed(seed + 1000 + ctx.rank)
-        self.value_clip = value_clip
-        self.strategy = make_train_strategy(getattr(config, "strategy", None), build_value_model(model_path, dtype),
-                                            kind="value", world_size=ctx.world_size, **dict(optim or {}))
+        torch.manual_seed(self.seed + 1000 + self.ctx.rank)
+        self._strategy = make_train_strategy(getattr(self.config, "strategy", None),
+                                             build_value_model(self.model_path, self.dtype), kind="value",
+                                             world_size=self.ctx.world_size,
+                                             strategy_args=getattr(self.config, "strategy_args", None), **self.optim)
+
+    @property
+    def strategy(self) -> Any:
+        if self._strategy is None:
+            raise RuntimeError(f"critic rank {self.rank}: the strategy is not built; call setup() on all ranks")
+        return self._strategy
 
     @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
     def compute_values(self, batch: Batch) -> Batch:
@@ -87,13 +119,27 @@ class CriticWorker(Worker):
 
         return _namespaced(self.strategy.train_step(tensors, value_loss_fn(self.value_clip)), "critic")
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def state_dict(self) -> dict[str, Any]:
+        """Collective for sharded strategies: rank 0's full state is the answer."""
         return self.strategy.state_dict()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.strategy.load_state_dict(state)
+
+    def offload(self) -> None:
+        """Colocation: offload what ``roles.critic.offload_params/offload_optimizer`` say (no-op moves on CPU)."""
+        from trainer.workers.actor import offload_flags
+
+        if self._strategy is not None:
+            self.strategy.offload(**offload_flags(self.config))
+        super().offload()
+
+    def reload(self) -> None:
+        if self._strategy is not None:
+            self.strategy.reload()
+        super().reload()
 
 
 class CriticCluster(Cluster):
@@ -101,11 +147,23 @@ class CriticCluster(Cluster):
 
     worker_cls = CriticWorker
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        try:
+            self._call("setup")  # sharded strategies join their process group here, all ranks at once
+        except BaseException:
+            self.shutdown()
+            raise
+
     def compute_values(self, batch: Batch) -> Batch:
-        return self._call("compute_values", batch)
+        from trainer.workers.actor import RaggedBatch
+
+        return self._call("compute_values", RaggedBatch(batch.columns, batch.meta))
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        return self._call("train_step", batch)
+        from trainer.workers.actor import RaggedBatch
+
+        return self._call("train_step", RaggedBatch(batch.columns, batch.meta))
 
     def state_dict(self) -> dict[str, Any]:
         return self._call("state_dict")

@@ -1,4 +1,12 @@
-"""``reference``: the frozen initial policy, for the KL term. Only computes log-probs."""
+"""``reference``: the frozen initial policy, for the KL term. Only computes log-probs.
+
+Its strategy is chosen like the actor's (``roles.reference.strategy``: ``hf``, ``fsdp2``,
+``megatron`` with ``strategy_args``). A multi-rank ``fsdp2``/``megatron`` reference runs one
+Ray worker process per rank: the cluster exports the rendezvous variables, then calls
+``setup`` on all ranks at once (joining the process group is a collective), exactly like
+``actor_train``. ``get_weights`` and ``load_weights`` are collectives for sharded strategies,
+so every rank takes part and the caller gets rank 0's answer.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,7 @@ from trainer.controller.batch import Batch
 from trainer.controller.cluster import Cluster
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import Worker, WorkerContext
+from trainer.strategies.parallel_errors import ParallelConfigError
 
 __all__ = ["ReferenceCluster", "ReferenceWorker"]
 
@@ -18,35 +27,89 @@ class ReferenceWorker(Worker):
     def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
                  micro_batch_size: int = 8) -> None:
         super().__init__(ctx, config)
+        from trainer.workers.actor import SHARDED_STRATEGIES
+
+        name = getattr(config, "strategy", None)
+        if name in SHARDED_STRATEGIES and ctx.world_size > 1 and ctx.backend != "ray":
+            raise ParallelConfigError(
+                f"reference strategy {name!r} with {ctx.world_size} workers needs one process per rank, but "
+                f"cluster.backend={ctx.backend!r} runs workers as threads of one process; set cluster.backend: ray"
+            )
+        self.model_path, self.dtype, self.micro_batch_size = model_path, dtype, micro_batch_size
+        self._strategy: Any = None
+        if ctx.world_size == 1 or name not in SHARDED_STRATEGIES:
+            self.setup()  # nothing to rendezvous with: build now
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def setup(self) -> None:
+        """Load the policy and build the frozen strategy (a collective for sharded strategies); idempotent."""
+        if self._strategy is not None:
+            return
         from trainer.models import load_policy
         from trainer.workers.actor import make_train_strategy
 
-        model, _ = load_policy(model_path, dtype=dtype)
-        self.strategy = make_train_strategy(getattr(config, "strategy", None), model, trainable=False,
-                                            micro_batch_size=micro_batch_size)
+        model, _ = load_policy(self.model_path, dtype=self.dtype)
+        self._strategy = make_train_strategy(getattr(self.config, "strategy", None), model, trainable=False,
+                                             world_size=self.ctx.world_size, micro_batch_size=self.micro_batch_size,
+                                             strategy_args=getattr(self.config, "strategy_args", None))
+
+    @property
+    def strategy(self) -> Any:
+        if self._strategy is None:
+            raise RuntimeError(f"reference rank {self.rank}: the strategy is not built; call setup() on all ranks")
+        return self._strategy
 
     @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:
         out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
         return Batch({"ref_logprobs": out.logprobs})
 
-    @register(Dispatch.RANK_ZERO)
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def get_weights(self) -> dict[str, Any]:
-        return {name: tensor.clone() for name, tensor in self.strategy.full_weights()}
+        """Collective: the full HF-named CPU tensors (rank 0's answer is the result; others return {})."""
+        weights: dict[str, Any] = {}
+        for name, tensor in self.strategy.full_weights():  # every rank takes part in each gather
+            if self.rank == 0:
+                weights[name] = tensor.detach().cpu().clone()
+        return weights
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def load_weights(self, weights: dict[str, Any]) -> None:
-        """Replace the reference (e.g. with the SFT warm-start result before RL begins)."""
-        self.strategy.model.load_state_dict(weights)
+        """Replace the reference (e.g. with the SFT warm-start result before RL begins); every rank gets
+        the full tensors and keeps its own shard."""
+        self.strategy.load_state_dict({"model": weights})
+
+    def offload(self) -> None:
+        """Colocation: offload the parameters if ``roles.reference.offload_params`` (no-op moves on CPU)."""
+        from trainer.workers.actor import offload_flags
+
+        if self._strategy is not None:
+            self.strategy.offload(**offload_flags(self.config))
+        super().offload()
+
+    def reload(self) -> None:
+        if self._strategy is not None:
+            self.strategy.reload()
+        super().reload()
 
 
 class ReferenceCluster(Cluster):
-    """Typed calls to the ``reference`` workers."""
+    """Typed calls to the ``reference`` workers (batches of any size split over the ranks)."""
 
     worker_cls = ReferenceWorker
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        try:
+            self._call("setup")  # sharded strategies join their process group here, all ranks at once
+        except BaseException:
+            self.shutdown()
+            raise
+
     def compute_logprobs(self, batch: Batch) -> Batch:
-        return self._call("compute_logprobs", batch)
+        from trainer.workers.actor import RaggedBatch
+
+        return self._call("compute_logprobs", RaggedBatch(batch.columns, batch.meta))
 
     def load_weights(self, weights: dict[str, Any]) -> None:
         self._call("load_weights", weights)

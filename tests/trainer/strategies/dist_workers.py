@@ -134,3 +134,65 @@ def resume_rank(rank: int, world: int, port: int, out: Any, name: str) -> None:
     resumed.train_step(mine2, nll_loss)
     out[(rank, "resumed")] = {k: v.clone() for k, v in resumed.full_weights(device="cpu")}
     shutdown_process_group()
+
+
+def megatron_pp_rank(rank: int, world: int, port: int, out: Any, tp: int, pp: int, tie: bool) -> None:
+    """Megatron TP x PP on ``world`` gloo ranks (one pipeline when world == tp * pp): forward, one train
+    step, gathered weights, and a save/load round trip of the sharded checkpoint."""
+    join(rank, world, port)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from trainer.strategies.distributed import shutdown_process_group
+    from trainer.strategies.megatron import MegatronTrainStrategy
+
+    batch = tiny_batch(rows=4)
+    per = 4 // world
+    mine = {k: v[per * rank:per * rank + per] for k, v in batch.items()}
+
+    def build() -> Any:
+        return MegatronTrainStrategy(tiny_qwen2(tie=tie, layers=4), lr=1e-2, micro_batch_size=1, device="cpu",
+                                     tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+    strategy = build()
+    out[(rank, "stage_layers")] = sum(1 for n in strategy.model.state_dict() if n.endswith("input_layernorm.weight"))
+    out[(rank, "initial")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
+    out[(rank, "logprobs")] = strategy.forward(mine).logprobs
+    out[(rank, "metrics")] = strategy.train_step(mine, nll_loss)
+    out[(rank, "weights")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
+    state = strategy.state_dict()
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, state)  # the cluster hands rank 0's checkpoint to every rank
+    second = tiny_batch(rows=4, seed=5)
+    mine2 = {k: v[per * rank:per * rank + per] for k, v in second.items()}
+    strategy.train_step(mine2, nll_loss)
+    out[(rank, "straight")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
+    strategy.load_state_dict(everyone[0])
+    strategy.train_step(mine2, nll_loss)
+    out[(rank, "resumed")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
+    shutdown_process_group()
+
+
+def fsdp2_tp_rank(rank: int, world: int, port: int, out: Any, tp: int) -> None:
+    """FSDP2 with DTensor tensor parallelism (mesh dp x tp) on a tiny Qwen2: forward, 2 steps, gathered weights."""
+    join(rank, world, port)
+    from trainer.strategies.distributed import shutdown_process_group
+    from trainer.strategies.fsdp2 import FSDP2TrainStrategy
+
+    batch = tiny_batch(rows=4)
+    per = 4 // world
+    mine = {k: v[per * rank:per * rank + per] for k, v in batch.items()}
+    strategy = FSDP2TrainStrategy(tiny_qwen2(), lr=1e-2, micro_batch_size=4, device="cpu", tensor_parallel_size=tp)
+    out[(rank, "local_rows")] = int(strategy.model.model.layers[0].mlp.gate_proj.weight.to_local().shape[0])
+    out[(rank, "logprobs")] = strategy.forward(mine).logprobs
+    out[(rank, "metrics")] = [strategy.train_step(mine, nll_loss) for _ in range(2)]
+    out[(rank, "weights")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
+    from trainer.weights.shards import shard_layout
+
+    layout = shard_layout(strategy, rank=rank)  # what the shared-memory weight sync writes from this rank
+    out[(rank, "pieces")] = {name: [(index, piece.clone()) for index, piece in pieces]
+                             for name, pieces in layout.pieces.items()}
+    out[(rank, "specs")] = [(spec.name, spec.shape) for spec in layout.specs]
+    shutdown_process_group()

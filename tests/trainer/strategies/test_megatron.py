@@ -24,10 +24,12 @@ def llama(tie: bool = True, **overrides):
 @pytest.mark.parametrize(("make", "tp", "pp"), [
     (lambda: W.tiny_qwen2(tie=False), 1, 1),
     (lambda: W.tiny_qwen2(tie=False), 2, 1),
+    (lambda: W.tiny_qwen2(tie=False, layers=4), 1, 2),
+    (lambda: W.tiny_qwen2(tie=True, layers=4), 1, 2),
     (lambda: W.tiny_qwen2(tie=True, layers=4), 2, 2),
     (lambda: llama(tie=True), 2, 1),
     (lambda: llama(tie=False), 2, 4),
-], ids=["qwen2-tp1", "qwen2-tp2", "qwen2-tied-tp2-pp2", "llama-tied-tp2", "llama-tp2-pp4"])
+], ids=["qwen2-tp1", "qwen2-tp2", "qwen2-pp2", "qwen2-tied-pp2", "qwen2-tied-tp2-pp2", "llama-tied-tp2", "llama-tp2-pp4"])
 def test_round_trip_is_bit_exact(make, tp: int, pp: int) -> None:
     model = make()
     hf = model.state_dict()
@@ -100,3 +102,56 @@ def test_two_ranks_match_the_unsharded_model(two_rank_run: dict, tag: str) -> No
         torch.testing.assert_close(two_rank_run[(tag, 0, "weights")][name], tensor, atol=1e-4, rtol=1e-3, msg=name)
     if tag == "tp2":  # each rank really held half of the MLP
         assert two_rank_run[(tag, 0, "shard_rows")] == two_rank_run[(tag, 1, "shard_rows")] == 48
+
+
+def test_pp_stages_hold_their_layers_renumbered_from_zero() -> None:
+    model = W.tiny_qwen2(tie=True, layers=4)
+    hf = model.state_dict()
+    layout = layout_from_hf_config(model.config, pp=2)
+    first, last = (hf_to_megatron(hf, layout, pp_rank=p) for p in range(2))
+    assert "embedding.word_embeddings.weight" in first and "decoder.final_layernorm.weight" not in first
+    assert "embedding.word_embeddings.weight" not in last and "decoder.final_layernorm.weight" in last
+    assert torch.equal(last["decoder.layers.0.input_layernorm.weight"], hf["model.layers.2.input_layernorm.weight"])
+    # tied: the last stage's output layer is its own copy of the (vocab-padded) embedding
+    assert torch.equal(last["output_layer.weight"][:61], hf["model.embed_tokens.weight"])
+
+
+def _pp_run(tp: int, pp: int, tie: bool) -> dict:
+    pytest.importorskip("megatron.core")
+    from tests.trainer.strategies.test_fsdp2 import run_ranks
+
+    return run_ranks(W.megatron_pp_rank, tp * pp, tp, pp, tie)
+
+
+def _assert_pipeline_matches_one_process(out: dict, world: int, tie: bool) -> None:
+    from trainer.strategies.hf import HFTrainStrategy
+
+    plain = HFTrainStrategy(W.tiny_qwen2(tie=tie, layers=4), lr=1e-2, micro_batch_size=1)
+    expected = dict(plain.model.state_dict())
+    assert [out[(r, "stage_layers")] for r in range(world)] == [2] * world  # 4 layers split over 2 stages
+    for name, tensor in expected.items():  # the stages' shards gather back to the loaded model exactly
+        assert torch.equal(out[(0, "initial")][name], tensor), name
+    batch = W.tiny_batch(rows=4)
+    got = torch.cat([out[(r, "logprobs")] for r in range(world)])
+    torch.testing.assert_close(got, plain.forward(batch).logprobs, atol=1e-5, rtol=0)
+    plain_metrics = plain.train_step(batch, W.nll_loss)
+    for rank in range(world):  # the last stage's loss reached every stage; the norm spans all stages
+        assert out[(rank, "metrics")]["nll"] == pytest.approx(plain_metrics["nll"], abs=1e-5)
+        assert out[(rank, "metrics")]["grad_norm"] == pytest.approx(plain_metrics["grad_norm"], rel=1e-4)
+    assert set(out[(0, "weights")]) == set(expected)
+    for name, tensor in plain.model.state_dict().items():
+        torch.testing.assert_close(out[(0, "weights")][name], tensor, atol=1e-4, rtol=1e-3, msg=name)
+        for rank in range(1, world):  # every rank gathered the same full weights
+            assert torch.equal(out[(rank, "weights")][name], out[(0, "weights")][name]), name
+        # a checkpoint reloaded into the stages takes exactly the same next step
+        assert torch.equal(out[(0, "resumed")][name], out[(0, "straight")][name]), name
+
+
+def test_pipeline_parallel_2_stages_trains_like_one_process() -> None:
+    """PP=2 on 2 gloo ranks through megatron-core's 1F1B schedule, tied embeddings (one copy per end stage)."""
+    _assert_pipeline_matches_one_process(_pp_run(1, 2, tie=True), 2, tie=True)
+
+
+@pytest.mark.slow  # four spawned ranks importing megatron-core: 100-160 s on the 2-core VM
+def test_tensor_2_by_pipeline_2_trains_like_one_process() -> None:
+    _assert_pipeline_matches_one_process(_pp_run(2, 2, tie=False), 4, tie=False)

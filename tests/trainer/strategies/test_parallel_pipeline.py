@@ -1,4 +1,4 @@
-"""The quickstart with ``actor_train`` sharded over 2 Ray worker processes (FSDP2, Megatron TP=2) and
+"""The quickstart with ``actor_train`` sharded over 2 Ray worker processes (FSDP2, Megatron TP=2 or PP=2) and
 rollouts on vLLM: it trains, syncs, evaluates, checkpoints, resumes and writes a loadable policy."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from trainer.pipeline import AgenticPipeline  # noqa: E402
 PARALLEL = {
     "fsdp2": [],
     "megatron": ["roles.actor_train.strategy_args.tensor_parallel_size=2"],
+    "megatron-pp2": ["roles.actor_train.strategy_args.pipeline_parallel_size=2"],
 }
 
 
@@ -28,7 +29,7 @@ def test_quickstart_trains_and_resumes_with_a_sharded_actor(tmp_path: Path, stra
     overrides = [*TINY, "model.tiny.hidden_size=64", "model.tiny.num_heads=2",  # head size 32 for vLLM on CPU
                  "train.ppo_epochs=1", "sft.epochs=1", "eval.episodes=4", "checkpoint.every=1",
                  f"output_dir={tmp_path / 'run'}", "cluster.backend=ray", "cluster.num_cpus=2",
-                 "rollout.engine=vllm", f"roles.actor_train.strategy={strategy}",
+                 "rollout.engine=vllm", f"roles.actor_train.strategy={strategy.split('-')[0]}",
                  "roles.actor_train.device_mapping=[0,1]", *PARALLEL[strategy]]
     try:
         rows = AgenticPipeline(load_config(QUICKSTART, [*overrides, "train.steps=1"])).fit()

@@ -25,10 +25,16 @@ def test_config_names_every_parallel_problem_and_its_fix() -> None:
     assert "set cluster.backend: ray" in message
     assert "tensor_parallel_size: 2 must be a positive divisor of the role's 3 workers" in message
     assert "weight_sync.only_changed: vLLM reloads whole layers" in message
+    with pytest.raises(ConfigError, match="pipeline_parallel_size: 2: tensor_parallel_size x pipeline_parallel_size "
+                                          "must divide the role's 2 workers"):
+        load_config(None, ["roles.actor_train.strategy=megatron", "roles.actor_train.device_mapping=[0,1]",
+                           "roles.actor_train.strategy_args.tensor_parallel_size=2", "cluster.backend=ray",
+                           "roles.actor_train.strategy_args.pipeline_parallel_size=2"])
 
 
 def test_sharded_strategies_pass_the_config_on_ray() -> None:
-    for strategy, extra in (("fsdp2", []), ("megatron", ["roles.actor_train.strategy_args.tensor_parallel_size=2"])):
+    for strategy, extra in (("fsdp2", []), ("megatron", ["roles.actor_train.strategy_args.tensor_parallel_size=2"]),
+                            ("megatron", ["roles.actor_train.strategy_args.pipeline_parallel_size=2"])):
         cfg = load_config(None, [f"roles.actor_train.strategy={strategy}", "roles.actor_train.device_mapping=[0,1]",
                                  "cluster.backend=ray", *extra])
         assert cfg.roles.actor_train.world_size == 2
@@ -40,8 +46,10 @@ def test_make_train_strategy_refuses_unknown_names_options_and_layouts(policy) -
         make_train_strategy("deepspeed", model)
     with pytest.raises(ParallelConfigError, match=r"strategy_args \['tensor_parallel'\] are not options of the 'fsdp2'"):
         make_train_strategy("fsdp2", model, strategy_args={"tensor_parallel": 2})
-    with pytest.raises(ParallelConfigError, match="tensor_parallel_size=2 does not divide the role's 3 workers"):
+    with pytest.raises(ParallelConfigError, match="= 2 x 1 does not divide the role's 3 workers"):
         make_train_strategy("megatron", model, world_size=3, strategy_args={"tensor_parallel_size": 2})
+    with pytest.raises(ParallelConfigError, match="= 1 x 2 does not divide the role's 3 workers"):
+        make_train_strategy("megatron", model, world_size=3, strategy_args={"pipeline_parallel_size": 2})
 
 
 def test_a_local_multi_rank_sharded_actor_is_refused_before_loading(policy_dir) -> None:

@@ -12,7 +12,6 @@ pytest.importorskip("transformers")
 
 from tests.trainer.weights import sync_setup as S  # noqa: E402
 from trainer.config import RoleConfig  # noqa: E402
-from trainer.errors import WorkerCallError  # noqa: E402
 from trainer.weights.errors import BucketTooSmallError, StaleWeightsError, TransportError  # noqa: E402
 from trainer.weights.sync import WeightSync  # noqa: E402
 from trainer.workers.actor import ActorCluster  # noqa: E402
@@ -79,15 +78,19 @@ def test_only_changed_sends_nothing_when_nothing_trained(clusters, model_dir: Pa
         S.trainer_greedy(actor.get_weights(), model_dir)
 
 
-def test_a_bucket_smaller_than_a_tensor_fails_and_no_engine_serves_a_half_sync(clusters) -> None:
+@pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
+def test_a_bucket_smaller_than_the_largest_tensor_fails_before_anything_moves(clusters, transport: str) -> None:
     actor, infer, engine = clusters
-    with pytest.raises(BucketTooSmallError, match="raise the bucket size to at least"):
-        WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=0.001).sync()
-    assert infer.weights_version() == [None, None]  # the announced sync never completed: nobody serves
-    with pytest.raises(WorkerCallError, match="half-updated"):
-        S.engine_greedy(infer)
-    WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=1).sync()  # a good sync heals it
-    assert len(S.engine_greedy(infer)) == len(S.PROMPTS)
+    before = [r.token_ids for r in S.engine_greedy(infer)]
+    largest = max(t.numel() * t.element_size() for t in actor.get_weights().values())
+    with pytest.raises(BucketTooSmallError, match=r"weight_sync\.bucket_mb=\d+") as caught:
+        WeightSync(actor, infer, engine, transport=transport, bucket_mb=0.001).sync()
+    assert f"{largest:,} bytes" in str(caught.value)  # names the size the largest tensor needs
+    # no engine was told a sync started: each still serves its weights, unchanged
+    assert infer.weights_version() == [0, 0]
+    assert [r.token_ids for r in S.engine_greedy(infer)] == before
+    WeightSync(actor, infer, engine, transport=transport, bucket_mb=1).sync()  # the fixed setting works
+    assert infer.weights_version() == [1, 1]
 
 
 def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(clusters, model_dir: Path) -> None:
@@ -109,3 +112,28 @@ def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(cl
     with pytest.raises(StaleWeightsError, match="half-updated"):
         worker.engine.check()
     assert infer.weights_version()[1] is None
+
+
+def test_after_a_failed_only_changed_sync_the_next_one_resends_every_tensor(clusters, model_dir: Path) -> None:
+    actor, infer, engine = clusters
+    sync = WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=0.1, only_changed=True)
+    sync.sync()
+    train_away(actor, model_dir)
+    inner = infer._workers[1].engine.engine  # the engine inside the worker's VersionedEngine
+    real_update = inner.update_weights
+
+    def dying_update(weights):
+        def first_few():
+            for index, item in enumerate(weights):
+                if index == 3:
+                    raise RuntimeError("engine process died")
+                yield item
+        return real_update(first_few())
+
+    inner.update_weights = dying_update
+    with pytest.raises(TransportError, match="engine process died"):
+        sync.sync()  # the trainer's segments now hold the new weights, engine 1 does not
+    inner.update_weights = real_update
+    healed = sync.sync()
+    assert healed.tensors == len(actor.get_weights())  # everything again, though the segments already match
+    assert [r.token_ids for r in S.engine_greedy(infer)] == S.trainer_greedy(actor.get_weights(), model_dir)

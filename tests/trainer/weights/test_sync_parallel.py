@@ -1,7 +1,9 @@
 """Sync equivalence for sharded trainers: FSDP2 on 2 ranks and Megatron TP=2, each rank a Ray worker
 process (gloo), trained away from the initial weights, then synced in buckets into a vLLM engine
-(TP=1) in another worker: the engine's greedy continuations equal those of the trainer's gathered
-weights, and its log-probs match the trainer's own sharded forward within 1e-3."""
+(TP=1) in another worker - shard-direct through shared memory (each rank writes its own shards),
+over a broadcast group, and through the same shared segments again: the engine's greedy
+continuations equal those of the trainer's gathered weights, and its log-probs match the
+trainer's own sharded forward within 1e-3."""
 
 from __future__ import annotations
 
@@ -85,6 +87,12 @@ def test_sharded_trainer_syncs_into_the_engine_exactly(strategy: str, infer: Inf
         actor.sft_step(S.random_batch(vocab, seed=4))  # and again over the broadcast group
         expected = S.trainer_greedy(actor.get_weights(), model_dir)
         WeightSync(actor, infer, ClusterEngine(infer), transport="broadcast", bucket_mb=0.2).sync()
+        assert [r.token_ids for r in S.engine_greedy(infer)] == expected
+
+        actor.sft_step(S.random_batch(vocab, seed=5))  # shared memory again: the same segments, rewritten
+        expected = S.trainer_greedy(actor.get_weights(), model_dir)
+        again = sync.sync()
+        assert again.version == report.version + 1 and again.nbytes == report.nbytes
         assert [r.token_ids for r in S.engine_greedy(infer)] == expected
     finally:
         actor.shutdown()
