@@ -7,7 +7,10 @@ load average; copies the first run's reward curve to benchmarks/quickstart_learn
 Last line: ``quickstart_eval_success: X`` (the final evaluation, greedy, fixed eval maps;
 the mean over seeds when several are run).
 
-    python benchmarks/quickstart_learning.py [--seeds 0 1 2] [extra a.b=value overrides]
+    python benchmarks/quickstart_learning.py [--seeds 0 1 2] [--mode batch|sync|async] [a.b=value ...]
+
+``--mode`` sets ``rollout.mode`` (``async``: rollouts continue while the trainer trains, within
+``rollout.max_staleness``), so one command compares the rollout modes on the same seeds.
 
 ``run_learning`` is shared with ``scratch_learning.py`` (RL from random weights).
 """
@@ -64,11 +67,18 @@ def run_learning(config: str, seed: int, overrides: list[str], out: Path) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed (default: 0)")
-    args, overrides = parser.parse_known_args()
-    results = [run_learning("examples/quickstart.yaml", seed, overrides, ROOT / "runs" / f"bench-quickstart-{seed}")
+    parser.add_argument("--mode", choices=("batch", "sync", "async"), default=None,
+                        help="rollout.mode of every run (default: the config's, batch)")
+    argv = sys.argv[1:]
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]  # a.b=value, anywhere on the line
+    args = parser.parse_args([a for a in argv if a not in overrides])
+    if args.mode is not None:
+        overrides = [f"rollout.mode={args.mode}", *overrides]
+    tag = f"{args.mode}-" if args.mode is not None else ""
+    results = [run_learning("examples/quickstart.yaml", seed, overrides, ROOT / "runs" / f"bench-quickstart-{tag}{seed}")
                for seed in args.seeds]
     shutil.copy(results[0]["out"] / "reward_curve.png", ROOT / "benchmarks" / "quickstart_learning.png")
-    print("\nseed  step0  final  first>=0.8  wall")
+    print(f"\nrollout mode: {args.mode or 'config default'}\nseed  step0  final  first>=0.8  wall")
     for r in results:
         reached = "never" if r["reached_s"] is None else f"{r['reached_s']:.0f} s"
         print(f"{r['seed']:4d}  {r['start']:.3f}  {r['final']:.3f}  {reached:>10}  {r['wall_s']:.0f} s")

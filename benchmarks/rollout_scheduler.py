@@ -9,7 +9,16 @@ step), the other half a real game (``games/frozen-lake-v0``, 4x4, up to 12 turns
 moves, ``--game-tokens`` tokens at most). A tiny
 random Llama (head size 32, so vLLM's CPU kernels take it) generates; a real PPO/GRPO update
 of the same model (``HFTrainStrategy``) runs after every batch and its weights are loaded
-into the engine, so async rollouts really overlap real training.
+into the engine, so async rollouts really overlap real training. The update runs in a
+process of its own (as the ``actor_train`` workers do in a run; on GPUs it has its own
+device), so it does not share the rollout process's GIL; every mode uses it alike. One short
+warm-up (1 batch of 2 groups) runs before the first mode, so no mode pays for start-up.
+
+Workload parameters (defaults; all flags): 8 groups x 4 episodes per batch, 6 batches per
+mode; ``bench/heavy-tail``: turns ~ LogNormal(median 3, sigma 0.9) clipped to 1..24, tokens
+per turn ~ LogNormal(median 12, sigma 0.9) clipped to 1..96 (all 4 episodes of a group share
+the task seed, hence the plan); frozen lake 4x4: up to 12 turns of up to 8 tokens; the
+scheduler's redundancy 1.5.
 
 Every mode plays the same number of training batches on the same engine, from the same
 initial weights:
@@ -140,7 +149,10 @@ class Trainer:
         self.pad = pad_token_id
 
     def reset(self) -> None:
+        """Back to the initial weights and a fresh optimiser (every mode starts alike)."""
         self.strategy.model.load_state_dict(self.initial)
+        if self.strategy.optimizer is not None:
+            self.strategy.optimizer.state.clear()
 
     def step(self, trajectories: list[Any]) -> None:
         from trainer.algos.advantages import compute_advantages
@@ -157,7 +169,52 @@ class Trainer:
         return {name: tensor.detach().cpu().clone() for name, tensor in self.strategy.full_weights()}
 
 
-async def run_mode(mode: str, args: argparse.Namespace, engine: Any, trainer: Trainer, renderer: Any) -> dict[str, float]:
+_TRAINER: Trainer | None = None
+
+
+def _trainer_call(method: str, *args: Any) -> Any:
+    """Runs in the trainer process: ``method`` of its ``Trainer`` (built on the first call)."""
+    global _TRAINER
+    if method == "init":
+        import torch
+
+        torch.set_num_threads(1)
+        _TRAINER = Trainer(*args)
+        return None
+    if _TRAINER is None:
+        raise RuntimeError("the trainer process got a call before 'init'")
+    return getattr(_TRAINER, method)(*args)
+
+
+class TrainerProcess:
+    """``Trainer`` in a process of its own, as the ``actor_train`` workers are in a run: the
+    update computes on its own core (its own device on GPUs) instead of contending with the
+    rollout process's GIL. Every mode uses it the same way."""
+
+    def __init__(self, path: Path, pad_token_id: int) -> None:
+        import concurrent.futures
+        import multiprocessing
+
+        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self._run("init", path, pad_token_id)
+
+    def _run(self, method: str, *args: Any) -> Any:
+        return self.pool.submit(_trainer_call, method, *args).result()
+
+    def reset(self) -> None:
+        self._run("reset")
+
+    def step(self, trajectories: list[Any]) -> None:
+        self._run("step", trajectories)
+
+    def weights(self) -> dict[str, Any]:
+        return self._run("weights")
+
+    def close(self) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+
+async def run_mode(mode: str, args: argparse.Namespace, engine: Any, trainer: Any, renderer: Any) -> dict[str, float]:
     from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
     from trainer.rollout.groups import plan_groups, run_episodes
     from trainer.rollout.router import EngineRouter
@@ -214,6 +271,17 @@ async def run_mode(mode: str, args: argparse.Namespace, engine: Any, trainer: Tr
             "tokens": stats.new_tokens, **discarded}
 
 
+def _merge(total: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
+    """Totals of a mode over rounds (rates from the summed counts; idle weighted by wall time)."""
+    if total is None:
+        return new
+    merged = {k: total[k] + new[k] for k in new if k not in ("traj_per_s", "engine_idle", "max_staleness_seen")}
+    merged["traj_per_s"] = merged["trajectories"] / merged["wall_s"]
+    merged["engine_idle"] = (total["engine_idle"] * total["wall_s"] + new["engine_idle"] * new["wall_s"]) / merged["wall_s"]
+    merged["max_staleness_seen"] = max(total["max_staleness_seen"], new["max_staleness_seen"])
+    return merged
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
@@ -229,6 +297,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--modes", default="batch,sync,async-1,async-2")
     parser.add_argument("--model-dir", default=None, help="where the tiny model is built (default: a temp folder)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="play the modes this many times, every other round in reverse order (ABBA: a load "
+                             "that drifts during the run biases no mode); figures are totals over the rounds")
     args = parser.parse_args()
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -252,23 +323,34 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(path)
         renderer = ChatRenderer(tokenizer)
         engine = make_engine(kind, path)
-        trainer = Trainer(path, tokenizer.pad_token_id)
+        trainer = TrainerProcess(path, tokenizer.pad_token_id)
         print(f"engine={kind} steps={args.steps} batch={args.groups}x{args.group_size} redundancy={args.redundancy} "
               f"turns~LogN(median {args.turns_median}, s={args.sigma}) tokens/turn~LogN(median {args.tokens_median}, "
               f"s={args.sigma}) + {GAME}", flush=True)
         results: dict[str, dict[str, float]] = {}
         try:
-            for mode in args.modes.split(","):
-                results[mode] = asyncio.run(run_mode(mode, args, engine, trainer, renderer))
-                r = results[mode]
-                base = results.get("batch", r)["traj_per_s"]
-                print(f"{mode:>8}: {r['trajectories']:4d} traj in {r['wall_s']:7.2f} s = {r['traj_per_s']:6.2f} traj/s, "
-                      f"{r['tokens'] / r['wall_s']:6.0f} tok/s, engine idle {100 * r['engine_idle']:5.1f}%, "
-                      f"oldest trained token {r['max_staleness_seen']} versions behind, discarded: "
-                      f"{r['aborted_surplus']:.0f} surplus episodes, {r['stale_aborted_groups']:.0f}+"
-                      f"{r['stale_dropped_groups']:.0f} stale groups; speedup {r['traj_per_s'] / base:5.2f} x",
-                      flush=True)
+            # warm-up (first engine steps, first backward, allocator): not charged to the first mode
+            asyncio.run(run_mode("batch", argparse.Namespace(**{**vars(args), "steps": 1, "groups": 2}), engine,
+                                 trainer, renderer))
+            modes = args.modes.split(",")
+            for round_ in range(args.rounds):
+                played: dict[str, dict[str, float]] = {}
+                for mode in modes if round_ % 2 == 0 else modes[::-1]:
+                    r = played[mode] = asyncio.run(run_mode(mode, args, engine, trainer, renderer))
+                    results[mode] = _merge(results.get(mode), r)
+                    base = (played.get("batch") or results.get("batch") or r)["traj_per_s"]
+                    print(f"{mode:>8}: {r['trajectories']:4d} traj in {r['wall_s']:7.2f} s = {r['traj_per_s']:6.2f} "
+                          f"traj/s, {r['tokens'] / r['wall_s']:6.0f} tok/s, engine idle {100 * r['engine_idle']:5.1f}%, "
+                          f"oldest trained token {r['max_staleness_seen']} versions behind, discarded: "
+                          f"{r['aborted_surplus']:.0f} surplus episodes, {r['stale_aborted_groups']:.0f}+"
+                          f"{r['stale_dropped_groups']:.0f} stale groups; speedup {r['traj_per_s'] / base:5.2f} x "
+                          f"(round {round_ + 1}, load average {os.getloadavg()[0]:.1f})", flush=True)
+            if args.rounds > 1:
+                for mode, r in results.items():
+                    print(f"{mode:>8}: all rounds {r['traj_per_s']:6.2f} traj/s, engine idle "
+                          f"{100 * r['engine_idle']:5.1f}%, speedup {r['traj_per_s'] / results.get('batch', r)['traj_per_s']:5.2f} x")
         finally:
+            trainer.close()
             shutdown = getattr(engine, "shutdown", None)
             if shutdown is not None:
                 shutdown()

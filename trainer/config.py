@@ -177,8 +177,10 @@ class RolloutConfig(Section):
     """``async``: cap of the per-token importance weight pi_train / pi_behaviour (truncated IS);
     None turns the correction off."""
     env_timeout_s: float | None = Field(None, gt=0)
-    """Fail an episode whose env does not answer a reset/step within this many seconds
-    (envs on a hub, in a pool or in threads); None waits as long as it takes."""
+    """Fail an episode whose env does not answer a reset/step within this many seconds (it is
+    recorded as failed and replayed on a fresh env, then replaced); None waits as long as it
+    takes. Setting it runs local envs' calls in threads, so even an env whose ``step`` blocks
+    is bounded (in every rollout mode); a pool (``env.pool_workers``) also kills such a worker."""
 
     @model_validator(mode="after")
     def _scheduler_options_need_the_scheduler(self) -> RolloutConfig:
@@ -356,7 +358,8 @@ class WeightSyncConfig(Section):
     """How trained weights reach the inference engines after each step (``trainer.weights.sync``)."""
 
     transport: Literal["auto", "shared_memory", "broadcast"] = "auto"
-    """``shared_memory`` (colocated, CUDA IPC on GPU), ``broadcast`` (a collective group between
+    """``shared_memory`` (colocated: each trainer rank writes its shards into shared-memory buckets kept
+    across syncs - one host copy of the model; gathered CUDA IPC on GPU), ``broadcast`` (a collective group between
     trainer rank 0 and the inference workers), or ``auto``: shared memory when they share a host."""
     bucket_mb: float = Field(256.0, gt=0)
     """Largest bucket in MiB; must hold the largest single tensor (the error says the size needed)."""
@@ -552,17 +555,27 @@ def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
     """Sharded training strategies and the weight sync: layouts that cannot run, with the fix."""
     problems = []
     actor = cfg.roles.actor_train
-    if actor.strategy in ("fsdp2", "megatron") and actor.world_size > 1 and cfg.cluster.backend == "local":
-        problems.append(Problem(
-            "cluster.backend",
-            f"actor_train strategy {actor.strategy!r} on {actor.world_size} workers needs one process per rank; "
-            "'local' runs workers as threads of one process - set cluster.backend: ray"))
-    if actor.strategy == "megatron":
+    for name in ("actor_train", "reference", "critic"):
+        role = getattr(cfg.roles, name)
+        if (name in cfg.active_roles and role.strategy in ("fsdp2", "megatron") and role.world_size > 1
+                and cfg.cluster.backend == "local"):
+            problems.append(Problem(
+                "cluster.backend",
+                f"{name} strategy {role.strategy!r} on {role.world_size} workers needs one process per rank; "
+                "'local' runs workers as threads of one process - set cluster.backend: ray"))
+    if actor.strategy in ("megatron", "fsdp2"):
         tp = actor.strategy_args.get("tensor_parallel_size", 1)
         if not isinstance(tp, int) or tp < 1 or actor.world_size % tp:
             problems.append(Problem(
                 "roles.actor_train.strategy_args.tensor_parallel_size",
                 f"{tp!r} must be a positive divisor of the role's {actor.world_size} workers (its device_mapping)"))
+        else:
+            pp = actor.strategy_args.get("pipeline_parallel_size", 1)
+            if not isinstance(pp, int) or pp < 1 or actor.world_size % (tp * pp):
+                problems.append(Problem(
+                    "roles.actor_train.strategy_args.pipeline_parallel_size",
+                    f"{pp!r}: tensor_parallel_size x pipeline_parallel_size must divide the role's "
+                    f"{actor.world_size} workers (its device_mapping)"))
     if cfg.weight_sync.only_changed and cfg.rollout.engine == "vllm":
         problems.append(Problem(
             "weight_sync.only_changed",

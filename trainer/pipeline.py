@@ -31,6 +31,12 @@ from trainer.roles import prepare_policy, start_roles
 
 __all__ = ["AgenticPipeline"]
 
+PHASE_ROLES: dict[str, tuple[str, ...]] = {
+    "rollout": ("actor_infer",), "eval": ("actor_infer",), "reference": ("reference",), "values": ("critic",),
+    "train": ("actor_train", "critic"), "sync": ("actor_train", "actor_infer"),
+}
+"""The roles each phase uses: they are resident during it, colocated others are offloaded."""
+
 _ESTIMATORS = {"reinforce_pp": "reinforce_plus_plus"}
 
 
@@ -55,6 +61,8 @@ class AgenticPipeline:
         self.model_path = prepare_policy(config)
         self.renderer = self._renderer()
         self.roles = start_roles(config, self.model_path)
+        self.colocation: Any = None
+        """``trainer.devices.Colocation`` switching colocated roles around phases (built on first use)."""
         from trainer.weights.sync import WeightSync
 
         self.weight_sync = WeightSync.from_config(self.roles, config.weight_sync)
@@ -62,7 +70,8 @@ class AgenticPipeline:
         self.rewards = self._reward_router()
         self.manager = EnvManager(self.roles.engine, self.renderer, max_turns=config.rollout.max_turns,
                                   max_context_tokens=self._context_limit(),
-                                  on_episode_end=self.rewards.score if self.rewards else None)
+                                  on_episode_end=self.rewards.score if self.rewards else None,
+                                  step_timeout_s=config.rollout.env_timeout_s)  # batch mode too
         from trainer.checkpoint import CheckpointManager
 
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.checkpoint.keep)
@@ -234,8 +243,8 @@ class AgenticPipeline:
 
     @contextlib.contextmanager
     def phase(self, name: str, timing: dict[str, Any]) -> Iterator[None]:
-        """Time a phase; around colocated roles, offload the others and reload the one used."""
-        self._swap_in({"rollout": "actor_infer", "eval": "actor_infer", "train": "actor_train"}.get(name))
+        """Time a phase; around colocated roles, offload the others and reload the ones used."""
+        self._swap_in(PHASE_ROLES.get(name, ()))
         started = time.monotonic()
         yield
         timing[f"timing/{name}_s"] = round(time.monotonic() - started, 4)
@@ -255,6 +264,8 @@ class AgenticPipeline:
         from trainer.checkpoint import restore_rng
 
         checkpoint = self.checkpoints.load()
+        if self.scheduled is not None:  # first: the weight sync below starts async rollouts from this counter
+            self.scheduled.load_state_dict(checkpoint.extra)
         self.roles.actor.load_state_dict(checkpoint.load_state("actor"))
         if self.roles.critic is not None:
             self.roles.critic.load_state_dict(checkpoint.load_state("critic"))
@@ -263,8 +274,6 @@ class AgenticPipeline:
         self.sync_weights()
         self.roles.engine.set_state(checkpoint.load_state("engine"))
         restore_rng(checkpoint.rng)
-        if self.scheduled is not None:
-            self.scheduled.load_state_dict(checkpoint.extra)
         self.step, self.time_offset = checkpoint.step, float(checkpoint.extra.get("time_s", 0.0))
         self.log.truncate_after(self.step)
 
@@ -301,17 +310,21 @@ class AgenticPipeline:
             return self.scheduled.play(specs, sampling)
         return self.loop.run_until_complete(run_episodes(specs, self.manager, self.envs, sampling))
 
-    def _swap_in(self, role: str | None) -> None:
+    def _swap_in(self, roles: tuple[str, ...]) -> None:
+        """Make ``roles`` resident; colocated roles offload what their ``offload_params`` /
+        ``offload_optimizer`` flags say (``trainer.devices.Colocation``; the vLLM engine sleeps,
+        dropping its KV cache). Moves are real on GPUs and tracked no-ops on CPU."""
         plan = self.cfg.device_plan
-        if role is None or not any(g.colocated for g in plan.groups) or self.cfg.rollout.mode == "async":
+        if not roles or not any(g.colocated for g in plan.groups) or self.cfg.rollout.mode == "async":
             # async: rollouts run during training, so colocated roles stay resident together
             return
-        clusters = {"actor_train": self.roles.actor, "actor_infer": self.roles.infer,
-                    "reference": self.roles.reference, "critic": self.roles.critic}
-        for other in plan.colocated_with(role):
-            if clusters.get(other) is not None:
-                clusters[other].offload()
-        clusters[role].reload()
+        if self.colocation is None:
+            from trainer.devices import Colocation
+
+            clusters = {"actor_train": self.roles.actor, "actor_infer": self.roles.infer,
+                        "reference": self.roles.reference, "critic": self.roles.critic}
+            self.colocation = Colocation(plan, {r: c for r, c in clusters.items() if c is not None})
+        self.colocation.activate(*[r for r in roles if r in self.colocation.members])
 
     def _renderer(self) -> ChatRenderer:
         from transformers import AutoTokenizer
@@ -338,9 +351,10 @@ class AgenticPipeline:
                 raise ConfigError([Problem("env.kwargs", f"env kwargs cannot be sent to the remote hub {env.hub!r}; "
                                                          "configure the env where the hub serves it, or remove env.hub")])
             return LocalEnvSource(hub=env.hub, token=env.token)
+        timeout = self.cfg.rollout.env_timeout_s
         if env.pool_workers > 0:
-            return PoolEnvSource(env.kwargs, num_workers=env.pool_workers)
-        return LocalEnvSource(env.kwargs)
+            return PoolEnvSource(env.kwargs, num_workers=env.pool_workers, step_timeout_s=timeout or 30.0)
+        return LocalEnvSource(env.kwargs, threaded=timeout is not None)  # threads: a blocking step can time out
 
     def _reward_router(self) -> Any:
         if not self.cfg.env.rewards:

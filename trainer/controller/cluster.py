@@ -100,6 +100,13 @@ class Cluster:
 
     worker_cls: ClassVar[type[Worker]] = Worker
     """The worker class this cluster builds; role subclasses set it."""
+    ray_concurrency_groups: ClassVar[dict[str, int]] = {}
+    """Ray backend: extra concurrency groups of each worker actor (name -> threads). Calls in
+    the default group run one at a time in order; a method in another group runs alongside
+    them (e.g. an abort while a generation is in flight). The local backend has no groups:
+    a role that needs this calls the worker object directly (see ``InferCluster.abort_on``)."""
+    ray_method_groups: ClassVar[dict[str, str]] = {}
+    """Method name -> the concurrency group (of ``ray_concurrency_groups``) its calls run in."""
 
     def __init__(
         self,
@@ -231,7 +238,8 @@ class Cluster:
     def _spawn_ray(self, contexts: list[WorkerContext], config: Any, kwargs: dict[str, Any]) -> list[Any]:
         import ray
 
-        remote_cls = ray.remote(self.worker_cls)
+        remote_cls = (ray.remote(concurrency_groups=dict(self.ray_concurrency_groups))(self.worker_cls)
+                      if self.ray_concurrency_groups else ray.remote(self.worker_cls))
         handles = []
         for slot, ctx in zip(self.slots, contexts):
             if slot.devices and self.resources is None:
@@ -250,7 +258,11 @@ class Cluster:
         if self.backend == "local":
             bound: Callable[..., Any] = getattr(self._workers[rank], method)
             return self._threads[rank].submit(bound, *args, **kwargs)
-        return getattr(self._workers[rank], method).remote(*args, **kwargs)
+        remote = getattr(self._workers[rank], method)
+        group = self.ray_method_groups.get(method)
+        if group is not None:
+            remote = remote.options(concurrency_group=group)
+        return remote.remote(*args, **kwargs)
 
     def _backend_done(self, handles: list[Any]) -> bool:
         if self.backend == "local":

@@ -8,7 +8,10 @@ and appends the tokens of the env's reply (context). A crashed env ends the epis
 
 Where envs live is an ``EnvSource``:
 
-``LocalEnvSource``  ``envhub.make`` in this process (the default; games step in microseconds)
+``LocalEnvSource``  ``envhub.make`` in this process (the default; games step in microseconds);
+                    ``threaded=True`` runs every env call in its own daemon thread, so
+                    ``EnvManager(step_timeout_s=...)`` bounds even an env whose ``step``
+                    blocks (a hung call is abandoned; its thread cannot stall the run or exit)
 ``PoolEnvSource``   an ``envhub.pool.EnvPool`` of worker processes / Ray actors (crash- and
                     hang-isolated), or a remote ``envhub serve`` through the pool's client
 Both hand out ``EnvSession`` objects with async ``reset`` / ``step`` / ``close``.
@@ -17,7 +20,9 @@ Both hand out ``EnvSession`` objects with async ``reset`` / ``step`` / ``close``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -57,12 +62,41 @@ class EnvSource(Protocol):
     async def aclose(self) -> None: ...
 
 
+async def in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in a new daemon thread, awaited without blocking the loop.
+
+    Unlike ``asyncio.to_thread`` (the loop's executor, joined at interpreter exit), a call
+    that never returns is simply abandoned when the awaiting task is cancelled (e.g. by
+    ``asyncio.wait_for``): it holds no pool slot and does not keep the process alive."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():  # the caller gave up (timeout/cancel)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = fn(*args, **kwargs), None
+        except BaseException as raised:  # noqa: BLE001 - handed to the awaiting task
+            result, error = None, raised
+        with contextlib.suppress(RuntimeError):  # the loop closed while the call ran
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name=f"env-call-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    return await future
+
+
 class _LocalSession:
     def __init__(self, env: Any, threaded: bool) -> None:
         self.env, self.threaded = env, threaded
 
     async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(fn, *args, **kwargs) if self.threaded else fn(*args, **kwargs)
+        return await in_daemon_thread(fn, *args, **kwargs) if self.threaded else fn(*args, **kwargs)
 
     async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return await self._run(self.env.reset, seed=seed)
@@ -79,20 +113,22 @@ class _LocalSession:
 
 class LocalEnvSource:
     """``envhub.make`` in this process, one env per episode; ``hub=URL`` makes ``RemoteEnv``s
-    (an ``envhub serve`` hub) whose blocking calls run in threads."""
+    (an ``envhub serve`` hub) whose blocking calls run in threads. ``threaded=True`` runs local
+    envs' calls in threads too, so a step timeout can end an episode whose env blocks."""
 
     def __init__(self, env_kwargs: dict[str, Any] | None = None, make: Callable[..., Any] | None = None,
-                 *, hub: str | None = None, token: str | None = None) -> None:
+                 *, hub: str | None = None, token: str | None = None, threaded: bool = False) -> None:
         import envhub
 
         self.env_kwargs = dict(env_kwargs or {})
         self.hub = hub
+        self.threaded = threaded or hub is not None
         if hub is not None:
             self.env_kwargs = {"hub": hub, "token": token}
         self._make = make or envhub.make
 
     async def session(self, env_id: str) -> EnvSession:
-        return _LocalSession(self._make(env_id, **self.env_kwargs), threaded=self.hub is not None)
+        return _LocalSession(self._make(env_id, **self.env_kwargs), threaded=self.threaded)
 
     async def aclose(self) -> None:
         """Local envs are closed by their sessions."""
@@ -161,8 +197,10 @@ class EnvManager:
     inference worker (prefix-cache reuse; see ``trainer.rollout.router``). An env may cap the
     next turn's generation length with ``info["max_new_tokens"]`` (reset or step info).
     ``step_timeout_s`` bounds every env call that yields to the event loop (hub, pool and
-    threaded envs); a timeout, an env exception or an engine error ends the episode as
-    ``failed`` with the reason, and an aborted generation ends it as ``failed="aborted"``.
+    threaded envs: ``LocalEnvSource(threaded=True)`` for a local env whose ``step`` may block);
+    a timeout, an env exception or an engine error ends the episode as ``failed`` with the
+    reason, and an aborted generation ends it as ``failed="aborted"``. ``close_session``
+    closes a session within the same bound (a hung env is abandoned, not waited for).
     """
 
     def __init__(self, engine: InferenceEngine, renderer: ChatRenderer, *, max_turns: int,
@@ -232,6 +270,12 @@ class EnvManager:
         if self.on_episode_end is not None and not trajectory.failed:
             await self.on_episode_end(trajectory)
         return trajectory
+
+    async def close_session(self, session: EnvSession) -> None:
+        """Close ``session``, ignoring errors (a crashed env may fail to close) and giving up
+        after ``step_timeout_s`` (a hung env must not hang its episode's replacement)."""
+        with contextlib.suppress(Exception):
+            await self._env_call(session.close())
 
     async def _env_call(self, call: Awaitable[Any]) -> Any:
         if self.step_timeout_s is None:

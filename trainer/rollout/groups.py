@@ -64,11 +64,8 @@ async def run_episodes(specs: list[EpisodeSpec], manager: EnvManager, source: En
             session = await source.session(spec.env_id)
             try:
                 trajectory = await manager.run(session, spec.env_id, spec.seed, sampling, spec.group_id)
-            finally:
-                try:
-                    await session.close()
-                except Exception:  # closing a crashed env may fail too; the episode is already lost
-                    pass
+            finally:  # closing a crashed env may fail or hang too; the episode is already lost
+                await manager.close_session(session)
             if not trajectory.failed:
                 return trajectory, failures
             failures.append(trajectory)

@@ -160,8 +160,7 @@ class EngineRouter:
     async def abort_episode(self, key: str) -> None:
         """Abort the episode's running request and refuse its later ones (until ``forget``)."""
         self._cancelled.add(key)
-        for request_id in [r for r in self._flights if episode_key(r) == key]:
-            await self.abort(request_id)
+        await asyncio.gather(*(self.abort(r) for r in [r for r in self._flights if episode_key(r) == key]))
 
     def forget(self, key: str) -> None:
         """The episode ended: drop its sticky engine and its cancelled mark."""
@@ -200,10 +199,12 @@ class EngineRouter:
         gate, idle = self._ensure_events()
         self._paused = True
         gate.clear()
-        for flight in list(self._flights.values()):
-            if not flight.cancelled and flight.submitted:
-                flight.preempted = True
-                await self.engines[flight.engine].abort(flight.sub_id)
+        preempted = [f for f in self._flights.values() if not f.cancelled and f.submitted]
+        for flight in preempted:
+            flight.preempted = True
+        # all at once: an engine takes the whole set between two of its steps (one by one, each
+        # abort would wait for a step of its own)
+        await asyncio.gather(*(self.engines[f.engine].abort(f.sub_id) for f in preempted))
         await idle.wait()
 
     def resume(self) -> None:

@@ -50,7 +50,8 @@ class ScheduledRollouts:
             SchedulerConfig(num_groups=env.num_groups, group_size=env.group_size, env_ids=tuple(env.ids), seed=cfg.seed,
                             mode="async" if rollout.mode == "async" else "sync", redundancy=rollout.redundancy,
                             max_staleness=rollout.max_staleness, dynamic_sampling=rollout.dynamic_sampling),
-            self.manager, self.router, envs, Sampling(rollout.max_new_tokens, rollout.temperature, rollout.top_p))
+            self.manager, self.router, envs, Sampling(rollout.max_new_tokens, rollout.temperature, rollout.top_p),
+            first_group=env.num_groups)  # = plan_groups(step=1): sync mode plays batch mode's tasks, step by step
         self.last_metrics: dict[str, float] = {}
 
     @classmethod
@@ -93,11 +94,22 @@ class ScheduledRollouts:
         self.last_metrics["rollout/is_truncated_frac"] = float(((ratio > rollout.is_truncation) * mask).sum() / tokens)
 
     def state_dict(self) -> dict[str, int]:
-        """The next task number (kept in the checkpoint so a resumed run plays new tasks)."""
+        """The next task number (kept in the checkpoint so a resumed run plays new tasks).
+
+        What a resume keeps: weights, optimiser, engine RNG and step (the pipeline) and this
+        counter. ``sync``: no group is in play at a checkpoint, so a resumed run plays the
+        same tasks as an uninterrupted one. ``async``: the groups in play at the checkpoint
+        (already numbered, mostly the next batch) are lost, not replayed: the resumed run
+        starts fresh groups from the counter under the restored weights, so its first
+        batch is on-policy (staleness 0) where the uninterrupted run's was one version
+        behind, and the runs are not bit-identical. No group is ever trained twice (numbers
+        only grow) and nothing waits for the lost groups."""
         return {"rollout_next_group": self.scheduler.next_group}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.scheduler.next_group = int(state.get("rollout_next_group", self.scheduler.next_group))
+        """Continue the task counter of a checkpoint (groups already in play are dropped)."""
+        if "rollout_next_group" in state:
+            self.thread.run(self.scheduler.restart_from(int(state["rollout_next_group"])))
 
     def close(self) -> None:
         """Abort what still runs, close envs and engine front-ends, stop the loop thread."""

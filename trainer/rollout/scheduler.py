@@ -23,9 +23,10 @@ Modes:
           longer meet the bound are aborted at once, and no group whose oldest token is more
           than ``max_staleness`` versions behind the trained policy enters a batch.
 
-Task seeds are drawn in order from ``(seed, group number)`` exactly like ``plan_groups``,
-so ``sync`` with no redundancy, no filter and no failures plays the same tasks as the
-plain batched rollout. Failures never hang the run: an episode whose env raised, timed out
+Task seeds are drawn in order from ``(seed, group number)`` exactly like ``plan_groups``
+(the pipeline starts at ``first_group=num_groups``, step 1's first group), so ``sync`` with
+no redundancy, no filter and no failures plays the same tasks, with the same group ids, as
+the plain batched rollout, step by step. Failures never hang the run: an episode whose env raised, timed out
 or whose generation errored is replayed on a fresh env (``max_retries``), then its group is
 replaced; ``RolloutError`` stops the run when ``max_failed_groups`` groups in a row failed.
 
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import math
 import statistics
 import threading
@@ -215,6 +215,17 @@ class RolloutScheduler:
     def state_dict(self) -> dict[str, int]:
         return {"next_group": self.next_group}
 
+    async def restart_from(self, next_group: int) -> None:
+        """Continue numbering tasks at ``next_group`` (a resumed run's counter). Groups already
+        in play were numbered from the old counter (they would repeat trained tasks): they
+        are aborted and dropped. New groups start at the next ``update_weights`` or
+        ``next_batch`` (a resume loads the checkpoint's weights first)."""
+        in_play = list(self._running.values()) + self._ready
+        self._ready = []
+        await asyncio.gather(*(self._cancel(g, "aborted_at_resume") for g in in_play))
+        self._counts.pop("aborted_at_resume", None)
+        self.next_group = next_group
+
     # ------------------------------------------------------------------ groups
     def _fill(self) -> None:
         while self._collecting and not self._closed and len(self._running) + len(self._ready) < self.cfg.capacity:
@@ -249,8 +260,7 @@ class RolloutScheduler:
                                                         group.number, episode_key=attempt_key)
                 finally:
                     self.router.forget(attempt_key)
-                    with contextlib.suppress(Exception):  # closing a crashed env may fail too
-                        await session.close()
+                    await self.manager.close_session(session)  # errors ignored, bounded by the timeout
             if not trajectory.failed or group.cancelled:
                 return trajectory
             self._failed.append(trajectory)
@@ -296,9 +306,8 @@ class RolloutScheduler:
         self._running.pop(group.number, None)
         running = sum(not task.done() for task in group.tasks)
         self._counts[reason] += running if reason != "stale_aborted_groups" else 1
-        for key in group.keys:
-            for attempt in range(1 + self.cfg.max_retries):
-                await self.router.abort_episode(f"{key}a{attempt}")
+        await asyncio.gather(*(self.router.abort_episode(f"{key}a{attempt}")  # one engine round trip for all
+                               for key in group.keys for attempt in range(1 + self.cfg.max_retries)))
         if group.tasks:
             await asyncio.wait(group.tasks)
 

