@@ -173,9 +173,12 @@ class RolloutConfig(Section):
     """Scheduler modes: groups started per group a batch needs; the surplus is aborted."""
     dynamic_sampling: bool = False
     """Scheduler modes: drop groups whose rewards are all equal and play replacements."""
-    is_truncation: float | None = Field(2.0, gt=0)
-    """``async``: cap of the per-token importance weight pi_train / pi_behaviour (truncated IS);
-    None turns the correction off."""
+    is_truncation: float | None = Field(None, gt=0)
+    """``async``: None (default) takes the PPO ratio against the behaviour policy's log-probs, so
+    PPO's clip truncates the off-policy importance ratio; a number switches to the decoupled
+    form: ratio against the recomputed current policy, each token's loss weighted by
+    ``min(pi_prox / pi_behaviour, is_truncation)`` (stalled on the quickstart; see
+    ``trainer.rollout.scheduled``)."""
     env_timeout_s: float | None = Field(None, gt=0)
     """Fail an episode whose env does not answer a reset/step within this many seconds (it is
     recorded as failed and replayed on a fresh env, then replaced); None waits as long as it

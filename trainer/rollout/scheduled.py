@@ -9,11 +9,19 @@ thread keeps playing episodes during the train phase; ``update_weights(load)`` p
 router, preempts in-flight turns, runs the weight sync, and lets them resume.
 
 Off-policy correction (``async``): the log-probs the engine sampled with are the *behaviour*
-policy's; the PPO ratio is taken against the policy at the start of this step (recomputed,
-the "proximal" policy) and every token's loss is weighted by the truncated importance
-weight ``min(pi_prox / pi_behaviour, rollout.is_truncation)`` (column ``is_weights``). With
-``temperature`` or ``top_p`` other than 1 the engine's log-probs are not the policy's, so
-only the recomputation is done (as in ``batch`` mode).
+policy's (each token's version is recorded). By default (``rollout.is_truncation: null``) the
+PPO ratio is taken against them: ``pi_train / pi_behaviour`` is itself the importance ratio
+of the off-policy gap, and PPO's clip truncates it, so a token one or two versions stale
+cannot move the policy further than the trust region around the policy that sampled it.
+With ``rollout.is_truncation`` set, the decoupled form is used instead: the ratio is taken
+against the policy at the start of this step (recomputed, the "proximal" policy) and every
+token's loss is weighted by ``min(pi_prox / pi_behaviour, is_truncation)`` (column
+``is_weights``). Measured on the quickstart (benchmarks/README.md, 2026-11-30): the default
+learns like batch mode, the decoupled form stalls at train success ~0.25 on all 3 seeds tried
+(with the importance weights forced to 1 it stalls too, so re-anchoring the clip at the
+proximal policy is what loses the stabilising trust region at this learning rate). With
+``temperature`` or ``top_p`` other than 1 the engine's log-probs are not the policy's, so the
+pipeline recomputes them (as in ``batch`` mode) and no correction is added.
 """
 
 from __future__ import annotations
@@ -76,7 +84,9 @@ class ScheduledRollouts:
         self.last_metrics["rollout/weight_pause_s"] = round(paused, 4)
 
     def off_policy_correction(self, batch: Batch, actor: Any) -> None:
-        """``async``: recompute ``old_logprobs`` with the current policy, add truncated ``is_weights``."""
+        """``async`` with ``rollout.is_truncation`` set: recompute ``old_logprobs`` with the current
+        (proximal) policy and add truncated ``is_weights``; otherwise the behaviour log-probs stay the
+        PPO anchor (see the module docstring)."""
         rollout = self.cfg.rollout
         if rollout.mode != "async" or rollout.is_truncation is None:
             return
