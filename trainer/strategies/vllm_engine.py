@@ -152,6 +152,9 @@ class VLLMEngine:
             self._llm = self._build(dtype=dtype, seed=seed, max_model_len=max_model_len, context=context,
                                     kv_cache_gib=kv_cache_gib, enable_prefix_caching=enable_prefix_caching,
                                     engine_args=engine_args)
+        import torch
+
+        self._threads = torch.get_num_threads()  # what vLLM's CPU worker settled on while building
         tokenizer = self._llm.get_tokenizer()
         self.eos_token_id = int(tokenizer.eos_token_id)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
@@ -204,6 +207,7 @@ class VLLMEngine:
             args["max_num_batched_tokens"] = max(4096, context)
         args.update(engine_args)
         set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide; keep the trainer's
+        self._set_num_threads = set_num_threads
         try:
             return LLMEngine.from_engine_args(EngineArgs(**args))
         finally:
@@ -392,6 +396,14 @@ class VLLMEngine:
         self._check_complete(seen)
 
     # ================================================================== engine thread
+    def _pin_threads(self) -> None:
+        """CPU: step with the thread count the engine was built with. vLLM's CPU attention plans
+        its work for ``torch.get_num_threads()`` threads and its kernel checks the OpenMP count of
+        the thread it runs on; another thread of this process (a trainer, another engine)
+        setting torch's threads in between made the kernel abort ("thread_num 2 vs 1")."""
+        if not self.cuda:
+            self._set_num_threads(self._threads)
+
     def _serve(self) -> None:
         while True:
             runnable = self._dead is None and self._broken is None and self._llm.has_unfinished_requests()
@@ -415,6 +427,7 @@ class VLLMEngine:
                     future.set_exception(error)
             if self._dead is None and self._broken is None and self._llm.has_unfinished_requests():
                 try:
+                    self._pin_threads()
                     outputs = self._llm.step()
                 except BaseException as error:  # noqa: BLE001 - the engine is unusable now
                     self._dead = f"the vLLM engine failed: {error!r}; start a new engine"
