@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 from trainer.controller.batch import Batch
 from trainer.controller.cluster import Cluster
 from trainer.controller.dispatch import Collect, Dispatch, register
-from trainer.controller.worker import Worker, WorkerContext
+from trainer.controller.worker import WorkerContext
 from trainer.strategies.base import ForwardOutput
 from trainer.strategies.parallel_errors import ParallelConfigError
+from trainer.workers.strategy_worker import StrategyWorker
 
 if TYPE_CHECKING:
     import torch
@@ -37,7 +38,6 @@ TRAIN_COLUMNS = ("input_ids", "attention_mask", "response_mask", "old_logprobs",
 """``is_weights`` (optional, async rollouts): truncated importance weights of the behaviour policy
 that sampled each token, multiplied into the per-token policy loss (see ``AgenticPipeline``)."""
 TRAIN_STRATEGIES = ("hf", "fsdp2", "megatron")
-SHARDED_STRATEGIES = ("fsdp2", "megatron")
 
 
 def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1,
@@ -81,12 +81,6 @@ def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1,
             )
         return _build(MegatronTrainStrategy, name, model, kwargs, args)
     raise ValueError(f"unknown training strategy {name!r}; use one of {', '.join(TRAIN_STRATEGIES)}")
-
-
-def offload_flags(config: Any) -> dict[str, bool]:
-    """``roles.<role>.offload_params/offload_optimizer`` as ``strategy.offload`` keywords (default: both)."""
-    return {"params": bool(getattr(config, "offload_params", True)),
-            "optimizer": bool(getattr(config, "offload_optimizer", True))}
 
 
 def residency_history(strategy: Any) -> list[tuple[str, str, bool, str]]:
@@ -154,27 +148,19 @@ def _namespaced(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {k if "/" in k else f"{prefix}/{k}": v for k, v in metrics.items()}
 
 
-class ActorWorker(Worker):
+class ActorWorker(StrategyWorker):
     """One rank of the trained policy (see the module docstring)."""
 
     def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
                  seed: int = 0, optim: Mapping[str, Any] | None = None, loss: Mapping[str, Any] | None = None) -> None:
         super().__init__(ctx, config)
-        name = getattr(config, "strategy", None)
-        if name in SHARDED_STRATEGIES and ctx.world_size > 1 and ctx.backend != "ray":
-            raise ParallelConfigError(
-                f"actor_train strategy {name!r} with {ctx.world_size} workers needs one process per rank, but "
-                f"cluster.backend={ctx.backend!r} runs workers as threads of one process; set cluster.backend: ray"
-            )
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self.optim = dict(optim or {})
         self.loss = dict(loss or {})
-        self._strategy: Any = None
         self._sync: Iterator[Any] | None = None
         self._release: Any = None
         self._sender: Any = None
-        if ctx.world_size == 1 or name not in SHARDED_STRATEGIES:
-            self.setup()  # nothing to rendezvous with: build now
+        self._setup_unless_collective()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def setup(self) -> None:
@@ -192,12 +178,6 @@ class ActorWorker(Worker):
         self._strategy = make_train_strategy(getattr(self.config, "strategy", None), model,
                                              world_size=self.ctx.world_size,
                                              strategy_args=getattr(self.config, "strategy_args", None), **self.optim)
-
-    @property
-    def strategy(self) -> Any:
-        if self._strategy is None:
-            raise RuntimeError(f"actor_train rank {self.rank}: the strategy is not built; call setup() on all ranks")
-        return self._strategy
 
     @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:
@@ -340,16 +320,6 @@ class ActorWorker(Worker):
                                       version=version, bucket_bytes=bucket_bytes, only_changed=only_changed,
                                       timeout_s=timeout_s)
 
-    def offload(self) -> None:
-        """Colocation: offload what ``roles.actor_train.offload_params/offload_optimizer`` say (no-op moves on CPU)."""
-        if self._strategy is not None:
-            self.strategy.offload(**offload_flags(self.config))
-        super().offload()
-
-    def reload(self) -> None:
-        if self._strategy is not None:
-            self.strategy.reload()
-        super().reload()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def residency(self) -> list[tuple[str, str, bool, str]]:

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from trainer.controller.batch import Batch
 from trainer.controller.cluster import Cluster
 from trainer.controller.dispatch import Collect, Dispatch, register
-from trainer.controller.worker import Worker, WorkerContext
+from trainer.controller.worker import WorkerContext
 from trainer.strategies.base import ForwardOutput
-from trainer.strategies.parallel_errors import ParallelConfigError
+from trainer.workers.strategy_worker import StrategyWorker
 
 if TYPE_CHECKING:
     import torch
@@ -66,25 +66,15 @@ def value_loss_fn(clip: float | None):  # noqa: ANN201 - returns a LossFn closur
     return compute
 
 
-class CriticWorker(Worker):
+class CriticWorker(StrategyWorker):
     """One rank of the value model."""
 
     def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
                  seed: int = 0, optim: Mapping[str, Any] | None = None, value_clip: float | None = 0.2) -> None:
         super().__init__(ctx, config)
-        from trainer.workers.actor import SHARDED_STRATEGIES
-
-        name = getattr(config, "strategy", None)
-        if name in SHARDED_STRATEGIES and ctx.world_size > 1 and ctx.backend != "ray":
-            raise ParallelConfigError(
-                f"critic strategy {name!r} with {ctx.world_size} workers needs one process per rank, but "
-                f"cluster.backend={ctx.backend!r} runs workers as threads of one process; set cluster.backend: ray"
-            )
         self.model_path, self.dtype, self.seed, self.optim = model_path, dtype, seed, dict(optim or {})
         self.value_clip = value_clip
-        self._strategy: Any = None
-        if ctx.world_size == 1 or name not in SHARDED_STRATEGIES:
-            self.setup()  # nothing to rendezvous with: build now
+        self._setup_unless_collective()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def setup(self) -> None:
@@ -100,12 +90,6 @@ class CriticWorker(Worker):
                                              build_value_model(self.model_path, self.dtype), kind="value",
                                              world_size=self.ctx.world_size,
                                              strategy_args=getattr(self.config, "strategy_args", None), **self.optim)
-
-    @property
-    def strategy(self) -> Any:
-        if self._strategy is None:
-            raise RuntimeError(f"critic rank {self.rank}: the strategy is not built; call setup() on all ranks")
-        return self._strategy
 
     @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
     def compute_values(self, batch: Batch) -> Batch:
@@ -128,18 +112,6 @@ class CriticWorker(Worker):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.strategy.load_state_dict(state)
 
-    def offload(self) -> None:
-        """Colocation: offload what ``roles.critic.offload_params/offload_optimizer`` say (no-op moves on CPU)."""
-        from trainer.workers.actor import offload_flags
-
-        if self._strategy is not None:
-            self.strategy.offload(**offload_flags(self.config))
-        super().offload()
-
-    def reload(self) -> None:
-        if self._strategy is not None:
-            self.strategy.reload()
-        super().reload()
 
 
 class CriticCluster(Cluster):

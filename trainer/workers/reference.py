@@ -15,30 +15,20 @@ from typing import Any
 from trainer.controller.batch import Batch
 from trainer.controller.cluster import Cluster
 from trainer.controller.dispatch import Collect, Dispatch, register
-from trainer.controller.worker import Worker, WorkerContext
-from trainer.strategies.parallel_errors import ParallelConfigError
+from trainer.controller.worker import WorkerContext
+from trainer.workers.strategy_worker import StrategyWorker
 
 __all__ = ["ReferenceCluster", "ReferenceWorker"]
 
 
-class ReferenceWorker(Worker):
+class ReferenceWorker(StrategyWorker):
     """One rank of the frozen reference policy."""
 
     def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
                  micro_batch_size: int = 8) -> None:
         super().__init__(ctx, config)
-        from trainer.workers.actor import SHARDED_STRATEGIES
-
-        name = getattr(config, "strategy", None)
-        if name in SHARDED_STRATEGIES and ctx.world_size > 1 and ctx.backend != "ray":
-            raise ParallelConfigError(
-                f"reference strategy {name!r} with {ctx.world_size} workers needs one process per rank, but "
-                f"cluster.backend={ctx.backend!r} runs workers as threads of one process; set cluster.backend: ray"
-            )
         self.model_path, self.dtype, self.micro_batch_size = model_path, dtype, micro_batch_size
-        self._strategy: Any = None
-        if ctx.world_size == 1 or name not in SHARDED_STRATEGIES:
-            self.setup()  # nothing to rendezvous with: build now
+        self._setup_unless_collective()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def setup(self) -> None:
@@ -52,12 +42,6 @@ class ReferenceWorker(Worker):
         self._strategy = make_train_strategy(getattr(self.config, "strategy", None), model, trainable=False,
                                              world_size=self.ctx.world_size, micro_batch_size=self.micro_batch_size,
                                              strategy_args=getattr(self.config, "strategy_args", None))
-
-    @property
-    def strategy(self) -> Any:
-        if self._strategy is None:
-            raise RuntimeError(f"reference rank {self.rank}: the strategy is not built; call setup() on all ranks")
-        return self._strategy
 
     @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:
@@ -79,18 +63,6 @@ class ReferenceWorker(Worker):
         the full tensors and keeps its own shard."""
         self.strategy.load_state_dict({"model": weights})
 
-    def offload(self) -> None:
-        """Colocation: offload the parameters if ``roles.reference.offload_params`` (no-op moves on CPU)."""
-        from trainer.workers.actor import offload_flags
-
-        if self._strategy is not None:
-            self.strategy.offload(**offload_flags(self.config))
-        super().offload()
-
-    def reload(self) -> None:
-        if self._strategy is not None:
-            self.strategy.reload()
-        super().reload()
 
 
 class ReferenceCluster(Cluster):

@@ -1,0 +1,66 @@
+"""``StrategyWorker``: what the actor, critic and reference workers share about holding a strategy.
+
+Each of them owns one training-side strategy (``hf``, ``fsdp2``, ``megatron``). A sharded
+strategy with several ranks is built by a collective, so it needs one process per rank (the
+Ray backend) and is built when the driver calls ``setup()`` on all ranks at once; a single
+rank or an unsharded strategy is built right away. Around colocated phases the worker
+offloads what its role's ``offload_params`` / ``offload_optimizer`` flags say and reloads
+before use (moves are tracked no-ops on CPU; ``trainer.strategies.offload``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.controller.worker import Worker, WorkerContext
+from trainer.strategies.parallel_errors import ParallelConfigError
+
+__all__ = ["SHARDED_STRATEGIES", "StrategyWorker", "offload_flags"]
+
+SHARDED_STRATEGIES = ("fsdp2", "megatron")
+"""Strategies whose ranks build their shards together (a collective), one process per rank."""
+
+
+def offload_flags(config: Any) -> dict[str, bool]:
+    """``roles.<role>.offload_params/offload_optimizer`` as ``strategy.offload`` keywords (default: both)."""
+    return {"params": bool(getattr(config, "offload_params", True)),
+            "optimizer": bool(getattr(config, "offload_optimizer", True))}
+
+
+class StrategyWorker(Worker):
+    """A worker holding one strategy; subclasses implement a ``@register``-ed ``setup()`` that builds it."""
+
+    def __init__(self, ctx: WorkerContext, config: Any = None) -> None:
+        super().__init__(ctx, config)
+        name = getattr(config, "strategy", None)
+        if name in SHARDED_STRATEGIES and ctx.world_size > 1 and ctx.backend != "ray":
+            raise ParallelConfigError(
+                f"{ctx.role} strategy {name!r} with {ctx.world_size} workers needs one process per rank, but "
+                f"cluster.backend={ctx.backend!r} runs workers as threads of one process; set cluster.backend: ray"
+            )
+        self._strategy: Any = None
+
+    def setup(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must implement setup()")
+
+    def _setup_unless_collective(self) -> None:
+        """Build now when there is nothing to rendezvous with; otherwise the driver calls ``setup()``."""
+        if self.world_size == 1 or getattr(self.config, "strategy", None) not in SHARDED_STRATEGIES:
+            self.setup()
+
+    @property
+    def strategy(self) -> Any:
+        if self._strategy is None:
+            raise RuntimeError(f"{self.role} rank {self.rank}: the strategy is not built; call setup() on all ranks")
+        return self._strategy
+
+    def offload(self) -> None:
+        """Colocation: offload what ``roles.<role>.offload_params/offload_optimizer`` say (no-op moves on CPU)."""
+        if self._strategy is not None:
+            self.strategy.offload(**offload_flags(self.config))
+        super().offload()
+
+    def reload(self) -> None:
+        if self._strategy is not None:
+            self.strategy.reload()
+        super().reload()
