@@ -448,14 +448,7 @@ class WeightSync:
                     handle = replace(handle, metas=[m for m in handle.metas if (m.offset, m.nbytes) in changed])
                 if not handle.metas:
                     continue
-                try:
-                    self.infer.load_weight_bucket(handle)
-                except WorkerCallError as error:
-                    raise TransportError(
-                        f"an inference worker failed while loading bucket {handle.index} of weights version "
-                        f"{version} ({error}); the engines refuse to generate until a complete sync - restart the "
-                        "failed worker or rerun the sync"
-                    ) from error
+                self._load_bucket(handle, version)
                 names += [meta.name for meta in handle.metas]
                 nbytes += sum({meta.offset: meta.nbytes for meta in handle.metas}.values())  # tied: counted once
                 buckets += 1
@@ -472,6 +465,17 @@ class WeightSync:
             raise
         return len(names), nbytes, buckets
 
+    def _load_bucket(self, handle: SharedBucket, version: int) -> None:
+        """Hand one bucket to every inference worker; a failure names the half-finished version."""
+        try:
+            self.infer.load_weight_bucket(handle)
+        except WorkerCallError as error:
+            raise TransportError(
+                f"an inference worker failed while loading bucket {handle.index} of weights version "
+                f"{version} ({error}); the engines refuse to generate until a complete sync - restart the "
+                "failed worker or rerun the sync"
+            ) from error
+
     def _sync_gathered(self, version: int) -> tuple[int, int, int]:
         """Shared memory for trainers on GPUs: rank 0 gathers each bucket into one CUDA buffer
         and hands its CUDA IPC handle over (the engine maps it; no host round trip)."""
@@ -484,14 +488,7 @@ class WeightSync:
             while (handle := self._trainer_call(self.actor.next_weight_bucket)) is not None:
                 if not handle.metas:
                     continue
-                try:
-                    self.infer.load_weight_bucket(handle)
-                except WorkerCallError as error:
-                    raise TransportError(
-                        f"an inference worker failed while loading bucket {handle.index} of weights version "
-                        f"{version} ({error}); the engines refuse to generate until a complete sync - restart the "
-                        "failed worker or rerun the sync"
-                    ) from error
+                self._load_bucket(handle, version)
                 names += [meta.name for meta in handle.metas]
                 nbytes += handle.nbytes
                 buckets += 1

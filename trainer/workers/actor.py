@@ -21,12 +21,11 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from trainer.controller.batch import Batch
-from trainer.controller.cluster import Cluster
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
 from trainer.strategies.base import ForwardOutput
 from trainer.strategies.parallel_errors import ParallelConfigError
-from trainer.workers.strategy_worker import StrategyWorker
+from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
 
 if TYPE_CHECKING:
     import torch
@@ -341,18 +340,11 @@ def _ragged(batch: Batch) -> Batch:
     return RaggedBatch(batch.columns, batch.meta)
 
 
-class ActorCluster(Cluster):
+class ActorCluster(StrategyCluster):
     """Typed calls to the ``actor_train`` workers (batches of any size split over the ranks)."""
 
     worker_cls = ActorWorker
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        try:
-            self._call("setup")  # sharded strategies join their process group here, all ranks at once
-        except BaseException:
-            self.shutdown()
-            raise
 
     def shutdown(self) -> None:
         """Free the workers' shared-memory segments, then stop them."""

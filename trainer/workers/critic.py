@@ -16,11 +16,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from trainer.controller.batch import Batch
-from trainer.controller.cluster import Cluster
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
 from trainer.strategies.base import ForwardOutput
-from trainer.workers.strategy_worker import StrategyWorker
+from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
 
 if TYPE_CHECKING:
     import torch
@@ -114,18 +113,11 @@ class CriticWorker(StrategyWorker):
 
 
 
-class CriticCluster(Cluster):
+class CriticCluster(StrategyCluster):
     """Typed calls to the ``critic`` workers."""
 
     worker_cls = CriticWorker
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        try:
-            self._call("setup")  # sharded strategies join their process group here, all ranks at once
-        except BaseException:
-            self.shutdown()
-            raise
 
     def compute_values(self, batch: Batch) -> Batch:
         from trainer.workers.actor import RaggedBatch

@@ -13,10 +13,9 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.controller.batch import Batch
-from trainer.controller.cluster import Cluster
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
-from trainer.workers.strategy_worker import StrategyWorker
+from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
 
 __all__ = ["ReferenceCluster", "ReferenceWorker"]
 
@@ -65,18 +64,11 @@ class ReferenceWorker(StrategyWorker):
 
 
 
-class ReferenceCluster(Cluster):
+class ReferenceCluster(StrategyCluster):
     """Typed calls to the ``reference`` workers (batches of any size split over the ranks)."""
 
     worker_cls = ReferenceWorker
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        try:
-            self._call("setup")  # sharded strategies join their process group here, all ranks at once
-        except BaseException:
-            self.shutdown()
-            raise
 
     def compute_logprobs(self, batch: Batch) -> Batch:
         from trainer.workers.actor import RaggedBatch

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.controller.cluster import Cluster
 from trainer.controller.worker import Worker, WorkerContext
 from trainer.strategies.parallel_errors import ParallelConfigError
 
-__all__ = ["SHARDED_STRATEGIES", "StrategyWorker", "offload_flags"]
+__all__ = ["SHARDED_STRATEGIES", "StrategyCluster", "StrategyWorker", "offload_flags"]
 
 SHARDED_STRATEGIES = ("fsdp2", "megatron")
 """Strategies whose ranks build their shards together (a collective), one process per rank."""
@@ -64,3 +65,16 @@ class StrategyWorker(Worker):
         if self._strategy is not None:
             self.strategy.reload()
         super().reload()
+
+
+class StrategyCluster(Cluster):
+    """A cluster of ``StrategyWorker``: building it calls ``setup`` on every rank at once (sharded
+    strategies join their process group there); a failed build stops the workers it started."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        try:
+            self._call("setup")
+        except BaseException:
+            self.shutdown()
+            raise
