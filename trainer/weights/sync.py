@@ -31,7 +31,7 @@ Transports (``weight_sync.transport``)
                    host, else ``broadcast``.
 
 Versions: each sync announces ``version = last + 1``. The inference workers wrap their
-engine in ``transport.VersionedEngine``: from the first bucket until every announced tensor
+engine in ``versioned.VersionedEngine``: from the first bucket until every announced tensor
 arrived they refuse to generate, and afterwards report the version; the driver checks that
 every worker serves exactly the new version (``confirm_versions``) before rollouts resume.
 A failure in the middle (an engine died) raises ``WeightSyncError``; the engines keep

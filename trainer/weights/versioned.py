@@ -1,0 +1,245 @@
+"""Never serving a half sync: :class:`VersionedEngine` and the trainer's :func:`confirm_versions`.
+
+``VersionedEngine`` wraps any ``InferenceEngine``. A sync announces a version and the names
+it will send; while it runs - and after one that failed half way - the wrapper refuses to
+generate (``StaleWeightsError``) instead of sampling from a mix of old and new tensors. After
+the last bucket it checks every announced name arrived and that the engine took the update,
+and only then serves the new ``weights_version``. ``confirm_versions`` is the trainer's check
+after each sync that every engine reports the version it just sent. The transports that
+carry the buckets are in ``trainer.weights.transport``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from trainer.weights.buckets import Bucket
+from trainer.weights.errors import StaleWeightsError
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.strategies.base import GenerationRequest, GenerationResult
+
+__all__ = ["VersionedEngine", "confirm_versions"]
+
+_END = object()  # end of a multi-call weight update
+
+class VersionedEngine:
+    """An ``InferenceEngine`` that serves only complete, announced weight versions (see the module docstring)."""
+
+    def __init__(self, engine: Any, *, weights_version: int = 0) -> None:
+        self.engine = engine
+        self.weights_version: int | None = weights_version
+        """The version being served; None during a sync and after a failed one."""
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def load(self, buckets: Iterable[Bucket], *, version: int, expected_names: Sequence[str]) -> int:
+        """Apply all ``buckets`` as one update; serve ``version`` only if every expected tensor arrived."""
+        return self.load_stream(buckets, lambda: (version, expected_names))
+
+    def load_stream(self, buckets: Iterable[Bucket], closing: Callable[[], tuple[int, Sequence[str]]]) -> int:
+        """Like ``load``, but the version and names are known only once ``buckets`` is exhausted."""
+        self.abandon_sync()
+        self.weights_version = None
+        self._version_before = self.engine.version
+        seen: list[str] = []
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for bucket in buckets:
+                for name, tensor in bucket.tensors():
+                    seen.append(name)
+                    yield name, tensor
+
+        self.engine.update_weights(stream())
+        version, expected_names = closing()
+        return self._close(version, expected_names, seen)
+
+    # -- a sync spread over several calls (one per bucket) --------------------------------
+    # The engine gets ONE update_weights call per sync (vLLM reloads whole layers, so it needs
+    # every tensor in one call): ``begin`` starts it on a helper thread, reading an iterator
+    # that ``load_part`` feeds bucket by bucket (copies: the caller frees its buffer after),
+    # and ``finish`` ends the iterator, waits for the engine and checks what arrived.
+
+    def begin(self, version: int) -> None:
+        """Start an update to ``version``; generation is refused until ``finish`` succeeds."""
+        import queue
+        import threading
+
+        self.abandon_sync()
+        self.weights_version = None
+        self._target = version
+        self._seen: list[str] = []
+        self._version_before = self.engine.version
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=2)
+        self._error: BaseException | None = None
+        channel = self._queue
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            while (item := channel.get()) is not _END:
+                if isinstance(item, BaseException):
+                    raise item
+                yield from item
+
+        def run() -> None:
+            try:
+                self.engine.update_weights(stream())
+            except BaseException as error:  # handed to the caller in load_part/finish
+                self._error = error
+
+        self._thread = threading.Thread(target=run, name="weight-load", daemon=True)
+        self._thread.start()
+
+    def load_part(self, named: Iterable[tuple[str, torch.Tensor]], *, copy: bool = True) -> int:
+        """Hand one bucket's tensors to the running update (between ``begin`` and ``finish``).
+
+        ``copy=True`` clones them first (the caller frees its buffer when this returns);
+        ``copy=False`` passes them as they are - only for memory that stays unchanged until
+        ``finish`` returned (``SharedBucket.stable``), since the engine may read it until then.
+        """
+        if getattr(self, "_target", None) is None:
+            raise StaleWeightsError("load_part outside a sync; call begin(version) first")
+        items = [(name, tensor.clone() if copy else tensor) for name, tensor in named]
+        self._put(items)
+        self._seen.extend(name for name, _ in items)
+        return len(items)
+
+    def _put(self, item: Any) -> None:
+        import queue
+
+        while True:
+            self._raise_engine_error()
+            try:
+                self._queue.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def _raise_engine_error(self) -> None:
+        if self._error is None and self._thread.is_alive():
+            return
+        error = self._error or RuntimeError("update_weights returned before the sync ended")
+        self._target = None
+        raise StaleWeightsError(
+            f"the engine failed while loading weights ({type(error).__name__}: {error}); it refuses to generate "
+            "until a complete sync"
+        ) from error
+
+    def finish(self, version: int, expected_names: Sequence[str]) -> int:
+        """Close the update: every announced tensor arrived and the engine took it, else ``StaleWeightsError``."""
+        target = getattr(self, "_target", None)
+        if target != version:
+            self.abandon_sync()
+            raise StaleWeightsError(f"finish(version={version}) but the running sync began for version {target}; "
+                                    "the engine will not serve until a complete sync")
+        self._put(_END)
+        self._thread.join()
+        self._target = None
+        if self._error is not None:
+            raise StaleWeightsError(
+                f"the engine failed while loading weights version {version} ({type(self._error).__name__}: "
+                f"{self._error}); it refuses to generate until a complete sync"
+            ) from self._error
+        return self._close(version, expected_names, self._seen)
+
+    def abandon_sync(self) -> None:
+        """Abandon a running multi-call update (the engine's update fails; nothing is served until a full sync)."""
+        thread = getattr(self, "_thread", None)
+        if thread is not None and thread.is_alive():
+            self._queue.put(StaleWeightsError("the weight sync was abandoned"))
+            thread.join()
+        self._target = None
+        self._thread = None
+
+    def _close(self, version: int, expected_names: Sequence[str], seen: Sequence[str]) -> int:
+        missing = sorted(set(expected_names) - set(seen))
+        if missing:
+            raise StaleWeightsError(
+                f"weight sync to version {version} delivered {len(seen)} of {len(expected_names)} tensors (missing "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}); the engine will not serve until a full sync"
+            )
+        if seen and self.engine.version == self._version_before:
+            raise StaleWeightsError(
+                f"{type(self.engine).__name__}.update_weights did not bump its version ({self._version_before}); "
+                "the engine may not have taken the weights - fix the engine's update_weights"
+            )
+        self.weights_version = version
+        return version
+
+    def check(self, expected: int | None = None) -> int:
+        """The served version; raises ``StaleWeightsError`` if half-updated or not ``expected``."""
+        if self.weights_version is None:
+            raise StaleWeightsError(
+                "this engine's weights are half-updated (a sync is running or failed); run a complete weight sync "
+                "before generating"
+            )
+        if expected is not None and self.weights_version != expected:
+            raise StaleWeightsError(f"engine serves weights version {self.weights_version}, the trainer is at {expected}")
+        return self.weights_version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        version = self.check()
+        result = await self.engine.generate(request)
+        result.policy_version = version
+        return result
+
+    def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        """The engine's synchronous batch call, refused while half-updated; results carry ``weights_version``."""
+        version = self.check()
+        results = self.engine.generate_batch(requests)
+        for result in results:
+            result.policy_version = version
+        return results
+
+    def __getattr__(self, name: str) -> Any:
+        # anything else the wrapped engine offers (num_unfinished, close, shutdown, model, ...)
+        if name in ("engine", "weights_version") or name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    def update_weights(self, weights: Any) -> None:
+        """Direct (unbucketed) update: announced as one version higher than the served one."""
+        items = list(weights.items() if isinstance(weights, Mapping) else weights)
+        self.load([_single_bucket(items)], version=(self.weights_version or 0) + 1,
+                  expected_names=[name for name, _ in items])
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def get_state(self) -> dict[str, Any]:
+        return {**self.engine.get_state(), "weights_version": self.weights_version}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.engine.set_state(state)
+        self.weights_version = state.get("weights_version", self.weights_version)
+
+
+class _ListBucket(Bucket):
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.items  # type: ignore[attr-defined]
+
+
+def _single_bucket(items: list[tuple[str, torch.Tensor]]) -> Bucket:
+    bucket = _ListBucket(buffer=None, metas=[], index=0)  # type: ignore[arg-type]
+    bucket.items = items  # type: ignore[attr-defined]
+    return bucket
+
+
+def confirm_versions(versions: Sequence[int | None], expected: int) -> None:
+    """The trainer's check after a sync: every engine serves ``expected``, or ``StaleWeightsError`` says which not."""
+    bad = [(i, v) for i, v in enumerate(versions) if v != expected]
+    if bad:
+        raise StaleWeightsError(
+            f"after syncing version {expected}, engines {[i for i, _ in bad]} serve {[v for _, v in bad]} "
+            "(None: half-updated); rerun the sync, or restart those engines"
+        )
