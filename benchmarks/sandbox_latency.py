@@ -7,6 +7,10 @@ same command (``true`` by default: pure sandbox overhead):
 - ``subprocess``   plain ``subprocess.run`` on the host, no isolation (the floor);
 - ``local-cold``   ``LocalSandbox``: start + run + stop per call (namespaces, uid, cgroups, tmpfs);
 - ``local-warm``   ``SandboxPool("local")``: acquire + run + release (reset happens in the background);
+- ``local-reset``  one warm sandbox: run + ``reset()`` in place (sweep, clean, verify what is spared):
+                   what a pooled sandbox costs per user, paid in the pool's background thread;
+- ``local-restart`` one warm sandbox: run + reset with a fresh executor in fresh namespaces (the
+                   "restart between users" alternative to verifying in place);
 - ``docker-warm``  ``SandboxPool("docker")``: acquire + ``docker exec`` + release;
 - ``docker-run``   the ``docker run --rm --network none ...`` CLI per call (a cold container).
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import queue
 import shutil
 import signal
 import statistics
@@ -73,6 +78,7 @@ def main() -> None:
     parser.add_argument("--command", default="true", help="the command every path runs (argv, split on spaces)")
     parser.add_argument("--docker-host", default=None, help="engine URL; default: start a private dockerd (root)")
     parser.add_argument("--no-docker", action="store_true", help="skip the docker paths")
+    parser.add_argument("--paths", default="", help="comma-separated subset of paths to measure (default: all)")
     args = parser.parse_args()
     argv = args.command.split()
 
@@ -92,6 +98,23 @@ def main() -> None:
             sb.run(argv)
 
     paths["local-cold"], paths["local-warm"] = local_cold, local_warm
+    spare: queue.Queue[LocalSandbox] = queue.Queue()
+    for _ in range(8):
+        spare.put(LocalSandbox(limits=LIMITS, warm_exec=True).start())
+    cleanups.append(lambda: [spare.get().stop() for _ in range(spare.qsize())])
+
+    def local_reset(restart: bool) -> None:
+        sb = spare.get()
+        try:
+            sb.run(argv)
+            if restart and sb._executor is not None:  # noqa: SLF001 - force the fresh-namespaces path
+                sb._executor.stop()  # noqa: SLF001
+            sb.reset()
+        finally:
+            spare.put(sb)
+
+    paths["local-reset"] = lambda: local_reset(False)
+    paths["local-restart"] = lambda: local_reset(True)
     isolation = LocalSandbox(limits=LIMITS).start()
     print(f"local isolation: {isolation.isolation}; protections: {isolation.protections}")
     isolation.stop()
@@ -127,14 +150,17 @@ def main() -> None:
                 print(f"docker paths skipped: {e}")
 
         rows = []
+        only = (set(args.paths.split(",")) | {"subprocess", "local-warm"}) if args.paths else set(paths)
         for name, op in paths.items():
+            if name not in only:
+                continue
             ops = max(8, args.ops // 4) if name == "docker-run" else args.ops
             lat, rate1 = measure(op, concurrency=1, ops=ops)
             rates = {1: rate1}
             for conc in (2, 8):
                 rates[conc] = measure(op, concurrency=conc, ops=ops)[1]
             rows.append((name, pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3, rates))
-            print(f"{name:12} p50 {rows[-1][1]:8.1f} ms  p99 {rows[-1][2]:8.1f} ms  "
+            print(f"{name:13} p50 {rows[-1][1]:8.1f} ms  p99 {rows[-1][2]:8.1f} ms  "
                   + "  ".join(f"c{c}: {r:7.1f}/s" for c, r in rates.items()), flush=True)
         for cleanup in cleanups:
             cleanup()

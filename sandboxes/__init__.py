@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sandboxes.base import ExecResult, Limits, Sandbox, Session
+from sandboxes.base import ExecResult, Limits, Protection, Sandbox, Session
 from sandboxes.errors import (
     PoolClosedError,
     SandboxConfigError,
@@ -40,6 +40,7 @@ __all__ = [
     "ExecResult",
     "Limits",
     "PoolClosedError",
+    "Protection",
     "Sandbox",
     "SandboxConfigError",
     "SandboxError",
@@ -49,6 +50,7 @@ __all__ = [
     "SandboxUnavailableError",
     "Session",
     "SessionError",
+    "backend_class",
     "make_sandbox",
 ]
 
@@ -60,13 +62,8 @@ BACKENDS: dict[str, str] = {
 """Backend name -> "module:class"; imported only when asked for."""
 
 
-def make_sandbox(backend: str = "local", *, limits: Limits | None = None, **kwargs: Any) -> Sandbox:
-    """A new, not yet started sandbox of ``backend``; ``kwargs`` go to the backend's class.
-
-    ``local``: ``isolation=``, ``ro_binds=``; ``docker``: ``image=``, ``client=``,
-    ``volumes=``; ``e2b``: ``template=``, ``api_key=``. Start it with ``with sb:`` or
-    ``sb.start()``.
-    """
+def backend_class(backend: str) -> type[Sandbox]:
+    """The class behind ``backend`` (imported now); unknown names fail with "did you mean"."""
     import importlib
 
     if backend not in BACKENDS:
@@ -76,7 +73,18 @@ def make_sandbox(backend: str = "local", *, limits: Limits | None = None, **kwar
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise SandboxConfigError(f"unknown sandbox backend {backend!r}; choose one of {sorted(BACKENDS)}.{hint}")
     module_name, _, cls_name = BACKENDS[backend].partition(":")
-    cls = getattr(importlib.import_module(module_name), cls_name)
+    cls: type[Sandbox] = getattr(importlib.import_module(module_name), cls_name)
+    return cls
+
+
+def make_sandbox(backend: str = "local", *, limits: Limits | None = None, **kwargs: Any) -> Sandbox:
+    """A new, not yet started sandbox of ``backend``; ``kwargs`` go to the backend's class.
+
+    ``local``: ``isolation=``, ``ro_binds=``; ``docker``: ``image=``, ``client=``,
+    ``volumes=``; ``e2b``: ``template=``, ``api_key=``. Start it with ``with sb:`` or
+    ``sb.start()``.
+    """
+    cls = backend_class(backend)
     try:
         return cls(limits=limits, **kwargs)
     except TypeError as e:

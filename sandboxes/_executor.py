@@ -11,9 +11,22 @@ lowers RLIMIT_CPU, restores default signal dispositions, and execs; the executor
 
 Containment does not depend on the executor's good behaviour: runs live in the sandbox's
 ``run`` cgroup, and after every run (or on timeout) the host SIGKILLs every process there
-except the executor. The executor is non-dumpable (the sandboxed code, same uid, cannot
-ptrace it or read its memory) and the OOM killer never picks it. If a run kills it anyway,
-the host notices (socket EOF) and starts a new one; ``reset()`` always starts a new one.
+except the executor. Nothing the sandboxed code can reach outlives a run:
+
+- the executor is **PID 1** of the sandbox's PID namespace (``bwrap --as-pid-1``, or exec'd in
+  place of the ``unshare`` script), so there is no bubblewrap init for the code to attach to,
+  and signals it has no handler for (SIGKILL, SIGSTOP, SIGTERM...) sent from inside are
+  ignored by the kernel; it reaps the run's orphans;
+- it is **non-dumpable** (``PR_SET_DUMPABLE=0``): the sandboxed code, same uid, can neither
+  ptrace it nor open its ``/proc/PID/mem``; the seccomp filter (``_seccomp.py``) denies
+  ``ptrace`` and ``process_vm_*`` outright;
+- the OOM killer never picks it.
+
+``verify()`` checks what a reset spares (nothing but the executor and its launcher left in the
+cgroup, neither traced nor stopped, the executor still under its seccomp filter); the sandbox
+starts a fresh executor, in fresh namespaces, when it fails. If the executor dies or is
+stopped anyway, the host notices (socket EOF, or its state in ``/proc``), reports the run as
+killed rather than timed out, and the next run starts a new one.
 """
 
 from __future__ import annotations
@@ -32,10 +45,19 @@ from sandboxes.errors import SandboxError
 
 __all__ = ["EXECUTOR_SOURCE", "WarmExecutor"]
 
+_POLL_S = 0.05
+"""How often a run that closed its pipes checks that the executor can still answer."""
+
 EXECUTOR_SOURCE = r"""
 import ctypes, json, os, resource, signal, socket, sys
 ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: no ptrace, no /proc/pid/mem
 sock = socket.socket(fileno=int(sys.argv[1]))
+def reap():
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
 RESET = [s for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP)]
 while True:
     try:
@@ -45,6 +67,7 @@ while True:
     if not msg:
         break
     req = json.loads(msg)
+    reap()
     pid = os.fork()
     if pid == 0:
         try:
@@ -65,7 +88,10 @@ while True:
     for fd in fds:
         os.close(fd)
     sock.send(json.dumps({"pid": pid}).encode())
-    _, status = os.waitpid(pid, 0)
+    while True:  # as PID 1 we also reap the run's orphans (zombies would count against pids.max)
+        done, status = os.waitpid(-1, 0)
+        if done == pid:
+            break
     code = os.waitstatus_to_exitcode(status)
     sock.send(json.dumps({"exit": 128 - code if code < 0 else code}).encode())
 """
@@ -131,6 +157,37 @@ class WarmExecutor:
                 break
             self.spare.add(pid)
 
+    def state(self) -> str:
+        """The executor's state letter from ``/proc`` (``R``, ``S``, ``T``...; ``X`` when gone)."""
+        try:
+            return Path(f"/proc/{self.host_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return "X"
+
+    def verify(self, present: set[int], *, seccomp: bool) -> str | None:
+        """Why the processes a reset spares cannot be trusted with the next user (None if they can).
+
+        ``present``: every pid now in the sandbox's run cgroup; ``seccomp``: whether the
+        executor must be under a seccomp filter.
+        """
+        if not self.alive or not self.host_pid:
+            return "the executor is not running"
+        if present != self.spare:
+            return f"processes other than the executor survived the sweep: {sorted(present - self.spare)}"
+        for pid in self.spare:
+            try:
+                status = dict(line.split(":\t", 1) for line in
+                              Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+            except OSError:
+                return f"spared process {pid} is gone"
+            if status.get("TracerPid", "0").strip() != "0":
+                return f"spared process {pid} is being traced by {status['TracerPid'].strip()}"
+            if status.get("State", "").strip()[:1] in ("T", "t", "Z"):
+                return f"spared process {pid} is {status['State'].strip()}"
+            if pid == self.host_pid and seccomp and status.get("Seccomp", "0").strip() != "2":
+                return "the executor runs without its seccomp filter"
+        return None
+
     def stop(self) -> None:
         if self.sock is not None:
             self.sock.close()
@@ -194,17 +251,25 @@ class WarmExecutor:
                        kill=lambda: self._kill_others(spare), started=started, control_fd=sock.fileno(),
                        on_control=on_control)
             killed = cap.timed_out or cap.truncated
+            waited_after_kill = 0.0
             while "exit" not in state:  # pipes closed, but the program may still run
                 left = started + timeout - time.monotonic()
                 if left <= 0 and not killed:
                     cap.timed_out = killed = True
                     self._kill_others(spare)
-                sock.settimeout(max(left, 0.001) if not killed else 5.0)
+                sock.settimeout(_POLL_S)
                 if on_control():
                     break
-                if killed and state.pop("stalled", 0):  # killed, yet no exit status: assume it is gone
-                    state["exit"] = 137
+                if not state.pop("stalled", 0):
+                    continue
+                if self.state() in ("T", "t", "Z", "X"):  # stopped or dead: it will never answer
+                    state.update(exit=137, lost=1)
                     self._kill_others(set())
+                elif killed:
+                    waited_after_kill += _POLL_S
+                    if waited_after_kill >= 5.0:  # killed, yet no exit status: assume it is gone
+                        state["exit"] = 137
+                        self._kill_others(set())
         except (OSError, ValueError) as e:
             self.stop()
             raise SandboxError(f"the warm executor failed mid-run: {e}") from e
@@ -212,7 +277,7 @@ class WarmExecutor:
             sock.settimeout(None)
             for fd in (out_r, err_r):
                 os.close(fd)
-        if not self.alive or state.get("exit") is None:
+        if state.get("lost") or not self.alive or state.get("exit") is None:
             self.stop()
         cap.returncode = state.get("exit", 137)
         cap.wall_time_s = time.monotonic() - started

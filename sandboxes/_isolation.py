@@ -3,10 +3,12 @@
 Two ways, same result (what the sandboxed program sees):
 
 ``/`` read-only with only ``/usr`` (plus the ``/bin``, ``/lib*`` links), a handful of public
-``/etc`` files and a generated ``/etc/passwd``; ``/proc`` of its own PID namespace; a minimal
-``/dev``; a size-capped private ``/tmp``; scratch at ``/sandbox`` (writable, its cwd); no
-network interface but a loopback of its own; its own hostname, IPC and PID namespaces, so
-it can see and signal only its own processes, which all die with it.
+``/etc`` files and a generated ``/etc/passwd``; ``/proc`` of its own PID namespace; a minimal,
+read-only ``/dev`` whose only writable parts are a size-capped ``/dev/shm`` and a private
+``/dev/mqueue`` (so POSIX message queues can be listed and emptied on reset); a size-capped
+private ``/tmp``; scratch at ``/sandbox`` (writable, its cwd); no network interface but a
+loopback of its own; its own hostname, IPC and PID namespaces, so it can see and signal only
+its own processes, which all die with it; the seccomp filter of ``_seccomp.py``.
 
 - ``bwrap`` (bubblewrap): works unprivileged through a user namespace; ~2-4 ms of setup.
 - ``unshare`` (util-linux) + ``mount`` + ``chroot`` + ``setpriv``: needs root; ~10+ ms, as
@@ -17,6 +19,7 @@ Each builder returns the argv that *follows* the launcher's ``exec`` (see ``loca
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shlex
@@ -25,7 +28,9 @@ import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["ETC_FILES", "ROOT_LINKS", "bwrap_argv", "unshare_argv", "probe"]
+from sandboxes._seccomp import LOADER_SOURCE
+
+__all__ = ["ETC_FILES", "ROOT_LINKS", "LaunchFds", "UNSHARE_DIR_ENV", "bwrap_argv", "unshare_argv", "probe"]
 
 ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "timezone",
              "nsswitch.conf", "hosts", "mime.types")
@@ -55,15 +60,28 @@ def _etc_entries(network: bool) -> list[str]:
     return [n for n in names if os.path.lexists(f"/etc/{n}")]
 
 
-def bwrap_argv(*, scratch: Path, etc_dir: Path, tmp_mb: int, network: bool, userns: bool,
-               ro_binds: Sequence[str], hostname: str = "sandbox") -> list[str]:
-    """``bwrap ... --`` (the caller appends the command)."""
+def bwrap_argv(*, fds: LaunchFds, tmp_mb: int, network: bool, userns: bool, ro_binds: Sequence[str],
+               as_pid_1: bool = False, hostname: str = "sandbox") -> list[str]:
+    """``bwrap ... --`` (the caller appends the command and passes ``fds`` to the child).
+
+    Host paths stay out of the sandbox's view: scratch is bound from an open fd and
+    ``/etc/passwd``/``group`` are copied from memfds, so neither ``/proc/1/cmdline`` nor
+    ``/proc/self/mountinfo`` names a host directory. ``as_pid_1`` (the warm executor): the
+    command itself is PID 1, with no bubblewrap init that later runs could attach to and rewrite;
+    PID 1 ignores signals from inside that it has no handler for. A one-shot command keeps
+    bubblewrap's init, which lives and dies with it (as PID 1 it would lose default signal
+    actions: no SIGXCPU at the CPU limit, no SIGPIPE).
+    """
     argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
             "--hostname", hostname]
     if network:
         argv.append("--share-net")
     if userns:
         argv += ["--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns"]
+    if as_pid_1:
+        argv.append("--as-pid-1")
+    if fds.seccomp is not None:
+        argv += ["--seccomp", str(fds.seccomp)]
     argv += ["--ro-bind", "/usr", "/usr"]
     for name, target in ROOT_LINKS:
         argv += ["--symlink", target, f"/{name}"]
@@ -71,18 +89,36 @@ def bwrap_argv(*, scratch: Path, etc_dir: Path, tmp_mb: int, network: bool, user
         argv += ["--ro-bind", f"/{name}", f"/{name}"]
     for name in _etc_entries(network):
         argv += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-    argv += ["--ro-bind", str(etc_dir / "passwd"), "/etc/passwd", "--ro-bind", str(etc_dir / "group"), "/etc/group"]
+    argv += ["--perms", "0644", "--ro-bind-data", str(fds.passwd), "/etc/passwd",
+             "--perms", "0644", "--ro-bind-data", str(fds.group), "/etc/group"]
     for path in ro_binds:
         argv += ["--ro-bind", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_mb << 20), "--tmpfs", "/tmp",
-             "--bind", str(scratch), "/sandbox", "--chdir", "/sandbox", "--remount-ro", "/", "--"]
+    size = str(tmp_mb << 20)
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm",
+             "--dir", "/dev/mqueue", "--mqueue", "/dev/mqueue", "--remount-ro", "/dev",
+             "--size", size, "--tmpfs", "/tmp", "--bind-fd", str(fds.scratch), "/sandbox", "--chdir", "/sandbox",
+             "--remount-ro", "/", "--"]
     return argv
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchFds:
+    """Open fds a bwrap launch reads (each is passed to the child and closed after the spawn)."""
+
+    scratch: int
+    passwd: int
+    group: int
+    seccomp: int | None
+
+    def all(self) -> tuple[int, ...]:
+        return tuple(fd for fd in (self.scratch, self.passwd, self.group, self.seccomp) if fd is not None)
 
 
 _UNSHARE_SCRIPT = r"""
 set -e
 mount() {{ {mount} "$@"; }}
-R={root}
+D="$ENVHUB_SANDBOX_DIR"; unset ENVHUB_SANDBOX_DIR
+R="$D/root"
 mount -t tmpfs -o size=1m,mode=755 envhub-root "$R"
 mkdir "$R/usr" "$R/proc" "$R/dev" "$R/tmp" "$R/etc" "$R/sandbox"
 robind() {{ mount --bind "$1" "$2"; mount -o remount,bind,ro,nosuid,nodev "$2"; }}
@@ -92,40 +128,56 @@ for d in {dirs}; do mkdir "$R/$d"; robind "/$d" "$R/$d"; done
 for f in {etc}; do
   if [ -d "/etc/$f" ]; then mkdir "$R/etc/$f"; else : > "$R/etc/$f"; fi; robind "/etc/$f" "$R/etc/$f"
 done
-for f in passwd group; do : > "$R/etc/$f"; robind {etc_dir}/$f "$R/etc/$f"; done
+for f in passwd group; do cat "$D/etc/$f" > "$R/etc/$f"; chmod 644 "$R/etc/$f"; done
 {ro_binds}
 mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
 mount -t tmpfs -o size=64k,mode=755,nosuid dev "$R/dev"
 for d in null zero full random urandom; do : > "$R/dev/$d"; mount --bind "/dev/$d" "$R/dev/$d"; done
 ln -s /proc/self/fd "$R/dev/fd"; ln -s fd/0 "$R/dev/stdin"; ln -s fd/1 "$R/dev/stdout"; ln -s fd/2 "$R/dev/stderr"
+mkdir "$R/dev/shm" "$R/dev/mqueue"
+mount -t tmpfs -o size={tmp_mb}m,mode=1777,nosuid,nodev envhub-shm "$R/dev/shm"
+mount -t mqueue -o nosuid,nodev,noexec mqueue "$R/dev/mqueue"
+mount -o remount,ro "$R/dev"
 mount -t tmpfs -o size={tmp_mb}m,mode=1777,nosuid,nodev envhub-tmp "$R/tmp"
-mount --bind {scratch} "$R/sandbox"
+mount --bind "$D/scratch" "$R/sandbox"
 mount -o remount,ro "$R"
 {hostname_cmd} {hostname}
 {net_up}
 set +e
-{chroot} "$R" /usr/bin/setpriv --reuid={uid} --regid={uid} --clear-groups --bounding-set=-all \
-  --inh-caps=-all --no-new-privs -- /bin/sh -c 'cd /sandbox && exec "$@"' sh "$@"
+{exec}{chroot} "$R" /usr/bin/setpriv --reuid={uid} --regid={uid} --clear-groups --bounding-set=-all \
+  --inh-caps=-all --no-new-privs -- {filter}/bin/sh -c 'cd /sandbox && exec "$@"' sh "$@"
 """
 
 
-def unshare_argv(*, root: Path, scratch: Path, etc_dir: Path, tmp_mb: int, network: bool, uid: int,
-                 ro_binds: Sequence[str], hostname: str = "sandbox") -> list[str]:
+UNSHARE_DIR_ENV = "ENVHUB_SANDBOX_DIR"
+"""The launcher's environment variable naming the sandbox's host directory (with ``root/``,
+``scratch/``, ``etc/``) for ``unshare_argv``'s script: kept out of the script's text, so that
+the sandbox's ``/proc/1/cmdline`` names no host path; unset before the command runs."""
+
+
+def unshare_argv(*, tmp_mb: int, network: bool, uid: int,
+                 ro_binds: Sequence[str], seccomp: bytes | None, as_pid_1: bool = False,
+                 hostname: str = "sandbox") -> list[str]:
     """``unshare ... sh -c SCRIPT envhub-sandbox`` (the caller appends the command).
 
     The script runs as root in the new mount/PID namespaces, builds the root described in the
-    module docstring, then runs the command in the foreground (staying PID 1, so orphans die with
-    it when it returns); the command
-    runs chrooted as ``uid`` with no capabilities and ``no_new_privs``.
+    module docstring in the directory the launcher's ``UNSHARE_DIR_ENV`` names, then runs the
+    command as ``uid`` chrooted, with no capabilities,
+    ``no_new_privs`` and the ``seccomp`` program (installed by ``_seccomp.LOADER_SOURCE``). The
+    script stays PID 1 (as root: out of the command's reach) in the foreground, so orphans die
+    with it when it returns; ``as_pid_1`` execs the command in its place instead, as in
+    ``bwrap_argv``.
     """
     q = shlex.quote
     links = "\n".join(f"ln -s {q(target)} \"$R/{name}\"" for name, target in ROOT_LINKS)
     binds = "\n".join(f"mkdir -p \"$R\"{q(p)}; robind {q(p)} \"$R\"{q(p)}" for p in ro_binds)
+    loader = "" if seccomp is None else f"/usr/bin/python3 -I -S -c {q(LOADER_SOURCE)} {seccomp.hex()} "
     script = _UNSHARE_SCRIPT.format(
-        root=q(str(root)), links=links, dirs=" ".join(ROOT_DIRS) or "", etc=" ".join(map(q, _etc_entries(network))),
-        etc_dir=q(str(etc_dir)), ro_binds=binds, tmp_mb=int(tmp_mb), scratch=q(str(scratch)), uid=int(uid),
+        links=links, dirs=" ".join(ROOT_DIRS) or "", etc=" ".join(map(q, _etc_entries(network))),
+        ro_binds=binds, tmp_mb=int(tmp_mb), uid=int(uid),
         hostname=q(hostname), net_up="" if network else f"{q(_tool('ip'))} link set lo up 2>/dev/null || true",
-        mount=q(_tool("mount")), chroot=q(_tool("chroot")), hostname_cmd=q(_tool("hostname")))
+        mount=q(_tool("mount")), chroot=q(_tool("chroot")), hostname_cmd=q(_tool("hostname")),
+        exec="exec " if as_pid_1 else "", filter=loader)
     namespaces = ["--mount", "--uts", "--ipc", "--pid", "--fork", "--kill-child", "--propagation", "private"]
     if not network:
         namespaces.append("--net")

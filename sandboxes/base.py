@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Self
 
 from sandboxes.errors import SandboxConfigError, SandboxFileError, SandboxStateError
 
-__all__ = ["Limits", "ExecResult", "Sandbox", "Session", "LANGUAGES", "BASE_ENV"]
+__all__ = ["Limits", "ExecResult", "Protection", "Sandbox", "Session", "LANGUAGES", "BASE_ENV"]
 
 BASE_ENV: dict[str, str] = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -55,6 +55,10 @@ LANGUAGES: dict[str, tuple[str, list[str]]] = {
     "node": (".js", ["node"]),
 }
 """``run_code`` languages: name -> (file suffix, interpreter argv the file path is appended to)."""
+
+NAME_MAX, PATH_MAX = 255, 4000
+"""Longest file name and scratch-relative path (bytes) ``write_file``/``read_file`` accept: Linux's
+limits, checked up front so every backend refuses the same paths with a ``SandboxFileError``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +203,20 @@ class Session(abc.ABC):
         self.close()
 
 
+@dataclasses.dataclass(frozen=True)
+class Protection:
+    """One property a backend protects, how, and the tests that attack it (``file::test``).
+
+    Each backend lists its own in ``Sandbox.PROTECTS`` (and what it does not cover in
+    ``NOT_PROTECTED``); ``envhub sandbox info`` prints both, and a test checks that every named
+    test exists and that the backend's docstring names it too.
+    """
+
+    name: str
+    how: str
+    tests: tuple[str, ...]
+
+
 class Sandbox(abc.ABC):
     """One isolated place to run commands; see the module docstring for the guarantees.
 
@@ -207,6 +225,10 @@ class Sandbox(abc.ABC):
     """
 
     backend: ClassVar[str]
+    PROTECTS: ClassVar[tuple[Protection, ...]] = ()
+    """What this backend protects against, how, and which tests guard it."""
+    NOT_PROTECTED: ClassVar[tuple[str, ...]] = ()
+    """What it does not protect against (said plainly, so nobody relies on it)."""
     workdir: str = "/sandbox"
     """The scratch directory as the sandboxed program sees it (its cwd and ``HOME``)."""
 
@@ -398,6 +420,10 @@ class Sandbox(abc.ABC):
         parts = tuple(p for p in pure.parts if p not in ("", "."))
         if not parts or ".." in parts or any("\0" in p for p in parts):
             raise SandboxFileError(f"{path!r} must name a file inside scratch (no '..', not scratch itself)")
+        longest = max(len(p.encode("utf-8", "surrogateescape")) for p in parts)
+        if longest > NAME_MAX or len("/".join(parts).encode("utf-8", "surrogateescape")) > PATH_MAX:
+            raise SandboxFileError(f"{path[:80]!r}... is too long: each name may have at most {NAME_MAX} bytes "
+                                   f"and the whole path {PATH_MAX}; use a shorter path")
         return parts
 
     # ---- backend hooks ---------------------------------------------------------------------

@@ -100,8 +100,9 @@ def gc_command() -> None:
 @click.option("--backend", "-b", type=click.Choice(["local", "docker", "e2b"]), default=None,
               help="Only this backend (default: all).")
 def info_command(backend: str | None) -> None:
-    """Say which backends work on this host, and what the local one enforces here."""
-    from sandboxes import Limits, SandboxError, make_sandbox
+    """Say which backends work on this host, what each protects against (and the tests that
+    attack each property), what it does not, and what the local one enforces here."""
+    from sandboxes import Limits, SandboxError, backend_class, make_sandbox
 
     for name in [backend] if backend else ["local", "docker", "e2b"]:
         try:
@@ -112,3 +113,13 @@ def info_command(backend: str | None) -> None:
                     click.echo(f"  {key:10} {value}")
         except SandboxError as e:
             click.echo(f"{name}: unavailable: {e}")
+        try:
+            cls = backend_class(name)
+        except ImportError:  # its SDK is not installed: nothing more to say
+            continue
+        if cls.PROTECTS:
+            click.echo("  protects against (property: how; guarded by):")
+            for p in cls.PROTECTS:
+                click.echo(f"    - {p.name}: {p.how}; " + ", ".join(t.rsplit("::", 1)[-1] for t in p.tests))
+        for line in cls.NOT_PROTECTED:
+            click.echo(f"  not protected: {line}")

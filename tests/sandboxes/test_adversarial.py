@@ -236,3 +236,122 @@ def test_planted_symlinks_do_not_expose_host_files(make_sandbox_for):
             pass
     assert not os.path.exists(f"/etc/{marker}") and not os.path.exists(f"/root/{marker}")
     still_works(sb)
+
+
+# ---- what outlives a run: the warm executor, bubblewrap's init, the leased uid ----------------
+TAMPER = r"""
+import ctypes, json, os
+libc = ctypes.CDLL(None, use_errno=True)
+reached = []
+for entry in os.listdir('/proc'):
+    if not entry.isdigit() or int(entry) == os.getpid():
+        continue
+    pid = int(entry)
+    try:
+        name = open(f'/proc/{pid}/comm').read().strip()
+    except OSError:
+        continue
+    if libc.ptrace(16, pid, 0, 0) == 0:  # PTRACE_ATTACH
+        reached.append(f'ptrace {pid} {name}')
+        libc.ptrace(17, pid, 0, 0)
+    try:
+        os.close(os.open(f'/proc/{pid}/mem', os.O_RDWR))
+        reached.append(f'mem {pid} {name}')
+    except OSError:
+        pass
+    buf = ctypes.create_string_buffer(8)
+    local = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
+    if libc.process_vm_writev(pid, local, 1, local, 1, 0) >= 0 or ctypes.get_errno() not in (1, 13, 38):
+        reached.append(f'process_vm_writev {pid} {name}')
+child = os.fork()
+if child == 0:
+    import time; time.sleep(30); os._exit(0)
+own = libc.ptrace(16, child, 0, 0)
+print(json.dumps({'reached': reached, 'own_child_ptrace': own, 'errno': ctypes.get_errno()}))
+os.kill(child, 9)
+"""
+
+
+def test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten(make_sandbox_for):
+    """A pooled sandbox's PID 1 (the warm executor, or bubblewrap's init) outlives the run; were it
+    attachable, code injected into it would tamper with the next user's files and results."""
+    sb = make_sandbox_for()
+    r = sb.run(["python3", "-c", TAMPER], timeout=20)
+    assert r.ok, r
+    probe = __import__("json").loads(r.stdout)
+    # a one-shot bwrap run's own init lives and dies with that run: the only process it may reach
+    reached = [x for x in probe["reached"] if not (make_sandbox_for.kind == "bwrap" and x.endswith(" 1 bwrap"))]
+    assert reached == [], f"sandboxed code could attach to or write into other processes: {reached}"
+    if make_sandbox_for.kind != "docker":  # the local seccomp filter denies ptrace even on one's own child
+        assert probe["own_child_ptrace"] == -1 and probe["errno"] == errno.EPERM, probe
+    still_works(sb)
+
+
+@pytest.mark.parametrize("signal_name", ["SIGSTOP", "SIGKILL"])
+def test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next(make_sandbox_for, signal_name):
+    sb = make_sandbox_for()
+    attack = (f"import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit() and int(p) != os.getpid():\n"
+              f"        try: os.kill(int(p), signal.{signal_name})\n        except OSError: pass\nprint('done')\n")
+    r = sb.run(["python3", "-c", attack], timeout=20)
+    # the run is reported as what it was (finished, or killed), never as a 20 s timeout
+    assert not r.timed_out, r
+    for _ in range(2):
+        r = sb.run(["echo", "next user"], timeout=20)
+        assert r.ok and r.stdout == "next user\n" and not r.timed_out, r
+    sb.reset()
+    still_works(sb)
+
+
+@pytest.mark.parametrize("compromise", ["traced", "stopped"])
+def test_reset_replaces_an_executor_it_cannot_verify(make_sandbox_for, compromise):
+    """``reset()`` checks what it spares; a traced or stopped executor (as a compromised spared
+    process would be) is replaced, with fresh namespaces, instead of being handed to the next user."""
+    import ctypes
+    import signal
+
+    if make_sandbox_for.kind != "warm":
+        pytest.skip("only the warm executor is spared across runs")
+    sb = make_sandbox_for()
+    before = sb._executor.host_pid  # type: ignore[attr-defined]
+    if compromise == "traced":
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.ptrace(0x4206, before, 0, 0) == 0, ctypes.get_errno()  # PTRACE_SEIZE: traced, still running
+    else:
+        os.kill(before, signal.SIGSTOP)
+    sb.reset()
+    assert sb._executor is not None and sb._executor.host_pid != before  # type: ignore[attr-defined]
+    still_works(sb)
+
+
+def test_the_host_session_keyring_is_out_of_reach(make_sandbox_for):
+    import ctypes
+
+    if os.uname().machine != "x86_64":
+        pytest.skip("syscall numbers below are x86_64's")
+    libc = ctypes.CDLL(None, use_errno=True)
+    desc = f"envhub-test-{uuid.uuid4().hex}"
+    key = libc.syscall(248, b"user", desc.encode(), b"host-secret", 11, ctypes.c_int(-3))  # add_key to @s
+    if key < 0:
+        pytest.skip(f"cannot add a key to this process's session keyring (errno {ctypes.get_errno()})")
+    try:
+        sb = make_sandbox_for()
+        reader = (f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(64)\n"
+                  f"n = libc.syscall(250, 11, {key}, buf, 64)\nprint(n, buf.raw[:max(n, 0)])\n"
+                  f"print(open('/proc/keys').read().count('{desc}'))\n")
+        r = sb.run(["python3", "-c", reader], timeout=20)
+        assert "host-secret" not in r.stdout and desc not in r.stdout, r
+        assert r.ok and r.stdout.splitlines()[-1] == "0", r
+    finally:
+        libc.syscall(250, 21, key)  # KEYCTL_INVALIDATE
+
+
+def test_no_host_path_shows_in_mounts_or_process_lines(make_sandbox_for):
+    if make_sandbox_for.kind == "docker":
+        pytest.skip("docker's own layout (overlay paths) is the engine's; see sandboxes/docker.py")
+    sb = make_sandbox_for()
+    host_dir = str(sb.dir)  # type: ignore[attr-defined]
+    r = sb.run("cat /proc/self/mountinfo; for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done",
+               timeout=20)
+    assert r.ok, r
+    leaks = [line for line in r.stdout.splitlines() if host_dir in line and "for p in" not in line]
+    assert leaks == [], f"host paths visible inside the sandbox: {leaks}"
