@@ -18,6 +18,7 @@ For each: p50/p99 latency of one call at concurrency 1, and calls/s at concurren
 (threads). Docker paths use ``--docker-host`` or a private dockerd this script starts (root).
 
     python benchmarks/sandbox_latency.py [--ops 40] [--command true] [--docker-host unix:///...]
+        [--paths local-warm,local-reset] [--no-seccomp] [--no-docker]
 
 Last line: ``local_warm_p50: X ms``.
 """
@@ -78,9 +79,16 @@ def main() -> None:
     parser.add_argument("--command", default="true", help="the command every path runs (argv, split on spaces)")
     parser.add_argument("--docker-host", default=None, help="engine URL; default: start a private dockerd (root)")
     parser.add_argument("--no-docker", action="store_true", help="skip the docker paths")
+    parser.add_argument("--no-seccomp", action="store_true",
+                        help="run the local paths without the seccomp filter (to measure what it costs)")
     parser.add_argument("--paths", default="", help="comma-separated subset of paths to measure (default: all)")
     args = parser.parse_args()
     argv = args.command.split()
+    if args.no_seccomp:
+        from sandboxes import _seccomp
+
+        _seccomp._compiled.cache_clear()  # noqa: SLF001
+        _seccomp._compiled = lambda: (None, "disabled by --no-seccomp")  # type: ignore[assignment]  # noqa: SLF001
 
     paths: dict[str, Callable[[], None]] = {}
     cleanups: list[Callable[[], None]] = []

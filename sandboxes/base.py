@@ -84,7 +84,8 @@ class Limits:
     network: bool = False
     """Whether the program may use the network at all."""
     disk_mb: int = 256
-    """Size of the writable scratch directory and of ``/tmp`` (each a size-capped tmpfs)."""
+    """Size of each writable tmpfs (scratch, ``/tmp``, ``/dev/shm``); SysV shared memory and
+    POSIX message queues are capped by it too where a backend allows them."""
 
     def __post_init__(self) -> None:
         for name in ("wall_time_s", "cpu_time_s"):

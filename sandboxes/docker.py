@@ -1,31 +1,74 @@
 """``docker``: one container per sandbox, driven through the ``docker`` SDK (``pip install docker``).
 
-``start()`` creates a container from ``image`` that just sleeps (under ``docker-init``);
-each ``run`` is a ``docker exec`` wrapped so that, when it returns, every other process of the
-run's uid is killed (``kill -9 -1``); a timeout does the same from a second exec.
+``start()`` creates a container from ``image`` that just sleeps (under ``docker-init``, uid
+65534); each ``run`` is a ``docker exec`` of the program itself as uid 1000, with no wrapper
+process it could kill or stop. When the run ends (exit, timeout, output cap), a second exec
+SIGKILLs every process of uid 1000 and returns once none runs. ``reset()`` does the same for
+both uids and deletes everything they own; what it cannot delete or verify costs a new container.
 
-Protects against (adversarial tests in ``tests/sandboxes/test_adversarial.py``, marked ``docker``):
+Protects against (``DockerSandbox.PROTECTS`` is the same list; ``envhub sandbox info`` prints
+it). Tests are in ``tests/sandboxes/`` (docker params, marked ``docker``): ``adv`` =
+``test_adversarial.py``, ``reuse`` = ``test_reuse.py``, ``contract`` = ``test_contract.py``.
 
 - **Infinite loops**: wall-clock deadline, then SIGKILL of every process of the run's uid;
   RLIMIT_CPU (``ulimits``) as a second bound.
-- **Fork bombs**: ``pids_limit`` (cgroup) on the container.
+  (adv::test_infinite_loop_is_killed_at_the_wall_time_limit, adv::test_cpu_time_limit_kills_a_busy_program)
+- **Fork bombs**: ``pids_limit`` (cgroup) = ``max_processes`` + docker-init and the sleep.
+  (adv::test_fork_bomb_is_capped_and_returns_in_bounded_time)
 - **Memory bombs**: ``mem_limit`` = ``memswap_limit`` (cgroup, no swap); OOM kills are read
-  from the engine's ``oom`` events and reported as ``oom_killed``.
-- **Disk fill**: root filesystem read-only; ``/sandbox`` and ``/tmp`` are size-capped tmpfs;
-  RLIMIT_FSIZE caps each file.
+  from the engine's ``oom`` events. (adv::test_memory_bomb_is_oom_killed_and_reported)
+- **Disk fill**: root filesystem read-only; every writable place (``/sandbox``, ``/tmp``,
+  ``/dev/shm``) is a tmpfs of ``disk_mb`` each; RLIMIT_FSIZE caps each file. SysV shared
+  memory is capped at ``disk_mb`` in all (``kernel.shmmax``/``shmall`` of the container's own
+  IPC namespace) and destroyed once no process holds it (``kernel.shm_rmid_forced``); POSIX
+  message queues hold at most ``min(disk_mb, 800 KiB)`` (RLIMIT_MSGQUEUE).
+  (adv::test_disk_fill_in_scratch_and_tmp_stops_at_the_cap, reuse::test_every_writable_tmpfs_is_capped_at_disk_mb,
+  reuse::test_sysv_shared_memory_is_capped_at_disk_mb, reuse::test_posix_message_queues_hold_at_most_disk_mb)
 - **Output floods**: ``max_output_bytes`` per stream, then the run is killed.
+  (adv::test_output_flood_is_truncated_and_the_run_stopped)
 - **Network egress**: ``network_mode="none"`` (only a loopback of its own).
+  (adv::test_network_egress_to_loopback_and_outside_fails)
 - **Reading host files**: only the image's files (and ``volumes=`` you pass) are visible.
+  (adv::test_host_files_are_not_readable)
 - **Writing outside scratch**: read-only root, unprivileged uid 1000, all capabilities
-  dropped, ``no-new-privileges``.
-- **Orphans, signals**: the container's PID namespace; leftover processes of a run are killed
-  when it returns. **Env leakage**: exec gets ``BASE_ENV`` + ``env=`` only.
+  dropped, ``no-new-privileges``. (adv::test_writes_outside_scratch_fail_and_tmp_is_private)
+- **Orphans**: nothing of a run outlives it, even a daemon that killed its parent first: the
+  cleanup is an exec of its own, from outside the run.
+  (adv::test_background_processes_do_not_survive_a_timeout,
+  reuse::test_a_process_left_behind_is_dead_when_the_run_returns)
+- **Signals and tampering**: the container's PID namespace; the run's uid owns no process but
+  the run's own, so stopping, killing or ptrace-ing everything it sees touches only itself, and
+  the run is reported as what it was, not as a timeout.
+  (adv::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill,
+  adv::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten,
+  adv::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next)
+- **Kernel objects across ``reset()``**: an IPC namespace per container (``ipc_mode="private"``);
+  ``reset()`` removes SysV message queues, semaphores and shared memory (``ipcrm``), POSIX
+  message queues and the files in every writable place (``find -delete``), then checks.
+  (reuse::test_ipc_objects_do_not_reach_the_next_user, reuse::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user,
+  contract::test_reset_empties_scratch)
+- **Keyrings** (not namespaced: uid 1000's user keyring is shared by every container and the
+  host's uid 1000): the engine's default seccomp profile denies ``add_key``/``keyctl``/
+  ``request_key``; ``start()`` refuses a container that has no seccomp filter, no
+  no-new-privileges or any capability in its bounding set (``SandboxUnavailableError``).
+  (adv::test_the_host_session_keyring_is_out_of_reach, reuse::test_keyring_syscalls_are_denied,
+  reuse::test_keys_do_not_reach_the_next_user_or_a_later_sandbox)
+- **Env leakage**: exec gets ``BASE_ENV`` + ``env=`` only. (adv::test_host_environment_does_not_leak)
+- **Host file tricks**: planted symlinks resolve inside the container only; bad paths raise
+  ``SandboxFileError``. (adv::test_planted_symlinks_do_not_expose_host_files,
+  reuse::test_an_over_long_path_raises_sandbox_file_error)
 
-Does NOT protect against: kernel exploits (the default seccomp profile applies, nothing more),
-a compromised or remote engine, images that ship secrets. Persistent sessions run as uid
-1001 (group 1000) so a ``run``'s cleanup does not kill them. ``exit_code`` follows the 128+N
-convention like every backend. Interrupting one session command (instead of restarting the
-session) needs the engine on this host (it finds the process via ``/proc``).
+Does NOT protect against: kernel exploits through what the engine's default seccomp profile
+allows (``start()`` sees only that *a* filter is on, so a permissive default profile passes), a
+compromised or remote engine, images that ship secrets. Every sandbox of an engine runs as the
+same uids, so per-uid kernel counters are shared between containers: inotify instances (while
+a run holds them) and POSIX message queue bytes (until ``reset()``) of one sandbox count
+against the others. A container's network namespace lasts across ``reset()`` (nothing a
+killed process bound there survives it); a writable ``volumes=`` mount is not emptied by it.
+Persistent sessions run as uid 1001 (group 1000) so a ``run``'s cleanup does not kill them.
+``exit_code`` follows the 128+N convention like every backend. Interrupting one session
+command (instead of restarting the session) needs the engine on this host (it finds the
+process via ``/proc``). A run costs two execs (the program, then its cleanup), ``reset()`` two.
 """
 
 from __future__ import annotations
@@ -42,7 +85,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from sandboxes.base import ExecResult, Limits, Sandbox, Session, _decode
+from sandboxes.base import ExecResult, Limits, Protection, Sandbox, Session, _decode
 from sandboxes.errors import SandboxConfigError, SandboxError, SandboxFileError, SandboxUnavailableError
 
 __all__ = ["DockerSandbox"]
@@ -50,7 +93,31 @@ __all__ = ["DockerSandbox"]
 RUN_USER, SESSION_USER, KEEPALIVE_USER = "1000:1000", "1001:1000", "65534:65534"
 """Runs, sessions and the container's sleeping main process each have a uid, so ``kill -9 -1``
 as one of them (a run's cleanup) never touches the others."""
-_WRAP = 'umask 002; "$@"; rc=$?; kill -9 -1 2>/dev/null; exit $rc'
+_WRAP = 'umask 002; exec "$@"'
+"""The program *is* the exec's process: no wrapper of its uid that it could kill or stop."""
+_KILL_ALL = ('kill -9 -1 2>/dev/null; '
+             'while read -r k v _; do [ "$k" = Uid: ] && me=$v && break; done </proc/$$/status; i=0; '
+             'while [ $i -lt 2000 ]; do i=$((i+1)); left=; for f in /proc/[0-9]*/status; do '
+             '[ "$f" = /proc/$$/status ] && continue; s=; while read -r k v _; do case $k in State:) s=$v;; '
+             'Uid:) [ "$v" = "$me" ] && [ "$s" != Z ] && left=$f; break;; esac; done 2>/dev/null <"$f"; done; '
+             '[ -z "$left" ] && break; done')
+"""SIGKILL every process of the caller's uid, then wait (a bounded busy wait; the shell's
+builtins only) until none of them runs any more: each is gone or a zombie. (``kill -0 -1``
+cannot tell: it succeeds while any process of the namespace exists, signalable or not.)"""
+WRITABLE = (Sandbox.workdir, "/tmp", "/dev/shm", "/dev/mqueue")
+"""Everything a run can write (each size-capped); ``reset()`` empties all of them."""
+_CLEAN = _KILL_ALL + "; ipcrm --all 2>/dev/null; find " + " ".join(WRITABLE) + " -mindepth 1 -delete 2>&1"
+_NO_IPC_LEFT = ('n=0; for f in /proc/sysvipc/msg /proc/sysvipc/sem /proc/sysvipc/shm; do '
+                'while read -r line; do n=$((n+1)); done < $f; done; '
+                '[ $n -le 3 ] || { echo "SysV IPC objects left"; exit 1; }')
+"""Each /proc/sysvipc file has one header line: more than three lines in all means objects."""
+_SETUP = ('chmod 2770 "$1" || exit 1; '
+          'while read -r k v _; do case $k in Seccomp:) s=$v;; NoNewPrivs:) n=$v;; CapBnd:) b=$v;; esac; '
+          'done < /proc/self/status; [ "$s" = 2 ] && [ "$n" = 1 ] && [ "$b" = 0000000000000000 ] || '
+          '{ echo "Seccomp: ${s:-?}, NoNewPrivs: ${n:-?}, CapBnd: ${b:-?}"; exit 3; }')
+"""Group-writable scratch (sessions, uid 1001 group 1000, share it with runs), and proof that
+the engine applied what the docstring promises: a seccomp filter (mode 2), no-new-privileges,
+an empty capability bounding set."""
 _GRACE_S = 2.0
 
 
@@ -131,6 +198,56 @@ class DockerSandbox(Sandbox):
     """
 
     backend = "docker"
+    PROTECTS = tuple(Protection(name, how, tuple(f"tests/sandboxes/{t}" for t in tests)) for name, how, tests in (
+        ("infinite loops", "wall-clock deadline, then SIGKILL of the run's uid; RLIMIT_CPU",
+         ("test_adversarial.py::test_infinite_loop_is_killed_at_the_wall_time_limit",
+          "test_adversarial.py::test_cpu_time_limit_kills_a_busy_program")),
+        ("fork bombs", "pids cgroup of the container",
+         ("test_adversarial.py::test_fork_bomb_is_capped_and_returns_in_bounded_time",)),
+        ("memory bombs", "memory cgroup, no swap; OOM read from engine events",
+         ("test_adversarial.py::test_memory_bomb_is_oom_killed_and_reported",)),
+        ("disk fill", "read-only root; /sandbox, /tmp, /dev/shm: tmpfs of disk_mb; SysV shm <= disk_mb; "
+         "RLIMIT_MSGQUEUE; RLIMIT_FSIZE",
+         ("test_adversarial.py::test_disk_fill_in_scratch_and_tmp_stops_at_the_cap",
+          "test_reuse.py::test_every_writable_tmpfs_is_capped_at_disk_mb",
+          "test_reuse.py::test_sysv_shared_memory_is_capped_at_disk_mb",
+          "test_reuse.py::test_posix_message_queues_hold_at_most_disk_mb")),
+        ("output floods", "max_output_bytes per stream, then the run is killed",
+         ("test_adversarial.py::test_output_flood_is_truncated_and_the_run_stopped",)),
+        ("network egress", "network_mode=none: only a loopback of its own",
+         ("test_adversarial.py::test_network_egress_to_loopback_and_outside_fails",)),
+        ("reading host files", "only the image's files and the volumes you pass",
+         ("test_adversarial.py::test_host_files_are_not_readable",)),
+        ("writing outside scratch", "read-only root, uid 1000, no capabilities, no-new-privileges",
+         ("test_adversarial.py::test_writes_outside_scratch_fail_and_tmp_is_private",)),
+        ("orphans", "an exec of its own SIGKILLs the run's uid after every run",
+         ("test_adversarial.py::test_background_processes_do_not_survive_a_timeout",
+          "test_reuse.py::test_a_process_left_behind_is_dead_when_the_run_returns")),
+        ("signals and tampering", "PID namespace; the run's uid owns no process but the run's own",
+         ("test_adversarial.py::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill",
+          "test_adversarial.py::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten",
+          "test_adversarial.py::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next")),
+        ("kernel objects across reset", "IPC namespace per container; reset() removes SysV IPC, POSIX "
+         "queues and files, then checks",
+         ("test_reuse.py::test_ipc_objects_do_not_reach_the_next_user",
+          "test_reuse.py::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user",
+          "test_contract.py::test_reset_empties_scratch")),
+        ("keyrings", "default seccomp profile denies the keyring syscalls; start() checks the filter is on",
+         ("test_adversarial.py::test_the_host_session_keyring_is_out_of_reach",
+          "test_reuse.py::test_keyring_syscalls_are_denied",
+          "test_reuse.py::test_keys_do_not_reach_the_next_user_or_a_later_sandbox")),
+        ("env-var leakage", "BASE_ENV plus what the caller passes",
+         ("test_adversarial.py::test_host_environment_does_not_leak",)),
+        ("host file tricks", "symlinks resolve inside the container; bad paths raise SandboxFileError",
+         ("test_adversarial.py::test_planted_symlinks_do_not_expose_host_files",
+          "test_reuse.py::test_an_over_long_path_raises_sandbox_file_error")),
+    ))
+    NOT_PROTECTED = (
+        "kernel exploits through what the engine's default seccomp profile allows (a permissive one passes start())",
+        "a compromised or remote engine; images that ship secrets",
+        "per-uid kernel counters (inotify instances, POSIX message queue bytes) are shared by all containers",
+        "a container's network namespace and writable volumes= mounts last across reset()",
+    )
 
     def __init__(self, *, limits: Limits | None = None, image: str = "python:3.11-slim", client: Any = None,
                  base_url: str | None = None, volumes: Mapping[str, Any] | None = None, cpus: float = 1.0,
@@ -171,13 +288,17 @@ class DockerSandbox(Sandbox):
                    docker.types.Ulimit(name="fsize", soft=lim.max_file_size_mb << 20, hard=lim.max_file_size_mb << 20),
                    docker.types.Ulimit(name="core", soft=0, hard=0),
                    docker.types.Ulimit(name="nofile", soft=1024, hard=1024)]
+        disk = lim.disk_mb << 20
+        ulimits.append(docker.types.Ulimit(name="msgqueue", soft=min(disk, 800 << 10), hard=min(disk, 800 << 10)))
+        ipc_caps = {"kernel.shmmax": str(disk), "kernel.shmall": str(disk // os.sysconf("SC_PAGE_SIZE")),
+                    "kernel.shm_rmid_forced": "1"}  # SysV shm: disk_mb in all; gone once no process holds it
         try:
             self.container = self._client.containers.run(
                 self.image, ["sleep", "infinity"], detach=True, init=True, user=KEEPALIVE_USER,
                 working_dir=self.workdir, hostname="sandbox", read_only=True,
-                network_mode=None if lim.network else "none",
-                mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m",
-                pids_limit=lim.max_processes + 3,
+                network_mode=None if lim.network else "none", ipc_mode="private", shm_size=f"{lim.disk_mb}m",
+                sysctls=ipc_caps, mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m",
+                pids_limit=lim.max_processes + 2,  # + docker-init and the keep-alive sleep
                 nano_cpus=int(self.cpus * 1e9), cap_drop=["ALL"], security_opt=["no-new-privileges"],
                 ulimits=ulimits, environment={}, labels={"envhub.sandbox": self.id}, volumes=self.volumes,
                 tmpfs={self.workdir: f"rw,exec,size={lim.disk_mb}m,uid=1000,gid=1000",
@@ -187,11 +308,18 @@ class DockerSandbox(Sandbox):
                 with contextlib.suppress(Exception):
                     leftover.remove(force=True)
             raise SandboxError(f"could not start a container from {self.image!r}: {e}") from e
-        # group-writable scratch, so sessions (uid 1001, group 1000) share it with runs
-        setup = self._quick(["chmod", "2770", self.workdir], user=RUN_USER)
+        setup = self._quick(["/bin/sh", "-c", _SETUP, "envhub", self.workdir], user=RUN_USER)
+        if setup.exit_code == 3:
+            self._stop()
+            raise SandboxUnavailableError(
+                f"the engine did not confine the container as this backend requires ({setup.stdout.strip()}; "
+                "wanted Seccomp: 2, NoNewPrivs: 1, CapBnd: 0000000000000000). Without a seccomp filter, keyring "
+                "syscalls reach the per-uid keyrings that every container and the host share: use an engine "
+                "with seccomp support (`docker info` lists name=seccomp) and no seccomp=unconfined default.")
         if setup.exit_code != 0:
             self._stop()
-            raise SandboxError(f"could not prepare {self.workdir} in image {self.image!r}: {setup.stderr.strip()}")
+            raise SandboxError(f"could not prepare {self.workdir} in image {self.image!r}: "
+                               f"{(setup.stderr or setup.stdout).strip()}")
 
     def _kill_running(self) -> None:
         container = self.container
@@ -206,10 +334,11 @@ class DockerSandbox(Sandbox):
             self.container = None
 
     def _reset(self) -> None:
-        for user in (SESSION_USER, RUN_USER):
-            self._quick(["kill", "-9", "-1"], user=user)
-        r = self._quick(["sh", "-c", f"find {self.workdir} /tmp -mindepth 1 -delete 2>&1"], user=RUN_USER)
-        if r.exit_code != 0:  # something it cannot delete: start over with a new container
+        """Kill both users' processes and delete what each owns (files, SysV IPC, POSIX queues);
+        if anything is left (a file it cannot delete, no ``ipcrm`` in the image), a new container."""
+        self._quick(["/bin/sh", "-c", _CLEAN], user=SESSION_USER)
+        r = self._quick(["/bin/sh", "-c", f"{_CLEAN} && {_NO_IPC_LEFT}"], user=RUN_USER)
+        if r.exit_code != 0:
             self._stop()
             self._start()
 
@@ -229,8 +358,9 @@ class DockerSandbox(Sandbox):
                            kill_user=user)
 
     def _kill_user(self, user: str) -> None:
+        """SIGKILL every process of ``user``; returns once none of them runs (5 s at most)."""
         with contextlib.suppress(SandboxError):
-            stream = self._exec_stream(["kill", "-9", "-1"], env={}, user=user)
+            stream = self._exec_stream(["/bin/sh", "-c", _KILL_ALL], env={}, user=user)
             deadline = time.monotonic() + 5
             while not stream.eof and time.monotonic() < deadline:
                 stream.frames(0.2)
@@ -245,24 +375,31 @@ class DockerSandbox(Sandbox):
             stream.send(stdin, deadline)
         stream.close_stdin()
         bufs = {1: bytearray(), 2: bytearray()}
-        timed_out = truncated = False
+        timed_out = truncated = exited = False
         killer: _ExecStream | None = None
         give_up: float | None = None
+        poll_every, next_poll = 0.02, t0 + 0.02
         try:
             while not stream.eof:
                 now = time.monotonic()
                 if killer is None and now >= deadline:
                     timed_out = True
-                if killer is None and (timed_out or truncated):
+                if killer is None and not (timed_out or truncated) and now >= next_poll:
+                    # the program exited but something it started still holds the output open
+                    exited = not self._running(stream.exec_id)
+                    poll_every = min(0.25, poll_every * 2)
+                    next_poll = now + poll_every
+                if killer is None and (timed_out or truncated or exited):
                     # kill from a second exec, and keep draining this one: the engine stalls
                     # new execs while an exec's output is left unread
                     with contextlib.suppress(SandboxError):
-                        killer = self._exec_stream(["kill", "-9", "-1"], env={}, user=kill_user)
+                        killer = self._exec_stream(["/bin/sh", "-c", _KILL_ALL], env={}, user=kill_user)
                         killer.close_stdin()
                     give_up = time.monotonic() + _GRACE_S
                 if give_up is not None and now >= give_up:
                     break
-                for kind, data in stream.frames(min(0.5, max(0.0, (give_up or deadline) - now))):
+                wait = (give_up or min(deadline, next_poll)) - now
+                for kind, data in stream.frames(min(0.5, max(0.0, wait))):
                     buf = bufs.get(kind, bufs[2])
                     room = max_bytes - len(buf)
                     buf += data[:max(0, room)]
@@ -279,6 +416,12 @@ class DockerSandbox(Sandbox):
         return ExecResult(exit_code=code, stdout=_decode(bytes(bufs[1])), stderr=_decode(bytes(bufs[2])),
                           wall_time_s=wall, timed_out=timed_out, oom_killed=oom, output_truncated=truncated,
                           cpu_time_exceeded=code == 152 and not timed_out)
+
+    def _running(self, exec_id: str) -> bool:
+        try:
+            return bool(self.api.exec_inspect(exec_id).get("Running"))
+        except Exception:  # noqa: BLE001 - engine hiccup: keep waiting for the stream or the deadline
+            return True
 
     def _exit_code(self, exec_id: str) -> int:
         for _ in range(100):
@@ -298,8 +441,11 @@ class DockerSandbox(Sandbox):
             return False
 
     def _exec(self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]) -> ExecResult:
-        return self._drive(["/bin/sh", "-c", _WRAP, "envhub", *argv], user=RUN_USER, env=env, stdin=stdin,
-                           timeout=timeout, max_bytes=self.limits.max_output_bytes, kill_user=RUN_USER)
+        try:
+            return self._drive(["/bin/sh", "-c", _WRAP, "envhub", *argv], user=RUN_USER, env=env, stdin=stdin,
+                               timeout=timeout, max_bytes=self.limits.max_output_bytes, kill_user=RUN_USER)
+        finally:  # from outside the run: nothing it did can skip this
+            self._kill_user(RUN_USER)
 
     # ---- files -----------------------------------------------------------------------------
     def _write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:

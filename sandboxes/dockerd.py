@@ -2,9 +2,9 @@
 
 ``private_dockerd()`` starts ``dockerd`` as root with its own data root, exec root and
 socket, no iptables and no bridge (so it touches nothing of the host's networking), waits for
-it, and stops it by pid on exit. ``import_host_image()`` builds an image with ``docker import``
-from a tiny rootfs whose ``/usr`` is meant to be bind-mounted read-only from the host
-(``volumes=HOST_USR_RO``), so no registry is needed.
+it, and stops it by pid on exit, detaching whatever it left mounted. ``import_host_image()``
+builds an image with ``docker import`` from a tiny rootfs whose ``/usr`` is meant to be
+bind-mounted read-only from the host (``volumes=HOST_USR_RO``), so no registry is needed.
 """
 
 from __future__ import annotations
@@ -76,7 +76,22 @@ def private_dockerd(start_timeout: float = 40.0) -> Iterator[str]:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        _unmount_under(root)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _unmount_under(root: Path) -> None:
+    """Detach what a dockerd left mounted below ``root``: it bind-mounts its data root onto
+    itself, and one that dies while starting (or is SIGKILLed) leaves that and its containers'
+    mounts behind, which ``rmtree`` cannot remove."""
+    import ctypes
+
+    prefix = f"{root}/"
+    with open("/proc/self/mounts") as mounts:
+        points = [line.split()[1] for line in mounts if line.split()[1].startswith(prefix)]
+    libc = ctypes.CDLL(None, use_errno=True)
+    for point in sorted(points, key=len, reverse=True):  # innermost first
+        libc.umount2(point.encode(), 2)  # MNT_DETACH
 
 
 def _rootfs_tar() -> bytes:
