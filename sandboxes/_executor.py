@@ -23,7 +23,9 @@ except the executor. Nothing the sandboxed code can reach outlives a run:
 - the OOM killer never picks it.
 
 ``verify()`` checks what a reset spares (nothing but the executor and its launcher left in the
-cgroup, neither traced nor stopped, the executor still under its seccomp filter); the sandbox
+cgroup, neither traced nor stopped, the executor still under its seccomp filter, and what its
+runs inherit from it — rlimits, nice, CPU affinity, scheduling policy, which a run of the same
+uid can change through ``prlimit``/``setpriority``/``sched_*`` — as it was at start); the sandbox
 starts a fresh executor, in fresh namespaces, when it fails. If the executor dies or is
 stopped anyway, the host notices (socket EOF, or its state in ``/proc``), reports the run as
 killed rather than timed out, and the next run starts a new one.
@@ -119,6 +121,7 @@ class WarmExecutor:
         self.sock: socket.socket | None = None
         self.host_pid = 0
         self.spare: set[int] = set()
+        self._baseline: dict[str, str] = {}
 
     @property
     def alive(self) -> bool:
@@ -148,6 +151,7 @@ class WarmExecutor:
             raise SandboxError(f"the warm executor did not start: {err.strip() or 'not found'}")
         with contextlib.suppress(OSError):
             Path(f"/proc/{self.host_pid}/oom_score_adj").write_text("-1000")
+        self._baseline = self._inherited()
         self.spare = {self.host_pid}  # and its ancestors up to the launcher (bwrap, its init...)
         pid = self.host_pid
         while pid != self.proc.pid and pid > 1:
@@ -163,6 +167,19 @@ class WarmExecutor:
             return Path(f"/proc/{self.host_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             return "X"
+
+    def _inherited(self) -> dict[str, str]:
+        """What every run forked by the executor inherits from it and a run of the same uid could
+        change through its pid (``prlimit``, ``setpriority``, ``sched_setaffinity``,
+        ``sched_setscheduler``): rlimits, nice, CPU affinity, scheduling policy."""
+        try:
+            stat = Path(f"/proc/{self.host_pid}/stat").read_text().rsplit(")", 1)[1].split()
+            status = Path(f"/proc/{self.host_pid}/status").read_text()
+            limits = Path(f"/proc/{self.host_pid}/limits").read_text()
+        except (OSError, IndexError):
+            return {}
+        cpus = next((line for line in status.splitlines() if line.startswith("Cpus_allowed_list:")), "")
+        return {"limits": limits, "nice": stat[16], "policy": stat[38], "cpus": cpus}
 
     def verify(self, present: set[int], *, seccomp: bool) -> str | None:
         """Why the processes a reset spares cannot be trusted with the next user (None if they can).
@@ -186,6 +203,9 @@ class WarmExecutor:
                 return f"spared process {pid} is {status['State'].strip()}"
             if pid == self.host_pid and seccomp and status.get("Seccomp", "0").strip() != "2":
                 return "the executor runs without its seccomp filter"
+        changed = [k for k, v in self._inherited().items() if self._baseline.get(k) != v]
+        if changed:  # e.g. a run lowered its rlimits or CPU share: every later run would inherit them
+            return f"a run changed what the executor passes to later runs: {', '.join(changed)}"
         return None
 
     def stop(self) -> None:

@@ -41,7 +41,8 @@ it). Tests are in ``tests/sandboxes/`` (docker params, marked ``docker``): ``adv
   the run is reported as what it was, not as a timeout.
   (adv::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill,
   adv::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten,
-  adv::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next)
+  adv::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next,
+  adv::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user)
 - **Kernel objects across ``reset()``**: an IPC namespace per container (``ipc_mode="private"``);
   ``reset()`` removes SysV message queues, semaphores and shared memory (``ipcrm``), POSIX
   message queues and the files in every writable place (``find -delete``), then checks.
@@ -226,7 +227,8 @@ class DockerSandbox(Sandbox):
         ("signals and tampering", "PID namespace; the run's uid owns no process but the run's own",
          ("test_adversarial.py::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill",
           "test_adversarial.py::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten",
-          "test_adversarial.py::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next")),
+          "test_adversarial.py::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next",
+          "test_adversarial.py::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user")),
         ("kernel objects across reset", "IPC namespace per container; reset() removes SysV IPC, POSIX "
          "queues and files, then checks",
          ("test_reuse.py::test_ipc_objects_do_not_reach_the_next_user",

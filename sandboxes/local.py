@@ -44,10 +44,12 @@ property; ``envhub sandbox info`` prints it with what is active on this host). T
   (adv::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill)
 - **Tampering with what outlives a run** (the warm executor): it is PID 1 of its namespace and
   non-dumpable, ``ptrace``/``process_vm_*`` are denied by seccomp, and ``reset()`` verifies it
-  (not traced, not stopped, still filtered, alone in the cgroup) or starts a fresh one.
+  (not traced, not stopped, still filtered, alone in the cgroup, and the rlimits, nice, CPU
+  affinity and scheduling policy its runs inherit unchanged) or starts a fresh one.
   (adv::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten,
   adv::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next,
-  adv::test_reset_replaces_an_executor_it_cannot_verify)
+  adv::test_reset_replaces_an_executor_it_cannot_verify,
+  adv::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user)
 - **Kernel objects across ``reset()``**: POSIX message queues (a private ``/dev/mqueue``),
   ``/dev/shm`` and ``/tmp`` are emptied, or the namespaces are new; SysV IPC is denied.
   (reuse::test_ipc_objects_do_not_reach_the_next_user, reuse::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user)
@@ -165,7 +167,8 @@ class LocalSandbox(Sandbox):
          "reset() verifies it or starts a fresh one",
          ("test_adversarial.py::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten",
           "test_adversarial.py::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next",
-          "test_adversarial.py::test_reset_replaces_an_executor_it_cannot_verify")),
+          "test_adversarial.py::test_reset_replaces_an_executor_it_cannot_verify",
+          "test_adversarial.py::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user")),
         ("kernel objects across reset", "private /dev/mqueue, /dev/shm and /tmp emptied; SysV IPC denied",
          ("test_reuse.py::test_ipc_objects_do_not_reach_the_next_user",
           "test_reuse.py::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user")),

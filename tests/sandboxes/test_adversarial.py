@@ -355,3 +355,36 @@ def test_no_host_path_shows_in_mounts_or_process_lines(make_sandbox_for):
     assert r.ok, r
     leaks = [line for line in r.stdout.splitlines() if host_dir in line and "for p in" not in line]
     assert leaks == [], f"host paths visible inside the sandbox: {leaks}"
+
+
+INHERITED = ("import os, resource, json\nprint(json.dumps([resource.getrlimit(resource.RLIMIT_NOFILE), "
+             "resource.getrlimit(resource.RLIMIT_FSIZE), os.getpriority(os.PRIO_PROCESS, 0), "
+             "sorted(os.sched_getaffinity(0)), os.sched_getscheduler(0)]))")
+SABOTAGE = r"""
+import os, resource
+for pid in [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:
+    for change in (lambda: resource.prlimit(pid, resource.RLIMIT_NOFILE, (16, 16)),
+                   lambda: resource.prlimit(pid, resource.RLIMIT_FSIZE, (1, 1)),
+                   lambda: os.setpriority(os.PRIO_PROCESS, pid, 19),
+                   lambda: os.sched_setaffinity(pid, {min(os.sched_getaffinity(0))}),
+                   lambda: os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))):
+        try:
+            change()
+        except OSError:
+            pass
+"""
+
+
+def test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user(make_sandbox_for):
+    """rlimits, nice, affinity and scheduling policy are inherited from the process that starts a
+    run; were it reachable by ``prlimit``/``setpriority``/``sched_*`` from a run of the same uid,
+    user 1 could make user 2's programs fail or time out (sabotage across episodes)."""
+    sb = make_sandbox_for()
+    before = sb.run(["python3", "-c", INHERITED], timeout=20)
+    assert before.ok, before
+    assert sb.run(["python3", "-c", SABOTAGE], timeout=20).exit_code == 0
+    sb.reset()
+    after = sb.run(["python3", "-c", INHERITED], timeout=20)
+    assert after.ok and after.stdout == before.stdout, f"user 1 changed what user 2 inherits: {after.stdout} " \
+                                                       f"(was {before.stdout})"
+    still_works(sb)
