@@ -364,8 +364,8 @@ class WeightSyncConfig(Section):
     """``shared_memory`` (colocated: each trainer rank writes its shards into shared-memory buckets kept
     across syncs - one host copy of the model; gathered CUDA IPC on GPU), ``broadcast`` (a collective group between
     trainer rank 0 and the inference workers), or ``auto``: shared memory when they share a host."""
-    bucket_mb: float = Field(256.0, gt=0)
-    """Largest bucket in MiB; must hold the largest single tensor (the error says the size needed)."""
+    bucket_mb: float | None = Field(None, gt=0)
+    """Largest bucket in MiB; must hold the largest single tensor. None: 256, or the largest tensor when bigger."""
     only_changed: bool = False
     """Send only tensors that changed since the last sync (costs one host copy of the model)."""
 
@@ -556,6 +556,8 @@ class TrainerConfig(Section):
 
 def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
     """Sharded training strategies and the weight sync: layouts that cannot run, with the fix."""
+    from trainer.weights.buckets import largest_tensor
+
     problems = []
     actor = cfg.roles.actor_train
     for name in ("actor_train", "reference", "critic"):
@@ -579,6 +581,11 @@ def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
                     "roles.actor_train.strategy_args.pipeline_parallel_size",
                     f"{pp!r}: tensor_parallel_size x pipeline_parallel_size must divide the role's "
                     f"{actor.world_size} workers (its device_mapping)"))
+    largest = largest_tensor(cfg.model.path, cfg.model.dtype) if cfg.model.path else None
+    if cfg.weight_sync.bucket_mb is not None and largest and largest[1] > cfg.weight_sync.bucket_mb * 2**20:
+        problems.append(Problem("weight_sync.bucket_mb", (
+            f"{cfg.weight_sync.bucket_mb:g} MiB cannot hold {largest[0]} of {cfg.model.path} ({largest[1] / 2**20:.1f} "
+            f"MiB in {cfg.model.dtype}); set weight_sync.bucket_mb >= {-(-largest[1] // 2**20)} or leave it unset")))
     if cfg.weight_sync.only_changed and cfg.rollout.engine == "vllm":
         problems.append(Problem(
             "weight_sync.only_changed",

@@ -146,14 +146,14 @@ class AgenticPipeline:
             batch["values"] = self.roles.critic.compute_values(batch)["values"]
 
     def compute_advantages(self, batch: Batch) -> None:
-        from trainer.algos.advantages import compute_advantages
-        from trainer.algos.losses import kl_estimate
+        from trainer.algos.advantages import compute_advantages, kl_penalised_rewards
 
         algo, loss = self.cfg.algorithm, self.cfg.algorithm.loss
         token_rewards, scores = batch["token_rewards"], batch["scores"]
         if loss.kl_coef > 0 and loss.kl_mode == "penalty":
-            kl = kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], loss.kl_estimator) * batch["response_mask"]
-            token_rewards, scores = token_rewards - loss.kl_coef * kl, scores - loss.kl_coef * kl.sum(-1)
+            token_rewards, scores = kl_penalised_rewards(token_rewards, scores, batch["old_logprobs"],
+                                                         batch["ref_logprobs"], batch["response_mask"],
+                                                         loss.kl_coef, loss.kl_estimator)
         advantages, returns = compute_advantages(
             _ESTIMATORS.get(algo.advantage_estimator, algo.advantage_estimator),  # type: ignore[arg-type]
             response_mask=batch["response_mask"], token_rewards=token_rewards, scores=scores,

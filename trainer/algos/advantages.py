@@ -27,6 +27,7 @@ __all__ = [
     "compute_advantages",
     "gae",
     "grpo",
+    "kl_penalised_rewards",
     "masked_whiten",
     "reinforce_plus_plus",
     "rloo",
@@ -143,6 +144,28 @@ def reinforce_plus_plus(
         running = torch.where(on, current, running)
         returns[:, t] = torch.where(on, current, torch.zeros_like(current))
     return masked_whiten(returns, mask) if whiten else returns
+
+
+def kl_penalised_rewards(
+    token_rewards: torch.Tensor,
+    scores: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    estimator: str = "k3",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``algorithm.loss.kl_mode: penalty``: the KL to the reference folded into the rewards.
+
+    Per policy token ``r_t - kl_coef * KL_t`` (``losses.kl_estimate`` of the sampling log-probs
+    against the reference's); each episode's score loses ``kl_coef * sum_t KL_t``, so
+    score-based estimators (GRPO, RLOO) see the same penalty as token-reward ones (GAE).
+    Returns ``(token_rewards, scores)``, both new tensors.
+    """
+    from trainer.algos.losses import kl_estimate
+
+    kl = kl_estimate(old_logprobs, ref_logprobs, estimator) * response_mask  # type: ignore[arg-type]
+    return token_rewards - kl_coef * kl, scores - kl_coef * kl.sum(-1)
 
 
 def compute_advantages(

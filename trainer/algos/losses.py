@@ -7,6 +7,11 @@ that ``aggregate`` alone decides how tokens and sequences are weighted:
 ``token-mean``           sum(loss * mask) / sum(mask)          every token counts the same
 ``seq-mean-token-mean``  mean_i [ sum_t loss * mask / sum_t mask ]   every episode the same
 ``seq-mean-token-sum``   mean_i [ sum_t loss * mask ]          long episodes count more
+
+The mean is over the whole *step* (every micro-batch, accumulation step and data-parallel
+rank), not over one micro-batch: a strategy weighs each micro-batch's ``aggregate`` by its
+share of the step's ``aggregation_units`` (tokens for ``token-mean``, sequences with at least
+one response token for ``seq-mean-*``; ``trainer.strategies.distributed.micro_batch_scales``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ __all__ = [
     "KLEstimator",
     "PolicyLossKind",
     "aggregate",
+    "aggregation_units",
     "entropy_from_logits",
     "gspo_loss",
     "kl_estimate",
@@ -46,6 +52,23 @@ def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: AggregationMode = "t
         return (per_seq_sum / mask.sum(dim=-1).clamp(min=1.0) * has_tokens).sum() / seqs
     if mode == "seq-mean-token-sum":
         return (per_seq_sum * has_tokens).sum() / seqs
+    raise ValueError(
+        f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum'"
+    )
+
+
+def aggregation_units(mask: torch.Tensor, mode: AggregationMode = "token-mean") -> torch.Tensor:
+    """What ``aggregate`` averages over in ``mask`` (a 0-d float): response tokens for
+    ``token-mean``, sequences with at least one response token for ``seq-mean-*``.
+
+    A micro-batch's ``aggregate`` times its units, summed over the step and divided by the
+    step's units, is the ``aggregate`` of the whole step: how strategies make the mean global.
+    """
+    mask = mask.float()
+    if mode == "token-mean":
+        return mask.sum()
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return (mask.sum(dim=-1) > 0).float().sum()
     raise ValueError(
         f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum'"
     )

@@ -124,7 +124,13 @@ class ForwardOutput:
 
 
 LossFn = Callable[[ForwardOutput, Mapping[str, "torch.Tensor"]], tuple["torch.Tensor", dict[str, float]]]
-"""``loss_fn(outputs, micro_batch) -> (scalar loss, metrics)``: what a worker trains on."""
+"""``loss_fn(outputs, micro_batch) -> (scalar loss, metrics)``: what a worker trains on.
+
+The loss is the micro-batch's own aggregate (``trainer.algos.losses.aggregate``); an optional
+``loss_fn.agg_mode`` attribute names the mode (default ``token-mean``). The strategy weighs each
+micro-batch by its share of the step's tokens (or sequences) over every micro-batch,
+accumulation step and data-parallel rank (``distributed.micro_batch_scales``), so the step's
+gradient is that of the mean over the whole step."""
 
 
 @runtime_checkable

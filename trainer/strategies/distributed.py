@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["all_max", "backend_for", "ensure_process_group", "free_port", "gather_group_rows", "resolve_device",
-           "shutdown_process_group", "split_micro_batches"]
+__all__ = ["all_max", "backend_for", "ensure_process_group", "free_port", "gather_group_rows",
+           "micro_batch_scales", "resolve_device", "shutdown_process_group", "split_micro_batches"]
 
 
 def free_port() -> int:
@@ -109,6 +109,34 @@ def split_micro_batches(batch: Mapping[str, torch.Tensor], size: int, device: to
             dummy["_dummy"] = dummy["input_ids"].new_ones(())
             micros.append(dummy)
     return micros
+
+
+def micro_batch_scales(micros: list[dict[str, torch.Tensor]], per_step: int, mode: str = "token-mean", *,
+                       group: object = None, replicas: int = 1) -> list[float]:
+    """What each micro-batch's loss is multiplied by before ``backward``, so that an optimiser
+    step's gradient is that of the loss aggregated over the *whole step* (``trainer.algos.losses``).
+
+    ``scale = units / units of its step * replicas``: ``units`` is what ``mode`` averages over
+    (response tokens, or sequences), summed over the ``per_step`` micro-batches of the same
+    optimiser step on every rank of ``group`` (one ``all_reduce``; ranks hold equally many
+    micro-batches, see ``split_micro_batches``); ``replicas`` undoes the gradient *average* over
+    data-parallel replicas (FSDP's reduce-scatter, Megatron's all-reduce). Dummy micro-batches
+    weigh 0. Per-micro-batch means averaged instead would weigh a 2-token row like a 200-token one.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from trainer.algos.losses import aggregation_units
+
+    units = [0.0 if "_dummy" in m else float(aggregation_units(m.get("response_mask", m["attention_mask"]), mode))
+             for m in micros]
+    totals = torch.zeros(-(-len(micros) // per_step), dtype=torch.float64)
+    for index, value in enumerate(units):
+        totals[index // per_step] += value
+    if replicas > 1:
+        dist.all_reduce(totals, group=group)
+    return [value / float(totals[index // per_step]) * replicas if value else 0.0
+            for index, value in enumerate(units)]
 
 
 def gather_group_rows(batch: Mapping[str, torch.Tensor], group: object, size: int

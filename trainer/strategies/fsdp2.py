@@ -46,6 +46,7 @@ from trainer.strategies.base import ForwardOutput, LossFn
 from trainer.strategies.distributed import (
     ensure_process_group,
     gather_group_rows,
+    micro_batch_scales,
     resolve_device,
     split_micro_batches,
 )
@@ -250,6 +251,9 @@ class FSDP2TrainStrategy:
         micros = self._micro_batches(batch)
         real = sum(1 for m in micros if "_dummy" not in m)
         per_step = self.grad_accumulation or len(micros)
+        dp_size = self.world_size // self.tp_size
+        scales = micro_batch_scales(micros, per_step, getattr(loss_fn, "agg_mode", "token-mean"),
+                                    group=self.mesh.get_group(), replicas=dp_size)
         totals: dict[str, float] = {}
         steps = 0
         self.model.train()
@@ -270,7 +274,7 @@ class FSDP2TrainStrategy:
                         f"the loss became {loss.item()} on rank {self.rank} (metrics {metrics}); the update was "
                         "not applied. Lower train.lr, raise the loss clip, or check the rewards"
                     )
-                (loss / len(group)).backward()
+                (loss * scales[first + index]).backward()
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value / max(real, 1)
             norm = self._clip()

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.errors import NonFiniteLossError
 from trainer.strategies.base import ForwardOutput, LossFn
-from trainer.strategies.distributed import split_micro_batches
+from trainer.strategies.distributed import micro_batch_scales, split_micro_batches
 from trainer.strategies.offload import Residency, state_movers
 
 if TYPE_CHECKING:
@@ -120,13 +120,14 @@ class HFTrainStrategy:
         self.residency.require("params", "optimizer")
         micros = list(self._micro_batches(batch))
         per_step = self.grad_accumulation or len(micros)
+        scales = micro_batch_scales(micros, per_step, getattr(loss_fn, "agg_mode", "token-mean"))
         totals: dict[str, float] = {}
         steps = 0
         self.model.train()
         for first in range(0, len(micros), per_step):
             group = micros[first:first + per_step]
             self.optimizer.zero_grad(set_to_none=True)
-            for micro in group:
+            for index, micro in enumerate(group):
                 loss, metrics = loss_fn(self._run(micro, with_entropy), micro)
                 if not torch.isfinite(loss):
                     self.optimizer.zero_grad(set_to_none=True)
@@ -134,7 +135,7 @@ class HFTrainStrategy:
                         f"the loss became {loss.item()} (metrics {metrics}); the update was not applied. "
                         "Lower train.lr, raise algorithm.loss.clip/grad clipping, or check the rewards"
                     )
-                (loss / len(group)).backward()
+                (loss * scales[first + index]).backward()
                 for key, value in metrics.items():
                     totals[key] = totals.get(key, 0.0) + value / len(micros)
             norm = self._clip()

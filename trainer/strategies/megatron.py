@@ -61,6 +61,7 @@ from trainer.strategies.base import ForwardOutput, LossFn
 from trainer.strategies.distributed import (
     ensure_process_group,
     gather_group_rows,
+    micro_batch_scales,
     resolve_device,
     split_micro_batches,
 )
@@ -249,6 +250,8 @@ class MegatronTrainStrategy:
         micros = self._micro_batches(union)
         real = sum(1 for m in micros if "_dummy" not in m)
         per_step = self.grad_accumulation or len(micros)
+        scales = micro_batch_scales(micros, per_step, getattr(loss_fn, "agg_mode", "token-mean"),
+                                    group=self.dp_group, replicas=self.dp_size)
         totals: dict[str, float] = {}
         steps = 0
         self.model.train()
@@ -256,14 +259,14 @@ class MegatronTrainStrategy:
             group = micros[first:first + per_step]
             self.optimizer.zero_grad(set_to_none=True)
             if self.pp_size > 1:
-                _, losses = self._pipeline(group, with_entropy, loss_fn=loss_fn)
+                _, losses = self._pipeline(group, with_entropy, loss_fn=loss_fn, scales=scales[first:first + per_step])
             else:
                 losses = []
-                for micro in group:
+                for index, micro in enumerate(group):
                     loss, metrics = self._micro_loss(self._run(micro, with_entropy), micro, loss_fn)
                     losses.append((float(loss.detach()), metrics))
                     if math.isfinite(losses[-1][0]):
-                        (loss / len(group)).backward()
+                        (loss * scales[first + index]).backward()
             for value, metrics in losses:
                 if not math.isfinite(value):
                     self.optimizer.zero_grad(set_to_none=True)
@@ -294,13 +297,13 @@ class MegatronTrainStrategy:
             return out.logprobs.sum() * 0.0, {}
         return loss_fn(out, micro)
 
-    def _pipeline(self, micros: list[dict[str, torch.Tensor]], with_entropy: bool,
-                  loss_fn: LossFn | None) -> tuple[list[ForwardOutput], list[tuple[float, dict[str, float]]]]:
+    def _pipeline(self, micros: list[dict[str, torch.Tensor]], with_entropy: bool, loss_fn: LossFn | None,
+                  scales: list[float] | None = None) -> tuple[list[ForwardOutput], list[tuple[float, dict[str, float]]]]:
         """Run ``micros`` through Megatron-Core's pipeline schedule (PP > 1); a collective over the pipeline.
 
         With ``loss_fn`` it is a training pass (1F1B: forward and backward interleaved, gradients
-        accumulated, each loss scaled by ``1/len(micros)`` like the PP=1 path); without it a
-        forward-only pass. Returns, on *every* stage (broadcast from the last one), the detached
+        accumulated, each loss scaled by its ``scales`` entry like the PP=1 path - times
+        ``len(micros)``, which the schedule divides by); without it a forward-only pass. Returns, on *every* stage (broadcast from the last one), the detached
         per-micro-batch outputs (forward-only) and the ``(loss, metrics)`` of each micro-batch.
         """
         import torch
@@ -315,7 +318,7 @@ class MegatronTrainStrategy:
         outputs: list[ForwardOutput] = []
         losses: list[tuple[float, dict[str, float]]] = []
 
-        def finish(micro: dict[str, torch.Tensor], logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
+        def finish(micro: dict[str, torch.Tensor], logits: torch.Tensor, index: int) -> tuple[torch.Tensor, dict[str, Any]]:
             n, w = micro["input_ids"].shape
             logits = logits[:n, :w]  # the real rows and tokens of this micro-batch
             if self.tp_size > 1:
@@ -330,19 +333,19 @@ class MegatronTrainStrategy:
             losses.append((float(loss.detach()), metrics))
             if not math.isfinite(losses[-1][0]):
                 loss = logprobs.sum() * 0.0  # keep the schedule going on every stage; the step is refused after it
-            return loss, {}
+            return loss * (scales[index] * len(micros) if scales is not None else 1.0), {}
 
         def step(data: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
-            micro = next(data)
+            index, micro = next(data)
             ids = micro["input_ids"]
             ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1], 0, rows - ids.shape[0]))
             positions = torch.arange(width, device=ids.device).expand_as(ids)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.mixed_precision and ids.is_cuda):
                 output = model(input_ids=ids, position_ids=positions, attention_mask=None)
-            return output, lambda logits: finish(micro, logits)
+            return output, lambda logits: finish(micro, logits, index)
 
         get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(micros), model=[self.model], num_microbatches=len(micros),
+            forward_step_func=step, data_iterator=iter(enumerate(micros)), model=[self.model], num_microbatches=len(micros),
             seq_length=width, micro_batch_size=rows, forward_only=loss_fn is None)
         shared: list[Any] = [(outputs, losses)]
         dist.broadcast_object_list(shared, src=mpu.get_pipeline_model_parallel_last_rank(), group=self.pp_group)

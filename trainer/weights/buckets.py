@@ -24,7 +24,7 @@ from trainer.weights.errors import BucketTooSmallError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALIGN", "Bucket", "TensorMeta", "group_tensors", "iter_buckets", "pack", "plan_buckets"]
+__all__ = ["ALIGN", "Bucket", "TensorMeta", "group_tensors", "iter_buckets", "largest_tensor", "pack", "plan_buckets"]
 
 ALIGN = 64
 """Byte alignment of each tensor inside a bucket (any dtype's views stay aligned)."""
@@ -73,6 +73,27 @@ def _too_small(name: str, nbytes: int, bucket_bytes: int) -> BucketTooSmallError
         f"least {_aligned(nbytes):,} bytes ({_aligned(nbytes) / 2**20:.2f} MiB), e.g. weight_sync.bucket_mb="
         f"{-(-_aligned(nbytes) // 2**20)}"
     )
+
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def largest_tensor(model_path: str, dtype: str) -> tuple[str, int] | None:
+    """``(name, bytes)`` of the largest tensor of the checkpoint at ``model_path`` as trained in
+    ``dtype``, read from its ``config.json`` (embedding or MLP matrix; no weights loaded), or
+    None when there is no readable HF config there. Lets the config check a bucket size early."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        hidden = int(config["hidden_size"])
+        shapes = {"model.embed_tokens.weight": int(config["vocab_size"]) * hidden,
+                  "model.layers.0.mlp.up_proj.weight": int(config.get("intermediate_size", 0)) * hidden}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    name = max(shapes, key=shapes.__getitem__)
+    return name, shapes[name] * _DTYPE_BYTES.get(dtype, 4)
 
 
 def plan_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:

@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["SenderState", "ShardSender", "SyncReport", "WeightReceiver", "WeightReceiverCluster", "WeightSync",
-           "plan_shared_buckets"]
+           "auto_bucket_bytes", "plan_shared_buckets"]
 
 Transport = Literal["auto", "shared_memory", "broadcast"]
 
@@ -136,6 +136,17 @@ class SenderState:
         except BaseException:
             self.group, self.group_address = None, None  # a broken group is never reused
             raise
+
+
+DEFAULT_BUCKET_MB = 256.0
+"""The bucket size when ``weight_sync.bucket_mb`` is unset and every tensor fits in it."""
+
+
+def auto_bucket_bytes(sizes: Iterable[tuple[str, int]]) -> int:
+    """``weight_sync.bucket_mb`` unset: 256 MiB, or the largest tensor (aligned) when it is bigger
+    (Qwen2.5-0.5B's bf16 embedding is 260 MiB), so a default config never fails at the first sync."""
+    largest = max((nbytes for _, nbytes in sizes), default=0)
+    return max(int(DEFAULT_BUCKET_MB * 2**20), -(-largest // ALIGN) * ALIGN)
 
 
 def plan_shared_buckets(layout: ShardLayout, bucket_bytes: int) -> list[SharedBucket]:
@@ -381,13 +392,14 @@ class WeightSync:
     """The driver's weight sync from an ``ActorCluster`` into an ``InferCluster`` (see the module docstring)."""
 
     def __init__(self, actor: Any, infer: Any, engine: Any = None, *, transport: Transport = "auto",
-                 bucket_mb: float = 256.0, only_changed: bool = False, timeout_s: float = 300.0) -> None:
+                 bucket_mb: float | None = None, only_changed: bool = False, timeout_s: float = 300.0) -> None:
         if transport not in ("auto", "shared_memory", "broadcast"):
             raise ValueError(f"weight_sync.transport={transport!r}; use 'auto', 'shared_memory' or 'broadcast'")
-        if bucket_mb <= 0:
+        if bucket_mb is not None and bucket_mb <= 0:
             raise BucketTooSmallError(f"weight_sync.bucket_mb must be positive, got {bucket_mb}")
         self.actor, self.infer, self.engine = actor, infer, engine
-        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.bucket_mb = bucket_mb
+        self.bucket_bytes = int((bucket_mb or DEFAULT_BUCKET_MB) * 2**20)
         self.only_changed, self.timeout_s = only_changed, timeout_s
         self.transport = self._resolve(transport)
         self.version = 0
@@ -415,6 +427,8 @@ class WeightSync:
         version = self.version + 1
         started = time.perf_counter()
         self._phases: dict[str, float] = {}
+        if self.bucket_mb is None and self._sizes is None:  # automatic: large enough for the largest tensor
+            self.check_buckets()
         if self.transport == "shared_memory":
             tensors, nbytes, buckets = self._sync_shared(version)
         else:
@@ -519,6 +533,8 @@ class WeightSync:
         """
         if self._sizes is None:
             self._sizes = [tuple(item) for item in self._trainer_call(self.actor.weight_sizes)]
+            if self.bucket_mb is None:
+                self.bucket_bytes = auto_bucket_bytes(self._sizes)
         plan_buckets(self._sizes, self.bucket_bytes)
 
     def _sync_broadcast(self, version: int) -> tuple[int, int, int]:

@@ -105,7 +105,11 @@ def _build(cls: type, name: str, model: Any, kwargs: dict[str, Any], args: dict[
 
 
 def ppo_loss_fn(loss: Mapping[str, Any]):  # noqa: ANN201 - returns a LossFn closure
-    """The policy loss closure for ``strategy.train_step`` built from a ``LossConfig`` dump."""
+    """The policy loss closure for ``strategy.train_step`` built from a ``LossConfig`` dump.
+
+    Every term (policy loss with IS weights, KL to the reference, entropy bonus) is aggregated
+    with ``agg_mode`` over this micro-batch; ``compute.agg_mode`` tells the strategy how to weigh
+    micro-batches so that the mean is over the whole step (``trainer.algos.losses``)."""
     from trainer.algos.losses import aggregate, kl_estimate, policy_loss
 
     def compute(out: ForwardOutput, mb: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -131,6 +135,7 @@ def ppo_loss_fn(loss: Mapping[str, Any]):  # noqa: ANN201 - returns a LossFn clo
                 total = total - loss["entropy_coef"] * entropy
         return total, metrics
 
+    compute.agg_mode = loss["agg_mode"]  # type: ignore[attr-defined]  # the strategy weighs micro-batches by it
     return compute
 
 
