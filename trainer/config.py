@@ -25,10 +25,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from trainer.devices import AutoDeviceMapping, DevicePlan
 from trainer.errors import ConfigError, Problem
+from trainer.strategies.registry import INFERENCE_ENGINES, StrategySpec, engine_spec, train_strategy_spec
 
 __all__ = [
     "Section",
@@ -160,8 +161,9 @@ class RolloutConfig(Section):
     """Sampling temperature for training rollouts (0 is greedy)."""
     top_p: float = Field(1.0, gt=0, le=1)
     """Nucleus sampling mass."""
-    engine: Literal["hf", "vllm"] = "hf"
-    """Inference engine for ``actor_infer``: embedded torch generation or vLLM."""
+    engine: str = "hf"
+    """Inference engine for ``actor_infer`` (``trainer.strategies.registry.INFERENCE_ENGINES``):
+    ``hf`` (embedded torch generation) or ``vllm``."""
     mode: Literal["batch", "sync", "async"] = "batch"
     """``batch``: each step plays its groups together and waits for the last one; ``sync``: the
     rollout scheduler, on-policy (a batch is taken as soon as enough groups finish; redundancy,
@@ -184,6 +186,12 @@ class RolloutConfig(Section):
     recorded as failed and replayed on a fresh env, then replaced); None waits as long as it
     takes. Setting it runs local envs' calls in threads, so even an env whose ``step`` blocks
     is bounded (in every rollout mode); a pool (``env.pool_workers``) also kills such a worker."""
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        engine_spec(name)  # ValueError: the engines that exist, and "did you mean"
+        return name
 
     @model_validator(mode="after")
     def _scheduler_options_need_the_scheduler(self) -> RolloutConfig:
@@ -519,7 +527,7 @@ class TrainerConfig(Section):
     def _cross_section(self) -> TrainerConfig:
         if self.roles.actor_infer.strategy is None:
             self.roles.actor_infer.strategy = self.rollout.engine
-        elif "engine" not in self.rollout.model_fields_set and self.roles.actor_infer.strategy in ("hf", "vllm"):
+        elif "engine" not in self.rollout.model_fields_set and self.roles.actor_infer.strategy in INFERENCE_ENGINES:
             self.rollout.engine = self.roles.actor_infer.strategy  # either key selects the engine
         for _, role in self.roles.items():
             if role.strategy is None:
@@ -562,13 +570,13 @@ def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
     actor = cfg.roles.actor_train
     for name in ("actor_train", "reference", "critic"):
         role = getattr(cfg.roles, name)
-        if (name in cfg.active_roles and role.strategy in ("fsdp2", "megatron") and role.world_size > 1
+        if (name in cfg.active_roles and _train_spec(role.strategy).sharded and role.world_size > 1
                 and cfg.cluster.backend == "local"):
             problems.append(Problem(
                 "cluster.backend",
                 f"{name} strategy {role.strategy!r} on {role.world_size} workers needs one process per rank; "
                 "'local' runs workers as threads of one process - set cluster.backend: ray"))
-    if actor.strategy in ("megatron", "fsdp2"):
+    if _train_spec(actor.strategy).tensor_parallel:
         tp = actor.strategy_args.get("tensor_parallel_size", 1)
         if not isinstance(tp, int) or tp < 1 or actor.world_size % tp:
             problems.append(Problem(
@@ -586,11 +594,20 @@ def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
         problems.append(Problem("weight_sync.bucket_mb", (
             f"{cfg.weight_sync.bucket_mb:g} MiB cannot hold {largest[0]} of {cfg.model.path} ({largest[1] / 2**20:.1f} "
             f"MiB in {cfg.model.dtype}); set weight_sync.bucket_mb >= {-(-largest[1] // 2**20)} or leave it unset")))
-    if cfg.weight_sync.only_changed and cfg.rollout.engine == "vllm":
+    if cfg.weight_sync.only_changed and not engine_spec(cfg.rollout.engine).partial_weights:
         problems.append(Problem(
             "weight_sync.only_changed",
             "vLLM reloads whole layers, so every sync must carry every tensor; set weight_sync.only_changed: false"))
     return problems
+
+
+def _train_spec(name: str | None) -> StrategySpec:
+    """The registry row of a training role's strategy; an unknown name (refused when the worker
+    builds it) declares no capability."""
+    try:
+        return train_strategy_spec(name)
+    except ValueError:
+        return StrategySpec(str(name), "")
 
 
 def _unknown_env_ids(ids: list[str]) -> list[Problem]:

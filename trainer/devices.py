@@ -39,18 +39,15 @@ __all__ = [
     "AutoDeviceMapping",
     "Offloadable",
     "Colocation",
-    "STRATEGY_CAN_OFFLOAD",
     "default_can_offload",
 ]
 
-STRATEGY_CAN_OFFLOAD: dict[str, bool] = {"hf": True, "fsdp2": True, "megatron": True, "vllm": True, "function": True}
-"""Known strategies and whether they can move their state off the devices. ``trainer.strategies``
-may pass its own answer as ``AutoDeviceMapping(can_offload=...)``."""
-
-
 def default_can_offload(strategy: str) -> bool | None:
-    """Whether ``strategy`` can offload; None when this module does not know the strategy."""
-    return STRATEGY_CAN_OFFLOAD.get(strategy)
+    """Whether ``strategy`` can offload, as ``trainer.strategies.registry`` declares it; None when
+    the registry does not know the strategy. A caller may pass its own ``AutoDeviceMapping(can_offload=...)``."""
+    from trainer.strategies.registry import can_offload
+
+    return can_offload(strategy)
 
 
 class RoleSpec(Protocol):

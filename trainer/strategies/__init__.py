@@ -1,11 +1,13 @@
 """Engines and training strategies behind the ``InferenceEngine`` / ``TrainStrategy`` protocols.
 
-``hf_engine.HFEngine`` (torch generation) and ``hf.HFTrainStrategy`` (plain torch, CPU or one
-GPU) are the embedded defaults; ``trainer.workers.infer.make_engine`` and
-``trainer.workers.actor.make_train_strategy`` pick one by name, so fsdp2/megatron/vllm plug in
-behind the same protocols without the workers changing.
+``base`` holds the protocols and ``BaseTrainStrategy`` (the shared train loop); ``registry`` is
+the one table of names (``make_train_strategy`` / ``make_engine`` build by name). Training:
+``hf`` (plain torch, CPU or one GPU; the embedded default), ``fsdp2``, ``megatron`` (with
+``megatron_convert``, ``megatron_model``, ``megatron_cpu_shim``); inference: ``hf_engine``
+(the default) and ``vllm_engine`` (``vllm_platform``, ``vllm_worker``). ``distributed``,
+``offload`` and ``parallel_errors`` are what the strategies share.
 """
 
 from __future__ import annotations
 
-__all__ = ["base", "hf", "hf_engine"]
+__all__ = ["base", "hf", "hf_engine", "registry"]

@@ -12,6 +12,8 @@ torch on CPU or one GPU); vLLM, FSDP2 and Megatron-Core implement the same proto
     new token ids (the stop token included when one ended the turn) and the log-probability
     of each under the sampling distribution. Many requests are in flight at once; the engine
     batches them (continuous batching in vLLM, batch-what-is-queued in ``hf``).
+``generate_batch(requests) -> list[GenerationResult]``
+    The same for a whole batch at once, in order, blocking (what a worker rank serves).
 ``async abort(request_id)``
     Stop a request; its ``generate`` returns what it had with ``finish_reason="abort"``.
     Unknown or finished ids are ignored.
@@ -37,24 +39,58 @@ move state off and back onto the device around colocated phases (``trainer.strat
 tracked no-ops on CPU; a call that needs an offloaded state reloads it first). In a sharded
 strategy (``fsdp2``, ``megatron``) ``full_weights``, ``state_dict`` and ``save_pretrained`` are
 *collectives*: every rank calls them; rank 0 receives the full tensors (and writes the folder).
+``set_lr(lr)`` changes the learning rate of every parameter group (the SFT stage, LR schedules).
+
+``BaseTrainStrategy`` - the shared loop every training strategy is built on
+---------------------------------------------------------------------------
+The public methods (``train_step``, ``forward``, ``set_lr``, ``offload``/``reload``) live here
+once and call small hooks, the way ``sandboxes.base.Sandbox`` calls ``_start/_exec/_stop``.
+What a strategy module implements:
+
+``__init__(model, *, device=..., <its options>, **common)``
+    ``super().__init__(**common)`` (``TrainOptions``), lay the model out, set ``self.model`` and
+    ``self.device``, then ``self._init_optimizer(owner)``: AdamW, freezing and ``residency``.
+``_run(micro, with_entropy) -> ForwardOutput``
+    One micro-batch forward (gradients recorded when enabled).
+``_clip() -> float``
+    The global gradient norm before clipping, after clipping to ``max_grad_norm``.
+``full_weights`` / ``state_dict`` / ``load_state_dict`` / ``save_pretrained``
+    The model's layout decides them (collectives in a sharded strategy).
+
+Optional hooks, no-ops or the single-device answer by default: ``_configure`` (a classmethod:
+refuse a layout the strategy cannot run, fill defaults), ``_group_rows`` (the rows
+model-parallel peers share), ``_forward_micros`` / ``_accumulate`` (how micro-batches run, e.g.
+a pipeline schedule), ``_on_micro_batch`` and ``_reduce_gradients``. Set ``collective = True``
+when ranks run collectives together: micro-batch counts are then padded to agree. The
+strategy's name and capabilities live in ``trainer.strategies.registry``, one line per strategy.
 """
 
 from __future__ import annotations
 
+import abc
+import inspect
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Self, TypedDict, runtime_checkable
+
+from trainer.errors import NonFiniteLossError
+from trainer.strategies.distributed import micro_batch_scales, resolve_device, split_micro_batches
+from trainer.strategies.offload import Residency, state_movers
+from trainer.strategies.parallel_errors import ParallelConfigError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "BaseTrainStrategy",
     "FinishReason",
     "GenerationRequest",
     "GenerationResult",
     "InferenceEngine",
     "ForwardOutput",
     "LossFn",
+    "TrainOptions",
     "TrainStrategy",
     "Weights",
 ]
@@ -98,6 +134,8 @@ class InferenceEngine(Protocol):
 
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...
 
+    def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]: ...
+
     async def abort(self, request_id: str) -> None: ...
 
     def update_weights(self, weights: Weights) -> None: ...
@@ -137,6 +175,9 @@ gradient is that of the mean over the whole step."""
 class TrainStrategy(Protocol):
     """A way to run and train a model (see the module docstring)."""
 
+    residency: Residency
+    """Which states are on the device, and the history of offload/reload moves."""
+
     def forward(self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False) -> ForwardOutput: ...
 
     def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]: ...
@@ -149,6 +190,243 @@ class TrainStrategy(Protocol):
 
     def save_pretrained(self, path: str) -> None: ...
 
+    def set_lr(self, lr: float) -> None: ...
+
     def offload(self, *, params: bool = True, optimizer: bool = True) -> None: ...
 
     def reload(self) -> None: ...
+
+
+class TrainOptions(TypedDict, total=False):
+    """The settings every training strategy takes (``BaseTrainStrategy.__init__``)."""
+
+    lr: float
+    weight_decay: float
+    max_grad_norm: float | None
+    micro_batch_size: int
+    grad_accumulation: int | None
+    """Micro-batches per optimiser step; None: one step over the whole batch."""
+    trainable: bool
+    """False freezes the model (a reference policy): no optimiser, no ``train_step``."""
+    kind: Literal["lm", "value"]
+    """``value``: the model returns ``values`` of shape ``(B, T)`` (a critic) instead of logits."""
+
+
+class BaseTrainStrategy(abc.ABC):
+    """The shared train loop, forward, learning rate and offload (see the module docstring)."""
+
+    name: ClassVar[str]
+    """The strategy's name in ``trainer.strategies.registry.TRAIN_STRATEGIES``."""
+    collective: ClassVar[bool] = False
+    """Ranks run forward/backward collectives together: pad micro-batch counts to agree."""
+    rank: int = 0
+    world_size: int = 1
+    dp_group: Any = None
+    """The data-parallel group micro-batch weights are summed over (None: this rank alone)."""
+    dp_size: int = 1
+    model: Any
+    device: str
+    residency: Residency
+
+    def __init__(self, *, lr: float = 1e-4, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
+                 micro_batch_size: int = 8, grad_accumulation: int | None = None, trainable: bool = True,
+                 kind: Literal["lm", "value"] = "lm") -> None:
+        self.lr, self.weight_decay, self.trainable, self.kind = lr, weight_decay, trainable, kind
+        self.micro_batch_size, self.grad_accumulation, self.max_grad_norm = micro_batch_size, grad_accumulation, max_grad_norm
+        self.optimizer: torch.optim.Optimizer | None = None
+
+    # ------------------------------------------------------------------ building from a config
+    @classmethod
+    def create(cls, model: Any, *, world_size: int = 1, strategy_args: Mapping[str, Any] | None = None,
+               **common: Any) -> Self:
+        """``cls(model, **common, **strategy_args)`` for a role of ``world_size`` ranks; a layout it
+        cannot run (``_configure``) or an unknown ``strategy_args`` key is refused with the fix."""
+        args = dict(strategy_args or {})
+        cls._configure(world_size, args, common)
+        accepted = cls.options()
+        unknown = sorted(set(args) - accepted)
+        if unknown:
+            raise ParallelConfigError(
+                f"strategy_args {unknown} are not options of the {cls.name!r} strategy; it takes "
+                f"{sorted(accepted - set(common))}"
+            )
+        return cls(model, **{**common, **args})
+
+    @classmethod
+    def options(cls) -> set[str]:
+        """Every keyword the constructor takes: ``TrainOptions`` and the strategy's own."""
+        own = {name for name, p in inspect.signature(cls.__init__).parameters.items()
+               if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        return (own - {"self", "model"}) | set(TrainOptions.__annotations__)
+
+    @classmethod
+    def _configure(cls, world_size: int, args: dict[str, Any], common: dict[str, Any]) -> None:
+        """Hook: refuse a layout this strategy cannot run on ``world_size`` ranks; fill defaults in place."""
+
+    def _use_device(self, device: str | None, *, cpu_refusal: str | None = None) -> bool:
+        """Set ``self.device`` (``auto``: CUDA when visible); True on CUDA. ``cpu_refusal`` is the
+        message (bad option and fix) for an option that needs CUDA, raised when there is none."""
+        self.device = resolve_device(device)
+        on_cuda = self.device.startswith("cuda")
+        if cpu_refusal is not None and not on_cuda:
+            raise ParallelConfigError(cpu_refusal)
+        return on_cuda
+
+    def _init_optimizer(self, owner: str, *, foreach: bool | None = None,
+                        movers: Mapping[str, Callable[[str], None]] | None = None) -> None:
+        """AdamW over the trainable parameters (or freeze the model) and the offload bookkeeping."""
+        import torch
+
+        if self.trainable:
+            self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.lr,
+                                               weight_decay=self.weight_decay, foreach=foreach)
+        else:
+            self.model.requires_grad_(False)
+        self.model.train(self.trainable)
+        movers = state_movers(self.model, self.optimizer) if movers is None else movers
+        self.residency = Residency(str(self.device), dict(movers), owner=owner)
+
+    # ------------------------------------------------------------------ hooks
+    @abc.abstractmethod
+    def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
+        """One micro-batch forward."""
+
+    @abc.abstractmethod
+    def _clip(self) -> float:
+        """Clip the global gradient norm to ``max_grad_norm``; return the norm before clipping."""
+
+    def _group_rows(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
+        """The rows this rank runs (the union of its model-parallel peers'), and where its own sit."""
+        return dict(batch), slice(None)
+
+    def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """``batch`` in micro-batches on the device; padded in count over ranks when ``collective``."""
+        return split_micro_batches(batch, self.micro_batch_size, self.device, same_count_on_all_ranks=self.collective)
+
+    def _forward_micros(self, micros: list[dict[str, torch.Tensor]], with_entropy: bool) -> list[ForwardOutput]:
+        """Outputs of every micro-batch (no gradients), dummies included."""
+        return [self._run(micro, with_entropy) for micro in micros]
+
+    def _on_micro_batch(self, index: int, count: int) -> None:
+        """Called before micro-batch ``index`` of the ``count`` in one optimiser step."""
+
+    def _micro_loss(self, out: ForwardOutput, micro: Mapping[str, torch.Tensor],
+                    loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, float]]:
+        """The worker's loss on a real micro-batch; a zero-weighted one (same graph) on a dummy."""
+        if "_dummy" in micro:
+            return (out.values if self.kind == "value" else out.logprobs).sum() * 0.0, {}  # type: ignore[union-attr]
+        return loss_fn(out, micro)
+
+    def _accumulate(self, group: list[dict[str, torch.Tensor]], scales: list[float], loss_fn: LossFn,
+                    with_entropy: bool) -> list[tuple[float, dict[str, float]]]:
+        """Forward and backward of one optimiser step's micro-batches, each loss times its scale;
+        the ``(loss, metrics)`` of each, stopping after the first non-finite loss (no backward)."""
+        losses: list[tuple[float, dict[str, float]]] = []
+        for index, micro in enumerate(group):
+            self._on_micro_batch(index, len(group))
+            loss, metrics = self._micro_loss(self._run(micro, with_entropy), micro, loss_fn)
+            losses.append((float(loss.detach()), metrics))
+            if not math.isfinite(losses[-1][0]):
+                break  # the step is refused: the rest would be wasted work
+            (loss * scales[index]).backward()
+        return losses
+
+    def _reduce_gradients(self) -> None:
+        """Called after a step's backward passes, before clipping (e.g. a data-parallel all-reduce)."""
+
+    # ------------------------------------------------------------------ forward / train
+    def forward(self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False) -> ForwardOutput:
+        """Per-token outputs for this rank's rows, no gradients, padded back to the batch width."""
+        import torch
+
+        self.residency.require("params")
+        width = batch["input_ids"].shape[1]
+        union, mine = self._group_rows(batch)
+        was_training = self.model.training
+        self.model.eval()
+        with torch.no_grad():
+            micros = self._micro_batches(union)
+            outs = self._forward_micros(micros, with_entropy)
+            parts = [out for out, micro in zip(outs, micros, strict=True) if "_dummy" not in micro]
+        self.model.train(was_training)
+        full = union["input_ids"].shape[1]
+
+        def cat(name: str) -> torch.Tensor | None:
+            tensors = [getattr(p, name) for p in parts]
+            if not tensors or tensors[0] is None:
+                return None
+            return torch.cat([torch.nn.functional.pad(t.cpu(), (0, full - t.shape[1])) for t in tensors])[mine, :width]
+
+        return ForwardOutput(logprobs=cat("logprobs"), entropy=cat("entropy"), values=cat("values"))  # type: ignore[arg-type]
+
+    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
+        """One or more optimiser steps over this rank's rows (``grad_accumulation`` micro-batches each)."""
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen model; build the strategy with trainable=True")
+        self.residency.require("params", "optimizer")
+        union, _ = self._group_rows(batch)  # model-parallel peers train on the same rows
+        micros = self._micro_batches(union)
+        real = sum(1 for m in micros if "_dummy" not in m)
+        per_step = self.grad_accumulation or len(micros)
+        scales = micro_batch_scales(micros, per_step, getattr(loss_fn, "agg_mode", "token-mean"),
+                                    group=self.dp_group, replicas=self.dp_size)
+        totals: dict[str, float] = {}
+        steps = 0
+        self.model.train()
+        for first in range(0, len(micros), per_step):
+            step = slice(first, first + per_step)
+            self.optimizer.zero_grad(set_to_none=True)
+            for value, metrics in self._accumulate(micros[step], scales[step], loss_fn, with_entropy):
+                if not math.isfinite(value):
+                    where = f" on rank {self.rank}" if self.collective else ""
+                    self._refuse(f"the loss became {value}{where} (metrics {metrics})",
+                                 "Lower train.lr, raise algorithm.loss.clip/grad clipping, or check the rewards")
+                for key, metric in metrics.items():
+                    totals[key] = totals.get(key, 0.0) + metric / max(real, 1)
+            self._reduce_gradients()
+            norm = self._clip()
+            if not math.isfinite(norm):
+                self._refuse(f"the gradient norm became {norm}", "Lower train.lr or set train.max_grad_norm")
+            self.optimizer.step()
+            steps += 1
+            totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm
+        totals["grad_norm"] = totals.get("grad_norm", 0.0) / max(steps, 1)
+        totals["optimizer_steps"] = float(steps)
+        return totals
+
+    def _refuse(self, what: str, fix: str) -> None:
+        """Drop this step's gradients and raise: the model and optimiser keep their last good state."""
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLossError(f"{what}; the update was not applied. {fix}")
+
+    # ------------------------------------------------------------------ learning rate and residency
+    def set_lr(self, lr: float) -> None:
+        """Change the learning rate of every parameter group (the SFT stage uses its own)."""
+        if self.optimizer is not None:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+
+    def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
+        """Move parameters and/or optimiser state to host memory (colocation); a tracked no-op on CPU.
+
+        See ``trainer.strategies.offload``: the next call that needs a state reloads it.
+        """
+        self.residency.offload(params=params, optimizer=optimizer)
+
+    def reload(self) -> None:
+        """Bring every offloaded state back onto the device."""
+        self.residency.reload()
+
+    # ------------------------------------------------------------------ weights and state (per layout)
+    @abc.abstractmethod
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    @abc.abstractmethod
+    def save_pretrained(self, path: str) -> None: ...

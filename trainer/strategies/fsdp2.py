@@ -39,18 +39,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Unpack
 
-from trainer.errors import NonFiniteLossError
-from trainer.strategies.base import ForwardOutput, LossFn
-from trainer.strategies.distributed import (
-    ensure_process_group,
-    gather_group_rows,
-    micro_batch_scales,
-    resolve_device,
-    split_micro_batches,
-)
-from trainer.strategies.offload import Residency, state_movers
+from trainer.strategies.base import BaseTrainStrategy, ForwardOutput, LossFn, TrainOptions
+from trainer.strategies.distributed import ensure_process_group, gather_group_rows
 from trainer.strategies.parallel_errors import ParallelConfigError
 
 if TYPE_CHECKING:
@@ -102,52 +94,63 @@ def _tensor_parallel(model: Any, mesh: Any, tp: int) -> None:
         parallelize_module(block, mesh, {name: styles[style]() for name, style in TP_PLAN.items()})
 
 
-class FSDP2TrainStrategy:
+def _checkpoint_activations(model: Any) -> None:
+    """HF gradient checkpointing (non-reentrant) on ``model``; refused for a model without it."""
+    if not hasattr(model, "gradient_checkpointing_enable"):
+        raise ParallelConfigError(
+            f"activation_checkpointing needs an HF PreTrainedModel; {type(model).__name__} has no "
+            "gradient_checkpointing_enable()"
+        )
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "config"):
+        model.config.use_cache = False
+
+
+class FSDP2TrainStrategy(BaseTrainStrategy):
     """Runs and trains one model sharded over all ranks (see the module docstring)."""
+
+    name = "fsdp2"
+    collective = True
 
     def __init__(
         self,
         model: Any,
         *,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        max_grad_norm: float | None = 1.0,
-        micro_batch_size: int = 8,
-        grad_accumulation: int | None = None,
-        trainable: bool = True,
-        kind: Literal["lm", "value"] = "lm",
         device: str | None = "auto",
         mixed_precision: bool | None = None,
         activation_checkpointing: bool = False,
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
         tensor_parallel_size: int = 1,
+        **common: Unpack[TrainOptions],
     ) -> None:
-        import torch
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-        self.device = resolve_device(device)
-        on_cuda = self.device.startswith("cuda")
-        if cpu_offload and not on_cuda:
-            raise ParallelConfigError(
-                "fsdp2 cpu_offload=True needs a CUDA device (on CPU the state already lives in host "
-                "memory); drop strategy_args.cpu_offload or train on GPU"
-            )
+        super().__init__(**common)
+        on_cuda = self._use_device(device, cpu_refusal=(
+            "fsdp2 cpu_offload=True needs a CUDA device (on CPU the state already lives in host "
+            "memory); drop strategy_args.cpu_offload or train on GPU") if cpu_offload else None)
         self.rank, self.world_size = ensure_process_group(self.device)
-        self.kind = kind
-        self.micro_batch_size = micro_batch_size
-        self.grad_accumulation = grad_accumulation
-        self.max_grad_norm = max_grad_norm
         self.mixed_precision = on_cuda if mixed_precision is None else bool(mixed_precision)
         self.cpu_offload = cpu_offload
-        self.tp_size = int(tensor_parallel_size)
+        self._build_mesh(model, int(tensor_parallel_size), "cuda" if on_cuda else "cpu")
+        if activation_checkpointing:
+            _checkpoint_activations(model)
+        self._shard(model, reshard_after_forward)
+        if not cpu_offload and not on_cuda:
+            model.to(self.device)
+        self.model = model
+        # with cpu_offload the shards and AdamW state live in host memory already: nothing to move
+        self._init_optimizer(f"fsdp2 rank {self.rank}", foreach=not cpu_offload, movers={} if cpu_offload else None)
+
+    def _build_mesh(self, model: Any, tp_size: int, mesh_device: str) -> None:
+        """The data-parallel mesh FSDP2 shards over, and with TP a tensor-parallel one applied to ``model``."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.tp_size = tp_size
         if self.tp_size < 1 or self.world_size % self.tp_size:
             raise ParallelConfigError(
-                f"fsdp2 tensor_parallel_size={tensor_parallel_size} does not divide the role's {self.world_size} "
+                f"fsdp2 tensor_parallel_size={tp_size} does not divide the role's {self.world_size} "
                 "ranks; choose a divisor of the device count"
             )
-        mesh_device = "cuda" if on_cuda else "cpu"
         if self.tp_size == 1:
             self.mesh = init_device_mesh(mesh_device, (self.world_size,), mesh_dim_names=("dp",))
             self.tp_group: Any = None
@@ -157,19 +160,16 @@ class FSDP2TrainStrategy:
             self.mesh = full["dp"]
             self.tp_group = full["tp"].get_group()
             _tensor_parallel(model, full["tp"], self.tp_size)
+        self.dp_group, self.dp_size = self.mesh.get_group(), self.world_size // self.tp_size
 
-        if activation_checkpointing:
-            if not hasattr(model, "gradient_checkpointing_enable"):
-                raise ParallelConfigError(
-                    f"activation_checkpointing needs an HF PreTrainedModel; {type(model).__name__} has no "
-                    "gradient_checkpointing_enable()"
-                )
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            if hasattr(model, "config"):
-                model.config.use_cache = False
+    def _shard(self, model: Any, reshard_after_forward: bool) -> None:
+        """``fully_shard`` each transformer block, then the root."""
+        import torch
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.mixed_precision else MixedPrecisionPolicy()
-        offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         shard = {"mesh": self.mesh, "mp_policy": policy, "offload_policy": offload}
         blocks = block_modules(model)
         if not blocks:
@@ -180,26 +180,11 @@ class FSDP2TrainStrategy:
         for block in blocks:
             fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
         fully_shard(model, reshard_after_forward=reshard_after_forward, **shard)
-        if not cpu_offload and not on_cuda:
-            model.to(self.device)
-        self.model = model
-        self.optimizer: torch.optim.Optimizer | None = None
-        if trainable:
-            self.optimizer = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay,
-                foreach=not cpu_offload,
-            )
-        else:
-            model.requires_grad_(False)
-        model.train(trainable)
-        # with cpu_offload the shards and AdamW state live in host memory already: nothing to move
-        self.residency = Residency(self.device, {} if cpu_offload else state_movers(model, self.optimizer),
-                                   owner=f"fsdp2 rank {self.rank}")
 
-    # ------------------------------------------------------------------ micro-batches
-    def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro-batches, padded in count to the max over ranks (see ``split_micro_batches``)."""
-        return split_micro_batches(batch, self.micro_batch_size, self.device, same_count_on_all_ranks=True)
+    # ------------------------------------------------------------------ hooks of the shared loop
+    def _group_rows(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
+        """TP peers run the union of their rows (every row on its own without TP)."""
+        return gather_group_rows(batch, self.tp_group, self.tp_size)
 
     def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
         from trainer.strategies.hf import token_logprobs
@@ -211,86 +196,16 @@ class FSDP2TrainStrategy:
         logprobs, entropy = token_logprobs(out.logits, micro["input_ids"], with_entropy)
         return ForwardOutput(logprobs=logprobs, entropy=entropy)
 
-    # ------------------------------------------------------------------ forward
-    def forward(self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False) -> ForwardOutput:
-        """Per-token outputs for this rank's batch, no gradients, padded back to the batch width."""
-        import torch
+    def _on_micro_batch(self, index: int, count: int) -> None:
+        """Reduce-scatter gradients only on the last micro-batch of an optimiser step."""
+        self.model.set_requires_gradient_sync(index == count - 1)
 
-        self.residency.require("params")
-        width = batch["input_ids"].shape[1]
-        batch, mine = gather_group_rows(batch, self.tp_group, self.tp_size)
-        parts: list[ForwardOutput] = []
-        was_training = self.model.training
-        self.model.eval()
-        with torch.no_grad():
-            for micro in self._micro_batches(batch):
-                out = self._run(micro, with_entropy)
-                if "_dummy" not in micro:
-                    parts.append(out)
-        self.model.train(was_training)
-
-        def cat(field: str) -> torch.Tensor | None:
-            tensors = [getattr(p, field) for p in parts]
-            if not tensors or tensors[0] is None:
-                return None
-            full = batch["input_ids"].shape[1]
-            return torch.cat([torch.nn.functional.pad(t.float().cpu(), (0, full - t.shape[1]))
-                              for t in tensors])[mine, :width]
-
-        return ForwardOutput(logprobs=cat("logprobs"), entropy=cat("entropy"), values=cat("values"))  # type: ignore[arg-type]
-
-    # ------------------------------------------------------------------ train
     def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
-        """One or more optimiser steps over this rank's ``batch`` (``grad_accumulation`` micro-batches each)."""
-        import torch
-
-        if self.optimizer is None:
-            raise RuntimeError("train_step on a frozen model; build the strategy with trainable=True")
-        self.residency.require("params", "optimizer")
-        batch, _ = gather_group_rows(batch, self.tp_group, self.tp_size)  # TP peers train on the same rows
-        micros = self._micro_batches(batch)
-        real = sum(1 for m in micros if "_dummy" not in m)
-        per_step = self.grad_accumulation or len(micros)
-        dp_size = self.world_size // self.tp_size
-        scales = micro_batch_scales(micros, per_step, getattr(loss_fn, "agg_mode", "token-mean"),
-                                    group=self.mesh.get_group(), replicas=dp_size)
-        totals: dict[str, float] = {}
-        steps = 0
-        self.model.train()
-        for first in range(0, len(micros), per_step):
-            group = micros[first:first + per_step]
-            self.optimizer.zero_grad(set_to_none=True)
-            for index, micro in enumerate(group):
-                self.model.set_requires_gradient_sync(index == len(group) - 1)
-                out = self._run(micro, with_entropy)
-                if "_dummy" in micro:
-                    loss = out.logprobs.sum() * 0.0 if self.kind == "lm" else out.values.sum() * 0.0  # type: ignore[union-attr]
-                    metrics: dict[str, float] = {}
-                else:
-                    loss, metrics = loss_fn(out, micro)
-                if not torch.isfinite(loss.detach()):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    raise NonFiniteLossError(
-                        f"the loss became {loss.item()} on rank {self.rank} (metrics {metrics}); the update was "
-                        "not applied. Lower train.lr, raise the loss clip, or check the rewards"
-                    )
-                (loss * scales[first + index]).backward()
-                for key, value in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + value / max(real, 1)
-            norm = self._clip()
-            if not math.isfinite(norm):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteLossError(
-                    f"the gradient norm became {norm}; the update was not applied. Lower train.lr or set "
-                    "train.max_grad_norm"
-                )
-            self.optimizer.step()
-            steps += 1
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm
-        self.model.set_requires_gradient_sync(True)
-        totals["grad_norm"] = totals.get("grad_norm", 0.0) / max(steps, 1)
-        totals["optimizer_steps"] = float(steps)
-        return totals
+        """The shared loop (``BaseTrainStrategy.train_step``); gradient sync is back on afterwards."""
+        try:
+            return super().train_step(batch, loss_fn, with_entropy=with_entropy)
+        finally:
+            self.model.set_requires_gradient_sync(True)
 
     def _clip(self) -> float:
         """Clip the global gradient norm (over all shards); returns the norm before clipping."""
@@ -318,12 +233,6 @@ class FSDP2TrainStrategy:
             for group in by_mesh.values():
                 torch.nn.utils.clip_grads_with_norm_(group, limit, torch.tensor(norm), foreach=not self.cpu_offload)
         return norm
-
-    def set_lr(self, lr: float) -> None:
-        """Change the learning rate of every parameter group."""
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
 
     # ------------------------------------------------------------------ weights and state
     def full_weights(self, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -372,14 +281,3 @@ class FSDP2TrainStrategy:
                            optim_state_dict=state["optimizer"], options=options)
         else:
             set_model_state_dict(self.model, state["model"], options=options)
-
-    def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameters and/or optimiser state to host memory (colocation); a tracked no-op on CPU.
-
-        See ``trainer.strategies.offload``: the next call that needs a state reloads it.
-        """
-        self.residency.offload(params=params, optimizer=optimizer)
-
-    def reload(self) -> None:
-        """Bring every offloaded state back onto the device."""
-        self.residency.reload()

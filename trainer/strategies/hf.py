@@ -14,16 +14,14 @@ logits.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Unpack
 
-from trainer.errors import NonFiniteLossError
-from trainer.strategies.base import ForwardOutput, LossFn
-from trainer.strategies.distributed import micro_batch_scales, split_micro_batches
-from trainer.strategies.offload import Residency, state_movers
+from trainer.strategies.base import BaseTrainStrategy, ForwardOutput, TrainOptions
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     import torch
 
 __all__ = ["HFTrainStrategy", "token_logprobs"]
@@ -43,43 +41,26 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: 
     return logprobs, entropy
 
 
-class HFTrainStrategy:
+class HFTrainStrategy(BaseTrainStrategy):
     """Runs and trains one torch model (see the module docstring)."""
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        max_grad_norm: float | None = 1.0,
-        micro_batch_size: int = 8,
-        grad_accumulation: int | None = None,
-        trainable: bool = True,
-        kind: Literal["lm", "value"] = "lm",
-        device: str = "cpu",
-    ) -> None:
-        import torch
+    name = "hf"
 
+    def __init__(self, model: Any, *, device: str = "cpu", **common: Unpack[TrainOptions]) -> None:
+        super().__init__(**common)
         self.model = model.to(device)
         self.device = device
-        self.kind = kind
-        self.micro_batch_size = micro_batch_size
-        self.grad_accumulation = grad_accumulation
-        self.max_grad_norm = max_grad_norm
-        self.optimizer: torch.optim.Optimizer | None = None
-        if trainable:
-            self.optimizer = torch.optim.AdamW(
-                [p for p in self.model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
-            )
-        else:
-            self.model.requires_grad_(False)
-        self.model.train(trainable)
-        self.residency = Residency(str(device), state_movers(self.model, self.optimizer), owner="hf")
+        self._init_optimizer(owner="hf")
 
-    # ------------------------------------------------------------------ forward
-    def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        return split_micro_batches(batch, self.micro_batch_size, self.device)
+    @classmethod
+    def _configure(cls, world_size: int, args: dict[str, Any], common: dict[str, Any]) -> None:
+        """One full copy on one device (CUDA when visible): no gradient sync, so one trainable rank."""
+        import torch
+
+        if world_size > 1 and common.get("trainable", True):
+            raise ValueError(f"the 'hf' training strategy runs on one device but this role has {world_size} workers; "
+                             "map it to one device (device_mapping: [0]) or use a data-parallel strategy (fsdp2)")
+        common.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
 
     def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
         out = self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])
@@ -87,70 +68,6 @@ class HFTrainStrategy:
             return ForwardOutput(logprobs=out * 0.0, values=out)
         logprobs, entropy = token_logprobs(out.logits, micro["input_ids"], with_entropy)
         return ForwardOutput(logprobs=logprobs, entropy=entropy)
-
-    def forward(self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False) -> ForwardOutput:
-        """Per-token outputs for the whole batch, no gradients, padded back to the batch width."""
-        import torch
-
-        self.residency.require("params")
-        width = batch["input_ids"].shape[1]
-        parts: list[ForwardOutput] = []
-        was_training = self.model.training
-        self.model.eval()
-        with torch.no_grad():
-            for micro in self._micro_batches(batch):
-                parts.append(self._run(micro, with_entropy))
-        self.model.train(was_training)
-
-        def cat(field: str) -> torch.Tensor | None:
-            tensors = [getattr(p, field) for p in parts]
-            if tensors[0] is None:
-                return None
-            return torch.cat([torch.nn.functional.pad(t.cpu(), (0, width - t.shape[1])) for t in tensors])
-
-        return ForwardOutput(logprobs=cat("logprobs"), entropy=cat("entropy"), values=cat("values"))  # type: ignore[arg-type]
-
-    # ------------------------------------------------------------------ train
-    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
-        """One or more optimiser steps over ``batch`` (``grad_accumulation`` micro-batches each)."""
-        import torch
-
-        if self.optimizer is None:
-            raise RuntimeError("train_step on a frozen model; build the strategy with trainable=True")
-        self.residency.require("params", "optimizer")
-        micros = list(self._micro_batches(batch))
-        per_step = self.grad_accumulation or len(micros)
-        scales = micro_batch_scales(micros, per_step, getattr(loss_fn, "agg_mode", "token-mean"))
-        totals: dict[str, float] = {}
-        steps = 0
-        self.model.train()
-        for first in range(0, len(micros), per_step):
-            group = micros[first:first + per_step]
-            self.optimizer.zero_grad(set_to_none=True)
-            for index, micro in enumerate(group):
-                loss, metrics = loss_fn(self._run(micro, with_entropy), micro)
-                if not torch.isfinite(loss):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    raise NonFiniteLossError(
-                        f"the loss became {loss.item()} (metrics {metrics}); the update was not applied. "
-                        "Lower train.lr, raise algorithm.loss.clip/grad clipping, or check the rewards"
-                    )
-                (loss * scales[first + index]).backward()
-                for key, value in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + value / len(micros)
-            norm = self._clip()
-            if not math.isfinite(norm):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteLossError(
-                    f"the gradient norm became {norm}; the update was not applied. Lower train.lr or "
-                    "set train.max_grad_norm"
-                )
-            self.optimizer.step()
-            steps += 1
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm
-        totals["grad_norm"] = totals.get("grad_norm", 0.0) / max(steps, 1)
-        totals["optimizer_steps"] = float(steps)
-        return totals
 
     def _clip(self) -> float:
         import torch
@@ -183,20 +100,3 @@ class HFTrainStrategy:
     def save_pretrained(self, path: str) -> None:
         """Write the model as an HF folder (``from_pretrained(path)`` loads it back)."""
         self.model.save_pretrained(path)
-
-    def set_lr(self, lr: float) -> None:
-        """Change the learning rate of every parameter group (the SFT stage uses its own)."""
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-
-    def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameters and/or optimiser state to host memory (colocation); a tracked no-op on CPU.
-
-        See ``trainer.strategies.offload``: the next call that needs a state reloads it.
-        """
-        self.residency.offload(params=params, optimizer=optimizer)
-
-    def reload(self) -> None:
-        """Bring every offloaded state back onto the device."""
-        self.residency.reload()

@@ -125,6 +125,19 @@ class HFEngine(BatchingFrontend):
         self._params: dict[str, torch.Tensor] | None = None
         self.stats = {"batches": 0, "requests": 0, "new_tokens": 0}
 
+    @classmethod
+    def from_pretrained(cls, model_path: str, *, dtype: str = "float32", seed: int = 0, **options: Any) -> HFEngine:
+        """The registry's ``hf`` engine: the policy at ``model_path`` on CUDA when visible, else CPU."""
+        if options:
+            raise ValueError(f"strategy_args {sorted(options)} are not options of the 'hf' inference engine (it has none)")
+        import torch
+
+        from trainer.models import load_policy
+
+        model, tokenizer = load_policy(model_path, dtype=dtype)
+        return cls(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed,
+                   device="cuda" if torch.cuda.is_available() else "cpu")
+
     async def run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         return await asyncio.to_thread(self.generate_batch, requests)
 

@@ -54,20 +54,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
-from trainer.errors import NonFiniteLossError
-from trainer.strategies.base import ForwardOutput, LossFn
-from trainer.strategies.distributed import (
-    ensure_process_group,
-    gather_group_rows,
-    micro_batch_scales,
-    resolve_device,
-    split_micro_batches,
-)
+from trainer.strategies.base import BaseTrainStrategy, ForwardOutput, LossFn, TrainOptions
+from trainer.strategies.distributed import ensure_process_group, gather_group_rows
 from trainer.strategies.megatron_convert import hf_to_megatron, layout_from_hf_config, megatron_to_hf
 from trainer.strategies.megatron_model import SDPACoreAttention, build_gpt_model
-from trainer.strategies.offload import Residency, state_movers
 from trainer.strategies.parallel_errors import ParallelConfigError
 
 if TYPE_CHECKING:
@@ -99,20 +91,16 @@ class _GatherLastDim:
         return Fn.apply(tensor)
 
 
-class MegatronTrainStrategy:
+class MegatronTrainStrategy(BaseTrainStrategy):
     """Runs and trains an HF Qwen2/Llama model as a Megatron-Core GPTModel (see the module docstring)."""
+
+    name = "megatron"
+    collective = True
 
     def __init__(
         self,
         model: Any,
         *,
-        lr: float = 1e-4,
-        weight_decay: float = 0.0,
-        max_grad_norm: float | None = 1.0,
-        micro_batch_size: int = 8,
-        grad_accumulation: int | None = None,
-        trainable: bool = True,
-        kind: Literal["lm", "value"] = "lm",
         device: str | None = "auto",
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
@@ -120,43 +108,17 @@ class MegatronTrainStrategy:
         activation_checkpointing: bool = False,
         attention: Literal["sdpa", "local"] = "sdpa",
         seed: int = 0,
+        **common: Unpack[TrainOptions],
     ) -> None:
-        import torch
-        from megatron.core import parallel_state as mpu
-
-        if kind != "lm":
+        super().__init__(**common)
+        if self.kind != "lm":
             raise ParallelConfigError("the megatron strategy trains causal LMs only; use 'fsdp2' or 'hf' for a critic")
-        self.device = resolve_device(device)
-        on_cuda = self.device.startswith("cuda")
-        if activation_checkpointing and not on_cuda:
-            raise ParallelConfigError(
-                "megatron activation_checkpointing needs CUDA (its recompute saves CUDA RNG states); "
-                "drop strategy_args.activation_checkpointing on CPU"
-            )
+        on_cuda = self._use_device(device, cpu_refusal=(
+            "megatron activation_checkpointing needs CUDA (its recompute saves CUDA RNG states); "
+            "drop strategy_args.activation_checkpointing on CPU") if activation_checkpointing else None)
         self.layout = layout_from_hf_config(model.config, tp=tensor_parallel_size, pp=pipeline_parallel_size)
         self.rank, self.world_size = ensure_process_group(self.device)
-        model_parallel = tensor_parallel_size * pipeline_parallel_size
-        if self.world_size % model_parallel:
-            raise ParallelConfigError(
-                f"world size {self.world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = "
-                f"{tensor_parallel_size} x {pipeline_parallel_size}; give the role a device count that is a multiple of it"
-            )
-        if mpu.model_parallel_is_initialized():
-            have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
-            if have != (tensor_parallel_size, pipeline_parallel_size):
-                raise ParallelConfigError(
-                    f"this process already runs Megatron with TP={have[0]}, PP={have[1]}, not "
-                    f"TP={tensor_parallel_size}, PP={pipeline_parallel_size}; one layout per process"
-                )
-        else:
-            mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel_size,
-                                          pipeline_model_parallel_size=pipeline_parallel_size)
-        self.tp_group, self.dp_group = mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
-        self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), tensor_parallel_size
-        self.pp_group, self.mp_group = mpu.get_pipeline_model_parallel_group(), mpu.get_model_parallel_group()
-        self.pp_rank, self.pp_size = mpu.get_pipeline_model_parallel_rank(), pipeline_parallel_size
-        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
-        self.dp_size = mpu.get_data_parallel_world_size()
+        self._init_model_parallel(tensor_parallel_size, pipeline_parallel_size)
         if on_cuda:
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -166,20 +128,49 @@ class MegatronTrainStrategy:
 
             megatron_cpu_shim.activate(seed, self.tp_rank)
         self.mixed_precision = on_cuda if mixed_precision is None else bool(mixed_precision)
-        self.micro_batch_size, self.grad_accumulation, self.max_grad_norm = micro_batch_size, grad_accumulation, max_grad_norm
         self.hf_config = model.config
         self.model = build_gpt_model(self.layout, attention=attention, recompute=activation_checkpointing,
                                      pre_process=self.first_stage, post_process=self.last_stage)
         self._load_hf(model.state_dict())
         self.model.to(self.device)
-        self.optimizer: torch.optim.Optimizer | None = None
-        if trainable:
-            self.optimizer = torch.optim.AdamW(list(self.model.parameters()), lr=lr, weight_decay=weight_decay)
+        self._init_optimizer(f"megatron rank {self.rank}")
+
+    @classmethod
+    def _configure(cls, world_size: int, args: dict[str, Any], common: dict[str, Any]) -> None:
+        """Refuse a TP x PP layout that does not divide the role's ranks (before any model is built)."""
+        tp = int(args.get("tensor_parallel_size", 1))
+        pp = int(args.get("pipeline_parallel_size", 1))
+        if tp < 1 or pp < 1 or world_size % (tp * pp):
+            raise ParallelConfigError(
+                f"megatron tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} does not divide the role's "
+                f"{world_size} workers; set roles.actor_train.strategy_args.tensor_parallel_size / "
+                f"pipeline_parallel_size so their product divides {world_size}, or map {tp * pp} (or a multiple) devices"
+            )
+
+    def _init_model_parallel(self, tp: int, pp: int) -> None:
+        """Megatron's TP x PP x DP groups (once per process), and this rank's place in them."""
+        from megatron.core import parallel_state as mpu
+
+        if self.world_size % (tp * pp):
+            raise ParallelConfigError(
+                f"world size {self.world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = "
+                f"{tp} x {pp}; give the role a device count that is a multiple of it"
+            )
+        if mpu.model_parallel_is_initialized():
+            have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
+            if have != (tp, pp):
+                raise ParallelConfigError(
+                    f"this process already runs Megatron with TP={have[0]}, PP={have[1]}, not "
+                    f"TP={tp}, PP={pp}; one layout per process"
+                )
         else:
-            self.model.requires_grad_(False)
-        self.model.train(trainable)
-        self.residency = Residency(self.device, state_movers(self.model, self.optimizer),
-                                   owner=f"megatron rank {self.rank}")
+            mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        self.tp_group, self.dp_group = mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
+        self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), tp
+        self.pp_group, self.mp_group = mpu.get_pipeline_model_parallel_group(), mpu.get_model_parallel_group()
+        self.pp_rank, self.pp_size = mpu.get_pipeline_model_parallel_rank(), pp
+        self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
+        self.dp_size = mpu.get_data_parallel_world_size()
 
     def _load_hf(self, hf_state: Mapping[str, torch.Tensor]) -> None:
         shard = hf_to_megatron(hf_state, self.layout, tp_rank=self.tp_rank, pp_rank=self.pp_rank)
@@ -188,14 +179,10 @@ class MegatronTrainStrategy:
         if missing or unexpected:
             raise ParallelConfigError(f"megatron shard does not fit GPTModel: missing {missing}, unexpected {unexpected}")
 
-    # ------------------------------------------------------------------ data
+    # ------------------------------------------------------------------ hooks of the shared loop
     def _group_rows(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
         """The union of the model-parallel (TP x PP) group's rows, and where this rank's own rows sit in it."""
         return gather_group_rows(batch, self.mp_group, self.tp_size * self.pp_size)
-
-    def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro-batches, padded in count to the max over ranks (see ``split_micro_batches``)."""
-        return split_micro_batches(batch, self.micro_batch_size, self.device, same_count_on_all_ranks=True)
 
     def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
         import torch
@@ -212,90 +199,20 @@ class MegatronTrainStrategy:
         logprobs, entropy = token_logprobs(logits, ids, with_entropy)
         return ForwardOutput(logprobs=logprobs, entropy=entropy)
 
-    # ------------------------------------------------------------------ forward / train
-    def forward(self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False) -> ForwardOutput:
-        """Per-token outputs for this rank's rows, no gradients, padded back to the batch width."""
-        import torch
+    def _forward_micros(self, micros: list[dict[str, torch.Tensor]], with_entropy: bool) -> list[ForwardOutput]:
+        if self.pp_size > 1:
+            return self._pipeline(micros, with_entropy, loss_fn=None)[0]
+        return super()._forward_micros(micros, with_entropy)
 
-        self.residency.require("params")
-        width = batch["input_ids"].shape[1]
-        union, mine = self._group_rows(batch)
-        was_training = self.model.training
-        self.model.eval()
-        with torch.no_grad():
-            micros = self._micro_batches(union)
-            if self.pp_size > 1:
-                outs, _ = self._pipeline(micros, with_entropy, loss_fn=None)
-            else:
-                outs = [self._run(micro, with_entropy) for micro in micros]
-            parts = [out for out, micro in zip(outs, micros, strict=True) if "_dummy" not in micro]
-        self.model.train(was_training)
+    def _accumulate(self, group: list[dict[str, torch.Tensor]], scales: list[float], loss_fn: LossFn,
+                    with_entropy: bool) -> list[tuple[float, dict[str, float]]]:
+        if self.pp_size > 1:
+            return self._pipeline(group, with_entropy, loss_fn=loss_fn, scales=scales)[1]
+        return super()._accumulate(group, scales, loss_fn, with_entropy)
 
-        def cat(field: str) -> torch.Tensor | None:
-            tensors = [getattr(p, field) for p in parts]
-            if not tensors or tensors[0] is None:
-                return None
-            full = torch.cat([torch.nn.functional.pad(t.float().cpu(), (0, union["input_ids"].shape[1] - t.shape[1]))
-                              for t in tensors])
-            return full[mine, :width]
-
-        return ForwardOutput(logprobs=cat("logprobs"), entropy=cat("entropy"))  # type: ignore[arg-type]
-
-    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
-        """Optimiser steps over the model-parallel group's rows (``grad_accumulation`` micro-batches each)."""
-        if self.optimizer is None:
-            raise RuntimeError("train_step on a frozen model; build the strategy with trainable=True")
-        self.residency.require("params", "optimizer")
-        union, _ = self._group_rows(batch)
-        micros = self._micro_batches(union)
-        real = sum(1 for m in micros if "_dummy" not in m)
-        per_step = self.grad_accumulation or len(micros)
-        scales = micro_batch_scales(micros, per_step, getattr(loss_fn, "agg_mode", "token-mean"),
-                                    group=self.dp_group, replicas=self.dp_size)
-        totals: dict[str, float] = {}
-        steps = 0
-        self.model.train()
-        for first in range(0, len(micros), per_step):
-            group = micros[first:first + per_step]
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.pp_size > 1:
-                _, losses = self._pipeline(group, with_entropy, loss_fn=loss_fn, scales=scales[first:first + per_step])
-            else:
-                losses = []
-                for index, micro in enumerate(group):
-                    loss, metrics = self._micro_loss(self._run(micro, with_entropy), micro, loss_fn)
-                    losses.append((float(loss.detach()), metrics))
-                    if math.isfinite(losses[-1][0]):
-                        (loss * scales[first + index]).backward()
-            for value, metrics in losses:
-                if not math.isfinite(value):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    raise NonFiniteLossError(
-                        f"the loss became {value} (metrics {metrics}); the update was not "
-                        "applied. Lower train.lr, raise the loss clip, or check the rewards"
-                    )
-                for key, metric in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + metric / max(real, 1)
-            self._reduce_tied_embedding()
-            self._reduce_data_parallel()
-            norm = self._clip()
-            if not math.isfinite(norm):
-                self.optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteLossError(f"the gradient norm became {norm}; the update was not applied. Lower train.lr")
-            self.optimizer.step()
-            steps += 1
-            totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm
-        totals["grad_norm"] = totals.get("grad_norm", 0.0) / max(steps, 1)
-        totals["optimizer_steps"] = float(steps)
-        return totals
-
-    @staticmethod
-    def _micro_loss(out: ForwardOutput, micro: Mapping[str, torch.Tensor],
-                    loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, float]]:
-        """The worker's loss on a real micro-batch; a zero-weighted one (same graph) on a dummy."""
-        if "_dummy" in micro:
-            return out.logprobs.sum() * 0.0, {}
-        return loss_fn(out, micro)
+    def _reduce_gradients(self) -> None:
+        self._reduce_tied_embedding()
+        self._reduce_data_parallel()
 
     def _pipeline(self, micros: list[dict[str, torch.Tensor]], with_entropy: bool, loss_fn: LossFn | None,
                   scales: list[float] | None = None) -> tuple[list[ForwardOutput], list[tuple[float, dict[str, float]]]]:
@@ -408,11 +325,6 @@ class MegatronTrainStrategy:
             for _, param in named:
                 param.grad.mul_(self.max_grad_norm / (norm + 1e-6))
         return norm
-
-    def set_lr(self, lr: float) -> None:
-        if self.optimizer is not None:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
 
     # ------------------------------------------------------------------ weights and state
     def full_weights(self, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -539,14 +451,3 @@ class MegatronTrainStrategy:
         folder.mkdir(parents=True, exist_ok=True)
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
         self.hf_config.save_pretrained(str(folder))
-
-    def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameters and/or optimiser state to host memory (colocation); a tracked no-op on CPU.
-
-        See ``trainer.strategies.offload``: the next call that needs a state reloads it.
-        """
-        self.residency.offload(params=params, optimizer=optimizer)
-
-    def reload(self) -> None:
-        """Bring every offloaded state back onto the device."""
-        self.residency.reload()

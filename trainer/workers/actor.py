@@ -23,85 +23,24 @@ from typing import TYPE_CHECKING, Any
 from trainer.controller.batch import Batch
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
-from trainer.strategies.base import ForwardOutput
-from trainer.strategies.parallel_errors import ParallelConfigError
+from trainer.strategies.base import ForwardOutput, TrainStrategy
+from trainer.strategies.registry import make_train_strategy
 from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ActorCluster", "ActorWorker", "TRAIN_STRATEGIES", "make_train_strategy", "ppo_loss_fn", "sft_loss_fn"]
+__all__ = ["ActorCluster", "ActorWorker", "ppo_loss_fn", "sft_loss_fn"]
 
 TRAIN_COLUMNS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "advantages", "ref_logprobs",
                  "is_weights")
 """``is_weights`` (optional, async rollouts): truncated importance weights of the behaviour policy
 that sampled each token, multiplied into the per-token policy loss (see ``AgenticPipeline``)."""
-TRAIN_STRATEGIES = ("hf", "fsdp2", "megatron")
-
-
-def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1,
-                        strategy_args: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
-    """The ``TrainStrategy`` called ``name`` around ``model``.
-
-    ``kwargs`` are the optimiser settings every strategy takes (``lr``, ``micro_batch_size``,
-    ...); ``strategy_args`` (``roles.<role>.strategy_args``) the strategy's own options, e.g.
-    ``tensor_parallel_size`` for ``megatron`` or ``mixed_precision`` for ``fsdp2``.
-
-    ``hf`` trains one full copy on one device (CUDA when visible, else CPU) and does not
-    synchronise gradients, so it refuses ``world_size > 1`` rather than train diverging copies.
-    ``fsdp2`` shards every parameter over all ranks; ``megatron`` runs tensor x pipeline x data
-    parallel (``tensor_parallel_size`` x ``pipeline_parallel_size`` must divide the rank count).
-    """
-    args = dict(strategy_args or {})
-    if name in (None, "hf"):
-        import torch
-
-        from trainer.strategies.hf import HFTrainStrategy
-
-        if world_size > 1 and kwargs.get("trainable", True):
-            raise ValueError(f"the 'hf' training strategy runs on one device but this role has {world_size} workers; "
-                             "map it to one device (device_mapping: [0]) or use a data-parallel strategy (fsdp2)")
-        kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-        return HFTrainStrategy(model, **{**kwargs, **args})
-    if name == "fsdp2":
-        from trainer.strategies.fsdp2 import FSDP2TrainStrategy
-
-        return _build(FSDP2TrainStrategy, name, model, kwargs, args)
-    if name == "megatron":
-        from trainer.strategies.megatron import MegatronTrainStrategy
-
-        tp = int(args.get("tensor_parallel_size", 1))
-        pp = int(args.get("pipeline_parallel_size", 1))
-        if tp < 1 or pp < 1 or world_size % (tp * pp):
-            raise ParallelConfigError(
-                f"megatron tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} does not divide the role's "
-                f"{world_size} workers; set roles.actor_train.strategy_args.tensor_parallel_size / "
-                f"pipeline_parallel_size so their product divides {world_size}, or map {tp * pp} (or a multiple) devices"
-            )
-        return _build(MegatronTrainStrategy, name, model, kwargs, args)
-    raise ValueError(f"unknown training strategy {name!r}; use one of {', '.join(TRAIN_STRATEGIES)}")
-
-
-def residency_history(strategy: Any) -> list[tuple[str, str, bool, str]]:
+def residency_history(strategy: TrainStrategy | None) -> list[tuple[str, str, bool, str]]:
     """A strategy's offload/reload transitions (``trainer.strategies.offload``), plain tuples for RPC."""
-    residency = getattr(strategy, "residency", None)
-    if residency is None:
+    if strategy is None:
         return []
-    return [(e.action, e.state, e.moved, e.reason) for e in residency.history]
-
-
-def _build(cls: type, name: str, model: Any, kwargs: dict[str, Any], args: dict[str, Any]) -> Any:
-    """``cls(model, **kwargs, **args)``; an unknown strategy_args key names the ones that exist."""
-    import inspect
-
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "model"}
-    unknown = sorted(set(args) - accepted)
-    if unknown:
-        raise ParallelConfigError(
-            f"strategy_args {unknown} are not options of the {name!r} strategy; it takes "
-            f"{sorted(accepted - set(kwargs))}"
-        )
-    return cls(model, **{**kwargs, **args})
+    return [(e.action, e.state, e.moved, e.reason) for e in strategy.residency.history]
 
 
 def ppo_loss_fn(loss: Mapping[str, Any]):  # noqa: ANN201 - returns a LossFn closure

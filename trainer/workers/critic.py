@@ -82,7 +82,7 @@ class CriticWorker(StrategyWorker):
             return
         import torch
 
-        from trainer.workers.actor import make_train_strategy
+        from trainer.strategies.registry import make_train_strategy
 
         torch.manual_seed(self.seed + 1000 + self.ctx.rank)
         self._strategy = make_train_strategy(getattr(self.config, "strategy", None),

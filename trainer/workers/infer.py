@@ -22,36 +22,15 @@ from trainer.controller.batch import Batch
 from trainer.controller.cluster import CallFuture, Cluster
 from trainer.controller.dispatch import Collect, Dispatch, method_spec, register
 from trainer.controller.worker import Worker, WorkerContext
-from trainer.strategies.base import GenerationRequest, GenerationResult, Weights
+from trainer.strategies.base import GenerationRequest, GenerationResult, InferenceEngine, Weights
 from trainer.strategies.hf_engine import BatchingFrontend
+from trainer.strategies.registry import make_engine
 from trainer.weights.sync import WeightReceiver, WeightReceiverCluster
 
-__all__ = ["ClusterEngine", "InferCluster", "InferWorker", "RankEngine", "make_engine"]
+__all__ = ["ClusterEngine", "InferCluster", "InferWorker", "RankEngine"]
 
 _EARLY_ABORTS_KEPT = 4096
 """Aborted ids a worker remembers while their batch has not arrived (oldest forgotten first)."""
-
-
-def make_engine(name: str | None, model_path: str, *, dtype: str = "float32", seed: int = 0,
-                **engine_args: Any) -> Any:
-    """The worker-side engine called ``name``: ``hf`` (``HFEngine``) or ``vllm`` (``VLLMEngine``;
-    ``engine_args`` are its options, e.g. ``kv_cache_gib``, from ``roles.actor_infer.strategy_args``)."""
-    if name in (None, "hf"):
-        if engine_args:
-            raise ValueError(f"strategy_args {sorted(engine_args)} are not options of the 'hf' inference engine (it has none)")
-        from trainer.models import load_policy
-        from trainer.strategies.hf_engine import HFEngine
-
-        import torch
-
-        model, tokenizer = load_policy(model_path, dtype=dtype)
-        return HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed,
-                        device="cuda" if torch.cuda.is_available() else "cpu")
-    if name == "vllm":
-        from trainer.strategies.vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, dtype=dtype, seed=seed, **engine_args)
-    raise ValueError(f"unknown inference engine {name!r}; use 'hf' or 'vllm'")
 
 
 class InferWorker(WeightReceiver, Worker):
@@ -60,7 +39,7 @@ class InferWorker(WeightReceiver, Worker):
     def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
                  seed: int = 0) -> None:
         super().__init__(ctx, config)
-        self.engine = make_engine(getattr(config, "strategy", None), model_path, dtype=dtype, seed=seed + 7 * ctx.rank,
+        self.engine: InferenceEngine = make_engine(getattr(config, "strategy", None), model_path, dtype=dtype, seed=seed + 7 * ctx.rank,
                                   **(getattr(config, "strategy_args", None) or {}))
         # ``abort_requests`` runs on another thread than ``generate_requests`` (a Ray concurrency
         # group, or the driver's thread on the local backend); the lock orders the two.

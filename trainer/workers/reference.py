@@ -35,7 +35,7 @@ class ReferenceWorker(StrategyWorker):
         if self._strategy is not None:
             return
         from trainer.models import load_policy
-        from trainer.workers.actor import make_train_strategy
+        from trainer.strategies.registry import make_train_strategy
 
         model, _ = load_policy(self.model_path, dtype=self.dtype)
         self._strategy = make_train_strategy(getattr(self.config, "strategy", None), model, trainable=False,

@@ -14,12 +14,17 @@ from typing import Any
 
 from trainer.controller.cluster import Cluster
 from trainer.controller.worker import Worker, WorkerContext
+from trainer.strategies.base import TrainStrategy
 from trainer.strategies.parallel_errors import ParallelConfigError
+from trainer.strategies.registry import TRAIN_STRATEGIES
 
-__all__ = ["SHARDED_STRATEGIES", "StrategyCluster", "StrategyWorker", "offload_flags"]
+__all__ = ["StrategyCluster", "StrategyWorker", "offload_flags"]
 
-SHARDED_STRATEGIES = ("fsdp2", "megatron")
-"""Strategies whose ranks build their shards together (a collective), one process per rank."""
+
+def _sharded(name: str | None) -> bool:
+    """Whether ranks of strategy ``name`` build their shards together (a collective), one process per rank."""
+    spec = TRAIN_STRATEGIES.get(name or "hf")
+    return spec is not None and spec.sharded
 
 
 def offload_flags(config: Any) -> dict[str, bool]:
@@ -34,23 +39,23 @@ class StrategyWorker(Worker):
     def __init__(self, ctx: WorkerContext, config: Any = None) -> None:
         super().__init__(ctx, config)
         name = getattr(config, "strategy", None)
-        if name in SHARDED_STRATEGIES and ctx.world_size > 1 and ctx.backend != "ray":
+        if _sharded(name) and ctx.world_size > 1 and ctx.backend != "ray":
             raise ParallelConfigError(
                 f"{ctx.role} strategy {name!r} with {ctx.world_size} workers needs one process per rank, but "
                 f"cluster.backend={ctx.backend!r} runs workers as threads of one process; set cluster.backend: ray"
             )
-        self._strategy: Any = None
+        self._strategy: TrainStrategy | None = None
 
     def setup(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} must implement setup()")
 
     def _setup_unless_collective(self) -> None:
         """Build now when there is nothing to rendezvous with; otherwise the driver calls ``setup()``."""
-        if self.world_size == 1 or getattr(self.config, "strategy", None) not in SHARDED_STRATEGIES:
+        if self.world_size == 1 or not _sharded(getattr(self.config, "strategy", None)):
             self.setup()
 
     @property
-    def strategy(self) -> Any:
+    def strategy(self) -> TrainStrategy:
         if self._strategy is None:
             raise RuntimeError(f"{self.role} rank {self.rank}: the strategy is not built; call setup() on all ranks")
         return self._strategy

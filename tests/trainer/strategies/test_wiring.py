@@ -11,7 +11,8 @@ from trainer.config import RoleConfig, load_config  # noqa: E402
 from trainer.controller.worker import WorkerContext  # noqa: E402
 from trainer.errors import ConfigError  # noqa: E402
 from trainer.strategies.parallel_errors import ParallelConfigError  # noqa: E402
-from trainer.workers.actor import ActorWorker, make_train_strategy  # noqa: E402
+from trainer.strategies.registry import make_train_strategy  # noqa: E402
+from trainer.workers.actor import ActorWorker  # noqa: E402
 
 
 def test_config_names_every_parallel_problem_and_its_fix() -> None:
