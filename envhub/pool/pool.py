@@ -282,6 +282,11 @@ class EnvPool:
         """Like ``reset`` but return ``(episode, JSON bytes of {observation, info})``."""
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an int or None, got {type(seed).__name__}: {seed!r:.40}")
+        try:  # encode before placing: a refused reset must not hold a slot
+            payload = dumps([seed, options or {}])
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"reset(seed={seed!r:.40}, options=...) cannot be sent to the env worker: {e}; "
+                            "seeds must fit in 64 bits and options must be JSON (str keys, 64-bit ints)") from None
         if not self._started:
             await self.start()
         ep = self._episodes.get(episode) if episode is not None else None
@@ -297,7 +302,7 @@ class EnvPool:
             self._per_slot[slot] += 1
         ep.op = OP_RESET
         ep.turn = 0
-        status, body = await ep.worker.submit(OP_RESET, ep.id, dumps([seed, options or {}]))
+        status, body = await ep.worker.submit(OP_RESET, ep.id, payload)
         if status == STATUS_OK:
             self._resets += 1
             return ep.id, body

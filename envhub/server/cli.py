@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-__all__ = ["serve"]
+__all__ = ["serve", "run", "uvicorn_config"]
 
 
 @click.command("serve")
@@ -34,6 +34,8 @@ __all__ = ["serve"]
 @click.option("--grace", "grace_s", default=120.0, show_default=True, help="How long a dropped session may be resumed (s).")
 @click.option("--step-timeout", "step_timeout_s", default=60.0, show_default=True, help="Kill a worker whose env call runs longer (s).")
 @click.option("--drain-timeout", "drain_timeout_s", default=30.0, show_default=True, help="On SIGTERM, time running episodes get to finish (s).")
+@click.option("--request-timeout", "request_timeout_s", default=10.0, show_default=True, help="Close a connection that has not sent its whole HTTP request or upgrade in this time (s).")
+@click.option("--max-unauthenticated", default=256, show_default=True, help="Connections without the token held at once; past it the oldest is closed.")
 @click.option("--log-level", default="warning", show_default=True, type=click.Choice(["critical", "error", "warning", "info", "debug"]))
 def serve(envs: tuple[str, ...], port: int, log_level: str, no_auth: bool, **settings: Any) -> None:
     """Serve environments to remote clients: envhub.make(ID, hub="ws://HOST:PORT", token=...)."""
@@ -56,30 +58,51 @@ def serve(envs: tuple[str, ...], port: int, log_level: str, no_auth: bool, **set
 
 def run(config: Any, *, port: int, log_level: str = "warning") -> None:
     """Run a hub until SIGTERM/SIGINT, then drain and exit."""
+    from envhub.server.app import create_app
+    from envhub.server.guard import raise_fd_limit
+
+    fd_limit = raise_fd_limit()
+    app = create_app(config)
+    guard = app.state.hub.guard
+    guard.max_unauthenticated = min(guard.max_unauthenticated, max(8, fd_limit // 4))  # flooders may take a quarter of the fds
+    if fd_limit < config.max_sessions + guard.max_unauthenticated + 64:
+        click.echo(
+            f"envhub: warning: the open-file limit is {fd_limit}, below --max-sessions {config.max_sessions} plus headroom; "
+            "sessions past it will be refused: raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower --max-sessions",
+            err=True,
+        )
+    server = DrainingServer(uvicorn_config(app, port=port, log_level=log_level, loop="uvloop"), hub=app.state.hub)
+    click.echo(f"envhub: serving {', '.join(config.envs)} on ws://{config.host}:{port} (pid {os.getpid()})", err=True)
+    server.run()
+
+
+def uvicorn_config(app: Any, *, port: int, log_level: str = "warning", loop: str = "auto") -> Any:
+    """The ``uvicorn.Config`` a hub runs under: guarded httptools, sans-io websockets, the hub's size limits.
+
+    Tests start their hubs with it too, so they exercise the same timeouts and guards.
+    """
     import uvicorn
 
-    from envhub.server.app import create_app
+    from envhub.server.guard import guarded_protocol
 
-    app = create_app(config)
-    uv_config = uvicorn.Config(
+    hub = app.state.hub
+    return uvicorn.Config(
         app,
-        host=config.host,
+        host=hub.config.host,
         port=port,
-        loop="uvloop",
-        http="httptools",
+        loop=loop,
+        http=guarded_protocol(hub.guard),  # request read timeout, head size cap, cap on connections without the token
         ws="websockets-sansio",
-        ws_max_size=2 * config.max_message_bytes,
+        ws_max_size=2 * hub.config.max_message_bytes,
         ws_per_message_deflate=False,
         ws_ping_interval=20.0,  # a client that stops reading (or vanishes) is dropped after
         ws_ping_timeout=20.0,  # ~40 s; its session then waits --grace for a resume
+        timeout_keep_alive=5,  # an idle HTTP connection between requests
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,
         backlog=4096,
     )
-    server = DrainingServer(uv_config, hub=app.state.hub)
-    click.echo(f"envhub: serving {', '.join(config.envs)} on ws://{config.host}:{port} (pid {os.getpid()})", err=True)
-    server.run()
 
 
 def _server_class() -> Any:

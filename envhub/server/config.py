@@ -38,6 +38,10 @@ class HubConfig(Strict):
     idle_timeout_s: float = Field(600.0, gt=0, description="A connected session silent this long is closed.")
     grace_s: float = Field(120.0, ge=0, description="How long a dropped session waits for its client to resume.")
     hello_timeout_s: float = Field(10.0, gt=0, description="Time a new connection has to send `hello`.")
+    request_timeout_s: float = Field(10.0, gt=0, description="Time a connection has to send a whole HTTP request (head and body) or WebSocket upgrade; then it is closed.")
+    max_unauthenticated: int = Field(
+        256, ge=1, description="Open connections that have not sent the token; past it the oldest is closed (capped at a quarter of the open-file limit)."
+    )
     step_timeout_s: float = Field(60.0, gt=0, description="A worker call running longer is killed (episode fails).")
     reset_wait_s: float = Field(30.0, gt=0, description="How long a reset waits for a free pool slot.")
     drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long running episodes may finish.")

@@ -12,6 +12,7 @@ import hmac
 
 from envhub.pool import EnvPool
 from envhub.server.config import HubConfig
+from envhub.server.guard import ConnectionGuard
 from envhub.server.metrics import HubMetrics
 from envhub.server.sessions import Session, SessionManager
 
@@ -35,10 +36,19 @@ class Hub:
             on_close=self._on_session_closed,
         )
         self.metrics = HubMetrics(lambda: self.pools, self.sessions.counts)
+        self.awaiting_hello: dict[str, int] = {}
+        """WebSocket connections per client that are authenticated but have not sent ``hello`` yet."""
         self.draining = False
         self.drained = asyncio.Event()
         self._token = config.token.encode() if config.token else None
         self._reaper: asyncio.Task[None] | None = None
+        self.guard = ConnectionGuard(
+            read_timeout_s=config.request_timeout_s,
+            max_unauthenticated=config.max_unauthenticated,
+            authorised=self.authorised,
+            on_drop=lambda reason: self.metrics.rejected.labels(reason).inc(),
+        )
+        """Bounds connections that have not shown the token (used by ``envhub.server.cli.uvicorn_config``)."""
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -85,6 +95,23 @@ class Hub:
 
     def _on_session_closed(self, session: Session, reason: str) -> None:
         self.metrics.sessions_closed.labels(reason).inc()
+
+    # ------------------------------------------------------------------ health
+    def problems(self) -> list[str]:
+        """What a client would hit now (a full pool, no live worker), one line each with the fix; empty when healthy."""
+        found = []
+        if len(self.sessions.sessions) >= self.config.max_sessions:
+            found.append(f"the hub holds its maximum of {self.config.max_sessions} sessions; new ones get too_many_sessions (raise --max-sessions)")
+        for env_id, pool in self.pools.items():
+            stats = pool.stats()
+            if stats.capacity is not None and stats.episodes >= stats.capacity:
+                found.append(
+                    f"{env_id}: all {stats.capacity} episode slots are in use; new resets wait {self.config.reset_wait_s:g} s, "
+                    "then get pool_busy (clients should close finished sessions; or raise --max-sessions)"
+                )
+            if stats.workers_alive == 0 and not pool.closed:
+                found.append(f"{env_id}: no worker is running (last error: {pool.last_worker_error or 'none yet'}); replacements are being started")
+        return found
 
     # ------------------------------------------------------------------ auth
     def authorised(self, header: str | None) -> bool:

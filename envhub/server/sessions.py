@@ -8,6 +8,9 @@ request still running when the socket dropped is awaited, not repeated.
 
 ``SessionManager`` enforces the global and per-client limits and reaps sessions that are
 idle (connected, silent for ``idle_timeout_s``) or abandoned (detached past ``grace_s``).
+A session holds at most one episode, and a one-shot HTTP rollout counts as a session of
+its client while it runs (``hold``/``release``), so one client's episodes, over both
+surfaces, stay within ``max_sessions_per_client``.
 """
 
 from __future__ import annotations
@@ -129,22 +132,35 @@ class SessionManager:
                 f"the hub holds its maximum of {self.max_sessions} sessions; retry later or connect to another hub",
                 "global",
             )
+        self.hold(client)
+        session = Session(env_id, client, pool)
+        self.sessions[session.id] = session
+        return session
+
+    def hold(self, client: str) -> None:
+        """Count one more session (or running rollout) for ``client``; ``SessionLimitError`` past its limit."""
         held = self.per_client.get(client, 0)
         if held >= self.max_sessions_per_client:
             raise SessionLimitError(
-                f"this client already holds {held} sessions (the limit per client is {self.max_sessions_per_client}); "
-                "close finished sessions (env.close()) before opening more",
+                f"this client already holds {held} sessions and rollouts (the limit per client is {self.max_sessions_per_client}); "
+                "close finished sessions (env.close()) or wait for running rollouts before starting more",
                 "client",
             )
-        session = Session(env_id, client, pool)
-        self.sessions[session.id] = session
         self.per_client[client] = held + 1
-        return session
+
+    def release(self, client: str) -> None:
+        """Undo one ``hold`` (a session closed, a rollout ended)."""
+        left = self.per_client.get(client, 1) - 1
+        if left > 0:
+            self.per_client[client] = left
+        else:
+            self.per_client.pop(client, None)
 
     def find(self, session_id: str, resume_key: str) -> Session | None:
-        """The session to resume, if the id exists and the key matches."""
+        """The session to resume, if the id exists and the key matches (compared as bytes: any text is safe)."""
         session = self.sessions.get(session_id)
-        if session is None or not hmac.compare_digest(session.resume_key, resume_key):
+        given = resume_key.encode("utf-8", "surrogatepass")
+        if session is None or not hmac.compare_digest(session.resume_key.encode(), given):
             return None
         return session
 
@@ -169,11 +185,7 @@ class SessionManager:
             return
         session.closed = True
         self.sessions.pop(session.id, None)
-        left = self.per_client.get(session.client, 1) - 1
-        if left > 0:
-            self.per_client[session.client] = left
-        else:
-            self.per_client.pop(session.client, None)
+        self.release(session.client)
         if self.on_close is not None:
             self.on_close(session, reason)
         if session.episode is not None:

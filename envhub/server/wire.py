@@ -19,13 +19,20 @@ WebSocket session protocol (``/v1/session``; text frames, one JSON object each)
    1008 unauthorized, 1009 message too big, 1013 over a session limit or draining,
    4408 idle timeout, 4404 unknown session on resume, 4409 the session was resumed on
    another connection.
+
+Every integer a client sends is bounded (``seq`` to 63 bits, ``seed`` to 64) and every
+``options`` object must encode as the worker will encode it (integers within 64 bits,
+nesting under 255 levels, valid Unicode), so bad input is refused here, with the field
+named, before the hub places an episode or answers with the value.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+import orjson
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, StrictFloat, TypeAdapter, WithJsonSchema
+from typing_extensions import TypeAliasType
 
 __all__ = [
     "Strict",
@@ -64,8 +71,62 @@ ErrorCode = Literal[
     "busy",
     "idle_timeout",
     "pool_busy",
+    "not_found",
     "internal",
 ]
+
+MAX_SEQ = 2**63 - 1
+"""The largest ``seq``: a client numbering from 1 never gets there."""
+MAX_SEED = 2**64 - 1
+"""Seeds are what Gymnasium's ``np_random`` takes (non-negative) and fit 64 bits."""
+
+_UNENCODABLE = (
+    ("Integer exceeds 64-bit range", "an integer does not fit 64 bits"),
+    ("Recursion limit reached", "it nests deeper than 254 levels"),
+    ("surrogates not allowed", "a string holds a lone surrogate (not valid Unicode)"),
+)
+
+
+def _encodable(value: Any) -> dict[str, Any]:
+    """``value`` if it is a JSON object the worker can encode (``orjson``), else a ``ValueError`` that says why."""
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+    try:
+        orjson.dumps(value)
+    except (TypeError, orjson.JSONEncodeError) as exc:
+        why = next((plain for raw, plain in _UNENCODABLE if raw in str(exc)), str(exc))
+        raise ValueError(f"{why}; send plain JSON: integers within 64 bits, nesting under 255 levels, valid Unicode text") from None
+    return value
+
+
+def _unicode(text: str) -> str:
+    """``text`` if it is valid Unicode (encodes to UTF-8), else a ``ValueError``."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds a lone surrogate at index {exc.start} (not valid Unicode); send UTF-8 text") from None
+    return text
+
+
+JsonValue = TypeAliasType(
+    "JsonValue",
+    Union[  # noqa: UP007 - a runtime expression: the alias refers to itself by name
+        None,
+        bool,
+        Annotated[int, Field(ge=-(2**63), le=MAX_SEED)],
+        Annotated[StrictFloat, WithJsonSchema({"type": "number", "not": {"type": "integer"}})],
+        str,
+        list["JsonValue"],
+        dict[str, "JsonValue"],
+    ],
+)
+"""What ``options`` may hold, as published in the schemas (integers within 64 bits; no depth in JSON Schema)."""
+JsonObject = Annotated[dict[str, Any], PlainValidator(_encodable, json_schema_input_type=dict[str, JsonValue])]
+"""A JSON object the hub can pass to a worker unchanged (checked by encoding it once, as the worker will)."""
+Text = Annotated[str, AfterValidator(_unicode)]
+"""A string that encodes to UTF-8 (JSON escapes can spell lone surrogates; they are refused)."""
+Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
 
 class Strict(BaseModel):
@@ -87,20 +148,20 @@ class Hello(Strict):
 
 class ResetRequest(Strict):
     type: Literal["reset"]
-    seq: int = Field(ge=1)
-    seed: int | None = None
-    options: dict[str, Any] | None = None
+    seq: Seq
+    seed: Seed | None = None
+    options: JsonObject | None = None
 
 
 class StepRequest(Strict):
     type: Literal["step"]
-    seq: int = Field(ge=1)
-    action: str
+    seq: Seq
+    action: str = Field(description="The model's text (WebSocket frames are UTF-8, so no lone surrogates get here).")
 
 
 class CloseRequest(Strict):
     type: Literal["close"]
-    seq: int = Field(ge=1)
+    seq: Seq
 
 
 ClientMessage = Annotated[Hello | ResetRequest | StepRequest | CloseRequest, Field(discriminator="type")]
@@ -179,19 +240,22 @@ class EnvList(Strict):
 
 
 class Health(Strict):
-    status: Literal["ok", "draining"]
+    """``/health``: ``degraded`` (still HTTP 200: the process is alive) lists in ``problems`` what a client would hit."""
+
+    status: Literal["ok", "degraded", "draining"]
     sessions: int
     workers_alive: int
     workers: int
+    problems: list[str] = Field(default_factory=list, description="Why the hub is degraded, one line per problem, with the fix.")
 
 
 class RolloutRequest(Strict):
     """A one-shot episode over HTTP: reset with ``seed``/``options``, then apply ``actions``."""
 
-    env: str = Field(max_length=200)
-    seed: int | None = None
-    options: dict[str, Any] | None = None
-    actions: list[str] = Field(default_factory=list, max_length=1000)
+    env: Text = Field(max_length=200)
+    seed: Seed | None = None
+    options: JsonObject | None = None
+    actions: list[Text] = Field(default_factory=list, max_length=1000)
 
 
 class RolloutResponse(Strict):

@@ -4,8 +4,9 @@
 receive, validate (``envhub.server.wire``), run the request through ``Session.execute``
 (at most once per ``seq``) and send the answer. Pool results arrive as JSON bytes from the
 worker and are spliced into the answer without being decoded. Every bad input gets an
-``error`` message with a code; only auth, limits, a bad ``hello`` and oversized frames
-close the socket.
+``error`` message with a code (``envhub.server.wire`` refuses unencodable values before a
+pool sees them, so a refused reset never holds an episode slot); a failure inside the hub
+answers ``internal``. Only auth, limits, a bad ``hello`` and oversized frames close the socket.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ async def session_endpoint(ws: WebSocket) -> None:
     if not hub.authorised(header):
         await _refuse(ws, hub, "unauthorized", "missing or wrong token: send the header 'Authorization: Bearer <token>'", 1008)
         return
+    client = hub.client_key(header, ws.client.host if ws.client else None)
+    waiting = hub.awaiting_hello.get(client, 0)
+    if waiting >= config.max_sessions_per_client:  # each silent connection holds an fd for hello_timeout_s
+        await _refuse(ws, hub, "too_many_sessions", f"this client has {waiting} connections that have not sent hello yet (the limit is {config.max_sessions_per_client}); send hello first", 1013)
+        return
+    hub.awaiting_hello[client] = waiting + 1
     try:
         raw = await asyncio.wait_for(_receive(ws), config.hello_timeout_s)
     except asyncio.TimeoutError:
@@ -99,10 +106,18 @@ async def session_endpoint(ws: WebSocket) -> None:
         return
     except Exception:
         return
+    finally:
+        left = hub.awaiting_hello.pop(client) - 1
+        if left:
+            hub.awaiting_hello[client] = left
     if isinstance(raw, int):
         return
     conn = WsConnection(ws)
-    session = await _hello(ws, hub, conn, raw, hub.client_key(header, ws.client.host if ws.client else None))
+    try:
+        session = await _hello(ws, hub, conn, raw, client)
+    except Exception as exc:  # a bug in the hub: say so with a code instead of dropping the socket
+        await _refuse(ws, hub, "internal", f"the hub failed to open the session ({type(exc).__name__}: {exc}); retry, and report it if it persists", 1011)
+        return
     if session is None:
         return
     code = 1006
@@ -155,17 +170,24 @@ async def _hello(ws: WebSocket, hub: Hub, conn: WsConnection, raw: str | bytes, 
         hub.sessions.attach(session, conn)
         hub.metrics.sessions_opened.inc()
         resumed = False
-    welcome = Welcome(
-        session=session.id,
-        resume_key=session.resume_key,
-        env=session.env_id,
-        last_seq=session.last_seq,
-        resumed=resumed,
-        grace_s=config.grace_s,
-        idle_timeout_s=config.idle_timeout_s,
-        max_message_bytes=config.max_message_bytes,
-        max_turns=hub.specs[session.env_id].kwargs.get("max_turns", hub.specs[session.env_id].max_turns),
-    )
+    try:
+        welcome = Welcome(
+            session=session.id,
+            resume_key=session.resume_key,
+            env=session.env_id,
+            last_seq=session.last_seq,
+            resumed=resumed,
+            grace_s=config.grace_s,
+            idle_timeout_s=config.idle_timeout_s,
+            max_message_bytes=config.max_message_bytes,
+            max_turns=hub.specs[session.env_id].kwargs.get("max_turns", hub.specs[session.env_id].max_turns),
+        )
+    except Exception:  # never leave a session attached to a connection that is about to be refused
+        if resumed:
+            hub.sessions.detach(session, conn)
+        else:
+            await hub.sessions.close(session, "error")
+        raise
     try:
         await ws.send_text(welcome.model_dump_json())
     except Exception:
@@ -179,7 +201,8 @@ def _first_error(exc: ValidationError) -> str:
         return str(exc)
     first = errors[0]
     where = ".".join(str(p) for p in first.get("loc", ()))
-    return f"{where}: {first.get('msg', '')}" if where else first.get("msg", "")
+    what = first.get("msg", "").removeprefix("Value error, ")
+    return f"{where}: {what}" if where else what
 
 
 async def _serve(ws: WebSocket, hub: Hub, session: Session, conn: WsConnection) -> int:
@@ -208,14 +231,10 @@ async def _serve(ws: WebSocket, hub: Hub, session: Session, conn: WsConnection) 
                 reply = error_reply(code, f"{'malformed JSON' if code == 'bad_json' else 'invalid message'}: {_first_error(exc)}")
                 request = None
             if request is not None:
-                if isinstance(request, StepRequest):
-                    reply = await session.execute(request.seq, lambda: _step(hub, session, request))
-                elif isinstance(request, ResetRequest):
-                    reply = await session.execute(request.seq, lambda: _reset(hub, session, request))
-                elif isinstance(request, CloseRequest):
-                    reply = await session.execute(request.seq, lambda: _close(hub, session, request))
-                else:
-                    reply = error_reply("bad_message", "hello is only valid as the first message of a connection")
+                try:
+                    reply = await _dispatch(hub, session, request)
+                except Exception as exc:  # a bug in the hub: answer with a code, keep the connection
+                    reply = _error(hub, "internal", f"{type(exc).__name__}: {exc}", getattr(request, "seq", None))
         try:
             await ws.send_text(reply)
         except Exception:
@@ -226,6 +245,17 @@ async def _serve(ws: WebSocket, hub: Hub, session: Session, conn: WsConnection) 
             except Exception:
                 pass
             return 1000
+
+
+async def _dispatch(hub: Hub, session: Session, request: Any) -> str:
+    """Run one validated request through ``Session.execute`` (at most once per ``seq``)."""
+    if isinstance(request, StepRequest):
+        return await session.execute(request.seq, lambda: _step(hub, session, request))
+    if isinstance(request, ResetRequest):
+        return await session.execute(request.seq, lambda: _reset(hub, session, request))
+    if isinstance(request, CloseRequest):
+        return await session.execute(request.seq, lambda: _close(hub, session, request))
+    return error_reply("bad_message", "hello is only valid as the first message of a connection")
 
 
 def _is_bad_json(raw: str | bytes) -> bool:
@@ -260,14 +290,18 @@ async def _reset(hub: Hub, session: Session, request: ResetRequest) -> str:
     seq = request.seq
     if hub.draining:
         return _error(hub, "draining", "the hub is shutting down and starts no new episodes; reconnect to another hub", seq)
+    pool, wait_s = session.pool, hub.config.reset_wait_s
     try:
-        result = await session.pool.reset_json(session.episode, seed=request.seed, options=request.options, wait_s=hub.config.reset_wait_s)
-    except PoolFullError as exc:
+        try:
+            result = await pool.reset_json(session.episode, seed=request.seed, options=request.options, wait_s=wait_s)
+        except UnknownEpisodeError:  # the pool dropped it (a failed re-placement): start afresh
+            session.episode = None
+            result = await pool.reset_json(None, seed=request.seed, options=request.options, wait_s=wait_s)
+    except PoolFullError as exc:  # raised only while placing: the session's old episode (if any) is gone
+        session.episode, session.running = None, False
         return _error(hub, "pool_busy", str(exc), seq)
     except PoolClosedError as exc:
         return _error(hub, "draining", str(exc), seq)
-    except (TypeError, orjson.JSONEncodeError) as exc:
-        return _error(hub, "bad_message", f"reset options must be JSON values: {exc}", seq)
     if isinstance(result, tuple):
         session.episode, body = result
         session.running = True

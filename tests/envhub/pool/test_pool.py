@@ -102,7 +102,7 @@ def test_a_hung_step_is_killed_at_the_timeout_and_the_pool_heals():
             waited = time.monotonic() - began
             assert isinstance(result, EpisodeFailure) and result.reason == "step_timeout"
             assert "past the 1 s timeout" in result.detail
-            assert 0.9 < waited < 10
+            assert waited >= 0.9  # never before the timeout (a lower bound cannot flake; a hang hits the test timeout)
             fresh = await pool.reset(seed=1, wait_s=30)
             assert fresh.info["pid"] != ep.info["pid"]
             assert (await pool.step(fresh.episode, "ok")).observation[0]["content"] == "echo ok"
@@ -136,6 +136,20 @@ def test_caller_mistakes_raise_like_the_local_env():
                 await pool.step(ep.episode, 42)
             again = await pool.reset(ep.episode, seed=0)
             assert not again.failed
+
+    run(main())
+
+
+def test_a_reset_whose_arguments_cannot_be_sent_holds_no_slot():
+    """A seed past 64 bits (or options the wire cannot encode) is refused before an episode is
+    placed: with one slot, a refused reset must leave that slot free for the next caller."""
+    async def main():
+        async with EnvPool(FAULTY, num_workers=1, max_episodes=1) as pool:
+            for bad in ({"seed": 2**70}, {"options": {"x": 2**70}}):
+                with pytest.raises(TypeError, match="cannot be sent to the env worker"):
+                    await pool.reset(**bad)
+                assert pool.stats().episodes == 0
+            assert not (await pool.reset(seed=0, wait_s=1.0)).failed
 
     run(main())
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -33,12 +34,13 @@ class RunningHub:
 
 @contextlib.contextmanager
 def running_hub(**settings: Any) -> Iterator[RunningHub]:
-    """A hub (``create_app`` + uvicorn, websockets-sansio, uvloop) on a free loopback port."""
+    """A hub (``create_app`` + uvicorn as ``envhub serve`` configures it) on a free loopback port."""
     import asyncio
 
     import uvicorn
 
     from envhub.server.app import create_app
+    from envhub.server.cli import uvicorn_config
     from envhub.server.config import HubConfig
 
     register_test_envs()
@@ -47,9 +49,7 @@ def running_hub(**settings: Any) -> Iterator[RunningHub]:
     config = HubConfig(**settings)
     app = create_app(config)
     port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="websockets-sansio", ws_max_size=2 * config.max_message_bytes, ws_per_message_deflate=False, lifespan="on")
-    )
+    server = uvicorn.Server(uvicorn_config(app, port=port))
     holder: dict[str, Any] = {}
 
     def serve() -> None:
@@ -82,8 +82,39 @@ def raw_connect(hub: RunningHub, token: str | None = TOKEN, **kwargs: Any) -> An
 
 
 def ask(ws: Any, message: Any, timeout: float = 10) -> dict[str, Any]:
-    ws.send(message if isinstance(message, (str, bytes)) else orjson.dumps(message).decode())
+    ws.send(message if isinstance(message, (str, bytes)) else json.dumps(message))  # json: ints past 64 bits too
     return orjson.loads(ws.recv(timeout=timeout))
+
+
+def slow_client(port: int, first_bytes: bytes = b"") -> socket.socket:
+    """A raw TCP connection to the hub that sends ``first_bytes`` and then nothing more."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    if first_bytes:
+        sock.sendall(first_bytes)
+    return sock
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bytes | None:
+    """What the hub sent before closing ``sock`` (EOF or reset), or ``None`` if it was still open after ``within`` s.
+
+    The deadline bounds a wait for a state change; it is not a timing assertion.
+    """
+    received = b""
+    deadline = time.monotonic() + within
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        sock.settimeout(remaining)
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            return None
+        except OSError:  # reset by the hub
+            return received
+        if not chunk:
+            return received
+        received += chunk
 
 
 class DropProxy:
@@ -167,12 +198,15 @@ class DropProxy:
         self.cut()
 
 
-__all__ = ["TOKEN", "RunningHub", "running_hub", "raw_connect", "ask", "DropProxy", "free_port"]
+__all__ = ["TOKEN", "RunningHub", "running_hub", "raw_connect", "ask", "slow_client", "closed_by_server", "DropProxy", "free_port"]
 
 
 @contextlib.contextmanager
-def envhub_serve(*args: str, token: str = TOKEN) -> Iterator[tuple[Any, int]]:
-    """A real ``envhub serve`` process on a free port, up and healthy; killed on exit."""
+def envhub_serve(*args: str, token: str = TOKEN, preexec_fn: Any = None) -> Iterator[tuple[Any, int]]:
+    """A real ``envhub serve`` process on a free port, up and healthy; killed on exit.
+
+    ``preexec_fn`` runs in the child before it starts (e.g. to lower its open-file limit).
+    """
     import subprocess
     import sys
 
@@ -180,7 +214,7 @@ def envhub_serve(*args: str, token: str = TOKEN) -> Iterator[tuple[Any, int]]:
 
     port = free_port()
     command = [sys.executable, "-m", "envhub.cli", "serve", *args, "--port", str(port), "--token", token]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
     deadline = time.monotonic() + 90
     try:
         while True:

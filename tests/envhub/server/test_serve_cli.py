@@ -8,6 +8,7 @@ pytest.importorskip("fastapi", reason="the server extra is not installed (pip in
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -91,7 +92,7 @@ def test_serve_returns_to_baseline_and_drains_on_sigterm(served):
     while httpx.get(f"{http}/health").json()["sessions"] and time.monotonic() < deadline:
         time.sleep(0.1)
     health = httpx.get(f"{http}/health").json()
-    assert health == {"status": "ok", "sessions": 0, "workers_alive": 2, "workers": 2}
+    assert health == {"status": "ok", "sessions": 0, "workers_alive": 2, "workers": 2, "problems": []}
     assert children(proc.pid) == workers, "no worker was added or lost"
     assert fds(proc.pid) <= base_fds + 2, f"server fds {base_fds} -> {fds(proc.pid)}"
     assert rss_mib(proc.pid) < base_rss + 20, f"server RSS {base_rss:.0f} -> {rss_mib(proc.pid):.0f} MiB"
@@ -119,3 +120,30 @@ def test_serve_returns_to_baseline_and_drains_on_sigterm(served):
     while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers), "workers outlived the server"
+
+
+def _open_file_limit_128_of_512() -> None:
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (128, 512))
+
+
+def soft_open_file_limit(pid: int) -> int:
+    line = next(line for line in Path(f"/proc/{pid}/limits").read_text().splitlines() if line.startswith("Max open files"))
+    return int(line.split()[3])
+
+
+def test_serve_raises_its_fd_limit_and_outlives_a_flood_of_silent_connections():
+    """`envhub serve` lifts its soft open-file limit to the hard one; silent sockets beyond that limit cannot lock clients out."""
+    with envhub_serve("--env", ENV, "--workers", "1", "--backend", "inline", "--request-timeout", "60", token=TOKEN, preexec_fn=_open_file_limit_128_of_512) as (proc, port):
+        assert soft_open_file_limit(proc.pid) == 512
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(700)]  # more than the hub has fds
+        try:
+            assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=20).json()["status"] == "ok"
+            env = RemoteEnv(ENV, f"ws://127.0.0.1:{port}", token=TOKEN)
+            env.reset(seed=0)
+            assert not play_to_the_end(env)["invalid_action"]
+            env.close()
+        finally:
+            for sock in silent:
+                sock.close()

@@ -1,0 +1,193 @@
+"""Bound what a connection may hold before it has shown the hub's token (slowloris, fd floods).
+
+uvicorn waits for a request as long as its client takes: a socket that sends nothing, half
+a request head, or a body shorter than its ``Content-Length`` keeps its file descriptor
+forever, and httptools buffers a request head of any size. With a few hundred such sockets
+a hub under a 1,024-fd limit stops accepting anyone, no token needed. ``ConnectionGuard``
+runs inside uvicorn's httptools protocol (``guarded_protocol``) and guarantees:
+
+1. **Every request is read within ``read_timeout_s``**: head and body, counted from the
+   connection's start for its first request and from the first byte for later ones; a
+   WebSocket upgrade's head likewise. Past that the connection is closed.
+2. **A request head over ``max_head_bytes`` is answered 431** and the connection closed.
+3. **At most ``max_unauthenticated`` connections without the token are open at once.** A
+   connection becomes trusted when a request head carries the hub's token; past the cap
+   the *oldest* untrusted connection is closed, so a flood of silent sockets pushes out its
+   own members, while real clients (who send their token within a round trip) get in.
+
+What it does not cover: trusted connections are bounded elsewhere (session limits, the
+idle timeout, the WebSocket ping, uvicorn's keep-alive timeout); a flood larger than the
+kernel's listen backlog is refused by the kernel. ``raise_fd_limit`` lifts the soft
+open-file limit to the hard one at start, since every session is a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from envhub.server.wire import ErrorMessage
+
+__all__ = ["ConnectionGuard", "guarded_protocol", "raise_fd_limit", "MAX_HEAD_BYTES"]
+
+MAX_HEAD_BYTES = 64 * 1024
+"""Largest request head (request line + headers) accepted; real clients send well under 2 KiB."""
+
+
+class ConnectionGuard:
+    """The shared state of the guarantees above: timers, untrusted connections, counters.
+
+    ``authorised`` is ``Hub.authorised`` (takes the ``Authorization`` header or ``None``);
+    ``on_drop(reason)`` counts a closed connection (``request_timeout``, ``head_too_large``,
+    ``unauthenticated_cap``). Everything runs on the server's event loop.
+    """
+
+    def __init__(
+        self,
+        *,
+        read_timeout_s: float,
+        max_unauthenticated: int,
+        authorised: Callable[[str | None], bool],
+        max_head_bytes: int = MAX_HEAD_BYTES,
+        on_drop: Callable[[str], None] | None = None,
+    ) -> None:
+        self.read_timeout_s = read_timeout_s
+        self.max_unauthenticated = max_unauthenticated
+        self.max_head_bytes = max_head_bytes
+        self.authorised = authorised
+        self.on_drop = on_drop
+        self.untrusted: dict[Any, None] = {}
+        """Open connections with no token yet, oldest first (a dict keeps insertion order)."""
+
+    # ------------------------------------------------------------------ protocol events
+    def opened(self, conn: Any) -> None:
+        """A new connection: untrusted, and its first request must arrive in time."""
+        self.untrusted[conn] = None
+        self.arm(conn)
+        while len(self.untrusted) > self.max_unauthenticated:
+            self.drop(next(iter(self.untrusted)), "unauthenticated_cap")
+
+    def arm(self, conn: Any) -> None:
+        """Start the read deadline of ``conn``'s current request, unless one runs."""
+        if conn.guard_timer is None:
+            conn.guard_timer = asyncio.get_running_loop().call_later(self.read_timeout_s, self.drop, conn, "request_timeout")
+
+    def head_read(self, conn: Any, headers: list[tuple[bytes, bytes]]) -> None:
+        """A request head arrived: a valid token makes the connection trusted."""
+        if conn not in self.untrusted:
+            return
+        header = next((value.decode("latin-1") for name, value in headers if name == b"authorization"), None)
+        if self.authorised(header):
+            del self.untrusted[conn]
+
+    def request_read(self, conn: Any) -> None:
+        """A request's body is complete: the app has it, the deadline is over."""
+        self.disarm(conn)
+
+    def upgraded(self, conn: Any) -> None:
+        """The connection became a WebSocket: trusted ones are now the session code's to bound.
+
+        An untrusted one keeps its deadline as a lifetime (the app refuses it at once, but
+        its close handshake may wait for a client that never answers), and stays counted.
+        """
+        if conn in self.untrusted:
+            self.arm(conn)
+        else:
+            self.disarm(conn)
+
+    def closed(self, conn: Any) -> None:
+        self.disarm(conn)
+        self.untrusted.pop(conn, None)
+
+    # ------------------------------------------------------------------ actions
+    def disarm(self, conn: Any) -> None:
+        if conn.guard_timer is not None:
+            conn.guard_timer.cancel()
+            conn.guard_timer = None
+
+    def drop(self, conn: Any, reason: str) -> None:
+        """Close ``conn`` now (nothing it sent is answered) and forget it."""
+        self.closed(conn)
+        conn.transport.abort()
+        if self.on_drop is not None:
+            self.on_drop(reason)
+
+    def refuse_head(self, conn: Any) -> None:
+        """Answer 431 to a request head over the limit and close the connection."""
+        body = ErrorMessage(
+            code="message_too_large",
+            message=f"the request head is over the {self.max_head_bytes} byte limit; send shorter headers and URL",
+        ).model_dump_json().encode()
+        conn.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+        )
+        conn.transport.close()
+        self.closed(conn)
+        if self.on_drop is not None:
+            self.on_drop("head_too_large")
+
+
+def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
+    """uvicorn's httptools protocol with ``guard``'s checks, for ``uvicorn.Config(http=...)``."""
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GuardedHttpToolsProtocol(HttpToolsProtocol):
+        """``HttpToolsProtocol`` reporting its request phases to the guard (see the module docstring)."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.guard_timer: asyncio.TimerHandle | None = None
+            self.head_bytes = 0
+            self.reading_head = True
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            guard.opened(self)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            guard.closed(self)
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            if self.reading_head:  # bytes since the last complete request: the head being read
+                self.head_bytes += len(data)
+            super().data_received(data)
+            if self.reading_head and self.head_bytes > guard.max_head_bytes and not self.transport.is_closing():
+                guard.refuse_head(self)
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            guard.arm(self)
+
+        def on_headers_complete(self) -> None:
+            self.reading_head = False
+            guard.head_read(self, self.headers)
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self.reading_head, self.head_bytes = True, 0
+            guard.request_read(self)
+
+        def handle_websocket_upgrade(self) -> None:
+            guard.upgraded(self)
+            super().handle_websocket_upgrade()
+
+    return GuardedHttpToolsProtocol
+
+
+def raise_fd_limit() -> int:
+    """Lift the soft open-file limit to the hard one (each session is a socket); return the soft limit in force."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return soft
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (ValueError, OSError):
+        return soft
+    return target
