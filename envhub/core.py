@@ -30,8 +30,11 @@ What ``TextEnv`` guarantees to its callers
 3. ``info`` always carries ``turn`` (turns taken so far), ``success`` (``bool``) and
    ``invalid_action`` (``bool``: the action could not be parsed or was illegal). Reset info
    also carries ``tools`` when the environment publishes tool schemas.
-4. The episode is truncated (``truncated=True``) after ``max_turns`` steps if it has not
-   terminated first; ``terminated`` and ``truncated`` are never both true.
+4. After ``max_turns`` steps an episode that has not terminated first ends the way the
+   class's ``out_of_turns`` says: ``truncated=True`` by default (a time limit outside the
+   task: the last state was not terminal), or ``terminated=True`` when the budget is a rule
+   of the task the agent was told (Wordle's six guesses, a coding task's attempts: running
+   out is a loss). ``terminated`` and ``truncated`` are never both true.
 5. ``step()`` before ``reset()`` raises ``ResetNeededError``; ``step()`` after the end raises
    ``EpisodeOverError``; a non-``str`` action raises ``TypeError``. All name the fix.
 6. ``close()`` may be called any number of times. Environments are picklable, so process
@@ -156,8 +159,8 @@ class Turn:
     """What ``TextEnv.on_step`` returns: the environment's side of one turn.
 
     ``observation`` is the reply shown to the model: a string (sent as one ``user``
-    message), a single message dict, or a list of messages. ``truncated`` is decided by the
-    base class from ``max_turns``; set ``terminated`` when the episode really ended.
+    message), a single message dict, or a list of messages. Using up ``max_turns`` is handled by the
+    base class (see ``TextEnv.out_of_turns``); set ``terminated`` when the episode really ended.
     """
 
     observation: str | Message | Sequence[Message]
@@ -209,6 +212,11 @@ class TextEnv(gym.Env[Observation, str]):
 
     invalid_action_penalty: float = -0.1
     """Reward given by ``invalid_action()`` unless a penalty is passed explicitly."""
+
+    out_of_turns: ClassVar[Literal["truncated", "terminated"]] = "truncated"
+    """How using up ``max_turns`` ends an episode (guarantee 4): ``"truncated"`` when the limit
+    is outside the task (a step budget; Gymnasium's ``TimeLimit``), ``"terminated"`` when it is
+    one of the task's own rules (out of guesses or attempts: the game is lost)."""
 
     def __init__(
         self,
@@ -300,8 +308,9 @@ class TextEnv(gym.Env[Observation, str]):
         turn = self.on_step(action)
         messages = as_messages(turn.observation)
         reward = float(turn.reward)
-        terminated = bool(turn.terminated)
-        truncated = not terminated and self.max_turns is not None and self._turn >= self.max_turns
+        used_up = self.max_turns is not None and self._turn >= self.max_turns
+        terminated = bool(turn.terminated) or (used_up and self.out_of_turns == "terminated")
+        truncated = not terminated and used_up
         info = {
             **turn.info,
             "turn": self._turn,
@@ -310,7 +319,8 @@ class TextEnv(gym.Env[Observation, str]):
         }
         if terminated or truncated:
             self._state = "over"
-            self._end_reason = "terminated" if terminated else f"truncated after max_turns={self.max_turns}"
+            self._end_reason = (f"{'terminated' if terminated else 'truncated'} after max_turns={self.max_turns}"
+                                if used_up and not turn.terminated else "terminated")
         if not math.isfinite(reward):
             raise ValueError(f"{type(self).__name__}.on_step returned a non-finite reward {reward!r}")
         self._history.extend(messages)

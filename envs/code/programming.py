@@ -68,6 +68,8 @@ def extract_code(text: str) -> str:
 class ProgrammingEnv(TextEnv):
     """Function-writing tasks graded by hidden tests in a sandbox (see the module docstring)."""
 
+    out_of_turns = "terminated"  # the attempts (1 + max_revisions) are the task's rule: the last one ends it
+
     def __init__(
         self,
         *,

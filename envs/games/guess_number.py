@@ -24,6 +24,8 @@ _INT = re.compile(r"[-+]?\d+")
 class GuessNumberEnv(GameEnv):
     """Find a secret integer in ``[low, high]``; each guess is answered higher/lower/correct."""
 
+    out_of_turns = "terminated"  # the guess budget is a rule the player is told: out of guesses = lost
+
     def __init__(self, *, low: int = 1, high: int = 100, max_turns: int | None = 10, **game: Any) -> None:
         if not (isinstance(low, int) and isinstance(high, int) and low < high):
             raise ValueError(f"need integers low < high, got low={low!r}, high={high!r}")

@@ -90,6 +90,8 @@ def _spaced(pattern: str) -> str:
 class WordleEnv(GameEnv):
     """Guess a secret word; each guess is answered with a green/yellow/grey pattern."""
 
+    out_of_turns = "terminated"  # six guesses is Wordle's rule: out of guesses = lost
+
     def __init__(
         self,
         *,

@@ -55,6 +55,19 @@ def test_turn_limit_truncates_and_never_both_flags():
     assert (terminated, truncated, info["turn"], info["success"]) == (False, True, 2, False)
 
 
+def test_a_turn_budget_that_is_a_rule_of_the_task_terminates():
+    class Lost(CountdownEnv):
+        out_of_turns = "terminated"  # e.g. Wordle: out of guesses = lost, not cut short
+
+    env = Lost(max_turns=2)
+    env.reset(seed=0)
+    assert env.step("a")[2:4] == (False, False)
+    _, _, terminated, truncated, info = env.step("b")
+    assert (terminated, truncated, info["success"]) == (True, False, False)
+    with pytest.raises(EpisodeOverError, match="terminated after max_turns=2"):
+        env.step("go")
+
+
 def test_terminating_on_the_last_turn_is_not_truncation():
     env = CountdownEnv(max_turns=1)
     env.reset(seed=0)

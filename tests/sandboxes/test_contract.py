@@ -143,13 +143,18 @@ def test_stop_from_another_thread_kills_a_running_command(make_sandbox_for):
     import threading
     import time
 
+    from tests.sandboxes.test_adversarial import host_processes_with as _host_processes_with
+
     sb = make_sandbox_for(wall_time_s=60)
     results = []
-    runner = threading.Thread(target=lambda: results.append(sb.run("sleep 50")))
+    marker = f"50.{time.time_ns() % 10**6}"  # a unique command line to find on the host
+    runner = threading.Thread(target=lambda: results.append(sb.run(f"sleep {marker}")))
     runner.start()
-    time.sleep(1.0)
-    t0 = time.monotonic()
+    deadline = time.monotonic() + 30  # stop once the command really runs (not after a guessed delay)
+    while not _host_processes_with(f"sleep {marker}") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _host_processes_with(f"sleep {marker}"), "the command never started"
     sb.stop()
     runner.join(timeout=30)
-    assert not runner.is_alive() and time.monotonic() - t0 < 20
-    assert results and not results[0].ok and results[0].wall_time_s < 30, results
+    assert not runner.is_alive(), "run() did not return after stop()"
+    assert results and not results[0].ok and results[0].wall_time_s < 50, results  # killed, not slept out

@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +26,22 @@ def nan_reward(episode) -> float:
     return float("nan")
 
 
-def envhub_train(*args: str, cwd: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(QUICKSTART.parents[1]), "OMP_NUM_THREADS": "1"}
+KILL_DIR = "ENVHUB_TEST_KILL_AFTER_STEP_3"
+
+
+def kill_after_step_3(episode) -> float:
+    """Reward 0; the first time it scores an episode after step 3 was logged (step 4's rollout,
+    so step 3 is logged but not checkpointed), it SIGKILLs the training process it runs in (the
+    local backend's reward worker is a thread of it). A marker file makes that happen once."""
+    out = Path(os.environ[KILL_DIR])
+    if not (out / "killed").exists() and (out / "metrics.jsonl").exists() and any(r["step"] == 3 for r in rows(out)):
+        (out / "killed").touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 0.0
+
+
+def envhub_train(*args: str, cwd: Path, **env_vars: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(QUICKSTART.parents[1]), "OMP_NUM_THREADS": "1", **env_vars}
     return subprocess.Popen([sys.executable, "-m", "envhub.cli", "train", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -81,19 +94,16 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> No
 
 def test_resume_after_kill_9_gives_identical_next_step_metrics(tmp_path: Path) -> None:
     out = tmp_path / "resume"
-    args = [str(QUICKSTART), *TINY, "train.steps=4", "checkpoint.every=2", "eval.every=0", f"output_dir={out}"]
-    proc = envhub_train(*args, cwd=tmp_path)
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:  # kill once step 3 is logged, not checkpointed
-        if (out / "metrics.jsonl").exists() and any(r["step"] == 3 for r in rows(out)):
-            break
-        time.sleep(0.02)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    killer = "{kind: function, function: 'tests.trainer.test_cli:kill_after_step_3'}"
+    args = [str(QUICKSTART), *TINY, "train.steps=4", "checkpoint.every=2", "eval.every=0", f"output_dir={out}",
+            f"env.rewards=[{killer}]"]
+    proc = envhub_train(*args, cwd=tmp_path, **{KILL_DIR: str(out)})
+    log, _ = proc.communicate(timeout=240)
+    assert proc.returncode == -signal.SIGKILL, f"the run was to be killed after step 3, it exited {proc.returncode}:\n{log}"
     killed = {r["step"]: r for r in rows(out)}
+    assert sorted(killed) == [0, 1, 2, 3]  # step 3 was logged, then the process died in step 4
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
-    resumed = envhub_train(*args, "--resume", cwd=tmp_path)
+    resumed = envhub_train(*args, "--resume", cwd=tmp_path, **{KILL_DIR: str(out)})
     log, _ = resumed.communicate(timeout=240)
     assert resumed.returncode == 0, log
     after = {r["step"]: r for r in rows(out)}

@@ -1,4 +1,9 @@
-"""AgenticPipeline in-process: every algorithm path runs a real step (critic, reference, KL, GSPO)."""
+"""AgenticPipeline in-process: every algorithm path trains a real step (critic, reference, KL, GSPO).
+
+An untrained policy's episodes all earn the same env reward (every move is invalid), which
+gives every estimator zero advantages and a step that changes nothing; ``varied_reward`` (a user
+reward function) makes the rewards in a group differ, so each step must really move the policy.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,23 @@ from trainer.config import load_config
 from trainer.pipeline import AgenticPipeline
 
 
+VARIED = "env.rewards=[{kind: function, function: 'tests.trainer.test_pipeline:varied_reward'}]"
+
+
+def varied_reward(episode) -> float:
+    """0, 0.5 or 1 from the policy's text: differs between the episodes of a group."""
+    actions = "".join(m["content"] for m in episode.messages if m["role"] == "assistant")
+    return sum(map(ord, actions)) % 3 / 2
+
+
 def run(tmp_path: Path, *overrides: str) -> list[dict]:
     cfg = load_config(QUICKSTART, [*TINY, "train.steps=1", "train.ppo_epochs=1", "sft.epochs=0", "eval.episodes=4",
-                                   f"output_dir={tmp_path / 'run'}", *overrides])
+                                   f"output_dir={tmp_path / 'run'}", VARIED, *overrides])
     return AgenticPipeline(cfg).fit()
+
+
+def assert_policy_trained(step: dict) -> None:
+    assert step["actor/optimizer_steps"] >= 1 and step["actor/grad_norm"] > 0  # a real gradient, not zero advantages
 
 
 def test_gae_with_critic_and_kl_penalty_and_gspo(tmp_path: Path) -> None:
@@ -25,15 +43,20 @@ def test_gae_with_critic_and_kl_penalty_and_gspo(tmp_path: Path) -> None:
                "algorithm.loss.agg_mode=seq-mean-token-mean", "roles.critic.device_mapping=[1]",
                "roles.reference.device_mapping=[1]")
     step = rows[-1]
-    assert step["step"] == 1 and "critic/value_loss" in step and "actor/kl_ref" in step
+    assert step["step"] == 1 and step["critic/value_loss"] > 0  # the critic was fitted to returns it did not know
     assert step["actor/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # reference == policy before the first update
+    assert_policy_trained(step)
 
 
 def test_rloo_and_reinforce_pp_with_kl_loss(tmp_path: Path) -> None:
     for estimator in ("rloo", "reinforce_pp"):
         rows = run(tmp_path / estimator, f"algorithm.advantage_estimator={estimator}", "algorithm.loss.kl_coef=0.1",
                    "algorithm.loss.kl_mode=loss", "algorithm.loss.dual_clip=3.0", "train.ppo_epochs=2")
-        assert rows[-1]["actor/optimizer_steps"] >= 1 and rows[-1]["eval/success"] is not None
+        step = rows[-1]
+        assert_policy_trained(step)
+        # the second epoch ran a policy the first one moved: away from the sampling policy and the reference
+        assert step["actor/approx_kl_old"] > 1e-6 and step["actor/kl_ref"] > 1e-6, estimator
+        assert step["eval/episodes"] == 4
 
 
 @pytest.mark.slow
@@ -44,5 +67,6 @@ def test_the_same_run_on_ray_workers(tmp_path: Path) -> None:
     try:
         rows = run(tmp_path, "cluster.backend=ray", "cluster.num_cpus=2")
         assert rows[-1]["step"] == 1
+        assert_policy_trained(rows[-1])  # the reward function ran on the reward worker, the actor trained
     finally:
         ray.shutdown()

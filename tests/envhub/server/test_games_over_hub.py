@@ -29,8 +29,13 @@ def hub():
         yield Served(port)
 
 
-def test_the_hub_serves_every_built_in_game():
-    assert len(GAMES) >= 5
+def test_the_hub_serves_every_built_in_game(hub):
+    """What `envhub serve --env ...` reports serving: every game family, each with a live worker."""
+    served = httpx.get(f"{hub.http}/v1/envs", headers={"Authorization": f"Bearer {TOKEN}"}).json()["envs"]
+    assert sorted(e["id"] for e in served) == sorted(GAMES) and len(GAMES) >= 5
+    assert all(e["workers_alive"] >= 1 for e in served), served
+    local = {s.id: s for s in envhub.list_envs("games", variants=False)}
+    assert all(e["max_turns"] == local[e["id"]].kwargs.get("max_turns", local[e["id"]].max_turns) for e in served)
 
 
 @pytest.mark.parametrize("env_id", GAMES)

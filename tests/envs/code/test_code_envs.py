@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -26,12 +25,8 @@ def humaneval():
     env.close()
 
 
-def test_code_envs_are_listed_and_pass_the_checker():
-    assert {"code/humaneval-v0", "code/terminal-v0"} <= {s.id for s in envhub.list_envs("code")}
-    for env_id in ("code/humaneval-v0", "code/terminal-v0"):
-        spec = envhub.spec(env_id)
-        report = envhub.check_env(spec.make(), factory=spec.make, raise_on_failure=False)
-        assert report.ok, [f"{r.name}: {r.message}" for r in report.failures]
+def test_code_envs_are_listed():  # the checker runs over every id in tests/envhub/test_check_all.py
+    assert {"code/humaneval-v0", "code/humaneval-single-v0", "code/terminal-v0"} <= {s.id for s in envhub.list_envs("code")}
 
 
 def test_humaneval_oracle_passes_every_test_and_random_scores_low(humaneval):
@@ -67,6 +62,18 @@ def test_partial_credit_feedback_and_revision(tmp_path):
         binary.close()
 
 
+def test_the_last_attempt_ends_the_task_as_terminated_not_truncated():
+    """Attempts are the task's rule (1 + max_revisions): running out is a lost task, not a time limit."""
+    env = envhub.make("code/humaneval-single-v0", dataset=MBPP_STYLE)
+    try:
+        env.reset(seed=0)
+        reply, reward, terminated, truncated, info = env.step("```python\ndef add(a, b):\n    return 0\n```")
+        assert (terminated, truncated, info["success"]) == (True, False, False)
+        assert "Revise" not in reply[0]["content"] and "2/4 tests passed" in reply[0]["content"]  # add(-1, 1), add(0, 0)
+    finally:
+        env.close()
+
+
 @pytest.mark.parametrize(
     "code, expect",
     [
@@ -81,9 +88,7 @@ def test_hostile_code_gives_feedback_within_bounds(code, expect):
     env = envhub.make("code/humaneval-v0", dataset=MBPP_STYLE, test_timeout_s=1.0, wall_time_s=10, memory_mb=256)
     try:
         env.reset(seed=0)
-        start = time.perf_counter()
-        reply, reward, terminated, truncated, _ = env.step(f"```python\n{code}```")
-        assert time.perf_counter() - start < 15
+        reply, reward, terminated, truncated, _ = env.step(f"```python\n{code}```")  # the test timeout catches a hang
         assert expect in reply[0]["content"] or "exceeded" in reply[0]["content"], reply[0]["content"][:500]
         assert reward == 0.0 and not terminated and len(reply[0]["content"]) < 2_500
     finally:
@@ -120,9 +125,8 @@ def test_terminal_session_persists_and_survives_hangs_and_floods():
         env.reset(options={"task_id": "make-tree-000"})
         env.step("```bash\nmkdir -p deep/dir && cd deep/dir && export X=42\n```")
         assert env.step("```bash\npwd; echo $X\n```")[0][0]["content"].startswith("/sandbox/deep/dir\n42")
-        start = time.perf_counter()
         reply = env.step("```bash\nsleep 600\n```")[0][0]["content"]
-        assert "ran longer than 1.5s" in reply and time.perf_counter() - start < 10
+        assert "ran longer than 1.5s" in reply  # the command timeout answered, not the 600 s sleep
         reply = env.step("```bash\nyes | head -c 5000000\n```")[0][0]["content"]
         assert "truncated" in reply and len(reply) < 3_000
         assert "[exit code 0]" in env.step("```bash\ntrue\n```")[0][0]["content"]

@@ -84,12 +84,13 @@ def test_chatty_number_is_parsed():
     assert info["invalid_action"] is False and info.get("guess", 50) == 50
 
 
-def test_truncation_at_max_turns():
+def test_out_of_guesses_ends_the_game_as_lost():
     env = make()
     env.reset(seed=1)
     for turn in range(1, 11):
         _, _, terminated, truncated, info = env.step("no idea")
-        assert terminated is False and truncated is (turn == 10) and info["turn"] == turn
+        assert terminated is (turn == 10) and truncated is False and info["turn"] == turn  # the guess budget is a rule
+    assert info["success"] is False
     with pytest.raises(envhub.errors.EpisodeOverError):
         env.step("<answer>50</answer>")
     assert make(max_turns=3).max_turns == 3

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -101,13 +100,11 @@ def test_levels_are_walled_nontrivial_and_have_the_right_box_count(env_id):
         assert len(env.level.solution) >= env.size - 2  # generator rejects too-easy levels
 
 
-def test_solver_is_fast_on_the_largest_variant():
+def test_solver_finds_optimal_solutions_on_the_largest_variant():  # its speed: benchmarks/speed_checks.py
     env = envhub.make("games/sokoban-10x10-v0")
     for seed in range(10):
         env.reset(seed=seed)
-        start = time.perf_counter()
         moves = solve(env.level)
-        assert time.perf_counter() - start < 1.5
         assert moves is not None and len(moves) == len(env.level.solution)
 
 

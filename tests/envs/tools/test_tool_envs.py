@@ -13,15 +13,8 @@ IN_PROCESS = ["tools/calculator-v0", "tools/sql-v0", "tools/retrieval-v0"]
 ALL = [*IN_PROCESS, "tools/mcp-v0"]
 
 
-def test_envhub_list_shows_the_tool_envs():
+def test_envhub_list_shows_the_tool_envs():  # the checker runs over every id in tests/envhub/test_check_all.py
     assert set(ALL) <= {spec.id for spec in envhub.list_envs("tools")}
-
-
-@pytest.mark.parametrize("env_id", ALL)
-def test_passes_the_checker(env_id):
-    spec = envhub.spec(env_id)
-    report = envhub.check_env(spec.make(), factory=spec.make, raise_on_failure=False)
-    assert report.ok, [f"{r.name}: {r.message}" for r in report.failures]
 
 
 @pytest.mark.parametrize("env_id", ALL)

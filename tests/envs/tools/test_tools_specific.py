@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -30,11 +29,10 @@ def test_calculator_evaluates_arithmetic(expression, value):
         ("1" * 600, "too long"),
     ],
 )
-def test_calculator_refuses_code_and_runaway_numbers_quickly(expression, message):
-    start = time.perf_counter()
+@pytest.mark.timeout(60)  # a runaway that is not refused never returns: this catches it (speed: benchmarks/speed_checks.py)
+def test_calculator_refuses_code_and_runaway_numbers(expression, message):
     with pytest.raises(ToolError, match=message):
         safe_eval(expression)
-    assert time.perf_counter() - start < 0.5
 
 
 def sql(env, query):
@@ -47,9 +45,8 @@ def test_sql_is_read_only_and_bounded():
     assert "Error: SQL error" in sql(env, "DROP TABLE employees")
     assert "Error: SQL error" in sql(env, "ATTACH DATABASE '/tmp/x.db' AS x")
     assert "employees" in env.call_tool("list_tables", {})
-    start = time.perf_counter()
     runaway = sql(env, "SELECT COUNT(*) FROM employees a, employees b, employees c, employees d, employees e")
-    assert "aborted" in runaway and time.perf_counter() - start < 10
+    assert "aborted" in runaway  # stopped by the query budget, not run to the end (that would take hours)
     assert "more rows" in sql(env, "SELECT a.id FROM employees a, employees b")
     assert "no table named 'staff'" in env.step('<tool_call>{"name": "describe_table", "arguments": {"table": "staff"}}</tool_call>')[0][0]["content"]
 

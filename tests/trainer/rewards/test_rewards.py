@@ -74,16 +74,30 @@ def test_router_scores_on_the_reward_cluster_while_the_loop_runs() -> None:
         replace.shutdown()
 
 
-def test_judge_grades_through_an_inference_engine(policy) -> None:
-    from trainer.strategies.hf_engine import HFEngine
+class ReplyEngine:
+    """A judge model that always replies ``text``; records the requests it was sent."""
 
+    version = 0
+
+    def __init__(self, tokenizer, text: str) -> None:
+        self.ids, self.requests = tokenizer.encode(text, add_special_tokens=False), []
+
+    async def generate(self, request):
+        from trainer.strategies.base import GenerationResult
+
+        self.requests.append(request)
+        return GenerationResult(request.request_id, list(self.ids), [0.0] * len(self.ids), "stop")
+
+
+def test_judge_grade_is_what_the_judge_model_replied(policy) -> None:
     assert parse_grade("Score: 0.8 overall") == 0.8 and parse_grade("YES, solved") == 1.0
     assert parse_grade("7/10") == 1.0 and parse_grade("no idea", default=0.25) == 0.0
     assert parse_grade("???", default=0.25) == 0.25
-    model, tokenizer = policy
-    engine = HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    judge = LLMJudge(engine, tokenizer, max_new_tokens=3)
-    request = judge.request(view("4"))
-    assert request.temperature == 0.0 and "assistant: 4" in tokenizer.decode(request.prompt_ids)
-    grade = asyncio.run(judge.score(view("4")))
-    assert 0.0 <= grade <= 1.0  # an untrained judge says something; the grade is always parsed into range
+    _, tokenizer = policy
+    for reply, expected in [("Score: 0.8 overall", 0.8), ("no", 0.0), ("yes", 1.0), ("hmm", 0.25)]:
+        engine = ReplyEngine(tokenizer, reply)
+        grade = asyncio.run(LLMJudge(engine, tokenizer, max_new_tokens=3, default=0.25).score(view("4")))
+        assert grade == expected, reply
+        (request,) = engine.requests
+        assert request.temperature == 0.0 and "assistant: 4" in tokenizer.decode(request.prompt_ids)
+

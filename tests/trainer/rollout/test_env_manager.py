@@ -57,7 +57,10 @@ def test_episodes_are_one_sequence_with_policy_tokens_masked(policy) -> None:
         assert all((lp == 0.0) == (m == 0) for lp, m in zip(t.logprobs, t.response_mask, strict=True) if m == 0)
         # decoding the policy tokens of each turn gives back the actions the env received
         actions = [m["content"] for m in t.messages if m["role"] == "assistant"]
-        assert len(actions) == t.num_turns
+        starts = [i for i, m in enumerate(t.response_mask) if m and (i == 0 or not t.response_mask[i - 1])]
+        turns = [t.token_ids[start:end + 1] for start, end in zip(starts, t.turn_ends, strict=True)]
+        assert all(t.response_mask[start:end + 1] == [1] * (end + 1 - start) for start, end in zip(starts, t.turn_ends))
+        assert [manager.renderer.decode(ids) for ids in turns] == actions and len(actions) == t.num_turns
     assert {t.seed for t in finished[:3]} == {finished[0].seed} and {t.group_id for t in finished} == {0, 1}
     assert all(s.seed >= 1_000_000_000 for s in plan_eval(4, env_ids=[LAKE]))
 

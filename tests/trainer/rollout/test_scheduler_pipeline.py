@@ -19,8 +19,23 @@ def run(tmp_path: Path, *overrides: str) -> list[dict]:
     return AgenticPipeline(cfg).fit()
 
 
-@pytest.mark.parametrize("correction", [[], ["rollout.is_truncation=2.0"]], ids=["behaviour-anchor", "decoupled"])
-def test_async_training_within_the_staleness_bound(tmp_path: Path, correction: list[str]) -> None:
+# decoupled: an entropy bonus moves the policy every step even when every reward in a group ties
+# (an untrained policy's), so one-step-stale tokens really are off-policy and their weights show it.
+@pytest.mark.parametrize("correction", [[], ["rollout.is_truncation=2.0", "algorithm.loss.entropy_coef=0.05"]],
+                         ids=["behaviour-anchor", "decoupled"])
+def test_async_training_within_the_staleness_bound(tmp_path: Path, correction: list[str], monkeypatch) -> None:
+    from trainer.rollout.scheduled import ScheduledRollouts
+
+    deviation: list[float] = []  # per step: the largest |w - 1| of a policy token's importance weight
+    correct = ScheduledRollouts.off_policy_correction
+
+    def recording(self, batch, actor):
+        correct(self, batch, actor)
+        if "is_weights" in batch:
+            mask = batch["response_mask"].bool()
+            deviation.append(float((batch["is_weights"][mask] - 1.0).abs().max()))
+
+    monkeypatch.setattr(ScheduledRollouts, "off_policy_correction", recording)
     rows = run(tmp_path, "rollout.mode=async", "rollout.max_staleness=1", *correction)
     steps = [r for r in rows if r["step"] >= 1]
     assert [r["step"] for r in steps] == [1, 2, 3] and rows[-1]["eval/success"] is not None
@@ -28,11 +43,14 @@ def test_async_training_within_the_staleness_bound(tmp_path: Path, correction: l
         lags = {int(k.rsplit("_", 1)[1]): v for k, v in r.items() if k.startswith("rollout/staleness_")}
         assert max(k for k, v in lags.items() if v > 0) <= 1  # nothing older than the bound was trained
         assert "actor/pg_loss" in r
-        if correction:  # decoupled: importance weights of the recomputed policy over the behaviour one
-            assert 0.0 < r["rollout/is_weight_mean"]
-        else:
-            assert "rollout/is_weight_mean" not in r
-    assert 0.0 <= steps[-1]["rollout/engine_busy_frac"] <= 1.0
+        if not correction:
+            assert "rollout/is_weight_mean" not in r and deviation == []
+        elif lags.get(1, 0) == 0:  # all tokens from the current policy: the recomputed log-probs are the sampled ones
+            assert deviation[r["step"] - 1] < 1e-4, r["step"]
+        else:  # one version behind: the weights measure how far the policy moved since it sampled them
+            assert deviation[r["step"] - 1] > 1e-3, r["step"]
+    if correction:  # both cases were seen: step 1 has nothing older, a later step trained stale tokens
+        assert steps[0]["rollout/staleness_1"] == 0 and any(r["rollout/staleness_1"] > 0 for r in steps[1:])
 
 
 def test_sync_scheduler_with_redundancy_and_dynamic_sampling(tmp_path: Path) -> None:

@@ -59,12 +59,22 @@ def test_full_state_dict_lands_on_rank_zero_only(two_rank_run: dict) -> None:
     assert two_rank_run[(1, "state_keys")] == []
 
 
-def test_ragged_split_runs_dummy_micro_batches_instead_of_deadlocking(two_rank_run: dict) -> None:
+def test_ragged_split_runs_dummy_micro_batches_and_trains_like_one_process(two_rank_run: dict) -> None:
+    """Rank 0 holds 3 rows, rank 1 one row plus two zero-weighted dummies: no deadlock, and the
+    step is plain torch's on the whole 4-row batch (dummies weigh nothing, real rows weigh alike)."""
+    from trainer.strategies.hf import HFTrainStrategy
+
     out = {key[1:]: value for key, value in two_rank_run["ragged"].items() if key[0] == "ragged"}
     assert out[(0, "logprobs")].shape[0] == 3 and out[(1, "logprobs")].shape[0] == 1
     assert out[(1, "metrics")][0]["optimizer_steps"] == 1.0
-    for name, tensor in out[(0, "weights")].items():
-        torch.testing.assert_close(out[(1, "weights")][name], tensor, atol=0, rtol=0)
+    plain = HFTrainStrategy(W.tiny_qwen2(), lr=1e-2, micro_batch_size=4)
+    batch = W.tiny_batch(rows=4)
+    torch.testing.assert_close(torch.cat([out[(0, "logprobs")], out[(1, "logprobs")]]), plain.forward(batch).logprobs,
+                               atol=1e-6, rtol=0)
+    plain.train_step(batch, W.nll_loss)
+    for name, tensor in plain.model.state_dict().items():
+        torch.testing.assert_close(out[(0, "weights")][name], tensor, atol=2e-5, rtol=1e-4, msg=name)
+        torch.testing.assert_close(out[(1, "weights")][name], out[(0, "weights")][name], atol=0, rtol=0, msg=name)
 
 
 def test_cpu_offload_on_cpu_is_refused_with_the_fix() -> None:

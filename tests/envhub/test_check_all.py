@@ -1,0 +1,42 @@
+"""`envhub check --all` as a user runs it on a fresh install: every registered id passes.
+
+One subprocess runs the real command, so what is checked is exactly what a user gets: every
+built-in env and variant, with the components `make test` installs (Chromium, bubblewrap, the
+MCP SDK). This is the one place the default tier runs the full checker over the registry (the
+per-family test files check behaviour, not the contract again).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from envs.web.browser_pool import chromium_path
+
+
+@pytest.mark.timeout(600)
+def test_envhub_check_all_exits_0() -> None:
+    if chromium_path() is None:
+        pytest.skip("Chromium is not installed (apt-get install -y chromium): web/browser-* cannot be checked")
+    if importlib.util.find_spec("playwright") is None:
+        pytest.skip("Playwright is not installed (pip install 'envhub[web]'): web/browser-* cannot be checked")
+    from tests.sandboxes.conftest import _local_skip_reason
+
+    if _local_skip_reason("bwrap") and _local_skip_reason("unshare"):
+        pytest.skip("no local sandbox isolation (apt-get install -y bubblewrap, or run as root): code/* cannot be checked")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
+    proc = subprocess.run([sys.executable, "-m", "envhub.cli", "check", "--all"], env=env, capture_output=True,
+                          text=True, timeout=580)
+    output = proc.stdout + proc.stderr
+    failed = [line.strip() for line in output.splitlines() if "✗" in line or "failed:" in line]
+    assert proc.returncode == 0, f"envhub check --all exited {proc.returncode}: {failed}\n{output[-3000:]}"
+    summary = re.search(r"all (\d+) environment\(s\) passed", output)
+    assert summary, output[-2000:]
+    import envhub
+
+    assert int(summary.group(1)) == len(envhub.list_envs()) >= 27  # every built-in id and variant was checked

@@ -1,0 +1,70 @@
+"""The README's Python snippets run: they are the first code users copy.
+
+Every ```python block of README.md runs in a fresh interpreter (so what one registers cannot
+leak into another or into this process), as a script, with top-level ``await`` allowed the way
+``python -m asyncio`` allows it (the EnvPool snippet is written for that REPL). Names a snippet
+takes from the surrounding prose are defined first (``PRELUDES``). A block whose first line is
+``# doc-test: skip (reason)`` is not run; the reason is the skip message, and such skips are
+allowed in CI only for the reasons listed in ``SKIPPED`` (anything else fails there).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
+SKIP = re.compile(r"^# doc-test: skip \((.+)\)\n")
+
+PRELUDES = {
+    "files={\"solution.py\": code}": "code = 'print(42)\\n'  # the model's solution the prose speaks of\n",
+}
+"""A fragment of a snippet -> code defining the names it uses without defining them."""
+
+SKIPPED = {
+    "needs the `envhub serve` above on port 8000": "a fixed port and a running server; RemoteEnv has its own tests",
+}
+"""The README's doc-test skips, and why each is acceptable (checked below, so the list stays true)."""
+
+RUNNER = """
+import ast, asyncio, sys, types
+source = sys.stdin.read()
+code = compile(source, "README.md snippet", "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+namespace = sys.modules["__main__"].__dict__  # as a script would: its classes pickle as __main__.X
+if code.co_flags & 0x80:  # CO_COROUTINE: the snippet awaits at top level
+    asyncio.run(types.FunctionType(code, namespace)())
+else:
+    exec(code, namespace)
+"""
+
+
+def snippets() -> list[tuple[int, str]]:
+    text = README.read_text()
+    return [(text.count("\n", 0, match.start()) + 2, match.group(1)) for match in BLOCK.finditer(text)]
+
+
+SNIPPETS = snippets()
+
+
+def test_the_readme_has_python_snippets_and_every_skip_is_known() -> None:
+    assert len(SNIPPETS) >= 5
+    reasons = [m.group(1) for _, source in SNIPPETS if (m := SKIP.match(source))]
+    assert all(any(known in reason for known in SKIPPED) for reason in reasons), reasons
+    assert len(reasons) <= 1, f"more README snippets are skipped than run-tested ones allow: {reasons}"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("line", "source"), SNIPPETS, ids=[f"README.md:{line}" for line, _ in SNIPPETS])
+def test_readme_snippet_runs(line: int, source: str) -> None:
+    skip = SKIP.match(source)
+    if skip:
+        pytest.skip(f"README.md:{line}: {skip.group(1)}")
+    prelude = "".join(code for fragment, code in PRELUDES.items() if fragment in source)
+    proc = subprocess.run([sys.executable, "-c", RUNNER], input=prelude + source, capture_output=True, text=True,
+                          cwd=README.parent, timeout=170)
+    assert proc.returncode == 0, f"the README snippet at line {line} failed:\n{source}\n{proc.stderr[-3000:]}"
