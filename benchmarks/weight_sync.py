@@ -76,21 +76,19 @@ def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path
     from trainer.config import RoleConfig
     from trainer.weights.sync import WeightSync
     from trainer.workers.actor import ActorCluster
-    from trainer.workers.infer import ClusterEngine
 
     role = RoleConfig(strategy=strategy, device_mapping=[], num_workers=2, strategy_args=STRATEGIES[strategy])
     started = time.perf_counter()
     actor = ActorCluster("actor_train", role, backend="ray", worker_kwargs={"model_path": str(folder)})
     out: dict[str, Any] = {"start_s": time.perf_counter() - started}
     try:
-        engine = ClusterEngine(infer)
-        shm = WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=256)
+        shm = WeightSync(actor, infer, transport="shared_memory", bucket_mb=256)
         reports = []
         out["shm_s"] = best(lambda: reports.append(shm.sync()), repeats)
         out["nbytes"] = reports[-1].nbytes
         out["buckets"] = reports[-1].buckets
         out["phases"] = min(reports[1:] or reports, key=lambda r: r.seconds).phases
-        bcast = WeightSync(actor, infer, engine, transport="broadcast", bucket_mb=256)
+        bcast = WeightSync(actor, infer, transport="broadcast", bucket_mb=256)
         bcast.version = shm.version
         out["broadcast_s"] = best(bcast.sync, repeats)
         target = scratch / f"disk_{strategy}"

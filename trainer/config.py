@@ -165,10 +165,11 @@ class RolloutConfig(Section):
     """Inference engine for ``actor_infer`` (``trainer.strategies.registry.INFERENCE_ENGINES``):
     ``hf`` (embedded torch generation) or ``vllm``."""
     mode: Literal["batch", "sync", "async"] = "batch"
-    """``batch``: each step plays its groups together and waits for the last one; ``sync``: the
-    rollout scheduler, on-policy (a batch is taken as soon as enough groups finish; redundancy,
-    dynamic sampling, failed-group replacement); ``async``: the scheduler keeps rolling out while
-    the trainer trains, within ``max_staleness`` (``trainer.rollout.scheduler``)."""
+    """How the rollout scheduler (``trainer.rollout.rollouts``, every mode) plays episodes.
+    ``batch``: each step plays its groups together and waits for the last one; ``sync``:
+    on-policy, plus redundancy and dynamic sampling; ``async``: rollouts continue while the
+    trainer trains, within ``max_staleness`` (``trainer.rollout.scheduler``). A group whose
+    episode still fails after its replays is replaced in every mode."""
     max_staleness: int = Field(1, ge=0)
     """``async``: most policy versions a trained token may lag the policy being trained."""
     redundancy: float = Field(1.0, ge=1.0)
@@ -180,7 +181,7 @@ class RolloutConfig(Section):
     PPO's clip truncates the off-policy importance ratio; a number switches to the decoupled
     form: ratio against the recomputed current policy, each token's loss weighted by
     ``min(pi_prox / pi_behaviour, is_truncation)`` (stalled on the quickstart; see
-    ``trainer.rollout.scheduled``)."""
+    ``trainer.rollout.rollouts``)."""
     env_timeout_s: float | None = Field(None, gt=0)
     """Fail an episode whose env does not answer a reset/step within this many seconds (it is
     recorded as failed and replayed on a fresh env, then replaced); None waits as long as it

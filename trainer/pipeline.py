@@ -11,7 +11,6 @@ run resumed after ``kill -9`` produces the same next-step metrics as one never i
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import random
 import time
@@ -23,9 +22,9 @@ from trainer.config import TrainerConfig
 from trainer.controller.batch import Batch
 from trainer.errors import NonFiniteLossError, WorkerCallError
 from trainer.metrics import MetricsLog, plot_curves, summarise
-from trainer.rollout.env_manager import EnvManager, LocalEnvSource, PoolEnvSource, Sampling
-from trainer.rollout.groups import plan_eval, plan_groups, run_episodes
-from trainer.rollout.scheduled import ScheduledRollouts
+from trainer.rollout.env_manager import LocalEnvSource, PoolEnvSource, Sampling
+from trainer.rollout.groups import plan_eval
+from trainer.rollout.rollouts import Rollouts
 from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate
 from trainer.roles import prepare_policy, start_roles
 
@@ -65,21 +64,19 @@ class AgenticPipeline:
         """``trainer.devices.Colocation`` switching colocated roles around phases (built on first use)."""
         from trainer.weights.sync import WeightSync
 
-        self.weight_sync = WeightSync.from_config(self.roles, config.weight_sync)
+        sync = config.weight_sync
+        self.weight_sync = WeightSync(self.roles.actor, self.roles.infer, transport=sync.transport,
+                                      bucket_mb=sync.bucket_mb, only_changed=sync.only_changed)
         self.envs = self._env_source()
         self.rewards = self._reward_router()
-        self.manager = EnvManager(self.roles.engine, self.renderer, max_turns=config.rollout.max_turns,
-                                  max_context_tokens=self._context_limit(),
-                                  on_episode_end=self.rewards.score if self.rewards else None,
-                                  step_timeout_s=config.rollout.env_timeout_s)  # batch mode too
         from trainer.checkpoint import CheckpointManager
 
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.checkpoint.keep)
         self.log = MetricsLog(self.out, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
                               wandb_project=config.logging.wandb_project, config=config.model_dump(mode="json"))
-        self.loop = asyncio.new_event_loop()
-        self.scheduled = None if config.rollout.mode == "batch" else ScheduledRollouts.for_roles(
-            config, self.roles, self.manager, self.envs)  # the rollout scheduler (trainer.rollout.scheduled)
+        self.rollouts = Rollouts(config, self.roles.infer.rank_engines(), self.renderer, self.envs,
+                                 max_context_tokens=self._context_limit(),
+                                 on_episode_end=self.rewards.score if self.rewards else None)
 
     # ================================================================== the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -93,7 +90,7 @@ class AgenticPipeline:
             for step in range(self.step + 1, self.cfg.train.steps + 1):
                 timing: dict[str, float] = {}
                 with self.phase("rollout", timing):
-                    episodes, failed = self.rollout(step)
+                    episodes, failed = self.rollouts.next_batch()
                 batch = self.to_batch(episodes)
                 with self.phase("reference", timing):
                     self.reference_logprobs(batch)
@@ -107,7 +104,7 @@ class AgenticPipeline:
                     self.sync_weights()
                 self.step = step
                 metrics = {"step": step, **summarise(episodes, "train"), "train/failed_episodes": len(failed),
-                           **losses, **timing, **(self.scheduled.last_metrics if self.scheduled else {})}
+                           **losses, **timing, **self.rollouts.last_metrics}
                 if self.eval_due(step):
                     with self.phase("eval", metrics):
                         metrics.update(self.evaluate())
@@ -119,14 +116,6 @@ class AgenticPipeline:
             self.close()
 
     # ================================================================== phases
-    def rollout(self, step: int) -> tuple[list[Trajectory], list[Trajectory]]:
-        """Play this step's groups with the current policy (sampling)."""
-        env = self.cfg.env
-        if self.scheduled is not None:  # sync/async: the scheduler's next batch (metrics in last_metrics)
-            return self.scheduled.next_batch()
-        specs = plan_groups(step, num_groups=env.num_groups, group_size=env.group_size, env_ids=env.ids, seed=self.cfg.seed)
-        return self._play(specs, self.cfg.rollout.temperature)
-
     def to_batch(self, episodes: list[Trajectory]) -> Batch:
         return Batch(collate(episodes, self.renderer.tokenizer.pad_token_id), meta={"episodes": len(episodes)})
 
@@ -137,8 +126,7 @@ class AgenticPipeline:
             batch["ref_logprobs"] = self.roles.reference.compute_logprobs(batch)["ref_logprobs"]
         if self.cfg.rollout.temperature != 1.0 or self.cfg.rollout.top_p != 1.0:
             batch["old_logprobs"] = self.roles.actor.compute_logprobs(batch)["logprobs"]
-        if self.scheduled is not None:  # async: tokens from older policies get truncated IS weights
-            self.scheduled.off_policy_correction(batch, self.roles.actor)
+        self.rollouts.off_policy_correction(batch, self.roles.actor)  # async: stale tokens' IS weights
 
     def values(self, batch: Batch) -> None:
         """Critic values of every policy token (GAE only)."""
@@ -184,16 +172,15 @@ class AgenticPipeline:
         return metrics
 
     def sync_weights(self) -> None:
-        """Copy the trained weights into the inference engines (bucketed full HF tensors, version-checked)."""
-        if self.scheduled is not None:  # pause the engines, preempt in-flight turns, sync, resume them
-            self.scheduled.update_weights(self.weight_sync.sync)
-            return
-        self.weight_sync.sync()
+        """Copy the trained weights into the inference engines (bucketed full HF tensors, version-checked)
+        while the engines are paused; in-flight turns (async) resume under the new weights."""
+        self.rollouts.update_weights(self.weight_sync.sync)
 
     def evaluate(self) -> dict[str, float]:
         """The fixed evaluation set at ``eval.temperature`` (greedy by default)."""
         specs = plan_eval(self.cfg.eval.episodes, env_ids=self.cfg.env.ids)
-        episodes, _ = self._play(specs, self.cfg.eval.temperature)
+        sampling = Sampling(self.cfg.rollout.max_new_tokens, self.cfg.eval.temperature, self.cfg.rollout.top_p)
+        episodes, _ = self.rollouts.play(specs, sampling)
         return summarise(episodes, "eval")
 
     def warm_start(self) -> dict[str, float]:
@@ -250,13 +237,14 @@ class AgenticPipeline:
         timing[f"timing/{name}_s"] = round(time.monotonic() - started, 4)
 
     def save_checkpoint(self) -> Path:
-        states: dict[str, Any] = {"actor": self.roles.actor.state_dict(), "engine": self.roles.engine.get_state()}
+        states: dict[str, Any] = {"actor": self.roles.actor.state_dict(),
+                                  "engine": {"ranks": self.roles.infer.get_state(), "version": self.weight_sync.version}}
         if self.roles.critic is not None:
             states["critic"] = self.roles.critic.state_dict()
         if self.roles.reference is not None and self.cfg.sft.epochs > 0:
             states["reference"] = self.roles.reference.get_weights()
         return self.checkpoints.save(self.step, states=states, seeds={"seed": self.cfg.seed, "next_step": self.step + 1},
-                                     extra={"time_s": self.elapsed, **(self.scheduled.state_dict() if self.scheduled else {})},
+                                     extra={"time_s": self.elapsed, **self.rollouts.state_dict()},
                                      config=self.cfg.model_dump(mode="json"))
 
     def restore(self) -> None:
@@ -264,15 +252,17 @@ class AgenticPipeline:
         from trainer.checkpoint import restore_rng
 
         checkpoint = self.checkpoints.load()
-        if self.scheduled is not None:  # first: the weight sync below starts async rollouts from this counter
-            self.scheduled.load_state_dict(checkpoint.extra)
+        self.rollouts.load_state_dict(checkpoint.extra, step=checkpoint.step)  # first: the sync below starts
+        # async rollouts from this counter
         self.roles.actor.load_state_dict(checkpoint.load_state("actor"))
         if self.roles.critic is not None:
             self.roles.critic.load_state_dict(checkpoint.load_state("critic"))
         if self.roles.reference is not None and "reference" in checkpoint.state_names:
             self.roles.reference.load_weights(checkpoint.load_state("reference"))
         self.sync_weights()
-        self.roles.engine.set_state(checkpoint.load_state("engine"))
+        engine = checkpoint.load_state("engine")
+        self.roles.infer.set_state(engine["ranks"])  # sampling RNGs
+        self.weight_sync.version = max(self.weight_sync.version, int(engine.get("version", 0)))
         restore_rng(checkpoint.rng)
         self.step, self.time_offset = checkpoint.step, float(checkpoint.extra.get("time_s", 0.0))
         self.log.truncate_after(self.step)
@@ -285,31 +275,14 @@ class AgenticPipeline:
         return rows
 
     def close(self) -> None:
-        if self.scheduled is not None:
-            with contextlib.suppress(Exception):
-                self.scheduled.close()
-        with contextlib.suppress(Exception):
-            self.loop.run_until_complete(self.roles.engine.close())
-        with contextlib.suppress(Exception):
-            self.loop.run_until_complete(self.envs.aclose())
-        with contextlib.suppress(Exception):  # let cancelled tasks (e.g. an EnvPool's watchdog) finish
-            pending = asyncio.all_tasks(self.loop)
-            for task in pending:
-                task.cancel()
-            self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
-        self.loop.close()
+        with contextlib.suppress(Exception):  # aborts what runs, closes envs, cancels leftover tasks
+            self.rollouts.close()
         self.log.close()
         if self.rewards is not None:
             self.rewards.shutdown()
         self.roles.shutdown()
 
     # ================================================================== helpers
-    def _play(self, specs: list[Any], temperature: float) -> tuple[list[Trajectory], list[Trajectory]]:
-        sampling = Sampling(self.cfg.rollout.max_new_tokens, temperature, self.cfg.rollout.top_p)
-        if self.scheduled is not None:
-            return self.scheduled.play(specs, sampling)
-        return self.loop.run_until_complete(run_episodes(specs, self.manager, self.envs, sampling))
-
     def _swap_in(self, roles: tuple[str, ...]) -> None:
         """Make ``roles`` resident; colocated roles offload what their ``offload_params`` /
         ``offload_optimizer`` flags say (``trainer.devices.Colocation``; the vLLM engine sleeps,

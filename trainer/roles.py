@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from trainer.config import TrainerConfig
     from trainer.workers.actor import ActorCluster
     from trainer.workers.critic import CriticCluster
-    from trainer.workers.infer import ClusterEngine, InferCluster
+    from trainer.workers.infer import InferCluster
     from trainer.workers.reference import ReferenceCluster
 
 __all__ = ["Roles", "prepare_policy", "start_roles"]
@@ -57,11 +57,10 @@ def prepare_policy(cfg: TrainerConfig) -> Path:
 
 @dataclass
 class Roles:
-    """The running clusters of one run (absent roles are None) and the driver's engine."""
+    """The running clusters of one run (absent roles are None)."""
 
     actor: ActorCluster
     infer: InferCluster
-    engine: ClusterEngine
     reference: ReferenceCluster | None = None
     critic: CriticCluster | None = None
     resources: Any = None
@@ -78,7 +77,7 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
     """Create the clusters of ``cfg.active_roles`` on the configured backend."""
     from trainer.workers.actor import ActorCluster
     from trainer.workers.critic import CriticCluster
-    from trainer.workers.infer import ClusterEngine, InferCluster
+    from trainer.workers.infer import InferCluster
     from trainer.workers.reference import ReferenceCluster
 
     resources = _ray_resources(cfg) if cfg.cluster.backend == "ray" else None
@@ -110,7 +109,7 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
         if resources is not None:
             resources.shutdown()
         raise
-    return Roles(actor, infer, ClusterEngine(infer), reference, critic, resources, clusters)
+    return Roles(actor, infer, reference, critic, resources, clusters)
 
 
 def _ray_resources(cfg: TrainerConfig) -> Any:

@@ -5,23 +5,23 @@ episodes that faced the same map. ``plan_groups`` derives every seed from ``(see
 alone, so a resumed run plays exactly the episodes the killed run would have;
 ``plan_eval`` uses a fixed, disjoint seed range, so every evaluation sees the same tasks.
 
-``run_episodes`` starts one ``EnvManager.run`` per episode at once (asyncio; the engine
-batches their generation requests) and replaces an episode whose env crashed by replaying
-the same task on a fresh env, up to ``max_retries`` times; what still fails is dropped.
-The advanced scheduler (async training, staleness bounds, dynamic sampling, redundancy with
-abort) replaces this module behind the same ``run_episodes`` signature.
+``play_episode`` plays one episode and replays its task on a fresh env when the env
+crashed, up to ``max_retries`` times; the rollout scheduler (``trainer.rollout.scheduler``)
+plays every training episode through it. ``run_episodes`` plays a fixed list of episodes
+at once (asyncio; the engine batches their generation requests): the evaluation set.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from trainer.errors import RolloutError
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
 from trainer.rollout.trajectory import Trajectory
 
-__all__ = ["EVAL_SEED_BASE", "EpisodeSpec", "plan_eval", "plan_groups", "run_episodes"]
+__all__ = ["EVAL_SEED_BASE", "EpisodeSpec", "plan_eval", "plan_groups", "play_episode", "run_episodes"]
 
 EVAL_SEED_BASE = 1_000_000_000
 """Evaluation seeds start here; training seeds stay below it."""
@@ -51,29 +51,54 @@ def plan_eval(episodes: int, *, env_ids: list[str]) -> list[EpisodeSpec]:
     return [EpisodeSpec(env_ids[i % len(env_ids)], EVAL_SEED_BASE + i, i) for i in range(episodes)]
 
 
+async def play_episode(manager: EnvManager, source: EnvSource, spec: EpisodeSpec, sampling: Sampling, *,
+                       max_retries: int = 2, key: str | None = None,
+                       on_failure: Callable[[Trajectory], None] | None = None,
+                       stop: Callable[[], bool] = lambda: False) -> Trajectory:
+    """One episode, replayed on a fresh env (same task) after each failure, ``max_retries``
+    times at most; returns the last attempt. A failed attempt that is followed by another
+    goes to ``on_failure``; an env that cannot even start is a failed attempt, not an error.
+
+    ``key`` names the episode's requests (attempt ``n`` uses ``{key}a{n}``) so a router can
+    abort them all; ``manager.engine.forget(key)`` is called after each attempt when the
+    engine has it. ``stop()`` true after an attempt (the group was cancelled) ends the replays.
+    """
+    trajectory = Trajectory(spec.env_id, spec.seed, spec.group_id, failed=True, failure="not started")
+    for attempt in range(1 + max_retries):
+        attempt_key = None if key is None else f"{key}a{attempt}"
+        try:
+            session = await source.session(spec.env_id)
+        except Exception as error:  # noqa: BLE001 - a broken env start is a recorded failure
+            trajectory = Trajectory(spec.env_id, spec.seed, spec.group_id, failed=True,
+                                    failure=f"env start raised {type(error).__name__}: {error}"[:500])
+        else:
+            try:
+                trajectory = await manager.run(session, spec.env_id, spec.seed, sampling, spec.group_id,
+                                               episode_key=attempt_key)
+            finally:  # closing a crashed env may fail or hang too (bounded by the manager's timeout)
+                forget = getattr(manager.engine, "forget", None)
+                if attempt_key is not None and forget is not None:
+                    forget(attempt_key)
+                await manager.close_session(session)
+        if not trajectory.failed or stop() or attempt == max_retries:
+            return trajectory
+        if on_failure is not None:
+            on_failure(trajectory)
+    return trajectory
+
+
 async def run_episodes(specs: list[EpisodeSpec], manager: EnvManager, source: EnvSource, sampling: Sampling,
                        *, max_retries: int = 2) -> tuple[list[Trajectory], list[Trajectory]]:
-    """Play ``specs`` concurrently; returns ``(finished, failed)`` trajectories.
+    """Play ``specs`` concurrently (``play_episode`` each); returns ``(finished, failed)``
+    trajectories, ``failed`` holding every failed attempt.
 
     Raises ``RolloutError`` when every episode failed (the env is broken, not flaky).
     """
-
-    async def play(spec: EpisodeSpec) -> tuple[Trajectory, list[Trajectory]]:
-        failures: list[Trajectory] = []
-        for _ in range(1 + max_retries):
-            session = await source.session(spec.env_id)
-            try:
-                trajectory = await manager.run(session, spec.env_id, spec.seed, sampling, spec.group_id)
-            finally:  # closing a crashed env may fail or hang too; the episode is already lost
-                await manager.close_session(session)
-            if not trajectory.failed:
-                return trajectory, failures
-            failures.append(trajectory)
-        return failures[-1], failures[:-1]
-
-    results = await asyncio.gather(*(play(spec) for spec in specs))
-    finished = [t for t, _ in results if not t.failed]
-    failed = [f for t, fs in results for f in ([t] if t.failed else []) + fs]
+    failed: list[Trajectory] = []
+    results = await asyncio.gather(*(play_episode(manager, source, spec, sampling, max_retries=max_retries,
+                                                  on_failure=failed.append) for spec in specs))
+    finished = [t for t in results if not t.failed]
+    failed += [t for t in results if t.failed]
     if specs and not finished:
         reasons = sorted({t.failure or "unknown" for t in failed})[:3]
         raise RolloutError(

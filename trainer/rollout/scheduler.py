@@ -47,9 +47,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from trainer.config import RolloutConfig, TrainerConfig
 from trainer.errors import RolloutError
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
-from trainer.rollout.groups import EVAL_SEED_BASE
+from trainer.rollout.groups import EVAL_SEED_BASE, EpisodeSpec, play_episode
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.trajectory import Trajectory
 from trainer.strategies.base import Weights
@@ -58,6 +59,8 @@ __all__ = ["LoopThread", "RolloutBatch", "RolloutScheduler", "SchedulerConfig"]
 
 T = TypeVar("T")
 Mode = Literal["sync", "async"]
+_ROLLOUT_DEFAULTS = {name: field.default for name, field in RolloutConfig.model_fields.items()}
+"""The scheduler's defaults are the config's (``rollout.*``): one set of defaults."""
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,11 @@ class SchedulerConfig:
     """Tasks are spread round-robin over these envs."""
     seed: int = 0
     mode: Mode = "sync"
-    redundancy: float = 1.0
+    redundancy: float = _ROLLOUT_DEFAULTS["redundancy"]
     """Groups started per group needed (>= 1); the first to finish fill the batch."""
-    max_staleness: int = 0
+    max_staleness: int = _ROLLOUT_DEFAULTS["max_staleness"]
     """``async``: most policy versions a trained token may lag the trained policy."""
-    dynamic_sampling: bool = False
+    dynamic_sampling: bool = _ROLLOUT_DEFAULTS["dynamic_sampling"]
     """Drop groups whose episode rewards are all equal (they carry no GRPO signal)."""
     max_filtered_per_batch: int | None = None
     """Filtered groups per batch after which the filter lets groups through (default 4x
@@ -85,6 +88,15 @@ class SchedulerConfig:
     """Replays of a failed episode (fresh env, same task) before its group is replaced."""
     max_failed_groups: int | None = None
     """Consecutive failed groups that stop the run (default ``2 * num_groups + 2``)."""
+
+    @classmethod
+    def from_config(cls, cfg: TrainerConfig) -> SchedulerConfig:
+        """A run's scheduler: ``rollout.mode`` ``batch`` and ``sync`` are both the ``sync`` mode
+        (``batch`` only forbids redundancy and dynamic sampling), ``async`` is ``async``."""
+        rollout, env = cfg.rollout, cfg.env
+        return cls(num_groups=env.num_groups, group_size=env.group_size, env_ids=tuple(env.ids), seed=cfg.seed,
+                   mode="async" if rollout.mode == "async" else "sync", redundancy=rollout.redundancy,
+                   max_staleness=rollout.max_staleness, dynamic_sampling=rollout.dynamic_sampling)
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -245,26 +257,17 @@ class RolloutScheduler:
         gathered.add_done_callback(lambda _: self._group_done(group))
 
     async def _play(self, group: _Group, key: str) -> Trajectory:
-        """One episode with replays on fresh envs; returns the last attempt."""
-        trajectory = Trajectory(group.env_id, group.seed, group.number, failed=True, failure="not started")
-        for attempt in range(1 + self.cfg.max_retries):
-            attempt_key = f"{key}a{attempt}"
-            try:
-                session = await self.source.session(group.env_id)
-            except Exception as error:  # noqa: BLE001 - a broken env start is a recorded failure
-                trajectory = Trajectory(group.env_id, group.seed, group.number, failed=True,
-                                        failure=f"env start raised {type(error).__name__}: {error}"[:500])
-            else:
-                try:
-                    trajectory = await self.manager.run(session, group.env_id, group.seed, self.sampling,
-                                                        group.number, episode_key=attempt_key)
-                finally:
-                    self.router.forget(attempt_key)
-                    await self.manager.close_session(session)  # errors ignored, bounded by the timeout
-            if not trajectory.failed or group.cancelled:
-                return trajectory
+        """One episode with replays on fresh envs (``groups.play_episode``); returns the last attempt."""
+
+        def failed(trajectory: Trajectory) -> None:
             self._failed.append(trajectory)
             self._counts["failed_episodes"] += 1
+
+        trajectory = await play_episode(self.manager, self.source, EpisodeSpec(group.env_id, group.seed, group.number),
+                                        self.sampling, max_retries=self.cfg.max_retries, key=key, on_failure=failed,
+                                        stop=lambda: group.cancelled)
+        if trajectory.failed and not group.cancelled:
+            failed(trajectory)
         return trajectory
 
     def _group_done(self, group: _Group) -> None:
@@ -331,7 +334,8 @@ class RolloutScheduler:
         tokens = sorted(t.num_policy_tokens for t in trajectories)
         version = self.router.version
         metrics: dict[str, float] = {
-            "rollout/engine_busy_frac": round(stats.busy_fraction, 4),
+            "timing/engine_busy_frac": round(stats.busy_fraction, 4),  # wall-clock measures: timing/
+            "timing/weight_pause_s": round(self._counts.pop("weight_pause_s", 0.0), 4),
             "rollout/ready_groups": float(len(self._ready)),
             "rollout/running_groups": float(len(self._running)),
             "rollout/engine_in_flight": float(self.router.in_flight),
@@ -346,7 +350,7 @@ class RolloutScheduler:
             "rollout/engine_errors": float(stats.errors),
         }
         for name in ("aborted_surplus", "filtered_groups", "failed_episodes", "failed_groups", "stale_dropped_groups",
-                     "stale_aborted_groups", "filter_passed_over_limit", "weight_pause_s"):
+                     "stale_aborted_groups", "filter_passed_over_limit"):
             metrics[f"rollout/{name}"] = float(self._counts.pop(name, 0))
         lags = collections.Counter(version - (t.oldest_version if t.oldest_version is not None else version)
                                    for t in trajectories)

@@ -1,15 +1,16 @@
-"""``actor_infer``: generation workers, and ``ClusterEngine``, the driver's engine over them.
+"""``actor_infer``: generation workers, and ``RankEngine``, the driver's engine for one of them.
 
-Each ``InferWorker`` holds an engine (``HFEngine`` by default) and answers whole batches of
-``GenerationRequest``. The driver's env managers talk to a ``ClusterEngine``: the same
-batching front as ``HFEngine`` (requests gathered from all running episodes), whose batches
-are sent to the cluster, split over its ranks. Weight updates and sampling-RNG state go to
-every rank. ``strategy: vllm`` gives each worker a ``VLLMEngine`` instead; the driver does not change.
+Each ``InferWorker`` holds an engine (``HFEngine`` by default, ``VLLMEngine`` with ``strategy:
+vllm``) and answers batches of ``GenerationRequest`` sent to its rank. The driver's rollouts
+(``trainer.rollout.rollouts``) talk to one ``RankEngine`` per rank through the
+``EngineRouter``: the same batching front as ``HFEngine`` (requests gathered from all
+running episodes), whose batches run on that rank. Weight updates and sampling-RNG state go
+to every rank through the cluster.
 
-The rollout router talks to each rank through a ``RankEngine``. An abort of a request that
-is already in the rank's running batch stops it inside the engine at once (vLLM's real
-abort frees its slot; ``hf`` ends its row at the next token), on both backends: a Ray worker
-actor runs ``abort_requests`` in a concurrency group of its own, alongside the batch.
+An abort of a request that is already in the rank's running batch stops it inside the
+engine at once (vLLM's real abort frees its slot; ``hf`` ends its row at the next token), on
+both backends: a Ray worker actor runs ``abort_requests`` in a concurrency group of its own,
+alongside the batch.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import collections
 import threading
 from typing import Any, ClassVar
 
-from trainer.controller.batch import Batch
 from trainer.controller.cluster import CallFuture, Cluster
 from trainer.controller.dispatch import Collect, Dispatch, method_spec, register
 from trainer.controller.worker import Worker, WorkerContext
@@ -27,7 +27,7 @@ from trainer.strategies.hf_engine import BatchingFrontend
 from trainer.strategies.registry import make_engine
 from trainer.weights.sync import WeightReceiver, WeightReceiverCluster
 
-__all__ = ["ClusterEngine", "InferCluster", "InferWorker", "RankEngine"]
+__all__ = ["InferCluster", "InferWorker", "RankEngine"]
 
 _EARLY_ABORTS_KEPT = 4096
 """Aborted ids a worker remembers while their batch has not arrived (oldest forgotten first)."""
@@ -47,10 +47,6 @@ class InferWorker(WeightReceiver, Worker):
         self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
         """Aborted ids not in a running batch yet: refused when their batch arrives."""
         self._running_ids: set[str] = set()
-
-    @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
-    def generate_batch(self, batch: Batch) -> list[GenerationResult]:
-        return self.engine.generate_batch(list(batch["requests"]))
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def update_weights(self, weights: dict[str, Any]) -> None:
@@ -156,12 +152,6 @@ class InferCluster(WeightReceiverCluster, Cluster):
     ray_concurrency_groups: ClassVar[dict[str, int]] = {"abort": 1}
     ray_method_groups: ClassVar[dict[str, str]] = {"abort_requests": "abort"}  # runs while a batch is in flight
 
-    async def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        pad = -len(requests) % self.world_size  # DP_SPLIT needs equal parts: pad with copies, drop after
-        padded = requests + [requests[-1]] * pad
-        results = await self._call_async("generate_batch", Batch({"requests": padded}))
-        return list(results)[: len(requests)]
-
     def update_weights(self, weights: dict[str, Any]) -> None:
         self._call("update_weights", weights)
 
@@ -193,31 +183,6 @@ class InferCluster(WeightReceiverCluster, Cluster):
         self._call("set_state", states)
 
 
-class ClusterEngine(BatchingFrontend):
-    """``InferenceEngine`` in the driver whose batches run on an ``InferCluster``."""
-
-    def __init__(self, cluster: InferCluster, *, max_batch_size: int = 512) -> None:
-        super().__init__(cluster.generate_batch, max_batch_size=max_batch_size)
-        self.cluster = cluster
-
-    def update_weights(self, weights: Weights) -> None:
-        self.cluster.update_weights(dict(weights.items() if hasattr(weights, "items") else weights))  # type: ignore[arg-type]
-        self.version += 1
-
-    def sleep(self) -> None:
-        self.cluster.offload()
-
-    def wake_up(self) -> None:
-        self.cluster.reload()
-
-    def get_state(self) -> dict[str, Any]:
-        return {"ranks": self.cluster.get_state(), "version": self.version}
-
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.cluster.set_state(state["ranks"])
-        self.version = int(state.get("version", self.version))
-
-
 class RankEngine(BatchingFrontend):
     """``InferenceEngine`` in the driver for ONE rank of an ``InferCluster``: requests queued
     here run as batches on that rank; ``abort`` also reaches a batch already running there."""
@@ -246,7 +211,7 @@ class RankEngine(BatchingFrontend):
         self.version += 1
 
     def sleep(self) -> None:
-        """Colocated memory release is cluster-wide (``ClusterEngine.sleep``)."""
+        """Colocated memory release is cluster-wide (``InferCluster.offload``, by ``trainer.devices.Colocation``)."""
 
     def wake_up(self) -> None:
         """See ``sleep``."""

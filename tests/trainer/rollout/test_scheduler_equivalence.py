@@ -1,8 +1,8 @@
-"""The scheduler path (``rollout.mode`` sync/async) trains on the same data as batch mode.
+"""The rollout scheduler (every ``rollout.mode``) trains on step 1's planned tasks, exactly.
 
 A deterministic engine (its answer depends only on the prompt and on how often that prompt
 was asked before) plays step 1's groups twice: through ``run_episodes(plan_groups(1, ...))``
-(batch mode) and through ``ScheduledRollouts.next_batch`` (the pipeline's scheduler side),
+(the evaluation path) and through ``Rollouts.next_batch`` (the pipeline's training batches),
 where groups finish in another order than they started. Row by row - after sorting both
 batches the same way - the training tensors and the GRPO advantages must be identical:
 same tasks, same group ids, rewards, masks and sampling log-probs on the same tokens.
@@ -24,7 +24,7 @@ from trainer.algos.advantages import compute_advantages
 from trainer.config import load_config
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
 from trainer.rollout.groups import plan_groups, run_episodes
-from trainer.rollout.scheduled import ScheduledRollouts
+from trainer.rollout.rollouts import Rollouts
 from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
@@ -109,7 +109,7 @@ def tensors(trajectories: list[Trajectory], pad: int) -> dict[str, torch.Tensor]
     return batch
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("mode", ["batch", "sync", "async"])
 def test_scheduler_batch_equals_the_batch_mode_batch_row_by_row(policy, mode: str) -> None:
     _, tokenizer = policy
     renderer = ChatRenderer(tokenizer)
@@ -126,8 +126,8 @@ def test_scheduler_batch_equals_the_batch_mode_batch_row_by_row(policy, mode: st
     played, failed = asyncio.run(run_episodes(specs, manager, source, sampling))
     assert not failed and len(played) == NUM_GROUPS * GROUP_SIZE
 
-    # scheduler: the pipeline's ScheduledRollouts on a fresh engine of the same kind
-    scheduled = ScheduledRollouts(cfg, [engine_for(tokenizer)], manager, source)
+    # scheduler: the pipeline's Rollouts on a fresh engine of the same kind
+    scheduled = Rollouts(cfg, [engine_for(tokenizer)], renderer, source, max_context_tokens=1024)
     try:
         trajectories, failed = scheduled.next_batch()
     finally:

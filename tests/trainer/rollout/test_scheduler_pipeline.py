@@ -24,10 +24,10 @@ def run(tmp_path: Path, *overrides: str) -> list[dict]:
 @pytest.mark.parametrize("correction", [[], ["rollout.is_truncation=2.0", "algorithm.loss.entropy_coef=0.05"]],
                          ids=["behaviour-anchor", "decoupled"])
 def test_async_training_within_the_staleness_bound(tmp_path: Path, correction: list[str], monkeypatch) -> None:
-    from trainer.rollout.scheduled import ScheduledRollouts
+    from trainer.rollout.rollouts import Rollouts
 
     deviation: list[float] = []  # per step: the largest |w - 1| of a policy token's importance weight
-    correct = ScheduledRollouts.off_policy_correction
+    correct = Rollouts.off_policy_correction
 
     def recording(self, batch, actor):
         correct(self, batch, actor)
@@ -35,7 +35,7 @@ def test_async_training_within_the_staleness_bound(tmp_path: Path, correction: l
             mask = batch["response_mask"].bool()
             deviation.append(float((batch["is_weights"][mask] - 1.0).abs().max()))
 
-    monkeypatch.setattr(ScheduledRollouts, "off_policy_correction", recording)
+    monkeypatch.setattr(Rollouts, "off_policy_correction", recording)
     rows = run(tmp_path, "rollout.mode=async", "rollout.max_staleness=1", *correction)
     steps = [r for r in rows if r["step"] >= 1]
     assert [r["step"] for r in steps] == [1, 2, 3] and rows[-1]["eval/success"] is not None

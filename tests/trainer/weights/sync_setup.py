@@ -50,8 +50,15 @@ def requests(max_new_tokens: int = 6) -> list[Any]:
 
 
 def engine_greedy(infer: Any) -> list[Any]:
-    """Greedy results of the inference cluster's engine(s)."""
-    return asyncio.run(infer.generate_batch(requests()))
+    """Greedy results of the inference cluster's engines: the requests split over the ranks, in order."""
+    batch = requests()
+    size = -(-len(batch) // infer.world_size)
+    parts = [batch[start:start + size] for start in range(0, len(batch), size)]
+
+    async def run() -> list[list[Any]]:
+        return await asyncio.gather(*(infer.generate_on(rank, part) for rank, part in enumerate(parts)))
+
+    return [result for part in asyncio.run(run()) for result in part]
 
 
 def trainer_greedy(weights: dict[str, Any], model_path: Path) -> list[list[int]]:

@@ -15,7 +15,7 @@ from trainer.config import RoleConfig  # noqa: E402
 from trainer.weights.errors import BucketTooSmallError, StaleWeightsError, TransportError  # noqa: E402
 from trainer.weights.sync import WeightSync  # noqa: E402
 from trainer.workers.actor import ActorCluster  # noqa: E402
-from trainer.workers.infer import ClusterEngine, InferCluster  # noqa: E402
+from trainer.workers.infer import InferCluster  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def clusters(model_dir: Path):
     infer = InferCluster("actor_infer", RoleConfig(strategy="hf", device_mapping=[], num_workers=2), backend="local",
                          worker_kwargs=common)
     try:
-        yield actor, infer, ClusterEngine(infer)
+        yield actor, infer, None  # the driver-side engine: none (the rollouts read the sync's version)
     finally:
         actor.shutdown()
         infer.shutdown()
@@ -57,7 +57,7 @@ def test_sync_makes_every_engine_generate_what_the_trainer_would(clusters, model
     report = sync.sync()
     results = S.engine_greedy(infer)
     assert [r.token_ids for r in results] == expected
-    assert {r.policy_version for r in results} == {1} and engine.version == 1
+    assert {r.policy_version for r in results} == {1} and sync.version == 1
     assert infer.weights_version() == [1, 1]
     if transport == "shared_memory":
         assert report.buckets > 1 and report.tensors == len(weights)

@@ -20,7 +20,7 @@ from tests.trainer.weights import sync_setup as S  # noqa: E402
 from trainer.config import RoleConfig  # noqa: E402
 from trainer.weights.sync import WeightSync  # noqa: E402
 from trainer.workers.actor import ActorCluster  # noqa: E402
-from trainer.workers.infer import ClusterEngine, InferCluster  # noqa: E402
+from trainer.workers.infer import InferCluster  # noqa: E402
 
 ENGINE = os.environ.get("ENVHUB_SYNC_TEST_ENGINE", "vllm")  # "hf" only to debug without vLLM
 
@@ -76,7 +76,7 @@ def test_sharded_trainer_syncs_into_the_engine_exactly(strategy: str, infer: Inf
         for rows in (7, 8, 8):  # 7: a ragged split (4 + 3 rows) runs too
             actor.sft_step(S.random_batch(vocab, rows=rows))
         expected = S.trainer_greedy(actor.get_weights(), model_dir)
-        sync = WeightSync(actor, infer, ClusterEngine(infer), transport="shared_memory", bucket_mb=0.2)
+        sync = WeightSync(actor, infer, transport="shared_memory", bucket_mb=0.2)
         report = sync.sync()
         assert report.buckets > 1
         results = S.engine_greedy(infer)
@@ -86,7 +86,7 @@ def test_sharded_trainer_syncs_into_the_engine_exactly(strategy: str, infer: Inf
 
         actor.sft_step(S.random_batch(vocab, seed=4))  # and again over the broadcast group
         expected = S.trainer_greedy(actor.get_weights(), model_dir)
-        WeightSync(actor, infer, ClusterEngine(infer), transport="broadcast", bucket_mb=0.2).sync()
+        WeightSync(actor, infer, transport="broadcast", bucket_mb=0.2).sync()
         assert [r.token_ids for r in S.engine_greedy(infer)] == expected
 
         actor.sft_step(S.random_batch(vocab, seed=5))  # shared memory again: the same segments, rewritten

@@ -1,12 +1,25 @@
-"""``ScheduledRollouts``: the training pipeline's rollout side when ``rollout.mode`` is
-``sync`` or ``async`` (``batch`` keeps the plain ``run_episodes`` path).
+"""``Rollouts``: every episode a training run plays, in every ``rollout.mode``, on one path.
 
-It owns an event loop in a background thread (``LoopThread``), an ``EngineRouter`` over one
-engine per ``actor_infer`` rank (least-loaded, sticky per episode, real aborts), an
-``EnvManager`` on that router, and the ``RolloutScheduler``. The pipeline's thread stays
-blocking and simple: ``next_batch()`` waits for a batch while, in ``async`` mode, the loop
-thread keeps playing episodes during the train phase; ``update_weights(load)`` pauses the
-router, preempts in-flight turns, runs the weight sync, and lets them resume.
+The pipeline's phases call only this object: ``next_batch()`` (the training batch),
+``play(specs)`` (the evaluation set), ``update_weights(load)``, ``off_policy_correction``,
+``state_dict``/``load_state_dict`` and ``close``. Underneath, for every mode:
+
+    LoopThread (event loop in a background thread)
+      -> RolloutScheduler (groups, failures, filters, staleness; ``trainer.rollout.scheduler``)
+      -> EnvManager (one episode: template, generate, step; ``trainer.rollout.env_manager``)
+      -> EngineRouter over one RankEngine per ``actor_infer`` rank (``trainer.rollout.router``)
+
+``batch`` and ``sync`` are the scheduler's on-policy mode: a step's ``num_groups`` groups
+start together, the batch is taken when they have all finished, weights change only between
+batches (``sync`` may add redundancy and dynamic sampling; ``batch`` forbids them). The tasks
+are ``plan_groups``' step by step, because the scheduler numbers groups from step 1's first.
+A group whose episode still fails after its replays is replaced by the next task. ``async``
+keeps playing while the trainer trains (``rollout.max_staleness``).
+
+The pipeline's thread stays blocking and simple: ``next_batch()`` waits for a batch while, in
+``async`` mode, the loop thread keeps playing episodes during the train phase;
+``update_weights(load)`` pauses the router, preempts in-flight turns, runs the weight sync,
+and lets them resume.
 
 Off-policy correction (``async``): the log-probs the engine sampled with are the *behaviour*
 policy's (each token's version is recorded). By default (``rollout.is_truncation: null``) the
@@ -16,12 +29,9 @@ cannot move the policy further than the trust region around the policy that samp
 With ``rollout.is_truncation`` set, the decoupled form is used instead: the ratio is taken
 against the policy at the start of this step (recomputed, the "proximal" policy) and every
 token's loss is weighted by ``min(pi_prox / pi_behaviour, is_truncation)`` (column
-``is_weights``). Measured on the quickstart (benchmarks/README.md, 2026-11-30): the default
-learns like batch mode, the decoupled form stalls at train success ~0.25 on all 3 seeds tried
-(with the importance weights forced to 1 it stalls too, so re-anchoring the clip at the
-proximal policy is what loses the stabilising trust region at this learning rate). With
+``is_weights``); benchmarks/README.md records how the two compare on the quickstart. With
 ``temperature`` or ``top_p`` other than 1 the engine's log-probs are not the policy's, so the
-pipeline recomputes them (as in ``batch`` mode) and no correction is added.
+pipeline recomputes them and no correction is added.
 """
 
 from __future__ import annotations
@@ -33,39 +43,34 @@ from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
 from trainer.rollout.groups import EpisodeSpec, run_episodes
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.scheduler import LoopThread, RolloutScheduler, SchedulerConfig
-from trainer.rollout.trajectory import Trajectory
+from trainer.rollout.trajectory import ChatRenderer, Trajectory
+from trainer.strategies.base import InferenceEngine
 
 if TYPE_CHECKING:
     from trainer.config import TrainerConfig
     from trainer.controller.batch import Batch
 
-__all__ = ["ScheduledRollouts"]
+__all__ = ["Rollouts"]
 
 
-class ScheduledRollouts:
+class Rollouts:
     """Scheduler, router and loop thread of one training run (see the module docstring)."""
 
-    def __init__(self, cfg: TrainerConfig, engines: list[Any], manager: EnvManager, envs: EnvSource) -> None:
+    def __init__(self, cfg: TrainerConfig, engines: list[InferenceEngine], renderer: ChatRenderer, envs: EnvSource,
+                 *, max_context_tokens: int, on_episode_end: Callable[[Trajectory], Any] | None = None) -> None:
         self.cfg = cfg
         self.thread = LoopThread()
         self.router = EngineRouter(engines)
-        self.manager = EnvManager(self.router, manager.renderer, max_turns=manager.max_turns,
-                                  max_context_tokens=manager.max_context_tokens, on_episode_end=manager.on_episode_end,
-                                  step_timeout_s=cfg.rollout.env_timeout_s)
+        rollout = cfg.rollout
+        self.manager = EnvManager(self.router, renderer, max_turns=rollout.max_turns,
+                                  max_context_tokens=max_context_tokens, on_episode_end=on_episode_end,
+                                  step_timeout_s=rollout.env_timeout_s)
         self.envs = envs
-        rollout, env = cfg.rollout, cfg.env
         self.scheduler = RolloutScheduler(
-            SchedulerConfig(num_groups=env.num_groups, group_size=env.group_size, env_ids=tuple(env.ids), seed=cfg.seed,
-                            mode="async" if rollout.mode == "async" else "sync", redundancy=rollout.redundancy,
-                            max_staleness=rollout.max_staleness, dynamic_sampling=rollout.dynamic_sampling),
-            self.manager, self.router, envs, Sampling(rollout.max_new_tokens, rollout.temperature, rollout.top_p),
-            first_group=env.num_groups)  # = plan_groups(step=1): sync mode plays batch mode's tasks, step by step
+            SchedulerConfig.from_config(cfg), self.manager, self.router, envs,
+            Sampling(rollout.max_new_tokens, rollout.temperature, rollout.top_p),
+            first_group=cfg.env.num_groups)  # = plan_groups(step=1): the scheduler plays step 1's tasks first
         self.last_metrics: dict[str, float] = {}
-
-    @classmethod
-    def for_roles(cls, cfg: TrainerConfig, roles: Any, manager: EnvManager, envs: EnvSource) -> ScheduledRollouts:
-        """One engine per ``actor_infer`` rank of a run's ``Roles``."""
-        return cls(cfg, roles.infer.rank_engines(), manager, envs)
 
     # ------------------------------------------------------------------ the pipeline's calls
     def next_batch(self) -> tuple[list[Trajectory], list[Trajectory]]:
@@ -81,7 +86,7 @@ class ScheduledRollouts:
     def update_weights(self, load: Callable[[], Any]) -> None:
         """Run ``load`` (the weight sync) with the engines paused and idle; in-flight turns resume after."""
         paused = self.thread.run(self.scheduler.update_weights(load))
-        self.last_metrics["rollout/weight_pause_s"] = round(paused, 4)
+        self.last_metrics["timing/weight_pause_s"] = round(paused, 4)
 
     def off_policy_correction(self, batch: Batch, actor: Any) -> None:
         """``async`` with ``rollout.is_truncation`` set: recompute ``old_logprobs`` with the current
@@ -107,8 +112,8 @@ class ScheduledRollouts:
         """The next task number (kept in the checkpoint so a resumed run plays new tasks).
 
         What a resume keeps: weights, optimiser, engine RNG and step (the pipeline) and this
-        counter. ``sync``: no group is in play at a checkpoint, so a resumed run plays the
-        same tasks as an uninterrupted one. ``async``: the groups in play at the checkpoint
+        counter. ``batch``/``sync``: no group is in play at a checkpoint, so a resumed run plays
+        the same tasks as an uninterrupted one. ``async``: the groups in play at the checkpoint
         (already numbered, mostly the next batch) are lost, not replayed: the resumed run
         starts fresh groups from the counter under the restored weights, so its first
         batch is on-policy (staleness 0) where the uninterrupted run's was one version
@@ -116,10 +121,12 @@ class ScheduledRollouts:
         only grow) and nothing waits for the lost groups."""
         return {"rollout_next_group": self.scheduler.next_group}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the task counter of a checkpoint (groups already in play are dropped)."""
-        if "rollout_next_group" in state:
-            self.thread.run(self.scheduler.restart_from(int(state["rollout_next_group"])))
+    def load_state_dict(self, state: dict[str, Any], *, step: int) -> None:
+        """Continue the task counter of a checkpoint taken after ``step`` (groups already in play
+        are dropped). A checkpoint without the counter (written by ``batch`` mode before it ran
+        on the scheduler) continues where ``plan_groups`` would: step ``step + 1``'s first group."""
+        next_group = int(state.get("rollout_next_group", (step + 1) * self.cfg.env.num_groups))
+        self.thread.run(self.scheduler.restart_from(next_group))
 
     def close(self) -> None:
         """Abort what still runs, close envs and engine front-ends, stop the loop thread."""
