@@ -88,8 +88,7 @@ def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path
         out["nbytes"] = reports[-1].nbytes
         out["buckets"] = reports[-1].buckets
         out["phases"] = min(reports[1:] or reports, key=lambda r: r.seconds).phases
-        bcast = WeightSync(actor, infer, transport="broadcast", bucket_mb=256)
-        bcast.version = shm.version
+        bcast = WeightSync(actor, infer, policy=shm.policy, transport="broadcast", bucket_mb=256)  # one version
         out["broadcast_s"] = best(bcast.sync, repeats)
         target = scratch / f"disk_{strategy}"
 

@@ -74,9 +74,10 @@ class AgenticPipeline:
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.checkpoint.keep)
         self.log = MetricsLog(self.out, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
                               wandb_project=config.logging.wandb_project, config=config.model_dump(mode="json"))
-        self.rollouts = Rollouts(config, self.roles.infer.rank_engines(), self.renderer, self.envs,
+        policy = self.weight_sync.policy  # the run's one policy version (its writer: the sync)
+        self.rollouts = Rollouts(config, self.roles.infer.rank_engines(policy=policy), self.renderer, self.envs,
                                  max_context_tokens=self._context_limit(),
-                                 on_episode_end=self.rewards.score if self.rewards else None)
+                                 on_episode_end=self.rewards.score if self.rewards else None, policy=policy)
 
     # ================================================================== the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -259,10 +260,10 @@ class AgenticPipeline:
             self.roles.critic.load_state_dict(checkpoint.load_state("critic"))
         if self.roles.reference is not None and "reference" in checkpoint.state_names:
             self.roles.reference.load_weights(checkpoint.load_state("reference"))
-        self.sync_weights()
         engine = checkpoint.load_state("engine")
+        self.weight_sync.policy.restore(int(engine.get("version", 0)))  # the re-sync below is the next version
+        self.sync_weights()
         self.roles.infer.set_state(engine["ranks"])  # sampling RNGs
-        self.weight_sync.version = max(self.weight_sync.version, int(engine.get("version", 0)))
         restore_rng(checkpoint.rng)
         self.step, self.time_offset = checkpoint.step, float(checkpoint.extra.get("time_s", 0.0))
         self.log.truncate_after(self.step)
@@ -288,8 +289,8 @@ class AgenticPipeline:
         ``offload_optimizer`` flags say (``trainer.devices.Colocation``; the vLLM engine sleeps,
         dropping its KV cache). Moves are real on GPUs and tracked no-ops on CPU."""
         plan = self.cfg.device_plan
-        if not roles or not any(g.colocated for g in plan.groups) or self.cfg.rollout.mode == "async":
-            # async: rollouts run during training, so colocated roles stay resident together
+        if not roles or not any(g.colocated for g in plan.groups) or self.rollouts.overlaps_training:
+            # rollouts that run during training (async) keep colocated roles resident together
             return
         if self.colocation is None:
             from trainer.devices import Colocation

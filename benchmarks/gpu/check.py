@@ -232,7 +232,8 @@ def _receiver(inbox: Any, outbox: Any, smoke: bool) -> None:
         import torch
 
         from trainer.strategies.hf_engine import HFEngine
-        from trainer.weights.transport import VersionedEngine, open_bucket
+        from trainer.weights.transport import open_bucket
+        from trainer.weights.versioned import VersionedEngine
 
         s = Settings(smoke)
         model = build_model(s, seed=1).to(torch.bfloat16 if not smoke else torch.float32)

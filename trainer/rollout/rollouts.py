@@ -45,6 +45,7 @@ from trainer.rollout.router import EngineRouter
 from trainer.rollout.scheduler import LoopThread, RolloutScheduler, SchedulerConfig
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import InferenceEngine
+from trainer.weights.versioned import PolicyVersion
 
 if TYPE_CHECKING:
     from trainer.config import TrainerConfig
@@ -57,10 +58,13 @@ class Rollouts:
     """Scheduler, router and loop thread of one training run (see the module docstring)."""
 
     def __init__(self, cfg: TrainerConfig, engines: list[InferenceEngine], renderer: ChatRenderer, envs: EnvSource,
-                 *, max_context_tokens: int, on_episode_end: Callable[[Trajectory], Any] | None = None) -> None:
+                 *, max_context_tokens: int, on_episode_end: Callable[[Trajectory], Any] | None = None,
+                 policy: PolicyVersion | None = None) -> None:
+        """``policy``: the run's version (``WeightSync.policy``), read by the router, the engines
+        and the scheduler's staleness bound; None: the router counts the updates through it."""
         self.cfg = cfg
         self.thread = LoopThread()
-        self.router = EngineRouter(engines)
+        self.router = EngineRouter(engines, policy=policy)
         rollout = cfg.rollout
         self.manager = EnvManager(self.router, renderer, max_turns=rollout.max_turns,
                                   max_context_tokens=max_context_tokens, on_episode_end=on_episode_end,
@@ -71,6 +75,11 @@ class Rollouts:
             Sampling(rollout.max_new_tokens, rollout.temperature, rollout.top_p),
             first_group=cfg.env.num_groups)  # = plan_groups(step=1): the scheduler plays step 1's tasks first
         self.last_metrics: dict[str, float] = {}
+
+    @property
+    def overlaps_training(self) -> bool:
+        """Episodes keep playing while the trainer trains (``async``): colocated roles cannot swap."""
+        return self.scheduler.cfg.mode == "async"
 
     # ------------------------------------------------------------------ the pipeline's calls
     def next_batch(self) -> tuple[list[Trajectory], list[Trajectory]]:

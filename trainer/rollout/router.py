@@ -16,14 +16,19 @@ Preemption (partial rollouts)
     in-flight generation, waits until the engines are idle, loads the weights, reopens the
     gate, and each preempted generation *resumes* under the new weights with the tokens it
     already had (prompt + partial tokens, remaining budget). The result carries
-    ``extra["token_versions"]``: the weight version of every generated token, counted by the
-    router itself (one per update through it), so it is right whatever the engines report.
+    ``extra["token_versions"]``: the weight version of every generated token, read from the
+    router's ``policy`` (a ``PolicyVersion``) when each part was issued, so it is right
+    whatever the engines report.
 Accounting
     Busy time per engine (time with at least one request in flight), requests, tokens,
     aborts and preemptions; ``take_stats()`` returns them since the last call.
 
 Weight updates reach the engines through ``update``: by default each engine's own
 ``update_weights``; the pipeline passes one call that updates every cluster rank at once.
+
+The version: a router made without ``policy`` owns one and advances it once per update
+through it. A training run hands it the run's ``WeightSync.policy`` instead: the sync is the
+one writer, and the router, its engines and the scheduler read the same object.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainer.strategies.base import GenerationRequest, GenerationResult, InferenceEngine, Weights
+from trainer.weights.versioned import PolicyVersion, SharedVersion
 
 __all__ = ["EngineRouter", "RouterStats", "episode_key"]
 
@@ -84,12 +90,17 @@ class _Flight:
 class EngineRouter:
     """Routes, aborts and preempts requests over ``engines`` (see the module docstring)."""
 
-    def __init__(self, engines: Sequence[InferenceEngine], *, update: Callable[[Weights], None] | None = None) -> None:
+    version = SharedVersion()
+    """The policy version new requests are issued under (``policy.value``)."""
+
+    def __init__(self, engines: Sequence[InferenceEngine], *, update: Callable[[Weights], None] | None = None,
+                 policy: PolicyVersion | None = None) -> None:
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
         self.engines = list(engines)
         self._update = update
-        self.version = max(int(getattr(e, "version", 0)) for e in self.engines)
+        self._owns_policy = policy is None
+        self.policy = policy if policy is not None else PolicyVersion()
         self._load = [0] * len(self.engines)
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._flights: dict[str, _Flight] = {}
@@ -175,19 +186,20 @@ class EngineRouter:
             materialised = dict(weights.items()) if hasattr(weights, "items") else dict(weights)  # type: ignore[arg-type]
             for engine in self.engines:
                 engine.update_weights(materialised)
-        self.version += 1
+        self._advance()
 
     async def update_weights_live(self, weights: Weights | Callable[[], Any]) -> float:
         """Pause, preempt in-flight generations, load ``weights``, resume; returns seconds paused.
 
         ``weights`` may instead be a callable that loads every engine itself once they are idle
-        (run in a thread); either way the router's version goes up by one."""
+        (run in a thread); either way the version goes up by one (advanced by the router when
+        it owns ``policy``, by the loader - the run's weight sync - when the policy is shared)."""
         started = time.monotonic()
         await self.pause()
         try:
             if callable(weights):  # the caller loads the engines itself (the pipeline's weight sync)
                 await asyncio.to_thread(weights)
-                self.version += 1
+                self._advance()
             else:
                 await asyncio.to_thread(self.update_weights, weights)
         finally:
@@ -225,9 +237,16 @@ class EngineRouter:
         return {"engines": [e.get_state() for e in self.engines], "version": self.version}
 
     def set_state(self, state: dict[str, Any]) -> None:
+        """The engines' states; the version too when the router owns it (a shared one is restored by its owner)."""
         for engine, engine_state in zip(self.engines, state["engines"], strict=True):
             engine.set_state(engine_state)
-        self.version = int(state.get("version", self.version))
+        if self._owns_policy:
+            self.policy.restore(int(state.get("version", self.version)))
+
+    def _advance(self) -> None:
+        """One update went through the router: count it, unless the policy's owner (the sync) does."""
+        if self._owns_policy:
+            self.policy.advance()
 
     async def close(self) -> None:
         for engine in self.engines:

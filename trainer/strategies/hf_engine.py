@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from trainer.strategies.base import GenerationRequest, GenerationResult, Weights
+from trainer.weights.versioned import PolicyVersion, SharedVersion
 
 if TYPE_CHECKING:
     import torch
@@ -35,12 +36,21 @@ class BatchingFrontend:
     ``run_batch(requests) -> results`` does the compute (a local torch model in a thread, or
     a call to the ``actor_infer`` cluster); ``generate``/``abort``/``close`` are the
     ``InferenceEngine`` methods every such engine shares.
+
+    ``version`` reads ``policy`` (``trainer.weights.versioned.PolicyVersion``): a front that
+    loads weights itself (``HFEngine``) owns one of its own and advances it; a driver-side
+    front over the ``actor_infer`` workers should be handed the run's (``WeightSync.policy``)
+    and only read it.
     """
 
-    def __init__(self, run_batch: RunBatch | None = None, *, max_batch_size: int = 512) -> None:
+    version = SharedVersion()
+    """The policy version of the weights this front serves (``policy.value``, read-only)."""
+
+    def __init__(self, run_batch: RunBatch | None = None, *, max_batch_size: int = 512,
+                 policy: PolicyVersion | None = None) -> None:
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
-        self.version = 0
+        self.policy = policy if policy is not None else PolicyVersion()
         self._queue: list[tuple[GenerationRequest, asyncio.Future[GenerationResult]]] = []
         self._aborted: set[str] = set()
         self._wake: asyncio.Event | None = None
@@ -153,7 +163,7 @@ class HFEngine(BatchingFrontend):
                 if target is None:
                     raise KeyError(f"update_weights got {name!r}, which the inference model does not have")
                 target.copy_(tensor.to(target.device, target.dtype))
-        self.version += 1
+        self.policy.advance()
 
     def sleep(self) -> None:
         """Nothing to release for a torch model that stays where it is."""
@@ -166,7 +176,7 @@ class HFEngine(BatchingFrontend):
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.generator.set_state(state["generator"])
-        self.version = int(state.get("version", self.version))
+        self.policy.restore(int(state.get("version", self.version)))
 
     # ------------------------------------------------------------------ compute
     def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:

@@ -29,9 +29,9 @@ apply the same update and stay equal (the tie HF computes in one process). Megat
 tied-PP setup is not used: it moves the copy with ``.cuda()``.
 
 Attention: ``attention="sdpa"`` (default) swaps Megatron's unfused ``DotProductAttention``
-for :class:`SDPACoreAttention` (``torch.nn.functional.scaled_dot_product_attention``, flash
-kernels on GPU); ``"local"`` keeps Megatron's own. Both are causal; batches are right-padded,
-so padding never leaks into real tokens.
+for ``megatron_model.SDPACoreAttention`` (``torch.nn.functional.scaled_dot_product_attention``,
+flash kernels on GPU); ``"local"`` keeps Megatron's own. Both are causal; batches are
+right-padded, so padding never leaks into real tokens.
 
 Data: the cluster splits a batch over *all* ranks, but a TP group (and the stages of one
 pipeline) must see the same rows. So each rank all-gathers its model-parallel (TP x PP)
@@ -59,13 +59,13 @@ from typing import TYPE_CHECKING, Any, Literal, Unpack
 from trainer.strategies.base import BaseTrainStrategy, ForwardOutput, LossFn, TrainOptions
 from trainer.strategies.distributed import ensure_process_group, gather_group_rows
 from trainer.strategies.megatron_convert import hf_to_megatron, layout_from_hf_config, megatron_to_hf
-from trainer.strategies.megatron_model import SDPACoreAttention, build_gpt_model
+from trainer.strategies.megatron_model import build_gpt_model
 from trainer.strategies.parallel_errors import ParallelConfigError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MegatronTrainStrategy", "SDPACoreAttention", "build_gpt_model"]
+__all__ = ["MegatronTrainStrategy"]
 
 
 class _GatherLastDim:

@@ -1,11 +1,16 @@
 """Moving policy weights from the training layout to the inference engines.
 
 ``buckets``    pack full HF-named tensors into size-bounded flat buffers (and back)
+``shards``     where each trainer rank's own shard lands in the full tensors (no gather)
 ``transport``  hand buckets over: shared memory / CUDA IPC when colocated, a broadcast
-               group when disaggregated; versioned so stale or half-updated weights are
-               never served silently
-``sync``       the driver's ``WeightSync`` (trainer ranks -> inference workers, per bucket,
-               version-checked) and the worker halves it calls
+               group when disaggregated
+``versioned``  never serve a half sync (``VersionedEngine``, ``confirm_versions``) and the
+               run's one policy version (``PolicyVersion``)
+``sender``     the trainer ranks' half: ``WeightSender`` (inherited by ``ActorWorker``) and
+               ``WeightSenderCluster``
+``receiver``   the inference workers' half: ``WeightReceiver`` (inherited by ``InferWorker``)
+               and ``WeightReceiverCluster``
+``sync``       the driver's ``WeightSync``: plans each sync, calls both halves, owns the version
 ``errors``     what can go wrong, with the fix
 
 Nothing heavy is imported by ``import trainer.weights``.
@@ -13,4 +18,4 @@ Nothing heavy is imported by ``import trainer.weights``.
 
 from __future__ import annotations
 
-__all__ = ["buckets", "errors", "sync", "transport"]
+__all__ = ["buckets", "errors", "receiver", "sender", "shards", "sync", "transport", "versioned"]

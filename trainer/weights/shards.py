@@ -2,7 +2,7 @@
 
 The colocated weight sync does not all-gather parameters: every trainer rank copies the
 part of each full HF tensor it already holds straight into the shared-memory bucket that
-the engine reads (``sync.ShardSender``). This module describes that part.
+the engine reads (``sender.ShardSender``). This module describes that part.
 
 :func:`shard_layout` returns a :class:`ShardLayout` for a strategy:
 

@@ -21,8 +21,8 @@ Disaggregated (engines on other hosts)
     learns of an engine that died or failed mid-sync (``TransportError``/``StaleWeightsError``).
     It is independent of the trainer's own default group, so engines need not join that.
 
-Versioning (``VersionedEngine``, ``confirm_versions``) is in ``trainer.weights.versioned``;
-both are re-exported here.
+Versioning (``VersionedEngine``, ``confirm_versions``, ``PolicyVersion``) is in
+``trainer.weights.versioned``.
 """
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.weights.buckets import Bucket, TensorMeta, iter_buckets
 from trainer.weights.errors import StaleWeightsError, TransportError
-from trainer.weights.versioned import VersionedEngine, confirm_versions
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BroadcastGroup", "SegmentPool", "SharedBucket", "VersionedEngine", "confirm_versions", "open_bucket",
-           "pack_shared", "SharedSegment", "share_bucket"]
+    from trainer.weights.versioned import VersionedEngine
+
+__all__ = ["BroadcastGroup", "SegmentPool", "SharedBucket", "SharedSegment", "open_bucket", "pack_shared",
+           "share_bucket"]
 
 
 # --------------------------------------------------------------------------- colocated
@@ -304,11 +305,15 @@ class BroadcastGroup:
 
         options = dist.BroadcastOptions()
         options.rootRank = 0
+        self._collective("weight broadcast", lambda: self.group.broadcast([tensor], options).wait())
+
+    def _collective(self, what: str, run: Callable[[], Any]) -> None:
+        """Run one collective of the group; a dead or timed-out member becomes a ``TransportError``."""
         try:
-            self.group.broadcast([tensor], options).wait()
+            run()
         except RuntimeError as error:
             raise TransportError(
-                f"weight broadcast failed on rank {self.rank} ({error}); a member of the group died or timed out - "
+                f"{what} failed on rank {self.rank} ({error}); a member of the group died or timed out - "
                 "the engines keep refusing to serve until a complete sync succeeds"
             ) from error
 
@@ -356,13 +361,7 @@ class BroadcastGroup:
         value = torch.tensor([mine], dtype=torch.long, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
-        try:
-            self.group.allreduce([value], options).wait()
-        except RuntimeError as error:
-            raise TransportError(
-                f"weight sync acknowledgement failed on rank {self.rank} ({error}); a member of the group died or "
-                "timed out - the engines keep refusing to serve until a complete sync succeeds"
-            ) from error
+        self._collective("weight sync acknowledgement", lambda: self.group.allreduce([value], options).wait())
         return int(value.item())
 
     def receive(self) -> Iterator[Bucket | dict[str, Any]]:

@@ -7,12 +7,16 @@ the last bucket it checks every announced name arrived and that the engine took 
 and only then serves the new ``weights_version``. ``confirm_versions`` is the trainer's check
 after each sync that every engine reports the version it just sent. The transports that
 carry the buckets are in ``trainer.weights.transport``.
+
+:class:`PolicyVersion` is the run's one policy version on the driver: the ``WeightSync``
+advances it after each confirmed sync and every driver-side reader holds the same object.
+A worker's ``VersionedEngine.weights_version`` is that worker's copy, told by the sync.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from trainer.weights.buckets import Bucket
 from trainer.weights.errors import StaleWeightsError
@@ -22,9 +26,76 @@ if TYPE_CHECKING:
 
     from trainer.strategies.base import GenerationRequest, GenerationResult
 
-__all__ = ["VersionedEngine", "confirm_versions"]
+__all__ = ["PolicyVersion", "SharedVersion", "VersionedEngine", "confirm_versions"]
 
 _END = object()  # end of a multi-call weight update
+
+
+class PolicyVersion:
+    """The policy version: how many complete weight updates the inference engines have taken.
+
+    One object per run, on the driver, with one writer: whoever applies the updates. In a
+    training run that is the ``WeightSync``, which announces ``value + 1``, and advances it
+    only once every engine confirmed serving that version; a checkpoint resume ``restore``-s
+    it. An engine front used without a trainer (an ``HFEngine`` in a test or an eval) owns
+    one of its own. Everything else on the driver that needs the current version (engine
+    fronts, the rollout router, the scheduler's staleness bound, checkpoints) is handed the
+    same object and reads ``value``; none keeps a counter of its own to reconcile.
+
+    Inference workers run in other processes and cannot share it: the sync tells them each
+    version (``begin_weight_load(version)``, the broadcast's end marker), they serve it as
+    ``VersionedEngine.weights_version``, and ``confirm_versions`` checks they all agree.
+    """
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: int = 0) -> None:
+        self._value = _version(value)
+
+    @property
+    def value(self) -> int:
+        """The version of the weights the engines serve (0: the initial policy, before any update)."""
+        return self._value
+
+    def advance(self) -> int:
+        """One complete update was applied: the version goes up by one; returns the new version."""
+        self._value += 1
+        return self._value
+
+    def restore(self, value: int) -> None:
+        """Continue from ``value`` (a checkpoint's version, or an engine's saved state)."""
+        self._value = _version(value)
+
+    def __repr__(self) -> str:
+        return f"PolicyVersion({self._value})"
+
+
+class SharedVersion:
+    """A ``version`` attribute that is ``self.policy.value`` (``self.policy``: a :class:`PolicyVersion`).
+
+    For classes that report the run's version as a plain int (engine fronts, the ``WeightSync``)
+    without keeping a copy of it. It is read-only: the owner calls ``policy.advance()`` or
+    ``policy.restore()``, so no second writer can appear unnoticed.
+    """
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> SharedVersion: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> int: ...
+    def __get__(self, obj: Any, owner: type | None = None) -> SharedVersion | int:
+        return self if obj is None else obj.policy.value
+
+    def __set__(self, obj: Any, value: int) -> None:
+        raise AttributeError(f"{type(obj).__name__}.version is read-only: it is the run's PolicyVersion; "
+                             "call .policy.advance() (one update applied) or .policy.restore(v) (a resume)")
+
+
+def _version(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a policy version is a whole number >= 0, got {value!r}; pass the version a checkpoint "
+                         "or an engine's get_state() recorded")
+    return value
+
 
 class VersionedEngine:
     """An ``InferenceEngine`` that serves only complete, announced weight versions (see the module docstring)."""

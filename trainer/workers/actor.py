@@ -11,13 +11,14 @@ where every worker is a process; the cluster exports the rendezvous variables an
 calls ``setup`` on all ranks at once, which builds the strategy (joining the group is a
 collective). Gathering full weights is a collective too, so ``get_weights``,
 ``state_dict`` and ``save_pretrained`` run on *every* rank and the caller gets rank 0's
-answer (the full HF-named tensors). ``weight_buckets`` streams the same tensors in
-size-bounded buckets for the weight sync (``trainer.weights.sync``).
+answer (the full HF-named tensors). The weight sync's RPCs (gathered or shard-direct buckets,
+the broadcast) come from the ``trainer.weights.sender.WeightSender`` mixin, as the inference
+worker's come from ``WeightReceiver``; the driver's ``trainer.weights.sync.WeightSync`` calls them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from trainer.controller.batch import Batch
@@ -25,6 +26,7 @@ from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
 from trainer.strategies.base import ForwardOutput, TrainStrategy
 from trainer.strategies.registry import make_train_strategy
+from trainer.weights.sender import WeightSender, WeightSenderCluster
 from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
 
 if TYPE_CHECKING:
@@ -36,6 +38,8 @@ TRAIN_COLUMNS = ("input_ids", "attention_mask", "response_mask", "old_logprobs",
                  "is_weights")
 """``is_weights`` (optional, async rollouts): truncated importance weights of the behaviour policy
 that sampled each token, multiplied into the per-token policy loss (see ``AgenticPipeline``)."""
+
+
 def residency_history(strategy: TrainStrategy | None) -> list[tuple[str, str, bool, str]]:
     """A strategy's offload/reload transitions (``trainer.strategies.offload``), plain tuples for RPC."""
     if strategy is None:
@@ -91,7 +95,7 @@ def _namespaced(metrics: dict[str, float], prefix: str) -> dict[str, float]:
     return {k if "/" in k else f"{prefix}/{k}": v for k, v in metrics.items()}
 
 
-class ActorWorker(StrategyWorker):
+class ActorWorker(WeightSender, StrategyWorker):
     """One rank of the trained policy (see the module docstring)."""
 
     def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
@@ -100,9 +104,6 @@ class ActorWorker(StrategyWorker):
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self.optim = dict(optim or {})
         self.loss = dict(loss or {})
-        self._sync: Iterator[Any] | None = None
-        self._release: Any = None
-        self._sender: Any = None
         self._setup_unless_collective()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
@@ -147,15 +148,6 @@ class ActorWorker(StrategyWorker):
     def set_lr(self, lr: float) -> None:
         self.strategy.set_lr(lr)
 
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
-    def get_weights(self) -> dict[str, Any]:
-        """Collective: the full HF-named CPU tensors (rank 0's answer is the result; others return {})."""
-        weights: dict[str, Any] = {}
-        for name, tensor in self.strategy.full_weights():  # every rank takes part in each gather
-            if self.rank == 0:
-                weights[name] = tensor.detach().cpu().clone()
-        return weights
-
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def state_dict(self) -> dict[str, Any]:
         """Collective: rank 0 holds the strategy state; every rank adds its own RNG state."""
@@ -182,88 +174,6 @@ class ActorWorker(StrategyWorker):
         if self.rank == 0:
             self.tokenizer.save_pretrained(path)
 
-    # ------------------------------------------------------------------ bucketed weight sync
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
-    def begin_weight_sync(self, bucket_bytes: int, only_changed: bool = False) -> None:
-        """Start streaming full weights in buckets of at most ``bucket_bytes`` (see ``trainer.weights.sync``)."""
-        from trainer.weights.sync import SenderState
-
-        self.end_weight_sync()
-        self._sender = self._sender or SenderState()
-        self._sync = self._sender.shared_buckets(self.strategy.full_weights(), bucket_bytes, is_sender=self.rank == 0,
-                                                 only_changed=only_changed)
-
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
-    def next_weight_bucket(self) -> Any:
-        """Collective: gather the next bucket; rank 0 returns its shared handle (None when done)."""
-        if self._release is not None:
-            self._release()
-            self._release = None
-        if self._sync is None:
-            return None
-        item = next(self._sync, None)
-        if item is None:
-            self._sync = None
-            return None
-        handle, self._release = item
-        return handle
-
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
-    def end_weight_sync(self) -> None:
-        """Free the last shared bucket and drop an unfinished stream (safe to call twice)."""
-        if self._release is not None:
-            self._release()
-            self._release = None
-        self._sync = None
-
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
-    def close_weight_sync(self) -> None:
-        """Unlink the reusable shared-memory segment (a killed Ray worker would leak it)."""
-        self.end_weight_sync()
-        if self._sender is not None:
-            self._sender.segment.close()
-        if getattr(self, "_shards", None) is not None:
-            self._shards.close()
-
-    # shard-direct colocated sync: each rank writes its own shards into shared memory (trainer.weights.sync)
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
-    def weight_sizes(self) -> list[tuple[str, int]]:
-        """``(HF name, bytes)`` of every full tensor, known without gathering (checks bucket sizes early)."""
-        from trainer.weights.shards import shard_layout
-
-        return shard_layout(self.strategy, rank=self.rank, gather=False).sizes()
-
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
-    def begin_shard_sync(self, bucket_bytes: int, only_changed: bool = False) -> Any:
-        """Plan the buckets (raises ``BucketTooSmallError`` before anything moves); rank 0 returns the handles."""
-        from trainer.weights.sync import ShardSender
-
-        if getattr(self, "_shards", None) is None:
-            self._shards = ShardSender()
-        return self._shards.begin(self.strategy, rank=self.rank, bucket_bytes=bucket_bytes, only_changed=only_changed)
-
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
-    def write_weight_bucket(self, handle: Any) -> list[str]:
-        """Copy this rank's shards of one bucket's tensors into its shared segment; returns the names written."""
-        return self._shards.write(handle)
-
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
-    def reset_shard_sync(self) -> None:
-        if getattr(self, "_shards", None) is not None:
-            self._shards.reset()
-
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
-    def broadcast_weights(self, address: tuple[str, int], world_size: int, *, version: int, bucket_bytes: int,
-                          only_changed: bool = False, timeout_s: float = 300.0) -> int:
-        """Collective: rank 0 joins the weight broadcast group as its rank 0 and streams the buckets."""
-        from trainer.weights.sync import SenderState
-
-        self._sender = self._sender or SenderState()
-        return self._sender.broadcast(self.strategy.full_weights(), address, world_size, is_sender=self.rank == 0,
-                                      version=version, bucket_bytes=bucket_bytes, only_changed=only_changed,
-                                      timeout_s=timeout_s)
-
-
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def residency(self) -> list[tuple[str, str, bool, str]]:
         """This rank's offload/reload transitions so far as ``(action, state, moved, reason)``."""
@@ -284,17 +194,16 @@ def _ragged(batch: Batch) -> Batch:
     return RaggedBatch(batch.columns, batch.meta)
 
 
-class ActorCluster(StrategyCluster):
+class ActorCluster(WeightSenderCluster, StrategyCluster):
     """Typed calls to the ``actor_train`` workers (batches of any size split over the ranks)."""
 
     worker_cls = ActorWorker
-
 
     def shutdown(self) -> None:
         """Free the workers' shared-memory segments, then stop them."""
         if not self._closed:
             try:
-                self._call("close_weight_sync")
+                self.close_weight_sync()
             except Exception:  # noqa: BLE001 - a dead worker has nothing left to free
                 pass
         super().shutdown()
@@ -332,34 +241,3 @@ class ActorCluster(StrategyCluster):
 
     def save_pretrained(self, path: str) -> None:
         self._call("save_pretrained", path)
-
-    def begin_weight_sync(self, bucket_bytes: int, only_changed: bool = False) -> None:
-        self._call("begin_weight_sync", bucket_bytes, only_changed)
-
-    def next_weight_bucket(self) -> Any:
-        return self._call("next_weight_bucket")
-
-    def end_weight_sync(self) -> None:
-        self._call("end_weight_sync")
-
-    def weight_sizes(self) -> list[tuple[str, int]]:
-        return self._call("weight_sizes")
-
-    def begin_shard_sync(self, bucket_bytes: int, only_changed: bool = False) -> Any:
-        return self._call("begin_shard_sync", bucket_bytes, only_changed)
-
-    def write_weight_bucket(self, handle: Any) -> list[list[str]]:
-        return self._call("write_weight_bucket", handle)
-
-    def reset_shard_sync(self) -> None:
-        self._call("reset_shard_sync")
-
-    def weight_group_address(self) -> tuple[str, int]:
-        """A host and free port on trainer rank 0's machine for the weight broadcast group."""
-        return self._call("_rendezvous_address")
-
-    def broadcast_weights_async(self, address: tuple[str, int], world_size: int, *, version: int, bucket_bytes: int,
-                                only_changed: bool = False, timeout_s: float = 300.0) -> Any:
-        """Start ``broadcast_weights`` on all ranks; returns a ``CallFuture`` (the receivers run meanwhile)."""
-        return self._call_async("broadcast_weights", address, world_size, version=version, bucket_bytes=bucket_bytes,
-                                only_changed=only_changed, timeout_s=timeout_s)

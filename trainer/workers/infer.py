@@ -25,7 +25,8 @@ from trainer.controller.worker import Worker, WorkerContext
 from trainer.strategies.base import GenerationRequest, GenerationResult, InferenceEngine, Weights
 from trainer.strategies.hf_engine import BatchingFrontend
 from trainer.strategies.registry import make_engine
-from trainer.weights.sync import WeightReceiver, WeightReceiverCluster
+from trainer.weights.receiver import WeightReceiver, WeightReceiverCluster
+from trainer.weights.versioned import PolicyVersion
 
 __all__ = ["InferCluster", "InferWorker", "RankEngine"]
 
@@ -168,9 +169,11 @@ class InferCluster(WeightReceiverCluster, Cluster):
             return None
         return self._on_rank(rank, "abort_requests", request_ids)
 
-    def rank_engines(self, *, max_batch_size: int = 512) -> list[RankEngine]:
-        """One ``InferenceEngine`` per rank, for ``trainer.rollout.router.EngineRouter``."""
-        return [RankEngine(self, rank, max_batch_size=max_batch_size) for rank in range(self.world_size)]
+    def rank_engines(self, *, max_batch_size: int = 512, policy: PolicyVersion | None = None) -> list[RankEngine]:
+        """One ``InferenceEngine`` per rank, for ``trainer.rollout.router.EngineRouter``; they all
+        report ``policy`` (the run's ``WeightSync.policy``) as their version."""
+        policy = policy if policy is not None else PolicyVersion()
+        return [RankEngine(self, rank, max_batch_size=max_batch_size, policy=policy) for rank in range(self.world_size)]
 
     def _on_rank(self, rank: int, method: str, *args: Any) -> CallFuture[Any]:
         spec = method_spec(self.worker_cls, method)
@@ -187,8 +190,9 @@ class RankEngine(BatchingFrontend):
     """``InferenceEngine`` in the driver for ONE rank of an ``InferCluster``: requests queued
     here run as batches on that rank; ``abort`` also reaches a batch already running there."""
 
-    def __init__(self, cluster: InferCluster, rank: int, *, max_batch_size: int = 512) -> None:
-        super().__init__(max_batch_size=max_batch_size)
+    def __init__(self, cluster: InferCluster, rank: int, *, max_batch_size: int = 512,
+                 policy: PolicyVersion | None = None) -> None:
+        super().__init__(max_batch_size=max_batch_size, policy=policy)
         self.cluster, self.rank = cluster, rank
         self._running: set[str] = set()
 
@@ -205,10 +209,10 @@ class RankEngine(BatchingFrontend):
             self.cluster.abort_on(self.rank, [request_id])
 
     def update_weights(self, weights: Weights) -> None:
-        """This rank only (a run's weight sync updates every rank at once instead)."""
+        """This rank only (a run's weight sync updates every rank at once instead). The version
+        is the caller's to advance (``EngineRouter.update_weights``): the ranks share one."""
         self.cluster._on_rank(self.rank, "update_weights", dict(weights.items() if hasattr(weights, "items")  # type: ignore[union-attr]
                                                                else weights)).result()
-        self.version += 1
 
     def sleep(self) -> None:
         """Colocated memory release is cluster-wide (``InferCluster.offload``, by ``trainer.devices.Colocation``)."""
@@ -217,10 +221,9 @@ class RankEngine(BatchingFrontend):
         """See ``sleep``."""
 
     def get_state(self) -> dict[str, Any]:
-        return {"rank": self.cluster._on_rank(self.rank, "get_state").result()[0], "version": self.version}
+        return {"rank": self.cluster._on_rank(self.rank, "get_state").result()[0]}
 
     def set_state(self, state: dict[str, Any]) -> None:
         states: list[Any] = [None] * self.cluster.world_size
         states[self.rank] = state["rank"]
         self.cluster._on_rank(self.rank, "set_state", states).result()
-        self.version = int(state.get("version", self.version))

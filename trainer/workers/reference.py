@@ -47,15 +47,6 @@ class ReferenceWorker(StrategyWorker):
         out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
         return Batch({"ref_logprobs": out.logprobs})
 
-    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
-    def get_weights(self) -> dict[str, Any]:
-        """Collective: the full HF-named CPU tensors (rank 0's answer is the result; others return {})."""
-        weights: dict[str, Any] = {}
-        for name, tensor in self.strategy.full_weights():  # every rank takes part in each gather
-            if self.rank == 0:
-                weights[name] = tensor.detach().cpu().clone()
-        return weights
-
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def load_weights(self, weights: dict[str, Any]) -> None:
         """Replace the reference (e.g. with the SFT warm-start result before RL begins); every rank gets

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainer.controller.cluster import Cluster
+from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import Worker, WorkerContext
 from trainer.strategies.base import TrainStrategy
 from trainer.strategies.parallel_errors import ParallelConfigError
@@ -59,6 +60,15 @@ class StrategyWorker(Worker):
         if self._strategy is None:
             raise RuntimeError(f"{self.role} rank {self.rank}: the strategy is not built; call setup() on all ranks")
         return self._strategy
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def get_weights(self) -> dict[str, Any]:
+        """Collective: the full HF-named CPU tensors (rank 0's answer is the result; others return {})."""
+        weights: dict[str, Any] = {}
+        for name, tensor in self.strategy.full_weights():  # every rank takes part in each gather
+            if self.rank == 0:
+                weights[name] = tensor.detach().cpu().clone()
+        return weights
 
     def offload(self) -> None:
         """Colocation: offload what ``roles.<role>.offload_params/offload_optimizer`` say (no-op moves on CPU)."""

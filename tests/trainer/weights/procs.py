@@ -21,7 +21,7 @@ def make_engine(seed: int) -> Any:
 
     from tests.trainer.strategies.dist_workers import tiny_qwen2
     from trainer.strategies.hf_engine import HFEngine
-    from trainer.weights.transport import VersionedEngine
+    from trainer.weights.versioned import VersionedEngine
 
     torch.set_num_threads(1)
     model = tiny_qwen2(seed=seed, tie=True)

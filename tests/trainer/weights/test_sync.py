@@ -14,6 +14,7 @@ from tests.trainer.weights import sync_setup as S  # noqa: E402
 from trainer.config import RoleConfig  # noqa: E402
 from trainer.weights.errors import BucketTooSmallError, StaleWeightsError, TransportError  # noqa: E402
 from trainer.weights.sync import WeightSync  # noqa: E402
+from trainer.weights.versioned import PolicyVersion  # noqa: E402
 from trainer.workers.actor import ActorCluster  # noqa: E402
 from trainer.workers.infer import InferCluster  # noqa: E402
 
@@ -31,7 +32,7 @@ def clusters(model_dir: Path):
     infer = InferCluster("actor_infer", RoleConfig(strategy="hf", device_mapping=[], num_workers=2), backend="local",
                          worker_kwargs=common)
     try:
-        yield actor, infer, None  # the driver-side engine: none (the rollouts read the sync's version)
+        yield actor, infer, PolicyVersion()  # the run's policy version: every sync of a test advances it
     finally:
         actor.shutdown()
         infer.shutdown()
@@ -47,17 +48,17 @@ def train_away(actor: ActorCluster, model_dir: Path) -> None:
 
 @pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
 def test_sync_makes_every_engine_generate_what_the_trainer_would(clusters, model_dir: Path, transport: str) -> None:
-    actor, infer, engine = clusters
+    actor, infer, policy = clusters
     train_away(actor, model_dir)
     weights = actor.get_weights()
     expected = S.trainer_greedy(weights, model_dir)
     assert [r.token_ids for r in S.engine_greedy(infer)] != expected  # the engines still hold the old weights
 
-    sync = WeightSync(actor, infer, engine, transport=transport, bucket_mb=0.1)  # ~100 KiB: several buckets
+    sync = WeightSync(actor, infer, policy=policy, transport=transport, bucket_mb=0.1)  # ~100 KiB: several buckets
     report = sync.sync()
     results = S.engine_greedy(infer)
     assert [r.token_ids for r in results] == expected
-    assert {r.policy_version for r in results} == {1} and sync.version == 1
+    assert {r.policy_version for r in results} == {1} and policy.value == sync.version == report.version == 1
     assert infer.weights_version() == [1, 1]
     if transport == "shared_memory":
         assert report.buckets > 1 and report.tensors == len(weights)
@@ -66,8 +67,8 @@ def test_sync_makes_every_engine_generate_what_the_trainer_would(clusters, model
 
 
 def test_only_changed_sends_nothing_when_nothing_trained(clusters, model_dir: Path) -> None:
-    actor, infer, engine = clusters
-    sync = WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=0.1, only_changed=True)
+    actor, infer, policy = clusters
+    sync = WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1, only_changed=True)
     first = sync.sync()
     assert first.tensors > 0
     again = sync.sync()
@@ -80,21 +81,21 @@ def test_only_changed_sends_nothing_when_nothing_trained(clusters, model_dir: Pa
 
 @pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
 def test_a_bucket_smaller_than_the_largest_tensor_fails_before_anything_moves(clusters, transport: str) -> None:
-    actor, infer, engine = clusters
+    actor, infer, policy = clusters
     before = [r.token_ids for r in S.engine_greedy(infer)]
     largest = max(t.numel() * t.element_size() for t in actor.get_weights().values())
     with pytest.raises(BucketTooSmallError, match=r"weight_sync\.bucket_mb=\d+") as caught:
-        WeightSync(actor, infer, engine, transport=transport, bucket_mb=0.001).sync()
+        WeightSync(actor, infer, policy=policy, transport=transport, bucket_mb=0.001).sync()
     assert f"{largest:,} bytes" in str(caught.value)  # names the size the largest tensor needs
     # no engine was told a sync started: each still serves its weights, unchanged
     assert infer.weights_version() == [0, 0]
     assert [r.token_ids for r in S.engine_greedy(infer)] == before
-    WeightSync(actor, infer, engine, transport=transport, bucket_mb=1).sync()  # the fixed setting works
+    WeightSync(actor, infer, policy=policy, transport=transport, bucket_mb=1).sync()  # the fixed setting works
     assert infer.weights_version() == [1, 1]
 
 
 def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(clusters, model_dir: Path) -> None:
-    actor, infer, engine = clusters
+    actor, infer, policy = clusters
     worker = infer._workers[1]
     real_update = worker.engine.update_weights
 
@@ -108,15 +109,16 @@ def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(cl
 
     worker.engine.update_weights = dying_update
     with pytest.raises(TransportError, match="engine process died"):
-        WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=0.1).sync()
+        WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1).sync()
     with pytest.raises(StaleWeightsError, match="half-updated"):
         worker.engine.check()
     assert infer.weights_version()[1] is None
+    assert policy.value == 0  # a failed sync does not advance the run's version
 
 
 def test_after_a_failed_only_changed_sync_the_next_one_resends_every_tensor(clusters, model_dir: Path) -> None:
-    actor, infer, engine = clusters
-    sync = WeightSync(actor, infer, engine, transport="shared_memory", bucket_mb=0.1, only_changed=True)
+    actor, infer, policy = clusters
+    sync = WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1, only_changed=True)
     sync.sync()
     train_away(actor, model_dir)
     inner = infer._workers[1].engine.engine  # the engine inside the worker's VersionedEngine
@@ -137,3 +139,12 @@ def test_after_a_failed_only_changed_sync_the_next_one_resends_every_tensor(clus
     healed = sync.sync()
     assert healed.tensors == len(actor.get_weights())  # everything again, though the segments already match
     assert [r.token_ids for r in S.engine_greedy(infer)] == S.trainer_greedy(actor.get_weights(), model_dir)
+
+
+def test_a_restored_policy_version_is_where_the_next_sync_continues(clusters) -> None:
+    """A resumed run restores the version once; the sync announces the next one and every engine serves it."""
+    actor, infer, policy = clusters
+    policy.restore(7)
+    report = WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1).sync()
+    assert report.version == policy.value == 8 and infer.weights_version() == [8, 8]
+    assert {r.policy_version for r in S.engine_greedy(infer)} == {8}

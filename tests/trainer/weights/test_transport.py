@@ -13,12 +13,8 @@ pytest.importorskip("transformers")
 from tests.trainer.weights import procs  # noqa: E402
 from trainer.weights.buckets import iter_buckets  # noqa: E402
 from trainer.weights.errors import StaleWeightsError, TransportError  # noqa: E402
-from trainer.weights.transport import (  # noqa: E402
-    BroadcastGroup,
-    VersionedEngine,
-    confirm_versions,
-    share_bucket,
-)
+from trainer.weights.transport import BroadcastGroup, share_bucket  # noqa: E402
+from trainer.weights.versioned import VersionedEngine, confirm_versions  # noqa: E402
 
 
 def trainer_weights(seed: int) -> tuple[list[tuple[str, torch.Tensor]], list[list[int]]]:

@@ -1,0 +1,155 @@
+"""The inference side of the weight sync: what every ``actor_infer`` rank does when the driver's ``WeightSync`` calls.
+
+:class:`WeightReceiver` is the worker mixin (it needs ``self.engine`` and ``self.rank``; the
+``InferWorker`` inherits it) and :class:`WeightReceiverCluster` the cluster's typed calls to
+it. They mirror ``trainer.weights.sender`` on the trainer side.
+
+shared memory / CUDA IPC (colocated)
+    ``begin_weight_load(version)`` -> per bucket ``load_weight_bucket(handle)`` ->
+    ``finish_weight_load(version, names)``. The engine gets ONE ``update_weights`` call per
+    sync, fed bucket by bucket (``VersionedEngine.begin/load_part/finish``).
+broadcast (disaggregated)
+    ``receive_weights``: join the broadcast group as rank ``1 + self.rank`` and load one
+    whole sync (``BroadcastGroup.receive_into``).
+
+The first sync wraps the engine in a :class:`VersionedEngine`: from then on a half-updated
+engine refuses to generate, and results carry the version the driver announced, which is
+this worker's copy of the run's policy version (``versioned.PolicyVersion``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from trainer.controller.dispatch import Collect, Dispatch, register
+from trainer.weights.buckets import Bucket
+from trainer.weights.transport import BroadcastGroup, SegmentPool, SharedBucket, open_bucket
+from trainer.weights.versioned import VersionedEngine
+
+if TYPE_CHECKING:
+    from trainer.controller.cluster import CallFuture
+
+__all__ = ["WeightReceiver", "WeightReceiverCluster"]
+
+
+class WeightReceiver:
+    """Mixin for an inference worker holding ``self.engine``: the receiving half of the sync (module docstring)."""
+
+    _weight_segments: SegmentPool | None = None
+    """The trainer's stable segments, mapped once and kept from sync to sync."""
+    _weight_segments_used: frozenset[str] | set[str] = frozenset()
+    """Segments the running sync handed over (the others are unmapped when it finishes)."""
+    _weight_group: BroadcastGroup | None = None
+    _weight_group_address: tuple[str, int] | None = None
+
+    def _versioned(self) -> VersionedEngine:
+        engine = self.engine  # type: ignore[attr-defined]
+        if not isinstance(engine, VersionedEngine):
+            engine = VersionedEngine(engine, weights_version=0)
+            self.engine = engine  # type: ignore[attr-defined]
+        return engine
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def begin_weight_load(self, version: int) -> None:
+        """A sync to ``version`` starts: stop serving until it completes."""
+        self._versioned().begin(version)
+        self._weight_segments_used = set()
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def load_weight_bucket(self, handle: SharedBucket) -> None:
+        """Hand one shared-memory / CUDA-IPC bucket to the engine.
+
+        A ``stable`` bucket (the trainer's segment pool) is passed as zero-copy views of a
+        mapping kept from sync to sync: the engine's own load is the only copy. Otherwise the
+        tensors are copied before the handle closes. Returns once the engine has the bucket
+        queued (it loads while the trainer writes the next one).
+        """
+        if handle.stable and handle.shm_name is not None:
+            if self._weight_segments is None:
+                self._weight_segments = SegmentPool()
+            self._weight_segments_used.add(handle.shm_name)  # type: ignore[union-attr]
+            bucket = Bucket(self._weight_segments.buffer(handle.shm_name)[:handle.nbytes], handle.metas, handle.index)
+            self._versioned().load_part(bucket.tensors(), copy=False)
+            return
+        bucket, close = open_bucket(handle)
+        try:
+            self._versioned().load_part(bucket.tensors())
+        finally:
+            close()
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def finish_weight_load(self, version: int, names: list[str]) -> int | None:
+        """Close the sync; returns the served version. Raises ``StaleWeightsError`` if the engine failed."""
+        try:
+            return self._versioned().finish(version, names)
+        finally:
+            if self._weight_segments is not None:  # the engine holds no views now: unmap what the trainer replaced
+                self._weight_segments.keep_only(self._weight_segments_used)
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def receive_weights(self, address: tuple[str, int], world_size: int, timeout_s: float = 300.0) -> int:
+        """Join the broadcast group as rank ``1 + self.rank`` (once per address) and load one whole sync."""
+        if self._weight_group_address != tuple(address):
+            self._weight_group = BroadcastGroup(address[0], address[1], 1 + self.rank, world_size,  # type: ignore[attr-defined]
+                                                timeout_s=timeout_s)
+            self._weight_group_address = tuple(address)
+        try:
+            return self._weight_group.receive_into(self._versioned())  # type: ignore[union-attr]
+        except BaseException:
+            self._weight_group_address = None  # a broken group is never reused
+            raise
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def load_weights_file(self, path: str) -> None:
+        """Load a ``save_pretrained`` folder's safetensors into the engine (the naive disk path; benchmarks)."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        weights: dict[str, Any] = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            weights.update(load_file(str(file)))
+        engine = self._versioned()
+        engine.load([_MappingBucket(weights)], version=(engine.weights_version or 0) + 1,
+                    expected_names=list(weights))
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def weights_version(self) -> int | None:
+        """The version this worker serves (0 before its first sync; None: half-updated)."""
+        engine = self.engine  # type: ignore[attr-defined]
+        return engine.weights_version if isinstance(engine, VersionedEngine) else 0
+
+
+class _MappingBucket:
+    """A received set of tensors presented as one bucket (``VersionedEngine.load`` reads ``tensors()``)."""
+
+    def __init__(self, weights: dict[str, Any]) -> None:
+        self.weights = weights
+
+    def tensors(self) -> Iterator[tuple[str, Any]]:
+        yield from self.weights.items()
+
+
+class WeightReceiverCluster:
+    """Mixin for the inference cluster: typed calls to :class:`WeightReceiver` methods (all ranks at once)."""
+
+    def begin_weight_load(self, version: int) -> None:
+        self._call("begin_weight_load", version)  # type: ignore[attr-defined]
+
+    def load_weight_bucket(self, handle: SharedBucket) -> None:
+        self._call("load_weight_bucket", handle)  # type: ignore[attr-defined]
+
+    def finish_weight_load(self, version: int, names: list[str]) -> list[int | None]:
+        return self._call("finish_weight_load", version, names)  # type: ignore[attr-defined]
+
+    def receive_weights_async(self, address: tuple[str, int], world_size: int, timeout_s: float = 300.0
+                              ) -> CallFuture[list[int]]:
+        """Start ``receive_weights`` on all ranks; returns a ``CallFuture`` (the sender runs meanwhile)."""
+        return self._call_async("receive_weights", address, world_size, timeout_s)  # type: ignore[attr-defined]
+
+    def weights_version(self) -> list[int | None]:
+        return self._call("weights_version")  # type: ignore[attr-defined]
+
+    def load_weights_file(self, path: str) -> None:
+        self._call("load_weights_file", path)  # type: ignore[attr-defined]

@@ -1,0 +1,336 @@
+"""The trainer's half of the weight sync: what every ``actor_train`` rank does when the driver's ``WeightSync`` calls.
+
+:class:`WeightSender` is the worker mixin (it needs ``self.strategy`` and ``self.rank``; the
+``ActorWorker`` inherits it) and :class:`WeightSenderCluster` the cluster's typed calls to it.
+They mirror ``trainer.weights.receiver`` on the inference side. Three ways a rank sends; the
+driver picks one per sync (``trainer.weights.sync`` says when):
+
+shard-direct (shared memory, trainer on CPU)
+    ``weight_sizes`` -> ``begin_shard_sync`` -> per bucket ``write_weight_bucket`` (after a
+    failure ``reset_shard_sync``). Every rank copies the pieces of full HF tensors it already
+    holds (``shards.shard_layout``) straight into shared-memory segments laid out as full
+    tensors (:class:`ShardSender`); nothing is gathered.
+gathered (shared memory or CUDA IPC, trainer on GPUs)
+    ``begin_weight_sync`` -> ``next_weight_bucket`` until it returns None -> ``end_weight_sync``.
+    Each bucket is a collective gather; rank 0 packs it into one reusable segment or CUDA
+    buffer and returns its handle (:meth:`SenderState.shared_buckets`).
+broadcast (disaggregated)
+    ``broadcast_weights``: rank 0 joins a broadcast group with every inference worker and
+    streams the buckets; the other ranks only take part in the gathers.
+
+``close_weight_sync`` unlinks this rank's segments (the cluster calls it before shutdown: a
+killed Ray worker would leak them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from trainer.controller.dispatch import Collect, Dispatch, register
+from trainer.weights.buckets import ALIGN, TensorMeta, group_tensors, plan_buckets
+from trainer.weights.errors import WeightSyncError
+from trainer.weights.shards import ShardLayout, equal_piece, shard_layout, write_piece
+from trainer.weights.transport import BroadcastGroup, SegmentPool, SharedBucket, SharedSegment, pack_shared
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.controller.cluster import CallFuture
+
+__all__ = ["SenderState", "ShardSender", "WeightSender", "WeightSenderCluster", "plan_shared_buckets"]
+
+
+class SenderState:
+    """What a trainer rank keeps between syncs: the last-sent copy (``only_changed``) and the broadcast group."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, torch.Tensor] = {}
+        self.group: BroadcastGroup | None = None
+        self.group_address: tuple[str, int] | None = None
+        self.segment = SharedSegment()
+
+    def _changed(self, group: list[tuple[str, torch.Tensor]], only_changed: bool) -> list[tuple[str, torch.Tensor]]:
+        if not only_changed:
+            return group
+        import torch
+
+        out = []
+        for name, tensor in group:
+            previous = self.sent.get(name)
+            host = tensor.detach().to("cpu")
+            if previous is None or previous.shape != host.shape or not torch.equal(previous, host):
+                out.append((name, tensor))
+                self.sent[name] = host.clone()
+        return out
+
+    def shared_buckets(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, is_sender: bool,
+                       only_changed: bool = False) -> Iterator[tuple[SharedBucket | None, Any]]:
+        """Per bucket: ``(handle, release)`` on the sender; ``(None, None)`` on the other ranks (same count)."""
+        for index, group in enumerate(group_tensors(weights, bucket_bytes)):
+            if not is_sender:
+                yield None, None
+                continue
+            group = self._changed(group, only_changed)
+            if not group:
+                yield SharedBucket([], index, 0), None
+                continue
+            yield pack_shared(group, index=index, segment=self.segment)
+
+    def broadcast(self, weights: Iterable[tuple[str, torch.Tensor]], address: tuple[str, int], world_size: int, *,
+                  is_sender: bool, version: int, bucket_bytes: int, only_changed: bool = False,
+                  timeout_s: float = 300.0) -> int:
+        """Sender: join the group (once per address) and stream the buckets; others only gather. Tensors sent."""
+        if not is_sender:
+            for _ in weights:  # take part in every gather collective
+                pass
+            return 0
+        if self.group_address != tuple(address):
+            self.group = BroadcastGroup(address[0], address[1], 0, world_size, timeout_s=timeout_s)
+            self.group_address = tuple(address)
+
+        def stream() -> Iterator[tuple[str, torch.Tensor]]:
+            for group in group_tensors(weights, bucket_bytes):
+                yield from self._changed(group, only_changed)
+
+        try:
+            return self.group.send_weights(stream(), version=version, bucket_bytes=bucket_bytes)  # type: ignore[union-attr]
+        except BaseException:
+            self.group, self.group_address = None, None  # a broken group is never reused
+            raise
+
+
+def plan_shared_buckets(layout: ShardLayout, bucket_bytes: int) -> list[SharedBucket]:
+    """The buckets of a shard-direct sync: full HF tensors at fixed offsets (no segment names yet).
+
+    Every rank computes the same plan from sizes alone. Raises ``BucketTooSmallError`` (naming
+    ``weight_sync.bucket_mb`` and the size needed) when the largest tensor does not fit, before
+    any segment is written.
+    """
+    specs = {spec.name: spec for spec in layout.specs}
+    tied: dict[str, list[str]] = {}
+    for alias, name in layout.aliases.items():
+        tied.setdefault(name, []).append(alias)
+    handles = []
+    for index, names in enumerate(plan_buckets(layout.sizes(), bucket_bytes)):
+        metas, offset = [], 0
+        for name in names:
+            spec = specs[name]
+            for each in [name, *tied.get(name, [])]:  # a tied name: same bytes, second meta
+                metas.append(TensorMeta(each, spec.dtype, spec.shape, offset, spec.nbytes))
+            offset += -(-spec.nbytes // ALIGN) * ALIGN
+        handles.append(SharedBucket(metas, index, offset, stable=True))
+    return handles
+
+
+class ShardSender:
+    """A trainer rank's half of the shard-direct colocated sync (see the module docstring).
+
+    ``begin`` plans the buckets from the model's tensor specs (every rank computes the same
+    plan; rank 0 also creates or reuses the segments and returns the handles); ``write`` copies
+    this rank's pieces of one bucket's tensors into its segment - no collective, no gather.
+    """
+
+    def __init__(self) -> None:
+        self.pool = SegmentPool()
+        self.layout: ShardLayout | None = None
+        self.only_changed = False
+        self.written: set[tuple[str, int, str]] = set()
+        """(segment, offset, name) this rank wrote since the segment was created and the engines confirmed."""
+
+    def begin(self, strategy: Any, *, rank: int, bucket_bytes: int, only_changed: bool = False
+              ) -> list[SharedBucket] | None:
+        """Plan this sync; rank 0 returns the bucket handles (segments created), other ranks None.
+
+        None on rank 0 too when the strategy trains on a GPU: its shards are device memory, and
+        the driver then takes the gathered CUDA-IPC path instead.
+        """
+        if str(getattr(strategy, "device", "cpu")).startswith("cuda"):
+            return None  # GPU shards: the gathered CUDA-IPC path (WeightSync._sync_gathered)
+        layout = shard_layout(strategy, rank=rank)
+        handles = plan_shared_buckets(layout, bucket_bytes)  # too small: raised before anything moves
+        self.layout, self.only_changed = layout, only_changed
+        if rank != 0:
+            return None
+        names = self.pool.ensure([handle.nbytes for handle in handles])
+        for handle, name in zip(handles, names, strict=True):
+            handle.shm_name = name
+        return handles
+
+    def write(self, handle: SharedBucket) -> list[str]:
+        """Copy this rank's pieces of ``handle``'s tensors into its segment; returns the names written.
+
+        With ``only_changed``, a piece already bitwise equal in the segment (and written there
+        by an earlier, confirmed sync) is skipped; a tensor is sent if any rank wrote to it.
+        """
+        import torch
+
+        if self.layout is None:
+            raise WeightSyncError("write_weight_bucket before begin_shard_sync; the driver must plan the sync first")
+        buffer = self.pool.buffer(handle.shm_name)  # type: ignore[arg-type]
+        written = []
+        with torch.no_grad():
+            for meta in handle.metas:
+                pieces = self.layout.pieces.get(meta.name)
+                if not pieces:
+                    continue
+                target = buffer[meta.offset:meta.offset + meta.nbytes].view(getattr(torch, meta.dtype)).view(meta.shape)
+                key = (handle.shm_name or "", meta.offset, meta.name)
+                if self.only_changed and key in self.written and all(equal_piece(target, i, p) for i, p in pieces):
+                    continue
+                for index, piece in pieces:
+                    write_piece(target, index, piece)
+                self.written.add(key)
+                written.append(meta.name)
+        return written
+
+    def reset(self) -> None:
+        """Forget what was written (a failed sync: the next one sends every tensor again)."""
+        self.written.clear()
+
+    def close(self) -> None:
+        self.pool.close()
+        self.written.clear()
+        self.layout = None
+
+
+class WeightSender:
+    """Mixin for a trainer worker holding ``self.strategy``: the sending half of the sync (module docstring).
+
+    Gathering full weights is a collective on sharded strategies, so every method runs on every
+    rank; only rank 0 hands anything over.
+    """
+
+    _weight_stream: Iterator[tuple[SharedBucket | None, Any]] | None = None
+    """The gathered path's bucket stream between ``begin_weight_sync`` and ``end_weight_sync``."""
+    _weight_release: Callable[[], None] | None = None
+    """Frees the bucket last handed out (called when the driver asks for the next one)."""
+    _sender_state: SenderState | None = None
+    _shard_sender: ShardSender | None = None
+
+    def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.strategy.full_weights()  # type: ignore[attr-defined]
+
+    def _state(self) -> SenderState:
+        if self._sender_state is None:
+            self._sender_state = SenderState()
+        return self._sender_state
+
+    def _shards(self) -> ShardSender:
+        if self._shard_sender is None:
+            self._shard_sender = ShardSender()
+        return self._shard_sender
+
+    def _release_bucket(self) -> None:
+        if self._weight_release is not None:
+            self._weight_release()
+            self._weight_release = None
+
+    # -- gathered: a collective gather per bucket, rank 0 hands out one handle at a time
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def begin_weight_sync(self, bucket_bytes: int, only_changed: bool = False) -> None:
+        """Start streaming full weights in buckets of at most ``bucket_bytes``."""
+        self.end_weight_sync()
+        self._weight_stream = self._state().shared_buckets(self._full_weights(), bucket_bytes,
+                                                           is_sender=self.rank == 0,  # type: ignore[attr-defined]
+                                                           only_changed=only_changed)
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def next_weight_bucket(self) -> SharedBucket | None:
+        """Collective: free the last bucket, gather the next; rank 0 returns its handle (None when done)."""
+        self._release_bucket()
+        if self._weight_stream is None:
+            return None
+        item = next(self._weight_stream, None)
+        if item is None:
+            self._weight_stream = None
+            return None
+        handle, self._weight_release = item
+        return handle
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def end_weight_sync(self) -> None:
+        """Free the last shared bucket and drop an unfinished stream (safe to call twice)."""
+        self._release_bucket()
+        self._weight_stream = None
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def close_weight_sync(self) -> None:
+        """Unlink this rank's shared-memory segments (a killed Ray worker would leak them)."""
+        self.end_weight_sync()
+        if self._sender_state is not None:
+            self._sender_state.segment.close()
+        if self._shard_sender is not None:
+            self._shard_sender.close()
+
+    # -- shard-direct: each rank writes its own shards into shared memory, no gather
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def weight_sizes(self) -> list[tuple[str, int]]:
+        """``(HF name, bytes)`` of every full tensor, known without gathering (checks bucket sizes early)."""
+        return shard_layout(self.strategy, rank=self.rank, gather=False).sizes()  # type: ignore[attr-defined]
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def begin_shard_sync(self, bucket_bytes: int, only_changed: bool = False) -> list[SharedBucket] | None:
+        """Plan the buckets (raises ``BucketTooSmallError`` before anything moves); rank 0 returns the handles."""
+        return self._shards().begin(self.strategy, rank=self.rank,  # type: ignore[attr-defined]
+                                    bucket_bytes=bucket_bytes, only_changed=only_changed)
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def write_weight_bucket(self, handle: SharedBucket) -> list[str]:
+        """Copy this rank's shards of one bucket's tensors into its shared segment; returns the names written."""
+        return self._shards().write(handle)
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def reset_shard_sync(self) -> None:
+        """A sync failed: forget what was written, so the next ``only_changed`` sync sends every tensor."""
+        if self._shard_sender is not None:
+            self._shard_sender.reset()
+
+    # -- broadcast: rank 0 streams to every inference worker
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def broadcast_weights(self, address: tuple[str, int], world_size: int, *, version: int, bucket_bytes: int,
+                          only_changed: bool = False, timeout_s: float = 300.0) -> int:
+        """Collective: rank 0 joins the weight broadcast group as its rank 0 and streams the buckets."""
+        return self._state().broadcast(self._full_weights(), address, world_size,
+                                       is_sender=self.rank == 0,  # type: ignore[attr-defined]
+                                       version=version, bucket_bytes=bucket_bytes, only_changed=only_changed,
+                                       timeout_s=timeout_s)
+
+
+class WeightSenderCluster:
+    """Mixin for the trainer cluster: typed calls to :class:`WeightSender` methods (all ranks at once)."""
+
+    def begin_weight_sync(self, bucket_bytes: int, only_changed: bool = False) -> None:
+        self._call("begin_weight_sync", bucket_bytes, only_changed)  # type: ignore[attr-defined]
+
+    def next_weight_bucket(self) -> SharedBucket | None:
+        return self._call("next_weight_bucket")  # type: ignore[attr-defined]
+
+    def end_weight_sync(self) -> None:
+        self._call("end_weight_sync")  # type: ignore[attr-defined]
+
+    def close_weight_sync(self) -> None:
+        self._call("close_weight_sync")  # type: ignore[attr-defined]
+
+    def weight_sizes(self) -> list[tuple[str, int]]:
+        return self._call("weight_sizes")  # type: ignore[attr-defined]
+
+    def begin_shard_sync(self, bucket_bytes: int, only_changed: bool = False) -> list[SharedBucket] | None:
+        return self._call("begin_shard_sync", bucket_bytes, only_changed)  # type: ignore[attr-defined]
+
+    def write_weight_bucket(self, handle: SharedBucket) -> list[list[str]]:
+        return self._call("write_weight_bucket", handle)  # type: ignore[attr-defined]
+
+    def reset_shard_sync(self) -> None:
+        self._call("reset_shard_sync")  # type: ignore[attr-defined]
+
+    def weight_group_address(self) -> tuple[str, int]:
+        """A host and free port on trainer rank 0's machine for the weight broadcast group."""
+        return self._call("_rendezvous_address")  # type: ignore[attr-defined]
+
+    def broadcast_weights_async(self, address: tuple[str, int], world_size: int, *, version: int, bucket_bytes: int,
+                                only_changed: bool = False, timeout_s: float = 300.0) -> CallFuture[int]:
+        """Start ``broadcast_weights`` on all ranks; returns a ``CallFuture`` (the receivers run meanwhile)."""
+        return self._call_async("broadcast_weights", address, world_size,  # type: ignore[attr-defined]
+                                version=version, bucket_bytes=bucket_bytes, only_changed=only_changed,
+                                timeout_s=timeout_s)
