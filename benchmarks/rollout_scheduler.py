@@ -139,13 +139,14 @@ class Trainer:
 
         from trainer.models import load_policy
         from trainer.strategies.hf import HFTrainStrategy
+        from trainer.config import LossConfig
         from trainer.workers.actor import ppo_loss_fn
 
         model, _ = load_policy(path)
         self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
         self.strategy = HFTrainStrategy(model, lr=1e-4, micro_batch_size=16,
                                         device="cuda" if torch.cuda.is_available() else "cpu")
-        self.loss = ppo_loss_fn({"clip_low": 0.2, "clip_high": 0.28, "agg_mode": "token-mean"})
+        self.loss = ppo_loss_fn(LossConfig(clip_low=0.2, clip_high=0.28, agg_mode="token-mean"))
         self.pad = pad_token_id
 
     def reset(self) -> None:
@@ -256,7 +257,9 @@ async def run_mode(mode: str, args: argparse.Namespace, engine: Any, trainer: An
         try:
             for _ in range(args.steps):
                 batch = await scheduler.next_batch()
-                staleness += [batch.version - (t.oldest_version or 0) for t in batch.trajectories]
+                # a trajectory without policy tokens has no staleness (it used to count as version 0)
+                staleness += [batch.version - t.oldest_version for t in batch.trajectories
+                              if t.oldest_version is not None]
                 for name in ("stale_dropped_groups", "stale_aborted_groups", "aborted_surplus"):
                     discarded[name] += batch.metrics[f"rollout/{name}"]
                 await asyncio.to_thread(trainer.step, batch.trajectories)  # rollouts go on meanwhile (async)

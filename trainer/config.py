@@ -23,13 +23,16 @@ Sections: ``model``, ``env``, ``rollout``, ``algorithm`` (with ``algorithm.loss`
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from trainer.devices import AutoDeviceMapping, DevicePlan
 from trainer.errors import ConfigError, Problem
-from trainer.strategies.registry import INFERENCE_ENGINES, StrategySpec, engine_spec, train_strategy_spec
+from trainer.strategies.registry import INFERENCE_ENGINES, engine_spec
+
+if TYPE_CHECKING:
+    from trainer.strategies.base import TrainOptions
 
 __all__ = [
     "Section",
@@ -278,6 +281,12 @@ class TrainConfig(Section):
     """Final learning rate of a decaying schedule, as a fraction of ``lr``."""
     warmup_steps: int = Field(0, ge=0)
     """Steps of linear warm-up from ``lr / (warmup_steps + 1)`` to ``lr`` before the schedule starts."""
+
+    def options(self, lr: float | None = None) -> TrainOptions:
+        """What every training strategy takes from this section (``strategies.base.TrainOptions``),
+        at learning rate ``lr`` (None: ``train.lr``; the critic passes ``critic_lr``)."""
+        return {"lr": lr or self.lr, "weight_decay": self.weight_decay, "max_grad_norm": self.max_grad_norm,
+                "micro_batch_size": self.micro_batch_size, "grad_accumulation": self.grad_accumulation}
 
     def lr_at(self, step: int) -> float:
         """The policy learning rate of RL step ``step`` (1-based), by ``lr_schedule`` and ``warmup_steps``."""
@@ -540,88 +549,11 @@ class TrainerConfig(Section):
         return self
 
     def problems(self) -> list[Problem]:
-        """Every cross-section problem of an otherwise well-typed config (empty when fine)."""
-        problems: list[Problem] = []
-        if self.roles.actor_infer.strategy != self.rollout.engine:
-            problems.append(Problem(
-                "roles.actor_infer.strategy",
-                f"{self.roles.actor_infer.strategy!r} disagrees with rollout.engine={self.rollout.engine!r}; "
-                "set only rollout.engine"))
-        dp = self.roles.actor_train.world_size
-        if self.batch_size % dp:
-            problems.append(Problem(
-                "env.num_groups",
-                f"the batch of {self.batch_size} episodes (env.group_size * env.num_groups) does not split "
-                f"evenly over the {dp} actor_train workers; make it a multiple of {dp}"))
-        problems.extend(self.device_mapping().problems())
-        problems.extend(_parallel_problems(self))
-        if self.env.hub is None:
-            problems.extend(_unknown_env_ids(self.env.ids))
-        elif self.env.kwargs:
-            problems.append(Problem("env.kwargs", f"env kwargs cannot be sent to the remote hub {self.env.hub!r}; "
-                                                  "configure the env where the hub serves it, or remove env.kwargs"))
-        return problems
+        """Every cross-section problem of an otherwise well-typed config (empty when fine): each
+        invariant between sections is checked here, once (``trainer._config_checks``)."""
+        from trainer._config_checks import cross_section_problems
 
-
-def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
-    """Sharded training strategies and the weight sync: layouts that cannot run, with the fix."""
-    from trainer.weights.buckets import largest_tensor
-
-    problems = []
-    actor = cfg.roles.actor_train
-    for name in ("actor_train", "reference", "critic"):
-        role = getattr(cfg.roles, name)
-        if (name in cfg.active_roles and _train_spec(role.strategy).sharded and role.world_size > 1
-                and cfg.cluster.backend == "local"):
-            problems.append(Problem(
-                "cluster.backend",
-                f"{name} strategy {role.strategy!r} on {role.world_size} workers needs one process per rank; "
-                "'local' runs workers as threads of one process - set cluster.backend: ray"))
-    if _train_spec(actor.strategy).tensor_parallel:
-        tp = actor.strategy_args.get("tensor_parallel_size", 1)
-        if not isinstance(tp, int) or tp < 1 or actor.world_size % tp:
-            problems.append(Problem(
-                "roles.actor_train.strategy_args.tensor_parallel_size",
-                f"{tp!r} must be a positive divisor of the role's {actor.world_size} workers (its device_mapping)"))
-        else:
-            pp = actor.strategy_args.get("pipeline_parallel_size", 1)
-            if not isinstance(pp, int) or pp < 1 or actor.world_size % (tp * pp):
-                problems.append(Problem(
-                    "roles.actor_train.strategy_args.pipeline_parallel_size",
-                    f"{pp!r}: tensor_parallel_size x pipeline_parallel_size must divide the role's "
-                    f"{actor.world_size} workers (its device_mapping)"))
-    largest = largest_tensor(cfg.model.path, cfg.model.dtype) if cfg.model.path else None
-    if cfg.weight_sync.bucket_mb is not None and largest and largest[1] > cfg.weight_sync.bucket_mb * 2**20:
-        problems.append(Problem("weight_sync.bucket_mb", (
-            f"{cfg.weight_sync.bucket_mb:g} MiB cannot hold {largest[0]} of {cfg.model.path} ({largest[1] / 2**20:.1f} "
-            f"MiB in {cfg.model.dtype}); set weight_sync.bucket_mb >= {-(-largest[1] // 2**20)} or leave it unset")))
-    if cfg.weight_sync.only_changed and not engine_spec(cfg.rollout.engine).partial_weights:
-        problems.append(Problem(
-            "weight_sync.only_changed",
-            "vLLM reloads whole layers, so every sync must carry every tensor; set weight_sync.only_changed: false"))
-    return problems
-
-
-def _train_spec(name: str | None) -> StrategySpec:
-    """The registry row of a training role's strategy; an unknown name (refused when the worker
-    builds it) declares no capability."""
-    try:
-        return train_strategy_spec(name)
-    except ValueError:
-        return StrategySpec(str(name), "")
-
-
-def _unknown_env_ids(ids: list[str]) -> list[Problem]:
-    import envhub  # the registry (lazy: loading it discovers plugins)
-
-    problems = []
-    for i, env_id in enumerate(ids):
-        try:
-            envhub.spec(env_id)
-        except KeyError as err:  # UnknownEnvError / RegistrationError carry the hint
-            path = "env.id" if len(ids) == 1 else f"env.id[{i}]"
-            problems.append(Problem(path, str(err)))
-    return problems
+        return cross_section_problems(self)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:

@@ -318,12 +318,7 @@ class AgenticPipeline:
 
     def _env_source(self) -> Any:
         env = self.cfg.env
-        if env.hub is not None:
-            if env.kwargs:
-                from trainer.errors import ConfigError, Problem
-
-                raise ConfigError([Problem("env.kwargs", f"env kwargs cannot be sent to the remote hub {env.hub!r}; "
-                                                         "configure the env where the hub serves it, or remove env.hub")])
+        if env.hub is not None:  # (env kwargs with a remote hub are refused by config.problems())
             return LocalEnvSource(hub=env.hub, token=env.token)
         timeout = self.cfg.rollout.env_timeout_s
         if env.pool_workers > 0:

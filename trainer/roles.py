@@ -1,4 +1,4 @@
-"""Turn a config into running roles: the policy folder, the clusters, the driver's engine.
+"""Turn a config into running roles: the policy folder and the clusters.
 
 ``prepare_policy`` resolves ``model.path`` (checked to exist) or builds the tiny policy of
 ``model.tiny`` once into ``{output_dir}/initial_policy`` (reused on ``--resume``), so every
@@ -75,16 +75,15 @@ class Roles:
 
 def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
     """Create the clusters of ``cfg.active_roles`` on the configured backend."""
+    from trainer.controller.resources import resources_for
     from trainer.workers.actor import ActorCluster
     from trainer.workers.critic import CriticCluster
     from trainer.workers.infer import InferCluster
     from trainer.workers.reference import ReferenceCluster
 
-    resources = _ray_resources(cfg) if cfg.cluster.backend == "ray" else None
+    resources = resources_for(cfg)  # None on the local backend; joins or starts Ray (the one way)
     plan = resources.plan if resources is not None else cfg.device_plan
     common = {"model_path": str(model_path), "dtype": cfg.model.dtype}
-    optim = {"lr": cfg.train.lr, "weight_decay": cfg.train.weight_decay, "max_grad_norm": cfg.train.max_grad_norm,
-             "micro_batch_size": cfg.train.micro_batch_size, "grad_accumulation": cfg.train.grad_accumulation}
     clusters: list[Any] = []
 
     def start(cls: type, role: str, **kwargs: Any) -> Any:
@@ -95,13 +94,12 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
         return cluster
 
     try:
-        actor = start(ActorCluster, "actor_train", **common, seed=cfg.seed, optim=optim,
-                      loss=cfg.algorithm.loss.model_dump())
+        actor = start(ActorCluster, "actor_train", **common, seed=cfg.seed, optim=cfg.train.options(),
+                      loss=cfg.algorithm.loss)
         infer = start(InferCluster, "actor_infer", **common, seed=cfg.seed)
         reference = (start(ReferenceCluster, "reference", **common, micro_batch_size=cfg.train.micro_batch_size)
                      if "reference" in cfg.active_roles else None)
-        critic_optim = {**optim, "lr": cfg.train.critic_lr or cfg.train.lr}
-        critic = (start(CriticCluster, "critic", **common, seed=cfg.seed, optim=critic_optim)
+        critic = (start(CriticCluster, "critic", **common, seed=cfg.seed, optim=cfg.train.options(cfg.train.critic_lr))
                   if "critic" in cfg.active_roles else None)
     except BaseException:
         for cluster in clusters:
@@ -110,18 +108,3 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
             resources.shutdown()
         raise
     return Roles(actor, infer, reference, critic, resources, clusters)
-
-
-def _ray_resources(cfg: TrainerConfig) -> Any:
-    from trainer.controller.resources import ResourceManager, init_local_ray
-
-    if cfg.cluster.address is None:
-        highest = max((d for _, role in cfg.roles.items() for d in role.device_mapping), default=-1)
-        init_local_ray(cfg.cluster.num_devices or highest + 1, device_resource=cfg.cluster.device_resource,
-                       num_cpus=cfg.cluster.num_cpus)
-    else:
-        import ray
-
-        if not ray.is_initialized():
-            ray.init(address=cfg.cluster.address)
-    return ResourceManager(cfg.device_mapping(), device_resource=cfg.cluster.device_resource)

@@ -7,7 +7,7 @@ import threading
 import time
 
 from trainer.controller.batch import Batch
-from trainer.controller.cluster import CallFuture, Cluster
+from trainer.controller.cluster import Cluster, remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import Worker
 
@@ -25,6 +25,11 @@ class CountingWorker(Worker):
     def double(self, batch: Batch) -> Batch:
         self.calls.append("double")
         return Batch({"x": [2 * v for v in batch["x"]], "rank": [self.rank] * len(batch)})
+
+    @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
+    def tag_rows(self, batch: Batch) -> Batch:
+        """Each row with the rank that got it (a batch of any size splits over the ranks)."""
+        return Batch({"x": list(batch["x"]), "rank": [self.rank] * len(batch)})
 
     @register(Dispatch.DP_SPLIT, collect=Collect.MEAN)
     def stats(self, batch: Batch) -> dict[str, float]:
@@ -76,29 +81,13 @@ class CountingCluster(Cluster):
 
     worker_cls = CountingWorker
 
-    def double(self, batch: Batch) -> Batch:
-        return self._call("double", batch)
-
-    def stats(self, batch: Batch) -> dict[str, float]:
-        return self._call("stats", batch)
-
-    def add(self, amount: int, *, delay: float = 0.0) -> list[int]:
-        return self._call("add", amount, delay=delay)
-
-    def add_async(self, amount: int, *, delay: float = 0.0) -> CallFuture[list[int]]:
-        return self._call_async("add", amount, delay=delay)
-
-    def sleep_async(self, delay: float) -> CallFuture[list[tuple[float, float]]]:
-        return self._call_async("sleep", delay)
-
-    def history(self) -> list[list[str]]:
-        return self._call("history")
-
-    def whoami(self) -> tuple[int, int]:
-        return self._call("whoami")
-
-    def fail_on(self, rank: int) -> None:
-        self._call("fail_on", rank)
-
-    def environ(self, name: str) -> list[str | None]:
-        return self._call("environ", name)
+    double = remote(CountingWorker.double)
+    tag_rows = remote(CountingWorker.tag_rows)
+    stats = remote(CountingWorker.stats)
+    add = remote(CountingWorker.add, per_rank=True)
+    add_async = remote(CountingWorker.add, per_rank=True, future=True)
+    sleep_async = remote(CountingWorker.sleep, per_rank=True, future=True)
+    history = remote(CountingWorker.history, per_rank=True)
+    whoami = remote(CountingWorker.whoami)
+    fail_on = remote(CountingWorker.fail_on, per_rank=True)
+    environ = remote(CountingWorker.environ, per_rank=True)

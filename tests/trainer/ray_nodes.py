@@ -40,28 +40,35 @@ class RayNodes:
 
     def stop(self) -> None:
         """Kill this cluster's processes (by pid) and remove its temp dir."""
-        import psutil
+        kill_ray_processes(self.temp_root, self.address)
 
-        # Our temp dir (unique), or our GCS address not followed by more digits (port 1234 is not 12345).
-        mine = re.compile(f"{re.escape(str(self.temp_root) + '/')}|{re.escape(self.address)}(?!\\d)")
-        victims: dict[int, psutil.Process] = {}
-        for proc in psutil.process_iter(["pid", "cmdline"]):
-            cmdline = " ".join(proc.info["cmdline"] or [])
-            if mine.search(cmdline):
-                victims[proc.pid] = proc
-                try:
-                    for child in proc.children(recursive=True):
-                        victims[child.pid] = child
-                except psutil.Error:
-                    pass
-        victims.pop(os.getpid(), None)
-        for proc in victims.values():
+
+def kill_ray_processes(temp_root: Path, address: str | None = None) -> None:
+    """Kill the Ray processes whose command line names ``temp_root`` (or the GCS ``address``), and their
+    children, then remove ``temp_root``. Other Ray instances on the machine are left alone."""
+    import psutil
+
+    # Our temp dir (unique), or our GCS address not followed by more digits (port 1234 is not 12345).
+    patterns = [re.escape(str(temp_root) + "/")] + ([f"{re.escape(address)}(?!\\d)"] if address else [])
+    mine = re.compile("|".join(patterns))
+    victims: dict[int, psutil.Process] = {}
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if mine.search(cmdline):
+            victims[proc.pid] = proc
             try:
-                proc.kill()
+                for child in proc.children(recursive=True):
+                    victims[child.pid] = child
             except psutil.Error:
                 pass
-        psutil.wait_procs(list(victims.values()), timeout=10)
-        shutil.rmtree(self.temp_root, ignore_errors=True)
+    victims.pop(os.getpid(), None)
+    for proc in victims.values():
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(list(victims.values()), timeout=10)
+    shutil.rmtree(temp_root, ignore_errors=True)
 
 
 def start_ray_nodes(devices_per_node: list[int], num_cpus: int = 1, timeout: float = 240.0) -> RayNodes:

@@ -1,12 +1,10 @@
-"""`envhub train` end to end: a real short run, clear errors, NaN stop, and resume after kill -9."""
+"""`envhub train` end to end: a real short run, clear errors, NaN stop, and resume after kill -9 (the ``hf``
+run; vLLM, FSDP2 and async mode are in ``test_resume.py``)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +13,7 @@ pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[tr
 from click.testing import CliRunner
 
 from envhub.cli import main
+from tests.trainer.killed_runs import comparable, envhub_train, rows
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 TINY = ["sft.episodes=16", "sft.batch_size=8", "eval.episodes=8", "env.num_groups=2", "env.group_size=4",
@@ -38,16 +37,6 @@ def kill_after_step_3(episode) -> float:
         (out / "killed").touch()
         os.kill(os.getpid(), signal.SIGKILL)
     return 0.0
-
-
-def envhub_train(*args: str, cwd: Path, **env_vars: str) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(QUICKSTART.parents[1]), "OMP_NUM_THREADS": "1", **env_vars}
-    return subprocess.Popen([sys.executable, "-m", "envhub.cli", "train", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def rows(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_short_run_writes_metrics_curve_checkpoints_and_policy(tmp_path: Path) -> None:
@@ -108,8 +97,7 @@ def test_resume_after_kill_9_gives_identical_next_step_metrics(tmp_path: Path) -
     assert resumed.returncode == 0, log
     after = {r["step"]: r for r in rows(out)}
     assert sorted(after) == [0, 1, 2, 3, 4]
-    same = lambda row: {k: v for k, v in row.items() if not k.startswith("timing/") and k != "time_s"}  # noqa: E731
-    assert same(after[3]) == same(killed[3])  # the step after the checkpoint, replayed identically
+    assert comparable(after[3]) == comparable(killed[3])  # the step after the checkpoint, replayed identically
     assert after[3]["time_s"] >= after[2]["time_s"]
 
 

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import subprocess
 import sys
 
 import pytest
 
-from tests.trainer.fake_workers import CountingCluster
+from tests.trainer.fake_workers import CountingCluster, CountingWorker
 from trainer.config import RoleConfig
 from trainer.controller.batch import Batch
+from trainer.controller.cluster import Cluster, RemoteMethod, cluster_method_problems, remote
+from trainer.controller.dispatch import Dispatch, register
 from trainer.errors import DispatchError, WorkerCallError
 
 
@@ -28,6 +31,15 @@ def test_typed_calls_honour_the_registered_modes(cluster: CountingCluster) -> No
     assert cluster.whoami()[0] == 0
     with pytest.raises(DispatchError, match="does not split evenly over 3 ranks"):
         cluster.double(Batch({"x": [1, 2]}))
+
+
+def test_a_ragged_batch_splits_over_two_ranks_and_comes_back_in_order() -> None:
+    with CountingCluster("actor_train", world_size=2) as c:
+        out = c.tag_rows(Batch({"x": [10, 11, 12, 13, 14]}, meta={"step": 3}))
+        assert out["x"] == [10, 11, 12, 13, 14] and out["rank"] == [0, 0, 0, 1, 1]
+        assert c.tag_rows(Batch({"x": [7]}))["rank"] == [0]  # rank 1 gets no rows
+        with pytest.raises(DispatchError, match="a batch of 5 rows does not split evenly over 2 ranks"):
+            c.double(Batch({"x": [10, 11, 12, 13, 14]}))  # Dispatch.DP_SPLIT still refuses it
 
 
 def overlap(intervals: list[tuple[float, float]]) -> bool:
@@ -96,3 +108,64 @@ def test_importing_the_controller_core_loads_neither_ray_nor_torch() -> None:
             "trainer.config; print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def role_clusters() -> list[type[Cluster]]:
+    pytest.importorskip("torch", reason="the role workers need the train extra: pip install -e '.[train]'")
+    from trainer.workers.actor import ActorCluster
+    from trainer.workers.critic import CriticCluster
+    from trainer.workers.infer import InferCluster
+    from trainer.workers.reference import ReferenceCluster
+    from trainer.workers.reward import RewardCluster
+
+    return [ActorCluster, CriticCluster, ReferenceCluster, InferCluster, RewardCluster]
+
+
+def test_every_cluster_method_takes_its_worker_methods_parameters() -> None:
+    for cluster_cls in [CountingCluster, *role_clusters()]:
+        assert cluster_method_problems(cluster_cls) == []
+        for name in dir(cluster_cls):
+            declared = inspect.getattr_static(cluster_cls, name)
+            if not isinstance(declared, RemoteMethod):
+                continue
+            worker_method = getattr(cluster_cls.worker_cls, declared.method)
+            ours, theirs = inspect.signature(getattr(cluster_cls, name)), inspect.signature(worker_method)
+            assert ours.parameters == theirs.parameters, f"{cluster_cls.__name__}.{name}"
+
+
+def test_the_declaration_says_the_return_type(cluster: CountingCluster) -> None:
+    assert str(inspect.signature(cluster.double)) == "(batch: 'Batch') -> 'Batch'"
+    assert str(inspect.signature(cluster.add)) == "(amount: 'int', *, delay: 'float' = 0.0) -> 'list[int]'"
+    assert str(inspect.signature(cluster.add_async)) == (
+        "(amount: 'int', *, delay: 'float' = 0.0) -> 'CallFuture[list[int]]'")
+    assert cluster.whoami.__doc__ is None and cluster.sleep_async.__doc__ == CountingWorker.sleep.__doc__
+
+
+def test_a_cluster_that_drifts_from_its_worker_is_refused_when_defined() -> None:
+    class NewerWorker(CountingWorker):
+        @register(Dispatch.ONE_TO_ALL)
+        def add(self, amount: int, *, delay: float = 0.0, twice: bool = False) -> int:
+            return super().add(amount * (2 if twice else 1), delay=delay)
+
+        def helper(self) -> None:
+            return None
+
+    with pytest.raises(DispatchError) as info:
+        class StaleCluster(Cluster):
+            worker_cls = NewerWorker
+            add = remote(CountingWorker.add, per_rank=True)  # derived from the base's older signature
+            whoami = remote(CountingWorker.whoami, per_rank=True)  # RANK_ZERO collects one result
+            history = remote(CountingWorker.history)  # ONE_TO_ALL collects one per rank
+            helper = remote(NewerWorker.helper)
+
+            def environ(self, key: str) -> list[str | None]:  # hand-written, parameter renamed
+                return self._call("environ", key)
+
+    message = str(info.value)
+    assert message.startswith("StaleCluster does not match its worker_cls NewerWorker:")
+    assert "StaleCluster.add takes (amount: 'int', *, delay: 'float' = 0.0) but " in message
+    assert "NewerWorker.add takes (amount: 'int', *, delay: 'float' = 0.0, twice: 'bool' = False)" in message
+    assert "StaleCluster.whoami is declared per_rank=True but NewerWorker.whoami collects Collect.FIRST" in message
+    assert "StaleCluster.history returns a list, one result per rank" in message
+    assert "NewerWorker.helper is not registered for cluster calls" in message
+    assert "StaleCluster.environ takes (key: 'str') but CountingWorker.environ takes (name: 'str')" in message

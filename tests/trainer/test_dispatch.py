@@ -71,6 +71,15 @@ def test_dp_split_gives_each_rank_its_part_and_broadcasts_the_rest() -> None:
         dispatch_call(spec, 2, ([1, 2],), {})
 
 
+def test_dp_split_ragged_gives_the_first_ranks_one_row_more() -> None:
+    calls = dispatch_call(method_spec(_Demo, "score"), 3, (make_batch(5),), {})
+    assert [c.args[0]["prompts"] for c in calls] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
+    assert all(c.args[0].meta == {"step": 7} for c in calls)
+    assert method_spec(_Demo, "score").collect is Collect.CONCAT  # DP_SPLIT_RAGGED's default
+    with pytest.raises(DispatchError, match="score is registered with Dispatch.DP_SPLIT_RAGGED but got no Batch"):
+        dispatch_call(method_spec(_Demo, "score"), 2, ([1, 2, 3],), {})
+
+
 def test_one_to_all_and_rank_zero_reach_the_right_ranks() -> None:
     assert [c.rank for c in dispatch_call(method_spec(_Demo, "load"), 3, ("w",), {})] == [0, 1, 2]
     assert [c.rank for c in dispatch_call(method_spec(_Demo, "sample"), 3, (), {})] == [0]
@@ -95,6 +104,10 @@ class _Demo(Worker):
     @register(Dispatch.DP_SPLIT, collect=Collect.MEAN)
     def train_step(self, batch: Batch, scale: float = 1.0, tag: str = "") -> dict[str, float]:
         return {"n": len(batch)}
+
+    @register(Dispatch.DP_SPLIT_RAGGED)
+    def score(self, batch: Batch) -> Batch:
+        return batch
 
     @register(Dispatch.ONE_TO_ALL)
     def load(self, path: str) -> None:

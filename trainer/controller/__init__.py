@@ -3,11 +3,12 @@
 - :mod:`trainer.controller.dispatch` — ``Dispatch``/``Collect`` modes, ``@register``, and the
   pure functions that split a call over ranks and combine the answers (no Ray).
 - :mod:`trainer.controller.batch` — ``Batch``, the columns-of-rows unit that ``DP_SPLIT``
-  cuts across data-parallel ranks.
+  (and ``DP_SPLIT_RAGGED``, for batches of any size) cuts across data-parallel ranks.
 - :mod:`trainer.controller.worker` — ``Worker``, the base of every role's worker, with the
   ``offload()``/``reload()`` hooks colocation uses.
 - :mod:`trainer.controller.cluster` — ``Cluster``: all workers of one role, in-process
-  (``local``) or as Ray actors (``ray``); typed role methods call ``_call``/``_call_async``.
+  (``local``) or as Ray actors (``ray``); ``remote(Worker.method)`` derives a role cluster's
+  typed methods from its worker's.
 - :mod:`trainer.controller.resources` — ``ResourceManager``: a device mapping as Ray
   placement groups across nodes; ``init_local_ray``.
 
@@ -28,6 +29,7 @@ __all__ = [
     "WorkerContext",
     "Cluster",
     "CallFuture",
+    "remote",
     "ResourceManager",
     "init_local_ray",
 ]
@@ -41,6 +43,7 @@ _LAZY: dict[str, str] = {
     "WorkerContext": "trainer.controller.worker",
     "Cluster": "trainer.controller.cluster",
     "CallFuture": "trainer.controller.cluster",
+    "remote": "trainer.controller.cluster",
     "ResourceManager": "trainer.controller.resources",
     "init_local_ray": "trainer.controller.resources",
 }

@@ -1,21 +1,25 @@
 """``Cluster``: the driver's handle on all workers of one role, in-process or as Ray actors.
 
 A cluster creates ``world_size`` workers of one class and forwards calls to them as the
-method's ``@register`` modes say (see :mod:`trainer.controller.dispatch`). Role code
-exposes *typed* methods on a subclass, so readers and IDEs can follow every call::
+method's ``@register`` modes say (see :mod:`trainer.controller.dispatch`). A role's cluster
+*derives* its methods from the worker's with :func:`remote`, so the signature, docstring and
+return type are the worker method's, and readers, IDEs and mypy follow every call::
 
     class ActorCluster(Cluster):
         worker_cls = ActorWorker
 
-        def train_step(self, batch: Batch) -> dict[str, float]:
-            return self._call("train_step", batch)
+        train_step = remote(ActorWorker.train_step)        # (batch, epochs=1) -> dict[str, float]
+        train_step_async = remote(ActorWorker.train_step, future=True)  # -> CallFuture[dict[...]]
+        residency = remote(ActorWorker.residency, per_rank=True)        # Collect.ALL: a list per rank
 
-        def train_step_async(self, batch: Batch) -> CallFuture[dict[str, float]]:
-            return self._call_async("train_step", batch)
-
-``_call`` blocks until every reached rank answered; ``_call_async`` returns a
-:class:`CallFuture` at once (``.result(timeout)``, ``.done()``, or ``await`` it). Calls to one
-worker run in submission order on both backends; different workers run concurrently.
+``remote(...)`` blocks until every reached rank answered and returns the collected result;
+``future=True`` returns a :class:`CallFuture` at once (``.result(timeout)``, ``.done()``, or
+``await`` it). ``per_rank=True`` says the method collects ``Collect.ALL`` (a list, one item
+per rank); building the class checks that against the worker's declaration, and that every
+cluster method named like a worker method takes the worker method's parameters. Write a
+method by hand only where it does more than forward (merging per-rank results, routing to
+one rank), and say why. Calls to one worker run in submission order on both backends;
+different workers run concurrently.
 
 Backends:
 
@@ -34,11 +38,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures as cf
+import inspect
 import time
+import types
 from collections.abc import Callable, Generator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Literal, TypeVar
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Concatenate,
+    Generic,
+    Literal,
+    ParamSpec,
+    TypeVar,
+    overload,
+)
 
-from trainer.controller.dispatch import MethodSpec, collect_results, dispatch_call, method_spec
+from trainer.controller.dispatch import (
+    Collect,
+    MethodSpec,
+    collect_results,
+    dispatch_call,
+    method_spec,
+    registered_methods,
+)
 from trainer.controller.worker import Worker, WorkerContext
 from trainer.devices import AutoDeviceMapping, RolePlacement, WorkerSlot
 from trainer.errors import DispatchError, WorkerCallError
@@ -46,9 +69,11 @@ from trainer.errors import DispatchError, WorkerCallError
 if TYPE_CHECKING:
     from trainer.controller.resources import ResourceManager
 
-__all__ = ["Cluster", "CallFuture", "Backend"]
+__all__ = ["Cluster", "CallFuture", "Backend", "RemoteMethod", "remote", "cluster_method_problems"]
 
 T = TypeVar("T")
+R = TypeVar("R")
+P = ParamSpec("P")
 Backend = Literal["local", "ray"]
 
 
@@ -86,8 +111,140 @@ class CallFuture(Generic[T]):
         return self._value
 
 
+class RemoteMethod(Generic[P, T]):
+    """A cluster method derived from a worker method; build it with :func:`remote`.
+
+    Read from a cluster, it is a bound method taking the worker method's parameters ``P`` and
+    returning ``T``. Read from the class, it is this object: ``inspect.signature`` gives the
+    worker method's parameters with the derived return type, ``__doc__`` the worker's docstring.
+    """
+
+    def __init__(self, fn: Callable[..., Any], *, per_rank: bool, future: bool) -> None:
+        self.method: str = fn.__name__
+        """The worker method it calls (the cluster attribute may be named otherwise: ``score_async``)."""
+        self.per_rank = per_rank
+        self.future = future
+        self.__wrapped__ = fn
+        self.__name__ = self.__qualname__ = fn.__name__
+        self.__doc__ = fn.__doc__
+        self.__signature__ = _derived_signature(fn, per_rank=per_rank, future=future)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.__name__, self.__qualname__ = name, f"{owner.__qualname__}.{name}"
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> RemoteMethod[P, T]: ...
+
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> Callable[P, T]: ...
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        return self if obj is None else types.MethodType(self, obj)
+
+    def __call__(self, cluster: Cluster, /, *args: Any, **kwargs: Any) -> Any:
+        call = cluster._call_async(self.method, *args, **kwargs)
+        return call if self.future else call.result()
+
+    def __repr__(self) -> str:
+        return f"<remote {self.__qualname__} -> {self.__wrapped__.__qualname__}>"
+
+
+@overload
+def remote(fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[False] = False,
+           future: Literal[False] = False) -> RemoteMethod[P, R]: ...
+
+
+@overload
+def remote(fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[True],
+           future: Literal[False] = False) -> RemoteMethod[P, list[R]]: ...
+
+
+@overload
+def remote(fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[False] = False,
+           future: Literal[True]) -> RemoteMethod[P, CallFuture[R]]: ...
+
+
+@overload
+def remote(fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[True],
+           future: Literal[True]) -> RemoteMethod[P, CallFuture[list[R]]]: ...
+
+
+def remote(fn: Callable[..., Any], *, per_rank: bool = False, future: bool = False) -> RemoteMethod[Any, Any]:
+    """A cluster method that calls worker method ``fn`` as its ``@register`` modes say.
+
+    ``train_step = remote(ActorWorker.train_step)`` in a cluster class gives
+    ``cluster.train_step(batch, epochs=1) -> dict[str, float]``: the worker's parameters and
+    docstring, and its return type, which is the collected result for ``Collect.FIRST``,
+    ``CONCAT``, ``MEAN`` and ``NONE``. ``per_rank=True`` declares ``Collect.ALL``: the call returns
+    a list, one result per rank. ``future=True`` returns a :class:`CallFuture` of that at once.
+    The cluster class is checked against its ``worker_cls`` when it is built
+    (:func:`cluster_method_problems`).
+    """
+    return RemoteMethod(fn, per_rank=per_rank, future=future)
+
+
+def _derived_signature(fn: Callable[..., Any], *, per_rank: bool, future: bool) -> inspect.Signature:
+    """``fn``'s signature, its return type wrapped in ``list[...]`` / ``CallFuture[...]`` as declared."""
+    signature = inspect.signature(fn)
+    returns = signature.return_annotation
+    if returns is inspect.Signature.empty:
+        return signature
+    text = returns if isinstance(returns, str) else inspect.formatannotation(returns)
+    text = f"list[{text}]" if per_rank else text
+    return signature.replace(return_annotation=f"CallFuture[{text}]" if future else text)
+
+
+def cluster_method_problems(cluster_cls: type[Cluster]) -> list[str]:
+    """Every way ``cluster_cls`` disagrees with its ``worker_cls`` (empty: none).
+
+    Each :func:`remote` method must name a registered worker method, declare ``per_rank``
+    exactly when that method collects ``Collect.ALL``, and take the parameters the cluster's
+    worker class gives the method (a subclass may override it). A hand-written public method
+    named like a registered worker method must take the same parameters as well.
+    """
+    worker_cls = cluster_cls.worker_cls
+    registered = registered_methods(worker_cls)
+    problems: list[str] = []
+    seen: set[str] = set()
+    for klass in cluster_cls.__mro__:
+        for name, attr in vars(klass).items():
+            if name in seen:
+                continue
+            seen.add(name)
+            where = f"{cluster_cls.__name__}.{name}"
+            if isinstance(attr, RemoteMethod):
+                problems += _remote_problems(where, attr, worker_cls)
+            elif inspect.isfunction(attr) and not name.startswith("_") and name in registered:
+                problems += _parameter_problems(where, attr, getattr(worker_cls, name))
+    return problems
+
+
+def _remote_problems(where: str, attr: RemoteMethod[Any, Any], worker_cls: type[Worker]) -> list[str]:
+    try:
+        spec = method_spec(worker_cls, attr.method)
+    except DispatchError as error:
+        return [f"{where}: {error}"]
+    target = f"{worker_cls.__name__}.{attr.method}"
+    if attr.per_rank and spec.collect is not Collect.ALL:
+        return [(f"{where} is declared per_rank=True but {target} collects Collect.{spec.collect.name} "
+                 "(one result, not a list per rank); drop per_rank=True")]
+    if not attr.per_rank and spec.collect is Collect.ALL:
+        return [(f"{where} returns a list, one result per rank ({target} collects Collect.ALL); "
+                 "declare it remote(..., per_rank=True)")]
+    return _parameter_problems(where, attr.__wrapped__, getattr(worker_cls, attr.method))
+
+
+def _parameter_problems(where: str, ours: Callable[..., Any], worker_method: Callable[..., Any]) -> list[str]:
+    mine = list(inspect.signature(ours).parameters.values())[1:]  # without self
+    theirs = list(inspect.signature(worker_method).parameters.values())[1:]
+    if mine == theirs:
+        return []
+    return [(f"{where} takes {inspect.Signature(mine)} but {worker_method.__qualname__} takes "
+             f"{inspect.Signature(theirs)}; give both the same parameters")]
+
+
 class Cluster:
-    """All workers of one role. Subclass per role with typed methods that call ``_call``.
+    """All workers of one role. Subclass per role; derive its methods with :func:`remote`.
 
     ``config`` is handed to every worker (and read for ``device_mapping`` when no placement
     is given). ``placement`` (a :class:`~trainer.devices.RolePlacement`) or ``resources``
@@ -107,6 +264,14 @@ class Cluster:
     a role that needs this calls the worker object directly (see ``InferCluster.abort_on``)."""
     ray_method_groups: ClassVar[dict[str, str]] = {}
     """Method name -> the concurrency group (of ``ray_concurrency_groups``) its calls run in."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse a role cluster whose methods disagree with its worker (:func:`cluster_method_problems`)."""
+        super().__init_subclass__(**kwargs)
+        problems = cluster_method_problems(cls)
+        if problems:
+            raise DispatchError(f"{cls.__name__} does not match its worker_cls {cls.worker_cls.__name__}:\n  "
+                                + "\n  ".join(problems))
 
     def __init__(
         self,
@@ -141,8 +306,8 @@ class Cluster:
         else:
             self._workers = self._spawn_ray(contexts, config, kwargs)
             if self.world_size > 1:
-                address, port = self._call("_rendezvous_address")
-                self._call("_set_distributed_env", address, port)
+                address, port = self._rendezvous_address()
+                self._set_distributed_env(address, port)
 
     # -- public -------------------------------------------------------------------------
 
@@ -151,17 +316,11 @@ class Cluster:
         """Number of workers."""
         return len(self.slots)
 
-    def offload(self) -> None:
-        """Every rank moves its device state to CPU memory (see ``Worker.offload``)."""
-        self._call("offload")
-
-    def reload(self) -> None:
-        """Every rank brings its device state back (see ``Worker.reload``)."""
-        self._call("reload")
-
-    def node_info(self) -> list[dict[str, Any]]:
-        """Where each rank runs (host, pid, Ray node id, devices), in rank order."""
-        return self._call("node_info")
+    offload = remote(Worker.offload)
+    reload = remote(Worker.reload)
+    node_info = remote(Worker.node_info, per_rank=True)
+    _rendezvous_address = remote(Worker._rendezvous_address)
+    _set_distributed_env = remote(Worker._set_distributed_env)
 
     def shutdown(self) -> None:
         """Stop the workers (kill the Ray actors / the local threads). Safe to call twice."""
@@ -193,10 +352,11 @@ class Cluster:
     def __repr__(self) -> str:
         return f"{type(self).__name__}(role={self.role!r}, world_size={self.world_size}, backend={self.backend!r})"
 
-    # -- calls (for typed methods in subclasses) ----------------------------------------
+    # -- calls (what remote() methods and hand-written ones use) ---------------------------
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Call ``method`` on the workers as registered; block; return the collected result."""
+        """Call ``method`` on the workers as registered; block; return the collected result.
+        Role clusters declare :func:`remote` methods instead; this is for hand-written ones."""
         return self._call_async(method, *args, **kwargs).result()
 
     def _call_async(self, method: str, *args: Any, **kwargs: Any) -> CallFuture[Any]:

@@ -15,7 +15,12 @@ Dispatch modes (what each rank receives):
   the list of per-rank results).
 - ``DP_SPLIT``: every :class:`~trainer.controller.batch.Batch` argument is cut into
   ``world_size`` equal contiguous parts, rank ``r`` gets part ``r``; other arguments are
-  passed to all (default collect: ``CONCAT``, the parts glued back in rank order).
+  passed to all (default collect: ``CONCAT``, the parts glued back in rank order). A batch
+  whose rows ``world_size`` does not divide is refused.
+- ``DP_SPLIT_RAGGED``: like ``DP_SPLIT``, but a batch of any size is cut into near-equal
+  parts (the first ``len % world_size`` ranks get one row more): a rollout whose failed
+  episodes were dropped rarely has a multiple of the rank count. The sharded strategies pad
+  a short rank with zero-weight micro-batches, so every rank still runs the same collectives.
 - ``RANK_ZERO``: only rank 0 is called (default collect: ``FIRST``, its result). For work
   that needs every rank (a collective), use ``ONE_TO_ALL`` with ``collect=Collect.FIRST``.
 
@@ -58,6 +63,7 @@ class Dispatch(enum.Enum):
 
     ONE_TO_ALL = "one_to_all"
     DP_SPLIT = "dp_split"
+    DP_SPLIT_RAGGED = "dp_split_ragged"
     RANK_ZERO = "rank_zero"
 
 
@@ -74,6 +80,7 @@ class Collect(enum.Enum):
 DEFAULT_COLLECT: dict[Dispatch, Collect] = {
     Dispatch.ONE_TO_ALL: Collect.ALL,
     Dispatch.DP_SPLIT: Collect.CONCAT,
+    Dispatch.DP_SPLIT_RAGGED: Collect.CONCAT,
     Dispatch.RANK_ZERO: Collect.FIRST,
 }
 
@@ -147,11 +154,12 @@ def dispatch_call(spec: MethodSpec, world_size: int, args: tuple[Any, ...], kwar
         return [RankCall(0, args, kwargs)]
     if spec.dispatch is Dispatch.ONE_TO_ALL:
         return [RankCall(rank, args, kwargs) for rank in range(world_size)]
-    split_args = [a.split(world_size) if isinstance(a, Batch) else None for a in args]
-    split_kwargs = {k: v.split(world_size) for k, v in kwargs.items() if isinstance(v, Batch)}
+    even = spec.dispatch is Dispatch.DP_SPLIT
+    split_args = [a.split(world_size, even=even) if isinstance(a, Batch) else None for a in args]
+    split_kwargs = {k: v.split(world_size, even=even) for k, v in kwargs.items() if isinstance(v, Batch)}
     if not any(s is not None for s in split_args) and not split_kwargs:
         raise DispatchError(
-            f"{spec.name} is registered with Dispatch.DP_SPLIT but got no Batch argument to split; "
+            f"{spec.name} is registered with Dispatch.{spec.dispatch.name} but got no Batch argument to split; "
             "pass a trainer.controller.Batch or register it with Dispatch.ONE_TO_ALL")
     return [
         RankCall(

@@ -261,7 +261,13 @@ class BaseTrainStrategy(abc.ABC):
 
     @classmethod
     def _configure(cls, world_size: int, args: dict[str, Any], common: dict[str, Any]) -> None:
-        """Hook: refuse a layout this strategy cannot run on ``world_size`` ranks; fill defaults in place."""
+        """Hook: refuse a layout this strategy cannot run on ``world_size`` ranks; fill defaults in place.
+        The tensor x pipeline parallel layout is checked here for every strategy (``registry.layout_problem``)."""
+        from trainer.strategies.registry import layout_problem
+
+        problem = layout_problem(cls.name, world_size, args)
+        if problem is not None:
+            raise ParallelConfigError(f"{cls.name} strategy_args.{problem[0]}={problem[1]}")
 
     def _use_device(self, device: str | None, *, cpu_refusal: str | None = None) -> bool:
         """Set ``self.device`` (``auto``: CUDA when visible); True on CUDA. ``cpu_refusal`` is the

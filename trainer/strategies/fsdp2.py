@@ -145,12 +145,7 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         """The data-parallel mesh FSDP2 shards over, and with TP a tensor-parallel one applied to ``model``."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.tp_size = tp_size
-        if self.tp_size < 1 or self.world_size % self.tp_size:
-            raise ParallelConfigError(
-                f"fsdp2 tensor_parallel_size={tp_size} does not divide the role's {self.world_size} "
-                "ranks; choose a divisor of the device count"
-            )
+        self.tp_size = tp_size  # a divisor of the ranks: checked by create() (registry.layout_problem)
         if self.tp_size == 1:
             self.mesh = init_device_mesh(mesh_device, (self.world_size,), mesh_dim_names=("dp",))
             self.tp_group: Any = None

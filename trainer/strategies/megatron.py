@@ -135,28 +135,11 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         self.model.to(self.device)
         self._init_optimizer(f"megatron rank {self.rank}")
 
-    @classmethod
-    def _configure(cls, world_size: int, args: dict[str, Any], common: dict[str, Any]) -> None:
-        """Refuse a TP x PP layout that does not divide the role's ranks (before any model is built)."""
-        tp = int(args.get("tensor_parallel_size", 1))
-        pp = int(args.get("pipeline_parallel_size", 1))
-        if tp < 1 or pp < 1 or world_size % (tp * pp):
-            raise ParallelConfigError(
-                f"megatron tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} does not divide the role's "
-                f"{world_size} workers; set roles.actor_train.strategy_args.tensor_parallel_size / "
-                f"pipeline_parallel_size so their product divides {world_size}, or map {tp * pp} (or a multiple) devices"
-            )
-
     def _init_model_parallel(self, tp: int, pp: int) -> None:
         """Megatron's TP x PP x DP groups (once per process), and this rank's place in them."""
         from megatron.core import parallel_state as mpu
 
-        if self.world_size % (tp * pp):
-            raise ParallelConfigError(
-                f"world size {self.world_size} is not divisible by tensor_parallel_size x pipeline_parallel_size = "
-                f"{tp} x {pp}; give the role a device count that is a multiple of it"
-            )
-        if mpu.model_parallel_is_initialized():
+        if mpu.model_parallel_is_initialized():  # (the layout itself was checked by create())
             have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
             if have != (tp, pp):
                 raise ParallelConfigError(

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from trainer.strategies.base import InferenceEngine, TrainStrategy
 
 __all__ = ["EngineSpec", "INFERENCE_ENGINES", "StrategySpec", "TRAIN_STRATEGIES", "STATELESS_STRATEGIES",
-           "can_offload", "engine_spec", "make_engine", "make_train_strategy", "train_strategy_spec"]
+           "can_offload", "engine_spec", "layout_problem", "make_engine", "make_train_strategy", "process_problem",
+           "train_strategy_spec"]
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,35 @@ def can_offload(name: str) -> bool | None:
         return True
     spec = TRAIN_STRATEGIES.get(name) or INFERENCE_ENGINES.get(name)
     return None if spec is None else spec.offload
+
+
+def layout_problem(name: str | None, world_size: int, strategy_args: Mapping[str, Any]) -> tuple[str, str] | None:
+    """``(strategy_args key, what is wrong)`` when strategy ``name``'s tensor x pipeline parallel
+    layout cannot run on ``world_size`` ranks; None when it can. The one check of the layout:
+    ``config.problems()`` reports it with the key path, ``BaseTrainStrategy.create`` raises it."""
+    spec = TRAIN_STRATEGIES.get(name or "hf")  # an unknown name is refused when the worker builds it
+    if spec is None:
+        return None
+    tp = strategy_args.get("tensor_parallel_size", 1) if spec.tensor_parallel else 1
+    pp = strategy_args.get("pipeline_parallel_size", 1) if spec.pipeline_parallel else 1
+    if not isinstance(tp, int) or tp < 1 or world_size % tp:
+        return "tensor_parallel_size", f"{tp!r} must be a positive divisor of the role's {world_size} workers " \
+                                       "(its device_mapping)"
+    if not isinstance(pp, int) or pp < 1 or world_size % (tp * pp):
+        return "pipeline_parallel_size", (f"{pp!r}: tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} "
+                                          f"must divide the role's {world_size} workers (its device_mapping)")
+    return None
+
+
+def process_problem(name: str | None, world_size: int, backend: str) -> str | None:
+    """What is wrong with running ``world_size`` ranks of strategy ``name`` on ``backend`` (None: nothing):
+    a sharded strategy needs one OS process per rank. The one check: ``config.problems()`` and
+    ``StrategyWorker`` (a cluster built without a config) both ask here."""
+    spec = TRAIN_STRATEGIES.get(name or "hf")
+    if spec is None or not spec.sharded or world_size <= 1 or backend == "ray":
+        return None
+    return (f"strategy {spec.name!r} on {world_size} workers needs one process per rank; {backend!r} runs "
+            "workers as threads of one process - set cluster.backend: ray")
 
 
 def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1,

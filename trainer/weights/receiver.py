@@ -20,15 +20,13 @@ this worker's copy of the run's policy version (``versioned.PolicyVersion``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.weights.buckets import Bucket
 from trainer.weights.transport import BroadcastGroup, SegmentPool, SharedBucket, open_bucket
 from trainer.weights.versioned import VersionedEngine
-
-if TYPE_CHECKING:
-    from trainer.controller.cluster import CallFuture
 
 __all__ = ["WeightReceiver", "WeightReceiverCluster"]
 
@@ -134,22 +132,10 @@ class _MappingBucket:
 class WeightReceiverCluster:
     """Mixin for the inference cluster: typed calls to :class:`WeightReceiver` methods (all ranks at once)."""
 
-    def begin_weight_load(self, version: int) -> None:
-        self._call("begin_weight_load", version)  # type: ignore[attr-defined]
-
-    def load_weight_bucket(self, handle: SharedBucket) -> None:
-        self._call("load_weight_bucket", handle)  # type: ignore[attr-defined]
-
-    def finish_weight_load(self, version: int, names: list[str]) -> list[int | None]:
-        return self._call("finish_weight_load", version, names)  # type: ignore[attr-defined]
-
-    def receive_weights_async(self, address: tuple[str, int], world_size: int, timeout_s: float = 300.0
-                              ) -> CallFuture[list[int]]:
-        """Start ``receive_weights`` on all ranks; returns a ``CallFuture`` (the sender runs meanwhile)."""
-        return self._call_async("receive_weights", address, world_size, timeout_s)  # type: ignore[attr-defined]
-
-    def weights_version(self) -> list[int | None]:
-        return self._call("weights_version")  # type: ignore[attr-defined]
-
-    def load_weights_file(self, path: str) -> None:
-        self._call("load_weights_file", path)  # type: ignore[attr-defined]
+    begin_weight_load = remote(WeightReceiver.begin_weight_load)
+    load_weight_bucket = remote(WeightReceiver.load_weight_bucket)
+    finish_weight_load = remote(WeightReceiver.finish_weight_load, per_rank=True)
+    receive_weights_async = remote(WeightReceiver.receive_weights, per_rank=True, future=True)
+    """Start ``receive_weights`` on all ranks; returns a ``CallFuture`` (the sender runs meanwhile)."""
+    weights_version = remote(WeightReceiver.weights_version, per_rank=True)
+    load_weights_file = remote(WeightReceiver.load_weights_file)

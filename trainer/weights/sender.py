@@ -27,7 +27,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
+from trainer.controller.worker import Worker
 from trainer.weights.buckets import ALIGN, TensorMeta, group_tensors, plan_buckets
 from trainer.weights.errors import WeightSyncError
 from trainer.weights.shards import ShardLayout, equal_piece, shard_layout, write_piece
@@ -35,8 +37,6 @@ from trainer.weights.transport import BroadcastGroup, SegmentPool, SharedBucket,
 
 if TYPE_CHECKING:
     import torch
-
-    from trainer.controller.cluster import CallFuture
 
 __all__ = ["SenderState", "ShardSender", "WeightSender", "WeightSenderCluster", "plan_shared_buckets"]
 
@@ -300,37 +300,15 @@ class WeightSender:
 class WeightSenderCluster:
     """Mixin for the trainer cluster: typed calls to :class:`WeightSender` methods (all ranks at once)."""
 
-    def begin_weight_sync(self, bucket_bytes: int, only_changed: bool = False) -> None:
-        self._call("begin_weight_sync", bucket_bytes, only_changed)  # type: ignore[attr-defined]
-
-    def next_weight_bucket(self) -> SharedBucket | None:
-        return self._call("next_weight_bucket")  # type: ignore[attr-defined]
-
-    def end_weight_sync(self) -> None:
-        self._call("end_weight_sync")  # type: ignore[attr-defined]
-
-    def close_weight_sync(self) -> None:
-        self._call("close_weight_sync")  # type: ignore[attr-defined]
-
-    def weight_sizes(self) -> list[tuple[str, int]]:
-        return self._call("weight_sizes")  # type: ignore[attr-defined]
-
-    def begin_shard_sync(self, bucket_bytes: int, only_changed: bool = False) -> list[SharedBucket] | None:
-        return self._call("begin_shard_sync", bucket_bytes, only_changed)  # type: ignore[attr-defined]
-
-    def write_weight_bucket(self, handle: SharedBucket) -> list[list[str]]:
-        return self._call("write_weight_bucket", handle)  # type: ignore[attr-defined]
-
-    def reset_shard_sync(self) -> None:
-        self._call("reset_shard_sync")  # type: ignore[attr-defined]
-
-    def weight_group_address(self) -> tuple[str, int]:
-        """A host and free port on trainer rank 0's machine for the weight broadcast group."""
-        return self._call("_rendezvous_address")  # type: ignore[attr-defined]
-
-    def broadcast_weights_async(self, address: tuple[str, int], world_size: int, *, version: int, bucket_bytes: int,
-                                only_changed: bool = False, timeout_s: float = 300.0) -> CallFuture[int]:
-        """Start ``broadcast_weights`` on all ranks; returns a ``CallFuture`` (the receivers run meanwhile)."""
-        return self._call_async("broadcast_weights", address, world_size,  # type: ignore[attr-defined]
-                                version=version, bucket_bytes=bucket_bytes, only_changed=only_changed,
-                                timeout_s=timeout_s)
+    begin_weight_sync = remote(WeightSender.begin_weight_sync)
+    next_weight_bucket = remote(WeightSender.next_weight_bucket)
+    end_weight_sync = remote(WeightSender.end_weight_sync)
+    close_weight_sync = remote(WeightSender.close_weight_sync)
+    weight_sizes = remote(WeightSender.weight_sizes)
+    begin_shard_sync = remote(WeightSender.begin_shard_sync)
+    write_weight_bucket = remote(WeightSender.write_weight_bucket, per_rank=True)
+    reset_shard_sync = remote(WeightSender.reset_shard_sync)
+    weight_group_address = remote(Worker._rendezvous_address)
+    """A host and free port on trainer rank 0's machine for the weight broadcast group."""
+    broadcast_weights_async = remote(WeightSender.broadcast_weights, future=True)
+    """Start ``broadcast_weights`` on all ranks; returns a ``CallFuture`` (the receivers run meanwhile)."""

@@ -21,10 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from trainer.config import LossConfig, RoleConfig
 from trainer.controller.batch import Batch
+from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
-from trainer.strategies.base import ForwardOutput, TrainStrategy
+from trainer.strategies.base import ForwardOutput, LossFn, TrainOptions, TrainStrategy
 from trainer.strategies.registry import make_train_strategy
 from trainer.weights.sender import WeightSender, WeightSenderCluster
 from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
@@ -47,8 +49,8 @@ def residency_history(strategy: TrainStrategy | None) -> list[tuple[str, str, bo
     return [(e.action, e.state, e.moved, e.reason) for e in strategy.residency.history]
 
 
-def ppo_loss_fn(loss: Mapping[str, Any]):  # noqa: ANN201 - returns a LossFn closure
-    """The policy loss closure for ``strategy.train_step`` built from a ``LossConfig`` dump.
+def ppo_loss_fn(loss: LossConfig) -> LossFn:
+    """The policy loss closure for ``strategy.train_step`` built from ``algorithm.loss``.
 
     Every term (policy loss with IS weights, KL to the reference, entropy bonus) is aggregated
     with ``agg_mode`` over this micro-batch; ``compute.agg_mode`` tells the strategy how to weigh
@@ -57,28 +59,28 @@ def ppo_loss_fn(loss: Mapping[str, Any]):  # noqa: ANN201 - returns a LossFn clo
 
     def compute(out: ForwardOutput, mb: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"]
-        kind = "gspo" if loss.get("gspo") else "ppo"
+        kind = "gspo" if loss.gspo else "ppo"
         per_token, clipped = policy_loss(kind, out.logprobs, mb["old_logprobs"], mb["advantages"], mask,
-                                         loss["clip_low"], loss["clip_high"], loss.get("dual_clip"))
+                                         loss.clip_low, loss.clip_high, loss.dual_clip)
         if "is_weights" in mb:  # off-policy (async) tokens: truncated importance-sampling correction
             per_token = per_token * mb["is_weights"]
-        total = aggregate(per_token, mask, loss["agg_mode"])
+        total = aggregate(per_token, mask, loss.agg_mode)
         metrics = {"actor/pg_loss": float(total.detach()),
                    "actor/clipfrac": float(aggregate(clipped, mask, "token-mean")),
                    "actor/approx_kl_old": float(aggregate(0.5 * (out.logprobs.detach() - mb["old_logprobs"]) ** 2, mask))}
-        if loss.get("kl_coef", 0) > 0 and "ref_logprobs" in mb:
-            kl = aggregate(kl_estimate(out.logprobs, mb["ref_logprobs"], loss["kl_estimator"]), mask, loss["agg_mode"])
+        if loss.kl_coef > 0 and "ref_logprobs" in mb:
+            kl = aggregate(kl_estimate(out.logprobs, mb["ref_logprobs"], loss.kl_estimator), mask, loss.agg_mode)
             metrics["actor/kl_ref"] = float(kl.detach())
-            if loss.get("kl_mode", "loss") == "loss":
-                total = total + loss["kl_coef"] * kl
+            if loss.kl_mode == "loss":
+                total = total + loss.kl_coef * kl
         if out.entropy is not None:
-            entropy = aggregate(out.entropy, mask, loss["agg_mode"])
+            entropy = aggregate(out.entropy, mask, loss.agg_mode)
             metrics["actor/entropy"] = float(entropy.detach())
-            if loss.get("entropy_coef", 0) > 0:
-                total = total - loss["entropy_coef"] * entropy
+            if loss.entropy_coef > 0:
+                total = total - loss.entropy_coef * entropy
         return total, metrics
 
-    compute.agg_mode = loss["agg_mode"]  # type: ignore[attr-defined]  # the strategy weighs micro-batches by it
+    compute.agg_mode = loss.agg_mode  # type: ignore[attr-defined]  # the strategy weighs micro-batches by it
     return compute
 
 
@@ -98,12 +100,13 @@ def _namespaced(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 class ActorWorker(WeightSender, StrategyWorker):
     """One rank of the trained policy (see the module docstring)."""
 
-    def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
-                 seed: int = 0, optim: Mapping[str, Any] | None = None, loss: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, ctx: WorkerContext, config: RoleConfig | None = None, *, model_path: str,
+                 dtype: str = "float32", seed: int = 0, optim: TrainOptions | None = None,
+                 loss: LossConfig | None = None) -> None:
         super().__init__(ctx, config)
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
-        self.optim = dict(optim or {})
-        self.loss = dict(loss or {})
+        self.optim: TrainOptions = optim or {}
+        self.loss = loss if loss is not None else LossConfig()
         self._setup_unless_collective()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
@@ -119,16 +122,15 @@ class ActorWorker(WeightSender, StrategyWorker):
         hf_logging.disable_progress_bar()  # no per-rank "Loading weights" bars in the run's output
         torch.manual_seed(self.seed + self.ctx.rank)
         model, self.tokenizer = load_policy(self.model_path, dtype=self.dtype)
-        self._strategy = make_train_strategy(getattr(self.config, "strategy", None), model,
-                                             world_size=self.ctx.world_size,
-                                             strategy_args=getattr(self.config, "strategy_args", None), **self.optim)
+        self._strategy = make_train_strategy(self.config.strategy, model, world_size=self.ctx.world_size,
+                                             strategy_args=self.config.strategy_args, **self.optim)
 
-    @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
+    @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:
         out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
         return Batch({"logprobs": out.logprobs})
 
-    @register(Dispatch.DP_SPLIT, collect=Collect.MEAN)
+    @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.MEAN)
     def train_step(self, batch: Batch, epochs: int = 1) -> dict[str, float]:
         """``epochs`` passes of PPO/GSPO updates over this rank's part of the batch."""
         tensors = {k: batch[k] for k in TRAIN_COLUMNS if k in batch}
@@ -137,7 +139,7 @@ class ActorWorker(WeightSender, StrategyWorker):
             metrics = self.strategy.train_step(tensors, ppo_loss_fn(self.loss), with_entropy=True)
         return _namespaced(metrics, "actor")
 
-    @register(Dispatch.DP_SPLIT, collect=Collect.MEAN)
+    @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.MEAN)
     def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
         if lr is not None:
             self.strategy.set_lr(lr)
@@ -180,20 +182,6 @@ class ActorWorker(WeightSender, StrategyWorker):
         return residency_history(self._strategy)
 
 
-class RaggedBatch(Batch):
-    """A ``Batch`` that ``Dispatch.DP_SPLIT`` cuts into near-equal parts (the first ``len % n`` ranks
-    get one row more) instead of refusing: a rollout whose failed episodes were dropped rarely
-    has a multiple of the rank count. The sharded strategies pad a short rank with zero-weight
-    micro-batches, so every rank still runs the same collectives."""
-
-    def split(self, n: int, *, even: bool = True) -> list[Batch]:
-        return super().split(n, even=False)
-
-
-def _ragged(batch: Batch) -> Batch:
-    return RaggedBatch(batch.columns, batch.meta)
-
-
 class ActorCluster(WeightSenderCluster, StrategyCluster):
     """Typed calls to the ``actor_train`` workers (batches of any size split over the ranks)."""
 
@@ -208,26 +196,15 @@ class ActorCluster(WeightSenderCluster, StrategyCluster):
                 pass
         super().shutdown()
 
-    def compute_logprobs(self, batch: Batch) -> Batch:
-        return self._call("compute_logprobs", _ragged(batch))
+    compute_logprobs = remote(ActorWorker.compute_logprobs)
+    train_step = remote(ActorWorker.train_step)
+    sft_step = remote(ActorWorker.sft_step)
+    set_lr = remote(ActorWorker.set_lr)
+    residency = remote(ActorWorker.residency, per_rank=True)
+    load_state_dict = remote(ActorWorker.load_state_dict)
+    save_pretrained = remote(ActorWorker.save_pretrained)
 
-    def train_step(self, batch: Batch, epochs: int = 1) -> dict[str, float]:
-        return self._call("train_step", _ragged(batch), epochs)
-
-    def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
-        return self._call("sft_step", _ragged(batch), lr)
-
-    def get_weights(self) -> dict[str, Any]:
-        """The full HF-named policy tensors on CPU (every rank takes part in the gather)."""
-        return self._call("get_weights")
-
-    def set_lr(self, lr: float) -> None:
-        self._call("set_lr", lr)
-
-    def residency(self) -> list[list[tuple[str, str, bool, str]]]:
-        """Each rank's offload/reload transitions (see ``ActorWorker.residency``)."""
-        return self._call("residency")
-
+    # by hand: it merges the ranks' answers (Collect.ALL) into one checkpoint
     def state_dict(self) -> dict[str, Any]:
         """Rank 0's full state plus every rank's RNG state (``rng`` becomes a per-rank list)."""
         states = self._call("state_dict")
@@ -235,9 +212,3 @@ class ActorCluster(WeightSenderCluster, StrategyCluster):
         if len(states) > 1:
             merged["rng"] = [state["rng"] for state in states]
         return merged
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._call("load_state_dict", state)
-
-    def save_pretrained(self, path: str) -> None:
-        self._call("save_pretrained", path)

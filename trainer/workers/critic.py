@@ -15,10 +15,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from trainer.config import RoleConfig
 from trainer.controller.batch import Batch
+from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
-from trainer.strategies.base import ForwardOutput
+from trainer.strategies.base import ForwardOutput, TrainOptions
 from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
 
 if TYPE_CHECKING:
@@ -68,10 +70,12 @@ def value_loss_fn(clip: float | None):  # noqa: ANN201 - returns a LossFn closur
 class CriticWorker(StrategyWorker):
     """One rank of the value model."""
 
-    def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
-                 seed: int = 0, optim: Mapping[str, Any] | None = None, value_clip: float | None = 0.2) -> None:
+    def __init__(self, ctx: WorkerContext, config: RoleConfig | None = None, *, model_path: str,
+                 dtype: str = "float32", seed: int = 0, optim: TrainOptions | None = None,
+                 value_clip: float | None = 0.2) -> None:
         super().__init__(ctx, config)
-        self.model_path, self.dtype, self.seed, self.optim = model_path, dtype, seed, dict(optim or {})
+        self.model_path, self.dtype, self.seed = model_path, dtype, seed
+        self.optim: TrainOptions = optim or {}
         self.value_clip = value_clip
         self._setup_unless_collective()
 
@@ -85,17 +89,16 @@ class CriticWorker(StrategyWorker):
         from trainer.strategies.registry import make_train_strategy
 
         torch.manual_seed(self.seed + 1000 + self.ctx.rank)
-        self._strategy = make_train_strategy(getattr(self.config, "strategy", None),
-                                             build_value_model(self.model_path, self.dtype), kind="value",
-                                             world_size=self.ctx.world_size,
-                                             strategy_args=getattr(self.config, "strategy_args", None), **self.optim)
+        self._strategy = make_train_strategy(self.config.strategy, build_value_model(self.model_path, self.dtype),
+                                             kind="value", world_size=self.ctx.world_size,
+                                             strategy_args=self.config.strategy_args, **self.optim)
 
-    @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
+    @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_values(self, batch: Batch) -> Batch:
         out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
         return Batch({"values": out.values * batch["response_mask"]})
 
-    @register(Dispatch.DP_SPLIT, collect=Collect.MEAN)
+    @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.MEAN)
     def train_step(self, batch: Batch) -> dict[str, float]:
         tensors = {k: batch[k] for k in ("input_ids", "attention_mask", "response_mask", "values", "returns")}
         from trainer.workers.actor import _namespaced
@@ -112,25 +115,12 @@ class CriticWorker(StrategyWorker):
         self.strategy.load_state_dict(state)
 
 
-
 class CriticCluster(StrategyCluster):
-    """Typed calls to the ``critic`` workers."""
+    """Typed calls to the ``critic`` workers (batches of any size split over the ranks)."""
 
     worker_cls = CriticWorker
 
-
-    def compute_values(self, batch: Batch) -> Batch:
-        from trainer.workers.actor import RaggedBatch
-
-        return self._call("compute_values", RaggedBatch(batch.columns, batch.meta))
-
-    def train_step(self, batch: Batch) -> dict[str, float]:
-        from trainer.workers.actor import RaggedBatch
-
-        return self._call("train_step", RaggedBatch(batch.columns, batch.meta))
-
-    def state_dict(self) -> dict[str, Any]:
-        return self._call("state_dict")
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._call("load_state_dict", state)
+    compute_values = remote(CriticWorker.compute_values)
+    train_step = remote(CriticWorker.train_step)
+    state_dict = remote(CriticWorker.state_dict)
+    load_state_dict = remote(CriticWorker.load_state_dict)

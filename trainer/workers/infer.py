@@ -19,7 +19,8 @@ import collections
 import threading
 from typing import Any, ClassVar
 
-from trainer.controller.cluster import CallFuture, Cluster
+from trainer.config import RoleConfig
+from trainer.controller.cluster import CallFuture, Cluster, remote
 from trainer.controller.dispatch import Collect, Dispatch, method_spec, register
 from trainer.controller.worker import Worker, WorkerContext
 from trainer.strategies.base import GenerationRequest, GenerationResult, InferenceEngine, Weights
@@ -37,11 +38,12 @@ _EARLY_ABORTS_KEPT = 4096
 class InferWorker(WeightReceiver, Worker):
     """One rank of the generation role."""
 
-    def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
-                 seed: int = 0) -> None:
+    def __init__(self, ctx: WorkerContext, config: RoleConfig | None = None, *, model_path: str,
+                 dtype: str = "float32", seed: int = 0) -> None:
         super().__init__(ctx, config)
-        self.engine: InferenceEngine = make_engine(getattr(config, "strategy", None), model_path, dtype=dtype, seed=seed + 7 * ctx.rank,
-                                  **(getattr(config, "strategy_args", None) or {}))
+        self.config: RoleConfig = config if config is not None else RoleConfig(device_mapping=[])
+        self.engine: InferenceEngine = make_engine(self.config.strategy, model_path, dtype=dtype,
+                                                   seed=seed + 7 * ctx.rank, **self.config.strategy_args)
         # ``abort_requests`` runs on another thread than ``generate_requests`` (a Ray concurrency
         # group, or the driver's thread on the local backend); the lock orders the two.
         self._abort_lock = threading.Lock()
@@ -153,9 +155,11 @@ class InferCluster(WeightReceiverCluster, Cluster):
     ray_concurrency_groups: ClassVar[dict[str, int]] = {"abort": 1}
     ray_method_groups: ClassVar[dict[str, str]] = {"abort_requests": "abort"}  # runs while a batch is in flight
 
-    def update_weights(self, weights: dict[str, Any]) -> None:
-        self._call("update_weights", weights)
+    update_weights = remote(InferWorker.update_weights)
+    get_state = remote(InferWorker.get_state, per_rank=True)
+    set_state = remote(InferWorker.set_state)
 
+    # by hand: the router's calls go to one rank, not to all as InferWorker's modes say
     async def generate_on(self, rank: int, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate ``requests`` on rank ``rank`` only (the router's per-worker path)."""
         return (await self._on_rank(rank, "generate_requests", requests))[0]
@@ -176,14 +180,9 @@ class InferCluster(WeightReceiverCluster, Cluster):
         return [RankEngine(self, rank, max_batch_size=max_batch_size, policy=policy) for rank in range(self.world_size)]
 
     def _on_rank(self, rank: int, method: str, *args: Any) -> CallFuture[Any]:
+        """Call ``method`` on rank ``rank`` alone (its result is a one-item list)."""
         spec = method_spec(self.worker_cls, method)
         return CallFuture(self, spec, [rank], [self._submit(rank, method, args, {})])
-
-    def get_state(self) -> list[dict[str, Any]]:
-        return self._call("get_state")
-
-    def set_state(self, states: list[dict[str, Any]]) -> None:
-        self._call("set_state", states)
 
 
 class RankEngine(BatchingFrontend):

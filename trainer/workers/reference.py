@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainer.config import RoleConfig
 from trainer.controller.batch import Batch
+from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
 from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
@@ -23,8 +25,8 @@ __all__ = ["ReferenceCluster", "ReferenceWorker"]
 class ReferenceWorker(StrategyWorker):
     """One rank of the frozen reference policy."""
 
-    def __init__(self, ctx: WorkerContext, config: Any = None, *, model_path: str, dtype: str = "float32",
-                 micro_batch_size: int = 8) -> None:
+    def __init__(self, ctx: WorkerContext, config: RoleConfig | None = None, *, model_path: str,
+                 dtype: str = "float32", micro_batch_size: int = 8) -> None:
         super().__init__(ctx, config)
         self.model_path, self.dtype, self.micro_batch_size = model_path, dtype, micro_batch_size
         self._setup_unless_collective()
@@ -38,11 +40,11 @@ class ReferenceWorker(StrategyWorker):
         from trainer.strategies.registry import make_train_strategy
 
         model, _ = load_policy(self.model_path, dtype=self.dtype)
-        self._strategy = make_train_strategy(getattr(self.config, "strategy", None), model, trainable=False,
+        self._strategy = make_train_strategy(self.config.strategy, model, trainable=False,
                                              world_size=self.ctx.world_size, micro_batch_size=self.micro_batch_size,
-                                             strategy_args=getattr(self.config, "strategy_args", None))
+                                             strategy_args=self.config.strategy_args)
 
-    @register(Dispatch.DP_SPLIT, collect=Collect.CONCAT)
+    @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:
         out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
         return Batch({"ref_logprobs": out.logprobs})
@@ -54,20 +56,10 @@ class ReferenceWorker(StrategyWorker):
         self.strategy.load_state_dict({"model": weights})
 
 
-
 class ReferenceCluster(StrategyCluster):
     """Typed calls to the ``reference`` workers (batches of any size split over the ranks)."""
 
     worker_cls = ReferenceWorker
 
-
-    def compute_logprobs(self, batch: Batch) -> Batch:
-        from trainer.workers.actor import RaggedBatch
-
-        return self._call("compute_logprobs", RaggedBatch(batch.columns, batch.meta))
-
-    def load_weights(self, weights: dict[str, Any]) -> None:
-        self._call("load_weights", weights)
-
-    def get_weights(self) -> dict[str, Any]:
-        return self._call("get_weights")
+    compute_logprobs = remote(ReferenceWorker.compute_logprobs)
+    load_weights = remote(ReferenceWorker.load_weights)

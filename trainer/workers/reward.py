@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 from typing import Any
 
-from trainer.controller.cluster import CallFuture, Cluster
+from trainer.controller.cluster import Cluster, remote
 from trainer.controller.dispatch import Dispatch, register
 from trainer.controller.worker import Worker, WorkerContext
 from trainer.errors import RewardError
@@ -68,5 +68,4 @@ class RewardCluster(Cluster):
 
     worker_cls = RewardWorker
 
-    def score_async(self, episode: EpisodeView) -> CallFuture[dict[str, Any]]:
-        return self._call_async("score", episode)
+    score_async = remote(RewardWorker.score, future=True)

@@ -10,14 +10,15 @@ before use (moves are tracked no-ops on CPU; ``trainer.strategies.offload``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from trainer.controller.cluster import Cluster
+from trainer.config import RoleConfig
+from trainer.controller.cluster import Cluster, remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import Worker, WorkerContext
 from trainer.strategies.base import TrainStrategy
 from trainer.strategies.parallel_errors import ParallelConfigError
-from trainer.strategies.registry import TRAIN_STRATEGIES
+from trainer.strategies.registry import TRAIN_STRATEGIES, process_problem
 
 __all__ = ["StrategyCluster", "StrategyWorker", "offload_flags"]
 
@@ -28,23 +29,20 @@ def _sharded(name: str | None) -> bool:
     return spec is not None and spec.sharded
 
 
-def offload_flags(config: Any) -> dict[str, bool]:
-    """``roles.<role>.offload_params/offload_optimizer`` as ``strategy.offload`` keywords (default: both)."""
-    return {"params": bool(getattr(config, "offload_params", True)),
-            "optimizer": bool(getattr(config, "offload_optimizer", True))}
+def offload_flags(config: RoleConfig) -> dict[str, bool]:
+    """``roles.<role>.offload_params/offload_optimizer`` as ``strategy.offload`` keywords."""
+    return {"params": config.offload_params, "optimizer": config.offload_optimizer}
 
 
 class StrategyWorker(Worker):
     """A worker holding one strategy; subclasses implement a ``@register``-ed ``setup()`` that builds it."""
 
-    def __init__(self, ctx: WorkerContext, config: Any = None) -> None:
+    def __init__(self, ctx: WorkerContext, config: RoleConfig | None = None) -> None:
         super().__init__(ctx, config)
-        name = getattr(config, "strategy", None)
-        if _sharded(name) and ctx.world_size > 1 and ctx.backend != "ray":
-            raise ParallelConfigError(
-                f"{ctx.role} strategy {name!r} with {ctx.world_size} workers needs one process per rank, but "
-                f"cluster.backend={ctx.backend!r} runs workers as threads of one process; set cluster.backend: ray"
-            )
+        self.config: RoleConfig = config if config is not None else RoleConfig(device_mapping=[])
+        problem = process_problem(self.config.strategy, ctx.world_size, ctx.backend)
+        if problem:  # a cluster built without a TrainerConfig (config.problems() says it for a run)
+            raise ParallelConfigError(f"{ctx.role}: {problem}")
         self._strategy: TrainStrategy | None = None
 
     def setup(self) -> None:
@@ -52,7 +50,7 @@ class StrategyWorker(Worker):
 
     def _setup_unless_collective(self) -> None:
         """Build now when there is nothing to rendezvous with; otherwise the driver calls ``setup()``."""
-        if self.world_size == 1 or not _sharded(getattr(self.config, "strategy", None)):
+        if self.world_size == 1 or not _sharded(self.config.strategy):
             self.setup()
 
     @property
@@ -86,9 +84,12 @@ class StrategyCluster(Cluster):
     """A cluster of ``StrategyWorker``: building it calls ``setup`` on every rank at once (sharded
     strategies join their process group there); a failed build stops the workers it started."""
 
+    worker_cls: ClassVar[type[Worker]] = StrategyWorker
+    get_weights = remote(StrategyWorker.get_weights)
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        try:
+        try:  # by name: each concrete worker registers its own setup(), StrategyWorker's is abstract
             self._call("setup")
         except BaseException:
             self.shutdown()

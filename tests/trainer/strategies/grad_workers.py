@@ -28,13 +28,14 @@ def fsdp2_grads_rank(rank: int, world: int, port: int, out: Any, batch: dict[str
     join(rank, world, port)
     from trainer.strategies.distributed import shutdown_process_group
     from trainer.strategies.fsdp2 import FSDP2TrainStrategy
+    from trainer.config import LossConfig
     from trainer.workers.actor import ppo_loss_fn
 
     start = sum(rows[:rank])
     mine = {k: v[start:start + rows[rank]] for k, v in batch.items()}
     for mode in modes:
         strategy = FSDP2TrainStrategy(tiny_qwen2(), lr=0.0, max_grad_norm=None, micro_batch_size=1, device="cpu")
-        strategy.train_step(mine, ppo_loss_fn({**LOSS, "agg_mode": mode}), with_entropy=True)
+        strategy.train_step(mine, ppo_loss_fn(LossConfig(**LOSS, agg_mode=mode)), with_entropy=True)
         out[(mode, rank)] = gradients(strategy.model)
     shutdown_process_group()
 
@@ -67,6 +68,7 @@ def megatron_grads_rank(rank: int, world: int, port: int, out: Any, batch: dict[
 
     from trainer.strategies.distributed import shutdown_process_group
     from trainer.strategies.megatron import MegatronTrainStrategy
+    from trainer.config import LossConfig
     from trainer.workers.actor import ppo_loss_fn
 
     start = sum(rows[:rank])
@@ -75,7 +77,7 @@ def megatron_grads_rank(rank: int, world: int, port: int, out: Any, batch: dict[
         for mode in modes if tp == 2 else modes[:1]:  # DP=2: one mode keeps the default tier short
             strategy = MegatronTrainStrategy(tiny_qwen2(), lr=0.0, max_grad_norm=None, micro_batch_size=1,
                                              device="cpu", tensor_parallel_size=tp)
-            strategy.train_step(mine, ppo_loss_fn({**LOSS, "agg_mode": mode}), with_entropy=True)
+            strategy.train_step(mine, ppo_loss_fn(LossConfig(**LOSS, agg_mode=mode)), with_entropy=True)
             out[(tp, mode, rank)] = megatron_gradients(strategy)
         mpu.destroy_model_parallel()
     shutdown_process_group()

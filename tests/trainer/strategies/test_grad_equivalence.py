@@ -17,6 +17,7 @@ from tests.trainer.strategies import dist_workers as W  # noqa: E402
 from tests.trainer.strategies import grad_workers as G  # noqa: E402
 from trainer.strategies.distributed import free_port  # noqa: E402
 from trainer.strategies.hf import HFTrainStrategy  # noqa: E402
+from trainer.config import LossConfig  # noqa: E402
 from trainer.workers.actor import ppo_loss_fn  # noqa: E402
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -45,7 +46,7 @@ def ragged_batch() -> dict[str, torch.Tensor]:
 
 def hf_grads(batch: dict[str, torch.Tensor], mode: str, micro_batch_size: int) -> dict[str, torch.Tensor]:
     strategy = HFTrainStrategy(W.tiny_qwen2(), lr=0.0, max_grad_norm=None, micro_batch_size=micro_batch_size)
-    strategy.train_step(batch, ppo_loss_fn({**G.LOSS, "agg_mode": mode}), with_entropy=True)
+    strategy.train_step(batch, ppo_loss_fn(LossConfig(**G.LOSS, agg_mode=mode)), with_entropy=True)
     return G.gradients(strategy.model)
 
 
