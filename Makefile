@@ -35,7 +35,8 @@ demo: install
 system-deps:
 	@bash .ci/system-deps.sh
 
-# The default test tier (-m "not slow", set in pyproject). Exit code 5 (no tests ran) fails.
+# The default test tier (-m "not slow and not gpu", set in pyproject; on a GPU machine: pytest -m gpu).
+# Exit code 5 (no tests ran) fails.
 test: install system-deps
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc

@@ -22,6 +22,7 @@ SKIPS_ALLOWED_IN_CI: dict[str, str] = {
     "only the warm executor is spared across runs": "does not apply to this sandbox backend param",
     "docker's own layout": "does not apply to the docker backend param",
     "GPU kernels take this head size": "only on a CUDA machine",
+    "needs a CUDA GPU": "the gpu tier (tests/gpu, -m gpu) runs on GPU machines; CI here has none",
     "syscall numbers below are x86_64's": "not this CPU architecture",
     "keyring syscall numbers unknown for": "not this CPU architecture",
     "this host has no keyrings": "a kernel feature of the host, not something .ci/run installs",

@@ -69,6 +69,7 @@ __all__ = [
     "PoolFullError",
     "UnknownEpisodeError",
     "WorkerStartError",
+    "RayConnectError",
 ]
 
 _LAZY = {
@@ -82,11 +83,19 @@ _LAZY = {
     "PoolFullError": "envhub.pool.errors",
     "UnknownEpisodeError": "envhub.pool.errors",
     "WorkerStartError": "envhub.pool.errors",
+    "RayConnectError": "envhub.pool.errors",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
     from envhub.pool.base import EpisodeFailure, PoolStats, ResetResult, StepResult
-    from envhub.pool.errors import PoolClosedError, PoolError, PoolFullError, UnknownEpisodeError, WorkerStartError
+    from envhub.pool.errors import (
+        PoolClosedError,
+        PoolError,
+        PoolFullError,
+        RayConnectError,
+        UnknownEpisodeError,
+        WorkerStartError,
+    )
     from envhub.pool.pool import EnvPool
 
 

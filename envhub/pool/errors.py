@@ -9,14 +9,16 @@ mistakes (an unknown episode, a call on a closed pool) and for a pool that canno
         ├── PoolClosedError        a call on a pool that was closed
         ├── PoolFullError          no episode slot freed up within the wait timeout
         ├── UnknownEpisodeError    step/close of an episode id the pool never reset
-        └── WorkerStartError       a worker could not start (bad env id, import error)
+        ├── WorkerStartError       a worker could not start (bad env id, import error)
+        └── RayConnectError        the Ray cluster named by an address could not be joined
 """
 
 from __future__ import annotations
 
 from envhub.errors import EnvhubError
 
-__all__ = ["PoolError", "PoolClosedError", "PoolFullError", "UnknownEpisodeError", "WorkerStartError"]
+__all__ = ["PoolError", "PoolClosedError", "PoolFullError", "UnknownEpisodeError", "WorkerStartError",
+           "RayConnectError"]
 
 
 class PoolError(EnvhubError):
@@ -40,3 +42,8 @@ class UnknownEpisodeError(PoolError, KeyError):
 
 class WorkerStartError(PoolError, RuntimeError):
     """A worker process or actor failed to start; the message carries its error output."""
+
+
+class RayConnectError(PoolError, ConnectionError):
+    """Joining a Ray cluster failed; the message says why (token authentication, nothing at the address)
+    and the fix."""

@@ -8,6 +8,14 @@ By default actors take one CPU each and are spread across nodes
 calls with ``ActorDiedError``: the pool turns its episodes into ``EpisodeFailure`` records
 and starts a replacement wherever the cluster has room. A worker that dies while idle is
 noticed at its next call (which then fails as above). Ray is imported only here.
+
+Joining a cluster: :func:`connect` (used by ``envhub serve --backend ray --address``) turns
+Ray's connection failures into a :class:`RayConnectError` that names the fix. The common one:
+``ray start --head`` turns on token authentication whenever a token exists (``~/.ray/auth_token``,
+which any earlier local ``ray.init()`` writes), and a process that joins by an explicit
+``host:port`` sends no token unless ``RAY_AUTH_MODE=token`` is set. (The head also advertises
+the machine's interface address even when started with ``--node-ip-address 127.0.0.1``; Ray
+follows that itself once the token is accepted.)
 """
 
 from __future__ import annotations
@@ -17,11 +25,11 @@ import collections
 import os
 from typing import Any
 
-from envhub.pool.errors import WorkerStartError
+from envhub.pool.errors import RayConnectError, WorkerStartError
 from envhub.pool.host import EnvHost, spec_factory
 from envhub.pool.local import DeathCallback, WorkerBase
 
-__all__ = ["RayWorker", "DEFAULT_RAY_OPTIONS"]
+__all__ = ["RayWorker", "DEFAULT_RAY_OPTIONS", "connect"]
 
 DEFAULT_RAY_OPTIONS: dict[str, Any] = {"num_cpus": 1, "scheduling_strategy": "SPREAD", "max_restarts": 0}
 
@@ -43,6 +51,69 @@ class RayEnvHost:
 
     def close(self) -> None:
         self.host.close()
+
+
+def connect(address: str | None) -> None:
+    """Join the Ray cluster at ``address`` (``host:port`` or ``auto``; None: ``RAY_ADDRESS``, else a new
+    local Ray). No-op when this process is connected already. Raises :class:`RayConnectError`.
+
+    A ``host:port`` is first probed with one TCP connection (5 s): Ray itself retries an address where
+    nothing listens for minutes before it gives up."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    target = address or os.environ.get("RAY_ADDRESS")
+    _probe(target)
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+    except Exception as exc:  # Ray raises ConnectionError, AuthenticationError, RuntimeError...
+        raise RayConnectError(_connect_problem(target, exc)) from exc
+
+
+_FIND_THE_ADDRESS = (
+    "Use the address `ray start --head` printed (\"ray start --address='IP:PORT'\": the head advertises this "
+    "machine's interface address, not 127.0.0.1, even with --node-ip-address 127.0.0.1; both reach it from the "
+    "head machine) and check it with `ray status --address IP:PORT`; or use --address auto on a node of the "
+    "cluster. If the cluster uses token authentication (`ray start` says \"Token authentication is enabled\"), "
+    "set RAY_AUTH_MODE=token as well."
+)
+
+
+def _probe(address: str | None) -> None:
+    """Fail fast when nothing accepts connections at a ``host:port`` address."""
+    import socket
+
+    host, _, port = (address or "").rpartition(":")
+    if not host or not port.isdigit() or "://" in host:
+        return  # auto, local, ray://... : Ray resolves those itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as error:
+        raise RayConnectError(f"could not join the Ray cluster at {address!r}: nothing accepts connections "
+                              f"there ({error}). {_FIND_THE_ADDRESS}") from error
+
+
+def _connect_problem(address: str | None, exc: BaseException) -> str:
+    """Why joining ``address`` failed, and what to do about it."""
+    chain: list[BaseException] = []
+    error: BaseException | None = exc
+    while error is not None and len(chain) < 5:
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    said = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    where = f"the Ray cluster at {address!r}" if address else "a Ray cluster"
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if any(type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e) for e in chain):
+        return (
+            f"could not join {where}: it uses token authentication and this process sent no valid token "
+            f"(RAY_AUTH_MODE={mode or 'unset'}; Ray said: {said}). `ray start --head` turns token authentication on "
+            "whenever a token exists (~/.ray/auth_token, which any earlier local Ray writes). Fix: set "
+            "RAY_AUTH_MODE=token for envhub, with the cluster's token in ~/.ray/auth_token (copy it from the head "
+            "node), RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; or use --address auto on a node of the cluster; or start "
+            "the cluster with RAY_AUTH_MODE=disabled (then anyone who reaches it can run code on it)."
+        )
+    return f"could not join {where} ({type(exc).__name__}: {said}). {_FIND_THE_ADDRESS}"
 
 
 _actor_class: Any = None
@@ -84,8 +155,7 @@ class RayWorker(WorkerBase):
     async def start(self) -> None:
         import ray
 
-        if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
+        connect(os.environ.get("RAY_ADDRESS"))
         self._actor = _remote_class().options(name=None, **self._options).remote(self._env, self._env_kwargs)
         try:
             where = await asyncio.wait_for(asyncio.wrap_future(self._actor.where.remote().future()), self._start_timeout_s)

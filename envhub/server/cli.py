@@ -61,6 +61,12 @@ def run(config: Any, *, port: int, log_level: str = "warning") -> None:
     from envhub.server.app import create_app
     from envhub.server.guard import raise_fd_limit
 
+    if config.backend == "ray":
+        # Join before uvicorn starts: a failure is a clean error (exit 2) instead of a lifespan traceback, and
+        # uvicorn installs its SIGTERM handler (the drain) after ray.init installed its own.
+        from envhub.pool.ray import connect
+
+        connect(config.ray_address)
     fd_limit = raise_fd_limit()
     app = create_app(config)
     guard = app.state.hub.guard

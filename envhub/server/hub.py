@@ -52,12 +52,12 @@ class Hub:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start every pool and the reaper; raises ``WorkerStartError`` on a bad env."""
-        if self.config.backend == "ray":
-            import ray
+        """Start every pool and the reaper; raises ``WorkerStartError`` on a bad env, ``RayConnectError``
+        when ``--backend ray`` cannot join its cluster."""
+        if self.config.backend == "ray":  # `envhub serve` has joined already (envhub.server.cli.run)
+            from envhub.pool.ray import connect
 
-            if not ray.is_initialized():
-                ray.init(address=self.config.ray_address, include_dashboard=False, log_to_driver=False)
+            connect(self.config.ray_address)
         for env_id, env_spec in self.specs.items():
             pool = EnvPool(
                 env_spec,

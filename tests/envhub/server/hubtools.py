@@ -202,10 +202,12 @@ __all__ = ["TOKEN", "RunningHub", "running_hub", "raw_connect", "ask", "slow_cli
 
 
 @contextlib.contextmanager
-def envhub_serve(*args: str, token: str = TOKEN, preexec_fn: Any = None) -> Iterator[tuple[Any, int]]:
+def envhub_serve(*args: str, token: str = TOKEN, preexec_fn: Any = None,
+                 env: dict[str, str] | None = None) -> Iterator[tuple[Any, int]]:
     """A real ``envhub serve`` process on a free port, up and healthy; killed on exit.
 
-    ``preexec_fn`` runs in the child before it starts (e.g. to lower its open-file limit).
+    ``preexec_fn`` runs in the child before it starts (e.g. to lower its open-file limit);
+    ``env`` replaces its environment (default: this process's).
     """
     import subprocess
     import sys
@@ -214,7 +216,8 @@ def envhub_serve(*args: str, token: str = TOKEN, preexec_fn: Any = None) -> Iter
 
     port = free_port()
     command = [sys.executable, "-m", "envhub.cli", "serve", *args, "--port", str(port), "--token", token]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn,
+                            env=env)
     deadline = time.monotonic() + 90
     try:
         while True:
