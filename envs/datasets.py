@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-__all__ = ["Task", "TaskSet", "TaskSetError", "Split", "as_taskset", "stable_hash"]
+__all__ = ["Split", "Task", "TaskSet", "TaskSetError", "as_taskset", "stable_hash"]
 
 Task = dict[str, Any]
 Split = Literal["train", "eval", "all"]
@@ -55,7 +55,9 @@ def stable_hash(*parts: Any) -> int:
 
 def _read_jsonl(path: Path) -> list[Task]:
     if not path.exists():
-        raise TaskSetError(f"dataset file {str(path)!r} does not exist; pass a JSONL path or a list of dicts")
+        raise TaskSetError(
+            f"dataset file {str(path)!r} does not exist; pass a JSONL path or a list of dicts"
+        )
     opener = gzip.open if path.suffix == ".gz" else open
     tasks: list[Task] = []
     with opener(path, "rt", encoding="utf-8") as handle:
@@ -65,9 +67,13 @@ def _read_jsonl(path: Path) -> list[Task]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise TaskSetError(f"{path}:{number} is not valid JSON ({exc}); each line must be one JSON object") from None
+                raise TaskSetError(
+                    f"{path}:{number} is not valid JSON ({exc}); each line must be one JSON object"
+                ) from None
             if not isinstance(record, dict):
-                raise TaskSetError(f"{path}:{number} is a {type(record).__name__}, not a JSON object")
+                raise TaskSetError(
+                    f"{path}:{number} is a {type(record).__name__}, not a JSON object"
+                )
             tasks.append(record)
     return tasks
 
@@ -97,13 +103,16 @@ class TaskSet(Sequence[Task]):
             missing = [key for key in required if key not in record]
             if missing:
                 raise TaskSetError(
-                    f"{name}: task {index} lacks the field(s) {missing}; every task needs {list(required)} "
+                    f"{name}: task {index} lacks the field(s) {missing}; "
+                    f"every task needs {list(required)} "
                     f"(got keys {sorted(record)})"
                 )
             task = dict(record)
             task_id = str(task.get("id", task.get("task_id", index)))
             if task_id in seen:
-                raise TaskSetError(f"{name}: duplicate task id {task_id!r}; give every task a unique 'id'")
+                raise TaskSetError(
+                    f"{name}: duplicate task id {task_id!r}; give every task a unique 'id'"
+                )
             seen.add(task_id)
             task["id"] = task_id
             task.setdefault("seed", stable_hash(name, task_id) % (2**31))
@@ -129,11 +138,16 @@ class TaskSet(Sequence[Task]):
         chosen = [task for task in self._tasks if task["split"] == which]
         if not chosen:
             raise TaskSetError(
-                f"{self.name}: the {which!r} split is empty ({len(self)} tasks, eval_fraction={self.eval_fraction}); "
+                f"{self.name}: the {which!r} split is empty "
+                f"({len(self)} tasks, eval_fraction={self.eval_fraction}); "
                 "set eval_fraction, add 'split' fields to the records, or use split='all'"
             )
         subset = TaskSet.__new__(TaskSet)
-        subset.name, subset.eval_fraction, subset.split_seed = f"{self.name}[{which}]", self.eval_fraction, self.split_seed
+        subset.name, subset.eval_fraction, subset.split_seed = (
+            f"{self.name}[{which}]",
+            self.eval_fraction,
+            self.split_seed,
+        )
         subset._tasks = chosen
         subset._by_id = {task["id"]: i for i, task in enumerate(chosen)}
         return subset
@@ -143,7 +157,9 @@ class TaskSet(Sequence[Task]):
         index = self._by_id.get(str(task_id))
         if index is None:
             known = ", ".join(list(self._by_id)[:5])
-            raise TaskSetError(f"{self.name} has no task with id {task_id!r} (ids look like: {known}, ...)")
+            raise TaskSetError(
+                f"{self.name} has no task with id {task_id!r} (ids look like: {known}, ...)"
+            )
         return dict(self._tasks[index])
 
     def sample(self, rng: np.random.Generator) -> Task:
@@ -158,7 +174,10 @@ class TaskSet(Sequence[Task]):
                 raise TaskSetError(f"options['task'] must be a dict, got {type(task).__name__}")
             task = dict(task)
             task.setdefault("id", "custom")
-            task.setdefault("seed", stable_hash(self.name, json.dumps(task, sort_keys=True, default=str)) % (2**31))
+            task.setdefault(
+                "seed",
+                stable_hash(self.name, json.dumps(task, sort_keys=True, default=str)) % (2**31),
+            )
             return task
         if options.get("task_id") is not None:
             return self.get(options["task_id"])
@@ -205,7 +224,10 @@ def as_taskset(
     elif isinstance(dataset, Iterable):
         tasks = TaskSet(dataset, name=name, eval_fraction=eval_fraction, required=required)
     else:
-        raise TaskSetError(f"dataset must be a JSONL path, a list of dicts or a TaskSet, got {type(dataset).__name__}")
+        raise TaskSetError(
+            "dataset must be a JSONL path, a list of dicts or a TaskSet, "
+            f"got {type(dataset).__name__}"
+        )
     if len(tasks) == 0:
         raise TaskSetError(f"{tasks.name} holds no tasks; give a non-empty dataset")
     return tasks.split(split)

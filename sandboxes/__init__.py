@@ -71,7 +71,9 @@ def backend_class(backend: str) -> type[Sandbox]:
 
         close = difflib.get_close_matches(str(backend), BACKENDS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise SandboxConfigError(f"unknown sandbox backend {backend!r}; choose one of {sorted(BACKENDS)}.{hint}")
+        raise SandboxConfigError(
+            f"unknown sandbox backend {backend!r}; choose one of {sorted(BACKENDS)}.{hint}"
+        )
     module_name, _, cls_name = BACKENDS[backend].partition(":")
     cls: type[Sandbox] = getattr(importlib.import_module(module_name), cls_name)
     return cls

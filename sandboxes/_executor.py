@@ -60,7 +60,8 @@ def reap():
             pass
     except ChildProcessError:
         pass
-RESET = [s for s in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGHUP)]
+RESET = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
+         signal.SIGHUP]
 while True:
     try:
         msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
@@ -105,7 +106,10 @@ def _descendants(pid: int) -> list[int]:
         with contextlib.suppress(OSError):
             for task in os.listdir(f"/proc/{out[i]}/task"):
                 with contextlib.suppress(OSError):
-                    out += [int(x) for x in Path(f"/proc/{out[i]}/task/{task}/children").read_text().split()]
+                    out += [
+                        int(x)
+                        for x in Path(f"/proc/{out[i]}/task/{task}/children").read_text().split()
+                    ]
         i += 1
     return out[1:]
 
@@ -114,8 +118,11 @@ class WarmExecutor:
     """Host side of one executor. ``spawn(argv, pass_fd)`` must start ``argv`` in the sandbox
     (inheriting ``pass_fd``) in the cgroup that ``kill_others(exclude)`` sweeps."""
 
-    def __init__(self, spawn: Callable[[list[str], int], subprocess.Popen[bytes]],
-                 kill_others: Callable[[set[int]], None]) -> None:
+    def __init__(
+        self,
+        spawn: Callable[[list[str], int], subprocess.Popen[bytes]],
+        kill_others: Callable[[set[int]], None],
+    ) -> None:
         self._spawn, self._kill_others = spawn, kill_others
         self.proc: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
@@ -130,8 +137,10 @@ class WarmExecutor:
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self.proc = self._spawn(["python3", "-I", "-S", "-c", EXECUTOR_SOURCE, str(theirs.fileno())],
-                                    theirs.fileno())
+            self.proc = self._spawn(
+                ["python3", "-I", "-S", "-c", EXECUTOR_SOURCE, str(theirs.fileno())],
+                theirs.fileno(),
+            )
         finally:
             theirs.close()
         self.sock = ours
@@ -146,7 +155,11 @@ class WarmExecutor:
                 break
             time.sleep(0.001)
         if not self.host_pid:
-            err = self.proc.stderr.read().decode(errors="replace") if self.proc.poll() is not None else ""
+            err = (
+                self.proc.stderr.read().decode(errors="replace")
+                if self.proc.poll() is not None
+                else ""
+            )
             self.stop()
             raise SandboxError(f"the warm executor did not start: {err.strip() or 'not found'}")
         with contextlib.suppress(OSError):
@@ -178,7 +191,9 @@ class WarmExecutor:
             limits = Path(f"/proc/{self.host_pid}/limits").read_text()
         except (OSError, IndexError):
             return {}
-        cpus = next((line for line in status.splitlines() if line.startswith("Cpus_allowed_list:")), "")
+        cpus = next(
+            (line for line in status.splitlines() if line.startswith("Cpus_allowed_list:")), ""
+        )
         return {"limits": limits, "nice": stat[16], "policy": stat[38], "cpus": cpus}
 
     def verify(self, present: set[int], *, seccomp: bool) -> str | None:
@@ -190,11 +205,15 @@ class WarmExecutor:
         if not self.alive or not self.host_pid:
             return "the executor is not running"
         if present != self.spare:
-            return f"processes other than the executor survived the sweep: {sorted(present - self.spare)}"
+            survivors = sorted(present - self.spare)
+            return f"processes other than the executor survived the sweep: {survivors}"
         for pid in self.spare:
             try:
-                status = dict(line.split(":\t", 1) for line in
-                              Path(f"/proc/{pid}/status").read_text().splitlines() if ":\t" in line)
+                status = dict(
+                    line.split(":\t", 1)
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                    if ":\t" in line
+                )
             except OSError:
                 return f"spared process {pid} is gone"
             if status.get("TracerPid", "0").strip() != "0":
@@ -204,7 +223,8 @@ class WarmExecutor:
             if pid == self.host_pid and seccomp and status.get("Seccomp", "0").strip() != "2":
                 return "the executor runs without its seccomp filter"
         changed = [k for k, v in self._inherited().items() if self._baseline.get(k) != v]
-        if changed:  # e.g. a run lowered its rlimits or CPU share: every later run would inherit them
+        # e.g. a run lowered its rlimits or CPU share: every later run would inherit them
+        if changed:
             return f"a run changed what the executor passes to later runs: {', '.join(changed)}"
         return None
 
@@ -223,8 +243,17 @@ class WarmExecutor:
         self.host_pid = 0
         self.spare = set()
 
-    def run(self, argv: list[str], *, env: dict[str, str], cwd: str, cpu: int, stdin: bytes | None,
-            timeout: float, max_bytes: int) -> Captured:
+    def run(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str,
+        cpu: int,
+        stdin: bytes | None,
+        timeout: float,
+        max_bytes: int,
+    ) -> Captured:
         if not self.alive:
             self.stop()
             self.start()
@@ -236,13 +265,18 @@ class WarmExecutor:
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            socket.send_fds(sock, [json.dumps({"argv": argv, "env": env, "cwd": cwd, "cpu": cpu}).encode()],
-                            [in_r, out_w, err_w])
+            socket.send_fds(
+                sock,
+                [json.dumps({"argv": argv, "env": env, "cwd": cwd, "cpu": cpu}).encode()],
+                [in_r, out_w, err_w],
+            )
         except OSError as e:
             for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
                 os.close(fd)
             self.stop()
-            raise SandboxError(f"the warm executor is gone ({e}); the next run starts a new one") from e
+            raise SandboxError(
+                f"the warm executor is gone ({e}); the next run starts a new one"
+            ) from e
         for fd in (in_r, out_w, err_w):
             os.close(fd)
         state: dict[str, int] = {}
@@ -267,9 +301,18 @@ class WarmExecutor:
             return False
 
         try:
-            cap = pump(in_w, out_r, err_r, stdin=stdin, timeout=timeout, max_bytes=max_bytes,
-                       kill=lambda: self._kill_others(spare), started=started, control_fd=sock.fileno(),
-                       on_control=on_control)
+            cap = pump(
+                in_w,
+                out_r,
+                err_r,
+                stdin=stdin,
+                timeout=timeout,
+                max_bytes=max_bytes,
+                kill=lambda: self._kill_others(spare),
+                started=started,
+                control_fd=sock.fileno(),
+                on_control=on_control,
+            )
             killed = cap.timed_out or cap.truncated
             waited_after_kill = 0.0
             while "exit" not in state:  # pipes closed, but the program may still run

@@ -31,11 +31,15 @@ from pathlib import Path
 
 from sandboxes.errors import SandboxError, SandboxFileError
 
-__all__ = ["UidLease", "Cgroup", "mount_tmpfs", "unmount", "write_at", "read_at", "is_root"]
+__all__ = ["Cgroup", "UidLease", "is_root", "mount_tmpfs", "read_at", "unmount", "write_at"]
 
 UID_BASE = 200_000
 UID_COUNT = 8192
-LEASE_DIR = Path("/run/envhub-sandbox-uids") if os.access("/run", os.W_OK) else Path("/tmp/envhub-sandbox-uids")
+LEASE_DIR = (
+    Path("/run/envhub-sandbox-uids")
+    if os.access("/run", os.W_OK)
+    else Path("/tmp/envhub-sandbox-uids")
+)
 
 
 def is_root() -> bool:
@@ -58,7 +62,9 @@ class UidLease:
                 continue
             self.uid, self._fd = uid, fd
             return
-        raise SandboxError(f"all {UID_COUNT} sandbox uids are in use; stop some sandboxes (leases in {LEASE_DIR})")
+        raise SandboxError(
+            f"all {UID_COUNT} sandbox uids are in use; stop some sandboxes (leases in {LEASE_DIR})"
+        )
 
     def release(self) -> None:
         if self._fd >= 0:
@@ -106,8 +112,15 @@ class Cgroup:
     processes in (its ``cgroup.procs`` is chowned), so an unprivileged launcher can join.
     """
 
-    def __init__(self, name: str, *, memory_bytes: int | None = None, pids_max: int | None = None,
-                 parent: Cgroup | None = None, delegate_uid: int | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        memory_bytes: int | None = None,
+        pids_max: int | None = None,
+        parent: Cgroup | None = None,
+        delegate_uid: int | None = None,
+    ) -> None:
         self.dirs: dict[str, Path] = {}
         try:
             self._create(name, memory_bytes, pids_max, parent, delegate_uid)
@@ -117,8 +130,14 @@ class Cgroup:
                     path.rmdir()
             raise
 
-    def _create(self, name: str, memory_bytes: int | None, pids_max: int | None, parent: Cgroup | None,
-                delegate_uid: int | None) -> None:
+    def _create(
+        self,
+        name: str,
+        memory_bytes: int | None,
+        pids_max: int | None,
+        parent: Cgroup | None,
+        delegate_uid: int | None,
+    ) -> None:
         for controller in ("memory", "pids"):
             base = parent.dirs[controller] if parent else _own_cgroup(controller)
             if base is None:
@@ -158,7 +177,9 @@ class Cgroup:
             pass
         return 0
 
-    def kill_all(self, timeout: float = 5.0, exclude: set[int] | frozenset[int] = frozenset()) -> bool:
+    def kill_all(
+        self, timeout: float = 5.0, exclude: set[int] | frozenset[int] = frozenset()
+    ) -> bool:
         """SIGKILL every process in the cgroup (but ``exclude``) until none is left; forks race
         us, and pids.max bounds how many."""
         deadline = time.monotonic() + timeout
@@ -212,7 +233,9 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @contextlib.contextmanager
-def _parent_dir(root: Path, parts: tuple[str, ...], *, create: bool, owner: tuple[int, int] | None) -> Iterator[int]:
+def _parent_dir(
+    root: Path, parts: tuple[str, ...], *, create: bool, owner: tuple[int, int] | None
+) -> Iterator[int]:
     fd = os.open(root, _DIR_FLAGS)
     try:
         for i, name in enumerate(parts[:-1]):
@@ -220,8 +243,10 @@ def _parent_dir(root: Path, parts: tuple[str, ...], *, create: bool, owner: tupl
                 nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
             except FileNotFoundError:
                 if not create:
-                    missing = "/".join(parts[:i + 1])
-                    raise SandboxFileError(f"{'/'.join(parts)!r}: directory {missing!r} does not exist") from None
+                    missing = "/".join(parts[: i + 1])
+                    raise SandboxFileError(
+                        f"{'/'.join(parts)!r}: directory {missing!r} does not exist"
+                    ) from None
                 os.mkdir(name, 0o755, dir_fd=fd)
                 if owner:
                     os.chown(name, *owner, dir_fd=fd, follow_symlinks=False)
@@ -229,8 +254,10 @@ def _parent_dir(root: Path, parts: tuple[str, ...], *, create: bool, owner: tupl
             except OSError as e:
                 if e.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise SandboxFileError(
-                        f"{'/'.join(parts)!r}: {'/'.join(parts[:i + 1])!r} is a symlink or not a directory; "
-                        "scratch paths may not go through symlinks") from None
+                        f"{'/'.join(parts)!r}: {'/'.join(parts[: i + 1])!r} "
+                        "is a symlink or not a directory; "
+                        "scratch paths may not go through symlinks"
+                    ) from None
                 raise
             os.close(fd)
             fd = nfd
@@ -239,30 +266,44 @@ def _parent_dir(root: Path, parts: tuple[str, ...], *, create: bool, owner: tupl
         os.close(fd)
 
 
-def write_at(root: Path, parts: tuple[str, ...], data: bytes, *, owner: tuple[int, int] | None) -> None:
-    """Write ``root/parts`` without following any symlink; chown new dirs and the file to ``owner``."""
+def write_at(
+    root: Path, parts: tuple[str, ...], data: bytes, *, owner: tuple[int, int] | None
+) -> None:
+    """Write ``root/parts`` without following any symlink.
+
+    New directories and the file are chowned to ``owner``.
+    """
     with _parent_dir(root, parts, create=True, owner=owner) as dfd:
         try:
-            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            flags = (
+                os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            )
             fd = os.open(parts[-1], flags, 0o644, dir_fd=dfd)
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO):
                 raise SandboxFileError(
-                    f"{'/'.join(parts)!r} is a symlink, directory or device; cannot write it") from None
+                    f"{'/'.join(parts)!r} is a symlink, directory or device; cannot write it"
+                ) from None
             if e.errno == errno.ENOSPC:
-                raise SandboxFileError(f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb") from None
+                raise SandboxFileError(
+                    f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb"
+                ) from None
             raise
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SandboxFileError(f"{'/'.join(parts)!r} is not a regular file; cannot write it")
+                raise SandboxFileError(
+                    f"{'/'.join(parts)!r} is not a regular file; cannot write it"
+                )
             if owner:
                 os.fchown(fd, *owner)
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise SandboxFileError(f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb") from None
+                raise SandboxFileError(
+                    f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb"
+                ) from None
             raise
         finally:
             os.close(fd)
@@ -272,12 +313,16 @@ def read_at(root: Path, parts: tuple[str, ...]) -> bytes:
     """Read ``root/parts`` without following any symlink; only regular files."""
     with _parent_dir(root, parts, create=False, owner=None) as dfd:
         try:
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+            fd = os.open(
+                parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd
+            )
         except FileNotFoundError:
             raise SandboxFileError(f"{'/'.join(parts)!r} does not exist in scratch") from None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise SandboxFileError(f"{'/'.join(parts)!r} is a symlink; refusing to follow it") from None
+                raise SandboxFileError(
+                    f"{'/'.join(parts)!r} is a symlink; refusing to follow it"
+                ) from None
             raise
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):

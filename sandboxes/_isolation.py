@@ -30,10 +30,27 @@ from pathlib import Path
 
 from sandboxes._seccomp import LOADER_SOURCE
 
-__all__ = ["ETC_FILES", "ROOT_LINKS", "LaunchFds", "UNSHARE_DIR_ENV", "bwrap_argv", "unshare_argv", "probe"]
+__all__ = [
+    "ETC_FILES",
+    "ROOT_LINKS",
+    "UNSHARE_DIR_ENV",
+    "LaunchFds",
+    "bwrap_argv",
+    "probe",
+    "unshare_argv",
+]
 
-ETC_FILES = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "alternatives", "localtime", "timezone",
-             "nsswitch.conf", "hosts", "mime.types")
+ETC_FILES = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "localtime",
+    "timezone",
+    "nsswitch.conf",
+    "hosts",
+    "mime.types",
+)
 """Public /etc entries programs commonly need; nothing secret (no shadow, ssh, ssl keys)."""
 
 NETWORK_ETC_FILES = ("resolv.conf", "ssl", "ca-certificates", "gai.conf")
@@ -60,8 +77,16 @@ def _etc_entries(network: bool) -> list[str]:
     return [n for n in names if os.path.lexists(f"/etc/{n}")]
 
 
-def bwrap_argv(*, fds: LaunchFds, tmp_mb: int, network: bool, userns: bool, ro_binds: Sequence[str],
-               as_pid_1: bool = False, hostname: str = "sandbox") -> list[str]:
+def bwrap_argv(
+    *,
+    fds: LaunchFds,
+    tmp_mb: int,
+    network: bool,
+    userns: bool,
+    ro_binds: Sequence[str],
+    as_pid_1: bool = False,
+    hostname: str = "sandbox",
+) -> list[str]:
     """``bwrap ... --`` (the caller appends the command and passes ``fds`` to the child).
 
     Host paths stay out of the sandbox's view: scratch is bound from an open fd and
@@ -72,8 +97,14 @@ def bwrap_argv(*, fds: LaunchFds, tmp_mb: int, network: bool, userns: bool, ro_b
     bubblewrap's init, which lives and dies with it (as PID 1 it would lose default signal
     actions: no SIGXCPU at the CPU limit, no SIGPIPE).
     """
-    argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            "--hostname", hostname]
+    argv = [
+        shutil.which("bwrap") or "bwrap",
+        "--unshare-all",
+        "--die-with-parent",
+        "--new-session",
+        "--hostname",
+        hostname,
+    ]
     if network:
         argv.append("--share-net")
     if userns:
@@ -89,15 +120,49 @@ def bwrap_argv(*, fds: LaunchFds, tmp_mb: int, network: bool, userns: bool, ro_b
         argv += ["--ro-bind", f"/{name}", f"/{name}"]
     for name in _etc_entries(network):
         argv += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-    argv += ["--perms", "0644", "--ro-bind-data", str(fds.passwd), "/etc/passwd",
-             "--perms", "0644", "--ro-bind-data", str(fds.group), "/etc/group"]
+    argv += [
+        "--perms",
+        "0644",
+        "--ro-bind-data",
+        str(fds.passwd),
+        "/etc/passwd",
+        "--perms",
+        "0644",
+        "--ro-bind-data",
+        str(fds.group),
+        "/etc/group",
+    ]
     for path in ro_binds:
         argv += ["--ro-bind", path, path]
     size = str(tmp_mb << 20)
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm",
-             "--dir", "/dev/mqueue", "--mqueue", "/dev/mqueue", "--remount-ro", "/dev",
-             "--size", size, "--tmpfs", "/tmp", "--bind-fd", str(fds.scratch), "/sandbox", "--chdir", "/sandbox",
-             "--remount-ro", "/", "--"]
+    argv += [
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--size",
+        size,
+        "--tmpfs",
+        "/dev/shm",
+        "--dir",
+        "/dev/mqueue",
+        "--mqueue",
+        "/dev/mqueue",
+        "--remount-ro",
+        "/dev",
+        "--size",
+        size,
+        "--tmpfs",
+        "/tmp",
+        "--bind-fd",
+        str(fds.scratch),
+        "/sandbox",
+        "--chdir",
+        "/sandbox",
+        "--remount-ro",
+        "/",
+        "--",
+    ]
     return argv
 
 
@@ -111,7 +176,9 @@ class LaunchFds:
     seccomp: int | None
 
     def all(self) -> tuple[int, ...]:
-        return tuple(fd for fd in (self.scratch, self.passwd, self.group, self.seccomp) if fd is not None)
+        return tuple(
+            fd for fd in (self.scratch, self.passwd, self.group, self.seccomp) if fd is not None
+        )
 
 
 _UNSHARE_SCRIPT = r"""
@@ -126,14 +193,16 @@ robind /usr "$R/usr"
 {links}
 for d in {dirs}; do mkdir "$R/$d"; robind "/$d" "$R/$d"; done
 for f in {etc}; do
-  if [ -d "/etc/$f" ]; then mkdir "$R/etc/$f"; else : > "$R/etc/$f"; fi; robind "/etc/$f" "$R/etc/$f"
+  if [ -d "/etc/$f" ]; then mkdir "$R/etc/$f"; else : > "$R/etc/$f"; fi
+  robind "/etc/$f" "$R/etc/$f"
 done
 for f in passwd group; do cat "$D/etc/$f" > "$R/etc/$f"; chmod 644 "$R/etc/$f"; done
 {ro_binds}
 mount -t proc -o nosuid,nodev,noexec proc "$R/proc"
 mount -t tmpfs -o size=64k,mode=755,nosuid dev "$R/dev"
 for d in null zero full random urandom; do : > "$R/dev/$d"; mount --bind "/dev/$d" "$R/dev/$d"; done
-ln -s /proc/self/fd "$R/dev/fd"; ln -s fd/0 "$R/dev/stdin"; ln -s fd/1 "$R/dev/stdout"; ln -s fd/2 "$R/dev/stderr"
+ln -s /proc/self/fd "$R/dev/fd"
+ln -s fd/0 "$R/dev/stdin"; ln -s fd/1 "$R/dev/stdout"; ln -s fd/2 "$R/dev/stderr"
 mkdir "$R/dev/shm" "$R/dev/mqueue"
 mount -t tmpfs -o size={tmp_mb}m,mode=1777,nosuid,nodev envhub-shm "$R/dev/shm"
 mount -t mqueue -o nosuid,nodev,noexec mqueue "$R/dev/mqueue"
@@ -144,8 +213,9 @@ mount -o remount,ro "$R"
 {hostname_cmd} {hostname}
 {net_up}
 set +e
-{exec}{chroot} "$R" /usr/bin/setpriv --reuid={uid} --regid={uid} --clear-groups --bounding-set=-all \
-  --inh-caps=-all --no-new-privs -- {filter}/bin/sh -c 'cd /sandbox && exec "$@"' sh "$@"
+{exec}{chroot} "$R" /usr/bin/setpriv --reuid={uid} --regid={uid} --clear-groups \
+  --bounding-set=-all --inh-caps=-all --no-new-privs -- \
+  {filter}/bin/sh -c 'cd /sandbox && exec "$@"' sh "$@"
 """
 
 
@@ -155,9 +225,16 @@ UNSHARE_DIR_ENV = "ENVHUB_SANDBOX_DIR"
 the sandbox's ``/proc/1/cmdline`` names no host path; unset before the command runs."""
 
 
-def unshare_argv(*, tmp_mb: int, network: bool, uid: int,
-                 ro_binds: Sequence[str], seccomp: bytes | None, as_pid_1: bool = False,
-                 hostname: str = "sandbox") -> list[str]:
+def unshare_argv(
+    *,
+    tmp_mb: int,
+    network: bool,
+    uid: int,
+    ro_binds: Sequence[str],
+    seccomp: bytes | None,
+    as_pid_1: bool = False,
+    hostname: str = "sandbox",
+) -> list[str]:
     """``unshare ... sh -c SCRIPT envhub-sandbox`` (the caller appends the command).
 
     The script runs as root in the new mount/PID namespaces, builds the root described in the
@@ -169,19 +246,47 @@ def unshare_argv(*, tmp_mb: int, network: bool, uid: int,
     ``bwrap_argv``.
     """
     q = shlex.quote
-    links = "\n".join(f"ln -s {q(target)} \"$R/{name}\"" for name, target in ROOT_LINKS)
-    binds = "\n".join(f"mkdir -p \"$R\"{q(p)}; robind {q(p)} \"$R\"{q(p)}" for p in ro_binds)
-    loader = "" if seccomp is None else f"/usr/bin/python3 -I -S -c {q(LOADER_SOURCE)} {seccomp.hex()} "
+    links = "\n".join(f'ln -s {q(target)} "$R/{name}"' for name, target in ROOT_LINKS)
+    binds = "\n".join(f'mkdir -p "$R"{q(p)}; robind {q(p)} "$R"{q(p)}' for p in ro_binds)
+    loader = (
+        "" if seccomp is None else f"/usr/bin/python3 -I -S -c {q(LOADER_SOURCE)} {seccomp.hex()} "
+    )
     script = _UNSHARE_SCRIPT.format(
-        links=links, dirs=" ".join(ROOT_DIRS) or "", etc=" ".join(map(q, _etc_entries(network))),
-        ro_binds=binds, tmp_mb=int(tmp_mb), uid=int(uid),
-        hostname=q(hostname), net_up="" if network else f"{q(_tool('ip'))} link set lo up 2>/dev/null || true",
-        mount=q(_tool("mount")), chroot=q(_tool("chroot")), hostname_cmd=q(_tool("hostname")),
-        exec="exec " if as_pid_1 else "", filter=loader)
-    namespaces = ["--mount", "--uts", "--ipc", "--pid", "--fork", "--kill-child", "--propagation", "private"]
+        links=links,
+        dirs=" ".join(ROOT_DIRS) or "",
+        etc=" ".join(map(q, _etc_entries(network))),
+        ro_binds=binds,
+        tmp_mb=int(tmp_mb),
+        uid=int(uid),
+        hostname=q(hostname),
+        net_up="" if network else f"{q(_tool('ip'))} link set lo up 2>/dev/null || true",
+        mount=q(_tool("mount")),
+        chroot=q(_tool("chroot")),
+        hostname_cmd=q(_tool("hostname")),
+        exec="exec " if as_pid_1 else "",
+        filter=loader,
+    )
+    namespaces = [
+        "--mount",
+        "--uts",
+        "--ipc",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--propagation",
+        "private",
+    ]
     if not network:
         namespaces.append("--net")
-    return [shutil.which("unshare") or "unshare", *namespaces, "--", "/bin/sh", "-c", script, "envhub-sandbox"]
+    return [
+        shutil.which("unshare") or "unshare",
+        *namespaces,
+        "--",
+        "/bin/sh",
+        "-c",
+        script,
+        "envhub-sandbox",
+    ]
 
 
 def _tool(name: str) -> str:
@@ -208,15 +313,34 @@ def probe(kind: str, uid: int | None) -> str | None:
         missing = [t for t in ("unshare", "setpriv", "chroot", "mount") if _tool(t) == t]
         if missing:
             return f"util-linux/coreutils tools missing: {', '.join(missing)}"
-        cmd = [shutil.which("unshare") or "unshare", "--mount", "--pid", "--net", "--fork", "--propagation", "private",
-               "--", "/bin/sh", "-c", "mount -t tmpfs x /mnt && true"]
+        cmd = [
+            shutil.which("unshare") or "unshare",
+            "--mount",
+            "--pid",
+            "--net",
+            "--fork",
+            "--propagation",
+            "private",
+            "--",
+            "/bin/sh",
+            "-c",
+            "mount -t tmpfs x /mnt && true",
+        ]
     else:
         raise ValueError(kind)
     try:
-        proc = subprocess.run(cmd, capture_output=True, timeout=20, user=uid, group=uid,
-                              extra_groups=[] if uid else None)
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            check=False,  # the exit code is the answer, read below
+            timeout=20,
+            user=uid,
+            group=uid,
+            extra_groups=[] if uid else None,
+        )
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{cmd[0]} failed to start: {e}"
     if proc.returncode != 0:
-        return f"{' '.join(cmd[:3])} ... exited {proc.returncode}: {proc.stderr.decode(errors='replace').strip()[:300]}"
+        stderr = proc.stderr.decode(errors="replace").strip()[:300]
+        return f"{' '.join(cmd[:3])} ... exited {proc.returncode}: {stderr}"
     return None

@@ -17,7 +17,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-__all__ = ["Captured", "pump", "communicate", "exit_status"]
+__all__ = ["Captured", "communicate", "exit_status", "pump"]
 
 _CHUNK = 65536
 _DRAIN_AFTER_KILL_S = 2.0
@@ -38,9 +38,19 @@ def exit_status(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def pump(in_fd: int | None, out_fd: int, err_fd: int, *, stdin: bytes | None, timeout: float, max_bytes: int,
-         kill: Callable[[], None], started: float, control_fd: int | None = None,
-         on_control: Callable[[], bool] | None = None) -> Captured:
+def pump(
+    in_fd: int | None,
+    out_fd: int,
+    err_fd: int,
+    *,
+    stdin: bytes | None,
+    timeout: float,
+    max_bytes: int,
+    kill: Callable[[], None],
+    started: float,
+    control_fd: int | None = None,
+    on_control: Callable[[], bool] | None = None,
+) -> Captured:
     """Feed ``stdin`` to ``in_fd``; read ``out_fd``/``err_fd`` to EOF (``max_bytes`` each).
 
     ``kill`` must kill every process of the run so the pipes reach EOF; it is called at most
@@ -111,21 +121,44 @@ def pump(in_fd: int | None, out_fd: int, err_fd: int, *, stdin: bytes | None, ti
     sel.close()
     if in_fd is not None:
         os.close(in_fd)
-    return Captured(bytes(buffers[out_fd]), bytes(buffers[err_fd]), timed_out, truncated, time.monotonic() - started)
+    return Captured(
+        bytes(buffers[out_fd]),
+        bytes(buffers[err_fd]),
+        timed_out,
+        truncated,
+        time.monotonic() - started,
+    )
 
 
-def communicate(proc: subprocess.Popen[bytes], *, stdin: bytes | None, timeout: float, max_bytes: int,
-                kill: Callable[[], None], started: float) -> Captured:
+def communicate(
+    proc: subprocess.Popen[bytes],
+    *,
+    stdin: bytes | None,
+    timeout: float,
+    max_bytes: int,
+    kill: Callable[[], None],
+    started: float,
+) -> Captured:
     """``pump`` over a ``Popen``'s pipes, then reap it (killing it if it outlives the deadline)."""
     if proc.stdout is None or proc.stderr is None:
         raise ValueError("communicate() needs a Popen with stdout=PIPE and stderr=PIPE")
     in_fd = os.dup(proc.stdin.fileno()) if proc.stdin is not None else None
     if proc.stdin is not None:
         proc.stdin.close()
-    cap = pump(in_fd, proc.stdout.fileno(), proc.stderr.fileno(), stdin=stdin, timeout=timeout,
-               max_bytes=max_bytes, kill=kill, started=started)
+    cap = pump(
+        in_fd,
+        proc.stdout.fileno(),
+        proc.stderr.fileno(),
+        stdin=stdin,
+        timeout=timeout,
+        max_bytes=max_bytes,
+        kill=kill,
+        started=started,
+    )
     try:
-        cap.returncode = proc.wait(timeout=max(0.1, started + timeout + _DRAIN_AFTER_KILL_S - time.monotonic()))
+        cap.returncode = proc.wait(
+            timeout=max(0.1, started + timeout + _DRAIN_AFTER_KILL_S - time.monotonic())
+        )
     except subprocess.TimeoutExpired:
         if not (cap.timed_out or cap.truncated):
             cap.timed_out = True

@@ -37,23 +37,66 @@ import errno
 import functools
 import os
 
-__all__ = ["DENIED_SYSCALLS", "LOADER_SOURCE", "program", "unavailable_reason", "memfd"]
+__all__ = ["DENIED_SYSCALLS", "LOADER_SOURCE", "memfd", "program", "unavailable_reason"]
 
 DENIED_SYSCALLS: tuple[str, ...] = (
     # memory and fds of other processes
-    "ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd", "kcmp",
+    "ptrace",
+    "process_vm_readv",
+    "process_vm_writev",
+    "pidfd_getfd",
+    "kcmp",
     # kernel keyrings
-    "add_key", "keyctl", "request_key",
+    "add_key",
+    "keyctl",
+    "request_key",
     # SysV IPC: memory no tmpfs cap bounds, objects outside any file system (POSIX shm in the
     # capped /dev/shm, POSIX semaphores and message queues work instead)
-    "shmget", "shmat", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semctl",
+    "shmget",
+    "shmat",
+    "shmctl",
+    "msgget",
+    "msgsnd",
+    "msgrcv",
+    "msgctl",
+    "semget",
+    "semop",
+    "semctl",
     "semtimedop",
     # kernel surface
-    "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
-    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load",
-    "mount", "umount2", "pivot_root", "move_mount", "open_tree", "fsopen", "fsmount", "fsconfig",
-    "unshare", "setns", "swapon", "swapoff", "reboot", "acct", "quotactl", "iopl", "ioperm",
-    "open_by_handle_at", "name_to_handle_at", "lookup_dcookie", "syslog", "vhangup",
+    "bpf",
+    "perf_event_open",
+    "userfaultfd",
+    "io_uring_setup",
+    "io_uring_enter",
+    "io_uring_register",
+    "init_module",
+    "finit_module",
+    "delete_module",
+    "kexec_load",
+    "kexec_file_load",
+    "mount",
+    "umount2",
+    "pivot_root",
+    "move_mount",
+    "open_tree",
+    "fsopen",
+    "fsmount",
+    "fsconfig",
+    "unshare",
+    "setns",
+    "swapon",
+    "swapoff",
+    "reboot",
+    "acct",
+    "quotactl",
+    "iopl",
+    "ioperm",
+    "open_by_handle_at",
+    "name_to_handle_at",
+    "lookup_dcookie",
+    "syslog",
+    "vhangup",
 )
 """Syscalls a sandboxed program may not make (each fails with EPERM); see the module docstring."""
 
@@ -70,7 +113,8 @@ class Fprog(ctypes.Structure):
 fprog = Fprog(len(prog) // 8, ctypes.addressof(buf))
 libc.syscall(KEYCTL_NR, 1, None)  # KEYCTL_JOIN_SESSION_KEYRING: drop the host's session keyring
 if libc.prctl(38, 1, 0, 0, 0) != 0 or libc.prctl(22, 2, ctypes.byref(fprog), 0, 0) != 0:
-    os.write(2, b"envhub: cannot install the seccomp filter: %s\n" % os.strerror(ctypes.get_errno()).encode())
+    err = os.strerror(ctypes.get_errno()).encode()
+    os.write(2, b"envhub: cannot install the seccomp filter: %s\n" % err)
     os._exit(125)
 os.execvp(sys.argv[2], sys.argv[2:])
 """.replace("@KEYCTL_NR@", str(_KEYCTL_NR))
@@ -84,8 +128,10 @@ def _compiled() -> tuple[bytes | None, str]:
     try:
         import pyseccomp as seccomp
     except (ImportError, RuntimeError, OSError) as e:  # RuntimeError: libseccomp.so not found
-        return None, (f"libseccomp is unavailable ({e}); install it (apt-get install -y libseccomp2) "
-                      "and pip install pyseccomp")
+        return None, (
+            f"libseccomp is unavailable ({e}); install it (apt-get install -y libseccomp2) "
+            "and pip install pyseccomp"
+        )
     filt = seccomp.SyscallFilter(seccomp.ALLOW)
     filt.set_attr(seccomp.Attr.ACT_BADARCH, seccomp.KILL_PROCESS)
     for name in DENIED_SYSCALLS:
@@ -116,7 +162,7 @@ def memfd(name: str, data: bytes) -> int:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.lseek(fd, 0, os.SEEK_SET)
     except BaseException:
         os.close(fd)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import abc
 import atexit
+import contextlib
 import dataclasses
 import math
 import threading
@@ -36,7 +37,7 @@ from typing import Any, ClassVar, Self
 
 from sandboxes.errors import SandboxConfigError, SandboxFileError, SandboxStateError
 
-__all__ = ["Limits", "ExecResult", "Protection", "Sandbox", "Session", "LANGUAGES", "BASE_ENV"]
+__all__ = ["BASE_ENV", "LANGUAGES", "ExecResult", "Limits", "Protection", "Sandbox", "Session"]
 
 BASE_ENV: dict[str, str] = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -91,8 +92,16 @@ class Limits:
         for name in ("wall_time_s", "cpu_time_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise SandboxConfigError(f"Limits.{name} must be a positive number of seconds, got {value!r}")
-        for name in ("memory_mb", "max_processes", "max_file_size_mb", "max_output_bytes", "disk_mb"):
+                raise SandboxConfigError(
+                    f"Limits.{name} must be a positive number of seconds, got {value!r}"
+                )
+        for name in (
+            "memory_mb",
+            "max_processes",
+            "max_file_size_mb",
+            "max_output_bytes",
+            "disk_mb",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise SandboxConfigError(f"Limits.{name} must be a positive int, got {value!r}")
@@ -133,8 +142,13 @@ class ExecResult:
     @property
     def ok(self) -> bool:
         """Exit code 0 and no limit fired."""
-        return (self.exit_code == 0 and not self.timed_out and not self.oom_killed
-                and not self.output_truncated and not self.cpu_time_exceeded)
+        return (
+            self.exit_code == 0
+            and not self.timed_out
+            and not self.oom_killed
+            and not self.output_truncated
+            and not self.cpu_time_exceeded
+        )
 
     @property
     def signal(self) -> int | None:
@@ -143,9 +157,16 @@ class ExecResult:
 
     def describe(self) -> str:
         """One line for people: 'exit 0 in 12 ms' or 'killed: wall time limit (2.0 s)'."""
-        reasons = [name for name, hit in (("wall time limit", self.timed_out), ("memory limit", self.oom_killed),
-                                          ("output limit", self.output_truncated),
-                                          ("CPU time limit", self.cpu_time_exceeded)) if hit]
+        reasons = [
+            name
+            for name, hit in (
+                ("wall time limit", self.timed_out),
+                ("memory limit", self.oom_killed),
+                ("output limit", self.output_truncated),
+                ("CPU time limit", self.cpu_time_exceeded),
+            )
+            if hit
+        ]
         how = f"killed by {', '.join(reasons)}; " if reasons else ""
         return f"{how}exit {self.exit_code} in {self.wall_time_s * 1000:.0f} ms"
 
@@ -160,10 +181,8 @@ _LIVE: weakref.WeakSet[Sandbox] = weakref.WeakSet()
 def _stop_leftovers() -> None:
     """Sandboxes nobody stopped are stopped at interpreter exit (mounts, cgroups, containers)."""
     for sandbox in list(_LIVE):
-        try:
+        with contextlib.suppress(Exception):  # best effort at exit
             sandbox.stop()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
 
 
 def _decode(data: bytes) -> str:
@@ -235,7 +254,9 @@ class Sandbox(abc.ABC):
 
     def __init__(self, *, limits: Limits | None = None) -> None:
         if limits is not None and not isinstance(limits, Limits):
-            raise SandboxConfigError(f"limits must be a sandboxes.Limits, got {type(limits).__name__}")
+            raise SandboxConfigError(
+                f"limits must be a sandboxes.Limits, got {type(limits).__name__}"
+            )
         self.limits = limits or Limits()
         self.id = uuid.uuid4().hex[:12]
         self._state = "new"  # new -> started -> stopped
@@ -248,7 +269,9 @@ class Sandbox(abc.ABC):
         """Create the sandbox (scratch, limits, container...). Calling it again is a no-op."""
         with self._lock:
             if self._state == "stopped":
-                raise SandboxStateError(f"{self!r} was stopped; sandboxes are not restartable, make a new one")
+                raise SandboxStateError(
+                    f"{self!r} was stopped; sandboxes are not restartable, make a new one"
+                )
             if self._state == "new":
                 self._start()
                 self._state = "started"
@@ -291,12 +314,23 @@ class Sandbox(abc.ABC):
 
     def _require_started(self) -> None:
         if self._state != "started":
-            hint = "make a new sandbox" if self._state == "stopped" else "call start() or use `with sandbox:`"
+            hint = (
+                "make a new sandbox"
+                if self._state == "stopped"
+                else "call start() or use `with sandbox:`"
+            )
             raise SandboxStateError(f"{self!r} is {self._state}, not started; {hint}")
 
     # ---- running ---------------------------------------------------------------------------
-    def run(self, command: str | Sequence[str], *, timeout: float | None = None, stdin: str | bytes | None = None,
-            env: Mapping[str, str] | None = None, files: Mapping[str, str | bytes] | None = None) -> ExecResult:
+    def run(
+        self,
+        command: str | Sequence[str],
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+    ) -> ExecResult:
         """Run a command: a list is an argv (``PATH`` lookup), a str runs via ``/bin/sh -c``.
 
         ``timeout`` (seconds) overrides ``limits.wall_time_s``; ``stdin`` is fed to the
@@ -307,7 +341,9 @@ class Sandbox(abc.ABC):
         wall = self._timeout(timeout)
         data = stdin.encode() if isinstance(stdin, str) else stdin
         if data is not None and not isinstance(data, bytes):
-            raise SandboxConfigError(f"stdin must be str, bytes or None, got {type(stdin).__name__}")
+            raise SandboxConfigError(
+                f"stdin must be str, bytes or None, got {type(stdin).__name__}"
+            )
         full_env = self._env(env)
         with self._lock:
             self._require_started()
@@ -315,19 +351,33 @@ class Sandbox(abc.ABC):
                 self.write_file(path, content)
             return self._exec(argv, timeout=wall, stdin=data, env=full_env)
 
-    def run_code(self, code: str, language: str = "python", *, timeout: float | None = None,
-                 stdin: str | bytes | None = None, env: Mapping[str, str] | None = None,
-                 files: Mapping[str, str | bytes] | None = None) -> ExecResult:
+    def run_code(
+        self,
+        code: str,
+        language: str = "python",
+        *,
+        timeout: float | None = None,
+        stdin: str | bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        files: Mapping[str, str | bytes] | None = None,
+    ) -> ExecResult:
         """Write ``code`` to a scratch file and run it with the language's interpreter."""
         if language not in LANGUAGES:
-            raise SandboxConfigError(f"unknown language {language!r}; choose one of {sorted(LANGUAGES)}")
+            raise SandboxConfigError(
+                f"unknown language {language!r}; choose one of {sorted(LANGUAGES)}"
+            )
         suffix, interpreter = LANGUAGES[language]
         with self._lock:
             self._cell += 1
             path = f".envhub/cell_{self._cell}{suffix}"
             self.write_file(path, code)
-            return self.run([*interpreter, f"{self.workdir}/{path}"], timeout=timeout, stdin=stdin, env=env,
-                            files=files)
+            return self.run(
+                [*interpreter, f"{self.workdir}/{path}"],
+                timeout=timeout,
+                stdin=stdin,
+                env=env,
+                files=files,
+            )
 
     def session(self, language: str = "bash") -> Session:
         """Start a persistent interpreter (``"bash"`` or ``"python"``) in this sandbox."""
@@ -344,7 +394,9 @@ class Sandbox(abc.ABC):
         """Write a file in scratch (parents created). ``path`` is relative to scratch."""
         data = content.encode() if isinstance(content, str) else content
         if not isinstance(data, bytes):
-            raise SandboxConfigError(f"content for {path!r} must be str or bytes, got {type(content).__name__}")
+            raise SandboxConfigError(
+                f"content for {path!r} must be str or bytes, got {type(content).__name__}"
+            )
         parts = self._rel_parts(path)
         with self._lock:
             self._require_started()
@@ -383,25 +435,33 @@ class Sandbox(abc.ABC):
     def _argv(self, command: str | Sequence[str]) -> list[str]:
         if isinstance(command, str):
             if not command.strip():
-                raise SandboxConfigError("command is an empty string; pass a shell command like 'echo hi'")
+                raise SandboxConfigError(
+                    "command is an empty string; pass a shell command like 'echo hi'"
+                )
             return ["/bin/sh", "-c", command]
         argv = list(command)
         if not argv or not all(isinstance(a, str) for a in argv):
-            raise SandboxConfigError(f"command must be a str or a non-empty list of str, got {command!r}")
+            raise SandboxConfigError(
+                f"command must be a str or a non-empty list of str, got {command!r}"
+            )
         return argv
 
     def _timeout(self, timeout: float | None) -> float:
         if timeout is None:
             return self.limits.wall_time_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise SandboxConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
+            raise SandboxConfigError(
+                f"timeout must be a positive number of seconds, got {timeout!r}"
+            )
         return float(timeout)
 
     def _env(self, env: Mapping[str, str] | None) -> dict[str, str]:
         full = {**BASE_ENV, "HOME": self.workdir}
         for key, value in (env or {}).items():
             if not isinstance(key, str) or not key or "=" in key or "\0" in key:
-                raise SandboxConfigError(f"env var name {key!r} is invalid (non-empty, no '=' or NUL)")
+                raise SandboxConfigError(
+                    f"env var name {key!r} is invalid (non-empty, no '=' or NUL)"
+                )
             if not isinstance(value, str) or "\0" in value:
                 raise SandboxConfigError(f"env var {key} must be a str without NUL, got {value!r}")
             full[key] = value
@@ -416,21 +476,28 @@ class Sandbox(abc.ABC):
                 pure = pure.relative_to(self.workdir)
             except ValueError:
                 raise SandboxFileError(
-                    f"{path!r} is outside the scratch directory {self.workdir}; use a path relative to it"
+                    f"{path!r} is outside the scratch directory {self.workdir}; "
+                    "use a path relative to it"
                 ) from None
         parts = tuple(p for p in pure.parts if p not in ("", "."))
         if not parts or ".." in parts or any("\0" in p for p in parts):
-            raise SandboxFileError(f"{path!r} must name a file inside scratch (no '..', not scratch itself)")
+            raise SandboxFileError(
+                f"{path!r} must name a file inside scratch (no '..', not scratch itself)"
+            )
         longest = max(len(p.encode("utf-8", "surrogateescape")) for p in parts)
         if longest > NAME_MAX or len("/".join(parts).encode("utf-8", "surrogateescape")) > PATH_MAX:
-            raise SandboxFileError(f"{path[:80]!r}... is too long: each name may have at most {NAME_MAX} bytes "
-                                   f"and the whole path {PATH_MAX}; use a shorter path")
+            raise SandboxFileError(
+                f"{path[:80]!r}... is too long: each name may have at most {NAME_MAX} bytes "
+                f"and the whole path {PATH_MAX}; use a shorter path"
+            )
         return parts
 
     # ---- backend hooks ---------------------------------------------------------------------
     def _kill_running(self) -> None:
-        """Kill whatever runs in the sandbox now, without taking the lock (called by ``stop``)."""
-        return None  # backends that can interrupt a run override this
+        """Kill whatever runs in the sandbox now, without taking the lock (called by ``stop``).
+
+        The default does nothing; backends that can interrupt a run override this.
+        """
 
     @abc.abstractmethod
     def _start(self) -> None: ...
@@ -439,7 +506,9 @@ class Sandbox(abc.ABC):
     def _stop(self) -> None: ...
 
     @abc.abstractmethod
-    def _exec(self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]) -> ExecResult: ...
+    def _exec(
+        self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]
+    ) -> ExecResult: ...
 
     @abc.abstractmethod
     def _write_bytes(self, parts: tuple[str, ...], data: bytes) -> None: ...

@@ -27,15 +27,49 @@ def sandbox() -> None:
 
 def _limits_options(fn: Any) -> Any:
     options = [
-        click.option("--timeout", "wall_time_s", type=float, default=10.0, show_default=True,
-                     help="Wall-time limit (s)."),
-        click.option("--cpu", "cpu_time_s", type=float, default=10.0, show_default=True,
-                     help="CPU seconds per process."),
-        click.option("--memory-mb", type=int, default=512, show_default=True, help="Memory cap of the sandbox."),
-        click.option("--max-processes", type=int, default=64, show_default=True, help="Processes alive at once."),
-        click.option("--max-output-bytes", type=int, default=1_000_000, show_default=True, help="Kept per stream."),
-        click.option("--disk-mb", type=int, default=256, show_default=True, help="Size of scratch and /tmp."),
-        click.option("--network/--no-network", default=False, show_default=True, help="Allow network access."),
+        click.option(
+            "--timeout",
+            "wall_time_s",
+            type=float,
+            default=10.0,
+            show_default=True,
+            help="Wall-time limit (s).",
+        ),
+        click.option(
+            "--cpu",
+            "cpu_time_s",
+            type=float,
+            default=10.0,
+            show_default=True,
+            help="CPU seconds per process.",
+        ),
+        click.option(
+            "--memory-mb",
+            type=int,
+            default=512,
+            show_default=True,
+            help="Memory cap of the sandbox.",
+        ),
+        click.option(
+            "--max-processes",
+            type=int,
+            default=64,
+            show_default=True,
+            help="Processes alive at once.",
+        ),
+        click.option(
+            "--max-output-bytes",
+            type=int,
+            default=1_000_000,
+            show_default=True,
+            help="Kept per stream.",
+        ),
+        click.option(
+            "--disk-mb", type=int, default=256, show_default=True, help="Size of scratch and /tmp."
+        ),
+        click.option(
+            "--network/--no-network", default=False, show_default=True, help="Allow network access."
+        ),
     ]
     for option in reversed(options):
         fn = option(fn)
@@ -43,16 +77,34 @@ def _limits_options(fn: Any) -> Any:
 
 
 @sandbox.command("run", context_settings={"ignore_unknown_options": True})
-@click.option("--backend", "-b", type=click.Choice(["local", "docker", "e2b"]), default="local", show_default=True)
+@click.option(
+    "--backend",
+    "-b",
+    type=click.Choice(["local", "docker", "e2b"]),
+    default="local",
+    show_default=True,
+)
 @click.option("--image", default=None, help="Docker image (docker backend).")
-@click.option("--isolation", type=click.Choice(["auto", "bwrap", "unshare"]), default="auto", show_default=True,
-              help="How the local backend isolates.")
+@click.option(
+    "--isolation",
+    type=click.Choice(["auto", "bwrap", "unshare"]),
+    default="auto",
+    show_default=True,
+    help="How the local backend isolates.",
+)
 @click.option("--stdin", "stdin_text", default=None, help="Text fed to the command's stdin.")
 @click.option("--json", "as_json", is_flag=True, help="Print the ExecResult as JSON.")
 @_limits_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
-def run_command(backend: str, image: str | None, isolation: str, stdin_text: str | None, as_json: bool,
-                command: tuple[str, ...], **limit_fields: Any) -> None:
+def run_command(
+    backend: str,
+    image: str | None,
+    isolation: str,
+    stdin_text: str | None,
+    as_json: bool,
+    command: tuple[str, ...],
+    **limit_fields: Any,
+) -> None:
     """Run COMMAND (after --) in a fresh sandbox and report what happened.
 
     The exit status is the command's (128+N when signal N killed it); a line on stderr says
@@ -97,8 +149,13 @@ def gc_command() -> None:
 
 
 @sandbox.command("info")
-@click.option("--backend", "-b", type=click.Choice(["local", "docker", "e2b"]), default=None,
-              help="Only this backend (default: all).")
+@click.option(
+    "--backend",
+    "-b",
+    type=click.Choice(["local", "docker", "e2b"]),
+    default=None,
+    help="Only this backend (default: all).",
+)
 def info_command(backend: str | None) -> None:
     """Say which backends work on this host, what each protects against (and the tests that
     attack each property), what it does not, and what the local one enforces here."""
@@ -120,6 +177,8 @@ def info_command(backend: str | None) -> None:
         if cls.PROTECTS:
             click.echo("  protects against (property: how; guarded by):")
             for p in cls.PROTECTS:
-                click.echo(f"    - {p.name}: {p.how}; " + ", ".join(t.rsplit("::", 1)[-1] for t in p.tests))
+                click.echo(
+                    f"    - {p.name}: {p.how}; " + ", ".join(t.rsplit("::", 1)[-1] for t in p.tests)
+                )
         for line in cls.NOT_PROTECTED:
             click.echo(f"  not protected: {line}")

@@ -1,4 +1,4 @@
-"""``docker``: one container per sandbox, driven through the ``docker`` SDK (``pip install docker``).
+"""``docker``: one container per sandbox, through the ``docker`` SDK (``pip install docker``).
 
 ``start()`` creates a container from ``image`` that just sleeps (under ``docker-init``, uid
 65534); each ``run`` is a ``docker exec`` of the program itself as uid 1000, with no wrapper
@@ -12,7 +12,8 @@ it). Tests are in ``tests/sandboxes/`` (docker params, marked ``docker``): ``adv
 
 - **Infinite loops**: wall-clock deadline, then SIGKILL of every process of the run's uid;
   RLIMIT_CPU (``ulimits``) as a second bound.
-  (adv::test_infinite_loop_is_killed_at_the_wall_time_limit, adv::test_cpu_time_limit_kills_a_busy_program)
+  (adv::test_infinite_loop_is_killed_at_the_wall_time_limit,
+  adv::test_cpu_time_limit_kills_a_busy_program)
 - **Fork bombs**: ``pids_limit`` (cgroup) = ``max_processes`` + docker-init and the sleep.
   (adv::test_fork_bomb_is_capped_and_returns_in_bounded_time)
 - **Memory bombs**: ``mem_limit`` = ``memswap_limit`` (cgroup, no swap); OOM kills are read
@@ -22,8 +23,10 @@ it). Tests are in ``tests/sandboxes/`` (docker params, marked ``docker``): ``adv
   memory is capped at ``disk_mb`` in all (``kernel.shmmax``/``shmall`` of the container's own
   IPC namespace) and destroyed once no process holds it (``kernel.shm_rmid_forced``); POSIX
   message queues hold at most ``min(disk_mb, 800 KiB)`` (RLIMIT_MSGQUEUE).
-  (adv::test_disk_fill_in_scratch_and_tmp_stops_at_the_cap, reuse::test_every_writable_tmpfs_is_capped_at_disk_mb,
-  reuse::test_sysv_shared_memory_is_capped_at_disk_mb, reuse::test_posix_message_queues_hold_at_most_disk_mb)
+  (adv::test_disk_fill_in_scratch_and_tmp_stops_at_the_cap,
+  reuse::test_every_writable_tmpfs_is_capped_at_disk_mb,
+  reuse::test_sysv_shared_memory_is_capped_at_disk_mb,
+  reuse::test_posix_message_queues_hold_at_most_disk_mb)
 - **Output floods**: ``max_output_bytes`` per stream, then the run is killed.
   (adv::test_output_flood_is_truncated_and_the_run_stopped)
 - **Network egress**: ``network_mode="none"`` (only a loopback of its own).
@@ -46,7 +49,8 @@ it). Tests are in ``tests/sandboxes/`` (docker params, marked ``docker``): ``adv
 - **Kernel objects across ``reset()``**: an IPC namespace per container (``ipc_mode="private"``);
   ``reset()`` removes SysV message queues, semaphores and shared memory (``ipcrm``), POSIX
   message queues and the files in every writable place (``find -delete``), then checks.
-  (reuse::test_ipc_objects_do_not_reach_the_next_user, reuse::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user,
+  (reuse::test_ipc_objects_do_not_reach_the_next_user,
+  reuse::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user,
   contract::test_reset_empties_scratch)
 - **Keyrings** (not namespaced: uid 1000's user keyring is shared by every container and the
   host's uid 1000): the engine's default seccomp profile denies ``add_key``/``keyctl``/
@@ -54,7 +58,8 @@ it). Tests are in ``tests/sandboxes/`` (docker params, marked ``docker``): ``adv
   no-new-privileges or any capability in its bounding set (``SandboxUnavailableError``).
   (adv::test_the_host_session_keyring_is_out_of_reach, reuse::test_keyring_syscalls_are_denied,
   reuse::test_keys_do_not_reach_the_next_user_or_a_later_sandbox)
-- **Env leakage**: exec gets ``BASE_ENV`` + ``env=`` only. (adv::test_host_environment_does_not_leak)
+- **Env leakage**: exec gets ``BASE_ENV`` + ``env=`` only.
+  (adv::test_host_environment_does_not_leak)
 - **Host file tricks**: planted symlinks resolve inside the container only; bad paths raise
   ``SandboxFileError``. (adv::test_planted_symlinks_do_not_expose_host_files,
   reuse::test_an_over_long_path_raises_sandbox_file_error)
@@ -87,7 +92,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from sandboxes.base import ExecResult, Limits, Protection, Sandbox, Session, _decode
-from sandboxes.errors import SandboxConfigError, SandboxError, SandboxFileError, SandboxUnavailableError
+from sandboxes.errors import (
+    SandboxConfigError,
+    SandboxError,
+    SandboxFileError,
+    SandboxUnavailableError,
+)
 
 __all__ = ["DockerSandbox"]
 
@@ -96,26 +106,39 @@ RUN_USER, SESSION_USER, KEEPALIVE_USER = "1000:1000", "1001:1000", "65534:65534"
 as one of them (a run's cleanup) never touches the others."""
 _WRAP = 'umask 002; exec "$@"'
 """The program *is* the exec's process: no wrapper of its uid that it could kill or stop."""
-_KILL_ALL = ('kill -9 -1 2>/dev/null; '
-             'while read -r k v _; do [ "$k" = Uid: ] && me=$v && break; done </proc/$$/status; i=0; '
-             'while [ $i -lt 2000 ]; do i=$((i+1)); left=; for f in /proc/[0-9]*/status; do '
-             '[ "$f" = /proc/$$/status ] && continue; s=; while read -r k v _; do case $k in State:) s=$v;; '
-             'Uid:) [ "$v" = "$me" ] && [ "$s" != Z ] && left=$f; break;; esac; done 2>/dev/null <"$f"; done; '
-             '[ -z "$left" ] && break; done')
+_KILL_ALL = (
+    "kill -9 -1 2>/dev/null; "
+    'while read -r k v _; do [ "$k" = Uid: ] && me=$v && break; done </proc/$$/status; i=0; '
+    "while [ $i -lt 2000 ]; do i=$((i+1)); left=; for f in /proc/[0-9]*/status; do "
+    '[ "$f" = /proc/$$/status ] && continue; s=; '
+    "while read -r k v _; do case $k in State:) s=$v;; "
+    'Uid:) [ "$v" = "$me" ] && [ "$s" != Z ] && left=$f; break;; esac; '
+    'done 2>/dev/null <"$f"; done; '
+    '[ -z "$left" ] && break; done'
+)
 """SIGKILL every process of the caller's uid, then wait (a bounded busy wait; the shell's
 builtins only) until none of them runs any more: each is gone or a zombie. (``kill -0 -1``
 cannot tell: it succeeds while any process of the namespace exists, signalable or not.)"""
 WRITABLE = (Sandbox.workdir, "/tmp", "/dev/shm", "/dev/mqueue")
 """Everything a run can write (each size-capped); ``reset()`` empties all of them."""
-_CLEAN = _KILL_ALL + "; ipcrm --all 2>/dev/null; find " + " ".join(WRITABLE) + " -mindepth 1 -delete 2>&1"
-_NO_IPC_LEFT = ('n=0; for f in /proc/sysvipc/msg /proc/sysvipc/sem /proc/sysvipc/shm; do '
-                'while read -r line; do n=$((n+1)); done < $f; done; '
-                '[ $n -le 3 ] || { echo "SysV IPC objects left"; exit 1; }')
+_CLEAN = (
+    _KILL_ALL
+    + "; ipcrm --all 2>/dev/null; find "
+    + " ".join(WRITABLE)
+    + " -mindepth 1 -delete 2>&1"
+)
+_NO_IPC_LEFT = (
+    "n=0; for f in /proc/sysvipc/msg /proc/sysvipc/sem /proc/sysvipc/shm; do "
+    "while read -r line; do n=$((n+1)); done < $f; done; "
+    '[ $n -le 3 ] || { echo "SysV IPC objects left"; exit 1; }'
+)
 """Each /proc/sysvipc file has one header line: more than three lines in all means objects."""
-_SETUP = ('chmod 2770 "$1" || exit 1; '
-          'while read -r k v _; do case $k in Seccomp:) s=$v;; NoNewPrivs:) n=$v;; CapBnd:) b=$v;; esac; '
-          'done < /proc/self/status; [ "$s" = 2 ] && [ "$n" = 1 ] && [ "$b" = 0000000000000000 ] || '
-          '{ echo "Seccomp: ${s:-?}, NoNewPrivs: ${n:-?}, CapBnd: ${b:-?}"; exit 3; }')
+_SETUP = (
+    'chmod 2770 "$1" || exit 1; '
+    "while read -r k v _; do case $k in Seccomp:) s=$v;; NoNewPrivs:) n=$v;; CapBnd:) b=$v;; esac; "
+    'done < /proc/self/status; [ "$s" = 2 ] && [ "$n" = 1 ] && [ "$b" = 0000000000000000 ] || '
+    '{ echo "Seccomp: ${s:-?}, NoNewPrivs: ${n:-?}, CapBnd: ${b:-?}"; exit 3; }'
+)
 """Group-writable scratch (sessions, uid 1001 group 1000, share it with runs), and proof that
 the engine applied what the docstring promises: a seccomp filter (mode 2), no-new-privileges,
 an empty capability bounding set."""
@@ -127,13 +150,17 @@ def _import_docker() -> Any:
         import docker
     except ImportError:
         raise SandboxUnavailableError(
-            "the docker backend needs the docker SDK: pip install 'envhub[docker]' (or pip install docker)"
+            "the docker backend needs the docker SDK: "
+            "pip install 'envhub[docker]' (or pip install docker)"
         ) from None
     return docker
 
 
 class _ExecStream:
-    """A hijacked ``docker exec`` socket: write stdin, read (stream, bytes) frames with a deadline."""
+    """A hijacked ``docker exec`` socket.
+
+    Writes stdin and reads (stream, bytes) frames with a deadline.
+    """
 
     def __init__(self, api: Any, exec_id: str) -> None:
         self.exec_id = exec_id
@@ -149,7 +176,7 @@ class _ExecStream:
             _, ready, _ = select.select([], [self.sock], [], 0.2)
             if ready:
                 try:
-                    view = view[self.sock.send(view[:65536]):]
+                    view = view[self.sock.send(view[:65536]) :]
                 except BlockingIOError:
                     continue
                 except OSError:
@@ -178,8 +205,8 @@ class _ExecStream:
             kind, size = self._buf[0], struct.unpack(">I", self._buf[4:8])[0]
             if len(self._buf) < 8 + size:
                 break
-            out.append((kind, bytes(self._buf[8:8 + size])))
-            del self._buf[:8 + size]
+            out.append((kind, bytes(self._buf[8 : 8 + size])))
+            del self._buf[: 8 + size]
         return out
 
     def close(self) -> None:
@@ -199,64 +226,146 @@ class DockerSandbox(Sandbox):
     """
 
     backend = "docker"
-    PROTECTS = tuple(Protection(name, how, tuple(f"tests/sandboxes/{t}" for t in tests)) for name, how, tests in (
-        ("infinite loops", "wall-clock deadline, then SIGKILL of the run's uid; RLIMIT_CPU",
-         ("test_adversarial.py::test_infinite_loop_is_killed_at_the_wall_time_limit",
-          "test_adversarial.py::test_cpu_time_limit_kills_a_busy_program")),
-        ("fork bombs", "pids cgroup of the container",
-         ("test_adversarial.py::test_fork_bomb_is_capped_and_returns_in_bounded_time",)),
-        ("memory bombs", "memory cgroup, no swap; OOM read from engine events",
-         ("test_adversarial.py::test_memory_bomb_is_oom_killed_and_reported",)),
-        ("disk fill", "read-only root; /sandbox, /tmp, /dev/shm: tmpfs of disk_mb; SysV shm <= disk_mb; "
-         "RLIMIT_MSGQUEUE; RLIMIT_FSIZE",
-         ("test_adversarial.py::test_disk_fill_in_scratch_and_tmp_stops_at_the_cap",
-          "test_reuse.py::test_every_writable_tmpfs_is_capped_at_disk_mb",
-          "test_reuse.py::test_sysv_shared_memory_is_capped_at_disk_mb",
-          "test_reuse.py::test_posix_message_queues_hold_at_most_disk_mb")),
-        ("output floods", "max_output_bytes per stream, then the run is killed",
-         ("test_adversarial.py::test_output_flood_is_truncated_and_the_run_stopped",)),
-        ("network egress", "network_mode=none: only a loopback of its own",
-         ("test_adversarial.py::test_network_egress_to_loopback_and_outside_fails",)),
-        ("reading host files", "only the image's files and the volumes you pass",
-         ("test_adversarial.py::test_host_files_are_not_readable",)),
-        ("writing outside scratch", "read-only root, uid 1000, no capabilities, no-new-privileges",
-         ("test_adversarial.py::test_writes_outside_scratch_fail_and_tmp_is_private",)),
-        ("orphans", "an exec of its own SIGKILLs the run's uid after every run",
-         ("test_adversarial.py::test_background_processes_do_not_survive_a_timeout",
-          "test_reuse.py::test_a_process_left_behind_is_dead_when_the_run_returns")),
-        ("signals and tampering", "PID namespace; the run's uid owns no process but the run's own",
-         ("test_adversarial.py::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill",
-          "test_adversarial.py::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten",
-          "test_adversarial.py::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next",
-          "test_adversarial.py::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user")),
-        ("kernel objects across reset", "IPC namespace per container; reset() removes SysV IPC, POSIX "
-         "queues and files, then checks",
-         ("test_reuse.py::test_ipc_objects_do_not_reach_the_next_user",
-          "test_reuse.py::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user",
-          "test_contract.py::test_reset_empties_scratch")),
-        ("keyrings", "default seccomp profile denies the keyring syscalls; start() checks the filter is on",
-         ("test_adversarial.py::test_the_host_session_keyring_is_out_of_reach",
-          "test_reuse.py::test_keyring_syscalls_are_denied",
-          "test_reuse.py::test_keys_do_not_reach_the_next_user_or_a_later_sandbox")),
-        ("env-var leakage", "BASE_ENV plus what the caller passes",
-         ("test_adversarial.py::test_host_environment_does_not_leak",)),
-        ("host file tricks", "symlinks resolve inside the container; bad paths raise SandboxFileError",
-         ("test_adversarial.py::test_planted_symlinks_do_not_expose_host_files",
-          "test_reuse.py::test_an_over_long_path_raises_sandbox_file_error")),
-    ))
+    PROTECTS = tuple(
+        Protection(name, how, tuple(f"tests/sandboxes/{t}" for t in tests))
+        for name, how, tests in (
+            (
+                "infinite loops",
+                "wall-clock deadline, then SIGKILL of the run's uid; RLIMIT_CPU",
+                (
+                    "test_adversarial.py::test_infinite_loop_is_killed_at_the_wall_time_limit",
+                    "test_adversarial.py::test_cpu_time_limit_kills_a_busy_program",
+                ),
+            ),
+            (
+                "fork bombs",
+                "pids cgroup of the container",
+                ("test_adversarial.py::test_fork_bomb_is_capped_and_returns_in_bounded_time",),
+            ),
+            (
+                "memory bombs",
+                "memory cgroup, no swap; OOM read from engine events",
+                ("test_adversarial.py::test_memory_bomb_is_oom_killed_and_reported",),
+            ),
+            (
+                "disk fill",
+                (
+                    "read-only root; /sandbox, /tmp, /dev/shm: tmpfs of disk_mb; "
+                    "SysV shm <= disk_mb; RLIMIT_MSGQUEUE; RLIMIT_FSIZE"
+                ),
+                (
+                    "test_adversarial.py::test_disk_fill_in_scratch_and_tmp_stops_at_the_cap",
+                    "test_reuse.py::test_every_writable_tmpfs_is_capped_at_disk_mb",
+                    "test_reuse.py::test_sysv_shared_memory_is_capped_at_disk_mb",
+                    "test_reuse.py::test_posix_message_queues_hold_at_most_disk_mb",
+                ),
+            ),
+            (
+                "output floods",
+                "max_output_bytes per stream, then the run is killed",
+                ("test_adversarial.py::test_output_flood_is_truncated_and_the_run_stopped",),
+            ),
+            (
+                "network egress",
+                "network_mode=none: only a loopback of its own",
+                ("test_adversarial.py::test_network_egress_to_loopback_and_outside_fails",),
+            ),
+            (
+                "reading host files",
+                "only the image's files and the volumes you pass",
+                ("test_adversarial.py::test_host_files_are_not_readable",),
+            ),
+            (
+                "writing outside scratch",
+                "read-only root, uid 1000, no capabilities, no-new-privileges",
+                ("test_adversarial.py::test_writes_outside_scratch_fail_and_tmp_is_private",),
+            ),
+            (
+                "orphans",
+                "an exec of its own SIGKILLs the run's uid after every run",
+                (
+                    "test_adversarial.py::test_background_processes_do_not_survive_a_timeout",
+                    "test_reuse.py::test_a_process_left_behind_is_dead_when_the_run_returns",
+                ),
+            ),
+            (
+                "signals and tampering",
+                "PID namespace; the run's uid owns no process but the run's own",
+                (
+                    "test_adversarial.py::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill",
+                    "test_adversarial.py::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten",
+                    "test_adversarial.py::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next",
+                    "test_adversarial.py::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user",
+                ),
+            ),
+            (
+                "kernel objects across reset",
+                (
+                    "IPC namespace per container; reset() removes SysV IPC, POSIX "
+                    "queues and files, then checks"
+                ),
+                (
+                    "test_reuse.py::test_ipc_objects_do_not_reach_the_next_user",
+                    "test_reuse.py::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user",
+                    "test_contract.py::test_reset_empties_scratch",
+                ),
+            ),
+            (
+                "keyrings",
+                (
+                    "default seccomp profile denies the keyring syscalls; "
+                    "start() checks the filter is on"
+                ),
+                (
+                    "test_adversarial.py::test_the_host_session_keyring_is_out_of_reach",
+                    "test_reuse.py::test_keyring_syscalls_are_denied",
+                    "test_reuse.py::test_keys_do_not_reach_the_next_user_or_a_later_sandbox",
+                ),
+            ),
+            (
+                "env-var leakage",
+                "BASE_ENV plus what the caller passes",
+                ("test_adversarial.py::test_host_environment_does_not_leak",),
+            ),
+            (
+                "host file tricks",
+                "symlinks resolve inside the container; bad paths raise SandboxFileError",
+                (
+                    "test_adversarial.py::test_planted_symlinks_do_not_expose_host_files",
+                    "test_reuse.py::test_an_over_long_path_raises_sandbox_file_error",
+                ),
+            ),
+        )
+    )
     NOT_PROTECTED = (
-        "kernel exploits through what the engine's default seccomp profile allows (a permissive one passes start())",
+        (
+            "kernel exploits through what the engine's default seccomp profile allows "
+            "(a permissive one passes start())"
+        ),
         "a compromised or remote engine; images that ship secrets",
-        "per-uid kernel counters (inotify instances, POSIX message queue bytes) are shared by all containers",
+        (
+            "per-uid kernel counters (inotify instances, POSIX message queue bytes) "
+            "are shared by all containers"
+        ),
         "a container's network namespace and writable volumes= mounts last across reset()",
     )
 
-    def __init__(self, *, limits: Limits | None = None, image: str = "python:3.11-slim", client: Any = None,
-                 base_url: str | None = None, volumes: Mapping[str, Any] | None = None, cpus: float = 1.0,
-                 pull: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        limits: Limits | None = None,
+        image: str = "python:3.11-slim",
+        client: Any = None,
+        base_url: str | None = None,
+        volumes: Mapping[str, Any] | None = None,
+        cpus: float = 1.0,
+        pull: bool = False,
+    ) -> None:
         super().__init__(limits=limits)
         if not isinstance(image, str) or not image:
-            raise SandboxConfigError(f"image must be an image name like 'python:3.11-slim', got {image!r}")
+            raise SandboxConfigError(
+                f"image must be an image name like 'python:3.11-slim', got {image!r}"
+            )
         if not (isinstance(cpus, (int, float)) and cpus > 0):
             raise SandboxConfigError(f"cpus must be a positive number, got {cpus!r}")
         self.image, self.cpus, self.pull = image, float(cpus), pull
@@ -269,44 +378,84 @@ class DockerSandbox(Sandbox):
         docker = _import_docker()
         try:
             if self._client is None:
-                self._client = docker.DockerClient(base_url=self._base_url) if self._base_url else docker.from_env()
+                self._client = (
+                    docker.DockerClient(base_url=self._base_url)
+                    if self._base_url
+                    else docker.from_env()
+                )
             self._client.ping()
         except Exception as e:  # noqa: BLE001 - any failure to reach the engine
+            where = self._base_url or os.environ.get("DOCKER_HOST", "default socket")
             raise SandboxUnavailableError(
-                f"no Docker engine reachable ({self._base_url or os.environ.get('DOCKER_HOST', 'default socket')}): "
-                f"{e}. Start dockerd or set DOCKER_HOST / base_url=.") from None
+                f"no Docker engine reachable ({where}): "
+                f"{e}. Start dockerd or set DOCKER_HOST / base_url=."
+            ) from None
         self.api = self._client.api
         try:
             self._client.images.get(self.image)
         except docker.errors.ImageNotFound:
             if not self.pull:
                 raise SandboxUnavailableError(
-                    f"image {self.image!r} is not on the engine; `docker pull {self.image}` (or build/import it), "
-                    "or pass pull=True") from None
+                    f"image {self.image!r} is not on the engine; "
+                    f"`docker pull {self.image}` (or build/import it), "
+                    "or pass pull=True"
+                ) from None
             self._client.images.pull(self.image)
         lim = self.limits
         cpu = max(1, math.ceil(lim.cpu_time_s))
-        ulimits = [docker.types.Ulimit(name="cpu", soft=cpu, hard=cpu + 1),
-                   docker.types.Ulimit(name="fsize", soft=lim.max_file_size_mb << 20, hard=lim.max_file_size_mb << 20),
-                   docker.types.Ulimit(name="core", soft=0, hard=0),
-                   docker.types.Ulimit(name="nofile", soft=1024, hard=1024)]
+        ulimits = [
+            docker.types.Ulimit(name="cpu", soft=cpu, hard=cpu + 1),
+            docker.types.Ulimit(
+                name="fsize", soft=lim.max_file_size_mb << 20, hard=lim.max_file_size_mb << 20
+            ),
+            docker.types.Ulimit(name="core", soft=0, hard=0),
+            docker.types.Ulimit(name="nofile", soft=1024, hard=1024),
+        ]
         disk = lim.disk_mb << 20
-        ulimits.append(docker.types.Ulimit(name="msgqueue", soft=min(disk, 800 << 10), hard=min(disk, 800 << 10)))
-        ipc_caps = {"kernel.shmmax": str(disk), "kernel.shmall": str(disk // os.sysconf("SC_PAGE_SIZE")),
-                    "kernel.shm_rmid_forced": "1"}  # SysV shm: disk_mb in all; gone once no process holds it
+        ulimits.append(
+            docker.types.Ulimit(
+                name="msgqueue", soft=min(disk, 800 << 10), hard=min(disk, 800 << 10)
+            )
+        )
+        # SysV shm: disk_mb in all; gone once no process holds it
+        ipc_caps = {
+            "kernel.shmmax": str(disk),
+            "kernel.shmall": str(disk // os.sysconf("SC_PAGE_SIZE")),
+            "kernel.shm_rmid_forced": "1",
+        }
         try:
             self.container = self._client.containers.run(
-                self.image, ["sleep", "infinity"], detach=True, init=True, user=KEEPALIVE_USER,
-                working_dir=self.workdir, hostname="sandbox", read_only=True,
-                network_mode=None if lim.network else "none", ipc_mode="private", shm_size=f"{lim.disk_mb}m",
-                sysctls=ipc_caps, mem_limit=f"{lim.memory_mb}m", memswap_limit=f"{lim.memory_mb}m",
+                self.image,
+                ["sleep", "infinity"],
+                detach=True,
+                init=True,
+                user=KEEPALIVE_USER,
+                working_dir=self.workdir,
+                hostname="sandbox",
+                read_only=True,
+                network_mode=None if lim.network else "none",
+                ipc_mode="private",
+                shm_size=f"{lim.disk_mb}m",
+                sysctls=ipc_caps,
+                mem_limit=f"{lim.memory_mb}m",
+                memswap_limit=f"{lim.memory_mb}m",
                 pids_limit=lim.max_processes + 2,  # + docker-init and the keep-alive sleep
-                nano_cpus=int(self.cpus * 1e9), cap_drop=["ALL"], security_opt=["no-new-privileges"],
-                ulimits=ulimits, environment={}, labels={"envhub.sandbox": self.id}, volumes=self.volumes,
-                tmpfs={self.workdir: f"rw,exec,size={lim.disk_mb}m,uid=1000,gid=1000",
-                       "/tmp": f"rw,exec,size={lim.disk_mb}m,mode=1777"})
-        except Exception as e:  # noqa: BLE001
-            for leftover in self._client.containers.list(all=True, filters={"label": f"envhub.sandbox={self.id}"}):
+                nano_cpus=int(self.cpus * 1e9),
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                ulimits=ulimits,
+                environment={},
+                labels={"envhub.sandbox": self.id},
+                volumes=self.volumes,
+                tmpfs={
+                    self.workdir: f"rw,exec,size={lim.disk_mb}m,uid=1000,gid=1000",
+                    "/tmp": f"rw,exec,size={lim.disk_mb}m,mode=1777",
+                },
+            )
+        except Exception as e:
+            for leftover in self._client.containers.list(
+                all=True, filters={"label": f"envhub.sandbox={self.id}"}
+            ):
                 with contextlib.suppress(Exception):
                     leftover.remove(force=True)
             raise SandboxError(f"could not start a container from {self.image!r}: {e}") from e
@@ -314,14 +463,19 @@ class DockerSandbox(Sandbox):
         if setup.exit_code == 3:
             self._stop()
             raise SandboxUnavailableError(
-                f"the engine did not confine the container as this backend requires ({setup.stdout.strip()}; "
-                "wanted Seccomp: 2, NoNewPrivs: 1, CapBnd: 0000000000000000). Without a seccomp filter, keyring "
-                "syscalls reach the per-uid keyrings that every container and the host share: use an engine "
-                "with seccomp support (`docker info` lists name=seccomp) and no seccomp=unconfined default.")
+                "the engine did not confine the container as this backend requires "
+                f"({setup.stdout.strip()}; wanted Seccomp: 2, NoNewPrivs: 1, "
+                "CapBnd: 0000000000000000). Without a seccomp filter, keyring syscalls reach "
+                "the per-uid keyrings that every container and the host share: use an engine "
+                "with seccomp support (`docker info` lists name=seccomp) "
+                "and no seccomp=unconfined default."
+            )
         if setup.exit_code != 0:
             self._stop()
-            raise SandboxError(f"could not prepare {self.workdir} in image {self.image!r}: "
-                               f"{(setup.stderr or setup.stdout).strip()}")
+            raise SandboxError(
+                f"could not prepare {self.workdir} in image {self.image!r}: "
+                f"{(setup.stderr or setup.stdout).strip()}"
+            )
 
     def _kill_running(self) -> None:
         container = self.container
@@ -337,7 +491,8 @@ class DockerSandbox(Sandbox):
 
     def _reset(self) -> None:
         """Kill both users' processes and delete what each owns (files, SysV IPC, POSIX queues);
-        if anything is left (a file it cannot delete, no ``ipcrm`` in the image), a new container."""
+        if anything is left (a file it cannot delete, no ``ipcrm`` in the image), start a new
+        container."""
         self._quick(["/bin/sh", "-c", _CLEAN], user=SESSION_USER)
         r = self._quick(["/bin/sh", "-c", f"{_CLEAN} && {_NO_IPC_LEFT}"], user=RUN_USER)
         if r.exit_code != 0:
@@ -347,17 +502,40 @@ class DockerSandbox(Sandbox):
     # ---- exec ------------------------------------------------------------------------------
     def _exec_stream(self, argv: list[str], *, env: Mapping[str, str], user: str) -> _ExecStream:
         try:
-            created = self.api.exec_create(self.container.id, argv, stdin=True, stdout=True, stderr=True, tty=False,
-                                           environment=dict(env), workdir=self.workdir, user=user)
+            created = self.api.exec_create(
+                self.container.id,
+                argv,
+                stdin=True,
+                stdout=True,
+                stderr=True,
+                tty=False,
+                environment=dict(env),
+                workdir=self.workdir,
+                user=user,
+            )
             return _ExecStream(self.api, created["Id"])
-        except Exception as e:  # noqa: BLE001 - container gone, engine down
+        except Exception as e:  # container gone, engine down
             raise SandboxError(f"docker exec in {self!r} failed: {e}") from e
 
-    def _quick(self, argv: list[str], *, user: str, stdin: bytes | None = None, timeout: float = 30.0,
-               max_bytes: int = 1 << 20) -> ExecResult:
+    def _quick(
+        self,
+        argv: list[str],
+        *,
+        user: str,
+        stdin: bytes | None = None,
+        timeout: float = 30.0,
+        max_bytes: int = 1 << 20,
+    ) -> ExecResult:
         """An internal exec (cleanup, file transfer) with the engine's view of the exit code."""
-        return self._drive(argv, user=user, env=self._env({}), stdin=stdin, timeout=timeout, max_bytes=max_bytes,
-                           kill_user=user)
+        return self._drive(
+            argv,
+            user=user,
+            env=self._env({}),
+            stdin=stdin,
+            timeout=timeout,
+            max_bytes=max_bytes,
+            kill_user=user,
+        )
 
     def _kill_user(self, user: str) -> None:
         """SIGKILL every process of ``user``; returns once none of them runs (5 s at most)."""
@@ -368,8 +546,17 @@ class DockerSandbox(Sandbox):
                 stream.frames(0.2)
             stream.close()
 
-    def _drive(self, argv: list[str], *, user: str, env: Mapping[str, str], stdin: bytes | None, timeout: float,
-               max_bytes: int, kill_user: str) -> ExecResult:
+    def _drive(
+        self,
+        argv: list[str],
+        *,
+        user: str,
+        env: Mapping[str, str],
+        stdin: bytes | None,
+        timeout: float,
+        max_bytes: int,
+        kill_user: str,
+    ) -> ExecResult:
         t0 = time.monotonic()
         stream = self._exec_stream(argv, env=env, user=user)
         deadline = t0 + timeout
@@ -395,7 +582,9 @@ class DockerSandbox(Sandbox):
                     # kill from a second exec, and keep draining this one: the engine stalls
                     # new execs while an exec's output is left unread
                     with contextlib.suppress(SandboxError):
-                        killer = self._exec_stream(["/bin/sh", "-c", _KILL_ALL], env={}, user=kill_user)
+                        killer = self._exec_stream(
+                            ["/bin/sh", "-c", _KILL_ALL], env={}, user=kill_user
+                        )
                         killer.close_stdin()
                     give_up = time.monotonic() + _GRACE_S
                 if give_up is not None and now >= give_up:
@@ -404,7 +593,7 @@ class DockerSandbox(Sandbox):
                 for kind, data in stream.frames(min(0.5, max(0.0, wait))):
                     buf = bufs.get(kind, bufs[2])
                     room = max_bytes - len(buf)
-                    buf += data[:max(0, room)]
+                    buf += data[: max(0, room)]
                     truncated = truncated or len(data) > room
                 if killer is not None and not killer.eof:
                     killer.frames(0)
@@ -415,9 +604,16 @@ class DockerSandbox(Sandbox):
         code = self._exit_code(stream.exec_id)
         wall = time.monotonic() - t0
         oom = code == 137 and not timed_out and not truncated and self._oom_since(t0, wall)
-        return ExecResult(exit_code=code, stdout=_decode(bytes(bufs[1])), stderr=_decode(bytes(bufs[2])),
-                          wall_time_s=wall, timed_out=timed_out, oom_killed=oom, output_truncated=truncated,
-                          cpu_time_exceeded=code == 152 and not timed_out)
+        return ExecResult(
+            exit_code=code,
+            stdout=_decode(bytes(bufs[1])),
+            stderr=_decode(bytes(bufs[2])),
+            wall_time_s=wall,
+            timed_out=timed_out,
+            oom_killed=oom,
+            output_truncated=truncated,
+            cpu_time_exceeded=code == 152 and not timed_out,
+        )
 
     def _running(self, exec_id: str) -> bool:
         try:
@@ -436,31 +632,52 @@ class DockerSandbox(Sandbox):
     def _oom_since(self, t0_monotonic: float, wall: float) -> bool:
         since = time.time() - wall - 1.0
         try:
-            events = self.api.events(since=int(since), until=int(time.time()) + 1, decode=True,
-                                     filters={"container": self.container.id, "event": "oom"})
+            events = self.api.events(
+                since=int(since),
+                until=int(time.time()) + 1,
+                decode=True,
+                filters={"container": self.container.id, "event": "oom"},
+            )
             return any(True for _ in events)
         except Exception:  # noqa: BLE001 - no event stream: report what we know
             return False
 
-    def _exec(self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]) -> ExecResult:
+    def _exec(
+        self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]
+    ) -> ExecResult:
         try:
-            return self._drive(["/bin/sh", "-c", _WRAP, "envhub", *argv], user=RUN_USER, env=env, stdin=stdin,
-                               timeout=timeout, max_bytes=self.limits.max_output_bytes, kill_user=RUN_USER)
+            return self._drive(
+                ["/bin/sh", "-c", _WRAP, "envhub", *argv],
+                user=RUN_USER,
+                env=env,
+                stdin=stdin,
+                timeout=timeout,
+                max_bytes=self.limits.max_output_bytes,
+                kill_user=RUN_USER,
+            )
         finally:  # from outside the run: nothing it did can skip this
             self._kill_user(RUN_USER)
 
     # ---- files -----------------------------------------------------------------------------
     def _write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
         path = "/".join((self.workdir, *parts))
-        r = self._quick(["sh", "-c", 'umask 002; mkdir -p "$(dirname "$1")" && cat > "$1"', "sh", path],
-                        user=RUN_USER, stdin=data)
+        r = self._quick(
+            ["sh", "-c", 'umask 002; mkdir -p "$(dirname "$1")" && cat > "$1"', "sh", path],
+            user=RUN_USER,
+            stdin=data,
+        )
         if r.exit_code != 0:
-            raise SandboxFileError(f"could not write {path!r} in {self!r}: {r.stderr.strip() or r.describe()}")
+            raise SandboxFileError(
+                f"could not write {path!r} in {self!r}: {r.stderr.strip() or r.describe()}"
+            )
 
     def _read_bytes(self, parts: tuple[str, ...]) -> bytes:
         path = "/".join((self.workdir, *parts))
-        stream = self._exec_stream(["sh", "-c", 'test -f "$1" && exec cat -- "$1"', "sh", path], env=self._env({}),
-                                   user=RUN_USER)
+        stream = self._exec_stream(
+            ["sh", "-c", 'test -f "$1" && exec cat -- "$1"', "sh", path],
+            env=self._env({}),
+            user=RUN_USER,
+        )
         stream.close_stdin()
         out, err = bytearray(), bytearray()
         deadline = time.monotonic() + 60
@@ -469,7 +686,9 @@ class DockerSandbox(Sandbox):
                 (out if kind == 1 else err).extend(data)
         stream.close()
         if self._exit_code(stream.exec_id) != 0:
-            raise SandboxFileError(f"{path!r} is not a readable regular file in {self!r} {_decode(bytes(err)).strip()}")
+            raise SandboxFileError(
+                f"{path!r} is not a readable regular file in {self!r} {_decode(bytes(err)).strip()}"
+            )
         return bytes(out)
 
     # ---- sessions --------------------------------------------------------------------------
@@ -477,16 +696,25 @@ class DockerSandbox(Sandbox):
         from sandboxes.session import PipeSession
 
         def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
-            stream = self._exec_stream(["/bin/sh", "-c", 'umask 002; exec "$@"', "envhub", *argv],
-                                       env=self._env({}), user=SESSION_USER)
+            stream = self._exec_stream(
+                ["/bin/sh", "-c", 'umask 002; exec "$@"', "envhub", *argv],
+                env=self._env({}),
+                user=SESSION_USER,
+            )
             return _ExecProcess(self.api, stream)  # type: ignore[return-value]
 
         def kill(proc: subprocess.Popen[bytes]) -> None:
             self._kill_user(SESSION_USER)
             proc.kill()
 
-        return PipeSession(language, spawn=spawn, kill=kill, cleanup=lambda: None, limits=self.limits,
-                           workdir=self.workdir)
+        return PipeSession(
+            language,
+            spawn=spawn,
+            kill=kill,
+            cleanup=lambda: None,
+            limits=self.limits,
+            workdir=self.workdir,
+        )
 
 
 class _ExecProcess:
@@ -498,7 +726,11 @@ class _ExecProcess:
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        self.stdin, self.stdout, self.stderr = os.fdopen(in_w, "wb"), os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb")
+        self.stdin, self.stdout, self.stderr = (
+            os.fdopen(in_w, "wb"),
+            os.fdopen(out_r, "rb"),
+            os.fdopen(err_r, "rb"),
+        )
         self._fds = (in_r, out_w, err_w)
         self.returncode: int | None = None
         self._pid = 0

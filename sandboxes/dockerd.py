@@ -24,7 +24,7 @@ from typing import Any
 
 from sandboxes.errors import SandboxUnavailableError
 
-__all__ = ["private_dockerd", "import_host_image", "HOST_USR_RO", "HOST_IMAGE"]
+__all__ = ["HOST_IMAGE", "HOST_USR_RO", "import_host_image", "private_dockerd"]
 
 HOST_USR_RO: dict[str, dict[str, str]] = {"/usr": {"bind": "/usr", "mode": "ro"}}
 HOST_IMAGE = "envhub-sandbox-host:1"
@@ -40,13 +40,29 @@ def private_dockerd(start_timeout: float = 40.0) -> Iterator[str]:
         raise SandboxUnavailableError("dockerd is not installed (apt-get install -y docker.io)")
     if os.geteuid() != 0:
         raise SandboxUnavailableError("starting a private dockerd needs root")
-    root = Path(tempfile.mkdtemp(prefix="envhub-dockerd-", dir="/tmp"))  # short: socket paths max 107 bytes
+    # short: socket paths max 107 bytes
+    root = Path(tempfile.mkdtemp(prefix="envhub-dockerd-", dir="/tmp"))
     log = root / "dockerd.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [exe, "--data-root", str(root / "data"), "--exec-root", str(root / "exec"), "-H", f"unix://{root}/d.sock",
-             "--pidfile", str(root / "d.pid"), "--iptables=false", "--ip6tables=false", "--bridge=none"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                exe,
+                "--data-root",
+                str(root / "data"),
+                "--exec-root",
+                str(root / "exec"),
+                "-H",
+                f"unix://{root}/d.sock",
+                "--pidfile",
+                str(root / "d.pid"),
+                "--iptables=false",
+                "--ip6tables=false",
+                "--bridge=none",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"unix://{root}/d.sock"
     client: Any = None
     try:
@@ -61,7 +77,9 @@ def private_dockerd(start_timeout: float = 40.0) -> Iterator[str]:
                 time.sleep(0.3)
         if client is None:
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:])
-            raise SandboxUnavailableError(f"dockerd did not start within {start_timeout:.0f} s:\n{tail}")
+            raise SandboxUnavailableError(
+                f"dockerd did not start within {start_timeout:.0f} s:\n{tail}"
+            )
         yield url
     finally:
         if client is not None:
@@ -97,29 +115,62 @@ def _unmount_under(root: Path) -> None:
 def _rootfs_tar() -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w") as tar:
-        def add(name: str, *, kind: bytes = tarfile.DIRTYPE, mode: int = 0o755, data: bytes = b"",
-                link: str = "") -> None:
+
+        def add(
+            name: str,
+            *,
+            kind: bytes = tarfile.DIRTYPE,
+            mode: int = 0o755,
+            data: bytes = b"",
+            link: str = "",
+        ) -> None:
             info = tarfile.TarInfo(name)
             info.type, info.mode, info.linkname, info.size = kind, mode, link, len(data)
             tar.addfile(info, io.BytesIO(data) if data else None)
 
-        for d in ("usr", "etc", "proc", "dev", "sys", "sandbox", "sbin"):  # sbin: docker-init is mounted there
+        # sbin: docker-init is mounted there
+        for d in (
+            "usr",
+            "etc",
+            "proc",
+            "dev",
+            "sys",
+            "sandbox",
+            "sbin",
+        ):
             add(d)
         add("tmp", mode=0o1777)
         for name in ("bin", "lib", "lib32", "lib64", "libx32"):
             if os.path.islink(f"/{name}"):
                 add(name, kind=tarfile.SYMTYPE, link=os.readlink(f"/{name}"))
-        add("etc/passwd", kind=tarfile.REGTYPE, mode=0o644,
+        add(
+            "etc/passwd",
+            kind=tarfile.REGTYPE,
+            mode=0o644,
             data=b"root:x:0:0::/root:/bin/sh\nsandbox:x:1000:1000::/sandbox:/bin/sh\n"
-                 b"session:x:1001:1000::/sandbox:/bin/sh\nnobody:x:65534:65534::/:/bin/sh\n")
-        add("etc/group", kind=tarfile.REGTYPE, mode=0o644, data=b"root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n")
+            b"session:x:1001:1000::/sandbox:/bin/sh\nnobody:x:65534:65534::/:/bin/sh\n",
+        )
+        add(
+            "etc/group",
+            kind=tarfile.REGTYPE,
+            mode=0o644,
+            data=b"root:x:0:\nsandbox:x:1000:\nnogroup:x:65534:\n",
+        )
         if os.path.exists("/etc/ld.so.cache"):
-            add("etc/ld.so.cache", kind=tarfile.REGTYPE, mode=0o644, data=Path("/etc/ld.so.cache").read_bytes())
+            add(
+                "etc/ld.so.cache",
+                kind=tarfile.REGTYPE,
+                mode=0o644,
+                data=Path("/etc/ld.so.cache").read_bytes(),
+            )
     return buf.getvalue()
 
 
 def import_host_image(base_url: str, name: str = HOST_IMAGE) -> str:
-    """``docker import`` a rootfs that expects the host's /usr mounted read-only; returns ``name``."""
+    """``docker import`` a rootfs that expects the host's /usr mounted read-only.
+
+    Returns ``name``.
+    """
     import docker
 
     repository, _, tag = name.partition(":")

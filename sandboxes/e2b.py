@@ -37,7 +37,13 @@ import time
 from typing import Any
 
 from sandboxes.base import ExecResult, Limits, Sandbox, Session
-from sandboxes.errors import SandboxConfigError, SandboxError, SandboxFileError, SandboxUnavailableError, SessionError
+from sandboxes.errors import (
+    SandboxConfigError,
+    SandboxError,
+    SandboxFileError,
+    SandboxUnavailableError,
+    SessionError,
+)
 
 __all__ = ["E2BSandbox"]
 
@@ -47,7 +53,8 @@ def _sdk() -> Any:
         import e2b_code_interpreter
     except ImportError:
         raise SandboxUnavailableError(
-            "the e2b backend needs the E2B SDK: pip install 'envhub[e2b]' (or pip install e2b-code-interpreter)"
+            "the e2b backend needs the E2B SDK: "
+            "pip install 'envhub[e2b]' (or pip install e2b-code-interpreter)"
         ) from None
     return e2b_code_interpreter
 
@@ -64,14 +71,26 @@ class E2BSandbox(Sandbox):
     backend = "e2b"
     workdir = "/home/user"
 
-    def __init__(self, *, limits: Limits | None = None, template: str | None = None, api_key: str | None = None,
-                 lifetime_s: int = 600, user: str = "user", **connection: Any) -> None:
+    def __init__(
+        self,
+        *,
+        limits: Limits | None = None,
+        template: str | None = None,
+        api_key: str | None = None,
+        lifetime_s: int = 600,
+        user: str = "user",
+        **connection: Any,
+    ) -> None:
         super().__init__(limits=limits)
         allowed = {"domain", "api_url", "sandbox_url", "request_timeout", "debug", "headers"}
         if unknown := set(connection) - allowed:
-            raise SandboxConfigError(f"unknown e2b option(s) {sorted(unknown)}; accepted: {sorted(allowed)}")
+            raise SandboxConfigError(
+                f"unknown e2b option(s) {sorted(unknown)}; accepted: {sorted(allowed)}"
+            )
         if not isinstance(lifetime_s, int) or lifetime_s <= 0:
-            raise SandboxConfigError(f"lifetime_s must be a positive int (seconds), got {lifetime_s!r}")
+            raise SandboxConfigError(
+                f"lifetime_s must be a positive int (seconds), got {lifetime_s!r}"
+            )
         self.template, self.lifetime_s, self.user = template, lifetime_s, user
         self._api_key = api_key
         self._connection = connection
@@ -83,15 +102,24 @@ class E2BSandbox(Sandbox):
         sdk = _sdk()
         key = self._api_key or os.environ.get("E2B_API_KEY")
         if not key:
-            raise SandboxUnavailableError("the e2b backend needs an API key: set E2B_API_KEY or pass api_key=")
-        kwargs: dict[str, Any] = dict(timeout=self.lifetime_s, api_key=key, metadata={"envhub.sandbox": self.id},
-                                      allow_internet_access=self.limits.network, **self._connection)
+            raise SandboxUnavailableError(
+                "the e2b backend needs an API key: set E2B_API_KEY or pass api_key="
+            )
+        kwargs: dict[str, Any] = dict(
+            timeout=self.lifetime_s,
+            api_key=key,
+            metadata={"envhub.sandbox": self.id},
+            allow_internet_access=self.limits.network,
+            **self._connection,
+        )
         if self.template:
             kwargs["template"] = self.template
         try:
             self.remote = sdk.Sandbox.create(**kwargs)
-        except Exception as e:  # noqa: BLE001 - auth, quota, network: all "cannot start"
-            raise SandboxUnavailableError(f"could not create an E2B sandbox: {type(e).__name__}: {e}") from e
+        except Exception as e:  # auth, quota, network: all "cannot start"
+            raise SandboxUnavailableError(
+                f"could not create an E2B sandbox: {type(e).__name__}: {e}"
+            ) from e
 
     def _stop(self) -> None:
         if self.remote is not None:
@@ -100,8 +128,12 @@ class E2BSandbox(Sandbox):
             self.remote = None
 
     def _reset(self) -> None:
-        r = self._exec(["sh", "-c", f"find {self.workdir} /tmp -mindepth 1 -delete 2>/dev/null; true"],
-                       timeout=60, stdin=None, env=self._env({}))
+        r = self._exec(
+            ["sh", "-c", f"find {self.workdir} /tmp -mindepth 1 -delete 2>/dev/null; true"],
+            timeout=60,
+            stdin=None,
+            env=self._env({}),
+        )
         if not r.ok:
             raise SandboxError(f"could not empty {self.workdir} in {self!r}: {r.describe()}")
 
@@ -113,7 +145,9 @@ class E2BSandbox(Sandbox):
         redirect = f" < {shlex.quote(stdin_path)}" if stdin_path else " < /dev/null"
         return ulimits + "exec " + shlex.join(argv) + redirect
 
-    def _exec(self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]) -> ExecResult:
+    def _exec(
+        self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]
+    ) -> ExecResult:
         from e2b import CommandExitException, TimeoutException
 
         stdin_path = None
@@ -128,23 +162,29 @@ class E2BSandbox(Sandbox):
         timed_out = truncated = False
         t0 = time.monotonic()
         try:
-            handle = self.remote.commands.run(self._shell_command(argv, stdin_path), background=True, envs=env,
-                                              cwd=self.workdir, user=self.user, timeout=timeout)
-        except Exception as e:  # noqa: BLE001
+            handle = self.remote.commands.run(
+                self._shell_command(argv, stdin_path),
+                background=True,
+                envs=env,
+                cwd=self.workdir,
+                user=self.user,
+                timeout=timeout,
+            )
+        except Exception as e:
             raise SandboxError(f"E2B could not start {argv[0]!r}: {type(e).__name__}: {e}") from e
         try:
             for stdout, stderr, _ in handle:
                 for i, (chunk, sink) in enumerate(((stdout, out), (stderr, err))):
                     if chunk:
                         room = cap - sizes[i]
-                        sink.append(chunk[:max(0, room)])
+                        sink.append(chunk[: max(0, room)])
                         sizes[i] += len(chunk)
                         truncated = truncated or len(chunk) > room
                 if truncated:
                     break
         except TimeoutException:
             timed_out = True
-        except Exception as e:  # noqa: BLE001 - a dropped stream is the machinery failing
+        except Exception as e:  # a dropped stream is the machinery failing
             if time.monotonic() - t0 < timeout:
                 raise SandboxError(f"E2B command stream failed: {type(e).__name__}: {e}") from e
             timed_out = True
@@ -158,24 +198,30 @@ class E2BSandbox(Sandbox):
             except CommandExitException as e:
                 code = e.exit_code
         code = 128 - code if code < 0 else code
-        return ExecResult(exit_code=code, stdout="".join(out), stderr="".join(err),
-                          wall_time_s=time.monotonic() - t0, timed_out=timed_out, output_truncated=truncated,
-                          oom_killed=code == 137 and not (timed_out or truncated),
-                          cpu_time_exceeded=code == 152 and not timed_out)
+        return ExecResult(
+            exit_code=code,
+            stdout="".join(out),
+            stderr="".join(err),
+            wall_time_s=time.monotonic() - t0,
+            timed_out=timed_out,
+            output_truncated=truncated,
+            oom_killed=code == 137 and not (timed_out or truncated),
+            cpu_time_exceeded=code == 152 and not timed_out,
+        )
 
     # ---- files -----------------------------------------------------------------------------
     def _write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
         path = "/".join((self.workdir, *parts))
         try:
             self.remote.files.write(path, data, user=self.user)
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             raise SandboxFileError(f"could not write {path!r} in {self!r}: {e}") from e
 
     def _read_bytes(self, parts: tuple[str, ...]) -> bytes:
         path = "/".join((self.workdir, *parts))
         try:
             return bytes(self.remote.files.read(path, format="bytes", user=self.user))
-        except Exception as e:  # noqa: BLE001 - NotFoundException and friends
+        except Exception as e:  # NotFoundException and friends
             raise SandboxFileError(f"could not read {path!r} in {self!r}: {e}") from e
 
     # ---- sessions --------------------------------------------------------------------------
@@ -189,8 +235,10 @@ class _ContextSession(Session):
     def __init__(self, sandbox: E2BSandbox, language: str) -> None:
         self.language, self._sandbox = language, sandbox
         try:
-            self._context = sandbox.remote.create_code_context(cwd=sandbox.workdir, language=language)
-        except Exception as e:  # noqa: BLE001
+            self._context = sandbox.remote.create_code_context(
+                cwd=sandbox.workdir, language=language
+            )
+        except Exception as e:
             raise SessionError(f"E2B could not create a {language} context: {e}") from e
         self._closed = False
         self.restarts = 0
@@ -203,20 +251,31 @@ class _ContextSession(Session):
         from e2b import TimeoutException
 
         if self._closed:
-            raise SessionError(f"this {self.language} session is closed; open a new one with sandbox.session()")
+            raise SessionError(
+                f"this {self.language} session is closed; open a new one with sandbox.session()"
+            )
         wall = timeout if timeout is not None else self._sandbox.limits.wall_time_s
         t0 = time.monotonic()
         try:
             execution = self._sandbox.remote.run_code(code, context=self._context, timeout=wall)
         except TimeoutException:
             return ExecResult(exit_code=137, wall_time_s=time.monotonic() - t0, timed_out=True)
-        stdout = "".join(execution.logs.stdout) + "".join(f"{r.text}\n" for r in execution.results if r.text)
+        stdout = "".join(execution.logs.stdout) + "".join(
+            f"{r.text}\n" for r in execution.results if r.text
+        )
         stderr = "".join(execution.logs.stderr)
         if execution.error is not None:
-            stderr += f"{execution.error.name}: {execution.error.value}\n{execution.error.traceback}"
+            stderr += (
+                f"{execution.error.name}: {execution.error.value}\n{execution.error.traceback}"
+            )
         cap = self._sandbox.limits.max_output_bytes
-        return ExecResult(exit_code=1 if execution.error is not None else 0, stdout=stdout[:cap], stderr=stderr[:cap],
-                          wall_time_s=time.monotonic() - t0, output_truncated=max(len(stdout), len(stderr)) > cap)
+        return ExecResult(
+            exit_code=1 if execution.error is not None else 0,
+            stdout=stdout[:cap],
+            stderr=stderr[:cap],
+            wall_time_s=time.monotonic() - t0,
+            output_truncated=max(len(stdout), len(stderr)) > cap,
+        )
 
     def close(self) -> None:
         if not self._closed:

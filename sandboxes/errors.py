@@ -8,13 +8,13 @@ memory) is never an exception: it is data in :class:`sandboxes.ExecResult`.
 from __future__ import annotations
 
 __all__ = [
-    "SandboxError",
-    "SandboxConfigError",
-    "SandboxUnavailableError",
-    "SandboxStateError",
-    "SandboxFileError",
-    "SessionError",
     "PoolClosedError",
+    "SandboxConfigError",
+    "SandboxError",
+    "SandboxFileError",
+    "SandboxStateError",
+    "SandboxUnavailableError",
+    "SessionError",
 ]
 
 

@@ -23,7 +23,7 @@ import queue
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Self
 
 from sandboxes.base import Limits, Sandbox
 from sandboxes.errors import PoolClosedError, SandboxConfigError, SandboxError
@@ -34,8 +34,15 @@ __all__ = ["SandboxPool"]
 class SandboxPool:
     """``size`` pre-started sandboxes of one backend; see the module docstring."""
 
-    def __init__(self, backend: str = "local", *, size: int = 4, limits: Limits | None = None,
-                 check_health: bool = False, **backend_kwargs: Any) -> None:
+    def __init__(
+        self,
+        backend: str = "local",
+        *,
+        size: int = 4,
+        limits: Limits | None = None,
+        check_health: bool = False,
+        **backend_kwargs: Any,
+    ) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise SandboxConfigError(f"pool size must be an int >= 1, got {size!r}")
         self.backend, self.size, self.limits = backend, size, limits
@@ -47,7 +54,9 @@ class SandboxPool:
         self._closed = False
         self.replaced = 0
         """How many broken sandboxes were replaced."""
-        self._workers = ThreadPoolExecutor(max_workers=min(4, size), thread_name_prefix="sandbox-pool")
+        self._workers = ThreadPoolExecutor(
+            max_workers=min(4, size), thread_name_prefix="sandbox-pool"
+        )
         try:
             for sandbox in self._workers.map(lambda _: self._new(), range(size)):
                 self._idle.put(sandbox)
@@ -92,8 +101,10 @@ class SandboxPool:
         try:
             sandbox = self._idle.get(timeout=timeout)
         except queue.Empty:
-            raise SandboxError(f"no {self.backend} sandbox free within {timeout} s (pool size {self.size}); "
-                               "raise size= or release sandboxes sooner") from None
+            raise SandboxError(
+                f"no {self.backend} sandbox free within {timeout} s (pool size {self.size}); "
+                "raise size= or release sandboxes sooner"
+            ) from None
         broken = False
         try:
             yield sandbox
@@ -146,7 +157,7 @@ class SandboxPool:
             with contextlib.suppress(Exception):
                 sandbox.stop()
 
-    def __enter__(self) -> SandboxPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

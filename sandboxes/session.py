@@ -27,7 +27,7 @@ from pathlib import Path
 from sandboxes.base import ExecResult, Limits, Session, _decode
 from sandboxes.errors import SessionError
 
-__all__ = ["PipeSession", "PYTHON_DRIVER", "bash_frame", "python_frame"]
+__all__ = ["PYTHON_DRIVER", "PipeSession", "bash_frame", "python_frame"]
 
 _MARK = b"__ENVHUB_END_"
 _GRACE_S = 2.0
@@ -88,11 +88,16 @@ while True:
 
 
 def bash_frame(code: str, nonce: str) -> bytes:
-    """``eval $'<code as \\xHH>' </dev/null`` + end markers: any text, even broken syntax, is safe."""
+    """``eval $'<code as \\xHH>' </dev/null`` + end markers.
+
+    Any text, even broken syntax, is safe to send this way.
+    """
     quoted = "".join(f"\\x{b:02x}" for b in code.encode())
-    return (f"eval $'{quoted}' </dev/null\n__envhub_rc=$?\n"
-            f"printf '\\n{_MARK.decode()}{nonce}_RC_%d\\n' \"$__envhub_rc\"\n"
-            f"printf '\\n{_MARK.decode()}{nonce}\\n' >&2\n").encode()
+    return (
+        f"eval $'{quoted}' </dev/null\n__envhub_rc=$?\n"
+        f"printf '\\n{_MARK.decode()}{nonce}_RC_%d\\n' \"$__envhub_rc\"\n"
+        f"printf '\\n{_MARK.decode()}{nonce}\\n' >&2\n"
+    ).encode()
 
 
 def python_frame(code: str, nonce: str) -> bytes:
@@ -111,7 +116,9 @@ def _children(pid: int) -> list[int]:
     with contextlib.suppress(OSError):
         for task in os.listdir(f"/proc/{pid}/task"):
             with contextlib.suppress(OSError):
-                kids += [int(x) for x in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+                kids += [
+                    int(x) for x in Path(f"/proc/{pid}/task/{task}/children").read_text().split()
+                ]
     return kids
 
 
@@ -139,21 +146,30 @@ class _Stream:
     def feed(self, chunk: bytes, marker: re.Pattern[bytes]) -> re.Match[bytes] | None:
         self.window += chunk
         found = marker.search(self.window)
-        body = self.window[:found.start()] if found else self.window[:max(0, len(self.window) - 96)]
+        body = (
+            self.window[: found.start()] if found else self.window[: max(0, len(self.window) - 96)]
+        )
         room = self.cap - len(self.kept)
         if len(body) > room:
             self.truncated = True
-        self.kept += body[:max(0, room)]
-        self.window = self.window[found.end():] if found else self.window[len(body):]
+        self.kept += body[: max(0, room)]
+        self.window = self.window[found.end() :] if found else self.window[len(body) :]
         return found
 
 
 class PipeSession(Session):
     """A persistent interpreter driven over pipes; backends supply ``spawn`` and ``kill``."""
 
-    def __init__(self, language: str, *, spawn: Callable[[list[str]], subprocess.Popen[bytes]],
-                 kill: Callable[[subprocess.Popen[bytes]], None], cleanup: Callable[[], None],
-                 limits: Limits, workdir: str) -> None:
+    def __init__(
+        self,
+        language: str,
+        *,
+        spawn: Callable[[list[str]], subprocess.Popen[bytes]],
+        kill: Callable[[subprocess.Popen[bytes]], None],
+        cleanup: Callable[[], None],
+        limits: Limits,
+        workdir: str,
+    ) -> None:
         self.language = language
         self._argv, self._frame, self._comm = _COMMANDS[language]
         self._spawn, self._kill, self._cleanup = spawn, kill, cleanup
@@ -219,20 +235,27 @@ class PipeSession(Session):
 
     def run(self, code: str, *, timeout: float | None = None) -> ExecResult:
         if self._closed:
-            raise SessionError(f"this {self.language} session is closed; open a new one with sandbox.session()")
+            raise SessionError(
+                f"this {self.language} session is closed; open a new one with sandbox.session()"
+            )
         if not isinstance(code, str):
             raise SessionError(f"session code must be a str, got {type(code).__name__}")
         if not self.alive:
             self._restart()
         proc = self._proc
         if proc is None or proc.stdin is None or proc.stdout is None or proc.stderr is None:
-            raise SessionError(f"the {self.language} session has no interpreter pipes; open a new session")
+            raise SessionError(
+                f"the {self.language} session has no interpreter pipes; open a new session"
+            )
         wall = timeout if timeout is not None else self._limits.wall_time_s
         nonce = uuid.uuid4().hex
         out_marker = re.compile(b"\n" + _MARK + nonce.encode() + rb"_RC_(-?\d+)\n")
         err_marker = re.compile(b"\n" + _MARK + nonce.encode() + b"\n")
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
-        streams = {out_fd: _Stream(self._limits.max_output_bytes), err_fd: _Stream(self._limits.max_output_bytes)}
+        streams = {
+            out_fd: _Stream(self._limits.max_output_bytes),
+            err_fd: _Stream(self._limits.max_output_bytes),
+        }
         t0 = time.monotonic()
         try:
             proc.stdin.write(self._frame(code, nonce))
@@ -282,13 +305,24 @@ class PipeSession(Session):
                     proc.wait(timeout=1)
             if proc.poll() is not None:
                 rc = 128 + -proc.returncode if proc.returncode < 0 else proc.returncode
-                note = b"\n[envhub: the session's interpreter exited; the next call starts a fresh one]\n"
+                note = (
+                    b"\n[envhub: the session's interpreter exited; "
+                    b"the next call starts a fresh one]\n"
+                )
             else:
                 rc = 137
                 self._restart()
-                note = b"\n[envhub: the command could not be interrupted; session restarted, state lost]\n"
+                note = (
+                    b"\n[envhub: the command could not be interrupted; "
+                    b"session restarted, state lost]\n"
+                )
         sel.close()
         out, err = streams[out_fd], streams[err_fd]
-        return ExecResult(exit_code=rc, stdout=_decode(bytes(out.kept)), stderr=_decode(bytes(err.kept) + note),
-                          wall_time_s=time.monotonic() - t0, timed_out=timed_out,
-                          output_truncated=out.truncated or err.truncated)
+        return ExecResult(
+            exit_code=rc,
+            stdout=_decode(bytes(out.kept)),
+            stderr=_decode(bytes(err.kept) + note),
+            wall_time_s=time.monotonic() - t0,
+            timed_out=timed_out,
+            output_truncated=out.truncated or err.truncated,
+        )

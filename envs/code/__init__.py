@@ -17,12 +17,18 @@ def register() -> None:
     register(
         "code/humaneval-v0",
         "envs.code.programming:ProgrammingEnv",
-        description="Write a function; hidden tests run in a sandbox; revise from failures (HumanEval, or your JSONL).",
+        description=(
+            "Write a function; hidden tests run in a sandbox; revise from failures "
+            "(HumanEval, or your JSONL)."
+        ),
         variants={"binary": {"reward_mode": "binary"}, "single": {"max_revisions": 0}},
     )
     register(
         "code/terminal-v0",
         "envs.code.terminal:TerminalEnv",
         max_turns=12,
-        description="Reach a goal with shell commands in a persistent sandboxed bash session; a checker script verifies it.",
+        description=(
+            "Reach a goal with shell commands in a persistent sandboxed bash session; "
+            "a checker script verifies it."
+        ),
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 import textwrap
 
-__all__ = ["split_tests", "RUNNER"]
+__all__ = ["RUNNER", "split_tests"]
 
 
 def _has_assert(node: ast.AST) -> bool:
@@ -32,7 +32,9 @@ def split_tests(tests: str | list[str], entry_point: str) -> tuple[str, list[str
     try:
         module = ast.parse(textwrap.dedent(tests))
     except SyntaxError as exc:
-        raise ValueError(f"the task's tests are not valid Python ({exc.msg} at line {exc.lineno})") from None
+        raise ValueError(
+            f"the task's tests are not valid Python ({exc.msg} at line {exc.lineno})"
+        ) from None
     setup: list[str] = [f"candidate = {entry_point}"]
     found: list[str] = []
     for statement in module.body:
@@ -46,11 +48,14 @@ def split_tests(tests: str | list[str], entry_point: str) -> tuple[str, list[str
         else:
             setup.append(ast.unparse(statement))
     if not found:
-        raise ValueError("the task's tests contain no assert statements; write tests as asserts or a check(candidate) function")
+        raise ValueError(
+            "the task's tests contain no assert statements; "
+            "write tests as asserts or a check(candidate) function"
+        )
     return "\n".join(setup), found
 
 
-RUNNER = r'''
+RUNNER = r"""
 import io, json, signal, sys, traceback
 
 token = sys.stdin.readline().strip()
@@ -102,7 +107,9 @@ def run(source, namespace, filename, seconds):
         sys.stdout, sys.stderr = real_stdout, sys.__stderr__
 
 namespace = {"__name__": "solution"}
-solution_error = run(open("solution.py").read(), namespace, "solution.py", spec["solution_timeout_s"])
+solution_error = run(
+    open("solution.py").read(), namespace, "solution.py", spec["solution_timeout_s"]
+)
 results = []
 if solution_error is None and spec["entry_point"] not in namespace:
     solution_error = f"your code does not define {spec['entry_point']!r}"
@@ -111,10 +118,12 @@ if solution_error is None:
     timed_out = False
     for test in spec["tests"]:
         if timed_out:  # one hung test bounds the run: the rest are not tried
-            results.append({"test": test, "passed": False, "error": "not run: an earlier test timed out"})
+            error = "not run: an earlier test timed out"
+            results.append({"test": test, "passed": False, "error": error})
             continue
         error = setup_error or run(test, namespace, "tests.py", spec["test_timeout_s"])
         timed_out = error is not None and error.startswith("timed out")
         results.append({"test": test, "passed": error is None, "error": error})
-print(token + " " + json.dumps({"solution_error": solution_error, "results": results, "output": captured.text()}), file=real_stdout, flush=True)
-'''
+report = {"solution_error": solution_error, "results": results, "output": captured.text()}
+print(token + " " + json.dumps(report), file=real_stdout, flush=True)
+"""

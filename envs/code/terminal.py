@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from envhub.core import TextEnv, Turn
-from envs.datasets import Split, Task, TaskSet, as_taskset
 from envs.code.terminal_tasks import TERMINAL_KINDS, make_terminal_task
+from envs.datasets import Split, Task, TaskSet, as_taskset
 
 __all__ = ["TerminalEnv", "extract_command"]
 
@@ -41,7 +41,10 @@ def extract_command(text: str) -> str:
 
 
 class TerminalEnv(TextEnv):
-    """Shell tasks checked by scripts, in a persistent sandboxed session (see the module docstring)."""
+    """Shell tasks checked by scripts, in a persistent sandboxed session.
+
+    See the module docstring for the task format and the checks.
+    """
 
     def __init__(
         self,
@@ -60,15 +63,31 @@ class TerminalEnv(TextEnv):
         kinds = list(kinds)
         unknown = sorted(set(kinds) - set(TERMINAL_KINDS))
         if unknown:
-            raise ValueError(f"unknown terminal task kind(s) {unknown}; use some of {list(TERMINAL_KINDS)}")
-        builtin = [{"id": f"{kind}-{i:03d}", "kind": kind, "seed": 50_000 + i} for i in range(50) for kind in kinds]
-        self.tasks = as_taskset(dataset, default=builtin, split=split, required=("instruction", "files", "check") if dataset is not None else ())
-        self.sandbox_backend, self.command_timeout_s, self.memory_mb = sandbox_backend, command_timeout_s, memory_mb
+            raise ValueError(
+                f"unknown terminal task kind(s) {unknown}; use some of {list(TERMINAL_KINDS)}"
+            )
+        builtin = [
+            {"id": f"{kind}-{i:03d}", "kind": kind, "seed": 50_000 + i}
+            for i in range(50)
+            for kind in kinds
+        ]
+        self.tasks = as_taskset(
+            dataset,
+            default=builtin,
+            split=split,
+            required=("instruction", "files", "check") if dataset is not None else (),
+        )
+        self.sandbox_backend, self.command_timeout_s, self.memory_mb = (
+            sandbox_backend,
+            command_timeout_s,
+            memory_mb,
+        )
         self.max_output_chars = max_output_chars
         self.invalid_action_penalty = -0.05
         self.system_prompt = (
-            "You are in a bash shell in an empty Linux sandbox (no network). Reach the goal by sending one shell "
-            "command (or a short script) per turn in a ```bash block. You will see its output and exit code. "
+            "You are in a bash shell in an empty Linux sandbox (no network). "
+            "Reach the goal by sending one shell command (or a short script) per turn "
+            "in a ```bash block. You will see its output and exit code. "
             "The episode ends when the goal is reached."
         )
         self.task: Task = {}
@@ -82,21 +101,32 @@ class TerminalEnv(TextEnv):
         if self._sandbox is None:
             from sandboxes import Limits, make_sandbox
 
-            limits = Limits(wall_time_s=self.command_timeout_s, cpu_time_s=self.command_timeout_s, memory_mb=self.memory_mb,
-                            network=False, max_output_bytes=100_000)
+            limits = Limits(
+                wall_time_s=self.command_timeout_s,
+                cpu_time_s=self.command_timeout_s,
+                memory_mb=self.memory_mb,
+                network=False,
+                max_output_bytes=100_000,
+            )
             self._sandbox = make_sandbox(self.sandbox_backend, limits=limits).start()
         else:
             self._sandbox.reset()  # empty scratch, close the old session
         return self._sandbox
 
     def _checked(self) -> bool:
-        result = self._sandbox.run(["bash", "-c", self.task["check"]], timeout=self.command_timeout_s)
+        result = self._sandbox.run(
+            ["bash", "-c", self.task["check"]], timeout=self.command_timeout_s
+        )
         return result.exit_code == 0 and not result.timed_out
 
     # ------------------------------------------------------------------ episode
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         chosen = self.tasks.select(options, self.np_random)
-        task = make_terminal_task(chosen["kind"], int(chosen["seed"])) if "check" not in chosen else dict(chosen)
+        task = (
+            make_terminal_task(chosen["kind"], int(chosen["seed"]))
+            if "check" not in chosen
+            else dict(chosen)
+        )
         self.task = {**task, "id": chosen["id"]}
         sandbox = self._fresh_sandbox()
         for path, text in self.task["files"].items():
@@ -104,7 +134,9 @@ class TerminalEnv(TextEnv):
         self._session = sandbox.session(language="bash")
         self._plan, self._plan_position = list(self.task.get("solution", [])), 0
         listing = ", ".join(sorted(self.task["files"])) or "(none)"
-        return f"Goal: {self.task['instruction']}\nFiles in the current directory: {listing}", {"task_id": chosen["id"]}
+        return f"Goal: {self.task['instruction']}\nFiles in the current directory: {listing}", {
+            "task_id": chosen["id"]
+        }
 
     def on_step(self, action: str) -> Turn:
         command = extract_command(action)
@@ -115,7 +147,10 @@ class TerminalEnv(TextEnv):
         result = self._session.run(command, timeout=self.command_timeout_s)
         output = (result.stdout + result.stderr).rstrip()
         if len(output) > self.max_output_chars:
-            output = output[: self.max_output_chars] + f"\n... [output truncated; {len(output) - self.max_output_chars} more characters]"
+            output = (
+                output[: self.max_output_chars]
+                + f"\n... [output truncated; {len(output) - self.max_output_chars} more characters]"
+            )
         status = f"[exit code {result.exit_code}]"
         if result.timed_out:
             status = f"[killed: the command ran longer than {self.command_timeout_s:g}s]"
@@ -123,7 +158,13 @@ class TerminalEnv(TextEnv):
             status += " [the output was cut off by the sandbox]"
         text = f"{output}\n{status}" if output else status
         if self._checked():
-            return Turn(text + "\nGoal reached.", reward=1.0, terminated=True, success=True, info={"exit_code": result.exit_code})
+            return Turn(
+                text + "\nGoal reached.",
+                reward=1.0,
+                terminated=True,
+                success=True,
+                info={"exit_code": result.exit_code},
+            )
         return Turn(text, info={"exit_code": result.exit_code, "timed_out": result.timed_out})
 
     # ------------------------------------------------------------------ agents
@@ -133,10 +174,26 @@ class TerminalEnv(TextEnv):
         return f"```bash\n{self._plan[min(self._plan_position, len(self._plan) - 1)]}\n```"
 
     def sample_action(self, np_random: np.random.Generator) -> str:
-        commands = ["ls", "pwd", "cat *.txt", "echo hello > answer.txt", "rm -f *.txt", "wc -l *", "cd ..", "true",
-                    "ls -1 | head -3", "echo 0 > total.txt", "mkdir x", "python3 -c 'print(1)'"]
+        commands = [
+            "ls",
+            "pwd",
+            "cat *.txt",
+            "echo hello > answer.txt",
+            "rm -f *.txt",
+            "wc -l *",
+            "cd ..",
+            "true",
+            "ls -1 | head -3",
+            "echo 0 > total.txt",
+            "mkdir x",
+            "python3 -c 'print(1)'",
+        ]
         choice = int(np_random.integers(len(commands) + 1))
-        return "I will explore first." if choice == len(commands) else f"```bash\n{commands[choice]}\n```"
+        return (
+            "I will explore first."
+            if choice == len(commands)
+            else f"```bash\n{commands[choice]}\n```"
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def on_close(self) -> None:

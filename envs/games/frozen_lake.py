@@ -24,8 +24,12 @@ from envs.games.moves import DIRECTIONS, parse_moves, with_valid_actions
 __all__ = ["FrozenLakeEnv", "generate_map", "parse_map", "shortest_path"]
 
 _STEP = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
-_PERPENDICULAR = {"up": ("left", "right"), "down": ("right", "left"),
-                  "left": ("down", "up"), "right": ("up", "down")}
+_PERPENDICULAR = {
+    "up": ("left", "right"),
+    "down": ("right", "left"),
+    "left": ("down", "up"),
+    "right": ("up", "down"),
+}
 LEGEND = "P you, S start (frozen), F frozen ice (safe), H hole (falling in ends the game), G goal"
 
 
@@ -83,8 +87,13 @@ class FrozenLakeEnv(GameEnv):
     """
 
     def __init__(
-        self, *, size: int = 4, slippery: bool = False, hole_fraction: float = 0.2,
-        max_turns: int | None = 20, **game: Any,
+        self,
+        *,
+        size: int = 4,
+        slippery: bool = False,
+        hole_fraction: float = 0.2,
+        max_turns: int | None = 20,
+        **game: Any,
     ) -> None:
         if not (isinstance(size, int) and size >= 2):
             raise ValueError(f"size must be an int >= 2, got {size!r}")
@@ -104,7 +113,9 @@ class FrozenLakeEnv(GameEnv):
         self.position = divmod("".join(self.board).index("S"), len(self.board))
         slip = (
             " The ice is slippery: each move goes the way you chose only 1/3 of the time, and "
-            "otherwise slides you to one of the two sides (1/3 each)." if self.slippery else ""
+            "otherwise slides you to one of the two sides (1/3 each)."
+            if self.slippery
+            else ""
         )
         turns = f" You have {self.max_turns} moves." if self.max_turns else ""
         size = len(self.board)

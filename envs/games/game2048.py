@@ -13,8 +13,8 @@ evaluation and tests); otherwise two random tiles are placed.
 
 from __future__ import annotations
 
-
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any, TypeAlias
 
 import numpy as np
@@ -24,11 +24,10 @@ from envhub.errors import ActionParseError
 from envs.games.base import GameEnv
 from envs.games.moves import DIRECTIONS, parse_moves
 
-__all__ = ["Game2048Env", "Board", "DIRECTIONS", "merge_line", "slide", "can_move", "best_move"]
+__all__ = ["DIRECTIONS", "Board", "Game2048Env", "best_move", "can_move", "merge_line", "slide"]
 
 Board: TypeAlias = tuple[tuple[int, ...], ...]
 """Rows of tile values, top row first; 0 is an empty cell."""
-
 
 
 def merge_line(line: Sequence[int]) -> tuple[list[int], int]:
@@ -104,7 +103,7 @@ def _evaluate(board: Board) -> float:
     for lines in (logs, [list(column) for column in zip(*logs)]):
         for line in lines:
             rising = falling = 0
-            for a, b in zip(line, line[1:]):
+            for a, b in pairwise(line):
                 if a and a == b:
                     pairs += 1
                 if a > b:

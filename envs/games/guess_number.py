@@ -24,9 +24,13 @@ _INT = re.compile(r"[-+]?\d+")
 class GuessNumberEnv(GameEnv):
     """Find a secret integer in ``[low, high]``; each guess is answered higher/lower/correct."""
 
-    out_of_turns = "terminated"  # the guess budget is a rule the player is told: out of guesses = lost
+    out_of_turns = (
+        "terminated"  # the guess budget is a rule the player is told: out of guesses = lost
+    )
 
-    def __init__(self, *, low: int = 1, high: int = 100, max_turns: int | None = 10, **game: Any) -> None:
+    def __init__(
+        self, *, low: int = 1, high: int = 100, max_turns: int | None = 10, **game: Any
+    ) -> None:
         if not (isinstance(low, int) and isinstance(high, int) and low < high):
             raise ValueError(f"need integers low < high, got low={low!r}, high={high!r}")
         super().__init__(max_turns=max_turns, **game)
@@ -51,7 +55,9 @@ class GuessNumberEnv(GameEnv):
         except ActionParseError as error:
             return self.invalid_action(self.feedback_for(error))
         if guess == self._secret:
-            return Turn(f"Correct! The number was {guess}.", reward=1.0, terminated=True, success=True)
+            return Turn(
+                f"Correct! The number was {guess}.", reward=1.0, terminated=True, success=True
+            )
         low, high = self._bounds
         if guess < self._secret:
             self._bounds = (max(low, guess + 1), high)

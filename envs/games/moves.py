@@ -14,9 +14,19 @@ from envhub.errors import ActionParseError
 __all__ = ["DIRECTIONS", "VALID_ACTIONS", "parse_moves", "with_valid_actions"]
 
 DIRECTIONS: tuple[str, ...] = ("up", "down", "left", "right")
-_ALIASES = {"u": "up", "north": "up", "d": "down", "south": "down",
-            "l": "left", "west": "left", "r": "right", "east": "right"}
-_FILLER = frozenset({"move", "moves", "go", "step", "walk", "push", "slide", "swipe", "then", "and", "to", "the"})
+_ALIASES = {
+    "u": "up",
+    "north": "up",
+    "d": "down",
+    "south": "down",
+    "l": "left",
+    "west": "left",
+    "r": "right",
+    "east": "right",
+}
+_FILLER = frozenset(
+    {"move", "moves", "go", "step", "walk", "push", "slide", "swipe", "then", "and", "to", "the"}
+)
 VALID_ACTIONS = "Valid actions: up, down, left, right (or U, D, L, R)."
 
 

@@ -25,7 +25,12 @@ from envs.games.base import GameEnv
 from envs.games.moves import DIRECTIONS, parse_moves, with_valid_actions
 
 __all__ = [
-    "LEGEND", "SokobanEnv", "SokobanLevel", "generate_level", "parse_level", "solve",
+    "LEGEND",
+    "SokobanEnv",
+    "SokobanLevel",
+    "generate_level",
+    "parse_level",
+    "solve",
 ]
 
 _OPPOSITE = {"up": "down", "down": "up", "left": "right", "right": "left"}
@@ -213,8 +218,12 @@ def _path(came: dict[int, tuple[int, str, int]], goal: int) -> list[str]:
 
 
 def solve(
-    level: SokobanLevel, boxes: frozenset[int] | None = None, player: int | None = None,
-    *, max_expansions: int = 30_000, time_limit: float = 1.0,
+    level: SokobanLevel,
+    boxes: frozenset[int] | None = None,
+    player: int | None = None,
+    *,
+    max_expansions: int = 30_000,
+    time_limit: float = 1.0,
 ) -> list[str] | None:
     """Fewest-moves solution from a state (the level's start by default), or ``None``.
 
@@ -281,8 +290,13 @@ class SokobanEnv(GameEnv):
     """
 
     def __init__(
-        self, *, size: int = 6, num_boxes: int = 1, max_turns: int | None = 30,
-        max_moves_per_turn: int = 1, **game: Any,
+        self,
+        *,
+        size: int = 6,
+        num_boxes: int = 1,
+        max_turns: int | None = 30,
+        max_moves_per_turn: int = 1,
+        **game: Any,
     ) -> None:
         if not (isinstance(size, int) and size >= 5):
             raise ValueError(f"size must be an int >= 5 (the border is wall), got {size!r}")
@@ -307,7 +321,8 @@ class SokobanEnv(GameEnv):
             self.level = generate_level(self.size, self.num_boxes, self.np_random, budget)
         self._boxes, self._player, self._plan = self.level.boxes, self.level.player, []
         per_turn = (
-            "One move per turn." if self.max_moves_per_turn == 1
+            "One move per turn."
+            if self.max_moves_per_turn == 1
             else f"Up to {self.max_moves_per_turn} moves a turn, comma-separated (e.g. 'up, left')."
         )
         turns = f" You have {self.max_turns} turns." if self.max_turns else ""

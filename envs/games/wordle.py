@@ -26,7 +26,7 @@ from envhub.errors import ActionParseError
 from envs.games.base import GameEnv
 from envs.games.words import WORDS, words_of_length
 
-__all__ = ["WordleEnv", "score_guess", "consistent_words", "best_guess", "LEGEND"]
+__all__ = ["LEGEND", "WordleEnv", "best_guess", "consistent_words", "score_guess"]
 
 GREEN, YELLOW, GREY = "G", "Y", "_"
 LEGEND = (

@@ -37,5 +37,8 @@ def register() -> None:
         "tools/mcp-v0",
         "envs.tools.mcp_bridge:McpEnv",
         max_turns=12,
-        description="Tasks solved with the tools of an MCP server (stdio or streamable HTTP); demo server built in.",
+        description=(
+            "Tasks solved with the tools of an MCP server (stdio or streamable HTTP); "
+            "demo server built in."
+        ),
     )

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -54,7 +54,7 @@ def truncate(text: str, limit: int) -> str:
 class ToolEnv(TextEnv):
     """Base class of the ``tools/`` envs (see the module docstring)."""
 
-    tool_schemas: list[dict[str, Any]] = []
+    tool_schemas: ClassVar[list[dict[str, Any]]] = []
     """The OpenAI-format schemas of this env's tools (subclasses set it, or set ``self.tools``)."""
     required_fields: tuple[str, ...] = ()
     """Fields every task of a user dataset must have."""
@@ -93,7 +93,9 @@ class ToolEnv(TextEnv):
     # ----------------------------------------------------------------- for subclasses
     def builtin_tasks(self) -> TaskSet | Iterable[Mapping[str, Any]]:
         """The tasks used when no ``dataset`` is given."""
-        raise NotImplementedError(f"{type(self).__name__} must implement builtin_tasks() (or be given a dataset)")
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement builtin_tasks() (or be given a dataset)"
+        )
 
     def start(self, task: Task) -> str:
         """Prepare ``task`` (databases, documents, servers); return the opening question."""
@@ -101,7 +103,9 @@ class ToolEnv(TextEnv):
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         """Run one tool call and return its result text (the ``tool`` message)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement call_tool(name, arguments)")
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement call_tool(name, arguments)"
+        )
 
     def grade(self, answer: str) -> float:
         """The reward in [0, 1] for a final ``answer`` to the current task."""
@@ -141,11 +145,14 @@ class ToolEnv(TextEnv):
         if calls:
             messages = [self._run(call) for call in calls]
             errors = sum(message["content"].startswith("Error:") for message in messages)
-            return Turn(messages, info={"tool_calls": [c.name for c in calls], "tool_errors": errors})
+            return Turn(
+                messages, info={"tool_calls": [c.name for c in calls], "tool_errors": errors}
+            )
         answer = extract_answer(action)
         if answer is None:
             return self.invalid_action(
-                "I found neither a tool call nor an answer. " + self.parser.instructions
+                "I found neither a tool call nor an answer. "
+                + self.parser.instructions
                 + " Or give your final answer as <answer>...</answer>."
             )
         score = float(min(1.0, max(0.0, self.grade(answer))))
@@ -180,7 +187,11 @@ class ToolEnv(TextEnv):
         if roll < 0.6 and self.tools:
             return self.random_call(np_random)
         if roll < 0.75:
-            return '<tool_call>{"name": "' + str(self.tools[0]["function"]["name"] if self.tools else "x") + '", "arguments": {</tool_call>'
+            return (
+                '<tool_call>{"name": "'
+                + str(self.tools[0]["function"]["name"] if self.tools else "x")
+                + '", "arguments": {</tool_call>'
+            )
         if roll < 0.85:
             return "I am thinking about it."
         return f"<answer>{int(np_random.integers(0, 1000))}</answer>"

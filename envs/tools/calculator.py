@@ -18,7 +18,7 @@ import math
 import operator
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -27,7 +27,7 @@ from envhub.parsing import format_tool_call
 from envs.datasets import Task
 from envs.tools.base import ToolEnv, ToolError
 
-__all__ = ["CalculatorEnv", "safe_eval", "make_problem"]
+__all__ = ["CalculatorEnv", "make_problem", "safe_eval"]
 
 MAX_EXPRESSION_CHARS = 500
 MAX_MAGNITUDE = 1e100
@@ -57,9 +57,13 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
 def safe_eval(expression: str) -> float | int:
     """Evaluate arithmetic; raise ``ToolError`` naming what is not allowed."""
     if len(expression) > MAX_EXPRESSION_CHARS:
-        raise ToolError(f"expression of {len(expression)} characters is too long (max {MAX_EXPRESSION_CHARS})")
+        raise ToolError(
+            f"expression of {len(expression)} characters is too long (max {MAX_EXPRESSION_CHARS})"
+        )
     try:
-        tree = ast.parse(_THOUSANDS.sub("", expression.replace("^", "**").replace("×", "*")), mode="eval")
+        tree = ast.parse(
+            _THOUSANDS.sub("", expression.replace("^", "**").replace("×", "*")), mode="eval"
+        )
     except SyntaxError as exc:
         raise ToolError(f"cannot parse {expression!r}: {exc.msg}") from None
     try:
@@ -74,24 +78,36 @@ def safe_eval(expression: str) -> float | int:
 
 
 def _eval(node: ast.AST) -> Any:
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+    if (
+        isinstance(node, ast.Constant)
+        and isinstance(node.value, (int, float))
+        and not isinstance(node.value, bool)
+    ):
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _eval(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _eval(node.left), _eval(node.right)
-        if isinstance(node.op, ast.Pow) and (abs(right) > 100 or abs(left) > 1e6 and abs(right) > 10):
+        if isinstance(node.op, ast.Pow) and (
+            abs(right) > 100 or abs(left) > 1e6 and abs(right) > 10
+        ):
             raise ToolError(f"exponent too large in {left}**{right}")
         value = _BINARY[type(node.op)](left, right)
         if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
             raise ToolError("result out of range")
         return value
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _FUNCTIONS and not node.keywords:
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in _FUNCTIONS
+        and not node.keywords
+    ):
         return _FUNCTIONS[node.func.id](*[_eval(arg) for arg in node.args])
     allowed = ", ".join(sorted(_FUNCTIONS))
     raise ToolError(
-        f"{ast.unparse(node)!r} is not allowed; use numbers, + - * / // % ** and the functions {allowed}"
+        f"{ast.unparse(node)!r} is not allowed; "
+        f"use numbers, + - * / // % ** and the functions {allowed}"
     )
 
 
@@ -104,42 +120,86 @@ def make_problem(index: int, seed: int) -> Task:
     rng = np.random.default_rng(seed)
     kind = index % 5
     if kind == 0:
-        boxes, per_box, price, discount = int(rng.integers(12, 90)), int(rng.integers(6, 25)), _money(rng, 0.35, 4.5), int(rng.integers(5, 30))
+        boxes, per_box, price, discount = (
+            int(rng.integers(12, 90)),
+            int(rng.integers(6, 25)),
+            _money(rng, 0.35, 4.5),
+            int(rng.integers(5, 30)),
+        )
         question = (
             f"A bakery sells {boxes} boxes of {per_box} muffins. Each muffin costs ${price}. "
-            f"A {discount}% discount applies to the whole order. What is the total price in dollars, rounded to cents?"
+            f"A {discount}% discount applies to the whole order. "
+            "What is the total price in dollars, rounded to cents?"
         )
-        steps = [f"{boxes} * {per_box}", f"{boxes * per_box} * {price}", f"round({boxes * per_box} * {price} * (1 - {discount}/100), 2)"]
+        steps = [
+            f"{boxes} * {per_box}",
+            f"{boxes * per_box} * {price}",
+            f"round({boxes * per_box} * {price} * (1 - {discount}/100), 2)",
+        ]
     elif kind == 1:
-        a, v1, b, v2 = int(rng.integers(40, 400)), int(rng.integers(35, 140)), int(rng.integers(40, 400)), int(rng.integers(35, 140))
+        a, v1, b, v2 = (
+            int(rng.integers(40, 400)),
+            int(rng.integers(35, 140)),
+            int(rng.integers(40, 400)),
+            int(rng.integers(35, 140)),
+        )
         question = (
             f"A train travels {a} km at {v1} km/h, then {b} km at {v2} km/h. "
             "What is its average speed over the whole trip in km/h, rounded to 2 decimals?"
         )
         steps = [f"{a} / {v1}", f"{b} / {v2}", f"round(({a} + {b}) / ({a} / {v1} + {b} / {v2}), 2)"]
     elif kind == 2:
-        principal, rate, years, withdraw = int(rng.integers(1_000, 50_000)), round(float(rng.uniform(1.5, 7.5)), 1), int(rng.integers(3, 15)), int(rng.integers(100, 900))
+        principal, rate, years, withdraw = (
+            int(rng.integers(1_000, 50_000)),
+            round(float(rng.uniform(1.5, 7.5)), 1),
+            int(rng.integers(3, 15)),
+            int(rng.integers(100, 900)),
+        )
         question = (
-            f"You deposit ${principal} at {rate}% annual interest, compounded yearly, for {years} years, "
+            f"You deposit ${principal} at {rate}% annual interest, compounded yearly, "
+            f"for {years} years, "
             f"then withdraw ${withdraw}. How many dollars remain, rounded to cents?"
         )
-        steps = [f"{principal} * (1 + {rate}/100) ** {years}", f"round({principal} * (1 + {rate}/100) ** {years} - {withdraw}, 2)"]
+        steps = [
+            f"{principal} * (1 + {rate}/100) ** {years}",
+            f"round({principal} * (1 + {rate}/100) ** {years} - {withdraw}, 2)",
+        ]
     elif kind == 3:
-        length, width, height, coverage = round(float(rng.uniform(3, 12)), 1), round(float(rng.uniform(2.5, 9)), 1), round(float(rng.uniform(2.2, 3.6)), 2), round(float(rng.uniform(6, 14)), 1)
-        question = (
-            f"A room is {length} m long and {width} m wide with walls {height} m high. One litre of paint "
-            f"covers {coverage} square metres. How many whole litres are needed to paint the four walls once?"
+        length, width, height, coverage = (
+            round(float(rng.uniform(3, 12)), 1),
+            round(float(rng.uniform(2.5, 9)), 1),
+            round(float(rng.uniform(2.2, 3.6)), 2),
+            round(float(rng.uniform(6, 14)), 1),
         )
-        steps = [f"2 * ({length} + {width}) * {height}", f"ceil(2 * ({length} + {width}) * {height} / {coverage})"]
+        question = (
+            f"A room is {length} m long and {width} m wide with walls {height} m high. "
+            f"One litre of paint covers {coverage} square metres. "
+            "How many whole litres are needed to paint the four walls once?"
+        )
+        steps = [
+            f"2 * ({length} + {width}) * {height}",
+            f"ceil(2 * ({length} + {width}) * {height} / {coverage})",
+        ]
     else:
-        workers, rate, hours, units = int(rng.integers(3, 40)), int(rng.integers(4, 30)), int(rng.integers(5, 11)), int(rng.integers(5_000, 90_000))
+        workers, rate, hours, units = (
+            int(rng.integers(3, 40)),
+            int(rng.integers(4, 30)),
+            int(rng.integers(5, 11)),
+            int(rng.integers(5_000, 90_000)),
+        )
         question = (
             f"{workers} workers each assemble {rate} units per hour and work {hours} hours a day. "
             f"How many whole days does it take to finish an order of {units} units?"
         )
         steps = [f"{workers} * {rate} * {hours}", f"ceil({units} / ({workers} * {rate} * {hours}))"]
     answer = safe_eval(steps[-1])
-    return {"id": f"calc-{index:04d}", "question": question, "answer": answer, "steps": steps, "seed": seed}
+    return {
+        "id": f"calc-{index:04d}",
+        "question": question,
+        "answer": answer,
+        "steps": steps,
+        "seed": seed,
+    }
 
 
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -154,20 +214,26 @@ def parse_number(text: str) -> float | None:
 class CalculatorEnv(ToolEnv):
     """Multi-step maths word problems with a ``calculate`` tool (see the module docstring)."""
 
-    tool_schemas = [
+    tool_schemas: ClassVar[list[dict[str, Any]]] = [
         function_tool(
             "calculate",
-            "Evaluate an arithmetic expression exactly and return the number. Supports + - * / // % ** "
+            "Evaluate an arithmetic expression exactly and return the number. "
+            "Supports + - * / // % ** "
             "and sqrt, abs, round, floor, ceil, min, max, log, exp.",
             {
                 "type": "object",
-                "properties": {"expression": {"type": "string", "description": "e.g. '17 * 24 * 0.35'"}},
+                "properties": {
+                    "expression": {"type": "string", "description": "e.g. '17 * 24 * 0.35'"}
+                },
                 "required": ["expression"],
             },
         )
     ]
     required_fields = ("question", "answer")
-    intro = "Solve the maths word problem. Use the calculator for every arithmetic step; do not compute in your head."
+    intro = (
+        "Solve the maths word problem. "
+        "Use the calculator for every arithmetic step; do not compute in your head."
+    )
 
     def __init__(self, *, num_builtin: int = 200, **options: Any) -> None:
         self.num_builtin = num_builtin
@@ -191,7 +257,10 @@ class CalculatorEnv(ToolEnv):
         return 1.0 if abs(value - target) <= max(tolerance, abs(target) * 1e-6) else 0.0
 
     def plan(self) -> list[str]:
-        calls = [format_tool_call("calculate", {"expression": step}) for step in self.task.get("steps", [])]
+        calls = [
+            format_tool_call("calculate", {"expression": step})
+            for step in self.task.get("steps", [])
+        ]
         return [*calls, f"<answer>{self.task['answer']}</answer>"]
 
     def random_call(self, np_random: np.random.Generator) -> str:

@@ -42,23 +42,43 @@ def demo_tasks() -> list[Task]:
         for currency in ("EUR", "GBP"):
             value_usd = round(INVENTORY[item] * PRICES_USD[item], 2)
             answer = f"{value_usd / RATES['USD'] * RATES[currency]:.2f}"
-            tasks.append({
-                "id": f"value-{item}-{currency.lower()}",
-                "question": f"What is the total value in {currency} of all {item}s in stock? Round to cents.",
-                "answer": answer,
+            tasks.append(
+                {
+                    "id": f"value-{item}-{currency.lower()}",
+                    "question": (
+                        f"What is the total value in {currency} of all {item}s in stock? "
+                        "Round to cents."
+                    ),
+                    "answer": answer,
+                    "plan": [
+                        {"name": "get_inventory", "arguments": {"item": item}},
+                        {"name": "get_price", "arguments": {"item": item}},
+                        {
+                            "name": "convert_currency",
+                            "arguments": {
+                                "amount": value_usd,
+                                "from_currency": "USD",
+                                "to_currency": currency,
+                            },
+                        },
+                    ],
+                }
+            )
+        other = items[(i + 1) % len(items)]
+        tasks.append(
+            {
+                "id": f"stock-{item}-{other}",
+                "question": (
+                    f"How many more units of {item} than of {other} are in stock? "
+                    "(Negative if fewer.)"
+                ),
+                "answer": str(INVENTORY[item] - INVENTORY[other]),
                 "plan": [
                     {"name": "get_inventory", "arguments": {"item": item}},
-                    {"name": "get_price", "arguments": {"item": item}},
-                    {"name": "convert_currency", "arguments": {"amount": value_usd, "from_currency": "USD", "to_currency": currency}},
+                    {"name": "get_inventory", "arguments": {"item": other}},
                 ],
-            })
-        other = items[(i + 1) % len(items)]
-        tasks.append({
-            "id": f"stock-{item}-{other}",
-            "question": f"How many more units of {item} than of {other} are in stock? (Negative if fewer.)",
-            "answer": str(INVENTORY[item] - INVENTORY[other]),
-            "plan": [{"name": "get_inventory", "arguments": {"item": item}}, {"name": "get_inventory", "arguments": {"item": other}}],
-        })
+            }
+        )
     return tasks
 
 
@@ -81,16 +101,23 @@ class McpEnv(ToolEnv):
         **options: Any,
     ) -> None:
         if command is not None and url is not None:
-            raise ValueError("give command=[...] (stdio) or url='http://...' (streamable HTTP), not both")
+            raise ValueError(
+                "give command=[...] (stdio) or url='http://...' (streamable HTTP), not both"
+            )
         builtin = command is None and url is None
         if not builtin and dataset is None:
             raise ValueError(
-                "tools/mcp-v0 with your own MCP server needs dataset= (JSONL or list of {'question', 'answer'} tasks)"
+                "tools/mcp-v0 with your own MCP server needs dataset= "
+                "(JSONL or list of {'question', 'answer'} tasks)"
             )
         self.command = list(DEMO_COMMAND if builtin else command) if url is None else None
         self.url = url
         self.server_env = server_env
-        self.hidden_tools = set(hidden_tools if hidden_tools is not None else (("slow_echo", "flood") if builtin else ()))
+        self.hidden_tools = set(
+            hidden_tools
+            if hidden_tools is not None
+            else (("slow_echo", "flood") if builtin else ())
+        )
         self.call_timeout_s = call_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self._connection: McpConnection | None = None
@@ -106,11 +133,18 @@ class McpEnv(ToolEnv):
             if self._connection is not None:
                 self._connection.close()
             self._connection = McpConnection(
-                command=self.command, url=self.url, env=self.server_env,
-                connect_timeout_s=self.connect_timeout_s, call_timeout_s=self.call_timeout_s,
+                command=self.command,
+                url=self.url,
+                env=self.server_env,
+                connect_timeout_s=self.connect_timeout_s,
+                call_timeout_s=self.call_timeout_s,
             )
             self.tools = [
-                function_tool(t.name, t.description or "", t.input_schema or {"type": "object", "properties": {}})
+                function_tool(
+                    t.name,
+                    t.description or "",
+                    t.input_schema or {"type": "object", "properties": {}},
+                )
                 for t in sorted(self._connection.tools, key=lambda t: t.name)
                 if t.name not in self.hidden_tools
             ]
@@ -150,12 +184,19 @@ class McpEnv(ToolEnv):
         if answer.strip().lower() == expected.lower():
             return 1.0
         given, target = parse_number(answer), parse_number(expected)
-        if given is not None and target is not None and expected.replace(".", "").lstrip("-").isdigit():
+        if (
+            given is not None
+            and target is not None
+            and expected.replace(".", "").lstrip("-").isdigit()
+        ):
             return 1.0 if abs(given - target) <= 0.005 + abs(target) * 1e-9 else 0.0
         return 0.0
 
     def plan(self) -> list[str]:
-        calls = [format_tool_call(step["name"], step.get("arguments", {})) for step in self.task.get("plan", [])]
+        calls = [
+            format_tool_call(step["name"], step.get("arguments", {}))
+            for step in self.task.get("plan", [])
+        ]
         return [*calls, f"<answer>{self.task['answer']}</answer>"]
 
     def random_call(self, np_random: np.random.Generator) -> str:

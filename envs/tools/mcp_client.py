@@ -57,9 +57,14 @@ class McpConnection:
         call_timeout_s: float = 10.0,
     ) -> None:
         if (command is None) == (url is None):
-            raise ValueError("give exactly one of command=[...] (stdio server) or url='http://...' (streamable HTTP)")
+            raise ValueError(
+                "give exactly one of command=[...] (stdio server) "
+                "or url='http://...' (streamable HTTP)"
+            )
         if command is not None and (isinstance(command, str) or not command):
-            raise ValueError(f"command must be a non-empty list like ['python', 'server.py'], got {command!r}")
+            raise ValueError(
+                f"command must be a non-empty list like ['python', 'server.py'], got {command!r}"
+            )
         self.command = list(command) if command is not None else None
         self.url = url
         self.env = env
@@ -78,11 +83,16 @@ class McpConnection:
         self._lifetime = asyncio.run_coroutine_threadsafe(self._hold(), self._loop)
         if not self._ready.wait(connect_timeout_s):
             self.close()
-            raise McpError(f"the MCP server ({self.describe()}) did not answer within {connect_timeout_s:.0f}s")
+            raise McpError(
+                f"the MCP server ({self.describe()}) did not answer within {connect_timeout_s:.0f}s"
+            )
         if self._error is not None:
             error = self._error
             self.close()
-            raise McpError(f"cannot connect to the MCP server ({self.describe()}): {type(error).__name__}: {error}") from error
+            raise McpError(
+                f"cannot connect to the MCP server ({self.describe()}): "
+                f"{type(error).__name__}: {error}"
+            ) from error
 
     def describe(self) -> str:
         return " ".join(self.command) if self.command else str(self.url)
@@ -95,7 +105,9 @@ class McpConnection:
         if self.command is not None:
             from mcp.client.stdio import StdioServerParameters, stdio_client
 
-            params = StdioServerParameters(command=self.command[0], args=self.command[1:], env=self.env)
+            params = StdioServerParameters(
+                command=self.command[0], args=self.command[1:], env=self.env
+            )
             return stdio_client(params)
         from mcp.client.streamable_http import streamable_http_client
 
@@ -132,13 +144,17 @@ class McpConnection:
             and not self._lifetime.done()
         )
 
-    def call_tool(self, name: str, arguments: dict[str, Any], timeout_s: float | None = None) -> McpToolResult:
+    def call_tool(
+        self, name: str, arguments: dict[str, Any], timeout_s: float | None = None
+    ) -> McpToolResult:
         """Call a tool; a timeout or server error comes back as an error result, not a raise."""
         if not self.alive:
             reason = f": {type(self._error).__name__}: {self._error}" if self._error else ""
             raise McpError(f"the MCP connection to {self.describe()} is closed{reason}")
         timeout = self.call_timeout_s if timeout_s is None else timeout_s
-        future = asyncio.run_coroutine_threadsafe(self._session.call_tool(name, arguments), self._loop)
+        future = asyncio.run_coroutine_threadsafe(
+            self._session.call_tool(name, arguments), self._loop
+        )
         try:
             result = future.result(timeout)
         except FutureTimeout:
@@ -163,7 +179,7 @@ class McpConnection:
         if self._lifetime is not None:
             try:
                 self._lifetime.result(timeout_s)
-            except BaseException:  # already reported, or cancelled
+            except BaseException:  # noqa: BLE001 - already reported, or cancelled
                 self._lifetime.cancel()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)

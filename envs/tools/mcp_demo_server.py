@@ -20,8 +20,22 @@ import anyio
 
 __all__ = ["INVENTORY", "PRICES_USD", "RATES", "build_server", "main"]
 
-INVENTORY: dict[str, int] = {"widget": 1284, "gizmo": 317, "sprocket": 2045, "flange": 96, "gasket": 731, "doohickey": 58}
-PRICES_USD: dict[str, float] = {"widget": 3.75, "gizmo": 19.99, "sprocket": 0.62, "flange": 48.5, "gasket": 1.15, "doohickey": 129.0}
+INVENTORY: dict[str, int] = {
+    "widget": 1284,
+    "gizmo": 317,
+    "sprocket": 2045,
+    "flange": 96,
+    "gasket": 731,
+    "doohickey": 58,
+}
+PRICES_USD: dict[str, float] = {
+    "widget": 3.75,
+    "gizmo": 19.99,
+    "sprocket": 0.62,
+    "flange": 48.5,
+    "gasket": 1.15,
+    "doohickey": 129.0,
+}
 RATES: dict[str, float] = {"USD": 1.0, "EUR": 0.92, "GBP": 0.79, "JPY": 151.3}
 """Units of each currency per US dollar."""
 
@@ -88,7 +102,9 @@ def build_server() -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--http", action="store_true", help="serve streamable HTTP instead of stdio")
+    parser.add_argument(
+        "--http", action="store_true", help="serve streamable HTTP instead of stdio"
+    )
     parser.add_argument("--port", type=int, default=8765)
     args = parser.parse_args(argv)
     server = build_server()

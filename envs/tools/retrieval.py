@@ -17,7 +17,7 @@ import math
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -26,9 +26,30 @@ from envhub.parsing import format_tool_call
 from envs.datasets import Task, TaskSet
 from envs.tools.base import ToolEnv, ToolError
 
-__all__ = ["RetrievalEnv", "build_corpus", "Bm25Index"]
+__all__ = ["Bm25Index", "RetrievalEnv", "build_corpus"]
 
-_SYLLABLES = ["ka", "vel", "mor", "ta", "ri", "sen", "dra", "lo", "quin", "ber", "an", "tho", "zel", "mi", "ora", "gal", "ven", "ix", "du", "pra"]
+_SYLLABLES = [
+    "ka",
+    "vel",
+    "mor",
+    "ta",
+    "ri",
+    "sen",
+    "dra",
+    "lo",
+    "quin",
+    "ber",
+    "an",
+    "tho",
+    "zel",
+    "mi",
+    "ora",
+    "gal",
+    "ven",
+    "ix",
+    "du",
+    "pra",
+]
 _SUFFIX = ["Systems", "Labs", "Works", "Dynamics", "Foods", "Textiles", "Motors", "Optics"]
 _COUNTRIES = ["Norvania", "Estrelia", "Kalmar Union", "Ostravia", "Seluria"]
 _WORD = re.compile(r"[a-z0-9]+")
@@ -42,7 +63,9 @@ def _name(rng: np.random.Generator, parts: int) -> str:
     return "".join(str(s) for s in rng.choice(_SYLLABLES, size=parts)).capitalize()
 
 
-def build_corpus(seed: int, *, companies: int = 40) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
+def build_corpus(
+    seed: int, *, companies: int = 40
+) -> tuple[list[dict[str, str]], list[dict[str, Any]]]:
     """Documents and the facts behind them, drawn from ``seed``."""
     rng = np.random.default_rng(seed)
     used: set[str] = set()
@@ -55,30 +78,68 @@ def build_corpus(seed: int, *, companies: int = 40) -> tuple[list[dict[str, str]
                 return value
 
     cities = [
-        {"name": unique(lambda: _name(rng, 3)), "population": int(rng.integers(20, 2_000)) * 1_000 + int(rng.integers(0, 999)),
-         "country": str(rng.choice(_COUNTRIES))}
+        {
+            "name": unique(lambda: _name(rng, 3)),
+            "population": int(rng.integers(20, 2_000)) * 1_000 + int(rng.integers(0, 999)),
+            "country": str(rng.choice(_COUNTRIES)),
+        }
         for _ in range(companies // 2)
     ]
     people, firms = [], []
     for _ in range(companies):
-        person = {"name": f"{unique(lambda: _name(rng, 2))} {_name(rng, 3)}", "born": int(rng.integers(1930, 1995)),
-                  "birthplace": cities[int(rng.integers(len(cities)))]["name"]}
-        firm = {"name": f"{unique(lambda: _name(rng, 3))} {rng.choice(_SUFFIX)}", "founder": person["name"],
-                "founded": person["born"] + int(rng.integers(22, 50)), "hq": cities[int(rng.integers(len(cities)))]["name"]}
+        person = {
+            "name": f"{unique(lambda: _name(rng, 2))} {_name(rng, 3)}",
+            "born": int(rng.integers(1930, 1995)),
+            "birthplace": cities[int(rng.integers(len(cities)))]["name"],
+        }
+        firm = {
+            "name": f"{unique(lambda: _name(rng, 3))} {rng.choice(_SUFFIX)}",
+            "founder": person["name"],
+            "founded": person["born"] + int(rng.integers(22, 50)),
+            "hq": cities[int(rng.integers(len(cities)))]["name"],
+        }
         people.append(person)
         firms.append(firm)
     documents = []
     for firm in firms:
-        documents.append({"id": f"company:{firm['name'].lower().replace(' ', '-')}", "title": firm["name"], "text": (
-            f"{firm['name']} is a company founded in {firm['founded']} by {firm['founder']}. "
-            f"Its headquarters are in {firm['hq']}. It is known for its products and its staff.")})
+        documents.append(
+            {
+                "id": f"company:{firm['name'].lower().replace(' ', '-')}",
+                "title": firm["name"],
+                "text": (
+                    f"{firm['name']} is a company founded in {firm['founded']} "
+                    f"by {firm['founder']}. Its headquarters are in {firm['hq']}. "
+                    "It is known for its products and its staff."
+                ),
+            }
+        )
     for person in people:
-        documents.append({"id": f"person:{person['name'].lower().replace(' ', '-')}", "title": person["name"], "text": (
-            f"{person['name']} (born {person['born']} in {person['birthplace']}) is an entrepreneur and founder.")})
+        documents.append(
+            {
+                "id": f"person:{person['name'].lower().replace(' ', '-')}",
+                "title": person["name"],
+                "text": (
+                    f"{person['name']} (born {person['born']} in {person['birthplace']}) "
+                    "is an entrepreneur and founder."
+                ),
+            }
+        )
     for city in cities:
-        documents.append({"id": f"city:{city['name'].lower()}", "title": city["name"], "text": (
-            f"{city['name']} is a city in {city['country']} with a population of {city['population']}.")})
-    facts = {"firms": firms, "people": {p["name"]: p for p in people}, "cities": {c["name"]: c for c in cities}}
+        documents.append(
+            {
+                "id": f"city:{city['name'].lower()}",
+                "title": city["name"],
+                "text": (
+                    f"{city['name']} is a city in {city['country']} "
+                    f"with a population of {city['population']}."
+                ),
+            }
+        )
+    facts = {
+        "firms": firms,
+        "people": {p["name"]: p for p in people},
+        "cities": {c["name"]: c for c in cities},
+    }
     return documents, [facts]
 
 
@@ -88,7 +149,10 @@ class Bm25Index:
     def __init__(self, documents: list[dict[str, str]]) -> None:
         self.documents = documents
         self.by_id = {doc["id"]: doc for doc in documents}
-        self._terms = [Counter(_tokens(doc["title"] + " " + doc["title"] + " " + doc["text"])) for doc in documents]
+        self._terms = [
+            Counter(_tokens(doc["title"] + " " + doc["title"] + " " + doc["text"]))
+            for doc in documents
+        ]
         self._lengths = [sum(terms.values()) for terms in self._terms]
         self._average = sum(self._lengths) / max(1, len(self._lengths))
         frequency: Counter[str] = Counter()
@@ -105,7 +169,12 @@ class Bm25Index:
             for word in words:
                 tf = terms.get(word, 0)
                 if tf:
-                    score += self._idf[word] * tf * 2.5 / (tf + 1.5 * (0.25 + 0.75 * self._lengths[index] / self._average))
+                    score += (
+                        self._idf[word]
+                        * tf
+                        * 2.5
+                        / (tf + 1.5 * (0.25 + 0.75 * self._lengths[index] / self._average))
+                    )
             if score > 0:
                 scored.append((-score, index))
         return [self.documents[index] for _, index in sorted(scored)[:k]]
@@ -114,31 +183,55 @@ class Bm25Index:
 class RetrievalEnv(ToolEnv):
     """Two-hop questions over a local encyclopedia, answered with ``search`` and ``read``."""
 
-    tool_schemas = [
+    tool_schemas: ClassVar[list[dict[str, Any]]] = [
         function_tool(
             "search",
             "Search the encyclopedia; returns the id, title and first sentence of the best pages.",
-            {"type": "object", "properties": {"query": {"type": "string"}, "k": {"type": "integer", "description": "pages to return (1-5)"}},
-             "required": ["query"]},
+            {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "k": {"type": "integer", "description": "pages to return (1-5)"},
+                },
+                "required": ["query"],
+            },
         ),
         function_tool(
             "read",
             "Return the full text of one page by its id.",
-            {"type": "object", "properties": {"doc_id": {"type": "string"}}, "required": ["doc_id"]},
+            {
+                "type": "object",
+                "properties": {"doc_id": {"type": "string"}},
+                "required": ["doc_id"],
+            },
         ),
     ]
     required_fields = ("question", "answer")
-    intro = "Answer the question using the encyclopedia tools. The facts are only in the encyclopedia."
+    intro = (
+        "Answer the question using the encyclopedia tools. The facts are only in the encyclopedia."
+    )
 
-    def __init__(self, *, corpus_seed: int = 0, documents: str | list[dict[str, str]] | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        *,
+        corpus_seed: int = 0,
+        documents: str | list[dict[str, str]] | None = None,
+        **options: Any,
+    ) -> None:
         if documents is None:
             docs, facts = build_corpus(corpus_seed)
             self._facts = facts[0]
         else:
-            docs = list(TaskSet.from_jsonl(documents, required=("id", "title", "text"))) if isinstance(documents, (str, Path)) else list(documents)
+            docs = (
+                list(TaskSet.from_jsonl(documents, required=("id", "title", "text")))
+                if isinstance(documents, (str, Path))
+                else list(documents)
+            )
             self._facts = {}
         self.corpus_seed = corpus_seed
-        self.documents = [{"id": str(d["id"]), "title": str(d["title"]), "text": str(d["text"])} for d in docs]
+        self.documents = [
+            {"id": str(d["id"]), "title": str(d["title"]), "text": str(d["text"])} for d in docs
+        ]
         self.index = Bm25Index(self.documents)
         super().__init__(**options)
 
@@ -153,13 +246,38 @@ class RetrievalEnv(ToolEnv):
             company_doc = f"company:{firm['name'].lower().replace(' ', '-')}"
             person_doc = f"person:{founder['name'].lower().replace(' ', '-')}"
             variants = [
-                (f"In which year was the founder of {firm['name']} born?", founder["born"], [firm["name"], founder["name"]], [company_doc, person_doc]),
-                (f"What is the population of the city where {firm['name']} has its headquarters?", hq["population"], [firm["name"], hq["name"]], [company_doc, f"city:{hq['name'].lower()}"]),
-                (f"In which country was the founder of {firm['name']} born?", birthplace["country"], [firm["name"], founder["name"], birthplace["name"]],
-                 [company_doc, person_doc, f"city:{birthplace['name'].lower()}"]),
+                (
+                    f"In which year was the founder of {firm['name']} born?",
+                    founder["born"],
+                    [firm["name"], founder["name"]],
+                    [company_doc, person_doc],
+                ),
+                (
+                    (
+                        f"What is the population of the city where {firm['name']} "
+                        "has its headquarters?"
+                    ),
+                    hq["population"],
+                    [firm["name"], hq["name"]],
+                    [company_doc, f"city:{hq['name'].lower()}"],
+                ),
+                (
+                    f"In which country was the founder of {firm['name']} born?",
+                    birthplace["country"],
+                    [firm["name"], founder["name"], birthplace["name"]],
+                    [company_doc, person_doc, f"city:{birthplace['name'].lower()}"],
+                ),
             ]
             for j, (question, answer, queries, docs) in enumerate(variants):
-                tasks.append({"id": f"doc-{i:02d}-{j}", "question": question, "answer": str(answer), "queries": queries, "docs": docs})
+                tasks.append(
+                    {
+                        "id": f"doc-{i:02d}-{j}",
+                        "question": question,
+                        "answer": str(answer),
+                        "queries": queries,
+                        "docs": docs,
+                    }
+                )
         return tasks
 
     def start(self, task: Task) -> str:
@@ -173,16 +291,27 @@ class RetrievalEnv(ToolEnv):
             hits = self.index.search(arguments["query"], k)
             if not hits:
                 return "No pages match. Try other words (names work best)."
-            return "\n".join(f"[{d['id']}] {d['title']}: {d['text'].split('. ')[0].rstrip('.')}." for d in hits)
+            return "\n".join(
+                f"[{d['id']}] {d['title']}: {d['text'].split('. ')[0].rstrip('.')}." for d in hits
+            )
         doc = self.index.by_id.get(arguments["doc_id"].strip().strip("[]"))
         if doc is None:
-            raise ToolError(f"no page with id {arguments['doc_id']!r}; use an id from a search result, like 'company:...'")
+            raise ToolError(
+                f"no page with id {arguments['doc_id']!r}; "
+                "use an id from a search result, like 'company:...'"
+            )
         return f"{doc['title']}\n{doc['text']}"
 
     def grade(self, answer: str) -> float:
         expected = str(self.task["answer"]).strip().lower()
         given = answer.strip().strip(".").lower().replace(",", "")
-        return 1.0 if given == expected or re.fullmatch(rf".*\b{re.escape(expected)}\b.*", given) and len(given) < 3 * len(expected) + 20 else 0.0
+        return (
+            1.0
+            if given == expected
+            or re.fullmatch(rf".*\b{re.escape(expected)}\b.*", given)
+            and len(given) < 3 * len(expected) + 20
+            else 0.0
+        )
 
     def plan(self) -> list[str]:
         steps: list[str] = []
@@ -196,5 +325,7 @@ class RetrievalEnv(ToolEnv):
     def random_call(self, np_random: np.random.Generator) -> str:
         doc = self.documents[int(np_random.integers(len(self.documents)))]
         if np_random.random() < 0.5:
-            return format_tool_call("search", {"query": str(np_random.choice(_tokens(doc["text"])))})
+            return format_tool_call(
+                "search", {"query": str(np_random.choice(_tokens(doc["text"])))}
+            )
         return format_tool_call("read", {"doc_id": doc["id"]})

@@ -17,7 +17,7 @@ a SQLite file, opened read-only) or nothing (the generated database of the task'
 from __future__ import annotations
 
 import sqlite3
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -26,37 +26,110 @@ from envhub.parsing import format_tool_call
 from envs.datasets import Task
 from envs.tools.base import ToolEnv, ToolError
 
-__all__ = ["SqlEnv", "build_company_db", "QUESTIONS"]
+__all__ = ["QUESTIONS", "SqlEnv", "build_company_db"]
 
 MAX_VM_STEPS = 2_000_000
-_FIRST = ["Ada", "Bram", "Cleo", "Dov", "Edda", "Finn", "Gia", "Hugo", "Ines", "Jora", "Kai", "Lior", "Mira", "Nils", "Oona", "Pax", "Quin", "Rhea", "Sami", "Tove"]
-_LAST = ["Arkwright", "Bellamy", "Castell", "Drummond", "Everly", "Fairweather", "Galloway", "Hartnell", "Ivers", "Jessop", "Kettering", "Lowther"]
-_DEPARTMENTS = ["Research", "Sales", "Support", "Finance", "Legal", "Design", "Operations", "Marketing"]
+_FIRST = [
+    "Ada",
+    "Bram",
+    "Cleo",
+    "Dov",
+    "Edda",
+    "Finn",
+    "Gia",
+    "Hugo",
+    "Ines",
+    "Jora",
+    "Kai",
+    "Lior",
+    "Mira",
+    "Nils",
+    "Oona",
+    "Pax",
+    "Quin",
+    "Rhea",
+    "Sami",
+    "Tove",
+]
+_LAST = [
+    "Arkwright",
+    "Bellamy",
+    "Castell",
+    "Drummond",
+    "Everly",
+    "Fairweather",
+    "Galloway",
+    "Hartnell",
+    "Ivers",
+    "Jessop",
+    "Kettering",
+    "Lowther",
+]
+_DEPARTMENTS = [
+    "Research",
+    "Sales",
+    "Support",
+    "Finance",
+    "Legal",
+    "Design",
+    "Operations",
+    "Marketing",
+]
 _CITIES = ["Lisbon", "Oslo", "Tallinn", "Porto", "Ghent", "Turku", "Bergen", "Krakow"]
-_PROJECTS = ["Apollo", "Borealis", "Cobalt", "Dynamo", "Ember", "Fjord", "Granite", "Helix", "Iris", "Juniper", "Kestrel", "Lumen"]
+_PROJECTS = [
+    "Apollo",
+    "Borealis",
+    "Cobalt",
+    "Dynamo",
+    "Ember",
+    "Fjord",
+    "Granite",
+    "Helix",
+    "Iris",
+    "Juniper",
+    "Kestrel",
+    "Lumen",
+]
 
 QUESTIONS: list[tuple[str, str]] = [
     (
         "Which department has the highest total salary bill? Answer with the department name.",
-        "SELECT d.name FROM departments d JOIN employees e ON e.dept_id = d.id GROUP BY d.id ORDER BY SUM(e.salary) DESC LIMIT 1",
+        (
+            "SELECT d.name FROM departments d JOIN employees e ON e.dept_id = d.id "
+            "GROUP BY d.id ORDER BY SUM(e.salary) DESC LIMIT 1"
+        ),
     ),
     (
         "How many employees hired after {year} work in departments located in {city}?",
-        "SELECT COUNT(*) FROM employees e JOIN departments d ON e.dept_id = d.id WHERE e.hired_year > {year} AND d.city = '{city}'",
+        (
+            "SELECT COUNT(*) FROM employees e JOIN departments d ON e.dept_id = d.id "
+            "WHERE e.hired_year > {year} AND d.city = '{city}'"
+        ),
     ),
     (
         "Who logged the most hours on project {project}? Answer with the employee's full name.",
-        "SELECT e.name FROM assignments a JOIN employees e ON a.employee_id = e.id JOIN projects p ON a.project_id = p.id "
-        "WHERE p.name = '{project}' ORDER BY a.hours DESC LIMIT 1",
+        (
+            "SELECT e.name FROM assignments a JOIN employees e ON a.employee_id = e.id "
+            "JOIN projects p ON a.project_id = p.id "
+            "WHERE p.name = '{project}' ORDER BY a.hours DESC LIMIT 1"
+        ),
     ),
     (
-        "What is the average salary in the {department} department, rounded to the nearest whole number?",
-        "SELECT CAST(ROUND(AVG(e.salary)) AS INTEGER) FROM employees e JOIN departments d ON e.dept_id = d.id WHERE d.name = '{department}'",
+        (
+            "What is the average salary in the {department} department, "
+            "rounded to the nearest whole number?"
+        ),
+        (
+            "SELECT CAST(ROUND(AVG(e.salary)) AS INTEGER) FROM employees e "
+            "JOIN departments d ON e.dept_id = d.id WHERE d.name = '{department}'"
+        ),
     ),
     (
         "Which project has the largest budget per assigned employee? Answer with the project name.",
-        "SELECT p.name FROM projects p JOIN assignments a ON a.project_id = p.id GROUP BY p.id "
-        "ORDER BY p.budget * 1.0 / COUNT(DISTINCT a.employee_id) DESC LIMIT 1",
+        (
+            "SELECT p.name FROM projects p JOIN assignments a ON a.project_id = p.id GROUP BY p.id "
+            "ORDER BY p.budget * 1.0 / COUNT(DISTINCT a.employee_id) DESC LIMIT 1"
+        ),
     ),
 ]
 
@@ -68,36 +141,65 @@ def build_company_db(seed: int) -> sqlite3.Connection:
     db.executescript(
         """
         CREATE TABLE departments (id INTEGER PRIMARY KEY, name TEXT NOT NULL, city TEXT NOT NULL);
-        CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT NOT NULL, dept_id INTEGER REFERENCES departments(id),
+        CREATE TABLE employees (id INTEGER PRIMARY KEY, name TEXT NOT NULL,
+                                dept_id INTEGER REFERENCES departments(id),
                                 salary INTEGER NOT NULL, hired_year INTEGER NOT NULL);
-        CREATE TABLE projects (id INTEGER PRIMARY KEY, name TEXT NOT NULL, dept_id INTEGER REFERENCES departments(id),
+        CREATE TABLE projects (id INTEGER PRIMARY KEY, name TEXT NOT NULL,
+                               dept_id INTEGER REFERENCES departments(id),
                                budget INTEGER NOT NULL);
-        CREATE TABLE assignments (employee_id INTEGER REFERENCES employees(id), project_id INTEGER REFERENCES projects(id),
+        CREATE TABLE assignments (employee_id INTEGER REFERENCES employees(id),
+                                  project_id INTEGER REFERENCES projects(id),
                                   hours INTEGER NOT NULL, PRIMARY KEY (employee_id, project_id));
         """
     )
     departments = rng.permutation(_DEPARTMENTS)[: int(rng.integers(4, 7))]
     for i, name in enumerate(departments, 1):
-        db.execute("INSERT INTO departments VALUES (?, ?, ?)", (i, str(name), str(rng.choice(_CITIES[:4]))))
-    names = rng.permutation([f"{f} {l}" for f in _FIRST for l in _LAST])[: int(rng.integers(25, 45))]
+        db.execute(
+            "INSERT INTO departments VALUES (?, ?, ?)", (i, str(name), str(rng.choice(_CITIES[:4])))
+        )
+    everyone = rng.permutation([f"{f} {l}" for f in _FIRST for l in _LAST])
+    names = everyone[: int(rng.integers(25, 45))]
     for i, name in enumerate(names, 1):
         db.execute(
             "INSERT INTO employees VALUES (?, ?, ?, ?, ?)",
-            (i, str(name), int(rng.integers(1, len(departments) + 1)), int(rng.integers(40, 160)) * 1_000 + int(rng.integers(0, 999)), int(rng.integers(2008, 2025))),
+            (
+                i,
+                str(name),
+                int(rng.integers(1, len(departments) + 1)),
+                int(rng.integers(40, 160)) * 1_000 + int(rng.integers(0, 999)),
+                int(rng.integers(2008, 2025)),
+            ),
         )
     projects = rng.permutation(_PROJECTS)[: int(rng.integers(5, 9))]
     for i, name in enumerate(projects, 1):
-        db.execute("INSERT INTO projects VALUES (?, ?, ?, ?)", (i, str(name), int(rng.integers(1, len(departments) + 1)), int(rng.integers(20, 900)) * 1_000 + int(rng.integers(0, 999))))
+        db.execute(
+            "INSERT INTO projects VALUES (?, ?, ?, ?)",
+            (
+                i,
+                str(name),
+                int(rng.integers(1, len(departments) + 1)),
+                int(rng.integers(20, 900)) * 1_000 + int(rng.integers(0, 999)),
+            ),
+        )
     for employee in range(1, len(names) + 1):
-        for project in rng.choice(np.arange(1, len(projects) + 1), size=int(rng.integers(1, 3)), replace=False):
-            db.execute("INSERT INTO assignments VALUES (?, ?, ?)", (employee, int(project), int(rng.integers(5, 400))))
+        for project in rng.choice(
+            np.arange(1, len(projects) + 1), size=int(rng.integers(1, 3)), replace=False
+        ):
+            db.execute(
+                "INSERT INTO assignments VALUES (?, ?, ?)",
+                (employee, int(project), int(rng.integers(5, 400))),
+            )
     db.commit()
     return db
 
 
 def _readonly(db: sqlite3.Connection) -> sqlite3.Connection:
     def authorize(action: int, *args: Any) -> int:
-        return sqlite3.SQLITE_DENY if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH) else sqlite3.SQLITE_OK
+        return (
+            sqlite3.SQLITE_DENY
+            if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH)
+            else sqlite3.SQLITE_OK
+        )
 
     db.execute("PRAGMA query_only = ON")
     db.set_authorizer(authorize)
@@ -107,8 +209,10 @@ def _readonly(db: sqlite3.Connection) -> sqlite3.Connection:
 class SqlEnv(ToolEnv):
     """Questions about a generated company database, answered with SQL tools."""
 
-    tool_schemas = [
-        function_tool("list_tables", "List the tables of the database.", {"type": "object", "properties": {}}),
+    tool_schemas: ClassVar[list[dict[str, Any]]] = [
+        function_tool(
+            "list_tables", "List the tables of the database.", {"type": "object", "properties": {}}
+        ),
         function_tool(
             "describe_table",
             "Show a table's columns (name and type) and its first three rows.",
@@ -131,14 +235,19 @@ class SqlEnv(ToolEnv):
 
     # ------------------------------------------------------------------ tasks
     def builtin_tasks(self) -> list[Task]:
-        return [{"id": f"sql-{i:04d}", "template": i % len(QUESTIONS), "seed": 20_000 + i} for i in range(self.num_builtin)]
+        return [
+            {"id": f"sql-{i:04d}", "template": i % len(QUESTIONS), "seed": 20_000 + i}
+            for i in range(self.num_builtin)
+        ]
 
     def _database(self) -> sqlite3.Connection:
         if self._db is None:
             path = self.task.get("database")
             if path:
                 try:
-                    self._db = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+                    self._db = sqlite3.connect(
+                        f"file:{path}?mode=ro", uri=True, check_same_thread=False
+                    )
                 except sqlite3.Error as exc:
                     raise ToolError(f"cannot open database {path!r}: {exc}") from None
             else:
@@ -160,7 +269,9 @@ class SqlEnv(ToolEnv):
             rows = cursor.fetchmany(self.max_rows + 1)
         except sqlite3.OperationalError as exc:
             if "interrupted" in str(exc):
-                raise ToolError(f"query aborted after {MAX_VM_STEPS:,} steps; add a WHERE clause or a LIMIT") from None
+                raise ToolError(
+                    f"query aborted after {MAX_VM_STEPS:,} steps; add a WHERE clause or a LIMIT"
+                ) from None
             raise ToolError(f"SQL error: {exc}") from None
         except (sqlite3.Error, sqlite3.Warning, ValueError) as exc:
             raise ToolError(f"SQL error: {exc}") from None
@@ -180,9 +291,22 @@ class SqlEnv(ToolEnv):
         template, gold = QUESTIONS[int(task["template"])]
         fill = {
             "year": int(rng.integers(2010, 2020)),
-            "city": str(rng.choice([row[0] for row in db.execute("SELECT DISTINCT city FROM departments ORDER BY city")])),
-            "project": str(rng.choice([row[0] for row in db.execute("SELECT name FROM projects ORDER BY id")])),
-            "department": str(rng.choice([row[0] for row in db.execute("SELECT name FROM departments ORDER BY id")])),
+            "city": str(
+                rng.choice(
+                    [
+                        row[0]
+                        for row in db.execute("SELECT DISTINCT city FROM departments ORDER BY city")
+                    ]
+                )
+            ),
+            "project": str(
+                rng.choice([row[0] for row in db.execute("SELECT name FROM projects ORDER BY id")])
+            ),
+            "department": str(
+                rng.choice(
+                    [row[0] for row in db.execute("SELECT name FROM departments ORDER BY id")]
+                )
+            ),
         }
         self.task["sql"] = gold.format(**fill)
         self.task["answer"] = str(db.execute(self.task["sql"]).fetchone()[0])
@@ -191,7 +315,9 @@ class SqlEnv(ToolEnv):
     # ------------------------------------------------------------------ tools
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         if name == "list_tables":
-            _, rows = self._query("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+            _, rows = self._query(
+                "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"
+            )
             return ", ".join(row[0] for row in rows)
         if name == "describe_table":
             table = arguments["table"]
@@ -199,7 +325,7 @@ class SqlEnv(ToolEnv):
             if table not in {row[0] for row in tables}:
                 raise ToolError(f"no table named {table!r}; call list_tables to see them")
             columns = self._database().execute(f'PRAGMA table_info("{table}")').fetchall()
-            header, rows = self._query(f'SELECT * FROM "{table}" LIMIT 3')
+            _, rows = self._query(f'SELECT * FROM "{table}" LIMIT 3')
             lines = [f"{table}(" + ", ".join(f"{c[1]} {c[2]}" for c in columns) + ")"]
             lines += [" | ".join(map(str, row)) for row in rows]
             return "\n".join(lines)
@@ -234,10 +360,14 @@ class SqlEnv(ToolEnv):
         roll = np_random.random()
         if roll < 0.3:
             return format_tool_call("list_tables")
-        table = str(np_random.choice(["employees", "departments", "projects", "assignments", "staff"]))
+        table = str(
+            np_random.choice(["employees", "departments", "projects", "assignments", "staff"])
+        )
         if roll < 0.6:
             return format_tool_call("describe_table", {"table": table})
-        return format_tool_call("run_sql", {"query": f"SELECT * FROM {table} LIMIT {int(np_random.integers(1, 5))}"})
+        return format_tool_call(
+            "run_sql", {"query": f"SELECT * FROM {table} LIMIT {int(np_random.integers(1, 5))}"}
+        )
 
     # ------------------------------------------------------------------ lifecycle
     def on_close(self) -> None:

@@ -18,14 +18,20 @@ def register() -> None:
         "web/shop-v0",
         "envs.web.shop:ShopEnv",
         max_turns=15,
-        description="WebShop-style shopping on a local site: search[...] and click[...] to buy the instructed product.",
+        description=(
+            "WebShop-style shopping on a local site: "
+            "search[...] and click[...] to buy the instructed product."
+        ),
         variants={"http": {"transport": "http"}},
     )
     register(
         "web/browser-v0",
         "envs.web.browser:BrowserEnv",
         max_turns=15,
-        description="Real headless Chromium on local pages: forms and navigation by element id (needs chromium).",
+        description=(
+            "Real headless Chromium on local pages: "
+            "forms and navigation by element id (needs chromium)."
+        ),
         variants={
             "forms": {"kinds": ["signup", "contact"]},
             "navigation": {"kinds": ["member-id", "store-hours"]},

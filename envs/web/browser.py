@@ -23,6 +23,7 @@ Navigation is confined to the local site.
 from __future__ import annotations
 
 import base64
+import contextlib
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -38,14 +39,17 @@ from envs.web.browser_pool import BrowserPool
 from envs.web.browser_site import TASK_KINDS, TaskSite, check, make_task
 from envs.web.shop_site import serve_site
 
-__all__ = ["BrowserEnv", "SNAPSHOT_JS"]
+__all__ = ["SNAPSHOT_JS", "BrowserEnv"]
 
 SNAPSHOT_JS = r"""
 () => {
   const lines = [], elements = [];
   let next = 0;
   const clean = (s) => (s || '').replace(/\s+/g, ' ').trim().slice(0, 100);
-  const visible = (el) => { const s = getComputedStyle(el); return s.display !== 'none' && s.visibility !== 'hidden'; };
+  const visible = (el) => {
+    const s = getComputedStyle(el);
+    return s.display !== 'none' && s.visibility !== 'hidden';
+  };
   const roleOf = (el) => {
     if (el.getAttribute('role')) return el.getAttribute('role');
     const t = el.tagName;
@@ -54,38 +58,55 @@ SNAPSHOT_JS = r"""
     if (t === 'SELECT') return 'combobox';
     if (t === 'TEXTAREA') return 'textbox';
     const type = (el.getAttribute('type') || 'text').toLowerCase();
-    return {checkbox: 'checkbox', radio: 'radio', submit: 'button', button: 'button'}[type] || 'textbox';
+    const roles = {checkbox: 'checkbox', radio: 'radio', submit: 'button', button: 'button'};
+    return roles[type] || 'textbox';
   };
-  const nameOf = (el) => clean(el.getAttribute('aria-label') || (el.labels && el.labels.length ? el.labels[0].innerText : '')
-      || el.getAttribute('placeholder') || (el.tagName === 'SELECT' ? '' : el.innerText) || el.getAttribute('name') || '');
-  document.querySelectorAll('[data-envhub-id]').forEach((el) => el.removeAttribute('data-envhub-id'));
+  const nameOf = (el) => clean(el.getAttribute('aria-label')
+      || (el.labels && el.labels.length ? el.labels[0].innerText : '')
+      || el.getAttribute('placeholder') || (el.tagName === 'SELECT' ? '' : el.innerText)
+      || el.getAttribute('name') || '');
+  document.querySelectorAll('[data-envhub-id]')
+    .forEach((el) => el.removeAttribute('data-envhub-id'));
   const walk = (node, depth) => {
     for (const child of node.childNodes) {
       if (child.nodeType === 3) {
         const text = clean(child.textContent);
-        if (text && !child.parentElement.closest('a,button,label,select,textarea,option')) lines.push('  '.repeat(depth) + 'text "' + text + '"');
+        if (text && !child.parentElement.closest('a,button,label,select,textarea,option')) {
+          lines.push('  '.repeat(depth) + 'text "' + text + '"');
+        }
         continue;
       }
-      if (child.nodeType !== 1 || !visible(child) || ['SCRIPT', 'STYLE', 'NOSCRIPT'].includes(child.tagName)) continue;
+      if (child.nodeType !== 1 || !visible(child)) continue;
+      if (['SCRIPT', 'STYLE', 'NOSCRIPT'].includes(child.tagName)) continue;
       const tag = child.tagName;
-      if (['A', 'BUTTON', 'INPUT', 'SELECT', 'TEXTAREA'].includes(tag) && !(tag === 'INPUT' && child.type === 'hidden')) {
+      const control = ['A', 'BUTTON', 'INPUT', 'SELECT', 'TEXTAREA'].includes(tag);
+      if (control && !(tag === 'INPUT' && child.type === 'hidden')) {
         next += 1;
         child.setAttribute('data-envhub-id', String(next));
         const role = roleOf(child), name = nameOf(child);
         let line = '  '.repeat(depth) + '[' + next + '] ' + role + ' "' + name + '"';
         let value = '';
-        if (role === 'checkbox' || role === 'radio') line += child.checked ? ' checked' : ' unchecked';
-        else if (tag === 'SELECT') {
+        if (role === 'checkbox' || role === 'radio') {
+          line += child.checked ? ' checked' : ' unchecked';
+        } else if (tag === 'SELECT') {
           value = child.selectedIndex >= 0 ? clean(child.options[child.selectedIndex].text) : '';
-          line += ' value="' + value + '" options=[' + Array.from(child.options).map((o) => clean(o.text)).join(', ') + ']';
-        } else if (tag === 'INPUT' || tag === 'TEXTAREA') { value = child.value; line += ' value="' + clean(value) + '"'; }
+          const options = Array.from(child.options).map((o) => clean(o.text)).join(', ');
+          line += ' value="' + value + '" options=[' + options + ']';
+        } else if (tag === 'INPUT' || tag === 'TEXTAREA') {
+          value = child.value;
+          line += ' value="' + clean(value) + '"';
+        }
         lines.push(line);
         elements.push({id: next, role: role, name: name, value: value, checked: !!child.checked});
         continue;
       }
-      if (/^H[1-6]$/.test(tag)) { lines.push('  '.repeat(depth) + 'heading "' + clean(child.innerText) + '"'); continue; }
+      if (/^H[1-6]$/.test(tag)) {
+        lines.push('  '.repeat(depth) + 'heading "' + clean(child.innerText) + '"');
+        continue;
+      }
       if (tag === 'LABEL') {
-        const text = clean(Array.from(child.childNodes).filter((n) => n.nodeType === 3).map((n) => n.textContent).join(' '));
+        const own = Array.from(child.childNodes).filter((n) => n.nodeType === 3);
+        const text = clean(own.map((n) => n.textContent).join(' '));
         if (text && !child.control) lines.push('  '.repeat(depth) + 'text "' + text + '"');
       }
       walk(child, ['FORM', 'UL', 'NAV', 'MAIN', 'SECTION'].includes(tag) ? depth + 1 : depth);
@@ -95,7 +116,10 @@ SNAPSHOT_JS = r"""
   return {text: lines.join('\n'), elements: elements, title: document.title};
 }
 """
-_ACTION = re.compile(r"^(click|type|select|goto|scroll|back|answer)\b\s*(?:\[(.*?)\])?\s*(?:\[(.*)\])?\s*$", re.IGNORECASE | re.DOTALL)
+_ACTION = re.compile(
+    r"^(click|type|select|goto|scroll|back|answer)\b\s*(?:\[(.*?)\])?\s*(?:\[(.*)\])?\s*$",
+    re.IGNORECASE | re.DOTALL,
+)
 
 
 class BrowserFailure(Exception):
@@ -124,15 +148,23 @@ class BrowserEnv(TextEnv):
         unknown = sorted(set(kinds) - set(TASK_KINDS))
         if unknown:
             raise ValueError(f"unknown task kind(s) {unknown}; use some of {list(TASK_KINDS)}")
-        builtin = [{"id": f"{kind}-{i:03d}", "kind": kind, "seed": 40_000 + i} for i in range(100) for kind in kinds]
-        self.tasks = as_taskset(dataset, default=builtin, split=split, required=("kind",) if dataset is not None else ())
+        builtin = [
+            {"id": f"{kind}-{i:03d}", "kind": kind, "seed": 40_000 + i}
+            for i in range(100)
+            for kind in kinds
+        ]
+        self.tasks = as_taskset(
+            dataset, default=builtin, split=split, required=("kind",) if dataset is not None else ()
+        )
         self.page_timeout_s, self.action_timeout_s = page_timeout_s, action_timeout_s
         self.screenshot, self.max_observation_chars = screenshot, max_observation_chars
         self.invalid_action_penalty = invalid_action_penalty
         self.parser = ActionParser(format="tag", max_length=2_000)
         self.system_prompt = (
-            "You control a web browser. Each observation lists the page's elements; [id] marks one you can act on. "
-            "Actions: click [id], type [id] [text], select [id] [option], goto [url], scroll [up|down], back, "
+            "You control a web browser. Each observation lists the page's elements; "
+            "[id] marks one you can act on. "
+            "Actions: click [id], type [id] [text], select [id] [option], goto [url], "
+            "scroll [up|down], back, "
             f"answer [text]. One action per turn. {self.parser.instructions}"
         )
         self.task: dict[str, Any] = {}
@@ -163,10 +195,8 @@ class BrowserEnv(TextEnv):
 
     def _drop_context(self) -> None:
         if self._context is not None:
-            try:
+            with contextlib.suppress(Exception):  # its browser may have crashed
                 self._context.close()
-            except Exception:  # its browser may have crashed
-                pass
         self._context = self._page = None
 
     def _snapshot(self) -> str:
@@ -185,15 +215,21 @@ class BrowserEnv(TextEnv):
     def _browser_dead(self, error: BaseException) -> bool:
         message = str(error).lower()
         try:
-            connected = self._context is not None and self._context.browser is not None and self._context.browser.is_connected()
-        except Exception:
+            connected = (
+                self._context is not None
+                and self._context.browser is not None
+                and self._context.browser.is_connected()
+            )
+        except Exception:  # noqa: BLE001 - a browser that cannot answer counts as disconnected
             connected = False
-        return not connected or "closed" in message or "crash" in message or "disconnected" in message
+        return (
+            not connected or "closed" in message or "crash" in message or "disconnected" in message
+        )
 
     def _path(self) -> str:
         try:
             return urlsplit(self._page.url).path or "/"
-        except Exception:
+        except Exception:  # noqa: BLE001 - a closed or crashed page has no URL to show
             return "/"
 
     def _goto(self, url: str) -> str | None:
@@ -204,14 +240,22 @@ class BrowserEnv(TextEnv):
             if self._browser_dead(error):
                 raise BrowserFailure(str(error)) from error
             if "timeout" in str(error).lower():
-                return f"The page {urlsplit(url).path} did not load within {self.page_timeout_s:g}s."
-            return f"The page {urlsplit(url).path} could not be opened: {str(error).splitlines()[0][:200]}"
+                return (
+                    f"The page {urlsplit(url).path} did not load within {self.page_timeout_s:g}s."
+                )
+            return (
+                f"The page {urlsplit(url).path} could not be opened: "
+                f"{str(error).splitlines()[0][:200]}"
+            )
         return None
 
     # ------------------------------------------------------------------ episode
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         chosen = self.tasks.select(options, self.np_random)
-        self.task = {**make_task(chosen["kind"], int(chosen["seed"])), **{k: v for k, v in chosen.items() if k not in ("id", "seed", "split")}}
+        self.task = {
+            **make_task(chosen["kind"], int(chosen["seed"])),
+            **{k: v for k, v in chosen.items() if k not in ("id", "seed", "split")},
+        }
         self._site.reset(member_id=self.task.get("member_id", "M-000000"))
         base = self._ensure_server()
         self._answer: str | None = None
@@ -230,7 +274,7 @@ class BrowserEnv(TextEnv):
             return {}
         try:
             return {"screenshot_png": base64.b64encode(self._page.screenshot()).decode()}
-        except Exception:
+        except Exception:  # noqa: BLE001 - the screenshot is optional: the step goes on without it
             return {}
 
     def on_step(self, action: str) -> Turn:
@@ -243,31 +287,71 @@ class BrowserEnv(TextEnv):
             observation = self._snapshot()
         except BrowserFailure as failure:
             self._drop_context()
-            return Turn(f"The browser crashed ({str(failure).splitlines()[0][:200]}). The episode ends.",
-                        terminated=True, info={"failed": True, "error": str(failure)[:500]})
+            return Turn(
+                f"The browser crashed ({str(failure).splitlines()[0][:200]}). The episode ends.",
+                terminated=True,
+                info={"failed": True, "error": str(failure)[:500]},
+            )
         if problem is not None and problem.startswith("!"):
             return self.invalid_action(problem[1:] + "\n\n" + observation)
         done = check(self.task, self._site, self._path(), self._answer)
         text = (f"{problem}\n" if problem else "") + observation
         if done:
-            return Turn(text + "\nTask complete.", reward=1.0, terminated=True, success=True, info=self._screenshot_info())
+            return Turn(
+                text + "\nTask complete.",
+                reward=1.0,
+                terminated=True,
+                success=True,
+                info=self._screenshot_info(),
+            )
         if verb == "answer":
-            return Turn(text + f"\nThe answer {first!r} is wrong.", reward=0.0, terminated=True, info=self._screenshot_info())
+            return Turn(
+                text + f"\nThe answer {first!r} is wrong.",
+                reward=0.0,
+                terminated=True,
+                info=self._screenshot_info(),
+            )
         return Turn(text, info=self._screenshot_info())
 
     def _parse(self, text: str) -> tuple[str, str, str]:
         raw = self.parser.parse(text)
         match = _ACTION.match(raw.strip())
         if match is None:
-            raise ActionParseError(f"not an action: {raw!r:.80}", feedback=(
-                f"{raw[:80]!r} is not an action. Use click [id], type [id] [text], select [id] [option], goto [url], "
-                f"scroll [up|down], back or answer [text]. {self.parser.instructions}"))
-        verb, first, second = match.group(1).lower(), (match.group(2) or "").strip(), (match.group(3) or "").strip()
-        needs = {"click": 1, "type": 2, "select": 2, "goto": 1, "scroll": 1, "answer": 1, "back": 0}[verb]
+            raise ActionParseError(
+                f"not an action: {raw!r:.80}",
+                feedback=(
+                    f"{raw[:80]!r} is not an action. Use click [id], type [id] [text], "
+                    "select [id] [option], goto [url], "
+                    f"scroll [up|down], back or answer [text]. {self.parser.instructions}"
+                ),
+            )
+        verb, first, second = (
+            match.group(1).lower(),
+            (match.group(2) or "").strip(),
+            (match.group(3) or "").strip(),
+        )
+        needs = {
+            "click": 1,
+            "type": 2,
+            "select": 2,
+            "goto": 1,
+            "scroll": 1,
+            "answer": 1,
+            "back": 0,
+        }[verb]
         if needs >= 1 and not first or needs == 2 and not match.group(3):
-            example = {"click": "click [3]", "type": "type [3] [hello]", "select": "select [4] [Pro]", "goto": "goto [/contact]",
-                       "scroll": "scroll [down]", "answer": "answer [42]"}[verb]
-            raise ActionParseError(f"{verb} without arguments", feedback=f"{verb} needs arguments in brackets, e.g. {example}.")
+            example = {
+                "click": "click [3]",
+                "type": "type [3] [hello]",
+                "select": "select [4] [Pro]",
+                "goto": "goto [/contact]",
+                "scroll": "scroll [down]",
+                "answer": "answer [42]",
+            }[verb]
+            raise ActionParseError(
+                f"{verb} without arguments",
+                feedback=f"{verb} needs arguments in brackets, e.g. {example}.",
+            )
         return verb, first, second
 
     def _element(self, ref: str) -> Any:
@@ -297,11 +381,16 @@ class BrowserEnv(TextEnv):
                 return self._goto(url)
             element = self._element(first)
             if element is None:
-                return f"!There is no element [{first[:20]}] on this page; use an id from the latest observation."
+                return (
+                    f"!There is no element [{first[:20]}] on this page; "
+                    "use an id from the latest observation."
+                )
             if verb == "click":
                 element.click()
                 try:
-                    self._page.wait_for_load_state("domcontentloaded", timeout=self.page_timeout_s * 1000)
+                    self._page.wait_for_load_state(
+                        "domcontentloaded", timeout=self.page_timeout_s * 1000
+                    )
                 except Exception as error:
                     if "timeout" in str(error).lower():
                         return f"The page did not load within {self.page_timeout_s:g}s."
@@ -338,11 +427,19 @@ class BrowserEnv(TextEnv):
         else:
             form = "/signup" if kind == "signup" else "/contact"
             if path != form:
-                return wrap(f"click [{self._find('link', 'Sign up' if kind == 'signup' else 'Contact')}]")
-            fields = [("textbox", "Full name", self.task.get("name")), ("textbox", "Email", self.task.get("email")),
-                      ("textbox", "Subject", self.task.get("subject")), ("textbox", "Message", self.task.get("message"))]
+                return wrap(
+                    f"click [{self._find('link', 'Sign up' if kind == 'signup' else 'Contact')}]"
+                )
+            fields = [
+                ("textbox", "Full name", self.task.get("name")),
+                ("textbox", "Email", self.task.get("email")),
+                ("textbox", "Subject", self.task.get("subject")),
+                ("textbox", "Message", self.task.get("message")),
+            ]
             for role, name, want in fields:
-                element = next((e for e in self.elements if e["role"] == role and e["name"] == name), None)
+                element = next(
+                    (e for e in self.elements if e["role"] == role and e["name"] == name), None
+                )
                 if want and element is not None and element["value"] != want:
                     return wrap(f"type [{element['id']}] [{want}]")
             plan = next((e for e in self.elements if e["role"] == "combobox"), None)
@@ -361,13 +458,17 @@ class BrowserEnv(TextEnv):
         if roll < 0.55:
             return self.parser.wrap(f"click [{pick}]")
         if roll < 0.75:
-            return self.parser.wrap(f"type [{pick}] [{str(np_random.choice(['hello', 'Ada Park', 'test@example.org']))}]")
+            return self.parser.wrap(
+                f"type [{pick}] [{np_random.choice(['hello', 'Ada Park', 'test@example.org'])!s}]"
+            )
         if roll < 0.82:
-            return self.parser.wrap(f"scroll [{str(np_random.choice(['up', 'down']))}]")
+            return self.parser.wrap(f"scroll [{np_random.choice(['up', 'down'])!s}]")
         if roll < 0.88:
             return self.parser.wrap("back")
         if roll < 0.94:
-            return self.parser.wrap(f"goto [{str(np_random.choice(['/', '/contact', '/stores', '/nowhere']))}]")
+            return self.parser.wrap(
+                f"goto [{np_random.choice(['/', '/contact', '/stores', '/nowhere'])!s}]"
+            )
         return "I am not sure what to do."
 
     # ------------------------------------------------------------------ lifecycle

@@ -16,13 +16,14 @@ thread (``BrowserPool.for_this_thread()``). Chromium comes from the system
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import threading
 import weakref
 from typing import Any
 
-__all__ = ["BrowserPool", "BrowserUnavailable", "chromium_path", "CHROMIUM_FLAGS"]
+__all__ = ["CHROMIUM_FLAGS", "BrowserPool", "BrowserUnavailable", "chromium_path"]
 
 CHROMIUM_FLAGS = [
     "--headless=new",
@@ -98,11 +99,17 @@ class BrowserPool:
             return
         executable = chromium_path()
         if executable is None:
-            raise BrowserUnavailable("no Chromium found: install it with `apt-get install -y chromium` (or set ENVHUB_CHROMIUM)")
+            raise BrowserUnavailable(
+                "no Chromium found: install it with `apt-get install -y chromium` "
+                "(or set ENVHUB_CHROMIUM)"
+            )
         try:
             from playwright.sync_api import sync_playwright
         except ImportError as exc:
-            raise BrowserUnavailable("Playwright is not installed: pip install 'envhub[web]' (never `playwright install`)") from exc
+            raise BrowserUnavailable(
+                "Playwright is not installed: "
+                "pip install 'envhub[web]' (never `playwright install`)"
+            ) from exc
         self._executable = executable
         self._manager = sync_playwright()
         self._playwright = self._manager.start()
@@ -111,7 +118,9 @@ class BrowserPool:
         import psutil
 
         before = {p.pid for p in psutil.Process().children(recursive=True)}
-        browser = self._playwright.chromium.launch(executable_path=self._executable, headless=True, args=CHROMIUM_FLAGS)
+        browser = self._playwright.chromium.launch(
+            executable_path=self._executable, headless=True, args=CHROMIUM_FLAGS
+        )
         for child in psutil.Process().children(recursive=True):
             if child.pid not in before:
                 try:
@@ -141,16 +150,12 @@ class BrowserPool:
         import psutil
 
         for browser in self._browsers:
-            try:
+            with contextlib.suppress(Exception):  # already dead
                 browser.close()
-            except Exception:  # already dead
-                pass
         self._browsers = []
         if self._manager is not None:
-            try:
+            with contextlib.suppress(Exception):  # the driver may be gone already
                 self._manager.__exit__(None, None, None)
-            except Exception:
-                pass
         self._manager = self._playwright = None
         survivors = []
         for pid in self._pids:
@@ -168,7 +173,5 @@ class BrowserPool:
 @atexit.register
 def _reap_all() -> None:
     for pool in list(_ALL_POOLS):
-        try:
+        with contextlib.suppress(Exception):  # best effort at interpreter exit
             pool.shutdown()
-        except Exception:
-            pass

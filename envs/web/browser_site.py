@@ -18,10 +18,19 @@ from urllib.parse import parse_qs
 
 import numpy as np
 
-__all__ = ["TaskSite", "make_task", "check", "TASK_KINDS"]
+__all__ = ["TASK_KINDS", "TaskSite", "check", "make_task"]
 
 TASK_KINDS = ("signup", "member-id", "contact", "store-hours")
-_NAMES = ["Ada Park", "Bruno Diaz", "Chen Wei", "Dara Okafor", "Elin Berg", "Farah Haddad", "Goran Petrovic", "Hana Sato"]
+_NAMES = [
+    "Ada Park",
+    "Bruno Diaz",
+    "Chen Wei",
+    "Dara Okafor",
+    "Elin Berg",
+    "Farah Haddad",
+    "Goran Petrovic",
+    "Hana Sato",
+]
 _PLANS = ["Basic", "Plus", "Pro"]
 _SUBJECTS = ["Billing question", "Lost card", "Change address", "Opening hours"]
 _CITIES = ["Lisbon", "Oslo", "Tallinn", "Porto", "Ghent"]
@@ -34,20 +43,44 @@ def make_task(kind: str, seed: int) -> dict[str, Any]:
         name = str(rng.choice(_NAMES))
         email = name.split()[0].lower() + f"{int(rng.integers(10, 99))}@example.org"
         plan = str(rng.choice(_PLANS))
-        return {"kind": kind, "name": name, "email": email, "plan": plan,
-                "instruction": f"Sign up as {name} with the email {email}, choose the {plan} plan and accept the terms."}
+        return {
+            "kind": kind,
+            "name": name,
+            "email": email,
+            "plan": plan,
+            "instruction": (
+                f"Sign up as {name} with the email {email}, "
+                f"choose the {plan} plan and accept the terms."
+            ),
+        }
     if kind == "member-id":
         member_id = f"M-{int(rng.integers(100000, 999999))}"
-        return {"kind": kind, "member_id": member_id,
-                "instruction": "Find your member ID on your profile page (under Settings) and reply answer [ID]."}
+        return {
+            "kind": kind,
+            "member_id": member_id,
+            "instruction": (
+                "Find your member ID on your profile page (under Settings) and reply answer [ID]."
+            ),
+        }
     if kind == "contact":
         subject = str(rng.choice(_SUBJECTS))
         body = f"Please call me back about reference {int(rng.integers(1000, 9999))}."
-        return {"kind": kind, "subject": subject, "message": body,
-                "instruction": f"Send a message through the contact form with the subject '{subject}' and the text '{body}'."}
+        return {
+            "kind": kind,
+            "subject": subject,
+            "message": body,
+            "instruction": (
+                f"Send a message through the contact form with the subject '{subject}' "
+                f"and the text '{body}'."
+            ),
+        }
     if kind == "store-hours":
         city = str(rng.choice(_CITIES))
-        return {"kind": kind, "city": city, "instruction": f"Open the page with the opening hours of the {city} store."}
+        return {
+            "kind": kind,
+            "city": city,
+            "instruction": f"Open the page with the opening hours of the {city} store.",
+        }
     raise ValueError(f"unknown browser task kind {kind!r}; use one of {TASK_KINDS}")
 
 
@@ -56,10 +89,16 @@ def check(task: dict[str, Any], site: TaskSite, url_path: str, answer: str | Non
     kind = task["kind"]
     if kind == "signup":
         want = {"name": task["name"], "email": task["email"], "plan": task["plan"], "terms": "on"}
-        return any(all(record.get(k) == v for k, v in want.items()) for record in site.submissions.get("/signup", []))
+        return any(
+            all(record.get(k) == v for k, v in want.items())
+            for record in site.submissions.get("/signup", [])
+        )
     if kind == "contact":
         want = {"subject": task["subject"], "message": task["message"]}
-        return any(all(record.get(k, "").strip() == v for k, v in want.items()) for record in site.submissions.get("/contact", []))
+        return any(
+            all(record.get(k, "").strip() == v for k, v in want.items())
+            for record in site.submissions.get("/contact", [])
+        )
     if kind == "member-id":
         return answer is not None and answer.strip().strip(".") == task["member_id"]
     if kind == "store-hours":
@@ -68,8 +107,14 @@ def check(task: dict[str, Any], site: TaskSite, url_path: str, answer: str | Non
 
 
 def _page(title: str, body: str) -> bytes:
-    nav = '<nav><a href="/">Home</a> <a href="/signup">Sign up</a> <a href="/settings">Settings</a> <a href="/contact">Contact</a> <a href="/stores">Stores</a></nav>'
-    return f"<!doctype html><html><head><title>{html.escape(title)}</title></head><body>{nav}<h1>{html.escape(title)}</h1>{body}</body></html>".encode()
+    nav = (
+        '<nav><a href="/">Home</a> <a href="/signup">Sign up</a> <a href="/settings">Settings</a> '
+        '<a href="/contact">Contact</a> <a href="/stores">Stores</a></nav>'
+    )
+    return (
+        f"<!doctype html><html><head><title>{html.escape(title)}</title></head>"
+        f"<body>{nav}<h1>{html.escape(title)}</h1>{body}</body></html>"
+    ).encode()
 
 
 class TaskSite:
@@ -82,7 +127,11 @@ class TaskSite:
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"member_id": self.member_id, "slow_seconds": self.slow_seconds, "submissions": self.submissions}
+        return {
+            "member_id": self.member_id,
+            "slow_seconds": self.slow_seconds,
+            "submissions": self.submissions,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -99,39 +148,68 @@ class TaskSite:
                 self.submissions.setdefault(path, []).append(form)
             return 200, _page("Thank you", "<p>We received your submission.</p>")
         if path == "/":
-            return 200, _page("Members' Club", "<p>Welcome. Use the links above to manage your membership.</p>")
+            return 200, _page(
+                "Members' Club", "<p>Welcome. Use the links above to manage your membership.</p>"
+            )
         if path == "/signup":
             options = "".join(f"<option>{p}</option>" for p in _PLANS)
-            return 200, _page("Sign up", (
-                '<form method="post" action="/signup">'
-                '<label for="name">Full name</label><input id="name" name="name" type="text">'
-                '<label for="email">Email</label><input id="email" name="email" type="email">'
-                f'<label for="plan">Plan</label><select id="plan" name="plan"><option value="">Choose a plan</option>{options}</select>'
-                '<label><input name="terms" type="checkbox"> I accept the terms</label>'
-                '<button type="submit">Create account</button></form>'))
+            return 200, _page(
+                "Sign up",
+                (
+                    '<form method="post" action="/signup">'
+                    '<label for="name">Full name</label><input id="name" name="name" type="text">'
+                    '<label for="email">Email</label><input id="email" name="email" type="email">'
+                    '<label for="plan">Plan</label><select id="plan" name="plan">'
+                    f'<option value="">Choose a plan</option>{options}</select>'
+                    '<label><input name="terms" type="checkbox"> I accept the terms</label>'
+                    '<button type="submit">Create account</button></form>'
+                ),
+            )
         if path == "/settings":
-            return 200, _page("Settings", '<ul><li><a href="/settings/notifications">Notifications</a></li><li><a href="/settings/profile">Profile</a></li></ul>')
+            return 200, _page(
+                "Settings",
+                (
+                    '<ul><li><a href="/settings/notifications">Notifications</a></li>'
+                    '<li><a href="/settings/profile">Profile</a></li></ul>'
+                ),
+            )
         if path == "/settings/notifications":
-            return 200, _page("Notifications", '<label><input type="checkbox" name="weekly"> Weekly newsletter</label>')
+            return 200, _page(
+                "Notifications",
+                '<label><input type="checkbox" name="weekly"> Weekly newsletter</label>',
+            )
         if path == "/settings/profile":
-            return 200, _page("Profile", f"<p>Member since 2019.</p><p>Member ID: {self.member_id}</p>")
+            return 200, _page(
+                "Profile", f"<p>Member since 2019.</p><p>Member ID: {self.member_id}</p>"
+            )
         if path == "/contact":
-            return 200, _page("Contact us", (
-                '<form method="post" action="/contact">'
-                '<label for="subject">Subject</label><input id="subject" name="subject" type="text">'
-                '<label for="message">Message</label><textarea id="message" name="message"></textarea>'
-                '<button type="submit">Send message</button></form>'))
+            return 200, _page(
+                "Contact us",
+                (
+                    '<form method="post" action="/contact">'
+                    '<label for="subject">Subject</label>'
+                    '<input id="subject" name="subject" type="text">'
+                    '<label for="message">Message</label>'
+                    '<textarea id="message" name="message"></textarea>'
+                    '<button type="submit">Send message</button></form>'
+                ),
+            )
         if path == "/stores":
             links = "".join(f'<li><a href="/stores/{c.lower()}">{c}</a></li>' for c in _CITIES)
             return 200, _page("Our stores", f"<ul>{links}</ul>")
         if path.startswith("/stores/") and path[8:].capitalize() in _CITIES:
-            return 200, _page(f"{path[8:].capitalize()} store", "<p>Opening hours: Mon-Fri 9:00-18:00, Sat 10:00-14:00.</p>")
+            return 200, _page(
+                f"{path[8:].capitalize()} store",
+                "<p>Opening hours: Mon-Fri 9:00-18:00, Sat 10:00-14:00.</p>",
+            )
         if path == "/slow":
             time.sleep(self.slow_seconds)
             return 200, _page("Finally", "<p>Loaded.</p>")
         return 404, _page("Not found", "<p>There is no such page.</p>")
 
-    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    def __call__(
+        self, environ: dict[str, Any], start_response: Callable[..., Any]
+    ) -> Iterable[bytes]:
         method = environ.get("REQUEST_METHOD", "GET")
         form: dict[str, str] = {}
         if method == "POST":
@@ -139,5 +217,8 @@ class TaskSite:
             raw = environ["wsgi.input"].read(min(length, 100_000)).decode("utf-8", "replace")
             form = {k: v[-1] for k, v in parse_qs(raw, keep_blank_values=True).items()}
         status, body = self.render(method, environ.get("PATH_INFO", "/"), form)
-        start_response(f"{status} {'OK' if status == 200 else 'Not Found'}", [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body)))])
+        start_response(
+            f"{status} {'OK' if status == 200 else 'Not Found'}",
+            [("Content-Type", "text/html; charset=utf-8"), ("Content-Length", str(len(body)))],
+        )
         return [body]

@@ -6,7 +6,8 @@ running shoes in navy, size 9, price lower than 80.00 dollars"). The agent sees 
 of each page (``[label]`` marks what can be clicked) and acts with ``search[query]`` on the
 search page or ``click[label]`` on any page. Buying ends the episode with
 
-    reward = type_match * (matched attributes + matched options + price ok) / (attributes + options + 1)
+    reward = type_match * (matched attributes + matched options + price ok)
+                        / (attributes + options + 1)
 
 where ``type_match`` is 1 for the requested category and 0.1 otherwise: the WebShop
 reward, simplified. The site is the WSGI app in ``shop_site``; pages are fetched
@@ -29,7 +30,7 @@ import numpy as np
 from envhub.core import TextEnv, Turn
 from envhub.errors import ActionParseError
 from envhub.parsing import ActionParser
-from envs.datasets import Split, Task, TaskSet, as_taskset
+from envs.datasets import Split, TaskSet, as_taskset
 from envs.web.page_text import PageText, page_to_text
 from envs.web.shop_site import Catalogue, Product, ShopSite, serve_site
 
@@ -38,7 +39,9 @@ __all__ = ["ShopEnv", "shop_reward"]
 _ACTION = re.compile(r"^(search|click)\s*\[(.*)\]$", re.IGNORECASE | re.DOTALL)
 
 
-def shop_reward(product: Product, chosen: Mapping[str, str], goal: Mapping[str, Any]) -> dict[str, float]:
+def shop_reward(
+    product: Product, chosen: Mapping[str, str], goal: Mapping[str, Any]
+) -> dict[str, float]:
     """The reward of buying ``product`` with ``chosen`` options for ``goal`` and its parts."""
     attributes = list(goal.get("attributes", []))
     options = dict(goal.get("options", {}))
@@ -47,18 +50,35 @@ def shop_reward(product: Product, chosen: Mapping[str, str], goal: Mapping[str, 
     price_ok = float(product.price <= float(goal.get("max_price", float("inf"))))
     type_match = 1.0 if product.category == goal.get("category") else 0.1
     total = (matched_attributes + matched_options + price_ok) / (len(attributes) + len(options) + 1)
-    return {"reward": round(type_match * total, 6), "type_match": type_match, "attributes": matched_attributes,
-            "options": matched_options, "price_ok": price_ok}
+    return {
+        "reward": round(type_match * total, 6),
+        "type_match": type_match,
+        "attributes": matched_attributes,
+        "options": matched_options,
+        "price_ok": price_ok,
+    }
 
 
 def make_goal(product: Product, rng: np.random.Generator) -> tuple[str, dict[str, Any]]:
     """An instruction and its goal for buying ``product`` (drawn with ``rng``)."""
-    attributes = sorted(str(a) for a in rng.choice(product.attributes, size=min(2, len(product.attributes)), replace=False))
+    attributes = sorted(
+        str(a)
+        for a in rng.choice(product.attributes, size=min(2, len(product.attributes)), replace=False)
+    )
     options = {name: str(rng.choice(values)) for name, values in product.options.items()}
     max_price = round(product.price * float(rng.uniform(1.1, 1.6)) + 1, 0)
     wants = ", ".join(f"{name} {value}" for name, value in options.items())
-    text = f"i need {' and '.join(attributes)} {product.category} with {wants}, and price lower than {max_price:.2f} dollars"
-    return text, {"category": product.category, "attributes": attributes, "options": options, "max_price": max_price, "target": product.id}
+    text = (
+        f"i need {' and '.join(attributes)} {product.category} with {wants}, "
+        f"and price lower than {max_price:.2f} dollars"
+    )
+    return text, {
+        "category": product.category,
+        "attributes": attributes,
+        "options": options,
+        "max_price": max_price,
+        "target": product.id,
+    }
 
 
 class ShopEnv(TextEnv):
@@ -80,17 +100,28 @@ class ShopEnv(TextEnv):
         super().__init__(max_turns=max_turns, render_mode=render_mode)
         if transport not in ("inprocess", "http"):
             raise ValueError(f"transport must be 'inprocess' or 'http', got {transport!r}")
-        self.catalogue_seed, self.catalogue_size, self.transport = catalogue_seed, catalogue_size, transport
+        self.catalogue_seed, self.catalogue_size, self.transport = (
+            catalogue_seed,
+            catalogue_size,
+            transport,
+        )
         self.catalogue = Catalogue(catalogue_seed, catalogue_size)
         self.site = ShopSite(self.catalogue)
         self.page_timeout_s = page_timeout_s
         self.invalid_action_penalty = invalid_action_penalty
         builtin = [{"id": f"shop-{i:04d}", "seed": 30_000 + i} for i in range(500)]
-        self.tasks = as_taskset(dataset, default=builtin, split=split, required=("instruction", "goal") if dataset is not None else ())
+        self.tasks = as_taskset(
+            dataset,
+            default=builtin,
+            split=split,
+            required=("instruction", "goal") if dataset is not None else (),
+        )
         self.parser = ActionParser(format="tag", max_length=500)
         self.system_prompt = (
-            "You are shopping on a website. Each page is shown as text; [label] marks a link or button. "
-            "Act with search[query] on the search page or click[label] to click. Buy the product that best "
+            "You are shopping on a website. "
+            "Each page is shown as text; [label] marks a link or button. "
+            "Act with search[query] on the search page or click[label] to click. "
+            "Buy the product that best "
             f"matches the instruction, with the requested options. {self.parser.instructions}"
         )
         self.goal: dict[str, Any] = {}
@@ -106,7 +137,9 @@ class ShopEnv(TextEnv):
         if self._base_url is None:
             self._base_url, self._stop_server = serve_site(self.site)
         try:
-            with urllib.request.urlopen(urljoin(self._base_url, url), timeout=self.page_timeout_s) as response:
+            with urllib.request.urlopen(
+                urljoin(self._base_url, url), timeout=self.page_timeout_s
+            ) as response:
                 return response.read().decode()
         except urllib.error.HTTPError as error:
             return error.read().decode()
@@ -138,7 +171,9 @@ class ShopEnv(TextEnv):
         target = self._match_clickable(argument)
         if target is None:
             shown = ", ".join(f"[{label}]" for label in list(self.page.clickables)[:15])
-            return self.invalid_action(f"There is no [{argument[:80]}] on this page. You can click: {shown or 'nothing'}.")
+            return self.invalid_action(
+                f"There is no [{argument[:80]}] on this page. You can click: {shown or 'nothing'}."
+            )
         text = self._goto(target)
         if urlsplit(target).path.startswith("/buy/"):
             return self._bought(target, text)
@@ -148,12 +183,23 @@ class ShopEnv(TextEnv):
         raw = self.parser.parse(text)
         match = _ACTION.match(raw.strip())
         if match is None:
-            raise ActionParseError(f"not an action: {raw!r:.80}", feedback=f"{raw[:80]!r} is not an action. Use search[query] or click[label]. {self.parser.instructions}")
+            raise ActionParseError(
+                f"not an action: {raw!r:.80}",
+                feedback=(
+                    f"{raw[:80]!r} is not an action. Use search[query] or click[label]. "
+                    f"{self.parser.instructions}"
+                ),
+            )
         verb, argument = match.group(1).lower(), match.group(2).strip()
         if verb == "search" and not self.page.has_search:
-            raise ActionParseError("no search box", feedback="There is no search box on this page; click [Back to Search] first.")
+            raise ActionParseError(
+                "no search box",
+                feedback="There is no search box on this page; click [Back to Search] first.",
+            )
         if not argument:
-            raise ActionParseError("empty argument", feedback=f"{verb}[...] needs something inside the brackets.")
+            raise ActionParseError(
+                "empty argument", feedback=f"{verb}[...] needs something inside the brackets."
+            )
         return verb, argument
 
     def _match_clickable(self, label: str) -> str | None:
@@ -169,8 +215,13 @@ class ShopEnv(TextEnv):
         chosen = {k: v[-1] for k, v in parse_qs(parts.query).items()}
         score = shop_reward(product, chosen, self.goal)
         reward = score.pop("reward")
-        return Turn(text + f"\nReward: {reward:.2f}", reward=reward, terminated=True, success=reward >= 1.0,
-                    info={"bought": product.id, "options": chosen, **score})
+        return Turn(
+            text + f"\nReward: {reward:.2f}",
+            reward=reward,
+            terminated=True,
+            success=reward >= 1.0,
+            info={"bought": product.id, "options": chosen, **score},
+        )
 
     # ------------------------------------------------------------------ agents
     def expert_action(self) -> str | None:
@@ -184,7 +235,11 @@ class ShopEnv(TextEnv):
         if path == "/search":
             if target.id in self.page.clickables:
                 return wrap(f"click[{target.id}]")
-            return wrap("click[Next >]") if "Next >" in self.page.clickables else wrap("click[Back to Search]")
+            return (
+                wrap("click[Next >]")
+                if "Next >" in self.page.clickables
+                else wrap("click[Back to Search]")
+            )
         if path == f"/item/{target.id}":
             chosen = {k: v[-1] for k, v in parse_qs(urlsplit(self.url).query).items()}
             for name, value in self.goal["options"].items():
@@ -197,8 +252,21 @@ class ShopEnv(TextEnv):
         roll = np_random.random()
         labels = list(self.page.clickables)
         if self.page.has_search and roll < 0.8:
-            words = ["shoes", "mug", "lamp", "black", "waterproof", "bottle", "mat", "headphones", "large", "cheap"]
-            return self.parser.wrap(f"search[{' '.join(str(w) for w in np_random.choice(words, size=2))}]")
+            words = [
+                "shoes",
+                "mug",
+                "lamp",
+                "black",
+                "waterproof",
+                "bottle",
+                "mat",
+                "headphones",
+                "large",
+                "cheap",
+            ]
+            return self.parser.wrap(
+                f"search[{' '.join(str(w) for w in np_random.choice(words, size=2))}]"
+            )
         if labels and roll < 0.85:
             return self.parser.wrap(f"click[{labels[int(np_random.integers(len(labels)))]}]")
         return "I will look around." if roll < 0.93 else self.parser.wrap("click[Checkout]")

@@ -19,6 +19,7 @@ import pytest
 
 from sandboxes import Limits, Sandbox, SandboxUnavailableError
 from sandboxes.dockerd import HOST_USR_RO as USR_RO
+
 TEST_IMAGE = "envhub-sandbox-test:1"
 BACKENDS = [
     pytest.param("bwrap", id="local-bwrap"),
@@ -75,8 +76,12 @@ def make_sandbox_for(request: pytest.FixtureRequest) -> Iterator[Callable[..., S
         if kind == "docker":
             from sandboxes.docker import DockerSandbox
 
-            sandbox: Sandbox = DockerSandbox(limits=limits, image=request.getfixturevalue("docker_image"),
-                                             base_url=request.getfixturevalue("docker_engine"), volumes=USR_RO)
+            sandbox: Sandbox = DockerSandbox(
+                limits=limits,
+                image=request.getfixturevalue("docker_image"),
+                base_url=request.getfixturevalue("docker_engine"),
+                volumes=USR_RO,
+            )
         else:
             from sandboxes.local import LocalSandbox
 

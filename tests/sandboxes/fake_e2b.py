@@ -32,7 +32,7 @@ import uuid
 from email.parser import BytesParser
 from email.policy import HTTP
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -56,15 +56,26 @@ class _Process(ProcessSync):
 
     def start(self, request: Any, ctx: Any) -> Any:
         cfg = request.process
-        args = [a.replace(HOME, str(self.fake.home)) for a in cfg.args]  # /home/user lives in a temp dir
-        self.fake.started.append({"cmd": cfg.cmd, "args": list(cfg.args), "envs": dict(cfg.envs), "cwd": cfg.cwd})
+        # /home/user lives in a temp dir
+        args = [a.replace(HOME, str(self.fake.home)) for a in cfg.args]
+        self.fake.started.append(
+            {"cmd": cfg.cmd, "args": list(cfg.args), "envs": dict(cfg.envs), "cwd": cfg.cwd}
+        )
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **dict(cfg.envs)}
-        proc = subprocess.Popen([cfg.cmd, *args], cwd=self._host_path(cfg.cwd or HOME), env=env,
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            [cfg.cmd, *args],
+            cwd=self._host_path(cfg.cwd or HOME),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         self.procs[proc.pid] = proc
         Event = process_pb.ProcessEvent
-        yield process_pb.StartResponse(event=Event(event=Oneof("start", Event.StartEvent(pid=proc.pid))))
+        yield process_pb.StartResponse(
+            event=Event(event=Oneof("start", Event.StartEvent(pid=proc.pid)))
+        )
         streams = {proc.stdout.fileno(): "stdout", proc.stderr.fileno(): "stderr"}  # type: ignore[union-attr]
         while streams:
             ready, _, _ = select.select(list(streams), [], [], 0.5)
@@ -76,7 +87,9 @@ class _Process(ProcessSync):
                 data = Event.DataEvent(output=Oneof(streams[fd], chunk))
                 yield process_pb.StartResponse(event=Event(event=Oneof("data", data)))
         code = proc.wait()
-        end = Event.EndEvent(exit_code=code if code >= 0 else -1, exited=code >= 0, status=f"exit status {code}")
+        end = Event.EndEvent(
+            exit_code=code if code >= 0 else -1, exited=code >= 0, status=f"exit status {code}"
+        )
         yield process_pb.StartResponse(event=Event(event=Oneof("end", end)))
 
     def send_signal(self, request: Any, ctx: Any) -> Any:
@@ -122,7 +135,9 @@ class FakeE2B:
         self.contexts: dict[str, dict[str, Any]] = {}
         self._process = _Process(self)
         self._rpc = ProcessWSGIApplication(self._process)  # type: ignore[arg-type]
-        self._server = make_server("127.0.0.1", 0, self._app, server_class=_ThreadingServer, handler_class=_Quiet)
+        self._server = make_server(
+            "127.0.0.1", 0, self._app, server_class=_ThreadingServer, handler_class=_Quiet
+        )
         self.url = f"http://127.0.0.1:{self._server.server_port}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -130,7 +145,7 @@ class FakeE2B:
     def options(self) -> dict[str, Any]:
         return {"api_key": "e2b_test_key", "api_url": self.url, "sandbox_url": self.url}
 
-    def __enter__(self) -> FakeE2B:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
@@ -148,8 +163,11 @@ class FakeE2B:
     # ---- routing ---------------------------------------------------------------------------
     def _app(self, environ: dict[str, Any], start_response: Any) -> Any:
         path, method = environ["PATH_INFO"], environ["REQUEST_METHOD"]
-        headers = {k[5:].replace("_", "-").lower(): v for k, v in environ.items() if k.startswith("HTTP_")}
-        if headers.get("transfer-encoding") == "chunked":  # wsgiref does not de-chunk request bodies
+        headers = {
+            k[5:].replace("_", "-").lower(): v for k, v in environ.items() if k.startswith("HTTP_")
+        }
+        # wsgiref does not de-chunk request bodies
+        if headers.get("transfer-encoding") == "chunked":
             raw = _dechunk(environ["wsgi.input"])
             environ["wsgi.input"], environ["CONTENT_LENGTH"] = io.BytesIO(raw), str(len(raw))
             del environ["HTTP_TRANSFER_ENCODING"]
@@ -164,20 +182,33 @@ class FakeE2B:
         try:
             status, payload, ctype = self._route(method, path, query, headers, body)
         except Exception:  # noqa: BLE001 - a bug in the fake must be visible
-            status, payload, ctype = "500 Internal Server Error", traceback.format_exc().encode(), "text/plain"
+            status, payload, ctype = (
+                "500 Internal Server Error",
+                traceback.format_exc().encode(),
+                "text/plain",
+            )
         start_response(status, [("Content-Type", ctype), ("Content-Length", str(len(payload)))])
         return [payload]
 
-    def _route(self, method: str, path: str, query: dict[str, str], headers: dict[str, str],
-               body: bytes) -> tuple[str, bytes, str]:
+    def _route(
+        self, method: str, path: str, query: dict[str, str], headers: dict[str, str], body: bytes
+    ) -> tuple[str, bytes, str]:
         if method == "POST" and path == "/v2/sandboxes":
             if headers.get("x-api-key") != "e2b_test_key":
-                return "401 Unauthorized", json.dumps({"code": 401, "message": "Invalid API key"}).encode(), \
-                    "application/json"
+                return (
+                    "401 Unauthorized",
+                    json.dumps({"code": 401, "message": "Invalid API key"}).encode(),
+                    "application/json",
+                )
             request = json.loads(body)
             self.created.append(request)
-            sandbox = {"sandboxID": f"fake{uuid.uuid4().hex[:8]}", "templateID": request.get("templateID", "x"),
-                       "clientID": "fake", "envdVersion": "0.4.0", "envdAccessToken": "envd-token"}
+            sandbox = {
+                "sandboxID": f"fake{uuid.uuid4().hex[:8]}",
+                "templateID": request.get("templateID", "x"),
+                "clientID": "fake",
+                "envdVersion": "0.4.0",
+                "envdAccessToken": "envd-token",
+            }
             return "201 Created", json.dumps(sandbox).encode(), "application/json"
         if method == "DELETE" and path.startswith("/sandboxes/"):
             self.killed.append(path.rsplit("/", 1)[1])
@@ -190,30 +221,51 @@ class FakeE2B:
             request = json.loads(body)
             ctx_id = uuid.uuid4().hex[:8]
             self.contexts[ctx_id] = {"globals": {}, **request}
-            return "200 OK", json.dumps({"id": ctx_id, "language": request.get("language", "python"),
-                                         "cwd": request.get("cwd", HOME)}).encode(), "application/json"
+            return (
+                "200 OK",
+                json.dumps(
+                    {
+                        "id": ctx_id,
+                        "language": request.get("language", "python"),
+                        "cwd": request.get("cwd", HOME),
+                    }
+                ).encode(),
+                "application/json",
+            )
         if method == "DELETE" and path.startswith("/contexts/"):
             self.contexts.pop(path.rsplit("/", 1)[1], None)
             return "204 No Content", b"", "text/plain"
         if method == "POST" and path == "/execute":
             return "200 OK", self._execute(json.loads(body)), "application/x-ndjson"
-        return "404 Not Found", json.dumps({"code": 404, "message": f"no route {method} {path}"}).encode(), \
-            "application/json"
+        return (
+            "404 Not Found",
+            json.dumps({"code": 404, "message": f"no route {method} {path}"}).encode(),
+            "application/json",
+        )
 
-    def _files(self, method: str, query: dict[str, str], headers: dict[str, str],
-               body: bytes) -> tuple[str, bytes, str]:
+    def _files(
+        self, method: str, query: dict[str, str], headers: dict[str, str], body: bytes
+    ) -> tuple[str, bytes, str]:
         if method == "GET":
             target = Path(self._process._host_path(query["path"]))
             if not target.is_file():
-                return "404 Not Found", json.dumps({"code": 404, "message": f"path '{query['path']}' does not exist"}
-                                                   ).encode(), "application/json"
+                return (
+                    "404 Not Found",
+                    json.dumps(
+                        {"code": 404, "message": f"path '{query['path']}' does not exist"}
+                    ).encode(),
+                    "application/json",
+                )
             return "200 OK", target.read_bytes(), "application/octet-stream"
         written = []
         if headers["content-type"].startswith("multipart/"):
             message = BytesParser(policy=HTTP).parsebytes(
-                f"Content-Type: {headers['content-type']}\r\n\r\n".encode() + body)
-            parts = [(part.get_filename() or query.get("path"), part.get_payload(decode=True))
-                     for part in message.iter_parts()]
+                f"Content-Type: {headers['content-type']}\r\n\r\n".encode() + body
+            )
+            parts = [
+                (part.get_filename() or query.get("path"), part.get_payload(decode=True))
+                for part in message.iter_parts()
+            ]
         else:
             parts = [(query["path"], body)]
         for name, data in parts:
@@ -232,7 +284,14 @@ class FakeE2B:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 exec(compile(request["code"], "<cell>", "exec"), ctx["globals"])  # noqa: S102 - test-authored code
         except Exception as e:  # noqa: BLE001
-            lines.append({"type": "error", "name": type(e).__name__, "value": str(e), "traceback": "Traceback..."})
+            lines.append(
+                {
+                    "type": "error",
+                    "name": type(e).__name__,
+                    "value": str(e),
+                    "traceback": "Traceback...",
+                }
+            )
         if out.getvalue():
             lines.insert(0, {"type": "stdout", "text": out.getvalue(), "timestamp": 0})
         if err.getvalue():

@@ -24,7 +24,7 @@ PROJECT = Path(__file__).resolve().parents[2]
 def still_works(sb: Sandbox) -> None:
     r = sb.run(["python3", "-c", "print('alive')"], timeout=20)
     assert r.ok and r.stdout == "alive\n", r
-    assert subprocess.run(["true"]).returncode == 0  # the host can still fork
+    assert subprocess.run(["true"], check=False).returncode == 0  # the host can still fork
 
 
 def host_processes_with(marker: str) -> list[str]:
@@ -32,7 +32,12 @@ def host_processes_with(marker: str) -> list[str]:
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = (
+                    Path(f"/proc/{pid}/cmdline")
+                    .read_bytes()
+                    .replace(b"\0", b" ")
+                    .decode(errors="replace")
+                )
             except OSError:
                 continue
             if marker in cmdline:
@@ -42,9 +47,11 @@ def host_processes_with(marker: str) -> list[str]:
 
 def test_infinite_loop_is_killed_at_the_wall_time_limit(make_sandbox_for):
     sb = make_sandbox_for(cpu_time_s=60)
-    r = sb.run(["python3", "-c", "while True: pass"], timeout=1.0)  # a hang would hit the test timeout
-    assert r.timed_out and not r.ok and r.exit_code == 137, r  # killed by the wall time, not the 60 s CPU limit
-    # how closely the kill follows the deadline is measured by benchmarks/speed_checks.py, not asserted here
+    r = sb.run(["python3", "-c", "while True: pass"], timeout=1.0)  # a hang hits the test timeout
+    # killed by the wall time, not the 60 s CPU limit
+    assert r.timed_out and not r.ok and r.exit_code == 137, r
+    # how closely the kill follows the deadline is measured by benchmarks/speed_checks.py,
+    # not asserted here
     still_works(sb)
 
 
@@ -57,18 +64,27 @@ def test_cpu_time_limit_kills_a_busy_program(make_sandbox_for):
 
 def test_fork_bomb_is_capped_and_returns_in_bounded_time(make_sandbox_for):
     sb = make_sandbox_for(max_processes=32)
-    counter = ("import os, time\nn = 0\nfor _ in range(500):\n    try:\n        pid = os.fork()\n"
-               "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(30); os._exit(0)\n"
-               "    n += 1\nprint(n)\n")
+    counter = (
+        "import os, time\nn = 0\nfor _ in range(500):\n    try:\n        pid = os.fork()\n"
+        "    except OSError:\n        break\n"
+        "    if pid == 0:\n        time.sleep(30); os._exit(0)\n"
+        "    n += 1\nprint(n)\n"
+    )
     r = sb.run(["python3", "-c", counter], timeout=20)
     assert r.ok, r
     assert int(r.stdout) < 32, f"forked {r.stdout.strip()} children with max_processes=32"
-    r = sb.run("bomb() { bomb | bomb & }; bomb; wait", timeout=3)  # returns (a hang would hit the test timeout)
+    # returns (a hang would hit the test timeout)
+    r = sb.run("bomb() { bomb | bomb & }; bomb; wait", timeout=3)
     # The top shell may time out, print "Cannot fork", or return at once while the detached
     # bomb keeps forking; whichever happens, nothing of it may outlive the run.
     assert r.timed_out or "fork" in r.stderr.lower() or r.exit_code == 0, r
-    alive = sb.run(["python3", "-c", "import os; print(sum(p.isdigit() for p in os.listdir('/proc')))"], timeout=10)
-    assert alive.ok and int(alive.stdout) < 8, f"{alive.stdout.strip()} processes left after the fork bomb"
+    alive = sb.run(
+        ["python3", "-c", "import os; print(sum(p.isdigit() for p in os.listdir('/proc')))"],
+        timeout=10,
+    )
+    assert alive.ok and int(alive.stdout) < 8, (
+        f"{alive.stdout.strip()} processes left after the fork bomb"
+    )
     still_works(sb)
 
 
@@ -86,9 +102,12 @@ def test_memory_bomb_is_oom_killed_and_reported(make_sandbox_for):
 
 def test_disk_fill_in_scratch_and_tmp_stops_at_the_cap(make_sandbox_for):
     sb = make_sandbox_for(disk_mb=16, max_file_size_mb=64)
-    capped = getattr(sb, "protections", {}).get("disk", "tmpfs").startswith("tmpfs")  # non-root local: /tmp only
+    # non-root local: /tmp only
+    capped = getattr(sb, "protections", {}).get("disk", "tmpfs").startswith("tmpfs")
     for target in ("big", "/tmp/big") if capped else ("/tmp/big",):
-        r = sb.run(f"dd if=/dev/zero of={target} bs=1M count=200 2>&1; stat -c %s {target}", timeout=20)
+        r = sb.run(
+            f"dd if=/dev/zero of={target} bs=1M count=200 2>&1; stat -c %s {target}", timeout=20
+        )
         assert "No space left" in r.stdout, r
         assert int(r.stdout.split()[-1]) <= 16 << 20, r
     sb.run("rm -f big", timeout=10)
@@ -100,11 +119,15 @@ def test_disk_fill_in_scratch_and_tmp_stops_at_the_cap(make_sandbox_for):
 
 def test_output_flood_is_truncated_and_the_run_stopped(make_sandbox_for):
     sb = make_sandbox_for(max_output_bytes=50_000)
-    flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 4096); sys.stderr.write('y' * 4096)\n"
+    flood = (
+        "import sys\nwhile True:\n    sys.stdout.write('x' * 4096); sys.stderr.write('y' * 4096)\n"
+    )
     r = sb.run(["python3", "-c", flood], timeout=30)
     assert r.output_truncated and not r.ok, r.describe()
     assert len(r.stdout) <= 50_000 and len(r.stderr) <= 50_000
-    assert not r.timed_out, "a flood must be cut off at the output cap, not drained until the deadline"
+    assert not r.timed_out, (
+        "a flood must be cut off at the output cap, not drained until the deadline"
+    )
     still_works(sb)
 
 
@@ -115,10 +138,13 @@ def test_network_egress_to_loopback_and_outside_fails(make_sandbox_for):
     server.listen(8)
     server.settimeout(0.5)
     port = server.getsockname()[1]
-    probe = ("import socket, sys\n"
-             f"for host, port in (('127.0.0.1', {port}), ('192.0.2.1', 80)):\n"
-             "    try:\n        socket.create_connection((host, port), timeout=3); print(host, 'CONNECTED')\n"
-             "    except OSError as e:\n        print(host, e.errno)\n")
+    probe = (
+        "import socket, sys\n"
+        f"for host, port in (('127.0.0.1', {port}), ('192.0.2.1', 80)):\n"
+        "    try:\n"
+        "        socket.create_connection((host, port), timeout=3); print(host, 'CONNECTED')\n"
+        "    except OSError as e:\n        print(host, e.errno)\n"
+    )
     r = sb.run(["python3", "-c", probe], timeout=20)
     try:
         with pytest.raises(OSError):
@@ -135,10 +161,21 @@ def test_network_egress_to_loopback_and_outside_fails(make_sandbox_for):
 
 def test_host_files_are_not_readable(make_sandbox_for):
     sb = make_sandbox_for()
-    targets = ["/etc/shadow", "/root", str(PROJECT / "README.md"), str(PROJECT), "/home", "/etc/ssh", "/var/log"]
-    probe = ("import os, sys\nfor p in sys.argv[1:]:\n    try:\n"
-             "        data = os.listdir(p) if os.path.isdir(p) else open(p, 'rb').read(64)\n"
-             "        print(p, 'GOT', data)\n    except OSError as e:\n        print(p, 'DENIED', e.errno)\n")
+    targets = [
+        "/etc/shadow",
+        "/root",
+        str(PROJECT / "README.md"),
+        str(PROJECT),
+        "/home",
+        "/etc/ssh",
+        "/var/log",
+    ]
+    probe = (
+        "import os, sys\nfor p in sys.argv[1:]:\n    try:\n"
+        "        data = os.listdir(p) if os.path.isdir(p) else open(p, 'rb').read(64)\n"
+        "        print(p, 'GOT', data)\n"
+        "    except OSError as e:\n        print(p, 'DENIED', e.errno)\n"
+    )
     r = sb.run(["python3", "-c", probe, *targets], timeout=20)
     assert r.ok, r
     verdicts = [line.split()[1] for line in r.stdout.splitlines()]
@@ -149,9 +186,18 @@ def test_host_files_are_not_readable(make_sandbox_for):
 def test_writes_outside_scratch_fail_and_tmp_is_private(make_sandbox_for):
     sb = make_sandbox_for()
     marker = f"envhub-escape-{uuid.uuid4().hex}"
-    targets = [f"/usr/{marker}", f"/etc/{marker}", f"/{marker}", f"/proc/{marker}", str(PROJECT / marker)]
-    probe = ("import sys\nfor p in sys.argv[1:]:\n    try:\n        open(p, 'w').write('x'); print(p, 'WROTE')\n"
-             "    except OSError as e:\n        print(p, 'DENIED', e.errno)\n")
+    targets = [
+        f"/usr/{marker}",
+        f"/etc/{marker}",
+        f"/{marker}",
+        f"/proc/{marker}",
+        str(PROJECT / marker),
+    ]
+    probe = (
+        "import sys\nfor p in sys.argv[1:]:\n"
+        "    try:\n        open(p, 'w').write('x'); print(p, 'WROTE')\n"
+        "    except OSError as e:\n        print(p, 'DENIED', e.errno)\n"
+    )
     r = sb.run(["python3", "-c", probe, *targets], timeout=20)
     assert r.ok and "WROTE" not in r.stdout and r.stdout.count("DENIED") == len(targets), r
     r = sb.run(f"echo hi > /tmp/{marker} && echo hi > {marker} && cat /tmp/{marker}", timeout=20)
@@ -164,9 +210,12 @@ def test_writes_outside_scratch_fail_and_tmp_is_private(make_sandbox_for):
 def test_background_processes_do_not_survive_a_timeout(make_sandbox_for):
     sb = make_sandbox_for()
     marker = f"{time.time_ns() % 10**6 + 1000}.{os.getpid() % 1000}"
-    script = (f"(sleep {marker} &); setsid sleep {marker} & nohup sleep {marker} >/dev/null 2>&1 & "
-              "python3 -c 'import os\nif os.fork(): os._exit(0)\nos.setsid()\nimport time; time.sleep(999)' & "
-              "while :; do :; done")
+    script = (
+        f"(sleep {marker} &); setsid sleep {marker} & nohup sleep {marker} >/dev/null 2>&1 & "
+        "python3 -c 'import os\nif os.fork(): os._exit(0)\n"
+        "os.setsid()\nimport time; time.sleep(999)' & "
+        "while :; do :; done"
+    )
     r = sb.run(script, timeout=1.5)
     assert r.timed_out, r
     deadline = time.monotonic() + 5
@@ -186,14 +235,20 @@ def test_signals_cannot_reach_the_host_and_cannot_stop_the_kill(make_sandbox_for
     sb = make_sandbox_for()
     victim = subprocess.Popen(["sleep", "60"])
     try:
-        attack = (f"import os, signal\nfor target in ({victim.pid}, {os.getpid()}, 1, -1):\n    try:\n"
-                  "        os.kill(target, signal.SIGKILL) if target != -1 else None\n        print(target, 'sent')\n"
-                  "    except OSError as e:\n        print(target, 'refused', e.errno)\n")
+        attack = (
+            f"import os, signal\nfor target in ({victim.pid}, {os.getpid()}, 1, -1):\n    try:\n"
+            "        os.kill(target, signal.SIGKILL) if target != -1 else None\n"
+            "        print(target, 'sent')\n"
+            "    except OSError as e:\n        print(target, 'refused', e.errno)\n"
+        )
         r = sb.run(["python3", "-c", attack], timeout=20)
         assert victim.poll() is None, "a host process was killed from inside the sandbox"
         assert f"{victim.pid} sent" not in r.stdout or victim.poll() is None
-        stubborn = ("import signal, time\nfor s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
-                    "    signal.signal(s, signal.SIG_IGN)\nwhile True: time.sleep(0.01)\n")
+        stubborn = (
+            "import signal, time\n"
+            "for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGXCPU):\n"
+            "    signal.signal(s, signal.SIG_IGN)\nwhile True: time.sleep(0.01)\n"
+        )
         r = sb.run(["python3", "-c", stubborn], timeout=1.0)
         assert r.timed_out and r.exit_code == 137, r
         r = sb.run("kill -9 -1; echo survived-own-kill", timeout=10)  # kills only its own namespace
@@ -209,8 +264,11 @@ def test_host_environment_does_not_leak(make_sandbox_for, monkeypatch):
     monkeypatch.setenv("ENVHUB_TEST_SECRET", secret)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
     sb = make_sandbox_for()
-    r = sb.run("env; cat /proc/self/environ /proc/1/environ 2>/dev/null | tr '\\0' '\\n'",
-               env={"GIVEN": "yes"}, timeout=20)
+    r = sb.run(
+        "env; cat /proc/self/environ /proc/1/environ 2>/dev/null | tr '\\0' '\\n'",
+        env={"GIVEN": "yes"},
+        timeout=20,
+    )
     assert secret not in r.stdout + r.stderr, "a host secret leaked into the sandbox"
     assert "GIVEN=yes" in r.stdout and "AWS_SECRET_ACCESS_KEY" not in r.stdout
     still_works(sb)
@@ -220,7 +278,9 @@ def test_planted_symlinks_do_not_expose_host_files(make_sandbox_for):
     sb = make_sandbox_for()
     r = sb.run("ln -s /etc/shadow leak.txt && ln -s /etc etcdir && ln -s /root rootdir", timeout=20)
     assert r.ok, r
-    host_shadow = Path("/etc/shadow").read_bytes() if os.access("/etc/shadow", os.R_OK) else b"\0never"
+    host_shadow = (
+        Path("/etc/shadow").read_bytes() if os.access("/etc/shadow", os.R_OK) else b"\0never"
+    )
     try:
         data = sb.read_bytes("leak.txt")
         assert data != host_shadow, "read_file followed a planted symlink to the host's /etc/shadow"
@@ -259,7 +319,8 @@ for entry in os.listdir('/proc'):
         pass
     buf = ctypes.create_string_buffer(8)
     local = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
-    if libc.process_vm_writev(pid, local, 1, local, 1, 0) >= 0 or ctypes.get_errno() not in (1, 13, 38):
+    if (libc.process_vm_writev(pid, local, 1, local, 1, 0) >= 0
+            or ctypes.get_errno() not in (1, 13, 38)):
         reached.append(f'process_vm_writev {pid} {name}')
 child = os.fork()
 if child == 0:
@@ -278,18 +339,29 @@ def test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten(make_sandb
     assert r.ok, r
     probe = __import__("json").loads(r.stdout)
     # a one-shot bwrap run's own init lives and dies with that run: the only process it may reach
-    reached = [x for x in probe["reached"] if not (make_sandbox_for.kind == "bwrap" and x.endswith(" 1 bwrap"))]
+    reached = [
+        x
+        for x in probe["reached"]
+        if not (make_sandbox_for.kind == "bwrap" and x.endswith(" 1 bwrap"))
+    ]
     assert reached == [], f"sandboxed code could attach to or write into other processes: {reached}"
-    if make_sandbox_for.kind != "docker":  # the local seccomp filter denies ptrace even on one's own child
+    # the local seccomp filter denies ptrace even on one's own child
+    if make_sandbox_for.kind != "docker":
         assert probe["own_child_ptrace"] == -1 and probe["errno"] == errno.EPERM, probe
     still_works(sb)
 
 
 @pytest.mark.parametrize("signal_name", ["SIGSTOP", "SIGKILL"])
-def test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next(make_sandbox_for, signal_name):
+def test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next(
+    make_sandbox_for, signal_name
+):
     sb = make_sandbox_for()
-    attack = (f"import os, signal\nfor p in os.listdir('/proc'):\n    if p.isdigit() and int(p) != os.getpid():\n"
-              f"        try: os.kill(int(p), signal.{signal_name})\n        except OSError: pass\nprint('done')\n")
+    attack = (
+        "import os, signal\nfor p in os.listdir('/proc'):\n"
+        "    if p.isdigit() and int(p) != os.getpid():\n"
+        f"        try: os.kill(int(p), signal.{signal_name})\n"
+        "        except OSError: pass\nprint('done')\n"
+    )
     r = sb.run(["python3", "-c", attack], timeout=20)
     # the run is reported as what it was (finished, or killed), never as a 20 s timeout
     assert not r.timed_out, r
@@ -303,7 +375,8 @@ def test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next(ma
 @pytest.mark.parametrize("compromise", ["traced", "stopped"])
 def test_reset_replaces_an_executor_it_cannot_verify(make_sandbox_for, compromise):
     """``reset()`` checks what it spares; a traced or stopped executor (as a compromised spared
-    process would be) is replaced, with fresh namespaces, instead of being handed to the next user."""
+    process would be) is replaced, with fresh namespaces, instead of being handed to the next
+    user."""
     import ctypes
     import signal
 
@@ -313,7 +386,8 @@ def test_reset_replaces_an_executor_it_cannot_verify(make_sandbox_for, compromis
     before = sb._executor.host_pid  # type: ignore[attr-defined]
     if compromise == "traced":
         libc = ctypes.CDLL(None, use_errno=True)
-        assert libc.ptrace(0x4206, before, 0, 0) == 0, ctypes.get_errno()  # PTRACE_SEIZE: traced, still running
+        # PTRACE_SEIZE: traced, still running
+        assert libc.ptrace(0x4206, before, 0, 0) == 0, ctypes.get_errno()
     else:
         os.kill(before, signal.SIGSTOP)
     sb.reset()
@@ -328,14 +402,20 @@ def test_the_host_session_keyring_is_out_of_reach(make_sandbox_for):
         pytest.skip("syscall numbers below are x86_64's")
     libc = ctypes.CDLL(None, use_errno=True)
     desc = f"envhub-test-{uuid.uuid4().hex}"
-    key = libc.syscall(248, b"user", desc.encode(), b"host-secret", 11, ctypes.c_int(-3))  # add_key to @s
+    # add_key to @s
+    key = libc.syscall(248, b"user", desc.encode(), b"host-secret", 11, ctypes.c_int(-3))
     if key < 0:
-        pytest.skip(f"cannot add a key to this process's session keyring (errno {ctypes.get_errno()})")
+        pytest.skip(
+            f"cannot add a key to this process's session keyring (errno {ctypes.get_errno()})"
+        )
     try:
         sb = make_sandbox_for()
-        reader = (f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nbuf = ctypes.create_string_buffer(64)\n"
-                  f"n = libc.syscall(250, 11, {key}, buf, 64)\nprint(n, buf.raw[:max(n, 0)])\n"
-                  f"print(open('/proc/keys').read().count('{desc}'))\n")
+        reader = (
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "buf = ctypes.create_string_buffer(64)\n"
+            f"n = libc.syscall(250, 11, {key}, buf, 64)\nprint(n, buf.raw[:max(n, 0)])\n"
+            f"print(open('/proc/keys').read().count('{desc}'))\n"
+        )
         r = sb.run(["python3", "-c", reader], timeout=20)
         assert "host-secret" not in r.stdout and desc not in r.stdout, r
         assert r.ok and r.stdout.splitlines()[-1] == "0", r
@@ -348,16 +428,20 @@ def test_no_host_path_shows_in_mounts_or_process_lines(make_sandbox_for):
         pytest.skip("docker's own layout (overlay paths) is the engine's; see sandboxes/docker.py")
     sb = make_sandbox_for()
     host_dir = str(sb.dir)  # type: ignore[attr-defined]
-    r = sb.run("cat /proc/self/mountinfo; for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done",
-               timeout=20)
+    r = sb.run(
+        "cat /proc/self/mountinfo; for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline; echo; done",
+        timeout=20,
+    )
     assert r.ok, r
     leaks = [line for line in r.stdout.splitlines() if host_dir in line and "for p in" not in line]
     assert leaks == [], f"host paths visible inside the sandbox: {leaks}"
 
 
-INHERITED = ("import os, resource, json\nprint(json.dumps([resource.getrlimit(resource.RLIMIT_NOFILE), "
-             "resource.getrlimit(resource.RLIMIT_FSIZE), os.getpriority(os.PRIO_PROCESS, 0), "
-             "sorted(os.sched_getaffinity(0)), os.sched_getscheduler(0)]))")
+INHERITED = (
+    "import os, resource, json\nprint(json.dumps([resource.getrlimit(resource.RLIMIT_NOFILE), "
+    "resource.getrlimit(resource.RLIMIT_FSIZE), os.getpriority(os.PRIO_PROCESS, 0), "
+    "sorted(os.sched_getaffinity(0)), os.sched_getscheduler(0)]))"
+)
 SABOTAGE = r"""
 import os, resource
 for pid in [int(p) for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:
@@ -383,6 +467,7 @@ def test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user(make_sandbo
     assert sb.run(["python3", "-c", SABOTAGE], timeout=20).exit_code == 0
     sb.reset()
     after = sb.run(["python3", "-c", INHERITED], timeout=20)
-    assert after.ok and after.stdout == before.stdout, f"user 1 changed what user 2 inherits: {after.stdout} " \
-                                                       f"(was {before.stdout})"
+    assert after.ok and after.stdout == before.stdout, (
+        f"user 1 changed what user 2 inherits: {after.stdout} (was {before.stdout})"
+    )
     still_works(sb)

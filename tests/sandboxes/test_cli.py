@@ -14,8 +14,10 @@ from click.testing import CliRunner
 from envhub.cli import main
 from tests.sandboxes.conftest import _local_skip_reason
 
-needs_local = pytest.mark.skipif(bool(_local_skip_reason("bwrap") and _local_skip_reason("unshare")),
-                                 reason="no local isolation here (needs bubblewrap or root)")
+needs_local = pytest.mark.skipif(
+    bool(_local_skip_reason("bwrap") and _local_skip_reason("unshare")),
+    reason="no local isolation here (needs bubblewrap or root)",
+)
 
 
 def _host_processes_running(fragment: str) -> list[int]:
@@ -37,8 +39,15 @@ def invoke(*args: str):
 
 @needs_local
 def test_network_attempt_is_reported_as_a_contained_failure():
-    result = invoke("run", "--backend", "local", "--", "python3", "-c",
-                    "import socket; socket.create_connection(('127.0.0.1', 22))")
+    result = invoke(
+        "run",
+        "--backend",
+        "local",
+        "--",
+        "python3",
+        "-c",
+        "import socket; socket.create_connection(('127.0.0.1', 22))",
+    )
     assert result.exit_code == 1
     assert "ConnectionRefusedError" in result.output or "Network is unreachable" in result.output
     assert "network off] exit 1" in result.output
@@ -46,11 +55,26 @@ def test_network_attempt_is_reported_as_a_contained_failure():
 
 @needs_local
 def test_fork_bomb_returns_and_leaves_nothing_behind():  # a hang would hit the test timeout
-    result = invoke("run", "--timeout", "3", "--max-processes", "32", "--", "sh", "-c", "b() { b | b & }; b; wait")
+    result = invoke(
+        "run",
+        "--timeout",
+        "3",
+        "--max-processes",
+        "32",
+        "--",
+        "sh",
+        "-c",
+        "b() { b | b & }; b; wait",
+    )
     # The top shell may hit the process cap ("Cannot fork"), run into the deadline, or return at
     # once while its detached children keep forking; whichever happens, none may outlive the run.
-    assert "Cannot fork" in result.output or "wall time limit" in result.output or "exit 0" in result.output, result.output
-    deadline = time.monotonic() + 5  # the kill is sent when the run returns; the kernel reaps them just after
+    assert (
+        "Cannot fork" in result.output
+        or "wall time limit" in result.output
+        or "exit 0" in result.output
+    ), result.output
+    # the kill is sent when the run returns; the kernel reaps them just after
+    deadline = time.monotonic() + 5
     while (left := _host_processes_running("b() { b | b & }")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, "fork-bomb processes outlived the sandbox"
@@ -71,8 +95,11 @@ def test_bad_limit_is_a_clear_error():
 
 
 def test_help_is_fast_and_imports_no_backend_sdk():
-    code = ("import sys; from click.testing import CliRunner; from envhub.cli import main; "
-            "r = CliRunner().invoke(main, ['sandbox', '--help']); assert r.exit_code == 0, r.output; "
-            "assert 'run' in r.output and 'info' in r.output; "
-            "bad = [m for m in ('docker', 'e2b', 'sandboxes.local') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys; from click.testing import CliRunner; from envhub.cli import main; "
+        "r = CliRunner().invoke(main, ['sandbox', '--help']); assert r.exit_code == 0, r.output; "
+        "assert 'run' in r.output and 'info' in r.output; "
+        "bad = [m for m in ('docker', 'e2b', 'sandboxes.local') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -24,7 +24,10 @@ def test_run_argv_shell_stdin_env_and_files(make_sandbox_for):
     assert sb.run("cat", stdin="piped in").stdout == "piped in"
     r = sb.run('echo "$GREETING $HOME"; pwd', env={"GREETING": "hello"})
     assert r.stdout == f"hello {sb.workdir}\n{sb.workdir}\n"
-    r = sb.run(["python3", "main.py"], files={"main.py": "import helper\nprint(helper.X)", "helper.py": "X = 7"})
+    r = sb.run(
+        ["python3", "main.py"],
+        files={"main.py": "import helper\nprint(helper.X)", "helper.py": "X = 7"},
+    )
     assert r.stdout == "7\n", r
 
 
@@ -53,7 +56,8 @@ def test_bash_session_keeps_state_and_survives_a_timeout(make_sandbox_for):
         r = shell.run("echo $X; pwd; f 1")
         assert r.stdout == "5\n/tmp\nf1\n", r
         assert shell.run("exit_code_test() { return 4; }; exit_code_test").exit_code == 4
-        assert shell.run("echo 'unterminated").exit_code != 0  # broken syntax is an error, not a hang
+        # broken syntax is an error, not a hang
+        assert shell.run("echo 'unterminated").exit_code != 0
         r = shell.run("sleep 30", timeout=1)
         assert r.timed_out and r.exit_code != 0
         assert shell.run("echo $X").stdout == "5\n", "state must survive an interrupted command"
@@ -92,6 +96,7 @@ def test_reset_empties_scratch(make_sandbox_for):
 
 
 # ---- backend-independent checks (no sandbox started) -------------------------------------------
+
 
 def test_limits_validate_with_the_field_name():
     with pytest.raises(SandboxConfigError, match="Limits.memory_mb must be a positive int, got -1"):
@@ -150,11 +155,13 @@ def test_stop_from_another_thread_kills_a_running_command(make_sandbox_for):
     marker = f"50.{time.time_ns() % 10**6}"  # a unique command line to find on the host
     runner = threading.Thread(target=lambda: results.append(sb.run(f"sleep {marker}")))
     runner.start()
-    deadline = time.monotonic() + 30  # stop once the command really runs (not after a guessed delay)
+    # stop once the command really runs (not after a guessed delay)
+    deadline = time.monotonic() + 30
     while not _host_processes_with(f"sleep {marker}") and time.monotonic() < deadline:
         time.sleep(0.02)
     assert _host_processes_with(f"sleep {marker}"), "the command never started"
     sb.stop()
     runner.join(timeout=30)
     assert not runner.is_alive(), "run() did not return after stop()"
-    assert results and not results[0].ok and results[0].wall_time_s < 50, results  # killed, not slept out
+    # killed, not slept out
+    assert results and not results[0].ok and results[0].wall_time_s < 50, results

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("e2b_code_interpreter", reason="E2B SDK missing: pip install 'envhub[e2b]'")
 
-from sandboxes import Limits, SandboxFileError, SandboxUnavailableError, make_sandbox  # noqa: E402
-from tests.sandboxes.fake_e2b import FakeE2B  # noqa: E402
+from sandboxes import Limits, SandboxFileError, SandboxUnavailableError, make_sandbox
+from tests.sandboxes.fake_e2b import FakeE2B
 
 
 @pytest.fixture
@@ -21,7 +21,9 @@ def fake():
 
 @pytest.fixture
 def sb(fake):
-    sandbox = make_sandbox("e2b", limits=Limits(wall_time_s=5, max_output_bytes=20_000), **fake.options)
+    sandbox = make_sandbox(
+        "e2b", limits=Limits(wall_time_s=5, max_output_bytes=20_000), **fake.options
+    )
     with sandbox:
         yield sandbox
 
@@ -41,7 +43,10 @@ def test_run_sends_a_quoted_command_with_limits_cwd_and_only_the_given_env(fake,
     assert r.ok and r.stdout == "two words $HOME\n", r
     started = fake.started[-1]
     assert started["cmd"] == "/bin/bash" and started["cwd"] == "/home/user"
-    assert "ulimit -t 10" in started["args"][-1] and "exec echo 'two words' '$HOME'" in started["args"][-1]
+    assert (
+        "ulimit -t 10" in started["args"][-1]
+        and "exec echo 'two words' '$HOME'" in started["args"][-1]
+    )
     assert started["envs"]["GIVEN"] == "1" and "ENVHUB_HOST_SECRET" not in started["envs"]
     rpc = [h for m, p, h, _ in fake.requests if p == "/process.Process/Start"][-1]
     assert rpc["x-access-token"] == "envd-token" and rpc["e2b-sandbox-id"].startswith("fake")
@@ -101,11 +106,19 @@ def test_missing_or_wrong_key_is_a_clear_error(fake, monkeypatch):
 
 
 @pytest.mark.e2b
-@pytest.mark.skipif(not os.environ.get("E2B_API_KEY"), reason="live E2B test: set E2B_API_KEY to run it")
+@pytest.mark.skipif(
+    not os.environ.get("E2B_API_KEY"), reason="live E2B test: set E2B_API_KEY to run it"
+)
 def test_e2b_live_basics():
     """The live path (untested on the project's machines, which cannot reach E2B)."""
     with make_sandbox("e2b", limits=Limits(wall_time_s=20)) as live:
         assert live.run(["python3", "-c", "print(1)"]).stdout == "1\n"
         assert live.run("while :; do :; done", timeout=3).timed_out
-        r = live.run(["python3", "-c", "import socket; socket.create_connection(('192.0.2.1', 80), timeout=3)"])
+        r = live.run(
+            [
+                "python3",
+                "-c",
+                "import socket; socket.create_connection(('192.0.2.1', 80), timeout=3)",
+            ]
+        )
         assert not r.ok

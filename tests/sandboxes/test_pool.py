@@ -12,8 +12,10 @@ from sandboxes import Limits, PoolClosedError, SandboxError, SandboxPool
 from sandboxes.local import LocalSandbox
 from tests.sandboxes.conftest import USR_RO, _local_skip_reason
 
-pytestmark = pytest.mark.skipif(bool(_local_skip_reason("bwrap") and _local_skip_reason("unshare")),
-                                reason="no local isolation here (needs bubblewrap or root)")
+pytestmark = pytest.mark.skipif(
+    bool(_local_skip_reason("bwrap") and _local_skip_reason("unshare")),
+    reason="no local isolation here (needs bubblewrap or root)",
+)
 LIMITS = Limits(wall_time_s=5, memory_mb=128, max_processes=32)
 
 
@@ -48,11 +50,13 @@ def test_pool_hands_out_started_sandboxes_and_recycles_them_clean():
 def test_parallel_users_share_a_small_pool():
     results: list[bool] = []
     with SandboxPool("local", size=2, limits=LIMITS) as pool:
+
         def worker() -> None:
             for i in range(5):
                 with pool.acquire(timeout=30) as sb:
                     r = sb.run(["python3", "-c", f"print({i} * 2)"])
                     results.append(r.ok and r.stdout == f"{i * 2}\n")
+
         threads = [threading.Thread(target=worker) for _ in range(4)]
         for t in threads:
             t.start()
@@ -63,8 +67,12 @@ def test_parallel_users_share_a_small_pool():
 
 def test_attacks_through_the_pool_leave_it_working():
     with SandboxPool("local", size=2, limits=LIMITS) as pool:
-        attacks = ["b() { b | b & }; b", "python3 -c 'a = []\nwhile True: a.append(bytearray(1 << 24))'",
-                   "while :; do :; done", "yes | head -c 100000000"]
+        attacks = [
+            "b() { b | b & }; b",
+            "python3 -c 'a = []\nwhile True: a.append(bytearray(1 << 24))'",
+            "while :; do :; done",
+            "yes | head -c 100000000",
+        ]
         for attack in attacks:
             with pool.acquire() as sb:
                 r = sb.run(attack, timeout=2)
@@ -77,11 +85,10 @@ def test_attacks_through_the_pool_leave_it_working():
 
 def test_a_broken_sandbox_is_replaced():
     with SandboxPool("local", size=1, limits=LIMITS) as pool:
-        with pytest.raises(SandboxError):
-            with pool.acquire() as sb:
-                broken_id = sb.id
-                sb.stop()            # e.g. its container died under it
-                sb.run("true")       # -> SandboxStateError, a SandboxError: the pool replaces it
+        with pytest.raises(SandboxError), pool.acquire() as sb:
+            broken_id = sb.id
+            sb.stop()  # e.g. its container died under it
+            sb.run("true")  # -> SandboxStateError, a SandboxError: the pool replaces it
         assert wait_for(lambda: pool.idle == 1)
         assert pool.replaced == 1
         with pool.acquire() as sb:
@@ -90,15 +97,16 @@ def test_a_broken_sandbox_is_replaced():
 
 def test_acquire_times_out_and_refuses_after_close():
     pool = SandboxPool("local", size=1, limits=LIMITS)
-    with pool.acquire():
-        with pytest.raises(SandboxError, match="no local sandbox free within 0.2 s"):
-            with pool.acquire(timeout=0.2):
-                pass
+    with (
+        pool.acquire(),
+        pytest.raises(SandboxError, match="no local sandbox free within 0.2 s"),
+        pool.acquire(timeout=0.2),
+    ):
+        pass
     pool.close()
     pool.close()  # idempotent
-    with pytest.raises(PoolClosedError, match="closed"):
-        with pool.acquire():
-            pass
+    with pytest.raises(PoolClosedError, match="closed"), pool.acquire():
+        pass
 
 
 def test_close_leaks_nothing_even_with_sandboxes_handed_out():
@@ -108,13 +116,21 @@ def test_close_leaks_nothing_even_with_sandboxes_handed_out():
     sb.session("python").run("x = 1")
     sandboxes = list(pool._all)
     dirs = [s.dir for s in sandboxes if isinstance(s, LocalSandbox)]
-    cgroups = [p for s in sandboxes if isinstance(s, LocalSandbox) and s._cgroup for p in s._cgroup.dirs.values()]
+    cgroups = [
+        p
+        for s in sandboxes
+        if isinstance(s, LocalSandbox) and s._cgroup
+        for p in s._cgroup.dirs.values()
+    ]
     pool.close()
     assert not sb.started and all(not s.started for s in sandboxes)
     assert not any(Path(d).exists() for d in dirs), "sandbox dirs left behind"
     assert not any(p.exists() for p in cgroups), "cgroups left behind"
-    scratch_mounts = [line for line in Path("/proc/self/mounts").read_text().splitlines()
-                      if any(str(d) in line for d in dirs)]
+    scratch_mounts = [
+        line
+        for line in Path("/proc/self/mounts").read_text().splitlines()
+        if any(str(d) in line for d in dirs)
+    ]
     assert not scratch_mounts, scratch_mounts
     with pytest.raises(SandboxError):
         sb.run("true")
@@ -124,8 +140,9 @@ def test_close_leaks_nothing_even_with_sandboxes_handed_out():
 def test_docker_pool_recycles_and_removes_its_containers(docker_engine, docker_image):
     import docker
 
-    with SandboxPool("docker", size=2, limits=LIMITS, image=docker_image, base_url=docker_engine,
-                     volumes=USR_RO) as pool:
+    with SandboxPool(
+        "docker", size=2, limits=LIMITS, image=docker_image, base_url=docker_engine, volumes=USR_RO
+    ) as pool:
         ids = {s.id for s in pool._all}
         with pool.acquire() as sb:
             sb.run("echo x > f")

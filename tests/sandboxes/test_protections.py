@@ -17,7 +17,11 @@ PROJECT = Path(__file__).resolve().parents[2]
 
 def _defined_tests(path: Path) -> set[str]:
     tree = ast.parse(path.read_text())
-    return {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+    return {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")
+    }
 
 
 def _documented_backends() -> list[str]:

@@ -32,16 +32,19 @@ def err(rc):
     return "ok" if rc >= 0 else errno.errorcode.get(ctypes.get_errno(), str(ctypes.get_errno()))
 """
 
-IPC_PROBE = _PRELUDE + """\
+IPC_PROBE = (
+    _PRELUDE
+    + """\
 mode, key = sys.argv[1], int(sys.argv[2])
 name = f"/envhub-{key}".encode()
 flags = 0o1666 if mode == "leave" else 0  # IPC_CREAT | 0666
 libc.mq_open.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_uint, ctypes.c_void_p]
+mq_flags = os.O_CREAT | os.O_RDWR if mode == "leave" else os.O_RDONLY
 found = {
     "msg": err(libc.msgget(key, flags)),
     "sem": err(libc.semget(key + 1, 1, flags)),
     "shm": err(libc.shmget(key + 2, ctypes.c_size_t(1 << 20), flags)),
-    "mq": err(libc.mq_open(name, os.O_CREAT | os.O_RDWR if mode == "leave" else os.O_RDONLY, 0o666, None)),
+    "mq": err(libc.mq_open(name, mq_flags, 0o666, None)),
 }
 listed = []
 for path in ("/proc/sysvipc/msg", "/proc/sysvipc/sem", "/proc/sysvipc/shm"):
@@ -55,8 +58,11 @@ except OSError:
     pass
 print(json.dumps({"found": found, "listed": listed}))
 """
+)
 
-FILL_PROBE = _PRELUDE + """\
+FILL_PROBE = (
+    _PRELUDE
+    + """\
 cap = int(sys.argv[1]) << 20
 goal = 3 * cap
 places = {os.getcwd(), "/tmp", "/dev/shm", "/var/tmp", "/run", "/run/shm", "/run/lock"}
@@ -90,8 +96,11 @@ for place in sorted(places):
             pass
 print(json.dumps(report))
 """
+)
 
-MQUEUE_FILL_PROBE = _PRELUDE + """\
+MQUEUE_FILL_PROBE = (
+    _PRELUDE
+    + """\
 class Attr(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_long), ("maxmsg", ctypes.c_long), ("msgsize", ctypes.c_long),
                 ("curmsgs", ctypes.c_long), ("pad", ctypes.c_long * 4)]
@@ -100,13 +109,14 @@ libc.mq_send.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.
 goal = 3 * (int(sys.argv[1]) << 20)
 sent, queues, why = 0, [], "no error"
 payload = b"m" * 8192
+new_queue = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NONBLOCK
 while sent < goal and why == "no error":
     name = f"/envhub-fill-{os.getpid()}-{len(queues)}".encode()
     attr = Attr(0, 10, len(payload), 0)
-    q = libc.mq_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NONBLOCK, 0o600, ctypes.byref(attr))
+    q = libc.mq_open(name, new_queue, 0o600, ctypes.byref(attr))
     if q < 0:
         attr = Attr(0, 1, 1024, 0)  # default limits refused: the smallest useful queue
-        q = libc.mq_open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NONBLOCK, 0o600, ctypes.byref(attr))
+        q = libc.mq_open(name, new_queue, 0o600, ctypes.byref(attr))
     if q < 0:
         why = err(q)
         break
@@ -119,8 +129,11 @@ for name in queues:
     libc.mq_unlink(name)
 print(json.dumps([sent, why, len(queues)]))
 """
+)
 
-SYSV_SHM_FILL_PROBE = _PRELUDE + """\
+SYSV_SHM_FILL_PROBE = (
+    _PRELUDE
+    + """\
 libc.shmat.restype = ctypes.c_void_p
 libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
 goal, size = 3 * (int(sys.argv[1]) << 20), 4 << 20
@@ -141,10 +154,14 @@ for shm in ids:
     libc.shmctl(shm, 0, None)  # IPC_RMID
 print(json.dumps([held, why]))
 """
+)
 
-KEY_PROBE = _PRELUDE + """\
+KEY_PROBE = (
+    _PRELUDE
+    + """\
 import platform
-ADD_KEY, REQUEST_KEY, KEYCTL = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}[platform.machine()]
+NRS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}
+ADD_KEY, REQUEST_KEY, KEYCTL = NRS[platform.machine()]
 libc.syscall.restype = ctypes.c_long
 def call(*args):
     return libc.syscall(*[ctypes.c_long(a) if isinstance(a, int) else a for a in args])
@@ -166,7 +183,8 @@ else:
         n = call(KEYCTL, 11, key_id, buf, 4096) if key_id > 0 else -1  # KEYCTL_READ
         if n > 0:
             out.setdefault("read", []).append(buf.raw[:n].decode(errors="replace"))
-    for key_id in ids:  # a leaked key would stay in the uid's keyring for good: KEYCTL_INVALIDATE it
+    # a leaked key would stay in the uid's keyring for good: KEYCTL_INVALIDATE it
+    for key_id in ids:
         if key_id > 0:
             call(KEYCTL, 21, key_id)
     try:
@@ -175,10 +193,14 @@ else:
         out["proc_keys"] = errno.errorcode.get(e.errno, str(e.errno))
 print(json.dumps(out))
 """
+)
 
-KEY_DENIAL_PROBE = _PRELUDE + """\
+KEY_DENIAL_PROBE = (
+    _PRELUDE
+    + """\
 import platform
-ADD_KEY, REQUEST_KEY, KEYCTL = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}[platform.machine()]
+NRS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}
+ADD_KEY, REQUEST_KEY, KEYCTL = NRS[platform.machine()]
 libc.syscall.restype = ctypes.c_long
 def call(*args):
     return libc.syscall(*[ctypes.c_long(a) if isinstance(a, int) else a for a in args])
@@ -189,6 +211,7 @@ print(json.dumps({
     "join_session": err(call(KEYCTL, 1, None)),  # KEYCTL_JOIN_SESSION_KEYRING (anonymous)
 }))
 """
+)
 
 LEAVE_A_PROCESS = """\
 import os, signal, sys
@@ -249,7 +272,8 @@ def host_sleeps(duration: str) -> list[str]:
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                argv = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")[:-1]
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().decode(errors="replace").split("\0")[:-1]
             except OSError:
                 continue
             if argv == ["sleep", duration]:
@@ -262,9 +286,13 @@ def test_ipc_objects_do_not_reach_the_next_user(make_sandbox_for):
     sb = make_sandbox_for()
     key = unique()
     left = probe(sb, IPC_PROBE, "leave", key)
-    assert any(v == "ok" for v in left["found"].values()), f"user 1 could create no IPC object at all: {left}"
+    assert any(v == "ok" for v in left["found"].values()), (
+        f"user 1 could create no IPC object at all: {left}"
+    )
     seen = probe(next_user_after_reset(sb), IPC_PROBE, "look", key)
-    assert not any(v == "ok" for v in seen["found"].values()), f"user 2 opened user 1's IPC objects: {seen}"
+    assert not any(v == "ok" for v in seen["found"].values()), (
+        f"user 2 opened user 1's IPC objects: {seen}"
+    )
     mine = {str(key), str(key + 1), str(key + 2), f"envhub-{key}"}
     assert not mine & set(seen["listed"]), f"user 2 lists user 1's IPC objects: {seen['listed']}"
     still_works(sb)
@@ -274,13 +302,21 @@ def test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user(make_sandbox_for):
     sb = make_sandbox_for()
     marker = f"envhub-left-{unique()}"
     places = ("/dev/shm", "/tmp", "/var/tmp", "/run", "/run/lock", ".")
-    leave = "".join(f"mkdir -p {p}/{marker}.d 2>/dev/null; echo x > {p}/{marker} 2>/dev/null; " for p in places)
-    r = sb.run(leave + "ls -d " + " ".join(f"{p}/{marker}" for p in places) + " 2>/dev/null; true", timeout=20)
+    leave = "".join(
+        f"mkdir -p {p}/{marker}.d 2>/dev/null; echo x > {p}/{marker} 2>/dev/null; " for p in places
+    )
+    r = sb.run(
+        leave + "ls -d " + " ".join(f"{p}/{marker}" for p in places) + " 2>/dev/null; true",
+        timeout=20,
+    )
     assert r.exit_code == 0 and f"./{marker}" in r.stdout, r
     left = r.stdout.split()
-    r = next_user_after_reset(sb).run("ls -d " + " ".join(f"{p}/{marker}*" for p in places) + " 2>/dev/null; true",
-                                      timeout=20)
-    assert r.exit_code == 0 and r.stdout == "", f"user 1 left {left}; user 2 still sees {r.stdout.split()}"
+    r = next_user_after_reset(sb).run(
+        "ls -d " + " ".join(f"{p}/{marker}*" for p in places) + " 2>/dev/null; true", timeout=20
+    )
+    assert r.exit_code == 0 and r.stdout == "", (
+        f"user 1 left {left}; user 2 still sees {r.stdout.split()}"
+    )
     still_works(sb)
 
 
@@ -295,11 +331,15 @@ def test_keys_do_not_reach_the_next_user_or_a_later_sandbox(make_sandbox_for):
     desc, payload = f"envhub-key-{unique()}", f"secret-{unique()}"
     probe(sb, KEY_PROBE, "leave", desc, payload)
     seen = probe(next_user_after_reset(sb), KEY_PROBE, "look", desc)
-    assert payload not in json.dumps(seen) and desc not in seen["proc_keys"], f"user 2 found user 1's key: {seen}"
+    assert payload not in json.dumps(seen) and desc not in seen["proc_keys"], (
+        f"user 2 found user 1's key: {seen}"
+    )
     sb.stop()  # the user keyring belongs to the uid, which a later sandbox may get again
     later = make_sandbox_for()
     seen = probe(later, KEY_PROBE, "look", desc)
-    assert payload not in json.dumps(seen) and desc not in seen["proc_keys"], f"a later sandbox found it: {seen}"
+    assert payload not in json.dumps(seen) and desc not in seen["proc_keys"], (
+        f"a later sandbox found it: {seen}"
+    )
     still_works(later)
 
 
@@ -307,7 +347,9 @@ def test_keyring_syscalls_are_denied(make_sandbox_for):
     _key_syscalls_or_skip()
     sb = make_sandbox_for()
     seen = probe(sb, KEY_DENIAL_PROBE)
-    assert set(seen.values()) <= {"EPERM", "ENOSYS"}, f"keyring syscalls must be refused by seccomp: {seen}"
+    assert set(seen.values()) <= {"EPERM", "ENOSYS"}, (
+        f"keyring syscalls must be refused by seccomp: {seen}"
+    )
     still_works(sb)
 
 
@@ -324,18 +366,24 @@ def test_every_writable_tmpfs_is_capped_at_disk_mb(make_sandbox_for):
 def test_posix_message_queues_hold_at_most_disk_mb(make_sandbox_for):
     sb = make_sandbox_for(disk_mb=1)
     sent, why, queues = probe(sb, MQUEUE_FILL_PROBE, 1, timeout=60)
-    assert sent <= 1 << 20, f"{sent} bytes queued in {queues} POSIX message queues with disk_mb=1 (stopped: {why})"
+    assert sent <= 1 << 20, (
+        f"{sent} bytes queued in {queues} POSIX message queues with disk_mb=1 (stopped: {why})"
+    )
     still_works(sb)
 
 
 def test_sysv_shared_memory_is_capped_at_disk_mb(make_sandbox_for):
     sb = make_sandbox_for(disk_mb=16, memory_mb=512)
     held, why = probe(sb, SYSV_SHM_FILL_PROBE, 16, timeout=60)
-    assert held <= 16 << 20, f"{held >> 20} MiB of SysV shared memory held with disk_mb=16 (stopped: {why})"
+    assert held <= 16 << 20, (
+        f"{held >> 20} MiB of SysV shared memory held with disk_mb=16 (stopped: {why})"
+    )
     still_works(sb)
 
 
-@pytest.mark.parametrize("kill_parent", ["no", "yes"], ids=["daemon", "daemon-that-kills-its-parent"])
+@pytest.mark.parametrize(
+    "kill_parent", ["no", "yes"], ids=["daemon", "daemon-that-kills-its-parent"]
+)
 def test_a_process_left_behind_is_dead_when_the_run_returns(make_sandbox_for, kill_parent):
     sb = make_sandbox_for()
     marker = f"{unique()}.{os.getpid() % 1000}"  # a `sleep` duration nobody else uses
@@ -350,12 +398,16 @@ def test_a_process_left_behind_is_dead_when_the_run_returns(make_sandbox_for, ki
 
 
 # ---- 4. robustness -----------------------------------------------------------------------------
-@pytest.mark.parametrize("path", [
-    "n" * 256,
-    "é" * 128,
-    "/".join(["d" * 200] * 25),
-    "sub/" + "n" * 300,
-], ids=["name-256-bytes", "name-256-utf8-bytes", "path-5000-bytes", "nested-name-300"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "n" * 256,
+        "é" * 128,
+        "/".join(["d" * 200] * 25),
+        "sub/" + "n" * 300,
+    ],
+    ids=["name-256-bytes", "name-256-utf8-bytes", "path-5000-bytes", "nested-name-300"],
+)
 def test_an_over_long_path_raises_sandbox_file_error(make_sandbox_for, path):
     sb = make_sandbox_for()
     with pytest.raises(SandboxFileError):
@@ -377,5 +429,7 @@ def private_session_keyring() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     keyctl = KEY_SYSCALLS[platform.machine()][2]
-    if libc.syscall(ctypes.c_long(keyctl), ctypes.c_long(1), None) < 0:  # KEYCTL_JOIN_SESSION_KEYRING
-        pytest.skip(f"this host has no keyrings: keyctl failed with {errno.errorcode.get(ctypes.get_errno())}")
+    # KEYCTL_JOIN_SESSION_KEYRING
+    if libc.syscall(ctypes.c_long(keyctl), ctypes.c_long(1), None) < 0:
+        code = errno.errorcode.get(ctypes.get_errno())
+        pytest.skip(f"this host has no keyrings: keyctl failed with {code}")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 import envhub
@@ -12,9 +11,18 @@ from envs.code.harness import split_tests
 sandboxes = pytest.importorskip("sandboxes.local", reason="the sandboxes package is not available")
 
 MBPP_STYLE = [
-    {"id": "add", "prompt": "def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n", "entry_point": "add",
-     "tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(10, 5) == 15", "assert add(0, 0) == 0"],
-     "solution": "def add(a, b):\n    return a + b\n"},
+    {
+        "id": "add",
+        "prompt": 'def add(a, b):\n    """Return a + b."""\n',
+        "entry_point": "add",
+        "tests": [
+            "assert add(1, 2) == 3",
+            "assert add(-1, 1) == 0",
+            "assert add(10, 5) == 15",
+            "assert add(0, 0) == 0",
+        ],
+        "solution": "def add(a, b):\n    return a + b\n",
+    },
 ]
 
 
@@ -26,14 +34,18 @@ def humaneval():
 
 
 def test_code_envs_are_listed():  # the checker runs over every id in tests/envhub/test_check_all.py
-    assert {"code/humaneval-v0", "code/humaneval-single-v0", "code/terminal-v0"} <= {s.id for s in envhub.list_envs("code")}
+    assert {"code/humaneval-v0", "code/humaneval-single-v0", "code/terminal-v0"} <= {
+        s.id for s in envhub.list_envs("code")
+    }
 
 
 def test_humaneval_oracle_passes_every_test_and_random_scores_low(humaneval):
     for index in (0, 32, 77, 120, 163):
         humaneval.reset(options={"task_index": index})
         _, reward, terminated, _, info = humaneval.step(humaneval.expert_action())
-        assert terminated and info["success"] and reward == 1.0 and info["passed"] == info["total"] > 0
+        assert (
+            terminated and info["success"] and reward == 1.0 and info["passed"] == info["total"] > 0
+        )
     random = [run_episode(humaneval, AGENTS["random"], seed=s) for s in range(4)]
     assert sum(r.episode_return for r in random) / 4 < 0.3 and not any(r.success for r in random)
 
@@ -46,10 +58,18 @@ def test_partial_credit_feedback_and_revision(tmp_path):
     env = envhub.make("code/humaneval-v0", dataset=str(path))
     try:
         env.reset(seed=0)
-        reply, reward, terminated, _, info = env.step("```python\ndef add(a, b):\n    return a + b if a < 0 else 0\n```")
+        reply, reward, terminated, _, info = env.step(
+            "```python\ndef add(a, b):\n    return a + b if a < 0 else 0\n```"
+        )
         assert info["passed"] == 2 and reward == pytest.approx(0.5) and not terminated
-        assert "2/4 tests passed" in reply[0]["content"] and "assert add(1, 2) == 3" in reply[0]["content"]
-        assert "AssertionError" in reply[0]["content"] and "Revise your code (2 attempt(s) left)" in reply[0]["content"]
+        assert (
+            "2/4 tests passed" in reply[0]["content"]
+            and "assert add(1, 2) == 3" in reply[0]["content"]
+        )
+        assert (
+            "AssertionError" in reply[0]["content"]
+            and "Revise your code (2 attempt(s) left)" in reply[0]["content"]
+        )
         _, reward, terminated, _, info = env.step(env.expert_action())
         assert terminated and reward == pytest.approx(0.5) and info["best_score"] == 1.0
     finally:
@@ -57,19 +77,26 @@ def test_partial_credit_feedback_and_revision(tmp_path):
     binary = envhub.make("code/humaneval-binary-v0", dataset=MBPP_STYLE)
     try:
         binary.reset(seed=0)
-        assert binary.step("```python\ndef add(a, b):\n    return a + b if a < 0 else 0\n```")[1] == 0.0
+        assert (
+            binary.step("```python\ndef add(a, b):\n    return a + b if a < 0 else 0\n```")[1]
+            == 0.0
+        )
     finally:
         binary.close()
 
 
 def test_the_last_attempt_ends_the_task_as_terminated_not_truncated():
-    """Attempts are the task's rule (1 + max_revisions): running out is a lost task, not a time limit."""
+    """Attempts are the task's rule (1 + max_revisions): running out is a lost task,
+    not a time limit."""
     env = envhub.make("code/humaneval-single-v0", dataset=MBPP_STYLE)
     try:
         env.reset(seed=0)
-        reply, reward, terminated, truncated, info = env.step("```python\ndef add(a, b):\n    return 0\n```")
+        reply, _, terminated, truncated, info = env.step(
+            "```python\ndef add(a, b):\n    return 0\n```"
+        )
         assert (terminated, truncated, info["success"]) == (True, False, False)
-        assert "Revise" not in reply[0]["content"] and "2/4 tests passed" in reply[0]["content"]  # add(-1, 1), add(0, 0)
+        # add(-1, 1), add(0, 0)
+        assert "Revise" not in reply[0]["content"] and "2/4 tests passed" in reply[0]["content"]
     finally:
         env.close()
 
@@ -81,22 +108,35 @@ def test_the_last_attempt_ends_the_task_as_terminated_not_truncated():
         ("def add(a, b):\n    print('x' * 10_000_000)\n    return -7\n", "xxxxxxxxxx"),
         ("import os\nos._exit(0)\n", "failed before any test ran"),
         ("def add(a, b):\n    return [0] * (10 ** 10)\n", "MemoryError"),
-        ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)\n", "failed before any test ran"),
+        (
+            "import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=2)\n",
+            "failed before any test ran",
+        ),
     ],
 )
 def test_hostile_code_gives_feedback_within_bounds(code, expect):
-    env = envhub.make("code/humaneval-v0", dataset=MBPP_STYLE, test_timeout_s=1.0, wall_time_s=10, memory_mb=256)
+    env = envhub.make(
+        "code/humaneval-v0", dataset=MBPP_STYLE, test_timeout_s=1.0, wall_time_s=10, memory_mb=256
+    )
     try:
         env.reset(seed=0)
-        reply, reward, terminated, truncated, _ = env.step(f"```python\n{code}```")  # the test timeout catches a hang
-        assert expect in reply[0]["content"] or "exceeded" in reply[0]["content"], reply[0]["content"][:500]
-        assert reward == 0.0 and not terminated and len(reply[0]["content"]) < 2_500
+        # the test timeout catches a hang
+        reply, reward, terminated, _, _ = env.step(f"```python\n{code}```")
+        content = reply[0]["content"]
+        assert expect in content or "exceeded" in content, content[:500]
+        assert reward == 0.0 and not terminated and len(content) < 2_500
     finally:
         env.close()
 
 
 def test_split_tests_handles_check_functions_and_lists():
-    setup, tests = split_tests("import math\ndef check(candidate):\n    x = 3\n    assert candidate(x) == 9\n    for i in range(3):\n        assert candidate(i) == i * i\n", "sq")
+    setup, tests = split_tests(
+        (
+            "import math\ndef check(candidate):\n    x = 3\n    assert candidate(x) == 9\n"
+            "    for i in range(3):\n        assert candidate(i) == i * i\n"
+        ),
+        "sq",
+    )
     assert "x = 3" in setup and "candidate = sq" in setup and len(tests) == 2
     assert split_tests(["assert f(1)"], "f") == ("", ["assert f(1)"])
     with pytest.raises(ValueError, match="no assert statements"):
@@ -124,7 +164,9 @@ def test_terminal_session_persists_and_survives_hangs_and_floods():
     try:
         env.reset(options={"task_id": "make-tree-000"})
         env.step("```bash\nmkdir -p deep/dir && cd deep/dir && export X=42\n```")
-        assert env.step("```bash\npwd; echo $X\n```")[0][0]["content"].startswith("/sandbox/deep/dir\n42")
+        assert env.step("```bash\npwd; echo $X\n```")[0][0]["content"].startswith(
+            "/sandbox/deep/dir\n42"
+        )
         reply = env.step("```bash\nsleep 600\n```")[0][0]["content"]
         assert "ran longer than 1.5s" in reply  # the command timeout answered, not the 600 s sleep
         reply = env.step("```bash\nyes | head -c 5000000\n```")[0][0]["content"]

@@ -60,7 +60,10 @@ def test_chatty_expert_actions_parse(env_id):
     env.reset(seed=2)
     action = env.expert_action()
     assert action is not None, f"{env_id} has no expert"
-    chatty = f"Let me think step by step about this state.\nI am fairly sure now.\n{action}\nThat should work!"
+    chatty = (
+        "Let me think step by step about this state.\nI am fairly sure now.\n"
+        f"{action}\nThat should work!"
+    )
     _, _, _, _, info = env.step(chatty)
     assert info["invalid_action"] is False
 

@@ -77,7 +77,7 @@ def test_reaching_the_goal_pays_one_and_terminates():
     env.reset(seed=0, options={"map": ["SH", "FG"]})
     _, reward, terminated, _, info = env.step("<answer>down</answer>")
     assert reward == 0.0 and not terminated and info["position"] == [1, 0]
-    messages, reward, terminated, truncated, info = env.step("<answer>right</answer>")
+    _, reward, terminated, truncated, info = env.step("<answer>right</answer>")
     assert reward == 1.0 and terminated and not truncated and info["success"] is True
     with pytest.raises(envhub.errors.EpisodeOverError):
         env.step("<answer>up</answer>")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 import envhub
@@ -135,7 +134,15 @@ def test_actions_are_parsed(text, direction):
 
 
 @pytest.mark.parametrize(
-    "text", ["<answer>diagonal</answer>", "<answer></answer>", "", "no idea", "<answer>x</answer>", "I give up"]
+    "text",
+    [
+        "<answer>diagonal</answer>",
+        "<answer></answer>",
+        "",
+        "no idea",
+        "<answer>x</answer>",
+        "I give up",
+    ],
 )
 def test_invalid_moves_give_feedback_and_change_nothing(text):
     env = make()
@@ -144,7 +151,11 @@ def test_invalid_moves_give_feedback_and_change_nothing(text):
     assert info["invalid_action"] is True and reward < 0 and not terminated and not truncated
     assert info["board"] == start["board"]
     content = messages[0]["content"]
-    assert "Valid actions: up, down, left, right" in content or "no action" in content or "empty" in content
+    assert (
+        "Valid actions: up, down, left, right" in content
+        or "no action" in content
+        or "empty" in content
+    )
 
 
 def test_truncates_at_max_turns():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 import envhub
@@ -89,7 +88,8 @@ def test_out_of_guesses_ends_the_game_as_lost():
     env.reset(seed=1)
     for turn in range(1, 11):
         _, _, terminated, truncated, info = env.step("no idea")
-        assert terminated is (turn == 10) and truncated is False and info["turn"] == turn  # the guess budget is a rule
+        # the guess budget is a rule
+        assert terminated is (turn == 10) and truncated is False and info["turn"] == turn
     assert info["success"] is False
     with pytest.raises(envhub.errors.EpisodeOverError):
         env.step("<answer>50</answer>")

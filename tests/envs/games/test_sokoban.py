@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 import envhub
@@ -60,8 +59,13 @@ def test_same_seed_gives_the_same_episode():
     obs_a, _ = first.reset(seed=11)
     obs_b, _ = second.reset(seed=11)
     assert obs_a == obs_b
-    for action in ["<answer>up</answer>", "<answer>left</answer>", "down",
-                   "R", "<answer>?</answer>"]:
+    for action in [
+        "<answer>up</answer>",
+        "<answer>left</answer>",
+        "down",
+        "R",
+        "<answer>?</answer>",
+    ]:
         assert first.step(action) == second.step(action)
 
 
@@ -100,7 +104,8 @@ def test_levels_are_walled_nontrivial_and_have_the_right_box_count(env_id):
         assert len(env.level.solution) >= env.size - 2  # generator rejects too-easy levels
 
 
-def test_solver_finds_optimal_solutions_on_the_largest_variant():  # its speed: benchmarks/speed_checks.py
+# its speed: benchmarks/speed_checks.py
+def test_solver_finds_optimal_solutions_on_the_largest_variant():
     env = envhub.make("games/sokoban-10x10-v0")
     for seed in range(10):
         env.reset(seed=seed)
@@ -205,8 +210,14 @@ def test_chatty_and_abbreviated_actions_are_understood(text):
     assert env.player == (2, 1)
 
 
-INVALID = ["<answer>jump</answer>", "", "no idea",
-           "<answer>up, left</answer>", "x" * 5000, "<answer></answer>"]
+INVALID = [
+    "<answer>jump</answer>",
+    "",
+    "no idea",
+    "<answer>up, left</answer>",
+    "x" * 5000,
+    "<answer></answer>",
+]
 
 
 @pytest.mark.parametrize("text", INVALID)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 import envhub
@@ -147,8 +146,9 @@ def test_out_of_guesses_is_a_lost_game_that_reveals_the_word():
     env.reset(seed=5, options={"word": "crane"})
     for turn in range(1, 7):
         text = "<answer>zzzzz</answer>" if turn % 2 else "oops"  # wrong and invalid both count
-        messages, reward, terminated, truncated, info = env.step(text)
-        assert terminated is (turn == 6) and truncated is False  # six guesses is the game's rule, not a time limit
+        messages, _, terminated, truncated, info = env.step(text)
+        # six guesses is the game's rule, not a time limit
+        assert terminated is (turn == 6) and truncated is False
         assert ("the word was CRANE" in messages[0]["content"]) is (turn == 6)
     assert info["answer"] == "crane" and info["success"] is False and info["guesses_left"] == 0
     with pytest.raises(envhub.errors.EpisodeOverError):

@@ -18,7 +18,9 @@ def test_splits_are_stable_disjoint_and_respect_explicit_fields():
     train, evaluation = tasks.split("train"), tasks.split("eval")
     assert len(train) + len(evaluation) == 40 and 4 <= len(evaluation) <= 18
     assert not set(train.ids) & set(evaluation.ids)
-    assert TaskSet(list(reversed(PROBLEMS)), eval_fraction=0.25).split("eval").ids == list(reversed(evaluation.ids))
+    assert TaskSet(list(reversed(PROBLEMS)), eval_fraction=0.25).split("eval").ids == list(
+        reversed(evaluation.ids)
+    )
     explicit = TaskSet([{"id": "x", "split": "eval"}, {"id": "y"}])
     assert explicit.split("eval").ids == ["x"] and explicit.split("train").ids == ["y"]
 
@@ -61,7 +63,7 @@ def test_an_env_plays_a_bound_jsonl_split(tmp_path):
     eval_ids = TaskSet.from_jsonl(path, eval_fraction=0.3).split("eval").ids
     seen = {env.reset(seed=s)[1]["task_id"] for s in range(30)}
     assert seen <= set(eval_ids) and len(seen) > 1
-    messages, info = env.reset(options={"task_id": eval_ids[0]})
+    messages, _ = env.reset(options={"task_id": eval_ids[0]})
     problem = next(p for p in PROBLEMS if p["id"] == eval_ids[0])
     assert messages[-1]["content"] == problem["question"]
     _, reward, terminated, _, _ = env.step(env.expert_action())

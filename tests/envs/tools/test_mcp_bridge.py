@@ -20,11 +20,15 @@ pytest.importorskip("mcp", reason="the mcp SDK is not installed (pip install 'en
 def call(name, **arguments):
     import json
 
-    return f'<tool_call>{json.dumps({"name": name, "arguments": arguments})}</tool_call>'
+    return f"<tool_call>{json.dumps({'name': name, 'arguments': arguments})}</tool_call>"
 
 
 def server_processes():
-    return [p for p in psutil.Process().children(recursive=True) if "mcp_demo_server" in " ".join(p.cmdline())]
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if "mcp_demo_server" in " ".join(p.cmdline())
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +41,16 @@ def stdio_env():
 def test_stdio_server_tools_become_openai_schemas(stdio_env):
     _, info = stdio_env.reset(seed=0)
     names = [tool["function"]["name"] for tool in info["tools"]]
-    assert names == sorted(["convert_currency", "flood", "get_inventory", "get_price", "list_items", "slow_echo"])
-    schema = next(t for t in info["tools"] if t["function"]["name"] == "convert_currency")["function"]["parameters"]
+    assert names == sorted(
+        ["convert_currency", "flood", "get_inventory", "get_price", "list_items", "slow_echo"]
+    )
+    tool = next(t for t in info["tools"] if t["function"]["name"] == "convert_currency")
+    schema = tool["function"]["parameters"]
     assert set(schema["required"]) == {"amount", "from_currency", "to_currency"}
     reply = stdio_env.step(call("get_price", item="gizmo"))[0]
-    assert reply == [{"role": "tool", "name": "get_price", "tool_call_id": "call_0", "content": "19.99"}]
+    assert reply == [
+        {"role": "tool", "name": "get_price", "tool_call_id": "call_0", "content": "19.99"}
+    ]
 
 
 def test_server_side_errors_reach_the_model(stdio_env):
@@ -69,7 +78,7 @@ def test_a_server_that_dies_mid_episode_ends_it_as_failed_and_reset_reconnects()
         env.reset(seed=0)
         for process in server_processes():
             process.kill()
-        _, reward, terminated, truncated, info = env.step(call("get_inventory", item="widget"))
+        _, reward, terminated, _, info = env.step(call("get_inventory", item="widget"))
         assert terminated and info["failed"] and reward == 0.0 and "went away" in info["error"]
         env.reset(seed=0)
         assert env.step(call("get_inventory", item="widget"))[0][0]["content"] == "1284"
@@ -85,13 +94,15 @@ def test_close_stops_the_stdio_server():
     assert len(server_processes()) == 1
     env.close()
     env.close()
-    gone, alive = psutil.wait_procs(server_processes(), timeout=5)
+    _, alive = psutil.wait_procs(server_processes(), timeout=5)
     assert alive == []
 
 
 def test_an_unreachable_server_is_a_clear_error():
     with pytest.raises(McpError, match="cannot connect to the MCP server"):
-        McpConnection(command=[sys.executable, "-c", "import sys; sys.exit(3)"], connect_timeout_s=10)
+        McpConnection(
+            command=[sys.executable, "-c", "import sys; sys.exit(3)"], connect_timeout_s=10
+        )
     with pytest.raises(ValueError, match="needs dataset="):
         McpEnv(command=["my-server"])
 
@@ -104,7 +115,11 @@ def free_port() -> int:
 
 def test_streamable_http_server_plays_the_same_tasks():
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "envs.tools.mcp_demo_server", "--http", "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "envs.tools.mcp_demo_server", "--http", "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -113,7 +128,12 @@ def test_streamable_http_server_plays_the_same_tasks():
                 break
             except OSError:
                 time.sleep(0.1)
-        env = envhub.make("tools/mcp-v0", url=f"http://127.0.0.1:{port}/mcp", dataset=demo_tasks(), hidden_tools=["slow_echo", "flood"])
+        env = envhub.make(
+            "tools/mcp-v0",
+            url=f"http://127.0.0.1:{port}/mcp",
+            dataset=demo_tasks(),
+            hidden_tools=["slow_echo", "flood"],
+        )
         try:
             for seed in range(3):
                 env.reset(seed=seed)

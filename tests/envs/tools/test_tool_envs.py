@@ -13,7 +13,8 @@ IN_PROCESS = ["tools/calculator-v0", "tools/sql-v0", "tools/retrieval-v0"]
 ALL = [*IN_PROCESS, "tools/mcp-v0"]
 
 
-def test_envhub_list_shows_the_tool_envs():  # the checker runs over every id in tests/envhub/test_check_all.py
+# the checker runs over every id in tests/envhub/test_check_all.py
+def test_envhub_list_shows_the_tool_envs():
     assert set(ALL) <= {spec.id for spec in envhub.list_envs("tools")}
 
 
@@ -47,7 +48,10 @@ def test_tool_results_are_tool_messages_and_schemas_are_openai_format(env_id):
 @pytest.mark.parametrize(
     "action, feedback",
     [
-        ('<tool_call>{"name": "no_such_tool", "arguments": {}}</tool_call>', "There is no tool named"),
+        (
+            '<tool_call>{"name": "no_such_tool", "arguments": {}}</tool_call>',
+            "There is no tool named",
+        ),
         ("<tool_call>{not json at all</tool_call>", "not valid JSON"),
         ("I would like to think more.", "neither a tool call nor an answer"),
     ],
@@ -56,7 +60,9 @@ def test_malformed_calls_get_feedback_and_a_penalty(env_id, action, feedback):
     env = envhub.make(env_id)
     env.reset(seed=0)
     reply, reward, terminated, _, info = env.step(action)
-    assert feedback in reply[0]["content"] and reward < 0 and info["invalid_action"] and not terminated
+    assert (
+        feedback in reply[0]["content"] and reward < 0 and info["invalid_action"] and not terminated
+    )
 
 
 @pytest.mark.parametrize("env_id", IN_PROCESS)
@@ -77,12 +83,16 @@ def test_wrong_answer_scores_zero_and_ends_the_episode():
     env = envhub.make("tools/calculator-v0")
     env.reset(seed=0)
     reply, reward, terminated, _, info = env.step("<answer>-1</answer>")
-    assert reward == 0.0 and terminated and not info["success"] and "incorrect" in reply[0]["content"]
+    assert (
+        reward == 0.0 and terminated and not info["success"] and "incorrect" in reply[0]["content"]
+    )
 
 
 def test_tool_output_is_truncated():
     env = envhub.make("tools/sql-v0", max_tool_chars=100)
     env.reset(seed=0)
     query = "SELECT a.name, b.name FROM employees a, employees b"
-    reply = env.step(f'<tool_call>{{"name": "run_sql", "arguments": {{"query": "{query}"}}}}</tool_call>')[0]
+    reply = env.step(
+        f'<tool_call>{{"name": "run_sql", "arguments": {{"query": "{query}"}}}}</tool_call>'
+    )[0]
     assert len(reply[0]["content"]) < 200 and "[truncated" in reply[0]["content"]

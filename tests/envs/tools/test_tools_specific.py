@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 import envhub
@@ -11,7 +10,16 @@ from envs.tools.calculator import safe_eval
 from envs.tools.retrieval import RetrievalEnv
 
 
-@pytest.mark.parametrize("expression, value", [("2 + 3 * 4", 14), ("1,234 * 2", 2468), ("round(10 / 3, 2)", 3.33), ("2^10", 1024), ("ceil(7 / 2)", 4)])
+@pytest.mark.parametrize(
+    "expression, value",
+    [
+        ("2 + 3 * 4", 14),
+        ("1,234 * 2", 2468),
+        ("round(10 / 3, 2)", 3.33),
+        ("2^10", 1024),
+        ("ceil(7 / 2)", 4),
+    ],
+)
 def test_calculator_evaluates_arithmetic(expression, value):
     assert safe_eval(expression) == value
 
@@ -29,14 +37,18 @@ def test_calculator_evaluates_arithmetic(expression, value):
         ("1" * 600, "too long"),
     ],
 )
-@pytest.mark.timeout(60)  # a runaway that is not refused never returns: this catches it (speed: benchmarks/speed_checks.py)
+# a runaway that is not refused never returns: the timeout catches it
+# (speed: benchmarks/speed_checks.py)
+@pytest.mark.timeout(60)
 def test_calculator_refuses_code_and_runaway_numbers(expression, message):
     with pytest.raises(ToolError, match=message):
         safe_eval(expression)
 
 
 def sql(env, query):
-    return env.step(f'<tool_call>{{"name": "run_sql", "arguments": {{"query": "{query}"}}}}</tool_call>')[0][0]["content"]
+    return env.step(
+        f'<tool_call>{{"name": "run_sql", "arguments": {{"query": "{query}"}}}}</tool_call>'
+    )[0][0]["content"]
 
 
 def test_sql_is_read_only_and_bounded():
@@ -45,10 +57,18 @@ def test_sql_is_read_only_and_bounded():
     assert "Error: SQL error" in sql(env, "DROP TABLE employees")
     assert "Error: SQL error" in sql(env, "ATTACH DATABASE '/tmp/x.db' AS x")
     assert "employees" in env.call_tool("list_tables", {})
-    runaway = sql(env, "SELECT COUNT(*) FROM employees a, employees b, employees c, employees d, employees e")
-    assert "aborted" in runaway  # stopped by the query budget, not run to the end (that would take hours)
+    runaway = sql(
+        env, "SELECT COUNT(*) FROM employees a, employees b, employees c, employees d, employees e"
+    )
+    # stopped by the query budget, not run to the end (that would take hours)
+    assert "aborted" in runaway
     assert "more rows" in sql(env, "SELECT a.id FROM employees a, employees b")
-    assert "no table named 'staff'" in env.step('<tool_call>{"name": "describe_table", "arguments": {"table": "staff"}}</tool_call>')[0][0]["content"]
+    assert (
+        "no table named 'staff'"
+        in env.step(
+            '<tool_call>{"name": "describe_table", "arguments": {"table": "staff"}}</tool_call>'
+        )[0][0]["content"]
+    )
 
 
 def test_sql_database_differs_by_task_and_survives_pickling():
@@ -57,11 +77,15 @@ def test_sql_database_differs_by_task_and_survives_pickling():
     env = envhub.make("tools/sql-v0")
     env.reset(seed=2)
     copy = pickle.loads(pickle.dumps(env))
-    assert copy.call_tool("run_sql", {"query": "SELECT COUNT(*) FROM employees"}) == env.call_tool("run_sql", {"query": "SELECT COUNT(*) FROM employees"})
+    assert copy.call_tool("run_sql", {"query": "SELECT COUNT(*) FROM employees"}) == env.call_tool(
+        "run_sql", {"query": "SELECT COUNT(*) FROM employees"}
+    )
     counts = set()
     for seed in range(6):
         env.reset(seed=seed)
-        counts.add(env.call_tool("run_sql", {"query": "SELECT COUNT(*), SUM(salary) FROM employees"}))
+        counts.add(
+            env.call_tool("run_sql", {"query": "SELECT COUNT(*), SUM(salary) FROM employees"})
+        )
     assert len(counts) > 1
 
 
@@ -71,8 +95,20 @@ def test_retrieval_needs_two_hops_and_accepts_a_custom_corpus(tmp_path):
     plan = env.plan()
     assert sum('"read"' in step for step in plan) == 2
     docs = tmp_path / "docs.jsonl"
-    docs.write_text('{"id": "a", "title": "Zorbl", "text": "Zorbl is a moon of Quax."}\n{"id": "b", "title": "Quax", "text": "Quax has 7 moons."}\n')
-    custom = RetrievalEnv(documents=str(docs), dataset=[{"question": "How many moons has the planet Zorbl orbits?", "answer": "7", "docs": ["a", "b"]}])
+    docs.write_text(
+        '{"id": "a", "title": "Zorbl", "text": "Zorbl is a moon of Quax."}\n'
+        '{"id": "b", "title": "Quax", "text": "Quax has 7 moons."}\n'
+    )
+    custom = RetrievalEnv(
+        documents=str(docs),
+        dataset=[
+            {
+                "question": "How many moons has the planet Zorbl orbits?",
+                "answer": "7",
+                "docs": ["a", "b"],
+            }
+        ],
+    )
     custom.reset(seed=0)
     assert "[a] Zorbl" in custom.call_tool("search", {"query": "zorbl moon"})
     while not custom.done:

@@ -14,7 +14,9 @@ from envs.web.browser_pool import BrowserPool, chromium_path
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(chromium_path() is None, reason="Chromium is not installed (apt-get install -y chromium)"),
+    pytest.mark.skipif(
+        chromium_path() is None, reason="Chromium is not installed (apt-get install -y chromium)"
+    ),
 ]
 pytest.importorskip("playwright", reason="Playwright is not installed (pip install 'envhub[web]')")
 
@@ -33,7 +35,8 @@ def chromium_alive(pids):
 
 def test_browser_env_passes_the_checker_and_leaves_no_chromium_behind():
     spec = envhub.spec("web/browser-v0")
-    make = lambda: spec.make(max_turns=2, kinds=["store-hours"])  # noqa: E731 - short episodes keep this test fast
+    # short episodes keep this test fast
+    make = lambda: spec.make(max_turns=2, kinds=["store-hours"])
     env = make()
     env.reset(seed=0)
     pids = BrowserPool.for_this_thread().pids
@@ -70,7 +73,10 @@ def test_observation_has_element_ids_roles_and_values():
         reply, *_ = env.step("<answer>type [6] [Ada Park]</answer>")
         text = reply[0]["content"]
         assert '[6] textbox "Full name" value="Ada Park"' in text
-        assert 'combobox "Plan" value="Choose a plan" options=[Choose a plan, Basic, Plus, Pro]' in text
+        assert (
+            'combobox "Plan" value="Choose a plan" options=[Choose a plan, Basic, Plus, Pro]'
+            in text
+        )
         assert 'checkbox "I accept the terms" unchecked' in text
         reply, _, _, _, info = env.step("<answer>click [99]</answer>")
         assert "There is no element [99]" in reply[0]["content"] and info["invalid_action"]

@@ -28,8 +28,12 @@ def test_oracle_buys_the_right_product_and_random_does_not():
 
 def test_reward_counts_attributes_options_price_and_type():
     product = Catalogue(0).products[0]
-    goal = {"category": product.category, "attributes": list(product.attributes[:2]), "max_price": product.price + 1,
-            "options": {k: v[0] for k, v in product.options.items()}}
+    goal = {
+        "category": product.category,
+        "attributes": list(product.attributes[:2]),
+        "max_price": product.price + 1,
+        "options": {k: v[0] for k, v in product.options.items()},
+    }
     full = {k: v[0] for k, v in product.options.items()}
     assert shop_reward(product, full, goal)["reward"] == 1.0
     no_options = shop_reward(product, {}, goal)["reward"]
@@ -42,7 +46,11 @@ def test_clicks_and_searches_are_validated_with_feedback():
     env = envhub.make("web/shop-v0")
     env.reset(seed=0)
     reply, reward, _, _, info = env.step("<answer>click[Buy Now]</answer>")
-    assert "There is no [Buy Now] on this page" in reply[0]["content"] and info["invalid_action"] and reward < 0
+    assert (
+        "There is no [Buy Now] on this page" in reply[0]["content"]
+        and info["invalid_action"]
+        and reward < 0
+    )
     reply, *_ = env.step("<answer>purchase everything</answer>")
     assert "Use search[query] or click[label]" in reply[0]["content"]
     env.step("<answer>search[black running shoes]</answer>")
