@@ -1,6 +1,15 @@
-"""Rollouts: multi-turn episodes as token sequences (``trajectory``), one episode loop per env
-(``env_manager``), and which episodes a step plays (``groups``)."""
+"""Rollouts, one path for every ``rollout.mode``:
+
+``rollouts``     ``Rollouts``: what the pipeline calls (next batch, eval set, weight updates,
+                 off-policy correction, checkpoint state) over the loop thread below
+``scheduler``    ``RolloutScheduler``: every group's lifecycle (start, replay, filter, staleness,
+                 batch), and ``LoopThread``
+``router``       ``EngineRouter``: least-loaded sticky routing, aborts, preemption, over the engines
+``env_manager``  one episode against one env (template -> tokens -> generate -> step), env sources
+``groups``       which episodes a step or an evaluation plays; ``play_episode`` (replays on failure)
+``trajectory``   episodes as token sequences with masks, log-probs and versions; ``collate``
+"""
 
 from __future__ import annotations
 
-__all__ = ["env_manager", "groups", "trajectory"]
+__all__ = ["env_manager", "groups", "rollouts", "router", "scheduler", "trajectory"]

@@ -361,3 +361,47 @@ def test_rank_engines_route_over_infer_workers_and_abort_a_running_batch(policy_
             results[3].token_ids  # same greedy tokens on the same rank until the abort
     finally:
         cluster.shutdown()
+
+
+class PaddedPromptEnv(ScriptedEnv):
+    """An even task's first observation is long: its prompt alone can fill a small context."""
+
+    def on_reset(self, options: dict[str, Any]):
+        text, info = super().on_reset(options)
+        return text + " pad" * (40 if self.seed_value % 2 == 0 else 0), info
+
+
+def test_sync_batches_are_on_policy_across_weight_updates(policy) -> None:
+    """``rollout.mode=sync`` trains only tokens of the version being trained, batch after batch.
+
+    A benchmark once reported sync "1 version behind": it counted a trajectory with no policy
+    token (``oldest_version`` None, e.g. a prompt that already fills the context) as version 0.
+    Such an episode has no staleness; the scheduler's own ``rollout/staleness_*`` counts it at 0."""
+    model, tokenizer = policy
+    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    router = EngineRouter([make_engine(policy)])
+    prompt = len(ChatRenderer(tokenizer).prompt([{"role": "user", "content": "Task 0. Say anything."}]))
+    # room for a turn of an odd task; an even task's prompt alone fills the context (no policy token)
+    manager = EnvManager(router, ChatRenderer(tokenizer), max_turns=4, max_context_tokens=prompt + 6)
+    cfg = SchedulerConfig(num_groups=2, group_size=2, env_ids=("test/scripted-v0",), redundancy=1.5)
+    source = LocalEnvSource(make=lambda env_id, **kw: PaddedPromptEnv(turns=lambda seed: 2))
+    scheduler = RolloutScheduler(cfg, manager, router, source, Sampling(3))
+
+    async def go():
+        batches = []
+        for _ in range(3):
+            batches.append(await scheduler.next_batch())
+            await scheduler.update_weights(weights)
+        await scheduler.close()
+        return batches
+
+    batches = run(go())
+    assert [b.version for b in batches] == [0, 1, 2]
+    tokenless = [t for b in batches for t in b.trajectories if t.oldest_version is None]
+    assert tokenless and all(t.num_policy_tokens == 0 and t.truncated for t in tokenless)
+    for batch in batches:
+        versions = {t.oldest_version for t in batch.trajectories}
+        assert versions <= {batch.version, None}  # every policy token is of the trained version
+        assert batch.metrics["rollout/staleness_0"] == len(batch.trajectories)
+        assert not any(k.startswith("rollout/staleness_") and k != "rollout/staleness_0" and v
+                       for k, v in batch.metrics.items())
