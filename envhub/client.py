@@ -22,6 +22,7 @@ over, as data a trainer can filter; call ``reset`` to go on. A failed ``reset`` 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -43,7 +44,7 @@ _FINAL_CLOSE_CODES = {1000, 1008, 1013, 4404, 4408, 4409}
 class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
     """A hub-hosted env behind the Gymnasium API (see the module docstring)."""
 
-    metadata = {"render_modes": []}
+    metadata = {"render_modes": []}  # noqa: RUF012 - gymnasium declares it an instance attribute
 
     def __init__(
         self,
@@ -57,10 +58,12 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
     ) -> None:
         super().__init__()
         base = hub.rstrip("/")
-        if base.startswith("http://") or base.startswith("https://"):
+        if base.startswith(("http://", "https://")):
             base = "ws" + base[4:]
-        if not (base.startswith("ws://") or base.startswith("wss://")):
-            raise ValueError(f"hub must be a ws:// or wss:// address like 'ws://127.0.0.1:8000', got {hub!r}")
+        if not base.startswith(("ws://", "wss://")):
+            raise ValueError(
+                f"hub must be a ws:// or wss:// address like 'ws://127.0.0.1:8000', got {hub!r}"
+            )
         self.env_id = env_id
         self.url = f"{base}/v1/session"
         self.token = token if token is not None else os.environ.get("ENVHUB_TOKEN")
@@ -82,23 +85,40 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
         self.resume_timeout_s = welcome["grace_s"] if resume_timeout_s is None else resume_timeout_s
 
     # ------------------------------------------------------------------ the Gymnasium API
-    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def reset(
+        self, *, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         super().reset(seed=seed)
         reply = self._request({"type": "reset", "seed": seed, "options": options})
         if reply["type"] == "episode_failed":
             failure = reply["failure"]
-            raise RemoteError("episode_failed", f"reset failed on the hub ({failure['reason']}): {failure['detail']}; call reset() again")
+            raise RemoteError(
+                "episode_failed",
+                (
+                    f"reset failed on the hub ({failure['reason']}): {failure['detail']}; call "
+                    "reset() again"
+                ),
+            )
         self.episode = reply["episode"]
         result = reply["result"]
         return result["observation"], result["info"]
 
     def step(self, action: str) -> tuple[list[dict[str, Any]], float, bool, bool, dict[str, Any]]:
         if not isinstance(action, str):
-            raise TypeError(f"RemoteEnv.step() takes the model's text as a str, got {type(action).__name__}: {action!r:.80}")
+            raise TypeError(
+                f"RemoteEnv.step() takes the model's text as a str, got {type(action).__name__}: "
+                f"{action!r:.80}"
+            )
         reply = self._request({"type": "step", "action": action})
         if reply["type"] == "episode_failed":
             failure = reply["failure"]
-            info = {"turn": failure.get("turn", 0), "success": False, "invalid_action": False, "episode_failed": True, "failure": failure}
+            info = {
+                "turn": failure.get("turn", 0),
+                "success": False,
+                "invalid_action": False,
+                "episode_failed": True,
+                "failure": failure,
+            }
             return [], 0.0, False, True, info
         r = reply["result"]
         return r["observation"], r["reward"], r["terminated"], r["truncated"], r["info"]
@@ -112,28 +132,24 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
         if ws is None:
             return
         try:
-            self._seq += 1
-            ws.send(orjson.dumps({"type": "close", "seq": self._seq}).decode())
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                message = orjson.loads(ws.recv(timeout=max(0.01, deadline - time.monotonic())))
-                if message.get("type") == "closed" or message.get("type") == "error":
-                    break
-        except Exception:
-            pass
+            with contextlib.suppress(Exception):  # closing is best effort: the hub may be gone
+                self._seq += 1
+                ws.send(orjson.dumps({"type": "close", "seq": self._seq}).decode())
+                deadline = time.monotonic() + 5
+                while time.monotonic() < deadline:
+                    timeout = max(0.01, deadline - time.monotonic())
+                    message = orjson.loads(ws.recv(timeout=timeout))
+                    if message.get("type") == "closed" or message.get("type") == "error":
+                        break
         finally:
-            try:
+            with contextlib.suppress(Exception):
                 ws.close()
-            except Exception:
-                pass
             self._ws = None
 
     def __del__(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # never raise from __del__
             if self._ws is not None:
                 self._ws.close()
-        except Exception:
-            pass
 
     # ------------------------------------------------------------------ transport
     def _connect(self, hello: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +177,9 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
         except ConnectionClosed as exc:
             ws.close()
             code = exc.rcvd.code if exc.rcvd else 1006
-            raise RemoteError("closed", f"the hub closed the connection before welcoming it (code {code})") from exc
+            raise RemoteError(
+                "closed", f"the hub closed the connection before welcoming it (code {code})"
+            ) from exc
         except Exception:
             ws.close()
             raise
@@ -170,7 +188,9 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
             raise RemoteError(message["code"], message["message"])
         if message.get("type") != "welcome":
             ws.close()
-            raise RemoteError("bad_message", f"expected a welcome from the hub, got {message!r:.200}")
+            raise RemoteError(
+                "bad_message", f"expected a welcome from the hub, got {message!r:.200}"
+            )
         self._ws = ws
         return message
 
@@ -184,30 +204,36 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
                 self._ws.socket.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-            try:
+            with contextlib.suppress(Exception):
                 self._ws.close()
-            except Exception:
-                pass
             self._ws = None
         deadline = time.monotonic() + self.resume_timeout_s
         delay = 0.05
         last: BaseException = cause
         while time.monotonic() < deadline:
             try:
-                self._connect({"type": "hello", "session": self.session, "resume_key": self.resume_key})
+                self._connect(
+                    {"type": "hello", "session": self.session, "resume_key": self.resume_key}
+                )
                 self.reconnects += 1
                 return
             except RemoteError as exc:
                 if exc.code in ("unknown_session", "unauthorized"):
-                    raise SessionLostError(exc.code, f"session {self.session} could not be resumed: {exc.message}") from cause
+                    raise SessionLostError(
+                        exc.code, f"session {self.session} could not be resumed: {exc.message}"
+                    ) from cause
                 last = exc
-            except (OSError, TimeoutError, InvalidStatus, Exception) as exc:  # hub restarting, network down
+            except (OSError, TimeoutError, InvalidStatus, Exception) as exc:  # noqa: BLE001
+                # hub restarting, network down, or any other failure: retry until the deadline
                 last = exc
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 2.0)
         raise SessionLostError(
             "unknown_session",
-            f"lost the connection to {self.url} and could not resume session {self.session} within {self.resume_timeout_s:g} s ({type(last).__name__}: {last})",
+            (
+                f"lost the connection to {self.url} and could not resume session {self.session} "
+                f"within {self.resume_timeout_s:g} s ({type(last).__name__}: {last})"
+            ),
         ) from cause
 
     def _request(self, payload: dict[str, Any]) -> dict[str, Any]:
@@ -237,9 +263,17 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
             except ConnectionClosed as exc:
                 rcvd = exc.rcvd
                 if rcvd is not None and rcvd.code in _FINAL_CLOSE_CODES:
-                    raise RemoteError("closed", f"the hub closed the session (code {rcvd.code}: {rcvd.reason or 'no reason'})") from exc
+                    raise RemoteError(
+                        "closed",
+                        (
+                            f"the hub closed the session (code {rcvd.code}: "
+                            f"{rcvd.reason or 'no reason'})"
+                        ),
+                    ) from exc
                 if rcvd is not None and rcvd.code == 1001:
-                    raise SessionLostError("draining", "the hub shut down; connect to another hub") from exc
+                    raise SessionLostError(
+                        "draining", "the hub shut down; connect to another hub"
+                    ) from exc
                 self._resume(exc)
             except (OSError, ConnectionError) as exc:
                 self._resume(exc)

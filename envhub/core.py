@@ -55,15 +55,15 @@ import numpy as np
 from envhub.errors import EpisodeOverError, ResetNeededError
 
 __all__ = [
+    "ROLES",
+    "ChatSpace",
     "Message",
     "Observation",
-    "ROLES",
-    "Turn",
     "TextEnv",
-    "ChatSpace",
     "TextSpace",
-    "function_tool",
+    "Turn",
     "as_messages",
+    "function_tool",
     "messages_to_text",
 ]
 
@@ -75,7 +75,9 @@ Tool messages may also carry ``name`` and ``tool_call_id``."""
 Observation: TypeAlias = list[Message]
 ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
 
-_PRINTABLE = np.array(list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?<>/[]"))
+_PRINTABLE = np.array(
+    list("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,!?<>/[]")
+)
 
 
 class ChatSpace(gym.spaces.Space[Observation]):
@@ -207,7 +209,7 @@ class TextEnv(gym.Env[Observation, str]):
     system_prompt: str | None = None
     """Sent as the first message of every episode when set."""
 
-    tools: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] = []  # noqa: RUF012 - a read-only default; envs assign their own
     """OpenAI-format tool schemas the model may call (see ``function_tool``)."""
 
     invalid_action_penalty: float = -0.1
@@ -243,7 +245,9 @@ class TextEnv(gym.Env[Observation, str]):
         self._closed = False
 
     # ----------------------------------------------------------------- to implement
-    def on_reset(self, options: dict[str, Any]) -> tuple[str | Message | Sequence[Message], dict[str, Any]]:
+    def on_reset(
+        self, options: dict[str, Any]
+    ) -> tuple[str | Message | Sequence[Message], dict[str, Any]]:
         """Start an episode; return the opening observation and info (see module doc)."""
         raise NotImplementedError(f"{type(self).__name__} must implement on_reset(options)")
 
@@ -319,10 +323,15 @@ class TextEnv(gym.Env[Observation, str]):
         }
         if terminated or truncated:
             self._state = "over"
-            self._end_reason = (f"{'terminated' if terminated else 'truncated'} after max_turns={self.max_turns}"
-                                if used_up and not turn.terminated else "terminated")
+            self._end_reason = (
+                f"{'terminated' if terminated else 'truncated'} after max_turns={self.max_turns}"
+                if used_up and not turn.terminated
+                else "terminated"
+            )
         if not math.isfinite(reward):
-            raise ValueError(f"{type(self).__name__}.on_step returned a non-finite reward {reward!r}")
+            raise ValueError(
+                f"{type(self).__name__}.on_step returned a non-finite reward {reward!r}"
+            )
         self._history.extend(messages)
         if self.render_mode == "human":
             print(messages_to_text(messages))

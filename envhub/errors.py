@@ -18,16 +18,16 @@ wording of the ones users meet most (unknown id, bad kwargs, step after the end)
 from __future__ import annotations
 
 __all__ = [
-    "EnvhubError",
-    "RegistryError",
-    "UnknownEnvError",
-    "EnvKwargsError",
-    "RegistrationError",
-    "EpisodeError",
-    "ResetNeededError",
-    "EpisodeOverError",
     "ActionParseError",
     "EnvCheckError",
+    "EnvKwargsError",
+    "EnvhubError",
+    "EpisodeError",
+    "EpisodeOverError",
+    "RegistrationError",
+    "RegistryError",
+    "ResetNeededError",
+    "UnknownEnvError",
 ]
 
 

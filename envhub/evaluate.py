@@ -18,7 +18,7 @@ from typing import Any
 
 from envhub.core import Observation
 
-__all__ = ["Agent", "AGENTS", "EpisodeStats", "EvalSummary", "run_episode", "evaluate"]
+__all__ = ["AGENTS", "Agent", "EpisodeStats", "EvalSummary", "evaluate", "run_episode"]
 
 Agent = Callable[[Any, Observation], str]
 

@@ -137,7 +137,7 @@ import ast as _ast
 import json as _json
 from typing import Any as _Any
 
-__all__ += ["ToolCall", "ToolCallParser", "parse_tool_calls", "format_tool_call"]
+__all__ += ["ToolCall", "ToolCallParser", "format_tool_call", "parse_tool_calls"]
 
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -164,11 +164,16 @@ class ToolCall:
         return {
             "id": self.id,
             "type": "function",
-            "function": {"name": self.name, "arguments": _json.dumps(self.arguments, sort_keys=True)},
+            "function": {
+                "name": self.name,
+                "arguments": _json.dumps(self.arguments, sort_keys=True),
+            },
         }
 
 
-def format_tool_call(name: str, arguments: dict[str, _Any] | None = None, tag: str = "tool_call") -> str:
+def format_tool_call(
+    name: str, arguments: dict[str, _Any] | None = None, tag: str = "tool_call"
+) -> str:
     """A call written the way ``ToolCallParser`` reads it (for experts, docs and prompts)."""
     body = _json.dumps({"name": name, "arguments": arguments or {}}, sort_keys=True)
     return f"<{tag}>{body}</{tag}>"
@@ -234,8 +239,8 @@ class ToolCallParser:
         """How to call a tool, in one sentence with an example."""
         example = next(iter(self.schemas), "tool_name")
         return (
-            f"Call a tool by writing <{self.tag}>{{\"name\": \"{example}\", \"arguments\": {{...}}}}</{self.tag}>"
-            " (JSON; one call per tag)."
+            f'Call a tool by writing <{self.tag}>{{"name": "{example}", "arguments": {{...}}}}'
+            f"</{self.tag}> (JSON; one call per tag)."
         )
 
     def has_call(self, text: str) -> bool:
@@ -246,7 +251,9 @@ class ToolCallParser:
         if not isinstance(text, str):
             raise ActionParseError(f"expected text, got {type(text).__name__}")
         tag = re.escape(self.tag)
-        bodies = re.findall(rf"<{tag}\s*>(.*?)(?:</\s*{tag}\s*>|$)", text, re.IGNORECASE | re.DOTALL)
+        bodies = re.findall(
+            rf"<{tag}\s*>(.*?)(?:</\s*{tag}\s*>|$)", text, re.IGNORECASE | re.DOTALL
+        )
         calls: list[ToolCall] = []
         for body in bodies:
             for raw in self._decode(body):
@@ -254,19 +261,26 @@ class ToolCallParser:
         if len(calls) > self.max_calls:
             raise ActionParseError(
                 f"{len(calls)} tool calls exceed max_calls={self.max_calls}",
-                feedback=f"You made {len(calls)} tool calls in one reply; make at most {self.max_calls}.",
+                feedback=(
+                    f"You made {len(calls)} tool calls in one reply; make at most {self.max_calls}."
+                ),
             )
         return calls
 
     def _decode(self, body: str) -> list[_Any]:
         if not _strip(body):
-            raise ActionParseError("empty tool call", feedback=f"Your <{self.tag}> tag was empty. {self.instructions}")
+            raise ActionParseError(
+                "empty tool call", feedback=f"Your <{self.tag}> tag was empty. {self.instructions}"
+            )
         try:
             value = _loads_lenient(body)
         except ValueError as exc:
             raise ActionParseError(
                 f"tool call is not JSON: {exc}",
-                feedback=f"Your tool call is not valid JSON ({exc}): {_strip(body)[:200]!r}. {self.instructions}",
+                feedback=(
+                    f"Your tool call is not valid JSON ({exc}): {_strip(body)[:200]!r}. "
+                    f"{self.instructions}"
+                ),
             ) from None
         return list(value) if isinstance(value, list) else [value]
 
@@ -276,7 +290,10 @@ class ToolCallParser:
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
             raise ActionParseError(
                 f"tool call without a name: {raw!r:.120}",
-                feedback=f"A tool call must be a JSON object with \"name\" and \"arguments\". {self.instructions}",
+                feedback=(
+                    'A tool call must be a JSON object with "name" and "arguments". '
+                    f"{self.instructions}"
+                ),
             )
         name = raw["name"].strip()
         arguments = raw.get("arguments", raw.get("parameters", {}))
@@ -290,21 +307,28 @@ class ToolCallParser:
         if not isinstance(arguments, dict):
             raise ActionParseError(
                 f"arguments of {name!r} are not an object: {arguments!r:.120}",
-                feedback=f"The arguments of {name!r} must be a JSON object like {{\"x\": 1}}, got {arguments!r:.120}.",
+                feedback=(
+                    f'The arguments of {name!r} must be a JSON object like {{"x": 1}}, got '
+                    f"{arguments!r:.120}."
+                ),
             )
         schemas = self.schemas
         if schemas:
             self._check_against_schema(name, arguments, schemas)
         return ToolCall(name=name, arguments=arguments, id=f"call_{index}")
 
-    def _check_against_schema(self, name: str, arguments: dict[str, _Any], schemas: dict[str, dict[str, _Any]]) -> None:
+    def _check_against_schema(
+        self, name: str, arguments: dict[str, _Any], schemas: dict[str, dict[str, _Any]]
+    ) -> None:
         schema = schemas.get(name)
         if schema is None:
             close = difflib.get_close_matches(name, list(schemas), n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise ActionParseError(
                 f"unknown tool {name!r}",
-                feedback=f"There is no tool named {name!r}.{hint} Available tools: {', '.join(schemas)}.",
+                feedback=(
+                    f"There is no tool named {name!r}.{hint} Available tools: {', '.join(schemas)}."
+                ),
             )
         parameters = schema.get("parameters") or {}
         properties: dict[str, _Any] = parameters.get("properties") or {}
@@ -328,15 +352,25 @@ class ToolCallParser:
             if not _type_ok(value, spec):
                 raise ActionParseError(
                     f"{name}: argument {key}={value!r:.60} is not {spec.get('type')}",
-                    feedback=f"Argument {key!r} of {name!r} must be of type {spec.get('type')}, got {value!r:.60}.",
+                    feedback=(
+                        f"Argument {key!r} of {name!r} must be of type {spec.get('type')}, got "
+                        f"{value!r:.60}."
+                    ),
                 )
             if "enum" in spec and value not in spec["enum"]:
                 raise ActionParseError(
                     f"{name}: argument {key}={value!r:.60} not in {spec['enum']}",
-                    feedback=f"Argument {key!r} of {name!r} must be one of {spec['enum']}, got {value!r:.60}.",
+                    feedback=(
+                        f"Argument {key!r} of {name!r} must be one of {spec['enum']}, got "
+                        f"{value!r:.60}."
+                    ),
                 )
 
 
-def parse_tool_calls(text: str, tools: list[dict[str, _Any]] | tuple[dict[str, _Any], ...] = (), tag: str = "tool_call") -> list[ToolCall]:
+def parse_tool_calls(
+    text: str,
+    tools: list[dict[str, _Any]] | tuple[dict[str, _Any], ...] = (),
+    tag: str = "tool_call",
+) -> list[ToolCall]:
     """Every tool call in ``text``, checked against ``tools`` (see ``ToolCallParser``)."""
     return ToolCallParser(tools=tuple(tools), tag=tag).parse(text)

@@ -30,7 +30,13 @@ def _show(console: Console, messages: Observation) -> None:
     for message in messages:
         role = message.get("role", "user")
         title = "environment" if role == "user" else role
-        console.print(Panel(Text(str(message.get("content", ""))), title=title, border_style=_STYLE.get(role, "white")))
+        console.print(
+            Panel(
+                Text(str(message.get("content", ""))),
+                title=title,
+                border_style=_STYLE.get(role, "white"),
+            )
+        )
 
 
 def play(
@@ -49,7 +55,12 @@ def play(
     while True:
         messages, info = env.reset(seed=episode_seed)
         if info.get("tools"):
-            console.print(Text(f"Tools: {', '.join(t['function']['name'] for t in info['tools'])}", style="yellow"))
+            console.print(
+                Text(
+                    f"Tools: {', '.join(t['function']['name'] for t in info['tools'])}",
+                    style="yellow",
+                )
+            )
         _show(console, messages)
         episode_return, done = 0.0, False
         while not done:
@@ -69,18 +80,47 @@ def play(
                 break
             if command == ":hint":
                 hint = getattr(env.unwrapped, "expert_action", lambda: None)()
-                console.print(Text(f"hint: {hint}" if hint else "this environment has no expert", style="dim"))
+                console.print(
+                    Text(f"hint: {hint}" if hint else "this environment has no expert", style="dim")
+                )
                 continue
             messages, reward, terminated, truncated, info = env.step(line)
             episode_return += reward
             _show(console, messages)
             flag = "  (invalid action)" if info.get("invalid_action") else ""
-            console.print(Text(f"reward {reward:+.2f}   return {episode_return:+.2f}   turn {info.get('turn')}{flag}", style="bold"))
+            console.print(
+                Text(
+                    (
+                        f"reward {reward:+.2f}   return {episode_return:+.2f}   turn "
+                        f"{info.get('turn')}{flag}"
+                    ),
+                    style="bold",
+                )
+            )
             done = terminated or truncated
             if done:
-                how = "solved" if info.get("success") else ("out of turns" if truncated else "episode over")
-                console.print(Text(f"Episode over: {how}. Return {episode_return:+.2f} in {info.get('turn')} turns.", style="bold green" if info.get("success") else "bold red"))
-                outcomes.append({"return": episode_return, "turns": info.get("turn"), "success": bool(info.get("success")), "truncated": truncated})
+                how = (
+                    "solved"
+                    if info.get("success")
+                    else ("out of turns" if truncated else "episode over")
+                )
+                console.print(
+                    Text(
+                        (
+                            f"Episode over: {how}. Return {episode_return:+.2f} in "
+                            f"{info.get('turn')} turns."
+                        ),
+                        style="bold green" if info.get("success") else "bold red",
+                    )
+                )
+                outcomes.append(
+                    {
+                        "return": episode_return,
+                        "turns": info.get("turn"),
+                        "success": bool(info.get("success")),
+                        "truncated": truncated,
+                    }
+                )
         if done:
             try:
                 again = read_line("Play again? [Y/n] ").strip().lower()

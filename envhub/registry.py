@@ -34,24 +34,31 @@ from typing import Any
 from envhub.errors import EnvKwargsError, RegistrationError, UnknownEnvError
 
 __all__ = [
+    "ENTRY_POINT_GROUP",
     "EnvSpec",
     "PluginFailure",
     "Registry",
-    "registry",
-    "register",
-    "make",
-    "spec",
     "list_envs",
     "load_plugins",
+    "make",
     "plugin_errors",
-    "ENTRY_POINT_GROUP",
+    "register",
+    "registry",
+    "spec",
 ]
 
 ENTRY_POINT_GROUP = "envhub.envs"
-BUILTIN_PLUGINS: dict[str, str] = {"envhub.games": "envs.games:register", "envhub.tools": "envs.tools:register", "envhub.web": "envs.web:register", "envhub.code": "envs.code:register"}
+BUILTIN_PLUGINS: dict[str, str] = {
+    "envhub.games": "envs.games:register",
+    "envhub.tools": "envs.tools:register",
+    "envhub.web": "envs.web:register",
+    "envhub.code": "envs.code:register",
+}
 """envhub's own environment packages, loaded before third-party plugins."""
 
-_ID = re.compile(r"^(?P<ns>[a-z0-9][a-z0-9_.]*)/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)-v(?P<version>\d+)$")
+_ID = re.compile(
+    r"^(?P<ns>[a-z0-9][a-z0-9_.]*)/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)-v(?P<version>\d+)$"
+)
 _VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]*$")
 
 
@@ -120,18 +127,25 @@ class EnvSpec:
         target = self.load_entry_point()
         initialisers: list[Callable[..., Any]] = []
         if inspect.isclass(target):
-            initialisers = [k.__dict__["__init__"] for k in target.__mro__ if "__init__" in k.__dict__ and k is not object]
+            initialisers = [
+                k.__dict__["__init__"]
+                for k in target.__mro__
+                if "__init__" in k.__dict__ and k is not object
+            ]
         else:
             initialisers = [target]
         names: list[str] = []
         for initialiser in initialisers:
             forwards = False
             for parameter in inspect.signature(initialiser).parameters.values():
+                by_name = parameter.kind in (
+                    inspect.Parameter.KEYWORD_ONLY,
+                    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                )
                 if parameter.kind is inspect.Parameter.VAR_KEYWORD:
                     forwards = True
-                elif parameter.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
-                    if parameter.name != "self" and parameter.name not in names:
-                        names.append(parameter.name)
+                elif by_name and parameter.name != "self" and parameter.name not in names:
+                    names.append(parameter.name)
             if not forwards:
                 return names
         return None if not inspect.isclass(target) else names
@@ -140,7 +154,11 @@ class EnvSpec:
         """Build the environment with this spec's kwargs overridden by ``kwargs``."""
         merged = {**self.kwargs, **kwargs}
         accepted = self.accepted_kwargs()
-        if self.max_turns is not None and "max_turns" not in merged and (accepted is None or "max_turns" in accepted):
+        if (
+            self.max_turns is not None
+            and "max_turns" not in merged
+            and (accepted is None or "max_turns" in accepted)
+        ):
             merged["max_turns"] = self.max_turns
         if accepted is not None:
             unknown = sorted(set(merged) - set(accepted))
@@ -221,7 +239,8 @@ class Registry:
         for variant, overrides in (variants or {}).items():
             if not _VARIANT.match(variant):
                 raise RegistrationError(
-                    f"{id}: variant name {variant!r} must be letters, digits, '_' or '.' (e.g. '8x8', 'hard')"
+                    f"{id}: variant name {variant!r} must be letters, digits, '_' or '.' (e.g. "
+                    "'8x8', 'hard')"
                 )
             specs.append(
                 replace(
@@ -269,7 +288,7 @@ class Registry:
                 plugin = getattr(plugin, part)
             if callable(plugin):
                 plugin()
-        except Exception as exc:  # a broken plugin must not break the others
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the others
             failure = PluginFailure(name=name, target=target, error=f"{type(exc).__name__}: {exc}")
             self._failures.append(failure)
             warnings.warn(
@@ -305,7 +324,10 @@ class Registry:
         if isinstance(id, str):
             short = {k.split("/", 1)[1]: k for k in known}
             close = difflib.get_close_matches(id, known, n=3, cutoff=0.6)
-            close += [short[m] for m in difflib.get_close_matches(id.split("/")[-1], list(short), n=3, cutoff=0.6)]
+            close += [
+                short[m]
+                for m in difflib.get_close_matches(id.split("/")[-1], list(short), n=3, cutoff=0.6)
+            ]
             close = list(dict.fromkeys(close))[:3]
             if close:
                 message += f" Did you mean {' or '.join(repr(c) for c in close)}?"
@@ -371,7 +393,9 @@ def _attach_gymnasium_spec(env: Any, spec: EnvSpec, overrides: dict[str, Any]) -
 
 
 registry = Registry()
-_ACTIVE: contextvars.ContextVar[Registry | None] = contextvars.ContextVar("envhub_active_registry", default=None)
+_ACTIVE: contextvars.ContextVar[Registry | None] = contextvars.ContextVar(
+    "envhub_active_registry", default=None
+)
 """The registry whose plugins are loading; plugins' ``register()`` calls go to it."""
 
 

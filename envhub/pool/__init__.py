@@ -60,16 +60,16 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "EnvPool",
+    "EpisodeFailure",
+    "PoolClosedError",
+    "PoolError",
+    "PoolFullError",
+    "PoolStats",
+    "RayConnectError",
     "ResetResult",
     "StepResult",
-    "EpisodeFailure",
-    "PoolStats",
-    "PoolError",
-    "PoolClosedError",
-    "PoolFullError",
     "UnknownEpisodeError",
     "WorkerStartError",
-    "RayConnectError",
 ]
 
 _LAZY = {

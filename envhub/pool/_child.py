@@ -26,7 +26,7 @@ def _die_with_parent() -> None:
 
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux: the closed socket still ends the loop
+    except Exception:  # noqa: BLE001, S110 - not Linux: the closed socket still ends the loop
         pass
 
 
@@ -64,10 +64,13 @@ def main(fd: int) -> None:
                     host.idle.append(host.factory())  # fail fast on a bad env, reuse it later
                     status, result = STATUS_OK, dumps({"pid": os.getpid()})
                     handle = host.handle
-                except BaseException as exc:  # report, then exit: the parent raises
+                except BaseException as exc:  # noqa: BLE001 - report, then exit: the parent raises
                     import traceback
 
-                    status, result = STATUS_ENV_ERROR, dumps({"error": type(exc).__name__, "message": traceback.format_exc()})
+                    status, result = (
+                        STATUS_ENV_ERROR,
+                        dumps({"error": type(exc).__name__, "message": traceback.format_exc()}),
+                    )
                 out.append(pack(5 + len(result), req_id, status))
                 out.append(result)
                 if handle is None:

@@ -26,20 +26,20 @@ from typing import Any, Literal, Protocol
 import orjson
 
 __all__ = [
-    "ResetResult",
-    "StepResult",
+    "OP_CLOSE",
+    "OP_PING",
+    "OP_RESET",
+    "OP_STEP",
+    "STATUS_ENV_ERROR",
+    "STATUS_LOST",
+    "STATUS_OK",
+    "STATUS_USAGE_ERROR",
     "EpisodeFailure",
     "FailureReason",
     "PoolStats",
+    "ResetResult",
+    "StepResult",
     "Worker",
-    "OP_RESET",
-    "OP_STEP",
-    "OP_CLOSE",
-    "OP_PING",
-    "STATUS_OK",
-    "STATUS_ENV_ERROR",
-    "STATUS_USAGE_ERROR",
-    "STATUS_LOST",
     "dumps",
 ]
 
@@ -72,7 +72,9 @@ def _default(value: Any) -> Any:
 
 def dumps(value: Any) -> bytes:
     """JSON-encode env output; numpy values become plain numbers, unknown objects their repr."""
-    return orjson.dumps(value, default=_default, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
+    return orjson.dumps(
+        value, default=_default, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+    )
 
 
 @dataclass(slots=True)

@@ -17,8 +17,14 @@ from __future__ import annotations
 
 from envhub.errors import EnvhubError
 
-__all__ = ["PoolError", "PoolClosedError", "PoolFullError", "UnknownEpisodeError", "WorkerStartError",
-           "RayConnectError"]
+__all__ = [
+    "PoolClosedError",
+    "PoolError",
+    "PoolFullError",
+    "RayConnectError",
+    "UnknownEpisodeError",
+    "WorkerStartError",
+]
 
 
 class PoolError(EnvhubError):
@@ -45,5 +51,5 @@ class WorkerStartError(PoolError, RuntimeError):
 
 
 class RayConnectError(PoolError, ConnectionError):
-    """Joining a Ray cluster failed; the message says why (token authentication, nothing at the address)
-    and the fix."""
+    """Joining a Ray cluster failed; the message says why (token authentication, nothing at the
+    address) and the fix."""

@@ -9,6 +9,7 @@ env back to a small free list, so the next episode skips construction.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -27,7 +28,7 @@ from envhub.pool.base import (
     dumps,
 )
 
-__all__ = ["EnvHost", "spec_factory", "RUNNING_PREFIX"]
+__all__ = ["RUNNING_PREFIX", "EnvHost", "spec_factory"]
 
 _MAX_IDLE = 8
 RUNNING_PREFIX = b'{"terminated":false,"truncated":false'
@@ -69,7 +70,7 @@ class EnvHost:
             return STATUS_USAGE_ERROR, dumps({"error": "BadRequest", "message": f"unknown op {op}"})
         except EpisodeError as exc:
             return STATUS_USAGE_ERROR, dumps({"error": type(exc).__name__, "message": str(exc)})
-        except Exception as exc:  # an env bug: the episode is lost, the worker lives on
+        except Exception as exc:  # noqa: BLE001 - an env bug loses the episode; the worker lives on
             self._discard(episode)
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             return STATUS_ENV_ERROR, dumps({"error": type(exc).__name__, "message": detail})
@@ -80,11 +81,20 @@ class EnvHost:
         env = self.envs.get(episode)
         if env is None:
             return STATUS_USAGE_ERROR, dumps(
-                {"error": "ResetNeededError", "message": f"episode {episode} has no env here; reset it first"}
+                {
+                    "error": "ResetNeededError",
+                    "message": f"episode {episode} has no env here; reset it first",
+                }
             )
         observation, reward, terminated, truncated, info = env.step(body.decode())
         return STATUS_OK, dumps(
-            {"terminated": terminated, "truncated": truncated, "reward": reward, "observation": observation, "info": info}
+            {
+                "terminated": terminated,
+                "truncated": truncated,
+                "reward": reward,
+                "observation": observation,
+                "info": info,
+            }
         )
 
     def _reset(self, episode: int, body: bytes) -> tuple[int, bytes]:
@@ -108,17 +118,13 @@ class EnvHost:
     def _discard(self, episode: int) -> None:
         env = self.envs.pop(episode, None)
         if env is not None:
-            try:
+            with contextlib.suppress(Exception):  # an env bug must not stop the cleanup
                 env.close()
-            except Exception:
-                pass
 
     def close(self) -> None:
         """Close every env this host holds."""
         for env in [*self.envs.values(), *self.idle]:
-            try:
+            with contextlib.suppress(Exception):  # an env bug must not stop the cleanup
                 env.close()
-            except Exception:
-                pass
         self.envs.clear()
         self.idle.clear()

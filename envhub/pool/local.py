@@ -39,7 +39,7 @@ from envhub.pool.base import STATUS_LOST, STATUS_OK, dumps
 from envhub.pool.errors import WorkerStartError
 from envhub.pool.host import EnvHost, spec_factory
 
-__all__ = ["ProcessWorker", "InlineWorker", "WorkerBase"]
+__all__ = ["InlineWorker", "ProcessWorker", "WorkerBase"]
 
 _REQ = struct.Struct("<IIBI")
 _RESP = struct.Struct("<IIB")
@@ -58,7 +58,9 @@ class WorkerBase:
         self.location = "?"
         self.on_dead = on_dead
         self._loop = asyncio.get_running_loop()
-        self._pending: collections.deque[tuple[int, int, asyncio.Future[tuple[int, bytes]]]] = collections.deque()
+        self._pending: collections.deque[tuple[int, int, asyncio.Future[tuple[int, bytes]]]] = (
+            collections.deque()
+        )
         self._head_since = 0.0
         self._alive = False
         self._dead_reason: tuple[str, str] | None = None
@@ -104,7 +106,15 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
 
     kind = "process"
 
-    def __init__(self, name: str, env: Any, env_kwargs: dict[str, Any], on_dead: DeathCallback, *, start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        name: str,
+        env: Any,
+        env_kwargs: dict[str, Any],
+        on_dead: DeathCallback,
+        *,
+        start_timeout_s: float = 60.0,
+    ) -> None:
         WorkerBase.__init__(self, name, on_dead)
         self._setup = pickle.dumps((env, env_kwargs))
         self._start_timeout_s = start_timeout_s
@@ -123,7 +133,7 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         try:
-            self._proc = subprocess.Popen(
+            self._proc = subprocess.Popen(  # noqa: ASYNC220 - returns once forked; I/O is async
                 [sys.executable, "-m", "envhub.pool._child", str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 env=env,
@@ -139,7 +149,7 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
         ready = self.submit(0, 0, self._setup)
         try:
             status, body = await asyncio.wait_for(ready, self._start_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.kill("worker_crashed", "start timed out")
             raise WorkerStartError(
                 f"worker {self.name} did not start within {self._start_timeout_s:.0f} s; "
@@ -166,9 +176,16 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
     async def stop(self) -> None:
         self._stopping = True
         if self._alive and self._transport is not None:
-            self._transport.write_eof() if self._transport.can_write_eof() else self._transport.close()
+            if self._transport.can_write_eof():
+                self._transport.write_eof()
+            else:
+                self._transport.close()
             deadline = self._loop.time() + 5
-            while self._proc is not None and self._proc.poll() is None and self._loop.time() < deadline:
+            while (
+                self._proc is not None
+                and self._proc.poll() is None
+                and self._loop.time() < deadline
+            ):
                 await asyncio.sleep(0.02)
         self.kill("pool_closed", "the pool was closed")
 
@@ -247,7 +264,9 @@ class InlineWorker(WorkerBase):
 
     kind = "inline"
 
-    def __init__(self, name: str, env: Any, env_kwargs: dict[str, Any], on_dead: DeathCallback, **_: Any) -> None:
+    def __init__(
+        self, name: str, env: Any, env_kwargs: dict[str, Any], on_dead: DeathCallback, **_: Any
+    ) -> None:
         super().__init__(name, on_dead)
         self._host = EnvHost(spec_factory(env, env_kwargs))
         self.location = f"pid {os.getpid()} (inline)"
@@ -256,7 +275,9 @@ class InlineWorker(WorkerBase):
         try:
             self._host.idle.append(self._host.factory())
         except Exception as exc:
-            raise WorkerStartError(f"worker {self.name} could not build the env: {type(exc).__name__}: {exc}") from exc
+            raise WorkerStartError(
+                f"worker {self.name} could not build the env: {type(exc).__name__}: {exc}"
+            ) from exc
         self._alive = True
 
     def submit(self, op: int, episode: int, body: bytes) -> asyncio.Future[tuple[int, bytes]]:

@@ -13,7 +13,7 @@ import asyncio
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import orjson
 
@@ -34,7 +34,7 @@ from envhub.pool.base import (
 )
 from envhub.pool.errors import PoolClosedError, PoolFullError, UnknownEpisodeError
 
-__all__ = ["EnvPool", "Backend"]
+__all__ = ["Backend", "EnvPool"]
 
 Backend = Literal["process", "local", "inline", "ray"]
 _BACKENDS = ("process", "local", "inline", "ray")
@@ -74,16 +74,26 @@ class EnvPool:
             raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(_BACKENDS)}, got {backend!r}")
-        for name, value in (("step_timeout_s", step_timeout_s), ("start_timeout_s", start_timeout_s), ("reset_timeout_s", reset_timeout_s)):
-            if value is not None and not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
+        for name, value in (
+            ("step_timeout_s", step_timeout_s),
+            ("start_timeout_s", start_timeout_s),
+            ("reset_timeout_s", reset_timeout_s),
+        ):
+            if value is not None and not (
+                isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
+            ):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if max_episodes is not None and (not isinstance(max_episodes, int) or max_episodes < 1):
-            raise ValueError(f"max_episodes must be a positive int or None (unbounded), got {max_episodes!r}")
+            raise ValueError(
+                f"max_episodes must be a positive int or None (unbounded), got {max_episodes!r}"
+            )
         from envhub.registry import EnvSpec, spec
 
         self.spec: EnvSpec = spec(env) if isinstance(env, str) else env
         if not isinstance(self.spec, EnvSpec):
-            raise TypeError(f"env must be an env id or an EnvSpec, got {type(env).__name__}: {env!r:.80}")
+            raise TypeError(
+                f"env must be an env id or an EnvSpec, got {type(env).__name__}: {env!r:.80}"
+            )
         self.env_id = self.spec.id
         self.backend = "process" if backend == "local" else backend
         self.num_workers = num_workers
@@ -118,7 +128,9 @@ class EnvPool:
         async with self._start_lock:
             if self._started:
                 return
-            results = await asyncio.gather(*(self._spawn(slot) for slot in range(self.num_workers)), return_exceptions=True)
+            results = await asyncio.gather(
+                *(self._spawn(slot) for slot in range(self.num_workers)), return_exceptions=True
+            )
             errors = [r for r in results if isinstance(r, BaseException)]
             if errors:
                 await self.aclose()
@@ -161,7 +173,7 @@ class EnvPool:
             try:
                 await self._spawn(slot)
                 return
-            except Exception as exc:  # keep trying: a crash loop must not take the pool down
+            except Exception as exc:  # noqa: BLE001 - a crash loop must not take the pool down
                 self.last_worker_error = f"{type(exc).__name__}: {exc}"
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
@@ -178,8 +190,21 @@ class EnvPool:
             if ep.worker is worker and ep.failure is None:
                 own = ep.id == culprit or culprit < 0
                 why = reason if own else "worker_lost"
-                text = detail if own else f"{detail} (while serving episode {culprit}; this episode shared the worker)"
-                ep.failure = EpisodeFailure(ep.id, why, text, worker.name, ep.turn)  # type: ignore[arg-type]
+                text = (
+                    detail
+                    if own
+                    else (
+                        f"{detail} (while serving episode {culprit}; this episode shared the "
+                        "worker)"
+                    )
+                )
+                ep.failure = EpisodeFailure(
+                    ep.id,
+                    why,  # type: ignore[arg-type]
+                    text,
+                    worker.name,
+                    ep.turn,
+                )
                 self._failures += 1
         if self._started:
             self._restarts += 1
@@ -198,14 +223,21 @@ class EnvPool:
                 if worker is None or not worker.alive or not worker.inflight:
                     continue
                 head = self._episodes.get(worker.head_episode)
-                limit = self.reset_timeout_s if head is not None and head.op == OP_RESET else self.step_timeout_s
+                limit = (
+                    self.reset_timeout_s
+                    if head is not None and head.op == OP_RESET
+                    else self.step_timeout_s
+                )
                 waited = now - worker.head_since
                 if waited > limit:
                     what = "reset" if head is not None and head.op == OP_RESET else "step"
                     worker.kill(
                         "step_timeout",
-                        f"episode {worker.head_episode}'s {what} ran {waited:.1f} s, past the {limit:g} s timeout; "
-                        f"worker {worker.name} ({worker.location}) was killed and is being replaced",
+                        (
+                            f"episode {worker.head_episode}'s {what} ran {waited:.1f} s, past the "
+                            f"{limit:g} s timeout; worker {worker.name} ({worker.location}) was "
+                            "killed and is being replaced"
+                        ),
                     )
 
     async def aclose(self) -> None:
@@ -218,7 +250,9 @@ class EnvPool:
                 task.cancel()
         for ep in self._episodes.values():
             if ep.failure is None:
-                ep.failure = EpisodeFailure(ep.id, "pool_closed", "the pool was closed", ep.worker.name, ep.turn)
+                ep.failure = EpisodeFailure(
+                    ep.id, "pool_closed", "the pool was closed", ep.worker.name, ep.turn
+                )
         workers = [w for w in self._slots if w is not None]
         self._slots = [None] * self.num_workers
         await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
@@ -237,11 +271,11 @@ class EnvPool:
                 worker.kill("pool_closed", "the pool was closed")
         self._slots = [None] * self.num_workers
 
-    async def __aenter__(self) -> EnvPool:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     # ------------------------------------------------------------------ placement
@@ -257,7 +291,11 @@ class EnvPool:
             if not full:
                 best = -1
                 for slot, worker in enumerate(self._slots):
-                    if worker is not None and worker.alive and (best < 0 or self._per_slot[slot] < self._per_slot[best]):
+                    if (
+                        worker is not None
+                        and worker.alive
+                        and (best < 0 or self._per_slot[slot] < self._per_slot[best])
+                    ):
                         best = slot
                 if best >= 0:
                     return self._slots[best], best
@@ -268,16 +306,27 @@ class EnvPool:
                     if full
                     else f"no worker is running (last error: {self.last_worker_error or 'none'})"
                 )
-                raise PoolFullError(f"{self.env_id}: {why} after waiting {wait_s:g} s; close finished episodes or raise max_episodes/num_workers")
+                raise PoolFullError(
+                    f"{self.env_id}: {why} after waiting {wait_s:g} s; close finished episodes or "
+                    "raise max_episodes/num_workers"
+                )
             async with changed:  # type: ignore[union-attr]
                 try:
-                    await asyncio.wait_for(changed.wait(), timeout=min(remaining or 1.0, 1.0))  # type: ignore[union-attr]
-                except asyncio.TimeoutError:
+                    await asyncio.wait_for(
+                        changed.wait(),  # type: ignore[union-attr]
+                        timeout=min(remaining or 1.0, 1.0),
+                    )
+                except TimeoutError:
                     pass
 
     # ------------------------------------------------------------------ the API
     async def reset_json(
-        self, episode: int | None = None, *, seed: int | None = None, options: dict[str, Any] | None = None, wait_s: float | None = None
+        self,
+        episode: int | None = None,
+        *,
+        seed: int | None = None,
+        options: dict[str, Any] | None = None,
+        wait_s: float | None = None,
     ) -> tuple[int, bytes] | EpisodeFailure:
         """Like ``reset`` but return ``(episode, JSON bytes of {observation, info})``."""
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
@@ -285,13 +334,18 @@ class EnvPool:
         try:  # encode before placing: a refused reset must not hold a slot
             payload = dumps([seed, options or {}])
         except (TypeError, ValueError) as e:
-            raise TypeError(f"reset(seed={seed!r:.40}, options=...) cannot be sent to the env worker: {e}; "
-                            "seeds must fit in 64 bits and options must be JSON (str keys, 64-bit ints)") from None
+            raise TypeError(
+                f"reset(seed={seed!r:.40}, options=...) cannot be sent to the env worker: {e}; "
+                "seeds must fit in 64 bits and options must be JSON (str keys, 64-bit ints)"
+            ) from None
         if not self._started:
             await self.start()
         ep = self._episodes.get(episode) if episode is not None else None
         if episode is not None and ep is None:
-            raise UnknownEpisodeError(f"episode {episode} is not in this pool; call reset() without an episode to start one")
+            raise UnknownEpisodeError(
+                f"episode {episode} is not in this pool; call reset() without an episode to start "
+                "one"
+            )
         if ep is not None and ep.failure is not None:  # a fresh env on a live worker, same id
             self._drop(ep)
             ep = None
@@ -309,7 +363,12 @@ class EnvPool:
         return self._not_ok(ep, status, body)
 
     async def reset(
-        self, episode: int | None = None, *, seed: int | None = None, options: dict[str, Any] | None = None, wait_s: float | None = None
+        self,
+        episode: int | None = None,
+        *,
+        seed: int | None = None,
+        options: dict[str, Any] | None = None,
+        wait_s: float | None = None,
     ) -> ResetResult | EpisodeFailure:
         """Start an episode (or restart ``episode`` in place); see ``envhub.pool``."""
         result = await self.reset_json(episode, seed=seed, options=options, wait_s=wait_s)
@@ -319,14 +378,20 @@ class EnvPool:
         return ResetResult(result[0], data["observation"], data["info"])
 
     async def step_json(self, episode: int, action: str) -> bytes | EpisodeFailure:
-        """Like ``step`` but return the JSON bytes of ``{observation, reward, terminated, truncated, info}``."""
+        """Like ``step`` but return the JSON bytes of ``{observation, reward, terminated, truncated,
+        info}``."""
         ep = self._episodes.get(episode)
         if ep is None:
-            raise UnknownEpisodeError(f"episode {episode} is not in this pool; call reset() to start an episode first")
+            raise UnknownEpisodeError(
+                f"episode {episode} is not in this pool; call reset() to start an episode first"
+            )
         if ep.failure is not None:
             return ep.failure
         if not isinstance(action, str):
-            raise TypeError(f"step() takes the model's text as a str, got {type(action).__name__}: {action!r:.80}")
+            raise TypeError(
+                f"step() takes the model's text as a str, got {type(action).__name__}: "
+                f"{action!r:.80}"
+            )
         ep.op = OP_STEP
         status, body = await ep.worker.submit(OP_STEP, episode, action.encode())
         if status == STATUS_OK:
@@ -341,7 +406,9 @@ class EnvPool:
         if isinstance(result, EpisodeFailure):
             return result
         d = orjson.loads(result)
-        return StepResult(episode, d["observation"], d["reward"], d["terminated"], d["truncated"], d["info"])
+        return StepResult(
+            episode, d["observation"], d["reward"], d["terminated"], d["truncated"], d["info"]
+        )
 
     async def close_episode(self, episode: int) -> None:
         """Free the episode's slot (its env is kept for reuse). Unknown ids are ignored."""
@@ -362,12 +429,20 @@ class EnvPool:
     def _not_ok(self, ep: _Episode, status: int, body: bytes) -> EpisodeFailure:
         data = orjson.loads(body)
         if status == STATUS_ENV_ERROR:
-            ep.failure = EpisodeFailure(ep.id, "env_error", data.get("message", ""), ep.worker.name, ep.turn)
+            ep.failure = EpisodeFailure(
+                ep.id, "env_error", data.get("message", ""), ep.worker.name, ep.turn
+            )
             self._failures += 1
             return ep.failure
         if status == STATUS_LOST:
             if ep.failure is None:  # the death callback names it; this is a fallback
-                ep.failure = EpisodeFailure(ep.id, data.get("reason", "worker_lost"), data.get("detail", ""), ep.worker.name, ep.turn)
+                ep.failure = EpisodeFailure(
+                    ep.id,
+                    data.get("reason", "worker_lost"),
+                    data.get("detail", ""),
+                    ep.worker.name,
+                    ep.turn,
+                )
                 self._failures += 1
             return ep.failure
         error = _USAGE_ERRORS.get(data.get("error", ""), EpisodeError)

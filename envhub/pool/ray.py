@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import os
 from typing import Any
 
@@ -29,9 +30,13 @@ from envhub.pool.errors import RayConnectError, WorkerStartError
 from envhub.pool.host import EnvHost, spec_factory
 from envhub.pool.local import DeathCallback, WorkerBase
 
-__all__ = ["RayWorker", "DEFAULT_RAY_OPTIONS", "connect"]
+__all__ = ["DEFAULT_RAY_OPTIONS", "RayWorker", "connect"]
 
-DEFAULT_RAY_OPTIONS: dict[str, Any] = {"num_cpus": 1, "scheduling_strategy": "SPREAD", "max_restarts": 0}
+DEFAULT_RAY_OPTIONS: dict[str, Any] = {
+    "num_cpus": 1,
+    "scheduling_strategy": "SPREAD",
+    "max_restarts": 0,
+}
 
 
 class RayEnvHost:
@@ -54,11 +59,11 @@ class RayEnvHost:
 
 
 def connect(address: str | None) -> None:
-    """Join the Ray cluster at ``address`` (``host:port`` or ``auto``; None: ``RAY_ADDRESS``, else a new
-    local Ray). No-op when this process is connected already. Raises :class:`RayConnectError`.
+    """Join the Ray cluster at ``address`` (``host:port`` or ``auto``; None: ``RAY_ADDRESS``, else a
+    new local Ray). No-op when this process is connected already. Raises :class:`RayConnectError`.
 
-    A ``host:port`` is first probed with one TCP connection (5 s): Ray itself retries an address where
-    nothing listens for minutes before it gives up."""
+    A ``host:port`` is first probed with one TCP connection (5 s): Ray itself retries an address
+    where nothing listens for minutes before it gives up."""
     import ray
 
     if ray.is_initialized():
@@ -72,10 +77,11 @@ def connect(address: str | None) -> None:
 
 
 _FIND_THE_ADDRESS = (
-    "Use the address `ray start --head` printed (\"ray start --address='IP:PORT'\": the head advertises this "
-    "machine's interface address, not 127.0.0.1, even with --node-ip-address 127.0.0.1; both reach it from the "
-    "head machine) and check it with `ray status --address IP:PORT`; or use --address auto on a node of the "
-    "cluster. If the cluster uses token authentication (`ray start` says \"Token authentication is enabled\"), "
+    "Use the address `ray start --head` printed (\"ray start --address='IP:PORT'\": the head "
+    "advertises this machine's interface address, not 127.0.0.1, even with --node-ip-address "
+    "127.0.0.1; both reach it from the head machine) and check it with "
+    "`ray status --address IP:PORT`; or use --address auto on a node of the cluster. If the "
+    'cluster uses token authentication (`ray start` says "Token authentication is enabled"), '
     "set RAY_AUTH_MODE=token as well."
 )
 
@@ -90,8 +96,10 @@ def _probe(address: str | None) -> None:
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
     except OSError as error:
-        raise RayConnectError(f"could not join the Ray cluster at {address!r}: nothing accepts connections "
-                              f"there ({error}). {_FIND_THE_ADDRESS}") from error
+        raise RayConnectError(
+            f"could not join the Ray cluster at {address!r}: nothing accepts connections "
+            f"there ({error}). {_FIND_THE_ADDRESS}"
+        ) from error
 
 
 def _connect_problem(address: str | None, exc: BaseException) -> str:
@@ -104,14 +112,18 @@ def _connect_problem(address: str | None, exc: BaseException) -> str:
     said = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
     where = f"the Ray cluster at {address!r}" if address else "a Ray cluster"
     mode = os.environ.get("RAY_AUTH_MODE")
-    if any(type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e) for e in chain):
+    if any(
+        type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e) for e in chain
+    ):
         return (
-            f"could not join {where}: it uses token authentication and this process sent no valid token "
-            f"(RAY_AUTH_MODE={mode or 'unset'}; Ray said: {said}). `ray start --head` turns token authentication on "
-            "whenever a token exists (~/.ray/auth_token, which any earlier local Ray writes). Fix: set "
-            "RAY_AUTH_MODE=token for envhub, with the cluster's token in ~/.ray/auth_token (copy it from the head "
-            "node), RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; or use --address auto on a node of the cluster; or start "
-            "the cluster with RAY_AUTH_MODE=disabled (then anyone who reaches it can run code on it)."
+            f"could not join {where}: it uses token authentication and this process sent no valid "
+            f"token (RAY_AUTH_MODE={mode or 'unset'}; Ray said: {said}). `ray start --head` turns "
+            "token authentication on whenever a token exists (~/.ray/auth_token, which any "
+            "earlier local Ray writes). Fix: set RAY_AUTH_MODE=token for envhub, with the "
+            "cluster's token in ~/.ray/auth_token (copy it from the head node), "
+            "RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN; or use --address auto on a node of the "
+            "cluster; or start the cluster with RAY_AUTH_MODE=disabled (then anyone who reaches "
+            "it can run code on it)."
         )
     return f"could not join {where} ({type(exc).__name__}: {said}). {_FIND_THE_ADDRESS}"
 
@@ -156,18 +168,25 @@ class RayWorker(WorkerBase):
         import ray
 
         connect(os.environ.get("RAY_ADDRESS"))
-        self._actor = _remote_class().options(name=None, **self._options).remote(self._env, self._env_kwargs)
+        self._actor = (
+            _remote_class().options(name=None, **self._options).remote(self._env, self._env_kwargs)
+        )
         try:
-            where = await asyncio.wait_for(asyncio.wrap_future(self._actor.where.remote().future()), self._start_timeout_s)
-        except asyncio.TimeoutError:
+            where = await asyncio.wait_for(
+                asyncio.wrap_future(self._actor.where.remote().future()), self._start_timeout_s
+            )
+        except TimeoutError:
             ray.kill(self._actor, no_restart=True)
             raise WorkerStartError(
-                f"ray worker {self.name} was not placed within {self._start_timeout_s:.0f} s; the cluster may lack "
-                f"the resources it asks for ({self._options}); check `ray status` or lower num_workers"
+                f"ray worker {self.name} was not placed within {self._start_timeout_s:.0f} s; the "
+                f"cluster may lack the resources it asks for ({self._options}); check "
+                "`ray status` or lower num_workers"
             ) from None
         except Exception as exc:
             ray.kill(self._actor, no_restart=True)
-            raise WorkerStartError(f"ray worker {self.name} could not build the env: {exc}") from exc
+            raise WorkerStartError(
+                f"ray worker {self.name} could not build the env: {exc}"
+            ) from exc
         self.node_id, self.pid = where["node_id"], where["pid"]
         self.location = self.node_id
         self._alive = True
@@ -182,7 +201,9 @@ class RayWorker(WorkerBase):
         self._pending.append(entry)
         ref = self._actor.handle.remote(op, episode, body)
         loop = self._loop
-        ref.future().add_done_callback(lambda done: loop.call_soon_threadsafe(self._finish, entry, done))
+        ref.future().add_done_callback(
+            lambda done: loop.call_soon_threadsafe(self._finish, entry, done)
+        )
         return future
 
     def _finish(self, entry: tuple[int, int, asyncio.Future[tuple[int, bytes]]], done: Any) -> None:
@@ -191,8 +212,14 @@ class RayWorker(WorkerBase):
             return
         try:
             result = done.result()
-        except Exception as exc:
-            self._die("worker_crashed", f"ray worker {self.name} on node {self.node_id[:12]} (pid {self.pid}) died: {type(exc).__name__}: {str(exc)[:300]}")
+        except Exception as exc:  # noqa: BLE001 - any error from the actor call: the worker is lost
+            self._die(
+                "worker_crashed",
+                (
+                    f"ray worker {self.name} on node {self.node_id[:12]} (pid {self.pid}) died: "
+                    f"{type(exc).__name__}: {str(exc)[:300]}"
+                ),
+            )
             return
         if self._pending and self._pending[0] is entry:
             self._pending.popleft()
@@ -208,18 +235,12 @@ class RayWorker(WorkerBase):
         if self._actor is not None:
             import ray
 
-            try:
+            with contextlib.suppress(Exception):  # the actor may be gone already
                 ray.kill(self._actor, no_restart=True)
-            except Exception:
-                pass
         self._die(reason, detail)
 
     async def stop(self) -> None:
         if self._alive and self._actor is not None:
-            try:
+            with contextlib.suppress(Exception):  # a clean close if it can; kill() follows anyway
                 await asyncio.wait_for(asyncio.wrap_future(self._actor.close.remote().future()), 5)
-            except Exception:
-                pass
         self.kill("pool_closed", "the pool was closed")
-
-

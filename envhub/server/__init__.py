@@ -8,7 +8,7 @@ routes), ``config``. Nothing here is imported by ``import envhub``.
 
 from __future__ import annotations
 
-__all__ = ["create_app", "HubConfig"]
+__all__ = ["HubConfig", "create_app"]
 
 
 def __getattr__(name: str) -> object:

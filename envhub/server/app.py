@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from fastapi import Depends, FastAPI, Request
@@ -31,7 +31,19 @@ from envhub.pool.errors import PoolClosedError, PoolFullError
 from envhub.server.config import HubConfig
 from envhub.server.errors import SessionLimitError
 from envhub.server.hub import Hub
-from envhub.server.wire import MAX_SEED, MAX_SEQ, EnvInfo, EnvList, ErrorMessage, Health, ProtocolSchema, RolloutRequest, RolloutResponse, client_message, server_message
+from envhub.server.wire import (
+    MAX_SEED,
+    MAX_SEQ,
+    EnvInfo,
+    EnvList,
+    ErrorMessage,
+    Health,
+    ProtocolSchema,
+    RolloutRequest,
+    RolloutResponse,
+    client_message,
+    server_message,
+)
 from envhub.server.ws import session_endpoint
 
 __all__ = ["create_app"]
@@ -72,8 +84,24 @@ class BodyLimit:
             await self._too_large(send)
 
     async def _too_large(self, send: Any) -> None:
-        body = ErrorMessage(code="message_too_large", message=f"request body is over the {self.limit} byte limit").model_dump_json().encode()
-        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        body = (
+            ErrorMessage(
+                code="message_too_large",
+                message=f"request body is over the {self.limit} byte limit",
+            )
+            .model_dump_json()
+            .encode()
+        )
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -87,34 +115,52 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 }
 _BODY_ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorMessage, "description": "The body is not JSON."},
-    422: {"model": ErrorMessage, "description": "The body does not match the schema (the field and the fix are named)."},
+    422: {
+        "model": ErrorMessage,
+        "description": "The body does not match the schema (the field and the fix are named).",
+    },
 }
 _STATUS_CODES = {400: "bad_json", 401: "unauthorized", 404: "not_found", 413: "message_too_large"}
 """Error codes for the framework's own HTTP errors (anything else is ``bad_message``)."""
 
 
-def _error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(ErrorMessage(code=code, message=message).model_dump(), status_code=status, headers=headers)  # type: ignore[arg-type]
+def _error_response(
+    status: int, code: str, message: str, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    body = ErrorMessage(code=code, message=message).model_dump()  # type: ignore[arg-type]
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _add_error_handlers(app: FastAPI, hub: Hub) -> None:
-    """Every failure answers an ``ErrorMessage`` with a code, never FastAPI's bare ``detail`` or a text 500."""
+    """Every failure answers an ``ErrorMessage`` with a code, never FastAPI's bare ``detail`` or a
+    text 500."""
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
-        return _error_response(exc.status, exc.code, exc.message, {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None)
+        return _error_response(
+            exc.status,
+            exc.code,
+            exc.message,
+            {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
         if errors and errors[0].get("type") == "json_invalid":
             hub.metrics.errors.labels("bad_json").inc()
-            return _error_response(400, "bad_json", f"the body is not valid JSON: {errors[0].get('msg', '')}; send one JSON object")
+            return _error_response(
+                400,
+                "bad_json",
+                f"the body is not valid JSON: {errors[0].get('msg', '')}; send one JSON object",
+            )
         first = errors[0] if errors else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
         what = str(first.get("msg", "invalid")).removeprefix("Value error, ")
         hub.metrics.errors.labels("bad_message").inc()
-        return _error_response(422, "bad_message", f"{where}: {what} (see GET /openapi.json for the schema)")
+        return _error_response(
+            422, "bad_message", f"{where}: {what} (see GET /openapi.json for the schema)"
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _framework(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -127,7 +173,14 @@ def _add_error_handlers(app: FastAPI, hub: Hub) -> None:
     @app.exception_handler(Exception)
     async def _crash(request: Request, exc: Exception) -> JSONResponse:  # a bug in the hub
         hub.metrics.errors.labels("internal").inc()
-        return _error_response(500, "internal", f"the hub failed on {request.method} {request.url.path} ({type(exc).__name__}: {exc}); report it")
+        return _error_response(
+            500,
+            "internal",
+            (
+                f"the hub failed on {request.method} {request.url.path} ({type(exc).__name__}: "
+                f"{exc}); report it"
+            ),
+        )
 
 
 def _exact_bounds(app: FastAPI) -> None:
@@ -173,22 +226,34 @@ def create_app(config: HubConfig) -> FastAPI:
     app = FastAPI(
         title="envhub hub",
         version=__version__,
-        description="Serve envhub environments over WebSocket sessions (/v1/session) and HTTP one-shot calls.",
+        description=(
+            "Serve envhub environments over WebSocket sessions (/v1/session) and HTTP one-shot "
+            "calls."
+        ),
         lifespan=lifespan,
     )
     app.state.hub = hub
 
-    def auth(credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    def auth(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
         header = f"{credentials.scheme} {credentials.credentials}" if credentials else None
         if not hub.authorised(header):
             hub.metrics.rejected.labels("unauthorized").inc()
-            raise HTTPError(401, "unauthorized", "missing or wrong token: send the header 'Authorization: Bearer <token>'")
+            raise HTTPError(
+                401,
+                "unauthorized",
+                "missing or wrong token: send the header 'Authorization: Bearer <token>'",
+            )
 
     _add_error_handlers(app, hub)
 
-    @app.get("/health", response_model=Health, responses={503: {"model": Health, "description": "Draining."}})
+    @app.get(
+        "/health",
+        response_model=Health,
+        responses={503: {"model": Health, "description": "Draining."}},
+    )
     async def health() -> Any:
-        """Liveness: 200 while serving (``degraded`` lists what clients would hit), 503 while draining (no token needed)."""
+        """Liveness: 200 while serving (``degraded`` lists what clients would hit), 503 while
+        draining (no token needed)."""
         stats = [pool.stats() for pool in hub.pools.values()]
         problems = hub.problems()
         body = Health(
@@ -200,7 +265,12 @@ def create_app(config: HubConfig) -> FastAPI:
         )
         return JSONResponse(body.model_dump(), status_code=503 if hub.draining else 200)
 
-    @app.get("/metrics", response_class=PlainTextResponse, dependencies=[Depends(auth)], responses=_ERRORS)
+    @app.get(
+        "/metrics",
+        response_class=PlainTextResponse,
+        dependencies=[Depends(auth)],
+        responses=_ERRORS,
+    )
     async def metrics() -> PlainTextResponse:
         """Prometheus metrics: sessions, steps, step latency, worker restarts, errors."""
         return PlainTextResponse(hub.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -211,13 +281,29 @@ def create_app(config: HubConfig) -> FastAPI:
         infos = []
         for env_id, pool in hub.pools.items():
             spec, stats = hub.specs[env_id], pool.stats()
-            infos.append(EnvInfo(id=env_id, description=spec.description, max_turns=spec.kwargs.get("max_turns", spec.max_turns), workers=stats.workers, workers_alive=stats.workers_alive, episodes=stats.episodes))
+            infos.append(
+                EnvInfo(
+                    id=env_id,
+                    description=spec.description,
+                    max_turns=spec.kwargs.get("max_turns", spec.max_turns),
+                    workers=stats.workers,
+                    workers_alive=stats.workers_alive,
+                    episodes=stats.episodes,
+                )
+            )
         return EnvList(envs=infos)
 
-    @app.get("/v1/protocol", response_model=ProtocolSchema, dependencies=[Depends(auth)], responses=_ERRORS)
+    @app.get(
+        "/v1/protocol",
+        response_model=ProtocolSchema,
+        dependencies=[Depends(auth)],
+        responses=_ERRORS,
+    )
     async def protocol() -> ProtocolSchema:
         """JSON Schemas of the WebSocket messages (client -> server and server -> client)."""
-        return ProtocolSchema(client=client_message.json_schema(), server=server_message.json_schema())
+        return ProtocolSchema(
+            client=client_message.json_schema(), server=server_message.json_schema()
+        )
 
     @app.post(
         "/v1/rollout",
@@ -227,7 +313,10 @@ def create_app(config: HubConfig) -> FastAPI:
             **_ERRORS,
             **_BODY_ERRORS,
             404: {"model": ErrorMessage, "description": "Env not served."},
-            429: {"model": ErrorMessage, "description": "This client holds its limit of sessions and rollouts."},
+            429: {
+                "model": ErrorMessage,
+                "description": "This client holds its limit of sessions and rollouts.",
+            },
             503: {"model": ErrorMessage, "description": "Pool full or draining."},
         },
     )
@@ -238,10 +327,16 @@ def create_app(config: HubConfig) -> FastAPI:
         """
         pool = hub.pools.get(request.env)
         if pool is None:
-            raise HTTPError(404, "unknown_env", f"this hub does not serve {request.env!r}; it serves: {', '.join(hub.pools)}")
+            raise HTTPError(
+                404,
+                "unknown_env",
+                f"this hub does not serve {request.env!r}; it serves: {', '.join(hub.pools)}",
+            )
         if hub.draining:
             raise HTTPError(503, "draining", "the hub is shutting down; retry on another hub")
-        client = hub.client_key(http.headers.get("authorization"), http.client.host if http.client else None)
+        client = hub.client_key(
+            http.headers.get("authorization"), http.client.host if http.client else None
+        )
         try:
             hub.sessions.hold(client)
         except SessionLimitError as exc:
@@ -254,7 +349,9 @@ def create_app(config: HubConfig) -> FastAPI:
 
     async def _rollout(request: RolloutRequest, pool: Any) -> RolloutResponse:
         try:
-            started = await pool.reset_json(seed=request.seed, options=request.options, wait_s=hub.config.reset_wait_s)
+            started = await pool.reset_json(
+                seed=request.seed, options=request.options, wait_s=hub.config.reset_wait_s
+            )
         except PoolFullError as exc:
             raise HTTPError(503, "pool_busy", str(exc)) from exc
         except PoolClosedError as exc:
@@ -271,7 +368,9 @@ def create_app(config: HubConfig) -> FastAPI:
                 try:
                     result = await pool.step_json(episode, action)
                 except (ResetNeededError, EpisodeOverError) as exc:
-                    error = ErrorMessage(code="episode_over", message=f"action {len(steps)} was not applied: {exc}")
+                    error = ErrorMessage(
+                        code="episode_over", message=f"action {len(steps)} was not applied: {exc}"
+                    )
                     break
                 if isinstance(result, EpisodeFailure):
                     failure = result.as_dict()
@@ -280,7 +379,9 @@ def create_app(config: HubConfig) -> FastAPI:
                 hub.metrics.step_done(request.env, time.perf_counter() - began)
         finally:
             await pool.close_episode(episode)
-        return RolloutResponse(env=request.env, reset=orjson.loads(body), steps=steps, failure=failure, error=error)
+        return RolloutResponse(
+            env=request.env, reset=orjson.loads(body), steps=steps, failure=failure, error=error
+        )
 
     _exact_bounds(app)
     app.add_api_websocket_route("/v1/session", session_endpoint)

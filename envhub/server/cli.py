@@ -15,28 +15,89 @@ from typing import Any
 
 import click
 
-__all__ = ["serve", "run", "uvicorn_config"]
+__all__ = ["run", "serve", "uvicorn_config"]
 
 
 @click.command("serve")
 @click.option("--env", "envs", multiple=True, required=True, help="Env id to serve (repeatable).")
 @click.option("--workers", default=2, show_default=True, help="Workers per env.")
-@click.option("--backend", type=click.Choice(["local", "ray", "inline"]), default="local", show_default=True, help="local: worker processes; ray: Ray actors; inline: in the server process (trusted envs only).")
-@click.option("--address", "ray_address", default=None, help="Ray cluster address for --backend ray ('auto' joins the local cluster).")
+@click.option(
+    "--backend",
+    type=click.Choice(["local", "ray", "inline"]),
+    default="local",
+    show_default=True,
+    help=(
+        "local: worker processes; ray: Ray actors; inline: in the server process (trusted envs "
+        "only)."
+    ),
+)
+@click.option(
+    "--address",
+    "ray_address",
+    default=None,
+    help="Ray cluster address for --backend ray ('auto' joins the local cluster).",
+)
 @click.option("--host", default="127.0.0.1", show_default=True)
 @click.option("--port", default=8000, show_default=True)
-@click.option("--token", envvar="ENVHUB_TOKEN", default=None, help="Bearer token clients must send (or set ENVHUB_TOKEN).")
+@click.option(
+    "--token",
+    envvar="ENVHUB_TOKEN",
+    default=None,
+    help="Bearer token clients must send (or set ENVHUB_TOKEN).",
+)
 @click.option("--no-auth", is_flag=True, help="Serve without a token (loopback hosts only).")
-@click.option("--max-sessions", default=4096, show_default=True, help="Open sessions, all clients together.")
+@click.option(
+    "--max-sessions", default=4096, show_default=True, help="Open sessions, all clients together."
+)
 @click.option("--max-sessions-per-client", default=1024, show_default=True)
 @click.option("--max-message-bytes", default=1 << 20, show_default=True)
-@click.option("--idle-timeout", "idle_timeout_s", default=600.0, show_default=True, help="Close a connected session silent this long (s).")
-@click.option("--grace", "grace_s", default=120.0, show_default=True, help="How long a dropped session may be resumed (s).")
-@click.option("--step-timeout", "step_timeout_s", default=60.0, show_default=True, help="Kill a worker whose env call runs longer (s).")
-@click.option("--drain-timeout", "drain_timeout_s", default=30.0, show_default=True, help="On SIGTERM, time running episodes get to finish (s).")
-@click.option("--request-timeout", "request_timeout_s", default=10.0, show_default=True, help="Close a connection that has not sent its whole HTTP request or upgrade in this time (s).")
-@click.option("--max-unauthenticated", default=256, show_default=True, help="Connections without the token held at once; past it the oldest is closed.")
-@click.option("--log-level", default="warning", show_default=True, type=click.Choice(["critical", "error", "warning", "info", "debug"]))
+@click.option(
+    "--idle-timeout",
+    "idle_timeout_s",
+    default=600.0,
+    show_default=True,
+    help="Close a connected session silent this long (s).",
+)
+@click.option(
+    "--grace",
+    "grace_s",
+    default=120.0,
+    show_default=True,
+    help="How long a dropped session may be resumed (s).",
+)
+@click.option(
+    "--step-timeout",
+    "step_timeout_s",
+    default=60.0,
+    show_default=True,
+    help="Kill a worker whose env call runs longer (s).",
+)
+@click.option(
+    "--drain-timeout",
+    "drain_timeout_s",
+    default=30.0,
+    show_default=True,
+    help="On SIGTERM, time running episodes get to finish (s).",
+)
+@click.option(
+    "--request-timeout",
+    "request_timeout_s",
+    default=10.0,
+    show_default=True,
+    help="Close a connection that has not sent its whole HTTP request or upgrade in this time (s).",
+)
+@click.option(
+    "--max-unauthenticated",
+    default=256,
+    show_default=True,
+    help="Connections without the token held at once; past it the oldest is closed.",
+)
+@click.option(
+    "--log-level",
+    default="warning",
+    show_default=True,
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+)
 def serve(envs: tuple[str, ...], port: int, log_level: str, no_auth: bool, **settings: Any) -> None:
     """Serve environments to remote clients: envhub.make(ID, hub="ws://HOST:PORT", token=...)."""
     from pydantic import ValidationError
@@ -47,7 +108,13 @@ def serve(envs: tuple[str, ...], port: int, log_level: str, no_auth: bool, **set
     try:
         config = HubConfig(envs=list(envs), allow_no_auth=no_auth, **settings)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'settings'}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors())
+        problems = "; ".join(
+            (
+                f"{'.'.join(map(str, e['loc'])) or 'settings'}: "
+                f"{e['msg'].removeprefix('Value error, ')}"
+            )
+            for e in exc.errors()
+        )
         raise click.UsageError(problems) from None
     try:
         run(config, port=port, log_level=log_level)
@@ -62,28 +129,42 @@ def run(config: Any, *, port: int, log_level: str = "warning") -> None:
     from envhub.server.guard import raise_fd_limit
 
     if config.backend == "ray":
-        # Join before uvicorn starts: a failure is a clean error (exit 2) instead of a lifespan traceback, and
-        # uvicorn installs its SIGTERM handler (the drain) after ray.init installed its own.
+        # Join before uvicorn starts: a failure is a clean error (exit 2) instead of a lifespan
+        # traceback, and uvicorn installs its SIGTERM handler (the drain) after ray.init installed
+        # its own.
         from envhub.pool.ray import connect
 
         connect(config.ray_address)
     fd_limit = raise_fd_limit()
     app = create_app(config)
     guard = app.state.hub.guard
-    guard.max_unauthenticated = min(guard.max_unauthenticated, max(8, fd_limit // 4))  # flooders may take a quarter of the fds
+    # flooders may take a quarter of the fds
+    guard.max_unauthenticated = min(guard.max_unauthenticated, max(8, fd_limit // 4))
     if fd_limit < config.max_sessions + guard.max_unauthenticated + 64:
         click.echo(
-            f"envhub: warning: the open-file limit is {fd_limit}, below --max-sessions {config.max_sessions} plus headroom; "
-            "sessions past it will be refused: raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower --max-sessions",
+            (
+                f"envhub: warning: the open-file limit is {fd_limit}, below --max-sessions "
+                f"{config.max_sessions} plus headroom; sessions past it will be refused: raise the "
+                "hard limit (ulimit -Hn, LimitNOFILE=) or lower --max-sessions"
+            ),
             err=True,
         )
-    server = DrainingServer(uvicorn_config(app, port=port, log_level=log_level, loop="uvloop"), hub=app.state.hub)
-    click.echo(f"envhub: serving {', '.join(config.envs)} on ws://{config.host}:{port} (pid {os.getpid()})", err=True)
+    server = DrainingServer(
+        uvicorn_config(app, port=port, log_level=log_level, loop="uvloop"), hub=app.state.hub
+    )
+    click.echo(
+        (
+            f"envhub: serving {', '.join(config.envs)} on ws://{config.host}:{port} "
+            f"(pid {os.getpid()})"
+        ),
+        err=True,
+    )
     server.run()
 
 
 def uvicorn_config(app: Any, *, port: int, log_level: str = "warning", loop: str = "auto") -> Any:
-    """The ``uvicorn.Config`` a hub runs under: guarded httptools, sans-io websockets, the hub's size limits.
+    """The ``uvicorn.Config`` a hub runs under: guarded httptools, sans-io websockets, the hub's
+    size limits.
 
     Tests start their hubs with it too, so they exercise the same timeouts and guards.
     """
@@ -97,7 +178,8 @@ def uvicorn_config(app: Any, *, port: int, log_level: str = "warning", loop: str
         host=hub.config.host,
         port=port,
         loop=loop,
-        http=guarded_protocol(hub.guard),  # request read timeout, head size cap, cap on connections without the token
+        # request read timeout, head size cap, cap on connections without the token
+        http=guarded_protocol(hub.guard),
         ws="websockets-sansio",
         ws_max_size=2 * hub.config.max_message_bytes,
         ws_per_message_deflate=False,
@@ -142,6 +224,6 @@ def _server_class() -> Any:
     return _DrainingServer
 
 
-def DrainingServer(config: Any, *, hub: Any) -> Any:  # noqa: N802 - a class factory keeps uvicorn lazy
+def DrainingServer(config: Any, *, hub: Any) -> Any:  # a class-named factory: keeps uvicorn lazy
     """A ``uvicorn.Server`` that drains the hub on the first SIGTERM/SIGINT."""
     return _server_class()(config, hub)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from envhub.errors import EnvhubError
 
-__all__ = ["HubError", "HubConfigError", "SessionLimitError", "RemoteError", "SessionLostError"]
+__all__ = ["HubConfigError", "HubError", "RemoteError", "SessionLimitError", "SessionLostError"]
 
 
 class HubError(EnvhubError):

@@ -29,7 +29,7 @@ from typing import Any
 
 from envhub.server.wire import ErrorMessage
 
-__all__ = ["ConnectionGuard", "guarded_protocol", "raise_fd_limit", "MAX_HEAD_BYTES"]
+__all__ = ["MAX_HEAD_BYTES", "ConnectionGuard", "guarded_protocol", "raise_fd_limit"]
 
 MAX_HEAD_BYTES = 64 * 1024
 """Largest request head (request line + headers) accepted; real clients send well under 2 KiB."""
@@ -71,13 +71,17 @@ class ConnectionGuard:
     def arm(self, conn: Any) -> None:
         """Start the read deadline of ``conn``'s current request, unless one runs."""
         if conn.guard_timer is None:
-            conn.guard_timer = asyncio.get_running_loop().call_later(self.read_timeout_s, self.drop, conn, "request_timeout")
+            conn.guard_timer = asyncio.get_running_loop().call_later(
+                self.read_timeout_s, self.drop, conn, "request_timeout"
+            )
 
     def head_read(self, conn: Any, headers: list[tuple[bytes, bytes]]) -> None:
         """A request head arrived: a valid token makes the connection trusted."""
         if conn not in self.untrusted:
             return
-        header = next((value.decode("latin-1") for name, value in headers if name == b"authorization"), None)
+        header = next(
+            (value.decode("latin-1") for name, value in headers if name == b"authorization"), None
+        )
         if self.authorised(header):
             del self.untrusted[conn]
 
@@ -115,12 +119,20 @@ class ConnectionGuard:
 
     def refuse_head(self, conn: Any) -> None:
         """Answer 431 to a request head over the limit and close the connection."""
-        body = ErrorMessage(
-            code="message_too_large",
-            message=f"the request head is over the {self.max_head_bytes} byte limit; send shorter headers and URL",
-        ).model_dump_json().encode()
+        body = (
+            ErrorMessage(
+                code="message_too_large",
+                message=(
+                    f"the request head is over the {self.max_head_bytes} byte limit; send shorter "
+                    "headers and URL"
+                ),
+            )
+            .model_dump_json()
+            .encode()
+        )
         conn.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+            b"content-type: application/json\r\nconnection: close\r\n"
             b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
         )
         conn.transport.close()
@@ -134,7 +146,8 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        """``HttpToolsProtocol`` reporting its request phases to the guard (see the module docstring)."""
+        """``HttpToolsProtocol`` reporting its request phases to the guard (see the module
+        docstring)."""
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -154,7 +167,11 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
             if self.reading_head:  # bytes since the last complete request: the head being read
                 self.head_bytes += len(data)
             super().data_received(data)
-            if self.reading_head and self.head_bytes > guard.max_head_bytes and not self.transport.is_closing():
+            if (
+                self.reading_head
+                and self.head_bytes > guard.max_head_bytes
+                and not self.transport.is_closing()
+            ):
                 guard.refuse_head(self)
 
         def on_message_begin(self) -> None:
@@ -179,7 +196,8 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
 
 
 def raise_fd_limit() -> int:
-    """Lift the soft open-file limit to the hard one (each session is a socket); return the soft limit in force."""
+    """Lift the soft open-file limit to the hard one (each session is a socket); return the soft
+    limit in force."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

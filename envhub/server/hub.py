@@ -7,6 +7,7 @@ hold no state of their own; they call into the ``Hub`` kept on ``app.state.hub``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 
@@ -37,7 +38,8 @@ class Hub:
         )
         self.metrics = HubMetrics(lambda: self.pools, self.sessions.counts)
         self.awaiting_hello: dict[str, int] = {}
-        """WebSocket connections per client that are authenticated but have not sent ``hello`` yet."""
+        """WebSocket connections per client that are authenticated but have not sent ``hello``
+        yet."""
         self.draining = False
         self.drained = asyncio.Event()
         self._token = config.token.encode() if config.token else None
@@ -48,13 +50,15 @@ class Hub:
             authorised=self.authorised,
             on_drop=lambda reason: self.metrics.rejected.labels(reason).inc(),
         )
-        """Bounds connections that have not shown the token (used by ``envhub.server.cli.uvicorn_config``)."""
+        """Bounds connections that have not shown the token (used by
+        ``envhub.server.cli.uvicorn_config``)."""
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
-        """Start every pool and the reaper; raises ``WorkerStartError`` on a bad env, ``RayConnectError``
-        when ``--backend ray`` cannot join its cluster."""
-        if self.config.backend == "ray":  # `envhub serve` has joined already (envhub.server.cli.run)
+        """Start every pool and the reaper; raises ``WorkerStartError`` on a bad env,
+        ``RayConnectError`` when ``--backend ray`` cannot join its cluster."""
+        # `envhub serve` has joined already (envhub.server.cli.run)
+        if self.config.backend == "ray":
             from envhub.pool.ray import connect
 
             connect(self.config.ray_address)
@@ -70,7 +74,9 @@ class Hub:
             try:
                 await pool.start()
             except BaseException:
-                await asyncio.gather(*(p.aclose() for p in self.pools.values()), return_exceptions=True)
+                await asyncio.gather(
+                    *(p.aclose() for p in self.pools.values()), return_exceptions=True
+                )
                 raise
         self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
 
@@ -82,35 +88,45 @@ class Hub:
             if session.conn is not None:
                 session.conn.kick(1001, _going_away())
             await self.sessions.close(session, "shutdown")
-        await asyncio.gather(*(pool.aclose() for pool in self.pools.values()), return_exceptions=True)
+        await asyncio.gather(
+            *(pool.aclose() for pool in self.pools.values()), return_exceptions=True
+        )
 
     async def _reap_forever(self) -> None:
         while True:
-            await asyncio.sleep(min(1.0, self.config.idle_timeout_s / 4, max(self.config.grace_s / 4, 0.05)))
-            try:
+            await asyncio.sleep(
+                min(1.0, self.config.idle_timeout_s / 4, max(self.config.grace_s / 4, 0.05))
+            )
+            with contextlib.suppress(Exception):  # the reaper must outlive any one bad session
                 await self.sessions.reap()
                 self.metrics.tick()
-            except Exception:  # the reaper must outlive any one bad session
-                pass
 
     def _on_session_closed(self, session: Session, reason: str) -> None:
         self.metrics.sessions_closed.labels(reason).inc()
 
     # ------------------------------------------------------------------ health
     def problems(self) -> list[str]:
-        """What a client would hit now (a full pool, no live worker), one line each with the fix; empty when healthy."""
+        """What a client would hit now (a full pool, no live worker), one line each with the fix;
+        empty when healthy."""
         found = []
         if len(self.sessions.sessions) >= self.config.max_sessions:
-            found.append(f"the hub holds its maximum of {self.config.max_sessions} sessions; new ones get too_many_sessions (raise --max-sessions)")
+            found.append(
+                f"the hub holds its maximum of {self.config.max_sessions} sessions; new ones get "
+                "too_many_sessions (raise --max-sessions)"
+            )
         for env_id, pool in self.pools.items():
             stats = pool.stats()
             if stats.capacity is not None and stats.episodes >= stats.capacity:
                 found.append(
-                    f"{env_id}: all {stats.capacity} episode slots are in use; new resets wait {self.config.reset_wait_s:g} s, "
-                    "then get pool_busy (clients should close finished sessions; or raise --max-sessions)"
+                    f"{env_id}: all {stats.capacity} episode slots are in use; new resets wait "
+                    f"{self.config.reset_wait_s:g} s, then get pool_busy (clients should close "
+                    "finished sessions; or raise --max-sessions)"
                 )
             if stats.workers_alive == 0 and not pool.closed:
-                found.append(f"{env_id}: no worker is running (last error: {pool.last_worker_error or 'none yet'}); replacements are being started")
+                found.append(
+                    f"{env_id}: no worker is running (last error: "
+                    f"{pool.last_worker_error or 'none yet'}); replacements are being started"
+                )
         return found
 
     # ------------------------------------------------------------------ auth
@@ -154,8 +170,14 @@ class Hub:
 
 
 def _draining() -> str:
-    return '{"type":"draining","message":"the hub is shutting down: finish this episode; new sessions and resets are refused"}'
+    return (
+        '{"type":"draining","message":"the hub is shutting down: finish this episode; new '
+        'sessions and resets are refused"}'
+    )
 
 
 def _going_away() -> str:
-    return '{"type":"error","code":"draining","message":"the hub shut down; reconnect to another hub","seq":null}'
+    return (
+        '{"type":"error","code":"draining","message":"the hub shut down; reconnect to another '
+        'hub","seq":null}'
+    )

@@ -18,7 +18,24 @@ from envhub.server.wire import ErrorCode
 
 __all__ = ["HubMetrics"]
 
-_LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_LATENCY_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+)
 
 
 class _PoolCollector:
@@ -26,10 +43,20 @@ class _PoolCollector:
         self.pools = pools
 
     def collect(self) -> Any:
-        alive = GaugeMetricFamily("envhub_workers_alive", "Env workers running, per env.", labels=["env"])
-        episodes = GaugeMetricFamily("envhub_pool_episodes", "Open episodes in the pool, per env.", labels=["env"])
-        restarts = CounterMetricFamily("envhub_worker_restarts", "Workers replaced after a crash or hang.", labels=["env"])
-        failures = CounterMetricFamily("envhub_episode_failures", "Episodes lost to a crash, hang or env error.", labels=["env"])
+        alive = GaugeMetricFamily(
+            "envhub_workers_alive", "Env workers running, per env.", labels=["env"]
+        )
+        episodes = GaugeMetricFamily(
+            "envhub_pool_episodes", "Open episodes in the pool, per env.", labels=["env"]
+        )
+        restarts = CounterMetricFamily(
+            "envhub_worker_restarts", "Workers replaced after a crash or hang.", labels=["env"]
+        )
+        failures = CounterMetricFamily(
+            "envhub_episode_failures",
+            "Episodes lost to a crash, hang or env error.",
+            labels=["env"],
+        )
         for env_id, pool in self.pools().items():
             stats = pool.stats()
             alive.add_metric([env_id], stats.workers_alive)
@@ -61,7 +88,9 @@ class _StepMetrics:
 
     def collect(self) -> Any:
         steps = CounterMetricFamily("envhub_steps", "Env steps applied, per env.", labels=["env"])
-        latency = HistogramMetricFamily("envhub_step_latency_seconds", "Step latency seen by the hub, per env.", labels=["env"])
+        latency = HistogramMetricFamily(
+            "envhub_step_latency_seconds", "Step latency seen by the hub, per env.", labels=["env"]
+        )
         for env_id, counts in list(self.counts.items()):
             cumulative, buckets = 0, []
             for bound, count in zip([*map(str, _LATENCY_BUCKETS), "+Inf"], counts):
@@ -76,16 +105,28 @@ class _StepMetrics:
 class HubMetrics:
     """The hub's counters, gauges and histograms."""
 
-    def __init__(self, pools: Callable[[], dict[str, Any]], sessions: Callable[[], tuple[int, int]]) -> None:
+    def __init__(
+        self, pools: Callable[[], dict[str, Any]], sessions: Callable[[], tuple[int, int]]
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.sessions_gauge = Gauge("envhub_sessions", "Open sessions by state.", ["state"], registry=r)
+        self.sessions_gauge = Gauge(
+            "envhub_sessions", "Open sessions by state.", ["state"], registry=r
+        )
         self.sessions_opened = Counter("envhub_sessions_opened", "Sessions opened.", registry=r)
-        self.sessions_closed = Counter("envhub_sessions_closed", "Sessions closed, by reason.", ["reason"], registry=r)
-        self.resumes = Counter("envhub_session_resumes", "Sessions resumed after a dropped socket.", registry=r)
-        self.steps_per_second = Gauge("envhub_steps_per_second", "Steps per second over the last few seconds.", registry=r)
+        self.sessions_closed = Counter(
+            "envhub_sessions_closed", "Sessions closed, by reason.", ["reason"], registry=r
+        )
+        self.resumes = Counter(
+            "envhub_session_resumes", "Sessions resumed after a dropped socket.", registry=r
+        )
+        self.steps_per_second = Gauge(
+            "envhub_steps_per_second", "Steps per second over the last few seconds.", registry=r
+        )
         self.errors = Counter("envhub_errors", "Error replies sent, by code.", ["code"], registry=r)
-        self.rejected = Counter("envhub_rejected_connections", "Connections refused, by reason.", ["reason"], registry=r)
+        self.rejected = Counter(
+            "envhub_rejected_connections", "Connections refused, by reason.", ["reason"], registry=r
+        )
         for code in get_args(ErrorCode):  # every series exists from the start, at 0
             self.errors.labels(code)
         r.register(_PoolCollector(pools))

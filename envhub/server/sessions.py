@@ -16,6 +16,7 @@ surfaces, stay within ``max_sessions_per_client``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import secrets
 import time
@@ -26,7 +27,7 @@ import orjson
 
 from envhub.server.errors import SessionLimitError
 
-__all__ = ["Session", "SessionManager", "Connection", "error_reply"]
+__all__ = ["Connection", "Session", "SessionManager", "error_reply"]
 
 
 def error_reply(code: str, message: str, seq: int | None = None) -> str:
@@ -50,8 +51,21 @@ class Session:
     """One client's env session (see the module docstring)."""
 
     __slots__ = (
-        "id", "resume_key", "env_id", "client", "pool", "episode", "running", "last_seq",
-        "last_reply", "busy_seq", "waiters", "conn", "last_active", "detached_at", "closed",
+        "busy_seq",
+        "client",
+        "closed",
+        "conn",
+        "detached_at",
+        "env_id",
+        "episode",
+        "id",
+        "last_active",
+        "last_reply",
+        "last_seq",
+        "pool",
+        "resume_key",
+        "running",
+        "waiters",
     )
 
     def __init__(self, env_id: str, client: str, pool: Any) -> None:
@@ -83,15 +97,22 @@ class Session:
             self.waiters.append(future)
             return await future
         if self.busy_seq:
-            return error_reply("busy", f"request {self.busy_seq} is still running; send one request at a time", seq)
+            return error_reply(
+                "busy", f"request {self.busy_seq} is still running; send one request at a time", seq
+            )
         if seq != self.last_seq + 1:
             return error_reply(
-                "bad_seq", f"expected seq {self.last_seq + 1} (or {self.last_seq} to repeat the last request), got {seq}", seq
+                "bad_seq",
+                (
+                    f"expected seq {self.last_seq + 1} (or {self.last_seq} to repeat the last "
+                    f"request), got {seq}"
+                ),
+                seq,
             )
         self.busy_seq = seq
         try:
             reply = await work()
-        except Exception as exc:  # a bug in the hub: answer, keep the session usable
+        except Exception as exc:  # noqa: BLE001 - a bug in the hub: answer, keep the session usable
             reply = error_reply("internal", f"{type(exc).__name__}: {exc}", seq)
         finally:
             self.busy_seq = 0
@@ -129,7 +150,10 @@ class SessionManager:
         """A new session; ``SessionLimitError`` when a limit is reached."""
         if len(self.sessions) >= self.max_sessions:
             raise SessionLimitError(
-                f"the hub holds its maximum of {self.max_sessions} sessions; retry later or connect to another hub",
+                (
+                    f"the hub holds its maximum of {self.max_sessions} sessions; retry later or "
+                    "connect to another hub"
+                ),
                 "global",
             )
         self.hold(client)
@@ -138,12 +162,16 @@ class SessionManager:
         return session
 
     def hold(self, client: str) -> None:
-        """Count one more session (or running rollout) for ``client``; ``SessionLimitError`` past its limit."""
+        """Count one more session (or running rollout) for ``client``; ``SessionLimitError`` past
+        its limit."""
         held = self.per_client.get(client, 0)
         if held >= self.max_sessions_per_client:
             raise SessionLimitError(
-                f"this client already holds {held} sessions and rollouts (the limit per client is {self.max_sessions_per_client}); "
-                "close finished sessions (env.close()) or wait for running rollouts before starting more",
+                (
+                    f"this client already holds {held} sessions and rollouts (the limit per client "
+                    f"is {self.max_sessions_per_client}); close finished sessions (env.close()) or "
+                    "wait for running rollouts before starting more"
+                ),
                 "client",
             )
         self.per_client[client] = held + 1
@@ -157,7 +185,8 @@ class SessionManager:
             self.per_client.pop(client, None)
 
     def find(self, session_id: str, resume_key: str) -> Session | None:
-        """The session to resume, if the id exists and the key matches (compared as bytes: any text is safe)."""
+        """The session to resume, if the id exists and the key matches (compared as bytes: any text
+        is safe)."""
         session = self.sessions.get(session_id)
         given = resume_key.encode("utf-8", "surrogatepass")
         if session is None or not hmac.compare_digest(session.resume_key.encode(), given):
@@ -189,10 +218,8 @@ class SessionManager:
         if self.on_close is not None:
             self.on_close(session, reason)
         if session.episode is not None:
-            try:
+            with contextlib.suppress(Exception):  # the episode may be gone with its worker
                 await session.pool.close_episode(session.episode)
-            except Exception:
-                pass
 
     async def reap(self) -> int:
         """Close idle and abandoned sessions once; return how many were closed."""
@@ -209,7 +236,13 @@ class SessionManager:
         for session, reason in doomed:
             conn = session.conn
             if conn is not None:
-                conn.kick(4408, error_reply("idle_timeout", f"no message for {self.idle_timeout_s:g} s; the session was closed"))
+                conn.kick(
+                    4408,
+                    error_reply(
+                        "idle_timeout",
+                        f"no message for {self.idle_timeout_s:g} s; the session was closed",
+                    ),
+                )
             await self.close(session, reason)
         return len(doomed)
 

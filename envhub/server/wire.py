@@ -31,26 +31,35 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 import orjson
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, PlainValidator, StrictFloat, TypeAdapter, WithJsonSchema
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictFloat,
+    TypeAdapter,
+    WithJsonSchema,
+)
 from typing_extensions import TypeAliasType
 
 __all__ = [
-    "Strict",
-    "Hello",
-    "ResetRequest",
-    "StepRequest",
-    "CloseRequest",
     "ClientMessage",
-    "client_message",
-    "Welcome",
-    "ErrorMessage",
-    "ErrorCode",
+    "CloseRequest",
     "EnvInfo",
     "EnvList",
+    "ErrorCode",
+    "ErrorMessage",
     "Health",
+    "Hello",
+    "ProtocolSchema",
+    "ResetRequest",
     "RolloutRequest",
     "RolloutResponse",
-    "ProtocolSchema",
+    "StepRequest",
+    "Strict",
+    "Welcome",
+    "client_message",
 ]
 
 ErrorCode = Literal[
@@ -88,14 +97,19 @@ _UNENCODABLE = (
 
 
 def _encodable(value: Any) -> dict[str, Any]:
-    """``value`` if it is a JSON object the worker can encode (``orjson``), else a ``ValueError`` that says why."""
+    """``value`` if it is a JSON object the worker can encode (``orjson``), else a ``ValueError``
+    that says why."""
     if not isinstance(value, dict):
-        raise ValueError(f"must be a JSON object, got {type(value).__name__}")
+        # pydantic reports a ValueError as a validation error; a TypeError would escape it
+        raise ValueError(f"must be a JSON object, got {type(value).__name__}")  # noqa: TRY004
     try:
         orjson.dumps(value)
     except (TypeError, orjson.JSONEncodeError) as exc:
         why = next((plain for raw, plain in _UNENCODABLE if raw in str(exc)), str(exc))
-        raise ValueError(f"{why}; send plain JSON: integers within 64 bits, nesting under 255 levels, valid Unicode text") from None
+        raise ValueError(
+            f"{why}; send plain JSON: integers within 64 bits, nesting under 255 levels, valid "
+            "Unicode text"
+        ) from None
     return value
 
 
@@ -104,7 +118,9 @@ def _unicode(text: str) -> str:
     try:
         text.encode()
     except UnicodeEncodeError as exc:
-        raise ValueError(f"holds a lone surrogate at index {exc.start} (not valid Unicode); send UTF-8 text") from None
+        raise ValueError(
+            f"holds a lone surrogate at index {exc.start} (not valid Unicode); send UTF-8 text"
+        ) from None
     return text
 
 
@@ -120,9 +136,13 @@ JsonValue = TypeAliasType(
         dict[str, "JsonValue"],
     ],
 )
-"""What ``options`` may hold, as published in the schemas (integers within 64 bits; no depth in JSON Schema)."""
-JsonObject = Annotated[dict[str, Any], PlainValidator(_encodable, json_schema_input_type=dict[str, JsonValue])]
-"""A JSON object the hub can pass to a worker unchanged (checked by encoding it once, as the worker will)."""
+"""What ``options`` may hold, as published in the schemas (integers within 64 bits; no depth in JSON
+Schema)."""
+JsonObject = Annotated[
+    dict[str, Any], PlainValidator(_encodable, json_schema_input_type=dict[str, JsonValue])
+]
+"""A JSON object the hub can pass to a worker unchanged (checked by encoding it once, as the worker
+will)."""
 Text = Annotated[str, AfterValidator(_unicode)]
 """A string that encodes to UTF-8 (JSON escapes can spell lone surrogates; they are refused)."""
 Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
@@ -143,7 +163,9 @@ class Hello(Strict):
     env: str | None = Field(None, max_length=200, description="Env id for a new session.")
     session: str | None = Field(None, max_length=64, description="Session id to resume.")
     resume_key: str | None = Field(None, max_length=128, description="The key ``welcome`` gave.")
-    env_kwargs: dict[str, Any] | None = Field(None, description="Refused: the hub fixes env kwargs; serve a variant id.")
+    env_kwargs: dict[str, Any] | None = Field(
+        None, description="Refused: the hub fixes env kwargs; serve a variant id."
+    )
 
 
 class ResetRequest(Strict):
@@ -156,7 +178,9 @@ class ResetRequest(Strict):
 class StepRequest(Strict):
     type: Literal["step"]
     seq: Seq
-    action: str = Field(description="The model's text (WebSocket frames are UTF-8, so no lone surrogates get here).")
+    action: str = Field(
+        description="The model's text (WebSocket frames are UTF-8, so no lone surrogates get here)."
+    )
 
 
 class CloseRequest(Strict):
@@ -164,8 +188,12 @@ class CloseRequest(Strict):
     seq: Seq
 
 
-ClientMessage = Annotated[Hello | ResetRequest | StepRequest | CloseRequest, Field(discriminator="type")]
-client_message: TypeAdapter[Hello | ResetRequest | StepRequest | CloseRequest] = TypeAdapter(ClientMessage)
+ClientMessage = Annotated[
+    Hello | ResetRequest | StepRequest | CloseRequest, Field(discriminator="type")
+]
+client_message: TypeAdapter[Hello | ResetRequest | StepRequest | CloseRequest] = TypeAdapter(
+    ClientMessage
+)
 
 
 # ---------------------------------------------------------------------- server -> client
@@ -219,7 +247,13 @@ class DrainingMessage(Strict):
 
 
 ServerMessage = Annotated[
-    Welcome | ErrorMessage | ResetResultMessage | StepResultMessage | EpisodeFailedMessage | ClosedMessage | DrainingMessage,
+    Welcome
+    | ErrorMessage
+    | ResetResultMessage
+    | StepResultMessage
+    | EpisodeFailedMessage
+    | ClosedMessage
+    | DrainingMessage,
     Field(discriminator="type"),
 ]
 server_message: TypeAdapter[Any] = TypeAdapter(ServerMessage)
@@ -240,13 +274,17 @@ class EnvList(Strict):
 
 
 class Health(Strict):
-    """``/health``: ``degraded`` (still HTTP 200: the process is alive) lists in ``problems`` what a client would hit."""
+    """``/health``: ``degraded`` (still HTTP 200: the process is alive) lists in ``problems`` what a
+    client would hit."""
 
     status: Literal["ok", "degraded", "draining"]
     sessions: int
     workers_alive: int
     workers: int
-    problems: list[str] = Field(default_factory=list, description="Why the hub is degraded, one line per problem, with the fix.")
+    problems: list[str] = Field(
+        default_factory=list,
+        description="Why the hub is degraded, one line per problem, with the fix.",
+    )
 
 
 class RolloutRequest(Strict):
@@ -263,7 +301,9 @@ class RolloutResponse(Strict):
     reset: dict[str, Any] | None
     steps: list[dict[str, Any]]
     failure: dict[str, Any] | None = None
-    error: ErrorMessage | None = Field(None, description="Why the actions stopped early (e.g. the episode ended).")
+    error: ErrorMessage | None = Field(
+        None, description="Why the actions stopped early (e.g. the episode ended)."
+    )
 
 
 class ProtocolSchema(Strict):

@@ -12,6 +12,7 @@ answers ``internal``. Only auth, limits, a bad ``hello`` and oversized frames cl
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -25,15 +26,22 @@ from envhub.pool.host import RUNNING_PREFIX
 from envhub.server.errors import SessionLimitError
 from envhub.server.hub import Hub
 from envhub.server.sessions import Session, error_reply
-from envhub.server.wire import CloseRequest, Hello, ResetRequest, StepRequest, Welcome, client_message
+from envhub.server.wire import (
+    CloseRequest,
+    Hello,
+    ResetRequest,
+    StepRequest,
+    Welcome,
+    client_message,
+)
 
-__all__ = ["session_endpoint", "WsConnection"]
+__all__ = ["WsConnection", "session_endpoint"]
 
 
 class WsConnection:
     """The socket a session is attached to; ``kick``/``notify`` work from any task."""
 
-    __slots__ = ("ws", "kicked", "_tasks")
+    __slots__ = ("_tasks", "kicked", "ws")
 
     def __init__(self, ws: WebSocket) -> None:
         self.ws = ws
@@ -54,26 +62,20 @@ class WsConnection:
         self._spawn(self._send(reply))
 
     async def _send(self, reply: str) -> None:
-        try:
+        with contextlib.suppress(Exception):  # the client may be gone already
             await self.ws.send_text(reply)
-        except Exception:
-            pass
 
     async def _close(self, code: int, reply: str) -> None:
         await self._send(reply)
-        try:
+        with contextlib.suppress(Exception):  # the client may be gone already
             await self.ws.close(code)
-        except Exception:
-            pass
 
 
 async def _refuse(ws: WebSocket, hub: Hub, code: str, message: str, close_code: int) -> None:
     hub.metrics.rejected.labels(code).inc()
-    try:
+    with contextlib.suppress(Exception):  # the client may be gone already
         await ws.send_text(error_reply(code, message))
         await ws.close(close_code)
-    except Exception:
-        pass
 
 
 async def _receive(ws: WebSocket) -> str | bytes | int:
@@ -91,20 +93,42 @@ async def session_endpoint(ws: WebSocket) -> None:
     header = ws.headers.get("authorization")
     await ws.accept()
     if not hub.authorised(header):
-        await _refuse(ws, hub, "unauthorized", "missing or wrong token: send the header 'Authorization: Bearer <token>'", 1008)
+        await _refuse(
+            ws,
+            hub,
+            "unauthorized",
+            "missing or wrong token: send the header 'Authorization: Bearer <token>'",
+            1008,
+        )
         return
     client = hub.client_key(header, ws.client.host if ws.client else None)
     waiting = hub.awaiting_hello.get(client, 0)
-    if waiting >= config.max_sessions_per_client:  # each silent connection holds an fd for hello_timeout_s
-        await _refuse(ws, hub, "too_many_sessions", f"this client has {waiting} connections that have not sent hello yet (the limit is {config.max_sessions_per_client}); send hello first", 1013)
+    # each silent connection holds an fd for hello_timeout_s
+    if waiting >= config.max_sessions_per_client:
+        await _refuse(
+            ws,
+            hub,
+            "too_many_sessions",
+            (
+                f"this client has {waiting} connections that have not sent hello yet (the limit is "
+                f"{config.max_sessions_per_client}); send hello first"
+            ),
+            1013,
+        )
         return
     hub.awaiting_hello[client] = waiting + 1
     try:
         raw = await asyncio.wait_for(_receive(ws), config.hello_timeout_s)
-    except asyncio.TimeoutError:
-        await _refuse(ws, hub, "hello_timeout", f"send a hello message within {config.hello_timeout_s:g} s of connecting", 1008)
+    except TimeoutError:
+        await _refuse(
+            ws,
+            hub,
+            "hello_timeout",
+            f"send a hello message within {config.hello_timeout_s:g} s of connecting",
+            1008,
+        )
         return
-    except Exception:
+    except Exception:  # noqa: BLE001 - the connection failed before hello: nobody to answer
         return
     finally:
         left = hub.awaiting_hello.pop(client) - 1
@@ -115,8 +139,17 @@ async def session_endpoint(ws: WebSocket) -> None:
     conn = WsConnection(ws)
     try:
         session = await _hello(ws, hub, conn, raw, client)
-    except Exception as exc:  # a bug in the hub: say so with a code instead of dropping the socket
-        await _refuse(ws, hub, "internal", f"the hub failed to open the session ({type(exc).__name__}: {exc}); retry, and report it if it persists", 1011)
+    except Exception as exc:  # noqa: BLE001 - a hub bug: say so with a code, don't drop the socket
+        await _refuse(
+            ws,
+            hub,
+            "internal",
+            (
+                f"the hub failed to open the session ({type(exc).__name__}: {exc}); retry, and "
+                "report it if it persists"
+            ),
+            1011,
+        )
         return
     if session is None:
         return
@@ -126,41 +159,85 @@ async def session_endpoint(ws: WebSocket) -> None:
     finally:
         if not session.closed and session.conn is conn:
             if code in (1000, 1001) and not session.busy_seq:
-                await hub.sessions.close(session, "client")  # a clean close frame: the client left on purpose
+                # a clean close frame: the client left on purpose
+                await hub.sessions.close(session, "client")
             else:
                 hub.sessions.detach(session, conn)  # a dropped link: keep it for grace_s
 
 
-async def _hello(ws: WebSocket, hub: Hub, conn: WsConnection, raw: str | bytes, client: str) -> Session | None:
+async def _hello(
+    ws: WebSocket, hub: Hub, conn: WsConnection, raw: str | bytes, client: str
+) -> Session | None:
     try:
         hello = client_message.validate_json(raw)
     except ValidationError as exc:
-        await _refuse(ws, hub, "hello_required", f"the first message must be a valid hello: {_first_error(exc)}", 1008)
+        await _refuse(
+            ws,
+            hub,
+            "hello_required",
+            f"the first message must be a valid hello: {_first_error(exc)}",
+            1008,
+        )
         return None
     if not isinstance(hello, Hello):
-        await _refuse(ws, hub, "hello_required", f"the first message must be a hello, got {hello.type!r}", 1008)
+        await _refuse(
+            ws,
+            hub,
+            "hello_required",
+            f"the first message must be a hello, got {hello.type!r}",
+            1008,
+        )
         return None
     config = hub.config
     if hello.session is not None:
         session = hub.sessions.find(hello.session, hello.resume_key or "")
         if session is None:
-            await _refuse(ws, hub, "unknown_session", f"no session {hello.session!r} with that resume key (expired after {config.grace_s:g} s, or closed); open a new one", 4404)
+            await _refuse(
+                ws,
+                hub,
+                "unknown_session",
+                (
+                    f"no session {hello.session!r} with that resume key (expired after "
+                    f"{config.grace_s:g} s, or closed); open a new one"
+                ),
+                4404,
+            )
             return None
         previous = hub.sessions.attach(session, conn)
         if previous is not None and previous is not conn:
-            previous.kick(4409, error_reply("unknown_session", "this session was resumed on another connection"))
+            previous.kick(
+                4409,
+                error_reply("unknown_session", "this session was resumed on another connection"),
+            )
         hub.metrics.resumes.inc()
         resumed = True
     else:
         if hub.draining:  # resumes are still welcome: their episodes may finish
-            await _refuse(ws, hub, "draining", "the hub is shutting down; connect to another hub", 1013)
+            await _refuse(
+                ws, hub, "draining", "the hub is shutting down; connect to another hub", 1013
+            )
             return None
         if hello.env_kwargs:
-            await _refuse(ws, hub, "env_kwargs_refused", "the hub fixes env kwargs; connect to a variant id the hub serves instead (see GET /v1/envs)", 1008)
+            await _refuse(
+                ws,
+                hub,
+                "env_kwargs_refused",
+                (
+                    "the hub fixes env kwargs; connect to a variant id the hub serves instead (see "
+                    "GET /v1/envs)"
+                ),
+                1008,
+            )
             return None
         env_id = hello.env or ""
         if env_id not in hub.pools:
-            await _refuse(ws, hub, "unknown_env", f"this hub does not serve {env_id!r}; it serves: {', '.join(hub.pools)}", 1008)
+            await _refuse(
+                ws,
+                hub,
+                "unknown_env",
+                f"this hub does not serve {env_id!r}; it serves: {', '.join(hub.pools)}",
+                1008,
+            )
             return None
         try:
             session = hub.sessions.open(env_id, client, hub.pools[env_id])
@@ -180,7 +257,9 @@ async def _hello(ws: WebSocket, hub: Hub, conn: WsConnection, raw: str | bytes, 
             grace_s=config.grace_s,
             idle_timeout_s=config.idle_timeout_s,
             max_message_bytes=config.max_message_bytes,
-            max_turns=hub.specs[session.env_id].kwargs.get("max_turns", hub.specs[session.env_id].max_turns),
+            max_turns=hub.specs[session.env_id].kwargs.get(
+                "max_turns", hub.specs[session.env_id].max_turns
+            ),
         )
     except Exception:  # never leave a session attached to a connection that is about to be refused
         if resumed:
@@ -190,7 +269,7 @@ async def _hello(ws: WebSocket, hub: Hub, conn: WsConnection, raw: str | bytes, 
         raise
     try:
         await ws.send_text(welcome.model_dump_json())
-    except Exception:
+    except Exception:  # noqa: BLE001 - any failed send means the socket is gone
         return session  # dropped already; the caller detaches it
     return session
 
@@ -212,7 +291,7 @@ async def _serve(ws: WebSocket, hub: Hub, session: Session, conn: WsConnection) 
     while True:
         try:
             raw = await _receive(ws)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failed receive means the socket dropped
             return 1006
         if isinstance(raw, int):
             return raw
@@ -220,7 +299,10 @@ async def _serve(ws: WebSocket, hub: Hub, session: Session, conn: WsConnection) 
             return 1000
         session.last_active = time.monotonic()
         if len(raw) > limit:
-            reply = error_reply("message_too_large", f"message of {len(raw)} bytes is over the {limit} byte limit; send shorter actions")
+            reply = error_reply(
+                "message_too_large",
+                f"message of {len(raw)} bytes is over the {limit} byte limit; send shorter actions",
+            )
             errors.labels("message_too_large").inc()
         else:
             try:
@@ -228,22 +310,31 @@ async def _serve(ws: WebSocket, hub: Hub, session: Session, conn: WsConnection) 
             except ValidationError as exc:
                 code = "bad_json" if _is_bad_json(raw) else "bad_message"
                 errors.labels(code).inc()
-                reply = error_reply(code, f"{'malformed JSON' if code == 'bad_json' else 'invalid message'}: {_first_error(exc)}")
+                reply = error_reply(
+                    code,
+                    (
+                        f"{'malformed JSON' if code == 'bad_json' else 'invalid message'}: "
+                        f"{_first_error(exc)}"
+                    ),
+                )
                 request = None
             if request is not None:
                 try:
                     reply = await _dispatch(hub, session, request)
-                except Exception as exc:  # a bug in the hub: answer with a code, keep the connection
-                    reply = _error(hub, "internal", f"{type(exc).__name__}: {exc}", getattr(request, "seq", None))
+                except Exception as exc:  # noqa: BLE001 - a hub bug: answer, keep the connection
+                    reply = _error(
+                        hub,
+                        "internal",
+                        f"{type(exc).__name__}: {exc}",
+                        getattr(request, "seq", None),
+                    )
         try:
             await ws.send_text(reply)
-        except Exception:
+        except Exception:  # noqa: BLE001 - any failed send means the socket dropped
             return 1006
         if session.closed:
-            try:
+            with contextlib.suppress(Exception):  # the client may be gone already
                 await ws.close(1000)
-            except Exception:
-                pass
             return 1000
 
 
@@ -269,7 +360,12 @@ def _is_bad_json(raw: str | bytes) -> bool:
 async def _step(hub: Hub, session: Session, request: StepRequest) -> str:
     seq = request.seq
     if session.episode is None:
-        return _error(hub, "reset_needed", "step before reset: send a reset message to start an episode first", seq)
+        return _error(
+            hub,
+            "reset_needed",
+            "step before reset: send a reset message to start an episode first",
+            seq,
+        )
     started = time.perf_counter()
     try:
         result = await session.pool.step_json(session.episode, request.action)
@@ -281,23 +377,37 @@ async def _step(hub: Hub, session: Session, request: StepRequest) -> str:
         hub.metrics.step_done(session.env_id, time.perf_counter() - started)
         if not result.startswith(RUNNING_PREFIX):
             session.running = False
-        return b"".join((b'{"type":"step_result","seq":', str(seq).encode(), b',"result":', result, b"}")).decode()
+        return b"".join(
+            (b'{"type":"step_result","seq":', str(seq).encode(), b',"result":', result, b"}")
+        ).decode()
     session.running = False
-    return orjson.dumps({"type": "episode_failed", "seq": seq, "failure": result.as_dict()}).decode()
+    return orjson.dumps(
+        {"type": "episode_failed", "seq": seq, "failure": result.as_dict()}
+    ).decode()
 
 
 async def _reset(hub: Hub, session: Session, request: ResetRequest) -> str:
     seq = request.seq
     if hub.draining:
-        return _error(hub, "draining", "the hub is shutting down and starts no new episodes; reconnect to another hub", seq)
+        return _error(
+            hub,
+            "draining",
+            "the hub is shutting down and starts no new episodes; reconnect to another hub",
+            seq,
+        )
     pool, wait_s = session.pool, hub.config.reset_wait_s
     try:
         try:
-            result = await pool.reset_json(session.episode, seed=request.seed, options=request.options, wait_s=wait_s)
+            result = await pool.reset_json(
+                session.episode, seed=request.seed, options=request.options, wait_s=wait_s
+            )
         except UnknownEpisodeError:  # the pool dropped it (a failed re-placement): start afresh
             session.episode = None
-            result = await pool.reset_json(None, seed=request.seed, options=request.options, wait_s=wait_s)
-    except PoolFullError as exc:  # raised only while placing: the session's old episode (if any) is gone
+            result = await pool.reset_json(
+                None, seed=request.seed, options=request.options, wait_s=wait_s
+            )
+    except PoolFullError as exc:
+        # raised only while placing: the session's old episode (if any) is gone
         session.episode, session.running = None, False
         return _error(hub, "pool_busy", str(exc), seq)
     except PoolClosedError as exc:
@@ -305,10 +415,22 @@ async def _reset(hub: Hub, session: Session, request: ResetRequest) -> str:
     if isinstance(result, tuple):
         session.episode, body = result
         session.running = True
-        return b"".join((b'{"type":"reset_result","seq":', str(seq).encode(), b',"episode":', str(session.episode).encode(), b',"result":', body, b"}")).decode()
+        return b"".join(
+            (
+                b'{"type":"reset_result","seq":',
+                str(seq).encode(),
+                b',"episode":',
+                str(session.episode).encode(),
+                b',"result":',
+                body,
+                b"}",
+            )
+        ).decode()
     session.episode = result.episode
     session.running = False
-    return orjson.dumps({"type": "episode_failed", "seq": request.seq, "failure": result.as_dict()}).decode()
+    return orjson.dumps(
+        {"type": "episode_failed", "seq": request.seq, "failure": result.as_dict()}
+    ).decode()
 
 
 async def _close(hub: Hub, session: Session, request: CloseRequest) -> str:

@@ -57,7 +57,13 @@ class Unpicklable(CountdownEnv):
 class AcceptsStepsAfterEnd(CountdownEnv):
     def step(self, action):
         if self.done:
-            return [{"role": "user", "content": "still here"}], 0.0, True, False, {"turn": 0, "success": False}
+            return (
+                [{"role": "user", "content": "still here"}],
+                0.0,
+                True,
+                False,
+                {"turn": 0, "success": False},
+            )
         return super().step(action)
 
 
@@ -74,8 +80,16 @@ class FailsToClose(CountdownEnv):
 @pytest.mark.parametrize(
     "env, check, fix",
     [
-        (Nondeterministic(), "check_seed_determinism", "draw every random choice from self.np_random"),
-        (RaisesOnBadText(), "check_step", "answer malformed text with self.invalid_action(feedback) instead of raising"),
+        (
+            Nondeterministic(),
+            "check_seed_determinism",
+            "draw every random choice from self.np_random",
+        ),
+        (
+            RaisesOnBadText(),
+            "check_step",
+            "answer malformed text with self.invalid_action(feedback) instead of raising",
+        ),
         (NeverEnds(max_turns=None), "check_episode_ends", "register the env with max_turns=N"),
         (Unpicklable(), "check_picklable", "implement __getstate__/__setstate__"),
         (AcceptsStepsAfterEnd(), "check_step_after_end", "refuse it"),
@@ -94,7 +108,10 @@ def test_check_env_raises_one_error_listing_every_problem():
     with pytest.raises(EnvCheckError) as caught:
         check_env(RaisesOnBadText())
     error = caught.value
-    assert str(error).startswith(f"RaisesOnBadText failed {len(error.problems)} check(s):\n  - check_step: step('') raised ValueError")
+    assert str(error).startswith(
+        f"RaisesOnBadText failed {len(error.problems)} check(s):\n"
+        "  - check_step: step('') raised ValueError"
+    )
     assert len(error.problems) >= 2
 
 

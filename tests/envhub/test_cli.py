@@ -35,7 +35,9 @@ def test_list_json_has_at_least_four_games(cli):
     envs = json.loads(result.output)["envs"]
     families = {row["family"] for row in envs if row["id"].startswith("games/")}
     assert len(families) >= 4
-    assert {"games/sokoban-v0", "games/frozen-lake-v0", "games/wordle-v0"} <= {row["id"] for row in envs}
+    assert {"games/sokoban-v0", "games/frozen-lake-v0", "games/wordle-v0"} <= {
+        row["id"] for row in envs
+    }
 
 
 def test_list_table_and_filters(cli):
@@ -92,4 +94,6 @@ def test_a_missing_optional_package_names_the_extra(monkeypatch):
     monkeypatch.setitem(envhub.cli.LAZY_COMMANDS, "needs-ray", "tests.helpers:missing_ray_command")
     result = CliRunner().invoke(main, ["needs-ray"])
     assert result.exit_code == 2
-    assert "optional package 'ray'" in result.output and "pip install 'envhub[ray]'" in result.output
+    assert (
+        "optional package 'ray'" in result.output and "pip install 'envhub[ray]'" in result.output
+    )

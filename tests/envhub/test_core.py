@@ -43,7 +43,13 @@ def test_step_returns_only_new_messages_and_keeps_transcript(countdown):
     assert (terminated, truncated, info["turn"]) == (False, False, 1)
     messages, reward, terminated, truncated, info = countdown.step("go")
     assert (reward, terminated, truncated, info["success"]) == (1.0, True, False, True)
-    assert [m["role"] for m in countdown.messages] == ["user", "assistant", "user", "assistant", "user"]
+    assert [m["role"] for m in countdown.messages] == [
+        "user",
+        "assistant",
+        "user",
+        "assistant",
+        "user",
+    ]
     assert countdown.done
 
 
@@ -83,7 +89,9 @@ def test_step_before_reset_names_the_fix(countdown):
 def test_step_after_end_names_the_fix(countdown):
     countdown.reset(seed=0)
     countdown.step("go")
-    with pytest.raises(EpisodeOverError, match=r"after the episode ended \(terminated\); call env.reset\(\)"):
+    with pytest.raises(
+        EpisodeOverError, match=r"after the episode ended \(terminated\); call env.reset\(\)"
+    ):
         countdown.step("go")
     env = CountdownEnv(max_turns=1)
     env.reset(seed=0)
@@ -166,13 +174,25 @@ def test_spaces():
     assert chat.contains(chat.sample())
     assert text.contains("abc") and not text.contains("abcdef") and not text.contains(b"abc")
     assert text.contains(text.sample()[:5])
-    sampled = TextSpace(sampler=lambda rng: f"<answer>{int(rng.integers(3))}</answer>", seed=0).sample()
+    sampled = TextSpace(
+        sampler=lambda rng: f"<answer>{int(rng.integers(3))}</answer>", seed=0
+    ).sample()
     assert sampled.startswith("<answer>")
 
 
 def test_message_helpers():
     assert as_messages("hi") == [{"role": "user", "content": "hi"}]
     assert as_messages({"role": "tool", "content": "1"}) == [{"role": "tool", "content": "1"}]
-    assert messages_to_text([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}]) == "a\n\nb"
+    assert (
+        messages_to_text([{"role": "user", "content": "a"}, {"role": "tool", "content": "b"}])
+        == "a\n\nb"
+    )
     tool = envhub.function_tool("add", "Add two numbers.", {"type": "object", "properties": {}})
-    assert tool == {"type": "function", "function": {"name": "add", "description": "Add two numbers.", "parameters": {"type": "object", "properties": {}}}}
+    assert tool == {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers.",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }

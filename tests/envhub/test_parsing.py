@@ -27,7 +27,10 @@ def test_tag_format_finds_the_action(text, action):
 def test_strict_tag_format_explains_the_expected_format():
     with pytest.raises(ActionParseError) as caught:
         ActionParser(lenient=False).parse("I will go up")
-    assert caught.value.feedback == "I could not find your action. Put your action inside <answer>...</answer>."
+    assert (
+        caught.value.feedback
+        == "I could not find your action. Put your action inside <answer>...</answer>."
+    )
 
 
 @pytest.mark.parametrize("text", ["", "   \n ", "<answer>  </answer>"])

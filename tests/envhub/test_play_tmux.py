@@ -14,18 +14,28 @@ import pytest
 
 pytestmark = [
     pytest.mark.tmux,
-    pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)"),
+    pytest.mark.skipif(
+        shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)"
+    ),
 ]
 
 
 class Terminal:
     def __init__(self, command: str) -> None:
         self.name = f"envhub-{uuid.uuid4().hex[:8]}"
-        subprocess.run(["tmux", "new-session", "-d", "-s", self.name, "-x", "120", "-y", "50", command], check=True)
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-s", self.name, "-x", "120", "-y", "50", command],
+            check=True,
+        )
         subprocess.run(["tmux", "set-option", "-t", self.name, "remain-on-exit", "on"], check=True)
 
     def screen(self) -> str:
-        return subprocess.run(["tmux", "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name], capture_output=True, text=True).stdout
+        return subprocess.run(
+            ["tmux", "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
 
     def type(self, text: str) -> None:
         subprocess.run(["tmux", "send-keys", "-t", self.name, "-l", text], check=True)
@@ -41,11 +51,16 @@ class Terminal:
         raise AssertionError(f"{pattern!r} (x{count}) never appeared on screen:\n{self.screen()}")
 
     def exited(self) -> bool:
-        out = subprocess.run(["tmux", "display-message", "-p", "-t", self.name, "#{pane_dead}"], capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["tmux", "display-message", "-p", "-t", self.name, "#{pane_dead}"],
+            capture_output=True,
+            text=True,
+            check=False,
+        ).stdout
         return out.strip() == "1"
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
+        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True, check=False)
 
 
 @pytest.fixture

@@ -45,7 +45,9 @@ class Echo(envhub.TextEnv):
 
     def on_step(self, action):
         done = action.strip() == "bye"
-        return envhub.Turn(f"You said: {action}", reward=1.0 if done else 0.0, terminated=done, success=done)
+        return envhub.Turn(
+            f"You said: {action}", reward=1.0 if done else 0.0, terminated=done, success=done
+        )
 
 
 class Flaky(Echo):
@@ -56,7 +58,9 @@ class Flaky(Echo):
 
 
 def register():
-    envhub.register("acme/echo-v0", entry_point="acme_envs:Echo", max_turns=5, description="Echo echo.")
+    envhub.register(
+        "acme/echo-v0", entry_point="acme_envs:Echo", max_turns=5, description="Echo echo."
+    )
     envhub.register("acme/flaky-v0", entry_point="acme_envs:Flaky", max_turns=5)
 '''
 
@@ -68,7 +72,18 @@ def plugin_path(tmp_path_factory) -> Path:
     (source / "acme_envs.py").write_text(MODULE)
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(source)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(source),
+        ],
         check=True,
         capture_output=True,
     )
@@ -76,9 +91,14 @@ def plugin_path(tmp_path_factory) -> Path:
 
 
 def run(plugin_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(plugin_path), os.environ.get("PYTHONPATH", "")]),
+    }
     envhub_cli = Path(sys.executable).with_name("envhub")
-    return subprocess.run([str(envhub_cli), *args], env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [str(envhub_cli), *args], env=env, capture_output=True, text=True, timeout=120, check=False
+    )
 
 
 def test_installed_plugin_is_listed_and_the_broken_one_reported(plugin_path):
@@ -104,7 +124,14 @@ def test_installed_plugin_env_is_made_through_envhub_make(plugin_path):
         """
     )
     env = {**os.environ, "PYTHONPATH": str(plugin_path)}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "5"]
 

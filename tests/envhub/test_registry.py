@@ -24,7 +24,12 @@ def test_register_make_spec_and_list(fresh_registry):
 
 
 def test_variants_layer_kwargs_on_the_family(fresh_registry):
-    fresh_registry.register("acme/countdown-v1", COUNTDOWN, kwargs={"goal": "go"}, variants={"stop": {"goal": "stop", "max_turns": 9}})
+    fresh_registry.register(
+        "acme/countdown-v1",
+        COUNTDOWN,
+        kwargs={"goal": "go"},
+        variants={"stop": {"goal": "stop", "max_turns": 9}},
+    )
     variant = fresh_registry.spec("acme/countdown-stop-v1")
     assert (variant.family, variant.variant) == ("acme/countdown-v1", "stop")
     env = fresh_registry.make("acme/countdown-stop-v1")
@@ -44,7 +49,9 @@ def test_unknown_id_suggests_close_ids():
     with pytest.raises(UnknownEnvError) as caught:
         envhub.make("games/sokobn-v0")
     message = str(caught.value)
-    assert message.startswith("no environment registered under 'games/sokobn-v0'. Did you mean 'games/sokoban-v0'")
+    assert message.startswith(
+        "no environment registered under 'games/sokobn-v0'. Did you mean 'games/sokoban-v0'"
+    )
     assert message.endswith("Run `envhub list` to see every id.")
     with pytest.raises(UnknownEnvError, match="Did you mean 'games/wordle-v0'"):
         envhub.spec("wordle-v1")
@@ -56,20 +63,25 @@ def test_bad_kwargs_name_the_accepted_ones():
     with pytest.raises(EnvKwargsError) as caught:
         envhub.make("games/guess-number-v0", hihg=5)
     assert str(caught.value) == (
-        "games/guess-number-v0 got unexpected keyword argument(s) 'hihg' ('hihg' -> did you mean 'high'?); "
-        "it accepts: low, high, max_turns, action_format, action_tag, invalid_action_penalty, render_mode"
+        "games/guess-number-v0 got unexpected keyword argument(s) 'hihg' ('hihg' -> did you mean "
+        "'high'?); it accepts: low, high, max_turns, action_format, action_tag, "
+        "invalid_action_penalty, render_mode"
     )
     assert isinstance(caught.value, TypeError)
 
 
 def test_malformed_ids_and_entry_points_are_refused(fresh_registry):
     for bad in ("countdown", "acme/countdown", "Acme/countdown-v0", "acme/countdown-vX"):
-        with pytest.raises(RegistrationError, match="malformed environment id .* use 'namespace/name-vN'"):
+        with pytest.raises(
+            RegistrationError, match="malformed environment id .* use 'namespace/name-vN'"
+        ):
             fresh_registry.register(bad, COUNTDOWN)
     with pytest.raises(RegistrationError, match="entry_point must be 'module:ClassName'"):
         fresh_registry.register("acme/x-v0", "tests.helpers.CountdownEnv")
     fresh_registry.register("acme/missing-v0", "tests.helpers:NoSuchEnv")
-    with pytest.raises(RegistrationError, match="cannot load entry point 'tests.helpers:NoSuchEnv'"):
+    with pytest.raises(
+        RegistrationError, match="cannot load entry point 'tests.helpers:NoSuchEnv'"
+    ):
         fresh_registry.make("acme/missing-v0")
 
 
@@ -92,7 +104,7 @@ def test_callable_entry_points_accept_any_kwargs_they_declare(fresh_registry):
 def test_ids_work_through_gymnasium_make():
     envhub.load_plugins()
     env = gymnasium.make("games/guess-number-easy-v0")
-    messages, info = env.reset(seed=0)
+    messages, _info = env.reset(seed=0)
     assert "between 1 and 20" in messages[0]["content"]
     assert env.unwrapped.spec.id == "games/guess-number-easy-v0"
     made = envhub.make("games/guess-number-v0", high=50)
@@ -106,10 +118,17 @@ class _EntryPoint:
 
 
 def test_broken_plugin_is_reported_and_others_still_load(monkeypatch):
-    plugins = [_EntryPoint("broken", "tests.no_such_module:register"), _EntryPoint("good", "tests.helpers:register_countdown")]
-    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group: plugins if group == "envhub.envs" else [])
+    plugins = [
+        _EntryPoint("broken", "tests.no_such_module:register"),
+        _EntryPoint("good", "tests.helpers:register_countdown"),
+    ]
+    monkeypatch.setattr(
+        importlib.metadata, "entry_points", lambda group: plugins if group == "envhub.envs" else []
+    )
     registry = Registry()
-    with pytest.warns(RuntimeWarning, match=r"plugin 'broken' \(tests.no_such_module:register\) failed to load"):
+    with pytest.warns(
+        RuntimeWarning, match=r"plugin 'broken' \(tests.no_such_module:register\) failed to load"
+    ):
         specs = registry.list_envs("helpers")
     assert [s.id for s in specs] == ["helpers/countdown-v0"]
     assert specs[0].source == "good"

@@ -12,14 +12,22 @@ TOOLS = (
     function_tool(
         "calculate",
         "Evaluate arithmetic.",
-        {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]},
+        {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
     ),
     function_tool(
         "lookup",
         "Look a key up.",
         {
             "type": "object",
-            "properties": {"key": {"type": "string"}, "limit": {"type": "integer"}, "mode": {"type": "string", "enum": ["a", "b"]}},
+            "properties": {
+                "key": {"type": "string"},
+                "limit": {"type": "integer"},
+                "mode": {"type": "string", "enum": ["a", "b"]},
+            },
             "required": ["key"],
         },
     ),
@@ -30,10 +38,19 @@ TOOLS = (
     "text",
     [
         '<tool_call>{"name": "calculate", "arguments": {"expression": "1+2"}}</tool_call>',
-        'Let me compute.\n<tool_call>\n```json\n{"name": "calculate", "arguments": {"expression": "1+2"},}\n```\n</tool_call>',
+        (
+            'Let me compute.\n<tool_call>\n```json\n{"name": "calculate", "arguments": '
+            '{"expression": "1+2"},}\n```\n</tool_call>'
+        ),
         "<TOOL_CALL>{'name': 'calculate', 'arguments': {'expression': '1+2'}}</TOOL_CALL>",
-        '<tool_call>{"name": "calculate", "arguments": "{\\"expression\\": \\"1+2\\"}"}</tool_call>',
-        '<tool_call>{"type": "function", "function": {"name": "calculate", "arguments": {"expression": "1+2"}}}</tool_call>',
+        (
+            '<tool_call>{"name": "calculate", "arguments": "{\\"expression\\": '
+            '\\"1+2\\"}"}</tool_call>'
+        ),
+        (
+            '<tool_call>{"type": "function", "function": {"name": "calculate", "arguments": '
+            '{"expression": "1+2"}}}</tool_call>'
+        ),
         '<tool_call>{"name": "calculate", "arguments": {"expression": "1+2"}}',
     ],
 )
@@ -42,8 +59,15 @@ def test_lenient_forms_parse_to_the_same_call(text):
 
 
 def test_several_calls_in_tags_or_one_list_keep_their_order_and_ids():
-    two_tags = format_tool_call("calculate", {"expression": "2*3"}) + " then " + format_tool_call("lookup", {"key": "x"})
-    one_list = '<tool_call>[{"name": "calculate", "arguments": {"expression": "2*3"}}, {"name": "lookup", "arguments": {"key": "x"}}]</tool_call>'
+    two_tags = (
+        format_tool_call("calculate", {"expression": "2*3"})
+        + " then "
+        + format_tool_call("lookup", {"key": "x"})
+    )
+    one_list = (
+        '<tool_call>[{"name": "calculate", "arguments": {"expression": "2*3"}}, {"name": '
+        '"lookup", "arguments": {"key": "x"}}]</tool_call>'
+    )
     for text in (two_tags, one_list):
         calls = parse_tool_calls(text, TOOLS)
         assert [(c.name, c.id) for c in calls] == [("calculate", "call_0"), ("lookup", "call_1")]
@@ -56,14 +80,32 @@ def test_text_without_a_call_gives_no_calls():
 @pytest.mark.parametrize(
     "text, feedback",
     [
-        ('<tool_call>{"name": "calculate", "arguments": {"expression": </tool_call>', "not valid JSON"),
+        (
+            '<tool_call>{"name": "calculate", "arguments": {"expression": </tool_call>',
+            "not valid JSON",
+        ),
         ("<tool_call></tool_call>", "was empty"),
-        ('<tool_call>{"name": "calculat", "arguments": {"expression": "1"}}</tool_call>', "Did you mean 'calculate'?"),
+        (
+            '<tool_call>{"name": "calculat", "arguments": {"expression": "1"}}</tool_call>',
+            "Did you mean 'calculate'?",
+        ),
         ('<tool_call>{"name": "lookup", "arguments": {}}</tool_call>', "needs the argument(s) key"),
-        ('<tool_call>{"name": "lookup", "arguments": {"key": "x", "limit": "3"}}</tool_call>', "'limit' of 'lookup' must be of type integer"),
-        ('<tool_call>{"name": "lookup", "arguments": {"key": "x", "limit": true}}</tool_call>', "must be of type integer"),
-        ('<tool_call>{"name": "lookup", "arguments": {"key": "x", "mode": "c"}}</tool_call>', "must be one of ['a', 'b']"),
-        ('<tool_call>{"name": "lookup", "arguments": {"key": "x", "colour": 1}}</tool_call>', "has no argument(s) colour"),
+        (
+            '<tool_call>{"name": "lookup", "arguments": {"key": "x", "limit": "3"}}</tool_call>',
+            "'limit' of 'lookup' must be of type integer",
+        ),
+        (
+            '<tool_call>{"name": "lookup", "arguments": {"key": "x", "limit": true}}</tool_call>',
+            "must be of type integer",
+        ),
+        (
+            '<tool_call>{"name": "lookup", "arguments": {"key": "x", "mode": "c"}}</tool_call>',
+            "must be one of ['a', 'b']",
+        ),
+        (
+            '<tool_call>{"name": "lookup", "arguments": {"key": "x", "colour": 1}}</tool_call>',
+            "has no argument(s) colour",
+        ),
         ('<tool_call>{"arguments": {"key": "x"}}</tool_call>', 'with "name" and "arguments"'),
         ('<tool_call>{"name": "lookup", "arguments": [1, 2]}</tool_call>', "must be a JSON object"),
     ],
@@ -81,10 +123,16 @@ def test_too_many_calls_are_refused():
 
 
 def test_without_schemas_any_name_passes_and_instructions_show_the_format():
-    assert parse_tool_calls('<tool_call>{"name": "anything"}</tool_call>') == [ToolCall("anything", {}, "call_0")]
+    assert parse_tool_calls('<tool_call>{"name": "anything"}</tool_call>') == [
+        ToolCall("anything", {}, "call_0")
+    ]
     assert '<tool_call>{"name": "calculate"' in ToolCallParser(tools=TOOLS).instructions
 
 
 def test_openai_message_form_round_trips():
     call = ToolCall("lookup", {"key": "x"}, "call_3")
-    assert call.as_message() == {"id": "call_3", "type": "function", "function": {"name": "lookup", "arguments": '{"key": "x"}'}}
+    assert call.as_message() == {
+        "id": "call_3",
+        "type": "function",
+        "function": {"name": "lookup", "arguments": '{"key": "x"}'},
+    }

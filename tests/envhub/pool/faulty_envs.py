@@ -13,8 +13,12 @@ import time
 from envhub.core import TextEnv, Turn
 from envhub.registry import EnvSpec
 
-FAULTY = EnvSpec(id="test/faulty-v0", entry_point="tests.envhub.pool.faulty_envs:FaultyEnv", max_turns=50)
-NOOP = EnvSpec(id="test/noop-v0", entry_point="tests.envhub.pool.faulty_envs:NoopEnv", max_turns=1_000_000)
+FAULTY = EnvSpec(
+    id="test/faulty-v0", entry_point="tests.envhub.pool.faulty_envs:FaultyEnv", max_turns=50
+)
+NOOP = EnvSpec(
+    id="test/noop-v0", entry_point="tests.envhub.pool.faulty_envs:NoopEnv", max_turns=1_000_000
+)
 
 
 class FaultyEnv(TextEnv):

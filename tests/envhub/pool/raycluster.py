@@ -52,17 +52,51 @@ class TwoNodeCluster:
 
     def start(self) -> None:
         common = ["--num-cpus", "1", "--node-ip-address", "127.0.0.1", "--disable-usage-stats"]
-        self._run([self.ray, "start", "--head", "--port", str(self.port), "--temp-dir", self.temp_dir, "--include-dashboard", "false", "--resources", json.dumps({"node1": 1}), *common])
-        self._run([self.ray, "start", "--address", self.address, "--resources", json.dumps({"node2": 1}), *common])
+        self._run(
+            [
+                self.ray,
+                "start",
+                "--head",
+                "--port",
+                str(self.port),
+                "--temp-dir",
+                self.temp_dir,
+                "--include-dashboard",
+                "false",
+                "--resources",
+                json.dumps({"node1": 1}),
+                *common,
+            ]
+        )
+        self._run(
+            [
+                self.ray,
+                "start",
+                "--address",
+                self.address,
+                "--resources",
+                json.dumps({"node2": 1}),
+                *common,
+            ]
+        )
 
     def _run(self, command: list[str]) -> None:
-        done = subprocess.run(command, env=self.env, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            command, env=self.env, capture_output=True, text=True, timeout=120, check=False
+        )
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+            raise RuntimeError(
+                f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-2000:]}\n"
+                f"{done.stderr[-2000:]}"
+            )
 
     def pids(self) -> set[int]:
         table = _processes()
-        mine = {pid for pid, (_, cmd) in table.items() if self.temp_dir in cmd or f":{self.port} " in f"{cmd} "}
+        mine = {
+            pid
+            for pid, (_, cmd) in table.items()
+            if self.temp_dir in cmd or f":{self.port} " in f"{cmd} "
+        }
         mine.discard(os.getpid())
         grew = True
         while grew:  # add descendants (Ray's core workers, actors)

@@ -1,4 +1,5 @@
-"""EnvPool over real worker processes: results, concurrency, crash/hang healing, back-pressure, shutdown."""
+"""EnvPool over real worker processes: results, concurrency, crash/hang healing, back-pressure,
+shutdown."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ import pytest
 
 import envhub
 from envhub.errors import EpisodeOverError
-from envhub.pool import EnvPool, EpisodeFailure, PoolFullError, UnknownEpisodeError, WorkerStartError
+from envhub.pool import (
+    EnvPool,
+    EpisodeFailure,
+    PoolFullError,
+    UnknownEpisodeError,
+    WorkerStartError,
+)
 from envhub.registry import EnvSpec
 from tests.envhub.pool.faulty_envs import FAULTY
 
@@ -42,7 +49,13 @@ def test_pool_matches_the_local_env_step_for_step():
             for action in ["<answer>up</answer>", "nonsense", "<answer>left</answer>"]:
                 remote = await pool.step(first.episode, action)
                 obs, reward, terminated, truncated, info = local.step(action)
-                assert (remote.observation, remote.reward, remote.terminated, remote.truncated, remote.info) == (obs, reward, terminated, truncated, info)
+                assert (
+                    remote.observation,
+                    remote.reward,
+                    remote.terminated,
+                    remote.truncated,
+                    remote.info,
+                ) == (obs, reward, terminated, truncated, info)
             await pool.close_episode(first.episode)
             assert pool.stats().episodes == 0
 
@@ -55,8 +68,12 @@ def test_many_concurrent_episodes_spread_over_workers():
             started = await asyncio.gather(*(pool.reset(seed=i) for i in range(40)))
             pids = {r.info["pid"] for r in started}
             assert len(pids) == 2, "episodes should be spread over both workers"
-            results = await asyncio.gather(*(pool.step(r.episode, f"a{r.episode}") for r in started))
-            assert [r.observation[0]["content"] for r in results] == [f"echo a{r.episode}" for r in started]
+            results = await asyncio.gather(
+                *(pool.step(r.episode, f"a{r.episode}") for r in started)
+            )
+            assert [r.observation[0]["content"] for r in results] == [
+                f"echo a{r.episode}" for r in started
+            ]
             assert pool.stats().steps == 40
 
     run(main())
@@ -71,14 +88,20 @@ def test_a_crashed_worker_fails_its_episodes_as_data_and_is_replaced():
             neighbours = [e for e in eps[1:] if e.info["pid"] == victim_pid]
             others = [e for e in eps if e.info["pid"] != victim_pid]
             assert neighbours and others
-            results = await asyncio.gather(pool.step(victim.episode, "crash"), *(pool.step(e.episode, "x") for e in others))
+            results = await asyncio.gather(
+                pool.step(victim.episode, "crash"), *(pool.step(e.episode, "x") for e in others)
+            )
             crashed = results[0]
             assert isinstance(crashed, EpisodeFailure) and crashed.reason == "worker_crashed"
             assert "exit code 3" in crashed.detail
-            assert all(not r.failed for r in results[1:]), "episodes on the healthy worker must not fail"
+            assert all(not r.failed for r in results[1:]), (
+                "episodes on the healthy worker must not fail"
+            )
             lost = await pool.step(neighbours[0].episode, "x")
             assert isinstance(lost, EpisodeFailure) and lost.reason == "worker_lost"
-            assert (await pool.step(victim.episode, "x")) == crashed, "a failed episode keeps answering with its record"
+            assert (await pool.step(victim.episode, "x")) == crashed, (
+                "a failed episode keeps answering with its record"
+            )
             for _ in range(100):
                 if pool.stats().workers_alive == 2:
                     break
@@ -102,7 +125,8 @@ def test_a_hung_step_is_killed_at_the_timeout_and_the_pool_heals():
             waited = time.monotonic() - began
             assert isinstance(result, EpisodeFailure) and result.reason == "step_timeout"
             assert "past the 1 s timeout" in result.detail
-            assert waited >= 0.9  # never before the timeout (a lower bound cannot flake; a hang hits the test timeout)
+            # never before the timeout (a lower bound cannot flake; a hang hits the test timeout)
+            assert waited >= 0.9
             fresh = await pool.reset(seed=1, wait_s=30)
             assert fresh.info["pid"] != ep.info["pid"]
             assert (await pool.step(fresh.episode, "ok")).observation[0]["content"] == "echo ok"
@@ -143,6 +167,7 @@ def test_caller_mistakes_raise_like_the_local_env():
 def test_a_reset_whose_arguments_cannot_be_sent_holds_no_slot():
     """A seed past 64 bits (or options the wire cannot encode) is refused before an episode is
     placed: with one slot, a refused reset must leave that slot free for the next caller."""
+
     async def main():
         async with EnvPool(FAULTY, num_workers=1, max_episodes=1) as pool:
             for bad in ({"seed": 2**70}, {"options": {"x": 2**70}}):

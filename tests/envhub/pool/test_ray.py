@@ -1,4 +1,5 @@
-"""The Ray backend on a real two-node cluster: workers on both nodes, a node's workers killed, the pool heals.
+"""The Ray backend on a real two-node cluster: workers on both nodes, a node's workers killed, the
+pool heals.
 
 Starting the cluster takes ~20 s here, so the module shares one cluster; everything runs in
 the default tier (the Done-means of issue 4 asks for it in CI).
@@ -55,7 +56,9 @@ def test_workers_spread_over_both_nodes_and_heal_when_a_nodes_workers_die(cluste
     async def main():
         nodes = node_ids()
         assert set(nodes) == {"node1", "node2"}
-        async with EnvPool("games/guess-number-v0", num_workers=2, backend="ray", start_timeout_s=60) as pool:
+        async with EnvPool(
+            "games/guess-number-v0", num_workers=2, backend="ray", start_timeout_s=60
+        ) as pool:
             placement = {w.node_id: w for w in pool.workers()}
             assert set(placement) == set(nodes.values()), "one worker per node"
             episodes = [await pool.reset(seed=i) for i in range(6)]
@@ -63,17 +66,30 @@ def test_workers_spread_over_both_nodes_and_heal_when_a_nodes_workers_die(cluste
                 assert not (await pool.step(ep.episode, "<answer>50</answer>")).failed
             doomed = placement[nodes["node2"]]
             os.kill(doomed.pid, signal.SIGKILL)  # every env worker of node2
-            results = await asyncio.gather(*(pool.step(ep.episode, "<answer>25</answer>") for ep in episodes))
-            on_node2 = [r for ep, r in zip(episodes, results) if pool.episode_worker(ep.episode) is doomed]
-            assert on_node2 and all(isinstance(r, EpisodeFailure) and r.reason in ("worker_crashed", "worker_lost") for r in on_node2)
-            assert all(not r.failed for ep, r in zip(episodes, results) if pool.episode_worker(ep.episode) is not doomed)
+            results = await asyncio.gather(
+                *(pool.step(ep.episode, "<answer>25</answer>") for ep in episodes)
+            )
+            on_node2 = [
+                r for ep, r in zip(episodes, results) if pool.episode_worker(ep.episode) is doomed
+            ]
+            assert on_node2 and all(
+                isinstance(r, EpisodeFailure) and r.reason in ("worker_crashed", "worker_lost")
+                for r in on_node2
+            )
+            assert all(
+                not r.failed
+                for ep, r in zip(episodes, results)
+                if pool.episode_worker(ep.episode) is not doomed
+            )
             for _ in range(300):
                 if pool.stats().workers_alive == 2:
                     break
                 await asyncio.sleep(0.1)
             stats = pool.stats()
             assert stats.workers_alive == 2 and stats.worker_restarts == 1
-            assert {w.node_id for w in pool.workers()} == set(nodes.values()), "the replacement went back to node2"
+            assert {w.node_id for w in pool.workers()} == set(nodes.values()), (
+                "the replacement went back to node2"
+            )
             for ep in episodes:
                 again = await pool.reset(ep.episode, seed=1)
                 assert not again.failed
@@ -89,9 +105,21 @@ def test_envhub_serve_places_ray_workers_on_both_nodes(cluster):
     from envhub.server.app import create_app
     from envhub.server.config import HubConfig
 
-    app = create_app(HubConfig(envs=["games/guess-number-v0"], workers=2, backend="ray", ray_address=cluster.address, allow_no_auth=True))
+    app = create_app(
+        HubConfig(
+            envs=["games/guess-number-v0"],
+            workers=2,
+            backend="ray",
+            ray_address=cluster.address,
+            allow_no_auth=True,
+        )
+    )
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", ws="websockets-sansio"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level="warning", ws="websockets-sansio"
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -106,7 +134,7 @@ def test_envhub_serve_places_ray_workers_on_both_nodes(cluster):
         low, high, done = 1, 100, False
         while not done:
             guess = (low + high) // 2
-            obs, reward, terminated, truncated, info = env.step(f"<answer>{guess}</answer>")
+            obs, _reward, terminated, truncated, info = env.step(f"<answer>{guess}</answer>")
             text = obs[-1]["content"].lower()
             if "higher" in text:
                 low = guess + 1

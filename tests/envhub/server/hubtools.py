@@ -1,4 +1,5 @@
-"""Helpers for hub tests: a real uvicorn hub in a thread, raw WebSocket clients, a TCP proxy that drops connections."""
+"""Helpers for hub tests: a real uvicorn hub in a thread, raw WebSocket clients, a TCP proxy that
+drops connections."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ class RunningHub:
 
 @contextlib.contextmanager
 def running_hub(**settings: Any) -> Iterator[RunningHub]:
-    """A hub (``create_app`` + uvicorn as ``envhub serve`` configures it) on a free loopback port."""
+    """A hub (``create_app`` + uvicorn as ``envhub serve`` configures it) on a free loopback
+    port."""
     import asyncio
 
     import uvicorn
@@ -78,11 +80,18 @@ def raw_connect(hub: RunningHub, token: str | None = TOKEN, **kwargs: Any) -> An
     from websockets.sync.client import connect
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return connect(f"{hub.url}/v1/session", additional_headers=headers, compression=None, open_timeout=10, **kwargs).__enter__()
+    return connect(
+        f"{hub.url}/v1/session",
+        additional_headers=headers,
+        compression=None,
+        open_timeout=10,
+        **kwargs,
+    ).__enter__()
 
 
 def ask(ws: Any, message: Any, timeout: float = 10) -> dict[str, Any]:
-    ws.send(message if isinstance(message, (str, bytes)) else json.dumps(message))  # json: ints past 64 bits too
+    # json: ints past 64 bits too
+    ws.send(message if isinstance(message, (str, bytes)) else json.dumps(message))
     return orjson.loads(ws.recv(timeout=timeout))
 
 
@@ -95,7 +104,8 @@ def slow_client(port: int, first_bytes: bytes = b"") -> socket.socket:
 
 
 def closed_by_server(sock: socket.socket, within: float) -> bytes | None:
-    """What the hub sent before closing ``sock`` (EOF or reset), or ``None`` if it was still open after ``within`` s.
+    """What the hub sent before closing ``sock`` (EOF or reset), or ``None`` if it was still open
+    after ``within`` s.
 
     The deadline bounds a wait for a state change; it is not a timing assertion.
     """
@@ -154,7 +164,9 @@ class DropProxy:
                 self.pairs.append((client, upstream))
                 self.connections += 1
             threading.Thread(target=self._pump, args=(client, upstream, "up"), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, "down"), daemon=True).start()
+            threading.Thread(
+                target=self._pump, args=(upstream, client, "down"), daemon=True
+            ).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
         while True:
@@ -185,7 +197,9 @@ class DropProxy:
         for pair in pairs:
             for sock in pair:
                 with contextlib.suppress(OSError):
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    sock.setsockopt(
+                        socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
+                    )
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)  # wakes the pump thread blocked in recv()
                 with contextlib.suppress(OSError):
@@ -198,12 +212,23 @@ class DropProxy:
         self.cut()
 
 
-__all__ = ["TOKEN", "RunningHub", "running_hub", "raw_connect", "ask", "slow_client", "closed_by_server", "DropProxy", "free_port"]
+__all__ = [
+    "TOKEN",
+    "DropProxy",
+    "RunningHub",
+    "ask",
+    "closed_by_server",
+    "free_port",
+    "raw_connect",
+    "running_hub",
+    "slow_client",
+]
 
 
 @contextlib.contextmanager
-def envhub_serve(*args: str, token: str = TOKEN, preexec_fn: Any = None,
-                 env: dict[str, str] | None = None) -> Iterator[tuple[Any, int]]:
+def envhub_serve(
+    *args: str, token: str = TOKEN, preexec_fn: Any = None, env: dict[str, str] | None = None
+) -> Iterator[tuple[Any, int]]:
     """A real ``envhub serve`` process on a free port, up and healthy; killed on exit.
 
     ``preexec_fn`` runs in the child before it starts (e.g. to lower its open-file limit);
@@ -215,14 +240,31 @@ def envhub_serve(*args: str, token: str = TOKEN, preexec_fn: Any = None,
     import httpx
 
     port = free_port()
-    command = [sys.executable, "-m", "envhub.cli", "serve", *args, "--port", str(port), "--token", token]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn,
-                            env=env)
+    command = [
+        sys.executable,
+        "-m",
+        "envhub.cli",
+        "serve",
+        *args,
+        "--port",
+        str(port),
+        "--token",
+        token,
+    ]
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=preexec_fn,  # noqa: PLW1509 - tests pass only resource.setrlimit (no locks)
+        env=env,
+    )
     deadline = time.monotonic() + 90
     try:
         while True:
             if proc.poll() is not None:
-                raise RuntimeError(f"envhub serve exited with {proc.returncode}:\n{proc.stdout.read()}")  # type: ignore[union-attr]
+                output = proc.stdout.read()  # type: ignore[union-attr]
+                raise RuntimeError(f"envhub serve exited with {proc.returncode}:\n{output}")
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                     break

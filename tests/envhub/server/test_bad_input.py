@@ -1,10 +1,13 @@
-"""Bad input of every kind gets a clear error code; the hub stays up and leaks no session, worker, fd or memory."""
+"""Bad input of every kind gets a clear error code; the hub stays up and leaks no session, worker,
+fd or memory."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[server]')")
+pytest.importorskip(
+    "fastapi", reason="the server extra is not installed (pip install -e '.[server]')"
+)
 
 import json
 import os
@@ -17,7 +20,14 @@ from websockets.exceptions import ConnectionClosed
 
 from envhub.client import RemoteEnv
 from envhub.server.errors import RemoteError
-from tests.envhub.server.hubtools import TOKEN, ask, closed_by_server, raw_connect, running_hub, slow_client
+from tests.envhub.server.hubtools import (
+    TOKEN,
+    ask,
+    closed_by_server,
+    raw_connect,
+    running_hub,
+    slow_client,
+)
 
 LIMIT = 4096
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -41,9 +51,17 @@ def hub():
 
 @pytest.fixture(scope="module")
 def tight():
-    """A hub one client can fill: 2 episode slots, 2 sessions per client, few unauthenticated connections."""
+    """A hub one client can fill: 2 episode slots, 2 sessions per client, few unauthenticated
+    connections."""
     with running_hub(
-        envs=["test/faulty-v0"], backend="inline", max_sessions=2, max_sessions_per_client=2, reset_wait_s=0.3, grace_s=0.3, request_timeout_s=60, max_unauthenticated=8
+        envs=["test/faulty-v0"],
+        backend="inline",
+        max_sessions=2,
+        max_sessions_per_client=2,
+        reset_wait_s=0.3,
+        grace_s=0.3,
+        request_timeout_s=60,
+        max_unauthenticated=8,
     ) as running:
         yield running
 
@@ -80,11 +98,21 @@ def check_wrong_or_missing_token(hub):
 
 
 def check_bad_hello(hub):
-    assert refused(raw_connect(hub), {"type": "step", "seq": 1, "action": "x"}) == ("hello_required", 1008)
+    assert refused(raw_connect(hub), {"type": "step", "seq": 1, "action": "x"}) == (
+        "hello_required",
+        1008,
+    )
     assert refused(raw_connect(hub), "{not json") == ("hello_required", 1008)
-    assert refused(raw_connect(hub), {"type": "hello", "env": "games/nope-v0"}) == ("unknown_env", 1008)
-    assert refused(raw_connect(hub), {"type": "hello", "env": "test/faulty-v0", "env_kwargs": {"x": 1}}) == ("env_kwargs_refused", 1008)
-    assert refused(raw_connect(hub), {"type": "hello", "session": "nope", "resume_key": "nope"}) == ("unknown_session", 4404)
+    assert refused(raw_connect(hub), {"type": "hello", "env": "games/nope-v0"}) == (
+        "unknown_env",
+        1008,
+    )
+    assert refused(
+        raw_connect(hub), {"type": "hello", "env": "test/faulty-v0", "env_kwargs": {"x": 1}}
+    ) == ("env_kwargs_refused", 1008)
+    assert refused(
+        raw_connect(hub), {"type": "hello", "session": "nope", "resume_key": "nope"}
+    ) == ("unknown_session", 4404)
 
 
 def check_slow_client_gets_a_hello_timeout(hub):
@@ -113,7 +141,9 @@ def check_bad_messages_keep_the_session(hub):
     assert ask(ws, {"type": "step", "seq": 3, "action": "win"})["result"]["terminated"] is True
     after = ask(ws, {"type": "step", "seq": 4, "action": "x"})
     assert after["code"] == "episode_over" and "after the episode ended" in after["message"]
-    assert ask(ws, {"type": "step", "seq": 4, "action": "x"}) == after, "a repeated seq gets the same answer"
+    assert ask(ws, {"type": "step", "seq": 4, "action": "x"}) == after, (
+        "a repeated seq gets the same answer"
+    )
     assert ask(ws, {"type": "close", "seq": 5})["type"] == "closed"
     assert closed_with(ws) == 1000
 
@@ -141,7 +171,7 @@ def check_connection_flood_is_refused_beyond_the_limits(hub):
 def check_crashed_worker_is_an_episode_failure(hub):
     env = RemoteEnv("test/faulty-v0", hub.url, token=TOKEN)
     env.reset(seed=0)
-    obs, reward, terminated, truncated, info = env.step("crash")
+    _obs, _reward, _terminated, truncated, info = env.step("crash")
     assert truncated and info["episode_failed"] and info["failure"]["reason"] == "worker_crashed"
     deadline = time.monotonic() + 20
     while True:  # the replacement worker is starting; reset succeeds once it is up
@@ -214,26 +244,48 @@ def test_http_auth_size_limit_metrics_and_rollout(hub):
     for path in ("/metrics", "/v1/envs", "/v1/protocol"):
         denied = httpx.get(f"{hub.http}{path}")
         assert denied.status_code == 401 and denied.json()["code"] == "unauthorized"
-        assert httpx.get(f"{hub.http}{path}", headers={"Authorization": "Bearer nope-nope-nope"}).status_code == 401
+        assert (
+            httpx.get(
+                f"{hub.http}{path}", headers={"Authorization": "Bearer nope-nope-nope"}
+            ).status_code
+            == 401
+        )
     envs = httpx.get(f"{hub.http}/v1/envs", headers=auth).json()["envs"]
     assert [e["id"] for e in envs] == ["test/faulty-v0"]
-    done = httpx.post(f"{hub.http}/v1/rollout", headers=auth, json={"env": "test/faulty-v0", "seed": 1, "actions": ["a", "win", "late"]}).json()
+    done = httpx.post(
+        f"{hub.http}/v1/rollout",
+        headers=auth,
+        json={"env": "test/faulty-v0", "seed": 1, "actions": ["a", "win", "late"]},
+    ).json()
     assert [s["observation"][0]["content"] for s in done["steps"]] == ["echo a", "won"]
     assert done["error"]["code"] == "episode_over"
-    assert httpx.post(f"{hub.http}/v1/rollout", headers=auth, json={"env": "x/y-v0"}).json()["code"] == "unknown_env"
-    assert httpx.post(f"{hub.http}/v1/rollout", headers=auth, json={"env": "test/faulty-v0", "extra": 1}).status_code == 422
+    assert (
+        httpx.post(f"{hub.http}/v1/rollout", headers=auth, json={"env": "x/y-v0"}).json()["code"]
+        == "unknown_env"
+    )
+    assert (
+        httpx.post(
+            f"{hub.http}/v1/rollout", headers=auth, json={"env": "test/faulty-v0", "extra": 1}
+        ).status_code
+        == 422
+    )
     big = httpx.post(f"{hub.http}/v1/rollout", headers=auth, content=b"x" * (LIMIT + 1))
     assert big.status_code == 413 and big.json()["code"] == "message_too_large"
     metrics = httpx.get(f"{hub.http}/metrics", headers=auth).text
-    for name in ("envhub_sessions{", "envhub_steps_total{", "envhub_step_latency_seconds_bucket{", "envhub_worker_restarts_total{", "envhub_steps_per_second", "envhub_errors_total{"):
+    for name in (
+        "envhub_sessions{",
+        "envhub_steps_total{",
+        "envhub_step_latency_seconds_bucket{",
+        "envhub_worker_restarts_total{",
+        "envhub_steps_per_second",
+        "envhub_errors_total{",
+    ):
         assert name in metrics, name
 
 
 def test_schemathesis_finds_no_server_errors_or_schema_violations(hub):
     schemathesis = pytest.importorskip("schemathesis")
-    from hypothesis import HealthCheck, settings
-
-    from hypothesis import given
+    from hypothesis import HealthCheck, given, settings
 
     schema = schemathesis.openapi.from_url(f"{hub.http}/openapi.json")
     operations = [result.ok() for result in schema.get_all_operations()]
@@ -264,7 +316,7 @@ def test_idle_sessions_are_reaped():
         assert settle(idle_hub) == (0, 0, 1), "a dropped session is closed after grace_s"
 
 
-# ---------------------------------------------------------------------- issue 13: no client may take what others need
+# ---------------------------------------------------- issue 13: no client may take what others need
 def nested(depth: int) -> object:
     value: object = 1
     for _ in range(depth):
@@ -278,21 +330,35 @@ def episodes(hub) -> int:
 
 def rollout(hub, body: object | str) -> httpx.Response:
     """POST /v1/rollout; a ``str`` body is sent as is (e.g. with a lone surrogate escape)."""
-    content = body if isinstance(body, (str, bytes)) else json.dumps(body, separators=(",", ":"))  # json: ints past 64 bits too
-    return httpx.post(f"{hub.http}/v1/rollout", headers={**AUTH, "Content-Type": "application/json"}, content=content)
+    # json: ints past 64 bits too
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body, separators=(",", ":"))
+    return httpx.post(
+        f"{hub.http}/v1/rollout",
+        headers={**AUTH, "Content-Type": "application/json"},
+        content=content,
+    )
 
 
 def test_rejected_resets_release_their_episode_slot(hub):
-    """A reset refused as bad input holds no slot; a session holds one episode however often it resets."""
+    """A reset refused as bad input holds no slot; a session holds one episode however often it
+    resets."""
     assert settle(hub) == (0, 0, 1)
     ws = raw_connect(hub)
     hello(ws)
-    bad = [{"seed": 2**64}, {"seed": 2**200}, {"seed": -1}, {"options": {"n": 2**64}}, {"options": {"n": -(2**64)}}]
+    bad = [
+        {"seed": 2**64},
+        {"seed": 2**200},
+        {"seed": -1},
+        {"options": {"n": 2**64}},
+        {"options": {"n": -(2**64)}},
+    ]
     for seq, fields in enumerate(bad * 2, start=1):
         reply = ask(ws, {"type": "reset", "seq": seq, **fields})
         assert episodes(hub) == 0, f"the refused reset {fields} keeps an episode slot"
         assert reply["code"] == "bad_message", reply
-        assert ("seed" in fields) == ("seed" in reply["message"]) and ("options" in fields) == ("options" in reply["message"]), reply
+        assert ("seed" in fields) == ("seed" in reply["message"]) and ("options" in fields) == (
+            "options" in reply["message"]
+        ), reply
     for seq in range(1, 21):  # refused messages used no seq
         assert ask(ws, {"type": "reset", "seq": seq, "seed": seq})["type"] == "reset_result"
     assert episodes(hub) == 1, "a session holds one episode, however often it resets"
@@ -300,20 +366,29 @@ def test_rejected_resets_release_their_episode_slot(hub):
     for body in [
         {"env": "test/faulty-v0", "seed": 2**64},
         {"env": "test/faulty-v0", "options": nested(300)},
-        {"env": "test/faulty-v0", "options": nested(600)},  # json.loads takes it; the worker could not encode it
+        # json.loads takes it; the worker could not encode it
+        {"env": "test/faulty-v0", "options": nested(600)},
         {"env": "test/faulty-v0", "options": {"n": 2**70}},
         '{"env": "test/faulty-v0", "options": {"s": "\\ud800"}}',
     ] * 2:
         refusal = rollout(hub, body)
         assert episodes(hub) == 0, f"the refused rollout {body!s:.80} keeps an episode slot"
         assert refusal.status_code == 422 and refusal.json()["code"] == "bad_message", refusal.text
-        assert "seed" in refusal.json()["message"] or "options" in refusal.json()["message"], refusal.text
-    assert rollout(hub, {"env": "test/faulty-v0", "seed": 3, "actions": ["a"]}).json()["steps"][0]["observation"][0]["content"] == "echo a"
+        assert "seed" in refusal.json()["message"] or "options" in refusal.json()["message"], (
+            refusal.text
+        )
+    assert (
+        rollout(hub, {"env": "test/faulty-v0", "seed": 3, "actions": ["a"]}).json()["steps"][0][
+            "observation"
+        ][0]["content"]
+        == "echo a"
+    )
     assert settle(hub) == (0, 0, 1)
 
 
 def test_episodes_are_capped_per_client_and_a_full_pool_is_degraded(tight):
-    """One client's sessions and rollouts together stay within its limit; /health says when the pool is full."""
+    """One client's sessions and rollouts together stay within its limit; /health says when the pool
+    is full."""
     assert httpx.get(f"{tight.http}/health").json()["status"] == "ok"
     held = []
     for seed in range(2):
@@ -323,10 +398,16 @@ def test_episodes_are_capped_per_client_and_a_full_pool_is_degraded(tight):
         held.append(ws)
     refused_rollout = rollout(tight, {"env": "test/faulty-v0", "seed": 1, "actions": ["a"]})
     assert refused_rollout.status_code == 429, refused_rollout.text
-    assert refused_rollout.json()["code"] == "too_many_sessions" and "2" in refused_rollout.json()["message"]
+    assert (
+        refused_rollout.json()["code"] == "too_many_sessions"
+        and "2" in refused_rollout.json()["message"]
+    )
     health = httpx.get(f"{tight.http}/health").json()
     assert health["status"] == "degraded", health
-    assert any("test/faulty-v0" in problem and "2 episode slots" in problem for problem in health["problems"]), health
+    assert any(
+        "test/faulty-v0" in problem and "2 episode slots" in problem
+        for problem in health["problems"]
+    ), health
     ask(held.pop(), {"type": "close", "seq": 2})
     assert rollout(tight, {"env": "test/faulty-v0", "seed": 1, "actions": ["a"]}).status_code == 200
     assert httpx.get(f"{tight.http}/health").json()["status"] == "ok"
@@ -334,17 +415,33 @@ def test_episodes_are_capped_per_client_and_a_full_pool_is_degraded(tight):
 
 
 def test_connections_that_never_finish_their_request_are_closed(hub):
-    """Silent sockets, half-sent heads, short bodies and half-sent upgrades are closed after request_timeout_s."""
+    """Silent sockets, half-sent heads, short bodies and half-sent upgrades are closed after
+    request_timeout_s."""
     slow = [
         slow_client(hub.port),
         slow_client(hub.port, b"GET /health HTTP/1.1\r\nHost: hub\r\n"),
-        slow_client(hub.port, b"POST /v1/rollout HTTP/1.1\r\nHost: hub\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"env\":"),
-        slow_client(hub.port, b"GET /v1/session HTTP/1.1\r\nHost: hub\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"),
+        slow_client(
+            hub.port,
+            b"POST /v1/rollout HTTP/1.1\r\nHost: hub\r\nAuthorization: Bearer "
+            + TOKEN.encode()
+            + b'\r\nContent-Length: 100\r\n\r\n{"env":',
+        ),
+        slow_client(
+            hub.port,
+            (
+                b"GET /v1/session HTTP/1.1\r\nHost: hub\r\nUpgrade: websocket\r\n"
+                b"Connection: Upgrade\r\n"
+            ),
+        ),
     ]
-    huge_head = slow_client(hub.port, b"GET /health HTTP/1.1\r\nHost: hub\r\nX-Padding: " + b"a" * (256 * 1024))
+    huge_head = slow_client(
+        hub.port, b"GET /health HTTP/1.1\r\nHost: hub\r\nX-Padding: " + b"a" * (256 * 1024)
+    )
     try:
         for sock in slow:
-            assert closed_by_server(sock, within=20) is not None, "the hub still holds a connection that never finished its request"
+            assert closed_by_server(sock, within=20) is not None, (
+                "the hub still holds a connection that never finished its request"
+            )
         answer = closed_by_server(huge_head, within=20)
         assert answer is not None and answer.startswith(b"HTTP/1.1 431"), answer
         assert httpx.get(f"{hub.http}/health").json()["status"] == "ok"
@@ -354,12 +451,16 @@ def test_connections_that_never_finish_their_request_are_closed(hub):
 
 
 def test_unauthenticated_connections_are_capped(tight):
-    """Past max_unauthenticated, the oldest connection that has not shown a token is closed; clients with one get through."""
+    """Past max_unauthenticated, the oldest connection that has not shown a token is closed; clients
+    with one get through."""
     silent = [slow_client(tight.port) for _ in range(30)]
     try:
         deadline = time.monotonic() + 20
-        while sum(closed_by_server(sock, within=0.01) is not None for sock in silent) < 22:  # bounded poll for the state change
-            assert time.monotonic() < deadline, "more than max_unauthenticated=8 silent connections are still held"
+        # bounded poll for the state change
+        while sum(closed_by_server(sock, within=0.01) is not None for sock in silent) < 22:
+            assert time.monotonic() < deadline, (
+                "more than max_unauthenticated=8 silent connections are still held"
+            )
         env = RemoteEnv("test/faulty-v0", tight.url, token=TOKEN)
         env.reset(seed=0)
         assert env.step("ok")[0][0]["content"] == "echo ok"
@@ -371,7 +472,8 @@ def test_unauthenticated_connections_are_capped(tight):
 
 
 def test_a_client_cannot_hold_more_silent_connections_than_sessions(tight):
-    """Authenticated sockets that never say hello count against the client's limit while they wait."""
+    """Authenticated sockets that never say hello count against the client's limit while they
+    wait."""
     quiet = [raw_connect(tight) for _ in range(2)]
     assert refused(raw_connect(tight), None) == ("too_many_sessions", 1013)
     for ws in quiet:  # the waiting ones are still served
@@ -383,19 +485,36 @@ def test_a_client_cannot_hold_more_silent_connections_than_sessions(tight):
 
 
 def test_hostile_fields_get_an_error_with_a_code(hub):
-    """Integers past 64 bits, non-ASCII secrets and lone surrogates are refused with a code; the session lives on."""
+    """Integers past 64 bits, non-ASCII secrets and lone surrogates are refused with a code; the
+    session lives on."""
     ws = raw_connect(hub)
     welcome = hello(ws)
     assert ask(ws, {"type": "reset", "seq": 1, "seed": 0})["type"] == "reset_result"
-    for message in ({"type": "step", "seq": 2**64, "action": "x"}, {"type": "step", "seq": -(2**70), "action": "x"}, {"type": "close", "seq": 2**100}, {"type": "reset", "seq": 2**64}):
+    for message in (
+        {"type": "step", "seq": 2**64, "action": "x"},
+        {"type": "step", "seq": -(2**70), "action": "x"},
+        {"type": "close", "seq": 2**100},
+        {"type": "reset", "seq": 2**64},
+    ):
         reply = ask(ws, message)
         assert reply["code"] == "bad_message" and "seq" in reply["message"], reply
-    assert ask(ws, {"type": "step", "seq": 2, "action": "x"})["result"]["observation"][0]["content"] == "echo x"
+    assert (
+        ask(ws, {"type": "step", "seq": 2, "action": "x"})["result"]["observation"][0]["content"]
+        == "echo x"
+    )
     for key in ("ключ", "\u00e9" * 30, "🔑"):
-        assert refused(raw_connect(hub), {"type": "hello", "session": welcome["session"], "resume_key": key}) == ("unknown_session", 4404)
-    assert ask(ws, {"type": "step", "seq": 3, "action": "y"})["type"] == "step_result", "the session is still attached"
+        assert refused(
+            raw_connect(hub), {"type": "hello", "session": welcome["session"], "resume_key": key}
+        ) == ("unknown_session", 4404)
+    assert ask(ws, {"type": "step", "seq": 3, "action": "y"})["type"] == "step_result", (
+        "the session is still attached"
+    )
     assert ask(ws, {"type": "close", "seq": 4})["type"] == "closed"
-    for body in ('{"env": "test/faulty-v0", "actions": ["\\ud800"]}', '{"env": "test/faulty-v0", "actions": ["ok", "\\udfff tail"]}', '{"env": "\\ud800"}'):
+    for body in (
+        '{"env": "test/faulty-v0", "actions": ["\\ud800"]}',
+        '{"env": "test/faulty-v0", "actions": ["ok", "\\udfff tail"]}',
+        '{"env": "\\ud800"}',
+    ):
         refusal = rollout(hub, body)
         assert refusal.status_code == 422 and refusal.json()["code"] == "bad_message", refusal.text
     assert settle(hub) == (0, 0, 1)
@@ -403,7 +522,8 @@ def test_hostile_fields_get_an_error_with_a_code(hub):
 
 # ---------------------------------------------------------------------- more of the same kind
 def test_reset_recovers_when_the_pool_no_longer_has_the_sessions_episode(hub):
-    """A session whose episode the pool dropped (a failed re-placement) starts a new one on reset instead of failing forever."""
+    """A session whose episode the pool dropped (a failed re-placement) starts a new one on reset
+    instead of failing forever."""
     ws = raw_connect(hub)
     hello(ws)
     assert ask(ws, {"type": "reset", "seq": 1, "seed": 0})["type"] == "reset_result"
@@ -417,20 +537,27 @@ def test_reset_recovers_when_the_pool_no_longer_has_the_sessions_episode(hub):
 
 
 def test_a_failing_hello_handler_answers_internal_and_keeps_no_session(hub):
-    """A bug while welcoming (here: a spec whose max_turns is not a number) is an error with a code, not a leaked session."""
+    """A bug while welcoming (here: a spec whose max_turns is not a number) is an error with a code,
+    not a leaked session."""
     import dataclasses
 
     spec = hub.hub.specs["test/faulty-v0"]
-    hub.hub.specs["test/faulty-v0"] = dataclasses.replace(spec, kwargs={**spec.kwargs, "max_turns": "many"})
+    hub.hub.specs["test/faulty-v0"] = dataclasses.replace(
+        spec, kwargs={**spec.kwargs, "max_turns": "many"}
+    )
     try:
-        assert refused(raw_connect(hub), {"type": "hello", "env": "test/faulty-v0"}) == ("internal", 1011)
+        assert refused(raw_connect(hub), {"type": "hello", "env": "test/faulty-v0"}) == (
+            "internal",
+            1011,
+        )
     finally:
         hub.hub.specs["test/faulty-v0"] = spec
     assert settle(hub) == (0, 0, 1), "the refused session was closed"
 
 
 def test_every_http_failure_is_an_error_message_with_a_code(hub):
-    """Unknown routes, unparsable bodies, invalid bodies and handler crashes all answer an ErrorMessage with a code."""
+    """Unknown routes, unparsable bodies, invalid bodies and handler crashes all answer an
+    ErrorMessage with a code."""
     cases = [
         (httpx.get(f"{hub.http}/nope", headers=AUTH), 404, "not_found"),
         (httpx.delete(f"{hub.http}/v1/rollout", headers=AUTH), 405, "bad_message"),
@@ -451,39 +578,76 @@ def test_every_http_failure_is_an_error_message_with_a_code(hub):
         crashed = rollout(hub, {"env": "test/faulty-v0", "seed": 1, "actions": ["a"]})
     finally:
         del pool.step_json
-    assert crashed.status_code == 500 and crashed.json()["code"] == "internal" and "a bug in the hub" in crashed.json()["message"], crashed.text
+    assert (
+        crashed.status_code == 500
+        and crashed.json()["code"] == "internal"
+        and "a bug in the hub" in crashed.json()["message"]
+    ), crashed.text
     assert settle(hub) == (0, 0, 1), "the crashed rollout released its episode"
 
 
-# ---------------------------------------------------------------------- fuzz: generated messages, invariants after each burst
+# -------------------------------------------- fuzz: generated messages, invariants after each burst
 def fuzz_strategies():
-    """(hello, frames) for one WebSocket burst, and HTTP rollout bodies: mostly the right shape, hostile values."""
+    """(hello, frames) for one WebSocket burst, and HTTP rollout bodies: mostly the right shape,
+    hostile values."""
     from hypothesis import strategies as st
 
-    edge_ints = st.sampled_from([0, 1, -1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, 2**200])
+    edge_ints = st.sampled_from(
+        [0, 1, -1, 2**31, 2**53 + 1, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63) - 1, 2**200]
+    )
     ints = st.one_of(st.integers(), edge_ints)
     chars = st.one_of(st.characters(), st.characters(categories=["Cs"]))  # lone surrogates too
-    texts = st.text(chars, max_size=30).filter(lambda a: a not in ("crash", "hang") and not a.startswith("sleep:"))
-    leaves = st.one_of(st.none(), st.booleans(), ints, st.floats(allow_nan=False, allow_infinity=False), texts)
-    values = st.one_of(st.recursive(leaves, lambda kids: st.lists(kids, max_size=3) | st.dictionaries(texts, kids, max_size=3), max_leaves=10), st.builds(Deep, st.integers(150, 600)))
+    texts = st.text(chars, max_size=30).filter(
+        lambda a: a not in ("crash", "hang") and not a.startswith("sleep:")
+    )
+    leaves = st.one_of(
+        st.none(), st.booleans(), ints, st.floats(allow_nan=False, allow_infinity=False), texts
+    )
+    values = st.one_of(
+        st.recursive(
+            leaves,
+            lambda kids: st.lists(kids, max_size=3) | st.dictionaries(texts, kids, max_size=3),
+            max_leaves=10,
+        ),
+        st.builds(Deep, st.integers(150, 600)),
+    )
     objects = st.dictionaries(texts, values, max_size=3)
 
     def field(strategy):
         return st.one_of(strategy, values)  # the right type, or anything
 
     seq = st.one_of(st.just(NEXT), ints, edge_ints, values)
-    reset = st.fixed_dictionaries({"type": st.just("reset"), "seq": seq}, optional={"seed": field(ints), "options": field(objects)})
+    reset = st.fixed_dictionaries(
+        {"type": st.just("reset"), "seq": seq},
+        optional={"seed": field(ints), "options": field(objects)},
+    )
     step = st.fixed_dictionaries({"type": st.just("step"), "seq": seq, "action": field(texts)})
     close = st.fixed_dictionaries({"type": st.just("close"), "seq": seq})
-    hellos = st.fixed_dictionaries({"type": st.just("hello")}, optional={"env": field(texts), "session": field(texts), "resume_key": field(texts), "env_kwargs": field(objects)})
-    extra = st.tuples(st.one_of(reset, step, close), texts, values).map(lambda t: {**t[0], t[1] or "x": t[2]})
+    hellos = st.fixed_dictionaries(
+        {"type": st.just("hello")},
+        optional={
+            "env": field(texts),
+            "session": field(texts),
+            "resume_key": field(texts),
+            "env_kwargs": field(objects),
+        },
+    )
+    extra = st.tuples(st.one_of(reset, step, close), texts, values).map(
+        lambda t: {**t[0], t[1] or "x": t[2]}
+    )
     messages = st.one_of(reset, step, step, close, hellos, extra, values)
-    frames = st.lists(st.one_of(messages, st.binary(max_size=40), st.text(max_size=40)), min_size=1, max_size=8)
+    frames = st.lists(
+        st.one_of(messages, st.binary(max_size=40), st.text(max_size=40)), min_size=1, max_size=8
+    )
     first = st.one_of(st.just({"type": "hello", "env": "test/faulty-v0"}), hellos)
     bodies = st.one_of(
         st.fixed_dictionaries(
             {"env": st.one_of(st.just("test/faulty-v0"), texts)},
-            optional={"seed": field(ints), "options": field(objects), "actions": field(st.lists(texts, max_size=3))},
+            optional={
+                "seed": field(ints),
+                "options": field(objects),
+                "actions": field(st.lists(texts, max_size=3)),
+            },
         ),
         values,
         st.binary(max_size=40),
@@ -492,7 +656,8 @@ def fuzz_strategies():
 
 
 NEXT = object()
-"""Stands for the seq the session expects next, so generated requests also get past the seq check."""
+"""Stands for the seq the session expects next, so generated requests also get past the seq
+check."""
 
 
 class Deep:
@@ -510,11 +675,13 @@ def encode(message: object, expected: int) -> str | bytes:
         message = {**message, "seq": expected}
     if isinstance(message, (str, bytes)):
         return message
-    return json.dumps(message, separators=(",", ":"), default=lambda deep: nested(deep.depth))  # ensure_ascii: surrogates as escapes
+    # ensure_ascii: surrogates as escapes
+    return json.dumps(message, separators=(",", ":"), default=lambda deep: nested(deep.depth))
 
 
 def ws_burst(hub, first: dict, frames: list) -> None:
-    """One connection: a hello, then ``frames``; every answer is a valid server message, every close an expected one."""
+    """One connection: a hello, then ``frames``; every answer is a valid server message, every close
+    an expected one."""
     from envhub.server.wire import server_message
 
     ws = raw_connect(hub)
@@ -522,7 +689,8 @@ def ws_burst(hub, first: dict, frames: list) -> None:
         ws.send(encode(first, 0))
         try:
             welcome = orjson.loads(ws.recv(timeout=20))
-        except ConnectionClosed as exc:  # only a hello over the frame limit closes without an answer
+        except ConnectionClosed as exc:
+            # only a hello over the frame limit closes without an answer
             assert exc.rcvd is not None and exc.rcvd.code == 1009, f"closed with {exc.rcvd}"
             return
         if welcome["type"] != "welcome":
@@ -535,7 +703,9 @@ def ws_burst(hub, first: dict, frames: list) -> None:
                 ws.send(encode(frame, expected))
                 reply = server_message.validate_json(ws.recv(timeout=20))
             except ConnectionClosed as exc:
-                assert exc.rcvd is not None and exc.rcvd.code in (1000, 1009), f"closed with {exc.rcvd}"
+                assert exc.rcvd is not None and exc.rcvd.code in (1000, 1009), (
+                    f"closed with {exc.rcvd}"
+                )
                 return
             seq = getattr(reply, "seq", None)
             if seq == expected and getattr(reply, "code", None) not in ("bad_seq", "busy"):
@@ -548,13 +718,16 @@ def ws_burst(hub, first: dict, frames: list) -> None:
 
 
 def test_fuzzed_messages_break_no_invariant(hub):
-    """Generated WebSocket bursts and HTTP bodies: after each, /health is ok and no episode is held by nobody; at the end nothing leaked."""
+    """Generated WebSocket bursts and HTTP bodies: after each, /health is ok and no episode is held
+    by nobody; at the end nothing leaked."""
     from hypothesis import HealthCheck, given, settings
 
     from envhub.server.wire import ErrorMessage, RolloutResponse
 
     bursts, bodies = fuzz_strategies()
-    quick = settings(max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    quick = settings(
+        max_examples=80, deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
     normal_episode(hub)
     assert settle(hub) == (0, 0, 1)
     fds, rss = open_fds(), rss_mib()

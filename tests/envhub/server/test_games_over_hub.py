@@ -1,10 +1,13 @@
-"""`envhub serve` + `envhub.make(ID, hub=...)`: every built-in game plays a full episode, identical to the local env."""
+"""`envhub serve` + `envhub.make(ID, hub=...)`: every built-in game plays a full episode, identical
+to the local env."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[server]')")
+pytest.importorskip(
+    "fastapi", reason="the server extra is not installed (pip install -e '.[server]')"
+)
 
 
 import httpx
@@ -31,11 +34,16 @@ def hub():
 
 def test_the_hub_serves_every_built_in_game(hub):
     """What `envhub serve --env ...` reports serving: every game family, each with a live worker."""
-    served = httpx.get(f"{hub.http}/v1/envs", headers={"Authorization": f"Bearer {TOKEN}"}).json()["envs"]
+    served = httpx.get(f"{hub.http}/v1/envs", headers={"Authorization": f"Bearer {TOKEN}"}).json()[
+        "envs"
+    ]
     assert sorted(e["id"] for e in served) == sorted(GAMES) and len(GAMES) >= 5
     assert all(e["workers_alive"] >= 1 for e in served), served
     local = {s.id: s for s in envhub.list_envs("games", variants=False)}
-    assert all(e["max_turns"] == local[e["id"]].kwargs.get("max_turns", local[e["id"]].max_turns) for e in served)
+    assert all(
+        e["max_turns"] == local[e["id"]].kwargs.get("max_turns", local[e["id"]].max_turns)
+        for e in served
+    )
 
 
 @pytest.mark.parametrize("env_id", GAMES)
@@ -57,9 +65,13 @@ def test_a_full_expert_episode_matches_the_local_env(hub, env_id):
         assert turns >= 1
         with pytest.raises(EpisodeOverError, match="after the episode ended"):
             remote.step(action)
-        assert remote.reset(seed=4)[0] == local.reset(seed=4)[0], "a second episode on the same session"
+        assert remote.reset(seed=4)[0] == local.reset(seed=4)[0], (
+            "a second episode on the same session"
+        )
     finally:
         remote.close()
         remote.close()  # twice is safe, like a local env
         local.close()
-    assert httpx.get(f"{hub.http}/health").json()["sessions"] == 0, "close() ended the session on the hub"
+    assert httpx.get(f"{hub.http}/health").json()["sessions"] == 0, (
+        "close() ended the session on the hub"
+    )

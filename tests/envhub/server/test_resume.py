@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[server]')")
+pytest.importorskip(
+    "fastapi", reason="the server extra is not installed (pip install -e '.[server]')"
+)
 
 import threading
 import time
-
 
 from envhub.client import RemoteEnv
 from envhub.server.errors import SessionLostError
@@ -39,7 +40,7 @@ def test_request_lost_on_the_way_up_is_applied_once_after_resume(hub, proxy):
     assert env.step("one")[4]["turn"] == 1
     before = applied_turns(hub)
     proxy.eat("up")  # the next step never reaches the hub; the link dies
-    obs, reward, terminated, truncated, info = env.step("two")
+    obs, _reward, _terminated, _truncated, info = env.step("two")
     assert info["turn"] == 2 and obs[0]["content"] == "echo two"
     assert applied_turns(hub) == before + 1
     assert env.reconnects == 1 and proxy.connections == 2

@@ -1,10 +1,13 @@
-"""A real `envhub serve` process: sessions, fds and memory come back to baseline; SIGTERM drains gracefully."""
+"""A real `envhub serve` process: sessions, fds and memory come back to baseline; SIGTERM drains
+gracefully."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[server]')")
+pytest.importorskip(
+    "fastapi", reason="the server extra is not installed (pip install -e '.[server]')"
+)
 
 import os
 import signal
@@ -40,7 +43,9 @@ def fds(pid: int) -> int:
 
 
 def rss_mib(pid: int) -> float:
-    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return (
+        int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    )
 
 
 def play_to_the_end(env: RemoteEnv) -> dict:
@@ -59,7 +64,9 @@ def play_to_the_end(env: RemoteEnv) -> dict:
 
 @pytest.fixture
 def served():
-    with envhub_serve("--env", ENV, "--workers", "2", "--drain-timeout", "20", "--grace", "0.5", token=TOKEN) as running:
+    with envhub_serve(
+        "--env", ENV, "--workers", "2", "--drain-timeout", "20", "--grace", "0.5", token=TOKEN
+    ) as running:
         yield running
 
 
@@ -92,10 +99,18 @@ def test_serve_returns_to_baseline_and_drains_on_sigterm(served):
     while httpx.get(f"{http}/health").json()["sessions"] and time.monotonic() < deadline:
         time.sleep(0.1)
     health = httpx.get(f"{http}/health").json()
-    assert health == {"status": "ok", "sessions": 0, "workers_alive": 2, "workers": 2, "problems": []}
+    assert health == {
+        "status": "ok",
+        "sessions": 0,
+        "workers_alive": 2,
+        "workers": 2,
+        "problems": [],
+    }
     assert children(proc.pid) == workers, "no worker was added or lost"
     assert fds(proc.pid) <= base_fds + 2, f"server fds {base_fds} -> {fds(proc.pid)}"
-    assert rss_mib(proc.pid) < base_rss + 20, f"server RSS {base_rss:.0f} -> {rss_mib(proc.pid):.0f} MiB"
+    assert rss_mib(proc.pid) < base_rss + 20, (
+        f"server RSS {base_rss:.0f} -> {rss_mib(proc.pid):.0f} MiB"
+    )
 
     # Drain: one session mid-episode, one idle between episodes.
     running = RemoteEnv(ENV, hub, token=TOKEN)
@@ -129,15 +144,32 @@ def _open_file_limit_128_of_512() -> None:
 
 
 def soft_open_file_limit(pid: int) -> int:
-    line = next(line for line in Path(f"/proc/{pid}/limits").read_text().splitlines() if line.startswith("Max open files"))
+    line = next(
+        line
+        for line in Path(f"/proc/{pid}/limits").read_text().splitlines()
+        if line.startswith("Max open files")
+    )
     return int(line.split()[3])
 
 
 def test_serve_raises_its_fd_limit_and_outlives_a_flood_of_silent_connections():
-    """`envhub serve` lifts its soft open-file limit to the hard one; silent sockets beyond that limit cannot lock clients out."""
-    with envhub_serve("--env", ENV, "--workers", "1", "--backend", "inline", "--request-timeout", "60", token=TOKEN, preexec_fn=_open_file_limit_128_of_512) as (proc, port):
+    """`envhub serve` lifts its soft open-file limit to the hard one; silent sockets beyond that
+    limit cannot lock clients out."""
+    with envhub_serve(
+        "--env",
+        ENV,
+        "--workers",
+        "1",
+        "--backend",
+        "inline",
+        "--request-timeout",
+        "60",
+        token=TOKEN,
+        preexec_fn=_open_file_limit_128_of_512,
+    ) as (proc, port):
         assert soft_open_file_limit(proc.pid) == 512
-        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(700)]  # more than the hub has fds
+        # more than the hub has fds
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(700)]
         try:
             assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=20).json()["status"] == "ok"
             env = RemoteEnv(ENV, f"ws://127.0.0.1:{port}", token=TOKEN)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("fastapi", reason="the server extra is not installed (pip install -e '.[server]')")
+pytest.importorskip(
+    "fastapi", reason="the server extra is not installed (pip install -e '.[server]')"
+)
 
 import asyncio
 
@@ -24,7 +26,12 @@ class FakePool:
 
 
 def manager(**overrides):
-    settings = {"max_sessions": 2, "max_sessions_per_client": 5, "idle_timeout_s": 60, "grace_s": 0.0}
+    settings = {
+        "max_sessions": 2,
+        "max_sessions_per_client": 5,
+        "idle_timeout_s": 60,
+        "grace_s": 0.0,
+    }
     return SessionManager(**{**settings, **overrides})
 
 
@@ -52,7 +59,9 @@ def test_a_request_runs_at_most_once_per_seq():
             await asyncio.sleep(0.05)
             return f"answer {len(calls)}"
 
-        first, repeat_while_running = await asyncio.gather(session.execute(1, work), session.execute(1, work))
+        first, repeat_while_running = await asyncio.gather(
+            session.execute(1, work), session.execute(1, work)
+        )
         assert first == repeat_while_running == "answer 1"
         assert await session.execute(1, work) == "answer 1"
         assert orjson.loads(await session.execute(5, work))["code"] == "bad_seq"
@@ -92,8 +101,12 @@ def test_serve_cli_refuses_bad_settings_with_the_fix():
     runner = CliRunner()
     no_token = runner.invoke(main, ["serve", "--env", "games/sokoban-v0"], env={"ENVHUB_TOKEN": ""})
     assert no_token.exit_code == 2 and "pass --token" in no_token.output
-    open_net = runner.invoke(main, ["serve", "--env", "games/sokoban-v0", "--no-auth", "--host", "0.0.0.0"])
+    open_net = runner.invoke(
+        main, ["serve", "--env", "games/sokoban-v0", "--no-auth", "--host", "0.0.0.0"]
+    )
     assert open_net.exit_code == 2 and "bind 127.0.0.1" in open_net.output
-    unknown = runner.invoke(main, ["serve", "--env", "games/sokoban-v9", "--token", "long-enough-token"])
+    unknown = runner.invoke(
+        main, ["serve", "--env", "games/sokoban-v9", "--token", "long-enough-token"]
+    )
     assert unknown.exit_code == 2 and "Did you mean 'games/sokoban-v0'" in unknown.output
     assert "serve" in runner.invoke(main, ["--help"]).output
