@@ -617,9 +617,11 @@ class DockerSandbox(Sandbox):
 
     def _running(self, exec_id: str) -> bool:
         try:
-            return bool(self.api.exec_inspect(exec_id).get("Running"))
+            info = self.api.exec_inspect(exec_id)
         except Exception:  # noqa: BLE001 - engine hiccup: keep waiting for the stream or the deadline
             return True
+        # an exec the engine has not started yet is "Running: False" too, with no exit code
+        return bool(info.get("Running")) or info.get("ExitCode") is None
 
     def _exit_code(self, exec_id: str) -> int:
         for _ in range(100):

@@ -152,3 +152,28 @@ def test_docker_pool_recycles_and_removes_its_containers(docker_engine, docker_i
     left = [c for c in client.containers.list(all=True) if c.labels.get("envhub.sandbox") in ids]
     client.close()
     assert not left, "the pool left containers behind"
+
+
+@pytest.mark.docker
+def test_docker_exec_not_yet_started_is_not_taken_for_finished(
+    docker_engine, docker_image, monkeypatch
+):
+    """The engine reports an exec that has not started yet as ``Running: False`` with no exit
+    code; on a loaded host the first poll can see that. Such a run must not be killed as if its
+    program had exited (it was: exit 137, not timed out, in a fresh-clone CI run)."""
+    from sandboxes.docker import DockerSandbox
+
+    with DockerSandbox(image=docker_image, base_url=docker_engine, volumes=USR_RO) as sandbox:
+        real = sandbox.api.exec_inspect
+        polls = {"n": 0}
+
+        def not_started_yet(exec_id):
+            info = real(exec_id)
+            polls["n"] += 1
+            if polls["n"] <= 3 and info.get("Running"):  # what the engine says before the start
+                return {**info, "Running": False, "ExitCode": None}
+            return info
+
+        monkeypatch.setattr(sandbox.api, "exec_inspect", not_started_yet)
+        result = sandbox.run("sleep 0.5; echo done", timeout=10)
+    assert polls["n"] > 0 and result.ok and result.stdout == "done\n", result
