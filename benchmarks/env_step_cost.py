@@ -20,8 +20,17 @@ import time
 
 import envhub
 
-ENVS = ["tools/calculator-v0", "tools/sql-v0", "tools/retrieval-v0", "tools/mcp-v0", "web/shop-v0", "web/shop-http-v0",
-        "web/browser-v0", "code/humaneval-v0", "code/terminal-v0"]
+ENVS = [
+    "tools/calculator-v0",
+    "tools/sql-v0",
+    "tools/retrieval-v0",
+    "tools/mcp-v0",
+    "web/shop-v0",
+    "web/shop-http-v0",
+    "web/browser-v0",
+    "code/humaneval-v0",
+    "code/terminal-v0",
+]
 
 
 def measure(env_id: str, steps: int) -> dict[str, float] | None:
@@ -50,10 +59,16 @@ def measure(env_id: str, steps: int) -> dict[str, float] | None:
     finally:
         env.close()
     median = statistics.median(step_times)
-    row = {"step_median_ms": median * 1e3, "step_p90_ms": statistics.quantiles(step_times, n=10)[-1] * 1e3,
-           "steps_per_s": len(step_times) / sum(step_times), "reset_median_ms": statistics.median(reset_times) * 1e3}
-    print(f"{env_id:24} step median {row['step_median_ms']:8.1f} ms  p90 {row['step_p90_ms']:8.1f} ms  "
-          f"{row['steps_per_s']:8.1f} steps/s  reset median {row['reset_median_ms']:8.1f} ms")
+    row = {
+        "step_median_ms": median * 1e3,
+        "step_p90_ms": statistics.quantiles(step_times, n=10)[-1] * 1e3,
+        "steps_per_s": len(step_times) / sum(step_times),
+        "reset_median_ms": statistics.median(reset_times) * 1e3,
+    }
+    print(
+        f"{env_id:24} step median {row['step_median_ms']:8.1f} ms  p90 {row['step_p90_ms']:8.1f} ms  "
+        f"{row['steps_per_s']:8.1f} steps/s  reset median {row['reset_median_ms']:8.1f} ms"
+    )
     return row
 
 
@@ -63,7 +78,11 @@ def main() -> None:
     args = parser.parse_args()
     results = {env_id: measure(env_id, args.steps) for env_id in ENVS}
     humaneval = results["code/humaneval-v0"]
-    print(f"code_humaneval_step_median: {humaneval['step_median_ms']:.0f} ms" if humaneval else "code_humaneval_step_median: nan ms")
+    print(
+        f"code_humaneval_step_median: {humaneval['step_median_ms']:.0f} ms"
+        if humaneval
+        else "code_humaneval_step_median: nan ms"
+    )
 
 
 if __name__ == "__main__":

@@ -68,7 +68,14 @@ def serve_hub(port: int, env: str, backend: str) -> None:
 
     sys.path.insert(0, str(HERE))
     envhub.register("bench/noop-v0", "hub_throughput:NoopEnv", max_turns=10**9)
-    config = HubConfig(envs=[env], workers=2, backend=backend, token=TOKEN, max_sessions=4096, max_sessions_per_client=4096)
+    config = HubConfig(
+        envs=[env],
+        workers=2,
+        backend=backend,
+        token=TOKEN,
+        max_sessions=4096,
+        max_sessions_per_client=4096,
+    )
     run(config, port=port)
 
 
@@ -84,12 +91,32 @@ def serve_bare(port: int) -> None:
         try:
             while True:
                 message = orjson.loads(await websocket.receive_text())
-                await websocket.send_text(b"".join((b'{"type":"step_result","seq":', str(message.get("seq", 0)).encode(), b',"result":', answer, b"}")).decode())
+                await websocket.send_text(
+                    b"".join(
+                        (
+                            b'{"type":"step_result","seq":',
+                            str(message.get("seq", 0)).encode(),
+                            b',"result":',
+                            answer,
+                            b"}",
+                        )
+                    ).decode()
+                )
         except Exception:
             return
 
     app.router.add_websocket_route("/ws", ws)
-    uvicorn.run(app, host="127.0.0.1", port=port, loop="uvloop", http="httptools", ws="websockets-sansio", ws_per_message_deflate=False, log_level="error", backlog=4096)
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        ws="websockets-sansio",
+        ws_per_message_deflate=False,
+        log_level="error",
+        backlog=4096,
+    )
 
 
 # ---------------------------------------------------------------------- load generator
@@ -142,7 +169,9 @@ class HubProtocol(Protocol):
         return result["terminated"] or result["truncated"]
 
 
-async def drive(port: int, protocol: Protocol, sessions: int, warmup: float, seconds: float, barrier: Any) -> tuple[int, list[float]]:
+async def drive(
+    port: int, protocol: Protocol, sessions: int, warmup: float, seconds: float, barrier: Any
+) -> tuple[int, list[float]]:
     """One load-generator process: ``sessions`` connections, closed loop; steps and latencies in the window."""
     from websockets.asyncio.client import connect
 
@@ -157,7 +186,14 @@ async def drive(port: int, protocol: Protocol, sessions: int, warmup: float, sec
 
     async def session() -> None:
         async with gate:
-            ws = await connect(url, additional_headers=protocol.headers, compression=None, max_size=None, ping_interval=None, open_timeout=300)
+            ws = await connect(
+                url,
+                additional_headers=protocol.headers,
+                compression=None,
+                max_size=None,
+                ping_interval=None,
+                open_timeout=300,
+            )
             await protocol.start(ws)
         connected[0] += 1
         if connected[0] == sessions:
@@ -187,7 +223,9 @@ async def drive(port: int, protocol: Protocol, sessions: int, warmup: float, sec
         for task in done:
             task.result()  # raise the session's error
         raise RuntimeError("sessions did not connect in time")
-    await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 600)  # all clients connected
+    await asyncio.get_running_loop().run_in_executor(
+        None, barrier.wait, 600
+    )  # all clients connected
     await asyncio.sleep(warmup)
     measuring["on"] = True
     await asyncio.sleep(seconds)
@@ -198,7 +236,15 @@ async def drive(port: int, protocol: Protocol, sessions: int, warmup: float, sec
     return steps, latencies
 
 
-def _client(port: int, protocol: Protocol, sessions: int, warmup: float, seconds: float, barrier: Any, results: Any) -> None:
+def _client(
+    port: int,
+    protocol: Protocol,
+    sessions: int,
+    warmup: float,
+    seconds: float,
+    barrier: Any,
+    results: Any,
+) -> None:
     import uvloop
 
     try:
@@ -209,7 +255,9 @@ def _client(port: int, protocol: Protocol, sessions: int, warmup: float, seconds
         raise
 
 
-def load(port: int, protocol: Protocol, sessions: int, seconds: float, pids: list[int], clients: int) -> dict[str, float]:
+def load(
+    port: int, protocol: Protocol, sessions: int, seconds: float, pids: list[int], clients: int
+) -> dict[str, float]:
     """Run ``sessions`` closed-loop sessions from ``clients`` processes; measure one window."""
     import multiprocessing
 
@@ -218,7 +266,10 @@ def load(port: int, protocol: Protocol, sessions: int, seconds: float, pids: lis
     barrier, results = context.Barrier(clients + 1), context.Queue()
     warmup = min(1.0, seconds / 4)
     shares = [sessions // clients + (1 if i < sessions % clients else 0) for i in range(clients)]
-    procs = [context.Process(target=_client, args=(port, protocol, n, warmup, seconds, barrier, results)) for n in shares]
+    procs = [
+        context.Process(target=_client, args=(port, protocol, n, warmup, seconds, barrier, results))
+        for n in shares
+    ]
     for proc in procs:
         proc.start()
     barrier.wait(600)
@@ -237,8 +288,18 @@ def load(port: int, protocol: Protocol, sessions: int, seconds: float, pids: lis
     for proc in procs:
         proc.join(30)
     latencies.sort()
-    pick = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000 if latencies else float("nan")  # noqa: E731
-    return {"steps_per_s": steps / elapsed, "p50_ms": pick(0.5), "p99_ms": pick(0.99), "cpu_cores": cpu / elapsed, "rss_mib": rss}
+    pick = lambda q: (
+        latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
+        if latencies
+        else float("nan")
+    )
+    return {
+        "steps_per_s": steps / elapsed,
+        "p50_ms": pick(0.5),
+        "p99_ms": pick(0.99),
+        "cpu_cores": cpu / elapsed,
+        "rss_mib": rss,
+    }
 
 
 # ---------------------------------------------------------------------- process accounting
@@ -248,7 +309,9 @@ def family(pid: int) -> list[int]:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                parents[int(entry.name)] = int(
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
             except (OSError, ValueError, IndexError):
                 pass
     found, grew = {pid}, True
@@ -293,11 +356,20 @@ class Server:
 
     def __init__(self, command: list[str], port: int, env: dict[str, str] | None = None) -> None:
         self.port = port
-        self.proc = subprocess.Popen(command, cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        self.proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{' '.join(command)} exited: {self.proc.stderr.read().decode()[-3000:]}")  # type: ignore[union-attr]
+                raise RuntimeError(
+                    f"{' '.join(command)} exited: {self.proc.stderr.read().decode()[-3000:]}"
+                )  # type: ignore[union-attr]
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                     break
@@ -320,7 +392,9 @@ def gymnasium_async_vector_rate(seconds: float, num_envs: int = 8) -> float:
     """Env-steps/s of ``gymnasium.vector.AsyncVectorEnv`` over ``num_envs`` no-op text envs."""
     import gymnasium
 
-    vector = gymnasium.vector.AsyncVectorEnv([NoopEnv for _ in range(num_envs)], shared_memory=False)
+    vector = gymnasium.vector.AsyncVectorEnv(
+        [NoopEnv for _ in range(num_envs)], shared_memory=False
+    )
     try:
         vector.reset(seed=0)
         actions = tuple("x" for _ in range(num_envs))
@@ -336,7 +410,14 @@ def gymnasium_async_vector_rate(seconds: float, num_envs: int = 8) -> float:
 
 
 # ---------------------------------------------------------------------- main
-def measure(name: str, start: Any, protocol: Protocol, sessions: list[int], seconds: float, rows: list[dict[str, Any]]) -> None:
+def measure(
+    name: str,
+    start: Any,
+    protocol: Protocol,
+    sessions: list[int],
+    seconds: float,
+    rows: list[dict[str, Any]],
+) -> None:
     """Measure one server at each session count, on a fresh server process per count.
 
     A fresh process per point keeps RSS comparable and sidesteps OpenEnv's server refusing
@@ -349,22 +430,40 @@ def measure(name: str, start: Any, protocol: Protocol, sessions: list[int], seco
         except Exception as exc:  # record it and go on: one failing server must not lose the run
             print(f"{name:14} {count:>6} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
             nan = float("nan")
-            result = {"steps_per_s": nan, "p50_ms": nan, "p99_ms": nan, "cpu_cores": nan, "rss_mib": nan}
+            result = {
+                "steps_per_s": nan,
+                "p50_ms": nan,
+                "p99_ms": nan,
+                "cpu_cores": nan,
+                "rss_mib": nan,
+            }
         finally:
             server.stop()
         row = {"server": name, "sessions": count, **result}
         rows.append(row)
-        print(f"{name:14} {count:>6} {row['steps_per_s']:>10,.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['cpu_cores']:>6.2f} {row['rss_mib']:>8.0f}", flush=True)
+        print(
+            f"{name:14} {count:>6} {row['steps_per_s']:>10,.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['cpu_cores']:>6.2f} {row['rss_mib']:>8.0f}",
+            flush=True,
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=4.0, help="measuring time per point")
-    parser.add_argument("--sessions", default="1,64,256,1000", help="concurrent sessions, comma-separated")
+    parser.add_argument(
+        "--sessions", default="1,64,256,1000", help="concurrent sessions, comma-separated"
+    )
     parser.add_argument("--clients", type=int, default=2, help="load-generator processes")
     parser.add_argument("--skip-openenv", action="store_true", help="do not install or run OpenEnv")
-    parser.add_argument("--servers", default="bare,hub,inline,sokoban,openenv", help="which servers to measure")
-    parser.add_argument("--openenv-venv", type=Path, default=OPENENV_VENV, help="venv for openenv-core (created if missing)")
+    parser.add_argument(
+        "--servers", default="bare,hub,inline,sokoban,openenv", help="which servers to measure"
+    )
+    parser.add_argument(
+        "--openenv-venv",
+        type=Path,
+        default=OPENENV_VENV,
+        help="venv for openenv-core (created if missing)",
+    )
     parser.add_argument("--serve", nargs="+", help=argparse.SUPPRESS)  # internal: run one server
     args = parser.parse_args()
     if args.serve:
@@ -379,17 +478,37 @@ def main() -> None:
     sessions = [int(s) for s in args.sessions.split(",")]
     me = [sys.executable, str(Path(__file__).resolve()), "--serve"]
     rows: list[dict[str, Any]] = []
-    print(f"{'server':14} {'sess':>6} {'steps/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'cpu':>6} {'rss MiB':>8}", flush=True)
+    print(
+        f"{'server':14} {'sess':>6} {'steps/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'cpu':>6} {'rss MiB':>8}",
+        flush=True,
+    )
     chosen = set(args.servers.split(","))
     runs = [
         ("bare", "bare", ["bare"], Protocol()),
         ("hub", "hub noop", ["hub", "bench/noop-v0", "local"], HubProtocol("bench/noop-v0", "x")),
-        ("inline", "hub noop inl", ["hub", "bench/noop-v0", "inline"], HubProtocol("bench/noop-v0", "x")),
-        ("sokoban", "hub sokoban", ["hub", "games/sokoban-v0", "local"], HubProtocol("games/sokoban-v0", "<answer>left</answer>")),
+        (
+            "inline",
+            "hub noop inl",
+            ["hub", "bench/noop-v0", "inline"],
+            HubProtocol("bench/noop-v0", "x"),
+        ),
+        (
+            "sokoban",
+            "hub sokoban",
+            ["hub", "games/sokoban-v0", "local"],
+            HubProtocol("games/sokoban-v0", "<answer>left</answer>"),
+        ),
     ]
     for key, name, serve, protocol in runs:
         if key in chosen:
-            measure(name, lambda serve=serve: _start([*me, serve[0], "{port}", *serve[1:]]), protocol, sessions, args.seconds, rows)
+            measure(
+                name,
+                lambda serve=serve: _start([*me, serve[0], "{port}", *serve[1:]]),
+                protocol,
+                sessions,
+                args.seconds,
+                rows,
+            )
     if "openenv" in chosen and not args.skip_openenv:
         from_openenv(sessions, args.seconds, rows, args.openenv_venv)
     gym_rate = gymnasium_async_vector_rate(args.seconds)
@@ -402,13 +521,24 @@ def main() -> None:
     for name in ("bare", "hub noop inl"):
         other = by.get((name, top))
         if other is not None:
-            print(f"hub_vs_{name.replace(' ', '_')}_{top}: {hub['steps_per_s'] / other['steps_per_s']:.2f} x")
-    cpu_us = {name: 1e6 * r["cpu_cores"] / r["steps_per_s"] for (name, count), r in by.items() if count == top and r["steps_per_s"] > 0}
-    print(f"server CPU per step at {top} sessions (us, workers included): " + ", ".join(f"{k} {v:.0f}" for k, v in cpu_us.items()))
+            print(
+                f"hub_vs_{name.replace(' ', '_')}_{top}: {hub['steps_per_s'] / other['steps_per_s']:.2f} x"
+            )
+    cpu_us = {
+        name: 1e6 * r["cpu_cores"] / r["steps_per_s"]
+        for (name, count), r in by.items()
+        if count == top and r["steps_per_s"] > 0
+    }
+    print(
+        f"server CPU per step at {top} sessions (us, workers included): "
+        + ", ".join(f"{k} {v:.0f}" for k, v in cpu_us.items())
+    )
     if ("hub noop", 64) in by:
         print(f"hub_p99_ms_64: {by[('hub noop', 64)]['p99_ms']:.2f} ms")
     if ("openenv", top) in by:
-        print(f"hub_vs_openenv_{top}: {hub['steps_per_s'] / by[('openenv', top)]['steps_per_s']:.2f} x")
+        print(
+            f"hub_vs_openenv_{top}: {hub['steps_per_s'] / by[('openenv', top)]['steps_per_s']:.2f} x"
+        )
 
 
 OPENENV_SERVER = """
@@ -477,15 +607,26 @@ def openenv_python(venv: Path) -> Path:
     if not python.exists():
         print(f"installing openenv-core into {venv} (once) ...", flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "openenv-core", "uvloop"], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "openenv-core", "uvloop"], check=True
+        )
     return python
 
 
-def from_openenv(sessions: list[int], seconds: float, rows: list[dict[str, Any]], venv: Path) -> None:
+def from_openenv(
+    sessions: list[int], seconds: float, rows: list[dict[str, Any]], venv: Path
+) -> None:
     python = openenv_python(venv)
     script = venv / "envhub_bench_echo_server.py"
     script.write_text(OPENENV_SERVER)
-    measure("openenv", lambda: _start([str(python), str(script), "{port}"], env={"ENABLE_WEB_INTERFACE": "false"}), OpenEnvProtocol(), sessions, seconds, rows)
+    measure(
+        "openenv",
+        lambda: _start([str(python), str(script), "{port}"], env={"ENABLE_WEB_INTERFACE": "false"}),
+        OpenEnvProtocol(),
+        sessions,
+        seconds,
+        rows,
+    )
 
 
 def _start(command: list[str], env: dict[str, str] | None = None) -> Server:

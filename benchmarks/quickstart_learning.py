@@ -35,16 +35,33 @@ def run_learning(config: str, seed: int, overrides: list[str], out: Path) -> dic
     shutil.rmtree(out, ignore_errors=True)
     load_before = os.getloadavg()[0]
     started = time.monotonic()
-    command = [sys.executable, "-m", "envhub.cli", "train", str(ROOT / config), f"seed={seed}", f"output_dir={out}",
-               "logging.progress=false", *overrides]
+    command = [
+        sys.executable,
+        "-m",
+        "envhub.cli",
+        "train",
+        str(ROOT / config),
+        f"seed={seed}",
+        f"output_dir={out}",
+        "logging.progress=false",
+        *overrides,
+    ]
     subprocess.run(command, cwd=ROOT, check=True)
     wall = time.monotonic() - started
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    evals = [(r["step"], r["time_s"], r["eval/success"]) for r in rows if r.get("eval/success") is not None]
-    phases = {k.removeprefix("timing/").removesuffix("_s"): sum(r.get(k, 0.0) for r in rows)
-              for k in ("timing/rollout_s", "timing/train_s", "timing/eval_s")}
-    print(f"\n== {config} seed={seed}: load average before {load_before:.1f}, after {os.getloadavg()[0]:.1f} "
-          f"({os.cpu_count()} CPUs)")
+    evals = [
+        (r["step"], r["time_s"], r["eval/success"])
+        for r in rows
+        if r.get("eval/success") is not None
+    ]
+    phases = {
+        k.removeprefix("timing/").removesuffix("_s"): sum(r.get(k, 0.0) for r in rows)
+        for k in ("timing/rollout_s", "timing/train_s", "timing/eval_s")
+    }
+    print(
+        f"\n== {config} seed={seed}: load average before {load_before:.1f}, after {os.getloadavg()[0]:.1f} "
+        f"({os.cpu_count()} CPUs)"
+    )
     print("step  time_s  eval/success")
     for step, seconds, success in evals:
         print(f"{step:4d}  {seconds:6.0f}  {success:.3f}")
@@ -52,36 +69,70 @@ def run_learning(config: str, seed: int, overrides: list[str], out: Path) -> dic
     steps = rows[-1]["step"]
     sampled = [r["train/success"] for r in rows if r.get("train/success") is not None]
     first, last = sampled[:10], sampled[-10:]
-    print(f"sampled train success: first 10 steps {sum(first) / max(len(first), 1):.3f}, "
-          f"last 10 steps {sum(last) / max(len(last), 1):.3f}")
-    print(f"eval success before RL (step 0): {evals[0][2]:.3f}; final: {evals[-1][2]:.3f}; first >= 0.8 at "
-          f"{'never' if reached is None else f'{reached:.0f} s'}; {steps} RL steps; warm start + step-0 eval "
-          f"{rows[0]['time_s']:.0f} s; phases: " + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items())
-          + f"; process wall time {wall:.0f} s")
-    return {"seed": seed, "start": evals[0][2], "final": evals[-1][2], "min_after_reaching": min(
-        (s for _, t, s in evals if reached is not None and t >= reached), default=None), "reached_s": reached,
-        "wall_s": wall, "steps": steps, "out": out, "train_first10": sum(first) / max(len(first), 1),
-        "train_last10": sum(last) / max(len(last), 1)}
+    print(
+        f"sampled train success: first 10 steps {sum(first) / max(len(first), 1):.3f}, "
+        f"last 10 steps {sum(last) / max(len(last), 1):.3f}"
+    )
+    print(
+        f"eval success before RL (step 0): {evals[0][2]:.3f}; final: {evals[-1][2]:.3f}; first >= 0.8 at "
+        f"{'never' if reached is None else f'{reached:.0f} s'}; {steps} RL steps; warm start + step-0 eval "
+        f"{rows[0]['time_s']:.0f} s; phases: "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items())
+        + f"; process wall time {wall:.0f} s"
+    )
+    return {
+        "seed": seed,
+        "start": evals[0][2],
+        "final": evals[-1][2],
+        "min_after_reaching": min(
+            (s for _, t, s in evals if reached is not None and t >= reached), default=None
+        ),
+        "reached_s": reached,
+        "wall_s": wall,
+        "steps": steps,
+        "out": out,
+        "train_first10": sum(first) / max(len(first), 1),
+        "train_last10": sum(last) / max(len(last), 1),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed (default: 0)")
-    parser.add_argument("--mode", choices=("batch", "sync", "async"), default=None,
-                        help="rollout.mode of every run (default: the config's, batch)")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="one run per seed (default: 0)"
+    )
+    parser.add_argument(
+        "--mode",
+        choices=("batch", "sync", "async"),
+        default=None,
+        help="rollout.mode of every run (default: the config's, batch)",
+    )
     argv = sys.argv[1:]
-    overrides = [a for a in argv if "=" in a and not a.startswith("-")]  # a.b=value, anywhere on the line
+    overrides = [
+        a for a in argv if "=" in a and not a.startswith("-")
+    ]  # a.b=value, anywhere on the line
     args = parser.parse_args([a for a in argv if a not in overrides])
     if args.mode is not None:
         overrides = [f"rollout.mode={args.mode}", *overrides]
     tag = f"{args.mode}-" if args.mode is not None else ""
-    results = [run_learning("examples/quickstart.yaml", seed, overrides, ROOT / "runs" / f"bench-quickstart-{tag}{seed}")
-               for seed in args.seeds]
-    shutil.copy(results[0]["out"] / "reward_curve.png", ROOT / "benchmarks" / "quickstart_learning.png")
+    results = [
+        run_learning(
+            "examples/quickstart.yaml",
+            seed,
+            overrides,
+            ROOT / "runs" / f"bench-quickstart-{tag}{seed}",
+        )
+        for seed in args.seeds
+    ]
+    shutil.copy(
+        results[0]["out"] / "reward_curve.png", ROOT / "benchmarks" / "quickstart_learning.png"
+    )
     print(f"\nrollout mode: {args.mode or 'config default'}\nseed  step0  final  first>=0.8  wall")
     for r in results:
         reached = "never" if r["reached_s"] is None else f"{r['reached_s']:.0f} s"
-        print(f"{r['seed']:4d}  {r['start']:.3f}  {r['final']:.3f}  {reached:>10}  {r['wall_s']:.0f} s")
+        print(
+            f"{r['seed']:4d}  {r['start']:.3f}  {r['final']:.3f}  {reached:>10}  {r['wall_s']:.0f} s"
+        )
     print(f"quickstart_eval_success: {sum(r['final'] for r in results) / len(results):.3f}")
 
 

@@ -59,8 +59,16 @@ class HeavyTailEnv(envhub.TextEnv):
     """Accepts any text; the task seed fixes the episode's turn count and per-turn token budgets
     (log-normal, clipped), handed to the env manager as ``info["max_new_tokens"]``."""
 
-    def __init__(self, *, turns_median: float, turns_sigma: float, tokens_median: float, tokens_sigma: float,
-                 max_turns: int, max_tokens: int) -> None:
+    def __init__(
+        self,
+        *,
+        turns_median: float,
+        turns_sigma: float,
+        tokens_median: float,
+        tokens_sigma: float,
+        max_turns: int,
+        max_tokens: int,
+    ) -> None:
         super().__init__(max_turns=max_turns)
         self.params = (turns_median, turns_sigma, tokens_median, tokens_sigma)
         self.max_tokens = max_tokens
@@ -69,9 +77,17 @@ class HeavyTailEnv(envhub.TextEnv):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[override]
         rng = random.Random(seed)
         turns_median, turns_sigma, tokens_median, tokens_sigma = self.params
-        turns = min(self.max_turns or 1, max(1, round(rng.lognormvariate(math.log(turns_median), turns_sigma))))
-        self.plan = [min(self.max_tokens, max(1, round(rng.lognormvariate(math.log(tokens_median), tokens_sigma))))
-                     for _ in range(turns)]
+        turns = min(
+            self.max_turns or 1,
+            max(1, round(rng.lognormvariate(math.log(turns_median), turns_sigma))),
+        )
+        self.plan = [
+            min(
+                self.max_tokens,
+                max(1, round(rng.lognormvariate(math.log(tokens_median), tokens_sigma))),
+            )
+            for _ in range(turns)
+        ]
         return super().reset(seed=seed, options=options)
 
     def on_reset(self, options: dict[str, Any]):
@@ -108,9 +124,21 @@ def build_model(folder: Path) -> Path:
 
     if (folder / "config.json").is_file():
         return folder
-    corpus = env_corpus(GAME, GAME_KWARGS, episodes=100) + ["Answer each message with anything.", "Turn 3 done."]
-    return build_policy(folder, corpus, tokenizer_kind="bpe", hidden_size=64, num_layers=2, num_heads=2,
-                        intermediate_size=128, max_positions=2048, seed=0)
+    corpus = env_corpus(GAME, GAME_KWARGS, episodes=100) + [
+        "Answer each message with anything.",
+        "Turn 3 done.",
+    ]
+    return build_policy(
+        folder,
+        corpus,
+        tokenizer_kind="bpe",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=128,
+        max_positions=2048,
+        seed=0,
+    )
 
 
 def make_engine(kind: str, path: Path) -> Any:
@@ -119,16 +147,27 @@ def make_engine(kind: str, path: Path) -> Any:
 
         # a big step budget: vLLM's CPU sampler cannot split the prefill of a seeded request over
         # steps ("CPU Generator does not use offset"), which many long concurrent prompts would cause
-        return VLLMEngine(str(path), seed=0, max_model_len=2048, kv_cache_gib=1.0, max_num_batched_tokens=65536,
-                          max_num_seqs=512)
+        return VLLMEngine(
+            str(path),
+            seed=0,
+            max_model_len=2048,
+            kv_cache_gib=1.0,
+            max_num_batched_tokens=65536,
+            max_num_seqs=512,
+        )
     import torch
 
     from trainer.models import load_policy
     from trainer.strategies.hf_engine import HFEngine
 
     model, tokenizer = load_policy(path)
-    return HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0,
-                    device="cuda" if torch.cuda.is_available() else "cpu")
+    return HFEngine(
+        model,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        seed=0,
+        device="cuda" if torch.cuda.is_available() else "cpu",
+    )
 
 
 class Trainer:
@@ -137,15 +176,19 @@ class Trainer:
     def __init__(self, path: Path, pad_token_id: int) -> None:
         import torch
 
+        from trainer.config import LossConfig
         from trainer.models import load_policy
         from trainer.strategies.hf import HFTrainStrategy
-        from trainer.config import LossConfig
         from trainer.workers.actor import ppo_loss_fn
 
         model, _ = load_policy(path)
         self.initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        self.strategy = HFTrainStrategy(model, lr=1e-4, micro_batch_size=16,
-                                        device="cuda" if torch.cuda.is_available() else "cpu")
+        self.strategy = HFTrainStrategy(
+            model,
+            lr=1e-4,
+            micro_batch_size=16,
+            device="cuda" if torch.cuda.is_available() else "cpu",
+        )
         self.loss = ppo_loss_fn(LossConfig(clip_low=0.2, clip_high=0.28, agg_mode="token-mean"))
         self.pad = pad_token_id
 
@@ -160,14 +203,31 @@ class Trainer:
         from trainer.rollout.trajectory import collate
 
         batch = collate(trajectories, self.pad)
-        batch["advantages"], _ = compute_advantages("grpo", response_mask=batch["response_mask"],
-                                                    token_rewards=batch["token_rewards"], scores=batch["scores"],
-                                                    group_ids=batch["group_ids"])
-        self.strategy.train_step({k: batch[k] for k in ("input_ids", "attention_mask", "response_mask",
-                                                         "old_logprobs", "advantages")}, self.loss)
+        batch["advantages"], _ = compute_advantages(
+            "grpo",
+            response_mask=batch["response_mask"],
+            token_rewards=batch["token_rewards"],
+            scores=batch["scores"],
+            group_ids=batch["group_ids"],
+        )
+        self.strategy.train_step(
+            {
+                k: batch[k]
+                for k in (
+                    "input_ids",
+                    "attention_mask",
+                    "response_mask",
+                    "old_logprobs",
+                    "advantages",
+                )
+            },
+            self.loss,
+        )
 
     def weights(self) -> dict[str, Any]:
-        return {name: tensor.detach().cpu().clone() for name, tensor in self.strategy.full_weights()}
+        return {
+            name: tensor.detach().cpu().clone() for name, tensor in self.strategy.full_weights()
+        }
 
 
 _TRAINER: Trainer | None = None
@@ -196,7 +256,9 @@ class TrainerProcess:
         import concurrent.futures
         import multiprocessing
 
-        self.pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+        self.pool = concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")
+        )
         self._run("init", path, pad_token_id)
 
     def _run(self, method: str, *args: Any) -> Any:
@@ -215,7 +277,9 @@ class TrainerProcess:
         self.pool.shutdown(cancel_futures=True)
 
 
-async def run_mode(mode: str, args: argparse.Namespace, engine: Any, trainer: Any, renderer: Any) -> dict[str, float]:
+async def run_mode(
+    mode: str, args: argparse.Namespace, engine: Any, trainer: Any, renderer: Any
+) -> dict[str, float]:
     from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
     from trainer.rollout.groups import plan_groups, run_episodes
     from trainer.rollout.router import EngineRouter
@@ -228,8 +292,14 @@ async def run_mode(mode: str, args: argparse.Namespace, engine: Any, trainer: An
 
     def make(env_id: str, **kwargs: Any) -> Any:
         if env_id == HEAVY:
-            return HeavyTailEnv(turns_median=args.turns_median, turns_sigma=args.sigma, tokens_median=args.tokens_median,
-                                tokens_sigma=args.sigma, max_turns=args.max_turns, max_tokens=args.max_tokens)
+            return HeavyTailEnv(
+                turns_median=args.turns_median,
+                turns_sigma=args.sigma,
+                tokens_median=args.tokens_median,
+                tokens_sigma=args.sigma,
+                max_turns=args.max_turns,
+                max_tokens=args.max_tokens,
+            )
         return GameWithAnswerBudget(envhub.make(env_id, **GAME_KWARGS), args.game_tokens)
 
     source = LocalEnvSource(make=make)
@@ -242,7 +312,9 @@ async def run_mode(mode: str, args: argparse.Namespace, engine: Any, trainer: An
     discarded = {"stale_dropped_groups": 0.0, "stale_aborted_groups": 0.0, "aborted_surplus": 0.0}
     if mode == "batch":
         for step in range(args.steps):
-            specs = plan_groups(step, num_groups=args.groups, group_size=args.group_size, env_ids=env_ids, seed=0)
+            specs = plan_groups(
+                step, num_groups=args.groups, group_size=args.group_size, env_ids=env_ids, seed=0
+            )
             finished, _ = await run_episodes(specs, manager, source, sampling)
             await asyncio.to_thread(trainer.step, finished)
             router.update_weights(trainer.weights())
@@ -251,36 +323,63 @@ async def run_mode(mode: str, args: argparse.Namespace, engine: Any, trainer: An
     else:
         k = int(mode.split("-")[1]) if mode.startswith("async") else 0
         scheduler = RolloutScheduler(
-            SchedulerConfig(args.groups, args.group_size, tuple(env_ids), mode="async" if k else "sync",
-                            redundancy=args.redundancy, max_staleness=k),
-            manager, router, source, sampling)
+            SchedulerConfig(
+                args.groups,
+                args.group_size,
+                tuple(env_ids),
+                mode="async" if k else "sync",
+                redundancy=args.redundancy,
+                max_staleness=k,
+            ),
+            manager,
+            router,
+            source,
+            sampling,
+        )
         try:
             for _ in range(args.steps):
                 batch = await scheduler.next_batch()
                 # a trajectory without policy tokens has no staleness (it used to count as version 0)
-                staleness += [batch.version - t.oldest_version for t in batch.trajectories
-                              if t.oldest_version is not None]
+                staleness += [
+                    batch.version - t.oldest_version
+                    for t in batch.trajectories
+                    if t.oldest_version is not None
+                ]
                 for name in ("stale_dropped_groups", "stale_aborted_groups", "aborted_surplus"):
                     discarded[name] += batch.metrics[f"rollout/{name}"]
-                await asyncio.to_thread(trainer.step, batch.trajectories)  # rollouts go on meanwhile (async)
+                await asyncio.to_thread(
+                    trainer.step, batch.trajectories
+                )  # rollouts go on meanwhile (async)
                 await scheduler.update_weights(trainer.weights())
                 trained += len(batch.trajectories)
         finally:
             await scheduler.close()
     wall = time.perf_counter() - started
     stats = router.totals()
-    return {"trajectories": trained, "wall_s": wall, "traj_per_s": trained / wall,
-            "engine_idle": 1.0 - stats.busy_fraction, "max_staleness_seen": max(staleness, default=0),
-            "tokens": stats.new_tokens, **discarded}
+    return {
+        "trajectories": trained,
+        "wall_s": wall,
+        "traj_per_s": trained / wall,
+        "engine_idle": 1.0 - stats.busy_fraction,
+        "max_staleness_seen": max(staleness, default=0),
+        "tokens": stats.new_tokens,
+        **discarded,
+    }
 
 
 def _merge(total: dict[str, float] | None, new: dict[str, float]) -> dict[str, float]:
     """Totals of a mode over rounds (rates from the summed counts; idle weighted by wall time)."""
     if total is None:
         return new
-    merged = {k: total[k] + new[k] for k in new if k not in ("traj_per_s", "engine_idle", "max_staleness_seen")}
+    merged = {
+        k: total[k] + new[k]
+        for k in new
+        if k not in ("traj_per_s", "engine_idle", "max_staleness_seen")
+    }
     merged["traj_per_s"] = merged["trajectories"] / merged["wall_s"]
-    merged["engine_idle"] = (total["engine_idle"] * total["wall_s"] + new["engine_idle"] * new["wall_s"]) / merged["wall_s"]
+    merged["engine_idle"] = (
+        total["engine_idle"] * total["wall_s"] + new["engine_idle"] * new["wall_s"]
+    ) / merged["wall_s"]
     merged["max_staleness_seen"] = max(total["max_staleness_seen"], new["max_staleness_seen"])
     return merged
 
@@ -294,15 +393,25 @@ def main() -> None:
     parser.add_argument("--redundancy", type=float, default=1.5)
     parser.add_argument("--turns-median", type=float, default=3.0)
     parser.add_argument("--tokens-median", type=float, default=12.0)
-    parser.add_argument("--sigma", type=float, default=0.9, help="log-normal sigma of turns and of tokens")
-    parser.add_argument("--game-tokens", type=int, default=8, help="token cap per game turn (a one-word move)")
+    parser.add_argument(
+        "--sigma", type=float, default=0.9, help="log-normal sigma of turns and of tokens"
+    )
+    parser.add_argument(
+        "--game-tokens", type=int, default=8, help="token cap per game turn (a one-word move)"
+    )
     parser.add_argument("--max-turns", type=int, default=24)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--modes", default="batch,sync,async-1,async-2")
-    parser.add_argument("--model-dir", default=None, help="where the tiny model is built (default: a temp folder)")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="play the modes this many times, every other round in reverse order (ABBA: a load "
-                             "that drifts during the run biases no mode); figures are totals over the rounds")
+    parser.add_argument(
+        "--model-dir", default=None, help="where the tiny model is built (default: a temp folder)"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="play the modes this many times, every other round in reverse order (ABBA: a load "
+        "that drifts during the run biases no mode); figures are totals over the rounds",
+    )
     args = parser.parse_args()
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -327,14 +436,24 @@ def main() -> None:
         renderer = ChatRenderer(tokenizer)
         engine = make_engine(kind, path)
         trainer = TrainerProcess(path, tokenizer.pad_token_id)
-        print(f"engine={kind} steps={args.steps} batch={args.groups}x{args.group_size} redundancy={args.redundancy} "
-              f"turns~LogN(median {args.turns_median}, s={args.sigma}) tokens/turn~LogN(median {args.tokens_median}, "
-              f"s={args.sigma}) + {GAME}", flush=True)
+        print(
+            f"engine={kind} steps={args.steps} batch={args.groups}x{args.group_size} redundancy={args.redundancy} "
+            f"turns~LogN(median {args.turns_median}, s={args.sigma}) tokens/turn~LogN(median {args.tokens_median}, "
+            f"s={args.sigma}) + {GAME}",
+            flush=True,
+        )
         results: dict[str, dict[str, float]] = {}
         try:
             # warm-up (first engine steps, first backward, allocator): not charged to the first mode
-            asyncio.run(run_mode("batch", argparse.Namespace(**{**vars(args), "steps": 1, "groups": 2}), engine,
-                                 trainer, renderer))
+            asyncio.run(
+                run_mode(
+                    "batch",
+                    argparse.Namespace(**{**vars(args), "steps": 1, "groups": 2}),
+                    engine,
+                    trainer,
+                    renderer,
+                )
+            )
             modes = args.modes.split(",")
             for round_ in range(args.rounds):
                 played: dict[str, dict[str, float]] = {}
@@ -342,16 +461,21 @@ def main() -> None:
                     r = played[mode] = asyncio.run(run_mode(mode, args, engine, trainer, renderer))
                     results[mode] = _merge(results.get(mode), r)
                     base = (played.get("batch") or results.get("batch") or r)["traj_per_s"]
-                    print(f"{mode:>8}: {r['trajectories']:4d} traj in {r['wall_s']:7.2f} s = {r['traj_per_s']:6.2f} "
-                          f"traj/s, {r['tokens'] / r['wall_s']:6.0f} tok/s, engine idle {100 * r['engine_idle']:5.1f}%, "
-                          f"oldest trained token {r['max_staleness_seen']} versions behind, discarded: "
-                          f"{r['aborted_surplus']:.0f} surplus episodes, {r['stale_aborted_groups']:.0f}+"
-                          f"{r['stale_dropped_groups']:.0f} stale groups; speedup {r['traj_per_s'] / base:5.2f} x "
-                          f"(round {round_ + 1}, load average {os.getloadavg()[0]:.1f})", flush=True)
+                    print(
+                        f"{mode:>8}: {r['trajectories']:4d} traj in {r['wall_s']:7.2f} s = {r['traj_per_s']:6.2f} "
+                        f"traj/s, {r['tokens'] / r['wall_s']:6.0f} tok/s, engine idle {100 * r['engine_idle']:5.1f}%, "
+                        f"oldest trained token {r['max_staleness_seen']} versions behind, discarded: "
+                        f"{r['aborted_surplus']:.0f} surplus episodes, {r['stale_aborted_groups']:.0f}+"
+                        f"{r['stale_dropped_groups']:.0f} stale groups; speedup {r['traj_per_s'] / base:5.2f} x "
+                        f"(round {round_ + 1}, load average {os.getloadavg()[0]:.1f})",
+                        flush=True,
+                    )
             if args.rounds > 1:
                 for mode, r in results.items():
-                    print(f"{mode:>8}: all rounds {r['traj_per_s']:6.2f} traj/s, engine idle "
-                          f"{100 * r['engine_idle']:5.1f}%, speedup {r['traj_per_s'] / results.get('batch', r)['traj_per_s']:5.2f} x")
+                    print(
+                        f"{mode:>8}: all rounds {r['traj_per_s']:6.2f} traj/s, engine idle "
+                        f"{100 * r['engine_idle']:5.1f}%, speedup {r['traj_per_s'] / results.get('batch', r)['traj_per_s']:5.2f} x"
+                    )
         finally:
             trainer.close()
             shutdown = getattr(engine, "shutdown", None)

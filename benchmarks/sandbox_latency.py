@@ -73,22 +73,38 @@ def pct(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # clean up pools and dockerd when killed
+    signal.signal(
+        signal.SIGTERM, lambda *_: sys.exit(143)
+    )  # clean up pools and dockerd when killed
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ops", type=int, default=40, help="calls per (path, concurrency); docker-run uses a quarter")
-    parser.add_argument("--command", default="true", help="the command every path runs (argv, split on spaces)")
-    parser.add_argument("--docker-host", default=None, help="engine URL; default: start a private dockerd (root)")
+    parser.add_argument(
+        "--ops",
+        type=int,
+        default=40,
+        help="calls per (path, concurrency); docker-run uses a quarter",
+    )
+    parser.add_argument(
+        "--command", default="true", help="the command every path runs (argv, split on spaces)"
+    )
+    parser.add_argument(
+        "--docker-host", default=None, help="engine URL; default: start a private dockerd (root)"
+    )
     parser.add_argument("--no-docker", action="store_true", help="skip the docker paths")
-    parser.add_argument("--no-seccomp", action="store_true",
-                        help="run the local paths without the seccomp filter (to measure what it costs)")
-    parser.add_argument("--paths", default="", help="comma-separated subset of paths to measure (default: all)")
+    parser.add_argument(
+        "--no-seccomp",
+        action="store_true",
+        help="run the local paths without the seccomp filter (to measure what it costs)",
+    )
+    parser.add_argument(
+        "--paths", default="", help="comma-separated subset of paths to measure (default: all)"
+    )
     args = parser.parse_args()
     argv = args.command.split()
     if args.no_seccomp:
         from sandboxes import _seccomp
 
-        _seccomp._compiled.cache_clear()  # noqa: SLF001
-        _seccomp._compiled = lambda: (None, "disabled by --no-seccomp")  # type: ignore[assignment]  # noqa: SLF001
+        _seccomp._compiled.cache_clear()
+        _seccomp._compiled = lambda: (None, "disabled by --no-seccomp")  # type: ignore[assignment]
 
     paths: dict[str, Callable[[], None]] = {}
     cleanups: list[Callable[[], None]] = []
@@ -115,8 +131,8 @@ def main() -> None:
         sb = spare.get()
         try:
             sb.run(argv)
-            if restart and sb._executor is not None:  # noqa: SLF001 - force the fresh-namespaces path
-                sb._executor.stop()  # noqa: SLF001
+            if restart and sb._executor is not None:
+                sb._executor.stop()
             sb.reset()
         finally:
             spare.put(sb)
@@ -138,8 +154,9 @@ def main() -> None:
                 from sandboxes.dockerd import HOST_USR_RO, import_host_image
 
                 image = import_host_image(url)
-                docker_pool = SandboxPool("docker", size=8, limits=LIMITS, image=image, base_url=url,
-                                          volumes=HOST_USR_RO)
+                docker_pool = SandboxPool(
+                    "docker", size=8, limits=LIMITS, image=image, base_url=url, volumes=HOST_USR_RO
+                )
                 cleanups.append(docker_pool.close)
 
                 def docker_warm() -> None:
@@ -147,8 +164,26 @@ def main() -> None:
                         sb.run(argv)
 
                 cli = shutil.which("docker") or "docker"
-                run_cmd = [cli, "-H", url, "run", "--rm", "--network", "none", "--memory", "256m", "--pids-limit", "67",
-                           "--read-only", "-u", "1000:1000", "-v", "/usr:/usr:ro", image, *argv]
+                run_cmd = [
+                    cli,
+                    "-H",
+                    url,
+                    "run",
+                    "--rm",
+                    "--network",
+                    "none",
+                    "--memory",
+                    "256m",
+                    "--pids-limit",
+                    "67",
+                    "--read-only",
+                    "-u",
+                    "1000:1000",
+                    "-v",
+                    "/usr:/usr:ro",
+                    image,
+                    *argv,
+                ]
 
                 def docker_run() -> None:
                     subprocess.run(run_cmd, check=True, stdout=subprocess.DEVNULL)
@@ -158,7 +193,11 @@ def main() -> None:
                 print(f"docker paths skipped: {e}")
 
         rows = []
-        only = (set(args.paths.split(",")) | {"subprocess", "local-warm"}) if args.paths else set(paths)
+        only = (
+            (set(args.paths.split(",")) | {"subprocess", "local-warm"})
+            if args.paths
+            else set(paths)
+        )
         for name, op in paths.items():
             if name not in only:
                 continue
@@ -168,8 +207,11 @@ def main() -> None:
             for conc in (2, 8):
                 rates[conc] = measure(op, concurrency=conc, ops=ops)[1]
             rows.append((name, pct(lat, 0.5) * 1e3, pct(lat, 0.99) * 1e3, rates))
-            print(f"{name:13} p50 {rows[-1][1]:8.1f} ms  p99 {rows[-1][2]:8.1f} ms  "
-                  + "  ".join(f"c{c}: {r:7.1f}/s" for c, r in rates.items()), flush=True)
+            print(
+                f"{name:13} p50 {rows[-1][1]:8.1f} ms  p99 {rows[-1][2]:8.1f} ms  "
+                + "  ".join(f"c{c}: {r:7.1f}/s" for c, r in rates.items()),
+                flush=True,
+            )
         for cleanup in cleanups:
             cleanup()
 
@@ -177,8 +219,10 @@ def main() -> None:
     print("\n| path | p50 ms | p99 ms | calls/s c1 | c2 | c8 | p50 vs subprocess |")
     print("|---|---|---|---|---|---|---|")
     for name, p50, p99, rates in rows:
-        print(f"| {name} | {p50:.1f} | {p99:.1f} | {rates[1]:.0f} | {rates[2]:.0f} | {rates[8]:.0f} | "
-              f"{p50 / base[1]:.1f} x |")
+        print(
+            f"| {name} | {p50:.1f} | {p99:.1f} | {rates[1]:.0f} | {rates[2]:.0f} | {rates[8]:.0f} | "
+            f"{p50 / base[1]:.1f} x |"
+        )
     warm = next(r for r in rows if r[0] == "local-warm")
     print(f"\nlocal_warm_p50: {statistics.fmean([warm[1]]):.1f} ms")
 

@@ -21,15 +21,25 @@ from quickstart_learning import ROOT, run_learning
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run per seed (default: 0)")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="one run per seed (default: 0)"
+    )
     args, overrides = parser.parse_known_args()
-    results = [run_learning("examples/scratch.yaml", seed, overrides, ROOT / "runs" / f"bench-scratch-{seed}")
-               for seed in args.seeds]
-    shutil.copy(results[0]["out"] / "reward_curve.png", ROOT / "benchmarks" / "scratch_learning.png")
+    results = [
+        run_learning(
+            "examples/scratch.yaml", seed, overrides, ROOT / "runs" / f"bench-scratch-{seed}"
+        )
+        for seed in args.seeds
+    ]
+    shutil.copy(
+        results[0]["out"] / "reward_curve.png", ROOT / "benchmarks" / "scratch_learning.png"
+    )
     print("\nseed  train first10  train last10  eval step0  eval final  wall")
     for r in results:
-        print(f"{r['seed']:4d}  {r['train_first10']:13.3f}  {r['train_last10']:12.3f}  {r['start']:10.3f}  "
-              f"{r['final']:10.3f}  {r['wall_s']:.0f} s")
+        print(
+            f"{r['seed']:4d}  {r['train_first10']:13.3f}  {r['train_last10']:12.3f}  {r['start']:10.3f}  "
+            f"{r['final']:10.3f}  {r['wall_s']:.0f} s"
+        )
     print(f"scratch_eval_success: {sum(r['final'] for r in results) / len(results):.3f}")
 
 

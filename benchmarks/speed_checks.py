@@ -20,7 +20,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests/ holds the pool's faulty env
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1])
+)  # the repo root: tests/ holds the pool's faulty env
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -50,7 +52,11 @@ def sql_runaway() -> float:
     env.reset(seed=1)
     query = "SELECT COUNT(*) FROM employees a, employees b, employees c, employees d, employees e"
     try:
-        return timed(lambda: env.step(f'<tool_call>{{"name": "run_sql", "arguments": {{"query": "{query}"}}}}</tool_call>'))
+        return timed(
+            lambda: env.step(
+                f'<tool_call>{{"name": "run_sql", "arguments": {{"query": "{query}"}}}}</tool_call>'
+            )
+        )
     finally:
         env.close()
 
@@ -63,7 +69,7 @@ def mcp_tool_timeout() -> float:
     env = McpEnv(hidden_tools=[], call_timeout_s=1.5)
     try:
         env.reset(seed=0)
-        action = f'<tool_call>{json.dumps({"name": "slow_echo", "arguments": {"text": "hi", "seconds": 600}})}</tool_call>'
+        action = f"<tool_call>{json.dumps({'name': 'slow_echo', 'arguments': {'text': 'hi', 'seconds': 600}})}</tool_call>"
         return timed(lambda: env.step(action))
     finally:
         env.close()
@@ -84,11 +90,22 @@ def sokoban_solver_10x10() -> float:
 def humaneval_infinite_loop() -> float:
     import envhub
 
-    tasks = [{"id": "add", "prompt": "def add(a, b):\n    pass\n", "entry_point": "add", "tests": ["assert add(1, 2) == 3"]}]
-    env = envhub.make("code/humaneval-v0", dataset=tasks, test_timeout_s=1.0, wall_time_s=10, memory_mb=256)
+    tasks = [
+        {
+            "id": "add",
+            "prompt": "def add(a, b):\n    pass\n",
+            "entry_point": "add",
+            "tests": ["assert add(1, 2) == 3"],
+        }
+    ]
+    env = envhub.make(
+        "code/humaneval-v0", dataset=tasks, test_timeout_s=1.0, wall_time_s=10, memory_mb=256
+    )
     try:
         env.reset(seed=0)
-        return timed(lambda: env.step("```python\ndef add(a, b):\n    while True:\n        pass\n```"))
+        return timed(
+            lambda: env.step("```python\ndef add(a, b):\n    while True:\n        pass\n```")
+        )
     finally:
         env.close()
 
@@ -124,7 +141,9 @@ def sandbox_fork_bomb() -> float:
 
 
 def sandbox_output_flood() -> float:
-    flood = "import sys\nwhile True:\n    sys.stdout.write('x' * 4096); sys.stderr.write('y' * 4096)\n"
+    flood = (
+        "import sys\nwhile True:\n    sys.stdout.write('x' * 4096); sys.stderr.write('y' * 4096)\n"
+    )
     return _sandbox_run(["python3", "-c", flood], 30.0, max_output_bytes=50_000)
 
 
@@ -147,7 +166,11 @@ CHECKS: dict[str, tuple[Callable[[], float], float, str]] = {
     "sql_runaway": (sql_runaway, 10.0, "tests/envs/tools/test_tools_specific.py"),
     "mcp_tool_timeout_1.5s": (mcp_tool_timeout, 5.0, "tests/envs/tools/test_mcp_bridge.py"),
     "sokoban_solver_10x10_worst": (sokoban_solver_10x10, 1.5, "tests/envs/games/test_sokoban.py"),
-    "humaneval_infinite_loop_step": (humaneval_infinite_loop, 15.0, "tests/envs/code/test_code_envs.py"),
+    "humaneval_infinite_loop_step": (
+        humaneval_infinite_loop,
+        15.0,
+        "tests/envs/code/test_code_envs.py",
+    ),
     "terminal_sleep_600_step": (terminal_sleep, 10.0, "tests/envs/code/test_code_envs.py"),
     "sandbox_loop_kill_after_1s": (sandbox_loop_kill, 5.0, "tests/sandboxes/test_adversarial.py"),
     "sandbox_fork_bomb_3s": (sandbox_fork_bomb, 13.0, "tests/sandboxes/test_adversarial.py"),
@@ -159,7 +182,9 @@ CHECKS: dict[str, tuple[Callable[[], float], float, str]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help=f"comma-separated subset of: {', '.join(CHECKS)}")
+    parser.add_argument(
+        "--only", default="", help=f"comma-separated subset of: {', '.join(CHECKS)}"
+    )
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] or list(CHECKS)
     unknown = sorted(set(names) - set(CHECKS))
@@ -170,8 +195,11 @@ def main() -> None:
         measure, bound, where = CHECKS[name]
         seconds = measure()
         over += seconds > bound
-        print(f"{name:30s} {seconds:8.3f} s  (was asserted < {bound:g} s in {where})  "
-              f"{'OVER' if seconds > bound else 'within'}", flush=True)
+        print(
+            f"{name:30s} {seconds:8.3f} s  (was asserted < {bound:g} s in {where})  "
+            f"{'OVER' if seconds > bound else 'within'}",
+            flush=True,
+        )
     print(f"speed_checks_over_bound: {over} of {len(names)}")
 
 

@@ -27,33 +27,57 @@ from pathlib import Path
 from typing import Any
 
 SHAPES = {  # name -> (hidden, layers, heads, intermediate)
-    "tiny": (64, 2, 2, 128),      # ~0.1M parameters, like the quickstart's policy
-    "small": (256, 4, 4, 1024),   # ~3.5M
+    "tiny": (64, 2, 2, 128),  # ~0.1M parameters, like the quickstart's policy
+    "small": (256, 4, 4, 1024),  # ~3.5M
     "medium": (512, 8, 8, 1536),  # ~20M
 }
-TEXTS = ["Your first move?", "You moved right.\n\nS F H\nF P F\nH F G\n\nYour next move?", "up",
-         "You fell into a hole.\n\nS F H\nF F P\nH F G\n\nYour next move?"]
+TEXTS = [
+    "Your first move?",
+    "You moved right.\n\nS F H\nF P F\nH F G\n\nYour next move?",
+    "up",
+    "You fell into a hole.\n\nS F H\nF F P\nH F G\n\nYour next move?",
+]
 
 
 def build(name: str, root: Path) -> Path:
     from trainer.models import build_policy, env_corpus
 
     hidden, layers, heads, inter = SHAPES[name]
-    return build_policy(root / name, env_corpus("games/frozen-lake-v0", {"action_format": "raw", "size": 3}, episodes=60),
-                        hidden_size=hidden, num_layers=layers, num_heads=heads, intermediate_size=inter,
-                        max_positions=1024, seed=0)
+    return build_policy(
+        root / name,
+        env_corpus("games/frozen-lake-v0", {"action_format": "raw", "size": 3}, episodes=60),
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        intermediate_size=inter,
+        max_positions=1024,
+        seed=0,
+    )
 
 
 def requests(tokenizer: Any, count: int, new_tokens: int, tag: str) -> list[Any]:
     from trainer.strategies.base import GenerationRequest
 
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": TEXTS[i % len(TEXTS)] * (1 + i % 3)}],
-                                                              add_generation_prompt=True, tokenize=False),
-                                add_special_tokens=False) for i in range(count)]
-    return [GenerationRequest(f"{tag}{i}", p, new_tokens, temperature=1.0) for i, p in enumerate(prompts)]
+    prompts = [
+        tokenizer.encode(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": TEXTS[i % len(TEXTS)] * (1 + i % 3)}],
+                add_generation_prompt=True,
+                tokenize=False,
+            ),
+            add_special_tokens=False,
+        )
+        for i in range(count)
+    ]
+    return [
+        GenerationRequest(f"{tag}{i}", p, new_tokens, temperature=1.0)
+        for i, p in enumerate(prompts)
+    ]
 
 
-def timed_run(engine: Any, tokenizer: Any, count: int, new_tokens: int, tag: str) -> tuple[float, int]:
+def timed_run(
+    engine: Any, tokenizer: Any, count: int, new_tokens: int, tag: str
+) -> tuple[float, int]:
     """New tokens/s of one run of ``count`` concurrent requests, and the tokens it made."""
 
     async def once() -> tuple[float, int]:
@@ -71,7 +95,9 @@ def timed_run(engine: Any, tokenizer: Any, count: int, new_tokens: int, tag: str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", default="tiny,small", help=f"comma-separated, of {sorted(SHAPES)}")
+    parser.add_argument(
+        "--sizes", default="tiny,small", help=f"comma-separated, of {sorted(SHAPES)}"
+    )
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -83,8 +109,10 @@ def main() -> None:
     from trainer.strategies.hf_engine import HFEngine
     from trainer.strategies.vllm_engine import VLLMEngine
 
-    print(f"torch threads: {torch.get_num_threads()}; {args.requests} requests x up to {args.new_tokens} new tokens, "
-          "temperature 1")
+    print(
+        f"torch threads: {torch.get_num_threads()}; {args.requests} requests x up to {args.new_tokens} new tokens, "
+        "temperature 1"
+    )
     ratio = None
     with tempfile.TemporaryDirectory(prefix="vllm_bench_") as tmp:
         for name in args.sizes.split(","):
@@ -92,7 +120,12 @@ def main() -> None:
             model, tokenizer = load_policy(folder)
             params = count_parameters(model)
             started = time.perf_counter()
-            hf = HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0)
+            hf = HFEngine(
+                model,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                seed=0,
+            )
             hf_start = time.perf_counter() - started
             started = time.perf_counter()
             vllm = VLLMEngine(str(folder), seed=0, kv_cache_gib=1.0, max_model_len=1024)
@@ -101,7 +134,9 @@ def main() -> None:
             try:
                 for k in range(args.repeats + 1):  # interleaved, so both see the same machine load
                     for key, engine in (("hf", hf), ("vllm", vllm)):
-                        run = timed_run(engine, tokenizer, args.requests, args.new_tokens, f"{key}{k}-")
+                        run = timed_run(
+                            engine, tokenizer, args.requests, args.new_tokens, f"{key}{k}-"
+                        )
                         if k:  # the first round warms up
                             runs[key].append(run)
                 steps = vllm.stats["steps"]
@@ -109,11 +144,16 @@ def main() -> None:
                 vllm.shutdown()
             (hf_rate, hf_tokens), (vllm_rate, vllm_tokens) = max(runs["hf"]), max(runs["vllm"])
             ratio = vllm_rate / hf_rate
-            median = statistics.median(v[0] for v in runs["vllm"]) / statistics.median(h[0] for h in runs["hf"])
-            print(f"{name} ({params / 1e6:.2f}M params): HFEngine {hf_rate:,.0f} new tok/s ({hf_tokens} tokens, "
-                  f"start {hf_start:.1f} s); VLLMEngine {vllm_rate:,.0f} new tok/s ({vllm_tokens} tokens, "
-                  f"start {vllm_start:.1f} s, {steps} engine steps in all); best/best {ratio:.2f} x, "
-                  f"median/median {median:.2f} x", flush=True)
+            median = statistics.median(v[0] for v in runs["vllm"]) / statistics.median(
+                h[0] for h in runs["hf"]
+            )
+            print(
+                f"{name} ({params / 1e6:.2f}M params): HFEngine {hf_rate:,.0f} new tok/s ({hf_tokens} tokens, "
+                f"start {hf_start:.1f} s); VLLMEngine {vllm_rate:,.0f} new tok/s ({vllm_tokens} tokens, "
+                f"start {vllm_start:.1f} s, {steps} engine steps in all); best/best {ratio:.2f} x, "
+                f"median/median {median:.2f} x",
+                flush=True,
+            )
     print(f"vllm_vs_hf_gen: {ratio:.2f} x")
 
 

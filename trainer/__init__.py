@@ -37,13 +37,13 @@ import importlib
 from typing import Any
 
 __all__ = [
-    "TrainerConfig",
-    "load_config",
     "AutoDeviceMapping",
-    "DevicePlan",
     "CheckpointManager",
-    "TrainerError",
     "ConfigError",
+    "DevicePlan",
+    "TrainerConfig",
+    "TrainerError",
+    "load_config",
 ]
 
 _LAZY: dict[str, str] = {

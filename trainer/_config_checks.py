@@ -24,23 +24,34 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
     """Every cross-section problem of ``cfg`` (empty when fine)."""
     problems: list[Problem] = []
     if cfg.roles.actor_infer.strategy != cfg.rollout.engine:
-        problems.append(Problem(
-            "roles.actor_infer.strategy",
-            f"{cfg.roles.actor_infer.strategy!r} disagrees with rollout.engine={cfg.rollout.engine!r}; "
-            "set only rollout.engine"))
+        problems.append(
+            Problem(
+                "roles.actor_infer.strategy",
+                f"{cfg.roles.actor_infer.strategy!r} disagrees with rollout.engine={cfg.rollout.engine!r}; "
+                "set only rollout.engine",
+            )
+        )
     dp = cfg.roles.actor_train.world_size
     if cfg.batch_size % dp:
-        problems.append(Problem(
-            "env.num_groups",
-            f"the batch of {cfg.batch_size} episodes (env.group_size * env.num_groups) does not split "
-            f"evenly over the {dp} actor_train workers; make it a multiple of {dp}"))
+        problems.append(
+            Problem(
+                "env.num_groups",
+                f"the batch of {cfg.batch_size} episodes (env.group_size * env.num_groups) does not split "
+                f"evenly over the {dp} actor_train workers; make it a multiple of {dp}",
+            )
+        )
     problems.extend(cfg.device_mapping().problems())
     problems.extend(_parallel_problems(cfg))
     if cfg.env.hub is None:
         problems.extend(_unknown_env_ids(cfg.env.ids))
     elif cfg.env.kwargs:
-        problems.append(Problem("env.kwargs", f"env kwargs cannot be sent to the remote hub {cfg.env.hub!r}; "
-                                              "configure the env where the hub serves it, or remove env.kwargs"))
+        problems.append(
+            Problem(
+                "env.kwargs",
+                f"env kwargs cannot be sent to the remote hub {cfg.env.hub!r}; "
+                "configure the env where the hub serves it, or remove env.kwargs",
+            )
+        )
     return problems
 
 
@@ -52,20 +63,36 @@ def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
     actor = cfg.roles.actor_train
     for name in ("actor_train", "reference", "critic"):
         role = getattr(cfg.roles, name)
-        if name in cfg.active_roles and (problem := process_problem(role.strategy, role.world_size,
-                                                                    cfg.cluster.backend)):
+        if name in cfg.active_roles and (
+            problem := process_problem(role.strategy, role.world_size, cfg.cluster.backend)
+        ):
             problems.append(Problem("cluster.backend", f"{name} {problem}"))
-    if (layout := layout_problem(actor.strategy, actor.world_size, actor.strategy_args)) is not None:
+    if (
+        layout := layout_problem(actor.strategy, actor.world_size, actor.strategy_args)
+    ) is not None:
         problems.append(Problem(f"roles.actor_train.strategy_args.{layout[0]}", layout[1]))
     largest = largest_tensor(cfg.model.path, cfg.model.dtype) if cfg.model.path else None
-    if cfg.weight_sync.bucket_mb is not None and largest and largest[1] > cfg.weight_sync.bucket_mb * 2**20:
-        problems.append(Problem("weight_sync.bucket_mb", (
-            f"{cfg.weight_sync.bucket_mb:g} MiB cannot hold {largest[0]} of {cfg.model.path} ({largest[1] / 2**20:.1f} "
-            f"MiB in {cfg.model.dtype}); set weight_sync.bucket_mb >= {-(-largest[1] // 2**20)} or leave it unset")))
+    if (
+        cfg.weight_sync.bucket_mb is not None
+        and largest
+        and largest[1] > cfg.weight_sync.bucket_mb * 2**20
+    ):
+        problems.append(
+            Problem(
+                "weight_sync.bucket_mb",
+                (
+                    f"{cfg.weight_sync.bucket_mb:g} MiB cannot hold {largest[0]} of {cfg.model.path} ({largest[1] / 2**20:.1f} "
+                    f"MiB in {cfg.model.dtype}); set weight_sync.bucket_mb >= {-(-largest[1] // 2**20)} or leave it unset"
+                ),
+            )
+        )
     if cfg.weight_sync.only_changed and not engine_spec(cfg.rollout.engine).partial_weights:
-        problems.append(Problem(
-            "weight_sync.only_changed",
-            "vLLM reloads whole layers, so every sync must carry every tensor; set weight_sync.only_changed: false"))
+        problems.append(
+            Problem(
+                "weight_sync.only_changed",
+                "vLLM reloads whole layers, so every sync must carry every tensor; set weight_sync.only_changed: false",
+            )
+        )
     return problems
 
 

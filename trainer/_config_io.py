@@ -33,7 +33,9 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int], list[Problem]
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError([Problem("", f"config file {str(path)!r} does not exist; check the path")]) from None
+        raise ConfigError(
+            [Problem("", f"config file {str(path)!r} does not exist; check the path")]
+        ) from None
     except OSError as err:
         raise ConfigError([Problem("", f"cannot read config file {str(path)!r}: {err}")]) from None
     try:
@@ -42,21 +44,35 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int], list[Problem]
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        what = " ".join(str(x) for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x)
-        raise ConfigError([Problem("", f"broken YAML: {what or err}", where)], source=str(path)) from None
+        what = " ".join(
+            str(x) for x in (getattr(err, "context", None), getattr(err, "problem", None)) if x
+        )
+        raise ConfigError(
+            [Problem("", f"broken YAML: {what or err}", where)], source=str(path)
+        ) from None
     if data is None:
         return {}, {}, []
     if not isinstance(data, dict):
         raise ConfigError(
-            [Problem("", "the top level must be a mapping of sections (model:, env:, ...), "
-                         f"not a {type(data).__name__}", str(path))], source=str(path))
+            [
+                Problem(
+                    "",
+                    "the top level must be a mapping of sections (model:, env:, ...), "
+                    f"not a {type(data).__name__}",
+                    str(path),
+                )
+            ],
+            source=str(path),
+        )
     lines: dict[str, int] = {}
     problems: list[Problem] = []
     _index_nodes(node, "", lines, problems, path)
     return data, lines, problems
 
 
-def _index_nodes(node: Any, prefix: str, lines: dict[str, int], problems: list[Problem], path: Path) -> None:
+def _index_nodes(
+    node: Any, prefix: str, lines: dict[str, int], problems: list[Problem], path: Path
+) -> None:
     import yaml
 
     if isinstance(node, yaml.MappingNode):
@@ -65,8 +81,13 @@ def _index_nodes(node: Any, prefix: str, lines: dict[str, int], problems: list[P
             key = str(key_node.value)
             dotted = f"{prefix}.{key}" if prefix else key
             if key in seen:
-                problems.append(Problem(dotted, "duplicate key; the later value would silently win, keep one",
-                                        f"{path}:{key_node.start_mark.line + 1}"))
+                problems.append(
+                    Problem(
+                        dotted,
+                        "duplicate key; the later value would silently win, keep one",
+                        f"{path}:{key_node.start_mark.line + 1}",
+                    )
+                )
             seen.add(key)
             lines[dotted] = key_node.start_mark.line + 1
             _index_nodes(value_node, dotted, lines, problems, path)
@@ -90,21 +111,34 @@ def overrides_to_tree(overrides: list[str]) -> tuple[dict[str, Any], list[Proble
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not _KEY.match(key):
-            problems.append(Problem("", f"override {item!r} is not of the form a.b.c=value (dotted keys, then =)"))
+            problems.append(
+                Problem(
+                    "", f"override {item!r} is not of the form a.b.c=value (dotted keys, then =)"
+                )
+            )
             continue
         try:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError as err:
-            problems.append(Problem(key, f"cannot parse the value {raw!r} as YAML: {getattr(err, 'problem', err)}",
-                                    f"override {item!r}"))
+            problems.append(
+                Problem(
+                    key,
+                    f"cannot parse the value {raw!r} as YAML: {getattr(err, 'problem', err)}",
+                    f"override {item!r}",
+                )
+            )
             continue
         node = tree
         parts = key.split(".")
         for depth, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                problems.append(Problem(".".join(parts[: depth + 1]),
-                                        f"override {item!r} goes inside a value set by another override"))
+                problems.append(
+                    Problem(
+                        ".".join(parts[: depth + 1]),
+                        f"override {item!r} goes inside a value set by another override",
+                    )
+                )
                 break
             node = child
         else:
@@ -120,8 +154,13 @@ def merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> list[
         if isinstance(value, dict) and key in base and isinstance(base[key], dict):
             problems += merge(base[key], value, dotted)
         elif isinstance(value, dict) and key in base and base[key] is not None:
-            problems.append(Problem(dotted, f"is {base[key]!r} in the file, not a section; override it whole "
-                                            f"({dotted}=...) instead of its parts"))
+            problems.append(
+                Problem(
+                    dotted,
+                    f"is {base[key]!r} in the file, not a section; override it whole "
+                    f"({dotted}=...) instead of its parts",
+                )
+            )
         else:
             base[key] = value
     return problems
@@ -189,12 +228,18 @@ def validation_problems(err: ValidationError, cls: type[BaseModel], data: Any) -
             message = _unknown_key_message(cls, segments)
         else:
             message = e["msg"].removeprefix("Value error, ")
-            if e["type"] != "missing" and not e["type"].startswith("value_error") and _is_scalar(e.get("input")):
+            if (
+                e["type"] != "missing"
+                and not e["type"].startswith("value_error")
+                and _is_scalar(e.get("input"))
+            ):
                 got[dotted] = f" (got {_short(e['input'])})"
         merged.setdefault(dotted, [])
         if message not in merged[dotted]:
             merged[dotted].append(message)
-    return [Problem(path, "; or ".join(msgs) + got.get(path, "")) for path, msgs in merged.items()] + extra
+    return [
+        Problem(path, "; or ".join(msgs) + got.get(path, "")) for path, msgs in merged.items()
+    ] + extra
 
 
 def _real_segments(loc: tuple[Any, ...], data: Any, keep_last: bool) -> list[str | int]:
@@ -202,10 +247,7 @@ def _real_segments(loc: tuple[Any, ...], data: Any, keep_last: bool) -> list[str
     out: list[str | int] = []
     node = data
     for i, seg in enumerate(loc):
-        if isinstance(node, dict) and seg in node:
-            out.append(seg)
-            node = node[seg]
-        elif isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
+        if isinstance(node, dict) and seg in node or isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
             out.append(seg)
             node = node[seg]
         elif keep_last and i == len(loc) - 1 and isinstance(seg, str):

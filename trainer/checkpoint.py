@@ -41,7 +41,7 @@ from typing import Any
 
 from trainer.errors import CheckpointError
 
-__all__ = ["Checkpoint", "CheckpointWriter", "CheckpointManager", "capture_rng", "restore_rng"]
+__all__ = ["Checkpoint", "CheckpointManager", "CheckpointWriter", "capture_rng", "restore_rng"]
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -57,7 +57,10 @@ def capture_rng() -> dict[str, Any]:
     import torch
 
     state: dict[str, Any] = {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["torch_cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -133,7 +136,9 @@ class Checkpoint:
     def load_state(self, name: str, map_location: Any = "cpu") -> Any:
         """The object saved under ``name`` (e.g. a model or optimizer state dict)."""
         if name not in self.state_names:
-            raise CheckpointError(f"checkpoint {self.path} has no state {name!r}; it has {self.state_names}")
+            raise CheckpointError(
+                f"checkpoint {self.path} has no state {name!r}; it has {self.state_names}"
+            )
         return _torch_load(self.path / "states" / f"{name}.pt", map_location)
 
     def states(self, map_location: Any = "cpu") -> dict[str, Any]:
@@ -178,7 +183,9 @@ class CheckpointWriter:
     def save_state(self, name: str, obj: Any) -> None:
         """``torch.save`` ``obj`` as ``states/<name>.pt`` (fsync'ed)."""
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
-            raise CheckpointError(f"state name {name!r} must use only letters, digits, '_', '.', '-'")
+            raise CheckpointError(
+                f"state name {name!r} must use only letters, digits, '_', '.', '-'"
+            )
         _torch_save(obj, self.path / "states" / f"{name}.pt")
         if name not in self.state_names:
             self.state_names.append(name)
@@ -196,8 +203,13 @@ class CheckpointWriter:
         if self.config is not None:
             (self.path / "config.json").write_text(json.dumps(self.config, indent=2, default=str))
         _fsync_tree(self.path)
-        meta = {"format": FORMAT_VERSION, "step": self.step, "time": time.time(),
-                "states": self.state_names, "seeds": self.seeds}
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": self.step,
+            "time": time.time(),
+            "states": self.state_names,
+            "seeds": self.seeds,
+        }
         with open(self.path / "meta.json", "w") as f:  # last: marks the folder complete
             json.dump(meta, f, indent=2, default=str)
             f.flush()
@@ -217,7 +229,9 @@ class CheckpointManager:
         self.removed_partial = self._remove_partial()
         newest = self.latest()
         pointer = self.root / "latest"
-        if newest is not None and (not pointer.is_file() or pointer.read_text().strip() != newest.name):
+        if newest is not None and (
+            not pointer.is_file() or pointer.read_text().strip() != newest.name
+        ):
             self._write_pointer(newest.name)
 
     # -- writing ----------------------------------------------------------------------
@@ -331,7 +345,9 @@ class CheckpointManager:
         """Open ``path`` (default: :meth:`latest`). Raises CheckpointError if there is none."""
         target = Path(path) if path is not None else self.latest()
         if target is None:
-            raise CheckpointError(f"no checkpoint in {self.root}; run without --resume to start fresh")
+            raise CheckpointError(
+                f"no checkpoint in {self.root}; run without --resume to start fresh"
+            )
         try:
             meta = json.loads((target / "meta.json").read_text())
         except FileNotFoundError:
@@ -339,10 +355,17 @@ class CheckpointManager:
         except json.JSONDecodeError as err:
             raise CheckpointError(f"{target}/meta.json is unreadable: {err}") from None
         if meta.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"{target} has checkpoint format {meta.get('format')!r}; this trainer reads "
-                                  f"format {FORMAT_VERSION}")
-        return Checkpoint(path=target, step=int(meta["step"]), state_names=list(meta.get("states", [])),
-                          seeds=dict(meta.get("seeds", {})), meta=meta)
+            raise CheckpointError(
+                f"{target} has checkpoint format {meta.get('format')!r}; this trainer reads "
+                f"format {FORMAT_VERSION}"
+            )
+        return Checkpoint(
+            path=target,
+            step=int(meta["step"]),
+            state_names=list(meta.get("states", [])),
+            seeds=dict(meta.get("seeds", {})),
+            meta=meta,
+        )
 
 
 def _name(step: int) -> str:

@@ -26,7 +26,9 @@ def _fmt(value: Any) -> str:
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("overrides", nargs=-1)
-@click.option("--resume", is_flag=True, help="Continue the run in output_dir from its latest checkpoint.")
+@click.option(
+    "--resume", is_flag=True, help="Continue the run in output_dir from its latest checkpoint."
+)
 def train(config: Path, overrides: tuple[str, ...], resume: bool) -> None:
     """Train a policy on envhub environments as CONFIG (YAML) says.
 
@@ -51,7 +53,9 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool) -> None:
     if not resume and out.exists() and any(out.iterdir()):
         aside = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
         out.rename(aside)
-        console.print(f"moved the previous run in {out} to {aside} (use --resume to continue a run)")
+        console.print(
+            f"moved the previous run in {out} to {aside} (use --resume to continue a run)"
+        )
     console.print(f"output: {out.resolve()}", highlight=False)
     if resume:
         for line in config_drift(cfg):
@@ -68,7 +72,9 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool) -> None:
         f"{_fmt(last_eval.get('eval/success'))} (step {last_eval.get('step', '-')}) in "
         f"{rows[-1]['time_s'] / 60:.1f} min\n"
         f"  metrics  {out / 'metrics.jsonl'}\n  curve    {out / 'reward_curve.png'}\n"
-        f"  policy   {out / 'final_policy'}", highlight=False)
+        f"  policy   {out / 'final_policy'}",
+        highlight=False,
+    )
 
 
 def config_drift(cfg: Any, *, limit: int = 12) -> list[str]:
@@ -97,8 +103,11 @@ def config_drift(cfg: Any, *, limit: int = 12) -> list[str]:
     lines = [f"{key}: {old!r} in {latest.name} -> {new!r} now" for key, old, new in changed[:limit]]
     if len(changed) > limit:
         lines.append(f"... and {len(changed) - limit} more")
-    return [f"the config differs from the one the run was saved with ({len(changed)} setting(s)); "
-            f"resuming with the config as given now:", *lines]
+    return [
+        f"the config differs from the one the run was saved with ({len(changed)} setting(s)); "
+        f"resuming with the config as given now:",
+        *lines,
+    ]
 
 
 def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -115,23 +124,40 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
 
     from trainer.pipeline import AgenticPipeline
 
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TextColumn("{task.fields[status]}")]
-    with Progress(*columns, console=console, disable=not cfg.logging.progress, transient=False) as progress:
-        task = progress.add_task("starting", total=cfg.train.steps, status="building policy and workers")
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[status]}"),
+    ]
+    with Progress(
+        *columns, console=console, disable=not cfg.logging.progress, transient=False
+    ) as progress:
+        task = progress.add_task(
+            "starting", total=cfg.train.steps, status="building policy and workers"
+        )
         eval_success: list[Any] = [None]
 
         def on_step(metrics: dict[str, Any]) -> None:
             if metrics.get("eval/success") is not None:
                 eval_success[0] = metrics["eval/success"]
             step = metrics["step"]
-            status = (f"train success {_fmt(metrics.get('train/success'))}  reward {_fmt(metrics.get('train/reward'))}"
-                      f"  eval success {_fmt(eval_success[0])}")
-            progress.update(task, completed=step, description="RL" if step else "warm start", status=status)
+            status = (
+                f"train success {_fmt(metrics.get('train/success'))}  reward {_fmt(metrics.get('train/reward'))}"
+                f"  eval success {_fmt(eval_success[0])}"
+            )
+            progress.update(
+                task, completed=step, description="RL" if step else "warm start", status=status
+            )
             if not cfg.logging.progress:
                 console.print(f"step {step}: {status}", highlight=False)
 
         pipeline = AgenticPipeline(cfg, resume=resume, on_step=on_step)
-        progress.update(task, completed=pipeline.step, description="warm start" if not resume else "resuming",
-                        status="")
+        progress.update(
+            task,
+            completed=pipeline.step,
+            description="warm start" if not resume else "resuming",
+            status="",
+        )
         return pipeline.fit()

@@ -35,23 +35,23 @@ if TYPE_CHECKING:
     from trainer.strategies.base import TrainOptions
 
 __all__ = [
-    "Section",
-    "TinyModelConfig",
-    "ModelConfig",
-    "EnvConfig",
-    "RolloutConfig",
-    "LossConfig",
+    "ROLE_NAMES",
     "AlgorithmConfig",
-    "TrainConfig",
+    "CheckpointConfig",
+    "ClusterConfig",
+    "EnvConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "LossConfig",
+    "ModelConfig",
     "RoleConfig",
     "RolesConfig",
-    "ClusterConfig",
-    "CheckpointConfig",
-    "EvalConfig",
+    "RolloutConfig",
     "SFTConfig",
-    "LoggingConfig",
+    "Section",
+    "TinyModelConfig",
+    "TrainConfig",
     "TrainerConfig",
-    "ROLE_NAMES",
     "load_config",
     "parse_overrides",
 ]
@@ -94,9 +94,13 @@ class TinyModelConfig(Section):
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
-            raise ValueError(f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}")
+            raise ValueError(
+                f"num_heads={self.num_heads} must divide hidden_size={self.hidden_size}"
+            )
         if self.num_kv_heads is not None and self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+            raise ValueError(
+                f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
+            )
         return self
 
 
@@ -115,9 +119,13 @@ class ModelConfig(Section):
     @model_validator(mode="after")
     def _path_or_tiny(self) -> ModelConfig:
         if self.path is not None and self.tiny is not None:
-            raise ValueError("set model.path (a local checkpoint) or model.tiny (build one), not both")
+            raise ValueError(
+                "set model.path (a local checkpoint) or model.tiny (build one), not both"
+            )
         if self.path is None and self.tiny is None:
-            raise ValueError("set model.path (a local HF checkpoint folder) or model.tiny: {} (build a tiny one)")
+            raise ValueError(
+                "set model.path (a local HF checkpoint folder) or model.tiny: {} (build a tiny one)"
+            )
         return self
 
 
@@ -200,8 +208,10 @@ class RolloutConfig(Section):
     @model_validator(mode="after")
     def _scheduler_options_need_the_scheduler(self) -> RolloutConfig:
         if self.mode == "batch" and (self.redundancy > 1.0 or self.dynamic_sampling):
-            raise ValueError("redundancy and dynamic_sampling need the rollout scheduler; set rollout.mode: sync "
-                             "(on-policy) or async")
+            raise ValueError(
+                "redundancy and dynamic_sampling need the rollout scheduler; set rollout.mode: sync "
+                "(on-policy) or async"
+            )
         return self
 
 
@@ -285,8 +295,13 @@ class TrainConfig(Section):
     def options(self, lr: float | None = None) -> TrainOptions:
         """What every training strategy takes from this section (``strategies.base.TrainOptions``),
         at learning rate ``lr`` (None: ``train.lr``; the critic passes ``critic_lr``)."""
-        return {"lr": lr or self.lr, "weight_decay": self.weight_decay, "max_grad_norm": self.max_grad_norm,
-                "micro_batch_size": self.micro_batch_size, "grad_accumulation": self.grad_accumulation}
+        return {
+            "lr": lr or self.lr,
+            "weight_decay": self.weight_decay,
+            "max_grad_norm": self.max_grad_norm,
+            "micro_batch_size": self.micro_batch_size,
+            "grad_accumulation": self.grad_accumulation,
+        }
 
     def lr_at(self, step: int) -> float:
         """The policy learning rate of RL step ``step`` (1-based), by ``lr_schedule`` and ``warmup_steps``."""
@@ -298,7 +313,11 @@ class TrainConfig(Section):
             return self.lr
         span = max(self.steps - self.warmup_steps - 1, 1)
         progress = min(max(step - self.warmup_steps - 1, 0) / span, 1.0)
-        shape = 1.0 - progress if self.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        shape = (
+            1.0 - progress
+            if self.lr_schedule == "linear"
+            else 0.5 * (1.0 + math.cos(math.pi * progress))
+        )
         return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape)
 
 
@@ -342,7 +361,9 @@ class RolesConfig(Section):
     """Frozen initial policy for the KL term (started only when ``algorithm.loss.kl_coef > 0``)."""
     critic: RoleConfig = Field(default_factory=lambda: RoleConfig(strategy="hf"))
     """Value model (started only for ``algorithm.advantage_estimator: gae``)."""
-    reward: RoleConfig = Field(default_factory=lambda: RoleConfig(strategy="function", device_mapping=[]))
+    reward: RoleConfig = Field(
+        default_factory=lambda: RoleConfig(strategy="function", device_mapping=[])
+    )
     """Reward workers scoring what envs don't (started only when reward functions are set)."""
 
     @model_validator(mode="after")
@@ -537,7 +558,10 @@ class TrainerConfig(Section):
     def _cross_section(self) -> TrainerConfig:
         if self.roles.actor_infer.strategy is None:
             self.roles.actor_infer.strategy = self.rollout.engine
-        elif "engine" not in self.rollout.model_fields_set and self.roles.actor_infer.strategy in INFERENCE_ENGINES:
+        elif (
+            "engine" not in self.rollout.model_fields_set
+            and self.roles.actor_infer.strategy in INFERENCE_ENGINES
+        ):
             self.rollout.engine = self.roles.actor_infer.strategy  # either key selects the engine
         for _, role in self.roles.items():
             if role.strategy is None:
@@ -556,7 +580,9 @@ class TrainerConfig(Section):
         return cross_section_problems(self)
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TrainerConfig:
+def load_config(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()
+) -> TrainerConfig:
     """Load ``path`` (YAML; None for defaults only), apply ``a.b.c=value`` overrides, validate.
 
     Raises :class:`~trainer.errors.ConfigError` listing every problem with its dotted path

@@ -31,16 +31,17 @@ from typing import Protocol
 from trainer.errors import DeviceMappingError, Problem
 
 __all__ = [
-    "RoleSpec",
-    "WorkerSlot",
-    "RolePlacement",
+    "AutoDeviceMapping",
+    "Colocation",
     "ColocationGroup",
     "DevicePlan",
-    "AutoDeviceMapping",
     "Offloadable",
-    "Colocation",
+    "RolePlacement",
+    "RoleSpec",
+    "WorkerSlot",
     "default_can_offload",
 ]
+
 
 def default_can_offload(strategy: str) -> bool | None:
     """Whether ``strategy`` can offload, as ``trainer.strategies.registry`` declares it; None when
@@ -177,7 +178,11 @@ class AutoDeviceMapping:
                 problems.append(Problem(self._path(role), f"device ids must be >= 0, got {bad}"))
             dupes = sorted({d for d in ids if ids.count(d) > 1})
             if dupes:
-                problems.append(Problem(self._path(role), f"device ids {dupes} are listed twice; list each once"))
+                problems.append(
+                    Problem(
+                        self._path(role), f"device ids {dupes} are listed twice; list each once"
+                    )
+                )
         return problems
 
     def check_world_sizes(self) -> list[Problem]:
@@ -186,10 +191,13 @@ class AutoDeviceMapping:
         for role, spec in self.roles.items():
             n, k = len(spec.device_mapping), spec.num_devices_per_worker
             if n and n % k:
-                problems.append(Problem(
-                    self._path(role),
-                    f"{n} devices do not split into workers of {k} devices (num_devices_per_worker={k}); "
-                    f"map a multiple of {k} devices or change num_devices_per_worker"))
+                problems.append(
+                    Problem(
+                        self._path(role),
+                        f"{n} devices do not split into workers of {k} devices (num_devices_per_worker={k}); "
+                        f"map a multiple of {k} devices or change num_devices_per_worker",
+                    )
+                )
         return problems
 
     def check_exist(self, node_devices: Sequence[int]) -> list[Problem]:
@@ -200,11 +208,14 @@ class AutoDeviceMapping:
             missing = sorted({d for d in spec.device_mapping if d >= total})
             if missing:
                 have = f"ids 0-{total - 1}" if total else "none"
-                problems.append(Problem(
-                    self._path(role),
-                    f"device{'s' if len(missing) > 1 else ''} {_ranges(missing)} do{'' if len(missing) > 1 else 'es'} "
-                    f"not exist: the cluster has {total} devices ({have}) across {len(node_devices)} "
-                    f"node{'s' if len(node_devices) != 1 else ''}; use smaller ids or add nodes/devices"))
+                problems.append(
+                    Problem(
+                        self._path(role),
+                        f"device{'s' if len(missing) > 1 else ''} {_ranges(missing)} do{'' if len(missing) > 1 else 'es'} "
+                        f"not exist: the cluster has {total} devices ({have}) across {len(node_devices)} "
+                        f"node{'s' if len(node_devices) != 1 else ''}; use smaller ids or add nodes/devices",
+                    )
+                )
         return problems
 
     def check_workers_within_nodes(self, node_devices: Sequence[int]) -> list[Problem]:
@@ -215,11 +226,14 @@ class AutoDeviceMapping:
             for slot in self._slots(role, spec):
                 nodes = {_node_of(d, node_devices)[0] for d in slot.devices if 0 <= d < total}
                 if len(nodes) > 1:
-                    problems.append(Problem(
-                        self._path(role),
-                        f"worker {slot.rank} would span nodes {sorted(nodes)} (devices {list(slot.devices)}); "
-                        "a worker's devices must be on one node: reorder device_mapping or change "
-                        "num_devices_per_worker"))
+                    problems.append(
+                        Problem(
+                            self._path(role),
+                            f"worker {slot.rank} would span nodes {sorted(nodes)} (devices {list(slot.devices)}); "
+                            "a worker's devices must be on one node: reorder device_mapping or change "
+                            "num_devices_per_worker",
+                        )
+                    )
         return problems
 
     def check_colocated_can_offload(self) -> list[Problem]:
@@ -232,17 +246,22 @@ class AutoDeviceMapping:
                 strategy = self._strategy(role)
                 if self.can_offload(strategy) is False:
                     others = ", ".join(r for r in group.roles if r != role)
-                    problems.append(Problem(
-                        self._path(role),
-                        f"shares devices with {others}, but strategy {strategy!r} cannot offload its state; "
-                        "give it devices of its own (disjoint device_mapping) or use a strategy that can"))
+                    problems.append(
+                        Problem(
+                            self._path(role),
+                            f"shares devices with {others}, but strategy {strategy!r} cannot offload its state; "
+                            "give it devices of its own (disjoint device_mapping) or use a strategy that can",
+                        )
+                    )
         return problems
 
     def problems(self, node_devices: Sequence[int] | None = None) -> list[Problem]:
         """Every problem; the node checks run only when ``node_devices`` is given."""
         problems = self.check_ids() + self.check_world_sizes() + self.check_colocated_can_offload()
         if node_devices is not None:
-            problems += self.check_exist(node_devices) + self.check_workers_within_nodes(node_devices)
+            problems += self.check_exist(node_devices) + self.check_workers_within_nodes(
+                node_devices
+            )
         return problems
 
     # -- the plan -------------------------------------------------------------------------
@@ -261,9 +280,12 @@ class AutoDeviceMapping:
             if node_devices is not None:
                 slots = [_bind(slot, node_devices) for slot in slots]
             placements[role] = RolePlacement(
-                role=role, strategy=self._strategy(role), workers=tuple(slots),
+                role=role,
+                strategy=self._strategy(role),
+                workers=tuple(slots),
                 num_devices_per_worker=spec.num_devices_per_worker,
-                offload=bool(spec.offload_params or spec.offload_optimizer))
+                offload=bool(spec.offload_params or spec.offload_optimizer),
+            )
         nodes = tuple(node_devices) if node_devices is not None else None
         return DevicePlan(roles=placements, groups=tuple(self._groups()), node_devices=nodes)
 
@@ -275,7 +297,10 @@ class AutoDeviceMapping:
         if not ids:
             return [WorkerSlot(role, r, ()) for r in range(spec.num_workers)]
         k = spec.num_devices_per_worker
-        return [WorkerSlot(role, r, tuple(ids[r * k:(r + 1) * k])) for r in range(max(1, len(ids) // k))]
+        return [
+            WorkerSlot(role, r, tuple(ids[r * k : (r + 1) * k]))
+            for r in range(max(1, len(ids) // k))
+        ]
 
     def _groups(self) -> list[ColocationGroup]:
         """Connected components of roles by shared devices, in role order."""
@@ -288,14 +313,17 @@ class AutoDeviceMapping:
             return r
 
         for i, a in enumerate(with_devices):
-            for b in with_devices[i + 1:]:
+            for b in with_devices[i + 1 :]:
                 if set(self.roles[a].device_mapping) & set(self.roles[b].device_mapping):
                     parent[find(b)] = find(a)
         groups: dict[str, list[str]] = {}
         for r in with_devices:
             groups.setdefault(find(r), []).append(r)
         return [
-            ColocationGroup(tuple(members), tuple(sorted({d for m in members for d in self.roles[m].device_mapping})))
+            ColocationGroup(
+                tuple(members),
+                tuple(sorted({d for m in members for d in self.roles[m].device_mapping})),
+            )
             for members in groups.values()
         ]
 
@@ -314,7 +342,9 @@ def _bind(slot: WorkerSlot, node_devices: Sequence[int]) -> WorkerSlot:
     if not slot.devices:
         return slot
     located = [_node_of(d, node_devices) for d in slot.devices]
-    return WorkerSlot(slot.role, slot.rank, slot.devices, located[0][0], tuple(local for _, local in located))
+    return WorkerSlot(
+        slot.role, slot.rank, slot.devices, located[0][0], tuple(local for _, local in located)
+    )
 
 
 def _ranges(ids: Sequence[int]) -> str:

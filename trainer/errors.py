@@ -24,17 +24,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 __all__ = [
-    "TrainerError",
-    "Problem",
+    "CheckpointError",
     "ConfigError",
     "DeviceMappingError",
     "DispatchError",
-    "WorkerCallError",
-    "CheckpointError",
     "ModelError",
-    "RolloutError",
-    "RewardError",
     "NonFiniteLossError",
+    "Problem",
+    "RewardError",
+    "RolloutError",
+    "TrainerError",
+    "WorkerCallError",
 ]
 
 

@@ -48,8 +48,15 @@ def summarise(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, floa
 class MetricsLog:
     """Appends step metrics to ``{output_dir}/metrics.jsonl`` (and TensorBoard/W&B if enabled)."""
 
-    def __init__(self, output_dir: str | Path, *, tensorboard: bool = False, wandb: bool = False,
-                 wandb_project: str = "envhub", config: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        *,
+        tensorboard: bool = False,
+        wandb: bool = False,
+        wandb_project: str = "envhub",
+        config: dict[str, Any] | None = None,
+    ) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb: Any = None
@@ -66,9 +73,13 @@ class MetricsLog:
             try:
                 import wandb as wandb_module
             except ImportError:
-                raise TrainerError("logging.wandb needs the wandb package; pip install wandb, "
-                                   "or set logging.wandb=false") from None
-            self._wandb = wandb_module.init(project=wandb_project, config=config, dir=str(self.path.parent))
+                raise TrainerError(
+                    "logging.wandb needs the wandb package; pip install wandb, "
+                    "or set logging.wandb=false"
+                ) from None
+            self._wandb = wandb_module.init(
+                project=wandb_project, config=config, dir=str(self.path.parent)
+            )
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -82,7 +93,10 @@ class MetricsLog:
         return kept
 
     def write(self, metrics: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in metrics.items()}
+        clean = {
+            k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+            for k, v in metrics.items()
+        }
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
         step = int(metrics.get("step", 0))
@@ -164,7 +178,11 @@ class EventFileWriter:
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         """One scalar ``value`` of ``tag`` at global step ``step``."""
-        summary_value = _length_delimited(1, tag.encode()) + _varint(2 << 3 | 5) + struct.pack("<f", float(value))
+        summary_value = (
+            _length_delimited(1, tag.encode())
+            + _varint(2 << 3 | 5)
+            + struct.pack("<f", float(value))
+        )
         self._write_event(_length_delimited(5, _length_delimited(1, summary_value)), step=step)
 
     def _write_event(self, body: bytes, *, step: int) -> None:
@@ -173,7 +191,12 @@ class EventFileWriter:
             event += _varint(2 << 3) + _varint(int(step))
         event += body
         header = struct.pack("<Q", len(event))
-        self._file.write(header + struct.pack("<I", _masked_crc(header)) + event + struct.pack("<I", _masked_crc(event)))
+        self._file.write(
+            header
+            + struct.pack("<I", _masked_crc(header))
+            + event
+            + struct.pack("<I", _masked_crc(event))
+        )
 
     def flush(self) -> None:
         self._file.flush()
@@ -182,7 +205,9 @@ class EventFileWriter:
         self._file.close()
 
 
-def plot_curves(rows: Sequence[dict[str, Any]], png: str | Path, title: str = "envhub train") -> Path:
+def plot_curves(
+    rows: Sequence[dict[str, Any]], png: str | Path, title: str = "envhub train"
+) -> Path:
     """Training reward/success and eval success against wall time, as a PNG (matplotlib, Agg)."""
     import matplotlib
 
@@ -191,7 +216,9 @@ def plot_curves(rows: Sequence[dict[str, Any]], png: str | Path, title: str = "e
 
     fig, ax = plt.subplots(figsize=(7, 4))
     for key, style in (("train/success", "-"), ("train/reward", ":"), ("eval/success", "o-")):
-        points = [(r["time_s"] / 60, r[key]) for r in rows if r.get(key) is not None and "time_s" in r]
+        points = [
+            (r["time_s"] / 60, r[key]) for r in rows if r.get(key) is not None and "time_s" in r
+        ]
         if points:
             xs, ys = zip(*points, strict=True)
             ax.plot(xs, ys, style, label=key)

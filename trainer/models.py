@@ -41,9 +41,9 @@ __all__ = [
     "build_model",
     "build_policy",
     "build_tokenizer",
+    "count_parameters",
     "env_corpus",
     "load_policy",
-    "count_parameters",
 ]
 
 TokenizerKind = Literal["bpe", "word", "char"]
@@ -65,7 +65,9 @@ _CHAR_PIECES = r"[\s\S]"
 _BPE_ISOLATED = r" ?\d|^\S(?: \S)+$"
 
 
-def env_corpus(env_id: str, env_kwargs: dict[str, Any] | None = None, episodes: int = 200, seed: int = 0) -> list[str]:
+def env_corpus(
+    env_id: str, env_kwargs: dict[str, Any] | None = None, episodes: int = 200, seed: int = 0
+) -> list[str]:
     """Texts an env produces (observations and actions) over seeded episodes.
 
     Plays the env's expert and its random ``sample_action`` alternately so feedback for
@@ -77,8 +79,15 @@ def env_corpus(env_id: str, env_kwargs: dict[str, Any] | None = None, episodes: 
 
     rng = np.random.default_rng(seed)
     env = envhub.make(env_id, **(env_kwargs or {}))
-    env.action_space.seed(seed)  # random actions too: the same corpus (and tokenizer) in every process
-    texts: list[str] = ["system\n", "user\n", "assistant\n", "tool\n"] * episodes  # chat-template glue
+    env.action_space.seed(
+        seed
+    )  # random actions too: the same corpus (and tokenizer) in every process
+    texts: list[str] = [
+        "system\n",
+        "user\n",
+        "assistant\n",
+        "tool\n",
+    ] * episodes  # chat-template glue
     try:
         for episode in range(episodes):
             messages, _ = env.reset(seed=seed + episode)
@@ -86,7 +95,11 @@ def env_corpus(env_id: str, env_kwargs: dict[str, Any] | None = None, episodes: 
             done = False
             while not done:
                 expert = env.expert_action()
-                action = expert if expert is not None and rng.random() < 0.7 else env.action_space.sample()
+                action = (
+                    expert
+                    if expert is not None and rng.random() < 0.7
+                    else env.action_space.sample()
+                )
                 texts.append(action)
                 messages, _, terminated, truncated, _ = env.step(action)
                 texts += [m["content"] for m in messages]
@@ -113,38 +126,76 @@ def build_tokenizer(corpus: Iterable[str], kind: str = "bpe", max_vocab: int = 2
     if resolved == "bpe":
         backend = Tokenizer(models.BPE(unk_token=UNK))
         backend.pre_tokenizer = pre_tokenizers.Split(Regex(_BPE_ISOLATED), behavior="isolated")
-        trainer = trainers.BpeTrainer(vocab_size=max_vocab, special_tokens=list(SPECIAL_TOKENS),
-                                      initial_alphabet=alphabet, show_progress=False, max_token_length=256)
+        trainer = trainers.BpeTrainer(
+            vocab_size=max_vocab,
+            special_tokens=list(SPECIAL_TOKENS),
+            initial_alphabet=alphabet,
+            show_progress=False,
+            max_token_length=256,
+        )
         backend.train_from_iterator(texts, trainer)
     else:
-        splitter = pre_tokenizers.Split(Regex(_WORD_PIECES if resolved == "word" else _CHAR_PIECES), behavior="isolated")
+        splitter = pre_tokenizers.Split(
+            Regex(_WORD_PIECES if resolved == "word" else _CHAR_PIECES), behavior="isolated"
+        )
         counts: Counter[str] = Counter()
         for text in texts:
             counts.update(piece for piece, _ in splitter.pre_tokenize_str(text))
         if resolved == "char":
             counts.update(dict.fromkeys(alphabet, 0))
-        pieces = [p for p, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if p not in SPECIAL_TOKENS]
-        vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, *pieces[: max(0, max_vocab - len(SPECIAL_TOKENS))]])}
+        pieces = [
+            p
+            for p, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+            if p not in SPECIAL_TOKENS
+        ]
+        vocab = {
+            t: i
+            for i, t in enumerate(
+                [*SPECIAL_TOKENS, *pieces[: max(0, max_vocab - len(SPECIAL_TOKENS))]]
+            )
+        }
         backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
         backend.pre_tokenizer = splitter
     backend.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=IM_END, pad_token=PAD, unk_token=UNK,
-        additional_special_tokens=[IM_START], clean_up_tokenization_spaces=False,
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD,
+        unk_token=UNK,
+        additional_special_tokens=[IM_START],
+        clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHATML_TEMPLATE
     return tokenizer
 
 
-def _arch_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, num_heads: int,
-                 num_kv_heads: int | None, intermediate_size: int, max_positions: int, tokens: dict[str, int]) -> Any:
+def _arch_config(
+    arch: str,
+    vocab_size: int,
+    hidden_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int | None,
+    intermediate_size: int,
+    max_positions: int,
+    tokens: dict[str, int],
+) -> Any:
     from transformers import AutoConfig
 
     if arch == "gpt2":
         return AutoConfig.for_model(
-            "gpt2", vocab_size=vocab_size, n_embd=hidden_size, n_layer=num_layers, n_head=num_heads,
-            n_inner=intermediate_size, n_positions=max_positions, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, tie_word_embeddings=True, **tokens,
+            "gpt2",
+            vocab_size=vocab_size,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            n_inner=intermediate_size,
+            n_positions=max_positions,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            tie_word_embeddings=True,
+            **tokens,
         )
     if arch == "qwen2":
         raise ModelError(
@@ -154,9 +205,16 @@ def _arch_config(arch: str, vocab_size: int, hidden_size: int, num_layers: int, 
         )
     if arch == "llama":
         return AutoConfig.for_model(
-            arch, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-            num_attention_heads=num_heads, num_key_value_heads=num_kv_heads or num_heads, intermediate_size=intermediate_size,
-            max_position_embeddings=max_positions, tie_word_embeddings=True, rope_theta=10_000.0,
+            arch,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads or num_heads,
+            intermediate_size=intermediate_size,
+            max_position_embeddings=max_positions,
+            tie_word_embeddings=True,
+            rope_theta=10_000.0,
             **tokens,
         )
     raise ModelError(f"unknown model.tiny.architecture {arch!r}; use 'llama' or 'gpt2'")
@@ -179,10 +237,22 @@ def build_model(
 
     if hidden_size % num_heads:
         raise ModelError(f"hidden_size={hidden_size} must be divisible by num_heads={num_heads}")
-    tokens = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
-              "bos_token_id": tokenizer.pad_token_id}
-    config = _arch_config(arch, len(tokenizer), hidden_size, num_layers, num_heads, num_kv_heads,
-                          intermediate_size, max_positions, tokens)
+    tokens = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "bos_token_id": tokenizer.pad_token_id,
+    }
+    config = _arch_config(
+        arch,
+        len(tokenizer),
+        hidden_size,
+        num_layers,
+        num_heads,
+        num_kv_heads,
+        intermediate_size,
+        max_positions,
+        tokens,
+    )
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -192,8 +262,9 @@ def build_model(
     return model
 
 
-def build_policy(out_dir: str | Path, corpus: Iterable[str], *, tokenizer_kind: str = "bpe",
-                 **model_kwargs: Any) -> Path:
+def build_policy(
+    out_dir: str | Path, corpus: Iterable[str], *, tokenizer_kind: str = "bpe", **model_kwargs: Any
+) -> Path:
     """Build a tokenizer over ``corpus`` and a tiny model, ``save_pretrained`` both to ``out_dir``."""
     out = Path(out_dir)
     tokenizer = build_tokenizer(corpus, tokenizer_kind)
@@ -202,11 +273,15 @@ def build_policy(out_dir: str | Path, corpus: Iterable[str], *, tokenizer_kind: 
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "envhub_policy.json").write_text(json.dumps({"tokenizer_kind": tokenizer_kind, **model_kwargs}))
+    (out / "envhub_policy.json").write_text(
+        json.dumps({"tokenizer_kind": tokenizer_kind, **model_kwargs})
+    )
     return out
 
 
-def load_policy(path: str | Path, *, dtype: str = "float32") -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_policy(
+    path: str | Path, *, dtype: str = "float32"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a local folder, with clear errors.
 
     The tokenizer must define an EOS token and a chat template (instruct checkpoints do);
@@ -222,18 +297,24 @@ def load_policy(path: str | Path, *, dtype: str = "float32") -> tuple[PreTrained
             "checkpoint folder (with config.json), or remove model.path to build a tiny policy"
         )
     if not (folder / "config.json").is_file():
-        raise ModelError(f"model path {str(folder)!r} has no config.json; point model.path at a save_pretrained folder")
+        raise ModelError(
+            f"model path {str(folder)!r} has no config.json; point model.path at a save_pretrained folder"
+        )
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ModelError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     if tokenizer.eos_token_id is None:
-        raise ModelError(f"the tokenizer in {str(folder)!r} has no eos_token; set one in tokenizer_config.json")
+        raise ModelError(
+            f"the tokenizer in {str(folder)!r} has no eos_token; set one in tokenizer_config.json"
+        )
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not getattr(tokenizer, "chat_template", None):
-        raise ModelError(f"the tokenizer in {str(folder)!r} has no chat_template; use an instruct checkpoint")
+        raise ModelError(
+            f"the tokenizer in {str(folder)!r} has no chat_template; use an instruct checkpoint"
+        )
     return model, tokenizer
 
 

@@ -22,17 +22,21 @@ from trainer.config import TrainerConfig
 from trainer.controller.batch import Batch
 from trainer.errors import NonFiniteLossError, WorkerCallError
 from trainer.metrics import MetricsLog, plot_curves, summarise
+from trainer.roles import prepare_policy, start_roles
 from trainer.rollout.env_manager import LocalEnvSource, PoolEnvSource, Sampling
 from trainer.rollout.groups import plan_eval
 from trainer.rollout.rollouts import Rollouts
 from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate
-from trainer.roles import prepare_policy, start_roles
 
 __all__ = ["AgenticPipeline"]
 
 PHASE_ROLES: dict[str, tuple[str, ...]] = {
-    "rollout": ("actor_infer",), "eval": ("actor_infer",), "reference": ("reference",), "values": ("critic",),
-    "train": ("actor_train", "critic"), "sync": ("actor_train", "actor_infer"),
+    "rollout": ("actor_infer",),
+    "eval": ("actor_infer",),
+    "reference": ("reference",),
+    "values": ("critic",),
+    "train": ("actor_train", "critic"),
+    "sync": ("actor_train", "actor_infer"),
 }
 """The roles each phase uses: they are resident during it, colocated others are offloaded."""
 
@@ -50,8 +54,13 @@ def _quiet_transformers() -> None:
 class AgenticPipeline:
     """One training run of ``config`` (see the module docstring)."""
 
-    def __init__(self, config: TrainerConfig, *, resume: bool = False,
-                 on_step: Callable[[dict[str, Any]], None] | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainerConfig,
+        *,
+        resume: bool = False,
+        on_step: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
         self.cfg, self.resume, self.on_step = config, resume, on_step or (lambda metrics: None)
         self.out = Path(config.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -65,19 +74,35 @@ class AgenticPipeline:
         from trainer.weights.sync import WeightSync
 
         sync = config.weight_sync
-        self.weight_sync = WeightSync(self.roles.actor, self.roles.infer, transport=sync.transport,
-                                      bucket_mb=sync.bucket_mb, only_changed=sync.only_changed)
+        self.weight_sync = WeightSync(
+            self.roles.actor,
+            self.roles.infer,
+            transport=sync.transport,
+            bucket_mb=sync.bucket_mb,
+            only_changed=sync.only_changed,
+        )
         self.envs = self._env_source()
         self.rewards = self._reward_router()
         from trainer.checkpoint import CheckpointManager
 
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.checkpoint.keep)
-        self.log = MetricsLog(self.out, tensorboard=config.logging.tensorboard, wandb=config.logging.wandb,
-                              wandb_project=config.logging.wandb_project, config=config.model_dump(mode="json"))
+        self.log = MetricsLog(
+            self.out,
+            tensorboard=config.logging.tensorboard,
+            wandb=config.logging.wandb,
+            wandb_project=config.logging.wandb_project,
+            config=config.model_dump(mode="json"),
+        )
         policy = self.weight_sync.policy  # the run's one policy version (its writer: the sync)
-        self.rollouts = Rollouts(config, self.roles.infer.rank_engines(policy=policy), self.renderer, self.envs,
-                                 max_context_tokens=self._context_limit(),
-                                 on_episode_end=self.rewards.score if self.rewards else None, policy=policy)
+        self.rollouts = Rollouts(
+            config,
+            self.roles.infer.rank_engines(policy=policy),
+            self.renderer,
+            self.envs,
+            max_context_tokens=self._context_limit(),
+            on_episode_end=self.rewards.score if self.rewards else None,
+            policy=policy,
+        )
 
     # ================================================================== the loop
     def fit(self) -> list[dict[str, Any]]:
@@ -104,8 +129,14 @@ class AgenticPipeline:
                 with self.phase("sync", timing):
                     self.sync_weights()
                 self.step = step
-                metrics = {"step": step, **summarise(episodes, "train"), "train/failed_episodes": len(failed),
-                           **losses, **timing, **self.rollouts.last_metrics}
+                metrics = {
+                    "step": step,
+                    **summarise(episodes, "train"),
+                    "train/failed_episodes": len(failed),
+                    **losses,
+                    **timing,
+                    **self.rollouts.last_metrics,
+                }
                 if self.eval_due(step):
                     with self.phase("eval", metrics):
                         metrics.update(self.evaluate())
@@ -118,7 +149,10 @@ class AgenticPipeline:
 
     # ================================================================== phases
     def to_batch(self, episodes: list[Trajectory]) -> Batch:
-        return Batch(collate(episodes, self.renderer.tokenizer.pad_token_id), meta={"episodes": len(episodes)})
+        return Batch(
+            collate(episodes, self.renderer.tokenizer.pad_token_id),
+            meta={"episodes": len(episodes)},
+        )
 
     def reference_logprobs(self, batch: Batch) -> None:
         """Log-probs of the frozen reference (only when a KL term is on), and recomputed old
@@ -127,7 +161,9 @@ class AgenticPipeline:
             batch["ref_logprobs"] = self.roles.reference.compute_logprobs(batch)["ref_logprobs"]
         if self.cfg.rollout.temperature != 1.0 or self.cfg.rollout.top_p != 1.0:
             batch["old_logprobs"] = self.roles.actor.compute_logprobs(batch)["logprobs"]
-        self.rollouts.off_policy_correction(batch, self.roles.actor)  # async: stale tokens' IS weights
+        self.rollouts.off_policy_correction(
+            batch, self.roles.actor
+        )  # async: stale tokens' IS weights
 
     def values(self, batch: Batch) -> None:
         """Critic values of every policy token (GAE only)."""
@@ -140,14 +176,25 @@ class AgenticPipeline:
         algo, loss = self.cfg.algorithm, self.cfg.algorithm.loss
         token_rewards, scores = batch["token_rewards"], batch["scores"]
         if loss.kl_coef > 0 and loss.kl_mode == "penalty":
-            token_rewards, scores = kl_penalised_rewards(token_rewards, scores, batch["old_logprobs"],
-                                                         batch["ref_logprobs"], batch["response_mask"],
-                                                         loss.kl_coef, loss.kl_estimator)
+            token_rewards, scores = kl_penalised_rewards(
+                token_rewards,
+                scores,
+                batch["old_logprobs"],
+                batch["ref_logprobs"],
+                batch["response_mask"],
+                loss.kl_coef,
+                loss.kl_estimator,
+            )
         advantages, returns = compute_advantages(
             _ESTIMATORS.get(algo.advantage_estimator, algo.advantage_estimator),  # type: ignore[arg-type]
-            response_mask=batch["response_mask"], token_rewards=token_rewards, scores=scores,
-            group_ids=batch["group_ids"], values=batch["values"] if "values" in batch else None,
-            gamma=algo.gamma, lam=algo.lam)
+            response_mask=batch["response_mask"],
+            token_rewards=token_rewards,
+            scores=scores,
+            group_ids=batch["group_ids"],
+            values=batch["values"] if "values" in batch else None,
+            gamma=algo.gamma,
+            lam=algo.lam,
+        )
         batch["advantages"] = advantages
         if returns is not None:
             batch["returns"] = returns
@@ -156,7 +203,9 @@ class AgenticPipeline:
         """Update the critic (GAE) and the policy; a NaN loss stops the run, nothing is applied."""
         metrics: dict[str, float] = {}
         train = self.cfg.train
-        if train.lr_schedule != "constant" or train.warmup_steps:  # from the step alone, so resume agrees
+        if (
+            train.lr_schedule != "constant" or train.warmup_steps
+        ):  # from the step alone, so resume agrees
             metrics["actor/lr"] = train.lr_at(step)
             self.roles.actor.set_lr(metrics["actor/lr"])
         try:
@@ -168,8 +217,10 @@ class AgenticPipeline:
             if not isinstance(cause, NonFiniteLossError):
                 raise
             latest = self.checkpoints.latest()
-            raise NonFiniteLossError(f"step {step}: {cause}. Stopped; the last good checkpoint is {latest} "
-                                     "(continue from it with --resume after changing the config)") from error
+            raise NonFiniteLossError(
+                f"step {step}: {cause}. Stopped; the last good checkpoint is {latest} "
+                "(continue from it with --resume after changing the config)"
+            ) from error
         return metrics
 
     def sync_weights(self) -> None:
@@ -180,7 +231,9 @@ class AgenticPipeline:
     def evaluate(self) -> dict[str, float]:
         """The fixed evaluation set at ``eval.temperature`` (greedy by default)."""
         specs = plan_eval(self.cfg.eval.episodes, env_ids=self.cfg.env.ids)
-        sampling = Sampling(self.cfg.rollout.max_new_tokens, self.cfg.eval.temperature, self.cfg.rollout.top_p)
+        sampling = Sampling(
+            self.cfg.rollout.max_new_tokens, self.cfg.eval.temperature, self.cfg.rollout.top_p
+        )
         episodes, _ = self.rollouts.play(specs, sampling)
         return summarise(episodes, "eval")
 
@@ -194,22 +247,35 @@ class AgenticPipeline:
         if sft.source == "file":
             data = demos.load_jsonl(str(sft.path), self.renderer)
         else:
-            data = demos.expert_trajectories(self.cfg.env.ids, self.cfg.env.kwargs, self.renderer,
-                                             episodes=sft.episodes, max_turns=self.cfg.rollout.max_turns,
-                                             noise=sft.expert_noise, noise_action=sft.noise_action, seed=self.cfg.seed)
+            data = demos.expert_trajectories(
+                self.cfg.env.ids,
+                self.cfg.env.kwargs,
+                self.renderer,
+                episodes=sft.episodes,
+                max_turns=self.cfg.rollout.max_turns,
+                noise=sft.expert_noise,
+                noise_action=sft.noise_action,
+                seed=self.cfg.seed,
+            )
             demos.write_jsonl(data, self.out / "sft_demos.jsonl")
         order, rng, stats = list(range(len(data))), random.Random(self.cfg.seed), {}
         for _ in range(sft.epochs):
             rng.shuffle(order)
             for first in range(0, len(order), sft.batch_size):
-                chunk = [data[i] for i in order[first:first + sft.batch_size]]
-                stats = self.roles.actor.sft_step(Batch(collate(chunk, self.renderer.tokenizer.pad_token_id)),
-                                                  sft.lr or self.cfg.train.lr)
+                chunk = [data[i] for i in order[first : first + sft.batch_size]]
+                stats = self.roles.actor.sft_step(
+                    Batch(collate(chunk, self.renderer.tokenizer.pad_token_id)),
+                    sft.lr or self.cfg.train.lr,
+                )
         self.roles.actor.set_lr(self.cfg.train.lr)
         self.sync_weights()
         if self.roles.reference is not None:  # KL is measured against the warm-started policy
             self.roles.reference.load_weights(self.roles.actor.get_weights())
-        return {**stats, "sft/demos": float(len(data)), "sft/demo_success": sum(t.success for t in data) / len(data)}
+        return {
+            **stats,
+            "sft/demos": float(len(data)),
+            "sft/demo_success": sum(t.success for t in data) / len(data),
+        }
 
     # ================================================================== bookkeeping
     def eval_due(self, step: int) -> bool:
@@ -238,22 +304,30 @@ class AgenticPipeline:
         timing[f"timing/{name}_s"] = round(time.monotonic() - started, 4)
 
     def save_checkpoint(self) -> Path:
-        states: dict[str, Any] = {"actor": self.roles.actor.state_dict(),
-                                  "engine": {"ranks": self.roles.infer.get_state(), "version": self.weight_sync.version}}
+        states: dict[str, Any] = {
+            "actor": self.roles.actor.state_dict(),
+            "engine": {"ranks": self.roles.infer.get_state(), "version": self.weight_sync.version},
+        }
         if self.roles.critic is not None:
             states["critic"] = self.roles.critic.state_dict()
         if self.roles.reference is not None and self.cfg.sft.epochs > 0:
             states["reference"] = self.roles.reference.get_weights()
-        return self.checkpoints.save(self.step, states=states, seeds={"seed": self.cfg.seed, "next_step": self.step + 1},
-                                     extra={"time_s": self.elapsed, **self.rollouts.state_dict()},
-                                     config=self.cfg.model_dump(mode="json"))
+        return self.checkpoints.save(
+            self.step,
+            states=states,
+            seeds={"seed": self.cfg.seed, "next_step": self.step + 1},
+            extra={"time_s": self.elapsed, **self.rollouts.state_dict()},
+            config=self.cfg.model_dump(mode="json"),
+        )
 
     def restore(self) -> None:
         """Continue from the latest checkpoint: weights, optimiser, sampling RNGs, step, clock."""
         from trainer.checkpoint import restore_rng
 
         checkpoint = self.checkpoints.load()
-        self.rollouts.load_state_dict(checkpoint.extra, step=checkpoint.step)  # first: the sync below starts
+        self.rollouts.load_state_dict(
+            checkpoint.extra, step=checkpoint.step
+        )  # first: the sync below starts
         # async rollouts from this counter
         self.roles.actor.load_state_dict(checkpoint.load_state("actor"))
         if self.roles.critic is not None:
@@ -261,7 +335,9 @@ class AgenticPipeline:
         if self.roles.reference is not None and "reference" in checkpoint.state_names:
             self.roles.reference.load_weights(checkpoint.load_state("reference"))
         engine = checkpoint.load_state("engine")
-        self.weight_sync.policy.restore(int(engine.get("version", 0)))  # the re-sync below is the next version
+        self.weight_sync.policy.restore(
+            int(engine.get("version", 0))
+        )  # the re-sync below is the next version
         self.sync_weights()
         self.roles.infer.set_state(engine["ranks"])  # sampling RNGs
         restore_rng(checkpoint.rng)
@@ -271,12 +347,18 @@ class AgenticPipeline:
     def finish(self) -> list[dict[str, Any]]:
         """The reward curve PNG and the final policy folder; returns every metrics row."""
         rows = self.log.read()
-        plot_curves(rows, self.out / "reward_curve.png", title=f"envhub train: {', '.join(self.cfg.env.ids)}")
+        plot_curves(
+            rows,
+            self.out / "reward_curve.png",
+            title=f"envhub train: {', '.join(self.cfg.env.ids)}",
+        )
         self.roles.actor.save_pretrained(str(self.out / "final_policy"))
         return rows
 
     def close(self) -> None:
-        with contextlib.suppress(Exception):  # aborts what runs, closes envs, cancels leftover tasks
+        with contextlib.suppress(
+            Exception
+        ):  # aborts what runs, closes envs, cancels leftover tasks
             self.rollouts.close()
         self.log.close()
         if self.rewards is not None:
@@ -289,14 +371,22 @@ class AgenticPipeline:
         ``offload_optimizer`` flags say (``trainer.devices.Colocation``; the vLLM engine sleeps,
         dropping its KV cache). Moves are real on GPUs and tracked no-ops on CPU."""
         plan = self.cfg.device_plan
-        if not roles or not any(g.colocated for g in plan.groups) or self.rollouts.overlaps_training:
+        if (
+            not roles
+            or not any(g.colocated for g in plan.groups)
+            or self.rollouts.overlaps_training
+        ):
             # rollouts that run during training (async) keep colocated roles resident together
             return
         if self.colocation is None:
             from trainer.devices import Colocation
 
-            clusters = {"actor_train": self.roles.actor, "actor_infer": self.roles.infer,
-                        "reference": self.roles.reference, "critic": self.roles.critic}
+            clusters = {
+                "actor_train": self.roles.actor,
+                "actor_infer": self.roles.infer,
+                "reference": self.roles.reference,
+                "critic": self.roles.critic,
+            }
             self.colocation = Colocation(plan, {r: c for r, c in clusters.items() if c is not None})
         self.colocation.activate(*[r for r in roles if r in self.colocation.members])
 
@@ -314,7 +404,9 @@ class AgenticPipeline:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.model_path)
-        return int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048))
+        return int(
+            getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
+        )
 
     def _env_source(self) -> Any:
         env = self.cfg.env
@@ -322,12 +414,18 @@ class AgenticPipeline:
             return LocalEnvSource(hub=env.hub, token=env.token)
         timeout = self.cfg.rollout.env_timeout_s
         if env.pool_workers > 0:
-            return PoolEnvSource(env.kwargs, num_workers=env.pool_workers, step_timeout_s=timeout or 30.0)
-        return LocalEnvSource(env.kwargs, threaded=timeout is not None)  # threads: a blocking step can time out
+            return PoolEnvSource(
+                env.kwargs, num_workers=env.pool_workers, step_timeout_s=timeout or 30.0
+            )
+        return LocalEnvSource(
+            env.kwargs, threaded=timeout is not None
+        )  # threads: a blocking step can time out
 
     def _reward_router(self) -> Any:
         if not self.cfg.env.rewards:
             return None
         from trainer.rewards.router import RewardRouter
 
-        return RewardRouter.from_config(self.cfg.env.rewards, self.cfg.roles.reward, backend=self.cfg.cluster.backend)
+        return RewardRouter.from_config(
+            self.cfg.env.rewards, self.cfg.roles.reward, backend=self.cfg.cluster.backend
+        )

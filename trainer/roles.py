@@ -47,10 +47,19 @@ def prepare_policy(cfg: TrainerConfig) -> Path:
     for env_id in cfg.env.ids:
         corpus += env_corpus(env_id, cfg.env.kwargs, episodes=300, seed=cfg.seed)
     partial = target.with_name(target.name + ".partial")
-    build_policy(partial, corpus, tokenizer_kind=tiny.tokenizer, arch=tiny.architecture,
-                 hidden_size=tiny.hidden_size, num_layers=tiny.num_layers, num_heads=tiny.num_heads,
-                 num_kv_heads=tiny.num_kv_heads, intermediate_size=tiny.intermediate_size,
-                 max_positions=tiny.max_position_embeddings, seed=cfg.seed)
+    build_policy(
+        partial,
+        corpus,
+        tokenizer_kind=tiny.tokenizer,
+        arch=tiny.architecture,
+        hidden_size=tiny.hidden_size,
+        num_layers=tiny.num_layers,
+        num_heads=tiny.num_heads,
+        num_kv_heads=tiny.num_kv_heads,
+        intermediate_size=tiny.intermediate_size,
+        max_positions=tiny.max_position_embeddings,
+        seed=cfg.seed,
+    )
     partial.rename(target)
     return target
 
@@ -87,20 +96,47 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
     clusters: list[Any] = []
 
     def start(cls: type, role: str, **kwargs: Any) -> Any:
-        placement_kwargs = {"resources": resources} if resources is not None else {"placement": plan.roles[role]}
-        cluster = cls(role, getattr(cfg.roles, role), backend=cfg.cluster.backend, worker_kwargs=kwargs,
-                      **placement_kwargs)
+        placement_kwargs = (
+            {"resources": resources} if resources is not None else {"placement": plan.roles[role]}
+        )
+        cluster = cls(
+            role,
+            getattr(cfg.roles, role),
+            backend=cfg.cluster.backend,
+            worker_kwargs=kwargs,
+            **placement_kwargs,
+        )
         clusters.append(cluster)
         return cluster
 
     try:
-        actor = start(ActorCluster, "actor_train", **common, seed=cfg.seed, optim=cfg.train.options(),
-                      loss=cfg.algorithm.loss)
+        actor = start(
+            ActorCluster,
+            "actor_train",
+            **common,
+            seed=cfg.seed,
+            optim=cfg.train.options(),
+            loss=cfg.algorithm.loss,
+        )
         infer = start(InferCluster, "actor_infer", **common, seed=cfg.seed)
-        reference = (start(ReferenceCluster, "reference", **common, micro_batch_size=cfg.train.micro_batch_size)
-                     if "reference" in cfg.active_roles else None)
-        critic = (start(CriticCluster, "critic", **common, seed=cfg.seed, optim=cfg.train.options(cfg.train.critic_lr))
-                  if "critic" in cfg.active_roles else None)
+        reference = (
+            start(
+                ReferenceCluster, "reference", **common, micro_batch_size=cfg.train.micro_batch_size
+            )
+            if "reference" in cfg.active_roles
+            else None
+        )
+        critic = (
+            start(
+                CriticCluster,
+                "critic",
+                **common,
+                seed=cfg.seed,
+                optim=cfg.train.options(cfg.train.critic_lr),
+            )
+            if "critic" in cfg.active_roles
+            else None
+        )
     except BaseException:
         for cluster in clusters:
             cluster.shutdown()

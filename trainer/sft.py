@@ -32,9 +32,18 @@ SFT_SEED_BASE = 1_500_000_000
 """Seeds of expert demonstrations: disjoint from training (< 1e9) and evaluation (1e9 + i)."""
 
 
-def expert_trajectories(env_ids: Sequence[str], env_kwargs: dict[str, Any], renderer: ChatRenderer, *,
-                        episodes: int, max_turns: int, seed_offset: int = 0, noise: float = 0.0,
-                        noise_action: str | None = None, seed: int = 0) -> list[Trajectory]:
+def expert_trajectories(
+    env_ids: Sequence[str],
+    env_kwargs: dict[str, Any],
+    renderer: ChatRenderer,
+    *,
+    episodes: int,
+    max_turns: int,
+    seed_offset: int = 0,
+    noise: float = 0.0,
+    noise_action: str | None = None,
+    seed: int = 0,
+) -> list[Trajectory]:
     """``episodes`` demonstrations by the envs' scripted experts (round-robin over ``env_ids``).
 
     With ``noise > 0`` each move is, with that probability, ``noise_action`` instead of the
@@ -52,14 +61,18 @@ def expert_trajectories(env_ids: Sequence[str], env_kwargs: dict[str, Any], rend
         env = envhub.make(env_id, **env_kwargs)
         try:
             messages, _ = env.reset(seed=SFT_SEED_BASE + seed_offset + i)
-            trajectory = Trajectory(env_id=env_id, seed=SFT_SEED_BASE + seed_offset + i, messages=list(messages))
+            trajectory = Trajectory(
+                env_id=env_id, seed=SFT_SEED_BASE + seed_offset + i, messages=list(messages)
+            )
             trajectory.append_context(renderer.prompt(messages))
             trajectory.prompt_length = len(trajectory.token_ids)
             for _ in range(max_turns):
                 action = env.expert_action()
                 if action is None:
                     if trajectory.num_turns == 0:
-                        raise TrainerError(f"{env_id} has no expert_action(); use sft.source: file with sft.path")
+                        raise TrainerError(
+                            f"{env_id} has no expert_action(); use sft.source: file with sft.path"
+                        )
                     break
                 seen.setdefault(action, None)
                 if noise and rng.random() < noise:
@@ -80,10 +93,16 @@ def expert_trajectories(env_ids: Sequence[str], env_kwargs: dict[str, Any], rend
     return demos
 
 
-def from_messages(messages: Sequence[dict[str, Any]], renderer: ChatRenderer, **fields: Any) -> Trajectory:
+def from_messages(
+    messages: Sequence[dict[str, Any]], renderer: ChatRenderer, **fields: Any
+) -> Trajectory:
     """A trajectory from a chat transcript: assistant messages are the trained tokens."""
-    trajectory = Trajectory(env_id=str(fields.pop("env_id", "file")), seed=int(fields.pop("seed", 0)),
-                            messages=list(messages), success=bool(fields.pop("success", False)))
+    trajectory = Trajectory(
+        env_id=str(fields.pop("env_id", "file")),
+        seed=int(fields.pop("seed", 0)),
+        messages=list(messages),
+        success=bool(fields.pop("success", False)),
+    )
     pending: list[dict[str, Any]] = []
     for message in messages:
         if message.get("role") != "assistant":
@@ -105,7 +124,9 @@ def load_jsonl(path: str | Path, renderer: ChatRenderer) -> list[Trajectory]:
     """Trajectories from a JSONL file of ``{"messages": [...]}`` lines (see module docstring)."""
     source = Path(path).expanduser()
     if not source.is_file():
-        raise TrainerError(f"sft.path {str(path)!r} does not exist; point it at a JSONL of {{\"messages\": [...]}} lines")
+        raise TrainerError(
+            f'sft.path {str(path)!r} does not exist; point it at a JSONL of {{"messages": [...]}} lines'
+        )
     trajectories = []
     for number, line in enumerate(source.read_text().splitlines(), 1):
         if not line.strip():
@@ -114,11 +135,15 @@ def load_jsonl(path: str | Path, renderer: ChatRenderer) -> list[Trajectory]:
             record = json.loads(line)
             messages = record.pop("messages")
         except (json.JSONDecodeError, KeyError, AttributeError) as error:
-            raise TrainerError(f"{source}:{number}: each line must be a JSON object with \"messages\" ({error})") from None
+            raise TrainerError(
+                f'{source}:{number}: each line must be a JSON object with "messages" ({error})'
+            ) from None
         known = {k: record[k] for k in ("env_id", "seed", "success") if k in record}
         trajectory = from_messages(messages, renderer, **known)
         if trajectory.num_turns == 0:
-            raise TrainerError(f"{source}:{number}: the conversation has no assistant message to learn from")
+            raise TrainerError(
+                f"{source}:{number}: the conversation has no assistant message to learn from"
+            )
         trajectories.append(trajectory)
     if not trajectories:
         raise TrainerError(f"{source} holds no conversations")
@@ -131,5 +156,15 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("w") as f:
         for t in trajectories:
-            f.write(json.dumps({"env_id": t.env_id, "seed": t.seed, "success": t.success, "messages": t.messages}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "env_id": t.env_id,
+                        "seed": t.seed,
+                        "success": t.success,
+                        "messages": t.messages,
+                    }
+                )
+                + "\n"
+            )
     return target

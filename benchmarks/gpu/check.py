@@ -44,12 +44,30 @@ warnings.filterwarnings("ignore")
 PEAK_BF16 = 989e12
 """H100/H200 SXM dense bf16 tensor-core peak, FLOP/s."""
 
-QWEN2_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                 num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
-                 tie_word_embeddings=True, rms_norm_eps=1e-6, rope_theta=1_000_000.0)
-TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True, rms_norm_eps=1e-6,
-            rope_theta=10000.0)
+QWEN2_05B = dict(
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+)
+TINY = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
 
 
 def log(message: str) -> None:
@@ -68,7 +86,9 @@ class Settings:
         self.rows, self.width = (2, 16) if smoke else (8, 1024)
         self.micro = 1 if smoke else 4
         self.warmup, self.steps = (1, 1) if smoke else (1, 3)
-        self.bucket_bytes = (64 << 10) if smoke else (512 << 20)  # > the 0.5B model's 260 MiB embedding
+        self.bucket_bytes = (
+            (64 << 10) if smoke else (512 << 20)
+        )  # > the 0.5B model's 260 MiB embedding
         self.gen_prompts, self.gen_prompt_len, self.gen_new = (4, 8, 8) if smoke else (64, 128, 128)
 
 
@@ -119,9 +139,12 @@ def time_steps(s: Settings, strategy: Any) -> dict[str, Any]:
     metrics = [strategy.train_step(data, nll) for _ in range(s.steps)]
     sync(s.device)
     step_s = (time.perf_counter() - start) / s.steps
-    return {"step_s": step_s, "tokens_per_s": s.rows * s.width / step_s,
-            "nll_first_last": [metrics[0]["nll"], metrics[-1]["nll"]],
-            "optimizer_steps_per_call": metrics[-1]["optimizer_steps"]}
+    return {
+        "step_s": step_s,
+        "tokens_per_s": s.rows * s.width / step_s,
+        "nll_first_last": [metrics[0]["nll"], metrics[-1]["nll"]],
+        "optimizer_steps_per_call": metrics[-1]["optimizer_steps"],
+    }
 
 
 def mfu(params: int, tokens_per_s: float) -> float:
@@ -156,11 +179,19 @@ def section_env(s: Settings) -> dict[str, Any]:
     import torch
     import transformers
 
-    info: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                            "python": sys.version.split()[0], "device": s.device, "smoke": s.smoke}
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "device": s.device,
+        "smoke": s.smoke,
+    }
     if s.device.startswith("cuda"):
-        info.update(gpu=torch.cuda.get_device_name(0), cuda=torch.version.cuda,
-                    gpu_mem_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))
+        info.update(
+            gpu=torch.cuda.get_device_name(0),
+            cuda=torch.version.cuda,
+            gpu_mem_gib=round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1),
+        )
     try:
         from importlib.metadata import version
 
@@ -177,11 +208,22 @@ def section_fsdp2(s: Settings) -> dict[str, Any]:
     for tag, checkpointing in (("plain", False), ("activation_checkpointing", True)):
         model = build_model(s)
         params = n_params(model)
-        strategy = FSDP2TrainStrategy(model, lr=1e-5, micro_batch_size=s.micro, grad_accumulation=s.rows // s.micro,
-                                      device=s.device, activation_checkpointing=checkpointing)
+        strategy = FSDP2TrainStrategy(
+            model,
+            lr=1e-5,
+            micro_batch_size=s.micro,
+            grad_accumulation=s.rows // s.micro,
+            device=s.device,
+            activation_checkpointing=checkpointing,
+        )
         figures = time_steps(s, strategy)
-        figures.update(params=params, mfu=mfu(params, figures["tokens_per_s"]), peak_mem_gib=peak_mem_gib(s),
-                       mixed_precision=strategy.mixed_precision, world_size=strategy.world_size)
+        figures.update(
+            params=params,
+            mfu=mfu(params, figures["tokens_per_s"]),
+            peak_mem_gib=peak_mem_gib(s),
+            mixed_precision=strategy.mixed_precision,
+            world_size=strategy.world_size,
+        )
         if tag == "plain":
             start = time.perf_counter()
             full = strategy.full_state_dict()
@@ -205,19 +247,39 @@ def section_megatron(s: Settings) -> dict[str, Any]:
     params = n_params(model)
     data = batch(s)
     probe = {k: v[:1, :128] for k, v in data.items()}
-    reference = HFTrainStrategy(model, micro_batch_size=1, trainable=False, device=s.device).forward(probe).logprobs
+    reference = (
+        HFTrainStrategy(model, micro_batch_size=1, trainable=False, device=s.device)
+        .forward(probe)
+        .logprobs
+    )
     model.requires_grad_(True)
-    strategy = MegatronTrainStrategy(model, lr=1e-5, micro_batch_size=s.micro, grad_accumulation=s.rows // s.micro,
-                                     device=s.device, tensor_parallel_size=1, mixed_precision=False)
+    strategy = MegatronTrainStrategy(
+        model,
+        lr=1e-5,
+        micro_batch_size=s.micro,
+        grad_accumulation=s.rows // s.micro,
+        device=s.device,
+        tensor_parallel_size=1,
+        mixed_precision=False,
+    )
     fp32_diff = float((strategy.forward(probe).logprobs - reference).abs().max())
     strategy.mixed_precision = s.device.startswith("cuda")
     del model
     free(s)
     figures = time_steps(s, strategy)
-    figures.update(params=params, mfu=mfu(params, figures["tokens_per_s"]), peak_mem_gib=peak_mem_gib(s),
-                   max_logprob_diff_vs_hf_fp32=fp32_diff, tensor_parallel_size=1,
-                   cpu_shim_active=__import__("trainer.strategies.megatron_cpu_shim", fromlist=["x"]).is_active())
-    log(f"megatron: {figures['tokens_per_s']:.0f} tok/s, MFU {figures['mfu']:.3f}, |dlogp| {fp32_diff:.2e}")
+    figures.update(
+        params=params,
+        mfu=mfu(params, figures["tokens_per_s"]),
+        peak_mem_gib=peak_mem_gib(s),
+        max_logprob_diff_vs_hf_fp32=fp32_diff,
+        tensor_parallel_size=1,
+        cpu_shim_active=__import__(
+            "trainer.strategies.megatron_cpu_shim", fromlist=["x"]
+        ).is_active(),
+    )
+    log(
+        f"megatron: {figures['tokens_per_s']:.0f} tok/s, MFU {figures['mfu']:.3f}, |dlogp| {fp32_diff:.2e}"
+    )
     del strategy
     free(s)
     torch.cuda.empty_cache() if s.device.startswith("cuda") else None
@@ -312,7 +374,9 @@ def section_ipc(s: Settings) -> dict[str, Any]:
             trials.append(time.perf_counter() - start)
             if done["version"] != version:
                 raise RuntimeError(f"receiver serves version {done['version']}, sent {version}")
-        checksum_ok = abs(done["checksum"] - expected_checksum) <= 1e-3 * max(1.0, abs(expected_checksum))
+        checksum_ok = abs(done["checksum"] - expected_checksum) <= 1e-3 * max(
+            1.0, abs(expected_checksum)
+        )
         inbox.put(None)
         proc.join(timeout=30)
     finally:
@@ -329,11 +393,20 @@ def section_ipc(s: Settings) -> dict[str, Any]:
         sync(s.device)
         copies.append(time.perf_counter() - start)
     memcpy_gbs = total / min(copies) / 1e9
-    figures = {"bytes": total, "tensors": len(weights), "bucket_bytes": s.bucket_bytes,
-               "transport": "cuda_ipc" if s.device.startswith("cuda") else "shared_memory",
-               "sync_s_trials": trials, "sync_gb_s": total / best / 1e9, "memcpy_gb_s": memcpy_gbs,
-               "sync_vs_memcpy": (total / best / 1e9) / memcpy_gbs, "checksum_ok": checksum_ok}
-    log(f"ipc: {figures['sync_gb_s']:.1f} GB/s sync vs {memcpy_gbs:.1f} GB/s memcpy, checksum ok={checksum_ok}")
+    figures = {
+        "bytes": total,
+        "tensors": len(weights),
+        "bucket_bytes": s.bucket_bytes,
+        "transport": "cuda_ipc" if s.device.startswith("cuda") else "shared_memory",
+        "sync_s_trials": trials,
+        "sync_gb_s": total / best / 1e9,
+        "memcpy_gb_s": memcpy_gbs,
+        "sync_vs_memcpy": (total / best / 1e9) / memcpy_gbs,
+        "checksum_ok": checksum_ok,
+    }
+    log(
+        f"ipc: {figures['sync_gb_s']:.1f} GB/s sync vs {memcpy_gbs:.1f} GB/s memcpy, checksum ok={checksum_ok}"
+    )
     del model, src, dst
     free(s)
     return figures
@@ -346,12 +419,21 @@ def section_generate(s: Settings) -> dict[str, Any]:
     from trainer.strategies.hf_engine import HFEngine
 
     model = build_model(s, seed=3).to(torch.float32 if s.smoke else torch.bfloat16)
-    engine = HFEngine(model, eos_token_id=-1, pad_token_id=0, device=s.device)  # eos -1: every row runs to the limit
+    engine = HFEngine(
+        model, eos_token_id=-1, pad_token_id=0, device=s.device
+    )  # eos -1: every row runs to the limit
     g = torch.Generator().manual_seed(0)
 
     def requests(count: int, new: int) -> list[GenerationRequest]:
-        return [GenerationRequest(f"r{i}", torch.randint(1, s.config["vocab_size"], (s.gen_prompt_len,), generator=g).tolist(),
-                                  max_new_tokens=new, temperature=0.0) for i in range(count)]
+        return [
+            GenerationRequest(
+                f"r{i}",
+                torch.randint(1, s.config["vocab_size"], (s.gen_prompt_len,), generator=g).tolist(),
+                max_new_tokens=new,
+                temperature=0.0,
+            )
+            for i in range(count)
+        ]
 
     engine.generate_batch(requests(2, 4))
     sync(s.device)
@@ -360,16 +442,28 @@ def section_generate(s: Settings) -> dict[str, Any]:
     sync(s.device)
     elapsed = time.perf_counter() - start
     new_tokens = sum(len(r.token_ids) for r in results)
-    figures = {"prompts": s.gen_prompts, "prompt_len": s.gen_prompt_len, "max_new_tokens": s.gen_new,
-               "new_tokens": new_tokens, "seconds": elapsed, "tokens_per_s": new_tokens / elapsed, "greedy": True}
+    figures = {
+        "prompts": s.gen_prompts,
+        "prompt_len": s.gen_prompt_len,
+        "max_new_tokens": s.gen_new,
+        "new_tokens": new_tokens,
+        "seconds": elapsed,
+        "tokens_per_s": new_tokens / elapsed,
+        "greedy": True,
+    }
     log(f"generate: {figures['tokens_per_s']:.0f} new tok/s ({s.gen_prompts} prompts)")
     del engine, model
     free(s)
     return figures
 
 
-SECTIONS = {"env": section_env, "fsdp2": section_fsdp2, "megatron": section_megatron, "ipc": section_ipc,
-            "generate": section_generate}
+SECTIONS = {
+    "env": section_env,
+    "fsdp2": section_fsdp2,
+    "megatron": section_megatron,
+    "ipc": section_ipc,
+    "generate": section_generate,
+}
 
 
 def summary(results: dict[str, Any]) -> list[str]:
@@ -387,7 +481,10 @@ def summary(results: dict[str, Any]) -> list[str]:
     rows = [
         ("fsdp2 train tokens/s", fmt(get("fsdp2", "plain", "tokens_per_s"), ",.0f")),
         ("fsdp2 MFU", fmt(get("fsdp2", "plain", "mfu"), ".3f")),
-        ("fsdp2+AC train tokens/s", fmt(get("fsdp2", "activation_checkpointing", "tokens_per_s"), ",.0f")),
+        (
+            "fsdp2+AC train tokens/s",
+            fmt(get("fsdp2", "activation_checkpointing", "tokens_per_s"), ",.0f"),
+        ),
         ("fsdp2 full-state-dict gather s", fmt(get("fsdp2", "plain", "full_state_dict_s"), ".3f")),
         ("megatron train tokens/s", fmt(get("megatron", "tokens_per_s"), ",.0f")),
         ("megatron MFU", fmt(get("megatron", "mfu"), ".3f")),
@@ -398,14 +495,19 @@ def summary(results: dict[str, Any]) -> list[str]:
         ("HF engine generate tokens/s", fmt(get("generate", "tokens_per_s"), ",.0f")),
     ]
     lines = [f"{'figure':34s} value"] + [f"{name:34s} {value}" for name, value in rows]
-    lines += [f"{'FAILED ' + name:34s} {results[name]['error'].splitlines()[-1][:80]}"
-              for name in SECTIONS if isinstance(results.get(name), dict) and "error" in results[name]]
+    lines += [
+        f"{'FAILED ' + name:34s} {results[name]['error'].splitlines()[-1][:80]}"
+        for name in SECTIONS
+        if isinstance(results.get(name), dict) and "error" in results[name]
+    ]
     return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model on CPU (gloo, shared memory)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="tiny model on CPU (gloo, shared memory)"
+    )
     parser.add_argument("--only", nargs="*", choices=list(SECTIONS), help="run only these sections")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT") or ROOT / "gpu-out")

@@ -21,8 +21,16 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     logging.disable_progress_bar()
     folder = tmp_path_factory.mktemp("policy")
-    return build_policy(folder, env_corpus(LAKE, LAKE_KWARGS, episodes=60), tokenizer_kind="bpe",
-                        hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, seed=0)
+    return build_policy(
+        folder,
+        env_corpus(LAKE, LAKE_KWARGS, episodes=60),
+        tokenizer_kind="bpe",
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=64,
+        seed=0,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -30,8 +38,15 @@ def vllm_policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with attention head size 32 (vLLM's CPU kernels need 32, 64, ...)."""
     from trainer.models import build_policy, env_corpus
 
-    return build_policy(tmp_path_factory.mktemp("vllm_policy"), env_corpus(LAKE, LAKE_KWARGS, episodes=60),
-                        hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, seed=0)
+    return build_policy(
+        tmp_path_factory.mktemp("vllm_policy"),
+        env_corpus(LAKE, LAKE_KWARGS, episodes=60),
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=128,
+        seed=0,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -49,7 +49,9 @@ def kill_ray_processes(temp_root: Path, address: str | None = None) -> None:
     import psutil
 
     # Our temp dir (unique), or our GCS address not followed by more digits (port 1234 is not 12345).
-    patterns = [re.escape(str(temp_root) + "/")] + ([f"{re.escape(address)}(?!\\d)"] if address else [])
+    patterns = [re.escape(str(temp_root) + "/")] + (
+        [f"{re.escape(address)}(?!\\d)"] if address else []
+    )
     mine = re.compile("|".join(patterns))
     victims: dict[int, psutil.Process] = {}
     for proc in psutil.process_iter(["pid", "cmdline"]):
@@ -71,23 +73,44 @@ def kill_ray_processes(temp_root: Path, address: str | None = None) -> None:
     shutil.rmtree(temp_root, ignore_errors=True)
 
 
-def start_ray_nodes(devices_per_node: list[int], num_cpus: int = 1, timeout: float = 240.0) -> RayNodes:
+def start_ray_nodes(
+    devices_per_node: list[int], num_cpus: int = 1, timeout: float = 240.0
+) -> RayNodes:
     """``ray start --head`` plus one ``ray start --address`` per further node."""
     ray_bin = str(Path(sys.executable).with_name("ray"))
     port = _free_port()
-    temp_root = Path(tempfile.mkdtemp(prefix="ehr-", dir="/tmp"))  # short: Ray's socket paths are long
-    env = {**os.environ, "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+    temp_root = Path(
+        tempfile.mkdtemp(prefix="ehr-", dir="/tmp")
+    )  # short: Ray's socket paths are long
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "RAY_AUTH_MODE": "disabled",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
     address = f"{NODE_IP}:{port}"
     nodes = RayNodes(address, temp_root, env)
     common = [f"--node-ip-address={NODE_IP}", f"--num-cpus={num_cpus}", "--disable-usage-stats"]
     try:
         for i, count in enumerate(devices_per_node):
-            where = ["--head", f"--port={port}", "--include-dashboard=false"] if i == 0 else [f"--address={address}"]
-            cmd = [ray_bin, "start", *where, *common, f"--resources={{\"envhub_device\": {count}}}",
-                   f"--temp-dir={temp_root / f'n{i}'}"]
+            where = (
+                ["--head", f"--port={port}", "--include-dashboard=false"]
+                if i == 0
+                else [f"--address={address}"]
+            )
+            cmd = [
+                ray_bin,
+                "start",
+                *where,
+                *common,
+                f'--resources={{"envhub_device": {count}}}',
+                f"--temp-dir={temp_root / f'n{i}'}",
+            ]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+                raise RuntimeError(
+                    f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+                )
     except BaseException:
         nodes.stop()
         raise
@@ -103,4 +126,6 @@ def wait_for_nodes(count: int, timeout: float = 120.0) -> None:
         if sum(1 for n in ray.nodes() if n.get("Alive")) >= count:
             return
         time.sleep(0.2)
-    raise TimeoutError(f"only {sum(1 for n in ray.nodes() if n.get('Alive'))} of {count} Ray nodes came up")
+    raise TimeoutError(
+        f"only {sum(1 for n in ray.nodes() if n.get('Alive'))} of {count} Ray nodes came up"
+    )

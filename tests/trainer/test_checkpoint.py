@@ -16,7 +16,9 @@ import pytest
 from trainer.checkpoint import CheckpointManager, capture_rng, restore_rng
 from trainer.errors import CheckpointError
 
-torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0, then -e '.[train]')")
+torch = pytest.importorskip(
+    "torch", reason="torch is not installed (pip install torch==2.13.0, then -e '.[train]')"
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,7 +50,9 @@ def test_round_trip_restores_model_optimizer_seeds_extra_and_rng(tmp_path: Path)
     fresh.load_state_dict(ckpt.load_state("actor"))
     fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
     fresh_optimizer.load_state_dict(ckpt.load_state("actor_optim"))
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values())
+    )
     exp_avg = fresh_optimizer.state_dict()["state"][0]["exp_avg"]
     assert torch.equal(exp_avg, optimizer.state_dict()["state"][0]["exp_avg"])
     assert ckpt.seeds == {"data": 11, "env": [5, 6]}
@@ -68,16 +72,19 @@ def test_keep_prunes_old_checkpoints_and_latest_follows(tmp_path: Path) -> None:
     assert (tmp_path / "latest").read_text().strip() == "step_00000005"
     manager.save(5, states={"w": torch.tensor([50.0])})  # re-saving a step replaces it
     assert float(manager.load().load_state("w")) == 50.0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000004", "step_00000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest",
+        "step_00000004",
+        "step_00000005",
+    ]
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path)
     manager.save(1, states={"w": torch.zeros(2)})
-    with pytest.raises(RuntimeError, match="disk on fire"):
-        with manager.writing(2) as writer:
-            writer.save_state("w", torch.ones(2))
-            raise RuntimeError("disk on fire")
+    with pytest.raises(RuntimeError, match="disk on fire"), manager.writing(2) as writer:
+        writer.save_state("w", torch.ones(2))
+        raise RuntimeError("disk on fire")
     assert manager.latest() == tmp_path / "step_00000001"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
 
@@ -94,7 +101,9 @@ def test_files_written_by_callables_and_a_bad_pointer(tmp_path: Path) -> None:
 
 def test_errors_name_the_fix(tmp_path: Path) -> None:
     manager = CheckpointManager(tmp_path / "empty")
-    with pytest.raises(CheckpointError, match="no checkpoint in .*empty; run without --resume to start fresh"):
+    with pytest.raises(
+        CheckpointError, match="no checkpoint in .*empty; run without --resume to start fresh"
+    ):
         manager.load()
     manager.save(1, states={"actor": {}}, rng=False)
     with pytest.raises(CheckpointError, match=r"has no state 'critic'; it has \['actor'\]"):
@@ -137,7 +146,9 @@ while True:
 
 def run_child(code: str, root: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(root)], stdout=subprocess.PIPE, text=True, env=env
+    )
 
 
 def test_kill_9_mid_write_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
@@ -147,10 +158,14 @@ def test_kill_9_mid_write_keeps_the_last_good_checkpoint(tmp_path: Path) -> None
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.wait(timeout=30)
-    assert any(p.name.startswith(".tmp-step_00000002") for p in tmp_path.iterdir())  # the torn write
+    assert any(
+        p.name.startswith(".tmp-step_00000002") for p in tmp_path.iterdir()
+    )  # the torn write
 
     manager = CheckpointManager(tmp_path)
-    assert [p.name for p in manager.removed_partial] and not any(p.name.startswith(".") for p in tmp_path.iterdir())
+    assert [p.name for p in manager.removed_partial] and not any(
+        p.name.startswith(".") for p in tmp_path.iterdir()
+    )
     ckpt = manager.load()
     assert ckpt.step == 1 and ckpt.seeds == {"env": 1}
     assert torch.equal(ckpt.load_state("model")["w"], torch.ones(4))
@@ -172,4 +187,6 @@ def test_kill_9_at_an_arbitrary_moment_of_a_save_loop(tmp_path: Path) -> None:
     assert ckpt.path == complete[-1] and ckpt.step >= 3
     assert (tmp_path / "latest").read_text().strip() == ckpt.path.name
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
-    assert float(ckpt.load_state("model")["w"][0]) == float(ckpt.step) and ckpt.seeds == {"step": ckpt.step}
+    assert float(ckpt.load_state("model")["w"][0]) == float(ckpt.step) and ckpt.seeds == {
+        "step": ckpt.step
+    }

@@ -16,8 +16,16 @@ from envhub.cli import main
 from tests.trainer.killed_runs import comparable, envhub_train, rows
 
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
-TINY = ["sft.episodes=16", "sft.batch_size=8", "eval.episodes=8", "env.num_groups=2", "env.group_size=4",
-        "logging.progress=false", "model.tiny.hidden_size=32", "model.tiny.intermediate_size=64"]
+TINY = [
+    "sft.episodes=16",
+    "sft.batch_size=8",
+    "eval.episodes=8",
+    "env.num_groups=2",
+    "env.group_size=4",
+    "logging.progress=false",
+    "model.tiny.hidden_size=32",
+    "model.tiny.intermediate_size=64",
+]
 
 
 def nan_reward(episode) -> float:
@@ -33,7 +41,11 @@ def kill_after_step_3(episode) -> float:
     so step 3 is logged but not checkpointed), it SIGKILLs the training process it runs in (the
     local backend's reward worker is a thread of it). A marker file makes that happen once."""
     out = Path(os.environ[KILL_DIR])
-    if not (out / "killed").exists() and (out / "metrics.jsonl").exists() and any(r["step"] == 3 for r in rows(out)):
+    if (
+        not (out / "killed").exists()
+        and (out / "metrics.jsonl").exists()
+        and any(r["step"] == 3 for r in rows(out))
+    ):
         (out / "killed").touch()
         os.kill(os.getpid(), signal.SIGKILL)
     return 0.0
@@ -41,16 +53,28 @@ def kill_after_step_3(episode) -> float:
 
 def test_short_run_writes_metrics_curve_checkpoints_and_policy(tmp_path: Path) -> None:
     out = tmp_path / "run"
-    proc = envhub_train(str(QUICKSTART), *TINY, "train.steps=2", "eval.every=0", f"output_dir={out}", cwd=tmp_path)
+    proc = envhub_train(
+        str(QUICKSTART), *TINY, "train.steps=2", "eval.every=0", f"output_dir={out}", cwd=tmp_path
+    )
     log, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, log
     assert log.splitlines()[0] == f"output: {out.resolve()}"
     metrics = rows(out)
     assert [r["step"] for r in metrics] == [0, 1, 2]
-    assert metrics[0]["eval/success"] is not None and "sft/nll" in metrics[0]  # evaluated before any RL update
+    assert (
+        metrics[0]["eval/success"] is not None and "sft/nll" in metrics[0]
+    )  # evaluated before any RL update
     assert metrics[-1]["eval/success"] is not None  # and at the end
-    for key in ("time_s", "train/success", "train/reward", "actor/pg_loss", "actor/entropy", "actor/grad_norm",
-                "timing/rollout_s", "timing/train_s"):
+    for key in (
+        "time_s",
+        "train/success",
+        "train/reward",
+        "actor/pg_loss",
+        "actor/entropy",
+        "actor/grad_norm",
+        "timing/rollout_s",
+        "timing/train_s",
+    ):
         assert key in metrics[1], key
     assert (out / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
@@ -59,36 +83,69 @@ def test_short_run_writes_metrics_curve_checkpoints_and_policy(tmp_path: Path) -
     assert AutoModelForCausalLM.from_pretrained(out / "final_policy") is not None
 
 
-@pytest.mark.parametrize(("text", "override", "expected"), [
-    ("model: [unclosed", (), "broken YAML"),
-    ("env:\n  group_sise: 4\n", (), "env.group_sise: unknown key"),
-    ("model:\n  path: /nonexistent/qwen\n", (), "model.path '/nonexistent/qwen' is not a model folder"),
-])
-def test_bad_configs_fail_clearly(tmp_path: Path, text: str, override: tuple[str, ...], expected: str) -> None:
+@pytest.mark.parametrize(
+    ("text", "override", "expected"),
+    [
+        ("model: [unclosed", (), "broken YAML"),
+        ("env:\n  group_sise: 4\n", (), "env.group_sise: unknown key"),
+        (
+            "model:\n  path: /nonexistent/qwen\n",
+            (),
+            "model.path '/nonexistent/qwen' is not a model folder",
+        ),
+    ],
+)
+def test_bad_configs_fail_clearly(
+    tmp_path: Path, text: str, override: tuple[str, ...], expected: str
+) -> None:
     config = tmp_path / "bad.yaml"
     config.write_text(text)
-    result = CliRunner().invoke(main, ["train", str(config), f"output_dir={tmp_path / 'o'}", *override])
+    result = CliRunner().invoke(
+        main, ["train", str(config), f"output_dir={tmp_path / 'o'}", *override]
+    )
     assert result.exit_code in (1, 2) and expected in result.output, result.output
 
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
     out = tmp_path / "nan"
     reward = "{kind: function, function: 'tests.trainer.test_cli:nan_reward'}"
-    result = CliRunner().invoke(main, ["train", str(QUICKSTART), *TINY, "train.steps=3", "sft.epochs=0",
-                                       f"output_dir={out}", f"env.rewards=[{reward}]"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            str(QUICKSTART),
+            *TINY,
+            "train.steps=3",
+            "sft.epochs=0",
+            f"output_dir={out}",
+            f"env.rewards=[{reward}]",
+        ],
+    )
     assert result.exit_code == 1, result.output
-    assert "step 1: the loss became nan" in result.output and "last good checkpoint is" in result.output
+    assert (
+        "step 1: the loss became nan" in result.output
+        and "last good checkpoint is" in result.output
+    )
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000000"
 
 
 def test_resume_after_kill_9_gives_identical_next_step_metrics(tmp_path: Path) -> None:
     out = tmp_path / "resume"
     killer = "{kind: function, function: 'tests.trainer.test_cli:kill_after_step_3'}"
-    args = [str(QUICKSTART), *TINY, "train.steps=4", "checkpoint.every=2", "eval.every=0", f"output_dir={out}",
-            f"env.rewards=[{killer}]"]
+    args = [
+        str(QUICKSTART),
+        *TINY,
+        "train.steps=4",
+        "checkpoint.every=2",
+        "eval.every=0",
+        f"output_dir={out}",
+        f"env.rewards=[{killer}]",
+    ]
     proc = envhub_train(*args, cwd=tmp_path, **{KILL_DIR: str(out)})
     log, _ = proc.communicate(timeout=240)
-    assert proc.returncode == -signal.SIGKILL, f"the run was to be killed after step 3, it exited {proc.returncode}:\n{log}"
+    assert proc.returncode == -signal.SIGKILL, (
+        f"the run was to be killed after step 3, it exited {proc.returncode}:\n{log}"
+    )
     killed = {r["step"]: r for r in rows(out)}
     assert sorted(killed) == [0, 1, 2, 3]  # step 3 was logged, then the process died in step 4
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
@@ -97,7 +154,9 @@ def test_resume_after_kill_9_gives_identical_next_step_metrics(tmp_path: Path) -
     assert resumed.returncode == 0, log
     after = {r["step"]: r for r in rows(out)}
     assert sorted(after) == [0, 1, 2, 3, 4]
-    assert comparable(after[3]) == comparable(killed[3])  # the step after the checkpoint, replayed identically
+    assert comparable(after[3]) == comparable(
+        killed[3]
+    )  # the step after the checkpoint, replayed identically
     assert after[3]["time_s"] >= after[2]["time_s"]
 
 
@@ -114,4 +173,6 @@ def test_resume_lists_settings_that_differ_from_the_saved_config(tmp_path: Path)
     assert "2 setting(s)" in lines[0]
     assert any(line.startswith("train.lr: ") and "-> 0.5 now" in line for line in lines)
     assert any(line.startswith("env.group_size: ") and "step_00000002" in line for line in lines)
-    assert config_drift(load_config(QUICKSTART, [f"output_dir={tmp_path / 'fresh'}"])) == []  # no checkpoint yet
+    assert (
+        config_drift(load_config(QUICKSTART, [f"output_dir={tmp_path / 'fresh'}"])) == []
+    )  # no checkpoint yet

@@ -38,7 +38,9 @@ def test_a_ragged_batch_splits_over_two_ranks_and_comes_back_in_order() -> None:
         out = c.tag_rows(Batch({"x": [10, 11, 12, 13, 14]}, meta={"step": 3}))
         assert out["x"] == [10, 11, 12, 13, 14] and out["rank"] == [0, 0, 0, 1, 1]
         assert c.tag_rows(Batch({"x": [7]}))["rank"] == [0]  # rank 1 gets no rows
-        with pytest.raises(DispatchError, match="a batch of 5 rows does not split evenly over 2 ranks"):
+        with pytest.raises(
+            DispatchError, match="a batch of 5 rows does not split evenly over 2 ranks"
+        ):
             c.double(Batch({"x": [10, 11, 12, 13, 14]}))  # Dispatch.DP_SPLIT still refuses it
 
 
@@ -47,7 +49,9 @@ def overlap(intervals: list[tuple[float, float]]) -> bool:
     return max(start for start, _ in intervals) < min(end for _, end in intervals)
 
 
-def test_calls_to_one_worker_run_in_order_and_workers_run_concurrently(cluster: CountingCluster) -> None:
+def test_calls_to_one_worker_run_in_order_and_workers_run_concurrently(
+    cluster: CountingCluster,
+) -> None:
     first = cluster.add_async(1, delay=0.3)
     second = cluster.add_async(2)
     assert not first.done()
@@ -65,8 +69,11 @@ def test_futures_are_awaitable(cluster: CountingCluster) -> None:
 
 
 def test_a_failing_rank_is_named(cluster: CountingCluster) -> None:
-    with pytest.raises(WorkerCallError, match=r"actor_train worker rank 2 failed in fail_on\(\): ValueError: rank 2 "
-                                              r"was told to fail") as info:
+    with pytest.raises(
+        WorkerCallError,
+        match=r"actor_train worker rank 2 failed in fail_on\(\): ValueError: rank 2 "
+        r"was told to fail",
+    ) as info:
         cluster.fail_on(2)
     assert isinstance(info.value.__cause__, ValueError)
 
@@ -93,7 +100,9 @@ def test_offload_reload_and_placement_from_role_config() -> None:
         assert c.world_size == 2
         c.offload()
         info = c.node_info()
-        assert [i["devices"] for i in info] == [[2, 3], [4, 5]] and all(i["offloaded"] for i in info)
+        assert [i["devices"] for i in info] == [[2, 3], [4, 5]] and all(
+            i["offloaded"] for i in info
+        )
         c.reload()
         assert c.history() == [["offload", "reload"]] * 2
 
@@ -104,14 +113,18 @@ def test_unregistered_method_is_refused(cluster: CountingCluster) -> None:
 
 
 def test_importing_the_controller_core_loads_neither_ray_nor_torch() -> None:
-    code = ("import sys; import trainer.controller.dispatch, trainer.controller.cluster, trainer.devices, "
-            "trainer.config; print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
+    code = (
+        "import sys; import trainer.controller.dispatch, trainer.controller.cluster, trainer.devices, "
+        "trainer.config; print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
 
 def role_clusters() -> list[type[Cluster]]:
-    pytest.importorskip("torch", reason="the role workers need the train extra: pip install -e '.[train]'")
+    pytest.importorskip(
+        "torch", reason="the role workers need the train extra: pip install -e '.[train]'"
+    )
     from trainer.workers.actor import ActorCluster
     from trainer.workers.critic import CriticCluster
     from trainer.workers.infer import InferCluster
@@ -129,16 +142,26 @@ def test_every_cluster_method_takes_its_worker_methods_parameters() -> None:
             if not isinstance(declared, RemoteMethod):
                 continue
             worker_method = getattr(cluster_cls.worker_cls, declared.method)
-            ours, theirs = inspect.signature(getattr(cluster_cls, name)), inspect.signature(worker_method)
+            ours, theirs = (
+                inspect.signature(getattr(cluster_cls, name)),
+                inspect.signature(worker_method),
+            )
             assert ours.parameters == theirs.parameters, f"{cluster_cls.__name__}.{name}"
 
 
 def test_the_declaration_says_the_return_type(cluster: CountingCluster) -> None:
     assert str(inspect.signature(cluster.double)) == "(batch: 'Batch') -> 'Batch'"
-    assert str(inspect.signature(cluster.add)) == "(amount: 'int', *, delay: 'float' = 0.0) -> 'list[int]'"
+    assert (
+        str(inspect.signature(cluster.add))
+        == "(amount: 'int', *, delay: 'float' = 0.0) -> 'list[int]'"
+    )
     assert str(inspect.signature(cluster.add_async)) == (
-        "(amount: 'int', *, delay: 'float' = 0.0) -> 'CallFuture[list[int]]'")
-    assert cluster.whoami.__doc__ is None and cluster.sleep_async.__doc__ == CountingWorker.sleep.__doc__
+        "(amount: 'int', *, delay: 'float' = 0.0) -> 'CallFuture[list[int]]'"
+    )
+    assert (
+        cluster.whoami.__doc__ is None
+        and cluster.sleep_async.__doc__ == CountingWorker.sleep.__doc__
+    )
 
 
 def test_a_cluster_that_drifts_from_its_worker_is_refused_when_defined() -> None:
@@ -151,9 +174,12 @@ def test_a_cluster_that_drifts_from_its_worker_is_refused_when_defined() -> None
             return None
 
     with pytest.raises(DispatchError) as info:
+
         class StaleCluster(Cluster):
             worker_cls = NewerWorker
-            add = remote(CountingWorker.add, per_rank=True)  # derived from the base's older signature
+            add = remote(
+                CountingWorker.add, per_rank=True
+            )  # derived from the base's older signature
             whoami = remote(CountingWorker.whoami, per_rank=True)  # RANK_ZERO collects one result
             history = remote(CountingWorker.history)  # ONE_TO_ALL collects one per rank
             helper = remote(NewerWorker.helper)
@@ -164,8 +190,17 @@ def test_a_cluster_that_drifts_from_its_worker_is_refused_when_defined() -> None
     message = str(info.value)
     assert message.startswith("StaleCluster does not match its worker_cls NewerWorker:")
     assert "StaleCluster.add takes (amount: 'int', *, delay: 'float' = 0.0) but " in message
-    assert "NewerWorker.add takes (amount: 'int', *, delay: 'float' = 0.0, twice: 'bool' = False)" in message
-    assert "StaleCluster.whoami is declared per_rank=True but NewerWorker.whoami collects Collect.FIRST" in message
+    assert (
+        "NewerWorker.add takes (amount: 'int', *, delay: 'float' = 0.0, twice: 'bool' = False)"
+        in message
+    )
+    assert (
+        "StaleCluster.whoami is declared per_rank=True but NewerWorker.whoami collects Collect.FIRST"
+        in message
+    )
     assert "StaleCluster.history returns a list, one result per rank" in message
     assert "NewerWorker.helper is not registered for cluster calls" in message
-    assert "StaleCluster.environ takes (key: 'str') but CountingWorker.environ takes (name: 'str')" in message
+    assert (
+        "StaleCluster.environ takes (key: 'str') but CountingWorker.environ takes (name: 'str')"
+        in message
+    )

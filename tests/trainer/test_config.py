@@ -40,14 +40,17 @@ def test_defaults_load_and_derive_values() -> None:
 
 def test_yaml_and_overrides_with_yaml_typed_values(tmp_path: Path) -> None:
     path = write(tmp_path, "env:\n  id: games/sokoban-v0\n  group_size: 4\ntrain:\n  lr: 0.001\n")
-    cfg = load_config(path, [
-        "train.lr=3e-4",
-        "roles.actor_train.device_mapping=[0,1]",
-        "algorithm.loss.kl_coef=0.05",
-        "algorithm.advantage_estimator=gae",
-        "rollout.temperature=0",
-        "checkpoint.dir=null",
-    ])
+    cfg = load_config(
+        path,
+        [
+            "train.lr=3e-4",
+            "roles.actor_train.device_mapping=[0,1]",
+            "algorithm.loss.kl_coef=0.05",
+            "algorithm.advantage_estimator=gae",
+            "rollout.temperature=0",
+            "checkpoint.dir=null",
+        ],
+    )
     assert cfg.train.lr == pytest.approx(3e-4)
     assert cfg.env.id == "games/sokoban-v0" and cfg.env.group_size == 4
     assert cfg.roles.actor_train.device_mapping == [0, 1] and cfg.roles.actor_train.world_size == 2
@@ -63,7 +66,10 @@ def test_override_into_a_scalar_from_the_file_is_refused(tmp_path: Path) -> None
 
 def test_parse_overrides_shapes_a_tree() -> None:
     assert parse_overrides(["a.b=1", "a.c=[0, 1]", "d=hello", "e=true"]) == {
-        "a": {"b": 1, "c": [0, 1]}, "d": "hello", "e": True}
+        "a": {"b": 1, "c": [0, 1]},
+        "d": "hello",
+        "e": True,
+    }
     with pytest.raises(ConfigError, match=r"override 'a\.b' is not of the form a\.b\.c=value"):
         parse_overrides(["a.b"])
 
@@ -74,31 +80,45 @@ def test_parse_overrides_shapes_a_tree() -> None:
 def test_unknown_key_names_path_suggestion_and_line(tmp_path: Path) -> None:
     path = write(tmp_path, "rollout:\n  max_turns: 4\n  max_new_tokns: 8\n")
     assert problems_of(path) == [
-        f"rollout.max_new_tokns: unknown key; did you mean max_new_tokens? (at {path}:3)"]
+        f"rollout.max_new_tokns: unknown key; did you mean max_new_tokens? (at {path}:3)"
+    ]
 
 
 def test_unknown_key_suggests_the_right_section(tmp_path: Path) -> None:
     path = write(tmp_path, "rollout:\n  group_sise: 8\n")
-    assert problems_of(path) == [f"rollout.group_sise: unknown key; did you mean env.group_size? (at {path}:2)"]
+    assert problems_of(path) == [
+        f"rollout.group_sise: unknown key; did you mean env.group_size? (at {path}:2)"
+    ]
 
 
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
-    path = write(tmp_path, (
-        "rollout:\n  max_turns: -1\n  enigne: vllm\n"
-        "train:\n  lr: fast\n"
-        "roles:\n  actor_train:\n    device_mapping: [0, 1, 2]\n    num_devices_per_worker: 2\n"
-        "bogus: 1\n"))
+    path = write(
+        tmp_path,
+        (
+            "rollout:\n  max_turns: -1\n  enigne: vllm\n"
+            "train:\n  lr: fast\n"
+            "roles:\n  actor_train:\n    device_mapping: [0, 1, 2]\n    num_devices_per_worker: 2\n"
+            "bogus: 1\n"
+        ),
+    )
     problems = problems_of(path, ["algorithm.advantage_estimator=ppo"])
     assert len(problems) == 6, problems
     text = "\n".join(problems)
     assert f"rollout.max_turns: Input should be greater than 0 (got -1) (at {path}:2)" in text
     assert f"rollout.enigne: unknown key; did you mean engine? (at {path}:3)" in text
-    assert "train.lr: Input should be a valid number, unable to parse string as a number (got 'fast')" in text
-    assert ("roles.actor_train.device_mapping: 3 devices do not split into workers of 2 devices "
-            "(num_devices_per_worker=2)") in text
+    assert (
+        "train.lr: Input should be a valid number, unable to parse string as a number (got 'fast')"
+        in text
+    )
+    assert (
+        "roles.actor_train.device_mapping: 3 devices do not split into workers of 2 devices "
+        "(num_devices_per_worker=2)"
+    ) in text
     assert "bogus: unknown key" in text
-    assert ("algorithm.advantage_estimator: Input should be 'gae', 'grpo', 'reinforce_pp' or 'rloo' (got 'ppo') "
-            "(at override 'algorithm.advantage_estimator=ppo')") in text
+    assert (
+        "algorithm.advantage_estimator: Input should be 'gae', 'grpo', 'reinforce_pp' or 'rloo' (got 'ppo') "
+        "(at override 'algorithm.advantage_estimator=ppo')"
+    ) in text
 
 
 def test_broken_yaml_reports_line_and_column(tmp_path: Path) -> None:
@@ -119,38 +139,57 @@ def test_missing_file_and_non_mapping_top_level(tmp_path: Path) -> None:
 
 def test_duplicate_yaml_keys_are_reported(tmp_path: Path) -> None:
     path = write(tmp_path, "train:\n  lr: 0.1\n  lr: 0.2\n")
-    assert problems_of(path) == [f"train.lr: duplicate key; the later value would silently win, keep one (at {path}:3)"]
+    assert problems_of(path) == [
+        f"train.lr: duplicate key; the later value would silently win, keep one (at {path}:3)"
+    ]
 
 
 def test_section_level_rules(tmp_path: Path) -> None:
     assert problems_of(None, ["model.path=/models/x", "model.tiny={}", "sft.source=file"]) == [
         "model: set model.path (a local checkpoint) or model.tiny (build one), not both",
-        "sft: source 'file' needs path: a JSONL of trajectories"]
-    assert problems_of(None, ["model.tiny.num_heads=3"]) == ["model.tiny: num_heads=3 must divide hidden_size=64"]
+        "sft: source 'file' needs path: a JSONL of trajectories",
+    ]
+    assert problems_of(None, ["model.tiny.num_heads=3"]) == [
+        "model.tiny: num_heads=3 must divide hidden_size=64"
+    ]
 
 
 def test_cross_section_problems_are_reported_together() -> None:
-    problems = problems_of(None, [
-        "env.id=games/sokobn-v0",
-        "roles.actor_train.device_mapping=[0,1,2]",
-        "env.group_size=1",
-        "env.num_groups=1",
-        "rollout.engine=vllm",
-        "roles.actor_infer.strategy=hf",
-    ])
+    problems = problems_of(
+        None,
+        [
+            "env.id=games/sokobn-v0",
+            "roles.actor_train.device_mapping=[0,1,2]",
+            "env.group_size=1",
+            "env.num_groups=1",
+            "rollout.engine=vllm",
+            "roles.actor_infer.strategy=hf",
+        ],
+    )
     text = "\n".join(problems)
     assert len(problems) == 3, problems
-    assert "env.id: no environment registered under 'games/sokobn-v0'. Did you mean 'games/sokoban-v0'" in text
-    assert ("env.num_groups: the batch of 1 episodes (env.group_size * env.num_groups) does not split evenly "
-            "over the 3 actor_train workers; make it a multiple of 3") in text
-    assert "roles.actor_infer.strategy: 'hf' disagrees with rollout.engine='vllm'; set only rollout.engine" in text
+    assert (
+        "env.id: no environment registered under 'games/sokobn-v0'. Did you mean 'games/sokoban-v0'"
+        in text
+    )
+    assert (
+        "env.num_groups: the batch of 1 episodes (env.group_size * env.num_groups) does not split evenly "
+        "over the 3 actor_train workers; make it a multiple of 3"
+    ) in text
+    assert (
+        "roles.actor_infer.strategy: 'hf' disagrees with rollout.engine='vllm'; set only rollout.engine"
+        in text
+    )
 
 
 def test_colocated_role_that_cannot_offload_is_refused() -> None:
     cfg = load_config(None)
     mapping = cfg.device_mapping(can_offload=lambda strategy: strategy != "hf")
     text = "\n".join(str(p) for p in mapping.problems())
-    assert "roles.actor_train.device_mapping: shares devices with actor_infer, but strategy 'hf' cannot offload" in text
+    assert (
+        "roles.actor_train.device_mapping: shares devices with actor_infer, but strategy 'hf' cannot offload"
+        in text
+    )
 
 
 def test_remote_hub_skips_the_local_registry() -> None:
@@ -165,7 +204,11 @@ def _sections(model: type[BaseModel]) -> list[type[BaseModel]]:
     found = [model]
     for field in model.model_fields.values():
         for candidate in getattr(field.annotation, "__args__", (field.annotation,)):
-            if isinstance(candidate, type) and issubclass(candidate, BaseModel) and candidate not in found:
+            if (
+                isinstance(candidate, type)
+                and issubclass(candidate, BaseModel)
+                and candidate not in found
+            ):
                 found += [s for s in _sections(candidate) if s not in found]
     return found
 
@@ -189,4 +232,5 @@ def test_every_shipped_example_config_loads(path: str) -> None:
     assert isinstance(cfg, TrainerConfig)
     first = Path(path).read_text().splitlines()[0]
     assert first.startswith("#") and "envhub train" in first, (
-        f"{path} must start with a comment giving the command that runs it (STYLE.md 9)")
+        f"{path} must start with a comment giving the command that runs it (STYLE.md 9)"
+    )

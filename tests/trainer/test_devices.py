@@ -10,20 +10,29 @@ from trainer.errors import DeviceMappingError
 
 
 def role(devices: list[int], per_worker: int = 1, strategy: str = "hf", **kw: object) -> RoleConfig:
-    return RoleConfig(strategy=strategy, device_mapping=devices, num_devices_per_worker=per_worker, **kw)
+    return RoleConfig(
+        strategy=strategy, device_mapping=devices, num_devices_per_worker=per_worker, **kw
+    )
 
 
 def test_overlapping_ranges_colocate_and_disjoint_ones_disaggregate() -> None:
-    plan = AutoDeviceMapping({
-        "actor_train": role([0, 1, 2, 3]),
-        "actor_infer": role([0, 1, 2, 3], per_worker=2, strategy="vllm"),
-        "reference": role([3]),
-        "critic": role([4, 5]),
-        "reward": role([], num_workers=3, strategy="function"),
-    }).plan()
-    assert [g.roles for g in plan.groups] == [("actor_train", "actor_infer", "reference"), ("critic",)]
+    plan = AutoDeviceMapping(
+        {
+            "actor_train": role([0, 1, 2, 3]),
+            "actor_infer": role([0, 1, 2, 3], per_worker=2, strategy="vllm"),
+            "reference": role([3]),
+            "critic": role([4, 5]),
+            "reward": role([], num_workers=3, strategy="function"),
+        }
+    ).plan()
+    assert [g.roles for g in plan.groups] == [
+        ("actor_train", "actor_infer", "reference"),
+        ("critic",),
+    ]
     assert plan.groups[0].colocated and not plan.groups[1].colocated
-    assert plan.colocated("actor_train", "reference") and not plan.colocated("actor_train", "critic")
+    assert plan.colocated("actor_train", "reference") and not plan.colocated(
+        "actor_train", "critic"
+    )
     assert [w.devices for w in plan.roles["actor_infer"].workers] == [(0, 1), (2, 3)]
     assert plan.roles["actor_train"].world_size == 4 and plan.roles["reward"].world_size == 3
     assert plan.group_of("reward") is None
@@ -35,7 +44,9 @@ def test_overlapping_ranges_colocate_and_disjoint_ones_disaggregate() -> None:
 
 
 def test_binding_to_nodes_gives_node_and_local_ids() -> None:
-    plan = AutoDeviceMapping({"actor_train": role([2, 3, 4, 5], per_worker=2)}).plan(node_devices=[4, 4])
+    plan = AutoDeviceMapping({"actor_train": role([2, 3, 4, 5], per_worker=2)}).plan(
+        node_devices=[4, 4]
+    )
     slots = plan.roles["actor_train"].workers
     assert [(s.node, s.local_devices) for s in slots] == [(0, (2, 3)), (1, (0, 1))]
 
@@ -61,11 +72,15 @@ def test_every_problem_is_reported_at_once() -> None:
         "roles.critic.device_mapping: devices 8-9 do not exist: the cluster has 8 devices (ids 0-7) across "
         "2 nodes; use smaller ids or add nodes/devices",
     ]
-    assert str(info.value).startswith("impossible device mapping: 5 problems\n  - roles.actor_infer")
+    assert str(info.value).startswith(
+        "impossible device mapping: 5 problems\n  - roles.actor_infer"
+    )
 
 
 def test_a_worker_may_not_span_nodes() -> None:
-    with pytest.raises(DeviceMappingError, match=r"worker 0 would span nodes \[0, 1\] \(devices \[3, 4\]\)"):
+    with pytest.raises(
+        DeviceMappingError, match=r"worker 0 would span nodes \[0, 1\] \(devices \[3, 4\]\)"
+    ):
         AutoDeviceMapping({"actor_train": role([3, 4], per_worker=2)}).plan(node_devices=[4, 4])
 
 
@@ -87,12 +102,14 @@ class Recorder:
 
 
 def test_colocation_offloads_the_others_and_reloads_the_active_role() -> None:
-    plan = AutoDeviceMapping({
-        "actor_train": role([0, 1]),
-        "actor_infer": role([0, 1]),
-        "reference": role([1], offload_params=False, offload_optimizer=False),
-        "critic": role([2]),
-    }).plan()
+    plan = AutoDeviceMapping(
+        {
+            "actor_train": role([0, 1]),
+            "actor_infer": role([0, 1]),
+            "reference": role([1], offload_params=False, offload_optimizer=False),
+            "critic": role([2]),
+        }
+    ).plan()
     log: list[str] = []
     colocation = Colocation(plan, {name: Recorder(name, log) for name in plan.roles})
     with colocation.phase("actor_infer"):
@@ -101,6 +118,11 @@ def test_colocation_offloads_the_others_and_reloads_the_active_role() -> None:
     colocation.activate("actor_train")  # already resident: nothing to do
     colocation.activate("critic")  # disaggregated: touches nobody
     assert log == ["offload actor_train", "offload actor_infer", "reload actor_train"]
-    assert colocation.resident == {"actor_train": True, "actor_infer": False, "reference": True, "critic": True}
+    assert colocation.resident == {
+        "actor_train": True,
+        "actor_infer": False,
+        "reference": True,
+        "critic": True,
+    }
     with pytest.raises(KeyError, match="roles \\['nobody'\\] have no cluster here"):
         colocation.activate("nobody")

@@ -44,7 +44,11 @@ def ray_session() -> Iterator[None]:
     previous = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     try:
-        ray.init(address=nodes.address, runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}}, log_to_driver=False)
+        ray.init(
+            address=nodes.address,
+            runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}},
+            log_to_driver=False,
+        )
         wait_for_nodes(2)
         yield
     finally:
@@ -107,7 +111,9 @@ def test_each_worker_runs_on_the_node_that_owns_its_devices(layout: Layout) -> N
     assert [n.num_devices for n in manager.nodes] == [2, 2]
     node0, node1 = manager.node_id(0), manager.node_id(1)
     assert node0 != node1
-    info = [i for name in ("actor_train", "actor_infer", "critic") for i in clusters[name].node_info()]
+    info = [
+        i for name in ("actor_train", "actor_infer", "critic") for i in clusters[name].node_info()
+    ]
     assert [(i["role"], i["rank"], i["node_id"], i["devices_env"]) for i in info] == [
         ("actor_train", 0, node0, "0"),
         ("actor_train", 1, node0, "1"),
@@ -119,7 +125,9 @@ def test_each_worker_runs_on_the_node_that_owns_its_devices(layout: Layout) -> N
     assert clusters["critic"].environ("LOCAL_RANK") == ["0", "1"]
     [reward] = clusters["reward"].node_info()
     assert reward["devices"] == [] and reward["node_id"] in {node0, node1}
-    assert ray.cluster_resources()[DEVICE] - ray.available_resources().get(DEVICE, 0.0) == 4.0  # all reserved
+    assert (
+        ray.cluster_resources()[DEVICE] - ray.available_resources().get(DEVICE, 0.0) == 4.0
+    )  # all reserved
 
 
 def test_colocated_roles_take_turns_on_their_devices(layout: Layout) -> None:
@@ -133,7 +141,11 @@ def test_colocated_roles_take_turns_on_their_devices(layout: Layout) -> None:
     assert clusters["actor_train"].history()[0][-2:] == ["offload", "reload"]
     assert clusters["actor_infer"].history() == [["offload"]]
     assert "offload" not in clusters["critic"].history()[0]
-    assert colocation.history == [("offload", "actor_train"), ("offload", "actor_infer"), ("reload", "actor_train")]
+    assert colocation.history == [
+        ("offload", "actor_train"),
+        ("offload", "actor_infer"),
+        ("reload", "actor_train"),
+    ]
 
 
 def test_disaggregated_roles_run_at_the_same_time(layout: Layout) -> None:
@@ -150,17 +162,24 @@ def test_data_parallel_calls_rendezvous_and_errors_over_ray(layout: Layout) -> N
     assert train.stats(Batch({"x": [0, 0, 0, 0]})) == {"rows": 2.0, "rank": 0.5}
     assert train.environ("WORLD_SIZE") == ["2", "2"] and train.environ("RANK") == ["0", "1"]
     assert len(set(train.environ("MASTER_PORT"))) == 1
-    with pytest.raises(WorkerCallError, match=r"actor_train worker rank 1 failed in fail_on\(\): ValueError: rank 1"):
+    with pytest.raises(
+        WorkerCallError,
+        match=r"actor_train worker rank 1 failed in fail_on\(\): ValueError: rank 1",
+    ):
         train.fail_on(1)
 
 
 def test_reserved_devices_cannot_be_taken_twice(layout: Layout) -> None:
     with pytest.raises(TimeoutError, match="could not reserve the mapped devices within 1 s"):
-        ResourceManager(AutoDeviceMapping({"reference": role([0])}), device_resource=DEVICE, timeout_s=1)
+        ResourceManager(
+            AutoDeviceMapping({"reference": role([0])}), device_resource=DEVICE, timeout_s=1
+        )
 
 
 def test_mappings_that_do_not_fit_are_refused_before_anything_starts(ray_session: None) -> None:
-    mapping = AutoDeviceMapping({"actor_train": role([1, 2], per_worker=2), "critic": role([4, 5], per_worker=3)})
+    mapping = AutoDeviceMapping(
+        {"actor_train": role([1, 2], per_worker=2), "critic": role([4, 5], per_worker=3)}
+    )
     with pytest.raises(DeviceMappingError) as info:
         ResourceManager(mapping, device_resource=DEVICE)
     assert [str(p) for p in info.value.problems] == [

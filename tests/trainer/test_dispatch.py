@@ -41,8 +41,12 @@ def test_split_then_concat_gives_back_the_batch() -> None:
 
 
 def test_torch_columns_split_and_concat() -> None:
-    torch = pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
-    batch = Batch({"response_mask": torch.tensor([[1, 0], [1, 1], [0, 1], [1, 1]]), "ids": [0, 1, 2, 3]})
+    torch = pytest.importorskip(
+        "torch", reason="torch is not installed (pip install torch==2.13.0)"
+    )
+    batch = Batch(
+        {"response_mask": torch.tensor([[1, 0], [1, 1], [0, 1], [1, 1]]), "ids": [0, 1, 2, 3]}
+    )
     parts = batch.split(2)
     assert torch.equal(parts[1]["response_mask"], torch.tensor([[0, 1], [1, 1]]))
     joined = Batch.concat(parts)
@@ -67,7 +71,9 @@ def test_dp_split_gives_each_rank_its_part_and_broadcasts_the_rest() -> None:
     assert [c.rank for c in calls] == [0, 1]
     assert [c.args[0]["prompts"] for c in calls] == [["p0", "p1"], ["p2", "p3"]]
     assert all(c.args[1] == 0.5 and c.kwargs == {"tag": "x"} for c in calls)
-    with pytest.raises(DispatchError, match="train_step is registered with Dispatch.DP_SPLIT but got no Batch"):
+    with pytest.raises(
+        DispatchError, match="train_step is registered with Dispatch.DP_SPLIT but got no Batch"
+    ):
         dispatch_call(spec, 2, ([1, 2],), {})
 
 
@@ -76,7 +82,9 @@ def test_dp_split_ragged_gives_the_first_ranks_one_row_more() -> None:
     assert [c.args[0]["prompts"] for c in calls] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
     assert all(c.args[0].meta == {"step": 7} for c in calls)
     assert method_spec(_Demo, "score").collect is Collect.CONCAT  # DP_SPLIT_RAGGED's default
-    with pytest.raises(DispatchError, match="score is registered with Dispatch.DP_SPLIT_RAGGED but got no Batch"):
+    with pytest.raises(
+        DispatchError, match="score is registered with Dispatch.DP_SPLIT_RAGGED but got no Batch"
+    ):
         dispatch_call(method_spec(_Demo, "score"), 2, ([1, 2, 3],), {})
 
 
@@ -87,7 +95,9 @@ def test_one_to_all_and_rank_zero_reach_the_right_ranks() -> None:
 
 def test_collect_modes() -> None:
     def collect(mode: Collect, results: list) -> object:
-        return collect_results(register(Dispatch.ONE_TO_ALL, collect=mode)(lambda: 0).__envhub_dispatch__, results)
+        return collect_results(
+            register(Dispatch.ONE_TO_ALL, collect=mode)(lambda: 0).__envhub_dispatch__, results
+        )
 
     assert collect(Collect.ALL, [1, 2]) == [1, 2]
     assert collect(Collect.FIRST, [1, 2]) == 1
@@ -96,7 +106,9 @@ def test_collect_modes() -> None:
     assert collect(Collect.MEAN, [{"loss": 1.0, "n": 2}, {"loss": 3.0}]) == {"loss": 2.0, "n": 2.0}
     with pytest.raises(DispatchError, match="Collect.MEAN cannot average 'x'='a' from rank 1"):
         collect(Collect.MEAN, [{"x": 1}, {"x": "a"}])
-    with pytest.raises(DispatchError, match=r"Collect.CONCAT needs every rank to return a Batch or a list, got"):
+    with pytest.raises(
+        DispatchError, match=r"Collect.CONCAT needs every rank to return a Batch or a list, got"
+    ):
         collect(Collect.CONCAT, [1, 2])
 
 
@@ -130,8 +142,12 @@ def test_registration_is_recorded_and_inherited() -> None:
     assert method_spec(_Demo, "train_step").dispatch is Dispatch.DP_SPLIT
     assert method_spec(_Demo, "sample").collect is Collect.FIRST  # RANK_ZERO's default
     assert method_spec(_Override, "offload").collect is Collect.NONE
-    assert {"train_step", "load", "sample", "offload", "reload", "node_info"} <= set(registered_methods(_Override))
-    with pytest.raises(DispatchError, match=r"_Demo.helper is not registered for cluster calls; decorate it"):
+    assert {"train_step", "load", "sample", "offload", "reload", "node_info"} <= set(
+        registered_methods(_Override)
+    )
+    with pytest.raises(
+        DispatchError, match=r"_Demo.helper is not registered for cluster calls; decorate it"
+    ):
         method_spec(_Demo, "helper")
     with pytest.raises(DispatchError, match="_Demo has no method 'nothing'"):
         method_spec(_Demo, "nothing")

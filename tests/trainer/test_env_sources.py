@@ -24,8 +24,9 @@ from trainer.pipeline import AgenticPipeline
 from trainer.rollout.trajectory import Trajectory
 
 
-def train_one_step(out: Path, *overrides: str, config: Path = QUICKSTART,
-                   monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict], list[Trajectory]]:
+def train_one_step(
+    out: Path, *overrides: str, config: Path = QUICKSTART, monkeypatch: pytest.MonkeyPatch
+) -> tuple[list[dict], list[Trajectory]]:
     """One RL step; returns the metrics rows and the episodes the step trained on."""
     trained: list[Trajectory] = []
     to_batch = AgenticPipeline.to_batch
@@ -35,8 +36,19 @@ def train_one_step(out: Path, *overrides: str, config: Path = QUICKSTART,
         return to_batch(self, episodes)
 
     monkeypatch.setattr(AgenticPipeline, "to_batch", recording)
-    cfg = load_config(config, [*TINY, "train.steps=1", "train.ppo_epochs=1", "sft.epochs=0", "eval.episodes=4",
-                                   "checkpoint.every=0", f"output_dir={out}", *overrides])
+    cfg = load_config(
+        config,
+        [
+            *TINY,
+            "train.steps=1",
+            "train.ppo_epochs=1",
+            "sft.epochs=0",
+            "eval.episodes=4",
+            "checkpoint.every=0",
+            f"output_dir={out}",
+            *overrides,
+        ],
+    )
     return AgenticPipeline(cfg).fit(), trained
 
 
@@ -57,18 +69,22 @@ def assert_same_games_in_process(trained: list[Trajectory], kwargs: dict[str, An
         try:
             messages, _ = env.reset(seed=t.seed)
             replayed, rewards, info = list(messages), [], {"success": False}
-            for message in t.messages[len(messages):]:
+            for message in t.messages[len(messages) :]:
                 if message["role"] == "assistant":
                     replayed.append(message)
                     reply, reward, _, _, info = env.step(message["content"])
                     replayed.extend(reply)
                     rewards.append(reward)
-            assert replayed == t.messages, f"seed {t.seed}: the source played another game than the local env"
+            assert replayed == t.messages, (
+                f"seed {t.seed}: the source played another game than the local env"
+            )
             assert rewards == pytest.approx(t.turn_rewards) and info["success"] == t.success, t.seed
             openings[t.seed] = messages[-1]["content"]
         finally:
             env.close()
-    assert len(set(openings.values())) > 1  # the seeds drew different maps, and each map was compared
+    assert (
+        len(set(openings.values())) > 1
+    )  # the seeds drew different maps, and each map was compared
 
 
 def test_envs_from_a_remote_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,15 +96,23 @@ def test_envs_from_a_remote_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     del config["env"]["kwargs"]
     (tmp_path / "hub.yaml").write_text(yaml.safe_dump(config))
     with running_hub(envs=["games/frozen-lake-v0"], workers=2) as hub:
-        rows, trained = train_one_step(tmp_path / "run", f"env.hub={hub.url}", f"env.token={TOKEN}",
-                                       "rollout.max_turns=3", config=tmp_path / "hub.yaml", monkeypatch=monkeypatch)
+        rows, trained = train_one_step(
+            tmp_path / "run",
+            f"env.hub={hub.url}",
+            f"env.token={TOKEN}",
+            "rollout.max_turns=3",
+            config=tmp_path / "hub.yaml",
+            monkeypatch=monkeypatch,
+        )
         assert_trained(rows, episodes=8)
         opened = hub.hub.metrics.registry.get_sample_value("envhub_sessions_opened_total")
     assert opened >= 8 + 2 * 4  # every training and evaluation episode was played on the hub
     assert_same_games_in_process(trained, {})
 
 
-def test_envs_in_an_env_pool_of_worker_processes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_envs_in_an_env_pool_of_worker_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rows, trained = train_one_step(tmp_path / "run", "env.pool_workers=2", monkeypatch=monkeypatch)
     assert_trained(rows, episodes=8)
     assert_same_games_in_process(trained, yaml.safe_load(QUICKSTART.read_text())["env"]["kwargs"])
@@ -97,6 +121,8 @@ def test_envs_in_an_env_pool_of_worker_processes(tmp_path: Path, monkeypatch: py
 def test_env_kwargs_with_a_hub_is_a_config_error_before_anything_starts(tmp_path: Path) -> None:
     from trainer.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"env\.kwargs: env kwargs cannot be sent to the remote hub"):
+    with pytest.raises(
+        ConfigError, match=r"env\.kwargs: env kwargs cannot be sent to the remote hub"
+    ):
         load_config(QUICKSTART, ["env.hub=ws://127.0.0.1:9", f"output_dir={tmp_path / 'run'}"])
     assert not (tmp_path / "run").exists()

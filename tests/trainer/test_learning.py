@@ -49,9 +49,13 @@ class PointEnv(envhub.TextEnv):
     def on_step(self, action):
         move = action.strip().lower()
         if move not in MOVES:
-            return self.invalid_action(f"{action!r:.20} is not a move; answer one of {', '.join(MOVES)}.")
+            return self.invalid_action(
+                f"{action!r:.20} is not a move; answer one of {', '.join(MOVES)}."
+            )
         won = move == self.target
-        return envhub.Turn("Right." if won else "Wrong.", reward=float(won), terminated=True, success=won)
+        return envhub.Turn(
+            "Right." if won else "Wrong.", reward=float(won), terminated=True, success=won
+        )
 
     def expert_action(self):
         return None if self.done else self.target
@@ -61,11 +65,25 @@ class PointEnv(envhub.TextEnv):
 
 
 LEARN = [
-    "env.num_groups=16", "env.group_size=8", "rollout.max_turns=1", "rollout.max_new_tokens=1",  # a move is one token
-    "sft.episodes=512", "sft.epochs=4", "sft.batch_size=32", "sft.lr=0.005",
-    "sft.expert_noise=0.6", "sft.noise_action=down",
-    "train.steps=20", "train.lr=0.004", "train.lr_schedule=constant", "train.ppo_epochs=2",
-    "eval.every=10", "eval.episodes=32", "checkpoint.every=0", "logging.progress=false", "seed=0",
+    "env.num_groups=16",
+    "env.group_size=8",
+    "rollout.max_turns=1",
+    "rollout.max_new_tokens=1",  # a move is one token
+    "sft.episodes=512",
+    "sft.epochs=4",
+    "sft.batch_size=32",
+    "sft.lr=0.005",
+    "sft.expert_noise=0.6",
+    "sft.noise_action=down",
+    "train.steps=20",
+    "train.lr=0.004",
+    "train.lr_schedule=constant",
+    "train.ppo_epochs=2",
+    "eval.every=10",
+    "eval.episodes=32",
+    "checkpoint.every=0",
+    "logging.progress=false",
+    "seed=0",
 ]
 """Measured with seeds 0-5, batch and async alike: greedy eval/success 0.0-0.375 at step 0, 1.0 at
 steps 10 and 20 (10-35 s per run on the 2-core VM)."""
@@ -97,7 +115,9 @@ def assert_learnt(rows: list[dict]) -> None:
     curve = [(r["step"], r["eval/success"]) for r in rows if r.get("eval/success") is not None]
     assert curve[0][0] == 0 and curve[-1][0] == 20, curve
     assert curve[0][1] <= 0.5, f"the warm start alone already succeeds: {curve}"
-    assert curve[-1][1] >= 0.9, f"20 GRPO steps did not teach the task (greedy eval/success by step): {curve}"
+    assert curve[-1][1] >= 0.9, (
+        f"20 GRPO steps did not teach the task (greedy eval/success by step): {curve}"
+    )
 
 
 @pytest.mark.timeout(240)
@@ -108,5 +128,7 @@ def test_grpo_learns_the_task_with_batch_rollouts(tmp_path: Path, point_env: str
 @pytest.mark.timeout(240)
 def test_grpo_learns_the_task_with_async_rollouts(tmp_path: Path, point_env: str) -> None:
     rows = train(tmp_path / "run", "rollout.mode=async", "rollout.max_staleness=1")
-    assert any(r.get("rollout/staleness_1", 0) > 0 for r in rows)  # it really trained on one-step-stale groups
+    assert any(
+        r.get("rollout/staleness_1", 0) > 0 for r in rows
+    )  # it really trained on one-step-stale groups
     assert_learnt(rows)

@@ -17,12 +17,20 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_a_run_config_starts_local_ray_that_talks_only_over_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_config_starts_local_ray_that_talks_only_over_loopback(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     if ray.is_initialized():
         ray.shutdown()
     monkeypatch.setenv("PYTHONPATH", str(REPO))  # the local Ray's workers import the test workers
-    config = load_config(None, ["roles.actor_train.device_mapping=[0,1]", "roles.actor_infer.device_mapping=[2]",
-                                "cluster.num_cpus=1"])
+    config = load_config(
+        None,
+        [
+            "roles.actor_train.device_mapping=[0,1]",
+            "roles.actor_infer.device_mapping=[2]",
+            "cluster.num_cpus=1",
+        ],
+    )
     assert resources_for(load_config(None, ["cluster.backend=local"])) is None
     manager = resources_for(config)
     try:
@@ -39,7 +47,9 @@ def test_a_run_config_starts_local_ray_that_talks_only_over_loopback(monkeypatch
                 remote |= {c.raddr.ip for c in proc.net_connections("inet") if c.raddr}
             except psutil.Error:
                 pass
-        assert remote and all(ip.removeprefix("::ffff:").startswith("127.") for ip in remote), remote
+        assert remote and all(ip.removeprefix("::ffff:").startswith("127.") for ip in remote), (
+            remote
+        )
     finally:
         manager.shutdown()
         ray.shutdown()

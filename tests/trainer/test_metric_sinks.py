@@ -22,8 +22,20 @@ from trainer.pipeline import AgenticPipeline
 
 
 def train(out: Path, *overrides: str) -> list[dict]:
-    cfg = load_config(QUICKSTART, [*TINY, "train.steps=2", "train.ppo_epochs=1", "sft.epochs=0", "eval.episodes=4",
-                                   "eval.every=1", "checkpoint.every=0", f"output_dir={out}", *overrides])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *TINY,
+            "train.steps=2",
+            "train.ppo_epochs=1",
+            "sft.epochs=0",
+            "eval.episodes=4",
+            "eval.every=1",
+            "checkpoint.every=0",
+            f"output_dir={out}",
+            *overrides,
+        ],
+    )
     return AgenticPipeline(cfg).fit()
 
 
@@ -49,12 +61,12 @@ def _fields(data: bytes) -> list[tuple[int, object]]:
         if wire == 0:
             value, i = _varint(data, i)
         elif wire == 1:
-            value, i = data[i:i + 8], i + 8
+            value, i = data[i : i + 8], i + 8
         elif wire == 2:
             size, i = _varint(data, i)
-            value, i = data[i:i + size], i + size
+            value, i = data[i : i + size], i + size
         elif wire == 5:
-            value, i = data[i:i + 4], i + 4
+            value, i = data[i : i + 4], i + 4
         else:
             raise AssertionError(f"unexpected wire type {wire}")
         out.append((field, value))
@@ -71,11 +83,15 @@ def read_scalars_raw(folder: Path) -> tuple[list[str], dict[str, list[tuple[int,
     for path in sorted(folder.glob("events.out.tfevents.*")):
         data, i = path.read_bytes(), 0
         while i < len(data):
-            header = data[i:i + 8]
+            header = data[i : i + 8]
             (length,) = struct.unpack("<Q", header)
-            assert struct.unpack("<I", data[i + 8:i + 12])[0] == _masked(crc32c(header)), "bad length CRC"
-            event = data[i + 12:i + 12 + length]
-            assert struct.unpack("<I", data[i + 12 + length:i + 16 + length])[0] == _masked(crc32c(event)), "bad CRC"
+            assert struct.unpack("<I", data[i + 8 : i + 12])[0] == _masked(crc32c(header)), (
+                "bad length CRC"
+            )
+            event = data[i + 12 : i + 12 + length]
+            assert struct.unpack("<I", data[i + 12 + length : i + 16 + length])[0] == _masked(
+                crc32c(event)
+            ), "bad CRC"
             i += 16 + length
             fields = dict(_fields(event))
             step = int(fields.get(2, 0))
@@ -84,7 +100,9 @@ def read_scalars_raw(folder: Path) -> tuple[list[str], dict[str, list[tuple[int,
             for number, value in _fields(fields.get(5, b"")):
                 if number == 1:
                     parts = dict(_fields(value))
-                    scalars.setdefault(parts[1].decode(), []).append((step, struct.unpack("<f", parts[2])[0]))
+                    scalars.setdefault(parts[1].decode(), []).append(
+                        (step, struct.unpack("<f", parts[2])[0])
+                    )
     return versions, scalars
 
 
@@ -98,7 +116,10 @@ def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
         return scalars
     accumulator = EventAccumulator(str(folder))
     accumulator.Reload()
-    return {tag: [(e.step, e.value) for e in accumulator.Scalars(tag)] for tag in accumulator.Tags()["scalars"]}
+    return {
+        tag: [(e.step, e.value) for e in accumulator.Scalars(tag)]
+        for tag in accumulator.Tags()["scalars"]
+    }
 
 
 # ----------------------------------------------------------------------------- tests
@@ -117,7 +138,10 @@ def test_event_writer_round_trips_scalars(tmp_path: Path) -> None:
     writer.close()
     versions, scalars = read_scalars_raw(tmp_path)
     assert versions == ["brain.Event:2"]
-    assert scalars == {"train/success": [(1, 0.25), (2, 0.75)], "timing/train_s": [(3_000_000_000, 1.5)]}
+    assert scalars == {
+        "train/success": [(1, 0.25), (2, 0.75)],
+        "timing/train_s": [(3_000_000_000, 1.5)],
+    }
 
 
 def test_tensorboard_event_files_hold_the_run_metrics(tmp_path: Path) -> None:
@@ -128,7 +152,9 @@ def test_tensorboard_event_files_hold_the_run_metrics(tmp_path: Path) -> None:
     for key in ("train/success", "eval/success", "actor/pg_loss", "timing/train_s"):
         expected = [(row["step"], row[key]) for row in rows if row.get(key) is not None]
         assert [step for step, _ in scalars[key]] == [step for step, _ in expected], key
-        assert [value for _, value in scalars[key]] == pytest.approx([value for _, value in expected], rel=1e-6), key
+        assert [value for _, value in scalars[key]] == pytest.approx(
+            [value for _, value in expected], rel=1e-6
+        ), key
     assert [step for step, _ in scalars["eval/success"]] == [0, 1, 2]
 
 

@@ -26,13 +26,24 @@ def test_tokenizers_round_trip_env_text(kind: str) -> None:
 def test_bpe_makes_each_grid_row_one_token_and_compresses_prose() -> None:
     tokenizer = build_tokenizer(env_corpus(LAKE, LAKE_KWARGS, episodes=20), "bpe")
     tokens = tokenizer.convert_ids_to_tokens(tokenizer.encode(TEXT, add_special_tokens=False))
-    assert tokens == ["You moved right.\n\n", "S F H", "\n", "F P F", "\n", "H F G", "\n\nYour next move?"]
+    assert tokens == [
+        "You moved right.\n\n",
+        "S F H",
+        "\n",
+        "F P F",
+        "\n",
+        "H F G",
+        "\n\nYour next move?",
+    ]
 
 
 def test_env_corpus_and_tokenizer_are_reproducible() -> None:
     # the corpus mixes in random actions; unseeded, every run built a different tokenizer
     # (and so a different policy), so the same config gave a different step-0 eval each time
-    first, second = env_corpus(LAKE, LAKE_KWARGS, episodes=20), env_corpus(LAKE, LAKE_KWARGS, episodes=20)
+    first, second = (
+        env_corpus(LAKE, LAKE_KWARGS, episodes=20),
+        env_corpus(LAKE, LAKE_KWARGS, episodes=20),
+    )
     assert first == second
     assert env_corpus(LAKE, LAKE_KWARGS, episodes=20, seed=1) != first
     assert build_tokenizer(first, "bpe").get_vocab() == build_tokenizer(second, "bpe").get_vocab()
@@ -45,7 +56,9 @@ def test_saved_policy_loads_through_auto_classes(policy_dir: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert 20_000 < count_parameters(model) < 2_000_000
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "up"}], add_generation_prompt=True, tokenize=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "up"}], add_generation_prompt=True, tokenize=False
+    )
     assert rendered == "<|im_start|>user\nup<|im_end|>\n<|im_start|>assistant\n"
     assert tokenizer.decode(tokenizer.encode(TEXT, add_special_tokens=False)) == TEXT
 

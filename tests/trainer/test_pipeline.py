@@ -17,7 +17,6 @@ from tests.trainer.test_cli import QUICKSTART, TINY
 from trainer.config import load_config
 from trainer.pipeline import AgenticPipeline
 
-
 VARIED = "env.rewards=[{kind: function, function: 'tests.trainer.test_pipeline:varied_reward'}]"
 
 
@@ -28,30 +27,60 @@ def varied_reward(episode) -> float:
 
 
 def run(tmp_path: Path, *overrides: str) -> list[dict]:
-    cfg = load_config(QUICKSTART, [*TINY, "train.steps=1", "train.ppo_epochs=1", "sft.epochs=0", "eval.episodes=4",
-                                   f"output_dir={tmp_path / 'run'}", VARIED, *overrides])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *TINY,
+            "train.steps=1",
+            "train.ppo_epochs=1",
+            "sft.epochs=0",
+            "eval.episodes=4",
+            f"output_dir={tmp_path / 'run'}",
+            VARIED,
+            *overrides,
+        ],
+    )
     return AgenticPipeline(cfg).fit()
 
 
 def assert_policy_trained(step: dict) -> None:
-    assert step["actor/optimizer_steps"] >= 1 and step["actor/grad_norm"] > 0  # a real gradient, not zero advantages
+    assert (
+        step["actor/optimizer_steps"] >= 1 and step["actor/grad_norm"] > 0
+    )  # a real gradient, not zero advantages
 
 
 def test_gae_with_critic_and_kl_penalty_and_gspo(tmp_path: Path) -> None:
-    rows = run(tmp_path, "algorithm.advantage_estimator=gae", "algorithm.lam=0.9",
-               "algorithm.loss.kl_coef=0.05", "algorithm.loss.kl_mode=penalty", "algorithm.loss.gspo=true",
-               "algorithm.loss.agg_mode=seq-mean-token-mean", "roles.critic.device_mapping=[1]",
-               "roles.reference.device_mapping=[1]")
+    rows = run(
+        tmp_path,
+        "algorithm.advantage_estimator=gae",
+        "algorithm.lam=0.9",
+        "algorithm.loss.kl_coef=0.05",
+        "algorithm.loss.kl_mode=penalty",
+        "algorithm.loss.gspo=true",
+        "algorithm.loss.agg_mode=seq-mean-token-mean",
+        "roles.critic.device_mapping=[1]",
+        "roles.reference.device_mapping=[1]",
+    )
     step = rows[-1]
-    assert step["step"] == 1 and step["critic/value_loss"] > 0  # the critic was fitted to returns it did not know
-    assert step["actor/kl_ref"] == pytest.approx(0.0, abs=1e-6)  # reference == policy before the first update
+    assert (
+        step["step"] == 1 and step["critic/value_loss"] > 0
+    )  # the critic was fitted to returns it did not know
+    assert step["actor/kl_ref"] == pytest.approx(
+        0.0, abs=1e-6
+    )  # reference == policy before the first update
     assert_policy_trained(step)
 
 
 def test_rloo_and_reinforce_pp_with_kl_loss(tmp_path: Path) -> None:
     for estimator in ("rloo", "reinforce_pp"):
-        rows = run(tmp_path / estimator, f"algorithm.advantage_estimator={estimator}", "algorithm.loss.kl_coef=0.1",
-                   "algorithm.loss.kl_mode=loss", "algorithm.loss.dual_clip=3.0", "train.ppo_epochs=2")
+        rows = run(
+            tmp_path / estimator,
+            f"algorithm.advantage_estimator={estimator}",
+            "algorithm.loss.kl_coef=0.1",
+            "algorithm.loss.kl_mode=loss",
+            "algorithm.loss.dual_clip=3.0",
+            "train.ppo_epochs=2",
+        )
         step = rows[-1]
         assert_policy_trained(step)
         # the second epoch ran a policy the first one moved: away from the sampling policy and the reference
@@ -67,6 +96,8 @@ def test_the_same_run_on_ray_workers(tmp_path: Path) -> None:
     try:
         rows = run(tmp_path, "cluster.backend=ray", "cluster.num_cpus=2")
         assert rows[-1]["step"] == 1
-        assert_policy_trained(rows[-1])  # the reward function ran on the reward worker, the actor trained
+        assert_policy_trained(
+            rows[-1]
+        )  # the reward function ran on the reward worker, the actor trained
     finally:
         ray.shutdown()

@@ -21,7 +21,9 @@ def test_expert_demos_succeed_and_mask_only_the_answers(policy, tmp_path: Path) 
     demos = expert_trajectories([LAKE], LAKE_KWARGS, renderer, episodes=5, max_turns=8)
     assert all(t.success for t in demos)  # Frozen Lake's expert walks a shortest safe path
     for t in demos:
-        answers = [tokenizer.decode([i for i, m in zip(t.token_ids, t.response_mask, strict=True) if m])]
+        answers = [
+            tokenizer.decode([i for i, m in zip(t.token_ids, t.response_mask, strict=True) if m])
+        ]
         moves = [m["content"] for m in t.messages if m["role"] == "assistant"]
         assert answers[0] == "<|im_end|>".join(moves) + "<|im_end|>"
     path = write_jsonl(demos, tmp_path / "demos.jsonl")
@@ -35,7 +37,9 @@ def test_bad_jsonl_names_the_line(policy, tmp_path: Path) -> None:
     renderer = ChatRenderer(policy[1])
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n{not json\n")
-    with pytest.raises(TrainerError, match="bad.jsonl:1: the conversation has no assistant message"):
+    with pytest.raises(
+        TrainerError, match="bad.jsonl:1: the conversation has no assistant message"
+    ):
         load_jsonl(bad, renderer)
     with pytest.raises(TrainerError, match="does not exist"):
         load_jsonl(tmp_path / "missing.jsonl", renderer)

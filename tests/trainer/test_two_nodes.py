@@ -22,11 +22,11 @@ pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[tr
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 pytest.importorskip("psutil", reason="psutil is needed to stop the test's own Ray processes")
 
-from tests.trainer.killed_runs import comparable  # noqa: E402
-from tests.trainer.ray_nodes import RayNodes, start_ray_nodes, wait_for_nodes  # noqa: E402
-from tests.trainer.test_cli import QUICKSTART, TINY  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.pipeline import AgenticPipeline  # noqa: E402
+from tests.trainer.killed_runs import comparable
+from tests.trainer.ray_nodes import RayNodes, start_ray_nodes, wait_for_nodes
+from tests.trainer.test_cli import QUICKSTART, TINY
+from trainer.config import load_config
+from trainer.pipeline import AgenticPipeline
 
 RUN = [*TINY, "train.steps=2", "checkpoint.every=0", "eval.every=0", "train.ppo_epochs=1"]
 """Two RL steps, each followed by a sync; evaluated before and after (greedy, on the engine)."""

@@ -78,7 +78,9 @@ def gae(
     return advantages, returns
 
 
-def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _group_stats(
+    scores: torch.Tensor, group_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-episode (group mean, group population std, group size) for each episode's group."""
     import torch
 
@@ -88,7 +90,9 @@ def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.T
     count = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(scores))
     total = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, scores)
     mean = total / count
-    sq = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, (scores - mean[inverse]) ** 2)
+    sq = torch.zeros(groups, dtype=torch.float64).index_add_(
+        0, inverse, (scores - mean[inverse]) ** 2
+    )
     std = (sq / count).sqrt()
     return mean[inverse], std[inverse], count[inverse]
 
@@ -111,7 +115,9 @@ def grpo(
     return adv.to(response_mask.dtype)[:, None] * response_mask
 
 
-def rloo(scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def rloo(
+    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
     """RLOO: ``A_i = s_i - mean_{j != i in group} s_j = n/(n-1) * (s_i - mean_group)``.
 
     A group of one episode has no baseline: its advantage is 0.
@@ -125,7 +131,10 @@ def rloo(scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Ten
 
 
 def reinforce_plus_plus(
-    token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0, whiten: bool = True
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    whiten: bool = True,
 ) -> torch.Tensor:
     """Reinforce++: discounted return-to-go over policy tokens, whitened over the whole batch.
 
@@ -183,7 +192,9 @@ def compute_advantages(
     """Dispatch on ``estimator``; returns ``(advantages, returns)`` (returns only for GAE)."""
     if estimator == "gae":
         if values is None:
-            raise ValueError("advantage estimator 'gae' needs critic values; enable the critic or pick grpo/rloo")
+            raise ValueError(
+                "advantage estimator 'gae' needs critic values; enable the critic or pick grpo/rloo"
+            )
         return gae(token_rewards, values, response_mask, gamma, lam)
     if estimator == "grpo":
         return grpo(scores, group_ids, response_mask, normalize_std=normalize_std), None

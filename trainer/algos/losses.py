@@ -40,7 +40,9 @@ KLEstimator = Literal["k1", "k2", "k3"]
 PolicyLossKind = Literal["ppo", "gspo"]
 
 
-def aggregate(loss: torch.Tensor, mask: torch.Tensor, mode: AggregationMode = "token-mean") -> torch.Tensor:
+def aggregate(
+    loss: torch.Tensor, mask: torch.Tensor, mode: AggregationMode = "token-mean"
+) -> torch.Tensor:
     """Reduce a ``(B, T)`` per-token loss to a scalar (see the module docstring for modes)."""
     mask = mask.to(loss.dtype)
     if mode == "token-mean":
@@ -150,7 +152,9 @@ def policy_loss(
     raise ValueError(f"unknown policy loss {kind!r}; use 'ppo' or 'gspo'")
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEstimator = "k3") -> torch.Tensor:
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEstimator = "k3"
+) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3).
 
     ``k1 = logp - ref``; ``k2 = (logp - ref)^2 / 2``; ``k3 = exp(ref - logp) - (ref - logp) - 1``

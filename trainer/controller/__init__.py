@@ -21,17 +21,17 @@ import importlib
 from typing import Any
 
 __all__ = [
-    "Dispatch",
-    "Collect",
-    "register",
     "Batch",
+    "CallFuture",
+    "Cluster",
+    "Collect",
+    "Dispatch",
+    "ResourceManager",
     "Worker",
     "WorkerContext",
-    "Cluster",
-    "CallFuture",
-    "remote",
-    "ResourceManager",
     "init_local_ray",
+    "register",
+    "remote",
 ]
 
 _LAZY: dict[str, str] = {

@@ -29,13 +29,16 @@ def _is_numpy(value: Any) -> bool:
 def _rows(value: Any) -> int:
     if _is_torch(value) or _is_numpy(value):
         if len(value.shape) == 0:
-            raise DispatchError("a batch column cannot be a 0-d tensor/array; put scalars in Batch.meta")
+            raise DispatchError(
+                "a batch column cannot be a 0-d tensor/array; put scalars in Batch.meta"
+            )
         return int(value.shape[0])
     if isinstance(value, (list, tuple)):
         return len(value)
     raise DispatchError(
         f"a batch column must be a torch tensor, a numpy array or a list, not {type(value).__name__}; "
-        "put other values in Batch.meta")
+        "put other values in Batch.meta"
+    )
 
 
 class Batch:
@@ -48,7 +51,9 @@ class Batch:
 
     __slots__ = ("columns", "meta")
 
-    def __init__(self, columns: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, columns: Mapping[str, Any] | None = None, meta: Mapping[str, Any] | None = None
+    ) -> None:
         self.columns: dict[str, Any] = {}
         self.meta: dict[str, Any] = dict(meta or {})
         for key, value in (columns or {}).items():
@@ -66,14 +71,22 @@ class Batch:
         try:
             return self.columns[key]
         except KeyError:
-            raise KeyError(f"batch has no column {key!r}; columns: {sorted(self.columns)}") from None
+            raise KeyError(
+                f"batch has no column {key!r}; columns: {sorted(self.columns)}"
+            ) from None
 
     def __setitem__(self, key: str, value: Any) -> None:
         if isinstance(value, tuple):
             value = list(value)
         rows = _rows(value)
-        if self.columns and rows != len(self) and not (len(self.columns) == 1 and key in self.columns):
-            raise DispatchError(f"column {key!r} has {rows} rows but the batch has {len(self)}; columns must align")
+        if (
+            self.columns
+            and rows != len(self)
+            and not (len(self.columns) == 1 and key in self.columns)
+        ):
+            raise DispatchError(
+                f"column {key!r} has {rows} rows but the batch has {len(self)}; columns must align"
+            )
         self.columns[key] = value
 
     def __contains__(self, key: object) -> bool:
@@ -95,7 +108,11 @@ class Batch:
         for key in self.columns:
             a, b = self.columns[key], other.columns[key]
             if _is_torch(a) or _is_numpy(a):
-                if type(a) is not type(b) or tuple(a.shape) != tuple(b.shape) or not bool((a == b).all()):
+                if (
+                    type(a) is not type(b)
+                    or tuple(a.shape) != tuple(b.shape)
+                    or not bool((a == b).all())
+                ):
                     return False
             elif a != b:
                 return False
@@ -120,7 +137,8 @@ class Batch:
         if even and rows % n:
             raise DispatchError(
                 f"a batch of {rows} rows does not split evenly over {n} ranks; "
-                f"make the batch a multiple of {n} (or call split(n, even=False))")
+                f"make the batch a multiple of {n} (or call split(n, even=False))"
+            )
         base, extra = divmod(rows, n)
         parts, start = [], 0
         for i in range(n):
@@ -137,7 +155,9 @@ class Batch:
         keys = batches[0].keys()
         for i, b in enumerate(batches[1:], 1):
             if b.keys() != keys:
-                raise DispatchError(f"cannot concat batches with different columns: {keys} vs {b.keys()} (part {i})")
+                raise DispatchError(
+                    f"cannot concat batches with different columns: {keys} vs {b.keys()} (part {i})"
+                )
         return cls({k: _cat([b.columns[k] for b in batches]) for k in keys}, batches[0].meta)
 
     def to_dict(self) -> dict[str, Any]:

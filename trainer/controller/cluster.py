@@ -69,7 +69,7 @@ from trainer.errors import DispatchError, WorkerCallError
 if TYPE_CHECKING:
     from trainer.controller.resources import ResourceManager
 
-__all__ = ["Cluster", "CallFuture", "Backend", "RemoteMethod", "remote", "cluster_method_problems"]
+__all__ = ["Backend", "CallFuture", "Cluster", "RemoteMethod", "cluster_method_problems", "remote"]
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -80,7 +80,9 @@ Backend = Literal["local", "ray"]
 class CallFuture(Generic[T]):
     """The pending result of one cluster call: ``.result()``, ``.done()``, or ``await`` it."""
 
-    def __init__(self, cluster: Cluster, spec: MethodSpec, ranks: list[int], handles: list[Any]) -> None:
+    def __init__(
+        self, cluster: Cluster, spec: MethodSpec, ranks: list[int], handles: list[Any]
+    ) -> None:
         self._cluster = cluster
         self._spec = spec
         self._ranks = ranks
@@ -95,7 +97,9 @@ class CallFuture(Generic[T]):
     def result(self, timeout: float | None = None) -> T:
         """Wait (at most ``timeout`` seconds, else ``TimeoutError``) and return the collected result."""
         if not self._resolved:
-            results = self._cluster._backend_wait(self._spec.name, self._ranks, self._handles, timeout)
+            results = self._cluster._backend_wait(
+                self._spec.name, self._ranks, self._handles, timeout
+            )
             self._value = collect_results(self._spec, results)
             self._resolved = True
         return self._value
@@ -105,7 +109,9 @@ class CallFuture(Generic[T]):
 
     async def _wait_async(self) -> T:
         if not self._resolved:
-            results = await self._cluster._backend_wait_async(self._spec.name, self._ranks, self._handles)
+            results = await self._cluster._backend_wait_async(
+                self._spec.name, self._ranks, self._handles
+            )
             self._value = collect_results(self._spec, results)
             self._resolved = True
         return self._value
@@ -150,26 +156,35 @@ class RemoteMethod(Generic[P, T]):
 
 
 @overload
-def remote(fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[False] = False,
-           future: Literal[False] = False) -> RemoteMethod[P, R]: ...
+def remote(
+    fn: Callable[Concatenate[Any, P], R],
+    *,
+    per_rank: Literal[False] = False,
+    future: Literal[False] = False,
+) -> RemoteMethod[P, R]: ...
 
 
 @overload
-def remote(fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[True],
-           future: Literal[False] = False) -> RemoteMethod[P, list[R]]: ...
+def remote(
+    fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[True], future: Literal[False] = False
+) -> RemoteMethod[P, list[R]]: ...
 
 
 @overload
-def remote(fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[False] = False,
-           future: Literal[True]) -> RemoteMethod[P, CallFuture[R]]: ...
+def remote(
+    fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[False] = False, future: Literal[True]
+) -> RemoteMethod[P, CallFuture[R]]: ...
 
 
 @overload
-def remote(fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[True],
-           future: Literal[True]) -> RemoteMethod[P, CallFuture[list[R]]]: ...
+def remote(
+    fn: Callable[Concatenate[Any, P], R], *, per_rank: Literal[True], future: Literal[True]
+) -> RemoteMethod[P, CallFuture[list[R]]]: ...
 
 
-def remote(fn: Callable[..., Any], *, per_rank: bool = False, future: bool = False) -> RemoteMethod[Any, Any]:
+def remote(
+    fn: Callable[..., Any], *, per_rank: bool = False, future: bool = False
+) -> RemoteMethod[Any, Any]:
     """A cluster method that calls worker method ``fn`` as its ``@register`` modes say.
 
     ``train_step = remote(ActorWorker.train_step)`` in a cluster class gives
@@ -183,7 +198,9 @@ def remote(fn: Callable[..., Any], *, per_rank: bool = False, future: bool = Fal
     return RemoteMethod(fn, per_rank=per_rank, future=future)
 
 
-def _derived_signature(fn: Callable[..., Any], *, per_rank: bool, future: bool) -> inspect.Signature:
+def _derived_signature(
+    fn: Callable[..., Any], *, per_rank: bool, future: bool
+) -> inspect.Signature:
     """``fn``'s signature, its return type wrapped in ``list[...]`` / ``CallFuture[...]`` as declared."""
     signature = inspect.signature(fn)
     returns = signature.return_annotation
@@ -219,28 +236,44 @@ def cluster_method_problems(cluster_cls: type[Cluster]) -> list[str]:
     return problems
 
 
-def _remote_problems(where: str, attr: RemoteMethod[Any, Any], worker_cls: type[Worker]) -> list[str]:
+def _remote_problems(
+    where: str, attr: RemoteMethod[Any, Any], worker_cls: type[Worker]
+) -> list[str]:
     try:
         spec = method_spec(worker_cls, attr.method)
     except DispatchError as error:
         return [f"{where}: {error}"]
     target = f"{worker_cls.__name__}.{attr.method}"
     if attr.per_rank and spec.collect is not Collect.ALL:
-        return [(f"{where} is declared per_rank=True but {target} collects Collect.{spec.collect.name} "
-                 "(one result, not a list per rank); drop per_rank=True")]
+        return [
+            (
+                f"{where} is declared per_rank=True but {target} collects Collect.{spec.collect.name} "
+                "(one result, not a list per rank); drop per_rank=True"
+            )
+        ]
     if not attr.per_rank and spec.collect is Collect.ALL:
-        return [(f"{where} returns a list, one result per rank ({target} collects Collect.ALL); "
-                 "declare it remote(..., per_rank=True)")]
+        return [
+            (
+                f"{where} returns a list, one result per rank ({target} collects Collect.ALL); "
+                "declare it remote(..., per_rank=True)"
+            )
+        ]
     return _parameter_problems(where, attr.__wrapped__, getattr(worker_cls, attr.method))
 
 
-def _parameter_problems(where: str, ours: Callable[..., Any], worker_method: Callable[..., Any]) -> list[str]:
+def _parameter_problems(
+    where: str, ours: Callable[..., Any], worker_method: Callable[..., Any]
+) -> list[str]:
     mine = list(inspect.signature(ours).parameters.values())[1:]  # without self
     theirs = list(inspect.signature(worker_method).parameters.values())[1:]
     if mine == theirs:
         return []
-    return [(f"{where} takes {inspect.Signature(mine)} but {worker_method.__qualname__} takes "
-             f"{inspect.Signature(theirs)}; give both the same parameters")]
+    return [
+        (
+            f"{where} takes {inspect.Signature(mine)} but {worker_method.__qualname__} takes "
+            f"{inspect.Signature(theirs)}; give both the same parameters"
+        )
+    ]
 
 
 class Cluster:
@@ -270,8 +303,10 @@ class Cluster:
         super().__init_subclass__(**kwargs)
         problems = cluster_method_problems(cls)
         if problems:
-            raise DispatchError(f"{cls.__name__} does not match its worker_cls {cls.worker_cls.__name__}:\n  "
-                                + "\n  ".join(problems))
+            raise DispatchError(
+                f"{cls.__name__} does not match its worker_cls {cls.worker_cls.__name__}:\n  "
+                + "\n  ".join(problems)
+            )
 
     def __init__(
         self,
@@ -302,7 +337,10 @@ class Cluster:
         kwargs = dict(worker_kwargs or {})
         if backend == "local":
             self._workers: list[Any] = [self.worker_cls(ctx, config, **kwargs) for ctx in contexts]
-            self._threads = [cf.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-{r}") for r in range(len(contexts))]
+            self._threads = [
+                cf.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-{r}")
+                for r in range(len(contexts))
+            ]
         else:
             self._workers = self._spawn_ray(contexts, config, kwargs)
             if self.world_size > 1:
@@ -330,7 +368,9 @@ class Cluster:
         if self.backend == "local":
             for pool in self._threads:
                 pool.shutdown(wait=True, cancel_futures=True)
-            for worker in self._workers:  # in-process workers may hold engines with threads and memory
+            for (
+                worker
+            ) in self._workers:  # in-process workers may hold engines with threads and memory
                 close = getattr(worker, "close", None)
                 if callable(close):
                     close()
@@ -371,12 +411,19 @@ class Cluster:
     # -- placement ----------------------------------------------------------------------
 
     @staticmethod
-    def _resolve_slots(role: str, config: Any, placement: RolePlacement | None,
-                       resources: ResourceManager | None, world_size: int | None) -> list[WorkerSlot]:
+    def _resolve_slots(
+        role: str,
+        config: Any,
+        placement: RolePlacement | None,
+        resources: ResourceManager | None,
+        world_size: int | None,
+    ) -> list[WorkerSlot]:
         if resources is not None:
             if role not in resources.plan.roles:
-                raise DispatchError(f"the resource manager has no placement for role {role!r}; "
-                                    f"it knows {sorted(resources.plan.roles)}")
+                raise DispatchError(
+                    f"the resource manager has no placement for role {role!r}; "
+                    f"it knows {sorted(resources.plan.roles)}"
+                )
             return list(resources.plan.roles[role].workers)
         if placement is not None:
             return list(placement.workers)
@@ -389,25 +436,46 @@ class Cluster:
         for slot in self.slots:
             local_rank = seen_on_node.get(slot.node, 0)
             seen_on_node[slot.node] = local_rank + 1
-            contexts.append(WorkerContext(
-                role=self.role, rank=slot.rank, world_size=len(self.slots), devices=slot.devices,
-                local_devices=slot.local_devices, node=slot.node, local_rank=local_rank,
-                backend=self.backend, extra=extra))
+            contexts.append(
+                WorkerContext(
+                    role=self.role,
+                    rank=slot.rank,
+                    world_size=len(self.slots),
+                    devices=slot.devices,
+                    local_devices=slot.local_devices,
+                    node=slot.node,
+                    local_rank=local_rank,
+                    backend=self.backend,
+                    extra=extra,
+                )
+            )
         return contexts
 
-    def _spawn_ray(self, contexts: list[WorkerContext], config: Any, kwargs: dict[str, Any]) -> list[Any]:
+    def _spawn_ray(
+        self, contexts: list[WorkerContext], config: Any, kwargs: dict[str, Any]
+    ) -> list[Any]:
         import ray
 
-        remote_cls = (ray.remote(concurrency_groups=dict(self.ray_concurrency_groups))(self.worker_cls)
-                      if self.ray_concurrency_groups else ray.remote(self.worker_cls))
+        remote_cls = (
+            ray.remote(concurrency_groups=dict(self.ray_concurrency_groups))(self.worker_cls)
+            if self.ray_concurrency_groups
+            else ray.remote(self.worker_cls)
+        )
         handles = []
         for slot, ctx in zip(self.slots, contexts):
             if slot.devices and self.resources is None:
                 raise DispatchError(
                     f"role {self.role!r} maps devices {list(slot.devices)}, so the ray backend needs "
-                    "resources=ResourceManager(...) to place it; or give the role an empty device_mapping")
-            options = self.resources.actor_options(slot) if self.resources is not None else {"num_cpus": 0}
-            if self._env_vars:  # a runtime env of its own costs a fresh worker process; only when asked
+                    "resources=ResourceManager(...) to place it; or give the role an empty device_mapping"
+                )
+            options = (
+                self.resources.actor_options(slot)
+                if self.resources is not None
+                else {"num_cpus": 0}
+            )
+            if (
+                self._env_vars
+            ):  # a runtime env of its own costs a fresh worker process; only when asked
                 options["runtime_env"] = {"env_vars": dict(self._env_vars)}
             handles.append(remote_cls.options(**options).remote(ctx, config, **kwargs))
         return handles
@@ -438,7 +506,9 @@ class Cluster:
         error.__cause__ = cause
         return error
 
-    def _backend_wait(self, method: str, ranks: list[int], handles: list[Any], timeout: float | None) -> list[Any]:
+    def _backend_wait(
+        self, method: str, ranks: list[int], handles: list[Any], timeout: float | None
+    ) -> list[Any]:
         """Results in rank order; the first failure (in completion order) raises at once."""
         deadline = None if timeout is None else time.monotonic() + timeout
         rank_of = {id(h): r for h, r in zip(handles, ranks)}
@@ -467,16 +537,18 @@ class Cluster:
                     try:
                         results[rank_of[id(h)]] = ray.get(h)
                     except ray.exceptions.RayError as err:
-                        raise self._fail(method, rank_of[id(h)], err)  # noqa: B904 (cause set)
+                        raise self._fail(method, rank_of[id(h)], err)
         return [results[r] for r in ranks]
 
-    async def _backend_wait_async(self, method: str, ranks: list[int], handles: list[Any]) -> list[Any]:
+    async def _backend_wait_async(
+        self, method: str, ranks: list[int], handles: list[Any]
+    ) -> list[Any]:
         async def one(rank: int, handle: Any) -> Any:
             try:
                 if self.backend == "local":
                     return await asyncio.wrap_future(handle)
                 return await handle
             except Exception as err:
-                raise self._fail(method, rank, err)  # noqa: B904 (cause set)
+                raise self._fail(method, rank, err)
 
         return list(await asyncio.gather(*(one(r, h) for r, h in zip(ranks, handles))))

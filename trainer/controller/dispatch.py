@@ -43,15 +43,15 @@ from trainer.controller.batch import Batch
 from trainer.errors import DispatchError
 
 __all__ = [
-    "Dispatch",
     "Collect",
+    "Dispatch",
     "MethodSpec",
-    "register",
-    "method_spec",
-    "registered_methods",
     "RankCall",
-    "dispatch_call",
     "collect_results",
+    "dispatch_call",
+    "method_spec",
+    "register",
+    "registered_methods",
 ]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -94,7 +94,9 @@ class MethodSpec:
     collect: Collect
 
 
-def register(dispatch: Dispatch = Dispatch.ONE_TO_ALL, collect: Collect | None = None) -> Callable[[F], F]:
+def register(
+    dispatch: Dispatch = Dispatch.ONE_TO_ALL, collect: Collect | None = None
+) -> Callable[[F], F]:
     """Mark a worker method as callable through a cluster, with its dispatch and collect modes.
 
     The function is returned unchanged (calling it directly on a worker still works); the
@@ -125,7 +127,8 @@ def method_spec(worker_cls: type, name: str) -> MethodSpec:
         raise DispatchError(f"{worker_cls.__name__} has no method {name!r}")
     raise DispatchError(
         f"{worker_cls.__name__}.{name} is not registered for cluster calls; "
-        f"decorate it with @register(Dispatch...) in {worker_cls.__name__}")
+        f"decorate it with @register(Dispatch...) in {worker_cls.__name__}"
+    )
 
 
 def registered_methods(worker_cls: type) -> dict[str, MethodSpec]:
@@ -148,7 +151,9 @@ class RankCall:
     kwargs: dict[str, Any]
 
 
-def dispatch_call(spec: MethodSpec, world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[RankCall]:
+def dispatch_call(
+    spec: MethodSpec, world_size: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> list[RankCall]:
     """Turn one cluster call into the per-rank calls to make."""
     if spec.dispatch is Dispatch.RANK_ZERO:
         return [RankCall(0, args, kwargs)]
@@ -156,11 +161,14 @@ def dispatch_call(spec: MethodSpec, world_size: int, args: tuple[Any, ...], kwar
         return [RankCall(rank, args, kwargs) for rank in range(world_size)]
     even = spec.dispatch is Dispatch.DP_SPLIT
     split_args = [a.split(world_size, even=even) if isinstance(a, Batch) else None for a in args]
-    split_kwargs = {k: v.split(world_size, even=even) for k, v in kwargs.items() if isinstance(v, Batch)}
+    split_kwargs = {
+        k: v.split(world_size, even=even) for k, v in kwargs.items() if isinstance(v, Batch)
+    }
     if not any(s is not None for s in split_args) and not split_kwargs:
         raise DispatchError(
             f"{spec.name} is registered with Dispatch.{spec.dispatch.name} but got no Batch argument to split; "
-            "pass a trainer.controller.Batch or register it with Dispatch.ONE_TO_ALL")
+            "pass a trainer.controller.Batch or register it with Dispatch.ONE_TO_ALL"
+        )
     return [
         RankCall(
             rank,
@@ -186,7 +194,9 @@ def collect_results(spec: MethodSpec, results: list[Any]) -> Any:
         if all(isinstance(r, list) for r in results):
             return [item for r in results for item in r]
         kinds = sorted({type(r).__name__ for r in results})
-        raise DispatchError(f"{spec.name}: Collect.CONCAT needs every rank to return a Batch or a list, got {kinds}")
+        raise DispatchError(
+            f"{spec.name}: Collect.CONCAT needs every rank to return a Batch or a list, got {kinds}"
+        )
     return _mean(spec.name, results)
 
 
@@ -196,13 +206,15 @@ def _mean(name: str, results: list[Any]) -> dict[str, float]:
     for rank, result in enumerate(results):
         if not isinstance(result, dict):
             raise DispatchError(
-                f"{name}: Collect.MEAN needs dicts of numbers, rank {rank} returned {type(result).__name__}")
+                f"{name}: Collect.MEAN needs dicts of numbers, rank {rank} returned {type(result).__name__}"
+            )
         for key, value in result.items():
             try:
                 number = float(value)
             except (TypeError, ValueError):
                 raise DispatchError(
-                    f"{name}: Collect.MEAN cannot average {key!r}={value!r} from rank {rank}; return numbers") from None
+                    f"{name}: Collect.MEAN cannot average {key!r}={value!r} from rank {rank}; return numbers"
+                ) from None
             sums[key] = sums.get(key, 0.0) + number
             counts[key] = counts.get(key, 0) + 1
     return {key: sums[key] / counts[key] for key in sums}

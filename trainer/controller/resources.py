@@ -33,13 +33,13 @@ if TYPE_CHECKING:
     from trainer.config import TrainerConfig
 
 __all__ = [
+    "LOOPBACK_NODE_IP",
+    "WORKER_DEVICE_SHARE",
     "NodeInfo",
     "ResourceManager",
+    "cluster_nodes",
     "init_local_ray",
     "resources_for",
-    "cluster_nodes",
-    "WORKER_DEVICE_SHARE",
-    "LOOPBACK_NODE_IP",
 ]
 
 WORKER_DEVICE_SHARE = 0.01
@@ -66,11 +66,20 @@ def cluster_nodes(device_resource: str) -> list[NodeInfo]:
     """Alive nodes offering ``device_resource``: head first, then by node id."""
     import ray
 
-    nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(device_resource, 0) >= 1]
+    nodes = [
+        n
+        for n in ray.nodes()
+        if n.get("Alive") and n.get("Resources", {}).get(device_resource, 0) >= 1
+    ]
     nodes.sort(key=lambda n: ("node:__internal_head__" not in n["Resources"], n["NodeID"]))
     return [
-        NodeInfo(i, n["NodeID"], n.get("NodeManagerAddress", ""), int(n["Resources"][device_resource]),
-                 "node:__internal_head__" in n["Resources"])
+        NodeInfo(
+            i,
+            n["NodeID"],
+            n.get("NodeManagerAddress", ""),
+            int(n["Resources"][device_resource]),
+            "node:__internal_head__" in n["Resources"],
+        )
         for i, n in enumerate(nodes)
     ]
 
@@ -94,16 +103,34 @@ class ResourceManager:
         from ray.util.placement_group import placement_group
 
         if not ray.is_initialized():
-            raise DeviceMappingError([Problem("cluster", "Ray is not initialised; call ray.init(...) "
-                                                         "or trainer.controller.resources.init_local_ray() first")])
+            raise DeviceMappingError(
+                [
+                    Problem(
+                        "cluster",
+                        "Ray is not initialised; call ray.init(...) "
+                        "or trainer.controller.resources.init_local_ray() first",
+                    )
+                ]
+            )
         self.device_resource = device_resource
         self.nodes = cluster_nodes(device_resource)
         if not self.nodes and any(s.device_mapping for s in mapping.roles.values()):
-            found = sorted({k for n in ray.nodes() if n.get("Alive") for k in n.get("Resources", {})
-                            if not k.startswith("node:")})
-            problems = [Problem("cluster.device_resource",
-                                f"no Ray node offers the resource {device_resource!r} (resources seen: {found}); "
-                                f"start Ray with resources={{'{device_resource}': N}} or set cluster.device_resource")]
+            found = sorted(
+                {
+                    k
+                    for n in ray.nodes()
+                    if n.get("Alive")
+                    for k in n.get("Resources", {})
+                    if not k.startswith("node:")
+                }
+            )
+            problems = [
+                Problem(
+                    "cluster.device_resource",
+                    f"no Ray node offers the resource {device_resource!r} (resources seen: {found}); "
+                    f"start Ray with resources={{'{device_resource}': N}} or set cluster.device_resource",
+                )
+            ]
             raise DeviceMappingError(problems + mapping.problems())
         self.plan: DevicePlan = mapping.plan([n.num_devices for n in self.nodes])
         self._id = uuid.uuid4().hex[:8]
@@ -119,8 +146,12 @@ class ResourceManager:
             node = self.nodes[node_index]
             local_ids = sorted(used[node_index])
             bundles = [{device_resource: 1.0} for _ in local_ids]
-            pg = placement_group(bundles, strategy="STRICT_PACK", name=f"envhub-{self._id}-node{node_index}",
-                                 bundle_label_selector=[{"ray.io/node-id": node.node_id}] * len(bundles))
+            pg = placement_group(
+                bundles,
+                strategy="STRICT_PACK",
+                name=f"envhub-{self._id}-node{node_index}",
+                bundle_label_selector=[{"ray.io/node-id": node.node_id}] * len(bundles),
+            )
             self.placement_groups.append(pg)
             for bundle_index, local in enumerate(local_ids):
                 self._bundle_of[(node_index, local)] = (pg, bundle_index)
@@ -129,7 +160,8 @@ class ResourceManager:
                 self.shutdown()
                 raise TimeoutError(
                     f"Ray could not reserve the mapped devices within {timeout_s:.0f} s (placement group "
-                    f"{pg.bundle_specs}); another job may hold them: check `ray status`")
+                    f"{pg.bundle_specs}); another job may hold them: check `ray status`"
+                )
 
     def actor_options(self, slot: WorkerSlot) -> dict[str, Any]:
         """``ray.remote(...).options(**actor_options(slot))`` for the worker in ``slot``."""
@@ -138,12 +170,15 @@ class ResourceManager:
         if not slot.devices:
             return {"num_cpus": 0}
         if slot.node is None or slot.local_devices is None:
-            raise DeviceMappingError([Problem(f"roles.{slot.role}", f"worker {slot.rank} is not bound to a node")])
+            raise DeviceMappingError(
+                [Problem(f"roles.{slot.role}", f"worker {slot.rank} is not bound to a node")]
+            )
         pg, bundle_index = self._bundle_of[(slot.node, slot.local_devices[0])]
         options: dict[str, Any] = {
             "num_cpus": 0,
             "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=bundle_index),
+                placement_group=pg, placement_group_bundle_index=bundle_index
+            ),
         }
         if self.device_resource == "GPU":
             options["num_gpus"] = WORKER_DEVICE_SHARE
@@ -219,7 +254,13 @@ def resources_for(config: TrainerConfig, **mapping_kwargs: Any) -> ResourceManag
     cluster = config.cluster
     if not ray.is_initialized():
         if cluster.address is None:
-            init_local_ray(config.local_num_devices, device_resource=cluster.device_resource, num_cpus=cluster.num_cpus)
+            init_local_ray(
+                config.local_num_devices,
+                device_resource=cluster.device_resource,
+                num_cpus=cluster.num_cpus,
+            )
         else:
             ray.init(address=cluster.address)
-    return ResourceManager(config.device_mapping(**mapping_kwargs), device_resource=cluster.device_resource)
+    return ResourceManager(
+        config.device_mapping(**mapping_kwargs), device_resource=cluster.device_resource
+    )

@@ -24,7 +24,7 @@ from typing import Any
 
 from trainer.controller.dispatch import Collect, Dispatch, register
 
-__all__ = ["WorkerContext", "Worker", "DEVICES_ENV"]
+__all__ = ["DEVICES_ENV", "Worker", "WorkerContext"]
 
 DEVICES_ENV = "ENVHUB_DEVICES"
 """Environment variable holding a worker's node-local device ids, comma-separated."""
@@ -104,7 +104,9 @@ class Worker:
             "node_id": node_id,
             "node": self.ctx.node,
             "devices": list(self.ctx.devices),
-            "local_devices": None if self.ctx.local_devices is None else list(self.ctx.local_devices),
+            "local_devices": None
+            if self.ctx.local_devices is None
+            else list(self.ctx.local_devices),
             "devices_env": os.environ.get(DEVICES_ENV),
             "offloaded": self.offloaded,
         }
@@ -115,7 +117,11 @@ class Worker:
     def _rendezvous_address(self) -> tuple[str, int]:
         """An address and a free port on rank 0's host for ``torch.distributed`` init."""
         ray = sys.modules.get("ray")
-        host = ray.util.get_node_ip_address() if ray is not None and ray.is_initialized() else "127.0.0.1"
+        host = (
+            ray.util.get_node_ip_address()
+            if ray is not None and ray.is_initialized()
+            else "127.0.0.1"
+        )
         with socket.socket() as sock:
             sock.bind(("", 0))
             return host, int(sock.getsockname()[1])
@@ -123,10 +129,12 @@ class Worker:
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def _set_distributed_env(self, master_addr: str, master_port: int) -> None:
         """Export the variables ``torch.distributed.init_process_group`` reads (env:// init)."""
-        os.environ.update({
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
-            "RANK": str(self.rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_RANK": str(self.ctx.local_rank),
-        })
+        os.environ.update(
+            {
+                "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port),
+                "RANK": str(self.rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(self.ctx.local_rank),
+            }
+        )

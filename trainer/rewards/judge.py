@@ -37,18 +37,30 @@ def parse_grade(reply: str, default: float = 0.0) -> float:
 class LLMJudge:
     """Scores episodes by asking ``engine`` (whose tokenizer is ``tokenizer``)."""
 
-    def __init__(self, engine: InferenceEngine, tokenizer: Any, *, prompt: str = DEFAULT_PROMPT,
-                 max_new_tokens: int = 8, default: float = 0.0) -> None:
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        tokenizer: Any,
+        *,
+        prompt: str = DEFAULT_PROMPT,
+        max_new_tokens: int = 8,
+        default: float = 0.0,
+    ) -> None:
         self.engine, self.tokenizer = engine, tokenizer
         self.prompt, self.max_new_tokens, self.default = prompt, max_new_tokens, default
 
     def request(self, episode: EpisodeView) -> GenerationRequest:
         transcript = "\n".join(f"{m['role']}: {m['content']}" for m in episode.messages)
         text = self.prompt.format(transcript=transcript, env_id=episode.env_id)
-        ids = self.tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=False)
-        return GenerationRequest(f"judge{next(_ids)}", list(self.tokenizer.encode(ids, add_special_tokens=False)),
-                                 self.max_new_tokens, temperature=0.0)
+        ids = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
+        return GenerationRequest(
+            f"judge{next(_ids)}",
+            list(self.tokenizer.encode(ids, add_special_tokens=False)),
+            self.max_new_tokens,
+            temperature=0.0,
+        )
 
     def grade(self, token_ids: list[int]) -> float:
         return parse_grade(self.tokenizer.decode(token_ids, skip_special_tokens=True), self.default)

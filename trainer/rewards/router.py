@@ -23,19 +23,31 @@ class RewardRouter:
         self.cluster = cluster
 
     @classmethod
-    def from_config(cls, specs: list[dict[str, Any]], role: Any, *, backend: str = "local") -> RewardRouter:
+    def from_config(
+        cls, specs: list[dict[str, Any]], role: Any, *, backend: str = "local"
+    ) -> RewardRouter:
         from trainer.workers.reward import RewardCluster
 
-        return cls(RewardCluster("reward", role, backend=backend,  # type: ignore[arg-type]
-                                 world_size=max(1, getattr(role, "num_workers", 1)),
-                                 worker_kwargs={"specs": [dict(s) for s in specs]}))
+        return cls(
+            RewardCluster(
+                "reward",
+                role,
+                backend=backend,  # type: ignore[arg-type]
+                world_size=max(1, getattr(role, "num_workers", 1)),
+                worker_kwargs={"specs": [dict(s) for s in specs]},
+            )
+        )
 
     async def score(self, trajectory: Trajectory) -> None:
-        view = EpisodeView(trajectory.env_id, list(trajectory.messages), dict(trajectory.info), trajectory.success)
+        view = EpisodeView(
+            trajectory.env_id, list(trajectory.messages), dict(trajectory.info), trajectory.success
+        )
         result = await self.cluster.score_async(view)
         if result["matched"]:
             base = sum(trajectory.turn_rewards)
-            trajectory.final_reward = result["score"] - base if result["replace"] else result["score"]
+            trajectory.final_reward = (
+                result["score"] - base if result["replace"] else result["score"]
+            )
 
     def shutdown(self) -> None:
         self.cluster.shutdown()

@@ -67,15 +67,19 @@ def numeric_match(answer: str, target: Any, rel_tol: float = 1e-6, abs_tol: floa
     if not numbers:
         return 0.0
     try:
-        return float(math.isclose(float(numbers[-1]), float(target), rel_tol=rel_tol, abs_tol=abs_tol))
+        return float(
+            math.isclose(float(numbers[-1]), float(target), rel_tol=rel_tol, abs_tol=abs_tol)
+        )
     except (TypeError, ValueError):
         return 0.0
 
 
 def _target(episode: EpisodeView, key: str) -> Any:
     if key not in episode.info:
-        raise RewardError(f"{episode.env_id}: reward target {key!r} is not in the env's reset info "
-                          f"(it has {sorted(episode.info)}); set 'target' to one of those keys")
+        raise RewardError(
+            f"{episode.env_id}: reward target {key!r} is not in the env's reset info "
+            f"(it has {sorted(episode.info)}); set 'target' to one of those keys"
+        )
     return episode.info[key]
 
 
@@ -104,4 +108,6 @@ def make_scorer(spec: dict[str, Any]) -> Scorer:
         return lambda episode: numeric_match(final_answer(episode), _target(episode, key), rel_tol)
     if kind == "function":
         return load_function(str(spec.get("function", "")))
-    raise RewardError(f"unknown reward kind {kind!r}; use 'exact', 'numeric', 'function' or 'judge'")
+    raise RewardError(
+        f"unknown reward kind {kind!r}; use 'exact', 'numeric', 'function' or 'judge'"
+    )

@@ -87,7 +87,9 @@ async def in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) ->
         with contextlib.suppress(RuntimeError):  # the loop closed while the call ran
             loop.call_soon_threadsafe(settle, result, error)
 
-    threading.Thread(target=target, name=f"env-call-{getattr(fn, '__name__', 'fn')}", daemon=True).start()
+    threading.Thread(
+        target=target, name=f"env-call-{getattr(fn, '__name__', 'fn')}", daemon=True
+    ).start()
     return await future
 
 
@@ -116,8 +118,15 @@ class LocalEnvSource:
     (an ``envhub serve`` hub) whose blocking calls run in threads. ``threaded=True`` runs local
     envs' calls in threads too, so a step timeout can end an episode whose env blocks."""
 
-    def __init__(self, env_kwargs: dict[str, Any] | None = None, make: Callable[..., Any] | None = None,
-                 *, hub: str | None = None, token: str | None = None, threaded: bool = False) -> None:
+    def __init__(
+        self,
+        env_kwargs: dict[str, Any] | None = None,
+        make: Callable[..., Any] | None = None,
+        *,
+        hub: str | None = None,
+        token: str | None = None,
+        threaded: bool = False,
+    ) -> None:
         import envhub
 
         self.env_kwargs = dict(env_kwargs or {})
@@ -159,8 +168,14 @@ class _PoolSession:
 class PoolEnvSource:
     """An ``envhub.pool.EnvPool`` per env id: envs in worker processes (or Ray actors)."""
 
-    def __init__(self, env_kwargs: dict[str, Any] | None = None, *, num_workers: int = 2,
-                 backend: str = "process", step_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        env_kwargs: dict[str, Any] | None = None,
+        *,
+        num_workers: int = 2,
+        backend: str = "process",
+        step_timeout_s: float = 30.0,
+    ) -> None:
         self.env_kwargs = dict(env_kwargs or {})
         self.num_workers, self.backend, self.step_timeout_s = num_workers, backend, step_timeout_s
         self._pools: dict[str, Any] = {}
@@ -169,8 +184,13 @@ class PoolEnvSource:
         if env_id not in self._pools:
             from envhub.pool import EnvPool
 
-            pool = EnvPool(env_id, num_workers=self.num_workers, backend=self.backend,  # type: ignore[arg-type]
-                           env_kwargs=self.env_kwargs, step_timeout_s=self.step_timeout_s)
+            pool = EnvPool(
+                env_id,
+                num_workers=self.num_workers,
+                backend=self.backend,  # type: ignore[arg-type]
+                env_kwargs=self.env_kwargs,
+                step_timeout_s=self.step_timeout_s,
+            )
             await pool.start()
             self._pools[env_id] = pool
         return _PoolSession(self._pools[env_id])
@@ -203,9 +223,16 @@ class EnvManager:
     closes a session within the same bound (a hung env is abandoned, not waited for).
     """
 
-    def __init__(self, engine: InferenceEngine, renderer: ChatRenderer, *, max_turns: int,
-                 max_context_tokens: int, on_episode_end: Callable[[Trajectory], Awaitable[None]] | None = None,
-                 step_timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: InferenceEngine,
+        renderer: ChatRenderer,
+        *,
+        max_turns: int,
+        max_context_tokens: int,
+        on_episode_end: Callable[[Trajectory], Awaitable[None]] | None = None,
+        step_timeout_s: float | None = None,
+    ) -> None:
         self.engine = engine
         self.renderer = renderer
         self.max_turns = max_turns
@@ -213,8 +240,16 @@ class EnvManager:
         self.on_episode_end = on_episode_end
         self.step_timeout_s = step_timeout_s
 
-    async def run(self, session: EnvSession, env_id: str, seed: int, sampling: Sampling, group_id: int = 0,
-                  *, episode_key: str | None = None) -> Trajectory:
+    async def run(
+        self,
+        session: EnvSession,
+        env_id: str,
+        seed: int,
+        sampling: Sampling,
+        group_id: int = 0,
+        *,
+        episode_key: str | None = None,
+    ) -> Trajectory:
         """Play one episode to its end (or ``max_turns``/context limit); never raises for env crashes.
 
         ``episode_key`` (unique per episode; default: a fresh one) prefixes the request ids."""
@@ -229,13 +264,21 @@ class EnvManager:
         trajectory.append_context(self.renderer.prompt(messages))
         trajectory.prompt_length = len(trajectory.token_ids)
         for turn in range(self.max_turns):
-            budget = min(sampling.max_new_tokens, int(info.get("max_new_tokens") or sampling.max_new_tokens),
-                         self.max_context_tokens - len(trajectory.token_ids))
+            budget = min(
+                sampling.max_new_tokens,
+                int(info.get("max_new_tokens") or sampling.max_new_tokens),
+                self.max_context_tokens - len(trajectory.token_ids),
+            )
             if budget <= 0:
                 trajectory.truncated = True
                 break
-            request = GenerationRequest(f"{key}/{turn}", list(trajectory.token_ids), budget,
-                                        sampling.temperature, sampling.top_p)
+            request = GenerationRequest(
+                f"{key}/{turn}",
+                list(trajectory.token_ids),
+                budget,
+                sampling.temperature,
+                sampling.top_p,
+            )
             try:
                 result = await self.engine.generate(request)
             except Exception as error:  # noqa: BLE001 - an engine error loses this episode, not the batch
@@ -248,12 +291,14 @@ class EnvManager:
             trajectory.append_policy(result.token_ids, result.logprobs, result.policy_version)
             resumed = result.extra.get("token_versions")  # a turn preempted by a weight update
             if resumed:
-                trajectory.token_versions[len(trajectory.token_versions) - len(resumed):] = resumed
+                trajectory.token_versions[len(trajectory.token_versions) - len(resumed) :] = resumed
             trajectory.policy_versions.append(result.policy_version)
             action = self.renderer.decode(result.token_ids)
             trajectory.messages.append({"role": "assistant", "content": action})
             try:
-                messages, reward, terminated, truncated, info = await self._env_call(session.step(action))
+                messages, reward, terminated, truncated, info = await self._env_call(
+                    session.step(action)
+                )
             except Exception as error:
                 return self._failed(trajectory, "step", error)
             trajectory.end_turn(reward)
@@ -283,7 +328,9 @@ class EnvManager:
         try:
             return await asyncio.wait_for(call, self.step_timeout_s)
         except TimeoutError:
-            raise TimeoutError(f"no answer within {self.step_timeout_s} s (rollout.env_timeout_s)") from None
+            raise TimeoutError(
+                f"no answer within {self.step_timeout_s} s (rollout.env_timeout_s)"
+            ) from None
 
     @staticmethod
     def _failed(trajectory: Trajectory, where: str, error: BaseException) -> Trajectory:

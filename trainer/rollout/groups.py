@@ -21,7 +21,14 @@ from trainer.errors import RolloutError
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
 from trainer.rollout.trajectory import Trajectory
 
-__all__ = ["EVAL_SEED_BASE", "EpisodeSpec", "plan_eval", "plan_groups", "play_episode", "run_episodes"]
+__all__ = [
+    "EVAL_SEED_BASE",
+    "EpisodeSpec",
+    "plan_eval",
+    "plan_groups",
+    "play_episode",
+    "run_episodes",
+]
 
 EVAL_SEED_BASE = 1_000_000_000
 """Evaluation seeds start here; training seeds stay below it."""
@@ -36,7 +43,9 @@ class EpisodeSpec:
     group_id: int
 
 
-def plan_groups(step: int, *, num_groups: int, group_size: int, env_ids: list[str], seed: int) -> list[EpisodeSpec]:
+def plan_groups(
+    step: int, *, num_groups: int, group_size: int, env_ids: list[str], seed: int
+) -> list[EpisodeSpec]:
     """``num_groups * group_size`` episodes for training step ``step`` (deterministic)."""
     specs = []
     for g in range(num_groups):
@@ -51,10 +60,17 @@ def plan_eval(episodes: int, *, env_ids: list[str]) -> list[EpisodeSpec]:
     return [EpisodeSpec(env_ids[i % len(env_ids)], EVAL_SEED_BASE + i, i) for i in range(episodes)]
 
 
-async def play_episode(manager: EnvManager, source: EnvSource, spec: EpisodeSpec, sampling: Sampling, *,
-                       max_retries: int = 2, key: str | None = None,
-                       on_failure: Callable[[Trajectory], None] | None = None,
-                       stop: Callable[[], bool] = lambda: False) -> Trajectory:
+async def play_episode(
+    manager: EnvManager,
+    source: EnvSource,
+    spec: EpisodeSpec,
+    sampling: Sampling,
+    *,
+    max_retries: int = 2,
+    key: str | None = None,
+    on_failure: Callable[[Trajectory], None] | None = None,
+    stop: Callable[[], bool] = lambda: False,
+) -> Trajectory:
     """One episode, replayed on a fresh env (same task) after each failure, ``max_retries``
     times at most; returns the last attempt. A failed attempt that is followed by another
     goes to ``on_failure``; an env that cannot even start is a failed attempt, not an error.
@@ -63,18 +79,31 @@ async def play_episode(manager: EnvManager, source: EnvSource, spec: EpisodeSpec
     abort them all; ``manager.engine.forget(key)`` is called after each attempt when the
     engine has it. ``stop()`` true after an attempt (the group was cancelled) ends the replays.
     """
-    trajectory = Trajectory(spec.env_id, spec.seed, spec.group_id, failed=True, failure="not started")
+    trajectory = Trajectory(
+        spec.env_id, spec.seed, spec.group_id, failed=True, failure="not started"
+    )
     for attempt in range(1 + max_retries):
         attempt_key = None if key is None else f"{key}a{attempt}"
         try:
             session = await source.session(spec.env_id)
         except Exception as error:  # noqa: BLE001 - a broken env start is a recorded failure
-            trajectory = Trajectory(spec.env_id, spec.seed, spec.group_id, failed=True,
-                                    failure=f"env start raised {type(error).__name__}: {error}"[:500])
+            trajectory = Trajectory(
+                spec.env_id,
+                spec.seed,
+                spec.group_id,
+                failed=True,
+                failure=f"env start raised {type(error).__name__}: {error}"[:500],
+            )
         else:
             try:
-                trajectory = await manager.run(session, spec.env_id, spec.seed, sampling, spec.group_id,
-                                               episode_key=attempt_key)
+                trajectory = await manager.run(
+                    session,
+                    spec.env_id,
+                    spec.seed,
+                    sampling,
+                    spec.group_id,
+                    episode_key=attempt_key,
+                )
             finally:  # closing a crashed env may fail or hang too (bounded by the manager's timeout)
                 forget = getattr(manager.engine, "forget", None)
                 if attempt_key is not None and forget is not None:
@@ -87,16 +116,28 @@ async def play_episode(manager: EnvManager, source: EnvSource, spec: EpisodeSpec
     return trajectory
 
 
-async def run_episodes(specs: list[EpisodeSpec], manager: EnvManager, source: EnvSource, sampling: Sampling,
-                       *, max_retries: int = 2) -> tuple[list[Trajectory], list[Trajectory]]:
+async def run_episodes(
+    specs: list[EpisodeSpec],
+    manager: EnvManager,
+    source: EnvSource,
+    sampling: Sampling,
+    *,
+    max_retries: int = 2,
+) -> tuple[list[Trajectory], list[Trajectory]]:
     """Play ``specs`` concurrently (``play_episode`` each); returns ``(finished, failed)``
     trajectories, ``failed`` holding every failed attempt.
 
     Raises ``RolloutError`` when every episode failed (the env is broken, not flaky).
     """
     failed: list[Trajectory] = []
-    results = await asyncio.gather(*(play_episode(manager, source, spec, sampling, max_retries=max_retries,
-                                                  on_failure=failed.append) for spec in specs))
+    results = await asyncio.gather(
+        *(
+            play_episode(
+                manager, source, spec, sampling, max_retries=max_retries, on_failure=failed.append
+            )
+            for spec in specs
+        )
+    )
     finished = [t for t in results if not t.failed]
     failed += [t for t in results if t.failed]
     if specs and not finished:

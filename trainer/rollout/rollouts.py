@@ -57,23 +57,40 @@ __all__ = ["Rollouts"]
 class Rollouts:
     """Scheduler, router and loop thread of one training run (see the module docstring)."""
 
-    def __init__(self, cfg: TrainerConfig, engines: list[InferenceEngine], renderer: ChatRenderer, envs: EnvSource,
-                 *, max_context_tokens: int, on_episode_end: Callable[[Trajectory], Any] | None = None,
-                 policy: PolicyVersion | None = None) -> None:
+    def __init__(
+        self,
+        cfg: TrainerConfig,
+        engines: list[InferenceEngine],
+        renderer: ChatRenderer,
+        envs: EnvSource,
+        *,
+        max_context_tokens: int,
+        on_episode_end: Callable[[Trajectory], Any] | None = None,
+        policy: PolicyVersion | None = None,
+    ) -> None:
         """``policy``: the run's version (``WeightSync.policy``), read by the router, the engines
         and the scheduler's staleness bound; None: the router counts the updates through it."""
         self.cfg = cfg
         self.thread = LoopThread()
         self.router = EngineRouter(engines, policy=policy)
         rollout = cfg.rollout
-        self.manager = EnvManager(self.router, renderer, max_turns=rollout.max_turns,
-                                  max_context_tokens=max_context_tokens, on_episode_end=on_episode_end,
-                                  step_timeout_s=rollout.env_timeout_s)
+        self.manager = EnvManager(
+            self.router,
+            renderer,
+            max_turns=rollout.max_turns,
+            max_context_tokens=max_context_tokens,
+            on_episode_end=on_episode_end,
+            step_timeout_s=rollout.env_timeout_s,
+        )
         self.envs = envs
         self.scheduler = RolloutScheduler(
-            SchedulerConfig.from_config(cfg), self.manager, self.router, envs,
+            SchedulerConfig.from_config(cfg),
+            self.manager,
+            self.router,
+            envs,
             Sampling(rollout.max_new_tokens, rollout.temperature, rollout.top_p),
-            first_group=cfg.env.num_groups)  # = plan_groups(step=1): the scheduler plays step 1's tasks first
+            first_group=cfg.env.num_groups,
+        )  # = plan_groups(step=1): the scheduler plays step 1's tasks first
         self.last_metrics: dict[str, float] = {}
 
     @property
@@ -88,7 +105,9 @@ class Rollouts:
         self.last_metrics = dict(batch.metrics)
         return batch.trajectories, batch.failed
 
-    def play(self, specs: list[EpisodeSpec], sampling: Sampling) -> tuple[list[Trajectory], list[Trajectory]]:
+    def play(
+        self, specs: list[EpisodeSpec], sampling: Sampling
+    ) -> tuple[list[Trajectory], list[Trajectory]]:
         """Play fixed episodes (evaluation) on the same engines, next to running rollouts."""
         return self.thread.run(run_episodes(specs, self.manager, self.envs, sampling))
 
@@ -115,7 +134,9 @@ class Rollouts:
         batch["is_weights"] = ratio.clamp(max=rollout.is_truncation)
         tokens = mask.sum().clamp(min=1.0)
         self.last_metrics["rollout/is_weight_mean"] = float((ratio * mask).sum() / tokens)
-        self.last_metrics["rollout/is_truncated_frac"] = float(((ratio > rollout.is_truncation) * mask).sum() / tokens)
+        self.last_metrics["rollout/is_truncated_frac"] = float(
+            ((ratio > rollout.is_truncation) * mask).sum() / tokens
+        )
 
     def state_dict(self) -> dict[str, int]:
         """The next task number (kept in the checkpoint so a resumed run plays new tasks).

@@ -93,8 +93,13 @@ class EngineRouter:
     version = SharedVersion()
     """The policy version new requests are issued under (``policy.value``)."""
 
-    def __init__(self, engines: Sequence[InferenceEngine], *, update: Callable[[Weights], None] | None = None,
-                 policy: PolicyVersion | None = None) -> None:
+    def __init__(
+        self,
+        engines: Sequence[InferenceEngine],
+        *,
+        update: Callable[[Weights], None] | None = None,
+        policy: PolicyVersion | None = None,
+    ) -> None:
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
         self.engines = list(engines)
@@ -127,11 +132,26 @@ class EngineRouter:
                 if flight.cancelled or episode_key(request.request_id) in self._cancelled:
                     reason = "abort"
                     break
-                sub = request if part == 0 else GenerationRequest(
-                    f"{request.request_id}.{part}", request.prompt_ids + ids, request.max_new_tokens - len(ids),
-                    request.temperature, request.top_p, request.stop_token_ids)
-                flight.engine, flight.sub_id, flight.preempted = self._route(request.request_id), sub.request_id, False
-                issued = self.version  # weights change only while the gate is closed and nothing is in flight
+                sub = (
+                    request
+                    if part == 0
+                    else GenerationRequest(
+                        f"{request.request_id}.{part}",
+                        request.prompt_ids + ids,
+                        request.max_new_tokens - len(ids),
+                        request.temperature,
+                        request.top_p,
+                        request.stop_token_ids,
+                    )
+                )
+                flight.engine, flight.sub_id, flight.preempted = (
+                    self._route(request.request_id),
+                    sub.request_id,
+                    False,
+                )
+                issued = (
+                    self.version
+                )  # weights change only while the gate is closed and nothing is in flight
                 self._enter(flight)
                 try:
                     result = await self.engines[flight.engine].generate(sub)
@@ -156,8 +176,14 @@ class EngineRouter:
         self._stats.requests += 1
         if reason == "abort":
             self._stats.aborted += 1
-        return GenerationResult(request.request_id, ids, logprobs, reason,  # type: ignore[arg-type]
-                                versions[-1] if versions else self.version, {"token_versions": versions})
+        return GenerationResult(
+            request.request_id,
+            ids,
+            logprobs,
+            reason,  # type: ignore[arg-type]
+            versions[-1] if versions else self.version,
+            {"token_versions": versions},
+        )
 
     async def abort(self, request_id: str) -> None:
         """Abort in the engine that holds the request; unknown or finished ids are ignored."""
@@ -171,7 +197,9 @@ class EngineRouter:
     async def abort_episode(self, key: str) -> None:
         """Abort the episode's running request and refuse its later ones (until ``forget``)."""
         self._cancelled.add(key)
-        await asyncio.gather(*(self.abort(r) for r in [r for r in self._flights if episode_key(r) == key]))
+        await asyncio.gather(
+            *(self.abort(r) for r in [r for r in self._flights if episode_key(r) == key])
+        )
 
     def forget(self, key: str) -> None:
         """The episode ended: drop its sticky engine and its cancelled mark."""
@@ -197,7 +225,9 @@ class EngineRouter:
         started = time.monotonic()
         await self.pause()
         try:
-            if callable(weights):  # the caller loads the engines itself (the pipeline's weight sync)
+            if callable(
+                weights
+            ):  # the caller loads the engines itself (the pipeline's weight sync)
                 await asyncio.to_thread(weights)
                 self._advance()
             else:
@@ -290,10 +320,14 @@ class EngineRouter:
         """Counters since the router was made (or ``reset_totals``), up to now; does not
         disturb ``take_stats`` intervals (the scheduler's per-batch metrics)."""
         now, total, current = time.monotonic(), self._total, self._stats
-        busy = [t + c + (now - since if since is not None else 0.0)
-                for t, c, since in zip(total.busy_s, current.busy_s, self._busy_since, strict=True)]
-        counts = {name: getattr(total, name) + getattr(current, name)
-                  for name in ("requests", "new_tokens", "aborted", "preempted", "errors")}
+        busy = [
+            t + c + (now - since if since is not None else 0.0)
+            for t, c, since in zip(total.busy_s, current.busy_s, self._busy_since, strict=True)
+        ]
+        counts = {
+            name: getattr(total, name) + getattr(current, name)
+            for name in ("requests", "new_tokens", "aborted", "preempted", "errors")
+        }
         return RouterStats(wall_s=total.wall_s + now - self._stats_since, busy_s=busy, **counts)
 
     def reset_totals(self) -> None:

@@ -94,15 +94,24 @@ class SchedulerConfig:
         """A run's scheduler: ``rollout.mode`` ``batch`` and ``sync`` are both the ``sync`` mode
         (``batch`` only forbids redundancy and dynamic sampling), ``async`` is ``async``."""
         rollout, env = cfg.rollout, cfg.env
-        return cls(num_groups=env.num_groups, group_size=env.group_size, env_ids=tuple(env.ids), seed=cfg.seed,
-                   mode="async" if rollout.mode == "async" else "sync", redundancy=rollout.redundancy,
-                   max_staleness=rollout.max_staleness, dynamic_sampling=rollout.dynamic_sampling)
+        return cls(
+            num_groups=env.num_groups,
+            group_size=env.group_size,
+            env_ids=tuple(env.ids),
+            seed=cfg.seed,
+            mode="async" if rollout.mode == "async" else "sync",
+            redundancy=rollout.redundancy,
+            max_staleness=rollout.max_staleness,
+            dynamic_sampling=rollout.dynamic_sampling,
+        )
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
             raise ValueError(f"scheduler mode {self.mode!r} is unknown; use 'sync' or 'async'")
         if self.redundancy < 1.0:
-            raise ValueError(f"redundancy {self.redundancy} starts fewer groups than a batch needs; use >= 1.0")
+            raise ValueError(
+                f"redundancy {self.redundancy} starts fewer groups than a batch needs; use >= 1.0"
+            )
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.num_groups <= 0 or self.group_size <= 0 or not self.env_ids:
@@ -115,7 +124,9 @@ class SchedulerConfig:
         the groups refilled when a batch is taken play during the train phase and make the
         next batch one version behind; a larger buffer would only produce groups that go stale."""
         running = math.ceil(self.num_groups * self.redundancy)
-        return running + (self.num_groups * max(self.max_staleness - 1, 0) if self.mode == "async" else 0)
+        return running + (
+            self.num_groups * max(self.max_staleness - 1, 0) if self.mode == "async" else 0
+        )
 
 
 @dataclass
@@ -153,11 +164,27 @@ class _Group:
 class RolloutScheduler:
     """Keeps groups playing and hands out batches (see the module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, manager: EnvManager, router: EngineRouter, source: EnvSource,
-                 sampling: Sampling, *, first_group: int = 0) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        manager: EnvManager,
+        router: EngineRouter,
+        source: EnvSource,
+        sampling: Sampling,
+        *,
+        first_group: int = 0,
+    ) -> None:
         if manager.engine is not router:
-            raise ValueError("the EnvManager must generate through the scheduler's EngineRouter (manager.engine)")
-        self.cfg, self.manager, self.router, self.source, self.sampling = config, manager, router, source, sampling
+            raise ValueError(
+                "the EnvManager must generate through the scheduler's EngineRouter (manager.engine)"
+            )
+        self.cfg, self.manager, self.router, self.source, self.sampling = (
+            config,
+            manager,
+            router,
+            source,
+            sampling,
+        )
         self.next_group = first_group
         """The next task number to start (checkpointed so a resumed run does not repeat tasks)."""
         self._running: dict[int, _Group] = {}
@@ -184,12 +211,13 @@ class RolloutScheduler:
                 reasons = sorted({t.failure or "unknown" for t in self._failed[-20:]})[:3]
                 raise RolloutError(
                     f"{self._failed_in_a_row} groups in a row failed (each episode retried {self.cfg.max_retries} "
-                    f"times); first reasons: {reasons}. Run `envhub check ENV_ID` to see what breaks the env")
+                    f"times); first reasons: {reasons}. Run `envhub check ENV_ID` to see what breaks the env"
+                )
             self._changed.clear()
             self._fill()
             await self._changed.wait()
         self._ready.sort(key=lambda g: (g.oldest_version() or 0, g.finished_at))
-        taken, self._ready = self._ready[: self.cfg.num_groups], self._ready[self.cfg.num_groups:]
+        taken, self._ready = self._ready[: self.cfg.num_groups], self._ready[self.cfg.num_groups :]
         if self.cfg.mode == "sync":
             self._collecting = False
             surplus = list(self._running.values()) + self._ready
@@ -222,7 +250,9 @@ class RolloutScheduler:
         """Abort everything still running (engine requests and envs)."""
         self._closed = True
         self._collecting = False
-        await asyncio.gather(*(self._cancel(g, "aborted_at_close") for g in list(self._running.values())))
+        await asyncio.gather(
+            *(self._cancel(g, "aborted_at_close") for g in list(self._running.values()))
+        )
 
     def state_dict(self) -> dict[str, int]:
         return {"next_group": self.next_group}
@@ -240,14 +270,22 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ groups
     def _fill(self) -> None:
-        while self._collecting and not self._closed and len(self._running) + len(self._ready) < self.cfg.capacity:
+        while (
+            self._collecting
+            and not self._closed
+            and len(self._running) + len(self._ready) < self.cfg.capacity
+        ):
             self._start_group()
 
     def _start_group(self) -> None:
         number = self.next_group
         self.next_group += 1
-        group = _Group(number, self.cfg.env_ids[number % len(self.cfg.env_ids)],
-                       (self.cfg.seed * 7_919 + number) % EVAL_SEED_BASE, started_version=self.router.version)
+        group = _Group(
+            number,
+            self.cfg.env_ids[number % len(self.cfg.env_ids)],
+            (self.cfg.seed * 7_919 + number) % EVAL_SEED_BASE,
+            started_version=self.router.version,
+        )
         for index in range(self.cfg.group_size):
             key = f"g{number}e{index}"
             group.keys.append(key)
@@ -263,9 +301,16 @@ class RolloutScheduler:
             self._failed.append(trajectory)
             self._counts["failed_episodes"] += 1
 
-        trajectory = await play_episode(self.manager, self.source, EpisodeSpec(group.env_id, group.seed, group.number),
-                                        self.sampling, max_retries=self.cfg.max_retries, key=key, on_failure=failed,
-                                        stop=lambda: group.cancelled)
+        trajectory = await play_episode(
+            self.manager,
+            self.source,
+            EpisodeSpec(group.env_id, group.seed, group.number),
+            self.sampling,
+            max_retries=self.cfg.max_retries,
+            key=key,
+            on_failure=failed,
+            stop=lambda: group.cancelled,
+        )
         if trajectory.failed and not group.cancelled:
             failed(trajectory)
         return trajectory
@@ -284,8 +329,15 @@ class RolloutScheduler:
         if errors:  # a bug, not an env failure: surface it rather than loop forever
             self._counts["failed_groups"] += 1
             self._failed_in_a_row += 1
-            self._failed.append(Trajectory(group.env_id, group.seed, group.number, failed=True,
-                                           failure=f"scheduler error {type(errors[0]).__name__}: {errors[0]}"))
+            self._failed.append(
+                Trajectory(
+                    group.env_id,
+                    group.seed,
+                    group.number,
+                    failed=True,
+                    failure=f"scheduler error {type(errors[0]).__name__}: {errors[0]}",
+                )
+            )
             return
         trajectories = group.trajectories()
         if any(t.failed for t in trajectories):
@@ -309,8 +361,13 @@ class RolloutScheduler:
         self._running.pop(group.number, None)
         running = sum(not task.done() for task in group.tasks)
         self._counts[reason] += running if reason != "stale_aborted_groups" else 1
-        await asyncio.gather(*(self.router.abort_episode(f"{key}a{attempt}")  # one engine round trip for all
-                               for key in group.keys for attempt in range(1 + self.cfg.max_retries)))
+        await asyncio.gather(
+            *(
+                self.router.abort_episode(f"{key}a{attempt}")  # one engine round trip for all
+                for key in group.keys
+                for attempt in range(1 + self.cfg.max_retries)
+            )
+        )
         if group.tasks:
             await asyncio.wait(group.tasks)
 
@@ -334,7 +391,9 @@ class RolloutScheduler:
         tokens = sorted(t.num_policy_tokens for t in trajectories)
         version = self.router.version
         metrics: dict[str, float] = {
-            "timing/engine_busy_frac": round(stats.busy_fraction, 4),  # wall-clock measures: timing/
+            "timing/engine_busy_frac": round(
+                stats.busy_fraction, 4
+            ),  # wall-clock measures: timing/
             "timing/weight_pause_s": round(self._counts.pop("weight_pause_s", 0.0), 4),
             "rollout/ready_groups": float(len(self._ready)),
             "rollout/running_groups": float(len(self._running)),
@@ -349,11 +408,20 @@ class RolloutScheduler:
             "rollout/engine_aborts": float(stats.aborted),
             "rollout/engine_errors": float(stats.errors),
         }
-        for name in ("aborted_surplus", "filtered_groups", "failed_episodes", "failed_groups", "stale_dropped_groups",
-                     "stale_aborted_groups", "filter_passed_over_limit"):
+        for name in (
+            "aborted_surplus",
+            "filtered_groups",
+            "failed_episodes",
+            "failed_groups",
+            "stale_dropped_groups",
+            "stale_aborted_groups",
+            "filter_passed_over_limit",
+        ):
             metrics[f"rollout/{name}"] = float(self._counts.pop(name, 0))
-        lags = collections.Counter(version - (t.oldest_version if t.oldest_version is not None else version)
-                                   for t in trajectories)
+        lags = collections.Counter(
+            version - (t.oldest_version if t.oldest_version is not None else version)
+            for t in trajectories
+        )
         for lag in range(max(self.cfg.max_staleness, max(lags, default=0)) + 1):
             metrics[f"rollout/staleness_{lag}"] = float(lags.get(lag, 0))
         return metrics

@@ -75,7 +75,9 @@ class Trajectory:
         self.logprobs.extend([0.0] * len(ids))
         self.token_versions.extend([-1] * len(ids))
 
-    def append_policy(self, ids: Sequence[int], logprobs: Sequence[float], version: int = 0) -> None:
+    def append_policy(
+        self, ids: Sequence[int], logprobs: Sequence[float], version: int = 0
+    ) -> None:
         """Tokens the policy generated this turn, with their sampling log-probs and the
         weight version that sampled them."""
         if len(ids) != len(logprobs):
@@ -118,7 +120,9 @@ class Trajectory:
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown trajectory field(s) {sorted(unknown)}; expected some of {sorted(known)}")
+            raise ValueError(
+                f"unknown trajectory field(s) {sorted(unknown)}; expected some of {sorted(known)}"
+            )
         return cls(**data)
 
 
@@ -132,13 +136,17 @@ class ChatRenderer:
         self.eos_token_id = int(tokenizer.eos_token_id)
         base = self._render(self._BASE, generation_prompt=False)
         self._base_text = base
-        closing = base[base.rindex("y") + 1:]
+        closing = base[base.rindex("y") + 1 :]
         eos = tokenizer.eos_token or ""
-        self._closing_after_eos = closing[len(eos):] if eos and closing.startswith(eos) else closing
+        self._closing_after_eos = (
+            closing[len(eos) :] if eos and closing.startswith(eos) else closing
+        )
         self._closing_without_eos = closing if closing.startswith(eos) else eos + closing
 
     def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation_prompt, tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=generation_prompt, tokenize=False
+        )
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -147,14 +155,18 @@ class ChatRenderer:
         """The opening prompt: all messages plus the assistant generation prompt."""
         return self.encode(self._render(messages, generation_prompt=True))
 
-    def continuation(self, new_messages: Sequence[dict[str, Any]], stopped_on_eos: bool) -> list[int]:
+    def continuation(
+        self, new_messages: Sequence[dict[str, Any]], stopped_on_eos: bool
+    ) -> list[int]:
         """Ids to append after a policy turn: close the turn, the new messages, the next prompt."""
         full = self._render([*self._BASE, *new_messages], generation_prompt=True)
         if not full.startswith(self._base_text):
-            raise ValueError("the chat template renders a conversation differently when it grows; "
-                             "it cannot be used for multi-turn token appending")
+            raise ValueError(
+                "the chat template renders a conversation differently when it grows; "
+                "it cannot be used for multi-turn token appending"
+            )
         closing = self._closing_after_eos if stopped_on_eos else self._closing_without_eos
-        return self.encode(closing + full[len(self._base_text):])
+        return self.encode(closing + full[len(self._base_text) :])
 
     def answer(self, content: str) -> list[int]:
         """Ids of an assistant answer as the template writes it, EOS included (for SFT data)."""

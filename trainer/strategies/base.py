@@ -72,7 +72,16 @@ import inspect
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, Self, TypedDict, runtime_checkable
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    ClassVar,
+    Literal,
+    Protocol,
+    Self,
+    TypedDict,
+    runtime_checkable,
+)
 
 from trainer.errors import NonFiniteLossError
 from trainer.strategies.distributed import micro_batch_scales, resolve_device, split_micro_batches
@@ -85,10 +94,10 @@ if TYPE_CHECKING:
 __all__ = [
     "BaseTrainStrategy",
     "FinishReason",
+    "ForwardOutput",
     "GenerationRequest",
     "GenerationResult",
     "InferenceEngine",
-    "ForwardOutput",
     "LossFn",
     "TrainOptions",
     "TrainStrategy",
@@ -161,7 +170,9 @@ class ForwardOutput:
     values: torch.Tensor | None = None
 
 
-LossFn = Callable[[ForwardOutput, Mapping[str, "torch.Tensor"]], tuple["torch.Tensor", dict[str, float]]]
+LossFn = Callable[
+    [ForwardOutput, Mapping[str, "torch.Tensor"]], tuple["torch.Tensor", dict[str, float]]
+]
 """``loss_fn(outputs, micro_batch) -> (scalar loss, metrics)``: what a worker trains on.
 
 The loss is the micro-batch's own aggregate (``trainer.algos.losses.aggregate``); an optional
@@ -178,9 +189,13 @@ class TrainStrategy(Protocol):
     residency: Residency
     """Which states are on the device, and the history of offload/reload moves."""
 
-    def forward(self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False) -> ForwardOutput: ...
+    def forward(
+        self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False
+    ) -> ForwardOutput: ...
 
-    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]: ...
+    def train_step(
+        self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False
+    ) -> dict[str, float]: ...
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
@@ -228,17 +243,35 @@ class BaseTrainStrategy(abc.ABC):
     device: str
     residency: Residency
 
-    def __init__(self, *, lr: float = 1e-4, weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
-                 micro_batch_size: int = 8, grad_accumulation: int | None = None, trainable: bool = True,
-                 kind: Literal["lm", "value"] = "lm") -> None:
+    def __init__(
+        self,
+        *,
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        max_grad_norm: float | None = 1.0,
+        micro_batch_size: int = 8,
+        grad_accumulation: int | None = None,
+        trainable: bool = True,
+        kind: Literal["lm", "value"] = "lm",
+    ) -> None:
         self.lr, self.weight_decay, self.trainable, self.kind = lr, weight_decay, trainable, kind
-        self.micro_batch_size, self.grad_accumulation, self.max_grad_norm = micro_batch_size, grad_accumulation, max_grad_norm
+        self.micro_batch_size, self.grad_accumulation, self.max_grad_norm = (
+            micro_batch_size,
+            grad_accumulation,
+            max_grad_norm,
+        )
         self.optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ building from a config
     @classmethod
-    def create(cls, model: Any, *, world_size: int = 1, strategy_args: Mapping[str, Any] | None = None,
-               **common: Any) -> Self:
+    def create(
+        cls,
+        model: Any,
+        *,
+        world_size: int = 1,
+        strategy_args: Mapping[str, Any] | None = None,
+        **common: Any,
+    ) -> Self:
         """``cls(model, **common, **strategy_args)`` for a role of ``world_size`` ranks; a layout it
         cannot run (``_configure``) or an unknown ``strategy_args`` key is refused with the fix."""
         args = dict(strategy_args or {})
@@ -255,8 +288,11 @@ class BaseTrainStrategy(abc.ABC):
     @classmethod
     def options(cls) -> set[str]:
         """Every keyword the constructor takes: ``TrainOptions`` and the strategy's own."""
-        own = {name for name, p in inspect.signature(cls.__init__).parameters.items()
-               if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        own = {
+            name
+            for name, p in inspect.signature(cls.__init__).parameters.items()
+            if p.kind is not inspect.Parameter.VAR_KEYWORD
+        }
         return (own - {"self", "model"}) | set(TrainOptions.__annotations__)
 
     @classmethod
@@ -278,14 +314,23 @@ class BaseTrainStrategy(abc.ABC):
             raise ParallelConfigError(cpu_refusal)
         return on_cuda
 
-    def _init_optimizer(self, owner: str, *, foreach: bool | None = None,
-                        movers: Mapping[str, Callable[[str], None]] | None = None) -> None:
+    def _init_optimizer(
+        self,
+        owner: str,
+        *,
+        foreach: bool | None = None,
+        movers: Mapping[str, Callable[[str], None]] | None = None,
+    ) -> None:
         """AdamW over the trainable parameters (or freeze the model) and the offload bookkeeping."""
         import torch
 
         if self.trainable:
-            self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=self.lr,
-                                               weight_decay=self.weight_decay, foreach=foreach)
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.model.parameters() if p.requires_grad],
+                lr=self.lr,
+                weight_decay=self.weight_decay,
+                foreach=foreach,
+            )
         else:
             self.model.requires_grad_(False)
         self.model.train(self.trainable)
@@ -301,30 +346,42 @@ class BaseTrainStrategy(abc.ABC):
     def _clip(self) -> float:
         """Clip the global gradient norm to ``max_grad_norm``; return the norm before clipping."""
 
-    def _group_rows(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
+    def _group_rows(
+        self, batch: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], slice]:
         """The rows this rank runs (the union of its model-parallel peers'), and where its own sit."""
         return dict(batch), slice(None)
 
     def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
         """``batch`` in micro-batches on the device; padded in count over ranks when ``collective``."""
-        return split_micro_batches(batch, self.micro_batch_size, self.device, same_count_on_all_ranks=self.collective)
+        return split_micro_batches(
+            batch, self.micro_batch_size, self.device, same_count_on_all_ranks=self.collective
+        )
 
-    def _forward_micros(self, micros: list[dict[str, torch.Tensor]], with_entropy: bool) -> list[ForwardOutput]:
+    def _forward_micros(
+        self, micros: list[dict[str, torch.Tensor]], with_entropy: bool
+    ) -> list[ForwardOutput]:
         """Outputs of every micro-batch (no gradients), dummies included."""
         return [self._run(micro, with_entropy) for micro in micros]
 
     def _on_micro_batch(self, index: int, count: int) -> None:
         """Called before micro-batch ``index`` of the ``count`` in one optimiser step."""
 
-    def _micro_loss(self, out: ForwardOutput, micro: Mapping[str, torch.Tensor],
-                    loss_fn: LossFn) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_loss(
+        self, out: ForwardOutput, micro: Mapping[str, torch.Tensor], loss_fn: LossFn
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         """The worker's loss on a real micro-batch; a zero-weighted one (same graph) on a dummy."""
         if "_dummy" in micro:
             return (out.values if self.kind == "value" else out.logprobs).sum() * 0.0, {}  # type: ignore[union-attr]
         return loss_fn(out, micro)
 
-    def _accumulate(self, group: list[dict[str, torch.Tensor]], scales: list[float], loss_fn: LossFn,
-                    with_entropy: bool) -> list[tuple[float, dict[str, float]]]:
+    def _accumulate(
+        self,
+        group: list[dict[str, torch.Tensor]],
+        scales: list[float],
+        loss_fn: LossFn,
+        with_entropy: bool,
+    ) -> list[tuple[float, dict[str, float]]]:
         """Forward and backward of one optimiser step's micro-batches, each loss times its scale;
         the ``(loss, metrics)`` of each, stopping after the first non-finite loss (no backward)."""
         losses: list[tuple[float, dict[str, float]]] = []
@@ -341,7 +398,9 @@ class BaseTrainStrategy(abc.ABC):
         """Called after a step's backward passes, before clipping (e.g. a data-parallel all-reduce)."""
 
     # ------------------------------------------------------------------ forward / train
-    def forward(self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False) -> ForwardOutput:
+    def forward(
+        self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False
+    ) -> ForwardOutput:
         """Per-token outputs for this rank's rows, no gradients, padded back to the batch width."""
         import torch
 
@@ -361,38 +420,55 @@ class BaseTrainStrategy(abc.ABC):
             tensors = [getattr(p, name) for p in parts]
             if not tensors or tensors[0] is None:
                 return None
-            return torch.cat([torch.nn.functional.pad(t.cpu(), (0, full - t.shape[1])) for t in tensors])[mine, :width]
+            return torch.cat(
+                [torch.nn.functional.pad(t.cpu(), (0, full - t.shape[1])) for t in tensors]
+            )[mine, :width]
 
         return ForwardOutput(logprobs=cat("logprobs"), entropy=cat("entropy"), values=cat("values"))  # type: ignore[arg-type]
 
-    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
+    def train_step(
+        self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False
+    ) -> dict[str, float]:
         """One or more optimiser steps over this rank's rows (``grad_accumulation`` micro-batches each)."""
         if self.optimizer is None:
-            raise RuntimeError("train_step on a frozen model; build the strategy with trainable=True")
+            raise RuntimeError(
+                "train_step on a frozen model; build the strategy with trainable=True"
+            )
         self.residency.require("params", "optimizer")
         union, _ = self._group_rows(batch)  # model-parallel peers train on the same rows
         micros = self._micro_batches(union)
         real = sum(1 for m in micros if "_dummy" not in m)
         per_step = self.grad_accumulation or len(micros)
-        scales = micro_batch_scales(micros, per_step, getattr(loss_fn, "agg_mode", "token-mean"),
-                                    group=self.dp_group, replicas=self.dp_size)
+        scales = micro_batch_scales(
+            micros,
+            per_step,
+            getattr(loss_fn, "agg_mode", "token-mean"),
+            group=self.dp_group,
+            replicas=self.dp_size,
+        )
         totals: dict[str, float] = {}
         steps = 0
         self.model.train()
         for first in range(0, len(micros), per_step):
             step = slice(first, first + per_step)
             self.optimizer.zero_grad(set_to_none=True)
-            for value, metrics in self._accumulate(micros[step], scales[step], loss_fn, with_entropy):
+            for value, metrics in self._accumulate(
+                micros[step], scales[step], loss_fn, with_entropy
+            ):
                 if not math.isfinite(value):
                     where = f" on rank {self.rank}" if self.collective else ""
-                    self._refuse(f"the loss became {value}{where} (metrics {metrics})",
-                                 "Lower train.lr, raise algorithm.loss.clip/grad clipping, or check the rewards")
+                    self._refuse(
+                        f"the loss became {value}{where} (metrics {metrics})",
+                        "Lower train.lr, raise algorithm.loss.clip/grad clipping, or check the rewards",
+                    )
                 for key, metric in metrics.items():
                     totals[key] = totals.get(key, 0.0) + metric / max(real, 1)
             self._reduce_gradients()
             norm = self._clip()
             if not math.isfinite(norm):
-                self._refuse(f"the gradient norm became {norm}", "Lower train.lr or set train.max_grad_norm")
+                self._refuse(
+                    f"the gradient norm became {norm}", "Lower train.lr or set train.max_grad_norm"
+                )
             self.optimizer.step()
             steps += 1
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm

@@ -18,8 +18,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["all_max", "backend_for", "ensure_process_group", "free_port", "gather_group_rows",
-           "micro_batch_scales", "resolve_device", "shutdown_process_group", "split_micro_batches"]
+__all__ = [
+    "all_max",
+    "backend_for",
+    "ensure_process_group",
+    "free_port",
+    "gather_group_rows",
+    "micro_batch_scales",
+    "resolve_device",
+    "shutdown_process_group",
+    "split_micro_batches",
+]
 
 
 def free_port() -> int:
@@ -57,8 +66,15 @@ def ensure_process_group(device: str) -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     if "MASTER_ADDR" not in os.environ or "WORLD_SIZE" not in os.environ:
-        os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-                           "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+        os.environ.update(
+            {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()),
+                "RANK": "0",
+                "WORLD_SIZE": "1",
+                "LOCAL_RANK": "0",
+            }
+        )
     kwargs = {}
     if device.startswith("cuda"):
         import torch
@@ -89,8 +105,13 @@ def all_max(value: int, device: torch.device | str = "cpu") -> int:
     return int(tensor.item())
 
 
-def split_micro_batches(batch: Mapping[str, torch.Tensor], size: int, device: torch.device | str, *,
-                        same_count_on_all_ranks: bool = False) -> list[dict[str, torch.Tensor]]:
+def split_micro_batches(
+    batch: Mapping[str, torch.Tensor],
+    size: int,
+    device: torch.device | str,
+    *,
+    same_count_on_all_ranks: bool = False,
+) -> list[dict[str, torch.Tensor]]:
     """``batch`` cut into micro-batches of ``size`` rows, each right-trimmed to its longest row and
     moved to ``device``. With ``same_count_on_all_ranks`` the list is padded with one-row dummies
     (marked ``_dummy``, which losses ignore) up to the largest count over ranks, so every rank
@@ -98,10 +119,14 @@ def split_micro_batches(batch: Mapping[str, torch.Tensor], size: int, device: to
     rows, width = batch["input_ids"].shape
     micros = []
     for start in range(0, rows, size):
-        micro = {k: v[start:start + size] for k, v in batch.items()}
+        micro = {k: v[start : start + size] for k, v in batch.items()}
         used = max(1, int(micro["attention_mask"].sum(-1).max()))  # right padding: trim the tail
-        micros.append({k: (v[:, :used] if v.dim() >= 2 and v.shape[1] == width else v).to(device)
-                       for k, v in micro.items()})
+        micros.append(
+            {
+                k: (v[:, :used] if v.dim() >= 2 and v.shape[1] == width else v).to(device)
+                for k, v in micro.items()
+            }
+        )
     if same_count_on_all_ranks:
         total = all_max(len(micros), device)
         while len(micros) < total:
@@ -111,8 +136,14 @@ def split_micro_batches(batch: Mapping[str, torch.Tensor], size: int, device: to
     return micros
 
 
-def micro_batch_scales(micros: list[dict[str, torch.Tensor]], per_step: int, mode: str = "token-mean", *,
-                       group: object = None, replicas: int = 1) -> list[float]:
+def micro_batch_scales(
+    micros: list[dict[str, torch.Tensor]],
+    per_step: int,
+    mode: str = "token-mean",
+    *,
+    group: object = None,
+    replicas: int = 1,
+) -> list[float]:
     """What each micro-batch's loss is multiplied by before ``backward``, so that an optimiser
     step's gradient is that of the loss aggregated over the *whole step* (``trainer.algos.losses``).
 
@@ -128,19 +159,26 @@ def micro_batch_scales(micros: list[dict[str, torch.Tensor]], per_step: int, mod
 
     from trainer.algos.losses import aggregation_units
 
-    units = [0.0 if "_dummy" in m else float(aggregation_units(m.get("response_mask", m["attention_mask"]), mode))
-             for m in micros]
+    units = [
+        0.0
+        if "_dummy" in m
+        else float(aggregation_units(m.get("response_mask", m["attention_mask"]), mode))
+        for m in micros
+    ]
     totals = torch.zeros(-(-len(micros) // per_step), dtype=torch.float64)
     for index, value in enumerate(units):
         totals[index // per_step] += value
     if replicas > 1:
         dist.all_reduce(totals, group=group)
-    return [value / float(totals[index // per_step]) * replicas if value else 0.0
-            for index, value in enumerate(units)]
+    return [
+        value / float(totals[index // per_step]) * replicas if value else 0.0
+        for index, value in enumerate(units)
+    ]
 
 
-def gather_group_rows(batch: Mapping[str, torch.Tensor], group: object, size: int
-                      ) -> tuple[dict[str, torch.Tensor], slice]:
+def gather_group_rows(
+    batch: Mapping[str, torch.Tensor], group: object, size: int
+) -> tuple[dict[str, torch.Tensor], slice]:
     """The union of the rows every rank of ``group`` (``size`` ranks) was given, right-padded to one
     width, and where this rank's own rows sit in it. Model-parallel peers (tensor-parallel ranks,
     pipeline stages) must run the same rows while the cluster splits a batch over all ranks: they
@@ -156,7 +194,16 @@ def gather_group_rows(batch: Mapping[str, torch.Tensor], group: object, size: in
     dist.all_gather_object(gathered, cpu, group=group)
     counts = [g["input_ids"].shape[0] for g in gathered]
     width = max(g["input_ids"].shape[1] for g in gathered)
-    union = {k: torch.cat([torch.nn.functional.pad(g[k], (0, width - g[k].shape[1])) if g[k].dim() >= 2 else g[k]
-                           for g in gathered]) for k in cpu}
+    union = {
+        k: torch.cat(
+            [
+                torch.nn.functional.pad(g[k], (0, width - g[k].shape[1]))
+                if g[k].dim() >= 2
+                else g[k]
+                for g in gathered
+            ]
+        )
+        for k in cpu
+    }
     start = sum(counts[:me])
     return union, slice(start, start + counts[me])

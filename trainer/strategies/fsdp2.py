@@ -60,15 +60,25 @@ def block_modules(model: Any) -> list[Any]:
     return [m for m in model.modules() if type(m).__name__ in names]
 
 
-TP_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
-           "self_attn.o_proj": "rowwise", "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise",
-           "mlp.down_proj": "rowwise"}
+TP_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
 """DTensor tensor-parallel plan of one Llama/Qwen2-style block (``fsdp2`` ``tensor_parallel_size``)."""
 
 
 def _tensor_parallel(model: Any, mesh: Any, tp: int) -> None:
     """Apply ``TP_PLAN`` to every transformer block of ``model`` over the 1-D ``mesh``; refuse what it cannot split."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     config = getattr(model, "config", None) or getattr(getattr(model, "lm", None), "config", None)
     problems = []
@@ -77,6 +87,7 @@ def _tensor_parallel(model: Any, mesh: Any, tp: int) -> None:
         if value is None or value % tp:
             problems.append(f"{what}={value} is not divisible by tensor_parallel_size={tp}")
     blocks = block_modules(model)
+
     def has(block: Any, name: str) -> bool:
         try:
             block.get_submodule(name)
@@ -87,8 +98,11 @@ def _tensor_parallel(model: Any, mesh: Any, tp: int) -> None:
     if not blocks or not all(has(block, name) for block in blocks for name in TP_PLAN):
         problems.append("no Llama/Qwen2-style blocks (self_attn.q_proj ... mlp.down_proj) to split")
     if problems:
-        raise ParallelConfigError("fsdp2 tensor parallelism impossible for this model: " + "; ".join(problems)
-                                  + ". Choose a tensor_parallel_size that divides them, or drop it")
+        raise ParallelConfigError(
+            "fsdp2 tensor parallelism impossible for this model: "
+            + "; ".join(problems)
+            + ". Choose a tensor_parallel_size that divides them, or drop it"
+        )
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in blocks:
         parallelize_module(block, mesh, {name: styles[style]() for name, style in TP_PLAN.items()})
@@ -125,9 +139,15 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         **common: Unpack[TrainOptions],
     ) -> None:
         super().__init__(**common)
-        on_cuda = self._use_device(device, cpu_refusal=(
-            "fsdp2 cpu_offload=True needs a CUDA device (on CPU the state already lives in host "
-            "memory); drop strategy_args.cpu_offload or train on GPU") if cpu_offload else None)
+        on_cuda = self._use_device(
+            device,
+            cpu_refusal=(
+                "fsdp2 cpu_offload=True needs a CUDA device (on CPU the state already lives in host "
+                "memory); drop strategy_args.cpu_offload or train on GPU"
+            )
+            if cpu_offload
+            else None,
+        )
         self.rank, self.world_size = ensure_process_group(self.device)
         self.mixed_precision = on_cuda if mixed_precision is None else bool(mixed_precision)
         self.cpu_offload = cpu_offload
@@ -139,19 +159,26 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
             model.to(self.device)
         self.model = model
         # with cpu_offload the shards and AdamW state live in host memory already: nothing to move
-        self._init_optimizer(f"fsdp2 rank {self.rank}", foreach=not cpu_offload, movers={} if cpu_offload else None)
+        self._init_optimizer(
+            f"fsdp2 rank {self.rank}", foreach=not cpu_offload, movers={} if cpu_offload else None
+        )
 
     def _build_mesh(self, model: Any, tp_size: int, mesh_device: str) -> None:
         """The data-parallel mesh FSDP2 shards over, and with TP a tensor-parallel one applied to ``model``."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.tp_size = tp_size  # a divisor of the ranks: checked by create() (registry.layout_problem)
+        self.tp_size = (
+            tp_size  # a divisor of the ranks: checked by create() (registry.layout_problem)
+        )
         if self.tp_size == 1:
             self.mesh = init_device_mesh(mesh_device, (self.world_size,), mesh_dim_names=("dp",))
             self.tp_group: Any = None
         else:
-            full = init_device_mesh(mesh_device, (self.world_size // self.tp_size, self.tp_size),
-                                    mesh_dim_names=("dp", "tp"))
+            full = init_device_mesh(
+                mesh_device,
+                (self.world_size // self.tp_size, self.tp_size),
+                mesh_dim_names=("dp", "tp"),
+            )
             self.mesh = full["dp"]
             self.tp_group = full["tp"].get_group()
             _tensor_parallel(model, full["tp"], self.tp_size)
@@ -160,10 +187,18 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
     def _shard(self, model: Any, reshard_after_forward: bool) -> None:
         """``fully_shard`` each transformer block, then the root."""
         import torch
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.mixed_precision else MixedPrecisionPolicy()
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.mixed_precision
+            else MixedPrecisionPolicy()
+        )
         offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
         shard = {"mesh": self.mesh, "mp_policy": policy, "offload_policy": offload}
         blocks = block_modules(model)
@@ -177,7 +212,9 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         fully_shard(model, reshard_after_forward=reshard_after_forward, **shard)
 
     # ------------------------------------------------------------------ hooks of the shared loop
-    def _group_rows(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
+    def _group_rows(
+        self, batch: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], slice]:
         """TP peers run the union of their rows (every row on its own without TP)."""
         return gather_group_rows(batch, self.tp_group, self.tp_size)
 
@@ -195,7 +232,9 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         """Reduce-scatter gradients only on the last micro-batch of an optimiser step."""
         self.model.set_requires_gradient_sync(index == count - 1)
 
-    def train_step(self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False) -> dict[str, float]:
+    def train_step(
+        self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False
+    ) -> dict[str, float]:
         """The shared loop (``BaseTrainStrategy.train_step``); gradient sync is back on afterwards."""
         try:
             return super().train_step(batch, loss_fn, with_entropy=with_entropy)
@@ -221,12 +260,16 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
             by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
         squares = 0.0
         for group in by_mesh.values():
-            part = torch.nn.utils.get_total_norm([p.grad for p in group], foreach=not self.cpu_offload)
+            part = torch.nn.utils.get_total_norm(
+                [p.grad for p in group], foreach=not self.cpu_offload
+            )
             squares += float(part.full_tensor() if hasattr(part, "full_tensor") else part) ** 2
         norm = math.sqrt(squares)
         if math.isfinite(norm) and norm > limit:
             for group in by_mesh.values():
-                torch.nn.utils.clip_grads_with_norm_(group, limit, torch.tensor(norm), foreach=not self.cpu_offload)
+                torch.nn.utils.clip_grads_with_norm_(
+                    group, limit, torch.tensor(norm), foreach=not self.cpu_offload
+                )
         return norm
 
     # ------------------------------------------------------------------ weights and state
@@ -246,7 +289,9 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         """Collective: the whole model as full CPU tensors on rank 0 (empty dict on other ranks)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return get_model_state_dict(
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: model + optimiser as full tensors (rank 0 receives them; others get empty dicts)."""
@@ -267,12 +312,21 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Collective: load full tensors (present on every rank) back into the shards."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         self.residency.require("params", "optimizer")
         options = StateDictOptions(full_state_dict=True)
         if self.optimizer is not None and state.get("optimizer"):
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optimizer"], options=options)
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=state["model"],
+                optim_state_dict=state["optimizer"],
+                options=options,
+            )
         else:
             set_model_state_dict(self.model, state["model"], options=options)

@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 __all__ = ["HFTrainStrategy", "token_logprobs"]
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(B, T)`` log p(token_t | <t) from ``(B, T, V)`` logits (column 0 is 0), and entropy."""
     import torch
 
@@ -37,7 +38,9 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: 
     shifted = logits[:, :-1].float()
     logprobs = torch.log_softmax(shifted, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     logprobs = torch.nn.functional.pad(logprobs, (1, 0))
-    entropy = torch.nn.functional.pad(entropy_from_logits(shifted), (1, 0)) if with_entropy else None
+    entropy = (
+        torch.nn.functional.pad(entropy_from_logits(shifted), (1, 0)) if with_entropy else None
+    )
     return logprobs, entropy
 
 
@@ -58,8 +61,10 @@ class HFTrainStrategy(BaseTrainStrategy):
         import torch
 
         if world_size > 1 and common.get("trainable", True):
-            raise ValueError(f"the 'hf' training strategy runs on one device but this role has {world_size} workers; "
-                             "map it to one device (device_mapping: [0]) or use a data-parallel strategy (fsdp2)")
+            raise ValueError(
+                f"the 'hf' training strategy runs on one device but this role has {world_size} workers; "
+                "map it to one device (device_mapping: [0]) or use a data-parallel strategy (fsdp2)"
+            )
         common.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
 
     def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:

@@ -46,8 +46,13 @@ class BatchingFrontend:
     version = SharedVersion()
     """The policy version of the weights this front serves (``policy.value``, read-only)."""
 
-    def __init__(self, run_batch: RunBatch | None = None, *, max_batch_size: int = 512,
-                 policy: PolicyVersion | None = None) -> None:
+    def __init__(
+        self,
+        run_batch: RunBatch | None = None,
+        *,
+        max_batch_size: int = 512,
+        policy: PolicyVersion | None = None,
+    ) -> None:
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
         self.policy = policy if policy is not None else PolicyVersion()
@@ -63,7 +68,12 @@ class BatchingFrontend:
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         loop = asyncio.get_running_loop()
-        if self._wake is None or self._task is None or self._task.done() or self._task.get_loop() is not loop:
+        if (
+            self._wake is None
+            or self._task is None
+            or self._task.done()
+            or self._task.get_loop() is not loop
+        ):
             self._wake = asyncio.Event()
             self._task = loop.create_task(self._serve(self._wake))
         future: asyncio.Future[GenerationResult] = loop.create_future()
@@ -82,7 +92,9 @@ class BatchingFrontend:
         """Stop the batching task (pending requests are aborted)."""
         for request, future in self._queue:
             if not future.done():
-                future.set_result(GenerationResult(request.request_id, [], [], "abort", self.version))
+                future.set_result(
+                    GenerationResult(request.request_id, [], [], "abort", self.version)
+                )
         self._queue.clear()
         if self._task is not None:
             self._task.cancel()
@@ -102,7 +114,10 @@ class BatchingFrontend:
                 seen = len(self._queue)
                 for _ in range(4):
                     await asyncio.sleep(0)
-            batch, self._queue = self._queue[: self.max_batch_size], self._queue[self.max_batch_size:]
+            batch, self._queue = (
+                self._queue[: self.max_batch_size],
+                self._queue[self.max_batch_size :],
+            )
             batch = [(r, f) for r, f in batch if not f.done()]
             if batch:
                 try:
@@ -123,8 +138,16 @@ class BatchingFrontend:
 class HFEngine(BatchingFrontend):
     """Torch generation for any ``AutoModelForCausalLM`` (see the module docstring)."""
 
-    def __init__(self, model: Any, *, eos_token_id: int, pad_token_id: int, seed: int = 0,
-                 max_batch_size: int = 512, device: str = "cpu") -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        seed: int = 0,
+        max_batch_size: int = 512,
+        device: str = "cpu",
+    ) -> None:
         import torch
 
         super().__init__(max_batch_size=max_batch_size)
@@ -136,17 +159,26 @@ class HFEngine(BatchingFrontend):
         self.stats = {"batches": 0, "requests": 0, "new_tokens": 0}
 
     @classmethod
-    def from_pretrained(cls, model_path: str, *, dtype: str = "float32", seed: int = 0, **options: Any) -> HFEngine:
+    def from_pretrained(
+        cls, model_path: str, *, dtype: str = "float32", seed: int = 0, **options: Any
+    ) -> HFEngine:
         """The registry's ``hf`` engine: the policy at ``model_path`` on CUDA when visible, else CPU."""
         if options:
-            raise ValueError(f"strategy_args {sorted(options)} are not options of the 'hf' inference engine (it has none)")
+            raise ValueError(
+                f"strategy_args {sorted(options)} are not options of the 'hf' inference engine (it has none)"
+            )
         import torch
 
         from trainer.models import load_policy
 
         model, tokenizer = load_policy(model_path, dtype=dtype)
-        return cls(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed,
-                   device="cuda" if torch.cuda.is_available() else "cpu")
+        return cls(
+            model,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            seed=seed,
+            device="cuda" if torch.cuda.is_available() else "cpu",
+        )
 
     async def run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         return await asyncio.to_thread(self.generate_batch, requests)
@@ -161,7 +193,9 @@ class HFEngine(BatchingFrontend):
             for name, tensor in items:
                 target = self._params.get(name)
                 if target is None:
-                    raise KeyError(f"update_weights got {name!r}, which the inference model does not have")
+                    raise KeyError(
+                        f"update_weights got {name!r}, which the inference model does not have"
+                    )
                 target.copy_(tensor.to(target.device, target.dtype))
         self.policy.advance()
 
@@ -186,13 +220,15 @@ class HFEngine(BatchingFrontend):
         rows = len(requests)
         lengths = [len(r.prompt_ids) for r in requests]
         if min(lengths) == 0:
-            raise ValueError("a generation request has no prompt tokens; render the chat template first")
+            raise ValueError(
+                "a generation request has no prompt tokens; render the chat template first"
+            )
         width = max(lengths)
         input_ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((rows, width), dtype=torch.long)
         for i, request in enumerate(requests):  # left padding: prompts end at the same column
-            input_ids[i, width - lengths[i]:] = torch.tensor(request.prompt_ids, dtype=torch.long)
-            attention[i, width - lengths[i]:] = 1
+            input_ids[i, width - lengths[i] :] = torch.tensor(request.prompt_ids, dtype=torch.long)
+            attention[i, width - lengths[i] :] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         temperature = torch.tensor([r.temperature for r in requests], dtype=torch.float32)
         top_p = torch.tensor([r.top_p for r in requests], dtype=torch.float32)
@@ -203,8 +239,12 @@ class HFEngine(BatchingFrontend):
         reasons: list[str] = ["length"] * rows
         done = torch.zeros(rows, dtype=torch.bool)
         with torch.inference_mode():
-            out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
-                             position_ids=positions.to(self.device), use_cache=True)
+            out = self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention.to(self.device),
+                position_ids=positions.to(self.device),
+                use_cache=True,
+            )
             past, next_pos = out.past_key_values, positions[:, -1] + 1
             for step in range(int(limits.max())):
                 tokens, logprobs = self._sample(out.logits[:, -1].float().cpu(), temperature, top_p)
@@ -224,16 +264,25 @@ class HFEngine(BatchingFrontend):
                     break
                 tokens = torch.where(done, torch.full_like(tokens, self.pad_token_id), tokens)
                 attention = torch.cat([attention, (~done).long()[:, None]], dim=1)
-                out = self.model(input_ids=tokens[:, None].to(self.device), attention_mask=attention.to(self.device),
-                                 position_ids=next_pos[:, None].to(self.device), past_key_values=past, use_cache=True)
+                out = self.model(
+                    input_ids=tokens[:, None].to(self.device),
+                    attention_mask=attention.to(self.device),
+                    position_ids=next_pos[:, None].to(self.device),
+                    past_key_values=past,
+                    use_cache=True,
+                )
                 past, next_pos = out.past_key_values, next_pos + 1
         self.stats["batches"] += 1
         self.stats["requests"] += rows
         self.stats["new_tokens"] += sum(len(ids) for ids in new_ids)
-        return [GenerationResult(r.request_id, new_ids[i], new_logprobs[i], reasons[i], self.version)  # type: ignore[arg-type]
-                for i, r in enumerate(requests)]
+        return [
+            GenerationResult(r.request_id, new_ids[i], new_logprobs[i], reasons[i], self.version)  # type: ignore[arg-type]
+            for i, r in enumerate(requests)
+        ]
 
-    def _sample(self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per row: greedy when temperature is 0, else nucleus sampling from ``softmax(z / T)``."""
         import torch
 
@@ -252,4 +301,3 @@ class HFEngine(BatchingFrontend):
             sampled = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
             tokens = torch.where(greedy, logits.argmax(-1), sampled)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-

@@ -58,7 +58,11 @@ from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from trainer.strategies.base import BaseTrainStrategy, ForwardOutput, LossFn, TrainOptions
 from trainer.strategies.distributed import ensure_process_group, gather_group_rows
-from trainer.strategies.megatron_convert import hf_to_megatron, layout_from_hf_config, megatron_to_hf
+from trainer.strategies.megatron_convert import (
+    hf_to_megatron,
+    layout_from_hf_config,
+    megatron_to_hf,
+)
 from trainer.strategies.megatron_model import build_gpt_model
 from trainer.strategies.parallel_errors import ParallelConfigError
 
@@ -112,11 +116,21 @@ class MegatronTrainStrategy(BaseTrainStrategy):
     ) -> None:
         super().__init__(**common)
         if self.kind != "lm":
-            raise ParallelConfigError("the megatron strategy trains causal LMs only; use 'fsdp2' or 'hf' for a critic")
-        on_cuda = self._use_device(device, cpu_refusal=(
-            "megatron activation_checkpointing needs CUDA (its recompute saves CUDA RNG states); "
-            "drop strategy_args.activation_checkpointing on CPU") if activation_checkpointing else None)
-        self.layout = layout_from_hf_config(model.config, tp=tensor_parallel_size, pp=pipeline_parallel_size)
+            raise ParallelConfigError(
+                "the megatron strategy trains causal LMs only; use 'fsdp2' or 'hf' for a critic"
+            )
+        on_cuda = self._use_device(
+            device,
+            cpu_refusal=(
+                "megatron activation_checkpointing needs CUDA (its recompute saves CUDA RNG states); "
+                "drop strategy_args.activation_checkpointing on CPU"
+            )
+            if activation_checkpointing
+            else None,
+        )
+        self.layout = layout_from_hf_config(
+            model.config, tp=tensor_parallel_size, pp=pipeline_parallel_size
+        )
         self.rank, self.world_size = ensure_process_group(self.device)
         self._init_model_parallel(tensor_parallel_size, pipeline_parallel_size)
         if on_cuda:
@@ -129,8 +143,13 @@ class MegatronTrainStrategy(BaseTrainStrategy):
             megatron_cpu_shim.activate(seed, self.tp_rank)
         self.mixed_precision = on_cuda if mixed_precision is None else bool(mixed_precision)
         self.hf_config = model.config
-        self.model = build_gpt_model(self.layout, attention=attention, recompute=activation_checkpointing,
-                                     pre_process=self.first_stage, post_process=self.last_stage)
+        self.model = build_gpt_model(
+            self.layout,
+            attention=attention,
+            recompute=activation_checkpointing,
+            pre_process=self.first_stage,
+            post_process=self.last_stage,
+        )
         self._load_hf(model.state_dict())
         self.model.to(self.device)
         self._init_optimizer(f"megatron rank {self.rank}")
@@ -140,17 +159,28 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         from megatron.core import parallel_state as mpu
 
         if mpu.model_parallel_is_initialized():  # (the layout itself was checked by create())
-            have = (mpu.get_tensor_model_parallel_world_size(), mpu.get_pipeline_model_parallel_world_size())
+            have = (
+                mpu.get_tensor_model_parallel_world_size(),
+                mpu.get_pipeline_model_parallel_world_size(),
+            )
             if have != (tp, pp):
                 raise ParallelConfigError(
                     f"this process already runs Megatron with TP={have[0]}, PP={have[1]}, not "
                     f"TP={tp}, PP={pp}; one layout per process"
                 )
         else:
-            mpu.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        self.tp_group, self.dp_group = mpu.get_tensor_model_parallel_group(), mpu.get_data_parallel_group()
+            mpu.initialize_model_parallel(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            )
+        self.tp_group, self.dp_group = (
+            mpu.get_tensor_model_parallel_group(),
+            mpu.get_data_parallel_group(),
+        )
         self.tp_rank, self.tp_size = mpu.get_tensor_model_parallel_rank(), tp
-        self.pp_group, self.mp_group = mpu.get_pipeline_model_parallel_group(), mpu.get_model_parallel_group()
+        self.pp_group, self.mp_group = (
+            mpu.get_pipeline_model_parallel_group(),
+            mpu.get_model_parallel_group(),
+        )
         self.pp_rank, self.pp_size = mpu.get_pipeline_model_parallel_rank(), pp
         self.first_stage, self.last_stage = self.pp_rank == 0, self.pp_rank == self.pp_size - 1
         self.dp_size = mpu.get_data_parallel_world_size()
@@ -160,10 +190,14 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         missing, unexpected = self.model.load_state_dict(shard, strict=False)
         missing = [k for k in missing if not k.endswith("_extra_state")]
         if missing or unexpected:
-            raise ParallelConfigError(f"megatron shard does not fit GPTModel: missing {missing}, unexpected {unexpected}")
+            raise ParallelConfigError(
+                f"megatron shard does not fit GPTModel: missing {missing}, unexpected {unexpected}"
+            )
 
     # ------------------------------------------------------------------ hooks of the shared loop
-    def _group_rows(self, batch: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], slice]:
+    def _group_rows(
+        self, batch: Mapping[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], slice]:
         """The union of the model-parallel (TP x PP) group's rows, and where this rank's own rows sit in it."""
         return gather_group_rows(batch, self.mp_group, self.tp_size * self.pp_size)
 
@@ -174,21 +208,30 @@ class MegatronTrainStrategy(BaseTrainStrategy):
 
         ids = micro["input_ids"]
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.mixed_precision and ids.is_cuda):
+        with torch.autocast(
+            "cuda", dtype=torch.bfloat16, enabled=self.mixed_precision and ids.is_cuda
+        ):
             logits = self.model(input_ids=ids, position_ids=positions, attention_mask=None)
         if self.tp_size > 1:
             logits = _GatherLastDim.apply(logits, self.tp_group)
-        logits = logits[..., :self.layout.vocab_size]
+        logits = logits[..., : self.layout.vocab_size]
         logprobs, entropy = token_logprobs(logits, ids, with_entropy)
         return ForwardOutput(logprobs=logprobs, entropy=entropy)
 
-    def _forward_micros(self, micros: list[dict[str, torch.Tensor]], with_entropy: bool) -> list[ForwardOutput]:
+    def _forward_micros(
+        self, micros: list[dict[str, torch.Tensor]], with_entropy: bool
+    ) -> list[ForwardOutput]:
         if self.pp_size > 1:
             return self._pipeline(micros, with_entropy, loss_fn=None)[0]
         return super()._forward_micros(micros, with_entropy)
 
-    def _accumulate(self, group: list[dict[str, torch.Tensor]], scales: list[float], loss_fn: LossFn,
-                    with_entropy: bool) -> list[tuple[float, dict[str, float]]]:
+    def _accumulate(
+        self,
+        group: list[dict[str, torch.Tensor]],
+        scales: list[float],
+        loss_fn: LossFn,
+        with_entropy: bool,
+    ) -> list[tuple[float, dict[str, float]]]:
         if self.pp_size > 1:
             return self._pipeline(group, with_entropy, loss_fn=loss_fn, scales=scales)[1]
         return super()._accumulate(group, scales, loss_fn, with_entropy)
@@ -197,8 +240,13 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         self._reduce_tied_embedding()
         self._reduce_data_parallel()
 
-    def _pipeline(self, micros: list[dict[str, torch.Tensor]], with_entropy: bool, loss_fn: LossFn | None,
-                  scales: list[float] | None = None) -> tuple[list[ForwardOutput], list[tuple[float, dict[str, float]]]]:
+    def _pipeline(
+        self,
+        micros: list[dict[str, torch.Tensor]],
+        with_entropy: bool,
+        loss_fn: LossFn | None,
+        scales: list[float] | None = None,
+    ) -> tuple[list[ForwardOutput], list[tuple[float, dict[str, float]]]]:
         """Run ``micros`` through Megatron-Core's pipeline schedule (PP > 1); a collective over the pipeline.
 
         With ``loss_fn`` it is a training pass (1F1B: forward and backward interleaved, gradients
@@ -218,21 +266,31 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         outputs: list[ForwardOutput] = []
         losses: list[tuple[float, dict[str, float]]] = []
 
-        def finish(micro: dict[str, torch.Tensor], logits: torch.Tensor, index: int) -> tuple[torch.Tensor, dict[str, Any]]:
+        def finish(
+            micro: dict[str, torch.Tensor], logits: torch.Tensor, index: int
+        ) -> tuple[torch.Tensor, dict[str, Any]]:
             n, w = micro["input_ids"].shape
             logits = logits[:n, :w]  # the real rows and tokens of this micro-batch
             if self.tp_size > 1:
                 logits = _GatherLastDim.apply(logits, self.tp_group)
-            logprobs, entropy = token_logprobs(logits[..., :self.layout.vocab_size], micro["input_ids"], with_entropy)
+            logprobs, entropy = token_logprobs(
+                logits[..., : self.layout.vocab_size], micro["input_ids"], with_entropy
+            )
             out = ForwardOutput(logprobs=logprobs, entropy=entropy)
             if loss_fn is None:
-                outputs.append(ForwardOutput(logprobs=logprobs.detach().float().cpu(),
-                                             entropy=None if entropy is None else entropy.detach().float().cpu()))
+                outputs.append(
+                    ForwardOutput(
+                        logprobs=logprobs.detach().float().cpu(),
+                        entropy=None if entropy is None else entropy.detach().float().cpu(),
+                    )
+                )
                 return logprobs.sum() * 0.0, {}
             loss, metrics = self._micro_loss(out, micro, loss_fn)
             losses.append((float(loss.detach()), metrics))
             if not math.isfinite(losses[-1][0]):
-                loss = logprobs.sum() * 0.0  # keep the schedule going on every stage; the step is refused after it
+                loss = (
+                    logprobs.sum() * 0.0
+                )  # keep the schedule going on every stage; the step is refused after it
             return loss * (scales[index] * len(micros) if scales is not None else 1.0), {}
 
         def step(data: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
@@ -240,15 +298,25 @@ class MegatronTrainStrategy(BaseTrainStrategy):
             ids = micro["input_ids"]
             ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1], 0, rows - ids.shape[0]))
             positions = torch.arange(width, device=ids.device).expand_as(ids)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.mixed_precision and ids.is_cuda):
+            with torch.autocast(
+                "cuda", dtype=torch.bfloat16, enabled=self.mixed_precision and ids.is_cuda
+            ):
                 output = model(input_ids=ids, position_ids=positions, attention_mask=None)
             return output, lambda logits: finish(micro, logits, index)
 
         get_forward_backward_func()(
-            forward_step_func=step, data_iterator=iter(enumerate(micros)), model=[self.model], num_microbatches=len(micros),
-            seq_length=width, micro_batch_size=rows, forward_only=loss_fn is None)
+            forward_step_func=step,
+            data_iterator=iter(enumerate(micros)),
+            model=[self.model],
+            num_microbatches=len(micros),
+            seq_length=width,
+            micro_batch_size=rows,
+            forward_only=loss_fn is None,
+        )
         shared: list[Any] = [(outputs, losses)]
-        dist.broadcast_object_list(shared, src=mpu.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+        dist.broadcast_object_list(
+            shared, src=mpu.get_pipeline_model_parallel_last_rank(), group=self.pp_group
+        )
         return shared[0]
 
     def _reduce_tied_embedding(self) -> None:
@@ -257,9 +325,15 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
-        if not (self.layout.tied_embeddings and self.pp_size > 1) or not (self.first_stage or self.last_stage):
+        if not (self.layout.tied_embeddings and self.pp_size > 1) or not (
+            self.first_stage or self.last_stage
+        ):
             return
-        param = self.model.embedding.word_embeddings.weight if self.first_stage else self.model.output_layer.weight
+        param = (
+            self.model.embedding.word_embeddings.weight
+            if self.first_stage
+            else self.model.output_layer.weight
+        )
         if param.grad is not None:
             dist.all_reduce(param.grad, group=mpu.get_embedding_group())
 
@@ -273,7 +347,9 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         flat = torch._utils._flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=self.dp_group)
         flat /= self.dp_size
-        for grad, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+        for grad, reduced in zip(
+            grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+        ):
             grad.copy_(reduced)
 
     def _clip(self) -> float:
@@ -302,7 +378,9 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         if self.tp_size * self.pp_size > 1:
             dist.all_reduce(sharded, group=self.mp_group)  # distinct TP slices and distinct stages
         if self.pp_size > 1:
-            dist.all_reduce(replicated, group=self.pp_group)  # norms: the same on a stage's TP ranks
+            dist.all_reduce(
+                replicated, group=self.pp_group
+            )  # norms: the same on a stage's TP ranks
         norm = float((sharded + replicated).sqrt())
         if self.max_grad_norm is not None and math.isfinite(norm) and norm > self.max_grad_norm:
             for _, param in named:
@@ -336,8 +414,11 @@ class MegatronTrainStrategy(BaseTrainStrategy):
                 meta = [[(name, tuple(t.shape), t.dtype) for name, t in hf.items()]]
                 dist.broadcast_object_list(meta, src=source, group=self.pp_group)
                 for name, shape, dtype in meta[0]:
-                    tensor = hf[name].contiguous() if stage == self.pp_rank else torch.empty(
-                        shape, dtype=dtype, device=self.device)
+                    tensor = (
+                        hf[name].contiguous()
+                        if stage == self.pp_rank
+                        else torch.empty(shape, dtype=dtype, device=self.device)
+                    )
                     dist.broadcast(tensor, src=source, group=self.pp_group)
                     yield name, (tensor.to(device) if device is not None else tensor)
 
@@ -367,7 +448,9 @@ class MegatronTrainStrategy(BaseTrainStrategy):
             dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
             for rank, part in enumerate(parts):
                 shards[rank][name] = part
-        stages: list[list[Mapping[str, torch.Tensor]]] = [[{}] * self.tp_size for _ in range(self.pp_size)]
+        stages: list[list[Mapping[str, torch.Tensor]]] = [
+            [{}] * self.tp_size for _ in range(self.pp_size)
+        ]
         stages[self.pp_rank] = shards
         return megatron_to_hf(stages, self.layout)
 

@@ -42,7 +42,13 @@ from trainer.strategies.parallel_errors import ParallelConfigError, UnsupportedM
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["MegatronLayout", "layout_from_hf_config", "hf_to_megatron", "megatron_to_hf", "SUPPORTED_MODEL_TYPES"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "MegatronLayout",
+    "hf_to_megatron",
+    "layout_from_hf_config",
+    "megatron_to_hf",
+]
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama")
 
@@ -82,15 +88,23 @@ class MegatronLayout:
     def check(self) -> None:
         """Raise ``ParallelConfigError`` listing every size that ``tp``/``pp`` does not divide."""
         problems = []
-        for what, value in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
-                            ("intermediate_size", self.ffn_hidden_size)):
+        for what, value in (
+            ("num_attention_heads", self.num_heads),
+            ("num_key_value_heads", self.num_kv_heads),
+            ("intermediate_size", self.ffn_hidden_size),
+        ):
             if value % self.tp:
-                problems.append(f"{what}={value} is not divisible by tensor_parallel_size={self.tp}")
+                problems.append(
+                    f"{what}={value} is not divisible by tensor_parallel_size={self.tp}"
+                )
         if self.num_layers % self.pp:
-            problems.append(f"num_hidden_layers={self.num_layers} is not divisible by pipeline_parallel_size={self.pp}")
+            problems.append(
+                f"num_hidden_layers={self.num_layers} is not divisible by pipeline_parallel_size={self.pp}"
+            )
         if problems:
             raise ParallelConfigError(
-                "megatron layout impossible for this model: " + "; ".join(problems)
+                "megatron layout impossible for this model: "
+                + "; ".join(problems)
                 + ". Choose a tensor/pipeline parallel size that divides them"
             )
 
@@ -117,14 +131,20 @@ def layout_from_hf_config(config: Any, *, tp: int = 1, pp: int = 1) -> MegatronL
             f"{', '.join(SUPPORTED_MODEL_TYPES)}. Use strategy 'fsdp2' or 'hf' for this model"
         )
     if getattr(config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModelError(f"hidden_act {config.hidden_act!r} is not mapped; only SwiGLU ('silu') is")
-    if model_type == "llama" and (getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)):
+        raise UnsupportedModelError(
+            f"hidden_act {config.hidden_act!r} is not mapped; only SwiGLU ('silu') is"
+        )
+    if model_type == "llama" and (
+        getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
+    ):
         raise UnsupportedModelError(
             "a llama config with attention_bias/mlp_bias=True has biases Megatron's GPTModel cannot hold "
             "exactly (o_proj/MLP biases); use strategy 'fsdp2'"
         )
     if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
-        raise UnsupportedModelError("qwen2 with use_sliding_window=True is not mapped; use strategy 'fsdp2'")
+        raise UnsupportedModelError(
+            "qwen2 with use_sliding_window=True is not mapped; use strategy 'fsdp2'"
+        )
     heads = int(config.num_attention_heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     layout = MegatronLayout(
@@ -160,21 +180,30 @@ def _pad_vocab(weight: torch.Tensor, layout: MegatronLayout) -> torch.Tensor:
     return torch.cat([weight, weight.new_zeros((extra, *weight.shape[1:]))])
 
 
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: MegatronLayout, rank: int) -> torch.Tensor:
+def _fuse_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: MegatronLayout, rank: int
+) -> torch.Tensor:
     """q [Q*D, ...], k/v [G*D, ...] -> this rank's interleaved [(G/tp)*(Q/G+2)*D, ...]."""
     import torch
 
     groups, d = layout.num_kv_heads, layout.head_dim
     per_group = layout.num_heads // groups
     tail = q.shape[1:]
-    fused = torch.cat([q.reshape(groups, per_group * d, *tail), k.reshape(groups, d, *tail),
-                       v.reshape(groups, d, *tail)], dim=1)
+    fused = torch.cat(
+        [
+            q.reshape(groups, per_group * d, *tail),
+            k.reshape(groups, d, *tail),
+            v.reshape(groups, d, *tail),
+        ],
+        dim=1,
+    )
     mine = fused.chunk(layout.tp, dim=0)[rank]
     return mine.reshape(-1, *tail).clone()
 
 
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: MegatronLayout, *, tp_rank: int = 0,
-                   pp_rank: int = 0) -> dict[str, torch.Tensor]:
+def hf_to_megatron(
+    hf: Mapping[str, torch.Tensor], layout: MegatronLayout, *, tp_rank: int = 0, pp_rank: int = 0
+) -> dict[str, torch.Tensor]:
     """The Megatron ``GPTModel`` state dict of TP rank ``tp_rank``, PP stage ``pp_rank``."""
     import torch
 
@@ -183,46 +212,67 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], layout: MegatronLayout, *, tp
 
     out: dict[str, torch.Tensor] = {}
     if pp_rank == 0:
-        out["embedding.word_embeddings.weight"] = split(_pad_vocab(hf["model.embed_tokens.weight"], layout), 0)
+        out["embedding.word_embeddings.weight"] = split(
+            _pad_vocab(hf["model.embed_tokens.weight"], layout), 0
+        )
     for local, index in enumerate(layout.stage_layers(pp_rank)):
         src, dst = f"model.layers.{index}.", f"decoder.layers.{local}."
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"].clone()
         attn = src + "self_attn."
         out[dst + "self_attention.linear_qkv.weight"] = _fuse_qkv(
-            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], layout, tp_rank)
+            hf[attn + "q_proj.weight"],
+            hf[attn + "k_proj.weight"],
+            hf[attn + "v_proj.weight"],
+            layout,
+            tp_rank,
+        )
         if layout.qkv_bias:
             out[dst + "self_attention.linear_qkv.bias"] = _fuse_qkv(
-                hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], layout, tp_rank)
+                hf[attn + "q_proj.bias"],
+                hf[attn + "k_proj.bias"],
+                hf[attn + "v_proj.bias"],
+                layout,
+                tp_rank,
+            )
         out[dst + "self_attention.linear_proj.weight"] = split(hf[attn + "o_proj.weight"], 1)
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"].clone()
         mlp = src + "mlp."
-        out[dst + "mlp.linear_fc1.weight"] = torch.cat([split(hf[mlp + "gate_proj.weight"], 0),
-                                                        split(hf[mlp + "up_proj.weight"], 0)])
+        out[dst + "mlp.linear_fc1.weight"] = torch.cat(
+            [split(hf[mlp + "gate_proj.weight"], 0), split(hf[mlp + "up_proj.weight"], 0)]
+        )
         out[dst + "mlp.linear_fc2.weight"] = split(hf[mlp + "down_proj.weight"], 1)
     if pp_rank == layout.pp - 1:
         out["decoder.final_layernorm.weight"] = hf["model.norm.weight"].clone()
         if not layout.tied_embeddings:
             out["output_layer.weight"] = split(_pad_vocab(hf["lm_head.weight"], layout), 0)
         elif layout.pp > 1:  # the last stage keeps its own copy of the tied embedding
-            out["output_layer.weight"] = split(_pad_vocab(hf["model.embed_tokens.weight"], layout), 0)
+            out["output_layer.weight"] = split(
+                _pad_vocab(hf["model.embed_tokens.weight"], layout), 0
+            )
     return out
 
 
 # --------------------------------------------------------------------------- Megatron -> HF
 
 
-def _unfuse_qkv(shards: list[torch.Tensor], layout: MegatronLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _unfuse_qkv(
+    shards: list[torch.Tensor], layout: MegatronLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     import torch
 
     groups, d = layout.num_kv_heads, layout.head_dim
     per_group = layout.num_heads // groups
     tail = shards[0].shape[1:]
-    fused = torch.cat([s.reshape(groups // layout.tp, (per_group + 2) * d, *tail) for s in shards], dim=0)
+    fused = torch.cat(
+        [s.reshape(groups // layout.tp, (per_group + 2) * d, *tail) for s in shards], dim=0
+    )
     q, k, v = fused.split([per_group * d, d, d], dim=1)
     return q.reshape(-1, *tail).clone(), k.reshape(-1, *tail).clone(), v.reshape(-1, *tail).clone()
 
 
-def megatron_to_hf(stages: list[list[Mapping[str, torch.Tensor]]], layout: MegatronLayout) -> dict[str, torch.Tensor]:
+def megatron_to_hf(
+    stages: list[list[Mapping[str, torch.Tensor]]], layout: MegatronLayout
+) -> dict[str, torch.Tensor]:
     """Full HF tensors from every shard: ``stages[pp_rank][tp_rank]`` is one rank's state dict.
 
     Also accepts any subset of layers in a stage (what is present is converted); the result's
@@ -244,21 +294,41 @@ def megatron_to_hf(stages: list[list[Mapping[str, torch.Tensor]]], layout: Megat
     for pp_rank, shards in enumerate(stages):
         first = shards[0]
         if "embedding.word_embeddings.weight" in first:
-            hf["model.embed_tokens.weight"] = merge(shards, "embedding.word_embeddings.weight", 0)[:vocab].clone()
+            hf["model.embed_tokens.weight"] = merge(shards, "embedding.word_embeddings.weight", 0)[
+                :vocab
+            ].clone()
         for local, index in enumerate(layout.stage_layers(pp_rank)):
             src, dst = f"decoder.layers.{local}.", f"model.layers.{index}."
             if src + "input_layernorm.weight" not in first:
                 continue
             hf[dst + "input_layernorm.weight"] = first[src + "input_layernorm.weight"].clone()
-            q, k, v = _unfuse_qkv([s[src + "self_attention.linear_qkv.weight"] for s in shards], layout)
-            hf.update({dst + "self_attn.q_proj.weight": q, dst + "self_attn.k_proj.weight": k,
-                       dst + "self_attn.v_proj.weight": v})
+            q, k, v = _unfuse_qkv(
+                [s[src + "self_attention.linear_qkv.weight"] for s in shards], layout
+            )
+            hf.update(
+                {
+                    dst + "self_attn.q_proj.weight": q,
+                    dst + "self_attn.k_proj.weight": k,
+                    dst + "self_attn.v_proj.weight": v,
+                }
+            )
             if layout.qkv_bias:
-                q, k, v = _unfuse_qkv([s[src + "self_attention.linear_qkv.bias"] for s in shards], layout)
-                hf.update({dst + "self_attn.q_proj.bias": q, dst + "self_attn.k_proj.bias": k,
-                           dst + "self_attn.v_proj.bias": v})
-            hf[dst + "self_attn.o_proj.weight"] = merge(shards, src + "self_attention.linear_proj.weight", 1)
-            hf[dst + "post_attention_layernorm.weight"] = first[src + "pre_mlp_layernorm.weight"].clone()
+                q, k, v = _unfuse_qkv(
+                    [s[src + "self_attention.linear_qkv.bias"] for s in shards], layout
+                )
+                hf.update(
+                    {
+                        dst + "self_attn.q_proj.bias": q,
+                        dst + "self_attn.k_proj.bias": k,
+                        dst + "self_attn.v_proj.bias": v,
+                    }
+                )
+            hf[dst + "self_attn.o_proj.weight"] = merge(
+                shards, src + "self_attention.linear_proj.weight", 1
+            )
+            hf[dst + "post_attention_layernorm.weight"] = first[
+                src + "pre_mlp_layernorm.weight"
+            ].clone()
             halves = [s[src + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in shards]
             hf[dst + "mlp.gate_proj.weight"] = torch.cat([h[0] for h in halves])
             hf[dst + "mlp.up_proj.weight"] = torch.cat([h[1] for h in halves])

@@ -50,7 +50,9 @@ def _tracker_class() -> type:
 
             self._is_initialized = True
             if seed in self.seeds_:
-                raise ParallelConfigError(f"megatron rng seed {seed} is already tracked; use distinct seeds")
+                raise ParallelConfigError(
+                    f"megatron rng seed {seed} is already tracked; use distinct seeds"
+                )
             if name in self.states_:
                 raise ParallelConfigError(f"megatron rng state {name!r} is already tracked")
             self.seeds_.add(seed)

@@ -74,8 +74,12 @@ class Residency:
                 self.history.append(ResidencyEvent("offload", state, self.moves))
         if not self.moves and not self._said_noop and any(wanted.values()):
             self._said_noop = True
-            log.info("%s: offload/reload on device %r moves nothing (the state already lives in host memory); "
-                     "which states are offloaded is still tracked", self.owner, self.device)
+            log.info(
+                "%s: offload/reload on device %r moves nothing (the state already lives in host memory); "
+                "which states are offloaded is still tracked",
+                self.owner,
+                self.device,
+            )
 
     def reload(self, *states: str, reason: str = "phase") -> None:
         """Bring ``states`` (default: every state that is away) back onto the device."""

@@ -22,9 +22,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainer.strategies.base import InferenceEngine, TrainStrategy
 
-__all__ = ["EngineSpec", "INFERENCE_ENGINES", "StrategySpec", "TRAIN_STRATEGIES", "STATELESS_STRATEGIES",
-           "can_offload", "engine_spec", "layout_problem", "make_engine", "make_train_strategy", "process_problem",
-           "train_strategy_spec"]
+__all__ = [
+    "INFERENCE_ENGINES",
+    "STATELESS_STRATEGIES",
+    "TRAIN_STRATEGIES",
+    "EngineSpec",
+    "StrategySpec",
+    "can_offload",
+    "engine_spec",
+    "layout_problem",
+    "make_engine",
+    "make_train_strategy",
+    "process_problem",
+    "train_strategy_spec",
+]
 
 
 @dataclass(frozen=True)
@@ -70,9 +81,16 @@ def _table(*specs: _Spec) -> dict[str, Any]:
 
 TRAIN_STRATEGIES: dict[str, StrategySpec] = _table(
     StrategySpec("hf", "trainer.strategies.hf:HFTrainStrategy"),
-    StrategySpec("fsdp2", "trainer.strategies.fsdp2:FSDP2TrainStrategy", sharded=True, tensor_parallel=True),
-    StrategySpec("megatron", "trainer.strategies.megatron:MegatronTrainStrategy", sharded=True,
-                 tensor_parallel=True, pipeline_parallel=True),
+    StrategySpec(
+        "fsdp2", "trainer.strategies.fsdp2:FSDP2TrainStrategy", sharded=True, tensor_parallel=True
+    ),
+    StrategySpec(
+        "megatron",
+        "trainer.strategies.megatron:MegatronTrainStrategy",
+        sharded=True,
+        tensor_parallel=True,
+        pipeline_parallel=True,
+    ),
 )
 """``roles.actor_train/reference/critic.strategy`` -> training strategy."""
 
@@ -112,21 +130,30 @@ def can_offload(name: str) -> bool | None:
     return None if spec is None else spec.offload
 
 
-def layout_problem(name: str | None, world_size: int, strategy_args: Mapping[str, Any]) -> tuple[str, str] | None:
+def layout_problem(
+    name: str | None, world_size: int, strategy_args: Mapping[str, Any]
+) -> tuple[str, str] | None:
     """``(strategy_args key, what is wrong)`` when strategy ``name``'s tensor x pipeline parallel
     layout cannot run on ``world_size`` ranks; None when it can. The one check of the layout:
     ``config.problems()`` reports it with the key path, ``BaseTrainStrategy.create`` raises it."""
-    spec = TRAIN_STRATEGIES.get(name or "hf")  # an unknown name is refused when the worker builds it
+    spec = TRAIN_STRATEGIES.get(
+        name or "hf"
+    )  # an unknown name is refused when the worker builds it
     if spec is None:
         return None
     tp = strategy_args.get("tensor_parallel_size", 1) if spec.tensor_parallel else 1
     pp = strategy_args.get("pipeline_parallel_size", 1) if spec.pipeline_parallel else 1
     if not isinstance(tp, int) or tp < 1 or world_size % tp:
-        return "tensor_parallel_size", f"{tp!r} must be a positive divisor of the role's {world_size} workers " \
-                                       "(its device_mapping)"
+        return (
+            "tensor_parallel_size",
+            f"{tp!r} must be a positive divisor of the role's {world_size} workers "
+            "(its device_mapping)",
+        )
     if not isinstance(pp, int) or pp < 1 or world_size % (tp * pp):
-        return "pipeline_parallel_size", (f"{pp!r}: tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} "
-                                          f"must divide the role's {world_size} workers (its device_mapping)")
+        return "pipeline_parallel_size", (
+            f"{pp!r}: tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} "
+            f"must divide the role's {world_size} workers (its device_mapping)"
+        )
     return None
 
 
@@ -137,12 +164,20 @@ def process_problem(name: str | None, world_size: int, backend: str) -> str | No
     spec = TRAIN_STRATEGIES.get(name or "hf")
     if spec is None or not spec.sharded or world_size <= 1 or backend == "ray":
         return None
-    return (f"strategy {spec.name!r} on {world_size} workers needs one process per rank; {backend!r} runs "
-            "workers as threads of one process - set cluster.backend: ray")
+    return (
+        f"strategy {spec.name!r} on {world_size} workers needs one process per rank; {backend!r} runs "
+        "workers as threads of one process - set cluster.backend: ray"
+    )
 
 
-def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1,
-                        strategy_args: Mapping[str, Any] | None = None, **common: Any) -> TrainStrategy:
+def make_train_strategy(
+    name: str | None,
+    model: Any,
+    *,
+    world_size: int = 1,
+    strategy_args: Mapping[str, Any] | None = None,
+    **common: Any,
+) -> TrainStrategy:
     """The ``TrainStrategy`` called ``name`` around ``model``, for a role of ``world_size`` ranks.
 
     ``common`` are the settings every strategy takes (``lr``, ``micro_batch_size``, ...;
@@ -152,11 +187,13 @@ def make_train_strategy(name: str | None, model: Any, *, world_size: int = 1,
     (``BaseTrainStrategy.create``) before anything is built.
     """
     spec = train_strategy_spec(name)
-    return spec.load().create(model, world_size=world_size, strategy_args=dict(strategy_args or {}), **common)
+    return spec.load().create(
+        model, world_size=world_size, strategy_args=dict(strategy_args or {}), **common
+    )
 
 
-def make_engine(name: str | None, model_path: str, *, dtype: str = "float32", seed: int = 0,
-                **options: Any) -> InferenceEngine:
+def make_engine(
+    name: str | None, model_path: str, *, dtype: str = "float32", seed: int = 0, **options: Any
+) -> InferenceEngine:
     """The worker-side engine called ``name`` (``options``: ``roles.actor_infer.strategy_args``)."""
     return engine_spec(name).load()(model_path, dtype=dtype, seed=seed, **options)
-

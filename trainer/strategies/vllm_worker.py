@@ -25,8 +25,12 @@ class EnvhubWorkerExtension:
 
     model_runner: Any
 
-    def envhub_reload_weights(self, weights: Iterable[tuple[str, Any]] | None = None,
-                              safetensors_bytes: bytes | None = None, path: str | None = None) -> int:
+    def envhub_reload_weights(
+        self,
+        weights: Iterable[tuple[str, Any]] | None = None,
+        safetensors_bytes: bytes | None = None,
+        path: str | None = None,
+    ) -> int:
         """Load full HF-named tensors in place; returns how many tensors were given.
 
         ``weights`` (an iterable of ``(name, tensor)``) works only in-process, where the

@@ -24,7 +24,16 @@ from trainer.weights.errors import BucketTooSmallError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["ALIGN", "Bucket", "TensorMeta", "group_tensors", "iter_buckets", "largest_tensor", "pack", "plan_buckets"]
+__all__ = [
+    "ALIGN",
+    "Bucket",
+    "TensorMeta",
+    "group_tensors",
+    "iter_buckets",
+    "largest_tensor",
+    "pack",
+    "plan_buckets",
+]
 
 ALIGN = 64
 """Byte alignment of each tensor inside a bucket (any dtype's views stay aligned)."""
@@ -63,7 +72,7 @@ class Bucket:
         import torch
 
         for meta in self.metas:
-            raw = self.buffer[meta.offset:meta.offset + meta.nbytes]
+            raw = self.buffer[meta.offset : meta.offset + meta.nbytes]
             yield meta.name, raw.view(getattr(torch, meta.dtype)).view(meta.shape)
 
 
@@ -88,8 +97,10 @@ def largest_tensor(model_path: str, dtype: str) -> tuple[str, int] | None:
     try:
         config = json.loads((Path(model_path) / "config.json").read_text())
         hidden = int(config["hidden_size"])
-        shapes = {"model.embed_tokens.weight": int(config["vocab_size"]) * hidden,
-                  "model.layers.0.mlp.up_proj.weight": int(config.get("intermediate_size", 0)) * hidden}
+        shapes = {
+            "model.embed_tokens.weight": int(config["vocab_size"]) * hidden,
+            "model.layers.0.mlp.up_proj.weight": int(config.get("intermediate_size", 0)) * hidden,
+        }
     except (OSError, ValueError, KeyError, TypeError):
         return None
     name = max(shapes, key=shapes.__getitem__)
@@ -115,8 +126,13 @@ def plan_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[li
     return [group for group in plan if group]
 
 
-def pack(named: list[tuple[str, torch.Tensor]], *, index: int = 0, device: torch.device | str | None = None,
-         buffer: torch.Tensor | None = None) -> Bucket:
+def pack(
+    named: list[tuple[str, torch.Tensor]],
+    *,
+    index: int = 0,
+    device: torch.device | str | None = None,
+    buffer: torch.Tensor | None = None,
+) -> Bucket:
     """Copy ``named`` tensors into one flat buffer (on ``device``, default the first tensor's)."""
     import torch
 
@@ -124,7 +140,11 @@ def pack(named: list[tuple[str, torch.Tensor]], *, index: int = 0, device: torch
     offset = 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
-        metas.append(TensorMeta(name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes))
+        metas.append(
+            TensorMeta(
+                name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes
+            )
+        )
         offset += _aligned(nbytes)
     target = device if device is not None else (named[0][1].device if named else "cpu")
     if buffer is None or buffer.numel() < offset:
@@ -135,8 +155,9 @@ def pack(named: list[tuple[str, torch.Tensor]], *, index: int = 0, device: torch
     return bucket
 
 
-def group_tensors(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def group_tensors(
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive ``(name, tensor)`` groups whose aligned sizes fit ``bucket_bytes`` (no copy).
 
     The grouping depends only on tensor sizes, so every rank of a sharded trainer that
@@ -158,8 +179,12 @@ def group_tensors(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torc
         yield pending
 
 
-def iter_buckets(weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *,
-                 device: torch.device | str | None = None) -> Iterator[Bucket]:
+def iter_buckets(
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    *,
+    device: torch.device | str | None = None,
+) -> Iterator[Bucket]:
     """Stream ``weights`` into buckets of at most ``bucket_bytes`` (checked per tensor as it comes)."""
     for index, group in enumerate(group_tensors(weights, bucket_bytes)):
         yield pack(group, index=index, device=device)

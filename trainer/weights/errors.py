@@ -1,17 +1,17 @@
 """Errors of the weight sync. Each names the bad value and the fix.
 
-    TrainerError
-    └── WeightSyncError            a sync could not complete
-        ├── BucketTooSmallError    a single tensor does not fit in one bucket
-        ├── StaleWeightsError      an engine's weights are older than, or only partly, the trainer's
-        └── TransportError         the other side of a transport died or broke the protocol
+TrainerError
+└── WeightSyncError            a sync could not complete
+    ├── BucketTooSmallError    a single tensor does not fit in one bucket
+    ├── StaleWeightsError      an engine's weights are older than, or only partly, the trainer's
+    └── TransportError         the other side of a transport died or broke the protocol
 """
 
 from __future__ import annotations
 
 from trainer.errors import TrainerError
 
-__all__ = ["WeightSyncError", "BucketTooSmallError", "StaleWeightsError", "TransportError"]
+__all__ = ["BucketTooSmallError", "StaleWeightsError", "TransportError", "WeightSyncError"]
 
 
 class WeightSyncError(TrainerError, RuntimeError):

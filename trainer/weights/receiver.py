@@ -67,7 +67,11 @@ class WeightReceiver:
             if self._weight_segments is None:
                 self._weight_segments = SegmentPool()
             self._weight_segments_used.add(handle.shm_name)  # type: ignore[union-attr]
-            bucket = Bucket(self._weight_segments.buffer(handle.shm_name)[:handle.nbytes], handle.metas, handle.index)
+            bucket = Bucket(
+                self._weight_segments.buffer(handle.shm_name)[: handle.nbytes],
+                handle.metas,
+                handle.index,
+            )
             self._versioned().load_part(bucket.tensors(), copy=False)
             return
         bucket, close = open_bucket(handle)
@@ -82,15 +86,24 @@ class WeightReceiver:
         try:
             return self._versioned().finish(version, names)
         finally:
-            if self._weight_segments is not None:  # the engine holds no views now: unmap what the trainer replaced
+            if (
+                self._weight_segments is not None
+            ):  # the engine holds no views now: unmap what the trainer replaced
                 self._weight_segments.keep_only(self._weight_segments_used)
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
-    def receive_weights(self, address: tuple[str, int], world_size: int, timeout_s: float = 300.0) -> int:
+    def receive_weights(
+        self, address: tuple[str, int], world_size: int, timeout_s: float = 300.0
+    ) -> int:
         """Join the broadcast group as rank ``1 + self.rank`` (once per address) and load one whole sync."""
         if self._weight_group_address != tuple(address):
-            self._weight_group = BroadcastGroup(address[0], address[1], 1 + self.rank, world_size,  # type: ignore[attr-defined]
-                                                timeout_s=timeout_s)
+            self._weight_group = BroadcastGroup(
+                address[0],
+                address[1],
+                1 + self.rank,
+                world_size,  # type: ignore[attr-defined]
+                timeout_s=timeout_s,
+            )
             self._weight_group_address = tuple(address)
         try:
             return self._weight_group.receive_into(self._versioned())  # type: ignore[union-attr]
@@ -109,8 +122,11 @@ class WeightReceiver:
         for file in sorted(Path(path).glob("*.safetensors")):
             weights.update(load_file(str(file)))
         engine = self._versioned()
-        engine.load([_MappingBucket(weights)], version=(engine.weights_version or 0) + 1,
-                    expected_names=list(weights))
+        engine.load(
+            [_MappingBucket(weights)],
+            version=(engine.weights_version or 0) + 1,
+            expected_names=list(weights),
+        )
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def weights_version(self) -> int | None:

@@ -33,12 +33,24 @@ from trainer.controller.worker import Worker
 from trainer.weights.buckets import ALIGN, TensorMeta, group_tensors, plan_buckets
 from trainer.weights.errors import WeightSyncError
 from trainer.weights.shards import ShardLayout, equal_piece, shard_layout, write_piece
-from trainer.weights.transport import BroadcastGroup, SegmentPool, SharedBucket, SharedSegment, pack_shared
+from trainer.weights.transport import (
+    BroadcastGroup,
+    SegmentPool,
+    SharedBucket,
+    SharedSegment,
+    pack_shared,
+)
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["SenderState", "ShardSender", "WeightSender", "WeightSenderCluster", "plan_shared_buckets"]
+__all__ = [
+    "SenderState",
+    "ShardSender",
+    "WeightSender",
+    "WeightSenderCluster",
+    "plan_shared_buckets",
+]
 
 
 class SenderState:
@@ -50,7 +62,9 @@ class SenderState:
         self.group_address: tuple[str, int] | None = None
         self.segment = SharedSegment()
 
-    def _changed(self, group: list[tuple[str, torch.Tensor]], only_changed: bool) -> list[tuple[str, torch.Tensor]]:
+    def _changed(
+        self, group: list[tuple[str, torch.Tensor]], only_changed: bool
+    ) -> list[tuple[str, torch.Tensor]]:
         if not only_changed:
             return group
         import torch
@@ -64,8 +78,14 @@ class SenderState:
                 self.sent[name] = host.clone()
         return out
 
-    def shared_buckets(self, weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, *, is_sender: bool,
-                       only_changed: bool = False) -> Iterator[tuple[SharedBucket | None, Any]]:
+    def shared_buckets(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        bucket_bytes: int,
+        *,
+        is_sender: bool,
+        only_changed: bool = False,
+    ) -> Iterator[tuple[SharedBucket | None, Any]]:
         """Per bucket: ``(handle, release)`` on the sender; ``(None, None)`` on the other ranks (same count)."""
         for index, group in enumerate(group_tensors(weights, bucket_bytes)):
             if not is_sender:
@@ -77,9 +97,18 @@ class SenderState:
                 continue
             yield pack_shared(group, index=index, segment=self.segment)
 
-    def broadcast(self, weights: Iterable[tuple[str, torch.Tensor]], address: tuple[str, int], world_size: int, *,
-                  is_sender: bool, version: int, bucket_bytes: int, only_changed: bool = False,
-                  timeout_s: float = 300.0) -> int:
+    def broadcast(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        address: tuple[str, int],
+        world_size: int,
+        *,
+        is_sender: bool,
+        version: int,
+        bucket_bytes: int,
+        only_changed: bool = False,
+        timeout_s: float = 300.0,
+    ) -> int:
         """Sender: join the group (once per address) and stream the buckets; others only gather. Tensors sent."""
         if not is_sender:
             for _ in weights:  # take part in every gather collective
@@ -138,8 +167,9 @@ class ShardSender:
         self.written: set[tuple[str, int, str]] = set()
         """(segment, offset, name) this rank wrote since the segment was created and the engines confirmed."""
 
-    def begin(self, strategy: Any, *, rank: int, bucket_bytes: int, only_changed: bool = False
-              ) -> list[SharedBucket] | None:
+    def begin(
+        self, strategy: Any, *, rank: int, bucket_bytes: int, only_changed: bool = False
+    ) -> list[SharedBucket] | None:
         """Plan this sync; rank 0 returns the bucket handles (segments created), other ranks None.
 
         None on rank 0 too when the strategy trains on a GPU: its shards are device memory, and
@@ -148,7 +178,9 @@ class ShardSender:
         if str(getattr(strategy, "device", "cpu")).startswith("cuda"):
             return None  # GPU shards: the gathered CUDA-IPC path (WeightSync._sync_gathered)
         layout = shard_layout(strategy, rank=rank)
-        handles = plan_shared_buckets(layout, bucket_bytes)  # too small: raised before anything moves
+        handles = plan_shared_buckets(
+            layout, bucket_bytes
+        )  # too small: raised before anything moves
         self.layout, self.only_changed = layout, only_changed
         if rank != 0:
             return None
@@ -166,7 +198,9 @@ class ShardSender:
         import torch
 
         if self.layout is None:
-            raise WeightSyncError("write_weight_bucket before begin_shard_sync; the driver must plan the sync first")
+            raise WeightSyncError(
+                "write_weight_bucket before begin_shard_sync; the driver must plan the sync first"
+            )
         buffer = self.pool.buffer(handle.shm_name)  # type: ignore[arg-type]
         written = []
         with torch.no_grad():
@@ -174,9 +208,17 @@ class ShardSender:
                 pieces = self.layout.pieces.get(meta.name)
                 if not pieces:
                     continue
-                target = buffer[meta.offset:meta.offset + meta.nbytes].view(getattr(torch, meta.dtype)).view(meta.shape)
+                target = (
+                    buffer[meta.offset : meta.offset + meta.nbytes]
+                    .view(getattr(torch, meta.dtype))
+                    .view(meta.shape)
+                )
                 key = (handle.shm_name or "", meta.offset, meta.name)
-                if self.only_changed and key in self.written and all(equal_piece(target, i, p) for i, p in pieces):
+                if (
+                    self.only_changed
+                    and key in self.written
+                    and all(equal_piece(target, i, p) for i, p in pieces)
+                ):
                     continue
                 for index, piece in pieces:
                     write_piece(target, index, piece)
@@ -231,9 +273,12 @@ class WeightSender:
     def begin_weight_sync(self, bucket_bytes: int, only_changed: bool = False) -> None:
         """Start streaming full weights in buckets of at most ``bucket_bytes``."""
         self.end_weight_sync()
-        self._weight_stream = self._state().shared_buckets(self._full_weights(), bucket_bytes,
-                                                           is_sender=self.rank == 0,  # type: ignore[attr-defined]
-                                                           only_changed=only_changed)
+        self._weight_stream = self._state().shared_buckets(
+            self._full_weights(),
+            bucket_bytes,
+            is_sender=self.rank == 0,  # type: ignore[attr-defined]
+            only_changed=only_changed,
+        )
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def next_weight_bucket(self) -> SharedBucket | None:
@@ -270,10 +315,16 @@ class WeightSender:
         return shard_layout(self.strategy, rank=self.rank, gather=False).sizes()  # type: ignore[attr-defined]
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
-    def begin_shard_sync(self, bucket_bytes: int, only_changed: bool = False) -> list[SharedBucket] | None:
+    def begin_shard_sync(
+        self, bucket_bytes: int, only_changed: bool = False
+    ) -> list[SharedBucket] | None:
         """Plan the buckets (raises ``BucketTooSmallError`` before anything moves); rank 0 returns the handles."""
-        return self._shards().begin(self.strategy, rank=self.rank,  # type: ignore[attr-defined]
-                                    bucket_bytes=bucket_bytes, only_changed=only_changed)
+        return self._shards().begin(
+            self.strategy,
+            rank=self.rank,  # type: ignore[attr-defined]
+            bucket_bytes=bucket_bytes,
+            only_changed=only_changed,
+        )
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def write_weight_bucket(self, handle: SharedBucket) -> list[str]:
@@ -288,13 +339,27 @@ class WeightSender:
 
     # -- broadcast: rank 0 streams to every inference worker
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
-    def broadcast_weights(self, address: tuple[str, int], world_size: int, *, version: int, bucket_bytes: int,
-                          only_changed: bool = False, timeout_s: float = 300.0) -> int:
+    def broadcast_weights(
+        self,
+        address: tuple[str, int],
+        world_size: int,
+        *,
+        version: int,
+        bucket_bytes: int,
+        only_changed: bool = False,
+        timeout_s: float = 300.0,
+    ) -> int:
         """Collective: rank 0 joins the weight broadcast group as its rank 0 and streams the buckets."""
-        return self._state().broadcast(self._full_weights(), address, world_size,
-                                       is_sender=self.rank == 0,  # type: ignore[attr-defined]
-                                       version=version, bucket_bytes=bucket_bytes, only_changed=only_changed,
-                                       timeout_s=timeout_s)
+        return self._state().broadcast(
+            self._full_weights(),
+            address,
+            world_size,
+            is_sender=self.rank == 0,  # type: ignore[attr-defined]
+            version=version,
+            bucket_bytes=bucket_bytes,
+            only_changed=only_changed,
+            timeout_s=timeout_s,
+        )
 
 
 class WeightSenderCluster:

@@ -43,7 +43,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Piece", "ShardLayout", "TensorSpec", "equal_piece", "megatron_layout", "shard_layout", "write_piece"]
+__all__ = [
+    "Piece",
+    "ShardLayout",
+    "TensorSpec",
+    "equal_piece",
+    "megatron_layout",
+    "shard_layout",
+    "write_piece",
+]
 
 Index = tuple[slice, ...]
 Piece = tuple[Index, "torch.Tensor"]
@@ -98,8 +106,10 @@ def shard_layout(strategy: Any, *, rank: int = 0, gather: bool = True) -> ShardL
         return _fsdp2(strategy, gather=gather)
     model = getattr(strategy, "model", None)
     if model is None:
-        raise TypeError(f"the shared-memory weight sync cannot read the shards of {kind} (no .model); use "
-                        "weight_sync.transport=broadcast")
+        raise TypeError(
+            f"the shared-memory weight sync cannot read the shards of {kind} (no .model); use "
+            "weight_sync.transport=broadcast"
+        )
     return _whole(model, write=rank == 0)
 
 
@@ -164,8 +174,10 @@ def _fsdp2(strategy: Any, *, gather: bool = True) -> ShardLayout:
         start = min(mesh_rank * step, rows)
         length = max(0, min(step, rows - start))
         if local.shape[0] != length:
-            raise RuntimeError(f"{name}: FSDP2 rank {mesh_rank} holds {local.shape[0]} rows, expected {length} "
-                               f"(torch.chunk of {rows} rows over {world} ranks)")
+            raise RuntimeError(
+                f"{name}: FSDP2 rank {mesh_rank} holds {local.shape[0]} rows, expected {length} "
+                f"(torch.chunk of {rows} rows over {world} ranks)"
+            )
         if length:
             layout.pieces[name] = [((slice(start, start + length),), local)]
     return layout
@@ -177,13 +189,23 @@ def _fsdp2(strategy: Any, *, gather: bool = True) -> ShardLayout:
 def _megatron(strategy: Any) -> ShardLayout:
     from megatron.core import parallel_state as mpu
 
-    local = {k: v.detach() for k, v in strategy.model.state_dict().items() if not k.endswith("_extra_state")}
-    return megatron_layout(strategy.layout, local, tp_rank=strategy.tp_rank, pp_rank=getattr(strategy, "pp_rank", 0),
-                           write=mpu.get_data_parallel_rank() == 0)
+    local = {
+        k: v.detach()
+        for k, v in strategy.model.state_dict().items()
+        if not k.endswith("_extra_state")
+    }
+    return megatron_layout(
+        strategy.layout,
+        local,
+        tp_rank=strategy.tp_rank,
+        pp_rank=getattr(strategy, "pp_rank", 0),
+        write=mpu.get_data_parallel_rank() == 0,
+    )
 
 
-def megatron_layout(lay: Any, local: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int = 0,
-                    write: bool = True) -> ShardLayout:
+def megatron_layout(
+    lay: Any, local: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int = 0, write: bool = True
+) -> ShardLayout:
     """The layout of one Megatron rank: ``local`` is its ``GPTModel`` state dict, ``lay`` its ``MegatronLayout``."""
     tp, r = lay.tp, tp_rank
     dtype = _dtype(next(iter(local.values())))
@@ -195,19 +217,25 @@ def megatron_layout(lay: Any, local: dict[str, torch.Tensor], *, tp_rank: int, p
     specs: list[TensorSpec] = [TensorSpec("model.embed_tokens.weight", (vocab, h), dtype)]
     for i in range(lay.num_layers):
         p = f"model.layers.{i}."
-        specs += [TensorSpec(p + "self_attn.q_proj.weight", (qd, h), dtype),
-                  TensorSpec(p + "self_attn.k_proj.weight", (groups * d, h), dtype),
-                  TensorSpec(p + "self_attn.v_proj.weight", (groups * d, h), dtype)]
+        specs += [
+            TensorSpec(p + "self_attn.q_proj.weight", (qd, h), dtype),
+            TensorSpec(p + "self_attn.k_proj.weight", (groups * d, h), dtype),
+            TensorSpec(p + "self_attn.v_proj.weight", (groups * d, h), dtype),
+        ]
         if lay.qkv_bias:
-            specs += [TensorSpec(p + "self_attn.q_proj.bias", (qd,), dtype),
-                      TensorSpec(p + "self_attn.k_proj.bias", (groups * d,), dtype),
-                      TensorSpec(p + "self_attn.v_proj.bias", (groups * d,), dtype)]
-        specs += [TensorSpec(p + "self_attn.o_proj.weight", (h, qd), dtype),
-                  TensorSpec(p + "mlp.gate_proj.weight", (f, h), dtype),
-                  TensorSpec(p + "mlp.up_proj.weight", (f, h), dtype),
-                  TensorSpec(p + "mlp.down_proj.weight", (h, f), dtype),
-                  TensorSpec(p + "input_layernorm.weight", (h,), dtype),
-                  TensorSpec(p + "post_attention_layernorm.weight", (h,), dtype)]
+            specs += [
+                TensorSpec(p + "self_attn.q_proj.bias", (qd,), dtype),
+                TensorSpec(p + "self_attn.k_proj.bias", (groups * d,), dtype),
+                TensorSpec(p + "self_attn.v_proj.bias", (groups * d,), dtype),
+            ]
+        specs += [
+            TensorSpec(p + "self_attn.o_proj.weight", (h, qd), dtype),
+            TensorSpec(p + "mlp.gate_proj.weight", (f, h), dtype),
+            TensorSpec(p + "mlp.up_proj.weight", (f, h), dtype),
+            TensorSpec(p + "mlp.down_proj.weight", (h, f), dtype),
+            TensorSpec(p + "input_layernorm.weight", (h,), dtype),
+            TensorSpec(p + "post_attention_layernorm.weight", (h,), dtype),
+        ]
     specs.append(TensorSpec("model.norm.weight", (h,), dtype))
     if not lay.tied_embeddings:
         specs.append(TensorSpec("lm_head.weight", (vocab, h), dtype))
@@ -234,9 +262,11 @@ def megatron_layout(lay: Any, local: dict[str, torch.Tensor], *, tp_rank: int, p
         tail = tensor.shape[1:]
         fused = tensor.view(groups // tp, (per_group + 2) * d, *tail)
         mine = groups // tp
-        pieces[name + "q_proj" + suffix] = [(rows(mine * per_group * d), fused[:, :per_group * d])]
-        pieces[name + "k_proj" + suffix] = [(rows(mine * d), fused[:, per_group * d:(per_group + 1) * d])]
-        pieces[name + "v_proj" + suffix] = [(rows(mine * d), fused[:, (per_group + 1) * d:])]
+        pieces[name + "q_proj" + suffix] = [(rows(mine * per_group * d), fused[:, : per_group * d])]
+        pieces[name + "k_proj" + suffix] = [
+            (rows(mine * d), fused[:, per_group * d : (per_group + 1) * d])
+        ]
+        pieces[name + "v_proj" + suffix] = [(rows(mine * d), fused[:, (per_group + 1) * d :])]
 
     if "embedding.word_embeddings.weight" in local:
         pieces["model.embed_tokens.weight"] = vocab_rows(local["embedding.word_embeddings.weight"])
@@ -246,14 +276,20 @@ def megatron_layout(lay: Any, local: dict[str, torch.Tensor], *, tp_rank: int, p
             continue
         for suffix in (".weight", ".bias") if lay.qkv_bias else (".weight",):
             qkv(dst + "self_attn.", suffix, local[src + "self_attention.linear_qkv" + suffix])
-        pieces[dst + "self_attn.o_proj.weight"] = [(cols(qd // tp), local[src + "self_attention.linear_proj.weight"])]
+        pieces[dst + "self_attn.o_proj.weight"] = [
+            (cols(qd // tp), local[src + "self_attention.linear_proj.weight"])
+        ]
         fc1 = local[src + "mlp.linear_fc1.weight"]
-        pieces[dst + "mlp.gate_proj.weight"] = [(rows(f // tp), fc1[:f // tp])]
-        pieces[dst + "mlp.up_proj.weight"] = [(rows(f // tp), fc1[f // tp:])]
-        pieces[dst + "mlp.down_proj.weight"] = [(cols(f // tp), local[src + "mlp.linear_fc2.weight"])]
+        pieces[dst + "mlp.gate_proj.weight"] = [(rows(f // tp), fc1[: f // tp])]
+        pieces[dst + "mlp.up_proj.weight"] = [(rows(f // tp), fc1[f // tp :])]
+        pieces[dst + "mlp.down_proj.weight"] = [
+            (cols(f // tp), local[src + "mlp.linear_fc2.weight"])
+        ]
         if r == 0:
             pieces[dst + "input_layernorm.weight"] = [((), local[src + "input_layernorm.weight"])]
-            pieces[dst + "post_attention_layernorm.weight"] = [((), local[src + "pre_mlp_layernorm.weight"])]
+            pieces[dst + "post_attention_layernorm.weight"] = [
+                ((), local[src + "pre_mlp_layernorm.weight"])
+            ]
     if "decoder.final_layernorm.weight" in local and r == 0:
         pieces["model.norm.weight"] = [((), local["decoder.final_layernorm.weight"])]
     if "output_layer.weight" in local and not lay.tied_embeddings:

@@ -97,8 +97,12 @@ class SyncReport:
     to the engines, ``finish`` = waiting for the engines' last loads and the version check)."""
 
     def metrics(self) -> dict[str, float]:
-        return {"sync/tensors": float(self.tensors), "sync/megabytes": self.nbytes / 2**20,
-                "sync/buckets": float(self.buckets), "sync/gb_per_s": self.nbytes / 1e9 / max(self.seconds, 1e-9)}
+        return {
+            "sync/tensors": float(self.tensors),
+            "sync/megabytes": self.nbytes / 2**20,
+            "sync/buckets": float(self.buckets),
+            "sync/gb_per_s": self.nbytes / 1e9 / max(self.seconds, 1e-9),
+        }
 
 
 @dataclass
@@ -122,11 +126,21 @@ class WeightSync:
     version = SharedVersion()
     """The version every engine serves after the last complete sync (``policy.value``)."""
 
-    def __init__(self, actor: ActorCluster, infer: InferCluster, *, policy: PolicyVersion | None = None,
-                 transport: Transport = "auto", bucket_mb: float | None = None, only_changed: bool = False,
-                 timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        actor: ActorCluster,
+        infer: InferCluster,
+        *,
+        policy: PolicyVersion | None = None,
+        transport: Transport = "auto",
+        bucket_mb: float | None = None,
+        only_changed: bool = False,
+        timeout_s: float = 300.0,
+    ) -> None:
         if transport not in ("auto", "shared_memory", "broadcast"):
-            raise ValueError(f"weight_sync.transport={transport!r}; use 'auto', 'shared_memory' or 'broadcast'")
+            raise ValueError(
+                f"weight_sync.transport={transport!r}; use 'auto', 'shared_memory' or 'broadcast'"
+            )
         if bucket_mb is not None and bucket_mb <= 0:
             raise BucketTooSmallError(f"weight_sync.bucket_mb must be positive, got {bucket_mb}")
         self.actor, self.infer = actor, infer
@@ -140,10 +154,18 @@ class WeightSync:
         self._phases: dict[str, float] = {}
 
     @classmethod
-    def from_config(cls, roles: Any, config: Any, *, policy: PolicyVersion | None = None) -> WeightSync:
+    def from_config(
+        cls, roles: Any, config: Any, *, policy: PolicyVersion | None = None
+    ) -> WeightSync:
         """From a run's ``Roles`` and its ``weight_sync`` config section."""
-        return cls(roles.actor, roles.infer, policy=policy, transport=config.transport, bucket_mb=config.bucket_mb,
-                   only_changed=config.only_changed)
+        return cls(
+            roles.actor,
+            roles.infer,
+            policy=policy,
+            transport=config.transport,
+            bucket_mb=config.bucket_mb,
+            only_changed=config.only_changed,
+        )
 
     def _resolve(self, transport: Transport) -> str:
         if transport != "auto":
@@ -158,15 +180,24 @@ class WeightSync:
         version = self.policy.value + 1
         started = time.perf_counter()
         self._phases = {}
-        if self.bucket_mb is None and self._sizes is None:  # automatic: large enough for the largest tensor
+        if (
+            self.bucket_mb is None and self._sizes is None
+        ):  # automatic: large enough for the largest tensor
             self.check_buckets()
         if self.transport == "shared_memory":
             moved = self._sync_shared(version)
         else:
             moved = self._sync_broadcast(version)
         self.policy.advance()  # every engine confirmed ``version``
-        return SyncReport(version, self.transport, moved.tensors, moved.nbytes, moved.buckets,
-                          time.perf_counter() - started, self._phases)
+        return SyncReport(
+            version,
+            self.transport,
+            moved.tensors,
+            moved.nbytes,
+            moved.buckets,
+            time.perf_counter() - started,
+            self._phases,
+        )
 
     def _timed(self, phase: str, started: float) -> float:
         now = time.perf_counter()
@@ -175,7 +206,9 @@ class WeightSync:
 
     def _sync_shared(self, version: int) -> _Moved:
         clock = time.perf_counter()
-        handles = self._trainer_call(self.actor.begin_shard_sync, self.bucket_bytes, self.only_changed)
+        handles = self._trainer_call(
+            self.actor.begin_shard_sync, self.bucket_bytes, self.only_changed
+        )
         if handles is None:  # the trainer's shards live on GPUs: gathered buckets through CUDA IPC
             return self._sync_gathered(version)
         moved = _Moved()
@@ -188,9 +221,13 @@ class WeightSync:
                 if self.only_changed:
                     any_rank = set().union(*written)
                     changed = {(m.offset, m.nbytes) for m in handle.metas if m.name in any_rank}
-                    handle = replace(handle, metas=[m for m in handle.metas if (m.offset, m.nbytes) in changed])
+                    handle = replace(
+                        handle, metas=[m for m in handle.metas if (m.offset, m.nbytes) in changed]
+                    )
                 # tied names share their bytes: counted once
-                self._hand_over(handle, version, moved, sum({m.offset: m.nbytes for m in handle.metas}.values()))
+                self._hand_over(
+                    handle, version, moved, sum({m.offset: m.nbytes for m in handle.metas}.values())
+                )
                 clock = self._timed("hand_over", clock)
             self._finish(version, moved)
             self._timed("finish", clock)
@@ -236,8 +273,10 @@ class WeightSync:
         try:
             served = self.infer.finish_weight_load(version, moved.names)
         except WorkerCallError as error:
-            raise TransportError(f"an inference worker failed to complete weights version {version} ({error}); "
-                                 "the engines refuse to generate until a complete sync") from error
+            raise TransportError(
+                f"an inference worker failed to complete weights version {version} ({error}); "
+                "the engines refuse to generate until a complete sync"
+            ) from error
         confirm_versions(served, version)
 
     def _trainer_call(self, method: Callable[..., Any], *args: Any) -> Any:
@@ -256,7 +295,10 @@ class WeightSync:
         sync starts: a bad setting leaves every engine serving its current weights.
         """
         if self._sizes is None:
-            self._sizes = [(str(name), int(nbytes)) for name, nbytes in self._trainer_call(self.actor.weight_sizes)]
+            self._sizes = [
+                (str(name), int(nbytes))
+                for name, nbytes in self._trainer_call(self.actor.weight_sizes)
+            ]
             if self.bucket_mb is None:
                 self.bucket_bytes = auto_bucket_bytes(self._sizes)
         plan_buckets(self._sizes, self.bucket_bytes)
@@ -267,9 +309,14 @@ class WeightSync:
             self._address = tuple(self.actor.weight_group_address())  # type: ignore[assignment]
         world = 1 + self.infer.world_size
         receivers = self.infer.receive_weights_async(self._address, world, self.timeout_s)
-        sender = self.actor.broadcast_weights_async(self._address, world, version=version,  # type: ignore[arg-type]
-                                                    bucket_bytes=self.bucket_bytes, only_changed=self.only_changed,
-                                                    timeout_s=self.timeout_s)
+        sender = self.actor.broadcast_weights_async(
+            self._address,
+            world,
+            version=version,  # type: ignore[arg-type]
+            bucket_bytes=self.bucket_bytes,
+            only_changed=self.only_changed,
+            timeout_s=self.timeout_s,
+        )
         try:
             tensors = sender.result()
             served = receivers.result()
@@ -282,4 +329,6 @@ class WeightSync:
                 "complete sync - rerun the sync, or restart the failed worker"
             ) from error
         confirm_versions(served, version)
-        return _Moved(tensors=tensors)  # the broadcast reports a count only (no byte or bucket totals)
+        return _Moved(
+            tensors=tensors
+        )  # the broadcast reports a count only (no byte or bucket totals)

@@ -41,8 +41,15 @@ if TYPE_CHECKING:
 
     from trainer.weights.versioned import VersionedEngine
 
-__all__ = ["BroadcastGroup", "SegmentPool", "SharedBucket", "SharedSegment", "open_bucket", "pack_shared",
-           "share_bucket"]
+__all__ = [
+    "BroadcastGroup",
+    "SegmentPool",
+    "SharedBucket",
+    "SharedSegment",
+    "open_bucket",
+    "pack_shared",
+    "share_bucket",
+]
 
 
 # --------------------------------------------------------------------------- colocated
@@ -68,7 +75,9 @@ def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
     if bucket.buffer.is_cuda:
         from torch.multiprocessing.reductions import reduce_tensor
 
-        return SharedBucket(bucket.metas, bucket.index, bucket.nbytes, cuda_ipc=reduce_tensor(bucket.buffer)), lambda: None
+        return SharedBucket(
+            bucket.metas, bucket.index, bucket.nbytes, cuda_ipc=reduce_tensor(bucket.buffer)
+        ), lambda: None
     from multiprocessing import shared_memory
 
     import torch
@@ -96,7 +105,9 @@ class SharedSegment:
         import atexit
 
         self.segment: Any = None
-        atexit.register(self.close)  # unlink at exit (a killed process leaves it to Python's resource tracker)
+        atexit.register(
+            self.close
+        )  # unlink at exit (a killed process leaves it to Python's resource tracker)
 
     def pack(self, named: list[tuple[str, torch.Tensor]], *, index: int = 0) -> SharedBucket:
         """Pack host tensors into the segment (grown when too small); returns the handle to send."""
@@ -179,7 +190,7 @@ class SegmentPool:
                 old.unlink()
             else:
                 self.owned.append(segment)
-        return [segment.name for segment in self.owned[:len(sizes)]]
+        return [segment.name for segment in self.owned[: len(sizes)]]
 
     def buffer(self, name: str) -> torch.Tensor:
         """The whole segment ``name`` as a ``uint8`` tensor (mapped once per process)."""
@@ -190,9 +201,14 @@ class SegmentPool:
             try:
                 segment = own if own is not None else _attach(name)
             except FileNotFoundError as error:
-                raise TransportError(f"shared-memory segment {name!r} is gone; the trainer rank that owns the "
-                                     "weight-sync segments exited or recreated them - rerun the sync") from error
-            self.mapped[name] = (segment, torch.frombuffer(segment.buf, dtype=torch.uint8, count=segment.size))
+                raise TransportError(
+                    f"shared-memory segment {name!r} is gone; the trainer rank that owns the "
+                    "weight-sync segments exited or recreated them - rerun the sync"
+                ) from error
+            self.mapped[name] = (
+                segment,
+                torch.frombuffer(segment.buf, dtype=torch.uint8, count=segment.size),
+            )
         return self.mapped[name][1]
 
     def keep_only(self, names: Iterable[str]) -> None:
@@ -210,7 +226,9 @@ class SegmentPool:
         if all(segment is not own for own in self.owned):
             try:
                 segment.close()
-            except BufferError:  # a view is still alive somewhere: the mapping goes with the process
+            except (
+                BufferError
+            ):  # a view is still alive somewhere: the mapping goes with the process
                 pass
 
     def close(self) -> None:
@@ -228,8 +246,9 @@ class SegmentPool:
         self.owned = []
 
 
-def pack_shared(named: list[tuple[str, torch.Tensor]], *, index: int = 0,
-                segment: SharedSegment | None = None) -> tuple[SharedBucket, Callable[[], None]]:
+def pack_shared(
+    named: list[tuple[str, torch.Tensor]], *, index: int = 0, segment: SharedSegment | None = None
+) -> tuple[SharedBucket, Callable[[], None]]:
     """A handle to ``named`` packed into shared memory (``segment`` reused if given) or CUDA IPC, and ``release``."""
     from trainer.weights.buckets import pack
 
@@ -280,8 +299,16 @@ _HEADER_BYTES = 1 << 20  # pickled header (names, shapes) of one bucket; 1 MiB h
 class BroadcastGroup:
     """Rank 0 (the trainer) broadcasts buckets to ranks 1..N (inference workers); see the module docstring."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, *, device: str = "cpu",
-                 timeout_s: float = 300.0) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        device: str = "cpu",
+        timeout_s: float = 300.0,
+    ) -> None:
         import torch
         import torch.distributed as dist
 
@@ -322,26 +349,39 @@ class BroadcastGroup:
 
         data = pickle.dumps(header)
         if len(data) + 8 > _HEADER_BYTES:
-            raise TransportError(f"bucket header of {len(data)} bytes exceeds {_HEADER_BYTES}; use smaller buckets")
-        payload = torch.frombuffer(bytearray(len(data).to_bytes(8, "little") + data), dtype=torch.uint8)
+            raise TransportError(
+                f"bucket header of {len(data)} bytes exceeds {_HEADER_BYTES}; use smaller buckets"
+            )
+        payload = torch.frombuffer(
+            bytearray(len(data).to_bytes(8, "little") + data), dtype=torch.uint8
+        )
         self._header.zero_()
-        self._header[:payload.numel()].copy_(payload)
+        self._header[: payload.numel()].copy_(payload)
         self._broadcast(self._header)
 
     def _recv_header(self) -> dict[str, Any]:
         self._broadcast(self._header)
         raw = self._header.cpu().numpy().tobytes()
         size = int.from_bytes(raw[:8], "little")
-        return pickle.loads(raw[8:8 + size])
+        return pickle.loads(raw[8 : 8 + size])
 
-    def send_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], *,
-                     version: int, bucket_bytes: int) -> int:
+    def send_weights(
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        *,
+        version: int,
+        bucket_bytes: int,
+    ) -> int:
         """Rank 0: stream ``weights`` as buckets, then an end marker with ``version``; returns tensors sent."""
         if self.rank != 0:
-            raise TransportError(f"send_weights on rank {self.rank}; only rank 0 (the trainer) sends")
+            raise TransportError(
+                f"send_weights on rank {self.rank}; only rank 0 (the trainer) sends"
+            )
         names: list[str] = []
         for bucket in iter_buckets(weights, bucket_bytes, device=self.device):
-            self._send_header({"kind": "bucket", "index": bucket.index, "metas": bucket.metas, "version": version})
+            self._send_header(
+                {"kind": "bucket", "index": bucket.index, "metas": bucket.metas, "version": version}
+            )
             self._broadcast(bucket.buffer)
             names.extend(meta.name for meta in bucket.metas)
         self._send_header({"kind": "end", "version": version, "names": names})
@@ -361,7 +401,9 @@ class BroadcastGroup:
         value = torch.tensor([mine], dtype=torch.long, device=self.device)
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.MIN
-        self._collective("weight sync acknowledgement", lambda: self.group.allreduce([value], options).wait())
+        self._collective(
+            "weight sync acknowledgement", lambda: self.group.allreduce([value], options).wait()
+        )
         return int(value.item())
 
     def receive(self) -> Iterator[Bucket | dict[str, Any]]:

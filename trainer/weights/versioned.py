@@ -86,14 +86,18 @@ class SharedVersion:
         return self if obj is None else obj.policy.value
 
     def __set__(self, obj: Any, value: int) -> None:
-        raise AttributeError(f"{type(obj).__name__}.version is read-only: it is the run's PolicyVersion; "
-                             "call .policy.advance() (one update applied) or .policy.restore(v) (a resume)")
+        raise AttributeError(
+            f"{type(obj).__name__}.version is read-only: it is the run's PolicyVersion; "
+            "call .policy.advance() (one update applied) or .policy.restore(v) (a resume)"
+        )
 
 
 def _version(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"a policy version is a whole number >= 0, got {value!r}; pass the version a checkpoint "
-                         "or an engine's get_state() recorded")
+        raise ValueError(
+            f"a policy version is a whole number >= 0, got {value!r}; pass the version a checkpoint "
+            "or an engine's get_state() recorded"
+        )
     return value
 
 
@@ -109,11 +113,15 @@ class VersionedEngine:
     def version(self) -> int:
         return self.engine.version
 
-    def load(self, buckets: Iterable[Bucket], *, version: int, expected_names: Sequence[str]) -> int:
+    def load(
+        self, buckets: Iterable[Bucket], *, version: int, expected_names: Sequence[str]
+    ) -> int:
         """Apply all ``buckets`` as one update; serve ``version`` only if every expected tensor arrived."""
         return self.load_stream(buckets, lambda: (version, expected_names))
 
-    def load_stream(self, buckets: Iterable[Bucket], closing: Callable[[], tuple[int, Sequence[str]]]) -> int:
+    def load_stream(
+        self, buckets: Iterable[Bucket], closing: Callable[[], tuple[int, Sequence[str]]]
+    ) -> int:
         """Like ``load``, but the version and names are known only once ``buckets`` is exhausted."""
         self.abandon_sync()
         self.weights_version = None
@@ -205,8 +213,10 @@ class VersionedEngine:
         target = getattr(self, "_target", None)
         if target != version:
             self.abandon_sync()
-            raise StaleWeightsError(f"finish(version={version}) but the running sync began for version {target}; "
-                                    "the engine will not serve until a complete sync")
+            raise StaleWeightsError(
+                f"finish(version={version}) but the running sync began for version {target}; "
+                "the engine will not serve until a complete sync"
+            )
         self._put(_END)
         self._thread.join()
         self._target = None
@@ -249,7 +259,9 @@ class VersionedEngine:
                 "before generating"
             )
         if expected is not None and self.weights_version != expected:
-            raise StaleWeightsError(f"engine serves weights version {self.weights_version}, the trainer is at {expected}")
+            raise StaleWeightsError(
+                f"engine serves weights version {self.weights_version}, the trainer is at {expected}"
+            )
         return self.weights_version
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -278,8 +290,11 @@ class VersionedEngine:
     def update_weights(self, weights: Any) -> None:
         """Direct (unbucketed) update: announced as one version higher than the served one."""
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
-        self.load([_single_bucket(items)], version=(self.weights_version or 0) + 1,
-                  expected_names=[name for name, _ in items])
+        self.load(
+            [_single_bucket(items)],
+            version=(self.weights_version or 0) + 1,
+            expected_names=[name for name, _ in items],
+        )
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -36,8 +36,15 @@ if TYPE_CHECKING:
 
 __all__ = ["ActorCluster", "ActorWorker", "ppo_loss_fn", "sft_loss_fn"]
 
-TRAIN_COLUMNS = ("input_ids", "attention_mask", "response_mask", "old_logprobs", "advantages", "ref_logprobs",
-                 "is_weights")
+TRAIN_COLUMNS = (
+    "input_ids",
+    "attention_mask",
+    "response_mask",
+    "old_logprobs",
+    "advantages",
+    "ref_logprobs",
+    "is_weights",
+)
 """``is_weights`` (optional, async rollouts): truncated importance weights of the behaviour policy
 that sampled each token, multiplied into the per-token policy loss (see ``AgenticPipeline``)."""
 
@@ -57,19 +64,39 @@ def ppo_loss_fn(loss: LossConfig) -> LossFn:
     micro-batches so that the mean is over the whole step (``trainer.algos.losses``)."""
     from trainer.algos.losses import aggregate, kl_estimate, policy_loss
 
-    def compute(out: ForwardOutput, mb: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute(
+        out: ForwardOutput, mb: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"]
         kind = "gspo" if loss.gspo else "ppo"
-        per_token, clipped = policy_loss(kind, out.logprobs, mb["old_logprobs"], mb["advantages"], mask,
-                                         loss.clip_low, loss.clip_high, loss.dual_clip)
-        if "is_weights" in mb:  # off-policy (async) tokens: truncated importance-sampling correction
+        per_token, clipped = policy_loss(
+            kind,
+            out.logprobs,
+            mb["old_logprobs"],
+            mb["advantages"],
+            mask,
+            loss.clip_low,
+            loss.clip_high,
+            loss.dual_clip,
+        )
+        if (
+            "is_weights" in mb
+        ):  # off-policy (async) tokens: truncated importance-sampling correction
             per_token = per_token * mb["is_weights"]
         total = aggregate(per_token, mask, loss.agg_mode)
-        metrics = {"actor/pg_loss": float(total.detach()),
-                   "actor/clipfrac": float(aggregate(clipped, mask, "token-mean")),
-                   "actor/approx_kl_old": float(aggregate(0.5 * (out.logprobs.detach() - mb["old_logprobs"]) ** 2, mask))}
+        metrics = {
+            "actor/pg_loss": float(total.detach()),
+            "actor/clipfrac": float(aggregate(clipped, mask, "token-mean")),
+            "actor/approx_kl_old": float(
+                aggregate(0.5 * (out.logprobs.detach() - mb["old_logprobs"]) ** 2, mask)
+            ),
+        }
         if loss.kl_coef > 0 and "ref_logprobs" in mb:
-            kl = aggregate(kl_estimate(out.logprobs, mb["ref_logprobs"], loss.kl_estimator), mask, loss.agg_mode)
+            kl = aggregate(
+                kl_estimate(out.logprobs, mb["ref_logprobs"], loss.kl_estimator),
+                mask,
+                loss.agg_mode,
+            )
             metrics["actor/kl_ref"] = float(kl.detach())
             if loss.kl_mode == "loss":
                 total = total + loss.kl_coef * kl
@@ -84,7 +111,9 @@ def ppo_loss_fn(loss: LossConfig) -> LossFn:
     return compute
 
 
-def sft_loss_fn(out: ForwardOutput, mb: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+def sft_loss_fn(
+    out: ForwardOutput, mb: Mapping[str, torch.Tensor]
+) -> tuple[torch.Tensor, dict[str, float]]:
     """Behaviour cloning: mean negative log-likelihood of the policy (response-mask) tokens."""
     from trainer.algos.losses import aggregate
 
@@ -100,9 +129,17 @@ def _namespaced(metrics: dict[str, float], prefix: str) -> dict[str, float]:
 class ActorWorker(WeightSender, StrategyWorker):
     """One rank of the trained policy (see the module docstring)."""
 
-    def __init__(self, ctx: WorkerContext, config: RoleConfig | None = None, *, model_path: str,
-                 dtype: str = "float32", seed: int = 0, optim: TrainOptions | None = None,
-                 loss: LossConfig | None = None) -> None:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        config: RoleConfig | None = None,
+        *,
+        model_path: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        optim: TrainOptions | None = None,
+        loss: LossConfig | None = None,
+    ) -> None:
         super().__init__(ctx, config)
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self.optim: TrainOptions = optim or {}
@@ -122,8 +159,13 @@ class ActorWorker(WeightSender, StrategyWorker):
         hf_logging.disable_progress_bar()  # no per-rank "Loading weights" bars in the run's output
         torch.manual_seed(self.seed + self.ctx.rank)
         model, self.tokenizer = load_policy(self.model_path, dtype=self.dtype)
-        self._strategy = make_train_strategy(self.config.strategy, model, world_size=self.ctx.world_size,
-                                             strategy_args=self.config.strategy_args, **self.optim)
+        self._strategy = make_train_strategy(
+            self.config.strategy,
+            model,
+            world_size=self.ctx.world_size,
+            strategy_args=self.config.strategy_args,
+            **self.optim,
+        )
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:

@@ -46,7 +46,9 @@ def build_value_model(model_path: str, dtype: str = "float32") -> Any:
             torch.nn.init.zeros_(self.value_head.bias)
 
         def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            out = self.lm(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+            out = self.lm(
+                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+            )
             return self.value_head(out.hidden_states[-1].float()).squeeze(-1)
 
     lm, _ = load_policy(model_path, dtype=dtype)
@@ -56,10 +58,12 @@ def build_value_model(model_path: str, dtype: str = "float32") -> Any:
 ValueModel = build_value_model  # the class is built lazily (torch import); this is its factory
 
 
-def value_loss_fn(clip: float | None):  # noqa: ANN201 - returns a LossFn closure
+def value_loss_fn(clip: float | None):
     from trainer.algos.losses import aggregate, value_loss
 
-    def compute(out: ForwardOutput, mb: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, float]]:
+    def compute(
+        out: ForwardOutput, mb: Mapping[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
         per_token = value_loss(out.values, mb["values"], mb["returns"], clip)
         loss = aggregate(per_token, mb["response_mask"], "token-mean")
         return loss, {"critic/value_loss": float(loss.detach())}
@@ -70,9 +74,17 @@ def value_loss_fn(clip: float | None):  # noqa: ANN201 - returns a LossFn closur
 class CriticWorker(StrategyWorker):
     """One rank of the value model."""
 
-    def __init__(self, ctx: WorkerContext, config: RoleConfig | None = None, *, model_path: str,
-                 dtype: str = "float32", seed: int = 0, optim: TrainOptions | None = None,
-                 value_clip: float | None = 0.2) -> None:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        config: RoleConfig | None = None,
+        *,
+        model_path: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        optim: TrainOptions | None = None,
+        value_clip: float | None = 0.2,
+    ) -> None:
         super().__init__(ctx, config)
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self.optim: TrainOptions = optim or {}
@@ -89,9 +101,14 @@ class CriticWorker(StrategyWorker):
         from trainer.strategies.registry import make_train_strategy
 
         torch.manual_seed(self.seed + 1000 + self.ctx.rank)
-        self._strategy = make_train_strategy(self.config.strategy, build_value_model(self.model_path, self.dtype),
-                                             kind="value", world_size=self.ctx.world_size,
-                                             strategy_args=self.config.strategy_args, **self.optim)
+        self._strategy = make_train_strategy(
+            self.config.strategy,
+            build_value_model(self.model_path, self.dtype),
+            kind="value",
+            world_size=self.ctx.world_size,
+            strategy_args=self.config.strategy_args,
+            **self.optim,
+        )
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_values(self, batch: Batch) -> Batch:
@@ -100,10 +117,15 @@ class CriticWorker(StrategyWorker):
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.MEAN)
     def train_step(self, batch: Batch) -> dict[str, float]:
-        tensors = {k: batch[k] for k in ("input_ids", "attention_mask", "response_mask", "values", "returns")}
+        tensors = {
+            k: batch[k]
+            for k in ("input_ids", "attention_mask", "response_mask", "values", "returns")
+        }
         from trainer.workers.actor import _namespaced
 
-        return _namespaced(self.strategy.train_step(tensors, value_loss_fn(self.value_clip)), "critic")
+        return _namespaced(
+            self.strategy.train_step(tensors, value_loss_fn(self.value_clip)), "critic"
+        )
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def state_dict(self) -> dict[str, Any]:

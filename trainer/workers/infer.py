@@ -38,12 +38,24 @@ _EARLY_ABORTS_KEPT = 4096
 class InferWorker(WeightReceiver, Worker):
     """One rank of the generation role."""
 
-    def __init__(self, ctx: WorkerContext, config: RoleConfig | None = None, *, model_path: str,
-                 dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        config: RoleConfig | None = None,
+        *,
+        model_path: str,
+        dtype: str = "float32",
+        seed: int = 0,
+    ) -> None:
         super().__init__(ctx, config)
         self.config: RoleConfig = config if config is not None else RoleConfig(device_mapping=[])
-        self.engine: InferenceEngine = make_engine(self.config.strategy, model_path, dtype=dtype,
-                                                   seed=seed + 7 * ctx.rank, **self.config.strategy_args)
+        self.engine: InferenceEngine = make_engine(
+            self.config.strategy,
+            model_path,
+            dtype=dtype,
+            seed=seed + 7 * ctx.rank,
+            **self.config.strategy_args,
+        )
         # ``abort_requests`` runs on another thread than ``generate_requests`` (a Ray concurrency
         # group, or the driver's thread on the local backend); the lock orders the two.
         self._abort_lock = threading.Lock()
@@ -63,7 +75,9 @@ class InferWorker(WeightReceiver, Worker):
         batch got here is answered ``finish_reason="abort"`` with no tokens."""
         requests = list(requests)
         engine = self._inner_engine()
-        submit = getattr(engine, "submit", None)  # vLLM: requests join the running engine one by one
+        submit = getattr(
+            engine, "submit", None
+        )  # vLLM: requests join the running engine one by one
         futures: list[Any] = []
         version: int | None = None
         with self._abort_lock:
@@ -73,7 +87,9 @@ class InferWorker(WeightReceiver, Worker):
             run = [r for r in requests if r.request_id not in refused]
             if submit is not None and run:
                 version = self._served_version()
-                futures = [submit(r) for r in run]  # in the engine before any later abort reaches it
+                futures = [
+                    submit(r) for r in run
+                ]  # in the engine before any later abort reaches it
             self._running_ids.update(r.request_id for r in run)
         try:
             if submit is None:
@@ -90,8 +106,12 @@ class InferWorker(WeightReceiver, Worker):
                 if aborted is not None:  # a batch engine's abort marks end with the batch
                     aborted.difference_update(r.request_id for r in run)
         by_id = iter(results)
-        return [GenerationResult(r.request_id, [], [], "abort", self.engine.version) if r.request_id in refused
-                else next(by_id) for r in requests]
+        return [
+            GenerationResult(r.request_id, [], [], "abort", self.engine.version)
+            if r.request_id in refused
+            else next(by_id)
+            for r in requests
+        ]
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -153,14 +173,18 @@ class InferCluster(WeightReceiverCluster, Cluster):
 
     worker_cls = InferWorker
     ray_concurrency_groups: ClassVar[dict[str, int]] = {"abort": 1}
-    ray_method_groups: ClassVar[dict[str, str]] = {"abort_requests": "abort"}  # runs while a batch is in flight
+    ray_method_groups: ClassVar[dict[str, str]] = {
+        "abort_requests": "abort"
+    }  # runs while a batch is in flight
 
     update_weights = remote(InferWorker.update_weights)
     get_state = remote(InferWorker.get_state, per_rank=True)
     set_state = remote(InferWorker.set_state)
 
     # by hand: the router's calls go to one rank, not to all as InferWorker's modes say
-    async def generate_on(self, rank: int, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    async def generate_on(
+        self, rank: int, requests: list[GenerationRequest]
+    ) -> list[GenerationResult]:
         """Generate ``requests`` on rank ``rank`` only (the router's per-worker path)."""
         return (await self._on_rank(rank, "generate_requests", requests))[0]
 
@@ -173,11 +197,16 @@ class InferCluster(WeightReceiverCluster, Cluster):
             return None
         return self._on_rank(rank, "abort_requests", request_ids)
 
-    def rank_engines(self, *, max_batch_size: int = 512, policy: PolicyVersion | None = None) -> list[RankEngine]:
+    def rank_engines(
+        self, *, max_batch_size: int = 512, policy: PolicyVersion | None = None
+    ) -> list[RankEngine]:
         """One ``InferenceEngine`` per rank, for ``trainer.rollout.router.EngineRouter``; they all
         report ``policy`` (the run's ``WeightSync.policy``) as their version."""
         policy = policy if policy is not None else PolicyVersion()
-        return [RankEngine(self, rank, max_batch_size=max_batch_size, policy=policy) for rank in range(self.world_size)]
+        return [
+            RankEngine(self, rank, max_batch_size=max_batch_size, policy=policy)
+            for rank in range(self.world_size)
+        ]
 
     def _on_rank(self, rank: int, method: str, *args: Any) -> CallFuture[Any]:
         """Call ``method`` on rank ``rank`` alone (its result is a one-item list)."""
@@ -189,8 +218,14 @@ class RankEngine(BatchingFrontend):
     """``InferenceEngine`` in the driver for ONE rank of an ``InferCluster``: requests queued
     here run as batches on that rank; ``abort`` also reaches a batch already running there."""
 
-    def __init__(self, cluster: InferCluster, rank: int, *, max_batch_size: int = 512,
-                 policy: PolicyVersion | None = None) -> None:
+    def __init__(
+        self,
+        cluster: InferCluster,
+        rank: int,
+        *,
+        max_batch_size: int = 512,
+        policy: PolicyVersion | None = None,
+    ) -> None:
         super().__init__(max_batch_size=max_batch_size, policy=policy)
         self.cluster, self.rank = cluster, rank
         self._running: set[str] = set()
@@ -210,8 +245,15 @@ class RankEngine(BatchingFrontend):
     def update_weights(self, weights: Weights) -> None:
         """This rank only (a run's weight sync updates every rank at once instead). The version
         is the caller's to advance (``EngineRouter.update_weights``): the ranks share one."""
-        self.cluster._on_rank(self.rank, "update_weights", dict(weights.items() if hasattr(weights, "items")  # type: ignore[union-attr]
-                                                               else weights)).result()
+        self.cluster._on_rank(
+            self.rank,
+            "update_weights",
+            dict(
+                weights.items()
+                if hasattr(weights, "items")  # type: ignore[union-attr]
+                else weights
+            ),
+        ).result()
 
     def sleep(self) -> None:
         """Colocated memory release is cluster-wide (``InferCluster.offload``, by ``trainer.devices.Colocation``)."""

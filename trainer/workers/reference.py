@@ -25,8 +25,15 @@ __all__ = ["ReferenceCluster", "ReferenceWorker"]
 class ReferenceWorker(StrategyWorker):
     """One rank of the frozen reference policy."""
 
-    def __init__(self, ctx: WorkerContext, config: RoleConfig | None = None, *, model_path: str,
-                 dtype: str = "float32", micro_batch_size: int = 8) -> None:
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        config: RoleConfig | None = None,
+        *,
+        model_path: str,
+        dtype: str = "float32",
+        micro_batch_size: int = 8,
+    ) -> None:
         super().__init__(ctx, config)
         self.model_path, self.dtype, self.micro_batch_size = model_path, dtype, micro_batch_size
         self._setup_unless_collective()
@@ -40,9 +47,14 @@ class ReferenceWorker(StrategyWorker):
         from trainer.strategies.registry import make_train_strategy
 
         model, _ = load_policy(self.model_path, dtype=self.dtype)
-        self._strategy = make_train_strategy(self.config.strategy, model, trainable=False,
-                                             world_size=self.ctx.world_size, micro_batch_size=self.micro_batch_size,
-                                             strategy_args=self.config.strategy_args)
+        self._strategy = make_train_strategy(
+            self.config.strategy,
+            model,
+            trainable=False,
+            world_size=self.ctx.world_size,
+            micro_batch_size=self.micro_batch_size,
+            strategy_args=self.config.strategy_args,
+        )
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:

@@ -22,7 +22,11 @@ __all__ = ["RewardCluster", "RewardWorker", "domain_matches"]
 
 def domain_matches(domain: str, env_id: str) -> bool:
     """``*`` matches all; ``games`` matches ``games/...``; globs and exact ids match as usual."""
-    return domain in ("*", env_id) or env_id.startswith(domain.rstrip("/") + "/") or fnmatch.fnmatch(env_id, domain)
+    return (
+        domain in ("*", env_id)
+        or env_id.startswith(domain.rstrip("/") + "/")
+        or fnmatch.fnmatch(env_id, domain)
+    )
 
 
 def _judge_scorer(spec: dict[str, Any]) -> Any:
@@ -33,16 +37,24 @@ def _judge_scorer(spec: dict[str, Any]) -> Any:
     if not spec.get("model_path"):
         raise RewardError("a judge reward needs model_path (a local chat model folder)")
     model, tokenizer = load_policy(str(spec["model_path"]))
-    engine = HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    judge = LLMJudge(engine, tokenizer, prompt=str(spec.get("prompt", DEFAULT_PROMPT)),
-                     max_new_tokens=int(spec.get("max_new_tokens", 8)))
+    engine = HFEngine(
+        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    judge = LLMJudge(
+        engine,
+        tokenizer,
+        prompt=str(spec.get("prompt", DEFAULT_PROMPT)),
+        max_new_tokens=int(spec.get("max_new_tokens", 8)),
+    )
     return lambda episode: judge.grade(engine.generate_batch([judge.request(episode)])[0].token_ids)
 
 
 class RewardWorker(Worker):
     """One rank of the reward role."""
 
-    def __init__(self, ctx: WorkerContext, config: Any = None, *, specs: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, ctx: WorkerContext, config: Any = None, *, specs: list[dict[str, Any]]
+    ) -> None:
         super().__init__(ctx, config)
         self.routes = []
         for i, spec in enumerate(specs):
@@ -50,7 +62,9 @@ class RewardWorker(Worker):
             if mode not in ("add", "replace"):
                 raise RewardError(f"env.rewards[{i}].mode is {mode!r}; use 'add' or 'replace'")
             scorer = _judge_scorer(spec) if spec.get("kind") == "judge" else make_scorer(spec)
-            self.routes.append((str(spec.get("domain", "*")), float(spec.get("weight", 1.0)), mode, scorer))
+            self.routes.append(
+                (str(spec.get("domain", "*")), float(spec.get("weight", 1.0)), mode, scorer)
+            )
 
     @register(Dispatch.RANK_ZERO)
     def score(self, episode: EpisodeView) -> dict[str, Any]:

@@ -56,7 +56,9 @@ class StrategyWorker(Worker):
     @property
     def strategy(self) -> TrainStrategy:
         if self._strategy is None:
-            raise RuntimeError(f"{self.role} rank {self.rank}: the strategy is not built; call setup() on all ranks")
+            raise RuntimeError(
+                f"{self.role} rank {self.rank}: the strategy is not built; call setup() on all ranks"
+            )
         return self._strategy
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)

@@ -8,7 +8,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer.algos.advantages import compute_advantages, gae, grpo, masked_whiten, reinforce_plus_plus, rloo
+from trainer.algos.advantages import (
+    compute_advantages,
+    gae,
+    grpo,
+    masked_whiten,
+    reinforce_plus_plus,
+    rloo,
+)
 
 
 def test_grpo_group_normalised_by_hand() -> None:
@@ -73,6 +80,10 @@ def test_masked_whiten_ignores_masked_entries() -> None:
 def test_compute_advantages_errors_name_the_fix() -> None:
     mask = torch.ones(1, 1)
     with pytest.raises(ValueError, match="needs critic values"):
-        compute_advantages("gae", response_mask=mask, token_rewards=mask, scores=mask[0], group_ids=mask[0].long())
+        compute_advantages(
+            "gae", response_mask=mask, token_rewards=mask, scores=mask[0], group_ids=mask[0].long()
+        )
     with pytest.raises(ValueError, match="use one of 'gae'"):
-        compute_advantages("ppo", response_mask=mask, token_rewards=mask, scores=mask[0], group_ids=mask[0].long())  # type: ignore[arg-type]
+        compute_advantages(
+            "ppo", response_mask=mask, token_rewards=mask, scores=mask[0], group_ids=mask[0].long()
+        )  # type: ignore[arg-type]

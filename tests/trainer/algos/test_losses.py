@@ -9,7 +9,13 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from trainer.algos.losses import (
-    aggregate, entropy_from_logits, gspo_loss, kl_estimate, policy_loss, ppo_clip_loss, value_loss,
+    aggregate,
+    entropy_from_logits,
+    gspo_loss,
+    kl_estimate,
+    policy_loss,
+    ppo_clip_loss,
+    value_loss,
 )
 
 
@@ -78,7 +84,9 @@ def test_kl_estimators_by_hand() -> None:
     torch.testing.assert_close(kl_estimate(logp, ref, "k1"), torch.tensor([0.5, -0.5]))
     torch.testing.assert_close(kl_estimate(logp, ref, "k2"), torch.tensor([0.125, 0.125]))
     # k3 = e^{-d} + d - 1: e^-0.5 + 0.5 - 1 = 0.106531 ; e^0.5 - 0.5 - 1 = 0.148721
-    torch.testing.assert_close(kl_estimate(logp, ref, "k3"), torch.tensor([0.106531, 0.148721]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        kl_estimate(logp, ref, "k3"), torch.tensor([0.106531, 0.148721]), atol=1e-6, rtol=0
+    )
     with pytest.raises(ValueError, match="use 'k1', 'k2' or 'k3'"):
         kl_estimate(logp, ref, "k4")  # type: ignore[arg-type]
 
@@ -86,7 +94,9 @@ def test_kl_estimators_by_hand() -> None:
 def test_entropy_by_hand() -> None:
     # uniform over 4 -> ln 4 = 1.386294 ; one-hot (huge logit) -> ~0
     logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [100.0, 0.0, 0.0, 0.0]])
-    torch.testing.assert_close(entropy_from_logits(logits), torch.tensor([math.log(4), 0.0]), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        entropy_from_logits(logits), torch.tensor([math.log(4), 0.0]), atol=1e-5, rtol=0
+    )
 
 
 def test_value_loss_clipped_by_hand() -> None:
@@ -95,4 +105,6 @@ def test_value_loss_clipped_by_hand() -> None:
     v = torch.tensor([2.0, 0.2])
     out = value_loss(v, torch.tensor([1.0, 1.0]), torch.tensor([0.0, 1.0]), clip=0.5)
     torch.testing.assert_close(out, torch.tensor([2.0, 0.32]))
-    torch.testing.assert_close(value_loss(v, v, torch.zeros(2), clip=None), torch.tensor([2.0, 0.02]))
+    torch.testing.assert_close(
+        value_loss(v, v, torch.zeros(2), clip=None), torch.tensor([2.0, 0.02])
+    )

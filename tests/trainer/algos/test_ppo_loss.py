@@ -25,19 +25,31 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer.algos.advantages import kl_penalised_rewards  # noqa: E402
-from trainer.strategies.base import ForwardOutput  # noqa: E402
-from trainer.config import LossConfig  # noqa: E402
-from trainer.workers.actor import ppo_loss_fn  # noqa: E402
+from trainer.algos.advantages import kl_penalised_rewards
+from trainer.config import LossConfig
+from trainer.strategies.base import ForwardOutput
+from trainer.workers.actor import ppo_loss_fn
 
-LOSS = {"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1, "kl_estimator": "k1", "kl_mode": "loss",
-        "entropy_coef": 0.01, "agg_mode": "token-mean"}
+LOSS = {
+    "clip_low": 0.2,
+    "clip_high": 0.28,
+    "kl_coef": 0.1,
+    "kl_estimator": "k1",
+    "kl_mode": "loss",
+    "entropy_coef": 0.01,
+    "agg_mode": "token-mean",
+}
 
 
 def hand_batch() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
-    logprobs = torch.tensor([[-1.0, -1.0 + math.log(1.5), -2.0], [-1.0, -1.0, -2.0]], dtype=torch.float64,
-                            requires_grad=True)
-    log_ratio = torch.tensor([[0.0, math.log(1.5), 0.3], [math.log(0.5), 0.0, 0.0]], dtype=torch.float64)
+    logprobs = torch.tensor(
+        [[-1.0, -1.0 + math.log(1.5), -2.0], [-1.0, -1.0, -2.0]],
+        dtype=torch.float64,
+        requires_grad=True,
+    )
+    log_ratio = torch.tensor(
+        [[0.0, math.log(1.5), 0.3], [math.log(0.5), 0.0, 0.0]], dtype=torch.float64
+    )
     kl = torch.tensor([[0.5, 0.2, 0.0], [-0.1, 0.3, 0.0]], dtype=torch.float64)
     micro = {
         "response_mask": torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]], dtype=torch.float64),
@@ -52,7 +64,9 @@ def hand_batch() -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor]:
 
 def test_ppo_loss_fn_adds_policy_kl_and_entropy_terms_as_worked_by_hand() -> None:
     logprobs, micro, entropy = hand_batch()
-    total, metrics = ppo_loss_fn(LossConfig(**LOSS))(ForwardOutput(logprobs=logprobs, entropy=entropy), micro)
+    total, metrics = ppo_loss_fn(LossConfig(**LOSS))(
+        ForwardOutput(logprobs=logprobs, entropy=entropy), micro
+    )
     assert total.item() == pytest.approx(-0.235, abs=1e-12)
     assert metrics["actor/pg_loss"] == pytest.approx(-0.2325, abs=1e-12)
     assert metrics["actor/kl_ref"] == pytest.approx(0.225, abs=1e-12)
@@ -62,7 +76,9 @@ def test_ppo_loss_fn_adds_policy_kl_and_entropy_terms_as_worked_by_hand() -> Non
 
 def test_clipped_and_padding_tokens_get_only_the_kl_gradient() -> None:
     logprobs, micro, entropy = hand_batch()
-    total, _ = ppo_loss_fn(LossConfig(**LOSS))(ForwardOutput(logprobs=logprobs, entropy=entropy), micro)
+    total, _ = ppo_loss_fn(LossConfig(**LOSS))(
+        ForwardOutput(logprobs=logprobs, entropy=entropy), micro
+    )
     total.backward()
     want = torch.tensor([[-0.225, 0.025, 0.0], [0.025, -0.0375, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(logprobs.grad, want, atol=1e-12, rtol=0)
@@ -72,18 +88,34 @@ def test_without_kl_and_entropy_the_loss_is_the_policy_term_alone() -> None:
     logprobs, micro, _ = hand_batch()
     loss = {**LOSS, "kl_coef": 0.0, "entropy_coef": 0.0, "agg_mode": "seq-mean-token-sum"}
     total, metrics = ppo_loss_fn(LossConfig(**loss))(ForwardOutput(logprobs=logprobs), micro)
-    assert total.item() == pytest.approx((-2.28 + 1.35) / 2, abs=1e-12)  # per-episode sums, averaged
+    assert total.item() == pytest.approx(
+        (-2.28 + 1.35) / 2, abs=1e-12
+    )  # per-episode sums, averaged
     assert "actor/kl_ref" not in metrics and "actor/entropy" not in metrics
 
 
 def test_kl_penalty_mode_leaves_the_loss_and_folds_kl_into_the_rewards() -> None:
     logprobs, micro, entropy = hand_batch()
-    total, metrics = ppo_loss_fn(LossConfig(**{**LOSS, "kl_mode": "penalty"}))(ForwardOutput(logprobs=logprobs, entropy=entropy),
-                                                                 micro)
-    assert total.item() == pytest.approx(-0.2325 - 0.025, abs=1e-12) and metrics["actor/kl_ref"] == pytest.approx(0.225)
+    total, metrics = ppo_loss_fn(LossConfig(**{**LOSS, "kl_mode": "penalty"}))(
+        ForwardOutput(logprobs=logprobs, entropy=entropy), micro
+    )
+    assert total.item() == pytest.approx(-0.2325 - 0.025, abs=1e-12) and metrics[
+        "actor/kl_ref"
+    ] == pytest.approx(0.225)
     token_rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     scores = torch.tensor([1.0, 0.0], dtype=torch.float64)
-    rewards, new_scores = kl_penalised_rewards(token_rewards, scores, logprobs.detach(), micro["ref_logprobs"],
-                                               micro["response_mask"], 0.1, "k1")
-    torch.testing.assert_close(rewards, torch.tensor([[-0.05, 0.98, 0.0], [0.01, -0.03, 0.0]], dtype=torch.float64))
-    torch.testing.assert_close(new_scores, torch.tensor([1.0 - 0.07, 0.0 - 0.02], dtype=torch.float64))
+    rewards, new_scores = kl_penalised_rewards(
+        token_rewards,
+        scores,
+        logprobs.detach(),
+        micro["ref_logprobs"],
+        micro["response_mask"],
+        0.1,
+        "k1",
+    )
+    torch.testing.assert_close(
+        rewards, torch.tensor([[-0.05, 0.98, 0.0], [0.01, -0.03, 0.0]], dtype=torch.float64)
+    )
+    torch.testing.assert_close(
+        new_scores, torch.tensor([1.0 - 0.07, 0.0 - 0.02], dtype=torch.float64)
+    )

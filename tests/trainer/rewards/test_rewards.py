@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
@@ -12,7 +11,13 @@ pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[tr
 from trainer.errors import RewardError
 from trainer.rewards.judge import LLMJudge, parse_grade
 from trainer.rewards.router import RewardRouter
-from trainer.rewards.verifiers import EpisodeView, exact_match, final_answer, make_scorer, numeric_match
+from trainer.rewards.verifiers import (
+    EpisodeView,
+    exact_match,
+    final_answer,
+    make_scorer,
+    numeric_match,
+)
 from trainer.rollout.trajectory import Trajectory
 from trainer.workers.reward import domain_matches
 
@@ -23,7 +28,11 @@ def constant_half(episode: EpisodeView) -> float:
 
 
 def view(reply: str, **info) -> EpisodeView:
-    return EpisodeView("math/add-v0", [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": reply}], info)
+    return EpisodeView(
+        "math/add-v0",
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": reply}],
+        info,
+    )
 
 
 def test_verifiers() -> None:
@@ -31,7 +40,10 @@ def test_verifiers() -> None:
     assert exact_match("paris ", "Paris") == 1.0 and exact_match("Lyon", "Paris") == 0.0
     assert numeric_match("so x = 1,000.0", 1000) == 1.0 and numeric_match("no number", 3) == 0.0
     assert numeric_match("3.0000001", 3, rel_tol=1e-3) == 1.0 and numeric_match("3.1", 3) == 0.0
-    assert make_scorer({"kind": "numeric", "target": "answer"})(view("<answer>4</answer>", answer=4)) == 1.0
+    assert (
+        make_scorer({"kind": "numeric", "target": "answer"})(view("<answer>4</answer>", answer=4))
+        == 1.0
+    )
     with pytest.raises(RewardError, match="reward target 'answer' is not in the env's reset info"):
         make_scorer({"kind": "exact"})(view("4"))
     with pytest.raises(RewardError, match="use 'exact', 'numeric', 'function' or 'judge'"):
@@ -42,17 +54,27 @@ def test_verifiers() -> None:
 
 def test_domain_routing() -> None:
     assert domain_matches("*", "games/sokoban-v0") and domain_matches("games", "games/sokoban-v0")
-    assert domain_matches("games/soko*", "games/sokoban-v0") and not domain_matches("code", "games/sokoban-v0")
+    assert domain_matches("games/soko*", "games/sokoban-v0") and not domain_matches(
+        "code", "games/sokoban-v0"
+    )
 
 
 def test_router_scores_on_the_reward_cluster_while_the_loop_runs() -> None:
-    specs = [{"kind": "numeric", "target": "answer", "domain": "math"},
-             {"kind": "function", "function": "tests.trainer.rewards.test_rewards:constant_half", "domain": "math",
-              "weight": 2.0},
-             {"kind": "exact", "target": "answer", "domain": "games"}]
+    specs = [
+        {"kind": "numeric", "target": "answer", "domain": "math"},
+        {
+            "kind": "function",
+            "function": "tests.trainer.rewards.test_rewards:constant_half",
+            "domain": "math",
+            "weight": 2.0,
+        },
+        {"kind": "exact", "target": "answer", "domain": "games"},
+    ]
     router = RewardRouter.from_config(specs, None)
     try:
-        right = Trajectory("math/add-v0", 0, info={"answer": 4}, messages=view("<answer>4</answer>").messages)
+        right = Trajectory(
+            "math/add-v0", 0, info={"answer": 4}, messages=view("<answer>4</answer>").messages
+        )
         right.turn_rewards = [0.25]
         other = Trajectory("code/x-v0", 0, messages=view("4").messages)
 
@@ -64,8 +86,16 @@ def test_router_scores_on_the_reward_cluster_while_the_loop_runs() -> None:
         assert other.final_reward == 0.0  # no route for the code domain: env reward only
     finally:
         router.shutdown()
-    replace = RewardRouter.from_config([{"kind": "function", "function": "tests.trainer.rewards.test_rewards:constant_half",
-                                         "mode": "replace"}], None)
+    replace = RewardRouter.from_config(
+        [
+            {
+                "kind": "function",
+                "function": "tests.trainer.rewards.test_rewards:constant_half",
+                "mode": "replace",
+            }
+        ],
+        None,
+    )
     try:
         t = Trajectory("math/add-v0", 0, messages=view("x").messages, turn_rewards=[1.0])
         asyncio.run(replace.score(t))
@@ -96,8 +126,9 @@ def test_judge_grade_is_what_the_judge_model_replied(policy) -> None:
     _, tokenizer = policy
     for reply, expected in [("Score: 0.8 overall", 0.8), ("no", 0.0), ("yes", 1.0), ("hmm", 0.25)]:
         engine = ReplyEngine(tokenizer, reply)
-        grade = asyncio.run(LLMJudge(engine, tokenizer, max_new_tokens=3, default=0.25).score(view("4")))
+        grade = asyncio.run(
+            LLMJudge(engine, tokenizer, max_new_tokens=3, default=0.25).score(view("4"))
+        )
         assert grade == expected, reply
         (request,) = engine.requests
         assert request.temperature == 0.0 and "assistant: 4" in tokenizer.decode(request.prompt_ids)
-

@@ -38,15 +38,21 @@ class CrashingLake(envhub.TextEnv):
 
 def manager_for(policy, max_turns: int = 4) -> tuple[EnvManager, HFEngine]:
     model, tokenizer = policy
-    engine = HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0)
-    return EnvManager(engine, ChatRenderer(tokenizer), max_turns=max_turns, max_context_tokens=1024), engine
+    engine = HFEngine(
+        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0
+    )
+    return EnvManager(
+        engine, ChatRenderer(tokenizer), max_turns=max_turns, max_context_tokens=1024
+    ), engine
 
 
 def test_episodes_are_one_sequence_with_policy_tokens_masked(policy) -> None:
     _, tokenizer = policy
     manager, engine = manager_for(policy)
     specs = plan_groups(0, num_groups=2, group_size=3, env_ids=[LAKE], seed=0)
-    finished, failed = asyncio.run(run_episodes(specs, manager, LocalEnvSource(LAKE_KWARGS), Sampling(3)))
+    finished, failed = asyncio.run(
+        run_episodes(specs, manager, LocalEnvSource(LAKE_KWARGS), Sampling(3))
+    )
     assert len(finished) == 6 and not failed
     assert engine.stats["batches"] <= 4 * 1 + 1  # all episodes' turns batched together
     for t in finished:
@@ -54,14 +60,29 @@ def test_episodes_are_one_sequence_with_policy_tokens_masked(policy) -> None:
         assert 1 <= t.num_turns <= 4 and len(t.turn_ends) == t.num_turns
         assert all(t.response_mask[end] == 1 for end in t.turn_ends)
         assert t.response_mask[: t.prompt_length] == [0] * t.prompt_length
-        assert all((lp == 0.0) == (m == 0) for lp, m in zip(t.logprobs, t.response_mask, strict=True) if m == 0)
+        assert all(
+            (lp == 0.0) == (m == 0)
+            for lp, m in zip(t.logprobs, t.response_mask, strict=True)
+            if m == 0
+        )
         # decoding the policy tokens of each turn gives back the actions the env received
         actions = [m["content"] for m in t.messages if m["role"] == "assistant"]
-        starts = [i for i, m in enumerate(t.response_mask) if m and (i == 0 or not t.response_mask[i - 1])]
-        turns = [t.token_ids[start:end + 1] for start, end in zip(starts, t.turn_ends, strict=True)]
-        assert all(t.response_mask[start:end + 1] == [1] * (end + 1 - start) for start, end in zip(starts, t.turn_ends))
-        assert [manager.renderer.decode(ids) for ids in turns] == actions and len(actions) == t.num_turns
-    assert {t.seed for t in finished[:3]} == {finished[0].seed} and {t.group_id for t in finished} == {0, 1}
+        starts = [
+            i for i, m in enumerate(t.response_mask) if m and (i == 0 or not t.response_mask[i - 1])
+        ]
+        turns = [
+            t.token_ids[start : end + 1] for start, end in zip(starts, t.turn_ends, strict=True)
+        ]
+        assert all(
+            t.response_mask[start : end + 1] == [1] * (end + 1 - start)
+            for start, end in zip(starts, t.turn_ends)
+        )
+        assert [manager.renderer.decode(ids) for ids in turns] == actions and len(
+            actions
+        ) == t.num_turns
+    assert {t.seed for t in finished[:3]} == {finished[0].seed} and {
+        t.group_id for t in finished
+    } == {0, 1}
     assert all(s.seed >= 1_000_000_000 for s in plan_eval(4, env_ids=[LAKE]))
 
 
@@ -70,7 +91,9 @@ def test_a_crashed_env_episode_is_replaced_not_fatal(policy) -> None:
     source = LocalEnvSource(make=lambda env_id, **kw: CrashingLake())
     specs = plan_groups(0, num_groups=1, group_size=4, env_ids=["test/crash-v0"], seed=0)
     finished, failed = asyncio.run(run_episodes(specs, manager, source, Sampling(2)))
-    assert len(finished) == 4 and all(t.success for t in finished)  # every crash was replayed on a fresh env
+    assert len(finished) == 4 and all(
+        t.success for t in finished
+    )  # every crash was replayed on a fresh env
     assert len(failed) == 2 and all("simulated env crash" in (t.failure or "") for t in failed)
     assert finished[0].info == {"secret": 7, "turn": 0, "success": False, "invalid_action": False}
 

@@ -59,12 +59,20 @@ def release_blocked_threads():
 
 def manager_for(policy, engine: Any) -> EnvManager:
     _, tokenizer = policy
-    return EnvManager(engine, ChatRenderer(tokenizer), max_turns=4, max_context_tokens=1024, step_timeout_s=TIMEOUT_S)
+    return EnvManager(
+        engine,
+        ChatRenderer(tokenizer),
+        max_turns=4,
+        max_context_tokens=1024,
+        step_timeout_s=TIMEOUT_S,
+    )
 
 
 def make_engine(policy) -> HFEngine:
     model, tokenizer = policy
-    return HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0)
+    return HFEngine(
+        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0
+    )
 
 
 def run(coro):
@@ -77,8 +85,11 @@ def run(coro):
 def test_a_blocking_env_step_times_out_as_a_recorded_failure(policy) -> None:
     source = LocalEnvSource(make=lambda env_id, **kwargs: BlockingEnv(), threaded=True)
     specs = [EpisodeSpec("test/blocking-v0", seed, seed) for seed in (0, 1, 2)]
-    finished, failed = run(run_episodes(specs, manager_for(policy, make_engine(policy)), source, Sampling(3),
-                                        max_retries=1))
+    finished, failed = run(
+        run_episodes(
+            specs, manager_for(policy, make_engine(policy)), source, Sampling(3), max_retries=1
+        )
+    )
     assert sorted(t.seed for t in finished) == [0, 2] and all(t.num_turns == 2 for t in finished)
     assert len(failed) == 2 and {t.seed for t in failed} == {1}  # the first try and its one replay
     assert all("rollout.env_timeout_s" in (t.failure or "") for t in failed)
@@ -87,7 +98,9 @@ def test_a_blocking_env_step_times_out_as_a_recorded_failure(policy) -> None:
 def test_the_scheduler_replaces_a_group_whose_env_blocks(policy) -> None:
     router = EngineRouter([make_engine(policy)])
     source = LocalEnvSource(make=lambda env_id, **kwargs: BlockingEnv(), threaded=True)
-    config = SchedulerConfig(num_groups=2, group_size=2, env_ids=("test/blocking-v0",), max_retries=1)
+    config = SchedulerConfig(
+        num_groups=2, group_size=2, env_ids=("test/blocking-v0",), max_retries=1
+    )
     scheduler = RolloutScheduler(config, manager_for(policy, router), router, source, Sampling(3))
 
     async def go():
@@ -97,6 +110,9 @@ def test_the_scheduler_replaces_a_group_whose_env_blocks(policy) -> None:
             await scheduler.close()
 
     batch = run(go())
-    assert len(batch.trajectories) == 4 and {t.seed for t in batch.trajectories} == {0, 2}  # task 1 replaced
+    assert len(batch.trajectories) == 4 and {t.seed for t in batch.trajectories} == {
+        0,
+        2,
+    }  # task 1 replaced
     assert batch.failed and all("rollout.env_timeout_s" in (t.failure or "") for t in batch.failed)
     assert batch.metrics["rollout/failed_groups"] == 1.0

@@ -27,8 +27,13 @@ class StepEngine:
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if "." in request.request_id:  # a resumed part: finish it
-            return GenerationResult(request.request_id, [7] * request.max_new_tokens,
-                                    [0.0] * request.max_new_tokens, "length", self.version)
+            return GenerationResult(
+                request.request_id,
+                [7] * request.max_new_tokens,
+                [0.0] * request.max_new_tokens,
+                "length",
+                self.version,
+            )
         future = asyncio.get_running_loop().create_future()
         self.running[request.request_id] = future
         return await future
@@ -52,8 +57,10 @@ def test_a_weight_update_preempts_all_in_flight_requests_in_one_engine_step() ->
     router = EngineRouter([engine])
 
     async def go() -> list[GenerationResult]:
-        calls = [asyncio.ensure_future(router.generate(GenerationRequest(f"ep{i}/0", [1, 2, 3], 5)))
-                 for i in range(20)]
+        calls = [
+            asyncio.ensure_future(router.generate(GenerationRequest(f"ep{i}/0", [1, 2, 3], 5)))
+            for i in range(20)
+        ]
         while len(engine.running) < 20:
             await asyncio.sleep(0)
         await router.update_weights_live({"w": 0})
@@ -61,7 +68,9 @@ def test_a_weight_update_preempts_all_in_flight_requests_in_one_engine_step() ->
 
     results = asyncio.run(asyncio.wait_for(go(), HANG_GUARD_S))
     assert engine.abort_sets == [20]  # one step took all 20 preemptions
-    assert all(r.finish_reason == "length" and len(r.token_ids) == 5 for r in results)  # resumed, tokens kept
+    assert all(
+        r.finish_reason == "length" and len(r.token_ids) == 5 for r in results
+    )  # resumed, tokens kept
     assert all(r.extra["token_versions"] == [0, 0, 1, 1, 1] for r in results)
 
 

@@ -35,8 +35,13 @@ class ScriptedEnv(envhub.TextEnv):
     made = itertools.count()
     closed = 0
 
-    def __init__(self, turns: Any = lambda seed: 1 + seed % 4, reward: Any = lambda seed: "varied",
-                 crash: Any = lambda seed, instance: False, budget: Any = lambda seed: None) -> None:
+    def __init__(
+        self,
+        turns: Any = lambda seed: 1 + seed % 4,
+        reward: Any = lambda seed: "varied",
+        crash: Any = lambda seed, instance: False,
+        budget: Any = lambda seed: None,
+    ) -> None:
         super().__init__(max_turns=50)
         self.instance = next(ScriptedEnv.made)
         self.turns_of, self.reward_of, self.crash_of, self.budget_of = turns, reward, crash, budget
@@ -79,14 +84,18 @@ class RecordingEngine(HFEngine):
 
 def make_engine(policy, seed: int = 0) -> RecordingEngine:
     model, tokenizer = policy
-    return RecordingEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed)
+    return RecordingEngine(
+        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed
+    )
 
 
 def scheduler_for(policy, env_factory, *, engines: int = 1, max_new_tokens: int = 3, **config: Any):
     _, tokenizer = policy
     router = EngineRouter([make_engine(policy, seed=i) for i in range(engines)])
     manager = EnvManager(router, ChatRenderer(tokenizer), max_turns=12, max_context_tokens=1024)
-    cfg = SchedulerConfig(**{"num_groups": 3, "group_size": 2, "env_ids": ("test/scripted-v0",), **config})
+    cfg = SchedulerConfig(
+        **{"num_groups": 3, "group_size": 2, "env_ids": ("test/scripted-v0",), **config}
+    )
     source = LocalEnvSource(make=lambda env_id, **kw: env_factory())
     return RolloutScheduler(cfg, manager, router, source, Sampling(max_new_tokens)), router
 
@@ -115,20 +124,30 @@ def test_variable_length_episodes_finish_with_correct_masks(policy) -> None:
         assert len(t.token_ids) == len(t.response_mask) == len(t.logprobs) == len(t.token_versions)
         assert t.response_mask[: t.prompt_length] == [0] * t.prompt_length
         assert all(t.response_mask[end] == 1 for end in t.turn_ends)
-        assert all((v == -1) == (m == 0) for v, m in zip(t.token_versions, t.response_mask, strict=True))
+        assert all(
+            (v == -1) == (m == 0) for v, m in zip(t.token_versions, t.response_mask, strict=True)
+        )
         assert t.oldest_version == batch.version == 0
         # each turn's policy tokens decode to the action the env received
         actions = [m["content"] for m in t.messages if m["role"] == "assistant"]
-        starts = [i for i in range(len(t.response_mask)) if t.response_mask[i] and not t.response_mask[i - 1]]
-        spans = [t.token_ids[s:e + 1] for s, e in zip(starts, t.turn_ends, strict=True)]
+        starts = [
+            i
+            for i in range(len(t.response_mask))
+            if t.response_mask[i] and not t.response_mask[i - 1]
+        ]
+        spans = [t.token_ids[s : e + 1] for s, e in zip(starts, t.turn_ends, strict=True)]
         assert [tokenizer.decode(s, skip_special_tokens=True) for s in spans] == actions
     tensors = collate(batch.trajectories, tokenizer.pad_token_id)
-    assert tensors["response_mask"].sum().item() == sum(t.num_policy_tokens for t in batch.trajectories)
+    assert tensors["response_mask"].sum().item() == sum(
+        t.num_policy_tokens for t in batch.trajectories
+    )
     assert batch.metrics["rollout/turns_max"] == 4.0 and batch.metrics["rollout/staleness_0"] == 8.0
 
 
 def test_dynamic_sampling_replaces_zero_variance_groups(policy) -> None:
-    even_flat = lambda: ScriptedEnv(turns=lambda seed: 1, reward=lambda seed: "flat" if seed % 2 == 0 else "varied")
+    even_flat = lambda: ScriptedEnv(
+        turns=lambda seed: 1, reward=lambda seed: "flat" if seed % 2 == 0 else "varied"
+    )
     scheduler, _ = scheduler_for(policy, even_flat, dynamic_sampling=True)
 
     async def go():
@@ -145,7 +164,9 @@ def test_dynamic_sampling_replaces_zero_variance_groups(policy) -> None:
         assert batch.metrics["rollout/filtered_groups"] >= 2  # flat groups were started and dropped
 
     always_flat = lambda: ScriptedEnv(turns=lambda seed: 1, reward=lambda seed: "flat")
-    scheduler, _ = scheduler_for(policy, always_flat, dynamic_sampling=True, max_filtered_per_batch=2)
+    scheduler, _ = scheduler_for(
+        policy, always_flat, dynamic_sampling=True, max_filtered_per_batch=2
+    )
 
     async def fallback():
         batch = await scheduler.next_batch()
@@ -158,8 +179,9 @@ def test_dynamic_sampling_replaces_zero_variance_groups(policy) -> None:
 
 def test_surplus_is_aborted_in_the_engine_and_its_envs_closed(policy) -> None:
     # groups 0-2 answer in one short turn; later groups are long (10 turns of up to 40 tokens)
-    quick_then_long = lambda: ScriptedEnv(turns=lambda seed: 1 if seed < 3 else 10,
-                                          budget=lambda seed: 2 if seed < 3 else 40)
+    quick_then_long = lambda: ScriptedEnv(
+        turns=lambda seed: 1 if seed < 3 else 10, budget=lambda seed: 2 if seed < 3 else 40
+    )
     scheduler, router = scheduler_for(policy, quick_then_long, redundancy=2.0, max_new_tokens=40)
     engine = router.engines[0]
     made_before, closed_before = next(ScriptedEnv.made), ScriptedEnv.closed
@@ -175,23 +197,32 @@ def test_surplus_is_aborted_in_the_engine_and_its_envs_closed(policy) -> None:
     batch, state, tokens_after = run(go())
     assert {t.group_id for t in batch.trajectories} == {0, 1, 2}
     assert state == (0, 0, 0)  # nothing left in flight, queued, or running
-    assert engine.stats["new_tokens"] == tokens_after  # the engine stopped generating for the surplus
+    assert (
+        engine.stats["new_tokens"] == tokens_after
+    )  # the engine stopped generating for the surplus
     assert batch.metrics["rollout/aborted_surplus"] == 6  # three surplus groups of two
     # aborted inside a running batch (cut short) or taken off the queue before it ran: never finished
     aborted = [(req, res) for req, res in engine.results if res.finish_reason == "abort"]
     assert all(len(res.token_ids) < req.max_new_tokens for req, res in aborted)
-    surplus_turns = collections.Counter(req.request_id.split("/")[0] for req, _ in engine.results
-                                        if int(req.request_id[1:].split("e")[0]) >= 3)
+    surplus_turns = collections.Counter(
+        req.request_id.split("/")[0]
+        for req, _ in engine.results
+        if int(req.request_id[1:].split("e")[0]) >= 3
+    )
     assert surplus_turns and max(surplus_turns.values()) < 10
     made = next(ScriptedEnv.made) - made_before - 1
     assert ScriptedEnv.closed - closed_before == made  # every env the surplus opened was closed
 
 
 @pytest.mark.parametrize("max_staleness", [0, 1])
-def test_async_training_never_trains_a_sample_beyond_the_staleness_bound(policy, max_staleness: int) -> None:
+def test_async_training_never_trains_a_sample_beyond_the_staleness_bound(
+    policy, max_staleness: int
+) -> None:
     model, _ = policy
     varied = lambda: ScriptedEnv(turns=lambda seed: 1 + seed % 3)
-    scheduler, _ = scheduler_for(policy, varied, mode="async", max_staleness=max_staleness, num_groups=2)
+    scheduler, _ = scheduler_for(
+        policy, varied, mode="async", max_staleness=max_staleness, num_groups=2
+    )
     weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
     async def go():
@@ -215,8 +246,14 @@ def test_async_training_never_trains_a_sample_beyond_the_staleness_bound(policy,
     if max_staleness == 1:  # samples from the previous policy were trained (and counted)
         assert 1 in lags and sum(b.metrics["rollout/staleness_1"] for b in batches) == lags.count(1)
     else:  # everything produced during "training" went stale and was dropped or aborted
-        assert sum(b.metrics["rollout/stale_dropped_groups"] + b.metrics["rollout/stale_aborted_groups"]
-                   for b in batches) >= 1
+        assert (
+            sum(
+                b.metrics["rollout/stale_dropped_groups"]
+                + b.metrics["rollout/stale_aborted_groups"]
+                for b in batches
+            )
+            >= 1
+        )
 
 
 class PausingEngine(RecordingEngine):
@@ -240,7 +277,9 @@ class PausingEngine(RecordingEngine):
 
 def test_partial_rollout_resumes_a_preempted_turn_under_new_weights(policy) -> None:
     model, tokenizer = policy
-    engine = PausingEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    engine = PausingEngine(
+        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
     router = EngineRouter([engine])
     manager = EnvManager(router, ChatRenderer(tokenizer), max_turns=1, max_context_tokens=1024)
     cfg = SchedulerConfig(num_groups=1, group_size=1, env_ids=("x",), mode="async", max_staleness=1)
@@ -261,7 +300,9 @@ def test_partial_rollout_resumes_a_preempted_turn_under_new_weights(policy) -> N
     (t,) = batch.trajectories
     versions = [v for v in t.token_versions if v >= 0]
     assert batch.metrics["rollout/preempted_turns"] == 1 and t.num_turns == 1  # the in-flight turn
-    assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1}  # tokens kept, the rest from new weights
+    assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {
+        1
+    }  # tokens kept, the rest from new weights
     assert t.oldest_version == 0 and batch.version == 1
     first = {req.request_id: res for req, res in engine.results[:1]}
     assert all(res.finish_reason == "abort" and len(res.token_ids) == 3 for res in first.values())
@@ -273,8 +314,10 @@ def test_partial_rollout_resumes_a_preempted_turn_under_new_weights(policy) -> N
 
 def test_env_crash_mid_episode_is_replaced_not_a_hang(policy) -> None:
     # task 1 crashes on turn 2 on every env (its group is replaced); task 2 crashes once (replayed)
-    crashy = lambda: ScriptedEnv(turns=lambda seed: 3,
-                                 crash=lambda seed, instance: seed == 1 or (seed == 2 and instance % 7 == 0))
+    crashy = lambda: ScriptedEnv(
+        turns=lambda seed: 3,
+        crash=lambda seed, instance: seed == 1 or (seed == 2 and instance % 7 == 0),
+    )
     scheduler, _ = scheduler_for(policy, crashy)
 
     async def go():
@@ -284,7 +327,9 @@ def test_env_crash_mid_episode_is_replaced_not_a_hang(policy) -> None:
 
     batch = run(go())
     assert len(batch.trajectories) == 6 and all(not t.failed for t in batch.trajectories)
-    assert 1 not in {t.group_id for t in batch.trajectories}  # the broken task was replaced by task 3
+    assert 1 not in {
+        t.group_id for t in batch.trajectories
+    }  # the broken task was replaced by task 3
     assert batch.metrics["rollout/failed_groups"] >= 1 and batch.failed
     assert all("simulated env crash" in (t.failure or "") for t in batch.failed)
 
@@ -301,12 +346,20 @@ class _FailingEngine(RecordingEngine):
 
 def test_engine_errors_are_recorded_failures(policy) -> None:
     model, tokenizer = policy
-    router = EngineRouter([_FailingEngine(model, eos_token_id=tokenizer.eos_token_id,
-                                          pad_token_id=tokenizer.pad_token_id)])
+    router = EngineRouter(
+        [
+            _FailingEngine(
+                model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+            )
+        ]
+    )
     manager = EnvManager(router, ChatRenderer(tokenizer), max_turns=2, max_context_tokens=256)
-    cfg = SchedulerConfig(num_groups=1, group_size=2, env_ids=("x",), max_retries=0, max_failed_groups=2)
-    scheduler = RolloutScheduler(cfg, manager, router, LocalEnvSource(make=lambda env_id, **kw: ScriptedEnv()),
-                                 Sampling(2))
+    cfg = SchedulerConfig(
+        num_groups=1, group_size=2, env_ids=("x",), max_retries=0, max_failed_groups=2
+    )
+    scheduler = RolloutScheduler(
+        cfg, manager, router, LocalEnvSource(make=lambda env_id, **kw: ScriptedEnv()), Sampling(2)
+    )
     with pytest.raises(RolloutError, match="engine error RuntimeError: engine out of memory"):
         run(scheduler.next_batch())
 
@@ -318,7 +371,10 @@ def test_router_is_least_loaded_sticky_and_aborts_where_the_request_runs(policy)
     prompt = tokenizer.encode("Say anything.", add_special_tokens=False)
 
     async def go():
-        first = [asyncio.ensure_future(router.generate(GenerationRequest(f"ep{i}/0", prompt, 30))) for i in range(4)]
+        first = [
+            asyncio.ensure_future(router.generate(GenerationRequest(f"ep{i}/0", prompt, 30)))
+            for i in range(4)
+        ]
         await asyncio.sleep(0)
         placed = [router.engine_of(f"ep{i}") for i in range(4)]
         loads = router.loads
@@ -331,7 +387,10 @@ def test_router_is_least_loaded_sticky_and_aborts_where_the_request_runs(policy)
     assert placed == [0, 1, 0, 1] and loads == [2, 2]  # least-loaded spread
     assert results[3].finish_reason == "abort" and len(results[3].token_ids) < 30
     assert all(r.finish_reason != "abort" for r in results[:3])
-    assert router.engine_of("ep1") == 1 and again.finish_reason in ("stop", "length")  # same engine next turn
+    assert router.engine_of("ep1") == 1 and again.finish_reason in (
+        "stop",
+        "length",
+    )  # same engine next turn
     assert engines[1].results[-1][0].request_id == "ep1/1"
 
 
@@ -339,16 +398,24 @@ def test_rank_engines_route_over_infer_workers_and_abort_a_running_batch(policy_
     from trainer.config import RoleConfig
     from trainer.workers.infer import InferCluster
 
-    cluster = InferCluster("actor_infer", RoleConfig(strategy="hf", device_mapping=[], num_workers=2),
-                           backend="local", worker_kwargs={"model_path": str(policy_dir)})
+    cluster = InferCluster(
+        "actor_infer",
+        RoleConfig(strategy="hf", device_mapping=[], num_workers=2),
+        backend="local",
+        worker_kwargs={"model_path": str(policy_dir)},
+    )
     try:
         engines = cluster.rank_engines()
         router = EngineRouter(engines)
         prompt = [5, 6, 7, 8, 9]
 
         async def go():
-            calls = [asyncio.ensure_future(router.generate(GenerationRequest(f"ep{i}/0", prompt, 80, temperature=0.0)))
-                     for i in range(4)]
+            calls = [
+                asyncio.ensure_future(
+                    router.generate(GenerationRequest(f"ep{i}/0", prompt, 80, temperature=0.0))
+                )
+                for i in range(4)
+            ]
             while not engines[1]._running:  # rank 1's batch is running in its worker
                 await asyncio.sleep(0.002)
             await router.abort("ep3/0")
@@ -356,9 +423,13 @@ def test_rank_engines_route_over_infer_workers_and_abort_a_running_batch(policy_
 
         results = run(go())
         assert [router.engine_of(f"ep{i}") for i in range(4)] == [0, 1, 0, 1]
-        assert results[3].finish_reason == "abort" and len(results[3].token_ids) < 80  # cut inside rank 1
-        assert results[1].finish_reason != "abort" and results[1].token_ids[: len(results[3].token_ids)] == \
-            results[3].token_ids  # same greedy tokens on the same rank until the abort
+        assert (
+            results[3].finish_reason == "abort" and len(results[3].token_ids) < 80
+        )  # cut inside rank 1
+        assert (
+            results[1].finish_reason != "abort"
+            and results[1].token_ids[: len(results[3].token_ids)] == results[3].token_ids
+        )  # same greedy tokens on the same rank until the abort
     finally:
         cluster.shutdown()
 
@@ -380,9 +451,13 @@ def test_sync_batches_are_on_policy_across_weight_updates(policy) -> None:
     model, tokenizer = policy
     weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     router = EngineRouter([make_engine(policy)])
-    prompt = len(ChatRenderer(tokenizer).prompt([{"role": "user", "content": "Task 0. Say anything."}]))
+    prompt = len(
+        ChatRenderer(tokenizer).prompt([{"role": "user", "content": "Task 0. Say anything."}])
+    )
     # room for a turn of an odd task; an even task's prompt alone fills the context (no policy token)
-    manager = EnvManager(router, ChatRenderer(tokenizer), max_turns=4, max_context_tokens=prompt + 6)
+    manager = EnvManager(
+        router, ChatRenderer(tokenizer), max_turns=4, max_context_tokens=prompt + 6
+    )
     cfg = SchedulerConfig(num_groups=2, group_size=2, env_ids=("test/scripted-v0",), redundancy=1.5)
     source = LocalEnvSource(make=lambda env_id, **kw: PaddedPromptEnv(turns=lambda seed: 2))
     scheduler = RolloutScheduler(cfg, manager, router, source, Sampling(3))
@@ -403,5 +478,7 @@ def test_sync_batches_are_on_policy_across_weight_updates(policy) -> None:
         versions = {t.oldest_version for t in batch.trajectories}
         assert versions <= {batch.version, None}  # every policy token is of the trained version
         assert batch.metrics["rollout/staleness_0"] == len(batch.trajectories)
-        assert not any(k.startswith("rollout/staleness_") and k != "rollout/staleness_0" and v
-                       for k, v in batch.metrics.items())
+        assert not any(
+            k.startswith("rollout/staleness_") and k != "rollout/staleness_0" and v
+            for k, v in batch.metrics.items()
+        )

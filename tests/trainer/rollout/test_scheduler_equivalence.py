@@ -71,8 +71,13 @@ class DeterministicEngine:
         ids = [self.vocab[(h + 7 * k + 3 * i) % len(self.vocab)] for i in range(length)]
         if (h + k) % 2:
             ids[-1] = self.eos
-        return GenerationResult(request.request_id, ids, [-0.1 * (i + 1) - 0.01 * k for i in range(length)],
-                                "stop" if ids[-1] == self.eos else "length", self.version)
+        return GenerationResult(
+            request.request_id,
+            ids,
+            [-0.1 * (i + 1) - 0.01 * k for i in range(length)],
+            "stop" if ids[-1] == self.eos else "length",
+            self.version,
+        )
 
     async def abort(self, request_id: str) -> None:
         """Answers come in one piece; nothing to abort."""
@@ -103,9 +108,13 @@ def by_row(trajectories: list[Trajectory]) -> list[Trajectory]:
 
 def tensors(trajectories: list[Trajectory], pad: int) -> dict[str, torch.Tensor]:
     batch = collate(trajectories, pad)
-    batch["advantages"], _ = compute_advantages("grpo", response_mask=batch["response_mask"],
-                                                token_rewards=batch["token_rewards"], scores=batch["scores"],
-                                                group_ids=batch["group_ids"])
+    batch["advantages"], _ = compute_advantages(
+        "grpo",
+        response_mask=batch["response_mask"],
+        token_rewards=batch["token_rewards"],
+        scores=batch["scores"],
+        group_ids=batch["group_ids"],
+    )
     return batch
 
 
@@ -114,15 +123,29 @@ def test_scheduler_batch_equals_the_batch_mode_batch_row_by_row(policy, mode: st
     _, tokenizer = policy
     renderer = ChatRenderer(tokenizer)
     # env.id must name a registered env; the source below makes a GuessEnv whatever the id
-    cfg = load_config(None, ["env.id=games/guess-number-v0", f"env.num_groups={NUM_GROUPS}", f"env.group_size={GROUP_SIZE}",
-                             "seed=3", f"rollout.mode={mode}", "rollout.max_turns=4", "rollout.max_new_tokens=3"])
+    cfg = load_config(
+        None,
+        [
+            "env.id=games/guess-number-v0",
+            f"env.num_groups={NUM_GROUPS}",
+            f"env.group_size={GROUP_SIZE}",
+            "seed=3",
+            f"rollout.mode={mode}",
+            "rollout.max_turns=4",
+            "rollout.max_new_tokens=3",
+        ],
+    )
     source = LocalEnvSource(make=lambda env_id, **kwargs: GuessEnv())
     sampling = Sampling(cfg.rollout.max_new_tokens, cfg.rollout.temperature, cfg.rollout.top_p)
 
     # batch mode: step 1's plan, played by run_episodes
     batch_engine = engine_for(tokenizer)
-    manager = EnvManager(batch_engine, renderer, max_turns=cfg.rollout.max_turns, max_context_tokens=1024)
-    specs = plan_groups(1, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, env_ids=cfg.env.ids, seed=cfg.seed)
+    manager = EnvManager(
+        batch_engine, renderer, max_turns=cfg.rollout.max_turns, max_context_tokens=1024
+    )
+    specs = plan_groups(
+        1, num_groups=NUM_GROUPS, group_size=GROUP_SIZE, env_ids=cfg.env.ids, seed=cfg.seed
+    )
     played, failed = asyncio.run(run_episodes(specs, manager, source, sampling))
     assert not failed and len(played) == NUM_GROUPS * GROUP_SIZE
 
@@ -140,14 +163,24 @@ def test_scheduler_batch_equals_the_batch_mode_batch_row_by_row(policy, mode: st
     b = tensors(by_row(trajectories), tokenizer.pad_token_id)
     assert set(a) == set(b)
     for name in a:
-        assert torch.equal(a[name], b[name]), f"column {name} differs between batch mode and the scheduler"
-    assert a["advantages"].abs().sum() > 0  # the groups carry signal, so the comparison means something
+        assert torch.equal(a[name], b[name]), (
+            f"column {name} differs between batch mode and the scheduler"
+        )
+    assert (
+        a["advantages"].abs().sum() > 0
+    )  # the groups carry signal, so the comparison means something
 
     # the scheduler's own row order (group after group, by finishing time) gives every row
     # the advantage it has in batch mode: group ids, not positions, define the groups
     rows = tensors(trajectories, tokenizer.pad_token_id)
-    order = sorted(range(len(trajectories)), key=lambda i: (trajectories[i].group_id, trajectories[i].token_ids,
-                                                            trajectories[i].logprobs))
+    order = sorted(
+        range(len(trajectories)),
+        key=lambda i: (
+            trajectories[i].group_id,
+            trajectories[i].token_ids,
+            trajectories[i].logprobs,
+        ),
+    )
     assert torch.equal(rows["advantages"][order], a["advantages"])
     for t in trajectories:  # every row's seed is its group's task seed
         assert t.seed == next(s.seed for s in specs if s.group_id == t.group_id)

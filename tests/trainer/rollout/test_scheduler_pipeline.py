@@ -14,19 +14,37 @@ from trainer.pipeline import AgenticPipeline
 
 
 def run(tmp_path: Path, *overrides: str) -> list[dict]:
-    cfg = load_config(QUICKSTART, [*TINY, "train.steps=3", "train.ppo_epochs=1", "sft.epochs=0", "eval.episodes=4",
-                                   "eval.every=0", f"output_dir={tmp_path / 'run'}", *overrides])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *TINY,
+            "train.steps=3",
+            "train.ppo_epochs=1",
+            "sft.epochs=0",
+            "eval.episodes=4",
+            "eval.every=0",
+            f"output_dir={tmp_path / 'run'}",
+            *overrides,
+        ],
+    )
     return AgenticPipeline(cfg).fit()
 
 
 # decoupled: an entropy bonus moves the policy every step even when every reward in a group ties
 # (an untrained policy's), so one-step-stale tokens really are off-policy and their weights show it.
-@pytest.mark.parametrize("correction", [[], ["rollout.is_truncation=2.0", "algorithm.loss.entropy_coef=0.05"]],
-                         ids=["behaviour-anchor", "decoupled"])
-def test_async_training_within_the_staleness_bound(tmp_path: Path, correction: list[str], monkeypatch) -> None:
+@pytest.mark.parametrize(
+    "correction",
+    [[], ["rollout.is_truncation=2.0", "algorithm.loss.entropy_coef=0.05"]],
+    ids=["behaviour-anchor", "decoupled"],
+)
+def test_async_training_within_the_staleness_bound(
+    tmp_path: Path, correction: list[str], monkeypatch
+) -> None:
     from trainer.rollout.rollouts import Rollouts
 
-    deviation: list[float] = []  # per step: the largest |w - 1| of a policy token's importance weight
+    deviation: list[
+        float
+    ] = []  # per step: the largest |w - 1| of a policy token's importance weight
     correct = Rollouts.off_policy_correction
 
     def recording(self, batch, actor):
@@ -40,25 +58,39 @@ def test_async_training_within_the_staleness_bound(tmp_path: Path, correction: l
     steps = [r for r in rows if r["step"] >= 1]
     assert [r["step"] for r in steps] == [1, 2, 3] and rows[-1]["eval/success"] is not None
     for r in steps:
-        lags = {int(k.rsplit("_", 1)[1]): v for k, v in r.items() if k.startswith("rollout/staleness_")}
-        assert max(k for k, v in lags.items() if v > 0) <= 1  # nothing older than the bound was trained
+        lags = {
+            int(k.rsplit("_", 1)[1]): v for k, v in r.items() if k.startswith("rollout/staleness_")
+        }
+        assert (
+            max(k for k, v in lags.items() if v > 0) <= 1
+        )  # nothing older than the bound was trained
         assert "actor/pg_loss" in r
         if not correction:
             assert "rollout/is_weight_mean" not in r and deviation == []
-        elif lags.get(1, 0) == 0:  # all tokens from the current policy: the recomputed log-probs are the sampled ones
+        elif (
+            lags.get(1, 0) == 0
+        ):  # all tokens from the current policy: the recomputed log-probs are the sampled ones
             assert deviation[r["step"] - 1] < 1e-4, r["step"]
         else:  # one version behind: the weights measure how far the policy moved since it sampled them
             assert deviation[r["step"] - 1] > 1e-3, r["step"]
-    if correction:  # both cases were seen: step 1 has nothing older, a later step trained stale tokens
-        assert steps[0]["rollout/staleness_1"] == 0 and any(r["rollout/staleness_1"] > 0 for r in steps[1:])
+    if (
+        correction
+    ):  # both cases were seen: step 1 has nothing older, a later step trained stale tokens
+        assert steps[0]["rollout/staleness_1"] == 0 and any(
+            r["rollout/staleness_1"] > 0 for r in steps[1:]
+        )
 
 
 def test_sync_scheduler_with_redundancy_and_dynamic_sampling(tmp_path: Path) -> None:
-    rows = run(tmp_path, "rollout.mode=sync", "rollout.redundancy=1.5", "rollout.dynamic_sampling=true")
+    rows = run(
+        tmp_path, "rollout.mode=sync", "rollout.redundancy=1.5", "rollout.dynamic_sampling=true"
+    )
     steps = [r for r in rows if r["step"] >= 1]
     assert len(steps) == 3
     for r in steps:
-        assert {k for k, v in r.items() if k.startswith("rollout/staleness_") and v > 0} <= {"rollout/staleness_0"}
+        assert {k for k, v in r.items() if k.startswith("rollout/staleness_") and v > 0} <= {
+            "rollout/staleness_0"
+        }
         assert "rollout/aborted_surplus" in r and "rollout/filtered_groups" in r
 
 
@@ -74,11 +106,24 @@ def test_async_resume_trains_new_groups_only_and_does_not_hang(tmp_path: Path, m
     first = run(tmp_path, "rollout.mode=async", "checkpoint.every=1", "train.steps=2")
     before = {g for ids in trained.values() for g in ids}
     trained.clear()
-    cfg = load_config(QUICKSTART, [*TINY, "train.steps=4", "train.ppo_epochs=1", "sft.epochs=0", "eval.episodes=4",
-                                   "eval.every=0", f"output_dir={tmp_path / 'run'}", "rollout.mode=async",
-                                   "checkpoint.every=1"])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *TINY,
+            "train.steps=4",
+            "train.ppo_epochs=1",
+            "sft.epochs=0",
+            "eval.episodes=4",
+            "eval.every=0",
+            f"output_dir={tmp_path / 'run'}",
+            "rollout.mode=async",
+            "checkpoint.every=1",
+        ],
+    )
     rows = AgenticPipeline(cfg, resume=True).fit()
     assert [r["step"] for r in first] == [0, 1, 2] and [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     after = {g for ids in trained.values() for g in ids}
-    assert sorted(trained) == [3, 4] and not after & before  # in-flight groups are lost, none trained twice
+    assert (
+        sorted(trained) == [3, 4] and not after & before
+    )  # in-flight groups are lost, none trained twice
     assert min(after) > max(before)

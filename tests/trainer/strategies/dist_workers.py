@@ -10,14 +10,25 @@ import os
 from typing import Any
 
 
-def tiny_qwen2(seed: int = 0, *, layers: int = 2, vocab: int = 61, tie: bool = False, bias: bool = True) -> Any:
+def tiny_qwen2(
+    seed: int = 0, *, layers: int = 2, vocab: int = 61, tie: bool = False, bias: bool = True
+) -> Any:
     """A small random Qwen2 (GQA: 4 query heads, 2 KV heads) built from a config."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=tie, rms_norm_eps=1e-6, rope_theta=10000.0)
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     if not bias:
@@ -48,8 +59,15 @@ def nll_loss(out: Any, mb: Any) -> tuple[Any, dict[str, float]]:
 
 
 def join(rank: int, world: int, port: int) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+        }
+    )
     import torch
 
     torch.set_num_threads(1)
@@ -64,7 +82,7 @@ def fsdp2_rank(rank: int, world: int, port: int, out: Any) -> None:
     for tag, rows_per_rank, steps in (("even", [2, 2], 2), ("ragged", [3, 1], 1)):
         batch = tiny_batch(rows=sum(rows_per_rank))
         start = sum(rows_per_rank[:rank])
-        mine = {k: v[start:start + rows_per_rank[rank]] for k, v in batch.items()}
+        mine = {k: v[start : start + rows_per_rank[rank]] for k, v in batch.items()}
         strategy = FSDP2TrainStrategy(tiny_qwen2(), lr=1e-2, micro_batch_size=1, device="cpu")
         out[(tag, rank, "logprobs")] = strategy.forward(mine).logprobs
         out[(tag, rank, "metrics")] = [strategy.train_step(mine, nll_loss) for _ in range(steps)]
@@ -85,11 +103,18 @@ def megatron_rank(rank: int, world: int, port: int, out: Any) -> None:
     from trainer.strategies.megatron import MegatronTrainStrategy
 
     batch = tiny_batch(rows=4)
-    mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
+    mine = {k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}
     for tag, tp in (("tp2", 2), ("dp2", 1)):
-        strategy = MegatronTrainStrategy(tiny_qwen2(tie=tp == 1), lr=1e-2, micro_batch_size=2, device="cpu",
-                                         tensor_parallel_size=tp)
-        out[(tag, rank, "shard_rows")] = int(strategy.model.state_dict()["decoder.layers.0.mlp.linear_fc1.weight"].shape[0])
+        strategy = MegatronTrainStrategy(
+            tiny_qwen2(tie=tp == 1),
+            lr=1e-2,
+            micro_batch_size=2,
+            device="cpu",
+            tensor_parallel_size=tp,
+        )
+        out[(tag, rank, "shard_rows")] = int(
+            strategy.model.state_dict()["decoder.layers.0.mlp.linear_fc1.weight"].shape[0]
+        )
         out[(tag, rank, "logprobs")] = strategy.forward(mine).logprobs
         out[(tag, rank, "metrics")] = strategy.train_step(mine, nll_loss)
         out[(tag, rank, "weights")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
@@ -106,9 +131,9 @@ def resume_rank(rank: int, world: int, port: int, out: Any, name: str) -> None:
     from trainer.strategies.distributed import shutdown_process_group
 
     batch = tiny_batch(rows=4)
-    mine = {k: v[2 * rank:2 * rank + 2] for k, v in batch.items()}
+    mine = {k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}
     second = tiny_batch(rows=4, seed=5)
-    mine2 = {k: v[2 * rank:2 * rank + 2] for k, v in second.items()}
+    mine2 = {k: v[2 * rank : 2 * rank + 2] for k, v in second.items()}
 
     def build() -> Any:
         if name == "fsdp2":
@@ -117,7 +142,9 @@ def resume_rank(rank: int, world: int, port: int, out: Any, name: str) -> None:
             return FSDP2TrainStrategy(tiny_qwen2(), lr=1e-2, micro_batch_size=2, device="cpu")
         from trainer.strategies.megatron import MegatronTrainStrategy
 
-        return MegatronTrainStrategy(tiny_qwen2(), lr=1e-2, micro_batch_size=2, device="cpu", tensor_parallel_size=2)
+        return MegatronTrainStrategy(
+            tiny_qwen2(), lr=1e-2, micro_batch_size=2, device="cpu", tensor_parallel_size=2
+        )
 
     strategy = build()
     strategy.train_step(mine, nll_loss)
@@ -136,7 +163,9 @@ def resume_rank(rank: int, world: int, port: int, out: Any, name: str) -> None:
     shutdown_process_group()
 
 
-def megatron_pp_rank(rank: int, world: int, port: int, out: Any, tp: int, pp: int, tie: bool) -> None:
+def megatron_pp_rank(
+    rank: int, world: int, port: int, out: Any, tp: int, pp: int, tie: bool
+) -> None:
     """Megatron TP x PP on ``world`` gloo ranks (one pipeline when world == tp * pp): forward, one train
     step, gathered weights, and a save/load round trip of the sharded checkpoint."""
     join(rank, world, port)
@@ -148,14 +177,22 @@ def megatron_pp_rank(rank: int, world: int, port: int, out: Any, tp: int, pp: in
 
     batch = tiny_batch(rows=4)
     per = 4 // world
-    mine = {k: v[per * rank:per * rank + per] for k, v in batch.items()}
+    mine = {k: v[per * rank : per * rank + per] for k, v in batch.items()}
 
     def build() -> Any:
-        return MegatronTrainStrategy(tiny_qwen2(tie=tie, layers=4), lr=1e-2, micro_batch_size=1, device="cpu",
-                                     tensor_parallel_size=tp, pipeline_parallel_size=pp)
+        return MegatronTrainStrategy(
+            tiny_qwen2(tie=tie, layers=4),
+            lr=1e-2,
+            micro_batch_size=1,
+            device="cpu",
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+        )
 
     strategy = build()
-    out[(rank, "stage_layers")] = sum(1 for n in strategy.model.state_dict() if n.endswith("input_layernorm.weight"))
+    out[(rank, "stage_layers")] = sum(
+        1 for n in strategy.model.state_dict() if n.endswith("input_layernorm.weight")
+    )
     out[(rank, "initial")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
     out[(rank, "logprobs")] = strategy.forward(mine).logprobs
     out[(rank, "metrics")] = strategy.train_step(mine, nll_loss)
@@ -166,7 +203,7 @@ def megatron_pp_rank(rank: int, world: int, port: int, out: Any, tp: int, pp: in
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, state)  # the cluster hands rank 0's checkpoint to every rank
     second = tiny_batch(rows=4, seed=5)
-    mine2 = {k: v[per * rank:per * rank + per] for k, v in second.items()}
+    mine2 = {k: v[per * rank : per * rank + per] for k, v in second.items()}
     strategy.train_step(mine2, nll_loss)
     out[(rank, "straight")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
     strategy.load_state_dict(everyone[0])
@@ -183,16 +220,24 @@ def fsdp2_tp_rank(rank: int, world: int, port: int, out: Any, tp: int) -> None:
 
     batch = tiny_batch(rows=4)
     per = 4 // world
-    mine = {k: v[per * rank:per * rank + per] for k, v in batch.items()}
-    strategy = FSDP2TrainStrategy(tiny_qwen2(), lr=1e-2, micro_batch_size=4, device="cpu", tensor_parallel_size=tp)
-    out[(rank, "local_rows")] = int(strategy.model.model.layers[0].mlp.gate_proj.weight.to_local().shape[0])
+    mine = {k: v[per * rank : per * rank + per] for k, v in batch.items()}
+    strategy = FSDP2TrainStrategy(
+        tiny_qwen2(), lr=1e-2, micro_batch_size=4, device="cpu", tensor_parallel_size=tp
+    )
+    out[(rank, "local_rows")] = int(
+        strategy.model.model.layers[0].mlp.gate_proj.weight.to_local().shape[0]
+    )
     out[(rank, "logprobs")] = strategy.forward(mine).logprobs
     out[(rank, "metrics")] = [strategy.train_step(mine, nll_loss) for _ in range(2)]
     out[(rank, "weights")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
     from trainer.weights.shards import shard_layout
 
-    layout = shard_layout(strategy, rank=rank)  # what the shared-memory weight sync writes from this rank
-    out[(rank, "pieces")] = {name: [(index, piece.clone()) for index, piece in pieces]
-                             for name, pieces in layout.pieces.items()}
+    layout = shard_layout(
+        strategy, rank=rank
+    )  # what the shared-memory weight sync writes from this rank
+    out[(rank, "pieces")] = {
+        name: [(index, piece.clone()) for index, piece in pieces]
+        for name, pieces in layout.pieces.items()
+    }
     out[(rank, "specs")] = [(spec.name, spec.shape) for spec in layout.specs]
     shutdown_process_group()

@@ -6,8 +6,14 @@ from typing import Any
 
 from tests.trainer.strategies.dist_workers import join, tiny_qwen2
 
-LOSS = {"clip_low": 0.2, "clip_high": 0.28, "kl_coef": 0.1, "kl_estimator": "k3", "kl_mode": "loss",
-        "entropy_coef": 0.01}
+LOSS = {
+    "clip_low": 0.2,
+    "clip_high": 0.28,
+    "kl_coef": 0.1,
+    "kl_estimator": "k3",
+    "kl_mode": "loss",
+    "entropy_coef": 0.01,
+}
 """PPO + KL loss term + entropy bonus: every term of ``ppo_loss_fn`` goes through the aggregation."""
 
 
@@ -18,23 +24,34 @@ def gradients(model: Any) -> dict[str, Any]:
         grad = param.grad
         if grad is None:
             continue
-        grads[name] = (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().cpu().clone()
+        grads[name] = (
+            (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().cpu().clone()
+        )
     return grads
 
 
-def fsdp2_grads_rank(rank: int, world: int, port: int, out: Any, batch: dict[str, Any], rows: list[int],
-                     modes: list[str]) -> None:
+def fsdp2_grads_rank(
+    rank: int,
+    world: int,
+    port: int,
+    out: Any,
+    batch: dict[str, Any],
+    rows: list[int],
+    modes: list[str],
+) -> None:
     """FSDP2 on ``world`` ranks, rank r holding ``rows[r]`` consecutive rows, micro-batch size 1."""
     join(rank, world, port)
+    from trainer.config import LossConfig
     from trainer.strategies.distributed import shutdown_process_group
     from trainer.strategies.fsdp2 import FSDP2TrainStrategy
-    from trainer.config import LossConfig
     from trainer.workers.actor import ppo_loss_fn
 
     start = sum(rows[:rank])
-    mine = {k: v[start:start + rows[rank]] for k, v in batch.items()}
+    mine = {k: v[start : start + rows[rank]] for k, v in batch.items()}
     for mode in modes:
-        strategy = FSDP2TrainStrategy(tiny_qwen2(), lr=0.0, max_grad_norm=None, micro_batch_size=1, device="cpu")
+        strategy = FSDP2TrainStrategy(
+            tiny_qwen2(), lr=0.0, max_grad_norm=None, micro_batch_size=1, device="cpu"
+        )
         strategy.train_step(mine, ppo_loss_fn(LossConfig(**LOSS, agg_mode=mode)), with_entropy=True)
         out[(mode, rank)] = gradients(strategy.model)
     shutdown_process_group()
@@ -57,8 +74,15 @@ def megatron_gradients(strategy: Any) -> dict[str, Any]:
     return {k: v.cpu().clone() for k, v in megatron_to_hf([shards], strategy.layout).items()}
 
 
-def megatron_grads_rank(rank: int, world: int, port: int, out: Any, batch: dict[str, Any], rows: list[int],
-                        modes: list[str]) -> None:
+def megatron_grads_rank(
+    rank: int,
+    world: int,
+    port: int,
+    out: Any,
+    batch: dict[str, Any],
+    rows: list[int],
+    modes: list[str],
+) -> None:
     """Megatron on ``world`` ranks, TP=2 (then TP=1 x DP=2), rank r given ``rows[r]`` rows, micro-batch size 1."""
     join(rank, world, port)
     import warnings
@@ -66,18 +90,26 @@ def megatron_grads_rank(rank: int, world: int, port: int, out: Any, batch: dict[
     warnings.filterwarnings("ignore")
     from megatron.core import parallel_state as mpu
 
+    from trainer.config import LossConfig
     from trainer.strategies.distributed import shutdown_process_group
     from trainer.strategies.megatron import MegatronTrainStrategy
-    from trainer.config import LossConfig
     from trainer.workers.actor import ppo_loss_fn
 
     start = sum(rows[:rank])
-    mine = {k: v[start:start + rows[rank]] for k, v in batch.items()}
+    mine = {k: v[start : start + rows[rank]] for k, v in batch.items()}
     for tp in (2, 1):
         for mode in modes if tp == 2 else modes[:1]:  # DP=2: one mode keeps the default tier short
-            strategy = MegatronTrainStrategy(tiny_qwen2(), lr=0.0, max_grad_norm=None, micro_batch_size=1,
-                                             device="cpu", tensor_parallel_size=tp)
-            strategy.train_step(mine, ppo_loss_fn(LossConfig(**LOSS, agg_mode=mode)), with_entropy=True)
+            strategy = MegatronTrainStrategy(
+                tiny_qwen2(),
+                lr=0.0,
+                max_grad_norm=None,
+                micro_batch_size=1,
+                device="cpu",
+                tensor_parallel_size=tp,
+            )
+            strategy.train_step(
+                mine, ppo_loss_fn(LossConfig(**LOSS, agg_mode=mode)), with_entropy=True
+            )
             out[(tp, mode, rank)] = megatron_gradients(strategy)
         mpu.destroy_model_parallel()
     shutdown_process_group()

@@ -7,8 +7,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.trainer.strategies import dist_workers as W  # noqa: E402
-from trainer.strategies.distributed import free_port  # noqa: E402
+from tests.trainer.strategies import dist_workers as W
+from trainer.strategies.distributed import free_port
 
 
 def run_ranks(fn, world: int, *args) -> dict:
@@ -49,7 +49,10 @@ def test_two_ranks_train_like_one_process_on_the_whole_batch(two_rank_run: dict)
     for name, tensor in got.items():
         torch.testing.assert_close(two_rank_run[(1, "weights")][name], tensor, atol=0, rtol=0)
     # the loss fell, and the rank-averaged loss is the whole-batch loss
-    fsdp_nll = [(two_rank_run[(0, "metrics")][i]["nll"] + two_rank_run[(1, "metrics")][i]["nll"]) / 2 for i in range(2)]
+    fsdp_nll = [
+        (two_rank_run[(0, "metrics")][i]["nll"] + two_rank_run[(1, "metrics")][i]["nll"]) / 2
+        for i in range(2)
+    ]
     assert fsdp_nll[1] < fsdp_nll[0]
     assert fsdp_nll[0] == pytest.approx(plain_metrics[0]["nll"], abs=1e-5)
 
@@ -59,7 +62,9 @@ def test_full_state_dict_lands_on_rank_zero_only(two_rank_run: dict) -> None:
     assert two_rank_run[(1, "state_keys")] == []
 
 
-def test_ragged_split_runs_dummy_micro_batches_and_trains_like_one_process(two_rank_run: dict) -> None:
+def test_ragged_split_runs_dummy_micro_batches_and_trains_like_one_process(
+    two_rank_run: dict,
+) -> None:
     """Rank 0 holds 3 rows, rank 1 one row plus two zero-weighted dummies: no deadlock, and the
     step is plain torch's on the whole 4-row batch (dummies weigh nothing, real rows weigh alike)."""
     from trainer.strategies.hf import HFTrainStrategy
@@ -69,19 +74,27 @@ def test_ragged_split_runs_dummy_micro_batches_and_trains_like_one_process(two_r
     assert out[(1, "metrics")][0]["optimizer_steps"] == 1.0
     plain = HFTrainStrategy(W.tiny_qwen2(), lr=1e-2, micro_batch_size=4)
     batch = W.tiny_batch(rows=4)
-    torch.testing.assert_close(torch.cat([out[(0, "logprobs")], out[(1, "logprobs")]]), plain.forward(batch).logprobs,
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        torch.cat([out[(0, "logprobs")], out[(1, "logprobs")]]),
+        plain.forward(batch).logprobs,
+        atol=1e-6,
+        rtol=0,
+    )
     plain.train_step(batch, W.nll_loss)
     for name, tensor in plain.model.state_dict().items():
-        torch.testing.assert_close(out[(0, "weights")][name], tensor, atol=2e-5, rtol=1e-4, msg=name)
-        torch.testing.assert_close(out[(1, "weights")][name], out[(0, "weights")][name], atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(
+            out[(0, "weights")][name], tensor, atol=2e-5, rtol=1e-4, msg=name
+        )
+        torch.testing.assert_close(
+            out[(1, "weights")][name], out[(0, "weights")][name], atol=0, rtol=0, msg=name
+        )
 
 
 def test_cpu_offload_on_cpu_is_refused_with_the_fix() -> None:
     from trainer.strategies.parallel_errors import ParallelConfigError
 
     with pytest.raises(ParallelConfigError, match="cpu_offload=True needs a CUDA device"):
-        import trainer.strategies.fsdp2 as fsdp2
+        from trainer.strategies import fsdp2
 
         fsdp2.FSDP2TrainStrategy(W.tiny_qwen2(), device="cpu", cpu_offload=True)
 
@@ -112,9 +125,13 @@ def test_tensor_parallel_2_matches_one_process() -> None:
     torch.testing.assert_close(got, plain.forward(batch).logprobs, atol=1e-5, rtol=0)
     plain_metrics = [plain.train_step(batch, W.nll_loss) for _ in range(2)]
     for step in range(2):
-        assert out[(0, "metrics")][step]["grad_norm"] == pytest.approx(plain_metrics[step]["grad_norm"], rel=1e-4)
+        assert out[(0, "metrics")][step]["grad_norm"] == pytest.approx(
+            plain_metrics[step]["grad_norm"], rel=1e-4
+        )
     for name, tensor in plain.model.state_dict().items():
-        torch.testing.assert_close(out[(0, "weights")][name], tensor, atol=1e-4, rtol=1e-3, msg=name)
+        torch.testing.assert_close(
+            out[(0, "weights")][name], tensor, atol=1e-4, rtol=1e-3, msg=name
+        )
         assert torch.equal(out[(1, "weights")][name], out[(0, "weights")][name]), name
     # the shared-memory weight sync's pieces of both ranks rebuild exactly the gathered weights
     from trainer.weights.shards import write_piece

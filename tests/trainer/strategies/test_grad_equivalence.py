@@ -13,12 +13,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.trainer.strategies import dist_workers as W  # noqa: E402
-from tests.trainer.strategies import grad_workers as G  # noqa: E402
-from trainer.strategies.distributed import free_port  # noqa: E402
-from trainer.strategies.hf import HFTrainStrategy  # noqa: E402
-from trainer.config import LossConfig  # noqa: E402
-from trainer.workers.actor import ppo_loss_fn  # noqa: E402
+from tests.trainer.strategies import dist_workers as W
+from tests.trainer.strategies import grad_workers as G
+from trainer.config import LossConfig
+from trainer.strategies.distributed import free_port
+from trainer.strategies.hf import HFTrainStrategy
+from trainer.workers.actor import ppo_loss_fn
 
 MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LENGTHS = [12, 3, 8, 5, 2]
@@ -44,8 +44,12 @@ def ragged_batch() -> dict[str, torch.Tensor]:
     return batch
 
 
-def hf_grads(batch: dict[str, torch.Tensor], mode: str, micro_batch_size: int) -> dict[str, torch.Tensor]:
-    strategy = HFTrainStrategy(W.tiny_qwen2(), lr=0.0, max_grad_norm=None, micro_batch_size=micro_batch_size)
+def hf_grads(
+    batch: dict[str, torch.Tensor], mode: str, micro_batch_size: int
+) -> dict[str, torch.Tensor]:
+    strategy = HFTrainStrategy(
+        W.tiny_qwen2(), lr=0.0, max_grad_norm=None, micro_batch_size=micro_batch_size
+    )
     strategy.train_step(batch, ppo_loss_fn(LossConfig(**G.LOSS, agg_mode=mode)), with_entropy=True)
     return G.gradients(strategy.model)
 
@@ -53,7 +57,9 @@ def hf_grads(batch: dict[str, torch.Tensor], mode: str, micro_batch_size: int) -
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            got[name], want[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +69,9 @@ def batch() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("micro_batch_size", [1, 2])
-def test_hf_micro_batches_give_the_full_batch_gradient(batch, mode: str, micro_batch_size: int) -> None:
+def test_hf_micro_batches_give_the_full_batch_gradient(
+    batch, mode: str, micro_batch_size: int
+) -> None:
     assert_same(hf_grads(batch, mode, micro_batch_size), hf_grads(batch, mode, len(LENGTHS)))
 
 

