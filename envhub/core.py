@@ -204,7 +204,10 @@ def function_tool(name: str, description: str, parameters: dict[str, Any]) -> di
 class TextEnv(gym.Env[Observation, str]):
     """Base class of every multi-turn text environment (see the module docstring)."""
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi", "human"], "render_fps": 1}
+    metadata: dict[str, Any] = {  # noqa: RUF012 - typed as gymnasium.Env types it (not ClassVar)
+        "render_modes": ["ansi", "human"],
+        "render_fps": 1,
+    }
 
     system_prompt: str | None = None
     """Sent as the first message of every episode when set."""

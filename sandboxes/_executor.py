@@ -22,13 +22,15 @@ except the executor. Nothing the sandboxed code can reach outlives a run:
   ``ptrace`` and ``process_vm_*`` outright;
 - the OOM killer never picks it.
 
-``verify()`` checks what a reset spares (nothing but the executor and its launcher left in the
-cgroup, neither traced nor stopped, the executor still under its seccomp filter, and what its
-runs inherit from it — rlimits, nice, CPU affinity, scheduling policy, which a run of the same
-uid can change through ``prlimit``/``setpriority``/``sched_*`` — as it was at start); the sandbox
-starts a fresh executor, in fresh namespaces, when it fails. If the executor dies or is
-stopped anyway, the host notices (socket EOF, or its state in ``/proc``), reports the run as
-killed rather than timed out, and the next run starts a new one.
+On ``reset()``, ``clean()`` sweeps the cgroup, empties every writable place and SysV IPC from
+inside, and checks that ``/dev`` is as it was; ``verify()`` checks what it spares (nothing but
+the executor and its launcher left in the cgroup, neither traced nor stopped, the executor still
+under its seccomp filter, and what its runs inherit from it — rlimits, nice, CPU affinity,
+scheduling policy, which a run of the same uid can change through ``prlimit``/``setpriority``/
+``sched_*`` — as it was at start); the sandbox starts a fresh executor, in fresh namespaces,
+when either fails. If the executor dies or is stopped anyway, the host notices (socket EOF, or
+its state in ``/proc``), reports the run as killed rather than timed out, and the next run
+starts a new one.
 """
 
 from __future__ import annotations
@@ -36,19 +38,26 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from sandboxes import _seccomp
+from sandboxes._host import Cgroup
 from sandboxes._proc import Captured, pump
 from sandboxes.errors import SandboxError
 
-__all__ = ["EXECUTOR_SOURCE", "WarmExecutor"]
+__all__ = ["DEV_CHECK", "EXECUTOR_SOURCE", "WarmExecutor"]
 
 _POLL_S = 0.05
 """How often a run that closed its pipes checks that the executor can still answer."""
+DEV_CHECK = (
+    "ls -lAn /dev | sed 1d; stat -c '%n %F %t:%T %a %u' /dev/null /dev/zero /dev/full /dev/urandom"
+)
+"""What ``/dev`` looks like; ``clean()`` fails (the sandbox starts over) when it changed."""
 
 EXECUTOR_SOURCE = r"""
 import ctypes, json, os, resource, signal, socket, sys
@@ -115,20 +124,33 @@ def _descendants(pid: int) -> list[int]:
 
 
 class WarmExecutor:
-    """Host side of one executor. ``spawn(argv, pass_fd)`` must start ``argv`` in the sandbox
-    (inheriting ``pass_fd``) in the cgroup that ``kill_others(exclude)`` sweeps."""
+    """Host side of one executor, in ``cgroup`` (the sandbox's run cgroup, which it sweeps).
+
+    ``spawn(argv, pass_fd)`` must start ``argv`` in the sandbox, inheriting ``pass_fd``, inside
+    ``cgroup``. ``env`` and ``cpu`` (RLIMIT_CPU) are what the executor's own checks run with.
+    """
 
     def __init__(
         self,
         spawn: Callable[[list[str], int], subprocess.Popen[bytes]],
-        kill_others: Callable[[set[int]], None],
+        cgroup: Cgroup,
+        *,
+        env: dict[str, str],
+        cpu: int,
     ) -> None:
-        self._spawn, self._kill_others = spawn, kill_others
+        self._spawn, self._cgroup = spawn, cgroup
+        self._env, self._cpu = env, cpu
         self.proc: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.host_pid = 0
         self.spare: set[int] = set()
         self._baseline: dict[str, str] = {}
+        self._dev = b""
+
+    def _kill_others(self, exclude: set[int]) -> None:
+        """SIGKILL every process of the cgroup but ``exclude``. Whatever it could not kill stays
+        there, where ``verify()`` finds it: ``clean()`` then fails and the sandbox starts over."""
+        self._cgroup.kill_all(exclude=exclude)
 
     @property
     def alive(self) -> bool:
@@ -155,11 +177,9 @@ class WarmExecutor:
                 break
             time.sleep(0.001)
         if not self.host_pid:
-            err = (
-                self.proc.stderr.read().decode(errors="replace")
-                if self.proc.poll() is not None
-                else ""
-            )
+            stderr = self.proc.stderr
+            exited = self.proc.poll() is not None
+            err = stderr.read().decode(errors="replace") if exited and stderr is not None else ""
             self.stop()
             raise SandboxError(f"the warm executor did not start: {err.strip() or 'not found'}")
         with contextlib.suppress(OSError):
@@ -173,6 +193,49 @@ class WarmExecutor:
             except (OSError, ValueError, IndexError):
                 break
             self.spare.add(pid)
+        try:  # the first look at /dev, in fresh namespaces, is what clean() compares with
+            self._dev = self._check(DEV_CHECK, max_bytes=65536, restart=False).stdout
+        except BaseException:
+            self.stop()
+            raise
+
+    def clean(self, writable: Sequence[str]) -> bool:
+        """Make the sandbox fit for its next user without new namespaces: sweep every process but
+        the executor, empty ``writable`` (every place a run can write) and SysV IPC, check that
+        ``/dev`` looks as it did at the start, and ``verify()`` what was spared. False if anything
+        is left or untrustworthy (a directory made undeletable, a traced executor...): the
+        caller then starts over in fresh namespaces."""
+        if not self.alive:
+            return False
+        if not self._cgroup.kill_all(exclude=self.spare, timeout=1.0) or self.verify():
+            return False
+        dirs = shlex.join(writable)  # ipcrm: SysV IPC, where seccomp is off
+        script = (
+            f"find {dirs} -mindepth 1 -delete 2>/dev/null; ipcrm -a 2>/dev/null; "
+            f"find {dirs} -mindepth 1 2>/dev/null | head -n 1; {DEV_CHECK}"
+        )
+        try:
+            cap = self._check(script, max_bytes=4096)
+        except SandboxError:
+            return False
+        # /dev is read-only inside, but a tampered /dev/null must never reach the next user
+        if cap.returncode != 0 or cap.timed_out or cap.stdout != self._dev:
+            return False
+        return self.verify() is None
+
+    def _check(self, script: str, *, max_bytes: int, restart: bool = True) -> Captured:
+        """Run the executor's own ``sh -c script`` (30 s at most)."""
+        if not restart and not self.alive:
+            raise SandboxError("the warm executor died as it started")
+        return self.run(
+            ["/bin/sh", "-c", script],
+            env=self._env,
+            cwd="/",
+            cpu=self._cpu,
+            stdin=None,
+            timeout=30,
+            max_bytes=max_bytes,
+        )
 
     def state(self) -> str:
         """The executor's state letter from ``/proc`` (``R``, ``S``, ``T``...; ``X`` when gone)."""
@@ -196,14 +259,13 @@ class WarmExecutor:
         )
         return {"limits": limits, "nice": stat[16], "policy": stat[38], "cpus": cpus}
 
-    def verify(self, present: set[int], *, seccomp: bool) -> str | None:
-        """Why the processes a reset spares cannot be trusted with the next user (None if they can).
-
-        ``present``: every pid now in the sandbox's run cgroup; ``seccomp``: whether the
-        executor must be under a seccomp filter.
-        """
+    def verify(self) -> str | None:
+        """Why the processes a reset spares cannot be trusted with the next user (None if they
+        can). The executor must be under a seccomp filter where this host has one."""
         if not self.alive or not self.host_pid:
             return "the executor is not running"
+        present = self._cgroup.pids()
+        seccomp = _seccomp.program() is not None
         if present != self.spare:
             survivors = sorted(present - self.spare)
             return f"processes other than the executor survived the sweep: {survivors}"

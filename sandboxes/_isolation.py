@@ -14,7 +14,7 @@ its own processes, which all die with it; the seccomp filter of ``_seccomp.py``.
 - ``unshare`` (util-linux) + ``mount`` + ``chroot`` + ``setpriv``: needs root; ~10+ ms, as
   each mount is a separate exec. Used only where bubblewrap is missing.
 
-Each builder returns the argv that *follows* the launcher's ``exec`` (see ``local.py``).
+Each builder returns the argv that *follows* the launcher's ``exec`` (see ``_launch.py``).
 """
 
 from __future__ import annotations

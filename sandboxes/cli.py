@@ -140,7 +140,7 @@ def run_command(
 @sandbox.command("gc")
 def gc_command() -> None:
     """Remove scratch mounts, cgroups and dirs left by local sandboxes of dead processes."""
-    from sandboxes.local import collect_stale
+    from sandboxes._footprint import collect_stale
 
     removed = collect_stale()
     for path in removed:

@@ -5,6 +5,7 @@
 process it could kill or stop. When the run ends (exit, timeout, output cap), a second exec
 SIGKILLs every process of uid 1000 and returns once none runs. ``reset()`` does the same for
 both uids and deletes everything they own; what it cannot delete or verify costs a new container.
+How an exec is streamed, bounded and killed from outside is ``_docker_exec.py``.
 
 Protects against (``DockerSandbox.PROTECTS`` is the same list; ``envhub sandbox info`` prints
 it). Tests are in ``tests/sandboxes/`` (docker params, marked ``docker``): ``adv`` =
@@ -82,20 +83,17 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import select
-import socket
-import struct
-import subprocess
-import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from sandboxes._docker_exec import KILL_ALL, ContainerExecs, ExecProcess
 from sandboxes.base import ExecResult, Limits, Protection, Sandbox, Session, _decode
 from sandboxes.errors import (
     SandboxConfigError,
     SandboxError,
     SandboxFileError,
+    SandboxStateError,
     SandboxUnavailableError,
 )
 
@@ -106,26 +104,10 @@ RUN_USER, SESSION_USER, KEEPALIVE_USER = "1000:1000", "1001:1000", "65534:65534"
 as one of them (a run's cleanup) never touches the others."""
 _WRAP = 'umask 002; exec "$@"'
 """The program *is* the exec's process: no wrapper of its uid that it could kill or stop."""
-_KILL_ALL = (
-    "kill -9 -1 2>/dev/null; "
-    'while read -r k v _; do [ "$k" = Uid: ] && me=$v && break; done </proc/$$/status; i=0; '
-    "while [ $i -lt 2000 ]; do i=$((i+1)); left=; for f in /proc/[0-9]*/status; do "
-    '[ "$f" = /proc/$$/status ] && continue; s=; '
-    "while read -r k v _; do case $k in State:) s=$v;; "
-    'Uid:) [ "$v" = "$me" ] && [ "$s" != Z ] && left=$f; break;; esac; '
-    'done 2>/dev/null <"$f"; done; '
-    '[ -z "$left" ] && break; done'
-)
-"""SIGKILL every process of the caller's uid, then wait (a bounded busy wait; the shell's
-builtins only) until none of them runs any more: each is gone or a zombie. (``kill -0 -1``
-cannot tell: it succeeds while any process of the namespace exists, signalable or not.)"""
 WRITABLE = (Sandbox.workdir, "/tmp", "/dev/shm", "/dev/mqueue")
 """Everything a run can write (each size-capped); ``reset()`` empties all of them."""
 _CLEAN = (
-    _KILL_ALL
-    + "; ipcrm --all 2>/dev/null; find "
-    + " ".join(WRITABLE)
-    + " -mindepth 1 -delete 2>&1"
+    KILL_ALL + "; ipcrm --all 2>/dev/null; find " + " ".join(WRITABLE) + " -mindepth 1 -delete 2>&1"
 )
 _NO_IPC_LEFT = (
     "n=0; for f in /proc/sysvipc/msg /proc/sysvipc/sem /proc/sysvipc/shm; do "
@@ -142,7 +124,6 @@ _SETUP = (
 """Group-writable scratch (sessions, uid 1001 group 1000, share it with runs), and proof that
 the engine applied what the docstring promises: a seccomp filter (mode 2), no-new-privileges,
 an empty capability bounding set."""
-_GRACE_S = 2.0
 
 
 def _import_docker() -> Any:
@@ -154,66 +135,6 @@ def _import_docker() -> Any:
             "pip install 'envhub[docker]' (or pip install docker)"
         ) from None
     return docker
-
-
-class _ExecStream:
-    """A hijacked ``docker exec`` socket.
-
-    Writes stdin and reads (stream, bytes) frames with a deadline.
-    """
-
-    def __init__(self, api: Any, exec_id: str) -> None:
-        self.exec_id = exec_id
-        self._wrapper = api.exec_start(exec_id, socket=True, demux=False)
-        self.sock: socket.socket = getattr(self._wrapper, "_sock", self._wrapper)
-        self.sock.setblocking(False)
-        self._buf = bytearray()
-        self.eof = False
-
-    def send(self, data: bytes, deadline: float) -> None:
-        view = memoryview(data)
-        while view and time.monotonic() < deadline:
-            _, ready, _ = select.select([], [self.sock], [], 0.2)
-            if ready:
-                try:
-                    view = view[self.sock.send(view[:65536]) :]
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    return
-
-    def close_stdin(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_WR)
-
-    def frames(self, timeout: float) -> list[tuple[int, bytes]]:
-        """Frames available within ``timeout`` (empty list if none); sets ``eof`` at the end."""
-        ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
-        if ready:
-            try:
-                chunk = self.sock.recv(65536)
-            except BlockingIOError:
-                chunk = None
-            except OSError:
-                chunk = b""
-            if chunk == b"":
-                self.eof = True
-            elif chunk:
-                self._buf += chunk
-        out = []
-        while len(self._buf) >= 8:
-            kind, size = self._buf[0], struct.unpack(">I", self._buf[4:8])[0]
-            if len(self._buf) < 8 + size:
-                break
-            out.append((kind, bytes(self._buf[8 : 8 + size])))
-            del self._buf[: 8 + size]
-        return out
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.close()
-        with contextlib.suppress(Exception):
-            self._wrapper.close()
 
 
 class DockerSandbox(Sandbox):
@@ -372,6 +293,7 @@ class DockerSandbox(Sandbox):
         self.volumes = dict(volumes or {})
         self._client, self._base_url = client, base_url
         self.container: Any = None
+        self._container_execs: ContainerExecs | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -459,6 +381,9 @@ class DockerSandbox(Sandbox):
                 with contextlib.suppress(Exception):
                     leftover.remove(force=True)
             raise SandboxError(f"could not start a container from {self.image!r}: {e}") from e
+        self._container_execs = ContainerExecs(
+            self.api, self.container.id, workdir=self.workdir, name=f"docker sandbox {self.id}"
+        )
         setup = self._quick(["/bin/sh", "-c", _SETUP, "envhub", self.workdir], user=RUN_USER)
         if setup.exit_code == 3:
             self._stop()
@@ -484,6 +409,7 @@ class DockerSandbox(Sandbox):
                 container.kill()
 
     def _stop(self) -> None:
+        self._container_execs = None
         if self.container is not None:
             with contextlib.suppress(Exception):
                 self.container.remove(force=True)
@@ -499,23 +425,12 @@ class DockerSandbox(Sandbox):
             self._stop()
             self._start()
 
-    # ---- exec ------------------------------------------------------------------------------
-    def _exec_stream(self, argv: list[str], *, env: Mapping[str, str], user: str) -> _ExecStream:
-        try:
-            created = self.api.exec_create(
-                self.container.id,
-                argv,
-                stdin=True,
-                stdout=True,
-                stderr=True,
-                tty=False,
-                environment=dict(env),
-                workdir=self.workdir,
-                user=user,
-            )
-            return _ExecStream(self.api, created["Id"])
-        except Exception as e:  # container gone, engine down
-            raise SandboxError(f"docker exec in {self!r} failed: {e}") from e
+    # ---- exec (see _docker_exec.py) --------------------------------------------------------
+    @property
+    def _execs(self) -> ContainerExecs:
+        if self._container_execs is None:
+            raise SandboxStateError(f"{self!r} has no container; call start() first")
+        return self._container_execs
 
     def _quick(
         self,
@@ -527,7 +442,7 @@ class DockerSandbox(Sandbox):
         max_bytes: int = 1 << 20,
     ) -> ExecResult:
         """An internal exec (cleanup, file transfer) with the engine's view of the exit code."""
-        return self._drive(
+        return self._execs.run(
             argv,
             user=user,
             env=self._env({}),
@@ -537,118 +452,11 @@ class DockerSandbox(Sandbox):
             kill_user=user,
         )
 
-    def _kill_user(self, user: str) -> None:
-        """SIGKILL every process of ``user``; returns once none of them runs (5 s at most)."""
-        with contextlib.suppress(SandboxError):
-            stream = self._exec_stream(["/bin/sh", "-c", _KILL_ALL], env={}, user=user)
-            deadline = time.monotonic() + 5
-            while not stream.eof and time.monotonic() < deadline:
-                stream.frames(0.2)
-            stream.close()
-
-    def _drive(
-        self,
-        argv: list[str],
-        *,
-        user: str,
-        env: Mapping[str, str],
-        stdin: bytes | None,
-        timeout: float,
-        max_bytes: int,
-        kill_user: str,
-    ) -> ExecResult:
-        t0 = time.monotonic()
-        stream = self._exec_stream(argv, env=env, user=user)
-        deadline = t0 + timeout
-        if stdin:
-            stream.send(stdin, deadline)
-        stream.close_stdin()
-        bufs = {1: bytearray(), 2: bytearray()}
-        timed_out = truncated = exited = False
-        killer: _ExecStream | None = None
-        give_up: float | None = None
-        poll_every, next_poll = 0.02, t0 + 0.02
-        try:
-            while not stream.eof:
-                now = time.monotonic()
-                if killer is None and now >= deadline:
-                    timed_out = True
-                if killer is None and not (timed_out or truncated) and now >= next_poll:
-                    # the program exited but something it started still holds the output open
-                    exited = not self._running(stream.exec_id)
-                    poll_every = min(0.25, poll_every * 2)
-                    next_poll = now + poll_every
-                if killer is None and (timed_out or truncated or exited):
-                    # kill from a second exec, and keep draining this one: the engine stalls
-                    # new execs while an exec's output is left unread
-                    with contextlib.suppress(SandboxError):
-                        killer = self._exec_stream(
-                            ["/bin/sh", "-c", _KILL_ALL], env={}, user=kill_user
-                        )
-                        killer.close_stdin()
-                    give_up = time.monotonic() + _GRACE_S
-                if give_up is not None and now >= give_up:
-                    break
-                wait = (give_up or min(deadline, next_poll)) - now
-                for kind, data in stream.frames(min(0.5, max(0.0, wait))):
-                    buf = bufs.get(kind, bufs[2])
-                    room = max_bytes - len(buf)
-                    buf += data[: max(0, room)]
-                    truncated = truncated or len(data) > room
-                if killer is not None and not killer.eof:
-                    killer.frames(0)
-        finally:
-            stream.close()
-            if killer is not None:
-                killer.close()
-        code = self._exit_code(stream.exec_id)
-        wall = time.monotonic() - t0
-        oom = code == 137 and not timed_out and not truncated and self._oom_since(t0, wall)
-        return ExecResult(
-            exit_code=code,
-            stdout=_decode(bytes(bufs[1])),
-            stderr=_decode(bytes(bufs[2])),
-            wall_time_s=wall,
-            timed_out=timed_out,
-            oom_killed=oom,
-            output_truncated=truncated,
-            cpu_time_exceeded=code == 152 and not timed_out,
-        )
-
-    def _running(self, exec_id: str) -> bool:
-        try:
-            info = self.api.exec_inspect(exec_id)
-        except Exception:  # noqa: BLE001 - engine hiccup: keep waiting for the stream or the deadline
-            return True
-        # an exec the engine has not started yet is "Running: False" too, with no exit code
-        return bool(info.get("Running")) or info.get("ExitCode") is None
-
-    def _exit_code(self, exec_id: str) -> int:
-        for _ in range(100):
-            info = self.api.exec_inspect(exec_id)
-            if not info.get("Running") and info.get("ExitCode") is not None:
-                return int(info["ExitCode"])
-            time.sleep(0.01)
-        return 137
-
-    def _oom_since(self, t0_monotonic: float, wall: float) -> bool:
-        since = time.time() - wall - 1.0
-        try:
-            events = self.api.events(
-                since=int(since),
-                until=int(time.time()) + 1,
-                decode=True,
-                filters={"container": self.container.id, "event": "oom"},
-            )
-            return any(True for _ in events)
-        except Exception:  # noqa: BLE001 - no event stream: report what we know
-            return False
-
     def _exec(
         self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]
     ) -> ExecResult:
         try:
-            return self._drive(
+            return self._execs.run(
                 ["/bin/sh", "-c", _WRAP, "envhub", *argv],
                 user=RUN_USER,
                 env=env,
@@ -658,7 +466,7 @@ class DockerSandbox(Sandbox):
                 kill_user=RUN_USER,
             )
         finally:  # from outside the run: nothing it did can skip this
-            self._kill_user(RUN_USER)
+            self._execs.kill_user(RUN_USER)
 
     # ---- files -----------------------------------------------------------------------------
     def _write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
@@ -675,7 +483,7 @@ class DockerSandbox(Sandbox):
 
     def _read_bytes(self, parts: tuple[str, ...]) -> bytes:
         path = "/".join((self.workdir, *parts))
-        stream = self._exec_stream(
+        stream = self._execs.open(
             ["sh", "-c", 'test -f "$1" && exec cat -- "$1"', "sh", path],
             env=self._env({}),
             user=RUN_USER,
@@ -687,7 +495,7 @@ class DockerSandbox(Sandbox):
             for kind, data in stream.frames(0.5):
                 (out if kind == 1 else err).extend(data)
         stream.close()
-        if self._exit_code(stream.exec_id) != 0:
+        if self._execs.exit_code(stream.exec_id) != 0:
             raise SandboxFileError(
                 f"{path!r} is not a readable regular file in {self!r} {_decode(bytes(err)).strip()}"
             )
@@ -695,18 +503,18 @@ class DockerSandbox(Sandbox):
 
     # ---- sessions --------------------------------------------------------------------------
     def _open_session(self, language: str) -> Session:
-        from sandboxes.session import PipeSession
+        from sandboxes.session import PipeSession, SessionProcess
 
-        def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
-            stream = self._exec_stream(
+        def spawn(argv: list[str]) -> SessionProcess:
+            stream = self._execs.open(
                 ["/bin/sh", "-c", 'umask 002; exec "$@"', "envhub", *argv],
                 env=self._env({}),
                 user=SESSION_USER,
             )
-            return _ExecProcess(self.api, stream)  # type: ignore[return-value]
+            return ExecProcess(self.api, stream)
 
-        def kill(proc: subprocess.Popen[bytes]) -> None:
-            self._kill_user(SESSION_USER)
+        def kill(proc: SessionProcess) -> None:
+            self._execs.kill_user(SESSION_USER)
             proc.kill()
 
         return PipeSession(
@@ -717,75 +525,3 @@ class DockerSandbox(Sandbox):
             limits=self.limits,
             workdir=self.workdir,
         )
-
-
-class _ExecProcess:
-    """Enough of ``subprocess.Popen`` over a docker exec for ``PipeSession``: real OS pipes for
-    stdin/stdout/stderr, pumped to and from the exec socket by one thread."""
-
-    def __init__(self, api: Any, stream: _ExecStream) -> None:
-        self._api, self._stream = api, stream
-        in_r, in_w = os.pipe()
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        self.stdin, self.stdout, self.stderr = (
-            os.fdopen(in_w, "wb"),
-            os.fdopen(out_r, "rb"),
-            os.fdopen(err_r, "rb"),
-        )
-        self._fds = (in_r, out_w, err_w)
-        self.returncode: int | None = None
-        self._pid = 0
-        self._thread = threading.Thread(target=self._pump, daemon=True, name="docker-session-pump")
-        self._thread.start()
-
-    def _pump(self) -> None:
-        in_r, out_w, err_w = self._fds
-        os.set_blocking(in_r, False)
-        try:
-            while not self._stream.eof:
-                with contextlib.suppress(BlockingIOError):
-                    data = os.read(in_r, 65536)
-                    if data:
-                        self._stream.send(data, time.monotonic() + 30)
-                for kind, chunk in self._stream.frames(0.02):
-                    with contextlib.suppress(OSError):
-                        os.write(out_w if kind == 1 else err_w, chunk)
-        finally:
-            self._stream.close()
-            for fd in self._fds:
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            info: dict[str, Any] = {}
-            with contextlib.suppress(Exception):
-                for _ in range(50):
-                    info = self._api.exec_inspect(self._stream.exec_id)
-                    if not info.get("Running"):
-                        break
-                    time.sleep(0.01)
-            code = info.get("ExitCode")
-            self.returncode = int(code) if code is not None else 137
-
-    @property
-    def pid(self) -> int:
-        """The exec's host pid (0 if the engine does not say, e.g. a remote engine)."""
-        for _ in range(50):
-            if self._pid or self.returncode is not None:
-                break
-            with contextlib.suppress(Exception):
-                self._pid = int(self._api.exec_inspect(self._stream.exec_id).get("Pid") or 0)
-            if not self._pid:
-                time.sleep(0.01)
-        return self._pid
-
-    def poll(self) -> int | None:
-        return self.returncode if not self._thread.is_alive() else None
-
-    def wait(self, timeout: float | None = None) -> int:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise subprocess.TimeoutExpired("docker exec", timeout or 0)
-        return self.returncode if self.returncode is not None else 137
-
-    def kill(self) -> None:
-        self._stream.close()

@@ -6,6 +6,8 @@ and this project's machines do), a sandbox also gets its own uid, cgroups and a 
 ``warm_exec=True`` (what ``SandboxPool`` uses) keeps one executor process inside the
 namespaces instead, and a run is a fork+exec there (``_executor.py``): several times faster,
 same limits; runs of one sandbox then share its namespaces and ``/tmp`` until ``reset()``.
+How each process is launched, with which limits, is ``_launch.py``; what a sandbox holds on
+the host and how it is given back (``envhub sandbox gc`` after a crash) is ``_footprint.py``.
 
 Protects against (``LocalSandbox.PROTECTS`` is the same list with the tests that attack each
 property; ``envhub sandbox info`` prints it with what is active on this host). Tests are in
@@ -88,32 +90,30 @@ falls back to a fresh sandbox per run. Without libseccomp there is no syscall fi
 from __future__ import annotations
 
 import contextlib
-import json
-import math
 import os
-import shlex
-import shutil
 import signal
 import subprocess
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from sandboxes import _host, _seccomp
 from sandboxes._executor import WarmExecutor
-from sandboxes._isolation import UNSHARE_DIR_ENV, LaunchFds, bwrap_argv, probe, unshare_argv
+from sandboxes._footprint import Footprint
+from sandboxes._isolation import probe
+from sandboxes._launch import Launcher, cpu_seconds, kill_tree, launch_uid
 from sandboxes._proc import communicate, exit_status
 from sandboxes.base import ExecResult, Limits, Protection, Sandbox, Session, _decode
-from sandboxes.errors import SandboxConfigError, SandboxError, SandboxUnavailableError
+from sandboxes.errors import (
+    SandboxConfigError,
+    SandboxError,
+    SandboxStateError,
+    SandboxUnavailableError,
+)
 
-__all__ = ["LocalSandbox", "collect_stale", "local_isolation"]
+__all__ = ["LocalSandbox", "local_isolation"]
 
 _ISOLATIONS = ("auto", "bwrap", "unshare")
-_DEV_CHECK = (
-    "ls -lAn /dev | sed 1d; stat -c '%n %F %t:%T %a %u' /dev/null /dev/zero /dev/full /dev/urandom"
-)
-"""What ``/dev`` looks like; a warm sandbox whose /dev changed is restarted on reset."""
 
 
 def local_isolation(requested: str = "auto") -> str:
@@ -305,64 +305,57 @@ class LocalSandbox(Sandbox):
         self.ro_binds = tuple(ro_binds)
         self._base_dir = base_dir
         self.isolation = ""
-        self.uid = os.getuid()
-        self._lease: _host.UidLease | None = None
-        self._cgroup: _host.Cgroup | None = None
-        self._run_cgroup: _host.Cgroup | None = None
-        self._scratch_is_tmpfs = False
+        self._footprint: Footprint | None = None
         self._session_count = 0
         self.warm_exec = warm_exec
         self._executor: WarmExecutor | None = None
-        self._dev_baseline = b""
         self._current: subprocess.Popen[bytes] | None = None
-        self._etc: dict[str, bytes] = {}
+        self._launcher: Launcher | None = None
+
+    # ---- host resources (see _footprint.py) ------------------------------------------------
+    @property
+    def _fp(self) -> Footprint:
+        if self._footprint is None:
+            raise SandboxStateError(f"{self!r} is not started; call start() first")
+        return self._footprint
+
+    @property
+    def dir(self) -> Path:
+        """The sandbox's directory on the host (scratch, owner record...); only while started."""
+        return self._fp.dir
+
+    @property
+    def uid(self) -> int:
+        """The uid the program runs as: a private leased uid as root, else yours."""
+        return self._footprint.uid if self._footprint else os.getuid()
+
+    @property
+    def _cgroup(self) -> _host.Cgroup | None:
+        return self._footprint.cgroup if self._footprint else None
+
+    @property
+    def _run_cgroup(self) -> _host.Cgroup | None:
+        return self._footprint.run_cgroup if self._footprint else None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
         self.isolation = local_isolation(self.requested_isolation)
-        root = _host.is_root()
-        self.dir = Path(tempfile.mkdtemp(prefix=f"envhub-sbx-{self.id}-", dir=self._base_dir))
+        fp = self._footprint = Footprint(
+            self.id, self.limits, isolation=self.isolation, base_dir=self._base_dir
+        )
         try:
-            if root:
-                self._lease = _host.UidLease()
-                self.uid = self._lease.uid
-            os.chmod(self.dir, 0o711)  # the sandbox uid must traverse it to reach scratch
-            self.scratch = self.dir / "scratch"
-            self.scratch.mkdir()
-            if root:
-                try:
-                    _host.mount_tmpfs(
-                        self.scratch, size_mb=self.limits.disk_mb, uid=self.uid, gid=self.uid
-                    )
-                    self._scratch_is_tmpfs = True
-                except OSError:
-                    os.chown(self.scratch, self.uid, self.uid)
-            if not self._scratch_is_tmpfs:
-                os.chmod(self.scratch, 0o700)
-            (self.dir / "root").mkdir()
-            self._write_etc()
-            if root and _host.cgroups_available():
-                self._cgroup = _host.Cgroup(
-                    f"envhub-{self.id}",
-                    memory_bytes=self.limits.memory_mb << 20,
-                    pids_max=self.limits.max_processes + 4,
-                )
-                self._run_cgroup = _host.Cgroup(
-                    "run", parent=self._cgroup, delegate_uid=self._launch_uid
-                )
-            (self.dir / "owner.json").write_text(
-                json.dumps(
-                    {  # lets collect_stale() clean up after a crash
-                        "pid": os.getpid(),
-                        "uid": self.uid,
-                        "leased": self._lease is not None,
-                        "cgroups": [
-                            str(p) for p in (self._cgroup.dirs.values() if self._cgroup else [])
-                        ],
-                    }
-                )
+            self._launcher = Launcher(
+                isolation=self.isolation,
+                uid=fp.uid,
+                leased=fp.lease is not None,
+                limits=self.limits,
+                ro_binds=self.ro_binds,
+                memory_cgroup=fp.cgroup is not None,
+                home=fp.dir,
+                scratch=fp.scratch,
+                etc=fp.etc,
             )
-            if self.warm_exec and self._run_cgroup is not None:
+            if self.warm_exec and fp.run_cgroup is not None:
                 self._executor = self._new_executor()
         except BaseException:
             self._stop()
@@ -388,112 +381,53 @@ class LocalSandbox(Sandbox):
                 argv, self._env({}), cg, pass_fds=(pass_fd,), cpu_limit=False, as_pid_1=True
             )
 
-        executor = WarmExecutor(spawn, lambda exclude: cg.kill_all(exclude=exclude))
+        executor = WarmExecutor(spawn, cg, env=self._env({}), cpu=self._cpu_seconds)
         executor.start()
-        baseline = executor.run(
-            ["/bin/sh", "-c", _DEV_CHECK],
-            env=self._env({}),
-            cwd="/",
-            cpu=self._cpu_seconds,
-            stdin=None,
-            timeout=30,
-            max_bytes=65536,
-        )
-        self._dev_baseline = baseline.stdout
         return executor
 
     def _stop(self) -> None:
         if self._executor is not None:
             self._executor.stop()
             self._executor = None
-        for cg in (self._run_cgroup, self._cgroup):
-            if cg is not None:
-                with contextlib.suppress(OSError):
-                    cg.remove()
-        self._run_cgroup = self._cgroup = None
-        if getattr(self, "dir", None) is not None:
-            if self._scratch_is_tmpfs:
-                with contextlib.suppress(OSError):
-                    _host.unmount(self.scratch)
-                self._scratch_is_tmpfs = False
-            shutil.rmtree(self.dir, ignore_errors=True)
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
+        self._launcher = None
+        if self._footprint is not None:
+            self._footprint.release()
+            self._footprint = None
 
     def _reset(self) -> None:
-        if self._executor is not None and self._warm_clean():
+        if self._executor is not None and self._executor.clean(
+            (self.workdir, "/tmp", "/dev/shm", "/dev/mqueue")
+        ):
             return
         if self._executor is not None:  # could not clean in place: start over with a fresh executor
             self._executor.stop()
             self._executor = None
         if self._run_cgroup is not None:
             self._run_cgroup.kill_all()
-        if self._scratch_is_tmpfs:
-            _host.unmount(self.scratch)
-            _host.mount_tmpfs(self.scratch, size_mb=self.limits.disk_mb, uid=self.uid, gid=self.uid)
-        else:
-            for child in self.scratch.iterdir():
-                if child.is_dir() and not child.is_symlink():
-                    shutil.rmtree(child)
-                else:
-                    child.unlink()
+        self._fp.empty_scratch()
         if self.warm_exec and self._run_cgroup is not None:
             self._executor = self._new_executor()
-
-    def _warm_clean(self) -> bool:
-        """Reset without restarting the executor: sweep processes, empty scratch, ``/tmp``,
-        ``/dev/shm``, message queues and SysV IPC, then verify what was spared. False if anything
-        is left or untrustworthy (a directory made unwritable, a traced executor...), so the
-        caller starts over in fresh namespaces."""
-        executor, cg = self._executor, self._run_cgroup
-        if executor is None or cg is None or not executor.alive:
-            return False
-        seccomp = _seccomp.program() is not None
-        if not cg.kill_all(exclude=executor.spare, timeout=1.0) or executor.verify(
-            cg.pids(), seccomp=seccomp
-        ):
-            return False
-        dirs = f"{self.workdir} /tmp /dev/shm /dev/mqueue"  # ipcrm: SysV IPC, where seccomp is off
-        script = (
-            f"find {dirs} -mindepth 1 -delete 2>/dev/null; ipcrm -a 2>/dev/null; "
-            f"find {dirs} -mindepth 1 2>/dev/null | head -n 1; {_DEV_CHECK}"
-        )
-        try:
-            cap = executor.run(
-                ["/bin/sh", "-c", script],
-                env=self._env({}),
-                cwd="/",
-                cpu=self._cpu_seconds,
-                stdin=None,
-                timeout=30,
-                max_bytes=4096,
-            )
-        except SandboxError:
-            return False
-        # /dev is read-only inside, but a tampered /dev/null must never reach the next user
-        if cap.returncode != 0 or cap.timed_out or cap.stdout != self._dev_baseline:
-            return False
-        return executor.verify(cg.pids(), seccomp=seccomp) is None
 
     @property
     def protections(self) -> dict[str, str]:
         """What is enforced on this host, and how (for docs, the CLI and honest reports)."""
         cg = self._cgroup is not None
+        fp = self._footprint
+        leased = fp is not None and fp.lease is not None
         return {
             "isolation": self.isolation or "(not started)",
-            "uid": f"private uid {self.uid}" if self._lease else f"runs as your uid {self.uid}",
+            "uid": f"private uid {self.uid}" if leased else f"runs as your uid {self.uid}",
             "memory": "cgroup memory.limit_in_bytes" if cg else "RLIMIT_AS per process",
             "processes": (
                 "cgroup pids.max + RLIMIT_NPROC"
                 if cg
                 else "RLIMIT_NPROC (shared with your uid)"
-                if not self._lease
+                if not leased
                 else "RLIMIT_NPROC on the private uid"
             ),
             "disk": (
                 "tmpfs scratch capped at disk_mb"
-                if self._scratch_is_tmpfs
+                if fp is not None and fp.scratch_is_tmpfs
                 else "unbounded scratch (only RLIMIT_FSIZE)"
             ),
             "network": (
@@ -515,120 +449,14 @@ class LocalSandbox(Sandbox):
             ),
         }
 
-    # ---- launching -------------------------------------------------------------------------
+    # ---- launching (see _launch.py) ---------------------------------------------------------
     @property
     def _launch_uid(self) -> int:
-        """The uid of the launcher process (bwrap runs as the sandbox uid; unshare as root)."""
-        return self.uid if self.isolation == "bwrap" else 0
-
-    def _write_etc(self) -> None:
-        etc = self.dir / "etc"
-        etc.mkdir()
-        uid = 1000 if self.isolation == "bwrap" else self.uid  # bwrap maps the sandbox uid to 1000
-        self._etc = {
-            "passwd": (
-                "root:x:0:0:root:/root:/usr/sbin/nologin\n"
-                f"sandbox:x:{uid}:{uid}:sandbox:/sandbox:/bin/sh\n"
-                "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
-            ).encode(),
-            "group": f"root:x:0:\nsandbox:x:{uid}:\nnogroup:x:65534:\n".encode(),
-        }
-        # unshare copies these in; bwrap reads them from memfds
-        for name, data in self._etc.items():
-            (etc / name).write_bytes(data)
-            os.chmod(etc / name, 0o644)
-        os.chmod(etc, 0o755)
-
-    def _launcher(
-        self,
-        command: list[str],
-        cgroup: _host.Cgroup | None,
-        fds: LaunchFds | None,
-        *,
-        cpu_limit: bool = True,
-        as_pid_1: bool = False,
-    ) -> list[str]:
-        """``sh -c 'join cgroups; set rlimits; exec ISOLATION COMMAND'``.
-
-        No Python runs in the child.
-
-        ``cpu_limit=False`` and ``as_pid_1=True`` are for the warm executor, which sets RLIMIT_CPU
-        in each run's child and is PID 1 of its namespaces (see ``_executor.py``).
-        """
-        lim = self.limits
-        steps = [
-            f"echo $$ > {shlex.quote(f)} || exit 125"
-            for f in (cgroup.procs_files if cgroup else [])
-        ]
-        if cpu_limit:
-            cpu = self._cpu_seconds
-            steps.append(f"ulimit -S -t {cpu} && ulimit -H -t {cpu + 1} || exit 125")
-        steps.append(
-            f"ulimit -f {lim.max_file_size_mb * 2048} && ulimit -c 0 && ulimit -n 1024 || exit 125"
-        )
-        if self._cgroup is None:
-            steps.append(f"ulimit -v {lim.memory_mb * 1024} || exit 125")
-        # bwrap's monitor and init/executor count too
-        if self.isolation == "bwrap" and fds is not None:
-            steps.append(f"ulimit -p {lim.max_processes + 2} || exit 125")
-            isolation = bwrap_argv(
-                fds=fds,
-                tmp_mb=lim.disk_mb,
-                network=lim.network,
-                userns=True,
-                ro_binds=self.ro_binds,
-                as_pid_1=as_pid_1,
-            )
-        else:  # unshare: RLIMIT_NPROC is set for the sandbox uid only, after the root setup
-            isolation = unshare_argv(
-                tmp_mb=lim.disk_mb,
-                network=lim.network,
-                uid=self.uid,
-                ro_binds=self.ro_binds,
-                seccomp=_seccomp.program(),
-                as_pid_1=as_pid_1,
-            )
-            command = [
-                "/bin/sh",
-                "-c",
-                f'ulimit -p {lim.max_processes} && exec "$@"',
-                "sh",
-                *command,
-            ]
-        return [
-            "/bin/sh",
-            "-c",
-            "; ".join(steps) + '; exec "$@"',
-            "envhub-launch",
-            *isolation,
-            *command,
-        ]
+        return launch_uid(self.isolation, self.uid)
 
     @property
     def _cpu_seconds(self) -> int:
-        return max(1, math.ceil(self.limits.cpu_time_s))
-
-    def _launch_fds(self) -> LaunchFds | None:
-        """The fds a bwrap launch reads (scratch, passwd, group, seccomp); None for unshare."""
-        if self.isolation != "bwrap":
-            return None
-        opened: list[int] = []
-        try:
-            opened.append(os.open(self.scratch, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-            opened += [_seccomp.memfd(f"envhub-{name}", data) for name, data in self._etc.items()]
-            program = _seccomp.program()
-            if program is not None:
-                opened.append(_seccomp.memfd("envhub-seccomp", program))
-        except BaseException:
-            for fd in opened:
-                os.close(fd)
-            raise
-        return LaunchFds(
-            scratch=opened[0],
-            passwd=opened[1],
-            group=opened[2],
-            seccomp=opened[3] if len(opened) > 3 else None,
-        )
+        return cpu_seconds(self.limits)
 
     def _popen(
         self,
@@ -640,37 +468,14 @@ class LocalSandbox(Sandbox):
         cpu_limit: bool = True,
         as_pid_1: bool = False,
     ) -> subprocess.Popen[bytes]:
-        fds = self._launch_fds()
-        drop = self._lease is not None and self.isolation == "bwrap"
+        if self._launcher is None:
+            raise SandboxStateError(f"{self!r} is not started; call start() first")
         try:
-            argv = self._launcher(command, cgroup, fds, cpu_limit=cpu_limit, as_pid_1=as_pid_1)
-            if fds is None:
-                env = {**env, UNSHARE_DIR_ENV: str(self.dir)}
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=env,
-                cwd="/",
-                close_fds=True,
-                pass_fds=pass_fds + (fds.all() if fds else ()),
-                process_group=0,
-                user=self.uid if drop else None,
-                group=self.uid if drop else None,
-                extra_groups=[] if drop else None,
+            return self._launcher.popen(
+                command, env, cgroup, pass_fds=pass_fds, cpu_limit=cpu_limit, as_pid_1=as_pid_1
             )
         except OSError as e:
             raise SandboxError(f"could not launch the sandbox for {self!r}: {e}") from e
-        finally:
-            for fd in fds.all() if fds else ():
-                os.close(fd)
-
-    def _kill_tree(self, proc: subprocess.Popen[bytes], cgroup: _host.Cgroup | None) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        if cgroup is not None:
-            cgroup.kill_all()
 
     def _exec(
         self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]
@@ -696,12 +501,12 @@ class LocalSandbox(Sandbox):
                     stdin=stdin,
                     timeout=timeout,
                     max_bytes=self.limits.max_output_bytes,
-                    kill=lambda: self._kill_tree(proc, cg),
+                    kill=lambda: kill_tree(proc.pid, cg),
                     started=t0,
                 )
             finally:
                 # orphans never outlive a run (the PID namespace is gone too)
-                self._kill_tree(proc, cg)
+                kill_tree(proc.pid, cg)
                 if proc.poll() is None:
                     proc.wait()
                 self._current = None
@@ -727,14 +532,14 @@ class LocalSandbox(Sandbox):
     # ---- files -----------------------------------------------------------------------------
     def _write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
         owner = (self.uid, self.uid) if _host.is_root() else None
-        _host.write_at(self.scratch, parts, data, owner=owner)
+        _host.write_at(self._fp.scratch, parts, data, owner=owner)
 
     def _read_bytes(self, parts: tuple[str, ...]) -> bytes:
-        return _host.read_at(self.scratch, parts)
+        return _host.read_at(self._fp.scratch, parts)
 
     # ---- sessions --------------------------------------------------------------------------
     def _open_session(self, language: str) -> Session:
-        from sandboxes.session import PipeSession
+        from sandboxes.session import PipeSession, SessionProcess
 
         self._session_count += 1
         cgroup = (
@@ -748,8 +553,8 @@ class LocalSandbox(Sandbox):
         def spawn(argv: list[str]) -> subprocess.Popen[bytes]:
             return self._popen(argv, self._env({}), cgroup)
 
-        def kill(proc: subprocess.Popen[bytes]) -> None:
-            self._kill_tree(proc, cgroup)
+        def kill(proc: SessionProcess) -> None:
+            kill_tree(proc.pid, cgroup)
 
         def cleanup() -> None:
             if cgroup is not None:
@@ -764,34 +569,3 @@ class LocalSandbox(Sandbox):
             limits=self.limits,
             workdir=self.workdir,
         )
-
-
-def collect_stale(base_dir: str | None = None) -> list[str]:
-    """Remove what local sandboxes of dead processes left behind (a process killed with SIGKILL
-    or SIGTERM cannot clean up): their scratch mounts, cgroups and directories. A sandbox is
-    stale when its uid lease is no longer held (root) or its owner pid is gone. Returns the
-    directories removed. ``envhub sandbox gc`` runs this.
-    """
-    removed = []
-    for path in Path(base_dir or tempfile.gettempdir()).glob("envhub-sbx-*"):
-        try:
-            owner = json.loads((path / "owner.json").read_text())
-        except (OSError, ValueError):
-            continue  # still starting, or not ours
-        if owner["leased"]:
-            alive = _host.uid_lease_held(owner["uid"])
-        else:
-            alive = Path(f"/proc/{owner['pid']}").exists()
-        if alive:
-            continue
-        with contextlib.suppress(OSError):
-            _host.unmount(path / "scratch")
-        for cg in sorted(owner["cgroups"], key=len, reverse=True):
-            for child in Path(cg).glob("*/"):
-                with contextlib.suppress(OSError):
-                    child.rmdir()
-            with contextlib.suppress(OSError):
-                Path(cg).rmdir()
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(str(path))
-    return removed

@@ -23,11 +23,12 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
+from typing import IO, Protocol
 
 from sandboxes.base import ExecResult, Limits, Session, _decode
 from sandboxes.errors import SessionError
 
-__all__ = ["PYTHON_DRIVER", "PipeSession", "bash_frame", "python_frame"]
+__all__ = ["PYTHON_DRIVER", "PipeSession", "SessionProcess", "bash_frame", "python_frame"]
 
 _MARK = b"__ENVHUB_END_"
 _GRACE_S = 2.0
@@ -157,6 +158,24 @@ class _Stream:
         return found
 
 
+class SessionProcess(Protocol):
+    """What ``PipeSession`` needs of its interpreter's process: ``subprocess.Popen[bytes]`` is
+    one; the docker backend's exec (``_docker_exec.ExecProcess``) is another. ``pid`` is a host
+    pid, or 0 when there is none to signal (then a timeout restarts the interpreter)."""
+
+    @property
+    def stdin(self) -> IO[bytes] | None: ...
+    @property
+    def stdout(self) -> IO[bytes] | None: ...
+    @property
+    def stderr(self) -> IO[bytes] | None: ...
+    @property
+    def pid(self) -> int: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def kill(self) -> None: ...
+
+
 class PipeSession(Session):
     """A persistent interpreter driven over pipes; backends supply ``spawn`` and ``kill``."""
 
@@ -164,8 +183,8 @@ class PipeSession(Session):
         self,
         language: str,
         *,
-        spawn: Callable[[list[str]], subprocess.Popen[bytes]],
-        kill: Callable[[subprocess.Popen[bytes]], None],
+        spawn: Callable[[list[str]], SessionProcess],
+        kill: Callable[[SessionProcess], None],
         cleanup: Callable[[], None],
         limits: Limits,
         workdir: str,
@@ -174,7 +193,7 @@ class PipeSession(Session):
         self._argv, self._frame, self._comm = _COMMANDS[language]
         self._spawn, self._kill, self._cleanup = spawn, kill, cleanup
         self._limits, self.workdir = limits, workdir
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._proc: SessionProcess | None = None
         self._closed = False
         self.restarts = 0
         self._launch()
@@ -182,7 +201,12 @@ class PipeSession(Session):
     def _launch(self) -> None:
         self._proc = self._spawn(self._argv)
         for stream in (self._proc.stdout, self._proc.stderr):
-            os.set_blocking(stream.fileno(), False)  # type: ignore[union-attr]
+            if stream is None:
+                self._kill(self._proc)
+                raise SessionError(
+                    f"the {self.language} interpreter was started without output pipes"
+                )
+            os.set_blocking(stream.fileno(), False)
 
     @property
     def alive(self) -> bool:
@@ -303,8 +327,9 @@ class PipeSession(Session):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 if not sel.get_map():
                     proc.wait(timeout=1)
-            if proc.poll() is not None:
-                rc = 128 + -proc.returncode if proc.returncode < 0 else proc.returncode
+            status = proc.poll()
+            if status is not None:
+                rc = 128 - status if status < 0 else status
                 note = (
                     b"\n[envhub: the session's interpreter exited; "
                     b"the next call starts a fresh one]\n"

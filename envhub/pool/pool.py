@@ -154,7 +154,7 @@ class EnvPool:
     async def _spawn(self, slot: int) -> None:
         self._generation[slot] += 1
         name = f"{self.backend}-{slot}.{self._generation[slot]}"
-        options = {"start_timeout_s": self.start_timeout_s}
+        options: dict[str, Any] = {"start_timeout_s": self.start_timeout_s}
         if self.backend == "ray":
             options["ray_options"] = self.ray_options
         worker = self._worker_class()(name, self.spec, self.env_kwargs, self._on_dead, **options)

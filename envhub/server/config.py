@@ -26,36 +26,40 @@ class HubConfig(Strict):
     """Settings of one hub (the CLI flags of ``envhub serve`` map onto these fields)."""
 
     envs: list[str] = Field(min_length=1, description="Env ids to serve (one pool each).")
-    workers: int = Field(2, ge=1, le=1024, description="Workers per env pool.")
+    workers: int = Field(default=2, ge=1, le=1024, description="Workers per env pool.")
     backend: Literal["local", "process", "inline", "ray"] = "local"
     ray_address: str | None = Field(
-        None, description="`ray.init(address=...)`; 'auto' joins the local cluster."
+        default=None, description="`ray.init(address=...)`; 'auto' joins the local cluster."
     )
     host: str = "127.0.0.1"
     token: str | None = Field(
-        None, min_length=8, description="Bearer token every client must send."
+        default=None, min_length=8, description="Bearer token every client must send."
     )
     allow_no_auth: bool = Field(
-        False, description="Serve without a token; only allowed on a loopback host."
+        default=False, description="Serve without a token; only allowed on a loopback host."
     )
-    max_sessions: int = Field(4096, ge=1, description="Open sessions, all clients together.")
+    max_sessions: int = Field(
+        default=4096, ge=1, description="Open sessions, all clients together."
+    )
     max_sessions_per_client: int = Field(
-        1024, ge=1, description="Open sessions per client (token + address)."
+        default=1024, ge=1, description="Open sessions per client (token + address)."
     )
     max_message_bytes: int = Field(
-        1 << 20, ge=1024, description="Largest WebSocket message or HTTP body accepted."
+        default=1 << 20, ge=1024, description="Largest WebSocket message or HTTP body accepted."
     )
     idle_timeout_s: float = Field(
-        600.0, gt=0, description="A connected session silent this long is closed."
+        default=600.0, gt=0, description="A connected session silent this long is closed."
     )
     grace_s: float = Field(
-        120.0, ge=0, description="How long a dropped session waits for its client to resume."
+        default=120.0,
+        ge=0,
+        description="How long a dropped session waits for its client to resume.",
     )
     hello_timeout_s: float = Field(
-        10.0, gt=0, description="Time a new connection has to send `hello`."
+        default=10.0, gt=0, description="Time a new connection has to send `hello`."
     )
     request_timeout_s: float = Field(
-        10.0,
+        default=10.0,
         gt=0,
         description=(
             "Time a connection has to send a whole HTTP request (head and body) or WebSocket "
@@ -63,7 +67,7 @@ class HubConfig(Strict):
         ),
     )
     max_unauthenticated: int = Field(
-        256,
+        default=256,
         ge=1,
         description=(
             "Open connections that have not sent the token; past it the oldest is closed (capped "
@@ -71,13 +75,13 @@ class HubConfig(Strict):
         ),
     )
     step_timeout_s: float = Field(
-        60.0, gt=0, description="A worker call running longer is killed (episode fails)."
+        default=60.0, gt=0, description="A worker call running longer is killed (episode fails)."
     )
     reset_wait_s: float = Field(
-        30.0, gt=0, description="How long a reset waits for a free pool slot."
+        default=30.0, gt=0, description="How long a reset waits for a free pool slot."
     )
     drain_timeout_s: float = Field(
-        30.0, ge=0, description="On SIGTERM, how long running episodes may finish."
+        default=30.0, ge=0, description="On SIGTERM, how long running episodes may finish."
     )
 
     @model_validator(mode="after")

@@ -28,7 +28,7 @@ named, before the hub places an episode or answers with the value.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import (
@@ -124,17 +124,13 @@ def _unicode(text: str) -> str:
     return text
 
 
+_JsonInt = Annotated[int, Field(ge=-(2**63), le=MAX_SEED)]
+_JsonFloat = Annotated[StrictFloat, WithJsonSchema({"type": "number", "not": {"type": "integer"}})]
 JsonValue = TypeAliasType(
     "JsonValue",
-    Union[  # noqa: UP007 - a runtime expression: the alias refers to itself by name
-        None,
-        bool,
-        Annotated[int, Field(ge=-(2**63), le=MAX_SEED)],
-        Annotated[StrictFloat, WithJsonSchema({"type": "number", "not": {"type": "integer"}})],
-        str,
-        list["JsonValue"],
-        dict[str, "JsonValue"],
-    ],
+    # one string, evaluated lazily by pydantic: mypy resolves a recursive TypeAliasType only
+    # in this form (python/mypy#18252), and Python 3.11 has no ``type`` statement
+    "None | bool | _JsonInt | _JsonFloat | str | list[JsonValue] | dict[str, JsonValue]",
 )
 """What ``options`` may hold, as published in the schemas (integers within 64 bits; no depth in JSON
 Schema)."""
@@ -160,11 +156,13 @@ class Hello(Strict):
     """Open a session on ``env``, or resume ``session`` with its ``resume_key``."""
 
     type: Literal["hello"]
-    env: str | None = Field(None, max_length=200, description="Env id for a new session.")
-    session: str | None = Field(None, max_length=64, description="Session id to resume.")
-    resume_key: str | None = Field(None, max_length=128, description="The key ``welcome`` gave.")
+    env: str | None = Field(default=None, max_length=200, description="Env id for a new session.")
+    session: str | None = Field(default=None, max_length=64, description="Session id to resume.")
+    resume_key: str | None = Field(
+        default=None, max_length=128, description="The key ``welcome`` gave."
+    )
     env_kwargs: dict[str, Any] | None = Field(
-        None, description="Refused: the hub fixes env kwargs; serve a variant id."
+        default=None, description="Refused: the hub fixes env kwargs; serve a variant id."
     )
 
 
@@ -302,7 +300,7 @@ class RolloutResponse(Strict):
     steps: list[dict[str, Any]]
     failure: dict[str, Any] | None = None
     error: ErrorMessage | None = Field(
-        None, description="Why the actions stopped early (e.g. the episode ended)."
+        default=None, description="Why the actions stopped early (e.g. the episode ended)."
     )
 
 

@@ -1,0 +1,228 @@
+"""How a local sandbox starts a process: the launcher around ``bwrap`` or ``unshare``.
+
+Every process of a local sandbox (a one-shot run, a session's interpreter, the warm executor)
+is started by :meth:`Launcher.popen` as::
+
+    sh -c 'join cgroups; set rlimits; exec "$@"' envhub-launch ISOLATION... COMMAND...
+
+where ``ISOLATION`` is the argv of ``_isolation.bwrap_argv`` or ``_isolation.unshare_argv``.
+
+What it guarantees (``LocalSandbox`` and its tests rely on each):
+
+1. **No Python runs in the child** between the fork and the isolation tool; the shell steps
+   are the only code that runs outside the namespaces.
+2. **Limits before isolation**: the process joins its cgroups and sets RLIMIT_CPU (unless
+   ``cpu_limit=False``), RLIMIT_FSIZE, RLIMIT_CORE, RLIMIT_NOFILE, RLIMIT_AS (when memory is
+   not capped by a cgroup) and RLIMIT_NPROC, or exits with status 125 without running the
+   command: there is never a run with fewer limits than asked for. (bwrap gets RLIMIT_NPROC
+   plus two, for its monitor and its init or the executor; under ``unshare`` it is set for the
+   sandbox uid only, after the root setup.)
+3. **Environment**: the child gets exactly ``env``, never the host's (plus the sandbox's
+   host directory for the ``unshare`` script, which unsets it before the command runs).
+4. **File descriptors**: the child inherits its three pipes, ``pass_fds`` and, for bwrap, the
+   fds it reads (scratch directory, ``/etc/passwd`` and ``/etc/group`` as memfds, the seccomp
+   program); the parent closes the latter whether or not the spawn succeeds.
+5. **Killable as a whole**: the child leads a new process group, so :func:`kill_tree` reaches
+   what it forked even where no cgroup sweeps (not root).
+6. **Privileges**: with a leased uid (root), bwrap itself runs as the sandbox uid with no
+   supplementary groups; ``unshare`` starts as root and ``setpriv`` drops to that uid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import shlex
+import signal
+import subprocess
+from collections.abc import Mapping
+from pathlib import Path
+
+from sandboxes import _host, _seccomp
+from sandboxes._isolation import UNSHARE_DIR_ENV, LaunchFds, bwrap_argv, unshare_argv
+from sandboxes.base import Limits
+
+__all__ = ["Launcher", "cpu_seconds", "etc_files", "kill_tree", "launch_uid"]
+
+
+def launch_uid(isolation: str, uid: int) -> int:
+    """The uid the launcher runs as (bwrap as the sandbox uid; ``unshare`` as root): the uid
+    that must be able to join the sandbox's cgroups."""
+    return uid if isolation == "bwrap" else 0
+
+
+def cpu_seconds(limits: Limits) -> int:
+    """RLIMIT_CPU for ``limits``, in whole seconds (at least one)."""
+    return max(1, math.ceil(limits.cpu_time_s))
+
+
+def etc_files(isolation: str, uid: int) -> dict[str, bytes]:
+    """The ``/etc/passwd`` and ``/etc/group`` a sandbox sees: root, the sandbox user, nobody.
+
+    bwrap maps the sandbox uid to 1000 inside its user namespace; ``unshare`` keeps ``uid``.
+    """
+    inside = 1000 if isolation == "bwrap" else uid
+    return {
+        "passwd": (
+            "root:x:0:0:root:/root:/usr/sbin/nologin\n"
+            f"sandbox:x:{inside}:{inside}:sandbox:/sandbox:/bin/sh\n"
+            "nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"
+        ).encode(),
+        "group": f"root:x:0:\nsandbox:x:{inside}:\nnogroup:x:65534:\n".encode(),
+    }
+
+
+def kill_tree(pid: int, cgroup: _host.Cgroup | None) -> None:
+    """SIGKILL the process group that launched process ``pid`` leads (guarantee 5), then every
+    process left in ``cgroup`` (if any)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    if cgroup is not None:
+        cgroup.kill_all()
+
+
+@dataclasses.dataclass(frozen=True)
+class Launcher:
+    """How one started local sandbox launches its processes (``LocalSandbox._start`` builds it).
+
+    ``home`` is the sandbox's host directory: ``unshare``'s script reads ``root/``, ``etc/``
+    and ``scratch/`` from it; bwrap reads ``scratch`` and ``etc`` through fds instead.
+    """
+
+    isolation: str
+    """``"bwrap"`` or ``"unshare"`` (already probed: see ``local.local_isolation``)."""
+    uid: int
+    """The sandbox uid: a leased private uid as root, else the caller's."""
+    leased: bool
+    """Whether ``uid`` is a private lease (then bwrap runs as it, see guarantee 6)."""
+    limits: Limits
+    ro_binds: tuple[str, ...]
+    memory_cgroup: bool
+    """Memory is capped by the sandbox's cgroup; else each process gets RLIMIT_AS."""
+    home: Path
+    scratch: Path
+    etc: Mapping[str, bytes]
+    """``etc_files(isolation, uid)``."""
+
+    def popen(
+        self,
+        command: list[str],
+        env: dict[str, str],
+        cgroup: _host.Cgroup | None,
+        *,
+        pass_fds: tuple[int, ...] = (),
+        cpu_limit: bool = True,
+        as_pid_1: bool = False,
+    ) -> subprocess.Popen[bytes]:
+        """Start ``command`` in the sandbox, in ``cgroup``, with piped stdin/stdout/stderr.
+
+        ``cpu_limit=False`` and ``as_pid_1=True`` are for the warm executor, which sets
+        RLIMIT_CPU in each run's child and is PID 1 of its namespaces (see ``_executor.py``).
+        Raises ``OSError`` when the launcher cannot be started.
+        """
+        fds = self._open_fds()
+        drop = self.leased and self.isolation == "bwrap"
+        try:
+            argv = self.argv(command, cgroup, fds, cpu_limit=cpu_limit, as_pid_1=as_pid_1)
+            if fds is None:
+                env = {**env, UNSHARE_DIR_ENV: str(self.home)}
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=env,
+                cwd="/",
+                close_fds=True,
+                pass_fds=pass_fds + (fds.all() if fds else ()),
+                process_group=0,
+                user=self.uid if drop else None,
+                group=self.uid if drop else None,
+                extra_groups=[] if drop else None,
+            )
+        finally:
+            for fd in fds.all() if fds else ():
+                os.close(fd)
+
+    def argv(
+        self,
+        command: list[str],
+        cgroup: _host.Cgroup | None,
+        fds: LaunchFds | None,
+        *,
+        cpu_limit: bool = True,
+        as_pid_1: bool = False,
+    ) -> list[str]:
+        """``sh -c 'join cgroups; set rlimits; exec ISOLATION COMMAND'`` (guarantees 1 and 2)."""
+        lim = self.limits
+        steps = [
+            f"echo $$ > {shlex.quote(f)} || exit 125"
+            for f in (cgroup.procs_files if cgroup else [])
+        ]
+        if cpu_limit:
+            cpu = cpu_seconds(lim)
+            steps.append(f"ulimit -S -t {cpu} && ulimit -H -t {cpu + 1} || exit 125")
+        steps.append(
+            f"ulimit -f {lim.max_file_size_mb * 2048} && ulimit -c 0 && ulimit -n 1024 || exit 125"
+        )
+        if not self.memory_cgroup:
+            steps.append(f"ulimit -v {lim.memory_mb * 1024} || exit 125")
+        if self.isolation == "bwrap" and fds is not None:
+            # bwrap's monitor and init/executor count too
+            steps.append(f"ulimit -p {lim.max_processes + 2} || exit 125")
+            isolation = bwrap_argv(
+                fds=fds,
+                tmp_mb=lim.disk_mb,
+                network=lim.network,
+                userns=True,
+                ro_binds=self.ro_binds,
+                as_pid_1=as_pid_1,
+            )
+        else:  # unshare: RLIMIT_NPROC is set for the sandbox uid only, after the root setup
+            isolation = unshare_argv(
+                tmp_mb=lim.disk_mb,
+                network=lim.network,
+                uid=self.uid,
+                ro_binds=self.ro_binds,
+                seccomp=_seccomp.program(),
+                as_pid_1=as_pid_1,
+            )
+            command = [
+                "/bin/sh",
+                "-c",
+                f'ulimit -p {lim.max_processes} && exec "$@"',
+                "sh",
+                *command,
+            ]
+        return [
+            "/bin/sh",
+            "-c",
+            "; ".join(steps) + '; exec "$@"',
+            "envhub-launch",
+            *isolation,
+            *command,
+        ]
+
+    def _open_fds(self) -> LaunchFds | None:
+        """The fds a bwrap launch reads (scratch, passwd, group, seccomp); None for unshare."""
+        if self.isolation != "bwrap":
+            return None
+        opened: list[int] = []
+        try:
+            opened.append(os.open(self.scratch, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+            opened += [_seccomp.memfd(f"envhub-{name}", data) for name, data in self.etc.items()]
+            program = _seccomp.program()
+            if program is not None:
+                opened.append(_seccomp.memfd("envhub-seccomp", program))
+        except BaseException:
+            for fd in opened:
+                os.close(fd)
+            raise
+        return LaunchFds(
+            scratch=opened[0],
+            passwd=opened[1],
+            group=opened[2],
+            seccomp=opened[3] if len(opened) > 3 else None,
+        )
