@@ -5,8 +5,10 @@ One driver process (the *single controller*) runs the pipeline; each role (``act
 Ray actors, placed on devices by AutoDeviceMapping. Modules:
 
 Infrastructure
-    ``trainer.config``       the typed config tree; ``load_config(path, overrides)`` (reading and
-                             locating errors in ``_config_io``, cross-section checks in ``_config_checks``)
+    ``trainer.config``       the typed config tree; ``load_config(path, overrides)`` (sections
+                             in ``config_section`` and ``config_lifecycle``, reading and
+                             locating errors in ``_config_io``, cross-section checks in
+                             ``_config_checks``)
     ``trainer.devices``      AutoDeviceMapping: colocated/disaggregated groups, validation,
                              the ``Colocation`` offload/reload switcher (plain Python)
     ``trainer.controller``   dispatch modes and ``@register`` (no Ray), ``Batch``, ``Worker``,
@@ -18,8 +20,10 @@ Learning
     ``trainer.models``       build tiny HF models and tokenizers; load local checkpoints
     ``trainer.strategies``   training/inference strategies behind protocols (``hf``, ...)
     ``trainer.workers``      role workers (actor, critic, reference, infer, reward)
-    ``trainer.rollout``      ``Rollouts``, the one rollout path: scheduler, router, episodes, trajectories
-    ``trainer.weights``      the weight sync: sender, receiver, buckets, transports, the policy version
+    ``trainer.rollout``      ``Rollouts``, the one rollout path: scheduler, router, episodes,
+                             trajectories
+    ``trainer.weights``      the weight sync: sender, receiver, buckets, transports, the
+                             policy version
     ``trainer.algos``        advantages (GAE, GRPO, Reinforce++, RLOO) and losses
     ``trainer.rewards``      verifiers and judges for the reward role
     ``trainer.roles``        a config -> the policy folder and the running role clusters

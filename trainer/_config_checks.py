@@ -27,8 +27,8 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
         problems.append(
             Problem(
                 "roles.actor_infer.strategy",
-                f"{cfg.roles.actor_infer.strategy!r} disagrees with rollout.engine={cfg.rollout.engine!r}; "
-                "set only rollout.engine",
+                f"{cfg.roles.actor_infer.strategy!r} disagrees with "
+                f"rollout.engine={cfg.rollout.engine!r}; set only rollout.engine",
             )
         )
     dp = cfg.roles.actor_train.world_size
@@ -36,8 +36,8 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
         problems.append(
             Problem(
                 "env.num_groups",
-                f"the batch of {cfg.batch_size} episodes (env.group_size * env.num_groups) does not split "
-                f"evenly over the {dp} actor_train workers; make it a multiple of {dp}",
+                f"the batch of {cfg.batch_size} episodes (env.group_size * env.num_groups) does "
+                f"not split evenly over the {dp} actor_train workers; make it a multiple of {dp}",
             )
         )
     problems.extend(cfg.device_mapping().problems())
@@ -72,25 +72,23 @@ def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
     ) is not None:
         problems.append(Problem(f"roles.actor_train.strategy_args.{layout[0]}", layout[1]))
     largest = largest_tensor(cfg.model.path, cfg.model.dtype) if cfg.model.path else None
-    if (
-        cfg.weight_sync.bucket_mb is not None
-        and largest
-        and largest[1] > cfg.weight_sync.bucket_mb * 2**20
-    ):
+    bucket_mb = cfg.weight_sync.bucket_mb
+    if bucket_mb is not None and largest and largest[1] > bucket_mb * 2**20:
+        tensor_name, tensor_bytes = largest
         problems.append(
             Problem(
                 "weight_sync.bucket_mb",
-                (
-                    f"{cfg.weight_sync.bucket_mb:g} MiB cannot hold {largest[0]} of {cfg.model.path} ({largest[1] / 2**20:.1f} "
-                    f"MiB in {cfg.model.dtype}); set weight_sync.bucket_mb >= {-(-largest[1] // 2**20)} or leave it unset"
-                ),
+                f"{bucket_mb:g} MiB cannot hold {tensor_name} of {cfg.model.path} "
+                f"({tensor_bytes / 2**20:.1f} MiB in {cfg.model.dtype}); set "
+                f"weight_sync.bucket_mb >= {-(-tensor_bytes // 2**20)} or leave it unset",
             )
         )
     if cfg.weight_sync.only_changed and not engine_spec(cfg.rollout.engine).partial_weights:
         problems.append(
             Problem(
                 "weight_sync.only_changed",
-                "vLLM reloads whole layers, so every sync must carry every tensor; set weight_sync.only_changed: false",
+                "vLLM reloads whole layers, so every sync must carry every tensor; set "
+                "weight_sync.only_changed: false",
             )
         )
     return problems

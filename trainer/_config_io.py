@@ -247,7 +247,9 @@ def _real_segments(loc: tuple[Any, ...], data: Any, keep_last: bool) -> list[str
     out: list[str | int] = []
     node = data
     for i, seg in enumerate(loc):
-        if isinstance(node, dict) and seg in node or isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node):
+        in_dict = isinstance(node, dict) and seg in node
+        in_list = isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node)
+        if in_dict or in_list:
             out.append(seg)
             node = node[seg]
         elif keep_last and i == len(loc) - 1 and isinstance(seg, str):

@@ -168,7 +168,8 @@ class Checkpoint:
 
 
 class CheckpointWriter:
-    """Collects one checkpoint in a temporary folder; committed by :meth:`CheckpointManager.writing`."""
+    """Collects one checkpoint in a temporary folder; :meth:`CheckpointManager.writing` commits
+    it."""
 
     def __init__(self, path: Path, step: int) -> None:
         self.path = path

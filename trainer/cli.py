@@ -65,10 +65,12 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool) -> None:
     except TrainerError as error:
         errors.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
         sys.exit(1)
-    last_eval = next((r for r in reversed(rows) if r.get("eval/success") is not None), {})
-    first_eval = next((r for r in rows if r.get("eval/success") is not None), {})
+    evals = [row for row in rows if row.get("eval/success") is not None]
+    first_eval: dict[str, Any] = evals[0] if evals else {}
+    last_eval: dict[str, Any] = evals[-1] if evals else {}
     console.print(
-        f"done: eval/success {_fmt(first_eval.get('eval/success'))} (step {first_eval.get('step', '-')}) -> "
+        f"done: eval/success {_fmt(first_eval.get('eval/success'))} "
+        f"(step {first_eval.get('step', '-')}) -> "
         f"{_fmt(last_eval.get('eval/success'))} (step {last_eval.get('step', '-')}) in "
         f"{rows[-1]['time_s'] / 60:.1f} min\n"
         f"  metrics  {out / 'metrics.jsonl'}\n  curve    {out / 'reward_curve.png'}\n"
@@ -103,11 +105,11 @@ def config_drift(cfg: Any, *, limit: int = 12) -> list[str]:
     lines = [f"{key}: {old!r} in {latest.name} -> {new!r} now" for key, old, new in changed[:limit]]
     if len(changed) > limit:
         lines.append(f"... and {len(changed) - limit} more")
-    return [
+    header = (
         f"the config differs from the one the run was saved with ({len(changed)} setting(s)); "
-        f"resuming with the config as given now:",
-        *lines,
-    ]
+        "resuming with the config as given now:"
+    )
+    return [header, *lines]
 
 
 def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -144,7 +146,8 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
                 eval_success[0] = metrics["eval/success"]
             step = metrics["step"]
             status = (
-                f"train success {_fmt(metrics.get('train/success'))}  reward {_fmt(metrics.get('train/reward'))}"
+                f"train success {_fmt(metrics.get('train/success'))}"
+                f"  reward {_fmt(metrics.get('train/reward'))}"
                 f"  eval success {_fmt(eval_success[0])}"
             )
             progress.update(

@@ -1,7 +1,8 @@
 """The trainer's one typed config tree, loaded from YAML with ``a.b.c=value`` overrides.
 
-Every section is a small pydantic model with ``extra="forbid"`` and a docstring per field
-(shown by ``TrainerConfig.model_json_schema()`` and in error hints). ``load_config`` reads
+Every section is a small pydantic model, a :class:`~trainer.config_section.Section`: unknown
+keys are errors and each field has a docstring (shown by ``TrainerConfig.model_json_schema()``
+and in error hints). ``load_config`` reads
 a YAML file, applies command-line overrides (values parsed as YAML scalars, so ``lr=3e-4``
 is a float and ``roles.actor_train.device_mapping=[0,1]`` a list), validates the whole
 tree, and reports *every* problem at once with its dotted path and where it came from::
@@ -16,8 +17,9 @@ also reported all together. Derived values (``batch_size``, ``active_roles``,
 ``device_plan``, ...) are computed once, during validation.
 
 Sections: ``model``, ``env``, ``rollout``, ``algorithm`` (with ``algorithm.loss``),
-``train``, ``roles`` (one :class:`RoleConfig` per role), ``cluster``, ``checkpoint``,
-``eval``, ``sft``, ``logging``; plus ``output_dir`` and ``seed`` at the top.
+``train``, ``roles`` (one :class:`RoleConfig` per role), ``cluster``, ``weight_sync``; the
+run-lifecycle sections ``checkpoint``, ``eval``, ``sft`` and ``logging`` live in
+``trainer.config_lifecycle``; plus ``output_dir`` and ``seed`` at the top.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
+from trainer.config_lifecycle import CheckpointConfig, EvalConfig, LoggingConfig, SFTConfig
+from trainer.config_section import Section
 from trainer.devices import AutoDeviceMapping, DevicePlan
 from trainer.errors import ConfigError, Problem
 from trainer.strategies.registry import INFERENCE_ENGINES, engine_spec
@@ -37,33 +41,23 @@ if TYPE_CHECKING:
 __all__ = [
     "ROLE_NAMES",
     "AlgorithmConfig",
-    "CheckpointConfig",
     "ClusterConfig",
     "EnvConfig",
-    "EvalConfig",
-    "LoggingConfig",
     "LossConfig",
     "ModelConfig",
     "RoleConfig",
     "RolesConfig",
     "RolloutConfig",
-    "SFTConfig",
-    "Section",
     "TinyModelConfig",
     "TrainConfig",
     "TrainerConfig",
+    "WeightSyncConfig",
     "load_config",
     "parse_overrides",
 ]
 
 ROLE_NAMES: tuple[str, ...] = ("actor_train", "actor_infer", "reference", "critic", "reward")
 """Every role the trainer knows, in the order clusters are created."""
-
-
-class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, field docstrings are docs."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_default=True)
 
 
 # --------------------------------------------------------------------------- model
@@ -73,19 +67,20 @@ class TinyModelConfig(Section):
     """A small causal LM built from config (no download), for CPU runs and tests."""
 
     architecture: str = "llama"
-    """HF ``model_type`` of the model to build: ``llama`` or ``gpt2`` (``qwen2`` cannot be built with a
-    custom tokenizer: AutoTokenizer forces Qwen2Tokenizer for it; load real Qwen checkpoints by path)."""
-    hidden_size: int = Field(64, gt=0)
+    """HF ``model_type`` of the model to build: ``llama`` or ``gpt2``. (``qwen2`` cannot be built
+    with a custom tokenizer, as AutoTokenizer forces Qwen2Tokenizer for it; load real Qwen
+    checkpoints by path.)"""
+    hidden_size: int = Field(default=64, gt=0)
     """Width of the residual stream."""
-    num_layers: int = Field(2, gt=0)
+    num_layers: int = Field(default=2, gt=0)
     """Number of transformer blocks."""
-    num_heads: int = Field(4, gt=0)
+    num_heads: int = Field(default=4, gt=0)
     """Attention heads; must divide ``hidden_size``."""
-    num_kv_heads: int | None = Field(None, gt=0)
+    num_kv_heads: int | None = Field(default=None, gt=0)
     """Key/value heads (grouped-query attention); None means ``num_heads``."""
-    intermediate_size: int = Field(256, gt=0)
+    intermediate_size: int = Field(default=256, gt=0)
     """Width of the MLP."""
-    max_position_embeddings: int = Field(2048, gt=0)
+    max_position_embeddings: int = Field(default=2048, gt=0)
     """Longest sequence (prompt plus all turns) the model accepts."""
     tokenizer: str = "bpe"
     """How to build the tokenizer over the env's texts: ``bpe`` (shortest sequences), ``word`` or
@@ -143,13 +138,14 @@ class EnvConfig(Section):
     """URL of a remote ``envhub serve`` (``ws://host:port``); None runs an in-process pool."""
     token: str | None = None
     """Auth token for ``hub``; None reads the ``ENVHUB_TOKEN`` environment variable."""
-    group_size: int = Field(8, gt=0)
+    group_size: int = Field(default=8, gt=0)
     """Episodes per group: the same task/seed played this many times (GRPO/RLOO baselines)."""
-    num_groups: int = Field(4, gt=0)
+    num_groups: int = Field(default=4, gt=0)
     """Groups per training step; the step's batch is ``group_size * num_groups`` episodes."""
-    pool_workers: int = Field(0, ge=0)
-    """0 runs envs in this process (``envhub.make``); N > 0 runs them in an ``envhub.pool.EnvPool`` of N
-    worker processes (a crashed or hung env is replaced, its episode retried)."""
+    pool_workers: int = Field(default=0, ge=0)
+    """0 runs envs in this process (``envhub.make``); N > 0 runs them in an
+    ``envhub.pool.EnvPool`` of N worker processes (a crashed or hung env is replaced, its
+    episode retried)."""
     rewards: list[dict[str, Any]] = Field(default_factory=list)
     """Reward functions the ``reward`` role adds to finished episodes, routed by env domain, e.g.
     ``{kind: exact, domain: "games", target: answer}`` (kinds: exact, numeric, function, judge;
@@ -164,13 +160,13 @@ class EnvConfig(Section):
 class RolloutConfig(Section):
     """How episodes are generated: turn and token limits, sampling, the inference engine."""
 
-    max_turns: int = Field(8, gt=0)
+    max_turns: int = Field(default=8, gt=0)
     """Most policy turns per episode; the episode is truncated after that."""
-    max_new_tokens: int = Field(32, gt=0)
+    max_new_tokens: int = Field(default=32, gt=0)
     """Most tokens the policy may generate in one turn."""
-    temperature: float = Field(1.0, ge=0)
+    temperature: float = Field(default=1.0, ge=0)
     """Sampling temperature for training rollouts (0 is greedy)."""
-    top_p: float = Field(1.0, gt=0, le=1)
+    top_p: float = Field(default=1.0, gt=0, le=1)
     """Nucleus sampling mass."""
     engine: str = "hf"
     """Inference engine for ``actor_infer`` (``trainer.strategies.registry.INFERENCE_ENGINES``):
@@ -181,19 +177,19 @@ class RolloutConfig(Section):
     on-policy, plus redundancy and dynamic sampling; ``async``: rollouts continue while the
     trainer trains, within ``max_staleness`` (``trainer.rollout.scheduler``). A group whose
     episode still fails after its replays is replaced in every mode."""
-    max_staleness: int = Field(1, ge=0)
+    max_staleness: int = Field(default=1, ge=0)
     """``async``: most policy versions a trained token may lag the policy being trained."""
-    redundancy: float = Field(1.0, ge=1.0)
+    redundancy: float = Field(default=1.0, ge=1.0)
     """Scheduler modes: groups started per group a batch needs; the surplus is aborted."""
     dynamic_sampling: bool = False
     """Scheduler modes: drop groups whose rewards are all equal and play replacements."""
-    is_truncation: float | None = Field(None, gt=0)
+    is_truncation: float | None = Field(default=None, gt=0)
     """``async``: None (default) takes the PPO ratio against the behaviour policy's log-probs, so
     PPO's clip truncates the off-policy importance ratio; a number switches to the decoupled
     form: ratio against the recomputed current policy, each token's loss weighted by
     ``min(pi_prox / pi_behaviour, is_truncation)`` (stalled on the quickstart; see
     ``trainer.rollout.rollouts``)."""
-    env_timeout_s: float | None = Field(None, gt=0)
+    env_timeout_s: float | None = Field(default=None, gt=0)
     """Fail an episode whose env does not answer a reset/step within this many seconds (it is
     recorded as failed and replayed on a fresh env, then replaced); None waits as long as it
     takes. Setting it runs local envs' calls in threads, so even an env whose ``step`` blocks
@@ -209,8 +205,8 @@ class RolloutConfig(Section):
     def _scheduler_options_need_the_scheduler(self) -> RolloutConfig:
         if self.mode == "batch" and (self.redundancy > 1.0 or self.dynamic_sampling):
             raise ValueError(
-                "redundancy and dynamic_sampling need the rollout scheduler; set rollout.mode: sync "
-                "(on-policy) or async"
+                "redundancy and dynamic_sampling need the rollout scheduler; set rollout.mode: "
+                "sync (on-policy) or async"
             )
         return self
 
@@ -221,21 +217,21 @@ class RolloutConfig(Section):
 class LossConfig(Section):
     """The policy loss: PPO clipping, GSPO, KL to the reference, entropy, aggregation."""
 
-    clip_low: float = Field(0.2, ge=0, lt=1)
+    clip_low: float = Field(default=0.2, ge=0, lt=1)
     """Lower PPO clip: ratios below ``1 - clip_low`` stop contributing gradient."""
-    clip_high: float = Field(0.2, ge=0)
+    clip_high: float = Field(default=0.2, ge=0)
     """Upper PPO clip: ratios above ``1 + clip_high`` (asymmetric, e.g. 0.28, is allowed)."""
-    dual_clip: float | None = Field(None, gt=1)
+    dual_clip: float | None = Field(default=None, gt=1)
     """Dual-clip constant c > 1 bounding the loss for negative advantages; None disables."""
     gspo: bool = False
     """Use a sequence-level importance ratio (GSPO) instead of per-token ratios."""
-    kl_coef: float = Field(0.0, ge=0)
+    kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the KL to the reference policy; 0 disables the reference role."""
     kl_mode: Literal["penalty", "loss"] = "loss"
     """``penalty``: subtract KL from rewards; ``loss``: add KL as a loss term."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator per token (Schulman's k1, k2, k3)."""
-    entropy_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(default=0.0, ge=0)
     """Weight of the entropy bonus."""
     agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How per-token losses are reduced over the batch."""
@@ -246,9 +242,9 @@ class AlgorithmConfig(Section):
 
     advantage_estimator: Literal["gae", "grpo", "reinforce_pp", "rloo"] = "grpo"
     """``gae`` needs the critic role; the others use group/batch baselines."""
-    gamma: float = Field(1.0, ge=0, le=1)
+    gamma: float = Field(default=1.0, ge=0, le=1)
     """Discount factor across tokens/turns."""
-    lam: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(default=1.0, ge=0, le=1)
     """GAE lambda."""
     loss: LossConfig = Field(default_factory=LossConfig)
     """The policy loss."""
@@ -267,30 +263,32 @@ class AlgorithmConfig(Section):
 class TrainConfig(Section):
     """The optimisation loop of ``actor_train`` (and ``critic``)."""
 
-    lr: float = Field(1e-4, gt=0)
+    lr: float = Field(default=1e-4, gt=0)
     """Adam learning rate of the policy."""
-    critic_lr: float | None = Field(None, gt=0)
+    critic_lr: float | None = Field(default=None, gt=0)
     """Learning rate of the critic; None means ``lr``."""
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
-    steps: int = Field(100, ge=0)
+    steps: int = Field(default=100, ge=0)
     """Training steps (each: one rollout batch, then updates)."""
-    micro_batch_size: int = Field(8, gt=0)
+    micro_batch_size: int = Field(default=8, gt=0)
     """Sequences per forward/backward pass on one data-parallel rank."""
-    grad_accumulation: int | None = Field(None, gt=0)
+    grad_accumulation: int | None = Field(default=None, gt=0)
     """Micro-batches per optimiser step; None accumulates the whole per-rank batch (one step)."""
-    max_grad_norm: float | None = Field(1.0, gt=0)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
     """Clip the global gradient norm to this; None disables clipping."""
-    ppo_epochs: int = Field(1, gt=0)
+    ppo_epochs: int = Field(default=1, gt=0)
     """Passes over each rollout batch (PPO-style reuse; the clip keeps later passes close to the
     sampling policy). More passes learn more per rollout at the cost of update time."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """How the RL learning rate moves over ``steps``: ``constant``, or ``linear``/``cosine`` decay from
-    ``lr`` to ``lr * min_lr_ratio`` at the last step (a policy that found the answer stops drifting)."""
-    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    """How the RL learning rate moves over ``steps``: ``constant``, or ``linear``/``cosine``
+    decay from ``lr`` to ``lr * min_lr_ratio`` at the last step (a policy that found the answer
+    stops drifting)."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     """Final learning rate of a decaying schedule, as a fraction of ``lr``."""
-    warmup_steps: int = Field(0, ge=0)
-    """Steps of linear warm-up from ``lr / (warmup_steps + 1)`` to ``lr`` before the schedule starts."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Steps of linear warm-up from ``lr / (warmup_steps + 1)`` to ``lr`` before the schedule
+    starts."""
 
     def options(self, lr: float | None = None) -> TrainOptions:
         """What every training strategy takes from this section (``strategies.base.TrainOptions``),
@@ -304,7 +302,8 @@ class TrainConfig(Section):
         }
 
     def lr_at(self, step: int) -> float:
-        """The policy learning rate of RL step ``step`` (1-based), by ``lr_schedule`` and ``warmup_steps``."""
+        """The policy learning rate of RL step ``step`` (1-based), by ``lr_schedule`` and
+        ``warmup_steps``."""
         import math
 
         if step <= self.warmup_steps:
@@ -331,9 +330,9 @@ class RoleConfig(Section):
     """Strategy name (``hf``, ``fsdp2``, ``megatron``, ``vllm``, ...); None: the role's default."""
     device_mapping: list[int] = Field(default_factory=lambda: [0])
     """Global device ids this role uses; empty runs device-less CPU workers (``num_workers``)."""
-    num_devices_per_worker: int = Field(1, gt=0)
+    num_devices_per_worker: int = Field(default=1, gt=0)
     """Devices each worker holds; must divide ``len(device_mapping)``."""
-    num_workers: int = Field(1, gt=0)
+    num_workers: int = Field(default=1, gt=0)
     """Worker count when ``device_mapping`` is empty (otherwise derived from the mapping)."""
     offload_params: bool = True
     """When colocated, move parameters to CPU memory while another role uses the devices."""
@@ -380,6 +379,10 @@ class RolesConfig(Section):
         """``(name, config)`` for every role, in :data:`ROLE_NAMES` order."""
         return [(name, getattr(self, name)) for name in ROLE_NAMES]
 
+    def values(self) -> list[RoleConfig]:
+        """Every role's config, in :data:`ROLE_NAMES` order."""
+        return [config for _, config in self.items()]
+
 
 class ClusterConfig(Section):
     """Where workers run: in-process, a local Ray started for the run, or a Ray cluster."""
@@ -390,89 +393,26 @@ class ClusterConfig(Section):
     """Ray address to join (``auto`` or ``host:port``); None starts a local Ray for the run."""
     device_resource: str = "envhub_device"
     """Ray resource that stands for one device: ``GPU`` on GPU clusters, a custom one on CPU."""
-    num_devices: int | None = Field(None, gt=0)
+    num_devices: int | None = Field(default=None, gt=0)
     """Devices a locally started Ray declares; None: enough for the highest mapped device id."""
-    num_cpus: int | None = Field(None, gt=0)
+    num_cpus: int | None = Field(default=None, gt=0)
     """CPUs a locally started Ray declares; None: all of this machine's."""
 
 
 class WeightSyncConfig(Section):
-    """How trained weights reach the inference engines after each step (``trainer.weights.sync``)."""
+    """How trained weights reach the inference engines after each step
+    (``trainer.weights.sync``)."""
 
     transport: Literal["auto", "shared_memory", "broadcast"] = "auto"
-    """``shared_memory`` (colocated: each trainer rank writes its shards into shared-memory buckets kept
-    across syncs - one host copy of the model; gathered CUDA IPC on GPU), ``broadcast`` (a collective group between
-    trainer rank 0 and the inference workers), or ``auto``: shared memory when they share a host."""
-    bucket_mb: float | None = Field(None, gt=0)
-    """Largest bucket in MiB; must hold the largest single tensor. None: 256, or the largest tensor when bigger."""
+    """``shared_memory`` (colocated: each trainer rank writes its shards into shared-memory
+    buckets kept across syncs - one host copy of the model; gathered CUDA IPC on GPU),
+    ``broadcast`` (a collective group between trainer rank 0 and the inference workers), or
+    ``auto``: shared memory when they share a host."""
+    bucket_mb: float | None = Field(default=None, gt=0)
+    """Largest bucket in MiB; must hold the largest single tensor. None: 256, or the largest
+    tensor when that is bigger."""
     only_changed: bool = False
     """Send only tensors that changed since the last sync (costs one host copy of the model)."""
-
-
-# --------------------------------------------------------------------------- run lifecycle
-
-
-class CheckpointConfig(Section):
-    """Atomic checkpoints for ``--resume``."""
-
-    every: int = Field(10, ge=0)
-    """Save every N steps (and after the last step); 0 saves only at the end."""
-    keep: int = Field(2, gt=0)
-    """Keep the newest N checkpoints; older ones are deleted after a successful save."""
-    dir: str | None = None
-    """Checkpoint folder; None means ``{output_dir}/checkpoints``; relative to ``output_dir``."""
-
-
-class EvalConfig(Section):
-    """Periodic evaluation (greedy by default) on fresh seeds."""
-
-    every: int = Field(10, ge=0)
-    """Evaluate every N steps (plus before the first and after the last); 0: start and end only."""
-    episodes: int = Field(32, gt=0)
-    """Episodes per evaluation."""
-    temperature: float = Field(0.0, ge=0)
-    """Sampling temperature during evaluation (0 is greedy)."""
-
-
-class SFTConfig(Section):
-    """Optional supervised warm start before RL, with the same masks and checkpoint format."""
-
-    epochs: int = Field(0, ge=0)
-    """Passes over the demonstrations; 0 skips the warm start."""
-    source: Literal["expert", "file"] = "expert"
-    """``expert``: collect demonstrations with the env's scripted expert; ``file``: read ``path``."""
-    path: str | None = None
-    """JSONL of trajectories (``source: file``)."""
-    episodes: int = Field(64, gt=0)
-    """Demonstrations to collect from the expert (``source: expert``)."""
-    lr: float | None = Field(None, gt=0)
-    """Learning rate of the warm start; None means ``train.lr``."""
-    batch_size: int = Field(32, gt=0)
-    """Demonstrations per SFT optimiser step."""
-    expert_noise: float = Field(0.0, ge=0, le=1)
-    """Probability that an expert demonstration move is replaced (a sloppy demonstrator; ``source:
-    expert``): by ``noise_action``, or by a random move the expert has made when that is None."""
-    noise_action: str | None = None
-    """The sloppy demonstrator's habitual move (e.g. ``down``); None: random moves (epsilon-greedy)."""
-
-    @model_validator(mode="after")
-    def _file_needs_path(self) -> SFTConfig:
-        if self.source == "file" and not self.path:
-            raise ValueError("source 'file' needs path: a JSONL of trajectories")
-        return self
-
-
-class LoggingConfig(Section):
-    """Where metrics go besides ``metrics.jsonl`` (always written)."""
-
-    tensorboard: bool = False
-    """Write TensorBoard event files under ``{output_dir}/tensorboard``."""
-    wandb: bool = False
-    """Log to Weights & Biases (needs ``wandb`` installed and configured)."""
-    wandb_project: str = "envhub"
-    """W&B project name."""
-    progress: bool = True
-    """Show the live progress bar."""
 
 
 # --------------------------------------------------------------------------- the tree
@@ -538,7 +478,8 @@ class TrainerConfig(Section):
 
     @property
     def local_num_devices(self) -> int:
-        """Devices a locally started Ray declares: ``cluster.num_devices``, else highest mapped id + 1."""
+        """Devices a locally started Ray declares: ``cluster.num_devices``, else the highest
+        mapped device id + 1."""
         if self.cluster.num_devices is not None:
             return self.cluster.num_devices
         mapped = [d for name in self.active_roles for d in getattr(self.roles, name).device_mapping]
@@ -563,7 +504,7 @@ class TrainerConfig(Section):
             and self.roles.actor_infer.strategy in INFERENCE_ENGINES
         ):
             self.rollout.engine = self.roles.actor_infer.strategy  # either key selects the engine
-        for _, role in self.roles.items():
+        for role in self.roles.values():
             if role.strategy is None:
                 role.strategy = "hf"
         problems = self.problems()

@@ -45,7 +45,8 @@ __all__ = [
 
 def default_can_offload(strategy: str) -> bool | None:
     """Whether ``strategy`` can offload, as ``trainer.strategies.registry`` declares it; None when
-    the registry does not know the strategy. A caller may pass its own ``AutoDeviceMapping(can_offload=...)``."""
+    the registry does not know the strategy. A caller may pass its own
+    ``AutoDeviceMapping(can_offload=...)``."""
     from trainer.strategies.registry import can_offload
 
     return can_offload(strategy)
@@ -194,8 +195,9 @@ class AutoDeviceMapping:
                 problems.append(
                     Problem(
                         self._path(role),
-                        f"{n} devices do not split into workers of {k} devices (num_devices_per_worker={k}); "
-                        f"map a multiple of {k} devices or change num_devices_per_worker",
+                        f"{n} devices do not split into workers of {k} devices "
+                        f"(num_devices_per_worker={k}); map a multiple of {k} devices or change "
+                        "num_devices_per_worker",
                     )
                 )
         return problems
@@ -208,12 +210,14 @@ class AutoDeviceMapping:
             missing = sorted({d for d in spec.device_mapping if d >= total})
             if missing:
                 have = f"ids 0-{total - 1}" if total else "none"
+                noun = "devices" if len(missing) > 1 else "device"
+                do = "do" if len(missing) > 1 else "does"
+                nodes = f"{len(node_devices)} node{'s' if len(node_devices) != 1 else ''}"
                 problems.append(
                     Problem(
                         self._path(role),
-                        f"device{'s' if len(missing) > 1 else ''} {_ranges(missing)} do{'' if len(missing) > 1 else 'es'} "
-                        f"not exist: the cluster has {total} devices ({have}) across {len(node_devices)} "
-                        f"node{'s' if len(node_devices) != 1 else ''}; use smaller ids or add nodes/devices",
+                        f"{noun} {_ranges(missing)} {do} not exist: the cluster has {total} "
+                        f"devices ({have}) across {nodes}; use smaller ids or add nodes/devices",
                     )
                 )
         return problems
@@ -229,9 +233,9 @@ class AutoDeviceMapping:
                     problems.append(
                         Problem(
                             self._path(role),
-                            f"worker {slot.rank} would span nodes {sorted(nodes)} (devices {list(slot.devices)}); "
-                            "a worker's devices must be on one node: reorder device_mapping or change "
-                            "num_devices_per_worker",
+                            f"worker {slot.rank} would span nodes {sorted(nodes)} "
+                            f"(devices {list(slot.devices)}); a worker's devices must be on one "
+                            "node: reorder device_mapping or change num_devices_per_worker",
                         )
                     )
         return problems
@@ -249,8 +253,9 @@ class AutoDeviceMapping:
                     problems.append(
                         Problem(
                             self._path(role),
-                            f"shares devices with {others}, but strategy {strategy!r} cannot offload its state; "
-                            "give it devices of its own (disjoint device_mapping) or use a strategy that can",
+                            f"shares devices with {others}, but strategy {strategy!r} cannot "
+                            "offload its state; give it devices of its own (disjoint "
+                            "device_mapping) or use a strategy that can",
                         )
                     )
         return problems

@@ -71,7 +71,8 @@ class _ProblemsError(TrainerError):
 
     def _render(self) -> str:
         n = len(self.problems)
-        head = f"{self.headline}{f' {self.source}' if self.source else ''}: {n} problem{'s' if n != 1 else ''}"
+        source = f" {self.source}" if self.source else ""
+        head = f"{self.headline}{source}: {n} problem{'s' if n != 1 else ''}"
         return "\n".join([head, *(f"  - {p}" for p in self.problems)])
 
 

@@ -87,7 +87,8 @@ class MetricsLog:
         return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def truncate_after(self, step: int) -> list[dict[str, Any]]:
-        """Drop lines of steps after ``step`` (written by a run killed before its next checkpoint)."""
+        """Drop lines of steps after ``step`` (written by a run killed before its next
+        checkpoint)."""
         kept = [row for row in self.read() if row.get("step", 0) <= step]
         self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
         return kept
@@ -170,7 +171,8 @@ class EventFileWriter:
     def __init__(self, logdir: str | Path) -> None:
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.envhub"
+        stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
+        name = f"events.out.tfevents.{stamp}.envhub"
         self.path = self.logdir / name
         self._file = self.path.open("ab")
         self._write_event(_length_delimited(3, b"brain.Event:2"), step=0)

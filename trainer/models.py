@@ -199,9 +199,10 @@ def _arch_config(
         )
     if arch == "qwen2":
         raise ModelError(
-            "model.tiny.architecture 'qwen2' cannot be built here: transformers' AutoTokenizer always loads "
-            "model_type qwen2 with Qwen2Tokenizer, which cannot hold a tokenizer built from an env corpus. "
-            "Use 'llama' (the same block: RMSNorm, RoPE, SwiGLU) or load a real Qwen2 checkpoint with model.path"
+            "model.tiny.architecture 'qwen2' cannot be built here: transformers' AutoTokenizer "
+            "always loads model_type qwen2 with Qwen2Tokenizer, which cannot hold a tokenizer "
+            "built from an env corpus. Use 'llama' (the same block: RMSNorm, RoPE, SwiGLU) or "
+            "load a real Qwen2 checkpoint with model.path"
         )
     if arch == "llama":
         return AutoConfig.for_model(
@@ -265,7 +266,8 @@ def build_model(
 def build_policy(
     out_dir: str | Path, corpus: Iterable[str], *, tokenizer_kind: str = "bpe", **model_kwargs: Any
 ) -> Path:
-    """Build a tokenizer over ``corpus`` and a tiny model, ``save_pretrained`` both to ``out_dir``."""
+    """Build a tokenizer over ``corpus`` and a tiny model; ``save_pretrained`` both to
+    ``out_dir``."""
     out = Path(out_dir)
     tokenizer = build_tokenizer(corpus, tokenizer_kind)
     model = build_model(tokenizer, **model_kwargs)
@@ -293,12 +295,14 @@ def load_policy(
     folder = Path(path).expanduser()
     if not folder.is_dir():
         raise ModelError(
-            f"model path {str(path)!r} does not exist or is not a folder; set model.path to a local "
-            "checkpoint folder (with config.json), or remove model.path to build a tiny policy"
+            f"model path {str(path)!r} does not exist or is not a folder; set model.path to a "
+            "local checkpoint folder (with config.json), or remove model.path to build a tiny "
+            "policy"
         )
     if not (folder / "config.json").is_file():
         raise ModelError(
-            f"model path {str(folder)!r} has no config.json; point model.path at a save_pretrained folder"
+            f"model path {str(folder)!r} has no config.json; point model.path at a "
+            "save_pretrained folder"
         )
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):

@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.config import TrainerConfig
 from trainer.controller.batch import Batch
@@ -27,6 +27,9 @@ from trainer.rollout.env_manager import LocalEnvSource, PoolEnvSource, Sampling
 from trainer.rollout.groups import plan_eval
 from trainer.rollout.rollouts import Rollouts
 from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate
+
+if TYPE_CHECKING:
+    from trainer.algos.advantages import AdvantageEstimator
 
 __all__ = ["AgenticPipeline"]
 
@@ -40,7 +43,13 @@ PHASE_ROLES: dict[str, tuple[str, ...]] = {
 }
 """The roles each phase uses: they are resident during it, colocated others are offloaded."""
 
-_ESTIMATORS = {"reinforce_pp": "reinforce_plus_plus"}
+_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "gae": "gae",
+    "grpo": "grpo",
+    "reinforce_pp": "reinforce_plus_plus",
+    "rloo": "rloo",
+}
+"""``algorithm.advantage_estimator`` (the config's names) -> ``trainer.algos.advantages``'s."""
 
 
 def _quiet_transformers() -> None:
@@ -70,7 +79,8 @@ class AgenticPipeline:
         self.renderer = self._renderer()
         self.roles = start_roles(config, self.model_path)
         self.colocation: Any = None
-        """``trainer.devices.Colocation`` switching colocated roles around phases (built on first use)."""
+        """``trainer.devices.Colocation`` switching colocated roles around phases (built on
+        first use)."""
         from trainer.weights.sync import WeightSync
 
         sync = config.weight_sync
@@ -186,12 +196,12 @@ class AgenticPipeline:
                 loss.kl_estimator,
             )
         advantages, returns = compute_advantages(
-            _ESTIMATORS.get(algo.advantage_estimator, algo.advantage_estimator),  # type: ignore[arg-type]
+            _ESTIMATORS[algo.advantage_estimator],
             response_mask=batch["response_mask"],
             token_rewards=token_rewards,
             scores=scores,
             group_ids=batch["group_ids"],
-            values=batch["values"] if "values" in batch else None,
+            values=batch.get("values"),
             gamma=algo.gamma,
             lam=algo.lam,
         )
@@ -224,8 +234,9 @@ class AgenticPipeline:
         return metrics
 
     def sync_weights(self) -> None:
-        """Copy the trained weights into the inference engines (bucketed full HF tensors, version-checked)
-        while the engines are paused; in-flight turns (async) resume under the new weights."""
+        """Copy the trained weights into the inference engines (bucketed full HF tensors,
+        version-checked) while the engines are paused; in-flight turns (async) resume under
+        the new weights."""
         self.rollouts.update_weights(self.weight_sync.sync)
 
     def evaluate(self) -> dict[str, float]:
@@ -404,9 +415,10 @@ class AgenticPipeline:
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(self.model_path)
-        return int(
-            getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 2048)
+        limit = getattr(config, "max_position_embeddings", None) or getattr(
+            config, "n_positions", None
         )
+        return int(limit) if limit else 2048
 
     def _env_source(self) -> Any:
         env = self.cfg.env
@@ -417,9 +429,8 @@ class AgenticPipeline:
             return PoolEnvSource(
                 env.kwargs, num_workers=env.pool_workers, step_timeout_s=timeout or 30.0
             )
-        return LocalEnvSource(
-            env.kwargs, threaded=timeout is not None
-        )  # threads: a blocking step can time out
+        # threads: a blocking step can then time out
+        return LocalEnvSource(env.kwargs, threaded=timeout is not None)
 
     def _reward_router(self) -> Any:
         if not self.cfg.env.rewards:

@@ -31,8 +31,9 @@ def prepare_policy(cfg: TrainerConfig) -> Path:
         path = Path(cfg.model.path).expanduser()
         if not (path / "config.json").is_file():
             raise ModelError(
-                f"model.path {cfg.model.path!r} is not a model folder (no config.json there); point it at a local "
-                "save_pretrained checkpoint (e.g. a downloaded Qwen2.5-0.5B-Instruct) or use model.tiny to build one"
+                f"model.path {cfg.model.path!r} is not a model folder (no config.json there); "
+                "point it at a local save_pretrained checkpoint (e.g. a downloaded "
+                "Qwen2.5-0.5B-Instruct) or use model.tiny to build one"
             )
         return path
     from trainer.models import build_policy, env_corpus

@@ -54,7 +54,8 @@ def expert_trajectories(
 
     if not 0.0 <= noise <= 1.0:
         raise TrainerError(f"sft.expert_noise must be in [0, 1], got {noise!r}")
-    rng, seen = random.Random(seed), {}
+    rng = random.Random(seed)
+    seen: dict[str, None] = {}  # the expert's moves so far, in first-seen order (an ordered set)
     demos = []
     for i in range(episodes):
         env_id = env_ids[i % len(env_ids)]
@@ -125,7 +126,8 @@ def load_jsonl(path: str | Path, renderer: ChatRenderer) -> list[Trajectory]:
     source = Path(path).expanduser()
     if not source.is_file():
         raise TrainerError(
-            f'sft.path {str(path)!r} does not exist; point it at a JSONL of {{"messages": [...]}} lines'
+            f"sft.path {str(path)!r} does not exist; point it at a JSONL of "
+            '{"messages": [...]} lines'
         )
     trajectories = []
     for number, line in enumerate(source.read_text().splitlines(), 1):

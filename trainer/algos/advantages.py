@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
+    from trainer.algos.losses import KLEstimator
+
 __all__ = [
     "AdvantageEstimator",
     "compute_advantages",
@@ -162,7 +164,7 @@ def kl_penalised_rewards(
     ref_logprobs: torch.Tensor,
     response_mask: torch.Tensor,
     kl_coef: float,
-    estimator: str = "k3",
+    estimator: KLEstimator = "k3",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``algorithm.loss.kl_mode: penalty``: the KL to the reference folded into the rewards.
 
@@ -173,7 +175,7 @@ def kl_penalised_rewards(
     """
     from trainer.algos.losses import kl_estimate
 
-    kl = kl_estimate(old_logprobs, ref_logprobs, estimator) * response_mask  # type: ignore[arg-type]
+    kl = kl_estimate(old_logprobs, ref_logprobs, estimator) * response_mask
     return token_rewards - kl_coef * kl, scores - kl_coef * kl.sum(-1)
 
 
@@ -203,5 +205,6 @@ def compute_advantages(
     if estimator == "reinforce_plus_plus":
         return reinforce_plus_plus(token_rewards, response_mask, gamma), None
     raise ValueError(
-        f"unknown advantage estimator {estimator!r}; use one of 'gae', 'grpo', 'reinforce_plus_plus', 'rloo'"
+        f"unknown advantage estimator {estimator!r}; use one of 'gae', 'grpo', "
+        "'reinforce_plus_plus', 'rloo'"
     )

@@ -55,7 +55,8 @@ def aggregate(
     if mode == "seq-mean-token-sum":
         return (per_seq_sum * has_tokens).sum() / seqs
     raise ValueError(
-        f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum'"
+        f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or "
+        "'seq-mean-token-sum'"
     )
 
 
@@ -72,7 +73,8 @@ def aggregation_units(mask: torch.Tensor, mode: AggregationMode = "token-mean") 
     if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         return (mask.sum(dim=-1) > 0).float().sum()
     raise ValueError(
-        f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum'"
+        f"unknown loss aggregation {mode!r}; use 'token-mean', 'seq-mean-token-mean' or "
+        "'seq-mean-token-sum'"
     )
 
 

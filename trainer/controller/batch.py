@@ -36,8 +36,8 @@ def _rows(value: Any) -> int:
     if isinstance(value, (list, tuple)):
         return len(value)
     raise DispatchError(
-        f"a batch column must be a torch tensor, a numpy array or a list, not {type(value).__name__}; "
-        "put other values in Batch.meta"
+        "a batch column must be a torch tensor, a numpy array or a list, not "
+        f"{type(value).__name__}; put other values in Batch.meta"
     )
 
 
@@ -97,6 +97,10 @@ class Batch:
 
     def keys(self) -> list[str]:
         return list(self.columns)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """The column ``key``, or ``default`` when the batch has none (like ``dict.get``)."""
+        return self.columns.get(key, default)
 
     def __repr__(self) -> str:
         cols = ", ".join(f"{k}:{_describe(v)}" for k, v in self.columns.items())

@@ -8,9 +8,9 @@ return type are the worker method's, and readers, IDEs and mypy follow every cal
     class ActorCluster(Cluster):
         worker_cls = ActorWorker
 
-        train_step = remote(ActorWorker.train_step)        # (batch, epochs=1) -> dict[str, float]
-        train_step_async = remote(ActorWorker.train_step, future=True)  # -> CallFuture[dict[...]]
-        residency = remote(ActorWorker.residency, per_rank=True)        # Collect.ALL: a list per rank
+        train_step = remote(ActorWorker.train_step)  # (batch, epochs=1) -> dict[str, float]
+        train_step_async = remote(ActorWorker.train_step, future=True)  # -> CallFuture[dict]
+        residency = remote(ActorWorker.residency, per_rank=True)  # Collect.ALL: list per rank
 
 ``remote(...)`` blocks until every reached rank answered and returns the collected result;
 ``future=True`` returns a :class:`CallFuture` at once (``.result(timeout)``, ``.done()``, or
@@ -50,6 +50,7 @@ from typing import (
     Generic,
     Literal,
     ParamSpec,
+    Self,
     TypeVar,
     overload,
 )
@@ -95,7 +96,7 @@ class CallFuture(Generic[T]):
         return self._resolved or self._cluster._backend_done(self._handles)
 
     def result(self, timeout: float | None = None) -> T:
-        """Wait (at most ``timeout`` seconds, else ``TimeoutError``) and return the collected result."""
+        """Wait at most ``timeout`` seconds (else ``TimeoutError``); return the collected result."""
         if not self._resolved:
             results = self._cluster._backend_wait(
                 self._spec.name, self._ranks, self._handles, timeout
@@ -127,7 +128,8 @@ class RemoteMethod(Generic[P, T]):
 
     def __init__(self, fn: Callable[..., Any], *, per_rank: bool, future: bool) -> None:
         self.method: str = fn.__name__
-        """The worker method it calls (the cluster attribute may be named otherwise: ``score_async``)."""
+        """The worker method it calls (the cluster attribute may be named otherwise, e.g.
+        ``score_async``)."""
         self.per_rank = per_rank
         self.future = future
         self.__wrapped__ = fn
@@ -201,7 +203,8 @@ def remote(
 def _derived_signature(
     fn: Callable[..., Any], *, per_rank: bool, future: bool
 ) -> inspect.Signature:
-    """``fn``'s signature, its return type wrapped in ``list[...]`` / ``CallFuture[...]`` as declared."""
+    """``fn``'s signature, its return type wrapped in ``list[...]`` / ``CallFuture[...]`` as
+    declared."""
     signature = inspect.signature(fn)
     returns = signature.return_annotation
     if returns is inspect.Signature.empty:
@@ -247,8 +250,8 @@ def _remote_problems(
     if attr.per_rank and spec.collect is not Collect.ALL:
         return [
             (
-                f"{where} is declared per_rank=True but {target} collects Collect.{spec.collect.name} "
-                "(one result, not a list per rank); drop per_rank=True"
+                f"{where} is declared per_rank=True but {target} collects "
+                f"Collect.{spec.collect.name} (one result, not a list per rank); drop per_rank=True"
             )
         ]
     if not attr.per_rank and spec.collect is Collect.ALL:
@@ -288,8 +291,9 @@ class Cluster:
     ``extra`` reaches every worker as ``ctx.extra``.
     """
 
-    worker_cls: ClassVar[type[Worker]] = Worker
-    """The worker class this cluster builds; role subclasses set it."""
+    worker_cls: type[Worker] = Worker
+    """The worker class this cluster builds; role subclasses set it, and the ``worker_cls``
+    argument overrides it for one cluster (so it is not a ``ClassVar``)."""
     ray_concurrency_groups: ClassVar[dict[str, int]] = {}
     """Ray backend: extra concurrency groups of each worker actor (name -> threads). Calls in
     the default group run one at a time in order; a method in another group runs alongside
@@ -299,7 +303,8 @@ class Cluster:
     """Method name -> the concurrency group (of ``ray_concurrency_groups``) its calls run in."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse a role cluster whose methods disagree with its worker (:func:`cluster_method_problems`)."""
+        """Refuse a role cluster whose methods disagree with its worker
+        (:func:`cluster_method_problems`)."""
         super().__init_subclass__(**kwargs)
         problems = cluster_method_problems(cls)
         if problems:
@@ -368,9 +373,8 @@ class Cluster:
         if self.backend == "local":
             for pool in self._threads:
                 pool.shutdown(wait=True, cancel_futures=True)
-            for (
-                worker
-            ) in self._workers:  # in-process workers may hold engines with threads and memory
+            # in-process workers may hold engines with threads and memory
+            for worker in self._workers:
                 close = getattr(worker, "close", None)
                 if callable(close):
                     close()
@@ -380,17 +384,20 @@ class Cluster:
             for handle in self._workers:
                 try:
                     ray.kill(handle)
-                except Exception:  # already dead: nothing to stop
-                    pass
+                except ray.exceptions.RayError:
+                    pass  # the actor is gone already, or Ray was shut down: nothing to stop
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(role={self.role!r}, world_size={self.world_size}, backend={self.backend!r})"
+        return (
+            f"{type(self).__name__}(role={self.role!r}, world_size={self.world_size}, "
+            f"backend={self.backend!r})"
+        )
 
     # -- calls (what remote() methods and hand-written ones use) ---------------------------
 
@@ -432,7 +439,8 @@ class Cluster:
         return [WorkerSlot(role, rank, ()) for rank in range(world_size or 1)]
 
     def _contexts(self, extra: dict[str, Any]) -> list[WorkerContext]:
-        contexts, seen_on_node = [], {}
+        contexts: list[WorkerContext] = []
+        seen_on_node: dict[int | None, int] = {}
         for slot in self.slots:
             local_rank = seen_on_node.get(slot.node, 0)
             seen_on_node[slot.node] = local_rank + 1
@@ -456,26 +464,28 @@ class Cluster:
     ) -> list[Any]:
         import ray
 
-        remote_cls = (
-            ray.remote(concurrency_groups=dict(self.ray_concurrency_groups))(self.worker_cls)
-            if self.ray_concurrency_groups
-            else ray.remote(self.worker_cls)
-        )
+        if self.ray_concurrency_groups:
+            groups = dict(self.ray_concurrency_groups)
+            # ray.remote takes concurrency_groups for actor classes (Ray's "concurrency groups"
+            # guide), but its typed overloads leave the option out
+            decorate = ray.remote(concurrency_groups=groups)  # type: ignore[call-overload]
+            remote_cls = decorate(self.worker_cls)
+        else:
+            remote_cls = ray.remote(self.worker_cls)
         handles = []
         for slot, ctx in zip(self.slots, contexts):
             if slot.devices and self.resources is None:
                 raise DispatchError(
-                    f"role {self.role!r} maps devices {list(slot.devices)}, so the ray backend needs "
-                    "resources=ResourceManager(...) to place it; or give the role an empty device_mapping"
+                    f"role {self.role!r} maps devices {list(slot.devices)}, so the ray backend "
+                    "needs resources=ResourceManager(...) to place it; or give the role an empty "
+                    "device_mapping"
                 )
-            options = (
+            options: dict[str, Any] = (
                 self.resources.actor_options(slot)
                 if self.resources is not None
                 else {"num_cpus": 0}
             )
-            if (
-                self._env_vars
-            ):  # a runtime env of its own costs a fresh worker process; only when asked
+            if self._env_vars:  # a runtime env of its own costs a fresh worker process
                 options["runtime_env"] = {"env_vars": dict(self._env_vars)}
             handles.append(remote_cls.options(**options).remote(ctx, config, **kwargs))
         return handles
@@ -512,43 +522,77 @@ class Cluster:
         """Results in rank order; the first failure (in completion order) raises at once."""
         deadline = None if timeout is None else time.monotonic() + timeout
         rank_of = {id(h): r for h, r in zip(handles, ranks)}
-        results: dict[int, Any] = {}
-        pending = list(handles)
         if self.backend == "local":
-            while pending:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                done, not_done = cf.wait(pending, timeout=left, return_when=cf.FIRST_EXCEPTION)
-                for h in done:
-                    if h.exception() is not None:
-                        raise self._fail(method, rank_of[id(h)], h.exception())
-                    results[rank_of[id(h)]] = h.result()
-                if not_done and not done:
-                    raise TimeoutError(f"{self.role}.{method} did not finish within {timeout} s")
-                pending = list(not_done)
+            results = self._wait_local(method, rank_of, handles, deadline, timeout)
         else:
-            import ray
-
-            while pending:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-                if not ready:
-                    raise TimeoutError(f"{self.role}.{method} did not finish within {timeout} s")
-                for h in ready:
-                    try:
-                        results[rank_of[id(h)]] = ray.get(h)
-                    except ray.exceptions.RayError as err:
-                        raise self._fail(method, rank_of[id(h)], err)
+            results = self._wait_ray(method, rank_of, handles, deadline, timeout)
         return [results[r] for r in ranks]
+
+    def _wait_local(
+        self,
+        method: str,
+        rank_of: dict[int, int],
+        futures: list[cf.Future[Any]],
+        deadline: float | None,
+        timeout: float | None,
+    ) -> dict[int, Any]:
+        results: dict[int, Any] = {}
+        pending = list(futures)
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, not_done = cf.wait(pending, timeout=left, return_when=cf.FIRST_EXCEPTION)
+            for future in done:
+                failure = future.exception()
+                if failure is not None:
+                    raise self._fail(method, rank_of[id(future)], failure)
+                results[rank_of[id(future)]] = future.result()
+            if not_done and not done:
+                raise TimeoutError(f"{self.role}.{method} did not finish within {timeout} s")
+            pending = list(not_done)
+        return results
+
+    def _wait_ray(
+        self,
+        method: str,
+        rank_of: dict[int, int],
+        refs: list[Any],
+        deadline: float | None,
+        timeout: float | None,
+    ) -> dict[int, Any]:
+        import ray
+
+        results: dict[int, Any] = {}
+        pending = list(refs)
+        while pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                raise TimeoutError(f"{self.role}.{method} did not finish within {timeout} s")
+            for ref in ready:
+                try:
+                    results[rank_of[id(ref)]] = ray.get(ref)
+                except ray.exceptions.RayError as err:
+                    raise self._fail(method, rank_of[id(ref)], err)
+        return results
 
     async def _backend_wait_async(
         self, method: str, ranks: list[int], handles: list[Any]
     ) -> list[Any]:
-        async def one(rank: int, handle: Any) -> Any:
+        async def one_local(rank: int, handle: cf.Future[Any]) -> Any:
+            future = asyncio.wrap_future(handle)
+            await asyncio.wait([future])  # a failure is read below, as _wait_local does
+            failure = future.exception()
+            if failure is not None:
+                raise self._fail(method, rank, failure)
+            return future.result()
+
+        async def one_ray(rank: int, ref: Any) -> Any:
+            import ray
+
             try:
-                if self.backend == "local":
-                    return await asyncio.wrap_future(handle)
-                return await handle
-            except Exception as err:
+                return await ref
+            except ray.exceptions.RayError as err:
                 raise self._fail(method, rank, err)
 
+        one = one_local if self.backend == "local" else one_ray
         return list(await asyncio.gather(*(one(r, h) for r, h in zip(ranks, handles))))

@@ -166,8 +166,9 @@ def dispatch_call(
     }
     if not any(s is not None for s in split_args) and not split_kwargs:
         raise DispatchError(
-            f"{spec.name} is registered with Dispatch.{spec.dispatch.name} but got no Batch argument to split; "
-            "pass a trainer.controller.Batch or register it with Dispatch.ONE_TO_ALL"
+            f"{spec.name} is registered with Dispatch.{spec.dispatch.name} but got no Batch "
+            "argument to split; pass a trainer.controller.Batch or register it with "
+            "Dispatch.ONE_TO_ALL"
         )
     return [
         RankCall(
@@ -206,14 +207,16 @@ def _mean(name: str, results: list[Any]) -> dict[str, float]:
     for rank, result in enumerate(results):
         if not isinstance(result, dict):
             raise DispatchError(
-                f"{name}: Collect.MEAN needs dicts of numbers, rank {rank} returned {type(result).__name__}"
+                f"{name}: Collect.MEAN needs dicts of numbers, rank {rank} returned "
+                f"{type(result).__name__}"
             )
         for key, value in result.items():
             try:
                 number = float(value)
             except (TypeError, ValueError):
                 raise DispatchError(
-                    f"{name}: Collect.MEAN cannot average {key!r}={value!r} from rank {rank}; return numbers"
+                    f"{name}: Collect.MEAN cannot average {key!r}={value!r} from rank {rank}; "
+                    "return numbers"
                 ) from None
             sums[key] = sums.get(key, 0.0) + number
             counts[key] = counts.get(key, 0) + 1

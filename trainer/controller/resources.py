@@ -84,6 +84,36 @@ def cluster_nodes(device_resource: str) -> list[NodeInfo]:
     ]
 
 
+def _missing_resource(device_resource: str) -> Problem:
+    """No live Ray node offers ``device_resource``: the problem, with what the nodes do offer."""
+    import ray
+
+    found = sorted(
+        {
+            k
+            for n in ray.nodes()
+            if n.get("Alive")
+            for k in n.get("Resources", {})
+            if not k.startswith("node:")
+        }
+    )
+    return Problem(
+        "cluster.device_resource",
+        f"no Ray node offers the resource {device_resource!r} (resources seen: {found}); start "
+        f"Ray with resources={{'{device_resource}': N}} or set cluster.device_resource",
+    )
+
+
+def _node_local_devices(plan: DevicePlan) -> dict[int, list[int]]:
+    """Node index -> the node-local device ids that the plan's workers use (sorted, each once)."""
+    used: dict[int, set[int]] = {}
+    for placement in plan.roles.values():
+        for slot in placement.workers:
+            if slot.node is not None and slot.local_devices is not None:
+                used.setdefault(slot.node, set()).update(slot.local_devices)
+    return {node: sorted(ids) for node, ids in sorted(used.items())}
+
+
 class ResourceManager:
     """Validates a device mapping against the Ray cluster and reserves its devices.
 
@@ -100,7 +130,6 @@ class ResourceManager:
         timeout_s: float = 60.0,
     ) -> None:
         import ray
-        from ray.util.placement_group import placement_group
 
         if not ray.is_initialized():
             raise DeviceMappingError(
@@ -115,37 +144,21 @@ class ResourceManager:
         self.device_resource = device_resource
         self.nodes = cluster_nodes(device_resource)
         if not self.nodes and any(s.device_mapping for s in mapping.roles.values()):
-            found = sorted(
-                {
-                    k
-                    for n in ray.nodes()
-                    if n.get("Alive")
-                    for k in n.get("Resources", {})
-                    if not k.startswith("node:")
-                }
-            )
-            problems = [
-                Problem(
-                    "cluster.device_resource",
-                    f"no Ray node offers the resource {device_resource!r} (resources seen: {found}); "
-                    f"start Ray with resources={{'{device_resource}': N}} or set cluster.device_resource",
-                )
-            ]
-            raise DeviceMappingError(problems + mapping.problems())
+            raise DeviceMappingError([_missing_resource(device_resource), *mapping.problems()])
         self.plan: DevicePlan = mapping.plan([n.num_devices for n in self.nodes])
         self._id = uuid.uuid4().hex[:8]
         self._bundle_of: dict[tuple[int, int], tuple[Any, int]] = {}
         self.placement_groups: list[Any] = []
-        used: dict[int, list[int]] = {}
-        for placement in self.plan.roles.values():
-            for slot in placement.workers:
-                if slot.node is not None and slot.local_devices is not None:
-                    used.setdefault(slot.node, [])
-                    used[slot.node] += [d for d in slot.local_devices if d not in used[slot.node]]
-        for node_index in sorted(used):
+        self._reserve(_node_local_devices(self.plan), timeout_s)
+
+    def _reserve(self, used: dict[int, list[int]], timeout_s: float) -> None:
+        """One ``STRICT_PACK`` placement group per node in ``used`` (node index -> its used
+        local device ids), one bundle per device; wait until Ray has reserved them all."""
+        from ray.util.placement_group import placement_group
+
+        for node_index, local_ids in used.items():
             node = self.nodes[node_index]
-            local_ids = sorted(used[node_index])
-            bundles = [{device_resource: 1.0} for _ in local_ids]
+            bundles = [{self.device_resource: 1.0} for _ in local_ids]
             pg = placement_group(
                 bundles,
                 strategy="STRICT_PACK",
@@ -159,8 +172,8 @@ class ResourceManager:
             if not pg.wait(timeout_s):
                 self.shutdown()
                 raise TimeoutError(
-                    f"Ray could not reserve the mapped devices within {timeout_s:.0f} s (placement group "
-                    f"{pg.bundle_specs}); another job may hold them: check `ray status`"
+                    f"Ray could not reserve the mapped devices within {timeout_s:.0f} s (placement "
+                    f"group {pg.bundle_specs}); another job may hold them: check `ray status`"
                 )
 
     def actor_options(self, slot: WorkerSlot) -> dict[str, Any]:
@@ -199,8 +212,8 @@ class ResourceManager:
             if ray.is_initialized():
                 try:
                     remove_placement_group(pg)
-                except Exception:  # already removed
-                    pass
+                except (ValueError, ray.exceptions.RayError):
+                    pass  # removed already (Ray says "not found"), or the GCS is gone with it
         self.placement_groups = []
         self._bundle_of = {}
 

@@ -84,7 +84,8 @@ class Worker:
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def reload(self) -> None:
-        """Bring device state back after :meth:`offload`. Override with :meth:`offload`; call super()."""
+        """Bring device state back after :meth:`offload`. Override it together with
+        :meth:`offload`, and call super()."""
         self.offloaded = False
 
     # -- introspection, used by tests and the start-of-run log ---------------------------

@@ -8,10 +8,14 @@ return (``mode: add``, the default) or replaces it (``mode: replace``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.rewards.verifiers import EpisodeView
 from trainer.rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from trainer.config import RoleConfig
+    from trainer.controller.cluster import Backend
 
 __all__ = ["RewardRouter"]
 
@@ -24,16 +28,18 @@ class RewardRouter:
 
     @classmethod
     def from_config(
-        cls, specs: list[dict[str, Any]], role: Any, *, backend: str = "local"
+        cls, specs: list[dict[str, Any]], role: RoleConfig | None, *, backend: Backend = "local"
     ) -> RewardRouter:
+        """A router over a new ``reward`` cluster scoring with ``specs`` (``env.rewards``);
+        ``role`` is ``roles.reward`` (None: one device-less worker)."""
         from trainer.workers.reward import RewardCluster
 
         return cls(
             RewardCluster(
                 "reward",
                 role,
-                backend=backend,  # type: ignore[arg-type]
-                world_size=max(1, getattr(role, "num_workers", 1)),
+                backend=backend,
+                world_size=max(1, role.num_workers if role is not None else 1),
                 worker_kwargs={"specs": [dict(s) for s in specs]},
             )
         )

@@ -4,7 +4,8 @@
                  off-policy correction, checkpoint state) over the loop thread below
 ``scheduler``    ``RolloutScheduler``: every group's lifecycle (start, replay, filter, staleness,
                  batch), and ``LoopThread``
-``router``       ``EngineRouter``: least-loaded sticky routing, aborts, preemption, over the engines
+``router``       ``EngineRouter``: least-loaded sticky routing, aborts, preemption, over the
+                 engines; ``RolloutEngine``: what the rollout path needs of an engine
 ``env_manager``  one episode against one env (template -> tokens -> generate -> step), env sources
 ``groups``       which episodes a step or an evaluation plays; ``play_episode`` (replays on failure)
 ``trajectory``   episodes as token sequences with masks, log-probs and versions; ``collate``

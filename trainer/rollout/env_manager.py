@@ -1,10 +1,11 @@
 """One episode against one env: observation -> chat template -> tokens -> generate -> step.
 
 ``EnvManager.run`` is the per-episode loop the rollout scheduler runs many of at once
-(asyncio): each turn it sends the running token ids to the ``InferenceEngine``, appends the
-generated ids (policy tokens) unchanged, decodes them to the action text, steps the env,
-and appends the tokens of the env's reply (context). A crashed env ends the episode as
-``failed`` (the caller drops or replaces it); it never raises into the batch.
+(asyncio): each turn it sends the running token ids to the engine (a ``RolloutEngine``; in
+a run, the ``EngineRouter``), appends the generated ids (policy tokens) unchanged, decodes
+them to the action text, steps the env, and appends the tokens of the env's reply (context).
+A crashed env ends the episode as ``failed`` (the caller drops or replaces it); it never
+raises into the batch.
 
 Where envs live is an ``EnvSource``:
 
@@ -25,10 +26,14 @@ import itertools
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
-from trainer.strategies.base import GenerationRequest, InferenceEngine
+from trainer.strategies.base import GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from envhub.pool.pool import Backend as PoolBackend
+    from trainer.rollout.router import RolloutEngine
 
 __all__ = [
     "EnvManager",
@@ -173,7 +178,7 @@ class PoolEnvSource:
         env_kwargs: dict[str, Any] | None = None,
         *,
         num_workers: int = 2,
-        backend: str = "process",
+        backend: PoolBackend = "process",
         step_timeout_s: float = 30.0,
     ) -> None:
         self.env_kwargs = dict(env_kwargs or {})
@@ -187,7 +192,7 @@ class PoolEnvSource:
             pool = EnvPool(
                 env_id,
                 num_workers=self.num_workers,
-                backend=self.backend,  # type: ignore[arg-type]
+                backend=self.backend,
                 env_kwargs=self.env_kwargs,
                 step_timeout_s=self.step_timeout_s,
             )
@@ -225,7 +230,7 @@ class EnvManager:
 
     def __init__(
         self,
-        engine: InferenceEngine,
+        engine: RolloutEngine,
         renderer: ChatRenderer,
         *,
         max_turns: int,
@@ -250,56 +255,32 @@ class EnvManager:
         *,
         episode_key: str | None = None,
     ) -> Trajectory:
-        """Play one episode to its end (or ``max_turns``/context limit); never raises for env crashes.
+        """Play one episode to its end (or ``max_turns``/context limit); an env that crashes
+        fails the episode and never raises here.
 
         ``episode_key`` (unique per episode; default: a fresh one) prefixes the request ids."""
         trajectory = Trajectory(env_id=env_id, seed=seed, group_id=group_id)
         key = episode_key or f"ep{next(_request_ids)}"
+        # env code is anyone's (a registered env, a pool worker, a hub): whatever it raises,
+        # the crashed env is data for this episode, not a crash of the run
         try:
             messages, info = await self._env_call(session.reset(seed))
-        except Exception as error:  # a crashed env is data, not a crash of the run
+        except Exception as error:  # noqa: BLE001 - env code may raise any exception
             return self._failed(trajectory, "reset", error)
         trajectory.info = dict(info)
         trajectory.messages.extend(messages)
         trajectory.append_context(self.renderer.prompt(messages))
         trajectory.prompt_length = len(trajectory.token_ids)
         for turn in range(self.max_turns):
-            budget = min(
-                sampling.max_new_tokens,
-                int(info.get("max_new_tokens") or sampling.max_new_tokens),
-                self.max_context_tokens - len(trajectory.token_ids),
-            )
-            if budget <= 0:
-                trajectory.truncated = True
+            result = await self._generate(trajectory, f"{key}/{turn}", sampling, info)
+            if result is None:  # out of context, aborted, or the engine failed (flags are set)
                 break
-            request = GenerationRequest(
-                f"{key}/{turn}",
-                list(trajectory.token_ids),
-                budget,
-                sampling.temperature,
-                sampling.top_p,
-            )
-            try:
-                result = await self.engine.generate(request)
-            except Exception as error:  # noqa: BLE001 - an engine error loses this episode, not the batch
-                trajectory.failed = True
-                trajectory.failure = f"engine error {type(error).__name__}: {error}"[:500]
-                return trajectory
-            if result.finish_reason == "abort":
-                trajectory.failed, trajectory.failure = True, "aborted"
-                break
-            trajectory.append_policy(result.token_ids, result.logprobs, result.policy_version)
-            resumed = result.extra.get("token_versions")  # a turn preempted by a weight update
-            if resumed:
-                trajectory.token_versions[len(trajectory.token_versions) - len(resumed) :] = resumed
-            trajectory.policy_versions.append(result.policy_version)
-            action = self.renderer.decode(result.token_ids)
-            trajectory.messages.append({"role": "assistant", "content": action})
+            action = self._append_turn(trajectory, result)
             try:
                 messages, reward, terminated, truncated, info = await self._env_call(
                     session.step(action)
                 )
-            except Exception as error:
+            except Exception as error:  # noqa: BLE001 - as for reset: any env error is data
                 return self._failed(trajectory, "step", error)
             trajectory.end_turn(reward)
             trajectory.messages.extend(messages)
@@ -315,6 +296,48 @@ class EnvManager:
         if self.on_episode_end is not None and not trajectory.failed:
             await self.on_episode_end(trajectory)
         return trajectory
+
+    async def _generate(
+        self, trajectory: Trajectory, request_id: str, sampling: Sampling, info: dict[str, Any]
+    ) -> GenerationResult | None:
+        """The policy's next turn; None ends the episode: the context is full (``truncated``),
+        the generation was aborted or the engine raised (``failed``, with the reason)."""
+        budget = min(
+            sampling.max_new_tokens,
+            int(info.get("max_new_tokens") or sampling.max_new_tokens),
+            self.max_context_tokens - len(trajectory.token_ids),
+        )
+        if budget <= 0:
+            trajectory.truncated = True
+            return None
+        request = GenerationRequest(
+            request_id,
+            list(trajectory.token_ids),
+            budget,
+            sampling.temperature,
+            sampling.top_p,
+        )
+        try:
+            result = await self.engine.generate(request)
+        except Exception as error:  # noqa: BLE001 - an engine error fails this episode only
+            trajectory.failed = True
+            trajectory.failure = f"engine error {type(error).__name__}: {error}"[:500]
+            return None
+        if result.finish_reason == "abort":
+            trajectory.failed, trajectory.failure = True, "aborted"
+            return None
+        return result
+
+    def _append_turn(self, trajectory: Trajectory, result: GenerationResult) -> str:
+        """Append the generated tokens (as policy tokens) and the assistant message; the action."""
+        trajectory.append_policy(result.token_ids, result.logprobs, result.policy_version)
+        resumed = result.extra.get("token_versions")  # a turn preempted by a weight update
+        if resumed:
+            trajectory.token_versions[len(trajectory.token_versions) - len(resumed) :] = resumed
+        trajectory.policy_versions.append(result.policy_version)
+        action = self.renderer.decode(result.token_ids)
+        trajectory.messages.append({"role": "assistant", "content": action})
+        return action
 
     async def close_session(self, session: EnvSession) -> None:
         """Close ``session``, ignoring errors (a crashed env may fail to close) and giving up

@@ -104,7 +104,7 @@ async def play_episode(
                     spec.group_id,
                     episode_key=attempt_key,
                 )
-            finally:  # closing a crashed env may fail or hang too (bounded by the manager's timeout)
+            finally:  # closing a crashed env may fail or hang too (the manager's timeout bounds it)
                 forget = getattr(manager.engine, "forget", None)
                 if attempt_key is not None and forget is not None:
                     forget(attempt_key)
@@ -143,7 +143,7 @@ async def run_episodes(
     if specs and not finished:
         reasons = sorted({t.failure or "unknown" for t in failed})[:3]
         raise RolloutError(
-            f"all {len(specs)} episodes failed (after {max_retries} retries each); first reasons: {reasons}. "
-            "Run `envhub check ENV_ID` to see what breaks the env"
+            f"all {len(specs)} episodes failed (after {max_retries} retries each); first "
+            f"reasons: {reasons}. Run `envhub check ENV_ID` to see what breaks the env"
         )
     return finished, failed

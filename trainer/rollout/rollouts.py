@@ -36,15 +36,14 @@ pipeline recomputes them and no correction is added.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
 from trainer.rollout.groups import EpisodeSpec, run_episodes
-from trainer.rollout.router import EngineRouter
+from trainer.rollout.router import EngineRouter, RolloutEngine
 from trainer.rollout.scheduler import LoopThread, RolloutScheduler, SchedulerConfig
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
-from trainer.strategies.base import InferenceEngine
 from trainer.weights.versioned import PolicyVersion
 
 if TYPE_CHECKING:
@@ -60,7 +59,7 @@ class Rollouts:
     def __init__(
         self,
         cfg: TrainerConfig,
-        engines: list[InferenceEngine],
+        engines: Sequence[RolloutEngine],
         renderer: ChatRenderer,
         envs: EnvSource,
         *,
@@ -95,7 +94,8 @@ class Rollouts:
 
     @property
     def overlaps_training(self) -> bool:
-        """Episodes keep playing while the trainer trains (``async``): colocated roles cannot swap."""
+        """Episodes keep playing while the trainer trains (``async``), so colocated roles
+        cannot swap."""
         return self.scheduler.cfg.mode == "async"
 
     # ------------------------------------------------------------------ the pipeline's calls
@@ -112,19 +112,21 @@ class Rollouts:
         return self.thread.run(run_episodes(specs, self.manager, self.envs, sampling))
 
     def update_weights(self, load: Callable[[], Any]) -> None:
-        """Run ``load`` (the weight sync) with the engines paused and idle; in-flight turns resume after."""
+        """Run ``load`` (the weight sync) with the engines paused and idle; in-flight turns
+        resume after it."""
         paused = self.thread.run(self.scheduler.update_weights(load))
         self.last_metrics["timing/weight_pause_s"] = round(paused, 4)
 
     def off_policy_correction(self, batch: Batch, actor: Any) -> None:
-        """``async`` with ``rollout.is_truncation`` set: recompute ``old_logprobs`` with the current
-        (proximal) policy and add truncated ``is_weights``; otherwise the behaviour log-probs stay the
-        PPO anchor (see the module docstring)."""
+        """``async`` with ``rollout.is_truncation`` set: recompute ``old_logprobs`` with the
+        current (proximal) policy and add truncated ``is_weights``; otherwise the behaviour
+        log-probs stay the PPO anchor (see the module docstring)."""
         rollout = self.cfg.rollout
         if rollout.mode != "async" or rollout.is_truncation is None:
             return
         if rollout.temperature != 1.0 or rollout.top_p != 1.0:
-            return  # the pipeline already recomputed old_logprobs; sampled log-probs are not the policy's
+            # the pipeline already recomputed old_logprobs: sampled log-probs are not the policy's
+            return
         import torch
 
         behaviour, mask = batch["old_logprobs"], batch["response_mask"]

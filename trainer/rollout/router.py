@@ -1,7 +1,7 @@
 """``EngineRouter``: one ``InferenceEngine`` in front of several, for the rollout scheduler.
 
-What it adds to the engines behind it (each a full ``InferenceEngine``: an ``HFEngine``,
-a ``VLLMEngine``, or one rank of the ``actor_infer`` cluster):
+What it adds to the engines behind it (each a :class:`RolloutEngine`: an ``HFEngine``, a
+``VLLMEngine``, or the driver's ``RankEngine`` for one rank of the ``actor_infer`` cluster):
 
 Routing
     A new episode goes to the engine with the fewest requests in flight (least-loaded);
@@ -39,12 +39,12 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
-from trainer.strategies.base import GenerationRequest, GenerationResult, InferenceEngine, Weights
+from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult, Weights
 from trainer.weights.versioned import PolicyVersion, SharedVersion
 
-__all__ = ["EngineRouter", "RouterStats", "episode_key"]
+__all__ = ["EngineRouter", "RolloutEngine", "RouterStats", "episode_key"]
 
 _STICKY_CAPACITY = 65_536
 """Episodes remembered for sticky routing (oldest forgotten first)."""
@@ -54,6 +54,30 @@ def episode_key(request_id: str) -> str:
     """The episode a request belongs to: the id up to its last ``/`` (the whole id without one)."""
     head, sep, _ = request_id.rpartition("/")
     return head if sep else request_id
+
+
+class RolloutEngine(Protocol):
+    """What the rollout path calls on an engine: ``InferenceEngine``
+    (``trainer.strategies.base``) without ``generate_batch``, which only a worker rank serves.
+
+    The router needs this of every engine behind it and is one itself, to the env managers.
+    A full engine (``HFEngine``, ``VLLMEngine``) fits, and so does a driver-side front that
+    only queues requests for a worker rank (``trainer.workers.infer.RankEngine``).
+    """
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def update_weights(self, weights: Weights) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake_up(self) -> None: ...
+
+    def get_state(self) -> dict[str, Any]: ...
+
+    def set_state(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -87,6 +111,19 @@ class _Flight:
     submitted: bool = False
 
 
+def _resumed(request: GenerationRequest, part: int, ids: list[int]) -> GenerationRequest:
+    """Part ``part`` of a preempted ``request``: its prompt plus the ``ids`` generated so far,
+    with the rest of its token budget."""
+    return GenerationRequest(
+        f"{request.request_id}.{part}",
+        request.prompt_ids + ids,
+        request.max_new_tokens - len(ids),
+        request.temperature,
+        request.top_p,
+        request.stop_token_ids,
+    )
+
+
 class EngineRouter:
     """Routes, aborts and preempts requests over ``engines`` (see the module docstring)."""
 
@@ -95,7 +132,7 @@ class EngineRouter:
 
     def __init__(
         self,
-        engines: Sequence[InferenceEngine],
+        engines: Sequence[RolloutEngine],
         *,
         update: Callable[[Weights], None] | None = None,
         policy: PolicyVersion | None = None,
@@ -118,13 +155,13 @@ class EngineRouter:
         self._stats_since = time.monotonic()
         self._total = RouterStats(busy_s=[0.0] * len(self.engines))
 
-    # ------------------------------------------------------------------ InferenceEngine
+    # ------------------------------------------------------------------ RolloutEngine
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate on the episode's engine; resumes across weight updates (module docstring)."""
         ids: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
-        reason = "length"
+        reason: FinishReason = "length"
         flight = self._flights.setdefault(request.request_id, _Flight(-1, request.request_id))
         try:
             for part in itertools.count():
@@ -132,26 +169,14 @@ class EngineRouter:
                 if flight.cancelled or episode_key(request.request_id) in self._cancelled:
                     reason = "abort"
                     break
-                sub = (
-                    request
-                    if part == 0
-                    else GenerationRequest(
-                        f"{request.request_id}.{part}",
-                        request.prompt_ids + ids,
-                        request.max_new_tokens - len(ids),
-                        request.temperature,
-                        request.top_p,
-                        request.stop_token_ids,
-                    )
-                )
+                sub = request if part == 0 else _resumed(request, part, ids)
                 flight.engine, flight.sub_id, flight.preempted = (
                     self._route(request.request_id),
                     sub.request_id,
                     False,
                 )
-                issued = (
-                    self.version
-                )  # weights change only while the gate is closed and nothing is in flight
+                # weights change only while the gate is closed and nothing is in flight
+                issued = self.version
                 self._enter(flight)
                 try:
                     result = await self.engines[flight.engine].generate(sub)
@@ -180,7 +205,7 @@ class EngineRouter:
             request.request_id,
             ids,
             logprobs,
-            reason,  # type: ignore[arg-type]
+            reason,
             versions[-1] if versions else self.version,
             {"token_versions": versions},
         )
@@ -211,7 +236,7 @@ class EngineRouter:
         if self._update is not None:
             self._update(weights)
         else:
-            materialised = dict(weights.items()) if hasattr(weights, "items") else dict(weights)  # type: ignore[arg-type]
+            materialised = dict(weights)  # a mapping or (name, tensor) pairs, read once
             for engine in self.engines:
                 engine.update_weights(materialised)
         self._advance()
@@ -225,9 +250,7 @@ class EngineRouter:
         started = time.monotonic()
         await self.pause()
         try:
-            if callable(
-                weights
-            ):  # the caller loads the engines itself (the pipeline's weight sync)
+            if callable(weights):  # the caller loads the engines (the pipeline's weight sync)
                 await asyncio.to_thread(weights)
                 self._advance()
             else:
@@ -237,7 +260,8 @@ class EngineRouter:
         return time.monotonic() - started
 
     async def pause(self) -> None:
-        """Stop new requests, abort in-flight ones for resumption, wait until every engine is idle."""
+        """Stop new requests, abort in-flight ones for resumption, wait until every engine is
+        idle."""
         gate, idle = self._ensure_events()
         self._paused = True
         gate.clear()
@@ -267,14 +291,16 @@ class EngineRouter:
         return {"engines": [e.get_state() for e in self.engines], "version": self.version}
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """The engines' states; the version too when the router owns it (a shared one is restored by its owner)."""
+        """Restore the engines' states, and the version when the router owns it (a shared
+        version is restored by its owner)."""
         for engine, engine_state in zip(self.engines, state["engines"], strict=True):
             engine.set_state(engine_state)
         if self._owns_policy:
             self.policy.restore(int(state.get("version", self.version)))
 
     def _advance(self) -> None:
-        """One update went through the router: count it, unless the policy's owner (the sync) does."""
+        """One update went through the router: count it, unless the policy's owner (the sync)
+        does."""
         if self._owns_policy:
             self.policy.advance()
 
@@ -373,8 +399,9 @@ class EngineRouter:
     def _leave(self, flight: _Flight) -> None:
         index, flight.submitted = flight.engine, False
         self._load[index] -= 1
-        if self._load[index] == 0 and self._busy_since[index] is not None:
-            self._stats.busy_s[index] += time.monotonic() - self._busy_since[index]  # type: ignore[operator]
+        since = self._busy_since[index]
+        if self._load[index] == 0 and since is not None:
+            self._stats.busy_s[index] += time.monotonic() - since
             self._busy_since[index] = None
         if self.in_flight == 0 and self._idle is not None:
             self._idle.set()

@@ -26,9 +26,10 @@ Modes:
 Task seeds are drawn in order from ``(seed, group number)`` exactly like ``plan_groups``
 (the pipeline starts at ``first_group=num_groups``, step 1's first group), so ``sync`` with
 no redundancy, no filter and no failures plays the same tasks, with the same group ids, as
-the plain batched rollout, step by step. Failures never hang the run: an episode whose env raised, timed out
-or whose generation errored is replayed on a fresh env (``max_retries``), then its group is
-replaced; ``RolloutError`` stops the run when ``max_failed_groups`` groups in a row failed.
+the plain batched rollout, step by step. Failures never hang the run: an episode whose env
+raised, timed out or whose generation errored is replayed on a fresh env (``max_retries``),
+then its group is replaced; ``RolloutError`` stops the run when ``max_failed_groups`` groups
+in a row failed.
 
 ``LoopThread`` runs the scheduler's event loop in a background thread so a blocking
 trainer (``AgenticPipeline.fit``) can train while rollouts continue.
@@ -42,7 +43,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -195,6 +196,9 @@ class RolloutScheduler:
         self._failed_in_a_row = 0
         self._filtered_this_batch = 0
         self._counts: collections.Counter[str] = collections.Counter()
+        """Events since the last batch's metrics (groups filtered, failed, aborted, ...)."""
+        self._weight_pause_s = 0.0
+        """Seconds rollouts were paused for weight updates since the last batch's metrics."""
         self._closed = False
 
     # ------------------------------------------------------------------ public
@@ -210,8 +214,9 @@ class RolloutScheduler:
             if self._failed_in_a_row >= (self.cfg.max_failed_groups or 2 * self.cfg.num_groups + 2):
                 reasons = sorted({t.failure or "unknown" for t in self._failed[-20:]})[:3]
                 raise RolloutError(
-                    f"{self._failed_in_a_row} groups in a row failed (each episode retried {self.cfg.max_retries} "
-                    f"times); first reasons: {reasons}. Run `envhub check ENV_ID` to see what breaks the env"
+                    f"{self._failed_in_a_row} groups in a row failed (each episode retried "
+                    f"{self.cfg.max_retries} times); first reasons: {reasons}. Run "
+                    "`envhub check ENV_ID` to see what breaks the env"
                 )
             self._changed.clear()
             self._fill()
@@ -237,7 +242,7 @@ class RolloutScheduler:
         ``EngineRouter.update_weights_live``). Then aborts running groups that can no longer
         meet ``max_staleness``."""
         paused = await self.router.update_weights_live(weights)
-        self._counts["weight_pause_s"] += paused
+        self._weight_pause_s += paused
         if self.cfg.mode == "async":
             bound = self.router.version - self.cfg.max_staleness
             doomed = [g for g in self._running.values() if g.started_version < bound]
@@ -295,7 +300,8 @@ class RolloutScheduler:
         gathered.add_done_callback(lambda _: self._group_done(group))
 
     async def _play(self, group: _Group, key: str) -> Trajectory:
-        """One episode with replays on fresh envs (``groups.play_episode``); returns the last attempt."""
+        """One episode with replays on fresh envs (``groups.play_episode``); returns the last
+        attempt."""
 
         def failed(trajectory: Trajectory) -> None:
             self._failed.append(trajectory)
@@ -390,11 +396,11 @@ class RolloutScheduler:
         turns = sorted(t.num_turns for t in trajectories)
         tokens = sorted(t.num_policy_tokens for t in trajectories)
         version = self.router.version
+        paused, self._weight_pause_s = self._weight_pause_s, 0.0
         metrics: dict[str, float] = {
-            "timing/engine_busy_frac": round(
-                stats.busy_fraction, 4
-            ),  # wall-clock measures: timing/
-            "timing/weight_pause_s": round(self._counts.pop("weight_pause_s", 0.0), 4),
+            # wall-clock measures: timing/
+            "timing/engine_busy_frac": round(stats.busy_fraction, 4),
+            "timing/weight_pause_s": round(paused, 4),
             "rollout/ready_groups": float(len(self._ready)),
             "rollout/running_groups": float(len(self._running)),
             "rollout/engine_in_flight": float(self.router.in_flight),
@@ -439,9 +445,9 @@ class LoopThread:
         """Schedule ``coro`` on the loop; returns a ``concurrent.futures.Future``."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
-    def run(self, coro: Coroutine[Any, Any, T] | Awaitable[T], timeout: float | None = None) -> T:
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the loop and wait for its result (exceptions re-raised here)."""
-        return self.submit(coro).result(timeout)  # type: ignore[arg-type]
+        return self.submit(coro).result(timeout)
 
     def close(self) -> None:
         """Stop the loop and join the thread (pending tasks are cancelled)."""

@@ -14,8 +14,11 @@ messages and tokenise only the difference, so templates that add a default syste
 ``collate`` pads trajectories (right padding) into the tensors every algorithm uses::
 
     input_ids      (B, T) long    attention_mask (B, T) long    response_mask (B, T) float
-    old_logprobs   (B, T) float   token_rewards  (B, T) float   (turn reward on its last policy token)
-    scores         (B,)   float   episode return                group_ids     (B,) long
+    old_logprobs   (B, T) float   token_rewards  (B, T) float   scores        (B,)   float
+    group_ids      (B,)   long
+
+``token_rewards`` holds each turn's reward on that turn's last policy token; ``scores`` is
+the episode return.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -129,7 +132,11 @@ class Trajectory:
 class ChatRenderer:
     """Token ids for chat messages under a tokenizer's chat template (see module docstring)."""
 
-    _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    _BASE: ClassVar[tuple[dict[str, str], ...]] = (
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": "y"},
+    )
+    """The fixed dummy conversation of the delta trick (module docstring)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer

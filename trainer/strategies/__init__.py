@@ -4,8 +4,8 @@
 the one table of names (``make_train_strategy`` / ``make_engine`` build by name). Training:
 ``hf`` (plain torch, CPU or one GPU; the embedded default), ``fsdp2``, ``megatron`` (with
 ``megatron_convert``, ``megatron_model``, ``megatron_cpu_shim``); inference: ``hf_engine``
-(the default) and ``vllm_engine`` (``vllm_platform``, ``vllm_worker``). ``distributed``,
-``offload`` and ``parallel_errors`` are what the strategies share.
+(the default) and ``vllm_engine`` (with ``vllm_weights``, ``vllm_platform``, ``vllm_worker``).
+``distributed``, ``offload`` and ``parallel_errors`` are what the strategies share.
 """
 
 from __future__ import annotations

@@ -283,7 +283,10 @@ class BaseTrainStrategy(abc.ABC):
                 f"strategy_args {unknown} are not options of the {cls.name!r} strategy; it takes "
                 f"{sorted(accepted - set(common))}"
             )
-        return cls(model, **{**common, **args})
+        # ``cls`` is a concrete strategy, whose constructor takes the model first (the module
+        # docstring's contract); the abstract base's own ``__init__`` takes the common options only
+        build: Callable[..., Self] = cls
+        return build(model, **{**common, **args})
 
     @classmethod
     def options(cls) -> set[str]:
@@ -297,8 +300,9 @@ class BaseTrainStrategy(abc.ABC):
 
     @classmethod
     def _configure(cls, world_size: int, args: dict[str, Any], common: dict[str, Any]) -> None:
-        """Hook: refuse a layout this strategy cannot run on ``world_size`` ranks; fill defaults in place.
-        The tensor x pipeline parallel layout is checked here for every strategy (``registry.layout_problem``)."""
+        """Hook: refuse a layout this strategy cannot run on ``world_size`` ranks; fill defaults in
+        place. The tensor x pipeline parallel layout is checked here for every strategy
+        (``registry.layout_problem``)."""
         from trainer.strategies.registry import layout_problem
 
         problem = layout_problem(cls.name, world_size, args)
@@ -349,11 +353,11 @@ class BaseTrainStrategy(abc.ABC):
     def _group_rows(
         self, batch: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], slice]:
-        """The rows this rank runs (the union of its model-parallel peers'), and where its own sit."""
+        """The rows this rank runs (its model-parallel peers' union), and where its own sit."""
         return dict(batch), slice(None)
 
     def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """``batch`` in micro-batches on the device; padded in count over ranks when ``collective``."""
+        """``batch`` in micro-batches on the device; counts padded to agree when ``collective``."""
         return split_micro_batches(
             batch, self.micro_batch_size, self.device, same_count_on_all_ranks=self.collective
         )
@@ -372,7 +376,13 @@ class BaseTrainStrategy(abc.ABC):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """The worker's loss on a real micro-batch; a zero-weighted one (same graph) on a dummy."""
         if "_dummy" in micro:
-            return (out.values if self.kind == "value" else out.logprobs).sum() * 0.0, {}  # type: ignore[union-attr]
+            head = out.values if self.kind == "value" else out.logprobs
+            if head is None:
+                raise RuntimeError(
+                    f"{type(self).__name__}._run returned no values for a kind='value' model; "
+                    "a value strategy's forward must set ForwardOutput.values"
+                )
+            return head.sum() * 0.0, {}
         return loss_fn(out, micro)
 
     def _accumulate(
@@ -395,7 +405,7 @@ class BaseTrainStrategy(abc.ABC):
         return losses
 
     def _reduce_gradients(self) -> None:
-        """Called after a step's backward passes, before clipping (e.g. a data-parallel all-reduce)."""
+        """Called after a step's backward passes, before clipping (e.g. a data-parallel reduce)."""
 
     # ------------------------------------------------------------------ forward / train
     def forward(
@@ -424,12 +434,15 @@ class BaseTrainStrategy(abc.ABC):
                 [torch.nn.functional.pad(t.cpu(), (0, full - t.shape[1])) for t in tensors]
             )[mine, :width]
 
-        return ForwardOutput(logprobs=cat("logprobs"), entropy=cat("entropy"), values=cat("values"))  # type: ignore[arg-type]
+        logprobs = cat("logprobs")
+        if logprobs is None:  # no real rows on this rank: an empty batch of the batch's width
+            logprobs = torch.zeros(0, width)
+        return ForwardOutput(logprobs=logprobs, entropy=cat("entropy"), values=cat("values"))
 
     def train_step(
         self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False
     ) -> dict[str, float]:
-        """One or more optimiser steps over this rank's rows (``grad_accumulation`` micro-batches each)."""
+        """Optimiser steps over this rank's rows (``grad_accumulation`` micro-batches each)."""
         if self.optimizer is None:
             raise RuntimeError(
                 "train_step on a frozen model; build the strategy with trainable=True"
@@ -459,7 +472,8 @@ class BaseTrainStrategy(abc.ABC):
                     where = f" on rank {self.rank}" if self.collective else ""
                     self._refuse(
                         f"the loss became {value}{where} (metrics {metrics})",
-                        "Lower train.lr, raise algorithm.loss.clip/grad clipping, or check the rewards",
+                        "Lower train.lr, raise algorithm.loss.clip/grad clipping, or check the "
+                        "rewards",
                     )
                 for key, metric in metrics.items():
                     totals[key] = totals.get(key, 0.0) + metric / max(real, 1)
@@ -477,7 +491,7 @@ class BaseTrainStrategy(abc.ABC):
         return totals
 
     def _refuse(self, what: str, fix: str) -> None:
-        """Drop this step's gradients and raise: the model and optimiser keep their last good state."""
+        """Drop this step's gradients and raise: model and optimiser keep their last good state."""
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         raise NonFiniteLossError(f"{what}; the update was not applied. {fix}")
@@ -490,7 +504,7 @@ class BaseTrainStrategy(abc.ABC):
                 group["lr"] = lr
 
     def offload(self, *, params: bool = True, optimizer: bool = True) -> None:
-        """Move parameters and/or optimiser state to host memory (colocation); a tracked no-op on CPU.
+        """Move parameters and/or optimiser state to host memory; a tracked no-op on CPU.
 
         See ``trainer.strategies.offload``: the next call that needs a state reloads it.
         """
@@ -500,7 +514,7 @@ class BaseTrainStrategy(abc.ABC):
         """Bring every offloaded state back onto the device."""
         self.residency.reload()
 
-    # ------------------------------------------------------------------ weights and state (per layout)
+    # ------------------------------------------------------------------ weights, state (per layout)
     @abc.abstractmethod
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 

@@ -17,6 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from torch.distributed import ProcessGroup
+
+    from trainer.algos.losses import AggregationMode
 
 __all__ = [
     "all_max",
@@ -44,7 +47,10 @@ def backend_for(device: str) -> str:
 
 
 def resolve_device(device: str | None) -> str:
-    """``auto``/None -> ``cuda:<LOCAL_RANK>`` when CUDA is present, else ``cpu``; ``cuda`` gets the index."""
+    """``auto``/None: ``cuda:<LOCAL_RANK>`` when CUDA is present, else ``cpu``.
+
+    A bare ``cuda`` gets the local rank's index too.
+    """
     import torch
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -75,12 +81,13 @@ def ensure_process_group(device: str) -> tuple[int, int]:
                 "LOCAL_RANK": "0",
             }
         )
-    kwargs = {}
-    if device.startswith("cuda"):
-        import torch
+    import torch
 
-        kwargs["device_id"] = torch.device(device)
-    dist.init_process_group(backend=backend_for(device), init_method="env://", **kwargs)
+    dist.init_process_group(
+        backend=backend_for(device),
+        init_method="env://",
+        device_id=torch.device(device) if device.startswith("cuda") else None,
+    )
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -139,9 +146,9 @@ def split_micro_batches(
 def micro_batch_scales(
     micros: list[dict[str, torch.Tensor]],
     per_step: int,
-    mode: str = "token-mean",
+    mode: AggregationMode = "token-mean",
     *,
-    group: object = None,
+    group: ProcessGroup | None = None,
     replicas: int = 1,
 ) -> list[float]:
     """What each micro-batch's loss is multiplied by before ``backward``, so that an optimiser
@@ -177,12 +184,12 @@ def micro_batch_scales(
 
 
 def gather_group_rows(
-    batch: Mapping[str, torch.Tensor], group: object, size: int
+    batch: Mapping[str, torch.Tensor], group: ProcessGroup | None, size: int
 ) -> tuple[dict[str, torch.Tensor], slice]:
     """The union of the rows every rank of ``group`` (``size`` ranks) was given, right-padded to one
     width, and where this rank's own rows sit in it. Model-parallel peers (tensor-parallel ranks,
     pipeline stages) must run the same rows while the cluster splits a batch over all ranks: they
-    run the union, and each returns its own rows, so the caller's data-parallel split stays right."""
+    run the union, and each returns its own rows, so the caller's data-parallel split holds."""
     import torch
     import torch.distributed as dist
 

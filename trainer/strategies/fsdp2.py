@@ -52,8 +52,8 @@ __all__ = ["FSDP2TrainStrategy", "block_modules"]
 
 
 def block_modules(model: Any) -> list[Any]:
-    """The transformer blocks to shard one by one: instances of ``_no_split_modules`` of the model or of
-    an HF model inside it (a critic's value-head wrapper keeps the LM as a submodule)."""
+    """The transformer blocks to shard one by one: instances of ``_no_split_modules`` of the model
+    or of an HF model inside it (a critic's value-head wrapper keeps the LM as a submodule)."""
     names: set[str] = set()
     for module in model.modules():
         names |= set(getattr(module, "_no_split_modules", None) or [])
@@ -69,11 +69,14 @@ TP_PLAN = {
     "mlp.up_proj": "colwise",
     "mlp.down_proj": "rowwise",
 }
-"""DTensor tensor-parallel plan of one Llama/Qwen2-style block (``fsdp2`` ``tensor_parallel_size``)."""
+"""DTensor tensor-parallel plan of one Llama/Qwen2-style block (fsdp2 ``tensor_parallel_size``)."""
 
 
 def _tensor_parallel(model: Any, mesh: Any, tp: int) -> None:
-    """Apply ``TP_PLAN`` to every transformer block of ``model`` over the 1-D ``mesh``; refuse what it cannot split."""
+    """Apply ``TP_PLAN`` to every transformer block of ``model`` over the 1-D ``mesh``.
+
+    A model it cannot split (sizes ``tp`` does not divide, other block shapes) is refused.
+    """
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -142,8 +145,8 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         on_cuda = self._use_device(
             device,
             cpu_refusal=(
-                "fsdp2 cpu_offload=True needs a CUDA device (on CPU the state already lives in host "
-                "memory); drop strategy_args.cpu_offload or train on GPU"
+                "fsdp2 cpu_offload=True needs a CUDA device (on CPU the state already lives in "
+                "host memory); drop strategy_args.cpu_offload or train on GPU"
             )
             if cpu_offload
             else None,
@@ -164,12 +167,11 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         )
 
     def _build_mesh(self, model: Any, tp_size: int, mesh_device: str) -> None:
-        """The data-parallel mesh FSDP2 shards over, and with TP a tensor-parallel one applied to ``model``."""
+        """The data-parallel mesh FSDP2 shards over; with TP also a tensor-parallel one, applied
+        to ``model``."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.tp_size = (
-            tp_size  # a divisor of the ranks: checked by create() (registry.layout_problem)
-        )
+        self.tp_size = tp_size  # a divisor of the ranks: checked by create() (layout_problem)
         if self.tp_size == 1:
             self.mesh = init_device_mesh(mesh_device, (self.world_size,), mesh_dim_names=("dp",))
             self.tp_group: Any = None
@@ -200,16 +202,21 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
             else MixedPrecisionPolicy()
         )
         offload = CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
-        shard = {"mesh": self.mesh, "mp_policy": policy, "offload_policy": offload}
         blocks = block_modules(model)
         if not blocks:
             raise ParallelConfigError(
-                f"fsdp2 found no transformer blocks in {type(model).__name__} (model._no_split_modules is "
-                "empty); use strategy 'hf' for this model or give it _no_split_modules"
+                f"fsdp2 found no transformer blocks in {type(model).__name__} "
+                "(model._no_split_modules is empty); use strategy 'hf' for this model or give it "
+                "_no_split_modules"
             )
-        for block in blocks:
-            fully_shard(block, reshard_after_forward=reshard_after_forward, **shard)
-        fully_shard(model, reshard_after_forward=reshard_after_forward, **shard)
+        for module in [*blocks, model]:  # the blocks one by one, then the root
+            fully_shard(
+                module,
+                mesh=self.mesh,
+                reshard_after_forward=reshard_after_forward,
+                mp_policy=policy,
+                offload_policy=offload,
+            )
 
     # ------------------------------------------------------------------ hooks of the shared loop
     def _group_rows(
@@ -235,7 +242,7 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
     def train_step(
         self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False
     ) -> dict[str, float]:
-        """The shared loop (``BaseTrainStrategy.train_step``); gradient sync is back on afterwards."""
+        """The shared loop (``BaseTrainStrategy.train_step``); gradient sync is on again after."""
         try:
             return super().train_step(batch, loss_fn, with_entropy=with_entropy)
         finally:
@@ -250,11 +257,10 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
             return 0.0
         limit = self.max_grad_norm if self.max_grad_norm is not None else float("inf")
         if self.tp_size == 1:
-            norm = torch.nn.utils.clip_grad_norm_(params, limit, foreach=not self.cpu_offload)
-            if hasattr(norm, "full_tensor"):
-                norm = norm.full_tensor()
-            return float(norm)
-        # with TP, gradients live on two meshes (dp x tp for TP weights, dp for the rest): one norm per mesh
+            total = torch.nn.utils.clip_grad_norm_(params, limit, foreach=not self.cpu_offload)
+            return float(total.full_tensor() if hasattr(total, "full_tensor") else total)
+        # with TP, gradients live on two meshes (dp x tp for TP weights, dp for the rest): one
+        # norm per mesh
         by_mesh: dict[Any, list[Any]] = {}
         for param in params:
             by_mesh.setdefault(getattr(param.grad, "device_mesh", None), []).append(param)
@@ -285,8 +291,12 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
             full = full.detach()
             yield name, (full.to(device) if device is not None else full)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the whole model as full CPU tensors on rank 0 (empty dict on other ranks)."""
+    def full_state_dict(self) -> dict[str, Any]:
+        """Collective: the whole model as full CPU tensors on rank 0 (empty dict on other ranks).
+
+        torch types the values as any state-dict value; with ``full_state_dict=True`` they are
+        plain tensors keyed by HF name.
+        """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         return get_model_state_dict(
@@ -294,7 +304,7 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Collective: model + optimiser as full tensors (rank 0 receives them; others get empty dicts)."""
+        """Collective: model + optimiser as full tensors (rank 0 receives them; others empty)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         self.residency.require("params", "optimizer")

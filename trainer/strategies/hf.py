@@ -57,13 +57,14 @@ class HFTrainStrategy(BaseTrainStrategy):
 
     @classmethod
     def _configure(cls, world_size: int, args: dict[str, Any], common: dict[str, Any]) -> None:
-        """One full copy on one device (CUDA when visible): no gradient sync, so one trainable rank."""
+        """One full copy on one device (CUDA when visible): no gradient sync, one trainable rank."""
         import torch
 
         if world_size > 1 and common.get("trainable", True):
             raise ValueError(
-                f"the 'hf' training strategy runs on one device but this role has {world_size} workers; "
-                "map it to one device (device_mapping: [0]) or use a data-parallel strategy (fsdp2)"
+                f"the 'hf' training strategy runs on one device but this role has {world_size} "
+                "workers; map it to one device (device_mapping: [0]) or use a data-parallel "
+                "strategy (fsdp2)"
             )
         common.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
 

@@ -122,7 +122,9 @@ class BatchingFrontend:
             if batch:
                 try:
                     results = await self.run_batch([r for r, _ in batch])
-                except Exception as error:  # surface to every waiter rather than hang them
+                except Exception as error:  # noqa: BLE001 - handed to every waiting future
+                    # whatever failed the batch reaches every waiter, who re-raises it, instead
+                    # of leaving them hanging; it may be of any type
                     for _, future in batch:
                         if not future.done():
                             future.set_exception(error)
@@ -162,10 +164,11 @@ class HFEngine(BatchingFrontend):
     def from_pretrained(
         cls, model_path: str, *, dtype: str = "float32", seed: int = 0, **options: Any
     ) -> HFEngine:
-        """The registry's ``hf`` engine: the policy at ``model_path`` on CUDA when visible, else CPU."""
+        """The registry's ``hf`` engine: the policy at ``model_path``, on CUDA when visible."""
         if options:
             raise ValueError(
-                f"strategy_args {sorted(options)} are not options of the 'hf' inference engine (it has none)"
+                f"strategy_args {sorted(options)} are not options of the 'hf' inference engine "
+                "(it has none)"
             )
         import torch
 

@@ -1,4 +1,6 @@
-"""``MegatronTrainStrategy``: tensor-, pipeline- and data-parallel training of HF Qwen2/Llama models with Megatron-Core.
+"""``MegatronTrainStrategy``: tensor-, pipeline- and data-parallel training with Megatron-Core.
+
+The model is an HF Qwen2/Llama one, converted to a Megatron-Core ``GPTModel`` and back.
 
 A ``TrainStrategy`` (see ``base.py``). Each rank is handed the same HF model; the strategy
 
@@ -53,7 +55,7 @@ are tracked no-ops (``trainer.strategies.offload``: the state already lives in h
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 from trainer.strategies.base import BaseTrainStrategy, ForwardOutput, LossFn, TrainOptions
@@ -96,7 +98,7 @@ class _GatherLastDim:
 
 
 class MegatronTrainStrategy(BaseTrainStrategy):
-    """Runs and trains an HF Qwen2/Llama model as a Megatron-Core GPTModel (see the module docstring)."""
+    """Runs and trains an HF Qwen2/Llama model as a Megatron-Core GPTModel (module docstring)."""
 
     name = "megatron"
     collective = True
@@ -122,8 +124,8 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         on_cuda = self._use_device(
             device,
             cpu_refusal=(
-                "megatron activation_checkpointing needs CUDA (its recompute saves CUDA RNG states); "
-                "drop strategy_args.activation_checkpointing on CPU"
+                "megatron activation_checkpointing needs CUDA (its recompute saves CUDA RNG "
+                "states); drop strategy_args.activation_checkpointing on CPU"
             )
             if activation_checkpointing
             else None,
@@ -198,7 +200,7 @@ class MegatronTrainStrategy(BaseTrainStrategy):
     def _group_rows(
         self, batch: Mapping[str, torch.Tensor]
     ) -> tuple[dict[str, torch.Tensor], slice]:
-        """The union of the model-parallel (TP x PP) group's rows, and where this rank's own rows sit in it."""
+        """The union of the model-parallel (TP x PP) group's rows, and where this rank's sit."""
         return gather_group_rows(batch, self.mp_group, self.tp_size * self.pp_size)
 
     def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
@@ -247,12 +249,13 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         loss_fn: LossFn | None,
         scales: list[float] | None = None,
     ) -> tuple[list[ForwardOutput], list[tuple[float, dict[str, float]]]]:
-        """Run ``micros`` through Megatron-Core's pipeline schedule (PP > 1); a collective over the pipeline.
+        """Run ``micros`` through Megatron-Core's pipeline schedule (PP > 1); a collective.
 
         With ``loss_fn`` it is a training pass (1F1B: forward and backward interleaved, gradients
         accumulated, each loss scaled by its ``scales`` entry like the PP=1 path - times
-        ``len(micros)``, which the schedule divides by); without it a forward-only pass. Returns, on *every* stage (broadcast from the last one), the detached
-        per-micro-batch outputs (forward-only) and the ``(loss, metrics)`` of each micro-batch.
+        ``len(micros)``, which the schedule divides by); without it a forward-only pass.
+        Returns, on *every* stage (broadcast from the last one), the detached per-micro-batch
+        outputs (forward-only) and the ``(loss, metrics)`` of each micro-batch.
         """
         import torch
         import torch.distributed as dist
@@ -288,12 +291,13 @@ class MegatronTrainStrategy(BaseTrainStrategy):
             loss, metrics = self._micro_loss(out, micro, loss_fn)
             losses.append((float(loss.detach()), metrics))
             if not math.isfinite(losses[-1][0]):
-                loss = (
-                    logprobs.sum() * 0.0
-                )  # keep the schedule going on every stage; the step is refused after it
+                # keep the schedule going on every stage; the step is refused after it
+                loss = logprobs.sum() * 0.0
             return loss * (scales[index] * len(micros) if scales is not None else 1.0), {}
 
-        def step(data: Iterator[dict[str, torch.Tensor]], model: Any) -> tuple[torch.Tensor, Any]:
+        def step(
+            data: Iterator[tuple[int, dict[str, torch.Tensor]]], model: Any
+        ) -> tuple[torch.Tensor, Any]:
             index, micro = next(data)
             ids = micro["input_ids"]
             ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1], 0, rows - ids.shape[0]))
@@ -320,8 +324,8 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         return shared[0]
 
     def _reduce_tied_embedding(self) -> None:
-        """PP > 1 with tied embeddings: sum the gradients of the first stage's embedding and the last
-        stage's output-layer copy (Megatron's embedding group), so both copies take the same step."""
+        """PP > 1 with tied embeddings: sum the gradients of the first stage's embedding and the
+        last stage's output-layer copy (Megatron's embedding group), so both take the same step."""
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
 
@@ -377,10 +381,8 @@ class MegatronTrainStrategy(BaseTrainStrategy):
                 sharded += square
         if self.tp_size * self.pp_size > 1:
             dist.all_reduce(sharded, group=self.mp_group)  # distinct TP slices and distinct stages
-        if self.pp_size > 1:
-            dist.all_reduce(
-                replicated, group=self.pp_group
-            )  # norms: the same on a stage's TP ranks
+        if self.pp_size > 1:  # norms: the same on a stage's TP ranks
+            dist.all_reduce(replicated, group=self.pp_group)
         norm = float((sharded + replicated).sqrt())
         if self.max_grad_norm is not None and math.isfinite(norm) and norm > self.max_grad_norm:
             for _, param in named:
@@ -423,7 +425,7 @@ class MegatronTrainStrategy(BaseTrainStrategy):
                     yield name, (tensor.to(device) if device is not None else tensor)
 
     def _stage_chunks(self) -> list[list[str]]:
-        """This rank's Megatron parameter names grouped per layer (embedding, each layer, norm, output)."""
+        """This rank's Megatron parameter names per layer (embedding, each layer, norm, output)."""
         chunks: dict[str, list[str]] = {}
         for name in self.model.state_dict():
             if name.endswith("_extra_state"):
@@ -433,7 +435,7 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         return list(chunks.values())
 
     def _hf_chunk(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Collective over the TP group: the named local tensors gathered and converted to HF tensors."""
+        """Collective over the TP group: the named local tensors, gathered and converted to HF."""
         import torch
         import torch.distributed as dist
 
@@ -448,14 +450,14 @@ class MegatronTrainStrategy(BaseTrainStrategy):
             dist.all_gather(parts, tensor.contiguous(), group=self.tp_group)
             for rank, part in enumerate(parts):
                 shards[rank][name] = part
-        stages: list[list[Mapping[str, torch.Tensor]]] = [
+        stages: list[Sequence[Mapping[str, torch.Tensor]]] = [
             [{}] * self.tp_size for _ in range(self.pp_size)
         ]
         stages[self.pp_rank] = shards
         return megatron_to_hf(stages, self.layout)
 
     def _gather_to_rank0(self) -> dict[str, torch.Tensor]:
-        """Collective: full HF tensors on CPU kept by rank 0 only (other ranks take part, keep nothing)."""
+        """Collective: full HF tensors on CPU, kept by rank 0 (the others take part, keep none)."""
         kept: dict[str, torch.Tensor] = {}
         for name, tensor in self.full_weights():
             if self.rank == 0:
@@ -463,10 +465,11 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         return kept
 
     def state_dict(self) -> dict[str, Any]:
-        """Collective: the model as full HF tensors on CPU and every rank's optimiser state (rank 0 gets them).
+        """Collective: the model as full HF tensors on CPU and every rank's optimiser state.
 
-        Other ranks return empty dicts. Optimiser state is per shard, so it is gathered as a
-        list indexed by global rank; ``load_state_dict`` gives each rank its own entry back.
+        Rank 0 gets them, the other ranks empty dicts. Optimiser state is per shard, so it is
+        gathered as a list indexed by global rank; ``load_state_dict`` gives each rank its own
+        entry back.
         """
         import torch.distributed as dist
 
@@ -486,7 +489,7 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load full HF tensors (re-sliced for this rank) and, when present, this rank's optimiser state."""
+        """Load full HF tensors (re-sliced for this rank) and, if present, its optimiser state."""
         self.residency.require("params", "optimizer")
         self._load_hf(state["model"])
         if self.optimizer is None:
@@ -495,15 +498,19 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         if ranks is not None:
             if len(ranks) != self.world_size:
                 raise ParallelConfigError(
-                    f"the checkpoint holds optimiser state for {len(ranks)} megatron ranks but this run has "
-                    f"{self.world_size}; resume with the same device_mapping and tensor_parallel_size"
+                    f"the checkpoint holds optimiser state for {len(ranks)} megatron ranks but "
+                    f"this run has {self.world_size}; resume with the same device_mapping and "
+                    "tensor_parallel_size"
                 )
             self.optimizer.load_state_dict(ranks[self.rank])
         elif state.get("optimizer"):
             self.optimizer.load_state_dict(state["optimizer"])
 
     def save_pretrained(self, path: str) -> None:
-        """Collective: gather and convert the full model; rank 0 writes an HF folder (safetensors + config)."""
+        """Collective: gather and convert the full model; rank 0 writes an HF folder.
+
+        The folder holds ``model.safetensors`` and the HF config.
+        """
         from pathlib import Path
 
         from safetensors.torch import save_file

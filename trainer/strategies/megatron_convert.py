@@ -33,7 +33,7 @@ a different model than the one served.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -99,7 +99,8 @@ class MegatronLayout:
                 )
         if self.num_layers % self.pp:
             problems.append(
-                f"num_hidden_layers={self.num_layers} is not divisible by pipeline_parallel_size={self.pp}"
+                f"num_hidden_layers={self.num_layers} is not divisible by "
+                f"pipeline_parallel_size={self.pp}"
             )
         if problems:
             raise ParallelConfigError(
@@ -115,8 +116,8 @@ def _rope_theta(config: Any) -> float:
     rope_type = params.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
     if rope_type not in (None, "default"):
         raise UnsupportedModelError(
-            f"rope_type {rope_type!r} is not mapped to Megatron-Core by this converter; only plain RoPE "
-            "('default') round-trips exactly. Use strategy 'fsdp2' for this model"
+            f"rope_type {rope_type!r} is not mapped to Megatron-Core by this converter; only "
+            "plain RoPE ('default') round-trips exactly. Use strategy 'fsdp2' for this model"
         )
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     return float(theta)
@@ -138,8 +139,8 @@ def layout_from_hf_config(config: Any, *, tp: int = 1, pp: int = 1) -> MegatronL
         getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False)
     ):
         raise UnsupportedModelError(
-            "a llama config with attention_bias/mlp_bias=True has biases Megatron's GPTModel cannot hold "
-            "exactly (o_proj/MLP biases); use strategy 'fsdp2'"
+            "a llama config with attention_bias/mlp_bias=True has biases Megatron's GPTModel "
+            "cannot hold exactly (o_proj/MLP biases); use strategy 'fsdp2'"
         )
     if model_type == "qwen2" and getattr(config, "use_sliding_window", False):
         raise UnsupportedModelError(
@@ -271,23 +272,25 @@ def _unfuse_qkv(
 
 
 def megatron_to_hf(
-    stages: list[list[Mapping[str, torch.Tensor]]], layout: MegatronLayout
+    stages: Sequence[Sequence[Mapping[str, torch.Tensor]]], layout: MegatronLayout
 ) -> dict[str, torch.Tensor]:
     """Full HF tensors from every shard: ``stages[pp_rank][tp_rank]`` is one rank's state dict.
 
     Also accepts any subset of layers in a stage (what is present is converted); the result's
-    names are exactly an HF ``model.state_dict()``'s (``lm_head.weight`` is the embedding when tied).
+    names are exactly an HF ``model.state_dict()``'s (``lm_head.weight`` is the embedding when
+    tied).
     """
     import torch
 
     if len(stages) != layout.pp or any(len(s) != layout.tp for s in stages):
         raise ParallelConfigError(
-            f"megatron_to_hf got {len(stages)} pipeline stages of {[len(s) for s in stages]} tensor ranks, "
-            f"but the layout says pp={layout.pp}, tp={layout.tp}; pass stages[pp_rank][tp_rank]"
+            f"megatron_to_hf got {len(stages)} pipeline stages of {[len(s) for s in stages]} "
+            f"tensor ranks, but the layout says pp={layout.pp}, tp={layout.tp}; pass "
+            "stages[pp_rank][tp_rank]"
         )
     vocab = layout.vocab_size
 
-    def merge(shards: list[Mapping[str, torch.Tensor]], name: str, dim: int) -> torch.Tensor:
+    def merge(shards: Sequence[Mapping[str, torch.Tensor]], name: str, dim: int) -> torch.Tensor:
         return torch.cat([s[name] for s in shards], dim=dim)
 
     hf: dict[str, torch.Tensor] = {}

@@ -30,11 +30,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.strategies.parallel_errors import ParallelConfigError
 
 __all__ = ["CpuRNGStatesTracker", "activate", "is_active"]
+
+if TYPE_CHECKING:
+    # built on first access by the module ``__getattr__``: it subclasses a Megatron-Core class,
+    # which is imported only then
+    CpuRNGStatesTracker: type
 
 _ACTIVE = False
 
@@ -85,7 +90,10 @@ def __getattr__(name: str) -> Any:
 
 
 class _SchedulesTorch:
-    """``torch`` as ``megatron.core.pipeline_parallel.schedules`` sees it on CPU: ``zeros(device="cuda")`` -> CPU."""
+    """``torch`` as Megatron's ``pipeline_parallel.schedules`` sees it on CPU.
+
+    The same module, except that ``zeros(device="cuda")`` allocates on the CPU.
+    """
 
     def __init__(self, torch_module: Any) -> None:
         self._torch = torch_module
@@ -99,16 +107,23 @@ class _SchedulesTorch:
         return self._torch.zeros(*args, device=device, **kwargs)
 
 
+def _cpu_device() -> str:
+    """``torch.cuda.current_device`` on CPU-only torch: Megatron passes it on as ``device=``."""
+    return "cpu"
+
+
 def activate(seed: int, tp_rank: int = 0) -> None:
-    """Install the CPU RNG tracker (seeded like ``model_parallel_cuda_manual_seed``) and CPU allocation."""
+    """Install the CPU RNG tracker (seeded like ``model_parallel_cuda_manual_seed``) and make
+    Megatron allocate on the CPU."""
     global _ACTIVE
     import torch
     from megatron.core.tensor_parallel import random as mrandom
 
     if torch.cuda.is_available():
         raise ParallelConfigError(
-            "megatron CPU training was asked for in a process that sees a GPU; train on device 'cuda', or "
-            "hide the GPUs (CUDA_VISIBLE_DEVICES='') so no CUDA tensor mixes into the CPU run"
+            "megatron CPU training was asked for in a process that sees a GPU; train on device "
+            "'cuda', or hide the GPUs (CUDA_VISIBLE_DEVICES='') so no CUDA tensor mixes into the "
+            "CPU run"
         )
     tracker = _tracker_class()()
     tracker.add(mrandom._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
@@ -116,11 +131,13 @@ def activate(seed: int, tp_rank: int = 0) -> None:
     tracker.add(mrandom._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024)
     mrandom._CUDA_RNG_STATE_TRACKER = tracker
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # CPU-only torch: nothing else uses it
+    # deliberately a str where torch declares an int device index: on a CPU-only torch nothing
+    # but Megatron's allocations calls it, and they take any device
+    torch.cuda.current_device = _cpu_device  # type: ignore[assignment]
     from megatron.core.pipeline_parallel import schedules
 
     if not isinstance(schedules.torch, _SchedulesTorch):
-        schedules.torch = _SchedulesTorch(torch)  # type: ignore[attr-defined]
+        schedules.torch = _SchedulesTorch(torch)
     _ACTIVE = True
 
 

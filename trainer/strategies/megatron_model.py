@@ -29,7 +29,10 @@ def _sdpa_class() -> type:
     from megatron.core.transformer.module import MegatronModule
 
     class _SDPACoreAttention(MegatronModule):
-        """Megatron core attention via torch SDPA: q [sq,b,np,hn], k/v [sk,b,ng,hn] -> [sq,b,np*hn]."""
+        """Megatron core attention via torch SDPA.
+
+        Shapes: q ``[sq, b, np, hn]``, k/v ``[sk, b, ng, hn]`` -> ``[sq, b, np * hn]``.
+        """
 
         def __init__(
             self,
@@ -84,7 +87,7 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
 ) -> Any:
-    """A Megatron-Core ``GPTModel`` equivalent to the HF model ``layout`` describes (this rank's shard).
+    """A Megatron-Core ``GPTModel`` equal to the HF model ``layout`` describes (this rank's shard).
 
     With ``layout.pp > 1`` it is one pipeline stage (Megatron's parallel state decides which
     layers): ``pre_process`` on the first stage, ``post_process`` on the last. A tied model
@@ -121,7 +124,8 @@ def build_gpt_model(
         pipeline_model_parallel_size=layout.pp,
         params_dtype=params_dtype or torch.float32,
         pipeline_dtype=params_dtype or torch.float32,
-        batch_p2p_sync=False,  # the CUDA sync megatron keeps for old PyTorch's batch_isend_irecv race
+        # the CUDA sync megatron keeps for old PyTorch's batch_isend_irecv race: not needed
+        batch_p2p_sync=False,
         use_cpu_initialization=True,
         perform_initialization=False,
         bias_activation_fusion=False,

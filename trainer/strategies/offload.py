@@ -34,7 +34,7 @@ STATES = ("params", "optimizer")
 
 @dataclass(frozen=True)
 class ResidencyEvent:
-    """One transition: ``action`` ("offload"/"reload") of ``state``, ``moved`` when bytes really moved."""
+    """One transition: ``action`` ("offload"/"reload") of ``state``; ``moved``: bytes moved."""
 
     action: str
     state: str
@@ -75,8 +75,8 @@ class Residency:
         if not self.moves and not self._said_noop and any(wanted.values()):
             self._said_noop = True
             log.info(
-                "%s: offload/reload on device %r moves nothing (the state already lives in host memory); "
-                "which states are offloaded is still tracked",
+                "%s: offload/reload on device %r moves nothing (the state already lives in host "
+                "memory); which states are offloaded is still tracked",
                 self.owner,
                 self.device,
             )
@@ -98,7 +98,7 @@ class Residency:
 
 
 def state_movers(model: Any, optimizer: Any = None) -> dict[str, Callable[[str], None]]:
-    """Movers for a strategy's ``model`` (parameters and their gradients) and ``optimizer`` state tensors."""
+    """Movers for a strategy's ``model`` (parameters and their gradients) and optimiser state."""
 
     def move_params(device: str) -> None:
         model.to(device)

@@ -1,4 +1,4 @@
-"""Errors of the parallel training strategies (``fsdp2``, ``megatron``) and the HF<->Megatron converter.
+"""Errors of the parallel strategies (``fsdp2``, ``megatron``) and the HF<->Megatron converter.
 
 They subclass the trainer's own tree (``trainer.errors``) so a caller catching
 ``TrainerError`` or ``ModelError`` sees them too. Each message names the bad value and the fix.

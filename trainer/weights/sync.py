@@ -1,4 +1,4 @@
-"""The train -> infer weight sync, driver side: bucketed, versioned, through shared memory or a broadcast group.
+"""The weight sync, driver side: train -> infer, bucketed, versioned, shared memory or broadcast.
 
 After each train step the driver calls :meth:`WeightSync.sync`. This module only
 orchestrates: what each trainer rank does is ``trainer.weights.sender`` (``WeightSender``,
@@ -76,8 +76,9 @@ DEFAULT_BUCKET_MB = 256.0
 
 
 def auto_bucket_bytes(sizes: Iterable[tuple[str, int]]) -> int:
-    """``weight_sync.bucket_mb`` unset: 256 MiB, or the largest tensor (aligned) when it is bigger
-    (Qwen2.5-0.5B's bf16 embedding is 260 MiB), so a default config never fails at the first sync."""
+    """The bucket size when ``weight_sync.bucket_mb`` is unset: 256 MiB, or the largest tensor
+    (aligned) when it is bigger (Qwen2.5-0.5B's bf16 embedding is 260 MiB), so a default config
+    never fails at the first sync."""
     largest = max((nbytes for _, nbytes in sizes), default=0)
     return max(int(DEFAULT_BUCKET_MB * 2**20), -(-largest // ALIGN) * ALIGN)
 
@@ -93,8 +94,9 @@ class SyncReport:
     buckets: int
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)
-    """Driver wall seconds per phase (shared memory: ``plan``, ``write`` on the trainer ranks, ``hand_over``
-    to the engines, ``finish`` = waiting for the engines' last loads and the version check)."""
+    """Driver wall seconds per phase (shared memory: ``plan``, ``write`` on the trainer ranks,
+    ``hand_over`` to the engines, ``finish`` = waiting for the engines' last loads and the version
+    check)."""
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -117,7 +119,7 @@ class _Moved:
 
 
 class WeightSync:
-    """The driver's weight sync from an ``ActorCluster`` into an ``InferCluster`` (see the module docstring).
+    """The driver's weight sync from an ``ActorCluster`` into an ``InferCluster`` (module doc).
 
     ``policy`` is the run's policy version; the sync creates one when none is given. Hand the
     same object to whatever on the driver reports or compares versions.
@@ -176,14 +178,15 @@ class WeightSync:
         return "shared_memory" if len(hosts) == 1 else "broadcast"
 
     def sync(self) -> SyncReport:
-        """Move the current trained weights into every engine; returns what moved. Raises ``WeightSyncError``."""
+        """Move the current trained weights into every engine; returns what moved.
+
+        Raises ``WeightSyncError`` when a sync cannot complete (the version stays where it was).
+        """
         version = self.policy.value + 1
         started = time.perf_counter()
         self._phases = {}
-        if (
-            self.bucket_mb is None and self._sizes is None
-        ):  # automatic: large enough for the largest tensor
-            self.check_buckets()
+        if self.bucket_mb is None and self._sizes is None:
+            self.check_buckets()  # automatic: large enough for the largest tensor
         if self.transport == "shared_memory":
             moved = self._sync_shared(version)
         else:
@@ -252,16 +255,19 @@ class WeightSync:
         return moved
 
     def _hand_over(self, handle: SharedBucket, version: int, moved: _Moved, nbytes: int) -> None:
-        """Hand one bucket to every inference worker (an empty one is skipped); a failure names the version."""
+        """Hand one bucket to every inference worker (an empty one is skipped).
+
+        A worker's failure becomes a ``TransportError`` naming the bucket and the version.
+        """
         if not handle.metas:
             return
         try:
             self.infer.load_weight_bucket(handle)
         except WorkerCallError as error:
             raise TransportError(
-                f"an inference worker failed while loading bucket {handle.index} of weights version "
-                f"{version} ({error}); the engines refuse to generate until a complete sync - restart the "
-                "failed worker or rerun the sync"
+                f"an inference worker failed while loading bucket {handle.index} of weights "
+                f"version {version} ({error}); the engines refuse to generate until a complete "
+                "sync - restart the failed worker or rerun the sync"
             ) from error
         moved.names += [meta.name for meta in handle.metas]
         moved.tensors += len(handle.metas)
@@ -269,7 +275,7 @@ class WeightSync:
         moved.buckets += 1
 
     def _finish(self, version: int, moved: _Moved) -> None:
-        """Close the sync on every inference worker and check that each serves exactly ``version``."""
+        """Close the sync on every inference worker; check that each serves exactly ``version``."""
         try:
             served = self.infer.finish_weight_load(version, moved.names)
         except WorkerCallError as error:
@@ -289,7 +295,7 @@ class WeightSync:
             raise
 
     def check_buckets(self) -> None:
-        """Raise ``BucketTooSmallError`` now if ``bucket_mb`` cannot hold the model's largest tensor.
+        """Raise ``BucketTooSmallError`` now if ``bucket_mb`` cannot hold the largest tensor.
 
         Uses the tensor sizes the trainer knows up front, so it runs before any engine is told a
         sync starts: a bad setting leaves every engine serving its current weights.
@@ -305,14 +311,16 @@ class WeightSync:
 
     def _sync_broadcast(self, version: int) -> _Moved:
         self.check_buckets()
-        if self._address is None:
-            self._address = tuple(self.actor.weight_group_address())  # type: ignore[assignment]
+        address = self._address
+        if address is None:
+            host, port = self.actor.weight_group_address()  # a list when it came through Ray
+            address = self._address = (str(host), int(port))
         world = 1 + self.infer.world_size
-        receivers = self.infer.receive_weights_async(self._address, world, self.timeout_s)
+        receivers = self.infer.receive_weights_async(address, world, self.timeout_s)
         sender = self.actor.broadcast_weights_async(
-            self._address,
+            address,
             world,
-            version=version,  # type: ignore[arg-type]
+            version=version,
             bucket_bytes=self.bucket_bytes,
             only_changed=self.only_changed,
             timeout_s=self.timeout_s,
@@ -325,10 +333,8 @@ class WeightSync:
             if isinstance(error.__cause__, BucketTooSmallError):
                 raise error.__cause__ from error
             raise TransportError(
-                f"weight broadcast of version {version} failed ({error}); the engines refuse to generate until a "
-                "complete sync - rerun the sync, or restart the failed worker"
+                f"weight broadcast of version {version} failed ({error}); the engines refuse to "
+                "generate until a complete sync - rerun the sync, or restart the failed worker"
             ) from error
         confirm_versions(served, version)
-        return _Moved(
-            tensors=tensors
-        )  # the broadcast reports a count only (no byte or bucket totals)
+        return _Moved(tensors=tensors)  # the broadcast reports a count only (no bytes or buckets)

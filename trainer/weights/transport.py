@@ -57,7 +57,7 @@ __all__ = [
 
 @dataclass
 class SharedBucket:
-    """A picklable reference to a bucket living in shared memory (CPU) or CUDA IPC memory (GPU)."""
+    """A picklable reference to a bucket in shared memory (CPU) or CUDA IPC memory (GPU)."""
 
     metas: list[TensorMeta]
     index: int
@@ -66,8 +66,8 @@ class SharedBucket:
     cuda_ipc: tuple[Any, tuple[Any, ...]] | None = None
     """``(rebuild_fn, args)`` from ``torch.multiprocessing.reductions.reduce_tensor``."""
     stable: bool = False
-    """The segment stays unchanged until the sync finishes (``SegmentPool``): receivers may hand the
-    engine views of it without copying. Otherwise it is reused once the load call returns."""
+    """The segment stays unchanged until the sync finishes (``SegmentPool``): receivers may hand
+    the engine views of it without copying. Otherwise it is reused once the load call returns."""
 
 
 def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
@@ -94,7 +94,7 @@ def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
 
 
 class SharedSegment:
-    """A reusable POSIX shared-memory segment a sender packs buckets into (no fresh pages per bucket).
+    """A reusable POSIX shared-memory segment a sender packs buckets into (no new pages per bucket).
 
     Writing into new shared memory costs a page fault per 4 KiB; reusing one segment for every
     bucket of every sync pays that once. One bucket at a time: the caller packs the next bucket
@@ -105,9 +105,8 @@ class SharedSegment:
         import atexit
 
         self.segment: Any = None
-        atexit.register(
-            self.close
-        )  # unlink at exit (a killed process leaves it to Python's resource tracker)
+        # unlink at exit (a killed process leaves it to Python's resource tracker)
+        atexit.register(self.close)
 
     def pack(self, named: list[tuple[str, torch.Tensor]], *, index: int = 0) -> SharedBucket:
         """Pack host tensors into the segment (grown when too small); returns the handle to send."""
@@ -144,11 +143,13 @@ def _attach(name: str) -> Any:
     from multiprocessing import resource_tracker, shared_memory
 
     segment = shared_memory.SharedMemory(name=name)
-    if name in _CREATED:  # our own (a receiver thread of the same process): registered once already
+    if name in _CREATED:  # our own (a receiver thread of the same process): registered already
         return segment
+    # ``_name`` (private): the name with its leading "/", as ``SharedMemory`` registered it
+    name_registered = segment._name  # type: ignore[attr-defined]
     try:
-        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-    except Exception:  # noqa: BLE001 - no tracker running: nothing to undo
+        resource_tracker.unregister(name_registered, "shared_memory")
+    except OSError:  # the tracker process is gone: nothing is registered to undo
         pass
     return segment
 
@@ -212,7 +213,7 @@ class SegmentPool:
         return self.mapped[name][1]
 
     def keep_only(self, names: Iterable[str]) -> None:
-        """Unmap segments this process attached that are not in ``names`` (recreated by their owner)."""
+        """Unmap the segments this process attached that are not in ``names`` (recreated since)."""
         keep = set(names)
         for name in [n for n in self.mapped if n not in keep]:
             self._forget(name)
@@ -249,7 +250,10 @@ class SegmentPool:
 def pack_shared(
     named: list[tuple[str, torch.Tensor]], *, index: int = 0, segment: SharedSegment | None = None
 ) -> tuple[SharedBucket, Callable[[], None]]:
-    """A handle to ``named`` packed into shared memory (``segment`` reused if given) or CUDA IPC, and ``release``."""
+    """A handle to ``named`` packed into shared memory or CUDA IPC, and ``release``.
+
+    A given ``segment`` is reused for CPU tensors; otherwise a fresh one is created.
+    """
     from trainer.weights.buckets import pack
 
     if named and named[0][1].is_cuda:
@@ -270,16 +274,23 @@ def open_bucket(handle: SharedBucket) -> tuple[Bucket, Callable[[], None]]:
             buffer = rebuild(*args)
         except RuntimeError as error:
             raise TransportError(
-                f"could not open the CUDA IPC handle of bucket {handle.index} ({error}); both processes must see "
-                "the same GPU (same CUDA_VISIBLE_DEVICES device) and the sender must still be alive"
+                f"could not open the CUDA IPC handle of bucket {handle.index} ({error}); both "
+                "processes must see the same GPU (same CUDA_VISIBLE_DEVICES device) and the sender "
+                "must still be alive"
             ) from error
         return Bucket(buffer, handle.metas, handle.index), lambda: None
+    if handle.shm_name is None:
+        raise TransportError(
+            f"bucket {handle.index}'s handle names neither a CUDA IPC buffer nor a shared-memory "
+            "segment; build handles with share_bucket / pack_shared"
+        )
     try:
-        segment = _attach(handle.shm_name)  # type: ignore[arg-type]
+        segment = _attach(handle.shm_name)
     except FileNotFoundError as error:
         raise TransportError(
-            f"shared-memory segment {handle.shm_name!r} of bucket {handle.index} is gone; the sender released it "
-            "before this engine loaded it (release only after the receiver acknowledges)"
+            f"shared-memory segment {handle.shm_name!r} of bucket {handle.index} is gone; the "
+            "sender released it before this engine loaded it (release only after the receiver "
+            "acknowledges)"
         ) from error
     buffer = torch.frombuffer(segment.buf, dtype=torch.uint8, count=handle.nbytes)
 
@@ -297,7 +308,7 @@ _HEADER_BYTES = 1 << 20  # pickled header (names, shapes) of one bucket; 1 MiB h
 
 
 class BroadcastGroup:
-    """Rank 0 (the trainer) broadcasts buckets to ranks 1..N (inference workers); see the module docstring."""
+    """Rank 0 (the trainer) broadcasts buckets to ranks 1..N (inference workers); module doc."""
 
     def __init__(
         self,
@@ -315,16 +326,23 @@ class BroadcastGroup:
         self.rank, self.world_size, self.device = rank, world_size, device
         timeout = timedelta(seconds=timeout_s)
         try:
-            self.store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
         except (RuntimeError, OSError) as error:
             raise TransportError(
-                f"weight broadcast group rank {rank}/{world_size} could not reach {host}:{port} ({error}); start "
-                "every member with the same host/port and world size within the timeout"
+                f"weight broadcast group rank {rank}/{world_size} could not reach {host}:{port} "
+                f"({error}); start every member with the same host/port and world size within the "
+                "timeout"
             ) from error
+        self.store: dist.TCPStore | None = store
+        # torch's stubs give the backend classes no collectives (``broadcast``, ``allreduce``
+        # exist at run time only), so the group is untyped here
+        self.group: Any
         if device.startswith("cuda"):
-            self.group = dist.ProcessGroupNCCL(self.store, rank, world_size)
+            self.group = dist.ProcessGroupNCCL(
+                store, rank, world_size, dist.ProcessGroupNCCL.Options()
+            )
         else:
-            self.group = dist.ProcessGroupGloo(self.store, rank, world_size, timeout)
+            self.group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
         self._header = torch.zeros(_HEADER_BYTES, dtype=torch.uint8, device=device)
 
     def _broadcast(self, tensor: torch.Tensor) -> None:
@@ -335,13 +353,13 @@ class BroadcastGroup:
         self._collective("weight broadcast", lambda: self.group.broadcast([tensor], options).wait())
 
     def _collective(self, what: str, run: Callable[[], Any]) -> None:
-        """Run one collective of the group; a dead or timed-out member becomes a ``TransportError``."""
+        """Run one collective of the group; a dead or timed-out member is a ``TransportError``."""
         try:
             run()
         except RuntimeError as error:
             raise TransportError(
-                f"{what} failed on rank {self.rank} ({error}); a member of the group died or timed out - "
-                "the engines keep refusing to serve until a complete sync succeeds"
+                f"{what} failed on rank {self.rank} ({error}); a member of the group died or timed "
+                "out - the engines keep refusing to serve until a complete sync succeeds"
             ) from error
 
     def _send_header(self, header: dict[str, Any]) -> None:
@@ -372,7 +390,10 @@ class BroadcastGroup:
         version: int,
         bucket_bytes: int,
     ) -> int:
-        """Rank 0: stream ``weights`` as buckets, then an end marker with ``version``; returns tensors sent."""
+        """Rank 0: stream ``weights`` as buckets, then an end marker with ``version``.
+
+        Returns how many tensors were sent.
+        """
         if self.rank != 0:
             raise TransportError(
                 f"send_weights on rank {self.rank}; only rank 0 (the trainer) sends"
@@ -388,26 +409,27 @@ class BroadcastGroup:
         served = self._min_version(version)
         if served != version:
             raise StaleWeightsError(
-                f"after broadcasting weights version {version}, at least one engine serves {served} (-1: its load "
-                "failed); it refuses to generate until a complete sync - rerun the sync or restart it"
+                f"after broadcasting weights version {version}, at least one engine serves "
+                f"{served} (-1: its load failed); it refuses to generate until a complete sync - "
+                "rerun the sync or restart it"
             )
         return len(names)
 
     def _min_version(self, mine: int) -> int:
-        """All members' served versions, reduced by MIN (the acknowledgement that closes a sync)."""
+        """All members' served versions, reduced by MIN (the acknowledgement closing a sync)."""
         import torch
         import torch.distributed as dist
 
         value = torch.tensor([mine], dtype=torch.long, device=self.device)
         options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.MIN
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
         self._collective(
             "weight sync acknowledgement", lambda: self.group.allreduce([value], options).wait()
         )
         return int(value.item())
 
     def receive(self) -> Iterator[Bucket | dict[str, Any]]:
-        """Ranks 1..N: yield each received ``Bucket``, then the end marker ``{"version", "names"}``."""
+        """Ranks 1..N: yield each received ``Bucket``, then the end marker (version, names)."""
         import torch
 
         while True:
@@ -423,7 +445,10 @@ class BroadcastGroup:
             yield Bucket(buffer, metas, header["index"])
 
     def receive_into(self, engine: VersionedEngine) -> int:
-        """Ranks 1..N: stream one whole sync into ``engine`` (one bucket held at a time); returns its version."""
+        """Ranks 1..N: stream one whole sync into ``engine``, one bucket held at a time.
+
+        Returns the version the engine serves afterwards.
+        """
         end: dict[str, Any] = {}
 
         def buckets() -> Iterator[Bucket]:

@@ -15,10 +15,11 @@ A worker's ``VersionedEngine.weights_version`` is that worker's copy, told by th
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import TYPE_CHECKING, Any, Protocol, overload
 
-from trainer.weights.buckets import Bucket
 from trainer.weights.errors import StaleWeightsError
 
 if TYPE_CHECKING:
@@ -26,9 +27,15 @@ if TYPE_CHECKING:
 
     from trainer.strategies.base import GenerationRequest, GenerationResult
 
-__all__ = ["PolicyVersion", "SharedVersion", "VersionedEngine", "confirm_versions"]
+__all__ = ["PolicyVersion", "SharedVersion", "TensorSource", "VersionedEngine", "confirm_versions"]
 
 _END = object()  # end of a multi-call weight update
+
+
+class TensorSource(Protocol):
+    """What ``VersionedEngine.load`` reads: a ``buckets.Bucket``, or any set of named tensors."""
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class PolicyVersion:
@@ -54,7 +61,7 @@ class PolicyVersion:
 
     @property
     def value(self) -> int:
-        """The version of the weights the engines serve (0: the initial policy, before any update)."""
+        """The version of the weights the engines serve (0: the initial policy, before updates)."""
         return self._value
 
     def advance(self) -> int:
@@ -71,7 +78,7 @@ class PolicyVersion:
 
 
 class SharedVersion:
-    """A ``version`` attribute that is ``self.policy.value`` (``self.policy``: a :class:`PolicyVersion`).
+    """A ``version`` attribute that reads ``self.policy.value`` (a :class:`PolicyVersion`).
 
     For classes that report the run's version as a plain int (engine fronts, the ``WeightSync``)
     without keeping a copy of it. It is read-only: the owner calls ``policy.advance()`` or
@@ -95,34 +102,42 @@ class SharedVersion:
 def _version(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(
-            f"a policy version is a whole number >= 0, got {value!r}; pass the version a checkpoint "
-            "or an engine's get_state() recorded"
+            f"a policy version is a whole number >= 0, got {value!r}; pass the version a "
+            "checkpoint or an engine's get_state() recorded"
         )
     return value
 
 
 class VersionedEngine:
-    """An ``InferenceEngine`` that serves only complete, announced weight versions (see the module docstring)."""
+    """An ``InferenceEngine`` that serves only complete, announced weight versions."""
 
     def __init__(self, engine: Any, *, weights_version: int = 0) -> None:
         self.engine = engine
         self.weights_version: int | None = weights_version
         """The version being served; None during a sync and after a failed one."""
+        self._version_before = 0
+        """The engine's own ``version`` when the running sync began (it must bump it)."""
+        # a sync spread over several calls (``begin`` ... ``finish``); None when none runs
+        self._target: int | None = None
+        self._thread: threading.Thread | None = None
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=2)
+        self._seen: list[str] = []
+        self._error: BaseException | None = None
 
     @property
     def version(self) -> int:
         return self.engine.version
 
     def load(
-        self, buckets: Iterable[Bucket], *, version: int, expected_names: Sequence[str]
+        self, buckets: Iterable[TensorSource], *, version: int, expected_names: Sequence[str]
     ) -> int:
-        """Apply all ``buckets`` as one update; serve ``version`` only if every expected tensor arrived."""
+        """Apply all ``buckets`` as one update; serve ``version`` only if every tensor arrived."""
         return self.load_stream(buckets, lambda: (version, expected_names))
 
     def load_stream(
-        self, buckets: Iterable[Bucket], closing: Callable[[], tuple[int, Sequence[str]]]
+        self, buckets: Iterable[TensorSource], closing: Callable[[], tuple[int, Sequence[str]]]
     ) -> int:
-        """Like ``load``, but the version and names are known only once ``buckets`` is exhausted."""
+        """Like ``load``, but the version and names are known only once ``buckets`` ran out."""
         self.abandon_sync()
         self.weights_version = None
         self._version_before = self.engine.version
@@ -146,16 +161,13 @@ class VersionedEngine:
 
     def begin(self, version: int) -> None:
         """Start an update to ``version``; generation is refused until ``finish`` succeeds."""
-        import queue
-        import threading
-
         self.abandon_sync()
         self.weights_version = None
         self._target = version
-        self._seen: list[str] = []
+        self._seen = []
         self._version_before = self.engine.version
-        self._queue: queue.Queue[Any] = queue.Queue(maxsize=2)
-        self._error: BaseException | None = None
+        self._queue = queue.Queue(maxsize=2)
+        self._error = None
         channel = self._queue
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -167,7 +179,7 @@ class VersionedEngine:
         def run() -> None:
             try:
                 self.engine.update_weights(stream())
-            except BaseException as error:  # handed to the caller in load_part/finish
+            except Exception as error:  # noqa: BLE001 - any failure is re-raised by load_part/finish
                 self._error = error
 
         self._thread = threading.Thread(target=run, name="weight-load", daemon=True)
@@ -180,7 +192,7 @@ class VersionedEngine:
         ``copy=False`` passes them as they are - only for memory that stays unchanged until
         ``finish`` returned (``SharedBucket.stable``), since the engine may read it until then.
         """
-        if getattr(self, "_target", None) is None:
+        if self._target is None:
             raise StaleWeightsError("load_part outside a sync; call begin(version) first")
         items = [(name, tensor.clone() if copy else tensor) for name, tensor in named]
         self._put(items)
@@ -188,8 +200,6 @@ class VersionedEngine:
         return len(items)
 
     def _put(self, item: Any) -> None:
-        import queue
-
         while True:
             self._raise_engine_error()
             try:
@@ -199,37 +209,42 @@ class VersionedEngine:
                 continue
 
     def _raise_engine_error(self) -> None:
-        if self._error is None and self._thread.is_alive():
+        if self._error is None and self._thread is not None and self._thread.is_alive():
             return
         error = self._error or RuntimeError("update_weights returned before the sync ended")
         self._target = None
         raise StaleWeightsError(
-            f"the engine failed while loading weights ({type(error).__name__}: {error}); it refuses to generate "
-            "until a complete sync"
+            f"the engine failed while loading weights ({type(error).__name__}: {error}); it "
+            "refuses to generate until a complete sync"
         ) from error
 
     def finish(self, version: int, expected_names: Sequence[str]) -> int:
-        """Close the update: every announced tensor arrived and the engine took it, else ``StaleWeightsError``."""
-        target = getattr(self, "_target", None)
-        if target != version:
+        """Close the update: every announced tensor arrived and the engine took it.
+
+        Raises ``StaleWeightsError`` otherwise (the engine then keeps refusing to generate).
+        """
+        target, thread = self._target, self._thread
+        if target != version or thread is None:
             self.abandon_sync()
             raise StaleWeightsError(
                 f"finish(version={version}) but the running sync began for version {target}; "
                 "the engine will not serve until a complete sync"
             )
         self._put(_END)
-        self._thread.join()
+        thread.join()
         self._target = None
         if self._error is not None:
             raise StaleWeightsError(
-                f"the engine failed while loading weights version {version} ({type(self._error).__name__}: "
-                f"{self._error}); it refuses to generate until a complete sync"
+                f"the engine failed while loading weights version {version} "
+                f"({type(self._error).__name__}: {self._error}); it refuses to generate until a "
+                "complete sync"
             ) from self._error
         return self._close(version, expected_names, self._seen)
 
     def abandon_sync(self) -> None:
-        """Abandon a running multi-call update (the engine's update fails; nothing is served until a full sync)."""
-        thread = getattr(self, "_thread", None)
+        """Abandon a running multi-call update: the engine's update fails, nothing is served
+        until a full sync."""
+        thread = self._thread
         if thread is not None and thread.is_alive():
             self._queue.put(StaleWeightsError("the weight sync was abandoned"))
             thread.join()
@@ -239,14 +254,17 @@ class VersionedEngine:
     def _close(self, version: int, expected_names: Sequence[str], seen: Sequence[str]) -> int:
         missing = sorted(set(expected_names) - set(seen))
         if missing:
+            more = " ..." if len(missing) > 5 else ""
             raise StaleWeightsError(
-                f"weight sync to version {version} delivered {len(seen)} of {len(expected_names)} tensors (missing "
-                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}); the engine will not serve until a full sync"
+                f"weight sync to version {version} delivered {len(seen)} of "
+                f"{len(expected_names)} tensors (missing {missing[:5]}{more}); the engine will not "
+                "serve until a full sync"
             )
         if seen and self.engine.version == self._version_before:
             raise StaleWeightsError(
-                f"{type(self.engine).__name__}.update_weights did not bump its version ({self._version_before}); "
-                "the engine may not have taken the weights - fix the engine's update_weights"
+                f"{type(self.engine).__name__}.update_weights did not bump its version "
+                f"({self._version_before}); the engine may not have taken the weights - fix the "
+                "engine's update_weights"
             )
         self.weights_version = version
         return version
@@ -255,12 +273,13 @@ class VersionedEngine:
         """The served version; raises ``StaleWeightsError`` if half-updated or not ``expected``."""
         if self.weights_version is None:
             raise StaleWeightsError(
-                "this engine's weights are half-updated (a sync is running or failed); run a complete weight sync "
-                "before generating"
+                "this engine's weights are half-updated (a sync is running or failed); run a "
+                "complete weight sync before generating"
             )
         if expected is not None and self.weights_version != expected:
             raise StaleWeightsError(
-                f"engine serves weights version {self.weights_version}, the trainer is at {expected}"
+                f"engine serves weights version {self.weights_version}, "
+                f"the trainer is at {expected}"
             )
         return self.weights_version
 
@@ -271,7 +290,10 @@ class VersionedEngine:
         return result
 
     def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """The engine's synchronous batch call, refused while half-updated; results carry ``weights_version``."""
+        """The engine's blocking batch call, refused while half-updated.
+
+        Results carry ``weights_version`` as their ``policy_version``.
+        """
         version = self.check()
         results = self.engine.generate_batch(requests)
         for result in results:
@@ -291,7 +313,7 @@ class VersionedEngine:
         """Direct (unbucketed) update: announced as one version higher than the served one."""
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
         self.load(
-            [_single_bucket(items)],
+            [_NamedTensors(items)],
             version=(self.weights_version or 0) + 1,
             expected_names=[name for name, _ in items],
         )
@@ -310,22 +332,24 @@ class VersionedEngine:
         self.weights_version = state.get("weights_version", self.weights_version)
 
 
-class _ListBucket(Bucket):
+class _NamedTensors:
+    """A direct update's tensors as one :class:`TensorSource`."""
+
+    def __init__(self, items: list[tuple[str, torch.Tensor]]) -> None:
+        self.items = items
+
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from self.items  # type: ignore[attr-defined]
-
-
-def _single_bucket(items: list[tuple[str, torch.Tensor]]) -> Bucket:
-    bucket = _ListBucket(buffer=None, metas=[], index=0)  # type: ignore[arg-type]
-    bucket.items = items  # type: ignore[attr-defined]
-    return bucket
+        yield from self.items
 
 
 def confirm_versions(versions: Sequence[int | None], expected: int) -> None:
-    """The trainer's check after a sync: every engine serves ``expected``, or ``StaleWeightsError`` says which not."""
+    """The trainer's check after a sync: every engine serves ``expected``.
+
+    Otherwise ``StaleWeightsError`` names the engines that do not, and what they serve.
+    """
     bad = [(i, v) for i, v in enumerate(versions) if v != expected]
     if bad:
         raise StaleWeightsError(
-            f"after syncing version {expected}, engines {[i for i, _ in bad]} serve {[v for _, v in bad]} "
-            "(None: half-updated); rerun the sync, or restart those engines"
+            f"after syncing version {expected}, engines {[i for i, _ in bad]} serve "
+            f"{[v for _, v in bad]} (None: half-updated); rerun the sync, or restart those engines"
         )

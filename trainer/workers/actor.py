@@ -26,6 +26,7 @@ from trainer.controller.batch import Batch
 from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
+from trainer.errors import WorkerCallError
 from trainer.strategies.base import ForwardOutput, LossFn, TrainOptions, TrainStrategy
 from trainer.strategies.registry import make_train_strategy
 from trainer.weights.sender import WeightSender, WeightSenderCluster
@@ -50,7 +51,8 @@ that sampled each token, multiplied into the per-token policy loss (see ``Agenti
 
 
 def residency_history(strategy: TrainStrategy | None) -> list[tuple[str, str, bool, str]]:
-    """A strategy's offload/reload transitions (``trainer.strategies.offload``), plain tuples for RPC."""
+    """A strategy's offload/reload transitions (``trainer.strategies.offload``), as plain tuples
+    for RPC."""
     if strategy is None:
         return []
     return [(e.action, e.state, e.moved, e.reason) for e in strategy.residency.history]
@@ -62,13 +64,13 @@ def ppo_loss_fn(loss: LossConfig) -> LossFn:
     Every term (policy loss with IS weights, KL to the reference, entropy bonus) is aggregated
     with ``agg_mode`` over this micro-batch; ``compute.agg_mode`` tells the strategy how to weigh
     micro-batches so that the mean is over the whole step (``trainer.algos.losses``)."""
-    from trainer.algos.losses import aggregate, kl_estimate, policy_loss
+    from trainer.algos.losses import PolicyLossKind, aggregate, kl_estimate, policy_loss
 
     def compute(
         out: ForwardOutput, mb: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"]
-        kind = "gspo" if loss.gspo else "ppo"
+        kind: PolicyLossKind = "gspo" if loss.gspo else "ppo"
         per_token, clipped = policy_loss(
             kind,
             out.logprobs,
@@ -79,9 +81,7 @@ def ppo_loss_fn(loss: LossConfig) -> LossFn:
             loss.clip_high,
             loss.dual_clip,
         )
-        if (
-            "is_weights" in mb
-        ):  # off-policy (async) tokens: truncated importance-sampling correction
+        if "is_weights" in mb:  # off-policy (async) tokens: truncated importance sampling
             per_token = per_token * mb["is_weights"]
         total = aggregate(per_token, mask, loss.agg_mode)
         metrics = {
@@ -107,7 +107,8 @@ def ppo_loss_fn(loss: LossConfig) -> LossFn:
                 total = total - loss.entropy_coef * entropy
         return total, metrics
 
-    compute.agg_mode = loss.agg_mode  # type: ignore[attr-defined]  # the strategy weighs micro-batches by it
+    # LossFn's optional attribute (trainer.strategies.base): how the strategy weighs micro-batches
+    compute.agg_mode = loss.agg_mode  # type: ignore[attr-defined]  # a function has no such field
     return compute
 
 
@@ -148,7 +149,8 @@ class ActorWorker(WeightSender, StrategyWorker):
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def setup(self) -> None:
-        """Load the policy and build the strategy (a collective for sharded strategies); idempotent."""
+        """Load the policy and build the strategy (a collective for sharded strategies);
+        idempotent."""
         if self._strategy is not None:
             return
         import torch
@@ -201,7 +203,8 @@ class ActorWorker(WeightSender, StrategyWorker):
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Every rank loads the full state; ``rng`` may be one state per rank (this rank takes its own)."""
+        """Every rank loads the full state; ``rng`` may be one state per rank (this rank takes
+        its own)."""
         from trainer.checkpoint import restore_rng
 
         self.strategy.load_state_dict(state)
@@ -234,8 +237,8 @@ class ActorCluster(WeightSenderCluster, StrategyCluster):
         if not self._closed:
             try:
                 self.close_weight_sync()
-            except Exception:  # noqa: BLE001 - a dead worker has nothing left to free
-                pass
+            except WorkerCallError:
+                pass  # a worker that died or failed here has nothing left to free
         super().shutdown()
 
     compute_logprobs = remote(ActorWorker.compute_logprobs)

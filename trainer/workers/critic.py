@@ -20,7 +20,7 @@ from trainer.controller.batch import Batch
 from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
-from trainer.strategies.base import ForwardOutput, TrainOptions
+from trainer.strategies.base import ForwardOutput, LossFn, TrainOptions
 from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
 
 if TYPE_CHECKING:
@@ -58,13 +58,24 @@ def build_value_model(model_path: str, dtype: str = "float32") -> Any:
 ValueModel = build_value_model  # the class is built lazily (torch import); this is its factory
 
 
-def value_loss_fn(clip: float | None):
+def _values(out: ForwardOutput) -> torch.Tensor:
+    """The value head's output, which a strategy built with ``kind="value"`` must return."""
+    if out.values is None:
+        raise RuntimeError(
+            "the critic's strategy returned no values; a strategy built with kind='value' must "
+            "fill ForwardOutput.values (trainer.strategies.base)"
+        )
+    return out.values
+
+
+def value_loss_fn(clip: float | None) -> LossFn:
+    """The clipped value loss closure for ``strategy.train_step`` (``clip``: None disables)."""
     from trainer.algos.losses import aggregate, value_loss
 
     def compute(
         out: ForwardOutput, mb: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        per_token = value_loss(out.values, mb["values"], mb["returns"], clip)
+        per_token = value_loss(_values(out), mb["values"], mb["returns"], clip)
         loss = aggregate(per_token, mb["response_mask"], "token-mean")
         return loss, {"critic/value_loss": float(loss.detach())}
 
@@ -93,7 +104,8 @@ class CriticWorker(StrategyWorker):
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def setup(self) -> None:
-        """Build the value model and its strategy (a collective for sharded strategies); idempotent."""
+        """Build the value model and its strategy (a collective for sharded strategies);
+        idempotent."""
         if self._strategy is not None:
             return
         import torch
@@ -113,7 +125,7 @@ class CriticWorker(StrategyWorker):
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_values(self, batch: Batch) -> Batch:
         out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
-        return Batch({"values": out.values * batch["response_mask"]})
+        return Batch({"values": _values(out) * batch["response_mask"]})
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.MEAN)
     def train_step(self, batch: Batch) -> dict[str, float]:

@@ -141,7 +141,8 @@ class InferWorker(WeightReceiver, Worker):
         return getattr(self.engine, "engine", self.engine)
 
     def _served_version(self) -> int | None:
-        """The weight version a ``VersionedEngine`` serves (raises while half-updated); None without one."""
+        """The weight version a ``VersionedEngine`` serves (raises while half-updated); None
+        without one."""
         check = getattr(type(self.engine), "check", None)
         return check(self.engine) if check is not None else None
 
@@ -173,9 +174,8 @@ class InferCluster(WeightReceiverCluster, Cluster):
 
     worker_cls = InferWorker
     ray_concurrency_groups: ClassVar[dict[str, int]] = {"abort": 1}
-    ray_method_groups: ClassVar[dict[str, str]] = {
-        "abort_requests": "abort"
-    }  # runs while a batch is in flight
+    # abort_requests runs while a batch is in flight
+    ray_method_groups: ClassVar[dict[str, str]] = {"abort_requests": "abort"}
 
     update_weights = remote(InferWorker.update_weights)
     get_state = remote(InferWorker.get_state, per_rank=True)
@@ -189,9 +189,10 @@ class InferCluster(WeightReceiverCluster, Cluster):
         return (await self._on_rank(rank, "generate_requests", requests))[0]
 
     def abort_on(self, rank: int, request_ids: list[str]) -> CallFuture[None] | None:
-        """Abort requests sent to ``rank``, also inside its running batch (``InferWorker.abort_requests``).
-        In-process workers get it at once, from this thread; a Ray actor runs it in its ``abort``
-        concurrency group, alongside the batch (returns that call's future)."""
+        """Abort requests sent to ``rank``, also inside its running batch
+        (``InferWorker.abort_requests``). In-process workers get it at once, from this thread; a
+        Ray actor runs it in its ``abort`` concurrency group, alongside the batch (returns that
+        call's future)."""
         if self.backend == "local":
             self._workers[rank].abort_requests(request_ids)
             return None
@@ -200,7 +201,7 @@ class InferCluster(WeightReceiverCluster, Cluster):
     def rank_engines(
         self, *, max_batch_size: int = 512, policy: PolicyVersion | None = None
     ) -> list[RankEngine]:
-        """One ``InferenceEngine`` per rank, for ``trainer.rollout.router.EngineRouter``; they all
+        """One ``RolloutEngine`` per rank, for ``trainer.rollout.router.EngineRouter``; they all
         report ``policy`` (the run's ``WeightSync.policy``) as their version."""
         policy = policy if policy is not None else PolicyVersion()
         return [
@@ -215,8 +216,9 @@ class InferCluster(WeightReceiverCluster, Cluster):
 
 
 class RankEngine(BatchingFrontend):
-    """``InferenceEngine`` in the driver for ONE rank of an ``InferCluster``: requests queued
-    here run as batches on that rank; ``abort`` also reaches a batch already running there."""
+    """``RolloutEngine`` (``trainer.rollout.router``) in the driver for ONE rank of an
+    ``InferCluster``: requests queued here run as batches on that rank; ``abort`` also reaches
+    a batch already running there."""
 
     def __init__(
         self,
@@ -245,18 +247,11 @@ class RankEngine(BatchingFrontend):
     def update_weights(self, weights: Weights) -> None:
         """This rank only (a run's weight sync updates every rank at once instead). The version
         is the caller's to advance (``EngineRouter.update_weights``): the ranks share one."""
-        self.cluster._on_rank(
-            self.rank,
-            "update_weights",
-            dict(
-                weights.items()
-                if hasattr(weights, "items")  # type: ignore[union-attr]
-                else weights
-            ),
-        ).result()
+        self.cluster._on_rank(self.rank, "update_weights", dict(weights)).result()
 
     def sleep(self) -> None:
-        """Colocated memory release is cluster-wide (``InferCluster.offload``, by ``trainer.devices.Colocation``)."""
+        """Colocated memory release is cluster-wide (``InferCluster.offload``, called by
+        ``trainer.devices.Colocation``)."""
 
     def wake_up(self) -> None:
         """See ``sleep``."""

@@ -40,7 +40,8 @@ class ReferenceWorker(StrategyWorker):
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def setup(self) -> None:
-        """Load the policy and build the frozen strategy (a collective for sharded strategies); idempotent."""
+        """Load the policy and build the frozen strategy (a collective for sharded strategies);
+        idempotent."""
         if self._strategy is not None:
             return
         from trainer.models import load_policy
@@ -63,8 +64,8 @@ class ReferenceWorker(StrategyWorker):
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def load_weights(self, weights: dict[str, Any]) -> None:
-        """Replace the reference (e.g. with the SFT warm-start result before RL begins); every rank gets
-        the full tensors and keeps its own shard."""
+        """Replace the reference (e.g. with the SFT warm-start result before RL begins); every
+        rank gets the full tensors and keeps its own shard."""
         self.strategy.load_state_dict({"model": weights})
 
 

@@ -10,7 +10,7 @@ before use (moves are tracked no-ops on CPU; ``trainer.strategies.offload``).
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 from trainer.config import RoleConfig
 from trainer.controller.cluster import Cluster, remote
@@ -24,7 +24,8 @@ __all__ = ["StrategyCluster", "StrategyWorker", "offload_flags"]
 
 
 def _sharded(name: str | None) -> bool:
-    """Whether ranks of strategy ``name`` build their shards together (a collective), one process per rank."""
+    """Whether ranks of strategy ``name`` build their shards together (a collective), one
+    process per rank."""
     spec = TRAIN_STRATEGIES.get(name or "hf")
     return spec is not None and spec.sharded
 
@@ -35,7 +36,8 @@ def offload_flags(config: RoleConfig) -> dict[str, bool]:
 
 
 class StrategyWorker(Worker):
-    """A worker holding one strategy; subclasses implement a ``@register``-ed ``setup()`` that builds it."""
+    """A worker holding one strategy; subclasses implement a ``@register``-ed ``setup()`` that
+    builds it."""
 
     def __init__(self, ctx: WorkerContext, config: RoleConfig | None = None) -> None:
         super().__init__(ctx, config)
@@ -49,7 +51,8 @@ class StrategyWorker(Worker):
         raise NotImplementedError(f"{type(self).__name__} must implement setup()")
 
     def _setup_unless_collective(self) -> None:
-        """Build now when there is nothing to rendezvous with; otherwise the driver calls ``setup()``."""
+        """Build now when there is nothing to rendezvous with; otherwise the driver calls
+        ``setup()``."""
         if self.world_size == 1 or not _sharded(self.config.strategy):
             self.setup()
 
@@ -57,13 +60,15 @@ class StrategyWorker(Worker):
     def strategy(self) -> TrainStrategy:
         if self._strategy is None:
             raise RuntimeError(
-                f"{self.role} rank {self.rank}: the strategy is not built; call setup() on all ranks"
+                f"{self.role} rank {self.rank}: the strategy is not built; call setup() on all "
+                "ranks"
             )
         return self._strategy
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def get_weights(self) -> dict[str, Any]:
-        """Collective: the full HF-named CPU tensors (rank 0's answer is the result; others return {})."""
+        """Collective: the full HF-named CPU tensors (rank 0's answer is the result; the other
+        ranks return {})."""
         weights: dict[str, Any] = {}
         for name, tensor in self.strategy.full_weights():  # every rank takes part in each gather
             if self.rank == 0:
@@ -71,7 +76,8 @@ class StrategyWorker(Worker):
         return weights
 
     def offload(self) -> None:
-        """Colocation: offload what ``roles.<role>.offload_params/offload_optimizer`` say (no-op moves on CPU)."""
+        """Colocation: offload what ``roles.<role>.offload_params/offload_optimizer`` say
+        (no-op moves on CPU)."""
         if self._strategy is not None:
             self.strategy.offload(**offload_flags(self.config))
         super().offload()
@@ -86,12 +92,13 @@ class StrategyCluster(Cluster):
     """A cluster of ``StrategyWorker``: building it calls ``setup`` on every rank at once (sharded
     strategies join their process group there); a failed build stops the workers it started."""
 
-    worker_cls: ClassVar[type[Worker]] = StrategyWorker
+    worker_cls: type[Worker] = StrategyWorker
     get_weights = remote(StrategyWorker.get_weights)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        try:  # by name: each concrete worker registers its own setup(), StrategyWorker's is abstract
+        # by name: each concrete worker registers its own setup(); StrategyWorker's is abstract
+        try:
             self._call("setup")
         except BaseException:
             self.shutdown()
