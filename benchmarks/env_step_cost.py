@@ -38,7 +38,8 @@ def measure(env_id: str, steps: int) -> dict[str, float] | None:
         env = envhub.make(env_id)
         env.reset(seed=0)
         env.step(env.expert_action())
-    except Exception as exc:  # a missing component (no Chromium): skip this env
+    # a missing component: no Chromium or sandbox (RuntimeErrors), no extra installed
+    except (RuntimeError, ImportError, OSError) as exc:
         print(f"{env_id:24} skipped: {type(exc).__name__}: {str(exc)[:80]}")
         return None
     step_times, reset_times, seed = [], [], 1
@@ -66,8 +67,8 @@ def measure(env_id: str, steps: int) -> dict[str, float] | None:
         "reset_median_ms": statistics.median(reset_times) * 1e3,
     }
     print(
-        f"{env_id:24} step median {row['step_median_ms']:8.1f} ms  p90 {row['step_p90_ms']:8.1f} ms  "
-        f"{row['steps_per_s']:8.1f} steps/s  reset median {row['reset_median_ms']:8.1f} ms"
+        f"{env_id:24} step median {row['step_median_ms']:8.1f} ms  p90 {row['step_p90_ms']:8.1f} "
+        f"ms  {row['steps_per_s']:8.1f} steps/s  reset median {row['reset_median_ms']:8.1f} ms"
     )
     return row
 

@@ -1,4 +1,4 @@
-"""Hub throughput: steps/s and step latency over WebSocket sessions, side by side with the stack's limit and OpenEnv.
+"""Hub throughput: steps/s and step latency over WebSocket sessions, beside the stack and OpenEnv.
 
 Why: trainers step thousands of episodes through the hub at once; the hub must add little
 on top of the web stack it runs on. In one run (this machine's CPU share varies, so only
@@ -13,12 +13,13 @@ arrives), at 1, 64, 256 and 1,000 concurrent sessions:
                     serving an equivalent echo env, ``max_concurrent_envs`` raised to fit;
 * ``gymnasium AsyncVectorEnv`` (8 no-op envs, local, no network) for scale.
 
-Every server runs in its own process; the same load generator (``--clients`` processes,
-asyncio + uvloop + the ``websockets`` client) drives all of them. Server CPU is the server process
-plus its children (workers), in cores; RSS is their sum at the end. Each point gets a fresh
-server process.
+Every server runs in its own process (the servers are in throughput_servers.py); the same load
+generator (``--clients`` processes, asyncio + uvloop + the ``websockets`` client) drives all of
+them. Server CPU is the server process plus its children (workers), in cores; RSS is their sum
+at the end. Each point gets a fresh server process.
 
-    python benchmarks/hub_throughput.py [--seconds 4] [--sessions 1,64,256,1000] [--clients 2] [--skip-openenv]
+    python benchmarks/hub_throughput.py [--seconds 4] [--sessions 1,64,256,1000] [--clients 2]
+        [--skip-openenv]
 
 Last line: ``hub_vs_openenv_1000: X x`` (hub no-op steps/s over OpenEnv's at 1,000 sessions).
 """
@@ -27,96 +28,42 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import signal
-import socket
-import subprocess
+import queue
 import sys
-import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import orjson
+from throughput_servers import (
+    OPENENV_SERVER,
+    OPENENV_VENV,
+    TOKEN,
+    NoopEnv,
+    Server,
+    cpu_seconds,
+    openenv_python,
+    rss_mib,
+    serve_bare,
+    serve_hub,
+    start_server,
+)
+from websockets.exceptions import WebSocketException
 
-from envhub.core import TextEnv, Turn
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-TOKEN = "bench-token-0123456789"
 CLIENTS = 2
 """Load-generator processes (set by --clients): one Python client cannot saturate a server."""
-OPENENV_VENV = Path(tempfile.gettempdir()) / "envhub-bench-openenv-venv"
 
-
-# ---------------------------------------------------------------------- the env served
-class NoopEnv(TextEnv):
-    """Answers every action with "ok": measures the hub, not an env."""
-
-    def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        return "ok", {}
-
-    def on_step(self, action: str) -> Turn:
-        return Turn("ok")
-
-
-# ---------------------------------------------------------------------- servers (subprocess modes)
-def serve_hub(port: int, env: str, backend: str) -> None:
-    import envhub
-    from envhub.server.cli import run
-    from envhub.server.config import HubConfig
-
-    sys.path.insert(0, str(HERE))
-    envhub.register("bench/noop-v0", "hub_throughput:NoopEnv", max_turns=10**9)
-    config = HubConfig(
-        envs=[env],
-        workers=2,
-        backend=backend,
-        token=TOKEN,
-        max_sessions=4096,
-        max_sessions_per_client=4096,
-    )
-    run(config, port=port)
-
-
-def serve_bare(port: int) -> None:
-    import uvicorn
-    from fastapi import FastAPI
-
-    app = FastAPI()
-    answer = b'{"terminated":false,"truncated":false,"reward":0.0,"observation":[{"role":"user","content":"ok"}],"info":{"turn":1,"success":false,"invalid_action":false}}'
-
-    async def ws(websocket: Any) -> None:
-        await websocket.accept()
-        try:
-            while True:
-                message = orjson.loads(await websocket.receive_text())
-                await websocket.send_text(
-                    b"".join(
-                        (
-                            b'{"type":"step_result","seq":',
-                            str(message.get("seq", 0)).encode(),
-                            b',"result":',
-                            answer,
-                            b"}",
-                        )
-                    ).decode()
-                )
-        except Exception:
-            return
-
-    app.router.add_websocket_route("/ws", ws)
-    uvicorn.run(
-        app,
-        host="127.0.0.1",
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        ws="websockets-sansio",
-        ws_per_message_deflate=False,
-        log_level="error",
-        backlog=4096,
-    )
+SERVER_FAILURES = (
+    RuntimeError,  # a refused session or step, a server that exited
+    OSError,  # connection refused or reset, timeouts
+    ValueError,  # an answer that is not JSON
+    WebSocketException,  # a failed handshake, a closed connection
+    queue.Empty,  # a load-generator process gave no result
+    threading.BrokenBarrierError,  # a load-generator process failed before the window
+)
+"""What a failing server makes ``load`` raise; ``measure`` records it and goes on."""
 
 
 # ---------------------------------------------------------------------- load generator
@@ -124,13 +71,13 @@ class Protocol:
     """How one kind of server is spoken to: URL, headers, session start, a step frame."""
 
     path = "/ws"
-    headers: dict[str, str] = {}
+    headers: ClassVar[dict[str, str]] = {}
 
     async def start(self, ws: Any) -> None:
         pass
 
     def step(self, seq: int) -> str:
-        return '{"type":"step","seq":%d,"action":"x"}' % seq
+        return f'{{"type":"step","seq":{seq},"action":"x"}}'
 
     def done(self, reply: dict[str, Any]) -> bool:
         return False
@@ -141,10 +88,10 @@ class Protocol:
 
 class HubProtocol(Protocol):
     path = "/v1/session"
+    headers: ClassVar[dict[str, str]] = {"Authorization": f"Bearer {TOKEN}"}
 
     def __init__(self, env: str, action: str) -> None:
         self.env, self.action = env, action
-        self.headers = {"Authorization": f"Bearer {TOKEN}"}
 
     async def start(self, ws: Any) -> None:
         await ws.send(orjson.dumps({"type": "hello", "env": self.env}).decode())
@@ -154,13 +101,13 @@ class HubProtocol(Protocol):
         await self.reset(ws, 1)
 
     async def reset(self, ws: Any, seq: int) -> None:
-        await ws.send('{"type":"reset","seq":%d,"seed":%d}' % (seq, seq))
+        await ws.send(f'{{"type":"reset","seq":{seq},"seed":{seq}}}')
         reply = orjson.loads(await ws.recv())
         if reply["type"] != "reset_result":
             raise RuntimeError(f"reset failed: {reply}")
 
     def step(self, seq: int) -> str:
-        return '{"type":"step","seq":%d,"action":"%s"}' % (seq, self.action)
+        return f'{{"type":"step","seq":{seq},"action":"{self.action}"}}'
 
     def done(self, reply: dict[str, Any]) -> bool:
         result = reply.get("result")
@@ -172,7 +119,8 @@ class HubProtocol(Protocol):
 async def drive(
     port: int, protocol: Protocol, sessions: int, warmup: float, seconds: float, barrier: Any
 ) -> tuple[int, list[float]]:
-    """One load-generator process: ``sessions`` connections, closed loop; steps and latencies in the window."""
+    """One load-generator process: ``sessions`` connections, closed loop; the steps and their
+    latencies in the measuring window."""
     from websockets.asyncio.client import connect
 
     url = f"ws://127.0.0.1:{port}{protocol.path}"
@@ -223,9 +171,8 @@ async def drive(
         for task in done:
             task.result()  # raise the session's error
         raise RuntimeError("sessions did not connect in time")
-    await asyncio.get_running_loop().run_in_executor(
-        None, barrier.wait, 600
-    )  # all clients connected
+    # until every load-generator process has connected its sessions
+    await asyncio.get_running_loop().run_in_executor(None, barrier.wait, 600)
     await asyncio.sleep(warmup)
     measuring["on"] = True
     await asyncio.sleep(seconds)
@@ -302,89 +249,23 @@ def load(
     }
 
 
-# ---------------------------------------------------------------------- process accounting
-def family(pid: int) -> list[int]:
-    """``pid`` and all its descendants."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int(
-                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
-                )
-            except (OSError, ValueError, IndexError):
-                pass
-    found, grew = {pid}, True
-    while grew:
-        grew = False
-        for child, parent in parents.items():
-            if parent in found and child not in found:
-                found.add(child)
-                grew = True
-    return sorted(found)
+class OpenEnvProtocol(Protocol):
+    async def start(self, ws: Any) -> None:
+        await self.reset(ws, 0)
 
+    async def reset(self, ws: Any, seq: int) -> None:
+        await ws.send('{"type":"reset","data":{}}')
+        reply = orjson.loads(await ws.recv())
+        if reply.get("type") != "observation":
+            raise RuntimeError(f"OpenEnv reset failed: {reply}")
 
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
+    def step(self, seq: int) -> str:
+        return '{"type":"step","data":{"message":"x"}}'
 
-
-def rss_mib(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        try:
-            total += int(Path(f"/proc/{pid}/statm").read_text().split()[1])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server subprocess, waited for until its port accepts connections."""
-
-    def __init__(self, command: list[str], port: int, env: dict[str, str] | None = None) -> None:
-        self.port = port
-        self.proc = subprocess.Popen(
-            command,
-            cwd=ROOT,
-            env={**os.environ, **(env or {})},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{' '.join(command)} exited: {self.proc.stderr.read().decode()[-3000:]}"
-                )  # type: ignore[union-attr]
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                    break
-            except OSError:
-                time.sleep(0.2)
-        time.sleep(1.0)  # let workers finish starting
-        self.pids = family(self.proc.pid)
-
-    def stop(self) -> None:
-        for pid in reversed(family(self.proc.pid)):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait(10)
+    def done(self, reply: dict[str, Any]) -> bool:
+        if reply.get("type") != "observation":
+            raise RuntimeError(f"OpenEnv step failed: {reply}")
+        return False
 
 
 # ---------------------------------------------------------------------- Gymnasium, locally
@@ -412,7 +293,7 @@ def gymnasium_async_vector_rate(seconds: float, num_envs: int = 8) -> float:
 # ---------------------------------------------------------------------- main
 def measure(
     name: str,
-    start: Any,
+    start: Callable[[], Server],
     protocol: Protocol,
     sessions: list[int],
     seconds: float,
@@ -427,7 +308,7 @@ def measure(
         server = start()
         try:
             result = load(server.port, protocol, count, seconds, server.pids, CLIENTS)
-        except Exception as exc:  # record it and go on: one failing server must not lose the run
+        except SERVER_FAILURES as exc:  # one failing server must not lose the run: record it
             print(f"{name:14} {count:>6} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
             nan = float("nan")
             result = {
@@ -442,7 +323,8 @@ def measure(
         row = {"server": name, "sessions": count, **result}
         rows.append(row)
         print(
-            f"{name:14} {count:>6} {row['steps_per_s']:>10,.0f} {row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} {row['cpu_cores']:>6.2f} {row['rss_mib']:>8.0f}",
+            f"{name:14} {count:>6} {row['steps_per_s']:>10,.0f} {row['p50_ms']:>8.2f} "
+            f"{row['p99_ms']:>8.2f} {row['cpu_cores']:>6.2f} {row['rss_mib']:>8.0f}",
             flush=True,
         )
 
@@ -479,7 +361,8 @@ def main() -> None:
     me = [sys.executable, str(Path(__file__).resolve()), "--serve"]
     rows: list[dict[str, Any]] = []
     print(
-        f"{'server':14} {'sess':>6} {'steps/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'cpu':>6} {'rss MiB':>8}",
+        f"{'server':14} {'sess':>6} {'steps/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'cpu':>6} "
+        f"{'rss MiB':>8}",
         flush=True,
     )
     chosen = set(args.servers.split(","))
@@ -503,7 +386,7 @@ def main() -> None:
         if key in chosen:
             measure(
                 name,
-                lambda serve=serve: _start([*me, serve[0], "{port}", *serve[1:]]),
+                lambda serve=serve: start_server([*me, serve[0], "{port}", *serve[1:]]),
                 protocol,
                 sessions,
                 args.seconds,
@@ -521,9 +404,8 @@ def main() -> None:
     for name in ("bare", "hub noop inl"):
         other = by.get((name, top))
         if other is not None:
-            print(
-                f"hub_vs_{name.replace(' ', '_')}_{top}: {hub['steps_per_s'] / other['steps_per_s']:.2f} x"
-            )
+            ratio = hub["steps_per_s"] / other["steps_per_s"]
+            print(f"hub_vs_{name.replace(' ', '_')}_{top}: {ratio:.2f} x")
     cpu_us = {
         name: 1e6 * r["cpu_cores"] / r["steps_per_s"]
         for (name, count), r in by.items()
@@ -536,81 +418,8 @@ def main() -> None:
     if ("hub noop", 64) in by:
         print(f"hub_p99_ms_64: {by[('hub noop', 64)]['p99_ms']:.2f} ms")
     if ("openenv", top) in by:
-        print(
-            f"hub_vs_openenv_{top}: {hub['steps_per_s'] / by[('openenv', top)]['steps_per_s']:.2f} x"
-        )
-
-
-OPENENV_SERVER = """
-import sys
-import uvicorn
-from openenv.core.env_server.http_server import create_app
-from openenv.core.env_server.interfaces import Environment
-from openenv.core.env_server.types import Action, Observation, State
-
-
-class EchoAction(Action):
-    message: str
-
-
-class EchoObservation(Observation):
-    echoed_message: str
-
-
-class EchoEnvironment(Environment):
-    SUPPORTS_CONCURRENT_SESSIONS = True
-
-    def __init__(self):
-        super().__init__()
-        self._state = State(step_count=0)
-
-    def reset(self, seed=None, episode_id=None, **kwargs):
-        self._state = State(step_count=0)
-        return EchoObservation(echoed_message="ok", done=False, reward=0.0)
-
-    def step(self, action, timeout_s=None, **kwargs):
-        self._state.step_count += 1
-        return EchoObservation(echoed_message=action.message, done=False, reward=0.0)
-
-    @property
-    def state(self):
-        return self._state
-
-
-app = create_app(EchoEnvironment, EchoAction, EchoObservation, max_concurrent_envs=4096)
-uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="error", backlog=4096)
-"""
-
-
-class OpenEnvProtocol(Protocol):
-    async def start(self, ws: Any) -> None:
-        await self.reset(ws, 0)
-
-    async def reset(self, ws: Any, seq: int) -> None:
-        await ws.send('{"type":"reset","data":{}}')
-        reply = orjson.loads(await ws.recv())
-        if reply.get("type") != "observation":
-            raise RuntimeError(f"OpenEnv reset failed: {reply}")
-
-    def step(self, seq: int) -> str:
-        return '{"type":"step","data":{"message":"x"}}'
-
-    def done(self, reply: dict[str, Any]) -> bool:
-        if reply.get("type") != "observation":
-            raise RuntimeError(f"OpenEnv step failed: {reply}")
-        return False
-
-
-def openenv_python(venv: Path) -> Path:
-    """The temp venv holding ``openenv-core`` (created on first use, kept for reruns)."""
-    python = venv / "bin" / "python"
-    if not python.exists():
-        print(f"installing openenv-core into {venv} (once) ...", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "openenv-core", "uvloop"], check=True
-        )
-    return python
+        ratio = hub["steps_per_s"] / by[("openenv", top)]["steps_per_s"]
+        print(f"hub_vs_openenv_{top}: {ratio:.2f} x")
 
 
 def from_openenv(
@@ -621,17 +430,14 @@ def from_openenv(
     script.write_text(OPENENV_SERVER)
     measure(
         "openenv",
-        lambda: _start([str(python), str(script), "{port}"], env={"ENABLE_WEB_INTERFACE": "false"}),
+        lambda: start_server(
+            [str(python), str(script), "{port}"], env={"ENABLE_WEB_INTERFACE": "false"}
+        ),
         OpenEnvProtocol(),
         sessions,
         seconds,
         rows,
     )
-
-
-def _start(command: list[str], env: dict[str, str] | None = None) -> Server:
-    port = free_port()
-    return Server([part.replace("{port}", str(port)) for part in command], port, env=env)
 
 
 if __name__ == "__main__":

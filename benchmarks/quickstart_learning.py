@@ -7,7 +7,8 @@ load average; copies the first run's reward curve to benchmarks/quickstart_learn
 Last line: ``quickstart_eval_success: X`` (the final evaluation, greedy, fixed eval maps;
 the mean over seeds when several are run).
 
-    python benchmarks/quickstart_learning.py [--seeds 0 1 2] [--mode batch|sync|async] [a.b=value ...]
+    python benchmarks/quickstart_learning.py [--seeds 0 1 2] [--mode batch|sync|async]
+        [a.b=value ...]
 
 ``--mode`` sets ``rollout.mode`` (``async``: rollouts continue while the trainer trains, within
 ``rollout.max_staleness``), so one command compares the rollout modes on the same seeds.
@@ -31,7 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_learning(config: str, seed: int, overrides: list[str], out: Path) -> dict[str, Any]:
-    """Run ``envhub train config seed=... output_dir=out``; print its evaluations; return a summary."""
+    """Run ``envhub train config seed=... output_dir=out``; print its evaluations; return a
+    summary."""
     shutil.rmtree(out, ignore_errors=True)
     load_before = os.getloadavg()[0]
     started = time.monotonic()
@@ -59,8 +61,8 @@ def run_learning(config: str, seed: int, overrides: list[str], out: Path) -> dic
         for k in ("timing/rollout_s", "timing/train_s", "timing/eval_s")
     }
     print(
-        f"\n== {config} seed={seed}: load average before {load_before:.1f}, after {os.getloadavg()[0]:.1f} "
-        f"({os.cpu_count()} CPUs)"
+        f"\n== {config} seed={seed}: load average before {load_before:.1f}, after "
+        f"{os.getloadavg()[0]:.1f} ({os.cpu_count()} CPUs)"
     )
     print("step  time_s  eval/success")
     for step, seconds, success in evals:
@@ -74,9 +76,9 @@ def run_learning(config: str, seed: int, overrides: list[str], out: Path) -> dic
         f"last 10 steps {sum(last) / max(len(last), 1):.3f}"
     )
     print(
-        f"eval success before RL (step 0): {evals[0][2]:.3f}; final: {evals[-1][2]:.3f}; first >= 0.8 at "
-        f"{'never' if reached is None else f'{reached:.0f} s'}; {steps} RL steps; warm start + step-0 eval "
-        f"{rows[0]['time_s']:.0f} s; phases: "
+        f"eval success before RL (step 0): {evals[0][2]:.3f}; final: {evals[-1][2]:.3f}; first >= "
+        f"0.8 at {'never' if reached is None else f'{reached:.0f} s'}; {steps} RL steps; warm "
+        f"start + step-0 eval {rows[0]['time_s']:.0f} s; phases: "
         + ", ".join(f"{k} {v:.0f} s" for k, v in phases.items())
         + f"; process wall time {wall:.0f} s"
     )
@@ -108,9 +110,8 @@ def main() -> None:
         help="rollout.mode of every run (default: the config's, batch)",
     )
     argv = sys.argv[1:]
-    overrides = [
-        a for a in argv if "=" in a and not a.startswith("-")
-    ]  # a.b=value, anywhere on the line
+    # a.b=value, anywhere on the line
+    overrides = [a for a in argv if "=" in a and not a.startswith("-")]
     args = parser.parse_args([a for a in argv if a not in overrides])
     if args.mode is not None:
         overrides = [f"rollout.mode={args.mode}", *overrides]
@@ -131,7 +132,8 @@ def main() -> None:
     for r in results:
         reached = "never" if r["reached_s"] is None else f"{r['reached_s']:.0f} s"
         print(
-            f"{r['seed']:4d}  {r['start']:.3f}  {r['final']:.3f}  {reached:>10}  {r['wall_s']:.0f} s"
+            f"{r['seed']:4d}  {r['start']:.3f}  {r['final']:.3f}  {reached:>10}  "
+            f"{r['wall_s']:.0f} s"
         )
     print(f"quickstart_eval_success: {sum(r['final'] for r in results) / len(results):.3f}")
 

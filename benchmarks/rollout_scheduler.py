@@ -1,6 +1,6 @@
 """Rollout scheduler vs synchronous batched rollout on a heavy-tailed agentic workload.
 
-    python benchmarks/rollout_scheduler.py                 # vLLM (CPU or GPU) when installed, else hf
+    python benchmarks/rollout_scheduler.py            # vLLM (CPU or GPU) when installed, else hf
     python benchmarks/rollout_scheduler.py --engine hf --steps 4
 
 Workload: half the groups play ``bench/heavy-tail``, whose turns per episode and tokens per
@@ -145,8 +145,9 @@ def make_engine(kind: str, path: Path) -> Any:
     if kind == "vllm":
         from trainer.strategies.vllm_engine import VLLMEngine
 
-        # a big step budget: vLLM's CPU sampler cannot split the prefill of a seeded request over
-        # steps ("CPU Generator does not use offset"), which many long concurrent prompts would cause
+        # a big step budget: vLLM's CPU sampler cannot split the prefill of a seeded request
+        # over steps ("CPU Generator does not use offset"), which many long concurrent prompts
+        # would cause
         return VLLMEngine(
             str(path),
             seed=0,
@@ -339,7 +340,8 @@ async def run_mode(
         try:
             for _ in range(args.steps):
                 batch = await scheduler.next_batch()
-                # a trajectory without policy tokens has no staleness (it used to count as version 0)
+                # a trajectory without policy tokens has no staleness (it used to count as
+                # version 0)
                 staleness += [
                     batch.version - t.oldest_version
                     for t in batch.trajectories
@@ -347,9 +349,8 @@ async def run_mode(
                 ]
                 for name in ("stale_dropped_groups", "stale_aborted_groups", "aborted_surplus"):
                     discarded[name] += batch.metrics[f"rollout/{name}"]
-                await asyncio.to_thread(
-                    trainer.step, batch.trajectories
-                )  # rollouts go on meanwhile (async)
+                # rollouts go on meanwhile (async)
+                await asyncio.to_thread(trainer.step, batch.trajectories)
                 await scheduler.update_weights(trainer.weights())
                 trained += len(batch.trajectories)
         finally:
@@ -437,9 +438,9 @@ def main() -> None:
         engine = make_engine(kind, path)
         trainer = TrainerProcess(path, tokenizer.pad_token_id)
         print(
-            f"engine={kind} steps={args.steps} batch={args.groups}x{args.group_size} redundancy={args.redundancy} "
-            f"turns~LogN(median {args.turns_median}, s={args.sigma}) tokens/turn~LogN(median {args.tokens_median}, "
-            f"s={args.sigma}) + {GAME}",
+            f"engine={kind} steps={args.steps} batch={args.groups}x{args.group_size} "
+            f"redundancy={args.redundancy} turns~LogN(median {args.turns_median}, s={args.sigma}) "
+            f"tokens/turn~LogN(median {args.tokens_median}, s={args.sigma}) + {GAME}",
             flush=True,
         )
         results: dict[str, dict[str, float]] = {}
@@ -462,19 +463,22 @@ def main() -> None:
                     results[mode] = _merge(results.get(mode), r)
                     base = (played.get("batch") or results.get("batch") or r)["traj_per_s"]
                     print(
-                        f"{mode:>8}: {r['trajectories']:4d} traj in {r['wall_s']:7.2f} s = {r['traj_per_s']:6.2f} "
-                        f"traj/s, {r['tokens'] / r['wall_s']:6.0f} tok/s, engine idle {100 * r['engine_idle']:5.1f}%, "
-                        f"oldest trained token {r['max_staleness_seen']} versions behind, discarded: "
-                        f"{r['aborted_surplus']:.0f} surplus episodes, {r['stale_aborted_groups']:.0f}+"
-                        f"{r['stale_dropped_groups']:.0f} stale groups; speedup {r['traj_per_s'] / base:5.2f} x "
-                        f"(round {round_ + 1}, load average {os.getloadavg()[0]:.1f})",
+                        f"{mode:>8}: {r['trajectories']:4d} traj in {r['wall_s']:7.2f} s = "
+                        f"{r['traj_per_s']:6.2f} traj/s, {r['tokens'] / r['wall_s']:6.0f} tok/s, "
+                        f"engine idle {100 * r['engine_idle']:5.1f}%, oldest trained token "
+                        f"{r['max_staleness_seen']} versions behind, discarded: "
+                        f"{r['aborted_surplus']:.0f} surplus episodes, "
+                        f"{r['stale_aborted_groups']:.0f}+{r['stale_dropped_groups']:.0f} stale "
+                        f"groups; speedup {r['traj_per_s'] / base:5.2f} x (round {round_ + 1}, "
+                        f"load average {os.getloadavg()[0]:.1f})",
                         flush=True,
                     )
             if args.rounds > 1:
                 for mode, r in results.items():
+                    speedup = r["traj_per_s"] / results.get("batch", r)["traj_per_s"]
                     print(
                         f"{mode:>8}: all rounds {r['traj_per_s']:6.2f} traj/s, engine idle "
-                        f"{100 * r['engine_idle']:5.1f}%, speedup {r['traj_per_s'] / results.get('batch', r)['traj_per_s']:5.2f} x"
+                        f"{100 * r['engine_idle']:5.1f}%, speedup {speedup:5.2f} x"
                     )
         finally:
             trainer.close()

@@ -5,10 +5,13 @@ decides whether the hot path is the model or the sandbox. Paths measured, all ru
 same command (``true`` by default: pure sandbox overhead):
 
 - ``subprocess``   plain ``subprocess.run`` on the host, no isolation (the floor);
-- ``local-cold``   ``LocalSandbox``: start + run + stop per call (namespaces, uid, cgroups, tmpfs);
-- ``local-warm``   ``SandboxPool("local")``: acquire + run + release (reset happens in the background);
-- ``local-reset``  one warm sandbox: run + ``reset()`` in place (sweep, clean, verify what is spared):
-                   what a pooled sandbox costs per user, paid in the pool's background thread;
+- ``local-cold``   ``LocalSandbox``: start + run + stop per call (namespaces, uid, cgroups,
+                   tmpfs);
+- ``local-warm``   ``SandboxPool("local")``: acquire + run + release (reset happens in the
+                   background);
+- ``local-reset``  one warm sandbox: run + ``reset()`` in place (sweep, clean, verify what is
+                   spared): what a pooled sandbox costs per user, paid in the pool's background
+                   thread;
 - ``local-restart`` one warm sandbox: run + reset with a fresh executor in fresh namespaces (the
                    "restart between users" alternative to verifying in place);
 - ``docker-warm``  ``SandboxPool("docker")``: acquire + ``docker exec`` + release;
@@ -69,13 +72,12 @@ def measure(op: Callable[[], None], *, concurrency: int, ops: int) -> tuple[list
 
 def pct(values: list[float], q: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main() -> None:
-    signal.signal(
-        signal.SIGTERM, lambda *_: sys.exit(143)
-    )  # clean up pools and dockerd when killed
+    # clean up pools and dockerd when killed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--ops",
@@ -220,8 +222,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for name, p50, p99, rates in rows:
         print(
-            f"| {name} | {p50:.1f} | {p99:.1f} | {rates[1]:.0f} | {rates[2]:.0f} | {rates[8]:.0f} | "
-            f"{p50 / base[1]:.1f} x |"
+            f"| {name} | {p50:.1f} | {p99:.1f} | {rates[1]:.0f} | {rates[2]:.0f} | {rates[8]:.0f} "
+            f"| {p50 / base[1]:.1f} x |"
         )
     warm = next(r for r in rows if r[0] == "local-warm")
     print(f"\nlocal_warm_p50: {statistics.fmean([warm[1]]):.1f} ms")

@@ -37,8 +37,8 @@ def main() -> None:
     print("\nseed  train first10  train last10  eval step0  eval final  wall")
     for r in results:
         print(
-            f"{r['seed']:4d}  {r['train_first10']:13.3f}  {r['train_last10']:12.3f}  {r['start']:10.3f}  "
-            f"{r['final']:10.3f}  {r['wall_s']:.0f} s"
+            f"{r['seed']:4d}  {r['train_first10']:13.3f}  {r['train_last10']:12.3f}  "
+            f"{r['start']:10.3f}  {r['final']:10.3f}  {r['wall_s']:.0f} s"
         )
     print(f"scratch_eval_success: {sum(r['final'] for r in results) / len(results):.3f}")
 

@@ -20,9 +20,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-sys.path.insert(
-    0, str(Path(__file__).resolve().parents[1])
-)  # the repo root: tests/ holds the pool's faulty env
+# the repo root: tests/ holds the pool's faulty env
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -69,7 +68,8 @@ def mcp_tool_timeout() -> float:
     env = McpEnv(hidden_tools=[], call_timeout_s=1.5)
     try:
         env.reset(seed=0)
-        action = f"<tool_call>{json.dumps({'name': 'slow_echo', 'arguments': {'text': 'hi', 'seconds': 600}})}</tool_call>"
+        call = {"name": "slow_echo", "arguments": {"text": "hi", "seconds": 600}}
+        action = f"<tool_call>{json.dumps(call)}</tool_call>"
         return timed(lambda: env.step(action))
     finally:
         env.close()

@@ -1,4 +1,4 @@
-"""Generation throughput: ``VLLMEngine`` (real vLLM) vs ``HFEngine`` (torch) on the same model and requests.
+"""Generation throughput: ``VLLMEngine`` (vLLM) vs ``HFEngine`` (torch), same model and requests.
 
 For each model size a random Llama (head size 32 or 64, which vLLM's CPU attention supports)
 and the Frozen Lake BPE tokenizer are built and saved once; both engines load that folder.
@@ -110,8 +110,8 @@ def main() -> None:
     from trainer.strategies.vllm_engine import VLLMEngine
 
     print(
-        f"torch threads: {torch.get_num_threads()}; {args.requests} requests x up to {args.new_tokens} new tokens, "
-        "temperature 1"
+        f"torch threads: {torch.get_num_threads()}; {args.requests} requests x up to "
+        f"{args.new_tokens} new tokens, temperature 1"
     )
     ratio = None
     with tempfile.TemporaryDirectory(prefix="vllm_bench_") as tmp:
@@ -148,10 +148,10 @@ def main() -> None:
                 h[0] for h in runs["hf"]
             )
             print(
-                f"{name} ({params / 1e6:.2f}M params): HFEngine {hf_rate:,.0f} new tok/s ({hf_tokens} tokens, "
-                f"start {hf_start:.1f} s); VLLMEngine {vllm_rate:,.0f} new tok/s ({vllm_tokens} tokens, "
-                f"start {vllm_start:.1f} s, {steps} engine steps in all); best/best {ratio:.2f} x, "
-                f"median/median {median:.2f} x",
+                f"{name} ({params / 1e6:.2f}M params): HFEngine {hf_rate:,.0f} new tok/s "
+                f"({hf_tokens} tokens, start {hf_start:.1f} s); VLLMEngine {vllm_rate:,.0f} new "
+                f"tok/s ({vllm_tokens} tokens, start {vllm_start:.1f} s, {steps} engine steps in "
+                f"all); best/best {ratio:.2f} x, median/median {median:.2f} x",
                 flush=True,
             )
     print(f"vllm_vs_hf_gen: {ratio:.2f} x")

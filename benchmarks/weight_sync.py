@@ -1,4 +1,4 @@
-"""Train -> inference weight sync: seconds and GB/s from FSDP2 (2 ranks) and Megatron TP=2 into vLLM.
+"""Train -> inference weight sync: seconds and GB/s, FSDP2 (2 ranks) and Megatron TP=2 into vLLM.
 
 For random Llama models of ~10M, ~100M and ~500M parameters (fp32), each trainer rank a Ray
 worker process (gloo) and the engine (vLLM, TP=1; ``--engine hf`` for the torch engine) in
@@ -39,7 +39,8 @@ STRATEGIES = {"fsdp2": {}, "megatron": {"tensor_parallel_size": 2}}
 
 
 def build_model(name: str, root: Path) -> tuple[Path, int]:
-    """A random Llama of the given shape saved as an HF folder; returns (folder, parameter count)."""
+    """A random Llama of the given shape saved as an HF folder; returns (folder, parameter
+    count)."""
     from trainer.models import build_policy, env_corpus
 
     hidden, layers, inter = SHAPES[name]
@@ -105,9 +106,8 @@ def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path
         out["nbytes"] = reports[-1].nbytes
         out["buckets"] = reports[-1].buckets
         out["phases"] = min(reports[1:] or reports, key=lambda r: r.seconds).phases
-        bcast = WeightSync(
-            actor, infer, policy=shm.policy, transport="broadcast", bucket_mb=256
-        )  # one version
+        # one version
+        bcast = WeightSync(actor, infer, policy=shm.policy, transport="broadcast", bucket_mb=256)
         out["broadcast_s"] = best(bcast.sync, repeats)
         target = scratch / f"disk_{strategy}"
 
@@ -144,8 +144,9 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="weight_sync_"))
     headline: float | None = None
     print(
-        f"{'model':>6} {'params':>8} {'strategy':>9} {'MB':>7} | {'shm s':>7} {'GB/s':>6} | {'bcast s':>7} {'GB/s':>6}"
-        f" | {'disk s':>7} {'GB/s':>6} | {'memcpy GB/s':>11} | sync/memcpy",
+        f"{'model':>6} {'params':>8} {'strategy':>9} {'MB':>7} | {'shm s':>7} {'GB/s':>6} | "
+        f"{'bcast s':>7} {'GB/s':>6} | {'disk s':>7} {'GB/s':>6} | {'memcpy GB/s':>11} | "
+        "sync/memcpy",
         flush=True,
     )
     try:
@@ -168,9 +169,10 @@ def main() -> None:
                         headline = ratio
                     print(
                         f"{size:>6} {params / 1e6:>7.1f}M {strategy:>9} {nbytes / 2**20:>7.0f} | "
-                        f"{row['shm_s']:>7.3f} {gbps['shm']:>6.2f} | {row['broadcast_s']:>7.3f} {gbps['broadcast']:>6.2f}"
-                        f" | {row['disk_s']:>7.3f} {gbps['disk']:>6.2f} | {memcpy:>11.2f} | {ratio:.3f}"
-                        f"   ({row['buckets']} buckets, trainer start {row['start_s']:.1f} s)",
+                        f"{row['shm_s']:>7.3f} {gbps['shm']:>6.2f} | {row['broadcast_s']:>7.3f} "
+                        f"{gbps['broadcast']:>6.2f} | {row['disk_s']:>7.3f} {gbps['disk']:>6.2f} "
+                        f"| {memcpy:>11.2f} | {ratio:.3f}   ({row['buckets']} buckets, trainer "
+                        f"start {row['start_s']:.1f} s)",
                         flush=True,
                     )
                     print(

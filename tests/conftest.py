@@ -26,10 +26,14 @@ SKIPS_ALLOWED_IN_CI: dict[str, str] = {
     "syscall numbers below are x86_64's": "not this CPU architecture",
     "keyring syscall numbers unknown for": "not this CPU architecture",
     "this host has no keyrings": "a kernel feature of the host, not something .ci/run installs",
-    "cannot add a key to this process's session keyring": "a kernel feature of the host, not something .ci/run installs",
-    "needs the `envhub serve` above on port 8000": "a README snippet for a server at a fixed port (tests/test_readme.py)",
+    "cannot add a key to this process's session keyring": (
+        "a kernel feature of the host, not something .ci/run installs"
+    ),
+    "needs the `envhub serve` above on port 8000": (
+        "a README snippet for a server at a fixed port (tests/test_readme.py)"
+    ),
 }
-"""Skip reasons (prefixes) allowed in CI, with why: optional sinks, no credentials, not applicable."""
+"""Skip reasons (prefixes) CI allows, and why: optional sinks, no credentials, not applicable."""
 
 COMPONENTS: list[tuple[str, str]] = [
     (r"e2b", "the E2B SDK (pip install 'envhub[e2b]')"),
@@ -44,7 +48,10 @@ COMPONENTS: list[tuple[str, str]] = [
     ),
     (
         r"docker",
-        "the Docker engine or SDK (.ci/system-deps.sh installs docker.io; pip install 'envhub[docker]')",
+        (
+            "the Docker engine or SDK (.ci/system-deps.sh installs docker.io; "
+            "pip install 'envhub[docker]')"
+        ),
     ),
     (r"\bray\b", "Ray (pip install 'envhub[ray]')"),
     (r"\bmcp\b", "the MCP SDK (pip install 'envhub[tools]')"),
@@ -128,9 +135,8 @@ def pytest_make_collect_report(collector: pytest.Collector):
     report = yield
     if in_ci() and report.skipped and isinstance(collector, pytest.Module):
         reason = _skip_reason(report.longrepr)
-        if not skip_allowed_in_ci(
-            reason
-        ):  # one failing item in the file's place (a collection error would stop the run)
+        if not skip_allowed_in_ci(reason):
+            # one failing item in the file's place (a collection error would stop the run)
             report.outcome, report.longrepr = "passed", None
             report.result = [
                 _SkippedModule.from_parent(collector, name="required-component", reason=reason)

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import envhub
 
+SHOUT = envhub.function_tool(
+    "shout", "Shout a word.", {"type": "object", "properties": {"word": {"type": "string"}}}
+)
+"""The one tool ``CountdownEnv`` offers (it never calls it; tests see it in ``info``)."""
+
 
 class CountdownEnv(envhub.TextEnv):
     """Say 'go' to finish; anything else is invalid. Small enough to reason about by hand."""
-
-    tools = [
-        envhub.function_tool(
-            "shout", "Shout a word.", {"type": "object", "properties": {"word": {"type": "string"}}}
-        )
-    ]
 
     def __init__(
         self, *, goal: str = "go", max_turns: int | None = 3, system_prompt: str | None = None
@@ -20,6 +19,7 @@ class CountdownEnv(envhub.TextEnv):
         super().__init__(max_turns=max_turns)
         self.goal = goal
         self.system_prompt = system_prompt
+        self.tools = [SHOUT]
 
     def on_reset(self, options):
         self.secret = int(self.np_random.integers(0, 1000))

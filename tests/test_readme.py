@@ -22,14 +22,18 @@ BLOCK = re.compile(r"^```python\n(.*?)^```", re.MULTILINE | re.DOTALL)
 SKIP = re.compile(r"^# doc-test: skip \((.+)\)\n")
 
 PRELUDES = {
-    'files={"solution.py": code}': "code = 'print(42)\\n'  # the model's solution the prose speaks of\n",
+    'files={"solution.py": code}': (
+        "code = 'print(42)\\n'  # the model's solution the prose speaks of\n"
+    ),
 }
 """A fragment of a snippet -> code defining the names it uses without defining them."""
 
 SKIPPED = {
-    "needs the `envhub serve` above on port 8000": "a fixed port and a running server; RemoteEnv has its own tests",
+    "needs the `envhub serve` above on port 8000": (
+        "a fixed port and a running server; RemoteEnv has its own tests"
+    ),
 }
-"""The README's doc-test skips, and why each is acceptable (checked below, so the list stays true)."""
+"""The README's doc-test skips and why each is acceptable (checked below: the list stays true)."""
 
 RUNNER = """
 import ast, asyncio, sys, types
@@ -78,6 +82,7 @@ def test_readme_snippet_runs(line: int, source: str) -> None:
         text=True,
         cwd=README.parent,
         timeout=170,
+        check=False,  # the assert below shows the output
     )
     assert proc.returncode == 0, (
         f"the README snippet at line {line} failed:\n{source}\n{proc.stderr[-3000:]}"

@@ -44,11 +44,11 @@ class RayNodes:
 
 
 def kill_ray_processes(temp_root: Path, address: str | None = None) -> None:
-    """Kill the Ray processes whose command line names ``temp_root`` (or the GCS ``address``), and their
-    children, then remove ``temp_root``. Other Ray instances on the machine are left alone."""
+    """Kill the Ray processes whose command line names ``temp_root`` (or the GCS ``address``), and
+    their children, then remove ``temp_root``. Other Ray instances on the machine are left alone."""
     import psutil
 
-    # Our temp dir (unique), or our GCS address not followed by more digits (port 1234 is not 12345).
+    # Our temp dir (unique), or our GCS address not followed by more digits (1234 is not 12345).
     patterns = [re.escape(str(temp_root) + "/")] + (
         [f"{re.escape(address)}(?!\\d)"] if address else []
     )
@@ -79,9 +79,8 @@ def start_ray_nodes(
     """``ray start --head`` plus one ``ray start --address`` per further node."""
     ray_bin = str(Path(sys.executable).with_name("ray"))
     port = _free_port()
-    temp_root = Path(
-        tempfile.mkdtemp(prefix="ehr-", dir="/tmp")
-    )  # short: Ray's socket paths are long
+    # short: Ray's socket paths are long
+    temp_root = Path(tempfile.mkdtemp(prefix="ehr-", dir="/tmp"))
     env = {
         **os.environ,
         "PYTHONPATH": str(REPO),
@@ -106,7 +105,9 @@ def start_ray_nodes(
                 f'--resources={{"envhub_device": {count}}}',
                 f"--temp-dir={temp_root / f'n{i}'}",
             ]
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            done = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+            )
             if done.returncode != 0:
                 raise RuntimeError(
                     f"{' '.join(cmd)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"

@@ -139,7 +139,9 @@ manager = CheckpointManager(sys.argv[1], keep=2)
 step = 0
 while True:
     step += 1
-    manager.save(step, states={"model": {"w": torch.full((1 << 18,), float(step))}}, seeds={"step": step})
+    manager.save(
+        step, states={"model": {"w": torch.full((1 << 18,), float(step))}}, seeds={"step": step}
+    )
     print(step, flush=True)
 """
 
@@ -158,9 +160,8 @@ def test_kill_9_mid_write_keeps_the_last_good_checkpoint(tmp_path: Path) -> None
         os.kill(child.pid, signal.SIGKILL)
     finally:
         child.wait(timeout=30)
-    assert any(
-        p.name.startswith(".tmp-step_00000002") for p in tmp_path.iterdir()
-    )  # the torn write
+    # the torn write
+    assert any(p.name.startswith(".tmp-step_00000002") for p in tmp_path.iterdir())
 
     manager = CheckpointManager(tmp_path)
     assert [p.name for p in manager.removed_partial] and not any(

@@ -1,5 +1,5 @@
-"""`envhub train` end to end: a real short run, clear errors, NaN stop, and resume after kill -9 (the ``hf``
-run; vLLM, FSDP2 and async mode are in ``test_resume.py``)."""
+"""`envhub train` end to end: a real short run, clear errors, NaN stop, and resume after kill -9
+(the ``hf`` run; vLLM, FSDP2 and async mode are in ``test_resume.py``)."""
 
 from __future__ import annotations
 
@@ -61,9 +61,8 @@ def test_short_run_writes_metrics_curve_checkpoints_and_policy(tmp_path: Path) -
     assert log.splitlines()[0] == f"output: {out.resolve()}"
     metrics = rows(out)
     assert [r["step"] for r in metrics] == [0, 1, 2]
-    assert (
-        metrics[0]["eval/success"] is not None and "sft/nll" in metrics[0]
-    )  # evaluated before any RL update
+    # evaluated before any RL update
+    assert metrics[0]["eval/success"] is not None and "sft/nll" in metrics[0]
     assert metrics[-1]["eval/success"] is not None  # and at the end
     for key in (
         "time_s",
@@ -154,9 +153,8 @@ def test_resume_after_kill_9_gives_identical_next_step_metrics(tmp_path: Path) -
     assert resumed.returncode == 0, log
     after = {r["step"]: r for r in rows(out)}
     assert sorted(after) == [0, 1, 2, 3, 4]
-    assert comparable(after[3]) == comparable(
-        killed[3]
-    )  # the step after the checkpoint, replayed identically
+    # the step after the checkpoint, replayed identically
+    assert comparable(after[3]) == comparable(killed[3])
     assert after[3]["time_s"] >= after[2]["time_s"]
 
 
@@ -173,6 +171,5 @@ def test_resume_lists_settings_that_differ_from_the_saved_config(tmp_path: Path)
     assert "2 setting(s)" in lines[0]
     assert any(line.startswith("train.lr: ") and "-> 0.5 now" in line for line in lines)
     assert any(line.startswith("env.group_size: ") and "step_00000002" in line for line in lines)
-    assert (
-        config_drift(load_config(QUICKSTART, [f"output_dir={tmp_path / 'fresh'}"])) == []
-    )  # no checkpoint yet
+    # no checkpoint yet
+    assert config_drift(load_config(QUICKSTART, [f"output_dir={tmp_path / 'fresh'}"])) == []

@@ -114,8 +114,9 @@ def test_unregistered_method_is_refused(cluster: CountingCluster) -> None:
 
 def test_importing_the_controller_core_loads_neither_ray_nor_torch() -> None:
     code = (
-        "import sys; import trainer.controller.dispatch, trainer.controller.cluster, trainer.devices, "
-        "trainer.config; print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
+        "import sys; import trainer.controller.dispatch, trainer.controller.cluster, "
+        "trainer.devices, trainer.config; "
+        "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -177,9 +178,8 @@ def test_a_cluster_that_drifts_from_its_worker_is_refused_when_defined() -> None
 
         class StaleCluster(Cluster):
             worker_cls = NewerWorker
-            add = remote(
-                CountingWorker.add, per_rank=True
-            )  # derived from the base's older signature
+            # derived from the base's older signature
+            add = remote(CountingWorker.add, per_rank=True)
             whoami = remote(CountingWorker.whoami, per_rank=True)  # RANK_ZERO collects one result
             history = remote(CountingWorker.history)  # ONE_TO_ALL collects one per rank
             helper = remote(NewerWorker.helper)
@@ -195,9 +195,9 @@ def test_a_cluster_that_drifts_from_its_worker_is_refused_when_defined() -> None
         in message
     )
     assert (
-        "StaleCluster.whoami is declared per_rank=True but NewerWorker.whoami collects Collect.FIRST"
-        in message
-    )
+        "StaleCluster.whoami is declared per_rank=True but NewerWorker.whoami collects "
+        "Collect.FIRST"
+    ) in message
     assert "StaleCluster.history returns a list, one result per rank" in message
     assert "NewerWorker.helper is not registered for cluster calls" in message
     assert (

@@ -116,8 +116,8 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     ) in text
     assert "bogus: unknown key" in text
     assert (
-        "algorithm.advantage_estimator: Input should be 'gae', 'grpo', 'reinforce_pp' or 'rloo' (got 'ppo') "
-        "(at override 'algorithm.advantage_estimator=ppo')"
+        "algorithm.advantage_estimator: Input should be 'gae', 'grpo', 'reinforce_pp' or 'rloo' "
+        "(got 'ppo') (at override 'algorithm.advantage_estimator=ppo')"
     ) in text
 
 
@@ -173,13 +173,13 @@ def test_cross_section_problems_are_reported_together() -> None:
         in text
     )
     assert (
-        "env.num_groups: the batch of 1 episodes (env.group_size * env.num_groups) does not split evenly "
-        "over the 3 actor_train workers; make it a multiple of 3"
+        "env.num_groups: the batch of 1 episodes (env.group_size * env.num_groups) does not split "
+        "evenly over the 3 actor_train workers; make it a multiple of 3"
     ) in text
     assert (
-        "roles.actor_infer.strategy: 'hf' disagrees with rollout.engine='vllm'; set only rollout.engine"
-        in text
-    )
+        "roles.actor_infer.strategy: 'hf' disagrees with rollout.engine='vllm'; "
+        "set only rollout.engine"
+    ) in text
 
 
 def test_colocated_role_that_cannot_offload_is_refused() -> None:
@@ -187,9 +187,9 @@ def test_colocated_role_that_cannot_offload_is_refused() -> None:
     mapping = cfg.device_mapping(can_offload=lambda strategy: strategy != "hf")
     text = "\n".join(str(p) for p in mapping.problems())
     assert (
-        "roles.actor_train.device_mapping: shares devices with actor_infer, but strategy 'hf' cannot offload"
-        in text
-    )
+        "roles.actor_train.device_mapping: shares devices with actor_infer, but strategy 'hf' "
+        "cannot offload"
+    ) in text
 
 
 def test_remote_hub_skips_the_local_registry() -> None:

@@ -65,12 +65,20 @@ def test_every_problem_is_reported_at_once() -> None:
     assert [str(p) for p in info.value.problems] == [
         "roles.actor_infer.device_mapping: device ids must be >= 0, got [-2]",
         "roles.actor_infer.device_mapping: device ids [1] are listed twice; list each once",
-        "roles.actor_train.device_mapping: 3 devices do not split into workers of 2 devices "
-        "(num_devices_per_worker=2); map a multiple of 2 devices or change num_devices_per_worker",
-        "roles.actor_infer.device_mapping: shares devices with actor_train, but strategy 'pinned' cannot "
-        "offload its state; give it devices of its own (disjoint device_mapping) or use a strategy that can",
-        "roles.critic.device_mapping: devices 8-9 do not exist: the cluster has 8 devices (ids 0-7) across "
-        "2 nodes; use smaller ids or add nodes/devices",
+        (
+            "roles.actor_train.device_mapping: 3 devices do not split into workers of 2 devices "
+            "(num_devices_per_worker=2); map a multiple of 2 devices or change "
+            "num_devices_per_worker"
+        ),
+        (
+            "roles.actor_infer.device_mapping: shares devices with actor_train, but strategy "
+            "'pinned' cannot offload its state; give it devices of its own (disjoint "
+            "device_mapping) or use a strategy that can"
+        ),
+        (
+            "roles.critic.device_mapping: devices 8-9 do not exist: the cluster has 8 devices "
+            "(ids 0-7) across 2 nodes; use smaller ids or add nodes/devices"
+        ),
     ]
     assert str(info.value).startswith(
         "impossible device mapping: 5 problems\n  - roles.actor_infer"

@@ -125,9 +125,8 @@ def test_each_worker_runs_on_the_node_that_owns_its_devices(layout: Layout) -> N
     assert clusters["critic"].environ("LOCAL_RANK") == ["0", "1"]
     [reward] = clusters["reward"].node_info()
     assert reward["devices"] == [] and reward["node_id"] in {node0, node1}
-    assert (
-        ray.cluster_resources()[DEVICE] - ray.available_resources().get(DEVICE, 0.0) == 4.0
-    )  # all reserved
+    # all reserved
+    assert ray.cluster_resources()[DEVICE] - ray.available_resources().get(DEVICE, 0.0) == 4.0
 
 
 def test_colocated_roles_take_turns_on_their_devices(layout: Layout) -> None:
@@ -183,12 +182,20 @@ def test_mappings_that_do_not_fit_are_refused_before_anything_starts(ray_session
     with pytest.raises(DeviceMappingError) as info:
         ResourceManager(mapping, device_resource=DEVICE)
     assert [str(p) for p in info.value.problems] == [
-        "roles.critic.device_mapping: 2 devices do not split into workers of 3 devices (num_devices_per_worker=3); "
-        "map a multiple of 3 devices or change num_devices_per_worker",
-        "roles.critic.device_mapping: devices 4-5 do not exist: the cluster has 4 devices (ids 0-3) across 2 nodes; "
-        "use smaller ids or add nodes/devices",
-        "roles.actor_train.device_mapping: worker 0 would span nodes [0, 1] (devices [1, 2]); a worker's devices "
-        "must be on one node: reorder device_mapping or change num_devices_per_worker",
+        (
+            "roles.critic.device_mapping: 2 devices do not split into workers of 3 devices "
+            "(num_devices_per_worker=3); map a multiple of 3 devices or change "
+            "num_devices_per_worker"
+        ),
+        (
+            "roles.critic.device_mapping: devices 4-5 do not exist: the cluster has 4 devices "
+            "(ids 0-3) across 2 nodes; use smaller ids or add nodes/devices"
+        ),
+        (
+            "roles.actor_train.device_mapping: worker 0 would span nodes [0, 1] (devices [1, 2]); "
+            "a worker's devices must be on one node: reorder device_mapping or change "
+            "num_devices_per_worker"
+        ),
     ]
     with pytest.raises(DeviceMappingError, match="no Ray node offers the resource 'tpu'"):
         ResourceManager(AutoDeviceMapping({"actor_train": role([0])}), device_resource="tpu")

@@ -82,9 +82,8 @@ def assert_same_games_in_process(trained: list[Trajectory], kwargs: dict[str, An
             openings[t.seed] = messages[-1]["content"]
         finally:
             env.close()
-    assert (
-        len(set(openings.values())) > 1
-    )  # the seeds drew different maps, and each map was compared
+    # the seeds drew different maps, and each map was compared
+    assert len(set(openings.values())) > 1
 
 
 def test_envs_from_a_remote_hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

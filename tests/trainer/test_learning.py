@@ -29,7 +29,7 @@ from tests.trainer.test_cli import QUICKSTART
 
 MOVES = ("up", "down", "left", "right")
 TARGETS = ("left", "right")
-"""What the observation asks for; "down" (the demonstrator's habit) is a legal move that never wins."""
+"""What the observation asks for; "down" (the demonstrator's habit) is legal but never wins."""
 ENV_ID = "test/point-v0"
 
 
@@ -101,7 +101,8 @@ def point_env(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 def train(out: Path, *overrides: str) -> list[dict]:
-    """``envhub train`` (in-process: the test's env is registered here) on the quickstart with this task."""
+    """``envhub train`` of the quickstart on this task, in process (the test's env is registered
+    here)."""
     config = yaml.safe_load(QUICKSTART.read_text())
     config["env"] = {"id": ENV_ID}  # none of Frozen Lake's kwargs
     path = out.parent / "point.yaml"
@@ -128,7 +129,6 @@ def test_grpo_learns_the_task_with_batch_rollouts(tmp_path: Path, point_env: str
 @pytest.mark.timeout(240)
 def test_grpo_learns_the_task_with_async_rollouts(tmp_path: Path, point_env: str) -> None:
     rows = train(tmp_path / "run", "rollout.mode=async", "rollout.max_staleness=1")
-    assert any(
-        r.get("rollout/staleness_1", 0) > 0 for r in rows
-    )  # it really trained on one-step-stale groups
+    # it really trained on one-step-stale groups
+    assert any(r.get("rollout/staleness_1", 0) > 0 for r in rows)
     assert_learnt(rows)

@@ -107,7 +107,7 @@ def read_scalars_raw(folder: Path) -> tuple[list[str], dict[str, list[tuple[int,
 
 
 def read_scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
-    """tag -> [(step, value)], by TensorBoard's EventAccumulator if installed, else the raw reader."""
+    """tag -> [(step, value)], by TensorBoard's EventAccumulator if installed, else our reader."""
     try:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     except ImportError:

@@ -1,4 +1,4 @@
-"""AgenticPipeline in-process: every algorithm path trains a real step (critic, reference, KL, GSPO).
+"""AgenticPipeline in process: each algorithm path trains a real step (critic, reference, KL, GSPO).
 
 An untrained policy's episodes all earn the same env reward (every move is invalid), which
 gives every estimator zero advantages and a step that changes nothing; ``varied_reward`` (a user
@@ -44,9 +44,8 @@ def run(tmp_path: Path, *overrides: str) -> list[dict]:
 
 
 def assert_policy_trained(step: dict) -> None:
-    assert (
-        step["actor/optimizer_steps"] >= 1 and step["actor/grad_norm"] > 0
-    )  # a real gradient, not zero advantages
+    # a real gradient, not zero advantages
+    assert step["actor/optimizer_steps"] >= 1 and step["actor/grad_norm"] > 0
 
 
 def test_gae_with_critic_and_kl_penalty_and_gspo(tmp_path: Path) -> None:
@@ -62,12 +61,10 @@ def test_gae_with_critic_and_kl_penalty_and_gspo(tmp_path: Path) -> None:
         "roles.reference.device_mapping=[1]",
     )
     step = rows[-1]
-    assert (
-        step["step"] == 1 and step["critic/value_loss"] > 0
-    )  # the critic was fitted to returns it did not know
-    assert step["actor/kl_ref"] == pytest.approx(
-        0.0, abs=1e-6
-    )  # reference == policy before the first update
+    # the critic was fitted to returns it did not know
+    assert step["step"] == 1 and step["critic/value_loss"] > 0
+    # reference == policy before the first update
+    assert step["actor/kl_ref"] == pytest.approx(0.0, abs=1e-6)
     assert_policy_trained(step)
 
 
@@ -83,7 +80,7 @@ def test_rloo_and_reinforce_pp_with_kl_loss(tmp_path: Path) -> None:
         )
         step = rows[-1]
         assert_policy_trained(step)
-        # the second epoch ran a policy the first one moved: away from the sampling policy and the reference
+        # the second epoch ran a policy the first moved: away from the sampling policy and reference
         assert step["actor/approx_kl_old"] > 1e-6 and step["actor/kl_ref"] > 1e-6, estimator
         assert step["eval/episodes"] == 4
 
@@ -96,8 +93,7 @@ def test_the_same_run_on_ray_workers(tmp_path: Path) -> None:
     try:
         rows = run(tmp_path, "cluster.backend=ray", "cluster.num_cpus=2")
         assert rows[-1]["step"] == 1
-        assert_policy_trained(
-            rows[-1]
-        )  # the reward function ran on the reward worker, the actor trained
+        # the reward function ran on the reward worker, the actor trained
+        assert_policy_trained(rows[-1])
     finally:
         ray.shutdown()

@@ -75,9 +75,8 @@ def test_actor_and_engine_on_two_nodes_train_like_one_process_through_the_broadc
     assert pipeline.weight_sync.transport == "broadcast"
     two_nodes_rows = pipeline.fit()
     assert [r["step"] for r in two_nodes_rows] == [0, 1, 2]
-    for mine, theirs in zip(
-        two_nodes_rows, one_process, strict=True
-    ):  # float noise only (approx_kl_old ~1e-14)
+    for mine, theirs in zip(two_nodes_rows, one_process, strict=True):
+        # float noise only (approx_kl_old ~1e-14)
         assert comparable(mine) == pytest.approx(comparable(theirs), rel=0, abs=1e-9), (
             f"step {mine['step']} differs from the one-process run"
         )

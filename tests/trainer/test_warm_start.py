@@ -30,15 +30,13 @@ def test_a_habitual_demonstrator_mostly_plays_its_habit_and_wins_less(policy) ->
     assert all(t.success for t in expert)
     share = moves(sloppy).count("down") / len(moves(sloppy))
     assert share > 0.7  # 60% habit plus the expert's own downs
-    assert (
-        0.1 < sum(t.success for t in sloppy) / len(sloppy) < 0.7
-    )  # some play, far from the expert
+    # some play, far from the expert
+    assert 0.1 < sum(t.success for t in sloppy) / len(sloppy) < 0.7
     again = expert_trajectories(
         [LAKE], MAPS, renderer, episodes=60, max_turns=6, noise=0.6, noise_action="down"
     )
-    assert [t.messages for t in again] == [
-        t.messages for t in sloppy
-    ]  # seeded: the same demos every run
+    # seeded: the same demos every run
+    assert [t.messages for t in again] == [t.messages for t in sloppy]
 
 
 def test_epsilon_greedy_noise_draws_moves_the_expert_made(policy) -> None:

@@ -88,9 +88,8 @@ def test_without_kl_and_entropy_the_loss_is_the_policy_term_alone() -> None:
     logprobs, micro, _ = hand_batch()
     loss = {**LOSS, "kl_coef": 0.0, "entropy_coef": 0.0, "agg_mode": "seq-mean-token-sum"}
     total, metrics = ppo_loss_fn(LossConfig(**loss))(ForwardOutput(logprobs=logprobs), micro)
-    assert total.item() == pytest.approx(
-        (-2.28 + 1.35) / 2, abs=1e-12
-    )  # per-episode sums, averaged
+    # per-episode sums, averaged
+    assert total.item() == pytest.approx((-2.28 + 1.35) / 2, abs=1e-12)
     assert "actor/kl_ref" not in metrics and "actor/entropy" not in metrics
 
 

@@ -47,7 +47,6 @@ def manager_for(policy, max_turns: int = 4) -> tuple[EnvManager, HFEngine]:
 
 
 def test_episodes_are_one_sequence_with_policy_tokens_masked(policy) -> None:
-    _, tokenizer = policy
     manager, engine = manager_for(policy)
     specs = plan_groups(0, num_groups=2, group_size=3, env_ids=[LAKE], seed=0)
     finished, failed = asyncio.run(
@@ -77,12 +76,10 @@ def test_episodes_are_one_sequence_with_policy_tokens_masked(policy) -> None:
             t.response_mask[start : end + 1] == [1] * (end + 1 - start)
             for start, end in zip(starts, t.turn_ends)
         )
-        assert [manager.renderer.decode(ids) for ids in turns] == actions and len(
-            actions
-        ) == t.num_turns
-    assert {t.seed for t in finished[:3]} == {finished[0].seed} and {
-        t.group_id for t in finished
-    } == {0, 1}
+        assert [manager.renderer.decode(ids) for ids in turns] == actions
+        assert len(actions) == t.num_turns
+    assert {t.seed for t in finished[:3]} == {finished[0].seed}
+    assert {t.group_id for t in finished} == {0, 1}
     assert all(s.seed >= 1_000_000_000 for s in plan_eval(4, env_ids=[LAKE]))
 
 
@@ -91,9 +88,8 @@ def test_a_crashed_env_episode_is_replaced_not_fatal(policy) -> None:
     source = LocalEnvSource(make=lambda env_id, **kw: CrashingLake())
     specs = plan_groups(0, num_groups=1, group_size=4, env_ids=["test/crash-v0"], seed=0)
     finished, failed = asyncio.run(run_episodes(specs, manager, source, Sampling(2)))
-    assert len(finished) == 4 and all(
-        t.success for t in finished
-    )  # every crash was replayed on a fresh env
+    # every crash was replayed on a fresh env
+    assert len(finished) == 4 and all(t.success for t in finished)
     assert len(failed) == 2 and all("simulated env crash" in (t.failure or "") for t in failed)
     assert finished[0].info == {"secret": 7, "turn": 0, "success": False, "invalid_action": False}
 

@@ -110,9 +110,7 @@ def test_the_scheduler_replaces_a_group_whose_env_blocks(policy) -> None:
             await scheduler.close()
 
     batch = run(go())
-    assert len(batch.trajectories) == 4 and {t.seed for t in batch.trajectories} == {
-        0,
-        2,
-    }  # task 1 replaced
+    assert len(batch.trajectories) == 4
+    assert {t.seed for t in batch.trajectories} == {0, 2}  # task 1 replaced
     assert batch.failed and all("rollout.env_timeout_s" in (t.failure or "") for t in batch.failed)
     assert batch.metrics["rollout/failed_groups"] == 1.0

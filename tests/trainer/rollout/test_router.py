@@ -68,9 +68,8 @@ def test_a_weight_update_preempts_all_in_flight_requests_in_one_engine_step() ->
 
     results = asyncio.run(asyncio.wait_for(go(), HANG_GUARD_S))
     assert engine.abort_sets == [20]  # one step took all 20 preemptions
-    assert all(
-        r.finish_reason == "length" and len(r.token_ids) == 5 for r in results
-    )  # resumed, tokens kept
+    # resumed, tokens kept
+    assert all(r.finish_reason == "length" and len(r.token_ids) == 5 for r in results)
     assert all(r.extra["token_versions"] == [0, 0, 1, 1, 1] for r in results)
 
 

@@ -197,11 +197,10 @@ def test_surplus_is_aborted_in_the_engine_and_its_envs_closed(policy) -> None:
     batch, state, tokens_after = run(go())
     assert {t.group_id for t in batch.trajectories} == {0, 1, 2}
     assert state == (0, 0, 0)  # nothing left in flight, queued, or running
-    assert (
-        engine.stats["new_tokens"] == tokens_after
-    )  # the engine stopped generating for the surplus
+    # the engine stopped generating for the surplus
+    assert engine.stats["new_tokens"] == tokens_after
     assert batch.metrics["rollout/aborted_surplus"] == 6  # three surplus groups of two
-    # aborted inside a running batch (cut short) or taken off the queue before it ran: never finished
+    # aborted in a running batch (cut short) or taken off the queue before it ran: never finished
     aborted = [(req, res) for req, res in engine.results if res.finish_reason == "abort"]
     assert all(len(res.token_ids) < req.max_new_tokens for req, res in aborted)
     surplus_turns = collections.Counter(
@@ -230,7 +229,7 @@ def test_async_training_never_trains_a_sample_beyond_the_staleness_bound(
         for _ in range(4):
             batch = await scheduler.next_batch()
             batches.append(batch)
-            # "training": rollouts go on meanwhile, at least one more group finishes on the old weights
+            # "training": rollouts go on; at least one more group finishes on the old weights
             while not scheduler._ready and not scheduler._running:
                 await asyncio.sleep(0.01)
             while len(scheduler._ready) < 1:
@@ -257,7 +256,7 @@ def test_async_training_never_trains_a_sample_beyond_the_staleness_bound(
 
 
 class PausingEngine(RecordingEngine):
-    """Its first batch stops after 3 tokens until an abort arrives: a weight update lands mid-turn."""
+    """Its first batch stops after 3 tokens until an abort comes: a weight update lands mid-turn."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -300,9 +299,8 @@ def test_partial_rollout_resumes_a_preempted_turn_under_new_weights(policy) -> N
     (t,) = batch.trajectories
     versions = [v for v in t.token_versions if v >= 0]
     assert batch.metrics["rollout/preempted_turns"] == 1 and t.num_turns == 1  # the in-flight turn
-    assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {
-        1
-    }  # tokens kept, the rest from new weights
+    # tokens kept, the rest from new weights
+    assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1}
     assert t.oldest_version == 0 and batch.version == 1
     first = {req.request_id: res for req, res in engine.results[:1]}
     assert all(res.finish_reason == "abort" and len(res.token_ids) == 3 for res in first.values())
@@ -327,9 +325,8 @@ def test_env_crash_mid_episode_is_replaced_not_a_hang(policy) -> None:
 
     batch = run(go())
     assert len(batch.trajectories) == 6 and all(not t.failed for t in batch.trajectories)
-    assert 1 not in {
-        t.group_id for t in batch.trajectories
-    }  # the broken task was replaced by task 3
+    # the broken task was replaced by task 3
+    assert 1 not in {t.group_id for t in batch.trajectories}
     assert batch.metrics["rollout/failed_groups"] >= 1 and batch.failed
     assert all("simulated env crash" in (t.failure or "") for t in batch.failed)
 
@@ -387,10 +384,8 @@ def test_router_is_least_loaded_sticky_and_aborts_where_the_request_runs(policy)
     assert placed == [0, 1, 0, 1] and loads == [2, 2]  # least-loaded spread
     assert results[3].finish_reason == "abort" and len(results[3].token_ids) < 30
     assert all(r.finish_reason != "abort" for r in results[:3])
-    assert router.engine_of("ep1") == 1 and again.finish_reason in (
-        "stop",
-        "length",
-    )  # same engine next turn
+    assert router.engine_of("ep1") == 1  # same engine next turn
+    assert again.finish_reason in ("stop", "length")
     assert engines[1].results[-1][0].request_id == "ep1/1"
 
 
@@ -423,13 +418,13 @@ def test_rank_engines_route_over_infer_workers_and_abort_a_running_batch(policy_
 
         results = run(go())
         assert [router.engine_of(f"ep{i}") for i in range(4)] == [0, 1, 0, 1]
-        assert (
-            results[3].finish_reason == "abort" and len(results[3].token_ids) < 80
-        )  # cut inside rank 1
+        # cut inside rank 1
+        assert results[3].finish_reason == "abort" and len(results[3].token_ids) < 80
+        # same greedy tokens on the same rank until the abort
         assert (
             results[1].finish_reason != "abort"
             and results[1].token_ids[: len(results[3].token_ids)] == results[3].token_ids
-        )  # same greedy tokens on the same rank until the abort
+        )
     finally:
         cluster.shutdown()
 
@@ -454,7 +449,7 @@ def test_sync_batches_are_on_policy_across_weight_updates(policy) -> None:
     prompt = len(
         ChatRenderer(tokenizer).prompt([{"role": "user", "content": "Task 0. Say anything."}])
     )
-    # room for a turn of an odd task; an even task's prompt alone fills the context (no policy token)
+    # room for one turn of an odd task; an even task's prompt fills the context (no policy token)
     manager = EnvManager(
         router, ChatRenderer(tokenizer), max_turns=4, max_context_tokens=prompt + 6
     )

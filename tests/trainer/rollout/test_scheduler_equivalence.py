@@ -166,9 +166,8 @@ def test_scheduler_batch_equals_the_batch_mode_batch_row_by_row(policy, mode: st
         assert torch.equal(a[name], b[name]), (
             f"column {name} differs between batch mode and the scheduler"
         )
-    assert (
-        a["advantages"].abs().sum() > 0
-    )  # the groups carry signal, so the comparison means something
+    # the groups carry signal, so the comparison means something
+    assert a["advantages"].abs().sum() > 0
 
     # the scheduler's own row order (group after group, by finishing time) gives every row
     # the advantage it has in batch mode: group ids, not positions, define the groups

@@ -42,9 +42,8 @@ def test_async_training_within_the_staleness_bound(
 ) -> None:
     from trainer.rollout.rollouts import Rollouts
 
-    deviation: list[
-        float
-    ] = []  # per step: the largest |w - 1| of a policy token's importance weight
+    # per step: the largest |w - 1| of a policy token's importance weight
+    deviation: list[float] = []
     correct = Rollouts.off_policy_correction
 
     def recording(self, batch, actor):
@@ -61,21 +60,19 @@ def test_async_training_within_the_staleness_bound(
         lags = {
             int(k.rsplit("_", 1)[1]): v for k, v in r.items() if k.startswith("rollout/staleness_")
         }
-        assert (
-            max(k for k, v in lags.items() if v > 0) <= 1
-        )  # nothing older than the bound was trained
+        # nothing older than the bound was trained
+        assert max(k for k, v in lags.items() if v > 0) <= 1
         assert "actor/pg_loss" in r
         if not correction:
             assert "rollout/is_weight_mean" not in r and deviation == []
-        elif (
-            lags.get(1, 0) == 0
-        ):  # all tokens from the current policy: the recomputed log-probs are the sampled ones
+        elif lags.get(1, 0) == 0:
+            # all tokens from the current policy: the recomputed log-probs are the sampled ones
             assert deviation[r["step"] - 1] < 1e-4, r["step"]
-        else:  # one version behind: the weights measure how far the policy moved since it sampled them
+        else:
+            # one version behind: the weights measure how far the policy moved since sampling
             assert deviation[r["step"] - 1] > 1e-3, r["step"]
-    if (
-        correction
-    ):  # both cases were seen: step 1 has nothing older, a later step trained stale tokens
+    if correction:
+        # both cases were seen: step 1 has nothing older, a later step trained stale tokens
         assert steps[0]["rollout/staleness_1"] == 0 and any(
             r["rollout/staleness_1"] > 0 for r in steps[1:]
         )
@@ -123,7 +120,6 @@ def test_async_resume_trains_new_groups_only_and_does_not_hang(tmp_path: Path, m
     rows = AgenticPipeline(cfg, resume=True).fit()
     assert [r["step"] for r in first] == [0, 1, 2] and [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     after = {g for ids in trained.values() for g in ids}
-    assert (
-        sorted(trained) == [3, 4] and not after & before
-    )  # in-flight groups are lost, none trained twice
+    # in-flight groups are lost, none trained twice
+    assert sorted(trained) == [3, 4] and not after & before
     assert min(after) > max(before)

@@ -15,7 +15,9 @@ def test_appended_turns_equal_the_whole_conversation_rendered_at_once(policy) ->
     conversation = [
         {
             "role": "user",
-            "content": "Let's play Frozen Lake on a 3x3 grid.\n\nP F H\nF F F\nH F G\n\nYour first move?",
+            "content": (
+                "Let's play Frozen Lake on a 3x3 grid.\n\nP F H\nF F F\nH F G\n\nYour first move?"
+            ),
         },
         {"role": "assistant", "content": "down"},
         {"role": "user", "content": "You moved down.\n\nS F H\nP F F\nH F G\n\nYour next move?"},

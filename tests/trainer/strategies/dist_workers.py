@@ -74,7 +74,7 @@ def join(rank: int, world: int, port: int) -> None:
 
 
 def fsdp2_rank(rank: int, world: int, port: int, out: Any) -> None:
-    """Two FSDP2 runs on a tiny Qwen2: an even split (2 steps), then a ragged one (rank 0: 3 rows, rank 1: 1)."""
+    """Two FSDP2 runs, tiny Qwen2: even split (2 steps), then ragged (rank 0: 3 rows, rank 1: 1)."""
     join(rank, world, port)
     from trainer.strategies.distributed import shutdown_process_group
     from trainer.strategies.fsdp2 import FSDP2TrainStrategy
@@ -123,7 +123,7 @@ def megatron_rank(rank: int, world: int, port: int, out: Any) -> None:
 
 
 def resume_rank(rank: int, world: int, port: int, out: Any, name: str) -> None:
-    """Train 1 step, checkpoint (state_dict), train 1 more -> A; fresh strategy, load, same step -> B."""
+    """Train 1 step, checkpoint (state_dict), 1 more -> A; fresh strategy, load, same step -> B."""
     join(rank, world, port)
     import warnings
 
@@ -166,8 +166,8 @@ def resume_rank(rank: int, world: int, port: int, out: Any, name: str) -> None:
 def megatron_pp_rank(
     rank: int, world: int, port: int, out: Any, tp: int, pp: int, tie: bool
 ) -> None:
-    """Megatron TP x PP on ``world`` gloo ranks (one pipeline when world == tp * pp): forward, one train
-    step, gathered weights, and a save/load round trip of the sharded checkpoint."""
+    """Megatron TP x PP on ``world`` gloo ranks (one pipeline when world == tp * pp): forward, one
+    train step, gathered weights, and a save/load round trip of the sharded checkpoint."""
     join(rank, world, port)
     import warnings
 
@@ -213,7 +213,8 @@ def megatron_pp_rank(
 
 
 def fsdp2_tp_rank(rank: int, world: int, port: int, out: Any, tp: int) -> None:
-    """FSDP2 with DTensor tensor parallelism (mesh dp x tp) on a tiny Qwen2: forward, 2 steps, gathered weights."""
+    """FSDP2 + DTensor tensor parallelism (mesh dp x tp), tiny Qwen2: forward, 2 steps, gathered
+    weights."""
     join(rank, world, port)
     from trainer.strategies.distributed import shutdown_process_group
     from trainer.strategies.fsdp2 import FSDP2TrainStrategy
@@ -232,9 +233,8 @@ def fsdp2_tp_rank(rank: int, world: int, port: int, out: Any, tp: int) -> None:
     out[(rank, "weights")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
     from trainer.weights.shards import shard_layout
 
-    layout = shard_layout(
-        strategy, rank=rank
-    )  # what the shared-memory weight sync writes from this rank
+    # what the shared-memory weight sync writes from this rank
+    layout = shard_layout(strategy, rank=rank)
     out[(rank, "pieces")] = {
         name: [(index, piece.clone()) for index, piece in pieces]
         for name, pieces in layout.pieces.items()

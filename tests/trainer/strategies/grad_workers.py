@@ -1,4 +1,4 @@
-"""Rank bodies for ``test_grad_equivalence.py`` (importable by name, so ``mp.spawn`` can pickle them)."""
+"""Rank bodies for ``test_grad_equivalence.py`` (importable by name: ``mp.spawn`` pickles them)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ LOSS = {
     "kl_mode": "loss",
     "entropy_coef": 0.01,
 }
-"""PPO + KL loss term + entropy bonus: every term of ``ppo_loss_fn`` goes through the aggregation."""
+"""PPO + KL loss + entropy bonus: every term of ``ppo_loss_fn`` goes through the aggregation."""
 
 
 def gradients(model: Any) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def fsdp2_grads_rank(
 
 
 def megatron_gradients(strategy: Any) -> dict[str, Any]:
-    """The Megatron model's gradients gathered over its TP group and converted to HF names (PP = 1)."""
+    """The Megatron model's gradients, gathered over its TP group, under HF names (PP = 1)."""
     import torch
     import torch.distributed as dist
 
@@ -83,7 +83,8 @@ def megatron_grads_rank(
     rows: list[int],
     modes: list[str],
 ) -> None:
-    """Megatron on ``world`` ranks, TP=2 (then TP=1 x DP=2), rank r given ``rows[r]`` rows, micro-batch size 1."""
+    """Megatron on ``world`` ranks, TP=2 (then TP=1 x DP=2), rank r given ``rows[r]`` rows,
+    micro-batches of 1."""
     join(rank, world, port)
     import warnings
 

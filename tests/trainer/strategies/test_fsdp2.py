@@ -65,8 +65,8 @@ def test_full_state_dict_lands_on_rank_zero_only(two_rank_run: dict) -> None:
 def test_ragged_split_runs_dummy_micro_batches_and_trains_like_one_process(
     two_rank_run: dict,
 ) -> None:
-    """Rank 0 holds 3 rows, rank 1 one row plus two zero-weighted dummies: no deadlock, and the
-    step is plain torch's on the whole 4-row batch (dummies weigh nothing, real rows weigh alike)."""
+    """Rank 0 holds 3 rows, rank 1 one row plus two zero-weighted dummies: no deadlock, and the step
+    is plain torch's on the whole 4-row batch (dummies weigh nothing, real rows weigh alike)."""
     from trainer.strategies.hf import HFTrainStrategy
 
     out = {key[1:]: value for key, value in two_rank_run["ragged"].items() if key[0] == "ragged"}
@@ -113,8 +113,8 @@ def test_a_resumed_sharded_strategy_takes_the_same_next_step(name: str) -> None:
 
 @pytest.mark.slow  # two spawned ranks building DTensor meshes: 60-110 s on the loaded 2-core VM
 def test_tensor_parallel_2_matches_one_process() -> None:
-    """``tensor_parallel_size=2``: each rank holds half of every projection (DTensor), the pair runs the
-    union of its rows, and forward, grad norm and the trained weights equal plain torch's."""
+    """``tensor_parallel_size=2``: each rank holds half of every projection (DTensor), the pair runs
+    the union of its rows, and forward, grad norm and the trained weights equal plain torch's."""
     from trainer.strategies.hf import HFTrainStrategy
 
     out = run_ranks(W.fsdp2_tp_rank, 2, 2)

@@ -56,9 +56,9 @@ def hf_grads(
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert got.keys() == want.keys()
-    for name in want:
+    for name, expected in want.items():
         torch.testing.assert_close(
-            got[name], want[name], atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
+            got[name], expected, atol=1e-6, rtol=0, msg=lambda m, n=name: f"{n}: {m}"
         )
 
 

@@ -69,13 +69,11 @@ def test_concurrent_requests_are_batched_and_sampling_is_reproducible(policy) ->
     engine = make_engine(policy, seed=3)
     state = engine.get_state()
     first = asyncio.run(run(engine))
-    assert (
-        engine.stats["batches"] == 1 and engine.stats["requests"] == 3
-    )  # one forward batch for all three
+    # one forward batch for all three
+    assert engine.stats["batches"] == 1 and engine.stats["requests"] == 3
     engine.set_state(state)
-    assert (
-        asyncio.run(run(engine)) == first
-    )  # same RNG state -> same samples (what --resume relies on)
+    # same RNG state -> same samples (what --resume relies on)
+    assert asyncio.run(run(engine)) == first
 
 
 def test_update_weights_changes_generation_and_bumps_version(policy) -> None:

@@ -1,4 +1,4 @@
-"""Megatron-Core: exact HF<->Megatron conversion, TP=2 and DP=2 on gloo equal the unsharded model."""
+"""Megatron-Core: exact HF<->Megatron conversion; TP=2 and DP=2 on gloo equal one process."""
 
 from __future__ import annotations
 
@@ -71,10 +71,8 @@ def test_shards_have_megatron_shapes() -> None:
     model = W.tiny_qwen2(tie=False)  # 4 heads, 2 KV groups, head dim 8, MLP 48, vocab 61
     layout = layout_from_hf_config(model.config, tp=2)
     shard = hf_to_megatron(model.state_dict(), layout, tp_rank=1)
-    assert shard["embedding.word_embeddings.weight"].shape == (
-        128,
-        32,
-    )  # vocab padded to 256, split in 2
+    # vocab padded to 256, split in 2
+    assert shard["embedding.word_embeddings.weight"].shape == (128, 32)
     assert shard["decoder.layers.0.self_attention.linear_qkv.weight"].shape == (1 * (2 + 2) * 8, 32)
     assert shard["decoder.layers.0.self_attention.linear_qkv.bias"].shape == (32,)
     assert shard["decoder.layers.0.mlp.linear_fc1.weight"].shape == (48, 32)
@@ -186,9 +184,8 @@ def _assert_pipeline_matches_one_process(out: dict, world: int, tie: bool) -> No
     got = torch.cat([out[(r, "logprobs")] for r in range(world)])
     torch.testing.assert_close(got, plain.forward(batch).logprobs, atol=1e-5, rtol=0)
     plain_metrics = plain.train_step(batch, W.nll_loss)
-    for rank in range(
-        world
-    ):  # the last stage's loss reached every stage; the norm spans all stages
+    for rank in range(world):
+        # the last stage's loss reached every stage; the norm spans all stages
         assert out[(rank, "metrics")]["nll"] == pytest.approx(plain_metrics["nll"], abs=1e-5)
         assert out[(rank, "metrics")]["grad_norm"] == pytest.approx(
             plain_metrics["grad_norm"], rel=1e-4
@@ -205,7 +202,7 @@ def _assert_pipeline_matches_one_process(out: dict, world: int, tie: bool) -> No
 
 
 def test_pipeline_parallel_2_stages_trains_like_one_process() -> None:
-    """PP=2 on 2 gloo ranks through megatron-core's 1F1B schedule, tied embeddings (one copy per end stage)."""
+    """PP=2 on 2 gloo ranks (megatron-core 1F1B), tied embeddings (one copy per end stage)."""
     _assert_pipeline_matches_one_process(_pp_run(1, 2, tie=True), 2, tie=True)
 
 

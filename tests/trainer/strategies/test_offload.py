@@ -84,7 +84,8 @@ def test_colocated_roles_take_turns_with_per_role_flags(tmp_path: Path) -> None:
     )
     pipeline.fit()  # closes the roles at the end
     history, actor = pipeline.colocation.history, seen[-1]  # after step 1 (with its eval)
-    # rollout: the actor is offloaded; train: reloaded, the engine sleeps (its KV cache); eval: swapped again
+    # rollout: the actor is offloaded; train: reloaded, the engine sleeps (KV cache); eval: swapped
+    # again
     assert history[:3] == [
         ("offload", "actor_train"),
         ("offload", "actor_infer"),
@@ -104,8 +105,8 @@ def test_colocated_roles_take_turns_with_per_role_flags(tmp_path: Path) -> None:
 def test_two_rank_fsdp2_reference_and_critic_match_one_process(
     policy_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``roles.reference`` / ``roles.critic`` with ``strategy: fsdp2`` on 2 Ray ranks each: the reference's
-    log-probs (the KL term) and the critic's values after a step equal one unsharded process's."""
+    """``roles.reference`` / ``roles.critic`` with ``strategy: fsdp2`` on 2 Ray ranks each: the
+    reference's log-probs (the KL term) and the critic's values after a step equal one process's."""
     ray = pytest.importorskip("ray")
     from trainer.config import load_config
     from trainer.controller.batch import Batch
@@ -142,7 +143,7 @@ def test_two_rank_fsdp2_reference_and_critic_match_one_process(
         .forward(dict(batch.columns))
         .logprobs
     )
-    # the critic: 4 full rows (equal tokens per rank, so the ranks' mean losses average to the whole batch's)
+    # the critic: 4 full rows (equal tokens per rank: the ranks' mean losses average to the batch's)
     response = torch.ones(4, 9, dtype=torch.long)
     response[:, :3] = 0
     critic_batch = {

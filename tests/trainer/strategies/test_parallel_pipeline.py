@@ -1,6 +1,6 @@
-"""The quickstart with ``actor_train`` sharded over 2 Ray worker processes (FSDP2, Megatron TP=2 or PP=2) and
-rollouts on vLLM: it trains, syncs, evaluates, checkpoints, resumes exactly where an uninterrupted run
-would be, and writes a loadable policy."""
+"""The quickstart with ``actor_train`` sharded over 2 Ray worker processes (FSDP2, Megatron TP=2 or
+PP=2) and rollouts on vLLM: it trains, syncs, evaluates, checkpoints, resumes exactly where an
+uninterrupted run would be, and writes a loadable policy."""
 
 from __future__ import annotations
 
@@ -68,7 +68,6 @@ def test_quickstart_trains_and_resumes_with_a_sharded_actor(tmp_path: Path, stra
         ray.shutdown()
     from trainer.models import load_policy
 
-    model, _ = load_policy(
-        tmp_path / "run" / "final_policy"
-    )  # the gathered policy, as an HF folder
+    # the gathered policy, as an HF folder
+    model, _ = load_policy(tmp_path / "run" / "final_policy")
     assert sum(p.numel() for p in model.parameters()) > 0

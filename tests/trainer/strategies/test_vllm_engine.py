@@ -98,7 +98,8 @@ def test_logprobs_agree_with_the_trainer_on_the_same_tokens(
     }
     if temperature == 1.0:  # exactly what the actor recomputes for the PPO ratio
         trainer = HFTrainStrategy(model, trainable=False).forward(batch).logprobs
-    else:  # log_softmax(logits / T): what the pipeline recomputes for rollouts at another temperature
+    else:
+        # log_softmax(logits / T): what the pipeline recomputes for rollouts at another temperature
         with torch.no_grad():
             trainer, _ = token_logprobs(model(**batch).logits / temperature, batch["input_ids"])
     for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
@@ -138,9 +139,8 @@ def test_abort_stops_the_request_inside_vllm_and_spares_the_others(
     )
     assert engine.num_unfinished() == 0
     again = engine.generate_batch([GenerationRequest("long", prompts[0], 3, temperature=0.0)])[0]
-    assert (
-        again.token_ids == long.token_ids[:3]
-    )  # the engine is fine afterwards (greedy: the same start)
+    # the engine is fine afterwards (greedy: the same start)
+    assert again.token_ids == long.token_ids[:3]
 
 
 def test_a_cancelled_generate_and_abort_sync_free_their_slots(engine: VLLMEngine, prompts) -> None:
@@ -197,9 +197,8 @@ def test_stop_tokens_and_max_new_tokens(engine: VLLMEngine, hf_policy, prompts) 
 
 
 def test_many_concurrent_requests_share_engine_steps(engine: VLLMEngine, prompts) -> None:
-    long_prompts = [
-        p * 3 for p in prompts
-    ]  # 160 prompts of ~30-150 tokens: more than one step's token budget
+    # 160 prompts of ~30-150 tokens: more than one step's token budget
+    long_prompts = [p * 3 for p in prompts]
     assert sum(len(long_prompts[i % 4]) for i in range(160)) > 4096
     requests = [
         GenerationRequest(
@@ -218,9 +217,8 @@ def test_many_concurrent_requests_share_engine_steps(engine: VLLMEngine, prompts
         assert len(result.token_ids) == len(result.logprobs) <= request.max_new_tokens
         assert result.finish_reason == "stop" or len(result.token_ids) == request.max_new_tokens
     new_tokens = sum(len(r.token_ids) for r in results)
-    assert (
-        engine.stats["steps"] - steps < new_tokens / 8
-    )  # continuous batching: many requests per engine step
+    # continuous batching: many requests per engine step
+    assert engine.stats["steps"] - steps < new_tokens / 8
     assert engine.num_unfinished() == 0
 
 
@@ -253,9 +251,8 @@ def test_update_weights_makes_greedy_outputs_follow_the_new_weights(
     version = engine.version
     try:
         model.load_state_dict(perturbed)
-        engine.update_weights(
-            iter(list(perturbed.items()))
-        )  # an iterator, as a bucketed gather yields
+        # an iterator, as a bucketed gather yields
+        engine.update_weights(iter(list(perturbed.items())))
         assert engine.version == version + 1
         after = engine.generate_batch(
             [GenerationRequest(f"a{i}", p, 8, temperature=0.0) for i, p in enumerate(prompts)]
@@ -327,7 +324,7 @@ def test_a_missing_vllm_names_the_install_command(
 
 def test_quickstart_trains_with_vllm_rollouts(tmp_path: Path) -> None:
     """vLLM rollouts train the policy, and the weight sync makes vLLM serve the trained weights: its
-    final greedy evaluation is the torch engine's evaluation of the saved final policy, game for game."""
+    final greedy evaluation is, game for game, the torch engine's of the saved final policy."""
     from tests.trainer.test_cli import QUICKSTART, TINY
     from tests.trainer.test_pipeline import VARIED
     from trainer.config import load_config
@@ -356,9 +353,8 @@ def test_quickstart_trains_with_vllm_rollouts(tmp_path: Path) -> None:
     assert cfg.rollout.engine == "vllm"
     rows = AgenticPipeline(cfg).fit()
     assert [r["step"] for r in rows] == [0, 1, 2]
-    assert all(
-        r["actor/grad_norm"] > 0 for r in rows[1:]
-    )  # both RL steps moved the weights (varied rewards)
+    # both RL steps moved the weights (varied rewards)
+    assert all(r["actor/grad_norm"] > 0 for r in rows[1:])
     final = str(tmp_path / "vllm" / "final_policy")
     reference = AgenticPipeline(
         load_config(

@@ -29,9 +29,8 @@ def make_engine(seed: int) -> Any:
 
     torch.set_num_threads(1)
     model = tiny_qwen2(seed=seed, tie=True)
-    with (
-        torch.no_grad()
-    ):  # HF's 0.02-std init makes every greedy continuation repeat its last token
+    # HF's 0.02-std init makes every greedy continuation repeat its last token
+    with torch.no_grad():
         g = torch.Generator().manual_seed(seed)
         for name, param in model.named_parameters():
             if "norm" not in name:
@@ -40,7 +39,8 @@ def make_engine(seed: int) -> Any:
 
 
 def receiver(inbox: Any, outbox: Any, port: int) -> None:
-    """Load one sync over shared memory, then one over a gloo broadcast group; report greedy outputs."""
+    """Load a sync over shared memory, then one over a gloo broadcast group; report the greedy
+    outputs."""
     try:
         from trainer.weights.transport import BroadcastGroup, open_bucket
 

@@ -1,4 +1,4 @@
-"""Shared pieces of the weight-sync tests: a policy folder with non-degenerate weights, clusters, checks."""
+"""For the weight-sync tests: a policy folder with non-degenerate weights, clusters, checks."""
 
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ def spread_policy(source: Path, target: Path, seed: int = 0) -> Path:
 
 
 def random_batch(vocab: int, rows: int = 8, width: int = 10, seed: int = 3) -> Any:
-    """A behaviour-cloning batch of random tokens (the trainer moves away from the engine's weights)."""
+    """A behaviour-cloning batch of random tokens (training on it moves away from the engine's
+    weights)."""
     import torch
 
     from trainer.controller.batch import Batch
@@ -52,7 +53,8 @@ def requests(max_new_tokens: int = 6) -> list[Any]:
 
 
 def engine_greedy(infer: Any) -> list[Any]:
-    """Greedy results of the inference cluster's engines: the requests split over the ranks, in order."""
+    """Greedy results of the inference cluster's engines (the requests split over the ranks, in
+    order)."""
     batch = requests()
     size = -(-len(batch) // infer.world_size)
     parts = [batch[start : start + size] for start in range(0, len(batch), size)]

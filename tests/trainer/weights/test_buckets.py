@@ -1,4 +1,4 @@
-"""Buckets: bounded sizes, exact round trips of mixed dtypes, a clear error when one tensor cannot fit."""
+"""Buckets: bounded sizes, exact round trips of mixed dtypes, a clear error for a tensor too big."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""One policy version per run: ``PolicyVersion`` is advanced by whoever applies updates and read by the rest."""
+"""One policy version per run: ``PolicyVersion`` is advanced by whoever applies updates, read by all
+others."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Shard-direct layouts: every rank's pieces, written into full HF tensors, rebuild the model exactly
-(Megatron TP with grouped-query attention, q/k/v biases, a padded vocab; FSDP2-style row chunks)."""
+"""Shard-direct layouts: every rank's pieces, written into full HF tensors, rebuild the model
+exactly (Megatron TP with grouped-query attention, q/k/v biases, padded vocab; FSDP2 row chunks)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ from trainer.weights.shards import megatron_layout, write_piece
 
 def assemble(layouts) -> dict[str, torch.Tensor]:
     specs = layouts[0].specs
-    assert all(
-        [s.name for s in lay.specs] == [s.name for s in specs] for lay in layouts
-    )  # every rank agrees
+    # every rank agrees
+    assert all([s.name for s in lay.specs] == [s.name for s in specs] for lay in layouts)
     full = {s.name: torch.full(s.shape, float("nan"), dtype=getattr(torch, s.dtype)) for s in specs}
     for lay in layouts:
         for name, pieces in lay.pieces.items():

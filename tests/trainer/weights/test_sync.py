@@ -1,5 +1,5 @@
-"""``WeightSync`` between in-process clusters: bucketed shared-memory and broadcast syncs reproduce the
-trainer's greedy outputs, only-changed skips frozen tensors, and failures are loud, never stale."""
+"""``WeightSync`` between in-process clusters: bucketed shared-memory and broadcast syncs reproduce
+the trainer's greedy outputs, only-changed skips frozen tensors; failures are loud, never stale."""
 
 from __future__ import annotations
 
@@ -40,11 +40,8 @@ def clusters(model_dir: Path):
         worker_kwargs=common,
     )
     try:
-        yield (
-            actor,
-            infer,
-            PolicyVersion(),
-        )  # the run's policy version: every sync of a test advances it
+        # the run's policy version: every sync of a test advances it
+        yield actor, infer, PolicyVersion()
     finally:
         actor.shutdown()
         infer.shutdown()
@@ -66,13 +63,11 @@ def test_sync_makes_every_engine_generate_what_the_trainer_would(
     train_away(actor, model_dir)
     weights = actor.get_weights()
     expected = S.trainer_greedy(weights, model_dir)
-    assert [
-        r.token_ids for r in S.engine_greedy(infer)
-    ] != expected  # the engines still hold the old weights
+    # the engines still hold the old weights
+    assert [r.token_ids for r in S.engine_greedy(infer)] != expected
 
-    sync = WeightSync(
-        actor, infer, policy=policy, transport=transport, bucket_mb=0.1
-    )  # ~100 KiB: several buckets
+    # ~100 KiB: several buckets
+    sync = WeightSync(actor, infer, policy=policy, transport=transport, bucket_mb=0.1)
     report = sync.sync()
     results = S.engine_greedy(infer)
     assert [r.token_ids for r in results] == expected
@@ -172,16 +167,16 @@ def test_after_a_failed_only_changed_sync_the_next_one_resends_every_tensor(
         sync.sync()  # the trainer's segments now hold the new weights, engine 1 does not
     inner.update_weights = real_update
     healed = sync.sync()
-    assert healed.tensors == len(
-        actor.get_weights()
-    )  # everything again, though the segments already match
+    # everything again, though the segments already match
+    assert healed.tensors == len(actor.get_weights())
     assert [r.token_ids for r in S.engine_greedy(infer)] == S.trainer_greedy(
         actor.get_weights(), model_dir
     )
 
 
 def test_a_restored_policy_version_is_where_the_next_sync_continues(clusters) -> None:
-    """A resumed run restores the version once; the sync announces the next one and every engine serves it."""
+    """A resumed run restores the version once; the sync announces the next and each engine
+    serves it."""
     actor, infer, policy = clusters
     policy.restore(7)
     report = WeightSync(

@@ -76,7 +76,8 @@ def infer(local_ray, model_dir: Path):
     cluster.shutdown()
 
 
-# Ray + two gloo ranks + a vLLM engine: ~1-2 min on the 2-core VM; in the default tier because CI must prove the sync
+# Ray + two gloo ranks + a vLLM engine: ~1-2 min on the 2-core VM; in the default tier because CI
+# must prove the sync
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_sharded_trainer_syncs_into_the_engine_exactly(
@@ -111,9 +112,8 @@ def test_sharded_trainer_syncs_into_the_engine_exactly(
         WeightSync(actor, infer, transport="broadcast", bucket_mb=0.2).sync()
         assert [r.token_ids for r in S.engine_greedy(infer)] == expected
 
-        actor.sft_step(
-            S.random_batch(vocab, seed=5)
-        )  # shared memory again: the same segments, rewritten
+        # shared memory again: the same segments, rewritten
+        actor.sft_step(S.random_batch(vocab, seed=5))
         expected = S.trainer_greedy(actor.get_weights(), model_dir)
         again = sync.sync()
         assert again.version == report.version + 1 and again.nbytes == report.nbytes

@@ -16,6 +16,7 @@ import asyncio
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -39,25 +40,25 @@ class ProbedInferWorker(InferWorker):
 
     @register(Dispatch.ONE_TO_ALL)
     def generating(self) -> tuple[list[str], int]:
-        """(ids inside the running batch, engine steps so far: vLLM counts them, the hf engine does not)."""
+        """(ids inside the running batch, engine steps so far: vLLM counts them, the hf engine
+        does not)."""
         with self._abort_lock:
-            return sorted(self._running_ids), int(
-                getattr(self._inner_engine(), "stats", {}).get("steps", 0)
-            )
+            steps = getattr(self._inner_engine(), "stats", {}).get("steps", 0)
+            return sorted(self._running_ids), int(steps)
 
 
 class ProbedInferCluster(InferCluster):
     worker_cls = ProbedInferWorker
-    ray_method_groups = {
+    # answers while a batch runs
+    ray_method_groups: ClassVar[dict[str, str]] = {
         **InferCluster.ray_method_groups,
         "generating": "abort",
-    }  # answers while a batch runs
+    }
 
 
 def generating(cluster: ProbedInferCluster) -> tuple[list[str], int]:
-    if (
-        cluster.backend == "local"
-    ):  # in-process worker: its own thread is busy with the batch, ask directly
+    if cluster.backend == "local":
+        # an in-process worker: its own thread is busy with the batch, so ask it directly
         return cluster._workers[0].generating()
     return cluster._on_rank(0, "generating").result()[0]
 
@@ -67,9 +68,8 @@ def abort_one_of_two(cluster: ProbedInferCluster) -> tuple[GenerationResult, Gen
     [engine] = cluster.rank_engines()
 
     async def go() -> list[GenerationResult]:
-        await engine.generate(
-            GenerationRequest("warm/0", PROMPT, 2, temperature=0.0)
-        )  # the worker is up
+        # the worker is up
+        await engine.generate(GenerationRequest("warm/0", PROMPT, 2, temperature=0.0))
         calls = [
             asyncio.ensure_future(
                 engine.generate(GenerationRequest(f"ep{i}/0", PROMPT, LONG, temperature=0.0))
@@ -77,9 +77,8 @@ def abort_one_of_two(cluster: ProbedInferCluster) -> tuple[GenerationResult, Gen
             for i in range(2)
         ]
         started = None
-        while (
-            True
-        ):  # until the worker generates ep1/0, and (vLLM) has run a few engine steps with it
+        # until the worker generates ep1/0, and (vLLM) has run a few engine steps with it
+        while True:
             running, steps = await asyncio.to_thread(generating, cluster)
             if "ep1/0" in running:
                 started = steps if started is None else started
@@ -96,12 +95,10 @@ def abort_one_of_two(cluster: ProbedInferCluster) -> tuple[GenerationResult, Gen
 def check(kept: GenerationResult, aborted: GenerationResult) -> None:
     assert kept.finish_reason == "length" and len(kept.token_ids) == LONG  # the batch went on
     assert aborted.finish_reason == "abort"
-    assert (
-        1 <= len(aborted.token_ids) < LONG // 2
-    )  # stopped inside the batch (not refused on arrival), far from its end
-    assert (
-        aborted.token_ids == kept.token_ids[: len(aborted.token_ids)]
-    )  # same greedy run until the abort
+    # stopped inside the batch (not refused on arrival), far from its end
+    assert 1 <= len(aborted.token_ids) < LONG // 2
+    # the same greedy run until the abort
+    assert aborted.token_ids == kept.token_ids[: len(aborted.token_ids)]
 
 
 @pytest.fixture(scope="module")
