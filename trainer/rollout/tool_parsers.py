@@ -38,7 +38,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from envhub.parsing import ToolCall, format_tool_call
+from envhub.errors import ActionParseError
+from envhub.parsing import ToolCall, ToolCallParser, format_tool_call
 
 __all__ = [
     "TOOL_PARSERS",
@@ -143,17 +144,24 @@ class _Embedded:
         raise NotImplementedError
 
 
-_HERMES_TAG = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+_HERMES_TAG = re.compile(r"<tool_call\s*>.*?(?:</\s*tool_call\s*>|$)", re.IGNORECASE | re.DOTALL)
 
 
 @dataclass(frozen=True)
-class _Hermes(_Embedded):
-    name: str = "hermes"
+class _Hermes:
+    """envhub's own reader (``envhub.parsing.ToolCallParser``, the one every tool env uses), so
+    the trainer and the env agree on what a hermes call is."""
 
-    def _split(self, text: str) -> tuple[str, list[Any]]:
-        bodies = _HERMES_TAG.findall(text)
-        raws = [raw for body in bodies for raw in _json_objects(body.strip())]
-        return _HERMES_TAG.sub("", text), raws
+    name: str = "hermes"
+    max_calls: int = 16
+
+    def parse(self, text: str) -> ParsedTurn:
+        try:
+            calls = ToolCallParser(max_calls=self.max_calls).parse(text)
+        except ActionParseError as error:
+            return ParsedTurn(content=text, error=error.feedback or str(error), raw=text)
+        content = _HERMES_TAG.sub("", text).strip() if calls else text.strip()
+        return ParsedTurn(content=content, tool_calls=tuple(calls), raw=text)
 
 
 @dataclass(frozen=True)
