@@ -32,6 +32,7 @@ if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -
   echo "apt-get could not install: ${need[*]} (see apt's messages above; is the Debian mirror reachable?)" >&2
   exit 1
 fi
+ldconfig  # refresh the linker cache the libseccomp2 check reads (seen stale right after apt-get)
 read -r -a still <<< "$(missing)"
 if [ ${#still[@]} -gt 0 ]; then
   echo "still missing after apt-get install: ${still[*]} (is the package available in this distribution?)" >&2

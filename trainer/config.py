@@ -171,6 +171,14 @@ class RolloutConfig(Section):
     engine: str = "hf"
     """Inference engine for ``actor_infer`` (``trainer.strategies.registry.INFERENCE_ENGINES``):
     ``hf`` (embedded torch generation) or ``vllm``."""
+    tool_parser: str = "auto"
+    """How a generated turn becomes tool calls (``trainer.rollout.tool_parsers``): ``auto``
+    (from the chat template; ``none`` when it renders no tools), ``hermes``, ``llama3_json``,
+    ``mistral``, ``pythonic`` or ``none`` (plain text actions, tools only in the env's prompt).
+    With a template that renders tools, an env's tool schemas go to ``apply_chat_template(...,
+    tools=...)`` and assistant turns are kept as structured ``tool_calls`` messages."""
+    max_tool_calls: int = Field(default=16, gt=0)
+    """Most tool calls read from one turn; more is a malformed turn (env feedback, penalty)."""
     mode: Literal["batch", "sync", "async"] = "batch"
     """How the rollout scheduler (``trainer.rollout.rollouts``, every mode) plays episodes.
     ``batch``: each step plays its groups together and waits for the last one; ``sync``:
@@ -194,6 +202,15 @@ class RolloutConfig(Section):
     recorded as failed and replayed on a fresh env, then replaced); None waits as long as it
     takes. Setting it runs local envs' calls in threads, so even an env whose ``step`` blocks
     is bounded (in every rollout mode); a pool (``env.pool_workers``) also kills such a worker."""
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, name: str) -> str:
+        from trainer.rollout.tool_parsers import TOOL_PARSERS, make_tool_parser
+
+        if name != "auto" and name not in TOOL_PARSERS:
+            make_tool_parser(name)  # ValueError: the parsers that exist, and "did you mean"
+        return name
 
     @field_validator("engine")
     @classmethod

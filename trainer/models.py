@@ -53,12 +53,32 @@ Architecture = Literal["llama", "gpt2"]
 PAD, UNK, IM_START, IM_END = "<|endoftext|>", "<unk>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, UNK, IM_START, IM_END)
 CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}"
+    "{%- endif %}"
+    '{{- \'# Tools\nCall a tool with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
+    " Tools:\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools><|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{{- '\n<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
+    " + (call['function']['arguments'] if call['function']['arguments'] is string"
+    " else call['function']['arguments'] | tojson) + '}</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>' + '\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
-"""ChatML (as Qwen uses), without a default system prompt."""
+"""ChatML (as Qwen uses), without a default system prompt. With ``tools=`` it lists their
+schemas in the system turn and renders assistant ``tool_calls`` the hermes way
+(``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), so ``rollout.tool_parser: auto``
+reads it as ``hermes``; tool results are ``tool`` turns. Append-only either way."""
 
 _WORD_PIECES = r" ?[A-Za-z]+| ?\d|\n|\s|[^\sA-Za-z\d]"
 _CHAR_PIECES = r"[\s\S]"

@@ -409,7 +409,8 @@ class AgenticPipeline:
             tokenizer.chat_template = self.cfg.model.chat_template
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        return ChatRenderer(tokenizer)
+        rollout = self.cfg.rollout
+        return ChatRenderer(tokenizer, rollout.tool_parser, rollout.max_tool_calls)
 
     def _context_limit(self) -> int:
         from transformers import AutoConfig

@@ -11,7 +11,8 @@ has made so far (epsilon-greedy). Demonstrations that are mostly a habit teach t
 format and some play while the greedy policy stays as weak as the habit, yet the expert's
 moves are in the data often enough for RL to find and amplify them (RL then beats its teacher);
 ``load_jsonl`` reads one conversation per line, ``{"messages": [{"role": ..., "content":
-...}, ...]}`` (extra keys such as ``env_id``, ``seed``, ``success`` are kept when present);
+...}, ...]}`` (extra keys such as ``env_id``, ``seed``, ``success``, ``tools`` are kept when
+present; assistant ``tool_calls`` are trained in the ``<tool_call>`` form);
 ``write_jsonl`` writes that same format, so collected demonstrations can be reused.
 """
 
@@ -23,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from envhub.parsing import format_tool_call
 from trainer.errors import TrainerError
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 
@@ -61,11 +63,12 @@ def expert_trajectories(
         env_id = env_ids[i % len(env_ids)]
         env = envhub.make(env_id, **env_kwargs)
         try:
-            messages, _ = env.reset(seed=SFT_SEED_BASE + seed_offset + i)
+            messages, reset_info = env.reset(seed=SFT_SEED_BASE + seed_offset + i)
+            tools = reset_info.get("tools") or None  # rendered as in RL (native tool calling)
             trajectory = Trajectory(
                 env_id=env_id, seed=SFT_SEED_BASE + seed_offset + i, messages=list(messages)
             )
-            trajectory.append_context(renderer.prompt(messages))
+            trajectory.append_context(renderer.prompt(messages, tools))
             trajectory.prompt_length = len(trajectory.token_ids)
             for _ in range(max_turns):
                 action = env.expert_action()
@@ -80,14 +83,16 @@ def expert_trajectories(
                     action = noise_action if noise_action is not None else rng.choice(list(seen))
                 ids = renderer.answer(action)
                 trajectory.append_policy(ids, [0.0] * len(ids))
-                trajectory.messages.append({"role": "assistant", "content": action})
+                trajectory.messages.append(renderer.parse(action, tools).message())
                 messages, reward, terminated, truncated, info = env.step(action)
                 trajectory.end_turn(reward)
                 trajectory.messages.extend(messages)
                 trajectory.success = bool(info.get("success"))
                 if terminated or truncated:
                     break
-                trajectory.append_context(renderer.continuation(messages, stopped_on_eos=True))
+                trajectory.append_context(
+                    renderer.continuation(messages, stopped_on_eos=True, tools=tools)
+                )
         finally:
             env.close()
         demos.append(trajectory)
@@ -97,7 +102,11 @@ def expert_trajectories(
 def from_messages(
     messages: Sequence[dict[str, Any]], renderer: ChatRenderer, **fields: Any
 ) -> Trajectory:
-    """A trajectory from a chat transcript: assistant messages are the trained tokens."""
+    """A trajectory from a chat transcript: assistant messages are the trained tokens.
+
+    ``tools`` (a record's OpenAI-format schemas) are rendered as in RL; an assistant message's
+    ``tool_calls`` are trained in envhub's ``<tool_call>`` form after its content."""
+    tools = fields.pop("tools", None) or None
     trajectory = Trajectory(
         env_id=str(fields.pop("env_id", "file")),
         seed=int(fields.pop("seed", 0)),
@@ -110,15 +119,35 @@ def from_messages(
             pending.append(message)
             continue
         if trajectory.num_turns == 0:
-            trajectory.append_context(renderer.prompt(pending))
+            trajectory.append_context(renderer.prompt(pending, tools))
             trajectory.prompt_length = len(trajectory.token_ids)
         else:
-            trajectory.append_context(renderer.continuation(pending, stopped_on_eos=True))
-        ids = renderer.answer(str(message.get("content", "")))
+            trajectory.append_context(
+                renderer.continuation(pending, stopped_on_eos=True, tools=tools)
+            )
+        ids = renderer.answer(_assistant_text(message))
         trajectory.append_policy(ids, [0.0] * len(ids))
         trajectory.end_turn(0.0)
         pending = []
     return trajectory
+
+
+def _assistant_text(message: dict[str, Any]) -> str:
+    """What the policy writes for an assistant message: its content, then its tool calls."""
+    text = str(message.get("content") or "")
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function", {}) if isinstance(call, dict) else {}
+        arguments = function.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                raise TrainerError(
+                    f"a tool call's arguments are not JSON: {arguments[:200]!r}"
+                ) from None
+        calls.append(format_tool_call(str(function.get("name", "")), arguments))
+    return "\n".join([text, *calls]) if text and calls else text or "\n".join(calls)
 
 
 def load_jsonl(path: str | Path, renderer: ChatRenderer) -> list[Trajectory]:
@@ -140,7 +169,7 @@ def load_jsonl(path: str | Path, renderer: ChatRenderer) -> list[Trajectory]:
             raise TrainerError(
                 f'{source}:{number}: each line must be a JSON object with "messages" ({error})'
             ) from None
-        known = {k: record[k] for k in ("env_id", "seed", "success") if k in record}
+        known = {k: record[k] for k in ("env_id", "seed", "success", "tools") if k in record}
         trajectory = from_messages(messages, renderer, **known)
         if trajectory.num_turns == 0:
             raise TrainerError(

@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from trainer.rollout.tool_parsers import env_action
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
@@ -268,14 +269,15 @@ class EnvManager:
         except Exception as error:  # noqa: BLE001 - env code may raise any exception
             return self._failed(trajectory, "reset", error)
         trajectory.info = dict(info)
+        tools = info.get("tools") or None  # the env's tool schemas: rendered natively if possible
         trajectory.messages.extend(messages)
-        trajectory.append_context(self.renderer.prompt(messages))
+        trajectory.append_context(self.renderer.prompt(messages, tools))
         trajectory.prompt_length = len(trajectory.token_ids)
         for turn in range(self.max_turns):
             result = await self._generate(trajectory, f"{key}/{turn}", sampling, info)
             if result is None:  # out of context, aborted, or the engine failed (flags are set)
                 break
-            action = self._append_turn(trajectory, result)
+            action = self._append_turn(trajectory, result, tools)
             try:
                 messages, reward, terminated, truncated, info = await self._env_call(
                     session.step(action)
@@ -290,7 +292,9 @@ class EnvManager:
                 trajectory.terminated, trajectory.truncated = terminated, truncated
                 break
             stopped = bool(result.token_ids) and result.token_ids[-1] == self.renderer.eos_token_id
-            trajectory.append_context(self.renderer.continuation(messages, stopped_on_eos=stopped))
+            trajectory.append_context(
+                self.renderer.continuation(messages, stopped_on_eos=stopped, tools=tools)
+            )
         else:
             trajectory.truncated = True
         if self.on_episode_end is not None and not trajectory.failed:
@@ -328,16 +332,26 @@ class EnvManager:
             return None
         return result
 
-    def _append_turn(self, trajectory: Trajectory, result: GenerationResult) -> str:
-        """Append the generated tokens (as policy tokens) and the assistant message; the action."""
+    def _append_turn(
+        self,
+        trajectory: Trajectory,
+        result: GenerationResult,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Append the generated tokens (as policy tokens) and the assistant message; the action.
+
+        With native tool calling the message is structured (``content`` + ``tool_calls``, read
+        by the model family's parser) and the env gets the calls in envhub's ``<tool_call>``
+        form; a malformed call reaches the env as the raw text, whose parser answers it with
+        feedback and the invalid-action penalty."""
         trajectory.append_policy(result.token_ids, result.logprobs, result.policy_version)
         resumed = result.extra.get("token_versions")  # a turn preempted by a weight update
         if resumed:
             trajectory.token_versions[len(trajectory.token_versions) - len(resumed) :] = resumed
         trajectory.policy_versions.append(result.policy_version)
-        action = self.renderer.decode(result.token_ids)
-        trajectory.messages.append({"role": "assistant", "content": action})
-        return action
+        turn = self.renderer.parse(self.renderer.decode(result.token_ids), tools)
+        trajectory.messages.append(turn.message())
+        return env_action(turn)
 
     async def close_session(self, session: EnvSession) -> None:
         """Close ``session``, ignoring errors (a crashed env may fail to close) and giving up

@@ -28,6 +28,14 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from trainer.rollout.tool_parsers import (
+    TOOL_PARSERS,
+    ParsedTurn,
+    ToolParser,
+    detect_tool_parser,
+    make_tool_parser,
+)
+
 if TYPE_CHECKING:
     import torch
 
@@ -130,7 +138,17 @@ class Trajectory:
 
 
 class ChatRenderer:
-    """Token ids for chat messages under a tokenizer's chat template (see module docstring)."""
+    """Token ids for chat messages under a tokenizer's chat template (see module docstring).
+
+    Native tool calling: ``tools`` (an env's OpenAI-format schemas, from its reset info) go to
+    ``apply_chat_template(..., tools=...)`` when the template renders them (``native_tools``),
+    so the prompt lists them the way the model saw them in post-training, and ``parse`` reads
+    each generated turn with the model family's ``rollout.tool_parser`` into an assistant
+    message with structured ``tool_calls``. A template that renders no tools keeps the plain
+    text protocol (the env's own prompt describes its tools; ``tool_parser`` ``auto`` then
+    means ``none``); asking for a parser by name with such a template is a configuration error
+    that names ``model.chat_template``.
+    """
 
     _BASE: ClassVar[tuple[dict[str, str], ...]] = (
         {"role": "user", "content": "x"},
@@ -138,42 +156,109 @@ class ChatRenderer:
     )
     """The fixed dummy conversation of the delta trick (module docstring)."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, tool_parser: str = "auto", max_tool_calls: int = 16) -> None:
+        if tool_parser != "auto" and tool_parser not in TOOL_PARSERS:
+            make_tool_parser(tool_parser)  # ValueError: the choices and the closest name
         self.tokenizer = tokenizer
         self.eos_token_id = int(tokenizer.eos_token_id)
-        base = self._render(self._BASE, generation_prompt=False)
-        self._base_text = base
-        closing = base[base.rindex("y") + 1 :]
-        eos = tokenizer.eos_token or ""
-        self._closing_after_eos = (
-            closing[len(eos) :] if eos and closing.startswith(eos) else closing
-        )
-        self._closing_without_eos = closing if closing.startswith(eos) else eos + closing
+        self.native_tools = tool_parser != "none" and self._renders_tools()
+        """Tools go to the template and turns are parsed (off for ``none`` or a template
+        that renders no tools)."""
+        if tool_parser not in ("auto", "none") and not self.native_tools:
+            raise ValueError(
+                f"rollout.tool_parser: {tool_parser} needs a chat template that renders tools "
+                "(apply_chat_template(..., tools=...)), and this tokenizer's does not; set "
+                "model.chat_template to a template with tool support, or rollout.tool_parser: "
+                "none to keep tools in the env's text prompt"
+            )
+        if tool_parser == "auto":
+            tool_parser = detect_tool_parser(getattr(tokenizer, "chat_template", None))
+        self.tool_parser_name = tool_parser if self.native_tools else "none"
+        """The parser in use: ``none`` when the template renders no tools."""
+        self.max_tool_calls = max_tool_calls
+        self._parser: ToolParser | None = None
+        self._bases: dict[str, tuple[str, str, str]] = {}
+        self._base(None)  # a template that cannot render the dummy conversation fails here
 
-    def _render(self, messages: Sequence[dict[str, Any]], generation_prompt: bool) -> str:
+    def _renders_tools(self) -> bool:
+        probe = [{"type": "function", "function": {"name": "envhub_probe", "parameters": {}}}]
+        try:
+            with_tools = self._render(self._BASE, generation_prompt=False, tools=probe)
+        except Exception:  # noqa: BLE001 - any template error means "cannot render tools"
+            return False
+        return "envhub_probe" in with_tools
+
+    def _tools(self, tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        return list(tools) if tools and self.native_tools else None
+
+    def _render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        generation_prompt: bool,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        extra = {"tools": list(tools)} if tools else {}
         return self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=generation_prompt, tokenize=False
+            list(messages), add_generation_prompt=generation_prompt, tokenize=False, **extra
         )
+
+    def _base(self, tools: list[dict[str, Any]] | None) -> tuple[str, str, str]:
+        """(base text, closing after an EOS, closing without one) for the tool set ``tools``."""
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        if key not in self._bases:
+            base = self._render(self._BASE, generation_prompt=False, tools=tools)
+            closing = base[base.rindex("y") + 1 :]
+            eos = self.tokenizer.eos_token or ""
+            after_eos = closing[len(eos) :] if eos and closing.startswith(eos) else closing
+            without_eos = closing if closing.startswith(eos) else eos + closing
+            self._bases[key] = (base, after_eos, without_eos)
+        return self._bases[key]
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def prompt(self, messages: Sequence[dict[str, Any]]) -> list[int]:
-        """The opening prompt: all messages plus the assistant generation prompt."""
-        return self.encode(self._render(messages, generation_prompt=True))
+    def prompt(
+        self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The opening prompt: all messages (and ``tools``) plus the assistant generation prompt."""
+        return self.encode(self._render(messages, generation_prompt=True, tools=self._tools(tools)))
 
     def continuation(
-        self, new_messages: Sequence[dict[str, Any]], stopped_on_eos: bool
+        self,
+        new_messages: Sequence[dict[str, Any]],
+        stopped_on_eos: bool,
+        tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """Ids to append after a policy turn: close the turn, the new messages, the next prompt."""
-        full = self._render([*self._BASE, *new_messages], generation_prompt=True)
-        if not full.startswith(self._base_text):
+        """Ids to append after a policy turn: close the turn, the new messages, the next prompt.
+
+        ``tools`` must be the episode's tools as given to ``prompt`` (the base conversation of
+        the delta trick is rendered with them, so a tools block is not repeated)."""
+        schemas = self._tools(tools)
+        base, after_eos, without_eos = self._base(schemas)
+        full = self._render([*self._BASE, *new_messages], generation_prompt=True, tools=schemas)
+        if not full.startswith(base):
             raise ValueError(
                 "the chat template renders a conversation differently when it grows; "
                 "it cannot be used for multi-turn token appending"
             )
-        closing = self._closing_after_eos if stopped_on_eos else self._closing_without_eos
-        return self.encode(closing + full[len(self._base_text) :])
+        closing = after_eos if stopped_on_eos else without_eos
+        return self.encode(closing + full[len(base) :])
+
+    def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
+        """One generated turn as an assistant message: tool calls read with ``tool_parser``
+        when the episode has tools and the template renders them, else the text as content."""
+        if self._tools(tools) is None:
+            return ParsedTurn(content=text, raw=text)
+        return self.tool_parser.parse(text)
+
+    @property
+    def tool_parser(self) -> ToolParser:
+        """The model family's parser (built on first use: looking for vLLM's costs an import)."""
+        if self._parser is None:
+            self._parser = make_tool_parser(
+                self.tool_parser_name, self.tokenizer, max_calls=self.max_tool_calls
+            )
+        return self._parser
 
     def answer(self, content: str) -> list[int]:
         """Ids of an assistant answer as the template writes it, EOS included (for SFT data)."""
