@@ -44,7 +44,7 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
     problems.extend(_parallel_problems(cfg))
     if cfg.env.hub is None:
         problems.extend(_unknown_env_ids(cfg.env.ids))
-    elif cfg.env.kwargs:
+    elif cfg.env.kwargs or any(entry.kwargs for entry in cfg.env.entries):
         problems.append(
             Problem(
                 "env.kwargs",

@@ -43,6 +43,7 @@ __all__ = [
     "AlgorithmConfig",
     "ClusterConfig",
     "EnvConfig",
+    "EnvEntry",
     "LossConfig",
     "ModelConfig",
     "RoleConfig",
@@ -127,13 +128,27 @@ class ModelConfig(Section):
 # --------------------------------------------------------------------------- env and rollout
 
 
+class EnvEntry(Section):
+    """One env of a mix (``env.id: [{id, kwargs, weight}, ...]``, or ``env:`` as that list)."""
+
+    id: str
+    """Registered env id."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Constructor kwargs for this env, over ``env.kwargs``."""
+    weight: float = Field(default=1.0, gt=0)
+    """Share of each step's groups (partitioned by weight; equal weights alternate)."""
+
+
 class EnvConfig(Section):
     """Which environments to train on, where they run, and how episodes are grouped."""
 
-    id: str | list[str] = "games/frozen-lake-v0"
-    """Registered env id, or a list of ids (groups are spread over them round-robin)."""
+    id: str | list[str | EnvEntry] = "games/frozen-lake-v0"
+    """Registered env id, or a mix: a list of ids and/or ``{id, kwargs, weight}`` entries
+    (each step's groups are partitioned by weight; ``train/<env id>/success`` and
+    ``eval/<env id>/success`` are logged beside the pooled figures)."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Extra constructor kwargs passed to ``envhub.make`` for every env."""
+    """Extra constructor kwargs passed to ``envhub.make`` for every env (an entry's own
+    ``kwargs`` override them)."""
     hub: str | None = None
     """URL of a remote ``envhub serve`` (``ws://host:port``); None runs an in-process pool."""
     token: str | None = None
@@ -152,9 +167,36 @@ class EnvConfig(Section):
     see ``trainer.rewards``). Empty: the envs' own rewards only."""
 
     @property
+    def entries(self) -> list[EnvEntry]:
+        """Every env of the run as an entry (a plain id is weight 1, no kwargs of its own)."""
+        items = [self.id] if isinstance(self.id, str) else list(self.id)
+        return [EnvEntry(id=item) if isinstance(item, str) else item for item in items]
+
+    @property
     def ids(self) -> list[str]:
         """The env ids as a list, whether one or several were given."""
-        return [self.id] if isinstance(self.id, str) else list(self.id)
+        return [entry.id for entry in self.entries]
+
+    @property
+    def weights(self) -> list[float]:
+        """Each env's share of a step's groups, in ``ids`` order."""
+        return [entry.weight for entry in self.entries]
+
+    def kwargs_for(self, env_id: str) -> dict[str, Any]:
+        """The constructor kwargs of ``env_id``: ``env.kwargs`` updated by its entry's."""
+        own = next((e.kwargs for e in self.entries if e.id == env_id), {})
+        return {**self.kwargs, **own}
+
+    @model_validator(mode="after")
+    def _ids_unique(self) -> EnvConfig:
+        ids = self.ids
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise ValueError(
+                f"env {repeated[0]!r} is listed twice; give it one entry (raise its weight for "
+                "a larger share)"
+            )
+        return self
 
 
 class RolloutConfig(Section):
@@ -438,10 +480,15 @@ class WeightSyncConfig(Section):
 class TrainerConfig(Section):
     """The whole trainer. Build it with :func:`load_config` or ``TrainerConfig.model_validate``."""
 
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_list_is_a_mix(cls, value: Any) -> Any:
+        return {"id": value} if isinstance(value, list) else value
+
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig()))
     """The policy model."""
     env: EnvConfig = Field(default_factory=EnvConfig)
-    """Environments and batch shape."""
+    """Environments and batch shape (a list here is shorthand for ``env.id``: a mix)."""
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     """Episode generation."""
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)

@@ -31,10 +31,22 @@ __all__ = ["EventFileWriter", "MetricsLog", "plot_curves", "summarise"]
 
 
 def summarise(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
-    """Success rate, mean return, turns, invalid-action rate and lengths of ``trajectories``."""
+    """Success rate, mean return, turns, invalid-action rate and lengths of ``trajectories``;
+    with several envs also ``{prefix}/{env id}/success`` and ``/reward`` per env (the pooled
+    figures stay, weighted by episodes)."""
     n = max(len(trajectories), 1)
     turns = sum(t.num_turns for t in trajectories)
+    by_env: dict[str, list[Trajectory]] = {}
+    for t in trajectories:
+        by_env.setdefault(t.env_id, []).append(t)
+    per_env: dict[str, float] = {}
+    for env_id, episodes in sorted(by_env.items()) if len(by_env) > 1 else ():
+        per_env[f"{prefix}/{env_id}/success"] = sum(t.success for t in episodes) / len(episodes)
+        per_env[f"{prefix}/{env_id}/reward"] = sum(t.episode_reward for t in episodes) / len(
+            episodes
+        )
     return {
+        **per_env,
         f"{prefix}/success": sum(t.success for t in trajectories) / n,
         f"{prefix}/reward": sum(t.episode_reward for t in trajectories) / n,
         f"{prefix}/turns": turns / n,

@@ -260,7 +260,7 @@ class AgenticPipeline:
         else:
             data = demos.expert_trajectories(
                 self.cfg.env.ids,
-                self.cfg.env.kwargs,
+                self.cfg.env.kwargs_for,
                 self.renderer,
                 episodes=sft.episodes,
                 max_turns=self.cfg.rollout.max_turns,
@@ -426,12 +426,16 @@ class AgenticPipeline:
         if env.hub is not None:  # (env kwargs with a remote hub are refused by config.problems())
             return LocalEnvSource(hub=env.hub, token=env.token)
         timeout = self.cfg.rollout.env_timeout_s
+        mix = {entry.id: entry.kwargs for entry in env.entries if entry.kwargs}
         if env.pool_workers > 0:
             return PoolEnvSource(
-                env.kwargs, num_workers=env.pool_workers, step_timeout_s=timeout or 30.0
+                env.kwargs,
+                num_workers=env.pool_workers,
+                step_timeout_s=timeout or 30.0,
+                kwargs_by_env=mix,
             )
         # threads: a blocking step can then time out
-        return LocalEnvSource(env.kwargs, threaded=timeout is not None)
+        return LocalEnvSource(env.kwargs, threaded=timeout is not None, kwargs_by_env=mix)
 
     def _reward_router(self) -> Any:
         if not self.cfg.env.rewards:

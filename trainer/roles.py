@@ -46,7 +46,7 @@ def prepare_policy(cfg: TrainerConfig) -> Path:
         raise ModelError("set model.path or model.tiny")
     corpus: list[str] = []
     for env_id in cfg.env.ids:
-        corpus += env_corpus(env_id, cfg.env.kwargs, episodes=300, seed=cfg.seed)
+        corpus += env_corpus(env_id, cfg.env.kwargs_for(env_id), episodes=300, seed=cfg.seed)
     partial = target.with_name(target.name + ".partial")
     build_policy(
         partial,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,7 @@ SFT_SEED_BASE = 1_500_000_000
 
 def expert_trajectories(
     env_ids: Sequence[str],
-    env_kwargs: dict[str, Any],
+    env_kwargs: dict[str, Any] | Callable[[str], dict[str, Any]],
     renderer: ChatRenderer,
     *,
     episodes: int,
@@ -61,7 +61,8 @@ def expert_trajectories(
     demos = []
     for i in range(episodes):
         env_id = env_ids[i % len(env_ids)]
-        env = envhub.make(env_id, **env_kwargs)
+        kwargs = env_kwargs(env_id) if callable(env_kwargs) else env_kwargs
+        env = envhub.make(env_id, **kwargs)
         try:
             messages, reset_info = env.reset(seed=SFT_SEED_BASE + seed_offset + i)
             tools = reset_info.get("tools") or None  # rendered as in RL (native tool calling)

@@ -132,10 +132,13 @@ class LocalEnvSource:
         hub: str | None = None,
         token: str | None = None,
         threaded: bool = False,
+        kwargs_by_env: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         import envhub
 
         self.env_kwargs = dict(env_kwargs or {})
+        self.kwargs_by_env = dict(kwargs_by_env or {})
+        """Per env id: kwargs over ``env_kwargs`` (a mix's own settings)."""
         self.hub = hub
         self.threaded = threaded or hub is not None
         if hub is not None:
@@ -143,7 +146,8 @@ class LocalEnvSource:
         self._make = make or envhub.make
 
     async def session(self, env_id: str) -> EnvSession:
-        return _LocalSession(self._make(env_id, **self.env_kwargs), threaded=self.threaded)
+        kwargs = {**self.env_kwargs, **self.kwargs_by_env.get(env_id, {})}
+        return _LocalSession(self._make(env_id, **kwargs), threaded=self.threaded)
 
     async def aclose(self) -> None:
         """Local envs are closed by their sessions."""
@@ -181,8 +185,10 @@ class PoolEnvSource:
         num_workers: int = 2,
         backend: PoolBackend = "process",
         step_timeout_s: float = 30.0,
+        kwargs_by_env: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         self.env_kwargs = dict(env_kwargs or {})
+        self.kwargs_by_env = dict(kwargs_by_env or {})
         self.num_workers, self.backend, self.step_timeout_s = num_workers, backend, step_timeout_s
         self._pools: dict[str, Any] = {}
 
@@ -194,7 +200,7 @@ class PoolEnvSource:
                 env_id,
                 num_workers=self.num_workers,
                 backend=self.backend,
-                env_kwargs=self.env_kwargs,
+                env_kwargs={**self.env_kwargs, **self.kwargs_by_env.get(env_id, {})},
                 step_timeout_s=self.step_timeout_s,
             )
             await pool.start()

@@ -14,7 +14,7 @@ at once (asyncio; the engine batches their generation requests): the evaluation 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from trainer.errors import RolloutError
@@ -24,6 +24,7 @@ from trainer.rollout.trajectory import Trajectory
 __all__ = [
     "EVAL_SEED_BASE",
     "EpisodeSpec",
+    "env_for_group",
     "plan_eval",
     "plan_groups",
     "play_episode",
@@ -43,15 +44,42 @@ class EpisodeSpec:
     group_id: int
 
 
+_GOLDEN = (5**0.5 - 1) / 2
+
+
+def env_for_group(
+    number: int, env_ids: Sequence[str], weights: Sequence[float] | None = None
+) -> str:
+    """The env that group ``number`` of a run plays: round-robin over ``env_ids`` when the
+    weights are equal, else by weight through the golden-ratio sequence ``frac(n * 0.618...)``
+    (stateless, so a resumed run plays the same envs, and every run of consecutive groups
+    holds each env close to its share)."""
+    if not weights or len(set(weights)) <= 1:
+        return env_ids[number % len(env_ids)]
+    point = (number * _GOLDEN) % 1.0 * sum(weights)
+    for env_id, weight in zip(env_ids, weights, strict=True):
+        if point < weight:
+            return env_id
+        point -= weight
+    return env_ids[-1]
+
+
 def plan_groups(
-    step: int, *, num_groups: int, group_size: int, env_ids: list[str], seed: int
+    step: int,
+    *,
+    num_groups: int,
+    group_size: int,
+    env_ids: list[str],
+    seed: int,
+    weights: Sequence[float] | None = None,
 ) -> list[EpisodeSpec]:
     """``num_groups * group_size`` episodes for training step ``step`` (deterministic)."""
     specs = []
     for g in range(num_groups):
         group_id = step * num_groups + g
         task_seed = (seed * 7_919 + group_id) % EVAL_SEED_BASE
-        specs += [EpisodeSpec(env_ids[group_id % len(env_ids)], task_seed, group_id)] * group_size
+        env_id = env_for_group(group_id, env_ids, weights)
+        specs += [EpisodeSpec(env_id, task_seed, group_id)] * group_size
     return specs
 
 

@@ -51,7 +51,7 @@ from typing import Any, Literal, TypeVar
 from trainer.config import RolloutConfig, TrainerConfig
 from trainer.errors import RolloutError
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
-from trainer.rollout.groups import EVAL_SEED_BASE, EpisodeSpec, play_episode
+from trainer.rollout.groups import EVAL_SEED_BASE, EpisodeSpec, env_for_group, play_episode
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.trajectory import Trajectory
 from trainer.strategies.base import Weights
@@ -73,7 +73,9 @@ class SchedulerConfig:
     group_size: int
     """Episodes per group (same task and seed)."""
     env_ids: tuple[str, ...]
-    """Tasks are spread round-robin over these envs."""
+    """Tasks are spread over these envs (``groups.env_for_group``)."""
+    env_weights: tuple[float, ...] = ()
+    """Each env's share of the groups; empty or equal: round-robin."""
     seed: int = 0
     mode: Mode = "sync"
     redundancy: float = _ROLLOUT_DEFAULTS["redundancy"]
@@ -99,6 +101,7 @@ class SchedulerConfig:
             num_groups=env.num_groups,
             group_size=env.group_size,
             env_ids=tuple(env.ids),
+            env_weights=tuple(env.weights),
             seed=cfg.seed,
             mode="async" if rollout.mode == "async" else "sync",
             redundancy=rollout.redundancy,
@@ -287,7 +290,7 @@ class RolloutScheduler:
         self.next_group += 1
         group = _Group(
             number,
-            self.cfg.env_ids[number % len(self.cfg.env_ids)],
+            env_for_group(number, self.cfg.env_ids, self.cfg.env_weights),
             (self.cfg.seed * 7_919 + number) % EVAL_SEED_BASE,
             started_version=self.router.version,
         )

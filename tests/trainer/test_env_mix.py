@@ -1,0 +1,101 @@
+"""Multi-env mixes: ``env:`` as a list of ``{id, kwargs, weight}``, groups partitioned by weight,
+per-env kwargs reaching the envs, per-env metrics beside the pooled ones."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
+
+from tests.trainer.test_cli import QUICKSTART, TINY
+from trainer.config import TrainerConfig, load_config
+from trainer.errors import ConfigError
+from trainer.pipeline import AgenticPipeline
+from trainer.rollout.env_manager import LocalEnvSource
+from trainer.rollout.groups import env_for_group, plan_groups
+
+LAKE, GUESS = "games/frozen-lake-v0", "games/guess-number-v0"
+
+
+def test_a_list_under_env_is_a_mix_with_its_own_kwargs_and_weights() -> None:
+    cfg = TrainerConfig.model_validate(
+        {
+            "env": {
+                "id": [{"id": LAKE, "kwargs": {"size": 2}, "weight": 3}, GUESS],
+                "kwargs": {"max_turns": 4},
+            }
+        }
+    )
+    assert cfg.env.ids == [LAKE, GUESS] and cfg.env.weights == [3.0, 1.0]
+    assert cfg.env.kwargs_for(LAKE) == {"size": 2, "max_turns": 4}  # its own over the shared
+    assert cfg.env.kwargs_for(GUESS) == {"max_turns": 4}
+    # in a YAML file the list may stand for the whole env section
+    shorthand = TrainerConfig.model_validate({"env": [{"id": LAKE, "weight": 2}, GUESS]})
+    assert shorthand.env.ids == [LAKE, GUESS] and shorthand.env.weights == [2.0, 1.0]
+
+
+def test_mix_mistakes_are_config_errors_naming_the_fix() -> None:
+    with pytest.raises(ConfigError, match="listed twice"):
+        load_config(QUICKSTART, [f"env.id=[{LAKE}, {LAKE}]"])
+    with pytest.raises(ConfigError, match=r"env.id\[1\].*frozen-lake-v0"):
+        load_config(QUICKSTART, [f"env.id=[{LAKE}, games/frozen-lak-v0]"])
+    with pytest.raises(ConfigError, match="weight"):
+        load_config(QUICKSTART, [f"env.id=[{{id: {LAKE}, weight: 0}}]"])
+
+
+def test_groups_follow_the_weights_and_equal_weights_alternate() -> None:
+    ids = [LAKE, GUESS]
+    shares = Counter(env_for_group(n, ids, [3.0, 1.0]) for n in range(400))
+    assert shares[LAKE] == pytest.approx(300, abs=4) and shares[GUESS] == pytest.approx(100, abs=4)
+    # every window of 16 consecutive groups (one step of the quickstart) is close to 3:1
+    for start in range(0, 400, 16):
+        window = Counter(env_for_group(n, ids, [3.0, 1.0]) for n in range(start, start + 16))
+        assert 10 <= window[LAKE] <= 14
+    assert [env_for_group(n, ids, [1.0, 1.0]) for n in range(4)] == [LAKE, GUESS, LAKE, GUESS]
+    step = plan_groups(2, num_groups=4, group_size=2, env_ids=ids, seed=0, weights=[3.0, 1.0])
+    assert step == plan_groups(2, num_groups=4, group_size=2, env_ids=ids, seed=0, weights=[3, 1])
+
+
+def test_a_mixed_run_logs_each_env_and_passes_each_its_kwargs(tmp_path: Path) -> None:
+    base = yaml.safe_load(QUICKSTART.read_text())  # the quickstart with a two-env mix
+    base["env"]["id"] = [GUESS, {"id": LAKE, "kwargs": {"size": 2, "hole_fraction": 0.0}}]
+    base["env"]["kwargs"] = {"max_turns": 6}
+    config = tmp_path / "mix.yaml"
+    config.write_text(yaml.safe_dump(base))
+    cfg = load_config(
+        config,
+        [
+            *TINY,
+            "env.num_groups=2",
+            "train.steps=1",
+            "sft.epochs=0",
+            "eval.episodes=4",
+            "rollout.max_new_tokens=6",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+    )
+    assert cfg.env.kwargs == {"max_turns": 6} and cfg.env.kwargs_for(LAKE)["size"] == 2
+    rows = AgenticPipeline(cfg).fit()
+    step = rows[-1]
+    for prefix in ("train", "eval"):
+        assert {f"{prefix}/{LAKE}/success", f"{prefix}/{GUESS}/success"} <= set(step)
+        assert f"{prefix}/success" in step
+    assert step["train/episodes"] == 8  # one group of 4 per env
+    logged = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert f"train/{GUESS}/reward" in logged and f"eval/{LAKE}/success" in logged
+
+
+def test_each_env_of_a_mix_is_made_with_its_own_kwargs() -> None:
+    source = LocalEnvSource({"max_turns": 3}, kwargs_by_env={LAKE: {"size": 2}})
+
+    async def sessions():
+        return await source.session(LAKE), await source.session(GUESS)
+
+    lake, other = asyncio.run(sessions())
+    assert lake.env.size == 2 and lake.env.max_turns == 3  # its own kwargs over the shared ones
+    assert other.env.max_turns == 3
