@@ -219,6 +219,13 @@ class RolloutConfig(Section):
     ``mistral``, ``pythonic`` or ``none`` (plain text actions, tools only in the env's prompt).
     With a template that renders tools, an env's tool schemas go to ``apply_chat_template(...,
     tools=...)`` and assistant turns are kept as structured ``tool_calls`` messages."""
+    sample_unit: Literal["episode", "turn", "auto"] = "auto"
+    """What one training sample is. ``episode``: the whole episode as one token sequence (the
+    env's replies appended as context); ``turn``: every policy turn its own sample, prompted
+    with the template's rendering of the conversation at that turn and credited with the
+    episode's return (group baselines count episodes); needed by templates that rewrite
+    earlier turns as a conversation grows (Qwen3 drops past thinking). ``auto``: ``turn``
+    exactly when the template is not append-only (said once in the log)."""
     max_tool_calls: int = Field(default=16, gt=0)
     """Most tool calls read from one turn; more is a malformed turn (env feedback, penalty)."""
     mode: Literal["batch", "sync", "async"] = "batch"

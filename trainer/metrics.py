@@ -52,7 +52,7 @@ def summarise(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, floa
         f"{prefix}/turns": turns / n,
         f"{prefix}/invalid_rate": sum(t.invalid_actions for t in trajectories) / max(turns, 1),
         f"{prefix}/response_tokens": sum(t.num_policy_tokens for t in trajectories) / n,
-        f"{prefix}/sequence_tokens": sum(len(t.token_ids) for t in trajectories) / n,
+        f"{prefix}/sequence_tokens": sum(t.num_tokens for t in trajectories) / n,
         f"{prefix}/episodes": float(len(trajectories)),
     }
 

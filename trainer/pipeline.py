@@ -201,6 +201,7 @@ class AgenticPipeline:
             token_rewards=token_rewards,
             scores=scores,
             group_ids=batch["group_ids"],
+            episode_ids=batch.get("episode_ids"),
             values=batch.get("values"),
             gamma=algo.gamma,
             lam=algo.lam,

@@ -57,6 +57,7 @@ def expert_trajectories(
     if not 0.0 <= noise <= 1.0:
         raise TrainerError(f"sft.expert_noise must be in [0, 1], got {noise!r}")
     rng = random.Random(seed)
+    per_turn = not renderer.append_only
     seen: dict[str, None] = {}  # the expert's moves so far, in first-seen order (an ordered set)
     demos = []
     for i in range(episodes):
@@ -69,8 +70,9 @@ def expert_trajectories(
             trajectory = Trajectory(
                 env_id=env_id, seed=SFT_SEED_BASE + seed_offset + i, messages=list(messages)
             )
-            trajectory.append_context(renderer.prompt(messages, tools))
-            trajectory.prompt_length = len(trajectory.token_ids)
+            if not per_turn:  # else (history rewritten) one sample per turn, as in RL
+                trajectory.append_context(renderer.prompt(messages, tools))
+                trajectory.prompt_length = len(trajectory.token_ids)
             for _ in range(max_turns):
                 action = env.expert_action()
                 if action is None:
@@ -83,17 +85,24 @@ def expert_trajectories(
                 if noise and rng.random() < noise:
                     action = noise_action if noise_action is not None else rng.choice(list(seen))
                 ids = renderer.answer(action)
-                trajectory.append_policy(ids, [0.0] * len(ids))
+                tokens = trajectory
+                if per_turn:
+                    tokens = trajectory.turn_sample(renderer.prompt(trajectory.messages, tools))
+                    trajectory.samples.append(tokens)
+                tokens.append_policy(ids, [0.0] * len(ids))
                 trajectory.messages.append(renderer.parse(action, tools).message())
                 messages, reward, terminated, truncated, info = env.step(action)
                 trajectory.end_turn(reward)
+                if per_turn:
+                    tokens.end_turn(reward)
                 trajectory.messages.extend(messages)
                 trajectory.success = bool(info.get("success"))
                 if terminated or truncated:
                     break
-                trajectory.append_context(
-                    renderer.continuation(messages, stopped_on_eos=True, tools=tools)
-                )
+                if not per_turn:
+                    trajectory.append_context(
+                        renderer.continuation(messages, stopped_on_eos=True, tools=tools)
+                    )
         finally:
             env.close()
         demos.append(trajectory)

@@ -81,19 +81,27 @@ def gae(
 
 
 def _group_stats(
-    scores: torch.Tensor, group_ids: torch.Tensor
+    scores: torch.Tensor, group_ids: torch.Tensor, episode_ids: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-episode (group mean, group population std, group size) for each episode's group."""
+    """Per row (group mean, group population std, group size in episodes) of its group.
+
+    With ``episode_ids`` (several rows per episode: per-turn samples) each row weighs
+    ``1 / rows of its episode``, so every episode counts once."""
     import torch
 
     _, inverse = torch.unique(group_ids, return_inverse=True)
     groups = int(inverse.max().item()) + 1 if inverse.numel() else 0
     scores = scores.double()
-    count = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(scores))
-    total = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, scores)
+    weight = torch.ones_like(scores)
+    if episode_ids is not None and episode_ids.numel():
+        _, episode = torch.unique(episode_ids, return_inverse=True)
+        rows = torch.zeros(int(episode.max().item()) + 1, dtype=torch.float64)
+        weight = 1.0 / rows.index_add_(0, episode, weight)[episode]
+    count = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, weight)
+    total = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, weight * scores)
     mean = total / count
     sq = torch.zeros(groups, dtype=torch.float64).index_add_(
-        0, inverse, (scores - mean[inverse]) ** 2
+        0, inverse, weight * (scores - mean[inverse]) ** 2
     )
     std = (sq / count).sqrt()
     return mean[inverse], std[inverse], count[inverse]
@@ -105,28 +113,33 @@ def grpo(
     response_mask: torch.Tensor,
     eps: float = 1e-6,
     normalize_std: bool = True,
+    episode_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO: ``A_i = (s_i - mean_group) / (std_group + eps)`` on every policy token of row i.
 
     ``std`` is the population std of the group; with ``normalize_std=False`` only the mean
-    is subtracted (Dr. GRPO). A group whose scores are all equal gets advantage 0.
+    is subtracted (Dr. GRPO). A group whose scores are all equal gets advantage 0. With
+    ``episode_ids`` the group statistics are over episodes, not rows (per-turn samples).
     """
-    mean, std, _ = _group_stats(scores, group_ids)
+    mean, std, _ = _group_stats(scores, group_ids, episode_ids)
     centred = scores.double() - mean
     adv = centred / (std + eps) if normalize_std else centred
     return adv.to(response_mask.dtype)[:, None] * response_mask
 
 
 def rloo(
-    scores: torch.Tensor, group_ids: torch.Tensor, response_mask: torch.Tensor
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    episode_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RLOO: ``A_i = s_i - mean_{j != i in group} s_j = n/(n-1) * (s_i - mean_group)``.
 
-    A group of one episode has no baseline: its advantage is 0.
+    A group of one episode has no baseline: its advantage is 0 (``n`` counts episodes).
     """
     import torch
 
-    mean, _, count = _group_stats(scores, group_ids)
+    mean, _, count = _group_stats(scores, group_ids, episode_ids)
     scale = torch.where(count > 1, count / (count - 1).clamp(min=1.0), torch.zeros_like(count))
     adv = scale * (scores.double() - mean)
     return adv.to(response_mask.dtype)[:, None] * response_mask
@@ -190,8 +203,12 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 0.95,
     normalize_std: bool = True,
+    episode_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Dispatch on ``estimator``; returns ``(advantages, returns)`` (returns only for GAE)."""
+    """Dispatch on ``estimator``; returns ``(advantages, returns)`` (returns only for GAE).
+
+    ``episode_ids`` (rows of one episode: per-turn samples) make the group estimators count
+    episodes, not rows."""
     if estimator == "gae":
         if values is None:
             raise ValueError(
@@ -199,9 +216,12 @@ def compute_advantages(
             )
         return gae(token_rewards, values, response_mask, gamma, lam)
     if estimator == "grpo":
-        return grpo(scores, group_ids, response_mask, normalize_std=normalize_std), None
+        grouped = grpo(
+            scores, group_ids, response_mask, normalize_std=normalize_std, episode_ids=episode_ids
+        )
+        return grouped, None
     if estimator == "rloo":
-        return rloo(scores, group_ids, response_mask), None
+        return rloo(scores, group_ids, response_mask, episode_ids), None
     if estimator == "reinforce_plus_plus":
         return reinforce_plus_plus(token_rewards, response_mask, gamma), None
     raise ValueError(

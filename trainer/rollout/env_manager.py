@@ -23,10 +23,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from trainer.rollout.tool_parsers import env_action
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
@@ -47,6 +48,8 @@ __all__ = [
 ]
 
 StepOutcome = tuple[list[dict[str, Any]], float, bool, bool, dict[str, Any]]
+SampleUnit = Literal["episode", "turn", "auto"]
+_log = logging.getLogger(__name__)
 _request_ids = itertools.count()
 
 
@@ -244,9 +247,19 @@ class EnvManager:
         max_context_tokens: int,
         on_episode_end: Callable[[Trajectory], Awaitable[None]] | None = None,
         step_timeout_s: float | None = None,
+        sample_unit: SampleUnit = "auto",
     ) -> None:
         self.engine = engine
         self.renderer = renderer
+        if sample_unit == "auto":
+            sample_unit = "episode" if renderer.append_only else "turn"
+            if sample_unit == "turn":
+                _log.warning(
+                    "rollout.sample_unit auto: the chat template rewrites earlier turns as a "
+                    "conversation grows, so every policy turn is trained as its own sample"
+                )
+        self.sample_unit: SampleUnit = sample_unit
+        """``episode``: one appended token sequence per episode; ``turn``: one sample per turn."""
         self.max_turns = max_turns
         self.max_context_tokens = max_context_tokens
         self.on_episode_end = on_episode_end
@@ -277,13 +290,18 @@ class EnvManager:
         trajectory.info = dict(info)
         tools = info.get("tools") or None  # the env's tool schemas: rendered natively if possible
         trajectory.messages.extend(messages)
-        trajectory.append_context(self.renderer.prompt(messages, tools))
-        trajectory.prompt_length = len(trajectory.token_ids)
+        per_turn = self.sample_unit == "turn"
+        if not per_turn:
+            trajectory.append_context(self.renderer.prompt(messages, tools))
+            trajectory.prompt_length = len(trajectory.token_ids)
         for turn in range(self.max_turns):
-            result = await self._generate(trajectory, f"{key}/{turn}", sampling, info)
+            tokens = trajectory
+            if per_turn:  # this turn's own sample, prompted with the conversation so far
+                tokens = trajectory.turn_sample(self.renderer.prompt(trajectory.messages, tools))
+            result = await self._generate(trajectory, f"{key}/{turn}", sampling, info, tokens)
             if result is None:  # out of context, aborted, or the engine failed (flags are set)
                 break
-            action = self._append_turn(trajectory, result, tools)
+            action = self._append_turn(trajectory, result, tools, tokens)
             try:
                 messages, reward, terminated, truncated, info = await self._env_call(
                     session.step(action)
@@ -291,12 +309,17 @@ class EnvManager:
             except Exception as error:  # noqa: BLE001 - as for reset: any env error is data
                 return self._failed(trajectory, "step", error)
             trajectory.end_turn(reward)
+            if per_turn:
+                tokens.end_turn(reward)
+                trajectory.samples.append(tokens)
             trajectory.messages.extend(messages)
             trajectory.invalid_actions += int(bool(info.get("invalid_action")))
             trajectory.success = bool(info.get("success"))
             if terminated or truncated:
                 trajectory.terminated, trajectory.truncated = terminated, truncated
                 break
+            if per_turn:
+                continue
             stopped = bool(result.token_ids) and result.token_ids[-1] == self.renderer.eos_token_id
             trajectory.append_context(
                 self.renderer.continuation(messages, stopped_on_eos=stopped, tools=tools)
@@ -308,21 +331,28 @@ class EnvManager:
         return trajectory
 
     async def _generate(
-        self, trajectory: Trajectory, request_id: str, sampling: Sampling, info: dict[str, Any]
+        self,
+        trajectory: Trajectory,
+        request_id: str,
+        sampling: Sampling,
+        info: dict[str, Any],
+        tokens: Trajectory | None = None,
     ) -> GenerationResult | None:
-        """The policy's next turn; None ends the episode: the context is full (``truncated``),
-        the generation was aborted or the engine raised (``failed``, with the reason)."""
+        """The policy's next turn after the ids of ``tokens`` (default: the episode's own);
+        None ends the episode: the context is full (``truncated``), the generation was aborted
+        or the engine raised (``failed``, with the reason)."""
+        tokens = tokens or trajectory
         budget = min(
             sampling.max_new_tokens,
             int(info.get("max_new_tokens") or sampling.max_new_tokens),
-            self.max_context_tokens - len(trajectory.token_ids),
+            self.max_context_tokens - len(tokens.token_ids),
         )
         if budget <= 0:
             trajectory.truncated = True
             return None
         request = GenerationRequest(
             request_id,
-            list(trajectory.token_ids),
+            list(tokens.token_ids),
             budget,
             sampling.temperature,
             sampling.top_p,
@@ -343,6 +373,7 @@ class EnvManager:
         trajectory: Trajectory,
         result: GenerationResult,
         tools: list[dict[str, Any]] | None = None,
+        tokens: Trajectory | None = None,
     ) -> str:
         """Append the generated tokens (as policy tokens) and the assistant message; the action.
 
@@ -350,10 +381,11 @@ class EnvManager:
         by the model family's parser) and the env gets the calls in envhub's ``<tool_call>``
         form; a malformed call reaches the env as the raw text, whose parser answers it with
         feedback and the invalid-action penalty."""
-        trajectory.append_policy(result.token_ids, result.logprobs, result.policy_version)
+        tokens = tokens or trajectory  # the episode's sequence, or this turn's own sample
+        tokens.append_policy(result.token_ids, result.logprobs, result.policy_version)
         resumed = result.extra.get("token_versions")  # a turn preempted by a weight update
         if resumed:
-            trajectory.token_versions[len(trajectory.token_versions) - len(resumed) :] = resumed
+            tokens.token_versions[len(tokens.token_versions) - len(resumed) :] = resumed
         trajectory.policy_versions.append(result.policy_version)
         turn = self.renderer.parse(self.renderer.decode(result.token_ids), tools)
         trajectory.messages.append(turn.message())

@@ -15,7 +15,7 @@ messages and tokenise only the difference, so templates that add a default syste
 
     input_ids      (B, T) long    attention_mask (B, T) long    response_mask (B, T) float
     old_logprobs   (B, T) float   token_rewards  (B, T) float   scores        (B,)   float
-    group_ids      (B,)   long
+    group_ids      (B,)   long    episode_ids    (B,)   long
 
 ``token_rewards`` holds each turn's reward on that turn's last policy token; ``scores`` is
 the episode return.
@@ -77,6 +77,10 @@ class Trajectory:
     token_versions: list[int] = field(default_factory=list)
     """Per token: the policy version that generated it (-1 on context tokens). With partial
     rollouts one turn can mix versions; staleness is measured from the oldest."""
+    samples: list[Trajectory] = field(default_factory=list)
+    """``rollout.sample_unit: turn``: one training sample per policy turn (its prompt is the
+    template's rendering of the conversation at that turn, then the turn's tokens); this
+    episode then holds the transcript, rewards and flags, and no tokens of its own."""
 
     # ------------------------------------------------------------------ building
     def append_context(self, ids: Sequence[int]) -> None:
@@ -98,6 +102,17 @@ class Trajectory:
         self.logprobs.extend(logprobs)
         self.token_versions.extend([int(version)] * len(ids))
 
+    def turn_sample(self, prompt_ids: Sequence[int]) -> Trajectory:
+        """A per-turn sample of this episode (``samples``) whose prompt is ``prompt_ids``: the
+        template's rendering of the conversation so far. Append it to ``samples`` once its turn
+        has its tokens and reward."""
+        sample = Trajectory(self.env_id, self.seed, self.group_id)
+        sample.append_context(prompt_ids)
+        sample.prompt_length = len(sample.token_ids)
+        if not self.samples:
+            self.prompt_length = sample.prompt_length
+        return sample
+
     def end_turn(self, reward: float) -> None:
         """Record the env's reward for the turn whose tokens were appended last."""
         self.turn_rewards.append(float(reward))
@@ -114,13 +129,28 @@ class Trajectory:
         return sum(self.turn_rewards) + self.final_reward
 
     @property
+    def rows(self) -> list[Trajectory]:
+        """The training samples of this episode: itself, or its per-turn ``samples``."""
+        return self.samples or [self]
+
+    @property
     def num_policy_tokens(self) -> int:
-        return sum(self.response_mask)
+        return sum(sum(row.response_mask) for row in self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens trained on (context included), over every sample of the episode."""
+        return sum(len(row.token_ids) for row in self.rows)
 
     @property
     def oldest_version(self) -> int | None:
         """The oldest policy version among the generated tokens (None before any)."""
-        versions = [v for v, m in zip(self.token_versions, self.response_mask, strict=False) if m]
+        versions = [
+            v
+            for row in self.rows
+            for v, m in zip(row.token_versions, row.response_mask, strict=False)
+            if m
+        ]
         return min(versions) if versions else None
 
     def to_json(self) -> str:
@@ -134,7 +164,8 @@ class Trajectory:
             raise ValueError(
                 f"unknown trajectory field(s) {sorted(unknown)}; expected some of {sorted(known)}"
             )
-        return cls(**data)
+        samples = [cls.from_dict(sample) for sample in data.get("samples", [])]
+        return cls(**{**data, "samples": samples})
 
 
 class ChatRenderer:
@@ -179,6 +210,16 @@ class ChatRenderer:
         self._parser: ToolParser | None = None
         self._bases: dict[str, tuple[str, str, str]] = {}
         self._base(None)  # a template that cannot render the dummy conversation fails here
+        self.append_only = self._appends_only()
+        """Growing a conversation only appends to its rendering (the delta trick holds); False
+        for templates that rewrite history (Qwen3 drops earlier turns' thinking), which need
+        ``rollout.sample_unit: turn``."""
+
+    def _appends_only(self) -> bool:
+        thought = {"role": "assistant", "content": "<think>\nplan\n</think>\n\ny"}
+        shown = self._render([self._BASE[0], thought], generation_prompt=False)
+        grown = [self._BASE[0], thought, {"role": "user", "content": "z"}]
+        return self._render(grown, generation_prompt=True).startswith(shown)
 
     def _renders_tools(self) -> bool:
         probe = [{"type": "function", "function": {"name": "envhub_probe", "parameters": {}}}]
@@ -238,8 +279,9 @@ class ChatRenderer:
         full = self._render([*self._BASE, *new_messages], generation_prompt=True, tools=schemas)
         if not full.startswith(base):
             raise ValueError(
-                "the chat template renders a conversation differently when it grows; "
-                "it cannot be used for multi-turn token appending"
+                "the chat template renders a conversation differently when it grows (it "
+                "rewrites earlier turns), so episodes cannot be one appended token sequence; set "
+                "rollout.sample_unit: turn (or auto) to train each turn as its own sample"
             )
         closing = after_eos if stopped_on_eos else without_eos
         return self.encode(closing + full[len(base) :])
@@ -269,32 +311,44 @@ class ChatRenderer:
 
 
 def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded training tensors for ``trajectories`` (shapes in the module docstring)."""
+    """Right-padded training tensors for ``trajectories`` (shapes in the module docstring).
+
+    An episode with per-turn ``samples`` gives one row per sample: each row's return-to-go
+    (its turn's reward, the later turns' and the final reward) on its last policy token, and
+    the episode return as every row's score; ``episode_ids`` (B,) says which episode a row
+    came from, so group baselines count each episode once however many turns it took."""
     import torch
 
-    rows = len(trajectories)
-    width = max(len(t.token_ids) for t in trajectories)
-    input_ids = torch.full((rows, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((rows, width), dtype=torch.long)
-    response_mask = torch.zeros((rows, width))
-    old_logprobs = torch.zeros((rows, width))
-    token_rewards = torch.zeros((rows, width))
-    for i, t in enumerate(trajectories):
-        n = len(t.token_ids)
-        input_ids[i, :n] = torch.tensor(t.token_ids, dtype=torch.long)
-        attention_mask[i, :n] = 1
-        response_mask[i, :n] = torch.tensor(t.response_mask, dtype=torch.float32)
-        old_logprobs[i, :n] = torch.tensor(t.logprobs, dtype=torch.float32)
-        for end, reward in zip(t.turn_ends, t.turn_rewards, strict=True):
-            token_rewards[i, end] += reward
-        if t.final_reward and t.turn_ends:
-            token_rewards[i, t.turn_ends[-1]] += t.final_reward
+    rows = [(i, k, row) for i, t in enumerate(trajectories) for k, row in enumerate(t.rows)]
+    width = max(len(row.token_ids) for _, _, row in rows)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    response_mask = torch.zeros((len(rows), width))
+    old_logprobs = torch.zeros((len(rows), width))
+    token_rewards = torch.zeros((len(rows), width))
+    for r, (i, k, row) in enumerate(rows):
+        episode, n = trajectories[i], len(row.token_ids)
+        input_ids[r, :n] = torch.tensor(row.token_ids, dtype=torch.long)
+        attention_mask[r, :n] = 1
+        response_mask[r, :n] = torch.tensor(row.response_mask, dtype=torch.float32)
+        old_logprobs[r, :n] = torch.tensor(row.logprobs, dtype=torch.float32)
+        if row is not episode:  # a turn sample: its return-to-go on its last policy token
+            if row.turn_ends:
+                to_go = sum(episode.turn_rewards[k:]) + episode.final_reward
+                token_rewards[r, row.turn_ends[-1]] += to_go
+            continue
+        for end, reward in zip(row.turn_ends, row.turn_rewards, strict=True):
+            token_rewards[r, end] += reward
+        if episode.final_reward and row.turn_ends:
+            token_rewards[r, row.turn_ends[-1]] += episode.final_reward
+    episodes = [trajectories[i] for i, _, _ in rows]
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "response_mask": response_mask,
         "old_logprobs": old_logprobs,
         "token_rewards": token_rewards,
-        "scores": torch.tensor([t.episode_reward for t in trajectories], dtype=torch.float32),
-        "group_ids": torch.tensor([t.group_id for t in trajectories], dtype=torch.long),
+        "scores": torch.tensor([t.episode_reward for t in episodes], dtype=torch.float32),
+        "group_ids": torch.tensor([t.group_id for t in episodes], dtype=torch.long),
+        "episode_ids": torch.tensor([i for i, _, _ in rows], dtype=torch.long),
     }
