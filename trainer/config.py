@@ -226,6 +226,13 @@ class RolloutConfig(Section):
     episode's return (group baselines count episodes); needed by templates that rewrite
     earlier turns as a conversation grows (Qwen3 drops past thinking). ``auto``: ``turn``
     exactly when the template is not append-only (said once in the log)."""
+    context: Literal["full", "last_k_turns", "strip_thinking"] = "full"
+    """What a turn sample's prompt holds (``sample_unit: turn``; setting it implies turn
+    samples under ``auto``): ``full`` the whole conversation; ``last_k_turns`` the opening
+    messages (system, task) and the last ``context_turns`` turns; ``strip_thinking`` every
+    earlier assistant turn without its ``<think>...</think>`` block. Bounds long episodes."""
+    context_turns: int = Field(default=4, gt=0)
+    """``context: last_k_turns``: how many of the latest turns the prompt keeps."""
     max_tool_calls: int = Field(default=16, gt=0)
     """Most tool calls read from one turn; more is a malformed turn (env feedback, penalty)."""
     mode: Literal["batch", "sync", "async"] = "batch"
@@ -251,6 +258,15 @@ class RolloutConfig(Section):
     recorded as failed and replayed on a fresh env, then replaced); None waits as long as it
     takes. Setting it runs local envs' calls in threads, so even an env whose ``step`` blocks
     is bounded (in every rollout mode); a pool (``env.pool_workers``) also kills such a worker."""
+
+    @model_validator(mode="after")
+    def _context_needs_turn_samples(self) -> RolloutConfig:
+        if self.context != "full" and self.sample_unit == "episode":
+            raise ValueError(
+                f"rollout.context: {self.context} shortens each turn's prompt, which one appended "
+                "sequence per episode cannot do; set rollout.sample_unit: turn (or auto)"
+            )
+        return self
 
     @field_validator("tool_parser")
     @classmethod

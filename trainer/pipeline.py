@@ -268,6 +268,8 @@ class AgenticPipeline:
                 noise=sft.expert_noise,
                 noise_action=sft.noise_action,
                 seed=self.cfg.seed,
+                context=self.cfg.rollout.context,
+                context_turns=self.cfg.rollout.context_turns,
             )
             demos.write_jsonl(data, self.out / "sft_demos.jsonl")
         order, rng, stats = list(range(len(data))), random.Random(self.cfg.seed), {}

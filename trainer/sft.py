@@ -26,6 +26,7 @@ from typing import Any
 
 from envhub.parsing import format_tool_call
 from trainer.errors import TrainerError
+from trainer.rollout.env_manager import Context, prompt_context
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 
 __all__ = ["SFT_SEED_BASE", "expert_trajectories", "from_messages", "load_jsonl", "write_jsonl"]
@@ -45,6 +46,8 @@ def expert_trajectories(
     noise: float = 0.0,
     noise_action: str | None = None,
     seed: int = 0,
+    context: Context = "full",
+    context_turns: int = 4,
 ) -> list[Trajectory]:
     """``episodes`` demonstrations by the envs' scripted experts (round-robin over ``env_ids``).
 
@@ -57,7 +60,7 @@ def expert_trajectories(
     if not 0.0 <= noise <= 1.0:
         raise TrainerError(f"sft.expert_noise must be in [0, 1], got {noise!r}")
     rng = random.Random(seed)
-    per_turn = not renderer.append_only
+    per_turn = not renderer.append_only or context != "full"  # as the rollouts sample
     seen: dict[str, None] = {}  # the expert's moves so far, in first-seen order (an ordered set)
     demos = []
     for i in range(episodes):
@@ -87,7 +90,8 @@ def expert_trajectories(
                 ids = renderer.answer(action)
                 tokens = trajectory
                 if per_turn:
-                    tokens = trajectory.turn_sample(renderer.prompt(trajectory.messages, tools))
+                    shown = prompt_context(trajectory.messages, context, context_turns)
+                    tokens = trajectory.turn_sample(renderer.prompt(shown, tools))
                     trajectory.samples.append(tokens)
                 tokens.append_policy(ids, [0.0] * len(ids))
                 trajectory.messages.append(renderer.parse(action, tools).message())

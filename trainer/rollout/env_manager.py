@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import re
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -45,10 +46,13 @@ __all__ = [
     "PoolEnvSource",
     "Sampling",
     "StepOutcome",
+    "prompt_context",
 ]
 
 StepOutcome = tuple[list[dict[str, Any]], float, bool, bool, dict[str, Any]]
 SampleUnit = Literal["episode", "turn", "auto"]
+Context = Literal["full", "last_k_turns", "strip_thinking"]
+_THINKING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 _log = logging.getLogger(__name__)
 _request_ids = itertools.count()
 
@@ -69,6 +73,26 @@ class EnvSource(Protocol):
     async def session(self, env_id: str) -> EnvSession: ...
 
     async def aclose(self) -> None: ...
+
+
+def prompt_context(
+    messages: list[dict[str, Any]], context: Context = "full", turns: int = 4
+) -> list[dict[str, Any]]:
+    """The messages a turn sample is prompted with (``rollout.context``): all of them; the
+    opening ones (before the first assistant turn) and the last ``turns`` turns (an assistant
+    message and the env's replies to it); or all, earlier assistant turns without thinking."""
+    if context == "strip_thinking":
+        return [
+            {**m, "content": _THINKING.sub("", m.get("content") or "")}
+            if m.get("role") == "assistant"
+            else m
+            for m in messages
+        ]
+    if context == "last_k_turns":
+        starts = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+        if len(starts) > turns:
+            return messages[: starts[0]] + messages[starts[-turns] :]
+    return list(messages)
 
 
 async def in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -248,9 +272,14 @@ class EnvManager:
         on_episode_end: Callable[[Trajectory], Awaitable[None]] | None = None,
         step_timeout_s: float | None = None,
         sample_unit: SampleUnit = "auto",
+        context: Context = "full",
+        context_turns: int = 4,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
+        self.context, self.context_turns = context, context_turns
+        if sample_unit == "auto" and context != "full":
+            sample_unit = "turn"  # a shortened prompt is a prompt of its own
         if sample_unit == "auto":
             sample_unit = "episode" if renderer.append_only else "turn"
             if sample_unit == "turn":
@@ -297,7 +326,8 @@ class EnvManager:
         for turn in range(self.max_turns):
             tokens = trajectory
             if per_turn:  # this turn's own sample, prompted with the conversation so far
-                tokens = trajectory.turn_sample(self.renderer.prompt(trajectory.messages, tools))
+                context = prompt_context(trajectory.messages, self.context, self.context_turns)
+                tokens = trajectory.turn_sample(self.renderer.prompt(context, tools))
             result = await self._generate(trajectory, f"{key}/{turn}", sampling, info, tokens)
             if result is None:  # out of context, aborted, or the engine failed (flags are set)
                 break

@@ -81,6 +81,8 @@ class Rollouts:
             on_episode_end=on_episode_end,
             step_timeout_s=rollout.env_timeout_s,
             sample_unit=rollout.sample_unit,
+            context=rollout.context,
+            context_turns=rollout.context_turns,
         )
         self.envs = envs
         self.scheduler = RolloutScheduler(

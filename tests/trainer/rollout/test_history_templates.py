@@ -4,6 +4,7 @@ Each policy turn becomes its own sample whose prompt is exactly what the engine 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from pathlib import Path
@@ -19,9 +20,10 @@ from tests.trainer.rollout.test_native_tools import CALC, ScriptedEngine, expert
 from tests.trainer.test_cli import QUICKSTART, TINY
 from tests.trainer.test_pipeline import VARIED
 from trainer.config import load_config
+from trainer.errors import ConfigError
 from trainer.models import CHATML_TEMPLATE, build_tokenizer, env_corpus
 from trainer.pipeline import AgenticPipeline
-from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
+from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling, prompt_context
 from trainer.rollout.trajectory import ChatRenderer, collate
 from trainer.sft import expert_trajectories
 
@@ -87,8 +89,6 @@ def play(tokenizer: Any, turns: list[str], sample_unit: str = "auto"):
 
     async def one():
         return await manager.run(await LocalEnvSource().session(CALC), CALC, 0, Sampling(64))
-
-    import asyncio
 
     return asyncio.run(one()), engine, manager
 
@@ -195,3 +195,54 @@ def test_a_qwen3_style_template_trains_two_steps_with_sample_unit_auto(tmp_path:
     trained = [row for row in rows if "actor/grad_norm" in row]
     assert len(trained) == 2 and all(row["actor/grad_norm"] > 0 for row in trained)
     assert "eval/success" in rows[-1]
+
+
+def test_context_windows_bound_each_turns_prompt(corpus) -> None:
+    messages = [
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "task"},
+        *[
+            m
+            for k in range(5)
+            for m in (
+                {"role": "assistant", "content": f"<think>\nidea {k}\n</think>\n\nmove {k}"},
+                {"role": "tool", "content": f"result {k}", "tool_call_id": "call_0"},
+            )
+        ],
+    ]
+    window = prompt_context(messages, "last_k_turns", 2)
+    assert [m["content"] for m in window] == [
+        "rules",
+        "task",
+        *[c for k in (3, 4) for c in (f"<think>\nidea {k}\n</think>\n\nmove {k}", f"result {k}")],
+    ]
+    stripped = prompt_context(messages, "strip_thinking")
+    assert [m["content"] for m in stripped if m["role"] == "assistant"] == [
+        f"move {k}" for k in range(5)
+    ]
+    assert prompt_context(messages) == messages
+    # in an episode: every prompt keeps the task and at most the last turn
+    tokenizer = tokenizer_with(corpus, CHATML_TEMPLATE)
+    engine = ScriptedEngine(tokenizer, thinking_turns(seed=0))
+    manager = EnvManager(
+        engine,  # type: ignore[arg-type]
+        ChatRenderer(tokenizer),
+        max_turns=len(engine.turns),
+        max_context_tokens=8192,
+        context="last_k_turns",
+        context_turns=1,
+    )
+
+    async def one():
+        return await manager.run(await LocalEnvSource().session(CALC), CALC, 0, Sampling(64))
+
+    trajectory = asyncio.run(one())
+    assert manager.sample_unit == "turn" and trajectory.success  # auto: a window needs turns
+    for prompt in engine.prompts[1:]:
+        shown = tokenizer.decode(prompt)
+        assert "Solve the maths word problem" in shown and shown.count("<think>") == 1
+
+
+def test_a_window_with_episode_samples_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="rollout.sample_unit: turn"):
+        load_config(QUICKSTART, ["rollout.context=last_k_turns", "rollout.sample_unit=episode"])
