@@ -390,6 +390,10 @@ def test_reset_replaces_an_executor_it_cannot_verify(make_sandbox_for, compromis
         assert libc.ptrace(0x4206, before, 0, 0) == 0, ctypes.get_errno()
     else:
         os.kill(before, signal.SIGSTOP)
+        # the stop lands asynchronously: wait until /proc shows it, or reset() may look first,
+        # find a running executor and only notice when its clean-up script times out (30 s)
+        while sb._executor.state() not in ("T", "t"):  # type: ignore[attr-defined]
+            os.sched_yield()
     sb.reset()
     assert sb._executor is not None and sb._executor.host_pid != before  # type: ignore[attr-defined]
     still_works(sb)
