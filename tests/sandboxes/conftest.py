@@ -95,9 +95,19 @@ def make_sandbox_for(request: pytest.FixtureRequest) -> Iterator[Callable[..., S
         sandbox.stop()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The unshare fallback runs the adversarial suite in the default tier; its copy of the
-    contract tests (same code paths as bwrap above the launcher) is in the slow tier."""
+    contract tests (same code paths as bwrap above the launcher) is in the slow tier. A test
+    marked ``backends(kind, ...)`` exists only for those kinds: the other parametrisations are
+    deselected (a property that does not apply to a backend is not a skipped check)."""
+    keep, dropped = [], []
     for item in items:
         if "test_contract.py" in item.nodeid and "[local-unshare]" in item.nodeid:
             item.add_marker(pytest.mark.slow)
+        marker = item.get_closest_marker("backends")
+        callspec = getattr(item, "callspec", None)
+        kind = callspec.params.get("make_sandbox_for") if callspec is not None else None
+        (dropped if marker and kind is not None and kind not in marker.args else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

@@ -372,6 +372,7 @@ def test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next(
     still_works(sb)
 
 
+@pytest.mark.backends("warm")  # only the warm executor is spared across runs
 @pytest.mark.parametrize("compromise", ["traced", "stopped"])
 def test_reset_replaces_an_executor_it_cannot_verify(make_sandbox_for, compromise):
     """``reset()`` checks what it spares; a traced or stopped executor (as a compromised spared
@@ -380,8 +381,6 @@ def test_reset_replaces_an_executor_it_cannot_verify(make_sandbox_for, compromis
     import ctypes
     import signal
 
-    if make_sandbox_for.kind != "warm":
-        pytest.skip("only the warm executor is spared across runs")
     sb = make_sandbox_for()
     before = sb._executor.host_pid  # type: ignore[attr-defined]
     if compromise == "traced":
@@ -427,9 +426,9 @@ def test_the_host_session_keyring_is_out_of_reach(make_sandbox_for):
         libc.syscall(250, 21, key)  # KEYCTL_INVALIDATE
 
 
+# docker's own layout (overlay paths) is the engine's; see sandboxes/docker.py
+@pytest.mark.backends("bwrap", "warm", "unshare")
 def test_no_host_path_shows_in_mounts_or_process_lines(make_sandbox_for):
-    if make_sandbox_for.kind == "docker":
-        pytest.skip("docker's own layout (overlay paths) is the engine's; see sandboxes/docker.py")
     sb = make_sandbox_for()
     host_dir = str(sb.dir)  # type: ignore[attr-defined]
     r = sb.run(
