@@ -22,6 +22,12 @@ def register() -> None:
         description="Multi-step maths word problems solved with a calculate tool.",
     )
     register(
+        "tools/lookup-v0",
+        "envs.tools.lookup:LookupEnv",
+        max_turns=4,
+        description="Look two codes up with a tool and report both: the smallest tool task.",
+    )
+    register(
         "tools/sql-v0",
         "envs.tools.sql:SqlEnv",
         max_turns=10,

@@ -18,6 +18,7 @@ from tests.trainer.killed_runs import comparable, envhub_train, rows
 QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
 TINY = [
     "sft.episodes=16",
+    "sft.epochs=4",  # (the quickstart's 16 passes are for learning, not for tests)
     "sft.batch_size=8",
     "eval.episodes=8",
     "env.num_groups=2",

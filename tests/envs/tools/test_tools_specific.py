@@ -114,3 +114,25 @@ def test_retrieval_needs_two_hops_and_accepts_a_custom_corpus(tmp_path):
     while not custom.done:
         _, reward, *_ = custom.step(custom.expert_action())
     assert reward == 1.0
+
+
+def test_lookup_needs_both_calls_and_grades_each_code():
+    env = envhub.make("tools/lookup-v0")
+    env.reset(seed=5)
+    first, second = env.task["names"]
+    codes = [env.task["table"][first], env.task["table"][second]]
+    results = []
+    for name in (first, second):
+        messages, *_ = env.step(
+            f'<tool_call>{{"name": "lookup", "arguments": {{"name": "{name}"}}}}</tool_call>'
+        )
+        results.append(messages[0]["content"])
+    assert results == codes
+    wrong = str((int(codes[1]) + 1) % 10)
+    _, reward, terminated, _, info = env.step(f"<answer>{codes[0]} {wrong}</answer>")
+    assert terminated and reward == 0.5 and not info["success"]  # one of two codes right
+    env.reset(seed=5)
+    messages, reward, *_ = env.step(
+        '<tool_call>{"name": "lookup", "arguments": {"name": "teal"}}</tool_call>'
+    )
+    assert "must be one of" in messages[0]["content"] and reward < 0  # the schema's enum
