@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from envhub.parsing import format_tool_call
 from trainer.errors import TrainerError
 from trainer.rollout.env_manager import Context, prompt_context
+from trainer.rollout.tool_parsers import env_action, message_turn
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 
 __all__ = ["SFT_SEED_BASE", "expert_trajectories", "from_messages", "load_jsonl", "write_jsonl"]
@@ -148,20 +148,10 @@ def from_messages(
 
 def _assistant_text(message: dict[str, Any]) -> str:
     """What the policy writes for an assistant message: its content, then its tool calls."""
-    text = str(message.get("content") or "")
-    calls = []
-    for call in message.get("tool_calls") or []:
-        function = call.get("function", {}) if isinstance(call, dict) else {}
-        arguments = function.get("arguments") or {}
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                raise TrainerError(
-                    f"a tool call's arguments are not JSON: {arguments[:200]!r}"
-                ) from None
-        calls.append(format_tool_call(str(function.get("name", "")), arguments))
-    return "\n".join([text, *calls]) if text and calls else text or "\n".join(calls)
+    try:
+        return env_action(message_turn(message))
+    except ValueError as error:
+        raise TrainerError(f"an assistant message's tool call is unreadable: {error}") from None
 
 
 def load_jsonl(path: str | Path, renderer: ChatRenderer) -> list[Trajectory]:

@@ -48,6 +48,7 @@ __all__ = [
     "detect_tool_parser",
     "env_action",
     "make_tool_parser",
+    "message_turn",
 ]
 
 
@@ -69,6 +70,15 @@ class ParsedTurn:
         if self.tool_calls:
             out["tool_calls"] = [call.as_message() for call in self.tool_calls]
         return out
+
+
+def message_turn(message: dict[str, Any]) -> ParsedTurn:
+    """An OpenAI-format assistant message (``content`` + ``tool_calls``) as a ``ParsedTurn``, so
+    ``env_action`` gives the text the policy would write for it (SFT files). A call that is not
+    an object with a name and JSON arguments raises ``ValueError`` saying which."""
+    content = str(message.get("content") or "")
+    calls = tuple(_call(raw, i) for i, raw in enumerate(message.get("tool_calls") or []))
+    return ParsedTurn(content=content, tool_calls=calls, raw=content)
 
 
 def env_action(turn: ParsedTurn) -> str:
