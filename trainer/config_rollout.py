@@ -1,0 +1,185 @@
+"""The ``env`` and ``rollout`` sections of the trainer config: what is played, and how.
+
+``env`` names the environments (one id, or a mix of ``{id, kwargs, weight}`` entries), where
+they run (in process, a worker pool or a remote hub) and the batch shape (groups x episodes);
+``rollout`` says how episodes are generated: turn and token limits, sampling, the inference
+engine, the scheduler mode, native tool calling and what one training sample is. They are
+parts of the tree in ``trainer.config``; build the whole config with
+``trainer.config.load_config``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from trainer.config_section import Section
+from trainer.strategies.registry import engine_spec
+
+__all__ = ["EnvConfig", "EnvEntry", "RolloutConfig"]
+
+
+class EnvEntry(Section):
+    """One env of a mix (``env.id: [{id, kwargs, weight}, ...]``, or ``env:`` as that list)."""
+
+    id: str
+    """Registered env id."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Constructor kwargs for this env, over ``env.kwargs``."""
+    weight: float = Field(default=1.0, gt=0)
+    """Share of each step's groups (partitioned by weight; equal weights alternate)."""
+
+
+class EnvConfig(Section):
+    """Which environments to train on, where they run, and how episodes are grouped."""
+
+    id: str | list[str | EnvEntry] = "games/frozen-lake-v0"
+    """Registered env id, or a mix: a list of ids and/or ``{id, kwargs, weight}`` entries
+    (each step's groups are partitioned by weight; ``train/<env id>/success`` and
+    ``eval/<env id>/success`` are logged beside the pooled figures)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Extra constructor kwargs passed to ``envhub.make`` for every env (an entry's own
+    ``kwargs`` override them)."""
+    hub: str | None = None
+    """URL of a remote ``envhub serve`` (``ws://host:port``); None runs an in-process pool."""
+    token: str | None = None
+    """Auth token for ``hub``; None reads the ``ENVHUB_TOKEN`` environment variable."""
+    group_size: int = Field(default=8, gt=0)
+    """Episodes per group: the same task/seed played this many times (GRPO/RLOO baselines)."""
+    num_groups: int = Field(default=4, gt=0)
+    """Groups per training step; the step's batch is ``group_size * num_groups`` episodes."""
+    pool_workers: int = Field(default=0, ge=0)
+    """0 runs envs in this process (``envhub.make``); N > 0 runs them in an
+    ``envhub.pool.EnvPool`` of N worker processes (a crashed or hung env is replaced, its
+    episode retried)."""
+    rewards: list[dict[str, Any]] = Field(default_factory=list)
+    """Reward functions the ``reward`` role adds to finished episodes, routed by env domain, e.g.
+    ``{kind: exact, domain: "games", target: answer}`` (kinds: exact, numeric, function, judge;
+    see ``trainer.rewards``). Empty: the envs' own rewards only."""
+
+    @property
+    def entries(self) -> list[EnvEntry]:
+        """Every env of the run as an entry (a plain id is weight 1, no kwargs of its own)."""
+        items = [self.id] if isinstance(self.id, str) else list(self.id)
+        return [EnvEntry(id=item) if isinstance(item, str) else item for item in items]
+
+    @property
+    def ids(self) -> list[str]:
+        """The env ids as a list, whether one or several were given."""
+        return [entry.id for entry in self.entries]
+
+    @property
+    def weights(self) -> list[float]:
+        """Each env's share of a step's groups, in ``ids`` order."""
+        return [entry.weight for entry in self.entries]
+
+    def kwargs_for(self, env_id: str) -> dict[str, Any]:
+        """The constructor kwargs of ``env_id``: ``env.kwargs`` updated by its entry's."""
+        own = next((e.kwargs for e in self.entries if e.id == env_id), {})
+        return {**self.kwargs, **own}
+
+    @model_validator(mode="after")
+    def _ids_unique(self) -> EnvConfig:
+        ids = self.ids
+        repeated = sorted({i for i in ids if ids.count(i) > 1})
+        if repeated:
+            raise ValueError(
+                f"env {repeated[0]!r} is listed twice; give it one entry (raise its weight for "
+                "a larger share)"
+            )
+        return self
+
+
+class RolloutConfig(Section):
+    """How episodes are generated: turn and token limits, sampling, the inference engine."""
+
+    max_turns: int = Field(default=8, gt=0)
+    """Most policy turns per episode; the episode is truncated after that."""
+    max_new_tokens: int = Field(default=32, gt=0)
+    """Most tokens the policy may generate in one turn."""
+    temperature: float = Field(default=1.0, ge=0)
+    """Sampling temperature for training rollouts (0 is greedy)."""
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    """Nucleus sampling mass."""
+    engine: str = "hf"
+    """Inference engine for ``actor_infer`` (``trainer.strategies.registry.INFERENCE_ENGINES``):
+    ``hf`` (embedded torch generation) or ``vllm``."""
+    tool_parser: str = "auto"
+    """How a generated turn becomes tool calls (``trainer.rollout.tool_parsers``): ``auto``
+    (from the chat template; ``none`` when it renders no tools), ``hermes``, ``llama3_json``,
+    ``mistral``, ``pythonic`` or ``none`` (plain text actions, tools only in the env's prompt).
+    With a template that renders tools, an env's tool schemas go to ``apply_chat_template(...,
+    tools=...)`` and assistant turns are kept as structured ``tool_calls`` messages."""
+    sample_unit: Literal["episode", "turn", "auto"] = "auto"
+    """What one training sample is. ``episode``: the whole episode as one token sequence (the
+    env's replies appended as context); ``turn``: every policy turn its own sample, prompted
+    with the template's rendering of the conversation at that turn and credited with the
+    episode's return (group baselines count episodes); needed by templates that rewrite
+    earlier turns as a conversation grows (Qwen3 drops past thinking). ``auto``: ``turn``
+    exactly when the template is not append-only (said once in the log)."""
+    context: Literal["full", "last_k_turns", "strip_thinking"] = "full"
+    """What a turn sample's prompt holds (``sample_unit: turn``; setting it implies turn
+    samples under ``auto``): ``full`` the whole conversation; ``last_k_turns`` the opening
+    messages (system, task) and the last ``context_turns`` turns; ``strip_thinking`` every
+    earlier assistant turn without its ``<think>...</think>`` block. Bounds long episodes."""
+    context_turns: int = Field(default=4, gt=0)
+    """``context: last_k_turns``: how many of the latest turns the prompt keeps."""
+    max_tool_calls: int = Field(default=16, gt=0)
+    """Most tool calls read from one turn; more is a malformed turn (env feedback, penalty)."""
+    mode: Literal["batch", "sync", "async"] = "batch"
+    """How the rollout scheduler (``trainer.rollout.rollouts``, every mode) plays episodes.
+    ``batch``: each step plays its groups together and waits for the last one; ``sync``:
+    on-policy, plus redundancy and dynamic sampling; ``async``: rollouts continue while the
+    trainer trains, within ``max_staleness`` (``trainer.rollout.scheduler``). A group whose
+    episode still fails after its replays is replaced in every mode."""
+    max_staleness: int = Field(default=1, ge=0)
+    """``async``: most policy versions a trained token may lag the policy being trained."""
+    redundancy: float = Field(default=1.0, ge=1.0)
+    """Scheduler modes: groups started per group a batch needs; the surplus is aborted."""
+    dynamic_sampling: bool = False
+    """Scheduler modes: drop groups whose rewards are all equal and play replacements."""
+    is_truncation: float | None = Field(default=None, gt=0)
+    """``async``: None (default) takes the PPO ratio against the behaviour policy's log-probs, so
+    PPO's clip truncates the off-policy importance ratio; a number switches to the decoupled
+    form: ratio against the recomputed current policy, each token's loss weighted by
+    ``min(pi_prox / pi_behaviour, is_truncation)`` (stalled on the quickstart; see
+    ``trainer.rollout.rollouts``)."""
+    env_timeout_s: float | None = Field(default=None, gt=0)
+    """Fail an episode whose env does not answer a reset/step within this many seconds (it is
+    recorded as failed and replayed on a fresh env, then replaced); None waits as long as it
+    takes. Setting it runs local envs' calls in threads, so even an env whose ``step`` blocks
+    is bounded (in every rollout mode); a pool (``env.pool_workers``) also kills such a worker."""
+
+    @model_validator(mode="after")
+    def _context_needs_turn_samples(self) -> RolloutConfig:
+        if self.context != "full" and self.sample_unit == "episode":
+            raise ValueError(
+                f"rollout.context: {self.context} shortens each turn's prompt, which one appended "
+                "sequence per episode cannot do; set rollout.sample_unit: turn (or auto)"
+            )
+        return self
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, name: str) -> str:
+        from trainer.rollout.tool_parsers import TOOL_PARSERS, make_tool_parser
+
+        if name != "auto" and name not in TOOL_PARSERS:
+            make_tool_parser(name)  # ValueError: the parsers that exist, and "did you mean"
+        return name
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, name: str) -> str:
+        engine_spec(name)  # ValueError: the engines that exist, and "did you mean"
+        return name
+
+    @model_validator(mode="after")
+    def _scheduler_options_need_the_scheduler(self) -> RolloutConfig:
+        if self.mode == "batch" and (self.redundancy > 1.0 or self.dynamic_sampling):
+            raise ValueError(
+                "redundancy and dynamic_sampling need the rollout scheduler; set rollout.mode: "
+                "sync (on-policy) or async"
+            )
+        return self
