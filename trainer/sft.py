@@ -128,11 +128,15 @@ def from_messages(
         success=bool(fields.pop("success", False)),
     )
     pending: list[dict[str, Any]] = []
-    for message in messages:
+    for at, message in enumerate(messages):
         if message.get("role") != "assistant":
             pending.append(message)
             continue
-        if trajectory.num_turns == 0:
+        tokens = trajectory
+        if not renderer.append_only:  # history rewritten: one sample per turn, as in RL
+            tokens = trajectory.turn_sample(renderer.prompt(messages[:at], tools))
+            trajectory.samples.append(tokens)
+        elif trajectory.num_turns == 0:
             trajectory.append_context(renderer.prompt(pending, tools))
             trajectory.prompt_length = len(trajectory.token_ids)
         else:
@@ -140,8 +144,10 @@ def from_messages(
                 renderer.continuation(pending, stopped_on_eos=True, tools=tools)
             )
         ids = renderer.answer(_assistant_text(message))
-        trajectory.append_policy(ids, [0.0] * len(ids))
+        tokens.append_policy(ids, [0.0] * len(ids))
         trajectory.end_turn(0.0)
+        if tokens is not trajectory:
+            tokens.end_turn(0.0)
         pending = []
     return trajectory
 

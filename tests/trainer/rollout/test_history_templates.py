@@ -25,7 +25,7 @@ from trainer.models import CHATML_TEMPLATE, build_tokenizer, env_corpus
 from trainer.pipeline import AgenticPipeline
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling, prompt_context
 from trainer.rollout.trajectory import ChatRenderer, collate
-from trainer.sft import expert_trajectories
+from trainer.sft import expert_trajectories, from_messages
 
 _TOOLS = (
     "{%- if tools %}{{- '<|im_start|>system\\n<tools>' }}"
@@ -246,3 +246,12 @@ def test_context_windows_bound_each_turns_prompt(corpus) -> None:
 def test_a_window_with_episode_samples_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="rollout.sample_unit: turn"):
         load_config(QUICKSTART, ["rollout.context=last_k_turns", "rollout.sample_unit=episode"])
+
+
+def test_sft_files_under_a_rewriting_template_train_per_turn(corpus) -> None:
+    tokenizer = tokenizer_with(corpus, MARKS_EARLIER_TURNS)  # every earlier turn re-rendered
+    renderer = ChatRenderer(tokenizer)
+    demo = expert_trajectories([CALC], {}, renderer, episodes=1, max_turns=6)[0]
+    record = from_messages(demo.messages, renderer, tools=envhub.make(CALC).tools)
+    assert [s.token_ids for s in record.samples] == [s.token_ids for s in demo.samples]
+    assert len(record.samples) == record.num_turns == demo.num_turns
