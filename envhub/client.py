@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -148,7 +149,13 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # never raise from __del__
-            if self._ws is not None:
+            if self._ws is None:
+                return
+            if sys.is_finalizing():
+                # the interpreter is exiting: websockets' reader thread is frozen, so a close
+                # handshake would wait forever; drop the socket (the hub ends the session)
+                self._ws.socket.close()
+            else:
                 self._ws.close()
 
     # ------------------------------------------------------------------ transport
