@@ -31,6 +31,7 @@ __all__ = [
     "__version__",
     "check_env",
     "errors",
+    "evaluate",
     "function_tool",
     "list_envs",
     "load_plugins",
@@ -60,6 +61,7 @@ _LAZY: dict[str, str] = {
     "EnvSpec": "envhub.registry",
     "check_env": "envhub.checker",
     "CheckReport": "envhub.checker",
+    "evaluate": "envhub.evaluation",
 }
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
@@ -75,6 +77,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         function_tool,
         messages_to_text,
     )
+    from envhub.evaluation import evaluate
     from envhub.parsing import ActionParser
     from envhub.registry import (
         EnvSpec,

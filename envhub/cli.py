@@ -13,7 +13,7 @@ import importlib
 import json
 import sys
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 from rich.console import Console
@@ -80,6 +80,7 @@ class LazyGroup(click.Group):
 
 _EXTRA_FOR_MODULE = {
     "yaml": "train",
+    "openai": "openai",
     "torch": "train",
     "transformers": "train",
     "tokenizers": "train",
@@ -104,11 +105,12 @@ LAZY_COMMANDS: dict[str, str] = {
     "serve": "envhub.server.cli:serve",
     "sandbox": "sandboxes.cli:sandbox",
     "train": "trainer.cli:train",
+    "eval": "envhub.eval_cli:eval_command",
 }
 """Subsystem commands: name -> "module:click_command"."""
 
 
-def _fail(error: Exception) -> None:
+def _fail(error: Exception) -> NoReturn:
     err_console.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
     sys.exit(2)
 
@@ -128,6 +130,7 @@ def main() -> None:
       envhub play games/sokoban-v0        play it yourself in the terminal
       envhub check games/sokoban-v0       does it keep the TextEnv contract?
       envhub eval --episodes 10           random vs expert agents over the games
+      envhub eval ENV --model URL         any OpenAI-compatible model on any env
     """
     # Plugin failures are shown by `envhub list` (and named in unknown-id errors), not as
     # Python warnings in the middle of every command's output.
@@ -330,84 +333,6 @@ def play_command(env_id: str, seed: int | None, kwargs: tuple[str, ...]) -> None
         play(env, seed=seed, console=console)
     finally:
         env.close()
-
-
-@main.command("eval")
-@click.argument("env_ids", nargs=-1)
-@click.option(
-    "--agent",
-    "agents",
-    multiple=True,
-    type=click.Choice(["random", "expert"]),
-    help="Agents to compare (default: both).",
-)
-@click.option("--episodes", default=10, show_default=True, help="Episodes per env and agent.")
-@click.option("--seed", default=0, show_default=True, help="First episode seed.")
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def eval_command(
-    env_ids: tuple[str, ...], agents: tuple[str, ...], episodes: int, seed: int, as_json: bool
-) -> None:
-    """Evaluate built-in agents on environments (default: every game, no variants)."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from envhub.evaluate import evaluate
-    from envhub.registry import list_envs, spec
-
-    try:
-        ids = [spec(i).id for i in env_ids] or [s.id for s in list_envs("games", variants=False)]
-    except EnvhubError as error:
-        _fail(error)
-    agents = agents or ("random", "expert")
-    total = len(ids) * len(agents) * episodes
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-        disable=as_json,
-    ) as progress:
-        task = progress.add_task("evaluating", total=total)
-        summaries = evaluate(
-            ids,
-            agents,
-            episodes=episodes,
-            seed=seed,
-            on_episode=lambda stats: progress.advance(task),
-        )
-    if as_json:
-        click.echo(json.dumps([s.as_dict() for s in summaries], indent=2))
-        return
-    table = Table(
-        title=f"{episodes} episodes per env and agent (seeds {seed}..{seed + episodes - 1})",
-        title_justify="left",
-    )
-    for column in (
-        "env",
-        "agent",
-        "success",
-        "mean return",
-        "mean turns",
-        "invalid/turn",
-        "steps/s",
-    ):
-        table.add_column(
-            column,
-            justify="left" if column in ("env", "agent") else "right",
-            no_wrap=column == "env",
-        )
-    for s in summaries:
-        table.add_row(
-            s.env_id,
-            s.agent,
-            f"{s.success_rate:.0%}",
-            f"{s.mean_return:+.2f}",
-            f"{s.mean_turns:.1f}",
-            f"{s.invalid_rate:.2f}",
-            f"{s.steps_per_second:,.0f}",
-        )
-    console.print(table)
 
 
 if __name__ == "__main__":  # pragma: no cover

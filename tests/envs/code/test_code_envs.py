@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import envhub
-from envhub.evaluate import AGENTS, run_episode
+from envhub.evaluation import AGENTS, run_episode
 from envs.code.harness import split_tests
 
 sandboxes = pytest.importorskip("sandboxes.local", reason="the sandboxes package is not available")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import envhub
-from envhub.evaluate import AGENTS, run_episode
+from envhub.evaluation import AGENTS, run_episode
 
 GAME_IDS = [spec.id for spec in envhub.list_envs("games")]
 FAMILIES = [spec.id for spec in envhub.list_envs("games", variants=False)]

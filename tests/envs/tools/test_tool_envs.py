@@ -7,7 +7,7 @@ import json
 import pytest
 
 import envhub
-from envhub.evaluate import AGENTS, run_episode
+from envhub.evaluation import AGENTS, run_episode
 
 IN_PROCESS = ["tools/calculator-v0", "tools/sql-v0", "tools/retrieval-v0", "tools/lookup-v0"]
 ALL = [*IN_PROCESS, "tools/mcp-v0"]

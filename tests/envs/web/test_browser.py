@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 import envhub
-from envhub.evaluate import AGENTS, run_episode
+from envhub.evaluation import AGENTS, run_episode
 from envs.web.browser_pool import BrowserPool, chromium_path
 
 pytestmark = [

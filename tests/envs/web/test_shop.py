@@ -7,7 +7,7 @@ import json
 import pytest
 
 import envhub
-from envhub.evaluate import AGENTS, run_episode
+from envhub.evaluation import AGENTS, run_episode
 from envs.web.shop import shop_reward
 from envs.web.shop_site import Catalogue
 

@@ -1,0 +1,165 @@
+"""OpenAI-compatible servers for eval tests: vLLM's real one, and a scripted one.
+
+``vllm_openai_server(model_dir)`` starts ``python -m vllm.entrypoints.openai.api_server`` (the
+command the README gives) on a free loopback port with this machine's CPU settings.
+``scripted_server(reply)`` serves ``/v1/models`` and ``/v1/chat/completions`` from a function
+of the request body, to make a server misbehave on purpose (429s, malformed JSON, tool calls
+with chosen ids); the ``openai`` client talks to both over real HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request  # at module level: FastAPI resolves the handler's annotations here
+from fastapi.responses import JSONResponse, Response
+
+from tests.envhub.pool.raycluster import free_port
+
+VLLM_ENV = {
+    "VLLM_HOST_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "TORCH_COMPILE_DISABLE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+}
+
+
+@contextlib.contextmanager
+def vllm_openai_server(
+    model_dir: str | Path, *, tool_parser: str | None = "hermes", log: Path | None = None
+) -> Iterator[str]:
+    """vLLM's OpenAI server on ``model_dir``; yields its base URL (``http://127.0.0.1:P/v1``)."""
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    if tool_parser is not None:
+        command += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
+    out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
+    process = subprocess.Popen(
+        command, env={**os.environ, **VLLM_ENV}, stdout=out, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:  # bounded poll for the server to come up (a subprocess: no event to wait on)
+            if process.poll() is not None:
+                raise RuntimeError(f"vLLM's server exited with {process.returncode}; see {log}")
+            models = f"{url}/v1/models"
+            with contextlib.suppress(OSError), urllib.request.urlopen(models, timeout=2):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM's server did not start within 240 s")
+            time.sleep(0.5)
+        yield f"{url}/v1"
+    finally:
+        process.terminate()
+        try:
+            process.wait(30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if out is not subprocess.DEVNULL:
+            out.close()
+
+
+Reply = Callable[[dict[str, Any]], Any]
+"""Request body -> a chat completion dict, or a starlette ``Response`` to send as is."""
+
+
+def completion(content: str = "", tool_calls: list[dict[str, Any]] | None = None) -> dict:
+    """A chat completion body with one choice."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {
+        "id": "cmpl-test",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "scripted",
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": "tool_calls" if tool_calls else "stop",
+            }
+        ],
+        "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13},
+    }
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ScriptedServer:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.requests: list[dict[str, Any]] = []
+        """Every chat-completions body received, in order."""
+
+
+@contextlib.contextmanager
+def scripted_server(
+    reply: Reply, models: tuple[str, ...] = ("scripted",)
+) -> Iterator[ScriptedServer]:
+    import uvicorn
+    from fastapi import FastAPI
+
+    app = FastAPI()
+    port = free_port()
+    state = ScriptedServer(f"http://127.0.0.1:{port}/v1")
+    lock = threading.Lock()
+
+    @app.get("/v1/models")
+    def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": m, "object": "model"} for m in models]}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await request.json()
+        with lock:
+            state.requests.append(body)
+        answer = reply(body)
+        return answer if isinstance(answer, Response) else JSONResponse(answer)
+
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
+
+    def serve() -> None:
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(server.serve())
+        loop.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline and thread.is_alive():
+        time.sleep(0.02)  # bounded wait for uvicorn's own started flag
+    if not server.started:
+        raise RuntimeError("the scripted server did not start")
+    try:
+        yield state
+    finally:
+        server.should_exit = True
+        thread.join(10)
