@@ -29,16 +29,16 @@ PRELUDES = {
 }
 """A fragment of a snippet -> code defining the names it uses without defining them."""
 
-SKIPPED: dict[str, str] = {
-    "needs a model server; tests/envhub/test_eval_model.py makes this call against one": (
-        "an OpenAI-compatible server is not part of a README run; the same call is tested"
-    ),
-}
+SKIPPED: dict[str, str] = {}
 """The README's doc-test skips and why each is acceptable (checked below: the list stays true)."""
 
 HUB = "ws://127.0.0.1:8000"
 """A snippet that connects to the README's ``envhub serve`` runs against a real one, started on a
 free port (``tests.envhub.server.hubtools.envhub_serve``), with ``token`` defined."""
+
+MODEL = "http://127.0.0.1:8000/v1"
+"""A snippet that calls the README's model server runs against a scripted OpenAI-compatible one
+(``tests.envhub.openai_servers``) that answers every turn with a (wrong) final answer."""
 
 RUNNER = """
 import ast, asyncio, sys, types
@@ -84,6 +84,12 @@ def test_readme_snippet_runs(line: int, source: str) -> None:
             _, port = stack.enter_context(envhub_serve("--env", "games/sokoban-v0"))
             prelude += f"import envhub\ntoken = {TOKEN!r}\n"
             source = source.replace(HUB, f"ws://127.0.0.1:{port}")
+        if MODEL in source:
+            from tests.envhub.openai_servers import completion, scripted_server
+
+            wrong = completion("<answer>0</answer>")
+            server = stack.enter_context(scripted_server(lambda _: wrong))
+            source = source.replace(MODEL, server.url)
         run_snippet(line, prelude + source)
 
 

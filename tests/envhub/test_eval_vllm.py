@@ -97,7 +97,8 @@ def test_eval_of_a_served_model_prints_the_table_and_writes_every_episode(
     played = [e for e in episodes if e["failure"] is None]
     assert played, {e["failure"]: e["detail"] for e in episodes}
     for e in played:
-        assert e["messages"][0]["role"] == "system" and e["messages"][2]["role"] == "assistant"
+        roles = [m["role"] for m in e["messages"]]
+        assert roles[0] in ("system", "user") and roles.count("assistant") == e["turns"]
         assert e["tokens_in"] > 0 and 1 <= e["turns"] <= 2
     summary = json.loads((out / "summary.json").read_text())
     assert [s["episodes"] for s in summary] == [64, 64]
@@ -126,7 +127,8 @@ def test_the_served_policy_is_the_trained_one_with_its_chat_template(
             model=name, messages=messages, temperature=0.0, max_tokens=4
         )
         served.append((reply.choices[0].message.content or "").strip())
-        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]  # as vLLM's chat route
         with torch.no_grad():
             ids = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[
                 0, len(prompt) :
