@@ -209,7 +209,7 @@ def eval_command(
                 model=model_name,
                 temperature=temperature,
                 max_tokens=max_tokens,
-                tools=tools_mode,
+                tools=tools_mode,  # type: ignore[arg-type]  # click.Choice checked it
                 max_turns=max_turns,
                 concurrency=concurrency,
                 out=out,

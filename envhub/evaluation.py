@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from envhub.core import Observation
-from envhub.model_agent import AgentError, AgentTurn, ModelAgent, link_tool_answers
+from envhub.model_agent import AgentError, AgentTurn, ModelAgent, ToolsMode, link_tool_answers
 
 __all__ = [
     "AGENTS",
@@ -373,7 +373,8 @@ def _play_jobs(
     on_done: Callable[[EpisodeStats], None],
 ) -> None:
     """Play ``jobs`` on ``concurrency`` threads; ``on_done`` runs in this thread, in finishing
-    order. Ctrl-C stops after the episodes in flight (they are reported, nothing is lost)."""
+        order. On Ctrl-C the workers take no new job; every finished episode is already written,
+    and ``resume`` replays the ones that were in flight."""
     todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
     done: queue.SimpleQueue[EpisodeStats | BaseException] = queue.SimpleQueue()
     stop = threading.Event()
@@ -441,7 +442,7 @@ def evaluate(
     model: str | None = None,
     temperature: float = 0.7,
     max_tokens: int = 512,
-    tools: str = "auto",
+    tools: ToolsMode = "auto",
     max_turns: int | None = None,
     concurrency: int | None = None,
     out: str | Path | None = None,
@@ -467,7 +468,7 @@ def evaluate(
             name,
             temperature=temperature,
             max_tokens=max_tokens,
-            tools=tools,  # type: ignore[arg-type]
+            tools=tools,
         )
     else:
         for agent_name in agents:

@@ -41,6 +41,7 @@ __all__ = [
     "AgentTurn",
     "ModelAgent",
     "ModelEndpointError",
+    "ToolsMode",
     "api_messages",
     "link_tool_answers",
     "resolve_model",
