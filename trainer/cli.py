@@ -74,9 +74,39 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool) -> None:
         f"{_fmt(last_eval.get('eval/success'))} (step {last_eval.get('step', '-')}) in "
         f"{rows[-1]['time_s'] / 60:.1f} min\n"
         f"  metrics  {out / 'metrics.jsonl'}\n  curve    {out / 'reward_curve.png'}\n"
-        f"  policy   {out / 'final_policy'}",
+        f"  policy   {out / 'final_policy'}\n  serve    {_serve_hint(out / 'final_policy')}",
         highlight=False,
+        soft_wrap=True,  # paths and commands are copied: never wrapped mid-word
     )
+
+
+def _serve_hint(policy: Path) -> str:
+    """The command that serves ``policy`` over an OpenAI-compatible API (then ``envhub eval
+    --model URL``), and on a machine without CUDA the retraining that vLLM's CPU build needs
+    when the model's attention head size is one its kernels lack."""
+    import json
+
+    from trainer.strategies.vllm_platform import CPU_HEAD_SIZES, head_size
+
+    command = f"python -m vllm.entrypoints.openai.api_server --model {policy}"
+    try:
+        head_dim, hidden, _ = head_size(json.loads((policy / "config.json").read_text()))
+    except (OSError, ValueError):
+        return command
+    cuda = False
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+    except ImportError:
+        pass
+    if not cuda and head_dim is not None and hidden and head_dim not in CPU_HEAD_SIZES:
+        heads = max(1, hidden // 32)
+        command += (
+            f" (on a GPU; vLLM on CPU lacks head size {head_dim}: train with "
+            f"model.tiny.num_heads={heads} to serve it here)"
+        )
+    return command
 
 
 def config_drift(cfg: Any, *, limit: int = 12) -> list[str]:

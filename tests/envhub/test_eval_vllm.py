@@ -41,6 +41,7 @@ def final_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     log, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, log
+    assert "vllm.entrypoints.openai.api_server --model" in log and "serve it here" not in log
     return out / "final_policy"
 
 

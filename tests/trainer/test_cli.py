@@ -60,6 +60,9 @@ def test_short_run_writes_metrics_curve_checkpoints_and_policy(tmp_path: Path) -
     log, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, log
     assert log.splitlines()[0] == f"output: {out.resolve()}"
+    # how to serve the policy, and (CPU, head size 8) the retraining vLLM's CPU build needs
+    serve = f"serve    python -m vllm.entrypoints.openai.api_server --model {out / 'final_policy'}"
+    assert serve in log and "train with model.tiny.num_heads=1 to serve it here" in log
     metrics = rows(out)
     assert [r["step"] for r in metrics] == [0, 1, 2]
     # evaluated before any RL update

