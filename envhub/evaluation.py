@@ -36,7 +36,14 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from envhub.core import Observation
-from envhub.model_agent import AgentError, AgentTurn, ModelAgent, ToolsMode, link_tool_answers
+from envhub.model_agent import (
+    AgentError,
+    AgentTurn,
+    ModelAgent,
+    ToolsMode,
+    link_tool_answers,
+    resolve_model,
+)
 
 __all__ = [
     "AGENTS",
@@ -456,7 +463,6 @@ def evaluate(
     With ``client`` (an ``openai.OpenAI``) the agent is the served ``model`` (default: the
     server's only model) instead of ``agents``. Every agent sees the same seeds, so their
     numbers compare like for like. ``concurrency`` defaults to 8 for a model, 1 otherwise."""
-    from envhub.model_agent import resolve_model
     from envhub.registry import make, spec
 
     env_ids = [spec(env_id).id for env_id in env_ids]  # an unknown id fails before any play

@@ -15,12 +15,11 @@ import os
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import uvicorn
 from fastapi import Request  # at module level: FastAPI resolves the handler's annotations here
 from fastapi.responses import JSONResponse, Response
 
@@ -54,23 +53,28 @@ def vllm_openai_server(
     ]
     if tool_parser is not None:
         command += ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser]
-    out = open(log, "wb") if log is not None else subprocess.DEVNULL  # noqa: SIM115
     process = subprocess.Popen(
-        command, env={**os.environ, **VLLM_ENV}, stdout=out, stderr=subprocess.STDOUT
+        command, env={**os.environ, **VLLM_ENV}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
-    url = f"http://127.0.0.1:{port}"
+    ready = threading.Event()  # set when uvicorn says it is up, or when the output ends
+
+    def copy_output() -> None:
+        """Copy the server's output to ``log`` and signal its start-up line."""
+        with open(log or os.devnull, "wb") as out:
+            for line in process.stdout or ():
+                out.write(line)
+                out.flush()
+                if b"Application startup complete" in line:
+                    ready.set()
+        ready.set()
+
+    threading.Thread(target=copy_output, daemon=True).start()
     try:
-        deadline = time.monotonic() + 240
-        while True:  # bounded poll for the server to come up (a subprocess: no event to wait on)
-            if process.poll() is not None:
-                raise RuntimeError(f"vLLM's server exited with {process.returncode}; see {log}")
-            models = f"{url}/v1/models"
-            with contextlib.suppress(OSError), urllib.request.urlopen(models, timeout=2):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("vLLM's server did not start within 240 s")
-            time.sleep(0.5)
-        yield f"{url}/v1"
+        if not ready.wait(240):
+            raise RuntimeError(f"vLLM's server did not start within 240 s; see {log}")
+        if process.poll() is not None:
+            raise RuntimeError(f"vLLM's server exited with {process.returncode}; see {log}")
+        yield f"http://127.0.0.1:{port}/v1"
     finally:
         process.terminate()
         try:
@@ -78,8 +82,6 @@ def vllm_openai_server(
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        if out is not subprocess.DEVNULL:
-            out.close()
 
 
 Reply = Callable[[dict[str, Any]], Any]
@@ -118,11 +120,22 @@ class ScriptedServer:
         """Every chat-completions body received, in order."""
 
 
+class _SignallingServer(uvicorn.Server):
+    """A uvicorn server that sets ``up`` once it listens (instead of polling ``started``)."""
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.up = threading.Event()
+
+    async def startup(self, sockets: Any = None) -> None:
+        await super().startup(sockets)
+        self.up.set()
+
+
 @contextlib.contextmanager
 def scripted_server(
     reply: Reply, models: tuple[str, ...] = ("scripted",)
 ) -> Iterator[ScriptedServer]:
-    import uvicorn
     from fastapi import FastAPI
 
     app = FastAPI()
@@ -142,21 +155,21 @@ def scripted_server(
         answer = reply(body)
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
-    server = uvicorn.Server(
+    server = _SignallingServer(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     )
 
     def serve() -> None:
         loop = asyncio.new_event_loop()
-        loop.run_until_complete(server.serve())
-        loop.close()
+        try:
+            loop.run_until_complete(server.serve())
+        finally:
+            server.up.set()  # it failed to start: wake the waiter, which sees started False
+            loop.close()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline and thread.is_alive():
-        time.sleep(0.02)  # bounded wait for uvicorn's own started flag
-    if not server.started:
+    if not server.up.wait(30) or not server.started:
         raise RuntimeError("the scripted server did not start")
     try:
         yield state
