@@ -44,6 +44,7 @@ __all__ = [
     "ToolsMode",
     "api_messages",
     "link_tool_answers",
+    "reply_action",
     "resolve_model",
 ]
 
@@ -160,15 +161,18 @@ def _refuses_tools(error: Exception) -> bool:
     return "tool" in text and ("auto" in text or "not support" in text or "parser" in text)
 
 
-def _action(content: str, calls: list[dict[str, Any]]) -> str:
-    """The env's action for a reply: its text, then each call in ``<tool_call>`` form."""
+def reply_action(content: str, calls: list[dict[str, Any]]) -> str:
+    """The env's action for a reply (text and OpenAI-format ``tool_calls``): its text, then each
+    call in envhub's ``<tool_call>`` form (arguments that are not a JSON object as written)."""
     parts = [content] if content else []
     for call in calls:
         function = call["function"]
-        try:
-            arguments = json.loads(function["arguments"] or "{}")
-        except ValueError:
-            arguments = None
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) or arguments is None:
+            try:
+                arguments = json.loads(arguments or "{}")
+            except ValueError:
+                arguments = None
         if isinstance(arguments, dict):
             parts.append(format_tool_call(function["name"], arguments))
         else:  # as the model wrote it: the env's parser answers with its feedback
@@ -251,7 +255,7 @@ class ModelAgent:
         if calls:
             assistant["tool_calls"] = calls
         return AgentTurn(
-            action=_action(content, calls),
+            action=reply_action(content, calls),
             message=assistant,
             tokens_in=int(getattr(usage, "prompt_tokens", 0) or 0),
             tokens_out=int(getattr(usage, "completion_tokens", 0) or 0),

@@ -17,7 +17,7 @@ from pydantic import Field, field_validator, model_validator
 from trainer.config_section import Section
 from trainer.strategies.registry import engine_spec
 
-__all__ = ["EnvConfig", "EnvEntry", "RolloutConfig"]
+__all__ = ["AgentConfig", "EnvConfig", "EnvEntry", "RolloutConfig"]
 
 
 class EnvEntry(Section):
@@ -91,6 +91,48 @@ class EnvConfig(Section):
         return self
 
 
+class AgentConfig(Section):
+    """A black-box agent that plays every episode through the trainer's OpenAI-compatible proxy
+    (``trainer.rollout.proxy``); exactly one of ``callable`` and ``command``."""
+
+    callable: str | None = None
+    """``"package.module:function"``, called once per episode (in a thread of its own) with a
+    ``trainer.rollout.agents.AgentEpisode``: ``base_url``, ``api_key`` and ``model`` for the
+    ``openai`` SDK, the env's first ``messages`` and ``tools``, and ``env`` (``step(action)``).
+    It returns None when it stepped the env itself, or its final answer (a string), which
+    then is the episode's last action."""
+    command: str | list[str] | None = None
+    """A command line run once per episode (a string is split like a shell would), with
+    ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``ENVHUB_AGENT_MODEL`` set; it reads the episode
+    with ``AgentEpisode.from_environ()``. A non-zero exit fails the episode (stderr's tail is the
+    reason)."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """An agent that has not returned after this many seconds fails its episode (it is
+    abandoned: its later calls get an "episode ended" error)."""
+    model_name: str = "policy"
+    """The model name the proxy serves (``/v1/models``); requests for another are refused."""
+    host: str = "127.0.0.1"
+    """Where the proxy listens; loopback by default (agents run on the driver's machine)."""
+    port: int = Field(default=0, ge=0, le=65535)
+    """The proxy's port; 0 picks a free one."""
+
+    @model_validator(mode="after")
+    def _one_agent(self) -> AgentConfig:
+        if (self.callable is None) == (self.command is None):
+            raise ValueError(
+                "rollout.agent needs exactly one of callable: 'package.module:function' or "
+                "command: 'python my_agent.py'"
+            )
+        if self.callable is not None and ":" not in self.callable:
+            raise ValueError(
+                f"rollout.agent.callable {self.callable!r} names no function; write "
+                "'package.module:function'"
+            )
+        if self.command is not None and not self.command:
+            raise ValueError("rollout.agent.command is empty; give the command line to run")
+        return self
+
+
 class RolloutConfig(Section):
     """How episodes are generated: turn and token limits, sampling, the inference engine."""
 
@@ -145,6 +187,10 @@ class RolloutConfig(Section):
     form: ratio against the recomputed current policy, each token's loss weighted by
     ``min(pi_prox / pi_behaviour, is_truncation)`` (stalled on the quickstart; see
     ``trainer.rollout.rollouts``)."""
+    agent: AgentConfig | None = None
+    """A black-box agent (``callable`` or ``command``) that plays the episodes through an
+    OpenAI-compatible endpoint the trainer serves on loopback (``trainer.rollout.proxy``); the
+    proxy records the exact tokens of every call. None: the built-in env manager plays."""
     env_timeout_s: float | None = Field(default=None, gt=0)
     """Fail an episode whose env does not answer a reset/step within this many seconds (it is
     recorded as failed and replayed on a fresh env, then replaced); None waits as long as it

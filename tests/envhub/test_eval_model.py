@@ -71,7 +71,9 @@ def test_arguments_that_are_not_json_are_env_feedback_not_a_crash() -> None:
         return completion("", [tool_call("x", "lookup", '{"name": ')])
 
     with scripted_server(broken) as server:
-        [summary] = evaluate([LOOKUP], client=client(server.url), episodes=2, max_turns=2)
+        [summary] = evaluate(
+            [LOOKUP], client=client(server.url), episodes=2, max_turns=2, concurrency=1
+        )  # one episode at a time: the second request is the first episode's second turn
     assert summary.failures == {} and summary.invalid_rate == 1.0
     second_prompt = server.requests[1]["messages"]
     assert "JSON" in second_prompt[-1]["content"]  # the env's own parse feedback
@@ -90,7 +92,9 @@ def test_a_server_that_refuses_tools_is_played_as_text_in_auto_mode_only() -> No
         return completion("<answer>0 0</answer>")
 
     with scripted_server(vllm_without_tool_choice) as server:
-        [auto] = evaluate([LOOKUP], client=client(server.url), episodes=3)
+        [auto] = evaluate(  # one episode at a time: the order of requests is the test
+            [LOOKUP], client=client(server.url), episodes=3, concurrency=1
+        )
         [native] = evaluate([LOOKUP], client=client(server.url), episodes=2, tools="native")
     assert auto.failures == {} and auto.mean_turns == 1.0
     assert calls[:4] == [True, False, False, False]  # refused once, then text for the run

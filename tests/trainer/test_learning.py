@@ -8,7 +8,8 @@ The task (``PointEnv``, seeded): one turn; the observation says "Go left." or "G
 answering that direction wins. The warm start imitates a sloppy demonstrator whose answer is
 its habit ("down", a legal move that never wins) 60% of the time, so the greedy policy mostly
 answers "down" (success 0-0.4) and only RL teaches it to follow the observation. The same run is
-made with batch rollouts and with the scheduler's async mode (one step of staleness).
+made with batch rollouts, with the scheduler's async mode (one step of staleness) and with a
+black-box agent (only the ``openai`` SDK) playing every episode through the trainer's proxy.
 """
 
 from __future__ import annotations
@@ -131,4 +132,12 @@ def test_grpo_learns_the_task_with_async_rollouts(tmp_path: Path, point_env: str
     rows = train(tmp_path / "run", "rollout.mode=async", "rollout.max_staleness=1")
     # it really trained on one-step-stale groups
     assert any(r.get("rollout/staleness_1", 0) > 0 for r in rows)
+    assert_learnt(rows)
+
+
+@pytest.mark.timeout(240)
+def test_grpo_learns_the_task_through_a_black_box_agent(tmp_path: Path, point_env: str) -> None:
+    """The same run, every episode played by an ``openai`` SDK agent through the proxy."""
+    rows = train(tmp_path / "run", "rollout.agent.callable=tests.trainer.rollout.proxy_agents:play")
+    assert all(r.get("rollout/failed_episodes", 0) == 0 for r in rows if "step" in r)
     assert_learnt(rows)

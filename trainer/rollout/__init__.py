@@ -7,10 +7,21 @@
 ``router``       ``EngineRouter``: least-loaded sticky routing, aborts, preemption, over the
                  engines; ``RolloutEngine``: what the rollout path needs of an engine
 ``env_manager``  one episode against one env (template -> tokens -> generate -> step), env sources
+``agents``       ``rollout.agent``: a black-box agent plays each episode (``AgentEpisode``)
+``proxy``        the OpenAI-compatible endpoint it plays through, recording exact tokens
 ``groups``       which episodes a step or an evaluation plays; ``play_episode`` (replays on failure)
 ``trajectory``   episodes as token sequences with masks, log-probs and versions; ``collate``
 """
 
 from __future__ import annotations
 
-__all__ = ["env_manager", "groups", "rollouts", "router", "scheduler", "trajectory"]
+__all__ = [
+    "agents",
+    "env_manager",
+    "groups",
+    "proxy",
+    "rollouts",
+    "router",
+    "scheduler",
+    "trajectory",
+]

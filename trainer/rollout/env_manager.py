@@ -412,10 +412,7 @@ class EnvManager:
         form; a malformed call reaches the env as the raw text, whose parser answers it with
         feedback and the invalid-action penalty."""
         tokens = tokens or trajectory  # the episode's sequence, or this turn's own sample
-        tokens.append_policy(result.token_ids, result.logprobs, result.policy_version)
-        resumed = result.extra.get("token_versions")  # a turn preempted by a weight update
-        if resumed:
-            tokens.token_versions[len(tokens.token_versions) - len(resumed) :] = resumed
+        tokens.append_generation(result)
         trajectory.policy_versions.append(result.policy_version)
         turn = self.renderer.parse(self.renderer.decode(result.token_ids), tools)
         trajectory.messages.append(turn.message())

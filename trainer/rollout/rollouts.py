@@ -6,7 +6,9 @@ The pipeline's phases call only this object: ``next_batch()`` (the training batc
 
     LoopThread (event loop in a background thread)
       -> RolloutScheduler (groups, failures, filters, staleness; ``trainer.rollout.scheduler``)
-      -> EnvManager (one episode: template, generate, step; ``trainer.rollout.env_manager``)
+      -> EnvManager (one episode: template, generate, step; ``trainer.rollout.env_manager``),
+         or with ``rollout.agent`` the AgentRunner: the user's agent plays through the
+         OpenAI-compatible proxy (``trainer.rollout.agents``, ``trainer.rollout.proxy``)
       -> EngineRouter over one RankEngine per ``actor_infer`` rank (``trainer.rollout.router``)
 
 ``batch`` and ``sync`` are the scheduler's on-policy mode: a step's ``num_groups`` groups
@@ -39,8 +41,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from trainer.rollout.agents import AgentRunner
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
 from trainer.rollout.groups import EpisodeSpec, run_episodes
+from trainer.rollout.proxy import AgentProxy
 from trainer.rollout.router import EngineRouter, RolloutEngine
 from trainer.rollout.scheduler import LoopThread, RolloutScheduler, SchedulerConfig
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
@@ -73,17 +77,38 @@ class Rollouts:
         self.thread = LoopThread()
         self.router = EngineRouter(engines, policy=policy)
         rollout = cfg.rollout
-        self.manager = EnvManager(
-            self.router,
-            renderer,
-            max_turns=rollout.max_turns,
-            max_context_tokens=max_context_tokens,
-            on_episode_end=on_episode_end,
-            step_timeout_s=rollout.env_timeout_s,
-            sample_unit=rollout.sample_unit,
-            context=rollout.context,
-            context_turns=rollout.context_turns,
-        )
+        self.proxy: AgentProxy | None = None
+        self.manager: EnvManager
+        if rollout.agent is not None:  # a black-box agent plays, through the proxy
+            self.proxy = AgentProxy(
+                self.router,
+                renderer,
+                max_turns=rollout.max_turns,
+                max_context_tokens=max_context_tokens,
+                step_timeout_s=rollout.env_timeout_s,
+                model_name=rollout.agent.model_name,
+                host=rollout.agent.host,
+                port=rollout.agent.port,
+            )
+            self.manager = AgentRunner(
+                self.proxy,
+                rollout.agent,
+                on_episode_end=on_episode_end,
+                step_timeout_s=rollout.env_timeout_s,
+            )
+            self.thread.run(self.proxy.start())
+        else:
+            self.manager = EnvManager(
+                self.router,
+                renderer,
+                max_turns=rollout.max_turns,
+                max_context_tokens=max_context_tokens,
+                on_episode_end=on_episode_end,
+                step_timeout_s=rollout.env_timeout_s,
+                sample_unit=rollout.sample_unit,
+                context=rollout.context,
+                context_turns=rollout.context_turns,
+            )
         self.envs = envs
         self.scheduler = RolloutScheduler(
             SchedulerConfig.from_config(cfg),
@@ -167,6 +192,8 @@ class Rollouts:
         """Abort what still runs, close envs and engine front-ends, stop the loop thread."""
         try:
             self.thread.run(self.scheduler.close(), timeout=60)
+            if self.proxy is not None:
+                self.thread.run(self.proxy.aclose(), timeout=60)
             self.thread.run(self.router.close(), timeout=60)
             self.thread.run(self.envs.aclose(), timeout=60)
         finally:

@@ -39,6 +39,8 @@ from trainer.rollout.tool_parsers import (
 if TYPE_CHECKING:
     import torch
 
+    from trainer.strategies.base import GenerationResult
+
 __all__ = ["ChatRenderer", "Trajectory", "collate"]
 
 
@@ -79,8 +81,9 @@ class Trajectory:
     rollouts one turn can mix versions; staleness is measured from the oldest."""
     samples: list[Trajectory] = field(default_factory=list)
     """``rollout.sample_unit: turn``: one training sample per policy turn (its prompt is the
-    template's rendering of the conversation at that turn, then the turn's tokens); this
-    episode then holds the transcript, rewards and flags, and no tokens of its own."""
+    template's rendering of the conversation at that turn, then the turn's tokens); an agent
+    behind the proxy (``trainer.rollout.proxy``): one per run of calls that extend each other.
+    This episode then holds the transcript, rewards and flags, and no tokens of its own."""
 
     # ------------------------------------------------------------------ building
     def append_context(self, ids: Sequence[int]) -> None:
@@ -101,6 +104,14 @@ class Trajectory:
         self.response_mask.extend([1] * len(ids))
         self.logprobs.extend(logprobs)
         self.token_versions.extend([int(version)] * len(ids))
+
+    def append_generation(self, result: GenerationResult) -> None:
+        """A generation's tokens as policy tokens; a turn that a weight update preempted and
+        resumed carries each token's version in ``extra["token_versions"]``."""
+        self.append_policy(result.token_ids, result.logprobs, result.policy_version)
+        resumed = result.extra.get("token_versions")
+        if resumed:
+            self.token_versions[len(self.token_versions) - len(resumed) :] = resumed
 
     def turn_sample(self, prompt_ids: Sequence[int]) -> Trajectory:
         """A per-turn sample of this episode (``samples``) whose prompt is ``prompt_ids``: the
@@ -313,8 +324,9 @@ class ChatRenderer:
 def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded training tensors for ``trajectories`` (shapes in the module docstring).
 
-    An episode with per-turn ``samples`` gives one row per sample: each row's return-to-go
-    (its turn's reward, the later turns' and the final reward) on its last policy token, and
+    An episode with ``samples`` (one per turn, or per agent call that did not extend the last
+    one) gives one row per sample: each turn's reward on that turn's last policy token, plus
+    the later samples' rewards and the final reward on the sample's last one, and
     the episode return as every row's score; ``episode_ids`` (B,) says which episode a row
     came from, so group baselines count each episode once however many turns it took."""
     import torch
@@ -332,10 +344,12 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> dict[str, 
         attention_mask[r, :n] = 1
         response_mask[r, :n] = torch.tensor(row.response_mask, dtype=torch.float32)
         old_logprobs[r, :n] = torch.tensor(row.logprobs, dtype=torch.float32)
-        if row is not episode:  # a turn sample: its return-to-go on its last policy token
+        if row is not episode:  # a sample: its turns' rewards, the later samples' on its end
+            for end, reward in zip(row.turn_ends, row.turn_rewards, strict=True):
+                token_rewards[r, end] += reward
             if row.turn_ends:
-                to_go = sum(episode.turn_rewards[k:]) + episode.final_reward
-                token_rewards[r, row.turn_ends[-1]] += to_go
+                later = sum(sum(after.turn_rewards) for after in episode.samples[k + 1 :])
+                token_rewards[r, row.turn_ends[-1]] += later + episode.final_reward
             continue
         for end, reward in zip(row.turn_ends, row.turn_rewards, strict=True):
             token_rewards[r, end] += reward

@@ -1,0 +1,1 @@
+"""Agents to train with ``rollout.agent`` (see docs/train-your-agent.md)."""

@@ -1,0 +1,86 @@
+"""Agents written with only the ``openai`` SDK, as a user would, for the proxy tests.
+
+``play`` is the loop of ``trainer.rollout.agents``' docstring; the others misbehave on purpose.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any
+
+import openai
+
+from trainer.rollout.agents import AgentEpisode
+
+HTTP = openai.DefaultHttpxClient()
+"""One connection pool for every episode (building a client per episode costs ~20 ms)."""
+HANG = threading.Event()
+"""``hangs`` waits on this (set by a test's teardown so abandoned threads end)."""
+
+
+def _reply(client: openai.OpenAI, episode: AgentEpisode, messages: list[dict[str, Any]]) -> Any:
+    tools = {"tools": episode.tools} if episode.tools else {}
+    completion = client.chat.completions.create(model=episode.model, messages=messages, **tools)
+    return completion.choices[0].message
+
+
+def play(episode: AgentEpisode) -> None:
+    """Call the model, act with its reply, append both, until the env ends the episode."""
+    client = openai.OpenAI(
+        base_url=episode.base_url, api_key=episode.api_key, max_retries=0, http_client=HTTP
+    )
+    messages = list(episode.messages)
+    while True:
+        reply = _reply(client, episode, messages)
+        step = episode.env.step(reply)
+        messages += [reply.model_dump(exclude_none=True), *step.messages]
+        if step.done:
+            return
+
+
+def answer(episode: AgentEpisode) -> str:
+    """One model call; its text is the final answer (the trainer plays it as the last action)."""
+    client = episode.openai_client(max_retries=0)
+    return str(_reply(client, episode, list(episode.messages)).content or "")
+
+
+def raises(episode: AgentEpisode) -> None:
+    client = episode.openai_client(max_retries=0)
+    _reply(client, episode, list(episode.messages))
+    raise ValueError("the agent's own bug")
+
+
+def hangs(episode: AgentEpisode) -> None:
+    HANG.wait()
+
+
+def returns_a_number(episode: AgentEpisode) -> int:
+    client = episode.openai_client(max_retries=0)
+    _reply(client, episode, list(episode.messages))
+    return 7
+
+
+def forgetful(episode: AgentEpisode) -> None:
+    """Keeps no history: each call sends the first messages and the env's latest reply only,
+    so no call extends the one before (each is a sample of its own)."""
+    client = episode.openai_client(max_retries=0)
+    messages = list(episode.messages)
+    while True:
+        reply = _reply(client, episode, messages)
+        step = episode.env.step(reply)
+        if step.done:
+            return
+        messages = [*episode.messages, *step.messages]
+
+
+def main() -> None:
+    """``python -m tests.trainer.rollout.proxy_agents [fail]``: ``play`` as a program agent."""
+    if sys.argv[1:] == ["fail"]:
+        print("cannot reach the model", file=sys.stderr)
+        raise SystemExit(3)
+    play(AgentEpisode.from_environ())
+
+
+if __name__ == "__main__":
+    main()

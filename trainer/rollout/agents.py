@@ -1,0 +1,364 @@
+"""Black-box agents as the policy's harness: ``rollout.agent`` plays every episode.
+
+An agent is the user's own code, written against the plain ``openai`` SDK: a function
+(``rollout.agent.callable: "pkg.module:run_agent"``) or a program (``rollout.agent.command``).
+For each episode the trainer resets the env, opens the episode on the proxy
+(``trainer.rollout.proxy``) and hands the agent an ``AgentEpisode``::
+
+    def run_agent(episode: AgentEpisode) -> str | None:
+        client = episode.openai_client()        # an openai.OpenAI for this episode
+        messages = list(episode.messages)
+        while True:
+            reply = client.chat.completions.create(
+                model=episode.model, messages=messages, tools=episode.tools
+            ).choices[0].message
+            step = episode.env.step(reply)      # text or the message (its tool calls)
+            messages += [reply.model_dump(exclude_none=True), *step.messages]
+            if step.done:
+                return None
+
+(``openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key)`` works too, at ~20 ms per
+client built: ``openai_client`` shares one connection pool across episodes.) A program gets
+the same object from ``AgentEpisode.from_environ()`` (``OPENAI_BASE_URL``,
+``OPENAI_API_KEY`` and ``ENVHUB_AGENT_MODEL`` are set for it). Returning a string instead of
+stepping the env makes that string the episode's last action (the env, and any reward
+function, scores it).
+
+``AgentRunner`` is the env manager's stand-in for the scheduler (same ``run``): it runs the
+agent (a daemon thread, or a subprocess in its own session), bounded by
+``rollout.agent.timeout_s``, and returns the proxy's recording as the episode's trajectory. An
+agent that raises, exits non-zero, hangs past its timeout or is cancelled with its group fails
+the episode with the reason (replayed, then replaced, like any failed episode); the proxy then
+refuses its key, so an abandoned agent cannot touch a later episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import json
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from trainer.rollout.env_manager import EnvManager, EnvSession, Sampling, in_daemon_thread
+from trainer.rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from trainer.config_rollout import AgentConfig
+    from trainer.rollout.proxy import AgentProxy, ProxyEpisode
+
+__all__ = ["AgentEpisode", "AgentRunner", "EnvHandle", "EpisodeEnded", "StepResult", "load_agent"]
+
+AgentFn = Callable[["AgentEpisode"], Any]
+
+
+class EpisodeEnded(RuntimeError):
+    """The proxy refused a call: the episode has ended (or the key is not an episode's)."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The env's answer to one action."""
+
+    messages: list[dict[str, Any]]
+    """The env's reply (its ``role: tool`` messages carry the ids of the calls they answer)."""
+    reward: float
+    terminated: bool
+    truncated: bool
+    info: dict[str, Any]
+
+    @property
+    def done(self) -> bool:
+        return self.terminated or self.truncated
+
+
+_HTTP: Any = None
+_HTTP_LOCK = threading.Lock()
+
+
+def shared_http() -> Any:
+    """One ``httpx.Client`` for every episode of this process (thread-safe, pooled): building a
+    client costs ~20 ms (its TLS context), far more than a call to the proxy."""
+    global _HTTP
+    with _HTTP_LOCK:
+        if _HTTP is None:
+            import httpx
+
+            _HTTP = httpx.Client(timeout=httpx.Timeout(600.0, connect=30.0))
+        return _HTTP
+
+
+class EnvHandle:
+    """The episode's env, over the proxy's ``/v1/envhub/step`` route (the same for a function
+    and a program agent)."""
+
+    def __init__(self, base_url: str, api_key: str) -> None:
+        self._url = f"{base_url.rstrip('/')}/envhub/step"
+        self._headers = {"Authorization": f"Bearer {api_key}"}
+
+    def step(self, action: Any) -> StepResult:
+        """Act: text, or an assistant message (a dict, or the ``openai`` SDK's message object)
+        whose ``tool_calls`` reach the env in envhub's ``<tool_call>`` form."""
+        if hasattr(action, "model_dump"):
+            action = action.model_dump(exclude_none=True)
+        response = shared_http().post(self._url, json={"action": action}, headers=self._headers)
+        data = _answer(response)
+        return StepResult(
+            list(data["messages"]),
+            float(data["reward"]),
+            bool(data["terminated"]),
+            bool(data["truncated"]),
+            dict(data["info"]),
+        )
+
+
+def _answer(response: Any) -> dict[str, Any]:
+    if response.status_code in (401, 410):
+        raise EpisodeEnded(_message(response))
+    if response.status_code >= 400:
+        raise RuntimeError(f"the agent proxy answered {response.status_code}: {_message(response)}")
+    return dict(response.json())
+
+
+def _message(response: Any) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return str(response.text)[:500]
+
+
+@dataclass
+class AgentEpisode:
+    """What an agent gets for one episode (see the module docstring)."""
+
+    base_url: str
+    """The proxy's OpenAI base URL (``http://127.0.0.1:PORT/v1``)."""
+    api_key: str
+    """Names this episode; the proxy refuses it once the episode has ended."""
+    model: str
+    env_id: str
+    seed: int
+    messages: list[dict[str, Any]]
+    """The env's first observation as chat messages."""
+    tools: list[dict[str, Any]] | None
+    """The env's tool schemas (OpenAI function format), or None."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """The env's reset info."""
+    _env: EnvHandle | None = field(default=None, repr=False)
+
+    @property
+    def env(self) -> EnvHandle:
+        """The env handle (``step(action)``)."""
+        if self._env is None:
+            self._env = EnvHandle(self.base_url, self.api_key)
+        return self._env
+
+    def openai_client(self, **kwargs: Any) -> Any:
+        """An ``openai.OpenAI`` client for this episode (``kwargs`` go to the client), over the
+        process's shared connection pool (``shared_http``) unless ``http_client`` is given."""
+        import openai
+
+        kwargs.setdefault("http_client", shared_http())
+        return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> AgentEpisode:
+        """The episode of a program agent, from the variables the trainer set for it."""
+        environ = os.environ if environ is None else environ
+        missing = [k for k in ("OPENAI_BASE_URL", "OPENAI_API_KEY") if not environ.get(k)]
+        if missing:
+            raise RuntimeError(
+                f"{', '.join(missing)} not set: AgentEpisode.from_environ() reads the episode of "
+                "an agent that envhub train runs (rollout.agent.command)"
+            )
+        base_url, api_key = environ["OPENAI_BASE_URL"], environ["OPENAI_API_KEY"]
+        data = _answer(
+            shared_http().get(
+                f"{base_url.rstrip('/')}/envhub/episode",
+                headers={"Authorization": f"Bearer {api_key}"},
+            )
+        )
+        return cls(
+            base_url,
+            api_key,
+            str(data["model"]),
+            str(data["env_id"]),
+            int(data["seed"]),
+            list(data["messages"]),
+            data["tools"],
+            dict(data["info"]),
+        )
+
+
+def load_agent(spec: str) -> AgentFn:
+    """The function ``"package.module:function"`` names, importable from the working directory
+    as well (as ``uvicorn app:app`` is); a clear error if it cannot load."""
+    module_name, _, name = spec.partition(":")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - the user's module may fail any way
+        raise ValueError(
+            f"rollout.agent.callable: cannot import {module_name!r} "
+            f"({type(error).__name__}: {error}); is its package installed or on PYTHONPATH?"
+        ) from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ValueError(  # noqa: TRY004 - a configuration error, like the import above
+            f"rollout.agent.callable: {module_name!r} has no function {name!r}"
+            + (f" ({name} is a {type(fn).__name__})" if fn is not None else "")
+        )
+    return fn
+
+
+class AgentRunner(EnvManager):
+    """Plays each episode with the agent through ``proxy`` (see the module docstring); to the
+    scheduler it is an ``EnvManager`` (``run``, ``close_session``, ``engine``)."""
+
+    def __init__(
+        self,
+        proxy: AgentProxy,
+        agent: AgentConfig,
+        *,
+        on_episode_end: Callable[[Trajectory], Any] | None = None,
+        step_timeout_s: float | None = None,
+    ) -> None:
+        super().__init__(
+            proxy.engine,
+            proxy.renderer,
+            max_turns=proxy.max_turns,
+            max_context_tokens=proxy.max_context_tokens,
+            on_episode_end=on_episode_end,
+            step_timeout_s=step_timeout_s,
+            sample_unit="episode",  # the proxy decides per call (module docstring of proxy)
+        )
+        self.proxy, self.agent = proxy, agent
+        self.fn = load_agent(agent.callable) if agent.callable else None
+        command = agent.command or []
+        self.command = shlex.split(command) if isinstance(command, str) else list(command)
+
+    async def run(
+        self,
+        session: EnvSession,
+        env_id: str,
+        seed: int,
+        sampling: Sampling,
+        group_id: int = 0,
+        *,
+        episode_key: str | None = None,
+    ) -> Trajectory:
+        """One episode played by the agent; never raises for what the agent or env does."""
+        trajectory = Trajectory(env_id=env_id, seed=seed, group_id=group_id)
+        try:
+            messages, info = await self._env_call(session.reset(seed))
+        except Exception as error:  # noqa: BLE001 - env code may raise any exception
+            return self._failed(trajectory, "reset", error)
+        trajectory.info = dict(info)
+        trajectory.messages.extend(messages)
+        key = episode_key or f"agent-{id(trajectory)}"
+        episode = self.proxy.open(key, trajectory, session, sampling, list(messages), info)
+        view = AgentEpisode(
+            self.proxy.base_url,
+            episode.api_key,
+            self.proxy.model_name,
+            env_id,
+            seed,
+            list(messages),
+            episode.tools,
+            json.loads(json.dumps(trajectory.info, default=repr)),
+        )
+        try:
+            await self._play(episode, view)
+        finally:
+            self.proxy.close(episode)
+        trajectory = episode.finish()
+        if not (trajectory.terminated or trajectory.truncated or trajectory.failed):
+            trajectory.truncated = True  # the agent stopped before the env ended the episode
+        if self.on_episode_end is not None and not trajectory.failed:
+            await self.on_episode_end(trajectory)
+        return trajectory
+
+    async def _play(self, episode: ProxyEpisode, view: AgentEpisode) -> None:
+        """Run the agent until it returns, fails, times out or the proxy ends the episode."""
+        agent = asyncio.ensure_future(self._agent(view))
+        ended = asyncio.ensure_future(episode.ended.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {agent, ended}, timeout=self.agent.timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+            if episode.ended.is_set():  # the proxy ended it: truncated, aborted or failed
+                return
+            if agent in done:
+                error = agent.exception()
+                if error is not None:
+                    episode.end(f"agent raised {type(error).__name__}: {error}")
+                    return
+                answer = agent.result()
+                if isinstance(answer, str) and not episode.env_done:
+                    await self._final_answer(episode, answer)
+                elif answer is not None and not isinstance(answer, str):
+                    episode.end(
+                        f"the agent returned a {type(answer).__name__}; return None (it stepped "
+                        "the env) or its final answer as a string"
+                    )
+            elif not done:
+                episode.end(
+                    f"agent timeout: no return within {self.agent.timeout_s} s "
+                    "(rollout.agent.timeout_s)"
+                )
+        finally:
+            for task in (agent, ended):
+                task.cancel()  # a thread agent is abandoned; a program is killed
+            await asyncio.gather(agent, ended, return_exceptions=True)
+
+    async def _final_answer(self, episode: ProxyEpisode, answer: str) -> None:
+        from trainer.rollout.proxy import ProxyError
+
+        try:
+            await self.proxy.step(episode, answer)
+        except ProxyError as error:
+            if not episode.trajectory.failed:
+                episode.end(f"the final answer could not be played: {error.message}")
+
+    async def _agent(self, view: AgentEpisode) -> Any:
+        if self.fn is not None:
+            return await in_daemon_thread(self.fn, view)
+        return await self._program(view)
+
+    async def _program(self, view: AgentEpisode) -> None:
+        """The agent program, in its own session (killed with its children when cancelled)."""
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": view.base_url,
+            "OPENAI_API_KEY": view.api_key,
+            "ENVHUB_AGENT_MODEL": view.model,
+        }
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self.command,
+                env=env,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.PIPE,
+                start_new_session=True,
+            )
+        except OSError as error:
+            raise RuntimeError(f"rollout.agent.command {self.command} cannot start: {error}")
+        try:
+            _, stderr = await process.communicate()
+        finally:
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
+                await process.wait()
+        if process.returncode != 0:
+            tail = stderr.decode(errors="replace").strip().splitlines()[-3:]
+            raise RuntimeError(f"exited with status {process.returncode}: {' | '.join(tail)}")

@@ -1,0 +1,640 @@
+"""The OpenAI-compatible endpoint black-box agents train through (``rollout.agent``).
+
+With ``rollout.agent`` set, ``envhub train`` serves chat completions on loopback, backed by the
+run's ``EngineRouter`` (``actor_infer``), and every episode is played by the user's agent
+(``trainer.rollout.agents``) instead of the built-in env manager. The agent talks to the model
+with the plain ``openai`` SDK and to the env through two more routes on the same server::
+
+    GET  /v1/models                the one model (``rollout.agent.model_name``)
+    POST /v1/chat/completions      a policy turn; ``stream: true`` answers as server-sent events
+    GET  /v1/envhub/episode        the episode: env id, seed, first messages, tools
+    POST /v1/envhub/step           ``{"action": text | assistant message}`` -> the env's reply
+
+The api key (``Authorization: Bearer``) names the episode; a key the proxy never handed out is
+refused (401), one whose episode has ended gets 410, so an abandoned agent cannot write into
+another episode.
+
+What is recorded (``ProxyEpisode``): a call renders its messages (and ``tools``) with the
+policy's chat template into prompt ids, the engine generates, and the generated ids and their
+log-probs are kept exactly as sampled (never re-tokenised). When a call's messages are the last
+call's messages, the reply the proxy gave, and new messages (the usual agent loop), the call
+*extends* the sample: only the new messages are rendered, with the env manager's delta trick,
+and appended as context, so the sample is the same token sequence the built-in env manager
+builds. A call that does not extend the last (the agent rewrote history, dropped the reply, or
+changed tools) starts a new sample, prompted with its own rendering. Env steps credit their
+reward to the latest call's last token. Every call is tagged with the engine's policy version.
+
+Sampling is the run's (``rollout.temperature``, ``top_p``; a request's own are ignored, said
+once in the log) so the recorded log-probs are the policy's; ``max_tokens`` may only lower
+``rollout.max_new_tokens``. ``n > 1`` is refused (each call is one sample; make n calls).
+A generation aborted under the agent (its group was cancelled) fails the episode and answers
+503; a weight update in ``async`` mode preempts the call and resumes it (the agent only waits).
+A call past ``rollout.max_turns``, or one whose prompt leaves no room in the context, ends the
+episode as truncated (the env manager's limits), answering 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Header, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from trainer.rollout.trajectory import ChatRenderer, Trajectory
+from trainer.strategies.base import GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from trainer.rollout.env_manager import EnvSession, Sampling
+    from trainer.rollout.router import RolloutEngine
+
+__all__ = ["AgentProxy", "ProxyEpisode", "ProxyError", "same_message"]
+
+_log = logging.getLogger(__name__)
+
+
+class ProxyError(Exception):
+    """An OpenAI-style error answer: HTTP ``status``, ``type`` and ``code``."""
+
+    def __init__(self, status: int, message: str, code: str, kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.code, self.kind = status, message, code, kind
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "code": self.code}}
+
+
+def _text(content: Any) -> str:
+    """A message's content as text: a string, or the text parts of a content list."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+    return str(content)
+
+
+def _calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    out = []
+    for call in message.get("tool_calls") or []:
+        function = (call.get("function") or {}) if isinstance(call, Mapping) else {}
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                pass
+        out.append((str(function.get("name")), arguments))
+    return out
+
+
+def same_message(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two chat messages say the same: role, text and tool calls (name + arguments).
+    Keys an SDK adds (``refusal: null``, call ids, ``type``) do not count."""
+    return (
+        a.get("role") == b.get("role")
+        and _text(a.get("content")) == _text(b.get("content"))
+        and _calls(a) == _calls(b)
+    )
+
+
+@dataclass
+class ProxyEpisode:
+    """One episode's recording: its samples (token rows) and the conversation they extend."""
+
+    key: str
+    """The episode key: request ids are ``{key}/{call}`` (router stickiness and aborts)."""
+    api_key: str
+    trajectory: Trajectory
+    session: EnvSession
+    sampling: Sampling
+    tools: list[dict[str, Any]] | None
+    """The env's tool schemas (from its reset info)."""
+    first_messages: list[dict[str, Any]]
+    info: dict[str, Any] = field(default_factory=dict)
+    """The env's latest info (``max_new_tokens`` caps the next call)."""
+    rows: list[Trajectory] = field(default_factory=list)
+    calls: int = 0
+    env_done: bool = False
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _seen: list[dict[str, Any]] = field(default_factory=list)
+    """The current row's conversation: the last call's messages and the proxy's reply."""
+    _row_tools: str = ""
+    _stopped_on_eos: bool = True
+    _last_reply: dict[str, Any] | None = None
+    latencies: list[float] = field(default_factory=list)
+    """Seconds per call, engine included."""
+
+    def end(self, failure: str | None = None) -> None:
+        """No more calls or steps (410 from now on); ``failure`` fails the episode."""
+        if failure is not None and not self.trajectory.failed:
+            self.trajectory.failed, self.trajectory.failure = True, failure[:500]
+        self.ended.set()
+
+    def finish(self) -> Trajectory:
+        """The episode for the scheduler: one row is the episode's own token sequence, several
+        become its ``samples``; an episode without a single call cannot be trained on."""
+        self.end()
+        t = self.trajectory
+        if not self.rows and not t.failed:
+            t.failed, t.failure = True, "the agent made no model call"
+        if len(self.rows) == 1:
+            row = self.rows[0]
+            t.token_ids, t.response_mask = row.token_ids, row.response_mask
+            t.logprobs, t.token_versions = row.logprobs, row.token_versions
+            t.turn_ends, t.turn_rewards = row.turn_ends, row.turn_rewards
+            t.prompt_length = row.prompt_length
+        elif self.rows:
+            t.samples = self.rows
+            t.prompt_length = self.rows[0].prompt_length
+        return t
+
+
+class AgentProxy:
+    """The chat-completions server of one training run (see the module docstring).
+
+    ``start()`` binds ``host:port`` (0: a free port) and serves on the running event loop, the
+    rollout loop whose engine router it calls; ``open`` registers an episode and returns its
+    recording, ``aclose`` stops serving."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        renderer: ChatRenderer,
+        *,
+        max_turns: int,
+        max_context_tokens: int,
+        step_timeout_s: float | None = None,
+        model_name: str = "policy",
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        self.engine, self.renderer = engine, renderer
+        self.max_turns, self.max_context_tokens = max_turns, max_context_tokens
+        self.step_timeout_s = step_timeout_s
+        self.model_name, self.host, self.port = model_name, host, port
+        self._episodes: dict[str, ProxyEpisode] = {}
+        self._ended: dict[str, str] = {}
+        """api key -> episode key of ended episodes (a late call gets 410, not 401)."""
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._warned_sampling = False
+
+    @property
+    def base_url(self) -> str:
+        """``http://host:port/v1``: what the ``openai`` SDK's ``base_url`` takes."""
+        return f"http://{self.host}:{self.port}/v1"
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        """Bind, listen and serve on the running loop (requests queue until uvicorn accepts)."""
+        import uvicorn
+
+        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and
+        # without it every kept-alive call waits ~40 ms for a delayed ACK (Nagle)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as error:
+            sock.close()
+            raise OSError(
+                f"the agent proxy cannot listen on {self.host}:{self.port} ({error}); set "
+                "rollout.agent.port to a free port, or 0 for any"
+            ) from None
+        self.port = sock.getsockname()[1]
+        sock.listen(2048)  # connections queue from here on, before uvicorn accepts them
+        config = uvicorn.Config(
+            self.app(), log_level="warning", lifespan="off", access_log=False, loop="none"
+        )
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+
+    async def aclose(self) -> None:
+        for episode in list(self._episodes.values()):
+            self.close(episode)
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._server = self._task = None
+
+    def open(
+        self,
+        key: str,
+        trajectory: Trajectory,
+        session: EnvSession,
+        sampling: Sampling,
+        messages: list[dict[str, Any]],
+        info: dict[str, Any],
+    ) -> ProxyEpisode:
+        """Register an episode whose env has been reset; its api key names it."""
+        if self._task is not None and self._task.done():
+            error = self._task.exception()
+            raise RuntimeError(f"the agent proxy is not serving (it stopped: {error!r})")
+        api_key = f"envhub-{key}-{secrets.token_urlsafe(12)}"
+        episode = ProxyEpisode(
+            key=key,
+            api_key=api_key,
+            trajectory=trajectory,
+            session=session,
+            sampling=sampling,
+            tools=info.get("tools") or None,
+            first_messages=list(messages),
+            info=dict(info),
+        )
+        self._episodes[api_key] = episode
+        return episode
+
+    def close(self, episode: ProxyEpisode) -> None:
+        """The episode is over: its key answers 410 from now on."""
+        episode.end()
+        if self._episodes.pop(episode.api_key, None) is not None:
+            self._ended[episode.api_key] = episode.key
+            if len(self._ended) > 65_536:  # remember the latest ended keys only
+                self._ended.pop(next(iter(self._ended)))
+
+    def episode(self, authorization: str | None) -> ProxyEpisode:
+        """The open episode an ``Authorization: Bearer KEY`` header names (else a ProxyError)."""
+        scheme, _, api_key = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not api_key:
+            raise ProxyError(
+                401, "no api key: pass the episode's api_key (AgentEpisode.api_key)", "no_api_key"
+            )
+        episode = self._episodes.get(api_key.strip())
+        if episode is not None and not episode.ended.is_set():
+            return episode
+        ended = self._ended.get(api_key.strip()) or (episode.key if episode else None)
+        if ended is not None:
+            raise ProxyError(
+                410,
+                f"episode {ended} has ended (finished, failed, timed out or aborted); a new "
+                "episode comes with a new api key",
+                "episode_ended",
+            )
+        raise ProxyError(
+            401,
+            "unknown api key: this proxy serves the keys it hands to running episodes "
+            "(AgentEpisode.api_key)",
+            "invalid_api_key",
+        )
+
+    # ------------------------------------------------------------------ a policy turn
+    async def complete(self, episode: ProxyEpisode, body: Mapping[str, Any]) -> dict[str, Any]:
+        """One chat completion for ``episode`` (``body`` as the OpenAI API takes it)."""
+        messages = self._messages(body)
+        tools = body.get("tools") or None
+        if body.get("model") not in (None, self.model_name):
+            raise ProxyError(
+                404,
+                f"model {body.get('model')!r} is not served here; use {self.model_name!r} "
+                "(AgentEpisode.model)",
+                "model_not_found",
+            )
+        if int(body.get("n") or 1) != 1:
+            raise ProxyError(
+                400,
+                "n > 1 is not supported by the training proxy: each call is one sample of the "
+                "episode; make n calls",
+                "unsupported_n",
+            )
+        self._warn_sampling(body)
+        async with episode.lock:
+            if episode.ended.is_set():
+                raise ProxyError(410, f"episode {episode.key} has ended", "episode_ended")
+            if episode.calls >= self.max_turns:  # truncated, as the env manager ends it ...
+                extended = self._context(episode, messages, tools, new_row=False)
+                if extended is not None:  # ... with the env's last reply appended as context
+                    extended[0].append_context(extended[1])
+                episode.trajectory.truncated = True
+                episode.end()
+                raise ProxyError(
+                    400,
+                    f"the episode has used its {self.max_turns} model calls (rollout.max_turns)",
+                    "max_turns_exceeded",
+                )
+            started = time.monotonic()
+            found = self._context(episode, messages, tools)
+            assert found is not None  # new_row=True: a row is always found or made
+            row, context = found
+            result = await self._generate(episode, row, context, body)
+            row.append_context(context)
+            row.append_generation(result)
+            episode.trajectory.policy_versions.append(result.policy_version)
+            turn = self.renderer.parse(self.renderer.decode(result.token_ids), tools)
+            reply = turn.message()
+            episode.calls += 1
+            episode._seen = [*messages, reply]
+            episode._row_tools = json.dumps(tools, sort_keys=True)
+            episode._stopped_on_eos = (
+                bool(result.token_ids) and result.token_ids[-1] == self.renderer.eos_token_id
+            )
+            episode._last_reply = reply
+            episode.trajectory.messages = [dict(m) for m in messages] + [reply]
+            episode.latencies.append(time.monotonic() - started)
+        prompt = len(row.token_ids) - len(result.token_ids)
+        return self._completion(episode, reply, result, prompt, bool(body.get("logprobs")))
+
+    @staticmethod
+    def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ProxyError(400, "messages must be a non-empty list of chat messages", "messages")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise ProxyError(
+                    400, f"messages[{i}] is not a chat message with a role", "messages"
+                )
+        return messages
+
+    def _warn_sampling(self, body: Mapping[str, Any]) -> None:
+        asked = {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}
+        if asked and not self._warned_sampling:
+            self._warned_sampling = True
+            _log.warning(
+                "the agent asks for %s; training samples with rollout.temperature/top_p so the "
+                "recorded log-probs are the policy's (said once)",
+                asked,
+            )
+
+    def _context(
+        self,
+        episode: ProxyEpisode,
+        messages: list[dict[str, Any]],
+        tools: Any,
+        *,
+        new_row: bool = True,
+    ) -> tuple[Trajectory, list[int]] | None:
+        """The row this call extends (or a new one; None when it extends none and ``new_row``
+        is False) and the context ids to append to it."""
+        seen = episode._seen
+        extends = (
+            episode.rows
+            and len(messages) >= len(seen)
+            and json.dumps(tools, sort_keys=True) == episode._row_tools
+            and all(same_message(a, b) for a, b in zip(messages, seen, strict=False))
+        )
+        if extends:
+            new = messages[len(seen) :]
+            ids = self.renderer.continuation(new, episode._stopped_on_eos, tools)
+            return episode.rows[-1], ids
+        if not new_row:
+            return None
+        row = Trajectory(episode.trajectory.env_id, episode.trajectory.seed)
+        row.group_id = episode.trajectory.group_id
+        episode.rows.append(row)
+        ids = self.renderer.prompt(messages, tools)
+        row.prompt_length = len(ids)
+        return row, ids
+
+    async def _generate(
+        self,
+        episode: ProxyEpisode,
+        row: Trajectory,
+        context: list[int],
+        body: Mapping[str, Any],
+    ) -> GenerationResult:
+        sampling = episode.sampling
+        asked = body.get("max_completion_tokens") or body.get("max_tokens")
+        prompt = row.token_ids + context
+        budget = min(
+            sampling.max_new_tokens,
+            int(asked or sampling.max_new_tokens),
+            int(episode.info.get("max_new_tokens") or sampling.max_new_tokens),
+            self.max_context_tokens - len(prompt),
+        )
+        if budget <= 0:
+            if not row.token_ids:  # a new row that never got a generation
+                episode.rows.remove(row)
+            episode.trajectory.truncated = True
+            episode.end()
+            raise ProxyError(
+                400,
+                f"the prompt is {len(prompt)} tokens; this model's context length is "
+                f"{self.max_context_tokens} (rollout context) and leaves no room to generate",
+                "context_length_exceeded",
+            )
+        request = GenerationRequest(
+            f"{episode.key}/{episode.calls}",
+            prompt,
+            budget,
+            sampling.temperature,
+            sampling.top_p,
+        )
+        try:
+            result = await self.engine.generate(request)
+        except Exception as error:  # noqa: BLE001 - an engine error fails this episode only
+            episode.end(f"engine error {type(error).__name__}: {error}")
+            raise ProxyError(502, f"the engine failed: {error}", "engine_error", "server_error")
+        if result.finish_reason == "abort":
+            episode.end("aborted")
+            raise ProxyError(
+                503,
+                "the generation was aborted (the episode was cancelled); retry in a new episode",
+                "aborted",
+                "server_error",
+            )
+        return result
+
+    def _completion(
+        self,
+        episode: ProxyEpisode,
+        reply: dict[str, Any],
+        result: GenerationResult,
+        prompt: int,
+        logprobs: bool,
+    ) -> dict[str, Any]:
+        """The OpenAI ``chat.completion`` answer, plus vLLM's ``token_ids`` extension and the
+        ``policy_version`` that sampled it."""
+        finish = "tool_calls" if reply.get("tool_calls") else result.finish_reason
+        message: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or None}
+        if reply.get("tool_calls"):
+            message["tool_calls"] = reply["tool_calls"]
+        tokens = self.renderer.tokenizer.convert_ids_to_tokens(list(result.token_ids))
+        content = [
+            {"token": token, "logprob": logprob, "bytes": None, "top_logprobs": []}
+            for token, logprob in zip(tokens, result.logprobs, strict=True)
+        ]
+        return {
+            "id": f"chatcmpl-{episode.key}-{episode.calls}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "finish_reason": finish,
+                    "logprobs": {"content": content} if logprobs else None,
+                    "token_ids": list(result.token_ids),
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": len(result.token_ids),
+                "total_tokens": prompt + len(result.token_ids),
+            },
+            "policy_version": result.policy_version,
+        }
+
+    # ------------------------------------------------------------------ the env
+    async def step(self, episode: ProxyEpisode, action: Any) -> dict[str, Any]:
+        """Step the episode's env with ``action`` (text, or an assistant message whose tool
+        calls become envhub's ``<tool_call>`` text); the reward goes to the latest call."""
+        from envhub.model_agent import link_tool_answers, reply_action
+
+        if isinstance(action, Mapping):
+            text = reply_action(_text(action.get("content")), list(action.get("tool_calls") or []))
+        elif isinstance(action, str):
+            text = action
+        else:
+            raise ProxyError(400, "action must be text or an assistant message", "action")
+        async with episode.lock:
+            if episode.ended.is_set():
+                raise ProxyError(410, f"episode {episode.key} has ended", "episode_ended")
+            if episode.env_done:
+                raise ProxyError(
+                    409, "the env has already ended this episode (terminated)", "env_done"
+                )
+            if not episode.rows:
+                raise ProxyError(
+                    409,
+                    "no model call yet: a step's reward is credited to the model call before "
+                    "it, so call the model first",
+                    "no_model_call",
+                )
+            try:
+                call = episode.session.step(text)
+                if self.step_timeout_s is not None:
+                    call = asyncio.wait_for(call, self.step_timeout_s)
+                messages, reward, terminated, truncated, info = await call
+            except Exception as error:  # noqa: BLE001 - env code may raise anything: data
+                reason = (
+                    f"no answer within {self.step_timeout_s} s (rollout.env_timeout_s)"
+                    if isinstance(error, TimeoutError)
+                    else f"{type(error).__name__}: {error}"
+                )
+                episode.end(f"env step raised {reason}")
+                raise ProxyError(502, f"the env failed: {reason}", "env_error", "server_error")
+            if isinstance(action, Mapping) and action.get("tool_calls"):
+                messages = link_tool_answers(dict(action), list(messages))
+            self._record_step(episode, list(messages), float(reward), info)
+            episode.env_done = bool(terminated or truncated)
+            t = episode.trajectory
+            t.terminated, t.truncated = bool(terminated), bool(truncated)
+        return {
+            "messages": messages,
+            "reward": float(reward),
+            "terminated": bool(terminated),
+            "truncated": bool(truncated),
+            "info": json.loads(json.dumps(info, default=repr)),
+        }
+
+    @staticmethod
+    def _record_step(
+        episode: ProxyEpisode, messages: list[dict[str, Any]], reward: float, info: dict[str, Any]
+    ) -> None:
+        t = episode.trajectory
+        t.end_turn(reward)
+        episode.rows[-1].end_turn(reward)
+        t.messages.extend(messages)
+        t.invalid_actions += int(bool(info.get("invalid_action")))
+        t.success = bool(info.get("success"))
+        episode.info = dict(info)
+
+    def describe(self, episode: ProxyEpisode) -> dict[str, Any]:
+        """The episode as ``GET /v1/envhub/episode`` returns it."""
+        t = episode.trajectory
+        return {
+            "episode": episode.key,
+            "model": self.model_name,
+            "env_id": t.env_id,
+            "seed": t.seed,
+            "messages": episode.first_messages,
+            "tools": episode.tools,
+            "info": json.loads(json.dumps(t.info, default=repr)),
+        }
+
+    # ------------------------------------------------------------------ HTTP
+    def app(self) -> FastAPI:
+        """The FastAPI app: the routes of the module docstring, OpenAI-style error bodies
+        (FastAPI reads the handlers' annotations, so its names are imported at module level)."""
+        app = FastAPI(title="envhub agent proxy", docs_url=None, redoc_url=None)
+
+        @app.exception_handler(ProxyError)
+        async def proxy_error(_: Request, error: ProxyError) -> JSONResponse:
+            return JSONResponse(error.body(), status_code=error.status)
+
+        async def json_body(request: Request) -> dict[str, Any]:
+            try:
+                body = json.loads(await request.body())
+            except ValueError as error:
+                raise ProxyError(400, f"the body is not JSON: {error}", "invalid_json") from None
+            if not isinstance(body, dict):
+                raise ProxyError(400, "the body must be a JSON object", "invalid_json")
+            return body
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {
+                "object": "list",
+                "data": [{"id": self.model_name, "object": "model", "owned_by": "envhub"}],
+            }
+
+        @app.post("/v1/chat/completions", response_model=None)
+        async def chat(
+            request: Request, authorization: str | None = Header(default=None)
+        ) -> dict[str, Any] | StreamingResponse:
+            episode = self.episode(authorization)
+            body = await json_body(request)
+            completion = await self.complete(episode, body)
+            if not body.get("stream"):
+                return completion
+            usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(_sse(completion, usage), media_type="text/event-stream")
+
+        @app.get("/v1/envhub/episode")
+        async def describe(authorization: str | None = Header(default=None)) -> dict[str, Any]:
+            return self.describe(self.episode(authorization))
+
+        @app.post("/v1/envhub/step")
+        async def step(
+            request: Request, authorization: str | None = Header(default=None)
+        ) -> dict[str, Any]:
+            episode = self.episode(authorization)
+            body = await json_body(request)
+            if "action" not in body:
+                raise ProxyError(400, 'the body needs "action": text or a message', "action")
+            return await self.step(episode, body["action"])
+
+        return app
+
+
+async def _sse(completion: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
+    """A finished completion as chat.completion.chunk events (role+content, calls, finish)."""
+    choice = completion["choices"][0]
+    message = choice["message"]
+    base = {k: completion[k] for k in ("id", "created", "model")}
+    base["object"] = "chat.completion.chunk"
+
+    def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
+        chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        return f"data: {json.dumps({**chunk, **extra})}\n\n".encode()
+
+    yield event({"role": "assistant", "content": message.get("content") or ""})
+    calls: Sequence[dict[str, Any]] = message.get("tool_calls") or []
+    if calls:
+        yield event({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]})
+    yield event({}, choice["finish_reason"])
+    if usage:
+        chunk = {**base, "choices": [], "usage": completion["usage"]}
+        yield f"data: {json.dumps(chunk)}\n\n".encode()
+    yield b"data: [DONE]\n\n"
