@@ -4,7 +4,8 @@ A single section validates itself (pydantic field constraints and its own valida
 ``trainer.config``); what needs two sections - the engine named twice, a batch that must
 split over the trainer ranks, device mappings, parallel layouts (``registry.layout_problem``,
 ``registry.process_problem``), weight-sync buckets against the model, env ids against the
-registry, env kwargs with a remote hub - is here, reported with its key path and the fix.
+registry, env kwargs with a remote hub, the agent's code - is here, reported with its key path
+and the fix.
 """
 
 from __future__ import annotations
@@ -52,7 +53,39 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
                 "configure the env where the hub serves it, or remove env.kwargs",
             )
         )
+    problems.extend(_agent_problems(cfg))
     return problems
+
+
+def _agent_problems(cfg: TrainerConfig) -> list[Problem]:
+    """``rollout.agent``: the function imports, the program exists (before any model loads)."""
+    agent = cfg.rollout.agent
+    if agent is None:
+        return []
+    if agent.callable is not None:
+        from trainer.rollout.agents import load_agent
+
+        try:
+            load_agent(agent.callable)
+        except ValueError as error:
+            return [
+                Problem(
+                    "rollout.agent.callable", str(error).removeprefix("rollout.agent.callable: ")
+                )
+            ]
+        return []
+    import shlex
+    import shutil
+
+    command = shlex.split(agent.command) if isinstance(agent.command, str) else agent.command
+    if command and shutil.which(command[0]) is None:
+        return [
+            Problem(
+                "rollout.agent.command",
+                f"{command[0]!r} is not an executable on PATH; give its full path",
+            )
+        ]
+    return []
 
 
 def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:

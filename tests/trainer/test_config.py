@@ -192,6 +192,34 @@ def test_colocated_role_that_cannot_offload_is_refused() -> None:
     ) in text
 
 
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        (["rollout.agent.timeout_s=5"], "rollout.agent: rollout.agent needs exactly one of"),
+        (
+            ["rollout.agent.callable=a:b", "rollout.agent.command=python x.py"],
+            "rollout.agent needs exactly one of callable",
+        ),
+        (
+            ["rollout.agent.callable=my_agents"],
+            "names no function; write 'package.module:function'",
+        ),
+        (
+            ["rollout.agent.callable=no_such_agents:run"],
+            "rollout.agent.callable: cannot import 'no_such_agents' (ModuleNotFoundError",
+        ),
+        (["rollout.agent.callable=json:no_such"], "'json' has no function 'no_such'"),
+        (
+            ["rollout.agent.command=no-such-program --flag"],
+            "rollout.agent.command: 'no-such-program' is not an executable on PATH",
+        ),
+    ],
+)
+def test_an_agent_that_cannot_run_is_a_config_problem(overrides: list[str], problem: str) -> None:
+    text = "\n".join(problems_of(None, overrides))
+    assert problem in text, text
+
+
 def test_remote_hub_skips_the_local_registry() -> None:
     cfg = load_config(None, ["env.hub=ws://127.0.0.1:9", "env.id=acme/only-remote-v0"])
     assert cfg.env.ids == ["acme/only-remote-v0"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,11 +23,22 @@ httpx = pytest.importorskip("httpx")
 
 from tests.trainer.conftest import LAKE, LAKE_KWARGS
 from tests.trainer.rollout import proxy_agents
+from tests.trainer.rollout.test_native_tools import CALC, ScriptedEngine, expert_turns
+from tests.trainer.rollout.test_scheduler import (
+    HANG_GUARD_S,
+    PausingEngine,
+    ScriptedEnv,
+    make_engine,
+    run,
+)
 from trainer.config_rollout import AgentConfig
+from trainer.models import build_tokenizer, env_corpus
 from trainer.rollout.agents import AgentRunner
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
 from trainer.rollout.groups import EpisodeSpec, plan_groups, play_episode, run_episodes
 from trainer.rollout.proxy import AgentProxy
+from trainer.rollout.router import EngineRouter
+from trainer.rollout.scheduler import RolloutScheduler, SchedulerConfig
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 from trainer.strategies.hf_engine import HFEngine
@@ -135,6 +147,40 @@ def test_an_openai_sdk_agent_records_the_env_managers_token_sequences(policy) ->
     assert [t.failure for t in agent] == [None] * 8
     assert sorted(map(view, agent)) == sorted(map(view, built_in))
     assert all(not t.samples and t.policy_versions == [0] * t.num_turns for t in agent)
+
+
+def test_native_tool_calls_reach_the_agent_and_train_the_env_managers_tokens() -> None:
+    tokenizer = build_tokenizer(env_corpus(CALC, episodes=12), kind="bpe")  # ChatML with tools
+    renderer = ChatRenderer(tokenizer)
+    turns = expert_turns(seed=1)  # tool calls, then the answer
+    built_in = EnvManager(
+        ScriptedEngine(tokenizer, turns),  # type: ignore[arg-type]
+        renderer,
+        max_turns=len(turns),
+        max_context_tokens=4096,
+    )
+    expected = asyncio.run(
+        run_episodes([EpisodeSpec(CALC, 1, 0)], built_in, LocalEnvSource(), Sampling(64))
+    )[0][0]
+
+    async def main() -> Trajectory:
+        engine = ScriptedEngine(tokenizer, turns)
+        proxy = AgentProxy(engine, renderer, max_turns=len(turns), max_context_tokens=4096)
+        await proxy.start()
+        runner = AgentRunner(proxy, AgentConfig(callable=f"{AGENTS}:play"))
+        try:
+            spec = EpisodeSpec(CALC, 1, 0)
+            return await play_episode(runner, LocalEnvSource(), spec, Sampling(64), max_retries=0)
+        finally:
+            await proxy.aclose()
+
+    agent = asyncio.run(main())
+    assert agent.success and not agent.failed
+    assert view(agent) == view(expected)
+    calls = [m for m in agent.messages if m["role"] == "assistant" and m.get("tool_calls")]
+    results = [m for m in agent.messages if m["role"] == "tool"]
+    assert len(calls) == len(turns) - 1 == len(results)  # structured calls, linked answers
+    assert [r["tool_call_id"] for r in results] == [c["tool_calls"][0]["id"] for c in calls]
 
 
 def test_calls_that_do_not_extend_each_other_are_samples_of_their_own(policy) -> None:
@@ -270,3 +316,79 @@ def test_the_proxy_refuses_bad_calls_with_errors_that_name_the_fix(policy) -> No
     assert seen["logprobs"] == pytest.approx(seen["rows"][1])
     assert "used its 2 model calls" in seen["max_turns"]
     assert seen["ended"][0] == 410 and "has ended" in seen["ended"][1]
+
+
+# --------------------------------------------------------------------------- in the scheduler
+
+
+class HoldingEngine(PausingEngine):
+    """``PausingEngine`` that also says when it holds its 3rd token (no polling needed)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.holding = threading.Event()
+
+    def _sample(self, logits, temperature, top_p):
+        if self.sampled == 2:  # the next one is the 3rd: it waits for the abort
+            self.holding.set()
+        return super()._sample(logits, temperature, top_p)
+
+
+def agent_scheduler(router: EngineRouter, renderer: ChatRenderer, env_factory, **config: Any):
+    proxy = AgentProxy(router, renderer, max_turns=12, max_context_tokens=1024)
+    runner = AgentRunner(proxy, AgentConfig(callable=f"{AGENTS}:play"))
+    cfg = SchedulerConfig(**{"group_size": 2, "env_ids": ("test/scripted-v0",), **config})
+    source = LocalEnvSource(make=lambda env_id, **kw: env_factory())
+    return RolloutScheduler(cfg, runner, router, source, Sampling(40, temperature=0.0)), proxy
+
+
+def test_a_weight_update_pauses_an_agents_call_which_resumes_under_new_weights(policy) -> None:
+    model, tokenizer = policy
+    engine = HoldingEngine(
+        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    router = EngineRouter([engine])
+    one_turn = lambda: ScriptedEnv(turns=lambda seed: 1)
+    scheduler, proxy = agent_scheduler(
+        router, ChatRenderer(tokenizer), one_turn, num_groups=1, group_size=1, mode="async"
+    )
+    weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+    async def go():
+        await proxy.start()
+        task = asyncio.ensure_future(scheduler.next_batch())
+        await asyncio.to_thread(engine.holding.wait, HANG_GUARD_S)  # the agent's call decodes
+        await scheduler.update_weights(weights)
+        batch = await task
+        await scheduler.close()
+        await proxy.aclose()
+        return batch
+
+    batch = run(go())
+    (t,) = batch.trajectories
+    versions = [v for v in t.token_versions if v >= 0]
+    assert not t.failed and t.num_turns == 1 and batch.metrics["rollout/preempted_turns"] == 1
+    assert versions[:3] == [0, 0, 0] and set(versions[3:]) == {1}  # kept, then new weights
+
+
+def test_surplus_agent_episodes_are_aborted_and_their_keys_refused(policy) -> None:
+    quick_then_long = lambda: ScriptedEnv(
+        turns=lambda seed: 1 if seed < 3 else 10, budget=lambda seed: 2 if seed < 3 else 40
+    )
+    router = EngineRouter([make_engine(policy)])
+    scheduler, proxy = agent_scheduler(
+        router, ChatRenderer(policy[1]), quick_then_long, num_groups=3, redundancy=2.0
+    )
+
+    async def go():
+        await proxy.start()
+        batch = await scheduler.next_batch()
+        state = (router.in_flight, len(scheduler._running), len(proxy._episodes))
+        await proxy.aclose()
+        return batch, state
+
+    batch, state = run(go())
+    assert {t.group_id for t in batch.trajectories} == {0, 1, 2}
+    assert all(not t.failed for t in batch.trajectories)
+    assert state == (0, 0, 0)  # nothing in flight, running, or open on the proxy
+    assert batch.metrics["rollout/aborted_surplus"] == 6  # three surplus groups of two
