@@ -18,7 +18,7 @@ For each episode the trainer resets the env, opens the episode on the proxy
                 return None
 
 (``openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key)`` works too, at ~20 ms per
-client built: ``openai_client`` shares one connection pool across episodes.) A program gets
+client built for its TLS context: ``openai_client`` builds one without.) A program gets
 the same object from ``AgentEpisode.from_environ()`` (``OPENAI_BASE_URL``,
 ``OPENAI_API_KEY`` and ``ENVHUB_AGENT_MODEL`` are set for it). Returning a string instead of
 stepping the env makes that string the episode's last action (the env, and any reward
@@ -42,7 +42,6 @@ import os
 import shlex
 import signal
 import sys
-import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -79,20 +78,13 @@ class StepResult:
         return self.terminated or self.truncated
 
 
-_HTTP: Any = None
-_HTTP_LOCK = threading.Lock()
+def loopback_http() -> Any:
+    """An ``httpx.Client`` for the proxy: plain HTTP on loopback, so no TLS context is built
+    (that costs ~20 ms per client, more than a call); one per episode, never shared between
+    agent threads."""
+    import httpx
 
-
-def shared_http() -> Any:
-    """One ``httpx.Client`` for every episode of this process (thread-safe, pooled): building a
-    client costs ~20 ms (its TLS context), far more than a call to the proxy."""
-    global _HTTP
-    with _HTTP_LOCK:
-        if _HTTP is None:
-            import httpx
-
-            _HTTP = httpx.Client(timeout=httpx.Timeout(600.0, connect=30.0))
-        return _HTTP
+    return httpx.Client(verify=False, timeout=httpx.Timeout(600.0, connect=30.0))
 
 
 class EnvHandle:
@@ -102,13 +94,14 @@ class EnvHandle:
     def __init__(self, base_url: str, api_key: str) -> None:
         self._url = f"{base_url.rstrip('/')}/envhub/step"
         self._headers = {"Authorization": f"Bearer {api_key}"}
+        self._http = loopback_http()
 
     def step(self, action: Any) -> StepResult:
         """Act: text, or an assistant message (a dict, or the ``openai`` SDK's message object)
         whose ``tool_calls`` reach the env in envhub's ``<tool_call>`` form."""
         if hasattr(action, "model_dump"):
             action = action.model_dump(exclude_none=True)
-        response = shared_http().post(self._url, json={"action": action}, headers=self._headers)
+        response = self._http.post(self._url, json={"action": action}, headers=self._headers)
         data = _answer(response)
         return StepResult(
             list(data["messages"]),
@@ -117,6 +110,9 @@ class EnvHandle:
             bool(data["truncated"]),
             dict(data["info"]),
         )
+
+    def close(self) -> None:
+        self._http.close()
 
 
 def _answer(response: Any) -> dict[str, Any]:
@@ -161,12 +157,17 @@ class AgentEpisode:
         return self._env
 
     def openai_client(self, **kwargs: Any) -> Any:
-        """An ``openai.OpenAI`` client for this episode (``kwargs`` go to the client), over the
-        process's shared connection pool (``shared_http``) unless ``http_client`` is given."""
+        """An ``openai.OpenAI`` client for this episode (``kwargs`` go to the client), over a
+        loopback HTTP client (``loopback_http``) unless ``http_client`` is given."""
         import openai
 
-        kwargs.setdefault("http_client", shared_http())
+        kwargs.setdefault("http_client", loopback_http())
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    def close(self) -> None:
+        """Close the env handle's connections (the trainer does, when the episode ends)."""
+        if self._env is not None:
+            self._env.close()
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> AgentEpisode:
@@ -179,12 +180,13 @@ class AgentEpisode:
                 "an agent that envhub train runs (rollout.agent.command)"
             )
         base_url, api_key = environ["OPENAI_BASE_URL"], environ["OPENAI_API_KEY"]
-        data = _answer(
-            shared_http().get(
-                f"{base_url.rstrip('/')}/envhub/episode",
-                headers={"Authorization": f"Bearer {api_key}"},
+        with loopback_http() as http:
+            data = _answer(
+                http.get(
+                    f"{base_url.rstrip('/')}/envhub/episode",
+                    headers={"Authorization": f"Bearer {api_key}"},
+                )
             )
-        )
         return cls(
             base_url,
             api_key,
@@ -318,6 +320,7 @@ class AgentRunner(EnvManager):
             for task in (agent, ended):
                 task.cancel()  # a thread agent is abandoned; a program is killed
             await asyncio.gather(agent, ended, return_exceptions=True)
+            view.close()
 
     async def _final_answer(self, episode: ProxyEpisode, answer: str) -> None:
         from trainer.rollout.proxy import ProxyError

@@ -45,13 +45,12 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Header, Request
-from fastapi.responses import JSONResponse, StreamingResponse
-
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
     from trainer.rollout.env_manager import EnvSession, Sampling
     from trainer.rollout.router import RolloutEngine
 
@@ -214,7 +213,12 @@ class AgentProxy:
         self.port = sock.getsockname()[1]
         sock.listen(2048)  # connections queue from here on, before uvicorn accepts them
         config = uvicorn.Config(
-            self.app(), log_level="warning", lifespan="off", access_log=False, loop="none"
+            self.app(),
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            loop="none",
+            timeout_keep_alive=120,  # an agent may think (or run tools) between its calls
         )
         self._server = uvicorn.Server(config)
         self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
@@ -564,14 +568,23 @@ class AgentProxy:
         }
 
     # ------------------------------------------------------------------ HTTP
-    def app(self) -> FastAPI:
-        """The FastAPI app: the routes of the module docstring, OpenAI-style error bodies
-        (FastAPI reads the handlers' annotations, so its names are imported at module level)."""
-        app = FastAPI(title="envhub agent proxy", docs_url=None, redoc_url=None)
+    def app(self) -> Starlette:
+        """The ASGI app: the routes of the module docstring, OpenAI-style error bodies. Plain
+        Starlette (what FastAPI is built on): no dependency injection or response encoding
+        to pay for on every call of every episode."""
+        from starlette.applications import Starlette
+        from starlette.requests import Request
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+        from starlette.routing import Route
 
-        @app.exception_handler(ProxyError)
-        async def proxy_error(_: Request, error: ProxyError) -> JSONResponse:
+        async def proxy_error(_: Request, error: Exception) -> Response:
+            assert isinstance(error, ProxyError)
             return JSONResponse(error.body(), status_code=error.status)
+
+        async def server_error(_: Request, error: Exception) -> Response:
+            _log.exception("agent proxy error", exc_info=error)
+            body = ProxyError(500, f"{type(error).__name__}: {error}", "internal", "server_error")
+            return JSONResponse(body.body(), status_code=500)
 
         async def json_body(request: Request) -> dict[str, Any]:
             try:
@@ -582,40 +595,41 @@ class AgentProxy:
                 raise ProxyError(400, "the body must be a JSON object", "invalid_json")
             return body
 
-        @app.get("/v1/models")
-        async def models() -> dict[str, Any]:
-            return {
-                "object": "list",
-                "data": [{"id": self.model_name, "object": "model", "owned_by": "envhub"}],
-            }
+        def episode_of(request: Request) -> ProxyEpisode:
+            return self.episode(request.headers.get("authorization"))
 
-        @app.post("/v1/chat/completions", response_model=None)
-        async def chat(
-            request: Request, authorization: str | None = Header(default=None)
-        ) -> dict[str, Any] | StreamingResponse:
-            episode = self.episode(authorization)
+        async def models(_: Request) -> Response:
+            model = {"id": self.model_name, "object": "model", "owned_by": "envhub"}
+            return JSONResponse({"object": "list", "data": [model]})
+
+        async def chat(request: Request) -> Response:
+            episode = episode_of(request)
             body = await json_body(request)
             completion = await self.complete(episode, body)
             if not body.get("stream"):
-                return completion
+                return JSONResponse(completion)
             usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(_sse(completion, usage), media_type="text/event-stream")
 
-        @app.get("/v1/envhub/episode")
-        async def describe(authorization: str | None = Header(default=None)) -> dict[str, Any]:
-            return self.describe(self.episode(authorization))
+        async def describe(request: Request) -> Response:
+            return JSONResponse(self.describe(episode_of(request)))
 
-        @app.post("/v1/envhub/step")
-        async def step(
-            request: Request, authorization: str | None = Header(default=None)
-        ) -> dict[str, Any]:
-            episode = self.episode(authorization)
+        async def step(request: Request) -> Response:
+            episode = episode_of(request)
             body = await json_body(request)
             if "action" not in body:
                 raise ProxyError(400, 'the body needs "action": text or a message', "action")
-            return await self.step(episode, body["action"])
+            return JSONResponse(await self.step(episode, body["action"]))
 
-        return app
+        return Starlette(
+            routes=[
+                Route("/v1/models", models, methods=["GET"]),
+                Route("/v1/chat/completions", chat, methods=["POST"]),
+                Route("/v1/envhub/episode", describe, methods=["GET"]),
+                Route("/v1/envhub/step", step, methods=["POST"]),
+            ],
+            exception_handlers={ProxyError: proxy_error, Exception: server_error},
+        )
 
 
 async def _sse(completion: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
