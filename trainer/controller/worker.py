@@ -24,7 +24,7 @@ from typing import Any
 
 from trainer.controller.dispatch import Collect, Dispatch, register
 
-__all__ = ["DEVICES_ENV", "Worker", "WorkerContext"]
+__all__ = ["DEVICES_ENV", "Worker", "WorkerContext", "node_address"]
 
 DEVICES_ENV = "ENVHUB_DEVICES"
 """Environment variable holding a worker's node-local device ids, comma-separated."""
@@ -49,6 +49,14 @@ class WorkerContext:
     """``local`` or ``ray``."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Anything the creating cluster wants every rank to know (seeds, run folder, ...)."""
+
+
+def node_address() -> str:
+    """This host's address as the cluster sees it (Ray's node IP), or loopback without Ray."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return str(ray.util.get_node_ip_address())
+    return "127.0.0.1"
 
 
 class Worker:
@@ -117,15 +125,9 @@ class Worker:
     @register(Dispatch.RANK_ZERO)
     def _rendezvous_address(self) -> tuple[str, int]:
         """An address and a free port on rank 0's host for ``torch.distributed`` init."""
-        ray = sys.modules.get("ray")
-        host = (
-            ray.util.get_node_ip_address()
-            if ray is not None and ray.is_initialized()
-            else "127.0.0.1"
-        )
         with socket.socket() as sock:
             sock.bind(("", 0))
-            return host, int(sock.getsockname()[1])
+            return node_address(), int(sock.getsockname()[1])
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def _set_distributed_env(self, master_addr: str, master_port: int) -> None:

@@ -15,8 +15,9 @@ gathered (shared memory or CUDA IPC, trainer on GPUs)
     Each bucket is a collective gather; rank 0 packs it into one reusable segment or CUDA
     buffer and returns its handle (:meth:`SenderState.shared_buckets`).
 broadcast (disaggregated)
-    ``broadcast_weights``: rank 0 joins a broadcast group with every inference worker and
-    streams the buckets; the other ranks only take part in the gathers.
+    ``open_weight_group`` (rank 0 listens on a port the OS picks) -> ``broadcast_weights``:
+    rank 0 forms a broadcast group with every inference worker and streams the buckets; the
+    other ranks only take part in the gathers.
 
 ``close_weight_sync`` unlinks this rank's segments (the cluster calls it before shutdown: a
 killed Ray worker would leak them).
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
-from trainer.controller.worker import Worker
+from trainer.controller.worker import node_address
 from trainer.weights.buckets import ALIGN, TensorMeta, group_tensors, plan_buckets
 from trainer.weights.errors import WeightSyncError
 from trainer.weights.shards import ShardLayout, equal_piece, shard_layout, write_piece
@@ -38,6 +39,7 @@ from trainer.weights.transport import (
     SegmentPool,
     SharedBucket,
     SharedSegment,
+    listen_for_group,
     pack_shared,
 )
 
@@ -65,6 +67,8 @@ class SenderState:
         self.sent: dict[str, torch.Tensor] = {}
         self.group: BroadcastGroup | None = None
         self.group_address: tuple[str, int] | None = None
+        self.listening: tuple[tuple[str, int], Any] | None = None
+        """The address and store :meth:`listen` opened for the next group."""
         self.segment = SharedSegment()
 
     def _changed(
@@ -105,6 +109,13 @@ class SenderState:
                 continue
             yield pack_shared(group, index=index, segment=self.segment)
 
+    def listen(self, host: str, world_size: int, timeout_s: float) -> tuple[str, int]:
+        """Open the next broadcast group's store (rank 0) on a port the OS picks."""
+        store = listen_for_group(host, world_size, timeout_s=timeout_s)
+        address = (host, int(store.port))
+        self.listening = (address, store)
+        return address
+
     def broadcast(
         self,
         weights: Iterable[tuple[str, torch.Tensor]],
@@ -129,7 +140,9 @@ class SenderState:
         key = (str(host), int(port))
         group = self.group
         if group is None or self.group_address != key:
-            group = BroadcastGroup(key[0], key[1], 0, world_size, timeout_s=timeout_s)
+            listening, self.listening = self.listening, None
+            store = listening[1] if listening is not None and listening[0] == key else None
+            group = BroadcastGroup(key[0], key[1], 0, world_size, timeout_s=timeout_s, store=store)
             self.group, self.group_address = group, key
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -369,6 +382,11 @@ class WeightSender:
             self._shard_sender.reset()
 
     # -- broadcast: rank 0 streams to every inference worker
+    @register(Dispatch.RANK_ZERO)
+    def open_weight_group(self, world_size: int, timeout_s: float = 300.0) -> tuple[str, int]:
+        """Rank 0 listens for the next weight broadcast group; returns its host and port."""
+        return self._state().listen(node_address(), world_size, timeout_s)
+
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def broadcast_weights(
         self,
@@ -404,8 +422,8 @@ class WeightSenderCluster:
     begin_shard_sync = remote(WeightSender.begin_shard_sync)
     write_weight_bucket = remote(WeightSender.write_weight_bucket, per_rank=True)
     reset_shard_sync = remote(WeightSender.reset_shard_sync)
-    weight_group_address = remote(Worker._rendezvous_address)
-    """A host and free port on trainer rank 0's machine for the weight broadcast group."""
+    open_weight_group = remote(WeightSender.open_weight_group)
+    """Trainer rank 0 listens for the weight broadcast group; its host and port."""
     broadcast_weights_async = remote(WeightSender.broadcast_weights, future=True)
     """Start ``broadcast_weights`` on all ranks; returns a ``CallFuture`` (the receivers run
     meanwhile)."""

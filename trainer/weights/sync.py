@@ -312,10 +312,10 @@ class WeightSync:
     def _sync_broadcast(self, version: int) -> _Moved:
         self.check_buckets()
         address = self._address
-        if address is None:
-            host, port = self.actor.weight_group_address()  # a list when it came through Ray
-            address = self._address = (str(host), int(port))
         world = 1 + self.infer.world_size
+        if address is None:
+            host, port = self.actor.open_weight_group(world, self.timeout_s)  # a list via Ray
+            address = self._address = (str(host), int(port))
         receivers = self.infer.receive_weights_async(address, world, self.timeout_s)
         sender = self.actor.broadcast_weights_async(
             address,

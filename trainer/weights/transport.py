@@ -20,6 +20,8 @@ Disaggregated (engines on other hosts)
     MIN all-reduce of every engine's served version is the acknowledgement, so the trainer
     learns of an engine that died or failed mid-sync (``TransportError``/``StaleWeightsError``).
     It is independent of the trainer's own default group, so engines need not join that.
+    Rank 0 listens first, on a port the OS picks (:func:`listen_for_group`), and the others are
+    told that port: a port chosen "free" and bound later can be taken in between.
 
 Versioning (``VersionedEngine``, ``confirm_versions``, ``PolicyVersion``) is in
 ``trainer.weights.versioned``.
@@ -46,6 +48,7 @@ __all__ = [
     "SegmentPool",
     "SharedBucket",
     "SharedSegment",
+    "listen_for_group",
     "open_bucket",
     "pack_shared",
     "share_bucket",
@@ -307,8 +310,36 @@ def open_bucket(handle: SharedBucket) -> tuple[Bucket, Callable[[], None]]:
 _HEADER_BYTES = 1 << 20  # pickled header (names, shapes) of one bucket; 1 MiB holds ~10k tensors
 
 
+def listen_for_group(host: str, world_size: int, *, timeout_s: float = 300.0) -> Any:
+    """Rank 0's rendezvous store of a :class:`BroadcastGroup`, on a port the OS picks.
+
+    Returns the ``torch.distributed.TCPStore`` (already listening; ``store.port`` is the port
+    to tell the other members). Pass it as ``BroadcastGroup(..., store=store)`` on rank 0.
+    """
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(
+            host,
+            0,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as error:
+        raise TransportError(
+            f"weight broadcast group rank 0 could not listen on {host} ({error}); check that "
+            "this host's address is one of its own interfaces"
+        ) from error
+
+
 class BroadcastGroup:
-    """Rank 0 (the trainer) broadcasts buckets to ranks 1..N (inference workers); module doc."""
+    """Rank 0 (the trainer) broadcasts buckets to ranks 1..N (inference workers); module doc.
+
+    Rank 0 passes the ``store`` :func:`listen_for_group` opened (``port`` is then its port);
+    without one, rank 0 binds ``port`` itself, which only a caller that owns the port may do.
+    """
 
     def __init__(
         self,
@@ -319,20 +350,22 @@ class BroadcastGroup:
         *,
         device: str = "cpu",
         timeout_s: float = 300.0,
+        store: Any = None,
     ) -> None:
         import torch
         import torch.distributed as dist
 
         self.rank, self.world_size, self.device = rank, world_size, device
         timeout = timedelta(seconds=timeout_s)
-        try:
-            store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
-        except (RuntimeError, OSError) as error:
-            raise TransportError(
-                f"weight broadcast group rank {rank}/{world_size} could not reach {host}:{port} "
-                f"({error}); start every member with the same host/port and world size within the "
-                "timeout"
-            ) from error
+        if store is None:
+            try:
+                store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+            except (RuntimeError, OSError) as error:
+                raise TransportError(
+                    f"weight broadcast group rank {rank}/{world_size} could not reach "
+                    f"{host}:{port} ({error}); start every member with the same host/port and "
+                    "world size within the timeout"
+                ) from error
         self.store: dist.TCPStore | None = store
         # torch's stubs give the backend classes no collectives (``broadcast``, ``allreduce``
         # exist at run time only), so the group is untyped here

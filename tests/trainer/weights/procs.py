@@ -38,7 +38,7 @@ def make_engine(seed: int) -> Any:
     return VersionedEngine(HFEngine(model, eos_token_id=-1, pad_token_id=0))
 
 
-def receiver(inbox: Any, outbox: Any, port: int) -> None:
+def receiver(inbox: Any, outbox: Any) -> None:
     """Load a sync over shared memory, then one over a gloo broadcast group; report the greedy
     outputs."""
     try:
@@ -56,10 +56,10 @@ def receiver(inbox: Any, outbox: Any, port: int) -> None:
 
         engine.load(buckets(), version=version, expected_names=names)
         outbox.put(("shm", engine.check(), greedy(engine.engine)))
-        group = BroadcastGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=30)
+        group = BroadcastGroup("127.0.0.1", inbox.get(timeout=60), 1, 2, timeout_s=30)
         served = group.receive_into(engine)
         outbox.put(("broadcast", served, greedy(engine.engine)))
-        group = BroadcastGroup("127.0.0.1", port + 1, rank=1, world_size=2, timeout_s=30)
+        group = BroadcastGroup("127.0.0.1", inbox.get(timeout=60), 1, 2, timeout_s=30)
         next(group.receive())  # take the first bucket, then die mid-sync
         import os
 

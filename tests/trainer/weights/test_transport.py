@@ -13,7 +13,7 @@ pytest.importorskip("transformers")
 from tests.trainer.weights import procs
 from trainer.weights.buckets import iter_buckets
 from trainer.weights.errors import StaleWeightsError, TransportError
-from trainer.weights.transport import BroadcastGroup, share_bucket
+from trainer.weights.transport import BroadcastGroup, listen_for_group, share_bucket
 from trainer.weights.versioned import VersionedEngine, confirm_versions
 
 
@@ -31,12 +31,9 @@ def trainer_weights(seed: int) -> tuple[list[tuple[str, torch.Tensor]], list[lis
 def test_shared_memory_and_broadcast_syncs_reproduce_the_trainer_outputs() -> None:
     import torch.multiprocessing as mp
 
-    from trainer.strategies.distributed import free_port
-
     ctx = mp.get_context("spawn")
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    port = free_port()
-    proc = ctx.Process(target=procs.receiver, args=(inbox, outbox, port), daemon=True)
+    proc = ctx.Process(target=procs.receiver, args=(inbox, outbox), daemon=True)
     proc.start()
     try:
         first, first_out = trainer_weights(seed=1)
@@ -56,15 +53,20 @@ def test_shared_memory_and_broadcast_syncs_reproduce_the_trainer_outputs() -> No
         assert message[1] == 1 and message[2] == first_out
         for release in releases:
             release()
-        # disaggregated: a broadcast group between this process (rank 0) and the engine
-        group = BroadcastGroup("127.0.0.1", port, rank=0, world_size=2, timeout_s=30)
+        # disaggregated: a broadcast group between this process (rank 0) and the engine; rank 0
+        # listens first on a port the OS picks, and the engine is told that port
+        store = listen_for_group("127.0.0.1", 2, timeout_s=30)
+        inbox.put(store.port)
+        group = BroadcastGroup("127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
         assert group.send_weights(second, version=2, bucket_bytes=8192) == len(second)
         message = outbox.get(timeout=120)
         assert message[0] == "broadcast", message
         assert message[1] == 2 and message[2] == second_out
         confirm_versions([message[1]], 2)
         # the engine dies after the first bucket: the sender gets a TransportError, not a hang
-        group = BroadcastGroup("127.0.0.1", port + 1, rank=0, world_size=2, timeout_s=5)
+        store = listen_for_group("127.0.0.1", 2, timeout_s=5)
+        inbox.put(store.port)
+        group = BroadcastGroup("127.0.0.1", store.port, 0, 2, timeout_s=5, store=store)
         with pytest.raises(TransportError, match="a member of the group died or timed out"):
             group.send_weights(second, version=3, bucket_bytes=8192)
         proc.join(timeout=30)
