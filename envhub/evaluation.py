@@ -17,7 +17,8 @@ Episodes are ``(env, agent, seed, sample)``: ``episodes`` seeds, each played ``s
 with its own env per id (envs are not shared between threads; Playwright's are thread-bound)
 and closing them itself; the bounded queue is the back-pressure. With ``out=DIR`` every
 episode is appended to ``DIR/episodes.jsonl`` as it finishes (messages, rewards, final
-info, tokens, latencies, failure) and ``DIR/summary.json`` is written at the end;
+info, tokens, latencies, failure) and ``DIR/summary.json`` (and, with pyarrow, the trajectory
+store part ``DIR/trajectories/envhub-eval-000000000.parquet``) is written at the end;
 ``resume=True`` reads the file back, skips the episodes it holds and counts them in the
 summary (a torn last line of a killed run is ignored).
 """
@@ -527,4 +528,19 @@ def evaluate(
         (out_dir / "summary.json").write_text(
             json.dumps([s.as_dict() for s in summaries], indent=2)
         )
+        _store(out_dir, list(played.values()))
     return summaries
+
+
+def _store(out_dir: Path, played: list[EpisodeStats]) -> None:
+    """Every episode as the run's trajectory-store part (``envhub view`` reads it), when
+    pyarrow is installed (``envhub[view]``); the viewer reads ``episodes.jsonl`` otherwise."""
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return
+    from envhub.runs.reader import eval_record
+    from envhub.runs.store import write_part
+
+    records = [eval_record(e.as_record(), i) for i, e in enumerate(played)]
+    write_part(out_dir / "trajectories", "envhub-eval", 0, records)

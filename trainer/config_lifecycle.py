@@ -69,6 +69,18 @@ class SFTConfig(Section):
         return self
 
 
+class TrajectoryLogConfig(Section):
+    """Which episodes go to the run's trajectory store (``{output_dir}/trajectories/``, read by
+    ``envhub view`` and ``envhub.runs.open``)."""
+
+    every: int = Field(default=1, ge=0)
+    """Store the training episodes of every N-th step (and every evaluation); 0 stores none."""
+    sample: float = Field(default=1.0, gt=0)
+    """Of a stored step, a fraction of its episodes (<= 1) or a count (> 1)."""
+    keep_last: int | None = Field(default=None, ge=1)
+    """Keep only the latest N stored training steps (None: all)."""
+
+
 class LoggingConfig(Section):
     """Where metrics go besides ``metrics.jsonl`` (always written)."""
 
@@ -80,3 +92,5 @@ class LoggingConfig(Section):
     """W&B project name."""
     progress: bool = True
     """Show the live progress bar."""
+    trajectories: TrajectoryLogConfig = Field(default_factory=TrajectoryLogConfig)
+    """The trajectory store: every episode's messages, tokens, masks, log-probs, rewards."""

@@ -26,7 +26,7 @@ from trainer.roles import prepare_policy, start_roles
 from trainer.rollout.env_manager import LocalEnvSource, PoolEnvSource, Sampling
 from trainer.rollout.groups import plan_eval
 from trainer.rollout.rollouts import Rollouts
-from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate
+from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate, episode_advantages
 
 if TYPE_CHECKING:
     from trainer.algos.advantages import AdvantageEstimator
@@ -96,6 +96,17 @@ class AgenticPipeline:
         from trainer.checkpoint import CheckpointManager
 
         self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.checkpoint.keep)
+        from envhub.runs import TrajectoryWriter
+
+        stored = config.logging.trajectories
+        self.store = TrajectoryWriter(
+            self.out,
+            every=stored.every,
+            sample=stored.sample,
+            keep_last=stored.keep_last,
+            seed=config.seed,
+        )
+        """The trajectory store (``envhub.runs``): written off this thread."""
         self.log = MetricsLog(
             self.out,
             tensorboard=config.logging.tensorboard,
@@ -134,6 +145,8 @@ class AgenticPipeline:
                     self.values(batch)
                 with self.phase("advantages", timing):
                     self.compute_advantages(batch)
+                if self.store.due(step):
+                    self.store_episodes("train", step, episodes, batch)
                 with self.phase("train", timing):
                     losses = self.train_step(batch, step)
                 with self.phase("sync", timing):
@@ -247,7 +260,22 @@ class AgenticPipeline:
             self.cfg.rollout.max_new_tokens, self.cfg.eval.temperature, self.cfg.rollout.top_p
         )
         episodes, _ = self.rollouts.play(specs, sampling)
+        self.store_episodes("eval", self.step, episodes)
         return summarise(episodes, "eval")
+
+    def store_episodes(
+        self, kind: str, step: int, episodes: list[Trajectory], batch: Batch | None = None
+    ) -> None:
+        """Queue ``episodes`` for the trajectory store (with their advantages when trained)."""
+        advantages = (
+            episode_advantages(episodes, batch["advantages"])
+            if batch is not None
+            else [None] * len(episodes)
+        )
+        now = self.elapsed
+        self.store.write(
+            kind, step, [t.as_record(a, now) for t, a in zip(episodes, advantages, strict=True)]
+        )
 
     def warm_start(self) -> dict[str, float]:
         """Behaviour cloning on expert or file demonstrations (``sft.epochs`` passes)."""
@@ -357,6 +385,7 @@ class AgenticPipeline:
         restore_rng(checkpoint.rng)
         self.step, self.time_offset = checkpoint.step, float(checkpoint.extra.get("time_s", 0.0))
         self.log.truncate_after(self.step)
+        self.store.truncate_after(self.step)
 
     def finish(self) -> list[dict[str, Any]]:
         """The reward curve PNG and the final policy folder; returns every metrics row."""
@@ -375,6 +404,7 @@ class AgenticPipeline:
         ):  # aborts what runs, closes envs, cancels leftover tasks
             self.rollouts.close()
         self.log.close()
+        self.store.close()
         if self.rewards is not None:
             self.rewards.shutdown()
         self.roles.shutdown()

@@ -155,6 +155,14 @@ def scripted_server(
         answer = reply(body)
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
+    with serve_app(app, port):
+        yield state
+
+
+@contextlib.contextmanager
+def serve_app(app: Any, port: int | None = None) -> Iterator[str]:
+    """Serve the ASGI ``app`` on loopback in a thread; yields ``http://127.0.0.1:PORT``."""
+    port = port or free_port()
     server = _SignallingServer(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
     )
@@ -170,9 +178,9 @@ def scripted_server(
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     if not server.up.wait(30) or not server.started:
-        raise RuntimeError("the scripted server did not start")
+        raise RuntimeError("the test server did not start")
     try:
-        yield state
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(10)

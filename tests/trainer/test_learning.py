@@ -125,6 +125,16 @@ def assert_learnt(rows: list[dict]) -> None:
 @pytest.mark.timeout(240)
 def test_grpo_learns_the_task_with_batch_rollouts(tmp_path: Path, point_env: str) -> None:
     assert_learnt(train(tmp_path / "run"))
+    # the run's trajectory store holds every step's episodes, with tokens and advantages
+    import envhub.runs
+
+    run = envhub.runs.open(tmp_path / "run")
+    assert run.steps("train") == list(range(1, 21)) and run.steps("eval") == [0, 10, 20]
+    last = run.episodes(kind="train", step=20, limit=None)
+    assert last.total == 128 and sum(r["success"] for r in last.rows) >= 64
+    episode = run.episode(last.rows[0]["key"])
+    assert sum(episode["response_mask"]) == 1  # one generated token: the move
+    assert len(episode["advantages"]) == len(episode["token_ids"])
 
 
 @pytest.mark.timeout(240)

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from trainer.strategies.base import GenerationResult
 
-__all__ = ["ChatRenderer", "Trajectory", "collate"]
+__all__ = ["ChatRenderer", "Trajectory", "collate", "episode_advantages"]
 
 
 @dataclass
@@ -163,6 +163,44 @@ class Trajectory:
             if m
         ]
         return min(versions) if versions else None
+
+    def as_record(
+        self, advantages: Sequence[float] | None = None, time_s: float | None = None
+    ) -> dict[str, Any]:
+        """The episode as a trajectory-store row (``envhub.runs.store.COLUMNS``): its training
+        rows' tokens concatenated (``row_starts``), and ``advantages`` per token if trained."""
+        rows = self.rows
+        starts, total = [], 0
+        for row in rows:
+            starts.append(total)
+            total += len(row.token_ids)
+        mask = [m for row in rows for m in row.response_mask]
+        policy = [a for a, m in zip(advantages or [], mask, strict=False) if m]
+        return {
+            "env_id": self.env_id,
+            "seed": self.seed,
+            "group_id": self.group_id,
+            "success": self.success,
+            "failed": self.failed,
+            "failure": self.failure,
+            "return": self.episode_reward,
+            "advantage": sum(policy) / len(policy) if policy else None,
+            "turns": self.num_turns,
+            "tokens": total,
+            "invalid_actions": self.invalid_actions,
+            "terminated": self.terminated,
+            "truncated": self.truncated,
+            "time_s": time_s,
+            "policy_versions": list(self.policy_versions),
+            "turn_rewards": list(self.turn_rewards),
+            "messages": json.dumps(self.messages, default=repr),
+            "info": json.dumps(self.info, default=repr),
+            "token_ids": [t for row in rows for t in row.token_ids],
+            "response_mask": mask,
+            "logprobs": [lp for row in rows for lp in row.logprobs],
+            "advantages": list(advantages) if advantages is not None else None,
+            "row_starts": starts,
+        }
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -319,6 +357,22 @@ class ChatRenderer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+def episode_advantages(
+    trajectories: Sequence[Trajectory], advantages: torch.Tensor
+) -> list[list[float]]:
+    """Per episode, the advantage of each token of its rows (concatenated), from the ``(B, T)``
+    advantages of the batch ``collate(trajectories)`` built."""
+    out: list[list[float]] = []
+    r = 0
+    for trajectory in trajectories:
+        values: list[float] = []
+        for row in trajectory.rows:
+            values += advantages[r, : len(row.token_ids)].tolist()
+            r += 1
+        out.append(values)
+    return out
 
 
 def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -1,0 +1,246 @@
+"""``envhub view RUN_DIR ...``: a local, read-only web page over run folders.
+
+The server is a small Starlette app (the ASGI toolkit FastAPI is built on, already installed
+with the server extra) with a JSON API over ``envhub.runs``; the page is one static HTML file
+with plain JavaScript and SVG (``static/``): no build step, no CDN, no front-end package to pin,
+so it works offline and loads in milliseconds. Every text from a run (env messages, model
+output, tokens) reaches the page as JSON and is put in the DOM with ``textContent``, never as
+HTML: an env that prints ``<script>`` shows that text.
+
+API (all ``GET``; ``run`` is the index of a run folder on the command line)::
+
+    /api/runs                         the runs: name, path, kinds, problems
+    /api/metrics?run=                 metrics.jsonl rows (numbers only) and their keys
+    /api/episodes?run=&kind=&step=&env_id=&seed=&success=&failed=&failure=
+                 &min_return=&max_return=&min_tokens=&max_tokens=&sort=&desc=&offset=&limit=
+    /api/episode?run=&key=            one episode: messages, tokens (text, policy or not,
+                                      log-prob, advantage) and the replay command
+    /api/summary?run=                 an ``envhub eval`` run's summary table
+
+Bound to ``127.0.0.1`` by default; another host needs ``--token``, which every request then
+carries (``?token=`` or ``Authorization: Bearer``; the page passes on its own).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import secrets
+import shlex
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from envhub.runs.reader import Run, open_run
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+__all__ = ["Viewer", "create_app"]
+
+STATIC = Path(__file__).parent / "static"
+_log = logging.getLogger(__name__)
+_MAX_PAGE = 500
+
+
+class Viewer:
+    """The runs a page shows, and what the API reads from them."""
+
+    def __init__(self, paths: Sequence[str | Path]) -> None:
+        self.runs: list[Run] = [open_run(p) for p in paths]  # NotARunError: not a run folder
+        self._tokenizers: dict[int, Any] = {}
+
+    def run(self, index: str | None) -> Run:
+        try:
+            return self.runs[int(index or 0)]
+        except (ValueError, IndexError):
+            raise LookupError(f"no run {index!r}; runs are 0..{len(self.runs) - 1}") from None
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [
+            {
+                "id": i,
+                "name": run.name,
+                "path": str(run.path),
+                "kinds": run.kinds,
+                "problems": run.problems,
+            }
+            for i, run in enumerate(self.runs)
+        ]
+
+    def metrics(self, run: Run) -> dict[str, Any]:
+        rows = []
+        keys: set[str] = set()
+        for row in run.metrics():
+            numbers = {
+                k: v
+                for k, v in row.items()
+                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+            }
+            keys.update(numbers)
+            rows.append(numbers)
+        return {"rows": rows, "keys": sorted(keys - {"step", "time_s"})}
+
+    def tokenizer(self, index: int) -> Any:
+        """The run's tokenizer (its final or initial policy folder), or None."""
+        if index not in self._tokenizers:
+            self._tokenizers[index] = None
+            for name in ("final_policy", "initial_policy"):
+                folder = self.runs[index].path / name
+                if (folder / "tokenizer_config.json").exists():
+                    try:
+                        from transformers import AutoTokenizer
+
+                        self._tokenizers[index] = AutoTokenizer.from_pretrained(str(folder))
+                        break
+                    except Exception as error:  # noqa: BLE001 - no tokenizer: token ids only
+                        _log.warning("envhub view: no tokenizer in %s (%s)", folder, error)
+        return self._tokenizers[index]
+
+    def episode(self, index: int, key: str) -> dict[str, Any]:
+        run = self.runs[index]
+        record = run.episode(key)
+        ids = record.pop("token_ids") or []
+        mask = record.pop("response_mask") or []
+        logprobs = record.pop("logprobs") or []
+        advantages = record.pop("advantages") or []
+        tokenizer = self.tokenizer(index)
+        texts = tokenizer.convert_ids_to_tokens(list(ids)) if tokenizer is not None else None
+        record["tokens"] = [
+            {
+                "id": token,
+                "text": (texts[i] if texts is not None else f"[{token}]"),
+                "policy": bool(mask[i]) if i < len(mask) else False,
+                "logprob": logprobs[i] if i < len(logprobs) and mask[i] else None,
+                "advantage": advantages[i] if i < len(advantages) and mask[i] else None,
+            }
+            for i, token in enumerate(ids)
+        ]
+        record["replay"] = self.replay_command(run, record)
+        return record
+
+    @staticmethod
+    def replay_command(run: Run, record: dict[str, Any]) -> str:
+        """``envhub play`` replaying the episode's actions, with the run's env kwargs."""
+        kwargs: dict[str, Any] = {}
+        config = run.path / "checkpoints" / "latest" / "config.json"
+        try:
+            env = json.loads(config.read_text()).get("env", {})
+            kwargs = dict(env.get("kwargs") or {})
+            entries = env.get("id") if isinstance(env.get("id"), list) else []
+            for entry in entries:
+                if isinstance(entry, dict) and entry.get("id") == record["env_id"]:
+                    kwargs.update(entry.get("kwargs") or {})
+        except (OSError, ValueError, AttributeError):
+            pass
+        parts = ["envhub", "play", str(record["env_id"]), "--seed", str(record["seed"])]
+        for name, value in kwargs.items():
+            parts += ["-k", f"{name}={json.dumps(value) if not isinstance(value, str) else value}"]
+        parts += ["--replay", str(run.path), "--episode", str(record["key"])]
+        return shlex.join(parts)
+
+
+def _flag(value: str | None) -> bool | None:
+    if value in (None, ""):
+        return None
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _number(value: str | None, kind: type) -> Any:
+    return None if value in (None, "") else kind(value)
+
+
+def create_app(paths: Sequence[str | Path], token: str | None = None) -> Starlette:
+    """The viewer's ASGI app over the run folders ``paths`` (see the module docstring)."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import FileResponse, JSONResponse, Response
+    from starlette.routing import Route
+
+    viewer = Viewer(paths)
+
+    def allowed(request: Request) -> bool:
+        if token is None:
+            return True
+        given = request.query_params.get("token") or ""
+        header = request.headers.get("authorization", "")
+        if header.lower().startswith("bearer "):
+            given = header[7:]
+        return secrets.compare_digest(given.encode(), token.encode())
+
+    def api(handler: Any) -> Any:
+        async def endpoint(request: Request) -> Response:
+            if not allowed(request):
+                needed = {"error": "a token is needed: open the URL envhub view printed"}
+                return JSONResponse(needed, 401)
+            try:
+                return JSONResponse(handler(request))
+            except (LookupError, ValueError) as error:
+                status = 404 if isinstance(error, LookupError) else 400
+                return JSONResponse({"error": str(error).strip("'\"")}, status)
+
+        return endpoint
+
+    def runs(_: Request) -> Any:
+        return viewer.describe()
+
+    def metrics(request: Request) -> Any:
+        return viewer.metrics(viewer.run(request.query_params.get("run")))
+
+    def episodes(request: Request) -> Any:
+        q = request.query_params
+        run = viewer.run(q.get("run"))
+        page = run.episodes(
+            kind=q.get("kind") or None,
+            step=_number(q.get("step"), int),
+            env_id=q.get("env_id") or None,
+            seed=_number(q.get("seed"), int),
+            success=_flag(q.get("success")),
+            failed=_flag(q.get("failed")),
+            failure=q.get("failure") or None,
+            min_return=_number(q.get("min_return"), float),
+            max_return=_number(q.get("max_return"), float),
+            min_tokens=_number(q.get("min_tokens"), int),
+            max_tokens=_number(q.get("max_tokens"), int),
+            sort=q.get("sort") or "step",
+            descending=_flag(q.get("desc")) or False,
+            offset=_number(q.get("offset"), int) or 0,
+            limit=min(_number(q.get("limit"), int) or 50, _MAX_PAGE),
+        )
+        return {"total": page.total, "rows": page.rows, "problems": run.problems}
+
+    def episode(request: Request) -> Any:
+        index = viewer.runs.index(viewer.run(request.query_params.get("run")))
+        return viewer.episode(index, request.query_params.get("key") or "")
+
+    def summary(request: Request) -> Any:
+        return viewer.run(request.query_params.get("run")).summary()
+
+    async def page(request: Request) -> Response:
+        if not allowed(request):
+            return Response("a token is needed: open the URL envhub view printed", 401)
+        return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
+
+    async def static(request: Request) -> Response:
+        name = request.path_params["name"]
+        path = STATIC / name
+        if path.parent != STATIC or not path.is_file():
+            return Response("not found", 404)
+        return FileResponse(path)
+
+    return Starlette(
+        routes=[
+            Route("/", page),
+            Route("/static/{name}", static),
+            Route("/api/runs", api(runs)),
+            Route("/api/metrics", api(metrics)),
+            Route("/api/episodes", api(episodes)),
+            Route("/api/episode", api(episode)),
+            Route("/api/summary", api(summary)),
+        ]
+    )

@@ -1,0 +1,303 @@
+// envhub view: curves, the episode table and transcripts over envhub.view's JSON API.
+// Every text from a run goes into the page with textContent (never innerHTML): env output is
+// data, not markup.
+"use strict";
+
+const TOKEN = new URLSearchParams(location.search).get("token");
+const COLOURS = ["#2b6cb0", "#d9480f", "#2f9e44", "#862e9c", "#c2255c", "#1098ad", "#5c940d"];
+const COLUMNS = [
+  ["step", "step"], ["kind", "kind"], ["env_id", "env"], ["seed", "seed"],
+  ["success", "success"], ["return", "return"], ["advantage", "advantage"],
+  ["turns", "turns"], ["tokens", "tokens"], ["failure", "failure"],
+];
+const state = {
+  runs: [], shown: new Set([0]), metrics: {}, sort: "step", desc: false, offset: 0,
+  limit: 50, total: 0, selected: [],
+};
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attrs)) {
+    if (name === "text") node.textContent = value;
+    else if (name === "class") node.className = value;
+    else node.setAttribute(name, value);
+  }
+  for (const child of children) node.append(child);
+  return node;
+}
+
+function svg(tag, attrs = {}) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [name, value] of Object.entries(attrs)) node.setAttribute(name, value);
+  return node;
+}
+
+async function api(path, params = {}) {
+  const query = new URLSearchParams(Object.entries(params).filter(([, v]) => v !== "" && v != null));
+  if (TOKEN) query.set("token", TOKEN);
+  const response = await fetch(`api/${path}?${query}`);
+  const body = await response.json();
+  if (!response.ok) throw new Error(body.error || response.statusText);
+  return body;
+}
+
+// ---------------------------------------------------------------- runs and tabs
+async function loadRuns() {
+  state.runs = await api("runs");
+  const box = document.getElementById("runs");
+  const select = document.getElementById("episode-run");
+  box.replaceChildren();
+  select.replaceChildren();
+  state.runs.forEach((run, i) => {
+    const check = el("input", { type: "checkbox", "data-run": i });
+    check.checked = state.shown.has(i);
+    check.addEventListener("change", () => {
+      if (check.checked) state.shown.add(i); else state.shown.delete(i);
+      drawCharts();
+    });
+    const swatch = el("span", { text: "\u25A0 ", style: `color:${COLOURS[i % COLOURS.length]}` });
+    box.append(el("label", { title: run.path }, check, swatch, run.name));
+    select.append(el("option", { value: i, text: run.name }));
+  });
+}
+
+function showTab(name) {
+  for (const button of document.querySelectorAll("nav button")) {
+    button.classList.toggle("active", button.dataset.tab === name);
+  }
+  for (const section of document.querySelectorAll("section.tab")) {
+    section.classList.toggle("hidden", section.id !== name);
+  }
+  if (name === "episodes") loadEpisodes();
+  if (name === "eval") loadEval();
+}
+
+// ---------------------------------------------------------------- curves
+async function loadMetrics() {
+  await Promise.all(state.runs.map(async (run) => {
+    state.metrics[run.id] = await api("metrics", { run: run.id });
+  }));
+  drawCharts();
+}
+
+function smooth(values, alpha) {
+  let last = null;
+  return values.map((v) => (last = last === null ? v : alpha * last + (1 - alpha) * v));
+}
+
+function drawCharts() {
+  const box = document.getElementById("charts");
+  const x = document.getElementById("x-axis").value;
+  const alpha = Number(document.getElementById("smoothing").value);
+  let pattern;
+  try { pattern = new RegExp(document.getElementById("metric-filter").value || "."); }
+  catch { pattern = /./; }
+  const keys = new Set();
+  for (const id of state.shown) for (const key of state.metrics[id]?.keys || []) keys.add(key);
+  const chosen = [...keys].filter((key) => pattern.test(key)).sort();
+  box.replaceChildren();
+  for (const key of chosen) box.append(chart(key, x, alpha));
+  if (!chosen.length) box.append(el("p", { text: "No metric matches the filter (yet)." }));
+}
+
+function chart(key, x, alpha) {
+  const width = 340, height = 170, left = 42, bottom = 20;
+  const series = [];
+  for (const id of state.shown) {
+    const rows = (state.metrics[id]?.rows || []).filter((r) => r[key] != null && r[x] != null);
+    if (rows.length) series.push({ id, xs: rows.map((r) => r[x]), ys: smooth(rows.map((r) => r[key]), alpha) });
+  }
+  const all = (f) => series.flatMap(f);
+  const [x0, x1] = [Math.min(...all((s) => s.xs)), Math.max(...all((s) => s.xs))];
+  let [y0, y1] = [Math.min(...all((s) => s.ys)), Math.max(...all((s) => s.ys))];
+  if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
+  const px = (v) => left + ((v - x0) / ((x1 - x0) || 1)) * (width - left - 6);
+  const py = (v) => 6 + (1 - (v - y0) / (y1 - y0)) * (height - bottom - 12);
+  const plot = svg("svg", { class: "chart", viewBox: `0 0 ${width} ${height}`, "data-key": key });
+  plot.append(svg("line", { class: "axis", x1: left, y1: height - bottom, x2: width, y2: height - bottom }));
+  plot.append(svg("line", { class: "axis", x1: left, y1: 0, x2: left, y2: height - bottom }));
+  for (const [value, y] of [[y1, py(y1)], [y0, py(y0)]]) {
+    const label = svg("text", { x: 2, y: y + 4 });
+    label.textContent = Number(value.toPrecision(3)).toString();
+    plot.append(label);
+  }
+  const xLabel = svg("text", { x: width - 60, y: height - 4 });
+  xLabel.textContent = `${x} ${Number(x1.toPrecision(4))}`;
+  plot.append(xLabel);
+  for (const s of series) {
+    const points = s.xs.map((v, i) => `${px(v).toFixed(1)},${py(s.ys[i]).toFixed(1)}`).join(" ");
+    const line = svg("polyline", {
+      class: "series", points, stroke: COLOURS[s.id % COLOURS.length], "data-points": s.xs.length,
+      "data-run": s.id,
+    });
+    const title = svg("title");
+    title.textContent = `${state.runs[s.id].name}: ${s.xs.length} points, last ${s.ys[s.ys.length - 1]}`;
+    line.append(title);
+    plot.append(line);
+    if (s.xs.length === 1) {
+      plot.append(svg("circle", { cx: px(s.xs[0]), cy: py(s.ys[0]), r: 2.5, fill: COLOURS[s.id % COLOURS.length] }));
+    }
+  }
+  return el("div", { class: "chart-box" }, el("h3", { text: key }), plot);
+}
+
+// ---------------------------------------------------------------- episodes
+function filters() {
+  const out = {};
+  for (const input of document.querySelectorAll("#filters [name]")) out[input.name] = input.value.trim();
+  return out;
+}
+
+async function loadEpisodes() {
+  const run = document.getElementById("episode-run").value || 0;
+  let page;
+  try {
+    page = await api("episodes", {
+      run, ...filters(), sort: state.sort, desc: state.desc, offset: state.offset, limit: state.limit,
+    });
+  } catch (error) {
+    document.getElementById("problems").textContent = error.message;
+    return;
+  }
+  state.total = page.total;
+  document.getElementById("problems").textContent = (page.problems || []).join("; ");
+  const head = document.querySelector("#episode-table thead");
+  head.replaceChildren(el("tr", {}, ...COLUMNS.map(([name, label]) => {
+    const th = el("th", { text: label, "data-sort": name });
+    if (state.sort === name) th.className = state.desc ? "sorted desc" : "sorted";
+    th.addEventListener("click", () => {
+      state.desc = state.sort === name ? !state.desc : false;
+      state.sort = name;
+      state.offset = 0;
+      loadEpisodes();
+    });
+    return th;
+  })));
+  const body = document.querySelector("#episode-table tbody");
+  body.replaceChildren(...page.rows.map((row) => {
+    const tr = el("tr", { "data-key": row.key });
+    for (const [name] of COLUMNS) {
+      let value = row[name];
+      if (typeof value === "number" && !Number.isInteger(value)) value = value.toFixed(3);
+      if (name === "success") value = row.success ? "\u2713" : "\u2717";
+      const td = el("td", { text: value == null ? "" : String(value) });
+      if (name === "success") td.className = row.success ? "ok" : "fail";
+      tr.append(td);
+    }
+    tr.addEventListener("click", (event) => openEpisode(run, row.key, event.shiftKey));
+    return tr;
+  }));
+  const last = Math.min(state.offset + state.limit, state.total);
+  document.getElementById("page-info").textContent =
+    `${state.total ? state.offset + 1 : 0}-${last} of ${state.total} episodes (shift-click a second row to compare)`;
+}
+
+// ---------------------------------------------------------------- transcripts
+async function openEpisode(run, key, compare) {
+  state.selected = compare ? [...state.selected.slice(-1), { run, key }] : [{ run, key }];
+  for (const tr of document.querySelectorAll("#episode-table tbody tr")) {
+    tr.classList.toggle("selected", state.selected.some((s) => s.key === tr.dataset.key));
+  }
+  const panels = await Promise.all(state.selected.map(async (s) => transcript(s.run, await api("episode", s))));
+  document.getElementById("transcripts").replaceChildren(...panels);
+}
+
+async function sameSeed(run, episode, box) {
+  const page = await api("episodes", { run, env_id: episode.env_id, seed: episode.seed, kind: episode.kind, limit: 500 });
+  const others = page.rows.filter((r) => r.key !== episode.key);
+  if (!others.length) return;
+  const select = el("select", { class: "compare" }, el("option", { value: "", text: `same seed at another step (${others.length})` }));
+  for (const row of others) select.append(el("option", { value: row.key, text: `step ${row.step} #${row.index}: return ${Number(row.return).toFixed(2)}` }));
+  select.addEventListener("change", async () => {
+    if (!select.value) return;
+    state.selected = [{ run, key: episode.key }, { run, key: select.value }];
+    openEpisode(run, select.value, true);
+  });
+  box.append(select);
+}
+
+function transcript(run, episode) {
+  const box = el("div", { class: "transcript", "data-key": episode.key });
+  box.append(el("h2", { text: `${episode.env_id} seed ${episode.seed} \u00b7 ${episode.kind} step ${episode.step} #${episode.index} \u00b7 return ${Number(episode.return).toFixed(3)} \u00b7 ${episode.success ? "success" : "no success"}` }));
+  if (episode.failure) box.append(el("p", { class: "fail", text: `failed: ${episode.failure}` }));
+  box.append(el("code", { class: "replay", text: episode.replay }));
+  sameSeed(run, episode, box);
+  for (const message of episode.messages) {
+    const item = el("div", { class: `message ${message.role}` }, el("span", { class: "role", text: message.role }));
+    const content = typeof message.content === "string" ? message.content
+      : (message.content || []).map((p) => p.text || "").join("");
+    item.append(document.createTextNode(content || ""));
+    for (const call of message.tool_calls || []) {
+      const fn = call.function || {};
+      item.append(el("span", { class: "tool-call", text: `\u2192 ${fn.name}(${fn.arguments})` }));
+    }
+    box.append(item);
+  }
+  if (episode.tokens.length) {
+    const tokens = el("div", { class: "tokens" });
+    for (const token of episode.tokens) {
+      const span = el("span", { class: token.policy ? "tok policy" : "tok context", text: token.text });
+      let title = `token ${JSON.stringify(token.text)} id ${token.id}`;
+      if (token.policy) {
+        const p = Math.exp(token.logprob ?? 0);
+        span.style.background = `rgba(47, 158, 68, ${(0.15 + 0.75 * p).toFixed(3)})`;
+        title += ` logprob ${token.logprob?.toFixed(4)} advantage ${token.advantage == null ? "-" : token.advantage.toFixed(4)}`;
+      }
+      span.title = title;
+      tokens.append(span);
+    }
+    box.append(el("h2", { text: "tokens (green: policy, shaded by probability; grey: prompt, env and template)" }), tokens);
+  }
+  return box;
+}
+
+// ---------------------------------------------------------------- eval results
+async function loadEval() {
+  const box = document.getElementById("eval-tables");
+  box.replaceChildren();
+  for (const run of state.runs) {
+    const rows = await api("summary", { run: run.id });
+    if (!rows.length) continue;
+    const keys = Object.keys(rows[0]).filter((k) => typeof rows[0][k] !== "object");
+    const table = el("table", {}, el("thead", {}, el("tr", {}, ...keys.map((k) => el("th", { text: k })))));
+    const body = el("tbody");
+    for (const row of rows) {
+      body.append(el("tr", {}, ...keys.map((k) => el("td", { text: typeof row[k] === "number" ? String(Number(row[k].toFixed ? row[k].toFixed(3) : row[k])) : String(row[k]) }))));
+    }
+    table.append(body);
+    box.append(el("h2", { text: run.name }), table);
+  }
+  if (!box.children.length) box.append(el("p", { text: "No envhub eval results among these runs." }));
+}
+
+// ---------------------------------------------------------------- wiring
+document.querySelectorAll("nav button").forEach((b) => b.addEventListener("click", () => showTab(b.dataset.tab)));
+for (const id of ["metric-filter", "x-axis", "smoothing"]) document.getElementById(id).addEventListener("input", drawCharts);
+document.querySelectorAll("#filters [name], #episode-run").forEach((input) =>
+  input.addEventListener("change", () => { state.offset = 0; loadEpisodes(); }));
+document.getElementById("prev").addEventListener("click", () => { state.offset = Math.max(0, state.offset - state.limit); loadEpisodes(); });
+document.getElementById("next").addEventListener("click", () => {
+  if (state.offset + state.limit < state.total) { state.offset += state.limit; loadEpisodes(); }
+});
+
+async function poll() {
+  try {
+    await loadMetrics();
+    if (!document.getElementById("episodes").classList.contains("hidden") && state.offset === 0) {
+      const before = state.total;
+      const run = document.getElementById("episode-run").value || 0;
+      const page = await api("episodes", { run, ...filters(), limit: 1 });
+      if (page.total !== before) loadEpisodes();
+    }
+    document.getElementById("live").textContent = `live \u00b7 ${new Date().toLocaleTimeString()}`;
+  } catch (error) {
+    document.getElementById("live").textContent = `offline: ${error.message}`;
+  }
+}
+
+(async () => {
+  await loadRuns();
+  await loadMetrics();
+  document.body.dataset.ready = "1";
+  setInterval(poll, 3000);
+})();
