@@ -40,6 +40,10 @@ MODEL = "http://127.0.0.1:8000/v1"
 """A snippet that calls the README's model server runs against a scripted OpenAI-compatible one
 (``tests.envhub.openai_servers``) that answers every turn with a (wrong) final answer."""
 
+RUN = '"runs/quickstart"'
+"""A snippet that opens the README's run folder reads a real trajectory store written here
+(``tests.envhub.test_runs.write_run``: training and eval parts, metrics)."""
+
 RUNNER = """
 import ast, asyncio, sys, types
 source = sys.stdin.read()
@@ -72,7 +76,7 @@ def test_the_readme_has_python_snippets_and_every_skip_is_known() -> None:
 @pytest.mark.parametrize(
     ("line", "source"), SNIPPETS, ids=[f"README.md:{line}" for line, _ in SNIPPETS]
 )
-def test_readme_snippet_runs(line: int, source: str) -> None:
+def test_readme_snippet_runs(line: int, source: str, tmp_path: Path) -> None:
     skip = SKIP.match(source)
     if skip:
         pytest.skip(f"README.md:{line}: {skip.group(1)}")
@@ -90,6 +94,11 @@ def test_readme_snippet_runs(line: int, source: str) -> None:
             wrong = completion("<answer>0</answer>")
             server = stack.enter_context(scripted_server(lambda _: wrong))
             source = source.replace(MODEL, server.url)
+        if RUN in source:
+            from tests.envhub.test_runs import write_run
+
+            write_run(tmp_path)
+            source = source.replace(RUN, repr(str(tmp_path)))
         run_snippet(line, prelude + source)
 
 

@@ -3,7 +3,8 @@
 Only click is imported at module level (``envhub --help`` stays instant); the config, torch
 and the pipeline load when the command runs. The run folder (``output_dir``) is printed
 first; a live progress bar shows the train/eval success and reward of each step; the folder
-ends up with ``metrics.jsonl``, checkpoints, ``reward_curve.png`` and ``final_policy/``.
+ends up with ``metrics.jsonl``, checkpoints, ``reward_curve.png``, the trajectory store
+(``trajectories/``, browsed with ``envhub view``) and ``final_policy/``.
 Starting again without ``--resume`` moves an existing run folder aside (nothing is deleted).
 """
 
@@ -74,6 +75,7 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool) -> None:
         f"{_fmt(last_eval.get('eval/success'))} (step {last_eval.get('step', '-')}) in "
         f"{rows[-1]['time_s'] / 60:.1f} min\n"
         f"  metrics  {out / 'metrics.jsonl'}\n  curve    {out / 'reward_curve.png'}\n"
+        f"  view     envhub view {out}\n"
         f"  policy   {out / 'final_policy'}\n  serve    {_serve_hint(out / 'final_policy')}",
         highlight=False,
         soft_wrap=True,  # paths and commands are copied: never wrapped mid-word

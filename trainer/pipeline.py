@@ -146,7 +146,8 @@ class AgenticPipeline:
                 with self.phase("advantages", timing):
                     self.compute_advantages(batch)
                 if self.store.due(step):
-                    self.store_episodes("train", step, episodes, batch)
+                    with self.phase("store", timing):
+                        self.store_episodes("train", step, episodes, batch)
                 with self.phase("train", timing):
                     losses = self.train_step(batch, step)
                 with self.phase("sync", timing):

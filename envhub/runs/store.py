@@ -28,6 +28,7 @@ import queue
 import random
 import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,9 @@ class TrajectoryWriter:
         self.every, self.sample, self.keep_last, self.seed = every, sample, keep_last, seed
         self.errors: list[str] = []
         """Writes that failed (also logged); the run goes on without them."""
+        self.busy_s = 0.0
+        """Seconds the writer thread has spent writing parts (the store's cost off the caller's
+        thread)."""
         self._queue: queue.Queue[tuple[str, int, list[Mapping[str, Any]]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="trajectory-store", daemon=True)
         self._thread.start()
@@ -217,9 +221,11 @@ class TrajectoryWriter:
                 if item is None:
                     return
                 kind, step, records = item
+                started = time.perf_counter()
                 write_part(self.folder, kind, step, records)
                 if kind == "train" and self.keep_last is not None:
                     self._prune()
+                self.busy_s += time.perf_counter() - started
             except Exception as error:  # noqa: BLE001 - a failed write must not stop the run
                 message = f"trajectory store: {type(error).__name__}: {error}"
                 self.errors.append(message)

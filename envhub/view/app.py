@@ -106,7 +106,8 @@ class Viewer:
         logprobs = record.pop("logprobs") or []
         advantages = record.pop("advantages") or []
         tokenizer = self.tokenizer(index)
-        texts = tokenizer.convert_ids_to_tokens(list(ids)) if tokenizer is not None else None
+        # each token decoded on its own: " up" and "\n" rather than BPE's "Ġup" and "Ċ"
+        texts = tokenizer.batch_decode([[i] for i in ids]) if tokenizer is not None else None
         record["tokens"] = [
             {
                 "id": token,
@@ -124,9 +125,10 @@ class Viewer:
     def replay_command(run: Run, record: dict[str, Any]) -> str:
         """``envhub play`` replaying the episode's actions, with the run's env kwargs."""
         kwargs: dict[str, Any] = {}
-        config = run.path / "checkpoints" / "latest" / "config.json"
-        try:
-            env = json.loads(config.read_text()).get("env", {})
+        checkpoints = run.path / "checkpoints"
+        try:  # ``latest`` names the newest checkpoint folder, whose config.json is the run's
+            latest = checkpoints / (checkpoints / "latest").read_text().strip()
+            env = json.loads((latest / "config.json").read_text()).get("env", {})
             kwargs = dict(env.get("kwargs") or {})
             entries = env.get("id") if isinstance(env.get("id"), list) else []
             for entry in entries:

@@ -48,6 +48,7 @@ def view_command(run_dirs: tuple[str, ...], host: str, port: int, token: str | N
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(512)  # requests queue from here on, before the server has started
     except OSError as error:
         _fail(EnvhubError(f"cannot listen on {host}:{port} ({error}); pick another --port"))
     bound = sock.getsockname()[1]

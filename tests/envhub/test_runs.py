@@ -8,6 +8,7 @@ returned as data, and a viewer bound with a token refuses requests without it.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,35 @@ def test_the_viewer_api_pages_filters_and_refuses_requests_without_its_token(
     bad = client.get("/api/episodes", params={**auth, "sort": "messages"})
     assert bad.status_code == 400 and "cannot sort by 'messages'" in bad.json()["error"]
     assert client.get("/api/episodes", params={**auth, "run": 7}).status_code == 404
+
+
+def test_replaying_a_stored_episode_ends_as_the_episode_did(quickstart_run: Path) -> None:
+    from click.testing import CliRunner
+
+    from envhub.cli import main
+    from envhub.view.app import Viewer
+
+    run = envhub.runs.open(quickstart_run)
+    for row in run.episodes(kind="eval", step=4, limit=3).rows:
+        episode = run.episode(row["key"])
+        command = Viewer.replay_command(run, episode)  # what the page shows
+        assert "-k size=3" in command  # the run's env kwargs, from its config
+        result = CliRunner().invoke(main, shlex.split(command)[1:])
+        assert result.exit_code == 0, result.output
+        outcome = f"Return {episode['return']:+.2f} in {episode['turns']} turns."
+        assert outcome in result.output, (outcome, result.output[-800:])
+
+
+def test_view_refuses_a_public_host_without_a_token_and_a_folder_that_is_no_run(
+    tmp_path: Path,
+) -> None:
+    from click.testing import CliRunner
+
+    from envhub.cli import main
+
+    result = CliRunner().invoke(main, ["view", str(tmp_path), "--host", "0.0.0.0"])
+    assert result.exit_code != 0 and "add --token SECRET" in result.output
+    result = CliRunner().invoke(main, ["view", str(tmp_path)])
+    assert result.exit_code != 0 and "is not a run" in result.output
+    bad = CliRunner().invoke(main, ["play", "games/frozen-lake-v0", "--replay", str(tmp_path)])
+    assert bad.exit_code != 0 and "--replay RUN_DIR needs --episode KEY" in bad.output

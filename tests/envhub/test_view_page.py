@@ -1,19 +1,24 @@
 """``envhub view`` in real Chromium (Playwright): what a person looking at the page sees.
 
-The curves draw one point per metrics row, filtering ``success = no`` lists only failures, a
-transcript colours policy tokens, and an env message holding ``<script>alert(1)</script>`` is
-shown as text (no dialog opens). The screenshots of ``docs/view.md`` are taken here.
+Two runs side by side: a real short ``envhub train`` of the quickstart (its own store, metrics
+and tokenizer) and a run whose env text holds ``<script>alert(1)</script>``. The curves draw one
+point per metrics row and grow live when the run writes a row, filtering ``success = no`` lists
+exactly the run's failures, a transcript colours the policy's tokens (decoded with the run's
+tokenizer), the same seed at another step opens beside it, and the hostile env text is shown as
+text (no dialog opens). The screenshots of ``docs/view.md`` are taken here.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("pyarrow", reason="needs the view extra: pip install -e '.[view]'")
+pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs the web extra")
-
+import envhub.runs
 from envhub.view import create_app
 from envs.web.browser_pool import CHROMIUM_FLAGS, chromium_path
 from tests.envhub.openai_servers import serve_app
@@ -23,38 +28,94 @@ pytestmark = pytest.mark.browser
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "view"
 
 
-def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(tmp_path: Path) -> None:
-    write_run(tmp_path, steps=3, per_step=12)
+def count(page: sync_api.Page, selector: str) -> int:
+    return page.locator(selector).count()
+
+
+def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
+    quickstart_run: Path, tmp_path: Path
+) -> None:
+    hostile = tmp_path / "hostile"
+    write_run(hostile, steps=3, per_step=12)
+    run = envhub.runs.open(quickstart_run)
+    trained = [r for r in run.metrics() if "train/success" in r]
+    failures = run.episodes(kind="train", success=False, limit=None)
+    assert failures.total > 0  # an untrained tiny policy fails most episodes
     dialogs: list[str] = []
-    with serve_app(create_app([tmp_path])) as url, sync_api.sync_playwright() as playwright:
+    app = create_app([quickstart_run, hostile])
+    with serve_app(app) as url, sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=chromium_path(), headless=True, args=CHROMIUM_FLAGS
         )
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
-        page.goto(url + "/")
+        page.goto(url + "/?poll=200")
         page.wait_for_selector("body[data-ready='1']")
-        line = page.locator("svg.chart[data-key='train/success'] polyline.series")
-        assert line.get_attribute("data-points") == "4"  # steps 0..3 of metrics.jsonl
+
+        # curves: both runs overlaid, one point per metrics row
+        chart = "svg.chart[data-key='train/success']"
+        page.locator("#runs input[data-run='1']").check()
+        page.wait_for_selector(f"{chart} polyline[data-run='1']")
+        real = page.locator(f"{chart} polyline[data-run='0']")
+        assert real.get_attribute("data-points") == str(len(trained)) == "4"
+        assert page.locator(f"{chart} polyline[data-run='1']").get_attribute("data-points") == "4"
+        evals = page.locator("svg.chart[data-key='eval/success'] polyline[data-run='0']")
+        assert evals.get_attribute("data-points") == "3"  # steps 0, 2, 4
         DOCS.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(DOCS / "curves.png"))
+        # live: a row the run writes appears without a reload
+        with (hostile / "metrics.jsonl").open("a") as metrics:
+            metrics.write("\n" + json.dumps({"step": 4, "time_s": 8.0, "train/success": 0.5}))
+        page.wait_for_function(
+            "document.querySelector(\"svg.chart[data-key='train/success'] "
+            "polyline[data-run='1']\").dataset.points === '5'"
+        )
 
+        # the episode table: success = no lists exactly the run's failures
         page.click("nav button[data-tab='episodes']")
+        page.select_option("#filters select[name='kind']", "train")
         page.select_option("#filters select[name='success']", "false")
         page.wait_for_function(
-            "document.querySelector('#page-info').textContent.includes('of 26 episodes')"
+            "document.querySelector('#page-info').textContent"
+            f".includes('of {failures.total} episodes')"
         )
         marks = page.locator("#episode-table tbody td.ok, #episode-table tbody td.fail")
-        assert marks.count() > 0
-        assert set(marks.all_inner_texts()) == {"\u2717"}  # only failures
+        assert set(marks.all_inner_texts()) == {"\u2717"}
+        assert marks.count() == min(failures.total, 50)
+        page.screenshot(path=str(DOCS / "episodes.png"))
 
-        page.locator("#episode-table tbody tr").first.click()
+        # a transcript: the policy's tokens coloured, decoded with the run's tokenizer
+        page.select_option("#filters select[name='kind']", "eval")
+        page.select_option("#filters select[name='success']", "")
+        page.wait_for_selector("#episode-table tbody tr[data-key^='eval:0:']")
+        first = page.locator("#episode-table tbody tr").first
+        key = str(first.get_attribute("data-key"))
+        episode = run.episode(key)
+        first.click()
         page.wait_for_selector(".transcript .tok.policy")
-        assert page.locator(".transcript .tok.policy").count() == 2
-        assert page.locator(".transcript .tok.context").count() == 4
-        user = page.locator(".transcript .message.user").first
-        assert SCRIPT in user.inner_text()  # the env's text, shown as text
-        assert page.locator(".transcript script").count() == 0 and not dialogs
+        assert count(page, ".transcript .tok.policy") == sum(episode["response_mask"])
+        assert count(page, ".transcript .tok") == len(episode["token_ids"])
+        assert not page.locator(".transcript .tok").first.inner_text().startswith("[")
         assert "--replay" in page.locator(".transcript code.replay").inner_text()
-        page.screenshot(path=str(DOCS / "transcript.png"), full_page=True)
+        # the same seed two evaluations later, side by side
+        compare = page.locator(".transcript select.compare")
+        later = compare.locator("option").nth(1).get_attribute("value")
+        compare.select_option(later)
+        page.wait_for_function("document.querySelectorAll('#transcripts .transcript').length == 2")
+        panels = page.locator("#transcripts .transcript")
+        assert [panels.nth(i).get_attribute("data-key") for i in (0, 1)] == [key, later]
+        page.locator("#transcripts").scroll_into_view_if_needed()
+        page.evaluate("document.querySelector('#transcripts').scrollIntoView()")
+        page.screenshot(path=str(DOCS / "transcript.png"))
+
+        # env text that holds markup is shown as text, never run
+        page.select_option("#episode-run", "1")
+        page.select_option("#filters select[name='kind']", "")
+        page.wait_for_function(
+            "document.querySelector('#page-info').textContent.includes('of 40 episodes')"
+        )
+        page.locator("#episode-table tbody tr").first.click()
+        page.wait_for_selector(".transcript .message.user")
+        assert SCRIPT in page.locator(".transcript .message.user").first.inner_text()
+        assert count(page, ".transcript script") == 0 and not dialogs
         browser.close()

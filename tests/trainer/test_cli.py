@@ -3,8 +3,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 import signal
+import subprocess
+import sys
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,7 +60,29 @@ def kill_after_step_3(episode) -> float:
     return 0.0
 
 
-def test_short_run_writes_metrics_curve_checkpoints_and_policy(tmp_path: Path) -> None:
+@contextlib.contextmanager
+def envhub_view(*run_dirs: Path) -> Iterator[str]:
+    """``envhub view RUN_DIR ... --port 0`` in a child process; yields the URL it prints."""
+    env = {**os.environ, "PYTHONPATH": str(QUICKSTART.parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "envhub.cli", "view", *map(str, run_dirs), "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # printed once the socket is bound
+        match = re.search(r"at (http://\S+/)", first)
+        assert match, first + proc.stdout.read()
+        yield match[1]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def test_short_run_writes_metrics_curve_checkpoints_store_and_policy(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = envhub_train(
         str(QUICKSTART), *TINY, "train.steps=2", "eval.every=0", f"output_dir={out}", cwd=tmp_path
@@ -80,6 +110,15 @@ def test_short_run_writes_metrics_curve_checkpoints_and_policy(tmp_path: Path) -
     ):
         assert key in metrics[1], key
     assert (out / "reward_curve.png").read_bytes()[:4] == b"\x89PNG"
+    # the run's trajectory store, served by the command the summary names
+    assert f"view     envhub view {out}" in log
+    with envhub_view(out) as url:
+        page = urllib.request.urlopen(url, timeout=30).read().decode()
+        assert "<title>envhub view</title>" in page
+        query = urllib.parse.urlencode({"kind": "train", "step": 2, "limit": 500})
+        episodes = json.load(urllib.request.urlopen(f"{url}api/episodes?{query}", timeout=30))
+        assert episodes["total"] == 8  # 2 groups x 4 episodes, every one stored
+        assert {r["env_id"] for r in episodes["rows"]} == {"games/frozen-lake-v0"}
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     from transformers import AutoModelForCausalLM
 

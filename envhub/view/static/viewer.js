@@ -3,7 +3,9 @@
 // data, not markup.
 "use strict";
 
-const TOKEN = new URLSearchParams(location.search).get("token");
+const QUERY = new URLSearchParams(location.search);
+const TOKEN = QUERY.get("token");
+const POLL_MS = Number(QUERY.get("poll")) || 3000;  // how often the page looks for new data
 const COLOURS = ["#2b6cb0", "#d9480f", "#2f9e44", "#862e9c", "#c2255c", "#1098ad", "#5c940d"];
 const COLUMNS = [
   ["step", "step"], ["kind", "kind"], ["env_id", "env"], ["seed", "seed"],
@@ -100,8 +102,14 @@ function drawCharts() {
   if (!chosen.length) box.append(el("p", { text: "No metric matches the filter (yet)." }));
 }
 
+function label(value, span) {
+  // enough digits to tell the axis ends apart when the range is small next to the values
+  const digits = Math.min(8, Math.max(3, Math.ceil(Math.log10(Math.abs(value) / (span || 1) + 1)) + 2));
+  return Number(value.toPrecision(digits)).toString();
+}
+
 function chart(key, x, alpha) {
-  const width = 340, height = 170, left = 42, bottom = 20;
+  const width = 340, height = 170, left = 46, bottom = 20;
   const series = [];
   for (const id of state.shown) {
     const rows = (state.metrics[id]?.rows || []).filter((r) => r[key] != null && r[x] != null);
@@ -110,33 +118,36 @@ function chart(key, x, alpha) {
   const all = (f) => series.flatMap(f);
   const [x0, x1] = [Math.min(...all((s) => s.xs)), Math.max(...all((s) => s.xs))];
   let [y0, y1] = [Math.min(...all((s) => s.ys)), Math.max(...all((s) => s.ys))];
-  if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
+  if (y0 === y1) { const pad = Math.abs(y0) * 0.1 || 0.5; y0 -= pad; y1 += pad; }
   const px = (v) => left + ((v - x0) / ((x1 - x0) || 1)) * (width - left - 6);
   const py = (v) => 6 + (1 - (v - y0) / (y1 - y0)) * (height - bottom - 12);
   const plot = svg("svg", { class: "chart", viewBox: `0 0 ${width} ${height}`, "data-key": key });
+  plot.append(svg("line", { class: "grid", x1: left, y1: py((y0 + y1) / 2), x2: width, y2: py((y0 + y1) / 2) }));
   plot.append(svg("line", { class: "axis", x1: left, y1: height - bottom, x2: width, y2: height - bottom }));
   plot.append(svg("line", { class: "axis", x1: left, y1: 0, x2: left, y2: height - bottom }));
-  for (const [value, y] of [[y1, py(y1)], [y0, py(y0)]]) {
-    const label = svg("text", { x: 2, y: y + 4 });
-    label.textContent = Number(value.toPrecision(3)).toString();
-    plot.append(label);
-  }
-  const xLabel = svg("text", { x: width - 60, y: height - 4 });
-  xLabel.textContent = `${x} ${Number(x1.toPrecision(4))}`;
-  plot.append(xLabel);
+  const text = (content, attrs) => { const t = svg("text", attrs); t.textContent = content; plot.append(t); };
+  for (const value of [y1, (y0 + y1) / 2, y0]) text(label(value, y1 - y0), { x: 2, y: py(value) + 4 });
+  text(label(x0, x1 - x0), { x: left, y: height - 4 });
+  text(`${x === "step" ? "step" : "s"} ${label(x1, x1 - x0)}`, { x: width - 4, y: height - 4, "text-anchor": "end" });
   for (const s of series) {
+    const colour = COLOURS[s.id % COLOURS.length];
     const points = s.xs.map((v, i) => `${px(v).toFixed(1)},${py(s.ys[i]).toFixed(1)}`).join(" ");
     const line = svg("polyline", {
-      class: "series", points, stroke: COLOURS[s.id % COLOURS.length], "data-points": s.xs.length,
-      "data-run": s.id,
+      class: "series", points, stroke: colour, "data-points": s.xs.length, "data-run": s.id,
     });
     const title = svg("title");
     title.textContent = `${state.runs[s.id].name}: ${s.xs.length} points, last ${s.ys[s.ys.length - 1]}`;
     line.append(title);
     plot.append(line);
-    if (s.xs.length === 1) {
-      plot.append(svg("circle", { cx: px(s.xs[0]), cy: py(s.ys[0]), r: 2.5, fill: COLOURS[s.id % COLOURS.length] }));
-    }
+    if (s.xs.length > 300) continue;  // hover dots only where they stay readable
+    s.xs.forEach((v, i) => {
+      const only = s.xs.length === 1;  // a lone point has no line: always drawn
+      const dot = svg("circle", { class: only ? "dot single" : "dot", cx: px(v), cy: py(s.ys[i]), r: only ? 2.5 : 2, fill: colour });
+      const tip = svg("title");
+      tip.textContent = `${state.runs[s.id].name} \u00b7 ${x} ${v}: ${key} ${Number(s.ys[i].toPrecision(6))}`;
+      dot.append(tip);
+      plot.append(dot);
+    });
   }
   return el("div", { class: "chart-box" }, el("h3", { text: key }), plot);
 }
@@ -210,7 +221,7 @@ async function sameSeed(run, episode, box) {
   for (const row of others) select.append(el("option", { value: row.key, text: `step ${row.step} #${row.index}: return ${Number(row.return).toFixed(2)}` }));
   select.addEventListener("change", async () => {
     if (!select.value) return;
-    state.selected = [{ run, key: episode.key }, { run, key: select.value }];
+    state.selected = [{ run, key: episode.key }];  // this one on the left, the other beside it
     openEpisode(run, select.value, true);
   });
   box.append(select);
@@ -221,7 +232,9 @@ function transcript(run, episode) {
   box.append(el("h2", { text: `${episode.env_id} seed ${episode.seed} \u00b7 ${episode.kind} step ${episode.step} #${episode.index} \u00b7 return ${Number(episode.return).toFixed(3)} \u00b7 ${episode.success ? "success" : "no success"}` }));
   if (episode.failure) box.append(el("p", { class: "fail", text: `failed: ${episode.failure}` }));
   box.append(el("code", { class: "replay", text: episode.replay }));
-  sameSeed(run, episode, box);
+  const slot = el("div", { class: "compare-slot" });  // filled once the other steps are known
+  box.append(slot);
+  sameSeed(run, episode, slot);
   for (const message of episode.messages) {
     const item = el("div", { class: `message ${message.role}` }, el("span", { class: "role", text: message.role }));
     const content = typeof message.content === "string" ? message.content
@@ -235,7 +248,9 @@ function transcript(run, episode) {
   }
   if (episode.tokens.length) {
     const tokens = el("div", { class: "tokens" });
-    for (const token of episode.tokens) {
+    const starts = new Set((episode.row_starts || []).slice(1));
+    for (const [i, token] of episode.tokens.entries()) {
+      if (starts.has(i)) tokens.append(el("div", { class: "row-break", text: "next training sample (this turn's prompt as the template rendered it)" }));
       const span = el("span", { class: token.policy ? "tok policy" : "tok context", text: token.text });
       let title = `token ${JSON.stringify(token.text)} id ${token.id}`;
       if (token.policy) {
@@ -299,5 +314,5 @@ async function poll() {
   await loadRuns();
   await loadMetrics();
   document.body.dataset.ready = "1";
-  setInterval(poll, 3000);
+  setInterval(poll, POLL_MS);
 })();
