@@ -18,7 +18,10 @@ import pytest
 pytest.importorskip("pyarrow", reason="needs the view extra: pip install -e '.[view]'")
 pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
 sync_api = pytest.importorskip("playwright.sync_api", reason="needs the web extra")
+from click.testing import CliRunner
+
 import envhub.runs
+from envhub.cli import main
 from envhub.view import create_app
 from envs.web.browser_pool import CHROMIUM_FLAGS, chromium_path
 from tests.envhub.openai_servers import serve_app
@@ -37,12 +40,17 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
 ) -> None:
     hostile = tmp_path / "hostile"
     write_run(hostile, steps=3, per_step=12)
+    evals = tmp_path / "eval"  # an envhub eval --out folder: its summary is the Eval tab
+    played = CliRunner().invoke(
+        main, ["eval", "games/guess-number-v0", "--episodes", "4", "--out", str(evals)]
+    )
+    assert played.exit_code == 0, played.output
     run = envhub.runs.open(quickstart_run)
     trained = [r for r in run.metrics() if "train/success" in r]
     failures = run.episodes(kind="train", success=False, limit=None)
     assert failures.total > 0  # an untrained tiny policy fails most episodes
     dialogs: list[str] = []
-    app = create_app([quickstart_run, hostile])
+    app = create_app([quickstart_run, hostile, evals])
     with serve_app(app) as url, sync_api.sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=chromium_path(), headless=True, args=CHROMIUM_FLAGS
@@ -107,6 +115,14 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         page.locator("#transcripts").scroll_into_view_if_needed()
         page.evaluate("document.querySelector('#transcripts').scrollIntoView()")
         page.screenshot(path=str(DOCS / "transcript.png"))
+
+        # the envhub eval run's summary: one row per (env, agent)
+        page.click("nav button[data-tab='eval']")
+        page.wait_for_selector("#eval-tables table tbody tr")
+        rows = page.locator("#eval-tables table tbody tr").all_inner_texts()
+        assert len(rows) == 2 and all("games/guess-number-v0" in r for r in rows)
+        assert {"random", "expert"} == {a for r in rows for a in ("random", "expert") if a in r}
+        page.click("nav button[data-tab='episodes']")
 
         # env text that holds markup is shown as text, never run
         page.select_option("#episode-run", "1")
