@@ -13,7 +13,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainer.errors import Problem
-from trainer.strategies.registry import engine_spec, layout_problem, process_problem
+from trainer.strategies.registry import (
+    TRAIN_STRATEGIES,
+    engine_spec,
+    layout_problem,
+    process_problem,
+)
 
 if TYPE_CHECKING:
     from trainer.config import TrainerConfig
@@ -54,6 +59,35 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
             )
         )
     problems.extend(_agent_problems(cfg))
+    problems.extend(_lora_problems(cfg))
+    return problems
+
+
+def _lora_problems(cfg: TrainerConfig) -> list[Problem]:
+    """``model.lora``: a training strategy that can hold adapters, an engine that can load them."""
+    lora = cfg.model.lora
+    if lora is None:
+        return []
+    problems = []
+    strategy = cfg.roles.actor_train.strategy or "hf"
+    spec = TRAIN_STRATEGIES.get(strategy)
+    if spec is not None and not spec.lora:
+        able = [name for name, s in TRAIN_STRATEGIES.items() if s.lora]
+        problems.append(
+            Problem(
+                "model.lora",
+                f"roles.actor_train.strategy={strategy!r} cannot train adapters (it trains every "
+                f"weight); use one of {able} or drop model.lora",
+            )
+        )
+    if lora.sync == "adapter" and not engine_spec(cfg.rollout.engine).adapters:
+        problems.append(
+            Problem(
+                "model.lora.sync",
+                f"the {cfg.rollout.engine!r} engine cannot load adapters; set "
+                "model.lora.sync: merged",
+            )
+        )
     return problems
 
 

@@ -102,6 +102,32 @@ class TinyModelConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    """Low-rank adapters on the policy (``peft``): only the adapters train; the engines keep the
+    base weights and receive the adapters at each sync (``trainer.strategies.lora``)."""
+
+    rank: int = Field(default=8, ge=0)
+    """Adapter rank r (``peft.LoraConfig.r``); 0 turns adapters off (full fine-tuning), so a
+    config can hold LoRA settings that ``model.lora.rank=8`` switches on."""
+    alpha: int | None = Field(default=None, ge=1)
+    """Scaling numerator (``lora_alpha``; the update is scaled by alpha / rank); None: 2 x rank."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (or name suffixes) to adapt, e.g. ``[q_proj, v_proj]``; ``all-linear`` adapts
+    every linear layer but the output head."""
+    lr: float | None = Field(default=None, gt=0)
+    """The adapters' learning rate (RL and, unless ``sft.lr`` is set, the warm start); None:
+    ``train.lr``. Adapters usually want a larger rate than full fine-tuning."""
+    sync: Literal["adapter", "merged"] = "adapter"
+    """What each weight sync sends: ``adapter`` (the engines keep the base and load only the
+    adapters) or ``merged`` (full weights with the adapters merged in, for engines without LoRA
+    support)."""
+    export: Literal["merged", "adapter"] = "merged"
+    """``final_policy/`` as a plain HF model with the adapters merged in, or as a peft adapter
+    folder (``adapter_config.json`` + ``adapter_model.safetensors``) beside its base."""
+
+
 class ModelConfig(Section):
     """The policy: a local HF checkpoint (``path``) or a tiny model built from ``tiny``."""
 
@@ -113,6 +139,15 @@ class ModelConfig(Section):
     """Parameter dtype for training and inference."""
     chat_template: str | None = None
     """Jinja chat template overriding the tokenizer's own (None: the tokenizer's)."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of every weight (``model.lora.rank=8`` turns it on);
+    ``hf`` and ``fsdp2`` training strategies. None: full fine-tuning."""
+
+    @model_validator(mode="after")
+    def _lora_off_at_rank_0(self) -> ModelConfig:
+        if self.lora is not None and self.lora.rank == 0:
+            self.lora = None
+        return self
 
     @model_validator(mode="after")
     def _path_or_tiny(self) -> ModelConfig:
@@ -188,7 +223,15 @@ class TrainConfig(Section):
     steps: int = Field(default=100, ge=0)
     """Training steps (each: one rollout batch, then updates)."""
     micro_batch_size: int = Field(default=8, gt=0)
-    """Sequences per forward/backward pass on one data-parallel rank."""
+    """Sequences per forward/backward pass on one data-parallel rank (when
+    ``micro_batch_tokens`` is unset)."""
+    micro_batch_tokens: int | None = Field(default=None, gt=0)
+    """Group rows so each micro-batch holds about this many tokens (padding included, or packed
+    tokens with ``packing``) instead of ``micro_batch_size`` rows; balanced across data-parallel
+    ranks. A row longer than this is its own micro-batch."""
+    packing: bool = False
+    """Pack several sequences into each row (positions restart per sequence; attention never
+    crosses sequences) for training, reference and critic passes: no compute on padding."""
     grad_accumulation: int | None = Field(default=None, gt=0)
     """Micro-batches per optimiser step; None accumulates the whole per-rank batch (one step)."""
     max_grad_norm: float | None = Field(default=1.0, gt=0)
@@ -214,18 +257,21 @@ class TrainConfig(Section):
             "weight_decay": self.weight_decay,
             "max_grad_norm": self.max_grad_norm,
             "micro_batch_size": self.micro_batch_size,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "packing": self.packing,
             "grad_accumulation": self.grad_accumulation,
         }
 
-    def lr_at(self, step: int) -> float:
+    def lr_at(self, step: int, base: float | None = None) -> float:
         """The policy learning rate of RL step ``step`` (1-based), by ``lr_schedule`` and
-        ``warmup_steps``."""
+        ``warmup_steps``, scaling ``base`` (None: ``lr``; LoRA passes its own rate)."""
         import math
 
+        lr = self.lr if base is None else base
         if step <= self.warmup_steps:
-            return self.lr * step / (self.warmup_steps + 1)
+            return lr * step / (self.warmup_steps + 1)
         if self.lr_schedule == "constant":
-            return self.lr
+            return lr
         span = max(self.steps - self.warmup_steps - 1, 1)
         progress = min(max(step - self.warmup_steps - 1, 0) / span, 1.0)
         shape = (
@@ -233,7 +279,7 @@ class TrainConfig(Section):
             if self.lr_schedule == "linear"
             else 0.5 * (1.0 + math.cos(math.pi * progress))
         )
-        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape)
+        return lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape)
 
 
 # --------------------------------------------------------------------------- roles and cluster
@@ -381,11 +427,18 @@ class TrainerConfig(Section):
         return self.env.group_size * self.env.num_groups
 
     @property
+    def policy_lr(self) -> float:
+        """The policy's RL learning rate: ``model.lora.lr`` when adapters train and it is set,
+        else ``train.lr``."""
+        lora = self.model.lora
+        return lora.lr if lora is not None and lora.lr is not None else self.train.lr
+
+    @property
     def active_roles(self) -> list[str]:
         """Roles this run starts, in creation order (reference/critic only when needed)."""
         active = ["actor_train", "actor_infer"]
-        if self.algorithm.needs_reference:
-            active.append("reference")
+        if self.algorithm.needs_reference and self.model.lora is None:
+            active.append("reference")  # with LoRA the reference is the actor, adapters off
         if self.algorithm.needs_critic:
             active.append("critic")
         return active

@@ -30,6 +30,7 @@ from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate, episod
 
 if TYPE_CHECKING:
     from trainer.algos.advantages import AdvantageEstimator
+    from trainer.weights.sync import SyncReport
 
 __all__ = ["AgenticPipeline"]
 
@@ -83,13 +84,9 @@ class AgenticPipeline:
         first use)."""
         from trainer.weights.sync import WeightSync
 
-        sync = config.weight_sync
-        self.weight_sync = WeightSync(
-            self.roles.actor,
-            self.roles.infer,
-            transport=sync.transport,
-            bucket_mb=sync.bucket_mb,
-            only_changed=sync.only_changed,
+        lora = config.model.lora
+        self.weight_sync = WeightSync.from_config(
+            self.roles, config.weight_sync, adapters=lora is not None and lora.sync == "adapter"
         )
         self.envs = self._env_source()
         self.rewards = self._reward_router()
@@ -151,7 +148,7 @@ class AgenticPipeline:
                 with self.phase("train", timing):
                     losses = self.train_step(batch, step)
                 with self.phase("sync", timing):
-                    self.sync_weights()
+                    moved = self.sync_weights()
                 self.step = step
                 metrics = {
                     "step": step,
@@ -159,6 +156,7 @@ class AgenticPipeline:
                     "train/failed_episodes": len(failed),
                     **losses,
                     **timing,
+                    **moved,
                     **self.rollouts.last_metrics,
                 }
                 if self.eval_due(step):
@@ -181,8 +179,9 @@ class AgenticPipeline:
     def reference_logprobs(self, batch: Batch) -> None:
         """Log-probs of the frozen reference (only when a KL term is on), and recomputed old
         log-probs when rollouts were not sampled at temperature 1."""
-        if self.roles.reference is not None:
-            batch["ref_logprobs"] = self.roles.reference.compute_logprobs(batch)["ref_logprobs"]
+        reference = self.roles.reference_logprobs(batch)
+        if reference is not None:
+            batch["ref_logprobs"] = reference
         if self.cfg.rollout.temperature != 1.0 or self.cfg.rollout.top_p != 1.0:
             batch["old_logprobs"] = self.roles.actor.compute_logprobs(batch)["logprobs"]
         self.rollouts.off_policy_correction(
@@ -231,7 +230,7 @@ class AgenticPipeline:
         if (
             train.lr_schedule != "constant" or train.warmup_steps
         ):  # from the step alone, so resume agrees
-            metrics["actor/lr"] = train.lr_at(step)
+            metrics["actor/lr"] = train.lr_at(step, self.cfg.policy_lr)
             self.roles.actor.set_lr(metrics["actor/lr"])
         try:
             if self.roles.critic is not None:
@@ -248,11 +247,13 @@ class AgenticPipeline:
             ) from error
         return metrics
 
-    def sync_weights(self) -> None:
-        """Copy the trained weights into the inference engines (bucketed full HF tensors,
-        version-checked) while the engines are paused; in-flight turns (async) resume under
-        the new weights."""
-        self.rollouts.update_weights(self.weight_sync.sync)
+    def sync_weights(self) -> dict[str, float]:
+        """Copy the trained weights into the inference engines (bucketed full HF tensors, or
+        LoRA adapters; version-checked) while the engines are paused; in-flight turns (async)
+        resume under the new weights. Returns what moved (``sync/tensors``, ``sync/megabytes``)."""
+        reports: list[SyncReport] = []
+        self.rollouts.update_weights(lambda: reports.append(self.weight_sync.sync()))
+        return reports[0].metrics() if reports else {}
 
     def evaluate(self) -> dict[str, float]:
         """The fixed evaluation set at ``eval.temperature`` (greedy by default)."""
@@ -308,12 +309,11 @@ class AgenticPipeline:
                 chunk = [data[i] for i in order[first : first + sft.batch_size]]
                 stats = self.roles.actor.sft_step(
                     Batch(collate(chunk, self.renderer.tokenizer.pad_token_id)),
-                    sft.lr or self.cfg.train.lr,
+                    sft.lr or self.cfg.policy_lr,
                 )
-        self.roles.actor.set_lr(self.cfg.train.lr)
+        self.roles.actor.set_lr(self.cfg.policy_lr)
+        self.roles.adopt_warm_start()  # the KL anchor; LoRA folds the adapters into the base
         self.sync_weights()
-        if self.roles.reference is not None:  # KL is measured against the warm-started policy
-            self.roles.reference.load_weights(self.roles.actor.get_weights())
         return {
             **stats,
             "sft/demos": float(len(data)),

@@ -75,6 +75,25 @@ class Roles:
     critic: CriticCluster | None = None
     resources: Any = None
     clusters: list[Any] = field(default_factory=list)
+    adapter_reference: bool = False
+    """LoRA with a KL term: the reference is the actor with its adapters off (no workers)."""
+
+    def reference_logprobs(self, batch: Any) -> Any:
+        """The reference policy's log-probs of ``batch`` (None when no KL term needs them)."""
+        if self.reference is not None:
+            return self.reference.compute_logprobs(batch)["ref_logprobs"]
+        if self.adapter_reference:
+            return self.actor.compute_ref_logprobs(batch)["ref_logprobs"]
+        return None
+
+    def adopt_warm_start(self) -> None:
+        """The warm-started policy becomes the reference the KL term measures against: the
+        reference workers load it, or (LoRA) the adapters are folded into the base, which the
+        adapters-off reference then is, and RL starts from fresh adapters."""
+        if self.actor.uses_lora():
+            self.actor.fold_adapters()
+        elif self.reference is not None:
+            self.reference.load_weights(self.actor.get_weights())
 
     def shutdown(self) -> None:
         for cluster in self.clusters:
@@ -116,10 +135,15 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
             "actor_train",
             **common,
             seed=cfg.seed,
-            optim=cfg.train.options(),
+            optim=cfg.train.options(cfg.policy_lr),
             loss=cfg.algorithm.loss,
+            lora=cfg.model.lora,
         )
-        infer = start(InferCluster, "actor_infer", **common, seed=cfg.seed)
+        lora = cfg.model.lora
+        adapter_rank = lora.rank if lora is not None and lora.sync == "adapter" else None
+        infer = start(
+            InferCluster, "actor_infer", **common, seed=cfg.seed, adapter_rank=adapter_rank
+        )
         reference = (
             start(
                 ReferenceCluster, "reference", **common, micro_batch_size=cfg.train.micro_batch_size
@@ -144,4 +168,5 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
         if resources is not None:
             resources.shutdown()
         raise
-    return Roles(actor, infer, reference, critic, resources, clusters)
+    adapter_reference = cfg.model.lora is not None and cfg.algorithm.needs_reference
+    return Roles(actor, infer, reference, critic, resources, clusters, adapter_reference)

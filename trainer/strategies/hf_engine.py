@@ -25,6 +25,8 @@ from trainer.weights.versioned import PolicyVersion, SharedVersion
 if TYPE_CHECKING:
     import torch
 
+    from trainer.strategies.lora import AdapterWeights
+
 __all__ = ["BatchingFrontend", "HFEngine"]
 
 RunBatch = Callable[[list[GenerationRequest]], Awaitable[list[GenerationResult]]]
@@ -162,9 +164,16 @@ class HFEngine(BatchingFrontend):
 
     @classmethod
     def from_pretrained(
-        cls, model_path: str, *, dtype: str = "float32", seed: int = 0, **options: Any
+        cls,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        seed: int = 0,
+        lora_rank: int | None = None,
+        **options: Any,
     ) -> HFEngine:
-        """The registry's ``hf`` engine: the policy at ``model_path``, on CUDA when visible."""
+        """The registry's ``hf`` engine: the policy at ``model_path``, on CUDA when visible
+        (``lora_rank``: adapters will come; this engine needs nothing ahead of them)."""
         if options:
             raise ValueError(
                 f"strategy_args {sorted(options)} are not options of the 'hf' inference engine "
@@ -200,6 +209,26 @@ class HFEngine(BatchingFrontend):
                         f"update_weights got {name!r}, which the inference model does not have"
                     )
                 target.copy_(tensor.to(target.device, target.dtype))
+        self.policy.advance()
+
+    def load_adapter(self, adapter: AdapterWeights) -> None:
+        """Serve the base weights with ``adapter`` (LoRA): the first call wraps the model with the
+        adapter's ``peft`` config, every call loads its tensors; bumps the version. Base syncs
+        (``update_weights``) keep reaching the base weights."""
+        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+
+        from trainer.strategies.lora import ADAPTER
+
+        if self._params is None:  # the base's own names, before peft renames its layers
+            self._params = dict(self.model.state_dict(keep_vars=True))
+        if not hasattr(self.model, "peft_config"):
+            known = set(LoraConfig.__dataclass_fields__)
+            config = LoraConfig(**{k: v for k, v in adapter.config.items() if k in known})
+            self.model = get_peft_model(self.model, config, adapter_name=ADAPTER).eval()
+        result: Any = set_peft_model_state_dict(self.model, adapter.tensors, adapter_name=ADAPTER)
+        unexpected = [k for k in result.unexpected_keys if "lora_" in k]
+        if unexpected:
+            raise KeyError(f"load_adapter got tensors the model has no place for: {unexpected[:3]}")
         self.policy.advance()
 
     def sleep(self) -> None:

@@ -65,6 +65,8 @@ class StrategySpec(_Spec):
     """It takes ``strategy_args.tensor_parallel_size``."""
     pipeline_parallel: bool = False
     """It takes ``strategy_args.pipeline_parallel_size``."""
+    lora: bool = False
+    """It trains ``peft`` adapters (``model.lora``; ``trainer.strategies.lora``)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class EngineSpec(_Spec):
 
     partial_weights: bool = True
     """A weight update may carry only the tensors that changed (``weight_sync.only_changed``)."""
+    adapters: bool = True
+    """It loads LoRA adapters beside its base weights (``load_adapter``; ``model.lora.sync``)."""
 
 
 def _table(*specs: _Spec) -> dict[str, Any]:
@@ -81,9 +85,13 @@ def _table(*specs: _Spec) -> dict[str, Any]:
 
 
 TRAIN_STRATEGIES: dict[str, StrategySpec] = _table(
-    StrategySpec("hf", "trainer.strategies.hf:HFTrainStrategy"),
+    StrategySpec("hf", "trainer.strategies.hf:HFTrainStrategy", lora=True),
     StrategySpec(
-        "fsdp2", "trainer.strategies.fsdp2:FSDP2TrainStrategy", sharded=True, tensor_parallel=True
+        "fsdp2",
+        "trainer.strategies.fsdp2:FSDP2TrainStrategy",
+        sharded=True,
+        tensor_parallel=True,
+        lora=True,
     ),
     StrategySpec(
         "megatron",

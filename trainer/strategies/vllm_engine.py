@@ -65,11 +65,13 @@ import json
 import logging
 import os
 import queue
+import shutil
+import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainer.errors import ModelError
 from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult, Weights
@@ -80,6 +82,9 @@ from trainer.strategies.vllm_platform import (
 )
 from trainer.strategies.vllm_weights import CheckpointNames, safetensors_blob, stream_to_engine
 from trainer.weights.errors import StaleWeightsError
+
+if TYPE_CHECKING:
+    from trainer.strategies.lora import AdapterWeights
 
 __all__ = ["VLLM_INSTALL_HINT", "VLLMEngine", "vllm_environment"]
 
@@ -132,6 +137,7 @@ class VLLMEngine:
         tensor_parallel_size: int = 1,
         kv_cache_gib: float | None = 1.0,
         enable_prefix_caching: bool = True,
+        lora_rank: int | None = None,
         **engine_args: Any,
     ) -> None:
         import torch
@@ -175,6 +181,7 @@ class VLLMEngine:
                 kv_cache_gib=kv_cache_gib,
                 enable_prefix_caching=enable_prefix_caching,
                 engine_args=engine_args,
+                lora_rank=lora_rank,
             )
         import torch
 
@@ -186,6 +193,10 @@ class VLLMEngine:
         )
 
         self.version = 0
+        self._lora: Any = None
+        """The ``LoRARequest`` every request is served with (the latest adapter), or None."""
+        self._lora_ids = 0
+        self._lora_dir = Path(tempfile.mkdtemp(prefix="envhub-lora-")) if lora_rank else None
         self.seed = int(seed)
         self._counter = 0
         self._counter_lock = threading.Lock()
@@ -197,7 +208,15 @@ class VLLMEngine:
         self._broken: str | None = None
         self._dead: str | None = None  # the engine itself failed: nothing heals it
         self._closed = False
-        self.stats = {"steps": 0, "requests": 0, "new_tokens": 0, "aborted": 0, "weight_updates": 0}
+        self.stats = {
+            "steps": 0,
+            "requests": 0,
+            "new_tokens": 0,
+            "aborted": 0,
+            "weight_updates": 0,
+            "base_loads": 0,  # full weight reloads (update_weights)
+            "adapter_loads": 0,  # LoRA adapters swapped in (load_adapter)
+        }
         self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -211,6 +230,7 @@ class VLLMEngine:
         kv_cache_gib: float | None,
         enable_prefix_caching: bool,
         engine_args: dict[str, Any],
+        lora_rank: int | None = None,
     ) -> Any:
         import torch
 
@@ -240,6 +260,10 @@ class VLLMEngine:
         }
         if kv_cache_gib is not None:
             args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+        if lora_rank is not None:  # adapters arrive with each sync (load_adapter)
+            from trainer.strategies.lora import vllm_max_rank
+
+            args.update(enable_lora=True, max_lora_rank=vllm_max_rank(lora_rank), max_loras=2)
         if not self.cuda:
             # No chunked prefill on CPU: when a step's prompts exceed the token budget vLLM
             # splits one, discards that step's sample and rewinds the request's seeded
@@ -323,6 +347,37 @@ class VLLMEngine:
             checked, lambda stream: self._post(lambda: self._reload({"weights": stream}))
         )
 
+    def load_adapter(self, adapter: AdapterWeights) -> None:
+        """Serve the base weights with ``adapter`` from the next request on: written as a ``peft``
+        folder and registered as a vLLM LoRA adapter of its own id; the previous one is removed.
+        Bumps ``version``. Needs an engine built with ``lora_rank``."""
+        from vllm.lora.request import LoRARequest
+
+        from trainer.strategies.lora import write_adapter
+
+        self._check_open()
+        if self._lora_dir is None:
+            raise ModelError(
+                "this vLLM engine was built without LoRA; build it with lora_rank (model.lora "
+                "with sync: adapter does) or sync merged weights (model.lora.sync: merged)"
+            )
+        self._lora_ids += 1
+        folder = write_adapter(self._lora_dir / f"v{self._lora_ids}", adapter, self.model_path)
+        request = LoRARequest(f"envhub-v{self._lora_ids}", self._lora_ids, str(folder))
+        self._post(lambda: self._swap_adapter(request)).result()
+
+    def _swap_adapter(self, request: Any) -> None:
+        if not self._llm.add_lora(request):
+            raise RuntimeError(f"vLLM refused the LoRA adapter {request.lora_path}")
+        old, self._lora = self._lora, request
+        if old is not None:
+            self._llm.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self._llm.reset_prefix_cache(reset_running_requests=True)
+        self.version += 1
+        self.stats["weight_updates"] += 1
+        self.stats["adapter_loads"] += 1
+
     def sleep(self) -> None:
         """Release device memory (weights to CPU, KV cache dropped) on GPUs; a no-op on CPU.
 
@@ -375,6 +430,8 @@ class VLLMEngine:
             self._llm.engine_core.shutdown()
         finally:
             del self._llm
+            if self._lora_dir is not None:
+                shutil.rmtree(self._lora_dir, ignore_errors=True)
 
     # ================================================================== caller side
     def _submit(self, request: GenerationRequest) -> _Pending:
@@ -481,7 +538,10 @@ class VLLMEngine:
         )
         try:
             self._llm.add_request(
-                pending.key, {"prompt_token_ids": list(request.prompt_ids)}, params
+                pending.key,
+                {"prompt_token_ids": list(request.prompt_ids)},
+                params,
+                lora_request=self._lora,
             )
         except Exception as error:  # noqa: BLE001 - e.g. a prompt longer than max_model_len
             _resolve(pending.future, error)
@@ -561,6 +621,7 @@ class VLLMEngine:
         self._broken = None
         self.version += 1
         self.stats["weight_updates"] += 1
+        self.stats["base_loads"] += 1
 
 
 def _resolve(future: concurrent.futures.Future[Any], outcome: Any) -> None:

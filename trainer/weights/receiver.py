@@ -11,6 +11,9 @@ shared memory / CUDA IPC (colocated)
 broadcast (disaggregated)
     ``receive_weights``: join the broadcast group as rank ``1 + self.rank`` and load one
     whole sync (``BroadcastGroup.receive_into``).
+adapter (LoRA)
+    ``load_adapter(version, adapter)``: the engine keeps its base and serves it with the
+    adapter's tensors (a few MB, sent with the call itself).
 
 The first sync wraps the engine in a :class:`VersionedEngine`: from then on a half-updated
 engine refuses to generate, and results carry the version the driver announced, which is
@@ -30,6 +33,8 @@ from trainer.weights.versioned import VersionedEngine
 
 if TYPE_CHECKING:
     import torch
+
+    from trainer.strategies.lora import AdapterWeights
 
 __all__ = ["WeightReceiver", "WeightReceiverCluster"]
 
@@ -121,6 +126,11 @@ class WeightReceiver:
             self._weight_group_address = None  # a broken group is never reused
             raise
 
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def load_adapter(self, version: int, adapter: AdapterWeights) -> int:
+        """Serve the base with ``adapter`` (LoRA) as ``version``; returns the served version."""
+        return self._versioned().load_adapter(adapter, version=version)
+
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def load_weights_file(self, path: str) -> None:
         """Load a ``save_pretrained`` folder's safetensors into the engine (the naive disk path)."""
@@ -166,3 +176,4 @@ class WeightReceiverCluster:
     meanwhile)."""
     weights_version = remote(WeightReceiver.weights_version, per_rank=True)
     load_weights_file = remote(WeightReceiver.load_weights_file)
+    load_adapter = remote(WeightReceiver.load_adapter, per_rank=True)

@@ -138,6 +138,7 @@ class WeightSync:
         bucket_mb: float | None = None,
         only_changed: bool = False,
         timeout_s: float = 300.0,
+        adapters: bool = False,
     ) -> None:
         if transport not in ("auto", "shared_memory", "broadcast"):
             raise ValueError(
@@ -154,12 +155,17 @@ class WeightSync:
         self._address: tuple[str, int] | None = None
         self._sizes: list[tuple[str, int]] | None = None
         self._phases: dict[str, float] = {}
+        self.adapters = adapters
+        """LoRA (``model.lora.sync: adapter``): after one full sync of the base, syncs send only
+        the adapters (``_sync_adapter``)."""
+        self._base_sent = False
 
     @classmethod
     def from_config(
-        cls, roles: Any, config: Any, *, policy: PolicyVersion | None = None
+        cls, roles: Any, config: Any, *, policy: PolicyVersion | None = None, adapters: bool = False
     ) -> WeightSync:
-        """From a run's ``Roles`` and its ``weight_sync`` config section."""
+        """From a run's ``Roles`` and its ``weight_sync`` config section (``adapters``: the
+        policy trains LoRA adapters that the engines load beside their base)."""
         return cls(
             roles.actor,
             roles.infer,
@@ -167,6 +173,7 @@ class WeightSync:
             transport=config.transport,
             bucket_mb=config.bucket_mb,
             only_changed=config.only_changed,
+            adapters=adapters,
         )
 
     def _resolve(self, transport: Transport) -> str:
@@ -185,21 +192,55 @@ class WeightSync:
         version = self.policy.value + 1
         started = time.perf_counter()
         self._phases = {}
-        if self.bucket_mb is None and self._sizes is None:
-            self.check_buckets()  # automatic: large enough for the largest tensor
-        if self.transport == "shared_memory":
-            moved = self._sync_shared(version)
+        transport = self.transport
+        if self.adapters and self._base_sent:
+            moved, transport = self._sync_adapter(version), "adapter"
         else:
-            moved = self._sync_broadcast(version)
+            if self.bucket_mb is None and self._sizes is None:
+                self.check_buckets()  # automatic: large enough for the largest tensor
+            if self.transport == "shared_memory":
+                moved = self._sync_shared(version)
+            else:
+                moved = self._sync_broadcast(version)
+            if self.adapters:  # the base went over; the adapters follow in the same version
+                adapter = self._sync_adapter(version)
+                moved.tensors, moved.nbytes = (
+                    moved.tensors + adapter.tensors,
+                    moved.nbytes + adapter.nbytes,
+                )
+                self._base_sent = True
         self.policy.advance()  # every engine confirmed ``version``
         return SyncReport(
             version,
-            self.transport,
+            transport,
             moved.tensors,
             moved.nbytes,
             moved.buckets,
             time.perf_counter() - started,
             self._phases,
+        )
+
+    def _sync_adapter(self, version: int) -> _Moved:
+        """LoRA: the trainer's adapters to every engine, which keeps its base weights."""
+        clock = time.perf_counter()
+        adapter = self._trainer_call(self.actor.adapter_weights)
+        if adapter is None:
+            raise WeightSyncError(
+                "an adapter sync was asked of a policy without adapters; set model.lora or "
+                "build WeightSync with adapters=False"
+            )
+        clock = self._timed("gather", clock)
+        try:
+            served = self.infer.load_adapter(version, adapter)
+        except WorkerCallError as error:
+            raise TransportError(
+                f"an inference worker failed to load the adapters of version {version} ({error}); "
+                "the engines refuse to generate until a complete sync"
+            ) from error
+        self._timed("hand_over", clock)
+        confirm_versions(served, version)
+        return _Moved(
+            names=list(adapter.tensors), tensors=len(adapter.tensors), nbytes=adapter.nbytes
         )
 
     def _timed(self, phase: str, started: float) -> float:

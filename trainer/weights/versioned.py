@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from trainer.strategies.base import GenerationRequest, GenerationResult
+    from trainer.strategies.lora import AdapterWeights
 
 __all__ = ["PolicyVersion", "SharedVersion", "TensorSource", "VersionedEngine", "confirm_versions"]
 
@@ -265,6 +266,21 @@ class VersionedEngine:
                 f"{type(self.engine).__name__}.update_weights did not bump its version "
                 f"({self._version_before}); the engine may not have taken the weights - fix the "
                 "engine's update_weights"
+            )
+        self.weights_version = version
+        return version
+
+    def load_adapter(self, adapter: AdapterWeights, *, version: int) -> int:
+        """Serve the engine's base with ``adapter`` (LoRA) as ``version``; generation is refused
+        while it loads, and after a failed load until a later sync completes."""
+        self.abandon_sync()
+        self.weights_version = None
+        before = self.engine.version
+        self.engine.load_adapter(adapter)
+        if self.engine.version == before:
+            raise StaleWeightsError(
+                f"{type(self.engine).__name__}.load_adapter did not bump its version ({before}); "
+                "fix the engine's load_adapter"
             )
         self.weights_version = version
         return version

@@ -18,10 +18,10 @@ worker's come from ``WeightReceiver``; the driver's ``trainer.weights.sync.Weigh
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from trainer.config import LossConfig, RoleConfig
+from trainer.config import LoraConfig, LossConfig, RoleConfig
 from trainer.controller.batch import Batch
 from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
@@ -34,6 +34,9 @@ from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
 
 if TYPE_CHECKING:
     import torch
+
+    from trainer.strategies.lora import AdapterWeights
+    from trainer.weights.transport import SharedBucket
 
 __all__ = ["ActorCluster", "ActorWorker", "ppo_loss_fn", "sft_loss_fn"]
 
@@ -140,11 +143,14 @@ class ActorWorker(WeightSender, StrategyWorker):
         seed: int = 0,
         optim: TrainOptions | None = None,
         loss: LossConfig | None = None,
+        lora: LoraConfig | None = None,
     ) -> None:
         super().__init__(ctx, config)
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self.optim: TrainOptions = optim or {}
         self.loss = loss if loss is not None else LossConfig()
+        self.lora = lora
+        """``model.lora``: the policy trains ``peft`` adapters (``trainer.strategies.lora``)."""
         self._setup_unless_collective()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
@@ -161,6 +167,10 @@ class ActorWorker(WeightSender, StrategyWorker):
         hf_logging.disable_progress_bar()  # no per-rank "Loading weights" bars in the run's output
         torch.manual_seed(self.seed + self.ctx.rank)
         model, self.tokenizer = load_policy(self.model_path, dtype=self.dtype)
+        if self.lora is not None:
+            from trainer.strategies.lora import apply_lora
+
+            model = apply_lora(model, self.lora)
         self._strategy = make_train_strategy(
             self.config.strategy,
             model,
@@ -173,6 +183,68 @@ class ActorWorker(WeightSender, StrategyWorker):
     def compute_logprobs(self, batch: Batch) -> Batch:
         out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
         return Batch({"logprobs": out.logprobs})
+
+    # -- LoRA (``trainer.strategies.lora``): adapters, the adapters-off reference, what syncs
+    @register(Dispatch.RANK_ZERO)
+    def uses_lora(self) -> bool:
+        """Whether the policy trains adapters (``model.lora``)."""
+        return self.lora is not None
+
+    @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
+    def compute_ref_logprobs(self, batch: Batch) -> Batch:
+        """The reference policy's log-probs: this model with its adapters switched off."""
+        with self.strategy.model.disable_adapter():
+            out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
+        return Batch({"ref_logprobs": out.logprobs})
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def fold_adapters(self) -> None:
+        """Add the adapters into the base and restart them at zero (after the warm start)."""
+        from trainer.strategies.lora import fold_adapters
+
+        fold_adapters(self.strategy.model, getattr(self.strategy, "optimizer", None))
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def adapter_weights(self) -> AdapterWeights | None:
+        """Collective: the adapters' full tensors and config (rank 0's answer), for an adapter
+        sync; None without LoRA."""
+        from trainer.strategies.lora import adapter_state
+
+        if self.lora is None:
+            return None
+        return adapter_state(self.strategy.model)
+
+    def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full HF-named tensors an engine loads: with LoRA the base alone (adapter syncs
+        carry the adapters) or, with ``model.lora.sync: merged``, the adapters merged in."""
+        if self.lora is None:
+            return self.strategy.full_weights()
+        from trainer.strategies.lora import engine_weights, scaling_of
+
+        merged = self.lora.sync == "merged"
+        scaling = scaling_of(self.strategy.model) if merged else None
+        return engine_weights(self.strategy.full_weights(), scaling=scaling)
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def weight_sizes(self) -> list[tuple[str, int]]:
+        """``(HF name, bytes)`` of every tensor the engines load (see ``WeightSender``)."""
+        if self.lora is None:
+            return super().weight_sizes()
+        from trainer.strategies.lora import engine_weights
+
+        model = self.strategy.model
+        named = ((name, tensor) for name, tensor in model.state_dict().items())
+        return [(name, t.numel() * t.element_size()) for name, t in engine_weights(named)]
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
+    def begin_shard_sync(
+        self, bucket_bytes: int, only_changed: bool = False
+    ) -> list[SharedBucket] | None:
+        """With LoRA the engines' tensors are not the strategy's shards (renamed, or merged):
+        the gathered path sends them (``_full_weights``)."""
+        if self.lora is not None:
+            return None
+        return super().begin_shard_sync(bucket_bytes, only_changed)
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.MEAN)
     def train_step(self, batch: Batch, epochs: int = 1) -> dict[str, float]:
@@ -216,10 +288,41 @@ class ActorWorker(WeightSender, StrategyWorker):
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def save_pretrained(self, path: str) -> None:
-        """Collective: rank 0 writes the policy (model + tokenizer) as an HF folder."""
-        self.strategy.save_pretrained(path)
+        """Collective: rank 0 writes the policy (model + tokenizer) as an HF folder; with LoRA the
+        adapters merged in, or (``model.lora.export: adapter``) a ``peft`` adapter folder with the
+        base it needs in ``path/base`` (HF weights, as the engines were given them)."""
+        if self.lora is not None:
+            self._export_lora(path)
+        else:
+            self.strategy.save_pretrained(path)
         if self.rank == 0:
             self.tokenizer.save_pretrained(path)
+
+    def _export_lora(self, path: str) -> None:
+        import os
+
+        from trainer.strategies.lora import (
+            adapter_state,
+            engine_weights,
+            save_plain,
+            scaling_of,
+            write_adapter,
+        )
+
+        if self.lora is None:
+            return
+        model = self.strategy.model
+        as_adapter = self.lora.export == "adapter"
+        scaling = None if as_adapter else scaling_of(model)
+        tensors = dict(engine_weights(self.strategy.full_weights(), scaling=scaling))  # collective
+        adapter = adapter_state(model) if as_adapter else None  # collective
+        if self.rank != 0:
+            return
+        target = os.path.join(path, "base") if as_adapter else path
+        save_plain(model.config, tensors, target)
+        if adapter is not None:
+            write_adapter(path, adapter, "base")
+            self.tokenizer.save_pretrained(target)
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def residency(self) -> list[tuple[str, str, bool, str]]:
@@ -242,6 +345,10 @@ class ActorCluster(WeightSenderCluster, StrategyCluster):
         super().shutdown()
 
     compute_logprobs = remote(ActorWorker.compute_logprobs)
+    compute_ref_logprobs = remote(ActorWorker.compute_ref_logprobs)
+    uses_lora = remote(ActorWorker.uses_lora)
+    fold_adapters = remote(ActorWorker.fold_adapters)
+    adapter_weights = remote(ActorWorker.adapter_weights)
     train_step = remote(ActorWorker.train_step)
     sft_step = remote(ActorWorker.sft_step)
     set_lr = remote(ActorWorker.set_lr)

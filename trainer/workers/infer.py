@@ -46,14 +46,17 @@ class InferWorker(WeightReceiver, Worker):
         model_path: str,
         dtype: str = "float32",
         seed: int = 0,
+        adapter_rank: int | None = None,
     ) -> None:
         super().__init__(ctx, config)
         self.config: RoleConfig = config if config is not None else RoleConfig(device_mapping=[])
+        lora = {"lora_rank": adapter_rank} if adapter_rank is not None else {}
         self.engine: InferenceEngine = make_engine(
             self.config.strategy,
             model_path,
             dtype=dtype,
             seed=seed + 7 * ctx.rank,
+            **lora,  # LoRA adapters will arrive with the syncs (model.lora.sync: adapter)
             **self.config.strategy_args,
         )
         # ``abort_requests`` runs on another thread than ``generate_requests`` (a Ray concurrency

