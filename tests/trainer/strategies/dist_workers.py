@@ -241,3 +241,45 @@ def fsdp2_tp_rank(rank: int, world: int, port: int, out: Any, tp: int) -> None:
     }
     out[(rank, "specs")] = [(spec.name, spec.shape) for spec in layout.specs]
     shutdown_process_group()
+
+
+def lora_model(seed: int = 0) -> Any:
+    """``tiny_qwen2`` with rank-4 adapters on every linear layer, initialised from ``seed``."""
+    import torch
+
+    from trainer.config import LoraConfig
+    from trainer.strategies.lora import apply_lora
+
+    model = tiny_qwen2()
+    torch.manual_seed(seed)
+    return apply_lora(model, LoraConfig(rank=4))
+
+
+def fsdp2_lora_rank(rank: int, world: int, port: int, out: Any) -> None:
+    """FSDP2 over a LoRA-wrapped model: 2 steps on this rank's half of the batch, the adapters
+    gathered, the engine's base tensors, then folding the adapters into the sharded base."""
+    join(rank, world, port)
+    import torch
+
+    from trainer.strategies.distributed import shutdown_process_group
+    from trainer.strategies.fsdp2 import FSDP2TrainStrategy
+    from trainer.strategies.lora import adapter_state, engine_weights, fold_adapters
+
+    batch = tiny_batch(rows=4)
+    mine = {k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}
+    strategy = FSDP2TrainStrategy(lora_model(), lr=1e-2, micro_batch_size=1, device="cpu")
+    for _ in range(2):
+        strategy.train_step(mine, nll_loss)
+    out[(rank, "adapters")] = adapter_state(strategy.model).tensors
+    out[(rank, "base")] = {k: v.clone() for k, v in engine_weights(strategy.full_weights("cpu"))}
+    before = strategy.forward(batch).logprobs
+    fold_adapters(strategy.model, strategy.optimizer)
+    after = strategy.forward(batch).logprobs
+    with strategy.model.disable_adapter():
+        off = strategy.forward(batch).logprobs
+    out[(rank, "fold")] = (float((after - before).abs().max()), float((off - before).abs().max()))
+    out[(rank, "trainable")] = sorted(
+        n for n, p in strategy.model.named_parameters() if p.requires_grad
+    )
+    torch.distributed.barrier()
+    shutdown_process_group()

@@ -143,3 +143,25 @@ def test_tensor_parallel_2_matches_one_process() -> None:
             for index, piece in out[(rank, "pieces")].get(name, []):
                 write_piece(full, index, piece)
         assert torch.equal(full, out[(0, "weights")][name]), name
+
+
+def test_lora_under_fsdp2_trains_the_adapters_like_one_process_and_folds_shards() -> None:
+    from trainer.strategies.hf import HFTrainStrategy
+    from trainer.strategies.lora import adapter_state, engine_weights
+
+    out = run_ranks(W.fsdp2_lora_rank, 2)
+    plain = HFTrainStrategy(W.lora_model(), lr=1e-2, micro_batch_size=1)
+    for _ in range(2):
+        plain.train_step(W.tiny_batch(rows=4), W.nll_loss)
+    expected = adapter_state(plain.model).tensors
+    assert set(out[(0, "adapters")]) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(out[(0, "adapters")][name], tensor, atol=2e-5, rtol=1e-4)
+    assert all("lora_" in name for name in out[(0, "trainable")])  # the base is frozen
+    untouched = dict(engine_weights(W.tiny_qwen2().state_dict().items()))
+    assert set(out[(0, "base")]) == set(untouched)
+    for name, tensor in untouched.items():
+        torch.testing.assert_close(out[(0, "base")][name], tensor, atol=0, rtol=0, msg=name)
+    for rank in (0, 1):
+        moved, off = out[(rank, "fold")]
+        assert moved < 1e-5 and off < 1e-5  # folding kept the policy; the base now is it
