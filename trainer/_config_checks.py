@@ -60,6 +60,18 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
         )
     problems.extend(_agent_problems(cfg))
     problems.extend(_lora_problems(cfg))
+    if cfg.train.packing:
+        for name in ("actor_train", "reference", "critic"):
+            spec = TRAIN_STRATEGIES.get(getattr(cfg.roles, name).strategy or "hf")
+            if name in cfg.active_roles and spec is not None and not spec.packing:
+                able = [n for n, s in TRAIN_STRATEGIES.items() if s.packing]
+                problems.append(
+                    Problem(
+                        "train.packing",
+                        f"roles.{name}.strategy={spec.name!r} does not run packed rows; use one "
+                        f"of {able} or set train.packing: false",
+                    )
+                )
     return problems
 
 

@@ -235,7 +235,7 @@ class AgenticPipeline:
         try:
             if self.roles.critic is not None:
                 metrics.update(self.roles.critic.train_step(batch))
-            metrics.update(self.roles.actor.train_step(batch, self.cfg.train.ppo_epochs))
+            metrics.update(self.roles.actor.train_step(self._balanced(batch), train.ppo_epochs))
         except (NonFiniteLossError, WorkerCallError) as error:
             cause = error if isinstance(error, NonFiniteLossError) else error.__cause__
             if not isinstance(cause, NonFiniteLossError):
@@ -411,6 +411,15 @@ class AgenticPipeline:
         self.roles.shutdown()
 
     # ================================================================== helpers
+    def _balanced(self, batch: Batch) -> Batch:
+        """With ``train.micro_batch_tokens``, the batch reordered so that each data-parallel
+        trainer rank gets about the same number of tokens (a train step's metrics do not depend
+        on the order); as it is otherwise."""
+        ranks = self.roles.actor.world_size
+        if self.cfg.train.micro_batch_tokens is None or ranks == 1:
+            return batch
+        return batch.balanced(ranks, batch["attention_mask"].sum(-1).tolist())
+
     def _swap_in(self, roles: tuple[str, ...]) -> None:
         """Make ``roles`` resident; colocated roles offload what their ``offload_params`` /
         ``offload_optimizer`` flags say (``trainer.devices.Colocation``; the vLLM engine sleeps,

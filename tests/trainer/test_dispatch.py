@@ -54,6 +54,18 @@ def test_torch_columns_split_and_concat() -> None:
     assert "response_mask:Tensor(4, 2)" in repr(batch)
 
 
+def test_balanced_batches_split_into_parts_of_equal_weight() -> None:
+    tokens = [40, 3, 38, 5, 36, 2, 35, 4, 6, 3, 1, 2]  # the long episodes come first
+    batch = Batch({"tokens": np.array(tokens), "prompts": [f"p{i}" for i in range(12)]})
+    contiguous = [int(p["tokens"].sum()) for p in batch.split(2, even=False)]
+    balanced = batch.balanced(2, tokens)
+    parts = balanced.split(2, even=False)
+    loads = [int(p["tokens"].sum()) for p in parts]
+    assert contiguous == [124, 51] and abs(loads[0] - loads[1]) <= 4
+    assert sorted(balanced["prompts"]) == sorted(batch["prompts"])  # the same rows, reordered
+    assert [len(p) for p in parts] == [6, 6]
+
+
 def test_batch_refuses_what_it_cannot_split() -> None:
     with pytest.raises(DispatchError, match="a batch of 5 rows does not split evenly over 2 ranks"):
         make_batch(5).split(2)

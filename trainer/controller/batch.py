@@ -151,6 +151,26 @@ class Batch:
             start = stop
         return parts
 
+    def take(self, rows: Sequence[int]) -> Batch:
+        """The rows at ``rows``, in that order (tensors, arrays and lists alike)."""
+        return Batch({k: _take(v, rows) for k, v in self.columns.items()}, self.meta)
+
+    def balanced(self, n: int, weights: Sequence[float]) -> Batch:
+        """The same rows reordered so that ``split(n, even=False)`` gives each part about the same
+        total ``weights`` (e.g. tokens per row): heaviest row first, each to the lightest part
+        that still has room for the rows ``split`` gives it. For calls whose result does not
+        depend on row order (a train step's metrics)."""
+        counts = [len(part) for part in self.split(n, even=False)]
+        load = [0.0] * n
+        members: list[list[int]] = [[] for _ in range(n)]
+        for row in sorted(range(len(self)), key=lambda r: (-weights[r], r)):
+            part = min(
+                (p for p in range(n) if len(members[p]) < counts[p]), key=lambda p: (load[p], p)
+            )
+            members[part].append(row)
+            load[part] += weights[row]
+        return self.take([row for part in members for row in sorted(part)])
+
     @classmethod
     def concat(cls, batches: Sequence[Batch]) -> Batch:
         """Rows of ``batches`` in order; columns must match; meta is the first batch's."""
@@ -167,6 +187,16 @@ class Batch:
     def to_dict(self) -> dict[str, Any]:
         """The columns as a plain dict (meta dropped)."""
         return dict(self.columns)
+
+
+def _take(value: Any, rows: Sequence[int]) -> Any:
+    if _is_torch(value):
+        import torch
+
+        return value[torch.as_tensor(list(rows), dtype=torch.long)]
+    if _is_numpy(value):
+        return value[list(rows)]
+    return [value[r] for r in rows]
 
 
 def _cat(values: list[Any]) -> Any:

@@ -84,7 +84,12 @@ from typing import (
 )
 
 from trainer.errors import NonFiniteLossError
-from trainer.strategies.distributed import micro_batch_scales, resolve_device, split_micro_batches
+from trainer.strategies.distributed import (
+    micro_batch_scales,
+    pad_micro_count,
+    resolve_device,
+    split_micro_batches,
+)
 from trainer.strategies.offload import Residency, state_movers
 from trainer.strategies.parallel_errors import ParallelConfigError
 
@@ -366,10 +371,23 @@ class BaseTrainStrategy(abc.ABC):
         return dict(batch), slice(None)
 
     def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """``batch`` in micro-batches on the device; counts padded to agree when ``collective``."""
-        return split_micro_batches(
-            batch, self.micro_batch_size, self.device, same_count_on_all_ranks=self.collective
+        """``batch`` in micro-batches on the device (``micro_batch_size`` rows, or about
+        ``micro_batch_tokens`` tokens; packed with ``packing``: ``trainer.strategies.packing``);
+        counts padded to agree when ``collective``."""
+        if self.micro_batch_tokens is None and not self.packing:
+            return split_micro_batches(
+                batch, self.micro_batch_size, self.device, same_count_on_all_ranks=self.collective
+            )
+        from trainer.strategies.packing import build_micro, plan_micro_batches
+
+        plans = plan_micro_batches(
+            [int(n) for n in batch["attention_mask"].sum(-1).tolist()],
+            rows_per_micro=self.micro_batch_size,
+            tokens_per_micro=self.micro_batch_tokens,
+            packing=self.packing,
         )
+        micros = [build_micro(batch, plan, self.device) for plan in plans]
+        return pad_micro_count(micros, batch, self.device) if self.collective else micros
 
     def _forward_micros(
         self, micros: list[dict[str, torch.Tensor]], with_entropy: bool
@@ -431,17 +449,21 @@ class BaseTrainStrategy(abc.ABC):
         with torch.no_grad():
             micros = self._micro_batches(union)
             outs = self._forward_micros(micros, with_entropy)
-            parts = [out for out, micro in zip(outs, micros, strict=True) if "_dummy" not in micro]
+            real = [(o, m) for o, m in zip(outs, micros, strict=True) if "_dummy" not in m]
         self.model.train(was_training)
         full = union["input_ids"].shape[1]
+        # rows in the caller's order: micro-batches grouped by tokens say where theirs came from
+        order = [m["_rows"].cpu() for _, m in real if "_rows" in m]
+        inverse = torch.argsort(torch.cat(order)) if order else None
 
         def cat(name: str) -> torch.Tensor | None:
-            tensors = [getattr(p, name) for p in parts]
+            tensors = [getattr(o, name) for o, _ in real]
             if not tensors or tensors[0] is None:
                 return None
-            return torch.cat(
+            rows = torch.cat(
                 [torch.nn.functional.pad(t.cpu(), (0, full - t.shape[1])) for t in tensors]
-            )[mine, :width]
+            )
+            return (rows[inverse] if inverse is not None else rows)[mine, :width]
 
         logprobs = cat("logprobs")
         if logprobs is None:  # no real rows on this rank: an empty batch of the batch's width

@@ -28,6 +28,7 @@ __all__ = [
     "free_port",
     "gather_group_rows",
     "micro_batch_scales",
+    "pad_micro_count",
     "resolve_device",
     "shutdown_process_group",
     "split_micro_batches",
@@ -120,9 +121,7 @@ def split_micro_batches(
     same_count_on_all_ranks: bool = False,
 ) -> list[dict[str, torch.Tensor]]:
     """``batch`` cut into micro-batches of ``size`` rows, each right-trimmed to its longest row and
-    moved to ``device``. With ``same_count_on_all_ranks`` the list is padded with one-row dummies
-    (marked ``_dummy``, which losses ignore) up to the largest count over ranks, so every rank
-    runs the same number of forward/backward collectives."""
+    moved to ``device``; with ``same_count_on_all_ranks``, padded by ``pad_micro_count``."""
     rows, width = batch["input_ids"].shape
     micros = []
     for start in range(0, rows, size):
@@ -135,11 +134,23 @@ def split_micro_batches(
             }
         )
     if same_count_on_all_ranks:
-        total = all_max(len(micros), device)
-        while len(micros) < total:
-            dummy = {k: v[:1].to(device) for k, v in batch.items()}
-            dummy["_dummy"] = dummy["input_ids"].new_ones(())
-            micros.append(dummy)
+        return pad_micro_count(micros, batch, device)
+    return micros
+
+
+def pad_micro_count(
+    micros: list[dict[str, torch.Tensor]],
+    batch: Mapping[str, torch.Tensor],
+    device: torch.device | str,
+) -> list[dict[str, torch.Tensor]]:
+    """``micros`` padded with one-row dummies (marked ``_dummy``, which losses ignore) up to the
+    largest count over ranks, so every rank runs the same number of forward/backward
+    collectives."""
+    total = all_max(len(micros), device)
+    while len(micros) < total:
+        dummy = {k: v[:1].to(device) for k, v in batch.items()}
+        dummy["_dummy"] = dummy["input_ids"].new_ones(())
+        micros.append(dummy)
     return micros
 
 

@@ -226,14 +226,9 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         return gather_group_rows(batch, self.tp_group, self.tp_size)
 
     def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
-        from trainer.strategies.hf import token_logprobs
+        from trainer.strategies.hf import hf_outputs
 
-        out = self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])
-        if self.kind == "value":
-            values = out.float()
-            return ForwardOutput(logprobs=values * 0.0, values=values)
-        logprobs, entropy = token_logprobs(out.logits, micro["input_ids"], with_entropy)
-        return ForwardOutput(logprobs=logprobs, entropy=entropy)
+        return hf_outputs(self.model, micro, self.kind, with_entropy)
 
     def _on_micro_batch(self, index: int, count: int) -> None:
         """Reduce-scatter gradients only on the last micro-batch of an optimiser step."""

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["HFTrainStrategy", "token_logprobs"]
+__all__ = ["HFTrainStrategy", "hf_outputs", "token_logprobs"]
 
 
 def token_logprobs(
@@ -42,6 +42,28 @@ def token_logprobs(
         torch.nn.functional.pad(entropy_from_logits(shifted), (1, 0)) if with_entropy else None
     )
     return logprobs, entropy
+
+
+def hf_outputs(
+    model: Any, micro: Mapping[str, torch.Tensor], kind: str, with_entropy: bool
+) -> ForwardOutput:
+    """An HF model's per-token outputs for one micro-batch (its rows, or its packed rows
+    unpacked back to them: ``trainer.strategies.packing``); ``kind="value"``: a critic's values."""
+    from trainer.strategies.packing import packed_model_inputs, unpack
+
+    packed = "_packed_ids" in micro
+    out = model(**packed_model_inputs(model, micro))
+    if kind == "value":
+        values = out.float()
+        if packed:
+            values = unpack(values, micro, predicted=False)
+        return ForwardOutput(logprobs=values * 0.0, values=values)
+    ids = micro["_packed_ids"] if packed else micro["input_ids"]
+    logprobs, entropy = token_logprobs(out.logits, ids, with_entropy)
+    if packed:
+        logprobs = unpack(logprobs, micro)
+        entropy = unpack(entropy, micro) if entropy is not None else None
+    return ForwardOutput(logprobs=logprobs, entropy=entropy)
 
 
 class HFTrainStrategy(BaseTrainStrategy):
@@ -69,11 +91,7 @@ class HFTrainStrategy(BaseTrainStrategy):
         common.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
 
     def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
-        out = self.model(input_ids=micro["input_ids"], attention_mask=micro["attention_mask"])
-        if self.kind == "value":
-            return ForwardOutput(logprobs=out * 0.0, values=out)
-        logprobs, entropy = token_logprobs(out.logits, micro["input_ids"], with_entropy)
-        return ForwardOutput(logprobs=logprobs, entropy=entropy)
+        return hf_outputs(self.model, micro, self.kind, with_entropy)
 
     def _clip(self) -> float:
         import torch

@@ -67,6 +67,8 @@ class StrategySpec(_Spec):
     """It takes ``strategy_args.pipeline_parallel_size``."""
     lora: bool = False
     """It trains ``peft`` adapters (``model.lora``; ``trainer.strategies.lora``)."""
+    packing: bool = False
+    """It runs packed rows (``train.packing``; ``trainer.strategies.packing``)."""
 
 
 @dataclass(frozen=True)
@@ -85,13 +87,14 @@ def _table(*specs: _Spec) -> dict[str, Any]:
 
 
 TRAIN_STRATEGIES: dict[str, StrategySpec] = _table(
-    StrategySpec("hf", "trainer.strategies.hf:HFTrainStrategy", lora=True),
+    StrategySpec("hf", "trainer.strategies.hf:HFTrainStrategy", lora=True, packing=True),
     StrategySpec(
         "fsdp2",
         "trainer.strategies.fsdp2:FSDP2TrainStrategy",
         sharded=True,
         tensor_parallel=True,
         lora=True,
+        packing=True,
     ),
     StrategySpec(
         "megatron",

@@ -45,9 +45,17 @@ def build_value_model(model_path: str, dtype: str = "float32") -> Any:
             torch.nn.init.zeros_(self.value_head.weight)
             torch.nn.init.zeros_(self.value_head.bias)
 
-        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        def forward(
+            self,
+            input_ids: torch.Tensor,
+            attention_mask: torch.Tensor | None = None,
+            position_ids: torch.Tensor | None = None,
+        ) -> torch.Tensor:
             out = self.lm(
-                input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                output_hidden_states=True,
             )
             return self.value_head(out.hidden_states[-1].float()).squeeze(-1)
 

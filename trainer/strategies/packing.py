@@ -1,0 +1,221 @@
+"""Micro-batches by token budget, and sequence packing: no compute spent on padding.
+
+A rollout batch is right-padded rows of very different lengths (a few long episodes among many
+short ones). Two settings change how a strategy cuts it into micro-batches
+(``BaseTrainStrategy._micro_batches``); neither changes what the loss sees:
+
+``train.micro_batch_tokens: N``
+    Rows are grouped, longest first, so that each micro-batch holds about ``N`` tokens (rows x
+    the longest row's length, padding included; with packing, packed rows x their width) instead
+    of ``micro_batch_size`` rows. A row longer than ``N`` is a micro-batch of its own.
+``train.packing: true``
+    The rows of a micro-batch are packed, first fit by decreasing length, into rows as wide as
+    its longest sequence: ``[a a a b b c c c c]``. Positions restart at each sequence, and the
+    attention mask is block-diagonal (causal within a sequence, nothing across), so every token's
+    log-prob is what it would be in its own row. The model runs on the packed rows; the outputs
+    are unpacked to the original rows before the loss, so losses, masks and the micro-batch
+    weights (``distributed.micro_batch_scales``) are untouched.
+
+Each micro-batch keeps its rows' original indices (``_rows``) so that ``forward`` returns rows
+in the caller's order whatever the grouping. The mask is an additive float mask of shape
+``(packed rows, 1, width, width)``, which transformers' ``sdpa`` and ``eager`` attention both take
+as given; with FlashAttention-2 (``attn_implementation="flash_attention_2"`` on a GPU) the mask is
+left out and transformers runs varlen attention from the restarting positions instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "MicroPlan",
+    "build_micro",
+    "pack_bins",
+    "packed_model_inputs",
+    "plan_micro_batches",
+    "unpack",
+]
+
+PACKED_KEYS = ("_packed_ids", "_packed_positions", "_packed_mask", "_unpack")
+"""What a packed micro-batch adds to the rows it keeps (meta keys start with ``_``)."""
+
+
+@dataclass
+class MicroPlan:
+    """The rows of one micro-batch, and (packing) how they share packed rows."""
+
+    rows: list[int]
+    """Original row indices, in the order the micro-batch holds them."""
+    bins: list[list[int]] = field(default_factory=list)
+    """Packing: positions in ``rows`` of the sequences of each packed row (empty: not packed)."""
+
+
+def pack_bins(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: indices of ``lengths`` grouped into bins of at most ``capacity``
+    tokens (a longer item gets a bin of its own). Deterministic."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        for b, free in enumerate(room):
+            if lengths[i] <= free:
+                bins[b].append(i)
+                room[b] -= lengths[i]
+                break
+        else:
+            bins.append([i])
+            room.append(max(0, capacity - lengths[i]))
+    return bins
+
+
+def plan_micro_batches(
+    lengths: Sequence[int],
+    *,
+    rows_per_micro: int,
+    tokens_per_micro: int | None = None,
+    packing: bool = False,
+) -> list[MicroPlan]:
+    """How a batch whose rows have ``lengths`` real tokens is cut into micro-batches.
+
+    Without a token budget: ``rows_per_micro`` consecutive rows each (packed when ``packing``).
+    With ``tokens_per_micro``: rows longest first, each micro-batch filled while its cost (rows x
+    longest row; packed: packed rows x width) stays within the budget.
+    """
+    if tokens_per_micro is None:
+        return _by_rows(lengths, rows_per_micro, packing)
+    if packing:
+        return _packed_by_tokens(lengths, tokens_per_micro)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    plans: list[MicroPlan] = []
+    current: list[int] = []
+    for i in order:
+        width = lengths[current[0]] if current else lengths[i]  # longest first: the first row
+        if current and (len(current) + 1) * width > tokens_per_micro:
+            plans.append(MicroPlan(current))
+            current = []
+        current.append(i)
+    if current:
+        plans.append(MicroPlan(current))
+    return plans
+
+
+def _by_rows(lengths: Sequence[int], rows: int, packing: bool) -> list[MicroPlan]:
+    """``rows`` consecutive rows per micro-batch, packed into rows as wide as the longest."""
+    plans = [
+        MicroPlan(list(range(start, min(start + rows, len(lengths)))))
+        for start in range(0, len(lengths), rows)
+    ]
+    if packing:
+        for plan in plans:
+            sub = [lengths[i] for i in plan.rows]
+            plan.bins = pack_bins(sub, max(sub, default=1))
+    return plans
+
+
+def _packed_by_tokens(lengths: Sequence[int], budget: int) -> list[MicroPlan]:
+    """Packed rows as wide as the longest sequence, then as many per micro-batch as the budget
+    allows (at least one)."""
+    width = max(lengths, default=1)
+    bins = pack_bins(list(lengths), width)
+    per_micro = max(1, budget // max(width, 1))
+    plans = []
+    for start in range(0, len(bins), per_micro):
+        group = bins[start : start + per_micro]
+        rows = [i for b in group for i in b]
+        position = {row: k for k, row in enumerate(rows)}
+        plans.append(MicroPlan(rows, [[position[i] for i in b] for b in group]))
+    return plans
+
+
+def build_micro(
+    batch: Mapping[str, torch.Tensor], plan: MicroPlan, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """The micro-batch of ``plan``: its rows (right-trimmed to the longest) on ``device``, their
+    original indices in ``_rows``, and the packed tensors when ``plan.bins`` is set."""
+    import torch
+
+    width = batch["input_ids"].shape[1]
+    index = torch.tensor(plan.rows, dtype=torch.long)
+    micro = {k: v[index] for k, v in batch.items()}
+    used = max(1, int(micro["attention_mask"].sum(-1).max()))  # right padding: trim the tail
+    micro = {
+        k: (v[:, :used] if v.dim() >= 2 and v.shape[1] == width else v).to(device)
+        for k, v in micro.items()
+    }
+    micro["_rows"] = index.to(device)
+    if plan.bins:
+        micro.update(_pack(micro, plan.bins))
+    return micro
+
+
+def _pack(micro: Mapping[str, torch.Tensor], bins: list[list[int]]) -> dict[str, torch.Tensor]:
+    import torch
+
+    ids, mask = micro["input_ids"], micro["attention_mask"]
+    lengths = [int(n) for n in mask.sum(-1).tolist()]
+    width = max(sum(lengths[i] for i in b) for b in bins)
+    device = ids.device
+    packed = torch.zeros(len(bins), width, dtype=ids.dtype, device=device)
+    positions = torch.zeros(len(bins), width, dtype=torch.long, device=device)
+    segments = torch.zeros(len(bins), width, dtype=torch.long, device=device)
+    unpack = torch.zeros(ids.shape, dtype=torch.long, device=device)  # row, t -> flat packed index
+    for p, members in enumerate(bins):
+        offset = 0
+        for k, row in enumerate(members, start=1):
+            n = lengths[row]
+            packed[p, offset : offset + n] = ids[row, :n]
+            positions[p, offset : offset + n] = torch.arange(n, device=device)
+            segments[p, offset : offset + n] = k
+            unpack[row, :n] = p * width + offset + torch.arange(n, device=device)
+            offset += n
+        tail = width - offset  # padding: a segment of its own, positions from 0
+        positions[p, offset:] = torch.arange(tail, device=device)
+        segments[p, offset:] = len(members) + 1
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    allowed = causal & (segments[:, :, None] == segments[:, None, :])
+    return {
+        "_packed_ids": packed,
+        "_packed_positions": positions,
+        "_packed_mask": allowed[:, None],
+        "_unpack": unpack,
+    }
+
+
+def packed_model_inputs(model: Any, micro: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """Keyword arguments for an HF model's forward over a micro-batch: its rows, or its packed
+    rows (block-diagonal additive mask in the model's dtype; FlashAttention-2 takes the restarting
+    positions instead of a mask)."""
+    if "_packed_ids" not in micro:
+        return {"input_ids": micro["input_ids"], "attention_mask": micro["attention_mask"]}
+    import torch
+
+    inputs: dict[str, Any] = {
+        "input_ids": micro["_packed_ids"],
+        "position_ids": micro["_packed_positions"],
+    }
+    config = getattr(model, "config", None)
+    if str(getattr(config, "_attn_implementation", "")).startswith("flash"):
+        return inputs  # varlen attention from position_ids
+    dtype = next(model.parameters()).dtype
+    allowed = micro["_packed_mask"]
+    inputs["attention_mask"] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    inputs["attention_mask"].masked_fill_(~allowed, torch.finfo(dtype).min)
+    return inputs
+
+
+def unpack(
+    values: torch.Tensor, micro: Mapping[str, torch.Tensor], *, predicted: bool = True
+) -> torch.Tensor:
+    """Per-token ``(packed rows, width)`` values back to the micro-batch's ``(rows, T)``, zero on
+    padding. ``predicted`` (log-probs, entropy: read from the previous position's logits): a
+    sequence's first token gets 0, as column 0 of an unpacked row (nothing predicts it)."""
+    flat = values.reshape(-1)[micro["_unpack"]]
+    if predicted:
+        first = micro["_packed_positions"].reshape(-1)[micro["_unpack"]] == 0
+        flat = flat.masked_fill(first, 0.0)
+    return flat * micro["attention_mask"].to(flat.dtype)
