@@ -16,8 +16,14 @@ Each figure is the best of ``--repeats`` runs after one warm-up (the 2 vCPUs are
 the best run is the least disturbed one). The last line is ``sync_vs_memcpy: X`` - FSDP2
 shared-memory sync bandwidth / memcpy bandwidth for the largest model that ran.
 
+``--lora`` instead trains rank-``--rank`` adapters on every linear layer (``model.lora``) and
+times, on the same trainer ranks and engine, a full sync of the weights (what a sync without
+adapter support moves) against an adapter-only sync (``WeightSync(adapters=True)`` after its
+first, full, sync): last line ``lora_sync_speedup: X x`` for the largest model.
+
     python benchmarks/weight_sync.py                  # 10M, 100M, 500M
     python benchmarks/weight_sync.py --sizes 10M      # quick
+    python benchmarks/weight_sync.py --lora --sizes 100M 500M --strategies fsdp2
 """
 
 from __future__ import annotations
@@ -123,6 +129,79 @@ def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path
     return out
 
 
+def measure_lora(
+    strategy: str, folder: Path, infer: Any, repeats: int, rank: int
+) -> dict[str, Any]:
+    """Full sync vs adapter-only sync of a LoRA policy (same trainer ranks, same engine)."""
+    from trainer.config import LoraConfig, RoleConfig
+    from trainer.weights.sync import WeightSync
+    from trainer.workers.actor import ActorCluster
+
+    role = RoleConfig(
+        strategy=strategy, device_mapping=[], num_workers=2, strategy_args=STRATEGIES[strategy]
+    )
+    actor = ActorCluster(
+        "actor_train",
+        role,
+        backend="ray",
+        worker_kwargs={"model_path": str(folder), "lora": LoraConfig(rank=rank)},
+    )
+    out: dict[str, Any] = {}
+    try:
+        full = WeightSync(actor, infer, transport="shared_memory", bucket_mb=256)
+        reports: list[Any] = []
+        out["full_s"] = best(lambda: reports.append(full.sync()), repeats)
+        out["full_bytes"] = reports[-1].nbytes
+        adapters = WeightSync(actor, infer, policy=full.policy, adapters=True, bucket_mb=256)
+        adapters.sync()  # the first sync carries the base too
+        reports.clear()
+        out["adapter_s"] = best(lambda: reports.append(adapters.sync()), repeats)
+        out["adapter_bytes"] = reports[-1].nbytes
+        out["adapter_transport"] = reports[-1].transport
+        out["adapter_phases"] = min(reports, key=lambda r: r.seconds).phases
+    finally:
+        actor.shutdown()
+    return out
+
+
+def main_lora(args: argparse.Namespace, scratch: Path) -> None:
+    """``--lora``: the adapter-only sync against a full sync, per model size."""
+    from trainer.config import RoleConfig
+    from trainer.workers.infer import InferCluster
+
+    print(
+        f"{'model':>6} {'params':>8} {'strategy':>9} | {'full MB':>8} {'full s':>7} | "
+        f"{'adapter MB':>10} {'adapter s':>9} | speedup",
+        flush=True,
+    )
+    headline: float | None = None
+    for size in args.sizes:
+        folder, params = build_model(size, scratch)
+        infer = InferCluster(
+            "actor_infer",
+            RoleConfig(strategy=args.engine, device_mapping=[]),
+            backend="ray",
+            worker_kwargs={"model_path": str(folder), "adapter_rank": args.rank},
+        )
+        try:
+            for strategy in args.strategies:
+                row = measure_lora(strategy, folder, infer, args.repeats, args.rank)
+                headline = row["full_s"] / row["adapter_s"]
+                print(
+                    f"{size:>6} {params / 1e6:>7.1f}M {strategy:>9} | "
+                    f"{row['full_bytes'] / 2**20:>8.1f} {row['full_s']:>7.3f} | "
+                    f"{row['adapter_bytes'] / 2**20:>10.2f} {row['adapter_s']:>9.4f} | "
+                    f"{headline:.1f} x ({row['adapter_transport']}, rank {args.rank}; adapter "
+                    + ", ".join(f"{k} {v:.4f} s" for k, v in row["adapter_phases"].items())
+                    + ")",
+                    flush=True,
+                )
+        finally:
+            infer.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
+    print(f"lora_sync_speedup: {headline:.1f} x" if headline else "lora_sync_speedup: nan x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -131,6 +210,8 @@ def main() -> None:
     )
     parser.add_argument("--engine", default="vllm", choices=["vllm", "hf"])
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--lora", action="store_true", help="adapter-only vs full sync")
+    parser.add_argument("--rank", type=int, default=16, help="adapter rank with --lora")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -142,6 +223,13 @@ def main() -> None:
 
     init_local_ray(0, num_cpus=2, env_vars={"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]})
     scratch = Path(tempfile.mkdtemp(prefix="weight_sync_"))
+    if args.lora:
+        try:
+            main_lora(args, scratch)
+        finally:
+            ray.shutdown()
+            shutil.rmtree(scratch, ignore_errors=True)
+        return
     headline: float | None = None
     print(
         f"{'model':>6} {'params':>8} {'strategy':>9} {'MB':>7} | {'shm s':>7} {'GB/s':>6} | "

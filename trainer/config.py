@@ -119,6 +119,10 @@ class LoraConfig(Section):
     lr: float | None = Field(default=None, gt=0)
     """The adapters' learning rate (RL and, unless ``sft.lr`` is set, the warm start); None:
     ``train.lr``. Adapters usually want a larger rate than full fine-tuning."""
+    warm_start: Literal["adapters", "full"] = "adapters"
+    """What the warm start (``sft``) trains: the adapters, or every weight (for a model whose
+    embeddings and norms must still be learnt, such as the quickstart's randomly initialised
+    one); either way it is folded into the base and RL trains fresh adapters."""
     sync: Literal["adapter", "merged"] = "adapter"
     """What each weight sync sends: ``adapter`` (the engines keep the base and load only the
     adapters) or ``merged`` (full weights with the adapters merged in, for engines without LoRA

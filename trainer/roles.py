@@ -138,6 +138,11 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
             optim=cfg.train.options(cfg.policy_lr),
             loss=cfg.algorithm.loss,
             lora=cfg.model.lora,
+            full_warm_start=(
+                cfg.model.lora is not None
+                and cfg.model.lora.warm_start == "full"
+                and cfg.sft.epochs > 0
+            ),
         )
         lora = cfg.model.lora
         adapter_rank = lora.rank if lora is not None and lora.sync == "adapter" else None

@@ -37,12 +37,16 @@ def engine_base(pipeline: AgenticPipeline) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().clone() for name, tensor in params.items()}
 
 
-def test_only_adapters_train_and_later_syncs_send_only_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("warm_start", ["adapters", "full"])
+def test_only_adapters_train_and_later_syncs_send_only_them(
+    tmp_path: Path, warm_start: str
+) -> None:
     cfg = load_config(
         QUICKSTART,
         [
             *TINY,
             f"model.lora.rank={RANK}",
+            f"model.lora.warm_start={warm_start}",
             "model.lora.lr=0.01",
             "train.steps=3",
             "sft.epochs=1",
@@ -66,6 +70,9 @@ def test_only_adapters_train_and_later_syncs_send_only_them(tmp_path: Path) -> N
     for later in seen[1:]:
         assert all(torch.equal(later[name], seen[0][name]) for name in seen[0])
     assert all(r["actor/grad_norm"] > 0 for r in rl)
+    model = pipeline.roles.actor._workers[0].strategy.model  # (closed roles stay readable)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)  # RL trains the adapters alone
     # KL against the folded warm start (adapters off): zero before the first update, then not
     assert rl[0]["actor/kl_ref"] == pytest.approx(0.0, abs=1e-6)
     assert rl[-1]["actor/kl_ref"] > 0

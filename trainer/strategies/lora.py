@@ -52,6 +52,7 @@ __all__ = [
     "linear_module_names",
     "save_plain",
     "scaling_of",
+    "train_base",
     "vllm_max_rank",
     "write_adapter",
 ]
@@ -140,14 +141,48 @@ def _config_dict(model: Any) -> dict[str, Any]:
 def adapter_state(model: Any) -> AdapterWeights:
     """The adapters' current full tensors (CPU copies) and config; what an adapter sync sends.
 
-    A collective on a sharded model (every rank gathers each adapter tensor)."""
-    from peft import get_peft_model_state_dict
+    A collective on a sharded model: every rank calls it, the first rank of the mesh gets the
+    full tensors (the others get empty ones)."""
+    # peft's own names (get_peft_model_state_dict's), read off the parameters: a full state_dict
+    # of a sharded model costs more than the adapters it holds
+    state = {
+        name.replace(f".{ADAPTER}.", "."): param
+        for name, param in model.named_parameters()
+        if ".lora_" in name
+    }
+    tensors = _gather_row_shards(state)
+    for name, tensor in state.items():
+        if name not in tensors:
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            tensors[name] = full.detach().to("cpu", copy=True)
+    return AdapterWeights({name: tensors[name] for name in state}, _config_dict(model))
 
-    tensors = {}
-    for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER).items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # FSDP2 shards
-        tensors[name] = full.detach().to("cpu", copy=True)
-    return AdapterWeights(tensors, _config_dict(model))
+
+def _gather_row_shards(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Full CPU copies of the tensors sharded by rows over one 1-D mesh (FSDP2's layout), gathered
+    to the mesh's first rank in ONE collective (an adapter has hundreds of small tensors: a
+    gather each costs more than their bytes); other tensors are left to the caller."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+
+    rows = {
+        name: t
+        for name, t in state.items()
+        if isinstance(t, DTensor) and t.device_mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)
+    }
+    if not rows:
+        return {}
+    dist = torch.distributed
+    group = next(iter(rows.values())).device_mesh.get_group()
+    local = {name: t.to_local().detach().cpu() for name, t in rows.items()}
+    first = dist.get_global_rank(group, 0)
+    gathered: list[Any] | None = [None] * dist.get_world_size(group)
+    if dist.get_rank() != first:
+        gathered = None  # only the mesh's first rank receives (the sync's rank 0)
+    dist.gather_object(local, gathered, dst=first, group=group)
+    if gathered is None:
+        return {name: torch.empty(0) for name in rows}
+    return {name: torch.cat([part[name] for part in gathered]) for name in rows}
 
 
 def write_adapter(folder: str | Path, adapter: AdapterWeights, base_path: str) -> Path:
@@ -228,13 +263,26 @@ def scaling_of(model: Any) -> float:
     return float(config.lora_alpha) / float(config.r)
 
 
+def train_base(model: Any, train: bool) -> None:
+    """Let the base weights train too (a full warm start) or freeze them again."""
+    for name, param in model.named_parameters():
+        if ".lora_" not in name:
+            param.requires_grad_(train)
+
+
 def fold_adapters(model: Any, optimizer: Any = None) -> None:
     """Add every adapter into its base weight and restart the adapters at zero (``lora_B = 0``,
-    ``lora_A`` re-initialised), dropping their optimiser moments: the policy is unchanged, the
-    base now is the policy, and training continues from fresh adapters."""
+    ``lora_A`` re-initialised), dropping their optimiser moments; a base that trained too (a
+    full warm start) is frozen again and its moments dropped. The policy is unchanged, the base
+    now is the policy, and training continues from fresh adapters."""
     import torch
     from peft.tuners.lora import LoraLayer
 
+    if optimizer is not None:
+        for name, param in model.named_parameters():
+            if ".lora_" not in name and param.requires_grad:
+                optimizer.state.pop(param, None)
+    train_base(model, False)
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:

@@ -144,6 +144,7 @@ class ActorWorker(WeightSender, StrategyWorker):
         optim: TrainOptions | None = None,
         loss: LossConfig | None = None,
         lora: LoraConfig | None = None,
+        full_warm_start: bool = False,
     ) -> None:
         super().__init__(ctx, config)
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
@@ -151,6 +152,8 @@ class ActorWorker(WeightSender, StrategyWorker):
         self.loss = loss if loss is not None else LossConfig()
         self.lora = lora
         """``model.lora``: the policy trains ``peft`` adapters (``trainer.strategies.lora``)."""
+        self.full_warm_start = full_warm_start
+        """LoRA: every weight trains until the warm start is folded (``model.lora.warm_start``)."""
         self._setup_unless_collective()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
@@ -168,9 +171,10 @@ class ActorWorker(WeightSender, StrategyWorker):
         torch.manual_seed(self.seed + self.ctx.rank)
         model, self.tokenizer = load_policy(self.model_path, dtype=self.dtype)
         if self.lora is not None:
-            from trainer.strategies.lora import apply_lora
+            from trainer.strategies.lora import apply_lora, train_base
 
             model = apply_lora(model, self.lora)
+            train_base(model, self.full_warm_start)  # the optimiser then holds the base too
         self._strategy = make_train_strategy(
             self.config.strategy,
             model,
@@ -280,6 +284,10 @@ class ActorWorker(WeightSender, StrategyWorker):
         from trainer.checkpoint import restore_rng
 
         self.strategy.load_state_dict(state)
+        if self.lora is not None:  # checkpoints come after the warm start: the base is frozen
+            from trainer.strategies.lora import train_base
+
+            train_base(self.strategy.model, False)
         rng = state.get("rng")
         if isinstance(rng, list):
             rng = rng[self.rank] if self.rank < len(rng) else None
