@@ -71,6 +71,28 @@ def kill_then_resume(
 # --------------------------------------------------------------------------- the same next step
 
 
+@pytest.mark.timeout(600)
+def test_lora_resumes_after_kill_9_with_the_next_step_of_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    """LoRA after a full warm start: the checkpoint holds the folded base, the adapters and their
+    optimiser; the resumed run freezes the base again and syncs base + adapters to the engine."""
+    args = [
+        str(QUICKSTART),
+        *TINY,
+        *WATCHED_LAKE,
+        "model.lora.rank=4",
+        "model.lora.warm_start=full",
+        "train.steps=4",
+        "checkpoint.every=2",
+        "eval.every=0",
+    ]
+    killed, after = kill_then_resume(args, tmp_path / "run", kill_after=3)
+    assert sorted(after) == [0, 1, 2, 3, 4]
+    assert comparable(after[3]) == comparable(killed[3])
+    assert after[4]["sync/tensors"] == 2 * 7 * 2  # RL syncs: the adapters alone
+
+
 @pytest.mark.slow  # two vLLM engine starts: ~1-2 min on the 2-core VM
 @pytest.mark.timeout(900)
 def test_vllm_rollouts_resume_after_kill_9_with_the_next_step_of_the_uninterrupted_run(

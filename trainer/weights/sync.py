@@ -103,7 +103,7 @@ class SyncReport:
             "sync/tensors": float(self.tensors),
             "sync/megabytes": self.nbytes / 2**20,
             "sync/buckets": float(self.buckets),
-            "sync/gb_per_s": self.nbytes / 1e9 / max(self.seconds, 1e-9),
+            "timing/sync_gb_per_s": self.nbytes / 1e9 / max(self.seconds, 1e-9),
         }
 
 
