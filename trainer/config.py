@@ -102,6 +102,31 @@ class TinyModelConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    """Low-rank adapters on the policy (``peft``): only the adapters train; the engines keep the
+    base weights and receive the adapters at each sync (``trainer.strategies.lora``)."""
+
+    rank: int = Field(default=8, ge=1)
+    """Adapter rank r (``peft.LoraConfig.r``)."""
+    alpha: float | None = Field(default=None, gt=0)
+    """Scaling numerator (``lora_alpha``; the update is scaled by alpha / rank); None: 2 x rank."""
+    dropout: float = Field(default=0.0, ge=0, lt=1)
+    """Dropout on the adapters' input while training."""
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    """Module names (or name suffixes) to adapt, e.g. ``[q_proj, v_proj]``; ``all-linear`` adapts
+    every linear layer but the output head."""
+    lr: float | None = Field(default=None, gt=0)
+    """The adapters' learning rate (RL and, unless ``sft.lr`` is set, the warm start); None:
+    ``train.lr``. Adapters usually want a larger rate than full fine-tuning."""
+    sync: Literal["adapter", "merged"] = "adapter"
+    """What each weight sync sends: ``adapter`` (the engines keep the base and load only the
+    adapters) or ``merged`` (full weights with the adapters merged in, for engines without LoRA
+    support)."""
+    export: Literal["merged", "adapter"] = "merged"
+    """``final_policy/`` as a plain HF model with the adapters merged in, or as a peft adapter
+    folder (``adapter_config.json`` + ``adapter_model.safetensors``) beside its base."""
+
+
 class ModelConfig(Section):
     """The policy: a local HF checkpoint (``path``) or a tiny model built from ``tiny``."""
 
@@ -113,6 +138,9 @@ class ModelConfig(Section):
     """Parameter dtype for training and inference."""
     chat_template: str | None = None
     """Jinja chat template overriding the tokenizer's own (None: the tokenizer's)."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of every weight (``model.lora.rank=8`` turns it on);
+    ``hf`` and ``fsdp2`` training strategies. None: full fine-tuning."""
 
     @model_validator(mode="after")
     def _path_or_tiny(self) -> ModelConfig:
@@ -188,7 +216,15 @@ class TrainConfig(Section):
     steps: int = Field(default=100, ge=0)
     """Training steps (each: one rollout batch, then updates)."""
     micro_batch_size: int = Field(default=8, gt=0)
-    """Sequences per forward/backward pass on one data-parallel rank."""
+    """Sequences per forward/backward pass on one data-parallel rank (when
+    ``micro_batch_tokens`` is unset)."""
+    micro_batch_tokens: int | None = Field(default=None, gt=0)
+    """Group rows so each micro-batch holds about this many tokens (padding included, or packed
+    tokens with ``packing``) instead of ``micro_batch_size`` rows; balanced across data-parallel
+    ranks. A row longer than this is its own micro-batch."""
+    packing: bool = False
+    """Pack several sequences into each row (positions restart per sequence; attention never
+    crosses sequences) for training, reference and critic passes: no compute on padding."""
     grad_accumulation: int | None = Field(default=None, gt=0)
     """Micro-batches per optimiser step; None accumulates the whole per-rank batch (one step)."""
     max_grad_norm: float | None = Field(default=1.0, gt=0)
@@ -214,6 +250,8 @@ class TrainConfig(Section):
             "weight_decay": self.weight_decay,
             "max_grad_norm": self.max_grad_norm,
             "micro_batch_size": self.micro_batch_size,
+            "micro_batch_tokens": self.micro_batch_tokens,
+            "packing": self.packing,
             "grad_accumulation": self.grad_accumulation,
         }
 

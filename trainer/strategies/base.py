@@ -219,6 +219,10 @@ class TrainOptions(TypedDict, total=False):
     weight_decay: float
     max_grad_norm: float | None
     micro_batch_size: int
+    micro_batch_tokens: int | None
+    """Micro-batches of about this many tokens instead of ``micro_batch_size`` rows."""
+    packing: bool
+    """Pack sequences into shared rows (block-diagonal attention, positions per sequence)."""
     grad_accumulation: int | None
     """Micro-batches per optimiser step; None: one step over the whole batch."""
     trainable: bool
@@ -250,6 +254,8 @@ class BaseTrainStrategy(abc.ABC):
         weight_decay: float = 0.0,
         max_grad_norm: float | None = 1.0,
         micro_batch_size: int = 8,
+        micro_batch_tokens: int | None = None,
+        packing: bool = False,
         grad_accumulation: int | None = None,
         trainable: bool = True,
         kind: Literal["lm", "value"] = "lm",
@@ -260,6 +266,7 @@ class BaseTrainStrategy(abc.ABC):
             grad_accumulation,
             max_grad_norm,
         )
+        self.micro_batch_tokens, self.packing = micro_batch_tokens, packing
         self.optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ building from a config
