@@ -214,14 +214,19 @@ def _capacity(cfg: TrainerConfig) -> tuple[int | None, bool, str]:
     """(bytes of one device or None, whether the devices are GPUs, how that was decided)."""
     cluster = cfg.cluster
     if cluster.device_memory_gib is not None:
-        return int(cluster.device_memory_gib * GIB), True, "cluster.device_memory_gib"
+        gib = cluster.device_memory_gib
+        return int(gib * GIB), True, f"{gib:g} GiB per device (cluster.device_memory_gib)"
     if cluster.device_resource == "GPU":
         return (
             int(DEFAULT_GPU_MEMORY_GIB * GIB),
             True,
-            f"{DEFAULT_GPU_MEMORY_GIB:g} GiB per GPU (cluster.device_memory_gib unset)",
+            f"{DEFAULT_GPU_MEMORY_GIB:g} GiB per GPU (the default: set cluster.device_memory_gib)",
         )
-    return None, False, "devices stand for host memory (no cluster.device_memory_gib): not checked"
+    return (
+        None,
+        False,
+        "host memory (no GPUs declared: cluster.device_memory_gib unset), not checked",
+    )
 
 
 def host_memory_bytes() -> int | None:
@@ -258,7 +263,7 @@ def estimate(cfg: TrainerConfig, shape: ModelShape | None = None) -> MemoryPlan:
     _add_sync_bucket(cfg, shape, roles)
     loads = _device_loads(cfg, roles, on_gpu)
     if capacity is not None:
-        problems += _over_capacity(cfg, loads, capacity, capacity_note)
+        problems += _over_capacity(cfg, loads, capacity)
     return MemoryPlan(
         shape=shape,
         shape_source=source,
@@ -316,7 +321,7 @@ def _add_sync_bucket(cfg: TrainerConfig, shape: ModelShape, roles: dict[str, Rol
 
 
 def _over_capacity(
-    cfg: TrainerConfig, loads: tuple[DeviceLoad, ...], capacity: int, capacity_note: str
+    cfg: TrainerConfig, loads: tuple[DeviceLoad, ...], capacity: int
 ) -> list[Problem]:
     """One problem per kind of device over capacity (devices alike are named together), naming
     the largest role there and the knobs to turn."""
@@ -333,9 +338,7 @@ def _over_capacity(
             ((role, p) for role, p in load.parts if role != "cuda"), key=lambda rp: -rp[1].nbytes
         )
         biggest = ", ".join(f"{role} {p.name} {p.nbytes / GIB:.1f}" for role, p in parts[:3])
-        cap = f"{capacity / GIB:g} GiB"
-        if capacity_note.startswith("cluster."):
-            cap += " (cluster.device_memory_gib)"
+        cap = f"{capacity / GIB:g} GiB (cluster.device_memory_gib)"
         knobs = _knobs(cfg, culprit, [p for role, p in parts if role == culprit], load.phase)
         message = (
             f"{load.total / GIB:.1f} GiB on {{devices}} in the {load.phase} phase > {cap} "
