@@ -308,14 +308,12 @@ def plan_view(cfg: Any, plan: Any) -> list[Any]:
         load = loads[ids[0]]
         limit = f" of {capacity}" if capacity else ""
         fits = "" if not plan.capacity else (" fits" if load.total <= plan.capacity else " OVER")
-        table = Table(
-            title=f"device {id_ranges(ids)}: {load.total / GIB:.1f} GiB{limit} in its fullest "
-            f"phase, {load.phase}{fits}",
-            title_justify="left",
-            caption="phases (GiB): "
-            + ", ".join(f"{p} {n / GIB:.1f}" for p, n in load.phases.items()),
-            caption_justify="left",
+        phases = ", ".join(f"{p} {n / GIB:.1f}" for p, n in load.phases.items())
+        out.append(
+            f"[bold]device {id_ranges(ids)}[/]: {load.total / GIB:.1f} GiB{limit} in its fullest "
+            f"phase, {load.phase}{fits} (phases in GiB: {phases})"
         )
+        table = Table()
         table.add_column("role")
         table.add_column("component")
         table.add_column("GiB", justify="right")

@@ -149,25 +149,35 @@ def _phases(cfg: TrainerConfig) -> dict[str, tuple[dict[str, Work], bool]]:
     return phases
 
 
-def _resident(
-    memory: RoleMemory, phase: str, work: Mapping[str, Work], swaps: bool, group: tuple[str, ...]
-) -> list[Part]:
+def _away_after(
+    cfg: TrainerConfig, phase: str, work: Mapping[str, Work], away: dict[str, set[str]]
+) -> None:
+    """Update ``away`` (role -> the states it has off its devices: ``params``, ``optimizer``,
+    ``engine``) as the pipeline's colocation switch does when ``phase`` begins
+    (``trainer.devices.Colocation.activate``), then as the phase's calls reload what they use."""
+    plan, active = cfg.device_plan, PHASE_ROLES.get(phase, ())
+    for role, states in away.items():
+        config = getattr(cfg.roles, role)
+        if role in active:
+            states.clear()
+        elif any(plan.colocated(role, other) for other in active) and (
+            config.offload_params or config.offload_optimizer
+        ):
+            flags = {"params": config.offload_params, "optimizer": config.offload_optimizer}
+            states |= {state for state, on in flags.items() if on} | {"engine"}
+        if role in work:  # a call that needs the parameters reloads them (Residency.require)
+            states.discard("params")
+
+
+def _resident(memory: RoleMemory, phase: str, work: Work | None, away: set[str]) -> list[Part]:
     """The parts of ``memory`` on its device during ``phase``."""
-    role = memory.role
-    active = role in PHASE_ROLES.get(phase, ()) or phase in ("start", "sft")
-    offload = swaps and not active and any(r in group for r in PHASE_ROLES.get(phase, ()))
-    offload = offload and bool(memory.config.offload_params or memory.config.offload_optimizer)
     kept = []
     for part in memory.parts:
-        if part.kind == "work" and part.work != work.get(role):
+        if part.kind == "work" and part.work != work:
             continue
         if part.trained and phase == "start":
-            continue
-        if offload and (
-            (part.kind == "params" and memory.config.offload_params and role not in work)
-            or (part.kind == "optimizer" and memory.config.offload_optimizer)
-            or part.kind == "engine"
-        ):
+            continue  # no gradients or optimizer state before the first step
+        if part.kind in away:
             continue
         kept.append(part)
     return kept
@@ -176,35 +186,41 @@ def _resident(
 def _device_loads(
     cfg: TrainerConfig, roles: Mapping[str, RoleMemory], on_gpu: bool
 ) -> tuple[DeviceLoad, ...]:
-    plan = cfg.device_plan
+    """Each device's parts phase by phase, over two turns of the step loop (states carry over
+    from one phase to the next), and its fullest phase."""
     phases = _phases(cfg)
+    loop = [p for p in phases if p not in ("start", "sft")]
+    away: dict[str, set[str]] = {role: set() for role in roles}
     devices = sorted({d for m in roles.values() for d in m.devices})
-    loads = []
-    for device in devices:
-        here = [m for m in roles.values() if device in m.devices]
-        totals: dict[str, list[tuple[str, Part]]] = {}
-        for phase, (work, swaps) in phases.items():
-            parts: list[tuple[str, Part]] = []
-            for memory in here:
-                group = plan.group_of(memory.role)
-                members = group.roles if group is not None else (memory.role,)
-                parts += [(memory.role, p) for p in _resident(memory, phase, work, swaps, members)]
+    totals: dict[int, dict[str, list[tuple[str, Part]]]] = {d: {} for d in devices}
+    for phase in [p for p in phases if p in ("start", "sft")] + loop + loop:
+        work, swaps = phases[phase]
+        if swaps:
+            _away_after(cfg, phase, work, away)
+        for device in devices:
+            here = [m for m in roles.values() if device in m.devices]
+            parts = [
+                (m.role, p)
+                for m in here
+                for p in _resident(m, phase, work.get(m.role), away[m.role])
+            ]
             if on_gpu:
                 processes = 1 if cfg.cluster.backend == "local" else len(here)
-                parts.append(
-                    ("cuda", Part("context", int(processes * CUDA_CONTEXT_GIB * GIB), "fixed"))
-                )
-            totals[phase] = parts
-        peak = max(totals, key=lambda p: sum(part.nbytes for _, part in totals[p]))
-        loads.append(
-            DeviceLoad(
-                device,
-                peak,
-                tuple(totals[peak]),
-                {p: sum(part.nbytes for _, part in v) for p, v in totals.items()},
-            )
-        )
+                context = Part("context", int(processes * CUDA_CONTEXT_GIB * GIB), "fixed")
+                parts.append(("cuda", context))
+            known = totals[device].get(phase)
+            if known is None or _bytes(parts) > _bytes(known):
+                totals[device][phase] = parts
+    loads = []
+    for device, by_phase in totals.items():
+        peak = max(by_phase, key=lambda p: _bytes(by_phase[p]))
+        sizes = {p: _bytes(v) for p, v in by_phase.items()}
+        loads.append(DeviceLoad(device, peak, tuple(by_phase[peak]), sizes))
     return tuple(loads)
+
+
+def _bytes(parts: list[tuple[str, Part]]) -> int:
+    return sum(part.nbytes for _, part in parts)
 
 
 # --------------------------------------------------------------------------- the estimate
@@ -354,6 +370,20 @@ def _over_capacity(
     return problems
 
 
+def _smaller_micro_batch(cfg: TrainerConfig) -> str:
+    """The knob that makes a micro-batch hold fewer tokens."""
+    train, rollout = cfg.train, cfg.rollout
+    if train.micro_batch_tokens is not None:
+        return f"lower train.micro_batch_tokens ({train.micro_batch_tokens})"
+    if train.micro_batch_size > 1:
+        size = train.micro_batch_size
+        return f"lower train.micro_batch_size ({size}) or set train.micro_batch_tokens"
+    return (
+        f"shorter episodes (one is a micro-batch): rollout.max_turns ({rollout.max_turns}), "
+        f"rollout.max_new_tokens ({rollout.max_new_tokens}) or rollout.context: last_k_turns"
+    )
+
+
 def _knobs(cfg: TrainerConfig, role: str, parts: list[Part], phase: str) -> list[str]:
     """What would shrink ``role``'s largest parts, most effective first."""
     config = getattr(cfg.roles, role)
@@ -361,13 +391,7 @@ def _knobs(cfg: TrainerConfig, role: str, parts: list[Part], phase: str) -> list
     knobs: list[str] = []
     for part in sorted(parts, key=lambda p: -p.nbytes)[:2]:
         if part.name in ("activations", "logits", "forward pass", "gathered blocks"):
-            size = (
-                f"lower train.micro_batch_tokens ({cfg.train.micro_batch_tokens})"
-                if cfg.train.micro_batch_tokens
-                else f"lower train.micro_batch_size ({cfg.train.micro_batch_size}) or set "
-                "train.micro_batch_tokens"
-            )
-            knobs.append(size)
+            knobs.append(_smaller_micro_batch(cfg))
             if (
                 part.name == "activations"
                 and config.strategy in ("fsdp2", "megatron")

@@ -145,6 +145,10 @@ def sequence_tokens(cfg: TrainerConfig, shape: ModelShape) -> tuple[int, str]:
         f"{PROMPT_TOKENS} prompt + {turns} turns x ({rollout.max_new_tokens} generated + "
         f"{ENV_TOKENS_PER_TURN} env) = {tokens}"
     )
+    infer = cfg.roles.actor_infer
+    engine_limit = infer.strategy_args.get("max_model_len") if infer.strategy == "vllm" else None
+    if engine_limit and int(engine_limit) < min(tokens, shape.max_positions):
+        return int(engine_limit), f"{note}, capped at the engine's max_model_len {engine_limit}"
     if tokens > shape.max_positions:
         return shape.max_positions, f"{note}, capped at the model's {shape.max_positions}"
     return tokens, note
