@@ -262,6 +262,43 @@ def test_the_tiny_quickstart_estimate_against_a_measured_train_step(tmp_path: Pa
     assert 1.0 <= ratio <= 1.3, f"estimate {estimated:,} B vs measured {measured:,} B"
 
 
+@pytest.mark.parametrize(
+    ("section", "checkpointing"), [("plain", False), ("activation_checkpointing", True)]
+)
+def test_the_estimate_against_the_h200_peaks_the_gpu_check_recorded(
+    section: str, checkpointing: bool, qwen_05b: Path
+) -> None:
+    """``benchmarks/gpu/results/2026-11-29-h200-full.json``: fsdp2 on one H200, Qwen2.5-0.5B's
+    shape in fp32 with bf16 mixed precision, micro-batches of 4 rows x 1,024 tokens, a loss
+    without entropy (the estimate's ``sft`` work): torch's peak 19.68 GiB (14.58 with activation
+    checkpointing) against 21.59 (16.27) estimated, 10% and 12% above."""
+    import json
+
+    recorded = json.loads((REPO / "benchmarks/gpu/results/2026-11-29-h200-full.json").read_text())
+    peak = recorded["fsdp2"][section]["peak_mem_gib"] * GIB
+    cfg = load_config(
+        None,
+        [
+            f"model.path={qwen_05b}",
+            "model.dtype=float32",
+            "roles.actor_train.strategy=fsdp2",
+            f"roles.actor_train.strategy_args.activation_checkpointing={checkpointing}",
+            "train.micro_batch_size=4",
+            "rollout.max_turns=1",
+            "rollout.max_new_tokens=448",  # rows of 512 + 1 x (448 + 64) = 1,024 tokens
+            "cluster.device_memory_gib=141",
+        ],
+    )
+    plan = estimate(cfg)
+    assert plan.sequence_tokens == 1024
+    estimated = sum(
+        p.nbytes
+        for p in plan.roles["actor_train"].parts
+        if p.kind in ("params", "optimizer") or p.work == "sft"
+    )
+    assert 1.0 <= estimated / peak <= 1.2
+
+
 # --------------------------------------------------------------------------- refusals
 
 
