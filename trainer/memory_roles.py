@@ -19,9 +19,11 @@ Activations
     padding mask SDPA keeps per layer. With activation checkpointing: each block's input and
     one block's activations. The tests check this against the tensors torch saves.
 Logits
-    tokens x vocab x ``LOGITS_TRAIN_BYTES`` for a policy-loss step (logits, their fp32 copy,
-    log-softmax, the entropy's softmax, and their gradients), ``LOGITS_FORWARD_BYTES`` for a
-    pass without gradients; measured (``tests/trainer/test_memory.py``).
+    tokens x vocab x ``LOGITS_TRAIN_BYTES`` for a policy-loss step with an entropy bonus
+    (logits, their fp32 copy, log-softmax, the entropy's softmax, and their gradients),
+    ``LOGITS_TRAIN_METRIC_BYTES`` when the entropy is only a metric (no gradient through it),
+    ``LOGITS_FORWARD_BYTES`` for a pass without gradients; all measured
+    (``tests/trainer/test_memory.py``).
 Engines
     ``vllm``: weights / tensor_parallel_size, the KV cache it is given (``kv_cache_gib``, 1 GiB
     unless set; with ``kv_cache_gib: null``, ``gpu_memory_utilization`` x capacity for the whole
@@ -53,6 +55,7 @@ __all__ = [
     "GIB",
     "LOGITS_FORWARD_BYTES",
     "LOGITS_TRAIN_BYTES",
+    "LOGITS_TRAIN_METRIC_BYTES",
     "LORA_ADAPTER_BYTES",
     "PROMPT_TOKENS",
     "Part",
@@ -70,8 +73,13 @@ PROMPT_TOKENS = 512
 ENV_TOKENS_PER_TURN = 64
 """Tokens assumed for one env reply and its chat-template framing (a Sokoban board is ~50)."""
 LOGITS_TRAIN_BYTES = 34
-"""Peak bytes per token per vocabulary entry of a policy-loss step: logits, their fp32 copy,
-log-softmax, the entropy's softmax and the gradients (33.3 measured in bf16, 32.5 in fp32)."""
+"""Peak bytes per token per vocabulary entry of a policy-loss step with an entropy bonus
+(``algorithm.loss.entropy_coef > 0``): logits, their fp32 copy, log-softmax, the entropy's
+softmax and their gradients (33.3 measured in bf16, 32.5 in fp32)."""
+LOGITS_TRAIN_METRIC_BYTES = 22
+"""The same when the entropy is computed as a metric only (``entropy_coef: 0``): no gradient
+goes through it, but the forward pass holds the logits, their fp32 copy, log-softmax, softmax
+and product at once (20.9 measured in bf16, 20.2 in fp32; 18.1 and 16.1 in a whole model's step)."""
 LOGITS_FORWARD_BYTES = 14
 """The same for a pass without gradients (reference, old log-probs): 11.7-13.1 measured."""
 LORA_ADAPTER_BYTES = 4
@@ -292,7 +300,9 @@ def train_role(
             lm = a * shape.vocab_size + (shape.num_layers + 1) * a * shape.hidden_size
             parts.append(Part("logits", int(tokens * lm), "work", "train"))
         else:
-            logits = tokens * shape.vocab_size * LOGITS_TRAIN_BYTES
+            bonus = cfg.algorithm.loss.entropy_coef > 0
+            per_entry = LOGITS_TRAIN_BYTES if bonus else LOGITS_TRAIN_METRIC_BYTES
+            logits = tokens * shape.vocab_size * per_entry
             parts.append(Part("logits", int(logits), "work", "train"))
             parts.append(Part("activations", int(saved), "work", "sft"))
             sft = tokens * shape.vocab_size * LOGITS_FORWARD_BYTES  # no entropy in the SFT loss
