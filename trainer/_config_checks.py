@@ -66,12 +66,15 @@ def _memory_problems(cfg: TrainerConfig) -> list[Problem]:
     if not cfg.cluster.check_memory:
         return []
     from trainer.memory import estimate
+    from trainer.memory_roles import StrategyArgError
     from trainer.model_shape import UnknownModelShape
 
     try:
         plan = estimate(cfg)
     except (OSError, UnknownModelShape):
         return []
+    except StrategyArgError as error:
+        return [Problem(error.path, str(error))]
     return plan.problems()
 
 

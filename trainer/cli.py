@@ -227,13 +227,15 @@ def _dry_run(config: Path, overrides: tuple[str, ...], console: Any, errors: Any
         return 2
     try:
         plan = estimate(cfg)
-    except (OSError, UnknownModelShape) as error:
+    except (OSError, ValueError) as error:  # UnknownModelShape, StrategyArgError
         why = (
             f"model.path {cfg.model.path!r} has no config.json; the dry run sizes the model from "
             "it (no weights needed): point model.path at a folder holding the checkpoint's "
             "config.json"
             if isinstance(error, OSError)
             else str(error)
+            if isinstance(error, UnknownModelShape)
+            else f"{getattr(error, 'path', 'roles')}: {error}"
         )
         errors.print(f"[bold red]error:[/] {why}", highlight=False, soft_wrap=True)
         return 2

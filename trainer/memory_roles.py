@@ -60,6 +60,7 @@ __all__ = [
     "PROMPT_TOKENS",
     "Part",
     "RoleMemory",
+    "StrategyArgError",
     "block_activation_bytes",
     "engine_role",
     "micro_batch",
@@ -93,6 +94,23 @@ VLLM_BATCHED_TOKENS, VLLM_MAX_SEQS, CUDA_GRAPHS_GIB = 8192, 256, 0.5
 HF_ENGINE_MAX_BATCH = 512
 """``HFEngine``'s largest generation batch."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class StrategyArgError(ValueError):
+    """A ``strategy_args`` value the estimate needs is not a number; ``path`` is its key."""
+
+    def __init__(self, path: str, value: Any) -> None:
+        self.path = path
+        super().__init__(f"{value!r} is not a number; give a number or remove the key")
+
+
+def _number(role: str, args: Mapping[str, Any], key: str, default: float | None) -> Any:
+    """``args[key]`` (``default`` when absent) as a number, or None when it is None."""
+    value = args.get(key, default)
+    if value is None or (isinstance(value, int | float) and not isinstance(value, bool)):
+        return value
+    raise StrategyArgError(f"roles.{role}.strategy_args.{key}", value)
+
 
 Kind = Literal["params", "optimizer", "engine", "work", "fixed"]
 Work = Literal["train", "sft", "forward", "generate", "sync"]
@@ -154,7 +172,11 @@ def sequence_tokens(cfg: TrainerConfig, shape: ModelShape) -> tuple[int, str]:
         f"{ENV_TOKENS_PER_TURN} env) = {tokens}"
     )
     infer = cfg.roles.actor_infer
-    engine_limit = infer.strategy_args.get("max_model_len") if infer.strategy == "vllm" else None
+    engine_limit = (
+        _number("actor_infer", infer.strategy_args, "max_model_len", None)
+        if infer.strategy == "vllm"
+        else None
+    )
     if engine_limit and int(engine_limit) < min(tokens, shape.max_positions):
         return int(engine_limit), f"{note}, capped at the engine's max_model_len {engine_limit}"
     if tokens > shape.max_positions:
@@ -220,6 +242,7 @@ class _Layout:
     @classmethod
     def of(cls, role: RoleConfig) -> _Layout:
         args, strategy = role.strategy_args, role.strategy
+        # (checked to be positive integers by ``registry.layout_problem`` before this runs)
         tp = int(args.get("tensor_parallel_size", 1)) if strategy in ("fsdp2", "megatron") else 1
         pp = int(args.get("pipeline_parallel_size", 1)) if strategy == "megatron" else 1
         return cls(tp, pp, max(1, role.world_size // max(1, tp * pp)))
@@ -369,19 +392,22 @@ def _vllm(
     capacity: int | None,
 ) -> tuple[list[Part], list[str], list[Problem], str]:
     args, e = role.strategy_args, DTYPE_BYTES[cfg.model.dtype]
-    tp = int(args.get("tensor_parallel_size", 1))
+    tp = int(_number("actor_infer", args, "tensor_parallel_size", 1) or 1)
     weights = shape.num_params * e / tp
     kv_heads = max(1, shape.num_kv_heads // tp)  # fewer KV heads than ranks: replicated
     kv_per_token = shape.kv_bytes_per_token(e) * kv_heads / shape.num_kv_heads
     one_layer = 2 * shape.hidden_size + (4 * shape.q_dim + 3 * shape.intermediate_size) / tp
-    runtime = int(args.get("max_num_batched_tokens", VLLM_BATCHED_TOKENS)) * e * one_layer
-    runtime += int(args.get("max_num_seqs", VLLM_MAX_SEQS)) * shape.vocab_size * 12
+    step_tokens = _number("actor_infer", args, "max_num_batched_tokens", VLLM_BATCHED_TOKENS)
+    runtime = int(step_tokens or VLLM_BATCHED_TOKENS) * e * one_layer
+    sequences = _number("actor_infer", args, "max_num_seqs", VLLM_MAX_SEQS)
+    runtime += int(sequences or VLLM_MAX_SEQS) * shape.vocab_size * 12
     if on_gpu and not args.get("enforce_eager", False):
         runtime += CUDA_GRAPHS_GIB * GIB
     notes = []
-    kv_gib = args.get("kv_cache_gib", VLLM_KV_CACHE_GIB)
+    kv_gib = _number("actor_infer", args, "kv_cache_gib", VLLM_KV_CACHE_GIB)
     if kv_gib is None:
-        share = float(args.get("gpu_memory_utilization", VLLM_GPU_MEMORY_UTILIZATION))
+        share = _number("actor_infer", args, "gpu_memory_utilization", None)
+        share = VLLM_GPU_MEMORY_UTILIZATION if share is None else float(share)
         kv = max(0.0, share * (capacity or 0) - weights - runtime)
         notes.append(f"gpu_memory_utilization {share:g} of the device")
     else:
@@ -389,7 +415,7 @@ def _vllm(
     tokens = int(kv // kv_per_token)
     notes.append(f"KV cache {tokens:,} tokens: {tokens // max(seq, 1):,} longest episodes at once")
     problems = []
-    max_model_len = int(args.get("max_model_len") or shape.max_positions)
+    max_model_len = int(_number("actor_infer", args, "max_model_len", None) or shape.max_positions)
     if tokens < max_model_len:
         needed = math.ceil(max_model_len * kv_per_token / GIB * 100) / 100
         key = "kv_cache_gib" if kv_gib is not None else "gpu_memory_utilization"

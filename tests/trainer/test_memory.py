@@ -366,6 +366,17 @@ def test_a_kv_cache_smaller_than_one_max_model_len_request_is_refused(qwen_7b: P
     assert "set kv_cache_gib >= 1.75 or strategy_args.max_model_len <= 18,724" in problem.message
 
 
+def test_an_engine_setting_that_is_not_a_number_is_refused_with_its_path(qwen_7b: Path) -> None:
+    with pytest.raises(ConfigError) as refused:
+        load_config(
+            EXAMPLES / "qwen2.5-7b-lora-sokoban-1gpu.yaml",
+            [f"model.path={qwen_7b}", "roles.actor_infer.strategy_args.kv_cache_gib=lots"],
+        )
+    [problem] = refused.value.problems
+    assert problem.path == "roles.actor_infer.strategy_args.kv_cache_gib"
+    assert "'lots' is not a number" in problem.message
+
+
 # --------------------------------------------------------------------------- phases
 
 
