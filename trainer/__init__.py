@@ -11,6 +11,9 @@ Infrastructure
                              ``_config_checks``)
     ``trainer.devices``      AutoDeviceMapping: colocated/disaggregated groups, validation,
                              the ``Colocation`` offload/reload switcher (plain Python)
+    ``trainer.memory``       will it fit: per-device memory of every role, phase by phase, from
+                             the model's config.json alone (``memory_roles``, ``model_shape``);
+                             the config refuses a device over capacity; ``--dry-run`` prints it
     ``trainer.controller``   dispatch modes and ``@register`` (no Ray), ``Batch``, ``Worker``,
                              ``Cluster`` (local or Ray), ``ResourceManager`` (placement groups)
     ``trainer.checkpoint``   atomic checkpoints with RNG state, seeds and extra state

@@ -4,8 +4,8 @@ A single section validates itself (pydantic field constraints and its own valida
 ``trainer.config``); what needs two sections - the engine named twice, a batch that must
 split over the trainer ranks, device mappings, parallel layouts (``registry.layout_problem``,
 ``registry.process_problem``), weight-sync buckets against the model, env ids against the
-registry, env kwargs with a remote hub, the agent's code - is here, reported with its key path
-and the fix.
+registry, env kwargs with a remote hub, the agent's code, and whether the run fits its devices'
+memory (``trainer.memory``) - is here, reported with its key path and the fix.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
                         f"of {able} or set train.packing: false",
                     )
                 )
+    if not problems:  # the estimate needs a valid device plan and layouts
+        problems.extend(_memory_problems(cfg))
     return problems
 
 
@@ -101,6 +103,25 @@ def _lora_problems(cfg: TrainerConfig) -> list[Problem]:
             )
         )
     return problems
+
+
+def _memory_problems(cfg: TrainerConfig) -> list[Problem]:
+    """A device whose estimated peak exceeds its capacity, or a vLLM KV cache too small to start
+    (``trainer.memory``); nothing when there is no config.json to estimate from (the run says so
+    when it starts) or ``cluster.check_memory`` is off."""
+    if not cfg.cluster.check_memory:
+        return []
+    from trainer.memory import estimate
+    from trainer.memory_roles import StrategyArgError
+    from trainer.model_shape import UnknownModelShape
+
+    try:
+        plan = estimate(cfg)
+    except (OSError, UnknownModelShape):
+        return []
+    except StrategyArgError as error:
+        return [Problem(error.path, str(error))]
+    return plan.problems()
 
 
 def _agent_problems(cfg: TrainerConfig) -> list[Problem]:

@@ -1,4 +1,6 @@
-"""``envhub train CONFIG [a.b=value ...] [--resume]``: run the trainer from the command line.
+"""``envhub train CONFIG [a.b=value ...] [--resume | --dry-run]``: run the trainer from the command
+line, or print its plan (``--dry-run``: roles, devices, per-device memory, weight-sync buckets)
+and exit without starting anything.
 
 Only click is imported at module level (``envhub --help`` stays instant); the config, torch
 and the pipeline load when the command runs. The run folder (``output_dir``) is printed
@@ -30,19 +32,28 @@ def _fmt(value: Any) -> str:
 @click.option(
     "--resume", is_flag=True, help="Continue the run in output_dir from its latest checkpoint."
 )
-def train(config: Path, overrides: tuple[str, ...], resume: bool) -> None:
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the plan (roles, devices, memory per device, weight-sync buckets) and exit: "
+    "0 when it fits, 1 when it does not. Needs the model's config.json, not its weights.",
+)
+def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool) -> None:
     """Train a policy on envhub environments as CONFIG (YAML) says.
 
     \b
     OVERRIDES are a.b.c=value pairs (YAML values), e.g.:
       envhub train examples/quickstart.yaml train.steps=20 output_dir=runs/try
       envhub train examples/quickstart.yaml --resume      # after a crash or kill -9
+      envhub train examples/qwen2.5-0.5b-sokoban-8gpu.yaml --dry-run   # will it fit?
     """
     from rich.console import Console
 
     from trainer.errors import TrainerError
 
     console, errors = Console(), Console(stderr=True)
+    if dry_run:
+        sys.exit(_dry_run(config, overrides, console, errors))
     try:
         from trainer.config import load_config
 
@@ -196,3 +207,129 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
             status="",
         )
         return pipeline.fit()
+
+
+# --------------------------------------------------------------------------- --dry-run
+
+
+def _dry_run(config: Path, overrides: tuple[str, ...], console: Any, errors: Any) -> int:
+    """Print the plan of CONFIG; 0 when it fits, 1 when a device does not, 2 when the config is
+    invalid or there is no model config to estimate from."""
+    from trainer.config import load_config
+    from trainer.errors import TrainerError
+    from trainer.memory import estimate
+    from trainer.model_shape import UnknownModelShape
+
+    try:  # every other problem still refuses the config; the memory ones are shown with the plan
+        cfg = load_config(config, [*overrides, "cluster.check_memory=false"])
+    except TrainerError as error:
+        errors.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        return 2
+    try:
+        plan = estimate(cfg)
+    except (OSError, ValueError) as error:  # UnknownModelShape, StrategyArgError
+        why = (
+            f"model.path {cfg.model.path!r} has no config.json; the dry run sizes the model from "
+            "it (no weights needed): point model.path at a folder holding the checkpoint's "
+            "config.json"
+            if isinstance(error, OSError)
+            else str(error)
+            if isinstance(error, UnknownModelShape)
+            else f"{getattr(error, 'path', 'roles')}: {error}"
+        )
+        errors.print(f"[bold red]error:[/] {why}", highlight=False, soft_wrap=True)
+        return 2
+    for renderable in plan_view(cfg, plan):
+        console.print(renderable)
+    problems = plan.problems()
+    if not problems:
+        console.print("[bold green]fits[/]: nothing started (--dry-run)", highlight=False)
+        return 0
+    strict = "cluster.check_memory=false" not in overrides and _checks_memory(config)
+    head = (
+        "does not fit" if strict else "does not fit (cluster.check_memory is off: it would start)"
+    )
+    errors.print(f"[bold red]{head}:[/]", highlight=False)
+    for problem in problems:
+        errors.print(f"  - {problem}", highlight=False, soft_wrap=True)
+    return 1 if strict else 0
+
+
+def _checks_memory(config: Path) -> bool:
+    """Whether CONFIG itself leaves ``cluster.check_memory`` on."""
+    import yaml
+
+    cluster = (yaml.safe_load(config.read_text()) or {}).get("cluster") or {}
+    return bool(cluster.get("check_memory", True))
+
+
+def plan_view(cfg: Any, plan: Any) -> list[Any]:
+    """The dry run's output: a summary, the roles, the memory of each kind of device (devices
+    alike shown once) by role and component, and the weight sync."""
+    from rich.table import Table
+
+    from trainer.devices import id_ranges
+    from trainer.memory import sync_buckets
+    from trainer.memory_roles import GIB
+
+    shape = plan.shape
+    capacity = f"{plan.capacity / GIB:g} GiB" if plan.capacity else None
+    host = f"; this machine has {plan.host_memory / GIB:.0f} GiB" if plan.host_memory else ""
+    model = (
+        f"[bold]model[/]    {shape.model_type}, {shape.num_params / 1e6:,.1f}M parameters "
+        f"({shape.num_layers} layers, hidden {shape.hidden_size}, vocabulary "
+        f"{shape.vocab_size:,}) in {cfg.model.dtype}, from {plan.shape_source}"
+    )
+    tokens = (
+        f"[bold]tokens[/]   rows up to {plan.sequence_tokens:,} ({plan.sequence_note}); "
+        f"{plan.micro_tokens:,} per micro-batch"
+    )
+    summary = [model, tokens, f"[bold]devices[/]  {plan.capacity_note}{host}"]
+    roles = Table(title="roles", title_justify="left")
+    for column in ("role", "layout", "devices", "offloaded when idle", "notes"):
+        roles.add_column(column, overflow="fold")
+    for name, memory in plan.roles.items():
+        role = memory.config
+        away = [f for f in ("params", "optimizer") if getattr(role, f"offload_{f}")]
+        if memory.strategy == "vllm":
+            away = ["sleeps"] if role.offload_params or role.offload_optimizer else []
+        roles.add_row(
+            name,
+            memory.layout,
+            id_ranges(memory.devices) if memory.devices else "none (CPU workers)",
+            ", ".join(away) or "-",
+            "; ".join(memory.notes) or "-",
+        )
+    out: list[Any] = ["\n".join(summary), roles]
+    alike: dict[tuple[Any, ...], list[int]] = {}
+    for load in plan.devices:
+        key = (load.phase, tuple((r, p.name, p.nbytes) for r, p in load.parts))
+        alike.setdefault(key, []).append(load.device)
+    loads = {load.device: load for load in plan.devices}
+    for ids in alike.values():
+        load = loads[ids[0]]
+        limit = f" of {capacity}" if capacity else ""
+        fits = "" if not plan.capacity else (" fits" if load.total <= plan.capacity else " OVER")
+        phases = ", ".join(f"{p} {n / GIB:.1f}" for p, n in load.phases.items())
+        out.append(
+            f"[bold]device {id_ranges(ids)}[/]: {load.total / GIB:.1f} GiB{limit} in its fullest "
+            f"phase, {load.phase}{fits} (phases in GiB: {phases})"
+        )
+        table = Table()
+        table.add_column("role")
+        table.add_column("component")
+        table.add_column("GiB", justify="right")
+        for role, part in sorted(load.parts, key=lambda rp: -rp[1].nbytes):
+            table.add_row(role, part.name, f"{part.nbytes / GIB:.2f}")
+        out.append(table)
+    bucket, count, total, what = sync_buckets(cfg, shape)
+    setting = (
+        f"weight_sync.bucket_mb={cfg.weight_sync.bucket_mb:g}"
+        if cfg.weight_sync.bucket_mb
+        else "weight_sync.bucket_mb unset: 256 MiB or the largest tensor"
+    )
+    out.append(
+        f"[bold]weight sync[/]  {what}: {total / 2**20:,.1f} MiB in {count} bucket(s) of "
+        f"{bucket / 2**20:.1f} MiB ({setting}; transport {cfg.weight_sync.transport})"
+    )
+    return out

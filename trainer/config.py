@@ -363,6 +363,13 @@ class ClusterConfig(Section):
     """Devices a locally started Ray declares; None: enough for the highest mapped device id."""
     num_cpus: int | None = Field(default=None, gt=0)
     """CPUs a locally started Ray declares; None: all of this machine's."""
+    device_memory_gib: float | None = Field(default=None, gt=0)
+    """Memory of one device in GiB, for the fit check (``trainer.memory``): a run whose estimate
+    exceeds it on any device is refused before it starts. None: 80 when ``device_resource`` is
+    ``GPU``; otherwise devices stand for host memory and nothing is refused."""
+    check_memory: bool = True
+    """Refuse a run whose memory estimate does not fit its devices; false skips the refusal
+    (``envhub train --dry-run`` still prints the estimate)."""
 
 
 class WeightSyncConfig(Section):

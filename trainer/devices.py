@@ -31,6 +31,7 @@ from typing import Protocol
 from trainer.errors import DeviceMappingError, Problem
 
 __all__ = [
+    "PHASE_ROLES",
     "AutoDeviceMapping",
     "Colocation",
     "ColocationGroup",
@@ -40,6 +41,7 @@ __all__ = [
     "RoleSpec",
     "WorkerSlot",
     "default_can_offload",
+    "id_ranges",
 ]
 
 
@@ -138,7 +140,7 @@ class DevicePlan:
         lines = []
         for group in self.groups:
             kind = "colocated" if group.colocated else "dedicated"
-            lines.append(f"devices {_ranges(group.devices)}: {', '.join(group.roles)} ({kind})")
+            lines.append(f"devices {id_ranges(group.devices)}: {', '.join(group.roles)} ({kind})")
         cpu_only = [r for r, p in self.roles.items() if not p.devices]
         if cpu_only:
             lines.append(f"no devices: {', '.join(cpu_only)}")
@@ -216,7 +218,7 @@ class AutoDeviceMapping:
                 problems.append(
                     Problem(
                         self._path(role),
-                        f"{noun} {_ranges(missing)} {do} not exist: the cluster has {total} "
+                        f"{noun} {id_ranges(missing)} {do} not exist: the cluster has {total} "
                         f"devices ({have}) across {nodes}; use smaller ids or add nodes/devices",
                     )
                 )
@@ -352,7 +354,7 @@ def _bind(slot: WorkerSlot, node_devices: Sequence[int]) -> WorkerSlot:
     )
 
 
-def _ranges(ids: Sequence[int]) -> str:
+def id_ranges(ids: Sequence[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``'0-2,5'``."""
     ids = sorted(set(ids))
     parts, start = [], None
@@ -366,6 +368,17 @@ def _ranges(ids: Sequence[int]) -> str:
 
 
 # --------------------------------------------------------------------------- phases
+
+PHASE_ROLES: dict[str, tuple[str, ...]] = {
+    "rollout": ("actor_infer",),
+    "eval": ("actor_infer",),
+    "reference": ("reference",),
+    "values": ("critic",),
+    "train": ("actor_train", "critic"),
+    "sync": ("actor_train", "actor_infer"),
+}
+"""The roles each pipeline phase uses: they are resident during it, colocated others are
+offloaded (``AgenticPipeline.phase``; ``trainer.memory`` sizes each device phase by phase)."""
 
 
 class Offloadable(Protocol):

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.config import TrainerConfig
 from trainer.controller.batch import Batch
+from trainer.devices import PHASE_ROLES
 from trainer.errors import NonFiniteLossError, WorkerCallError
 from trainer.metrics import MetricsLog, plot_curves, summarise
 from trainer.roles import prepare_policy, start_roles
@@ -33,16 +34,6 @@ if TYPE_CHECKING:
     from trainer.weights.sync import SyncReport
 
 __all__ = ["AgenticPipeline"]
-
-PHASE_ROLES: dict[str, tuple[str, ...]] = {
-    "rollout": ("actor_infer",),
-    "eval": ("actor_infer",),
-    "reference": ("reference",),
-    "values": ("critic",),
-    "train": ("actor_train", "critic"),
-    "sync": ("actor_train", "actor_infer"),
-}
-"""The roles each phase uses: they are resident during it, colocated others are offloaded."""
 
 _ESTIMATORS: dict[str, AdvantageEstimator] = {
     "gae": "gae",

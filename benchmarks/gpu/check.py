@@ -19,6 +19,9 @@ Sections (each isolated: one failing does not stop the others; results are rewri
               into its HFEngine through ``VersionedEngine``: GB/s, vs a device memcpy of the
               same bytes
 ``generate``  HFEngine greedy generation tokens/s for a batch of prompts
+``lora``, ``packed``  through the trainer's config and roles (``check_trainer.py``): a LoRA step
+              and a packed step of the 0.5B recipe, tokens/s and MFU; skipped, saying why, while
+              ``model.lora`` / ``train.packing`` are not wired into the trainer
 
 ``--smoke`` runs the same sections on the CPU with a tiny model (gloo, shared memory
 instead of CUDA IPC, 1-2 steps) to prove the script end to end without a GPU.
@@ -458,12 +461,16 @@ def section_generate(s: Settings) -> dict[str, Any]:
     return figures
 
 
+# the trainer-path sections live beside this script (its folder is on sys.path when it runs)
+from check_trainer import SECTIONS as TRAINER_SECTIONS
+
 SECTIONS = {
     "env": section_env,
     "fsdp2": section_fsdp2,
     "megatron": section_megatron,
     "ipc": section_ipc,
     "generate": section_generate,
+    **TRAINER_SECTIONS,
 }
 
 
@@ -494,8 +501,21 @@ def summary(results: dict[str, Any]) -> list[str]:
         ("device memcpy GB/s", fmt(get("ipc", "memcpy_gb_s"), ".2f")),
         ("sync / memcpy", fmt(get("ipc", "sync_vs_memcpy"), ".3f")),
         ("HF engine generate tokens/s", fmt(get("generate", "tokens_per_s"), ",.0f")),
+        ("LoRA r16 train tokens/s", fmt(get("lora", "tokens_per_s"), ",.0f")),
+        ("LoRA MFU (4N per token)", fmt(get("lora", "mfu_4n"), ".3f")),
+        ("LoRA peak GiB", fmt(get("lora", "peak_mem_gib"), ".2f")),
+        ("LoRA estimate / peak", fmt(get("lora", "estimate_over_peak"), ".2f")),
+        ("packed train tokens/s", fmt(get("packed", "packed", "tokens_per_s"), ",.0f")),
+        ("packed MFU (6N per token)", fmt(get("packed", "packed", "mfu_6n"), ".3f")),
+        ("padded train tokens/s", fmt(get("packed", "padded", "tokens_per_s"), ",.0f")),
+        ("packed / padded", fmt(get("packed", "packed_over_padded"), ".2f")),
     ]
     lines = [f"{'figure':34s} value"] + [f"{name:34s} {value}" for name, value in rows]
+    lines += [
+        f"{'SKIPPED ' + name:34s} {results[name]['skipped'][:80]}"
+        for name in SECTIONS
+        if isinstance(results.get(name), dict) and "skipped" in results[name]
+    ]
     lines += [
         f"{'FAILED ' + name:34s} {results[name]['error'].splitlines()[-1][:80]}"
         for name in SECTIONS

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["QWEN2_5_0_5B", "random_policy"]
+__all__ = ["QWEN2_5_0_5B", "QWEN2_5_7B", "SHAPES", "config_json", "random_policy"]
 
 QWEN2_5_0_5B: dict[str, Any] = {
     "hidden_size": 896,
@@ -31,9 +31,25 @@ QWEN2_5_0_5B: dict[str, Any] = {
     "hidden_act": "silu",
     "use_sliding_window": False,
 }
-"""``config.json`` of Qwen/Qwen2.5-0.5B-Instruct (the shape both shipped GPU recipes train)."""
+"""``config.json`` of Qwen/Qwen2.5-0.5B-Instruct (the shape the 0.5B GPU recipes train)."""
 
-SHAPES = {"qwen2.5-0.5b": QWEN2_5_0_5B}
+QWEN2_5_7B: dict[str, Any] = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+}
+"""``config.json`` of Qwen/Qwen2.5-7B-Instruct (the LoRA recipe's shape)."""
+
+SHAPES = {"qwen2.5-0.5b": QWEN2_5_0_5B, "qwen2.5-7b": QWEN2_5_7B}
 """Recipe file name prefix -> the checkpoint shape it trains."""
 
 _SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -68,6 +84,22 @@ def _tokenizer(corpus: list[str], folder: Path) -> Any:
     tokenizer.save_pretrained(folder)
     backend.model.save(str(folder))  # vocab.json + merges.txt: what Qwen2Tokenizer is built from
     return tokenizer
+
+
+def config_json(folder: Path, shape: dict[str, Any], dtype: str = "bfloat16") -> Path:
+    """A folder holding only the checkpoint's ``config.json``: what ``envhub train --dry-run``
+    and the config's memory check read (no weights, no tokenizer)."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "torch_dtype": dtype,
+        **shape,
+    }
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder
 
 
 def random_policy(

@@ -276,6 +276,7 @@ class HFEngine(BatchingFrontend):
                 attention_mask=attention.to(self.device),
                 position_ids=positions.to(self.device),
                 use_cache=True,
+                logits_to_keep=1,  # only the next token's: not rows x prompt x vocabulary
             )
             past, next_pos = out.past_key_values, positions[:, -1] + 1
             for step in range(int(limits.max())):

@@ -110,3 +110,32 @@ def test_abort_of_a_queued_request_returns_abort(policy) -> None:
         return result.finish_reason
 
     assert asyncio.run(run()) == "abort"
+
+
+def test_prefill_keeps_only_the_last_positions_logits() -> None:
+    """A generation batch's memory does not grow with prompt length x vocabulary: the prefill
+    asks the model for the last position's logits only (64 Sokoban episodes of 5,000 tokens on
+    Qwen2.5's 152k vocabulary would otherwise hold a 97 GiB logits tensor)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.trainer.memory_meter import peak_allocated_bytes
+
+    vocab, rows, width = 8192, 8, 256
+    config = AutoConfig.for_model(
+        "llama",
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+    )
+    torch.manual_seed(0)
+    engine = HFEngine(AutoModelForCausalLM.from_config(config), eos_token_id=-1, pad_token_id=0)
+    requests = [
+        GenerationRequest(f"r{i}", list(range(1, width + 1)), max_new_tokens=1, temperature=0.0)
+        for i in range(rows)
+    ]
+    full_logits = rows * width * vocab * 4
+    peak = peak_allocated_bytes(lambda: engine.generate_batch(requests))
+    assert peak < full_logits / 8, f"generation peaked at {peak:,} bytes"

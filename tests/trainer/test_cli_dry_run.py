@@ -1,0 +1,78 @@
+"""``envhub train CONFIG --dry-run``: the plan of a GPU recipe printed on a machine without GPUs
+and without the checkpoint (its config.json alone), refused with the knob named when it does
+not fit, and nothing started either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from envhub.cli import main
+from tests.gpu.recipe_models import QWEN2_5_0_5B, QWEN2_5_7B, config_json
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def dry_run(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, ["train", *args, "--dry-run"], env={"COLUMNS": "200"})
+    return result.exit_code, result.stdout, result.stderr
+
+
+def test_the_8gpu_recipe_prints_a_plan_that_fits(tmp_path: Path) -> None:
+    folder = config_json(tmp_path / "qwen", QWEN2_5_0_5B)
+    out = tmp_path / "run"
+    code, stdout, stderr = dry_run(
+        str(EXAMPLES / "qwen2.5-0.5b-sokoban-8gpu.yaml"),
+        f"model.path={folder}",
+        f"output_dir={out}",
+    )
+    assert code == 0, stderr
+    assert "qwen2, 494.0M parameters (24 layers, hidden 896, vocabulary 151,936)" in stdout
+    assert "rows up to 6,272" in stdout
+    for role, layout in [
+        ("actor_train", "fsdp2 dp=8"),
+        ("actor_infer", "vllm tp=1"),
+        ("reference", "fsdp2 dp=8"),
+    ]:
+        assert role in stdout and layout in stdout
+    assert "device 0-7: 61.9 GiB of 80 GiB in its fullest phase, train fits" in stdout
+    for component in ("logits", "activations", "weights", "optimizer", "context"):
+        assert component in stdout
+    assert "full weights (bfloat16): 942.3 MiB in 4 bucket(s) of 259.7 MiB" in stdout
+    assert "fits: nothing started (--dry-run)" in stdout
+    assert not out.exists()  # no run folder, no checkpoint, no workers
+
+
+def test_the_7b_recipe_without_lora_is_refused_with_the_knob_named(tmp_path: Path) -> None:
+    folder = config_json(tmp_path / "qwen", QWEN2_5_7B)
+    recipe = str(EXAMPLES / "qwen2.5-7b-lora-sokoban-1gpu.yaml")
+    code, stdout, _ = dry_run(recipe, f"model.path={folder}")
+    assert code == 0 and "LoRA rank 16: 40,370,176 trained" in stdout
+    assert "LoRA adapters (rank 16, fp32): 154.0 MiB in 1 bucket(s)" in stdout
+    code, stdout, stderr = dry_run(recipe, f"model.path={folder}", "model.lora=null")
+    assert code == 1
+    assert "OVER" in stdout  # the plan is still printed, with the device that does not fit
+    assert "does not fit" in stderr
+    assert "roles.actor_train.device_mapping:" in stderr and "set model.lora" in stderr
+
+
+def test_without_a_config_json_the_dry_run_says_what_it_needs(tmp_path: Path) -> None:
+    code, _, stderr = dry_run(
+        str(EXAMPLES / "qwen2.5-0.5b-sokoban-8gpu.yaml"), f"model.path={tmp_path}"
+    )
+    assert code == 2
+    assert "has no config.json" in stderr and "no weights needed" in stderr
+
+
+def test_an_invalid_config_is_reported_as_it_is_without_dry_run(tmp_path: Path) -> None:
+    code, _, stderr = dry_run(str(EXAMPLES / "quickstart.yaml"), "train.lr=-1")
+    assert code == 2 and "train.lr" in stderr
+
+
+@pytest.mark.parametrize("recipe", ["quickstart.yaml", "scratch.yaml"])
+def test_cpu_examples_report_host_memory(recipe: str, tmp_path: Path) -> None:
+    code, stdout, stderr = dry_run(str(EXAMPLES / recipe), f"output_dir={tmp_path / 'run'}")
+    assert code == 0, stderr
+    assert "host memory" in stdout and "vocabulary at its bound" in stdout
