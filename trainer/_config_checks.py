@@ -38,7 +38,7 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
             )
         )
     dp = cfg.roles.actor_train.world_size
-    if cfg.batch_size % dp:
+    if cfg.batch_size % dp and len(set(cfg.env.group_sizes)) == 1:
         problems.append(
             Problem(
                 "env.num_groups",
@@ -50,7 +50,7 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
     problems.extend(_parallel_problems(cfg))
     if cfg.env.hub is None:
         problems.extend(_unknown_env_ids(cfg.env.ids))
-    elif cfg.env.kwargs or any(entry.kwargs for entry in cfg.env.entries):
+    elif cfg.env.kwargs or cfg.env.eval_kwargs() or any(e.kwargs for e in cfg.env.entries):
         problems.append(
             Problem(
                 "env.kwargs",

@@ -200,6 +200,7 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
                 console.print(f"step {step}: {status}", highlight=False)
 
         pipeline = AgenticPipeline(cfg, resume=resume, on_step=on_step)
+        console.print(f"eval: {pipeline.describe_eval()}", highlight=False, soft_wrap=True)
         progress.update(
             task,
             completed=pipeline.step,

@@ -434,8 +434,9 @@ class TrainerConfig(Section):
 
     @property
     def batch_size(self) -> int:
-        """Episodes per training step: ``env.group_size * env.num_groups``."""
-        return self.env.group_size * self.env.num_groups
+        """Episodes per training step: ``env.group_size * env.num_groups`` (at most, when a mix
+        gives envs their own group sizes)."""
+        return max(self.env.group_sizes) * self.env.num_groups
 
     @property
     def policy_lr(self) -> float:

@@ -17,11 +17,23 @@ from pydantic import Field, field_validator, model_validator
 from trainer.config_section import Section
 from trainer.strategies.registry import engine_spec
 
-__all__ = ["AgentConfig", "EnvConfig", "EnvEntry", "RolloutConfig"]
+__all__ = ["AgentConfig", "EnvConfig", "EnvEntry", "EnvEval", "RolloutConfig"]
+
+
+class EnvEval(Section):
+    """How one env of a mix is evaluated (its held-out set)."""
+
+    episodes: int | None = Field(default=None, ge=0)
+    """Episodes of this env in each evaluation; None: a share of ``eval.episodes`` (spread over
+    the envs without a count of their own); 0: not evaluated."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Constructor kwargs of the evaluated env over the entry's own, e.g. ``{split: test}`` for a
+    dataset env (evaluation seeds are always disjoint from training's)."""
 
 
 class EnvEntry(Section):
-    """One env of a mix (``env.id: [{id, kwargs, weight}, ...]``, or ``env:`` as that list)."""
+    """One env of a mix (``env.id: [{id, kwargs, weight, group_size, eval}, ...]``, or ``env:`` as
+    that list)."""
 
     id: str
     """Registered env id."""
@@ -29,6 +41,11 @@ class EnvEntry(Section):
     """Constructor kwargs for this env, over ``env.kwargs``."""
     weight: float = Field(default=1.0, gt=0)
     """Share of each step's groups (partitioned by weight; equal weights alternate)."""
+    group_size: int | None = Field(default=None, gt=0)
+    """Episodes per group of this env (a harder env may want more tries per task); None:
+    ``env.group_size``."""
+    eval: EnvEval | bool = True
+    """Its evaluation: ``false`` skips it, ``{episodes, kwargs}`` sets its held-out set."""
 
 
 class EnvConfig(Section):
@@ -78,6 +95,30 @@ class EnvConfig(Section):
         """The constructor kwargs of ``env_id``: ``env.kwargs`` updated by its entry's."""
         own = next((e.kwargs for e in self.entries if e.id == env_id), {})
         return {**self.kwargs, **own}
+
+    @property
+    def group_sizes(self) -> list[int]:
+        """Each env's episodes per group, in ``ids`` order."""
+        return [entry.group_size or self.group_size for entry in self.entries]
+
+    def eval_counts(self) -> dict[str, int]:
+        """Envs with an evaluation size of their own (0: not evaluated); the others share
+        ``eval.episodes``."""
+        counts = {}
+        for entry in self.entries:
+            if entry.eval is False:
+                counts[entry.id] = 0
+            elif isinstance(entry.eval, EnvEval) and entry.eval.episodes is not None:
+                counts[entry.id] = entry.eval.episodes
+        return counts
+
+    def eval_kwargs(self) -> dict[str, dict[str, Any]]:
+        """Per env with held-out settings: its evaluation kwargs over its training kwargs."""
+        return {
+            entry.id: {**entry.kwargs, **entry.eval.kwargs}
+            for entry in self.entries
+            if isinstance(entry.eval, EnvEval) and entry.eval.kwargs
+        }
 
     @model_validator(mode="after")
     def _ids_unique(self) -> EnvConfig:

@@ -24,8 +24,13 @@ from trainer.devices import PHASE_ROLES
 from trainer.errors import NonFiniteLossError, WorkerCallError
 from trainer.metrics import MetricsLog, plot_curves, summarise
 from trainer.roles import prepare_policy, start_roles
-from trainer.rollout.env_manager import LocalEnvSource, PoolEnvSource, Sampling
-from trainer.rollout.groups import plan_eval
+from trainer.rollout.env_manager import (
+    HeldOutEnvSource,
+    LocalEnvSource,
+    PoolEnvSource,
+    Sampling,
+)
+from trainer.rollout.groups import EpisodeSpec, plan_eval
 from trainer.rollout.rollouts import Rollouts
 from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate, episode_advantages
 
@@ -111,6 +116,7 @@ class AgenticPipeline:
             max_context_tokens=self._context_limit(),
             on_episode_end=self.rewards.score if self.rewards else None,
             policy=policy,
+            eval_envs=self._eval_env_source(),
         )
 
     # ================================================================== the loop
@@ -246,9 +252,20 @@ class AgenticPipeline:
         self.rollouts.update_weights(lambda: reports.append(self.weight_sync.sync()))
         return reports[0].metrics() if reports else {}
 
+    def eval_plan(self) -> list[EpisodeSpec]:
+        """The fixed evaluation set (``eval.episodes`` shared out, per-env counts of a mix)."""
+        env = self.cfg.env
+        return plan_eval(self.cfg.eval.episodes, env_ids=env.ids, counts=env.eval_counts())
+
+    def describe_eval(self) -> str:
+        """What every evaluation plays, in one line (``envhub train`` prints it)."""
+        from trainer.rollout.groups import describe_eval
+
+        return describe_eval(self.eval_plan(), self.cfg.env.eval_kwargs())
+
     def evaluate(self) -> dict[str, float]:
         """The fixed evaluation set at ``eval.temperature`` (greedy by default)."""
-        specs = plan_eval(self.cfg.eval.episodes, env_ids=self.cfg.env.ids)
+        specs = self.eval_plan()
         sampling = Sampling(
             self.cfg.rollout.max_new_tokens, self.cfg.eval.temperature, self.cfg.rollout.top_p
         )
@@ -455,12 +472,14 @@ class AgenticPipeline:
         )
         return int(limit) if limit else 2048
 
-    def _env_source(self) -> Any:
+    def _env_source(self, mix: dict[str, dict[str, Any]] | None = None) -> Any:
+        """Where episodes' envs come from; ``mix``: per-env kwargs (default: the entries')."""
         env = self.cfg.env
         if env.hub is not None:  # (env kwargs with a remote hub are refused by config.problems())
             return LocalEnvSource(hub=env.hub, token=env.token)
         timeout = self.cfg.rollout.env_timeout_s
-        mix = {entry.id: entry.kwargs for entry in env.entries if entry.kwargs}
+        if mix is None:
+            mix = {entry.id: entry.kwargs for entry in env.entries if entry.kwargs}
         if env.pool_workers > 0:
             return PoolEnvSource(
                 env.kwargs,
@@ -470,6 +489,13 @@ class AgenticPipeline:
             )
         # threads: a blocking step can then time out
         return LocalEnvSource(env.kwargs, threaded=timeout is not None, kwargs_by_env=mix)
+
+    def _eval_env_source(self) -> Any:
+        """The evaluation's envs when some env has held-out settings (``eval: {kwargs}``)."""
+        held_out = self.cfg.env.eval_kwargs()
+        if not held_out or self.cfg.env.hub is not None:
+            return None
+        return HeldOutEnvSource(self.envs, self._env_source(held_out), set(held_out))
 
     def _reward_router(self) -> Any:
         if not self.cfg.env.rewards:

@@ -4,6 +4,7 @@ per-env kwargs reaching the envs, per-env metrics beside the pooled ones."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -99,3 +100,48 @@ def test_each_env_of_a_mix_is_made_with_its_own_kwargs() -> None:
     lake, other = asyncio.run(sessions())
     assert lake.env.size == 2 and lake.env.max_turns == 3  # its own kwargs over the shared ones
     assert other.env.max_turns == 3
+
+
+def test_each_env_of_a_mix_has_its_own_group_size_and_held_out_eval(tmp_path: Path) -> None:
+    """``{id, group_size, eval: {episodes, kwargs}}``: the lake plays groups of 2 on 2x2 maps and
+    is evaluated on 8 held-out 3x3 maps; guess-number plays groups of 4 and is not evaluated."""
+    base = yaml.safe_load(QUICKSTART.read_text())
+    lake = {
+        "id": LAKE,
+        "kwargs": {"size": 2, "hole_fraction": 0.0},
+        "group_size": 2,
+        "eval": {"episodes": 8, "kwargs": {"size": 3}},
+    }
+    base["env"]["id"] = [lake, {"id": GUESS, "eval": False}]
+    base["env"]["kwargs"] = {"max_turns": 6}
+    config = tmp_path / "mix.yaml"
+    config.write_text(yaml.safe_dump(base))
+    cfg = load_config(
+        config,
+        [
+            *TINY,
+            "env.num_groups=2",
+            "env.group_size=4",
+            "train.steps=1",
+            "sft.epochs=0",
+            "eval.episodes=100",  # shared by envs without a count of their own: none here
+            "rollout.max_new_tokens=6",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+    )
+    assert cfg.env.group_sizes == [2, 4] and cfg.env.eval_counts() == {LAKE: 8, GUESS: 0}
+    pipeline = AgenticPipeline(cfg)
+    plan = pipeline.eval_plan()
+    assert {spec.env_id for spec in plan} == {LAKE} and len(plan) == 8
+    assert "'size': 3}" in pipeline.describe_eval()
+    seen: list[dict] = []
+    pipeline.store.write = lambda kind, step, records: seen.extend(  # type: ignore[method-assign]
+        {"kind": kind, **r} for r in records
+    )
+    step = pipeline.fit()[-1]
+    assert step["train/episodes"] == 6  # a group of 2 (lake) and a group of 4 (guess)
+    assert step["eval/episodes"] == 8 and f"eval/{GUESS}/success" not in step
+    evaluated = [r for r in seen if r["kind"] == "eval"]
+    assert evaluated and all(r["env_id"] == LAKE for r in evaluated)
+    first = json.loads(evaluated[0]["messages"])[0]["content"]
+    assert "3x3" in first  # the held-out maps are 3x3; training plays 2x2

@@ -75,6 +75,21 @@ class EnvSource(Protocol):
     async def aclose(self) -> None: ...
 
 
+class HeldOutEnvSource:
+    """The evaluation's envs: those with held-out settings (``env: [{id, eval: {kwargs}}]``) from
+    a source of their own, every other env from the training source (not closed here)."""
+
+    def __init__(self, training: EnvSource, held_out: EnvSource, env_ids: set[str]) -> None:
+        self.training, self.held_out, self.env_ids = training, held_out, env_ids
+
+    async def session(self, env_id: str) -> EnvSession:
+        source = self.held_out if env_id in self.env_ids else self.training
+        return await source.session(env_id)
+
+    async def aclose(self) -> None:
+        await self.held_out.aclose()
+
+
 def prompt_context(
     messages: list[dict[str, Any]], context: Context = "full", turns: int = 4
 ) -> list[dict[str, Any]]:

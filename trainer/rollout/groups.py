@@ -14,7 +14,7 @@ at once (asyncio; the engine batches their generation requests): the evaluation 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from trainer.errors import RolloutError
@@ -24,6 +24,7 @@ from trainer.rollout.trajectory import Trajectory
 __all__ = [
     "EVAL_SEED_BASE",
     "EpisodeSpec",
+    "describe_eval",
     "env_for_group",
     "plan_eval",
     "plan_groups",
@@ -83,9 +84,33 @@ def plan_groups(
     return specs
 
 
-def plan_eval(episodes: int, *, env_ids: list[str]) -> list[EpisodeSpec]:
-    """The fixed evaluation set: ``episodes`` tasks spread round-robin over ``env_ids``."""
-    return [EpisodeSpec(env_ids[i % len(env_ids)], EVAL_SEED_BASE + i, i) for i in range(episodes)]
+def plan_eval(
+    episodes: int, *, env_ids: list[str], counts: Mapping[str, int] | None = None
+) -> list[EpisodeSpec]:
+    """The fixed evaluation set: ``episodes`` tasks spread round-robin over the ``env_ids`` that
+    have no count of their own in ``counts``, then each counted env's tasks (0: none). Seeds
+    count up from ``EVAL_SEED_BASE``, above every training seed."""
+    counts = counts or {}
+    shared = [env_id for env_id in env_ids if env_id not in counts]
+    specs = [
+        EpisodeSpec(shared[i % len(shared)], EVAL_SEED_BASE + i, i)
+        for i in range(episodes if shared else 0)
+    ]
+    for env_id in env_ids:
+        for _ in range(counts.get(env_id, 0)):
+            specs.append(EpisodeSpec(env_id, EVAL_SEED_BASE + len(specs), len(specs)))
+    return specs
+
+
+def describe_eval(specs: Sequence[EpisodeSpec], held_out: Mapping[str, dict] | None = None) -> str:
+    """One line on what each evaluation plays (for the run's log): episodes and seeds per env,
+    its held-out settings, and that training never plays those seeds."""
+    parts = []
+    for env_id in dict.fromkeys(spec.env_id for spec in specs):
+        seeds = [spec.seed for spec in specs if spec.env_id == env_id]
+        settings = f" with {held_out[env_id]}" if held_out and env_id in held_out else ""
+        parts.append(f"{env_id}: {len(seeds)} episodes, seeds {min(seeds)}-{max(seeds)}{settings}")
+    return "; ".join(parts) + f" (training seeds stay below {EVAL_SEED_BASE})"
 
 
 async def play_episode(

@@ -70,10 +70,13 @@ class Rollouts:
         max_context_tokens: int,
         on_episode_end: Callable[[Trajectory], Any] | None = None,
         policy: PolicyVersion | None = None,
+        eval_envs: EnvSource | None = None,
     ) -> None:
         """``policy``: the run's version (``WeightSync.policy``), read by the router, the engines
-        and the scheduler's staleness bound; None: the router counts the updates through it."""
+        and the scheduler's staleness bound; None: the router counts the updates through it.
+        ``eval_envs``: where evaluation episodes play (held-out env settings); None: ``envs``."""
         self.cfg = cfg
+        self.eval_envs = eval_envs if eval_envs is not None else envs
         self.thread = LoopThread()
         self.router = EngineRouter(engines, policy=policy)
         rollout = cfg.rollout
@@ -136,8 +139,9 @@ class Rollouts:
     def play(
         self, specs: list[EpisodeSpec], sampling: Sampling
     ) -> tuple[list[Trajectory], list[Trajectory]]:
-        """Play fixed episodes (evaluation) on the same engines, next to running rollouts."""
-        return self.thread.run(run_episodes(specs, self.manager, self.envs, sampling))
+        """Play fixed episodes (evaluation) on the same engines, next to running rollouts, on
+        the evaluation envs."""
+        return self.thread.run(run_episodes(specs, self.manager, self.eval_envs, sampling))
 
     def update_weights(self, load: Callable[[], Any]) -> None:
         """Run ``load`` (the weight sync) with the engines paused and idle; in-flight turns
@@ -196,5 +200,7 @@ class Rollouts:
                 self.thread.run(self.proxy.aclose(), timeout=60)
             self.thread.run(self.router.close(), timeout=60)
             self.thread.run(self.envs.aclose(), timeout=60)
+            if self.eval_envs is not self.envs:
+                self.thread.run(self.eval_envs.aclose(), timeout=60)
         finally:
             self.thread.close()

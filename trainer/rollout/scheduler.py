@@ -76,6 +76,8 @@ class SchedulerConfig:
     """Tasks are spread over these envs (``groups.env_for_group``)."""
     env_weights: tuple[float, ...] = ()
     """Each env's share of the groups; empty or equal: round-robin."""
+    env_group_sizes: tuple[int, ...] = ()
+    """Each env's episodes per group (``env_ids`` order); empty: ``group_size`` for all."""
     seed: int = 0
     mode: Mode = "sync"
     redundancy: float = _ROLLOUT_DEFAULTS["redundancy"]
@@ -102,6 +104,7 @@ class SchedulerConfig:
             group_size=env.group_size,
             env_ids=tuple(env.ids),
             env_weights=tuple(env.weights),
+            env_group_sizes=tuple(env.group_sizes),
             seed=cfg.seed,
             mode="async" if rollout.mode == "async" else "sync",
             redundancy=rollout.redundancy,
@@ -120,6 +123,12 @@ class SchedulerConfig:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.num_groups <= 0 or self.group_size <= 0 or not self.env_ids:
             raise ValueError("num_groups and group_size must be > 0 and env_ids not empty")
+
+    def group_size_of(self, env_id: str) -> int:
+        """Episodes per group of ``env_id``."""
+        if self.env_group_sizes:
+            return self.env_group_sizes[self.env_ids.index(env_id)]
+        return self.group_size
 
     @property
     def capacity(self) -> int:
@@ -294,7 +303,7 @@ class RolloutScheduler:
             (self.cfg.seed * 7_919 + number) % EVAL_SEED_BASE,
             started_version=self.router.version,
         )
-        for index in range(self.cfg.group_size):
+        for index in range(self.cfg.group_size_of(group.env_id)):
             key = f"g{number}e{index}"
             group.keys.append(key)
             group.tasks.append(asyncio.ensure_future(self._play(group, key)))
@@ -355,7 +364,7 @@ class RolloutScheduler:
             return
         self._failed_in_a_row = 0
         rewards = {round(t.episode_reward, 9) for t in trajectories}
-        if self.cfg.dynamic_sampling and len(rewards) == 1 and self.cfg.group_size > 1:
+        if self.cfg.dynamic_sampling and len(rewards) == 1 and len(trajectories) > 1:
             limit = self.cfg.max_filtered_per_batch
             if self._filtered_this_batch < (4 * self.cfg.num_groups if limit is None else limit):
                 self._filtered_this_batch += 1
