@@ -351,7 +351,7 @@ def play_command(
 
 def _replayed_actions(run_dir: str | None, key: str | None) -> Any:
     """A ``read_line`` that types a stored episode's actions, then quits."""
-    from envhub.model_agent import reply_action
+    from envhub.parsing import message_text
     from envhub.runs import NotARunError, open_run
 
     if run_dir is None or key is None:
@@ -360,11 +360,7 @@ def _replayed_actions(run_dir: str | None, key: str | None) -> Any:
         episode = open_run(run_dir).episode(key)
     except (NotARunError, KeyError) as error:
         _fail(EnvhubError(str(error).strip("'\"")))
-    actions = [
-        reply_action(str(m.get("content") or ""), list(m.get("tool_calls") or []))
-        for m in episode["messages"]
-        if m.get("role") == "assistant"
-    ]
+    actions = [message_text(m) for m in episode["messages"] if m.get("role") == "assistant"]
     lines = iter([*actions, ":quit"])
 
     def read_line(prompt: str) -> str:

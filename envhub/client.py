@@ -32,7 +32,7 @@ from typing import Any
 import gymnasium as gym
 import orjson
 
-from envhub.core import ChatSpace, TextSpace
+from envhub.core import ChatSpace, TextSpace, assistant_message
 from envhub.errors import EpisodeOverError, ResetNeededError
 from envhub.server.errors import RemoteError, SessionLostError
 
@@ -104,12 +104,12 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
         result = reply["result"]
         return result["observation"], result["info"]
 
-    def step(self, action: str) -> tuple[list[dict[str, Any]], float, bool, bool, dict[str, Any]]:
+    def step(
+        self, action: str | dict[str, Any]
+    ) -> tuple[list[dict[str, Any]], float, bool, bool, dict[str, Any]]:
+        """Step the remote env with the model's text or an assistant message (``TextEnv.step``)."""
         if not isinstance(action, str):
-            raise TypeError(
-                f"RemoteEnv.step() takes the model's text as a str, got {type(action).__name__}: "
-                f"{action!r:.80}"
-            )
+            action = assistant_message(action, "RemoteEnv")
         reply = self._request({"type": "step", "action": action})
         if reply["type"] == "episode_failed":
             failure = reply["failure"]

@@ -18,25 +18,35 @@ What an environment author implements
     malformed action: return ``self.invalid_action(feedback)`` so the model learns from it.
 Optional: ``tools`` (OpenAI function schemas the model may call), ``system_prompt``,
 ``expert_action()`` (a good next action, for demos, tests and warm-start data), ``on_close``.
+An env that wants tool calls as data rather than text sets ``structured_actions = True`` and
+implements ``on_message(message) -> Turn``: a structured action (an assistant message with
+``tool_calls``, as a model's chat API returns it) then reaches it as it is; text actions still
+reach ``on_step``.
 
 What ``TextEnv`` guarantees to its callers
 ------------------------------------------
 1. ``reset(seed=s, options=o)`` returns ``(messages, info)``: ``messages`` is a non-empty
    ``list`` of ``{"role": str, "content": str}`` dicts (the system prompt, if any, first);
    the same ``(s, o)`` gives the same episode.
-2. ``step(text)`` returns ``(messages, reward, terminated, truncated, info)``: ``messages``
+2. ``step(action)`` returns ``(messages, reward, terminated, truncated, info)``: ``messages``
    holds only what is *new* this turn (the agent keeps its own history, so token ids never
-   need re-tokenising); ``reward`` is a finite ``float``.
+   need re-tokenising); ``reward`` is a finite ``float``. ``action`` is the model's text, or
+   an assistant message ``{"role": "assistant", "content": str | None, "tool_calls": [...]}``
+   (OpenAI format): an env without ``structured_actions`` gets it as text, the calls written in
+   envhub's ``<tool_call>`` form (``envhub.parsing.message_text``), so every env takes both.
 3. ``info`` always carries ``turn`` (turns taken so far), ``success`` (``bool``) and
    ``invalid_action`` (``bool``: the action could not be parsed or was illegal). Reset info
-   also carries ``tools`` when the environment publishes tool schemas.
+   also carries ``tools`` when the environment publishes tool schemas, and
+   ``structured_actions: True`` when it reads assistant messages as data.
 4. After ``max_turns`` steps an episode that has not terminated first ends the way the
    class's ``out_of_turns`` says: ``truncated=True`` by default (a time limit outside the
    task: the last state was not terminal), or ``terminated=True`` when the budget is a rule
    of the task the agent was told (Wordle's six guesses, a coding task's attempts: running
    out is a loss). ``terminated`` and ``truncated`` are never both true.
 5. ``step()`` before ``reset()`` raises ``ResetNeededError``; ``step()`` after the end raises
-   ``EpisodeOverError``; a non-``str`` action raises ``TypeError``. All name the fix.
+   ``EpisodeOverError``; an action that is neither a ``str`` nor an assistant message (a dict
+   with ``content`` a string or None, ``tool_calls`` a list) raises ``TypeError``. All name
+   the fix.
 6. ``close()`` may be called any number of times. Environments are picklable, so process
    workers can receive them.
 7. Observations and info contain only JSON-serialisable values, so they can cross a network.
@@ -63,6 +73,7 @@ __all__ = [
     "TextSpace",
     "Turn",
     "as_messages",
+    "assistant_message",
     "function_tool",
     "messages_to_text",
 ]
@@ -201,6 +212,26 @@ def function_tool(name: str, description: str, parameters: dict[str, Any]) -> di
     }
 
 
+def assistant_message(action: Any, owner: str = "TextEnv") -> Message:
+    """``action`` checked as a structured action: a dict with ``content`` (a string or None) and
+    ``tool_calls`` (a list, possibly absent), role ``assistant`` if given. Returns a clean copy;
+    anything else raises ``TypeError`` naming what ``step`` takes."""
+    fix = (
+        f"{owner}.step() takes the model's text (a str) or an assistant message "
+        '{"role": "assistant", "content": str | None, "tool_calls": [...]}'
+    )
+    if not isinstance(action, dict):
+        raise TypeError(f"{fix}; got {type(action).__name__}: {action!r:.80}")
+    role, content = action.get("role", "assistant"), action.get("content")
+    calls = action.get("tool_calls") or []
+    if role != "assistant" or not isinstance(content, str | None) or not isinstance(calls, list):
+        raise TypeError(f"{fix}; got {action!r:.120}")
+    message: Message = {"role": "assistant", "content": content or ""}
+    if calls:
+        message["tool_calls"] = list(calls)
+    return message
+
+
 class TextEnv(gym.Env[Observation, str]):
     """Base class of every multi-turn text environment (see the module docstring)."""
 
@@ -217,6 +248,10 @@ class TextEnv(gym.Env[Observation, str]):
 
     invalid_action_penalty: float = -0.1
     """Reward given by ``invalid_action()`` unless a penalty is passed explicitly."""
+
+    structured_actions: ClassVar[bool] = False
+    """Whether an assistant message reaches ``on_message`` as data (tool calls with their ids and
+    JSON arguments) instead of ``on_step`` as text."""
 
     out_of_turns: ClassVar[Literal["truncated", "terminated"]] = "truncated"
     """How using up ``max_turns`` ends an episode (guarantee 4): ``"truncated"`` when the limit
@@ -258,6 +293,13 @@ class TextEnv(gym.Env[Observation, str]):
         """Apply the model's text and return the environment's turn (see module doc)."""
         raise NotImplementedError(f"{type(self).__name__} must implement on_step(action)")
 
+    def on_message(self, message: Message) -> Turn:
+        """Apply a structured action (``structured_actions``): an assistant message with
+        ``content`` and ``tool_calls``. The default reads it as text, like any other env."""
+        from envhub.parsing import message_text
+
+        return self.on_step(message_text(message))
+
     def sample_action(self, np_random: np.random.Generator) -> str:
         """A random action for random agents and the checker; override with plausible ones."""
         length = int(np_random.integers(0, 40))
@@ -292,9 +334,11 @@ class TextEnv(gym.Env[Observation, str]):
         info = {"turn": 0, "success": False, "invalid_action": False, **info}
         if self.tools:
             info["tools"] = self.tools
+        if self.structured_actions:
+            info["structured_actions"] = True
         return messages, info
 
-    def step(self, action: str) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
+    def step(self, action: str | Message) -> tuple[Observation, float, bool, bool, dict[str, Any]]:
         if self._state == "new":
             raise ResetNeededError(
                 f"{type(self).__name__}.step() was called before reset(); "
@@ -305,14 +349,20 @@ class TextEnv(gym.Env[Observation, str]):
                 f"{type(self).__name__}.step() was called after the episode ended "
                 f"({self._end_reason}); call env.reset() to start a new episode"
             )
-        if not isinstance(action, str):
-            raise TypeError(
-                f"{type(self).__name__}.step() takes the model's text as a str, "
-                f"got {type(action).__name__}: {action!r:.80}"
-            )
-        self._turn += 1
-        self._history.append({"role": "assistant", "content": action})
-        turn = self.on_step(action)
+        if isinstance(action, str):
+            self._turn += 1
+            self._history.append({"role": "assistant", "content": action})
+            turn = self.on_step(action)
+        else:
+            message = assistant_message(action, type(self).__name__)
+            self._turn += 1
+            self._history.append(message)
+            if self.structured_actions:
+                turn = self.on_message(message)
+            else:
+                from envhub.parsing import message_text
+
+                turn = self.on_step(message_text(message))
         messages = as_messages(turn.observation)
         reward = float(turn.reward)
         used_up = self.max_turns is not None and self._turn >= self.max_turns

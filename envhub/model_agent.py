@@ -26,7 +26,6 @@ episode's failure: ``timeout``, ``connection``, ``http_<status>``, ``context_len
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -34,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from envhub.errors import EnvhubError
-from envhub.parsing import format_tool_call
+from envhub.parsing import message_text
 
 __all__ = [
     "AgentError",
@@ -44,7 +43,6 @@ __all__ = [
     "ToolsMode",
     "api_messages",
     "link_tool_answers",
-    "reply_action",
     "resolve_model",
 ]
 
@@ -161,27 +159,6 @@ def _refuses_tools(error: Exception) -> bool:
     return "tool" in text and ("auto" in text or "not support" in text or "parser" in text)
 
 
-def reply_action(content: str, calls: list[dict[str, Any]]) -> str:
-    """The env's action for a reply (text and OpenAI-format ``tool_calls``): its text, then each
-    call in envhub's ``<tool_call>`` form (arguments that are not a JSON object as written)."""
-    parts = [content] if content else []
-    for call in calls:
-        function = call["function"]
-        arguments = function.get("arguments")
-        if isinstance(arguments, str) or arguments is None:
-            try:
-                arguments = json.loads(arguments or "{}")
-            except ValueError:
-                arguments = None
-        if isinstance(arguments, dict):
-            parts.append(format_tool_call(function["name"], arguments))
-        else:  # as the model wrote it: the env's parser answers with its feedback
-            raw = json.dumps(function["name"])
-            parts.append(f'<tool_call>{{"name": {raw}, "arguments": {function["arguments"]}}}')
-            parts[-1] += "</tool_call>"
-    return "\n".join(parts)
-
-
 class ModelAgent:
     """Plays with ``client`` (an ``openai.OpenAI``) and ``model``; safe to share across threads
     (the client is, and the agent keeps no per-episode state)."""
@@ -255,7 +232,7 @@ class ModelAgent:
         if calls:
             assistant["tool_calls"] = calls
         return AgentTurn(
-            action=reply_action(content, calls),
+            action=message_text({"content": content, "tool_calls": calls}),
             message=assistant,
             tokens_in=int(getattr(usage, "prompt_tokens", 0) or 0),
             tokens_out=int(getattr(usage, "completion_tokens", 0) or 0),

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import difflib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -137,7 +138,13 @@ import ast as _ast
 import json as _json
 from typing import Any as _Any
 
-__all__ += ["ToolCall", "ToolCallParser", "format_tool_call", "parse_tool_calls"]
+__all__ += [
+    "ToolCall",
+    "ToolCallParser",
+    "format_tool_call",
+    "message_text",
+    "parse_tool_calls",
+]
 
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
@@ -169,6 +176,29 @@ class ToolCall:
                 "arguments": _json.dumps(self.arguments, sort_keys=True),
             },
         }
+
+
+def message_text(message: Mapping[str, _Any], tag: str = "tool_call") -> str:
+    """An assistant message as the text an env reads: its content, then each of its
+    ``tool_calls`` in envhub's ``<tool_call>`` form (``format_tool_call``). Arguments that are
+    not a JSON object are written as given, so the env's parser reports what is wrong."""
+    content = str(message.get("content") or "")
+    parts = [content] if content else []
+    for raw in message.get("tool_calls") or []:
+        function = raw.get("function", raw) if isinstance(raw, dict) else {}
+        function = function if isinstance(function, dict) else {}
+        name, arguments = function.get("name"), function.get("arguments")
+        if isinstance(arguments, str) or arguments is None:
+            try:
+                arguments = _json.loads(arguments or "{}")
+            except ValueError:
+                pass
+        if isinstance(name, str) and isinstance(arguments, dict):
+            parts.append(format_tool_call(name, arguments, tag))
+            continue
+        written = arguments if isinstance(arguments, str) else _json.dumps(arguments)
+        parts.append(f'<{tag}>{{"name": {_json.dumps(name)}, "arguments": {written}}}</{tag}>')
+    return "\n".join(parts)
 
 
 def format_tool_call(
@@ -243,6 +273,35 @@ class ToolCallParser:
             f"</{self.tag}> (JSON; one call per tag)."
         )
 
+    def parse_message(self, message: Mapping[str, _Any]) -> list[ToolCall]:
+        """The calls of an assistant message (``TextEnv.step`` with a structured action): its
+        ``tool_calls`` when it has them (their ids kept), checked like text calls, else those in
+        its ``content``. Raises ``ActionParseError`` on a bad one."""
+        raw_calls = message.get("tool_calls") or []
+        if not raw_calls:
+            return self.parse(str(message.get("content") or ""))
+        if not isinstance(raw_calls, list):
+            raise ActionParseError(
+                f"tool_calls is not a list: {raw_calls!r:.80}",
+                feedback="tool_calls must be a list of calls.",
+            )
+        if len(raw_calls) > self.max_calls:
+            raise ActionParseError(
+                f"{len(raw_calls)} tool calls exceed max_calls={self.max_calls}",
+                feedback=(
+                    f"You made {len(raw_calls)} tool calls in one reply; make at most "
+                    f"{self.max_calls}."
+                ),
+            )
+        calls = []
+        for index, raw in enumerate(raw_calls):
+            call = self._validate(raw, index=index)
+            given = raw.get("id") if isinstance(raw, dict) else None
+            if isinstance(given, str) and given:
+                call = ToolCall(call.name, call.arguments, given[:128])
+            calls.append(call)
+        return calls
+
     def has_call(self, text: str) -> bool:
         return re.search(rf"<{re.escape(self.tag)}\s*>", text, re.IGNORECASE) is not None
 
@@ -300,8 +359,14 @@ class ToolCallParser:
         if isinstance(arguments, str):  # OpenAI encodes arguments as a JSON string
             try:
                 arguments = _loads_lenient(arguments) if arguments.strip() else {}
-            except ValueError:
-                arguments = None
+            except ValueError as exc:
+                raise ActionParseError(
+                    f"arguments of {name!r} are not JSON: {exc}",
+                    feedback=(
+                        f"The arguments of {name!r} are not valid JSON ({exc}): "
+                        f'{arguments[:200]!r}. Write them as a JSON object like {{"x": 1}}.'
+                    ),
+                ) from None
         if arguments is None:
             arguments = {}
         if not isinstance(arguments, dict):

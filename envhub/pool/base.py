@@ -30,6 +30,7 @@ __all__ = [
     "OP_PING",
     "OP_RESET",
     "OP_STEP",
+    "OP_STEP_MESSAGE",
     "STATUS_ENV_ERROR",
     "STATUS_LOST",
     "STATUS_OK",
@@ -43,8 +44,9 @@ __all__ = [
     "dumps",
 ]
 
-OP_RESET, OP_STEP, OP_CLOSE, OP_PING = 1, 2, 3, 4
-"""Request kinds a worker understands."""
+OP_RESET, OP_STEP, OP_CLOSE, OP_PING, OP_STEP_MESSAGE = 1, 2, 3, 4, 5
+"""Request kinds a worker understands (``OP_STEP``: the action's UTF-8 text;
+``OP_STEP_MESSAGE``: a structured action, an assistant message as JSON)."""
 
 STATUS_OK = 0
 """``body`` is the JSON result."""

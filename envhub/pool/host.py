@@ -22,6 +22,7 @@ from envhub.pool.base import (
     OP_PING,
     OP_RESET,
     OP_STEP,
+    OP_STEP_MESSAGE,
     STATUS_ENV_ERROR,
     STATUS_OK,
     STATUS_USAGE_ERROR,
@@ -59,7 +60,9 @@ class EnvHost:
         """Run one request; never raises (errors become a status and a JSON body)."""
         try:
             if op == OP_STEP:
-                return self._step(episode, body)
+                return self._step(episode, body.decode())
+            if op == OP_STEP_MESSAGE:
+                return self._step(episode, orjson.loads(body))
             if op == OP_RESET:
                 return self._reset(episode, body)
             if op == OP_CLOSE:
@@ -75,7 +78,7 @@ class EnvHost:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             return STATUS_ENV_ERROR, dumps({"error": type(exc).__name__, "message": detail})
 
-    def _step(self, episode: int, body: bytes) -> tuple[int, bytes]:
+    def _step(self, episode: int, action: Any) -> tuple[int, bytes]:
         # terminated/truncated first: a server tells "episode still running" from the
         # prefix ``RUNNING_PREFIX`` without decoding the body.
         env = self.envs.get(episode)
@@ -86,7 +89,7 @@ class EnvHost:
                     "message": f"episode {episode} has no env here; reset it first",
                 }
             )
-        observation, reward, terminated, truncated, info = env.step(body.decode())
+        observation, reward, terminated, truncated, info = env.step(action)
         return STATUS_OK, dumps(
             {
                 "terminated": terminated,

@@ -17,11 +17,13 @@ from typing import Any, Literal, Self
 
 import orjson
 
+from envhub.core import Message, assistant_message
 from envhub.errors import EpisodeError, EpisodeOverError, ResetNeededError
 from envhub.pool.base import (
     OP_CLOSE,
     OP_RESET,
     OP_STEP,
+    OP_STEP_MESSAGE,
     STATUS_ENV_ERROR,
     STATUS_LOST,
     STATUS_OK,
@@ -377,7 +379,7 @@ class EnvPool:
         data = orjson.loads(result[1])
         return ResetResult(result[0], data["observation"], data["info"])
 
-    async def step_json(self, episode: int, action: str) -> bytes | EpisodeFailure:
+    async def step_json(self, episode: int, action: str | Message) -> bytes | EpisodeFailure:
         """Like ``step`` but return the JSON bytes of ``{observation, reward, terminated, truncated,
         info}``."""
         ep = self._episodes.get(episode)
@@ -387,20 +389,19 @@ class EnvPool:
             )
         if ep.failure is not None:
             return ep.failure
-        if not isinstance(action, str):
-            raise TypeError(
-                f"step() takes the model's text as a str, got {type(action).__name__}: "
-                f"{action!r:.80}"
-            )
+        if isinstance(action, str):
+            op, payload = OP_STEP, action.encode()
+        else:  # a structured action, checked here: a bad one is the caller's error, not the env's
+            op, payload = OP_STEP_MESSAGE, orjson.dumps(assistant_message(action, "EnvPool"))
         ep.op = OP_STEP
-        status, body = await ep.worker.submit(OP_STEP, episode, action.encode())
+        status, body = await ep.worker.submit(op, episode, payload)
         if status == STATUS_OK:
             ep.turn += 1
             self._steps += 1
             return body
         return self._not_ok(ep, status, body)
 
-    async def step(self, episode: int, action: str) -> StepResult | EpisodeFailure:
+    async def step(self, episode: int, action: str | Message) -> StepResult | EpisodeFailure:
         """Apply ``action`` to ``episode``; a failure comes back as an ``EpisodeFailure``."""
         result = await self.step_json(episode, action)
         if isinstance(result, EpisodeFailure):

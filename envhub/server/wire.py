@@ -44,6 +44,7 @@ from pydantic import (
 from typing_extensions import TypeAliasType
 
 __all__ = [
+    "AssistantAction",
     "ClientMessage",
     "CloseRequest",
     "EnvInfo",
@@ -173,12 +174,40 @@ class ResetRequest(Strict):
     options: JsonObject | None = None
 
 
+class WireFunction(Strict):
+    name: Text = Field(max_length=256)
+    arguments: Text | JsonObject = Field(
+        description="The call's arguments: a JSON string (as chat APIs send it) or an object."
+    )
+
+
+class WireToolCall(Strict):
+    id: Text | None = Field(default=None, max_length=128)
+    type: Literal["function"] = "function"
+    function: WireFunction
+
+
+class AssistantAction(Strict):
+    """A structured action: the model's reply as its chat API returned it (OpenAI format)."""
+
+    role: Literal["assistant"] = "assistant"
+    content: Text | None = None
+    tool_calls: list[WireToolCall] = Field(default_factory=list, max_length=64)
+
+
 class StepRequest(Strict):
     type: Literal["step"]
     seq: Seq
-    action: str = Field(
-        description="The model's text (WebSocket frames are UTF-8, so no lone surrogates get here)."
+    action: str | AssistantAction = Field(
+        description="The model's text (WebSocket frames are UTF-8, so no lone surrogates get "
+        "here), or its reply as an assistant message with tool_calls (a structured action)."
     )
+
+    def env_action(self) -> str | dict[str, Any]:
+        """The action as ``TextEnv.step`` takes it."""
+        if isinstance(self.action, str):
+            return self.action
+        return self.action.model_dump(exclude_none=True)
 
 
 class CloseRequest(Strict):

@@ -368,7 +368,7 @@ async def _step(hub: Hub, session: Session, request: StepRequest) -> str:
         )
     started = time.perf_counter()
     try:
-        result = await session.pool.step_json(session.episode, request.action)
+        result = await session.pool.step_json(session.episode, request.env_action())
     except (ResetNeededError, UnknownEpisodeError) as exc:
         return _error(hub, "reset_needed", str(exc), seq)
     except EpisodeOverError as exc:

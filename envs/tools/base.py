@@ -34,7 +34,13 @@ import numpy as np
 
 from envhub.core import Message, TextEnv, Turn
 from envhub.errors import ActionParseError
-from envhub.parsing import ToolCall, ToolCallParser, extract_answer, format_tool_call
+from envhub.parsing import (
+    ToolCall,
+    ToolCallParser,
+    extract_answer,
+    format_tool_call,
+    message_text,
+)
 from envs.datasets import Split, Task, TaskSet, as_taskset
 
 __all__ = ["ToolEnv", "ToolError", "truncate"]
@@ -56,6 +62,7 @@ class ToolEnv(TextEnv):
 
     tool_schemas: ClassVar[list[dict[str, Any]]] = []
     """The OpenAI-format schemas of this env's tools (subclasses set it, or set ``self.tools``)."""
+    structured_actions = True  # tool calls as data too: an assistant message's tool_calls
     required_fields: tuple[str, ...] = ()
     """Fields every task of a user dataset must have."""
     intro = "Answer the question using the tools."
@@ -136,10 +143,16 @@ class ToolEnv(TextEnv):
         return question, {"task_id": self.task["id"]}
 
     def on_step(self, action: str) -> Turn:
+        return self.on_message({"role": "assistant", "content": action})
+
+    def on_message(self, message: Message) -> Turn:
+        """A reply as text (its calls in ``<tool_call>`` tags) or as an assistant message whose
+        ``tool_calls`` are data (their ids answer in the tool messages); checked alike."""
+        action = message_text(message)
         if self._plan_position < len(self._plan) and action == self._plan[self._plan_position]:
             self._plan_position += 1
         try:
-            calls = self.parser.parse(action)
+            calls = self.parser.parse_message(message)
         except ActionParseError as error:
             return self.invalid_action(error.feedback)
         if calls:

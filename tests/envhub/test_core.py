@@ -100,10 +100,22 @@ def test_step_after_end_names_the_fix(countdown):
         env.step("go")
 
 
-def test_non_text_action_is_a_type_error(countdown):
+def test_an_action_that_is_neither_text_nor_an_assistant_message_is_a_type_error(countdown):
     countdown.reset(seed=0)
-    with pytest.raises(TypeError, match="takes the model's text as a str, got int"):
+    fix = r"takes the model's text \(a str\) or an assistant message"
+    with pytest.raises(TypeError, match=fix + ".*got int"):
         countdown.step(3)
+    for bad in ({"role": "user", "content": "go"}, {"content": 3}, {"tool_calls": "x"}):
+        with pytest.raises(TypeError, match=fix):
+            countdown.step(bad)
+    assert countdown.turn == 0  # nothing was applied
+
+
+def test_a_text_env_reads_an_assistant_message_as_its_text(countdown):
+    countdown.reset(seed=0)
+    by_message = countdown.step({"role": "assistant", "content": "go"})
+    countdown.reset(seed=0)
+    assert countdown.step("go") == by_message
 
 
 def test_close_twice_is_safe_and_on_close_runs_once():

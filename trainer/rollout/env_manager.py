@@ -62,7 +62,7 @@ class EnvSession(Protocol):
 
     async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
 
-    async def step(self, action: str) -> StepOutcome: ...
+    async def step(self, action: str | dict[str, Any]) -> StepOutcome: ...
 
     async def close(self) -> None: ...
 
@@ -151,7 +151,7 @@ class _LocalSession:
     async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         return await self._run(self.env.reset, seed=seed)
 
-    async def step(self, action: str) -> StepOutcome:
+    async def step(self, action: str | dict[str, Any]) -> StepOutcome:
         outcome = await self._run(self.env.step, action)
         if outcome[4].get("episode_failed"):  # a hub's worker crashed or hung: the episode is lost
             raise RuntimeError(f"remote episode failed: {outcome[4].get('failure')}")
@@ -206,7 +206,7 @@ class _PoolSession:
         self.episode = result.episode
         return result.observation, result.info
 
-    async def step(self, action: str) -> StepOutcome:
+    async def step(self, action: str | dict[str, Any]) -> StepOutcome:
         result = await self.pool.step(self.episode, action)
         if result.failed:
             raise RuntimeError(f"env step failed: {result.reason}: {result.detail}")
@@ -346,7 +346,13 @@ class EnvManager:
             result = await self._generate(trajectory, f"{key}/{turn}", sampling, info, tokens)
             if result is None:  # out of context, aborted, or the engine failed (flags are set)
                 break
-            action = self._append_turn(trajectory, result, tools, tokens)
+            action = self._append_turn(
+                trajectory,
+                result,
+                tools,
+                tokens,
+                structured=bool(trajectory.info.get("structured_actions")),
+            )
             try:
                 messages, reward, terminated, truncated, info = await self._env_call(
                     session.step(action)
@@ -419,18 +425,23 @@ class EnvManager:
         result: GenerationResult,
         tools: list[dict[str, Any]] | None = None,
         tokens: Trajectory | None = None,
-    ) -> str:
+        *,
+        structured: bool = False,
+    ) -> str | dict[str, Any]:
         """Append the generated tokens (as policy tokens) and the assistant message; the action.
 
         With native tool calling the message is structured (``content`` + ``tool_calls``, read
-        by the model family's parser) and the env gets the calls in envhub's ``<tool_call>``
-        form; a malformed call reaches the env as the raw text, whose parser answers it with
-        feedback and the invalid-action penalty."""
+        by the model family's parser). An env with ``structured_actions`` gets that message
+        itself; others get the calls in envhub's ``<tool_call>`` form. A malformed call reaches
+        the env as the raw text, whose parser answers it with feedback and the penalty."""
         tokens = tokens or trajectory  # the episode's sequence, or this turn's own sample
         tokens.append_generation(result)
         trajectory.policy_versions.append(result.policy_version)
         turn = self.renderer.parse(self.renderer.decode(result.token_ids), tools)
-        trajectory.messages.append(turn.message())
+        message = turn.message()
+        trajectory.messages.append(message)
+        if structured and turn.error is None and turn.tool_calls:
+            return message
         return env_action(turn)
 
     async def close_session(self, session: EnvSession) -> None:

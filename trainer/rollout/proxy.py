@@ -493,10 +493,13 @@ class AgentProxy:
     async def step(self, episode: ProxyEpisode, action: Any) -> dict[str, Any]:
         """Step the episode's env with ``action`` (text, or an assistant message whose tool
         calls become envhub's ``<tool_call>`` text); the reward goes to the latest call."""
-        from envhub.model_agent import link_tool_answers, reply_action
+        from envhub.model_agent import link_tool_answers
+        from envhub.parsing import message_text
 
         if isinstance(action, Mapping):
-            text = reply_action(_text(action.get("content")), list(action.get("tool_calls") or []))
+            text = message_text(
+                {"content": _text(action.get("content")), "tool_calls": action.get("tool_calls")}
+            )
         elif isinstance(action, str):
             text = action
         else:

@@ -156,7 +156,7 @@ def test_caller_mistakes_raise_like_the_local_env():
             assert (await pool.step(ep.episode, "win")).terminated
             with pytest.raises(EpisodeOverError, match="after the episode ended"):
                 await pool.step(ep.episode, "x")
-            with pytest.raises(TypeError, match="as a str"):
+            with pytest.raises(TypeError, match=r"\(a str\) or an assistant message"):
                 await pool.step(ep.episode, 42)
             again = await pool.reset(ep.episode, seed=0)
             assert not again.failed

@@ -126,6 +126,40 @@ def test_trained_tokens_are_the_engine_tokens_and_tool_results_are_context(token
     assert trajectory.response_mask[after_first : len(second)] == [0] * (len(second) - after_first)
 
 
+def test_an_env_that_reads_structured_actions_gets_the_assistant_message(tokenizer) -> None:
+    """The calculator sets ``structured_actions``: each call reaches it as data, with the id its
+    tool message answers; a turn without calls is text."""
+    received: list[Any] = []
+
+    class Spy:
+        def __init__(self, env: Any) -> None:
+            self.env = env
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.env, name)
+
+        def step(self, action: Any) -> Any:
+            received.append(action)
+            return self.env.step(action)
+
+    turns = expert_turns(seed=2)
+    engine = ScriptedEngine(tokenizer, turns)
+    manager = EnvManager(
+        engine, ChatRenderer(tokenizer), max_turns=len(turns), max_context_tokens=4096
+    )  # type: ignore[arg-type]
+    source = LocalEnvSource(make=lambda env_id, **kwargs: Spy(envhub.make(env_id, **kwargs)))
+
+    async def one():
+        return await manager.run(await source.session(CALC), CALC, 2, Sampling(64))
+
+    trajectory = asyncio.run(one())
+    assert trajectory.success and len(received) == len(turns)
+    assert all(isinstance(a, dict) and a["tool_calls"] for a in received[:-1])
+    assert received[-1] == turns[-1]  # the answer: plain text
+    answered = [m["tool_call_id"] for m in trajectory.messages if m["role"] == "tool"]
+    assert answered == [a["tool_calls"][0]["id"] for a in received[:-1]]
+
+
 def test_malformed_and_unknown_calls_are_env_feedback_not_errors(tokenizer) -> None:
     bad = [
         '<tool_call>{"name": "calculate", "arguments": {"expression": </tool_call>',
