@@ -61,6 +61,10 @@ class SFTConfig(Section):
     noise_action: str | None = None
     """The sloppy demonstrator's habitual move (e.g. ``down``); None: random moves
     (epsilon-greedy)."""
+    noise_turns: int | None = Field(default=None, gt=0)
+    """Only the first N moves of a demonstration may be replaced (1: a demonstrator that
+    sometimes answers at once instead of using its tools, but always finishes what it starts);
+    None: every move."""
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> SFTConfig:

@@ -305,6 +305,7 @@ class AgenticPipeline:
                 max_turns=self.cfg.rollout.max_turns,
                 noise=sft.expert_noise,
                 noise_action=sft.noise_action,
+                noise_turns=sft.noise_turns,
                 seed=self.cfg.seed,
                 context=self.cfg.rollout.context,
                 context_turns=self.cfg.rollout.context_turns,

@@ -45,15 +45,17 @@ def expert_trajectories(
     seed_offset: int = 0,
     noise: float = 0.0,
     noise_action: str | None = None,
+    noise_turns: int | None = None,
     seed: int = 0,
     context: Context = "full",
     context_turns: int = 4,
 ) -> list[Trajectory]:
     """``episodes`` demonstrations by the envs' scripted experts (round-robin over ``env_ids``).
 
-    With ``noise > 0`` each move is, with that probability, ``noise_action`` instead of the
-    expert's (or, if None, a random one of the expert's moves seen so far); ``seed`` seeds
-    that choice, so the same config collects the same demonstrations.
+    With ``noise > 0`` each move (of the first ``noise_turns`` of an episode, if set) is, with
+    that probability, ``noise_action`` instead of the expert's (or, if None, a random one of the
+    expert's moves seen so far); ``seed`` seeds that choice, so the same config collects the same
+    demonstrations.
     """
     import envhub
 
@@ -85,7 +87,8 @@ def expert_trajectories(
                         )
                     break
                 seen.setdefault(action, None)
-                if noise and rng.random() < noise:
+                noisy = noise_turns is None or trajectory.num_turns < noise_turns
+                if noise and noisy and rng.random() < noise:
                     action = noise_action if noise_action is not None else rng.choice(list(seen))
                 ids = renderer.answer(action)
                 tokens = trajectory
