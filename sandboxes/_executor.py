@@ -1,48 +1,62 @@
-"""The warm executor: one long-lived process inside a local sandbox that forks each run.
+"""The warm executor: a fork server (the *zygote*, ``_zygote.py``) inside a local sandbox.
 
-Why: a fresh bubblewrap per run costs a user, PID, mount and network namespace each time
-(~10 ms on an idle 2-core VM, far more under load). A pooled sandbox instead starts, once,
-a small Python executor *inside* its namespaces; a run is then one fork+exec there.
+Why: a fresh bubblewrap per run costs a user, PID, mount and network namespace each time, and a
+Python run another ~15 ms of interpreter start-up and imports. A warm sandbox instead starts,
+once, a small pre-imported Python *inside* its namespaces. A run is then one fork there (often
+done ahead: the zygote keeps a spare child forked between runs), followed by an exec for
+commands, or, for ``python3 -I FILE|-c CODE ...`` (``run_code``, the code envs' test runner),
+by running the code in the forked interpreter itself (see ``_zygote._run_python`` for what that
+reproduces of a real ``python3 -I``). ``in_process(argv, env)`` says which.
 
-Protocol (a SOCK_SEQPACKET socketpair): the host sends ``{"argv", "env", "cwd", "cpu"}`` with
-the run's stdin/stdout/stderr pipe ends attached (SCM_RIGHTS); the executor forks, the child
-lowers RLIMIT_CPU, restores default signal dispositions, and execs; the executor answers
-``{"pid"}`` then ``{"exit": status}`` (128+N for signal N).
+Protocol: ``_zygote.py``'s docstring. The host side treats the zygote, which sandboxed code
+shares a uid and namespaces with, as hostile: every reply is one fixed-size message, parsed
+strictly (a wrong size, kind or value ends the zygote); file descriptors it sends are dropped;
+the wall-time deadline, output caps and the sweep of the run's processes are the host's, never
+the zygote's; what a run asks for (argv, env, code) reaches the child through a memfd, never the
+zygote's memory.
 
-Containment does not depend on the executor's good behaviour: runs live in the sandbox's
-``run`` cgroup, and after every run (or on timeout) the host SIGKILLs every process there
-except the executor. Nothing the sandboxed code can reach outlives a run:
+Containment does not depend on the zygote's good behaviour: runs live in the sandbox's ``run``
+cgroup, and after every run (or on timeout) the host SIGKILLs every process there except the
+zygote (and its launcher), spare children included. Nothing the sandboxed code can reach
+outlives a run, and nothing a run does reaches the next one:
 
-- the executor is **PID 1** of the sandbox's PID namespace (``bwrap --as-pid-1``, or exec'd in
+- every run is a **fresh fork** of the zygote, which never runs code of a run itself: modules a
+  run imports, globals it sets, threads, signal handlers and open files die with its process;
+- the zygote is **PID 1** of the sandbox's PID namespace (``bwrap --as-pid-1``, or exec'd in
   place of the ``unshare`` script), so there is no bubblewrap init for the code to attach to,
   and signals it has no handler for (SIGKILL, SIGSTOP, SIGTERM...) sent from inside are
   ignored by the kernel; it reaps the run's orphans;
 - it is **non-dumpable** (``PR_SET_DUMPABLE=0``): the sandboxed code, same uid, can neither
-  ptrace it nor open its ``/proc/PID/mem``; the seccomp filter (``_seccomp.py``) denies
-  ``ptrace`` and ``process_vm_*`` outright;
-- the OOM killer never picks it.
+  ptrace it nor open its ``/proc/PID/mem`` or ``/proc/PID/fd``; the seccomp filter
+  (``_seccomp.py``) denies ``ptrace`` and ``process_vm_*`` outright;
+- a zygote that dies anyway (the OOM killer may pick it, as any process of the sandbox) or
+  breaks the protocol costs a restart: the run is reported as killed (exit 137, a note on
+  stderr), and the next run starts a fresh zygote in fresh namespaces.
 
-On ``reset()``, ``clean()`` sweeps the cgroup, empties every writable place and SysV IPC from
-inside, and checks that ``/dev`` is as it was; ``verify()`` checks what it spares (nothing but
-the executor and its launcher left in the cgroup, neither traced nor stopped, the executor still
-under its seccomp filter, and what its runs inherit from it — rlimits, nice, CPU affinity,
-scheduling policy, which a run of the same uid can change through ``prlimit``/``setpriority``/
-``sched_*`` — as it was at start); the sandbox starts a fresh executor, in fresh namespaces,
-when either fails. If the executor dies or is stopped anyway, the host notices (socket EOF, or
-its state in ``/proc``), reports the run as killed rather than timed out, and the next run
-starts a new one.
+On ``reset()``, ``clean()`` sweeps the cgroup, empties every writable place (and SysV IPC where
+seccomp allows it) from a forked child, and checks that ``/dev`` is as it was; ``verify()``
+checks what it spares (nothing but the zygote and its launcher left in the cgroup, neither
+traced nor stopped, the zygote still under its seccomp filter, and what its runs inherit from
+it — rlimits, nice, CPU affinity, scheduling policy, which a run of the same uid can change
+through ``prlimit``/``setpriority``/``sched_*`` — as it was at start); the sandbox starts a
+fresh zygote, in fresh namespaces, when either fails.
+
+Not protected: every Python run of one zygote shares its hash seed (``str`` hashes are
+randomised per zygote, not per run) and its address-space layout; a run can learn both, which
+tells it nothing about another run's data.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
-import shlex
 import socket
+import struct
 import subprocess
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from sandboxes import _seccomp
@@ -50,63 +64,37 @@ from sandboxes._host import Cgroup
 from sandboxes._proc import Captured, pump
 from sandboxes.errors import SandboxError
 
-__all__ = ["DEV_CHECK", "EXECUTOR_SOURCE", "WarmExecutor"]
+__all__ = ["WarmExecutor", "in_process", "zygote_source"]
 
 _POLL_S = 0.05
-"""How often a run that closed its pipes checks that the executor can still answer."""
-DEV_CHECK = (
-    "ls -lAn /dev | sed 1d; stat -c '%n %F %t:%T %a %u' /dev/null /dev/zero /dev/full /dev/urandom"
+"""How often a run that closed its pipes checks that the zygote can still answer."""
+_REPLY = struct.Struct("!ci")
+"""The zygote's only message shape: a kind byte and a signed 32-bit value."""
+_STARTUP_ENV = ("PATH", "LANG", "LANGUAGE", "TZ")
+"""Variables (with every ``LC_*``) that shape a Python interpreter as it starts: a run forked
+from the zygote has the zygote's, so a run that sets other values is exec'd instead."""
+_LOST = (
+    "\nenvhub: the sandbox's process server (zygote) died or misbehaved during this run; "
+    "the next run starts a fresh one\n"
 )
-"""What ``/dev`` looks like; ``clean()`` fails (the sandbox starts over) when it changed."""
 
-EXECUTOR_SOURCE = r"""
-import ctypes, json, os, resource, signal, socket, sys
-ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: no ptrace, no /proc/pid/mem
-sock = socket.socket(fileno=int(sys.argv[1]))
-def reap():
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
-RESET = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
-         signal.SIGHUP]
-while True:
-    try:
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
-    except OSError:
-        break
-    if not msg:
-        break
-    req = json.loads(msg)
-    reap()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            for i, fd in enumerate(fds):
-                os.dup2(fd, i)
-            os.closerange(3, 65536)
-            for s in RESET:
-                signal.signal(s, signal.SIG_DFL)
-            cpu = req["cpu"]
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-            os.chdir(req["cwd"])
-            os.execvpe(req["argv"][0], req["argv"], req["env"])
-        except BaseException as e:
-            try:
-                os.write(2, ("envhub: cannot run %r: %s\n" % (req["argv"][0], e)).encode())
-            finally:
-                os._exit(127)
-    for fd in fds:
-        os.close(fd)
-    sock.send(json.dumps({"pid": pid}).encode())
-    while True:  # as PID 1 we also reap the run's orphans (zombies would count against pids.max)
-        done, status = os.waitpid(-1, 0)
-        if done == pid:
-            break
-    code = os.waitstatus_to_exitcode(status)
-    sock.send(json.dumps({"exit": 128 - code if code < 0 else code}).encode())
-"""
+
+@functools.cache
+def zygote_source() -> str:
+    """The program the sandbox's ``python3 -I -c`` runs (``_zygote.py``, read once)."""
+    return Path(__file__).with_name("_zygote.py").read_text()
+
+
+def in_process(argv: Sequence[str], env: Mapping[str, str], zygote_env: Mapping[str, str]) -> bool:
+    """Whether ``argv`` is ``python3 -I FILE ...`` or ``python3 -I -c CODE ...`` with the same
+    interpreter-shaping environment as the zygote: then the zygote's fork runs it in place."""
+    if len(argv) < 3 or argv[0] != "python3" or argv[1] != "-I":
+        return False
+    script = argv[2]
+    if (script == "-c" and len(argv) < 4) or (script != "-c" and script[:1] in ("", "-")):
+        return False
+    keys = {k for k in (*env, *zygote_env) if k in _STARTUP_ENV or k.startswith("LC_")}
+    return all(env.get(k) == zygote_env.get(k) for k in keys)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -123,11 +111,33 @@ def _descendants(pid: int) -> list[int]:
     return out[1:]
 
 
+class _ProtocolError(Exception):
+    """The zygote sent something it never sends: it is no longer trusted."""
+
+
+def _parse(sock: socket.socket) -> tuple[bytes, int] | None:
+    """One reply from the zygote: ``(b"X", exit status)`` or ``(b"F", errno)``; None at EOF.
+
+    Anything else raises ``_ProtocolError``. No buffer for ancillary data is offered, so file
+    descriptors the zygote might send are closed by the kernel, never installed here."""
+    data, _, flags, _ = sock.recvmsg(_REPLY.size + 1)
+    if not data:
+        return None
+    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC) or len(data) != _REPLY.size:
+        raise _ProtocolError(f"a {len(data)}-byte message (flags {flags:#x})")
+    kind, value = _REPLY.unpack(data)
+    if (kind == b"X" and 0 <= value <= 255) or (kind == b"F" and 0 <= value < 4096):
+        return kind, value
+    raise _ProtocolError(f"message {kind!r} {value}")
+
+
 class WarmExecutor:
-    """Host side of one executor, in ``cgroup`` (the sandbox's run cgroup, which it sweeps).
+    """Host side of one zygote, in ``cgroup`` (the sandbox's run cgroup, which it sweeps).
 
     ``spawn(argv, pass_fd)`` must start ``argv`` in the sandbox, inheriting ``pass_fd``, inside
-    ``cgroup``. ``env`` and ``cpu`` (RLIMIT_CPU) are what the executor's own checks run with.
+    ``cgroup``. ``env`` and ``cpu`` (RLIMIT_CPU) are what the zygote starts with and its own
+    checks run with; Python runs whose ``env`` differs from it where interpreter start-up
+    reads it are exec'd instead of forked (see ``in_process``).
     """
 
     def __init__(
@@ -139,11 +149,12 @@ class WarmExecutor:
         cpu: int,
     ) -> None:
         self._spawn, self._cgroup = spawn, cgroup
-        self._env, self._cpu = env, cpu
+        self.env, self._cpu = env, cpu
         self.proc: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         self.host_pid = 0
-        self.spare: set[int] = set()
+        self.keep: set[int] = set()
+        """The zygote and its launcher's processes: the only ones a sweep spares."""
         self._baseline: dict[str, str] = {}
         self._dev = b""
 
@@ -160,8 +171,7 @@ class WarmExecutor:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = self._spawn(
-                ["python3", "-I", "-S", "-c", EXECUTOR_SOURCE, str(theirs.fileno())],
-                theirs.fileno(),
+                ["python3", "-I", "-c", zygote_source(), str(theirs.fileno())], theirs.fileno()
             )
         finally:
             theirs.close()
@@ -182,70 +192,74 @@ class WarmExecutor:
             err = stderr.read().decode(errors="replace") if exited and stderr is not None else ""
             self.stop()
             raise SandboxError(f"the warm executor did not start: {err.strip() or 'not found'}")
-        with contextlib.suppress(OSError):
-            Path(f"/proc/{self.host_pid}/oom_score_adj").write_text("-1000")
         self._baseline = self._inherited()
-        self.spare = {self.host_pid}  # and its ancestors up to the launcher (bwrap, its init...)
+        self.keep = {self.host_pid}  # and its ancestors up to the launcher (bwrap, its init...)
         pid = self.host_pid
         while pid != self.proc.pid and pid > 1:
             try:
                 pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
             except (OSError, ValueError, IndexError):
                 break
-            self.spare.add(pid)
+            self.keep.add(pid)
         try:  # the first look at /dev, in fresh namespaces, is what clean() compares with
-            self._dev = self._check(DEV_CHECK, max_bytes=65536, restart=False).stdout
+            cap = self._check((), restart=False)
         except BaseException:
             self.stop()
             raise
+        if cap.returncode != 0 or cap.timed_out:
+            err = cap.stderr.decode(errors="replace").strip()
+            self.stop()
+            raise SandboxError(f"the warm executor failed its first check: {err or 'no reason'}")
+        self._dev = cap.stdout
+        self._prefork()
 
     def clean(self, writable: Sequence[str]) -> bool:
         """Make the sandbox fit for its next user without new namespaces: sweep every process but
-        the executor, empty ``writable`` (every place a run can write) and SysV IPC, check that
+        the zygote, empty ``writable`` (every place a run can write) and SysV IPC, check that
         ``/dev`` looks as it did at the start, and ``verify()`` what was spared. False if anything
-        is left or untrustworthy (a directory made undeletable, a traced executor...): the
+        is left or untrustworthy (a directory made undeletable, a traced zygote...): the
         caller then starts over in fresh namespaces."""
         if not self.alive:
             return False
-        if not self._cgroup.kill_all(exclude=self.spare, timeout=1.0) or self.verify():
+        if not self._cgroup.kill_all(exclude=self.keep, timeout=1.0) or self.verify():
             return False
-        dirs = shlex.join(writable)  # ipcrm: SysV IPC, where seccomp is off
-        script = (
-            f"find {dirs} -mindepth 1 -delete 2>/dev/null; ipcrm -a 2>/dev/null; "
-            f"find {dirs} -mindepth 1 2>/dev/null | head -n 1; {DEV_CHECK}"
-        )
         try:
-            cap = self._check(script, max_bytes=4096)
+            cap = self._check(writable)
         except SandboxError:
             return False
         # /dev is read-only inside, but a tampered /dev/null must never reach the next user
         if cap.returncode != 0 or cap.timed_out or cap.stdout != self._dev:
             return False
-        return self.verify() is None
+        if self.verify() is not None:
+            return False
+        self._prefork()
+        return True
 
-    def _check(self, script: str, *, max_bytes: int, restart: bool = True) -> Captured:
-        """Run the executor's own ``sh -c script`` (30 s at most)."""
+    def _check(self, writable: Sequence[str], *, restart: bool = True) -> Captured:
+        """The zygote's own check (30 s at most): empty ``writable``, print ``/dev``'s listing."""
         if not restart and not self.alive:
             raise SandboxError("the warm executor died as it started")
+        extra = {"dirs": list(writable), "ipcrm": _seccomp.program() is None}
         return self.run(
-            ["/bin/sh", "-c", script],
-            env=self._env,
-            cwd="/",
-            cpu=self._cpu,
-            stdin=None,
-            timeout=30,
-            max_bytes=max_bytes,
-        )
+            [], env=self.env, cwd="/", cpu=self._cpu, stdin=None, timeout=30, max_bytes=1 << 20,
+            mode=("check", extra),
+        )  # fmt: skip
+
+    def _prefork(self) -> None:
+        """Ask for a spare child now that the sandbox holds nothing but the zygote."""
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.send(b"S", socket.MSG_DONTWAIT)
 
     def state(self) -> str:
-        """The executor's state letter from ``/proc`` (``R``, ``S``, ``T``...; ``X`` when gone)."""
+        """The zygote's state letter from ``/proc`` (``R``, ``S``, ``T``...; ``X`` when gone)."""
         try:
             return Path(f"/proc/{self.host_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             return "X"
 
     def _inherited(self) -> dict[str, str]:
-        """What every run forked by the executor inherits from it and a run of the same uid could
+        """What every run forked by the zygote inherits from it and a run of the same uid could
         change through its pid (``prlimit``, ``setpriority``, ``sched_setaffinity``,
         ``sched_setscheduler``): rlimits, nice, CPU affinity, scheduling policy."""
         try:
@@ -261,15 +275,15 @@ class WarmExecutor:
 
     def verify(self) -> str | None:
         """Why the processes a reset spares cannot be trusted with the next user (None if they
-        can). The executor must be under a seccomp filter where this host has one."""
+        can). The zygote must be under a seccomp filter where this host has one."""
         if not self.alive or not self.host_pid:
             return "the executor is not running"
         present = self._cgroup.pids()
         seccomp = _seccomp.program() is not None
-        if present != self.spare:
-            survivors = sorted(present - self.spare)
+        if present != self.keep:
+            survivors = sorted(present - self.keep)
             return f"processes other than the executor survived the sweep: {survivors}"
-        for pid in self.spare:
+        for pid in self.keep:
             try:
                 status = dict(
                     line.split(":\t", 1)
@@ -303,7 +317,17 @@ class WarmExecutor:
                     stream.close()
             self.proc = None
         self.host_pid = 0
-        self.spare = set()
+        self.keep = set()
+
+    def _drain(self, sock: socket.socket) -> None:
+        """Before a run: a reply nobody asked for means a zygote that lies; stop it."""
+        try:
+            sock.recvmsg(_REPLY.size + 1, 0, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            pass
+        self.stop()
 
     def run(
         self,
@@ -315,52 +339,59 @@ class WarmExecutor:
         stdin: bytes | None,
         timeout: float,
         max_bytes: int,
+        mode: tuple[str, dict[str, object]] | None = None,
     ) -> Captured:
+        """Run ``argv`` (forked and exec'd, or forked and run in place: ``in_process``) with the
+        host's deadline and output cap. ``mode`` is for the zygote's own checks."""
+        if self.sock is not None:
+            self._drain(self.sock)
         if not self.alive:
             self.stop()
             self.start()
         sock = self.sock
         if sock is None:
             raise SandboxError("the warm executor has no control socket; it failed to start")
+        kind, extra = mode or ("python" if in_process(argv, env, self.env) else "exec", {})
+        request = {"mode": kind, "argv": argv, "env": env, "cwd": cwd, "cpu": cpu, **extra}
         started = time.monotonic()
+        fds = [_seccomp.memfd("envhub-run", json.dumps(request).encode())]
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            socket.send_fds(
-                sock,
-                [json.dumps({"argv": argv, "env": env, "cwd": cwd, "cpu": cpu}).encode()],
-                [in_r, out_w, err_w],
-            )
+            socket.send_fds(sock, [b"R"], [in_r, out_w, err_w, fds[0]])
         except OSError as e:
-            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w, fds[0]):
                 os.close(fd)
             self.stop()
             raise SandboxError(
                 f"the warm executor is gone ({e}); the next run starts a new one"
             ) from e
-        for fd in (in_r, out_w, err_w):
+        for fd in (in_r, out_w, err_w, fds[0]):
             os.close(fd)
         state: dict[str, int] = {}
-        spare = set(self.spare)
+        keep = set(self.keep)
 
         def on_control() -> bool:
             try:
-                msg = sock.recv(4096)
+                reply = _parse(sock)
             except TimeoutError:
                 state["stalled"] = 1
                 return False
-            except OSError:
-                msg = b""
-            if not msg:  # the executor died (killed from inside?): sweep and replace it later
-                state.setdefault("exit", 137)
+            except (OSError, _ProtocolError):
+                reply = None
+            if reply is None:  # EOF or a lie: the zygote is gone or untrusted; sweep, replace it
+                state.update(exit=137, lost=1)
                 self._kill_others(set())
                 return True
-            state.update(json.loads(msg))
-            if "exit" in state:
-                self._kill_others(spare)  # leftovers of the run die with it, like a PID namespace
+            if reply[0] == b"F":  # it could not fork: the run never started
+                state.update(exit=126, lost=1, errno=reply[1])
                 return True
-            return False
+            state["exit"] = reply[1]
+            self._kill_others(keep)  # leftovers of the run die with it, like a PID namespace
+            if mode is None:  # the zygote's own checks ask for the spare when they are done
+                self._prefork()
+            return True
 
         try:
             cap = pump(
@@ -370,7 +401,7 @@ class WarmExecutor:
                 stdin=stdin,
                 timeout=timeout,
                 max_bytes=max_bytes,
-                kill=lambda: self._kill_others(spare),
+                kill=lambda: self._kill_others(keep),
                 started=started,
                 control_fd=sock.fileno(),
                 on_control=on_control,
@@ -381,7 +412,7 @@ class WarmExecutor:
                 left = started + timeout - time.monotonic()
                 if left <= 0 and not killed:
                     cap.timed_out = killed = True
-                    self._kill_others(spare)
+                    self._kill_others(keep)
                 sock.settimeout(_POLL_S)
                 if on_control():
                     break
@@ -393,16 +424,22 @@ class WarmExecutor:
                 elif killed:
                     waited_after_kill += _POLL_S
                     if waited_after_kill >= 5.0:  # killed, yet no exit status: assume it is gone
-                        state["exit"] = 137
+                        state.update(exit=137, lost=1)
                         self._kill_others(set())
         except (OSError, ValueError) as e:
             self.stop()
             raise SandboxError(f"the warm executor failed mid-run: {e}") from e
         finally:
-            sock.settimeout(None)
+            if self.sock is not None:
+                self.sock.settimeout(None)
             for fd in (out_r, err_r):
                 os.close(fd)
-        if state.get("lost") or not self.alive or state.get("exit") is None:
+        if "errno" in state:
+            why = os.strerror(state["errno"])
+            cap.stderr += f"envhub: the sandbox could not start this run: fork: {why}\n".encode()
+        elif state.get("lost"):
+            cap.stderr += _LOST.encode()
+        if state.get("lost") or not self.alive:
             self.stop()
         cap.returncode = state.get("exit", 137)
         cap.wall_time_s = time.monotonic() - started

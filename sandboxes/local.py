@@ -518,6 +518,10 @@ class LocalSandbox(Sandbox):
         oom = False
         if cg and self._cgroup:
             oom = (cg.oom_kills(), self._cgroup.oom_kills()) != ooms_before
+        if oom and self._executor is not None:
+            # memory may still be held where the run wrote (/tmp, /dev/shm) or the zygote be
+            # broken: the next run starts a fresh zygote in fresh namespaces
+            self._executor.stop()
         return ExecResult(
             exit_code=code,
             stdout=_decode(cap.stdout),
