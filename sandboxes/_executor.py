@@ -74,7 +74,7 @@ _STARTUP_ENV = ("PATH", "LANG", "LANGUAGE", "TZ")
 """Variables (with every ``LC_*``) that shape a Python interpreter as it starts: a run forked
 from the zygote has the zygote's, so a run that sets other values is exec'd instead."""
 _LOST = (
-    "\nenvhub: the sandbox's process server (zygote) died or misbehaved during this run; "
+    "envhub: the sandbox's process server (zygote) died or misbehaved during this run; "
     "the next run starts a fresh one\n"
 )
 
@@ -423,7 +423,7 @@ class WarmExecutor:
                     self._kill_others(set())
                 elif killed:
                     waited_after_kill += _POLL_S
-                    if waited_after_kill >= 5.0:  # killed, yet no exit status: assume it is gone
+                    if waited_after_kill >= 2.0:  # killed, yet no exit status: assume it is lost
                         state.update(exit=137, lost=1)
                         self._kill_others(set())
         except (OSError, ValueError) as e:
@@ -434,11 +434,14 @@ class WarmExecutor:
                 self.sock.settimeout(None)
             for fd in (out_r, err_r):
                 os.close(fd)
+        note = ""
         if "errno" in state:
             why = os.strerror(state["errno"])
-            cap.stderr += f"envhub: the sandbox could not start this run: fork: {why}\n".encode()
+            note = f"envhub: the sandbox could not start this run: fork: {why}\n"
         elif state.get("lost"):
-            cap.stderr += _LOST.encode()
+            note = _LOST
+        if note:  # on a line of its own after whatever the run printed
+            cap.stderr += (b"\n" if cap.stderr[-1:] not in (b"", b"\n") else b"") + note.encode()
         if state.get("lost") or not self.alive:
             self.stop()
         cap.returncode = state.get("exit", 137)

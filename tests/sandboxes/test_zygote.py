@@ -1,0 +1,300 @@
+"""The fork server of warm local sandboxes (``sandboxes/_zygote.py``, ``sandboxes/_executor.py``).
+
+Three kinds of property: nothing one run does reaches the next (each run is a fresh fork of a
+zygote that never runs code of a run itself); a zygote that dies, runs out of memory or lies
+costs a restart and a clearly reported run, never a hang or a crash of the host; and Python run
+in the zygote's fork behaves as a freshly started ``python3 -I`` would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sandboxes import Limits
+from sandboxes._executor import in_process, zygote_source
+from sandboxes.local import LocalSandbox
+from tests.sandboxes.conftest import _local_skip_reason
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or bool(_local_skip_reason("bwrap")),
+    reason="the warm executor needs root (cgroups) and bubblewrap",
+)
+
+
+@pytest.fixture
+def sandbox():
+    with LocalSandbox(limits=Limits(wall_time_s=20), warm_exec=True) as sb:
+        yield sb
+
+
+def py(sb: LocalSandbox, code: str, **kwargs):
+    """Run ``code`` the way the zygote runs it in its own fork (``python3 -I -c``)."""
+    argv = ["python3", "-I", "-c", textwrap.dedent(code)]
+    assert sb._executor is not None and in_process(argv, sb._env({}), sb._executor.env)
+    return sb.run(argv, **kwargs)
+
+
+# ---- nothing of run N reaches run N+1 ---------------------------------------------------------
+LEAVE_STATE = """
+import builtins, json, os, random, signal, sys, threading, time
+import xml.dom.minidom                      # a module nobody pre-imports
+builtins.LEFT = json.LEFT = "run 1"         # globals, in builtins and in a pre-imported module
+os.environ["LEFT"] = "run 1"
+sys.path.append("/tmp/left"); sys.setrecursionlimit(77)
+signal.signal(signal.SIGUSR1, lambda *a: None)
+os.chdir("/tmp"); os.umask(0o077)
+random.seed(1234)
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+print(random.random())
+"""
+LOOK_FOR_STATE = """
+import builtins, json, os, random, signal, sys
+random.seed(1234)
+print(json.dumps({
+    "module": "xml.dom.minidom" in sys.modules,
+    "builtins": hasattr(builtins, "LEFT"), "json": hasattr(json, "LEFT"),
+    "environ": "LEFT" in os.environ, "path": "/tmp/left" in sys.path,
+    "recursion": sys.getrecursionlimit(), "sigusr1": signal.getsignal(signal.SIGUSR1) is not None
+        and signal.getsignal(signal.SIGUSR1) != signal.SIG_DFL,
+    "cwd": os.getcwd(), "umask": os.umask(0o022), "threads": __import__("threading").active_count(),
+    "random": random.random(),
+}))
+"""
+
+
+def test_modules_globals_handlers_and_threads_of_a_run_are_not_in_the_next(sandbox):
+    first = py(sandbox, LEAVE_STATE)
+    assert first.ok, first
+    seen = json.loads(py(sandbox, LOOK_FOR_STATE).stdout)
+    assert seen == {
+        "module": False,
+        "builtins": False,
+        "json": False,
+        "environ": False,
+        "path": False,
+        "recursion": 1000,
+        "sigusr1": False,
+        "cwd": sandbox.workdir,
+        "umask": 0o022,
+        "threads": 1,
+        "random": float(first.stdout),  # the same seed gives the same numbers: nothing shared
+    }, seen
+
+
+def test_unseeded_random_numbers_differ_between_runs(sandbox):
+    """Each fork reseeds ``random`` (a zygote's state copied into every run would repeat)."""
+    draws = {py(sandbox, "import random; print(random.random())").stdout for _ in range(3)}
+    assert len(draws) == 3, draws
+
+
+def test_a_background_process_of_a_run_is_gone_before_the_next(sandbox):
+    leave = """
+    import os, subprocess
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            os.execvp("sleep", ["sleep", "300"])
+        os._exit(0)
+    subprocess.Popen(["sleep", "301"], start_new_session=True)
+    print("left", flush=True)
+    """
+    assert py(sandbox, leave).stdout == "left\n"
+    look = "import os, json; print(json.dumps([os.getpid(), os.listdir('/proc')]))"
+    me, listed = json.loads(py(sandbox, look).stdout)
+    assert sorted(int(p) for p in listed if p.isdigit()) == [1, me]  # the zygote and this run
+    assert sandbox._run_cgroup.pids() == sandbox._executor.keep  # only the zygote is left
+
+
+def test_files_a_run_leaves_do_not_reach_the_next_user(sandbox):
+    leave = """
+    import os
+    for place in ("/sandbox", "/tmp", "/dev/shm"):
+        os.makedirs(f"{place}/left/deep", exist_ok=True)
+        open(f"{place}/left/deep/file", "w").write("x")
+        os.chmod(f"{place}/left/deep", 0o000)  # made hard to delete
+    os.mkfifo("/tmp/fifo")
+    print("ok")
+    """
+    assert py(sandbox, leave).stdout == "ok\n"
+    zygote = sandbox._executor.host_pid
+    sandbox.reset()
+    look = "import os; print([(p, os.listdir(p)) for p in ('/sandbox', '/tmp', '/dev/shm')])"
+    assert py(sandbox, look).stdout == "[('/sandbox', []), ('/tmp', []), ('/dev/shm', [])]\n"
+    assert sandbox._executor.host_pid == zygote, "cleaned in place, without a restart"
+
+
+# ---- a zygote that dies, starves or lies ------------------------------------------------------
+def _run_in_thread(sb: LocalSandbox, code: str, **kwargs) -> tuple[threading.Thread, list]:
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(py(sb, code, **kwargs)))
+    thread.start()
+    return thread, out
+
+
+def test_a_zygote_killed_mid_run_costs_a_restart(sandbox):
+    executor = sandbox._executor
+    zygote = executor.host_pid
+    thread, out = _run_in_thread(
+        sandbox, "import time; print('started', flush=True); time.sleep(60)", timeout=60
+    )
+    deadline = time.monotonic() + 20  # the run's process shows up in the sandbox's cgroup
+    while not sandbox._run_cgroup.pids() - executor.keep and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(zygote, signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive(), "a run whose zygote died must return, not wait for its deadline"
+    r = out[0]
+    assert r.exit_code == 137 and not r.timed_out and "zygote" in r.stderr, r
+    after = py(sandbox, "print('next run')")
+    assert after.ok and after.stdout == "next run\n", after
+    assert sandbox._executor.host_pid not in (0, zygote)
+    assert sandbox._run_cgroup.pids() == sandbox._executor.keep
+
+
+def test_a_run_that_exhausts_the_sandbox_memory_costs_a_restart():
+    limits = Limits(wall_time_s=30, memory_mb=64, disk_mb=256)
+    with LocalSandbox(limits=limits, warm_exec=True) as sb:
+        fill = """
+        chunk = b"x" * (1 << 20)
+        with open("/dev/shm/fill", "wb") as f:   # tmpfs pages count against the memory limit
+            for _ in range(200):
+                f.write(chunk)
+        """
+        r = py(sb, fill)
+        assert not r.ok and (r.oom_killed or "zygote" in r.stderr), r
+        after = py(sb, "import os; print(os.listdir('/dev/shm'))")
+        assert after.ok and after.stdout == "[]\n", after
+
+
+REPLY = 'self.ctl.send(b"X" + struct.pack("!i", _exit_code(status)))'
+HOSTILE = {
+    "oversized": 'ctl.send(b"X" + bytes(4096))',
+    "status-out-of-range": 'ctl.send(b"X" + struct.pack("!i", 999))',
+    "unknown-kind": 'ctl.send(b"Q" + struct.pack("!i", 0))',
+    "sends-a-file-descriptor": (
+        'socket.send_fds(ctl, [b"X" + struct.pack("!i", 0)], [os.memfd_create("envhub-hostile")])'
+    ),
+    "answers-twice": 'ctl.send(b"X" + struct.pack("!i", code)); ctl.send(b"X" + bytes(4))',
+    "never-answers": "pass",
+}
+
+
+def _hostile_zygote(behaviour: str) -> str:
+    """The real zygote, honest for its first reply (the check at start), then ``behaviour``."""
+    source = zygote_source()
+    assert REPLY in source, "the zygote's reply changed: update this test"
+    helper = (
+        "\n_SENT = []\n\n\ndef _reply(ctl, code):\n    _SENT.append(code)\n"
+        "    if len(_SENT) == 1:\n"
+        '        ctl.send(b"X" + struct.pack("!i", code))\n        return\n'
+        f"    {behaviour}\n\n\n"
+    )
+    source = source.replace(REPLY, "_reply(self.ctl, _exit_code(status))")
+    return source.replace('if __name__ == "__main__":', helper + 'if __name__ == "__main__":')
+
+
+def _host_fds() -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("behaviour", list(HOSTILE))
+def test_a_zygote_that_lies_costs_a_restart_and_never_hangs_the_host(behaviour, monkeypatch):
+    hostile = _hostile_zygote(HOSTILE[behaviour])
+    monkeypatch.setattr("sandboxes._executor.zygote_source", lambda: hostile)
+    with LocalSandbox(limits=Limits(wall_time_s=2), warm_exec=True) as sb:
+        zygote = sb._executor.host_pid
+        r = sb.run(["echo", "hi"])
+        assert not any("envhub-hostile" in fd for fd in _host_fds()), "the host took its fd"
+        monkeypatch.undo()  # the restart brings up an honest zygote
+        if behaviour == "answers-twice":  # a true answer, then one nobody asked for
+            assert r.ok and r.stdout == "hi\n", r
+        elif behaviour == "never-answers":  # the host's deadline decides, not the zygote
+            assert r.timed_out and r.exit_code == 137, r
+        else:
+            assert r.exit_code == 137 and "zygote" in r.stderr, r
+        after = sb.run(["echo", "next"])
+        assert after.ok and after.stdout == "next\n", after
+        assert sb._executor.host_pid != zygote, "a zygote that lied was kept"
+
+
+# ---- Python in the fork behaves as python3 -I --------------------------------------------------
+PROGRAMS = {
+    "output-and-exit-code": "import sys; print('out'); sys.stderr.write('err\\n'); sys.exit(3)",
+    "traceback": "def f():\n    raise ValueError('boom')\nf()",
+    "syntax-error": "def f(:\n    pass",
+    "exit-with-message": "raise SystemExit('bye')",
+    "exit-code-wraps": "import sys; sys.exit(256 + 5)",
+    "keyboard-interrupt": "raise KeyboardInterrupt",
+    "stdin-and-argv": "import sys; print(sys.argv, sys.stdin.read().upper(), __name__)",
+    "unflushed-at-exit": "import sys; sys.stdout.write('no newline')",
+    "atexit-and-threads": (
+        "import atexit, threading, time\natexit.register(print, 'atexit ran')\n"
+        "threading.Thread(target=lambda: (time.sleep(0.2), print('thread done'))).start()\n"
+        "print('main done')"
+    ),
+    "finalizer-of-a-global": (
+        "class T:\n    def __del__(self):\n        print('finalized')\nt = T()\nprint('end')"
+    ),
+    "unclosed-file": "f = open('unclosed.txt', 'w'); f.write('flushed at exit')",
+    "encodings-and-signals": (
+        "import signal, sys\nprint('héllo ☃', sys.stdout.encoding, sys.stdout.errors, "
+        "sys.stderr.errors, sys.flags.isolated, sys.path == sorted(sys.path, key=sys.path.index))\n"
+        "print([signal.getsignal(s) for s in (signal.SIGINT, signal.SIGPIPE, signal.SIGTERM)])"
+    ),
+    "cpu-limit": "while True: pass",
+}
+
+
+@pytest.mark.parametrize("name", list(PROGRAMS))
+def test_python_in_the_fork_behaves_as_a_fresh_interpreter(name):
+    limits = Limits(wall_time_s=20, cpu_time_s=1)
+    with LocalSandbox(limits=limits, warm_exec=True) as sb:
+        code = PROGRAMS[name]
+        sb.write_file("prog.py", code)
+        for argv in (["-c", code, "arg"], ["prog.py", "arg"]):
+            forked = py_argv(sb, argv, stdin="piped")
+            if name == "unclosed-file":
+                assert sb.read_file("unclosed.txt") == "flushed at exit"
+                sb.run(["rm", "unclosed.txt"])
+            fresh = sb.run(["sh", "-c", 'exec python3 -I "$@"', "sh", *argv], stdin="piped")
+            assert (forked.exit_code, forked.stdout, forked.stderr) == (
+                fresh.exit_code,
+                fresh.stdout,
+                fresh.stderr,
+            ), (argv[0], forked, fresh)
+
+
+def py_argv(sb: LocalSandbox, argv: list[str], **kwargs):
+    full = ["python3", "-I", *argv]
+    assert in_process(full, sb._env({}), sb._executor.env)
+    return sb.run(full, **kwargs)
+
+
+def test_what_runs_in_the_fork_and_what_is_execed():
+    env = {"PATH": "/usr/bin", "LANG": "C.UTF-8"}
+    assert in_process(["python3", "-I", "-c", "pass"], env, env)
+    assert in_process(["python3", "-I", "x.py", "-v"], {**env, "HOME": "/x", "PYTHONX": "1"}, env)
+    for argv in (["python3", "-c", "pass"], ["python3", "-I"], ["python3", "-I", "-c"],
+                 ["python3", "-I", "-u", "x.py"], ["python3", "-I", ""], ["python", "-I", "x.py"],
+                 ["/usr/bin/python3", "-I", "x.py"], ["python3", "-I", "-"]):  # fmt: skip
+        assert not in_process(argv, env, env), argv
+    for changed in ({"PATH": "/opt/bin"}, {"LANG": "C"}, {"LC_ALL": "C"}, {"TZ": "UTC"}):
+        assert not in_process(["python3", "-I", "x.py"], {**env, **changed}, env), changed
+
+
+def test_the_zygote_source_is_the_module_shipped_with_the_package():
+    assert zygote_source() == (Path(__file__).parents[2] / "sandboxes" / "_zygote.py").read_text()
