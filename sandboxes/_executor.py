@@ -157,11 +157,14 @@ class WarmExecutor:
         """The zygote and its launcher's processes: the only ones a sweep spares."""
         self._baseline: dict[str, str] = {}
         self._dev = b""
+        self._swept = False
+        """No process of a run is left: every one since was forked by the zygote for itself."""
 
-    def _kill_others(self, exclude: set[int]) -> None:
-        """SIGKILL every process of the cgroup but ``exclude``. Whatever it could not kill stays
-        there, where ``verify()`` finds it: ``clean()`` then fails and the sandbox starts over."""
-        self._cgroup.kill_all(exclude=exclude)
+    def _kill_others(self, exclude: set[int]) -> bool:
+        """SIGKILL every process of the cgroup but ``exclude``; False if some survived. Whatever it
+        could not kill stays there, where ``verify()`` finds it: ``clean()`` then fails and the
+        sandbox starts over."""
+        return self._cgroup.kill_all(exclude=exclude)
 
     @property
     def alive(self) -> bool:
@@ -211,6 +214,7 @@ class WarmExecutor:
             self.stop()
             raise SandboxError(f"the warm executor failed its first check: {err or 'no reason'}")
         self._dev = cap.stdout
+        self._swept = True
         self._prefork()
 
     def clean(self, writable: Sequence[str]) -> bool:
@@ -221,7 +225,8 @@ class WarmExecutor:
         caller then starts over in fresh namespaces."""
         if not self.alive:
             return False
-        if not self._cgroup.kill_all(exclude=self.keep, timeout=1.0) or self.verify():
+        spare = self._spare(self._cgroup.pids())  # it does the check: nothing to fork or kill
+        if not self._cgroup.kill_all(exclude=self.keep | spare, timeout=1.0) or self.verify():
             return False
         try:
             cap = self._check(writable)
@@ -232,8 +237,24 @@ class WarmExecutor:
             return False
         if self.verify() is not None:
             return False
+        self._swept = True
         self._prefork()
         return True
+
+    def _spare(self, present: set[int]) -> set[int]:
+        """The zygote's spare child (forked, or being forked), if that is the only other process
+        in the sandbox and no run has run since the last sweep that left nothing: then only the
+        zygote can have forked it, for itself, and it never ran code of a run (``verify`` checks
+        it as it checks the zygote)."""
+        extra = present - self.keep if self._swept else set()
+        if len(extra) != 1:
+            return set()
+        pid = next(iter(extra))
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            return set()
+        return {pid} if fields[0] in ("R", "S", "D") and fields[1] == str(self.host_pid) else set()
 
     def _check(self, writable: Sequence[str], *, restart: bool = True) -> Captured:
         """The zygote's own check (30 s at most): empty ``writable``, print ``/dev``'s listing."""
@@ -274,16 +295,18 @@ class WarmExecutor:
         return {"limits": limits, "nice": stat[16], "policy": stat[38], "cpus": cpus}
 
     def verify(self) -> str | None:
-        """Why the processes a reset spares cannot be trusted with the next user (None if they
-        can). The zygote must be under a seccomp filter where this host has one."""
+        """Why the processes a reset spares (the zygote, its launcher and its spare child) cannot
+        be trusted with the next user (None if they can). The zygote must be under a seccomp
+        filter where this host has one."""
         if not self.alive or not self.host_pid:
             return "the executor is not running"
         present = self._cgroup.pids()
+        spare = self._spare(present)  # (one asked for earlier may have been forked by now)
         seccomp = _seccomp.program() is not None
-        if present != self.keep:
-            survivors = sorted(present - self.keep)
+        if present != self.keep | spare:
+            survivors = sorted(present - self.keep - spare)
             return f"processes other than the executor survived the sweep: {survivors}"
-        for pid in self.keep:
+        for pid in self.keep | spare:
             try:
                 status = dict(
                     line.split(":\t", 1)
@@ -318,6 +341,7 @@ class WarmExecutor:
             self.proc = None
         self.host_pid = 0
         self.keep = set()
+        self._swept = False
 
     def _drain(self, sock: socket.socket) -> None:
         """Before a run: a reply nobody asked for means a zygote that lies; stop it."""
@@ -358,6 +382,8 @@ class WarmExecutor:
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        if mode is None:
+            self._swept = False  # code of a run is about to run
         try:
             socket.send_fds(sock, [b"R"], [in_r, out_w, err_w, fds[0]])
         except OSError as e:
@@ -388,8 +414,10 @@ class WarmExecutor:
                 state.update(exit=126, lost=1, errno=reply[1])
                 return True
             state["exit"] = reply[1]
-            self._kill_others(keep)  # leftovers of the run die with it, like a PID namespace
+            # leftovers of the run die with it, like a PID namespace
+            swept = self._kill_others(keep)
             if mode is None:  # the zygote's own checks ask for the spare when they are done
+                self._swept = swept
                 self._prefork()
             return True
 
