@@ -33,8 +33,9 @@ outlives a run, and nothing a run does reaches the next one:
   breaks the protocol costs a restart: the run is reported as killed (exit 137, a note on
   stderr), and the next run starts a fresh zygote in fresh namespaces.
 
-On ``reset()``, ``clean()`` sweeps the cgroup, empties every writable place (and SysV IPC where
-seccomp allows it) from a forked child, and checks that ``/dev`` is as it was; ``verify()``
+On ``reset()``, ``clean()`` sweeps the cgroup, empties every writable place from the host,
+through the zygote's ``/proc/PID/root`` and following no symlink (and SysV IPC where seccomp
+allows it, with ``ipcrm``), and checks that ``/dev`` is as it was; ``verify()``
 checks what it spares (nothing but the zygote and its launcher left in the cgroup, neither
 traced nor stopped, the zygote still under its seccomp filter, and what its runs inherit from
 it — rlimits, nice, CPU affinity, scheduling policy, which a run of the same uid can change
@@ -59,7 +60,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from sandboxes import _seccomp
+from sandboxes import _host, _seccomp
 from sandboxes._host import Cgroup
 from sandboxes._proc import Captured, pump
 from sandboxes.errors import SandboxError
@@ -111,6 +112,15 @@ def _descendants(pid: int) -> list[int]:
     return out[1:]
 
 
+def _proc(pid: int, name: str) -> str:
+    """``/proc/PID/NAME`` in one read (small files: status, stat, limits)."""
+    fd = os.open(f"/proc/{pid}/{name}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 1 << 16).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
 class _ProtocolError(Exception):
     """The zygote sent something it never sends: it is no longer trusted."""
 
@@ -157,6 +167,7 @@ class WarmExecutor:
         """The zygote and its launcher's processes: the only ones a sweep spares."""
         self._baseline: dict[str, str] = {}
         self._dev = b""
+        self._proc_fd: int | None = None
         self._swept = False
         """No process of a run is left: every one since was forked by the zygote for itself."""
 
@@ -204,42 +215,81 @@ class WarmExecutor:
             except (OSError, ValueError, IndexError):
                 break
             self.keep.add(pid)
-        try:  # the first look at /dev, in fresh namespaces, is what clean() compares with
-            cap = self._check((), restart=False)
+        try:
+            self._proc_fd = os.open(f"/proc/{self.host_pid}", os.O_RDONLY | os.O_DIRECTORY)
+            cap = self._own(["true"], restart=False)  # it forks and execs
+            # the first look at /dev, in fresh namespaces, is what clean() compares with
+            self._dev = self._dev_listing()
         except BaseException:
             self.stop()
             raise
         if cap.returncode != 0 or cap.timed_out:
             err = cap.stderr.decode(errors="replace").strip()
             self.stop()
-            raise SandboxError(f"the warm executor failed its first check: {err or 'no reason'}")
-        self._dev = cap.stdout
+            raise SandboxError(f"the warm executor failed its first run: {err or 'no reason'}")
         self._swept = True
         self._prefork()
 
     def clean(self, writable: Sequence[str]) -> bool:
         """Make the sandbox fit for its next user without new namespaces: sweep every process but
-        the zygote, empty ``writable`` (every place a run can write) and SysV IPC, check that
-        ``/dev`` looks as it did at the start, and ``verify()`` what was spared. False if anything
-        is left or untrustworthy (a directory made undeletable, a traced zygote...): the
-        caller then starts over in fresh namespaces."""
+        the zygote (and a spare it forked for itself), empty ``writable`` (every place a run can
+        write) and SysV IPC, check that ``/dev`` looks as it did at the start, and ``verify()``
+        what was spared. False if anything is left or untrustworthy (a directory too big to
+        empty, a traced zygote...): the caller then starts over in fresh namespaces.
+
+        The emptying is done from the host, as root, through ``/proc/PID/root`` of the zygote
+        (by a handle on that very process, never a pid that could be reused), following no
+        symlink: nothing of what a run left is ever read inside the sandbox."""
         if not self.alive:
             return False
-        spare = self._spare(self._cgroup.pids())  # it does the check: nothing to fork or kill
-        if not self._cgroup.kill_all(exclude=self.keep | spare, timeout=1.0) or self.verify():
-            return False
+        spare = self._spare(self._cgroup.pids())
+        if not self._cgroup.kill_all(exclude=self.keep | spare, timeout=1.0):
+            return False  # (nothing runs from here on: what runs left is still as they left it)
+        if _seccomp.program() is None:  # SysV IPC is not denied: remove what runs made
+            try:
+                cap = self._own(["ipcrm", "-a"])
+            except SandboxError:
+                return False
+            if cap.returncode != 0 or cap.timed_out:
+                return False
         try:
-            cap = self._check(writable)
-        except SandboxError:
-            return False
-        # /dev is read-only inside, but a tampered /dev/null must never reach the next user
-        if cap.returncode != 0 or cap.timed_out or cap.stdout != self._dev:
+            root = os.open("root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._fd())
+            try:
+                for path in writable:
+                    fd = _host.open_dir_at(root, path)
+                    try:
+                        if not _host.empty_dir(fd):
+                            return False
+                    finally:
+                        os.close(fd)
+            finally:
+                os.close(root)
+            # /dev is read-only inside, but a tampered /dev/null must never reach the next user
+            if self._dev_listing() != self._dev:
+                return False
+        except OSError:  # the zygote is gone, or a path was replaced by a symlink
             return False
         if self.verify() is not None:
             return False
         self._swept = True
         self._prefork()
         return True
+
+    def _fd(self) -> int:
+        if self._proc_fd is None:
+            raise OSError(f"no handle on the zygote's /proc directory ({self.host_pid})")
+        return self._proc_fd
+
+    def _dev_listing(self) -> bytes:
+        root = os.open("root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._fd())
+        try:
+            dev = _host.open_dir_at(root, "dev")
+        finally:
+            os.close(root)
+        try:
+            return _host.dir_listing(dev)
+        finally:
+            os.close(dev)
 
     def _spare(self, present: set[int]) -> set[int]:
         """The zygote's spare child (forked, or being forked), if that is the only other process
@@ -256,14 +306,13 @@ class WarmExecutor:
             return set()
         return {pid} if fields[0] in ("R", "S", "D") and fields[1] == str(self.host_pid) else set()
 
-    def _check(self, writable: Sequence[str], *, restart: bool = True) -> Captured:
-        """The zygote's own check (30 s at most): empty ``writable``, print ``/dev``'s listing."""
+    def _own(self, argv: list[str], *, restart: bool = True) -> Captured:
+        """A run of the executor's own (30 s at most), not of a user: ``argv`` is trusted."""
         if not restart and not self.alive:
             raise SandboxError("the warm executor died as it started")
-        extra = {"dirs": list(writable), "ipcrm": _seccomp.program() is None}
         return self.run(
-            [], env=self.env, cwd="/", cpu=self._cpu, stdin=None, timeout=30, max_bytes=1 << 20,
-            mode=("check", extra),
+            argv, env=self.env, cwd="/", cpu=self._cpu, stdin=None, timeout=30, max_bytes=65536,
+            own=True,
         )  # fmt: skip
 
     def _prefork(self) -> None:
@@ -279,14 +328,14 @@ class WarmExecutor:
         except (OSError, IndexError):
             return "X"
 
-    def _inherited(self) -> dict[str, str]:
+    def _inherited(self, status: str | None = None) -> dict[str, str]:
         """What every run forked by the zygote inherits from it and a run of the same uid could
         change through its pid (``prlimit``, ``setpriority``, ``sched_setaffinity``,
         ``sched_setscheduler``): rlimits, nice, CPU affinity, scheduling policy."""
         try:
-            stat = Path(f"/proc/{self.host_pid}/stat").read_text().rsplit(")", 1)[1].split()
-            status = Path(f"/proc/{self.host_pid}/status").read_text()
-            limits = Path(f"/proc/{self.host_pid}/limits").read_text()
+            stat = _proc(self.host_pid, "stat").rsplit(")", 1)[1].split()
+            limits = _proc(self.host_pid, "limits")
+            status = _proc(self.host_pid, "status") if status is None else status
         except (OSError, IndexError):
             return {}
         cpus = next(
@@ -306,22 +355,23 @@ class WarmExecutor:
         if present != self.keep | spare:
             survivors = sorted(present - self.keep - spare)
             return f"processes other than the executor survived the sweep: {survivors}"
+        zygote_status = ""
         for pid in self.keep | spare:
             try:
-                status = dict(
-                    line.split(":\t", 1)
-                    for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                    if ":\t" in line
-                )
+                text = _proc(pid, "status")
             except OSError:
                 return f"spared process {pid} is gone"
+            status = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
             if status.get("TracerPid", "0").strip() != "0":
                 return f"spared process {pid} is being traced by {status['TracerPid'].strip()}"
             if status.get("State", "").strip()[:1] in ("T", "t", "Z"):
                 return f"spared process {pid} is {status['State'].strip()}"
-            if pid == self.host_pid and seccomp and status.get("Seccomp", "0").strip() != "2":
-                return "the executor runs without its seccomp filter"
-        changed = [k for k, v in self._inherited().items() if self._baseline.get(k) != v]
+            if pid == self.host_pid:
+                zygote_status = text
+                if seccomp and status.get("Seccomp", "0").strip() != "2":
+                    return "the executor runs without its seccomp filter"
+        inherited = self._inherited(zygote_status)
+        changed = [k for k, v in inherited.items() if self._baseline.get(k) != v]
         # e.g. a run lowered its rlimits or CPU share: every later run would inherit them
         if changed:
             return f"a run changed what the executor passes to later runs: {', '.join(changed)}"
@@ -339,6 +389,9 @@ class WarmExecutor:
                 if stream is not None:
                     stream.close()
             self.proc = None
+        if self._proc_fd is not None:
+            os.close(self._proc_fd)
+            self._proc_fd = None
         self.host_pid = 0
         self.keep = set()
         self._swept = False
@@ -363,10 +416,10 @@ class WarmExecutor:
         stdin: bytes | None,
         timeout: float,
         max_bytes: int,
-        mode: tuple[str, dict[str, object]] | None = None,
+        own: bool = False,
     ) -> Captured:
         """Run ``argv`` (forked and exec'd, or forked and run in place: ``in_process``) with the
-        host's deadline and output cap. ``mode`` is for the zygote's own checks."""
+        host's deadline and output cap. ``own``: a run of the executor's own, not of a user."""
         if self.sock is not None:
             self._drain(self.sock)
         if not self.alive:
@@ -375,14 +428,14 @@ class WarmExecutor:
         sock = self.sock
         if sock is None:
             raise SandboxError("the warm executor has no control socket; it failed to start")
-        kind, extra = mode or ("python" if in_process(argv, env, self.env) else "exec", {})
-        request = {"mode": kind, "argv": argv, "env": env, "cwd": cwd, "cpu": cpu, **extra}
+        kind = "python" if in_process(argv, env, self.env) else "exec"
+        request = {"mode": kind, "argv": argv, "env": env, "cwd": cwd, "cpu": cpu}
         started = time.monotonic()
         fds = [_seccomp.memfd("envhub-run", json.dumps(request).encode())]
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
-        if mode is None:
+        if not own:
             self._swept = False  # code of a run is about to run
         try:
             socket.send_fds(sock, [b"R"], [in_r, out_w, err_w, fds[0]])
@@ -416,7 +469,7 @@ class WarmExecutor:
             state["exit"] = reply[1]
             # leftovers of the run die with it, like a PID namespace
             swept = self._kill_others(keep)
-            if mode is None:  # the zygote's own checks ask for the spare when they are done
+            if not own:  # the executor's own runs ask for the spare when they are done
                 self._swept = swept
                 self._prefork()
             return True

@@ -12,7 +12,9 @@ Why each exists:
 - **A tmpfs scratch** (``mount -t tmpfs -o size=``): a disk-fill attack fills at most
   ``Limits.disk_mb``, and ``reset()`` is an unmount.
 - **``*at()`` file access with ``O_NOFOLLOW``**: the host reads and writes scratch as root, and
-  the sandboxed program may have planted symlinks there (``ln -s /etc/shadow out.txt``).
+  the sandboxed program may have planted symlinks there (``ln -s /etc/shadow out.txt``). The
+  same holds when it empties a warm sandbox's ``/tmp`` from outside (``empty_dir``), or looks at
+  its ``/dev`` (``dir_listing``), through ``/proc/PID/root`` of the zygote.
 """
 
 from __future__ import annotations
@@ -31,7 +33,18 @@ from pathlib import Path
 
 from sandboxes.errors import SandboxError, SandboxFileError
 
-__all__ = ["Cgroup", "UidLease", "is_root", "mount_tmpfs", "read_at", "unmount", "write_at"]
+__all__ = [
+    "Cgroup",
+    "UidLease",
+    "dir_listing",
+    "empty_dir",
+    "is_root",
+    "mount_tmpfs",
+    "open_dir_at",
+    "read_at",
+    "unmount",
+    "write_at",
+]
 
 UID_BASE = 200_000
 UID_COUNT = 8192
@@ -333,3 +346,69 @@ def read_at(root: Path, parts: tuple[str, ...]) -> bytes:
             return b"".join(chunks)
         finally:
             os.close(fd)
+
+
+def open_dir_at(dir_fd: int, path: str) -> int:
+    """Open directory ``path`` (``/``-separated, relative to ``dir_fd``) without following any
+    symlink on the way; the caller closes the fd. Raises ``OSError`` (``ELOOP``, ``ENOTDIR``...)."""
+    fd = os.dup(dir_fd)
+    try:
+        for name in (part for part in path.split("/") if part):
+            nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _TooBig(Exception):
+    pass
+
+
+def empty_dir(dir_fd: int, *, max_entries: int = 100_000, max_depth: int = 256) -> bool:
+    """Delete everything inside the directory ``dir_fd``, following no symlink (as root, in a
+    tree a sandboxed program made: nothing may run there meanwhile). False when it could not:
+    an entry that will not go, more than ``max_entries`` entries or ``max_depth`` levels (the
+    caller then starts over some other way rather than spend unbounded time here)."""
+    budget = [max_entries]
+
+    def empty(fd: int, depth: int) -> None:
+        with os.scandir(fd) as entries:
+            names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for name, is_dir in names:
+            budget[0] -= 1
+            if budget[0] < 0 or (is_dir and depth >= max_depth):
+                raise _TooBig
+            if is_dir:
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                try:
+                    empty(sub, depth + 1)
+                finally:
+                    os.close(sub)
+                os.rmdir(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+
+    try:
+        empty(dir_fd, 0)
+    except (OSError, _TooBig):
+        return False
+    return not os.listdir(dir_fd)
+
+
+def dir_listing(dir_fd: int) -> bytes:
+    """One line per entry of the directory ``dir_fd``, sorted: name, mode (type included),
+    owner, file system and inode, device numbers, link target; following no symlink. Two
+    listings differ when any entry was added, removed, replaced or changed."""
+    lines = []
+    for name in sorted(os.listdir(dir_fd)):
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        target = os.readlink(name, dir_fd=dir_fd) if stat.S_ISLNK(st.st_mode) else ""
+        device = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+        lines.append(
+            f"{name!r} {st.st_mode:o} {st.st_uid}:{st.st_gid} {st.st_dev:x}/{st.st_ino} "
+            f"{device} {target!r}"
+        )
+    return "\n".join(lines).encode()

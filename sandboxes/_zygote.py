@@ -20,8 +20,8 @@ Protocol, on the ``SOCK_SEQPACKET`` socket ``FD`` (one message each; the host tr
 What a child does before any code of the run (in this order): close every zygote fd, take the
 run's pipes as 0/1/2, read the request, ``setsid()``, clear the signal mask, lower RLIMIT_CPU to
 the run's ``cpu`` seconds, ``chdir(cwd)``; then ``exec`` with default signal dispositions, or run
-Python as ``python3 -I`` would (see ``_run_python``). Modes ``check`` (empty the writable places,
-print what ``/dev`` looks like) and ``exec``/``python`` share that path.
+Python as ``python3 -I`` would (see ``_run_python``). Cleaning up between users is the host's
+job, from outside (``_executor.WarmExecutor.clean``): the zygote never looks at what a run left.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from typing import NoReturn
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_DUMPABLE = 4
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _RESET = (
     signal.SIGPIPE,
     signal.SIGXFSZ,
@@ -113,8 +112,6 @@ def _child(fds: list[int], ctl: socket.socket, spare_sock: socket.socket | None)
         mode = req["mode"]
         if mode == "python":
             _run_python(req["argv"], req["env"])
-        elif mode == "check":
-            _check(req["dirs"], req["ipcrm"], req["env"])
         _exec(req["argv"], req["env"])
     except BaseException as e:  # noqa: BLE001 - the child must never return into the zygote
         try:
@@ -257,75 +254,6 @@ def _flush(status: int) -> int:
         except BaseException:  # noqa: BLE001 - CPython exits 120 when flushing stdout fails
             status = 120 if status == 0 else status
     return status
-
-
-def _check(dirs: list[str], ipcrm: bool, env: dict[str, str]) -> NoReturn:
-    """Empty ``dirs``, remove SysV IPC (``ipcrm``: where seccomp does not deny it), and print
-    what ``/dev`` looks like. Exits 1 when something could not be removed."""
-    empty = [_empty(path) for path in dirs]  # every one, even after a failure
-    if ipcrm:
-        pid = os.fork()
-        if pid == 0:
-            fd = os.open("/dev/null", os.O_RDWR)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            _exec(["ipcrm", "-a"], env)
-        os.waitpid(pid, 0)
-    sys.stdout.write(_dev_listing())
-    sys.stdout.flush()
-    os._exit(0 if all(empty) else 1)
-
-
-def _empty(path: str) -> bool:
-    """Delete everything in ``path`` without following symlinks; whether it ends up empty."""
-    try:
-        fd = os.open(path, _DIR)
-    except OSError:
-        return False
-    try:
-        return _empty_fd(fd) and not os.listdir(fd)
-    except (OSError, RecursionError):
-        return False
-    finally:
-        os.close(fd)
-
-
-def _empty_fd(fd: int) -> bool:
-    done = True
-    for name in os.listdir(fd):
-        try:
-            if stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
-                os.chmod(name, 0o700, dir_fd=fd)  # a run may have made it unreadable or read-only
-                sub = os.open(name, _DIR, dir_fd=fd)
-                try:
-                    done = _empty_fd(sub) and done
-                finally:
-                    os.close(sub)
-                os.rmdir(name, dir_fd=fd)
-            else:
-                os.unlink(name, dir_fd=fd)
-        except (OSError, RecursionError):
-            done = False
-    return done
-
-
-def _dev_listing() -> str:
-    """Every entry of ``/dev`` (type, mode, owner, device, inode, link target), and the devices
-    runs rely on as they resolve: a changed ``/dev`` must never reach the next user."""
-    lines = []
-    for name in sorted(os.listdir("/dev")):
-        path = "/dev/" + name
-        st = os.lstat(path)
-        target = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
-        device = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
-        lines.append(
-            f"{name} {st.st_mode:o} {st.st_uid}:{st.st_gid} {st.st_dev:x}/{st.st_ino} {device} "
-            + target
-        )
-    for name in ("null", "zero", "full", "random", "urandom"):
-        st = os.stat("/dev/" + name)
-        lines.append(f"-> {name} {st.st_mode:o} {os.major(st.st_rdev)}:{os.minor(st.st_rdev)}")
-    return "\n".join(lines) + "\n"
 
 
 # ---- the zygote ---------------------------------------------------------------------------------
