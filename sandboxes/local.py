@@ -3,15 +3,20 @@
 Each ``run`` starts one process in fresh namespaces (bubblewrap, or ``unshare`` where bwrap
 is missing; see ``_isolation.py`` for the exact view of the filesystem). Run as root (as CI
 and this project's machines do), a sandbox also gets its own uid, cgroups and a tmpfs scratch.
-``warm_exec=True`` (what ``SandboxPool`` uses) keeps one executor process inside the
-namespaces instead, and a run is a fork+exec there (``_executor.py``): several times faster,
-same limits; runs of one sandbox then share its namespaces and ``/tmp`` until ``reset()``.
+``warm_exec=True`` (what ``SandboxPool`` and the code envs use) keeps a fork server (the
+*zygote*, ``_zygote.py``; host side ``_executor.py``) inside the namespaces instead: a run is
+a fork there followed by an exec, and ``python3 -I FILE|-c CODE`` (``run_code``, the code
+envs' test runner) runs in the forked, pre-imported interpreter itself, with no start-up.
+Same limits; runs of one sandbox then share its namespaces and ``/tmp`` until ``reset()``,
+but nothing else: each is a fresh fork of a zygote that never runs code of a run.
 How each process is launched, with which limits, is ``_launch.py``; what a sandbox holds on
 the host and how it is given back (``envhub sandbox gc`` after a crash) is ``_footprint.py``.
 
 Protects against (``LocalSandbox.PROTECTS`` is the same list with the tests that attack each
 property; ``envhub sandbox info`` prints it with what is active on this host). Tests are in
-``tests/sandboxes/``: ``adv`` = ``test_adversarial.py``, ``reuse`` = ``test_reuse.py``.
+``tests/sandboxes/``: ``adv`` = ``test_adversarial.py``, ``reuse`` = ``test_reuse.py``,
+``zyg`` = ``test_zygote.py``; ``adv`` and ``reuse`` run on the warm path too, and again with
+Python taking the zygote's in-process path (``local-fork``).
 
 - **Infinite loops**: wall-clock deadline per run, then SIGKILL of the whole process tree
   (process group + PID namespace + cgroup sweep); RLIMIT_CPU as a second bound.
@@ -43,15 +48,31 @@ property; ``envhub sandbox info`` prints it with what is active on this host). T
   and the program is an unprivileged uid without capabilities.
   (adv::test_writes_outside_scratch_fail_and_tmp_is_private)
 - **Orphans**: a run's PID namespace dies with it (with ``warm_exec``, every process of the
-  run's cgroup but the executor is SIGKILLed when the run returns).
+  run's cgroup but the zygote is SIGKILLed when the run returns).
   (adv::test_background_processes_do_not_survive_a_timeout,
-  reuse::test_a_process_left_behind_is_dead_when_the_run_returns)
+  reuse::test_a_process_left_behind_is_dead_when_the_run_returns,
+  zyg::test_a_background_process_of_a_run_is_gone_before_the_next)
+- **State from one run in the next** (``warm_exec``): every run is a fresh fork of the zygote,
+  so modules, globals, handlers, threads, cwd or random state a run changes die with it; what
+  a run asks for reaches its child through a memfd, never the zygote's memory; files in scratch,
+  ``/tmp`` and ``/dev/shm`` last until ``reset()`` (as the contract says), which empties them
+  from the host. (zyg::test_modules_globals_handlers_and_threads_of_a_run_are_not_in_the_next,
+  zyg::test_unseeded_random_numbers_differ_between_runs,
+  zyg::test_files_a_run_leaves_do_not_reach_the_next_user)
+- **A broken or lying zygote** (``warm_exec``): the host parses its fixed-size replies
+  strictly, takes no fd from it, enforces deadlines and output caps itself; a zygote killed
+  (from outside, or by the OOM killer when a run exhausts the memory) or caught lying costs the
+  run a clear result (exit 137, a note on stderr) and the next run a fresh zygote in fresh
+  namespaces. (zyg::test_a_zygote_killed_mid_run_costs_a_restart,
+  zyg::test_a_run_that_exhausts_the_sandbox_memory_costs_a_restart,
+  zyg::test_a_zygote_that_lies_costs_a_restart_and_never_hangs_the_host)
 - **Signals**: a PID namespace shows only the sandbox's processes; host PIDs cannot be signalled.
   (adv::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill)
-- **Tampering with what outlives a run** (the warm executor): it is PID 1 of its namespace and
+- **Tampering with what outlives a run** (the zygote): it is PID 1 of its namespace and
   non-dumpable, ``ptrace``/``process_vm_*`` are denied by seccomp, and ``reset()`` verifies it
-  (not traced, not stopped, still filtered, alone in the cgroup, and the rlimits, nice, CPU
-  affinity and scheduling policy its runs inherit unchanged) or starts a fresh one.
+  (not traced, not stopped, still filtered, alone in the cgroup but for a spare child it forked
+  for itself since the last clean sweep, and the rlimits, nice, CPU affinity and scheduling
+  policy its runs inherit unchanged) or starts a fresh one.
   (adv::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten,
   adv::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next,
   adv::test_reset_replaces_an_executor_it_cannot_verify,
@@ -84,7 +105,11 @@ tmpfs scratch (``disk_mb`` unenforced there; ``max_file_size_mb`` still holds), 
 ``warm_exec``. Only cgroup v1 controllers are used: on a cgroup-v2-only host the memory cap is
 RLIMIT_AS per process, the process cap RLIMIT_NPROC on the private uid, and ``warm_exec``
 falls back to a fresh sandbox per run. Without libseccomp there is no syscall filter
-(``protections`` says so). ``protections`` lists what is active on this host.
+(``protections`` says so). With ``warm_exec``, Python runs forked from one zygote share its
+``str`` hash seed and address-space layout (a run can learn both; they say nothing about
+another run's data), see the pre-imported modules in ``sys.modules``, and differ from a fresh
+``python3 -I`` in interpreter teardown past what ``_zygote._run_python`` reproduces.
+``protections`` lists what is active on this host.
 """
 
 from __future__ import annotations
@@ -207,6 +232,25 @@ class LocalSandbox(Sandbox):
                 (
                     "test_adversarial.py::test_background_processes_do_not_survive_a_timeout",
                     "test_reuse.py::test_a_process_left_behind_is_dead_when_the_run_returns",
+                    "test_zygote.py::test_a_background_process_of_a_run_is_gone_before_the_next",
+                ),
+            ),
+            (
+                "state from one run in the next",
+                "warm: every run a fresh fork of a zygote that never runs a run's code",
+                (
+                    "test_zygote.py::test_modules_globals_handlers_and_threads_of_a_run_are_not_in_the_next",
+                    "test_zygote.py::test_unseeded_random_numbers_differ_between_runs",
+                    "test_zygote.py::test_files_a_run_leaves_do_not_reach_the_next_user",
+                ),
+            ),
+            (
+                "a broken or lying zygote",
+                "warm: strict fixed-size replies, host-side deadlines; a restart on any doubt",
+                (
+                    "test_zygote.py::test_a_zygote_killed_mid_run_costs_a_restart",
+                    "test_zygote.py::test_a_run_that_exhausts_the_sandbox_memory_costs_a_restart",
+                    "test_zygote.py::test_a_zygote_that_lies_costs_a_restart_and_never_hangs_the_host",
                 ),
             ),
             (
@@ -219,7 +263,7 @@ class LocalSandbox(Sandbox):
             (
                 "tampering with what outlives a run",
                 (
-                    "executor is PID 1 and non-dumpable; seccomp denies ptrace; "
+                    "the zygote is PID 1 and non-dumpable; seccomp denies ptrace; "
                     "reset() verifies it or starts a fresh one"
                 ),
                 (
@@ -281,6 +325,10 @@ class LocalSandbox(Sandbox):
         (
             "without root: no private uid, cgroups, tmpfs scratch or warm executor "
             "(see the module docstring)"
+        ),
+        (
+            "warm: Python runs of one zygote share its str hash seed and address-space layout, "
+            "and see its pre-imported modules"
         ),
     )
 
@@ -441,7 +489,7 @@ class LocalSandbox(Sandbox):
                 else f"OFF: {_seccomp.unavailable_reason()}"
             ),
             "pid 1": (
-                "warm executor (non-dumpable, verified on reset)"
+                "the zygote, a fork server (non-dumpable, verified on reset)"
                 if self.warm_exec and self._cgroup
                 else "bubblewrap's init, one per run"
                 if self.isolation == "bwrap"
