@@ -55,6 +55,15 @@ LEASE_DIR = (
 )
 
 
+def _read_small(path: bytes) -> bytes:
+    """A small kernel file (cgroup, /proc) in one read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
+
+
 def is_root() -> bool:
     return os.geteuid() == 0
 
@@ -169,6 +178,8 @@ class Cgroup:
                 (self.dirs["memory"] / "memory.swappiness").write_text("0")
         if pids_max is not None:
             (self.dirs["pids"] / "pids.max").write_text(str(pids_max))
+        self._procs = [os.fsencode(p / "cgroup.procs") for p in self.dirs.values()]
+        self._oom_control = os.fsencode(self.dirs["memory"] / "memory.oom_control")
 
     @property
     def procs_files(self) -> list[str]:
@@ -176,18 +187,16 @@ class Cgroup:
 
     def pids(self) -> set[int]:
         found: set[int] = set()
-        for path in self.dirs.values():
+        for path in self._procs:  # read on every run of a warm sandbox: no pathlib here
             with contextlib.suppress(OSError):
-                found.update(int(x) for x in (path / "cgroup.procs").read_text().split())
+                found.update(int(x) for x in _read_small(path).split())
         return found
 
     def oom_kills(self) -> int:
-        try:
-            for line in (self.dirs["memory"] / "memory.oom_control").read_text().splitlines():
-                if line.startswith("oom_kill "):
+        with contextlib.suppress(OSError, ValueError):
+            for line in _read_small(self._oom_control).splitlines():
+                if line.startswith(b"oom_kill "):
                     return int(line.split()[1])
-        except OSError:
-            pass
         return 0
 
     def kill_all(
