@@ -336,6 +336,9 @@ class Zygote:
 
 def main() -> None:
     _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, no /proc/PID/mem from the runs
+    # as PID 1, a signal from inside reaches the zygote only through a handler: leave none
+    # (Python's SIGINT handler would let a run stop it with KeyboardInterrupt)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     ctl = socket.socket(fileno=int(sys.argv[1]))
     gc.freeze()  # what is imported by now is shared with every child, untouched by their GC
     Zygote(ctl).serve()

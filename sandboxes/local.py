@@ -63,7 +63,9 @@ Python taking the zygote's in-process path (``local-fork``).
   strictly, takes no fd from it, enforces deadlines and output caps itself; a zygote killed
   (from outside, or by the OOM killer when a run exhausts the memory) or caught lying costs the
   run a clear result (exit 137, a note on stderr) and the next run a fresh zygote in fresh
-  namespaces. (zyg::test_a_zygote_killed_mid_run_costs_a_restart,
+  namespaces; a run cannot stop it with a signal (PID 1 with no handlers).
+  (zyg::test_signals_a_run_sends_the_zygote_do_not_stop_it,
+  zyg::test_a_zygote_killed_mid_run_costs_a_restart,
   zyg::test_a_run_that_exhausts_the_sandbox_memory_costs_a_restart,
   zyg::test_a_zygote_that_lies_costs_a_restart_and_never_hangs_the_host)
 - **Signals**: a PID namespace shows only the sandbox's processes; host PIDs cannot be signalled.
@@ -248,6 +250,7 @@ class LocalSandbox(Sandbox):
                 "a broken or lying zygote",
                 "warm: strict fixed-size replies, host-side deadlines; a restart on any doubt",
                 (
+                    "test_zygote.py::test_signals_a_run_sends_the_zygote_do_not_stop_it",
                     "test_zygote.py::test_a_zygote_killed_mid_run_costs_a_restart",
                     "test_zygote.py::test_a_run_that_exhausts_the_sandbox_memory_costs_a_restart",
                     "test_zygote.py::test_a_zygote_that_lies_costs_a_restart_and_never_hangs_the_host",

@@ -175,6 +175,21 @@ def test_a_run_that_exhausts_the_sandbox_memory_costs_a_restart():
         assert after.ok and after.stdout == "[]\n", after
 
 
+def test_signals_a_run_sends_the_zygote_do_not_stop_it(sandbox):
+    zygote = sandbox._executor.host_pid
+    attack = """
+    import os, signal
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT,
+                signal.SIGPIPE, signal.SIGALRM, signal.SIGCHLD, signal.SIGSEGV, signal.SIGKILL):
+        os.kill(1, sig)
+    print("sent")
+    """
+    assert py(sandbox, attack).stdout == "sent\n"
+    after = py(sandbox, "print('next run')")
+    assert after.ok and after.stdout == "next run\n" and "zygote" not in after.stderr, after
+    assert sandbox._executor.host_pid == zygote, "a run stopped the zygote"
+
+
 REPLY = 'self.ctl.send(b"X" + struct.pack("!i", _exit_code(status)))'
 HOSTILE = {
     "oversized": 'ctl.send(b"X" + bytes(4096))',
