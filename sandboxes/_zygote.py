@@ -58,19 +58,8 @@ from typing import NoReturn
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_DUMPABLE = 4
-_RESET = (
-    signal.SIGPIPE,
-    signal.SIGXFSZ,
-    signal.SIGINT,
-    signal.SIGQUIT,
-    signal.SIGTERM,
-    signal.SIGHUP,
-    signal.SIGUSR1,
-    signal.SIGUSR2,
-    signal.SIGALRM,
-    signal.SIGCHLD,
-)
-"""Dispositions a run starts with at their defaults (the zygote, as Python, changed some)."""
+_IGNORED = (signal.SIGPIPE, signal.SIGXFSZ)
+"""What Python ignores (the zygote too); every other signal is at its default there."""
 _PRELOADED = frozenset(sys.modules)
 
 
@@ -99,8 +88,7 @@ def _child(fds: list[int], ctl: socket.socket, spare_sock: socket.socket | None)
         ctl.close()
         if spare_sock is not None:  # a spare receives its fds over this socket first
             fds = _receive(spare_sock)
-        with os.fdopen(fds[3], "rb") as handle:
-            req = json.loads(handle.read())
+        req = json.loads(_read_request(fds[3]))
         for i in range(3):
             os.dup2(fds[i], i)
         os.closerange(3, 1 << 20)
@@ -120,6 +108,13 @@ def _child(fds: list[int], ctl: socket.socket, spare_sock: socket.socket | None)
             os._exit(127)
 
 
+def _read_request(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 1 << 16):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def _receive(sock: socket.socket) -> list[int]:
     msg, fds, _, _ = socket.recv_fds(sock, 1, 4)
     sock.close()
@@ -129,7 +124,7 @@ def _receive(sock: socket.socket) -> list[int]:
 
 
 def _exec(argv: list[str], env: dict[str, str]) -> NoReturn:
-    for sig in _RESET:
+    for sig in _IGNORED:  # the only dispositions an exec keeps (see _default_signals)
         signal.signal(sig, signal.SIG_DFL)
     try:
         os.execvpe(argv[0], argv, env)
@@ -151,10 +146,7 @@ def _run_python(argv: list[str], env: dict[str, str]) -> NoReturn:
     """
     os.environ.clear()
     os.environ.update(env)
-    for sig in _RESET:
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    # what a new interpreter sets up (SIGPIPE and SIGXFSZ are ignored, as in the zygote)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     main = types.ModuleType("__main__")
     namespace = vars(main)
@@ -334,11 +326,19 @@ class Zygote:
         self.ctl.send(b"X" + struct.pack("!i", _exit_code(status)))
 
 
+def _default_signals() -> None:
+    """Every disposition at its default but ``_IGNORED``: as PID 1, a signal from inside reaches
+    the zygote only through a handler, so it keeps none (Python's SIGINT handler would let a run
+    stop it); and a child then starts from a known state, whatever the host ignored."""
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP, *_IGNORED):
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, signal.SIG_DFL)
+
+
 def main() -> None:
     _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, no /proc/PID/mem from the runs
-    # as PID 1, a signal from inside reaches the zygote only through a handler: leave none
-    # (Python's SIGINT handler would let a run stop it with KeyboardInterrupt)
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    _default_signals()
     ctl = socket.socket(fileno=int(sys.argv[1]))
     gc.freeze()  # what is imported by now is shared with every child, untouched by their GC
     Zygote(ctl).serve()
