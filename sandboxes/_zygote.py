@@ -26,41 +26,45 @@ job, from outside (``_executor.WarmExecutor.clean``): the zygote never looks at 
 
 from __future__ import annotations
 
-import atexit
-
-# Pre-imported for the runs (the code envs' test runner and common solutions use them). Each
-# one makes the zygote larger, and a larger process forks more slowly: keep this list short.
-import bisect  # noqa: F401
-import collections  # noqa: F401
 import contextlib
 import ctypes
-import functools  # noqa: F401
 import gc
-import heapq  # noqa: F401
-import io  # noqa: F401
-import itertools  # noqa: F401
 import json
-import math  # noqa: F401
 import os
-import re  # noqa: F401
 import resource
+import select
 import signal
 import socket
 import stat
-import string  # noqa: F401
 import struct
 import sys
-import threading
-import traceback  # noqa: F401
 import types
 import zipimport
 from typing import NoReturn
 
+PRELOAD = (
+    "atexit",
+    "bisect",
+    "collections",
+    "functools",
+    "heapq",
+    "io",
+    "itertools",
+    "math",
+    "re",
+    "string",
+    "threading",
+    "traceback",
+)
+"""What the zygote imports for the Python runs (the code envs' test runner and common solutions
+use them), after the spawner is forked off: each one makes every fork of the zygote slower, so
+the list stays short."""
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_DUMPABLE = 4
 _IGNORED = (signal.SIGPIPE, signal.SIGXFSZ)
 """What Python ignores (the zygote too); every other signal is at its default there."""
-_PRELOADED = frozenset(sys.modules)
+_PRELOADED: set[str] = set()
+"""``sys.modules`` as the zygote forks a run: what a run imports is what is not in here."""
 
 
 def _exit_code(status: int) -> int:
@@ -86,6 +90,8 @@ def _child(fds: list[int], ctl: socket.socket, spare_sock: socket.socket | None)
     """Set up one run in a freshly forked child and run it; never returns."""
     try:
         ctl.close()
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if spare_sock is not None:  # a spare receives its fds over this socket first
             fds = _receive(spare_sock)
         req = json.loads(_read_request(fds[3]))
@@ -221,6 +227,9 @@ def _system_exit(e: SystemExit) -> int:
 
 def _finish(status: int, main: types.ModuleType, *, interrupted: bool = False) -> NoReturn:
     """The part of interpreter shutdown a run can observe, then ``os._exit``."""
+    import atexit
+    import threading
+
     with contextlib.suppress(BaseException):  # as CPython: shutdown goes on regardless
         threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads
     atexit._run_exitfuncs()
@@ -248,6 +257,106 @@ def _flush(status: int) -> int:
     return status
 
 
+# ---- the spawner: commands, started with posix_spawn --------------------------------------------
+_SPAWN_DEFAULTS = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGXCPU)
+"""The only dispositions not at their default in the spawner (the rest: ``_default_signals``)."""
+
+
+def _spawner(sock: socket.socket, cpu: int) -> NoReturn:
+    """Start each command the host sends with ``posix_spawn`` and answer with its exit status.
+
+    Why a process of its own: ``posix_spawn`` (vfork) starts a program without copying the
+    address space of the process that asks, but that process then reads what the run asks for
+    (argv, environment), which must never enter the zygote's memory, from which Python runs
+    are forked. The spawner is forked before the zygote imports ``PRELOAD`` and never forks
+    anything but programs that exec at once, so nothing of its memory reaches a run.
+
+    ``posix_spawn`` cannot set a resource limit in the child, so the spawner holds the run's
+    RLIMIT_CPU (``cpu``, ``cpu`` + 1) itself (ignoring SIGXCPU) and every program inherits it.
+    Its own CPU time counts against the same limit: once it has used half of ``cpu`` it answers
+    ``Y`` instead of ``X`` and exits; the host then has commands forked by the zygote until the
+    next reset brings up fresh ones. The host learns its pid from the kernel (SO_PASSCRED) with
+    its first message, ``H``.
+    """
+    try:
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        signal.signal(signal.SIGXCPU, signal.SIG_IGN)
+        for name in os.listdir("/proc/self/fd"):  # a spawned program inherits only 0, 1, 2
+            with contextlib.suppress(OSError):
+                os.set_inheritable(int(name), False)
+        sock.send(b"H" + struct.pack("!i", 0))
+        while True:
+            msg, fds, _, _ = socket.recv_fds(sock, 16, 4)
+            if msg != b"R" or len(fds) != 4:
+                break
+            code = _spawn(fds)
+            usage = resource.getrusage(resource.RUSAGE_SELF)
+            done = usage.ru_utime + usage.ru_stime > cpu / 2
+            sock.send((b"Y" if done else b"X") + struct.pack("!i", code))
+            if done:
+                break
+    finally:
+        os._exit(0)
+
+
+def _spawn(fds: list[int]) -> int:
+    """Start the command ``fds[3]`` describes on the pipes ``fds[:3]``; its exit status."""
+    try:
+        for fd in fds:
+            os.set_inheritable(fd, False)
+        req = json.loads(_read_request(fds[3]))
+        argv, env = req["argv"], req["env"]
+        actions = [(os.POSIX_SPAWN_DUP2, fds[i], i) for i in range(3)]
+        try:
+            os.chdir(req["cwd"])
+            pid = _spawn_on_path(argv, env, actions)
+        except (OSError, ValueError) as e:
+            os.write(fds[2], f"envhub: cannot run {argv[0]!r}: {e}\n".encode())
+            return 126 if isinstance(e, PermissionError) else 127
+    finally:  # the run's pipes end with its processes, even if a run stops the spawner
+        for fd in fds:
+            os.close(fd)
+    while True:
+        try:
+            done, status = os.waitpid(pid, 0)
+        except ChildProcessError:  # it vanished without a status: report a kill
+            return 128 + signal.SIGKILL
+        if done == pid:
+            return _exit_code(status)
+
+
+def _spawn_on_path(
+    argv: list[str], env: dict[str, str], actions: list[tuple[int, int, int]]
+) -> int:
+    """``posix_spawn`` with ``execvpe``'s search of the run's ``PATH`` (glibc's ``posix_spawnp``
+    would search the spawner's own)."""
+
+    def spawn(path: str) -> int:
+        return os.posix_spawn(
+            path,
+            argv,
+            env,
+            file_actions=actions,
+            setsid=True,
+            setsigmask=(),
+            setsigdef=_SPAWN_DEFAULTS,
+        )
+
+    if "/" in argv[0]:
+        return spawn(argv[0])
+    first: OSError | None = None
+    last: OSError = FileNotFoundError(2, "No such file or directory", argv[0])
+    for directory in env.get("PATH", os.defpath).split(os.pathsep):
+        try:
+            return spawn(os.path.join(directory or ".", argv[0]))
+        except (FileNotFoundError, NotADirectoryError) as e:
+            last = e
+        except OSError as e:
+            last = e
+            first = first or e
+    raise first or last
+
+
 # ---- the zygote ---------------------------------------------------------------------------------
 class Zygote:
     """The fork server's loop (see the module docstring)."""
@@ -255,9 +364,23 @@ class Zygote:
     def __init__(self, ctl: socket.socket) -> None:
         self.ctl = ctl
         self.spare: tuple[int, socket.socket] | None = None
+        # Orphans of the spawner's programs are the zygote's to reap, between messages too:
+        # a SIGCHLD handler (a no-op; as PID 1 it gets only signals it handles) wakes the loop.
+        self.wake, wake_w = os.pipe()
+        os.set_blocking(self.wake, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w)
+        signal.signal(signal.SIGCHLD, _nothing)
 
     def serve(self) -> None:
         while True:
+            ready, _, _ = select.select([self.ctl.fileno(), self.wake], [], [])
+            if self.wake in ready:
+                with contextlib.suppress(OSError):
+                    os.read(self.wake, 4096)
+                self._forget_dead_spare(_reap())
+            if self.ctl.fileno() not in ready:
+                continue
             try:
                 msg, fds, _, _ = socket.recv_fds(self.ctl, 16, 4)
             except OSError:
@@ -326,6 +449,10 @@ class Zygote:
         self.ctl.send(b"X" + struct.pack("!i", _exit_code(status)))
 
 
+def _nothing(signum: int, frame: object) -> None:
+    """SIGCHLD's handler in the zygote: its only effect is the wake-up write."""
+
+
 def _default_signals() -> None:
     """Every disposition at its default but ``_IGNORED``: as PID 1, a signal from inside reaches
     the zygote only through a handler, so it keeps none (Python's SIGINT handler would let a run
@@ -340,6 +467,14 @@ def main() -> None:
     _LIBC.prctl(_PR_SET_DUMPABLE, 0, 0, 0, 0)  # no ptrace, no /proc/PID/mem from the runs
     _default_signals()
     ctl = socket.socket(fileno=int(sys.argv[1]))
+    to_spawner = socket.socket(fileno=int(sys.argv[2]))
+    if os.fork() == 0:  # before the preloads: the spawner stays small
+        ctl.close()
+        _spawner(to_spawner, int(sys.argv[3]))
+    to_spawner.close()
+    for name in PRELOAD:
+        __import__(name)
+    _PRELOADED.update(sys.modules)
     gc.freeze()  # what is imported by now is shared with every child, untouched by their GC
     Zygote(ctl).serve()
 

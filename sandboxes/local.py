@@ -427,9 +427,9 @@ class LocalSandbox(Sandbox):
                 "the warm executor needs cgroups (run as root where cgroup v1 is writable)"
             )
 
-        def spawn(argv: list[str], pass_fd: int) -> subprocess.Popen[bytes]:
+        def spawn(argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
             return self._popen(
-                argv, self._env({}), cg, pass_fds=(pass_fd,), cpu_limit=False, as_pid_1=True
+                argv, self._env({}), cg, pass_fds=pass_fds, cpu_limit=False, as_pid_1=True
             )
 
         executor = WarmExecutor(spawn, cg, env=self._env({}), cpu=self._cpu_seconds)

@@ -102,7 +102,7 @@ def make_sandbox_for(request: pytest.FixtureRequest) -> Iterator[Callable[..., S
 
 
 def _fork_path_sandbox() -> type[Sandbox]:
-    from sandboxes._executor import in_process
+    from sandboxes._wire import in_process
     from sandboxes.local import LocalSandbox
 
     class ForkPathSandbox(LocalSandbox):

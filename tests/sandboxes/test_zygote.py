@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from sandboxes import Limits
-from sandboxes._executor import in_process, zygote_source
+from sandboxes._wire import in_process, zygote_source
 from sandboxes.local import LocalSandbox
 from tests.sandboxes.conftest import _local_skip_reason
 
@@ -107,9 +107,15 @@ def test_a_background_process_of_a_run_is_gone_before_the_next(sandbox):
     print("left", flush=True)
     """
     assert py(sandbox, leave).stdout == "left\n"
-    look = "import os, json; print(json.dumps([os.getpid(), os.listdir('/proc')]))"
-    me, listed = json.loads(py(sandbox, look).stdout)
-    assert sorted(int(p) for p in listed if p.isdigit()) == [1, me]  # the zygote and this run
+    look = """
+    import json, os
+    others = [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]
+    print(json.dumps({p: open(f'/proc/{p}/cmdline').read().split(chr(0))[:3] for p in others}))
+    """
+    others = json.loads(py(sandbox, look).stdout)
+    # nothing but the zygote (PID 1) and its spawner, both the zygote's program
+    assert len(others) == 2 and "1" in others, others
+    assert all(argv == ["python3", "-I", "-c"] for argv in others.values()), others
     assert sandbox._executor.verify() is None  # only the zygote (and its spare child) is left
 
 
@@ -190,30 +196,38 @@ def test_signals_a_run_sends_the_zygote_do_not_stop_it(sandbox):
     assert sandbox._executor.host_pid == zygote, "a run stopped the zygote"
 
 
-REPLY = 'self.ctl.send(b"X" + struct.pack("!i", _exit_code(status)))'
+REPLIES = {
+    # the zygote answers Python runs; its first answer is to the test's run
+    "zygote": ('self.ctl.send(b"X" + struct.pack("!i", _exit_code(status)))', "self.ctl", 0),
+    # the spawner starts commands; its first answer is to the executor's own first run
+    "spawner": ('sock.send((b"Y" if done else b"X") + struct.pack("!i", code))', "sock", 1),
+}
 HOSTILE = {
-    "oversized": 'ctl.send(b"X" + bytes(4096))',
-    "status-out-of-range": 'ctl.send(b"X" + struct.pack("!i", 999))',
-    "unknown-kind": 'ctl.send(b"Q" + struct.pack("!i", 0))',
+    "oversized": 'sock.send(b"X" + bytes(4096))',
+    "status-out-of-range": 'sock.send(b"X" + struct.pack("!i", 999))',
+    "unknown-kind": 'sock.send(b"Q" + struct.pack("!i", 0))',
     "sends-a-file-descriptor": (
-        'socket.send_fds(ctl, [b"X" + struct.pack("!i", 0)], [os.memfd_create("envhub-hostile")])'
+        'socket.send_fds(sock, [b"X" + struct.pack("!i", 0)], [os.memfd_create("envhub-hostile")])'
     ),
-    "answers-twice": 'ctl.send(b"X" + struct.pack("!i", code)); ctl.send(b"X" + bytes(4))',
+    "answers-twice": 'sock.send(b"X" + struct.pack("!i", code)); sock.send(b"X" + bytes(4))',
     "never-answers": "pass",
 }
 
 
-def _hostile_zygote(behaviour: str) -> str:
-    """The real zygote, honest for its first reply (the check at start), then ``behaviour``."""
+def _hostile(process: str, behaviour: str) -> str:
+    """The real zygote program, with ``process`` (``zygote`` or ``spawner``) honest for its
+    first answers (those the executor's start needs), then doing ``behaviour``."""
+    line, sock, honest = REPLIES[process]
     source = zygote_source()
-    assert REPLY in source, "the zygote's reply changed: update this test"
+    assert line in source, f"the {process}'s reply changed: update this test"
+    code = "_exit_code(status)" if process == "zygote" else "code"
     helper = (
-        "\n_SENT = []\n\n\ndef _reply(ctl, code):\n    _SENT.append(code)\n"
-        "    if len(_SENT) == 1:\n"
-        '        ctl.send(b"X" + struct.pack("!i", code))\n        return\n'
-        f"    {behaviour}\n\n\n"
+        "\n_SENT = []\n\n\ndef _reply(sock, code):\n    _SENT.append(code)\n"
+        f"    if len(_SENT) <= {honest}:\n"
+        '        sock.send(b"X" + struct.pack("!i", code))\n        return\n'
+        f"    {HOSTILE[behaviour]}\n\n\n"
     )
-    source = source.replace(REPLY, "_reply(self.ctl, _exit_code(status))")
+    source = source.replace(line, f"_reply({sock}, {code})")
     return source.replace('if __name__ == "__main__":', helper + 'if __name__ == "__main__":')
 
 
@@ -228,23 +242,39 @@ def _host_fds() -> list[str]:
 
 
 @pytest.mark.parametrize("behaviour", list(HOSTILE))
-def test_a_zygote_that_lies_costs_a_restart_and_never_hangs_the_host(behaviour, monkeypatch):
-    hostile = _hostile_zygote(HOSTILE[behaviour])
+@pytest.mark.parametrize("process", list(REPLIES))
+def test_a_zygote_that_lies_costs_a_restart_and_never_hangs_the_host(
+    process, behaviour, monkeypatch
+):
+    hostile = _hostile(process, behaviour)
     monkeypatch.setattr("sandboxes._executor.zygote_source", lambda: hostile)
     with LocalSandbox(limits=Limits(wall_time_s=2), warm_exec=True) as sb:
         zygote = sb._executor.host_pid
-        r = sb.run(["echo", "hi"])
+        r = py(sb, "print('hi')") if process == "zygote" else sb.run(["echo", "hi"])
         assert not any("envhub-hostile" in fd for fd in _host_fds()), "the host took its fd"
-        monkeypatch.undo()  # the restart brings up an honest zygote
+        monkeypatch.undo()  # the restart brings up an honest one
         if behaviour == "answers-twice":  # a true answer, then one nobody asked for
             assert r.ok and r.stdout == "hi\n", r
         elif behaviour == "never-answers":  # the host's deadline decides, not the zygote
             assert r.timed_out and r.exit_code == 137, r
         else:
             assert r.exit_code == 137 and "zygote" in r.stderr, r
-        after = sb.run(["echo", "next"])
+        after = py(sb, "print('next')") if process == "zygote" else sb.run(["echo", "next"])
         assert after.ok and after.stdout == "next\n", after
-        assert sb._executor.host_pid != zygote, "a zygote that lied was kept"
+        assert sb._executor.host_pid != zygote, "a zygote or spawner that lied was kept"
+
+
+def test_a_run_that_stops_or_kills_the_spawner_costs_a_restart(sandbox):
+    """The spawner is not PID 1: a run of the same uid can signal it. Its state is checked before
+    each command: a stopped or dead one is replaced, and the command still runs."""
+    for sig in (signal.SIGSTOP, signal.SIGKILL):
+        spawner = sandbox._executor.spawner_pid
+        os.kill(spawner, sig)  # as a run of the sandbox's uid could
+        while sandbox._executor.state(spawner) not in ("T", "t", "Z", "X"):
+            os.sched_yield()  # (the signal lands asynchronously)
+        r = sandbox.run(["echo", "still works"], timeout=20)
+        assert r.ok and r.stdout == "still works\n" and not r.timed_out, r
+        assert sandbox._executor.spawner_pid not in (0, spawner)
 
 
 # ---- Python in the fork behaves as python3 -I --------------------------------------------------
