@@ -1,27 +1,34 @@
 """The zygote: the fork server that runs *inside* a warm local sandbox (PID 1 of its namespaces).
 
 This file is not imported by the host: ``_executor.py`` passes its source to the sandbox's own
-``python3 -I -c SOURCE FD`` (stdlib only, no project code inside the sandbox). It pre-imports
-what Python runs commonly need, then forks one child per run. A child either execs a command
-(shell commands, any program) or, for ``python3 -I FILE|-c CODE ...``, runs the code in the
-forked interpreter itself: no interpreter start-up, no imports already done.
+``python3 -I -c SOURCE CTL SPAWNER CPU`` (stdlib only, no project code inside the sandbox).
+First it forks the *spawner* (``_spawner``), a small process that starts commands with
+``posix_spawn``; then it imports ``PRELOAD`` and serves Python runs: for ``python3 -I FILE|-c
+CODE ...`` it forks a child that runs the code in the forked interpreter itself (no interpreter
+start-up, no imports already done). It also forks commands when the spawner has retired.
 
-Protocol, on the ``SOCK_SEQPACKET`` socket ``FD`` (one message each; the host trusts none):
+Protocol, on ``SOCK_SEQPACKET`` sockets (one message each; the host trusts none, see
+``_wire.py``):
 
-- host -> zygote ``R`` + fds ``[stdin, stdout, stderr, request]``: start a run. ``request`` is a
-  memfd holding the run's JSON (``mode``, ``argv``, ``env``, ``cwd``, ``cpu``, ...), read by the
-  *child*: what a run asks for (its code, argv, environment) never enters the zygote's memory,
-  so nothing of one user's run is in the heap that the next user's runs are forked from.
+- host -> zygote (``CTL``) or spawner (``SPAWNER``) ``R`` + fds ``[stdin, stdout, stderr,
+  request]``: start a run. ``request`` is a memfd holding the run's JSON (``mode``, ``argv``,
+  ``env``, ``cwd``, ``cpu``), read by the zygote's *child* or by the spawner: what a run asks
+  for (its code, argv, environment) never enters the zygote's memory, so nothing of one user's
+  run is in the heap that the next user's runs are forked from.
 - host -> zygote ``S``: fork a spare child now (the host sends it after sweeping a finished
   run): the next run's fork is then already done.
 - zygote -> host ``X`` + int32: the run's child exited with this status (shell convention:
   128+N for signal N); ``F`` + int32: fork failed with this errno (the run never started).
+- spawner -> host ``H`` (hello, once), then per run ``X`` + int32, or ``Y`` + int32 when it
+  retires after this run (see ``_spawner``).
 
 What a child does before any code of the run (in this order): close every zygote fd, take the
 run's pipes as 0/1/2, read the request, ``setsid()``, clear the signal mask, lower RLIMIT_CPU to
 the run's ``cpu`` seconds, ``chdir(cwd)``; then ``exec`` with default signal dispositions, or run
-Python as ``python3 -I`` would (see ``_run_python``). Cleaning up between users is the host's
-job, from outside (``_executor.WarmExecutor.clean``): the zygote never looks at what a run left.
+Python as ``python3 -I`` would (see ``_run_python``). A spawned program gets the same, from
+``posix_spawn``'s attributes and the spawner's own limits. Cleaning up between users is the
+host's job, from outside (``_executor.WarmExecutor.clean``): neither process looks at what a
+run left.
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@ Each ``run`` starts one process in fresh namespaces (bubblewrap, or ``unshare`` 
 is missing; see ``_isolation.py`` for the exact view of the filesystem). Run as root (as CI
 and this project's machines do), a sandbox also gets its own uid, cgroups and a tmpfs scratch.
 ``warm_exec=True`` (what ``SandboxPool`` and the code envs use) keeps a fork server (the
-*zygote*, ``_zygote.py``; host side ``_executor.py``) inside the namespaces instead: a run is
-a fork there followed by an exec, and ``python3 -I FILE|-c CODE`` (``run_code``, the code
-envs' test runner) runs in the forked, pre-imported interpreter itself, with no start-up.
-Same limits; runs of one sandbox then share its namespaces and ``/tmp`` until ``reset()``,
-but nothing else: each is a fresh fork of a zygote that never runs code of a run.
+*zygote*, ``_zygote.py``; host side ``_executor.py``) inside the namespaces instead: a command
+is one ``posix_spawn`` by its small spawner process, and ``python3 -I FILE|-c CODE``
+(``run_code``, the code envs' test runner) runs in a fork of the pre-imported zygote, with no
+interpreter start-up. Same limits; runs of one sandbox then share its namespaces and ``/tmp``
+until ``reset()``, but nothing else: each is a fresh process, and neither the zygote nor the
+spawner ever runs code of a run.
 How each process is launched, with which limits, is ``_launch.py``; what a sandbox holds on
 the host and how it is given back (``envhub sandbox gc`` after a crash) is ``_footprint.py``.
 
@@ -59,22 +60,25 @@ Python taking the zygote's in-process path (``local-fork``).
   from the host. (zyg::test_modules_globals_handlers_and_threads_of_a_run_are_not_in_the_next,
   zyg::test_unseeded_random_numbers_differ_between_runs,
   zyg::test_files_a_run_leaves_do_not_reach_the_next_user)
-- **A broken or lying zygote** (``warm_exec``): the host parses its fixed-size replies
-  strictly, takes no fd from it, enforces deadlines and output caps itself; a zygote killed
+- **A broken or lying zygote** (``warm_exec``): the host parses its (and its spawner's)
+  fixed-size replies strictly, learns the spawner's pid from the kernel, takes no fd from
+  either, enforces deadlines and output caps itself; a zygote or spawner killed
   (from outside, or by the OOM killer when a run exhausts the memory) or caught lying costs the
   run a clear result (exit 137, a note on stderr) and the next run a fresh zygote in fresh
   namespaces; a run cannot stop it with a signal (PID 1 with no handlers).
   (zyg::test_signals_a_run_sends_the_zygote_do_not_stop_it,
+  zyg::test_a_run_that_stops_or_kills_the_spawner_costs_a_restart,
   zyg::test_a_zygote_killed_mid_run_costs_a_restart,
   zyg::test_a_run_that_exhausts_the_sandbox_memory_costs_a_restart,
   zyg::test_a_zygote_that_lies_costs_a_restart_and_never_hangs_the_host)
 - **Signals**: a PID namespace shows only the sandbox's processes; host PIDs cannot be signalled.
   (adv::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill)
-- **Tampering with what outlives a run** (the zygote): it is PID 1 of its namespace and
-  non-dumpable, ``ptrace``/``process_vm_*`` are denied by seccomp, and ``reset()`` verifies it
-  (not traced, not stopped, still filtered, alone in the cgroup but for a spare child it forked
-  for itself since the last clean sweep, and the rlimits, nice, CPU affinity and scheduling
-  policy its runs inherit unchanged) or starts a fresh one.
+- **Tampering with what outlives a run** (the zygote and its spawner): both are non-dumpable,
+  the zygote is PID 1 of its namespace, ``ptrace``/``process_vm_*`` are denied by seccomp, and
+  ``reset()`` verifies them (not traced, not stopped, still filtered, alone in the cgroup but
+  for a spare child the zygote forked for itself that no run saw, and the rlimits, nice, CPU
+  affinity and scheduling policy runs inherit unchanged) or starts afresh; a spawner a run
+  stopped or killed is replaced before the next command.
   (adv::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten,
   adv::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next,
   adv::test_reset_replaces_an_executor_it_cannot_verify,
@@ -251,6 +255,7 @@ class LocalSandbox(Sandbox):
                 "warm: strict fixed-size replies, host-side deadlines; a restart on any doubt",
                 (
                     "test_zygote.py::test_signals_a_run_sends_the_zygote_do_not_stop_it",
+                    "test_zygote.py::test_a_run_that_stops_or_kills_the_spawner_costs_a_restart",
                     "test_zygote.py::test_a_zygote_killed_mid_run_costs_a_restart",
                     "test_zygote.py::test_a_run_that_exhausts_the_sandbox_memory_costs_a_restart",
                     "test_zygote.py::test_a_zygote_that_lies_costs_a_restart_and_never_hangs_the_host",
