@@ -47,7 +47,10 @@ import struct
 import sys
 import types
 import zipimport
-from typing import NoReturn
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # (not imported at run time: every module makes every fork dearer)
+    from typing import NoReturn
 
 PRELOAD = (
     "atexit",
