@@ -357,8 +357,10 @@ def _spawn_on_path(
     first: OSError | None = None
     last: OSError = FileNotFoundError(2, "No such file or directory", argv[0])
     for directory in env.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(directory or ".", argv[0])
         try:
-            return spawn(os.path.join(directory or ".", argv[0]))
+            os.stat(path)  # (a missing file costs a stat here, not a failed vfork and exec)
+            return spawn(path)
         except (FileNotFoundError, NotADirectoryError) as e:
             last = e
         except OSError as e:
