@@ -66,6 +66,7 @@ from sandboxes import _host, _seccomp
 from sandboxes._host import Cgroup
 from sandboxes._proc import Captured, pump
 from sandboxes._wire import (
+    REQUEST,
     ProtocolError,
     Reply,
     descendants,
@@ -128,6 +129,8 @@ class WarmExecutor:
         """The spawner used up its CPU budget: commands are forked by the zygote until reset."""
         self._python_ran = False
         """A Python run ran since the last reset: the next user is likely to run Python too."""
+        self._runs = 0
+        """Runs sent so far: each reply must name the run it answers."""
 
     def _kill_others(self, exclude: set[int]) -> bool:
         """SIGKILL every process of the cgroup but ``exclude``; False if some survived. Whatever it
@@ -198,15 +201,15 @@ class WarmExecutor:
                 hello = reply(self.spawner, credentials=True)
             self.spawner.settimeout(None)
         parent = ""
-        if hello is not None and hello[0] == b"H":
+        if hello is not None and hello[0] == b"H" and hello[2] == 0:
             with contextlib.suppress(OSError):
-                parent = proc_stat(hello[2])[1]
+                parent = proc_stat(hello[3])[1]
         if parent != str(self.host_pid) or hello is None:
             stderr = self.proc.stderr
             exited = self.proc.poll() is not None
             err = stderr.read().decode(errors="replace") if exited and stderr is not None else ""
             raise SandboxError(f"the warm executor did not start: {err.strip() or 'not found'}")
-        self.spawner_pid = hello[2]
+        self.spawner_pid = hello[3]
         self.keep = {self.host_pid, self.spawner_pid}
         pid = self.host_pid
         while pid != self.proc.pid and pid > 1:  # the launcher: bwrap and its monitor
@@ -447,7 +450,10 @@ class WarmExecutor:
             self._swept = False  # code of a run is about to run
             self._spare_seen = self._spare_seen or bool(spare)
         try:
-            socket.send_fds(sock, [b"R"], [in_r, out_w, err_w, request_fd])
+            self._runs += 1
+            socket.send_fds(
+                sock, [REQUEST.pack(b"R", self._runs)], [in_r, out_w, err_w, request_fd]
+            )
         except OSError as e:
             for fd in (in_r, in_w, out_r, out_w, err_r, err_w, request_fd):
                 os.close(fd)
@@ -470,11 +476,16 @@ class WarmExecutor:
             except (OSError, ProtocolError):
                 answer = None
             kinds = (b"X", b"Y") if on_spawner else (b"X", b"F")
-            if answer is None or answer[0] not in kinds or (on_spawner and answer[2] != watched):
+            if (
+                answer is None
+                or answer[0] not in kinds
+                or answer[2] != self._runs  # an answer to another run: sent twice, or late
+                or (on_spawner and answer[3] != watched)
+            ):
                 state.update(exit=137, lost=1)  # EOF or a lie: sweep everything, start afresh
                 self._kill_others(set())
                 return True
-            kind, value, _ = answer
+            kind, value, _, _ = answer
             if kind == b"F":  # it could not fork: the run never started
                 state.update(exit=126, lost=1, errno=value)
                 return True

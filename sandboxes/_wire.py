@@ -3,11 +3,12 @@
 Two sources, both controlled (in the worst case) by code the sandbox runs:
 
 - **replies** of the zygote and of its spawner (``_zygote.py``), on ``SOCK_SEQPACKET`` sockets:
-  one fixed-size message each, a kind byte and a signed 32-bit value. ``reply`` accepts that
-  shape and nothing else: a longer or shorter message, a kind or value out of range, file
-  descriptors attached (no buffer is offered for them, so the kernel closes them: they are
-  never installed in the host) raise ``ProtocolError``, after which the host trusts neither
-  process again. On the spawner's socket the kernel attaches the sender's pid (``SO_PASSCRED``):
+  one fixed-size message each: a kind byte, a signed 32-bit value and the number of the run it
+  answers. ``reply`` accepts that shape and nothing else: a longer or shorter message, a kind
+  or value out of range, file descriptors attached (no buffer is offered for them, so the
+  kernel closes them: they are never installed in the host) raise ``ProtocolError``, after
+  which the host trusts neither process again; so does an answer to another run than the one
+  under way. On the spawner's socket the kernel attaches the sender's pid (``SO_PASSCRED``):
   the host learns which process spawns commands from the kernel, never from a message body;
 - **/proc** files of the processes a reset spares, read in one ``read`` each (``proc``).
 
@@ -24,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 __all__ = [
+    "REQUEST",
     "ProtocolError",
     "Reply",
     "descendants",
@@ -34,7 +36,10 @@ __all__ = [
     "zygote_source",
 ]
 
-_REPLY = struct.Struct("!ci")
+REQUEST = struct.Struct("!cI")
+"""``R`` and the run's number (the host's counter): a reply must carry the same number, so an
+answer sent twice, or late, can never pass for the next run's."""
+_REPLY = struct.Struct("!ciI")
 _CREDENTIALS = struct.Struct("iII")
 """``struct ucred``: pid, uid, gid."""
 _VALUES = {b"X": range(256), b"Y": range(256), b"F": range(4096), b"H": range(1)}
@@ -48,8 +53,9 @@ class ProtocolError(Exception):
     """The zygote or spawner sent something it never sends: it is no longer trusted."""
 
 
-Reply = tuple[bytes, int, int]
-"""``(kind, value, sender pid)``; the pid is 0 where the socket does not pass credentials."""
+Reply = tuple[bytes, int, int, int]
+"""``(kind, value, run number, sender pid)``; the pid is 0 where the socket passes no
+credentials."""
 
 
 def reply(sock: socket.socket, *, credentials: bool = False) -> Reply | None:
@@ -69,10 +75,10 @@ def reply(sock: socket.socket, *, credentials: bool = False) -> Reply | None:
         pid = _CREDENTIALS.unpack(cmsgs[0][2][: _CREDENTIALS.size])[0]
     elif cmsgs:
         raise ProtocolError("a message with ancillary data")
-    kind, value = _REPLY.unpack(data)
+    kind, value, run = _REPLY.unpack(data)
     if value not in _VALUES.get(kind, ()):
         raise ProtocolError(f"message {kind!r} {value}")
-    return kind, value, pid
+    return kind, value, run, pid
 
 
 @functools.cache

@@ -10,17 +10,18 @@ start-up, no imports already done). It also forks commands when the spawner has 
 Protocol, on ``SOCK_SEQPACKET`` sockets (one message each; the host trusts none, see
 ``_wire.py``):
 
-- host -> zygote (``CTL``) or spawner (``SPAWNER``) ``R`` + fds ``[stdin, stdout, stderr,
-  request]``: start a run. ``request`` is a memfd holding the run's JSON (``mode``, ``argv``,
-  ``env``, ``cwd``, ``cpu``), read by the zygote's *child* or by the spawner: what a run asks
-  for (its code, argv, environment) never enters the zygote's memory, so nothing of one user's
-  run is in the heap that the next user's runs are forked from.
+- host -> zygote (``CTL``) or spawner (``SPAWNER``) ``R`` + uint32 run number + fds
+  ``[stdin, stdout, stderr, request]``: start a run. ``request`` is a memfd holding the run's
+  JSON (``mode``, ``argv``, ``env``, ``cwd``, ``cpu``), read by the zygote's *child* or by the
+  spawner: what a run asks for (its code, argv, environment) never enters the zygote's memory,
+  so nothing of one user's run is in the heap that the next user's runs are forked from.
 - host -> zygote ``S``: fork a spare child now (the host sends it after sweeping a finished
   run): the next run's fork is then already done.
-- zygote -> host ``X`` + int32: the run's child exited with this status (shell convention:
-  128+N for signal N); ``F`` + int32: fork failed with this errno (the run never started).
-- spawner -> host ``H`` (hello, once), then per run ``X`` + int32, or ``Y`` + int32 when it
-  retires after this run (see ``_spawner``).
+- zygote -> host ``X`` + int32 + the run's number: the run's child exited with this status
+  (shell convention: 128+N for signal N); ``F`` + int32 + number: fork failed with this errno
+  (the run never started).
+- spawner -> host ``H`` (hello, once), then per run ``X`` + int32 + number, or ``Y`` (the same,
+  and it retires after this run, see ``_spawner``).
 
 What a child does before any code of the run (in this order): close every zygote fd, take the
 run's pipes as 0/1/2, read the request, ``setsid()``, clear the signal mask, lower RLIMIT_CPU to
@@ -73,6 +74,10 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_DUMPABLE = 4
 _IGNORED = (signal.SIGPIPE, signal.SIGXFSZ)
 """What Python ignores (the zygote too); every other signal is at its default there."""
+_REQUEST = struct.Struct("!cI")
+"""``R`` and the run's number (the fds ride along)."""
+_REPLY = struct.Struct("!ciI")
+"""A kind, a value, and the number of the run it answers (0 for ``H``)."""
 _PRELOADED: set[str] = set()
 """``sys.modules`` as the zygote forks a run: what a run imports is what is not in here."""
 
@@ -294,15 +299,16 @@ def _spawner(sock: socket.socket, cpu: int) -> NoReturn:
         for name in os.listdir("/proc/self/fd"):  # a spawned program inherits only 0, 1, 2
             with contextlib.suppress(OSError):
                 os.set_inheritable(int(name), False)
-        sock.send(b"H" + struct.pack("!i", 0))
+        sock.send(_REPLY.pack(b"H", 0, 0))
         while True:
             msg, fds, _, _ = socket.recv_fds(sock, 16, 4)
-            if msg != b"R" or len(fds) != 4:
+            if len(msg) != _REQUEST.size or msg[:1] != b"R" or len(fds) != 4:
                 break
+            run = _REQUEST.unpack(msg)[1]
             code = _spawn(fds)
             usage = resource.getrusage(resource.RUSAGE_SELF)
             done = usage.ru_utime + usage.ru_stime > cpu / 2
-            sock.send((b"Y" if done else b"X") + struct.pack("!i", code))
+            sock.send(_REPLY.pack(b"Y" if done else b"X", code, run))
             if done:
                 break
     finally:
@@ -403,8 +409,8 @@ class Zygote:
             if msg == b"S" and not fds:
                 if self.spare is None:
                     self.spare = self._fork_spare()
-            elif msg == b"R" and len(fds) == 4:
-                self._run(fds)
+            elif len(msg) == _REQUEST.size and msg[:1] == b"R" and len(fds) == 4:
+                self._run(fds, _REQUEST.unpack(msg)[1])
             else:  # not from our host: close what came with it and refuse
                 for fd in fds:
                     os.close(fd)
@@ -429,7 +435,7 @@ class Zygote:
         theirs.close()
         return pid, ours
 
-    def _run(self, fds: list[int]) -> None:
+    def _run(self, fds: list[int], run: int) -> None:
         pid = 0
         if self.spare is not None:
             pid, sock = self.spare
@@ -445,7 +451,7 @@ class Zygote:
             except OSError as e:
                 for fd in fds:
                     os.close(fd)
-                self.ctl.send(b"F" + struct.pack("!i", e.errno or 0))
+                self.ctl.send(_REPLY.pack(b"F", e.errno or 0, run))
                 return
             if pid == 0:
                 _child(fds, self.ctl, None)
@@ -458,7 +464,7 @@ class Zygote:
                 done, status = pid, signal.SIGKILL
             if done == pid:
                 break
-        self.ctl.send(b"X" + struct.pack("!i", _exit_code(status)))
+        self.ctl.send(_REPLY.pack(b"X", _exit_code(status), run))
 
 
 def _nothing(signum: int, frame: object) -> None:
