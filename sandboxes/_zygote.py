@@ -249,7 +249,9 @@ def _finish(status: int, main: types.ModuleType, *, interrupted: bool = False) -
         threading._shutdown()  # type: ignore[attr-defined]  # join non-daemon threads
     atexit._run_exitfuncs()
     status = _flush(status)
-    imported = [m for name, m in list(sys.modules.items()) if name not in _PRELOADED]
+    imported = []
+    if len(sys.modules) > len(_PRELOADED):  # (walking them all touches pages of every module)
+        imported = [m for name, m in list(sys.modules.items()) if name not in _PRELOADED]
     for module in [main, *imported]:
         with contextlib.suppress(BaseException):  # odd module objects: skip, as teardown does
             vars(module).clear()
