@@ -196,6 +196,30 @@ def test_signals_a_run_sends_the_zygote_do_not_stop_it(sandbox):
     assert sandbox._executor.host_pid == zygote, "a run stopped the zygote"
 
 
+@pytest.mark.parametrize("compromise", ["traced", "stopped", "limits lowered"])
+def test_reset_replaces_a_spawner_it_cannot_verify(sandbox, compromise):
+    """What every command inherits comes from the spawner: a reset hands the next user a fresh
+    one when it is traced, stopped, or runs with other limits than it started with."""
+    import ctypes
+
+    spawner = sandbox._executor.spawner_pid
+    if compromise == "traced":
+        libc = ctypes.CDLL(None, use_errno=True)
+        assert libc.ptrace(0x4206, spawner, 0, 0) == 0, ctypes.get_errno()  # PTRACE_SEIZE
+    elif compromise == "stopped":
+        os.kill(spawner, signal.SIGSTOP)
+        while sandbox._executor.state(spawner) not in ("T", "t"):
+            os.sched_yield()  # (the signal lands asynchronously)
+    else:  # a run of its uid can (PID 2: forked by the zygote before anything else)
+        lower = "import resource; resource.prlimit(2, resource.RLIMIT_NOFILE, (16, 16))"
+        assert sandbox.run(["python3", "-c", lower]).ok
+        assert sandbox.run(["sh", "-c", "ulimit -n"]).stdout == "16\n"  # the same user's runs
+    sandbox.reset()
+    assert sandbox._executor.spawner_pid not in (0, spawner)
+    r = sandbox.run(["sh", "-c", "ulimit -n"], timeout=20)
+    assert r.ok and r.stdout != "16\n", r
+
+
 REPLIES = {
     # the zygote answers Python runs; its first answer is to the test's run
     "zygote": ('self.ctl.send(_REPLY.pack(b"X", _exit_code(status), run))', "self.ctl", 0),
