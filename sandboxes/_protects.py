@@ -112,6 +112,7 @@ LOCAL_PROTECTS = tuple(
                 "test_adversarial.py::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next",
                 "test_adversarial.py::test_reset_replaces_an_executor_it_cannot_verify",
                 "test_adversarial.py::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user",
+                "test_zygote.py::test_reset_replaces_a_spawner_it_cannot_verify",
             ),
         ),
         (

@@ -82,7 +82,8 @@ Python taking the zygote's in-process path (``local-fork``).
   (adv::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten,
   adv::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next,
   adv::test_reset_replaces_an_executor_it_cannot_verify,
-  adv::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user)
+  adv::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user,
+  zyg::test_reset_replaces_a_spawner_it_cannot_verify)
 - **Kernel objects across ``reset()``**: POSIX message queues (a private ``/dev/mqueue``),
   ``/dev/shm`` and ``/tmp`` are emptied, or the namespaces are new; SysV IPC is denied.
   (reuse::test_ipc_objects_do_not_reach_the_next_user,
