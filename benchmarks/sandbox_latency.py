@@ -8,7 +8,13 @@ same command (``true`` by default: pure sandbox overhead):
 - ``local-cold``   ``LocalSandbox``: start + run + stop per call (namespaces, uid, cgroups,
                    tmpfs);
 - ``local-warm``   ``SandboxPool("local")``: acquire + run + release (reset happens in the
-                   background);
+                   background): a new user per call;
+- ``local-exec``   a warm sandbox already held: run only (the fork server forks, the child
+                   execs the command): what each further call of the same user costs;
+- ``local-python`` the same with ``python3 -I -c pass``, which the fork server runs in its own
+                   forked interpreter (``run_code``, the code envs' test runner);
+- ``local-python-exec`` ``python3 -c pass`` in a warm sandbox: a new interpreter per run, the
+                   path ``local-python`` replaces;
 - ``local-reset``  one warm sandbox: run + ``reset()`` in place (sweep, clean, verify what is
                    spared): what a pooled sandbox costs per user, paid in the pool's background
                    thread;
@@ -33,7 +39,6 @@ import contextlib
 import queue
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -128,6 +133,20 @@ def main() -> None:
     for _ in range(8):
         spare.put(LocalSandbox(limits=LIMITS, warm_exec=True).start())
     cleanups.append(lambda: [spare.get().stop() for _ in range(spare.qsize())])
+
+    def held(command: list[str]) -> Callable[[], None]:
+        def op() -> None:
+            sb = spare.get()
+            try:
+                sb.run(command)
+            finally:
+                spare.put(sb)
+
+        return op
+
+    paths["local-exec"] = held(argv)
+    paths["local-python"] = held(["python3", "-I", "-c", "pass"])
+    paths["local-python-exec"] = held(["python3", "-c", "pass"])
 
     def local_reset(restart: bool) -> None:
         sb = spare.get()
@@ -225,8 +244,16 @@ def main() -> None:
             f"| {name} | {p50:.1f} | {p99:.1f} | {rates[1]:.0f} | {rates[2]:.0f} | {rates[8]:.0f} "
             f"| {p50 / base[1]:.1f} x |"
         )
-    warm = next(r for r in rows if r[0] == "local-warm")
-    print(f"\nlocal_warm_p50: {statistics.fmean([warm[1]]):.1f} ms")
+    measured = {name: (p50, rates) for name, p50, _, rates in rows}
+    if "local-cold" in measured:
+        print(f"\nlocal_cold_p50: {measured['local-cold'][0]:.1f} ms")
+    for name in ("local-exec", "local-python"):
+        if name in measured:
+            p50, rates = measured[name]
+            print(f"{name.replace('-', '_')}_p50: {p50:.1f} ms ({rates[2]:.0f}/s at concurrency 2)")
+    warm = measured["local-warm"]
+    print(f"local_warm_c2: {warm[1][2]:.0f} calls/s")
+    print(f"local_warm_p50: {warm[0]:.1f} ms")
 
 
 if __name__ == "__main__":

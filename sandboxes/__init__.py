@@ -11,7 +11,10 @@ with make_sandbox("local", limits=Limits(wall_time_s=5, memory_mb=256)) as sb:
 Backends (each module's docstring lists what it protects against and what it does not):
 
 - ``local`` (:mod:`sandboxes.local`): Linux namespaces via bubblewrap (or ``unshare``),
-  rlimits and cgroups, on this machine. The embedded default; ~10 ms per run.
+  rlimits and cgroups, on this machine. The embedded default: a new sandbox process per run,
+  or with ``warm_exec=True`` (pools, the code envs) a fork of a server inside the sandbox,
+  which runs ``python3 -I`` code without starting an interpreter (figures in
+  ``benchmarks/README.md``).
 - ``docker`` (:mod:`sandboxes.docker`): one container per sandbox through a Docker engine.
 - ``e2b`` (:mod:`sandboxes.e2b`): E2B cloud micro-VMs (needs ``E2B_API_KEY``).
 

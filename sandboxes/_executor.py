@@ -1,36 +1,55 @@
-"""The warm executor: one long-lived process inside a local sandbox that forks each run.
+"""The warm executor: a fork server (the *zygote*, ``_zygote.py``) inside a local sandbox.
 
-Why: a fresh bubblewrap per run costs a user, PID, mount and network namespace each time
-(~10 ms on an idle 2-core VM, far more under load). A pooled sandbox instead starts, once,
-a small Python executor *inside* its namespaces; a run is then one fork+exec there.
+Why: a fresh bubblewrap per run costs a user, PID, mount and network namespace each time, and a
+Python run another ~15 ms of interpreter start-up and imports. A warm sandbox instead starts,
+once, a small pre-imported Python *inside* its namespaces, and next to it a *spawner*, forked
+from it before the pre-imports. A command is then one ``posix_spawn`` by the spawner (a vfork:
+nothing of a large address space is copied); ``python3 -I FILE|-c CODE ...`` (``run_code``,
+the code envs' test runner) is a fork of the zygote (often done ahead: it keeps a spare child
+forked between runs) that runs the code in the forked interpreter itself (see
+``_zygote._run_python`` for what that reproduces of a real ``python3 -I``);
+``_wire.in_process(argv, env)`` says which.
 
-Protocol (a SOCK_SEQPACKET socketpair): the host sends ``{"argv", "env", "cwd", "cpu"}`` with
-the run's stdin/stdout/stderr pipe ends attached (SCM_RIGHTS); the executor forks, the child
-lowers RLIMIT_CPU, restores default signal dispositions, and execs; the executor answers
-``{"pid"}`` then ``{"exit": status}`` (128+N for signal N).
+Protocol: ``_zygote.py``'s docstring; what the host accepts of it: ``_wire.py``. The host treats
+both processes, which sandboxed code shares a uid and namespaces with, as hostile: every reply is
+one fixed-size message, parsed strictly (anything else ends them); file descriptors they send
+are dropped; the spawner's pid comes from the kernel; the wall-time deadline, output caps and the
+sweep of the run's processes are the host's, never theirs; what a run asks for (argv, env, code)
+reaches the spawner or the forked child through a memfd, never the zygote's memory.
 
-Containment does not depend on the executor's good behaviour: runs live in the sandbox's
-``run`` cgroup, and after every run (or on timeout) the host SIGKILLs every process there
-except the executor. Nothing the sandboxed code can reach outlives a run:
+Containment does not depend on their good behaviour: runs live in the sandbox's ``run`` cgroup,
+and after every run (or on timeout) the host SIGKILLs every process there except the zygote, the
+spawner and the launcher (and the zygote's spare, when no run has run since it was forked or the
+run only used the spawner). Nothing the sandboxed code can reach outlives a run, and nothing a
+run does reaches the next one:
 
-- the executor is **PID 1** of the sandbox's PID namespace (``bwrap --as-pid-1``, or exec'd in
+- every Python run is a **fresh fork** of the zygote, which never runs code of a run itself:
+  modules a run imports, globals it sets, threads, signal handlers and open files die with its
+  process; a command is a fresh program;
+- the zygote is **PID 1** of the sandbox's PID namespace (``bwrap --as-pid-1``, or exec'd in
   place of the ``unshare`` script), so there is no bubblewrap init for the code to attach to,
-  and signals it has no handler for (SIGKILL, SIGSTOP, SIGTERM...) sent from inside are
-  ignored by the kernel; it reaps the run's orphans;
-- it is **non-dumpable** (``PR_SET_DUMPABLE=0``): the sandboxed code, same uid, can neither
-  ptrace it nor open its ``/proc/PID/mem``; the seccomp filter (``_seccomp.py``) denies
-  ``ptrace`` and ``process_vm_*`` outright;
-- the OOM killer never picks it.
+  and signals it has no handler for (it keeps none) sent from inside are ignored by the kernel;
+  it reaps the run's orphans. The spawner is not PID 1: a run can stop or kill it, which costs
+  a restart (its state is checked before every command it would start);
+- both are **non-dumpable** (``PR_SET_DUMPABLE=0``): the sandboxed code, same uid, can neither
+  ptrace them nor open their ``/proc/PID/mem`` or ``/proc/PID/fd``; the seccomp filter
+  (``_seccomp.py``) denies ``ptrace`` and ``process_vm_*`` outright;
+- a zygote or spawner that dies anyway (the OOM killer may pick it, as any process of the
+  sandbox) or breaks the protocol costs a restart: the run is reported as killed (exit 137, a
+  note on stderr), and the next run starts both afresh in fresh namespaces.
 
-On ``reset()``, ``clean()`` sweeps the cgroup, empties every writable place and SysV IPC from
-inside, and checks that ``/dev`` is as it was; ``verify()`` checks what it spares (nothing but
-the executor and its launcher left in the cgroup, neither traced nor stopped, the executor still
-under its seccomp filter, and what its runs inherit from it — rlimits, nice, CPU affinity,
-scheduling policy, which a run of the same uid can change through ``prlimit``/``setpriority``/
-``sched_*`` — as it was at start); the sandbox starts a fresh executor, in fresh namespaces,
-when either fails. If the executor dies or is stopped anyway, the host notices (socket EOF, or
-its state in ``/proc``), reports the run as killed rather than timed out, and the next run
-starts a new one.
+On ``reset()``, ``clean()`` sweeps the cgroup, empties every writable place from the host,
+through the zygote's ``/proc/PID/root`` and following no symlink (and SysV IPC where seccomp
+allows it, with ``ipcrm``), and checks that ``/dev`` is as it was; ``verify()`` checks what it
+spares (nothing but the zygote, the spawner, the launcher and a spare no run has seen left in
+the cgroup, none traced nor stopped, zygote and spawner still under the seccomp filter, and what
+runs inherit from them — rlimits, nice, CPU affinity, scheduling policy, which a run of the same
+uid can change through ``prlimit``/``setpriority``/``sched_*`` — as it was at start); the
+sandbox starts afresh, in fresh namespaces, when either fails.
+
+Not protected: every Python run of one zygote shares its hash seed (``str`` hashes are
+randomised per zygote, not per run) and its address-space layout; a run can learn both, which
+tells it nothing about another run's data.
 """
 
 from __future__ import annotations
@@ -38,262 +57,174 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shlex
 import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
-from sandboxes import _seccomp
+from sandboxes import _host, _seccomp
 from sandboxes._host import Cgroup
 from sandboxes._proc import Captured, pump
+from sandboxes._wire import (
+    REQUEST,
+    ProtocolError,
+    Reply,
+    descendants,
+    in_process,
+    proc,
+    proc_stat,
+    reply,
+    zygote_source,
+)
 from sandboxes.errors import SandboxError
 
-__all__ = ["DEV_CHECK", "EXECUTOR_SOURCE", "WarmExecutor"]
+__all__ = ["WarmExecutor"]
 
 _POLL_S = 0.05
-"""How often a run that closed its pipes checks that the executor can still answer."""
-DEV_CHECK = (
-    "ls -lAn /dev | sed 1d; stat -c '%n %F %t:%T %a %u' /dev/null /dev/zero /dev/full /dev/urandom"
+"""How often a run that closed its pipes checks that the zygote can still answer."""
+_LOST = (
+    "envhub: the sandbox's process server (zygote) died or misbehaved during this run; "
+    "the next run starts a fresh one\n"
 )
-"""What ``/dev`` looks like; ``clean()`` fails (the sandbox starts over) when it changed."""
-
-EXECUTOR_SOURCE = r"""
-import ctypes, json, os, resource, signal, socket, sys
-ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE=0: no ptrace, no /proc/pid/mem
-sock = socket.socket(fileno=int(sys.argv[1]))
-def reap():
-    try:
-        while os.waitpid(-1, os.WNOHANG)[0]:
-            pass
-    except ChildProcessError:
-        pass
-RESET = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
-         signal.SIGHUP]
-while True:
-    try:
-        msg, fds, _, _ = socket.recv_fds(sock, 1 << 20, 3)
-    except OSError:
-        break
-    if not msg:
-        break
-    req = json.loads(msg)
-    reap()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            for i, fd in enumerate(fds):
-                os.dup2(fd, i)
-            os.closerange(3, 65536)
-            for s in RESET:
-                signal.signal(s, signal.SIG_DFL)
-            cpu = req["cpu"]
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-            os.chdir(req["cwd"])
-            os.execvpe(req["argv"][0], req["argv"], req["env"])
-        except BaseException as e:
-            try:
-                os.write(2, ("envhub: cannot run %r: %s\n" % (req["argv"][0], e)).encode())
-            finally:
-                os._exit(127)
-    for fd in fds:
-        os.close(fd)
-    sock.send(json.dumps({"pid": pid}).encode())
-    while True:  # as PID 1 we also reap the run's orphans (zombies would count against pids.max)
-        done, status = os.waitpid(-1, 0)
-        if done == pid:
-            break
-    code = os.waitstatus_to_exitcode(status)
-    sock.send(json.dumps({"exit": 128 - code if code < 0 else code}).encode())
-"""
-
-
-def _descendants(pid: int) -> list[int]:
-    out, i = [pid], 0
-    while i < len(out):
-        with contextlib.suppress(OSError):
-            for task in os.listdir(f"/proc/{out[i]}/task"):
-                with contextlib.suppress(OSError):
-                    out += [
-                        int(x)
-                        for x in Path(f"/proc/{out[i]}/task/{task}/children").read_text().split()
-                    ]
-        i += 1
-    return out[1:]
+_RUNNING = ("R", "S", "D")
 
 
 class WarmExecutor:
-    """Host side of one executor, in ``cgroup`` (the sandbox's run cgroup, which it sweeps).
+    """Host side of one zygote and its spawner, in ``cgroup`` (the sandbox's run cgroup, which
+    it sweeps).
 
-    ``spawn(argv, pass_fd)`` must start ``argv`` in the sandbox, inheriting ``pass_fd``, inside
-    ``cgroup``. ``env`` and ``cpu`` (RLIMIT_CPU) are what the executor's own checks run with.
+    ``spawn(argv, pass_fds)`` must start ``argv`` in the sandbox, inheriting ``pass_fds``, inside
+    ``cgroup``. ``env`` and ``cpu`` (RLIMIT_CPU) are what the zygote starts with, its own checks
+    run with and every run gets; Python runs whose ``env`` differs from it where interpreter
+    start-up reads it are exec'd instead of forked (see ``_wire.in_process``).
     """
 
     def __init__(
         self,
-        spawn: Callable[[list[str], int], subprocess.Popen[bytes]],
+        spawn: Callable[[list[str], tuple[int, ...]], subprocess.Popen[bytes]],
         cgroup: Cgroup,
         *,
         env: dict[str, str],
         cpu: int,
     ) -> None:
         self._spawn, self._cgroup = spawn, cgroup
-        self._env, self._cpu = env, cpu
+        self.env, self._cpu = env, cpu
         self.proc: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
+        """To the zygote: Python runs, spares, commands once the spawner has retired."""
+        self.spawner: socket.socket | None = None
+        """To the spawner: commands."""
         self.host_pid = 0
-        self.spare: set[int] = set()
-        self._baseline: dict[str, str] = {}
+        self.spawner_pid = 0
+        self.keep: set[int] = set()
+        """The zygote, the spawner and the launcher's processes: what every sweep spares."""
+        self._baseline: dict[int, dict[str, str]] = {}
         self._dev = b""
+        self._proc_fd: int | None = None
+        self._swept = False
+        """No process of a run is left: every one since was forked by the zygote for itself."""
+        self._spare_seen = False
+        """A run ran (on the spawner) while the zygote's spare was there: it may have touched it."""
+        self._retired = False
+        """The spawner used up its CPU budget: commands are forked by the zygote until reset."""
+        self._python_ran = False
+        """A Python run ran since the last reset: the next user is likely to run Python too."""
+        self._runs = 0
+        """Runs sent so far: each reply must name the run it answers."""
 
-    def _kill_others(self, exclude: set[int]) -> None:
-        """SIGKILL every process of the cgroup but ``exclude``. Whatever it could not kill stays
-        there, where ``verify()`` finds it: ``clean()`` then fails and the sandbox starts over."""
-        self._cgroup.kill_all(exclude=exclude)
+    def _kill_others(self, exclude: set[int]) -> bool:
+        """SIGKILL every process of the cgroup but ``exclude``; False if some survived. Whatever it
+        could not kill stays there, where ``verify()`` finds it: ``clean()`` then fails and the
+        sandbox starts over."""
+        return self._cgroup.kill_all(exclude=exclude)
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None and self.sock is not None
+        return (
+            self.proc is not None
+            and self.proc.poll() is None
+            and self.sock is not None
+            and self.spawner is not None
+        )
 
+    # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        to_spawner, spawner_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        to_spawner.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        ends = (theirs.fileno(), spawner_end.fileno())
         try:
-            self.proc = self._spawn(
-                ["python3", "-I", "-S", "-c", EXECUTOR_SOURCE, str(theirs.fileno())],
-                theirs.fileno(),
-            )
+            argv = ["python3", "-I", "-c", zygote_source(), *map(str, ends), str(self._cpu)]
+            self.proc = self._spawn(argv, ends)
+        except BaseException:
+            ours.close()
+            to_spawner.close()
+            raise
         finally:
             theirs.close()
-        self.sock = ours
+            spawner_end.close()
+        self.sock, self.spawner = ours, to_spawner
+        try:
+            self._find_processes()
+            self._proc_fd = os.open(f"/proc/{self.host_pid}", os.O_RDONLY | os.O_DIRECTORY)
+            cap = self._own(["true"])  # the spawner starts a program
+            # the first look at /dev, in fresh namespaces, is what clean() compares with
+            self._dev = self._dev_listing()
+        except BaseException:
+            self.stop()
+            raise
+        if cap.returncode != 0 or cap.timed_out:
+            err = cap.stderr.decode(errors="replace").strip()
+            self.stop()
+            raise SandboxError(f"the warm executor failed its first run: {err or 'no reason'}")
+        self._swept, self._spare_seen, self._retired = True, False, False
+
+    def _find_processes(self) -> None:
+        """The zygote (the first ``python3`` below the launcher), its ancestors up to the
+        launcher, and the spawner (the pid the kernel attaches to its hello): ``keep``."""
+        if self.proc is None or self.spawner is None:
+            raise SandboxError("the warm executor was not launched")
         deadline = time.monotonic() + 30
-        while not self.host_pid and time.monotonic() < deadline:  # find it to spare it from sweeps
-            for pid in _descendants(self.proc.pid):
+        while not self.host_pid and time.monotonic() < deadline:
+            for pid in descendants(self.proc.pid):
                 with contextlib.suppress(OSError):
-                    if Path(f"/proc/{pid}/comm").read_text().strip() == "python3":
+                    if proc(pid, "comm").strip() == "python3":
                         self.host_pid = pid
                         break
             if self.proc.poll() is not None:
                 break
             time.sleep(0.001)
-        if not self.host_pid:
+        hello: Reply | None = None
+        if self.host_pid:
+            self.spawner.settimeout(max(1.0, deadline - time.monotonic()))
+            with contextlib.suppress(OSError, ProtocolError):
+                hello = reply(self.spawner, credentials=True)
+            self.spawner.settimeout(None)
+        parent = ""
+        if hello is not None and hello[0] == b"H" and hello[2] == 0:
+            with contextlib.suppress(OSError):
+                parent = proc_stat(hello[3])[1]
+        if parent != str(self.host_pid) or hello is None:
             stderr = self.proc.stderr
             exited = self.proc.poll() is not None
             err = stderr.read().decode(errors="replace") if exited and stderr is not None else ""
-            self.stop()
             raise SandboxError(f"the warm executor did not start: {err.strip() or 'not found'}")
-        with contextlib.suppress(OSError):
-            Path(f"/proc/{self.host_pid}/oom_score_adj").write_text("-1000")
-        self._baseline = self._inherited()
-        self.spare = {self.host_pid}  # and its ancestors up to the launcher (bwrap, its init...)
+        self.spawner_pid = hello[3]
+        self.keep = {self.host_pid, self.spawner_pid}
         pid = self.host_pid
-        while pid != self.proc.pid and pid > 1:
+        while pid != self.proc.pid and pid > 1:  # the launcher: bwrap and its monitor
             try:
-                pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
+                pid = int(proc_stat(pid)[1])
+            except (OSError, ValueError):
                 break
-            self.spare.add(pid)
-        try:  # the first look at /dev, in fresh namespaces, is what clean() compares with
-            self._dev = self._check(DEV_CHECK, max_bytes=65536, restart=False).stdout
-        except BaseException:
-            self.stop()
-            raise
-
-    def clean(self, writable: Sequence[str]) -> bool:
-        """Make the sandbox fit for its next user without new namespaces: sweep every process but
-        the executor, empty ``writable`` (every place a run can write) and SysV IPC, check that
-        ``/dev`` looks as it did at the start, and ``verify()`` what was spared. False if anything
-        is left or untrustworthy (a directory made undeletable, a traced executor...): the
-        caller then starts over in fresh namespaces."""
-        if not self.alive:
-            return False
-        if not self._cgroup.kill_all(exclude=self.spare, timeout=1.0) or self.verify():
-            return False
-        dirs = shlex.join(writable)  # ipcrm: SysV IPC, where seccomp is off
-        script = (
-            f"find {dirs} -mindepth 1 -delete 2>/dev/null; ipcrm -a 2>/dev/null; "
-            f"find {dirs} -mindepth 1 2>/dev/null | head -n 1; {DEV_CHECK}"
-        )
-        try:
-            cap = self._check(script, max_bytes=4096)
-        except SandboxError:
-            return False
-        # /dev is read-only inside, but a tampered /dev/null must never reach the next user
-        if cap.returncode != 0 or cap.timed_out or cap.stdout != self._dev:
-            return False
-        return self.verify() is None
-
-    def _check(self, script: str, *, max_bytes: int, restart: bool = True) -> Captured:
-        """Run the executor's own ``sh -c script`` (30 s at most)."""
-        if not restart and not self.alive:
-            raise SandboxError("the warm executor died as it started")
-        return self.run(
-            ["/bin/sh", "-c", script],
-            env=self._env,
-            cwd="/",
-            cpu=self._cpu,
-            stdin=None,
-            timeout=30,
-            max_bytes=max_bytes,
-        )
-
-    def state(self) -> str:
-        """The executor's state letter from ``/proc`` (``R``, ``S``, ``T``...; ``X`` when gone)."""
-        try:
-            return Path(f"/proc/{self.host_pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):
-            return "X"
-
-    def _inherited(self) -> dict[str, str]:
-        """What every run forked by the executor inherits from it and a run of the same uid could
-        change through its pid (``prlimit``, ``setpriority``, ``sched_setaffinity``,
-        ``sched_setscheduler``): rlimits, nice, CPU affinity, scheduling policy."""
-        try:
-            stat = Path(f"/proc/{self.host_pid}/stat").read_text().rsplit(")", 1)[1].split()
-            status = Path(f"/proc/{self.host_pid}/status").read_text()
-            limits = Path(f"/proc/{self.host_pid}/limits").read_text()
-        except (OSError, IndexError):
-            return {}
-        cpus = next(
-            (line for line in status.splitlines() if line.startswith("Cpus_allowed_list:")), ""
-        )
-        return {"limits": limits, "nice": stat[16], "policy": stat[38], "cpus": cpus}
-
-    def verify(self) -> str | None:
-        """Why the processes a reset spares cannot be trusted with the next user (None if they
-        can). The executor must be under a seccomp filter where this host has one."""
-        if not self.alive or not self.host_pid:
-            return "the executor is not running"
-        present = self._cgroup.pids()
-        seccomp = _seccomp.program() is not None
-        if present != self.spare:
-            survivors = sorted(present - self.spare)
-            return f"processes other than the executor survived the sweep: {survivors}"
-        for pid in self.spare:
-            try:
-                status = dict(
-                    line.split(":\t", 1)
-                    for line in Path(f"/proc/{pid}/status").read_text().splitlines()
-                    if ":\t" in line
-                )
-            except OSError:
-                return f"spared process {pid} is gone"
-            if status.get("TracerPid", "0").strip() != "0":
-                return f"spared process {pid} is being traced by {status['TracerPid'].strip()}"
-            if status.get("State", "").strip()[:1] in ("T", "t", "Z"):
-                return f"spared process {pid} is {status['State'].strip()}"
-            if pid == self.host_pid and seccomp and status.get("Seccomp", "0").strip() != "2":
-                return "the executor runs without its seccomp filter"
-        changed = [k for k, v in self._inherited().items() if self._baseline.get(k) != v]
-        # e.g. a run lowered its rlimits or CPU share: every later run would inherit them
-        if changed:
-            return f"a run changed what the executor passes to later runs: {', '.join(changed)}"
-        return None
+            self.keep.add(pid)
+        self._baseline = {pid: self._inherited(pid) for pid in (self.host_pid, self.spawner_pid)}
 
     def stop(self) -> None:
-        if self.sock is not None:
-            self.sock.close()
-            self.sock = None
+        for sock in (self.sock, self.spawner):
+            if sock is not None:
+                sock.close()
+        self.sock = self.spawner = None
         if self.proc is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.proc.pid, 9)
@@ -302,8 +233,191 @@ class WarmExecutor:
                 if stream is not None:
                     stream.close()
             self.proc = None
-        self.host_pid = 0
-        self.spare = set()
+        if self._proc_fd is not None:
+            os.close(self._proc_fd)
+            self._proc_fd = None
+        self.host_pid = self.spawner_pid = 0
+        self.keep = set()
+        self._swept = self._retired = False
+
+    # ---- between users -----------------------------------------------------------------------
+    def clean(self, writable: Sequence[str]) -> bool:
+        """Make the sandbox fit for its next user without new namespaces: sweep every process but
+        the zygote, its spawner (and a spare no run has seen), empty ``writable`` (every place a
+        run can write) and SysV IPC, check that ``/dev`` looks as it did at the start, and
+        ``verify()`` what was spared. False if anything is left or untrustworthy (a directory
+        too big to empty, a traced zygote, a spawner that retired...): the caller then starts
+        over in fresh namespaces.
+
+        The emptying is done from the host, as root, through ``/proc/PID/root`` of the zygote
+        (by a handle on that very process, never a pid that could be reused), following no
+        symlink: nothing of what a run left is ever read inside the sandbox."""
+        if not self.alive or self._retired:
+            return False
+        spare = set() if self._spare_seen else self._spare(self._cgroup.pids())
+        if not self._cgroup.kill_all(exclude=self.keep | spare, timeout=1.0):
+            return False  # (nothing runs from here on: what runs left is still as they left it)
+        self._spare_seen = False  # it is dead if a run saw it
+        if _seccomp.program() is None:  # SysV IPC is not denied: remove what runs made
+            try:
+                cap = self._own(["ipcrm", "-a"])
+            except SandboxError:
+                return False
+            if cap.returncode != 0 or cap.timed_out:
+                return False
+        try:
+            root = os.open("root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._fd())
+            try:
+                for path in writable:
+                    fd = _host.open_dir_at(root, path)
+                    try:
+                        if not _host.empty_dir(fd):
+                            return False
+                    finally:
+                        os.close(fd)
+            finally:
+                os.close(root)
+            # /dev is read-only inside, but a tampered /dev/null must never reach the next user
+            if self._dev_listing() != self._dev:
+                return False
+        except OSError:  # the zygote is gone, or a path was replaced by a symlink
+            return False
+        if self.verify() is not None:
+            return False
+        self._swept = True
+        if self._python_ran:  # a spare for the next user's first Python run, forked now
+            self._prefork()
+        self._python_ran = False
+        return True
+
+    def _fd(self) -> int:
+        if self._proc_fd is None:
+            raise OSError(f"no handle on the zygote's /proc directory ({self.host_pid})")
+        return self._proc_fd
+
+    def _dev_listing(self) -> bytes:
+        root = os.open("root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._fd())
+        try:
+            dev = _host.open_dir_at(root, "dev")
+        finally:
+            os.close(root)
+        try:
+            return _host.dir_listing(dev)
+        finally:
+            os.close(dev)
+
+    def _spare(self, present: set[int]) -> set[int]:
+        """The zygote's spare child (forked, or being forked), if that is the only other process
+        in the sandbox and no process of a run has been left since the last sweep: then only the
+        zygote can have forked it, for itself (``verify`` checks it as it checks the zygote)."""
+        extra = present - self.keep if self._swept else set()
+        if len(extra) != 1:
+            return set()
+        pid = next(iter(extra))
+        try:
+            fields = proc_stat(pid)
+        except OSError:
+            return set()
+        return {pid} if fields[0] in _RUNNING and fields[1] == str(self.host_pid) else set()
+
+    def state(self, pid: int = 0) -> str:
+        """The state letter of ``pid`` (the zygote's by default) from ``/proc`` (``R``, ``S``,
+        ``T``...; ``X`` when gone)."""
+        try:
+            return proc_stat(pid or self.host_pid)[0]
+        except OSError:
+            return "X"
+
+    def _inherited(self, pid: int, status: str | None = None) -> dict[str, str]:
+        """What every run started by ``pid`` inherits from it and a run of the same uid could
+        change through its pid (``prlimit``, ``setpriority``, ``sched_setaffinity``,
+        ``sched_setscheduler``): rlimits, nice, CPU affinity, scheduling policy."""
+        try:
+            stat = proc_stat(pid)
+            limits = proc(pid, "limits")
+            status = proc(pid, "status") if status is None else status
+        except OSError:
+            return {}
+        cpus = next(
+            (line for line in status.splitlines() if line.startswith("Cpus_allowed_list:")), ""
+        )
+        return {"limits": limits, "nice": stat[16], "policy": stat[38], "cpus": cpus}
+
+    def verify(self) -> str | None:
+        """Why the processes a reset spares (the zygote, its spawner, its launcher and a spare
+        child no run has seen) cannot be trusted with the next user (None if they can). Zygote
+        and spawner must be under a seccomp filter where this host has one."""
+        if not self.alive or not self.host_pid:
+            return "the executor is not running"
+        present = self._cgroup.pids()
+        spare = set() if self._spare_seen else self._spare(present)
+        seccomp = _seccomp.program() is not None
+        if present != self.keep | spare:
+            survivors = sorted(present - self.keep - spare)
+            return f"processes other than the executor survived the sweep: {survivors}"
+        for pid in self.keep | spare:
+            try:
+                text = proc(pid, "status")
+            except OSError:
+                return f"spared process {pid} is gone"
+            status = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+            if status.get("TracerPid", "0").strip() != "0":
+                return f"spared process {pid} is being traced by {status['TracerPid'].strip()}"
+            if status.get("State", "").strip()[:1] in ("T", "t", "Z"):
+                return f"spared process {pid} is {status['State'].strip()}"
+            if pid not in self._baseline:
+                continue
+            if seccomp and status.get("Seccomp", "0").strip() != "2":
+                return f"spared process {pid} runs without its seccomp filter"
+            now = self._inherited(pid, text)
+            changed = [k for k, v in self._baseline[pid].items() if now.get(k) != v]
+            # e.g. a run lowered its rlimits or CPU share: every later run would inherit them
+            if changed:
+                return f"a run changed what {pid} passes to later runs: {', '.join(changed)}"
+        return None
+
+    # ---- runs --------------------------------------------------------------------------------
+    def _own(self, argv: list[str]) -> Captured:
+        """A run of the executor's own (30 s at most), not of a user: ``argv`` is trusted."""
+        return self.run(
+            argv, env=self.env, cwd="/", cpu=self._cpu, stdin=None, timeout=30, max_bytes=65536,
+            own=True,
+        )  # fmt: skip
+
+    def _prefork(self) -> None:
+        """Ask for a spare child now that the sandbox holds nothing of a run (after a Python run,
+        or a reset that followed some: commands, on the spawner, need none)."""
+        if self.sock is not None:
+            with contextlib.suppress(OSError):
+                self.sock.send(b"S", socket.MSG_DONTWAIT)
+
+    def _drain(self) -> None:
+        """Before a run: a reply nobody asked for means a zygote or spawner that lies; stop."""
+        for sock in (self.sock, self.spawner):
+            if sock is None:
+                continue
+            try:
+                sock.recvmsg(16, 64, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                continue
+            except OSError:
+                pass
+            self.stop()
+            return
+
+    def _route(self, argv: list[str], env: dict[str, str], cpu: int) -> tuple[str, bool]:
+        """``(mode, on the spawner)`` for a run; restarts what a run stopped or killed."""
+        if not self.alive:
+            self.stop()
+            self.start()
+        if in_process(argv, env, self.env):
+            return "python", False
+        if self._retired or cpu != self._cpu:
+            return "exec", False
+        if self.state(self.spawner_pid) not in _RUNNING:  # a run stopped or killed it
+            self.stop()
+            self.start()
+        return "exec", True
 
     def run(
         self,
@@ -315,52 +429,77 @@ class WarmExecutor:
         stdin: bytes | None,
         timeout: float,
         max_bytes: int,
+        own: bool = False,
     ) -> Captured:
-        if not self.alive:
-            self.stop()
-            self.start()
-        sock = self.sock
+        """Run ``argv`` (spawned, or forked and run in place: ``_wire.in_process``) with the
+        host's deadline and output cap. ``own``: a run of the executor's own, not of a user."""
+        self._drain()
+        mode, on_spawner = self._route(argv, env, cpu)
+        sock = self.spawner if on_spawner else self.sock
         if sock is None:
             raise SandboxError("the warm executor has no control socket; it failed to start")
+        request = {"mode": mode, "argv": argv, "env": env, "cwd": cwd, "cpu": cpu}
         started = time.monotonic()
+        request_fd = _seccomp.memfd("envhub-run", json.dumps(request).encode())
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
+        # a spare that saw no run is spared by this run's sweep if it only used the spawner
+        spare = self._started(self._spare(self._cgroup.pids())) if on_spawner else {}
+        if not own:
+            self._swept = False  # code of a run is about to run
+            self._spare_seen = self._spare_seen or bool(spare)
         try:
+            self._runs += 1
             socket.send_fds(
-                sock,
-                [json.dumps({"argv": argv, "env": env, "cwd": cwd, "cpu": cpu}).encode()],
-                [in_r, out_w, err_w],
+                sock, [REQUEST.pack(b"R", self._runs)], [in_r, out_w, err_w, request_fd]
             )
         except OSError as e:
-            for fd in (in_r, in_w, out_r, out_w, err_r, err_w):
+            for fd in (in_r, in_w, out_r, out_w, err_r, err_w, request_fd):
                 os.close(fd)
             self.stop()
             raise SandboxError(
                 f"the warm executor is gone ({e}); the next run starts a new one"
             ) from e
-        for fd in (in_r, out_w, err_w):
+        for fd in (in_r, out_w, err_w, request_fd):
             os.close(fd)
         state: dict[str, int] = {}
-        spare = set(self.spare)
+        keep = set(self.keep)
+        watched = self.spawner_pid if on_spawner else self.host_pid
 
         def on_control() -> bool:
             try:
-                msg = sock.recv(4096)
+                answer = reply(sock, credentials=on_spawner)
             except TimeoutError:
                 state["stalled"] = 1
                 return False
-            except OSError:
-                msg = b""
-            if not msg:  # the executor died (killed from inside?): sweep and replace it later
-                state.setdefault("exit", 137)
+            except (OSError, ProtocolError):
+                answer = None
+            kinds = (b"X", b"Y") if on_spawner else (b"X", b"F")
+            if (
+                answer is None
+                or answer[0] not in kinds
+                or answer[2] != self._runs  # an answer to another run: sent twice, or late
+                or (on_spawner and answer[3] != watched)
+            ):
+                state.update(exit=137, lost=1)  # EOF or a lie: sweep everything, start afresh
                 self._kill_others(set())
                 return True
-            state.update(json.loads(msg))
-            if "exit" in state:
-                self._kill_others(spare)  # leftovers of the run die with it, like a PID namespace
+            kind, value, _, _ = answer
+            if kind == b"F":  # it could not fork: the run never started
+                state.update(exit=126, lost=1, errno=value)
                 return True
-            return False
+            state["exit"] = value
+            self._retired = self._retired or kind == b"Y"
+            # leftovers of the run die with it, like a PID namespace
+            swept = self._kill_others(keep | self._same(spare))
+            if not own:  # (the executor's own runs ask for the spare when they are done)
+                self._swept = swept
+                if not on_spawner:  # the zygote's fork, or its spare, ran it: a new spare
+                    self._spare_seen = False
+                    self._python_ran = True
+                    self._prefork()
+            return True
 
         try:
             cap = pump(
@@ -370,7 +509,7 @@ class WarmExecutor:
                 stdin=stdin,
                 timeout=timeout,
                 max_bytes=max_bytes,
-                kill=lambda: self._kill_others(spare),
+                kill=lambda: self._kill_others(keep),
                 started=started,
                 control_fd=sock.fileno(),
                 on_control=on_control,
@@ -381,29 +520,57 @@ class WarmExecutor:
                 left = started + timeout - time.monotonic()
                 if left <= 0 and not killed:
                     cap.timed_out = killed = True
-                    self._kill_others(spare)
+                    self._kill_others(keep)
                 sock.settimeout(_POLL_S)
                 if on_control():
                     break
                 if not state.pop("stalled", 0):
                     continue
-                if self.state() in ("T", "t", "Z", "X"):  # stopped or dead: it will never answer
+                if self.state(watched) in ("T", "t", "Z", "X"):  # stopped or dead: no answer
                     state.update(exit=137, lost=1)
                     self._kill_others(set())
                 elif killed:
                     waited_after_kill += _POLL_S
-                    if waited_after_kill >= 5.0:  # killed, yet no exit status: assume it is gone
-                        state["exit"] = 137
+                    if waited_after_kill >= 2.0:  # killed, yet no exit status: assume it is lost
+                        state.update(exit=137, lost=1)
                         self._kill_others(set())
         except (OSError, ValueError) as e:
             self.stop()
             raise SandboxError(f"the warm executor failed mid-run: {e}") from e
         finally:
-            sock.settimeout(None)
+            with contextlib.suppress(OSError):
+                sock.settimeout(None)
             for fd in (out_r, err_r):
                 os.close(fd)
-        if state.get("lost") or not self.alive or state.get("exit") is None:
+        note = ""
+        if "errno" in state:
+            why = os.strerror(state["errno"])
+            note = f"envhub: the sandbox could not start this run: fork: {why}\n"
+        elif state.get("lost"):
+            note = _LOST
+        if note:  # on a line of its own after whatever the run printed
+            cap.stderr += (b"\n" if cap.stderr[-1:] not in (b"", b"\n") else b"") + note.encode()
+        if state.get("lost") or not self.alive:
             self.stop()
         cap.returncode = state.get("exit", 137)
         cap.wall_time_s = time.monotonic() - started
         return cap
+
+    @staticmethod
+    def _started(pids: set[int]) -> dict[int, str]:
+        """``pid -> start time`` (a pid the kernel reused has another)."""
+        found = {}
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                found[pid] = proc_stat(pid)[19]
+        return found
+
+    def _same(self, spare: dict[int, str]) -> set[int]:
+        """The pids of ``spare`` that are still that very process, the zygote's child."""
+        same = set()
+        for pid, start in spare.items():
+            with contextlib.suppress(OSError):
+                fields = proc_stat(pid)
+                if fields[19] == start and fields[1] == str(self.host_pid):
+                    same.add(pid)
+        return same

@@ -2,8 +2,10 @@
 
 A started ``LocalSandbox`` holds one :class:`Footprint`:
 
-- a directory ``envhub-sbx-ID-*`` in the temp dir (or ``base_dir``), mode 0711 so that the
-  sandbox uid can traverse it to its scratch, with
+- a directory ``envhub-sbx-ID-*`` in ``base_dir`` (by default, as root, the host's ``/dev/shm``:
+  creating and deleting directory entries on a disk file system can cost milliseconds each,
+  and the scratch inside is a tmpfs of its own anyway; else the temp dir), mode 0711 so that
+  the sandbox uid can traverse it to its scratch, with
 
   - ``scratch/``: what the program sees as ``/sandbox``. As root a tmpfs of ``disk_mb`` owned
     by the sandbox uid; otherwise (or where mounting fails) a plain directory, mode 0700;
@@ -44,6 +46,14 @@ from sandboxes.base import Limits
 __all__ = ["Footprint", "collect_stale"]
 
 _PREFIX = "envhub-sbx-"
+_SHM = Path("/dev/shm")
+
+
+def default_base_dir() -> str:
+    """Where sandbox directories go unless ``base_dir`` says otherwise (see the docstring)."""
+    if _host.is_root() and _SHM.is_dir() and os.access(_SHM, os.W_OK | os.X_OK):
+        return str(_SHM)
+    return tempfile.gettempdir()
 
 
 class Footprint:
@@ -60,7 +70,9 @@ class Footprint:
         self.scratch_is_tmpfs = False
         self.etc: dict[str, bytes] = {}
         self._released = False
-        self.dir = Path(tempfile.mkdtemp(prefix=f"{_PREFIX}{sandbox_id}-", dir=base_dir))
+        self.dir = Path(
+            tempfile.mkdtemp(prefix=f"{_PREFIX}{sandbox_id}-", dir=base_dir or default_base_dir())
+        )
         self.scratch = self.dir / "scratch"
         try:
             self._create(sandbox_id, isolation)
@@ -148,7 +160,8 @@ def collect_stale(base_dir: str | None = None) -> list[str]:
     runs this.
     """
     removed = []
-    for path in Path(base_dir or tempfile.gettempdir()).glob(f"{_PREFIX}*"):
+    places = [base_dir] if base_dir else sorted({default_base_dir(), tempfile.gettempdir()})
+    for path in (p for place in places for p in Path(place).glob(f"{_PREFIX}*")):
         try:
             owner = json.loads((path / "owner.json").read_text())
         except (OSError, ValueError):

@@ -12,7 +12,9 @@ Why each exists:
 - **A tmpfs scratch** (``mount -t tmpfs -o size=``): a disk-fill attack fills at most
   ``Limits.disk_mb``, and ``reset()`` is an unmount.
 - **``*at()`` file access with ``O_NOFOLLOW``**: the host reads and writes scratch as root, and
-  the sandboxed program may have planted symlinks there (``ln -s /etc/shadow out.txt``).
+  the sandboxed program may have planted symlinks there (``ln -s /etc/shadow out.txt``). The
+  same holds when it empties a warm sandbox's ``/tmp`` from outside (``empty_dir``), or looks at
+  its ``/dev`` (``dir_listing``), through ``/proc/PID/root`` of the zygote.
 """
 
 from __future__ import annotations
@@ -31,7 +33,18 @@ from pathlib import Path
 
 from sandboxes.errors import SandboxError, SandboxFileError
 
-__all__ = ["Cgroup", "UidLease", "is_root", "mount_tmpfs", "read_at", "unmount", "write_at"]
+__all__ = [
+    "Cgroup",
+    "UidLease",
+    "dir_listing",
+    "empty_dir",
+    "is_root",
+    "mount_tmpfs",
+    "open_dir_at",
+    "read_at",
+    "unmount",
+    "write_at",
+]
 
 UID_BASE = 200_000
 UID_COUNT = 8192
@@ -40,6 +53,15 @@ LEASE_DIR = (
     if os.access("/run", os.W_OK)
     else Path("/tmp/envhub-sandbox-uids")
 )
+
+
+def _read_small(path: bytes) -> bytes:
+    """A small kernel file (cgroup, /proc) in one read."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.read(fd, 1 << 20)
+    finally:
+        os.close(fd)
 
 
 def is_root() -> bool:
@@ -156,6 +178,11 @@ class Cgroup:
                 (self.dirs["memory"] / "memory.swappiness").write_text("0")
         if pids_max is not None:
             (self.dirs["pids"] / "pids.max").write_text(str(pids_max))
+        self._procs = [os.fsencode(p / "cgroup.procs") for p in self.dirs.values()]
+        self._oom_control: int | None = None
+        """``memory.oom_control``, kept open: read at offset 0 again it is current (it is read
+        before and after every warm run; an open costs ~20x a read). ``cgroup.procs`` is not:
+        an open file keeps the list it first read."""
 
     @property
     def procs_files(self) -> list[str]:
@@ -163,18 +190,19 @@ class Cgroup:
 
     def pids(self) -> set[int]:
         found: set[int] = set()
-        for path in self.dirs.values():
+        for path in self._procs:  # read on every run of a warm sandbox: no pathlib here
             with contextlib.suppress(OSError):
-                found.update(int(x) for x in (path / "cgroup.procs").read_text().split())
+                found.update(int(x) for x in _read_small(path).split())
         return found
 
     def oom_kills(self) -> int:
-        try:
-            for line in (self.dirs["memory"] / "memory.oom_control").read_text().splitlines():
-                if line.startswith("oom_kill "):
+        with contextlib.suppress(OSError, ValueError):
+            if self._oom_control is None:
+                path = self.dirs["memory"] / "memory.oom_control"
+                self._oom_control = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            for line in os.pread(self._oom_control, 4096, 0).splitlines():
+                if line.startswith(b"oom_kill "):
                     return int(line.split()[1])
-        except OSError:
-            pass
         return 0
 
     def kill_all(
@@ -183,6 +211,7 @@ class Cgroup:
         """SIGKILL every process in the cgroup (but ``exclude``) until none is left; forks race
         us, and pids.max bounds how many."""
         deadline = time.monotonic() + timeout
+        pause = 0.0001  # a killed process leaves the cgroup within microseconds when a CPU is free
         while True:
             pids = self.pids() - exclude
             if not pids:
@@ -192,9 +221,13 @@ class Cgroup:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, signal.SIGKILL)
-            time.sleep(0.002)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.005)
 
     def remove(self) -> None:
+        if self._oom_control is not None:
+            os.close(self._oom_control)
+            self._oom_control = None
         self.kill_all()
         for path in self.dirs.values():
             for _ in range(200):  # rmdir fails with EBUSY until the killed tasks are reaped
@@ -333,3 +366,69 @@ def read_at(root: Path, parts: tuple[str, ...]) -> bytes:
             return b"".join(chunks)
         finally:
             os.close(fd)
+
+
+def open_dir_at(dir_fd: int, path: str) -> int:
+    """Open directory ``path`` (``/``-separated, relative to ``dir_fd``) without following any
+    symlink on the way; the caller closes the fd. Raises ``OSError`` (``ELOOP``, ``ENOTDIR``...)."""
+    fd = os.dup(dir_fd)
+    try:
+        for name in (part for part in path.split("/") if part):
+            nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+class _TooBig(Exception):
+    pass
+
+
+def empty_dir(dir_fd: int, *, max_entries: int = 100_000, max_depth: int = 256) -> bool:
+    """Delete everything inside the directory ``dir_fd``, following no symlink (as root, in a
+    tree a sandboxed program made: nothing may run there meanwhile). False when it could not:
+    an entry that will not go, more than ``max_entries`` entries or ``max_depth`` levels (the
+    caller then starts over some other way rather than spend unbounded time here)."""
+    budget = [max_entries]
+
+    def empty(fd: int, depth: int) -> None:
+        with os.scandir(fd) as entries:
+            names = [(entry.name, entry.is_dir(follow_symlinks=False)) for entry in entries]
+        for name, is_dir in names:
+            budget[0] -= 1
+            if budget[0] < 0 or (is_dir and depth >= max_depth):
+                raise _TooBig
+            if is_dir:
+                sub = os.open(name, _DIR_FLAGS, dir_fd=fd)
+                try:
+                    empty(sub, depth + 1)
+                finally:
+                    os.close(sub)
+                os.rmdir(name, dir_fd=fd)
+            else:
+                os.unlink(name, dir_fd=fd)
+
+    try:
+        empty(dir_fd, 0)
+    except (OSError, _TooBig):
+        return False
+    return not os.listdir(dir_fd)
+
+
+def dir_listing(dir_fd: int) -> bytes:
+    """One line per entry of the directory ``dir_fd``, sorted: name, mode (type included),
+    owner, file system and inode, device numbers, link target; following no symlink. Two
+    listings differ when any entry was added, removed, replaced or changed."""
+    lines = []
+    for name in sorted(os.listdir(dir_fd)):
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        target = os.readlink(name, dir_fd=dir_fd) if stat.S_ISLNK(st.st_mode) else ""
+        device = f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)}"
+        lines.append(
+            f"{name!r} {st.st_mode:o} {st.st_uid}:{st.st_gid} {st.st_dev:x}/{st.st_ino} "
+            f"{device} {target!r}"
+        )
+    return "\n".join(lines).encode()

@@ -46,7 +46,7 @@ def pump(
     stdin: bytes | None,
     timeout: float,
     max_bytes: int,
-    kill: Callable[[], None],
+    kill: Callable[[], object],
     started: float,
     control_fd: int | None = None,
     on_control: Callable[[], bool] | None = None,
@@ -136,7 +136,7 @@ def communicate(
     stdin: bytes | None,
     timeout: float,
     max_bytes: int,
-    kill: Callable[[], None],
+    kill: Callable[[], object],
     started: float,
 ) -> Captured:
     """``pump`` over a ``Popen``'s pipes, then reap it (killing it if it outlives the deadline)."""

@@ -3,15 +3,21 @@
 Each ``run`` starts one process in fresh namespaces (bubblewrap, or ``unshare`` where bwrap
 is missing; see ``_isolation.py`` for the exact view of the filesystem). Run as root (as CI
 and this project's machines do), a sandbox also gets its own uid, cgroups and a tmpfs scratch.
-``warm_exec=True`` (what ``SandboxPool`` uses) keeps one executor process inside the
-namespaces instead, and a run is a fork+exec there (``_executor.py``): several times faster,
-same limits; runs of one sandbox then share its namespaces and ``/tmp`` until ``reset()``.
+``warm_exec=True`` (what ``SandboxPool`` and the code envs use) keeps a fork server (the
+*zygote*, ``_zygote.py``; host side ``_executor.py``) inside the namespaces instead: a command
+is one ``posix_spawn`` by its small spawner process, and ``python3 -I FILE|-c CODE``
+(``run_code``, the code envs' test runner) runs in a fork of the pre-imported zygote, with no
+interpreter start-up. Same limits; runs of one sandbox then share its namespaces and ``/tmp``
+until ``reset()``, but nothing else: each is a fresh process, and neither the zygote nor the
+spawner ever runs code of a run.
 How each process is launched, with which limits, is ``_launch.py``; what a sandbox holds on
 the host and how it is given back (``envhub sandbox gc`` after a crash) is ``_footprint.py``.
 
 Protects against (``LocalSandbox.PROTECTS`` is the same list with the tests that attack each
 property; ``envhub sandbox info`` prints it with what is active on this host). Tests are in
-``tests/sandboxes/``: ``adv`` = ``test_adversarial.py``, ``reuse`` = ``test_reuse.py``.
+``tests/sandboxes/``: ``adv`` = ``test_adversarial.py``, ``reuse`` = ``test_reuse.py``,
+``zyg`` = ``test_zygote.py``; ``adv`` and ``reuse`` run on the warm path too, and again with
+Python taking the zygote's in-process path (``local-fork``).
 
 - **Infinite loops**: wall-clock deadline per run, then SIGKILL of the whole process tree
   (process group + PID namespace + cgroup sweep); RLIMIT_CPU as a second bound.
@@ -43,19 +49,41 @@ property; ``envhub sandbox info`` prints it with what is active on this host). T
   and the program is an unprivileged uid without capabilities.
   (adv::test_writes_outside_scratch_fail_and_tmp_is_private)
 - **Orphans**: a run's PID namespace dies with it (with ``warm_exec``, every process of the
-  run's cgroup but the executor is SIGKILLed when the run returns).
+  run's cgroup but the zygote is SIGKILLed when the run returns).
   (adv::test_background_processes_do_not_survive_a_timeout,
-  reuse::test_a_process_left_behind_is_dead_when_the_run_returns)
+  reuse::test_a_process_left_behind_is_dead_when_the_run_returns,
+  zyg::test_a_background_process_of_a_run_is_gone_before_the_next)
+- **State from one run in the next** (``warm_exec``): every run is a fresh fork of the zygote,
+  so modules, globals, handlers, threads, cwd or random state a run changes die with it; what
+  a run asks for reaches its child through a memfd, never the zygote's memory; files in scratch,
+  ``/tmp`` and ``/dev/shm`` last until ``reset()`` (as the contract says), which empties them
+  from the host. (zyg::test_modules_globals_handlers_and_threads_of_a_run_are_not_in_the_next,
+  zyg::test_unseeded_random_numbers_differ_between_runs,
+  zyg::test_files_a_run_leaves_do_not_reach_the_next_user)
+- **A broken or lying zygote** (``warm_exec``): the host parses its (and its spawner's)
+  fixed-size replies strictly, learns the spawner's pid from the kernel, takes no fd from
+  either, enforces deadlines and output caps itself; a zygote or spawner killed
+  (from outside, or by the OOM killer when a run exhausts the memory) or caught lying costs the
+  run a clear result (exit 137, a note on stderr) and the next run a fresh zygote in fresh
+  namespaces; a run cannot stop it with a signal (PID 1 with no handlers).
+  (zyg::test_signals_a_run_sends_the_zygote_do_not_stop_it,
+  zyg::test_a_run_that_stops_or_kills_the_spawner_costs_a_restart,
+  zyg::test_a_zygote_killed_mid_run_costs_a_restart,
+  zyg::test_a_run_that_exhausts_the_sandbox_memory_costs_a_restart,
+  zyg::test_a_zygote_that_lies_costs_a_restart_and_never_hangs_the_host)
 - **Signals**: a PID namespace shows only the sandbox's processes; host PIDs cannot be signalled.
   (adv::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill)
-- **Tampering with what outlives a run** (the warm executor): it is PID 1 of its namespace and
-  non-dumpable, ``ptrace``/``process_vm_*`` are denied by seccomp, and ``reset()`` verifies it
-  (not traced, not stopped, still filtered, alone in the cgroup, and the rlimits, nice, CPU
-  affinity and scheduling policy its runs inherit unchanged) or starts a fresh one.
+- **Tampering with what outlives a run** (the zygote and its spawner): both are non-dumpable,
+  the zygote is PID 1 of its namespace, ``ptrace``/``process_vm_*`` are denied by seccomp, and
+  ``reset()`` verifies them (not traced, not stopped, still filtered, alone in the cgroup but
+  for a spare child the zygote forked for itself that no run saw, and the rlimits, nice, CPU
+  affinity and scheduling policy runs inherit unchanged) or starts afresh; a spawner a run
+  stopped or killed is replaced before the next command.
   (adv::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten,
   adv::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next,
   adv::test_reset_replaces_an_executor_it_cannot_verify,
-  adv::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user)
+  adv::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user,
+  zyg::test_reset_replaces_a_spawner_it_cannot_verify)
 - **Kernel objects across ``reset()``**: POSIX message queues (a private ``/dev/mqueue``),
   ``/dev/shm`` and ``/tmp`` are emptied, or the namespaces are new; SysV IPC is denied.
   (reuse::test_ipc_objects_do_not_reach_the_next_user,
@@ -84,7 +112,11 @@ tmpfs scratch (``disk_mb`` unenforced there; ``max_file_size_mb`` still holds), 
 ``warm_exec``. Only cgroup v1 controllers are used: on a cgroup-v2-only host the memory cap is
 RLIMIT_AS per process, the process cap RLIMIT_NPROC on the private uid, and ``warm_exec``
 falls back to a fresh sandbox per run. Without libseccomp there is no syscall filter
-(``protections`` says so). ``protections`` lists what is active on this host.
+(``protections`` says so). With ``warm_exec``, Python runs forked from one zygote share its
+``str`` hash seed and address-space layout (a run can learn both; they say nothing about
+another run's data), see the pre-imported modules in ``sys.modules``, and differ from a fresh
+``python3 -I`` in interpreter teardown past what ``_zygote._run_python`` reproduces.
+``protections`` lists what is active on this host.
 """
 
 from __future__ import annotations
@@ -103,7 +135,8 @@ from sandboxes._footprint import Footprint
 from sandboxes._isolation import probe
 from sandboxes._launch import Launcher, cpu_seconds, kill_tree, launch_uid
 from sandboxes._proc import communicate, exit_status
-from sandboxes.base import ExecResult, Limits, Protection, Sandbox, Session, _decode
+from sandboxes._protects import LOCAL_NOT_PROTECTED, LOCAL_PROTECTS
+from sandboxes.base import ExecResult, Limits, Sandbox, Session, _decode
 from sandboxes.errors import (
     SandboxConfigError,
     SandboxError,
@@ -145,144 +178,8 @@ class LocalSandbox(Sandbox):
     """
 
     backend = "local"
-    PROTECTS = tuple(
-        Protection(name, how, tuple(f"tests/sandboxes/{t}" for t in tests))
-        for name, how, tests in (
-            (
-                "infinite loops",
-                "wall-clock deadline, then SIGKILL of the process tree; RLIMIT_CPU",
-                (
-                    "test_adversarial.py::test_infinite_loop_is_killed_at_the_wall_time_limit",
-                    "test_adversarial.py::test_cpu_time_limit_kills_a_busy_program",
-                ),
-            ),
-            (
-                "fork bombs",
-                "cgroup pids.max + RLIMIT_NPROC on a private uid",
-                ("test_adversarial.py::test_fork_bomb_is_capped_and_returns_in_bounded_time",),
-            ),
-            (
-                "memory bombs",
-                "cgroup memory limit (OOM reported), else RLIMIT_AS",
-                ("test_adversarial.py::test_memory_bomb_is_oom_killed_and_reported",),
-            ),
-            (
-                "disk fill",
-                "scratch, /tmp, /dev/shm: tmpfs capped at disk_mb; /dev read-only; RLIMIT_FSIZE",
-                (
-                    "test_adversarial.py::test_disk_fill_in_scratch_and_tmp_stops_at_the_cap",
-                    "test_reuse.py::test_every_writable_tmpfs_is_capped_at_disk_mb",
-                    "test_reuse.py::test_posix_message_queues_hold_at_most_disk_mb",
-                    "test_reuse.py::test_sysv_shared_memory_is_capped_at_disk_mb",
-                ),
-            ),
-            (
-                "output floods",
-                "max_output_bytes per stream, then the run is killed",
-                ("test_adversarial.py::test_output_flood_is_truncated_and_the_run_stopped",),
-            ),
-            (
-                "network egress",
-                "own network namespace with only a loopback",
-                ("test_adversarial.py::test_network_egress_to_loopback_and_outside_fails",),
-            ),
-            (
-                "reading host files",
-                "only /usr, public /etc files and scratch are visible",
-                ("test_adversarial.py::test_host_files_are_not_readable",),
-            ),
-            (
-                "host paths",
-                "scratch bound from an fd, /etc/passwd from a memfd",
-                ("test_adversarial.py::test_no_host_path_shows_in_mounts_or_process_lines",),
-            ),
-            (
-                "writing outside scratch",
-                "read-only mounts, unprivileged uid, no capabilities",
-                ("test_adversarial.py::test_writes_outside_scratch_fail_and_tmp_is_private",),
-            ),
-            (
-                "orphans",
-                "PID namespace per run; warm: cgroup sweep after every run",
-                (
-                    "test_adversarial.py::test_background_processes_do_not_survive_a_timeout",
-                    "test_reuse.py::test_a_process_left_behind_is_dead_when_the_run_returns",
-                ),
-            ),
-            (
-                "signals",
-                "PID namespace: host processes are invisible",
-                (
-                    "test_adversarial.py::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill",
-                ),
-            ),
-            (
-                "tampering with what outlives a run",
-                (
-                    "executor is PID 1 and non-dumpable; seccomp denies ptrace; "
-                    "reset() verifies it or starts a fresh one"
-                ),
-                (
-                    "test_adversarial.py::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten",
-                    "test_adversarial.py::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next",
-                    "test_adversarial.py::test_reset_replaces_an_executor_it_cannot_verify",
-                    "test_adversarial.py::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user",
-                ),
-            ),
-            (
-                "kernel objects across reset",
-                "private /dev/mqueue, /dev/shm and /tmp emptied; SysV IPC denied",
-                (
-                    "test_reuse.py::test_ipc_objects_do_not_reach_the_next_user",
-                    "test_reuse.py::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user",
-                ),
-            ),
-            (
-                "keyrings",
-                "seccomp denies the keyring syscalls; unshare mode joins a fresh session keyring",
-                (
-                    "test_adversarial.py::test_the_host_session_keyring_is_out_of_reach",
-                    "test_reuse.py::test_keys_do_not_reach_the_next_user_or_a_later_sandbox",
-                    "test_reuse.py::test_keyring_syscalls_are_denied",
-                ),
-            ),
-            (
-                "env-var leakage",
-                "BASE_ENV plus what the caller passes",
-                ("test_adversarial.py::test_host_environment_does_not_leak",),
-            ),
-            (
-                "host file tricks",
-                "O_NOFOLLOW *at() access; bad paths raise SandboxFileError",
-                (
-                    "test_adversarial.py::test_planted_symlinks_do_not_expose_host_files",
-                    "test_reuse.py::test_an_over_long_path_raises_sandbox_file_error",
-                ),
-            ),
-        )
-    )
-    NOT_PROTECTED = (
-        (
-            "kernel exploits through syscalls the seccomp filter allows "
-            "(a deny list, like Docker's default)"
-        ),
-        (
-            "CPU starvation of the host beyond one run's CPU limit (no cpu cgroup quota); "
-            "side channels"
-        ),
-        (
-            "with Limits(network=True): host loopback services and abstract UNIX sockets "
-            "(host network namespace)"
-        ),
-        (
-            "a one-shot run can write its own bubblewrap init (PID 1) via /proc/1/mem; "
-            "it dies with the run"
-        ),
-        (
-            "without root: no private uid, cgroups, tmpfs scratch or warm executor "
-            "(see the module docstring)"
-        ),
-    )
+    PROTECTS = LOCAL_PROTECTS
+    NOT_PROTECTED = LOCAL_NOT_PROTECTED
 
     def __init__(
         self,
@@ -376,9 +273,9 @@ class LocalSandbox(Sandbox):
                 "the warm executor needs cgroups (run as root where cgroup v1 is writable)"
             )
 
-        def spawn(argv: list[str], pass_fd: int) -> subprocess.Popen[bytes]:
+        def spawn(argv: list[str], pass_fds: tuple[int, ...]) -> subprocess.Popen[bytes]:
             return self._popen(
-                argv, self._env({}), cg, pass_fds=(pass_fd,), cpu_limit=False, as_pid_1=True
+                argv, self._env({}), cg, pass_fds=pass_fds, cpu_limit=False, as_pid_1=True
             )
 
         executor = WarmExecutor(spawn, cg, env=self._env({}), cpu=self._cpu_seconds)
@@ -441,7 +338,7 @@ class LocalSandbox(Sandbox):
                 else f"OFF: {_seccomp.unavailable_reason()}"
             ),
             "pid 1": (
-                "warm executor (non-dumpable, verified on reset)"
+                "the zygote, a fork server (non-dumpable, verified on reset)"
                 if self.warm_exec and self._cgroup
                 else "bubblewrap's init, one per run"
                 if self.isolation == "bwrap"
@@ -518,6 +415,10 @@ class LocalSandbox(Sandbox):
         oom = False
         if cg and self._cgroup:
             oom = (cg.oom_kills(), self._cgroup.oom_kills()) != ooms_before
+        if oom and self._executor is not None:
+            # memory may still be held where the run wrote (/tmp, /dev/shm) or the zygote be
+            # broken: the next run starts a fresh zygote in fresh namespaces
+            self._executor.stop()
         return ExecResult(
             exit_code=code,
             stdout=_decode(cap.stdout),

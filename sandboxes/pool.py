@@ -7,8 +7,9 @@ with pool.acquire() as sb:        # a started sandbox, scratch empty, no session
 pool.close()                       # stops every sandbox, idle or handed out
 ```
 
-Pooled ``local`` sandboxes default to ``warm_exec=True``: each keeps an executor process
-inside its namespaces and a run is one fork+exec there (see ``sandboxes/_executor.py``).
+Pooled ``local`` sandboxes default to ``warm_exec=True``: each keeps a fork server (the
+zygote) inside its namespaces, and a run is a fork there, then an exec, or for ``python3 -I``
+the code itself in the forked interpreter (see ``sandboxes/_executor.py``).
 Release never blocks the caller: the sandbox goes to a background worker that ``reset()``s it
 (empties scratch, closes sessions) and puts it back. A sandbox that raised a
 ``SandboxError`` while handed out, fails its reset, or (with ``check_health=True``) fails a

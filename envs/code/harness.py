@@ -6,6 +6,11 @@ asserts — and returns ``(setup, [test, ...])``: setup code run once, then each
 own, so the reward can be the fraction passed. A statement that contains an ``assert`` is a
 test; everything else is setup.
 
+``code_sandbox(backend, limits, options)`` starts the sandbox both code envs run in: a local
+one is warm by default (``warm_exec=True``: a fork server inside the sandbox forks each run,
+and runs ``python3 -I FILE`` in its own pre-imported interpreter, so a test run pays no
+interpreter start-up).
+
 ``RUNNER`` is the program run inside the sandbox. It reads a one-time token from stdin (so
 the model's code, which runs after, cannot read it there), executes the solution with its
 output captured and capped, runs every test with a per-test time limit, and prints one
@@ -17,8 +22,21 @@ from __future__ import annotations
 
 import ast
 import textwrap
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["RUNNER", "split_tests"]
+__all__ = ["RUNNER", "code_sandbox", "split_tests"]
+
+
+def code_sandbox(backend: str, limits: Any, options: Mapping[str, Any] | None = None) -> Any:
+    """A started sandbox of ``backend`` (``options`` go to ``make_sandbox``); ``local`` ones
+    default to ``warm_exec=True``, the fork server (see the module docstring)."""
+    from sandboxes import make_sandbox
+
+    kwargs = dict(options or {})
+    if backend == "local":
+        kwargs.setdefault("warm_exec", True)
+    return make_sandbox(backend, limits=limits, **kwargs).start()
 
 
 def _has_assert(node: ast.AST) -> bool:

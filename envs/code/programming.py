@@ -3,7 +3,9 @@
 The model sees a function signature and docstring and answers with code (a fenced
 ```python block, ``<answer>...</answer>``, or bare code). The code and the task's tests run
 in a sandbox from the ``sandboxes`` package (``local`` by default: bubblewrap namespaces,
-no network, memory/CPU/process/output limits), never in the env's process. The reply lists
+no network, memory/CPU/process/output limits; warm, so each test run is a fork of a
+pre-imported interpreter inside it, see ``harness.code_sandbox``), never in the env's
+process. The sandbox is reset (scratch, ``/tmp`` emptied) at every episode's start. The reply lists
 which tests failed, with truncated tracebacks; the model may revise up to
 ``max_revisions`` times.
 
@@ -30,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 
 from envhub.core import TextEnv, Turn
-from envs.code.harness import RUNNER, split_tests
+from envs.code.harness import RUNNER, code_sandbox, split_tests
 from envs.datasets import Split, Task, TaskSet, as_taskset
 
 __all__ = ["ProgrammingEnv", "extract_code", "humaneval_tasks"]
@@ -91,6 +93,7 @@ class ProgrammingEnv(TextEnv):
         max_revisions: int = 2,
         reward_mode: Literal["partial", "binary"] = "partial",
         sandbox_backend: str = "local",
+        sandbox_options: Mapping[str, Any] | None = None,
         test_timeout_s: float = 3.0,
         wall_time_s: float = 20.0,
         memory_mb: int = 512,
@@ -121,6 +124,9 @@ class ProgrammingEnv(TextEnv):
             wall_time_s,
             memory_mb,
         )
+        self.sandbox_options = dict(sandbox_options or {})
+        """Keyword arguments for ``make_sandbox`` (e.g. ``{"warm_exec": False}``: a fresh
+        sandbox process per test run, as before the fork server)."""
         self.max_feedback_chars = max_feedback_chars
         self.invalid_action_penalty = 0.0
         self.system_prompt = (
@@ -137,7 +143,7 @@ class ProgrammingEnv(TextEnv):
     def sandbox(self) -> Any:
         """The env's sandbox, started on first use (``sandboxes`` package)."""
         if self._sandbox is None:
-            from sandboxes import Limits, make_sandbox
+            from sandboxes import Limits
 
             limits = Limits(
                 wall_time_s=self.wall_time_s,
@@ -146,7 +152,7 @@ class ProgrammingEnv(TextEnv):
                 network=False,
                 max_output_bytes=200_000,
             )
-            self._sandbox = make_sandbox(self.sandbox_backend, limits=limits).start()
+            self._sandbox = code_sandbox(self.sandbox_backend, limits, self.sandbox_options)
         return self._sandbox
 
     def run_tests(self, code: str) -> dict[str, Any]:
@@ -181,6 +187,8 @@ class ProgrammingEnv(TextEnv):
 
     # ------------------------------------------------------------------ episode
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        if self._sandbox is not None:  # nothing one episode's code left reaches the next
+            self._sandbox.reset()
         self.task = self.tasks.select(options, self.np_random)
         self._setup, self._tests = split_tests(self.task["tests"], self.task["entry_point"])
         self._best = 0.0

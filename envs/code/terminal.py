@@ -1,12 +1,14 @@
 """``code/terminal-v0``: reach a goal with shell commands in a persistent sandboxed shell.
 
-Each episode starts a fresh sandbox (``sandboxes`` package, ``local`` backend by default:
-no network, resource limits) holding the task's files, and one persistent ``bash`` session
-in it: ``cd``, variables and files carry over between turns. The model sends one command
-(or a short script) per turn — in a ```bash block, ``<answer>...</answer>``, or bare — and
-sees its output (truncated) and exit code. After every command the task's checker script
-runs in the same sandbox; when it passes the episode ends with reward 1. A command that
-runs too long is killed (``command_timeout_s``) and reported; the shell stays usable.
+Each episode starts in a fresh or freshly reset sandbox (``sandboxes`` package, ``local``
+backend by default: no network, resource limits; warm, so the checker runs are forks of a
+process inside it rather than new sandbox processes) holding the task's files, and one
+persistent ``bash`` session in it: ``cd``, variables and files carry over between turns.
+The model sends one command (or a short script) per turn — in a ```bash block,
+``<answer>...</answer>``, or bare — and sees its output (truncated) and exit code. After
+every command the task's checker script runs in the same sandbox; when it passes the
+episode ends with reward 1. A command that runs too long is killed (``command_timeout_s``)
+and reported; the shell stays usable.
 
 Built-in tasks (``terminal_tasks``): counting log errors, summing a CSV column, renaming
 files, fixing a failing script, editing a config, deduplicating, extracting from JSON,
@@ -22,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from envhub.core import TextEnv, Turn
+from envs.code.harness import code_sandbox
 from envs.code.terminal_tasks import TERMINAL_KINDS, make_terminal_task
 from envs.datasets import Split, Task, TaskSet, as_taskset
 
@@ -53,6 +56,7 @@ class TerminalEnv(TextEnv):
         dataset: str | TaskSet | Iterable[Mapping[str, Any]] | None = None,
         split: Split = "all",
         sandbox_backend: str = "local",
+        sandbox_options: Mapping[str, Any] | None = None,
         command_timeout_s: float = 10.0,
         memory_mb: int = 512,
         max_output_chars: int = 2_000,
@@ -82,6 +86,8 @@ class TerminalEnv(TextEnv):
             command_timeout_s,
             memory_mb,
         )
+        self.sandbox_options = dict(sandbox_options or {})
+        """Keyword arguments for ``make_sandbox`` (``{"warm_exec": False}``: no fork server)."""
         self.max_output_chars = max_output_chars
         self.invalid_action_penalty = -0.05
         self.system_prompt = (
@@ -99,7 +105,7 @@ class TerminalEnv(TextEnv):
     # ------------------------------------------------------------------ sandbox
     def _fresh_sandbox(self) -> Any:
         if self._sandbox is None:
-            from sandboxes import Limits, make_sandbox
+            from sandboxes import Limits
 
             limits = Limits(
                 wall_time_s=self.command_timeout_s,
@@ -108,7 +114,7 @@ class TerminalEnv(TextEnv):
                 network=False,
                 max_output_bytes=100_000,
             )
-            self._sandbox = make_sandbox(self.sandbox_backend, limits=limits).start()
+            self._sandbox = code_sandbox(self.sandbox_backend, limits, self.sandbox_options)
         else:
             self._sandbox.reset()  # empty scratch, close the old session
         return self._sandbox

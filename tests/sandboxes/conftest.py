@@ -1,8 +1,10 @@
 """Fixtures for sandbox tests: real backends only.
 
 - ``make_sandbox_for``: parametrised over ``local-bwrap``, ``local-warm`` (bwrap + the warm
-  executor pools use), ``local-unshare`` and ``docker``;
-  each param skips with the reason when its tool is missing on this host.
+  executor pools use), ``local-fork`` (the same, with every ``python3 -c`` run as
+  ``python3 -I -c``, which the zygote runs in its forked interpreter instead of exec'ing one),
+  ``local-unshare`` and ``docker``; each param skips with the reason when its tool is missing
+  on this host.
 - ``docker_engine``: a private ``dockerd`` (``sandboxes.dockerd.private_dockerd``: own
   data/exec roots and socket, no iptables, no bridge) started once per test session and
   stopped by pid at the end; docker tests skip with its reason when it cannot start.
@@ -14,16 +16,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
-from sandboxes import Limits, Sandbox, SandboxUnavailableError
+from sandboxes import ExecResult, Limits, Sandbox, SandboxUnavailableError
 from sandboxes.dockerd import HOST_USR_RO as USR_RO
 
 TEST_IMAGE = "envhub-sandbox-test:1"
 BACKENDS = [
     pytest.param("bwrap", id="local-bwrap"),
     pytest.param("warm", id="local-warm"),
+    pytest.param("fork", id="local-fork"),
     pytest.param("unshare", id="local-unshare"),
     pytest.param("docker", id="docker", marks=pytest.mark.docker),
 ]
@@ -64,8 +68,8 @@ def _local_skip_reason(kind: str) -> str | None:
 def make_sandbox_for(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sandbox]]:
     """``factory(**limit_fields)`` -> a started sandbox of this param's backend (stopped after)."""
     kind = request.param
-    isolation = "bwrap" if kind == "warm" else kind
-    if kind == "warm" and os.geteuid() != 0:
+    isolation = "bwrap" if kind in ("warm", "fork") else kind
+    if kind in ("warm", "fork") and os.geteuid() != 0:
         pytest.skip("the warm executor needs root (cgroups)")
     if kind != "docker" and (reason := _local_skip_reason(isolation)):
         pytest.skip(f"local isolation {kind!r} unavailable: {reason}")
@@ -82,6 +86,8 @@ def make_sandbox_for(request: pytest.FixtureRequest) -> Iterator[Callable[..., S
                 base_url=request.getfixturevalue("docker_engine"),
                 volumes=USR_RO,
             )
+        elif kind == "fork":
+            sandbox = _fork_path_sandbox()(limits=limits, isolation=isolation, warm_exec=True)
         else:
             from sandboxes.local import LocalSandbox
 
@@ -93,6 +99,25 @@ def make_sandbox_for(request: pytest.FixtureRequest) -> Iterator[Callable[..., S
     yield factory
     for sandbox in created:
         sandbox.stop()
+
+
+def _fork_path_sandbox() -> type[Sandbox]:
+    from sandboxes._wire import in_process
+    from sandboxes.local import LocalSandbox
+
+    class ForkPathSandbox(LocalSandbox):
+        """A warm local sandbox whose ``python3 -c CODE`` runs take the zygote's in-process
+        path (as ``python3 -I -c CODE``): the adversarial suite then attacks that path too."""
+
+        def _exec(self, argv: list[str], **kwargs: Any) -> ExecResult:
+            if argv[:2] == ["python3", "-c"]:
+                argv = ["python3", "-I", *argv[1:]]
+                executor = self._executor
+                if executor is None or not in_process(argv, kwargs["env"], executor.env):
+                    raise AssertionError(f"{argv[:3]} would not run in the zygote's fork")
+            return super()._exec(argv, **kwargs)
+
+    return ForkPathSandbox
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -372,7 +372,7 @@ def test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next(
     still_works(sb)
 
 
-@pytest.mark.backends("warm")  # only the warm executor is spared across runs
+@pytest.mark.backends("warm", "fork")  # only the warm executor is spared across runs
 @pytest.mark.parametrize("compromise", ["traced", "stopped"])
 def test_reset_replaces_an_executor_it_cannot_verify(make_sandbox_for, compromise):
     """``reset()`` checks what it spares; a traced or stopped executor (as a compromised spared
@@ -427,7 +427,7 @@ def test_the_host_session_keyring_is_out_of_reach(make_sandbox_for):
 
 
 # docker's own layout (overlay paths) is the engine's; see sandboxes/docker.py
-@pytest.mark.backends("bwrap", "warm", "unshare")
+@pytest.mark.backends("bwrap", "warm", "fork", "unshare")
 def test_no_host_path_shows_in_mounts_or_process_lines(make_sandbox_for):
     sb = make_sandbox_for()
     host_dir = str(sb.dir)  # type: ignore[attr-defined]

@@ -129,6 +129,33 @@ def test_hostile_code_gives_feedback_within_bounds(code, expect):
         env.close()
 
 
+def test_humaneval_runs_tests_in_a_warm_sandbox_and_episodes_leave_nothing_behind():
+    """By default the test runner is forked by the sandbox's fork server (no interpreter
+    start-up); an episode's code cannot leave anything the next episode's code can find."""
+    env = envhub.make("code/humaneval-v0", dataset=MBPP_STYLE)
+    try:
+        env.reset(seed=0)
+        leave = "import os\nopen('/tmp/left', 'w').close()\nopen('left', 'w').close()\n"
+        env.step(f"```python\n{leave}def add(a, b):\n    return a + b\n```")
+        sandbox = env.unwrapped._sandbox
+        assert sandbox.warm_exec and sandbox._executor is not None
+        env.reset(seed=1)
+        look = "import os\nprint('seen:', os.path.exists('/tmp/left'), os.path.exists('left'))\n"
+        reply, *_ = env.step(f"```python\n{look}def add(a, b):\n    return 0\n```")
+        assert "seen: False False" in reply[0]["content"], reply[0]["content"]
+    finally:
+        env.close()
+    cold = envhub.make(
+        "code/humaneval-v0", dataset=MBPP_STYLE, sandbox_options={"warm_exec": False}
+    )
+    try:
+        cold.reset(seed=0)
+        assert cold.step(cold.expert_action())[2]  # the path it replaced still works
+        assert cold.unwrapped._sandbox._executor is None
+    finally:
+        cold.close()
+
+
 def test_split_tests_handles_check_functions_and_lists():
     setup, tests = split_tests(
         (
