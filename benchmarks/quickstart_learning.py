@@ -98,6 +98,19 @@ def run_learning(config: str, seed: int, overrides: list[str], out: Path) -> dic
     }
 
 
+def report(results: list[dict[str, Any]], name: str) -> None:
+    """The per-seed table (step 0, final, when 0.8 was first reached, wall time), then the last
+    line ``{name}: X`` with the mean final evaluation."""
+    print("\nseed  step0  final  first>=0.8  wall")
+    for r in results:
+        reached = "never" if r["reached_s"] is None else f"{r['reached_s']:.0f} s"
+        print(
+            f"{r['seed']:4d}  {r['start']:.3f}  {r['final']:.3f}  {reached:>10}  "
+            f"{r['wall_s']:.0f} s"
+        )
+    print(f"{name}: {sum(r['final'] for r in results) / len(results):.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -128,14 +141,8 @@ def main() -> None:
     shutil.copy(
         results[0]["out"] / "reward_curve.png", ROOT / "benchmarks" / "quickstart_learning.png"
     )
-    print(f"\nrollout mode: {args.mode or 'config default'}\nseed  step0  final  first>=0.8  wall")
-    for r in results:
-        reached = "never" if r["reached_s"] is None else f"{r['reached_s']:.0f} s"
-        print(
-            f"{r['seed']:4d}  {r['start']:.3f}  {r['final']:.3f}  {reached:>10}  "
-            f"{r['wall_s']:.0f} s"
-        )
-    print(f"quickstart_eval_success: {sum(r['final'] for r in results) / len(results):.3f}")
+    print(f"\nrollout mode: {args.mode or 'config default'}")
+    report(results, "quickstart_eval_success")
 
 
 if __name__ == "__main__":

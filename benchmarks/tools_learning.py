@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from quickstart_learning import ROOT, run_learning
+from quickstart_learning import ROOT, report, run_learning
 
 
 def main() -> None:
@@ -34,14 +34,7 @@ def main() -> None:
         for seed in args.seeds
     ]
     shutil.copy(results[0]["out"] / "reward_curve.png", ROOT / "benchmarks" / "tools_learning.png")
-    print("\nseed  step0  final  first>=0.8  wall")
-    for r in results:
-        reached = "never" if r["reached_s"] is None else f"{r['reached_s']:.0f} s"
-        print(
-            f"{r['seed']:4d}  {r['start']:.3f}  {r['final']:.3f}  {reached:>10}  "
-            f"{r['wall_s']:.0f} s"
-        )
-    print(f"tools_eval_success: {sum(r['final'] for r in results) / len(results):.3f}")
+    report(results, "tools_eval_success")
 
 
 if __name__ == "__main__":
