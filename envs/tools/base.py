@@ -57,6 +57,10 @@ def truncate(text: str, limit: int) -> str:
     return text[:limit] + f"\n... [truncated {len(text) - limit} characters]"
 
 
+_BUILTIN_TASKSETS: dict[tuple[Any, ...], TaskSet] = {}
+"""Built-in task sets by (env class, ``builtin_key()``, eval fraction)."""
+
+
 class ToolEnv(TextEnv):
     """Base class of the ``tools/`` envs (see the module docstring)."""
 
@@ -80,9 +84,11 @@ class ToolEnv(TextEnv):
         render_mode: Any = None,
     ) -> None:
         super().__init__(max_turns=max_turns, render_mode=render_mode)
+        if dataset is None:
+            dataset = self._builtin_taskset(eval_fraction)
         self.tasks = as_taskset(
             dataset,
-            default=self.builtin_tasks() if dataset is None else (),
+            default=(),
             split=split,
             eval_fraction=eval_fraction,
             required=self.required_fields if dataset is not None else (),
@@ -97,7 +103,29 @@ class ToolEnv(TextEnv):
         self._plan: list[str] = []
         self._plan_position = 0
 
+    def _builtin_taskset(self, eval_fraction: float) -> TaskSet:
+        """The built-in tasks as a ``TaskSet``, built once per class and ``builtin_key()`` (an
+        env is made for every episode: generating thousands of tasks each time cost ~0.5 s)."""
+        key = self.builtin_key()
+        cache_key = (type(self), key, eval_fraction)
+        cached = _BUILTIN_TASKSETS.get(cache_key) if key is not None else None
+        if cached is None:
+            tasks = self.builtin_tasks()
+            cached = (
+                tasks
+                if isinstance(tasks, TaskSet)
+                else TaskSet(tasks, name=type(self).__name__, eval_fraction=eval_fraction)
+            )
+            if key is not None:
+                _BUILTIN_TASKSETS[cache_key] = cached
+        return cached
+
     # ----------------------------------------------------------------- for subclasses
+    def builtin_key(self) -> tuple[Any, ...] | None:
+        """What ``builtin_tasks()`` depends on besides the class (e.g. how many it makes), so the
+        set is built once and shared (tasks are read-only); None: build it for every env."""
+        return None
+
     def builtin_tasks(self) -> TaskSet | Iterable[Mapping[str, Any]]:
         """The tasks used when no ``dataset`` is given."""
         raise NotImplementedError(

@@ -239,6 +239,9 @@ class CalculatorEnv(ToolEnv):
         self.num_builtin = num_builtin
         super().__init__(**options)
 
+    def builtin_key(self) -> tuple[int]:
+        return (self.num_builtin,)
+
     def builtin_tasks(self) -> list[Task]:
         return [make_problem(i, seed=10_000 + i) for i in range(self.num_builtin)]
 

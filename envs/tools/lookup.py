@@ -58,6 +58,9 @@ class LookupEnv(ToolEnv):
         options.setdefault("max_turns", 4)
         super().__init__(**options)
 
+    def builtin_key(self) -> tuple[int]:
+        return (self.num_builtin,)
+
     def builtin_tasks(self) -> list[Task]:
         return [make_task(i, seed=20_000 + i) for i in range(self.num_builtin)]
 
