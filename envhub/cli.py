@@ -292,6 +292,13 @@ def info_command(env_id: str, as_json: bool) -> None:
 @click.argument("env_ids", nargs=-1)
 @click.option("--all", "check_all", is_flag=True, help="Check every registered id.")
 @click.option(
+    "--source",
+    "-s",
+    "sources",
+    multiple=True,
+    help="With --all: only ids from this source (repeatable; e.g. envhub.games, reasoning-gym).",
+)
+@click.option(
     "--seed", default=0, show_default=True, help="Seed for the episodes the checker plays."
 )
 @click.option(
@@ -301,6 +308,7 @@ def info_command(env_id: str, as_json: bool) -> None:
 def check_command(
     env_ids: tuple[str, ...],
     check_all: bool,
+    sources: tuple[str, ...],
     seed: int,
     kwargs: tuple[str, ...],
     no_gymnasium: bool,
@@ -310,7 +318,15 @@ def check_command(
     from envhub.registry import list_envs, spec
 
     overrides = _parse_kwargs(kwargs)
-    ids = [s.id for s in list_envs()] if check_all else list(env_ids)
+    if sources and not check_all:
+        raise click.UsageError("--source selects ids for --all; give --all too")
+    if check_all and sources:
+        specs: list[Any] = []
+        for source in sources:
+            specs += _from_source(list_envs(), source, [])
+        ids = [s.id for s in specs]
+    else:
+        ids = [s.id for s in list_envs()] if check_all else list(env_ids)
     if not ids:
         raise click.UsageError("give one or more env ids, or --all")
     failed = []

@@ -14,7 +14,9 @@ GEM format error (its -0.1 reward) is ``invalid_action``. GEM's turn limits are 
 prompts state, so running out ends the episode as ``terminated``. ``tools=("python",)``
 wraps the env in GEM's own ``ToolEnvWrapper`` with its Python tool, published as an envhub
 tool schema (``envhub.adapters.gem_tools``); code runs in an envhub sandbox (``sandbox=``
-names the backend, ``local`` by default).
+names the backend, ``local`` by default). GEM's code envs grade a solution by running it on
+each test input; the adapter runs those in an envhub ``local`` sandbox too, instead of GEM's
+runner (whose default runs model code unisolated).
 
 Determinism: each reset draws a seed from the env's RNG and passes it to GEM, which seeds
 Python's and NumPy's global RNGs with it; an episode is fixed by the reset seed as long as
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -33,7 +36,7 @@ import numpy as np
 
 from envhub.adapters import did_you_mean, require
 from envhub.adapters.catalog import register_source
-from envhub.adapters.gem_tools import GemTools
+from envhub.adapters.gem_tools import GemTools, sandboxed_run_python
 from envhub.core import TextEnv, Turn
 from envhub.errors import ActionParseError, SourceConfigError, SourceError
 from envs.datasets import Split, TaskSet, as_taskset
@@ -176,8 +179,11 @@ class GemEnv(TextEnv):
         kwargs = {**spec.kwargs, **self.gem_kwargs}
         if self._rows is not None:
             kwargs["dataset"] = require(SOURCE, "datasets").Dataset.from_list(self._rows)
+        cls = _entry_class(self.env, spec.entry_point)
+        if cls.__module__ == "gem.envs.code_env":  # grade in an envhub sandbox, not unisolated
+            setattr(sys.modules[cls.__module__], "run_python", sandboxed_run_python)  # noqa: B010
         try:
-            source = _entry_class(self.env, spec.entry_point)(**kwargs)
+            source = cls(**kwargs)
         except Exception as error:  # the env's own failure (a missing NLTK corpus, a bad kwarg)
             raise SourceError(
                 f"GEM {self.env} cannot be built here ({type(error).__name__}: "

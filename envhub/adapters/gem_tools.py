@@ -25,7 +25,7 @@ from envhub.core import Message, function_tool
 from envhub.errors import ActionParseError, SourceConfigError
 from envhub.parsing import ToolCallParser
 
-__all__ = ["TOOLS", "GemTools"]
+__all__ = ["TOOLS", "GemTools", "SandboxedPython", "sandboxed_run_python"]
 
 TOOLS: dict[str, dict[str, Any]] = {
     "python": function_tool(
@@ -125,3 +125,19 @@ class SandboxedPython:
         if self._sandbox is not None:
             self._sandbox.stop()
             self._sandbox = None
+
+
+def sandboxed_run_python(
+    code: str, sandbox_type: str = "", stdin: str | None = None, timeout: int = 5
+) -> tuple[bool, str, str]:
+    """GEM's ``gem.utils.sandbox.run_python`` contract, ``(success, stdout, stderr)``, run in
+    an envhub ``local`` sandbox; the GEM adapter gives this to GEM's code envs for grading
+    (``sandbox_type`` is GEM's and ignored)."""
+    from sandboxes import make_sandbox
+
+    with make_sandbox("local") as sandbox:
+        result = sandbox.run_code(code, stdin=stdin, timeout=timeout)
+    stderr = result.stderr + (
+        f"\nExecution timed out after {timeout} seconds." if result.timed_out else ""
+    )
+    return result.exit_code == 0 and not result.timed_out, result.stdout, stderr

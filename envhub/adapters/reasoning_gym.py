@@ -23,6 +23,7 @@ until an episode draws from it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -205,7 +206,7 @@ class ReasoningGymEnv(TextEnv):
             score = float(self.source.get().score_answer(answer, entry))
         except Exception:  # noqa: BLE001 - the verifier's failure to parse is a wrong answer
             return 0.0
-        return min(1.0, max(0.0, score)) if score == score else 0.0
+        return min(1.0, max(0.0, score)) if math.isfinite(score) else 0.0
 
     def expert_action(self) -> str | None:
         answer = self.task.get("answer")
