@@ -138,6 +138,7 @@ def main() -> None:
       envhub check games/sokoban-v0       does it keep the TextEnv contract?
       envhub eval --episodes 10           random vs expert agents over the games
       envhub eval ENV --model URL         any OpenAI-compatible model on any env
+      envhub init acme                    start a package of your own envs
     """
     # Plugin failures are shown by `envhub list` (and named in unknown-id errors), not as
     # Python warnings in the middle of every command's output.
@@ -368,6 +369,35 @@ def check_command(
         )
         sys.exit(1)
     console.print(f"[green]all {len(ids)} environment(s) passed[/]")
+
+
+@main.command("init")
+@click.argument("name")
+@click.option(
+    "--dir",
+    "parent",
+    default=".",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Create the package folder NAME inside this folder.",
+)
+def init_command(name: str, parent: str) -> None:
+    """Create an env package NAME: one env class, its entry point, a test, a README."""
+    from pathlib import Path
+
+    from envhub.scaffold import scaffold
+
+    try:
+        root = scaffold(name, Path(parent))
+    except EnvhubError as error:
+        _fail(error)
+    console.print(f"[green]created[/] {root}", highlight=False)
+    console.print(
+        f"next:\n  pip install -e {root}\n  envhub check {name}/guess-v0\n"
+        f"  pytest {root / 'tests'}",
+        highlight=False,
+        markup=False,
+    )
 
 
 @main.command("play")
