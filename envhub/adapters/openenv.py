@@ -29,12 +29,14 @@ Errors: a server that cannot be reached, or that does not speak the protocol ope
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -89,7 +91,7 @@ class OpenEnvEnv(TextEnv):
     def on_reset(self, options: dict[str, Any]) -> tuple[str | list[Message], dict[str, Any]]:
         client = self._connect()
         result = self._call(client.reset, seed=int(self.np_random.integers(2**31)))
-        return self._render(result.observation), {"openenv": self.app or self.base_url}
+        return self._render(result.observation), {"openenv": self.app or _redacted(self._url())}
 
     def on_step(self, action: str) -> Turn:
         try:
@@ -128,6 +130,7 @@ class OpenEnvEnv(TextEnv):
 
     # ----------------------------------------------------------------- connection
     def _url(self) -> str:
+        """The server's URL, credentials included (only ever shown through ``_redacted``)."""
         return self._server.url if self._server is not None else str(self.base_url)
 
     def _connect(self) -> Any:
@@ -151,8 +154,9 @@ class OpenEnvEnv(TextEnv):
         except ConnectionError as error:
             client.close()
             raise SourceConnectionError(
-                f"the server at {url} answers GET /schema but refused a WebSocket session at "
-                f"{url}/ws ({error}); it does not speak {_PROTOCOL} (another OpenEnv version?)"
+                f"the server at {_redacted(url)} answers GET /schema but refused a WebSocket "
+                f"session at /ws ({error}); it does not speak {_PROTOCOL} (another OpenEnv "
+                "version?)"
             ) from error
         self._client = client
         return client
@@ -163,16 +167,19 @@ class OpenEnvEnv(TextEnv):
         except RuntimeError as error:  # the client's rendering of an ``error`` message
             if "VALIDATION_ERROR" in str(error):
                 raise _ValidationError(str(error)) from error
-            raise SourceError(f"the OpenEnv server at {self._url()} failed: {error}") from error
+            raise SourceError(
+                f"the OpenEnv server at {_redacted(self._url())} failed: {error}"
+            ) from error
         except (ConnectionError, OSError, TimeoutError) as error:
             self._client = None
             raise SourceConnectionError(
-                f"lost the OpenEnv server at {self._url()} ({type(error).__name__}: {error})"
+                f"lost the OpenEnv server at {_redacted(self._url())} ({type(error).__name__}: "
+                f"{error})"
             ) from error
         if not isinstance(getattr(result, "observation", None), dict):
             raise SourceConnectionError(
-                f"the server at {self._url()} answered without an observation object; it does "
-                f"not speak {_PROTOCOL}"
+                f"the server at {_redacted(self._url())} answered without an observation "
+                f"object; it does not speak {_PROTOCOL}"
             )
         return result
 
@@ -215,29 +222,52 @@ class _BadAction(Exception):
     """The model's text is not an action this server takes (the feedback is the message)."""
 
 
+def _redacted(url: str) -> str:
+    """``url`` with any password in it replaced by ``***`` (for messages)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
 def _schema(url: str, timeout_s: float) -> dict[str, Any]:
-    """``GET /schema``: the action/observation JSON Schemas, or a ``SourceConnectionError``."""
+    """``GET /schema``: the action/observation JSON Schemas, or a ``SourceConnectionError``.
+
+    Credentials in the URL (``http://user:TOKEN@host``) go as HTTP Basic auth, as OpenEnv's
+    WebSocket client sends them.
+    """
+    parts = urllib.parse.urlsplit(url)
+    headers = {}
+    if parts.username is not None or parts.password is not None:
+        credentials = f"{parts.username or ''}:{parts.password or ''}".encode()
+        headers["Authorization"] = "Basic " + base64.b64encode(credentials).decode()
+        netloc = str(parts.hostname) + (f":{parts.port}" if parts.port else "")
+        url = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    shown = _redacted(urllib.parse.urlunsplit(parts))
+    request = urllib.request.Request(f"{url}/schema", headers=headers)
     try:
-        with urllib.request.urlopen(f"{url}/schema", timeout=timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             body = json.loads(response.read())
     except urllib.error.HTTPError as error:
         raise SourceConnectionError(
-            f"the server at {url} answered GET /schema with HTTP {error.code}; it does not speak "
+            f"the server at {shown} answered GET /schema with HTTP {error.code}; it does not speak "
             f"{_PROTOCOL} (another OpenEnv version, or not an OpenEnv server)"
         ) from error
     except (urllib.error.URLError, OSError, TimeoutError) as error:
         reason = getattr(error, "reason", error)
         raise SourceConnectionError(
-            f"cannot reach the OpenEnv server at {url} ({reason}); is it running? (check base_url)"
+            f"cannot reach the OpenEnv server at {shown} ({reason}); is it running? (check "
+            "base_url)"
         ) from error
     except ValueError as error:
         raise SourceConnectionError(
-            f"the server at {url} answered GET /schema with something that is not JSON; it does "
+            f"the server at {shown} answered GET /schema with something that is not JSON; it does "
             f"not speak {_PROTOCOL}"
         ) from error
     if not isinstance(body, dict) or not isinstance(body.get("action"), dict):
         raise SourceConnectionError(
-            f"the server at {url} answered GET /schema without an action schema; it does not "
+            f"the server at {shown} answered GET /schema without an action schema; it does not "
             f"speak {_PROTOCOL}"
         )
     return body
