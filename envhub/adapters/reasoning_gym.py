@@ -32,14 +32,15 @@ import numpy as np
 from envhub.adapters import did_you_mean, require
 from envhub.adapters.catalog import register_source
 from envhub.core import TextEnv, Turn
-from envhub.errors import SourceConfigError
-from envhub.parsing import extract_answer
+from envhub.errors import ActionParseError, SourceConfigError
+from envhub.parsing import ActionParser
 from envs.datasets import Split, Task, TaskSet, as_taskset, stable_hash
 
 __all__ = ["ProceduralTasks", "ReasoningGymEnv", "register"]
 
 SOURCE = "reasoning-gym"
 _FEEDBACK = "Give your final answer inside <answer>...</answer>."
+_ANSWER = ActionParser(format="tag", tag="answer", lenient=False)
 
 
 class ProceduralTasks:
@@ -172,8 +173,9 @@ class ReasoningGymEnv(TextEnv):
         return str(self.task["question"]), {"task_id": self.task["id"], "dataset": self.name}
 
     def on_step(self, action: str) -> Turn:
-        answer = extract_answer(action)
-        if answer is None:
+        try:
+            answer = _ANSWER.parse(action)
+        except ActionParseError:
             return self.invalid_action(f"I found no answer. {_FEEDBACK}")
         score = self.score(answer)
         success = score >= 1.0
