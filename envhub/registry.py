@@ -38,6 +38,7 @@ __all__ = [
     "EnvSpec",
     "PluginFailure",
     "Registry",
+    "import_target",
     "list_envs",
     "load_plugins",
     "make",
@@ -61,6 +62,16 @@ _ID = re.compile(
     r"^(?P<ns>[a-z0-9][a-z0-9_.-]*)/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)-v(?P<version>\d+)$"
 )
 _VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]*$")
+
+
+def import_target(path: str) -> Any:
+    """The object a ``"module:attr.sub"`` path names (``"module"`` alone: the module); raises
+    ``ImportError``/``AttributeError``."""
+    module_name, _, attr = path.partition(":")
+    target: Any = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        target = getattr(target, part)
+    return target
 
 
 def _parse_id(env_id: str) -> tuple[str, str, int]:
@@ -107,11 +118,8 @@ class EnvSpec:
         """Import and return the callable that builds the env."""
         if callable(self.entry_point):
             return self.entry_point
-        module_name, _, attr = self.entry_point.partition(":")
         try:
-            target: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                target = getattr(target, part)
+            target = import_target(self.entry_point)
         except (ImportError, AttributeError) as exc:
             raise RegistrationError(
                 f"{self.id}: cannot load entry point {self.entry_point!r} ({exc}); "
@@ -284,10 +292,7 @@ class Registry:
         self._loading = name
         token = _ACTIVE.set(self)  # the plugin's envhub.register() calls land here
         try:
-            module_name, _, attr = target.partition(":")
-            plugin: Any = importlib.import_module(module_name)
-            for part in filter(None, attr.split(".")):
-                plugin = getattr(plugin, part)
+            plugin = import_target(target)
             if callable(plugin):
                 plugin()
         except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the others

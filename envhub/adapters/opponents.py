@@ -21,7 +21,6 @@
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -29,6 +28,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from envhub.errors import SourceConfigError, SourceError
+from envhub.registry import import_target
 
 __all__ = ["ModelOpponent", "Opponent", "RandomOpponent", "ScriptedOpponent", "make_opponent"]
 
@@ -115,11 +115,8 @@ def make_opponent(spec: Any, *, model: str | None = None, api_key: str = "EMPTY"
     if isinstance(spec, str) and spec.startswith(("http://", "https://")):
         return ModelOpponent(spec, model, api_key)
     if isinstance(spec, str) and ":" in spec:
-        module_name, _, attr = spec.partition(":")
         try:
-            target: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                target = getattr(target, part)
+            target = import_target(spec)
         except (ImportError, AttributeError) as error:
             raise SourceConfigError(
                 f"opponent {spec!r} cannot be imported ({error}); give 'module:callable'"

@@ -27,7 +27,6 @@ NLTK corpora fail offline and are not in the checked sample (see the README).
 
 from __future__ import annotations
 
-import importlib
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +38,7 @@ from envhub.adapters.catalog import register_source
 from envhub.adapters.opponents import Opponent, make_opponent, random_move
 from envhub.core import TextEnv, Turn
 from envhub.errors import SourceConfigError, SourceError
+from envhub.registry import import_target
 
 __all__ = ["TextArenaEnv", "envhub_id", "register"]
 
@@ -192,12 +192,11 @@ class TextArenaEnv(TextEnv):
         spec = require(SOURCE, "textarena.envs.registration").ENV_REGISTRY[self.game]
         target = spec.entry_point
         if isinstance(target, str):
-            module_name, _, attr = target.partition(":")
             try:
-                target = getattr(importlib.import_module(module_name), attr)
-            except (ImportError, SyntaxError, LookupError) as error:
+                target = import_target(target)
+            except (ImportError, AttributeError, SyntaxError, LookupError) as error:
                 raise SourceError(
-                    f"TextArena {self.game}'s module {module_name} does not import "
+                    f"TextArena {self.game}'s module {target.partition(':')[0]} does not import "
                     f"({type(error).__name__}: {str(error).strip().splitlines()[0]})"
                 ) from error
         try:

@@ -12,6 +12,7 @@ import pytest
 import envhub
 from envhub.errors import SourceConfigError
 from envs.datasets import TaskSet
+from tests.envhub.adapters.sweep import failing
 
 SAMPLE = ["leg_counting", "basic_arithmetic", "word_sorting", "maze", "letter_counting"]
 """Checked in the default tier (fast); test_every_dataset_that_loads_offline_passes checks all."""
@@ -34,18 +35,10 @@ def test_the_retry_variant_keeps_the_contract():
 @pytest.mark.timeout(900)
 def test_every_dataset_that_loads_offline_passes():
     """The README's count: every dataset but those in NOT_OFFLINE passes `envhub check`."""
-    failed = {}
-    for spec in envhub.list_envs("reasoning-gym", variants=False):
-        name = spec.kwargs["name"]
-        try:
-            report = envhub.check_env(spec.make(), factory=spec.make, raise_on_failure=False)
-            problems = [f"{r.name}: {r.message}" for r in report.failures]
-        except SourceConfigError as error:
-            problems = [str(error)]
-        if problems:
-            failed[name] = problems
+    datasets = envhub.list_envs("reasoning-gym", variants=False)
+    failed = failing(datasets, lambda spec: spec.kwargs["name"])
     assert set(failed) == set(NOT_OFFLINE), failed
-    assert len(envhub.list_envs("reasoning-gym", variants=False)) - len(failed) == 103
+    assert len(datasets) - len(failed) == 103
 
 
 def test_the_expert_answer_scores_one_and_a_wrong_one_is_told_its_score():

@@ -10,9 +10,10 @@ import pytest
 from fastapi.responses import JSONResponse
 
 import envhub
-from envhub.errors import SourceConfigError, SourceError
+from envhub.errors import SourceConfigError
 from envhub.pool import EnvPool, EpisodeFailure
 from tests.envhub.adapters import scripted_players
+from tests.envhub.adapters.sweep import failing
 from tests.envhub.openai_servers import completion, scripted_server
 
 SAMPLE = [
@@ -68,18 +69,9 @@ def test_sample_games_keep_the_contract(env_id):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_single_player_games_that_load_offline_pass():
-    failed = {}
     games = [s for s in envhub.list_envs("textarena") if s.kwargs["players"] == 1]
-    for spec in games:
-        if spec.kwargs["game"] in TOO_SLOW_FOR_ONE_RUN:
-            continue
-        try:
-            report = envhub.check_env(spec.make(), factory=spec.make, raise_on_failure=False)
-            problems = [f"{r.name}: {r.message[:200]}" for r in report.failures]
-        except SourceError as error:
-            problems = [str(error)[:200]]
-        if problems:
-            failed[spec.kwargs["game"]] = problems
+    swept = [s for s in games if s.kwargs["game"] not in TOO_SLOW_FOR_ONE_RUN]
+    failed = failing(swept, lambda spec: spec.kwargs["game"])
     assert set(failed) == SINGLE_PLAYER_NOT_OFFLINE, failed
     assert len(games) == 73
 
