@@ -11,6 +11,13 @@ from pathlib import Path
 import pytest
 import yaml
 
+pytest.importorskip(
+    "reasoning_gym", reason="needs the reasoning-gym extra: pip install 'envhub[reasoning-gym]'"
+)
+pytest.importorskip(
+    "textarena", reason="needs the textarena extra: pip install 'envhub[textarena]'"
+)
+
 pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
 
 from tests.trainer.test_cli import QUICKSTART, TINY

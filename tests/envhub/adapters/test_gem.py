@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+pytest.importorskip("gem", reason="needs the gem extra: pip install 'envhub[gem]'")
+
 import envhub
 from envhub.errors import SourceConfigError
 from tests.envhub.adapters.sweep import failing

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip("openenv", reason="needs the openenv extra: pip install 'envhub[openenv]'")
+
 import envhub
 from envhub.errors import SourceConfigError, SourceConnectionError
 from tests.envhub.adapters import openenv_apps

@@ -9,6 +9,10 @@ import sys
 
 import pytest
 
+pytest.importorskip(
+    "reasoning_gym", reason="needs the reasoning-gym extra: pip install 'envhub[reasoning-gym]'"
+)
+
 import envhub
 from envhub.errors import SourceConfigError
 from envs.datasets import TaskSet

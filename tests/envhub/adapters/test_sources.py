@@ -18,6 +18,15 @@ from pathlib import Path
 
 import pytest
 
+pytest.importorskip(
+    "textarena", reason="needs the textarena extra: pip install 'envhub[textarena]'"
+)
+pytest.importorskip("gem", reason="needs the gem extra: pip install 'envhub[gem]'")
+pytest.importorskip(
+    "reasoning_gym", reason="needs the reasoning-gym extra: pip install 'envhub[reasoning-gym]'"
+)
+pytest.importorskip("openenv", reason="needs the openenv extra: pip install 'envhub[openenv]'")
+
 import envhub
 from envhub.adapters import SOURCES
 from envhub.adapters.catalog import catalog

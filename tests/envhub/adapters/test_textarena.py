@@ -9,6 +9,10 @@ from dataclasses import replace
 import pytest
 from fastapi.responses import JSONResponse
 
+pytest.importorskip(
+    "textarena", reason="needs the textarena extra: pip install 'envhub[textarena]'"
+)
+
 import envhub
 from envhub.errors import SourceConfigError
 from envhub.pool import EnvPool, EpisodeFailure

@@ -11,8 +11,11 @@ import urllib.request
 
 import orjson
 import pytest
-from openenv.core.generic_client import GenericEnvClient
 from pydantic import ValidationError
+
+pytest.importorskip("openenv", reason="needs the openenv extra: pip install 'envhub[openenv]'")
+
+from openenv.core.generic_client import GenericEnvClient
 
 import envhub
 from envhub.server.config import HubConfig
