@@ -80,6 +80,54 @@ def test_single_player_games_that_load_offline_pass():
     assert len(games) == 73
 
 
+TWO_PLAYER_NOT_OFFLINE = {
+    # Python 3.12 syntax in the game's module
+    **dict.fromkeys(
+        ["Checkers-v0", "Checkers-long-v0", "Chess-v0", "Chess-blind-v0", "Chess-long-v0"]
+        + ["IteratedStagHunt-v0", "IteratedStagHunt-randomized-v0", "ReverseTicTacToe-v0"],
+        "python 3.12",
+    ),
+    # a hosted judge (OpenRouter)
+    **dict.fromkeys(
+        ["Debate-v0", "Debate-medium-v0", "Debate-long-v0", "ScenarioPlanning-v0"], "hosted"
+    ),
+    # NLTK corpora, downloaded at import
+    **dict.fromkeys(
+        ["DontSayIt-v0", "DontSayIt-hardcore-v0", "DontSayIt-unlimited-v0", "WordChains-v0"]
+        + ["LetterAuction-v0", "LetterAuction-medium-v0", "LetterAuction-hard-v0"]
+        + ["SpellingBee-v0", "SpellingBee-small-v0", "SpellingBee-large-v0"],
+        "nltk",
+    ),
+    # a data file missing from the 0.7.4 wheel
+    **dict.fromkeys(
+        ["UsedCarNegotiation-v0"]
+        + ["UsedCarNegotiation-strong-buyer-v0", "UsedCarNegotiation-strong-seller-v0"],
+        "missing file",
+    ),
+    # deals cards before seeding, so a reset seed does not fix the episode
+    **dict.fromkeys(
+        ["KuhnPoker-v0", "KuhnPoker-short-v0", "KuhnPoker-medium-v0"]
+        + ["KuhnPoker-long-v0", "KuhnPoker-extreme-v0"],
+        "unseeded",
+    ),
+    "SpiteAndMalice-v0": "AttributeError in its reset",
+}
+"""TextArena 0.7.4 two-player games that cannot pass here (with opponent='random'), and why."""
+
+HANGS = {"Stratego-v0"}
+"""Its random setup does not finish (left out of the sweep)."""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_two_player_games_that_load_offline_pass_against_the_random_opponent():
+    games = [s for s in envhub.list_envs("textarena") if s.kwargs["players"] == 2]
+    swept = [s for s in games if s.name + f"-v{s.version}" not in HANGS]
+    failed = failing(swept, lambda spec: spec.id.removeprefix("textarena/"))
+    assert set(failed) == set(TWO_PLAYER_NOT_OFFLINE), failed
+    assert (len(games), len(games) - len(failed) - len(HANGS)) == (119, 87)
+
+
 def test_a_game_and_its_turns_map_to_the_contract():
     env = envhub.make("textarena/TicTacToe-v0", opponent=scripted_players.AlwaysCentre())
     messages, info = env.reset(seed=0)
