@@ -285,6 +285,19 @@ def load(url: str, sessions: int, clients: int, seconds: float) -> float:
     return total / seconds
 
 
+def measured(
+    process: subprocess.Popen[bytes], url: str, count: int, clients: int, seconds: float
+) -> tuple[float, float]:
+    """``(steps/s, server CPU microseconds per step)``; the server's CPU includes its workers."""
+    from throughput_servers import cpu_seconds, family
+
+    pids = family(process.pid)
+    cpu = cpu_seconds(pids)
+    steps_per_s = load(url, count, clients, seconds)
+    cpu = cpu_seconds(pids) - cpu
+    return steps_per_s, 1e6 * cpu / max(1.0, steps_per_s * seconds)
+
+
 def over_network(
     sessions: list[int], clients: int, seconds: float
 ) -> dict[int, tuple[float, float]]:
@@ -292,14 +305,15 @@ def over_network(
     servers = {kind: start(kind) for kind in ("envhub", "openenv")}
     try:
         for count in sessions:
-            hub = load(servers["envhub"][1], count, clients, seconds)
-            own = load(servers["openenv"][1], count, clients, seconds)
-            hub = max(hub, load(servers["envhub"][1], count, clients, seconds))
-            own = max(own, load(servers["openenv"][1], count, clients, seconds))
+            runs: dict[str, list[tuple[float, float]]] = {"envhub": [], "openenv": []}
+            for _ in range(2):  # alternated: envhub, OpenEnv, envhub, OpenEnv
+                for kind, (process, url) in servers.items():
+                    runs[kind].append(measured(process, url, count, clients, seconds))
+            (hub, hub_cpu), (own, own_cpu) = max(runs["envhub"]), max(runs["openenv"])
             results[count] = (hub, own)
             print(
                 f"  {count:5d} sessions: envhub serve {hub:8.0f}  OpenEnv {own:8.0f} steps/s  "
-                f"{hub / own:.2f} x",
+                f"{hub / own:.2f} x; server CPU per step {hub_cpu:.0f} vs {own_cpu:.0f} us",
                 flush=True,
             )
     finally:
