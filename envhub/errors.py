@@ -12,7 +12,12 @@ wording of the ones users meet most (unknown id, bad kwargs, step after the end)
     │   ├── ResetNeededError       step() before the first reset()
     │   └── EpisodeOverError       step() after terminated/truncated
     ├── ActionParseError           model text could not be parsed (envs turn it into feedback)
-    └── EnvCheckError              check_env() found problems (lists all of them)
+    ├── EnvCheckError              check_env() found problems (lists all of them)
+    └── SourceError                an adapted ecosystem (envhub.adapters) cannot serve the env
+        ├── SourceNotInstalledError   its package is missing (names the extra to install)
+        ├── SourceConfigError         a name or config the source does not have (did you mean)
+        └── SourceConnectionError     a remote source (an OpenEnv server) is down or speaks
+                                      another protocol version
 """
 
 from __future__ import annotations
@@ -27,6 +32,10 @@ __all__ = [
     "RegistrationError",
     "RegistryError",
     "ResetNeededError",
+    "SourceConfigError",
+    "SourceConnectionError",
+    "SourceError",
+    "SourceNotInstalledError",
     "UnknownEnvError",
 ]
 
@@ -90,3 +99,19 @@ class EnvCheckError(EnvhubError, AssertionError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{env_name} failed {len(self.problems)} check(s):\n{lines}")
+
+
+class SourceError(EnvhubError):
+    """An adapted ecosystem (TextArena, GEM, reasoning-gym, OpenEnv) cannot serve the env."""
+
+
+class SourceNotInstalledError(SourceError, ImportError):
+    """The source's package is not installed; the message names the envhub extra to install."""
+
+
+class SourceConfigError(SourceError, ValueError):
+    """A dataset/game name or a config field the source does not have (with "did you mean")."""
+
+
+class SourceConnectionError(SourceError, ConnectionError):
+    """A remote source (an OpenEnv server) is unreachable, or answers in another protocol."""

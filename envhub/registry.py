@@ -38,9 +38,11 @@ __all__ = [
     "EnvSpec",
     "PluginFailure",
     "Registry",
+    "import_target",
     "list_envs",
     "load_plugins",
     "make",
+    "note_namespace",
     "plugin_errors",
     "register",
     "registry",
@@ -57,9 +59,19 @@ BUILTIN_PLUGINS: dict[str, str] = {
 """envhub's own environment packages, loaded before third-party plugins."""
 
 _ID = re.compile(
-    r"^(?P<ns>[a-z0-9][a-z0-9_.]*)/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)-v(?P<version>\d+)$"
+    r"^(?P<ns>[a-z0-9][a-z0-9_.-]*)/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)-v(?P<version>\d+)$"
 )
 _VARIANT = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.]*$")
+
+
+def import_target(path: str) -> Any:
+    """The object a ``"module:attr.sub"`` path names (``"module"`` alone: the module); raises
+    ``ImportError``/``AttributeError``."""
+    module_name, _, attr = path.partition(":")
+    target: Any = importlib.import_module(module_name)
+    for part in filter(None, attr.split(".")):
+        target = getattr(target, part)
+    return target
 
 
 def _parse_id(env_id: str) -> tuple[str, str, int]:
@@ -67,7 +79,7 @@ def _parse_id(env_id: str) -> tuple[str, str, int]:
     if match is None:
         raise RegistrationError(
             f"malformed environment id {env_id!r}: use 'namespace/name-vN', "
-            "e.g. 'acme/maze-v0' (lower-case namespace, a version suffix -v0, -v1, ...)"
+            "e.g. 'acme/maze-v0' (a lower-case namespace, a version suffix -v0, -v1, ...)"
         )
     return match["ns"], match["name"], int(match["version"])
 
@@ -106,11 +118,8 @@ class EnvSpec:
         """Import and return the callable that builds the env."""
         if callable(self.entry_point):
             return self.entry_point
-        module_name, _, attr = self.entry_point.partition(":")
         try:
-            target: Any = importlib.import_module(module_name)
-            for part in attr.split("."):
-                target = getattr(target, part)
+            target = import_target(self.entry_point)
         except (ImportError, AttributeError) as exc:
             raise RegistrationError(
                 f"{self.id}: cannot load entry point {self.entry_point!r} ({exc}); "
@@ -198,6 +207,7 @@ class Registry:
     def __init__(self, *, discover: bool = True) -> None:
         self._specs: dict[str, EnvSpec] = {}
         self._failures: list[PluginFailure] = []
+        self._namespace_notes: dict[str, str] = {}
         self._discovered = not discover
         self._loading: str | None = None
         self._lock = threading.RLock()
@@ -282,10 +292,7 @@ class Registry:
         self._loading = name
         token = _ACTIVE.set(self)  # the plugin's envhub.register() calls land here
         try:
-            module_name, _, attr = target.partition(":")
-            plugin: Any = importlib.import_module(module_name)
-            for part in filter(None, attr.split(".")):
-                plugin = getattr(plugin, part)
+            plugin = import_target(target)
             if callable(plugin):
                 plugin()
         except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the others
@@ -305,6 +312,20 @@ class Registry:
         self.load_plugins()
         return list(self._failures)
 
+    def note_namespace(self, namespace: str, note: str) -> None:
+        """Say why a namespace holds no ids (e.g. ``textarena``: its package is not installed).
+
+        Unknown ids under ``namespace`` get ``note`` in their error, and ``envhub list`` shows
+        it, so a user who follows a README's ``textarena/...`` id learns which extra to install
+        instead of a bare "no environment registered".
+        """
+        self._namespace_notes[namespace] = note
+
+    def namespace_notes(self) -> dict[str, str]:
+        """Notes left by ``note_namespace``: namespace -> why it holds no ids."""
+        self.load_plugins()
+        return dict(self._namespace_notes)
+
     # ------------------------------------------------------------------ lookup
     def spec(self, id: str) -> EnvSpec:
         """The spec registered under ``id``; the namespace may be left out when unambiguous."""
@@ -321,6 +342,9 @@ class Registry:
     def _unknown_message(self, id: str) -> str:
         known = sorted(self._specs)
         message = f"no environment registered under {id!r}."
+        note = self._namespace_notes.get(id.split("/", 1)[0]) if isinstance(id, str) else None
+        if note is not None:
+            return f"{message} {note}"
         if isinstance(id, str):
             short = {k.split("/", 1)[1]: k for k in known}
             close = difflib.get_close_matches(id, known, n=3, cutoff=0.6)
@@ -403,6 +427,12 @@ def register(id: str, entry_point: str | Callable[..., Any], **options: Any) -> 
     """Register an environment in the shared registry (see ``Registry.register``)."""
     active = _ACTIVE.get()
     return (registry if active is None else active).register(id, entry_point, **options)
+
+
+def note_namespace(namespace: str, note: str) -> None:
+    """Say why ``namespace`` holds no ids (see ``Registry.note_namespace``); for plugins."""
+    active = _ACTIVE.get()
+    (registry if active is None else active).note_namespace(namespace, note)
 
 
 def make(id: str, *, hub: str | None = None, **kwargs: Any) -> Any:

@@ -63,6 +63,10 @@ COMPONENTS: list[tuple[str, str]] = [
         "the train extra (pip install torch==2.13.0, then 'envhub[train]')",
     ),
     (r"psutil", "psutil (pip install 'envhub[web]')"),
+    (
+        r"textarena|reasoning-gym|gem extra|openenv extra",
+        "the adapters' sources (pip install 'envhub[textarena,gem,reasoning-gym,openenv]')",
+    ),
     (r"root|cgroup", "root (the CI runs as root)"),
 ]
 """Which component a skip reason is about (first match), for the CI failure message."""

@@ -5,7 +5,9 @@ stops them (closing every session) on shutdown. HTTP: ``GET /health`` (no token;
 draining; ``degraded`` with ``problems`` while a pool or the session table is full),
 ``GET /metrics`` (Prometheus text), ``GET /v1/envs``, ``GET /v1/protocol`` (JSON Schemas
 of the WebSocket messages) and ``POST /v1/rollout`` (a one-shot episode).
-WebSocket: ``/v1/session`` (see ``envhub.server.wire`` for the protocol). Every route but
+WebSocket: ``/v1/session`` (see ``envhub.server.wire`` for the protocol). OpenEnv's protocol
+(``envhub.server.openenv``): ``/openenv/<env id>/{ws,schema,metadata}``, and at the root with
+``protocol="openenv"``. Every route but
 ``/health`` needs ``Authorization: Bearer <token>`` unless auth is off (loopback only).
 Every failure, the framework's own included, answers an ``ErrorMessage`` with a code.
 """
@@ -31,6 +33,7 @@ from envhub.pool.errors import PoolClosedError, PoolFullError
 from envhub.server.config import HubConfig
 from envhub.server.errors import SessionLimitError
 from envhub.server.hub import Hub
+from envhub.server.openenv import add_openenv_routes
 from envhub.server.wire import (
     MAX_SEED,
     MAX_SEQ,
@@ -234,9 +237,12 @@ def create_app(config: HubConfig) -> FastAPI:
     )
     app.state.hub = hub
 
-    def auth(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> None:
-        header = f"{credentials.scheme} {credentials.credentials}" if credentials else None
-        if not hub.authorised(header):
+    def auth(
+        request: Request,
+        credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    ) -> None:
+        # the raw header: Bearer, or Basic with the token as password (OpenEnv's clients)
+        if not hub.authorised(request.headers.get("authorization")):
             hub.metrics.rejected.labels("unauthorized").inc()
             raise HTTPError(
                 401,
@@ -385,5 +391,6 @@ def create_app(config: HubConfig) -> FastAPI:
 
     _exact_bounds(app)
     app.add_api_websocket_route("/v1/session", session_endpoint)
+    add_openenv_routes(app, hub, auth, at_root=config.protocol == "openenv")
     app.add_middleware(BodyLimit, limit=config.max_message_bytes)
     return app

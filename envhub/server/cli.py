@@ -38,6 +38,16 @@ __all__ = ["run", "serve", "uvicorn_config"]
     help="Ray cluster address for --backend ray ('auto' joins the local cluster).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True)
+@click.option(
+    "--protocol",
+    type=click.Choice(["envhub", "openenv"]),
+    default="envhub",
+    show_default=True,
+    help=(
+        "openenv: also speak OpenEnv's protocol at the root (one --env), so OpenEnv's client "
+        "connects to http://HOST:PORT; every hub speaks it under /openenv/<env id>."
+    ),
+)
 @click.option("--port", default=8000, show_default=True)
 @click.option(
     "--token",

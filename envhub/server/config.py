@@ -32,6 +32,13 @@ class HubConfig(Strict):
         default=None, description="`ray.init(address=...)`; 'auto' joins the local cluster."
     )
     host: str = "127.0.0.1"
+    protocol: Literal["envhub", "openenv"] = Field(
+        default="envhub",
+        description=(
+            "openenv: also answer OpenEnv's routes (/ws, /schema, /metadata) at the root for the "
+            "one env served; every hub answers them under /openenv/<env id>."
+        ),
+    )
     token: str | None = Field(
         default=None, min_length=8, description="Bearer token every client must send."
     )
@@ -95,6 +102,12 @@ class HubConfig(Strict):
             raise ValueError(
                 f"--no-auth with --host {self.host!r} would let anyone on the network run envs; "
                 "bind 127.0.0.1 or pass --token"
+            )
+        if self.protocol == "openenv" and len(self.envs) != 1:
+            raise ValueError(
+                f"--protocol openenv serves one env at the root, got {len(self.envs)} (--env "
+                f"{' --env '.join(self.envs)}); serve one per hub, or reach each under "
+                "/openenv/<env id> on a hub with the default protocol"
             )
         if self.ray_address is not None and self.backend != "ray":
             raise ValueError(

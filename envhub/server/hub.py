@@ -7,6 +7,7 @@ hold no state of their own; they call into the ``Hub`` kept on ``app.state.hub``
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import hashlib
 import hmac
@@ -131,12 +132,22 @@ class Hub:
 
     # ------------------------------------------------------------------ auth
     def authorised(self, header: str | None) -> bool:
-        """Whether an ``Authorization`` header carries the hub's token."""
+        """Whether an ``Authorization`` header carries the hub's token: ``Bearer TOKEN``, or
+        HTTP Basic with the token as the password (what a client sends for a URL
+        ``http://user:TOKEN@host``; OpenEnv's client can pass a token no other way)."""
         if self._token is None:
             return True
-        if not header or not header.startswith("Bearer "):
+        if not header:
             return False
-        return hmac.compare_digest(header[7:].strip().encode(), self._token)
+        if header.startswith("Bearer "):
+            return hmac.compare_digest(header[7:].strip().encode(), self._token)
+        if header.startswith("Basic "):
+            try:
+                decoded = base64.b64decode(header[6:].strip(), validate=True)
+            except ValueError:
+                return False
+            return hmac.compare_digest(decoded.partition(b":")[2], self._token)
+        return False
 
     def client_key(self, header: str | None, host: str | None) -> str:
         """Who a connection belongs to, for per-client limits: token digest + address."""

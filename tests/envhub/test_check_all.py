@@ -1,7 +1,8 @@
-"""`envhub check --all` as a user runs it on a fresh install: every registered id passes.
+"""`envhub check --all` as a user runs it on a fresh install: every built-in id passes.
 
 One subprocess runs the real command, so what is checked is exactly what a user gets: every
-built-in env and variant, with the components `make test` installs (Chromium, bubblewrap, the
+built-in env and variant (the adapted ecosystems' ids are checked on named samples in
+tests/envhub/adapters/), with the components `make test` installs (Chromium, bubblewrap, the
 MCP SDK). This is the one place the default tier runs the full checker over the registry (the
 per-family test files check behaviour, not the contract again).
 """
@@ -16,7 +17,10 @@ import sys
 
 import pytest
 
+from envhub.registry import BUILTIN_PLUGINS
 from envs.web.browser_pool import chromium_path
+
+BUILTIN = [arg for source in BUILTIN_PLUGINS for arg in ("--source", source)]
 
 
 @pytest.mark.timeout(600)
@@ -40,7 +44,7 @@ def test_envhub_check_all_exits_0() -> None:
         )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     proc = subprocess.run(
-        [sys.executable, "-m", "envhub.cli", "check", "--all"],
+        [sys.executable, "-m", "envhub.cli", "check", "--all", *BUILTIN],
         env=env,
         capture_output=True,
         text=True,
@@ -56,7 +60,14 @@ def test_envhub_check_all_exits_0() -> None:
     assert summary, output[-2000:]
     # what a fresh process registers (this pytest process also holds ids other tests registered)
     count = subprocess.run(
-        [sys.executable, "-c", "import envhub; print(len(envhub.list_envs()))"],
+        [
+            sys.executable,
+            "-c",
+            (
+                "import envhub; from envhub.registry import BUILTIN_PLUGINS as B; "
+                "print(sum(s.source in B for s in envhub.list_envs()))"
+            ),
+        ],
         env=env,
         capture_output=True,
         text=True,

@@ -1,0 +1,134 @@
+"""The other player of a two-player adapted game: random, scripted, or a served model.
+
+``make_opponent(spec)`` turns the ``opponent=`` argument of a two-player TextArena id into an
+``Opponent``:
+
+``"random"`` (the default)
+    Picks uniformly, with the env's seeded RNG, among the moves the game lists in the
+    opponent's observation (TextArena boards say ``Available Moves: '[0]', '[4]'``), else
+    among any ``[...]`` tokens it shows. Deterministic for a seed.
+``"module:attr"``
+    A scripted player: ``attr`` is a callable, or a class built with no arguments, taking the
+    observation text and returning the move, which is TextArena's own ``Agent`` interface
+    (``agent(observation) -> str``). Deterministic if the script is.
+``"http://host:port/v1"`` (any ``http(s)`` URL)
+    A model behind an OpenAI-compatible endpoint, played through ``envhub.model_agent``
+    (``opponent_model=`` picks the model when the server has several). It sees its own
+    conversation (the game's messages to it and its earlier moves). A request that fails after
+    the client's retries raises ``SourceError``: the episode fails, and a pool reports it as a
+    failed episode. Not deterministic unless the server samples greedily with a seed.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import numpy as np
+
+from envhub.errors import SourceConfigError, SourceError
+from envhub.registry import import_target
+
+__all__ = ["ModelOpponent", "Opponent", "RandomOpponent", "ScriptedOpponent", "make_opponent"]
+
+_LISTED_MOVE = re.compile(r"'(\[[^\[\]\n']{1,40}\])'")
+_ANY_MOVE = re.compile(r"\[[^\[\]\n]{1,40}\]")
+
+
+class Opponent(Protocol):
+    """What the adapter needs from the other player."""
+
+    def reset(self) -> None:
+        """A new episode starts (forget the last one's conversation)."""
+        ...
+
+    def act(self, observation: str, rng: np.random.Generator) -> str:
+        """The move for ``observation`` (everything new since the opponent's last move)."""
+        ...
+
+
+class RandomOpponent:
+    """A uniformly random move among those the observation lists (module docstring)."""
+
+    def reset(self) -> None:
+        pass
+
+    def act(self, observation: str, rng: np.random.Generator) -> str:
+        return random_move(observation, rng)
+
+
+def random_move(observation: str, rng: np.random.Generator) -> str:
+    """A random move for ``observation``: one it lists in quotes, else any ``[...]`` it shows."""
+    moves = _LISTED_MOVE.findall(observation) or _ANY_MOVE.findall(observation) or ["[0]"]
+    return str(moves[int(rng.integers(len(moves)))])
+
+
+class ScriptedOpponent:
+    """A TextArena-style agent: ``agent(observation) -> move``."""
+
+    def __init__(self, agent: Callable[[str], str]) -> None:
+        self.agent = agent
+
+    def reset(self) -> None:
+        pass
+
+    def act(self, observation: str, rng: np.random.Generator) -> str:
+        return str(self.agent(observation))
+
+
+class ModelOpponent:
+    """A model served behind an OpenAI-compatible URL, with its own conversation."""
+
+    def __init__(self, url: str, model: str | None, api_key: str, max_tokens: int = 256) -> None:
+        import openai
+
+        from envhub.model_agent import ModelAgent, resolve_model
+
+        client = openai.OpenAI(base_url=url, api_key=api_key, max_retries=2, timeout=60.0)
+        self.url = url
+        self.agent = ModelAgent(client, resolve_model(client, model), max_tokens=max_tokens)
+        self.messages: list[dict[str, Any]] = []
+
+    def reset(self) -> None:
+        self.messages = []
+
+    def act(self, observation: str, rng: np.random.Generator) -> str:
+        from envhub.model_agent import AgentError
+
+        self.messages.append({"role": "user", "content": observation})
+        try:
+            turn = self.agent.act(None, self.messages, None)
+        except AgentError as error:
+            raise SourceError(
+                f"the opponent model at {self.url} failed ({error.reason}: {error.detail}); "
+                "the episode cannot go on"
+            ) from error
+        self.messages.append(turn.message)
+        return turn.action
+
+
+def make_opponent(spec: Any, *, model: str | None = None, api_key: str = "EMPTY") -> Opponent:
+    """The ``Opponent`` for an ``opponent=`` argument (see the module docstring)."""
+    if spec == "random":
+        return RandomOpponent()
+    if isinstance(spec, str) and spec.startswith(("http://", "https://")):
+        return ModelOpponent(spec, model, api_key)
+    if isinstance(spec, str) and ":" in spec:
+        try:
+            target = import_target(spec)
+        except (ImportError, AttributeError) as error:
+            raise SourceConfigError(
+                f"opponent {spec!r} cannot be imported ({error}); give 'module:callable'"
+            ) from error
+        if isinstance(target, type):
+            target = target()
+        if not callable(target):
+            raise SourceConfigError(f"opponent {spec!r} is not callable (observation -> move)")
+        return ScriptedOpponent(target)
+    if callable(spec):
+        return ScriptedOpponent(spec)
+    raise SourceConfigError(
+        f"opponent={spec!r} is not one of: 'random', 'module:callable' (a scripted player), "
+        "or an OpenAI-compatible URL 'http://host:port/v1'"
+    )

@@ -1,0 +1,288 @@
+"""TextArena games as envhub envs: ``textarena/<Game>[-<variant>]-v<N>``.
+
+TextArena's id ``Sudoku-v0-hard`` becomes ``textarena/Sudoku-hard-v0``; its ``-raw`` and
+``-train`` copies (the same game under other observation wrappers) are left out, because the
+adapter renders observations itself. Single-player games (1 player in TextArena) and
+two-player games are registered; games for three or more players are not.
+
+Each episode builds the game without TextArena's wrappers and shows the agent only what is
+new since its last move (the game's prompt and board, the other player's moves), as one user
+message. In a two-player game the agent is ``agent_player`` (0, 1 or ``"random"``) and the
+other seat is played by ``opponent`` (``envhub.adapters.opponents``: random, a script, or a
+model at an OpenAI-compatible URL); a ``step`` applies the agent's move and then the
+opponent's, so each step returns at the agent's next turn or at the end.
+
+Mapping to the TextEnv contract: the reward is the game's final reward for the agent (given
+on the last step; 0 before): a single-player game's score in [0, 1], a two-player game's
++1 win / 0 draw / -1 loss; ``success`` is a score of 1 or a win. A move the game refuses is
+``invalid_action`` (TextArena allows one retry, then the player loses, and that loss is the
+episode's end). ``max_turns`` (200 unless given) bounds games without their own limit.
+
+Determinism: each reset draws a seed from the env's RNG and passes it to TextArena, which
+seeds Python's global ``random`` with it; so an episode is fixed by the reset seed as long as
+nothing else draws from ``random`` during the episode in the same process (envhub's pools run
+one env per worker). Games that ask a hosted model (TwentyQuestions, GuessWho) or download
+NLTK corpora fail offline and are not in the checked sample (see the README).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from envhub.adapters import did_you_mean, require
+from envhub.adapters.catalog import register_source
+from envhub.adapters.opponents import Opponent, make_opponent, random_move
+from envhub.core import TextEnv, Turn
+from envhub.errors import SourceConfigError, SourceError
+from envhub.registry import import_target
+
+__all__ = ["TextArenaEnv", "envhub_id", "register"]
+
+SOURCE = "textarena"
+_GAME_ID = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_.]*)-v(?P<version>\d+)(?P<suffix>-.+)?$")
+_STATES = {"SinglePlayerState": 1, "TwoPlayerState": 2}
+_PLAYER_ACTION = 2  # textarena.core.ObservationType.PLAYER_ACTION
+_REDEALS = 10
+_MAX_OPPONENT_MOVES = 500
+
+
+def envhub_id(game: str) -> str | None:
+    """``Sudoku-v0-hard`` -> ``textarena/Sudoku-hard-v0`` (``None`` for ids of another shape)."""
+    match = _GAME_ID.match(game)
+    if match is None:
+        return None
+    suffix = match["suffix"] or ""
+    return f"textarena/{match['name']}{suffix}-v{match['version']}"
+
+
+class TextArenaEnv(TextEnv):
+    """One TextArena game, with the opponent seat played for the agent (module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        game: str,
+        players: int = 1,
+        opponent: Any = "random",
+        opponent_model: str | None = None,
+        opponent_api_key: str = "EMPTY",
+        agent_player: int | Literal["random"] = 0,
+        game_kwargs: dict[str, Any] | None = None,
+        invalid_action_penalty: float = 0.0,
+        max_turns: int | None = 200,
+        render_mode: Any = None,
+    ) -> None:
+        super().__init__(max_turns=max_turns, render_mode=render_mode)
+        registry = require(SOURCE, "textarena.envs.registration").ENV_REGISTRY
+        if game not in registry:
+            raise SourceConfigError(
+                f"TextArena has no game {game!r}.{did_you_mean(game, registry)} "
+                "`envhub list --source textarena` lists them"
+            )
+        if players not in (1, 2):
+            raise SourceConfigError(f"players must be 1 or 2, got {players!r}")
+        if agent_player not in (0, 1, "random") or (players == 1 and agent_player not in (0,)):
+            raise SourceConfigError(
+                f"agent_player must be 0, 1 or 'random' (0 in a 1-player game), got "
+                f"{agent_player!r}"
+            )
+        self.game, self.players = game, players
+        self.opponent_spec = opponent
+        self.opponent_model, self.opponent_api_key = opponent_model, opponent_api_key
+        self.agent_player = agent_player
+        self.game_kwargs = dict(game_kwargs or {})
+        self.invalid_action_penalty = invalid_action_penalty
+        self._source: Any = None
+        self._opponent: Opponent | None = None
+        self._rng = np.random.default_rng(0)
+        self._me = 0
+        self._build()  # a bad game_kwargs fails here, not at the first reset
+        if players == 2:
+            self._opponent = make_opponent(opponent, model=opponent_model, api_key=opponent_api_key)
+
+    # ----------------------------------------------------------------- TextEnv
+    def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        seed = int(self.np_random.integers(2**31))
+        self._rng = np.random.default_rng(seed)
+        if self.agent_player == "random":
+            self._me = int(self._rng.integers(2))
+        else:
+            self._me = int(self.agent_player)
+        if self._source is None:
+            self._build()
+        if self.players == 2 and self._opponent is None:
+            self._opponent = make_opponent(
+                self.opponent_spec, model=self.opponent_model, api_key=self.opponent_api_key
+            )
+        for _ in range(_REDEALS):  # a game the opponent loses before the agent moves is re-dealt
+            if self._opponent is not None:
+                self._opponent.reset()
+            self._source.reset(num_players=self.players, seed=seed)
+            self._done = False
+            self._play_opponent()
+            if not self._done:
+                return self._news(), {"game": self.game, "player": self._me}
+            seed = int(self._rng.integers(2**31))
+        raise SourceError(
+            f"TextArena {self.game} ended before the agent's first move in {_REDEALS} deals "
+            f"(opponent={self.opponent_spec!r}); try another opponent"
+        )
+
+    def on_step(self, action: str) -> Turn:
+        state = self._source.state
+        errors_before = int(getattr(state, "error_count", 0) or 0)
+        try:
+            self._done, _ = self._source.step(action=action)
+            invalid = int(getattr(state, "error_count", 0) or 0) > errors_before
+            if not self._done:
+                self._play_opponent()
+        except SourceError:
+            raise
+        except Exception as error:
+            raise SourceError(
+                f"TextArena {self.game} raised {type(error).__name__} on the move {action[:60]!r}: "
+                f"{error}; the episode cannot go on (reset to start another)"
+            ) from error
+        if not self._done:
+            return Turn(
+                self._news(),
+                reward=self.invalid_action_penalty if invalid else 0.0,
+                invalid_action=invalid,
+            )
+        rewards, game_info = self._source.close()
+        mine = game_info.get(self._me, {}) if isinstance(game_info, dict) else {}
+        reward = (rewards or {}).get(self._me, 0.0)
+        if not isinstance(reward, (int, float)):
+            raise SourceError(
+                f"TextArena {self.game} ended with a reward that is not a number ({reward!r:.80}); "
+                "a bug in the game, which envhub cannot score"
+            )
+        invalid = invalid or bool(mine.get("invalid_move"))
+        success = reward >= 1.0 if self.players == 1 else reward > 0
+        return Turn(
+            self._news(),
+            reward=reward,
+            terminated=True,
+            success=success,
+            invalid_action=invalid,
+            info={"reason": str(mine.get("reason", ""))},
+        )
+
+    def sample_action(self, np_random: np.random.Generator) -> str:
+        roll = np_random.random()
+        if roll < 0.15:
+            return "I am not sure what to do."
+        if self.messages:
+            return random_move(str(self.messages[-1]["content"]), np_random)
+        return "[0]"
+
+    def on_close(self) -> None:
+        self._source = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the game and a model opponent's client are rebuilt after unpickling (at reset)
+        return {**self.__dict__, "_source": None, "_opponent": None}
+
+    # ----------------------------------------------------------------- helpers
+    def _build(self) -> None:
+        spec = require(SOURCE, "textarena.envs.registration").ENV_REGISTRY[self.game]
+        target = spec.entry_point
+        if isinstance(target, str):
+            try:
+                target = import_target(target)
+            except (ImportError, AttributeError, SyntaxError, LookupError) as error:
+                raise SourceError(
+                    f"TextArena {self.game}'s module {target.partition(':')[0]} does not import "
+                    f"({type(error).__name__}: {str(error).strip().splitlines()[0]})"
+                ) from error
+        try:
+            self._source = target(**{**spec.kwargs, **self.game_kwargs})
+        except TypeError as error:
+            raise SourceConfigError(
+                f"TextArena {self.game} refused game_kwargs={self.game_kwargs} ({error})"
+            ) from error
+        except Exception as error:  # the game's own failure, reported as the source's
+            first = str(error).strip().splitlines()[0:3]
+            raise SourceError(
+                f"TextArena {self.game} cannot be built here ({type(error).__name__}: "
+                f"{' '.join(line.strip() for line in first)}); games that download NLTK corpora "
+                "or call a hosted model need network access"
+            ) from error
+
+    def _play_opponent(self) -> None:
+        """Let the opponent move until it is the agent's turn or the game is over."""
+        state, moves = self._source.state, 0
+        while not self._done and state.current_player_id != self._me:
+            moves += 1
+            if moves > _MAX_OPPONENT_MOVES:
+                raise SourceError(
+                    f"TextArena {self.game}: the opponent moved {_MAX_OPPONENT_MOVES} times "
+                    "without the turn coming back to the agent; the game seems stuck"
+                )
+            if self._opponent is None:
+                raise SourceError(f"TextArena {self.game} gave the turn to another player")
+            player, observation = self._source.get_observation()
+            move = self._opponent.act(_render(observation, player), self._rng)
+            self._done, _ = self._source.step(action=move)
+
+    def _news(self) -> str:
+        """Everything the agent has not seen yet, as text (its own moves left out)."""
+        pending = self._source.state.observations
+        messages, pending[self._me] = pending.get(self._me, []), []
+        return _render(messages, self._me) or "(no news from the game)"
+
+
+def _render(messages: list[Any], me: int) -> str:
+    """TextArena's ``(from_id, text, type)`` messages as the text player ``me`` reads."""
+    lines = []
+    for sender, text, kind in messages:
+        if not isinstance(sender, int):  # some games pass add_observation's arguments out of order
+            sender, text = -1, f"{text}"
+        if sender == me and getattr(kind, "value", kind) == _PLAYER_ACTION:
+            continue  # the player's own move, which it knows
+        lines.append(str(text) if sender < 0 else f"[Player {sender}] {text}")
+    return "\n\n".join(lines)
+
+
+def _catalog() -> list[dict[str, Any]]:
+    registry = require(SOURCE, "textarena.envs.registration").ENV_REGISTRY
+    entries = []
+    for game, spec in registry.items():
+        if game.endswith(("-raw", "-train")):
+            continue
+        env_id, players = envhub_id(game), _players(spec.entry_point)
+        if env_id is None or players is None:
+            continue
+        who = "1 player" if players == 1 else "2 players; opponent= plays the other seat"
+        entries.append(
+            {
+                "id": env_id,
+                "kwargs": {"game": game, "players": players},
+                "max_turns": 200,
+                "description": f"TextArena {game} ({who}).",
+            }
+        )
+    return sorted(entries, key=lambda entry: entry["id"])
+
+
+def _players(entry_point: Any) -> int | None:
+    """1 or 2 from the game's source (which State class it builds), without importing it."""
+    if not isinstance(entry_point, str):
+        return None
+    module_name = entry_point.partition(":")[0]
+    root = Path(require(SOURCE).__file__ or "").parent.parent
+    try:
+        text = (root / (module_name.replace(".", "/") + ".py")).read_text(encoding="utf-8")
+    except OSError:
+        return None
+    found = {count for name, count in _STATES.items() if f"{name}(" in text}
+    return found.pop() if len(found) == 1 else None
+
+
+def register() -> None:
+    """The ``envhub.envs`` entry point: one id per 1- or 2-player TextArena game."""
+    register_source(SOURCE, "envhub.adapters.textarena:TextArenaEnv", _catalog)

@@ -1,0 +1,70 @@
+"""OpenEnv servers for the adapter and protocol tests, built with openenv-core's own
+``create_app`` (so they speak exactly its protocol), and two that speak something else."""
+
+from __future__ import annotations
+
+import random
+
+from fastapi import FastAPI
+from openenv.core.env_server.http_server import create_app
+from openenv.core.env_server.interfaces import Environment
+from openenv.core.env_server.types import Action, Observation, State
+
+
+class GuessAction(Action):
+    message: str
+
+
+class GuessObservation(Observation):
+    text: str = ""
+
+
+class GuessEnvironment(Environment):
+    """Guess a number from 1 to 9 in three tries; the seed picks the number."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self) -> None:
+        self._state = State(step_count=0)
+        self._target, self._left = 0, 0
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None) -> GuessObservation:
+        self._target = random.Random(seed).randint(1, 9)
+        self._left = 3
+        self._state = State(episode_id=episode_id, step_count=0)
+        return GuessObservation(text="Guess my number from 1 to 9; you have 3 tries.")
+
+    def step(self, action: GuessAction) -> GuessObservation:  # type: ignore[override]
+        self._state.step_count += 1
+        self._left -= 1
+        guess = action.message.strip()
+        if guess == str(self._target):
+            return GuessObservation(text="Right!", done=True, reward=1.0)
+        hint = (
+            "higher" if guess.isdigit() and int(guess) < self._target else "lower or not a number"
+        )
+        return GuessObservation(text=f"No: {hint}.", done=self._left == 0, reward=0.0)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+app = create_app(GuessEnvironment, GuessAction, GuessObservation, max_concurrent_envs=64)
+
+no_schema_app = FastAPI()
+"""An HTTP server that is not an OpenEnv server (or an OpenEnv older than /schema)."""
+
+
+@no_schema_app.get("/health")
+def _health() -> dict[str, str]:
+    return {"status": "healthy"}
+
+
+no_websocket_app = FastAPI()
+"""Publishes an action schema but has no /ws route (an HTTP-only protocol version)."""
+
+
+@no_websocket_app.get("/schema")
+def _schema() -> dict[str, object]:
+    return {"action": GuessAction.model_json_schema(), "observation": {}, "state": {}}
