@@ -88,6 +88,9 @@ class TinyModelConfig(Section):
     tokenizer: str = "bpe"
     """How to build the tokenizer over the env's texts: ``bpe`` (shortest sequences), ``word`` or
     ``char`` (see ``trainer.models``)."""
+    vocab_size: int = Field(default=2048, ge=64)
+    """Most entries of the ``bpe`` tokenizer. A small vocabulary keeps the words a task copies
+    (names, digits) tokens of their own instead of merging whole frequent sentences into one."""
 
     @model_validator(mode="after")
     def _heads_divide(self) -> TinyModelConfig:

@@ -115,7 +115,9 @@ def model_shape(cfg: TrainerConfig) -> tuple[ModelShape, str]:
     try:
         return ModelShape.from_path(built), f"{built}/config.json"
     except OSError:
-        return ModelShape.from_tiny(cfg.model.tiny), "model.tiny (vocabulary at its bound)"
+        tiny = cfg.model.tiny
+        assert tiny is not None  # ModelConfig holds a path or a tiny model
+        return ModelShape.from_tiny(tiny, tiny.vocab_size), "model.tiny (vocabulary at its bound)"
 
 
 # --------------------------------------------------------------------------- phases and devices

@@ -43,8 +43,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")
 """``model_type`` values whose tensors this module knows."""
 
 TINY_VOCAB_BOUND = 2048
-"""The largest vocabulary ``model.tiny`` can get: ``trainer.models.build_tokenizer`` learns at
-most this many tokens from the env's texts (the real size is known only once it is built)."""
+"""The default bound of ``model.tiny.vocab_size``: ``trainer.models.build_tokenizer`` learns at
+most that many tokens from the env's texts (the real size is known only once it is built)."""
 
 
 class UnknownModelShape(ValueError):

@@ -284,19 +284,24 @@ def build_model(
 
 
 def build_policy(
-    out_dir: str | Path, corpus: Iterable[str], *, tokenizer_kind: str = "bpe", **model_kwargs: Any
+    out_dir: str | Path,
+    corpus: Iterable[str],
+    *,
+    tokenizer_kind: str = "bpe",
+    vocab_size: int = 2048,
+    **model_kwargs: Any,
 ) -> Path:
-    """Build a tokenizer over ``corpus`` and a tiny model; ``save_pretrained`` both to
-    ``out_dir``."""
+    """Build a tokenizer (at most ``vocab_size`` entries) over ``corpus`` and a tiny model;
+    ``save_pretrained`` both to ``out_dir``."""
     out = Path(out_dir)
-    tokenizer = build_tokenizer(corpus, tokenizer_kind)
+    tokenizer = build_tokenizer(corpus, tokenizer_kind, max_vocab=vocab_size)
     model = build_model(tokenizer, **model_kwargs)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "envhub_policy.json").write_text(
-        json.dumps({"tokenizer_kind": tokenizer_kind, **model_kwargs})
+        json.dumps({"tokenizer_kind": tokenizer_kind, "vocab_size": vocab_size, **model_kwargs})
     )
     return out
 

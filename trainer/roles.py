@@ -52,6 +52,7 @@ def prepare_policy(cfg: TrainerConfig) -> Path:
         partial,
         corpus,
         tokenizer_kind=tiny.tokenizer,
+        vocab_size=tiny.vocab_size,
         arch=tiny.architecture,
         hidden_size=tiny.hidden_size,
         num_layers=tiny.num_layers,
