@@ -4,7 +4,7 @@ Each episode hides a fresh table mapping eight names (colours) to one-digit code
 names two of them; the only way to know their codes is to call ``lookup`` for each (two tool
 calls) and then answer with both results in order, ``<answer>3 7</answer>``. Guessing wins one
 time in a hundred. The answer is graded per code (0.5 each), so half-right answers are told
-apart from wrong ones.
+apart from wrong ones; an answer that is not exactly two codes scores 0.
 
 It is meant for tiny policies that train on a CPU in minutes: the tool calls are a handful of
 distinct strings and the answer copies two digits from the tool messages, so what RL has to
@@ -78,7 +78,9 @@ class LookupEnv(ToolEnv):
     def grade(self, answer: str) -> float:
         given = answer.split()
         wanted = [str(self.task["table"][name]) for name in self.task["names"]]
-        return sum(g == w for g, w in zip(given, wanted, strict=False)) / 2 if given else 0.0
+        if len(given) != len(wanted):  # the two codes and nothing else: no credit for rambling
+            return 0.0
+        return sum(g == w for g, w in zip(given, wanted, strict=True)) / len(wanted)
 
     def plan(self) -> list[str]:
         calls = [format_tool_call("lookup", {"name": name}) for name in self.task["names"]]

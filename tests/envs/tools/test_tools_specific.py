@@ -136,3 +136,16 @@ def test_lookup_needs_both_calls_and_grades_each_code():
         '<tool_call>{"name": "lookup", "arguments": {"name": "teal"}}</tool_call>'
     )
     assert "must be one of" in messages[0]["content"] and reward < 0  # the schema's enum
+
+
+def test_lookup_answer_with_more_than_two_codes_scores_nothing():
+    """A policy that copies both codes and then rambles on (a truncated answer full of digits)
+    must not be graded a success: the answer is exactly the two codes."""
+    env = envhub.make("tools/lookup-v0")
+    env.reset(seed=5)
+    codes = [env.task["table"][name] for name in env.task["names"]]
+    _, reward, terminated, _, info = env.step(f"<answer>{codes[0]} {codes[1]} 0 9 8</answer>")
+    assert terminated and reward == 0.0 and not info["success"]
+    env.reset(seed=5)
+    _, reward, _, _, info = env.step(f"<answer>{codes[0]} {codes[1]}</answer>")
+    assert reward == 1.0 and info["success"]
