@@ -423,10 +423,13 @@ def play_command(
     from envhub.registry import make
 
     read_line = None
+    options = _parse_kwargs(kwargs)
     if replay_run is not None or episode_key is not None:
-        read_line = _replayed_actions(replay_run, episode_key)
+        read_line, stored_seed, run_kwargs = _replayed_actions(replay_run, episode_key, env_id)
+        seed = stored_seed if seed is None else seed  # the stored episode's task, unless told
+        options = {**run_kwargs, **options}
     try:
-        env = make(env_id, **_parse_kwargs(kwargs))
+        env = make(env_id, **options)
     except (EnvhubError, ImportError) as error:
         _fail(error)
     try:
@@ -435,15 +438,19 @@ def play_command(
         env.close()
 
 
-def _replayed_actions(run_dir: str | None, key: str | None) -> Any:
-    """A ``read_line`` that types a stored episode's actions, then quits."""
+def _replayed_actions(
+    run_dir: str | None, key: str | None, env_id: str
+) -> tuple[Any, int | None, dict[str, Any]]:
+    """A ``read_line`` that types a stored episode's actions, then quits; with the episode's
+    seed and the env kwargs its run used."""
     from envhub.parsing import message_text
     from envhub.runs import NotARunError, open_run
 
     if run_dir is None or key is None:
         _fail(EnvhubError("--replay RUN_DIR needs --episode KEY (both, as envhub view shows)"))
     try:
-        episode = open_run(run_dir).episode(key)
+        run = open_run(run_dir)
+        episode = run.episode(key)
     except (NotARunError, KeyError) as error:
         _fail(EnvhubError(str(error).strip("'\"")))
     actions = [message_text(m) for m in episode["messages"] if m.get("role") == "assistant"]
@@ -454,7 +461,8 @@ def _replayed_actions(run_dir: str | None, key: str | None) -> Any:
         console.print(f"{prompt}{line}", highlight=False, markup=False)
         return line
 
-    return read_line
+    seed = episode.get("seed")
+    return read_line, None if seed is None else int(seed), run.env_kwargs(env_id)
 
 
 if __name__ == "__main__":  # pragma: no cover

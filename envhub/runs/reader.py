@@ -86,6 +86,22 @@ class Run:
             return []
         return data if isinstance(data, list) else []
 
+    def env_kwargs(self, env_id: str) -> dict[str, Any]:
+        """The constructor kwargs the run gave ``env_id`` (its config's ``env.kwargs``, or the
+        mix entry's), read from the newest checkpoint's ``config.json``; {} when unknown."""
+        checkpoints = self.path / "checkpoints"
+        try:  # ``latest`` names the newest checkpoint folder, whose config.json is the run's
+            latest = checkpoints / (checkpoints / "latest").read_text().strip()
+            env = json.loads((latest / "config.json").read_text()).get("env", {})
+            kwargs = dict(env.get("kwargs") or {})
+            entries = env.get("id") if isinstance(env.get("id"), list) else []
+            for entry in entries:
+                if isinstance(entry, dict) and entry.get("id") == env_id:
+                    kwargs.update(entry.get("kwargs") or {})
+        except (OSError, ValueError, AttributeError, TypeError):
+            return {}
+        return kwargs
+
     # ------------------------------------------------------------------ the store
     def parts(self) -> list[Path]:
         """The store's complete, readable parts (unreadable ones go to ``problems``)."""

@@ -124,18 +124,7 @@ class Viewer:
     @staticmethod
     def replay_command(run: Run, record: dict[str, Any]) -> str:
         """``envhub play`` replaying the episode's actions, with the run's env kwargs."""
-        kwargs: dict[str, Any] = {}
-        checkpoints = run.path / "checkpoints"
-        try:  # ``latest`` names the newest checkpoint folder, whose config.json is the run's
-            latest = checkpoints / (checkpoints / "latest").read_text().strip()
-            env = json.loads((latest / "config.json").read_text()).get("env", {})
-            kwargs = dict(env.get("kwargs") or {})
-            entries = env.get("id") if isinstance(env.get("id"), list) else []
-            for entry in entries:
-                if isinstance(entry, dict) and entry.get("id") == record["env_id"]:
-                    kwargs.update(entry.get("kwargs") or {})
-        except (OSError, ValueError, AttributeError):
-            pass
+        kwargs = run.env_kwargs(str(record["env_id"]))
         parts = ["envhub", "play", str(record["env_id"]), "--seed", str(record["seed"])]
         for name, value in kwargs.items():
             parts += ["-k", f"{name}={json.dumps(value) if not isinstance(value, str) else value}"]

@@ -163,6 +163,10 @@ def test_replaying_a_stored_episode_ends_as_the_episode_did(quickstart_run: Path
         assert result.exit_code == 0, result.output
         outcome = f"Return {episode['return']:+.2f} in {episode['turns']} turns."
         assert outcome in result.output, (outcome, result.output[-800:])
+        # typed by hand, without the seed and kwargs: the stored episode's own are used
+        short = ["play", str(episode["env_id"]), "--replay", str(quickstart_run)]
+        result = CliRunner().invoke(main, [*short, "--episode", row["key"]])
+        assert result.exit_code == 0 and outcome in result.output, result.output[-800:]
 
 
 def test_view_refuses_a_public_host_without_a_token_and_a_folder_that_is_no_run(
