@@ -272,21 +272,38 @@ class TrainConfig(Section):
     def lr_at(self, step: int, base: float | None = None) -> float:
         """The policy learning rate of RL step ``step`` (1-based), by ``lr_schedule`` and
         ``warmup_steps``, scaling ``base`` (None: ``lr``; LoRA passes its own rate)."""
-        import math
-
-        lr = self.lr if base is None else base
-        if step <= self.warmup_steps:
-            return lr * step / (self.warmup_steps + 1)
-        if self.lr_schedule == "constant":
-            return lr
-        span = max(self.steps - self.warmup_steps - 1, 1)
-        progress = min(max(step - self.warmup_steps - 1, 0) / span, 1.0)
-        shape = (
-            1.0 - progress
-            if self.lr_schedule == "linear"
-            else 0.5 * (1.0 + math.cos(math.pi * progress))
+        return scheduled_lr(
+            step,
+            self.steps,
+            self.lr if base is None else base,
+            self.lr_schedule,
+            min_ratio=self.min_lr_ratio,
+            warmup=self.warmup_steps,
         )
-        return lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * shape)
+
+
+def scheduled_lr(
+    step: int,
+    total: int,
+    lr: float,
+    schedule: Literal["constant", "linear", "cosine"],
+    *,
+    min_ratio: float = 0.0,
+    warmup: int = 0,
+) -> float:
+    """The learning rate of optimiser step ``step`` (1-based) of ``total``: a linear warm-up
+    from ``lr / (warmup + 1)`` over ``warmup`` steps, then ``schedule`` (constant, or a
+    linear/cosine decay to ``lr * min_ratio`` at the last step). RL and the warm start share it."""
+    import math
+
+    if step <= warmup:
+        return lr * step / (warmup + 1)
+    if schedule == "constant":
+        return lr
+    span = max(total - warmup - 1, 1)
+    progress = min(max(step - warmup - 1, 0) / span, 1.0)
+    shape = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lr * (min_ratio + (1.0 - min_ratio) * shape)
 
 
 # --------------------------------------------------------------------------- roles and cluster

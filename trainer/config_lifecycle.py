@@ -55,6 +55,14 @@ class SFTConfig(Section):
     """Learning rate of the warm start; None means ``train.lr``."""
     batch_size: int = Field(default=32, gt=0)
     """Demonstrations per SFT optimiser step."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """How the warm start's learning rate moves over its optimiser steps (epochs x batches):
+    ``constant``, or a ``linear``/``cosine`` decay to ``lr * min_lr_ratio`` at the last one."""
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    """Final learning rate of a decaying schedule, as a fraction of the warm start's rate."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Optimiser steps of linear warm-up before the schedule starts (a randomly initialised
+    model's first large steps are where a warm start can diverge)."""
     expert_noise: float = Field(default=0.0, ge=0, le=1)
     """Probability that an expert demonstration move is replaced (a sloppy demonstrator; ``source:
     expert``): by ``noise_action``, or by a random move the expert has made when that is None."""

@@ -12,13 +12,14 @@ run resumed after ``kill -9`` produces the same next-step metrics as one never i
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from trainer.config import TrainerConfig
+from trainer.config import TrainerConfig, scheduled_lr
 from trainer.controller.batch import Batch
 from trainer.devices import PHASE_ROLES
 from trainer.errors import NonFiniteLossError, WorkerCallError
@@ -312,13 +313,23 @@ class AgenticPipeline:
             )
             demos.write_jsonl(data, self.out / "sft_demos.jsonl")
         order, rng, stats = list(range(len(data))), random.Random(self.cfg.seed), {}
-        for _ in range(sft.epochs):
+        per_epoch = math.ceil(len(order) / sft.batch_size)
+        total, lr = sft.epochs * per_epoch, sft.lr or self.cfg.policy_lr
+        for epoch in range(sft.epochs):
             rng.shuffle(order)
-            for first in range(0, len(order), sft.batch_size):
+            for batch, first in enumerate(range(0, len(order), sft.batch_size)):
                 chunk = [data[i] for i in order[first : first + sft.batch_size]]
+                step = epoch * per_epoch + batch + 1
                 stats = self.roles.actor.sft_step(
                     Batch(collate(chunk, self.renderer.tokenizer.pad_token_id)),
-                    sft.lr or self.cfg.policy_lr,
+                    scheduled_lr(
+                        step,
+                        total,
+                        lr,
+                        sft.lr_schedule,
+                        min_ratio=sft.min_lr_ratio,
+                        warmup=sft.warmup_steps,
+                    ),
                 )
         self.roles.actor.set_lr(self.cfg.policy_lr)
         self.roles.adopt_warm_start()  # the KL anchor; LoRA folds the adapters into the base

@@ -85,3 +85,28 @@ def test_lr_warmup_then_decay() -> None:
     assert [train.lr_at(step) for step in range(1, 7)] == pytest.approx(
         [2 / 3, 4 / 3, 2.0, 4 / 3, 2 / 3, 0.0]
     )
+
+
+def test_the_warm_start_follows_its_own_schedule(tmp_path, monkeypatch) -> None:
+    """``sft.lr_schedule``/``warmup_steps``/``min_lr_ratio`` set every warm-start step's rate."""
+    import trainer.pipeline
+    from tests.trainer.test_cli import QUICKSTART, TINY
+    from trainer.config import scheduled_lr
+    from trainer.pipeline import AgenticPipeline
+
+    seen: list[float] = []
+
+    def recorded(*args, **kwargs) -> float:
+        seen.append(scheduled_lr(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(trainer.pipeline, "scheduled_lr", recorded)  # each step's rate, as sent
+    overrides = ["train.steps=0", "sft.lr=0.01", "sft.lr_schedule=cosine", "sft.warmup_steps=1"]
+    cfg = load_config(
+        QUICKSTART, [*TINY, *overrides, "sft.min_lr_ratio=0.1", f"output_dir={tmp_path}"]
+    )
+    AgenticPipeline(cfg).fit()
+    steps = 4 * 2  # 4 epochs of 16 demonstrations in batches of 8
+    rates = [scheduled_lr(s, steps, 0.01, "cosine", min_ratio=0.1, warmup=1) for s in range(1, 9)]
+    assert rates[0] == pytest.approx(0.005) and rates[-1] == pytest.approx(0.001)
+    assert seen == pytest.approx(rates)
