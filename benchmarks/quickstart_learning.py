@@ -99,16 +99,36 @@ def run_learning(config: str, seed: int, overrides: list[str], out: Path) -> dic
 
 
 def report(results: list[dict[str, Any]], name: str) -> None:
-    """The per-seed table (step 0, final, when 0.8 was first reached, wall time), then the last
-    line ``{name}: X`` with the mean final evaluation."""
-    print("\nseed  step0  final  first>=0.8  wall")
+    """The per-seed table (sampled train success of the first and last 10 steps, greedy eval at
+    step 0 and at the end, when 0.8 was first reached, wall time), then the last line
+    ``{name}: X`` with the mean final evaluation."""
+    print("\nseed  train first10  last10  step0  final  first>=0.8  wall")
     for r in results:
         reached = "never" if r["reached_s"] is None else f"{r['reached_s']:.0f} s"
         print(
-            f"{r['seed']:4d}  {r['start']:.3f}  {r['final']:.3f}  {reached:>10}  "
-            f"{r['wall_s']:.0f} s"
+            f"{r['seed']:4d}  {r['train_first10']:13.3f}  {r['train_last10']:6.3f}  "
+            f"{r['start']:.3f}  {r['final']:.3f}  {reached:>10}  {r['wall_s']:.0f} s"
         )
     print(f"{name}: {sum(r['final'] for r in results) / len(results):.3f}")
+
+
+def learning_benchmark(doc: str, config: str, name: str) -> None:
+    """The command line of a learning benchmark: ``[--seeds S ...] [a.b=value ...]``; one run
+    of ``config`` per seed, the first run's curve copied to ``benchmarks/{name}_learning.png``,
+    then ``report`` (last line ``{name}_eval_success: X``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="one run per seed (default: 0)"
+    )
+    args, overrides = parser.parse_known_args()
+    results = [
+        run_learning(config, seed, overrides, ROOT / "runs" / f"bench-{name}-{seed}")
+        for seed in args.seeds
+    ]
+    shutil.copy(
+        results[0]["out"] / "reward_curve.png", ROOT / "benchmarks" / f"{name}_learning.png"
+    )
+    report(results, f"{name}_eval_success")
 
 
 def main() -> None:

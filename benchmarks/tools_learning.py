@@ -12,30 +12,7 @@ warm start guesses), >= 0.80 within 15 minutes on a 2-core machine, for every se
 
 from __future__ import annotations
 
-import argparse
-import shutil
-
-from quickstart_learning import ROOT, report, run_learning
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--seeds", type=int, nargs="+", default=[0], help="one run per seed (default: 0)"
-    )
-    args, overrides = parser.parse_known_args()
-    results = [
-        run_learning(
-            "examples/tools-quickstart.yaml",
-            seed,
-            overrides,
-            ROOT / "runs" / f"bench-tools-{seed}",
-        )
-        for seed in args.seeds
-    ]
-    shutil.copy(results[0]["out"] / "reward_curve.png", ROOT / "benchmarks" / "tools_learning.png")
-    report(results, "tools_eval_success")
-
+from quickstart_learning import learning_benchmark
 
 if __name__ == "__main__":
-    main()
+    learning_benchmark(__doc__, "examples/tools-quickstart.yaml", "tools")
