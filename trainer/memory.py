@@ -44,7 +44,7 @@ from trainer.memory_roles import (
     sequence_tokens,
     train_role,
 )
-from trainer.model_shape import ModelShape
+from trainer.model_shape import ModelShape, UnknownModelShape
 
 if TYPE_CHECKING:
     from trainer.config import TrainerConfig
@@ -116,7 +116,8 @@ def model_shape(cfg: TrainerConfig) -> tuple[ModelShape, str]:
         return ModelShape.from_path(built), f"{built}/config.json"
     except OSError:
         tiny = cfg.model.tiny
-        assert tiny is not None  # ModelConfig holds a path or a tiny model
+        if tiny is None:  # ModelConfig's validator allows a path or a tiny model, never neither
+            raise UnknownModelShape("set model.path or model.tiny")
         return ModelShape.from_tiny(tiny, tiny.vocab_size), "model.tiny (vocabulary at its bound)"
 
 
