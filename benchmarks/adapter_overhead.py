@@ -37,6 +37,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,17 @@ def rate(play: Callable[[int], int], seconds: float) -> float:
         steps += play(episode)
         episode += 1
     return steps / (time.perf_counter() - start)
+
+
+def gym_episode(env: Any, moves: list[str], episode: int) -> int:
+    """One episode of a Gymnasium-API env (GEM's own or an envhub id) on fixed moves: steps
+    played."""
+    env.reset(seed=episode)
+    for steps, move in enumerate(moves, 1):
+        _, _, terminated, truncated, _ = env.step(move)
+        if terminated or truncated:
+            return steps
+    return len(moves)
 
 
 def reasoning_gym_pair() -> tuple[Callable[[int], int], Callable[[int], int]]:
@@ -97,15 +109,7 @@ def textarena_pair() -> tuple[Callable[[int], int], Callable[[int], int]]:
                 return steps
         return len(moves)
 
-    def adapted(episode: int) -> int:
-        env.reset(seed=episode)
-        for steps, move in enumerate(moves, 1):
-            _, _, terminated, truncated, _ = env.step(move)
-            if terminated or truncated:
-                return steps
-        return len(moves)
-
-    return own, adapted
+    return own, partial(gym_episode, env, moves)
 
 
 def gem_pair() -> tuple[Callable[[int], int], Callable[[int], int]]:
@@ -117,23 +121,7 @@ def gem_pair() -> tuple[Callable[[int], int], Callable[[int], int]]:
     env = envhub.make("gem/game.Mastermind-easy-v0")
     moves = [f"\\boxed{{{a} {b}}}" for a, b in ((1, 2), (3, 4), (5, 6), (2, 1), (4, 3))] * 2
 
-    def own(episode: int) -> int:
-        game.reset(seed=episode)
-        for steps, move in enumerate(moves, 1):
-            _, _, terminated, truncated, _ = game.step(move)
-            if terminated or truncated:
-                return steps
-        return len(moves)
-
-    def adapted(episode: int) -> int:
-        env.reset(seed=episode)
-        for steps, move in enumerate(moves, 1):
-            _, _, terminated, truncated, _ = env.step(move)
-            if terminated or truncated:
-                return steps
-        return len(moves)
-
-    return own, adapted
+    return partial(gym_episode, game, moves), partial(gym_episode, env, moves)
 
 
 def in_process(seconds: float, rounds: int) -> dict[str, tuple[float, float]]:
