@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import envhub
 
 SHOUT = envhub.function_tool(
@@ -48,3 +50,35 @@ def _missing_ray_command():
 
 missing_ray_command = _missing_ray_command()
 """A subsystem command whose optional dependency is absent (for the CLI's message)."""
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs; a zombie, or one that vanishes while we look, is dead.
+
+    Reading ``/proc/PID/stat`` of a process reaped a moment ago raises ``ProcessLookupError``
+    (ESRCH) or ``FileNotFoundError`` depending on when it goes; both mean it is gone.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def host_command_lines() -> dict[int, list[str]]:
+    """The argv of every process on this host (that may vanish mid-scan; those are skipped)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found[int(entry)] = f.read().decode(errors="replace").split("\0")[:-1]
+            except OSError:
+                continue
+    return found
+
+
+def host_processes_with(fragment: str) -> list[str]:
+    """``"PID: command line"`` for each host process whose command line contains ``fragment``."""
+    lines = {pid: " ".join(argv) for pid, argv in host_command_lines().items()}
+    return [f"{pid}: {line}" for pid, line in lines.items() if fragment in line]

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from sandboxes import Sandbox, SandboxFileError
+from tests.helpers import host_processes_with
 
 PROJECT = Path(__file__).resolve().parents[2]
 
@@ -25,24 +26,6 @@ def still_works(sb: Sandbox) -> None:
     r = sb.run(["python3", "-c", "print('alive')"], timeout=20)
     assert r.ok and r.stdout == "alive\n", r
     assert subprocess.run(["true"], check=False).returncode == 0  # the host can still fork
-
-
-def host_processes_with(marker: str) -> list[str]:
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                cmdline = (
-                    Path(f"/proc/{pid}/cmdline")
-                    .read_bytes()
-                    .replace(b"\0", b" ")
-                    .decode(errors="replace")
-                )
-            except OSError:
-                continue
-            if marker in cmdline:
-                found.append(f"{pid}: {cmdline}")
-    return found
 
 
 def test_infinite_loop_is_killed_at_the_wall_time_limit(make_sandbox_for):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -12,25 +11,13 @@ import pytest
 from click.testing import CliRunner
 
 from envhub.cli import main
+from tests.helpers import host_processes_with
 from tests.sandboxes.conftest import _local_skip_reason
 
 needs_local = pytest.mark.skipif(
     bool(_local_skip_reason("bwrap") and _local_skip_reason("unshare")),
     reason="no local isolation here (needs bubblewrap or root)",
 )
-
-
-def _host_processes_running(fragment: str) -> list[int]:
-    """Pids on the host whose command line contains ``fragment``."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if fragment in f.read().replace(b"\0", b" ").decode(errors="replace"):
-                    pids.append(int(entry))
-        except (OSError, ValueError):
-            continue
-    return pids
 
 
 def invoke(*args: str):
@@ -75,7 +62,7 @@ def test_fork_bomb_returns_and_leaves_nothing_behind():  # a hang would hit the 
     ), result.output
     # the kill is sent when the run returns; the kernel reaps them just after
     deadline = time.monotonic() + 5
-    while (left := _host_processes_running("b() { b | b & }")) and time.monotonic() < deadline:
+    while (left := host_processes_with("b() { b | b & }")) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not left, "fork-bomb processes outlived the sandbox"
 

@@ -148,7 +148,7 @@ def test_stop_from_another_thread_kills_a_running_command(make_sandbox_for):
     import threading
     import time
 
-    from tests.sandboxes.test_adversarial import host_processes_with as _host_processes_with
+    from tests.helpers import host_processes_with
 
     sb = make_sandbox_for(wall_time_s=60)
     results = []
@@ -157,9 +157,9 @@ def test_stop_from_another_thread_kills_a_running_command(make_sandbox_for):
     runner.start()
     # stop once the command really runs (not after a guessed delay)
     deadline = time.monotonic() + 30
-    while not _host_processes_with(f"sleep {marker}") and time.monotonic() < deadline:
+    while not host_processes_with(f"sleep {marker}") and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert _host_processes_with(f"sleep {marker}"), "the command never started"
+    assert host_processes_with(f"sleep {marker}"), "the command never started"
     sb.stop()
     runner.join(timeout=30)
     assert not runner.is_alive(), "run() did not return after stop()"

@@ -21,6 +21,7 @@ import time
 import pytest
 
 from sandboxes import Sandbox, SandboxFileError
+from tests.helpers import host_command_lines
 
 KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}
 """(add_key, request_key, keyctl) syscall numbers by machine."""
@@ -266,19 +267,9 @@ def unique() -> int:
     return (time.time_ns() // 1000 + os.getpid()) % 1_000_000_000 + 1_000_000
 
 
-def host_sleeps(duration: str) -> list[str]:
+def host_sleeps(duration: str) -> list[int]:
     """Pids of ``sleep <duration>`` on the host (where local sandboxes and the test engine run)."""
-    found = []
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    argv = f.read().decode(errors="replace").split("\0")[:-1]
-            except OSError:
-                continue
-            if argv == ["sleep", duration]:
-                found.append(pid)
-    return found
+    return [pid for pid, argv in host_command_lines().items() if argv == ["sleep", duration]]
 
 
 # ---- 2. kernel objects that are not files ----------------------------------------------------

@@ -17,16 +17,9 @@ from envhub.errors import SourceConfigError, SourceConnectionError
 from tests.envhub.adapters import openenv_apps
 from tests.envhub.openai_servers import serve_app
 from tests.envhub.pool.raycluster import free_port
+from tests.helpers import process_alive
 
 APP = "tests.envhub.adapters.openenv_apps:app"
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_running_openenv_server_keeps_the_contract():
@@ -51,9 +44,9 @@ def test_an_openenv_app_runs_as_a_local_process_and_stops_at_close():
     assert "Guess my number" in first[-1]["content"]
     env.step("5")
     pid = env._server._process.pid
-    assert alive(pid)
+    assert process_alive(pid)
     env.close()
-    assert not alive(pid)
+    assert not process_alive(pid)
 
 
 def test_a_server_that_is_down_or_speaks_another_protocol_is_named():

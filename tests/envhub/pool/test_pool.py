@@ -20,23 +20,12 @@ from envhub.pool import (
 )
 from envhub.registry import EnvSpec
 from tests.envhub.pool.faulty_envs import FAULTY
+from tests.helpers import process_alive
 
 
 def run(coro, timeout: float = 60.0):
     """Run a test coroutine; a hang fails the test instead of blocking the suite."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_pool_matches_the_local_env_step_for_step():
@@ -111,7 +100,7 @@ def test_a_crashed_worker_fails_its_episodes_as_data_and_is_replaced():
             again = await pool.reset(victim.episode, seed=1)
             assert not again.failed and again.episode == victim.episode
             assert not (await pool.step(victim.episode, "y")).failed
-            assert not alive(victim_pid)
+            assert not process_alive(victim_pid)
 
     run(main())
 
@@ -199,25 +188,25 @@ def test_close_leaves_no_worker_process_behind():
         pool = EnvPool(FAULTY, num_workers=3)
         await pool.start()
         pids = [w.pid for w in pool.workers()]
-        assert all(alive(p) for p in pids)
+        assert all(process_alive(p) for p in pids)
         ep = await pool.reset(seed=0)
         await pool.aclose()
         assert (await pool.step(ep.episode, "x")).reason == "pool_closed"
         for _ in range(50):
-            if not any(alive(p) for p in pids):
+            if not any(process_alive(p) for p in pids):
                 break
             await asyncio.sleep(0.1)
-        assert not any(alive(p) for p in pids)
+        assert not any(process_alive(p) for p in pids)
 
         quick = EnvPool(FAULTY, num_workers=2)
         await quick.start()
         pids = [w.pid for w in quick.workers()]
         quick.close()  # the synchronous kill
         for _ in range(50):
-            if not any(alive(p) for p in pids):
+            if not any(process_alive(p) for p in pids):
                 break
             await asyncio.sleep(0.1)
-        assert not any(alive(p) for p in pids)
+        assert not any(process_alive(p) for p in pids)
 
     run(main())
 
