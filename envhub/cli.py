@@ -306,6 +306,14 @@ def info_command(env_id: str, as_json: bool) -> None:
     "--kwarg", "-k", "kwargs", multiple=True, help="Constructor override key=value (repeatable)."
 )
 @click.option("--no-gymnasium", is_flag=True, help="Skip Gymnasium's own env checker.")
+@click.option(
+    "--jobs",
+    "-j",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Check this many ids at once, in worker processes (each id's results print when done).",
+)
 def check_command(
     env_ids: tuple[str, ...],
     check_all: bool,
@@ -313,9 +321,12 @@ def check_command(
     seed: int,
     kwargs: tuple[str, ...],
     no_gymnasium: bool,
+    jobs: int,
 ) -> None:
     """Check that environments keep the TextEnv contract; exit code 1 on any failure."""
-    from envhub.checker import check_env
+    from collections.abc import Iterator
+
+    from envhub.checker import CheckReport, check_env, check_ids
     from envhub.registry import list_envs, spec
 
     overrides = _parse_kwargs(kwargs)
@@ -330,38 +341,51 @@ def check_command(
         ids = [s.id for s in list_envs()] if check_all else list(env_ids)
     if not ids:
         raise click.UsageError("give one or more env ids, or --all")
-    failed = []
-    for env_id in ids:
-        try:
+
+    def show(result: Any) -> None:
+        mark = (
+            "[yellow]-[/]" if result.skipped else ("[green]✓[/]" if result.passed else "[red]✗[/]")
+        )
+        detail = (
+            f" [dim]({result.message})[/]"
+            if result.skipped
+            else (f"\n      [red]{result.message}[/]" if not result.passed else "")
+        )
+        console.print(f"  {mark} {result.name}{detail}", highlight=False, soft_wrap=True)
+
+    def here() -> Iterator[CheckReport]:  # one id after another, each check printed live
+        for env_id in ids:
             s = spec(env_id)
             env = s.make(**overrides)
-        except (EnvhubError, ImportError) as error:
-            _fail(error)
-        console.print(f"[bold]{s.id}[/]", highlight=False)
-
-        def show(result: Any) -> None:
-            mark = (
-                "[yellow]-[/]"
-                if result.skipped
-                else ("[green]✓[/]" if result.passed else "[red]✗[/]")
+            console.print(f"[bold]{s.id}[/]", highlight=False)
+            report = check_env(
+                env,
+                factory=functools.partial(s.make, **overrides),
+                seed=seed,
+                raise_on_failure=False,
+                gymnasium_checks=not no_gymnasium,
+                on_result=show,
             )
-            detail = (
-                f" [dim]({result.message})[/]"
-                if result.skipped
-                else (f"\n      [red]{result.message}[/]" if not result.passed else "")
-            )
-            console.print(f"  {mark} {result.name}{detail}", highlight=False, soft_wrap=True)
+            report.env_name = s.id
+            yield report
 
-        report = check_env(
-            env,
-            factory=functools.partial(s.make, **overrides),
-            seed=seed,
-            raise_on_failure=False,
-            gymnasium_checks=not no_gymnasium,
-            on_result=show,
-        )
-        if not report.ok:
-            failed.append(s.id)
+    def in_workers() -> Iterator[CheckReport]:  # each id's results printed when it finishes
+        known = [spec(env_id).id for env_id in ids]  # an unknown id fails before any work
+        for report in check_ids(
+            known, jobs=jobs, kwargs=overrides, seed=seed, gymnasium_checks=not no_gymnasium
+        ):
+            console.print(f"[bold]{report.env_name}[/]", highlight=False)
+            for result in report.results:
+                show(result)
+            yield report
+
+    failed = []
+    try:
+        for report in in_workers() if jobs > 1 and len(ids) > 1 else here():
+            if not report.ok:
+                failed.append(report.env_name)
+    except (EnvhubError, ImportError) as error:
+        _fail(error)
     if failed:
         console.print(
             f"[red]{len(failed)} of {len(ids)} environment(s) failed:[/] {', '.join(failed)}",

@@ -82,3 +82,10 @@ def host_processes_with(fragment: str) -> list[str]:
     """``"PID: command line"`` for each host process whose command line contains ``fragment``."""
     lines = {pid: " ".join(argv) for pid, argv in host_command_lines().items()}
     return [f"{pid}: {line}" for pid, line in lines.items() if fragment in line]
+
+
+class CrashingEnv(CountdownEnv):
+    """Takes its whole process down on the first step (a native crash, as far as anyone sees)."""
+
+    def on_step(self, action):
+        os._exit(70)

@@ -44,7 +44,8 @@ def test_envhub_check_all_exits_0() -> None:
         )
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "200"}
     proc = subprocess.run(
-        [sys.executable, "-m", "envhub.cli", "check", "--all", *BUILTIN],
+        # two at a time, as a user with two cores would: browser and sandbox checks mostly wait
+        [sys.executable, "-m", "envhub.cli", "check", "--all", "--jobs", "2", *BUILTIN],
         env=env,
         capture_output=True,
         text=True,

@@ -68,6 +68,27 @@ def test_check_passes_and_bad_kwargs_are_explained(cli):
     assert result.exit_code == 2 and "is not key=value" in result.output
 
 
+def test_check_in_worker_processes_reports_every_id_and_pins_a_crash_on_its_env():
+    envhub.register("tests/bad-text-v0", "tests.envhub.test_checker:RaisesOnBadText", max_turns=3)
+    envhub.register("tests/crashing-v0", "tests.helpers:CrashingEnv", max_turns=3)
+    envhub.register("helpers/countdown-v0", "tests.helpers:CountdownEnv", max_turns=3)
+    good = ["games/guess-number-v0", "helpers/countdown-v0", "games/frozen-lake-v0"]
+    bad = ["tests/bad-text-v0", "tests/crashing-v0"]
+    result = CliRunner().invoke(main, ["check", "--jobs", "2", *good, *bad])
+    assert result.exit_code == 1, result.output
+    # one block per id, in whatever order they finished
+    headers = [line for line in result.output.splitlines() if line in good + bad]
+    assert sorted(headers) == sorted(good + bad), result.output
+    assert "2 of 5 environment(s) failed:" in result.output
+    assert sorted(result.output.rsplit("failed:", 1)[1].strip().split(", ")) == bad
+    crash_block = result.output.split("tests/crashing-v0\n", 1)[1]
+    assert "the checker process died while checking this id" in crash_block.split("\n\n")[0]
+    # a check that fails in a worker says what it says in this process
+    alone = CliRunner().invoke(main, ["check", "tests/bad-text-v0"])
+    failing = [line.strip() for line in alone.output.splitlines() if "✗" in line]
+    assert failing and all(line in result.output for line in failing)
+
+
 def test_check_without_ids_is_a_usage_error():
     result = CliRunner().invoke(main, ["check"])
     assert result.exit_code == 2 and "give one or more env ids, or --all" in result.output

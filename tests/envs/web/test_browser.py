@@ -33,16 +33,19 @@ def chromium_alive(pids):
     return alive
 
 
-def test_browser_env_passes_the_checker_and_leaves_no_chromium_behind():
-    spec = envhub.spec("web/browser-v0")
-    # short episodes keep this test fast
-    make = lambda: spec.make(max_turns=2, kinds=["store-hours"])
-    env = make()
-    env.reset(seed=0)
+def test_envs_share_chromium_and_the_last_close_leaves_none_behind():
+    # (the env contract itself is checked with every built-in id in tests/envhub/test_check_all.py)
+    first, second = envhub.make("web/browser-v0"), envhub.make("web/browser-forms-v0")
+    first.reset(seed=0)
     pids = BrowserPool.for_this_thread().pids
     assert pids, "the pool should have started Chromium"
-    report = envhub.check_env(env, factory=make, raise_on_failure=False)
-    assert report.ok, [f"{r.name}: {r.message}" for r in report.failures]
+    second.reset(seed=1)
+    assert BrowserPool.for_this_thread().pids == pids, "the second env started its own Chromium"
+    first.close()
+    assert chromium_alive(pids), "closing one env killed the browser the other one uses"
+    second.step("<answer>scroll [down]</answer>")
+    second.close()
+    second.close()
     assert chromium_alive(pids) == []
 
 
