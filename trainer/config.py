@@ -118,7 +118,8 @@ class LoraConfig(Section):
     """Dropout on the adapters' input while training."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names (or name suffixes) to adapt, e.g. ``[q_proj, v_proj]``; ``all-linear`` adapts
-    every linear layer but the output head."""
+    every linear layer but the output head, and may start a list: ``[all-linear, embed_tokens]``
+    also adapts the input embedding (input side only, also where the head shares its weight)."""
     lr: float | None = Field(default=None, gt=0)
     """The adapters' learning rate (RL and, unless ``sft.lr`` is set, the warm start); None:
     ``train.lr``. Adapters usually want a larger rate than full fine-tuning."""

@@ -307,16 +307,26 @@ class ModelShape:
         a list matches a linear whose name equals an entry or ends with ``.entry`` (peft's rule)."""
         return [l for l in self.linears if lora_matches(l.name, target_modules)]
 
+    def lora_embedding(self, target_modules: list[str] | str) -> str | None:
+        """The input embedding's module name when ``target_modules`` adapts it, else None."""
+        for name, _ in self.top_tensors():
+            if name.endswith(("wte.weight", "embed_tokens.weight")):
+                module = name.removesuffix(".weight")
+                if target_modules != "all-linear" and any(
+                    module == t or module.endswith("." + t) for t in target_modules
+                ):
+                    return module
+        return None
+
     def lora_params(self, rank: int, target_modules: list[str] | str) -> int:
-        """Adapter parameters: rank x (in + out) per adapted linear, in every layer."""
-        per_block = sum(
-            rank * (l.in_features + l.out_features) for l in self.lora_linears(target_modules)
-        )
-        return self.num_layers * per_block
+        """Adapter parameters: rank x (in + out) per adapted linear, in every layer, and rank x
+        (vocab + hidden) for an adapted input embedding."""
+        return sum(n for _, n in self.lora_tensors(rank, target_modules))
 
     def lora_tensors(self, rank: int, target_modules: list[str] | str) -> list[tuple[str, int]]:
         """``(name, numel)`` of every adapter tensor in peft's names (``lora_A``: rank x in,
-        ``lora_B``: out x rank)."""
+        ``lora_B``: out x rank; an embedding's ``lora_embedding_A``: rank x vocab,
+        ``lora_embedding_B``: hidden x rank)."""
         block, _ = self._prefix()
         out = []
         for layer in range(self.num_layers):
@@ -324,11 +334,16 @@ class ModelShape:
                 name = f"base_model.model.{block}.{layer}.{l.name}"
                 out.append((f"{name}.lora_A.weight", rank * l.in_features))
                 out.append((f"{name}.lora_B.weight", l.out_features * rank))
+        embedding = self.lora_embedding(target_modules)
+        if embedding is not None:
+            name = f"base_model.model.{embedding}"
+            out.append((f"{name}.lora_embedding_A", rank * self.vocab_size))
+            out.append((f"{name}.lora_embedding_B", self.hidden_size * rank))
         return out
 
 
 def lora_matches(name: str, target_modules: list[str] | str) -> bool:
     """Whether peft adapts the block linear ``name`` for ``target_modules``."""
-    if target_modules == "all-linear":
+    if target_modules == "all-linear" or "all-linear" in target_modules:
         return True
     return any(name == t or name.endswith("." + t) for t in target_modules)

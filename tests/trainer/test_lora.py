@@ -28,6 +28,8 @@ from trainer.strategies import lora
 
 RANK = 4
 ADAPTED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGETS = "[all-linear, embed_tokens]"
+"""The quickstart's ``model.lora.target_modules``: the linears above and the input embedding."""
 
 
 def engine_base(pipeline: AgenticPipeline) -> dict[str, torch.Tensor]:
@@ -47,6 +49,9 @@ def test_only_adapters_train_and_later_syncs_send_only_them(
             *TINY,
             f"model.lora.rank={RANK}",
             f"model.lora.warm_start={warm_start}",
+            # the quickstart's own targets adapt the (tied) embedding too, which only a full
+            # warm start allows
+            "model.lora.target_modules=" + ("all-linear" if warm_start == "adapters" else TARGETS),
             "model.lora.lr=0.01",
             "train.steps=3",
             "sft.epochs=1",
@@ -63,8 +68,10 @@ def test_only_adapters_train_and_later_syncs_send_only_them(
     pipeline.on_step = lambda metrics: seen.append(engine_base(pipeline))
     rows = pipeline.fit()
     rl = [r for r in rows if r["step"] >= 1]
-    # every RL sync carried the adapters alone: 2 layers x 7 linear layers x (A, B)
-    assert [r["sync/tensors"] for r in rl] == [2 * len(ADAPTED) * 2] * 3
+    # every RL sync carried the adapters alone: 2 layers x 7 linear layers x (A, B), and the
+    # embedding's A and B where it is adapted
+    adapters = 2 * len(ADAPTED) * 2 + (2 if warm_start == "full" else 0)
+    assert [r["sync/tensors"] for r in rl] == [adapters] * 3
     assert all(r["sync/megabytes"] < 0.1 for r in rl)
     # the engine's base never moved after the warm start's sync; the policy did learn
     for later in seen[1:]:
@@ -98,7 +105,7 @@ def test_the_engine_serves_what_the_trainer_holds(tmp_path: Path) -> None:
     pipeline = AgenticPipeline(cfg)
     pipeline.on_step = lambda metrics: None
     rows = pipeline.fit()
-    assert rows[-1]["sync/tensors"] == 2 * len(ADAPTED) * 2
+    assert rows[-1]["sync/tensors"] == 2 * len(ADAPTED) * 2 + 2  # the linears' and embedding's
     export = tmp_path / "run" / "final_policy"
     from transformers import AutoModelForCausalLM
 
@@ -172,7 +179,7 @@ def test_bad_lora_settings_name_the_fix(tmp_path: Path) -> None:
         ],
     )
     assert result.exit_code != 0
-    assert "match no linear layer" in result.output and "q_proj" in result.output
+    assert "match no linear or embedding layer" in result.output and "q_proj" in result.output
 
 
 def test_merged_weights_and_folding_keep_the_policy(policy: Any) -> None:
@@ -200,8 +207,56 @@ def test_merged_weights_and_folding_keep_the_policy(policy: Any) -> None:
         assert torch.allclose(wrapped(ids).logits, policy_logits, atol=1e-5)
         with wrapped.disable_adapter():  # the base now is the policy
             assert torch.allclose(wrapped(ids).logits, policy_logits, atol=1e-5)
-    with pytest.raises(ModelError, match="match no linear layer"):
+    with pytest.raises(ModelError, match="match no linear or embedding layer"):
         lora.apply_lora(copy.deepcopy(model), LoraConfig(rank=2, target_modules=["nope"]))
+
+
+def test_an_adapted_embedding_serves_exports_and_folds_like_the_policy(
+    policy: Any, tmp_path: Path
+) -> None:
+    """``[all-linear, embed_tokens]`` on a model whose head shares the embedding's weight: the
+    engine (adapter sync) and the merged export compute the policy's logits; what would add the
+    adapter into the shared weight is refused."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    from trainer.strategies.hf_engine import HFEngine
+
+    model, _ = policy
+    assert lora.ties_embeddings(model)  # the case that needs care
+    cfg = LoraConfig(rank=RANK, target_modules=["all-linear", "embed_tokens"], warm_start="full")
+    wrapped = lora.apply_lora(copy.deepcopy(model), cfg)
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in wrapped.named_parameters()}
+    assert adapted >= {*ADAPTED, "embed_tokens"} and "lm_head" not in adapted
+    for name, param in wrapped.named_parameters():
+        if "lora_B" in name or "lora_embedding_A" in name:
+            param.data.normal_(0, 0.3)  # adapters that do something
+    ids = torch.tensor([[1, 4, 7, 10, 13]])
+    with torch.no_grad():
+        policy_logits = wrapped(ids).logits
+    # the adapter sync: an engine loads peft's own names beside its base and serves the policy
+    adapter = lora.adapter_state(wrapped)
+    assert any(name.endswith("embed_tokens.lora_embedding_A") for name in adapter.tensors)
+    engine = HFEngine(copy.deepcopy(model), eos_token_id=0, pad_token_id=0)
+    engine.load_adapter(adapter)
+    with torch.no_grad():
+        assert torch.allclose(engine.model(ids).logits, policy_logits, atol=1e-5)
+    # the merged export: a plain HF model with its head untied from the changed embedding
+    scaling = lora.scaling_of(wrapped)
+    merged = dict(lora.engine_weights(wrapped.state_dict().items(), scaling=scaling))
+    lora.save_plain(lora.export_config(wrapped), merged, tmp_path / "merged")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert not plain.config.tie_word_embeddings
+    with torch.no_grad():
+        assert torch.allclose(plain(ids).logits, policy_logits, atol=1e-5)
+    # adding the adapter into the shared weight would change the head: refused, naming the fix
+    with pytest.raises(ModelError, match="cannot fold an input-embedding adapter"):
+        lora.fold_adapters(wrapped)
+    for settings in ({"warm_start": "adapters"}, {"warm_start": "full", "sync": "merged"}):
+        bad = LoraConfig(rank=2, target_modules=["embed_tokens"], **settings)
+        with pytest.raises(ModelError, match="use model.lora.warm_start: full and sync: adapter"):
+            lora.apply_lora(copy.deepcopy(model), bad)
 
 
 def test_vllm_rollouts_receive_adapters_only_and_serve_the_trained_policy(tmp_path: Path) -> None:
@@ -269,6 +324,7 @@ def test_vllm_rollouts_receive_adapters_only_and_serve_the_trained_policy(tmp_pa
                 f"model.path={final}",
                 "sft.epochs=0",
                 "train.steps=0",
+                VARIED,  # the same reward (eval/reward counts it too)
                 f"output_dir={tmp_path / 'hf'}",
             ],
         )

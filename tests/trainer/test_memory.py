@@ -108,6 +108,12 @@ def test_parameters_gradients_and_adam_moments_are_exact_for_each_layout() -> No
     assert parts(lora, "actor_train")["gradients"] == adapters * 4
     assert parts(lora, "actor_train")["optimizer"] == 2 * adapters * 4
     assert parts(lora, "actor_train")["weights"] == TINY_PARAMS * 4  # the frozen base
+    targets = "model.lora.target_modules=[all-linear,embed_tokens]"
+    with_embedding = estimate(
+        load_config(None, ["model.tiny={}", "model.lora.rank=4", targets]), shape
+    )
+    embedding = 4 * (256 + 64)  # r x (vocab + hidden)
+    assert parts(with_embedding, "actor_train")["adapters"] == (adapters + embedding) * 4
 
 
 def test_the_vllm_kv_cache_holds_what_layers_x_kv_heads_x_head_dim_say(qwen_7b: Path) -> None:

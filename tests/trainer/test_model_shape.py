@@ -74,12 +74,16 @@ def test_qwen2_5_sizes_are_the_published_ones() -> None:
     assert large.kv_bytes_per_token(2) == 28 * 4 * 128 * 2 * 2
 
 
-@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj"], ["mlp.down_proj"]])
+@pytest.mark.parametrize(
+    "targets",
+    ["all-linear", ["q_proj", "v_proj"], ["mlp.down_proj"], ["q_proj", "v_proj", "embed_tokens"]],
+)
 @pytest.mark.parametrize("name", ["qwen2", "gpt2"])
 def test_lora_adapters_are_the_ones_peft_adds(name: str, targets: Any) -> None:
     peft = pytest.importorskip("peft")
     if name == "gpt2" and targets != "all-linear":
-        targets = ["c_attn"] if targets == ["q_proj", "v_proj"] else ["mlp.c_proj"]
+        gpt2 = {"q_proj": "c_attn", "mlp.down_proj": "mlp.c_proj", "embed_tokens": "wte"}
+        targets = sorted({gpt2[t] for t in targets if t in gpt2})
     model, config = hf_model(*CONFIGS[name])
     lora = peft.LoraConfig(r=8, target_modules=targets, fan_in_fan_out=name == "gpt2")
     wrapped = peft.get_peft_model(model, lora)

@@ -16,6 +16,7 @@ greedy), which is what the training side recomputes for the PPO ratio.
 from __future__ import annotations
 
 import asyncio
+import warnings
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -224,7 +225,9 @@ class HFEngine(BatchingFrontend):
         if not hasattr(self.model, "peft_config"):
             known = set(LoraConfig.__dataclass_fields__)
             config = LoraConfig(**{k: v for k, v in adapter.config.items() if k in known})
-            self.model = get_peft_model(self.model, config, adapter_name=ADAPTER).eval()
+            with warnings.catch_warnings():  # a tied embedding's adapter: see lora.apply_lora
+                warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*")
+                self.model = get_peft_model(self.model, config, adapter_name=ADAPTER).eval()
         result: Any = set_peft_model_state_dict(self.model, adapter.tensors, adapter_name=ADAPTER)
         unexpected = [k for k in result.unexpected_keys if "lora_" in k]
         if unexpected:

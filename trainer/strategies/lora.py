@@ -30,6 +30,7 @@ error (``trainer._config_checks``).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,14 +45,17 @@ if TYPE_CHECKING:
 
 __all__ = [
     "AdapterWeights",
+    "adaptable_module_names",
     "adapter_state",
     "apply_lora",
     "engine_weights",
+    "export_config",
     "fold_adapters",
+    "freeze_adapters",
     "is_lora",
-    "linear_module_names",
     "save_plain",
     "scaling_of",
+    "ties_embeddings",
     "train_base",
     "vllm_max_rank",
     "write_adapter",
@@ -78,50 +82,90 @@ class AdapterWeights:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
-def linear_module_names(model: Any) -> list[str]:
-    """The distinct last name parts of the model's linear layers (what ``target_modules`` may
-    name), e.g. ``['down_proj', 'gate_proj', 'k_proj', ...]``."""
+def adaptable_module_names(model: Any, *, linear_only: bool = False) -> list[str]:
+    """The distinct last name parts of the model's linear and embedding layers (what
+    ``target_modules`` may name), e.g. ``['down_proj', 'embed_tokens', 'gate_proj', ...]``."""
     import torch
 
-    names = {
-        name.rsplit(".", 1)[-1]
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.Linear)
-    }
-    return sorted(names)
+    kinds = torch.nn.Linear if linear_only else (torch.nn.Linear, torch.nn.Embedding)
+    modules = model.named_modules()
+    return sorted({name.rsplit(".", 1)[-1] for name, m in modules if isinstance(m, kinds)})
+
+
+def _output_head_name(model: Any) -> str | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return next((name.rsplit(".", 1)[-1] for name, m in model.named_modules() if m is head), None)
+
+
+def ties_embeddings(model: Any) -> bool:
+    """Whether the model's output head shares its weight with the input embedding."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return head is not None and embed is not None and head.weight is embed.weight
+
+
+def _targets(model: Any, cfg: LoraConfig) -> str | list[str]:
+    """``cfg.target_modules`` with an ``all-linear`` entry of a list expanded (every linear layer
+    but the output head), checked against the model's layers."""
+    targets = cfg.target_modules
+    if targets == "all-linear":
+        return targets
+    if "all-linear" in targets:
+        head = _output_head_name(model)
+        linear = [n for n in adaptable_module_names(model, linear_only=True) if n != head]
+        targets = [*linear, *(t for t in targets if t != "all-linear" and t not in linear)]
+    present = set(adaptable_module_names(model))
+    missing = [t for t in targets if t.rsplit(".", 1)[-1] not in present]
+    if missing:
+        raise ModelError(
+            f"model.lora.target_modules {missing} match no linear or embedding layer of this "
+            f"model; its layers are {adaptable_module_names(model)} (or use 'all-linear')"
+        )
+    return list(targets)
 
 
 def apply_lora(model: Any, cfg: LoraConfig) -> Any:
     """``model`` wrapped with fresh adapters (``peft.get_peft_model``); only they train.
 
-    Target modules that match no layer raise ``ModelError`` listing the layers there are.
+    Target modules that match no layer raise ``ModelError`` listing the layers there are. An
+    adapted input embedding changes the input side only, also where the output head shares its
+    weight (tied embeddings): there, adding it into the shared weight would change the head too,
+    so what needs that (``warm_start: adapters``, ``sync: merged``) is refused, and a merged
+    export unties the head (``untied_config``).
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    targets = cfg.target_modules
-    if targets != "all-linear":
-        present = set(linear_module_names(model))
-        missing = [t for t in targets if t.rsplit(".", 1)[-1] not in present]
-        if missing:
+    targets = _targets(model, cfg)
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    embed_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is embed), None)
+    if targets != "all-linear" and embed_name in targets and ties_embeddings(model):
+        needs_fold = {"warm_start: adapters": cfg.warm_start == "adapters"}
+        needs_fold["sync: merged"] = cfg.sync == "merged"
+        refused = [what for what, used in needs_fold.items() if used]
+        if refused:
             raise ModelError(
-                f"model.lora.target_modules {missing} match no linear layer of this model; its "
-                f"linear layers are {linear_module_names(model)} (or use 'all-linear')"
+                f"model.lora.target_modules adapts {embed_name}, whose weight this model's output "
+                f"head shares (tied embeddings): {' and '.join(refused)} would add the adapter "
+                "into the head too; use model.lora.warm_start: full and sync: adapter, or drop "
+                f"{embed_name} from target_modules"
             )
     config = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.alpha if cfg.alpha is not None else 2 * cfg.rank,
         lora_dropout=cfg.dropout,
-        target_modules=targets if targets == "all-linear" else list(targets),
+        target_modules=targets,
         bias="none",
         task_type="CAUSAL_LM",
     )
     try:
-        return get_peft_model(model, config)
+        with warnings.catch_warnings():  # tied embeddings: handled above and in export_config
+            warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*")
+            return get_peft_model(model, config)
     except ValueError as error:  # peft's own "Target modules ... not found"
         raise ModelError(
-            f"model.lora.target_modules={targets!r}: {error}; the model's linear layers are "
-            f"{linear_module_names(model)}"
+            f"model.lora.target_modules={targets!r}: {error}; the model's layers are "
+            f"{adaptable_module_names(model)}"
         ) from error
 
 
@@ -146,9 +190,7 @@ def adapter_state(model: Any) -> AdapterWeights:
     # peft's own names (get_peft_model_state_dict's), read off the parameters: a full state_dict
     # of a sharded model costs more than the adapters it holds
     state = {
-        name.replace(f".{ADAPTER}.", "."): param
-        for name, param in model.named_parameters()
-        if ".lora_" in name
+        _peft_name(name): param for name, param in model.named_parameters() if ".lora_" in name
     }
     tensors = _gather_row_shards(state)
     for name, tensor in state.items():
@@ -156,6 +198,12 @@ def adapter_state(model: Any) -> AdapterWeights:
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             tensors[name] = full.detach().to("cpu", copy=True)
     return AdapterWeights({name: tensors[name] for name in state}, _config_dict(model))
+
+
+def _peft_name(name: str) -> str:
+    """A parameter's name as ``get_peft_model_state_dict`` writes it (the adapter's name
+    dropped: ``...q_proj.lora_A.default.weight``, ``...embed_tokens.lora_embedding_A.default``)."""
+    return name.replace(f".{ADAPTER}.", ".").removesuffix(f".{ADAPTER}")
 
 
 def _gather_row_shards(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -228,7 +276,8 @@ def engine_weights(
     (``W + scaling * B @ A`` per adapted layer).
 
     An adapted layer's merged weight is yielded once its base weight, ``lora_A`` and ``lora_B``
-    have all passed (the state dict lists them together).
+    have all passed (the state dict lists them together). An embedding's adapter
+    (``lora_embedding_A``: rank x vocab, ``lora_embedding_B``: dim x rank) merges transposed.
     """
     pending: dict[str, dict[str, torch.Tensor]] = {}  # adapted module -> W, A, B seen so far
     for name, tensor in named:
@@ -237,8 +286,10 @@ def engine_weights(
                 continue
             module, _, rest = name.partition(".lora_")
             part = rest.split(".", 1)[0]
-            if part not in ("A", "B"):
-                raise ModelError(f"{name}: only linear LoRA layers can be merged for the engines")
+            if part not in ("A", "B", "embedding_A", "embedding_B"):
+                raise ModelError(
+                    f"{name}: only linear and embedding LoRA layers can be merged for the engines"
+                )
         elif scaling is not None and name.endswith(".base_layer.weight"):
             module, part = name.removesuffix(".base_layer.weight"), "W"
         else:
@@ -251,7 +302,10 @@ def engine_weights(
         if len(slot) == 3:
             del pending[module]
             weight = slot["W"]
-            delta = slot["B"].to(weight.dtype) @ slot["A"].to(weight.dtype)
+            parts = {k.removeprefix("embedding_"): v.to(weight.dtype) for k, v in slot.items()}
+            delta = parts["B"] @ parts["A"]
+            if "embedding_A" in slot:
+                delta = delta.T
             yield f"{module.removeprefix('base_model.model.')}.weight", weight + scaling * delta
     if pending:
         raise ModelError(f"incomplete adapted layers in the merged weights: {sorted(pending)[:3]}")
@@ -263,11 +317,35 @@ def scaling_of(model: Any) -> float:
     return float(config.lora_alpha) / float(config.r)
 
 
+def export_config(model: Any) -> Any:
+    """The HF config a merged export is saved with: the model's own, or a copy with untied
+    embeddings when an adapted input embedding shares its weight with the output head (merged,
+    the embedding has changed and the head has not)."""
+    import copy
+
+    from peft.tuners.lora import Embedding
+
+    config = model.config
+    if ties_embeddings(model) and any(isinstance(m, Embedding) for m in model.modules()):
+        config = copy.deepcopy(config)
+        config.tie_word_embeddings = False
+    return config
+
+
 def train_base(model: Any, train: bool) -> None:
-    """Let the base weights train too (a full warm start) or freeze them again."""
+    """Let the base weights train too (a full warm start) or freeze them again; the adapters
+    train either way (``freeze_adapters`` holds them still during a full warm start)."""
     for name, param in model.named_parameters():
-        if ".lora_" not in name:
-            param.requires_grad_(train)
+        param.requires_grad_(train if ".lora_" not in name else True)
+
+
+def freeze_adapters(model: Any) -> None:
+    """Hold the adapters at their initial (zero) delta while the base trains alone (a full warm
+    start): they would only duplicate it, and folding them afterwards is then a no-op, also for
+    an embedding whose weight the output head shares. ``fold_adapters`` lets them train again."""
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            param.requires_grad_(False)
 
 
 def fold_adapters(model: Any, optimizer: Any = None) -> None:
@@ -283,16 +361,31 @@ def fold_adapters(model: Any, optimizer: Any = None) -> None:
             if ".lora_" not in name and param.requires_grad:
                 optimizer.state.pop(param, None)
     train_base(model, False)
+    tied = ties_embeddings(model)
     with torch.no_grad():
         for module in model.modules():
-            if isinstance(module, LoraLayer) and ADAPTER in module.lora_A:
-                layer: Any = module  # a concrete LoRA layer (lora.Linear) has get_delta_weight
-                base = layer.get_base_layer()
-                base.weight.add_(layer.get_delta_weight(ADAPTER).to(base.weight.dtype))
-                module.reset_lora_parameters(ADAPTER, True)
-                if optimizer is not None:
-                    for param in (module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight):
-                        optimizer.state.pop(param, None)
+            if not isinstance(module, LoraLayer):
+                continue
+            if ADAPTER in module.lora_A:
+                params = [module.lora_A[ADAPTER].weight, module.lora_B[ADAPTER].weight]
+            elif ADAPTER in module.lora_embedding_A:
+                params = [module.lora_embedding_A[ADAPTER], module.lora_embedding_B[ADAPTER]]
+            else:
+                continue
+            layer: Any = module  # a concrete LoRA layer (Linear, Embedding) has get_delta_weight
+            base = layer.get_base_layer()
+            delta = layer.get_delta_weight(ADAPTER).to(base.weight.dtype)
+            if tied and model.get_input_embeddings() in (module, base) and delta.any():
+                raise ModelError(
+                    "cannot fold an input-embedding adapter into a weight the output head shares "
+                    "(tied embeddings): it would change the head too (apply_lora refuses the "
+                    "settings that need this)"
+                )
+            base.weight.add_(delta)
+            module.reset_lora_parameters(ADAPTER, True)
+            if optimizer is not None:
+                for param in params:
+                    optimizer.state.pop(param, None)
 
 
 def vllm_max_rank(rank: int) -> int:

@@ -182,6 +182,10 @@ class ActorWorker(WeightSender, StrategyWorker):
             strategy_args=self.config.strategy_args,
             **self.optim,
         )
+        if self.lora is not None and self.full_warm_start:
+            from trainer.strategies.lora import freeze_adapters
+
+            freeze_adapters(self._strategy.model)  # the base trains alone until fold_adapters
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:
@@ -312,6 +316,7 @@ class ActorWorker(WeightSender, StrategyWorker):
         from trainer.strategies.lora import (
             adapter_state,
             engine_weights,
+            export_config,
             save_plain,
             scaling_of,
             write_adapter,
@@ -327,7 +332,7 @@ class ActorWorker(WeightSender, StrategyWorker):
         if self.rank != 0:
             return
         target = os.path.join(path, "base") if as_adapter else path
-        save_plain(model.config, tensors, target)
+        save_plain(model.config if as_adapter else export_config(model), tensors, target)
         if adapter is not None:
             write_adapter(path, adapter, "base")
             self.tokenizer.save_pretrained(target)
