@@ -9,7 +9,11 @@ ever re-tokenised, so the ids trained on are exactly the ids that were sampled.
 ``ChatRenderer`` turns messages into the token ids to append, for any chat template, with
 the usual "delta" trick: render a fixed dummy conversation with and without the new
 messages and tokenise only the difference, so templates that add a default system prompt
-(Qwen) or a BOS token do not repeat it mid-episode.
+(Qwen) or a BOS token do not repeat it mid-episode. It runs once per turn of every episode
+in the driver, so it skips ``transformers``' per-call wrappers where they add nothing: the
+compiled chat template is rendered directly and a fast tokenizer's Rust backend encodes and
+decodes, each only after the renderer checked, when it was built, that this gives the
+wrapper's exact output (else it keeps the wrapper).
 
 ``collate`` pads trajectories (right padding) into the tensors every algorithm uses::
 
@@ -23,6 +27,7 @@ the episode return.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -156,13 +161,12 @@ class Trajectory:
     @property
     def oldest_version(self) -> int | None:
         """The oldest policy version among the generated tokens (None before any)."""
-        versions = [
-            v
+        oldest = [
+            min(policy)
             for row in self.rows
-            for v, m in zip(row.token_versions, row.response_mask, strict=False)
-            if m
+            if (policy := list(itertools.compress(row.token_versions, row.response_mask)))
         ]
-        return min(versions) if versions else None
+        return min(oldest) if oldest else None
 
     def as_record(
         self, advantages: Sequence[float] | None = None, time_s: float | None = None
@@ -241,6 +245,7 @@ class ChatRenderer:
             make_tool_parser(tool_parser)  # ValueError: the choices and the closest name
         self.tokenizer = tokenizer
         self.eos_token_id = int(tokenizer.eos_token_id)
+        self._fast = _FastText(tokenizer, self._BASE)
         self.native_tools = tool_parser != "none" and self._renders_tools()
         """Tools go to the template and turns are parsed (off for ``none`` or a template
         that renders no tools)."""
@@ -287,6 +292,9 @@ class ChatRenderer:
         generation_prompt: bool,
         tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
+        fast = self._fast.render(messages, generation_prompt, tools)
+        if fast is not None:
+            return fast
         extra = {"tools": list(tools)} if tools else {}
         return self.tokenizer.apply_chat_template(
             list(messages), add_generation_prompt=generation_prompt, tokenize=False, **extra
@@ -305,6 +313,8 @@ class ChatRenderer:
         return self._bases[key]
 
     def encode(self, text: str) -> list[int]:
+        if self._fast.backend is not None:
+            return list(self._fast.backend.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def prompt(
@@ -356,7 +366,90 @@ class ChatRenderer:
         return self.encode(content + (self.tokenizer.eos_token or ""))
 
     def decode(self, ids: Sequence[int]) -> str:
+        backend = self._fast.backend if self._fast.decodes else None
+        if backend is not None:
+            return str(backend.decode(list(ids), skip_special_tokens=True))
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+
+class _FastText:
+    """The direct paths ``ChatRenderer`` uses when they give ``transformers``' exact output.
+
+    ``render`` is the tokenizer's compiled chat template rendered with the variables
+    ``apply_chat_template`` passes (the special tokens; messages, tools, no documents);
+    ``backend`` is a fast tokenizer's Rust tokenizer, used to encode when it has no truncation
+    or padding of its own (``encode`` turns those off) and to decode (``decodes``) when no
+    clean-up of spaces applies. Each is checked against the wrapper on probe texts and is
+    None / False when it differs or cannot be built (another ``transformers`` version)."""
+
+    _PROBE_TOOLS: ClassVar[list[dict[str, Any]]] = [
+        {"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}
+    ]
+
+    def __init__(self, tokenizer: Any, base: Sequence[dict[str, str]]) -> None:
+        self.tokenizer = tokenizer
+        self._templates: dict[bool, Any] = {}
+        self._variables: dict[str, Any] = {}
+        self.backend: Any = None
+        self.decodes = False
+        try:
+            self._build_templates(base)
+        except Exception:  # noqa: BLE001 - any failure keeps apply_chat_template
+            self._templates = {}
+        try:
+            self._build_backend(base)
+        except Exception:  # noqa: BLE001 - any failure keeps encode/decode
+            self.backend, self.decodes = None, False
+
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        generation_prompt: bool,
+        tools: Sequence[dict[str, Any]] | None,
+    ) -> str | None:
+        template = self._templates.get(bool(tools))
+        if template is None:
+            return None
+        return str(
+            template.render(
+                messages=list(messages),
+                tools=list(tools) if tools else None,
+                documents=None,
+                add_generation_prompt=generation_prompt,
+                **self._variables,
+            )
+        )
+
+    def _build_templates(self, base: Sequence[dict[str, str]]) -> None:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        self._variables = dict(self.tokenizer.special_tokens_map)
+        for with_tools in (False, True):
+            tools = self._PROBE_TOOLS if with_tools else None
+            source = self.tokenizer.get_chat_template(None, tools)
+            self._templates[with_tools] = _compile_jinja_template(source)
+            extra = {"tools": tools} if tools else {}
+            for prompt in (False, True):
+                expected = self.tokenizer.apply_chat_template(
+                    list(base), add_generation_prompt=prompt, tokenize=False, **extra
+                )
+                if self.render(base, prompt, tools) != expected:
+                    del self._templates[with_tools]
+                    break
+
+    def _build_backend(self, base: Sequence[dict[str, str]]) -> None:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or backend.truncation is not None or backend.padding is not None:
+            return
+        text = self.tokenizer.apply_chat_template(list(base), tokenize=False) + " x\n  y z!"
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        if list(backend.encode(text, add_special_tokens=False).ids) != ids:
+            return
+        self.backend = backend
+        self.decodes = not getattr(self.tokenizer, "clean_up_tokenization_spaces", False) and (
+            backend.decode(ids, skip_special_tokens=True)
+            == self.tokenizer.decode(ids, skip_special_tokens=True)
+        )
 
 
 def episode_advantages(

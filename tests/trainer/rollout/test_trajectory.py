@@ -59,3 +59,62 @@ def test_collate_pads_right_and_puts_turn_rewards_on_the_last_policy_token() -> 
     assert batch["group_ids"].tolist() == [3, 4]
     with pytest.raises(ValueError, match="2 generated tokens but 1 log-probs"):
         a.append_policy([1, 2], [0.0])
+
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculate",
+            "description": "Evaluate an expression.",
+            "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+        },
+    }
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "Your move?"}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2 + 2?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"function": {"name": "calculate", "arguments": {"expression": "2 + 2"}}}
+            ],
+        },
+        {"role": "tool", "content": "4"},
+    ],
+]
+
+
+def test_the_renderers_direct_paths_give_the_tokenizers_own_output(policy) -> None:
+    """The renderer renders the compiled template and encodes/decodes with the Rust tokenizer
+    directly (the driver does it once per turn); what comes out is transformers' own."""
+    _, tokenizer = policy
+    renderer = ChatRenderer(tokenizer)
+    assert renderer._fast.backend is not None and renderer._fast.decodes
+    for messages in CONVERSATIONS:
+        for tools in (None, TOOLS):
+            for prompt in (False, True):
+                extra = {"tools": tools} if tools else {}
+                expected = tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=prompt, tokenize=False, **extra
+                )
+                assert renderer._render(messages, prompt, tools) == expected
+                ids = tokenizer.encode(expected, add_special_tokens=False)
+                assert renderer.encode(expected) == ids
+                assert renderer.decode(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_tokenizer_that_truncates_on_its_own_keeps_transformers_encode(policy) -> None:
+    import copy
+
+    _, tokenizer = policy
+    truncating = copy.deepcopy(tokenizer)
+    truncating.backend_tokenizer.enable_truncation(max_length=4)
+    renderer = ChatRenderer(truncating)
+    assert renderer._fast.backend is None  # its own truncation would apply to the direct path
+    text = "Digits 1 2 3 4 5 6 7 8 9"  # each digit is a token of its own
+    assert renderer.encode(text) == truncating.encode(text, add_special_tokens=False)
+    assert len(renderer.encode(text)) > 4
