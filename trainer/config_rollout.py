@@ -237,6 +237,12 @@ class RolloutConfig(Section):
     recorded as failed and replayed on a fresh env, then replaced); None waits as long as it
     takes. Setting it runs local envs' calls in threads, so even an env whose ``step`` blocks
     is bounded (in every rollout mode); a pool (``env.pool_workers``) also kills such a worker."""
+    generate_timeout_s: float | None = Field(default=None, gt=0)
+    """Fail an episode whose turn is not generated within this many seconds, queueing in the
+    engine included (the request is aborted in the engine; the episode is replayed, then its
+    group replaced, as for an env failure), so a hung inference worker cannot hang the run;
+    the router then sends new episodes to the engines that still answer. Set it well above the
+    slowest turn under load. None waits as long as it takes."""
 
     @model_validator(mode="after")
     def _context_needs_turn_samples(self) -> RolloutConfig:

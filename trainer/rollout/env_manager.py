@@ -57,6 +57,12 @@ _log = logging.getLogger(__name__)
 _request_ids = itertools.count()
 
 
+def _ignore_outcome(task: asyncio.Task[Any]) -> None:
+    """Done-callback of a fire-and-forget task: its outcome is retrieved and dropped."""
+    if not task.cancelled():
+        task.exception()
+
+
 class EnvSession(Protocol):
     """One env instance for one episode at a time."""
 
@@ -275,6 +281,10 @@ class EnvManager:
     a timeout, an env exception or an engine error ends the episode as ``failed`` with the
     reason, and an aborted generation ends it as ``failed="aborted"``. ``close_session``
     closes a session within the same bound (a hung env is abandoned, not waited for).
+    ``generate_timeout_s`` bounds each turn's generation (queueing in the engine included):
+    at the deadline the request is aborted in the engine, abandoned if the engine does not
+    answer that within another ``generate_timeout_s`` (a hung worker), and the episode fails
+    with the reason (``rollout.generate_timeout_s``).
     """
 
     def __init__(
@@ -286,6 +296,7 @@ class EnvManager:
         max_context_tokens: int,
         on_episode_end: Callable[[Trajectory], Awaitable[None]] | None = None,
         step_timeout_s: float | None = None,
+        generate_timeout_s: float | None = None,
         sample_unit: SampleUnit = "auto",
         context: Context = "full",
         context_turns: int = 4,
@@ -308,6 +319,7 @@ class EnvManager:
         self.max_context_tokens = max_context_tokens
         self.on_episode_end = on_episode_end
         self.step_timeout_s = step_timeout_s
+        self.generate_timeout_s = generate_timeout_s
 
     async def run(
         self,
@@ -409,7 +421,7 @@ class EnvManager:
             sampling.top_p,
         )
         try:
-            result = await self.engine.generate(request)
+            result = await self._bounded_generate(request)
         except Exception as error:  # noqa: BLE001 - an engine error fails this episode only
             trajectory.failed = True
             trajectory.failure = f"engine error {type(error).__name__}: {error}"[:500]
@@ -417,6 +429,50 @@ class EnvManager:
         if result.finish_reason == "abort":
             trajectory.failed, trajectory.failure = True, "aborted"
             return None
+        return result
+
+    async def _bounded_generate(self, request: GenerationRequest) -> GenerationResult:
+        """``engine.generate(request)`` within ``generate_timeout_s`` (see the class docstring).
+
+        Timers rather than a task per turn: at the deadline the request is aborted in the
+        engine (a live one answers within a step); if no answer comes within another
+        ``generate_timeout_s`` the call is cancelled (abandoned). Either way TimeoutError."""
+        limit = self.generate_timeout_s
+        if limit is None:
+            return await self.engine.generate(request)
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        if task is None:  # not inside a task: a plain wait_for
+            return await asyncio.wait_for(self.engine.generate(request), limit)
+        timers: list[asyncio.TimerHandle] = []
+        late: list[str] = []  # "expired", then "abandoned"
+
+        def expire() -> None:
+            late.append("expired")
+            aborting = loop.create_task(self.engine.abort(request.request_id))
+            aborting.add_done_callback(_ignore_outcome)
+            timers.append(loop.call_later(limit, abandon))
+
+        def abandon() -> None:
+            late.append("abandoned")
+            task.cancel()
+
+        timers.append(loop.call_later(limit, expire))
+        try:
+            result = await self.engine.generate(request)
+        except asyncio.CancelledError:
+            if "abandoned" not in late:
+                raise
+            task.uncancel()
+            result = None
+        finally:
+            for timer in timers:
+                timer.cancel()
+        if late or result is None:
+            raise TimeoutError(
+                f"no generation within {limit} s (rollout.generate_timeout_s)"
+                + ("; the engine did not answer the abort either" if result is None else "")
+            )
         return result
 
     def _append_turn(

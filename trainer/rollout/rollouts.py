@@ -108,6 +108,7 @@ class Rollouts:
                 max_context_tokens=max_context_tokens,
                 on_episode_end=on_episode_end,
                 step_timeout_s=rollout.env_timeout_s,
+                generate_timeout_s=rollout.generate_timeout_s,
                 sample_unit=rollout.sample_unit,
                 context=rollout.context,
                 context_turns=rollout.context_turns,

@@ -8,6 +8,8 @@ Routing
     its later turns go to the same engine (sticky), so the engine's prefix cache already
     holds the conversation. The episode is read from the request id, which env managers
     write as ``"{episode_key}/{turn}"`` (everything before the last ``/``).
+    An engine whose request was given up on (cancelled: ``rollout.generate_timeout_s``) gets
+    no new episodes while others answer, until it returns a result again.
 Abort
     ``abort(request_id)`` goes to the engine that holds the request (a real engine abort:
     the slot is freed); the caller's ``generate`` returns ``finish_reason="abort"``.
@@ -46,8 +48,10 @@ from trainer.weights.versioned import PolicyVersion, SharedVersion
 
 __all__ = ["EngineRouter", "RolloutEngine", "RouterStats", "episode_key"]
 
-_STICKY_CAPACITY = 65_536
-"""Episodes remembered for sticky routing (oldest forgotten first)."""
+_STICKY_CAPACITY = 1 << 20
+"""Episodes remembered for sticky routing (oldest forgotten first). Episodes are forgotten when
+they end, so this only bounds a caller that never calls ``forget``; it must exceed the episodes
+in play at once (50k at cluster scale, more with redundancy and staleness)."""
 
 
 def episode_key(request_id: str) -> str:
@@ -136,7 +140,10 @@ class EngineRouter:
         *,
         update: Callable[[Weights], None] | None = None,
         policy: PolicyVersion | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock``: what busy time is measured with (a simulation passes its loop's
+        ``time``: ``trainer.rollout.sim_clock``)."""
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
         self.engines = list(engines)
@@ -144,15 +151,20 @@ class EngineRouter:
         self._owns_policy = policy is None
         self.policy = policy if policy is not None else PolicyVersion()
         self._load = [0] * len(self.engines)
+        self._silent = [False] * len(self.engines)
+        """Engines whose last request was given up on without an answer (hung, maybe)."""
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._flights: dict[str, _Flight] = {}
+        self._episode_flights: dict[str, set[str]] = {}
+        """Episode key -> ids of its requests in ``_flights`` (an episode's abort is a lookup)."""
         self._cancelled: set[str] = set()
         self._gate: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._paused = False
         self._stats = RouterStats(busy_s=[0.0] * len(self.engines))
+        self._clock = clock
         self._busy_since: list[float | None] = [None] * len(self.engines)
-        self._stats_since = time.monotonic()
+        self._stats_since = clock()
         self._total = RouterStats(busy_s=[0.0] * len(self.engines))
 
     # ------------------------------------------------------------------ RolloutEngine
@@ -163,10 +175,13 @@ class EngineRouter:
         versions: list[int] = []
         reason: FinishReason = "length"
         flight = self._flights.setdefault(request.request_id, _Flight(-1, request.request_id))
+        key = episode_key(request.request_id)
+        self._episode_flights.setdefault(key, set()).add(request.request_id)
         try:
             for part in itertools.count():
-                await self._wait_open()
-                if flight.cancelled or episode_key(request.request_id) in self._cancelled:
+                if self._gate is None or not self._gate.is_set():
+                    await self._wait_open()
+                if flight.cancelled or key in self._cancelled:
                     reason = "abort"
                     break
                 sub = request if part == 0 else _resumed(request, part, ids)
@@ -180,11 +195,17 @@ class EngineRouter:
                 self._enter(flight)
                 try:
                     result = await self.engines[flight.engine].generate(sub)
+                except asyncio.CancelledError:
+                    # given up on (rollout.generate_timeout_s): new episodes avoid the engine
+                    # until it answers again
+                    self._silent[flight.engine] = True
+                    raise
                 except Exception:
                     self._stats.errors += 1
                     raise
                 finally:
                     self._leave(flight)
+                self._silent[flight.engine] = False
                 ids += result.token_ids
                 logprobs += result.logprobs
                 versions += [issued] * len(result.token_ids)
@@ -198,6 +219,11 @@ class EngineRouter:
                     break
         finally:
             self._flights.pop(request.request_id, None)
+            in_flight = self._episode_flights.get(key)
+            if in_flight is not None:
+                in_flight.discard(request.request_id)
+                if not in_flight:
+                    del self._episode_flights[key]
         self._stats.requests += 1
         if reason == "abort":
             self._stats.aborted += 1
@@ -222,9 +248,9 @@ class EngineRouter:
     async def abort_episode(self, key: str) -> None:
         """Abort the episode's running request and refuse its later ones (until ``forget``)."""
         self._cancelled.add(key)
-        await asyncio.gather(
-            *(self.abort(r) for r in [r for r in self._flights if episode_key(r) == key])
-        )
+        running = self._episode_flights.get(key)
+        if running:
+            await asyncio.gather(*(self.abort(r) for r in list(running)))
 
     def forget(self, key: str) -> None:
         """The episode ended: drop its sticky engine and its cancelled mark."""
@@ -247,7 +273,7 @@ class EngineRouter:
         ``weights`` may instead be a callable that loads every engine itself once they are idle
         (run in a thread); either way the version goes up by one (advanced by the router when
         it owns ``policy``, by the loader - the run's weight sync - when the policy is shared)."""
-        started = time.monotonic()
+        started = self._clock()
         await self.pause()
         try:
             if callable(weights):  # the caller loads the engines (the pipeline's weight sync)
@@ -257,7 +283,7 @@ class EngineRouter:
                 await asyncio.to_thread(self.update_weights, weights)
         finally:
             self.resume()
-        return time.monotonic() - started
+        return self._clock() - started
 
     async def pause(self) -> None:
         """Stop new requests, abort in-flight ones for resumption, wait until every engine is
@@ -327,7 +353,7 @@ class EngineRouter:
 
     def take_stats(self) -> RouterStats:
         """Counters since the previous call (busy time of running requests is split at now)."""
-        now = time.monotonic()
+        now = self._clock()
         stats = self._stats
         for i, since in enumerate(self._busy_since):
             if since is not None:
@@ -345,7 +371,7 @@ class EngineRouter:
     def totals(self) -> RouterStats:
         """Counters since the router was made (or ``reset_totals``), up to now; does not
         disturb ``take_stats`` intervals (the scheduler's per-batch metrics)."""
-        now, total, current = time.monotonic(), self._total, self._stats
+        now, total, current = self._clock(), self._total, self._stats
         busy = [
             t + c + (now - since if since is not None else 0.0)
             for t, c, since in zip(total.busy_s, current.busy_s, self._busy_since, strict=True)
@@ -380,7 +406,7 @@ class EngineRouter:
         key = episode_key(request_id)
         index = self._sticky.get(key)
         if index is None:
-            index = min(range(len(self.engines)), key=lambda i: (self._load[i], i))
+            index = min(range(len(self.engines)), key=lambda i: (self._silent[i], self._load[i], i))
             self._sticky[key] = index
             if len(self._sticky) > _STICKY_CAPACITY:
                 self._sticky.popitem(last=False)
@@ -391,7 +417,7 @@ class EngineRouter:
     def _enter(self, flight: _Flight) -> None:
         index, flight.submitted = flight.engine, True
         if self._load[index] == 0:
-            self._busy_since[index] = time.monotonic()
+            self._busy_since[index] = self._clock()
         self._load[index] += 1
         if self._idle is not None:
             self._idle.clear()
@@ -401,7 +427,7 @@ class EngineRouter:
         self._load[index] -= 1
         since = self._busy_since[index]
         if self._load[index] == 0 and since is not None:
-            self._stats.busy_s[index] += time.monotonic() - since
+            self._stats.busy_s[index] += self._clock() - since
             self._busy_since[index] = None
         if self.in_flight == 0 and self._idle is not None:
             self._idle.set()

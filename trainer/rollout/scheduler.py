@@ -165,13 +165,19 @@ class _Group:
     """Policy version when the group started: no token of it is older."""
     finished_at: float = 0.0
     cancelled: bool = False
+    _oldest: list[int | None] = field(default_factory=list, repr=False)
+    """``[oldest_version()]`` once computed."""
 
     def trajectories(self) -> list[Trajectory]:
         return [task.result() for task in self.tasks]
 
     def oldest_version(self) -> int | None:
-        versions = [v for t in self.trajectories() if (v := t.oldest_version) is not None]
-        return min(versions) if versions else None
+        """The oldest policy version among its tokens (asked of finished groups only, whose
+        trajectories no longer change: computed once)."""
+        if not self._oldest:
+            versions = [v for t in self.trajectories() if (v := t.oldest_version) is not None]
+            self._oldest.append(min(versions) if versions else None)
+        return self._oldest[0]
 
 
 class RolloutScheduler:
@@ -437,7 +443,7 @@ class RolloutScheduler:
         ):
             metrics[f"rollout/{name}"] = float(self._counts.pop(name, 0))
         lags = collections.Counter(
-            version - (t.oldest_version if t.oldest_version is not None else version)
+            version - (oldest if (oldest := t.oldest_version) is not None else version)
             for t in trajectories
         )
         for lag in range(max(self.cfg.max_staleness, max(lags, default=0)) + 1):

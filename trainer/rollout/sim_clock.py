@@ -1,0 +1,144 @@
+"""``VirtualClockLoop``: an asyncio event loop whose clock is the driver's CPU time plus the
+simulated time it skips.
+
+The cluster simulation (``trainer.rollout.sim_engine``, ``benchmarks/rollout_scale.py``) runs
+the real scheduler, router and env managers against simulated GPUs whose steps take
+*simulated* seconds (``asyncio.sleep`` on this loop). The loop's clock is:
+
+- the CPU time of the loop's thread, while Python runs in it (the scheduler, the router, the
+  env managers, the envs): the driver's own cost is charged to the simulated timeline as it
+  would be on a cluster, so a driver that cannot keep up shows as engines waiting for it.
+  CPU time, not wall time: on a shared machine other processes would stretch wall time;
+- plus the time it jumps: when nothing is ready and the loop would block until its next
+  timer (an engine step ending, a training step, a timeout), the clock jumps to it.
+
+Code that simulates rather than is simulated (the simulated engines' bookkeeping) runs
+inside ``uncharged()``: its CPU is not charged. Work handed to a thread through
+``run_in_executor`` / ``asyncio.to_thread`` is waited for (the clock does not jump past a
+thread that has not answered) but not charged; threads that report back otherwise (e.g.
+``call_soon_threadsafe``) are not waited for: a simulation must not use them.
+
+``run(coro)`` is ``asyncio.run`` on this loop. Timers and ``asyncio.wait_for`` timeouts run
+in simulated seconds; ``time.monotonic()`` stays real (pass ``clock=loop.time`` where a
+component takes a clock, such as ``EngineRouter``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import selectors
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import Executor
+from typing import Any, TypeVar
+
+__all__ = ["VirtualClockLoop", "run"]
+
+T = TypeVar("T")
+
+
+class _SkippingSelector(selectors.DefaultSelector):
+    """A selector whose waits become clock jumps when no thread owes the loop an answer."""
+
+    def __init__(self, loop: VirtualClockLoop) -> None:
+        super().__init__()
+        self._loop = loop
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        ready = super().select(0)
+        if ready or timeout == 0:
+            return ready
+        if self._loop.threads_pending or timeout is None:
+            # a thread will answer through the self-pipe (real time passes), or nothing is
+            # scheduled at all: a real wait, as on any loop
+            return super().select(timeout)
+        self._loop.skip(timeout)
+        return []
+
+
+class VirtualClockLoop(asyncio.SelectorEventLoop):
+    """The loop thread's CPU time while Python works, a jump to the next timer while it would
+    wait (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__(_SkippingSelector(self))
+        self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
+        self._offset = -time.clock_gettime(self._cpu_clock)
+        self._paused_at: float | None = None
+        self._paused_cpu = 0.0
+        self._threads = 0
+        self._threads_lock = threading.Lock()
+        self.skipped_s = 0.0
+        """Simulated seconds jumped over."""
+        self.uncharged_s = 0.0
+        """CPU seconds spent inside ``uncharged()`` (not on the clock)."""
+
+    def time(self) -> float:
+        if self._paused_at is not None:
+            return self._paused_at
+        return time.clock_gettime(self._cpu_clock) + self._offset
+
+    @property
+    def charged_s(self) -> float:
+        """CPU seconds of the loop thread on the clock so far (the driver's)."""
+        return self.time() - self.skipped_s
+
+    def skip(self, seconds: float) -> None:
+        """Advance the clock by ``seconds`` without waiting."""
+        self._offset += seconds
+        self.skipped_s += seconds
+
+    def stop_charging(self) -> None:
+        """From now on CPU is not charged: the clock stands still until ``start_charging``."""
+        if self._paused_at is None:
+            self._paused_at = self.time()
+            self._paused_cpu = time.clock_gettime(self._cpu_clock)
+
+    def start_charging(self) -> float:
+        """Charge CPU again; returns the CPU seconds left uncharged since ``stop_charging``."""
+        if self._paused_at is None:
+            return 0.0
+        spent = time.clock_gettime(self._cpu_clock) - self._paused_cpu
+        self._offset -= spent
+        self.uncharged_s += spent
+        self._paused_at = None
+        return spent
+
+    @contextlib.contextmanager
+    def uncharged(self) -> Iterator[None]:
+        """The block's CPU is not charged to the clock (it stands still meanwhile)."""
+        nested = self._paused_at is not None
+        self.stop_charging()
+        try:
+            yield
+        finally:
+            if not nested:
+                self.start_charging()
+
+    @property
+    def threads_pending(self) -> int:
+        """Calls handed to threads whose answer the loop has not taken yet."""
+        return self._threads
+
+    def run_in_executor(  # type: ignore[override]
+        self, executor: Executor | None, func: Callable[..., T], *args: Any
+    ) -> asyncio.Future[T]:
+        future = super().run_in_executor(executor, func, *args)
+        with self._threads_lock:
+            self._threads += 1
+        # counted down once the loop has taken the answer (not when the thread returns): the
+        # clock never jumps between the two
+        future.add_done_callback(self._thread_answered)
+        return future
+
+    def _thread_answered(self, _: asyncio.Future[Any]) -> None:
+        with self._threads_lock:
+            self._threads -= 1
+
+
+def run(coro: Coroutine[Any, Any, T], *, debug: bool | None = None) -> T:
+    """``asyncio.run(coro)`` on a fresh ``VirtualClockLoop``."""
+    with asyncio.Runner(debug=debug, loop_factory=VirtualClockLoop) as runner:
+        return runner.run(coro)
