@@ -151,6 +151,7 @@ class EngineRouter:
         self._owns_policy = policy is None
         self.policy = policy if policy is not None else PolicyVersion()
         self._load = [0] * len(self.engines)
+        self._in_flight = 0
         self._silent = [False] * len(self.engines)
         """Engines whose last request was given up on without an answer (hung, maybe)."""
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -206,8 +207,10 @@ class EngineRouter:
                 finally:
                     self._leave(flight)
                 self._silent[flight.engine] = False
-                ids += result.token_ids
-                logprobs += result.logprobs
+                if part == 0:  # the engine's own lists: nothing to join (the common case)
+                    ids, logprobs = result.token_ids, result.logprobs
+                else:
+                    ids, logprobs = ids + result.token_ids, logprobs + result.logprobs
                 versions += [issued] * len(result.token_ids)
                 self._stats.new_tokens += len(result.token_ids)
                 reason = result.finish_reason
@@ -340,7 +343,7 @@ class EngineRouter:
     @property
     def in_flight(self) -> int:
         """Requests submitted to an engine and not answered yet."""
-        return sum(self._load)
+        return self._in_flight
 
     @property
     def loads(self) -> list[int]:
@@ -419,12 +422,14 @@ class EngineRouter:
         if self._load[index] == 0:
             self._busy_since[index] = self._clock()
         self._load[index] += 1
+        self._in_flight += 1
         if self._idle is not None:
             self._idle.clear()
 
     def _leave(self, flight: _Flight) -> None:
         index, flight.submitted = flight.engine, False
         self._load[index] -= 1
+        self._in_flight -= 1
         since = self._busy_since[index]
         if self._load[index] == 0 and since is not None:
             self._stats.busy_s[index] += self._clock() - since

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import gc
 import math
 import statistics
 import threading
@@ -56,7 +57,7 @@ from trainer.rollout.router import EngineRouter
 from trainer.rollout.trajectory import Trajectory
 from trainer.strategies.base import Weights
 
-__all__ = ["LoopThread", "RolloutBatch", "RolloutScheduler", "SchedulerConfig"]
+__all__ = ["LoopThread", "RolloutBatch", "RolloutScheduler", "SchedulerConfig", "relax_gc"]
 
 T = TypeVar("T")
 Mode = Literal["sync", "async"]
@@ -208,6 +209,8 @@ class RolloutScheduler:
         """The next task number to start (checkpointed so a resumed run does not repeat tasks)."""
         self._running: dict[int, _Group] = {}
         self._ready: list[_Group] = []
+        self._fresh = (-1, 0)
+        """(version, n): the first n ready groups met the staleness bound at that version."""
         self._failed: list[Trajectory] = []
         self._collecting = config.mode == "async"
         self._changed: asyncio.Event | None = None
@@ -241,10 +244,11 @@ class RolloutScheduler:
             await self._changed.wait()
         self._ready.sort(key=lambda g: (g.oldest_version() or 0, g.finished_at))
         taken, self._ready = self._ready[: self.cfg.num_groups], self._ready[self.cfg.num_groups :]
+        self._fresh = (self._fresh[0], len(self._ready))  # what is left was checked just now
         if self.cfg.mode == "sync":
             self._collecting = False
             surplus = list(self._running.values()) + self._ready
-            self._ready = []
+            self._ready, self._fresh = [], (-1, 0)
             await asyncio.gather(*(self._cancel(g, "aborted_surplus") for g in surplus))
         trajectories = [t for g in taken for t in g.trajectories()]
         failed, self._failed = self._failed, []
@@ -286,7 +290,7 @@ class RolloutScheduler:
         are aborted and dropped. New groups start at the next ``update_weights`` or
         ``next_batch`` (a resume loads the checkpoint's weights first)."""
         in_play = list(self._running.values()) + self._ready
-        self._ready = []
+        self._ready, self._fresh = [], (-1, 0)
         await asyncio.gather(*(self._cancel(g, "aborted_at_resume") for g in in_play))
         self._counts.pop("aborted_at_resume", None)
         self.next_group = next_group
@@ -396,17 +400,23 @@ class RolloutScheduler:
             await asyncio.wait(group.tasks)
 
     def _drop_stale_ready(self) -> None:
+        """Drop ready groups that no longer meet ``max_staleness``. Called on every group
+        completion: only groups that joined since the last call are looked at, unless the
+        version changed since."""
         if self.cfg.mode != "async":
             return
-        bound = self.router.version - self.cfg.max_staleness
-        keep = []
-        for group in self._ready:
+        version = self.router.version
+        checked = self._fresh[1] if self._fresh[0] == version else 0
+        bound = version - self.cfg.max_staleness
+        keep = self._ready[:checked]
+        for group in self._ready[checked:]:
             oldest = group.oldest_version()
             if oldest is not None and oldest < bound:
                 self._counts["stale_dropped_groups"] += 1
             else:
                 keep.append(group)
         self._ready = keep
+        self._fresh = (version, len(keep))
 
     # ------------------------------------------------------------------ metrics
     def _metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
@@ -449,6 +459,27 @@ class RolloutScheduler:
         for lag in range(max(self.cfg.max_staleness, max(lags, default=0)) + 1):
             metrics[f"rollout/staleness_{lag}"] = float(lags.get(lag, 0))
         return metrics
+
+
+CPYTHON_GC_DEFAULTS = (700, 10, 10)
+DRIVER_GC_THRESHOLDS = (50_000, 50, 100)
+"""Cyclic-GC thresholds of a process that drives rollouts (``relax_gc``)."""
+
+
+def relax_gc() -> bool:
+    """Raise CPython's cyclic-GC thresholds to ``DRIVER_GC_THRESHOLDS`` when they are still the
+    defaults (a process that set its own keeps them); True when changed.
+
+    The driver holds every episode in play: trajectories whose token lists grow to thousands
+    of entries, and tens of thousands of them at cluster scale. With the defaults, full
+    collections keep rescanning all of them as the set grows (and young ones each time a few
+    hundred objects were made), which costs the driver more than its own work per turn
+    (``benchmarks/rollout_scale.py``). Garbage is still reclaimed: by reference counting as
+    always, and cycles by collections that now come less often."""
+    if gc.get_threshold() != CPYTHON_GC_DEFAULTS:
+        return False
+    gc.set_threshold(*DRIVER_GC_THRESHOLDS)
+    return True
 
 
 class LoopThread:
