@@ -168,7 +168,9 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from trainer.pipeline import AgenticPipeline
+    from trainer.rollout.scheduler import relax_gc
 
+    relax_gc()  # this process will hold every episode in play
     columns = [
         TextColumn("[bold]{task.description}"),
         BarColumn(),

@@ -46,7 +46,7 @@ from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
 from trainer.rollout.groups import EpisodeSpec, run_episodes
 from trainer.rollout.proxy import AgentProxy
 from trainer.rollout.router import EngineRouter, RolloutEngine
-from trainer.rollout.scheduler import LoopThread, RolloutScheduler, SchedulerConfig, relax_gc
+from trainer.rollout.scheduler import LoopThread, RolloutScheduler, SchedulerConfig
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.weights.versioned import PolicyVersion
 
@@ -77,7 +77,6 @@ class Rollouts:
         ``eval_envs``: where evaluation episodes play (held-out env settings); None: ``envs``."""
         self.cfg = cfg
         self.eval_envs = eval_envs if eval_envs is not None else envs
-        relax_gc()  # this process now holds every episode in play
         self.thread = LoopThread()
         self.router = EngineRouter(engines, policy=policy)
         rollout = cfg.rollout

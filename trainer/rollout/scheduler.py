@@ -475,7 +475,8 @@ def relax_gc() -> bool:
     collections keep rescanning all of them as the set grows (and young ones each time a few
     hundred objects were made), which costs the driver more than its own work per turn
     (``benchmarks/rollout_scale.py``). Garbage is still reclaimed: by reference counting as
-    always, and cycles by collections that now come less often."""
+    always, and cycles by collections that now come less often. ``envhub train`` calls it
+    before building the pipeline; a program driving rollouts itself may too."""
     if gc.get_threshold() != CPYTHON_GC_DEFAULTS:
         return False
     gc.set_threshold(*DRIVER_GC_THRESHOLDS)
