@@ -1,0 +1,349 @@
+"""The rollout scheduler at cluster scale: the real scheduler, router and env managers over
+simulated H200 engines (SIMULATED GPU time; the driver's own CPU is real).
+
+    python benchmarks/rollout_scale.py                  # 1k/8, 10k/64, 50k/64 engines (long)
+    python benchmarks/rollout_scale.py --scales 1000:8:4
+    python benchmarks/rollout_scale.py --scales 50000:64:2 --modes batch,async-2
+
+What is real: ``RolloutScheduler``, ``EngineRouter``, ``EnvManager`` (chat template, token
+ids, decoding, tool parsing, trajectories), ``plan_groups``/``run_episodes`` for ``batch``,
+and the envs of ``benchmarks/rollout_scheduler.py``'s workload (``bench/heavy-tail`` and
+``games/frozen-lake-v0``, stepped in this process), rendered by a real tokenizer
+(``trainer.models.build_tokenizer``). What is simulated: every inference engine is a
+``trainer.rollout.sim_engine.SimEngine`` (continuous batching, chunked prefill, prefix cache,
+KV budget; step time from a roofline of the GPU), the training step and the weight sync are
+simulated waits. Everything runs on ``trainer.rollout.sim_clock``'s loop: GPU and training
+seconds are jumped over while the driver's own CPU time (the loop thread's: scheduler,
+router, env managers, envs) is charged to the simulated timeline, so a driver too slow for its
+engines shows as lower utilisation and as "driver busy" near 100%. CPU time rather than wall
+time: other jobs on a shared machine stretch wall time (they still slow the CPU some).
+
+Simulated cluster (defaults; flags change them):
+
+- model: Qwen2.5-7B (bf16; 7.6B parameters, 15.2 GB of weights, 56 KiB KV per token)
+- one engine per H200 (989 TFLOP/s dense bf16, 4.8 TB/s, 141 GB: NVIDIA's datasheet), step
+  cost ``1 ms + max(bytes / (4.8 TB/s x 0.85), FLOPs / (989 T x 0.5))``: 0.85 is this
+  project's measured H200 device memcpy (benchmarks/gpu/results/2026-11-29-h200-ipc.json),
+  1 ms is a published vLLM single-request decode figure's remainder, 0.5 is an assumption
+  (``trainer.rollout.sim_engine.StepCost`` says where each comes from); 4.7 ms per decode
+  step up to ~120 sequences, 9.1 ms at 256; ``max_num_seqs`` 256, 8,192 batched tokens per
+  step, KV cache 0.9 x 141 GB minus weights (1.9M tokens)
+- training on as many H200s as there are engines (disaggregated), 8N FLOPs per trained
+  token (policy forward + backward 6N, reference forward 2N) at ``--train-mfu`` 0.3 (an
+  assumption; the only H200 training MFU measured here is 0.08-0.10 for the 0.5B shape, whose
+  152k-entry head dominates it)
+- weight sync: 15.2 GB at 36.4 GB/s (this project's measured H200 CUDA-IPC sync) = 0.42 s,
+  engines do not step meanwhile
+
+Workload (``benchmarks/rollout_scheduler.py``'s, scaled to GPU turn lengths): groups of 8,
+half ``bench/heavy-tail`` (turns ~ LogNormal(median 3, sigma 0.9) clipped to 1..24, tokens
+per turn ~ LogNormal(median ``--tokens-median`` 96, sigma 0.9) clipped to 1..1024), half
+frozen lake 4x4 (up to 12 turns of up to ``--game-tokens`` 64 tokens: 8 times the CPU
+benchmark's turn lengths, like the heavy-tail median 96 for 12). The simulated policy writes
+``max_new_tokens`` copies of one token ending in EOS, so every turn uses its whole budget (and
+a lake move is rarely valid: lake episodes mostly run to their 12 turns).
+
+Modes, each for ``--steps`` training batches of ``episodes`` episodes, from the same state:
+``batch`` (plan the step's groups, play all, train, sync), ``sync`` (scheduler on-policy,
+redundancy ``--redundancy``), ``async-1``/``async-2`` (rollouts continue during training,
+``max_staleness`` 1/2, same redundancy). Printed per scale and mode: trained trajectories per
+simulated second and the speedup over ``batch``, engine utilisation (share of simulated time
+the engines spend in steps) and mean decode batch, the share of the simulated time the driver
+was busy, and the driver's real CPU per episode-turn (process CPU minus the simulated engines'
+bookkeeping and the envs' own code, / generation requests; the chat template + tokenizer share
+shown). The timing around each env and renderer call and the simulated clock's reads (a CPU
+clock is a system call) add a few microseconds per turn of their own.
+Last line: ``scale_speedup_vs_batch: X x`` (best async setting with staleness <= 2 over
+``batch``, at the largest scale run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rollout_scheduler import GAME, GAME_KWARGS, HEAVY, GameWithAnswerBudget, HeavyTailEnv
+
+import envhub
+
+SYNC_GB_PER_S = 36.4
+"""This project's measured H200 CUDA-IPC weight sync (benchmarks/gpu/results/...-ipc.json)."""
+
+
+class CPU:
+    """Real CPU seconds spent in the envs' own code and in chat template + tokenizer calls."""
+
+    envs = 0.0
+    renderer = 0.0
+
+
+def timed(fn: Any, bucket: str) -> Any:
+    """``fn``, its thread CPU time added to ``CPU.<bucket>``."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        started = time.thread_time()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            setattr(CPU, bucket, getattr(CPU, bucket) + time.thread_time() - started)
+
+    return call
+
+
+class TimedEnv:
+    """An env whose reset/step/close CPU counts as the envs' (they would run in env workers)."""
+
+    def __init__(self, env: Any) -> None:
+        self.reset = timed(env.reset, "envs")
+        self.step = timed(env.step, "envs")
+        self.close = timed(env.close, "envs")
+
+
+def build_renderer() -> Any:
+    from trainer.models import build_tokenizer, env_corpus
+    from trainer.rollout.trajectory import ChatRenderer
+
+    corpus = env_corpus(GAME, GAME_KWARGS, episodes=100) + [
+        "Answer each message with anything.",
+        "Turn 3 done.",
+    ]
+    renderer = ChatRenderer(build_tokenizer(corpus, "bpe"))
+    for name in ("prompt", "continuation", "decode", "parse"):
+        setattr(renderer, name, timed(getattr(renderer, name), "renderer"))
+    return renderer
+
+
+class Cluster:
+    """The simulated engines and trainer of one mode's run (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, engines: int, renderer: Any) -> None:
+        from trainer.rollout.sim_engine import QWEN2_5_7B, SimEngine, StepCost
+
+        self.cost = StepCost.for_model(QWEN2_5_7B, compute_efficiency=args.compute_efficiency)
+        self.sync_s = self.cost.weight_bytes / (SYNC_GB_PER_S * 1e9)
+        token = renderer.encode("down")[0]
+        self.engines = [
+            SimEngine(
+                self.cost,
+                max_num_seqs=args.max_num_seqs,
+                max_batched_tokens=args.max_batched_tokens,
+                sync_s=self.sync_s,
+                token_id=token,
+                eos_token_id=renderer.eos_token_id,
+            )
+            for _ in range(engines)
+        ]
+        self.train_flops_per_token = 4 * self.cost.flops_per_token  # 8N: 6N policy + 2N ref
+        train_gpus = round(engines * args.train_gpus_per_engine)
+        self.train_rate = train_gpus * self.cost.gpu.peak_flops * args.train_mfu
+        self.train_s = 0.0
+
+    async def train(self, trajectories: list[Any]) -> None:
+        """A simulated training step on the batch's tokens."""
+        tokens = sum(t.num_tokens for t in trajectories)
+        seconds = tokens * self.train_flops_per_token / self.train_rate
+        self.train_s += seconds
+        await asyncio.sleep(seconds)
+
+
+async def run_mode(
+    mode: str, args: argparse.Namespace, episodes: int, engines: int, renderer: Any
+) -> dict[str, float]:
+    from trainer.rollout import sim_clock
+    from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
+    from trainer.rollout.groups import plan_groups, run_episodes
+    from trainer.rollout.router import EngineRouter
+    from trainer.rollout.scheduler import RolloutScheduler, SchedulerConfig
+
+    loop = asyncio.get_running_loop()
+    cluster = Cluster(args, engines, renderer)
+    router = EngineRouter(cluster.engines, clock=loop.time)
+    manager = EnvManager(
+        router,
+        renderer,
+        max_turns=args.max_turns,
+        max_context_tokens=args.max_context,
+        generate_timeout_s=args.generate_timeout,
+    )
+
+    def build(env_id: str) -> Any:
+        if env_id == HEAVY:
+            return HeavyTailEnv(
+                turns_median=args.turns_median,
+                turns_sigma=args.sigma,
+                tokens_median=args.tokens_median,
+                tokens_sigma=args.sigma,
+                max_turns=args.max_turns,
+                max_tokens=args.max_tokens,
+            )
+        return GameWithAnswerBudget(envhub.make(env_id, **GAME_KWARGS), args.game_tokens)
+
+    def make(env_id: str, **kwargs: Any) -> Any:
+        return TimedEnv(timed(build, "envs")(env_id))
+
+    source = LocalEnvSource(make=make)
+    sampling = Sampling(args.max_tokens)
+    env_ids = [HEAVY, GAME]
+    groups = episodes // args.group_size
+    trained, staleness = 0, 0
+    CPU.envs = CPU.renderer = 0.0
+    charged0 = loop.charged_s if isinstance(loop, sim_clock.VirtualClockLoop) else 0.0
+    cpu0, real0, sim0 = time.process_time(), time.perf_counter(), loop.time()
+    if mode == "batch":
+        for step in range(args.steps):
+            specs = plan_groups(
+                step, num_groups=groups, group_size=args.group_size, env_ids=env_ids, seed=0
+            )
+            finished, _ = await run_episodes(specs, manager, source, sampling)
+            await cluster.train(finished)
+            router.update_weights({})
+            trained += len(finished)
+    else:
+        k = int(mode.split("-")[1]) if mode.startswith("async") else 0
+        scheduler = RolloutScheduler(
+            SchedulerConfig(
+                groups,
+                args.group_size,
+                tuple(env_ids),
+                mode="async" if k else "sync",
+                redundancy=args.redundancy,
+                max_staleness=k,
+            ),
+            manager,
+            router,
+            source,
+            sampling,
+        )
+        try:
+            for _ in range(args.steps):
+                batch = await scheduler.next_batch()
+                staleness = max(
+                    [staleness]
+                    + [
+                        batch.version - t.oldest_version
+                        for t in batch.trajectories
+                        if t.oldest_version is not None
+                    ]
+                )
+                await cluster.train(batch.trajectories)  # rollouts go on meanwhile (async)
+                await scheduler.update_weights({})
+                trained += len(batch.trajectories)
+        finally:
+            await scheduler.close()
+    sim_s = loop.time() - sim0
+    charged = (loop.charged_s if isinstance(loop, sim_clock.VirtualClockLoop) else 0.0) - charged0
+    real_s, cpu_s = time.perf_counter() - real0, time.process_time() - cpu0
+    stats = [e.stats for e in cluster.engines]
+    for engine in cluster.engines:
+        await engine.close()
+    engine_cpu = sum(s.cpu_s for s in stats)
+    turns = router.totals().requests
+    driver_cpu = cpu_s - engine_cpu - CPU.envs
+    steps = sum(s.steps for s in stats)
+    return {
+        "trajectories": trained,
+        "sim_s": sim_s,
+        "traj_per_s": trained / sim_s,
+        "utilisation": sum(s.busy_s for s in stats) / (engines * sim_s),
+        "decode_batch": sum(s.decode_seq_steps for s in stats) / max(steps, 1),
+        "tokens_per_s": sum(s.new_tokens for s in stats) / sim_s,
+        "train_s": cluster.train_s,
+        "staleness": staleness,
+        "turns": turns,
+        "real_s": real_s,
+        "driver_busy": charged / sim_s,
+        "driver_us_per_turn": 1e6 * driver_cpu / max(turns, 1),
+        "template_us_per_turn": 1e6 * CPU.renderer / max(turns, 1),
+        "env_us_per_turn": 1e6 * CPU.envs / max(turns, 1),
+        "engine_us_per_turn": 1e6 * engine_cpu / max(turns, 1),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--scales",
+        default="1000:8:4,10000:64:3,50000:64:2",
+        help="comma-separated EPISODES:ENGINES[:STEPS] (episodes per training batch, training "
+        "batches per mode; default --steps)",
+    )
+    parser.add_argument("--steps", type=int, default=3, help="training batches per mode")
+    parser.add_argument("--modes", default="batch,sync,async-1,async-2")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--redundancy", type=float, default=1.5)
+    parser.add_argument("--turns-median", type=float, default=3.0)
+    parser.add_argument("--tokens-median", type=float, default=96.0)
+    parser.add_argument("--sigma", type=float, default=0.9)
+    parser.add_argument("--game-tokens", type=int, default=64)
+    parser.add_argument("--max-turns", type=int, default=24)
+    parser.add_argument("--max-tokens", type=int, default=1024)
+    parser.add_argument("--max-context", type=int, default=32768)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-batched-tokens", type=int, default=8192)
+    parser.add_argument("--compute-efficiency", type=float, default=0.5)
+    parser.add_argument("--train-mfu", type=float, default=0.3)
+    parser.add_argument(
+        "--train-gpus-per-engine", type=float, default=1.0, help="training H200s per engine"
+    )
+    parser.add_argument(
+        "--generate-timeout",
+        type=float,
+        default=600.0,
+        help="rollout.generate_timeout_s, simulated seconds",
+    )
+    args = parser.parse_args()
+
+    from trainer.rollout import sim_clock
+    from trainer.rollout.scheduler import relax_gc
+
+    relax_gc()  # as the trainer's driver does (trainer.rollout.rollouts)
+    renderer = build_renderer()
+    print(
+        "SIMULATED cluster (GPU, training and sync times simulated; driver CPU real): "
+        f"Qwen2.5-7B on H200s, groups of {args.group_size}, "
+        f"redundancy {args.redundancy}, heavy-tail turns ~LogN({args.turns_median}, "
+        f"{args.sigma}) x tokens ~LogN({args.tokens_median}, {args.sigma}) + {GAME}",
+        flush=True,
+    )
+    best, default_steps = 0.0, args.steps
+    for scale in args.scales.split(","):
+        episodes, engines, *steps = (int(x) for x in scale.split(":"))
+        args.steps = steps[0] if steps else default_steps
+        results: dict[str, dict[str, float]] = {}
+        for mode in args.modes.split(","):
+            gc.collect()
+            r = results[mode] = sim_clock.run(run_mode(mode, args, episodes, engines, renderer))
+            base = results.get("batch", r)["traj_per_s"]
+            print(
+                f"{episodes:>6} episodes / {engines:>2} engines {mode:>8}: "
+                f"{r['traj_per_s']:8.1f} traj/s (simulated), speedup {r['traj_per_s'] / base:5.2f} "
+                f"x, engine utilisation {100 * r['utilisation']:5.1f}%, decode batch "
+                f"{r['decode_batch']:5.1f}, {r['tokens_per_s'] / engines:6.0f} tok/s per engine, "
+                f"staleness <= {r['staleness']:.0f}; {r['sim_s']:7.1f} s simulated "
+                f"({r['train_s']:.1f} s training) in {r['real_s']:6.1f} s real; the driver busy "
+                f"{100 * r['driver_busy']:4.1f}% of the simulated time, its CPU "
+                f"{r['driver_us_per_turn']:5.1f} us/turn ({r['template_us_per_turn']:.1f} of it "
+                f"chat template + tokenizer) over {r['turns']:.0f} turns, not counted: envs "
+                f"{r['env_us_per_turn']:.1f}, simulated engines {r['engine_us_per_turn']:.1f}; "
+                f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB; "
+                f"load average {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+        asyncs = [m for m in results if m.startswith("async") and int(m.split("-")[1]) <= 2]
+        if "batch" in results and asyncs:
+            best = max(results[m]["traj_per_s"] for m in asyncs) / results["batch"]["traj_per_s"]
+    print(f"scale_speedup_vs_batch: {best:.2f} x")
+
+
+if __name__ == "__main__":
+    main()
