@@ -72,7 +72,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from rollout_scheduler import GAME, GAME_KWARGS, HEAVY, GameWithAnswerBudget, HeavyTailEnv
+from rollout_scheduler import (
+    GAME,
+    GAME_KWARGS,
+    HEAVY,
+    GameWithAnswerBudget,
+    HeavyTailEnv,
+    make_scheduler,
+)
 
 import envhub
 
@@ -163,7 +170,6 @@ async def run_mode(
     from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
     from trainer.rollout.groups import plan_groups, run_episodes
     from trainer.rollout.router import EngineRouter
-    from trainer.rollout.scheduler import RolloutScheduler, SchedulerConfig
 
     loop = asyncio.get_running_loop()
     cluster = Cluster(args, engines, renderer)
@@ -209,21 +215,7 @@ async def run_mode(
             router.update_weights({})
             trained += len(finished)
     else:
-        k = int(mode.split("-")[1]) if mode.startswith("async") else 0
-        scheduler = RolloutScheduler(
-            SchedulerConfig(
-                groups,
-                args.group_size,
-                tuple(env_ids),
-                mode="async" if k else "sync",
-                redundancy=args.redundancy,
-                max_staleness=k,
-            ),
-            manager,
-            router,
-            source,
-            sampling,
-        )
+        scheduler = make_scheduler(mode, groups, args, env_ids, manager, router, source, sampling)
         try:
             for _ in range(args.steps):
                 batch = await scheduler.next_batch()

@@ -278,13 +278,43 @@ class TrainerProcess:
         self.pool.shutdown(cancel_futures=True)
 
 
+def make_scheduler(
+    mode: str,
+    groups: int,
+    args: argparse.Namespace,
+    env_ids: list[str],
+    manager: Any,
+    router: Any,
+    source: Any,
+    sampling: Any,
+) -> Any:
+    """The real scheduler for ``mode`` (``sync``, or ``async-K``: staleness bound K) with the
+    benchmark's group size and redundancy (``rollout_scale.py`` shares it)."""
+    from trainer.rollout.scheduler import RolloutScheduler, SchedulerConfig
+
+    k = int(mode.split("-")[1]) if mode.startswith("async") else 0
+    return RolloutScheduler(
+        SchedulerConfig(
+            groups,
+            args.group_size,
+            tuple(env_ids),
+            mode="async" if k else "sync",
+            redundancy=args.redundancy,
+            max_staleness=k,
+        ),
+        manager,
+        router,
+        source,
+        sampling,
+    )
+
+
 async def run_mode(
     mode: str, args: argparse.Namespace, engine: Any, trainer: Any, renderer: Any
 ) -> dict[str, float]:
     from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
     from trainer.rollout.groups import plan_groups, run_episodes
     from trainer.rollout.router import EngineRouter
-    from trainer.rollout.scheduler import RolloutScheduler, SchedulerConfig
 
     trainer.reset()
     engine.update_weights(trainer.weights())
@@ -322,20 +352,8 @@ async def run_mode(
             trained += len(finished)
             staleness += [0] * len(finished)
     else:
-        k = int(mode.split("-")[1]) if mode.startswith("async") else 0
-        scheduler = RolloutScheduler(
-            SchedulerConfig(
-                args.groups,
-                args.group_size,
-                tuple(env_ids),
-                mode="async" if k else "sync",
-                redundancy=args.redundancy,
-                max_staleness=k,
-            ),
-            manager,
-            router,
-            source,
-            sampling,
+        scheduler = make_scheduler(
+            mode, args.groups, args, env_ids, manager, router, source, sampling
         )
         try:
             for _ in range(args.steps):

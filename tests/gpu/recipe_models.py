@@ -15,6 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainer.rollout.sim_engine import QWEN2_5_7B as SIM_QWEN2_5_7B
+
 __all__ = ["QWEN2_5_0_5B", "QWEN2_5_7B", "SHAPES", "config_json", "random_policy"]
 
 QWEN2_5_0_5B: dict[str, Any] = {
@@ -33,20 +35,7 @@ QWEN2_5_0_5B: dict[str, Any] = {
 }
 """``config.json`` of Qwen/Qwen2.5-0.5B-Instruct (the shape the 0.5B GPU recipes train)."""
 
-QWEN2_5_7B: dict[str, Any] = {
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1_000_000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "hidden_act": "silu",
-    "use_sliding_window": False,
-}
+QWEN2_5_7B: dict[str, Any] = {k: v for k, v in SIM_QWEN2_5_7B.items() if k != "model_type"}
 """``config.json`` of Qwen/Qwen2.5-7B-Instruct (the LoRA recipe's shape)."""
 
 SHAPES = {"qwen2.5-0.5b": QWEN2_5_0_5B, "qwen2.5-7b": QWEN2_5_7B}

@@ -76,7 +76,11 @@ QWEN2_5_7B: dict[str, Any] = {
     "num_key_value_heads": 4,
     "vocab_size": 152064,
     "max_position_embeddings": 32768,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
 }
 """``config.json`` of Qwen/Qwen2.5-7B-Instruct (the shape of ``examples/qwen2.5-7b-*``)."""
 
