@@ -130,8 +130,12 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         page.wait_for_function(
             "document.querySelector('#page-info').textContent.includes('of 40 episodes')"
         )
-        page.locator("#episode-table tbody tr").first.click()
-        page.wait_for_selector(".transcript .message.user")
-        assert SCRIPT in page.locator(".transcript .message.user").first.inner_text()
+        row = page.locator("#episode-table tbody tr").first
+        key = row.get_attribute("data-key")
+        panel = f"#transcripts .transcript[data-run='1'][data-key='{key}']"
+        row.click()
+        # (not just any transcript: the first run's stays on screen until this one has loaded)
+        page.wait_for_selector(f"{panel} .message.user")
+        assert SCRIPT in page.locator(f"{panel} .message.user").first.inner_text()
         assert count(page, ".transcript script") == 0 and not dialogs
         browser.close()

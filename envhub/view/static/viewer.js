@@ -228,7 +228,7 @@ async function sameSeed(run, episode, box) {
 }
 
 function transcript(run, episode) {
-  const box = el("div", { class: "transcript", "data-key": episode.key });
+  const box = el("div", { class: "transcript", "data-key": episode.key, "data-run": String(run) });
   box.append(el("h2", { text: `${episode.env_id} seed ${episode.seed} \u00b7 ${episode.kind} step ${episode.step} #${episode.index} \u00b7 return ${Number(episode.return).toFixed(3)} \u00b7 ${episode.success ? "success" : "no success"}` }));
   if (episode.failure) box.append(el("p", { class: "fail", text: `failed: ${episode.failure}` }));
   box.append(el("code", { class: "replay", text: episode.replay }));
