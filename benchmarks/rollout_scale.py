@@ -76,12 +76,9 @@ from rollout_scheduler import (
     GAME,
     GAME_KWARGS,
     HEAVY,
-    GameWithAnswerBudget,
-    HeavyTailEnv,
     make_scheduler,
+    workload_env,
 )
-
-import envhub
 
 SYNC_GB_PER_S = 36.4
 """This project's measured H200 CUDA-IPC weight sync (benchmarks/gpu/results/...-ipc.json)."""
@@ -182,20 +179,8 @@ async def run_mode(
         generate_timeout_s=args.generate_timeout,
     )
 
-    def build(env_id: str) -> Any:
-        if env_id == HEAVY:
-            return HeavyTailEnv(
-                turns_median=args.turns_median,
-                turns_sigma=args.sigma,
-                tokens_median=args.tokens_median,
-                tokens_sigma=args.sigma,
-                max_turns=args.max_turns,
-                max_tokens=args.max_tokens,
-            )
-        return GameWithAnswerBudget(envhub.make(env_id, **GAME_KWARGS), args.game_tokens)
-
     def make(env_id: str, **kwargs: Any) -> Any:
-        return TimedEnv(timed(build, "envs")(env_id))
+        return TimedEnv(timed(workload_env, "envs")(env_id, args))
 
     source = LocalEnvSource(make=make)
     sampling = Sampling(args.max_tokens)

@@ -278,6 +278,21 @@ class TrainerProcess:
         self.pool.shutdown(cancel_futures=True)
 
 
+def workload_env(env_id: str, args: argparse.Namespace) -> Any:
+    """One env of the workload: ``HEAVY`` (heavy-tailed turns and lengths) or the game
+    (``rollout_scale.py`` shares it)."""
+    if env_id == HEAVY:
+        return HeavyTailEnv(
+            turns_median=args.turns_median,
+            turns_sigma=args.sigma,
+            tokens_median=args.tokens_median,
+            tokens_sigma=args.sigma,
+            max_turns=args.max_turns,
+            max_tokens=args.max_tokens,
+        )
+    return GameWithAnswerBudget(envhub.make(env_id, **GAME_KWARGS), args.game_tokens)
+
+
 def make_scheduler(
     mode: str,
     groups: int,
@@ -321,19 +336,7 @@ async def run_mode(
     router = EngineRouter([engine])
     manager = EnvManager(router, renderer, max_turns=args.max_turns, max_context_tokens=2000)
 
-    def make(env_id: str, **kwargs: Any) -> Any:
-        if env_id == HEAVY:
-            return HeavyTailEnv(
-                turns_median=args.turns_median,
-                turns_sigma=args.sigma,
-                tokens_median=args.tokens_median,
-                tokens_sigma=args.sigma,
-                max_turns=args.max_turns,
-                max_tokens=args.max_tokens,
-            )
-        return GameWithAnswerBudget(envhub.make(env_id, **GAME_KWARGS), args.game_tokens)
-
-    source = LocalEnvSource(make=make)
+    source = LocalEnvSource(make=lambda env_id, **kwargs: workload_env(env_id, args))
     sampling = Sampling(args.max_tokens)
     env_ids = [HEAVY, GAME]
     router.reset_totals()
