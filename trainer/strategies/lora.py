@@ -92,9 +92,11 @@ def adaptable_module_names(model: Any, *, linear_only: bool = False) -> list[str
     return sorted({name.rsplit(".", 1)[-1] for name, m in modules if isinstance(m, kinds)})
 
 
-def _output_head_name(model: Any) -> str | None:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return next((name.rsplit(".", 1)[-1] for name, m in model.named_modules() if m is head), None)
+def _embedding_name(model: Any, side: str) -> str | None:
+    """The last name part of the model's ``input`` or ``output`` embedding (None: it has none)."""
+    getter = getattr(model, f"get_{side}_embeddings", None)
+    layer = getter() if getter is not None else None
+    return next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is layer), None)
 
 
 def ties_embeddings(model: Any) -> bool:
@@ -111,7 +113,7 @@ def _targets(model: Any, cfg: LoraConfig) -> str | list[str]:
     if targets == "all-linear":
         return targets
     if "all-linear" in targets:
-        head = _output_head_name(model)
+        head = _embedding_name(model, "output")
         linear = [n for n in adaptable_module_names(model, linear_only=True) if n != head]
         targets = [*linear, *(t for t in targets if t != "all-linear" and t not in linear)]
     present = set(adaptable_module_names(model))
@@ -131,18 +133,22 @@ def apply_lora(model: Any, cfg: LoraConfig) -> Any:
     adapted input embedding changes the input side only, also where the output head shares its
     weight (tied embeddings): there, adding it into the shared weight would change the head too,
     so what needs that (``warm_start: adapters``, ``sync: merged``) is refused, and a merged
-    export unties the head (``untied_config``).
+    export unties the head (``export_config``).
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
     targets = _targets(model, cfg)
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    embed_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is embed), None)
+    embed_name = _embedding_name(model, "input")
     if targets != "all-linear" and embed_name in targets and ties_embeddings(model):
-        needs_fold = {"warm_start: adapters": cfg.warm_start == "adapters"}
-        needs_fold["sync: merged"] = cfg.sync == "merged"
-        refused = [what for what, used in needs_fold.items() if used]
+        refused = [
+            what
+            for what, used in (
+                ("warm_start: adapters", cfg.warm_start == "adapters"),
+                ("sync: merged", cfg.sync == "merged"),
+            )
+            if used
+        ]
         if refused:
             raise ModelError(
                 f"model.lora.target_modules adapts {embed_name}, whose weight this model's output "
