@@ -74,6 +74,7 @@ from sandboxes._wire import (
     proc,
     proc_stat,
     reply,
+    status_fields,
     zygote_source,
 )
 from sandboxes.errors import SandboxError
@@ -328,6 +329,19 @@ class WarmExecutor:
         except OSError:
             return "X"
 
+    def ready(self, pid: int) -> bool:
+        """``pid`` runs and has no signal on its way to it. A run's ``kill()`` returns before its
+        target has died or stopped (it must be scheduled first): a process whose state still
+        reads ``R`` or ``S`` but has, say, a SIGKILL pending is as good as gone, and a run sent
+        to it would be lost."""
+        try:
+            text = proc(pid, "status")
+        except OSError:
+            return False
+        fields = status_fields(text)
+        pending = int(fields.get("SigPnd", "0"), 16) | int(fields.get("ShdPnd", "0"), 16)
+        return fields.get("State", "X").strip()[:1] in _RUNNING and not pending
+
     def _inherited(self, pid: int, status: str | None = None) -> dict[str, str]:
         """What every run started by ``pid`` inherits from it and a run of the same uid could
         change through its pid (``prlimit``, ``setpriority``, ``sched_setaffinity``,
@@ -360,7 +374,7 @@ class WarmExecutor:
                 text = proc(pid, "status")
             except OSError:
                 return f"spared process {pid} is gone"
-            status = dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+            status = status_fields(text)
             if status.get("TracerPid", "0").strip() != "0":
                 return f"spared process {pid} is being traced by {status['TracerPid'].strip()}"
             if status.get("State", "").strip()[:1] in ("T", "t", "Z"):
@@ -414,7 +428,7 @@ class WarmExecutor:
             return "python", False
         if self._retired or cpu != self._cpu:
             return "exec", False
-        if self.state(self.spawner_pid) not in _RUNNING:  # a run stopped or killed it
+        if not self.ready(self.spawner_pid):  # a run stopped or killed it (or is about to)
             self.stop()
             self.start()
         return "exec", True

@@ -33,6 +33,7 @@ __all__ = [
     "proc",
     "proc_stat",
     "reply",
+    "status_fields",
     "zygote_source",
 ]
 
@@ -106,6 +107,11 @@ def proc(pid: int, name: str) -> str:
         return os.read(fd, 1 << 16).decode(errors="replace")
     finally:
         os.close(fd)
+
+
+def status_fields(text: str) -> dict[str, str]:
+    """``/proc/PID/status`` text as ``{field: value}`` (``State``, ``TracerPid``, ``SigPnd``...)."""
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
 
 
 def proc_stat(pid: int) -> list[str]:

@@ -311,6 +311,30 @@ def test_a_run_that_stops_or_kills_the_spawner_costs_a_restart(sandbox):
         assert sandbox._executor.spawner_pid not in (0, spawner)
 
 
+def test_a_signal_still_on_its_way_to_the_spawner_costs_a_restart_too(sandbox):
+    """A run's ``kill()`` returns before its target has died: the spawner must be scheduled to
+    die. A command sent in that window would be lost (CI saw exactly that under load: the run
+    after the one that killed every process it could see came back as exit 137). Here the
+    window is held open: the spawner shares this test's CPU at idle priority, so it cannot run
+    (and die) while this thread sends the next command."""
+    for attempt in range(5):
+        assert sandbox.run(["true"]).ok  # a (new) spawner is up
+        spawner = sandbox._executor.spawner_pid
+        assert spawner > 1, spawner
+        mine = os.sched_getaffinity(0)
+        cpu = {min(mine)}
+        os.sched_setaffinity(spawner, cpu)
+        os.sched_setscheduler(spawner, os.SCHED_IDLE, os.sched_param(0))
+        os.sched_setaffinity(0, cpu)
+        try:
+            os.kill(spawner, signal.SIGKILL)  # as a run of the sandbox's uid could
+            r = sandbox.run(["echo", "still works"], timeout=20)
+        finally:
+            os.sched_setaffinity(0, mine)
+        assert r.ok and r.stdout == "still works\n" and not r.timed_out, (attempt, r)
+        assert sandbox._executor.spawner_pid not in (0, spawner)
+
+
 # ---- Python in the fork behaves as python3 -I --------------------------------------------------
 PROGRAMS = {
     "output-and-exit-code": "import sys; print('out'); sys.stderr.write('err\\n'); sys.exit(3)",
