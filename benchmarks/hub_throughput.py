@@ -22,6 +22,14 @@ at the end. Each point gets a fresh server process.
         [--skip-openenv]
 
 Last line: ``hub_vs_openenv_1000: X x`` (hub no-op steps/s over OpenEnv's at 1,000 sessions).
+Before it: ``hub_vs_bare_1000`` and ``hub_cpu_per_step_vs_bare_1000`` (goals: >= 0.8 x and
+<= 1.3 x) and ``hub_p99_ms_64`` (goal: < 10 ms).
+
+The scale check, ``--sessions 10000 --servers hub`` (more ``--clients`` help): every session
+must get steps answered in the window, p99 < 1 s, the server's RSS (workers included) < 2 GiB,
+and once the clients close their sessions the hub must hold no session, no episode and no file
+descriptor more than before (column ``left``); it prints PASS or FAIL and ends with
+``hub_sessions_10000_p99: X ms``.
 """
 
 from __future__ import annotations
@@ -44,6 +52,8 @@ from throughput_servers import (
     NoopEnv,
     Server,
     cpu_seconds,
+    hub_state,
+    open_fds,
     openenv_python,
     rss_mib,
     serve_bare,
@@ -118,9 +128,10 @@ class HubProtocol(Protocol):
 
 async def drive(
     port: int, protocol: Protocol, sessions: int, warmup: float, seconds: float, barrier: Any
-) -> tuple[int, list[float]]:
+) -> tuple[int, list[float], int]:
     """One load-generator process: ``sessions`` connections, closed loop; the steps and their
-    latencies in the measuring window."""
+    latencies in the measuring window, and how many sessions got at least one step answered
+    in it (served)."""
     from websockets.asyncio.client import connect
 
     url = f"ws://127.0.0.1:{port}{protocol.path}"
@@ -130,6 +141,7 @@ async def drive(
     counts = [0]
     gate = asyncio.Semaphore(4)  # OpenEnv's server wedges under many concurrent handshakes
     connected = [0]
+    served = [0]
     stop = asyncio.Event()
 
     async def session() -> None:
@@ -147,7 +159,7 @@ async def drive(
         if connected[0] == sessions:
             ready.set()
         await ready.wait()
-        seq = 2
+        seq, mine = 2, 0
         perf = time.perf_counter
         try:
             while not stop.is_set():
@@ -157,11 +169,13 @@ async def drive(
                 if measuring["on"]:
                     latencies.append(perf() - began)
                     counts[0] += 1
+                    mine += 1
                 seq += 1
                 if protocol.done(reply):
                     await protocol.reset(ws, seq)
                     seq += 1
         finally:
+            served[0] += mine > 0
             await ws.close()
 
     tasks = [asyncio.create_task(session()) for _ in range(sessions)]
@@ -179,8 +193,8 @@ async def drive(
     measuring["on"] = False
     steps = counts[0]
     stop.set()
-    await asyncio.wait(tasks, timeout=30)
-    return steps, latencies
+    await asyncio.wait(tasks, timeout=60)
+    return steps, latencies, served[0]
 
 
 def _client(
@@ -225,13 +239,14 @@ def load(
     time.sleep(seconds)
     elapsed, cpu = time.perf_counter() - t0, cpu_seconds(pids) - cpu0
     rss = rss_mib(pids)
-    steps, latencies = 0, []
+    steps, latencies, served = 0, [], 0
     for _ in procs:
         got = results.get(timeout=120)
         if isinstance(got, BaseException):
             raise got
         steps += got[0]
         latencies += got[1]
+        served += got[2]
     for proc in procs:
         proc.join(30)
     latencies.sort()
@@ -246,6 +261,7 @@ def load(
         "p99_ms": pick(0.99),
         "cpu_cores": cpu / elapsed,
         "rss_mib": rss,
+        "served": served,
     }
 
 
@@ -298,25 +314,31 @@ def measure(
     sessions: list[int],
     seconds: float,
     rows: list[dict[str, Any]],
+    hub: bool = False,
 ) -> None:
-    """Measure one server at each session count, on a fresh server process per count.
+    """Measure one server at each session count, on a fresh server process per count; for a hub,
+    also what its sessions left behind once their clients closed them (``leftover``).
 
     A fresh process per point keeps RSS comparable and sidesteps OpenEnv's server refusing
     new sessions after the previous point's sessions disconnect (seen with openenv-core 0.3.0).
     """
+    nan = float("nan")
     for count in sessions:
         server = start()
+        fds = open_fds(server.proc.pid)
         try:
             result = load(server.port, protocol, count, seconds, server.pids, CLIENTS)
+            result["leftover"] = leftover(server, fds) if hub else nan
         except SERVER_FAILURES as exc:  # one failing server must not lose the run: record it
             print(f"{name:14} {count:>6} failed: {type(exc).__name__}: {exc}"[:300], flush=True)
-            nan = float("nan")
             result = {
                 "steps_per_s": nan,
                 "p50_ms": nan,
                 "p99_ms": nan,
                 "cpu_cores": nan,
                 "rss_mib": nan,
+                "served": 0,
+                "leftover": nan,
             }
         finally:
             server.stop()
@@ -324,9 +346,24 @@ def measure(
         rows.append(row)
         print(
             f"{name:14} {count:>6} {row['steps_per_s']:>10,.0f} {row['p50_ms']:>8.2f} "
-            f"{row['p99_ms']:>8.2f} {row['cpu_cores']:>6.2f} {row['rss_mib']:>8.0f}",
+            f"{row['p99_ms']:>8.2f} {row['cpu_cores']:>6.2f} {row['rss_mib']:>8.0f} "
+            f"{row['served']:>7} {row['leftover']:>5}",
             flush=True,
         )
+
+
+def leftover(server: Server, fds_before: int, wait_s: float = 60.0) -> int:
+    """What the hub still holds once every client has closed its session: open sessions, live
+    episodes, and file descriptors over what it held before the load (0: nothing leaked).
+    Closing thousands of sockets takes a moment, so this waits up to ``wait_s`` for zero."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        sessions, episodes = hub_state(server.port)
+        extra_fds = max(0, open_fds(server.proc.pid) - fds_before)
+        left = sessions + episodes + extra_fds
+        if left == 0 or time.monotonic() > deadline:
+            return left
+        time.sleep(0.5)
 
 
 def main() -> None:
@@ -362,7 +399,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     print(
         f"{'server':14} {'sess':>6} {'steps/s':>10} {'p50 ms':>8} {'p99 ms':>8} {'cpu':>6} "
-        f"{'rss MiB':>8}",
+        f"{'rss MiB':>8} {'served':>7} {'left':>5}",
         flush=True,
     )
     chosen = set(args.servers.split(","))
@@ -391,6 +428,7 @@ def main() -> None:
                 sessions,
                 args.seconds,
                 rows,
+                hub=serve[0] == "hub",
             )
     if "openenv" in chosen and not args.skip_openenv:
         from_openenv(sessions, args.seconds, rows, args.openenv_venv)
@@ -415,8 +453,21 @@ def main() -> None:
         f"server CPU per step at {top} sessions (us, workers included): "
         + ", ".join(f"{k} {v:.0f}" for k, v in cpu_us.items())
     )
+    if "bare" in cpu_us and "hub noop" in cpu_us:
+        print(f"hub_cpu_per_step_vs_bare_{top}: {cpu_us['hub noop'] / cpu_us['bare']:.2f} x")
     if ("hub noop", 64) in by:
         print(f"hub_p99_ms_64: {by[('hub noop', 64)]['p99_ms']:.2f} ms")
+    if top >= 10_000:  # the scale check: every session served, p99, memory, nothing left behind
+        checks = {
+            "served": (hub["served"] == top, f"{hub['served']}/{top} sessions stepped"),
+            "p99": (hub["p99_ms"] < 1000, f"p99 {hub['p99_ms']:.0f} ms (< 1000)"),
+            "rss": (hub["rss_mib"] < 2048, f"RSS {hub['rss_mib']:.0f} MiB (< 2048)"),
+            "leaks": (hub["leftover"] == 0, f"{hub['leftover']} sessions/episodes/fds left"),
+        }
+        verdict = "PASS" if all(ok for ok, _ in checks.values()) else "FAIL"
+        print(f"hub at {top} sessions: {verdict}: " + "; ".join(why for _, why in checks.values()))
+        print(f"hub_sessions_{top}_p99: {hub['p99_ms']:.0f} ms")
+        return
     if ("openenv", top) in by:
         ratio = hub["steps_per_s"] / by[("openenv", top)]["steps_per_s"]
         print(f"hub_vs_openenv_{top}: {ratio:.2f} x")

@@ -45,6 +45,11 @@ class NoopEnv(TextEnv):
 
 
 # ---------------------------------------------------------------------- servers (subprocess modes)
+HUB_MAX_SESSIONS = 16384
+"""The hub's session limits in the benchmark: room for the 10,000-session point, all of whose
+sessions come from one client (one token, one address)."""
+
+
 def serve_hub(port: int, env: str, backend: str) -> None:
     import envhub
     from envhub.server.cli import run
@@ -57,8 +62,8 @@ def serve_hub(port: int, env: str, backend: str) -> None:
         workers=2,
         backend=backend,
         token=TOKEN,
-        max_sessions=4096,
-        max_sessions_per_client=4096,
+        max_sessions=HUB_MAX_SESSIONS,
+        max_sessions_per_client=HUB_MAX_SESSIONS,
     )
     run(config, port=port)
 
@@ -241,6 +246,29 @@ def cpu_seconds(pids: list[int]) -> float:
         except (OSError, ValueError, IndexError):
             pass
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def open_fds(pid: int) -> int:
+    """File descriptors ``pid`` holds now (sockets included)."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return -1
+
+
+def hub_state(port: int) -> tuple[int, int]:
+    """``(open sessions, live episodes over all pools)`` as the hub itself reports them."""
+    import urllib.request
+
+    def get(path: str) -> Any:
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}{path}", headers={"Authorization": f"Bearer {TOKEN}"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return orjson.loads(answer.read())
+
+    episodes = sum(env["episodes"] for env in get("/v1/envs")["envs"])
+    return get("/health")["sessions"], episodes
 
 
 def rss_mib(pids: list[int]) -> float:
