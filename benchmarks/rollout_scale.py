@@ -280,8 +280,8 @@ def main() -> None:
     )
     args = parser.parse_args()
 
+    from envhub.gc_tuning import relax_gc
     from trainer.rollout import sim_clock
-    from trainer.rollout.scheduler import relax_gc
 
     relax_gc()  # as the trainer's driver does (trainer.rollout.rollouts)
     renderer = build_renderer()

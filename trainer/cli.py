@@ -167,8 +167,8 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
 def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from envhub.gc_tuning import relax_gc
     from trainer.pipeline import AgenticPipeline
-    from trainer.rollout.scheduler import relax_gc
 
     relax_gc()  # this process will hold every episode in play
     columns = [

@@ -135,6 +135,7 @@ def serve(envs: tuple[str, ...], port: int, log_level: str, no_auth: bool, **set
 
 def run(config: Any, *, port: int, log_level: str = "warning") -> None:
     """Run a hub until SIGTERM/SIGINT, then drain and exit."""
+    from envhub.gc_tuning import relax_gc
     from envhub.server.app import create_app
     from envhub.server.guard import raise_fd_limit
 
@@ -146,6 +147,7 @@ def run(config: Any, *, port: int, log_level: str = "warning") -> None:
 
         connect(config.ray_address)
     fd_limit = raise_fd_limit()
+    relax_gc()  # this process holds every session's socket, request and answer in flight
     app = create_app(config)
     guard = app.state.hub.guard
     # flooders may take a quarter of the fds

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import gc
 import math
 import statistics
 import threading
@@ -57,7 +56,7 @@ from trainer.rollout.router import EngineRouter
 from trainer.rollout.trajectory import Trajectory
 from trainer.strategies.base import Weights
 
-__all__ = ["LoopThread", "RolloutBatch", "RolloutScheduler", "SchedulerConfig", "relax_gc"]
+__all__ = ["LoopThread", "RolloutBatch", "RolloutScheduler", "SchedulerConfig"]
 
 T = TypeVar("T")
 Mode = Literal["sync", "async"]
@@ -459,28 +458,6 @@ class RolloutScheduler:
         for lag in range(max(self.cfg.max_staleness, max(lags, default=0)) + 1):
             metrics[f"rollout/staleness_{lag}"] = float(lags.get(lag, 0))
         return metrics
-
-
-CPYTHON_GC_DEFAULTS = (700, 10, 10)
-DRIVER_GC_THRESHOLDS = (50_000, 50, 100)
-"""Cyclic-GC thresholds of a process that drives rollouts (``relax_gc``)."""
-
-
-def relax_gc() -> bool:
-    """Raise CPython's cyclic-GC thresholds to ``DRIVER_GC_THRESHOLDS`` when they are still the
-    defaults (a process that set its own keeps them); True when changed.
-
-    The driver holds every episode in play: trajectories whose token lists grow to thousands
-    of entries, and tens of thousands of them at cluster scale. With the defaults, full
-    collections keep rescanning all of them as the set grows (and young ones each time a few
-    hundred objects were made), which costs the driver more than its own work per turn
-    (``benchmarks/rollout_scale.py``). Garbage is still reclaimed: by reference counting as
-    always, and cycles by collections that now come less often. ``envhub train`` calls it
-    before building the pipeline; a program driving rollouts itself may too."""
-    if gc.get_threshold() != CPYTHON_GC_DEFAULTS:
-        return False
-    gc.set_threshold(*DRIVER_GC_THRESHOLDS)
-    return True
 
 
 class LoopThread:

@@ -477,18 +477,3 @@ def test_sync_batches_are_on_policy_across_weight_updates(policy) -> None:
             k.startswith("rollout/staleness_") and k != "rollout/staleness_0" and v
             for k, v in batch.metrics.items()
         )
-
-
-def test_the_rollout_driver_collects_cycles_less_often_unless_told_otherwise() -> None:
-    import gc
-
-    from trainer.rollout.scheduler import CPYTHON_GC_DEFAULTS, DRIVER_GC_THRESHOLDS, relax_gc
-
-    before = gc.get_threshold()
-    try:
-        gc.set_threshold(*CPYTHON_GC_DEFAULTS)
-        assert relax_gc() and gc.get_threshold() == DRIVER_GC_THRESHOLDS
-        gc.set_threshold(1000, 5, 5)  # a process's own choice stays
-        assert not relax_gc() and gc.get_threshold() == (1000, 5, 5)
-    finally:
-        gc.set_threshold(*before)
