@@ -47,16 +47,19 @@ def main(fd: int) -> None:
         data = sock.recv(1 << 20)
         if not data:
             break
-        buf += data
+        if buf:  # the rest of a frame that came cut
+            buf += data
+            data = bytes(buf)
+            buf.clear()
         out: list[bytes] = []
-        pos, end = 0, len(buf)
-        while end - pos >= 4:
-            length = int.from_bytes(buf[pos : pos + 4], "little")
-            if end - pos - 4 < length:
+        pos, end = 0, len(data)
+        while end - pos >= hsize:
+            length, req_id, op, episode = unpack_from(data, pos)
+            stop = pos + 4 + length
+            if stop > end:
                 break
-            _, req_id, op, episode = unpack_from(buf, pos)
-            body = bytes(buf[pos + hsize : pos + 4 + length])
-            pos += 4 + length
+            body = data[pos + hsize : stop]
+            pos = stop
             if handle is None:  # the setup frame
                 try:
                     env, env_kwargs = pickle.loads(body)
@@ -80,7 +83,8 @@ def main(fd: int) -> None:
             status, result = handle(op, episode, body)
             out.append(pack(5 + len(result), req_id, status))
             out.append(result)
-        del buf[:pos]
+        if pos < end:
+            buf += memoryview(data)[pos:]
         if out:
             sock.sendall(b"".join(out))
     if host is not None:

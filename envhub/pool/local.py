@@ -218,24 +218,28 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
-        pos, end = 0, len(buf)
+        if self._buf:  # the rest of a frame that came cut (rare: the child writes whole batches)
+            self._buf += data
+            data = bytes(self._buf)
+            self._buf.clear()
+        pos, end = 0, len(data)
         pending = self._pending
-        while end - pos >= 4:
-            length = int.from_bytes(buf[pos : pos + 4], "little")
-            if end - pos - 4 < length:
+        unpack_from = _RESP.unpack_from
+        while end - pos >= _RESP.size:
+            length, req_id, status = unpack_from(data, pos)
+            stop = pos + 4 + length
+            if stop > end:
                 break
-            _, req_id, status = _RESP.unpack_from(buf, pos)
-            body = bytes(buf[pos + 9 : pos + 4 + length])
-            pos += 4 + length
+            body = data[pos + _RESP.size : stop]
+            pos = stop
             if not pending or pending[0][0] != req_id:
                 self.kill("worker_crashed", f"protocol error: unexpected answer {req_id}")
                 return
             _, _, future = pending.popleft()
             if not future.done():
                 future.set_result((status, body))
-        del buf[:pos]
+        if pos < end:
+            self._buf += memoryview(data)[pos:]
         self._head_since = self._loop.time()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from functools import partial
 from typing import Any
 
 import orjson
@@ -27,6 +28,7 @@ from envhub.server.errors import SessionLimitError
 from envhub.server.hub import Hub
 from envhub.server.sessions import Session, error_reply
 from envhub.server.wire import (
+    MAX_SEQ,
     CloseRequest,
     Hello,
     ResetRequest,
@@ -304,6 +306,12 @@ async def _serve(ws: WebSocket, hub: Hub, session: Session, conn: WsConnection) 
                 f"message of {len(raw)} bytes is over the {limit} byte limit; send shorter actions",
             )
             errors.labels("message_too_large").inc()
+        elif (step := _plain_step(raw)) is not None:  # the hot path: no model, no dispatch
+            seq, action = step
+            try:
+                reply = await session.execute(seq, partial(_step, hub, session, seq, action))
+            except Exception as exc:  # noqa: BLE001 - a hub bug: answer, keep the connection
+                reply = _error(hub, "internal", f"{type(exc).__name__}: {exc}", seq)
         else:
             try:
                 request = client_message.validate_json(raw)
@@ -341,12 +349,31 @@ async def _serve(ws: WebSocket, hub: Hub, session: Session, conn: WsConnection) 
 async def _dispatch(hub: Hub, session: Session, request: Any) -> str:
     """Run one validated request through ``Session.execute`` (at most once per ``seq``)."""
     if isinstance(request, StepRequest):
-        return await session.execute(request.seq, lambda: _step(hub, session, request))
+        return await session.execute(
+            request.seq, lambda: _step(hub, session, request.seq, request.env_action())
+        )
     if isinstance(request, ResetRequest):
         return await session.execute(request.seq, lambda: _reset(hub, session, request))
     if isinstance(request, CloseRequest):
         return await session.execute(request.seq, lambda: _close(hub, session, request))
     return error_reply("bad_message", "hello is only valid as the first message of a connection")
+
+
+def _plain_step(raw: str | bytes) -> tuple[int, str] | None:
+    """``(seq, action)`` of the commonest message, a text step and nothing else
+    (``{"type": "step", "seq": N, "action": "..."}``), read without building a model: it is
+    most of a closed-loop client's traffic. None for anything else, which the full validation
+    reads and explains: what passes here, ``client_message`` accepts as the same request."""
+    try:
+        message = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    if type(message) is not dict or len(message) != 3 or message.get("type") != "step":
+        return None
+    seq, action = message.get("seq"), message.get("action")
+    if type(seq) is not int or not 1 <= seq <= MAX_SEQ or type(action) is not str:
+        return None
+    return seq, action
 
 
 def _is_bad_json(raw: str | bytes) -> bool:
@@ -357,8 +384,7 @@ def _is_bad_json(raw: str | bytes) -> bool:
     return False
 
 
-async def _step(hub: Hub, session: Session, request: StepRequest) -> str:
-    seq = request.seq
+async def _step(hub: Hub, session: Session, seq: int, action: str | dict[str, Any]) -> str:
     if session.episode is None:
         return _error(
             hub,
@@ -368,7 +394,7 @@ async def _step(hub: Hub, session: Session, request: StepRequest) -> str:
         )
     started = time.perf_counter()
     try:
-        result = await session.pool.step_json(session.episode, request.env_action())
+        result = await session.pool.step_json(session.episode, action)
     except (ResetNeededError, UnknownEpisodeError) as exc:
         return _error(hub, "reset_needed", str(exc), seq)
     except EpisodeOverError as exc:

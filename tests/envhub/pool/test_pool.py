@@ -68,6 +68,24 @@ def test_many_concurrent_episodes_spread_over_workers():
     run(main())
 
 
+def test_large_actions_and_answers_cross_the_worker_socket_intact():
+    """Frames bigger than a socket buffer arrive in pieces, on both sides of the worker's socket:
+    every echo must still come back whole and to the episode that sent it."""
+
+    async def main():
+        async with EnvPool(FAULTY, num_workers=1) as pool:
+            started = await asyncio.gather(*(pool.reset(seed=i) for i in range(6)))
+            actions = [chr(ord("a") + i) * (300_000 + 7919 * i) for i in range(len(started))]
+            for _ in range(2):
+                results = await asyncio.gather(
+                    *(pool.step(r.episode, a) for r, a in zip(started, actions, strict=True))
+                )
+                got = [r.observation[0]["content"] for r in results]
+                assert got == [f"echo {a}" for a in actions]
+
+    run(main())
+
+
 def test_a_crashed_worker_fails_its_episodes_as_data_and_is_replaced():
     async def main():
         async with EnvPool(FAULTY, num_workers=2) as pool:

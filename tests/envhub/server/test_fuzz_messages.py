@@ -232,3 +232,42 @@ def normal_episode(hub) -> None:
     env.reset(seed=0)
     assert env.step("ok")[0][0]["content"] == "echo ok"
     env.close()
+
+
+# ---------------------------------------------------------------------- the step fast path
+def test_the_step_fast_path_reads_exactly_what_the_full_validation_reads():
+    """``ws._plain_step`` skips pydantic for plain text steps; whatever it accepts, the wire
+    model must accept as the same request (and what it declines still gets validated)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from envhub.server.wire import StepRequest, client_message
+    from envhub.server.ws import _plain_step
+
+    values = st.one_of(
+        st.integers(min_value=-(2**64), max_value=2**64),
+        st.text(max_size=8),
+        st.booleans(),
+        st.none(),
+        st.floats(allow_nan=False),
+        st.lists(st.integers(), max_size=2),
+        st.just("step"),
+    )
+    keys = st.sampled_from(["type", "seq", "action", "seed", "options"])
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.dictionaries(keys, values, max_size=4), st.booleans())
+    def check(fields, as_step):
+        if as_step:
+            fields = {"type": "step", **fields}
+        raw = json.dumps(fields)  # (orjson cannot write integers past 64 bits)
+        fast = _plain_step(raw)
+        if fast is None:
+            return
+        request = client_message.validate_json(raw)
+        assert isinstance(request, StepRequest)
+        assert (request.seq, request.action) == fast
+
+    check()
+    assert _plain_step(b'{"type":"step","seq":3,"action":"go"}') == (3, "go")
+    assert _plain_step(b'{"type":"step","seq":0,"action":"go"}') is None  # refused in full
