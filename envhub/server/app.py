@@ -47,7 +47,7 @@ from envhub.server.wire import (
     client_message,
     server_message,
 )
-from envhub.server.ws import session_endpoint
+from envhub.server.ws import SessionSockets
 
 __all__ = ["create_app"]
 
@@ -390,7 +390,7 @@ def create_app(config: HubConfig) -> FastAPI:
         )
 
     _exact_bounds(app)
-    app.add_api_websocket_route("/v1/session", session_endpoint)
     add_openenv_routes(app, hub, auth, at_root=config.protocol == "openenv")
     app.add_middleware(BodyLimit, limit=config.max_message_bytes)
+    app.add_middleware(SessionSockets)  # added last: outermost, /v1/session skips the rest
     return app

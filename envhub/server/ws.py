@@ -14,12 +14,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any
 
 import orjson
 from pydantic import ValidationError
-from starlette.websockets import WebSocket
+from starlette.datastructures import Address, Headers
+from starlette.websockets import WebSocketDisconnect
 
 from envhub.errors import EpisodeOverError, ResetNeededError
 from envhub.pool.errors import PoolClosedError, PoolFullError, UnknownEpisodeError
@@ -37,7 +39,53 @@ from envhub.server.wire import (
     client_message,
 )
 
-__all__ = ["WsConnection", "session_endpoint"]
+__all__ = ["SessionSockets", "WsConnection", "session_endpoint"]
+
+
+class SessionSockets:
+    """ASGI middleware that serves ``path`` (``/v1/session``) itself, outermost in the app.
+
+    Every step of a session is a receive and a send; through Starlette's ``WebSocket`` and the
+    middleware stack each costs a state machine and a wrapper per message. Here the session
+    speaks to the server's own ``receive``/``send`` (what ``AsgiSocket`` wraps); auth, limits and
+    every answer are the endpoint's, as before. Other requests go on to ``app``."""
+
+    def __init__(self, app: Any, path: str = "/v1/session") -> None:
+        self.app, self.path = app, path
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "websocket" and scope["path"] == self.path:
+            await session_endpoint(AsgiSocket(scope, receive, send))
+        else:
+            await self.app(scope, receive, send)
+
+
+class AsgiSocket:
+    """The WebSocket operations ``session_endpoint`` uses, straight on ASGI's ``receive`` and
+    ``send`` (see ``SessionSockets``). ``app`` is the Starlette app that set ``scope["app"]``."""
+
+    __slots__ = ("_send", "app", "client", "headers", "receive")
+
+    def __init__(self, scope: Any, receive: Any, send: Any) -> None:
+        self.receive: Callable[[], Awaitable[Any]] = receive
+        """The server's own ``receive`` (the next ASGI message), called without a hop."""
+        self._send = send
+        self.app = scope["app"]
+        self.headers = Headers(scope=scope)
+        client = scope.get("client")
+        self.client = Address(*client) if client else None
+
+    async def accept(self) -> None:
+        message = await self.receive()
+        if message["type"] != "websocket.connect":
+            raise WebSocketDisconnect(int(message.get("code") or 1006))
+        await self._send({"type": "websocket.accept"})
+
+    async def send_text(self, text: str) -> None:
+        await self._send({"type": "websocket.send", "text": text})
+
+    async def close(self, code: int = 1000) -> None:
+        await self._send({"type": "websocket.close", "code": code})
 
 
 class WsConnection:
@@ -45,7 +93,7 @@ class WsConnection:
 
     __slots__ = ("_tasks", "kicked", "ws")
 
-    def __init__(self, ws: WebSocket) -> None:
+    def __init__(self, ws: AsgiSocket) -> None:
         self.ws = ws
         self.kicked = False
         self._tasks: set[asyncio.Task[None]] = set()
@@ -73,27 +121,30 @@ class WsConnection:
             await self.ws.close(code)
 
 
-async def _refuse(ws: WebSocket, hub: Hub, code: str, message: str, close_code: int) -> None:
+async def _refuse(ws: AsgiSocket, hub: Hub, code: str, message: str, close_code: int) -> None:
     hub.metrics.rejected.labels(code).inc()
     with contextlib.suppress(Exception):  # the client may be gone already
         await ws.send_text(error_reply(code, message))
         await ws.close(close_code)
 
 
-async def _receive(ws: WebSocket) -> str | bytes | int:
-    """The next frame's data, or the close code (an ``int``) when the client went away."""
-    message = await ws.receive()
+def _frame(message: Any) -> str | bytes | int:
+    """A received ASGI message's data, or the close code (an ``int``) when the client went
+    away."""
     if message["type"] == "websocket.disconnect":
         return int(message.get("code") or 1006)
     text = message.get("text")
     return text if text is not None else message.get("bytes") or b""
 
 
-async def session_endpoint(ws: WebSocket) -> None:
+async def session_endpoint(ws: AsgiSocket) -> None:
     hub: Hub = ws.app.state.hub
     config = hub.config
     header = ws.headers.get("authorization")
-    await ws.accept()
+    try:
+        await ws.accept()
+    except (WebSocketDisconnect, OSError):  # gone before the handshake finished: nobody to answer
+        return
     if not hub.authorised(header):
         await _refuse(
             ws,
@@ -120,7 +171,7 @@ async def session_endpoint(ws: WebSocket) -> None:
         return
     hub.awaiting_hello[client] = waiting + 1
     try:
-        raw = await asyncio.wait_for(_receive(ws), config.hello_timeout_s)
+        raw = _frame(await asyncio.wait_for(ws.receive(), config.hello_timeout_s))
     except TimeoutError:
         await _refuse(
             ws,
@@ -157,7 +208,9 @@ async def session_endpoint(ws: WebSocket) -> None:
         return
     code = 1006
     try:
-        code = await _serve(ws, hub, session, conn)
+        # its own task: each step's two waits (the frame, the worker) then suspend and resume
+        # _serve's few frames, not the server's and middleware's beneath it as well
+        code = await asyncio.get_running_loop().create_task(_serve(ws, hub, session, conn))
     finally:
         if not session.closed and session.conn is conn:
             if code in (1000, 1001) and not session.busy_seq:
@@ -168,7 +221,7 @@ async def session_endpoint(ws: WebSocket) -> None:
 
 
 async def _hello(
-    ws: WebSocket, hub: Hub, conn: WsConnection, raw: str | bytes, client: str
+    ws: AsgiSocket, hub: Hub, conn: WsConnection, raw: str | bytes, client: str
 ) -> Session | None:
     try:
         hello = client_message.validate_json(raw)
@@ -286,13 +339,14 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {what}" if where else what
 
 
-async def _serve(ws: WebSocket, hub: Hub, session: Session, conn: WsConnection) -> int:
+async def _serve(ws: AsgiSocket, hub: Hub, session: Session, conn: WsConnection) -> int:
     """Answer requests until the socket closes; return its close code (1006: dropped)."""
     limit = hub.config.max_message_bytes
     errors = hub.metrics.errors
+    receive = ws.receive
     while True:
         try:
-            raw = await _receive(ws)
+            raw = _frame(await receive())
         except Exception:  # noqa: BLE001 - any failed receive means the socket dropped
             return 1006
         if isinstance(raw, int):
