@@ -152,6 +152,8 @@ def run(config: Any, *, port: int, log_level: str = "warning") -> None:
     guard = app.state.hub.guard
     # flooders may take a quarter of the fds
     guard.max_unauthenticated = min(guard.max_unauthenticated, max(8, fd_limit // 4))
+    # a burst of clients still being read may use the fds that sessions leave free
+    guard.burst_limit = max(guard.max_unauthenticated, fd_limit - config.max_sessions - 64)
     if fd_limit < config.max_sessions + guard.max_unauthenticated + 64:
         click.echo(
             (

@@ -10,10 +10,15 @@ runs inside uvicorn's httptools protocol (``guarded_protocol``) and guarantees:
    connection's start for its first request and from the first byte for later ones; a
    WebSocket upgrade's head likewise. Past that the connection is closed.
 2. **A request head over ``max_head_bytes`` is answered 431** and the connection closed.
-3. **At most ``max_unauthenticated`` connections without the token are open at once.** A
+3. **At most ``max_unauthenticated`` connections without the token stay open.** A
    connection becomes trusted when a request head carries the hub's token; past the cap
    the *oldest* untrusted connection is closed, so a flood of silent sockets pushes out its
-   own members, while real clients (who send their token within a round trip) get in.
+   own members, while real clients (who send their token within a round trip) get in. A
+   connection is only closed this way once it has had ``settle_s`` to send its request: a
+   burst of real clients connecting together (a trainer opening its sessions at once) is
+   accepted faster than it is read, and must not be cut off unread. Younger connections
+   count against ``burst_limit`` instead (set from the free file descriptors at start), past
+   which the oldest goes at once whatever its age.
 
 What it does not cover: trusted connections are bounded elsewhere (session limits, the
 idle timeout, the WebSocket ping, uvicorn's keep-alive timeout); a flood larger than the
@@ -51,9 +56,15 @@ class ConnectionGuard:
         authorised: Callable[[str | None], bool],
         max_head_bytes: int = MAX_HEAD_BYTES,
         on_drop: Callable[[str], None] | None = None,
+        burst_limit: int = 1024,
     ) -> None:
         self.read_timeout_s = read_timeout_s
         self.max_unauthenticated = max_unauthenticated
+        self.burst_limit = burst_limit
+        """Untrusted connections held while the youngest of them settle (see 3. above)."""
+        self.settle_s = min(2.0, read_timeout_s / 4)
+        """How long a new connection has to send its request before the cap may close it."""
+        self._recheck: asyncio.TimerHandle | None = None
         self.max_head_bytes = max_head_bytes
         self.authorised = authorised
         self.on_drop = on_drop
@@ -63,10 +74,28 @@ class ConnectionGuard:
     # ------------------------------------------------------------------ protocol events
     def opened(self, conn: Any) -> None:
         """A new connection: untrusted, and its first request must arrive in time."""
+        conn.guard_opened = asyncio.get_running_loop().time()
         self.untrusted[conn] = None
         self.arm(conn)
+        self._cap()
+
+    def _cap(self) -> None:
+        """Close the oldest untrusted connections past ``max_unauthenticated``: those that had
+        ``settle_s`` to send their request, and any past ``burst_limit``. If the oldest is still
+        settling, look again when it has settled (one timer)."""
+        loop = asyncio.get_running_loop()
         while len(self.untrusted) > self.max_unauthenticated:
-            self.drop(next(iter(self.untrusted)), "unauthenticated_cap")
+            oldest = next(iter(self.untrusted))
+            settles = oldest.guard_opened + self.settle_s - loop.time()
+            if settles > 0 and len(self.untrusted) <= self.burst_limit:
+                if self._recheck is None:
+                    self._recheck = loop.call_later(settles, self._settled)
+                return
+            self.drop(oldest, "unauthenticated_cap")
+
+    def _settled(self) -> None:
+        self._recheck = None
+        self._cap()
 
     def arm(self, conn: Any) -> None:
         """Start the read deadline of ``conn``'s current request, unless one runs."""
@@ -152,6 +181,7 @@ def guarded_protocol(guard: ConnectionGuard) -> type[asyncio.Protocol]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             self.guard_timer: asyncio.TimerHandle | None = None
+            self.guard_opened = 0.0
             self.head_bytes = 0
             self.reading_head = True
 

@@ -202,6 +202,32 @@ def test_unauthenticated_connections_are_capped(tight):
             sock.close()
 
 
+def test_a_burst_of_clients_with_the_token_is_answered_not_cut_off(tight):
+    """Clients that connect together (a trainer opening its sessions at once) outnumber
+    max_unauthenticated before the hub has read a byte from them: each still gets its request
+    answered (here the WebSocket upgrade, then a session or too_many_sessions), none is closed
+    unread as if it were a flood of silent sockets."""
+    burst = [slow_client(tight.port) for _ in range(20)]  # max_unauthenticated is 8
+    upgrade = (
+        "GET /v1/session HTTP/1.1\r\nHost: 127.0.0.1\r\nUpgrade: websocket\r\n"
+        "Connection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {TOKEN}\r\n\r\n"
+    ).encode()
+    try:
+        for sock in burst:
+            sock.sendall(upgrade)
+        for sock in burst:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = sock.recv(4096)
+                assert chunk, f"the hub closed a client with the token unanswered: {head!r}"
+                head += chunk
+            assert head.startswith(b"HTTP/1.1 101"), head
+    finally:
+        for sock in burst:
+            sock.close()
+
+
 def test_a_client_cannot_hold_more_silent_connections_than_sessions(tight):
     """Authenticated sockets that never say hello count against the client's limit while they
     wait."""
