@@ -10,6 +10,12 @@ It is meant for tiny policies that train on a CPU in minutes: the tool calls are
 distinct strings and the answer copies two digits from the tool messages, so what RL has to
 learn is *to use the tools* rather than to guess. A user dataset is JSONL of
 ``{"names": [a, b], "table": {name: code, ...}}``.
+
+``named=True`` labels every code with its name, in the tool's answer (``red=3``) and in the
+answer asked for (``<answer>red=3 blue=7</answer>``). The copy then is the pattern a two-layer
+model learns most reliably (an *induction head*: after ``red=`` comes what followed ``red=``
+before) instead of "the digit of the first tool message, then of the second", which a tiny
+model learns on some seeds only; the task is otherwise the same (two calls, both codes).
 """
 
 from __future__ import annotations
@@ -53,8 +59,9 @@ class LookupEnv(ToolEnv):
     required_fields = ("names", "table")
     intro = "Find the codes with the lookup tool; do not guess."
 
-    def __init__(self, *, num_builtin: int = 2_000, **options: Any) -> None:
+    def __init__(self, *, num_builtin: int = 2_000, named: bool = False, **options: Any) -> None:
         self.num_builtin = num_builtin
+        self.named = named
         options.setdefault("max_turns", 4)
         super().__init__(**options)
 
@@ -66,26 +73,32 @@ class LookupEnv(ToolEnv):
 
     def start(self, task: Task) -> str:
         first, second = task["names"]
-        return f"What are the codes of {first} and {second}? Answer: <answer>code code</answer>"
+        form = f"{first}=code {second}=code" if self.named else "code code"
+        return f"What are the codes of {first} and {second}? Answer: <answer>{form}</answer>"
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         key = str(arguments.get("name", ""))
         table = self.task["table"]
         if key not in table:
             raise ToolError(f"no code for {key!r}; names: {', '.join(table)}")
-        return str(table[key])
+        return f"{key}={table[key]}" if self.named else str(table[key])
 
     def grade(self, answer: str) -> float:
         given = answer.split()
-        wanted = [str(self.task["table"][name]) for name in self.task["names"]]
+        wanted = [self._code(name) for name in self.task["names"]]
         if len(given) != len(wanted):  # the two codes and nothing else: no credit for rambling
             return 0.0
         return sum(g == w for g, w in zip(given, wanted, strict=True)) / len(wanted)
 
     def plan(self) -> list[str]:
         calls = [format_tool_call("lookup", {"name": name}) for name in self.task["names"]]
-        codes = " ".join(str(self.task["table"][name]) for name in self.task["names"])
+        codes = " ".join(self._code(name) for name in self.task["names"])
         return [*calls, f"<answer>{codes}</answer>"]
+
+    def _code(self, name: str) -> str:
+        """``name``'s code as the answer writes it (``3``, or ``red=3`` when ``named``)."""
+        code = str(self.task["table"][name])
+        return f"{name}={code}" if self.named else code
 
     def random_call(self, np_random: np.random.Generator) -> str:
         return format_tool_call("lookup", {"name": str(np_random.choice(NAMES))})

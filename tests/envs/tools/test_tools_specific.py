@@ -149,3 +149,28 @@ def test_lookup_answer_with_more_than_two_codes_scores_nothing():
     env.reset(seed=5)
     _, reward, _, _, info = env.step(f"<answer>{codes[0]} {codes[1]}</answer>")
     assert reward == 1.0 and info["success"]
+
+
+def test_named_lookup_labels_each_code_in_the_tool_and_in_the_answer():
+    """``named=True``: the tool answers ``red=3`` and the answer names each code; a bare code
+    (or a code under the wrong name) earns nothing for it."""
+    env = envhub.make("tools/lookup-v0", named=True)
+    messages, _ = env.reset(seed=5)
+    first, second = env.task["names"]
+    assert f"<answer>{first}=code {second}=code</answer>" in messages[-1]["content"]
+    table = env.task["table"]
+    tool, *_ = env.step(
+        f'<tool_call>{{"name": "lookup", "arguments": {{"name": "{first}"}}}}</tool_call>'
+    )
+    assert tool[0]["content"] == f"{first}={table[first]}"
+    _, reward, terminated, _, info = env.step(
+        f"<answer>{first}={table[first]} {second}={table[second]}</answer>"
+    )
+    assert terminated and reward == 1.0 and info["success"]
+    env.reset(seed=5)
+    _, reward, *_ = env.step(f"<answer>{table[first]} {second}={table[first]}9</answer>")
+    assert reward == 0.0
+    env.reset(seed=5)
+    for action in env.unwrapped.plan():  # the expert's plan wins in named form too
+        _, reward, terminated, *_ = env.step(action)
+    assert terminated and reward == 1.0
