@@ -58,6 +58,15 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
                 "configure the env where the hub serves it, or remove env.kwargs",
             )
         )
+    if cfg.algorithm.advantage_estimator == "gigpo" and cfg.rollout.sample_unit != "turn":
+        problems.append(
+            Problem(
+                "algorithm.advantage_estimator",
+                "gigpo compares turns that answered the same state, so it trains one sample per "
+                f"turn; set rollout.sample_unit: turn (it is {cfg.rollout.sample_unit!r}, which "
+                "may train whole episodes)",
+            )
+        )
     problems.extend(_agent_problems(cfg))
     problems.extend(_lora_problems(cfg))
     if cfg.train.packing:

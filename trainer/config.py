@@ -199,8 +199,12 @@ class LossConfig(Section):
 class AlgorithmConfig(Section):
     """Advantage estimation and the policy loss."""
 
-    advantage_estimator: Literal["gae", "grpo", "reinforce_pp", "rloo"] = "grpo"
-    """``gae`` needs the critic role; the others use group/batch baselines."""
+    advantage_estimator: Literal["gae", "gigpo", "grpo", "reinforce_pp", "rloo"] = "grpo"
+    """``gae`` needs the critic role; the others use group/batch baselines. ``gigpo`` adds to
+    GRPO a step advantage among turns of a group that answered the same state (per-turn
+    samples: ``rollout.sample_unit: turn``)."""
+    gigpo_step_weight: float = Field(default=1.0, ge=0)
+    """GiGPO: weight of the step advantage beside the episode's (the paper's omega)."""
     gamma: float = Field(default=1.0, ge=0, le=1)
     """Discount factor across tokens/turns."""
     lam: float = Field(default=1.0, ge=0, le=1)

@@ -43,6 +43,7 @@ __all__ = ["AgenticPipeline"]
 
 _ESTIMATORS: dict[str, AdvantageEstimator] = {
     "gae": "gae",
+    "gigpo": "gigpo",
     "grpo": "grpo",
     "reinforce_pp": "reinforce_plus_plus",
     "rloo": "rloo",
@@ -170,7 +171,7 @@ class AgenticPipeline:
     # ================================================================== phases
     def to_batch(self, episodes: list[Trajectory]) -> Batch:
         return Batch(
-            collate(episodes, self.renderer.tokenizer.pad_token_id),
+            collate(episodes, self.renderer.tokenizer.pad_token_id, self.cfg.algorithm.gamma),
             meta={"episodes": len(episodes)},
         )
 
@@ -216,6 +217,9 @@ class AgenticPipeline:
             values=batch.get("values"),
             gamma=algo.gamma,
             lam=algo.lam,
+            state_ids=batch.get("state_ids"),
+            step_returns=batch.get("step_returns"),
+            step_weight=algo.gigpo_step_weight,
         )
         batch["advantages"] = advantages
         if returns is not None:

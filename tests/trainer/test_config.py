@@ -116,8 +116,8 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     ) in text
     assert "bogus: unknown key" in text
     assert (
-        "algorithm.advantage_estimator: Input should be 'gae', 'grpo', 'reinforce_pp' or 'rloo' "
-        "(got 'ppo') (at override 'algorithm.advantage_estimator=ppo')"
+        "algorithm.advantage_estimator: Input should be 'gae', 'gigpo', 'grpo', 'reinforce_pp' or "
+        "'rloo' (got 'ppo') (at override 'algorithm.advantage_estimator=ppo')"
     ) in text
 
 

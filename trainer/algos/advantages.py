@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE (with a critic), GRPO, Reinforce++ and RLOO.
+"""Advantage estimators: GAE (with a critic), GRPO, GiGPO, Reinforce++ and RLOO.
 
 Shapes and conventions (shared with ``losses.py``):
 
@@ -28,6 +28,7 @@ __all__ = [
     "AdvantageEstimator",
     "compute_advantages",
     "gae",
+    "gigpo",
     "grpo",
     "kl_penalised_rewards",
     "masked_whiten",
@@ -35,7 +36,7 @@ __all__ = [
     "rloo",
 ]
 
-AdvantageEstimator = Literal["gae", "grpo", "reinforce_plus_plus", "rloo"]
+AdvantageEstimator = Literal["gae", "gigpo", "grpo", "reinforce_plus_plus", "rloo"]
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -127,6 +128,39 @@ def grpo(
     return adv.to(response_mask.dtype)[:, None] * response_mask
 
 
+def gigpo(
+    scores: torch.Tensor,
+    group_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    state_ids: torch.Tensor,
+    step_returns: torch.Tensor,
+    episode_ids: torch.Tensor | None = None,
+    step_weight: float = 1.0,
+    eps: float = 1e-6,
+    normalize_std: bool = True,
+) -> torch.Tensor:
+    """GiGPO (group-in-group; Feng et al., 2025): the episode's GRPO advantage plus
+    ``step_weight`` times a step advantage, for per-turn samples (one row per turn).
+
+    The step advantage compares turns that answered the same state: rows of one group whose
+    ``state_ids`` are equal form an *anchor group*, and a row's ``step_returns`` (its turn's
+    discounted return to the episode's end) is normalised within it,
+    ``(R_t - mean) / (std + eps)``. A state only one turn saw gets 0 (no comparison), so where
+    no state repeats GiGPO is GRPO. It credits the turn that made the difference: of episodes
+    that reached the same state, the ones that went on well from there."""
+    import torch
+
+    episode = grpo(scores, group_ids, response_mask, eps, normalize_std, episode_ids)
+    _, anchors = torch.unique(
+        torch.stack([group_ids, state_ids], dim=1), dim=0, return_inverse=True
+    )
+    mean, std, count = _group_stats(step_returns, anchors)
+    centred = step_returns.double() - mean
+    step = centred / (std + eps) if normalize_std else centred
+    step = torch.where(count > 1, step, torch.zeros_like(step))
+    return episode + step_weight * step.to(response_mask.dtype)[:, None] * response_mask
+
+
 def rloo(
     scores: torch.Tensor,
     group_ids: torch.Tensor,
@@ -204,11 +238,15 @@ def compute_advantages(
     lam: float = 0.95,
     normalize_std: bool = True,
     episode_ids: torch.Tensor | None = None,
+    state_ids: torch.Tensor | None = None,
+    step_returns: torch.Tensor | None = None,
+    step_weight: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dispatch on ``estimator``; returns ``(advantages, returns)`` (returns only for GAE).
 
     ``episode_ids`` (rows of one episode: per-turn samples) make the group estimators count
-    episodes, not rows."""
+    episodes, not rows; ``state_ids`` and ``step_returns`` (``collate`` makes them for
+    per-turn samples) are GiGPO's anchor states and turn returns."""
     if estimator == "gae":
         if values is None:
             raise ValueError(
@@ -220,11 +258,27 @@ def compute_advantages(
             scores, group_ids, response_mask, normalize_std=normalize_std, episode_ids=episode_ids
         )
         return grouped, None
+    if estimator == "gigpo":
+        if state_ids is None or step_returns is None:
+            raise ValueError(
+                "advantage estimator 'gigpo' needs per-turn samples (state_ids, step_returns); "
+                "set rollout.sample_unit: turn"
+            )
+        return gigpo(
+            scores,
+            group_ids,
+            response_mask,
+            state_ids,
+            step_returns,
+            episode_ids,
+            step_weight,
+            normalize_std=normalize_std,
+        ), None
     if estimator == "rloo":
         return rloo(scores, group_ids, response_mask, episode_ids), None
     if estimator == "reinforce_plus_plus":
         return reinforce_plus_plus(token_rewards, response_mask, gamma), None
     raise ValueError(
-        f"unknown advantage estimator {estimator!r}; use one of 'gae', 'grpo', "
+        f"unknown advantage estimator {estimator!r}; use one of 'gae', 'gigpo', 'grpo', "
         "'reinforce_plus_plus', 'rloo'"
     )

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
     from trainer.strategies.base import GenerationResult
 
-__all__ = ["ChatRenderer", "Trajectory", "collate", "episode_advantages"]
+__all__ = ["ChatRenderer", "Trajectory", "collate", "episode_advantages", "turn_states"]
 
 
 @dataclass
@@ -468,14 +468,17 @@ def episode_advantages(
     return out
 
 
-def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> dict[str, torch.Tensor]:
+def collate(
+    trajectories: Sequence[Trajectory], pad_token_id: int, gamma: float = 1.0
+) -> dict[str, torch.Tensor]:
     """Right-padded training tensors for ``trajectories`` (shapes in the module docstring).
 
     An episode with ``samples`` (one per turn, or per agent call that did not extend the last
     one) gives one row per sample: each turn's reward on that turn's last policy token, plus
     the later samples' rewards and the final reward on the sample's last one, and
     the episode return as every row's score; ``episode_ids`` (B,) says which episode a row
-    came from, so group baselines count each episode once however many turns it took."""
+    came from, so group baselines count each episode once however many turns it took. With
+    samples, ``state_ids`` and ``step_returns`` (B,) are GiGPO's inputs (``turn_states``)."""
     import torch
 
     rows = [(i, k, row) for i, t in enumerate(trajectories) for k, row in enumerate(t.rows)]
@@ -503,7 +506,7 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> dict[str, 
         if episode.final_reward and row.turn_ends:
             token_rewards[r, row.turn_ends[-1]] += episode.final_reward
     episodes = [trajectories[i] for i, _, _ in rows]
-    return {
+    out = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "response_mask": response_mask,
@@ -513,3 +516,54 @@ def collate(trajectories: Sequence[Trajectory], pad_token_id: int) -> dict[str, 
         "group_ids": torch.tensor([t.group_id for t in episodes], dtype=torch.long),
         "episode_ids": torch.tensor([i for i, _, _ in rows], dtype=torch.long),
     }
+    if any(row is not trajectories[i] for i, _, row in rows):
+        states, returns = turn_states(trajectories, gamma)
+        out["state_ids"] = torch.tensor(states, dtype=torch.long)
+        out["step_returns"] = torch.tensor(returns, dtype=torch.float32)
+    return out
+
+
+def turn_states(
+    trajectories: Sequence[Trajectory], gamma: float = 1.0
+) -> tuple[list[int], list[float]]:
+    """Per training row (in ``collate``'s order): the env state its turn answered, as an id
+    (rows that answered the same state share it), and the turn's discounted return to the end
+    of its episode (``r_t + gamma * r_t+1 + ...``, the final reward on the last turn).
+
+    The state a turn answered is what the env said since the policy's previous turn (the
+    transcript's messages; for the first turn the system prompt and the task). A row that
+    cannot be matched to one turn - an episode trained as one sequence, or an agent's run of
+    calls (``trainer.rollout.proxy``) - is a state of its own, with the episode's return."""
+    ids: dict[object, int] = {}
+    states: list[int] = []
+    returns: list[float] = []
+    for episode in trajectories:
+        observations = _observations(episode.messages)
+        matched = bool(episode.samples) and len(observations) == len(episode.samples)
+        rewards = [sum(sample.turn_rewards) for sample in episode.samples]
+        if rewards:
+            rewards[-1] += episode.final_reward
+        to_go = [0.0] * len(rewards)
+        running = 0.0
+        for t in reversed(range(len(rewards))):
+            running = rewards[t] + gamma * running
+            to_go[t] = running
+        for k, _row in enumerate(episode.rows):
+            key: object = observations[k] if matched else ("row", len(states))
+            states.append(ids.setdefault(key, len(ids)))
+            returns.append(to_go[k] if matched else episode.episode_reward)
+    return states, returns
+
+
+def _observations(messages: Sequence[dict[str, Any]]) -> list[str]:
+    """Per assistant message of a transcript, the other messages since the previous one (what
+    the policy answered), as canonical text."""
+    seen: list[str] = []
+    current: list[tuple[Any, Any]] = []
+    for message in messages:
+        if message.get("role") == "assistant":
+            seen.append(json.dumps(current, sort_keys=True, default=str))
+            current = []
+        else:
+            current.append((message.get("role"), message.get("content")))
+    return seen

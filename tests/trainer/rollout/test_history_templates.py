@@ -255,3 +255,51 @@ def test_sft_files_under_a_rewriting_template_train_per_turn(corpus) -> None:
     record = from_messages(demo.messages, renderer, tools=envhub.make(CALC).tools)
     assert [s.token_ids for s in record.samples] == [s.token_ids for s in demo.samples]
     assert len(record.samples) == record.num_turns == demo.num_turns
+
+
+def test_gigpo_anchors_each_turn_on_the_state_it_answered() -> None:
+    """``turn_states``: turns that answered the same env messages share a state id (across
+    episodes), and each turn's return is the discounted sum of its and the later turns' rewards
+    (the final reward on the last)."""
+    from trainer.rollout.trajectory import Trajectory, turn_states
+
+    def episode(replies: list[str], rewards: list[float], final: float = 0.0) -> Trajectory:
+        t = Trajectory("test/env", seed=0, group_id=1, final_reward=final)
+        t.messages = [{"role": "system", "content": "rules"}, {"role": "user", "content": "start"}]
+        for i, reward in enumerate(rewards):
+            t.messages.append({"role": "assistant", "content": f"move {i}"})
+            t.messages.append({"role": "user", "content": replies[i]})
+            sample = t.turn_sample([1, 2])
+            sample.append_policy([3], [-0.1])
+            sample.end_turn(reward)
+            t.samples.append(sample)
+        return t
+
+    left = episode(["at A", "at B"], [0.0, 1.0], final=0.5)
+    right = episode(["at A", "at C"], [0.0, 0.0])
+    states, returns = turn_states([left, right], gamma=0.5)
+    # turn 0 of both answered the opening; turn 1 of both answered "at A"
+    assert states[0] == states[2] and states[1] == states[3] and states[0] != states[1]
+    # left: r = [0, 1 + 0.5] -> to go [0 + 0.5 * 1.5, 1.5]; right: [0, 0]
+    assert returns == [0.75, 1.5, 0.0, 0.0]
+
+
+def test_gigpo_needs_turn_samples_and_trains_two_steps(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="rollout.sample_unit: turn"):
+        load_config(QUICKSTART, [*TINY, "algorithm.advantage_estimator=gigpo"])
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *TINY,
+            "algorithm.advantage_estimator=gigpo",
+            "rollout.sample_unit=turn",
+            "train.steps=2",
+            "sft.epochs=1",
+            "eval.episodes=4",
+            f"output_dir={tmp_path / 'run'}",
+            VARIED,
+        ],
+    )
+    rows = AgenticPipeline(cfg).fit()
+    trained = [row for row in rows if "actor/grad_norm" in row]
+    assert len(trained) == 2 and all(row["actor/grad_norm"] > 0 for row in trained)
