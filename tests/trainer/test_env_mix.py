@@ -21,6 +21,7 @@ from trainer.rollout.env_manager import LocalEnvSource
 from trainer.rollout.groups import env_for_group, plan_groups
 
 LAKE, GUESS = "games/frozen-lake-v0", "games/guess-number-v0"
+TOOL = "tools/lookup-v0"
 
 
 def test_a_list_under_env_is_a_mix_with_its_own_kwargs_and_weights() -> None:
@@ -63,8 +64,9 @@ def test_groups_follow_the_weights_and_equal_weights_alternate() -> None:
 
 
 def test_a_mixed_run_logs_each_env_and_passes_each_its_kwargs(tmp_path: Path) -> None:
-    base = yaml.safe_load(QUICKSTART.read_text())  # the quickstart with a two-env mix
-    base["env"]["id"] = [GUESS, {"id": LAKE, "kwargs": {"size": 2, "hole_fraction": 0.0}}]
+    # the quickstart with a two-env mix: a game and a tool env
+    base = yaml.safe_load(QUICKSTART.read_text())
+    base["env"]["id"] = [TOOL, {"id": LAKE, "kwargs": {"size": 2, "hole_fraction": 0.0}}]
     base["env"]["kwargs"] = {"max_turns": 6}
     config = tmp_path / "mix.yaml"
     config.write_text(yaml.safe_dump(base))
@@ -84,11 +86,11 @@ def test_a_mixed_run_logs_each_env_and_passes_each_its_kwargs(tmp_path: Path) ->
     rows = AgenticPipeline(cfg).fit()
     step = rows[-1]
     for prefix in ("train", "eval"):
-        assert {f"{prefix}/{LAKE}/success", f"{prefix}/{GUESS}/success"} <= set(step)
+        assert {f"{prefix}/{LAKE}/success", f"{prefix}/{TOOL}/success"} <= set(step)
         assert f"{prefix}/success" in step
     assert step["train/episodes"] == 8  # one group of 4 per env
     logged = (tmp_path / "run" / "metrics.jsonl").read_text()
-    assert f"train/{GUESS}/reward" in logged and f"eval/{LAKE}/success" in logged
+    assert f"train/{TOOL}/reward" in logged and f"eval/{LAKE}/success" in logged
 
 
 def test_each_env_of_a_mix_is_made_with_its_own_kwargs() -> None:
