@@ -177,13 +177,13 @@ def test_warm_start_demos_follow_the_template_per_turn(corpus) -> None:
         )
 
 
-def test_a_qwen3_style_template_trains_two_steps_with_sample_unit_auto(tmp_path: Path) -> None:
+def train_two_steps(tmp_path: Path, *overrides: str) -> list[dict[str, Any]]:
+    """Two RL steps of the tiny quickstart with ``overrides``; every step must have trained."""
     cfg = load_config(
         QUICKSTART,
         [
             *TINY,
-            f"model.chat_template={json.dumps(STRIPS_THINKING)}",
-            "rollout.sample_unit=auto",
+            *overrides,
             "train.steps=2",
             "sft.epochs=1",
             "eval.episodes=4",
@@ -194,6 +194,13 @@ def test_a_qwen3_style_template_trains_two_steps_with_sample_unit_auto(tmp_path:
     rows = AgenticPipeline(cfg).fit()
     trained = [row for row in rows if "actor/grad_norm" in row]
     assert len(trained) == 2 and all(row["actor/grad_norm"] > 0 for row in trained)
+    return rows
+
+
+def test_a_qwen3_style_template_trains_two_steps_with_sample_unit_auto(tmp_path: Path) -> None:
+    rows = train_two_steps(
+        tmp_path, f"model.chat_template={json.dumps(STRIPS_THINKING)}", "rollout.sample_unit=auto"
+    )
     assert "eval/success" in rows[-1]
 
 
@@ -287,19 +294,4 @@ def test_gigpo_anchors_each_turn_on_the_state_it_answered() -> None:
 def test_gigpo_needs_turn_samples_and_trains_two_steps(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="rollout.sample_unit: turn"):
         load_config(QUICKSTART, [*TINY, "algorithm.advantage_estimator=gigpo"])
-    cfg = load_config(
-        QUICKSTART,
-        [
-            *TINY,
-            "algorithm.advantage_estimator=gigpo",
-            "rollout.sample_unit=turn",
-            "train.steps=2",
-            "sft.epochs=1",
-            "eval.episodes=4",
-            f"output_dir={tmp_path / 'run'}",
-            VARIED,
-        ],
-    )
-    rows = AgenticPipeline(cfg).fit()
-    trained = [row for row in rows if "actor/grad_norm" in row]
-    assert len(trained) == 2 and all(row["actor/grad_norm"] > 0 for row in trained)
+    train_two_steps(tmp_path, "algorithm.advantage_estimator=gigpo", "rollout.sample_unit=turn")
