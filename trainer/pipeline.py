@@ -170,8 +170,10 @@ class AgenticPipeline:
 
     # ================================================================== phases
     def to_batch(self, episodes: list[Trajectory]) -> Batch:
+        algo = self.cfg.algorithm
+        step_gamma = algo.gamma if algo.advantage_estimator == "gigpo" else None
         return Batch(
-            collate(episodes, self.renderer.tokenizer.pad_token_id, self.cfg.algorithm.gamma),
+            collate(episodes, self.renderer.tokenizer.pad_token_id, step_gamma),
             meta={"episodes": len(episodes)},
         )
 

@@ -469,7 +469,7 @@ def episode_advantages(
 
 
 def collate(
-    trajectories: Sequence[Trajectory], pad_token_id: int, gamma: float = 1.0
+    trajectories: Sequence[Trajectory], pad_token_id: int, step_gamma: float | None = None
 ) -> dict[str, torch.Tensor]:
     """Right-padded training tensors for ``trajectories`` (shapes in the module docstring).
 
@@ -478,7 +478,8 @@ def collate(
     the later samples' rewards and the final reward on the sample's last one, and
     the episode return as every row's score; ``episode_ids`` (B,) says which episode a row
     came from, so group baselines count each episode once however many turns it took. With
-    samples, ``state_ids`` and ``step_returns`` (B,) are GiGPO's inputs (``turn_states``)."""
+    samples and ``step_gamma`` (GiGPO's discount; only GiGPO asks), ``state_ids`` and
+    ``step_returns`` (B,) are its inputs (``turn_states``)."""
     import torch
 
     rows = [(i, k, row) for i, t in enumerate(trajectories) for k, row in enumerate(t.rows)]
@@ -516,8 +517,8 @@ def collate(
         "group_ids": torch.tensor([t.group_id for t in episodes], dtype=torch.long),
         "episode_ids": torch.tensor([i for i, _, _ in rows], dtype=torch.long),
     }
-    if any(row is not trajectories[i] for i, _, row in rows):
-        states, returns = turn_states(trajectories, gamma)
+    if step_gamma is not None and any(row is not trajectories[i] for i, _, row in rows):
+        states, returns = turn_states(trajectories, step_gamma)
         out["state_ids"] = torch.tensor(states, dtype=torch.long)
         out["step_returns"] = torch.tensor(returns, dtype=torch.float32)
     return out
