@@ -66,7 +66,8 @@ CHATML_TEMPLATE = (
     "{%- if not (tools and loop.first and message['role'] == 'system') %}"
     "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
     "{%- for call in message.get('tool_calls') or [] %}"
-    "{{- '\n<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
+    "{%- if message['content'] or not loop.first %}{{- '\n' }}{%- endif %}"
+    "{{- '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
     " + (call['function']['arguments'] if call['function']['arguments'] is string"
     " else call['function']['arguments'] | tojson) + '}</tool_call>' }}"
     "{%- endfor %}"
@@ -77,8 +78,10 @@ CHATML_TEMPLATE = (
 )
 """ChatML (as Qwen uses), without a default system prompt. With ``tools=`` it lists their
 schemas in the system turn and renders assistant ``tool_calls`` the hermes way
-(``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), so ``rollout.tool_parser: auto``
-reads it as ``hermes``; tool results are ``tool`` turns. Append-only either way."""
+(``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, one per line after the content:
+exactly what ``envhub.parsing.format_tool_call`` writes, so a turn re-rendered from its structured
+message reads as the policy wrote it), so ``rollout.tool_parser: auto`` reads it as ``hermes``;
+tool results are ``tool`` turns. Append-only either way."""
 
 _WORD_PIECES = r" ?[A-Za-z]+| ?\d|\n|\s|[^\sA-Za-z\d]"
 _CHAR_PIECES = r"[\s\S]"

@@ -131,6 +131,20 @@ def test_an_append_only_template_keeps_one_sequence_per_episode(corpus) -> None:
     assert trajectory.token_ids[: len(engine.prompts[-1])] == engine.prompts[-1]
 
 
+def test_per_turn_prompts_show_the_policys_earlier_calls_as_it_wrote_them(corpus) -> None:
+    """With per-turn samples each prompt is rendered from the structured messages, so an
+    earlier call comes back as the template writes it; it must be the policy's own text, or
+    the turn after a call learns from a history the policy never writes."""
+    tokenizer = tokenizer_with(corpus, CHATML_TEMPLATE)
+    turns = expert_turns(seed=0)
+    trajectory, engine, _ = play(tokenizer, turns, sample_unit="turn")
+    assert trajectory.success and len(engine.prompts) == len(turns) > 2
+    for k, (prompt, output) in enumerate(zip(engine.prompts[1:], engine.outputs, strict=False)):
+        assert f"<|im_start|>assistant\n{turns[k]}<|im_end|>" in tokenizer.decode(prompt)
+        written = output[:-1]  # the policy's tokens without the end of turn
+        assert any(prompt[i : i + len(written)] == written for i in range(len(prompt)))
+
+
 def test_episode_mode_with_a_rewriting_template_appends_or_names_the_setting(corpus) -> None:
     # thinking dropped from history: the delta of a think-free turn still appends, so an
     # explicit `episode` plays one sequence of the engine's own tokens (not the template's
