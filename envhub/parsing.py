@@ -204,13 +204,9 @@ def message_text(message: Mapping[str, _Any], tag: str = "tool_call") -> str:
 def format_tool_call(
     name: str, arguments: dict[str, _Any] | None = None, tag: str = "tool_call"
 ) -> str:
-    """A call written the way ``ToolCallParser`` reads it (for experts, docs and prompts).
-
-    Hermes' order, name first, with the arguments' keys sorted: the form chat templates render a
-    structured call back in (``trainer.models.CHATML_TEMPLATE``), so a policy that learned to
-    write it sees its own words again in the next turn's prompt."""
-    body = _json.dumps(arguments or {}, sort_keys=True)
-    return f'<{tag}>{{"name": {_json.dumps(name)}, "arguments": {body}}}</{tag}>'
+    """A call written the way ``ToolCallParser`` reads it (for experts, docs and prompts)."""
+    body = _json.dumps({"name": name, "arguments": arguments or {}}, sort_keys=True)
+    return f"<{tag}>{body}</{tag}>"
 
 
 def _loads_lenient(text: str) -> _Any:

@@ -67,9 +67,9 @@ CHATML_TEMPLATE = (
     "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
     "{%- for call in message.get('tool_calls') or [] %}"
     "{%- if message['content'] or not loop.first %}{{- '\n' }}{%- endif %}"
-    "{{- '<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
-    " + (call['function']['arguments'] if call['function']['arguments'] is string"
-    " else call['function']['arguments'] | tojson) + '}</tool_call>' }}"
+    "{{- '<tool_call>{\"arguments\": ' + (call['function']['arguments']"
+    " if call['function']['arguments'] is string else call['function']['arguments'] | tojson)"
+    " + ', \"name\": ' + (call['function']['name'] | tojson) + '}</tool_call>' }}"
     "{%- endfor %}"
     "{{- '<|im_end|>' + '\n' }}"
     "{%- endif %}"
@@ -77,11 +77,12 @@ CHATML_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 """ChatML (as Qwen uses), without a default system prompt. With ``tools=`` it lists their
-schemas in the system turn and renders assistant ``tool_calls`` the hermes way
-(``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, one per line after the content:
-exactly what ``envhub.parsing.format_tool_call`` writes, so a turn re-rendered from its structured
-message reads as the policy wrote it), so ``rollout.tool_parser: auto`` reads it as ``hermes``;
-tool results are ``tool`` turns. Append-only either way."""
+schemas in the system turn and renders assistant ``tool_calls`` the hermes way, one
+``<tool_call>{"arguments": ..., "name": ...}</tool_call>`` per line after the content: exactly
+what ``envhub.parsing.format_tool_call`` writes (the envs' experts, so the warm-started policy),
+so a turn re-rendered from its structured message reads as the policy wrote it. ``rollout.
+tool_parser: auto`` reads it as ``hermes``; tool results are ``tool`` turns. Append-only either
+way."""
 
 _WORD_PIECES = r" ?[A-Za-z]+| ?\d|\n|\s|[^\sA-Za-z\d]"
 _CHAR_PIECES = r"[\s\S]"
