@@ -18,7 +18,7 @@ Sections (each isolated: one failing does not stop the others; results are rewri
 ``ipc``       weights bucketed (256 MiB) and handed to a second process by CUDA IPC, loaded
               into its HFEngine through ``VersionedEngine``: GB/s, vs a device memcpy of the
               same bytes
-``generate``  HFEngine greedy generation tokens/s for a batch of prompts
+``generate``  HFEngine new tokens/s for a batch of prompts, greedy then sampled on the device
 ``lora``, ``packed``  through the trainer's config and roles (``check_trainer.py``): a LoRA step
               and a packed step of the 0.5B recipe, tokens/s and MFU; skipped, saying why, while
               ``model.lora`` / ``train.packing`` are not wired into the trainer
@@ -428,34 +428,34 @@ def section_generate(s: Settings) -> dict[str, Any]:
     engine = HFEngine(model, eos_token_id=-1, pad_token_id=0, device=s.device)
     g = torch.Generator().manual_seed(0)
 
-    def requests(count: int, new: int) -> list[GenerationRequest]:
+    def requests(count: int, new: int, temperature: float) -> list[GenerationRequest]:
         return [
             GenerationRequest(
                 f"r{i}",
                 torch.randint(1, s.config["vocab_size"], (s.gen_prompt_len,), generator=g).tolist(),
                 max_new_tokens=new,
-                temperature=0.0,
+                temperature=temperature,
             )
             for i in range(count)
         ]
 
-    engine.generate_batch(requests(2, 4))
-    sync(s.device)
-    start = time.perf_counter()
-    results = engine.generate_batch(requests(s.gen_prompts, s.gen_new))
-    sync(s.device)
-    elapsed = time.perf_counter() - start
-    new_tokens = sum(len(r.token_ids) for r in results)
-    figures = {
+    engine.generate_batch(requests(2, 4, 1.0))
+    figures: dict[str, Any] = {
         "prompts": s.gen_prompts,
         "prompt_len": s.gen_prompt_len,
         "max_new_tokens": s.gen_new,
-        "new_tokens": new_tokens,
-        "seconds": elapsed,
-        "tokens_per_s": new_tokens / elapsed,
-        "greedy": True,
     }
-    log(f"generate: {figures['tokens_per_s']:.0f} new tok/s ({s.gen_prompts} prompts)")
+    for kind, temperature in (("greedy", 0.0), ("sampled", 1.0)):  # sampling on the device
+        sync(s.device)
+        start = time.perf_counter()
+        results = engine.generate_batch(requests(s.gen_prompts, s.gen_new, temperature))
+        sync(s.device)
+        elapsed = time.perf_counter() - start
+        new_tokens = sum(len(r.token_ids) for r in results)
+        figures[kind] = {"new_tokens": new_tokens, "seconds": elapsed}
+        figures[f"{kind}_tokens_per_s"] = new_tokens / elapsed
+        log(f"generate {kind}: {new_tokens / elapsed:.0f} new tok/s ({s.gen_prompts} prompts)")
+    figures["tokens_per_s"] = figures["greedy_tokens_per_s"]
     del engine, model
     free(s)
     return figures

@@ -78,9 +78,10 @@ class InferWorker(WeightReceiver, Worker):
         batch got here is answered ``finish_reason="abort"`` with no tokens."""
         requests = list(requests)
         engine = self._inner_engine()
-        submit = getattr(
-            engine, "submit", None
-        )  # vLLM: requests join the running engine one by one
+        # vLLM, HFEngine: requests join the running engine (HFEngine's in one admission)
+        submit = getattr(engine, "submit_many", None)
+        if submit is None and getattr(engine, "submit", None) is not None:
+            submit = lambda batch: [engine.submit(r) for r in batch]
         futures: list[Any] = []
         version: int | None = None
         with self._abort_lock:
@@ -90,9 +91,7 @@ class InferWorker(WeightReceiver, Worker):
             run = [r for r in requests if r.request_id not in refused]
             if submit is not None and run:
                 version = self._served_version()
-                futures = [
-                    submit(r) for r in run
-                ]  # in the engine before any later abort reaches it
+                futures = submit(run)  # in the engine before any later abort reaches it
             self._running_ids.update(r.request_id for r in run)
         try:
             if submit is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,17 @@ def prompts(tokenizer) -> list[list[int]]:
     ]
 
 
+def assert_plain_forward_logprobs(model, prompt_ids: list[list[int]], results: list[Any]) -> None:
+    """Each result's log-probs are what one unpadded forward of prompt + tokens gives."""
+    for prompt, result in zip(prompt_ids, results, strict=True):
+        full = torch.tensor([prompt + result.token_ids])
+        with torch.no_grad():
+            expected, _ = token_logprobs(model(input_ids=full).logits, full)
+        torch.testing.assert_close(
+            torch.tensor(result.logprobs), expected[0, len(prompt) :], atol=1e-4, rtol=0
+        )
+
+
 def test_engine_satisfies_the_protocol(policy) -> None:
     assert isinstance(make_engine(policy), InferenceEngine)
 
@@ -43,14 +55,9 @@ def test_left_padded_batch_logprobs_match_a_plain_forward(policy) -> None:
         GenerationRequest(f"r{i}", p, max_new_tokens=5, temperature=1.0) for i, p in enumerate(ids)
     ]
     results = engine.generate_batch(requests)
-    for prompt, result in zip(ids, results, strict=True):
+    assert_plain_forward_logprobs(model, ids, results)
+    for result in results:
         assert 1 <= len(result.token_ids) <= 5 and len(result.logprobs) == len(result.token_ids)
-        full = torch.tensor([prompt + result.token_ids])
-        with torch.no_grad():
-            expected, _ = token_logprobs(model(input_ids=full).logits, full)
-        torch.testing.assert_close(
-            torch.tensor(result.logprobs), expected[0, len(prompt) :], atol=1e-4, rtol=0
-        )
         if result.finish_reason == "stop":
             assert result.token_ids[-1] == tokenizer.eos_token_id
 
@@ -139,3 +146,146 @@ def test_prefill_keeps_only_the_last_positions_logits() -> None:
     full_logits = rows * width * vocab * 4
     peak = peak_allocated_bytes(lambda: engine.generate_batch(requests))
     assert peak < full_logits / 8, f"generation peaked at {peak:,} bytes"
+
+
+def test_rows_that_end_early_leave_the_batch_and_the_rest_stay_exact(policy) -> None:
+    """Rows end at different steps (their own ``max_new_tokens``; the longest prompt first, so
+    its padding columns go too); every row's log-probs still match a plain forward."""
+    model, tokenizer = policy
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts(tokenizer)]
+    longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+    budgets = [9 if i != longest else 1 for i in range(len(ids))]
+    requests = [
+        GenerationRequest(f"r{i}", p, max_new_tokens=b, temperature=1.0)
+        for i, (p, b) in enumerate(zip(ids, budgets, strict=True))
+    ]
+    engine = make_engine(policy, seed=1)
+    rows_computed: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: rows_computed.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    try:
+        results = engine.generate_batch(requests)
+    finally:
+        hook.remove()
+    assert len(results[longest].token_ids) == 1
+    # after the prefill, each step computes only the rows still generating
+    assert sum(rows_computed[1:]) == sum(len(r.token_ids) - 1 for r in results)
+    assert_plain_forward_logprobs(model, ids, results)
+
+
+def test_sampling_follows_the_distribution_and_top_p_keeps_to_the_nucleus(policy) -> None:
+    """The inverse-CDF sampler draws tokens at their softmax(z / T) frequencies, and with
+    ``top_p`` only from the smallest set of tokens whose mass reaches it."""
+    engine = make_engine(policy, seed=0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(20_000, 1)
+    ones = torch.ones(len(logits))
+    tokens, logprobs = engine._sample(logits, ones, ones)
+    frequencies = torch.bincount(tokens, minlength=4) / len(tokens)
+    torch.testing.assert_close(
+        frequencies, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015, rtol=0
+    )
+    torch.testing.assert_close(logprobs, torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))[tokens])
+    nucleus, _ = engine._sample(logits, ones, torch.full((len(logits),), 0.7))
+    assert set(nucleus.tolist()) == {0, 1}  # 0.5 + 0.3 reaches 0.7; 2 and 3 never drawn
+    share = (nucleus == 0).float().mean().item()
+    assert abs(share - 0.5 / 0.8) < 0.015
+    greedy, _ = engine._sample(logits[:3], torch.zeros(3), ones[:3])
+    assert greedy.tolist() == [0, 0, 0]
+
+
+def test_a_request_joins_a_running_batch_and_does_not_wait_for_it(policy) -> None:
+    """Continuous admission: a short request submitted while a long one is decoding is
+    prefilled and joined between two steps, ends first, and both match a plain forward."""
+    model, tokenizer = policy
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts(tokenizer)]
+    long_prompt, short_prompt = ids[0], ids[1]  # the joining prompt is the longer one
+    assert len(short_prompt) > len(long_prompt)
+    engine = make_engine(policy, seed=2)
+    eos = tokenizer.eos_token_id  # no stop token ends these rows early
+    engine.eos_token_id = -1
+    finished: list[str] = []
+    forwards: list[int] = []
+    joined: list[Any] = []
+
+    def on_forward(_m, _a, kwargs) -> None:
+        forwards.append(len(kwargs["input_ids"]))
+        if len(forwards) == 5:  # the 4th decoding step of the long request
+            joined.extend(engine.submit_many([GenerationRequest("short", short_prompt, 3)]))
+            joined[0].add_done_callback(lambda _: finished.append("short"))
+
+    hook = model.register_forward_pre_hook(on_forward, with_kwargs=True)
+    try:
+        long = engine.submit(GenerationRequest("long", long_prompt, 12))
+        long.add_done_callback(lambda _: finished.append("long"))
+        results = [long.result(timeout=60), joined[0].result(timeout=60)]
+    finally:
+        hook.remove()
+        engine.shutdown()
+        engine.eos_token_id = eos
+    assert finished == ["short", "long"]
+    assert [len(r.token_ids) for r in results] == [12, 3]
+    assert engine.stats["batches"] == 2  # the short request had a prefill of its own...
+    assert 2 in forwards[5:]  # ...then decoded alongside the long one
+    assert_plain_forward_logprobs(model, [long_prompt, short_prompt], results)
+
+
+def test_abort_and_shutdown_end_running_requests_from_a_thread(policy) -> None:
+    """``abort_sync`` ends a running request at its next token and a waiting one with no
+    tokens; ids the engine does not hold are not remembered; ``shutdown`` refuses new work."""
+    model, tokenizer = policy
+    prompt = tokenizer.encode(prompts(tokenizer)[0], add_special_tokens=False)
+    engine = make_engine(policy)
+    engine.eos_token_id = -1
+    calls: list[int] = []
+    waiting: list[Any] = []
+
+    def on_forward(_m, _a, _k) -> None:
+        calls.append(1)
+        if len(calls) == 3:  # "a" is running; "w" waits for the next admission
+            waiting.extend(engine.submit_many([GenerationRequest("w", prompt, 5)]))
+            engine.abort_sync(["a", "w", "unknown"])
+
+    hook = model.register_forward_pre_hook(on_forward, with_kwargs=True)
+    try:
+        aborted = engine.submit(GenerationRequest("a", prompt, 50)).result(timeout=60)
+        queued = waiting[0].result(timeout=60)
+    finally:
+        hook.remove()
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) == 3
+    assert queued.finish_reason == "abort" and queued.token_ids == []
+    assert not engine._aborted and not engine._live  # nothing kept for ids that ended
+    with pytest.raises(ValueError, match="no prompt tokens"):
+        engine.submit(GenerationRequest("empty", [], 5))
+    engine.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        engine.submit(GenerationRequest("late", prompt, 5))
+
+
+def test_prompts_of_different_lengths_are_prefilled_in_groups_and_joined(policy) -> None:
+    """No prompt is padded to more than twice its length (small groups aside); the groups'
+    caches are joined into one decoding batch whose log-probs match a plain forward."""
+    from trainer.strategies.hf_engine import _length_groups
+
+    lengths = [5, 200, 90, 110, 40, 6, 100]
+    groups = _length_groups(lengths, min_tokens=0)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(2 * lengths[i] >= lengths[g[0]] for g in groups for i in g)
+    assert len(_length_groups(lengths, min_tokens=10_000)) == 1  # too small to split
+    model, tokenizer = policy
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts(tokenizer)]
+    ids.append(ids[1] * 4)  # a prompt more than twice as long as the others
+    engine = make_engine(policy, seed=4)
+    engine.prefill_group_tokens = 0
+    forwards: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: forwards.append(len(kwargs["input_ids"])), with_kwargs=True
+    )
+    requests = [GenerationRequest(f"g{i}", p, 6, temperature=1.0) for i, p in enumerate(ids)]
+    try:
+        results = engine.generate_batch(requests)
+    finally:
+        hook.remove()
+    assert len(_length_groups([len(i) for i in ids], min_tokens=0)) > 1
+    assert forwards[0] < len(ids)  # the first prefill held one group, not every prompt
+    assert_plain_forward_logprobs(model, ids, results)
