@@ -76,10 +76,15 @@ class RecordingEngine(HFEngine):
         super().__init__(*args, **kwargs)
         self.results: list[tuple[GenerationRequest, GenerationResult]] = []
 
-    def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        results = super().generate_batch(requests)
-        self.results += list(zip(requests, results, strict=True))
-        return results
+    def submit_many(self, requests: list[GenerationRequest]) -> list[Any]:
+        futures = super().submit_many(requests)
+        for request, future in zip(requests, futures, strict=True):
+            future.add_done_callback(lambda done, r=request: self._record(r, done))
+        return futures
+
+    def _record(self, request: GenerationRequest, done: Any) -> None:
+        if done.exception() is None:
+            self.results.append((request, done.result()))
 
 
 def make_engine(policy, seed: int = 0) -> RecordingEngine:
@@ -337,7 +342,7 @@ def test_env_crash_mid_episode_is_replaced_not_a_hang(policy) -> None:
 
 
 class _FailingEngine(RecordingEngine):
-    def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+    def _prefill(self, rows: Any) -> Any:
         raise RuntimeError("engine out of memory")
 
 
