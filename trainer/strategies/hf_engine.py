@@ -4,9 +4,9 @@ a KV cache.
 Requests arriving while the event loop is busy are gathered (the front yields to the loop
 until no new request shows up, so every episode whose turn just ended comes together) and
 handed to the engine's decoding thread, which admits them between two decoding steps: their
-prompts are prefilled as one left-padded batch and their KV caches joined to the running
-rows'. Every step then decodes one token for every running row; a row leaves the batch (and
-its cache) as soon as it ends, at EOS, at a request's stop tokens, at its own
+prompts are prefilled as left-padded batches of similar length and their KV caches joined to
+the running rows'. Every step then decodes one token for every running row; a row leaves the
+batch (and its cache) as soon as it ends, at EOS, at a request's stop tokens, at its own
 ``max_new_tokens``, or when aborted, so no step computes a finished row and a short turn
 never waits for a long one. The event loop keeps stepping envs and scoring rewards
 meanwhile. Threads without a loop use ``submit``; ``generate_batch`` runs one batch to the
@@ -15,8 +15,8 @@ end in the caller's thread.
 Sampling happens on the model's device: one uniform per row and step comes from the
 engine's own CPU ``torch.Generator`` (seeded; saved by ``get_state``) and is inverted through
 the row's cumulative distribution, so only the sampled ids and their log-probs leave the
-device, and a seed gives the same tokens on CPU and GPU for the same batches (a resumed run
-generates what the run it continues did). The reported log-prob of a token is
+device and the random stream is the same whatever the device (a resumed run, given the same
+batches, generates what the run it continues did). The reported log-prob of a token is
 ``log_softmax(logits / temperature)`` at that token (plain ``log_softmax`` when greedy),
 which is what the training side recomputes for the PPO ratio. A weight update waits for
 the running step and applies to the steps after it (a row's ``policy_version`` is the one
@@ -147,16 +147,22 @@ class BatchingFrontend:
         try:
             results = await self.run_batch([r for r, _ in batch])
         except Exception as error:  # noqa: BLE001 - handed to every waiting future
-            # whatever failed the batch reaches every waiter, who re-raises it, instead
-            # of leaving them hanging; it may be of any type
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(error)
+            _fail_all(batch, error)
             results = []
         for (_, future), result in zip(batch, results, strict=False):
             if not future.done():
                 future.set_result(result)
         self._aborted -= {r.request_id for r, _ in batch}
+
+
+def _fail_all(
+    batch: list[tuple[GenerationRequest, asyncio.Future[GenerationResult]]], error: BaseException
+) -> None:
+    """Whatever failed a batch reaches every waiter, who re-raises it, instead of leaving them
+    hanging; it may be of any type."""
+    for _, future in batch:
+        if not future.done():
+            future.set_exception(error)
 
 
 class HFEngine(BatchingFrontend):
@@ -234,9 +240,7 @@ class HFEngine(BatchingFrontend):
         try:
             submitted = self.submit_many([r for r, _ in batch])
         except Exception as error:  # noqa: BLE001 - handed to every waiting future
-            for _, future in batch:
-                if not future.done():
-                    future.set_exception(error)
+            _fail_all(batch, error)
             return
         for (_, future), done in zip(batch, submitted, strict=True):
             done.add_done_callback(_answer_in(loop, future))
