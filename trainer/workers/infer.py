@@ -24,7 +24,7 @@ from trainer.controller.cluster import CallFuture, Cluster, remote
 from trainer.controller.dispatch import Collect, Dispatch, method_spec, register
 from trainer.controller.worker import Worker, WorkerContext
 from trainer.strategies.base import GenerationRequest, GenerationResult, InferenceEngine, Weights
-from trainer.strategies.hf_engine import BatchingFrontend
+from trainer.strategies.batching import BatchingFrontend
 from trainer.strategies.registry import make_engine
 from trainer.weights.receiver import WeightReceiver, WeightReceiverCluster
 from trainer.weights.versioned import PolicyVersion

@@ -265,13 +265,13 @@ def test_abort_and_shutdown_end_running_requests_from_a_thread(policy) -> None:
 def test_prompts_of_different_lengths_are_prefilled_in_groups_and_joined(policy) -> None:
     """No prompt is padded to more than twice its length (small groups aside); the groups'
     caches are joined into one decoding batch whose log-probs match a plain forward."""
-    from trainer.strategies.hf_engine import _length_groups
+    from trainer.strategies.decode_batch import length_groups
 
     lengths = [5, 200, 90, 110, 40, 6, 100]
-    groups = _length_groups(lengths, min_tokens=0)
+    groups = length_groups(lengths, min_tokens=0)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     assert all(2 * lengths[i] >= lengths[g[0]] for g in groups for i in g)
-    assert len(_length_groups(lengths, min_tokens=10_000)) == 1  # too small to split
+    assert len(length_groups(lengths, min_tokens=10_000)) == 1  # too small to split
     model, tokenizer = policy
     ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts(tokenizer)]
     ids.append(ids[1] * 4)  # a prompt more than twice as long as the others
@@ -286,6 +286,6 @@ def test_prompts_of_different_lengths_are_prefilled_in_groups_and_joined(policy)
         results = engine.generate_batch(requests)
     finally:
         hook.remove()
-    assert len(_length_groups([len(i) for i in ids], min_tokens=0)) > 1
+    assert len(length_groups([len(i) for i in ids], min_tokens=0)) > 1
     assert forwards[0] < len(ids)  # the first prefill held one group, not every prompt
     assert_plain_forward_logprobs(model, ids, results)

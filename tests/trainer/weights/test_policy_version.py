@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.strategies.hf_engine import BatchingFrontend
+from trainer.strategies.batching import BatchingFrontend
 from trainer.weights.versioned import PolicyVersion
 
 

@@ -1,0 +1,231 @@
+"""The state of an ``HFEngine`` decoding batch: its rows (``Row``: a request's tokens so far and
+why it ended), the rows decoded together (``DecodeBatch``: left-padded attention mask,
+positions, last tokens, sampling settings and the KV cache, with ``join`` and ``drop`` to admit
+and retire rows between steps), how admitted prompts are grouped for prefill
+(``length_groups``) and a KV-cache layer that grows in place (``growing_cache``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import TYPE_CHECKING, Any
+
+from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DecodeBatch", "Row", "check_prompts", "growing_cache", "length_groups"]
+
+
+class Row:
+    """One request being generated: its tokens so far, why it ended, and (when submitted to
+    the decoding thread) the future its result goes to."""
+
+    __slots__ = ("future", "ids", "limit", "logprobs", "reason", "request", "stops", "version")
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        eos_token_id: int,
+        future: concurrent.futures.Future[GenerationResult] | None = None,
+    ) -> None:
+        self.request, self.future = request, future
+        self.stops = {eos_token_id, *request.stop_token_ids}
+        self.limit = request.max_new_tokens
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.reason: FinishReason | None = None
+        self.version = 0
+
+    def append(self, token: int, logprob: float, *, aborted: bool) -> bool:
+        """Record a sampled token; True when the row has ended."""
+        self.ids.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stops:
+            self.reason = "stop"
+        elif aborted:
+            self.reason = "abort"
+        elif len(self.ids) >= self.limit:
+            self.reason = "length"
+        return self.reason is not None
+
+    def end(self, reason: FinishReason) -> Row:
+        """End the row now (with the tokens it has) and answer its future."""
+        self.reason = self.reason or reason
+        self.answer()
+        return self
+
+    def answer(self) -> None:
+        if self.future is not None and not self.future.done():
+            self.future.set_result(self.result())
+
+    def fail(self, error: BaseException) -> None:
+        """End the row with ``error`` (what its future raises)."""
+        self.reason = self.reason or "abort"
+        if self.future is not None and not self.future.done():
+            self.future.set_exception(error)
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            self.request.request_id, self.ids, self.logprobs, self.reason or "length", self.version
+        )
+
+
+class DecodeBatch:
+    """Rows decoded together: their left-padded attention mask, next positions, last sampled
+    tokens, sampling settings and KV cache, all indexed like ``rows``."""
+
+    def __init__(
+        self,
+        rows: list[Row],
+        *,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+    ) -> None:
+        self.rows = list(rows)
+        self.attention, self.positions = attention, positions
+        self.temperature, self.top_p = temperature, top_p
+        self.tokens: Any = None
+        self.cache: Any = None
+
+    @property
+    def can_join(self) -> bool:
+        """Whether other rows' caches can be joined to this one's (plain per-layer key/value
+        tensors; not sliding-window or recurrent layers)."""
+        layers: list[Any] = list(getattr(self.cache, "layers", None) or [])
+        plain = {"DynamicLayer", "GrowingLayer"}
+        return bool(layers) and all(type(layer).__name__ in plain for layer in layers)
+
+    def drop(self, ended: list[int]) -> list[Row]:
+        """Remove the rows at ``ended`` (and the padding columns no remaining row needs);
+        those rows."""
+        import torch
+
+        gone = set(ended)
+        out = [row for i, row in enumerate(self.rows) if i in gone]
+        keep_list = [i for i in range(len(self.rows)) if i not in gone]
+        self.rows = [self.rows[i] for i in keep_list]
+        if not self.rows:
+            self.cache = self.tokens = None
+            return out
+        keep = torch.tensor(keep_list, device=self.attention.device)
+        self.attention = self.attention[keep]
+        self.positions, self.tokens = self.positions[keep], self.tokens[keep]
+        self.temperature, self.top_p = self.temperature[keep], self.top_p[keep]
+        self.cache.batch_select_indices(keep)
+        first = int(self.attention.any(0).int().argmax())  # columns only ended rows used
+        if first and self.can_join:
+            self.attention = self.attention[:, first:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., first:, :], layer.values[..., first:, :]
+        return out
+
+    def join(self, other: DecodeBatch) -> DecodeBatch:
+        """This batch with ``other``'s rows after its own: the narrower one's mask and cache
+        are left-padded to the wider one's columns (masked out), then stacked."""
+        import torch
+
+        width = max(self.attention.shape[1], other.attention.shape[1])
+
+        def pad(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - tensor.shape[dim]
+            if not missing:
+                return tensor
+            shape = list(tensor.shape)
+            shape[dim] = missing
+            return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([pad(mine.keys, -2), pad(theirs.keys, -2)])
+            mine.values = torch.cat([pad(mine.values, -2), pad(theirs.values, -2)])
+        self.attention = torch.cat([pad(self.attention, 1), pad(other.attention, 1)])
+        self.rows += other.rows
+        self.positions = torch.cat([self.positions, other.positions])
+        self.tokens = torch.cat([self.tokens, other.tokens])
+        self.temperature = torch.cat([self.temperature, other.temperature])
+        self.top_p = torch.cat([self.top_p, other.top_p])
+        return self
+
+
+def length_groups(lengths: list[int], min_tokens: int = 2048) -> list[list[int]]:
+    """Indices of ``lengths`` in groups to prefill together: longest first, a group takes
+    prompts at least half as long as its first (so no prompt is padded to more than twice its
+    length), and keeps taking any prompt while it holds fewer than ``min_tokens`` padded
+    tokens (a forward pass of its own would cost more than the padding)."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups:
+            head = lengths[groups[-1][0]]
+            if 2 * lengths[i] >= head or len(groups[-1]) * head < min_tokens:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def growing_cache(cache: Any) -> Any:
+    """``cache`` with its plain layers made ``_GrowingLayer`` (decoding appends in place)."""
+    from transformers.cache_utils import DynamicLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers and all(type(layer) is DynamicLayer for layer in layers):
+        for layer in layers:
+            layer.__class__ = growing_layer_class()
+    return cache
+
+
+_GROWING: Any = None
+
+
+def growing_layer_class() -> Any:
+    """``transformers``' ``DynamicLayer`` whose ``update`` writes the new keys and values into
+    spare room at the end of a buffer instead of concatenating (a copy of the whole cache at
+    every decoding step); ``keys``/``values`` are views of the buffers. Anything that replaces
+    ``keys``/``values`` (a batch selection, ``DecodeBatch.join``/``drop``) simply gets a new buffer
+    at the next update. Built on first use: importing ``transformers`` is slow."""
+    global _GROWING
+    if _GROWING is not None:
+        return _GROWING
+    import torch
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        spare = 64  # tokens of room made at each reallocation
+
+        def update(
+            self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            keys, values = self.keys, self.values
+            if not self.is_initialized or keys is None or values is None or not keys.numel():
+                return super().update(key_states, value_states, *args, **kwargs)
+            used, end = keys.shape[-2], keys.shape[-2] + key_states.shape[-2]
+            buffers: tuple[torch.Tensor, torch.Tensor] | None = getattr(self, "_room", None)
+            if (
+                buffers is None
+                or buffers[0].data_ptr() != keys.data_ptr()
+                or buffers[0].shape[:-2] != keys.shape[:-2]
+                or buffers[0].shape[-2] < end
+            ):
+                room = (*keys.shape[:-2], end - used + self.spare, keys.shape[-1])
+                buffers = (
+                    torch.cat([keys, keys.new_empty(room)], -2),
+                    torch.cat([values, values.new_empty(room)], -2),
+                )
+                self._room = buffers
+            buffers[0][..., used:end, :] = key_states
+            buffers[1][..., used:end, :] = value_states
+            self.keys, self.values = buffers[0][..., :end, :], buffers[1][..., :end, :]
+            return self.keys, self.values
+
+    _GROWING = GrowingLayer
+    return _GROWING
+
+
+def check_prompts(requests: list[GenerationRequest]) -> None:
+    if any(not r.prompt_ids for r in requests):
+        raise ValueError(
+            "a generation request has no prompt tokens; render the chat template first"
+        )
