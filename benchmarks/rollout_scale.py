@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import os
 import resource
@@ -77,6 +78,7 @@ from rollout_scheduler import (
     GAME_KWARGS,
     HEAVY,
     make_scheduler,
+    worker_setup,
     workload_env,
 )
 
@@ -165,19 +167,30 @@ async def run_mode(
 ) -> dict[str, float]:
     from trainer.rollout import sim_clock
     from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
+    from trainer.rollout.env_workers import EnvWorkers
     from trainer.rollout.groups import plan_groups, run_episodes
     from trainer.rollout.router import EngineRouter
 
     loop = asyncio.get_running_loop()
     cluster = Cluster(args, engines, renderer)
     router = EngineRouter(cluster.engines, clock=loop.time)
-    manager = EnvManager(
-        router,
-        renderer,
-        max_turns=args.max_turns,
-        max_context_tokens=args.max_context,
-        generate_timeout_s=args.generate_timeout,
-    )
+    manager: Any
+    if args.env_workers:
+        manager = EnvWorkers(
+            router,
+            functools.partial(worker_setup, args, renderer.tokenizer),
+            workers=args.env_workers,
+            lockstep=True,
+        )
+        await manager.start()
+    else:
+        manager = EnvManager(
+            router,
+            renderer,
+            max_turns=args.max_turns,
+            max_context_tokens=args.max_context,
+            generate_timeout_s=args.generate_timeout,
+        )
 
     def make(env_id: str, **kwargs: Any) -> Any:
         return TimedEnv(timed(workload_env, "envs")(env_id, args))
@@ -188,6 +201,7 @@ async def run_mode(
     groups = episodes // args.group_size
     trained, staleness = 0, 0
     CPU.envs = CPU.renderer = 0.0
+    lanes0 = getattr(manager, "lane_busy_s", 0.0)
     charged0 = loop.charged_s if isinstance(loop, sim_clock.VirtualClockLoop) else 0.0
     cpu0, real0, sim0 = time.process_time(), time.perf_counter(), loop.time()
     if mode == "batch":
@@ -221,6 +235,9 @@ async def run_mode(
     charged = (loop.charged_s if isinstance(loop, sim_clock.VirtualClockLoop) else 0.0) - charged0
     real_s, cpu_s = time.perf_counter() - real0, time.process_time() - cpu0
     stats = [e.stats for e in cluster.engines]
+    workers_cpu = getattr(manager, "lane_busy_s", 0.0) - lanes0
+    if args.env_workers:
+        await manager.close()
     for engine in cluster.engines:
         await engine.close()
     engine_cpu = sum(s.cpu_s for s in stats)
@@ -243,7 +260,14 @@ async def run_mode(
         "template_us_per_turn": 1e6 * CPU.renderer / max(turns, 1),
         "env_us_per_turn": 1e6 * CPU.envs / max(turns, 1),
         "engine_us_per_turn": 1e6 * engine_cpu / max(turns, 1),
+        "workers_us_per_turn": 1e6 * workers_cpu / max(turns, 1),
+        "workers_busy": workers_cpu / (max(args.env_workers, 1) * sim_s),
     }
+
+
+def peak_gib() -> float:
+    """Peak RSS of this process (the driver), GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 def main() -> None:
@@ -255,6 +279,13 @@ def main() -> None:
         "batches per mode; default --steps)",
     )
     parser.add_argument("--steps", type=int, default=3, help="training batches per mode")
+    parser.add_argument(
+        "--env-workers",
+        type=int,
+        default=0,
+        help="play episodes in this many env worker processes (trainer.rollout.env_workers); "
+        "0: in the driver",
+    )
     parser.add_argument("--modes", default="batch,sync,async-1,async-2")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--redundancy", type=float, default=1.5)
@@ -311,9 +342,14 @@ def main() -> None:
                 f"{100 * r['driver_busy']:4.1f}% of the simulated time, its CPU "
                 f"{r['driver_us_per_turn']:5.1f} us/turn ({r['template_us_per_turn']:.1f} of it "
                 f"chat template + tokenizer) over {r['turns']:.0f} turns, not counted: envs "
-                f"{r['env_us_per_turn']:.1f}, simulated engines {r['engine_us_per_turn']:.1f}; "
-                f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.1f} GiB; "
-                f"load average {os.getloadavg()[0]:.1f}",
+                f"{r['env_us_per_turn']:.1f}, simulated engines {r['engine_us_per_turn']:.1f}"
+                + (
+                    f"; {args.env_workers} env workers: {r['workers_us_per_turn']:.1f} us/turn "
+                    f"of their own CPU, each busy {100 * r['workers_busy']:.1f}%"
+                    if args.env_workers
+                    else ""
+                )
+                + f"; peak RSS {peak_gib():.1f} GiB; load average {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
         asyncs = [m for m in results if m.startswith("async") and int(m.split("-")[1]) <= 2]

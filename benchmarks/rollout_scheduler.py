@@ -293,6 +293,22 @@ def workload_env(env_id: str, args: argparse.Namespace) -> Any:
     return GameWithAnswerBudget(envhub.make(env_id, **GAME_KWARGS), args.game_tokens)
 
 
+def worker_setup(args: argparse.Namespace, tokenizer: Any, engine: Any) -> tuple[Any, Any]:
+    """An env worker's ``EnvManager`` and envs for ``rollout_scale.py --env-workers`` (built in
+    the worker process, so it lives in an importable module rather than a script's ``__main__``)."""
+    from trainer.rollout.env_manager import EnvManager, LocalEnvSource
+    from trainer.rollout.trajectory import ChatRenderer
+
+    manager = EnvManager(
+        engine,
+        ChatRenderer(tokenizer),
+        max_turns=args.max_turns,
+        max_context_tokens=args.max_context,
+        generate_timeout_s=None,  # the worker's clock is real; the driver's router is simulated
+    )
+    return manager, LocalEnvSource(make=lambda env_id, **_: workload_env(env_id, args))
+
+
 def make_scheduler(
     mode: str,
     groups: int,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from trainer.errors import RolloutError
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
+from trainer.rollout.env_workers import EnvWorkers
 from trainer.rollout.trajectory import Trajectory
 
 __all__ = [
@@ -114,7 +115,7 @@ def describe_eval(specs: Sequence[EpisodeSpec], held_out: Mapping[str, dict] | N
 
 
 async def play_episode(
-    manager: EnvManager,
+    manager: EnvManager | EnvWorkers,
     source: EnvSource,
     spec: EpisodeSpec,
     sampling: Sampling,
@@ -131,7 +132,14 @@ async def play_episode(
     ``key`` names the episode's requests (attempt ``n`` uses ``{key}a{n}``) so a router can
     abort them all; ``manager.engine.forget(key)`` is called after each attempt when the
     engine has it. ``stop()`` true after an attempt (the group was cancelled) ends the replays.
+
+    ``EnvWorkers`` in place of the manager plays the episode in a worker process, the same
+    way (``stop`` is then ``EnvWorkers.stop``).
     """
+    if isinstance(manager, EnvWorkers):
+        return await manager.play(
+            spec, sampling, max_retries=max_retries, key=key, on_failure=on_failure
+        )
     trajectory = Trajectory(
         spec.env_id, spec.seed, spec.group_id, failed=True, failure="not started"
     )
@@ -171,7 +179,7 @@ async def play_episode(
 
 async def run_episodes(
     specs: list[EpisodeSpec],
-    manager: EnvManager,
+    manager: EnvManager | EnvWorkers,
     source: EnvSource,
     sampling: Sampling,
     *,

@@ -51,6 +51,7 @@ from typing import Any, Literal, TypeVar
 from trainer.config import RolloutConfig, TrainerConfig
 from trainer.errors import RolloutError
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
+from trainer.rollout.env_workers import EnvWorkers
 from trainer.rollout.groups import EVAL_SEED_BASE, EpisodeSpec, env_for_group, play_episode
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.trajectory import Trajectory
@@ -186,7 +187,7 @@ class RolloutScheduler:
     def __init__(
         self,
         config: SchedulerConfig,
-        manager: EnvManager,
+        manager: EnvManager | EnvWorkers,
         router: EngineRouter,
         source: EnvSource,
         sampling: Sampling,
@@ -195,7 +196,8 @@ class RolloutScheduler:
     ) -> None:
         if manager.engine is not router:
             raise ValueError(
-                "the EnvManager must generate through the scheduler's EngineRouter (manager.engine)"
+                "the EnvManager (or EnvWorkers) must generate through the scheduler's "
+                "EngineRouter (manager.engine)"
             )
         self.cfg, self.manager, self.router, self.source, self.sampling = (
             config,
@@ -388,6 +390,8 @@ class RolloutScheduler:
         self._running.pop(group.number, None)
         running = sum(not task.done() for task in group.tasks)
         self._counts[reason] += running if reason != "stale_aborted_groups" else 1
+        if isinstance(self.manager, EnvWorkers):  # no replays after the aborted attempts
+            self.manager.stop(group.keys)
         await asyncio.gather(
             *(
                 self.router.abort_episode(f"{key}a{attempt}")  # one engine round trip for all

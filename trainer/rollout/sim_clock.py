@@ -16,7 +16,9 @@ Code that simulates rather than is simulated (the simulated engines' bookkeeping
 inside ``uncharged()``: its CPU is not charged. Work handed to a thread through
 ``run_in_executor`` / ``asyncio.to_thread`` is waited for (the clock does not jump past a
 thread that has not answered) but not charged; threads that report back otherwise (e.g.
-``call_soon_threadsafe``) are not waited for: a simulation must not use them.
+``call_soon_threadsafe``) are not waited for: a simulation must not use them. Another
+process's answers are waited for when they are announced with ``owe`` (env worker processes
+in lockstep: ``trainer.rollout.env_workers``).
 
 ``run(coro)`` is ``asyncio.run`` on this loop. Timers and ``asyncio.wait_for`` timeouts run
 in simulated seconds; ``time.monotonic()`` stays real (pass ``clock=loop.time`` where a
@@ -119,8 +121,15 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     @property
     def threads_pending(self) -> int:
-        """Calls handed to threads whose answer the loop has not taken yet."""
+        """Calls handed to threads (or frames to processes, ``owe``) whose answer the loop has
+        not taken yet."""
         return self._threads
+
+    def owe(self, answers: int) -> None:
+        """``answers`` more answers (negative: fewer) are owed to the loop by another process
+        (``trainer.rollout.env_workers``' lockstep): the clock does not jump while any is."""
+        with self._threads_lock:
+            self._threads += answers
 
     def run_in_executor(  # type: ignore[override]
         self, executor: Executor | None, func: Callable[..., T], *args: Any

@@ -52,12 +52,13 @@ def renderer() -> ChatRenderer:
     return _RENDERER[0]
 
 
-def engines(count: int, **options: Any) -> list[SimEngine]:
+def engines(
+    count: int, cost: StepCost = COST, kind: type[SimEngine] = SimEngine, **options: Any
+) -> list[Any]:
     r = renderer()
     token = r.encode("a")[0]
     return [
-        SimEngine(COST, token_id=token, eos_token_id=r.eos_token_id, **options)
-        for _ in range(count)
+        kind(cost, token_id=token, eos_token_id=r.eos_token_id, **options) for _ in range(count)
     ]
 
 
@@ -67,3 +68,42 @@ def manager(router: EngineRouter, **options: Any) -> EnvManager:
 
 def source() -> LocalEnvSource:
     return LocalEnvSource(make=lambda env_id, **kwargs: PlannedEnv())
+
+
+FAST = StepCost(
+    weight_bytes=0,
+    flops_per_token=0,
+    attention_flops_per_context_token=0,
+    kv_bytes_per_token=COST.kv_bytes_per_token,
+    step_overhead_s=1e-5,
+)
+"""Steps of ten simulated microseconds: a real-time loop runs the workload in moments."""
+
+DYING_SEED = 13
+"""``PlannedEnv`` in a worker ends the worker's process when stepped on this task seed."""
+
+
+class _DyingEnv(PlannedEnv):
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None):  # type: ignore[override]
+        self.task_seed = int(seed or 0)
+        return super().reset(seed=seed, options=options)
+
+    def on_step(self, action: str) -> envhub.Turn:
+        if self.task_seed == DYING_SEED:
+            import os
+
+            os._exit(3)  # the whole worker process, as a segfaulting env would
+        return super().on_step(action)
+
+
+def worker_setup(engine: Any) -> tuple[EnvManager, LocalEnvSource]:
+    """An env worker's manager and envs (``EnvWorkers``' ``setup``: built in the worker)."""
+    return (
+        EnvManager(engine, renderer(), max_turns=10, max_context_tokens=4096),
+        LocalEnvSource(make=lambda env_id, **kwargs: _DyingEnv()),
+    )
+
+
+def broken_setup(engine: Any) -> tuple[EnvManager, LocalEnvSource]:
+    """A setup that fails in the worker (as a missing tokenizer file would)."""
+    raise ValueError("no tokenizer here")

@@ -1,0 +1,609 @@
+"""``EnvWorkers``: env managers in worker processes, so that one driver can feed a cluster.
+
+Per turn an episode costs the process that plays it the chat template and tokenizer, the
+tool parser, the env's step and the trajectory's bookkeeping (a few hundred microseconds of
+Python; benchmarks/README.md, ``rollout_scale``). At 10,000 episodes over 64 engines one
+process cannot keep up and the engines wait for it. As ROLL runs its env managers on env
+worker actors, ``EnvWorkers`` runs ``EnvManager`` s in ``workers`` processes; the driver keeps
+the ``RolloutScheduler`` (groups, redundancy, staleness, batches) and the ``EngineRouter``,
+and per turn only forwards a generation request to the router and the result back::
+
+    driver                                          worker k (one of ``workers``)
+    scheduler --play(spec, key)--> EnvWorkers ====> play_episode(EnvManager, EnvSource)
+    router    <---generate/abort/forget--------- ==  RemoteEngine <- EnvManager.run
+    router    ----result------------------------> ==  (the turn goes on: decode, env step)
+    scheduler <---done(trajectory, failed tries)- ==
+
+Each worker builds its ``EnvManager`` and ``EnvSource`` by calling ``setup(engine)`` (a
+picklable callable, e.g. a module-level function or a ``functools.partial`` of one) with a
+``RemoteEngine`` that stands for the driver's router. A worker is a spawned child process
+joined to the driver by a socket pair: trusted, local, never a network port, so messages are
+pickled (like ``multiprocessing``'s own pipes). Everything one side has to say within one
+event-loop iteration travels as one length-prefixed frame (one write and one read however
+many episodes spoke).
+
+Guarantees: an episode is played by one worker from its start to its end (its replays on a
+fresh env too); ``stop(keys)`` ends the episodes' replays after the running attempt (the
+scheduler then aborts their generations in the router). A worker that dies fails the
+episodes it held (``failure`` names the worker and its exit code), their generations are
+aborted in the router, and a fresh worker takes its place; nothing hangs. ``close()`` ends
+every worker process (killed if it does not exit within ``close_timeout_s``), and a worker
+whose driver is gone exits on its own (its socket closes).
+
+``lockstep=True`` is for the cluster simulation only (``trainer.rollout.sim_clock``,
+benchmarks/rollout_scale.py): each worker answers every frame once all its episodes wait
+for the engine again, reporting the CPU seconds that took; the driver's simulated clock does
+not move past an unanswered frame, and the answer takes effect after that many simulated
+seconds on the worker's own timeline (a worker is one CPU: its frames queue behind each
+other). So the simulation charges each worker's real CPU to its own timeline and only the
+driver's to the driver's, as processes on separate cores would run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from trainer.rollout.router import episode_key
+from trainer.rollout.trajectory import Trajectory
+from trainer.strategies.base import GenerationRequest, GenerationResult
+
+if TYPE_CHECKING:
+    from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
+    from trainer.rollout.groups import EpisodeSpec
+    from trainer.rollout.router import EngineRouter
+
+__all__ = ["EnvWorkers", "RemoteEngine", "WorkerSetup"]
+
+WorkerSetup = Callable[["RemoteEngine"], "tuple[EnvManager, EnvSource]"]
+"""Builds a worker's ``EnvManager`` (generating through the given engine) and ``EnvSource``."""
+
+_log = logging.getLogger(__name__)
+_HEADER = 4  # bytes of a frame's length
+_keys = itertools.count()
+
+
+class _Channel(asyncio.Protocol):
+    """Length-prefixed pickled frames over a stream socket; ``send`` batches a loop iteration's
+    messages into one frame (``flush`` is scheduled once per iteration, or called by hand)."""
+
+    def __init__(
+        self,
+        on_frame: Callable[[list[tuple[Any, ...]]], None],
+        on_lost: Callable[[], None],
+        *,
+        auto_flush: bool = True,
+    ) -> None:
+        self._on_frame, self._on_lost, self._auto_flush = on_frame, on_lost, auto_flush
+        self._buffer = bytearray()
+        self._outbox: list[tuple[Any, ...]] = []
+        self._transport: asyncio.Transport | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self.flush()  # what was queued before the connection was made
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self._buffer
+        buffer += data
+        start = 0
+        while len(buffer) - start >= _HEADER:
+            size = int.from_bytes(buffer[start : start + _HEADER], "little")
+            end = start + _HEADER + size
+            if len(buffer) < end:
+                break
+            frame = pickle.loads(buffer[start + _HEADER : end])
+            start = end
+            self._on_frame(frame)
+        del buffer[:start]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._on_lost()
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self.closed:
+            return
+        if not self._outbox and self._auto_flush:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._outbox.append(message)
+
+    def queue(self, message: tuple[Any, ...]) -> None:
+        """Send ``message`` in a frame of its own once connected (before anything else)."""
+        self._outbox.append(message)
+        if self._transport is not None:
+            self.flush()
+
+    def flush(self) -> bool:
+        """Write the queued messages as one frame; False when there were none."""
+        if not self._outbox or self._transport is None or self.closed:
+            return False
+        payload = pickle.dumps(self._outbox, protocol=pickle.HIGHEST_PROTOCOL)
+        self._outbox = []
+        self._transport.write(len(payload).to_bytes(_HEADER, "little") + payload)
+        return True
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+
+
+# ---------------------------------------------------------------------- the driver's side
+@dataclass
+class _Episode:
+    spec: EpisodeSpec
+    future: asyncio.Future[Trajectory]
+    on_failure: Callable[[Trajectory], None] | None
+
+
+@dataclass
+class _Worker:
+    """The driver's handle on one worker process."""
+
+    index: int
+    process: subprocess.Popen[bytes]
+    channel: _Channel
+    ready: asyncio.Future[bool]
+    """Set once the worker answered its setup (True) or failed it (False)."""
+    episodes: dict[str, _Episode] = field(default_factory=dict)
+    requests: set[str] = field(default_factory=set)
+    """Generation requests the worker is waiting for (aborted in the router if it dies)."""
+    last_turn: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    """Episode key -> its last prompt and generated ids (an ``extend`` goes on from them)."""
+    sent_at: collections.deque[float] = field(default_factory=collections.deque)
+    """lockstep: the clock at each frame not answered yet."""
+    lane_free: float = 0.0
+    """lockstep: when the worker's own timeline is free again."""
+
+
+class EnvWorkers:
+    """``workers`` processes playing episodes for the driver's scheduler (module docstring).
+
+    Hand it to ``RolloutScheduler`` (or ``play_episode`` / ``run_episodes``) in place of an
+    ``EnvManager``: ``engine`` is the router its workers generate through."""
+
+    def __init__(
+        self,
+        router: EngineRouter,
+        setup: WorkerSetup,
+        *,
+        workers: int = 4,
+        lockstep: bool = False,
+        close_timeout_s: float = 10.0,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(
+                f"rollout.env_workers must be >= 1 to use worker processes, got {workers}"
+            )
+        self.engine = router
+        self.setup, self.num_workers, self.lockstep = setup, workers, lockstep
+        self.close_timeout_s = close_timeout_s
+        self._workers: list[_Worker] = []
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        self._broken: str | None = None
+        """Why no worker can play (its setup failed): every call raises it."""
+        self.lane_busy_s = 0.0
+        """lockstep: the workers' CPU seconds reported so far (their timelines' busy time)."""
+        self.restarts = 0
+        """Workers replaced after dying."""
+
+    async def start(self) -> None:
+        """Start the worker processes and wait until each has built its manager (idempotent).
+
+        Raises ``RuntimeError`` with the worker's traceback when ``setup`` fails in it."""
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+        while len(self._workers) < self.num_workers:
+            self._workers.append(self._spawn(len(self._workers)))
+        for worker in list(self._workers):
+            await asyncio.shield(worker.ready)
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
+
+    async def play(
+        self,
+        spec: EpisodeSpec,
+        sampling: Sampling,
+        *,
+        max_retries: int = 2,
+        key: str | None = None,
+        on_failure: Callable[[Trajectory], None] | None = None,
+    ) -> Trajectory:
+        """``play_episode`` in the least busy worker; same arguments and result (``stop`` is
+        ``stop(keys)`` here)."""
+        if self._closed:
+            raise RuntimeError("EnvWorkers is closed")
+        if len(self._workers) < self.num_workers or self._broken is not None:
+            await self.start()
+        key = key or f"w{next(_keys)}"
+        worker = min(self._workers, key=lambda w: len(w.episodes))
+        if not await asyncio.shield(worker.ready):  # a replacement still starting, or broken
+            raise RuntimeError(self._broken)
+        future: asyncio.Future[Trajectory] = asyncio.get_running_loop().create_future()
+        worker.episodes[key] = _Episode(spec, future, on_failure)
+        self._send(worker, ("play", key, spec, sampling, max_retries))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            worker.episodes.pop(key, None)
+            self._send(worker, ("stop", [key]))
+            raise
+
+    def stop(self, keys: list[str]) -> None:
+        """No more replays for these episodes after their running attempt."""
+        for worker in self._workers:
+            held = [k for k in keys if k in worker.episodes]
+            if held:
+                self._send(worker, ("stop", held))
+
+    @property
+    def episodes(self) -> int:
+        """Episodes being played in the workers."""
+        return sum(len(w.episodes) for w in self._workers)
+
+    async def close(self) -> None:
+        """End every worker (their envs are closed by them); episodes still held fail."""
+        self._closed = True
+        workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.channel.close()
+        for worker in workers:
+            await self._reap(worker)
+            self._fail_held(worker, "EnvWorkers closed")
+        for task in list(self._tasks):
+            task.cancel()
+
+    # ------------------------------------------------------------------ workers
+    def _spawn(self, index: int) -> _Worker:
+        """A new worker process (``python -m trainer.rollout.env_workers FD``): it gets the
+        driver's ``sys.path``, then ``setup`` in its first frame, and answers ``ready``."""
+        loop = asyncio.get_running_loop()
+        mine, theirs = socket.socketpair()
+        mine.setblocking(False)
+        command = [sys.executable, "-m", "trainer.rollout.env_workers", str(theirs.fileno())]
+        path = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        process = subprocess.Popen(
+            command + (["--lockstep"] if self.lockstep else []),
+            pass_fds=[theirs.fileno()],
+            env={**os.environ, "PYTHONPATH": path},
+        )
+        theirs.close()
+        holder: list[_Worker] = []
+        channel = _Channel(
+            lambda frame: self._on_frame(holder[0], frame),
+            lambda: self._on_lost(holder[0]),
+            auto_flush=not self.lockstep,
+        )
+        worker = _Worker(index, process, channel, loop.create_future())
+        worker.lane_free = loop.time()
+        holder.append(worker)
+        loop.create_task(loop.connect_accepted_socket(lambda: channel, mine))
+        _owe(loop, 1)  # the clock waits for its "ready"
+        channel.queue(("init", self.setup))
+        return worker
+
+    def _send(self, worker: _Worker, message: tuple[Any, ...]) -> None:
+        if not self.lockstep:
+            worker.channel.send(message)
+            return
+        first = not worker.channel._outbox
+        worker.channel.send(message)
+        if first:  # one frame per loop iteration, with the clock it left at
+            asyncio.get_running_loop().call_soon(self._flush_lockstep, worker)
+
+    def _flush_lockstep(self, worker: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        if worker.channel.flush():
+            worker.sent_at.append(loop.time())
+            _owe(loop, 1)
+
+    def _on_frame(self, worker: _Worker, frame: list[tuple[Any, ...]]) -> None:
+        if frame[0][0] in ("ready", "fatal"):  # the answer to "init", before anything else
+            self._on_init(worker, frame[0])
+            return
+        if not self.lockstep:
+            self._handle(worker, frame)
+            return
+        loop = asyncio.get_running_loop()
+        _, answered, cpu_s = frame[-1]  # ("idle", frames answered, CPU seconds they took)
+        sent = [worker.sent_at.popleft() for _ in range(answered)]
+        _owe(loop, -answered)
+        start = max(sent[-1] if sent else loop.time(), worker.lane_free)
+        worker.lane_free = start + cpu_s
+        self.lane_busy_s += cpu_s
+        loop.call_at(worker.lane_free, self._handle, worker, frame[:-1])
+
+    def _handle(self, worker: _Worker, frame: list[tuple[Any, ...]]) -> None:
+        for message in frame:
+            kind = message[0]
+            if kind in ("generate", "extend"):
+                request: GenerationRequest = message[1]
+                key = episode_key(request.request_id)
+                if kind == "extend":  # the prompt goes on from the episode's previous turn
+                    before, generated = worker.last_turn[key]
+                    request.prompt_ids = before + generated + request.prompt_ids
+                worker.requests.add(request.request_id)
+                self._spawn_task(self._generate(worker, request, key))
+            elif kind == "abort":
+                self._spawn_task(self.engine.abort(message[1]))
+            elif kind == "forget":
+                worker.last_turn.pop(message[1], None)
+                self.engine.forget(message[1])
+            elif kind == "done":
+                _, key, trajectory, failed_attempts = message
+                episode = worker.episodes.pop(key, None)
+                if episode is None:
+                    continue  # given up on (cancelled) meanwhile
+                if episode.on_failure is not None:
+                    for attempt in failed_attempts:
+                        episode.on_failure(attempt)
+                if not episode.future.done():
+                    episode.future.set_result(trajectory)
+            elif kind == "error":  # play_episode raised: a bug, surfaced as the scheduler would
+                episode = worker.episodes.pop(message[1], None)
+                if episode is not None and not episode.future.done():
+                    episode.future.set_exception(RuntimeError(message[2]))
+
+    async def _generate(self, worker: _Worker, request: GenerationRequest, key: str) -> None:
+        try:
+            result = await self.engine.generate(request)
+        except Exception as error:  # noqa: BLE001 - the worker's episode records it as failed
+            worker.last_turn.pop(key, None)
+            self._send(worker, ("failed", request.request_id, f"{type(error).__name__}: {error}"))
+        else:
+            worker.last_turn[key] = (request.prompt_ids, result.token_ids)
+            self._send(worker, ("result", result))
+        finally:
+            worker.requests.discard(request.request_id)
+
+    def _spawn_task(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            _log.warning("env worker message failed: %r", task.exception())
+
+    def _on_init(self, worker: _Worker, answer: tuple[Any, ...]) -> None:
+        _owe(asyncio.get_running_loop(), -1)
+        if answer[0] == "fatal" and self._broken is None:
+            self._broken = (
+                f"an env worker could not build its EnvManager (the setup {self.setup!r}); its "
+                f"error:\n{answer[1]}"
+            )
+        if not worker.ready.done():
+            worker.ready.set_result(answer[0] == "ready")
+
+    def _on_lost(self, worker: _Worker) -> None:
+        """The worker's socket closed: it died (or ``close`` closed it)."""
+        if not worker.ready.done():  # died before it was ready: do not start it again
+            self._on_init(worker, ("fatal", "the worker process exited before it was ready"))
+        if worker not in self._workers:
+            return
+        loop = asyncio.get_running_loop()
+        _owe(loop, -len(worker.sent_at))
+        worker.sent_at.clear()
+        for request_id in list(worker.requests):
+            self._spawn_task(self.engine.abort(request_id))
+        if self._broken is None:  # a fresh worker takes its place at once
+            self.restarts += 1
+            self._workers[self._workers.index(worker)] = self._spawn(worker.index)
+        else:
+            self._workers.remove(worker)
+        self._spawn_task(self._bury(worker))
+
+    async def _bury(self, worker: _Worker) -> None:
+        code = await self._reap(worker)
+        _log.warning("env worker %d died (exit code %s)", worker.index, code)
+        self._fail_held(
+            worker, self._broken or f"env worker {worker.index} died (exit code {code})"
+        )
+
+    async def _reap(self, worker: _Worker) -> int | None:
+        """The worker's exit code, once it exited (killed after ``close_timeout_s``)."""
+        process = worker.process
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, process.wait, self.close_timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            await loop.run_in_executor(None, process.wait)
+        return process.returncode
+
+    @staticmethod
+    def _fail_held(worker: _Worker, reason: str) -> None:
+        episodes, worker.episodes = worker.episodes, {}
+        for episode in episodes.values():
+            if not episode.future.done():
+                spec = episode.spec
+                episode.future.set_result(
+                    Trajectory(spec.env_id, spec.seed, spec.group_id, failed=True, failure=reason)
+                )
+
+
+def _owe(loop: asyncio.AbstractEventLoop, frames: int) -> None:
+    """Tell a simulated clock that ``frames`` more (or fewer) answers are owed to it."""
+    owe = getattr(loop, "owe", None)
+    if owe is not None:
+        owe(frames)
+
+
+# ---------------------------------------------------------------------- the worker's side
+class RemoteEngine:
+    """The driver's router as a worker's ``EnvManager`` sees it (``RolloutEngine``)."""
+
+    def __init__(self, worker: _WorkerLoop) -> None:
+        self._worker = worker
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        worker = self._worker
+        future: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
+        worker.waiting[request.request_id] = future
+        key = episode_key(request.request_id)
+        prompt = request.prompt_ids
+        last = worker.last_turn.get(key)
+        worker.last_turn.pop(key, None)
+        if last is not None and len(prompt) >= len(last) and prompt[: len(last)] == last:
+            # the usual turn of an episode: only the ids after the previous turn's travel
+            worker.channel.send(("extend", replace(request, prompt_ids=prompt[len(last) :])))
+        else:
+            worker.channel.send(("generate", request))
+        worker.settle()
+        try:
+            result = await future
+        finally:
+            worker.waiting.pop(request.request_id, None)
+        if result.finish_reason != "abort":  # what the driver now holds for this episode
+            worker.last_turn[key] = prompt + result.token_ids
+        return result
+
+    async def abort(self, request_id: str) -> None:
+        self._worker.channel.send(("abort", request_id))
+
+    def forget(self, key: str) -> None:
+        self._worker.last_turn.pop(key, None)
+        self._worker.channel.send(("forget", key))
+
+
+class _WorkerLoop:
+    """A worker process's event loop: plays the episodes the driver sends."""
+
+    def __init__(self, lockstep: bool) -> None:
+        self.lockstep = lockstep
+        self.channel = _Channel(self.on_frame, self.on_lost, auto_flush=not lockstep)
+        self.waiting: dict[str, asyncio.Future[GenerationResult]] = {}
+        self.last_turn: dict[str, list[int]] = {}
+        """Episode key -> its last prompt + generated ids, as the driver holds them."""
+        self.manager: EnvManager | None = None
+        self.source: EnvSource | None = None
+        self.plays: dict[str, asyncio.Task[None]] = {}
+        self.stopped: set[str] = set()
+        self.lost = asyncio.Event()
+        self._owed = 0
+        self._cpu_from = 0.0
+
+    def init(self, setup: WorkerSetup) -> None:
+        """Build the manager with ``setup``; answer ``ready``, or ``fatal`` and stop."""
+        try:
+            self.manager, self.source = setup(RemoteEngine(self))
+        except BaseException:  # noqa: BLE001 - reported to the driver, which raises it
+            self.channel.queue(("fatal", traceback.format_exc()[-4000:]))
+            self.channel.close()
+            return
+        self.channel.queue(("ready",))
+
+    def on_frame(self, frame: list[tuple[Any, ...]]) -> None:
+        if frame[0][0] == "init":
+            self.init(frame[0][1])
+            return
+        if self.lockstep:
+            if not self._owed:
+                self._cpu_from = time.thread_time()
+            self._owed += 1
+        for message in frame:
+            kind = message[0]
+            if kind == "result":  # popped now: the episode no longer waits (``settle``)
+                result: GenerationResult = message[1]
+                future = self.waiting.pop(result.request_id, None)
+                if future is not None and not future.done():
+                    future.set_result(result)
+            elif kind == "failed":
+                future = self.waiting.pop(message[1], None)
+                if future is not None and not future.done():
+                    future.set_exception(RuntimeError(message[2]))
+            elif kind == "play":
+                _, key, spec, sampling, max_retries = message
+                task = asyncio.get_running_loop().create_task(
+                    self.play(key, spec, sampling, max_retries)
+                )
+                self.plays[key] = task
+            elif kind == "stop":
+                self.stopped.update(message[1])
+        self.settle()
+
+    async def play(self, key: str, spec: EpisodeSpec, sampling: Sampling, retries: int) -> None:
+        from trainer.rollout.groups import play_episode
+
+        assert self.manager is not None and self.source is not None
+        failed: list[Trajectory] = []
+        try:
+            trajectory = await play_episode(
+                self.manager,
+                self.source,
+                spec,
+                sampling,
+                max_retries=retries,
+                key=key,
+                on_failure=failed.append,
+                stop=lambda: key in self.stopped,
+            )
+        except Exception as error:  # noqa: BLE001 - reported to the driver's scheduler
+            self.channel.send(("error", key, f"{type(error).__name__}: {error}"[:500]))
+        else:
+            self.channel.send(("done", key, trajectory, failed))
+        finally:
+            self.plays.pop(key, None)
+            self.stopped.discard(key)
+            self.settle()
+
+    def settle(self) -> None:
+        """lockstep: answer the owed frames once every episode waits for the engine again."""
+        if not self.lockstep or not self._owed or len(self.waiting) < len(self.plays):
+            return
+        self.channel.send(("idle", self._owed, time.thread_time() - self._cpu_from))
+        self.channel.flush()
+        self._owed = 0
+
+    def on_lost(self) -> None:
+        self.lost.set()
+
+    async def serve(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.connect_accepted_socket(lambda: self.channel, sock)
+        try:
+            await self.lost.wait()
+        finally:
+            for task in list(self.plays.values()):
+                task.cancel()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(
+                    asyncio.gather(*self.plays.values(), return_exceptions=True), 10
+                )
+            if self.source is not None:
+                with contextlib.suppress(Exception):
+                    await self.source.aclose()
+
+
+def _worker_main(argv: list[str]) -> None:
+    """A worker process: play episodes until the driver's socket closes."""
+    from envhub.gc_tuning import relax_gc
+
+    relax_gc()  # as the driver does: many in-flight objects, few cycles
+    sock = socket.socket(fileno=int(argv[0]))
+
+    async def main() -> None:
+        await _WorkerLoop(lockstep="--lockstep" in argv).serve(sock)
+
+    asyncio.run(main())
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])
