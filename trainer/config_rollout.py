@@ -237,6 +237,13 @@ class RolloutConfig(Section):
     recorded as failed and replayed on a fresh env, then replaced); None waits as long as it
     takes. Setting it runs local envs' calls in threads, so even an env whose ``step`` blocks
     is bounded (in every rollout mode); a pool (``env.pool_workers``) also kills such a worker."""
+    env_workers: int = Field(default=0, ge=0)
+    """Play training episodes in this many worker processes (``trainer.rollout.env_workers``:
+    each runs its own env manager, chat template, tokenizer and envs; the driver keeps the
+    scheduler and the engine router and only forwards each turn's generation). For runs whose
+    driver cannot keep up with its engines (thousands of episodes in flight). 0: episodes play
+    in the driver's rollout thread. With ``env.pool_workers`` each env worker has a pool of its
+    own; evaluation episodes play in the driver."""
     generate_timeout_s: float | None = Field(default=None, gt=0)
     """Fail an episode whose turn is not generated within this many seconds, queueing in the
     engine included (the request is aborted in the engine; the episode is replayed, then its
@@ -267,6 +274,15 @@ class RolloutConfig(Section):
     def _known_engine(cls, name: str) -> str:
         engine_spec(name)  # ValueError: the engines that exist, and "did you mean"
         return name
+
+    @model_validator(mode="after")
+    def _env_workers_play_the_env_manager(self) -> RolloutConfig:
+        if self.env_workers and self.agent is not None:
+            raise ValueError(
+                "rollout.env_workers plays episodes with the built-in env manager, and "
+                "rollout.agent plays them through the trainer's proxy in the driver; unset one"
+            )
+        return self
 
     @model_validator(mode="after")
     def _scheduler_options_need_the_scheduler(self) -> RolloutConfig:

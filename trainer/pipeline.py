@@ -12,6 +12,7 @@ run resumed after ``kill -9`` produces the same next-step metrics as one never i
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import random
 import time
@@ -119,6 +120,7 @@ class AgenticPipeline:
             on_episode_end=self.rewards.score if self.rewards else None,
             policy=policy,
             eval_envs=self._eval_env_source(),
+            env_factory=self._env_factory(),
         )
 
     # ================================================================== the loop
@@ -492,21 +494,29 @@ class AgenticPipeline:
 
     def _env_source(self, mix: dict[str, dict[str, Any]] | None = None) -> Any:
         """Where episodes' envs come from; ``mix``: per-env kwargs (default: the entries')."""
+        return self._env_factory(mix)()
+
+    def _env_factory(self, mix: dict[str, dict[str, Any]] | None = None) -> Callable[[], Any]:
+        """A picklable callable that builds the run's env source (``_env_source``): what each
+        env worker process (``rollout.env_workers``) builds its own from."""
         env = self.cfg.env
         if env.hub is not None:  # (env kwargs with a remote hub are refused by config.problems())
-            return LocalEnvSource(hub=env.hub, token=env.token)
+            return functools.partial(LocalEnvSource, hub=env.hub, token=env.token)
         timeout = self.cfg.rollout.env_timeout_s
         if mix is None:
             mix = {entry.id: entry.kwargs for entry in env.entries if entry.kwargs}
         if env.pool_workers > 0:
-            return PoolEnvSource(
+            return functools.partial(
+                PoolEnvSource,
                 env.kwargs,
                 num_workers=env.pool_workers,
                 step_timeout_s=timeout or 30.0,
                 kwargs_by_env=mix,
             )
         # threads: a blocking step can then time out
-        return LocalEnvSource(env.kwargs, threaded=timeout is not None, kwargs_by_env=mix)
+        return functools.partial(
+            LocalEnvSource, env.kwargs, threaded=timeout is not None, kwargs_by_env=mix
+        )
 
     def _eval_env_source(self) -> Any:
         """The evaluation's envs when some env has held-out settings (``eval: {kwargs}``)."""

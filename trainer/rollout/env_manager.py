@@ -1,7 +1,7 @@
 """One episode against one env: observation -> chat template -> tokens -> generate -> step.
 
 ``EnvManager.run`` is the per-episode loop the rollout scheduler runs many of at once
-(asyncio): each turn it sends the running token ids to the engine (a ``RolloutEngine``; in
+(asyncio): each turn it sends the running token ids to the engine (a ``TurnEngine``; in
 a run, the ``EngineRouter``), appends the generated ids (policy tokens) unchanged, decodes
 them to the action text, steps the env, and appends the tokens of the env's reply (context).
 A crashed env ends the episode as ``failed`` (the caller drops or replaces it); it never
@@ -36,7 +36,6 @@ from trainer.strategies.base import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
     from envhub.pool.pool import Backend as PoolBackend
-    from trainer.rollout.router import RolloutEngine
 
 __all__ = [
     "EnvManager",
@@ -46,6 +45,7 @@ __all__ = [
     "PoolEnvSource",
     "Sampling",
     "StepOutcome",
+    "TurnEngine",
     "prompt_context",
 ]
 
@@ -71,6 +71,15 @@ class EnvSession(Protocol):
     async def step(self, action: str | dict[str, Any]) -> StepOutcome: ...
 
     async def close(self) -> None: ...
+
+
+class TurnEngine(Protocol):
+    """What an episode needs of an engine: a turn's generation and its abort (the router's
+    ``RolloutEngine`` has them, as has an env worker's ``RemoteEngine``)."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+
+    async def abort(self, request_id: str) -> None: ...
 
 
 class EnvSource(Protocol):
@@ -289,7 +298,7 @@ class EnvManager:
 
     def __init__(
         self,
-        engine: RolloutEngine,
+        engine: TurnEngine,
         renderer: ChatRenderer,
         *,
         max_turns: int,
@@ -320,6 +329,19 @@ class EnvManager:
         self.on_episode_end = on_episode_end
         self.step_timeout_s = step_timeout_s
         self.generate_timeout_s = generate_timeout_s
+
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments that build a manager like this one (``sample_unit`` resolved)
+        over another engine and renderer: what ``rollout.env_workers`` give their workers."""
+        return {
+            "max_turns": self.max_turns,
+            "max_context_tokens": self.max_context_tokens,
+            "step_timeout_s": self.step_timeout_s,
+            "generate_timeout_s": self.generate_timeout_s,
+            "sample_unit": self.sample_unit,
+            "context": self.context,
+            "context_turns": self.context_turns,
+        }
 
     async def run(
         self,

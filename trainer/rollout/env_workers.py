@@ -66,10 +66,32 @@ if TYPE_CHECKING:
     from trainer.rollout.groups import EpisodeSpec
     from trainer.rollout.router import EngineRouter
 
-__all__ = ["EnvWorkers", "RemoteEngine", "WorkerSetup"]
+__all__ = ["EnvWorkers", "ManagerSetup", "RemoteEngine", "WorkerSetup"]
 
 WorkerSetup = Callable[["RemoteEngine"], "tuple[EnvManager, EnvSource]"]
 """Builds a worker's ``EnvManager`` (generating through the given engine) and ``EnvSource``."""
+
+
+@dataclass(frozen=True)
+class ManagerSetup:
+    """The setup a training run gives its workers (``rollout.env_workers``): the driver's
+    tokenizer and renderer options, ``EnvManager`` options, and a picklable factory of the run's
+    env source (e.g. ``functools.partial(LocalEnvSource, kwargs)``)."""
+
+    tokenizer: Any
+    tool_parser: str
+    max_tool_calls: int
+    manager_options: dict[str, Any]
+    """``EnvManager`` keyword arguments (turn and context limits, timeouts, sample unit)."""
+    source: Callable[[], EnvSource]
+
+    def __call__(self, engine: RemoteEngine) -> tuple[EnvManager, EnvSource]:
+        from trainer.rollout.env_manager import EnvManager
+        from trainer.rollout.trajectory import ChatRenderer
+
+        renderer = ChatRenderer(self.tokenizer, self.tool_parser, self.max_tool_calls)
+        return EnvManager(engine, renderer, **self.manager_options), self.source()
+
 
 _log = logging.getLogger(__name__)
 _HEADER = 4  # bytes of a frame's length
@@ -185,7 +207,10 @@ class EnvWorkers:
         workers: int = 4,
         lockstep: bool = False,
         close_timeout_s: float = 10.0,
+        on_episode_end: Callable[[Trajectory], Any] | None = None,
     ) -> None:
+        """``on_episode_end``: awaited in the driver for each finished (not failed) episode
+        before ``play`` returns it (e.g. the run's reward functions), as ``EnvManager`` would."""
         if workers < 1:
             raise ValueError(
                 f"rollout.env_workers must be >= 1 to use worker processes, got {workers}"
@@ -193,6 +218,7 @@ class EnvWorkers:
         self.engine = router
         self.setup, self.num_workers, self.lockstep = setup, workers, lockstep
         self.close_timeout_s = close_timeout_s
+        self.on_episode_end = on_episode_end
         self._workers: list[_Worker] = []
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -202,6 +228,8 @@ class EnvWorkers:
         """lockstep: the workers' CPU seconds reported so far (their timelines' busy time)."""
         self.restarts = 0
         """Workers replaced after dying."""
+        self.played = 0
+        """Episodes the workers finished (failed ones included)."""
 
     async def start(self) -> None:
         """Start the worker processes and wait until each has built its manager (idempotent).
@@ -348,17 +376,31 @@ class EnvWorkers:
             elif kind == "done":
                 _, key, trajectory, failed_attempts = message
                 episode = worker.episodes.pop(key, None)
+                self.played += 1
                 if episode is None:
                     continue  # given up on (cancelled) meanwhile
                 if episode.on_failure is not None:
                     for attempt in failed_attempts:
                         episode.on_failure(attempt)
-                if not episode.future.done():
+                if self.on_episode_end is not None and not trajectory.failed:
+                    self._spawn_task(self._finish(episode, trajectory))
+                elif not episode.future.done():
                     episode.future.set_result(trajectory)
             elif kind == "error":  # play_episode raised: a bug, surfaced as the scheduler would
                 episode = worker.episodes.pop(message[1], None)
                 if episode is not None and not episode.future.done():
                     episode.future.set_exception(RuntimeError(message[2]))
+
+    async def _finish(self, episode: _Episode, trajectory: Trajectory) -> None:
+        assert self.on_episode_end is not None
+        try:
+            await self.on_episode_end(trajectory)
+        except Exception as error:  # noqa: BLE001 - raised by play, as EnvManager.run would
+            if not episode.future.done():
+                episode.future.set_exception(error)
+            return
+        if not episode.future.done():
+            episode.future.set_result(trajectory)
 
     async def _generate(self, worker: _Worker, request: GenerationRequest, key: str) -> None:
         try:

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.rollout.agents import AgentRunner
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
+from trainer.rollout.env_workers import EnvWorkers, ManagerSetup
 from trainer.rollout.groups import EpisodeSpec, run_episodes
 from trainer.rollout.proxy import AgentProxy
 from trainer.rollout.router import EngineRouter, RolloutEngine
@@ -71,10 +72,13 @@ class Rollouts:
         on_episode_end: Callable[[Trajectory], Any] | None = None,
         policy: PolicyVersion | None = None,
         eval_envs: EnvSource | None = None,
+        env_factory: Callable[[], EnvSource] | None = None,
     ) -> None:
         """``policy``: the run's version (``WeightSync.policy``), read by the router, the engines
         and the scheduler's staleness bound; None: the router counts the updates through it.
-        ``eval_envs``: where evaluation episodes play (held-out env settings); None: ``envs``."""
+        ``eval_envs``: where evaluation episodes play (held-out env settings); None: ``envs``.
+        ``env_factory``: builds an env source like ``envs`` in each env worker process
+        (``rollout.env_workers``; picklable, e.g. a ``functools.partial`` of the source class)."""
         self.cfg = cfg
         self.eval_envs = eval_envs if eval_envs is not None else envs
         self.thread = LoopThread()
@@ -114,9 +118,29 @@ class Rollouts:
                 context_turns=rollout.context_turns,
             )
         self.envs = envs
+        self.workers: EnvWorkers | None = None
+        """``rollout.env_workers``: the processes that play training episodes."""
+        if rollout.env_workers:
+            if env_factory is None or not isinstance(self.manager, EnvManager):
+                raise ValueError(
+                    "rollout.env_workers needs the built-in env manager and an env_factory"
+                )
+            self.workers = EnvWorkers(
+                self.router,
+                ManagerSetup(
+                    renderer.tokenizer,
+                    renderer.tool_parser_name,
+                    renderer.max_tool_calls,
+                    self.manager.options(),
+                    env_factory,
+                ),
+                workers=rollout.env_workers,
+                on_episode_end=on_episode_end,
+            )
+            self.thread.run(self.workers.start())
         self.scheduler = RolloutScheduler(
             SchedulerConfig.from_config(cfg),
-            self.manager,
+            self.workers or self.manager,
             self.router,
             envs,
             Sampling(rollout.max_new_tokens, rollout.temperature, rollout.top_p),
@@ -197,6 +221,8 @@ class Rollouts:
         """Abort what still runs, close envs and engine front-ends, stop the loop thread."""
         try:
             self.thread.run(self.scheduler.close(), timeout=60)
+            if self.workers is not None:
+                self.thread.run(self.workers.close(), timeout=60)
             if self.proxy is not None:
                 self.thread.run(self.proxy.aclose(), timeout=60)
             self.thread.run(self.router.close(), timeout=60)

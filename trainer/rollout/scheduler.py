@@ -4,7 +4,7 @@ Episodes come in *groups* (one task, ``group_size`` plays, compared by GRPO/RLOO
 scheduler keeps groups running on an ``EngineRouter`` and hands out a batch of
 ``num_groups`` finished groups as soon as that many are ready::
 
-    start group -> episodes play (EnvManager, concurrently) -> group done
+    start group -> episodes play (EnvManager, or EnvWorkers' processes) -> group done
         -> failed?   (an episode still failed after retries)  -> recorded, replaced
         -> filtered? (dynamic sampling: all rewards equal)    -> recorded, replaced
         -> stale?    (async: oldest token > max_staleness)    -> recorded, replaced

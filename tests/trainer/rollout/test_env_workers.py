@@ -4,6 +4,7 @@ episodes as in the driver, surviving a worker that dies, leaving no process behi
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -159,3 +160,34 @@ def test_a_setup_that_fails_in_the_worker_is_a_clear_error_not_a_hang() -> None:
     started, played = asyncio.run(main())
     assert "could not build its EnvManager" in started and "no tokenizer here" in started
     assert played == started
+
+
+def test_a_run_with_env_workers_trains_on_episodes_its_workers_played(tmp_path: Path) -> None:
+    from tests.trainer.test_cli import QUICKSTART, TINY
+    from tests.trainer.test_pipeline import VARIED
+    from trainer.config import load_config
+    from trainer.pipeline import AgenticPipeline
+
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *TINY,
+            "rollout.env_workers=2",
+            "rollout.mode=async",
+            "train.steps=2",
+            "sft.epochs=1",
+            "eval.episodes=4",
+            f"output_dir={tmp_path / 'run'}",
+            VARIED,
+        ],
+    )
+    pipeline = AgenticPipeline(cfg)
+    workers = pipeline.rollouts.workers
+    assert workers is not None
+    processes = [w.process for w in workers._workers]
+    rows = pipeline.fit()
+    trained = [row for row in rows if "actor/grad_norm" in row]
+    assert len(trained) == 2 and all(row["actor/grad_norm"] > 0 for row in trained)
+    assert workers.played >= 2 * cfg.env.num_groups * cfg.env.group_size
+    assert "eval/success" in rows[-1]  # evaluation plays in the driver
+    assert [p.poll() for p in processes] == [0, 0]  # the run closed its workers
