@@ -47,12 +47,20 @@ Modes, each for ``--steps`` training batches of ``episodes`` episodes, from the 
 ``batch`` (plan the step's groups, play all, train, sync), ``sync`` (scheduler on-policy,
 redundancy ``--redundancy``), ``async-1``/``async-2`` (rollouts continue during training,
 ``max_staleness`` 1/2, same redundancy). Printed per scale and mode: trained trajectories per
-simulated second and the speedup over ``batch``, engine utilisation (share of simulated time
+simulated second and the speedup over ``batch``, the speedup training alone would allow (the
+mode's trained trajectories per simulated training second over ``batch``'s throughput: no
+overlap of rollouts and training can beat it), engine utilisation (share of simulated time
 the engines spend in steps) and mean decode batch, the share of the simulated time the driver
 was busy, and the driver's real CPU per episode-turn (process CPU minus the simulated engines'
 bookkeeping and the envs' own code, / generation requests; the chat template + tokenizer share
 shown). The timing around each env and renderer call and the simulated clock's reads (a CPU
 clock is a system call) add a few microseconds per turn of their own.
+
+``--env-workers N`` plays the episodes in N worker processes (``trainer.rollout.env_workers``,
+``rollout.env_workers`` in a run) in lockstep with the simulated clock: each worker's CPU
+(chat template, tokenizer, envs, its side of the messages) goes to its own simulated timeline,
+as N processes on N cores would run, and the driver's CPU per turn is then what it costs to
+route each turn and pass messages. Printed too: the workers' CPU per turn and how busy each was.
 Last line: ``scale_speedup_vs_batch: X x`` (best async setting with staleness <= 2 over
 ``batch``, at the largest scale run).
 """
@@ -252,6 +260,7 @@ async def run_mode(
         "decode_batch": sum(s.decode_seq_steps for s in stats) / max(steps, 1),
         "tokens_per_s": sum(s.new_tokens for s in stats) / sim_s,
         "train_s": cluster.train_s,
+        "train_bound": trained / max(cluster.train_s, 1e-9),
         "staleness": staleness,
         "turns": turns,
         "real_s": real_s,
@@ -338,7 +347,8 @@ def main() -> None:
                 f"x, engine utilisation {100 * r['utilisation']:5.1f}%, decode batch "
                 f"{r['decode_batch']:5.1f}, {r['tokens_per_s'] / engines:6.0f} tok/s per engine, "
                 f"staleness <= {r['staleness']:.0f}; {r['sim_s']:7.1f} s simulated "
-                f"({r['train_s']:.1f} s training) in {r['real_s']:6.1f} s real; the driver busy "
+                f"({r['train_s']:.1f} s training: training alone bounds this mode at "
+                f"{r['train_bound'] / base:.2f} x) in {r['real_s']:6.1f} s real; the driver busy "
                 f"{100 * r['driver_busy']:4.1f}% of the simulated time, its CPU "
                 f"{r['driver_us_per_turn']:5.1f} us/turn ({r['template_us_per_turn']:.1f} of it "
                 f"chat template + tokenizer) over {r['turns']:.0f} turns, not counted: envs "

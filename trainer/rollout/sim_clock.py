@@ -94,9 +94,9 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def stop_charging(self) -> None:
         """From now on CPU is not charged: the clock stands still until ``start_charging``."""
-        if self._paused_at is None:
-            self._paused_at = self.time()
+        if self._paused_at is None:  # one read of the CPU clock (a system call)
             self._paused_cpu = time.clock_gettime(self._cpu_clock)
+            self._paused_at = self._paused_cpu + self._offset
 
     def start_charging(self) -> float:
         """Charge CPU again; returns the CPU seconds left uncharged since ``stop_charging``."""
