@@ -364,8 +364,12 @@ class EnvWorkers:
                 request: GenerationRequest = message[1]
                 key = episode_key(request.request_id)
                 if kind == "extend":  # the prompt goes on from the episode's previous turn
-                    before, generated = worker.last_turn[key]
-                    request.prompt_ids = before + generated + request.prompt_ids
+                    last = worker.last_turn.get(key)
+                    if last is None:  # cannot happen while both sides agree; fail the turn
+                        error = "the driver holds no previous turn of this episode to extend"
+                        self._send(worker, ("failed", request.request_id, error))
+                        continue
+                    request.prompt_ids = last[0] + last[1] + request.prompt_ids
                 worker.requests.add(request.request_id)
                 self._spawn_task(self._generate(worker, request, key))
             elif kind == "abort":

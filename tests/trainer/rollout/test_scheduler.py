@@ -482,3 +482,40 @@ def test_sync_batches_are_on_policy_across_weight_updates(policy) -> None:
             k.startswith("rollout/staleness_") and k != "rollout/staleness_0" and v
             for k, v in batch.metrics.items()
         )
+
+
+class _StaggeredEngine(RecordingEngine):
+    """Answers group ``n``'s turn after ``n`` loop iterations (one EOS token): the groups
+    finish one after another, one iteration apart."""
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        group = int(request.request_id[1:].split("e", 1)[0])
+        for _ in range(group):
+            await asyncio.sleep(0)
+        return GenerationResult(request.request_id, [self.eos_token_id], [0.0], "stop")
+
+
+def test_a_surplus_group_that_ends_while_the_batch_is_taken_is_not_trained_later(policy) -> None:
+    """``sync``: a group finishing while the batch's surplus is being cancelled was judged ready
+    (it was not yet marked cancelled) and entered the next batch, one version behind (seen in
+    ``rollout_scale.py --env-workers``: whole groups from the previous version in sync batches)."""
+    model, tokenizer = policy
+    engine = _StaggeredEngine(
+        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, seed=0
+    )
+    router = EngineRouter([engine])
+    manager = EnvManager(router, ChatRenderer(tokenizer), max_turns=1, max_context_tokens=512)
+    cfg = SchedulerConfig(num_groups=2, group_size=1, env_ids=("test/scripted-v0",), redundancy=8)
+    source = LocalEnvSource(make=lambda env_id, **kw: ScriptedEnv(turns=lambda seed: 1))
+    scheduler = RolloutScheduler(cfg, manager, router, source, Sampling(3))
+
+    async def go():
+        batches = []
+        for _ in range(3):
+            batches.append(await scheduler.next_batch())
+            await scheduler.update_weights({})
+        await scheduler.close()
+        return batches
+
+    for batch in run(go()):
+        assert {t.oldest_version for t in batch.trajectories} == {batch.version}
