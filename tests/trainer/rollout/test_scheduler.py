@@ -434,6 +434,20 @@ def test_rank_engines_route_over_infer_workers_and_abort_a_running_batch(policy_
         cluster.shutdown()
 
 
+def batches_across_updates(scheduler: RolloutScheduler, weights: Any, count: int = 3) -> list[Any]:
+    """``count`` batches with a weight update after each, then the scheduler closed."""
+
+    async def go() -> list[Any]:
+        batches = []
+        for _ in range(count):
+            batches.append(await scheduler.next_batch())
+            await scheduler.update_weights(weights)
+        await scheduler.close()
+        return batches
+
+    return run(go())
+
+
 class PaddedPromptEnv(ScriptedEnv):
     """An even task's first observation is long: its prompt alone can fill a small context."""
 
@@ -461,16 +475,7 @@ def test_sync_batches_are_on_policy_across_weight_updates(policy) -> None:
     cfg = SchedulerConfig(num_groups=2, group_size=2, env_ids=("test/scripted-v0",), redundancy=1.5)
     source = LocalEnvSource(make=lambda env_id, **kw: PaddedPromptEnv(turns=lambda seed: 2))
     scheduler = RolloutScheduler(cfg, manager, router, source, Sampling(3))
-
-    async def go():
-        batches = []
-        for _ in range(3):
-            batches.append(await scheduler.next_batch())
-            await scheduler.update_weights(weights)
-        await scheduler.close()
-        return batches
-
-    batches = run(go())
+    batches = batches_across_updates(scheduler, weights)
     assert [b.version for b in batches] == [0, 1, 2]
     tokenless = [t for b in batches for t in b.trajectories if t.oldest_version is None]
     assert tokenless and all(t.num_policy_tokens == 0 and t.truncated for t in tokenless)
@@ -508,14 +513,5 @@ def test_a_surplus_group_that_ends_while_the_batch_is_taken_is_not_trained_later
     cfg = SchedulerConfig(num_groups=2, group_size=1, env_ids=("test/scripted-v0",), redundancy=8)
     source = LocalEnvSource(make=lambda env_id, **kw: ScriptedEnv(turns=lambda seed: 1))
     scheduler = RolloutScheduler(cfg, manager, router, source, Sampling(3))
-
-    async def go():
-        batches = []
-        for _ in range(3):
-            batches.append(await scheduler.next_batch())
-            await scheduler.update_weights({})
-        await scheduler.close()
-        return batches
-
-    for batch in run(go()):
+    for batch in batches_across_updates(scheduler, {}):
         assert {t.oldest_version for t in batch.trajectories} == {batch.version}
