@@ -7,7 +7,8 @@
 ``router``       ``EngineRouter``: least-loaded sticky routing, aborts, preemption, over the
                  engines; ``RolloutEngine``: what the rollout path needs of an engine
 ``env_manager``  one episode against one env (template -> tokens -> generate -> step), env sources
-``env_workers``  ``EnvWorkers``: env managers in worker processes (``rollout.env_workers``)
+``env_workers``  ``EnvWorkers``: env managers in worker processes (``rollout.env_workers``);
+                 ``env_worker_process``: one such process (its loop, ``RemoteEngine``, messages)
 ``agents``       ``rollout.agent``: a black-box agent plays each episode (``AgentEpisode``)
 ``proxy``        the OpenAI-compatible endpoint it plays through, recording exact tokens
 ``groups``       which episodes a step or an evaluation plays; ``play_episode`` (replays on failure)
@@ -19,6 +20,7 @@ from __future__ import annotations
 __all__ = [
     "agents",
     "env_manager",
+    "env_worker_process",
     "env_workers",
     "groups",
     "proxy",
