@@ -32,7 +32,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainer.rollout.router import episode_key
 from trainer.rollout.trajectory import Trajectory
@@ -68,8 +68,7 @@ class Channel(asyncio.Protocol):
         self.closed = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        self._transport = cast(asyncio.Transport, transport)  # a stream socket's transport
         self.flush()  # what was queued before the connection was made
 
     def data_received(self, data: bytes) -> None:
@@ -212,7 +211,8 @@ class _WorkerLoop:
     async def play(self, key: str, spec: EpisodeSpec, sampling: Sampling, retries: int) -> None:
         from trainer.rollout.groups import play_episode
 
-        assert self.manager is not None and self.source is not None
+        if self.manager is None or self.source is None:
+            raise RuntimeError("an episode arrived before the worker's setup (the init frame)")
         failed: list[Trajectory] = []
         try:
             trajectory = await play_episode(

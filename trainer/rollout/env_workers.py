@@ -315,7 +315,7 @@ class EnvWorkers:
                     for attempt in failed_attempts:
                         episode.on_failure(attempt)
                 if self.on_episode_end is not None and not trajectory.failed:
-                    self._spawn_task(self._finish(episode, trajectory))
+                    self._spawn_task(self._finish(episode, trajectory, self.on_episode_end))
                 elif not episode.future.done():
                     episode.future.set_result(trajectory)
             elif kind == "error":  # play_episode raised: a bug, surfaced as the scheduler would
@@ -323,10 +323,12 @@ class EnvWorkers:
                 if episode is not None and not episode.future.done():
                     episode.future.set_exception(RuntimeError(message[2]))
 
-    async def _finish(self, episode: _Episode, trajectory: Trajectory) -> None:
-        assert self.on_episode_end is not None
+    @staticmethod
+    async def _finish(
+        episode: _Episode, trajectory: Trajectory, hook: Callable[[Trajectory], Any]
+    ) -> None:
         try:
-            await self.on_episode_end(trajectory)
+            await hook(trajectory)
         except Exception as error:  # noqa: BLE001 - raised by play, as EnvManager.run would
             if not episode.future.done():
                 episode.future.set_exception(error)

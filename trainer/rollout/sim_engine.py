@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import heapq
 import itertools
 import time
@@ -326,10 +327,8 @@ class SimEngine:
         """Stop stepping; everything still held ends as ``abort``."""
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
                 await self._task
-            except (asyncio.CancelledError, RuntimeError):
-                pass
             self._task = None
         for seq in list(self._by_id.values()):
             self._finish(seq, "abort")

@@ -9,6 +9,7 @@ cluster.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 
 from trainer.strategies.base import GenerationRequest, GenerationResult
@@ -87,10 +88,8 @@ class BatchingFrontend:
         self._queue.clear()
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
                 await self._task
-            except (asyncio.CancelledError, RuntimeError):
-                pass
             self._task = None
 
     # ------------------------------------------------------------------ batching
