@@ -96,6 +96,11 @@ class Channel(asyncio.Protocol):
             asyncio.get_running_loop().call_soon(self.flush)
         self._outbox.append(message)
 
+    @property
+    def pending(self) -> bool:
+        """Messages wait to be flushed."""
+        return bool(self._outbox)
+
     def queue(self, message: tuple[Any, ...]) -> None:
         """Send ``message`` in a frame of its own once connected (before anything else)."""
         self._outbox.append(message)

@@ -258,7 +258,7 @@ class EnvWorkers:
         if not self.lockstep:
             worker.channel.send(message)
             return
-        first = not worker.channel._outbox
+        first = not worker.channel.pending
         worker.channel.send(message)
         if first:  # one frame per loop iteration, with the clock it left at
             asyncio.get_running_loop().call_soon(self._flush_lockstep, worker)

@@ -43,7 +43,7 @@ import socket
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
@@ -327,7 +327,8 @@ class AgentProxy:
                 )
             started = time.monotonic()
             found = self._context(episode, messages, tools)
-            assert found is not None  # new_row=True: a row is always found or made
+            if found is None:  # cannot happen: new_row=True always finds or makes a row
+                raise RuntimeError("the agent proxy found no sample row for this call")
             row, context = found
             result = await self._generate(episode, row, context, body)
             row.append_context(context)
@@ -581,8 +582,8 @@ class AgentProxy:
         from starlette.routing import Route
 
         async def proxy_error(_: Request, error: Exception) -> Response:
-            assert isinstance(error, ProxyError)
-            return JSONResponse(error.body(), status_code=error.status)
+            known = cast(ProxyError, error)  # registered for ProxyError only
+            return JSONResponse(known.body(), status_code=known.status)
 
         async def server_error(_: Request, error: Exception) -> Response:
             _log.exception("agent proxy error", exc_info=error)
