@@ -54,9 +54,12 @@ mode's trained trajectories per simulated training second over ``batch``'s throu
 overlap of rollouts and training can beat it), engine utilisation (share of simulated time
 the engines spend in steps) and mean decode batch, the share of the simulated time the driver
 was busy, and the driver's real CPU per episode-turn (process CPU minus the simulated engines'
-bookkeeping and the envs' own code, / generation requests; the chat template + tokenizer share
-shown). The timing around each env and renderer call and the simulated clock's reads (a CPU
-clock is a system call) add a few microseconds per turn of their own.
+own work and the envs' own code, / generation requests; the chat template + tokenizer share
+shown). An engine's steps and its intake of each request run off the simulated clock
+(``VirtualClockLoop.uncharged``: a GPU worker's CPU is its own process's on a cluster); what
+the simulation still leaves on the driver: the loop waking once per engine step (a few
+microseconds), the timing around each env and renderer call and the simulated clock's reads
+(a CPU clock is a system call).
 
 ``--env-workers N`` plays the episodes in N worker processes (``trainer.rollout.env_workers``,
 ``rollout.env_workers`` in a run) in lockstep with the simulated clock: each worker's CPU
@@ -213,7 +216,9 @@ async def run_mode(
     first: tuple[float, int] | None = None  # (clock, trained) once the first step is done
     CPU.envs = CPU.renderer = 0.0
     lanes0 = getattr(manager, "lane_busy_s", 0.0)
-    charged0 = loop.charged_s if isinstance(loop, sim_clock.VirtualClockLoop) else 0.0
+    if not isinstance(loop, sim_clock.VirtualClockLoop):
+        raise RuntimeError("run_mode runs on trainer.rollout.sim_clock.run's loop")
+    charged0, uncharged0 = loop.charged_s, loop.uncharged_s
     cpu0, real0, sim0 = time.process_time(), time.perf_counter(), loop.time()
     if mode == "batch":
         for step in range(args.steps):
@@ -245,7 +250,7 @@ async def run_mode(
         finally:
             await scheduler.close()
     sim_s = loop.time() - sim0
-    charged = (loop.charged_s if isinstance(loop, sim_clock.VirtualClockLoop) else 0.0) - charged0
+    charged = loop.charged_s - charged0
     real_s, cpu_s = time.perf_counter() - real0, time.process_time() - cpu0
     stats = [e.stats for e in cluster.engines]
     workers_cpu = getattr(manager, "lane_busy_s", 0.0) - lanes0
@@ -253,7 +258,7 @@ async def run_mode(
         await manager.close()
     for engine in cluster.engines:
         await engine.close()
-    engine_cpu = sum(s.cpu_s for s in stats)
+    engine_cpu = loop.uncharged_s - uncharged0  # the simulated engines' own CPU
     turns = router.totals().requests
     driver_cpu = cpu_s - engine_cpu - CPU.envs
     steps = sum(s.steps for s in stats)

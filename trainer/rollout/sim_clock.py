@@ -12,8 +12,10 @@ the real scheduler, router and env managers against simulated GPUs whose steps t
 - plus the time it jumps: when nothing is ready and the loop would block until its next
   timer (an engine step ending, a training step, a timeout), the clock jumps to it.
 
-Code that simulates rather than is simulated (the simulated engines' bookkeeping) runs
-inside ``uncharged()``: its CPU is not charged. Work handed to a thread through
+Code that simulates rather than is simulated (the simulated engines: on a cluster they run in
+other processes) runs inside ``uncharged()`` (or between ``stop_charging`` and
+``start_charging``; both nest): its CPU is not charged to the driver's timeline
+(``uncharged_s`` counts it). Work handed to a thread through
 ``run_in_executor`` / ``asyncio.to_thread`` is waited for (the clock does not jump past a
 thread that has not answered) but not charged; threads that report back otherwise (e.g.
 ``call_soon_threadsafe``) are not waited for: a simulation must not use them. Another
@@ -70,6 +72,8 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         self._offset = -time.clock_gettime(self._cpu_clock)
         self._paused_at: float | None = None
         self._paused_cpu = 0.0
+        self._pauses = 0
+        """Nesting depth of ``stop_charging`` calls not ended yet."""
         self._threads = 0
         self._threads_lock = threading.Lock()
         self.skipped_s = 0.0
@@ -93,14 +97,20 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         self.skipped_s += seconds
 
     def stop_charging(self) -> None:
-        """From now on CPU is not charged: the clock stands still until ``start_charging``."""
-        if self._paused_at is None:  # one read of the CPU clock (a system call)
+        """From now on CPU is not charged: the clock stands still until the matching
+        ``start_charging`` (calls nest: the outermost pair decides)."""
+        self._pauses += 1
+        if self._pauses == 1:  # one read of the CPU clock (a system call)
             self._paused_cpu = time.clock_gettime(self._cpu_clock)
             self._paused_at = self._paused_cpu + self._offset
 
     def start_charging(self) -> float:
-        """Charge CPU again; returns the CPU seconds left uncharged since ``stop_charging``."""
-        if self._paused_at is None:
+        """End a ``stop_charging``; returns the CPU seconds left uncharged, once the outermost
+        one ends (0 for an inner one, or without a ``stop_charging``)."""
+        if self._pauses == 0:
+            return 0.0
+        self._pauses -= 1
+        if self._pauses:
             return 0.0
         spent = time.clock_gettime(self._cpu_clock) - self._paused_cpu
         self._offset -= spent
@@ -111,13 +121,11 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     @contextlib.contextmanager
     def uncharged(self) -> Iterator[None]:
         """The block's CPU is not charged to the clock (it stands still meanwhile)."""
-        nested = self._paused_at is not None
         self.stop_charging()
         try:
             yield
         finally:
-            if not nested:
-                self.start_charging()
+            self.start_charging()
 
     @property
     def threads_pending(self) -> int:

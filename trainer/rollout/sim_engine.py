@@ -40,7 +40,6 @@ import collections
 import contextlib
 import heapq
 import itertools
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -195,8 +194,6 @@ class EngineStats:
     requests: int = 0
     aborted: int = 0
     waiting_peak: int = 0
-    cpu_s: float = 0.0
-    """Real CPU seconds of this engine's own bookkeeping (so the driver's can be told apart)."""
 
 
 _LOGPROB = -0.5
@@ -253,17 +250,19 @@ class SimEngine:
         self._blocked_until = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stalled = False
-        self._meter_started = 0.0
-        self._wake: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.Handle | None = None
+        """The engine's next callback (a step's start or end); None while idle or stalled."""
 
     # ------------------------------------------------------------------ InferenceEngine
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         loop = asyncio.get_running_loop()
-        if self._wake is None or self._task is None or self._task.done() or self._loop is not loop:
-            self._loop, self._wake = loop, asyncio.Event()
-            self._task = loop.create_task(self._serve(self._wake))
-        self._meter_on()
+        if self._loop is not loop:  # first use, or a new loop: nothing scheduled on this one
+            self._loop, self._timer = loop, None
+        with self._off_clock():  # taking the request is the engine's work
+            seq = self._take(request, loop)
+        return await seq.future
+
+    def _take(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> _Seq:
         prompt = len(request.prompt_ids)
         key = request.request_id.rpartition("/")[0] or request.request_id
         seq = _Seq(request, loop.create_future(), key, prompt, max(1, request.max_new_tokens))
@@ -272,9 +271,8 @@ class SimEngine:
         self._waiting_count += 1
         self.stats.requests += 1
         self.stats.waiting_peak = max(self.stats.waiting_peak, self._waiting_count)
-        self._wake.set()
-        self._meter_off()
-        return await seq.future
+        self._kick()
+        return seq
 
     def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """The requests at once, on a fresh virtual clock (blocking; not inside a running loop)."""
@@ -298,8 +296,7 @@ class SimEngine:
             self._finish(seq, "abort")
         else:
             self._aborting.append(seq)
-            if self._wake is not None:
-                self._wake.set()
+            self._kick()
 
     def update_weights(self, weights: Weights) -> None:
         """New weights (their values are not used): the engine does not step for ``sync_s``
@@ -325,11 +322,9 @@ class SimEngine:
 
     async def close(self) -> None:
         """Stop stepping; everything still held ends as ``abort``."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, RuntimeError):
-                await self._task
-            self._task = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for seq in list(self._by_id.values()):
             self._finish(seq, "abort")
 
@@ -344,46 +339,45 @@ class SimEngine:
         return len(self._by_id)
 
     # ------------------------------------------------------------------ the step loop
-    async def _serve(self, wake: asyncio.Event) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            wait = self._blocked_until - loop.time()
-            if wait > 0:  # a weight load in progress
-                await asyncio.sleep(wait)
-                continue
-            self._meter_on()
+    # Plain loop callbacks, not a task sleeping per step: one callback per step, run off a
+    # VirtualClockLoop's clock (a GPU worker's own CPU is not the driver's).
+    def _kick(self) -> None:
+        """Work arrived (a request, an abort): start a step unless one is scheduled."""
+        if self._timer is None and not self._stalled and self._loop is not None:
+            self._timer = self._loop.call_soon(self._start_step)
+
+    def _off_clock(self) -> contextlib.AbstractContextManager[Any]:
+        """The engine's own work, kept off a ``VirtualClockLoop``'s clock."""
+        loop = self._loop
+        return loop.uncharged() if isinstance(loop, VirtualClockLoop) else contextlib.nullcontext()
+
+    def _start_step(self) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        with self._off_clock():
+            self._timer = None
+            if self._blocked_until > loop.time():  # a weight load in progress
+                self._timer = loop.call_at(self._blocked_until, self._start_step)
+                return
             self._settle_aborts()
             self._admit()
             prefill_tokens, prefill_context, chunks = self._plan_prefill()
             if self._stalled or (not self._decoding and not chunks):
-                self._meter_off()
-                wake.clear()
-                await wake.wait()
-                continue
+                return  # idle until ``_kick``
             seconds = self.cost.step_seconds(
                 self._decoding, self._decode_context, prefill_tokens, prefill_context
             )
             self.stats.steps += 1
             self.stats.busy_s += seconds
             self.stats.decode_seq_steps += self._decoding
-            self._meter_off()
-            await asyncio.sleep(seconds)
-            self._meter_on()
+            self._timer = loop.call_at(loop.time() + seconds, self._step_done, chunks)
+
+    def _step_done(self, chunks: list[tuple[_Seq, int]]) -> None:
+        with self._off_clock():
+            self._timer = None
             self._end_step(chunks)
-            self._meter_off()
-
-    def _meter_on(self) -> None:
-        """Start counting this engine's own CPU (kept off a ``VirtualClockLoop``'s clock)."""
-        if isinstance(self._loop, VirtualClockLoop):
-            self._loop.stop_charging()
-        else:
-            self._meter_started = time.thread_time()
-
-    def _meter_off(self) -> None:
-        if isinstance(self._loop, VirtualClockLoop):
-            self.stats.cpu_s += self._loop.start_charging()
-        else:
-            self.stats.cpu_s += time.thread_time() - self._meter_started
+            self._start_step()  # the next step starts as this one ends
 
     def _admit(self) -> None:
         """Start waiting requests, in arrival order, while slots and KV cache allow."""

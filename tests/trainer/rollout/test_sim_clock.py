@@ -70,3 +70,24 @@ def test_uncharged_work_leaves_the_clock_where_it_was() -> None:
 
     before, during, uncharged = sim_clock.run(main())
     assert during == before and uncharged > 0
+
+
+def test_stops_of_the_charging_nest_and_the_outermost_one_decides() -> None:
+    def burn() -> None:
+        sum(i * i for i in range(100_000))
+
+    async def main() -> tuple[float, float, float, float]:
+        loop = asyncio.get_running_loop()
+        assert isinstance(loop, sim_clock.VirtualClockLoop)
+        loop.stop_charging()  # the simulated engine's step ...
+        before = loop.time()
+        loop.stop_charging()  # ... takes a request inside it
+        burn()
+        inner = loop.start_charging()
+        burn()  # still the step's: not on the clock
+        outer = loop.start_charging()
+        return before, inner, outer, loop.time()
+
+    before, inner, outer, after = sim_clock.run(main())
+    assert inner == 0.0 and outer > 0  # the outermost end reports the whole block's CPU
+    assert after - before < outer / 2  # ... none of which is on the clock
