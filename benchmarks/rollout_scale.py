@@ -217,7 +217,7 @@ async def run_mode(
     CPU.envs = CPU.renderer = 0.0
     lanes0 = getattr(manager, "lane_busy_s", 0.0)
     if not isinstance(loop, sim_clock.VirtualClockLoop):
-        raise RuntimeError("run_mode runs on trainer.rollout.sim_clock.run's loop")
+        raise TypeError("run_mode runs on trainer.rollout.sim_clock.run's loop")
     charged0, uncharged0 = loop.charged_s, loop.uncharged_s
     cpu0, real0, sim0 = time.process_time(), time.perf_counter(), loop.time()
     if mode == "batch":
@@ -235,12 +235,12 @@ async def run_mode(
         try:
             for _ in range(args.steps):
                 batch = await scheduler.next_batch()
-                staleness = max(
+                staleness = max(  # the scheduler's own count of trajectories per lag
                     [staleness]
                     + [
-                        batch.version - t.oldest_version
-                        for t in batch.trajectories
-                        if t.oldest_version is not None
+                        int(name.rpartition("_")[2])
+                        for name, count in batch.metrics.items()
+                        if name.startswith("rollout/staleness_") and count
                     ]
                 )
                 await cluster.train(batch.trajectories)  # rollouts go on meanwhile (async)

@@ -7,15 +7,19 @@ carries ``("init", setup)``: the worker calls ``setup(RemoteEngine)`` and answer
 or ``("fatal", traceback)`` and exits. Then:
 
     driver -> worker   ("play", key, spec, sampling, max_retries)  play_episode in a task
-                       ("result", GenerationResult) / ("failed", request_id, error)
+                       ("result", *result) / ("failed", request_id, error)
                        ("stop", [keys])                              no more replays
-    worker -> driver   ("generate", request)                        a whole prompt
-                       ("extend", request)                          only the ids after the
+    worker -> driver   ("generate", *request)                       a whole prompt
+                       ("extend", *request)                         only the ids after the
                                                                     episode's last prompt and
                                                                     its generation
                        ("abort", request_id) / ("forget", key)
                        ("done", key, trajectory, failed attempts) / ("error", key, text)
                        ("idle", frames answered, CPU seconds)        lockstep only
+
+Requests and results travel as tuples of their fields (``request_to_wire`` and friends: a
+tuple pickles and loads several times faster than a dataclass), a result without the
+per-token versions when every token has the result's version (the usual turn).
 
 The worker exits when the socket closes (its driver closed it or is gone), after cancelling
 its episodes and closing its env source.
@@ -31,7 +35,6 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, cast
 
 from trainer.rollout.router import episode_key
@@ -42,12 +45,63 @@ if TYPE_CHECKING:
     from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
     from trainer.rollout.groups import EpisodeSpec
 
-__all__ = ["Channel", "RemoteEngine", "WorkerSetup"]
+__all__ = [
+    "Channel",
+    "RemoteEngine",
+    "WorkerSetup",
+    "request_from_wire",
+    "request_to_wire",
+    "result_from_wire",
+    "result_to_wire",
+]
 
 WorkerSetup = Callable[["RemoteEngine"], "tuple[EnvManager, EnvSource]"]
 """Builds a worker's ``EnvManager`` (generating through the given engine) and ``EnvSource``."""
 
 _HEADER = 4  # bytes of a frame's length
+
+
+def request_to_wire(
+    kind: str, request: GenerationRequest, prompt_ids: list[int]
+) -> tuple[Any, ...]:
+    """``(kind, *request's fields)`` with ``prompt_ids`` as its prompt."""
+    r = request
+    return (
+        kind,
+        r.request_id,
+        prompt_ids,
+        r.max_new_tokens,
+        r.temperature,
+        r.top_p,
+        r.stop_token_ids,
+    )
+
+
+def request_from_wire(message: tuple[Any, ...]) -> GenerationRequest:
+    return GenerationRequest(*message[1:])
+
+
+def result_to_wire(result: GenerationResult) -> tuple[Any, ...]:
+    """``("result", *result's fields)``; per-token versions only where they differ from the
+    result's version (a turn resumed across a weight update)."""
+    extra = result.extra
+    versions = extra.get("token_versions")
+    if versions is not None and versions.count(result.policy_version) == len(versions):
+        extra = {k: v for k, v in extra.items() if k != "token_versions"}
+    r = result
+    return (
+        "result",
+        r.request_id,
+        r.token_ids,
+        r.logprobs,
+        r.finish_reason,
+        r.policy_version,
+        extra,
+    )
+
+
+def result_from_wire(message: tuple[Any, ...]) -> GenerationResult:
+    return GenerationResult(*message[1:])
 
 
 class Channel(asyncio.Protocol):
@@ -137,9 +191,9 @@ class RemoteEngine:
         worker.last_turn.pop(key, None)
         if last is not None and len(prompt) >= len(last) and prompt[: len(last)] == last:
             # the usual turn of an episode: only the ids after the previous turn's travel
-            worker.channel.send(("extend", replace(request, prompt_ids=prompt[len(last) :])))
+            worker.channel.send(request_to_wire("extend", request, prompt[len(last) :]))
         else:
-            worker.channel.send(("generate", request))
+            worker.channel.send(request_to_wire("generate", request, prompt))
         worker.settle()
         try:
             result = await future
@@ -195,7 +249,7 @@ class _WorkerLoop:
         for message in frame:
             kind = message[0]
             if kind == "result":  # popped now: the episode no longer waits (``settle``)
-                result: GenerationResult = message[1]
+                result = result_from_wire(message)
                 future = self.waiting.pop(result.request_id, None)
                 if future is not None and not future.done():
                     future.set_result(result)

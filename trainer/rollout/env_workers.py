@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import os
@@ -55,10 +56,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainer.rollout.env_worker_process import Channel, RemoteEngine, WorkerSetup
+from trainer.rollout.env_worker_process import (
+    Channel,
+    RemoteEngine,
+    WorkerSetup,
+    request_from_wire,
+    result_to_wire,
+)
 from trainer.rollout.router import episode_key
 from trainer.rollout.trajectory import Trajectory
-from trainer.strategies.base import GenerationRequest
+from trainer.strategies.base import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
     from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
@@ -286,10 +293,11 @@ class EnvWorkers:
         loop.call_at(worker.lane_free, self._handle, worker, frame[:-1])
 
     def _handle(self, worker: _Worker, frame: list[tuple[Any, ...]]) -> None:
+        loop = asyncio.get_running_loop()
         for message in frame:
             kind = message[0]
             if kind in ("generate", "extend"):
-                request: GenerationRequest = message[1]
+                request = request_from_wire(message)
                 key = episode_key(request.request_id)
                 if kind == "extend":  # the prompt goes on from the episode's previous turn
                     last = worker.last_turn.get(key)
@@ -297,9 +305,12 @@ class EnvWorkers:
                         error = "the driver holds no previous turn of this episode to extend"
                         self._send(worker, ("failed", request.request_id, error))
                         continue
-                    request.prompt_ids = last[0] + last[1] + request.prompt_ids
+                    request.prompt_ids = [*last[0], *last[1], *request.prompt_ids]
                 worker.requests.add(request.request_id)
-                self._spawn_task(self._generate(worker, request, key))
+                # the router's coroutine is the task; its end answers the worker (no wrapper)
+                task = loop.create_task(self.engine.generate(request))
+                self._tasks.add(task)
+                task.add_done_callback(functools.partial(self._answer, worker, request, key))
             elif kind == "abort":
                 self._spawn_task(self.engine.abort(message[1]))
             elif kind == "forget":
@@ -336,17 +347,26 @@ class EnvWorkers:
         if not episode.future.done():
             episode.future.set_result(trajectory)
 
-    async def _generate(self, worker: _Worker, request: GenerationRequest, key: str) -> None:
-        try:
-            result = await self.engine.generate(request)
-        except Exception as error:  # noqa: BLE001 - the worker's episode records it as failed
+    def _answer(
+        self,
+        worker: _Worker,
+        request: GenerationRequest,
+        key: str,
+        task: asyncio.Task[GenerationResult],
+    ) -> None:
+        """A generation ended: its result (or error) goes back to the worker that asked."""
+        self._tasks.discard(task)
+        worker.requests.discard(request.request_id)
+        if task.cancelled():  # only at close: the worker is gone
+            return
+        error = task.exception()
+        if error is not None:  # the worker's episode records it as failed
             worker.last_turn.pop(key, None)
             self._send(worker, ("failed", request.request_id, f"{type(error).__name__}: {error}"))
-        else:
-            worker.last_turn[key] = (request.prompt_ids, result.token_ids)
-            self._send(worker, ("result", result))
-        finally:
-            worker.requests.discard(request.request_id)
+            return
+        result = task.result()
+        worker.last_turn[key] = (request.prompt_ids, result.token_ids)
+        self._send(worker, result_to_wire(result))
 
     def _spawn_task(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)

@@ -162,9 +162,14 @@ class Trajectory:
     def oldest_version(self) -> int | None:
         """The oldest policy version among the generated tokens (None before any)."""
         oldest = [
-            min(policy)
+            version
             for row in self.rows
-            if (policy := list(itertools.compress(row.token_versions, row.response_mask)))
+            if (
+                version := min(
+                    itertools.compress(row.token_versions, row.response_mask), default=None
+                )
+            )
+            is not None
         ]
         return min(oldest) if oldest else None
 

@@ -191,3 +191,18 @@ def test_a_run_with_env_workers_trains_on_episodes_its_workers_played(tmp_path: 
     assert workers.played >= 2 * cfg.env.num_groups * cfg.env.group_size
     assert "eval/success" in rows[-1]  # evaluation plays in the driver
     assert [p.poll() for p in processes] == [0, 0]  # the run closed its workers
+
+
+def test_a_turn_resumed_across_a_weight_update_keeps_its_token_versions_over_the_wire() -> None:
+    from trainer.rollout.env_worker_process import result_from_wire, result_to_wire
+    from trainer.rollout.trajectory import Trajectory
+
+    def through_the_wire(versions: list[int], version: int) -> list[int]:
+        result = GenerationResult("ep/0", [5, 6, 7], [-0.1] * 3, "stop", version)
+        result.extra["token_versions"] = versions
+        trajectory = Trajectory("env", 0, 0)
+        trajectory.append_generation(result_from_wire(result_to_wire(result)))
+        return trajectory.token_versions
+
+    assert through_the_wire([3, 3, 4], 4) == [3, 3, 4]  # preempted at version 3, resumed at 4
+    assert through_the_wire([4, 4, 4], 4) == [4, 4, 4]  # the usual turn: sent without them
