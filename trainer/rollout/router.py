@@ -409,7 +409,11 @@ class EngineRouter:
         key = episode_key(request_id)
         index = self._sticky.get(key)
         if index is None:
-            index = min(range(len(self.engines)), key=lambda i: (self._silent[i], self._load[i], i))
+            load = self._load
+            if any(self._silent):  # rare: engines that answered first
+                index = min(range(len(load)), key=lambda i: (self._silent[i], load[i], i))
+            else:  # the least loaded, the first of equals (one C pass: a new episode each time)
+                index = load.index(min(load))
             self._sticky[key] = index
             if len(self._sticky) > _STICKY_CAPACITY:
                 self._sticky.popitem(last=False)
