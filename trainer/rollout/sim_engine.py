@@ -7,7 +7,9 @@ a KV-cache budget, a per-episode prefix cache) and takes the *simulated* time a 
 for each step, from a ``StepCost`` roofline. Put behind an ``EngineRouter`` it drives the real
 ``RolloutScheduler``, ``EnvManager`` and envs; on a ``trainer.rollout.sim_clock`` loop the
 GPU's seconds are skipped while the Python around it (the driver) runs in real time, so the
-driver's own cost stays real. ``benchmarks/rollout_scale.py`` runs it at 1k-50k episodes.
+driver's own cost stays real. The engine's own Python (taking a request, each step's
+bookkeeping: one loop callback per step) runs off that clock, as a GPU worker's process would
+on a cluster. ``benchmarks/rollout_scale.py`` runs it at 1k-50k episodes.
 
 What one engine step costs (``StepCost.step_seconds``)
     ``overhead + max(memory, compute)``: ``memory`` reads the weights once and the KV cache of
