@@ -51,7 +51,10 @@ simulated second and the speedup over ``batch`` (over the whole run, and after t
 the first batch of every mode is played with nothing to overlap, which a run of hundreds of
 steps amortises), the speedup training alone would allow (the
 mode's trained trajectories per simulated training second over ``batch``'s throughput: no
-overlap of rollouts and training can beat it), engine utilisation (share of simulated time
+overlap of rollouts and training can beat it), the mean tokens of a trained trajectory (the
+modes that keep playing take the episodes that finish first and drop those that grew too stale,
+so their batches lean to shorter episodes than ``batch``'s, which trains every one: a
+trajectory per second is then less training), engine utilisation (share of simulated time
 the engines spend in steps) and mean decode batch, the share of the simulated time the driver
 was busy, and the driver's real CPU per episode-turn (process CPU minus the simulated engines'
 own work and the envs' own code, / generation requests; the chat template + tokenizer share
@@ -166,12 +169,14 @@ class Cluster:
         train_gpus = round(engines * args.train_gpus_per_engine)
         self.train_rate = train_gpus * self.cost.gpu.peak_flops * args.train_mfu
         self.train_s = 0.0
+        self.train_tokens = 0
 
     async def train(self, trajectories: list[Any]) -> None:
         """A simulated training step on the batch's tokens."""
         tokens = sum(t.num_tokens for t in trajectories)
         seconds = tokens * self.train_flops_per_token / self.train_rate
         self.train_s += seconds
+        self.train_tokens += tokens
         await asyncio.sleep(seconds)
 
 
@@ -274,6 +279,7 @@ async def run_mode(
         "tokens_per_s": sum(s.new_tokens for s in stats) / sim_s,
         "train_s": cluster.train_s,
         "train_bound": trained / max(cluster.train_s, 1e-9),
+        "tokens_per_traj": cluster.train_tokens / max(trained, 1),
         "staleness": staleness,
         "turns": turns,
         "real_s": real_s,
@@ -362,7 +368,8 @@ def main() -> None:
                 f"{r['steady_traj_per_s'] / steady_base:.2f} x), engine utilisation "
                 f"{100 * r['utilisation']:5.1f}%, decode batch "
                 f"{r['decode_batch']:5.1f}, {r['tokens_per_s'] / engines:6.0f} tok/s per engine, "
-                f"staleness <= {r['staleness']:.0f}; {r['sim_s']:7.1f} s simulated "
+                f"staleness <= {r['staleness']:.0f}, {r['tokens_per_traj']:.0f} tokens per trained "
+                f"trajectory; {r['sim_s']:7.1f} s simulated "
                 f"({r['train_s']:.1f} s training: training alone bounds this mode at "
                 f"{r['train_bound'] / base:.2f} x) in {r['real_s']:6.1f} s real; the driver busy "
                 f"{100 * r['driver_busy']:4.1f}% of the simulated time, its CPU "
