@@ -31,6 +31,9 @@ A generation aborted under the agent (its group was cancelled) fails the episode
 503; a weight update in ``async`` mode preempts the call and resumes it (the agent only waits).
 A call past ``rollout.max_turns``, or one whose prompt leaves no room in the context, ends the
 episode as truncated (the env manager's limits), answering 400.
+
+The HTTP side (routes, error bodies, streaming, the uvicorn server) is
+``trainer.rollout.proxy_http``; this module is what the routes do.
 """
 
 from __future__ import annotations
@@ -39,12 +42,12 @@ import asyncio
 import json
 import logging
 import secrets
-import socket
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
+from trainer.rollout.proxy_http import ProxyError, listen, proxy_app
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
@@ -57,17 +60,6 @@ if TYPE_CHECKING:
 __all__ = ["AgentProxy", "ProxyEpisode", "ProxyError", "same_message"]
 
 _log = logging.getLogger(__name__)
-
-
-class ProxyError(Exception):
-    """An OpenAI-style error answer: HTTP ``status``, ``type`` and ``code``."""
-
-    def __init__(self, status: int, message: str, code: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.code, self.kind = status, message, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.code}}
 
 
 def _text(content: Any) -> str:
@@ -196,32 +188,7 @@ class AgentProxy:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Bind, listen and serve on the running loop (requests queue until uvicorn accepts)."""
-        import uvicorn
-
-        # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and
-        # without it every kept-alive call waits ~40 ms for a delayed ACK (Nagle)
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((self.host, self.port))
-        except OSError as error:
-            sock.close()
-            raise OSError(
-                f"the agent proxy cannot listen on {self.host}:{self.port} ({error}); set "
-                "rollout.agent.port to a free port, or 0 for any"
-            ) from None
-        self.port = sock.getsockname()[1]
-        sock.listen(2048)  # connections queue from here on, before uvicorn accepts them
-        config = uvicorn.Config(
-            self.app(),
-            log_level="warning",
-            lifespan="off",
-            access_log=False,
-            loop="none",
-            timeout_keep_alive=120,  # an agent may think (or run tools) between its calls
-        )
-        self._server = uvicorn.Server(config)
-        self._task = asyncio.ensure_future(self._server.serve(sockets=[sock]))
+        self._server, self._task, self.port = listen(self.app(), self.host, self.port)
 
     async def aclose(self) -> None:
         for episode in list(self._episodes.values()):
@@ -573,86 +540,5 @@ class AgentProxy:
 
     # ------------------------------------------------------------------ HTTP
     def app(self) -> Starlette:
-        """The ASGI app: the routes of the module docstring, OpenAI-style error bodies. Plain
-        Starlette (what FastAPI is built on): no dependency injection or response encoding
-        to pay for on every call of every episode."""
-        from starlette.applications import Starlette
-        from starlette.requests import Request
-        from starlette.responses import JSONResponse, Response, StreamingResponse
-        from starlette.routing import Route
-
-        async def proxy_error(_: Request, error: Exception) -> Response:
-            known = cast(ProxyError, error)  # registered for ProxyError only
-            return JSONResponse(known.body(), status_code=known.status)
-
-        async def server_error(_: Request, error: Exception) -> Response:
-            _log.exception("agent proxy error", exc_info=error)
-            body = ProxyError(500, f"{type(error).__name__}: {error}", "internal", "server_error")
-            return JSONResponse(body.body(), status_code=500)
-
-        async def json_body(request: Request) -> dict[str, Any]:
-            try:
-                body = json.loads(await request.body())
-            except ValueError as error:
-                raise ProxyError(400, f"the body is not JSON: {error}", "invalid_json") from None
-            if not isinstance(body, dict):
-                raise ProxyError(400, "the body must be a JSON object", "invalid_json")
-            return body
-
-        def episode_of(request: Request) -> ProxyEpisode:
-            return self.episode(request.headers.get("authorization"))
-
-        async def models(_: Request) -> Response:
-            model = {"id": self.model_name, "object": "model", "owned_by": "envhub"}
-            return JSONResponse({"object": "list", "data": [model]})
-
-        async def chat(request: Request) -> Response:
-            episode = episode_of(request)
-            body = await json_body(request)
-            completion = await self.complete(episode, body)
-            if not body.get("stream"):
-                return JSONResponse(completion)
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_sse(completion, usage), media_type="text/event-stream")
-
-        async def describe(request: Request) -> Response:
-            return JSONResponse(self.describe(episode_of(request)))
-
-        async def step(request: Request) -> Response:
-            episode = episode_of(request)
-            body = await json_body(request)
-            if "action" not in body:
-                raise ProxyError(400, 'the body needs "action": text or a message', "action")
-            return JSONResponse(await self.step(episode, body["action"]))
-
-        return Starlette(
-            routes=[
-                Route("/v1/models", models, methods=["GET"]),
-                Route("/v1/chat/completions", chat, methods=["POST"]),
-                Route("/v1/envhub/episode", describe, methods=["GET"]),
-                Route("/v1/envhub/step", step, methods=["POST"]),
-            ],
-            exception_handlers={ProxyError: proxy_error, Exception: server_error},
-        )
-
-
-async def _sse(completion: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
-    """A finished completion as chat.completion.chunk events (role+content, calls, finish)."""
-    choice = completion["choices"][0]
-    message = choice["message"]
-    base = {k: completion[k] for k in ("id", "created", "model")}
-    base["object"] = "chat.completion.chunk"
-
-    def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-        chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        return f"data: {json.dumps({**chunk, **extra})}\n\n".encode()
-
-    yield event({"role": "assistant", "content": message.get("content") or ""})
-    calls: Sequence[dict[str, Any]] = message.get("tool_calls") or []
-    if calls:
-        yield event({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]})
-    yield event({}, choice["finish_reason"])
-    if usage:
-        chunk = {**base, "choices": [], "usage": completion["usage"]}
-        yield f"data: {json.dumps(chunk)}\n\n".encode()
-    yield b"data: [DONE]\n\n"
+        """The ASGI app serving this proxy (``trainer.rollout.proxy_http``)."""
+        return proxy_app(self)

@@ -45,16 +45,8 @@ iterator that fails or falls short part-way leaves the engine refusing to genera
 weights silently. Requests in flight keep running across an update (their KV is recomputed
 on the new weights).
 
-Platform notes
---------------
-``sleep``/``wake_up`` release and restore GPU memory (vLLM sleep level 1: weights offloaded
-to CPU, KV cache dropped) on GPUs and are no-ops on CPU, where vLLM has no sleep mode. On
-CPU, vLLM's attention kernels need an attention head size of 32, 64, 80, ..., 512; a model
-with other heads is refused at start with the fix; chunked prefill is off there (vLLM's CPU
-sampler cannot rewind a seeded request after a partial prefill). The in-process engine
-initialises a one-rank ``torch.distributed`` group of its own in this process. Start-up takes
-~4-5 s on a quiet 2-core CPU, up to a minute when the machine is busy (most of it importing
-vLLM; later engines in the same process start in a few seconds).
+Platform notes (sleep mode, CPU head sizes, chunked prefill, start-up time): see
+``trainer.strategies.vllm_platform``.
 """
 
 from __future__ import annotations
@@ -77,6 +69,7 @@ from trainer.errors import ModelError
 from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult, Weights
 from trainer.strategies.vllm_platform import (
     check_cpu_head_size,
+    engine_arguments,
     no_compile_while_building,
     vllm_environment,
 )
@@ -242,36 +235,20 @@ class VLLMEngine:
         except ImportError as error:
             raise ImportError(VLLM_INSTALL_HINT + f" (import failed: {error})") from error
         self._sampling_params, self._delta = SamplingParams, RequestOutputKind.DELTA
-        tensor_parallel_size = self.tensor_parallel_size
 
-        args: dict[str, Any] = {
-            "model": self.model_path,
-            "dtype": dtype,
-            "seed": seed,
-            "max_model_len": max_model_len,
-            "tensor_parallel_size": tensor_parallel_size,
-            "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else "mp",
-            "enforce_eager": not self.cuda,
-            "enable_prefix_caching": enable_prefix_caching,
-            "logprobs_mode": "processed_logprobs",
-            "enable_sleep_mode": self.cuda,
-            "worker_extension_cls": "trainer.strategies.vllm_worker.EnvhubWorkerExtension",
-            "disable_log_stats": True,
-        }
-        if kv_cache_gib is not None:
-            args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
-        if lora_rank is not None:  # adapters arrive with each sync (load_adapter)
-            from trainer.strategies.lora import vllm_max_rank
-
-            args.update(enable_lora=True, max_lora_rank=vllm_max_rank(lora_rank), max_loras=2)
-        if not self.cuda:
-            # No chunked prefill on CPU: when a step's prompts exceed the token budget vLLM
-            # splits one, discards that step's sample and rewinds the request's seeded
-            # generator with ``set_offset``, which CPU generators lack (the engine dies with
-            # "CPU Generator does not use offset"). Unchunked, a prompt waits for the next step.
-            args["enable_chunked_prefill"] = False
-            args["max_num_batched_tokens"] = max(4096, context)
-        args.update(engine_args)
+        args = engine_arguments(
+            self.model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size,
+            cuda=self.cuda,
+            enable_prefix_caching=enable_prefix_caching,
+            context=context,
+            kv_cache_gib=kv_cache_gib,
+            lora_rank=lora_rank,
+            overrides=engine_args,
+        )
         # vLLM's CPU worker replaces it process-wide; keep the trainer's
         set_num_threads = torch.set_num_threads
         self._set_num_threads = set_num_threads

