@@ -165,17 +165,21 @@ class VLLMEngine:
             tensor_parallel_size == 1 and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         )
         context = max_model_len or int(config.get("max_position_embeddings") or 4096)
+        args = engine_arguments(
+            self.model_path,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            tensor_parallel_size=tensor_parallel_size,
+            cuda=self.cuda,
+            enable_prefix_caching=enable_prefix_caching,
+            context=context,
+            kv_cache_gib=kv_cache_gib,
+            lora_rank=lora_rank,
+            overrides=engine_args,
+        )
         with no_compile_while_building(not self.cuda):
-            self._llm = self._build(
-                dtype=dtype,
-                seed=seed,
-                max_model_len=max_model_len,
-                context=context,
-                kv_cache_gib=kv_cache_gib,
-                enable_prefix_caching=enable_prefix_caching,
-                engine_args=engine_args,
-                lora_rank=lora_rank,
-            )
+            self._llm = self._build(args)
         import torch
 
         self._threads = torch.get_num_threads()  # what vLLM's CPU worker settled on while building
@@ -213,18 +217,7 @@ class VLLMEngine:
         self._thread = threading.Thread(target=self._serve, name="vllm-engine", daemon=True)
         self._thread.start()
 
-    def _build(
-        self,
-        *,
-        dtype: str,
-        seed: int,
-        max_model_len: int | None,
-        context: int,
-        kv_cache_gib: float | None,
-        enable_prefix_caching: bool,
-        engine_args: dict[str, Any],
-        lora_rank: int | None = None,
-    ) -> Any:
+    def _build(self, args: dict[str, Any]) -> Any:
         import torch
 
         try:
@@ -236,19 +229,6 @@ class VLLMEngine:
             raise ImportError(VLLM_INSTALL_HINT + f" (import failed: {error})") from error
         self._sampling_params, self._delta = SamplingParams, RequestOutputKind.DELTA
 
-        args = engine_arguments(
-            self.model_path,
-            dtype=dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            tensor_parallel_size=self.tensor_parallel_size,
-            cuda=self.cuda,
-            enable_prefix_caching=enable_prefix_caching,
-            context=context,
-            kv_cache_gib=kv_cache_gib,
-            lora_rank=lora_rank,
-            overrides=engine_args,
-        )
         # vLLM's CPU worker replaces it process-wide; keep the trainer's
         set_num_threads = torch.set_num_threads
         self._set_num_threads = set_num_threads
