@@ -60,9 +60,10 @@ was busy, and the driver's real CPU per episode-turn (process CPU minus the simu
 own work and the envs' own code, / generation requests; the chat template + tokenizer share
 shown). An engine's steps and its intake of each request run off the simulated clock
 (``VirtualClockLoop.uncharged``: a GPU worker's CPU is its own process's on a cluster); what
-the simulation still leaves on the driver: the loop waking once per engine step (a few
-microseconds), the timing around each env and renderer call and the simulated clock's reads
-(a CPU clock is a system call).
+the simulation still leaves on the driver: the loop waking once per engine step (printed: the
+cost of firing an empty timer, measured at start, times the engine steps per turn), the timing
+around each env and renderer call and the simulated clock's reads (a CPU clock is a system
+call).
 
 ``--env-workers N`` plays the episodes in N worker processes (``trainer.rollout.env_workers``,
 ``rollout.env_workers`` in a run) in lockstep with the simulated clock: each worker's CPU
@@ -288,9 +289,33 @@ async def run_mode(
         "template_us_per_turn": 1e6 * CPU.renderer / max(turns, 1),
         "env_us_per_turn": 1e6 * CPU.envs / max(turns, 1),
         "engine_us_per_turn": 1e6 * engine_cpu / max(turns, 1),
+        "engine_steps_per_turn": steps / max(turns, 1),
         "workers_us_per_turn": 1e6 * workers_cpu / max(turns, 1),
         "workers_busy": workers_cpu / (max(args.env_workers, 1) * sim_s),
     }
+
+
+def wakeup_cost_s(timers: int = 20_000) -> float:
+    """CPU seconds the simulated clock charges for the loop to fire one empty timer: what each
+    simulated engine step still costs the driver's timeline (its own work is off the clock)."""
+    from trainer.rollout import sim_clock
+
+    async def chain() -> float:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+
+        def tick(left: int) -> None:
+            if left:
+                loop.call_at(loop.time() + 0.001, tick, left - 1)
+            else:
+                done.set_result(None)
+
+        start = loop.time()
+        tick(timers)
+        await done
+        return (loop.time() - start - 0.001 * timers) / timers
+
+    return sim_clock.run(chain())
 
 
 def peak_gib() -> float:
@@ -344,6 +369,7 @@ def main() -> None:
 
     relax_gc()  # as the trainer's driver does (trainer.rollout.rollouts)
     renderer = build_renderer()
+    wakeup_s = wakeup_cost_s()
     print(
         "SIMULATED cluster (GPU, training and sync times simulated; driver CPU real): "
         f"Qwen2.5-7B on H200s, groups of {args.group_size}, "
@@ -360,6 +386,7 @@ def main() -> None:
             gc.collect()
             r = results[mode] = sim_clock.run(run_mode(mode, args, episodes, engines, renderer))
             base = results.get("batch", r)["traj_per_s"]
+            wake_us = 1e6 * wakeup_s * r["engine_steps_per_turn"]
             steady_base = results.get("batch", r)["steady_traj_per_s"]
             print(
                 f"{episodes:>6} episodes / {engines:>2} engines {mode:>8}: "
@@ -374,7 +401,9 @@ def main() -> None:
                 f"{r['train_bound'] / base:.2f} x) in {r['real_s']:6.1f} s real; the driver busy "
                 f"{100 * r['driver_busy']:4.1f}% of the simulated time, its CPU "
                 f"{r['driver_us_per_turn']:5.1f} us/turn ({r['template_us_per_turn']:.1f} of it "
-                f"chat template + tokenizer) over {r['turns']:.0f} turns, not counted: envs "
+                f"chat template + tokenizer, ~{wake_us:.1f} the loop waking for "
+                f"{r['engine_steps_per_turn']:.1f} simulated engine steps) over "
+                f"{r['turns']:.0f} turns, not counted: envs "
                 f"{r['env_us_per_turn']:.1f}, simulated engines {r['engine_us_per_turn']:.1f}"
                 + (
                     f"; {args.env_workers} env workers: {r['workers_us_per_turn']:.1f} us/turn "
