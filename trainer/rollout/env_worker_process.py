@@ -19,7 +19,10 @@ or ``("fatal", traceback)`` and exits. Then:
 
 Requests and results travel as tuples of their fields (``request_to_wire`` and friends: a
 tuple pickles and loads several times faster than a dataclass), a result without the
-per-token versions when every token has the result's version (the usual turn).
+per-token versions when every token has the result's version (the usual turn). A finished
+trajectory's per-token lists travel as machine arrays' bytes (``trajectory_to_wire``): the
+driver loads each with one copy instead of one object per token, and the worker, which has
+the spare CPU, pays the packing.
 
 The worker exits when the socket closes (its driver closed it or is gone), after cancelling
 its episodes and closing its env source.
@@ -27,6 +30,7 @@ its episodes and closing its env source.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import pickle
@@ -53,12 +57,18 @@ __all__ = [
     "request_to_wire",
     "result_from_wire",
     "result_to_wire",
+    "trajectory_from_wire",
+    "trajectory_to_wire",
 ]
 
 WorkerSetup = Callable[["RemoteEngine"], "tuple[EnvManager, EnvSource]"]
 """Builds a worker's ``EnvManager`` (generating through the given engine) and ``EnvSource``."""
 
 _HEADER = 4  # bytes of a frame's length
+
+_PACKED = {"token_ids": "i", "response_mask": "b", "logprobs": "d", "token_versions": "i"}
+"""A trajectory's per-token lists and the ``array`` type each travels as (native byte order:
+both ends are on one machine)."""
 
 
 def request_to_wire(
@@ -102,6 +112,37 @@ def result_to_wire(result: GenerationResult) -> tuple[Any, ...]:
 
 def result_from_wire(message: tuple[Any, ...]) -> GenerationResult:
     return GenerationResult(*message[1:])
+
+
+def trajectory_to_wire(trajectory: Trajectory) -> tuple[dict[str, Any], dict[str, str]]:
+    """The trajectory's attributes with its per-token lists as array bytes (a list that does
+    not fit its array type travels as it is), and which ones were packed; per-turn samples
+    likewise."""
+    state = dict(vars(trajectory))
+    packed: dict[str, str] = {}
+    for name, code in _PACKED.items():
+        try:
+            state[name] = array.array(code, state[name]).tobytes()
+        except (TypeError, OverflowError):
+            continue
+        packed[name] = code
+    if trajectory.samples:
+        state["samples"] = [trajectory_to_wire(sample) for sample in trajectory.samples]
+    return state, packed
+
+
+def trajectory_from_wire(wire: tuple[dict[str, Any], dict[str, str]]) -> Trajectory:
+    """The trajectory ``trajectory_to_wire`` sent, equal to the original."""
+    state, packed = wire
+    for name, code in packed.items():
+        values = array.array(code)
+        values.frombytes(state[name])
+        state[name] = values.tolist()
+    if state["samples"]:
+        state["samples"] = [trajectory_from_wire(sample) for sample in state["samples"]]
+    trajectory = Trajectory.__new__(Trajectory)
+    trajectory.__dict__.update(state)
+    return trajectory
 
 
 class Channel(asyncio.Protocol):
@@ -287,7 +328,7 @@ class _WorkerLoop:
         except Exception as error:  # noqa: BLE001 - reported to the driver's scheduler
             self.channel.send(("error", key, f"{type(error).__name__}: {error}"[:500]))
         else:
-            self.channel.send(("done", key, trajectory, failed))
+            self.channel.send(("done", key, trajectory_to_wire(trajectory), failed))
         finally:
             self.plays.pop(key, None)
             self.stopped.discard(key)

@@ -62,6 +62,7 @@ from trainer.rollout.env_worker_process import (
     WorkerSetup,
     request_from_wire,
     result_to_wire,
+    trajectory_from_wire,
 )
 from trainer.rollout.router import episode_key
 from trainer.rollout.trajectory import Trajectory
@@ -156,6 +157,8 @@ class EnvWorkers:
         self.on_episode_end = on_episode_end
         self._workers: list[_Worker] = []
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._answers: set[asyncio.Future[GenerationResult]] = set()
+        """The router's answers to the workers' requests not in yet (cancelled at close)."""
         self._closed = False
         self._broken: str | None = None
         """Why no worker can play (its setup failed): every call raises it."""
@@ -229,8 +232,8 @@ class EnvWorkers:
         for worker in workers:
             await self._reap(worker)
             self._fail_held(worker, "EnvWorkers closed")
-        for task in list(self._tasks):
-            task.cancel()
+        for waiting in [*self._tasks, *self._answers]:
+            waiting.cancel()
 
     # ------------------------------------------------------------------ workers
     def _spawn(self, index: int) -> _Worker:
@@ -293,7 +296,6 @@ class EnvWorkers:
         loop.call_at(worker.lane_free, self._handle, worker, frame[:-1])
 
     def _handle(self, worker: _Worker, frame: list[tuple[Any, ...]]) -> None:
-        loop = asyncio.get_running_loop()
         for message in frame:
             kind = message[0]
             if kind in ("generate", "extend"):
@@ -307,21 +309,22 @@ class EnvWorkers:
                         continue
                     request.prompt_ids = [*last[0], *last[1], *request.prompt_ids]
                 worker.requests.add(request.request_id)
-                # the router's coroutine is the task; its end answers the worker (no wrapper)
-                task = loop.create_task(self.engine.generate(request))
-                self._tasks.add(task)
-                task.add_done_callback(functools.partial(self._answer, worker, request, key))
+                # the router's future (no task per turn); its end answers the worker
+                answer = self.engine.start(request)
+                self._answers.add(answer)
+                answer.add_done_callback(functools.partial(self._answer, worker, request, key))
             elif kind == "abort":
                 self._spawn_task(self.engine.abort(message[1]))
             elif kind == "forget":
                 worker.last_turn.pop(message[1], None)
                 self.engine.forget(message[1])
             elif kind == "done":
-                _, key, trajectory, failed_attempts = message
+                _, key, wire, failed_attempts = message
                 episode = worker.episodes.pop(key, None)
                 self.played += 1
                 if episode is None:
                     continue  # given up on (cancelled) meanwhile
+                trajectory = trajectory_from_wire(wire)
                 if episode.on_failure is not None:
                     for attempt in failed_attempts:
                         episode.on_failure(attempt)
@@ -352,19 +355,19 @@ class EnvWorkers:
         worker: _Worker,
         request: GenerationRequest,
         key: str,
-        task: asyncio.Task[GenerationResult],
+        answer: asyncio.Future[GenerationResult],
     ) -> None:
         """A generation ended: its result (or error) goes back to the worker that asked."""
-        self._tasks.discard(task)
+        self._answers.discard(answer)
         worker.requests.discard(request.request_id)
-        if task.cancelled():  # only at close: the worker is gone
+        if answer.cancelled():  # only at close: the worker is gone
             return
-        error = task.exception()
+        error = answer.exception()
         if error is not None:  # the worker's episode records it as failed
             worker.last_turn.pop(key, None)
             self._send(worker, ("failed", request.request_id, f"{type(error).__name__}: {error}"))
             return
-        result = task.result()
+        result = answer.result()
         worker.last_turn[key] = (request.prompt_ids, result.token_ids)
         self._send(worker, result_to_wire(result))
 

@@ -17,13 +17,19 @@ Preemption (partial rollouts)
     ``update_weights_live(weights)`` closes the gate for new requests, aborts every
     in-flight generation, waits until the engines are idle, loads the weights, reopens the
     gate, and each preempted generation *resumes* under the new weights with the tokens it
-    already had (prompt + partial tokens, remaining budget). The result carries
-    ``extra["token_versions"]``: the weight version of every generated token, read from the
-    router's ``policy`` (a ``PolicyVersion``) when each part was issued, so it is right
-    whatever the engines report.
+    already had (prompt + partial tokens, remaining budget). A result's ``policy_version`` is
+    read from the router's ``policy`` (a ``PolicyVersion``) when it was issued, so it is right
+    whatever the engines report; a resumed one also carries ``extra["token_versions"]``, the
+    version of every generated token (without it, every token has ``policy_version``).
 Accounting
     Busy time per engine (time with at least one request in flight), requests, tokens,
     aborts and preemptions; ``take_stats()`` returns them since the last call.
+
+Per turn, without a task: ``start(request)`` is ``generate`` as a future (what the env
+workers' driver side calls once per turn; ``generate`` awaits it). The router is callbacks on
+the engines' futures: an engine with ``start(request) -> asyncio.Future`` (``SimEngine``, the
+``BatchingFrontend`` engines: ``HFEngine``, ``RankEngine``) is asked without a task either,
+any other through a task running its ``generate``.
 
 Weight updates reach the engines through ``update``: by default each engine's own
 ``update_weights``; the pipeline passes one call that updates every cluster rank at once.
@@ -37,7 +43,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -104,15 +110,47 @@ class RouterStats:
         return min(1.0, sum(self.busy_s) / (len(self.busy_s) * self.wall_s))
 
 
-@dataclass
 class _Flight:
-    """One ``generate`` call: where its current part runs and what happened to it."""
+    """One ``start`` call: its request and answer, where its current part runs, the parts it
+    has so far (each with the version it was issued under) and what happened to it."""
 
-    engine: int
-    sub_id: str
-    cancelled: bool = False
-    preempted: bool = False
-    submitted: bool = False
+    __slots__ = (
+        "answer",
+        "cancelled",
+        "engine",
+        "issued",
+        "key",
+        "part",
+        "parts",
+        "preempted",
+        "request",
+        "sub_id",
+        "submitted",
+    )
+
+    def __init__(
+        self, request: GenerationRequest, key: str, answer: asyncio.Future[GenerationResult]
+    ) -> None:
+        self.request, self.key, self.answer = request, key, answer
+        self.engine, self.sub_id, self.issued = -1, request.request_id, 0
+        self.part: asyncio.Future[GenerationResult] | None = None
+        self.parts: list[tuple[GenerationResult, int]] = []
+        self.cancelled = self.preempted = self.submitted = False
+
+
+def _joined(flight: _Flight, reason: FinishReason, version: int) -> GenerationResult:
+    """One result of a generation over its parts (preempted and resumed), with per-token
+    versions; ``version`` when it never reached an engine (aborted first)."""
+    parts = flight.parts
+    versions = [v for r, v in parts for _ in r.token_ids]
+    return GenerationResult(
+        flight.request.request_id,
+        [t for r, _ in parts for t in r.token_ids],
+        [p for r, _ in parts for p in r.logprobs],
+        reason,
+        versions[-1] if versions else version,
+        {"token_versions": versions},
+    )
 
 
 def _resumed(request: GenerationRequest, part: int, ids: list[int]) -> GenerationRequest:
@@ -147,6 +185,9 @@ class EngineRouter:
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
         self.engines = list(engines)
+        self._starts: list[Callable[[GenerationRequest], asyncio.Future[GenerationResult]]]
+        self._starts = [getattr(e, "start", None) or _as_task(e) for e in self.engines]
+        """Per engine: a request in, a future of its result out."""
         self._update = update
         self._owns_policy = policy is None
         self.policy = policy if policy is not None else PolicyVersion()
@@ -159,7 +200,8 @@ class EngineRouter:
         self._episode_flights: dict[str, set[str]] = {}
         """Episode key -> ids of its requests in ``_flights`` (an episode's abort is a lookup)."""
         self._cancelled: set[str] = set()
-        self._gate: asyncio.Event | None = None
+        self._held: list[_Flight] = []
+        """Requests (new, or preempted parts) waiting for ``resume``."""
         self._idle: asyncio.Event | None = None
         self._paused = False
         self._stats = RouterStats(busy_s=[0.0] * len(self.engines))
@@ -171,73 +213,25 @@ class EngineRouter:
     # ------------------------------------------------------------------ RolloutEngine
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate on the episode's engine; resumes across weight updates (module docstring)."""
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        reason: FinishReason = "length"
-        flight = self._flights.setdefault(request.request_id, _Flight(-1, request.request_id))
-        key = episode_key(request.request_id)
-        self._episode_flights.setdefault(key, set()).add(request.request_id)
-        try:
-            for part in itertools.count():
-                if self._gate is None or not self._gate.is_set():
-                    await self._wait_open()
-                if flight.cancelled or key in self._cancelled:
-                    reason = "abort"
-                    break
-                sub = request if part == 0 else _resumed(request, part, ids)
-                flight.engine, flight.sub_id, flight.preempted = (
-                    self._route(request.request_id),
-                    sub.request_id,
-                    False,
-                )
-                # weights change only while the gate is closed and nothing is in flight
-                issued = self.version
-                self._enter(flight)
-                try:
-                    result = await self.engines[flight.engine].generate(sub)
-                except asyncio.CancelledError:
-                    # given up on (rollout.generate_timeout_s): new episodes avoid the engine
-                    # until it answers again
-                    self._silent[flight.engine] = True
-                    raise
-                except Exception:
-                    self._stats.errors += 1
-                    raise
-                finally:
-                    self._leave(flight)
-                self._silent[flight.engine] = False
-                if part == 0:  # the engine's own lists: nothing to join (the common case)
-                    ids, logprobs = result.token_ids, result.logprobs
-                else:
-                    ids, logprobs = ids + result.token_ids, logprobs + result.logprobs
-                versions += [issued] * len(result.token_ids)
-                self._stats.new_tokens += len(result.token_ids)
-                reason = result.finish_reason
-                if reason != "abort" or flight.cancelled or not flight.preempted:
-                    break
-                self._stats.preempted += 1
-                if len(ids) >= request.max_new_tokens:
-                    reason = "length"
-                    break
-        finally:
-            self._flights.pop(request.request_id, None)
-            in_flight = self._episode_flights.get(key)
-            if in_flight is not None:
-                in_flight.discard(request.request_id)
-                if not in_flight:
-                    del self._episode_flights[key]
-        self._stats.requests += 1
-        if reason == "abort":
-            self._stats.aborted += 1
-        return GenerationResult(
-            request.request_id,
-            ids,
-            logprobs,
-            reason,
-            versions[-1] if versions else self.version,
-            {"token_versions": versions},
-        )
+        return await self.start(request)
+
+    def start(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        """``generate`` as a future, without a task: cancelling it gives the request up, as
+        cancelling ``generate`` does (the engine's part is cancelled; the engine gets no new
+        episodes while others answer)."""
+        request_id = request.request_id
+        head, sep, _ = request_id.rpartition("/")
+        key = head if sep else request_id  # episode_key, inline: once per turn
+        flight = _Flight(request, key, asyncio.get_running_loop().create_future())
+        self._flights[request_id] = flight
+        running = self._episode_flights.get(key)
+        if running is None:
+            self._episode_flights[key] = {request_id}
+        else:
+            running.add(request_id)
+        flight.answer.add_done_callback(functools.partial(self._given_up, flight))
+        self._submit(flight)
+        return flight.answer
 
     async def abort(self, request_id: str) -> None:
         """Abort in the engine that holds the request; unknown or finished ids are ignored."""
@@ -247,6 +241,9 @@ class EngineRouter:
         flight.cancelled = True
         if flight.submitted:
             await self.engines[flight.engine].abort(flight.sub_id)
+        elif flight in self._held:  # waiting for resume: it ends now
+            self._held.remove(flight)
+            self._finish(flight, "abort")
 
     async def abort_episode(self, key: str) -> None:
         """Abort the episode's running request and refuse its later ones (until ``forget``)."""
@@ -291,9 +288,8 @@ class EngineRouter:
     async def pause(self) -> None:
         """Stop new requests, abort in-flight ones for resumption, wait until every engine is
         idle."""
-        gate, idle = self._ensure_events()
+        idle = self._ensure_idle()
         self._paused = True
-        gate.clear()
         preempted = [f for f in self._flights.values() if not f.cancelled and f.submitted]
         for flight in preempted:
             flight.preempted = True
@@ -303,10 +299,11 @@ class EngineRouter:
         await idle.wait()
 
     def resume(self) -> None:
-        """Reopen the gate closed by ``pause``."""
+        """Reopen the gate closed by ``pause``: the requests held meanwhile go out, in order."""
         self._paused = False
-        if self._gate is not None:
-            self._gate.set()
+        held, self._held = self._held, []
+        for flight in held:
+            self._submit(flight)
 
     def sleep(self) -> None:
         for engine in self.engines:
@@ -391,22 +388,114 @@ class EngineRouter:
         self._total = RouterStats(busy_s=[0.0] * len(self.engines))
 
     # ------------------------------------------------------------------ internals
-    def _ensure_events(self) -> tuple[asyncio.Event, asyncio.Event]:
-        """The gate and idle events, created on first use inside the running loop."""
-        if self._gate is None or self._idle is None:
-            self._gate, self._idle = asyncio.Event(), asyncio.Event()
-            if not self._paused:
-                self._gate.set()
+    def _ensure_idle(self) -> asyncio.Event:
+        """The idle event, created on first use inside the running loop."""
+        if self._idle is None:
+            self._idle = asyncio.Event()
             if self.in_flight == 0:
                 self._idle.set()
-        return self._gate, self._idle
+        return self._idle
 
-    async def _wait_open(self) -> None:
-        gate, _ = self._ensure_events()
-        await gate.wait()
+    def _submit(self, flight: _Flight) -> None:
+        """Send the flight's next part to its episode's engine (held while paused)."""
+        if flight.cancelled or flight.key in self._cancelled:
+            self._finish(flight, "abort")
+            return
+        if self._paused:
+            self._held.append(flight)
+            return
+        request, parts = flight.request, flight.parts
+        sub = request
+        if parts:
+            sub = _resumed(request, len(parts), [t for r, _ in parts for t in r.token_ids])
+        index = self._route(flight.key)
+        flight.engine, flight.sub_id, flight.preempted = index, sub.request_id, False
+        flight.issued = self.policy.value  # weights change only while paused and idle
+        self._enter(flight)
+        try:
+            part = self._starts[index](sub)
+        except Exception as error:  # noqa: BLE001 - the caller's future raises it
+            self._leave(flight)
+            self._stats.errors += 1
+            self._fail(flight, error)
+            return
+        flight.part = part
+        part.add_done_callback(functools.partial(self._landed, flight))
 
-    def _route(self, request_id: str) -> int:
-        key = episode_key(request_id)
+    def _landed(self, flight: _Flight, part: asyncio.Future[GenerationResult]) -> None:
+        """A part's engine answered: the flight ends, or goes on after a preemption."""
+        self._leave(flight)
+        flight.part = None
+        if part.cancelled():  # given up on (rollout.generate_timeout_s), or the engine closed
+            self._silent[flight.engine] = True
+            self._drop(flight)
+            flight.answer.cancel()
+            return
+        error = part.exception()
+        if error is not None:
+            self._stats.errors += 1
+            self._fail(flight, error)
+            return
+        result = part.result()
+        self._silent[flight.engine] = False
+        self._stats.new_tokens += len(result.token_ids)
+        flight.parts.append((result, flight.issued))
+        reason = result.finish_reason
+        if reason != "abort" or flight.cancelled or not flight.preempted:
+            self._finish(flight, reason)
+            return
+        self._stats.preempted += 1
+        if sum(len(r.token_ids) for r, _ in flight.parts) >= flight.request.max_new_tokens:
+            self._finish(flight, "length")  # preempted as its budget ran out
+        else:
+            self._submit(flight)  # held until ``resume``
+
+    def _given_up(self, flight: _Flight, answer: asyncio.Future[GenerationResult]) -> None:
+        """The caller cancelled the answer: cancel the engine's part (or drop the held one)."""
+        if not answer.cancelled():
+            return
+        flight.cancelled = True
+        if flight.part is not None and not flight.part.done():
+            self._silent[flight.engine] = True  # new episodes avoid it until it answers again
+            flight.part.cancel()
+        elif flight in self._held:
+            self._held.remove(flight)
+            self._drop(flight)
+
+    def _finish(self, flight: _Flight, reason: FinishReason) -> None:
+        """The flight ended with ``reason``: count it and answer (unless given up on)."""
+        self._drop(flight)
+        if flight.answer.done():
+            return
+        self._stats.requests += 1
+        if reason == "abort":
+            self._stats.aborted += 1
+        parts = flight.parts
+        if len(parts) == 1 and parts[0][0].finish_reason == reason:
+            result, issued = parts[0]  # the engine's own result: every token has one version
+            result.policy_version = issued
+        else:
+            result = _joined(flight, reason, self.policy.value)
+        flight.answer.set_result(result)
+
+    def _fail(self, flight: _Flight, error: BaseException) -> None:
+        self._drop(flight)
+        if not flight.answer.done():
+            flight.answer.set_exception(error)
+
+    def _drop(self, flight: _Flight) -> None:
+        """Forget the flight (its request id and episode no longer name it)."""
+        request_id = flight.request.request_id
+        if self._flights.get(request_id) is flight:
+            del self._flights[request_id]
+        running = self._episode_flights.get(flight.key)
+        if running is not None:
+            running.discard(request_id)
+            if not running:
+                del self._episode_flights[flight.key]
+
+    def _route(self, key: str) -> int:
+        """The episode's engine (``key``: ``episode_key`` of its requests)."""
         index = self._sticky.get(key)
         if index is None:
             load = self._load
@@ -440,3 +529,14 @@ class EngineRouter:
             self._busy_since[index] = None
         if self.in_flight == 0 and self._idle is not None:
             self._idle.set()
+
+
+def _as_task(
+    engine: RolloutEngine,
+) -> Callable[[GenerationRequest], asyncio.Future[GenerationResult]]:
+    """``start`` for an engine that only has ``generate``: a task runs it."""
+
+    def start(request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        return asyncio.ensure_future(engine.generate(request))
+
+    return start

@@ -257,12 +257,16 @@ class SimEngine:
 
     # ------------------------------------------------------------------ InferenceEngine
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        return await self.start(request)
+
+    def start(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        """``generate`` as a future (``EngineRouter`` asks without a task); cancelling it gives
+        the request up."""
         loop = asyncio.get_running_loop()
         if self._loop is not loop:  # first use, or a new loop: nothing scheduled on this one
             self._loop, self._timer = loop, None
         with self._off_clock():  # taking the request is the engine's work
-            seq = self._take(request, loop)
-        return await seq.future
+            return self._take(request, loop).future
 
     def _take(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> _Seq:
         prompt = len(request.prompt_ids)

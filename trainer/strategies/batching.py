@@ -57,6 +57,11 @@ class BatchingFrontend:
         return await self._run_batch(requests)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        return await self.start(request)
+
+    def start(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        """``generate`` as a future, queued for the next batch (``EngineRouter`` asks without a
+        task); cancelling it gives the request up."""
         loop = asyncio.get_running_loop()
         if (
             self._wake is None
@@ -69,7 +74,7 @@ class BatchingFrontend:
         future: asyncio.Future[GenerationResult] = loop.create_future()
         self._queue.append((request, future))
         self._wake.set()
-        return await future
+        return future
 
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)

@@ -40,9 +40,9 @@ class RecordingSimEngine(SimEngine):
         super().__init__(*args, **kwargs)
         self.prompts: dict[str, list[int]] = {}
 
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
+    def start(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         self.prompts[request.request_id] = list(request.prompt_ids)
-        return await super().generate(request)
+        return super().start(request)
 
 
 def specs(count: int, first_seed: int = 0) -> list[EpisodeSpec]:
@@ -206,3 +206,25 @@ def test_a_turn_resumed_across_a_weight_update_keeps_its_token_versions_over_the
 
     assert through_the_wire([3, 3, 4], 4) == [3, 3, 4]  # preempted at version 3, resumed at 4
     assert through_the_wire([4, 4, 4], 4) == [4, 4, 4]  # the usual turn: sent without them
+
+
+def test_a_finished_trajectory_crosses_the_wire_unchanged() -> None:
+    import pickle
+
+    from trainer.rollout.env_worker_process import trajectory_from_wire, trajectory_to_wire
+    from trainer.rollout.trajectory import Trajectory
+
+    episode = Trajectory("env", 3, 1, messages=[{"role": "user", "content": "hi"}])
+    episode.append_context([1, 2, 3])
+    episode.append_generation(GenerationResult("ep/0", [7, 8], [-0.25, -1e-30], "stop", 2))
+    episode.turn_rewards, episode.turn_ends, episode.success = [1.0], [4], True
+    turn = episode.turn_sample([1, 2, 3])
+    turn.append_policy([7, 8], [-0.25, -0.5], 2)
+    episode.samples.append(turn)
+    huge = Trajectory("env", 4, 1)
+    huge.append_policy([2**40, 5], [-0.5, -0.5], 1)  # an id no 32-bit array holds: sent as is
+
+    for original in (episode, huge):
+        loaded = trajectory_from_wire(pickle.loads(pickle.dumps(trajectory_to_wire(original))))
+        assert loaded == original
+        assert type(loaded.token_ids) is list and type(loaded.logprobs[0]) is float
