@@ -46,7 +46,8 @@ a lake move is rarely valid: lake episodes mostly run to their 12 turns).
 Modes, each for ``--steps`` training batches of ``episodes`` episodes, from the same state:
 ``batch`` (plan the step's groups, play all, train, sync), ``sync`` (scheduler on-policy,
 redundancy ``--redundancy``), ``async-1``/``async-2`` (rollouts continue during training,
-``max_staleness`` 1/2, same redundancy). Printed per scale and mode: trained trajectories per
+``max_staleness`` 1/2, same redundancy); ``MODE@R`` runs a mode at redundancy ``R`` instead
+(``async-1@1.25``). Printed per scale and mode: trained trajectories per
 simulated second and the speedup over ``batch`` (over the whole run, and after the first step:
 the first batch of every mode is played with nothing to overlap, which a run of hundreds of
 steps amortises), the speedup training alone would allow (the
@@ -389,7 +390,7 @@ def main() -> None:
             wake_us = 1e6 * wakeup_s * r["engine_steps_per_turn"]
             steady_base = results.get("batch", r)["steady_traj_per_s"]
             print(
-                f"{episodes:>6} episodes / {engines:>2} engines {mode:>8}: "
+                f"{episodes:>6} episodes / {engines:>2} engines {mode:>12}: "
                 f"{r['traj_per_s']:8.1f} traj/s (simulated), speedup {r['traj_per_s'] / base:5.2f} "
                 f"x (after the first step: {r['steady_traj_per_s']:.1f} traj/s, "
                 f"{r['steady_traj_per_s'] / steady_base:.2f} x), engine utilisation "
@@ -414,7 +415,7 @@ def main() -> None:
                 + f"; peak RSS {peak_gib():.1f} GiB; load average {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
-        asyncs = [m for m in results if m.startswith("async") and int(m.split("-")[1]) <= 2]
+        asyncs = [m for m in results if m.startswith("async") and int(m.split("@")[0][6:]) <= 2]
         if "batch" in results and asyncs:
             best = max(results[m]["traj_per_s"] for m in asyncs) / results["batch"]["traj_per_s"]
     print(f"scale_speedup_vs_batch: {best:.2f} x")

@@ -319,18 +319,20 @@ def make_scheduler(
     source: Any,
     sampling: Any,
 ) -> Any:
-    """The real scheduler for ``mode`` (``sync``, or ``async-K``: staleness bound K) with the
-    benchmark's group size and redundancy (``rollout_scale.py`` shares it)."""
+    """The real scheduler for ``mode`` (``sync``, or ``async-K``: staleness bound K; either
+    with ``@R``: redundancy R instead of ``--redundancy``) with the benchmark's group size
+    (``rollout_scale.py`` shares it)."""
     from trainer.rollout.scheduler import RolloutScheduler, SchedulerConfig
 
-    k = int(mode.split("-")[1]) if mode.startswith("async") else 0
+    name, _, redundancy = mode.partition("@")
+    k = int(name.split("-")[1]) if name.startswith("async") else 0
     return RolloutScheduler(
         SchedulerConfig(
             groups,
             args.group_size,
             tuple(env_ids),
             mode="async" if k else "sync",
-            redundancy=args.redundancy,
+            redundancy=float(redundancy) if redundancy else args.redundancy,
             max_staleness=k,
         ),
         manager,
