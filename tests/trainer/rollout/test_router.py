@@ -1,7 +1,7 @@
-"""``EngineRouter`` preemption: a weight update aborts every in-flight request at once.
-
-An engine takes aborts between two of its steps; sent one after another, each would wait
-for a step of its own (with 100 requests in flight, 100 engine steps of paused rollouts).
+"""``EngineRouter``: a weight update aborts every in-flight request at once (an engine takes
+aborts between two of its steps; sent one after another, each would wait for a step of its own,
+with 100 requests in flight 100 engine steps of paused rollouts), turns sent meanwhile wait for
+the new weights, and a turn given up on moves new episodes to other engines.
 """
 
 from __future__ import annotations
@@ -88,3 +88,71 @@ def test_aborting_an_episode_reaches_the_engine_and_refuses_its_next_turn() -> N
     first, second = asyncio.run(asyncio.wait_for(go(), HANG_GUARD_S))
     assert first.finish_reason == "abort" and first.token_ids == [1, 2]
     assert second.finish_reason == "abort" and second.token_ids == []
+
+
+def test_a_turn_sent_while_weights_load_waits_and_runs_under_the_new_version() -> None:
+    engine = StepEngine()
+    router = EngineRouter([engine])
+
+    async def go() -> tuple[float, GenerationResult]:
+        loading = asyncio.Event()
+        loaded = asyncio.Event()
+
+        def load() -> None:  # the weight sync, in its thread
+            loop.call_soon_threadsafe(loading.set)
+            asyncio.run_coroutine_threadsafe(loaded.wait(), loop).result()
+            engine.update_weights({})
+
+        loop = asyncio.get_running_loop()
+        update = asyncio.ensure_future(router.update_weights_live(load))
+        await loading.wait()
+        late = router.start(GenerationRequest("ep0/0.", [1, 2, 3], 4))  # '.': finishes at once
+        for _ in range(5):
+            await asyncio.sleep(0)
+        held = late.done()
+        loaded.set()
+        await update
+        return held, await late
+
+    held, result = asyncio.run(asyncio.wait_for(go(), HANG_GUARD_S))
+    assert not held  # nothing reaches an engine while its weights change
+    assert result.finish_reason == "length" and result.policy_version == 1
+    assert "token_versions" not in result.extra  # one version: no per-token list
+
+
+def test_giving_up_on_a_turn_cancels_it_in_the_engine_and_new_episodes_go_elsewhere() -> None:
+    slow, other = StepEngine(), StepEngine()
+    router = EngineRouter([slow, other])
+
+    async def go() -> tuple[bool, int | None, int | None]:
+        answer = router.start(GenerationRequest("ep0/0", [1, 2, 3], 5))
+        while not slow.running:
+            await asyncio.sleep(0)
+        part = slow.running["ep0/0"]
+        answer.cancel()  # what rollout.generate_timeout_s does to a turn that hangs
+        while router.loads != [0, 0]:
+            await asyncio.sleep(0)
+        await router.generate(GenerationRequest("ep1/0.", [1], 2))
+        return part.cancelled(), router.engine_of("ep0"), router.engine_of("ep1")
+
+    cancelled, first, second = asyncio.run(asyncio.wait_for(go(), HANG_GUARD_S))
+    assert cancelled and first == 0
+    assert second == 1  # equal loads, but the silent engine gets no new episode
+    assert router.in_flight == 0
+
+
+def test_an_aborted_turn_held_by_a_weight_update_ends_at_once() -> None:
+    engine = StepEngine()
+    router = EngineRouter([engine])
+
+    async def go() -> GenerationResult:
+        await router.pause()
+        held = router.start(GenerationRequest("ep0/0", [1, 2, 3], 5))
+        await router.abort("ep0/0")
+        result = await held
+        router.resume()
+        return result
+
+    result = asyncio.run(asyncio.wait_for(go(), HANG_GUARD_S))
+    assert result.finish_reason == "abort" and result.token_ids == []
+    assert router.take_stats().aborted == 1
