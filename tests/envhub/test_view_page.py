@@ -5,12 +5,15 @@ and tokenizer) and a run whose env text holds ``<script>alert(1)</script>``. The
 point per metrics row and grow live when the run writes a row, filtering ``success = no`` lists
 exactly the run's failures, a transcript colours the policy's tokens (decoded with the run's
 tokenizer), the same seed at another step opens beside it, and the hostile env text is shown as
-text (no dialog opens). The screenshots of ``docs/view.md`` are taken here.
+text (no dialog opens). The screenshots of ``docs/view.md`` are taken here: into
+``docs/view/`` with ``ENVHUB_UPDATE_SCREENSHOTS=1``, else into the test's temporary folder (a
+test run leaves the checkout as it was).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ from tests.envhub.test_runs import SCRIPT, write_run
 
 pytestmark = pytest.mark.browser
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "view"
+"""Where the screenshots go with ``ENVHUB_UPDATE_SCREENSHOTS=1``."""
 
 
 def count(page: sync_api.Page, selector: str) -> int:
@@ -38,6 +42,7 @@ def count(page: sync_api.Page, selector: str) -> int:
 def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
     quickstart_run: Path, tmp_path: Path
 ) -> None:
+    shots = DOCS if os.environ.get("ENVHUB_UPDATE_SCREENSHOTS") == "1" else tmp_path / "shots"
     hostile = tmp_path / "hostile"
     write_run(hostile, steps=3, per_step=12)
     evals = tmp_path / "eval"  # an envhub eval --out folder: its summary is the Eval tab
@@ -69,8 +74,8 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         assert page.locator(f"{chart} polyline[data-run='1']").get_attribute("data-points") == "4"
         evals = page.locator("svg.chart[data-key='eval/success'] polyline[data-run='0']")
         assert evals.get_attribute("data-points") == "3"  # steps 0, 2, 4
-        DOCS.mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(DOCS / "curves.png"))
+        shots.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(shots / "curves.png"))
         # live: a row the run writes appears without a reload
         with (hostile / "metrics.jsonl").open("a") as metrics:
             metrics.write("\n" + json.dumps({"step": 4, "time_s": 8.0, "train/success": 0.5}))
@@ -90,7 +95,7 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         marks = page.locator("#episode-table tbody td.ok, #episode-table tbody td.fail")
         assert set(marks.all_inner_texts()) == {"\u2717"}
         assert marks.count() == min(failures.total, 50)
-        page.screenshot(path=str(DOCS / "episodes.png"))
+        page.screenshot(path=str(shots / "episodes.png"))
 
         # a transcript: the policy's tokens coloured, decoded with the run's tokenizer
         page.select_option("#filters select[name='kind']", "eval")
@@ -114,7 +119,7 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         assert [panels.nth(i).get_attribute("data-key") for i in (0, 1)] == [key, later]
         page.locator("#transcripts").scroll_into_view_if_needed()
         page.evaluate("document.querySelector('#transcripts').scrollIntoView()")
-        page.screenshot(path=str(DOCS / "transcript.png"))
+        page.screenshot(path=str(shots / "transcript.png"))
 
         # the envhub eval run's summary: one row per (env, agent)
         page.click("nav button[data-tab='eval']")
