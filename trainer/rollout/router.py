@@ -27,9 +27,9 @@ Accounting
 
 Per turn, without a task: ``start(request)`` is ``generate`` as a future (what the env
 workers' driver side calls once per turn; ``generate`` awaits it). The router is callbacks on
-the engines' futures: an engine with ``start(request) -> asyncio.Future`` (``SimEngine``, the
-``BatchingFrontend`` engines: ``HFEngine``, ``RankEngine``) is asked without a task either,
-any other through a task running its ``generate``.
+the engines' futures: an engine with ``start(request) -> asyncio.Future`` (``VLLMEngine``,
+``SimEngine``, the ``BatchingFrontend`` engines ``HFEngine`` and ``RankEngine``) is asked
+without a task either, any other through a task running its ``generate``.
 
 Weight updates reach the engines through ``update``: by default each engine's own
 ``update_weights``; the pipeline passes one call that updates every cluster rank at once.
@@ -72,7 +72,9 @@ class RolloutEngine(Protocol):
 
     The router needs this of every engine behind it and is one itself, to the env managers.
     A full engine (``HFEngine``, ``VLLMEngine``) fits, and so does a driver-side front that
-    only queues requests for a worker rank (``trainer.workers.infer.RankEngine``).
+    only queues requests for a worker rank (``trainer.workers.infer.RankEngine``). An engine
+    may also offer ``start(request) -> asyncio.Future[GenerationResult]`` (``generate`` as a
+    future, cancelled to give the request up): the router then asks it without a task.
     """
 
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...

@@ -240,13 +240,20 @@ class VLLMEngine:
     # ================================================================== protocol
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate for one request (see the module docstring for what comes back)."""
+        return await self.start(request)
+
+    def start(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        """``generate`` as a future (``EngineRouter`` asks without a task); cancelling it gives
+        the request up and frees its engine slot."""
         pending = self._submit(request)
-        try:
-            return await asyncio.wrap_future(pending.future)
-        except asyncio.CancelledError:  # the caller gave up: free the engine slot too
-            if not self._closed:
+        answer = asyncio.wrap_future(pending.future)
+
+        def given_up(answer: asyncio.Future[GenerationResult]) -> None:
+            if answer.cancelled() and not self._closed:
                 self._post(lambda: self._abort_keys([pending.key]))
-            raise
+
+        answer.add_done_callback(given_up)
+        return answer
 
     def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate for ``requests`` (blocking); they are batched with whatever else runs."""
