@@ -71,6 +71,12 @@ call).
 (chat template, tokenizer, envs, its side of the messages) goes to its own simulated timeline,
 as N processes on N cores would run, and the driver's CPU per turn is then what it costs to
 route each turn and pass messages. Printed too: the workers' CPU per turn and how busy each was.
+``--breakdown`` adds, per mode, where the driver's CPU went: the thread CPU of each event-loop
+callback (a task's step is named by its coroutine), per turn, largest first. It times every
+callback (two clock reads each), so that run's driver figures are ~10% high: compare
+breakdowns with breakdowns. Profilers mislead here (cProfile's wall time inflates socket writes
+that wake a worker, sampling overweights system calls).
+
 Last line: ``scale_speedup_vs_batch: X x`` (best async setting with staleness <= 2 over
 ``batch``, at the largest scale run).
 """
@@ -79,6 +85,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import functools
 import gc
 import os
@@ -86,7 +94,7 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -122,6 +130,62 @@ def timed(fn: Any, bucket: str) -> Any:
             setattr(CPU, bucket, getattr(CPU, bucket) + time.thread_time() - started)
 
     return call
+
+
+class CallbackCPU:
+    """``--breakdown``: thread CPU per event-loop callback while in ``with`` (asyncio's
+    ``Handle._run`` timed, put back on exit)."""
+
+    def __init__(self) -> None:
+        self.cpu: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+        self._run: Any = None
+
+    @staticmethod
+    def name(callback: Any) -> str:
+        if isinstance(callback, functools.partial):
+            return CallbackCPU.name(callback.func)
+        owner = getattr(callback, "__self__", None)
+        if isinstance(owner, asyncio.Task):  # a task's step: named by its coroutine
+            coro = owner.get_coro()
+            return "task " + getattr(coro, "__qualname__", type(coro).__name__)
+        return getattr(callback, "__qualname__", type(callback).__name__)
+
+    def __enter__(self) -> Self:
+        from asyncio import events
+
+        self._run = run = events.Handle._run
+        cpu, calls, name = self.cpu, self.calls, self.name
+
+        def timed_run(handle: Any) -> None:
+            started = time.thread_time()
+            try:
+                run(handle)
+            finally:
+                key = name(handle._callback)
+                cpu[key] += time.thread_time() - started
+                calls[key] += 1
+
+        events.Handle._run = timed_run  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from asyncio import events
+
+        events.Handle._run = self._run  # type: ignore[method-assign]
+
+    def report(self, turns: int, rows: int = 14) -> str:
+        head = (
+            "    driver CPU by callback (instrumented; SimEngine's include the simulated engines' "
+            f"own, uncharged work), us/turn and calls/turn, of {turns} turns:"
+        )
+        lines = [head]
+        for key, seconds in self.cpu.most_common(rows):
+            lines.append(
+                f"    {1e6 * seconds / max(turns, 1):8.2f} {self.calls[key] / max(turns, 1):6.2f}  "
+                f"{key}"
+            )
+        return "\n".join(lines)
 
 
 class TimedEnv:
@@ -226,39 +290,43 @@ async def run_mode(
     if not isinstance(loop, sim_clock.VirtualClockLoop):
         raise TypeError("run_mode runs on trainer.rollout.sim_clock.run's loop")
     charged0, uncharged0 = loop.charged_s, loop.uncharged_s
-    cpu0, real0, sim0 = time.process_time(), time.perf_counter(), loop.time()
-    if mode == "batch":
-        for step in range(args.steps):
-            specs = plan_groups(
-                step, num_groups=groups, group_size=args.group_size, env_ids=env_ids, seed=0
-            )
-            finished, _ = await run_episodes(specs, manager, source, sampling)
-            await cluster.train(finished)
-            router.update_weights({})
-            trained += len(finished)
-            first = first or (loop.time(), trained)
-    else:
-        scheduler = make_scheduler(mode, groups, args, env_ids, manager, router, source, sampling)
-        try:
-            for _ in range(args.steps):
-                batch = await scheduler.next_batch()
-                staleness = max(  # the scheduler's own count of trajectories per lag
-                    [staleness]
-                    + [
-                        int(name.rpartition("_")[2])
-                        for name, count in batch.metrics.items()
-                        if name.startswith("rollout/staleness_") and count
-                    ]
+    breakdown = CallbackCPU() if args.breakdown else None
+    with breakdown or contextlib.nullcontext():
+        cpu0, real0, sim0 = time.process_time(), time.perf_counter(), loop.time()
+        if mode == "batch":
+            for step in range(args.steps):
+                specs = plan_groups(
+                    step, num_groups=groups, group_size=args.group_size, env_ids=env_ids, seed=0
                 )
-                await cluster.train(batch.trajectories)  # rollouts go on meanwhile (async)
-                await scheduler.update_weights({})
-                trained += len(batch.trajectories)
+                finished, _ = await run_episodes(specs, manager, source, sampling)
+                await cluster.train(finished)
+                router.update_weights({})
+                trained += len(finished)
                 first = first or (loop.time(), trained)
-        finally:
-            await scheduler.close()
-    sim_s = loop.time() - sim0
-    charged = loop.charged_s - charged0
-    real_s, cpu_s = time.perf_counter() - real0, time.process_time() - cpu0
+        else:
+            scheduler = make_scheduler(
+                mode, groups, args, env_ids, manager, router, source, sampling
+            )
+            try:
+                for _ in range(args.steps):
+                    batch = await scheduler.next_batch()
+                    staleness = max(  # the scheduler's own count of trajectories per lag
+                        [staleness]
+                        + [
+                            int(name.rpartition("_")[2])
+                            for name, count in batch.metrics.items()
+                            if name.startswith("rollout/staleness_") and count
+                        ]
+                    )
+                    await cluster.train(batch.trajectories)  # rollouts go on meanwhile (async)
+                    await scheduler.update_weights({})
+                    trained += len(batch.trajectories)
+                    first = first or (loop.time(), trained)
+            finally:
+                await scheduler.close()
+        sim_s = loop.time() - sim0
+        charged = loop.charged_s - charged0
+        real_s, cpu_s = time.perf_counter() - real0, time.process_time() - cpu0
     stats = [e.stats for e in cluster.engines]
     workers_cpu = getattr(manager, "lane_busy_s", 0.0) - lanes0
     if args.env_workers:
@@ -269,6 +337,8 @@ async def run_mode(
     turns = router.totals().requests
     driver_cpu = cpu_s - engine_cpu - CPU.envs
     steps = sum(s.steps for s in stats)
+    if breakdown is not None:
+        print(breakdown.report(turns), flush=True)
     return {
         "trajectories": trained,
         "sim_s": sim_s,
@@ -341,6 +411,12 @@ def main() -> None:
         "0: in the driver",
     )
     parser.add_argument("--modes", default="batch,sync,async-1,async-2")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="print the driver's CPU per event-loop callback for each mode (instrumented: ~10%% "
+        "higher driver figures)",
+    )
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--redundancy", type=float, default=1.5)
     parser.add_argument("--turns-median", type=float, default=3.0)
