@@ -219,7 +219,9 @@ class RolloutConfig(Section):
     max_staleness: int = Field(default=1, ge=0)
     """``async``: most policy versions a trained token may lag the policy being trained."""
     redundancy: float = Field(default=1.0, ge=1.0)
-    """Scheduler modes: groups started per group a batch needs; the surplus is aborted."""
+    """Scheduler modes: groups started per group a batch needs; the surplus is aborted. In
+    ``async`` a run whose rollouts, not training, are the bound wants some (e.g. 1.25): at 1.0
+    each batch waits for its slowest group (``benchmarks/rollout_scale.py``, ``MODE@R``)."""
     dynamic_sampling: bool = False
     """Scheduler modes: drop groups whose rewards are all equal and play replacements."""
     is_truncation: float | None = Field(default=None, gt=0)
