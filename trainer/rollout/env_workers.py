@@ -310,7 +310,7 @@ class EnvWorkers:
                     request.prompt_ids = [*last[0], *last[1], *request.prompt_ids]
                 worker.requests.add(request.request_id)
                 # the router's future (no task per turn); its end answers the worker
-                answer = self.engine.start(request)
+                answer = self.engine.start_generate(request)
                 self._answers.add(answer)
                 answer.add_done_callback(functools.partial(self._answer, worker, request, key))
             elif kind == "abort":

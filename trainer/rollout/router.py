@@ -25,11 +25,12 @@ Accounting
     Busy time per engine (time with at least one request in flight), requests, tokens,
     aborts and preemptions; ``take_stats()`` returns them since the last call.
 
-Per turn, without a task: ``start(request)`` is ``generate`` as a future (what the env
-workers' driver side calls once per turn; ``generate`` awaits it). The router is callbacks on
-the engines' futures: an engine with ``start(request) -> asyncio.Future`` (``VLLMEngine``,
-``SimEngine``, the ``BatchingFrontend`` engines ``HFEngine`` and ``RankEngine``) is asked
-without a task either, any other through a task running its ``generate``.
+Per turn, without a task: ``start_generate(request)`` is ``generate`` as a future (what the
+env workers' driver side calls once per turn; ``generate`` awaits it). The router is callbacks
+on the engines' futures: an engine with ``start_generate(request) -> asyncio.Future``
+(``VLLMEngine``, ``SimEngine``, the ``BatchingFrontend`` engines ``HFEngine`` and
+``RankEngine``) is asked without a task either, any other through a task running its
+``generate``.
 
 Weight updates reach the engines through ``update``: by default each engine's own
 ``update_weights``; the pipeline passes one call that updates every cluster rank at once.
@@ -73,8 +74,9 @@ class RolloutEngine(Protocol):
     The router needs this of every engine behind it and is one itself, to the env managers.
     A full engine (``HFEngine``, ``VLLMEngine``) fits, and so does a driver-side front that
     only queues requests for a worker rank (``trainer.workers.infer.RankEngine``). An engine
-    may also offer ``start(request) -> asyncio.Future[GenerationResult]`` (``generate`` as a
-    future, cancelled to give the request up): the router then asks it without a task.
+    may also offer ``start_generate(request) -> asyncio.Future[GenerationResult]``
+    (``generate`` as a future, cancelled to give the request up): the router then asks it
+    without a task.
     """
 
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...
@@ -113,8 +115,8 @@ class RouterStats:
 
 
 class _Flight:
-    """One ``start`` call: its request and answer, where its current part runs, the parts it
-    has so far (each with the version it was issued under) and what happened to it."""
+    """One ``start_generate`` call: its request and answer, where its current part runs, the
+    parts it has so far (each with the version it was issued under) and what happened to it."""
 
     __slots__ = (
         "answer",
@@ -188,7 +190,7 @@ class EngineRouter:
             raise ValueError("EngineRouter needs at least one engine")
         self.engines = list(engines)
         self._starts: list[Callable[[GenerationRequest], asyncio.Future[GenerationResult]]]
-        self._starts = [getattr(e, "start", None) or _as_task(e) for e in self.engines]
+        self._starts = [getattr(e, "start_generate", None) or _as_task(e) for e in self.engines]
         """Per engine: a request in, a future of its result out."""
         self._update = update
         self._owns_policy = policy is None
@@ -215,9 +217,9 @@ class EngineRouter:
     # ------------------------------------------------------------------ RolloutEngine
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate on the episode's engine; resumes across weight updates (module docstring)."""
-        return await self.start(request)
+        return await self.start_generate(request)
 
-    def start(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         """``generate`` as a future, without a task: cancelling it gives the request up, as
         cancelling ``generate`` does (the engine's part is cancelled; the engine gets no new
         episodes while others answer)."""
@@ -536,9 +538,9 @@ class EngineRouter:
 def _as_task(
     engine: RolloutEngine,
 ) -> Callable[[GenerationRequest], asyncio.Future[GenerationResult]]:
-    """``start`` for an engine that only has ``generate``: a task runs it."""
+    """``start_generate`` for an engine that only has ``generate``: a task runs it."""
 
-    def start(request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+    def start_generate(request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         return asyncio.ensure_future(engine.generate(request))
 
-    return start
+    return start_generate

@@ -257,9 +257,9 @@ class SimEngine:
 
     # ------------------------------------------------------------------ InferenceEngine
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        return await self.start(request)
+        return await self.start_generate(request)
 
-    def start(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         """``generate`` as a future (``EngineRouter`` asks without a task); cancelling it gives
         the request up."""
         loop = asyncio.get_running_loop()

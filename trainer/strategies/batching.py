@@ -57,9 +57,9 @@ class BatchingFrontend:
         return await self._run_batch(requests)
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
-        return await self.start(request)
+        return await self.start_generate(request)
 
-    def start(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         """``generate`` as a future, queued for the next batch (``EngineRouter`` asks without a
         task); cancelling it gives the request up."""
         loop = asyncio.get_running_loop()

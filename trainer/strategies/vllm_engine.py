@@ -240,9 +240,9 @@ class VLLMEngine:
     # ================================================================== protocol
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Generate for one request (see the module docstring for what comes back)."""
-        return await self.start(request)
+        return await self.start_generate(request)
 
-    def start(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         """``generate`` as a future (``EngineRouter`` asks without a task); cancelling it gives
         the request up and frees its engine slot."""
         pending = self._submit(request)

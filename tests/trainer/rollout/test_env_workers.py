@@ -40,9 +40,9 @@ class RecordingSimEngine(SimEngine):
         super().__init__(*args, **kwargs)
         self.prompts: dict[str, list[int]] = {}
 
-    def start(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         self.prompts[request.request_id] = list(request.prompt_ids)
-        return super().start(request)
+        return super().start_generate(request)
 
 
 def specs(count: int, first_seed: int = 0) -> list[EpisodeSpec]:

@@ -106,7 +106,8 @@ def test_a_turn_sent_while_weights_load_waits_and_runs_under_the_new_version() -
         loop = asyncio.get_running_loop()
         update = asyncio.ensure_future(router.update_weights_live(load))
         await loading.wait()
-        late = router.start(GenerationRequest("ep0/0.", [1, 2, 3], 4))  # '.': finishes at once
+        # '.' in the id: the engine finishes it at once
+        late = router.start_generate(GenerationRequest("ep0/0.", [1, 2, 3], 4))
         for _ in range(5):
             await asyncio.sleep(0)
         held = late.done()
@@ -125,7 +126,7 @@ def test_giving_up_on_a_turn_cancels_it_in_the_engine_and_new_episodes_go_elsewh
     router = EngineRouter([slow, other])
 
     async def go() -> tuple[bool, int | None, int | None]:
-        answer = router.start(GenerationRequest("ep0/0", [1, 2, 3], 5))
+        answer = router.start_generate(GenerationRequest("ep0/0", [1, 2, 3], 5))
         while not slow.running:
             await asyncio.sleep(0)
         part = slow.running["ep0/0"]
@@ -147,7 +148,7 @@ def test_an_aborted_turn_held_by_a_weight_update_ends_at_once() -> None:
 
     async def go() -> GenerationResult:
         await router.pause()
-        held = router.start(GenerationRequest("ep0/0", [1, 2, 3], 5))
+        held = router.start_generate(GenerationRequest("ep0/0", [1, 2, 3], 5))
         await router.abort("ep0/0")
         result = await held
         router.resume()
