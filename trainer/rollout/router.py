@@ -142,6 +142,21 @@ class _Flight:
         self.cancelled = self.preempted = self.submitted = False
 
 
+class _Answer(asyncio.Future[GenerationResult]):
+    """The future ``start_generate`` returns: cancelling it gives the request up at once
+    (``EngineRouter._give_up``), with no done-callback per turn to watch for it."""
+
+    __slots__ = ("_request_id", "_router")
+    _request_id: str
+    _router: EngineRouter
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not super().cancel(msg):
+            return False
+        self._router._give_up(self)
+        return True
+
+
 def _joined(flight: _Flight, reason: FinishReason, version: int) -> GenerationResult:
     """One result of a generation over its parts (preempted and resumed), with per-token
     versions; ``version`` when it never reached an engine (aborted first)."""
@@ -226,16 +241,17 @@ class EngineRouter:
         request_id = request.request_id
         head, sep, _ = request_id.rpartition("/")
         key = head if sep else request_id  # episode_key, inline: once per turn
-        flight = _Flight(request, key, asyncio.get_running_loop().create_future())
+        answer = _Answer(loop=asyncio.get_running_loop())
+        answer._router, answer._request_id = self, request_id  # no cycle through the flight
+        flight = _Flight(request, key, answer)
         self._flights[request_id] = flight
         running = self._episode_flights.get(key)
         if running is None:
             self._episode_flights[key] = {request_id}
         else:
             running.add(request_id)
-        flight.answer.add_done_callback(functools.partial(self._given_up, flight))
         self._submit(flight)
-        return flight.answer
+        return answer
 
     async def abort(self, request_id: str) -> None:
         """Abort in the engine that holds the request; unknown or finished ids are ignored."""
@@ -454,9 +470,10 @@ class EngineRouter:
         else:
             self._submit(flight)  # held until ``resume``
 
-    def _given_up(self, flight: _Flight, answer: asyncio.Future[GenerationResult]) -> None:
+    def _give_up(self, answer: _Answer) -> None:
         """The caller cancelled the answer: cancel the engine's part (or drop the held one)."""
-        if not answer.cancelled():
+        flight = self._flights.get(answer._request_id)
+        if flight is None or flight.answer is not answer:  # it had ended already
             return
         flight.cancelled = True
         if flight.part is not None and not flight.part.done():
