@@ -239,8 +239,7 @@ class EngineRouter:
         cancelling ``generate`` does (the engine's part is cancelled; the engine gets no new
         episodes while others answer)."""
         request_id = request.request_id
-        head, sep, _ = request_id.rpartition("/")
-        key = head if sep else request_id  # episode_key, inline: once per turn
+        key = episode_key(request_id)
         answer = _Answer(loop=asyncio.get_running_loop())
         answer._router, answer._request_id = self, request_id  # no cycle through the flight
         flight = _Flight(request, key, answer)
