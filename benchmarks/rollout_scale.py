@@ -158,12 +158,14 @@ class CallbackCPU:
         cpu, calls, name = self.cpu, self.calls, self.name
 
         def timed_run(handle: Any) -> None:
-            started = time.thread_time()
+            loop = handle._loop
+            started, off = time.thread_time(), getattr(loop, "uncharged_s", 0.0)
             try:
                 run(handle)
             finally:
                 key = name(handle._callback)
-                cpu[key] += time.thread_time() - started
+                off = getattr(loop, "uncharged_s", 0.0) - off  # the simulated engines' own
+                cpu[key] += time.thread_time() - started - off
                 calls[key] += 1
 
         events.Handle._run = timed_run  # type: ignore[method-assign]
@@ -176,8 +178,8 @@ class CallbackCPU:
 
     def report(self, turns: int, rows: int = 14) -> str:
         head = (
-            "    driver CPU by callback (instrumented; SimEngine's include the simulated engines' "
-            f"own, uncharged work), us/turn and calls/turn, of {turns} turns:"
+            "    driver CPU by callback (instrumented; without the simulated engines' own, "
+            f"uncharged work), us/turn and calls/turn, of {turns} turns:"
         )
         lines = [head]
         for key, seconds in self.cpu.most_common(rows):
@@ -237,6 +239,11 @@ class Cluster:
         self.train_s = 0.0
         self.train_tokens = 0
 
+    def load_weights(self, weights: Any) -> None:
+        """A weight sync into every engine (each stops stepping for ``sync_s``)."""
+        for engine in self.engines:
+            engine.update_weights(weights)
+
     async def train(self, trajectories: list[Any]) -> None:
         """A simulated training step on the batch's tokens."""
         tokens = sum(t.num_tokens for t in trajectories)
@@ -254,10 +261,21 @@ async def run_mode(
     from trainer.rollout.env_workers import EnvWorkers
     from trainer.rollout.groups import plan_groups, run_episodes
     from trainer.rollout.router import EngineRouter
+    from trainer.rollout.worker_routing import RelayEngines, RelayHost, WorkerRouters
 
     loop = asyncio.get_running_loop()
+    if not isinstance(loop, sim_clock.VirtualClockLoop):
+        raise TypeError("run_mode runs on trainer.rollout.sim_clock.run's loop")
     cluster = Cluster(args, engines, renderer)
-    router = EngineRouter(cluster.engines, clock=loop.time)
+    router: Any = EngineRouter(cluster.engines, clock=loop.time)
+    if args.route_in_workers:  # each env worker routes its turns; the engines stay here
+        router = WorkerRouters(
+            RelayEngines(engines),
+            engines,
+            update=cluster.load_weights,
+            relay=RelayHost(cluster.engines, off_clock=loop.uncharged),
+            clock=loop.time,
+        )
     manager: Any
     if args.env_workers:
         manager = EnvWorkers(
@@ -287,9 +305,7 @@ async def run_mode(
     first: tuple[float, int] | None = None  # (clock, trained) once the first step is done
     CPU.envs = CPU.renderer = 0.0
     lanes0 = getattr(manager, "lane_busy_s", 0.0)
-    if not isinstance(loop, sim_clock.VirtualClockLoop):
-        raise TypeError("run_mode runs on trainer.rollout.sim_clock.run's loop")
-    charged0, uncharged0 = loop.charged_s, loop.uncharged_s
+    charged0, uncharged0, reads0 = loop.charged_s, loop.uncharged_s, loop.clock_reads
     breakdown = CallbackCPU() if args.breakdown else None
     with breakdown or contextlib.nullcontext():
         cpu0, real0, sim0 = time.process_time(), time.perf_counter(), loop.time()
@@ -326,6 +342,7 @@ async def run_mode(
                 await scheduler.close()
         sim_s = loop.time() - sim0
         charged = loop.charged_s - charged0
+        reads = loop.clock_reads - reads0
         real_s, cpu_s = time.perf_counter() - real0, time.process_time() - cpu0
     stats = [e.stats for e in cluster.engines]
     workers_cpu = getattr(manager, "lane_busy_s", 0.0) - lanes0
@@ -361,6 +378,7 @@ async def run_mode(
         "env_us_per_turn": 1e6 * CPU.envs / max(turns, 1),
         "engine_us_per_turn": 1e6 * engine_cpu / max(turns, 1),
         "engine_steps_per_turn": steps / max(turns, 1),
+        "clock_reads_per_turn": reads / max(turns, 1),
         "workers_us_per_turn": 1e6 * workers_cpu / max(turns, 1),
         "workers_busy": workers_cpu / (max(args.env_workers, 1) * sim_s),
     }
@@ -389,6 +407,22 @@ def wakeup_cost_s(timers: int = 20_000) -> float:
     return sim_clock.run(chain())
 
 
+def clock_read_cost_s(reads: int = 200_000) -> float:
+    """CPU seconds one read of the simulated clock costs beyond a real loop's clock read (a
+    thread CPU clock is a system call, ``time.monotonic`` is not): the simulation's own cost
+    per ``VirtualClockLoop.clock_reads``."""
+    import threading
+
+    cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
+    started = time.thread_time()
+    for _ in range(reads):
+        time.clock_gettime(cpu_clock)
+    middle = time.thread_time()
+    for _ in range(reads):
+        time.monotonic()
+    return max(0.0, (middle - started) - (time.thread_time() - middle)) / reads
+
+
 def peak_gib() -> float:
     """Peak RSS of this process (the driver), GiB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -409,6 +443,12 @@ def main() -> None:
         default=0,
         help="play episodes in this many env worker processes (trainer.rollout.env_workers); "
         "0: in the driver",
+    )
+    parser.add_argument(
+        "--route-in-workers",
+        action="store_true",
+        help="each env worker routes its own turns to the engines "
+        "(trainer.rollout.worker_routing; needs --env-workers)",
     )
     parser.add_argument("--modes", default="batch,sync,async-1,async-2")
     parser.add_argument(
@@ -440,13 +480,15 @@ def main() -> None:
         help="rollout.generate_timeout_s, simulated seconds",
     )
     args = parser.parse_args()
+    if args.route_in_workers and not args.env_workers:
+        parser.error("--route-in-workers needs --env-workers N (the workers route)")
 
     from envhub.gc_tuning import relax_gc
     from trainer.rollout import sim_clock
 
     relax_gc()  # as the trainer's driver does (trainer.rollout.rollouts)
     renderer = build_renderer()
-    wakeup_s = wakeup_cost_s()
+    wakeup_s, read_s = wakeup_cost_s(), clock_read_cost_s()
     print(
         "SIMULATED cluster (GPU, training and sync times simulated; driver CPU real): "
         f"Qwen2.5-7B on H200s, groups of {args.group_size}, "
@@ -464,6 +506,7 @@ def main() -> None:
             r = results[mode] = sim_clock.run(run_mode(mode, args, episodes, engines, renderer))
             base = results.get("batch", r)["traj_per_s"]
             wake_us = 1e6 * wakeup_s * r["engine_steps_per_turn"]
+            reads_us = 1e6 * read_s * r["clock_reads_per_turn"]
             steady_base = results.get("batch", r)["steady_traj_per_s"]
             print(
                 f"{episodes:>6} episodes / {engines:>2} engines {mode:>12}: "
@@ -479,7 +522,8 @@ def main() -> None:
                 f"{100 * r['driver_busy']:4.1f}% of the simulated time, its CPU "
                 f"{r['driver_us_per_turn']:5.1f} us/turn ({r['template_us_per_turn']:.1f} of it "
                 f"chat template + tokenizer, ~{wake_us:.1f} the loop waking for "
-                f"{r['engine_steps_per_turn']:.1f} simulated engine steps) over "
+                f"{r['engine_steps_per_turn']:.1f} simulated engine steps, ~{reads_us:.1f} the "
+                f"simulated clock's own {r['clock_reads_per_turn']:.1f} reads) over "
                 f"{r['turns']:.0f} turns, not counted: envs "
                 f"{r['env_us_per_turn']:.1f}, simulated engines {r['engine_us_per_turn']:.1f}"
                 + (

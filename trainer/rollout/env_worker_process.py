@@ -3,19 +3,31 @@ generates through, and the framed socket both sides talk over.
 
 The driver starts ``python -m trainer.rollout.env_worker_process FD [--lockstep]`` with one
 end of a socket pair as ``FD`` and its own ``sys.path`` in ``PYTHONPATH``. The first frame
-carries ``("init", setup)``: the worker calls ``setup(RemoteEngine)`` and answers ``("ready",)``,
-or ``("fatal", traceback)`` and exits. Then:
+carries ``("init", setup, routing)``: the worker calls ``setup(engine)`` and answers
+``("ready",)``, or ``("fatal", traceback)`` and exits. ``engine`` is a ``RemoteEngine`` (the
+driver routes every turn), or, with ``routing`` (``WorkerRouters.init_message``: the engines'
+setup, the version, paused or not), a ``LocalRoute``: an ``EngineRouter`` of the worker's own
+over the engines it builds (``trainer.rollout.worker_routing``). Then:
 
     driver -> worker   ("play", key, spec, sampling, max_retries)  play_episode in a task
                        ("result", *result) / ("failed", request_id, error)
                        ("stop", [keys])                              no more replays
+                       ("pause",) / ("resume", version)              routing here: the router
+                       ("abort_episode", key)                        stops / goes on; aborts
+                       ("relay", payload)                            relayed engines' results
     worker -> driver   ("generate", *request)                       a whole prompt
                        ("extend", *request)                         only the ids after the
                                                                     episode's last prompt and
                                                                     its generation
                        ("abort", request_id) / ("forget", key)
-                       ("done", key, trajectory, failed attempts) / ("error", key, text)
+                       ("done", key, trajectory, failed attempts, report)
+                       ("error", key, text)
+                       ("paused", report)                           routing here: idle
+                       ("relay", payload)                           relayed engines' requests
                        ("idle", frames answered, CPU seconds)        lockstep only
+
+A ``report`` is None when the driver routes, else the worker's router counters and its
+requests in flight (``WorkerRouters.on_report``).
 
 Requests and results travel as tuples of their fields (``request_to_wire`` and friends: a
 tuple pickles and loads several times faster than a dataclass), a result without the
@@ -41,18 +53,22 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
-from trainer.rollout.router import episode_key
+from trainer.rollout.router import EngineRouter, episode_key
 from trainer.rollout.trajectory import Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
+from trainer.weights.versioned import PolicyVersion
 
 if TYPE_CHECKING:
     from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
     from trainer.rollout.groups import EpisodeSpec
+    from trainer.rollout.worker_routing import EngineSetup
 
 __all__ = [
     "Channel",
+    "LocalRoute",
     "RemoteEngine",
     "WorkerSetup",
+    "attach_socket",
     "request_from_wire",
     "request_to_wire",
     "result_from_wire",
@@ -61,7 +77,7 @@ __all__ = [
     "trajectory_to_wire",
 ]
 
-WorkerSetup = Callable[["RemoteEngine"], "tuple[EnvManager, EnvSource]"]
+WorkerSetup = Callable[["RemoteEngine | LocalRoute"], "tuple[EnvManager, EnvSource]"]
 """Builds a worker's ``EnvManager`` (generating through the given engine) and ``EnvSource``."""
 
 _HEADER = 4  # bytes of a frame's length
@@ -166,7 +182,7 @@ class Channel(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # a stream socket's transport
         self.flush()  # what was queued before the connection was made
 
-    def data_received(self, data: bytes) -> None:
+    def data_received(self, data: bytes | memoryview) -> None:
         buffer = self._buffer
         buffer += data
         start = 0
@@ -211,9 +227,88 @@ class Channel(asyncio.Protocol):
         self._transport.write(len(payload).to_bytes(_HEADER, "little") + payload)
         return True
 
+    def take_pending(self) -> list[tuple[Any, ...]]:
+        """The queued messages, taken out (to travel in another channel's frame)."""
+        out, self._outbox = self._outbox, []
+        return out
+
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close()
+
+
+def attach_socket(
+    channel: Channel,
+    sock: socket.socket,
+    off_clock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+) -> None:
+    """Serve ``channel`` on ``sock`` with the loop's reader and writer callbacks, every read,
+    write and frame handled inside ``off_clock()`` (asyncio's own transports read outside any
+    callback of ours): the cluster simulation's relayed engines' traffic stays off the
+    driver's clock that way (``trainer.rollout.worker_routing``)."""
+    loop = asyncio.get_running_loop()
+    sock.setblocking(False)
+    pending = bytearray()
+    into = memoryview(bytearray(1 << 16))  # reused: no large buffer allocated per read
+
+    def read() -> None:
+        with off_clock():
+            try:
+                size = sock.recv_into(into)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                size = 0
+            if size:
+                channel.data_received(into[:size])
+            else:
+                close()
+
+    def drain() -> None:
+        with off_clock():
+            try:
+                sent = sock.send(pending)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                close()
+                return
+            del pending[:sent]
+            if not pending:
+                loop.remove_writer(sock)
+
+    class _Writer:
+        def write(self, data: bytes) -> None:
+            if channel.closed:
+                return
+            if not pending:
+                with off_clock():
+                    try:
+                        sent = sock.send(data)
+                    except (BlockingIOError, InterruptedError):
+                        sent = 0
+                    except OSError:
+                        close()
+                        return
+                if sent == len(data):
+                    return
+                data = data[sent:]
+                loop.add_writer(sock, drain)
+            pending.extend(data)
+
+        def close(self) -> None:
+            close()
+
+    def close() -> None:
+        if channel.closed:
+            return
+        loop.remove_reader(sock)
+        loop.remove_writer(sock)
+        sock.close()
+        channel.connection_lost(None)
+
+    loop.add_reader(sock, read)
+    channel.connection_made(cast(asyncio.BaseTransport, _Writer()))
 
 
 class RemoteEngine:
@@ -252,15 +347,54 @@ class RemoteEngine:
         self._worker.channel.send(("forget", key))
 
 
-class _WorkerLoop:
-    """A worker process's event loop: plays the episodes the driver sends."""
+class LocalRoute:
+    """The worker's own ``EngineRouter`` as its ``EnvManager`` sees it (routing in the worker:
+    ``trainer.rollout.worker_routing``)."""
 
-    def __init__(self, lockstep: bool) -> None:
+    def __init__(self, worker: _WorkerLoop, router: EngineRouter) -> None:
+        self._worker, self.router = worker, router
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        worker = self._worker
+        answer = self.router.start_generate(request)
+        worker.waiting[request.request_id] = answer
+        worker.settle()
+        try:
+            return await answer
+        finally:
+            worker.waiting.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> None:
+        await self.router.abort(request_id)
+
+    def forget(self, key: str) -> None:
+        self.router.forget(key)
+
+
+class _WorkerLoop:
+    """A worker process's event loop: plays the episodes the driver sends (``WorkerLink`` of
+    the engines it builds when it routes its turns itself)."""
+
+    def __init__(self, lockstep: bool, relay: socket.socket | None = None) -> None:
         self.lockstep = lockstep
         self.channel = Channel(self.on_frame, self.on_lost, auto_flush=not lockstep)
+        self.relay: Channel | None = None
+        """The relayed engines' own socket to the driver (``RelayEngines``), if any."""
+        self._relay_sock = relay
+        if relay is not None:
+            self.relay = Channel(self.on_frame, lambda: None, auto_flush=not lockstep)
+        self._answers = 0
+        """lockstep: answers sent (the driver takes them in this order, from either socket)."""
         self.waiting: dict[str, asyncio.Future[GenerationResult]] = {}
+        """Request id -> its answer, while an episode waits for it."""
         self.last_turn: dict[str, list[int]] = {}
         """Episode key -> its last prompt + generated ids, as the driver holds them."""
+        self.router: EngineRouter | None = None
+        """The worker's own router (routing here), else None: the driver routes."""
+        self.on_relay: Callable[[bytes], None] | None = None
+        """Relayed engines' results handler (``trainer.rollout.worker_routing.RelayEngines``)."""
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._settling = False
         self.manager: EnvManager | None = None
         self.source: EnvSource | None = None
         self.plays: dict[str, asyncio.Task[None]] = {}
@@ -269,10 +403,27 @@ class _WorkerLoop:
         self._owed = 0
         self._cpu_from = 0.0
 
-    def init(self, setup: WorkerSetup) -> None:
-        """Build the manager with ``setup``; answer ``ready``, or ``fatal`` and stop."""
+    def send(self, message: tuple[Any, ...]) -> None:
+        """A message to the driver (``WorkerLink``): relayed engines' on their own socket."""
+        if message[0] == "relay" and self.relay is not None:
+            self.relay.send(message)
+        else:
+            self.channel.send(message)
+
+    def init(
+        self, setup: WorkerSetup, routing: tuple[EngineSetup, int, bool] | None = None
+    ) -> None:
+        """Build the manager with ``setup`` (and the router with ``routing``); answer ``ready``,
+        or ``fatal`` and stop."""
         try:
-            self.manager, self.source = setup(RemoteEngine(self))
+            engine: RemoteEngine | LocalRoute = RemoteEngine(self)
+            if routing is not None:
+                engines, version, paused = routing
+                self.router = EngineRouter(engines(self), policy=PolicyVersion(version))
+                engine = LocalRoute(self, self.router)
+                if paused:  # nothing in flight yet: it only holds requests until "resume"
+                    self.spawn(self.router.pause())
+            self.manager, self.source = setup(engine)
         except BaseException:  # noqa: BLE001 - reported to the driver, which raises it
             self.channel.queue(("fatal", traceback.format_exc()[-4000:]))
             self.channel.close()
@@ -281,7 +432,7 @@ class _WorkerLoop:
 
     def on_frame(self, frame: list[tuple[Any, ...]]) -> None:
         if frame[0][0] == "init":
-            self.init(frame[0][1])
+            self.init(*frame[0][1:])
             return
         if self.lockstep:
             if not self._owed:
@@ -306,7 +457,41 @@ class _WorkerLoop:
                 self.plays[key] = task
             elif kind == "stop":
                 self.stopped.update(message[1])
+            elif kind == "relay" and self.on_relay is not None:
+                self.on_relay(message[1])
+            elif self.router is not None:
+                self.route(message)
         self.settle()
+
+    def route(self, message: tuple[Any, ...]) -> None:
+        """The driver's word to the worker's own router."""
+        router, kind = self.router, message[0]
+        assert router is not None
+        if kind == "pause":
+            self.spawn(self.pause(router))
+        elif kind == "resume":
+            router.policy.restore(message[1])
+            router.resume()
+        elif kind == "abort_episode":
+            self.spawn(router.abort_episode(message[1]))
+
+    async def pause(self, router: EngineRouter) -> None:
+        await router.pause()
+        self.channel.send(("paused", self.report()))
+        self.settle()
+
+    def report(self) -> tuple[Any, ...] | None:
+        """The router's counters and requests in flight (routing here), else None."""
+        from trainer.rollout.worker_routing import counters_to_wire
+
+        if self.router is None:
+            return None
+        return counters_to_wire(self.router.totals()), self.router.in_flight
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def play(self, key: str, spec: EpisodeSpec, sampling: Sampling, retries: int) -> None:
         from trainer.rollout.groups import play_episode
@@ -328,19 +513,41 @@ class _WorkerLoop:
         except Exception as error:  # noqa: BLE001 - reported to the driver's scheduler
             self.channel.send(("error", key, f"{type(error).__name__}: {error}"[:500]))
         else:
-            self.channel.send(("done", key, trajectory_to_wire(trajectory), failed))
+            wire = trajectory_to_wire(trajectory)
+            self.channel.send(("done", key, wire, failed, self.report()))
         finally:
             self.plays.pop(key, None)
             self.stopped.discard(key)
             self.settle()
 
     def settle(self) -> None:
-        """lockstep: answer the owed frames once every episode waits for the engine again."""
-        if not self.lockstep or not self._owed or len(self.waiting) < len(self.plays):
+        """lockstep: answer the owed frames once every episode waits for the engine again and
+        nothing else in the worker can run (a router's callbacks, a relay's flush, a pause)."""
+        if not self.lockstep or not self._owed or self._settling:
             return
-        self.channel.send(("idle", self._owed, time.thread_time() - self._cpu_from))
-        self.channel.flush()
+        self._settling = True
+        asyncio.get_running_loop().call_soon(self._settle_when_quiet)
+
+    def _settle_when_quiet(self) -> None:
+        loop = asyncio.get_running_loop()
+        if getattr(loop, "_ready", None):  # CPython's queue of callbacks ready to run
+            loop.call_soon(self._settle_when_quiet)
+            return
+        self._settling = False
+        if not self._owed or len(self.waiting) < len(self.plays):
+            return  # an episode still works: its next request (or end) settles again
+        idle = ("idle", self._owed, time.thread_time() - self._cpu_from, self._answers)
+        self._answers += 1
         self._owed = 0
+        channel = self.channel
+        if self.relay is not None:
+            if channel.pending:  # the relayed messages ride along, in order
+                for message in self.relay.take_pending():
+                    channel.send(message)
+            else:  # only engine traffic: the answer travels on its socket
+                channel = self.relay
+        channel.send(idle)
+        channel.flush()
 
     def on_lost(self) -> None:
         self.lost.set()
@@ -348,6 +555,8 @@ class _WorkerLoop:
     async def serve(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         await loop.connect_accepted_socket(lambda: self.channel, sock)
+        if self.relay is not None and self._relay_sock is not None:
+            attach_socket(self.relay, self._relay_sock)
         try:
             await self.lost.wait()
         finally:
@@ -368,9 +577,12 @@ def main(argv: list[str]) -> None:
 
     relax_gc()  # as the driver does: many in-flight objects, few cycles
     sock = socket.socket(fileno=int(argv[0]))
+    relay = None
+    if "--relay" in argv:
+        relay = socket.socket(fileno=int(argv[argv.index("--relay") + 1]))
 
     async def main() -> None:
-        await _WorkerLoop(lockstep="--lockstep" in argv).serve(sock)
+        await _WorkerLoop(lockstep="--lockstep" in argv, relay=relay).serve(sock)
 
     asyncio.run(main())
 

@@ -32,6 +32,10 @@ aborted in the router, and a fresh worker takes its place; nothing hangs. ``clos
 every worker process (killed if it does not exit within ``close_timeout_s``), and a worker
 whose driver is gone exits on its own (its socket closes).
 
+With a ``WorkerRouters`` in place of the router, each worker routes its own turns to the
+engines and the driver only sees episodes start and end, and the weight updates' pause and
+resume (``trainer.rollout.worker_routing``).
+
 ``lockstep=True`` is for the cluster simulation only (``trainer.rollout.sim_clock``,
 benchmarks/rollout_scale.py): each worker answers every frame once all its episodes wait
 for the engine again, reporting the CPU seconds that took; the driver's simulated clock does
@@ -58,8 +62,10 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.rollout.env_worker_process import (
     Channel,
+    LocalRoute,
     RemoteEngine,
     WorkerSetup,
+    attach_socket,
     request_from_wire,
     result_to_wire,
     trajectory_from_wire,
@@ -72,6 +78,7 @@ if TYPE_CHECKING:
     from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
     from trainer.rollout.groups import EpisodeSpec
     from trainer.rollout.router import EngineRouter
+    from trainer.rollout.worker_routing import WorkerRouters
 
 __all__ = ["EnvWorkers", "ManagerSetup", "RemoteEngine", "WorkerSetup"]
 
@@ -89,7 +96,7 @@ class ManagerSetup:
     """``EnvManager`` keyword arguments (turn and context limits, timeouts, sample unit)."""
     source: Callable[[], EnvSource]
 
-    def __call__(self, engine: RemoteEngine) -> tuple[EnvManager, EnvSource]:
+    def __call__(self, engine: RemoteEngine | LocalRoute) -> tuple[EnvManager, EnvSource]:
         from trainer.rollout.env_manager import EnvManager
         from trainer.rollout.trajectory import ChatRenderer
 
@@ -99,6 +106,7 @@ class ManagerSetup:
 
 _log = logging.getLogger(__name__)
 _keys = itertools.count()
+_uids = itertools.count()
 
 
 # ---------------------------------------------------------------------- the driver's side
@@ -118,6 +126,16 @@ class _Worker:
     channel: Channel
     ready: asyncio.Future[bool]
     """Set once the worker answered its setup (True) or failed it (False)."""
+    relay: Channel | None = None
+    """The relayed engines' own socket (``RelayEngines``), if any."""
+    next_answer: int = 0
+    """lockstep: the number of the worker's next answer (answers come on either socket)."""
+    early: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
+    """lockstep: answers that came before an earlier one, by number."""
+    init_paused: bool = False
+    """Routing in the worker: its router started paused (a weight update was under way)."""
+    uid: int = field(default_factory=lambda: next(_uids))
+    """Unique among all workers ever started (a replacement keeps ``index``, not this)."""
     episodes: dict[str, _Episode] = field(default_factory=dict)
     requests: set[str] = field(default_factory=set)
     """Generation requests the worker is waiting for (aborted in the router if it dies)."""
@@ -133,11 +151,12 @@ class EnvWorkers:
     """``workers`` processes playing episodes for the driver's scheduler (module docstring).
 
     Hand it to ``RolloutScheduler`` (or ``play_episode`` / ``run_episodes``) in place of an
-    ``EnvManager``: ``engine`` is the router its workers generate through."""
+    ``EnvManager``: ``engine`` is the router its workers generate through (an
+    ``EngineRouter`` in the driver, or ``WorkerRouters``: a router in each worker)."""
 
     def __init__(
         self,
-        router: EngineRouter,
+        router: EngineRouter | WorkerRouters,
         setup: WorkerSetup,
         *,
         workers: int = 4,
@@ -151,11 +170,22 @@ class EnvWorkers:
             raise ValueError(
                 f"rollout.env_workers must be >= 1 to use worker processes, got {workers}"
             )
+        from trainer.rollout.worker_routing import WorkerRouters
+
         self.engine = router
+        self.routing = router if isinstance(router, WorkerRouters) else None
+        """The workers route their own turns (None: the driver's router does)."""
+        self._router = None if isinstance(router, WorkerRouters) else router
+        """The driver's router, when it routes the workers' turns."""
+        if self.routing is not None:
+            self.routing.attach(self)
+            if self.routing.relay is not None:
+                self.routing.relay.connect(self._send_relay)
         self.setup, self.num_workers, self.lockstep = setup, workers, lockstep
         self.close_timeout_s = close_timeout_s
         self.on_episode_end = on_episode_end
         self._workers: list[_Worker] = []
+        self._by_uid: dict[int, _Worker] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._answers: set[asyncio.Future[GenerationResult]] = set()
         """The router's answers to the workers' requests not in yet (cancelled at close)."""
@@ -223,12 +253,37 @@ class EnvWorkers:
         """Episodes being played in the workers."""
         return sum(len(w.episodes) for w in self._workers)
 
+    # ------------------------------------------------------------------ WorkerRouters'
+    def live(self) -> list[int]:
+        """The workers (their ``uid``) that are ready."""
+        return [
+            w.uid
+            for w in self._workers
+            if w.ready.done() and not w.ready.cancelled() and w.ready.result()
+        ]
+
+    def send_to(self, uid: int, message: tuple[Any, ...]) -> None:
+        """A message to a worker (none if it is gone)."""
+        worker = self._by_uid.get(uid)
+        if worker is not None:
+            self._send(worker, message)
+
+    def worker_of(self, play_key: str) -> int | None:
+        """The worker playing the episode ``play_key`` (None: none does)."""
+        for worker in self._workers:
+            if play_key in worker.episodes:
+                return worker.uid
+        return None
+
     async def close(self) -> None:
         """End every worker (their envs are closed by them); episodes still held fail."""
         self._closed = True
         workers, self._workers = self._workers, []
+        self._by_uid.clear()
         for worker in workers:
             worker.channel.close()
+            if worker.relay is not None:
+                worker.relay.close()
         for worker in workers:
             await self._reap(worker)
             self._fail_held(worker, "EnvWorkers closed")
@@ -243,13 +298,20 @@ class EnvWorkers:
         mine, theirs = socket.socketpair()
         mine.setblocking(False)
         command = [sys.executable, "-m", "trainer.rollout.env_worker_process", str(theirs.fileno())]
+        passed = [theirs]
+        relay = self.routing.relay if self.routing is not None else None
+        if relay is not None:  # the relayed engines' traffic gets a socket of its own
+            relay_mine, relay_theirs = socket.socketpair()
+            passed.append(relay_theirs)
+            command += ["--relay", str(relay_theirs.fileno())]
         path = os.pathsep.join(p or os.getcwd() for p in sys.path)
         process = subprocess.Popen(
             command + (["--lockstep"] if self.lockstep else []),
-            pass_fds=[theirs.fileno()],
+            pass_fds=[s.fileno() for s in passed],
             env={**os.environ, "PYTHONPATH": path},
         )
-        theirs.close()
+        for sock in passed:
+            sock.close()
         holder: list[_Worker] = []
         channel = Channel(
             lambda frame: self._on_frame(holder[0], frame),
@@ -257,11 +319,23 @@ class EnvWorkers:
             auto_flush=not self.lockstep,
         )
         worker = _Worker(index, process, channel, loop.create_future())
+        if relay is not None:
+            worker.relay = Channel(
+                lambda frame: self._on_frame(holder[0], frame),
+                lambda: None,  # the main socket's loss is the worker's
+                auto_flush=not self.lockstep,
+            )
+            attach_socket(worker.relay, relay_mine, relay.off_clock)
         worker.lane_free = loop.time()
         holder.append(worker)
+        self._by_uid[worker.uid] = worker
         loop.create_task(loop.connect_accepted_socket(lambda: channel, mine))
         _owe(loop, 1)  # the clock waits for its "ready"
-        channel.queue(("init", self.setup))
+        routing = None
+        if self.routing is not None:
+            routing = self.routing.init_message()
+            worker.init_paused = routing[2]
+        channel.queue(("init", self.setup, routing))
         return worker
 
     def _send(self, worker: _Worker, message: tuple[Any, ...]) -> None:
@@ -272,6 +346,18 @@ class EnvWorkers:
         worker.channel.send(message)
         if first:  # one frame per loop iteration, with the clock it left at
             asyncio.get_running_loop().call_soon(self._flush_lockstep, worker)
+
+    def _send_relay(self, uid: int, message: tuple[Any, ...]) -> None:
+        """The relayed engines' answers to a worker, on their own socket, at once (the
+        ``RelayHost`` calls this once per loop iteration and worker, off the clock)."""
+        worker = self._by_uid.get(uid)
+        if worker is None or worker.relay is None:
+            return
+        worker.relay.send(message)
+        if worker.relay.flush() and self.lockstep:
+            loop = asyncio.get_running_loop()
+            worker.sent_at.append(loop.time())
+            _owe(loop, 1)
 
     def _flush_lockstep(self, worker: _Worker) -> None:
         loop = asyncio.get_running_loop()
@@ -286,40 +372,73 @@ class EnvWorkers:
         if not self.lockstep:
             self._handle(worker, frame)
             return
+        number = frame[-1][3]  # ("idle", frames answered, CPU seconds they took, number)
+        if number != worker.next_answer:  # it overtook an earlier one on the other socket
+            worker.early[number] = frame
+            return
+        while True:
+            self._take_answer(worker, frame)
+            worker.next_answer += 1
+            later = worker.early.pop(worker.next_answer, None)
+            if later is None:
+                return
+            frame = later
+
+    def _take_answer(self, worker: _Worker, frame: list[tuple[Any, ...]]) -> None:
+        """lockstep: a worker's answer takes effect once its own timeline got there."""
         loop = asyncio.get_running_loop()
-        _, answered, cpu_s = frame[-1]  # ("idle", frames answered, CPU seconds they took)
+        _, answered, cpu_s, _ = frame[-1]
         sent = [worker.sent_at.popleft() for _ in range(answered)]
         _owe(loop, -answered)
         start = max(sent[-1] if sent else loop.time(), worker.lane_free)
         worker.lane_free = start + cpu_s
         self.lane_busy_s += cpu_s
-        loop.call_at(worker.lane_free, self._handle, worker, frame[:-1])
+        messages = frame[:-1]
+        relay = self.routing.relay if self.routing is not None else None
+        if relay is not None and all(m[0] == "relay" for m in messages):
+            loop.call_at(worker.lane_free, relay.receive_all, worker.uid, messages)
+        else:
+            loop.call_at(worker.lane_free, self._handle, worker, messages)
+
+    def _route(self, worker: _Worker, router: EngineRouter, message: tuple[Any, ...]) -> None:
+        """A turn's message when the driver routes: into the router, its answer back."""
+        kind = message[0]
+        if kind in ("generate", "extend"):
+            request = request_from_wire(message)
+            key = episode_key(request.request_id)
+            if kind == "extend":  # the prompt goes on from the episode's previous turn
+                last = worker.last_turn.get(key)
+                if last is None:  # cannot happen while both sides agree; fail the turn
+                    error = "the driver holds no previous turn of this episode to extend"
+                    self._send(worker, ("failed", request.request_id, error))
+                    return
+                request.prompt_ids = [*last[0], *last[1], *request.prompt_ids]
+            worker.requests.add(request.request_id)
+            # the router's future (no task per turn); its end answers the worker
+            answer = router.start_generate(request)
+            self._answers.add(answer)
+            answer.add_done_callback(functools.partial(self._answer, worker, request, key))
+        elif kind == "abort":
+            self._spawn_task(router.abort(message[1]))
+        elif kind == "forget":
+            worker.last_turn.pop(message[1], None)
+            router.forget(message[1])
 
     def _handle(self, worker: _Worker, frame: list[tuple[Any, ...]]) -> None:
         for message in frame:
             kind = message[0]
-            if kind in ("generate", "extend"):
-                request = request_from_wire(message)
-                key = episode_key(request.request_id)
-                if kind == "extend":  # the prompt goes on from the episode's previous turn
-                    last = worker.last_turn.get(key)
-                    if last is None:  # cannot happen while both sides agree; fail the turn
-                        error = "the driver holds no previous turn of this episode to extend"
-                        self._send(worker, ("failed", request.request_id, error))
-                        continue
-                    request.prompt_ids = [*last[0], *last[1], *request.prompt_ids]
-                worker.requests.add(request.request_id)
-                # the router's future (no task per turn); its end answers the worker
-                answer = self.engine.start_generate(request)
-                self._answers.add(answer)
-                answer.add_done_callback(functools.partial(self._answer, worker, request, key))
-            elif kind == "abort":
-                self._spawn_task(self.engine.abort(message[1]))
-            elif kind == "forget":
-                worker.last_turn.pop(message[1], None)
-                self.engine.forget(message[1])
+            if kind in ("generate", "extend", "abort", "forget"):
+                if self._router is not None:  # (workers that route do not send these)
+                    self._route(worker, self._router, message)
+            elif kind == "relay" and self.routing is not None and self.routing.relay is not None:
+                self.routing.relay.receive(worker.uid, message[1])
+            elif kind == "paused" and self.routing is not None:
+                self.routing.on_report(worker.uid, *message[1])
+                self.routing.on_paused(worker.uid)
             elif kind == "done":
-                _, key, wire, failed_attempts = message
+                _, key, wire, failed_attempts, report = message
+                if report is not None and self.routing is not None:
+                    self.routing.on_report(worker.uid, *report)
                 episode = worker.episodes.pop(key, None)
                 self.played += 1
                 if episode is None:
@@ -390,6 +509,12 @@ class EnvWorkers:
             )
         if not worker.ready.done():
             worker.ready.set_result(answer[0] == "ready")
+        routing = self.routing
+        if answer[0] == "ready" and routing is not None and not routing.paused:
+            # a weight update may have begun or ended while it started (it was not "live")
+            self._send(worker, ("resume", routing.version))
+        elif answer[0] == "ready" and routing is not None and not worker.init_paused:
+            self._send(worker, ("pause",))
 
     def _on_lost(self, worker: _Worker) -> None:
         """The worker's socket closed: it died (or ``close`` closed it)."""
@@ -400,8 +525,14 @@ class EnvWorkers:
         loop = asyncio.get_running_loop()
         _owe(loop, -len(worker.sent_at))
         worker.sent_at.clear()
-        for request_id in list(worker.requests):
-            self._spawn_task(self.engine.abort(request_id))
+        self._by_uid.pop(worker.uid, None)
+        if worker.relay is not None:
+            worker.relay.close()
+        if self.routing is not None:
+            self.routing.on_lost(worker.uid)
+        for request_id in list(worker.requests):  # (none when the workers route)
+            if self._router is not None:
+                self._spawn_task(self._router.abort(request_id))
         if self._broken is None:  # a fresh worker takes its place at once
             self.restarts += 1
             self._workers[self._workers.index(worker)] = self._spawn(worker.index)

@@ -34,7 +34,7 @@ import contextlib
 import selectors
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor
 from typing import Any, TypeVar
 
@@ -68,6 +68,10 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
 
     def __init__(self) -> None:
         super().__init__(_SkippingSelector(self))
+        self._uncharged = _Uncharged(self)
+        self.clock_reads = 0
+        """Reads of the CPU clock so far (each a system call the driver's clock pays: the
+        simulation's own cost, reported apart by benchmarks/rollout_scale.py)."""
         self._cpu_clock = time.pthread_getcpuclockid(threading.get_ident())
         self._offset = -time.clock_gettime(self._cpu_clock)
         self._paused_at: float | None = None
@@ -84,6 +88,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     def time(self) -> float:
         if self._paused_at is not None:
             return self._paused_at
+        self.clock_reads += 1
         return time.clock_gettime(self._cpu_clock) + self._offset
 
     @property
@@ -101,6 +106,7 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         ``start_charging`` (calls nest: the outermost pair decides)."""
         self._pauses += 1
         if self._pauses == 1:  # one read of the CPU clock (a system call)
+            self.clock_reads += 1
             self._paused_cpu = time.clock_gettime(self._cpu_clock)
             self._paused_at = self._paused_cpu + self._offset
 
@@ -112,20 +118,16 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
         self._pauses -= 1
         if self._pauses:
             return 0.0
+        self.clock_reads += 1
         spent = time.clock_gettime(self._cpu_clock) - self._paused_cpu
         self._offset -= spent
         self.uncharged_s += spent
         self._paused_at = None
         return spent
 
-    @contextlib.contextmanager
-    def uncharged(self) -> Iterator[None]:
+    def uncharged(self) -> contextlib.AbstractContextManager[None]:
         """The block's CPU is not charged to the clock (it stands still meanwhile)."""
-        self.stop_charging()
-        try:
-            yield
-        finally:
-            self.start_charging()
+        return self._uncharged
 
     @property
     def threads_pending(self) -> int:
@@ -153,6 +155,23 @@ class VirtualClockLoop(asyncio.SelectorEventLoop):
     def _thread_answered(self, _: asyncio.Future[Any]) -> None:
         with self._threads_lock:
             self._threads -= 1
+
+
+class _Uncharged:
+    """``VirtualClockLoop.uncharged()``: one object per loop, reusable and nestable (the state
+    is the loop's), cheaper than a generator-based context manager on a path taken per engine
+    step."""
+
+    __slots__ = ("_loop",)
+
+    def __init__(self, loop: VirtualClockLoop) -> None:
+        self._loop = loop
+
+    def __enter__(self) -> None:
+        self._loop.stop_charging()
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.start_charging()
 
 
 def run(coro: Coroutine[Any, Any, T], *, debug: bool | None = None) -> T:

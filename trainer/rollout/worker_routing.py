@@ -1,0 +1,461 @@
+"""Routing in the env workers: each worker routes its own episodes' turns to the engines; the
+driver keeps groups, batches, staleness and the weight updates.
+
+With ``EnvWorkers`` alone every turn passes through the driver: the worker sends its request,
+the driver's ``EngineRouter`` sends it on, the answer comes back the same way (tens of
+microseconds of the driver's CPU per turn; benchmarks/README.md, ``rollout_scale``). At
+10,000 episodes over 64 engines that bounds the whole cluster by one core. Here, as verl's
+agent-loop workers and SkyRL's do, each worker process holds an ``EngineRouter`` of its own
+over all the engines (least loaded by its own count, sticky per episode), and the driver only
+sees episodes start and end::
+
+    driver                                         worker k (one of ``workers``)
+    scheduler --play(spec, key)--> EnvWorkers ===> play_episode(EnvManager)
+    WorkerRouters --pause / resume(version)--> ==> EngineRouter(engines(link)) ---> engines
+                  <--paused(counters)---------  ==
+    scheduler <---done(trajectory, counters)---  ==
+
+``WorkerRouters`` is what the driver's scheduler holds in place of an ``EngineRouter`` (the
+same ``version``, ``update_weights_live``, ``abort_episode``, ``take_stats``, ``in_flight``):
+
+- ``update_weights_live(weights)`` sends ``pause`` to every worker (its router stops new
+  requests, preempts what is in flight, and answers once its engines are idle), loads the
+  weights once every worker answered, then sends ``resume`` with the new version: the
+  preempted turns resume under it, as with one router;
+- ``abort_episode(key)`` goes to the worker playing the episode;
+- counters (requests, tokens, aborts, preemptions, busy time per engine) come with every
+  finished episode and every ``paused``; ``take_stats`` adds the workers' up. An engine's
+  busy time is the longest any one worker saw (workers cannot see each other's requests: a
+  lower bound, exact with one worker).
+
+A worker builds its engines with ``engines(link)``: a picklable callable run in the worker
+process (``link``: the worker's ``WorkerLink``, for engines that talk back through the
+driver). ``RelayEngines(count)`` builds engines that live in the *driver's* process, reached
+over the worker's socket and served by a ``RelayHost``: the cluster simulation's engines must
+share the driver's simulated clock (``benchmarks/rollout_scale.py --route-in-workers``), and
+the relay's driver side is the engines' work there, kept off the driver's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import pickle
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from trainer.rollout.router import RouterStats
+from trainer.strategies.base import GenerationRequest, GenerationResult, Weights
+from trainer.weights.versioned import PolicyVersion, SharedVersion
+
+if TYPE_CHECKING:
+    from trainer.rollout.env_workers import EnvWorkers
+    from trainer.rollout.router import RolloutEngine
+
+__all__ = [
+    "EngineSetup",
+    "RelayEngines",
+    "RelayHost",
+    "WorkerLink",
+    "WorkerRouters",
+    "counters_from_wire",
+    "counters_to_wire",
+]
+
+_COUNTS = ("requests", "new_tokens", "aborted", "preempted", "errors")
+
+
+class WorkerLink(Protocol):
+    """What an env worker offers the engines it builds: a message to its driver
+    (``("relay", payload)`` reaches the driver's ``RelayHost``), and the handler of the
+    driver's relay payloads."""
+
+    def send(self, message: tuple[Any, ...]) -> None: ...
+
+    on_relay: Callable[[bytes], None] | None
+
+
+EngineSetup = Callable[[WorkerLink], "Sequence[RolloutEngine]"]
+"""Builds a worker's engines (picklable: it travels to each worker process)."""
+
+
+def counters_to_wire(totals: RouterStats) -> tuple[Any, ...]:
+    """A router's ``totals()`` as a tuple (what a worker reports)."""
+    return (*(getattr(totals, name) for name in _COUNTS), totals.busy_s)
+
+
+def counters_from_wire(wire: tuple[Any, ...]) -> RouterStats:
+    *counts, busy = wire
+    return RouterStats(busy_s=list(busy), **dict(zip(_COUNTS, counts, strict=True)))
+
+
+@dataclass
+class _Reports:
+    """The latest counters of every worker (dead ones' last stay), and what ``take_stats``
+    had taken of them."""
+
+    latest: dict[int, RouterStats] = field(default_factory=dict)
+    taken: RouterStats | None = None
+
+
+class WorkerRouters:
+    """The driver's view of the routers in its env workers (see the module docstring).
+
+    Hand it to ``EnvWorkers`` as its router and to the ``RolloutScheduler`` as its router."""
+
+    version = SharedVersion()
+    """The policy version new requests are issued under (``policy.value``)."""
+
+    def __init__(
+        self,
+        engines: EngineSetup,
+        num_engines: int,
+        *,
+        update: Callable[[Weights], None] | None = None,
+        policy: PolicyVersion | None = None,
+        relay: RelayHost | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``engines``: builds each worker's engines (``num_engines`` of them, the same in every
+        worker). ``update(weights)``: loads weights into every engine (a run's weight sync
+        passes a callable to ``update_weights_live`` instead). ``policy``: the run's version
+        (None: owned here, advanced once per update). ``relay``: serves ``RelayEngines``."""
+        self.engines, self.num_engines = engines, num_engines
+        self._update = update
+        self._owns_policy = policy is None
+        self.policy = policy if policy is not None else PolicyVersion()
+        self.relay = relay
+        self._clock = clock
+        self._workers: EnvWorkers | None = None
+        self._paused = False
+        self._acks: dict[int, asyncio.Future[None]] = {}
+        """Worker index -> its ``paused`` answer, while a pause waits for it."""
+        self._reports = _Reports()
+        self._in_flight: dict[int, int] = {}
+        self._stats_since = clock()
+
+    # ------------------------------------------------------------------ the scheduler's
+    @property
+    def paused(self) -> bool:
+        """Between ``pause`` and ``resume`` (a worker started meanwhile starts paused)."""
+        return self._paused
+
+    async def update_weights_live(self, weights: Weights | Callable[[], Any]) -> float:
+        """Pause every worker's router, load ``weights`` (or call it), resume under the new
+        version; returns the seconds paused (``EngineRouter.update_weights_live``)."""
+        started = self._clock()
+        await self.pause()
+        try:
+            if callable(weights):
+                await asyncio.to_thread(weights)
+            elif self._update is not None:
+                await asyncio.to_thread(self._update, weights)
+            if self._owns_policy:
+                self.policy.advance()
+        finally:
+            self.resume()
+        return self._clock() - started
+
+    def update_weights(self, weights: Weights) -> None:
+        """Load weights now and tell the workers the new version (callers make sure nothing is
+        in flight: between two ``batch`` steps)."""
+        if self._update is not None:
+            self._update(weights)
+        if self._owns_policy:
+            self.policy.advance()
+        self.resume()
+
+    async def pause(self) -> None:
+        """Every worker's router stops new requests and preempts its in-flight ones; returns
+        once all of them are idle (a worker that dies meanwhile counts as idle)."""
+        self._paused = True
+        workers = self._attached().live()
+        loop = asyncio.get_running_loop()
+        for worker in workers:
+            self._acks[worker] = loop.create_future()
+            self._attached().send_to(worker, ("pause",))
+        await asyncio.gather(*self._acks.values())
+        self._acks.clear()
+
+    def resume(self) -> None:
+        """Every worker's router goes on under ``version``: its held requests go out."""
+        self._paused = False
+        for worker in self._attached().live():
+            self._attached().send_to(worker, ("resume", self.version))
+
+    async def abort_episode(self, key: str) -> None:
+        """Abort the episode's running request and refuse its later ones, in the worker that
+        plays it (``key``: ``"{play key}a{attempt}"``, as the scheduler writes it)."""
+        worker = self._attached().worker_of(key.rpartition("a")[0])
+        if worker is not None:
+            self._attached().send_to(worker, ("abort_episode", key))
+
+    def take_stats(self) -> RouterStats:
+        """The workers' counters since the previous call (as of their latest reports)."""
+        now, total = self._clock(), self.totals()
+        taken, self._reports.taken = self._reports.taken, total
+        total.wall_s = now - self._stats_since
+        self._stats_since = now
+        if taken is None:
+            return total
+        for name in _COUNTS:
+            setattr(total, name, getattr(total, name) - getattr(taken, name))
+        total.busy_s = [a - b for a, b in zip(total.busy_s, taken.busy_s, strict=True)]
+        return total
+
+    def totals(self) -> RouterStats:
+        """The workers' counters since they started, as of their latest reports."""
+        total = RouterStats(busy_s=[0.0] * self.num_engines)
+        for report in self._reports.latest.values():
+            for name in _COUNTS:
+                setattr(total, name, getattr(total, name) + getattr(report, name))
+            total.busy_s = [max(a, b) for a, b in zip(total.busy_s, report.busy_s, strict=True)]
+        return total
+
+    @property
+    def in_flight(self) -> int:
+        """Requests in the workers' engines, as of their latest reports."""
+        return sum(self._in_flight.values())
+
+    async def close(self) -> None:
+        """The workers' routers end with their processes (``EnvWorkers.close``)."""
+
+    # ------------------------------------------------------------------ EnvWorkers'
+    def attach(self, workers: EnvWorkers) -> None:
+        if self._workers is not None and self._workers is not workers:
+            raise ValueError("a WorkerRouters serves one EnvWorkers")
+        self._workers = workers
+
+    def init_message(self) -> tuple[Any, ...]:
+        """What a starting worker builds its router from."""
+        return (self.engines, self.version, self._paused)
+
+    def on_report(self, worker: int, wire: tuple[Any, ...], in_flight: int) -> None:
+        """A worker's counters (with a finished episode, or its ``paused``)."""
+        self._reports.latest[worker] = counters_from_wire(wire)
+        self._in_flight[worker] = in_flight
+
+    def on_paused(self, worker: int) -> None:
+        ack = self._acks.get(worker)
+        if ack is not None and not ack.done():
+            ack.set_result(None)
+
+    def on_lost(self, worker: int) -> None:
+        """A worker died: it has nothing in flight any more (a pause does not wait for it)."""
+        self._in_flight.pop(worker, None)
+        self.on_paused(worker)
+        if self.relay is not None:
+            self.relay.forget_peer(worker)
+
+    def _attached(self) -> EnvWorkers:
+        if self._workers is None:
+            raise RuntimeError("WorkerRouters is used before an EnvWorkers was built over it")
+        return self._workers
+
+
+# ---------------------------------------------------------------------- relayed engines
+class RelayEngines:
+    """``EngineSetup`` for engines hosted in the driver's process (a ``RelayHost``): ``count``
+    engines, reached over the worker's socket."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __call__(self, link: WorkerLink) -> list[RelayEngine]:
+        relay = _Relay(link)
+        link.on_relay = relay.receive
+        return [RelayEngine(relay, index) for index in range(self.count)]
+
+
+class _Relay:
+    """A worker's side of the relay: requests out (one payload per loop iteration), results
+    in."""
+
+    def __init__(self, link: WorkerLink) -> None:
+        self.link = link
+        self.waiting: dict[str, asyncio.Future[GenerationResult]] = {}
+        self._out: list[tuple[Any, ...]] = []
+
+    def call(self, message: tuple[Any, ...]) -> None:
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self.flush)
+        self._out.append(message)
+
+    def flush(self) -> None:
+        if self._out:
+            out, self._out = self._out, []
+            self.link.send(("relay", pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)))
+
+    def receive(self, payload: bytes) -> None:
+        for message in pickle.loads(payload):
+            future = self.waiting.pop(message[1], None)
+            if future is None or future.done():
+                continue
+            if message[0] == "r":
+                future.set_result(GenerationResult(*message[1:]))
+            else:
+                future.set_exception(RuntimeError(message[2]))
+
+
+class RelayEngine:
+    """One driver-hosted engine as a worker's router sees it (``RolloutEngine``); weight
+    loads and state are the driver's business (``WorkerRouters``)."""
+
+    def __init__(self, relay: _Relay, index: int) -> None:
+        self._relay, self.index = relay, index
+
+    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        future: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
+        self._relay.waiting[request.request_id] = future
+        r = request
+        self._relay.call(
+            (
+                "g",
+                self.index,
+                r.request_id,
+                r.prompt_ids,
+                r.max_new_tokens,
+                r.temperature,
+                r.top_p,
+                r.stop_token_ids,
+            )
+        )
+        future.add_done_callback(functools.partial(self._given_up, request.request_id))
+        return future
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        return await self.start_generate(request)
+
+    async def abort(self, request_id: str) -> None:
+        self._relay.call(("a", self.index, request_id))
+
+    def _given_up(self, request_id: str, future: asyncio.Future[GenerationResult]) -> None:
+        if future.cancelled():
+            self._relay.waiting.pop(request_id, None)
+            self._relay.call(("a", self.index, request_id))
+
+    def update_weights(self, weights: Weights) -> None:
+        raise RuntimeError("relayed engines load weights in the driver (WorkerRouters)")
+
+    def sleep(self) -> None:
+        """The hosted engine's business."""
+
+    def wake_up(self) -> None:
+        """The hosted engine's business."""
+
+    def get_state(self) -> dict[str, Any]:
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """The hosted engine's business."""
+
+
+class RelayHost:
+    """The driver's side of ``RelayEngines``: runs the workers' requests on ``engines`` and
+    sends each worker its results, one payload per loop iteration.
+
+    ``off_clock()``: a context in which the host's work runs (the cluster simulation keeps it
+    off the driver's clock: ``VirtualClockLoop.uncharged``, the engines' processes' work on a
+    cluster)."""
+
+    def __init__(
+        self,
+        engines: Sequence[RolloutEngine],
+        *,
+        off_clock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    ) -> None:
+        from trainer.rollout.router import _as_task
+
+        self.engines = list(engines)
+        self._starts = [getattr(e, "start_generate", None) or _as_task(e) for e in self.engines]
+        self.off_clock = off_clock
+        self._reply: Callable[[int, tuple[Any, ...]], None] | None = None
+        self._running: dict[int, dict[str, tuple[int, asyncio.Future[GenerationResult]]]] = {}
+        self._out: dict[int, list[tuple[Any, ...]]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def connect(self, reply: Callable[[int, tuple[Any, ...]], None]) -> None:
+        """``reply(peer, message)`` sends a message to a worker (``EnvWorkers``)."""
+        self._reply = reply
+
+    def receive(self, peer: int, payload: bytes) -> None:
+        """A worker's requests and aborts."""
+        with self.off_clock():
+            running = self._running.setdefault(peer, {})
+            for message in pickle.loads(payload):
+                if message[0] == "g":
+                    request = GenerationRequest(*message[2:])
+                    future = self._starts[message[1]](request)
+                    running[request.request_id] = (message[1], future)
+                    future.add_done_callback(
+                        functools.partial(self._answered, peer, request.request_id)
+                    )
+                else:
+                    self._abort(message[1], message[2])
+
+    def receive_all(self, peer: int, messages: list[tuple[Any, ...]]) -> None:
+        """A worker's ``("relay", payload)`` messages."""
+        with self.off_clock():
+            for message in messages:
+                self.receive(peer, message[1])
+
+    def forget_peer(self, peer: int) -> None:
+        """A worker is gone: abort what it had asked for."""
+        with self.off_clock():
+            for request_id, (index, future) in self._running.pop(peer, {}).items():
+                if not future.done():
+                    self._abort(index, request_id)
+            self._out.pop(peer, None)
+
+    def _abort(self, index: int, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self._abort_off_clock(index, request_id))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _abort_off_clock(self, index: int, request_id: str) -> None:
+        with self.off_clock():
+            await self.engines[index].abort(request_id)
+
+    def _answered(
+        self, peer: int, request_id: str, future: asyncio.Future[GenerationResult]
+    ) -> None:
+        out = self._out.get(peer)
+        if out is None:  # one payload per loop iteration and worker
+            out = self._out[peer] = []
+            asyncio.get_running_loop().call_soon(self._flush, peer)
+        out.append((request_id, future))
+
+    def _flush(self, peer: int) -> None:
+        """The results that came in this loop iteration, to their worker in one payload."""
+        out = self._out.pop(peer, None)
+        running = self._running.get(peer)
+        if not out or running is None or self._reply is None:
+            return  # the worker is gone
+        with self.off_clock():
+            messages: list[tuple[Any, ...]] = []
+            for request_id, future in out:
+                if running.pop(request_id, None) is None:
+                    continue
+                if future.cancelled():
+                    messages.append(("f", request_id, "the engine gave the request up"))
+                elif (error := future.exception()) is not None:
+                    messages.append(("f", request_id, f"{type(error).__name__}: {error}"))
+                else:
+                    r = future.result()
+                    messages.append(
+                        (
+                            "r",
+                            r.request_id,
+                            r.token_ids,
+                            r.logprobs,
+                            r.finish_reason,
+                            r.policy_version,
+                            r.extra,
+                        )
+                    )
+            if messages:
+                payload = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
+                self._reply(peer, ("relay", payload))
