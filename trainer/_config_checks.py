@@ -67,6 +67,15 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
                 "may train whole episodes)",
             )
         )
+    if cfg.rollout.route_in_workers and cfg.cluster.backend != "ray":
+        problems.append(
+            Problem(
+                "rollout.route_in_workers",
+                "env workers route their turns to the actor_infer workers' Ray actors, and with "
+                f"cluster.backend: {cfg.cluster.backend} those live in the driver; set "
+                "cluster.backend: ray, or rollout.route_in_workers: false",
+            )
+        )
     problems.extend(_agent_problems(cfg))
     problems.extend(_lora_problems(cfg))
     if cfg.train.packing:

@@ -246,6 +246,13 @@ class RolloutConfig(Section):
     driver cannot keep up with its engines (thousands of episodes in flight). 0: episodes play
     in the driver's rollout thread. With ``env.pool_workers`` each env worker has a pool of its
     own; evaluation episodes play in the driver."""
+    route_in_workers: bool = False
+    """With ``env_workers``: each env worker routes its own episodes' turns straight to the
+    ``actor_infer`` Ray actors (``trainer.rollout.worker_routing``: its own router, least
+    loaded and sticky per episode), so the driver handles only episodes starting and ending
+    and the weight updates' pause and resume, not every turn. Needs ``cluster.backend: ray``.
+    For runs whose driver cannot keep up even with ``env_workers`` (benchmarks/README.md,
+    ``rollout_scale``)."""
     generate_timeout_s: float | None = Field(default=None, gt=0)
     """Fail an episode whose turn is not generated within this many seconds, queueing in the
     engine included (the request is aborted in the engine; the episode is replayed, then its
@@ -276,6 +283,15 @@ class RolloutConfig(Section):
     def _known_engine(cls, name: str) -> str:
         engine_spec(name)  # ValueError: the engines that exist, and "did you mean"
         return name
+
+    @model_validator(mode="after")
+    def _workers_route(self) -> RolloutConfig:
+        if self.route_in_workers and not self.env_workers:
+            raise ValueError(
+                "rollout.route_in_workers routes each env worker's turns in that worker; set "
+                "rollout.env_workers >= 1 (or rollout.route_in_workers: false)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _env_workers_play_the_env_manager(self) -> RolloutConfig:

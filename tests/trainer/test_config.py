@@ -220,6 +220,27 @@ def test_an_agent_that_cannot_run_is_a_config_problem(overrides: list[str], prob
     assert problem in text, text
 
 
+@pytest.mark.parametrize(
+    ("overrides", "problem"),
+    [
+        (
+            ["rollout.route_in_workers=true"],
+            "rollout: rollout.route_in_workers routes each env worker's turns in that worker; set "
+            "rollout.env_workers >= 1",
+        ),
+        (
+            ["rollout.route_in_workers=true", "rollout.env_workers=2", "cluster.backend=local"],
+            "rollout.route_in_workers: env workers route their turns to the actor_infer workers' "
+            "Ray actors, and with cluster.backend: local those live in the driver; set "
+            "cluster.backend: ray",
+        ),
+    ],
+)
+def test_routing_in_env_workers_needs_workers_and_ray(overrides: list[str], problem: str) -> None:
+    text = "\n".join(problems_of(None, overrides))
+    assert problem in text, text
+
+
 def test_remote_hub_skips_the_local_registry() -> None:
     cfg = load_config(None, ["env.hub=ws://127.0.0.1:9", "env.id=acme/only-remote-v0"])
     assert cfg.env.ids == ["acme/only-remote-v0"]

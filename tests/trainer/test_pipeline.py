@@ -97,3 +97,43 @@ def test_the_same_run_on_ray_workers(tmp_path: Path) -> None:
         assert_policy_trained(rows[-1])
     finally:
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_a_run_whose_env_workers_route_their_own_turns(tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    import ray
+
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *TINY,
+            "train.steps=2",
+            "train.ppo_epochs=1",
+            "sft.epochs=0",
+            "eval.episodes=4",
+            f"output_dir={tmp_path / 'run'}",
+            VARIED,
+            "cluster.backend=ray",
+            "cluster.num_cpus=2",
+            "rollout.mode=async",
+            "rollout.env_workers=2",
+            "rollout.route_in_workers=true",
+        ],
+    )
+    try:
+        pipeline = AgenticPipeline(cfg)
+        rows = pipeline.fit()
+    finally:
+        ray.shutdown()
+    assert [row["step"] for row in rows if "actor/grad_norm" in row] == [1, 2]
+    assert_policy_trained(rows[-1])
+    routing, driver = pipeline.rollouts.routing, pipeline.rollouts.router
+    assert routing is not None and routing.version == 2  # the workers' routers followed the sync
+    # every training turn went through the workers' own routers; the driver's router served
+    # only the evaluation episodes
+    trained = sum(
+        r["rollout/turns_mean"] * cfg.batch_size for r in rows if "rollout/turns_mean" in r
+    )
+    assert routing.totals().requests >= trained > 0
+    assert driver.totals().requests <= 4 * cfg.rollout.max_turns * (1 + cfg.train.steps)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import inspect
+import os
 import time
 import types
 from collections.abc import Callable, Generator, Mapping
@@ -338,6 +339,8 @@ class Cluster:
         self.slots = self._resolve_slots(role, config, placement, resources, world_size)
         self._env_vars = dict(env_vars or {})
         self._closed = False
+        self.actor_names: list[str] = []
+        """Ray backend: each rank's actor name (in the driver's Ray namespace)."""
         contexts = self._contexts(dict(extra or {}))
         kwargs = dict(worker_kwargs or {})
         if backend == "local":
@@ -487,6 +490,10 @@ class Cluster:
             )
             if self._env_vars:  # a runtime env of its own costs a fresh worker process
                 options["runtime_env"] = {"env_vars": dict(self._env_vars)}
+            # named, so that other processes of the run (env workers routing their own turns:
+            # ``InferCluster.worker_engines``) can look the actor up
+            options["name"] = f"{self.role}-{ctx.rank}-{os.urandom(4).hex()}"
+            self.actor_names.append(options["name"])
             handles.append(remote_cls.options(**options).remote(ctx, config, **kwargs))
         return handles
 

@@ -49,6 +49,7 @@ from trainer.rollout.proxy import AgentProxy
 from trainer.rollout.router import EngineRouter, RolloutEngine
 from trainer.rollout.scheduler import LoopThread, RolloutScheduler, SchedulerConfig
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
+from trainer.rollout.worker_routing import EngineSetup, WorkerRouters
 from trainer.weights.versioned import PolicyVersion
 
 if TYPE_CHECKING:
@@ -120,13 +121,22 @@ class Rollouts:
         self.envs = envs
         self.workers: EnvWorkers | None = None
         """``rollout.env_workers``: the processes that play training episodes."""
+        self.routing: WorkerRouters | None = None
+        """``rollout.route_in_workers``: the workers' routers, as the scheduler sees them."""
         if rollout.env_workers:
             if env_factory is None or not isinstance(self.manager, EnvManager):
                 raise ValueError(
                     "rollout.env_workers needs the built-in env manager and an env_factory"
                 )
+            if rollout.route_in_workers:
+                self.routing = WorkerRouters(
+                    _worker_engines(engines),
+                    len(engines),
+                    policy=policy,
+                    alongside=self.router,  # evaluation episodes pause with the workers'
+                )
             self.workers = EnvWorkers(
-                self.router,
+                self.routing or self.router,
                 ManagerSetup(
                     renderer.tokenizer,
                     renderer.tool_parser_name,
@@ -141,7 +151,7 @@ class Rollouts:
         self.scheduler = RolloutScheduler(
             SchedulerConfig.from_config(cfg),
             self.workers or self.manager,
-            self.router,
+            self.routing or self.router,
             envs,
             Sampling(rollout.max_new_tokens, rollout.temperature, rollout.top_p),
             first_group=cfg.env.num_groups,
@@ -231,3 +241,17 @@ class Rollouts:
                 self.thread.run(self.eval_envs.aclose(), timeout=60)
         finally:
             self.thread.close()
+
+
+def _worker_engines(engines: Sequence[RolloutEngine]) -> EngineSetup:
+    """The env workers' own engines over the same ``actor_infer`` ranks as ``engines`` (the
+    driver's ``RankEngine`` s of a Ray ``InferCluster``)."""
+    from trainer.workers.infer import RankEngine
+
+    first = engines[0] if engines else None
+    if not isinstance(first, RankEngine) or not all(isinstance(e, RankEngine) for e in engines):
+        raise ValueError(
+            "rollout.route_in_workers needs the run's actor_infer workers (one RankEngine per "
+            "rank, on cluster.backend: ray)"
+        )
+    return first.cluster.worker_engines(max_batch_size=first.max_batch_size)

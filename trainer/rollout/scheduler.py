@@ -55,6 +55,7 @@ from trainer.rollout.env_workers import EnvWorkers
 from trainer.rollout.groups import EVAL_SEED_BASE, EpisodeSpec, env_for_group, play_episode
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.trajectory import Trajectory
+from trainer.rollout.worker_routing import WorkerRouters
 from trainer.strategies.base import Weights
 
 __all__ = ["LoopThread", "RolloutBatch", "RolloutScheduler", "SchedulerConfig"]
@@ -188,7 +189,7 @@ class RolloutScheduler:
         self,
         config: SchedulerConfig,
         manager: EnvManager | EnvWorkers,
-        router: EngineRouter,
+        router: EngineRouter | WorkerRouters,
         source: EnvSource,
         sampling: Sampling,
         *,

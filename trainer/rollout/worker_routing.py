@@ -53,7 +53,7 @@ from trainer.weights.versioned import PolicyVersion, SharedVersion
 
 if TYPE_CHECKING:
     from trainer.rollout.env_workers import EnvWorkers
-    from trainer.rollout.router import RolloutEngine
+    from trainer.rollout.router import EngineRouter, RolloutEngine
 
 __all__ = [
     "EngineSetup",
@@ -117,13 +117,17 @@ class WorkerRouters:
         update: Callable[[Weights], None] | None = None,
         policy: PolicyVersion | None = None,
         relay: RelayHost | None = None,
+        alongside: EngineRouter | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``engines``: builds each worker's engines (``num_engines`` of them, the same in every
         worker). ``update(weights)``: loads weights into every engine (a run's weight sync
         passes a callable to ``update_weights_live`` instead). ``policy``: the run's version
-        (None: owned here, advanced once per update). ``relay``: serves ``RelayEngines``."""
+        (None: owned here, advanced once per update). ``relay``: serves ``RelayEngines``.
+        ``alongside``: a router of the driver's over the same engines (a run's evaluation
+        episodes), paused and resumed with the workers'."""
         self.engines, self.num_engines = engines, num_engines
+        self.alongside = alongside
         self._update = update
         self._owns_policy = policy is None
         self.policy = policy if policy is not None else PolicyVersion()
@@ -146,8 +150,8 @@ class WorkerRouters:
     async def update_weights_live(self, weights: Weights | Callable[[], Any]) -> float:
         """Pause every worker's router, load ``weights`` (or call it), resume under the new
         version; returns the seconds paused (``EngineRouter.update_weights_live``)."""
-        started = self._clock()
-        await self.pause()
+        started, alongside = self._clock(), self.alongside
+        await asyncio.gather(self.pause(), *([alongside.pause()] if alongside else []))
         try:
             if callable(weights):
                 await asyncio.to_thread(weights)
@@ -157,6 +161,8 @@ class WorkerRouters:
                 self.policy.advance()
         finally:
             self.resume()
+            if alongside is not None:
+                alongside.resume()
         return self._clock() - started
 
     def update_weights(self, weights: Weights) -> None:

@@ -16,6 +16,7 @@ alongside the batch.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 from typing import Any, ClassVar
 
@@ -30,6 +31,10 @@ from trainer.weights.receiver import WeightReceiver, WeightReceiverCluster
 from trainer.weights.versioned import PolicyVersion
 
 __all__ = ["InferCluster", "InferWorker", "RankEngine"]
+
+_ROUTED_BATCHES = 16
+"""Batches one rank runs at once for env workers that route their own turns (each worker has
+one batch in flight per rank; ``generate_requests`` hands them all to the running engine)."""
 
 _EARLY_ABORTS_KEPT = 4096
 """Aborted ids a worker remembers while their batch has not arrived (oldest forgotten first)."""
@@ -175,8 +180,9 @@ class InferCluster(WeightReceiverCluster, Cluster):
     """Typed calls to the ``actor_infer`` workers."""
 
     worker_cls = InferWorker
-    ray_concurrency_groups: ClassVar[dict[str, int]] = {"abort": 1}
-    # abort_requests runs while a batch is in flight
+    ray_concurrency_groups: ClassVar[dict[str, int]] = {"abort": 1, "routed": _ROUTED_BATCHES}
+    # abort_requests runs while a batch is in flight; "routed": the env workers' batches when
+    # they route their own turns (``worker_engines``), several at once
     ray_method_groups: ClassVar[dict[str, str]] = {"abort_requests": "abort"}
 
     update_weights = remote(InferWorker.update_weights)
@@ -211,6 +217,24 @@ class InferCluster(WeightReceiverCluster, Cluster):
             for rank in range(self.world_size)
         ]
 
+    def worker_engines(self, *, max_batch_size: int = 512) -> WorkerRankEngines:
+        """What each env worker builds its engines with when it routes its own turns
+        (``rollout.route_in_workers``: ``trainer.rollout.worker_routing``): one front per rank,
+        calling the rank's Ray actor directly."""
+        if self.backend != "ray" or not self.actor_names:
+            raise ValueError(
+                "rollout.route_in_workers needs the actor_infer workers as Ray actors "
+                "(cluster.backend: ray): an env worker process cannot reach workers that live "
+                "in the driver; set cluster.backend: ray, or route in the driver "
+                "(rollout.route_in_workers: false)"
+            )
+        import ray
+
+        context = ray.get_runtime_context()
+        return WorkerRankEngines(
+            context.gcs_address, context.namespace, list(self.actor_names), max_batch_size
+        )
+
     def _on_rank(self, rank: int, method: str, *args: Any) -> CallFuture[Any]:
         """Call ``method`` on rank ``rank`` alone (its result is a one-item list)."""
         spec = method_spec(self.worker_cls, method)
@@ -237,14 +261,20 @@ class RankEngine(BatchingFrontend):
     async def run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         self._running = {r.request_id for r in requests}
         try:
-            return await self.cluster.generate_on(self.rank, requests)
+            return await self._generate(requests)
         finally:
             self._running = set()
 
     async def abort(self, request_id: str) -> None:
         await super().abort(request_id)
         if request_id in self._running:
-            self.cluster.abort_on(self.rank, [request_id])
+            self._abort_running([request_id])
+
+    async def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        return await self.cluster.generate_on(self.rank, requests)
+
+    def _abort_running(self, request_ids: list[str]) -> None:
+        self.cluster.abort_on(self.rank, request_ids)
 
     def update_weights(self, weights: Weights) -> None:
         """This rank only (a run's weight sync updates every rank at once instead). The version
@@ -265,3 +295,59 @@ class RankEngine(BatchingFrontend):
         states: list[Any] = [None] * self.cluster.world_size
         states[self.rank] = state["rank"]
         self.cluster._on_rank(self.rank, "set_state", states).result()
+
+
+class WorkerRankEngines:
+    """``EngineSetup`` (``trainer.rollout.worker_routing``) of an env worker that routes its own
+    turns to a Ray ``InferCluster``: it joins the run's Ray cluster and builds one
+    ``RoutedRankEngine`` per rank (picklable: it travels to each worker)."""
+
+    def __init__(
+        self, address: str, namespace: str, actor_names: list[str], max_batch_size: int
+    ) -> None:
+        self.address, self.namespace = address, namespace
+        self.actor_names, self.max_batch_size = actor_names, max_batch_size
+
+    def __call__(self, link: Any) -> list[RoutedRankEngine]:
+        import ray
+
+        if not ray.is_initialized():
+            ray.init(
+                address=self.address,
+                namespace=self.namespace,
+                log_to_driver=False,
+                logging_level=logging.ERROR,
+            )
+        return [
+            RoutedRankEngine(ray.get_actor(name), rank, max_batch_size=self.max_batch_size)
+            for rank, name in enumerate(self.actor_names)
+        ]
+
+
+class RoutedRankEngine(RankEngine):
+    """``RankEngine`` in an env worker: the same batching front, calling the rank's Ray actor
+    directly (its batches run in the actor's ``routed`` concurrency group, alongside other
+    workers'). Weight loads and engine state are the driver's (``WorkerRouters``)."""
+
+    def __init__(self, actor: Any, rank: int, *, max_batch_size: int = 512) -> None:
+        BatchingFrontend.__init__(self, max_batch_size=max_batch_size)
+        self.actor, self.rank = actor, rank
+        self._running = set()
+
+    async def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        results: list[GenerationResult] = await self.actor.generate_requests.options(
+            concurrency_group="routed"
+        ).remote(requests)
+        return results
+
+    def _abort_running(self, request_ids: list[str]) -> None:
+        self.actor.abort_requests.options(concurrency_group="abort").remote(request_ids)
+
+    def update_weights(self, weights: Weights) -> None:
+        raise RuntimeError("the driver loads weights into actor_infer (WorkerRouters)")
+
+    def get_state(self) -> dict[str, Any]:
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """The driver's (``InferCluster.set_state``)."""
