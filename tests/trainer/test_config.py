@@ -225,14 +225,18 @@ def test_an_agent_that_cannot_run_is_a_config_problem(overrides: list[str], prob
     [
         (
             ["rollout.route_in_workers=true"],
-            "rollout: rollout.route_in_workers routes each env worker's turns in that worker; set "
-            "rollout.env_workers >= 1",
+            (
+                "rollout: rollout.route_in_workers routes each env worker's turns in that "
+                "worker; set rollout.env_workers >= 1"
+            ),
         ),
         (
             ["rollout.route_in_workers=true", "rollout.env_workers=2", "cluster.backend=local"],
-            "rollout.route_in_workers: env workers route their turns to the actor_infer workers' "
-            "Ray actors, and with cluster.backend: local those live in the driver; set "
-            "cluster.backend: ray",
+            (
+                "rollout.route_in_workers: env workers route their turns to the actor_infer "
+                "workers' Ray actors, and with cluster.backend: local those live in the driver; "
+                "set cluster.backend: ray"
+            ),
         ),
     ],
 )

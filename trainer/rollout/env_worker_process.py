@@ -161,9 +161,12 @@ def trajectory_from_wire(wire: tuple[dict[str, Any], dict[str, str]]) -> Traject
     return trajectory
 
 
-class Channel(asyncio.Protocol):
+class Channel(asyncio.BufferedProtocol):
     """Length-prefixed pickled frames over a stream socket; ``send`` batches a loop iteration's
-    messages into one frame (``flush`` is scheduled once per iteration, or called by hand)."""
+    messages into one frame (``flush`` is scheduled once per iteration, or called by hand).
+
+    A buffered protocol: the loop reads into one reused buffer (``recv_into``) instead of
+    allocating its 256 KiB read size anew for every read (~16 us a read here)."""
 
     def __init__(
         self,
@@ -174,6 +177,7 @@ class Channel(asyncio.Protocol):
     ) -> None:
         self._on_frame, self._on_lost, self._auto_flush = on_frame, on_lost, auto_flush
         self._buffer = bytearray()
+        self._into = memoryview(bytearray(1 << 16))
         self._outbox: list[tuple[Any, ...]] = []
         self._transport: asyncio.Transport | None = None
         self.closed = False
@@ -181,6 +185,12 @@ class Channel(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # a stream socket's transport
         self.flush()  # what was queued before the connection was made
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._into
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(self._into[:nbytes])
 
     def data_received(self, data: bytes | memoryview) -> None:
         buffer = self._buffer
@@ -249,18 +259,17 @@ def attach_socket(
     loop = asyncio.get_running_loop()
     sock.setblocking(False)
     pending = bytearray()
-    into = memoryview(bytearray(1 << 16))  # reused: no large buffer allocated per read
 
     def read() -> None:
         with off_clock():
             try:
-                size = sock.recv_into(into)
+                size = sock.recv_into(channel.get_buffer(-1))
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
                 size = 0
             if size:
-                channel.data_received(into[:size])
+                channel.buffer_updated(size)
             else:
                 close()
 

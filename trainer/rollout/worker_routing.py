@@ -94,10 +94,10 @@ def counters_from_wire(wire: tuple[Any, ...]) -> RouterStats:
 
 @dataclass
 class _Reports:
-    """The latest counters of every worker (dead ones' last stay), and what ``take_stats``
-    had taken of them."""
+    """The latest counters of every worker as they came (read on demand; dead workers' last
+    stay), and what ``take_stats`` had taken of them."""
 
-    latest: dict[int, RouterStats] = field(default_factory=dict)
+    latest: dict[int, tuple[Any, ...]] = field(default_factory=dict)
     taken: RouterStats | None = None
 
 
@@ -215,7 +215,8 @@ class WorkerRouters:
     def totals(self) -> RouterStats:
         """The workers' counters since they started, as of their latest reports."""
         total = RouterStats(busy_s=[0.0] * self.num_engines)
-        for report in self._reports.latest.values():
+        for wire in self._reports.latest.values():
+            report = counters_from_wire(wire)
             for name in _COUNTS:
                 setattr(total, name, getattr(total, name) + getattr(report, name))
             total.busy_s = [max(a, b) for a, b in zip(total.busy_s, report.busy_s, strict=True)]
@@ -241,7 +242,7 @@ class WorkerRouters:
 
     def on_report(self, worker: int, wire: tuple[Any, ...], in_flight: int) -> None:
         """A worker's counters (with a finished episode, or its ``paused``)."""
-        self._reports.latest[worker] = counters_from_wire(wire)
+        self._reports.latest[worker] = wire
         self._in_flight[worker] = in_flight
 
     def on_paused(self, worker: int) -> None:
