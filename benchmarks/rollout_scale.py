@@ -63,14 +63,23 @@ shown). An engine's steps and its intake of each request run off the simulated c
 (``VirtualClockLoop.uncharged``: a GPU worker's CPU is its own process's on a cluster); what
 the simulation still leaves on the driver: the loop waking once per engine step (printed: the
 cost of firing an empty timer, measured at start, times the engine steps per turn), the timing
-around each env and renderer call and the simulated clock's reads (a CPU clock is a system
-call).
+around each env and renderer call and the simulated clock's reads (a thread CPU clock is a
+system call, a real loop's clock is not: printed, the reads per turn times their measured extra
+cost; the two printed figures overlap, the timer's cost includes its clock reads).
 
 ``--env-workers N`` plays the episodes in N worker processes (``trainer.rollout.env_workers``,
 ``rollout.env_workers`` in a run) in lockstep with the simulated clock: each worker's CPU
 (chat template, tokenizer, envs, its side of the messages) goes to its own simulated timeline,
 as N processes on N cores would run, and the driver's CPU per turn is then what it costs to
 route each turn and pass messages. Printed too: the workers' CPU per turn and how busy each was.
+``--route-in-workers`` (with ``--env-workers``) has each worker route its own turns
+(``trainer.rollout.worker_routing``, ``rollout.route_in_workers`` in a run): the driver keeps
+the scheduler and sees episodes start and end. The simulated engines still live in the
+driver's process (they share its clock), reached by ``RelayEngines`` over a socket of each
+worker's own whose traffic, like the engines' steps, is kept off the driver's clock: on a
+cluster it goes to the engines' processes. What that leaves on the driver's clock and a real
+driver would not pay: the loop waking for engine steps and for the relay's messages, and a
+callback per relayed result.
 ``--breakdown`` adds, per mode, where the driver's CPU went: the thread CPU of each event-loop
 callback (a task's step is named by its coroutine), per turn, largest first. It times every
 callback (two clock reads each), so that run's driver figures are ~10% high: compare

@@ -14,24 +14,23 @@ return type are the worker method's, and readers, IDEs and mypy follow every cal
 
 ``remote(...)`` blocks until every reached rank answered and returns the collected result;
 ``future=True`` returns a :class:`CallFuture` at once (``.result(timeout)``, ``.done()``, or
-``await`` it). ``per_rank=True`` says the method collects ``Collect.ALL`` (a list, one item
-per rank); building the class checks that against the worker's declaration, and that every
-cluster method named like a worker method takes the worker method's parameters. Write a
-method by hand only where it does more than forward (merging per-rank results, routing to
-one rank), and say why. Calls to one worker run in submission order on both backends;
-different workers run concurrently.
+``await`` it). ``per_rank=True`` says the method collects ``Collect.ALL`` (a list, one item per
+rank); building the class checks that against the worker's declaration, and that every cluster
+method named like a worker method takes the worker method's parameters. Write a method by hand only
+where it does more than forward (merging per-rank results, routing to one rank), and say why. Calls
+to one worker run in submission order on both backends; different workers run concurrently.
 
 Backends:
 
 - ``local``: workers are objects in this process, each with its own single thread (so the
   ordering and concurrency match Ray's). No Ray needed: unit tests and small CPU runs.
-- ``ray``: each worker is a Ray actor placed by a
+- ``ray``: each worker is a named Ray actor placed by a
   :class:`~trainer.controller.resources.ResourceManager` into the placement-group bundle of
-  its first device; the worker sets ``ENVHUB_DEVICES`` to its node-local device ids. Ray is
-  imported only here, only when this backend is used.
+  its first device (``ENVHUB_DEVICES``: its node-local device ids). Ray is imported only
+  here, only when this backend is used.
 
-A worker that raises surfaces as :class:`~trainer.errors.WorkerCallError` naming the role,
-rank and method, with the worker's exception chained.
+A worker that raises surfaces as :class:`~trainer.errors.WorkerCallError` naming the role, rank
+and method, with the worker's exception chained.
 """
 
 from __future__ import annotations
@@ -39,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import inspect
-import os
 import time
 import types
 from collections.abc import Callable, Generator, Mapping
@@ -339,8 +337,7 @@ class Cluster:
         self.slots = self._resolve_slots(role, config, placement, resources, world_size)
         self._env_vars = dict(env_vars or {})
         self._closed = False
-        self.actor_names: list[str] = []
-        """Ray backend: each rank's actor name (in the driver's Ray namespace)."""
+        self.actor_names: list[str] = []  # Ray: each rank's actor (InferCluster.worker_engines)
         contexts = self._contexts(dict(extra or {}))
         kwargs = dict(worker_kwargs or {})
         if backend == "local":
@@ -490,10 +487,8 @@ class Cluster:
             )
             if self._env_vars:  # a runtime env of its own costs a fresh worker process
                 options["runtime_env"] = {"env_vars": dict(self._env_vars)}
-            # named, so that other processes of the run (env workers routing their own turns:
-            # ``InferCluster.worker_engines``) can look the actor up
-            options["name"] = f"{self.role}-{ctx.rank}-{os.urandom(4).hex()}"
-            self.actor_names.append(options["name"])
+            options["name"] = name = f"{self.role}-{ctx.rank}-{time.time_ns():x}"
+            self.actor_names.append(name)
             handles.append(remote_cls.options(**options).remote(ctx, config, **kwargs))
         return handles
 

@@ -1,5 +1,5 @@
-"""An env worker process (``trainer.rollout.env_workers``): its event loop, the engine it
-generates through, and the framed socket both sides talk over.
+"""An env worker process (``trainer.rollout.env_workers``): its event loop and the engine it
+generates through.
 
 The driver starts ``python -m trainer.rollout.env_worker_process FD [--lockstep]`` with one
 end of a socket pair as ``FD`` and its own ``sys.path`` in ``PYTHONPATH``. The first frame
@@ -29,12 +29,7 @@ over the engines it builds (``trainer.rollout.worker_routing``). Then:
 A ``report`` is None when the driver routes, else the worker's router counters and its
 requests in flight (``WorkerRouters.on_report``).
 
-Requests and results travel as tuples of their fields (``request_to_wire`` and friends: a
-tuple pickles and loads several times faster than a dataclass), a result without the
-per-token versions when every token has the result's version (the usual turn). A finished
-trajectory's per-token lists travel as machine arrays' bytes (``trajectory_to_wire``): the
-driver loads each with one copy instead of one object per token, and the worker, which has
-the spare CPU, pays the packing.
+Frames and the messages' encodings: ``trainer.rollout.wire``.
 
 The worker exits when the socket closes (its driver closed it or is gone), after cancelling
 its episodes and closing its env source.
@@ -42,19 +37,24 @@ its episodes and closing its env source.
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
-import pickle
 import socket
 import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from trainer.rollout.router import EngineRouter, episode_key
 from trainer.rollout.trajectory import Trajectory
+from trainer.rollout.wire import (
+    Channel,
+    attach_socket,
+    request_to_wire,
+    result_from_wire,
+    trajectory_to_wire,
+)
 from trainer.strategies.base import GenerationRequest, GenerationResult
 from trainer.weights.versioned import PolicyVersion
 
@@ -63,261 +63,10 @@ if TYPE_CHECKING:
     from trainer.rollout.groups import EpisodeSpec
     from trainer.rollout.worker_routing import EngineSetup
 
-__all__ = [
-    "Channel",
-    "LocalRoute",
-    "RemoteEngine",
-    "WorkerSetup",
-    "attach_socket",
-    "request_from_wire",
-    "request_to_wire",
-    "result_from_wire",
-    "result_to_wire",
-    "trajectory_from_wire",
-    "trajectory_to_wire",
-]
+__all__ = ["LocalRoute", "RemoteEngine", "WorkerSetup"]
 
 WorkerSetup = Callable[["RemoteEngine | LocalRoute"], "tuple[EnvManager, EnvSource]"]
 """Builds a worker's ``EnvManager`` (generating through the given engine) and ``EnvSource``."""
-
-_HEADER = 4  # bytes of a frame's length
-
-_PACKED = {"token_ids": "i", "response_mask": "b", "logprobs": "d", "token_versions": "i"}
-"""A trajectory's per-token lists and the ``array`` type each travels as (native byte order:
-both ends are on one machine)."""
-
-
-def request_to_wire(
-    kind: str, request: GenerationRequest, prompt_ids: list[int]
-) -> tuple[Any, ...]:
-    """``(kind, *request's fields)`` with ``prompt_ids`` as its prompt."""
-    r = request
-    return (
-        kind,
-        r.request_id,
-        prompt_ids,
-        r.max_new_tokens,
-        r.temperature,
-        r.top_p,
-        r.stop_token_ids,
-    )
-
-
-def request_from_wire(message: tuple[Any, ...]) -> GenerationRequest:
-    return GenerationRequest(*message[1:])
-
-
-def result_to_wire(result: GenerationResult) -> tuple[Any, ...]:
-    """``("result", *result's fields)``; per-token versions only where they differ from the
-    result's version (a turn resumed across a weight update)."""
-    extra = result.extra
-    versions = extra.get("token_versions")
-    if versions is not None and versions.count(result.policy_version) == len(versions):
-        extra = {k: v for k, v in extra.items() if k != "token_versions"}
-    r = result
-    return (
-        "result",
-        r.request_id,
-        r.token_ids,
-        r.logprobs,
-        r.finish_reason,
-        r.policy_version,
-        extra,
-    )
-
-
-def result_from_wire(message: tuple[Any, ...]) -> GenerationResult:
-    return GenerationResult(*message[1:])
-
-
-def trajectory_to_wire(trajectory: Trajectory) -> tuple[dict[str, Any], dict[str, str]]:
-    """The trajectory's attributes with its per-token lists as array bytes (a list that does
-    not fit its array type travels as it is), and which ones were packed; per-turn samples
-    likewise."""
-    state = dict(vars(trajectory))
-    packed: dict[str, str] = {}
-    for name, code in _PACKED.items():
-        try:
-            state[name] = array.array(code, state[name]).tobytes()
-        except (TypeError, OverflowError):
-            continue
-        packed[name] = code
-    if trajectory.samples:
-        state["samples"] = [trajectory_to_wire(sample) for sample in trajectory.samples]
-    return state, packed
-
-
-def trajectory_from_wire(wire: tuple[dict[str, Any], dict[str, str]]) -> Trajectory:
-    """The trajectory ``trajectory_to_wire`` sent, equal to the original."""
-    state, packed = wire
-    for name, code in packed.items():
-        values = array.array(code)
-        values.frombytes(state[name])
-        state[name] = values.tolist()
-    if state["samples"]:
-        state["samples"] = [trajectory_from_wire(sample) for sample in state["samples"]]
-    trajectory = Trajectory.__new__(Trajectory)
-    trajectory.__dict__.update(state)
-    return trajectory
-
-
-class Channel(asyncio.BufferedProtocol):
-    """Length-prefixed pickled frames over a stream socket; ``send`` batches a loop iteration's
-    messages into one frame (``flush`` is scheduled once per iteration, or called by hand).
-
-    A buffered protocol: the loop reads into one reused buffer (``recv_into``) instead of
-    allocating its 256 KiB read size anew for every read (~16 us a read here)."""
-
-    def __init__(
-        self,
-        on_frame: Callable[[list[tuple[Any, ...]]], None],
-        on_lost: Callable[[], None],
-        *,
-        auto_flush: bool = True,
-    ) -> None:
-        self._on_frame, self._on_lost, self._auto_flush = on_frame, on_lost, auto_flush
-        self._buffer = bytearray()
-        self._into = memoryview(bytearray(1 << 16))
-        self._outbox: list[tuple[Any, ...]] = []
-        self._transport: asyncio.Transport | None = None
-        self.closed = False
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._transport = cast(asyncio.Transport, transport)  # a stream socket's transport
-        self.flush()  # what was queued before the connection was made
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._into
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(self._into[:nbytes])
-
-    def data_received(self, data: bytes | memoryview) -> None:
-        buffer = self._buffer
-        buffer += data
-        start = 0
-        while len(buffer) - start >= _HEADER:
-            size = int.from_bytes(buffer[start : start + _HEADER], "little")
-            end = start + _HEADER + size
-            if len(buffer) < end:
-                break
-            frame = pickle.loads(buffer[start + _HEADER : end])
-            start = end
-            self._on_frame(frame)
-        del buffer[:start]
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        self._on_lost()
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        if self.closed:
-            return
-        if not self._outbox and self._auto_flush:
-            asyncio.get_running_loop().call_soon(self.flush)
-        self._outbox.append(message)
-
-    @property
-    def pending(self) -> bool:
-        """Messages wait to be flushed."""
-        return bool(self._outbox)
-
-    def queue(self, message: tuple[Any, ...]) -> None:
-        """Send ``message`` in a frame of its own once connected (before anything else)."""
-        self._outbox.append(message)
-        if self._transport is not None:
-            self.flush()
-
-    def flush(self) -> bool:
-        """Write the queued messages as one frame; False when there were none."""
-        if not self._outbox or self._transport is None or self.closed:
-            return False
-        payload = pickle.dumps(self._outbox, protocol=pickle.HIGHEST_PROTOCOL)
-        self._outbox = []
-        self._transport.write(len(payload).to_bytes(_HEADER, "little") + payload)
-        return True
-
-    def take_pending(self) -> list[tuple[Any, ...]]:
-        """The queued messages, taken out (to travel in another channel's frame)."""
-        out, self._outbox = self._outbox, []
-        return out
-
-    def close(self) -> None:
-        if self._transport is not None:
-            self._transport.close()
-
-
-def attach_socket(
-    channel: Channel,
-    sock: socket.socket,
-    off_clock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-) -> None:
-    """Serve ``channel`` on ``sock`` with the loop's reader and writer callbacks, every read,
-    write and frame handled inside ``off_clock()`` (asyncio's own transports read outside any
-    callback of ours): the cluster simulation's relayed engines' traffic stays off the
-    driver's clock that way (``trainer.rollout.worker_routing``)."""
-    loop = asyncio.get_running_loop()
-    sock.setblocking(False)
-    pending = bytearray()
-
-    def read() -> None:
-        with off_clock():
-            try:
-                size = sock.recv_into(channel.get_buffer(-1))
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                size = 0
-            if size:
-                channel.buffer_updated(size)
-            else:
-                close()
-
-    def drain() -> None:
-        with off_clock():
-            try:
-                sent = sock.send(pending)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                close()
-                return
-            del pending[:sent]
-            if not pending:
-                loop.remove_writer(sock)
-
-    class _Writer:
-        def write(self, data: bytes) -> None:
-            if channel.closed:
-                return
-            if not pending:
-                with off_clock():
-                    try:
-                        sent = sock.send(data)
-                    except (BlockingIOError, InterruptedError):
-                        sent = 0
-                    except OSError:
-                        close()
-                        return
-                if sent == len(data):
-                    return
-                data = data[sent:]
-                loop.add_writer(sock, drain)
-            pending.extend(data)
-
-        def close(self) -> None:
-            close()
-
-    def close() -> None:
-        if channel.closed:
-            return
-        loop.remove_reader(sock)
-        loop.remove_writer(sock)
-        sock.close()
-        channel.connection_lost(None)
-
-    loop.add_reader(sock, read)
-    channel.connection_made(cast(asyncio.BaseTransport, _Writer()))
 
 
 class RemoteEngine:

@@ -60,18 +60,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainer.rollout.env_worker_process import (
+from trainer.rollout.env_worker_process import LocalRoute, RemoteEngine, WorkerSetup
+from trainer.rollout.router import episode_key
+from trainer.rollout.trajectory import Trajectory
+from trainer.rollout.wire import (
     Channel,
-    LocalRoute,
-    RemoteEngine,
-    WorkerSetup,
     attach_socket,
     request_from_wire,
     result_to_wire,
     trajectory_from_wire,
 )
-from trainer.rollout.router import episode_key
-from trainer.rollout.trajectory import Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:

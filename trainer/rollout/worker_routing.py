@@ -48,6 +48,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from trainer.rollout.router import RouterStats
+from trainer.rollout.wire import (
+    request_from_wire,
+    request_to_wire,
+    result_from_wire,
+    result_to_wire,
+)
 from trainer.strategies.base import GenerationRequest, GenerationResult, Weights
 from trainer.weights.versioned import PolicyVersion, SharedVersion
 
@@ -136,7 +142,7 @@ class WorkerRouters:
         self._workers: EnvWorkers | None = None
         self._paused = False
         self._acks: dict[int, asyncio.Future[None]] = {}
-        """Worker index -> its ``paused`` answer, while a pause waits for it."""
+        """Worker (``uid``) -> its ``paused`` answer, while a pause waits for it."""
         self._reports = _Reports()
         self._in_flight: dict[int, int] = {}
         self._stats_since = clock()
@@ -297,12 +303,12 @@ class _Relay:
             self.link.send(("relay", pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)))
 
     def receive(self, payload: bytes) -> None:
-        for message in pickle.loads(payload):
+        for message in pickle.loads(payload):  # ("result", ...) or ("failed", id, error)
             future = self.waiting.pop(message[1], None)
             if future is None or future.done():
                 continue
-            if message[0] == "r":
-                future.set_result(GenerationResult(*message[1:]))
+            if message[0] == "result":
+                future.set_result(result_from_wire(message))
             else:
                 future.set_exception(RuntimeError(message[2]))
 
@@ -317,19 +323,7 @@ class RelayEngine:
     def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         future: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._relay.waiting[request.request_id] = future
-        r = request
-        self._relay.call(
-            (
-                "g",
-                self.index,
-                r.request_id,
-                r.prompt_ids,
-                r.max_new_tokens,
-                r.temperature,
-                r.top_p,
-                r.stop_token_ids,
-            )
-        )
+        self._relay.call((self.index, request_to_wire("generate", request, request.prompt_ids)))
         future.add_done_callback(functools.partial(self._given_up, request.request_id))
         return future
 
@@ -337,12 +331,12 @@ class RelayEngine:
         return await self.start_generate(request)
 
     async def abort(self, request_id: str) -> None:
-        self._relay.call(("a", self.index, request_id))
+        self._relay.call((self.index, ("abort", request_id)))
 
     def _given_up(self, request_id: str, future: asyncio.Future[GenerationResult]) -> None:
         if future.cancelled():
             self._relay.waiting.pop(request_id, None)
-            self._relay.call(("a", self.index, request_id))
+            self._relay.call((self.index, ("abort", request_id)))
 
     def update_weights(self, weights: Weights) -> None:
         raise RuntimeError("relayed engines load weights in the driver (WorkerRouters)")
@@ -392,16 +386,16 @@ class RelayHost:
         """A worker's requests and aborts."""
         with self.off_clock():
             running = self._running.setdefault(peer, {})
-            for message in pickle.loads(payload):
-                if message[0] == "g":
-                    request = GenerationRequest(*message[2:])
-                    future = self._starts[message[1]](request)
-                    running[request.request_id] = (message[1], future)
+            for index, message in pickle.loads(payload):  # (engine, ("generate" | "abort", ...))
+                if message[0] == "generate":
+                    request = request_from_wire(message)
+                    future = self._starts[index](request)
+                    running[request.request_id] = (index, future)
                     future.add_done_callback(
                         functools.partial(self._answered, peer, request.request_id)
                     )
                 else:
-                    self._abort(message[1], message[2])
+                    self._abort(index, message[1])
 
     def receive_all(self, peer: int, messages: list[tuple[Any, ...]]) -> None:
         """A worker's ``("relay", payload)`` messages."""
@@ -447,22 +441,11 @@ class RelayHost:
                 if running.pop(request_id, None) is None:
                     continue
                 if future.cancelled():
-                    messages.append(("f", request_id, "the engine gave the request up"))
+                    messages.append(("failed", request_id, "the engine gave the request up"))
                 elif (error := future.exception()) is not None:
-                    messages.append(("f", request_id, f"{type(error).__name__}: {error}"))
+                    messages.append(("failed", request_id, f"{type(error).__name__}: {error}"))
                 else:
-                    r = future.result()
-                    messages.append(
-                        (
-                            "r",
-                            r.request_id,
-                            r.token_ids,
-                            r.logprobs,
-                            r.finish_reason,
-                            r.policy_version,
-                            r.extra,
-                        )
-                    )
+                    messages.append(result_to_wire(future.result()))
             if messages:
                 payload = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
                 self._reply(peer, ("relay", payload))

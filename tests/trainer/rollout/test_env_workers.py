@@ -194,8 +194,8 @@ def test_a_run_with_env_workers_trains_on_episodes_its_workers_played(tmp_path: 
 
 
 def test_a_turn_resumed_across_a_weight_update_keeps_its_token_versions_over_the_wire() -> None:
-    from trainer.rollout.env_worker_process import result_from_wire, result_to_wire
     from trainer.rollout.trajectory import Trajectory
+    from trainer.rollout.wire import result_from_wire, result_to_wire
 
     def through_the_wire(versions: list[int], version: int) -> list[int]:
         result = GenerationResult("ep/0", [5, 6, 7], [-0.1] * 3, "stop", version)
@@ -211,8 +211,8 @@ def test_a_turn_resumed_across_a_weight_update_keeps_its_token_versions_over_the
 def test_a_finished_trajectory_crosses_the_wire_unchanged() -> None:
     import pickle
 
-    from trainer.rollout.env_worker_process import trajectory_from_wire, trajectory_to_wire
     from trainer.rollout.trajectory import Trajectory
+    from trainer.rollout.wire import trajectory_from_wire, trajectory_to_wire
 
     episode = Trajectory("env", 3, 1, messages=[{"role": "user", "content": "hi"}])
     episode.append_context([1, 2, 3])
