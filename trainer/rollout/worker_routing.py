@@ -375,7 +375,7 @@ class RelayHost:
         self.off_clock = off_clock
         self._reply: Callable[[int, tuple[Any, ...]], None] | None = None
         self._running: dict[int, dict[str, tuple[int, asyncio.Future[GenerationResult]]]] = {}
-        self._out: dict[int, list[tuple[Any, ...]]] = {}
+        self._out: dict[int, list[tuple[str, asyncio.Future[GenerationResult]]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
     def connect(self, reply: Callable[[int, tuple[Any, ...]], None]) -> None:
@@ -435,17 +435,27 @@ class RelayHost:
         running = self._running.get(peer)
         if not out or running is None or self._reply is None:
             return  # the worker is gone
-        with self.off_clock():
-            messages: list[tuple[Any, ...]] = []
-            for request_id, future in out:
-                if running.pop(request_id, None) is None:
-                    continue
-                if future.cancelled():
-                    messages.append(("failed", request_id, "the engine gave the request up"))
-                elif (error := future.exception()) is not None:
-                    messages.append(("failed", request_id, f"{type(error).__name__}: {error}"))
-                else:
-                    messages.append(result_to_wire(future.result()))
-            if messages:
-                payload = pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.off_clock():  # (everything here, freeing the results included)
+            payload = self._payload(out, running)
+            del out
+            if payload is not None:
                 self._reply(peer, ("relay", payload))
+            del payload
+
+    @staticmethod
+    def _payload(
+        out: list[tuple[str, asyncio.Future[GenerationResult]]],
+        running: dict[str, tuple[int, asyncio.Future[GenerationResult]]],
+    ) -> bytes | None:
+        """The answers to the requests in ``out`` still running for their worker, pickled."""
+        messages: list[tuple[Any, ...]] = []
+        for request_id, future in out:
+            if running.pop(request_id, None) is None:
+                continue
+            if future.cancelled():
+                messages.append(("failed", request_id, "the engine gave the request up"))
+            elif (error := future.exception()) is not None:
+                messages.append(("failed", request_id, f"{type(error).__name__}: {error}"))
+            else:
+                messages.append(result_to_wire(future.result()))
+        return pickle.dumps(messages, protocol=pickle.HIGHEST_PROTOCOL) if messages else None
