@@ -26,7 +26,7 @@ def varied_reward(episode) -> float:
     return sum(map(ord, actions)) % 3 / 2
 
 
-def run(tmp_path: Path, *overrides: str) -> list[dict]:
+def build(tmp_path: Path, *overrides: str) -> AgenticPipeline:
     cfg = load_config(
         QUICKSTART,
         [
@@ -40,7 +40,11 @@ def run(tmp_path: Path, *overrides: str) -> list[dict]:
             *overrides,
         ],
     )
-    return AgenticPipeline(cfg).fit()
+    return AgenticPipeline(cfg)
+
+
+def run(tmp_path: Path, *overrides: str) -> list[dict]:
+    return build(tmp_path, *overrides).fit()
 
 
 def assert_policy_trained(step: dict) -> None:
@@ -104,28 +108,20 @@ def test_a_run_whose_env_workers_route_their_own_turns(tmp_path: Path) -> None:
     pytest.importorskip("ray")
     import ray
 
-    cfg = load_config(
-        QUICKSTART,
-        [
-            *TINY,
+    try:
+        pipeline = build(
+            tmp_path,
             "train.steps=2",
-            "train.ppo_epochs=1",
-            "sft.epochs=0",
-            "eval.episodes=4",
-            f"output_dir={tmp_path / 'run'}",
-            VARIED,
             "cluster.backend=ray",
             "cluster.num_cpus=2",
             "rollout.mode=async",
             "rollout.env_workers=2",
             "rollout.route_in_workers=true",
-        ],
-    )
-    try:
-        pipeline = AgenticPipeline(cfg)
+        )
         rows = pipeline.fit()
     finally:
         ray.shutdown()
+    cfg = pipeline.cfg
     assert [row["step"] for row in rows if "actor/grad_norm" in row] == [1, 2]
     assert_policy_trained(rows[-1])
     routing, driver = pipeline.rollouts.routing, pipeline.rollouts.router

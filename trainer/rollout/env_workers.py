@@ -37,12 +37,13 @@ engines and the driver only sees episodes start and end, and the weight updates'
 resume (``trainer.rollout.worker_routing``).
 
 ``lockstep=True`` is for the cluster simulation only (``trainer.rollout.sim_clock``,
-benchmarks/rollout_scale.py): each worker answers every frame once all its episodes wait
-for the engine again, reporting the CPU seconds that took; the driver's simulated clock does
-not move past an unanswered frame, and the answer takes effect after that many simulated
-seconds on the worker's own timeline (a worker is one CPU: its frames queue behind each
-other). So the simulation charges each worker's real CPU to its own timeline and only the
-driver's to the driver's, as processes on separate cores would run.
+benchmarks/rollout_scale.py): each worker answers every frame once all its episodes wait for the
+engine again and nothing else in it can run, reporting the CPU seconds that took (answers are
+numbered: with relayed engines they come on either of two sockets, and are taken in order); the
+driver's simulated clock does not move past an unanswered frame, and the answer takes effect
+after that many simulated seconds on the worker's own timeline (a worker is one CPU: its frames
+queue behind each other). So the simulation charges each worker's real CPU to its own timeline
+and only the driver's to the driver's, as processes on separate cores would run.
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
@@ -28,7 +27,6 @@ pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[tr
 
 from trainer.workers.infer import InferCluster, InferWorker
 
-REPO = Path(__file__).resolve().parents[3]
 LONG = 300
 """Tokens a request would generate without the abort."""
 PROMPT = [5, 6, 7, 8, 9]
@@ -99,20 +97,6 @@ def check(kept: GenerationResult, aborted: GenerationResult) -> None:
     assert 1 <= len(aborted.token_ids) < LONG // 2
     # the same greedy run until the abort
     assert aborted.token_ids == kept.token_ids[: len(aborted.token_ids)]
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
-    from trainer.controller.resources import init_local_ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    init_local_ray(1, num_cpus=2, env_vars={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def test_abort_stops_a_request_inside_a_running_batch_on_a_ray_worker(

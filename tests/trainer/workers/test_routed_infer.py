@@ -5,7 +5,6 @@ and end, and pauses the workers around a weight load."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,22 +17,6 @@ from trainer.config import RoleConfig
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
 from trainer.rollout.groups import EpisodeSpec, run_episodes
 from trainer.workers.infer import InferCluster
-
-REPO = Path(__file__).resolve().parents[3]
-
-
-@pytest.fixture(scope="module")
-def local_ray() -> Iterator[None]:
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
-    from trainer.controller.resources import init_local_ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    init_local_ray(1, num_cpus=2, env_vars={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"})
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def model_setup(model_dir: str, engine: Any) -> tuple[EnvManager, LocalEnvSource]:
