@@ -218,13 +218,12 @@ class _WorkerLoop:
             elif kind == "relay" and self.on_relay is not None:
                 self.on_relay(message[1])
             elif self.router is not None:
-                self.route(message)
+                self.route(self.router, message)
         self.settle()
 
-    def route(self, message: tuple[Any, ...]) -> None:
+    def route(self, router: EngineRouter, message: tuple[Any, ...]) -> None:
         """The driver's word to the worker's own router."""
-        router, kind = self.router, message[0]
-        assert router is not None
+        kind = message[0]
         if kind == "pause":
             self.spawn(self.pause(router))
         elif kind == "resume":
