@@ -53,7 +53,7 @@ from typing import Any, Protocol
 from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult, Weights
 from trainer.weights.versioned import PolicyVersion, SharedVersion
 
-__all__ = ["EngineRouter", "RolloutEngine", "RouterStats", "episode_key"]
+__all__ = ["EngineRouter", "RolloutEngine", "RouterStats", "episode_key", "starter"]
 
 _STICKY_CAPACITY = 1 << 20
 """Episodes remembered for sticky routing (oldest forgotten first). Episodes are forgotten when
@@ -205,7 +205,7 @@ class EngineRouter:
             raise ValueError("EngineRouter needs at least one engine")
         self.engines = list(engines)
         self._starts: list[Callable[[GenerationRequest], asyncio.Future[GenerationResult]]]
-        self._starts = [getattr(e, "start_generate", None) or _as_task(e) for e in self.engines]
+        self._starts = [starter(e) for e in self.engines]
         """Per engine: a request in, a future of its result out."""
         self._update = update
         self._owns_policy = policy is None
@@ -551,10 +551,14 @@ class EngineRouter:
             self._idle.set()
 
 
-def _as_task(
+def starter(
     engine: RolloutEngine,
 ) -> Callable[[GenerationRequest], asyncio.Future[GenerationResult]]:
-    """``start_generate`` for an engine that only has ``generate``: a task runs it."""
+    """The engine's ``start_generate`` (a request in, a future of its result out), or, for an
+    engine that only has ``generate``, one that runs it in a task."""
+    start = getattr(engine, "start_generate", None)
+    if start is not None:
+        return start
 
     def start_generate(request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         return asyncio.ensure_future(engine.generate(request))

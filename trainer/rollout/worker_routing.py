@@ -47,7 +47,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from trainer.rollout.router import RouterStats
+from trainer.rollout.router import RouterStats, starter
 from trainer.rollout.wire import (
     request_from_wire,
     request_to_wire,
@@ -368,10 +368,8 @@ class RelayHost:
         *,
         off_clock: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
-        from trainer.rollout.router import _as_task
-
         self.engines = list(engines)
-        self._starts = [getattr(e, "start_generate", None) or _as_task(e) for e in self.engines]
+        self._starts = [starter(e) for e in self.engines]
         self.off_clock = off_clock
         self._reply: Callable[[int, tuple[Any, ...]], None] | None = None
         self._running: dict[int, dict[str, tuple[int, asyncio.Future[GenerationResult]]]] = {}
