@@ -24,7 +24,9 @@ What it models, and what not
     Modelled: queueing when ``max_num_seqs`` or the KV cache is full, chunked prefill mixed
     with decode steps, prefix-cache hits for an episode's next turn (sticky routing keeps it
     on one engine; only the new tokens are prefilled), aborts taking effect at the end of the
-    running step, weight loads that keep the engine from stepping for ``sync_s``.
+    running step, weight loads that keep the engine from stepping for ``sync_s``, and a GPU's
+    independence from the driver: the engine keeps its own timeline, so a driver whose Python
+    holds the loop delays when it sees results and sends requests, not the engine's steps.
     Not modelled: the tokens' values (each request gets ``max_new_tokens`` copies of
     ``token_id``, the last one ``eos_token_id`` when ``stop_at_budget``; log-prob
     ``logprob``), KV preemption (a request is admitted only when the KV cache can hold its
@@ -173,6 +175,8 @@ class _Seq:
     start_step: int = -1
     """The step that made its first token."""
     aborted: bool = False
+    arrived: float = 0.0
+    """Simulated time it was sent: no step that began earlier takes it."""
 
     @property
     def reserved(self) -> int:
@@ -249,6 +253,9 @@ class SimEngine:
         """Episode key -> tokens of its last turn still in the KV cache (LRU, evictable)."""
         self._cached = 0
         self._step = 0
+        self._free_at = 0.0
+        """Simulated time the last step ends: the next one starts then (or when work arrives),
+        however late the loop runs its callback."""
         self._blocked_until = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stalled = False
@@ -271,7 +278,14 @@ class SimEngine:
     def _take(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop) -> _Seq:
         prompt = len(request.prompt_ids)
         key = request.request_id.rpartition("/")[0] or request.request_id
-        seq = _Seq(request, loop.create_future(), key, prompt, max(1, request.max_new_tokens))
+        seq = _Seq(
+            request,
+            loop.create_future(),
+            key,
+            prompt,
+            max(1, request.max_new_tokens),
+            arrived=loop.time(),
+        )
         self._by_id[request.request_id] = seq
         self._waiting.append(seq)
         self._waiting_count += 1
@@ -358,6 +372,10 @@ class SimEngine:
         return loop.uncharged() if isinstance(loop, VirtualClockLoop) else contextlib.nullcontext()
 
     def _start_step(self) -> None:
+        """Start the next step on the engine's own timeline: when the last one ended (or the
+        weight load did), or now if it was idle. A loop that ran this late
+        (the driver's Python held it) does not delay the GPU: the steps due meanwhile follow
+        each other at once, and requests sent meanwhile join the first step after they were."""
         loop = self._loop
         if loop is None:
             return
@@ -367,7 +385,10 @@ class SimEngine:
                 self._timer = loop.call_at(self._blocked_until, self._start_step)
                 return
             self._settle_aborts()
-            self._admit()
+            start = max(self._free_at, self._blocked_until)
+            if not self._running:  # idle: the step starts now, with what arrived
+                start = max(start, loop.time())
+            self._admit(start)
             prefill_tokens, prefill_context, chunks = self._plan_prefill()
             if self._stalled or (not self._decoding and not chunks):
                 return  # idle until ``_kick``
@@ -377,7 +398,8 @@ class SimEngine:
             self.stats.steps += 1
             self.stats.busy_s += seconds
             self.stats.decode_seq_steps += self._decoding
-            self._timer = loop.call_at(loop.time() + seconds, self._step_done, chunks)
+            self._free_at = start + seconds
+            self._timer = loop.call_at(self._free_at, self._step_done, chunks)
 
     def _step_done(self, chunks: list[tuple[_Seq, int]]) -> None:
         with self._off_clock():
@@ -385,13 +407,15 @@ class SimEngine:
             self._end_step(chunks)
             self._start_step()  # the next step starts as this one ends
 
-    def _admit(self) -> None:
-        """Start waiting requests, in arrival order, while slots and KV cache allow."""
+    def _admit(self, start: float) -> None:
+        """Start requests sent by ``start``, in arrival order, while slots and KV cache allow."""
         while self._waiting and self._running < self.max_num_seqs:
             seq = self._waiting[0]
             if seq.state != _WAITING:  # aborted while waiting
                 self._waiting.popleft()
                 continue
+            if seq.arrived > start:  # sent after this step began: the next one takes it
+                break
             if seq.reserved > self.kv_capacity:  # could never run: refused, as vLLM does
                 self._waiting.popleft()
                 self._waiting_count -= 1

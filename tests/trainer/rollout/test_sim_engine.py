@@ -124,6 +124,49 @@ def test_a_request_arriving_mid_generation_joins_the_running_batch() -> None:
     assert engine.stats.steps == 200  # the short one ran inside the long one's steps
 
 
+def test_a_busy_driver_does_not_stop_the_engines_steps() -> None:
+    """A GPU keeps stepping while the driver's Python is busy elsewhere: a callback that holds
+    the loop for half a simulated second delays when the driver *sees* a result, not the
+    engine's own timeline (the steps due meanwhile run as soon as the loop is free)."""
+
+    async def finish_time(stall_s: float) -> float:
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(COST)
+        start = loop.time()
+        running = asyncio.ensure_future(engine.generate(request("a/0", 10, 400)))
+        await asyncio.sleep(0.1)
+        loop.skip(stall_s)  # the driver busy for stall_s (CPU charged to the clock)
+        await running
+        await engine.close()
+        return loop.time() - start
+
+    alone = sim_clock.run(finish_time(0.0))
+    assert alone > 1.0  # ~400 decode steps
+    assert sim_clock.run(finish_time(0.5)) == pytest.approx(alone, abs=0.01)
+
+
+def test_a_request_sent_after_the_driver_was_busy_starts_when_it_arrives() -> None:
+    """Catching up on the steps due while the driver was busy, the engine does not take a
+    request into a step that began before the request was sent."""
+
+    async def main() -> tuple[float, float]:
+        loop = asyncio.get_running_loop()
+        engine = SimEngine(COST)
+        running = asyncio.ensure_future(engine.generate(request("a/0", 10, 1000)))
+        await asyncio.sleep(0.1)
+        loop.skip(0.5)
+        sent = loop.time()
+        await engine.generate(request("b/0", 10, 50))
+        done = loop.time()
+        await engine.abort("a/0")
+        await running
+        await engine.close()
+        return sent, done
+
+    sent, done = sim_clock.run(main())
+    assert done - sent >= 49 * COST.step_seconds(1, 0)
+
+
 def test_requests_beyond_max_num_seqs_wait_for_a_slot() -> None:
     engine = SimEngine(COST, max_num_seqs=1)
     first, second = engine.generate_batch([request("a/0", 10, 20), request("b/0", 10, 20)])
