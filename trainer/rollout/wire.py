@@ -15,6 +15,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import itertools
 import pickle
 import socket
 from collections.abc import Callable
@@ -84,11 +85,18 @@ def result_from_wire(message: tuple[Any, ...]) -> GenerationResult:
     return GenerationResult(*message[1:])
 
 
-def trajectory_to_wire(trajectory: Trajectory) -> tuple[dict[str, Any], dict[str, str]]:
+TrajectoryWire = tuple[dict[str, Any], dict[str, str], tuple[int | None, int, int]]
+"""A trajectory's attributes, which of them travel packed (name -> array type code), and
+its own counts: oldest policy version, policy tokens, tokens (``Trajectory.from_packed``)."""
+
+
+def trajectory_to_wire(trajectory: Trajectory) -> TrajectoryWire:
     """The trajectory's attributes with its per-token lists as array bytes (a list that does
-    not fit its array type travels as it is), and which ones were packed; per-turn samples
-    likewise."""
-    state = dict(vars(trajectory))
+    not fit its array type travels as it is), which ones were packed and its counts (the
+    sender, a worker with CPU to spare, counts); per-turn samples likewise."""
+    state = {k: v for k, v in vars(trajectory).items() if not k.startswith("_")}
+    for name in _PACKED:  # a list the trajectory got packed itself is unpacked
+        state[name] = getattr(trajectory, name)
     packed: dict[str, str] = {}
     for name, code in _PACKED.items():
         try:
@@ -98,21 +106,20 @@ def trajectory_to_wire(trajectory: Trajectory) -> tuple[dict[str, Any], dict[str
         packed[name] = code
     if trajectory.samples:
         state["samples"] = [trajectory_to_wire(sample) for sample in trajectory.samples]
-    return state, packed
+    oldest = min(
+        itertools.compress(trajectory.token_versions, trajectory.response_mask), default=None
+    )
+    return state, packed, (oldest, sum(trajectory.response_mask), len(trajectory.token_ids))
 
 
-def trajectory_from_wire(wire: tuple[dict[str, Any], dict[str, str]]) -> Trajectory:
-    """The trajectory ``trajectory_to_wire`` sent, equal to the original."""
-    state, packed = wire
-    for name, code in packed.items():
-        values = array.array(code)
-        values.frombytes(state[name])
-        state[name] = values.tolist()
+def trajectory_from_wire(wire: TrajectoryWire) -> Trajectory:
+    """The trajectory ``trajectory_to_wire`` sent, equal to the original; its per-token lists
+    stay packed until first read (``Trajectory.from_packed``)."""
+    state, packed, counted = wire
+    lists = {name: (code, state.pop(name)) for name, code in packed.items()}
     if state["samples"]:
         state["samples"] = [trajectory_from_wire(sample) for sample in state["samples"]]
-    trajectory = Trajectory.__new__(Trajectory)
-    trajectory.__dict__.update(state)
-    return trajectory
+    return Trajectory.from_packed(state, lists, counted)
 
 
 class Channel(asyncio.BufferedProtocol):

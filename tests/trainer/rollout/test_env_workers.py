@@ -228,3 +228,33 @@ def test_a_finished_trajectory_crosses_the_wire_unchanged() -> None:
         loaded = trajectory_from_wire(pickle.loads(pickle.dumps(trajectory_to_wire(original))))
         assert loaded == original
         assert type(loaded.token_ids) is list and type(loaded.logprobs[0]) is float
+
+
+def test_a_trajectory_from_the_wire_counts_without_unpacking_and_stays_right_when_changed() -> None:
+    """The driver reads a finished episode's counts (oldest version, tokens) for every group,
+    trained or dropped: they come packed with it, and stay exact once its lists change."""
+    import copy
+    import pickle
+
+    from trainer.rollout.trajectory import Trajectory
+    from trainer.rollout.wire import trajectory_from_wire, trajectory_to_wire
+
+    original = Trajectory("env", 3, 1)
+    original.append_context([1, 2, 3])
+    original.append_generation(
+        GenerationResult("ep/0", [7, 8], [-0.5, -0.5], "stop", 4, {"token_versions": [3, 4]})
+    )
+    loaded = trajectory_from_wire(pickle.loads(pickle.dumps(trajectory_to_wire(original))))
+    counts = (loaded.oldest_version, loaded.num_policy_tokens, loaded.num_tokens)
+    assert counts == (3, 2, 5)
+    assert "token_ids" not in vars(loaded)  # still packed: nothing unpacked to count
+    twin = copy.copy(loaded)
+    assert twin.token_versions == [-1, -1, -1, 3, 4]  # a copy unpacks on its own
+    assert loaded == original
+
+    loaded.append_policy([9], [-0.5], 2)  # an older version's token, appended after arrival
+    assert (loaded.oldest_version, loaded.num_policy_tokens, loaded.num_tokens) == (2, 3, 6)
+    replaced = trajectory_from_wire(trajectory_to_wire(original))
+    replaced.token_versions = [-1, -1, -1, 1, 1]  # assigned without reading: counts follow
+    assert replaced.oldest_version == 1
+    assert (twin.oldest_version, pickle.loads(pickle.dumps(loaded)).num_tokens) == (3, 6)
