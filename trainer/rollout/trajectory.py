@@ -27,7 +27,6 @@ the episode return.
 
 from __future__ import annotations
 
-import array
 import itertools
 import json
 from collections.abc import Sequence
@@ -49,8 +48,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ChatRenderer", "Trajectory", "collate", "episode_advantages", "turn_states"]
 
-_COUNTED_FROM = ("token_ids", "response_mask", "token_versions")
-"""The lists a packed row's counts stand for (``Trajectory._counted``)."""
+Counts = tuple[int | None, int, int]
+"""A row's own oldest policy version, policy tokens and tokens (``Trajectory._counted``)."""
 
 
 @dataclass
@@ -169,52 +168,14 @@ class Trajectory:
         return min(oldest) if oldest else None
 
     def _oldest(self) -> int | None:
-        """This row's own oldest policy version."""
         if counted := self._counted():
             return counted[0]
         return min(itertools.compress(self.token_versions, self.response_mask), default=None)
 
-    def _counted(self) -> tuple[int | None, int, int] | None:
-        """This row's own (oldest policy version, policy tokens, tokens) as its sender counted
-        them, while the lists they come from are still packed (``from_packed``); else None."""
-        state = self.__dict__
-        packed = state.get("_packed")
-        if packed is None or not all(n in packed and n not in state for n in _COUNTED_FROM):
-            return None
-        return state.get("_counts")
-
-    # ------------------------------------------------------------------ packed lists
-    @classmethod
-    def from_packed(
-        cls,
-        state: dict[str, Any],
-        packed: dict[str, tuple[str, bytes]],
-        counted: tuple[int | None, int, int] | None = None,
-    ) -> Trajectory:
-        """A trajectory whose per-token lists in ``packed`` (name -> ``array`` type code and
-        its bytes, as ``trainer.rollout.wire`` sends them) stay packed until first read: the
-        driver then pays nothing for episodes it never trains on (a surplus or stale group's),
-        and ``counted`` (this row's own oldest version, policy tokens and tokens, taken
-        before packing) answers the
-        scheduler's counts without unpacking. Reading or assigning a list unpacks or
-        replaces it and the counts come from the lists again."""
-        trajectory = cls.__new__(cls)
-        trajectory.__dict__.update(state)
-        trajectory.__dict__["_packed"] = packed
-        if counted is not None and all(name in packed for name in _COUNTED_FROM):
-            trajectory.__dict__["_counts"] = counted
-        return trajectory
-
-    def __getattr__(self, name: str) -> Any:
-        """Only asked for what the instance does not hold: a list still packed is unpacked."""
-        packed = self.__dict__.get("_packed")
-        if packed is None or name not in packed:
-            raise AttributeError(f"'Trajectory' object has no attribute {name!r}")
-        code, data = packed[name]
-        values = array.array(code)
-        values.frombytes(data)
-        unpacked = self.__dict__[name] = values.tolist()  # the bytes stay: a copy shares them
-        return unpacked
+    def _counted(self) -> Counts | None:
+        """This row's own counts when known without reading its lists (a trajectory from an
+        env worker: ``trainer.rollout.wire.PackedTrajectory``), else None."""
+        return None
 
     def as_record(
         self, advantages: Sequence[float] | None = None, time_s: float | None = None

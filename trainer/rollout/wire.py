@@ -19,13 +19,15 @@ import itertools
 import pickle
 import socket
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any, cast
 
-from trainer.rollout.trajectory import Trajectory
+from trainer.rollout.trajectory import Counts, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
 __all__ = [
     "Channel",
+    "PackedTrajectory",
     "attach_socket",
     "request_from_wire",
     "request_to_wire",
@@ -38,6 +40,8 @@ __all__ = [
 _HEADER = 4  # bytes of a frame's length
 
 _PACKED = {"token_ids": "i", "response_mask": "b", "logprobs": "d", "token_versions": "i"}
+_COUNTED_FROM = ("token_ids", "response_mask", "token_versions")
+"""The lists a packed trajectory's counts stand for."""
 """A trajectory's per-token lists and the ``array`` type each travels as (native byte order:
 both ends are on one machine)."""
 
@@ -85,9 +89,9 @@ def result_from_wire(message: tuple[Any, ...]) -> GenerationResult:
     return GenerationResult(*message[1:])
 
 
-TrajectoryWire = tuple[dict[str, Any], dict[str, str], tuple[int | None, int, int]]
+TrajectoryWire = tuple[dict[str, Any], dict[str, str], Counts]
 """A trajectory's attributes, which of them travel packed (name -> array type code), and
-its own counts: oldest policy version, policy tokens, tokens (``Trajectory.from_packed``)."""
+its own counts."""
 
 
 def trajectory_to_wire(trajectory: Trajectory) -> TrajectoryWire:
@@ -114,12 +118,49 @@ def trajectory_to_wire(trajectory: Trajectory) -> TrajectoryWire:
 
 def trajectory_from_wire(wire: TrajectoryWire) -> Trajectory:
     """The trajectory ``trajectory_to_wire`` sent, equal to the original; its per-token lists
-    stay packed until first read (``Trajectory.from_packed``)."""
+    stay packed until first read (``PackedTrajectory``)."""
     state, packed, counted = wire
     lists = {name: (code, state.pop(name)) for name, code in packed.items()}
     if state["samples"]:
         state["samples"] = [trajectory_from_wire(sample) for sample in state["samples"]]
-    return Trajectory.from_packed(state, lists, counted)
+    trajectory = PackedTrajectory.__new__(PackedTrajectory)
+    trajectory.__dict__.update(state, _packed=lists, _counts=counted)
+    return trajectory
+
+
+class PackedTrajectory(Trajectory):
+    """A finished trajectory from an env worker whose per-token lists stay packed until first
+    read, the worker's counts answering the scheduler meanwhile: the driver pays nothing for
+    the episodes it never trains on (a surplus or stale group's). Reading or assigning a list
+    unpacks or replaces it, and the counts then come from the lists again. Equal to the
+    ``Trajectory`` it was sent as."""
+
+    _packed: dict[str, tuple[str, bytes]]
+    """Name -> array type code and bytes (kept once unpacked: a copy shares them)."""
+    _counts: Counts
+
+    def __getattr__(self, name: str) -> Any:
+        """Only asked for what the instance does not hold: a list still packed is unpacked."""
+        packed = self.__dict__.get("_packed")
+        if packed is None or name not in packed:
+            raise AttributeError(f"'PackedTrajectory' object has no attribute {name!r}")
+        values = array.array(packed[name][0])
+        values.frombytes(packed[name][1])
+        unpacked = self.__dict__[name] = values.tolist()
+        return unpacked
+
+    def _counted(self) -> Counts | None:
+        state, packed = self.__dict__, self._packed
+        if all(name in packed and name not in state for name in _COUNTED_FROM):
+            return self._counts
+        return None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Trajectory):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(Trajectory))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass
 
 
 class Channel(asyncio.BufferedProtocol):
