@@ -60,7 +60,9 @@ the engines spend in steps) and mean decode batch, the share of the simulated ti
 was busy, and the driver's real CPU per episode-turn (process CPU minus the simulated engines'
 own work and the envs' own code, / generation requests; the chat template + tokenizer share
 shown). An engine's steps and its intake of each request run off the simulated clock
-(``VirtualClockLoop.uncharged``: a GPU worker's CPU is its own process's on a cluster); what
+(``VirtualClockLoop.uncharged``: a GPU worker's CPU is its own process's on a cluster), and
+each engine keeps its own timeline: a driver callback that holds the loop delays the results
+it sees and the requests it sends, not the steps already under way; what
 the simulation still leaves on the driver: the loop waking once per engine step (printed: the
 cost of firing an empty timer, measured at start, times the engine steps per turn), the timing
 around each env and renderer call and the simulated clock's reads (a thread CPU clock is a
