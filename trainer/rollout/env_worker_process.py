@@ -74,7 +74,7 @@ __all__ = ["START_SLICE", "LocalRoute", "RemoteEngine", "WorkerSetup"]
 
 START_SLICE = 16
 """Episodes a worker starts per loop iteration (see the module docstring)."""
-_PART_CPU_S = 0.002
+_PART_CPU_S = 0.005
 """lockstep: CPU seconds of starting episodes after which the worker answers a part."""
 
 WorkerSetup = Callable[["RemoteEngine | LocalRoute"], "tuple[EnvManager, EnvSource]"]
@@ -233,17 +233,19 @@ class _WorkerLoop:
                 self.route(self.router, message)
         self.settle()
 
-    def _start_some(self) -> None:
-        """Start the next ``START_SLICE`` episodes; the rest in the next iteration, after these
-        sent their first requests (and, in lockstep, after answering a part if they took long)."""
+    def _start_some(self, later: bool = False) -> None:
+        """Start the next ``START_SLICE`` episodes; the rest in the next iteration, ``later``,
+        after these sent their first requests (in lockstep: answering a part if they took
+        long; a few episodes, as between batches, start at once with no part)."""
         loop = asyncio.get_running_loop()
-        if self.lockstep and self._owed and time.thread_time() - self._cpu_from > _PART_CPU_S:
-            self._answer(0)
+        if later and self.lockstep and self._owed:
+            if time.thread_time() - self._cpu_from > _PART_CPU_S:
+                self._answer(0)
         for _ in range(min(START_SLICE, len(self._to_start))):
             _, key, spec, sampling, max_retries = self._to_start.popleft()
             self.plays[key] = loop.create_task(self.play(key, spec, sampling, max_retries))
         if self._to_start:
-            loop.call_soon(self._start_some)
+            loop.call_soon(self._start_some, True)
 
     def route(self, router: EngineRouter, message: tuple[Any, ...]) -> None:
         """The driver's word to the worker's own router."""
