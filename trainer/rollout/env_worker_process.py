@@ -24,13 +24,7 @@ over the engines it builds (``trainer.rollout.worker_routing``). Then:
                        ("error", key, text)
                        ("paused", report)                           routing here: idle
                        ("relay", payload)                           relayed engines' requests
-                       ("idle", frames answered, CPU seconds, n)     lockstep only
-
-Episodes start ``START_SLICE`` per loop iteration: a frame of a whole batch's ``play``
-messages (thousands at a batch boundary) would otherwise take one iteration of hundreds of
-milliseconds, every first request going out at its end and no result read meanwhile. In
-lockstep the worker then answers in parts while it starts them (``("idle", 0, ...)``: frames
-answered none yet), each part's messages after the CPU they took, as they would go out.
+                       ("idle", frames answered, CPU seconds)        lockstep only
 
 A ``report`` is None when the driver routes, else the worker's router counters and its
 requests in flight (``WorkerRouters.on_report``).
@@ -44,7 +38,6 @@ its episodes and closing its env source.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import socket
 import sys
@@ -70,12 +63,7 @@ if TYPE_CHECKING:
     from trainer.rollout.groups import EpisodeSpec
     from trainer.rollout.worker_routing import EngineSetup
 
-__all__ = ["START_SLICE", "LocalRoute", "RemoteEngine", "WorkerSetup"]
-
-START_SLICE = 16
-"""Episodes a worker starts per loop iteration (see the module docstring)."""
-_PART_CPU_S = 0.005
-"""lockstep: CPU seconds of starting episodes after which the worker answers a part."""
+__all__ = ["LocalRoute", "RemoteEngine", "WorkerSetup"]
 
 WorkerSetup = Callable[["RemoteEngine | LocalRoute"], "tuple[EnvManager, EnvSource]"]
 """Builds a worker's ``EnvManager`` (generating through the given engine) and ``EnvSource``."""
@@ -168,8 +156,6 @@ class _WorkerLoop:
         self.manager: EnvManager | None = None
         self.source: EnvSource | None = None
         self.plays: dict[str, asyncio.Task[None]] = {}
-        self._to_start: collections.deque[tuple[Any, ...]] = collections.deque()
-        """``play`` messages not started yet (``START_SLICE`` per iteration)."""
         self.stopped: set[str] = set()
         self.lost = asyncio.Event()
         self._owed = 0
@@ -222,9 +208,11 @@ class _WorkerLoop:
                 if future is not None and not future.done():
                     future.set_exception(RuntimeError(message[2]))
             elif kind == "play":
-                if not self._to_start:
-                    asyncio.get_running_loop().call_soon(self._start_some)
-                self._to_start.append(message)
+                _, key, spec, sampling, max_retries = message
+                task = asyncio.get_running_loop().create_task(
+                    self.play(key, spec, sampling, max_retries)
+                )
+                self.plays[key] = task
             elif kind == "stop":
                 self.stopped.update(message[1])
             elif kind == "relay" and self.on_relay is not None:
@@ -232,20 +220,6 @@ class _WorkerLoop:
             elif self.router is not None:
                 self.route(self.router, message)
         self.settle()
-
-    def _start_some(self, later: bool = False) -> None:
-        """Start the next ``START_SLICE`` episodes; the rest in the next iteration, ``later``,
-        after these sent their first requests (in lockstep: answering a part if they took
-        long; a few episodes, as between batches, start at once with no part)."""
-        loop = asyncio.get_running_loop()
-        if later and self.lockstep and self._owed:
-            if time.thread_time() - self._cpu_from > _PART_CPU_S:
-                self._answer(0)
-        for _ in range(min(START_SLICE, len(self._to_start))):
-            _, key, spec, sampling, max_retries = self._to_start.popleft()
-            self.plays[key] = loop.create_task(self.play(key, spec, sampling, max_retries))
-        if self._to_start:
-            loop.call_soon(self._start_some, True)
 
     def route(self, router: EngineRouter, message: tuple[Any, ...]) -> None:
         """The driver's word to the worker's own router."""
@@ -319,18 +293,9 @@ class _WorkerLoop:
         self._settling = False
         if not self._owed or len(self.waiting) < len(self.plays):
             return  # an episode still works: its next request (or end) settles again
-        self._answer(self._owed)
-
-    def _answer(self, answered: int) -> None:
-        """lockstep: send what is queued with ``("idle", answered, CPU seconds since the last
-        answer, number)``; ``answered`` 0 is a part (nothing queued: nothing sent)."""
-        if not answered and not (self.channel.pending or (self.relay and self.relay.pending)):
-            return
-        now = time.thread_time()
-        idle = ("idle", answered, now - self._cpu_from, self._answers)
+        idle = ("idle", self._owed, time.thread_time() - self._cpu_from, self._answers)
         self._answers += 1
-        self._owed -= answered
-        self._cpu_from = now
+        self._owed = 0
         channel = self.channel
         if self.relay is not None:
             if channel.pending:  # the relayed messages ride along, in order

@@ -384,17 +384,12 @@ class EnvWorkers:
             frame = later
 
     def _take_answer(self, worker: _Worker, frame: list[tuple[Any, ...]]) -> None:
-        """lockstep: a worker's answer takes effect once its own timeline got there (a part,
-        answering no frame yet, from when the first frame it works on came)."""
+        """lockstep: a worker's answer takes effect once its own timeline got there."""
         loop = asyncio.get_running_loop()
         _, answered, cpu_s, _ = frame[-1]
-        if answered:
-            sent = [worker.sent_at.popleft() for _ in range(answered)]
-            came = sent[-1]
-        else:
-            came = worker.sent_at[0] if worker.sent_at else loop.time()
+        sent = [worker.sent_at.popleft() for _ in range(answered)]
         _owe(loop, -answered)
-        start = max(came, worker.lane_free)
+        start = max(sent[-1] if sent else loop.time(), worker.lane_free)
         worker.lane_free = start + cpu_s
         self.lane_busy_s += cpu_s
         messages = frame[:-1]

@@ -117,38 +117,6 @@ def test_the_scheduler_runs_on_workers_in_simulated_time() -> None:
     assert left == 0
 
 
-def test_a_worker_given_many_episodes_at_once_sends_the_first_requests_early() -> None:
-    """A batch boundary hands each worker thousands of episodes in one frame: their first
-    requests go out as they are ready, a slice at a time, not all after the last one started
-    (in simulated time: each answered part takes effect after the worker's CPU so far)."""
-    arrivals: list[float] = []
-
-    class Arrivals(SimEngine):
-        def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
-            if request.request_id.endswith("/0"):
-                arrivals.append(asyncio.get_running_loop().time())
-            return super().start_generate(request)
-
-    async def main() -> tuple[float, list[Any]]:
-        loop = asyncio.get_running_loop()
-        router = EngineRouter(engines(2, cost=FAST, kind=Arrivals), clock=loop.time)
-        workers = EnvWorkers(router, worker_setup, workers=1, lockstep=True)
-        await workers.start()
-        try:
-            start = loop.time()
-            finished, failed = await run_episodes(
-                specs(300, first_seed=DYING_SEED + 1), workers, source(), SAMPLING
-            )
-        finally:
-            await workers.close()
-        assert not failed
-        return start, finished
-
-    start, finished = sim_clock.run(main())
-    assert len(finished) == len(arrivals) == 300
-    assert arrivals[0] - start < (arrivals[-1] - start) / 4
-
-
 def test_a_worker_that_dies_fails_its_episodes_and_is_replaced() -> None:
     async def main() -> tuple[list[Any], list[Any], EnvWorkers]:
         router = EngineRouter(engines(2, cost=FAST))
