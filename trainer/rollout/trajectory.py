@@ -27,6 +27,7 @@ the episode return.
 
 from __future__ import annotations
 
+import array
 import itertools
 import json
 from collections.abc import Sequence
@@ -500,10 +501,15 @@ def collate(
     token_rewards = torch.zeros((len(rows), width))
     for r, (i, k, row) in enumerate(rows):
         episode, n = trajectories[i], len(row.token_ids)
-        input_ids[r, :n] = torch.tensor(row.token_ids, dtype=torch.long)
+        if n:  # through an array: a buffer copy, several times faster than from a list
+            input_ids[r, :n] = torch.frombuffer(array.array("q", row.token_ids), dtype=torch.long)
+            response_mask[r, :n] = torch.frombuffer(
+                array.array("b", row.response_mask), dtype=torch.int8
+            )
+            old_logprobs[r, :n] = torch.frombuffer(
+                array.array("d", row.logprobs), dtype=torch.float64
+            )
         attention_mask[r, :n] = 1
-        response_mask[r, :n] = torch.tensor(row.response_mask, dtype=torch.float32)
-        old_logprobs[r, :n] = torch.tensor(row.logprobs, dtype=torch.float32)
         if row is not episode:  # a sample: its turns' rewards, the later samples' on its end
             for end, reward in zip(row.turn_ends, row.turn_rewards, strict=True):
                 token_rewards[r, end] += reward
