@@ -373,9 +373,9 @@ class SimEngine:
 
     def _start_step(self) -> None:
         """Start the next step on the engine's own timeline: when the last one ended (or the
-        weight load did), or now if it was idle. A loop that ran this late
-        (the driver's Python held it) does not delay the GPU: the steps due meanwhile follow
-        each other at once, and requests sent meanwhile join the first step after they were."""
+        weight load did), or now if it was idle. A loop that ran this late (the driver's Python
+        held it) does not delay the GPU: the steps due meanwhile follow each other at once,
+        and requests sent meanwhile join the first step after they were."""
         loop = self._loop
         if loop is None:
             return

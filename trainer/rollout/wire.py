@@ -40,10 +40,10 @@ __all__ = [
 _HEADER = 4  # bytes of a frame's length
 
 _PACKED = {"token_ids": "i", "response_mask": "b", "logprobs": "d", "token_versions": "i"}
-_COUNTED_FROM = ("token_ids", "response_mask", "token_versions")
-"""The lists a packed trajectory's counts stand for."""
 """A trajectory's per-token lists and the ``array`` type each travels as (native byte order:
 both ends are on one machine)."""
+_COUNTED_FROM = ("token_ids", "response_mask", "token_versions")
+"""The lists a packed trajectory's counts stand for."""
 
 
 def request_to_wire(
@@ -99,7 +99,7 @@ def trajectory_to_wire(trajectory: Trajectory) -> TrajectoryWire:
     not fit its array type travels as it is), which ones were packed and its counts (the
     sender, a worker with CPU to spare, counts); per-turn samples likewise."""
     state = {k: v for k, v in vars(trajectory).items() if not k.startswith("_")}
-    for name in _PACKED:  # a list the trajectory got packed itself is unpacked
+    for name in _PACKED:  # read, not copied: a PackedTrajectory's lists are in _packed
         state[name] = getattr(trajectory, name)
     packed: dict[str, str] = {}
     for name, code in _PACKED.items():
