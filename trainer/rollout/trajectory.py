@@ -169,6 +169,7 @@ class Trajectory:
         return min(oldest) if oldest else None
 
     def _oldest(self) -> int | None:
+        """This row's own oldest policy version (``trainer.rollout.wire`` sends it along)."""
         if counted := self._counted():
             return counted[0]
         return min(itertools.compress(self.token_versions, self.response_mask), default=None)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
-import itertools
 import pickle
 import socket
 from collections.abc import Callable
@@ -110,10 +109,8 @@ def trajectory_to_wire(trajectory: Trajectory) -> TrajectoryWire:
         packed[name] = code
     if trajectory.samples:
         state["samples"] = [trajectory_to_wire(sample) for sample in trajectory.samples]
-    oldest = min(
-        itertools.compress(trajectory.token_versions, trajectory.response_mask), default=None
-    )
-    return state, packed, (oldest, sum(trajectory.response_mask), len(trajectory.token_ids))
+    counts = (trajectory._oldest(), sum(trajectory.response_mask), len(trajectory.token_ids))
+    return state, packed, counts
 
 
 def trajectory_from_wire(wire: TrajectoryWire) -> Trajectory:
