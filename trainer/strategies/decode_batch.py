@@ -183,9 +183,10 @@ _GROWING: Any = None
 def growing_layer_class() -> Any:
     """``transformers``' ``DynamicLayer`` whose ``update`` writes the new keys and values into
     spare room at the end of a buffer instead of concatenating (a copy of the whole cache at
-    every decoding step); ``keys``/``values`` are views of the buffers. Anything that replaces
-    ``keys``/``values`` (a batch selection, ``DecodeBatch.join``/``drop``) simply gets a new buffer
-    at the next update. Built on first use: importing ``transformers`` is slow."""
+    every decoding step); ``keys``/``values`` are views of the buffers. A batch selection (rows
+    leaving) selects from the buffers, spare room included; anything else that replaces
+    ``keys``/``values`` (``DecodeBatch.join``, a trim of padding columns) gets a new buffer at the
+    next update. Built on first use: importing ``transformers`` is slow."""
     global _GROWING
     if _GROWING is not None:
         return _GROWING
@@ -219,6 +220,18 @@ def growing_layer_class() -> Any:
             buffers[1][..., used:end, :] = value_states
             self.keys, self.values = buffers[0][..., :end, :], buffers[1][..., :end, :]
             return self.keys, self.values
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            """Keep the rows at ``indices``, selected from the buffers with their spare room
+            (a selection of the views would be reallocated, whole, at the next update)."""
+            buffers: tuple[torch.Tensor, torch.Tensor] | None = getattr(self, "_room", None)
+            keys = self.keys
+            if buffers is None or keys is None or buffers[0].data_ptr() != keys.data_ptr():
+                super().batch_select_indices(indices)
+                return
+            used = keys.shape[-2]
+            self._room = (buffers[0][indices], buffers[1][indices])
+            self.keys, self.values = self._room[0][..., :used, :], self._room[1][..., :used, :]
 
     _GROWING = GrowingLayer
     return _GROWING

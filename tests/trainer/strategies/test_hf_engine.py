@@ -289,3 +289,45 @@ def test_prompts_of_different_lengths_are_prefilled_in_groups_and_joined(policy)
     assert len(length_groups([len(i) for i in ids], min_tokens=0)) > 1
     assert forwards[0] < len(ids)  # the first prefill held one group, not every prompt
     assert_plain_forward_logprobs(model, ids, results)
+
+
+def test_rows_leaving_the_batch_keep_the_caches_spare_room(policy) -> None:
+    """A row that ends leaves the KV cache by a row selection of the cache's buffers, spare room
+    included, so the next step still writes its keys and values in place rather than copying
+    the whole cache into a new buffer; the remaining rows stay exact."""
+    from trainer.strategies.decode_batch import DecodeBatch
+
+    model, tokenizer = policy
+    ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts(tokenizer)]
+    requests = [
+        GenerationRequest(f"r{i}", p, max_new_tokens=3 if i == 0 else 8, temperature=1.0)
+        for i, p in enumerate(ids)
+    ]
+    engine = make_engine(policy, seed=2)
+    after_drop: list[Any] = []  # each layer-0 buffer pair a drop left (held: ids not reused)
+    next_step: list[Any] = []  # the buffer pair after the step that followed it
+    drop, step = DecodeBatch.drop, engine._step
+
+    def watched_drop(batch: DecodeBatch, ended: list[int]) -> Any:
+        out = drop(batch, ended)
+        if batch.rows:
+            after_drop.append(batch.cache.layers[0]._room)
+        return out
+
+    def watched_step(batch: DecodeBatch) -> Any:
+        pending = len(after_drop) > len(next_step)
+        out = step(batch)
+        if pending:
+            next_step.append(batch.cache.layers[0]._room)
+        return out
+
+    engine._step = watched_step  # type: ignore[method-assign]
+    DecodeBatch.drop = watched_drop  # type: ignore[method-assign]
+    try:
+        results = engine.generate_batch(requests)
+    finally:
+        DecodeBatch.drop = drop  # type: ignore[method-assign]
+    assert [len(r.token_ids) for r in results] == [3, 8, 8]
+    assert after_drop and next_step
+    assert all(a is b for a, b in zip(next_step, after_drop, strict=False))
+    assert_plain_forward_logprobs(model, ids, results)
