@@ -38,6 +38,7 @@ the relay's driver side is the engines' work there, kept off the driver's clock.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import contextlib
 import functools
@@ -272,7 +273,10 @@ class WorkerRouters:
 # ---------------------------------------------------------------------- relayed engines
 class RelayEngines:
     """``EngineSetup`` for engines hosted in the driver's process (a ``RelayHost``): ``count``
-    engines, reached over the worker's socket."""
+    engines, reached over the worker's socket. A prompt travels, and reaches the hosted engine,
+    as one ``array.array("i")`` (a sequence of ints): the driver's memory holds every prompt
+    in flight, and a list would be one Python int per token for it to allocate and for its
+    cyclic GC to scan (on a cluster, the engines' processes hold them)."""
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -323,7 +327,8 @@ class RelayEngine:
     def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         future: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._relay.waiting[request.request_id] = future
-        self._relay.call((self.index, request_to_wire("generate", request, request.prompt_ids)))
+        prompt = array.array("i", request.prompt_ids)  # (see RelayEngines)
+        self._relay.call((self.index, request_to_wire("generate", request, prompt)))
         future.add_done_callback(functools.partial(self._given_up, request.request_id))
         return future
 

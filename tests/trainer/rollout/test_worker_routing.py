@@ -5,6 +5,7 @@ that holds up nothing and leaves nothing running in the engines."""
 
 from __future__ import annotations
 
+import array
 import asyncio
 from typing import Any
 
@@ -75,6 +76,39 @@ def test_workers_that_route_play_the_same_episodes_each_on_one_engine() -> None:
     assert sum(len(keys) for keys in seen) == len(there)
     assert not seen[0] & seen[1]
     assert all(seen)  # and the workers' episodes spread over both engines
+
+
+class _KeepingSimEngine(SimEngine):
+    """Keeps every request's prompt as it arrived."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.prompts: dict[str, Any] = {}
+
+    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        self.prompts[request.request_id] = request.prompt_ids
+        return super().start_generate(request)
+
+
+def test_a_relayed_prompt_reaches_the_hosted_engine_whole_as_one_int_array() -> None:
+    """The driver hosts the relayed engines (the cluster simulation), so their prompts are
+    its memory: each arrives as one machine array of int32 (no Python int per token for the
+    driver to allocate and its cyclic GC to scan), holding the episode's whole prompt."""
+
+    async def main() -> tuple[list[Any], list[_KeepingSimEngine]]:
+        keeping = engines(2, cost=FAST, kind=_KeepingSimEngine)
+        workers = EnvWorkers(routed(keeping), worker_setup, workers=2)
+        try:
+            return await play(workers, EngineRouter(keeping), 6), keeping
+        finally:
+            await workers.close()
+
+    played, keeping = asyncio.run(main())
+    prompts = [ids for engine in keeping for ids in engine.prompts.values()]
+    assert len(prompts) == sum(t.num_turns for t in played)
+    assert all(isinstance(ids, array.array) and ids.typecode == "i" for ids in prompts)
+    for ids in prompts:  # each is a prefix of its finished episode
+        assert any(t.token_ids[: len(ids)] == ids.tolist() for t in played)
 
 
 class _Gate(SimEngine):
