@@ -41,6 +41,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import contextvars
 import functools
 import pickle
 import time
@@ -380,6 +381,12 @@ class RelayHost:
         self._running: dict[int, dict[str, tuple[int, asyncio.Future[GenerationResult]]]] = {}
         self._out: dict[int, list[tuple[str, asyncio.Future[GenerationResult]]]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        # Each request's future -> (peer, request id), answered through one bound method in
+        # one context: a partial, a method and a context copy per request would be three more
+        # objects in flight for the driver's cyclic GC to scan (it hosts the engines here).
+        self._asked: dict[asyncio.Future[GenerationResult], tuple[int, str]] = {}
+        self._on_answer = self._answered
+        self._context = contextvars.copy_context()
 
     def connect(self, reply: Callable[[int, tuple[Any, ...]], None]) -> None:
         """``reply(peer, message)`` sends a message to a worker (``EnvWorkers``)."""
@@ -394,9 +401,8 @@ class RelayHost:
                     request = request_from_wire(message)
                     future = self._starts[index](request)
                     running[request.request_id] = (index, future)
-                    future.add_done_callback(
-                        functools.partial(self._answered, peer, request.request_id)
-                    )
+                    self._asked[future] = (peer, request.request_id)
+                    future.add_done_callback(self._on_answer, context=self._context)
                 else:
                     self._abort(index, message[1])
 
@@ -423,9 +429,11 @@ class RelayHost:
         with self.off_clock():
             await self.engines[index].abort(request_id)
 
-    def _answered(
-        self, peer: int, request_id: str, future: asyncio.Future[GenerationResult]
-    ) -> None:
+    def _answered(self, future: asyncio.Future[GenerationResult]) -> None:
+        asked = self._asked.pop(future, None)
+        if asked is None:
+            return
+        peer, request_id = asked
         out = self._out.get(peer)
         if out is None:  # one payload per loop iteration and worker
             out = self._out[peer] = []
