@@ -11,8 +11,10 @@ current, baseline, ...), so both see the same share of the machine. Two workload
 - ``turns`` - what a rollout asks of it: ``--requests`` episodes, each sending its next turn
   as soon as its previous one returned (its prompt grown by the reply), ``--turns`` turns,
   each with its own budget (1 to ``--new-tokens``, a fixed seeded draw, the same for both
-  engines). An engine that admits requests between decoding steps serves a new turn at
-  once; one that runs whole batches makes it wait for the batch's longest row.
+  engines), named ``episode/turn`` as rollouts name them. An engine that admits requests
+  between decoding steps serves a new turn at once (one that runs whole batches makes it wait
+  for the batch's longest row), and one that keeps an ended turn's KV cache prefills only the
+  next turn's new tokens.
 
     git worktree add /tmp/hf-base <commit>
     python benchmarks/hf_engine.py --baseline-src /tmp/hf-base [--sizes tiny,small]
@@ -74,7 +76,7 @@ def turns(engine: Any, tokenizer: Any, count: int, new_tokens: int, rounds: int,
     async def episode(i: int) -> int:
         prompt, made = list(first[i].prompt_ids), 0
         for k, budget in enumerate(budgets[i]):
-            request = GenerationRequest(f"{tag}{i}.{k}", prompt, budget, temperature=1.0)
+            request = GenerationRequest(f"{tag}{i}/{k}", prompt, budget, temperature=1.0)
             result = await engine.generate(request)
             prompt += result.token_ids
             made += len(result.token_ids)

@@ -2,12 +2,15 @@
 why it ended), the rows decoded together (``DecodeBatch``: left-padded attention mask,
 positions, last tokens, sampling settings and the KV cache, with ``join`` and ``drop`` to admit
 and retire rows between steps), how admitted prompts are grouped for prefill
-(``length_groups``) and a KV-cache layer that grows in place (``growing_cache``).
+(``length_groups``), a KV-cache layer that grows in place (``growing_cache``) and the KV caches
+ended turns leave for their episode's next turn (``PrefixCache``).
 """
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult
@@ -15,7 +18,15 @@ from trainer.strategies.base import FinishReason, GenerationRequest, GenerationR
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DecodeBatch", "Row", "check_prompts", "growing_cache", "length_groups"]
+__all__ = [
+    "CachedPrefix",
+    "DecodeBatch",
+    "PrefixCache",
+    "Row",
+    "check_prompts",
+    "growing_cache",
+    "length_groups",
+]
 
 
 class Row:
@@ -242,3 +253,73 @@ def check_prompts(requests: list[GenerationRequest]) -> None:
         raise ValueError(
             "a generation request has no prompt tokens; render the chat template first"
         )
+
+
+@dataclass
+class CachedPrefix:
+    """An ended turn's KV cache: ``tokens`` (its prompt and every generated token but the last,
+    whose keys and values were never computed) and per layer their keys and values
+    (``[heads, len(tokens), head_dim]`` each)."""
+
+    tokens: list[int]
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+
+
+class PrefixCache:
+    """The KV caches of ended turns, one per episode (the request id up to its last ``/``, as
+    rollouts name their turns), least recently stored evicted beyond ``max_bytes``. An
+    episode's next turn whose prompt extends the cached tokens prefills only the new ones (what
+    vLLM's automatic prefix caching does for a multi-turn episode); a prompt that does not (a
+    chat template that rewrote history) is prefilled whole. Entries hold keys and values of
+    one policy version: ``clear`` on every weight change."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: collections.OrderedDict[str, CachedPrefix] = collections.OrderedDict()
+
+    @staticmethod
+    def episode(request_id: str) -> str | None:
+        """The episode of a request named ``episode/turn`` (None: not an episode's turn)."""
+        head, sep, _ = request_id.rpartition("/")
+        return head if sep else None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, episode: str, entry: CachedPrefix) -> None:
+        """Keep ``entry`` as ``episode``'s (replacing an older one), evicting the least recently
+        stored entries beyond ``max_bytes`` (an entry larger than that is not kept)."""
+        self._drop(episode)
+        size = entry.nbytes
+        if size > self.max_bytes:
+            return
+        while self._entries and self.bytes + size > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+        self._entries[episode] = entry
+        self.bytes += size
+
+    def take(self, episode: str, prompt: list[int]) -> CachedPrefix | None:
+        """``episode``'s entry, removed, when ``prompt`` extends its tokens by at least one;
+        None otherwise (the entry is dropped either way: the turn replaces it)."""
+        entry = self._entries.get(episode)
+        if entry is None:
+            return None
+        self._drop(episode)
+        n = len(entry.tokens)
+        if len(prompt) <= n or prompt[:n] != entry.tokens:
+            return None
+        return entry
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self.bytes = 0
+
+    def _drop(self, episode: str) -> None:
+        entry = self._entries.pop(episode, None)
+        if entry is not None:
+            self.bytes -= entry.nbytes

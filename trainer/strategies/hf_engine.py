@@ -8,9 +8,12 @@ prompts are prefilled as left-padded batches of similar length and their KV cach
 the running rows'. Every step then decodes one token for every running row; a row leaves the
 batch (and its cache) as soon as it ends, at EOS, at a request's stop tokens, at its own
 ``max_new_tokens``, or when aborted, so no step computes a finished row and a short turn
-never waits for a long one. The event loop keeps stepping envs and scoring rewards
-meanwhile. Threads without a loop use ``submit``; ``generate_batch`` runs one batch to the
-end in the caller's thread.
+never waits for a long one. A turn that ended whole leaves its KV cache for its episode's
+next turn (requests named ``episode/turn``, as rollouts and the proxy name them; kept within
+``prefix_cache_gib``, dropped at every weight change): when that turn's prompt extends it,
+only the new tokens (the observation, the template's markers) are prefilled. The event loop
+keeps stepping envs and scoring rewards meanwhile. Threads without a loop use ``submit``;
+``generate_batch`` runs one batch to the end in the caller's thread.
 
 Sampling happens on the model's device: one uniform per row and step comes from the
 engine's own CPU ``torch.Generator`` (seeded; saved by ``get_state``) and is inverted through
@@ -35,7 +38,9 @@ from typing import TYPE_CHECKING, Any
 from trainer.strategies.base import GenerationRequest, GenerationResult, Weights
 from trainer.strategies.batching import BatchingFrontend, fail_batch
 from trainer.strategies.decode_batch import (
+    CachedPrefix,
     DecodeBatch,
+    PrefixCache,
     Row,
     check_prompts,
     growing_cache,
@@ -66,7 +71,10 @@ class HFEngine(BatchingFrontend):
         seed: int = 0,
         max_batch_size: int = 512,
         device: str = "cpu",
+        prefix_cache_gib: float = 1.0,
     ) -> None:
+        """``prefix_cache_gib``: memory (on ``device``) for the KV caches ended turns leave for
+        their episode's next turn (``PrefixCache``; 0 turns it off)."""
         import torch
 
         super().__init__(max_batch_size=max_batch_size)
@@ -75,7 +83,8 @@ class HFEngine(BatchingFrontend):
         self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._params: dict[str, torch.Tensor] | None = None
-        self.stats = {"batches": 0, "requests": 0, "new_tokens": 0}
+        self.stats = {"batches": 0, "requests": 0, "new_tokens": 0, "prefix_hit_tokens": 0}
+        self.prefixes = PrefixCache(int(prefix_cache_gib * 2**30)) if prefix_cache_gib else None
         self._compute = threading.Lock()  # one forward at a time; weight updates between them
         self._admit = threading.Condition()  # guards _waiting, _thread, _closed
         self._waiting: list[Row] = []
@@ -188,6 +197,8 @@ class HFEngine(BatchingFrontend):
                         f"update_weights got {name!r}, which the inference model does not have"
                     )
                 target.copy_(tensor.to(target.device, target.dtype))
+            if self.prefixes is not None:  # keys and values of the old weights
+                self.prefixes.clear()
         self.policy.advance()
 
     def load_adapter(self, adapter: AdapterWeights) -> None:
@@ -196,6 +207,8 @@ class HFEngine(BatchingFrontend):
         (``update_weights``) keep reaching the base weights."""
         with self._compute:
             self._load_adapter(adapter)
+            if self.prefixes is not None:
+                self.prefixes.clear()
         self.policy.advance()
 
     def _load_adapter(self, adapter: AdapterWeights) -> None:
@@ -286,10 +299,40 @@ class HFEngine(BatchingFrontend):
 
     def _prefill(self, rows: list[Row]) -> tuple[DecodeBatch, list[Row]]:
         """Prefill the prompts of ``rows`` and sample each row's first token: the rows that go
-        on (one batch, with their KV cache), and those that ended already. Prompts of very
-        different lengths are prefilled in groups of similar length (``length_groups``), so
-        a short prompt is not padded to the longest one's width; the groups are joined."""
+        on (one batch, with their KV cache), and those that ended already. A row whose episode's
+        previous turn left its KV cache (``PrefixCache``) prefills only the tokens after it;
+        the others' prompts are prefilled whole, in groups of similar length
+        (``length_groups``), so a short prompt is not padded to the longest one's width."""
         check_prompts([row.request for row in rows])
+        hits, entries, misses = [], [], []
+        with self._compute:
+            for row in rows:
+                episode = PrefixCache.episode(row.request.request_id)
+                entry = None
+                if self.prefixes and episode is not None:
+                    entry = self.prefixes.take(episode, row.request.prompt_ids)
+                if entry is None:
+                    misses.append(row)
+                else:
+                    hits.append(row)
+                    entries.append(entry)
+        parts = [self._prefill_whole(misses)] if misses else []
+        if hits:
+            parts.append(self._prefill_cached(hits, entries))
+        batch, ended = parts[0]
+        if len(parts) == 2:
+            more, gone = parts[1]
+            ended += gone
+            if batch.rows and more.rows:
+                batch = batch.join(more)
+            elif more.rows:
+                batch = more
+        self.stats["batches"] += 1
+        self.stats["requests"] += len(rows)
+        return batch, ended
+
+    def _prefill_whole(self, rows: list[Row]) -> tuple[DecodeBatch, list[Row]]:
+        """``_prefill`` for prompts prefilled whole (grouped by length, the groups joined)."""
         lengths = [len(row.request.prompt_ids) for row in rows]
         groups = length_groups(lengths, self.prefill_group_tokens)
         batch, ended = self._prefill_group([rows[i] for i in groups[0]])
@@ -303,8 +346,61 @@ class HFEngine(BatchingFrontend):
                 batch = more
             elif more.rows:
                 batch = batch.join(more)
-        self.stats["batches"] += 1
-        self.stats["requests"] += len(rows)
+        return batch, ended
+
+    def _prefill_cached(
+        self, rows: list[Row], entries: list[CachedPrefix]
+    ) -> tuple[DecodeBatch, list[Row]]:
+        """``_prefill`` for rows whose prompts extend a cached prefix: the cached keys and
+        values, left-padded to the longest, are the past of one forward over the new tokens
+        (left-padded too: the mask hides both paddings, positions go on from each prefix)."""
+        import torch
+        from transformers.cache_utils import DynamicCache
+
+        past = [len(entry.tokens) for entry in entries]
+        new = [row.request.prompt_ids[n:] for row, n in zip(rows, past, strict=True)]
+        width, wide = max(past), max(map(len, new))
+        input_ids = torch.full((len(rows), wide), self.pad_token_id, dtype=torch.long)
+        positions = torch.zeros((len(rows), wide), dtype=torch.long)
+        attention = torch.zeros((len(rows), width + wide), dtype=torch.long)
+        for i, (n, ids) in enumerate(zip(past, new, strict=True)):
+            input_ids[i, wide - len(ids) :] = torch.tensor(ids)
+            positions[i, wide - len(ids) :] = torch.arange(n, n + len(ids))
+            attention[i, width - n : width] = 1
+            attention[i, wide + width - len(ids) :] = 1
+        layers = []
+        for index, (keys, values) in enumerate(entries[0].layers):
+            shape = (len(rows), keys.shape[0], width, keys.shape[-1])
+            padded = keys.new_zeros(shape), values.new_zeros(shape)
+            for i, (entry, n) in enumerate(zip(entries, past, strict=True)):
+                padded[0][i, :, width - n :] = entry.layers[index][0]
+                padded[1][i, :, width - n :] = entry.layers[index][1]
+            layers.append(padded)
+        batch = DecodeBatch(
+            rows,
+            attention=attention.to(self.device),
+            positions=torch.tensor([len(r.request.prompt_ids) for r in rows], device=self.device),
+            temperature=torch.tensor(
+                [r.request.temperature for r in rows], dtype=torch.float32, device=self.device
+            ),
+            top_p=torch.tensor(
+                [r.request.top_p for r in rows], dtype=torch.float32, device=self.device
+            ),
+        )
+        with self._compute, torch.inference_mode():
+            for row in rows:
+                row.version = self.version
+            out = self.model(
+                input_ids=input_ids.to(self.device),
+                attention_mask=batch.attention,
+                position_ids=positions.to(self.device),
+                past_key_values=growing_cache(DynamicCache(ddp_cache_data=layers)),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            batch.cache = out.past_key_values
+            ended = self._advance(batch, out.logits[:, -1])
+        self.stats["prefix_hit_tokens"] += sum(past)
         return batch, ended
 
     def _prefill_group(self, rows: list[Row]) -> tuple[DecodeBatch, list[Row]]:
@@ -375,7 +471,28 @@ class HFEngine(BatchingFrontend):
                 ended.append(i)
         self.stats["new_tokens"] += len(batch.rows)
         batch.tokens = tokens
+        if ended and self.prefixes is not None:
+            self._keep_prefixes(batch, ended)
         return batch.drop(ended) if ended else []
+
+    def _keep_prefixes(self, batch: DecodeBatch, ended: list[int]) -> None:
+        """Keep the KV cache of each turn that ended whole (not aborted) under this policy
+        version, for its episode's next turn (``PrefixCache``)."""
+        if self.prefixes is None or not batch.can_join:  # plain layers only
+            return
+        for i in ended:
+            row = batch.rows[i]
+            episode = PrefixCache.episode(row.request.request_id)
+            if episode is None or row.reason == "abort" or row.version != self.version:
+                continue
+            tokens = [*row.request.prompt_ids, *row.ids[:-1]]  # the last one was never input
+            columns = batch.attention[i].nonzero().squeeze(-1)
+            if len(columns) != len(tokens):
+                continue
+            layers = [
+                (lay.keys[i][:, columns], lay.values[i][:, columns]) for lay in batch.cache.layers
+            ]
+            self.prefixes.put(episode, CachedPrefix(tokens, layers))
 
     def _sample(
         self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor

@@ -331,3 +331,53 @@ def test_rows_leaving_the_batch_keep_the_caches_spare_room(policy) -> None:
     assert after_drop and next_step
     assert all(a is b for a, b in zip(next_step, after_drop, strict=False))
     assert_plain_forward_logprobs(model, ids, results)
+
+
+def test_an_episodes_next_turn_prefills_only_its_new_tokens_and_stays_exact(policy) -> None:
+    """Turns named ``episode/turn``: the next turn of an episode whose prompt extends the last
+    one's prompt and reply reuses its KV cache, so only the new tokens are computed; with
+    other rows in the same admission (a longer cached prefix, a first turn) every row's
+    log-probs still match a plain forward."""
+    model, tokenizer = policy
+    first = [tokenizer.encode(p, add_special_tokens=False) for p in prompts(tokenizer)]
+    engine = make_engine(policy, seed=3)
+    turn1 = engine.generate_batch(
+        [GenerationRequest(f"ep{i}/0", first[i], 4 + 3 * i, temperature=1.0) for i in (0, 1)]
+    )
+    observation = tokenizer.encode("You moved right. Your next move?", add_special_tokens=False)
+    second = [first[i] + turn1[i].token_ids + observation for i in (0, 1)] + [first[2]]
+    widths: list[int] = []
+    hook = model.register_forward_pre_hook(
+        lambda _m, _a, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        turn2 = engine.generate_batch(
+            [GenerationRequest(f"ep{i}/1", second[i], 5, temperature=1.0) for i in (0, 1, 2)]
+        )
+    finally:
+        hook.remove()
+    cached = [len(first[i]) + len(turn1[i].token_ids) - 1 for i in (0, 1)]
+    assert engine.stats["prefix_hit_tokens"] == sum(cached)
+    # the two continued turns were prefilled together over only their new tokens
+    assert sorted(widths[:2]) == sorted([len(observation) + 1, len(first[2])])
+    assert_plain_forward_logprobs(model, second, turn2)
+
+
+def test_a_rewritten_history_or_a_weight_update_prefills_the_prompt_whole(policy) -> None:
+    """A prompt that does not extend the cached turn (a template that rewrote history) and any
+    turn after a weight update (the cached keys and values are the old weights') are
+    prefilled whole, and stay exact."""
+    model, tokenizer = policy
+    prompt = tokenizer.encode(prompts(tokenizer)[1], add_special_tokens=False)
+    engine = make_engine(policy, seed=4)
+    (turn1,) = engine.generate_batch([GenerationRequest("ep/0", prompt, 4, temperature=1.0)])
+    rewritten = [prompt[0], *prompt[2:], *turn1.token_ids, prompt[1]]
+    (turn2,) = engine.generate_batch([GenerationRequest("ep/1", rewritten, 4, temperature=1.0)])
+    assert engine.stats["prefix_hit_tokens"] == 0
+    assert_plain_forward_logprobs(model, [rewritten], [turn2])
+
+    extended = rewritten + turn2.token_ids + prompt[:3]
+    engine.update_weights({k: v.detach().clone() for k, v in model.state_dict().items()})
+    (turn3,) = engine.generate_batch([GenerationRequest("ep/2", extended, 4, temperature=1.0)])
+    assert engine.stats["prefix_hit_tokens"] == 0
+    assert_plain_forward_logprobs(model, [extended], [turn3])
