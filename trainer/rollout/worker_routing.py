@@ -274,10 +274,7 @@ class WorkerRouters:
 # ---------------------------------------------------------------------- relayed engines
 class RelayEngines:
     """``EngineSetup`` for engines hosted in the driver's process (a ``RelayHost``): ``count``
-    engines, reached over the worker's socket. A prompt travels, and reaches the hosted engine,
-    as one ``array.array("i")`` (a sequence of ints): the driver's memory holds every prompt
-    in flight, and a list would be one Python int per token for it to allocate and for its
-    cyclic GC to scan (on a cluster, the engines' processes hold them)."""
+    engines, reached over the worker's socket."""
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -328,8 +325,7 @@ class RelayEngine:
     def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
         future: asyncio.Future[GenerationResult] = asyncio.get_running_loop().create_future()
         self._relay.waiting[request.request_id] = future
-        prompt = array.array("i", request.prompt_ids)  # (see RelayEngines)
-        self._relay.call((self.index, request_to_wire("generate", request, prompt)))
+        self._relay.call((self.index, request_to_wire("generate", request, request.prompt_ids)))
         future.add_done_callback(functools.partial(self._given_up, request.request_id))
         return future
 
@@ -362,7 +358,11 @@ class RelayEngine:
 
 class RelayHost:
     """The driver's side of ``RelayEngines``: runs the workers' requests on ``engines`` and
-    sends each worker its results, one payload per loop iteration.
+    sends each worker its results, one payload per loop iteration. A prompt reaches the hosted
+    engine as one ``array.array("i")`` (a sequence of ints), made on arrival: the driver holds
+    every prompt in flight, and a list would be one Python int per token for it to keep and
+    one more container for its cyclic GC to scan (on a cluster, the engines' processes hold
+    them).
 
     ``off_clock()``: a context in which the host's work runs (the cluster simulation keeps it
     off the driver's clock: ``VirtualClockLoop.uncharged``, the engines' processes' work on a
@@ -399,6 +399,8 @@ class RelayHost:
             for index, message in pickle.loads(payload):  # (engine, ("generate" | "abort", ...))
                 if message[0] == "generate":
                     request = request_from_wire(message)
+                    prompt = array.array("i", request.prompt_ids)  # (see the class docstring)
+                    request.prompt_ids = prompt  # type: ignore[assignment]
                     future = self._starts[index](request)
                     running[request.request_id] = (index, future)
                     self._asked[future] = (peer, request.request_id)
