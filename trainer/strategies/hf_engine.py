@@ -376,32 +376,9 @@ class HFEngine(BatchingFrontend):
                 padded[0][i, :, width - n :] = entry.layers[index][0]
                 padded[1][i, :, width - n :] = entry.layers[index][1]
             layers.append(padded)
-        batch = DecodeBatch(
-            rows,
-            attention=attention.to(self.device),
-            positions=torch.tensor([len(r.request.prompt_ids) for r in rows], device=self.device),
-            temperature=torch.tensor(
-                [r.request.temperature for r in rows], dtype=torch.float32, device=self.device
-            ),
-            top_p=torch.tensor(
-                [r.request.top_p for r in rows], dtype=torch.float32, device=self.device
-            ),
-        )
-        with self._compute, torch.inference_mode():
-            for row in rows:
-                row.version = self.version
-            out = self.model(
-                input_ids=input_ids.to(self.device),
-                attention_mask=batch.attention,
-                position_ids=positions.to(self.device),
-                past_key_values=growing_cache(DynamicCache(ddp_cache_data=layers)),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            batch.cache = out.past_key_values
-            ended = self._advance(batch, out.logits[:, -1])
+        cache = growing_cache(DynamicCache(ddp_cache_data=layers))
         self.stats["prefix_hit_tokens"] += sum(past)
-        return batch, ended
+        return self._prefill_forward(rows, input_ids, attention, positions, cache)
 
     def _prefill_group(self, rows: list[Row]) -> tuple[DecodeBatch, list[Row]]:
         """``_prefill`` for one left-padded batch."""
@@ -415,24 +392,38 @@ class HFEngine(BatchingFrontend):
             input_ids[i, width - lengths[i] :] = torch.tensor(row.request.prompt_ids)
             attention[i, width - lengths[i] :] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        return self._prefill_forward(rows, input_ids, attention, positions)
+
+    def _prefill_forward(
+        self,
+        rows: list[Row],
+        input_ids: torch.Tensor,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        past: Any = None,
+    ) -> tuple[DecodeBatch, list[Row]]:
+        """One prefill forward: ``rows``' left-padded ``input_ids`` (with their mask, after the
+        ``past`` cache if any, and positions), and each row's first token sampled."""
+        import torch
+
+        device = self.device
         batch = DecodeBatch(
             rows,
-            attention=attention.to(self.device),
-            positions=positions[:, -1].to(self.device) + 1,
+            attention=attention.to(device),
+            positions=torch.tensor([len(r.request.prompt_ids) for r in rows], device=device),
             temperature=torch.tensor(
-                [r.request.temperature for r in rows], dtype=torch.float32, device=self.device
+                [r.request.temperature for r in rows], dtype=torch.float32, device=device
             ),
-            top_p=torch.tensor(
-                [r.request.top_p for r in rows], dtype=torch.float32, device=self.device
-            ),
+            top_p=torch.tensor([r.request.top_p for r in rows], dtype=torch.float32, device=device),
         )
         with self._compute, torch.inference_mode():
             for row in rows:
                 row.version = self.version
             out = self.model(
-                input_ids=input_ids.to(self.device),
+                input_ids=input_ids.to(device),
                 attention_mask=batch.attention,
-                position_ids=positions.to(self.device),
+                position_ids=positions.to(device),
+                past_key_values=past,
                 use_cache=True,
                 logits_to_keep=1,  # only the next token's: not rows x prompt x vocabulary
             )
