@@ -117,16 +117,28 @@ class DecodeBatch:
 
         gone = set(ended)
         out = [row for i, row in enumerate(self.rows) if i in gone]
-        keep_list = [i for i in range(len(self.rows)) if i not in gone]
-        self.rows = [self.rows[i] for i in keep_list]
-        if not self.rows:
-            self.cache = self.tokens = None
+        order = [i for i in range(len(self.rows)) if i not in gone]
+        if not order:
+            self.rows, self.cache, self.tokens = [], None, None
             return out
-        keep = torch.tensor(keep_list, device=self.attention.device)
+        # the rows after the last one kept move into the holes before it: only they are copied
+        live = len(order)
+        holes = [i for i in range(live) if i in gone]
+        movers = [i for i in order if i >= live]
+        layers: list[Any] = list(getattr(self.cache, "layers", None) or [])
+        if layers and all(getattr(layer, "room", lambda: None)() is not None for layer in layers):
+            for layer in layers:
+                layer.move_rows(holes, movers, live)
+            order = list(range(live))
+            for hole, mover in zip(holes, movers, strict=True):
+                order[hole] = mover
+        else:
+            self.cache.batch_select_indices(torch.tensor(order, device=self.attention.device))
+        self.rows = [self.rows[i] for i in order]
+        keep = torch.tensor(order, device=self.attention.device)
         self.attention = self.attention[keep]
         self.positions, self.tokens = self.positions[keep], self.tokens[keep]
         self.temperature, self.top_p = self.temperature[keep], self.top_p[keep]
-        self.cache.batch_select_indices(keep)
         first = int(self.attention.any(0).int().argmax())  # columns only ended rows used
         if first and self.can_join:
             self.attention = self.attention[:, first:]
@@ -149,9 +161,16 @@ class DecodeBatch:
             shape[dim] = missing
             return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
-        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
-            mine.keys = torch.cat([pad(mine.keys, -2), pad(theirs.keys, -2)])
-            mine.values = torch.cat([pad(mine.values, -2), pad(theirs.values, -2)])
+        pairs = list(zip(self.cache.layers, other.cache.layers, strict=True))
+        if self.attention.shape[1] >= other.attention.shape[1] and all(
+            getattr(mine, "room", lambda: None)() is not None for mine, _ in pairs
+        ):  # into the buffers' spare rows: only the new rows are copied
+            for mine, theirs in pairs:
+                mine.append_rows(theirs.keys, theirs.values)
+        else:
+            for mine, theirs in pairs:
+                mine.keys = torch.cat([pad(mine.keys, -2), pad(theirs.keys, -2)])
+                mine.values = torch.cat([pad(mine.values, -2), pad(theirs.values, -2)])
         self.attention = torch.cat([pad(self.attention, 1), pad(other.attention, 1)])
         self.rows += other.rows
         self.positions = torch.cat([self.positions, other.positions])
@@ -206,6 +225,21 @@ def growing_layer_class() -> Any:
 
     class GrowingLayer(DynamicLayer):
         spare = 64  # tokens of room made at each reallocation
+        spare_rows = 16  # rows of room made when rows join a full buffer
+
+        def room(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+            """The buffers ``keys``/``values`` are the leading rows and columns of (None: they
+            are not views of buffers of this layer's)."""
+            buffers: tuple[torch.Tensor, torch.Tensor] | None = getattr(self, "_room", None)
+            keys = self.keys
+            if (
+                buffers is None
+                or keys is None
+                or buffers[0].data_ptr() != keys.data_ptr()
+                or buffers[0].stride() != keys.stride()
+            ):
+                return None
+            return buffers
 
         def update(
             self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -213,36 +247,70 @@ def growing_layer_class() -> Any:
             keys, values = self.keys, self.values
             if not self.is_initialized or keys is None or values is None or not keys.numel():
                 return super().update(key_states, value_states, *args, **kwargs)
-            used, end = keys.shape[-2], keys.shape[-2] + key_states.shape[-2]
-            buffers: tuple[torch.Tensor, torch.Tensor] | None = getattr(self, "_room", None)
-            if (
-                buffers is None
-                or buffers[0].data_ptr() != keys.data_ptr()
-                or buffers[0].shape[:-2] != keys.shape[:-2]
-                or buffers[0].shape[-2] < end
-            ):
+            rows, used = keys.shape[0], keys.shape[-2]
+            end = used + key_states.shape[-2]
+            buffers = self.room()
+            if buffers is None or buffers[0].shape[-2] < end:
                 room = (*keys.shape[:-2], end - used + self.spare, keys.shape[-1])
                 buffers = (
                     torch.cat([keys, keys.new_empty(room)], -2),
                     torch.cat([values, values.new_empty(room)], -2),
                 )
                 self._room = buffers
-            buffers[0][..., used:end, :] = key_states
-            buffers[1][..., used:end, :] = value_states
-            self.keys, self.values = buffers[0][..., :end, :], buffers[1][..., :end, :]
+            buffers[0][:rows, :, used:end] = key_states
+            buffers[1][:rows, :, used:end] = value_states
+            self.keys, self.values = buffers[0][:rows, :, :end], buffers[1][:rows, :, :end]
             return self.keys, self.values
 
         def batch_select_indices(self, indices: torch.Tensor) -> None:
             """Keep the rows at ``indices``, selected from the buffers with their spare room
             (a selection of the views would be reallocated, whole, at the next update)."""
-            buffers: tuple[torch.Tensor, torch.Tensor] | None = getattr(self, "_room", None)
-            keys = self.keys
-            if buffers is None or keys is None or buffers[0].data_ptr() != keys.data_ptr():
+            buffers = self.room()
+            if buffers is None or self.keys is None:
                 super().batch_select_indices(indices)
                 return
-            used = keys.shape[-2]
+            used = self.keys.shape[-2]
             self._room = (buffers[0][indices], buffers[1][indices])
-            self.keys, self.values = self._room[0][..., :used, :], self._room[1][..., :used, :]
+            self.keys, self.values = self._room[0][:, :, :used], self._room[1][:, :, :used]
+
+        def move_rows(self, holes: list[int], movers: list[int], live: int) -> bool:
+            """Keep the first ``live`` rows, the rows at ``movers`` copied into the ``holes``
+            among them (only those rows move; no other row is copied); False when the cache
+            is not in this layer's buffers (nothing done)."""
+            buffers = self.room()
+            if buffers is None or self.keys is None:
+                return False
+            used = self.keys.shape[-2]
+            if holes:
+                with torch.inference_mode():  # the buffers are inference tensors
+                    for buffer in buffers:
+                        buffer[holes, :, :used] = buffer[movers, :, :used]
+            self.keys, self.values = buffers[0][:live, :, :used], buffers[1][:live, :, :used]
+            return True
+
+        def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> bool:
+            """Add rows (no wider than this layer's), left-padded with zeros to its width,
+            into spare rows of the buffers (made, ``spare_rows`` more, when there are too
+            few); False when they do not fit so (nothing done)."""
+            buffers, mine = self.room(), self.keys
+            if buffers is None or mine is None or keys.shape[-2] > mine.shape[-2]:
+                return False
+            rows, used, more = mine.shape[0], mine.shape[-2], keys.shape[0]
+            if buffers[0].shape[0] < rows + more:
+                shape = (more + self.spare_rows, *buffers[0].shape[1:])
+                buffers = (
+                    torch.cat([buffers[0][:rows], buffers[0].new_empty(shape)]),
+                    torch.cat([buffers[1][:rows], buffers[1].new_empty(shape)]),
+                )
+                self._room = buffers
+            pad = used - keys.shape[-2]
+            with torch.inference_mode():  # the buffers are inference tensors
+                for buffer, new in zip(buffers, (keys, values), strict=True):
+                    buffer[rows : rows + more, :, :pad] = 0  # masked, but finite: 0 x NaN is NaN
+                    buffer[rows : rows + more, :, pad:used] = new
+            total = rows + more
+            self.keys, self.values = buffers[0][:total, :, :used], buffers[1][:total, :, :used]
+            return True
 
     _GROWING = GrowingLayer
     return _GROWING

@@ -381,3 +381,38 @@ def test_a_rewritten_history_or_a_weight_update_prefills_the_prompt_whole(policy
     (turn3,) = engine.generate_batch([GenerationRequest("ep/2", extended, 4, temperature=1.0)])
     assert engine.stats["prefix_hit_tokens"] == 0
     assert_plain_forward_logprobs(model, [extended], [turn3])
+
+
+def test_episodes_whose_turns_end_and_join_at_every_step_stay_exact(policy) -> None:
+    """What a rollout asks: episodes that each send their next turn (its prompt grown by the
+    reply and an observation) as soon as the last one returns, with budgets that end rows at
+    many different steps, so rows leave the batch and join it (into the rows they left, from
+    cached prefixes and whole prompts) all the time; every turn still matches a plain
+    forward."""
+    model, tokenizer = policy
+    first = [tokenizer.encode(p, add_special_tokens=False) for p in prompts(tokenizer)]
+    observation = tokenizer.encode("You moved up.", add_special_tokens=False)
+    engine = make_engine(policy, seed=5)
+    engine.eos_token_id = -1  # budgets alone end the turns
+    seen: list[tuple[list[int], Any]] = []
+
+    async def episode(i: int) -> None:
+        prompt = list(first[i % len(first)])
+        for turn in range(3):
+            budget = 1 + (5 * i + 3 * turn) % 7
+            request = GenerationRequest(f"ep{i}/{turn}", prompt, budget, temperature=1.0)
+            result = await engine.generate(request)
+            assert len(result.token_ids) == budget
+            seen.append((prompt, result))
+            prompt = prompt + result.token_ids + observation
+
+    async def main() -> None:
+        await asyncio.gather(*(episode(i) for i in range(6)))
+        await engine.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert len(seen) == 18 and engine.stats["prefix_hit_tokens"] > 0
+    assert_plain_forward_logprobs(model, [p for p, _ in seen], [r for _, r in seen])
