@@ -29,7 +29,8 @@ Engines
     unless set; with ``kv_cache_gib: null``, ``gpu_memory_utilization`` x capacity for the whole
     engine) and a runtime workspace (a step's activations, the sampler's logits, CUDA graphs);
     it sleeps (frees all of it) when offloaded. ``hf``: its weights (never released) and, while
-    generating, the KV cache and prefill of every episode at once.
+    generating, the KV cache and prefill of every episode at once (an episode's KV is running
+    or kept for its next turn, not both: the kept ones are part of that figure).
 
 A micro-batch is ``train.micro_batch_size`` rows of the longest sequence a rollout can make
 (``PROMPT_TOKENS`` + turns x (``rollout.max_new_tokens`` + ``ENV_TOKENS_PER_TURN``), at most the

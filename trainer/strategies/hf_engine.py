@@ -100,14 +100,22 @@ class HFEngine(BatchingFrontend):
         dtype: str = "float32",
         seed: int = 0,
         lora_rank: int | None = None,
+        prefix_cache_gib: float = 1.0,
         **options: Any,
     ) -> HFEngine:
         """The registry's ``hf`` engine: the policy at ``model_path``, on CUDA when visible
-        (``lora_rank``: adapters will come; this engine needs nothing ahead of them)."""
+        (``lora_rank``: adapters will come; this engine needs nothing ahead of them). Its one
+        option (``strategy_args``): ``prefix_cache_gib``, the memory for ended turns' KV caches
+        (0: none kept)."""
         if options:
             raise ValueError(
                 f"strategy_args {sorted(options)} are not options of the 'hf' inference engine "
-                "(it has none)"
+                "(its one option is prefix_cache_gib)"
+            )
+        if not isinstance(prefix_cache_gib, int | float) or prefix_cache_gib < 0:
+            raise ValueError(
+                f"strategy_args.prefix_cache_gib must be a number >= 0 (GiB; 0 keeps no turn's "
+                f"KV cache), got {prefix_cache_gib!r}"
             )
         import torch
 
@@ -120,6 +128,7 @@ class HFEngine(BatchingFrontend):
             pad_token_id=tokenizer.pad_token_id,
             seed=seed,
             device="cuda" if torch.cuda.is_available() else "cpu",
+            prefix_cache_gib=float(prefix_cache_gib),
         )
 
     async def run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -230,7 +239,11 @@ class HFEngine(BatchingFrontend):
             raise KeyError(f"load_adapter got tensors the model has no place for: {unexpected[:3]}")
 
     def sleep(self) -> None:
-        """Nothing to release for a torch model that stays where it is."""
+        """Drop the ended turns' KV caches (the next weight update would; training, which may
+        share the device, gets the memory meanwhile); the model stays where it is."""
+        if self.prefixes is not None:
+            with self._compute:
+                self.prefixes.clear()
 
     def wake_up(self) -> None:
         """See ``sleep``."""

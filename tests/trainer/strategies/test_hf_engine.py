@@ -381,6 +381,9 @@ def test_a_rewritten_history_or_a_weight_update_prefills_the_prompt_whole(policy
     (turn3,) = engine.generate_batch([GenerationRequest("ep/2", extended, 4, temperature=1.0)])
     assert engine.stats["prefix_hit_tokens"] == 0
     assert_plain_forward_logprobs(model, [extended], [turn3])
+    assert len(engine.prefixes) == 1  # turn 3's, until the engine sleeps (training's memory)
+    engine.sleep()
+    assert not engine.prefixes and engine.prefixes.bytes == 0
 
 
 def test_episodes_whose_turns_end_and_join_at_every_step_stay_exact(policy) -> None:
@@ -416,3 +419,16 @@ def test_episodes_whose_turns_end_and_join_at_every_step_stay_exact(policy) -> N
         engine.shutdown()
     assert len(seen) == 18 and engine.stats["prefix_hit_tokens"] > 0
     assert_plain_forward_logprobs(model, [p for p, _ in seen], [r for _, r in seen])
+
+
+def test_the_registry_engine_takes_its_prefix_cache_size_and_refuses_other_options(
+    policy_dir,
+) -> None:
+    """``strategy_args.prefix_cache_gib`` sizes (0: turns off) the ended turns' KV caches;
+    anything else, or a negative size, is a clear error that names the option."""
+    assert HFEngine.from_pretrained(str(policy_dir)).prefixes is not None
+    assert HFEngine.from_pretrained(str(policy_dir), prefix_cache_gib=0).prefixes is None
+    with pytest.raises(ValueError, match=r"\['max_num_seqs'\].*its one option is prefix_cache_gib"):
+        HFEngine.from_pretrained(str(policy_dir), max_num_seqs=8)
+    with pytest.raises(ValueError, match="prefix_cache_gib must be a number >= 0"):
+        HFEngine.from_pretrained(str(policy_dir), prefix_cache_gib=-1)
