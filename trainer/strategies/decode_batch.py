@@ -213,10 +213,12 @@ _GROWING: Any = None
 def growing_layer_class() -> Any:
     """``transformers``' ``DynamicLayer`` whose ``update`` writes the new keys and values into
     spare room at the end of a buffer instead of concatenating (a copy of the whole cache at
-    every decoding step); ``keys``/``values`` are views of the buffers. A batch selection (rows
-    leaving) selects from the buffers, spare room included; anything else that replaces
-    ``keys``/``values`` (``DecodeBatch.join``, a trim of padding columns) gets a new buffer at the
-    next update. Built on first use: importing ``transformers`` is slow."""
+    every decoding step); ``keys``/``values`` are views of the leading rows and columns of the
+    buffers. Rows leaving make room by moving the last rows into their places (``move_rows``),
+    joining rows go into spare rows (``append_rows``), so neither copies the whole cache;
+    anything else that replaces ``keys``/``values`` (a join of wider rows, a trim of padding
+    columns) gets a new buffer at the next update. Built on first use: importing
+    ``transformers`` is slow."""
     global _GROWING
     if _GROWING is not None:
         return _GROWING
