@@ -224,12 +224,11 @@ class EnvWorkers:
         ``stop(keys)`` here)."""
         if self._closed:
             raise RuntimeError("EnvWorkers is closed")
-        if len(self._workers) < self.num_workers or self._broken is not None:
-            await self.start()
+        if self._broken is not None or not self._all_ready():
+            await self.start()  # (then the least busy worker is picked and given the episode
+            # with no await between: episodes asked for meanwhile spread over all workers)
         key = key or f"w{next(_keys)}"
         worker = min(self._workers, key=lambda w: len(w.episodes))
-        if not await asyncio.shield(worker.ready):  # a replacement still starting, or broken
-            raise RuntimeError(self._broken)
         future: asyncio.Future[Trajectory] = asyncio.get_running_loop().create_future()
         worker.episodes[key] = _Episode(spec, future, on_failure)
         self._send(worker, ("play", key, spec, sampling, max_retries))
@@ -246,6 +245,12 @@ class EnvWorkers:
             held = [k for k in keys if k in worker.episodes]
             if held:
                 self._send(worker, ("stop", held))
+
+    def _all_ready(self) -> bool:
+        """Every worker is started and answered its setup successfully."""
+        return len(self._workers) >= self.num_workers and all(
+            w.ready.done() and not w.ready.cancelled() and w.ready.result() for w in self._workers
+        )
 
     @property
     def episodes(self) -> int:

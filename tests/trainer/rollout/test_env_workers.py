@@ -4,6 +4,7 @@ episodes as in the driver, surviving a worker that dies, leaving no process behi
 from __future__ import annotations
 
 import asyncio
+import collections
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +116,31 @@ def test_the_scheduler_runs_on_workers_in_simulated_time() -> None:
             assert len(t.token_ids) == len(t.response_mask)
     assert lanes_s > 0  # the workers' CPU went to their own timelines
     assert left == 0
+
+
+def test_episodes_played_while_the_workers_start_are_spread_over_all_of_them() -> None:
+    """Episodes asked for before the workers are ready (a run's first batch) wait for them and
+    are then spread evenly, not all handed to the first worker."""
+
+    async def main() -> collections.Counter[int]:
+        workers = EnvWorkers(EngineRouter(engines(2, cost=FAST)), worker_setup, workers=2)
+        sent: collections.Counter[int] = collections.Counter()
+        send = workers._send
+
+        def counting(worker: Any, message: tuple[Any, ...]) -> None:
+            if message[0] == "play":
+                sent[worker.index] += 1
+            send(worker, message)
+
+        workers._send = counting  # type: ignore[method-assign]
+        try:
+            played = await asyncio.gather(*(workers.play(s, SAMPLING) for s in specs(12)))
+        finally:
+            await workers.close()
+        assert not any(t.failed for t in played)
+        return sent
+
+    assert asyncio.run(main()) == {0: 6, 1: 6}
 
 
 def test_a_worker_that_dies_fails_its_episodes_and_is_replaced() -> None:
