@@ -333,6 +333,8 @@ class CachedPrefix:
 
     tokens: list[int]
     layers: list[tuple[torch.Tensor, torch.Tensor]]
+    version: int
+    """The policy version the keys and values were computed under."""
 
     @property
     def nbytes(self) -> int:

@@ -391,7 +391,10 @@ class HFEngine(BatchingFrontend):
             layers.append(padded)
         cache = growing_cache(DynamicCache(ddp_cache_data=layers))
         self.stats["prefix_hit_tokens"] += sum(past)
-        return self._prefill_forward(rows, input_ids, attention, positions, cache)
+        batch, ended = self._prefill_forward(rows, input_ids, attention, positions, cache)
+        for row, entry in zip(rows, entries, strict=True):  # a weight update came in between:
+            row.version = min(row.version, entry.version)  # the turn is as old as its prefix
+        return batch, ended
 
     def _prefill_group(self, rows: list[Row]) -> tuple[DecodeBatch, list[Row]]:
         """``_prefill`` for one left-padded batch."""
@@ -496,7 +499,7 @@ class HFEngine(BatchingFrontend):
             layers = [
                 (lay.keys[i][:, columns], lay.values[i][:, columns]) for lay in batch.cache.layers
             ]
-            self.prefixes.put(episode, CachedPrefix(tokens, layers))
+            self.prefixes.put(episode, CachedPrefix(tokens, layers, row.version))
 
     def _sample(
         self, logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor
