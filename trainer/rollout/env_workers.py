@@ -248,9 +248,7 @@ class EnvWorkers:
 
     def _all_ready(self) -> bool:
         """Every worker is started and answered its setup successfully."""
-        return len(self._workers) >= self.num_workers and all(
-            w.ready.done() and not w.ready.cancelled() and w.ready.result() for w in self._workers
-        )
+        return len(self._workers) >= self.num_workers and len(self.live()) == len(self._workers)
 
     @property
     def episodes(self) -> int:

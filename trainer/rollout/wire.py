@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import pickle
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import fields
 from typing import Any, cast
 
@@ -46,7 +46,7 @@ _COUNTED_FROM = ("token_ids", "response_mask", "token_versions")
 
 
 def request_to_wire(
-    kind: str, request: GenerationRequest, prompt_ids: Sequence[int]
+    kind: str, request: GenerationRequest, prompt_ids: list[int]
 ) -> tuple[Any, ...]:
     """``(kind, *request's fields)`` with ``prompt_ids`` as its prompt."""
     r = request

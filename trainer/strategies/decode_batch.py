@@ -126,7 +126,7 @@ class DecodeBatch:
         holes = [i for i in range(live) if i in gone]
         movers = [i for i in order if i >= live]
         layers: list[Any] = list(getattr(self.cache, "layers", None) or [])
-        if layers and all(getattr(layer, "room", lambda: None)() is not None for layer in layers):
+        if _in_buffers(layers):
             for layer in layers:
                 layer.move_rows(holes, movers, live)
             order = list(range(live))
@@ -162,8 +162,8 @@ class DecodeBatch:
             return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
         pairs = list(zip(self.cache.layers, other.cache.layers, strict=True))
-        if self.attention.shape[1] >= other.attention.shape[1] and all(
-            getattr(mine, "room", lambda: None)() is not None for mine, _ in pairs
+        if self.attention.shape[1] >= other.attention.shape[1] and _in_buffers(
+            [mine for mine, _ in pairs]
         ):  # into the buffers' spare rows: only the new rows are copied
             for mine, theirs in pairs:
                 mine.append_rows(theirs.keys, theirs.values)
@@ -178,6 +178,11 @@ class DecodeBatch:
         self.temperature = torch.cat([self.temperature, other.temperature])
         self.top_p = torch.cat([self.top_p, other.top_p])
         return self
+
+
+def _in_buffers(layers: list[Any]) -> bool:
+    """Every layer is a ``GrowingLayer`` whose keys and values are views of its buffers."""
+    return bool(layers) and all(getattr(la, "room", lambda: None)() is not None for la in layers)
 
 
 def length_groups(lengths: list[int], min_tokens: int = 2048) -> list[list[int]]:
