@@ -49,6 +49,9 @@ if TYPE_CHECKING:
 
 __all__ = ["ChatRenderer", "Trajectory", "collate", "episode_advantages", "turn_states"]
 
+_ARRAY_CODES = {"token_ids": "q", "response_mask": "b", "logprobs": "d"}
+"""The ``array`` type of each per-token list ``collate`` reads (``Trajectory.token_array``)."""
+
 Counts = tuple[int | None, int, int]
 """A row's own oldest policy version, policy tokens and tokens (``Trajectory._counted``)."""
 
@@ -161,6 +164,11 @@ class Trajectory:
     def num_tokens(self) -> int:
         """Tokens trained on (context included), over every sample of the episode."""
         return sum(c[2] if (c := row._counted()) else len(row.token_ids) for row in self.rows)
+
+    def token_array(self, name: str) -> array.array[Any]:
+        """The per-token list ``name`` (``token_ids``, ``response_mask``, ``logprobs``) as a
+        machine array, which ``collate`` copies into a tensor in one go."""
+        return array.array(_ARRAY_CODES[name], getattr(self, name))
 
     @property
     def oldest_version(self) -> int | None:
@@ -493,23 +501,28 @@ def collate(
     ``step_returns`` (B,) are its inputs (``turn_states``)."""
     import torch
 
+    dtypes = {"q": torch.long, "i": torch.int32, "b": torch.int8, "d": torch.float64}
+    dtypes["f"] = torch.float32
     rows = [(i, k, row) for i, t in enumerate(trajectories) for k, row in enumerate(t.rows)]
-    width = max(len(row.token_ids) for _, _, row in rows)
+    # each row's lists as arrays (a row from an env worker: straight from its packed bytes,
+    # never one Python object per token), each copied into its tensor row at once
+    arrays = [
+        [row.token_array(n) for n in ("token_ids", "response_mask", "logprobs")]
+        for _, _, row in rows
+    ]
+    width = max(len(ids) for ids, _, _ in arrays)
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     response_mask = torch.zeros((len(rows), width))
     old_logprobs = torch.zeros((len(rows), width))
     token_rewards = torch.zeros((len(rows), width))
     for r, (i, k, row) in enumerate(rows):
-        episode, n = trajectories[i], len(row.token_ids)
-        if n:  # through an array: a buffer copy, several times faster than from a list
-            input_ids[r, :n] = torch.frombuffer(array.array("q", row.token_ids), dtype=torch.long)
-            response_mask[r, :n] = torch.frombuffer(
-                array.array("b", row.response_mask), dtype=torch.int8
-            )
-            old_logprobs[r, :n] = torch.frombuffer(
-                array.array("d", row.logprobs), dtype=torch.float64
-            )
+        episode, n = trajectories[i], len(arrays[r][0])
+        if n:
+            for tensor, values in zip(
+                (input_ids, response_mask, old_logprobs), arrays[r], strict=True
+            ):
+                tensor[r, :n] = torch.frombuffer(values, dtype=dtypes[values.typecode])
         attention_mask[r, :n] = 1
         if row is not episode:  # a sample: its turns' rewards, the later samples' on its end
             for end, reward in zip(row.turn_ends, row.turn_rewards, strict=True):

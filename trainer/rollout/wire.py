@@ -141,10 +141,15 @@ class PackedTrajectory(Trajectory):
         packed = self.__dict__.get("_packed")
         if packed is None or name not in packed:
             raise AttributeError(f"'PackedTrajectory' object has no attribute {name!r}")
-        values = array.array(packed[name][0])
-        values.frombytes(packed[name][1])
-        unpacked = self.__dict__[name] = values.tolist()
+        unpacked = self.__dict__[name] = _load(packed[name]).tolist()
         return unpacked
+
+    def token_array(self, name: str) -> array.array[Any]:
+        """A list still packed: its array, from the bytes in one copy (no Python objects)."""
+        packed = self._packed.get(name)
+        if packed is None or name in self.__dict__:
+            return super().token_array(name)
+        return _load(packed)
 
     def _counted(self) -> Counts | None:
         state, packed = self.__dict__, self._packed
@@ -158,6 +163,13 @@ class PackedTrajectory(Trajectory):
         return all(getattr(self, f.name) == getattr(other, f.name) for f in fields(Trajectory))
 
     __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass
+
+
+def _load(packed: tuple[str, bytes]) -> array.array[Any]:
+    """A packed list's array (one copy of its bytes)."""
+    values = array.array(packed[0])
+    values.frombytes(packed[1])
+    return values
 
 
 class Channel(asyncio.BufferedProtocol):

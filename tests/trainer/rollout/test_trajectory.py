@@ -118,3 +118,37 @@ def test_a_tokenizer_that_truncates_on_its_own_keeps_transformers_encode(policy)
     text = "Digits 1 2 3 4 5 6 7 8 9"  # each digit is a token of its own
     assert renderer.encode(text) == truncating.encode(text, add_special_tokens=False)
     assert len(renderer.encode(text)) > 4
+
+
+def test_collate_reads_trajectories_from_env_workers_without_unpacking_their_lists() -> None:
+    """A training batch of episodes that came packed from env workers becomes the same tensors
+    as the episodes themselves, without one Python object per token on the driver."""
+    import pickle
+
+    from trainer.rollout.wire import trajectory_from_wire, trajectory_to_wire
+
+    episode = Trajectory("e", 0, group_id=3)
+    episode.append_context([10, 11])
+    episode.append_policy([12, 13], [-0.5, -0.25], version=2)
+    episode.end_turn(0.5)
+    turns = Trajectory("e", 1, group_id=3)
+    for turn in range(2):
+        sample = turns.turn_sample([20, 21 + turn])
+        sample.append_policy([30 + turn], [-0.125], version=1)
+        sample.end_turn(1.0)
+        turns.samples.append(sample)
+    turns.turn_rewards = [1.0, 1.0]
+    expected = collate([episode, turns], pad_token_id=0)
+
+    arrived = [
+        trajectory_from_wire(pickle.loads(pickle.dumps(trajectory_to_wire(t))))
+        for t in (episode, turns)
+    ]
+    batch = collate(arrived, pad_token_id=0)
+    for name, tensor in expected.items():
+        assert batch[name].dtype == tensor.dtype and batch[name].tolist() == tensor.tolist(), name
+    rows = [arrived[0], *arrived[1].samples]
+    unpacked = [
+        n for row in rows for n in ("token_ids", "logprobs", "response_mask") if n in vars(row)
+    ]
+    assert unpacked == []
