@@ -515,7 +515,11 @@ def collate(
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     response_mask = torch.zeros((len(rows), width))
     old_logprobs = torch.zeros((len(rows), width))
-    token_rewards = torch.zeros((len(rows), width))
+    # each turn's reward on its last policy token, then on a row's last one the final reward
+    # (and, for a sample, the later samples' rewards), added in one go in that order
+    at_rows: list[int] = []
+    at_tokens: list[int] = []
+    rewards: list[float] = []
     for r, (i, k, row) in enumerate(rows):
         episode, n = trajectories[i], len(arrays[r][0])
         if n:
@@ -524,17 +528,26 @@ def collate(
             ):
                 tensor[r, :n] = torch.frombuffer(values, dtype=dtypes[values.typecode])
         attention_mask[r, :n] = 1
-        if row is not episode:  # a sample: its turns' rewards, the later samples' on its end
-            for end, reward in zip(row.turn_ends, row.turn_rewards, strict=True):
-                token_rewards[r, end] += reward
-            if row.turn_ends:
-                later = sum(sum(after.turn_rewards) for after in episode.samples[k + 1 :])
-                token_rewards[r, row.turn_ends[-1]] += later + episode.final_reward
+        if len(row.turn_ends) != len(row.turn_rewards):
+            raise ValueError(
+                f"a trajectory of {row.env_id!r} has {len(row.turn_rewards)} turn rewards for "
+                f"{len(row.turn_ends)} turn ends; record each turn with end_turn(reward)"
+            )
+        if not row.turn_ends:
             continue
-        for end, reward in zip(row.turn_ends, row.turn_rewards, strict=True):
-            token_rewards[r, end] += reward
-        if episode.final_reward and row.turn_ends:
-            token_rewards[r, row.turn_ends[-1]] += episode.final_reward
+        at_rows += [r] * (len(row.turn_ends) + 1)
+        at_tokens += [*row.turn_ends, row.turn_ends[-1]]
+        rewards += row.turn_rewards
+        later = episode.final_reward
+        if row is not episode:  # a sample: the later samples' rewards on its end too
+            later += sum(sum(after.turn_rewards) for after in episode.samples[k + 1 :])
+        rewards.append(later)
+    token_rewards = torch.zeros((len(rows), width))
+    token_rewards.index_put_(
+        (torch.tensor(at_rows, dtype=torch.long), torch.tensor(at_tokens, dtype=torch.long)),
+        torch.tensor(rewards, dtype=torch.float32),
+        accumulate=True,
+    )
     episodes = [trajectories[i] for i, _, _ in rows]
     out = {
         "input_ids": input_ids,
