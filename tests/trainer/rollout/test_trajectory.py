@@ -59,6 +59,9 @@ def test_collate_pads_right_and_puts_turn_rewards_on_the_last_policy_token() -> 
     assert batch["group_ids"].tolist() == [3, 4]
     with pytest.raises(ValueError, match="2 generated tokens but 1 log-probs"):
         a.append_policy([1, 2], [0.0])
+    b.turn_rewards.append(1.0)  # a reward with no turn end: refused, naming the fix
+    with pytest.raises(ValueError, match=r"2 turn rewards for 1 turn ends; .*end_turn"):
+        collate([a, b], pad_token_id=0)
 
 
 TOOLS = [
