@@ -6,7 +6,8 @@ tuple pickles and loads several times faster than a dataclass), a result without
 per-token versions when every token has the result's version (the usual turn). A finished
 trajectory's per-token lists travel as machine arrays' bytes (``trajectory_to_wire``): the
 driver loads each with one copy instead of one object per token, and the worker, which has
-the spare CPU, pays the packing. Both ends are processes of one machine that trust each other
+the spare CPU, pays the packing; its transcript (``messages``) travels pickled on its own, one
+bytes object until read. Both ends are processes of one machine that trust each other
 (a socket pair, never a network port), so frames are pickled.
 """
 
@@ -41,6 +42,11 @@ _HEADER = 4  # bytes of a frame's length
 _PACKED = {"token_ids": "i", "response_mask": "b", "logprobs": "d", "token_versions": "i"}
 """A trajectory's per-token lists and the ``array`` type each travels as (native byte order:
 both ends are on one machine)."""
+_PICKLED = "pickle"
+"""The type code of a packed attribute that travels pickled on its own (the transcript: dozens
+of objects per episode that the driver rarely reads, left as one bytes object until read)."""
+_LAZY = ("messages",)
+"""The attributes that travel so (``_PICKLED``)."""
 _COUNTED_FROM = ("token_ids", "response_mask", "token_versions")
 """The lists a packed trajectory's counts stand for."""
 
@@ -95,12 +101,16 @@ its own counts."""
 
 def trajectory_to_wire(trajectory: Trajectory) -> TrajectoryWire:
     """The trajectory's attributes with its per-token lists as array bytes (a list that does
-    not fit its array type travels as it is), which ones were packed and its counts (the
-    sender, a worker with CPU to spare, counts); per-turn samples likewise."""
+    not fit its array type travels as it is) and its transcript pickled apart, which ones were
+    packed and its counts (the sender, a worker with CPU to spare, counts); per-turn samples
+    likewise."""
     state = {k: v for k, v in vars(trajectory).items() if not k.startswith("_")}
-    for name in _PACKED:  # read, not copied: a PackedTrajectory's lists are in _packed
+    for name in (*_PACKED, *_LAZY):  # read, not copied: a PackedTrajectory's are in _packed
         state[name] = getattr(trajectory, name)
     packed: dict[str, str] = {}
+    for name in _LAZY:
+        state[name] = pickle.dumps(state[name], protocol=pickle.HIGHEST_PROTOCOL)
+        packed[name] = _PICKLED
     for name, code in _PACKED.items():
         try:
             state[name] = array.array(code, state[name]).tobytes()
@@ -126,23 +136,27 @@ def trajectory_from_wire(wire: TrajectoryWire) -> Trajectory:
 
 
 class PackedTrajectory(Trajectory):
-    """A finished trajectory from an env worker whose per-token lists stay packed until first
-    read, the worker's counts answering the scheduler meanwhile: the driver pays nothing for
-    the episodes it never trains on (a surplus or stale group's). Reading or assigning a list
-    unpacks or replaces it, and the counts then come from the lists again. Equal to the
-    ``Trajectory`` it was sent as."""
+    """A finished trajectory from an env worker whose per-token lists and transcript stay
+    packed until first read, the worker's counts answering the scheduler meanwhile: the
+    driver pays nothing for the episodes it never trains on (a surplus or stale group's).
+    Reading or assigning a list unpacks or replaces it, and the counts then come from the lists
+    again. Equal to the ``Trajectory`` it was sent as."""
 
     _packed: dict[str, tuple[str, bytes]]
-    """Name -> array type code and bytes (kept once unpacked: a copy shares them)."""
+    """Name -> array type code (or ``_PICKLED``) and bytes (kept once unpacked: a copy shares
+    them)."""
     _counts: Counts
 
     def __getattr__(self, name: str) -> Any:
-        """Only asked for what the instance does not hold: a list still packed is unpacked."""
+        """Only asked for what the instance does not hold: a list or transcript still packed is
+        unpacked."""
         packed = self.__dict__.get("_packed")
         if packed is None or name not in packed:
             raise AttributeError(f"'PackedTrajectory' object has no attribute {name!r}")
-        unpacked = self.__dict__[name] = _load(packed[name]).tolist()
-        return unpacked
+        code, data = packed[name]
+        value = pickle.loads(data) if code == _PICKLED else _load(packed[name]).tolist()
+        self.__dict__[name] = value
+        return value
 
     def token_array(self, name: str) -> array.array[Any]:
         """A list still packed: its array, from the bytes in one copy (no Python objects)."""

@@ -265,7 +265,7 @@ def test_a_trajectory_from_the_wire_counts_without_unpacking_and_stays_right_whe
     from trainer.rollout.trajectory import Trajectory
     from trainer.rollout.wire import trajectory_from_wire, trajectory_to_wire
 
-    original = Trajectory("env", 3, 1)
+    original = Trajectory("env", 3, 1, messages=[{"role": "user", "content": "hi"}])
     original.append_context([1, 2, 3])
     original.append_generation(
         GenerationResult("ep/0", [7, 8], [-0.5, -0.5], "stop", 4, {"token_versions": [3, 4]})
@@ -274,6 +274,7 @@ def test_a_trajectory_from_the_wire_counts_without_unpacking_and_stays_right_whe
     counts = (loaded.oldest_version, loaded.num_policy_tokens, loaded.num_tokens)
     assert counts == (3, 2, 5)
     assert "token_ids" not in vars(loaded)  # still packed: nothing unpacked to count
+    assert "messages" not in vars(loaded)  # the transcript too, until someone reads it
     twin = copy.copy(loaded)
     assert twin.token_versions == [-1, -1, -1, 3, 4]  # a copy unpacks on its own
     assert loaded == original
