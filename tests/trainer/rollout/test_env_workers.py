@@ -285,3 +285,27 @@ def test_a_trajectory_from_the_wire_counts_without_unpacking_and_stays_right_whe
     replaced.token_versions = [-1, -1, -1, 1, 1]  # assigned without reading: counts follow
     assert replaced.oldest_version == 1
     assert (twin.oldest_version, pickle.loads(pickle.dumps(loaded)).num_tokens) == (3, 6)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_frames_arrive_whole_and_in_order_however_the_socket_splits_them(chunk: int) -> None:
+    """The wire's framing: frames split across reads at any byte, several in one read, and
+    frames larger than the channel's read buffer all reach the handler whole, in order."""
+    import pickle
+
+    from trainer.rollout.wire import Channel
+
+    frames = [[("small", i)] for i in range(3)]
+    frames += [[("big", bytes(range(256)) * 1000)], [("after", None)], [("x", "y" * 70_000)]]
+    stream = b"".join(len(p).to_bytes(4, "little") + p for p in (pickle.dumps(f) for f in frames))
+    got: list[Any] = []
+    channel = Channel(got.append, lambda: None)
+    at = 0
+    while at < len(stream):
+        room = channel.get_buffer(-1)
+        n = min(chunk, len(room), len(stream) - at)
+        room[:n] = stream[at : at + n]
+        channel.buffer_updated(n)  # (asyncio still holds the buffer it read into meanwhile)
+        del room
+        at += n
+    assert got == frames
