@@ -501,8 +501,7 @@ def collate(
     ``step_returns`` (B,) are its inputs (``turn_states``)."""
     import torch
 
-    dtypes = {"q": torch.long, "i": torch.int32, "b": torch.int8, "d": torch.float64}
-    dtypes["f"] = torch.float32
+    dtypes = {"q": torch.int64, "i": torch.int32, "b": torch.int8, "d": torch.float64}
     rows = [(i, k, row) for i, t in enumerate(trajectories) for k, row in enumerate(t.rows)]
     # each row's lists as arrays (a row from an env worker: straight from its packed bytes,
     # never one Python object per token), each copied into its tensor row at once
