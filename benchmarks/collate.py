@@ -7,7 +7,7 @@ Episodes like ``rollout_scale.py``'s (tokens per episode ~ LogNormal(median ``--
 sigma 0.9), a context run then a policy run per turn, 3 turns), built in this process and
 sent through the env workers' wire (``trainer.rollout.wire``: a finished episode reaches the
 driver with its per-token lists packed, as in a run with ``rollout.env_workers``). Times
-``trainer.rollout.trajectory.collate`` over the batch, best of ``--repeats``, in this
+``trainer.rollout.collate.collate`` over the batch, best of ``--repeats``, in this
 process's CPU time. Last line ``collate_us_per_episode: X us``.
 """
 
@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
 
-    from trainer.rollout.trajectory import collate
+    from trainer.rollout.collate import collate
 
     batch = episodes(args.episodes, args.tokens)
     best = float("inf")

@@ -50,7 +50,8 @@ def quickstart_batch(policy: Path, rows: int) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     from trainer.config import load_config
-    from trainer.rollout.trajectory import ChatRenderer, collate
+    from trainer.rollout.collate import collate
+    from trainer.rollout.trajectory import ChatRenderer
     from trainer.sft import expert_trajectories
 
     cfg = load_config(ROOT / "examples" / "quickstart.yaml")

@@ -201,7 +201,7 @@ class Trainer:
 
     def step(self, trajectories: list[Any]) -> None:
         from trainer.algos.advantages import compute_advantages
-        from trainer.rollout.trajectory import collate
+        from trainer.rollout.collate import collate
 
         batch = collate(trajectories, self.pad)
         batch["advantages"], _ = compute_advantages(

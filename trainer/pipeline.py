@@ -26,6 +26,7 @@ from trainer.devices import PHASE_ROLES
 from trainer.errors import NonFiniteLossError, WorkerCallError
 from trainer.metrics import MetricsLog, plot_curves, summarise
 from trainer.roles import prepare_policy, start_roles
+from trainer.rollout.collate import collate, episode_advantages
 from trainer.rollout.env_manager import (
     HeldOutEnvSource,
     LocalEnvSource,
@@ -34,7 +35,7 @@ from trainer.rollout.env_manager import (
 )
 from trainer.rollout.groups import EpisodeSpec, plan_eval
 from trainer.rollout.rollouts import Rollouts
-from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate, episode_advantages
+from trainer.rollout.trajectory import ChatRenderer, Trajectory
 
 if TYPE_CHECKING:
     from trainer.algos.advantages import AdvantageEstimator

@@ -12,13 +12,16 @@
 ``agents``       ``rollout.agent``: a black-box agent plays each episode (``AgentEpisode``)
 ``proxy``        the OpenAI-compatible endpoint it plays through, recording exact tokens
 ``groups``       which episodes a step or an evaluation plays; ``play_episode`` (replays on failure)
-``trajectory``   episodes as token sequences with masks, log-probs and versions; ``collate``
+``trajectory``   episodes as token sequences with masks, log-probs and versions; chat rendering
+``collate``      a batch of episodes as the padded training tensors
+``wire``         the driver <-> env worker frames and encodings (packed finished episodes)
 """
 
 from __future__ import annotations
 
 __all__ = [
     "agents",
+    "collate",
     "env_manager",
     "env_worker_process",
     "env_workers",
@@ -28,4 +31,5 @@ __all__ = [
     "router",
     "scheduler",
     "trajectory",
+    "wire",
 ]

@@ -23,8 +23,9 @@ from trainer.config import load_config
 from trainer.errors import ConfigError
 from trainer.models import CHATML_TEMPLATE, build_tokenizer, env_corpus
 from trainer.pipeline import AgenticPipeline
+from trainer.rollout.collate import collate
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling, prompt_context
-from trainer.rollout.trajectory import ChatRenderer, collate
+from trainer.rollout.trajectory import ChatRenderer
 from trainer.sft import expert_trajectories, from_messages
 
 _TOOLS = (
@@ -282,7 +283,8 @@ def test_gigpo_anchors_each_turn_on_the_state_it_answered() -> None:
     """``turn_states``: turns that answered the same env messages share a state id (across
     episodes), and each turn's return is the discounted sum of its and the later turns' rewards
     (the final reward on the last)."""
-    from trainer.rollout.trajectory import Trajectory, turn_states
+    from trainer.rollout.collate import turn_states
+    from trainer.rollout.trajectory import Trajectory
 
     def episode(replies: list[str], rewards: list[float], final: float = 0.0) -> Trajectory:
         t = Trajectory("test/env", seed=0, group_id=1, final_reward=final)

@@ -15,10 +15,11 @@ torch = pytest.importorskip("torch")
 
 import envhub
 from trainer.errors import RolloutError
+from trainer.rollout.collate import collate
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.scheduler import RolloutScheduler, SchedulerConfig
-from trainer.rollout.trajectory import ChatRenderer, collate
+from trainer.rollout.trajectory import ChatRenderer
 from trainer.strategies.base import GenerationRequest, GenerationResult
 from trainer.strategies.hf_engine import HFEngine
 

@@ -22,10 +22,11 @@ torch = pytest.importorskip("torch")
 import envhub
 from trainer.algos.advantages import compute_advantages
 from trainer.config import load_config
+from trainer.rollout.collate import collate
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
 from trainer.rollout.groups import plan_groups, run_episodes
 from trainer.rollout.rollouts import Rollouts
-from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate
+from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
 NUM_GROUPS, GROUP_SIZE = 4, 4

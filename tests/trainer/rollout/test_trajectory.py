@@ -6,7 +6,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer.rollout.trajectory import ChatRenderer, Trajectory, collate
+from trainer.rollout.collate import collate
+from trainer.rollout.trajectory import ChatRenderer, Trajectory
 
 
 def test_appended_turns_equal_the_whole_conversation_rendered_at_once(policy) -> None:
