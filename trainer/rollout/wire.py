@@ -154,7 +154,7 @@ class PackedTrajectory(Trajectory):
         if packed is None or name not in packed:
             raise AttributeError(f"'PackedTrajectory' object has no attribute {name!r}")
         code, data = packed[name]
-        value = pickle.loads(data) if code == _PICKLED else _load(packed[name]).tolist()
+        value = pickle.loads(data) if code == _PICKLED else _load(code, data).tolist()
         self.__dict__[name] = value
         return value
 
@@ -163,7 +163,7 @@ class PackedTrajectory(Trajectory):
         packed = self._packed.get(name)
         if packed is None or name in self.__dict__:
             return super().token_array(name)
-        return _load(packed)
+        return _load(*packed)
 
     def _counted(self) -> Counts | None:
         state, packed = self.__dict__, self._packed
@@ -179,10 +179,10 @@ class PackedTrajectory(Trajectory):
     __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass
 
 
-def _load(packed: tuple[str, bytes]) -> array.array[Any]:
+def _load(code: str, data: bytes) -> array.array[Any]:
     """A packed list's array (one copy of its bytes)."""
-    values = array.array(packed[0])
-    values.frombytes(packed[1])
+    values = array.array(code)
+    values.frombytes(data)
     return values
 
 
@@ -228,22 +228,19 @@ class Channel(asyncio.BufferedProtocol):
 
     def buffer_updated(self, nbytes: int) -> None:
         self._filled += nbytes
-        filled, start = self._filled, 0
+        filled, start, wanted = self._filled, 0, 0
         with memoryview(self._buffer) as view:
             while filled - start >= _HEADER:
                 end = start + _HEADER + int.from_bytes(view[start : start + _HEADER], "little")
                 if filled < end:
+                    wanted = end - start  # its end once moved to the front
                     break
                 frame = pickle.loads(view[start + _HEADER : end])
                 start = end
                 self._on_frame(frame)
             if start:  # what follows the last whole frame moves to the front (same size)
                 view[: filled - start] = view[start:filled]
-        self._filled = filled = filled - start
-        self._wanted = 0
-        if filled >= _HEADER:
-            size = int.from_bytes(self._buffer[:_HEADER], "little")
-            self._wanted = _HEADER + size
+        self._filled, self._wanted = filled - start, wanted
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes that did not come through ``get_buffer`` (e.g. a plain ``Protocol`` user)."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import threading
 import warnings
 from collections.abc import Callable, Mapping
@@ -332,14 +333,7 @@ class HFEngine(BatchingFrontend):
         parts = [self._prefill_whole(misses)] if misses else []
         if hits:
             parts.append(self._prefill_cached(hits, entries))
-        batch, ended = parts[0]
-        if len(parts) == 2:
-            more, gone = parts[1]
-            ended += gone
-            if batch.rows and more.rows:
-                batch = batch.join(more)
-            elif more.rows:
-                batch = more
+        batch, ended = functools.reduce(_joined, parts)
         self.stats["batches"] += 1
         self.stats["requests"] += len(rows)
         return batch, ended
@@ -353,12 +347,7 @@ class HFEngine(BatchingFrontend):
             if not batch.can_join:  # one padded batch: this cache cannot be joined
                 batch, ended = self._prefill_group(rows)
                 break
-            more, gone = self._prefill_group([rows[i] for i in group])
-            ended += gone
-            if not batch.rows:
-                batch = more
-            elif more.rows:
-                batch = batch.join(more)
+            batch, ended = _joined((batch, ended), self._prefill_group([rows[i] for i in group]))
         return batch, ended
 
     def _prefill_cached(
@@ -531,6 +520,19 @@ class HFEngine(BatchingFrontend):
             sampled = picked if order is None else order.gather(-1, picked[:, None]).squeeze(-1)
             tokens = torch.where(greedy, logits.argmax(-1), sampled)
         return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _joined(
+    first: tuple[DecodeBatch, list[Row]], second: tuple[DecodeBatch, list[Row]]
+) -> tuple[DecodeBatch, list[Row]]:
+    """Two prefills' outcomes as one: the second's rows joined after the first's (either may
+    have none left), and the rows that ended in either."""
+    (batch, ended), (more, gone) = first, second
+    if not batch.rows:
+        batch = more
+    elif more.rows:
+        batch = batch.join(more)
+    return batch, ended + gone
 
 
 def _answer_in(
