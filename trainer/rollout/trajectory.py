@@ -158,8 +158,19 @@ class Trajectory:
 
     def token_array(self, name: str) -> array.array[Any]:
         """The per-token list ``name`` (``token_ids``, ``response_mask``, ``logprobs``) as a
-        machine array, which ``collate`` copies into a tensor in one go."""
-        return array.array(_ARRAY_CODES[name], getattr(self, name))
+        machine array, which ``collate`` copies into a tensor in one go. Token ids and the mask
+        are integers; one written as a float (``1.0``) is taken as its integer, never rounded."""
+        code, values = _ARRAY_CODES[name], getattr(self, name)
+        try:
+            return array.array(code, values)
+        except TypeError:  # floats in an integer list (a hand-built mask: 0.0 / 1.0)
+            bad = next((v for v in values if not float(v).is_integer()), None)
+            if bad is not None:
+                raise ValueError(
+                    f"Trajectory.{name} holds {bad}; its values are integers (token ids, a 0/1 "
+                    "mask): build rows with append_context / append_policy"
+                ) from None
+            return array.array(code, map(int, values))
 
     @property
     def oldest_version(self) -> int | None:

@@ -18,7 +18,8 @@ import asyncio
 import contextlib
 import pickle
 import socket
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from typing import Any, cast
 
@@ -142,9 +143,9 @@ class PackedTrajectory(Trajectory):
     Reading or assigning a list unpacks or replaces it, and the counts then come from the lists
     again. Equal to the ``Trajectory`` it was sent as."""
 
-    _packed: dict[str, tuple[str, bytes]]
+    _packed: Mapping[str, tuple[str, bytes]] = types.MappingProxyType({})
     """Name -> array type code (or ``_PICKLED``) and bytes (kept once unpacked: a copy shares
-    them)."""
+    them); none in one built from lists (``dataclasses.replace``)."""
     _counts: Counts
 
     def __getattr__(self, name: str) -> Any:
@@ -227,20 +228,25 @@ class Channel(asyncio.BufferedProtocol):
         return memoryview(self._buffer)[self._filled :]
 
     def buffer_updated(self, nbytes: int) -> None:
+        """Hand each whole frame read to ``on_frame``. A frame that cannot be unpickled, or
+        whose handler raises, counts as read: the error propagates (a socket's reader then
+        closes the connection) and no frame is ever handed over twice."""
         self._filled += nbytes
         filled, start, wanted = self._filled, 0, 0
         with memoryview(self._buffer) as view:
-            while filled - start >= _HEADER:
-                end = start + _HEADER + int.from_bytes(view[start : start + _HEADER], "little")
-                if filled < end:
-                    wanted = end - start  # its end once moved to the front
-                    break
-                frame = pickle.loads(view[start + _HEADER : end])
-                start = end
-                self._on_frame(frame)
-            if start:  # what follows the last whole frame moves to the front (same size)
-                view[: filled - start] = view[start:filled]
-        self._filled, self._wanted = filled - start, wanted
+            try:
+                while filled - start >= _HEADER:
+                    size = int.from_bytes(view[start : start + _HEADER], "little")
+                    end = start + _HEADER + size
+                    if filled < end:
+                        wanted = end - start  # its end once moved to the front
+                        break
+                    begin, start = start + _HEADER, end  # read, whatever comes of it
+                    self._on_frame(pickle.loads(view[begin:end]))  # (no view kept: see get_buffer)
+            finally:
+                if start:  # what follows the last frame read moves to the front (same size)
+                    view[: filled - start] = view[start:filled]
+                self._filled, self._wanted = filled - start, wanted
 
     def data_received(self, data: bytes | memoryview) -> None:
         """Bytes that did not come through ``get_buffer`` (e.g. a plain ``Protocol`` user)."""
@@ -314,10 +320,14 @@ def attach_socket(
                 return
             except OSError:
                 size = 0
-            if size:
-                channel.buffer_updated(size)
-            else:
+            if not size:
                 close()
+                return
+            try:
+                channel.buffer_updated(size)
+            except BaseException:  # a frame that failed: the stream is not trusted any more
+                close()
+                raise
 
     def drain() -> None:
         with off_clock():

@@ -63,6 +63,13 @@ def test_collate_pads_right_and_puts_turn_rewards_on_the_last_policy_token() -> 
     b.turn_rewards.append(1.0)  # a reward with no turn end: refused, naming the fix
     with pytest.raises(ValueError, match=r"2 turn rewards for 1 turn ends; .*end_turn"):
         collate([a, b], pad_token_id=0)
+    b.turn_rewards.pop()
+    b.response_mask = [0.0, 1.0]  # a hand-built mask of floats collates as its ints did
+    floats = collate([a, b], pad_token_id=0)["response_mask"]
+    assert floats.tolist() == batch["response_mask"].tolist()
+    b.response_mask = [0, 0.5]  # ... but no mask is ever rounded
+    with pytest.raises(ValueError, match=r"response_mask holds 0.5; .*append_policy"):
+        collate([a, b], pad_token_id=0)
 
 
 TOOLS = [
