@@ -23,9 +23,10 @@ __all__ = [
     "DecodeBatch",
     "PrefixCache",
     "Row",
-    "check_prompts",
+    "cache_joins",
     "growing_cache",
     "length_groups",
+    "request_error",
 ]
 
 
@@ -40,10 +41,16 @@ class Row:
         request: GenerationRequest,
         eos_token_id: int,
         future: concurrent.futures.Future[GenerationResult] | None = None,
+        *,
+        context: int | None = None,
     ) -> None:
+        """``context``: the model's positions; the row ends (``length``) when they are full,
+        however many tokens the request allows."""
         self.request, self.future = request, future
         self.stops = {eos_token_id, *request.stop_token_ids}
         self.limit = request.max_new_tokens
+        if context is not None:
+            self.limit = min(self.limit, context - len(request.prompt_ids))
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.reason: FinishReason | None = None
@@ -151,6 +158,11 @@ class DecodeBatch:
         are left-padded to the wider one's columns (masked out), then stacked."""
         import torch
 
+        if not (self.can_join and other.can_join):
+            raise RuntimeError(
+                "HFEngine: this model's KV cache cannot take rows from another prefill "
+                "(sliding-window or recurrent layers); its prompts are prefilled together"
+            )
         width = max(self.attention.shape[1], other.attention.shape[1])
 
         def pad(tensor: torch.Tensor, dim: int) -> torch.Tensor:
@@ -323,11 +335,58 @@ def growing_layer_class() -> Any:
     return _GROWING
 
 
-def check_prompts(requests: list[GenerationRequest]) -> None:
-    if any(not r.prompt_ids for r in requests):
-        raise ValueError(
-            "a generation request has no prompt tokens; render the chat template first"
+def request_error(
+    request: GenerationRequest, *, vocab_size: int, context: int | None
+) -> ValueError | None:
+    """Why an engine with this vocabulary and context (positions) cannot serve ``request``,
+    naming what to change; None when it can. Checked per request before any runs, so a bad
+    one fails alone (on a GPU an id outside the vocabulary is a device-side assert)."""
+    name, prompt = repr(request.request_id), request.prompt_ids
+    if not prompt:
+        return ValueError(
+            f"generation request {name} has no prompt tokens; render the chat template first"
         )
+    if request.max_new_tokens < 1:
+        return ValueError(
+            f"generation request {name}: max_new_tokens must be >= 1, got {request.max_new_tokens}"
+        )
+    if not 0 < request.top_p <= 1:
+        return ValueError(
+            f"generation request {name}: top_p must be in (0, 1] (1 keeps every token), got "
+            f"{request.top_p}"
+        )
+    if not request.temperature >= 0:  # NaN too
+        return ValueError(
+            f"generation request {name}: temperature must be >= 0 (0 is greedy), got "
+            f"{request.temperature}"
+        )
+    low, high = min(prompt), max(prompt)
+    if low < 0 or high >= vocab_size:
+        return ValueError(
+            f"generation request {name}: token id {low if low < 0 else high} is outside the "
+            f"model's vocabulary (0..{vocab_size - 1}); encode prompts with this model's "
+            "tokenizer"
+        )
+    if context is not None and len(prompt) >= context:
+        return ValueError(
+            f"generation request {name}: its prompt has {len(prompt)} tokens and the model "
+            f"takes {context} positions in all; shorten the prompt (an episode's history: "
+            "fewer turns, or shorter observations)"
+        )
+    return None
+
+
+def cache_joins(config: Any) -> bool:
+    """Whether the KV cache a model with ``config`` builds can take rows from another
+    prefill (plain per-layer keys and values: no sliding-window or recurrent layers), read
+    from the cache transformers builds for it before anything runs."""
+    from transformers.cache_utils import DynamicCache
+
+    try:
+        layers = list(DynamicCache(config=config).layers)
+    except Exception:  # noqa: BLE001 - a cache this check does not know: never joined
+        return False
+    return bool(layers) and all(type(layer).__name__ == "DynamicLayer" for layer in layers)
 
 
 @dataclass

@@ -34,7 +34,7 @@ import functools
 import threading
 import warnings
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainer.strategies.base import GenerationRequest, GenerationResult, Weights
 from trainer.strategies.batching import BatchingFrontend, fail_batch
@@ -43,9 +43,10 @@ from trainer.strategies.decode_batch import (
     DecodeBatch,
     PrefixCache,
     Row,
-    check_prompts,
+    cache_joins,
     growing_cache,
     length_groups,
+    request_error,
 )
 
 if TYPE_CHECKING:
@@ -82,6 +83,10 @@ class HFEngine(BatchingFrontend):
         self.model = model.to(device).eval()
         self.device = device
         self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
+        self.vocab_size = int(model.get_input_embeddings().num_embeddings)
+        self.context: int | None = getattr(model.config, "max_position_embeddings", None)
+        """The model's positions: longer prompts are refused, rows end when they are full."""
+        self._joins = cache_joins(model.config)  # else prompts admitted together: one prefill
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
         self._params: dict[str, torch.Tensor] | None = None
         self.stats = {"batches": 0, "requests": 0, "new_tokens": 0, "prefix_hit_tokens": 0}
@@ -150,15 +155,33 @@ class HFEngine(BatchingFrontend):
             done.add_done_callback(_answer_in(loop, future))
 
     def submit(self, request: GenerationRequest) -> concurrent.futures.Future[GenerationResult]:
-        """Queue ``request`` for admission at the next step and return at once (for threads)."""
-        return self.submit_many([request])[0]
+        """Queue ``request`` for admission at the next step and return at once (for threads);
+        raises ``ValueError`` for a request this engine cannot serve."""
+        future = self.submit_many([request])[0]
+        if future.done() and future.exception() is not None:
+            raise cast(BaseException, future.exception())
+        return future
 
     def submit_many(
         self, requests: list[GenerationRequest]
     ) -> list[concurrent.futures.Future[GenerationResult]]:
-        """``submit`` for several requests that are admitted together (one prefill)."""
-        check_prompts(requests)
-        rows = [Row(r, self.eos_token_id, concurrent.futures.Future()) for r in requests]
+        """``submit`` for several requests that are admitted together (one prefill). A request
+        the engine cannot serve (``request_error``) gets a future failed with why; the others
+        go on. The futures are running already: ``abort_sync`` ends a request, not
+        ``cancel()``."""
+        futures: list[concurrent.futures.Future[GenerationResult]] = []
+        rows = []
+        for request in requests:
+            future: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
+            future.set_running_or_notify_cancel()
+            futures.append(future)
+            error = self._refusal(request)
+            if error is not None:
+                future.set_exception(error)
+            else:
+                rows.append(Row(request, self.eos_token_id, future, context=self.context))
+        if not rows:
+            return futures
         with self._admit:
             if self._closed:
                 raise RuntimeError("this HFEngine was shut down")
@@ -170,7 +193,10 @@ class HFEngine(BatchingFrontend):
                 )
                 self._thread.start()
             self._admit.notify()
-        return [row.future for row in rows]  # type: ignore[misc]
+        return futures
+
+    def _refusal(self, request: GenerationRequest) -> ValueError | None:
+        return request_error(request, vocab_size=self.vocab_size, context=self.context)
 
     def abort_sync(self, request_ids: list[str]) -> None:
         """``abort`` for threads: a waiting request ends with no tokens, a running one at its
@@ -182,6 +208,9 @@ class HFEngine(BatchingFrontend):
 
     async def abort(self, request_id: str) -> None:
         await super().abort(request_id)
+        with self._admit:  # answered by the front, or never held: nothing to remember
+            if request_id not in self._live:
+                self._aborted.discard(request_id)
         self.abort_sync([request_id])
 
     def shutdown(self) -> None:
@@ -209,7 +238,7 @@ class HFEngine(BatchingFrontend):
                 target.copy_(tensor.to(target.device, target.dtype))
             if self.prefixes is not None:  # keys and values of the old weights
                 self.prefixes.clear()
-        self.policy.advance()
+            self.policy.advance()  # before any forward can run on the new weights
 
     def load_adapter(self, adapter: AdapterWeights) -> None:
         """Serve the base weights with ``adapter`` (LoRA): the first call wraps the model with the
@@ -219,7 +248,7 @@ class HFEngine(BatchingFrontend):
             self._load_adapter(adapter)
             if self.prefixes is not None:
                 self.prefixes.clear()
-        self.policy.advance()
+            self.policy.advance()
 
     def _load_adapter(self, adapter: AdapterWeights) -> None:
         from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
@@ -258,8 +287,12 @@ class HFEngine(BatchingFrontend):
 
     # ------------------------------------------------------------------ compute
     def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """Generate for ``requests`` as one batch, to the end (synchronous, in this thread)."""
-        rows = [Row(r, self.eos_token_id) for r in requests]
+        """Generate for ``requests`` as one batch, to the end (synchronous, in this thread);
+        raises ``ValueError`` (running none) if one cannot be served."""
+        for error in map(self._refusal, requests):
+            if error is not None:
+                raise error
+        rows = [Row(r, self.eos_token_id, context=self.context) for r in requests]
         batch, _ = self._prefill(rows)
         while batch.rows:
             self._step(batch)
@@ -284,9 +317,14 @@ class HFEngine(BatchingFrontend):
                 if running is not None and not running.can_join:
                     room = 0  # a cache this engine cannot join rows into: admit when it is empty
                 room = max(room, 0)
+                # aborted rows leave the queue now, however long it is
+                ended = [
+                    row.end("abort")
+                    for row in self._waiting
+                    if row.request.request_id in self._aborted
+                ]
+                self._waiting = [row for row in self._waiting if row.reason is None]
                 new, self._waiting = self._waiting[:room], self._waiting[room:]
-            ended = [row.end("abort") for row in new if row.request.request_id in self._aborted]
-            new = [row for row in new if row.reason is None]
             try:
                 if new:
                     fresh, gone = self._prefill(new)
@@ -317,7 +355,6 @@ class HFEngine(BatchingFrontend):
         previous turn left its KV cache (``PrefixCache``) prefills only the tokens after it;
         the others' prompts are prefilled whole, in groups of similar length
         (``length_groups``), so a short prompt is not padded to the longest one's width."""
-        check_prompts([row.request for row in rows])
         hits, entries, misses = [], [], []
         with self._compute:
             for row in rows:
@@ -340,13 +377,12 @@ class HFEngine(BatchingFrontend):
 
     def _prefill_whole(self, rows: list[Row]) -> tuple[DecodeBatch, list[Row]]:
         """``_prefill`` for prompts prefilled whole (grouped by length, the groups joined)."""
+        if not self._joins:  # one padded batch: this model's cache cannot be joined
+            return self._prefill_group(rows)
         lengths = [len(row.request.prompt_ids) for row in rows]
         groups = length_groups(lengths, self.prefill_group_tokens)
         batch, ended = self._prefill_group([rows[i] for i in groups[0]])
         for group in groups[1:]:
-            if not batch.can_join:  # one padded batch: this cache cannot be joined
-                batch, ended = self._prefill_group(rows)
-                break
             batch, ended = _joined((batch, ended), self._prefill_group([rows[i] for i in group]))
         return batch, ended
 
