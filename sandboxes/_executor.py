@@ -107,9 +107,12 @@ class WarmExecutor:
         *,
         env: dict[str, str],
         cpu: int,
+        writable: Sequence[str] = (),
     ) -> None:
+        """``writable``: every place a run can write (emptied, and checked, by ``clean``)."""
         self._spawn, self._cgroup = spawn, cgroup
-        self.env, self._cpu = env, cpu
+        self.env, self._cpu, self.writable = env, cpu, tuple(writable)
+        self._places: dict[str, _host.DirState] = {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.sock: socket.socket | None = None
         """To the zygote: Python runs, spares, commands once the spawner has retired."""
@@ -169,8 +172,14 @@ class WarmExecutor:
             self._find_processes()
             self._proc_fd = os.open(f"/proc/{self.host_pid}", os.O_RDONLY | os.O_DIRECTORY)
             cap = self._own(["true"])  # the spawner starts a program
-            # the first look at /dev, in fresh namespaces, is what clean() compares with
+            # the first look at /dev and the writable places, in fresh namespaces, is what
+            # clean() compares with
             self._dev = self._dev_listing()
+            root = self._root()
+            try:
+                self._places = _host.place_states(root, self.writable)
+            finally:
+                os.close(root)
         except BaseException:
             self.stop()
             raise
@@ -242,10 +251,11 @@ class WarmExecutor:
         self._swept = self._retired = False
 
     # ---- between users -----------------------------------------------------------------------
-    def clean(self, writable: Sequence[str]) -> bool:
+    def clean(self) -> bool:
         """Make the sandbox fit for its next user without new namespaces: sweep every process but
-        the zygote, its spawner (and a spare no run has seen), empty ``writable`` (every place a
-        run can write) and SysV IPC, check that ``/dev`` looks as it did at the start, and
+        the zygote, its spawner (and a spare no run has seen), empty ``writable`` and SysV IPC,
+        check that those places themselves (mode, owner, attributes) and ``/dev`` look as they
+        did at the start and that no internet socket is left in the network namespace, and
         ``verify()`` what was spared. False if anything is left or untrustworthy (a directory
         too big to empty, a traced zygote, a spawner that retired...): the caller then starts
         over in fresh namespaces.
@@ -267,19 +277,14 @@ class WarmExecutor:
             if cap.returncode != 0 or cap.timed_out:
                 return False
         try:
-            root = os.open("root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._fd())
+            root = self._root()
             try:
-                for path in writable:
-                    fd = _host.open_dir_at(root, path)
-                    try:
-                        if not _host.empty_dir(fd):
-                            return False
-                    finally:
-                        os.close(fd)
+                if not _host.empty_places(root, self._places):
+                    return False
             finally:
                 os.close(root)
             # /dev is read-only inside, but a tampered /dev/null must never reach the next user
-            if self._dev_listing() != self._dev:
+            if self._dev_listing() != self._dev or _host.inet_sockets(self._fd()):
                 return False
         except OSError:  # the zygote is gone, or a path was replaced by a symlink
             return False
@@ -296,8 +301,12 @@ class WarmExecutor:
             raise OSError(f"no handle on the zygote's /proc directory ({self.host_pid})")
         return self._proc_fd
 
+    def _root(self) -> int:
+        """The sandbox's ``/`` (the zygote's root, as the host sees it); the caller closes it."""
+        return os.open("root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._fd())
+
     def _dev_listing(self) -> bytes:
-        root = os.open("root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._fd())
+        root = self._root()
         try:
             dev = _host.open_dir_at(root, "dev")
         finally:

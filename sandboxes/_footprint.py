@@ -133,6 +133,10 @@ class Footprint:
                 shutil.rmtree(child)
             else:
                 child.unlink()
+        os.chmod(self.scratch, 0o700)  # as _create left it: a run of the same uid may chmod it
+        for name in os.listxattr(self.scratch):
+            with contextlib.suppress(OSError):
+                os.removexattr(self.scratch, name)
 
     def release(self) -> None:
         """Give everything back (guarantee 2); safe to call twice."""

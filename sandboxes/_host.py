@@ -28,7 +28,7 @@ import random
 import signal
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 from sandboxes.errors import SandboxError, SandboxFileError
@@ -432,3 +432,63 @@ def dir_listing(dir_fd: int) -> bytes:
             f"{device} {target!r}"
         )
     return "\n".join(lines).encode()
+
+
+DirState = tuple[int, int, int, tuple[tuple[str, bytes], ...]]
+"""A directory's own mode, owner (uid, gid) and extended attributes (``dir_state``)."""
+
+
+def dir_state(dir_fd: int) -> DirState:
+    """What emptying the directory ``dir_fd`` leaves as a run set it: its own mode, owner and
+    extended attributes (a workdir made unwritable, a note in an attribute)."""
+    st = os.fstat(dir_fd)
+    try:
+        attrs = tuple((n, os.getxattr(dir_fd, n)) for n in sorted(os.listxattr(dir_fd)))
+    except OSError:  # a file system without extended attributes
+        attrs = ()
+    return st.st_mode, st.st_uid, st.st_gid, attrs
+
+
+def place_states(root_fd: int, paths: Sequence[str]) -> dict[str, DirState]:
+    """``dir_state`` of each of ``paths`` under ``root_fd`` (following no symlink)."""
+    states = {}
+    for path in paths:
+        fd = open_dir_at(root_fd, path)
+        try:
+            states[path] = dir_state(fd)
+        finally:
+            os.close(fd)
+    return states
+
+
+def empty_places(root_fd: int, places: Mapping[str, DirState]) -> bool:
+    """Empty each directory of ``places`` (paths under ``root_fd``, following no symlink) and
+    check that its own state is still the one ``places`` holds; its times start afresh (they
+    could carry a note too). False when one could not be emptied or was changed."""
+    for path, state in places.items():
+        fd = open_dir_at(root_fd, path)
+        try:
+            if not empty_dir(fd) or dir_state(fd) != state:
+                return False
+            os.utime(fd)
+        finally:
+            os.close(fd)
+    return True
+
+
+def inet_sockets(proc_fd: int) -> int:
+    """How many internet sockets (TCP, UDP, raw; in any state, TIME_WAIT too: the kernel keeps
+    a closed connection with no process holding it) the network namespace of the process whose
+    ``/proc`` directory is ``proc_fd`` lists; 0 when that is the host's own (``network=True``:
+    nothing of the sandbox's to find there)."""
+    if os.readlink("ns/net", dir_fd=proc_fd) == os.readlink("/proc/self/ns/net"):
+        return 0
+    count = 0
+    for name in ("tcp", "tcp6", "udp", "udp6", "udplite", "udplite6", "raw", "raw6"):
+        try:
+            fd = os.open(f"net/{name}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd)
+        except FileNotFoundError:
+            continue
+        with os.fdopen(fd, "rb") as table:
+            count += max(0, sum(1 for _ in table) - 1)  # a header, then one line a socket
+    return count

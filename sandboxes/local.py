@@ -278,7 +278,9 @@ class LocalSandbox(Sandbox):
                 argv, self._env({}), cg, pass_fds=pass_fds, cpu_limit=False, as_pid_1=True
             )
 
-        executor = WarmExecutor(spawn, cg, env=self._env({}), cpu=self._cpu_seconds)
+        executor = WarmExecutor(
+            spawn, cg, env=self._env({}), cpu=self._cpu_seconds, writable=self._writable
+        )
         executor.start()
         return executor
 
@@ -292,9 +294,7 @@ class LocalSandbox(Sandbox):
             self._footprint = None
 
     def _reset(self) -> None:
-        if self._executor is not None and self._executor.clean(
-            (self.workdir, "/tmp", "/dev/shm", "/dev/mqueue")
-        ):
+        if self._executor is not None and self._executor.clean():
             return
         if self._executor is not None:  # could not clean in place: start over with a fresh executor
             self._executor.stop()
@@ -350,6 +350,11 @@ class LocalSandbox(Sandbox):
     @property
     def _launch_uid(self) -> int:
         return launch_uid(self.isolation, self.uid)
+
+    @property
+    def _writable(self) -> tuple[str, ...]:
+        """Every place a run can write: what a reset empties."""
+        return (self.workdir, "/tmp", "/dev/shm", "/dev/mqueue")
 
     @property
     def _cpu_seconds(self) -> int:

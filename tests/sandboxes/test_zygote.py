@@ -137,6 +137,59 @@ def test_files_a_run_leaves_do_not_reach_the_next_user(sandbox):
     assert sandbox._executor.host_pid == zygote, "cleaned in place, without a restart"
 
 
+def test_what_a_run_sets_on_the_writable_directories_themselves_does_not_reach_the_next_user(
+    sandbox,
+):
+    """Emptying a place is not enough: its own mode, extended attributes and times (a note for
+    the next user, or a workdir made unwritable) are as the sandbox started them."""
+    look = """
+    import os
+    for place in ("/sandbox", "/tmp"):
+        st = os.stat(place)
+        print(place, oct(st.st_mode), os.listxattr(place), st.st_mtime == 1234567890)
+    open("/sandbox/mine", "w").write("written")
+    """
+    before = py(sandbox, look)
+    assert before.ok, before
+    leave = """
+    import os
+    for place in ("/sandbox", "/tmp"):
+        os.setxattr(place, "user.note", b"from run 1")
+        os.utime(place, (1234567890, 1234567890))
+    os.chmod("/tmp", 0o000)
+    os.chmod("/sandbox", 0o500)  # the next user could not write a file
+    print("ok")
+    """
+    assert py(sandbox, leave).stdout == "ok\n"
+    sandbox.reset()
+    after = py(sandbox, look)
+    assert after.ok and after.stdout == before.stdout, after
+
+
+def test_sockets_a_run_leaves_in_the_kernel_do_not_reach_the_next_user(sandbox):
+    """A closed TCP connection stays in the network namespace (TIME_WAIT) with no process
+    holding it: the next user must not see it, nor find its port taken."""
+    talk = """
+    import socket
+    server = socket.socket()
+    server.bind(("127.0.0.1", 5555))
+    server.listen()
+    client = socket.create_connection(("127.0.0.1", 5555))
+    peer, _ = server.accept()
+    peer.close(); client.close(); server.close()
+    print(open("/proc/net/tcp").read().count(chr(10)) > 1)
+    """
+    assert py(sandbox, talk).stdout == "True\n"  # its connection is still listed
+    sandbox.reset()
+    look = """
+    import socket
+    socket.socket().bind(("127.0.0.1", 5555))
+    print(open("/proc/net/tcp").read().count(chr(10)))
+    """
+    after = py(sandbox, look)
+    assert after.ok and after.stdout == "1\n", after  # the header alone
+
+
 # ---- a zygote that dies, starves or lies ------------------------------------------------------
 def _run_in_thread(sb: LocalSandbox, code: str, **kwargs) -> tuple[threading.Thread, list]:
     out: list = []
