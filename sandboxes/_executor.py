@@ -354,17 +354,18 @@ class WarmExecutor:
     def _inherited(self, pid: int, status: str | None = None) -> dict[str, str]:
         """What every run started by ``pid`` inherits from it and a run of the same uid could
         change through its pid (``prlimit``, ``setpriority``, ``sched_setaffinity``,
-        ``sched_setscheduler``): rlimits, nice, CPU affinity, scheduling policy."""
+        ``sched_setscheduler``): rlimits, nice, CPU affinity, scheduling policy; and its start
+        time (a run can kill the spawner: a process of a run that gets its pid is another)."""
         try:
             stat = proc_stat(pid)
-            limits = proc(pid, "limits")
+            lim = proc(pid, "limits")
             status = proc(pid, "status") if status is None else status
         except OSError:
             return {}
-        cpus = next(
+        cpu = next(
             (line for line in status.splitlines() if line.startswith("Cpus_allowed_list:")), ""
         )
-        return {"limits": limits, "nice": stat[16], "policy": stat[38], "cpus": cpus}
+        return {"limits": lim, "nice": stat[16], "start": stat[19], "policy": stat[38], "cpus": cpu}
 
     def verify(self) -> str | None:
         """Why the processes a reset spares (the zygote, its spawner, its launcher and a spare
@@ -396,7 +397,7 @@ class WarmExecutor:
             changed = [k for k, v in self._baseline[pid].items() if now.get(k) != v]
             # e.g. a run lowered its rlimits or CPU share: every later run would inherit them
             if changed:
-                return f"a run changed what {pid} passes to later runs: {', '.join(changed)}"
+                return f"{pid} is not as the sandbox started it: {', '.join(changed)} changed"
         return None
 
     # ---- runs --------------------------------------------------------------------------------

@@ -364,6 +364,41 @@ def test_a_run_that_stops_or_kills_the_spawner_costs_a_restart(sandbox):
         assert sandbox._executor.spawner_pid not in (0, spawner)
 
 
+TAKE_THE_SPAWNERS_PID = """
+import os, signal
+os.kill(2, signal.SIGKILL)  # the spawner: PID 2 here, and of the run's uid
+while os.path.exists("/proc/2"):
+    os.sched_yield()  # (reaped by the zygote)
+open("/sandbox/ready", "w").close()
+while not os.path.exists("/sandbox/go"):
+    os.sched_yield()
+if os.fork() == 0:  # (the host has just made the spawner's pid the next one)
+    os.setsid()
+    for fd in (0, 1, 2):
+        os.close(fd)
+    signal.pause()  # waits for the next user
+"""
+
+
+def test_a_process_that_takes_the_killed_spawners_pid_is_not_spared(sandbox):
+    """Spared processes are known by pid and start time: a run that kills the spawner and gets
+    its pid for a process of its own (pids wrap around: the host's ``ns_last_pid`` does it at
+    once here) does not pass it off as the spawner: the reset starts over, the process dies."""
+    executor = sandbox._executor
+    spawner, scratch = executor.spawner_pid, sandbox.dir / "scratch"
+    thread, out = _run_in_thread(sandbox, TAKE_THE_SPAWNERS_PID)
+    while not (scratch / "ready").exists():
+        os.sched_yield()
+    Path("/proc/sys/kernel/ns_last_pid").write_text(str(spawner - 1))
+    (scratch / "go").touch()
+    thread.join()
+    assert out[0].ok, out[0]
+    if spawner not in executor._cgroup.pids():
+        pytest.xfail("another process of this host took the pid first (nothing was shown)")
+    sandbox.reset()
+    assert spawner not in sandbox._executor._cgroup.pids()
+
+
 def test_a_signal_still_on_its_way_to_the_spawner_costs_a_restart_too(sandbox):
     """A run's ``kill()`` returns before its target has died: the spawner must be scheduled to
     die. A command sent in that window would be lost (CI saw exactly that under load: the run
