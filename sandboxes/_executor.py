@@ -71,6 +71,7 @@ from sandboxes._wire import (
     Reply,
     descendants,
     in_process,
+    inherited,
     proc,
     proc_stat,
     reply,
@@ -228,7 +229,7 @@ class WarmExecutor:
             except (OSError, ValueError):
                 break
             self.keep.add(pid)
-        self._baseline = {pid: self._inherited(pid) for pid in (self.host_pid, self.spawner_pid)}
+        self._baseline = {pid: inherited(pid) for pid in (self.host_pid, self.spawner_pid)}
 
     def stop(self) -> None:
         for sock in (self.sock, self.spawner):
@@ -351,22 +352,6 @@ class WarmExecutor:
         pending = int(fields.get("SigPnd", "0"), 16) | int(fields.get("ShdPnd", "0"), 16)
         return fields.get("State", "X").strip()[:1] in _RUNNING and not pending
 
-    def _inherited(self, pid: int, status: str | None = None) -> dict[str, str]:
-        """What every run started by ``pid`` inherits from it and a run of the same uid could
-        change through its pid (``prlimit``, ``setpriority``, ``sched_setaffinity``,
-        ``sched_setscheduler``): rlimits, nice, CPU affinity, scheduling policy; and its start
-        time (a run can kill the spawner: a process of a run that gets its pid is another)."""
-        try:
-            stat = proc_stat(pid)
-            lim = proc(pid, "limits")
-            status = proc(pid, "status") if status is None else status
-        except OSError:
-            return {}
-        cpu = next(
-            (line for line in status.splitlines() if line.startswith("Cpus_allowed_list:")), ""
-        )
-        return {"limits": lim, "nice": stat[16], "start": stat[19], "policy": stat[38], "cpus": cpu}
-
     def verify(self) -> str | None:
         """Why the processes a reset spares (the zygote, its spawner, its launcher and a spare
         child no run has seen) cannot be trusted with the next user (None if they can). Zygote
@@ -393,7 +378,7 @@ class WarmExecutor:
                 continue
             if seccomp and status.get("Seccomp", "0").strip() != "2":
                 return f"spared process {pid} runs without its seccomp filter"
-            now = self._inherited(pid, text)
+            now = inherited(pid, text)
             changed = [k for k, v in self._baseline[pid].items() if now.get(k) != v]
             # e.g. a run lowered its rlimits or CPU share: every later run would inherit them
             if changed:

@@ -17,8 +17,10 @@ Two sources, both controlled (in the worst case) by code the sandbox runs:
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import platform
 import socket
 import struct
 from collections.abc import Mapping, Sequence
@@ -30,6 +32,8 @@ __all__ = [
     "Reply",
     "descendants",
     "in_process",
+    "inherited",
+    "io_priority",
     "proc",
     "proc_stat",
     "reply",
@@ -121,6 +125,54 @@ def proc_stat(pid: int) -> list[str]:
         return proc(pid, "stat").rsplit(")", 1)[1].split()
     except IndexError:
         raise OSError(f"/proc/{pid}/stat is not what the kernel writes") from None
+
+
+_IOPRIO_GET = {"x86_64": 252, "aarch64": 31}
+"""``ioprio_get``'s system call number (glibc has no wrapper) by machine."""
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def io_priority(pid: int) -> int:
+    """``pid``'s I/O priority (class and level, as ``ioprio_get`` gives it); -1 where this
+    machine's system call number is not known or the call failed."""
+    number = _IOPRIO_GET.get(platform.machine())
+    return -1 if number is None else int(_libc().syscall(number, 1, pid))  # 1: a process
+
+
+def inherited(pid: int, status: str | None = None) -> dict[str, str]:
+    """What every process ``pid`` starts inherits from it and a process of the same uid could
+    change through its pid (``prlimit``, ``setpriority``, ``sched_setaffinity``,
+    ``sched_setscheduler``, ``sched_setattr``, ``ioprio_set``): rlimits, nice, CPU affinity,
+    scheduling policy and time slice, I/O priority; and its start time (a process of a run that
+    got the pid of one it killed is another process). Empty when ``pid`` is gone."""
+    try:
+        stat = proc_stat(pid)
+        limits = proc(pid, "limits")
+        status = proc(pid, "status") if status is None else status
+    except OSError:
+        return {}
+    try:  # (a kernel built without scheduler debugging has no such file)
+        sched = proc(pid, "sched")
+    except OSError:
+        sched = ""
+    line = functools.partial(_line_of, status + sched)
+    return {
+        "limits": limits,
+        "nice": stat[16],
+        "start": stat[19],
+        "policy": stat[38],
+        "cpus": line("Cpus_allowed_list:"),
+        "slice": line("se.slice"),
+        "io": str(io_priority(pid)),
+    }
+
+
+def _line_of(text: str, prefix: str) -> str:
+    return next((line for line in text.splitlines() if line.startswith(prefix)), "")
 
 
 def descendants(pid: int) -> list[int]:

@@ -249,15 +249,27 @@ def test_signals_a_run_sends_the_zygote_do_not_stop_it(sandbox):
     assert sandbox._executor.host_pid == zygote, "a run stopped the zygote"
 
 
-@pytest.mark.parametrize("compromise", ["traced", "stopped", "limits lowered"])
+@pytest.mark.parametrize(
+    "compromise", ["traced", "stopped", "limits lowered", "idle I/O", "short time slice"]
+)
 def test_reset_replaces_a_spawner_it_cannot_verify(sandbox, compromise):
     """What every command inherits comes from the spawner: a reset hands the next user a fresh
-    one when it is traced, stopped, or runs with other limits than it started with."""
+    one when it is traced, stopped, or runs with other limits, I/O priority or CPU time slice
+    than it started with (a run of its uid can set them: ``ioprio_set``, ``sched_setattr``)."""
     import ctypes
+    import platform
+    import struct
 
     spawner = sandbox._executor.spawner_pid
-    if compromise == "traced":
-        libc = ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    if compromise in ("idle I/O", "short time slice") and platform.machine() != "x86_64":
+        pytest.skip("the test calls x86-64 system call numbers")
+    if compromise == "idle I/O":  # ioprio_set(IOPRIO_WHO_PROCESS, spawner, IDLE class)
+        assert libc.syscall(251, 1, spawner, 3 << 13) == 0, ctypes.get_errno()
+    elif compromise == "short time slice":  # sched_setattr with a 0.1 ms runtime (its slice)
+        attr = ctypes.create_string_buffer(struct.pack("IIQiIQQQ", 48, 0, 0, 0, 0, 10**5, 0, 0))
+        assert libc.syscall(314, spawner, attr, 0) == 0, ctypes.get_errno()
+    elif compromise == "traced":
         assert libc.ptrace(0x4206, spawner, 0, 0) == 0, ctypes.get_errno()  # PTRACE_SEIZE
     elif compromise == "stopped":
         os.kill(spawner, signal.SIGSTOP)
