@@ -159,20 +159,23 @@ def inherited(pid: int, status: str | None = None) -> dict[str, str]:
         sched = proc(pid, "sched")
     except OSError:
         sched = ""
-    line = functools.partial(_line_of, status + sched)
     return {
         "limits": limits,
         "nice": stat[16],
         "start": stat[19],
         "policy": stat[38],
-        "cpus": line("Cpus_allowed_list:"),
-        "slice": line("se.slice"),
+        "cpus": _line_of(status, "Cpus_allowed_list:"),
+        "slice": _line_of(sched, "se.slice"),
         "io": str(io_priority(pid)),
     }
 
 
 def _line_of(text: str, prefix: str) -> str:
-    return next((line for line in text.splitlines() if line.startswith(prefix)), "")
+    """The first line of ``text`` that starts with ``prefix`` ("" if none)."""
+    at = -1
+    while (at := text.find(prefix, at + 1)) > 0 and text[at - 1] != "\n":
+        pass
+    return text[at:].partition("\n")[0] if at >= 0 else ""
 
 
 def descendants(pid: int) -> list[int]:
