@@ -137,21 +137,14 @@ class Hub:
         ``http://user:TOKEN@host``; OpenEnv's client can pass a token no other way)."""
         if self._token is None:
             return True
-        if not header:
-            return False
-        if header.startswith("Bearer "):
-            return hmac.compare_digest(header[7:].strip().encode(), self._token)
-        if header.startswith("Basic "):
-            try:
-                decoded = base64.b64decode(header[6:].strip(), validate=True)
-            except ValueError:
-                return False
-            return hmac.compare_digest(decoded.partition(b":")[2], self._token)
-        return False
+        credential = _credential(header)
+        return credential is not None and hmac.compare_digest(credential, self._token)
 
     def client_key(self, header: str | None, host: str | None) -> str:
-        """Who a connection belongs to, for per-client limits: token digest + address."""
-        digest = hashlib.sha256((header or "").encode()).hexdigest()[:12]
+        """Who a connection belongs to, for per-client limits: a digest of the credential its
+        header carries (not of the header: other spacing, or a Basic user name, is the same
+        client) + its address."""
+        digest = hashlib.sha256(_credential(header) or b"").hexdigest()[:12]
         return f"{digest}@{host or '?'}"
 
     # ------------------------------------------------------------------ drain
@@ -192,3 +185,19 @@ def _going_away() -> str:
         '{"type":"error","code":"draining","message":"the hub shut down; reconnect to another '
         'hub","seq":null}'
     )
+
+
+def _credential(header: str | None) -> bytes | None:
+    """The token an ``Authorization`` header carries (``Bearer TOKEN``, or the password of
+    ``Basic``); None when it carries none."""
+    if not header:
+        return None
+    if header.startswith("Bearer "):
+        return header[7:].strip().encode()
+    if header.startswith("Basic "):
+        try:
+            decoded = base64.b64decode(header[6:].strip(), validate=True)
+        except ValueError:
+            return None
+        return decoded.partition(b":")[2]
+    return None

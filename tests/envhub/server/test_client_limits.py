@@ -144,6 +144,34 @@ def test_episodes_are_capped_per_client_and_a_full_pool_is_degraded(tight):
     ask(held.pop(), {"type": "close", "seq": 2})
 
 
+def test_one_client_is_one_client_however_it_spells_its_token():
+    """The per-client limit counts the token a connection carries, not how its header spells
+    it: other spacing, or HTTP Basic with any user name, is the same client."""
+    import base64
+
+    from websockets.sync.client import connect
+
+    basic = [base64.b64encode(f"{user}:{TOKEN}".encode()).decode() for user in ("a", "b", "")]
+    spellings = [
+        f"Bearer {TOKEN}",
+        f"Bearer  {TOKEN}",
+        *(f"Basic {credential}" for credential in basic),
+    ]
+    with running_hub(envs=["test/faulty-v0"], max_sessions=8, max_sessions_per_client=2) as hub:
+        answers, held = [], []
+        for header in spellings:
+            ws = connect(
+                f"{hub.url}/v1/session", additional_headers={"Authorization": header},
+                compression=None, open_timeout=10,
+            ).__enter__()  # fmt: skip
+            held.append(ws)
+            reply = ask(ws, {"type": "hello", "env": "test/faulty-v0"})
+            answers.append(reply.get("code", reply["type"]))
+        for ws in held:
+            ws.close()
+    assert answers == ["welcome", "welcome", *["too_many_sessions"] * 3], answers
+
+
 # ---------------------------------------------------------------------- connections
 def test_connections_that_never_finish_their_request_are_closed(hub):
     """Silent sockets, half-sent heads, short bodies and half-sent upgrades are closed after
