@@ -69,6 +69,13 @@ __all__ = ["run", "serve", "uvicorn_config"]
     help="Close a connected session silent this long (s).",
 )
 @click.option(
+    "--stall-timeout",
+    "stall_timeout_s",
+    default=20.0,
+    show_default=True,
+    help="Drop a connection whose client leaves what it is sent unread this long (s).",
+)
+@click.option(
     "--grace",
     "grace_s",
     default=120.0,
@@ -184,7 +191,7 @@ def uvicorn_config(app: Any, *, port: int, log_level: str = "warning", loop: str
     """
     import uvicorn
 
-    from envhub.server.guard import guarded_protocol
+    from envhub.server.guard import guarded_protocol, stall_dropping_ws_protocol
 
     hub = app.state.hub
     return uvicorn.Config(
@@ -194,11 +201,11 @@ def uvicorn_config(app: Any, *, port: int, log_level: str = "warning", loop: str
         loop=loop,
         # request read timeout, head size cap, cap on connections without the token
         http=guarded_protocol(hub.guard),
-        ws="websockets-sansio",
+        ws=stall_dropping_ws_protocol(hub.config.stall_timeout_s),  # sans-io websockets
         ws_max_size=2 * hub.config.max_message_bytes,
         ws_per_message_deflate=False,
-        ws_ping_interval=20.0,  # a client that stops reading (or vanishes) is dropped after
-        ws_ping_timeout=20.0,  # ~40 s; its session then waits --grace for a resume
+        ws_ping_interval=20.0,  # a client that vanishes is dropped after ~40 s, one that stops
+        ws_ping_timeout=20.0,  # reading after --stall-timeout; its session then waits --grace
         timeout_keep_alive=5,  # an idle HTTP connection between requests
         log_level=log_level,
         lifespan="on",

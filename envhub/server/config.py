@@ -62,6 +62,11 @@ class HubConfig(Strict):
         ge=0,
         description="How long a dropped session waits for its client to resume.",
     )
+    stall_timeout_s: float = Field(
+        default=20.0,
+        gt=0,
+        description="A connection whose client leaves what it is sent unread this long is dropped.",
+    )
     hello_timeout_s: float = Field(
         default=10.0, gt=0, description="Time a new connection has to send `hello`."
     )

@@ -21,7 +21,8 @@ runs inside uvicorn's httptools protocol (``guarded_protocol``) and guarantees:
    which the oldest goes at once whatever its age.
 
 What it does not cover: trusted connections are bounded elsewhere (session limits, the
-idle timeout, the WebSocket ping, uvicorn's keep-alive timeout); a flood larger than the
+idle timeout, the WebSocket ping, uvicorn's keep-alive timeout; ``stall_dropping_ws_protocol``
+drops a WebSocket client that stops reading what it is sent); a flood larger than the
 kernel's listen backlog is refused by the kernel. ``raise_fd_limit`` lifts the soft
 open-file limit to the hard one at start, since every session is a socket.
 """
@@ -29,12 +30,21 @@ open-file limit to the hard one at start, since every session is a socket.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
+import struct
 from collections.abc import Callable
 from typing import Any
 
 from envhub.server.wire import ErrorMessage
 
-__all__ = ["MAX_HEAD_BYTES", "ConnectionGuard", "guarded_protocol", "raise_fd_limit"]
+__all__ = [
+    "MAX_HEAD_BYTES",
+    "ConnectionGuard",
+    "guarded_protocol",
+    "raise_fd_limit",
+    "stall_dropping_ws_protocol",
+]
 
 MAX_HEAD_BYTES = 64 * 1024
 """Largest request head (request line + headers) accepted; real clients send well under 2 KiB."""
@@ -239,3 +249,49 @@ def raise_fd_limit() -> int:
     except (ValueError, OSError):
         return soft
     return target
+
+
+def stall_dropping_ws_protocol(stall_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's sans-io WebSocket protocol, for ``uvicorn.Config(ws=...)``, that drops
+    (aborts) a connection whose client has stopped reading: what the hub has to send it stayed
+    unsent for ``stall_s``, or its keepalive ping went unanswered. uvicorn closes such a
+    connection gracefully, and a graceful close waits for the client to read what is queued:
+    forever, for a client that never does, holding the socket and megabytes of send buffer
+    (its session is reaped meanwhile, so no session limit bounds them)."""
+    from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+
+    class StallDroppingProtocol(WebSocketsSansIOProtocol):
+        stall_timer: asyncio.TimerHandle | None = None
+
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self.stall_timer is None:
+                self.stall_timer = self.loop.call_later(stall_s, self.drop)
+
+        def resume_writing(self) -> None:
+            self._cancel_stall()
+            super().resume_writing()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_stall()
+            super().connection_lost(exc)
+
+        def keepalive_timeout(self) -> None:
+            super().keepalive_timeout()  # sends a close frame that may never be read
+            self.drop()
+
+        def drop(self) -> None:
+            """Reset the connection: a plain close would leave the kernel an orphan socket
+            that keeps trying to send the unread megabytes to a client that takes none."""
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.transport.abort()
+
+        def _cancel_stall(self) -> None:
+            if self.stall_timer is not None:
+                self.stall_timer.cancel()
+                self.stall_timer = None
+
+    return StallDroppingProtocol

@@ -9,6 +9,8 @@ pytest.importorskip(
     "fastapi", reason="the server extra is not installed (pip install -e '.[server]')"
 )
 
+import contextlib
+import select
 import socket
 import time
 
@@ -66,6 +68,55 @@ def test_idle_sessions_are_reaped():
         hello(dropped)
         dropped.socket.shutdown(socket.SHUT_RDWR)  # vanish without a close frame
         assert settle(idle_hub) == (0, 0, 1), "a dropped session is closed after grace_s"
+
+
+def test_a_client_that_stops_reading_is_dropped_not_kept_forever():
+    """A client that stops reading its replies: once what the hub has to send it stays
+    unsent for ``stall_timeout_s``, the connection is dropped (a graceful close would wait for
+    the client to read, holding the socket and its send buffer for good)."""
+    import base64
+    import os
+    import struct
+
+    def frame(message: dict) -> bytes:  # a masked client text frame
+        data, mask = orjson.dumps(message), os.urandom(4)
+        head = struct.pack("!BBQ", 0x81, 0x80 | 127, len(data))
+        return head + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+
+    with running_hub(envs=["test/faulty-v0"], stall_timeout_s=1.0, grace_s=0.2) as hub:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (set before connecting)
+        sock.connect(("127.0.0.1", hub.port))
+        key = base64.b64encode(os.urandom(16)).decode()
+        sock.sendall(
+            f"GET /v1/session HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+            f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+            f"Sec-WebSocket-Version: 13\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode()
+        )
+        replies = b""
+        for message, wanted in (
+            ({"type": "hello", "env": "test/faulty-v0"}, b"welcome"),
+            ({"type": "reset", "seq": 1, "seed": 0}, b"reset_result"),
+        ):
+            if message["type"] == "hello":
+                while b"\r\n\r\n" not in replies:  # the upgrade's answer first
+                    replies += sock.recv(4096)
+            sock.sendall(frame(message))
+            while wanted not in replies:  # (read while the client still reads)
+                replies += sock.recv(4096)
+        sock.sendall(frame({"type": "step", "seq": 2, "action": "x" * 200_000}))
+        select.select([sock], [], [], 30)  # its answer is coming (left unread): the step ran
+        sock.settimeout(5)
+        with contextlib.suppress(OSError):  # repeats, answered again each: megabytes to send
+            for _ in range(100):
+                sock.sendall(frame({"type": "step", "seq": 2, "action": "x"}))
+        # never read: wait (bounded) for the kernel to see the hub drop the connection
+        deadline = time.monotonic() + 60
+        while sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 7:  # TCP_CLOSE
+            assert time.monotonic() < deadline, "the hub kept a client that stopped reading"
+            time.sleep(0.05)
+        sock.close()
+        assert settle(hub) == (0, 0, 1)
 
 
 # ---------------------------------------------------------------------- episode slots
