@@ -28,12 +28,14 @@ named, before the hub places an episode or answers with the value.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     PlainValidator,
@@ -111,7 +113,24 @@ def _encodable(value: Any) -> dict[str, Any]:
             f"{why}; send plain JSON: integers within 64 bits, nesting under 255 levels, valid "
             "Unicode text"
         ) from None
+    if not _finite(value):  # orjson would write null: the env would get None for a number
+        raise ValueError("holds NaN or Infinity, which JSON has not; send finite numbers")
     return value
+
+
+def _finite(value: Any) -> bool:
+    """No float in ``value`` (nested dicts and lists) is NaN or infinite."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float):
+            if not math.isfinite(item):
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
 
 
 def _unicode(text: str) -> str:
@@ -143,7 +162,13 @@ will)."""
 Text = Annotated[str, AfterValidator(_unicode)]
 """A string that encodes to UTF-8 (JSON escapes can spell lone surrogates; they are refused)."""
 Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+def _not_bool(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic would take true for 1
+        raise ValueError("must be an integer, got a boolean")  # noqa: TRY004 - see _encodable
+    return value
+
+
+Seed = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=MAX_SEED)]
 
 
 class Strict(BaseModel):
