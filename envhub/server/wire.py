@@ -162,13 +162,15 @@ will)."""
 Text = Annotated[str, AfterValidator(_unicode)]
 """A string that encodes to UTF-8 (JSON escapes can spell lone surrogates; they are refused)."""
 Seq = Annotated[int, Field(ge=1, le=MAX_SEQ)]
+
+
 def _not_bool(value: Any) -> Any:
     if isinstance(value, bool):  # pydantic would take true for 1
         raise ValueError("must be an integer, got a boolean")  # noqa: TRY004 - see _encodable
     return value
 
 
-Seed = Annotated[int, BeforeValidator(_not_bool), Field(ge=0, le=MAX_SEED)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED), BeforeValidator(_not_bool)]
 
 
 class Strict(BaseModel):
