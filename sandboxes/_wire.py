@@ -21,6 +21,7 @@ import ctypes
 import functools
 import os
 import platform
+import re
 import socket
 import struct
 from collections.abc import Mapping, Sequence
@@ -172,10 +173,8 @@ def inherited(pid: int, status: str | None = None) -> dict[str, str]:
 
 def _line_of(text: str, prefix: str) -> str:
     """The first line of ``text`` that starts with ``prefix`` ("" if none)."""
-    at = -1
-    while (at := text.find(prefix, at + 1)) > 0 and text[at - 1] != "\n":
-        pass
-    return text[at:].partition("\n")[0] if at >= 0 else ""
+    found = re.search(f"^{re.escape(prefix)}.*", text, re.MULTILINE)
+    return found.group() if found else ""
 
 
 def descendants(pid: int) -> list[int]:

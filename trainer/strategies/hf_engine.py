@@ -317,13 +317,14 @@ class HFEngine(BatchingFrontend):
                 if running is not None and not running.can_join:
                     room = 0  # a cache this engine cannot join rows into: admit when it is empty
                 room = max(room, 0)
-                # aborted rows leave the queue now, however long it is
-                ended = [
-                    row.end("abort")
-                    for row in self._waiting
-                    if row.request.request_id in self._aborted
-                ]
-                self._waiting = [row for row in self._waiting if row.reason is None]
+                ended: list[Row] = []
+                if self._aborted:  # aborted rows leave the queue now, however long it is
+                    ended = [
+                        row.end("abort")
+                        for row in self._waiting
+                        if row.request.request_id in self._aborted
+                    ]
+                    self._waiting = [row for row in self._waiting if row.reason is None]
                 new, self._waiting = self._waiting[:room], self._waiting[room:]
             try:
                 if new:
