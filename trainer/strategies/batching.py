@@ -47,7 +47,6 @@ class BatchingFrontend:
         self.max_batch_size = max_batch_size
         self.policy = policy if policy is not None else PolicyVersion()
         self._queue: list[tuple[GenerationRequest, asyncio.Future[GenerationResult]]] = []
-        self._aborted: set[str] = set()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -77,7 +76,9 @@ class BatchingFrontend:
         return future
 
     async def abort(self, request_id: str) -> None:
-        self._aborted.add(request_id)
+        """Answer a queued request ``abort`` at once; an engine that runs batches itself
+        (``HFEngine``, ``RankEngine``) also stops one it is running. Nothing is kept of an id
+        this front does not hold (ended, or never here): a run aborts many of those."""
         for request, future in list(self._queue):
             if request.request_id == request_id and not future.done():
                 self._queue.remove((request, future))
@@ -130,7 +131,6 @@ class BatchingFrontend:
         for (_, future), result in zip(batch, results, strict=False):
             if not future.done():
                 future.set_result(result)
-        self._aborted -= {r.request_id for r, _ in batch}
 
 
 def fail_batch(

@@ -95,6 +95,7 @@ class HFEngine(BatchingFrontend):
         self._admit = threading.Condition()  # guards _waiting, _thread, _closed
         self._waiting: list[Row] = []
         self._live: set[str] = set()  # ids submitted and not yet answered
+        self._aborted: set[str] = set()  # of those, the ones to end at their next token
         self._thread: threading.Thread | None = None
         self._closed = False
 
@@ -208,9 +209,6 @@ class HFEngine(BatchingFrontend):
 
     async def abort(self, request_id: str) -> None:
         await super().abort(request_id)
-        with self._admit:  # answered by the front, or never held: nothing to remember
-            if request_id not in self._live:
-                self._aborted.discard(request_id)
         self.abort_sync([request_id])
 
     def shutdown(self) -> None:

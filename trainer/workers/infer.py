@@ -109,9 +109,6 @@ class InferWorker(WeightReceiver, Worker):
         finally:
             with self._abort_lock:
                 self._running_ids.difference_update(r.request_id for r in run)
-                aborted = getattr(engine, "_aborted", None)
-                if aborted is not None:  # a batch engine's abort marks end with the batch
-                    aborted.difference_update(r.request_id for r in run)
         by_id = iter(results)
         return [
             GenerationResult(r.request_id, [], [], "abort", self.engine.version)
@@ -138,10 +135,8 @@ class InferWorker(WeightReceiver, Worker):
                     self._early_aborts.move_to_end(rid)
             while len(self._early_aborts) > _EARLY_ABORTS_KEPT:  # ids that had already finished
                 self._early_aborts.popitem(last=False)
-            if running and hasattr(engine, "abort_sync"):  # vLLM: a real abort inside the engine
+            if running and hasattr(engine, "abort_sync"):  # inside the engine, mid-batch
                 engine.abort_sync(running)
-            elif running and getattr(engine, "_aborted", None) is not None:
-                engine._aborted.update(running)
 
     def _inner_engine(self) -> Any:
         """The engine under the weight sync's ``VersionedEngine`` (if any)."""

@@ -1,0 +1,39 @@
+"""``BatchingFrontend``: requests gathered into batches, aborts answered, nothing kept after."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+
+from trainer.strategies.base import GenerationRequest, GenerationResult
+from trainer.strategies.batching import BatchingFrontend
+
+
+def test_aborts_answer_queued_requests_and_a_long_runs_aborts_are_not_kept() -> None:
+    """A run aborts surplus turns all the time (redundancy, staleness, timeouts), mostly of
+    requests that already ended or never reached the front: none of them may be kept."""
+    release = asyncio.Event()
+
+    async def run_batch(requests: list[GenerationRequest]) -> list[GenerationResult]:
+        await release.wait()
+        return [GenerationResult(r.request_id, [7], [-0.5], "stop", 0) for r in requests]
+
+    async def scenario() -> None:
+        front = BatchingFrontend(run_batch, max_batch_size=1)
+        running = front.start_generate(GenerationRequest("running", [1, 2], max_new_tokens=1))
+        queued = front.start_generate(GenerationRequest("queued", [1], max_new_tokens=1))
+        await front.abort("queued")
+        assert (await queued).finish_reason == "abort"
+        release.set()
+        assert (await running).token_ids == [7]
+
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20_000):  # ended, or never here
+            await front.abort(f"episode-{i}-turn-3")
+        grown = tracemalloc.get_traced_memory()[0] - before
+        tracemalloc.stop()
+        await front.close()
+        assert grown < 200_000, f"{grown} bytes kept for 20,000 aborts of requests not held"
+
+    asyncio.run(scenario())
