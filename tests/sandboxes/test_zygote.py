@@ -388,14 +388,32 @@ if os.fork() == 0:  # (the host has just made the spawner's pid the next one)
     os.setsid()
     for fd in (0, 1, 2):
         os.close(fd)
-    signal.pause()  # waits for the next user
+    with open("/proc/self/comm", "w") as comm:
+        comm.write("impostor")
+    open("/sandbox/forked", "w").close()
+    signal.pause()  # waits for the next run
+while not os.path.exists("/sandbox/seen"):
+    os.sched_yield()
+"""
+
+SEES_THE_IMPOSTOR = """
+import os
+names = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        names.append(open(f"/proc/{pid}/comm").read().strip())
+    except OSError:
+        pass
+print("impostor" in names)
 """
 
 
-def test_a_process_that_takes_the_killed_spawners_pid_is_not_spared(sandbox):
+@pytest.mark.parametrize("then", ["reset", "run"])
+def test_a_process_that_takes_the_killed_spawners_pid_is_not_spared(sandbox, then):
     """Spared processes are known by pid and start time: a run that kills the spawner and gets
     its pid for a process of its own (pids wrap around: the host's ``ns_last_pid`` does it at
-    once here) does not pass it off as the spawner: the reset starts over, the process dies."""
+    once here) does not pass it off as the spawner. Neither the next user (after a reset) nor
+    this user's next run meets it, and the sandbox goes on with a new spawner."""
     executor = sandbox._executor
     spawner, scratch = executor.spawner_pid, sandbox.dir / "scratch"
     thread, out = _run_in_thread(sandbox, TAKE_THE_SPAWNERS_PID)
@@ -403,12 +421,23 @@ def test_a_process_that_takes_the_killed_spawners_pid_is_not_spared(sandbox):
         os.sched_yield()
     Path("/proc/sys/kernel/ns_last_pid").write_text(str(spawner - 1))
     (scratch / "go").touch()
+    while not (scratch / "forked").exists() and thread.is_alive():
+        os.sched_yield()
+    try:
+        took = Path(f"/proc/{spawner}/comm").read_text().strip() == "impostor"
+    except OSError:
+        took = False
+    (scratch / "seen").touch()
     thread.join()
     assert out[0].ok, out[0]
-    if spawner not in executor._cgroup.pids():
+    if not took:
         pytest.xfail("another process of this host took the pid first (nothing was shown)")
-    sandbox.reset()
+    if then == "reset":
+        sandbox.reset()
+    after = py(sandbox, SEES_THE_IMPOSTOR)
+    assert after.ok and after.stdout == "False\n", after
     assert spawner not in sandbox._executor._cgroup.pids()
+    assert sandbox.run(["echo", "still works"]).stdout == "still works\n"
 
 
 def test_a_signal_still_on_its_way_to_the_spawner_costs_a_restart_too(sandbox):
