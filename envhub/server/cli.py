@@ -191,7 +191,7 @@ def uvicorn_config(app: Any, *, port: int, log_level: str = "warning", loop: str
     """
     import uvicorn
 
-    from envhub.server.guard import guarded_protocol, stall_dropping_ws_protocol
+    from envhub.server.guard import guarded_protocol, ws_protocol
 
     hub = app.state.hub
     return uvicorn.Config(
@@ -201,7 +201,7 @@ def uvicorn_config(app: Any, *, port: int, log_level: str = "warning", loop: str
         loop=loop,
         # request read timeout, head size cap, cap on connections without the token
         http=guarded_protocol(hub.guard),
-        ws=stall_dropping_ws_protocol(hub.config.stall_timeout_s),  # sans-io websockets
+        ws=ws_protocol(hub.config.stall_timeout_s),  # sans-io websockets
         ws_max_size=2 * hub.config.max_message_bytes,
         ws_per_message_deflate=False,
         ws_ping_interval=20.0,  # a client that vanishes is dropped after ~40 s, one that stops

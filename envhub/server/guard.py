@@ -21,7 +21,7 @@ runs inside uvicorn's httptools protocol (``guarded_protocol``) and guarantees:
    which the oldest goes at once whatever its age.
 
 What it does not cover: trusted connections are bounded elsewhere (session limits, the
-idle timeout, the WebSocket ping, uvicorn's keep-alive timeout; ``stall_dropping_ws_protocol``
+idle timeout, the WebSocket ping, uvicorn's keep-alive timeout; ``ws_protocol``
 drops a WebSocket client that stops reading what it is sent); a flood larger than the
 kernel's listen backlog is refused by the kernel. ``raise_fd_limit`` lifts the soft
 open-file limit to the hard one at start, since every session is a socket.
@@ -43,7 +43,7 @@ __all__ = [
     "ConnectionGuard",
     "guarded_protocol",
     "raise_fd_limit",
-    "stall_dropping_ws_protocol",
+    "ws_protocol",
 ]
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -251,17 +251,33 @@ def raise_fd_limit() -> int:
     return target
 
 
-def stall_dropping_ws_protocol(stall_s: float) -> type[asyncio.Protocol]:
-    """uvicorn's sans-io WebSocket protocol, for ``uvicorn.Config(ws=...)``, that drops
-    (aborts) a connection whose client has stopped reading: what the hub has to send it stayed
-    unsent for ``stall_s``, or its keepalive ping went unanswered. uvicorn closes such a
-    connection gracefully, and a graceful close waits for the client to read what is queued:
-    forever, for a client that never does, holding the socket and megabytes of send buffer
-    (its session is reaped meanwhile, so no session limit bounds them)."""
+def ws_protocol(stall_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's sans-io WebSocket protocol, for ``uvicorn.Config(ws=...)``, as a hub facing
+    hostile clients needs it:
+
+    - it drops (aborts) a connection whose client has stopped reading: what the hub has to send
+      it stayed unsent for ``stall_s``, or its keepalive ping went unanswered. uvicorn closes
+      such a connection gracefully, and a graceful close waits for the client to read what is
+      queued: forever, for a client that never does, holding the socket and megabytes of send
+      buffer (its session is reaped meanwhile, so no session limit bounds them);
+    - a text message that is not UTF-8 closes the connection with 1007 and one log line, where
+      uvicorn logs a traceback for each (a client could fill the hub's log with them)."""
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
-    class StallDroppingProtocol(WebSocketsSansIOProtocol):
+    class HubWebSocketProtocol(WebSocketsSansIOProtocol):
         stall_timer: asyncio.TimerHandle | None = None
+
+        def send_receive_event_to_app(self) -> None:
+            if self.curr_msg_data_type == "text" and not self.close_sent:
+                try:
+                    b"".join(self.frames).decode()
+                except UnicodeDecodeError:
+                    self.frames = []
+                    self.logger.warning("closed a WebSocket that sent text not in UTF-8 (1007)")
+                    self.conn.send_close(1007)
+                    self.handle_parser_exception()
+                    return
+            super().send_receive_event_to_app()
 
         def pause_writing(self) -> None:
             super().pause_writing()
@@ -294,4 +310,4 @@ def stall_dropping_ws_protocol(stall_s: float) -> type[asyncio.Protocol]:
                 self.stall_timer.cancel()
                 self.stall_timer = None
 
-    return StallDroppingProtocol
+    return HubWebSocketProtocol

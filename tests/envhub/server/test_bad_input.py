@@ -101,6 +101,32 @@ def check_oversized_frame_closes_with_1009(hub):
     assert closed_with(ws) == 1009
 
 
+def check_text_of_invalid_utf8_closes_with_1007_and_logs_no_traceback(hub):
+    """A client may send any bytes: the hub closes with 1007 and logs one line, not a
+    traceback per hostile frame (a log to flood)."""
+    import logging
+
+    from websockets.frames import Frame, Opcode
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        ws = raw_connect(hub)
+        hello(ws)
+        ws.protocol.send_frame(Frame(Opcode.TEXT, b'{"type": "step", "action": "\xff"}'))
+        with ws.protocol_mutex:
+            ws.send_data()
+        assert closed_with(ws) == 1007
+        settle(hub)
+    finally:
+        logger.removeHandler(handler)
+    assert [r.exc_info for r in records if r.exc_info] == []
+    assert any("UTF-8" in r.getMessage() for r in records), [r.getMessage() for r in records]
+
+
 def check_connection_flood_is_refused_beyond_the_limits(hub):
     settle(hub)  # sessions dropped by earlier checks count until grace_s ends
     held = []
@@ -136,6 +162,7 @@ CHECKS = [
     check_slow_client_gets_a_hello_timeout,
     check_bad_messages_keep_the_session,
     check_oversized_frame_closes_with_1009,
+    check_text_of_invalid_utf8_closes_with_1007_and_logs_no_traceback,
     check_connection_flood_is_refused_beyond_the_limits,
     check_crashed_worker_is_an_episode_failure,
 ]
