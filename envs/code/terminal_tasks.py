@@ -7,11 +7,32 @@ has to look at the files rather than memorise answers. A task is a dict::
      "solution": ["command", ...]}
 
 User datasets use the same fields (``solution`` optional).
+
+What the built-in checkers guard against (``tests/envs/code/test_terminal_integrity.py``
+attacks each):
+
+- **Outputs that only look done.** A file the task asks for is compared whole, byte for
+  byte (only its final newline may be missing), so deleting the lines a checker used to
+  skip, or creating empty files in place of renamed ones, fails. ``fix-script`` runs the
+  fixed program on inputs drawn when the check runs (``$RANDOM``), so a program that prints
+  a memorised answer, or is right only for the instruction's example, fails.
+- **Non-regular files.** Every path is tested with ``test -f`` before it is read, so a FIFO
+  (or a device, or a directory) there fails the check at once instead of blocking it until
+  the command timeout on every turn. A background process that swaps a file for a FIFO
+  between that test and the read can still stall a check; it only delays its own failure.
+- **The agent's shell.** Checkers run as a fresh ``bash -c`` with the sandbox's fixed
+  environment, not in the session, so its aliases, functions, ``PATH`` and rc files do not
+  reach them; the system directories on ``PATH`` are read-only.
+
+Not covered: a checker's expected values are in its command line, which processes inside the
+sandbox could read if they ran beside it (the local backend runs checkers apart from the
+session's processes).
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from typing import Any
 
 import numpy as np
@@ -29,6 +50,38 @@ TERMINAL_KINDS = (
     "make-tree",
 )
 _WORDS = ["alpha", "bravo", "cedar", "delta", "ember", "fable", "gamma", "harbor", "iris", "jade"]
+
+
+def _regular(path: str) -> str:
+    """Bash: ``path`` is a regular file (a FIFO there would block the read that follows)."""
+    return f"test -f {shlex.quote(path)}"
+
+
+def _number_check(path: str, value: int) -> str:
+    """Bash, exit 0 when ``path`` holds just ``value`` (whitespace around it ignored)."""
+    quoted = shlex.quote(path)
+    return f'{_regular(path)} && test "$(tr -d "[:space:]" < {quoted})" = "{value}"'
+
+
+def _text_check(path: str, text: str) -> str:
+    """Bash, exit 0 when ``path`` holds exactly ``text``, with or without its final newline.
+
+    ``cmp`` compares bytes, so NUL bytes or trailing blank lines are differences too (a
+    ``$(cat ...)`` comparison would drop both).
+    """
+    quoted, body = shlex.quote(path), shlex.quote(text.rstrip("\n"))
+    return (
+        f'{_regular(path)} && t={body} && {{ printf %s "$t" | cmp -s - {quoted} || '
+        f"printf '%s\\n' \"$t\" | cmp -s - {quoted}; }}"
+    )
+
+
+_FIX_BUGS = {
+    "range(1, n)": "the last number is left out",
+    "range(2, n + 1)": "the first number is left out",
+}
+"""fix-script's bugs: the loop's wrong ``range`` -> what it gets wrong (the fix is always
+``range(1, n + 1)``)."""
 
 
 def make_terminal_task(kind: str, seed: int) -> dict[str, Any]:
@@ -52,7 +105,7 @@ def make_terminal_task(kind: str, seed: int) -> dict[str, Any]:
                 "and write just that number to answer.txt."
             ),
             "files": {"logs/app.log": "\n".join(lines) + "\n"},
-            "check": f'test "$(tr -d "[:space:]" < answer.txt)" = "{count}"',
+            "check": _number_check("answer.txt", count),
             "solution": ["grep -c ERROR logs/app.log > answer.txt"],
         }
     if kind == "csv-total":
@@ -69,7 +122,7 @@ def make_terminal_task(kind: str, seed: int) -> dict[str, Any]:
                 "Write the sum of the amount column to total.txt."
             ),
             "files": {"sales.csv": csv},
-            "check": f'test "$(tr -d "[:space:]" < total.txt)" = "{total}"',
+            "check": _number_check("total.txt", total),
             "solution": [
                 "head -3 sales.csv",
                 "awk -F, 'NR>1{s+=$2} END{print s}' sales.csv > total.txt",
@@ -78,34 +131,43 @@ def make_terminal_task(kind: str, seed: int) -> dict[str, Any]:
     if kind == "rename-ext":
         names = sorted({str(w) for w in rng.choice(_WORDS, size=int(rng.integers(3, 7)))})
         files = {f"notes/{n}.txt": f"{n}\n" for n in names}
-        expected = " ".join(f"notes/{n}.md" for n in names)
+        moved = " && ".join(_text_check(f"notes/{n}.md", f"{n}\n") for n in names)
         return {
             "kind": kind,
             "instruction": (
                 "Rename every .txt file in notes/ to the same name with the .md extension."
             ),
             "files": files,
-            "check": (
-                'test -z "$(ls notes/*.txt 2>/dev/null)" && '
-                f'for f in {expected}; do test -f "$f" || exit 1; done'
-            ),
+            "check": f"! compgen -G 'notes/*.txt' >/dev/null && {moved}",
             "solution": ['for f in notes/*.txt; do mv "$f" "${f%.txt}.md"; done'],
         }
     if kind == "fix-script":
         n = int(rng.integers(5, 20))
+        bug = str(rng.choice(sorted(_FIX_BUGS)))
         script = (
-            f"total = 0\nfor i in range(1, {n}):\n    total += i\n"
-            f"print('OK' if total == {n * (n + 1) // 2} else 'WRONG', total)\n"
+            "import sys\n\nn = int(sys.argv[1])\ntotal = 0\n"
+            f"for i in {bug}:\n    total += i\nprint(total)\n"
         )
+        # 1, the example and two inputs drawn anew by every check, so no answer can be
+        # memorised; the expected sum is computed after the program ran, never passed to it.
+        inputs = f"1 {n} $((RANDOM % 30000 + 100)) $((RANDOM % 30000 + 100))"
         return {
             "kind": kind,
             "instruction": (
-                f"fix.py should add the numbers 1 to {n} inclusive and print OK, "
-                "but it prints WRONG. Fix fix.py."
+                "fix.py should print the sum of the whole numbers from 1 to N inclusive, "
+                f"for the N given as its argument (`python3 fix.py {n}` should print "
+                f"{n * (n + 1) // 2}), but {_FIX_BUGS[bug]}. Fix fix.py."
             ),
             "files": {"fix.py": script},
-            "check": 'python3 fix.py | grep -q "^OK"',
-            "solution": [f"sed -i 's/range(1, {n})/range(1, {n + 1})/' fix.py", "python3 fix.py"],
+            "check": (
+                f"{_regular('fix.py')} && for k in {inputs}; do "
+                'test "$(python3 -I fix.py "$k" 2>/dev/null)" = "$((k * (k + 1) / 2))" '
+                "|| exit 1; done"
+            ),
+            "solution": [
+                f"sed -i 's/for i in {bug}:/for i in range(1, n + 1):/' fix.py",
+                f"python3 fix.py {n}",
+            ],
         }
     if kind == "config-edit":
         port = int(rng.integers(2000, 9000))
@@ -117,11 +179,7 @@ def make_terminal_task(kind: str, seed: int) -> dict[str, Any]:
             "kind": kind,
             "instruction": "In app.ini set debug to false, leaving every other line unchanged.",
             "files": {"app.ini": config},
-            "check": (
-                'grep -qx "debug = false" app.ini && ! grep -q "debug = true" app.ini && '
-                f'grep -qx "port = {port}" app.ini && '
-                f"test $(wc -l < app.ini) -eq {config.count(chr(10))}"
-            ),
+            "check": _text_check("app.ini", config.replace("debug = true", "debug = false")),
             "solution": ["sed -i 's/^debug = true$/debug = false/' app.ini"],
         }
     if kind == "dedupe":
@@ -137,7 +195,7 @@ def make_terminal_task(kind: str, seed: int) -> dict[str, Any]:
                 "Write the distinct addresses, sorted, one per line, to unique.txt."
             ),
             "files": {"emails.txt": "\n".join(emails) + "\n"},
-            "check": f'test "$(cat unique.txt)" = "{chr(10).join(unique)}"',
+            "check": _text_check("unique.txt", "".join(f"{e}\n" for e in unique)),
             "solution": ["sort -u emails.txt > unique.txt"],
         }
     if kind == "json-active":
@@ -148,7 +206,7 @@ def make_terminal_task(kind: str, seed: int) -> dict[str, Any]:
             }
             for i in range(int(rng.integers(5, 12)))
         ]
-        active = sorted(u["name"] for u in users if u["active"])
+        active = sorted(str(u["name"]) for u in users if u["active"])
         return {
             "kind": kind,
             "instruction": (
@@ -156,7 +214,7 @@ def make_terminal_task(kind: str, seed: int) -> dict[str, Any]:
                 "Write the names of the active users, sorted, one per line, to active.txt."
             ),
             "files": {"users.json": json.dumps(users, indent=1)},
-            "check": f'test "$(cat active.txt)" = "{chr(10).join(active)}"',
+            "check": _text_check("active.txt", "".join(f"{a}\n" for a in active)),
             "solution": [
                 (
                     "python3 -c \"import json; print('\\n'.join(sorted(u['name'] for u in "
@@ -173,8 +231,10 @@ def make_terminal_task(kind: str, seed: int) -> dict[str, Any]:
                 f"and an empty file {name}/README.md."
             ),
             "files": {},
+            # real directories: a symlink to some other directory is not creating one
             "check": (
-                f"test -d {name}/src && test -d {name}/tests && "
+                f"for d in {name} {name}/src {name}/tests; do "
+                'test -d "$d" && test ! -L "$d" || exit 1; done && '
                 f"test -f {name}/README.md && test ! -s {name}/README.md"
             ),
             "solution": [f"mkdir -p {name}/src {name}/tests && touch {name}/README.md"],
