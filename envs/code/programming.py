@@ -141,7 +141,8 @@ class ProgrammingEnv(TextEnv):
             "Hidden tests will run it; you will see which tests fail and may revise."
         )
         self.task: Task = {}
-        self._setup, self._tests = "", []
+        self._setup = ""
+        self._tests: list[str] = []
         self._best = 0.0
         self._sandbox: Any = None
 

@@ -42,9 +42,11 @@ def shortest_path(board: list[str], start: tuple[int, int]) -> list[str] | None:
         cell = queue.popleft()
         if board[cell[0]][cell[1]] == "G":
             moves: list[str] = []
-            while came[cell] is not None:
-                cell, move = came[cell]
+            step = came[cell]
+            while step is not None:
+                cell, move = step
                 moves.append(move)
+                step = came[cell]
             return moves[::-1]
         for move in DIRECTIONS:
             r, c = cell[0] + _STEP[move][0], cell[1] + _STEP[move][1]

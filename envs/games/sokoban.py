@@ -14,6 +14,7 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -409,7 +410,7 @@ class SokobanEnv(GameEnv):
         while self._plan and self._plan[0][0] != state:
             self._plan.pop(0)
         if not self._plan:
-            moves = None
+            moves: Sequence[str] | None = None
             if state == (self.level.player, self.level.boxes):
                 moves = self.level.solution  # found (or built) by the generator
             if moves is None:

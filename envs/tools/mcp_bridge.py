@@ -110,7 +110,9 @@ class McpEnv(ToolEnv):
                 "tools/mcp-v0 with your own MCP server needs dataset= "
                 "(JSONL or list of {'question', 'answer'} tasks)"
             )
-        self.command = list(DEMO_COMMAND if builtin else command) if url is None else None
+        self.command = None
+        if url is None:
+            self.command = list(DEMO_COMMAND if command is None else command)
         self.url = url
         self.server_env = server_env
         self.hidden_tools = set(

@@ -111,6 +111,8 @@ class McpConnection:
             return stdio_client(params)
         from mcp.client.streamable_http import streamable_http_client
 
+        if self.url is None:
+            raise ValueError("an MCP server needs a command or a url")
         return streamable_http_client(self.url)
 
     async def _hold(self) -> None:

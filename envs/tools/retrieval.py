@@ -77,7 +77,7 @@ def build_corpus(
                 used.add(value)
                 return value
 
-    cities = [
+    cities: list[dict[str, Any]] = [
         {
             "name": unique(lambda: _name(rng, 3)),
             "population": int(rng.integers(20, 2_000)) * 1_000 + int(rng.integers(0, 999)),
@@ -85,7 +85,8 @@ def build_corpus(
         }
         for _ in range(companies // 2)
     ]
-    people, firms = [], []
+    people: list[dict[str, Any]] = []
+    firms: list[dict[str, Any]] = []
     for _ in range(companies):
         person = {
             "name": f"{unique(lambda: _name(rng, 2))} {_name(rng, 3)}",
@@ -100,7 +101,7 @@ def build_corpus(
         }
         people.append(person)
         firms.append(firm)
-    documents = []
+    documents: list[dict[str, str]] = []
     for firm in firms:
         documents.append(
             {

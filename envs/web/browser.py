@@ -258,7 +258,7 @@ class BrowserEnv(TextEnv):
         }
         self._site.reset(member_id=self.task.get("member_id", "M-000000"))
         base = self._ensure_server()
-        self._answer: str | None = None
+        self._answer = None
         try:
             self._new_page()
             note = self._goto(base + "/")
