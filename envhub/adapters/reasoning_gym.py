@@ -2,9 +2,11 @@
 
 Every dataset of reasoning-gym (procedural reasoning tasks with verifiers) is one id. An
 episode is one question; the model answers inside ``<answer>...</answer>`` and the
-dataset's own ``score_answer`` is the reward (in [0, 1]; 1 is a success). The ``retry``
-variant (``reasoning-gym/<dataset>-retry-v0``, ``attempts=3``) is multi-turn: a wrong answer
-is told its score and may try again until the attempts run out.
+dataset's own ``score_answer`` is the reward (in [0, 1]; 1 is a success); scorers that would
+read the answer with ``eval`` or sympy's ``parse_expr`` read it through ``answer_guard``
+instead, so an answer is never run as code. The ``retry`` variant
+(``reasoning-gym/<dataset>-retry-v0``, ``attempts=3``) is multi-turn: a wrong answer is told
+its score and may try again until the attempts run out.
 
 Tasks follow ``envs/datasets.py``: ``reset(options={"task": entry})`` plays that entry,
 ``{"task_id": "17"}`` / ``{"task_index": i}`` pick one, and otherwise the seed draws one. The
@@ -30,9 +32,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from envhub.adapters import did_you_mean, require
+from envhub.adapters.answer_guard import UnsafeScorer, guard_scorer
 from envhub.adapters.catalog import register_source
 from envhub.core import TextEnv, Turn
-from envhub.errors import ActionParseError, SourceConfigError
+from envhub.errors import ActionParseError, SourceConfigError, SourceError
 from envhub.parsing import ActionParser
 from envs.datasets import Split, Task, TaskSet, as_taskset, stable_hash
 
@@ -248,12 +251,17 @@ class _Dataset:
     def get(self) -> Any:
         if self._dataset is None:
             try:
-                self._dataset = require(SOURCE).create_dataset(self.name, **self.config)
+                dataset = require(SOURCE).create_dataset(self.name, **self.config)
             except (AssertionError, ValueError, TypeError) as error:
                 raise SourceConfigError(
                     f"reasoning-gym/{self.name}: its config refused {self.config} "
                     f"({type(error).__name__}: {error})"
                 ) from error
+            try:  # its scorer must not run the model's answer as code (answer_guard)
+                guard_scorer(type(dataset))
+            except UnsafeScorer as error:
+                raise SourceError(f"reasoning-gym/{self.name}: {error}") from None
+            self._dataset = dataset
         return self._dataset
 
     def entry(self, index: int) -> dict[str, Any]:

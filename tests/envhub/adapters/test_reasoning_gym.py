@@ -125,3 +125,48 @@ def test_an_entry_is_the_same_in_another_process():
     )
     here = envhub.make("reasoning-gym/word_sorting-v0").reset(seed=5)[0]
     assert json.loads(other.stdout.strip().splitlines()[-1]) == here
+
+
+# ---- answers are never run as code (envhub/adapters/answer_guard.py) ------------------------
+CODE_ANSWERS = {  # dataset -> an answer of the form its scorer reads, that runs code
+    "spiral_matrix": "{write} or []",
+    "string_insertion": "[{write}]",
+    "binary_matrix": "[{write}]",
+    "n_queens": "[{write}]",
+    "countdown": "{write}",
+    "puzzle24": "{write}",
+    "polynomial_multiplication": "{write}",
+    "simple_integration": "{write}",
+    "intermediate_integration": "{write}",
+}
+REWARD_ONE = (  # patches the adapter's clipping so that any score reads 1
+    "setattr(__import__('sys').modules['envhub.adapters.reasoning_gym'], 'min', lambda *a: 1.0)"
+)
+
+
+@pytest.mark.parametrize("name", sorted(CODE_ANSWERS))
+def test_an_answer_is_never_run_as_code(name, tmp_path):
+    """These datasets' scorers call ``eval`` or sympy's ``parse_expr`` on the answer: an answer
+    that writes a file, or patches the adapter to score itself 1, does neither."""
+    proof = tmp_path / "ran"
+    write = f"__import__('pathlib').Path({str(proof)!r}).write_text('x')"
+    env = envhub.make(f"reasoning-gym/{name}-v0")
+    for answer in (CODE_ANSWERS[name].format(write=write), REWARD_ONE):
+        env.reset(seed=0)
+        _, reward, terminated, _, info = env.step(f"<answer>{answer}</answer>")
+        assert terminated and reward < 1.0 and not info["success"], (answer, reward)
+    assert not proof.exists()
+    env.reset(seed=0)
+    assert env.step(f"<answer>{env.unwrapped.task['answer']}</answer>")[1] == 1.0
+
+
+def test_an_unevaluated_integral_is_not_an_antiderivative():
+    """sympy's ``Integral(f, x)`` differentiates back to ``f``: as an answer it would solve
+    every integration task without integrating. The guard reads only arithmetic and named
+    math functions."""
+    env = envhub.make("reasoning-gym/simple_integration-v0")
+    env.reset(seed=0)
+    integrand = env.unwrapped.task["metadata"]["integrand"]
+    variable = env.unwrapped.task["metadata"]["variable"]
+    _, reward, *_ = env.step(f"<answer>Integral({integrand}, {variable}) + C</answer>")
+    assert reward == 0.0
