@@ -313,6 +313,19 @@ class TextEnv(gym.Env[Observation, str]):
         """Release resources (processes, sandboxes, browsers). Called at most once."""
 
     # ----------------------------------------------------------------- helpers for authors
+    def _not_text(self, action: str) -> Turn | None:
+        """An invalid action for text with no UTF-8 form (a lone surrogate such as ``\\udcff``,
+        which JSON can carry): no env could send it to a shell, a browser or a URL."""
+        try:
+            action.encode("utf-8")
+        except UnicodeEncodeError as error:
+            return self.invalid_action(
+                f"The action is not valid text: {action[error.start : error.end]!r} at "
+                f"character {error.start} has no UTF-8 form (a lone surrogate). "
+                "Send plain UTF-8 text."
+            )
+        return None
+
     def invalid_action(self, feedback: str, *, penalty: float | None = None, **info: Any) -> Turn:
         """The turn to return for text that is not a legal action: a penalty and feedback."""
         reward = self.invalid_action_penalty if penalty is None else penalty
@@ -352,7 +365,7 @@ class TextEnv(gym.Env[Observation, str]):
         if isinstance(action, str):
             self._turn += 1
             self._history.append({"role": "assistant", "content": action})
-            turn = self.on_step(action)
+            turn = self._not_text(action) or self.on_step(action)
         else:
             message = assistant_message(action, type(self).__name__)
             self._turn += 1
@@ -362,7 +375,8 @@ class TextEnv(gym.Env[Observation, str]):
             else:
                 from envhub.parsing import message_text
 
-                turn = self.on_step(message_text(message))
+                text = message_text(message)
+                turn = self._not_text(text) or self.on_step(text)
         messages = as_messages(turn.observation)
         reward = float(turn.reward)
         used_up = self.max_turns is not None and self._turn >= self.max_turns

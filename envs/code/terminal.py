@@ -8,8 +8,7 @@ The model sends one command (or a short script) per turn — in a ```bash block,
 ``<answer>...</answer>``, or bare — and sees its output (truncated) and exit code. After
 every command the task's checker script runs in the same sandbox; when it passes the
 episode ends with reward 1. A command that runs too long is killed (``command_timeout_s``)
-and reported; the shell stays usable. Text that cannot be encoded as UTF-8 (a lone
-surrogate) is an invalid action, answered with a message, not sent.
+and reported; the shell stays usable.
 
 Built-in tasks (``terminal_tasks``): counting log errors, summing a CSV column, renaming
 files, fixing a failing script, editing a config, deduplicating, extracting from JSON,
@@ -151,14 +150,6 @@ class TerminalEnv(TextEnv):
             self._plan_position += 1
         if not command:
             return self.invalid_action("Send a shell command, e.g. ```bash\nls -la\n```")
-        try:  # a lone surrogate ("\udcff", e.g. from JSON) is a str with no UTF-8 bytes
-            command.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return self.invalid_action(
-                f"The command is not valid text: {command[exc.start : exc.end]!r} at character "
-                f"{exc.start} ({exc.reason}) cannot be sent to the shell. "
-                "Send the command as plain UTF-8 text."
-            )
         result = self._session.run(command, timeout=self.command_timeout_s)
         output = (result.stdout + result.stderr).rstrip()
         if len(output) > self.max_output_chars:

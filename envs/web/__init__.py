@@ -13,6 +13,7 @@ __all__ = ["register"]
 def register() -> None:
     """Register every web env with the envhub registry (called by the registry itself)."""
     from envhub.registry import register
+    from envs.web.browser_site import NAVIGATION_KINDS
 
     register(
         "web/shop-v0",
@@ -34,6 +35,6 @@ def register() -> None:
         ),
         variants={
             "forms": {"kinds": ["signup", "contact"]},
-            "navigation": {"kinds": ["member-id", "store-hours"]},
+            "navigation": {"kinds": list(NAVIGATION_KINDS)},
         },
     )

@@ -17,7 +17,8 @@ ID under Settings, reaching a store's opening-hours page. A checker looks at wha
 recorded, the URL or the answer after every step; success gives reward 1 and ends the
 episode. A page that does not load within ``page_timeout_s`` is an observation saying so;
 a browser that crashes ends the episode as failed (``info["failed"]``), never a hang.
-Navigation is confined to the local site.
+Navigation is confined to the local site; in the navigation tasks (member ID, store hours)
+``goto`` goes home only, since typing a guessed address would skip the task.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from envhub.errors import ActionParseError
 from envhub.parsing import ActionParser
 from envs.datasets import Split, TaskSet, as_taskset
 from envs.web.browser_pool import BrowserPool
-from envs.web.browser_site import TASK_KINDS, TaskSite, check, make_task
+from envs.web.browser_site import NAVIGATION_KINDS, TASK_KINDS, TaskSite, check, make_task
 from envs.web.shop_site import serve_site
 
 __all__ = ["SNAPSHOT_JS", "BrowserEnv"]
@@ -378,6 +379,11 @@ class BrowserEnv(TextEnv):
                 url = urljoin(base + "/", first)
                 if not url.startswith(base + "/"):
                     return f"!goto is limited to this site ({base}); use a path like /contact."
+                if self.task.get("kind") in NAVIGATION_KINDS and urlsplit(url).path != "/":
+                    return (
+                        "!goto is off in navigation tasks (finding the page is the task): "
+                        "follow the site's links; goto [/] returns to the home page."
+                    )
                 return self._goto(url)
             element = self._element(first)
             if element is None:

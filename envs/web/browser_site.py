@@ -21,6 +21,8 @@ import numpy as np
 __all__ = ["TASK_KINDS", "TaskSite", "check", "make_task"]
 
 TASK_KINDS = ("signup", "member-id", "contact", "store-hours")
+NAVIGATION_KINDS = ("member-id", "store-hours")
+"""Tasks of finding a page through the site's links (``goto`` goes home only)."""
 _NAMES = [
     "Ada Park",
     "Bruno Diaz",

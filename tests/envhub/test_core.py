@@ -118,6 +118,16 @@ def test_a_text_env_reads_an_assistant_message_as_its_text(countdown):
     assert countdown.step("go") == by_message
 
 
+def test_action_text_with_no_utf8_form_is_an_invalid_action(countdown):
+    """A lone surrogate (JSON can carry ``"\\udcff"``) reaches no env: every env would fail
+    to send it on (a shell, a URL, a browser)."""
+    for action in ("go \udcff", {"role": "assistant", "content": "go \udcff"}):
+        countdown.reset(seed=0)
+        reply, reward, _, _, info = countdown.step(action)
+        assert info["invalid_action"] and reward < 0 and countdown.turn == 1
+        assert "\\udcff" in reply[0]["content"] and "UTF-8" in reply[0]["content"]
+
+
 def test_close_twice_is_safe_and_on_close_runs_once():
     calls = []
 

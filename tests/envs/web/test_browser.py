@@ -68,6 +68,24 @@ def test_oracle_solves_every_task_kind_and_random_rarely_does():
         env.close()
 
 
+def test_a_navigation_task_is_not_solved_by_typing_the_pages_address():
+    """Navigation tasks train finding a page through the site's links: ``goto`` to a guessed
+    path is refused there (home stays reachable), so it earns nothing."""
+    env = envhub.make("web/browser-navigation-v0")
+    try:
+        for task_id, guess in (("store-hours-002", None), ("member-id-002", "/settings/profile")):
+            env.reset(options={"task_id": task_id})
+            path = guess or f"/stores/{env.unwrapped.task['city'].lower()}"
+            reply, reward, terminated, _, info = env.step(f"<answer>goto [{path}]</answer>")
+            assert "goto" in reply[-1]["content"] and "links" in reply[-1]["content"]
+            assert (reward <= 0, terminated, info["success"]) == (True, False, False)
+            assert env.unwrapped._path() != path
+            _, _, _, _, info = env.step("<answer>goto [/]</answer>")
+            assert env.unwrapped._path() == "/" and not info.get("invalid_action")
+    finally:
+        env.close()
+
+
 def test_observation_has_element_ids_roles_and_values():
     env = envhub.make("web/browser-v0")
     try:

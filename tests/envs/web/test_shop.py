@@ -56,6 +56,9 @@ def test_clicks_and_searches_are_validated_with_feedback():
     env.step("<answer>search[black running shoes]</answer>")
     reply, *_ = env.step("<answer>search[mug]</answer>")
     assert "no search box on this page" in reply[0]["content"]
+    env.reset(seed=0)  # a lone surrogate (JSON can carry one) is an invalid action, not an error
+    reply, reward, _, _, info = env.step("<answer>search[shoes \udcff]</answer>")
+    assert info["invalid_action"] and "\\udcff" in reply[0]["content"] and reward < 0
 
 
 def test_http_transport_serves_the_same_pages():
