@@ -62,12 +62,13 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
         errors.print(f"[bold red]error:[/] {error}", highlight=False, markup=True, soft_wrap=True)
         sys.exit(2)
     out = Path(cfg.output_dir)
-    if not resume and out.exists() and any(out.iterdir()):
-        aside = out.with_name(f"{out.name}.old-{time.strftime('%Y%m%d-%H%M%S')}")
-        out.rename(aside)
-        console.print(
-            f"moved the previous run in {out} to {aside} (use --resume to continue a run)"
-        )
+    try:
+        if not resume:
+            for line in _move_previous_run_aside(out, Path(cfg.checkpoint_dir)):
+                console.print(line, highlight=False, soft_wrap=True)
+    except TrainerError as error:
+        errors.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        sys.exit(1)
     console.print(f"output: {out.resolve()}", highlight=False)
     if resume:
         for line in config_drift(cfg):
@@ -91,6 +92,31 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
         highlight=False,
         soft_wrap=True,  # paths and commands are copied: never wrapped mid-word
     )
+
+
+def _move_previous_run_aside(out: Path, checkpoints: Path) -> list[str]:
+    """Before a fresh start: move the previous run in ``out`` aside, and its checkpoint folder
+    when ``checkpoint.dir`` lies outside ``out`` (a later ``--resume`` would otherwise continue
+    the old run). Nothing is deleted; a folder a live run still writes is refused (its pid)."""
+    from trainer.checkpoint import FolderLock
+    from trainer.resume import RUN_LOCK
+
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    moved = []
+    for folder, lock_name, setting, what in (
+        (out, RUN_LOCK, "output_dir", "the previous run"),
+        (checkpoints, ".lock", "checkpoint.dir", "its checkpoints"),
+    ):
+        if not folder.is_dir() or not any(folder.iterdir()):
+            continue
+        lock = FolderLock(folder, name=lock_name, setting=setting)
+        try:
+            aside = folder.with_name(f"{folder.name}.old-{stamp}")
+            folder.rename(aside)
+        finally:
+            lock.release()
+        moved.append(f"moved {what} in {folder} to {aside} (use --resume to continue a run)")
+    return moved
 
 
 def _serve_hint(policy: Path) -> str:
@@ -135,7 +161,7 @@ def config_drift(cfg: Any, *, limit: int = 12) -> list[str]:
     from trainer.checkpoint import CheckpointManager
 
     try:
-        latest = CheckpointManager(cfg.checkpoint_dir).latest()
+        latest = CheckpointManager(cfg.checkpoint_dir, lock=False).latest()
     except Exception:  # noqa: BLE001 - no checkpoint folder: the pipeline reports that itself
         return []
     if latest is None or not (latest / "config.json").is_file():

@@ -100,9 +100,23 @@ class MetricsLog:
 
     def truncate_after(self, step: int) -> list[dict[str, Any]]:
         """Drop lines of steps after ``step`` (written by a run killed before its next
-        checkpoint)."""
-        kept = [row for row in self.read() if row.get("step", 0) <= step]
-        self.path.write_text("".join(json.dumps(row) + "\n" for row in kept))
+        checkpoint), and a line cut short by that kill (or a full disk) that no longer parses.
+        The file is replaced atomically: a kill meanwhile leaves the old one."""
+        kept = []
+        if self.path.exists():
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if isinstance(row, dict) and row.get("step", 0) <= step:
+                    kept.append(row)
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        with tmp.open("w") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in kept))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
         return kept
 
     def write(self, metrics: dict[str, Any]) -> None:

@@ -71,9 +71,23 @@ class AgenticPipeline:
         resume: bool = False,
         on_step: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
+        from trainer.checkpoint import CheckpointManager, FolderLock
+        from trainer.resume import RUN_LOCK, start_run
+
         self.cfg, self.resume, self.on_step = config, resume, on_step or (lambda metrics: None)
         self.out = Path(config.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
+        self.run_lock = FolderLock(self.out, name=RUN_LOCK, setting="output_dir")
+        """Held until ``close``: a second run on this folder is refused, naming this one's pid."""
+        try:
+            self.checkpoints = CheckpointManager(
+                config.checkpoint_dir,
+                keep=config.checkpoint.keep,
+                run_id=start_run(self.out, config.checkpoint_dir, resume=resume),
+            )
+        except BaseException:
+            self.run_lock.release()
+            raise
         _quiet_transformers()
         self.start_time, self.time_offset, self.step = time.monotonic(), 0.0, 0
         self.model_path = prepare_policy(config)
@@ -90,9 +104,6 @@ class AgenticPipeline:
         )
         self.envs = self._env_source()
         self.rewards = self._reward_router()
-        from trainer.checkpoint import CheckpointManager
-
-        self.checkpoints = CheckpointManager(config.checkpoint_dir, keep=config.checkpoint.keep)
         from envhub.runs import TrajectoryWriter
 
         stored = config.logging.trajectories
@@ -393,20 +404,35 @@ class AgenticPipeline:
         )
 
     def restore(self) -> None:
-        """Continue from the latest checkpoint: weights, optimiser, sampling RNGs, step, clock."""
+        """Continue from the latest checkpoint: weights, optimiser, sampling RNGs, step, clock.
+        Settings a saved state cannot be loaded with are refused first (``trainer.resume``)."""
         from trainer.checkpoint import restore_rng
+        from trainer.errors import CheckpointError
+        from trainer.resume import resume_conflicts, write_run_id
 
         checkpoint = self.checkpoints.load()
+        if self.checkpoints.run_id is None and checkpoint.run_id is not None:
+            self.checkpoints.run_id = checkpoint.run_id  # a run.json-less folder adopts its run
+            write_run_id(self.out, checkpoint.run_id)
+        engine = checkpoint.load_state("engine")
+        conflicts = resume_conflicts(
+            checkpoint.config,
+            self.cfg.model_dump(mode="json"),
+            engine_ranks=(len(engine["ranks"]), self.roles.infer.world_size),
+        )
+        if conflicts:
+            raise CheckpointError(
+                f"cannot resume from {checkpoint.path} with this config:\n"
+                + "\n".join(f"  - {line}" for line in conflicts)
+            )
         self.rollouts.load_state_dict(
             checkpoint.extra, step=checkpoint.step
-        )  # first: the sync below starts
-        # async rollouts from this counter
+        )  # first: the sync below starts async rollouts from this counter
         self.roles.actor.load_state_dict(checkpoint.load_state("actor"))
         if self.roles.critic is not None:
             self.roles.critic.load_state_dict(checkpoint.load_state("critic"))
         if self.roles.reference is not None and "reference" in checkpoint.state_names:
             self.roles.reference.load_weights(checkpoint.load_state("reference"))
-        engine = checkpoint.load_state("engine")
         self.weight_sync.policy.restore(
             int(engine.get("version", 0))
         )  # the re-sync below is the next version
@@ -429,15 +455,20 @@ class AgenticPipeline:
         return rows
 
     def close(self) -> None:
-        with contextlib.suppress(
-            Exception
-        ):  # aborts what runs, closes envs, cancels leftover tasks
-            self.rollouts.close()
-        self.log.close()
-        self.store.close()
-        if self.rewards is not None:
-            self.rewards.shutdown()
-        self.roles.shutdown()
+        """Stop everything the run started; then release its folders to the next run."""
+        try:
+            with contextlib.suppress(
+                Exception
+            ):  # aborts what runs, closes envs, cancels leftover tasks
+                self.rollouts.close()
+            self.log.close()
+            self.store.close()
+            if self.rewards is not None:
+                self.rewards.shutdown()
+            self.roles.shutdown()
+        finally:
+            self.checkpoints.close()
+            self.run_lock.release()
 
     # ================================================================== helpers
     def _balanced(self, batch: Batch) -> Batch:

@@ -73,6 +73,7 @@ def test_keep_prunes_old_checkpoints_and_latest_follows(tmp_path: Path) -> None:
     manager.save(5, states={"w": torch.tensor([50.0])})  # re-saving a step replaces it
     assert float(manager.load().load_state("w")) == 50.0
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".lock",
         "latest",
         "step_00000004",
         "step_00000005",
@@ -86,7 +87,7 @@ def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
         writer.save_state("w", torch.ones(2))
         raise RuntimeError("disk on fire")
     assert manager.latest() == tmp_path / "step_00000001"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step_00000001"]
 
 
 def test_files_written_by_callables_and_a_bad_pointer(tmp_path: Path) -> None:
@@ -95,6 +96,7 @@ def test_files_written_by_callables_and_a_bad_pointer(tmp_path: Path) -> None:
     assert (tmp_path / "step_00000007" / "hf_model" / "config.json").read_text() == "{}"
     (tmp_path / "latest").write_text("step_99999999\n")  # a stale pointer: the newest commit wins
     assert manager.load().step == 7
+    manager.close()
     CheckpointManager(tmp_path)  # and the next manager repairs the pointer
     assert (tmp_path / "latest").read_text() == "step_00000007\n"
 
@@ -165,7 +167,7 @@ def test_kill_9_mid_write_keeps_the_last_good_checkpoint(tmp_path: Path) -> None
 
     manager = CheckpointManager(tmp_path)
     assert [p.name for p in manager.removed_partial] and not any(
-        p.name.startswith(".") for p in tmp_path.iterdir()
+        p.name.startswith(".") and p.name != ".lock" for p in tmp_path.iterdir()
     )
     ckpt = manager.load()
     assert ckpt.step == 1 and ckpt.seeds == {"env": 1}
@@ -187,7 +189,7 @@ def test_kill_9_at_an_arbitrary_moment_of_a_save_loop(tmp_path: Path) -> None:
     ckpt = manager.load()
     assert ckpt.path == complete[-1] and ckpt.step >= 3
     assert (tmp_path / "latest").read_text().strip() == ckpt.path.name
-    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".") and p.name != ".lock"]
     assert float(ckpt.load_state("model")["w"][0]) == float(ckpt.step) and ckpt.seeds == {
         "step": ckpt.step
     }

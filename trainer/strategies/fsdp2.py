@@ -302,12 +302,14 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         """Collective: model + optimiser as full tensors (rank 0 receives them; others empty)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
+        from trainer.resume import strategy_stamp
+
         self.residency.require("params", "optimizer")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         if self.optimizer is None:
-            return {"model": self.full_state_dict()}
+            return {"model": self.full_state_dict(), **strategy_stamp(self.name)}
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
-        return {"model": model_state, "optimizer": optim_state}
+        return {"model": model_state, "optimizer": optim_state, **strategy_stamp(self.name)}
 
     def save_pretrained(self, path: str) -> None:
         """Collective: gather the full model and let rank 0 write it as an HF folder."""
@@ -316,22 +318,29 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
             self.model.save_pretrained(path, state_dict=state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Collective: load full tensors (present on every rank) back into the shards."""
+        """Collective: load full tensors (present on every rank) back into the shards; the
+        optimizer keeps its configured settings (``trainer.resume``); a state of another strategy
+        is refused."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
             set_state_dict,
         )
 
+        from trainer.resume import check_saved_strategy, keep_optimizer_settings
+
         self.residency.require("params", "optimizer")
+        if self.optimizer is not None:
+            check_saved_strategy(state, self.name)
         options = StateDictOptions(full_state_dict=True)
         if self.optimizer is not None and state.get("optimizer"):
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=state["model"],
-                optim_state_dict=state["optimizer"],
-                options=options,
-            )
+            with keep_optimizer_settings(self.optimizer):
+                set_state_dict(
+                    self.model,
+                    self.optimizer,
+                    model_state_dict=state["model"],
+                    optim_state_dict=state["optimizer"],
+                    options=options,
+                )
         else:
             set_model_state_dict(self.model, state["model"], options=options)

@@ -109,17 +109,26 @@ class HFTrainStrategy(BaseTrainStrategy):
             yield name, tensor.detach()
 
     def state_dict(self) -> dict[str, Any]:
+        from trainer.resume import strategy_stamp
+
         self.residency.require("params", "optimizer")
-        state: dict[str, Any] = {"model": self.model.state_dict()}
+        state: dict[str, Any] = {"model": self.model.state_dict(), **strategy_stamp(self.name)}
         if self.optimizer is not None:
             state["optimizer"] = self.optimizer.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load model and optimizer state; the optimizer keeps its configured settings (lr,
+        weight decay: ``trainer.resume``); a state of another strategy is refused."""
+        from trainer.resume import check_saved_strategy, keep_optimizer_settings
+
         self.residency.require("params", "optimizer")
+        if self.optimizer is not None:
+            check_saved_strategy(state, self.name)
         self.model.load_state_dict(state["model"])
         if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
+            with keep_optimizer_settings(self.optimizer):
+                self.optimizer.load_state_dict(state["optimizer"])
 
     def save_pretrained(self, path: str) -> None:
         """Write the model as an HF folder (``from_pretrained(path)`` loads it back)."""

@@ -58,6 +58,7 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Unpack
 
+from trainer.resume import check_saved_strategy, keep_optimizer_settings, strategy_stamp
 from trainer.strategies.base import BaseTrainStrategy, ForwardOutput, LossFn, TrainOptions
 from trainer.strategies.distributed import ensure_process_group, gather_group_rows
 from trainer.strategies.megatron_convert import (
@@ -483,14 +484,27 @@ class MegatronTrainStrategy(BaseTrainStrategy):
             ranks[0] = optim
         if self.rank != 0:
             return {}
-        state: dict[str, Any] = {"model": model}
+        state: dict[str, Any] = {"model": model, **strategy_stamp(self.name, self._state_layout)}
         if self.optimizer is not None:
             state["optimizer_ranks"] = ranks
         return state
 
+    @property
+    def _state_layout(self) -> dict[str, int]:
+        """What the per-rank optimiser shards depend on (checked on load)."""
+        return {
+            "ranks": self.world_size,
+            "tensor_parallel_size": self.tp_size,
+            "pipeline_parallel_size": self.pp_size,
+        }
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load full HF tensors (re-sliced for this rank) and, if present, its optimiser state."""
+        """Load full HF tensors (re-sliced for this rank) and, if present, its optimiser state,
+        keeping the optimiser's configured settings (``trainer.resume``); a state of another
+        strategy or layout is refused."""
         self.residency.require("params", "optimizer")
+        if self.optimizer is not None:
+            check_saved_strategy(state, self.name, self._state_layout)
         self._load_hf(state["model"])
         if self.optimizer is None:
             return
@@ -502,9 +516,8 @@ class MegatronTrainStrategy(BaseTrainStrategy):
                     f"this run has {self.world_size}; resume with the same device_mapping and "
                     "tensor_parallel_size"
                 )
-            self.optimizer.load_state_dict(ranks[self.rank])
-        elif state.get("optimizer"):
-            self.optimizer.load_state_dict(state["optimizer"])
+            with keep_optimizer_settings(self.optimizer):
+                self.optimizer.load_state_dict(ranks[self.rank])
 
     def save_pretrained(self, path: str) -> None:
         """Collective: gather and convert the full model; rank 0 writes an HF folder.

@@ -284,9 +284,12 @@ class ActorWorker(WeightSender, StrategyWorker):
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Every rank loads the full state; ``rng`` may be one state per rank (this rank takes
-        its own)."""
+        its own). A state saved by another ``roles.actor_train.strategy`` is refused."""
         from trainer.checkpoint import restore_rng
+        from trainer.resume import check_saved_strategy
 
+        name = str(getattr(self.strategy, "name", self.config.strategy))
+        check_saved_strategy(state, name, role="actor_train")
         self.strategy.load_state_dict(state)
         if self.lora is not None:  # checkpoints come after the warm start: the base is frozen
             from trainer.strategies.lora import train_base

@@ -1,0 +1,206 @@
+"""What ``--resume`` takes from the checkpoint, what from the config as given now, and what it
+refuses to change.
+
+A resumed run continues the saved weights, optimizer moments, RNG states and step, and runs
+the config as given now (``envhub train ... train.steps=200 --resume`` extends a run; the CLI
+lists every setting that differs first). Three rules make that true and safe:
+
+1. **Optimizer settings come from the config.** The optimizer's saved param-group settings
+   (``lr``, ``weight_decay``, ``betas``, ``eps``) would otherwise win over the config when its
+   state is loaded: :func:`keep_optimizer_settings` puts back the ones the strategy was built
+   with (the config's; a scheduled learning rate is then set per step from the step alone).
+2. **A state is loaded only by the strategy and layout that saved it.** Optimizer state is
+   laid out per strategy (parameter ids, FQNs, per-rank shards): :func:`strategy_stamp` records
+   the saving strategy in its state and :func:`check_saved_strategy` refuses another one
+   naming the setting to put back, instead of dropping the optimizer state or failing deep
+   inside torch.
+3. **Settings that change the shape of a saved state are refused up front**
+   (:func:`resume_conflicts`): LoRA on/off, its rank and targets, and the number of inference
+   engine ranks (whose sampling RNG states are saved one per rank).
+4. **A run continues only itself.** Each run has an id (``{output_dir}/run.json``, and every
+   checkpoint's ``meta.json``); a checkpoint of another run is refused, and a fresh start into
+   a checkpoint folder that holds checkpoints is refused (:func:`start_run`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from trainer.errors import CheckpointError
+
+__all__ = [
+    "RUN_FILE",
+    "RUN_LOCK",
+    "check_saved_strategy",
+    "keep_optimizer_settings",
+    "resume_conflicts",
+    "run_id_of",
+    "start_run",
+    "strategy_stamp",
+    "write_run_id",
+]
+
+_HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps")
+
+
+@contextmanager
+def keep_optimizer_settings(optimizer: Any) -> Iterator[None]:
+    """Load optimizer state inside this block: the param groups keep the ``lr``,
+    ``weight_decay``, ``betas`` and ``eps`` they had before it (rule 1)."""
+    before = [
+        {key: group[key] for key in _HYPERPARAMETERS if key in group}
+        for group in optimizer.param_groups
+    ]
+    yield
+    for group, settings in zip(optimizer.param_groups, before, strict=True):
+        group.update(settings)
+
+
+def strategy_stamp(name: str, layout: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """What a strategy adds to its ``state_dict``: its name and the layout its state needs."""
+    return {"strategy": name, "layout": dict(layout or {})}
+
+
+def _saved_strategy(state: Mapping[str, Any]) -> str | None:
+    """The strategy that saved ``state`` (inferred for states saved before the stamp)."""
+    if "strategy" in state:
+        return str(state["strategy"])
+    if "optimizer_ranks" in state:
+        return "megatron"
+    entries = (state.get("optimizer") or {}).get("state") or {}
+    if entries:  # torch keys its state by parameter index; DCP's full state dict by FQN
+        return "fsdp2" if isinstance(next(iter(entries)), str) else "hf"
+    return None
+
+
+def check_saved_strategy(
+    state: Mapping[str, Any],
+    name: str,
+    layout: Mapping[str, int] | None = None,
+    *,
+    role: str | None = None,
+) -> None:
+    """Refuse ``state`` unless strategy ``name`` with ``layout`` saved it (rule 2); the message
+    names ``roles.<role>.strategy`` (any role when ``role`` is None)."""
+    saved = _saved_strategy(state)
+    where = f"roles.{role or '<role>'}"
+    if saved is not None and saved != name:
+        raise CheckpointError(
+            f"the checkpoint's training state was saved by the {saved!r} strategy, but this run "
+            f"trains with {name!r}: its optimizer state cannot be carried across strategies. "
+            f"Resume with {where}.strategy={saved} (or start a fresh run to switch strategy)"
+        )
+    saved_layout = dict(state.get("layout") or {})
+    changed = {
+        key: (value, dict(layout or {}).get(key))
+        for key, value in saved_layout.items()
+        if dict(layout or {}).get(key) != value
+    }
+    if changed:
+        settings = ", ".join(
+            f"{key} {old} (now {new})" for key, (old, new) in sorted(changed.items())
+        )
+        raise CheckpointError(
+            f"the checkpoint's {name} state was saved with {settings}: its optimizer shards fit "
+            f"only that layout. Resume with the same {where}.device_mapping and "
+            f"{where}.strategy_args as the saved run"
+        )
+
+
+def _get(tree: Mapping[str, Any] | None, path: str) -> Any:
+    node: Any = tree
+    for key in path.split("."):
+        if not isinstance(node, Mapping):
+            return None
+        node = node.get(key)
+    return node
+
+
+_SHAPE_SETTINGS = ("model.lora.rank", "model.lora.target_modules")
+
+
+def resume_conflicts(
+    saved: Mapping[str, Any] | None,
+    now: Mapping[str, Any],
+    *,
+    engine_ranks: tuple[int, int] | None = None,
+) -> list[str]:
+    """The settings of ``now`` (a dumped config) that a checkpoint saved under ``saved`` cannot
+    be loaded with, one line each naming the setting and both values (rule 3); ``engine_ranks``:
+    ``(saved, now)`` numbers of inference engine ranks."""
+    problems = []
+    lora_then, lora_now = _get(saved, "model.lora"), _get(now, "model.lora")
+    if saved is not None and (lora_then is None) != (lora_now is None):
+        then, later = ("on", "off") if lora_then is not None else ("off", "on")
+        problems.append(
+            f"model.lora: the run was saved with LoRA {then}, it is {later} now (adapter "
+            f"weights {'are' if lora_then is not None else 'are not'} in the checkpoint); "
+            f"resume with model.lora as saved ({lora_then!r})"
+        )
+    elif saved is not None and lora_then is not None:
+        for path in _SHAPE_SETTINGS:
+            if _get(saved, path) != _get(now, path):
+                problems.append(
+                    f"{path}: {_get(saved, path)!r} in the checkpoint, {_get(now, path)!r} now "
+                    f"(the adapters' shapes differ); resume with {path}={_get(saved, path)!r}"
+                )
+    if engine_ranks is not None and engine_ranks[0] != engine_ranks[1]:
+        mapping = _get(saved, "roles.actor_infer.device_mapping")
+        problems.append(
+            f"roles.actor_infer.device_mapping: the run was saved with {engine_ranks[0]} "
+            f"inference rank(s){f' ({mapping})' if mapping is not None else ''}, this one has "
+            f"{engine_ranks[1]}; each rank's sampling state is saved on its own, so resume with "
+            "the saved device_mapping"
+        )
+    return problems
+
+
+RUN_FILE = "run.json"
+"""``{output_dir}/run.json``: the run's id, also written into each of its checkpoints."""
+RUN_LOCK = ".run.lock"
+"""``{output_dir}/.run.lock``: held by the run writing the folder (``FolderLock``)."""
+
+
+def run_id_of(output_dir: Path) -> str | None:
+    """The id in ``output_dir/run.json`` (None for a run older than run ids, or none yet)."""
+    try:
+        found = json.loads((output_dir / RUN_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return str(found) if found else None
+
+
+def write_run_id(output_dir: Path, run_id: str) -> None:
+    """Record ``run_id`` as ``output_dir``'s run (atomically)."""
+    tmp = output_dir / f".{RUN_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps({"run_id": run_id, "started": time.time()}) + "\n")
+    os.replace(tmp, output_dir / RUN_FILE)
+
+
+def start_run(output_dir: Path, checkpoint_dir: Path, *, resume: bool) -> str | None:
+    """The run id of a run about to start in ``output_dir``: its recorded one on ``--resume``
+    (None when it has none: the checkpoint's is adopted on load), a new one on a fresh start,
+    which is refused when ``checkpoint_dir`` already holds checkpoints (of another run: a later
+    ``--resume`` would continue that one)."""
+    if resume:
+        return run_id_of(output_dir)
+    from trainer.checkpoint import CheckpointManager
+
+    found = CheckpointManager(checkpoint_dir, lock=False).list() if checkpoint_dir.is_dir() else []
+    if found:
+        raise CheckpointError(
+            f"checkpoint.dir {checkpoint_dir} already holds checkpoints ({found[-1].name}, of "
+            "an earlier run); a fresh run would mix its checkpoints with them. Continue that "
+            "run with --resume, or move them away (envhub train moves a previous run aside "
+            "itself) or choose another checkpoint.dir"
+        )
+    run_id = uuid.uuid4().hex[:12]
+    write_run_id(output_dir, run_id)
+    return run_id
