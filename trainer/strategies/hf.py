@@ -49,14 +49,19 @@ def hf_outputs(
 ) -> ForwardOutput:
     """An HF model's per-token outputs for one micro-batch (its rows, or its packed rows
     unpacked back to them: ``trainer.strategies.packing``); ``kind="value"``: a critic's values."""
+    import torch
+
     from trainer.strategies.packing import packed_model_inputs, unpack
 
     packed = "_packed_ids" in micro
     out = model(**packed_model_inputs(model, micro))
     if kind == "value":
-        values = out.float()
+        # token t's value is V(the state before t): read at t - 1, where the model has not
+        # seen t (read at t, the critic would learn Q(s, a) and GAE's baseline the action's own
+        # value); a sequence's first token has none, as it has no log-prob
+        values = torch.nn.functional.pad(out.float()[:, :-1], (1, 0))
         if packed:
-            values = unpack(values, micro, predicted=False)
+            values = unpack(values, micro)
         return ForwardOutput(logprobs=values * 0.0, values=values)
     ids = micro["_packed_ids"] if packed else micro["input_ids"]
     logprobs, entropy = token_logprobs(out.logits, ids, with_entropy)

@@ -83,6 +83,23 @@ def test_critic_values_unpack_to_the_padded_values(policy_dir: Any) -> None:
     torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_a_tokens_value_is_the_value_of_the_state_before_it(policy_dir: Any, packing) -> None:
+    """GAE's baseline for action token t is V(state before t): read where the model has not
+    seen token t (as its log-prob is). Read at t itself, the critic learns Q(s, a): every
+    single-token decision then gets advantage 0 from a trained critic."""
+    from trainer.workers.critic import build_value_model
+
+    model = build_value_model(str(policy_dir))
+    torch.nn.init.normal_(model.value_head.weight)
+    critic = HFTrainStrategy(model, micro_batch_size=4, kind="value", packing=packing)
+    prompt, good, bad = [7, 3, 9], 11, 13
+    ids = torch.tensor([[*prompt, good], [*prompt, bad]])
+    values = critic.forward({"input_ids": ids, "attention_mask": torch.ones_like(ids)}).values
+    assert values[0, 3] == values[1, 3]  # same state before the action: same value
+    assert values[0, 3] != values[0, 2] and values[0, 0] == 0  # (nothing is before token 0)
+
+
 def test_attention_never_crosses_sequences_in_a_packed_row() -> None:
     batch = ragged_batch([6, 2, 3], seed=5)
     packed = strategy(W.tiny_qwen2(), packing=True, micro_batch_tokens=64)
