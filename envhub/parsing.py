@@ -139,6 +139,7 @@ import json as _json
 from typing import Any as _Any
 
 __all__ += [
+    "MAX_NESTING",
     "ToolCall",
     "ToolCallParser",
     "format_tool_call",
@@ -147,6 +148,8 @@ __all__ += [
 ]
 
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
+MAX_NESTING = 32
+"""How deep a call's JSON may nest: deeper JSON overflows the stack when parsed or written."""
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),
     "integer": (int,),
@@ -191,14 +194,25 @@ def message_text(message: Mapping[str, _Any], tag: str = "tool_call") -> str:
         if isinstance(arguments, str) or arguments is None:
             try:
                 arguments = _json.loads(arguments or "{}")
-            except ValueError:
-                pass
+            except (ValueError, RecursionError, MemoryError):
+                pass  # left as text: the parser says what is wrong with it
         if isinstance(name, str) and isinstance(arguments, dict):
-            parts.append(format_tool_call(name, arguments, tag))
-            continue
-        written = arguments if isinstance(arguments, str) else _json.dumps(arguments)
-        parts.append(f'<{tag}>{{"name": {_json.dumps(name)}, "arguments": {written}}}</{tag}>')
+            try:
+                parts.append(format_tool_call(name, arguments, tag))
+                continue
+            except (ValueError, TypeError, RecursionError):
+                pass  # nested too deeply to write back: the parser refuses it
+        written = arguments if isinstance(arguments, str) else _dumps_or_note(arguments)
+        parts.append(f'<{tag}>{{"name": {_dumps_or_note(name)}, "arguments": {written}}}</{tag}>')
     return "\n".join(parts)
+
+
+def _dumps_or_note(value: _Any) -> str:
+    """``value`` as JSON, or a JSON string saying why it cannot be (too deep, not JSON data)."""
+    try:
+        return _json.dumps(value)
+    except (ValueError, TypeError, RecursionError):
+        return _json.dumps(f"<{type(value).__name__} that cannot be written as JSON>")
 
 
 def format_tool_call(
@@ -210,21 +224,57 @@ def format_tool_call(
 
 
 def _loads_lenient(text: str) -> _Any:
-    """JSON, else JSON without trailing commas, else a Python literal (single quotes, True)."""
+    """JSON, else JSON without trailing commas, else a Python literal (single quotes, True).
+    Raises ``ValueError`` for anything else, including text nested too deeply to parse."""
     text = _strip(text)
     try:
         return _json.loads(text)
     except ValueError:
         pass
+    except (RecursionError, MemoryError):
+        raise ValueError(_TOO_DEEP) from None
     cleaned = _TRAILING_COMMA.sub(r"\1", text)
     try:
         return _json.loads(cleaned)
     except ValueError as exc:
         json_error = exc
+    except (RecursionError, MemoryError):
+        raise ValueError(_TOO_DEEP) from None
     try:
         return _ast.literal_eval(cleaned)
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         raise json_error from None
+
+
+_TOO_DEEP = f"nested more than {MAX_NESTING} levels deep"
+
+
+def _text_problem(value: _Any) -> str | None:
+    """Why ``value`` (decoded JSON) cannot be passed on, or ``None``: nested deeper than
+    ``MAX_NESTING`` (writing it back would overflow the stack), or a string that is not valid
+    Unicode text (a lone surrogate such as ``"\\udcff"``: it cannot be encoded as UTF-8, so a
+    tool server reading UTF-8 fails). Walks iteratively, so the walk itself cannot overflow."""
+    stack: list[tuple[_Any, int, str]] = [(value, 0, "")]
+    while stack:
+        item, depth, where = stack.pop()
+        if depth > MAX_NESTING:
+            return _TOO_DEEP
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = item[exc.start]
+                return (
+                    f"{where or 'the call'} contains {bad!r}, a lone surrogate that is not valid "
+                    "Unicode text; write the character itself or leave it out"
+                )
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, depth + 1, f"a key in {where or 'the call'}"))
+                stack.append((child, depth + 1, f"{where}.{key}" if where else str(key)))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((child, depth + 1, f"{where}[{i}]") for i, child in enumerate(item))
+    return None
 
 
 def _type_ok(value: _Any, schema: dict[str, _Any]) -> bool:
@@ -249,11 +299,17 @@ class ToolCallParser:
     an empty list means the text holds no call. A malformed or invalid call raises
     ``ActionParseError`` whose ``feedback`` says what is wrong and how to write it.
     ``tools`` are OpenAI-format schemas; when empty, names and arguments are not checked.
+    Whatever the text, parsing ends in calls or ``ActionParseError``: JSON longer than
+    ``max_call_chars``, nested deeper than ``MAX_NESTING`` or holding strings that are not
+    valid Unicode (lone surrogates) is refused with feedback, never passed on or raised.
     """
 
     tools: tuple[dict[str, _Any], ...] = ()
     tag: str = "tool_call"
     max_calls: int = 8
+    max_call_chars: int = 2_000_000
+    """The longest JSON one call (a tag's body, or a structured call's arguments) may be; tool
+    envs pass a tighter one (``ToolEnv(max_call_chars=...)``)."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][\w-]*", self.tag):
@@ -326,11 +382,30 @@ class ToolCallParser:
             )
         return calls
 
+    def _check_length(self, text: str, what: str) -> None:
+        if len(text) > self.max_call_chars:
+            raise ActionParseError(
+                f"{what} of {len(text)} characters exceeds max_call_chars={self.max_call_chars}",
+                feedback=(
+                    f"{what.capitalize()} is too long ({len(text)} characters; at most "
+                    f"{self.max_call_chars}). Pass shorter arguments. {self.instructions}"
+                ),
+            )
+
+    def _check_text(self, value: _Any, what: str) -> None:
+        problem = _text_problem(value)
+        if problem is not None:
+            raise ActionParseError(
+                f"{what}: {problem}",
+                feedback=f"{what.capitalize()} cannot be used: {problem}. {self.instructions}",
+            )
+
     def _decode(self, body: str) -> list[_Any]:
         if not _strip(body):
             raise ActionParseError(
                 "empty tool call", feedback=f"Your <{self.tag}> tag was empty. {self.instructions}"
             )
+        self._check_length(body, "your tool call")
         try:
             value = _loads_lenient(body)
         except ValueError as exc:
@@ -341,9 +416,11 @@ class ToolCallParser:
                     f"{self.instructions}"
                 ),
             ) from None
+        self._check_text(value, "your tool call")
         return list(value) if isinstance(value, list) else [value]
 
     def _validate(self, raw: _Any, *, index: int) -> ToolCall:
+        self._check_text(raw, "your tool call")
         if isinstance(raw, dict) and isinstance(raw.get("function"), dict):
             raw = raw["function"]  # the OpenAI message form {"type": "function", "function": {...}}
         if not isinstance(raw, dict) or not isinstance(raw.get("name"), str):
@@ -357,6 +434,7 @@ class ToolCallParser:
         name = raw["name"].strip()
         arguments = raw.get("arguments", raw.get("parameters", {}))
         if isinstance(arguments, str):  # OpenAI encodes arguments as a JSON string
+            self._check_length(arguments, f"the arguments of {name!r}")
             try:
                 arguments = _loads_lenient(arguments) if arguments.strip() else {}
             except ValueError as exc:
@@ -369,6 +447,7 @@ class ToolCallParser:
                 ) from None
         if arguments is None:
             arguments = {}
+        self._check_text(arguments, f"the arguments of {name!r}")
         if not isinstance(arguments, dict):
             raise ActionParseError(
                 f"arguments of {name!r} are not an object: {arguments!r:.120}",

@@ -189,7 +189,7 @@ class OpenEnvEnv(TextEnv):
             return {self.action_field: text}
         try:
             payload = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError, MemoryError):  # not JSON, or nested too deeply
             payload = None
         if not isinstance(payload, dict):
             raise _BadAction(

@@ -21,7 +21,9 @@ A subclass implements four things:
 
 Rewards: the graded score on the answer turn, ``invalid_action_penalty`` for text that is
 neither a valid call nor an answer, 0 for tool turns. Tool output is truncated to
-``max_tool_chars`` so a flood never reaches the model whole.
+``max_tool_chars`` so a flood never reaches the model whole; a call longer than
+``max_call_chars``, nested too deeply or holding text that is not valid Unicode is an invalid
+action (``ToolCallParser``), never passed to a tool.
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ class ToolEnv(TextEnv):
         eval_fraction: float = 0.0,
         max_turns: int | None = 12,
         max_calls_per_turn: int = 4,
+        max_call_chars: int = 100_000,
         max_tool_chars: int = 2_000,
         invalid_action_penalty: float = -0.1,
         render_mode: Any = None,
@@ -95,7 +98,9 @@ class ToolEnv(TextEnv):
             name=type(self).__name__,
         )
         self.tools = list(self.tool_schemas)
-        self.parser = ToolCallParser(tools=tuple(self.tools), max_calls=max_calls_per_turn)
+        self.parser = ToolCallParser(
+            tools=tuple(self.tools), max_calls=max_calls_per_turn, max_call_chars=max_call_chars
+        )
         self.max_tool_chars = max_tool_chars
         self.invalid_action_penalty = invalid_action_penalty
         self.system_prompt = self._system_prompt()

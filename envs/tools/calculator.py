@@ -4,8 +4,9 @@ Each built-in problem takes two to four arithmetic steps on awkward numbers (pri
 cents, percentages, compound interest), so a model that does the arithmetic in its head
 drifts, and one that calls ``calculate`` for each step gets it right. The calculator is a
 safe evaluator (an AST walk over numbers, operators and a few maths functions; no names,
-no attribute access, bounded exponents), so a model cannot run code or hang the env with
-``9**9**9``.
+no attribute access, bounded exponents, every number, argument and result within
+``MAX_MAGNITUDE``, ``round``'s digits within ``MAX_ROUND_DIGITS``), so a model cannot run code
+or hang the env with ``9**9**9`` or ``round(1, -10**9)``.
 
 A user dataset is JSONL of ``{"question": str, "answer": number}`` (optional ``steps``: the
 expressions the oracle should calculate, and ``tolerance``).
@@ -31,6 +32,8 @@ __all__ = ["CalculatorEnv", "make_problem", "safe_eval"]
 
 MAX_EXPRESSION_CHARS = 500
 MAX_MAGNITUDE = 1e100
+MAX_ROUND_DIGITS = 20
+"""``round(x, n)`` takes ``|n|`` up to this: CPython computes ``10**|n|``, so ``n=-10**9`` hangs."""
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _BINARY: dict[type, Callable[[Any, Any], Any]] = {
     ast.Add: operator.add,
@@ -66,6 +69,8 @@ def safe_eval(expression: str) -> float | int:
         )
     except SyntaxError as exc:
         raise ToolError(f"cannot parse {expression!r}: {exc.msg}") from None
+    except ValueError as exc:  # a lone surrogate (UnicodeEncodeError) or a NUL byte
+        raise ToolError(f"cannot parse {expression!r}: {exc}") from None
     try:
         value = _eval(tree.body)
     except ZeroDivisionError:
@@ -77,13 +82,32 @@ def safe_eval(expression: str) -> float | int:
     return value
 
 
+def _in_range(value: Any) -> Any:
+    """``value`` if it is a real number within ``MAX_MAGNITUDE``; else ``ToolError``."""
+    if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
+        raise ToolError(f"result out of range (the calculator works up to {MAX_MAGNITUDE:g})")
+    return value
+
+
+def _call(name: str, args: list[Any]) -> Any:
+    """Apply an allowed function to range-checked arguments and range-check its result."""
+    if name == "round" and len(args) == 2:
+        ndigits = args[1]
+        if not isinstance(ndigits, int) or abs(ndigits) > MAX_ROUND_DIGITS:
+            raise ToolError(
+                f"round's ndigits must be a whole number from {-MAX_ROUND_DIGITS} to "
+                f"{MAX_ROUND_DIGITS}, got {ndigits!r:.40}"
+            )
+    return _in_range(_FUNCTIONS[name](*args))
+
+
 def _eval(node: ast.AST) -> Any:
     if (
         isinstance(node, ast.Constant)
         and isinstance(node.value, (int, float))
         and not isinstance(node.value, bool)
     ):
-        return node.value
+        return _in_range(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         value = _eval(node.operand)
         return -value if isinstance(node.op, ast.USub) else value
@@ -93,17 +117,14 @@ def _eval(node: ast.AST) -> Any:
             abs(right) > 100 or abs(left) > 1e6 and abs(right) > 10
         ):
             raise ToolError(f"exponent too large in {left}**{right}")
-        value = _BINARY[type(node.op)](left, right)
-        if isinstance(value, complex) or abs(value) > MAX_MAGNITUDE:
-            raise ToolError("result out of range")
-        return value
+        return _in_range(_BINARY[type(node.op)](left, right))
     if (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and node.func.id in _FUNCTIONS
         and not node.keywords
     ):
-        return _FUNCTIONS[node.func.id](*[_eval(arg) for arg in node.args])
+        return _call(node.func.id, [_eval(arg) for arg in node.args])
     allowed = ", ".join(sorted(_FUNCTIONS))
     raise ToolError(
         f"{ast.unparse(node)!r} is not allowed; "

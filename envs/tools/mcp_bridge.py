@@ -15,14 +15,15 @@ The connection opens on the first ``reset`` and is dropped when the env is pickl
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from envhub.core import Turn, function_tool
-from envhub.parsing import ToolCallParser, format_tool_call
+from envhub.core import Message, Turn, function_tool
+from envhub.parsing import format_tool_call
 from envs.datasets import Task
 from envs.tools.base import ToolEnv, ToolError
 from envs.tools.calculator import parse_number
@@ -150,7 +151,7 @@ class McpEnv(ToolEnv):
                 for t in sorted(self._connection.tools, key=lambda t: t.name)
                 if t.name not in self.hidden_tools
             ]
-            self.parser = ToolCallParser(tools=tuple(self.tools), max_calls=self.parser.max_calls)
+            self.parser = dataclasses.replace(self.parser, tools=tuple(self.tools))
             self.system_prompt = self._system_prompt()
         return self._connection
 
@@ -158,9 +159,11 @@ class McpEnv(ToolEnv):
         self.connection()
         return str(task["question"])
 
-    def on_step(self, action: str) -> Turn:
+    def on_message(self, message: Message) -> Turn:
+        """``ToolEnv.on_message`` (which text actions reach through ``on_step`` too), with a
+        server that died turned into a failed episode on both paths."""
         try:
-            return super().on_step(action)
+            return super().on_message(message)
         except McpError as error:  # the server died: a failed episode, reported as data
             return Turn(
                 f"The tool server stopped responding ({error}). The episode ends.",

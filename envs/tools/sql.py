@@ -5,9 +5,13 @@ generated from the task's seed, so the answer cannot be memorised: the model mus
 the schema (``list_tables``, ``describe_table``) and query it (``run_sql``). The oracle
 runs the gold query and answers with its result.
 
-Queries run read-only (``PRAGMA query_only``, ``ATTACH`` refused by an authorizer), are
-aborted after a fixed number of SQLite VM steps (so a cross join of cross joins cannot hang
-the env) and return at most ``max_rows`` rows.
+Queries run read-only: an authorizer allows only reads (SELECT, column reads, functions and
+the schema PRAGMAs such as ``table_info``) and refuses writes, DDL, transactions, ``ATTACH``
+and every other PRAGMA, so ``PRAGMA query_only = OFF`` cannot lift it. They are aborted after
+a fixed number of SQLite VM steps (so a cross join of cross joins cannot hang the env), may
+not make or read a value over ``MAX_VALUE_BYTES`` nor return over ``MAX_RESULT_BYTES``, and
+return at most ``max_rows`` rows. Not covered: a sort or temporary b-tree of many large rows
+may spill to SQLite's temporary files before the step budget stops it.
 
 A user dataset is JSONL of ``{"question", "answer"}`` plus either ``"database"`` (a path to
 a SQLite file, opened read-only) or nothing (the generated database of the task's seed);
@@ -193,17 +197,54 @@ def build_company_db(seed: int) -> sqlite3.Connection:
     return db
 
 
-def _readonly(db: sqlite3.Connection) -> sqlite3.Connection:
-    def authorize(action: int, *args: Any) -> int:
-        return (
-            sqlite3.SQLITE_DENY
-            if action in (sqlite3.SQLITE_ATTACH, sqlite3.SQLITE_DETACH)
-            else sqlite3.SQLITE_OK
-        )
+_READ_ACTIONS = frozenset(
+    {sqlite3.SQLITE_SELECT, sqlite3.SQLITE_READ, sqlite3.SQLITE_FUNCTION, sqlite3.SQLITE_RECURSIVE}
+)
+_READ_PRAGMAS = frozenset(
+    {"table_info", "table_xinfo", "index_list", "index_info", "index_xinfo", "foreign_key_list"}
+)
+"""PRAGMAs that only describe the schema, whatever their argument; every other one is refused."""
+MAX_VALUE_BYTES = 1_000_000
+"""The longest string or blob a query may make or read (``randomblob(4e8)`` is refused)."""
+MAX_RESULT_BYTES = 2_000_000
+"""How much text and blob data one query may return before it is refused."""
+_LIMITS = {
+    sqlite3.SQLITE_LIMIT_LENGTH: MAX_VALUE_BYTES,
+    sqlite3.SQLITE_LIMIT_SQL_LENGTH: 100_000,
+    sqlite3.SQLITE_LIMIT_COLUMN: 100,
+    sqlite3.SQLITE_LIMIT_EXPR_DEPTH: 100,
+    sqlite3.SQLITE_LIMIT_COMPOUND_SELECT: 50,
+    sqlite3.SQLITE_LIMIT_ATTACHED: 0,
+}
 
+
+def _authorize(action: int, arg1: str | None, *_: Any) -> int:
+    """Allow reads only: SELECT, reading columns, functions, recursive CTEs and the schema
+    PRAGMAs; deny writes, DDL, transactions, ATTACH and every other PRAGMA (``query_only``)."""
+    if action in _READ_ACTIONS:
+        return sqlite3.SQLITE_OK
+    if action == sqlite3.SQLITE_PRAGMA and (arg1 or "").lower() in _READ_PRAGMAS:
+        return sqlite3.SQLITE_OK
+    return sqlite3.SQLITE_DENY
+
+
+def _readonly(db: sqlite3.Connection) -> sqlite3.Connection:
+    """``db`` made read-only for the model (an allow-list authorizer, not only the
+    ``query_only`` PRAGMA it could switch off) and bounded in value size and query shape."""
     db.execute("PRAGMA query_only = ON")
-    db.set_authorizer(authorize)
+    for limit, value in _LIMITS.items():
+        db.setlimit(limit, value)
+    db.set_authorizer(_authorize)
     return db
+
+
+def _quote(identifier: str) -> str:
+    """``identifier`` as a quoted SQL name (``a"b`` -> ``"a""b"``)."""
+    return '"' + identifier.replace('"', '""') + '"'
+
+
+def _cell_bytes(value: Any) -> int:
+    return len(value) if isinstance(value, (str, bytes)) else 8
 
 
 class SqlEnv(ToolEnv):
@@ -255,7 +296,12 @@ class SqlEnv(ToolEnv):
             _readonly(self._db)
         return self._db
 
-    def _query(self, sql: str) -> tuple[list[str], list[tuple[Any, ...]]]:
+    def _query(
+        self, sql: str, max_rows: int | None = None
+    ) -> tuple[list[str], list[tuple[Any, ...]]]:
+        """Column names and up to ``max_rows + 1`` rows (default ``self.max_rows``) of ``sql``,
+        run within the step and size budgets; every failure is a ``ToolError``."""
+        limit = self.max_rows if max_rows is None else max_rows
         db = self._database()
         steps = [0]
 
@@ -266,7 +312,17 @@ class SqlEnv(ToolEnv):
         db.set_progress_handler(progress, 1_000)
         try:
             cursor = db.execute(sql)
-            rows = cursor.fetchmany(self.max_rows + 1)
+            rows, size = [], 0
+            for row in cursor:  # one row at a time, so the size bound holds while fetching
+                rows.append(row)
+                size += sum(_cell_bytes(value) for value in row)
+                if size > MAX_RESULT_BYTES:
+                    raise ToolError(
+                        f"the result is larger than {MAX_RESULT_BYTES:,} bytes; select fewer "
+                        "rows or shorter values (substr, length)"
+                    )
+                if len(rows) > limit:
+                    break
         except sqlite3.OperationalError as exc:
             if "interrupted" in str(exc):
                 raise ToolError(
@@ -324,9 +380,9 @@ class SqlEnv(ToolEnv):
             _, tables = self._query("SELECT name FROM sqlite_master WHERE type = 'table'")
             if table not in {row[0] for row in tables}:
                 raise ToolError(f"no table named {table!r}; call list_tables to see them")
-            columns = self._database().execute(f'PRAGMA table_info("{table}")').fetchall()
-            _, rows = self._query(f'SELECT * FROM "{table}" LIMIT 3')
-            lines = [f"{table}(" + ", ".join(f"{c[1]} {c[2]}" for c in columns) + ")"]
+            _, info = self._query(f"PRAGMA table_info({_quote(table)})", max_rows=10_000)
+            _, rows = self._query(f"SELECT * FROM {_quote(table)} LIMIT 3")
+            lines = [f"{table}(" + ", ".join(f"{c[1]} {c[2]}" for c in info) + ")"]
             lines += [" | ".join(map(str, row)) for row in rows]
             return "\n".join(lines)
         columns, rows = self._query(arguments["query"])

@@ -6,7 +6,13 @@ import pytest
 
 from envhub.core import function_tool
 from envhub.errors import ActionParseError
-from envhub.parsing import ToolCall, ToolCallParser, format_tool_call, parse_tool_calls
+from envhub.parsing import (
+    ToolCall,
+    ToolCallParser,
+    format_tool_call,
+    message_text,
+    parse_tool_calls,
+)
 
 TOOLS = (
     function_tool(
@@ -136,3 +142,70 @@ def test_openai_message_form_round_trips():
         "type": "function",
         "function": {"name": "lookup", "arguments": '{"key": "x"}'},
     }
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+def structured(arguments) -> dict:
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "calculate", "arguments": arguments},
+    }
+    return {"role": "assistant", "content": None, "tool_calls": [call]}
+
+
+@pytest.mark.parametrize(
+    "text, feedback",
+    [
+        (f"<tool_call>{nested(1_500)}</tool_call>", "nested more than 32 levels deep"),
+        (
+            '<tool_call>{"name": "calculate", "arguments": {"expression": '
+            + nested(500)
+            + "}}</tool_call>",
+            "nested more than 32 levels deep",
+        ),
+        (
+            '<tool_call>{"name": "calculate", "arguments": {"expression": "\\udcff"}}</tool_call>',
+            "arguments.expression contains '\\udcff', a lone surrogate",
+        ),
+        (
+            '<tool_call>{"name": "calculate", "arguments": {"expression": "'
+            + "1" * 2_000_001
+            + '"}}</tool_call>',
+            "too long (2000",
+        ),
+    ],
+    ids=["deep", "deep-argument", "surrogate", "too-long"],
+)
+def test_hostile_json_is_refused_with_feedback(text, feedback):
+    with pytest.raises(ActionParseError) as caught:
+        parse_tool_calls(text, TOOLS)
+    assert feedback in caught.value.feedback
+
+
+@pytest.mark.parametrize(
+    "arguments, feedback",
+    [
+        (nested(1_500), "nested more than 32 levels deep"),
+        ('{"expression": "\\udcff"}', "expression contains '\\udcff'"),
+        ({"expression": "\udcff"}, "expression contains '\\udcff'"),
+    ],
+    ids=["deep-text", "surrogate-text", "surrogate-data"],
+)
+def test_hostile_structured_arguments_are_refused_and_still_printable(arguments, feedback):
+    message = structured(arguments)
+    with pytest.raises(ActionParseError) as caught:
+        ToolCallParser(tools=TOOLS).parse_message(message)
+    assert feedback in caught.value.feedback
+    assert "calculate" in message_text(message)  # the transcript form never raises
+
+
+def test_message_text_writes_arguments_too_deep_for_json():
+    deep: list = []
+    for _ in range(5_000):
+        deep = [deep]
+    text = message_text(structured({"expression": deep}))
+    assert text.startswith("<tool_call>") and "cannot be written as JSON" in text
