@@ -220,9 +220,13 @@ def kl_penalised_rewards(
     score-based estimators (GRPO, RLOO) see the same penalty as token-reward ones (GAE).
     Returns ``(token_rewards, scores)``, both new tensors.
     """
+    import torch
+
     from trainer.algos.losses import kl_estimate
 
-    kl = kl_estimate(old_logprobs, ref_logprobs, estimator) * response_mask
+    on = response_mask > 0  # (what masked positions hold may be far apart: exp() overflows)
+    kl = kl_estimate(old_logprobs, torch.where(on, ref_logprobs, old_logprobs), estimator)
+    kl = kl * response_mask
     return token_rewards - kl_coef * kl, scores - kl_coef * kl.sum(-1)
 
 

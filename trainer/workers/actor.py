@@ -61,6 +61,16 @@ def residency_history(strategy: TrainStrategy | None) -> list[tuple[str, str, bo
     return [(e.action, e.state, e.moved, e.reason) for e in strategy.residency.history]
 
 
+def _masked_like(
+    reference: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """``reference`` on the response tokens, ``logprobs`` (detached) elsewhere: a difference of
+    the two is 0 where the mask is 0."""
+    import torch
+
+    return torch.where(mask > 0, reference, logprobs.detach())
+
+
 def ppo_loss_fn(loss: LossConfig) -> LossFn:
     """The policy loss closure for ``strategy.train_step`` built from ``algorithm.loss``.
 
@@ -73,11 +83,15 @@ def ppo_loss_fn(loss: LossConfig) -> LossFn:
         out: ForwardOutput, mb: Mapping[str, torch.Tensor]
     ) -> tuple[torch.Tensor, dict[str, float]]:
         mask = mb["response_mask"]
+        # masked positions hold whatever the forward left (a pad token's log-prob, 0 in a packed
+        # row): their differences are made 0 before any exp(), which could overflow, and
+        # inf * mask 0 would be NaN
+        old_logprobs = _masked_like(mb["old_logprobs"], out.logprobs, mask)
         kind: PolicyLossKind = "gspo" if loss.gspo else "ppo"
         per_token, clipped = policy_loss(
             kind,
             out.logprobs,
-            mb["old_logprobs"],
+            old_logprobs,
             mb["advantages"],
             mask,
             loss.clip_low,
@@ -91,12 +105,16 @@ def ppo_loss_fn(loss: LossConfig) -> LossFn:
             "actor/pg_loss": float(total.detach()),
             "actor/clipfrac": float(aggregate(clipped, mask, "token-mean")),
             "actor/approx_kl_old": float(
-                aggregate(0.5 * (out.logprobs.detach() - mb["old_logprobs"]) ** 2, mask)
+                aggregate(0.5 * (out.logprobs.detach() - old_logprobs) ** 2, mask)
             ),
         }
         if loss.kl_coef > 0 and "ref_logprobs" in mb:
             kl = aggregate(
-                kl_estimate(out.logprobs, mb["ref_logprobs"], loss.kl_estimator),
+                kl_estimate(
+                    out.logprobs,
+                    _masked_like(mb["ref_logprobs"], out.logprobs, mask),
+                    loss.kl_estimator,
+                ),
                 mask,
                 loss.agg_mode,
             )

@@ -84,6 +84,37 @@ def test_clipped_and_padding_tokens_get_only_the_kl_gradient() -> None:
     torch.testing.assert_close(logprobs.grad, want, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("gspo", [False, True])
+def test_padding_far_from_the_old_and_reference_log_probs_changes_nothing(gspo) -> None:
+    """Log-probs at masked positions are whatever the forward left there (a pad token's real
+    log-prob, or 0 in a packed row): 1000 nats from the old or reference ones, exp() of the
+    difference is inf, and inf * mask 0 is NaN. Masked tokens must contribute exactly 0."""
+    logprobs, micro, entropy = hand_batch()
+    config = LossConfig(**{**LOSS, "gspo": gspo, "kl_estimator": "k3"})
+    total, metrics = ppo_loss_fn(config)(ForwardOutput(logprobs=logprobs, entropy=entropy), micro)
+    total.backward()
+    want, want_grad = total.item(), logprobs.grad.clone()
+    logprobs.grad = None
+    far = {k: v.clone() for k, v in micro.items()}
+    far["old_logprobs"][:, 2] = -1000.0  # padding column: exp(998) overflows
+    far["ref_logprobs"][:, 2] = 1000.0
+    total, metrics = ppo_loss_fn(config)(ForwardOutput(logprobs=logprobs, entropy=entropy), far)
+    total.backward()
+    assert total.item() == pytest.approx(want, abs=1e-12)
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    torch.testing.assert_close(logprobs.grad, want_grad, atol=1e-12, rtol=0)
+    rewards, _ = kl_penalised_rewards(
+        torch.zeros(2, 3, dtype=torch.float64),
+        torch.zeros(2, dtype=torch.float64),
+        logprobs.detach(),
+        far["ref_logprobs"],
+        far["response_mask"],
+        0.1,
+        "k3",
+    )
+    assert torch.isfinite(rewards).all() and (rewards[:, 2] == 0).all()
+
+
 def test_without_kl_and_entropy_the_loss_is_the_policy_term_alone() -> None:
     logprobs, micro, _ = hand_batch()
     loss = {**LOSS, "kl_coef": 0.0, "entropy_coef": 0.0, "agg_mode": "seq-mean-token-sum"}
