@@ -481,7 +481,6 @@ class BaseTrainStrategy(abc.ABC):
         self.residency.require("params", "optimizer")
         union, _ = self._group_rows(batch)  # model-parallel peers train on the same rows
         micros = self._micro_batches(union)
-        real = sum(1 for m in micros if "_dummy" not in m)
         per_step = self.grad_accumulation or len(micros)
         scales = micro_batch_scales(
             micros,
@@ -490,14 +489,18 @@ class BaseTrainStrategy(abc.ABC):
             group=self.dp_group,
             replicas=self.dp_size,
         )
+        # the metrics describe the step as its loss does: each micro-batch weighs its share of
+        # this rank's units (tokens or sequences) in its optimiser step, steps weigh alike
+        shares = micro_batch_scales(micros, per_step, getattr(loss_fn, "agg_mode", "token-mean"))
+        n_steps = len({i // per_step for i, m in enumerate(micros) if "_dummy" not in m}) or 1
         totals: dict[str, float] = {}
         steps = 0
         self.model.train()
         for first in range(0, len(micros), per_step):
             step = slice(first, first + per_step)
             self.optimizer.zero_grad(set_to_none=True)
-            for value, metrics in self._accumulate(
-                micros[step], scales[step], loss_fn, with_entropy
+            for offset, (value, metrics) in enumerate(
+                self._accumulate(micros[step], scales[step], loss_fn, with_entropy)
             ):
                 if not math.isfinite(value):
                     where = f" on rank {self.rank}" if self.collective else ""
@@ -506,8 +509,9 @@ class BaseTrainStrategy(abc.ABC):
                         "Lower train.lr, raise algorithm.loss.clip/grad clipping, or check the "
                         "rewards",
                     )
+                weight = shares[first + offset] / n_steps
                 for key, metric in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + metric / max(real, 1)
+                    totals[key] = totals.get(key, 0.0) + metric * weight
             self._reduce_gradients()
             norm = self._clip()
             if not math.isfinite(norm):

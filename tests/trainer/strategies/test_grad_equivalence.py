@@ -75,6 +75,27 @@ def test_hf_micro_batches_give_the_full_batch_gradient(
     assert_same(hf_grads(batch, mode, micro_batch_size), hf_grads(batch, mode, len(LENGTHS)))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_the_logged_losses_do_not_depend_on_how_the_batch_is_cut(batch, mode: str) -> None:
+    """``actor/pg_loss`` and the other metrics describe the step, weighed like its loss: a
+    2-token micro-batch does not count as much as a 12-token one (``clipfrac``, a token mean,
+    is weighed by tokens only under ``token-mean``)."""
+
+    def metrics(micro_batch_size: int) -> dict[str, float]:
+        strategy = HFTrainStrategy(
+            W.tiny_qwen2(), lr=0.0, max_grad_norm=None, micro_batch_size=micro_batch_size
+        )
+        loss = ppo_loss_fn(LossConfig(**G.LOSS, agg_mode=mode))
+        return strategy.train_step(batch, loss, with_entropy=True)
+
+    whole = metrics(len(LENGTHS))
+    for size in (1, 2):
+        cut = metrics(size)
+        keys = ["actor/pg_loss", "actor/kl_ref", "actor/entropy"]
+        for key in keys + (["actor/clipfrac"] if mode == "token-mean" else []):
+            assert cut[key] == pytest.approx(whole[key], abs=1e-5), (size, key)
+
+
 def two_ranks(fn, batch: dict[str, torch.Tensor]) -> dict:
     """Run ``fn`` on 2 gloo ranks, rank 0 given rows 0-2 and rank 1 rows 3-4 (a ragged split)."""
     import torch.multiprocessing as mp
