@@ -55,16 +55,17 @@ def hf_outputs(
 
     packed = "_packed_ids" in micro
     out = model(**packed_model_inputs(model, micro))
+    shape = micro["_packed_ids" if packed else "input_ids"].shape  # (flash: one flat row)
     if kind == "value":
         # token t's value is V(the state before t): read at t - 1, where the model has not
         # seen t (read at t, the critic would learn Q(s, a) and GAE's baseline the action's own
         # value); a sequence's first token has none, as it has no log-prob
-        values = torch.nn.functional.pad(out.float()[:, :-1], (1, 0))
+        values = torch.nn.functional.pad(out.float().reshape(shape)[:, :-1], (1, 0))
         if packed:
             values = unpack(values, micro)
         return ForwardOutput(logprobs=values * 0.0, values=values)
     ids = micro["_packed_ids"] if packed else micro["input_ids"]
-    logprobs, entropy = token_logprobs(out.logits, ids, with_entropy)
+    logprobs, entropy = token_logprobs(out.logits.reshape(*shape, -1), ids, with_entropy)
     if packed:
         logprobs = unpack(logprobs, micro)
         entropy = unpack(entropy, micro) if entropy is not None else None

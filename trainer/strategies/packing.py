@@ -20,7 +20,8 @@ Each micro-batch keeps its rows' original indices (``_rows``) so that ``forward`
 in the caller's order whatever the grouping. The mask is an additive float mask of shape
 ``(packed rows, 1, width, width)``, which transformers' ``sdpa`` and ``eager`` attention both take
 as given; with FlashAttention-2 (``attn_implementation="flash_attention_2"`` on a GPU) the mask is
-left out and transformers runs varlen attention from the restarting positions instead.
+left out, the packed rows go as one flat row, and transformers runs varlen attention from the
+restarting positions instead (it does so only for a batch of one row).
 """
 
 from __future__ import annotations
@@ -188,8 +189,10 @@ def _pack(micro: Mapping[str, torch.Tensor], bins: list[list[int]]) -> dict[str,
 
 def packed_model_inputs(model: Any, micro: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Keyword arguments for an HF model's forward over a micro-batch: its rows, or its packed
-    rows (block-diagonal additive mask in the model's dtype; FlashAttention-2 takes the restarting
-    positions instead of a mask)."""
+    rows (block-diagonal additive mask in the model's dtype). FlashAttention takes no mask: its
+    packed rows go as ONE row whose positions restart at each sequence (transformers runs
+    varlen attention only for a batch of one; given several rows it attends across sequences),
+    and the caller reshapes the outputs back to ``_packed_ids``' shape."""
     if "_packed_ids" not in micro:
         return {"input_ids": micro["input_ids"], "attention_mask": micro["attention_mask"]}
     import torch
@@ -200,7 +203,7 @@ def packed_model_inputs(model: Any, micro: Mapping[str, torch.Tensor]) -> dict[s
     }
     config = getattr(model, "config", None)
     if str(getattr(config, "_attn_implementation", "")).startswith("flash"):
-        return inputs  # varlen attention from position_ids
+        return {name: value.reshape(1, -1) for name, value in inputs.items()}
     dtype = next(model.parameters()).dtype
     allowed = micro["_packed_mask"]
     inputs["attention_mask"] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)

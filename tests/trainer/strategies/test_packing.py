@@ -100,6 +100,26 @@ def test_a_tokens_value_is_the_value_of_the_state_before_it(policy_dir: Any, pac
     assert values[0, 3] != values[0, 2] and values[0, 0] == 0  # (nothing is before token 0)
 
 
+def test_flash_attention_gets_the_packed_rows_as_one_row_it_reads_as_packed() -> None:
+    """transformers runs FlashAttention's varlen kernel from restarting position ids only for a
+    batch of ONE row (``_is_packed_sequence``); given several packed rows it runs plain causal
+    attention over each, across its sequences. (No flash kernel runs on a CPU: this checks what
+    the model is given, with transformers' own test of it.)"""
+    from transformers.modeling_flash_attention_utils import _is_packed_sequence
+
+    from trainer.strategies.packing import packed_model_inputs
+
+    batch = ragged_batch([6, 2, 3, 5], seed=5)
+    packed = strategy(W.tiny_qwen2(), packing=True, micro_batch_tokens=64)
+    (micro,) = packed._micro_batches(batch)
+    assert micro["_packed_ids"].shape[0] > 1
+    packed.model.config._attn_implementation = "flash_attention_2"
+    inputs = packed_model_inputs(packed.model, micro)
+    assert "attention_mask" not in inputs and inputs["input_ids"].shape[0] == 1
+    assert inputs["input_ids"].tolist()[0] == micro["_packed_ids"].reshape(-1).tolist()
+    assert _is_packed_sequence(inputs["position_ids"], inputs["input_ids"].shape[0])
+
+
 def test_attention_never_crosses_sequences_in_a_packed_row() -> None:
     batch = ragged_batch([6, 2, 3], seed=5)
     packed = strategy(W.tiny_qwen2(), packing=True, micro_batch_tokens=64)
