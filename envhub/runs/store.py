@@ -8,8 +8,12 @@ files) because the viewer filters and sorts a million episodes by reading a few 
 
 Safety, the reasons for one file per part:
 
-- **No torn files.** A part is written to a hidden temporary name and renamed into place
-  (``os.replace``, atomic): a killed run leaves only whole parts; readers skip temporary files.
+- **No torn files.** A part is written to a hidden temporary name, synced, and renamed into
+  place (``os.replace``, atomic; the folder synced after): a killed run (or a power cut) leaves
+  only whole parts; readers skip temporary files, and a writer that starts removes those of
+  writers that were killed.
+- **One bad value costs itself.** Text with lone surrogates, or an integer past int64 (a seed an
+  env chose), is stored repaired or as null and logged; the step's other episodes are stored.
 - **Resume without duplicates.** Writing a part that exists replaces it, and a resumed run
   first drops the parts after its checkpoint (``truncate_after``), so every (kind, step) is
   stored once.
@@ -39,7 +43,9 @@ __all__ = [
     "PART",
     "TrajectoryWriter",
     "part_name",
+    "remove_leftovers",
     "schema",
+    "to_table",
     "write_part",
 ]
 
@@ -133,8 +139,12 @@ def part_name(kind: str, step: int) -> str:
 
 
 def write_part(folder: Path, kind: str, step: int, records: Sequence[Mapping[str, Any]]) -> Path:
-    """Write one part atomically (temporary file, then rename); returns its path."""
-    import pyarrow as pa
+    """Write one part atomically and durably; returns its path.
+
+    The table goes to a hidden temporary file, which is synced, renamed into place, and the
+    folder synced: a crash or power cut leaves the old part or the new one, never a torn or
+    empty file under a part's name. A value that does not fit its column (see ``to_table``)
+    is stored as null and logged; the rest of the step is stored."""
     import pyarrow.parquet as pq
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -142,12 +152,114 @@ def write_part(folder: Path, kind: str, step: int, records: Sequence[Mapping[str
         {"kind": kind, "step": int(step), "index": i, **{k: r.get(k) for k in COLUMNS[3:]}}
         for i, r in enumerate(records)
     ]
-    table = pa.Table.from_pylist(rows, schema=schema())
+    table, problems = to_table(rows, [f"{kind}:{int(step)}:{i}" for i in range(len(rows))])
+    for problem in problems:
+        _log.warning("trajectory store: %s", problem)
     final = folder / part_name(kind, step)
     temporary = folder / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    pq.write_table(table, temporary, compression="zstd", row_group_size=4096)
-    os.replace(temporary, final)
+    try:
+        with open(temporary, "wb") as sink:
+            pq.write_table(table, sink, compression="zstd", row_group_size=4096)
+            sink.flush()
+            os.fsync(sink.fileno())
+        os.replace(temporary, final)
+    finally:
+        temporary.unlink(missing_ok=True)  # only left when the write failed
+    _sync_folder(folder)
     return final
+
+
+def to_table(rows: Sequence[Mapping[str, Any]], names: Sequence[str]) -> tuple[Any, list[str]]:
+    """``rows`` (dicts of ``COLUMNS``) as an Arrow table of ``schema()``, and its problems.
+
+    One bad value costs only itself: text with lone surrogates (an env's exception message
+    decoded with ``surrogateescape``) keeps its text with U+FFFD in their place, and a value its
+    column cannot hold (an integer past int64, text where a number belongs) is stored as null
+    and named in the problems as ``"{names[i]}: {column} {value!r} ..."``."""
+    import pyarrow as pa
+
+    try:
+        return pa.Table.from_pylist(list(rows), schema=schema()), []
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        pass  # some row holds a bad value: find it, row by row (the slow path is the rare one)
+    types = schema()
+    problems: list[str] = []
+    clean = [_fitting(row, name, types, problems) for row, name in zip(rows, names, strict=True)]
+    return pa.Table.from_pylist(clean, schema=types), problems
+
+
+def _fitting(row: Mapping[str, Any], name: str, types: Any, problems: list[str]) -> dict[str, Any]:
+    """``row`` with each value its column cannot hold replaced (see ``to_table``)."""
+    import pyarrow as pa
+
+    try:
+        pa.Table.from_pylist([dict(row)], schema=types)
+        return dict(row)
+    except (pa.ArrowException, TypeError, ValueError, OverflowError):
+        pass
+    out: dict[str, Any] = {}
+    for column, value in row.items():
+        if column not in types.names:
+            continue
+        value = _valid_text(value)
+        try:
+            pa.array([value], type=types.field(column).type)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+            wanted = types.field(column).type
+            problems.append(f"{name}: {column} {shown} does not fit {wanted} (stored as null)")
+            value = None
+        out[column] = value
+    return out
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _valid_text(value: Any) -> Any:
+    """``value`` with lone surrogates in its text (and its lists' text) replaced by U+FFFD."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_valid_text(item) for item in value]
+    return value
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (its directory entry is on disk)."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+_TEMPORARY = re.compile(r"^\.(?P<part>.+\.parquet)\.(?P<pid>\d+)\.(?P<thread>\d+)\.tmp$")
+"""A part being written by process ``pid`` (``write_part``'s temporary name)."""
+
+
+def remove_leftovers(folder: Path) -> list[Path]:
+    """Delete the temporary files of writers that were killed mid-write (their process is
+    gone); a live writer's are kept. Returns the files removed."""
+    removed = []
+    for path in folder.glob(".*.tmp") if folder.is_dir() else []:
+        match = _TEMPORARY.match(path.name)
+        if match and not _alive(int(match["pid"])):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # it exists, as another user's process
+    except (OverflowError, OSError):
+        return False  # not a pid this system can have
+    return True
 
 
 class TrajectoryWriter:
@@ -173,6 +285,8 @@ class TrajectoryWriter:
         self.busy_s = 0.0
         """Seconds the writer thread has spent writing parts (the store's cost off the caller's
         thread)."""
+        for path in remove_leftovers(self.folder):
+            _log.info("trajectory store: removed %s, left by a writer that was killed", path.name)
         self._queue: queue.Queue[tuple[str, int, list[Mapping[str, Any]]] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="trajectory-store", daemon=True)
         self._thread.start()

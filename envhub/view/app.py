@@ -18,7 +18,12 @@ API (all ``GET``; ``run`` is the index of a run folder on the command line)::
     /api/summary?run=                 an ``envhub eval`` run's summary table
 
 Bound to ``127.0.0.1`` by default; another host needs ``--token``, which every request then
-carries (``?token=`` or ``Authorization: Bearer``; the page passes on its own).
+carries (``?token=`` or ``Authorization: Bearer``; the page passes on its own). What the app
+protects against (DNS rebinding, framing, ...) is listed in ``envhub.view.security``.
+
+Answers are JSON with NaN and infinity as ``null`` (a run's log-probs, rewards and env info may
+hold them; JSON has no such numbers). Handlers are plain functions, which Starlette runs in its
+thread pool: a slow read of a large run does not hold up the page's other requests.
 """
 
 from __future__ import annotations
@@ -28,11 +33,13 @@ import logging
 import math
 import secrets
 import shlex
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from envhub.runs.reader import Run, open_run
+from envhub.view.security import SecurityHeaders, allowed_hosts
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -50,12 +57,26 @@ class Viewer:
     def __init__(self, paths: Sequence[str | Path]) -> None:
         self.runs: list[Run] = [open_run(p) for p in paths]  # NotARunError: not a run folder
         self._tokenizers: dict[int, Any] = {}
+        self._tokenizer_lock = threading.Lock()
 
-    def run(self, index: str | None) -> Run:
+    def index(self, given: str | None) -> int:
+        """The run index a request names (``run=``; 0 when absent).
+
+        ValueError (400) for what is no index (text, a negative number), LookupError (404)
+        for an index past the last run; both name the valid range."""
+        valid = f"runs are 0..{len(self.runs) - 1}"
         try:
-            return self.runs[int(index or 0)]
-        except (ValueError, IndexError):
-            raise LookupError(f"no run {index!r}; runs are 0..{len(self.runs) - 1}") from None
+            index = int(given or 0)
+        except ValueError:
+            raise ValueError(f"run={given!r} is not a run index; {valid}") from None
+        if index < 0:
+            raise ValueError(f"run={index} is not a run index; {valid}")
+        if index >= len(self.runs):
+            raise LookupError(f"no run {index}; {valid}")
+        return index
+
+    def run(self, given: str | None) -> Run:
+        return self.runs[self.index(given)]
 
     def describe(self) -> list[dict[str, Any]]:
         return [
@@ -73,30 +94,29 @@ class Viewer:
         rows = []
         keys: set[str] = set()
         for row in run.metrics():
-            numbers = {
-                k: v
-                for k, v in row.items()
-                if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-            }
+            numbers = {k: v for k, v in row.items() if _plottable(v)}
             keys.update(numbers)
             rows.append(numbers)
         return {"rows": rows, "keys": sorted(keys - {"step", "time_s"})}
 
     def tokenizer(self, index: int) -> Any:
         """The run's tokenizer (its final or initial policy folder), or None."""
-        if index not in self._tokenizers:
-            self._tokenizers[index] = None
-            for name in ("final_policy", "initial_policy"):
-                folder = self.runs[index].path / name
-                if (folder / "tokenizer_config.json").exists():
-                    try:
-                        from transformers import AutoTokenizer
+        with self._tokenizer_lock:
+            if index not in self._tokenizers:
+                self._tokenizers[index] = self._load_tokenizer(index)
+            return self._tokenizers[index]
 
-                        self._tokenizers[index] = AutoTokenizer.from_pretrained(str(folder))
-                        break
-                    except Exception as error:  # noqa: BLE001 - no tokenizer: token ids only
-                        _log.warning("envhub view: no tokenizer in %s (%s)", folder, error)
-        return self._tokenizers[index]
+    def _load_tokenizer(self, index: int) -> Any:
+        for name in ("final_policy", "initial_policy"):
+            folder = self.runs[index].path / name
+            if (folder / "tokenizer_config.json").is_file():
+                try:
+                    from transformers import AutoTokenizer
+
+                    return AutoTokenizer.from_pretrained(str(folder))
+                except Exception as error:  # noqa: BLE001 - no tokenizer: token ids only
+                    _log.warning("envhub view: no tokenizer in %s (%s)", folder, error)
+        return None
 
     def episode(self, index: int, key: str) -> dict[str, Any]:
         run = self.runs[index]
@@ -108,13 +128,14 @@ class Viewer:
         tokenizer = self.tokenizer(index)
         # each token decoded on its own: " up" and "\n" rather than BPE's "Ġup" and "Ċ"
         texts = tokenizer.batch_decode([[i] for i in ids]) if tokenizer is not None else None
+        policy = [bool(mask[i]) if i < len(mask) else False for i in range(len(ids))]
         record["tokens"] = [
             {
                 "id": token,
                 "text": (texts[i] if texts is not None else f"[{token}]"),
-                "policy": bool(mask[i]) if i < len(mask) else False,
-                "logprob": logprobs[i] if i < len(logprobs) and mask[i] else None,
-                "advantage": advantages[i] if i < len(advantages) and mask[i] else None,
+                "policy": policy[i],
+                "logprob": logprobs[i] if i < len(logprobs) and policy[i] else None,
+                "advantage": advantages[i] if i < len(advantages) and policy[i] else None,
             }
             for i, token in enumerate(ids)
         ]
@@ -125,7 +146,9 @@ class Viewer:
     def replay_command(run: Run, record: dict[str, Any]) -> str:
         """``envhub play`` replaying the episode's actions, with the run's env kwargs."""
         kwargs = run.env_kwargs(str(record["env_id"]))
-        parts = ["envhub", "play", str(record["env_id"]), "--seed", str(record["seed"])]
+        parts = ["envhub", "play", str(record["env_id"])]
+        if record.get("seed") is not None:  # (else play takes the stored episode's own)
+            parts += ["--seed", str(record["seed"])]
         for name, value in kwargs.items():
             parts += ["-k", f"{name}={json.dumps(value) if not isinstance(value, str) else value}"]
         parts += ["--replay", str(run.path), "--episode", str(record["key"])]
@@ -146,12 +169,60 @@ def _number(value: str | None, kind: type) -> Any:
     return None if value in (None, "") else kind(value)
 
 
-def create_app(paths: Sequence[str | Path], token: str | None = None) -> Starlette:
-    """The viewer's ASGI app over the run folders ``paths`` (see the module docstring)."""
+def _count(value: str | None, name: str, default: int) -> int:
+    """A page parameter (``offset``, ``limit``): a whole number >= 0."""
+    number = _number(value, int)
+    if number is None:
+        return default
+    if number < 0:
+        raise ValueError(f"{name} must be >= 0, got {number}")
+    return int(number)
+
+
+def _plottable(value: Any) -> bool:
+    """Whether a metrics value is a number a chart can draw (finite, within float range)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer past float's range (400 digits in metrics.jsonl)
+        return False
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN and infinity (in dicts and lists, at any depth) as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(item) for item in value]
+    return value
+
+
+def create_app(
+    paths: Sequence[str | Path], token: str | None = None, *, host: str = "127.0.0.1"
+) -> Starlette:
+    """The viewer's ASGI app over the run folders ``paths`` (see the module docstring).
+
+    ``host`` is the interface the server binds: bound to loopback, only requests that name a
+    loopback host (or ``host``) are answered (``envhub.view.security``)."""
     from starlette.applications import Starlette
+    from starlette.middleware import Middleware
+    from starlette.middleware.trustedhost import TrustedHostMiddleware
     from starlette.requests import Request
     from starlette.responses import FileResponse, JSONResponse, Response
     from starlette.routing import Route
+
+    class FiniteJSON(JSONResponse):
+        """JSON with NaN and infinity as null (JSON has neither), and text that cannot be
+        UTF-8 (lone surrogates) with ``?`` in its place: a run's odd values never fail a page."""
+
+        def render(self, content: Any) -> bytes:
+            text = json.dumps(
+                finite(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")
+            )
+            return text.encode("utf-8", errors="replace")
 
     viewer = Viewer(paths)
 
@@ -165,15 +236,15 @@ def create_app(paths: Sequence[str | Path], token: str | None = None) -> Starlet
         return secrets.compare_digest(given.encode(), token.encode())
 
     def api(handler: Any) -> Any:
-        async def endpoint(request: Request) -> Response:
+        def endpoint(request: Request) -> Response:  # plain def: run in the thread pool
             if not allowed(request):
                 needed = {"error": "a token is needed: open the URL envhub view printed"}
-                return JSONResponse(needed, 401)
+                return FiniteJSON(needed, 401)
             try:
-                return JSONResponse(handler(request))
+                return FiniteJSON(handler(request))
             except (LookupError, ValueError) as error:
                 status = 404 if isinstance(error, LookupError) else 400
-                return JSONResponse({"error": str(error).strip("'\"")}, status)
+                return FiniteJSON({"error": str(error).strip("'\"")}, status)
 
         return endpoint
 
@@ -200,24 +271,24 @@ def create_app(paths: Sequence[str | Path], token: str | None = None) -> Starlet
             max_tokens=_number(q.get("max_tokens"), int),
             sort=q.get("sort") or "step",
             descending=_flag(q.get("desc")) or False,
-            offset=_number(q.get("offset"), int) or 0,
-            limit=min(_number(q.get("limit"), int) or 50, _MAX_PAGE),
+            offset=_count(q.get("offset"), "offset", 0),
+            limit=min(_count(q.get("limit"), "limit", 50), _MAX_PAGE),
         )
         return {"total": page.total, "rows": page.rows, "problems": run.problems}
 
     def episode(request: Request) -> Any:
-        index = viewer.runs.index(viewer.run(request.query_params.get("run")))
+        index = viewer.index(request.query_params.get("run"))
         return viewer.episode(index, request.query_params.get("key") or "")
 
     def summary(request: Request) -> Any:
         return viewer.run(request.query_params.get("run")).summary()
 
-    async def page(request: Request) -> Response:
+    def page(request: Request) -> Response:
         if not allowed(request):
             return Response("a token is needed: open the URL envhub view printed", 401)
         return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
 
-    async def static(request: Request) -> Response:
+    def static(request: Request) -> Response:
         name = request.path_params["name"]
         path = STATIC / name
         if path.parent != STATIC or not path.is_file():
@@ -233,5 +304,9 @@ def create_app(paths: Sequence[str | Path], token: str | None = None) -> Starlet
             Route("/api/episodes", api(episodes)),
             Route("/api/episode", api(episode)),
             Route("/api/summary", api(summary)),
-        ]
+        ],
+        middleware=[  # the first is the outermost: a refused host gets the headers too
+            Middleware(SecurityHeaders),
+            Middleware(TrustedHostMiddleware, allowed_hosts=allowed_hosts(host)),
+        ],
     )

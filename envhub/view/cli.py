@@ -3,15 +3,32 @@
 from __future__ import annotations
 
 import secrets
+import socket
 
 import click
 
 from envhub.cli import _fail, console
 from envhub.errors import EnvhubError
+from envhub.view.security import LOOPBACK
 
-__all__ = ["view_command"]
+__all__ = ["listen", "view_command"]
 
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host`` (a name, an IPv4 or an IPv6 address) and ``port``;
+    requests queue from here on, before the server has started. OSError when it cannot bind."""
+    family, kind, protocol, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
+    )[0]
+    sock = socket.socket(family, kind, protocol)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(512)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 @click.command("view")
@@ -25,15 +42,13 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 )
 def view_command(run_dirs: tuple[str, ...], host: str, port: int, token: str | None) -> None:
     """Browse runs in a web page: curves, episodes, transcripts token by token (read-only)."""
-    import socket
-
     import uvicorn
 
     from envhub.view.app import create_app
 
     if token == "auto":
         token = secrets.token_urlsafe(16)
-    if host not in _LOOPBACK and not token:
+    if host not in LOOPBACK and not token:
         _fail(
             EnvhubError(
                 f"--host {host} exposes the runs beyond this machine; add --token SECRET "
@@ -41,18 +56,16 @@ def view_command(run_dirs: tuple[str, ...], host: str, port: int, token: str | N
             )
         )
     try:
-        app = create_app(run_dirs, token=token)
+        app = create_app(run_dirs, token=token, host=host)
     except EnvhubError as error:
         _fail(error)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
-        sock.listen(512)  # requests queue from here on, before the server has started
+        sock = listen(host, port)
     except OSError as error:
         _fail(EnvhubError(f"cannot listen on {host}:{port} ({error}); pick another --port"))
     bound = sock.getsockname()[1]
-    url = f"http://{host}:{bound}/" + (f"?token={token}" if token else "")
+    shown = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL is bracketed
+    url = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")
     console.print(f"envhub view: {', '.join(run_dirs)} at {url}", soft_wrap=True, highlight=False)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     server.run(sockets=[sock])

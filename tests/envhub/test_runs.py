@@ -8,6 +8,7 @@ returned as data, and a viewer bound with a token refuses requests without it.
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 pytest.importorskip("pyarrow", reason="needs the view extra: pip install -e '.[view]'")
 
 import envhub.runs
-from envhub.runs import NotARunError, TrajectoryWriter
+from envhub.runs import NotARunError, TrajectoryWriter, write_part
 
 SCRIPT = "<script>alert(1)</script>"
 
@@ -128,7 +129,7 @@ def test_the_viewer_api_pages_filters_and_refuses_requests_without_its_token(
     from envhub.view import create_app
 
     write_run(tmp_path)
-    client = TestClient(create_app([tmp_path], token="s3cret"))
+    client = TestClient(create_app([tmp_path], token="s3cret"), base_url="http://127.0.0.1:8080")
     assert client.get("/api/runs").status_code == 401
     assert client.get("/").status_code == 401
     auth = {"token": "s3cret"}
@@ -182,3 +183,111 @@ def test_view_refuses_a_public_host_without_a_token_and_a_folder_that_is_no_run(
     assert result.exit_code != 0 and "is not a run" in result.output
     bad = CliRunner().invoke(main, ["play", "games/frozen-lake-v0", "--replay", str(tmp_path)])
     assert bad.exit_code != 0 and "--replay RUN_DIR needs --episode KEY" in bad.output
+
+
+# ---------------------------------------------------------------- what a writer may be handed
+def test_one_bad_record_costs_only_its_bad_value_not_the_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An env's exception text with a lone surrogate, or a seed past int64, is one value: the
+    other episodes of the step, and the rest of that episode, are stored."""
+    records = [record(i, 1) for i in range(20)]
+    records[3]["failure"] = "boom \udcff"
+    records[5]["env_id"] = "x\ud800"
+    records[7]["seed"] = 2**63
+    writer = TrajectoryWriter(tmp_path)
+    writer.write("train", 1, records)
+    writer.close()
+    assert writer.errors == []
+    run = envhub.runs.open(tmp_path)
+    assert run.episodes(limit=None).total == 20
+    assert run.episode("train:1:3")["failure"] == "boom \ufffd"
+    assert run.episode("train:1:5")["env_id"] == "x\ufffd"
+    seventh = run.episode("train:1:7")
+    assert seventh["seed"] is None and seventh["messages"][1]["content"] == "up"
+    assert "train:1:7" in caplog.text and "seed" in caplog.text and str(2**63) in caplog.text
+
+
+def test_a_killed_writers_temporary_file_is_removed_when_a_writer_starts(tmp_path: Path) -> None:
+    store = tmp_path / "trajectories"
+    store.mkdir()
+    dead = store / ".train-000000002.parquet.99999999.1.tmp"  # no process has this pid
+    dead.write_bytes(b"half written")
+    live = store / f".train-000000003.parquet.{os.getpid()}.1.tmp"  # a writer still running
+    live.write_bytes(b"being written")
+    TrajectoryWriter(tmp_path).close()
+    assert not dead.exists() and live.exists()
+
+
+def test_a_part_is_on_disk_before_its_name_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The part's bytes are synced before the rename and the folder after it, so a power cut
+    leaves the old part or the new one, never a named empty file."""
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync dir" if os.path.isdir(f"/proc/self/fd/{fd}") else "fsync file")
+        real_fsync(fd)
+
+    def replace(source: Any, target: Any) -> None:
+        events.append("rename")
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    write_part(tmp_path, "train", 1, [record(0, 1)])
+    assert events == ["fsync file", "rename", "fsync dir"]
+
+
+# ---------------------------------------------------------------- what a reader may find
+def test_bad_eval_lines_are_named_and_the_rest_is_read(tmp_path: Path) -> None:
+    good = json.dumps({"env_id": "e", "seed": 1, "rewards": [1.0], "success": True})
+    lines = [good, "[1, 2]", '{"env_id": "e", "seed": "abc"}', '{"env_id": "e", "rewards": ["x"]}']
+    (tmp_path / "episodes.jsonl").write_text("\n".join([*lines, good]) + "\n")
+    run = envhub.runs.open(tmp_path)
+    page = run.episodes(limit=None)
+    assert page.total == 3  # both good lines, and the one whose seed is text (seed left out)
+    assert [r["seed"] for r in page.rows] == [1, None, 1]
+    assert any("episodes.jsonl line 2" in p and "not an object" in p for p in run.problems)
+    assert any("episodes.jsonl line 3" in p and "seed" in p for p in run.problems)
+    assert any("episodes.jsonl line 4" in p for p in run.problems)
+
+
+def test_a_part_deleted_while_the_table_is_read_is_skipped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """keep_last prunes a part between the reader's listing and its read: the page still
+    answers, from the parts that are there."""
+    write_run(tmp_path, steps=3, per_step=4)
+    run = envhub.runs.open(tmp_path)
+    stale = run.parts()  # listed ...
+    (tmp_path / "trajectories" / "train-000000001.parquet").unlink()  # ... then pruned
+    fresh = run.parts
+    calls = iter([stale])
+    monkeypatch.setattr(run, "parts", lambda: next(calls, None) or fresh())
+    assert run.episodes(kind="train", limit=None).total == 8
+
+
+def test_a_poll_reads_only_the_parts_that_are_new(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The page polls the episode table every few seconds; a large run must not be re-read
+    whole each time: a part is read once per version of its file."""
+    from envhub.runs import reader
+
+    write_run(tmp_path, steps=3, per_step=4)
+    run = envhub.runs.open(tmp_path)
+    read: list[str] = []
+    real = reader.read_light
+
+    def counted(path: Path) -> Any:
+        read.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(reader, "read_light", counted)
+    assert run.episodes(limit=1).total == 16 and len(read) == 4  # every part, once
+    assert run.episodes(kind="train", limit=1).total == 12 and len(read) == 4  # none again
+    write_part(tmp_path / "trajectories", "train", 4, [record(i, 4) for i in range(4)])
+    assert run.episodes(limit=1).total == 20 and read[4:] == ["train-000000004.parquet"]

@@ -5,7 +5,8 @@ and tokenizer) and a run whose env text holds ``<script>alert(1)</script>``. The
 point per metrics row and grow live when the run writes a row, filtering ``success = no`` lists
 exactly the run's failures, a transcript colours the policy's tokens (decoded with the run's
 tokenizer), the same seed at another step opens beside it, and the hostile env text is shown as
-text (no dialog opens). The screenshots of ``docs/view.md`` are taken here: into
+text (no dialog opens), and nothing the page needs is refused by its Content-Security-Policy.
+The screenshots of ``docs/view.md`` are taken here: into
 ``docs/view/`` with ``ENVHUB_UPDATE_SCREENSHOTS=1``, else into the test's temporary folder (a
 test run leaves the checkout as it was).
 """
@@ -62,8 +63,12 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         )
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+        refused: list[str] = []  # what the Content-Security-Policy blocked (page must need none)
+        page.on("console", lambda m: "Content Security Policy" in m.text and refused.append(m.text))
         page.goto(url + "/?poll=200")
         page.wait_for_selector("body[data-ready='1']")
+        swatch = page.locator("#runs label span").nth(1)  # the second run's colour
+        assert swatch.evaluate("s => getComputedStyle(s).color") == "rgb(217, 72, 15)"
 
         # curves: both runs overlaid, one point per metrics row
         chart = "svg.chart[data-key='train/success']"
@@ -79,19 +84,14 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         # live: a row the run writes appears without a reload
         with (hostile / "metrics.jsonl").open("a") as metrics:
             metrics.write("\n" + json.dumps({"step": 4, "time_s": 8.0, "train/success": 0.5}))
-        page.wait_for_function(
-            "document.querySelector(\"svg.chart[data-key='train/success'] "
-            "polyline[data-run='1']\").dataset.points === '5'"
-        )
+        # (selectors, not wait_for_function: the page's CSP refuses the eval that one uses)
+        page.wait_for_selector(f"{chart} polyline[data-run='1'][data-points='5']")
 
         # the episode table: success = no lists exactly the run's failures
         page.click("nav button[data-tab='episodes']")
         page.select_option("#filters select[name='kind']", "train")
         page.select_option("#filters select[name='success']", "false")
-        page.wait_for_function(
-            "document.querySelector('#page-info').textContent"
-            f".includes('of {failures.total} episodes')"
-        )
+        page.locator("#page-info", has_text=f"of {failures.total} episodes").wait_for()
         marks = page.locator("#episode-table tbody td.ok, #episode-table tbody td.fail")
         assert set(marks.all_inner_texts()) == {"\u2717"}
         assert marks.count() == min(failures.total, 50)
@@ -114,7 +114,7 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         compare = page.locator(".transcript select.compare")
         later = compare.locator("option").nth(1).get_attribute("value")
         compare.select_option(later)
-        page.wait_for_function("document.querySelectorAll('#transcripts .transcript').length == 2")
+        page.locator("#transcripts .transcript").nth(1).wait_for()
         panels = page.locator("#transcripts .transcript")
         assert [panels.nth(i).get_attribute("data-key") for i in (0, 1)] == [key, later]
         page.locator("#transcripts").scroll_into_view_if_needed()
@@ -132,9 +132,7 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         # env text that holds markup is shown as text, never run
         page.select_option("#episode-run", "1")
         page.select_option("#filters select[name='kind']", "")
-        page.wait_for_function(
-            "document.querySelector('#page-info').textContent.includes('of 40 episodes')"
-        )
+        page.locator("#page-info", has_text="of 40 episodes").wait_for()
         row = page.locator("#episode-table tbody tr").first
         key = row.get_attribute("data-key")
         panel = f"#transcripts .transcript[data-run='1'][data-key='{key}']"
@@ -143,4 +141,5 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         page.wait_for_selector(f"{panel} .message.user")
         assert SCRIPT in page.locator(f"{panel} .message.user").first.inner_text()
         assert count(page, ".transcript script") == 0 and not dialogs
+        assert not refused
         browser.close()

@@ -1,6 +1,10 @@
 // envhub view: curves, the episode table and transcripts over envhub.view's JSON API.
 // Every text from a run goes into the page with textContent (never innerHTML): env output is
-// data, not markup.
+// data, not markup. A message's role is text too: only the known roles become CSS classes.
+// The page runs under the server's Content-Security-Policy (default-src 'self'): no inline
+// script or style attribute; colours are set through element.style.
+// A request that fails shows its error where its answer would have gone, never the previous
+// answer as if it were this one.
 "use strict";
 
 const QUERY = new URLSearchParams(location.search);
@@ -12,9 +16,10 @@ const COLUMNS = [
   ["success", "success"], ["return", "return"], ["advantage", "advantage"],
   ["turns", "turns"], ["tokens", "tokens"], ["failure", "failure"],
 ];
+const ROLES = new Set(["system", "user", "assistant", "tool"]);  // the roles with a style
 const state = {
   runs: [], shown: new Set([0]), metrics: {}, sort: "step", desc: false, offset: 0,
-  limit: 50, total: 0, selected: [],
+  limit: 50, total: 0, selected: [], listing: 0, opening: 0, polling: false,
 };
 
 function el(tag, attrs = {}, ...children) {
@@ -38,9 +43,17 @@ async function api(path, params = {}) {
   const query = new URLSearchParams(Object.entries(params).filter(([, v]) => v !== "" && v != null));
   if (TOKEN) query.set("token", TOKEN);
   const response = await fetch(`api/${path}?${query}`);
-  const body = await response.json();
-  if (!response.ok) throw new Error(body.error || response.statusText);
+  let body;
+  try { body = await response.json(); } catch { body = {}; }  // an error page that is not JSON
+  if (!response.ok) throw new Error(body.error || `${response.status} ${response.statusText}`);
   return body;
+}
+
+// a value from a run as text: strings as they are, anything else as JSON
+function asText(value) {
+  if (value == null) return "";
+  if (typeof value === "string") return value;
+  try { return JSON.stringify(value); } catch { return String(value); }
 }
 
 // ---------------------------------------------------------------- runs and tabs
@@ -57,7 +70,8 @@ async function loadRuns() {
       if (check.checked) state.shown.add(i); else state.shown.delete(i);
       drawCharts();
     });
-    const swatch = el("span", { text: "\u25A0 ", style: `color:${COLOURS[i % COLOURS.length]}` });
+    const swatch = el("span", { text: "\u25A0 " });
+    swatch.style.color = COLOURS[i % COLOURS.length];  // CSSOM: allowed by the CSP
     box.append(el("label", { title: run.path }, check, swatch, run.name));
     select.append(el("option", { value: i, text: run.name }));
   });
@@ -75,11 +89,15 @@ function showTab(name) {
 }
 
 // ---------------------------------------------------------------- curves
+// every run's metrics; one that fails keeps its last curves and is named in the error thrown
 async function loadMetrics() {
+  const failed = [];
   await Promise.all(state.runs.map(async (run) => {
-    state.metrics[run.id] = await api("metrics", { run: run.id });
+    try { state.metrics[run.id] = await api("metrics", { run: run.id }); }
+    catch (error) { failed.push(`${run.name}: ${error.message}`); }
   }));
   drawCharts();
+  if (failed.length) throw new Error(failed.join("; "));
 }
 
 function smooth(values, alpha) {
@@ -161,15 +179,20 @@ function filters() {
 
 async function loadEpisodes() {
   const run = document.getElementById("episode-run").value || 0;
+  const listing = ++state.listing;  // answers come back in any order: only the last one counts
   let page;
   try {
     page = await api("episodes", {
       run, ...filters(), sort: state.sort, desc: state.desc, offset: state.offset, limit: state.limit,
     });
   } catch (error) {
+    if (listing !== state.listing) return;
     document.getElementById("problems").textContent = error.message;
+    document.querySelector("#episode-table tbody").replaceChildren();
+    document.getElementById("page-info").textContent = "";
     return;
   }
+  if (listing !== state.listing) return;
   state.total = page.total;
   document.getElementById("problems").textContent = (page.problems || []).join("; ");
   const head = document.querySelector("#episode-table thead");
@@ -209,12 +232,27 @@ async function openEpisode(run, key, compare) {
   for (const tr of document.querySelectorAll("#episode-table tbody tr")) {
     tr.classList.toggle("selected", state.selected.some((s) => s.key === tr.dataset.key));
   }
-  const panels = await Promise.all(state.selected.map(async (s) => transcript(s.run, await api("episode", s))));
-  document.getElementById("transcripts").replaceChildren(...panels);
+  const opening = ++state.opening;  // a slower, earlier click must not overwrite this one
+  const box = document.getElementById("transcripts");
+  const panels = await Promise.all(state.selected.map(async (s) => {
+    try { return transcript(s.run, await api("episode", s)); }
+    catch (error) {
+      return el("div", { class: "transcript error", "data-run": String(s.run) },
+        el("h2", { text: `${s.key}: cannot be shown` }), el("p", { class: "fail", text: error.message }));
+    }
+  }));
+  if (opening === state.opening) box.replaceChildren(...panels);
 }
 
 async function sameSeed(run, episode, box) {
-  const page = await api("episodes", { run, env_id: episode.env_id, seed: episode.seed, kind: episode.kind, limit: 500 });
+  if (episode.seed == null) return;
+  let page;
+  try {
+    page = await api("episodes", { run, env_id: episode.env_id, seed: episode.seed, kind: episode.kind, limit: 500 });
+  } catch (error) {
+    box.append(el("span", { class: "fail", text: `other steps: ${error.message}` }));
+    return;
+  }
   const others = page.rows.filter((r) => r.key !== episode.key);
   if (!others.length) return;
   const select = el("select", { class: "compare" }, el("option", { value: "", text: `same seed at another step (${others.length})` }));
@@ -229,23 +267,15 @@ async function sameSeed(run, episode, box) {
 
 function transcript(run, episode) {
   const box = el("div", { class: "transcript", "data-key": episode.key, "data-run": String(run) });
-  box.append(el("h2", { text: `${episode.env_id} seed ${episode.seed} \u00b7 ${episode.kind} step ${episode.step} #${episode.index} \u00b7 return ${Number(episode.return).toFixed(3)} \u00b7 ${episode.success ? "success" : "no success"}` }));
+  const score = episode.return == null ? "-" : Number(episode.return).toFixed(3);
+  box.append(el("h2", { text: `${episode.env_id} seed ${episode.seed} \u00b7 ${episode.kind} step ${episode.step} #${episode.index} \u00b7 return ${score} \u00b7 ${episode.success ? "success" : "no success"}` }));
   if (episode.failure) box.append(el("p", { class: "fail", text: `failed: ${episode.failure}` }));
   box.append(el("code", { class: "replay", text: episode.replay }));
   const slot = el("div", { class: "compare-slot" });  // filled once the other steps are known
   box.append(slot);
   sameSeed(run, episode, slot);
-  for (const message of episode.messages) {
-    const item = el("div", { class: `message ${message.role}` }, el("span", { class: "role", text: message.role }));
-    const content = typeof message.content === "string" ? message.content
-      : (message.content || []).map((p) => p.text || "").join("");
-    item.append(document.createTextNode(content || ""));
-    for (const call of message.tool_calls || []) {
-      const fn = call.function || {};
-      item.append(el("span", { class: "tool-call", text: `\u2192 ${fn.name}(${fn.arguments})` }));
-    }
-    box.append(item);
-  }
+  const messages = Array.isArray(episode.messages) ? episode.messages : [{ content: episode.messages }];
+  for (const message of messages) box.append(messageBox(message));
   if (episode.tokens.length) {
     const tokens = el("div", { class: "tokens" });
     const starts = new Set((episode.row_starts || []).slice(1));
@@ -266,18 +296,44 @@ function transcript(run, episode) {
   return box;
 }
 
+// one chat message; whatever shape an env gave it (role, content, tool calls), shown as text
+function messageBox(message) {
+  const fields = message !== null && typeof message === "object" && !Array.isArray(message)
+    ? message : { content: message };
+  const role = asText(fields.role) || "?";
+  const item = el("div", { class: ROLES.has(role) ? `message ${role}` : "message other" },
+    el("span", { class: "role", text: role }));
+  const content = Array.isArray(fields.content)
+    ? fields.content.map((part) => (typeof part?.text === "string" ? part.text : asText(part))).join("")
+    : asText(fields.content);
+  item.append(document.createTextNode(content));
+  const calls = fields.tool_calls;
+  for (const call of Array.isArray(calls) ? calls : calls == null ? [] : [calls]) {
+    const fn = call?.function;
+    const text = fn && typeof fn.name === "string"
+      ? `${fn.name}(${asText(fn.arguments)})` : asText(call);
+    item.append(el("span", { class: "tool-call", text: `\u2192 ${text}` }));
+  }
+  return item;
+}
+
 // ---------------------------------------------------------------- eval results
 async function loadEval() {
   const box = document.getElementById("eval-tables");
   box.replaceChildren();
   for (const run of state.runs) {
-    const rows = await api("summary", { run: run.id });
+    let rows;
+    try { rows = await api("summary", { run: run.id }); }
+    catch (error) {
+      box.append(el("h2", { text: run.name }), el("p", { class: "fail", text: error.message }));
+      continue;
+    }
     if (!rows.length) continue;
     const keys = Object.keys(rows[0]).filter((k) => typeof rows[0][k] !== "object");
     const table = el("table", {}, el("thead", {}, el("tr", {}, ...keys.map((k) => el("th", { text: k })))));
     const body = el("tbody");
     for (const row of rows) {
-      body.append(el("tr", {}, ...keys.map((k) => el("td", { text: typeof row[k] === "number" ? String(Number(row[k].toFixed ? row[k].toFixed(3) : row[k])) : String(row[k]) }))));
+      body.append(el("tr", {}, ...keys.map((k) => el("td", { text: typeof row[k] === "number" ? String(Number(row[k].toFixed(3))) : asText(row[k]) }))));
     }
     table.append(body);
     box.append(el("h2", { text: run.name }), table);
@@ -295,7 +351,10 @@ document.getElementById("next").addEventListener("click", () => {
   if (state.offset + state.limit < state.total) { state.offset += state.limit; loadEpisodes(); }
 });
 
+// one poll at a time: on a slow server a poll that is still waiting makes the next one skip
 async function poll() {
+  if (state.polling) return;
+  state.polling = true;
   try {
     await loadMetrics();
     if (!document.getElementById("episodes").classList.contains("hidden") && state.offset === 0) {
@@ -307,12 +366,18 @@ async function poll() {
     document.getElementById("live").textContent = `live \u00b7 ${new Date().toLocaleTimeString()}`;
   } catch (error) {
     document.getElementById("live").textContent = `offline: ${error.message}`;
+  } finally {
+    state.polling = false;
   }
 }
 
 (async () => {
-  await loadRuns();
-  await loadMetrics();
+  try {
+    await loadRuns();
+    await loadMetrics();
+  } catch (error) {
+    document.getElementById("live").textContent = `offline: ${error.message}`;
+  }
   document.body.dataset.ready = "1";
   setInterval(poll, POLL_MS);
 })();
