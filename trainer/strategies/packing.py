@@ -7,7 +7,9 @@ short ones). Two settings change how a strategy cuts it into micro-batches
 ``train.micro_batch_tokens: N``
     Rows are grouped, longest first, so that each micro-batch holds about ``N`` tokens (rows x
     the longest row's length, padding included; with packing, packed rows x their width) instead
-    of ``micro_batch_size`` rows. A row longer than ``N`` is a micro-batch of its own.
+    of ``micro_batch_size`` rows. A row longer than ``N`` is a micro-batch of its own. With
+    ``train.grad_accumulation`` the optimiser steps follow that order too: the first steps take
+    the longest rows (each step's gradient is still exactly its rows' loss).
 ``train.packing: true``
     The rows of a micro-batch are packed, first fit by decreasing length, into rows as wide as
     its longest sequence: ``[a a a b b c c c c]``. Positions restart at each sequence, and the
