@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from envhub.runs.store import sync_folder
 from trainer.errors import CheckpointError
 
 __all__ = ["Checkpoint", "CheckpointManager", "CheckpointWriter", "FolderLock"]
@@ -146,19 +147,11 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             _fsync_file(Path(dirpath) / name)
-        _fsync_dir(Path(dirpath))
+        sync_folder(Path(dirpath))
 
 
 def _torch_save(obj: Any, path: Path) -> None:
@@ -366,7 +359,7 @@ class CheckpointWriter:
             json.dump(meta, f, indent=2, default=str)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(self.path)
+        sync_folder(self.path)
 
 
 class CheckpointManager:
@@ -457,7 +450,7 @@ class CheckpointManager:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(self.root)  # committed
+        sync_folder(self.root)  # committed
         self._write_pointer(final.name)
         self._prune(keep_name=final.name)
 
@@ -468,7 +461,7 @@ class CheckpointManager:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.root / "latest")
-        _fsync_dir(self.root)
+        sync_folder(self.root)
 
     def _prune(self, keep_name: str) -> None:
         complete = self.list()
@@ -498,7 +491,7 @@ class CheckpointManager:
             os.rename(min(found)[1], final)
             restored.append(final)
         if restored:
-            _fsync_dir(self.root)
+            sync_folder(self.root)
         return restored
 
     def _remove_partial(self) -> list[Path]:

@@ -165,7 +165,7 @@ def write_part(folder: Path, kind: str, step: int, records: Sequence[Mapping[str
         os.replace(temporary, final)
     finally:
         temporary.unlink(missing_ok=True)  # only left when the write failed
-    _sync_folder(folder)
+    sync_folder(folder)
     return final
 
 
@@ -225,8 +225,9 @@ def _valid_text(value: Any) -> Any:
     return value
 
 
-def _sync_folder(folder: Path) -> None:
-    """Make a rename in ``folder`` durable (its directory entry is on disk)."""
+def sync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (its directory entry is on disk); the run's
+    checkpoints (``trainer.checkpoint``) use it too."""
     descriptor = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(descriptor)
