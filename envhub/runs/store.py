@@ -45,6 +45,7 @@ __all__ = [
     "part_name",
     "remove_leftovers",
     "schema",
+    "sync_folder",
     "to_table",
     "write_part",
 ]
