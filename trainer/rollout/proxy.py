@@ -21,8 +21,17 @@ call's messages, the reply the proxy gave, and new messages (the usual agent loo
 *extends* the sample: only the new messages are rendered, with the env manager's delta trick,
 and appended as context, so the sample is the same token sequence the built-in env manager
 builds. A call that does not extend the last (the agent rewrote history, dropped the reply, or
-changed tools) starts a new sample, prompted with its own rendering. Env steps credit their
+changed tools) starts a new sample, prompted with its own rendering; so does every call when the
+chat template rewrites history (``ChatRenderer.append_only`` False, e.g. Qwen3 dropping earlier
+thinking), as the env manager then trains each turn as its own sample. Env steps credit their
 reward to the latest call's last token. Every call is tagged with the engine's policy version.
+
+Nothing is recorded until a call has its generation: the body is checked first
+(``proxy_http.chat_request``: a bad field, a non-text content part, a template that refuses the
+messages is a 400 naming it), and a call or step that finishes after its episode ended (the
+agent returned, timed out, was cancelled) answers 410 and leaves the trajectory the scheduler
+already has untouched; closing the episode aborts its generation in flight. Once the env has
+ended the episode, model calls answer 409 (their tokens would follow the episode's score).
 
 Sampling is the run's (``rollout.temperature``, ``top_p``; a request's own are ignored, said
 once in the log) so the recorded log-probs are the policy's; ``max_tokens`` may only lower
@@ -30,7 +39,9 @@ once in the log) so the recorded log-probs are the policy's; ``max_tokens`` may 
 A generation aborted under the agent (its group was cancelled) fails the episode and answers
 503; a weight update in ``async`` mode preempts the call and resumes it (the agent only waits).
 A call past ``rollout.max_turns``, or one whose prompt leaves no room in the context, ends the
-episode as truncated (the env manager's limits), answering 400.
+episode as truncated (the env manager's limits), answering 400; a request whose text is far
+longer than the context holds (16 characters a token) is refused so before it is tokenised.
+Bodies, connections and shutdown are bounded by ``proxy_http.ServerLimits``.
 
 The HTTP side (routes, error bodies, streaming, the uvicorn server) is
 ``trainer.rollout.proxy_http``; this module is what the routes do.
@@ -47,7 +58,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from trainer.rollout.proxy_http import ProxyError, listen, proxy_app
+from trainer.rollout.proxy_http import ChatRequest, ProxyError, ServerLimits, listen, proxy_app
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
@@ -117,6 +128,8 @@ class ProxyEpisode:
     env_done: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    generating: str | None = None
+    """The request id of the call in the engine now (aborted when the episode closes)."""
     _seen: list[dict[str, Any]] = field(default_factory=list)
     """The current row's conversation: the last call's messages and the proxy's reply."""
     _row_tools: str = ""
@@ -133,20 +146,28 @@ class ProxyEpisode:
 
     def finish(self) -> Trajectory:
         """The episode for the scheduler: one row is the episode's own token sequence, several
-        become its ``samples``; an episode without a single call cannot be trained on."""
+        become its ``samples``; rows without a sampled token are dropped, and an episode left
+        without any cannot be trained on (failed). Ends the episode: nothing writes into the
+        rows or the trajectory after this (a late call or step answers 410)."""
         self.end()
         t = self.trajectory
-        if not self.rows and not t.failed:
-            t.failed, t.failure = True, "the agent made no model call"
-        if len(self.rows) == 1:
-            row = self.rows[0]
-            t.token_ids, t.response_mask = row.token_ids, row.response_mask
-            t.logprobs, t.token_versions = row.logprobs, row.token_versions
-            t.turn_ends, t.turn_rewards = row.turn_ends, row.turn_rewards
+        rows = [row for row in self.rows if any(row.response_mask)]
+        if not rows and not t.failed:
+            t.failed = True
+            t.failure = (
+                "the agent made no model call"
+                if not self.rows
+                else "no model call sampled a token (every generation was empty)"
+            )
+        if len(rows) == 1:
+            row = rows[0]
+            t.token_ids, t.response_mask = list(row.token_ids), list(row.response_mask)
+            t.logprobs, t.token_versions = list(row.logprobs), list(row.token_versions)
+            t.turn_ends, t.turn_rewards = list(row.turn_ends), list(row.turn_rewards)
             t.prompt_length = row.prompt_length
-        elif self.rows:
-            t.samples = self.rows
-            t.prompt_length = self.rows[0].prompt_length
+        elif rows:
+            t.samples = rows
+            t.prompt_length = rows[0].prompt_length
         return t
 
 
@@ -168,17 +189,26 @@ class AgentProxy:
         model_name: str = "policy",
         host: str = "127.0.0.1",
         port: int = 0,
+        limits: ServerLimits | None = None,
     ) -> None:
         self.engine, self.renderer = engine, renderer
         self.max_turns, self.max_context_tokens = max_turns, max_context_tokens
         self.step_timeout_s = step_timeout_s
         self.model_name, self.host, self.port = model_name, host, port
+        self.limits = limits or ServerLimits()
         self._episodes: dict[str, ProxyEpisode] = {}
         self._ended: dict[str, str] = {}
         """api key -> episode key of ended episodes (a late call gets 410, not 401)."""
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._aborts: set[asyncio.Task[None]] = set()
         self._warned_sampling = False
+        self._max_chars: int | None = None
+        if not renderer.append_only:
+            _log.warning(
+                "the chat template rewrites earlier turns as a conversation grows, so every "
+                "model call of an agent is trained as its own sample"
+            )
 
     @property
     def base_url(self) -> str:
@@ -188,15 +218,18 @@ class AgentProxy:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         """Bind, listen and serve on the running loop (requests queue until uvicorn accepts)."""
-        self._server, self._task, self.port = listen(self.app(), self.host, self.port)
+        self._server, self._task, self.port = listen(self.app(), self.host, self.port, self.limits)
 
     async def aclose(self) -> None:
+        """Close every episode and stop serving (requests still running after
+        ``limits.shutdown_timeout_s`` are cancelled)."""
         for episode in list(self._episodes.values()):
             self.close(episode)
         if self._server is not None and self._task is not None:
             self._server.should_exit = True
             await asyncio.gather(self._task, return_exceptions=True)
             self._server = self._task = None
+        await asyncio.gather(*self._aborts, return_exceptions=True)
 
     def open(
         self,
@@ -226,12 +259,22 @@ class AgentProxy:
         return episode
 
     def close(self, episode: ProxyEpisode) -> None:
-        """The episode is over: its key answers 410 from now on."""
+        """The episode is over: its key answers 410 from now on, and its generation in flight
+        is aborted in the engine (its tokens would be recorded nowhere)."""
         episode.end()
+        if episode.generating is not None:
+            aborting = asyncio.ensure_future(self.engine.abort(episode.generating))
+            self._aborts.add(aborting)
+            aborting.add_done_callback(self._aborted)
         if self._episodes.pop(episode.api_key, None) is not None:
             self._ended[episode.api_key] = episode.key
             if len(self._ended) > 65_536:  # remember the latest ended keys only
                 self._ended.pop(next(iter(self._ended)))
+
+    def _aborted(self, task: asyncio.Task[None]) -> None:
+        self._aborts.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            _log.warning("aborting a closed episode's generation failed: %r", task.exception())
 
     def episode(self, authorization: str | None) -> ProxyEpisode:
         """The open episode an ``Authorization: Bearer KEY`` header names (else a ProxyError)."""
@@ -258,33 +301,46 @@ class AgentProxy:
             "invalid_api_key",
         )
 
+    @staticmethod
+    def _check_open(episode: ProxyEpisode, action: str) -> None:
+        """410 once the episode has ended (``action`` was not recorded); 409 once the env did."""
+        if episode.ended.is_set():
+            raise ProxyError(
+                410,
+                f"episode {episode.key} has ended; this {action} was not recorded",
+                "episode_ended",
+            )
+        if episode.env_done:
+            raise ProxyError(
+                409,
+                f"the env has already ended this episode (terminated or truncated); a {action} "
+                "now would not be scored, so it is refused: return from the agent",
+                "env_done",
+            )
+
     # ------------------------------------------------------------------ a policy turn
-    async def complete(self, episode: ProxyEpisode, body: Mapping[str, Any]) -> dict[str, Any]:
-        """One chat completion for ``episode`` (``body`` as the OpenAI API takes it)."""
-        messages = self._messages(body)
-        tools = body.get("tools") or None
-        if body.get("model") not in (None, self.model_name):
+    async def complete(self, episode: ProxyEpisode, request: ChatRequest) -> dict[str, Any]:
+        """One chat completion for ``episode`` (``request``: the checked body)."""
+        if request.model not in (None, self.model_name):
             raise ProxyError(
                 404,
-                f"model {body.get('model')!r} is not served here; use {self.model_name!r} "
+                f"model {request.model!r} is not served here; use {self.model_name!r} "
                 "(AgentEpisode.model)",
                 "model_not_found",
             )
-        if int(body.get("n") or 1) != 1:
-            raise ProxyError(
-                400,
-                "n > 1 is not supported by the training proxy: each call is one sample of the "
-                "episode; make n calls",
-                "unsupported_n",
-            )
-        self._warn_sampling(body)
+        self._warn_sampling(request.sampling)
         async with episode.lock:
-            if episode.ended.is_set():
-                raise ProxyError(410, f"episode {episode.key} has ended", "episode_ended")
+            self._check_open(episode, "model call")
+            if request.chars > self._prompt_chars():
+                self._out_of_context(
+                    episode,
+                    f"the messages hold {request.chars} characters of text, longer than the "
+                    f"context of {self.max_context_tokens} tokens can hold",
+                )
             if episode.calls >= self.max_turns:  # truncated, as the env manager ends it ...
-                extended = self._context(episode, messages, tools, new_row=False)
-                if extended is not None:  # ... with the env's last reply appended as context
-                    extended[0].append_context(extended[1])
+                row, context = self._context(episode, request)
+                if row is not None:  # ... with the env's last reply appended as context
+                    row.append_context(context)
                 episode.trajectory.truncated = True
                 episode.end()
                 raise ProxyError(
@@ -293,119 +349,115 @@ class AgentProxy:
                     "max_turns_exceeded",
                 )
             started = time.monotonic()
-            found = self._context(episode, messages, tools)
-            if found is None:  # cannot happen: new_row=True always finds or makes a row
-                raise RuntimeError("the agent proxy found no sample row for this call")
-            row, context = found
-            result = await self._generate(episode, row, context, body)
+            row, context = self._context(episode, request)
+            prompt = [*(row.token_ids if row is not None else ()), *context]
+            result = await self._generate(episode, prompt, request.max_tokens)
+            if row is None:  # a sample of its own, recorded now that it has its generation
+                row = Trajectory(episode.trajectory.env_id, episode.trajectory.seed)
+                row.group_id, row.prompt_length = episode.trajectory.group_id, len(context)
+                episode.rows.append(row)
             row.append_context(context)
             row.append_generation(result)
             episode.trajectory.policy_versions.append(result.policy_version)
-            turn = self.renderer.parse(self.renderer.decode(result.token_ids), tools)
+            turn = self.renderer.parse(self.renderer.decode(result.token_ids), request.tools)
             reply = turn.message()
             episode.calls += 1
-            episode._seen = [*messages, reply]
-            episode._row_tools = json.dumps(tools, sort_keys=True)
+            episode._seen = [*request.messages, reply]
+            episode._row_tools = json.dumps(request.tools, sort_keys=True)
             episode._stopped_on_eos = (
                 bool(result.token_ids) and result.token_ids[-1] == self.renderer.eos_token_id
             )
             episode._last_reply = reply
-            episode.trajectory.messages = [dict(m) for m in messages] + [reply]
+            episode.trajectory.messages = [dict(m) for m in request.messages] + [reply]
             episode.latencies.append(time.monotonic() - started)
-        prompt = len(row.token_ids) - len(result.token_ids)
-        return self._completion(episode, reply, result, prompt, bool(body.get("logprobs")))
+        return self._completion(episode, reply, result, len(prompt), request.logprobs)
 
-    @staticmethod
-    def _messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ProxyError(400, "messages must be a non-empty list of chat messages", "messages")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise ProxyError(
-                    400, f"messages[{i}] is not a chat message with a role", "messages"
-                )
-        return messages
-
-    def _warn_sampling(self, body: Mapping[str, Any]) -> None:
-        asked = {k: body[k] for k in ("temperature", "top_p") if body.get(k) is not None}
+    def _warn_sampling(self, asked: Mapping[str, float]) -> None:
         if asked and not self._warned_sampling:
             self._warned_sampling = True
             _log.warning(
                 "the agent asks for %s; training samples with rollout.temperature/top_p so the "
                 "recorded log-probs are the policy's (said once)",
-                asked,
+                dict(asked),
             )
 
+    def _prompt_chars(self) -> int:
+        """The most characters of text a prompt within the context is taken to hold: 16 per
+        token (text averages about 4; a run of spaces or dashes reaches 16 only in long runs)
+        or the tokenizer's longest token if shorter. Longer text is refused before it is
+        tokenised, which would hold the rollout loop for seconds per megabyte."""
+        if self._max_chars is None:
+            vocab = getattr(self.renderer.tokenizer, "get_vocab", None)
+            longest = max(map(len, vocab()), default=16) if callable(vocab) else 16
+            self._max_chars = min(max(longest, 1), 16) * self.max_context_tokens
+        return self._max_chars
+
+    def _out_of_context(self, episode: ProxyEpisode, why: str) -> None:
+        """End the episode as truncated, as the env manager does when the context is full."""
+        episode.trajectory.truncated = True
+        episode.end()
+        raise ProxyError(
+            400,
+            f"{why}; this model's context length is {self.max_context_tokens} tokens (rollout "
+            "context) and leaves no room to generate",
+            "context_length_exceeded",
+        )
+
     def _context(
-        self,
-        episode: ProxyEpisode,
-        messages: list[dict[str, Any]],
-        tools: Any,
-        *,
-        new_row: bool = True,
-    ) -> tuple[Trajectory, list[int]] | None:
-        """The row this call extends (or a new one; None when it extends none and ``new_row``
-        is False) and the context ids to append to it."""
-        seen = episode._seen
+        self, episode: ProxyEpisode, request: ChatRequest
+    ) -> tuple[Trajectory | None, list[int]]:
+        """The row this call extends (None: a sample of its own) and the ids to append to it;
+        a template or tokenizer that refuses the messages is a 400 (nothing recorded)."""
+        messages, tools, seen = request.messages, request.tools, episode._seen
         extends = (
-            episode.rows
+            self.renderer.append_only
+            and episode.rows
             and len(messages) >= len(seen)
             and json.dumps(tools, sort_keys=True) == episode._row_tools
             and all(same_message(a, b) for a, b in zip(messages, seen, strict=False))
         )
-        if extends:
-            new = messages[len(seen) :]
-            ids = self.renderer.continuation(new, episode._stopped_on_eos, tools)
-            return episode.rows[-1], ids
-        if not new_row:
-            return None
-        row = Trajectory(episode.trajectory.env_id, episode.trajectory.seed)
-        row.group_id = episode.trajectory.group_id
-        episode.rows.append(row)
-        ids = self.renderer.prompt(messages, tools)
-        row.prompt_length = len(ids)
-        return row, ids
+        try:
+            if extends:
+                new = messages[len(seen) :]
+                ids = self.renderer.continuation(new, episode._stopped_on_eos, tools)
+                return episode.rows[-1], ids
+            return None, self.renderer.prompt(messages, tools)
+        except Exception as error:  # noqa: BLE001 - a template may raise anything on odd input
+            raise ProxyError(
+                400,
+                f"the chat template cannot render these messages ({type(error).__name__}: "
+                f"{error}); send messages the policy's template takes",
+                "template_error",
+            ) from None
 
     async def _generate(
-        self,
-        episode: ProxyEpisode,
-        row: Trajectory,
-        context: list[int],
-        body: Mapping[str, Any],
+        self, episode: ProxyEpisode, prompt: list[int], asked: int | None
     ) -> GenerationResult:
+        """The engine's turn after ``prompt``; raises (with the episode ended) for a full
+        context, an engine error or an abort, and 410 when the episode ended meanwhile."""
         sampling = episode.sampling
-        asked = body.get("max_completion_tokens") or body.get("max_tokens")
-        prompt = row.token_ids + context
         budget = min(
             sampling.max_new_tokens,
-            int(asked or sampling.max_new_tokens),
+            asked or sampling.max_new_tokens,
             int(episode.info.get("max_new_tokens") or sampling.max_new_tokens),
             self.max_context_tokens - len(prompt),
         )
         if budget <= 0:
-            if not row.token_ids:  # a new row that never got a generation
-                episode.rows.remove(row)
-            episode.trajectory.truncated = True
-            episode.end()
-            raise ProxyError(
-                400,
-                f"the prompt is {len(prompt)} tokens; this model's context length is "
-                f"{self.max_context_tokens} (rollout context) and leaves no room to generate",
-                "context_length_exceeded",
-            )
+            self._out_of_context(episode, f"the prompt is {len(prompt)} tokens")
+        request_id = f"{episode.key}/{episode.calls}"
         request = GenerationRequest(
-            f"{episode.key}/{episode.calls}",
-            prompt,
-            budget,
-            sampling.temperature,
-            sampling.top_p,
+            request_id, prompt, budget, sampling.temperature, sampling.top_p
         )
+        episode.generating = request_id
         try:
             result = await self.engine.generate(request)
         except Exception as error:  # noqa: BLE001 - an engine error fails this episode only
+            self._check_open(episode, "model call")  # ended meanwhile: 410, the episode as it was
             episode.end(f"engine error {type(error).__name__}: {error}")
             raise ProxyError(502, f"the engine failed: {error}", "engine_error", "server_error")
+        finally:
+            episode.generating = None
+        self._check_open(episode, "model call")
         if result.finish_reason == "abort":
             episode.end("aborted")
             raise ProxyError(
@@ -458,27 +510,25 @@ class AgentProxy:
         }
 
     # ------------------------------------------------------------------ the env
-    async def step(self, episode: ProxyEpisode, action: Any) -> dict[str, Any]:
-        """Step the episode's env with ``action`` (text, or an assistant message whose tool
-        calls become envhub's ``<tool_call>`` text); the reward goes to the latest call."""
+    async def step(self, episode: ProxyEpisode, action: str | dict[str, Any]) -> dict[str, Any]:
+        """Step the episode's env with ``action`` (text, or an assistant message, checked by
+        ``proxy_http.step_action``, whose tool calls become envhub's ``<tool_call>`` text; a
+        call without an id gets one); the reward goes to the latest call. The step is recorded
+        as soon as the env answers."""
         from envhub.model_agent import link_tool_answers
         from envhub.parsing import message_text
 
-        if isinstance(action, Mapping):
-            text = message_text(
-                {"content": _text(action.get("content")), "tool_calls": action.get("tool_calls")}
-            )
-        elif isinstance(action, str):
-            text = action
+        if isinstance(action, dict):
+            calls = [
+                {**call, "id": call.get("id") or f"call_{episode.calls}_{j}"}
+                for j, call in enumerate(action.get("tool_calls") or [])
+            ]
+            action = {**action, "tool_calls": calls} if calls else action
+            text = message_text({"content": action.get("content"), "tool_calls": calls})
         else:
-            raise ProxyError(400, "action must be text or an assistant message", "action")
+            text = action
         async with episode.lock:
-            if episode.ended.is_set():
-                raise ProxyError(410, f"episode {episode.key} has ended", "episode_ended")
-            if episode.env_done:
-                raise ProxyError(
-                    409, "the env has already ended this episode (terminated)", "env_done"
-                )
+            self._check_open(episode, "step")
             if not episode.rows:
                 raise ProxyError(
                     409,
@@ -491,7 +541,9 @@ class AgentProxy:
                 if self.step_timeout_s is not None:
                     call = asyncio.wait_for(call, self.step_timeout_s)
                 messages, reward, terminated, truncated, info = await call
+                messages, reward, info = list(messages), float(reward), dict(info)
             except Exception as error:  # noqa: BLE001 - env code may raise anything: data
+                self._check_open(episode, "step")  # ended meanwhile: 410, the episode as it was
                 reason = (
                     f"no answer within {self.step_timeout_s} s (rollout.env_timeout_s)"
                     if isinstance(error, TimeoutError)
@@ -499,15 +551,16 @@ class AgentProxy:
                 )
                 episode.end(f"env step raised {reason}")
                 raise ProxyError(502, f"the env failed: {reason}", "env_error", "server_error")
-            if isinstance(action, Mapping) and action.get("tool_calls"):
-                messages = link_tool_answers(dict(action), list(messages))
-            self._record_step(episode, list(messages), float(reward), info)
+            self._check_open(episode, "step")
+            if isinstance(action, dict) and action.get("tool_calls"):
+                messages = link_tool_answers(action, messages)
+            self._record_step(episode, messages, reward, info)
             episode.env_done = bool(terminated or truncated)
             t = episode.trajectory
             t.terminated, t.truncated = bool(terminated), bool(truncated)
         return {
             "messages": messages,
-            "reward": float(reward),
+            "reward": reward,
             "terminated": bool(terminated),
             "truncated": bool(truncated),
             "info": json.loads(json.dumps(info, default=repr)),

@@ -1,11 +1,15 @@
-"""The agent proxy's HTTP surface (``trainer.rollout.proxy``): its routes, OpenAI-style error
-bodies, server-sent events, and the uvicorn server it runs on.
+"""The agent proxy's HTTP surface (``trainer.rollout.proxy``): its routes, the checks a request
+passes before anything happens, OpenAI-style error bodies, server-sent events, and the uvicorn
+server with the limits that keep one client from holding it.
 
 The routes and what they answer are listed in ``trainer.rollout.proxy``'s docstring; this
-module only maps them to ``AgentProxy`` methods (``complete``, ``describe``, ``step``) and
-errors to status codes: a ``ProxyError`` is its own status and OpenAI-style body, anything else
-is a logged 500 that keeps the server up. Plain Starlette (what FastAPI is built on): no
-dependency injection or response encoding to pay for on every call of every episode.
+module maps them to ``AgentProxy`` methods (``complete``, ``describe``, ``step``). Every body
+is read within ``ServerLimits`` and checked (``chat_request``, ``step_action``) before the
+proxy sees it, so a malformed field is a 400 that names it and never a half-recorded call.
+A ``ProxyError`` is its own status and OpenAI-style body; anything else is one logged 500 that
+keeps the server up; an unknown route or method answers 404/405 in the same form. Plain
+Starlette (what FastAPI is built on): no dependency injection or response encoding to pay
+for on every call of every episode.
 """
 
 from __future__ import annotations
@@ -14,17 +18,51 @@ import asyncio
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import Response
 
-    from trainer.rollout.proxy import AgentProxy, ProxyEpisode
+    from trainer.rollout.proxy import AgentProxy
 
-__all__ = ["ProxyError", "listen", "proxy_app"]
+__all__ = [
+    "ChatRequest",
+    "ProxyError",
+    "ServerLimits",
+    "chat_request",
+    "listen",
+    "proxy_app",
+    "step_action",
+]
 
 _log = logging.getLogger("trainer.rollout.proxy")
+
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The chat roles a message may have (OpenAI's)."""
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """What one client may hold of the proxy's server. An agent is anyone's code (and the port
+    anyone's on the host), so every connection and body is bounded in size and time."""
+
+    max_body_bytes: int = 32 * 2**20
+    """A larger body is refused (413) from its ``Content-Length``, or once that much arrived."""
+    body_timeout_s: float = 60.0
+    """A body that has not fully arrived this long after its headers is answered 408."""
+    header_timeout_s: float = 30.0
+    """A connection that has not sent a request's headers this long after it opened (or after
+    the first byte of its next request) is closed."""
+    keep_alive_s: int = 120
+    """An idle kept-alive connection is closed after this (an agent may think between calls)."""
+    shutdown_timeout_s: float = 5.0
+    """``aclose`` cancels requests still running this long after it began."""
+    max_connections: int = 4096
+    """A request arriving while this many connections are open is answered 503."""
 
 
 class ProxyError(Exception):
@@ -38,74 +76,349 @@ class ProxyError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "code": self.code}}
 
 
+# --------------------------------------------------------------------------- request checks
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """A ``POST /v1/chat/completions`` body, checked and normalised by ``chat_request``."""
+
+    messages: list[dict[str, Any]]
+    """The chat messages; a content given as text parts is their text joined."""
+    tools: list[dict[str, Any]] | None = None
+    model: str | None = None
+    max_tokens: int | None = None
+    """``max_completion_tokens`` or ``max_tokens``: may only lower the run's budget."""
+    logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False
+    sampling: dict[str, float] = field(default_factory=dict)
+    """The ``temperature``/``top_p`` asked for (ignored: the run samples; said once)."""
+    chars: int = 0
+    """Characters of text in the messages and tools (bounds the prompt before encoding)."""
+
+
+def chat_request(body: Mapping[str, Any]) -> ChatRequest:
+    """``body`` checked field by field (a ``ProxyError`` 400 naming the first bad one), with
+    content parts joined into text. Fields the proxy does not use are ignored."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ProxyError(400, "messages must be a non-empty list of chat messages", "messages")
+    checked = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    tools = _tools(body.get("tools"))
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("model", "must be a string (AgentEpisode.model)", model)
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
+        raise _bad("n", "must be an integer (and 1)", n)
+    if n not in (None, 1):
+        raise ProxyError(
+            400,
+            "n > 1 is not supported by the training proxy: each call is one sample of the "
+            "episode; make n calls",
+            "unsupported_n",
+        )
+    limit = _positive(body, "max_completion_tokens")
+    limit = limit if limit is not None else _positive(body, "max_tokens")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise _bad("stream_options", 'must be an object ({"include_usage": true})', options)
+    sampling = {k: _number(body, k) for k in ("temperature", "top_p") if body.get(k) is not None}
+    top = body.get("top_logprobs")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
+        raise _bad("top_logprobs", "must be a non-negative integer", top)
+    chars = sum(len(m.get("content") or "") for m in checked)
+    chars += sum(len(json.dumps(m.get("tool_calls"))) for m in checked if m.get("tool_calls"))
+    return ChatRequest(
+        checked,
+        tools,
+        model,
+        limit,
+        _flag(body, "logprobs"),
+        _flag(body, "stream"),
+        _flag(options or {}, "include_usage", "stream_options.include_usage"),
+        sampling,
+        chars + (len(json.dumps(tools)) if tools else 0),
+    )
+
+
+def step_action(body: Mapping[str, Any]) -> str | dict[str, Any]:
+    """The ``action`` of a ``POST /v1/envhub/step`` body: text, or an assistant message whose
+    content parts are joined and whose tool calls are checked."""
+    if "action" not in body:
+        raise ProxyError(400, 'the body needs "action": text or a message', "action")
+    action = body["action"]
+    if isinstance(action, str):
+        _unicode(action, "action")
+        return action
+    if not isinstance(action, dict):
+        raise ProxyError(400, "action must be text or an assistant message", "action")
+    return _message({**action, "role": "assistant"}, "action")
+
+
+def _show(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _bad(where: str, what: str, value: Any) -> ProxyError:
+    return ProxyError(400, f"{where} {what} (got {_show(value)})", "invalid_request")
+
+
+def _unicode(value: Any, where: str) -> None:
+    """Every string in ``value`` encodes as UTF-8 (JSON lets a lone surrogate through)."""
+    try:
+        (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)).encode()
+    except UnicodeEncodeError as error:
+        raise ProxyError(
+            400,
+            f"{where} is not valid Unicode (a lone surrogate at character {error.start}); send "
+            "UTF-8 text",
+            "invalid_unicode",
+        ) from None
+
+
+def _string(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(where, "must be a string", value)
+    _unicode(value, where)
+    return value
+
+
+def _content(content: Any, where: str) -> str | None:
+    """A message's content as text: a string, null, or text parts (joined)."""
+    if content is None or isinstance(content, str):
+        _unicode(content or "", where)
+        return content
+    if not isinstance(content, list):
+        raise _bad(where, "must be text, a list of text parts or null", content)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(part, dict) and kind != "text":
+            raise ProxyError(
+                400,
+                f"{where}[{j}] is a {kind!r} part; the training proxy takes text parts only "
+                '({"type": "text", "text": ...}): the policy reads text',
+                "unsupported_content",
+            )
+        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
+            raise _bad(f"{where}[{j}]", 'must be a text part {"type": "text", "text": ...}', part)
+        texts.append(_string(part["text"], f"{where}[{j}].text"))
+    return "".join(texts)
+
+
+def _message(message: Any, where: str) -> dict[str, Any]:
+    if not isinstance(message, dict):
+        raise _bad(where, "must be a chat message (an object with a role)", message)
+    role = message.get("role")
+    if role not in ROLES:
+        raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}", role)
+    checked = dict(message)
+    if "content" in message:
+        checked["content"] = _content(message["content"], f"{where}.content")
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            _string(message[key], f"{where}.{key}")
+    if message.get("tool_calls") is not None:
+        checked["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
+    _unicode({k: v for k, v in message.items() if k not in ("content", "tool_calls")}, where)
+    return checked
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise _bad(where, "must be a list of tool calls", calls)
+    for j, call in enumerate(calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise _bad(f"{at}.function", 'must be an object {"name": ..., "arguments": ...}', call)
+        _string(function.get("name"), f"{at}.function.name")
+        arguments = function.get("arguments")
+        if arguments is not None and not isinstance(arguments, str | dict):
+            raise _bad(f"{at}.function.arguments", "must be a JSON string or an object", arguments)
+        if call.get("id") is not None:
+            _string(call["id"], f"{at}.id")
+        _unicode(call, at)
+    return calls
+
+
+def _tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None or tools == []:
+        return None
+    shape = '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
+    if not isinstance(tools, list):
+        raise _bad("tools", f"must be a list of function tools {shape}", tools)
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type", "function") != "function":
+            raise _bad(f"tools[{i}]", f"must be a function tool {shape}", tool)
+        _string(function.get("name"), f"tools[{i}].function.name")
+        for key, kind in (("description", str), ("parameters", dict)):
+            value = function.get(key)
+            if value is not None and not isinstance(value, kind):
+                raise _bad(f"tools[{i}].function.{key}", f"must be a {kind.__name__}", value)
+    _unicode(tools, "tools")
+    return tools
+
+
+def _positive(body: Mapping[str, Any], key: str) -> int | None:
+    value = body.get(key)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise _bad(key, "must be a positive integer", value)
+    return value
+
+
+def _number(body: Mapping[str, Any], key: str) -> float:
+    value = body[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _bad(key, "must be a number", value)
+    return float(value)
+
+
+def _flag(body: Mapping[str, Any], key: str, where: str | None = None) -> bool:
+    value = body.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise _bad(where or key, "must be true or false", value)
+    return bool(value)
+
+
+# --------------------------------------------------------------------------- the app
+
+
 def proxy_app(proxy: AgentProxy) -> Starlette:
     """The ASGI app: the proxy's routes, OpenAI-style error bodies."""
     from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.exceptions import HTTPException
+    from starlette.responses import JSONResponse, StreamingResponse
     from starlette.routing import Route
 
-    async def proxy_error(_: Request, error: Exception) -> Response:
-        known = cast(ProxyError, error)  # registered for ProxyError only
-        return JSONResponse(known.body(), status_code=known.status)
-
-    async def server_error(_: Request, error: Exception) -> Response:
-        _log.exception("agent proxy error", exc_info=error)
-        body = ProxyError(500, f"{type(error).__name__}: {error}", "internal", "server_error")
-        return JSONResponse(body.body(), status_code=500)
-
-    async def json_body(request: Request) -> dict[str, Any]:
-        try:
-            body = json.loads(await request.body())
-        except ValueError as error:
-            raise ProxyError(400, f"the body is not JSON: {error}", "invalid_json") from None
-        if not isinstance(body, dict):
-            raise ProxyError(400, "the body must be a JSON object", "invalid_json")
-        return body
-
-    def episode_of(request: Request) -> ProxyEpisode:
-        return proxy.episode(request.headers.get("authorization"))
+    limits = proxy.limits
 
     async def models(_: Request) -> Response:
         model = {"id": proxy.model_name, "object": "model", "owned_by": "envhub"}
         return JSONResponse({"object": "list", "data": [model]})
 
     async def chat(request: Request) -> Response:
-        episode = episode_of(request)
-        body = await json_body(request)
+        episode = proxy.episode(request.headers.get("authorization"))
+        body = chat_request(await read_json(request, limits))
         completion = await proxy.complete(episode, body)
-        if not body.get("stream"):
+        if not body.stream:
             return JSONResponse(completion)
-        usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        return StreamingResponse(_sse(completion, usage), media_type="text/event-stream")
+        events = _sse(completion, body.include_usage)
+        return StreamingResponse(events, media_type="text/event-stream")
 
     async def describe(request: Request) -> Response:
-        return JSONResponse(proxy.describe(episode_of(request)))
+        return JSONResponse(proxy.describe(proxy.episode(request.headers.get("authorization"))))
 
     async def step(request: Request) -> Response:
-        episode = episode_of(request)
-        body = await json_body(request)
-        if "action" not in body:
-            raise ProxyError(400, 'the body needs "action": text or a message', "action")
-        return JSONResponse(await proxy.step(episode, body["action"]))
+        episode = proxy.episode(request.headers.get("authorization"))
+        action = step_action(await read_json(request, limits))
+        return JSONResponse(await proxy.step(episode, action))
+
+    async def not_a_route(request: Request, error: Exception) -> Response:
+        known = cast(HTTPException, error)  # registered for HTTPException only
+        message = (
+            f"{request.method} {request.url.path}: {known.detail}; the agent proxy serves GET "
+            "/v1/models, POST /v1/chat/completions, GET /v1/envhub/episode and POST "
+            "/v1/envhub/step"
+        )
+        code = "method_not_allowed" if known.status_code == 405 else "not_found"
+        body = ProxyError(known.status_code, message, code).body()
+        return JSONResponse(body, status_code=known.status_code, headers=known.headers)
 
     return Starlette(
         routes=[
-            Route("/v1/models", models, methods=["GET"]),
-            Route("/v1/chat/completions", chat, methods=["POST"]),
-            Route("/v1/envhub/episode", describe, methods=["GET"]),
-            Route("/v1/envhub/step", step, methods=["POST"]),
+            Route("/v1/models", _answering(models), methods=["GET"]),
+            Route("/v1/chat/completions", _answering(chat), methods=["POST"]),
+            Route("/v1/envhub/episode", _answering(describe), methods=["GET"]),
+            Route("/v1/envhub/step", _answering(step), methods=["POST"]),
         ],
-        exception_handlers={ProxyError: proxy_error, Exception: server_error},
+        exception_handlers={HTTPException: not_a_route},
     )
 
 
-def listen(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None], int]:
+def _answering(
+    route: Callable[[Request], Awaitable[Response]],
+) -> Callable[[Request], Awaitable[Response]]:
+    """``route`` with its errors as answers: a ``ProxyError`` its own, anything else one logged
+    500 (raised past Starlette, it would be logged twice and the connection dropped)."""
+    from starlette.responses import JSONResponse
+
+    async def answer(request: Request) -> Response:
+        try:
+            return await route(request)
+        except ProxyError as error:
+            closing = {"Connection": "close"} if error.status == 408 else None
+            return JSONResponse(error.body(), status_code=error.status, headers=closing)
+        except Exception as error:  # noqa: BLE001 - the server stays up; the log has it
+            _log.exception("agent proxy error on %s %s", request.method, request.url.path)
+            known = ProxyError(500, f"{type(error).__name__}: {error}", "internal", "server_error")
+            return JSONResponse(known.body(), status_code=500)
+
+    return answer
+
+
+async def read_json(request: Request, limits: ServerLimits) -> dict[str, Any]:
+    """The request's JSON object body, read within ``limits`` and parsed (400). A body over
+    ``max_body_bytes`` is read to its end and dropped as it arrives, then answered 413 (a
+    connection closed on unread data would reset, and the client would not see the answer);
+    one that does not end within ``body_timeout_s`` is answered 408 and its connection closed."""
+    cap = limits.max_body_bytes
+    length = request.headers.get("content-length")
+    chunks: list[bytes] = []
+    size = int(length) if length is not None and length.isdigit() else 0
+
+    async def read() -> None:
+        nonlocal size
+        if size <= cap:
+            size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size <= cap:
+                chunks.append(chunk)
+            elif chunks:
+                chunks.clear()  # over the limit: nothing more is kept
+
+    try:
+        await asyncio.wait_for(read(), limits.body_timeout_s)
+    except TimeoutError:
+        raise ProxyError(
+            408,
+            f"the request body did not arrive within {limits.body_timeout_s} s of its headers",
+            "body_timeout",
+        ) from None
+    if size > cap:
+        raise ProxyError(
+            413,
+            f"the request body is larger than {cap} bytes (the agent proxy's limit); send "
+            "shorter conversations (the context holds far less)",
+            "body_too_large",
+        )
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw)
+    except ValueError as error:
+        raise ProxyError(400, f"the body is not JSON: {error}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, "the body must be a JSON object", "invalid_json")
+    return body
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def listen(
+    app: Any, host: str, port: int, limits: ServerLimits | None = None
+) -> tuple[Any, asyncio.Task[None], int]:
     """Bind ``host:port`` (0: any free port), listen, and serve ``app`` with uvicorn on the
-    running loop; returns the server, its task and the bound port. Connections queue from
-    the moment this returns, before uvicorn accepts them."""
+    running loop, within ``limits``; returns the server, its task and the bound port.
+    Connections queue from the moment this returns, before uvicorn accepts them."""
     import uvicorn
 
+    limits = limits or ServerLimits()
     # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that say so, and
     # without it every kept-alive call waits ~40 ms for a delayed ACK (Nagle)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -125,11 +438,58 @@ def listen(app: Any, host: str, port: int) -> tuple[Any, asyncio.Task[None], int
         lifespan="off",
         access_log=False,
         loop="none",
-        timeout_keep_alive=120,  # an agent may think (or run tools) between its calls
+        http=_with_header_timeout(limits.header_timeout_s),
+        timeout_keep_alive=limits.keep_alive_s,
+        timeout_graceful_shutdown=limits.shutdown_timeout_s,  # type: ignore[arg-type]
+        limit_concurrency=limits.max_connections,
     )
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     return server, task, sock.getsockname()[1]
+
+
+def _with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
+    """uvicorn's HTTP protocol, closing a connection whose request headers are late: no
+    request within ``timeout_s`` of opening, or of the first byte after a response.
+    (uvicorn's keep-alive timer stops at the first byte, so a client sending half a request
+    line would hold its connection forever.)"""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    base: Any = AutoHTTPProtocol
+
+    class HeaderTimeout(base):
+        _deadline: asyncio.TimerHandle | None = None
+        _between = False  # a response went out; the next request has not begun
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._between:
+                self._between = False
+                self._arm()
+            super().data_received(data)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._between = True
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._deadline = self.loop.call_later(timeout_s, self._late, self.cycle)
+
+        def _late(self, cycle: Any) -> None:
+            if self.cycle is cycle and not self.transport.is_closing():
+                self.transport.close()  # no request's headers arrived since the timer started
+
+    return HeaderTimeout
 
 
 async def _sse(completion: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:

@@ -228,19 +228,31 @@ class Rollouts:
         self.thread.run(self.scheduler.restart_from(next_group))
 
     def close(self) -> None:
-        """Abort what still runs, close envs and engine front-ends, stop the loop thread."""
+        """Abort what still runs, close envs and engine front-ends, stop the loop thread. Each
+        step runs (within 60 s) even when one before it failed or timed out; the first error
+        is raised once all have run."""
+        steps: list[Callable[[], Any]] = [self.scheduler.close]
+        if self.workers is not None:
+            steps.append(self.workers.close)
+        if self.proxy is not None:
+            steps.append(self.proxy.aclose)
+        steps += [self.router.close, self.envs.aclose]
+        if self.eval_envs is not self.envs:
+            steps.append(self.eval_envs.aclose)
+        errors: list[BaseException] = []
         try:
-            self.thread.run(self.scheduler.close(), timeout=60)
-            if self.workers is not None:
-                self.thread.run(self.workers.close(), timeout=60)
-            if self.proxy is not None:
-                self.thread.run(self.proxy.aclose(), timeout=60)
-            self.thread.run(self.router.close(), timeout=60)
-            self.thread.run(self.envs.aclose(), timeout=60)
-            if self.eval_envs is not self.envs:
-                self.thread.run(self.eval_envs.aclose(), timeout=60)
+            for step in steps:
+                try:
+                    self.thread.run(step(), timeout=60)
+                except TimeoutError:  # the step may still run: the loop's close cancels it
+                    name = getattr(step, "__qualname__", repr(step))
+                    errors.append(TimeoutError(f"{name} did not finish within 60 s"))
+                except Exception as error:  # noqa: BLE001 - the next steps still run
+                    errors.append(error)
         finally:
             self.thread.close()
+        if errors:
+            raise errors[0]
 
 
 def _worker_engines(engines: Sequence[RolloutEngine]) -> EngineSetup:
