@@ -255,6 +255,9 @@ class ChatRenderer:
     that names ``model.chat_template``.
     """
 
+    max_tool_sets = 64
+    """Tool sets whose base rendering is kept (least recently used go first)."""
+
     _BASE: ClassVar[tuple[dict[str, str], ...]] = (
         {"role": "user", "content": "x"},
         {"role": "assistant", "content": "y"},
@@ -324,14 +327,18 @@ class ChatRenderer:
     def _base(self, tools: list[dict[str, Any]] | None) -> tuple[str, str, str]:
         """(base text, closing after an EOS, closing without one) for the tool set ``tools``."""
         key = json.dumps(tools, sort_keys=True) if tools else ""
-        if key not in self._bases:
+        found = self._bases.pop(key, None)  # (re-inserted: the newest used)
+        if found is None:
             base = self._render(self._BASE, generation_prompt=False, tools=tools)
             closing = base[base.rindex("y") + 1 :]
             eos = self.tokenizer.eos_token or ""
             after_eos = closing[len(eos) :] if eos and closing.startswith(eos) else closing
             without_eos = closing if closing.startswith(eos) else eos + closing
-            self._bases[key] = (base, after_eos, without_eos)
-        return self._bases[key]
+            found = (base, after_eos, without_eos)
+            while len(self._bases) >= self.max_tool_sets:
+                del self._bases[next(iter(self._bases))]
+        self._bases[key] = found
+        return found
 
     def encode(self, text: str) -> list[int]:
         if self._fast.backend is not None:

@@ -214,3 +214,14 @@ def test_warm_start_demos_render_tools_like_rollouts(tokenizer) -> None:
     # a JSONL record with tools and structured tool calls trains the same tokens
     record = from_messages(demo.messages, renderer, tools=envhub.make(CALC).tools)
     assert record.token_ids == demo.token_ids
+
+
+def test_a_run_of_ever_new_tool_sets_keeps_a_bounded_cache(tokenizer) -> None:
+    """Each tool set's base rendering is cached; agents that describe their tools per episode
+    bring a new set every time, and the cache must not grow for the whole run."""
+    renderer = ChatRenderer(tokenizer)
+    assert renderer.native_tools
+    for episode in range(3 * ChatRenderer.max_tool_sets):
+        tool = {"type": "function", "function": {"name": f"tool_{episode}", "parameters": {}}}
+        renderer.prompt([{"role": "user", "content": "hi"}], tools=[tool])
+    assert len(renderer._bases) <= ChatRenderer.max_tool_sets
