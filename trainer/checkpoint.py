@@ -37,27 +37,25 @@ must see the same filesystem).
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import pickle
 import random
 import re
 import shutil
-import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from envhub.runs.store import sync_folder
 from trainer.errors import CheckpointError
+from trainer.folder_lock import FolderLock
 
-__all__ = ["Checkpoint", "CheckpointManager", "CheckpointWriter", "FolderLock"]
-__all__ += ["capture_rng", "restore_rng"]
+__all__ = ["Checkpoint", "CheckpointManager", "CheckpointWriter", "capture_rng", "restore_rng"]
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -97,46 +95,6 @@ def restore_rng(state: Mapping[str, Any]) -> None:
         torch.set_rng_state(state["torch"])
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["torch_cuda"])
-
-
-# --------------------------------------------------------------------------- the folder lock
-
-
-class FolderLock:
-    """An exclusive ``fcntl.flock`` on ``folder/name``, held until :meth:`release` or the
-    process ends (the kernel drops it then, even after ``kill -9``).
-
-    ``setting`` names the config key that chooses the folder, for the refusal's fix. Locks are
-    per open file, so a second lock on the same folder is refused in the same process too.
-    """
-
-    def __init__(self, folder: str | Path, *, name: str = ".lock", setting: str) -> None:
-        self.path = Path(folder) / name
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")  # noqa: SIM115 - held until release()
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().split()
-            handle.close()
-            pid, host = (holder + ["?", "?"])[:2]
-            raise CheckpointError(
-                f"{self.path.parent} is in use by another training run (pid {pid} on {host}); "
-                "two runs writing one folder destroy each other's checkpoints. Wait for it to "
-                f"end or stop it (kill {pid}), or give this run its own {setting}"
-            ) from None
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"{os.getpid()} {socket.gethostname()}\n")
-        handle.flush()
-        self._handle: IO[str] | None = handle
-
-    def release(self) -> None:
-        """Unlock (idempotent); the file stays, naming the last holder."""
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
 
 
 # --------------------------------------------------------------------------- fsync helpers
@@ -271,6 +229,16 @@ def _complete(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def _readable_meta(target: Path) -> bool:
+    """``target`` has a meta.json that ``_read_meta`` accepts (a kill may have cut an older
+    trainer's meta.json short: it was written in place)."""
+    try:
+        _read_meta(target)
+    except CheckpointError:
+        return False
+    return True
+
+
 def _read_meta(target: Path) -> dict[str, Any]:
     """``target/meta.json``, checked for the keys every checkpoint has."""
     path = target / "meta.json"
@@ -355,10 +323,12 @@ class CheckpointWriter:
             "states": self.state_names,
             "seeds": self.seeds,
         }
-        with open(self.path / "meta.json", "w") as f:  # last: marks the folder complete
+        written = self.path / ".meta.json.tmp"  # renamed: a meta.json is never half written
+        with open(written, "w") as f:
             json.dump(meta, f, indent=2, default=str)
             f.flush()
             os.fsync(f.fileno())
+        os.replace(written, self.path / "meta.json")  # last: marks the folder complete
         sync_folder(self.path)
 
 
@@ -480,7 +450,7 @@ class CheckpointManager:
         candidates: dict[str, list[tuple[int, Path]]] = {}
         for path in self.root.iterdir():
             match = _PARTIAL.match(path.name)
-            if match and (path / "meta.json").is_file():
+            if match and (path / "meta.json").is_file() and _readable_meta(path):
                 order = 0 if match[1] == "tmp" else 1
                 candidates.setdefault(match[2], []).append((order, path))
         restored = []

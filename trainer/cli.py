@@ -98,7 +98,7 @@ def _move_previous_run_aside(out: Path, checkpoints: Path) -> list[str]:
     """Before a fresh start: move the previous run in ``out`` aside, and its checkpoint folder
     when ``checkpoint.dir`` lies outside ``out`` (a later ``--resume`` would otherwise continue
     the old run). Nothing is deleted; a folder a live run still writes is refused (its pid)."""
-    from trainer.checkpoint import FolderLock
+    from trainer.folder_lock import FolderLock
     from trainer.resume import RUN_LOCK
 
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -71,7 +71,8 @@ class AgenticPipeline:
         resume: bool = False,
         on_step: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
-        from trainer.checkpoint import CheckpointManager, FolderLock
+        from trainer.checkpoint import CheckpointManager
+        from trainer.folder_lock import FolderLock
         from trainer.resume import RUN_LOCK, start_run
 
         self.cfg, self.resume, self.on_step = config, resume, on_step or (lambda metrics: None)

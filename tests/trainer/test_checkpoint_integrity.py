@@ -273,6 +273,22 @@ def test_a_kill_after_moving_the_old_copy_aside_with_no_new_one_restores_the_old
     assert float(CheckpointManager(tmp_path).load().load_state("w")) == 1.0
 
 
+def test_a_kill_while_meta_json_was_written_is_not_put_back(tmp_path: Path) -> None:
+    """A folder whose meta.json a kill cut short is not a checkpoint (CI's kill -9 loop once
+    had a re-save's .tmp- folder restored with an empty meta.json, and resume then refused it)."""
+    manager = CheckpointManager(tmp_path, keep=2)
+    manager.save(5, states={"w": torch.ones(1)})
+    manager.close()
+    cut = tmp_path / ".tmp-step_00000006-123-deadbeef"
+    (cut / "states").mkdir(parents=True)
+    torch.save(torch.ones(1) * 2, cut / "states" / "w.pt")
+    (cut / "meta.json").write_text("")  # created, nothing written yet
+    after = CheckpointManager(tmp_path, keep=2)
+    assert [p.name for p in after.list()] == ["step_00000005"]
+    assert float(after.load().load_state("w")) == 1.0
+    assert names(tmp_path) == ["latest", "step_00000005"]
+
+
 # --------------------------------------------------------------------------- 5: strategy switch
 
 
