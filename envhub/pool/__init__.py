@@ -17,11 +17,14 @@ API (every call is a coroutine unless noted)
 --------------------------------------------
 ``EnvPool(env, *, num_workers=2, backend="process"|"ray"|"inline", env_kwargs=None,
 step_timeout_s=30, reset_timeout_s=None, start_timeout_s=60, max_episodes=None,
-ray_options=None)``
+ray_options=None, restart_attempts=5, max_message_bytes=64 MiB)``
     ``env`` is a registered id or an ``EnvSpec``; ``env_kwargs`` override its defaults.
     ``max_episodes`` bounds the open episodes (``None``: unbounded). ``ray_options`` go to
     ``ray.remote`` for each worker actor (``num_cpus``, ``resources``, ``scheduling_strategy``;
-    the default spreads workers across nodes).
+    the default spreads workers across nodes). ``restart_attempts``: starts of a crashed
+    worker's replacement tried in a row (0.2 s, 0.4 s, ... apart) before its slot is given up.
+    ``max_message_bytes``: the largest answer (one reset's or step's JSON) a process worker
+    sends; a larger one fails its episode as ``env_error``.
 ``start()``
     Start the workers (``reset`` starts them on first use). Raises ``WorkerStartError``
     with the worker's traceback when the env cannot be built.
@@ -48,9 +51,17 @@ Every call is bounded: a worker that makes no progress on a request for longer t
 ``step_timeout_s`` (``reset_timeout_s`` for resets) is killed and replaced, and so is a
 worker that crashes. Each episode it held comes back as an ``EpisodeFailure`` (reason
 ``step_timeout`` for the one that hung, ``worker_crashed`` for the one that crashed it,
-``worker_lost`` for its neighbours, ``env_error`` when the env raised). Later calls on that
-episode return the same record until it is reset or closed. Episodes share a worker, so
-``num_workers`` trades isolation for memory.
+``worker_lost`` for its neighbours, ``env_error`` when the env raised, even ``SystemExit``,
+or returned a reward that is not a finite number). Later calls on that episode return the same
+record until it is reset or closed. Episodes share a worker, so ``num_workers`` trades
+isolation for memory. Each request is timed from when the worker starts it, so a step queued
+behind a slow neighbour is not charged for its wait, and a hang is blamed on the episode that
+hung. A worker's death is seen when its process exits (even while a helper it forked holds its
+socket), and helpers an env starts (sandboxes, browsers) die with its worker: each worker runs
+in a process group of its own (``envhub.pool.procs``). A replacement that cannot start is
+retried ``restart_attempts`` times; then resets waiting for a worker (and later ones) raise
+``WorkerStartError`` with the env id and the last start error, never a hang. A reset the
+caller gives up on (cancelled, e.g. by ``asyncio.wait_for``) leaves no episode behind.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """The main loop of a process worker: ``python -m envhub.pool._child FD``.
 
 The parent passes one end of a socketpair as ``FD``. The first frame is the pickled
-``(env, env_kwargs)`` to host; every later frame is a request (see ``envhub.pool.local``
-for the framing). Requests that arrive together are answered together in one write, so
-the per-step cost is a few microseconds of decoding and one env call. The child dies with
-its parent (``PR_SET_PDEATHSIG``) and when the socket closes.
+``(env, env_kwargs, max_message_bytes)`` to host; every later frame is a request (see
+``envhub.pool.framing``). Each request is answered as soon as it is handled, so the parent
+times (and, on a hang, blames) the request that is actually running, never one queued behind
+it. An answer over ``max_message_bytes`` is replaced by an ``env_error`` naming the limit. The
+child dies with its parent (``PR_SET_PDEATHSIG``) and when the socket closes.
 """
 
 from __future__ import annotations
@@ -13,11 +14,7 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import sys
-
-_REQ = struct.Struct("<IIBI")  # length (of what follows), request id, op, episode
-_RESP = struct.Struct("<IIB")  # length (of what follows), request id, status
 
 
 def _die_with_parent() -> None:
@@ -35,38 +32,28 @@ def main(fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C drains the server; it stops us
     sock = socket.socket(fileno=fd)
     from envhub.pool.base import STATUS_ENV_ERROR, STATUS_OK, dumps
+    from envhub.pool.framing import REQUEST, RESPONSE, FrameReader
     from envhub.pool.host import EnvHost, spec_factory
 
-    buf = bytearray()
+    reader = FrameReader()
     host: EnvHost | None = None
-    handle = None
-    pack = _RESP.pack
-    unpack_from = _REQ.unpack_from
-    hsize = _REQ.size
+    limit = 0
+    pack = RESPONSE.pack
+    unpack_from = REQUEST.unpack_from
+    hsize = REQUEST.size
     while True:
         data = sock.recv(1 << 20)
         if not data:
             break
-        if buf:  # the rest of a frame that came cut
-            buf += data
-            data = bytes(buf)
-            buf.clear()
-        out: list[bytes] = []
-        pos, end = 0, len(data)
-        while end - pos >= hsize:
-            length, req_id, op, episode = unpack_from(data, pos)
-            stop = pos + 4 + length
-            if stop > end:
-                break
-            body = data[pos + hsize : stop]
-            pos = stop
-            if handle is None:  # the setup frame
+        for frame in reader.feed(data):
+            _, req_id, op, episode = unpack_from(frame, 0)
+            body = bytes(frame[hsize:])
+            if host is None:  # the setup frame
                 try:
-                    env, env_kwargs = pickle.loads(body)
+                    env, env_kwargs, limit = pickle.loads(body)
                     host = EnvHost(spec_factory(env, env_kwargs))
                     host.idle.append(host.factory())  # fail fast on a bad env, reuse it later
                     status, result = STATUS_OK, dumps({"pid": os.getpid()})
-                    handle = host.handle
                 except BaseException as exc:  # noqa: BLE001 - report, then exit: the parent raises
                     import traceback
 
@@ -74,19 +61,27 @@ def main(fd: int) -> None:
                         STATUS_ENV_ERROR,
                         dumps({"error": type(exc).__name__, "message": traceback.format_exc()}),
                     )
-                out.append(pack(5 + len(result), req_id, status))
-                out.append(result)
-                if handle is None:
-                    sock.sendall(b"".join(out))
+                sock.sendall(pack(5 + len(result), req_id, status) + result)
+                if host is None:
                     return
                 continue
-            status, result = handle(op, episode, body)
-            out.append(pack(5 + len(result), req_id, status))
-            out.append(result)
-        if pos < end:
-            buf += memoryview(data)[pos:]
-        if out:
-            sock.sendall(b"".join(out))
+            status, result = host.handle(op, episode, body)
+            if len(result) > limit:
+                host.discard(episode)
+                status, result = (
+                    STATUS_ENV_ERROR,
+                    dumps(
+                        {
+                            "error": "AnswerTooLarge",
+                            "message": (
+                                f"the env's answer is {len(result)} bytes of JSON, over the pool's "
+                                f"max_message_bytes={limit}; return a smaller observation or raise "
+                                "EnvPool(max_message_bytes=...)"
+                            ),
+                        }
+                    ),
+                )
+            sock.sendall(pack(5 + len(result), req_id, status) + result)
     if host is not None:
         host.close()
 

@@ -10,6 +10,8 @@ env back to a small free list, so the next episode skips construction.
 from __future__ import annotations
 
 import contextlib
+import math
+import numbers
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +31,7 @@ from envhub.pool.base import (
     dumps,
 )
 
-__all__ = ["RUNNING_PREFIX", "EnvHost", "spec_factory"]
+__all__ = ["RUNNING_PREFIX", "BadEnvOutputError", "EnvHost", "spec_factory", "step_output_problem"]
 
 _MAX_IDLE = 8
 RUNNING_PREFIX = b'{"terminated":false,"truncated":false'
@@ -48,11 +50,37 @@ def spec_factory(env: Any, env_kwargs: dict[str, Any]) -> Callable[[], Any]:
     return build
 
 
-class EnvHost:
-    """Many env instances keyed by episode id, driven by ``handle(op, episode, body)``."""
+class BadEnvOutputError(ValueError):
+    """An env's ``reset``/``step`` returned a value of the wrong kind (the message names it)."""
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
+
+def step_output_problem(reward: Any, terminated: Any, truncated: Any, info: Any) -> str:
+    """What is wrong with a step's reward, flags and info ("" if nothing): a reward must be a
+    finite number (NaN would become JSON ``null`` and poison training), the flags bools (numpy's
+    too), info a dict."""
+    if not isinstance(reward, numbers.Real):
+        return f"reward={reward!r:.40} ({type(reward).__name__}); a reward must be a number"
+    if not math.isfinite(reward):
+        return f"reward={reward!r}; a reward must be a finite number"
+    for name, flag in (("terminated", terminated), ("truncated", truncated)):
+        if not isinstance(flag, bool) and type(flag).__name__ != "bool_":
+            return f"{name}={flag!r:.40} ({type(flag).__name__}); it must be a bool"
+    if not isinstance(info, dict):
+        return f"info of type {type(info).__name__}; info must be a dict"
+    return ""
+
+
+class EnvHost:
+    """Many env instances keyed by episode id, driven by ``handle(op, episode, body)``.
+
+    ``isolated``: the host runs in a worker of its own (a process or an actor), so whatever the
+    env raises, ``SystemExit`` and ``KeyboardInterrupt`` included, fails only its episode and
+    the worker goes on. The ``inline`` backend (the caller's own process) passes False: there a
+    ``KeyboardInterrupt`` is the user's Ctrl-C and must reach them."""
+
+    def __init__(self, factory: Callable[[], Any], *, isolated: bool = True) -> None:
         self.factory = factory
+        self.isolated = isolated
         self.envs: dict[int, Any] = {}
         self.idle: list[Any] = []
 
@@ -73,8 +101,10 @@ class EnvHost:
             return STATUS_USAGE_ERROR, dumps({"error": "BadRequest", "message": f"unknown op {op}"})
         except EpisodeError as exc:
             return STATUS_USAGE_ERROR, dumps({"error": type(exc).__name__, "message": str(exc)})
-        except Exception as exc:  # noqa: BLE001 - an env bug loses the episode; the worker lives on
-            self._discard(episode)
+        except BaseException as exc:
+            if not self.isolated and not isinstance(exc, Exception):
+                raise
+            self.discard(episode)
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             return STATUS_ENV_ERROR, dumps({"error": type(exc).__name__, "message": detail})
 
@@ -90,6 +120,9 @@ class EnvHost:
                 }
             )
         observation, reward, terminated, truncated, info = env.step(action)
+        problem = step_output_problem(reward, terminated, truncated, info)
+        if problem:
+            raise BadEnvOutputError(f"{type(env).__name__}.step returned {problem}")
         return STATUS_OK, dumps(
             {
                 "terminated": terminated,
@@ -107,6 +140,11 @@ class EnvHost:
             env = self.idle.pop() if self.idle else self.factory()
             self.envs[episode] = env
         observation, info = env.reset(seed=seed, options=options)
+        if not isinstance(info, dict):
+            raise BadEnvOutputError(
+                f"{type(env).__name__}.reset returned info of type {type(info).__name__}; "
+                "info must be a dict"
+            )
         return STATUS_OK, dumps({"observation": observation, "info": info})
 
     def _close(self, episode: int) -> None:
@@ -118,7 +156,8 @@ class EnvHost:
         else:
             env.close()
 
-    def _discard(self, episode: int) -> None:
+    def discard(self, episode: int) -> None:
+        """Close and forget ``episode``'s env (it failed: it is not reused)."""
         env = self.envs.pop(episode, None)
         if env is not None:
             with contextlib.suppress(Exception):  # an env bug must not stop the cleanup

@@ -1,16 +1,15 @@
 """Local worker backends: ``process`` (one child process per worker) and ``inline``.
 
 ``ProcessWorker`` starts ``python -m envhub.pool._child`` with one end of a socketpair and
-talks a tiny binary framing over it (no pickling on the hot path)::
-
-    request  = u32 length | u32 request id | u8 op | u32 episode | body
-    response = u32 length | u32 request id | u8 status | body (JSON)
-
+talks a tiny binary framing over it (``envhub.pool.framing``; no pickling on the hot path).
 A step's body is the action's UTF-8 bytes; a reset's is ``[seed, options]`` as JSON.
-Requests queued in one event-loop turn go out in one write and the child answers a batch
-in one write, so at high concurrency the per-step cost is dominated by the env itself. A
-worker that dies (crash, ``kill``) closes the socket; every pending request resolves with
-``STATUS_LOST`` and the pool replaces the worker.
+Requests queued in one event-loop turn go out in one write; the child answers each as soon
+as it is handled, so the pool times the request actually running. The worker runs in a
+process group of its own: killing it kills the helpers its envs started
+(``envhub.pool.procs``). Its death is seen when the process exits (a pidfd watch), even
+while a forked helper keeps the socket open; every pending request then resolves with
+``STATUS_LOST`` and the pool replaces the worker. An answer larger than
+``max_message_bytes`` fails its episode (``env_error``) instead of reaching the parent.
 
 ``InlineWorker`` runs the env host in the caller's event loop: no process, no copies, the
 fastest path, but no isolation and no way to stop a hung env. Use it only for trusted envs
@@ -24,9 +23,7 @@ import collections
 import itertools
 import os
 import pickle
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -37,12 +34,20 @@ import orjson
 
 from envhub.pool.base import STATUS_LOST, STATUS_OK, dumps
 from envhub.pool.errors import WorkerStartError
+from envhub.pool.framing import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    REQUEST,
+    RESPONSE,
+    FrameReader,
+    FrameTooLargeError,
+)
 from envhub.pool.host import EnvHost, spec_factory
+from envhub.pool.procs import ExitWatch, describe_exit, kill_group
 
 __all__ = ["InlineWorker", "ProcessWorker", "WorkerBase"]
 
-_REQ = struct.Struct("<IIBI")
-_RESP = struct.Struct("<IIB")
+_FRAME_SLACK = 1024
+"""Bytes a response frame may carry beyond ``max_message_bytes`` (its header)."""
 
 DeathCallback = Callable[[Any, str, str], None]
 """``on_dead(worker, reason, detail)``, called once, before pending requests resolve."""
@@ -114,21 +119,33 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
         on_dead: DeathCallback,
         *,
         start_timeout_s: float = 60.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         WorkerBase.__init__(self, name, on_dead)
-        self._setup = pickle.dumps((env, env_kwargs))
+        self._setup = pickle.dumps((env, env_kwargs, max_message_bytes))
         self._start_timeout_s = start_timeout_s
         self._ids = itertools.count(1)
         self._out: list[bytes] = []
         self._flush_scheduled = False
-        self._buf = bytearray()
+        self._reader = FrameReader(limit=max_message_bytes + _FRAME_SLACK)
         self._transport: asyncio.Transport | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        self._watch: ExitWatch | None = None
         self._stopping = False
         self.pid = 0
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        """Start the process and wait for its env to build; on any failure, cancellation
+        included, the process (and its group) is killed before this returns."""
+        try:
+            await self._start()
+        except BaseException:
+            self._stopping = True
+            self.kill("worker_crashed", "start failed")
+            raise
+
+    async def _start(self) -> None:
         parent, child = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
@@ -138,33 +155,39 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
                 pass_fds=(child.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own group: kill_group takes the env's helpers too
             )
+        except BaseException:
+            parent.close()
+            raise
         finally:
             child.close()
         self.pid = self._proc.pid
         self.location = f"pid {self.pid}"
+        self._watch = ExitWatch(self._proc, self._exited, sock=parent)
         parent.setblocking(False)
         self._transport, _ = await self._loop.create_connection(lambda: self, sock=parent)
+        if self._dead_reason is not None:  # it exited before we were connected
+            raise WorkerStartError(f"worker {self.name} exited at start: {self._dead_reason[1]}")
         self._alive = True
         ready = self.submit(0, 0, self._setup)
         try:
             status, body = await asyncio.wait_for(ready, self._start_timeout_s)
         except TimeoutError:
-            self.kill("worker_crashed", "start timed out")
             raise WorkerStartError(
                 f"worker {self.name} did not start within {self._start_timeout_s:.0f} s; "
                 "raise start_timeout_s if the env is slow to import"
             ) from None
         if status != STATUS_OK:
-            self._stopping = True
-            self.kill("worker_crashed", "start failed")
             detail = orjson.loads(body)
             message = detail.get("message") or detail.get("detail") or ""
             raise WorkerStartError(f"worker {self.name} could not build the env:\n{message}")
 
     def kill(self, reason: str, detail: str) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
+        if self._proc is not None:
+            kill_group(self._proc)
+        if self._watch is not None:
+            self._watch.cancel()
         self._die(reason, detail)
         if self._transport is not None:
             try:
@@ -203,7 +226,7 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
         if not self._pending:
             self._head_since = self._loop.time()
         self._pending.append((req_id, episode, future))
-        self._out.append(_REQ.pack(9 + len(body), req_id, op, episode))
+        self._out.append(REQUEST.pack(9 + len(body), req_id, op, episode))
         self._out.append(body)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -218,49 +241,46 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
 
     # ------------------------------------------------------------------ asyncio.Protocol
     def data_received(self, data: bytes) -> None:
-        if self._buf:  # the rest of a frame that came cut (rare: the child writes whole batches)
-            self._buf += data
-            data = bytes(self._buf)
-            self._buf.clear()
-        pos, end = 0, len(data)
+        try:
+            frames = self._reader.feed(data)
+        except FrameTooLargeError as e:
+            self.kill("worker_crashed", f"protocol error: {e} (the worker caps its answers)")
+            return
         pending = self._pending
-        unpack_from = _RESP.unpack_from
-        while end - pos >= _RESP.size:
-            length, req_id, status = unpack_from(data, pos)
-            stop = pos + 4 + length
-            if stop > end:
-                break
-            body = data[pos + _RESP.size : stop]
-            pos = stop
+        unpack_from = RESPONSE.unpack_from
+        for frame in frames:
+            _, req_id, status = unpack_from(frame, 0)
             if not pending or pending[0][0] != req_id:
                 self.kill("worker_crashed", f"protocol error: unexpected answer {req_id}")
                 return
             _, _, future = pending.popleft()
             if not future.done():
-                future.set_result((status, body))
-        if pos < end:
-            self._buf += memoryview(data)[pos:]
-        self._head_since = self._loop.time()
+                future.set_result((status, bytes(frame[RESPONSE.size :])))
+        if frames:  # the next request (if any) starts now
+            self._head_since = self._loop.time()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self._gone()
+
+    def _exited(self) -> None:
+        """The process exited (its socket may still be open: a forked helper holds it)."""
+        self._gone()
+
+    def _gone(self) -> None:
+        """The socket closed or the process exited: the worker is dead, say how."""
         if self._dead_reason is not None:
             return
         if self._stopping:
-            self._die("pool_closed", "the pool was closed")
-            self._reap()
+            self.kill("pool_closed", "the pool was closed")
             return
         code = self._proc.poll() if self._proc is not None else None
         if code is None and self._proc is not None:
             try:
                 code = self._proc.wait(timeout=0.5)
             except subprocess.TimeoutExpired:
-                self._proc.kill()
-        if code is not None and code < 0:
-            how = f"killed by {signal.Signals(-code).name}"
-        else:
-            how = f"exit code {code}"
-        self._die("worker_crashed", f"worker {self.name} ({self.location}) died: {how}")
-        self._reap()
+                pass
+        how = describe_exit(code)
+        self.kill("worker_crashed", f"worker {self.name} ({self.location}) died: {how}")
 
 
 class InlineWorker(WorkerBase):
@@ -272,7 +292,7 @@ class InlineWorker(WorkerBase):
         self, name: str, env: Any, env_kwargs: dict[str, Any], on_dead: DeathCallback, **_: Any
     ) -> None:
         super().__init__(name, on_dead)
-        self._host = EnvHost(spec_factory(env, env_kwargs))
+        self._host = EnvHost(spec_factory(env, env_kwargs), isolated=False)
         self.location = f"pid {os.getpid()} (inline)"
 
     async def start(self) -> None:

@@ -34,7 +34,13 @@ from envhub.pool.base import (
     Worker,
     dumps,
 )
-from envhub.pool.errors import PoolClosedError, PoolFullError, UnknownEpisodeError
+from envhub.pool.errors import (
+    PoolClosedError,
+    PoolFullError,
+    UnknownEpisodeError,
+    WorkerStartError,
+)
+from envhub.pool.framing import DEFAULT_MAX_MESSAGE_BYTES
 
 __all__ = ["Backend", "EnvPool"]
 
@@ -71,6 +77,8 @@ class EnvPool:
         start_timeout_s: float = 60.0,
         max_episodes: int | None = None,
         ray_options: dict[str, Any] | None = None,
+        restart_attempts: int = 5,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
@@ -85,6 +93,12 @@ class EnvPool:
                 isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
             ):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        for name, count in (
+            ("restart_attempts", restart_attempts),
+            ("max_message_bytes", max_message_bytes),
+        ):
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ValueError(f"{name} must be a positive int, got {count!r}")
         if max_episodes is not None and (not isinstance(max_episodes, int) or max_episodes < 1):
             raise ValueError(
                 f"max_episodes must be a positive int or None (unbounded), got {max_episodes!r}"
@@ -105,14 +119,19 @@ class EnvPool:
         self.start_timeout_s = float(start_timeout_s)
         self.max_episodes = max_episodes
         self.ray_options = dict(ray_options or {})
+        self.restart_attempts = restart_attempts
+        self.max_message_bytes = max_message_bytes
         self._slots: list[Any] = [None] * num_workers
         self._generation = [0] * num_workers
         self._episodes: dict[int, _Episode] = {}
         self._per_slot = [0] * num_workers
         self._ids = itertools.count(1)
-        self._changed: asyncio.Condition | None = None
+        self._wakeup: asyncio.Future[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
-        self._respawns: set[asyncio.Task[None]] = set()
+        self._respawns: dict[int, asyncio.Task[None]] = {}
+        """Slot -> the task starting its replacement worker (one per slot at most)."""
+        self._given_up: list[str] = [""] * num_workers
+        """Per slot: why its replacement could not be started ("" while it may run)."""
         self._started = False
         self._closed = False
         self._start_lock: asyncio.Lock | None = None
@@ -126,7 +145,6 @@ class EnvPool:
             raise PoolClosedError(f"the pool for {self.env_id} is closed; build a new EnvPool")
         if self._start_lock is None:
             self._start_lock = asyncio.Lock()
-            self._changed = asyncio.Condition()
         async with self._start_lock:
             if self._started:
                 return
@@ -154,37 +172,59 @@ class EnvPool:
         return RayWorker
 
     async def _spawn(self, slot: int) -> None:
+        """Start a worker for ``slot``; it takes the slot once its env built (the worker it
+        replaces, if any is still there, is killed: a slot never holds two processes)."""
         self._generation[slot] += 1
         name = f"{self.backend}-{slot}.{self._generation[slot]}"
         options: dict[str, Any] = {"start_timeout_s": self.start_timeout_s}
         if self.backend == "ray":
             options["ray_options"] = self.ray_options
+        if self.backend == "process":
+            options["max_message_bytes"] = self.max_message_bytes
         worker = self._worker_class()(name, self.spec, self.env_kwargs, self._on_dead, **options)
         worker.slot = slot
         await worker.start()
         if self._closed:
             await worker.stop()
             return
+        old = self._slots[slot]
         self._slots[slot] = worker
-        async with self._changed:  # type: ignore[union-attr]
-            self._changed.notify_all()  # type: ignore[union-attr]
+        if old is not None and old is not worker:
+            old.kill("worker_lost", f"worker {old.name} was replaced by {name}")
+        self._given_up[slot] = ""
+        self._notify()
 
     async def _respawn(self, slot: int) -> None:
+        """Replace the worker of ``slot``: up to ``restart_attempts`` starts in a row, with a
+        doubling pause between them, then give the slot up (waiting resets then raise)."""
         delay = 0.2
-        while not self._closed:
-            try:
-                await self._spawn(slot)
-                return
-            except Exception as exc:  # noqa: BLE001 - a crash loop must not take the pool down
-                self.last_worker_error = f"{type(exc).__name__}: {exc}"
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+        try:
+            for attempt in range(1, self.restart_attempts + 1):
+                if self._closed:
+                    return
+                try:
+                    await self._spawn(slot)
+                    return
+                except Exception as exc:  # noqa: BLE001 - a crash loop must not take the pool down
+                    self.last_worker_error = f"{type(exc).__name__}: {exc}"
+                if attempt < self.restart_attempts:
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 10.0)
+            self._given_up[slot] = self.last_worker_error
+        finally:
+            if self._respawns.get(slot) is asyncio.current_task():
+                del self._respawns[slot]
+            self._notify()
 
     def _on_dead(self, worker: Worker, reason: str, detail: str) -> None:
-        """A worker died or was killed: fail its episodes, then replace it."""
+        """The worker of a slot died or was killed: fail its episodes, then replace it.
+
+        A worker that never took its slot (its start failed or was cancelled) hosts no
+        episode: whoever started it sees the error, and nothing is restarted for it."""
         slot = getattr(worker, "slot", -1)
-        if 0 <= slot < len(self._slots) and self._slots[slot] is worker:
-            self._slots[slot] = None
+        if not (0 <= slot < len(self._slots) and self._slots[slot] is worker):
+            return
+        self._slots[slot] = None
         if self._closed or reason == "pool_closed":
             return
         culprit = worker.head_episode
@@ -208,11 +248,16 @@ class EnvPool:
                     ep.turn,
                 )
                 self._failures += 1
-        if self._started:
+        if self._started and slot not in self._respawns:
             self._restarts += 1
             task = asyncio.get_running_loop().create_task(self._respawn(slot))
-            self._respawns.add(task)
-            task.add_done_callback(self._respawns.discard)
+            self._respawns[slot] = task
+
+    def _notify(self) -> None:
+        """Wake every reset waiting in ``_place`` (a worker or a slot freed up, or gave up)."""
+        wakeup, self._wakeup = self._wakeup, None
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
 
     async def _watch(self) -> None:
         """Kill a worker whose head request has run longer than its timeout."""
@@ -247,9 +292,12 @@ class EnvPool:
         if self._closed:
             return
         self._closed = True
-        for task in [self._watchdog, *self._respawns]:
+        respawns = list(self._respawns.values())
+        for task in [self._watchdog, *respawns]:
             if task is not None:
                 task.cancel()
+        # a replacement being started is killed by its cancelled start (before we go on)
+        await asyncio.gather(*respawns, return_exceptions=True)
         for ep in self._episodes.values():
             if ep.failure is None:
                 ep.failure = EpisodeFailure(
@@ -258,14 +306,12 @@ class EnvPool:
         workers = [w for w in self._slots if w is not None]
         self._slots = [None] * self.num_workers
         await asyncio.gather(*(w.stop() for w in workers), return_exceptions=True)
-        if self._changed is not None:
-            async with self._changed:
-                self._changed.notify_all()
+        self._notify()
 
     def close(self) -> None:
         """Kill every worker now, without waiting (for ``finally`` blocks and atexit)."""
         self._closed = True
-        for task in [self._watchdog, *self._respawns]:
+        for task in [self._watchdog, *self._respawns.values()]:
             if task is not None:
                 task.cancel()
         for worker in self._slots:
@@ -282,8 +328,8 @@ class EnvPool:
 
     # ------------------------------------------------------------------ placement
     async def _place(self, wait_s: float | None) -> tuple[Any, int]:
-        """The live worker with the fewest episodes, waiting for capacity or a replacement."""
-        changed = self._changed
+        """The live worker with the fewest episodes, waiting for capacity or a replacement;
+        ``WorkerStartError`` once no worker runs and every replacement gave up."""
         loop = asyncio.get_running_loop()
         deadline = None if wait_s is None else loop.time() + wait_s
         while True:
@@ -301,6 +347,7 @@ class EnvPool:
                         best = slot
                 if best >= 0:
                     return self._slots[best], best
+            self._check_given_up()
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 why = (
@@ -312,14 +359,25 @@ class EnvPool:
                     f"{self.env_id}: {why} after waiting {wait_s:g} s; close finished episodes or "
                     "raise max_episodes/num_workers"
                 )
-            async with changed:  # type: ignore[union-attr]
-                try:
-                    await asyncio.wait_for(
-                        changed.wait(),  # type: ignore[union-attr]
-                        timeout=min(remaining or 1.0, 1.0),
-                    )
-                except TimeoutError:
-                    pass
+            if self._wakeup is None:
+                self._wakeup = loop.create_future()
+            try:  # (the timeout is a safety net: every change calls _notify)
+                await asyncio.wait_for(asyncio.shield(self._wakeup), min(remaining or 1.0, 1.0))
+            except TimeoutError:
+                pass
+
+    def _check_given_up(self) -> None:
+        """Raise ``WorkerStartError`` when no worker runs and none is being started any more."""
+        if self._respawns or any(w is not None and w.alive for w in self._slots):
+            return
+        errors = [e for e in self._given_up if e]
+        if errors:
+            raise WorkerStartError(
+                f"{self.env_id}: no env worker is running: each replacement failed to start "
+                f"{self.restart_attempts} times in a row (restart_attempts="
+                f"{self.restart_attempts}); last error: {errors[-1]}\nFix the env (the error "
+                "above), then build a new EnvPool"
+            )
 
     # ------------------------------------------------------------------ the API
     async def reset_json(
@@ -351,6 +409,7 @@ class EnvPool:
         if ep is not None and ep.failure is not None:  # a fresh env on a live worker, same id
             self._drop(ep)
             ep = None
+        placed = ep is None
         if ep is None:
             worker, slot = await self._place(wait_s)
             ep = _Episode(episode if episode is not None else next(self._ids), worker, slot)
@@ -358,7 +417,12 @@ class EnvPool:
             self._per_slot[slot] += 1
         ep.op = OP_RESET
         ep.turn = 0
-        status, body = await ep.worker.submit(OP_RESET, ep.id, payload)
+        try:
+            status, body = await ep.worker.submit(OP_RESET, ep.id, payload)
+        except BaseException:  # the caller gave up (cancelled): the episode it placed goes
+            if placed:
+                self._abandon(ep)
+            raise
         if status == STATUS_OK:
             self._resets += 1
             return ep.id, body
@@ -419,13 +483,18 @@ class EnvPool:
         self._drop(ep)
         if ep.failure is None and ep.worker.alive:
             await ep.worker.submit(OP_CLOSE, ep.id, b"")
-        if self._changed is not None:
-            async with self._changed:
-                self._changed.notify_all()
+
+    def _abandon(self, ep: _Episode) -> None:
+        """Forget an episode nobody will close (its reset was cancelled): the worker closes its
+        env after the reset it is running, and the slot is free at once."""
+        self._drop(ep)
+        if ep.worker.alive:
+            ep.worker.submit(OP_CLOSE, ep.id, b"")  # answered in order; nobody waits for it
 
     def _drop(self, ep: _Episode) -> None:
         if self._episodes.pop(ep.id, None) is not None:
             self._per_slot[ep.slot] -= 1
+            self._notify()
 
     def _not_ok(self, ep: _Episode, status: int, body: bytes) -> EpisodeFailure:
         data = orjson.loads(body)

@@ -5,14 +5,21 @@
 a run, the ``EngineRouter``), appends the generated ids (policy tokens) unchanged, decodes
 them to the action text, steps the env, and appends the tokens of the env's reply (context).
 A crashed env ends the episode as ``failed`` (the caller drops or replaces it); it never
-raises into the batch.
+raises into the batch. So does an env whose output is malformed (a reward that is not a finite
+number, flags that are not bools, info that is not a dict, messages that are not a list of
+dicts): the failure names the env and the field, and nothing of it reaches training.
 
 Where envs live is an ``EnvSource``:
 
 ``LocalEnvSource``  ``envhub.make`` in this process (the default; games step in microseconds);
                     ``threaded=True`` runs every env call in its own daemon thread, so
                     ``EnvManager(step_timeout_s=...)`` bounds even an env whose ``step``
-                    blocks (a hung call is abandoned; its thread cannot stall the run or exit)
+                    blocks (a hung call is abandoned; its thread cannot stall the run or exit).
+                    Not an env call that holds the GIL (a C extension, a catastrophic regex):
+                    the timeout fires only once it returns, and the event loop stands still
+                    meanwhile (in ``EnvWorkers`` too: a stuck worker process is alive, and only
+                    a weight update's ``pause_timeout_s`` ends it). Only process isolation
+                    bounds such envs: ``PoolEnvSource``, whose watchdog kills the worker
 ``PoolEnvSource``   an ``envhub.pool.EnvPool`` of worker processes / Ray actors (crash- and
                     hang-isolated), or a remote ``envhub serve`` through the pool's client
 Both hand out ``EnvSession`` objects with async ``reset`` / ``step`` / ``close``.
@@ -30,6 +37,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from envhub.pool.host import BadEnvOutputError, step_output_problem
 from trainer.rollout.tool_parsers import env_action
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
@@ -168,8 +176,9 @@ class _LocalSession:
 
     async def step(self, action: str | dict[str, Any]) -> StepOutcome:
         outcome = await self._run(self.env.step, action)
-        if outcome[4].get("episode_failed"):  # a hub's worker crashed or hung: the episode is lost
-            raise RuntimeError(f"remote episode failed: {outcome[4].get('failure')}")
+        info = outcome[4] if isinstance(outcome, tuple) and len(outcome) == 5 else None
+        if isinstance(info, dict) and info.get("episode_failed"):  # a hub's worker died or hung
+            raise RuntimeError(f"remote episode failed: {info.get('failure')}")
         return outcome
 
     async def close(self) -> None:
@@ -216,9 +225,9 @@ class _PoolSession:
 
     async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         result = await self.pool.reset(seed=seed)
+        self.episode = result.episode  # a failed reset's episode too: ``close`` frees it
         if result.failed:
             raise RuntimeError(f"env reset failed: {result.reason}: {result.detail}")
-        self.episode = result.episode
         return result.observation, result.info
 
     async def step(self, action: str | dict[str, Any]) -> StepOutcome:
@@ -362,7 +371,7 @@ class EnvManager:
         # env code is anyone's (a registered env, a pool worker, a hub): whatever it raises,
         # the crashed env is data for this episode, not a crash of the run
         try:
-            messages, info = await self._env_call(session.reset(seed))
+            messages, info = checked_reset(await self._env_call(session.reset(seed)), env_id)
         except Exception as error:  # noqa: BLE001 - env code may raise any exception
             return self._failed(trajectory, "reset", error)
         trajectory.info = dict(info)
@@ -388,11 +397,10 @@ class EnvManager:
                 structured=bool(trajectory.info.get("structured_actions")),
             )
             try:
-                messages, reward, terminated, truncated, info = await self._env_call(
-                    session.step(action)
-                )
+                outcome = checked_step(await self._env_call(session.step(action)), env_id)
             except Exception as error:  # noqa: BLE001 - as for reset: any env error is data
                 return self._failed(trajectory, "step", error)
+            messages, reward, terminated, truncated, info = outcome
             trajectory.end_turn(reward)
             if per_turn:
                 tokens.end_turn(reward)
@@ -541,5 +549,50 @@ class EnvManager:
     @staticmethod
     def _failed(trajectory: Trajectory, where: str, error: BaseException) -> Trajectory:
         trajectory.failed = True
-        trajectory.failure = f"env {where} raised {type(error).__name__}: {error}"[:500]
+        if isinstance(error, BadEnvOutputError):  # the message says which env and what it returned
+            trajectory.failure = str(error)[:500]
+        else:
+            trajectory.failure = f"env {where} raised {type(error).__name__}: {error}"[:500]
         return trajectory
+
+
+def _messages_problem(messages: Any) -> str:
+    if not isinstance(messages, list):
+        return (
+            f"messages of type {type(messages).__name__}; an observation must be a list of chat "
+            "messages (dicts)"
+        )
+    for message in messages:
+        if not isinstance(message, dict):
+            return f"a message of type {type(message).__name__}; each message must be a dict"
+    return ""
+
+
+def checked_reset(output: Any, env_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(messages, info)`` of a reset, or ``BadEnvOutputError`` naming the env and the field."""
+    if not isinstance(output, (tuple, list)) or len(output) != 2:
+        problem = f"{type(output).__name__} {output!r:.60}, not (messages, info)"
+    else:
+        problem = _messages_problem(output[0])
+        if not problem and not isinstance(output[1], dict):
+            problem = f"info of type {type(output[1]).__name__}; info must be a dict"
+    if problem:
+        raise BadEnvOutputError(f"env {env_id!r} reset returned {problem}")
+    return output[0], output[1]
+
+
+def checked_step(output: Any, env_id: str) -> StepOutcome:
+    """``(messages, reward, terminated, truncated, info)`` of a step, or ``BadEnvOutputError``
+    naming the env and the field (a NaN reward would poison the advantages; through a pool's
+    JSON a NaN arrives as ``None``)."""
+    if not isinstance(output, (tuple, list)) or len(output) != 5:
+        problem = f"{type(output).__name__} {output!r:.60}, not a 5-tuple"
+    else:
+        messages, reward, terminated, truncated, info = output
+        problem = _messages_problem(messages) or step_output_problem(
+            reward, terminated, truncated, info
+        )
+    if problem:
+        raise BadEnvOutputError(f"env {env_id!r} step returned {problem}")
+    messages, reward, terminated, truncated, info = output
+    return messages, float(reward), bool(terminated), bool(truncated), info

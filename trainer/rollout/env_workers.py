@@ -28,9 +28,12 @@ Guarantees: an episode is played by one worker from its start to its end (its re
 fresh env too); ``stop(keys)`` ends the episodes' replays after the running attempt (the
 scheduler then aborts their generations in the router). A worker that dies fails the
 episodes it held (``failure`` names the worker and its exit code), their generations are
-aborted in the router, and a fresh worker takes its place; nothing hangs. ``close()`` ends
-every worker process (killed if it does not exit within ``close_timeout_s``), and a worker
-whose driver is gone exits on its own (its socket closes).
+aborted in the router, and a fresh worker takes its place; nothing hangs: its death is seen
+when its process exits (even while a helper its env forked holds the socket), and its process
+group, helpers included, dies with it. ``close()`` ends every worker process (killed if it does
+not exit within ``close_timeout_s``), and a worker whose driver is gone exits on its own (its
+socket closes). A worker stuck in an env call that holds the GIL is not detected (only a weight
+update's ``WorkerRouters(pause_timeout_s=...)`` kills it): such envs belong in an ``EnvPool``.
 
 With a ``WorkerRouters`` in place of the router, each worker routes its own turns to the
 engines and the driver only sees episodes start and end, and the weight updates' pause and
@@ -61,6 +64,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from envhub.pool.procs import ExitWatch, describe_exit, kill_group
 from trainer.rollout.env_worker_process import LocalRoute, RemoteEngine, WorkerSetup
 from trainer.rollout.router import episode_key
 from trainer.rollout.trajectory import Trajectory
@@ -144,6 +148,10 @@ class _Worker:
     """lockstep: the clock at each frame not answered yet."""
     lane_free: float = 0.0
     """lockstep: when the worker's own timeline is free again."""
+    watch: ExitWatch | None = None
+    """Watches the process itself: a forked helper may hold the socket open after it died."""
+    killed: str = ""
+    """Why the driver killed it (a pause it did not answer)."""
 
 
 class EnvWorkers:
@@ -288,7 +296,10 @@ class EnvWorkers:
                 worker.relay.close()
         for worker in workers:
             await self._reap(worker)
+            kill_group(worker.process)  # the helpers its envs started
             self._fail_held(worker, "EnvWorkers closed")
+            if worker.watch is not None:
+                worker.watch.cancel()
         for waiting in [*self._tasks, *self._answers]:
             waiting.cancel()
 
@@ -311,6 +322,7 @@ class EnvWorkers:
             command + (["--lockstep"] if self.lockstep else []),
             pass_fds=[s.fileno() for s in passed],
             env={**os.environ, "PYTHONPATH": path},
+            start_new_session=True,  # its own group: kill_group takes its envs' helpers too
         )
         for sock in passed:
             sock.close()
@@ -321,6 +333,7 @@ class EnvWorkers:
             auto_flush=not self.lockstep,
         )
         worker = _Worker(index, process, channel, loop.create_future())
+        worker.watch = ExitWatch(process, functools.partial(self._on_lost, worker), sock=mine)
         if relay is not None:
             worker.relay = Channel(
                 lambda frame: self._on_frame(holder[0], frame),
@@ -518,12 +531,21 @@ class EnvWorkers:
         elif answer[0] == "ready" and routing is not None and not worker.init_paused:
             self._send(worker, ("pause",))
 
+    def kill_worker(self, uid: int, reason: str) -> None:
+        """Kill a worker that stopped answering; its episodes fail with ``reason``."""
+        worker = self._by_uid.get(uid)
+        if worker is not None:
+            worker.killed = reason
+            self._on_lost(worker)
+
     def _on_lost(self, worker: _Worker) -> None:
-        """The worker's socket closed: it died (or ``close`` closed it)."""
+        """Its socket closed, its process exited, or the driver kills it (or ``close`` ran)."""
         if not worker.ready.done():  # died before it was ready: do not start it again
             self._on_init(worker, ("fatal", "the worker process exited before it was ready"))
         if worker not in self._workers:
             return
+        kill_group(worker.process)  # it is gone or going: so are the helpers its envs started
+        worker.channel.close()
         loop = asyncio.get_running_loop()
         _owe(loop, -len(worker.sent_at))
         worker.sent_at.clear()
@@ -544,10 +566,9 @@ class EnvWorkers:
 
     async def _bury(self, worker: _Worker) -> None:
         code = await self._reap(worker)
-        _log.warning("env worker %d died (exit code %s)", worker.index, code)
-        self._fail_held(
-            worker, self._broken or f"env worker {worker.index} died (exit code {code})"
-        )
+        why = f"was killed: {worker.killed}" if worker.killed else f"died ({describe_exit(code)})"
+        _log.warning("env worker %d %s", worker.index, why)
+        self._fail_held(worker, self._broken or f"env worker {worker.index} {why}")
 
     async def _reap(self, worker: _Worker) -> int | None:
         """The worker's exit code, once it exited (killed after ``close_timeout_s``)."""

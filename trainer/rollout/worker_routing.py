@@ -127,13 +127,19 @@ class WorkerRouters:
         relay: RelayHost | None = None,
         alongside: EngineRouter | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pause_timeout_s: float = 120.0,
     ) -> None:
         """``engines``: builds each worker's engines (``num_engines`` of them, the same in every
         worker). ``update(weights)``: loads weights into every engine (a run's weight sync
         passes a callable to ``update_weights_live`` instead). ``policy``: the run's version
         (None: owned here, advanced once per update). ``relay``: serves ``RelayEngines``.
         ``alongside``: a router of the driver's over the same engines (a run's evaluation
-        episodes), paused and resumed with the workers'."""
+        episodes), paused and resumed with the workers'. ``pause_timeout_s``: how long a pause
+        waits for each worker's answer; a worker that does not answer in time (its event loop
+        is stuck, e.g. in an env call) is killed, its episodes fail, and the pause goes on."""
+        if not pause_timeout_s > 0:
+            raise ValueError(f"pause_timeout_s must be a positive number, got {pause_timeout_s!r}")
+        self.pause_timeout_s = pause_timeout_s
         self.engines, self.num_engines = engines, num_engines
         self.alongside = alongside
         self._update = update
@@ -184,13 +190,25 @@ class WorkerRouters:
 
     async def pause(self) -> None:
         """Every worker's router stops new requests and preempts its in-flight ones; returns
-        once all of them are idle (a worker that dies meanwhile counts as idle)."""
+        once all of them are idle (a worker that dies meanwhile counts as idle, and one that
+        does not answer within ``pause_timeout_s`` is killed)."""
         self._paused = True
-        workers = self._attached().live()
+        attached = self._attached()
         loop = asyncio.get_running_loop()
-        for worker in workers:
+        for worker in attached.live():
             self._acks[worker] = loop.create_future()
-            self._attached().send_to(worker, ("pause",))
+            attached.send_to(worker, ("pause",))
+        if not self._acks:
+            return
+        await asyncio.wait(list(self._acks.values()), timeout=self.pause_timeout_s)
+        for worker, ack in list(self._acks.items()):
+            if not ack.done():  # killing it answers for it (``on_lost``)
+                attached.kill_worker(
+                    worker,
+                    f"it did not pause for a weight update within pause_timeout_s="
+                    f"{self.pause_timeout_s:g} s (its event loop is blocked, e.g. by an env call)",
+                )
+                self.on_paused(worker)
         await asyncio.gather(*self._acks.values())
         self._acks.clear()
 
