@@ -14,17 +14,22 @@ interpreter start-up).
 ``RUNNER`` is the program run inside the sandbox (``envs/code/runner.py``): the solution
 runs in a process of its own that never sees the tests or the report channel, and the tests
 run in a judge process that only exchanges plain values with it (see that module).
+``runner_files(RUNNER)`` is what a run writes: a small loader, the runner compiled here, and its
+source for a sandbox whose Python reads other bytecode.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
+import marshal
+import sys
 import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RUNNER", "code_sandbox", "split_tests"]
+__all__ = ["RUNNER", "code_sandbox", "runner_files", "split_tests"]
 
 
 def code_sandbox(backend: str, limits: Any, options: Mapping[str, Any] | None = None) -> Any:
@@ -78,4 +83,26 @@ def split_tests(tests: str | list[str], entry_point: str) -> tuple[str, list[str
 
 
 RUNNER = (Path(__file__).parent / "runner.py").read_text(encoding="utf-8")
-"""The source of ``envs.code.runner``, written into the sandbox as ``runner.py``."""
+"""The source of ``envs.code.runner``."""
+
+_LOADER = """import marshal, sys
+if sys.implementation.cache_tag == {tag!r}:
+    with open("runner.bin", "rb") as compiled:
+        code = marshal.loads(compiled.read())
+else:
+    with open("runner_source.py", encoding="utf-8") as source:
+        code = compile(source.read(), "runner.py", "exec")
+exec(code, {{"__name__": "__main__", "__builtins__": __builtins__}})
+"""
+
+
+@functools.cache
+def runner_files(source: str) -> dict[str, bytes]:
+    """The files that run ``source`` as ``python3 -I runner.py`` in a sandbox: a loader, the
+    source compiled here (a sandbox whose Python has this one's bytecode runs it without
+    compiling it: that costs every run several milliseconds) and the source (for any other)."""
+    return {
+        "runner.py": _LOADER.format(tag=sys.implementation.cache_tag).encode(),
+        "runner.bin": marshal.dumps(compile(source, "runner.py", "exec", dont_inherit=True)),
+        "runner_source.py": source.encode(),
+    }

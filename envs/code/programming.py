@@ -38,7 +38,7 @@ from typing import Any, Literal
 import numpy as np
 
 from envhub.core import TextEnv, Turn
-from envs.code.harness import RUNNER, code_sandbox, split_tests
+from envs.code.harness import RUNNER, code_sandbox, runner_files, split_tests
 from envs.datasets import Split, Task, TaskSet, as_taskset
 
 __all__ = ["ProgrammingEnv", "extract_code", "humaneval_tasks"]
@@ -179,7 +179,7 @@ class ProgrammingEnv(TextEnv):
         result = self.sandbox().run(  # the tests travel on stdin: no file the code could read
             ["python3", "-I", "runner.py"],
             stdin=token + "\n" + json.dumps(spec) + "\n",
-            files={"runner.py": RUNNER, "solution.py": code.encode(errors="replace")},
+            files={**runner_files(RUNNER), "solution.py": code.encode(errors="replace")},
         )
         for line in reversed(result.stdout.splitlines()):
             if line.startswith(token + " "):

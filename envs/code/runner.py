@@ -37,7 +37,7 @@ import signal
 import struct
 import sys
 import traceback
-from typing import Any, NoReturn
+from typing import Any, NoReturn  # (before the fork: the prompt and the solution import it too)
 
 _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 16 << 20
@@ -472,9 +472,10 @@ def main() -> None:
         os.close(fd)
     try:
         judge(pid, calls_w, answers_r, out_r)
-    finally:
+    finally:  # and reaped: a run whose process is left for the sandbox to sweep ends later
         try:
             os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         except OSError:
             pass
 
