@@ -167,3 +167,28 @@ def test_a_runner_report_of_the_wrong_shape_is_never_a_reward(monkeypatch, env):
         monkeypatch.setattr(programming, "RUNNER", program)
         reply, reward, *_ = env.step(f"```python\n{WRONG}```")
         assert reward == 0.0 and "report was unreadable" in reply[0]["content"]
+
+
+@pytest.mark.parametrize("same_python", [True, False])
+def test_the_runner_runs_compiled_or_from_source(tmp_path, same_python):
+    """A run writes the runner compiled by the host's Python and its source: a sandbox whose
+    Python reads that bytecode runs it without compiling, any other compiles the source."""
+    import subprocess
+    import sys
+
+    from envs.code.harness import runner_files
+
+    files = runner_files("import sys\nprint('ran', __name__, sys.argv[0])\n")
+    if not same_python:  # a sandbox image with another Python
+        files["runner.py"] = files["runner.py"].replace(sys.implementation.cache_tag.encode(), b"x")
+        files["runner.bin"] = b"not bytecode of this Python"
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    out = subprocess.run(
+        [sys.executable, "-I", "runner.py"],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert out.stdout == "ran __main__ runner.py\n", out.stderr
