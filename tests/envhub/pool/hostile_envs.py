@@ -23,6 +23,8 @@ import subprocess
 import time
 from typing import Any
 
+import psutil
+
 from envhub.core import TextEnv, Turn
 from envhub.registry import EnvSpec
 
@@ -128,3 +130,22 @@ def register() -> None:
 
     reg(HOSTILE.id, HOSTILE.entry_point, max_turns=HOSTILE.max_turns)
     reg(RAW.id, RAW.entry_point)
+
+
+def survivors(pids: list[int], timeout: float = 10.0) -> list[int]:
+    """The pids still running once each had ``timeout`` seconds to end (psutil's wait)."""
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    out = []
+    for proc in alive:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                out.append(proc.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out

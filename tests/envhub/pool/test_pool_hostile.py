@@ -12,7 +12,7 @@ import pytest
 
 from envhub.pool import EnvPool, EpisodeFailure, WorkerStartError
 from envhub.pool.framing import FrameReader, FrameTooLargeError
-from tests.envhub.pool.hostile_envs import HOSTILE
+from tests.envhub.pool.hostile_envs import HOSTILE, survivors
 
 
 def run(coro, timeout: float = 60.0):
@@ -32,25 +32,6 @@ def live_children() -> list[psutil.Process]:
         try:
             if proc.pid not in _EARLIER and proc.status() != psutil.STATUS_ZOMBIE:
                 out.append(proc)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def survivors(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """The pids still running once each had ``timeout`` seconds to end (psutil's wait)."""
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    out = []
-    for proc in alive:
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE:
-                out.append(proc.pid)
         except psutil.NoSuchProcess:
             pass
     return out

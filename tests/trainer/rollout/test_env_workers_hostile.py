@@ -10,11 +10,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 pytest.importorskip("transformers", reason="needs the train extra: pip install -e '.[train]'")
 
+from tests.envhub.pool.hostile_envs import survivors
 from tests.trainer.rollout.hostile_setups import blocking_setup, fork_setup
 from tests.trainer.rollout.sim_workload import FAST, engines
 from trainer.rollout.env_manager import Sampling, in_daemon_thread
@@ -27,18 +27,6 @@ from trainer.rollout.worker_routing import RelayEngines, RelayHost, WorkerRouter
 def run(coro: Any, timeout: float = 60.0) -> Any:
     """Run a test coroutine; a hang fails the test instead of blocking the suite."""
     return asyncio.run(asyncio.wait_for(coro, timeout))
-
-
-def survivors(pids: list[int], timeout: float = 10.0) -> list[int]:
-    """The pids still running once each had ``timeout`` seconds to end (psutil's wait)."""
-    procs = []
-    for pid in pids:
-        try:
-            procs.append(psutil.Process(pid))
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return [p.pid for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 def test_a_worker_that_dies_with_a_forked_helper_fails_its_episode_at_once(tmp_path: Path):
