@@ -16,7 +16,7 @@ Protocol, on ``SOCK_SEQPACKET`` sockets (one message each; the host trusts none,
   spawner: what a run asks for (its code, argv, environment) never enters the zygote's memory,
   so nothing of one user's run is in the heap that the next user's runs are forked from.
 - host -> zygote ``S``: fork a spare child now (the host sends it after sweeping a finished
-  run): the next run's fork is then already done.
+  run): the next run's fork is then already done, and its compiler warmed up (``_warm_up``).
 - zygote -> host ``X`` + int32 + the run's number: the run's child exited with this status
   (shell convention: 128+N for signal N); ``F`` + int32 + number: fork failed with this errno
   (the run never started).
@@ -66,10 +66,12 @@ PRELOAD = (
     "string",
     "threading",
     "traceback",
+    "typing",
 )
 """What the zygote imports for the Python runs (the code envs' test runner and common solutions
-use them), after the spawner is forked off: each one makes every fork of the zygote slower, so
-the list stays short."""
+use them: ``typing``, one of the slowest stdlib imports, is in nearly every HumanEval prompt),
+after the spawner is forked off: each one makes every fork of the zygote slower, so the list
+stays short."""
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _PR_SET_DUMPABLE = 4
 _IGNORED = (signal.SIGPIPE, signal.SIGXFSZ)
@@ -108,6 +110,7 @@ def _child(fds: list[int], ctl: socket.socket, spare_sock: socket.socket | None)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         if spare_sock is not None:  # a spare receives its fds over this socket first
+            _warm_up()
             fds = _receive(spare_sock)
         req = json.loads(_read_request(fds[3]))
         for i in range(3):
@@ -127,6 +130,17 @@ def _child(fds: list[int], ctl: socket.socket, spare_sock: socket.socket | None)
             os.write(2, f"envhub: cannot start the run: {e}\n".encode())
         finally:
             os._exit(127)
+
+
+_WARM_UP = "def f(a, *b, k=None, **c):\n    for x in [a, *b]:\n        yield {x: f'{x!r}'}\n"
+"""Compiled once by a spare while it waits: the compiler's first use in a forked child copies
+the pages it writes (and maps its arenas), which a run would otherwise wait for."""
+
+
+def _warm_up() -> None:
+    """What a spare does before it is handed a run; nothing of a run exists yet, and a constant
+    program is all it leaves (see ``_WARM_UP``)."""
+    compile(_WARM_UP, "<warm-up>", "exec", dont_inherit=True)
 
 
 def _read_request(fd: int) -> bytes:
