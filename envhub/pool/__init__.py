@@ -17,12 +17,13 @@ API (every call is a coroutine unless noted)
 --------------------------------------------
 ``EnvPool(env, *, num_workers=2, backend="process"|"ray"|"inline", env_kwargs=None,
 step_timeout_s=30, reset_timeout_s=None, start_timeout_s=60, max_episodes=None,
-ray_options=None, restart_attempts=5, max_message_bytes=64 MiB)``
+ray_options=None, restart_attempts=5, retry_after_s=30, max_message_bytes=64 MiB)``
     ``env`` is a registered id or an ``EnvSpec``; ``env_kwargs`` override its defaults.
     ``max_episodes`` bounds the open episodes (``None``: unbounded). ``ray_options`` go to
     ``ray.remote`` for each worker actor (``num_cpus``, ``resources``, ``scheduling_strategy``;
     the default spreads workers across nodes). ``restart_attempts``: starts of a crashed
-    worker's replacement tried in a row (0.2 s, 0.4 s, ... apart) before its slot is given up.
+    worker's replacement tried in a row (0.2 s, 0.4 s, ... apart) before its slot is given up;
+    ``retry_after_s``: how long a given-up pool refuses resets before one tries again.
     ``max_message_bytes``: the largest answer (one reset's or step's JSON) a process worker
     sends; a larger one fails its episode as ``env_error``.
 ``start()``
@@ -60,7 +61,9 @@ hung. A worker's death is seen when its process exits (even while a helper it fo
 socket), and helpers an env starts (sandboxes, browsers) die with its worker: each worker runs
 in a process group of its own (``envhub.pool.procs``). A replacement that cannot start is
 retried ``restart_attempts`` times; then resets waiting for a worker (and later ones) raise
-``WorkerStartError`` with the env id and the last start error, never a hang. A reset the
+``WorkerStartError`` with the env id and the last start error, never a hang, and the first reset
+``retry_after_s`` later runs one more round of starts (``given_up`` says which state the pool
+is in): an env fixed meanwhile (a dependency back up) serves again without a new pool. A reset the
 caller gives up on (cancelled, e.g. by ``asyncio.wait_for``) leaves no episode behind.
 """
 

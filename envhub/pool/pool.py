@@ -78,6 +78,7 @@ class EnvPool:
         max_episodes: int | None = None,
         ray_options: dict[str, Any] | None = None,
         restart_attempts: int = 5,
+        retry_after_s: float = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         if not isinstance(num_workers, int) or num_workers < 1:
@@ -93,6 +94,14 @@ class EnvPool:
                 isinstance(value, (int, float)) and value > 0 and math.isfinite(value)
             ):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not (
+            isinstance(retry_after_s, (int, float))
+            and not isinstance(retry_after_s, bool)
+            and 0 <= retry_after_s < math.inf
+        ):
+            raise ValueError(
+                f"retry_after_s must be a number of seconds >= 0, got {retry_after_s!r}"
+            )
         for name, count in (
             ("restart_attempts", restart_attempts),
             ("max_message_bytes", max_message_bytes),
@@ -120,6 +129,7 @@ class EnvPool:
         self.max_episodes = max_episodes
         self.ray_options = dict(ray_options or {})
         self.restart_attempts = restart_attempts
+        self.retry_after_s = float(retry_after_s)
         self.max_message_bytes = max_message_bytes
         self._slots: list[Any] = [None] * num_workers
         self._generation = [0] * num_workers
@@ -132,6 +142,8 @@ class EnvPool:
         """Slot -> the task starting its replacement worker (one per slot at most)."""
         self._given_up: list[str] = [""] * num_workers
         """Per slot: why its replacement could not be started ("" while it may run)."""
+        self._given_up_at = 0.0
+        """Loop time of the last give-up: a reset ``retry_after_s`` later tries again."""
         self._started = False
         self._closed = False
         self._start_lock: asyncio.Lock | None = None
@@ -211,6 +223,7 @@ class EnvPool:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 10.0)
             self._given_up[slot] = self.last_worker_error
+            self._given_up_at = asyncio.get_running_loop().time()
         finally:
             if self._respawns.get(slot) is asyncio.current_task():
                 del self._respawns[slot]
@@ -332,6 +345,7 @@ class EnvPool:
         ``WorkerStartError`` once no worker runs and every replacement gave up."""
         loop = asyncio.get_running_loop()
         deadline = None if wait_s is None else loop.time() + wait_s
+        retried = False  # one more round of starts per reset at most, however long it waits
         while True:
             if self._closed:
                 raise PoolClosedError(f"the pool for {self.env_id} is closed; build a new EnvPool")
@@ -347,7 +361,7 @@ class EnvPool:
                         best = slot
                 if best >= 0:
                     return self._slots[best], best
-            self._check_given_up()
+            retried = self._check_given_up(retry=not retried) or retried
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
                 why = (
@@ -366,18 +380,37 @@ class EnvPool:
             except TimeoutError:
                 pass
 
-    def _check_given_up(self) -> None:
-        """Raise ``WorkerStartError`` when no worker runs and none is being started any more."""
+    @property
+    def given_up(self) -> bool:
+        """No worker runs and none is being started: every replacement failed to start
+        ``restart_attempts`` times in a row (resets raise ``WorkerStartError`` until a reset
+        ``retry_after_s`` after that tries again)."""
         if self._respawns or any(w is not None and w.alive for w in self._slots):
-            return
+            return False
+        return any(self._given_up)
+
+    def _check_given_up(self, *, retry: bool) -> bool:
+        """When the pool has given up: start one more round of replacements if ``retry`` and
+        ``retry_after_s`` has passed (True), else raise ``WorkerStartError``."""
+        if not self.given_up:
+            return False
+        loop = asyncio.get_running_loop()
+        wait = self._given_up_at + self.retry_after_s - loop.time()
+        if retry and wait <= 0 and not self._closed:
+            for slot, why in enumerate(self._given_up):
+                if why and slot not in self._respawns:
+                    self._given_up[slot] = ""
+                    self._restarts += 1
+                    self._respawns[slot] = loop.create_task(self._respawn(slot))
+            return True
         errors = [e for e in self._given_up if e]
-        if errors:
-            raise WorkerStartError(
-                f"{self.env_id}: no env worker is running: each replacement failed to start "
-                f"{self.restart_attempts} times in a row (restart_attempts="
-                f"{self.restart_attempts}); last error: {errors[-1]}\nFix the env (the error "
-                "above), then build a new EnvPool"
-            )
+        raise WorkerStartError(
+            f"{self.env_id}: no env worker is running: each replacement failed to start "
+            f"{self.restart_attempts} times in a row (restart_attempts={self.restart_attempts}); "
+            f"last error: {errors[-1]}\nThe pool tries again in {max(wait, 0):.0f} s "
+            f"(retry_after_s={self.retry_after_s:g}), on a reset; fix the env (the error above) "
+            "meanwhile"
+        )
 
     # ------------------------------------------------------------------ the API
     async def reset_json(

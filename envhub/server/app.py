@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from envhub import __version__
 from envhub.errors import EpisodeOverError, ResetNeededError
 from envhub.pool.base import EpisodeFailure
-from envhub.pool.errors import PoolClosedError, PoolFullError
+from envhub.pool.errors import PoolClosedError, PoolFullError, WorkerStartError
 from envhub.server.config import HubConfig
 from envhub.server.errors import SessionLimitError
 from envhub.server.hub import Hub
@@ -140,6 +140,7 @@ def _add_error_handlers(app: FastAPI, hub: Hub) -> None:
 
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, exc: HTTPError) -> JSONResponse:
+        hub.metrics.errors.labels(exc.code).inc()
         return _error_response(
             exc.status,
             exc.code,
@@ -168,6 +169,7 @@ def _add_error_handlers(app: FastAPI, hub: Hub) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _framework(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         code = _STATUS_CODES.get(exc.status_code, "bad_message")
+        hub.metrics.errors.labels(code).inc()
         message = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
             message += "; the routes are listed at GET /openapi.json"
@@ -362,6 +364,8 @@ def create_app(config: HubConfig) -> FastAPI:
             raise HTTPError(503, "pool_busy", str(exc)) from exc
         except PoolClosedError as exc:
             raise HTTPError(503, "draining", str(exc)) from exc
+        except WorkerStartError as exc:
+            raise HTTPError(503, "env_unavailable", str(exc)) from exc
         if isinstance(started, EpisodeFailure):
             await pool.close_episode(started.episode)
             return RolloutResponse(env=request.env, reset=None, steps=[], failure=started.as_dict())

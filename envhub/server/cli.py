@@ -90,6 +90,19 @@ __all__ = ["run", "serve", "uvicorn_config"]
     help="Kill a worker whose env call runs longer (s).",
 )
 @click.option(
+    "--worker-restarts",
+    default=5,
+    show_default=True,
+    help="Starts of a crashed worker's replacement tried before its pool gives up.",
+)
+@click.option(
+    "--worker-retry",
+    "worker_retry_s",
+    default=30.0,
+    show_default=True,
+    help="How long a pool that gave up answers env_unavailable before a reset retries (s).",
+)
+@click.option(
     "--drain-timeout",
     "drain_timeout_s",
     default=30.0,

@@ -92,6 +92,20 @@ class HubConfig(Strict):
     reset_wait_s: float = Field(
         default=30.0, gt=0, description="How long a reset waits for a free pool slot."
     )
+    worker_restarts: int = Field(
+        default=5,
+        ge=1,
+        le=100,
+        description=(
+            "Starts of a crashed worker's replacement tried in a row before its pool gives up "
+            "(resets then get env_unavailable)."
+        ),
+    )
+    worker_retry_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="How long a pool that gave up answers env_unavailable before a reset retries.",
+    )
     drain_timeout_s: float = Field(
         default=30.0, ge=0, description="On SIGTERM, how long running episodes may finish."
     )

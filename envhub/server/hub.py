@@ -70,6 +70,8 @@ class Hub:
                 backend=self.config.backend,
                 step_timeout_s=self.config.step_timeout_s,
                 max_episodes=self.config.max_sessions,
+                restart_attempts=self.config.worker_restarts,
+                retry_after_s=self.config.worker_retry_s,
             )
             self.pools[env_id] = pool
             try:
@@ -123,7 +125,13 @@ class Hub:
                     f"{self.config.reset_wait_s:g} s, then get pool_busy (clients should close "
                     "finished sessions; or raise --max-sessions)"
                 )
-            if stats.workers_alive == 0 and not pool.closed:
+            if pool.given_up and not pool.closed:
+                found.append(
+                    f"{env_id}: no worker could be started (last error: {pool.last_worker_error});"
+                    f" resets get env_unavailable until one retries, {pool.retry_after_s:g} s after"
+                    " the pool gave up (fix the env)"
+                )
+            elif stats.workers_alive == 0 and not pool.closed:
                 found.append(
                     f"{env_id}: no worker is running (last error: "
                     f"{pool.last_worker_error or 'none yet'}); replacements are being started"

@@ -29,7 +29,12 @@ from starlette.websockets import WebSocket
 
 from envhub import __version__
 from envhub.errors import EpisodeOverError, ResetNeededError
-from envhub.pool.errors import PoolClosedError, PoolFullError, UnknownEpisodeError
+from envhub.pool.errors import (
+    PoolClosedError,
+    PoolFullError,
+    UnknownEpisodeError,
+    WorkerStartError,
+)
 from envhub.server.errors import SessionLimitError
 from envhub.server.hub import Hub
 from envhub.server.openenv_wire import (
@@ -306,6 +311,9 @@ async def _reset(hub: Hub, session: Session, state: _State, data: ResetData) -> 
         return _error(hub, "CAPACITY_REACHED", str(exc))
     except PoolClosedError as exc:
         return _error(hub, "SESSION_ERROR", str(exc))
+    except WorkerStartError as exc:  # the env no longer builds
+        session.episode, session.running = None, False
+        return _error(hub, "EXECUTION_ERROR", str(exc))
     except TypeError as exc:  # options the worker cannot encode
         return _error(hub, "VALIDATION_ERROR", str(exc))
     if not isinstance(result, tuple):

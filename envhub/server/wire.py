@@ -83,6 +83,7 @@ ErrorCode = Literal[
     "busy",
     "idle_timeout",
     "pool_busy",
+    "env_unavailable",
     "not_found",
     "internal",
 ]

@@ -24,7 +24,12 @@ from starlette.datastructures import Address, Headers
 from starlette.websockets import WebSocketDisconnect
 
 from envhub.errors import EpisodeOverError, ResetNeededError
-from envhub.pool.errors import PoolClosedError, PoolFullError, UnknownEpisodeError
+from envhub.pool.errors import (
+    PoolClosedError,
+    PoolFullError,
+    UnknownEpisodeError,
+    WorkerStartError,
+)
 from envhub.pool.host import RUNNING_PREFIX
 from envhub.server.errors import SessionLimitError
 from envhub.server.hub import Hub
@@ -492,6 +497,9 @@ async def _reset(hub: Hub, session: Session, request: ResetRequest) -> str:
         return _error(hub, "pool_busy", str(exc), seq)
     except PoolClosedError as exc:
         return _error(hub, "draining", str(exc), seq)
+    except WorkerStartError as exc:  # the env no longer builds: the operator's to fix
+        session.episode, session.running = None, False
+        return _error(hub, "env_unavailable", str(exc), seq)
     if isinstance(result, tuple):
         session.episode, body = result
         session.running = True

@@ -100,6 +100,55 @@ def test_a_worker_that_cannot_be_rebuilt_fails_waiting_resets_with_its_error(tmp
     run(main())
 
 
+def test_a_given_up_pool_starts_its_workers_again_once_retry_after_s_has_passed(tmp_path: Path):
+    """After giving up, a pool is not down for good: a reset ``retry_after_s`` later runs one
+    more round of starts, so once the env builds again resets work without a new pool."""
+    flag = tmp_path / "refuse"
+
+    async def main():
+        async with EnvPool(
+            HOSTILE,
+            num_workers=1,
+            env_kwargs={"refuse_while": str(flag)},
+            restart_attempts=1,
+            retry_after_s=0,
+        ) as pool:
+            first = await pool.reset(seed=0)
+            flag.touch()
+            assert (await pool.step(first.episode, "crash")).reason == "worker_crashed"
+            with pytest.raises(WorkerStartError, match="refuses to build"):
+                await pool.reset(seed=1)  # (the retry this reset ran failed too)
+            flag.unlink()  # the env is fixed
+            again = await pool.reset(seed=2)
+            assert not again.failed and pool.stats().workers_alive == 1
+            assert [p.pid for p in live_children()] == [w.pid for w in pool.workers()]
+
+    run(main())
+
+
+def test_a_given_up_pool_says_when_it_tries_again_and_starts_nothing_before(tmp_path: Path):
+    flag = tmp_path / "refuse"
+
+    async def main():
+        async with EnvPool(
+            HOSTILE,
+            num_workers=1,
+            env_kwargs={"refuse_while": str(flag)},
+            restart_attempts=1,
+            retry_after_s=3600,
+        ) as pool:
+            first = await pool.reset(seed=0)
+            flag.touch()
+            await pool.step(first.episode, "crash")
+            for seed in (1, 2):
+                with pytest.raises(WorkerStartError, match=r"tries again in 3\d\d\d s"):
+                    await pool.reset(seed=seed)
+            assert pool.given_up and live_children() == []
+            assert pool.stats().worker_restarts == 1  # the second reset started nothing
+
+    run(main())
+
+
 # ---------------------------------------------------------------------- resets (4)
 def test_a_cancelled_reset_leaves_no_episode_in_the_pool():
     """A caller that gives up on a reset (``asyncio.wait_for``) does not leave its episode."""
