@@ -21,25 +21,31 @@ pytestmark = [
 
 
 class Terminal:
+    """One tmux server of its own per terminal (``-L``): a shared server may be exiting after the
+    previous test killed its last session, and a new session started then fails."""
+
     def __init__(self, command: str) -> None:
         self.name = f"envhub-{uuid.uuid4().hex[:8]}"
+        self.tmux = ["tmux", "-L", self.name]
         subprocess.run(
-            ["tmux", "new-session", "-d", "-s", self.name, "-x", "120", "-y", "50", command],
+            [*self.tmux, "new-session", "-d", "-s", self.name, "-x", "120", "-y", "50", command],
             check=True,
         )
-        subprocess.run(["tmux", "set-option", "-t", self.name, "remain-on-exit", "on"], check=True)
+        subprocess.run(
+            [*self.tmux, "set-option", "-t", self.name, "remain-on-exit", "on"], check=True
+        )
 
     def screen(self) -> str:
         return subprocess.run(
-            ["tmux", "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name],
+            [*self.tmux, "capture-pane", "-p", "-J", "-S", "-200", "-t", self.name],
             capture_output=True,
             text=True,
             check=False,
         ).stdout
 
     def type(self, text: str) -> None:
-        subprocess.run(["tmux", "send-keys", "-t", self.name, "-l", text], check=True)
-        subprocess.run(["tmux", "send-keys", "-t", self.name, "Enter"], check=True)
+        subprocess.run([*self.tmux, "send-keys", "-t", self.name, "-l", text], check=True)
+        subprocess.run([*self.tmux, "send-keys", "-t", self.name, "Enter"], check=True)
 
     def wait_for(self, pattern: str, count: int = 1, timeout: float = 30.0) -> str:
         deadline = time.monotonic() + timeout
@@ -52,7 +58,7 @@ class Terminal:
 
     def exited(self) -> bool:
         out = subprocess.run(
-            ["tmux", "display-message", "-p", "-t", self.name, "#{pane_dead}"],
+            [*self.tmux, "display-message", "-p", "-t", self.name, "#{pane_dead}"],
             capture_output=True,
             text=True,
             check=False,
@@ -60,7 +66,7 @@ class Terminal:
         return out.strip() == "1"
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True, check=False)
+        subprocess.run([*self.tmux, "kill-server"], capture_output=True, check=False)
 
 
 @pytest.fixture
@@ -88,7 +94,9 @@ def test_a_person_solves_guess_number_with_hints(terminal):
         screen = term.wait_for(r"hint: <answer>\d+</answer>", count=turn)
         guess = re.findall(r"hint: <answer>(\d+)</answer>", screen)[-1]
         term.type(guess)
-        screen = term.wait_for(r"reward [+-]\d", count=turn)
+        term.wait_for(r"reward [+-]\d", count=turn)
+        # the turn is over once play waits for input again: the next action, or a new game
+        screen = term.wait_for(r"(action>|Play again\? \[Y/n\])\s*\Z")
         if "Episode over: solved" in screen:
             break
     screen = term.wait_for(r"Play again\? \[Y/n\]")
