@@ -67,6 +67,13 @@ class AcceptsStepsAfterEnd(CountdownEnv):
         return super().step(action)
 
 
+class CopyPlaysOtherwise(CountdownEnv):
+    """Pickles, but the copy's observations differ (it lost the original's goal word)."""
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, goal="stop")
+
+
 class NotJson(CountdownEnv):
     def on_step(self, action):
         return envhub.Turn("ok", terminated=True, info={"raw": object()})
@@ -92,6 +99,7 @@ class FailsToClose(CountdownEnv):
         ),
         (NeverEnds(max_turns=None), "check_episode_ends", "register the env with max_turns=N"),
         (Unpicklable(), "check_picklable", "implement __getstate__/__setstate__"),
+        (CopyPlaysOtherwise(), "check_picklable", "the unpickled copy plays a different episode"),
         (AcceptsStepsAfterEnd(), "check_step_after_end", "refuse it"),
         (NotJson(), "check_step", "is not JSON-serialisable"),
         (FailsToClose(), "check_close_twice", "make close() idempotent"),
@@ -124,3 +132,22 @@ def test_things_that_are_not_envs_stop_after_the_first_check():
 def test_gymnasium_checks_can_be_skipped():
     names = [r.name for r in check_env(CountdownEnv(), gymnasium_checks=False).results]
     assert "check_gymnasium" not in names
+
+
+def test_the_checker_plays_no_episode_it_has_already_seen(monkeypatch):
+    """A web env's random episode costs seconds: the pickle check compares the copy with the
+    determinism check's episode, and the step-after-end check uses the episode
+    ``check_episode_ends`` just ended, instead of playing them again."""
+    from envhub import checker
+
+    played: list[int] = []
+    play = checker._play
+
+    def counted(ctx, env, seed, *args):
+        played.append(seed)
+        return play(ctx, env, seed, *args)
+
+    monkeypatch.setattr(checker, "_play", counted)
+    assert check_env(CountdownEnv(), factory=CountdownEnv, seed=10).ok
+    # the determinism check's two episodes and the pickled copy's, then one that must end
+    assert played == [10, 10, 11, 10], played
