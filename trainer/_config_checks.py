@@ -1,29 +1,44 @@
 """The invariants between config sections, each checked once: ``TrainerConfig.problems()``.
 
 A single section validates itself (pydantic field constraints and its own validators in
-``trainer.config``); what needs two sections - the engine named twice, a batch that must
-split over the trainer ranks, device mappings, parallel layouts (``registry.layout_problem``,
-``registry.process_problem``), weight-sync buckets against the model, env ids against the
-registry, env kwargs with a remote hub, the agent's code, and whether the run fits its devices'
-memory (``trainer.memory``) - is here, reported with its key path and the fix.
+``trainer.config``); what needs two sections - the engine named twice, the training strategies
+(their names, layouts and ``strategy_args``, asked of ``trainer.strategies``), a batch that must
+split over the trainer ranks, groups a group baseline can compare, device mappings, parallel
+layouts (``registry.layout_problem``, ``registry.process_problem``), weight-sync buckets against
+the model, env ids and kwargs against the registry, env kwargs with a remote hub, reward domains
+against the env ids, the checkpoint folder against the run's, the agent's code, and whether the
+run fits its devices' memory (``trainer.memory``) - is here, reported with its key path and the
+fix.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import difflib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from trainer.config_lifecycle import shared_folder
 from trainer.errors import Problem
 from trainer.strategies.registry import (
     TRAIN_STRATEGIES,
     engine_spec,
     layout_problem,
     process_problem,
+    train_strategy_spec,
 )
 
 if TYPE_CHECKING:
     from trainer.config import TrainerConfig
 
 __all__ = ["cross_section_problems"]
+
+GROUP_ESTIMATORS = ("grpo", "rloo", "gigpo")
+"""Advantage estimators whose baseline is the other episodes of a group
+(``trainer.algos.advantages``): a group of one episode gives every advantage 0."""
+
+TRAIN_ROLES = ("actor_train", "reference", "critic")
+"""Roles built by a training strategy (``TRAIN_STRATEGIES``); the others run an engine or
+plain functions."""
 
 
 def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
@@ -37,8 +52,11 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
                 f"rollout.engine={cfg.rollout.engine!r}; set only rollout.engine",
             )
         )
+    strategy_problems = _strategy_problems(cfg)
+    problems.extend(strategy_problems)
     dp = cfg.roles.actor_train.world_size
-    if cfg.batch_size % dp and len(set(cfg.env.group_sizes)) == 1:
+    actor_runs = not any(p.path.startswith("roles.actor_train.") for p in strategy_problems)
+    if actor_runs and cfg.batch_size % dp and len(set(cfg.env.group_sizes)) == 1:
         problems.append(
             Problem(
                 "env.num_groups",
@@ -48,8 +66,10 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
         )
     problems.extend(cfg.device_mapping().problems())
     problems.extend(_parallel_problems(cfg))
+    problems.extend(_group_problems(cfg))
     if cfg.env.hub is None:
-        problems.extend(_unknown_env_ids(cfg.env.ids))
+        unknown = _unknown_env_ids(cfg.env.ids)
+        problems.extend(unknown or _env_kwargs_problems(cfg))
     elif cfg.env.kwargs or cfg.env.eval_kwargs() or any(e.kwargs for e in cfg.env.entries):
         problems.append(
             Problem(
@@ -76,6 +96,8 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
                 "cluster.backend: ray, or rollout.route_in_workers: false",
             )
         )
+    problems.extend(_reward_problems(cfg))
+    problems.extend(_checkpoint_problems(cfg))
     problems.extend(_agent_problems(cfg))
     problems.extend(_lora_problems(cfg))
     if cfg.train.packing:
@@ -93,6 +115,167 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
     if not problems:  # the estimate needs a valid device plan and layouts
         problems.extend(_memory_problems(cfg))
     return problems
+
+
+def _group_problems(cfg: TrainerConfig) -> list[Problem]:
+    """A group-baseline estimator with groups of one episode: it would train nothing."""
+    estimator = cfg.algorithm.advantage_estimator
+    if estimator not in GROUP_ESTIMATORS:
+        return []
+    paths = [
+        f"env.id[{i}].group_size" if entry.group_size is not None else "env.group_size"
+        for i, entry in enumerate(cfg.env.entries)
+        if (entry.group_size or cfg.env.group_size) < 2
+    ]
+    return [
+        Problem(
+            path,
+            f"algorithm.advantage_estimator={estimator} compares episodes within a group, and a "
+            f"group of 1 has no baseline (every advantage would be 0); set {path} >= 2, or use "
+            "reinforce_pp (or gae, with a critic)",
+        )
+        for path in dict.fromkeys(paths)
+    ]
+
+
+def _strategy_problems(cfg: TrainerConfig) -> list[Problem]:
+    """The training roles' strategies, asked of the strategies themselves before any model
+    loads: the name (``registry.train_strategy_spec``), the tensor x pipeline layout
+    (``registry.layout_problem``), a layout the strategy refuses (its ``_configure`` hook, asked
+    for multi-rank roles only: one rank is every strategy's layout, and asking imports torch)
+    and ``strategy_args`` keys it does not take (``BaseTrainStrategy.options``)."""
+    problems = []
+    for name in TRAIN_ROLES:
+        role = getattr(cfg.roles, name)
+        try:
+            spec = train_strategy_spec(role.strategy)
+        except ValueError as error:
+            problems.append(Problem(f"roles.{name}.strategy", str(error)))
+            continue
+        if name not in cfg.active_roles:
+            continue
+        layout = layout_problem(spec.name, role.world_size, role.strategy_args)
+        if layout is not None:
+            problems.append(Problem(f"roles.{name}.strategy_args.{layout[0]}", layout[1]))
+            continue
+        strategy = spec.load()
+        if role.world_size > 1:
+            try:
+                strategy._configure(
+                    role.world_size, dict(role.strategy_args), {"trainable": name != "reference"}
+                )
+            except ImportError:  # torch is missing: the workers cannot start either, and say so
+                pass
+            except ValueError as error:
+                problems.append(Problem(f"roles.{name}.device_mapping", str(error)))
+                continue
+        problems.extend(_unknown_options(name, spec.name, role.strategy_args, strategy.options()))
+    return problems
+
+
+def _unknown_options(
+    role: str, strategy: str, args: dict[str, Any], options: set[str]
+) -> list[Problem]:
+    """A ``strategy_args`` key the strategy's constructor does not take, with a suggestion (or
+    its own options: the ``train`` section sets the ``TrainOptions`` every strategy takes)."""
+    from trainer.strategies.base import TrainOptions
+
+    own = sorted(options - set(TrainOptions.__annotations__))
+    problems = []
+    for key in sorted(set(args) - options):
+        close = difflib.get_close_matches(key, sorted(options), n=1)
+        hint = f"did you mean {close[0]}?" if close else f"its own options are {', '.join(own)}"
+        problems.append(
+            Problem(
+                f"roles.{role}.strategy_args.{key}",
+                f"not an option of the {strategy!r} strategy; {hint}",
+            )
+        )
+    return problems
+
+
+def _env_kwargs_problems(cfg: TrainerConfig) -> list[Problem]:
+    """Env kwargs an env's constructor does not take (``EnvSpec.accepted_kwargs``, the check
+    ``envhub.make`` runs), at their key path: ``env.kwargs`` go to every env, an entry's
+    ``kwargs`` and ``eval.kwargs`` to its own."""
+    import envhub
+    from envhub.errors import RegistryError
+    from trainer.config_rollout import EnvEval
+
+    problems = []
+    for i, entry in enumerate(cfg.env.entries):
+        entry_path = f"env.id[{i}]"
+        given = {f"env.kwargs.{key}": key for key in cfg.env.kwargs}
+        given |= {f"{entry_path}.kwargs.{key}": key for key in entry.kwargs}
+        if isinstance(entry.eval, EnvEval):
+            given |= {f"{entry_path}.eval.kwargs.{key}": key for key in entry.eval.kwargs}
+        if not given:
+            continue
+        try:
+            accepted = envhub.spec(entry.id).accepted_kwargs()
+        except RegistryError:  # an entry point that does not import: make() says so
+            continue
+        if accepted is None:  # it takes any keyword
+            continue
+        for path, key in given.items():
+            if key not in accepted:
+                close = difflib.get_close_matches(key, accepted, n=1)
+                hint = f"did you mean {close[0]}? " if close else ""
+                problems.append(
+                    Problem(
+                        path,
+                        f"{entry.id} takes no keyword argument {key!r}; {hint}(it accepts: "
+                        f"{', '.join(accepted) or 'none'})",
+                    )
+                )
+    return list({problem.path: problem for problem in problems}.values())
+
+
+def _reward_problems(cfg: TrainerConfig) -> list[Problem]:
+    """``env.rewards``: a domain that routes to none of the run's envs would never score."""
+    from trainer.workers.reward import domain_matches
+
+    ids = cfg.env.ids
+    problems = []
+    for i, reward in enumerate(cfg.env.rewards):
+        domain = reward["domain"]
+        if not any(domain_matches(domain, env_id) for env_id in ids):
+            names = sorted({env_id.split("/")[0] for env_id in ids} | set(ids))
+            close = difflib.get_close_matches(domain, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(
+                Problem(
+                    f"env.rewards[{i}].domain",
+                    f"{domain!r} matches none of this run's envs ({', '.join(ids)}); {hint}use "
+                    "'*', a namespace such as 'games', an env id or a glob like 'games/soko*'",
+                )
+            )
+    return problems
+
+
+def _checkpoint_problems(cfg: TrainerConfig) -> list[Problem]:
+    """A checkpoint folder that is not one of its own: a fresh start moves it aside whole."""
+    if cfg.checkpoint.dir is None:  # {output_dir}/checkpoints, inside the run's own folder
+        return []
+    folder = cfg.checkpoint_dir
+    shared = shared_folder(folder)
+    if shared is None:
+        try:
+            above = folder.resolve() in Path(cfg.output_dir).resolve().parents
+        except OSError:  # the current folder was deleted
+            above = False
+        shared = "a folder above output_dir" if above else None
+    if shared is None:
+        return []
+    return [
+        Problem(
+            "checkpoint.dir",
+            f"{cfg.checkpoint.dir!r} puts the checkpoints in {folder} ({shared}), and a fresh "
+            "start moves the previous checkpoints aside with everything in that folder; choose "
+            "a folder of its own for the checkpoints, or leave checkpoint.dir unset "
+            "({output_dir}/checkpoints)",
+        )
+    ]
 
 
 def _lora_problems(cfg: TrainerConfig) -> list[Problem]:
@@ -178,17 +361,12 @@ def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
     from trainer.weights.buckets import largest_tensor
 
     problems = []
-    actor = cfg.roles.actor_train
-    for name in ("actor_train", "reference", "critic"):
+    for name in TRAIN_ROLES:
         role = getattr(cfg.roles, name)
         if name in cfg.active_roles and (
             problem := process_problem(role.strategy, role.world_size, cfg.cluster.backend)
         ):
             problems.append(Problem("cluster.backend", f"{name} {problem}"))
-    if (
-        layout := layout_problem(actor.strategy, actor.world_size, actor.strategy_args)
-    ) is not None:
-        problems.append(Problem(f"roles.actor_train.strategy_args.{layout[0]}", layout[1]))
     largest = largest_tensor(cfg.model.path, cfg.model.dtype) if cfg.model.path else None
     bucket_mb = cfg.weight_sync.bucket_mb
     if bucket_mb is not None and largest and largest[1] > bucket_mb * 2**20:

@@ -5,11 +5,17 @@ Kept apart from ``trainer.config`` so the tree stays readable; ``trainer.config.
 is the public entry point. Every problem names its dotted path, says what is wrong in plain
 words (``unknown key; did you mean group_size?``), shows the bad value, and points at its
 origin: ``file.yaml:LINE`` or ``override 'a.b=value'``.
+
+Files and override values are read by one YAML loader, ``SafeLoader`` plus YAML 1.2's floats:
+PyYAML follows YAML 1.1, where a float needs a dot, so ``1e-3`` would be the *string*
+``'1e-3'``; typed fields convert it anyway, but free-form mappings (``env.kwargs``,
+``strategy_args``) would keep the string.
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 import types
 import typing
@@ -21,6 +27,23 @@ from pydantic import BaseModel, ValidationError
 from trainer.errors import ConfigError, Problem
 
 _KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+_EXPONENT_FLOAT = re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$")
+"""``1e-3``, ``4E1``, ``1.5e3``: floats in YAML 1.2, strings to PyYAML's YAML 1.1 resolver (which
+wants a dot and a signed exponent)."""
+
+
+@functools.cache
+def _loader() -> type[Any]:
+    """``yaml.SafeLoader`` that also reads exponent numbers without a dot as floats (built once,
+    lazily: importing this module does not import yaml)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _EXPONENT_FLOAT, list("-+0123456789."))
+    return Loader
 
 
 # --------------------------------------------------------------------------- YAML
@@ -39,8 +62,8 @@ def read_yaml(path: Path) -> tuple[dict[str, Any], dict[str, int], list[Problem]
     except OSError as err:
         raise ConfigError([Problem("", f"cannot read config file {str(path)!r}: {err}")]) from None
     try:
-        node = yaml.compose(text, Loader=yaml.SafeLoader)
-        data = yaml.safe_load(text)
+        node = yaml.compose(text, Loader=_loader())
+        data = yaml.load(text, Loader=_loader())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
@@ -118,7 +141,7 @@ def overrides_to_tree(overrides: list[str]) -> tuple[dict[str, Any], list[Proble
             )
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.load(raw, Loader=_loader()) if raw.strip() else None
         except yaml.YAMLError as err:
             problems.append(
                 Problem(

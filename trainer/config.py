@@ -30,11 +30,18 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from trainer.config_lifecycle import CheckpointConfig, EvalConfig, LoggingConfig, SFTConfig
+from trainer.config_lifecycle import (
+    CheckpointConfig,
+    EvalConfig,
+    LoggingConfig,
+    SFTConfig,
+    own_folder,
+)
 from trainer.config_rollout import EnvConfig, EnvEntry, RolloutConfig
 from trainer.config_section import Section
 from trainer.devices import AutoDeviceMapping, DevicePlan
 from trainer.errors import ConfigError, Problem
+from trainer.models import Architecture, TokenizerKind
 from trainer.strategies.registry import INFERENCE_ENGINES
 
 if TYPE_CHECKING:
@@ -69,7 +76,7 @@ ROLE_NAMES: tuple[str, ...] = ("actor_train", "actor_infer", "reference", "criti
 class TinyModelConfig(Section):
     """A small causal LM built from config (no download), for CPU runs and tests."""
 
-    architecture: str = "llama"
+    architecture: Architecture = "llama"
     """HF ``model_type`` of the model to build: ``llama`` or ``gpt2``. (``qwen2`` cannot be built
     with a custom tokenizer, as AutoTokenizer forces Qwen2Tokenizer for it; load real Qwen
     checkpoints by path.)"""
@@ -85,7 +92,7 @@ class TinyModelConfig(Section):
     """Width of the MLP."""
     max_position_embeddings: int = Field(default=2048, gt=0)
     """Longest sequence (prompt plus all turns) the model accepts."""
-    tokenizer: str = "bpe"
+    tokenizer: TokenizerKind = "bpe"
     """How to build the tokenizer over the env's texts: ``bpe`` (shortest sequences), ``word`` or
     ``char`` (see ``trainer.models``)."""
     vocab_size: int = Field(default=2048, ge=64)
@@ -142,7 +149,8 @@ class ModelConfig(Section):
     """The policy: a local HF checkpoint (``path``) or a tiny model built from ``tiny``."""
 
     path: str | None = None
-    """Folder of a HF causal LM (``from_pretrained``); must exist where the workers run."""
+    """Folder of a HF causal LM (``from_pretrained``; ``~`` is the home folder); must exist where
+    the config is loaded and where the workers run (nothing is downloaded)."""
     tiny: TinyModelConfig | None = None
     """Build a small model from this spec instead of loading one (exclusive with ``path``)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -152,6 +160,17 @@ class ModelConfig(Section):
     lora: LoraConfig | None = None
     """Train low-rank adapters instead of every weight (``model.lora.rank=8`` turns it on);
     ``hf`` and ``fsdp2`` training strategies. None: full fine-tuning."""
+
+    @field_validator("path")
+    @classmethod
+    def _path_exists(cls, path: str | None) -> str | None:
+        if path is not None and not Path(path).expanduser().exists():
+            raise ValueError(
+                f"{path!r} does not exist; point model.path at a local save_pretrained "
+                "checkpoint folder (with config.json; nothing is downloaded), or use model.tiny "
+                "to build a tiny policy"
+            )
+        return path
 
     @model_validator(mode="after")
     def _lora_off_at_rank_0(self) -> ModelConfig:
@@ -261,7 +280,22 @@ class TrainConfig(Section):
     """Final learning rate of a decaying schedule, as a fraction of ``lr``."""
     warmup_steps: int = Field(default=0, ge=0)
     """Steps of linear warm-up from ``lr / (warmup_steps + 1)`` to ``lr`` before the schedule
-    starts."""
+    starts; at most ``steps``."""
+
+    @model_validator(mode="after")
+    def _warmup_within_the_run(self) -> TrainConfig:
+        if self.warmup_steps > self.steps:
+            raise ConfigError(
+                [
+                    Problem(
+                        "train.warmup_steps",
+                        f"{self.warmup_steps} warm-up steps are more than the run's "
+                        f"train.steps={self.steps}, so the learning rate would never reach "
+                        f"train.lr; set train.warmup_steps <= {self.steps}",
+                    )
+                ]
+            )
+        return self
 
     def options(self, lr: float | None = None) -> TrainOptions:
         """What every training strategy takes from this section (``strategies.base.TrainOptions``),
@@ -426,6 +460,11 @@ class TrainerConfig(Section):
     def _env_list_is_a_mix(cls, value: Any) -> Any:
         return {"id": value} if isinstance(value, list) else value
 
+    @field_validator("output_dir")
+    @classmethod
+    def _a_folder_of_its_own(cls, folder: str) -> str:
+        return own_folder(folder)
+
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(tiny=TinyModelConfig()))
     """The policy model."""
     env: EnvConfig = Field(default_factory=EnvConfig)
@@ -451,7 +490,8 @@ class TrainerConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     """Metric sinks."""
     output_dir: str = "runs/latest"
-    """Run folder: ``metrics.jsonl``, checkpoints, plots. Printed at start."""
+    """Run folder: ``metrics.jsonl``, checkpoints, plots. Printed at start. A folder of the run's
+    own (``~`` is the home folder): a fresh start moves a previous run in it aside."""
     seed: int = 0
     """Seed of everything (model init, sampling, env seeds)."""
 

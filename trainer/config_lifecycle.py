@@ -8,13 +8,59 @@ the tree in ``trainer.config``; build the whole config with ``trainer.config.loa
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from trainer.config_section import Section
+from trainer.errors import ConfigError, Problem
 
-__all__ = ["CheckpointConfig", "EvalConfig", "LoggingConfig", "SFTConfig"]
+__all__ = [
+    "CheckpointConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "SFTConfig",
+    "own_folder",
+    "shared_folder",
+]
+
+
+def shared_folder(folder: str | Path) -> str | None:
+    """What ``folder`` (``~`` expanded, relative to the current folder) is when it cannot be a
+    run's own - the current folder, one above it or the home folder - and None when it can. A
+    fresh start moves the previous run's folder aside whole (``envhub train``), so such a
+    folder would take everything in it along."""
+    try:
+        here = Path.cwd().resolve()
+        path = Path(folder).expanduser().resolve()
+    except OSError:  # the current folder was deleted: a relative path means nothing
+        return None
+    home = Path.home().resolve()
+    if path == here:
+        return "the current folder"
+    if path == Path(path.anchor):
+        return "the filesystem root"
+    if path in here.parents:
+        return "a folder above the current one"
+    if path == home:
+        return "your home folder"
+    if path in home.parents:
+        return "a folder above your home folder"
+    return None
+
+
+def own_folder(folder: str) -> str:
+    """``folder`` with ``~`` expanded, if it can be a run's own (``output_dir``); else a
+    ValueError naming what it is and the fix."""
+    shared = shared_folder(folder)
+    if shared is not None:
+        raise ValueError(
+            f"{folder!r} is {shared}, and a fresh start moves the previous run in output_dir "
+            "aside with everything in it; choose a folder of its own for the run, e.g. runs/NAME"
+        )
+    return os.path.expanduser(folder)
 
 
 class CheckpointConfig(Section):
@@ -25,7 +71,13 @@ class CheckpointConfig(Section):
     keep: int = Field(default=2, gt=0)
     """Keep the newest N checkpoints; older ones are deleted after a successful save."""
     dir: str | None = None
-    """Checkpoint folder; None means ``{output_dir}/checkpoints``; relative to ``output_dir``."""
+    """Checkpoint folder; None means ``{output_dir}/checkpoints``; relative to ``output_dir``
+    (``~`` is the home folder)."""
+
+    @field_validator("dir")
+    @classmethod
+    def _expand_home(cls, folder: str | None) -> str | None:
+        return os.path.expanduser(folder) if folder else folder
 
 
 class EvalConfig(Section):
@@ -48,7 +100,7 @@ class SFTConfig(Section):
     """``expert``: collect demonstrations with the env's scripted expert; ``file``: read
     ``path``."""
     path: str | None = None
-    """JSONL of trajectories (``source: file``)."""
+    """JSONL of trajectories (``source: file``); it must exist when the config is loaded."""
     episodes: int = Field(default=64, gt=0)
     """Demonstrations to collect from the expert (``source: expert``)."""
     lr: float | None = Field(default=None, gt=0)
@@ -78,6 +130,17 @@ class SFTConfig(Section):
     def _file_needs_path(self) -> SFTConfig:
         if self.source == "file" and not self.path:
             raise ValueError("source 'file' needs path: a JSONL of trajectories")
+        missing = self.path is not None and not Path(self.path).expanduser().exists()
+        if self.source == "file" and self.epochs > 0 and missing:
+            raise ConfigError(
+                [
+                    Problem(
+                        "sft.path",
+                        f"{self.path!r} does not exist; point it at a JSONL of "
+                        '{"messages": [...]} lines, or set sft.source: expert',
+                    )
+                ]
+            )
         return self
 
 

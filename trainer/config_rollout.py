@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from trainer.config_section import Section
+from trainer.errors import ConfigError, Problem
 from trainer.strategies.registry import engine_spec
 
-__all__ = ["AgentConfig", "EnvConfig", "EnvEntry", "EnvEval", "RolloutConfig"]
+__all__ = ["AgentConfig", "EnvConfig", "EnvEntry", "EnvEval", "RewardConfig", "RolloutConfig"]
+
+HUB_SCHEMES = ("ws://", "wss://", "http://", "https://")
+"""What ``envhub.client.RemoteEnv`` connects to (an http(s) address is read as ws(s))."""
 
 
 class EnvEval(Section):
@@ -48,6 +52,44 @@ class EnvEntry(Section):
     """Its evaluation: ``false`` skips it, ``{episodes, kwargs}`` sets its held-out set."""
 
 
+class RewardConfig(Section):
+    """One reward function of the ``reward`` role (an entry of ``env.rewards``): what scores an
+    episode, which envs it applies to, and how its score meets the env's own reward
+    (``trainer.workers.reward``; defaults are the reward workers' own)."""
+
+    kind: Literal["exact", "numeric", "function", "judge"]
+    """``exact``/``numeric``: the final answer against the env's ``target`` (reset info);
+    ``function``: a user function; ``judge``: a chat model grades the transcript."""
+    domain: str = "*"
+    """The envs it scores: ``*`` (all), a namespace (``games``), an env id, or a glob
+    (``games/soko*``); it must match one of the run's envs."""
+    weight: float = 1.0
+    """Factor on its score."""
+    mode: Literal["add", "replace"] = "add"
+    """Add the score to the env's return, or replace the return with it."""
+    target: str = "answer"
+    """``exact``/``numeric``: the key of the env's reset info that holds the right answer."""
+    rel_tol: float = Field(default=1e-6, ge=0)
+    """``numeric``: relative tolerance of the comparison."""
+    function: str | None = None
+    """``function``: ``"package.module:function"``, called with the episode; returns a number."""
+    model_path: str | None = None
+    """``judge``: a local chat model folder that grades the transcript."""
+    prompt: str | None = None
+    """``judge``: the grading prompt (``{env_id}``, ``{transcript}``); None:
+    ``trainer.rewards.judge.DEFAULT_PROMPT``."""
+    max_new_tokens: int = Field(default=8, gt=0)
+    """``judge``: most tokens of the grade."""
+
+    @model_validator(mode="after")
+    def _kind_has_its_source(self) -> RewardConfig:
+        if self.kind == "function" and not self.function:
+            raise ValueError("kind function needs function: 'package.module:function'")
+        if self.kind == "judge" and not self.model_path:
+            raise ValueError("kind judge needs model_path: a local chat model folder")
+        return self
+
+
 class EnvConfig(Section):
     """Which environments to train on, where they run, and how episodes are grouped."""
 
@@ -59,7 +101,8 @@ class EnvConfig(Section):
     """Extra constructor kwargs passed to ``envhub.make`` for every env (an entry's own
     ``kwargs`` override them)."""
     hub: str | None = None
-    """URL of a remote ``envhub serve`` (``ws://host:port``); None runs an in-process pool."""
+    """Address of a remote ``envhub serve`` (``ws://host:port`` or ``wss://...``); None runs an
+    in-process pool."""
     token: str | None = None
     """Auth token for ``hub``; None reads the ``ENVHUB_TOKEN`` environment variable."""
     group_size: int = Field(default=8, gt=0)
@@ -72,8 +115,40 @@ class EnvConfig(Section):
     episode retried)."""
     rewards: list[dict[str, Any]] = Field(default_factory=list)
     """Reward functions the ``reward`` role adds to finished episodes, routed by env domain, e.g.
-    ``{kind: exact, domain: "games", target: answer}`` (kinds: exact, numeric, function, judge;
-    see ``trainer.rewards``). Empty: the envs' own rewards only."""
+    ``{kind: exact, domain: "games", target: answer}``: each entry is a :class:`RewardConfig`
+    (checked key by key), kept as the dict the reward workers read (``trainer.rewards``).
+    Empty: the envs' own rewards only."""
+
+    @field_validator("hub")
+    @classmethod
+    def _hub_address(cls, hub: str | None) -> str | None:
+        if hub is not None and (
+            not hub.startswith(HUB_SCHEMES) or not hub.partition("://")[2].strip("/")
+        ):
+            raise ValueError(
+                f"{hub!r} is not a ws:// or wss:// address; set env.hub to where `envhub serve` "
+                "listens, like ws://127.0.0.1:8000, or remove it to run the envs here"
+            )
+        return hub
+
+    @field_validator("rewards")
+    @classmethod
+    def _rewards_are_reward_configs(cls, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from trainer._config_io import validation_problems
+
+        checked, problems = [], []
+        for i, spec in enumerate(specs):
+            try:
+                reward = RewardConfig.model_validate(spec)
+            except ValidationError as err:
+                for problem in validation_problems(err, RewardConfig, spec):
+                    path = f"env.rewards[{i}]" + (f".{problem.path}" if problem.path else "")
+                    problems.append(Problem(path, problem.message))
+                continue
+            checked.append(reward.model_dump(exclude_none=True))
+        if problems:
+            raise ConfigError(problems)
+        return checked
 
     @property
     def entries(self) -> list[EnvEntry]:

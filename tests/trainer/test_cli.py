@@ -133,7 +133,7 @@ def test_short_run_writes_metrics_curve_checkpoints_store_and_policy(tmp_path: P
         (
             "model:\n  path: /nonexistent/qwen\n",
             (),
-            "model.path '/nonexistent/qwen' is not a model folder",
+            "model.path: '/nonexistent/qwen' does not exist",
         ),
     ],
 )

@@ -27,6 +27,7 @@ def test_a_run_config_starts_local_ray_that_talks_only_over_loopback(
         None,
         [
             "roles.actor_train.device_mapping=[0,1]",
+            "roles.actor_train.strategy=fsdp2",
             "roles.actor_infer.device_mapping=[2]",
             "cluster.num_cpus=1",
         ],
