@@ -315,7 +315,14 @@ class TextEnv(gym.Env[Observation, str]):
     # ----------------------------------------------------------------- helpers for authors
     def _not_text(self, action: str) -> Turn | None:
         """An invalid action for text with no UTF-8 form (a lone surrogate such as ``\\udcff``,
-        which JSON can carry): no env could send it to a shell, a browser or a URL."""
+        which JSON can carry): no env could send it to a shell, a browser or a URL; and for text
+        longer than ``action_space.max_length``, which then never reaches a parser."""
+        limit = getattr(self.action_space, "max_length", None)
+        if limit is not None and len(action) > limit:
+            return self.invalid_action(
+                f"The action is {len(action)} characters long; this env takes at most {limit}. "
+                "Send a shorter action."
+            )
         try:
             action.encode("utf-8")
         except UnicodeEncodeError as error:

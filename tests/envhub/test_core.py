@@ -128,6 +128,27 @@ def test_action_text_with_no_utf8_form_is_an_invalid_action(countdown):
         assert "\\udcff" in reply[0]["content"] and "UTF-8" in reply[0]["content"]
 
 
+def test_action_text_over_the_spaces_max_length_is_an_invalid_action():
+    """``action_space.max_length`` is a promise, not a hint: a longer action never reaches the
+    env's parser (a regex over a megabyte of text can cost an env minutes)."""
+    seen: list[str] = []
+
+    class Recording(CountdownEnv):
+        def on_step(self, action):
+            seen.append(action)
+            return super().on_step(action)
+
+    env = Recording()
+    env.action_space.max_length = 100
+    for action in ("go" + " " * 200, {"role": "assistant", "content": "go" + " " * 200}):
+        env.reset(seed=0)
+        reply, reward, _, _, info = env.step(action)
+        assert info["invalid_action"] and reward < 0 and env.turn == 1 and not seen
+        assert "202 characters" in reply[0]["content"] and "100" in reply[0]["content"]
+    env.reset(seed=0)
+    assert env.step("go" + " " * 98)[4]["success"] and len(seen) == 1
+
+
 def test_close_twice_is_safe_and_on_close_runs_once():
     calls = []
 
