@@ -1,4 +1,4 @@
-"""Code that runs inside spawned ranks (importable by name, so ``mp.spawn`` can pickle it).
+"""Code that runs inside started ranks (importable by name, so ``ranks.run_ranks`` can pickle it).
 
 Each function is one rank's body: it joins a gloo group on a given port, does its part and
 writes what the test asserts on into ``out`` (a ``mp.Manager().dict()``) under ``(rank, key)``.

@@ -1,4 +1,4 @@
-"""Rank bodies for ``test_grad_equivalence.py`` (importable by name: ``mp.spawn`` pickles them)."""
+"""Rank bodies for ``test_grad_equivalence.py`` (importable by name: ``run_ranks`` pickles them)."""
 
 from __future__ import annotations
 

@@ -8,16 +8,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.trainer.strategies import dist_workers as W
-from trainer.strategies.distributed import free_port
-
-
-def run_ranks(fn, world: int, *args) -> dict:
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(fn, args=(world, free_port(), out, *args), nprocs=world, join=True)
-        return dict(out)
+from tests.trainer.strategies.ranks import run_ranks
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ pytest.importorskip("transformers")
 
 from tests.trainer.strategies import dist_workers as W
 from tests.trainer.strategies import grad_workers as G
+from tests.trainer.strategies.ranks import run_ranks
 from trainer.config import LossConfig
-from trainer.strategies.distributed import free_port
 from trainer.strategies.hf import HFTrainStrategy
 from trainer.workers.actor import ppo_loss_fn
 
@@ -98,12 +98,7 @@ def test_the_logged_losses_do_not_depend_on_how_the_batch_is_cut(batch, mode: st
 
 def two_ranks(fn, batch: dict[str, torch.Tensor]) -> dict:
     """Run ``fn`` on 2 gloo ranks, rank 0 given rows 0-2 and rank 1 rows 3-4 (a ragged split)."""
-    import torch.multiprocessing as mp
-
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(fn, args=(2, free_port(), out, batch, [3, 2], MODES), nprocs=2, join=True)
-        return dict(out)
+    return run_ranks(fn, 2, batch, [3, 2], MODES)
 
 
 def test_fsdp2_two_ragged_ranks_give_the_full_batch_gradient(batch) -> None:

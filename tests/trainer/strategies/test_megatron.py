@@ -114,7 +114,7 @@ def test_bad_layouts_are_refused_with_the_reason() -> None:
 @pytest.fixture(scope="module")
 def two_rank_run() -> dict:
     pytest.importorskip("megatron.core")
-    from tests.trainer.strategies.test_fsdp2 import run_ranks
+    from tests.trainer.strategies.ranks import run_ranks
 
     return run_ranks(W.megatron_rank, 2)
 
@@ -162,7 +162,7 @@ def test_pp_stages_hold_their_layers_renumbered_from_zero() -> None:
 
 def _pp_run(tp: int, pp: int, tie: bool) -> dict:
     pytest.importorskip("megatron.core")
-    from tests.trainer.strategies.test_fsdp2 import run_ranks
+    from tests.trainer.strategies.ranks import run_ranks
 
     return run_ranks(W.megatron_pp_rank, tp * pp, tp, pp, tie)
 
