@@ -7,13 +7,22 @@ and the pipeline load when the command runs. The run folder (``output_dir``) is 
 first; a live progress bar shows the train/eval success and reward of each step; the folder
 ends up with ``metrics.jsonl``, checkpoints, ``reward_curve.png``, the trajectory store
 (``trajectories/``, browsed with ``envhub view``) and ``final_policy/``.
-Starting again without ``--resume`` moves an existing run folder aside (nothing is deleted).
+Starting again without ``--resume`` moves an existing run folder aside (nothing of it is
+deleted; a folder that is not a run is refused), and puts it back when the new start fails
+before it saved anything; ``--resume`` refuses a missing checkpoint or a setting its state
+cannot be loaded with before building anything.
 """
 
 from __future__ import annotations
 
+import glob
+import os
+import re
+import shutil
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +57,9 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
       envhub train examples/qwen2.5-0.5b-sokoban-8gpu.yaml --dry-run   # will it fit?
     """
     from rich.console import Console
+    from rich.markup import escape
 
+    from envhub.errors import EnvhubError
     from trainer.errors import TrainerError
 
     console, errors = Console(), Console(stderr=True)
@@ -59,24 +70,29 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
 
         cfg = load_config(config, overrides)
     except TrainerError as error:
-        errors.print(f"[bold red]error:[/] {error}", highlight=False, markup=True, soft_wrap=True)
+        _print_error(errors, error)
         sys.exit(2)
     out = Path(cfg.output_dir)
-    try:
-        if not resume:
-            for line in _move_previous_run_aside(out, Path(cfg.checkpoint_dir)):
-                console.print(line, highlight=False, soft_wrap=True)
+    try:  # refusals that cost nothing come before anything is built, moved or created
+        drift = _check_resume(cfg) if resume else []
+        moved = [] if resume else _move_previous_run_aside(out, Path(cfg.checkpoint_dir))
     except TrainerError as error:
-        errors.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        _print_error(errors, error)
         sys.exit(1)
+    for what, folder, aside in moved:
+        console.print(
+            f"moved {what} in {folder} to {aside} (use --resume to continue a run)",
+            highlight=False,
+            soft_wrap=True,
+        )
     console.print(f"output: {out.resolve()}", highlight=False)
-    if resume:
-        for line in config_drift(cfg):
-            errors.print(f"[bold yellow]warning:[/] {line}", highlight=False, soft_wrap=True)
+    for line in drift:
+        errors.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
     try:
-        rows = _run(cfg, resume, console)
-    except TrainerError as error:
-        errors.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        with _put_back_unless_saved(moved, out, Path(cfg.checkpoint_dir), errors):
+            rows = _run(cfg, resume, console)
+    except (TrainerError, EnvhubError) as error:  # raised on purpose: the message names the fix
+        _print_error(errors, error)
         sys.exit(1)
     evals = [row for row in rows if row.get("eval/success") is not None]
     first_eval: dict[str, Any] = evals[0] if evals else {}
@@ -94,29 +110,164 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
     )
 
 
-def _move_previous_run_aside(out: Path, checkpoints: Path) -> list[str]:
+def _print_error(errors: Any, error: BaseException) -> None:
+    """``error: MESSAGE`` on stderr (the message verbatim: brackets in it are not markup)."""
+    from rich.markup import escape
+
+    errors.print(f"[bold red]error:[/] {escape(str(error))}", highlight=False, soft_wrap=True)
+
+
+_RUN_FILES = ("metrics.jsonl", "checkpoints", "initial_policy")
+"""With ``trainer.resume.RUN_FILE`` and ``RUN_LOCK``, what a run writes into ``output_dir``
+first (the metrics log, the default checkpoint folder, the built tiny policy): a folder
+holding one of them is a previous run; one holding none is someone's files, never moved."""
+_CHECKPOINT_FILES = re.compile(r"^(\.lock|latest|step_\d+|\.(tmp|trash)-(step_|latest).*)$")
+"""What a ``CheckpointManager`` writes into ``checkpoint.dir`` (its lock, the ``latest``
+pointer, ``step_N`` folders and their half-written ``.tmp-``/``.trash-`` forms)."""
+
+
+def _move_previous_run_aside(out: Path, checkpoints: Path) -> list[tuple[str, Path, Path]]:
     """Before a fresh start: move the previous run in ``out`` aside, and its checkpoint folder
     when ``checkpoint.dir`` lies outside ``out`` (a later ``--resume`` would otherwise continue
-    the old run). Nothing is deleted; a folder a live run still writes is refused (its pid)."""
+    the old run); returns ``(what, folder, aside)`` of each move. Nothing is deleted. Refused,
+    before anything moves: a folder that does not hold an envhub run (someone's files), the
+    folder this command runs in (or one holding it), and a folder a live run still writes
+    (its pid)."""
+    from trainer.errors import CheckpointError
     from trainer.folder_lock import FolderLock
-    from trainer.resume import RUN_LOCK
+    from trainer.resume import RUN_FILE, RUN_LOCK
 
+    out, checkpoints = Path(os.path.abspath(out)), Path(os.path.abspath(checkpoints))
+    folders = [(out, RUN_LOCK, "output_dir", "the previous run")]
+    if not checkpoints.is_relative_to(out):  # otherwise it moves with out
+        folders.append((checkpoints, ".lock", "checkpoint.dir", "its checkpoints"))
+    due = [f for f in folders if f[0].is_dir() and any(f[0].iterdir())]
+    here = Path.cwd().resolve()
+    for folder, _, setting, _ in due:
+        if folder.resolve() == here or folder.resolve() in here.parents:
+            raise CheckpointError(
+                f"{setting} {folder} is the folder this command runs in (or holds it), which a "
+                f"fresh start cannot move aside; choose another {setting} (e.g. runs/NAME)"
+            )
+        names = sorted(p.name for p in folder.iterdir())
+        ours = (
+            [n for n in names if _CHECKPOINT_FILES.match(n)]
+            if setting == "checkpoint.dir"
+            else [n for n in names if n in (RUN_FILE, RUN_LOCK, *_RUN_FILES)]
+        )
+        if not ours:
+            kind = "envhub checkpoints" if setting == "checkpoint.dir" else "an envhub run"
+            raise CheckpointError(
+                f"{setting} {folder} holds files that are not {kind} ({', '.join(names[:3])}"
+                f"{', ...' if len(names) > 3 else ''}); choose another {setting} (or empty it)"
+            )
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    moved = []
-    for folder, lock_name, setting, what in (
-        (out, RUN_LOCK, "output_dir", "the previous run"),
-        (checkpoints, ".lock", "checkpoint.dir", "its checkpoints"),
-    ):
-        if not folder.is_dir() or not any(folder.iterdir()):
-            continue
-        lock = FolderLock(folder, name=lock_name, setting=setting)
-        try:
+    locks, moved = [], []
+    try:  # every lock first: a live run on either folder leaves both where they are
+        for folder, lock_name, setting, _ in due:
+            locks.append(FolderLock(folder, name=lock_name, setting=setting))
+        for folder, _, _, what in due:
             aside = folder.with_name(f"{folder.name}.old-{stamp}")
             folder.rename(aside)
-        finally:
+            moved.append((what, folder, aside))
+    finally:
+        for lock in locks:
             lock.release()
-        moved.append(f"moved {what} in {folder} to {aside} (use --resume to continue a run)")
     return moved
+
+
+@contextmanager
+def _put_back_unless_saved(
+    moved: list[tuple[str, Path, Path]], out: Path, checkpoints: Path, errors: Any
+) -> Iterator[None]:
+    """Run the block (the run); when it fails before the new run saved anything (a checkpoint
+    or a metrics row: a setting refused while building, Ctrl-C during the warm start), remove
+    what that start wrote and put the runs :func:`_move_previous_run_aside` moved back where
+    they were: the failed start left nothing to continue or to look at, and ``--resume`` looks
+    for the previous run in ``output_dir``."""
+    try:
+        yield
+    except BaseException:
+        from rich.markup import escape
+
+        from trainer.checkpoint import CheckpointManager
+
+        metrics = out / "metrics.jsonl"
+        logged = metrics.is_file() and metrics.stat().st_size > 0
+        if moved and not logged and not CheckpointManager(checkpoints, lock=False).list():
+            for what, folder, aside in reversed(moved):
+                shutil.rmtree(folder, ignore_errors=True)  # made by this start: moved aside first
+                try:
+                    aside.rename(folder)
+                except OSError as error:
+                    errors.print(
+                        f"[bold yellow]warning:[/] {what} stays in {aside}: it could not be put "
+                        f"back in {folder} ({escape(str(error))})",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+                else:
+                    errors.print(
+                        f"put {what} back in {folder} (this start failed before its first "
+                        "checkpoint)",
+                        highlight=False,
+                        soft_wrap=True,
+                    )
+        raise
+
+
+def _check_resume(cfg: Any) -> list[str]:
+    """Before ``--resume`` builds anything or creates a folder: refuse when a live run still
+    writes ``output_dir`` (its pid), when there is no checkpoint to continue (naming the run a
+    fresh start moved aside, if any) or when a setting changes the shape of its saved state
+    (``trainer.resume.resume_conflicts``); returns the :func:`config_drift` warnings otherwise."""
+    from trainer.checkpoint import CheckpointManager
+    from trainer.errors import CheckpointError
+    from trainer.folder_lock import FolderLock
+    from trainer.resume import RUN_LOCK, resume_conflicts
+
+    if (Path(cfg.output_dir) / RUN_LOCK).is_file():  # a run started there: is it still live?
+        FolderLock(cfg.output_dir, name=RUN_LOCK, setting="output_dir").release()
+    manager = CheckpointManager(cfg.checkpoint_dir, lock=False)
+    root = Path(cfg.checkpoint_dir)
+    if manager.latest() is None:
+        interrupted = root.is_dir() and any(
+            re.match(r"\.(tmp|trash)-step_", p.name) and (p / "meta.json").is_file()
+            for p in root.iterdir()
+        )
+        if interrupted:  # a kill mid-save left it half renamed: the run's manager puts it back
+            return config_drift(cfg)
+        raise CheckpointError(
+            f"no checkpoint in {root}; run without --resume to start fresh"
+            f"{_moved_aside_hint(Path(cfg.output_dir), root)}"
+        )
+    checkpoint = manager.load()
+    conflicts = resume_conflicts(checkpoint.config, cfg.model_dump(mode="json"))
+    if conflicts:  # (the number of inference ranks is checked once the engines run)
+        raise CheckpointError(
+            f"cannot resume from {checkpoint.path} with this config:\n"
+            + "\n".join(f"  - {line}" for line in conflicts)
+        )
+    return config_drift(cfg)
+
+
+def _moved_aside_hint(out: Path, checkpoints: Path) -> str:
+    """Where a fresh start moved the previous run (and an outside ``checkpoint.dir``), as the
+    settings that continue it; empty when nothing of that name was moved aside."""
+
+    def newest(folder: Path) -> Path | None:
+        folder = Path(os.path.abspath(folder))
+        found = [p for p in folder.parent.glob(f"{glob.escape(folder.name)}.old-*") if p.is_dir()]
+        return max(found, default=None)
+
+    aside = newest(out)
+    if aside is None:
+        return ""
+    settings = f"output_dir={aside}"
+    if not Path(os.path.abspath(checkpoints)).is_relative_to(os.path.abspath(out)):
+        moved = newest(checkpoints)
+        settings += f" checkpoint.dir={moved}" if moved is not None else ""
+    return f"; the previous run was moved to {aside}; pass {settings} --resume to continue it"
 
 
 def _serve_hint(policy: Path) -> str:
@@ -194,6 +345,7 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from envhub.gc_tuning import relax_gc
+    from trainer.errors import TrainerError
     from trainer.pipeline import AgenticPipeline
 
     relax_gc()  # this process will hold every episode in play
@@ -227,7 +379,12 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
             if not cfg.logging.progress:
                 console.print(f"step {step}: {status}", highlight=False)
 
-        pipeline = AgenticPipeline(cfg, resume=resume, on_step=on_step)
+        try:
+            pipeline = AgenticPipeline(cfg, resume=resume, on_step=on_step)
+        except TrainerError:
+            raise
+        except ValueError as error:  # a setting only the build checks (an env's kwarg values):
+            raise TrainerError(str(error)) from error  # said like the config's, no traceback
         console.print(f"eval: {pipeline.describe_eval()}", highlight=False, soft_wrap=True)
         progress.update(
             task,
@@ -274,7 +431,7 @@ def _dry_run(config: Path, overrides: tuple[str, ...], console: Any, errors: Any
     if not problems:
         console.print("[bold green]fits[/]: nothing started (--dry-run)", highlight=False)
         return 0
-    strict = "cluster.check_memory=false" not in overrides and _checks_memory(config)
+    strict = _memory_check_refuses(config, overrides)
     head = (
         "does not fit" if strict else "does not fit (cluster.check_memory is off: it would start)"
     )
@@ -284,12 +441,17 @@ def _dry_run(config: Path, overrides: tuple[str, ...], console: Any, errors: Any
     return 1 if strict else 0
 
 
-def _checks_memory(config: Path) -> bool:
-    """Whether CONFIG itself leaves ``cluster.check_memory`` on."""
-    import yaml
+def _memory_check_refuses(config: Path, overrides: tuple[str, ...]) -> bool:
+    """Whether the run itself would be refused for memory: CONFIG with OVERRIDES loaded as the
+    run loads it (the plan was loaded with the check off), so ``cluster.check_memory`` counts as
+    the config says it, whatever its spelling and whether the YAML or an override sets it."""
+    from trainer.config import load_config
+    from trainer.errors import TrainerError
 
-    cluster = (yaml.safe_load(config.read_text()) or {}).get("cluster") or {}
-    return bool(cluster.get("check_memory", True))
+    try:
+        return load_config(config, overrides).cluster.check_memory
+    except TrainerError:  # loads with the check off: refused by the check
+        return True
 
 
 def plan_view(cfg: Any, plan: Any) -> list[Any]:

@@ -1,0 +1,262 @@
+"""``envhub train`` refuses what it cannot do before it costs anything, and never loses a run.
+
+A fresh start moves only a previous envhub run aside (never a folder of other files, never the
+folder it runs from), and a start that fails before its first checkpoint puts that run back;
+``--resume`` refuses a missing checkpoint or a shape-changing setting before building anything;
+``--dry-run`` answers from the config as loaded; a setting refused while building is one
+``error:`` line, not a traceback. Most tests stand in a recorder for the build (``_run``): they
+pin what the CLI decides before it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
+import yaml
+from click.testing import CliRunner, Result
+
+import trainer.cli
+from envhub.cli import main
+from trainer.checkpoint import CheckpointManager
+from trainer.errors import TrainerError
+
+QUICKSTART = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+Runs = list[tuple[Any, bool]]
+"""The ``(config, resume)`` of each run the CLI went on to start."""
+CHEAP = ["sft.epochs=0", "train.steps=0", "eval.episodes=2", "logging.progress=false"]
+
+
+def train(*args: str) -> Result:
+    return CliRunner().invoke(main, ["train", str(QUICKSTART), *CHEAP, *args])
+
+
+def record_runs(monkeypatch: pytest.MonkeyPatch) -> Runs:
+    """Stand a recorder in for ``_run`` (the build and the run): the ``(config, resume)`` of each
+    run the CLI went on to start."""
+    calls: Runs = []
+
+    def run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
+        calls.append((cfg, resume))
+        return [{"time_s": 1.0}]
+
+    monkeypatch.setattr(trainer.cli, "_run", run)
+    return calls
+
+
+@pytest.fixture
+def started(monkeypatch: pytest.MonkeyPatch) -> Runs:
+    return record_runs(monkeypatch)
+
+
+def previous_run(out: Path, step: int = 4) -> Path:
+    """A run folder as ``envhub train`` leaves it: run.json, metrics and a checkpoint of ``step``
+    saved with the quickstart's config (LoRA off, 120 steps)."""
+    from trainer.config import load_config
+
+    saved = load_config(QUICKSTART, [f"output_dir={out}"])
+    out.mkdir(parents=True)
+    (out / "run.json").write_text('{"run_id": "previous"}\n')
+    (out / "metrics.jsonl").write_text(f'{{"step": {step}}}\n')
+    manager = CheckpointManager(out / "checkpoints")
+    manager.save(step, states={"actor": {}}, config=saved.model_dump(mode="json"), rng=False)
+    manager.close()
+    return out
+
+
+def checkpoints(folder: Path) -> list[str]:
+    return [p.name for p in CheckpointManager(folder, lock=False).list()]
+
+
+# --------------------------------------------------------------------------- 1: what is moved
+
+
+def test_a_folder_that_is_not_a_run_is_refused_not_moved(tmp_path: Path, started: Runs) -> None:
+    out = tmp_path / "mydata"
+    out.mkdir()
+    (out / "precious.txt").write_text("years of work")
+    result = train(f"output_dir={out}")
+    assert result.exit_code == 1, result.output
+    assert f"output_dir {out} holds files that are not an envhub run" in result.output
+    assert "choose another output_dir (or empty it)" in result.output
+    assert not started and not list(tmp_path.glob("mydata.old-*"))
+    assert sorted(p.name for p in out.iterdir()) == ["precious.txt"]  # not even a lock file
+
+
+def test_a_checkpoint_dir_of_other_files_is_refused_before_the_run_is_moved(
+    tmp_path: Path, started: Runs
+) -> None:
+    out, elsewhere = previous_run(tmp_path / "run"), tmp_path / "ck"
+    elsewhere.mkdir()
+    (elsewhere / "notes.md").write_text("x")
+    result = train(f"output_dir={out}", f"checkpoint.dir={elsewhere}")
+    assert result.exit_code == 1, result.output
+    assert (
+        f"checkpoint.dir {elsewhere} holds files that are not envhub checkpoints" in result.output
+    )
+    assert not started and checkpoints(out / "checkpoints") == ["step_00000004"]
+    assert not list(tmp_path.glob("*.old-*"))
+
+
+@pytest.mark.parametrize("output_dir", ["", "."])
+def test_the_current_folder_is_never_moved_aside(
+    output_dir: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = previous_run(tmp_path / "here")
+    monkeypatch.chdir(here)
+    before = sorted(p.name for p in here.iterdir())
+    with pytest.raises(TrainerError, match="is the folder this command runs in") as refused:
+        trainer.cli._move_previous_run_aside(Path(output_dir), Path(output_dir) / "checkpoints")
+    assert "choose another output_dir" in str(refused.value)
+    assert sorted(p.name for p in here.iterdir()) == before  # no stray .run.lock either
+    assert not list(tmp_path.glob("*.old-*"))
+
+
+def test_output_dir_dot_on_the_command_line_is_an_error_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, started: Runs
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "f.txt").write_text("x")
+    result = train("output_dir=.")
+    assert result.exit_code in (1, 2) and isinstance(result.exception, SystemExit), result.output
+    assert "output_dir" in result.output and not started
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.txt"]
+
+
+# --------------------------------------------------------------------------- 2: a failed start
+
+
+def test_a_start_refused_while_building_puts_the_previous_run_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainer.pipeline
+
+    def refused(cfg: Any, model_path: Path) -> Any:  # after the start wrote its first files
+        assert (Path(cfg.output_dir) / "initial_policy" / "config.json").is_file()
+        raise ValueError("unknown training strategy 'fsdp'; use one of hf, fsdp2, megatron")
+
+    monkeypatch.setattr(trainer.pipeline, "start_roles", refused)
+    out = previous_run(tmp_path / "run")
+    result = train(f"output_dir={out}")
+    assert result.exit_code == 1, result.output
+    assert "error: unknown training strategy 'fsdp'" in result.output
+    assert f"put the previous run back in {out}" in result.output
+    assert checkpoints(out / "checkpoints") == ["step_00000004"]
+    assert (out / "run.json").read_text() == '{"run_id": "previous"}\n'
+    assert not (out / "initial_policy").exists()  # what the failed start wrote is gone
+    assert not list(tmp_path.glob("run.old-*"))
+    resumes = record_runs(monkeypatch)
+    resumed = train(f"output_dir={out}", "--resume")  # finds the run where it was
+    assert resumed.exit_code == 0 and [r for _, r in resumes] == [True], resumed.output
+
+
+def test_a_start_that_saved_a_checkpoint_keeps_the_previous_run_aside(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = previous_run(tmp_path / "run")
+
+    def saves_then_fails(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
+        manager = CheckpointManager(cfg.checkpoint_dir)
+        manager.save(0, states={"actor": {}}, rng=False)
+        manager.close()
+        raise TrainerError("step 1: the loss became nan")
+
+    monkeypatch.setattr(trainer.cli, "_run", saves_then_fails)
+    result = train(f"output_dir={out}")
+    assert result.exit_code == 1 and "the loss became nan" in result.output, result.output
+    (aside,) = tmp_path.glob("run.old-*")
+    assert checkpoints(aside / "checkpoints") == ["step_00000004"]
+    assert checkpoints(out / "checkpoints") == ["step_00000000"]  # the new run, resumable
+
+
+def test_resume_without_a_checkpoint_names_the_run_moved_aside(
+    tmp_path: Path, started: Runs
+) -> None:
+    out = tmp_path / "run"
+    previous_run(tmp_path / "run.old-20261201-090000", step=2)
+    newest = previous_run(tmp_path / "run.old-20261205-170000")
+    result = train(f"output_dir={out}", "--resume")
+    assert result.exit_code == 1, result.output
+    assert f"no checkpoint in {out / 'checkpoints'}" in result.output
+    assert (
+        f"the previous run was moved to {newest}; pass output_dir={newest} --resume to continue it"
+        in result.output
+    )
+    assert not started and not out.exists()
+
+
+# --------------------------------------------------------------------------- 3: --resume up front
+
+
+def test_resume_without_a_checkpoint_is_refused_before_building(
+    tmp_path: Path, started: Runs
+) -> None:
+    out = tmp_path / "nosuchrun"  # a typo of the run's folder
+    result = train(f"output_dir={out}", "--resume")
+    assert result.exit_code == 1, result.output
+    assert f"no checkpoint in {out / 'checkpoints'}; run without --resume" in result.output
+    assert "moved to" not in result.output  # no run of that name was moved aside
+    assert not started and not out.exists()  # nothing built, no folder made
+
+
+def test_resume_with_lora_on_a_run_saved_without_it_is_refused_before_building(
+    tmp_path: Path, started: Runs
+) -> None:
+    out = previous_run(tmp_path / "run")
+    result = train(f"output_dir={out}", "model.lora.rank=8", "--resume")
+    assert result.exit_code == 1, result.output
+    assert f"cannot resume from {out / 'checkpoints' / 'step_00000004'}" in result.output
+    assert "model.lora: the run was saved with LoRA off, it is on now" in result.output
+    assert not started
+
+
+def test_resume_of_a_run_goes_on_to_build_it(tmp_path: Path, started: Runs) -> None:
+    out = previous_run(tmp_path / "run")
+    result = train(f"output_dir={out}", "train.steps=8", "--resume")
+    assert result.exit_code == 0, result.output
+    assert len(started) == 1 and "train.steps: 120 in step_00000004 -> 8 now" in result.output
+
+
+# --------------------------------------------------------------------------- 4: --dry-run
+
+
+def test_dry_run_exit_code_follows_the_loaded_check_memory(tmp_path: Path) -> None:
+    tiny = ["cluster.device_memory_gib=0.0001", f"output_dir={tmp_path / 'run'}", "--dry-run"]
+    off = train(*tiny, "cluster.check_memory=False")  # False is false, whatever its spelling
+    assert off.exit_code == 0, off.output
+    assert "does not fit (cluster.check_memory is off: it would start)" in off.output
+    config = yaml.safe_load(QUICKSTART.read_text())
+    config["cluster"]["check_memory"] = False
+    nocheck = tmp_path / "nocheck.yaml"
+    nocheck.write_text(yaml.safe_dump(config))
+    on = CliRunner().invoke(main, ["train", str(nocheck), *tiny, "cluster.check_memory=true"])
+    assert on.exit_code == 1, on.output  # the override turns the check on: the run is refused
+    assert "does not fit:" in on.output
+
+
+# --------------------------------------------------------------------------- 5: refused late
+
+
+def test_a_setting_refused_while_building_is_an_error_line_not_a_traceback(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "run"
+    result = train(f"output_dir={out}", "env.kwargs.hole_fraction='4e-1'")  # a str: the env refuses
+    assert isinstance(result.exception, SystemExit) and result.exit_code in (1, 2), result.output
+    assert "error: hole_fraction must be in [0, 1), got '4e-1'" in result.output
+
+
+def test_a_bug_while_building_keeps_its_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import trainer.pipeline
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise ZeroDivisionError("a bug, not a setting")
+
+    monkeypatch.setattr(trainer.pipeline, "AgenticPipeline", broken)
+    result = train(f"output_dir={tmp_path / 'run'}")
+    assert isinstance(result.exception, ZeroDivisionError), result.output
