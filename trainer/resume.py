@@ -142,7 +142,11 @@ def resume_conflicts(
         problems.append(
             f"model.lora: the run was saved with LoRA {then}, it is {later} now (adapter "
             f"weights {'are' if lora_then is not None else 'are not'} in the checkpoint); "
-            f"resume with model.lora as saved ({lora_then!r})"
+            + (
+                f"resume with model.lora as saved ({lora_then!r})"
+                if lora_then is not None
+                else "resume without model.lora (unset it, or model.lora.rank=0)"
+            )
         )
     elif saved is not None and lora_then is not None:
         for path in _SHAPE_SETTINGS:

@@ -210,6 +210,7 @@ def test_resume_with_lora_on_a_run_saved_without_it_is_refused_before_building(
     assert result.exit_code == 1, result.output
     assert f"cannot resume from {out / 'checkpoints' / 'step_00000004'}" in result.output
     assert "model.lora: the run was saved with LoRA off, it is on now" in result.output
+    assert "resume without model.lora" in result.output and "(None)" not in result.output
     assert not started
 
 
