@@ -5,7 +5,10 @@ it: processes left, the error a call raises, the episode a failure names."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -47,6 +50,19 @@ def _no_leftovers():
         proc.kill()
 
 
+@contextlib.asynccontextmanager
+async def crashed_pool(flag: Path, **options: Any) -> AsyncIterator[EnvPool]:
+    """A one-worker pool of ``HOSTILE`` whose worker just crashed, and whose env no longer
+    builds (``flag`` exists): its replacement fails to start."""
+    async with EnvPool(
+        HOSTILE, num_workers=1, env_kwargs={"refuse_while": str(flag)}, **options
+    ) as pool:
+        first = await pool.reset(seed=0)
+        flag.touch()
+        assert (await pool.step(first.episode, "crash")).reason == "worker_crashed"
+        yield pool
+
+
 # ---------------------------------------------------------------------- crash loops (1)
 def test_a_crash_loop_restarts_the_slot_once_and_leaves_one_process(tmp_path: Path):
     """The replacement of a crashed worker fails to build the env 3 times, then succeeds: the
@@ -78,18 +94,9 @@ def test_a_crash_loop_restarts_the_slot_once_and_leaves_one_process(tmp_path: Pa
 def test_a_worker_that_cannot_be_rebuilt_fails_waiting_resets_with_its_error(tmp_path: Path):
     """An env that stops building after a crash: a reset without ``wait_s`` raises
     ``WorkerStartError`` naming the env and the build error once the restarts are spent."""
-    flag = tmp_path / "refuse"
 
     async def main():
-        async with EnvPool(
-            HOSTILE,
-            num_workers=1,
-            env_kwargs={"refuse_while": str(flag)},
-            restart_attempts=2,
-        ) as pool:
-            first = await pool.reset(seed=0)
-            flag.touch()
-            assert (await pool.step(first.episode, "crash")).reason == "worker_crashed"
+        async with crashed_pool(tmp_path / "refuse", restart_attempts=2) as pool:
             with pytest.raises(WorkerStartError) as caught:
                 await pool.reset(seed=1)
             message = str(caught.value)
@@ -106,16 +113,7 @@ def test_a_given_up_pool_starts_its_workers_again_once_retry_after_s_has_passed(
     flag = tmp_path / "refuse"
 
     async def main():
-        async with EnvPool(
-            HOSTILE,
-            num_workers=1,
-            env_kwargs={"refuse_while": str(flag)},
-            restart_attempts=1,
-            retry_after_s=0,
-        ) as pool:
-            first = await pool.reset(seed=0)
-            flag.touch()
-            assert (await pool.step(first.episode, "crash")).reason == "worker_crashed"
+        async with crashed_pool(flag, restart_attempts=1, retry_after_s=0) as pool:
             with pytest.raises(WorkerStartError, match="refuses to build"):
                 await pool.reset(seed=1)  # (the retry this reset ran failed too)
             flag.unlink()  # the env is fixed
@@ -127,19 +125,9 @@ def test_a_given_up_pool_starts_its_workers_again_once_retry_after_s_has_passed(
 
 
 def test_a_given_up_pool_says_when_it_tries_again_and_starts_nothing_before(tmp_path: Path):
-    flag = tmp_path / "refuse"
-
     async def main():
-        async with EnvPool(
-            HOSTILE,
-            num_workers=1,
-            env_kwargs={"refuse_while": str(flag)},
-            restart_attempts=1,
-            retry_after_s=3600,
-        ) as pool:
-            first = await pool.reset(seed=0)
-            flag.touch()
-            await pool.step(first.episode, "crash")
+        flag = tmp_path / "refuse"
+        async with crashed_pool(flag, restart_attempts=1, retry_after_s=3600) as pool:
             for seed in (1, 2):
                 with pytest.raises(WorkerStartError, match=r"tries again in 3\d\d\d s"):
                     await pool.reset(seed=seed)
