@@ -6,17 +6,20 @@ and eval envs read a Hugging Face dataset, which envhub does not download: give 
 ``dataset=`` (a JSONL path or a list of dicts with the env's question and answer fields, e.g.
 ``problem``/``answer`` for math, ``problem``/``tests`` for code) and, as for every envhub task
 env (``envs/datasets.py``), ``split=``/``eval_fraction=``. GEM's ``rg:*`` ids are left out:
-the reasoning-gym adapter serves those datasets directly.
+the reasoning-gym adapter serves those datasets directly; so are the ids GEM registers but
+cannot build (``_UNBUILDABLE``).
 
 Mapping to the TextEnv contract: observations are GEM's (its per-turn hint ``suffix`` is
-appended); GEM's rewards pass through unchanged; ``success`` is a reward of 1 at the end; a
-GEM format error (its -0.1 reward) is ``invalid_action``. GEM's turn limits are rules its
-prompts state, so running out ends the episode as ``terminated``. ``tools=("python",)``
-wraps the env in GEM's own ``ToolEnvWrapper`` with its Python tool, published as an envhub
-tool schema (``envhub.adapters.gem_tools``); code runs in an envhub sandbox (``sandbox=``
-names the backend, ``local`` by default). GEM's code envs grade a solution by running it on
-each test input; the adapter runs those in an envhub ``local`` sandbox too, instead of GEM's
-runner (whose default runs model code unisolated).
+appended); GEM's rewards pass through unchanged; ``success`` is GEM's own verdict
+(``_succeeded``): a right answer in its one-answer envs, a win its games announce (not a final
+reward of 1: most games pay theirs move by move); a GEM format error (its -0.1 reward) is
+``invalid_action``. GEM's turn limits are rules its prompts state, so running out ends the
+episode as ``terminated`` (and is no success). ``tools=("python",)`` wraps the env in GEM's
+own ``ToolEnvWrapper`` with its Python tool, published as an envhub tool schema
+(``envhub.adapters.gem_tools``); code runs in an envhub sandbox (``sandbox=`` names the
+backend, ``local`` by default). GEM's code envs grade a solution by running it on each test
+input; the adapter runs those in an envhub ``local`` sandbox too, instead of GEM's runner
+(whose default runs model code unisolated).
 
 Determinism: each reset draws a seed from the env's RNG and passes it to GEM, which seeds
 Python's and NumPy's global RNGs with it; an episode is fixed by the reset seed as long as
@@ -49,7 +52,14 @@ _GEM_ID = re.compile(
     r"(?P<suffix>-[A-Za-z0-9_.-]+)?$"
 )
 _FORMAT_ERROR_REWARD = -0.1  # gem.utils.constants.LanguageGameReward.format_error_reward
+_WIN = "Congratulations!"  # how every game of gem-llm 0.1.0 (the pinned version) announces a win
 _TERMINAL_STATE = "<｜TERMINAL_STATE｜>"  # gem.utils.constants.TERMINAL_STATE
+_UNBUILDABLE = {
+    # gem-llm 0.1.0 registers these with options its own games reject, whatever the seed
+    "game:Crosswords-v0-random": "its hardcore=None matches none of its words, a ValueError",
+    "game:FifteenPuzzle-v0-random": "its num_rows=None is squared before one is drawn, a TypeError",
+}
+"""GEM ids left out of the catalog: each fails to build in GEM itself, and why."""
 
 
 def envhub_id(gem_id: str) -> str | None:
@@ -85,6 +95,13 @@ class GemEnv(TextEnv):
             raise SourceConfigError(
                 f"GEM has no env {env!r}.{did_you_mean(env, registry)} "
                 "`envhub list --source gem` lists them"
+            )
+        if env in _UNBUILDABLE:
+            family = env.rsplit("-", 1)[0] + "-"  # game:Crosswords-v0-
+            others = [str(envhub_id(name)) for name in registry if name.startswith(family)]
+            raise SourceConfigError(
+                f"GEM {env} cannot be built (a gem-llm 0.1.0 bug: {_UNBUILDABLE[env]}); play "
+                f"another variant: {', '.join(sorted(set(others) - {envhub_id(env)}))}"
             )
         self.env, self.gem_kwargs = env, dict(gem_kwargs or {})
         spec = registry[env]
@@ -141,15 +158,16 @@ class GemEnv(TextEnv):
             ) from error
         reward, done = float(reward), bool(terminated or truncated)
         text = str(observation)
+        success = _succeeded(text, reward, bool(terminated), bool(truncated), info)
         if text == _TERMINAL_STATE:
-            text = "Correct." if reward >= 1.0 else f"Not correct (reward {reward:g})."
+            text = "Correct." if success else f"Not correct (reward {reward:g})."
         elif not done and isinstance(info, dict) and info.get("suffix"):
             text = f"{text}\n{info['suffix']}"
         return Turn(
             GemTools.answer(text, call_id) if call_id is not None else text,
             reward=reward,
             terminated=done,
-            success=done and reward >= 1.0,
+            success=success,
             invalid_action=reward == _FORMAT_ERROR_REWARD,
             info=_plain(info),
         )
@@ -196,6 +214,26 @@ class GemEnv(TextEnv):
         return wrapped
 
 
+def _succeeded(
+    observation: str, reward: float, terminated: bool, truncated: bool, info: Any
+) -> bool:
+    """Whether the GEM step that returned these ended its episode in a success, by GEM's account.
+
+    GEM's one-answer envs (math, QA, code, ...) answer with its terminal-state marker, flagged
+    both terminated and truncated; math and QA say ``correct`` in ``info``, the others pay 1 for
+    a right answer. GEM's games have no flag; each announces a win in its text, on a step
+    flagged terminated and not truncated (running out of turns sets both). Rewards cannot tell:
+    most games pay 1 in all over a won episode, a part per right move (Sudoku 1/empty cells per
+    cell), so the winning step pays little; and a Minesweeper player who has revealed every safe
+    cell has been paid 1 whether or not the next move hits a mine.
+    """
+    if observation == _TERMINAL_STATE:
+        if isinstance(info, dict) and "correct" in info:
+            return bool(info["correct"])
+        return reward >= 1.0
+    return terminated and not truncated and observation.startswith(_WIN)
+
+
 def _entry_class(env: str, entry_point: Any) -> Any:
     if not isinstance(entry_point, str):
         return entry_point
@@ -237,7 +275,7 @@ def _catalog() -> list[dict[str, Any]]:
     entries = []
     for gem_id, spec in registry.items():
         env_id = envhub_id(gem_id)
-        if env_id is None or gem_id.startswith("rg:"):
+        if env_id is None or gem_id.startswith("rg:") or gem_id in _UNBUILDABLE:
             continue
         needs = " (needs dataset=)" if "dataset_name" in spec.kwargs else ""
         entries.append(
@@ -247,5 +285,6 @@ def _catalog() -> list[dict[str, Any]]:
 
 
 def register() -> None:
-    """The ``envhub.envs`` entry point: one id per GEM env (its ``rg:*`` copies left out)."""
+    """The ``envhub.envs`` entry point: one id per GEM env (its ``rg:*`` copies and the
+    ``_UNBUILDABLE`` ids left out)."""
     register_source(SOURCE, "envhub.adapters.gem:GemEnv", _catalog)

@@ -18,6 +18,14 @@ with the schema as feedback). The observation becomes text: its ``messages`` if 
 chat messages, else ``observation_field``, else its only string field, else its JSON. The
 server's reward (``None`` is 0) and ``done`` (terminated) pass through.
 
+Success: OpenEnv's protocol has no success signal (a step answers observation, reward and
+done; ``serialize_observation`` strips the env's metadata), so an episode is a success when
+it ends with a reward of at least ``success_threshold``: 1.0 by default, a full reward, as
+``success`` means for envhub's other sources. OpenEnv's own harness
+(``CollectRunner.success_rate``) counts any positive final reward instead; for that
+convention, pass ``success_threshold=1e-9`` (an env that pays partial credit, say 0.1 for a
+wrong but well-formed answer, then counts every answer a success).
+
 Determinism: each reset sends a seed drawn from the env's RNG; OpenEnv servers pass it to
 their env's ``reset`` only if that ``reset`` takes a ``seed`` (OpenEnv drops the arguments an
 env does not declare), so episodes are reproducible exactly when the server's env is.
@@ -34,6 +42,7 @@ import contextlib
 import importlib.metadata
 import importlib.util
 import json
+import math
 import re
 import urllib.error
 import urllib.parse
@@ -69,6 +78,7 @@ class OpenEnvEnv(TextEnv):
         connect_timeout_s: float = 10.0,
         message_timeout_s: float = 60.0,
         start_timeout_s: float = 120.0,
+        success_threshold: float = 1.0,
         max_turns: int | None = 50,
         render_mode: Any = None,
     ) -> None:
@@ -78,11 +88,18 @@ class OpenEnvEnv(TextEnv):
                 "an OpenEnv env needs exactly one of base_url='http://host:port' (a running "
                 "server) or app='module:attr' (an OpenEnv app envhub starts locally)"
             )
+        if not isinstance(success_threshold, (int, float)) or not math.isfinite(success_threshold):
+            raise SourceConfigError(
+                f"success_threshold={success_threshold!r}: give a finite number, the final reward "
+                "at or above which an episode is a success (1.0 for a full reward, 1e-9 for any "
+                "positive one, as OpenEnv's own harness counts)"
+            )
         require(SOURCE)
         self.base_url, self.app = base_url, app
         self.action_field, self.observation_field = action_field, observation_field
         self.connect_timeout_s, self.message_timeout_s = connect_timeout_s, message_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.success_threshold = float(success_threshold)
         self._server: LocalServer | None = None
         self._client: Any = None
         self._schema: dict[str, Any] = {}
@@ -108,7 +125,7 @@ class OpenEnvEnv(TextEnv):
             self._render(result.observation),
             reward=reward,
             terminated=done,
-            success=done and reward > 0,
+            success=done and reward >= self.success_threshold,
         )
 
     def sample_action(self, np_random: np.random.Generator) -> str:

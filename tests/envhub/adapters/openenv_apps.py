@@ -52,6 +52,36 @@ class GuessEnvironment(Environment):
 
 app = create_app(GuessEnvironment, GuessAction, GuessObservation, max_concurrent_envs=64)
 
+
+class PartialCreditEnvironment(Environment):
+    """One question, one answer: 1.0 if right, 0.1 (partial credit for answering) if wrong."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self) -> None:
+        self._state = State(step_count=0)
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None) -> GuessObservation:
+        self._state = State(episode_id=episode_id, step_count=0)
+        return GuessObservation(text="What is the capital of France? One answer.")
+
+    def step(self, action: GuessAction) -> GuessObservation:  # type: ignore[override]
+        self._state.step_count += 1
+        right = action.message.strip() == "Paris"
+        return GuessObservation(
+            text="Right." if right else "Wrong.", done=True, reward=1.0 if right else 0.1
+        )
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+partial_credit_app = create_app(
+    PartialCreditEnvironment, GuessAction, GuessObservation, max_concurrent_envs=64
+)
+"""Pays partial credit for a wrong final answer, as many OpenEnv envs shape their rewards."""
+
 no_schema_app = FastAPI()
 """An HTTP server that is not an OpenEnv server (or an OpenEnv older than /schema)."""
 

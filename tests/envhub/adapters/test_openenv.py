@@ -38,6 +38,27 @@ def test_a_running_openenv_server_keeps_the_contract():
     assert answers[-1][2] or 1.0 in rewards  # it ended: a right guess, or out of tries
 
 
+def test_success_is_a_full_final_reward_unless_a_threshold_says_otherwise():
+    """OpenEnv's protocol says no more than reward and done, and this server pays 0.1 for a
+    wrong final answer: by default only a full reward is a success; success_threshold= takes
+    another convention (OpenEnv's own harness counts any positive final reward)."""
+    with serve_app(openenv_apps.partial_credit_app) as url:
+        env = envhub.make("openenv/remote-v0", base_url=url)
+        env.reset(seed=0)
+        _, reward, terminated, _, info = env.step("Berlin")
+        assert (reward, terminated, info["success"]) == (0.1, True, False)
+        env.reset(seed=0)
+        _, reward, terminated, _, info = env.step("Paris")
+        assert (reward, terminated, info["success"]) == (1.0, True, True)
+        env.close()
+        env = envhub.make("openenv/remote-v0", base_url=url, success_threshold=1e-9)
+        env.reset(seed=0)
+        assert env.step("Berlin")[4]["success"]
+        env.close()
+    with pytest.raises(SourceConfigError, match=r"success_threshold=nan.*a finite number"):
+        envhub.make("openenv/remote-v0", base_url=url, success_threshold=float("nan"))
+
+
 def test_an_openenv_app_runs_as_a_local_process_and_stops_at_close():
     env = envhub.make("openenv/local-v0", app=APP)
     first, _ = env.reset(seed=5)
