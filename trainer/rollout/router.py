@@ -9,10 +9,15 @@ Routing
     holds the conversation. The episode is read from the request id, which env managers
     write as ``"{episode_key}/{turn}"`` (everything before the last ``/``).
     An engine whose request was given up on (cancelled: ``rollout.generate_timeout_s``) gets
-    no new episodes while others answer, until it returns a result again.
+    no new episodes while others answer, until it returns a result again. So does an engine
+    whose last ``_FAILING_AFTER`` requests raised (a dead vLLM: its requests end at once, so
+    it would always be the least loaded), but for a trial episode every ``_PROBE_EVERY``: a
+    result clears it (a transient fault does not retire it). All avoided: least-loaded.
 Abort
     ``abort(request_id)`` goes to the engine that holds the request (a real engine abort:
     the slot is freed); the caller's ``generate`` returns ``finish_reason="abort"``.
+    ``abort_episode(key)`` refuses the episode's later requests until ``forget`` of any
+    attempt of its play (attempt keys ``"{play}a{n}"``: the scheduler marks them all).
 Preemption (partial rollouts)
     ``update_weights_live(weights)`` closes the gate for new requests, aborts every
     in-flight generation, waits until the engines are idle, loads the weights, reopens the
@@ -23,14 +28,12 @@ Preemption (partial rollouts)
     version of every generated token (without it, every token has ``policy_version``).
 Accounting
     Busy time per engine (time with at least one request in flight), requests, tokens,
-    aborts and preemptions; ``take_stats()`` returns them since the last call.
+    aborts, preemptions and errors; ``take_stats()`` returns them since the last call.
 
 Per turn, without a task: ``start_generate(request)`` is ``generate`` as a future (what the
 env workers' driver side calls once per turn; ``generate`` awaits it). The router is callbacks
-on the engines' futures: an engine with ``start_generate(request) -> asyncio.Future``
-(``VLLMEngine``, ``SimEngine``, the ``BatchingFrontend`` engines ``HFEngine`` and
-``RankEngine``) is asked without a task either, any other through a task running its
-``generate``.
+on the engines' futures: an engine with ``start_generate`` (``VLLMEngine``, ``SimEngine``,
+``HFEngine``, ``RankEngine``) is asked without a task too, any other through a task.
 
 Weight updates reach the engines through ``update``: by default each engine's own
 ``update_weights``; the pipeline passes one call that updates every cluster rank at once.
@@ -53,18 +56,31 @@ from typing import Any, Protocol
 from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult, Weights
 from trainer.weights.versioned import PolicyVersion, SharedVersion
 
-__all__ = ["EngineRouter", "RolloutEngine", "RouterStats", "episode_key", "starter"]
+__all__ = ["COUNTS", "EngineRouter", "RolloutEngine", "RouterStats", "episode_key", "starter"]
+
+COUNTS = ("requests", "new_tokens", "aborted", "preempted", "errors")
 
 _STICKY_CAPACITY = 1 << 20
 """Episodes remembered for sticky routing (oldest forgotten first). Episodes are forgotten when
 they end, so this only bounds a caller that never calls ``forget``; it must exceed the episodes
 in play at once (50k at cluster scale, more with redundancy and staleness)."""
 
+_FAILING_AFTER = 3
+"""Errors in a row that make an engine failing (one or two may be the request's fault)."""
+_PROBE_EVERY = 32
+"""New episodes between trials on a failing engine (a dead one fails one attempt per 32)."""
+
 
 def episode_key(request_id: str) -> str:
     """The episode a request belongs to: the id up to its last ``/`` (the whole id without one)."""
     head, sep, _ = request_id.rpartition("/")
     return head if sep else request_id
+
+
+def _play_of(key: str) -> str:
+    """The play of attempt key ``"{play}a{n}"`` (``n`` digits); any other key is its own."""
+    head, sep, attempt = key.rpartition("a")
+    return head if sep and attempt.isdigit() else key
 
 
 class RolloutEngine(Protocol):
@@ -80,17 +96,11 @@ class RolloutEngine(Protocol):
     """
 
     async def generate(self, request: GenerationRequest) -> GenerationResult: ...
-
     async def abort(self, request_id: str) -> None: ...
-
     def update_weights(self, weights: Weights) -> None: ...
-
     def sleep(self) -> None: ...
-
     def wake_up(self) -> None: ...
-
     def get_state(self) -> dict[str, Any]: ...
-
     def set_state(self, state: dict[str, Any]) -> None: ...
 
 
@@ -214,11 +224,15 @@ class EngineRouter:
         self._in_flight = 0
         self._silent = [False] * len(self.engines)
         """Engines whose last request was given up on without an answer (hung, maybe)."""
+        self._errors_in_a_row = [0] * len(self.engines)
+        self._failing: set[int] = set()  # the last ``_FAILING_AFTER`` requests raised
+        self._since_probe = 0  # new episodes routed around failing engines since a trial
         self._sticky: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._flights: dict[str, _Flight] = {}
         self._episode_flights: dict[str, set[str]] = {}
         """Episode key -> ids of its requests in ``_flights`` (an episode's abort is a lookup)."""
         self._cancelled: set[str] = set()
+        self._cancelled_of: dict[str, list[str]] = {}  # play (``_play_of``) -> its marks
         self._held: list[_Flight] = []
         """Requests (new, or preempted parts) waiting for ``resume``."""
         self._idle: asyncio.Event | None = None
@@ -265,15 +279,18 @@ class EngineRouter:
             self._finish(flight, "abort")
 
     async def abort_episode(self, key: str) -> None:
-        """Abort the episode's running request and refuse its later ones (until ``forget``)."""
-        self._cancelled.add(key)
+        """Abort the episode's request in flight; refuse later ones until its play's ``forget``."""
+        if key not in self._cancelled:
+            self._cancelled.add(key)
+            self._cancelled_of.setdefault(_play_of(key), []).append(key)
         running = self._episode_flights.get(key)
         if running:
             await asyncio.gather(*(self.abort(r) for r in list(running)))
 
     def forget(self, key: str) -> None:
-        """The episode ended: drop its sticky engine and its cancelled mark."""
-        self._cancelled.discard(key)
+        """The episode ended: drop its sticky engine and its play's cancelled marks."""
+        for marked in self._cancelled_of.pop(_play_of(key), ()):
+            self._cancelled.discard(marked)
         self._sticky.pop(key, None)
 
     def update_weights(self, weights: Weights) -> None:
@@ -383,7 +400,7 @@ class EngineRouter:
         total = self._total
         total.wall_s += stats.wall_s
         total.busy_s = [a + b for a, b in zip(total.busy_s, stats.busy_s, strict=True)]
-        for name in ("requests", "new_tokens", "aborted", "preempted", "errors"):
+        for name in COUNTS:
             setattr(total, name, getattr(total, name) + getattr(stats, name))
         return stats
 
@@ -395,10 +412,7 @@ class EngineRouter:
             t + c + (now - since if since is not None else 0.0)
             for t, c, since in zip(total.busy_s, current.busy_s, self._busy_since, strict=True)
         ]
-        counts = {
-            name: getattr(total, name) + getattr(current, name)
-            for name in ("requests", "new_tokens", "aborted", "preempted", "errors")
-        }
+        counts = {name: getattr(total, name) + getattr(current, name) for name in COUNTS}
         return RouterStats(wall_s=total.wall_s + now - self._stats_since, busy_s=busy, **counts)
 
     def reset_totals(self) -> None:
@@ -435,7 +449,7 @@ class EngineRouter:
             part = self._starts[index](sub)
         except Exception as error:  # noqa: BLE001 - the caller's future raises it
             self._leave(flight)
-            self._stats.errors += 1
+            self._errored(index)
             self._fail(flight, error)
             return
         flight.part = part
@@ -452,11 +466,13 @@ class EngineRouter:
             return
         error = part.exception()
         if error is not None:
-            self._stats.errors += 1
+            self._errored(flight.engine)
             self._fail(flight, error)
             return
         result = part.result()
         self._silent[flight.engine] = False
+        self._errors_in_a_row[flight.engine] = 0
+        self._failing.discard(flight.engine)
         self._stats.new_tokens += len(result.token_ids)
         flight.parts.append((result, flight.issued))
         reason = result.finish_reason
@@ -514,13 +530,20 @@ class EngineRouter:
             if not running:
                 del self._episode_flights[flight.key]
 
+    def _errored(self, index: int) -> None:
+        """A request on engine ``index`` raised: count it; avoid the engine after a few."""
+        self._stats.errors += 1
+        self._errors_in_a_row[index] += 1
+        if self._errors_in_a_row[index] >= _FAILING_AFTER:
+            self._failing.add(index)
+
     def _route(self, key: str) -> int:
         """The episode's engine (``key``: ``episode_key`` of its requests)."""
         index = self._sticky.get(key)
         if index is None:
             load = self._load
-            if any(self._silent):  # rare: engines that answered first
-                index = min(range(len(load)), key=lambda i: (self._silent[i], load[i], i))
+            if self._failing or any(self._silent):  # rare: healthy engines first
+                index = self._route_around(load)
             else:  # the least loaded, the first of equals (one C pass: a new episode each time)
                 index = load.index(min(load))
             self._sticky[key] = index
@@ -529,6 +552,17 @@ class EngineRouter:
         else:
             self._sticky.move_to_end(key)
         return index
+
+    def _route_around(self, load: list[int]) -> int:
+        """A new episode's engine while some are avoided (hung or failing): module docstring."""
+        failing, silent = self._failing, self._silent
+        if all(silent[i] or i in failing for i in range(len(load))):
+            return load.index(min(load))
+        self._since_probe += bool(failing)
+        if self._since_probe >= _PROBE_EVERY:  # a failing engine's trial episode
+            self._since_probe = 0
+            return min(failing, key=lambda i: (load[i], i))
+        return min(range(len(load)), key=lambda i: (silent[i] or i in failing, load[i], i))
 
     def _enter(self, flight: _Flight) -> None:
         index, flight.submitted = flight.engine, True

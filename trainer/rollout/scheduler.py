@@ -223,6 +223,8 @@ class RolloutScheduler:
         self._weight_pause_s = 0.0
         """Seconds rollouts were paused for weight updates since the last batch's metrics."""
         self._closed = False
+        self._restarting = False
+        """True while ``restart_from`` aborts: no group starts (it would take an old number)."""
 
     # ------------------------------------------------------------------ public
     async def next_batch(self) -> RolloutBatch:
@@ -235,12 +237,7 @@ class RolloutScheduler:
             if len(self._ready) >= self.cfg.num_groups:
                 break
             if self._failed_in_a_row >= (self.cfg.max_failed_groups or 2 * self.cfg.num_groups + 2):
-                reasons = sorted({t.failure or "unknown" for t in self._failed[-20:]})[:3]
-                raise RolloutError(
-                    f"{self._failed_in_a_row} groups in a row failed (each episode retried "
-                    f"{self.cfg.max_retries} times); first reasons: {reasons}. Run "
-                    "`envhub check ENV_ID` to see what breaks the env"
-                )
+                raise self._failed_run_error()
             self._changed.clear()
             self._fill()
             await self._changed.wait()
@@ -291,15 +288,37 @@ class RolloutScheduler:
         ``next_batch`` (a resume loads the checkpoint's weights first)."""
         in_play = list(self._running.values()) + self._ready
         self._ready, self._fresh = [], (-1, 0)
-        await self._cancel_all(in_play, "aborted_at_resume")
+        self._restarting = True  # an aborted group's end would start a replacement: not yet
+        try:
+            await self._cancel_all(in_play, "aborted_at_resume")
+        finally:
+            self._restarting = False
         self._counts.pop("aborted_at_resume", None)
         self.next_group = next_group
+
+    def _failed_run_error(self) -> RolloutError:
+        """Why the run stops after too many failed groups: the inference engine when every
+        recent failure is an engine error (every engine failing), else the env."""
+        failures = [t.failure or "unknown" for t in self._failed[-20:]]
+        reasons = sorted(set(failures))[:3]
+        head = (
+            f"{self._failed_in_a_row} groups in a row failed (each episode retried "
+            f"{self.cfg.max_retries} times); first reasons: {reasons}."
+        )
+        if failures and all(f.startswith("engine error") for f in failures):
+            return RolloutError(
+                f"{head} An inference engine is failing (every engine behind the router: one "
+                "that still answers gets the episodes): read the engine's log (vLLM/CUDA "
+                "errors), fix or restart it, and resume from the last checkpoint"
+            )
+        return RolloutError(f"{head} Run `envhub check ENV_ID` to see what breaks the env")
 
     # ------------------------------------------------------------------ groups
     def _fill(self) -> None:
         while (
             self._collecting
             and not self._closed
+            and not self._restarting
             and len(self._running) + len(self._ready) < self.cfg.capacity
         ):
             self._start_group()
@@ -395,8 +414,12 @@ class RolloutScheduler:
         """Abort a group's generations in the engine and let its episodes close their envs."""
         group.cancelled = True
         self._running.pop(group.number, None)
-        running = sum(not task.done() for task in group.tasks)
-        self._counts[reason] += running if reason != "stale_aborted_groups" else 1
+        if reason == "aborted_surplus":  # every episode thrown away, played out or cut short
+            self._counts[reason] += len(group.tasks)
+        elif reason == "stale_aborted_groups":
+            self._counts[reason] += 1
+        else:
+            self._counts[reason] += sum(not task.done() for task in group.tasks)
         if isinstance(self.manager, EnvWorkers):  # no replays after the aborted attempts
             self.manager.stop(group.keys)
         await asyncio.gather(
@@ -408,6 +431,9 @@ class RolloutScheduler:
         )
         if group.tasks:
             await asyncio.wait(group.tasks)
+        if isinstance(self.router, EngineRouter):  # an attempt that never reached the router
+            for key in group.keys:  # (its env did not start) left its marks: drop them
+                self.router.forget(f"{key}a0")
 
     def _drop_stale_ready(self) -> None:
         """Drop ready groups that no longer meet ``max_staleness``. Called on every group

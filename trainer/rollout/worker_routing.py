@@ -49,6 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from trainer.rollout.router import COUNTS as _COUNTS
 from trainer.rollout.router import RouterStats, starter
 from trainer.rollout.wire import (
     request_from_wire,
@@ -72,8 +73,6 @@ __all__ = [
     "counters_from_wire",
     "counters_to_wire",
 ]
-
-_COUNTS = ("requests", "new_tokens", "aborted", "preempted", "errors")
 
 
 class WorkerLink(Protocol):
