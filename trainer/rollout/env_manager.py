@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from envhub.pool.host import BadEnvOutputError, step_output_problem
 from trainer.rollout.tool_parsers import env_action
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
+from trainer.rollout.turn_deadline import bounded_generate
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
 if TYPE_CHECKING:
@@ -63,12 +64,6 @@ Context = Literal["full", "last_k_turns", "strip_thinking"]
 _THINKING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 _log = logging.getLogger(__name__)
 _request_ids = itertools.count()
-
-
-def _ignore_outcome(task: asyncio.Task[Any]) -> None:
-    """Done-callback of a fire-and-forget task: its outcome is retrieved and dropped."""
-    if not task.cancelled():
-        task.exception()
 
 
 class EnvSession(Protocol):
@@ -299,8 +294,9 @@ class EnvManager:
     a timeout, an env exception or an engine error ends the episode as ``failed`` with the
     reason, and an aborted generation ends it as ``failed="aborted"``. ``close_session``
     closes a session within the same bound (a hung env is abandoned, not waited for).
-    ``generate_timeout_s`` bounds each turn's generation (queueing in the engine included):
-    at the deadline the request is aborted in the engine, abandoned if the engine does not
+    ``generate_timeout_s`` bounds each turn's generation (queueing in the engine included;
+    not the time it is held for a weight update: ``trainer.rollout.turn_deadline``): at the
+    deadline the request is aborted in the engine, abandoned if the engine does not
     answer that within another ``generate_timeout_s`` (a hung worker), and the episode fails
     with the reason (``rollout.generate_timeout_s``).
     """
@@ -462,48 +458,9 @@ class EnvManager:
         return result
 
     async def _bounded_generate(self, request: GenerationRequest) -> GenerationResult:
-        """``engine.generate(request)`` within ``generate_timeout_s`` (see the class docstring).
-
-        Timers rather than a task per turn: at the deadline the request is aborted in the
-        engine (a live one answers within a step); if no answer comes within another
-        ``generate_timeout_s`` the call is cancelled (abandoned). Either way TimeoutError."""
-        limit = self.generate_timeout_s
-        if limit is None:
-            return await self.engine.generate(request)
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        if task is None:  # not inside a task: a plain wait_for
-            return await asyncio.wait_for(self.engine.generate(request), limit)
-        timers: list[asyncio.TimerHandle] = []
-        late: list[str] = []  # "expired", then "abandoned"
-
-        def expire() -> None:
-            late.append("expired")
-            aborting = loop.create_task(self.engine.abort(request.request_id))
-            aborting.add_done_callback(_ignore_outcome)
-            timers.append(loop.call_later(limit, abandon))
-
-        def abandon() -> None:
-            late.append("abandoned")
-            task.cancel()
-
-        timers.append(loop.call_later(limit, expire))
-        try:
-            result = await self.engine.generate(request)
-        except asyncio.CancelledError:
-            if "abandoned" not in late:
-                raise
-            task.uncancel()
-            result = None
-        finally:
-            for timer in timers:
-                timer.cancel()
-        if late or result is None:
-            raise TimeoutError(
-                f"no generation within {limit} s (rollout.generate_timeout_s)"
-                + ("; the engine did not answer the abort either" if result is None else "")
-            )
-        return result
+        """``engine.generate(request)`` within ``generate_timeout_s`` of generation: time the
+        turn is held for a weight update does not count (``trainer.rollout.turn_deadline``)."""
+        return await bounded_generate(self.engine, request, self.generate_timeout_s)
 
     def _append_turn(
         self,

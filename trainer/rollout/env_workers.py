@@ -25,15 +25,17 @@ read however many episodes spoke), and after an episode's first turn only the to
 its previous prompt and generation travel (the driver holds those and rebuilds the prompt).
 
 Guarantees: an episode is played by one worker from its start to its end (its replays on a
-fresh env too); ``stop(keys)`` ends the episodes' replays after the running attempt (the
-scheduler then aborts their generations in the router). A worker that dies fails the
-episodes it held (``failure`` names the worker and its exit code), their generations are
-aborted in the router, and a fresh worker takes its place; nothing hangs: its death is seen
-when its process exits (even while a helper its env forked holds the socket), and its process
-group, helpers included, dies with it. ``close()`` ends every worker process (killed if it does
-not exit within ``close_timeout_s``), and a worker whose driver is gone exits on its own (its
-socket closes). A worker stuck in an env call that holds the GIL is not detected (only a weight
-update's ``WorkerRouters(pause_timeout_s=...)`` kills it): such envs belong in an ``EnvPool``.
+fresh env too) unless that worker dies; ``stop(keys)`` ends the episodes' replays after the
+running attempt (the scheduler then aborts their generations in the router). A worker that dies
+fails the episodes it was working on (``failure`` names the worker and its exit code) and
+replays on a live worker those that waited for the engine (``trainer.rollout.env_worker_replay``);
+their generations are aborted in the router, and a fresh worker takes its place; nothing hangs:
+its death is seen when its process exits (even while a helper its env forked holds the socket),
+and its process group, helpers included, dies with it. ``close()`` ends every worker process
+(killed if it does not exit within ``close_timeout_s``), and a worker whose driver is gone exits
+on its own (its socket closes). A worker stuck in an env call that holds the GIL is not detected
+(only a weight update's ``WorkerRouters(pause_timeout_s=...)`` kills it): such envs belong in an
+``EnvPool``.
 
 With a ``WorkerRouters`` in place of the router, each worker routes its own turns to the
 engines and the driver only sees episodes start and end, and the weight updates' pause and
@@ -52,7 +54,6 @@ and only the driver's to the driver's, as processes on separate cores would run.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import itertools
 import logging
@@ -61,11 +62,13 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from envhub.pool.procs import ExitWatch, describe_exit, kill_group
+from trainer.rollout.env_worker_handle import WorkerHandle
 from trainer.rollout.env_worker_process import LocalRoute, RemoteEngine, WorkerSetup
+from trainer.rollout.env_worker_replay import HeldEpisode, bystanders, settle_held
 from trainer.rollout.router import episode_key
 from trainer.rollout.trajectory import Trajectory
 from trainer.rollout.wire import (
@@ -109,51 +112,9 @@ class ManagerSetup:
 
 _log = logging.getLogger(__name__)
 _keys = itertools.count()
-_uids = itertools.count()
 
 
 # ---------------------------------------------------------------------- the driver's side
-@dataclass
-class _Episode:
-    spec: EpisodeSpec
-    future: asyncio.Future[Trajectory]
-    on_failure: Callable[[Trajectory], None] | None
-
-
-@dataclass
-class _Worker:
-    """The driver's handle on one worker process."""
-
-    index: int
-    process: subprocess.Popen[bytes]
-    channel: Channel
-    ready: asyncio.Future[bool]
-    """Set once the worker answered its setup (True) or failed it (False)."""
-    relay: Channel | None = None
-    """The relayed engines' own socket (``RelayEngines``), if any."""
-    next_answer: int = 0
-    """lockstep: the number of the worker's next answer (answers come on either socket)."""
-    early: dict[int, list[tuple[Any, ...]]] = field(default_factory=dict)
-    """lockstep: answers that came before an earlier one, by number."""
-    init_paused: bool = False
-    """Routing in the worker: its router started paused (a weight update was under way)."""
-    uid: int = field(default_factory=lambda: next(_uids))
-    """Unique among all workers ever started (a replacement keeps ``index``, not this)."""
-    episodes: dict[str, _Episode] = field(default_factory=dict)
-    requests: set[str] = field(default_factory=set)
-    """Generation requests the worker is waiting for (aborted in the router if it dies)."""
-    last_turn: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
-    """Episode key -> its last prompt and generated ids (an ``extend`` goes on from them)."""
-    sent_at: collections.deque[float] = field(default_factory=collections.deque)
-    """lockstep: the clock at each frame not answered yet."""
-    lane_free: float = 0.0
-    """lockstep: when the worker's own timeline is free again."""
-    watch: ExitWatch | None = None
-    """Watches the process itself: a forked helper may hold the socket open after it died."""
-    killed: str = ""
-    """Why the driver killed it (a pause it did not answer)."""
-
-
 class EnvWorkers:
     """``workers`` processes playing episodes for the driver's scheduler (module docstring).
 
@@ -191,8 +152,8 @@ class EnvWorkers:
         self.setup, self.num_workers, self.lockstep = setup, workers, lockstep
         self.close_timeout_s = close_timeout_s
         self.on_episode_end = on_episode_end
-        self._workers: list[_Worker] = []
-        self._by_uid: dict[int, _Worker] = {}
+        self._workers: list[WorkerHandle] = []
+        self._by_uid: dict[int, WorkerHandle] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._answers: set[asyncio.Future[GenerationResult]] = set()
         """The router's answers to the workers' requests not in yet (cancelled at close)."""
@@ -236,16 +197,40 @@ class EnvWorkers:
             await self.start()  # (then the least busy worker is picked and given the episode
             # with no await between: episodes asked for meanwhile spread over all workers)
         key = key or f"w{next(_keys)}"
-        worker = min(self._workers, key=lambda w: len(w.episodes))
         future: asyncio.Future[Trajectory] = asyncio.get_running_loop().create_future()
-        worker.episodes[key] = _Episode(spec, future, on_failure)
-        self._send(worker, ("play", key, spec, sampling, max_retries))
+        self._assign(key, HeldEpisode(spec, sampling, max_retries, future, on_failure))
         try:
             return await future
         except asyncio.CancelledError:
-            worker.episodes.pop(key, None)
-            self._send(worker, ("stop", [key]))
+            for worker in self._workers:  # its first worker's, or a replay's
+                if worker.episodes.pop(key, None) is not None:
+                    self._send(worker, ("stop", [key]))
             raise
+
+    def _assign(self, key: str, episode: HeldEpisode) -> None:
+        """Give the episode to the least busy worker."""
+        worker = min(self._workers, key=lambda w: len(w.episodes))
+        worker.episodes[key] = episode
+        self._send(worker, ("play", key, episode.spec, episode.sampling, episode.max_retries))
+
+    def _replay(self, key: str, episode: HeldEpisode) -> None:
+        """Play a dead worker's bystander again on a live worker, once the workers are ready."""
+        self._spawn_task(self._replay_when_ready(key, episode))
+
+    async def _replay_when_ready(self, key: str, episode: HeldEpisode) -> None:
+        reason = "EnvWorkers closed"
+        try:
+            if not self._closed:
+                await self.start()
+        except RuntimeError as error:  # its replacement's setup failed: no worker can play
+            reason = str(error)
+        except asyncio.CancelledError:
+            settle_held({key: episode}, set(), reason, None)
+            raise
+        if self._closed or self._broken is not None:
+            settle_held({key: episode}, set(), self._broken or reason, None)
+        elif not episode.future.done():  # (given up on meanwhile: nothing to play)
+            self._assign(key, episode)
 
     def stop(self, keys: list[str]) -> None:
         """No more replays for these episodes after their running attempt."""
@@ -297,14 +282,15 @@ class EnvWorkers:
         for worker in workers:
             await self._reap(worker)
             kill_group(worker.process)  # the helpers its envs started
-            self._fail_held(worker, "EnvWorkers closed")
+            settle_held(worker.episodes, set(), "EnvWorkers closed", None)
+            worker.episodes = {}
             if worker.watch is not None:
                 worker.watch.cancel()
         for waiting in [*self._tasks, *self._answers]:
             waiting.cancel()
 
     # ------------------------------------------------------------------ workers
-    def _spawn(self, index: int) -> _Worker:
+    def _spawn(self, index: int) -> WorkerHandle:
         """A new worker process (``trainer.rollout.env_worker_process``): it gets the
         driver's ``sys.path``, then ``setup`` in its first frame, and answers ``ready``."""
         loop = asyncio.get_running_loop()
@@ -326,13 +312,13 @@ class EnvWorkers:
         )
         for sock in passed:
             sock.close()
-        holder: list[_Worker] = []
+        holder: list[WorkerHandle] = []
         channel = Channel(
             lambda frame: self._on_frame(holder[0], frame),
             lambda: self._on_lost(holder[0]),
             auto_flush=not self.lockstep,
         )
-        worker = _Worker(index, process, channel, loop.create_future())
+        worker = WorkerHandle(index, process, channel, loop.create_future())
         worker.watch = ExitWatch(process, functools.partial(self._on_lost, worker), sock=mine)
         if relay is not None:
             worker.relay = Channel(
@@ -353,7 +339,7 @@ class EnvWorkers:
         channel.queue(("init", self.setup, routing))
         return worker
 
-    def _send(self, worker: _Worker, message: tuple[Any, ...]) -> None:
+    def _send(self, worker: WorkerHandle, message: tuple[Any, ...]) -> None:
         if not self.lockstep:
             worker.channel.send(message)
             return
@@ -374,13 +360,13 @@ class EnvWorkers:
             worker.sent_at.append(loop.time())
             _owe(loop, 1)
 
-    def _flush_lockstep(self, worker: _Worker) -> None:
+    def _flush_lockstep(self, worker: WorkerHandle) -> None:
         loop = asyncio.get_running_loop()
         if worker.channel.flush():
             worker.sent_at.append(loop.time())
             _owe(loop, 1)
 
-    def _on_frame(self, worker: _Worker, frame: list[tuple[Any, ...]]) -> None:
+    def _on_frame(self, worker: WorkerHandle, frame: list[tuple[Any, ...]]) -> None:
         if frame[0][0] in ("ready", "fatal"):  # the answer to "init", before anything else
             self._on_init(worker, frame[0])
             return
@@ -399,7 +385,7 @@ class EnvWorkers:
                 return
             frame = later
 
-    def _take_answer(self, worker: _Worker, frame: list[tuple[Any, ...]]) -> None:
+    def _take_answer(self, worker: WorkerHandle, frame: list[tuple[Any, ...]]) -> None:
         """lockstep: a worker's answer takes effect once its own timeline got there."""
         loop = asyncio.get_running_loop()
         _, answered, cpu_s, _ = frame[-1]
@@ -415,7 +401,7 @@ class EnvWorkers:
         else:
             loop.call_at(worker.lane_free, self._handle, worker, messages)
 
-    def _route(self, worker: _Worker, router: EngineRouter, message: tuple[Any, ...]) -> None:
+    def _route(self, worker: WorkerHandle, router: EngineRouter, message: tuple[Any, ...]) -> None:
         """A turn's message when the driver routes: into the router, its answer back."""
         kind = message[0]
         if kind in ("generate", "extend"):
@@ -439,7 +425,7 @@ class EnvWorkers:
             worker.last_turn.pop(message[1], None)
             router.forget(message[1])
 
-    def _handle(self, worker: _Worker, frame: list[tuple[Any, ...]]) -> None:
+    def _handle(self, worker: WorkerHandle, frame: list[tuple[Any, ...]]) -> None:
         for message in frame:
             kind = message[0]
             if kind in ("generate", "extend", "abort", "forget"):
@@ -473,7 +459,7 @@ class EnvWorkers:
 
     @staticmethod
     async def _finish(
-        episode: _Episode, trajectory: Trajectory, hook: Callable[[Trajectory], Any]
+        episode: HeldEpisode, trajectory: Trajectory, hook: Callable[[Trajectory], Any]
     ) -> None:
         try:
             await hook(trajectory)
@@ -486,7 +472,7 @@ class EnvWorkers:
 
     def _answer(
         self,
-        worker: _Worker,
+        worker: WorkerHandle,
         request: GenerationRequest,
         key: str,
         answer: asyncio.Future[GenerationResult],
@@ -515,7 +501,7 @@ class EnvWorkers:
         if not task.cancelled() and task.exception() is not None:
             _log.warning("env worker message failed: %r", task.exception())
 
-    def _on_init(self, worker: _Worker, answer: tuple[Any, ...]) -> None:
+    def _on_init(self, worker: WorkerHandle, answer: tuple[Any, ...]) -> None:
         _owe(asyncio.get_running_loop(), -1)
         if answer[0] == "fatal" and self._broken is None:
             self._broken = (
@@ -538,7 +524,7 @@ class EnvWorkers:
             worker.killed = reason
             self._on_lost(worker)
 
-    def _on_lost(self, worker: _Worker) -> None:
+    def _on_lost(self, worker: WorkerHandle) -> None:
         """Its socket closed, its process exited, or the driver kills it (or ``close`` ran)."""
         if not worker.ready.done():  # died before it was ready: do not start it again
             self._on_init(worker, ("fatal", "the worker process exited before it was ready"))
@@ -554,7 +540,8 @@ class EnvWorkers:
             worker.relay.close()
         if self.routing is not None:
             self.routing.on_lost(worker.uid)
-        for request_id in list(worker.requests):  # (none when the workers route)
+        worker.waiting = bystanders(worker.requests)  # (none when the workers route)
+        for request_id in list(worker.requests):
             if self._router is not None:
                 self._spawn_task(self._router.abort(request_id))
         if self._broken is None:  # a fresh worker takes its place at once
@@ -564,13 +551,17 @@ class EnvWorkers:
             self._workers.remove(worker)
         self._spawn_task(self._bury(worker))
 
-    async def _bury(self, worker: _Worker) -> None:
+    async def _bury(self, worker: WorkerHandle) -> None:
         code = await self._reap(worker)
         why = f"was killed: {worker.killed}" if worker.killed else f"died ({describe_exit(code)})"
         _log.warning("env worker %d %s", worker.index, why)
-        self._fail_held(worker, self._broken or f"env worker {worker.index} {why}")
+        episodes, worker.episodes = worker.episodes, {}
+        replay = None if self._closed or self._broken is not None else self._replay
+        settle_held(
+            episodes, worker.waiting, self._broken or f"env worker {worker.index} {why}", replay
+        )
 
-    async def _reap(self, worker: _Worker) -> int | None:
+    async def _reap(self, worker: WorkerHandle) -> int | None:
         """The worker's exit code, once it exited (killed after ``close_timeout_s``)."""
         process = worker.process
         loop = asyncio.get_running_loop()
@@ -580,16 +571,6 @@ class EnvWorkers:
             process.kill()
             await loop.run_in_executor(None, process.wait)
         return process.returncode
-
-    @staticmethod
-    def _fail_held(worker: _Worker, reason: str) -> None:
-        episodes, worker.episodes = worker.episodes, {}
-        for episode in episodes.values():
-            if not episode.future.done():
-                spec = episode.spec
-                episode.future.set_result(
-                    Trajectory(spec.env_id, spec.seed, spec.group_id, failed=True, failure=reason)
-                )
 
 
 def _owe(loop: asyncio.AbstractEventLoop, frames: int) -> None:

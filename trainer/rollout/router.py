@@ -236,7 +236,7 @@ class EngineRouter:
         self._held: list[_Flight] = []
         """Requests (new, or preempted parts) waiting for ``resume``."""
         self._idle: asyncio.Event | None = None
-        self._paused = False
+        self.paused = False  # a weight update holds every turn (``pause`` to ``resume``)
         self._stats = RouterStats(busy_s=[0.0] * len(self.engines))
         self._clock = clock
         self._busy_since: list[float | None] = [None] * len(self.engines)
@@ -325,7 +325,7 @@ class EngineRouter:
         """Stop new requests, abort in-flight ones for resumption, wait until every engine is
         idle."""
         idle = self._ensure_idle()
-        self._paused = True
+        self.paused = True
         preempted = [f for f in self._flights.values() if not f.cancelled and f.submitted]
         for flight in preempted:
             flight.preempted = True
@@ -336,7 +336,7 @@ class EngineRouter:
 
     def resume(self) -> None:
         """Reopen the gate closed by ``pause``: the requests held meanwhile go out, in order."""
-        self._paused = False
+        self.paused = False
         held, self._held = self._held, []
         for flight in held:
             self._submit(flight)
@@ -434,7 +434,7 @@ class EngineRouter:
         if flight.cancelled or flight.key in self._cancelled:
             self._finish(flight, "abort")
             return
-        if self._paused:
+        if self.paused:
             self._held.append(flight)
             return
         request, parts = flight.request, flight.parts
