@@ -302,7 +302,7 @@ class RolloutScheduler:
         failures = [t.failure or "unknown" for t in self._failed[-20:]]
         reasons = sorted(set(failures))[:3]
         head = (
-            f"{self._failed_in_a_row} groups in a row failed (each episode retried "
+            f"{self._failed_in_a_row} groups in a row failed (an episode is retried up to "
             f"{self.cfg.max_retries} times); first reasons: {reasons}."
         )
         if failures and all(f.startswith("engine error") for f in failures):
