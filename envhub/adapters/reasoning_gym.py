@@ -8,6 +8,14 @@ instead, so an answer is never run as code. The ``retry`` variant
 (``reasoning-gym/<dataset>-retry-v0``, ``attempts=3``) is multi-turn: a wrong answer is told
 its score and may try again until the attempts run out.
 
+The scorer runs in a helper process (``answer_guard.ScoringProcess``, one per dataset and
+config in a process, 50-150 us a call): an answer whose check takes longer than
+``score_time_limit_s`` (default 2 s, wall clock; the slowest reference answers measured,
+intermediate_integration's, take 0.13 s, 0.5 s in a cold process) scores 0 and is told so.
+``score_time_limit_s=None`` scores in this process without a limit (a platform without
+``os.fork``). Scorers that give success to junk are replaced (``answer_guard.SCORE_FIXES``),
+and the datasets in ``REFUSED`` are not offered, alone or in a ``composite``.
+
 Tasks follow ``envs/datasets.py``: ``reset(options={"task": entry})`` plays that entry,
 ``{"task_id": "17"}`` / ``{"task_index": i}`` pick one, and otherwise the seed draws one. The
 procedural dataset holds ``size`` entries generated from ``dataset_seed`` (reasoning-gym
@@ -26,22 +34,39 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
 import numpy as np
 
 from envhub.adapters import did_you_mean, require
-from envhub.adapters.answer_guard import UnsafeScorer, guard_scorer
+from envhub.adapters.answer_guard import (
+    SCORE_FIXES,
+    ScoringProcess,
+    UnsafeScorer,
+    guard_scorer,
+)
 from envhub.adapters.catalog import register_source
 from envhub.core import TextEnv, Turn
 from envhub.errors import ActionParseError, SourceConfigError, SourceError
 from envhub.parsing import ActionParser
 from envs.datasets import Split, Task, TaskSet, as_taskset, stable_hash
 
-__all__ = ["ProceduralTasks", "ReasoningGymEnv", "register"]
+__all__ = ["REFUSED", "ProceduralTasks", "ReasoningGymEnv", "register"]
 
 SOURCE = "reasoning-gym"
+REFUSED = {
+    "propositional_logic": (
+        "its scorer gives 1 to any valid conclusion that is not a tautology, and cannot tell "
+        "one from a copied premise: a third of its own reference conclusions restate a premise, "
+        "and a quarter of its premise sets contradict themselves (so anything follows)"
+    ),
+}
+"""Datasets whose scorer cannot tell a right answer from junk, and why: refused at make()."""
+_SCORING: dict[str, ScoringProcess] = {}
+"""One scoring process per dataset and config, shared by its envs in this process (a trainer
+makes an env per episode: one process per env would fork it per episode)."""
 _FEEDBACK = "Give your final answer inside <answer>...</answer>."
 _ANSWER = ActionParser(format="tag", tag="answer", lenient=False)
 
@@ -130,6 +155,7 @@ class ReasoningGymEnv(TextEnv):
         size: int = 500,
         dataset_seed: int = 0,
         attempts: int = 1,
+        score_time_limit_s: float | None = 2.0,
         system_prompt: str | None = "default",
         invalid_action_penalty: float = 0.0,
         max_turns: int | None = None,
@@ -137,6 +163,16 @@ class ReasoningGymEnv(TextEnv):
     ) -> None:
         if attempts < 1:
             raise SourceConfigError(f"attempts must be >= 1, got {attempts}")
+        if score_time_limit_s is not None and not 0 < score_time_limit_s <= 86_400:
+            raise SourceConfigError(
+                "score_time_limit_s must be > 0 and at most 86400 (a day), or None (no limit), "
+                f"got {score_time_limit_s!r}"
+            )
+        if score_time_limit_s is not None and not hasattr(os, "fork"):
+            raise SourceConfigError(
+                "score_time_limit_s needs os.fork, which this platform lacks; pass "
+                "score_time_limit_s=None to score in this process without a time limit"
+            )
         super().__init__(max_turns=max(max_turns or 1, attempts), render_mode=render_mode)
         factory = require(SOURCE, "reasoning_gym.factory")
         if name not in factory.DATASETS:
@@ -151,6 +187,7 @@ class ReasoningGymEnv(TextEnv):
         self.system_prompt = prompts.get(system_prompt, system_prompt) if system_prompt else None
         self.source = _Dataset(name, {**self._config, "seed": dataset_seed, "size": size})
         self.source.get()  # a config the dataset refuses fails here, not at the first reset
+        self.score_time_limit_s = score_time_limit_s
         if dataset is not None:
             self.tasks: TaskSet | ProceduralTasks = as_taskset(
                 dataset,
@@ -180,13 +217,17 @@ class ReasoningGymEnv(TextEnv):
             answer = _ANSWER.parse(action)
         except ActionParseError:
             return self.invalid_action(f"I found no answer. {_FEEDBACK}")
-        score = self.score(answer)
+        checked = self._score(answer)
+        score = 0.0 if checked is None else checked
         success = score >= 1.0
-        info = {"answer": answer[:500], "score": score}
+        info = {"answer": answer[:500], "score": score, "check_timed_out": checked is None}
+        if checked is None:
+            verdict = f"took too long to check (over {self.score_time_limit_s:g} s), so it scores 0"
+        else:
+            verdict = "is correct" if success else f"is not correct (score {score:.2f})"
         if success or self.turn >= self.attempts:
-            verdict = "correct" if success else f"not correct (score {score:.2f})"
             return Turn(
-                f"Your answer is {verdict}.",
+                f"Your answer {verdict}.",
                 reward=score,
                 terminated=True,
                 success=success,
@@ -194,24 +235,43 @@ class ReasoningGymEnv(TextEnv):
             )
         left = self.attempts - self.turn
         return Turn(
-            f"Your answer is not correct (score {score:.2f}). Try again; {left} attempt(s) "
-            f"left. {_FEEDBACK}",
-            info=info,
+            f"Your answer {verdict}. Try again; {left} attempt(s) left. {_FEEDBACK}", info=info
         )
 
     def score(self, answer: str | None) -> float:
-        """The dataset's own ``score_answer`` for the current task, clipped to [0, 1].
+        """The dataset's own ``score_answer`` for the current task, clipped to [0, 1]; 0 for
+        an answer whose check ran past ``score_time_limit_s``."""
+        checked = self._score(answer)
+        return 0.0 if checked is None else checked
+
+    def _score(self, answer: str | None) -> float | None:
+        """``score``, or None when the check ran out of time.
 
         A scorer that raises on an answer it cannot parse (some expect JSON) scores it 0: to
         the model that is a wrong answer, not a broken episode.
         """
         entry = {k: v for k, v in self.task.items() if k != "id"}
         entry.setdefault("metadata", {})
+        self.source.get()  # built here, where a forked scoring process inherits it
+        limit = self.score_time_limit_s
         try:
-            score = float(self.source.get().score_answer(answer, entry))
+            if limit is None:
+                score: float | None = self.source.score(answer, entry)
+            else:
+                score = self.source.scoring()(answer, entry, limit)
+        except SourceError:  # a task the scoring process cannot receive: the caller's to fix
+            raise
         except Exception:  # noqa: BLE001 - the verifier's failure to parse is a wrong answer
             return 0.0
+        if score is None:
+            return None
         return min(1.0, max(0.0, score)) if math.isfinite(score) else 0.0
+
+    @property
+    def scoring(self) -> ScoringProcess | None:
+        """The process that runs this dataset's scorer, shared by its envs in this process;
+        None with ``score_time_limit_s=None`` (the scorer runs in this process)."""
+        return None if self.score_time_limit_s is None else self.source.scoring()
 
     def expert_action(self) -> str | None:
         answer = self.task.get("answer")
@@ -226,6 +286,15 @@ class ReasoningGymEnv(TextEnv):
         if roll < 0.25:
             return "<answer></answer>"
         return f"Let me think. <answer>{int(np_random.integers(0, 100))}</answer>"
+
+
+def _refuse(name: str) -> None:
+    """SourceError naming the reason if ``name`` is in ``REFUSED``."""
+    if name in REFUSED:
+        raise SourceError(
+            f"reasoning-gym/{name} is not offered: {REFUSED[name]}. For logic, use "
+            "reasoning-gym/syllogism-v0 or reasoning-gym/knights_knaves-v0"
+        )
 
 
 def _config_fields(name: str, config_cls: Any, config: dict[str, Any]) -> dict[str, Any]:
@@ -247,6 +316,8 @@ class _Dataset:
     def __init__(self, name: str, config: dict[str, Any]) -> None:
         self.name, self.config = name, config
         self._dataset: Any = None
+        self.key = f"{name}:{sorted(config.items())!r}"
+        """Names the dataset and config in ``_SCORING``."""
 
     def get(self) -> Any:
         if self._dataset is None:
@@ -257,18 +328,43 @@ class _Dataset:
                     f"reasoning-gym/{self.name}: its config refused {self.config} "
                     f"({type(error).__name__}: {error})"
                 ) from error
-            try:  # its scorer must not run the model's answer as code (answer_guard)
-                guard_scorer(type(dataset))
-            except UnsafeScorer as error:
-                raise SourceError(f"reasoning-gym/{self.name}: {error}") from None
+            for name, part in _parts(self.name, dataset).items():
+                _refuse(name)
+                try:  # its scorer must not run the model's answer as code (answer_guard)
+                    guard_scorer(type(part))
+                except UnsafeScorer as error:
+                    raise SourceError(f"reasoning-gym/{self.name}: {error}") from None
             self._dataset = dataset
         return self._dataset
+
+    def scoring(self) -> ScoringProcess:
+        """This dataset's ``ScoringProcess`` in ``_SCORING`` (made on first use)."""
+        return _SCORING.get(self.key) or _SCORING.setdefault(self.key, ScoringProcess(self.score))
+
+    def score(self, answer: str | None, entry: dict[str, Any]) -> float:
+        """The dataset's ``score_answer``, or its fix in ``answer_guard.SCORE_FIXES`` (a
+        composite's entry is scored by the dataset it came from)."""
+        dataset = self.get()
+        name = self.name
+        if name == "composite":
+            name = str(entry["metadata"].get("source_dataset"))
+            dataset = dataset.datasets.get(name, dataset)
+        fix = SCORE_FIXES.get(name)
+        return float(fix(dataset, answer, entry) if fix else dataset.score_answer(answer, entry))
 
     def entry(self, index: int) -> dict[str, Any]:
         return dict(self.get()[index])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"name": self.name, "config": self.config, "_dataset": None}
+        return {**vars(self), "_dataset": None}
+
+
+def _parts(name: str, dataset: Any) -> dict[str, Any]:
+    """The datasets whose scorers score ``dataset``'s entries: the ones a composite mixes (its
+    ``score_answer`` hands each entry to one), or ``dataset`` itself."""
+    if name == "composite":
+        return {"composite": dataset, **getattr(dataset, "datasets", {})}
+    return {name: dataset}
 
 
 def _catalog() -> list[dict[str, Any]]:

@@ -6,6 +6,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from typing import Any
 
 import pytest
 
@@ -14,14 +16,18 @@ pytest.importorskip(
 )
 
 import envhub
-from envhub.errors import SourceConfigError
+from envhub.adapters.answer_guard import check_expression
+from envhub.errors import SourceConfigError, SourceError
 from envs.datasets import TaskSet
 from tests.envhub.adapters.sweep import failing
 
 SAMPLE = ["leg_counting", "basic_arithmetic", "word_sorting", "maze", "letter_counting"]
 """Checked in the default tier (fast); test_every_dataset_that_loads_offline_passes checks all."""
 
-NOT_OFFLINE = {"composite": "needs config={'datasets': ...} naming the datasets it mixes"}
+NOT_OFFLINE = {
+    "composite": "needs config={'datasets': ...} naming the datasets it mixes",
+    "propositional_logic": "refused: its scorer cannot tell a conclusion from a copied premise",
+}
 
 
 @pytest.mark.parametrize("name", SAMPLE)
@@ -42,7 +48,7 @@ def test_every_dataset_that_loads_offline_passes():
     datasets = envhub.list_envs("reasoning-gym", variants=False)
     failed = failing(datasets, lambda spec: spec.kwargs["name"])
     assert set(failed) == set(NOT_OFFLINE), failed
-    assert len(datasets) - len(failed) == 103
+    assert len(datasets) - len(failed) == 102
 
 
 def test_the_expert_answer_scores_one_and_a_wrong_one_is_told_its_score():
@@ -170,3 +176,151 @@ def test_an_unevaluated_integral_is_not_an_antiderivative():
     variable = env.unwrapped.task["metadata"]["variable"]
     _, reward, *_ = env.step(f"<answer>Integral({integrand}, {variable}) + C</answer>")
     assert reward == 0.0
+
+
+# ---- an answer cannot stall the scorer (ReasoningGymEnv.score_time_limit_s) -----------------
+def _step_within(env: Any, action: str, seconds: float = 60.0) -> Any:
+    """``env.step(action)`` from a thread: the test fails past ``seconds`` instead of hanging."""
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(env.step(action)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert result, f"the step did not return within {seconds} s"
+    return result[0]
+
+
+def test_an_answer_whose_check_never_ends_scores_zero_and_the_check_is_stopped():
+    """Every exponent is small, so answer_guard admits this antiderivative, but sympy.simplify
+    never finishes its derivative: the check is killed at score_time_limit_s, the answer scores
+    0 with feedback saying why, and the next answer is checked by a fresh helper."""
+    env = envhub.make("reasoning-gym/simple_integration-v0")
+    env.reset(seed=1)
+    assert env.step(env.expert_action())[1] == 1.0
+    helper = env.unwrapped.scoring.pid
+    env.reset(seed=0)
+    variable = env.unwrapped.task["metadata"]["variable"]
+    slow = "*".join(f"({variable}+{k})**1000" for k in range(1, 5))
+    messages, reward, terminated, _, info = _step_within(env, f"<answer>{slow}</answer>")
+    assert (reward, terminated, info["success"]) == (0.0, True, False)
+    assert "took too long to check" in messages[0]["content"]
+    with pytest.raises(ProcessLookupError):  # killed and reaped: it burns no more CPU
+        os.kill(helper, 0)
+    env.reset(seed=1)
+    assert env.step(env.expert_action())[1] == 1.0
+
+
+def test_a_retry_after_a_check_that_ran_out_of_time_is_told_why():
+    env = envhub.make("reasoning-gym/simple_integration-retry-v0")
+    env.reset(seed=0)
+    variable = env.unwrapped.task["metadata"]["variable"]
+    slow = "*".join(f"({variable}+{k})**1000" for k in range(1, 5))
+    messages, reward, terminated, _, _ = _step_within(env, f"<answer>{slow}</answer>")
+    assert (reward, terminated) == (0.0, False)
+    assert "took too long to check" in messages[0]["content"]
+    assert "2 attempt(s) left" in messages[0]["content"]
+    assert env.step(env.expert_action())[1] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("name", "answer"),
+    [("countdown", "(((9**999)**999)**999)"), ("puzzle24", "9**(999*999*999)")],
+)
+def test_an_answer_that_builds_a_huge_number_scores_as_a_wrong_one(name, answer):
+    """sympy would compute these integers (~10**9 digits) eagerly in the scorer; the guard
+    refuses them before, so they score as unreadable answers (0.01: these scorers give a
+    little for the format), with no wait for the time limit."""
+    env = envhub.make(f"reasoning-gym/{name}-v0")
+    env.reset(seed=0)
+    _, reward, terminated, _, info = _step_within(env, f"<answer>{answer}</answer>")
+    assert (reward, terminated, info["success"], info["check_timed_out"]) == (
+        0.01,
+        True,
+        False,
+        False,
+    )
+
+
+def test_the_guard_refuses_powers_that_multiply_past_the_exponent_limit():
+    for text in ("((9**999)**999)**999", "(9**999)**2", "9**(999*999*999)", "x**(500+501)"):
+        with pytest.raises(ValueError, match="exponents are at most 1000"):
+            check_expression(text, names=["x"])
+    for text in ("(x**2)**3", "x**(2*3)", "9**999", "(x**2 + 1)**10", "(x**n)**2", "2**-3"):
+        check_expression(text, names=["x", "n"])
+
+
+def test_the_time_limit_is_an_option_that_names_its_values():
+    for wrong in (0, float("nan"), 10**6):
+        with pytest.raises(SourceConfigError, match="score_time_limit_s must be > 0 and at most"):
+            envhub.make("reasoning-gym/leg_counting-v0", score_time_limit_s=wrong)
+    env = envhub.make("reasoning-gym/leg_counting-v0", score_time_limit_s=None)  # in-process
+    env.reset(seed=0)
+    assert env.step(env.expert_action())[1] == 1.0 and env.unwrapped.scoring is None
+
+
+def test_a_task_the_scoring_process_cannot_receive_names_the_fix():
+    env = envhub.make("reasoning-gym/leg_counting-v0")
+    task = {"question": "How many legs do 2 cats have?", "answer": "8", "metadata": {}}
+    env.reset(options={"task": {**task, "metadata": {"hint": lambda: 8}}})
+    with pytest.raises(SourceError, match="make its fields plain data"):
+        env.step("<answer>8</answer>")
+
+
+# ---- scorers that gave success to junk (answer_guard.SCORE_FIXES) ----------------------------
+JUNK = {  # dataset -> answers its own scorer scored 1 on every task
+    "game_of_life_halting": ["banana", "False if it halts", "0"],
+    "complex_arithmetic": ["nan", "NaN", "nan + 1i", "1 + nani"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(JUNK))
+def test_junk_scores_zero_and_the_right_answer_still_scores_one(name):
+    env = envhub.make(f"reasoning-gym/{name}-v0", size=40)
+    for index in range(40):
+        for junk in JUNK[name]:
+            env.reset(options={"task_index": index})
+            assert env.step(f"<answer>{junk}</answer>")[1] == 0.0, (index, junk)
+        env.reset(options={"task_index": index})
+        assert env.step(env.expert_action())[4]["success"], index
+
+
+def test_the_other_truth_value_does_not_answer_a_halting_question():
+    env = envhub.make("reasoning-gym/game_of_life_halting-v0", size=20)
+    for index in range(20):
+        env.reset(options={"task_index": index})
+        answer = env.unwrapped.task["answer"]
+        other = {"True": "False", "False": "True"}[answer]
+        assert env.step(f"<answer>{other}</answer>")[1] == 0.0
+        env.reset(options={"task_index": index})
+        assert env.step(f"<answer> {answer.lower()} </answer>")[1] == 1.0
+
+
+def test_propositional_logic_is_refused_with_the_reason():
+    """Its scorer gives 1 to any valid conclusion; a premise copied back is one, and so are
+    the dataset's own reference answers a third of the time: no rule separates them."""
+    with pytest.raises(SourceError, match="copied premise.*syllogism"):
+        envhub.make("reasoning-gym/propositional_logic-v0")
+
+
+def test_a_composite_scores_each_entry_as_the_dataset_it_came_from_would(tmp_path):
+    """A composite's scorer hands each entry to its own dataset's: that dataset's guard and
+    fix apply as they do alone, and a refused dataset cannot be mixed in."""
+    from reasoning_gym.composite import DatasetSpec
+
+    def mix(*names: str) -> dict[str, Any]:
+        return {"datasets": [DatasetSpec(name=name, weight=1.0, config={}) for name in names]}
+
+    proof = tmp_path / "ran"
+    write = f"__import__('pathlib').Path({str(proof)!r}).write_text('x')"
+    junk = {"countdown": write, "game_of_life_halting": "banana"}
+    env = envhub.make("reasoning-gym/composite-v0", config=mix(*junk), size=20)
+    seen = set()
+    for index in range(20):
+        env.reset(options={"task_index": index})
+        source = env.unwrapped.task["metadata"]["source_dataset"]
+        seen.add(source)
+        assert env.step(f"<answer>{junk[source]}</answer>")[1] < 0.1, source
+        env.reset(options={"task_index": index})
+        assert env.step(env.expert_action())[1] == 1.0
+    assert seen == set(junk) and not proof.exists()
+    with pytest.raises(SourceError, match="propositional_logic is not offered"):
+        envhub.make("reasoning-gym/composite-v0", config=mix("countdown", "propositional_logic"))
