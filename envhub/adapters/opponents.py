@@ -6,7 +6,9 @@
 ``"random"`` (the default)
     Picks uniformly, with the env's seeded RNG, among the moves the game lists in the
     opponent's observation (TextArena boards say ``Available Moves: '[0]', '[4]'``), else
-    among any ``[...]`` tokens it shows. Deterministic for a seed.
+    among any ``[...]`` tokens it shows. Deterministic for a seed. The adapter shows it only
+    the game's latest message that showed it moves, never a player's text, in which the agent
+    could list the moves it wants the opponent to play.
 ``"module:attr"``
     A scripted player: ``attr`` is a callable, or a class built with no arguments, taking the
     observation text and returning the move, which is TextArena's own ``Agent`` interface
@@ -30,7 +32,15 @@ import numpy as np
 from envhub.errors import SourceConfigError, SourceError
 from envhub.registry import import_target
 
-__all__ = ["ModelOpponent", "Opponent", "RandomOpponent", "ScriptedOpponent", "make_opponent"]
+__all__ = [
+    "ModelOpponent",
+    "Opponent",
+    "RandomOpponent",
+    "ScriptedOpponent",
+    "listed_moves",
+    "make_opponent",
+    "random_move",
+]
 
 _LISTED_MOVE = re.compile(r"'(\[[^\[\]\n']{1,40}\])'")
 _ANY_MOVE = re.compile(r"\[[^\[\]\n]{1,40}\]")
@@ -59,9 +69,14 @@ class RandomOpponent:
 
 
 def random_move(observation: str, rng: np.random.Generator) -> str:
-    """A random move for ``observation``: one it lists in quotes, else any ``[...]`` it shows."""
-    moves = _LISTED_MOVE.findall(observation) or _ANY_MOVE.findall(observation) or ["[0]"]
-    return str(moves[int(rng.integers(len(moves)))])
+    """A random move for ``observation``: one of its ``listed_moves``, else ``[0]``."""
+    moves = listed_moves(observation) or ["[0]"]
+    return moves[int(rng.integers(len(moves)))]
+
+
+def listed_moves(text: str) -> list[str]:
+    """The moves ``text`` lists in quotes (TextArena boards: ``'[4]'``), else any ``[...]``."""
+    return [str(move) for move in _LISTED_MOVE.findall(text) or _ANY_MOVE.findall(text)]
 
 
 class ScriptedOpponent:

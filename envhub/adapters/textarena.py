@@ -3,20 +3,30 @@
 TextArena's id ``Sudoku-v0-hard`` becomes ``textarena/Sudoku-hard-v0``; its ``-raw`` and
 ``-train`` copies (the same game under other observation wrappers) are left out, because the
 adapter renders observations itself. Single-player games (1 player in TextArena) and
-two-player games are registered; games for three or more players are not.
+two-player games are registered; games for three or more players are not, nor the games in
+``LEFT_OUT`` (Bandit scores the wrong button; Sokoban-medium's reset takes tens of seconds).
 
-Each episode builds the game without TextArena's wrappers and shows the agent only what is
-new since its last move (the game's prompt and board, the other player's moves), as one user
-message. In a two-player game the agent is ``agent_player`` (0, 1 or ``"random"``) and the
-other seat is played by ``opponent`` (``envhub.adapters.opponents``: random, a script, or a
-model at an OpenAI-compatible URL); a ``step`` applies the agent's move and then the
-opponent's, so each step returns at the agent's next turn or at the end.
+Each reset builds a new game without TextArena's wrappers (games keep their board and deck
+in the game object, so a reused one carries the last episode into the next) and shows the
+agent only what is new since its last move (the game's prompt and board, the other player's
+moves), as one user message. In a two-player game the agent is ``agent_player`` (0, 1 or
+``"random"``) and the other seat is played by ``opponent`` (``envhub.adapters.opponents``:
+random, a script, or a model at an OpenAI-compatible URL); a ``step`` applies the agent's move
+and then the opponent's, so each step returns at the agent's next turn or at the end. The
+random opponent reads only the game's latest message that showed it moves: TextArena shows
+both players each move as written, in which an agent could list the moves it wants played.
 
 Mapping to the TextEnv contract: the reward is the game's final reward for the agent (given
 on the last step; 0 before): a single-player game's score in [0, 1], a two-player game's
 +1 win / 0 draw / -1 loss; ``success`` is a score of 1 or a win. A move the game refuses is
 ``invalid_action`` (TextArena allows one retry, then the player loses, and that loss is the
-episode's end). ``max_turns`` (200 unless given) bounds games without their own limit.
+episode's end). So is a move the game cannot even read (a number over Python's 4300 digits,
+on which games raise ``ValueError``), and a loss the game reports with a text as the reward
+(Countdown, Cryptarithm, Slitherlink and ThreeCardMonte pass ``set_invalid_move`` its
+arguments swapped) scores -1, TextArena's invalid-move loss. Anything else the game raises is
+``SourceError``. A move is at most ``action_max_length`` characters (8,000 unless given: some
+games match moves with patterns quadratic in the text, 5 s a step at 100,000). ``max_turns``
+(200 unless given) bounds games without their own limit.
 
 Determinism: each reset draws a seed from the env's RNG and passes it to TextArena, which
 seeds Python's global ``random`` with it; so an episode is fixed by the reset seed as long as
@@ -28,6 +38,7 @@ NLTK corpora fail offline and are not in the checked sample (see the README).
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -35,19 +46,42 @@ import numpy as np
 
 from envhub.adapters import did_you_mean, require
 from envhub.adapters.catalog import register_source
-from envhub.adapters.opponents import Opponent, make_opponent, random_move
+from envhub.adapters.opponents import (
+    Opponent,
+    RandomOpponent,
+    listed_moves,
+    make_opponent,
+    random_move,
+)
 from envhub.core import TextEnv, Turn
 from envhub.errors import SourceConfigError, SourceError
 from envhub.registry import import_target
 
-__all__ = ["TextArenaEnv", "envhub_id", "register"]
+__all__ = ["LEFT_OUT", "TextArenaEnv", "envhub_id", "register"]
 
 SOURCE = "textarena"
 _GAME_ID = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9_.]*)-v(?P<version>\d+)(?P<suffix>-.+)?$")
 _STATES = {"SinglePlayerState": 1, "TwoPlayerState": 2}
 _PLAYER_ACTION = 2  # textarena.core.ObservationType.PLAYER_ACTION
+_GAME_ADMIN = 6  # textarena.core.ObservationType.GAME_ADMIN (invalid-move notices)
 _REDEALS = 10
 _MAX_OPPONENT_MOVES = 500
+_INVALID_MOVE_LOSS = -1.0  # what TextArena's set_invalid_move pays a player who loses by it
+_UNREADABLE_NUMBER = "integer string conversion"  # in Python's ValueError past 4300 digits
+
+_WRONG_BUTTON = (
+    "pays the wrong choice: TextArena 0.7.4 compares the chosen button's name with the "
+    "ground-truth dict, so the best button scores 0 and the worst the most"
+)
+LEFT_OUT = {
+    "Bandit-v0": _WRONG_BUTTON,
+    "Bandit-v0-hard": _WRONG_BUTTON,
+    "Sokoban-v0-medium": (
+        "searches for a solvable room in its reset for tens of seconds (36 s at one seed), "
+        "past a pool's 30 s reset timeout"
+    ),
+}
+"""TextArena games not registered (nor built), each with what is wrong with it."""
 
 
 def envhub_id(game: str) -> str | None:
@@ -74,14 +108,22 @@ class TextArenaEnv(TextEnv):
         game_kwargs: dict[str, Any] | None = None,
         invalid_action_penalty: float = 0.0,
         max_turns: int | None = 200,
+        action_max_length: int = 8_000,
         render_mode: Any = None,
     ) -> None:
-        super().__init__(max_turns=max_turns, render_mode=render_mode)
+        super().__init__(
+            max_turns=max_turns, render_mode=render_mode, action_max_length=action_max_length
+        )
         registry = require(SOURCE, "textarena.envs.registration").ENV_REGISTRY
         if game not in registry:
             raise SourceConfigError(
                 f"TextArena has no game {game!r}.{did_you_mean(game, registry)} "
                 "`envhub list --source textarena` lists them"
+            )
+        if game in LEFT_OUT:
+            raise SourceConfigError(
+                f"TextArena {game} is left out of envhub: it {LEFT_OUT[game]}; pick another "
+                "game (`envhub list --source textarena` lists them)"
             )
         if players not in (1, 2):
             raise SourceConfigError(f"players must be 1 or 2, got {players!r}")
@@ -100,6 +142,7 @@ class TextArenaEnv(TextEnv):
         self._opponent: Opponent | None = None
         self._rng = np.random.default_rng(0)
         self._me = 0
+        self._listing = ""  # the game's latest message that showed the opponent moves
         self._build()  # a bad game_kwargs fails here, not at the first reset
         if players == 2:
             self._opponent = make_opponent(opponent, model=opponent_model, api_key=opponent_api_key)
@@ -112,8 +155,6 @@ class TextArenaEnv(TextEnv):
             self._me = int(self._rng.integers(2))
         else:
             self._me = int(self.agent_player)
-        if self._source is None:
-            self._build()
         if self.players == 2 and self._opponent is None:
             self._opponent = make_opponent(
                 self.opponent_spec, model=self.opponent_model, api_key=self.opponent_api_key
@@ -121,8 +162,15 @@ class TextArenaEnv(TextEnv):
         for _ in range(_REDEALS):  # a game the opponent loses before the agent moves is re-dealt
             if self._opponent is not None:
                 self._opponent.reset()
-            self._source.reset(num_players=self.players, seed=seed)
-            self._done = False
+            self._build()  # a new game: a reused one keeps the last episode's board and deck
+            try:
+                self._source.reset(num_players=self.players, seed=seed)
+            except Exception as error:
+                raise SourceError(
+                    f"TextArena {self.game} raised {type(error).__name__} in its reset: {error}; "
+                    "a bug in the game, which cannot start this episode (try another seed)"
+                ) from error
+            self._done, self._listing = False, ""
             self._play_opponent()
             if not self._done:
                 return self._news(), {"game": self.game, "player": self._me}
@@ -137,16 +185,19 @@ class TextArenaEnv(TextEnv):
         errors_before = int(getattr(state, "error_count", 0) or 0)
         try:
             self._done, _ = self._source.step(action=action)
-            invalid = int(getattr(state, "error_count", 0) or 0) > errors_before
-            if not self._done:
-                self._play_opponent()
-        except SourceError:
-            raise
+        except ValueError as error:
+            if _UNREADABLE_NUMBER not in str(error):
+                raise self._failure(error, "the agent's move", action) from error
+            state.set_invalid_move(  # the agent's malformed move, as the game refuses one
+                reason=f"The move holds a number of more than {sys.get_int_max_str_digits()} "
+                "digits, which the game cannot read. Write the move as the rules show."
+            )
+            self._done, _ = state.step()
         except Exception as error:
-            raise SourceError(
-                f"TextArena {self.game} raised {type(error).__name__} on the move {action[:60]!r}: "
-                f"{error}; the episode cannot go on (reset to start another)"
-            ) from error
+            raise self._failure(error, "the agent's move", action) from error
+        invalid = int(getattr(state, "error_count", 0) or 0) > errors_before
+        if not self._done:
+            self._play_opponent()
         if not self._done:
             return Turn(
                 self._news(),
@@ -156,12 +207,16 @@ class TextArenaEnv(TextEnv):
         rewards, game_info = self._source.close()
         mine = game_info.get(self._me, {}) if isinstance(game_info, dict) else {}
         reward = (rewards or {}).get(self._me, 0.0)
+        invalid = invalid or bool(mine.get("invalid_move"))
+        if not isinstance(reward, (int, float)) and invalid:
+            # a game that passes set_invalid_move its arguments swapped ends on the agent's
+            # invalid move with the reason as the reward: scored as that loss
+            reward = _INVALID_MOVE_LOSS
         if not isinstance(reward, (int, float)):
             raise SourceError(
                 f"TextArena {self.game} ended with a reward that is not a number ({reward!r:.80}); "
                 "a bug in the game, which envhub cannot score"
             )
-        invalid = invalid or bool(mine.get("invalid_move"))
         success = reward >= 1.0 if self.players == 1 else reward > 0
         return Turn(
             self._news(),
@@ -226,14 +281,51 @@ class TextArenaEnv(TextEnv):
             if self._opponent is None:
                 raise SourceError(f"TextArena {self.game} gave the turn to another player")
             player, observation = self._source.get_observation()
-            move = self._opponent.act(_render(observation, player), self._rng)
-            self._done, _ = self._source.step(action=move)
+            try:
+                move = self._opponent.act(self._opponent_view(observation, player), self._rng)
+            except SourceError:
+                raise
+            except Exception as error:
+                raise SourceError(
+                    f"the opponent {self.opponent_spec!r} of TextArena {self.game} raised "
+                    f"{type(error).__name__}: {error}; fix the opponent's script"
+                ) from error
+            try:
+                self._done, _ = self._source.step(action=move)
+            except Exception as error:
+                raise self._failure(error, "the opponent's move", move) from error
+
+    def _opponent_view(self, observation: list[Any], player: int) -> str:
+        """What the opponent reads. A script or a model reads what a TextArena player would.
+        The random opponent plays a move of what it reads, and TextArena shows both players
+        each move as written, in which the agent could list any move: so it reads only the
+        latest message of the game's that showed it moves (a board, this turn or before; an
+        invalid-move notice does not count), else this turn's messages of the game's."""
+        if not isinstance(self._opponent, RandomOpponent):
+            return _render(observation, player)
+        from_game = [(str(text), kind) for sender, text, kind in observation if _from_game(sender)]
+        for text, kind in from_game:
+            if getattr(kind, "value", kind) != _GAME_ADMIN and listed_moves(text):
+                self._listing = text
+        return self._listing or "\n\n".join(text for text, _ in from_game)
+
+    def _failure(self, error: Exception, whose: str, move: str) -> SourceError:
+        """The ``SourceError`` for ``error``, which the game raised on a move."""
+        return SourceError(
+            f"TextArena {self.game} raised {type(error).__name__} on {whose} {move[:60]!r}: "
+            f"{error}; the episode cannot go on (reset to start another)"
+        )
 
     def _news(self) -> str:
         """Everything the agent has not seen yet, as text (its own moves left out)."""
         pending = self._source.state.observations
         messages, pending[self._me] = pending.get(self._me, []), []
         return _render(messages, self._me) or "(no news from the game)"
+
+
+def _from_game(sender: Any) -> bool:
+    """Whether a message's ``from_id`` is the game's (TextArena's -1), not a player's."""
+    return not isinstance(sender, int) or sender < 0  # not an int: arguments out of order
 
 
 def _render(messages: list[Any], me: int) -> str:
@@ -252,7 +344,7 @@ def _catalog() -> list[dict[str, Any]]:
     registry = require(SOURCE, "textarena.envs.registration").ENV_REGISTRY
     entries = []
     for game, spec in registry.items():
-        if game.endswith(("-raw", "-train")):
+        if game.endswith(("-raw", "-train")) or game in LEFT_OUT:
             continue
         env_id, players = envhub_id(game), _players(spec.entry_point)
         if env_id is None or players is None:

@@ -21,3 +21,8 @@ class AlwaysCentre:
 
     def __call__(self, observation: str) -> str:
         return "[4]"
+
+
+def broken_player(observation: str) -> str:
+    """A player whose script fails: the episode fails as the source's failure."""
+    raise RuntimeError("the script broke")

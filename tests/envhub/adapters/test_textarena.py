@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -14,8 +15,9 @@ pytest.importorskip(
 )
 
 import envhub
-from envhub.errors import SourceConfigError
+from envhub.errors import SourceConfigError, SourceError
 from envhub.pool import EnvPool, EpisodeFailure
+from envhub.registry import Registry
 from tests.envhub.adapters import scripted_players
 from tests.envhub.adapters.sweep import failing
 from tests.envhub.openai_servers import completion, scripted_server
@@ -53,15 +55,10 @@ SINGLE_PLAYER_NOT_OFFLINE = {  # envhub ids without the namespace
     # Python 3.12 syntax in the game's module (this project runs 3.11)
     "Klondike-v0",
     "UltimateTexasHoldem-v0",
-    # the game reports a text as the final reward after a malformed move
-    "Countdown-v0",
-    "Cryptarithm-v0",
-    "Slitherlink-v0",
-    "ThreeCardMonte-v0",
 }
 """TextArena 0.7.4 single-player games that cannot pass here, and why (see the README)."""
 
-TOO_SLOW_FOR_ONE_RUN = {"Sokoban-medium-v0", "Sudoku-hard-v0", "RushHour-v0"}
+TOO_SLOW_FOR_ONE_RUN = {"Sudoku-hard-v0", "RushHour-v0"}
 """Pass, but generate each puzzle for tens of seconds; left out of the sweep's time budget."""
 
 
@@ -77,7 +74,7 @@ def test_single_player_games_that_load_offline_pass():
     swept = [s for s in games if s.id.removeprefix("textarena/") not in TOO_SLOW_FOR_ONE_RUN]
     failed = failing(swept, lambda spec: spec.id.removeprefix("textarena/"))
     assert set(failed) == SINGLE_PLAYER_NOT_OFFLINE, failed
-    assert (len(games), len(games) - len(failed)) == (73, 53)
+    assert (len(games), len(games) - len(failed)) == (70, 54)
 
 
 TWO_PLAYER_NOT_OFFLINE = {
@@ -104,28 +101,17 @@ TWO_PLAYER_NOT_OFFLINE = {
         + ["UsedCarNegotiation-strong-buyer-v0", "UsedCarNegotiation-strong-seller-v0"],
         "missing file",
     ),
-    # deals cards before seeding, so a reset seed does not fix the episode
-    **dict.fromkeys(
-        ["KuhnPoker-v0", "KuhnPoker-short-v0", "KuhnPoker-medium-v0"]
-        + ["KuhnPoker-long-v0", "KuhnPoker-extreme-v0"],
-        "unseeded",
-    ),
-    "SpiteAndMalice-v0": "AttributeError in its reset",
 }
 """TextArena 0.7.4 two-player games that cannot pass here (with opponent='random'), and why."""
-
-HANGS = {"Stratego-v0"}
-"""Its random setup does not finish (left out of the sweep)."""
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_two_player_games_that_load_offline_pass_against_the_random_opponent():
     games = [s for s in envhub.list_envs("textarena") if s.kwargs["players"] == 2]
-    swept = [s for s in games if s.name + f"-v{s.version}" not in HANGS]
-    failed = failing(swept, lambda spec: spec.id.removeprefix("textarena/"))
+    failed = failing(games, lambda spec: spec.id.removeprefix("textarena/"))
     assert set(failed) == set(TWO_PLAYER_NOT_OFFLINE), failed
-    assert (len(games), len(games) - len(failed) - len(HANGS)) == (119, 87)
+    assert (len(games), len(games) - len(failed)) == (119, 94)
 
 
 def test_a_game_and_its_turns_map_to_the_contract():
@@ -199,23 +185,25 @@ def test_a_model_opponent_plays_through_an_openai_compatible_url():
 
 
 def test_a_failing_source_fails_the_episode_and_the_pool_heals():
-    """A game that raises on a malformed move, and a model opponent whose server answers 500:
-    each fails its episode as data (with the source named), and the pool keeps serving."""
+    """A scripted opponent that raises, and a model opponent whose server answers 500: each
+    fails its episode as data (with the source named), and the pool keeps serving."""
 
     def broken(body):
         return JSONResponse({"error": {"message": "overloaded"}}, status_code=500)
 
-    async def main(url):
-        async with EnvPool("textarena/ThreeCardMonte-v0", num_workers=1) as pool:
-            started = await pool.reset(seed=0)
-            await pool.step(started.episode, "")  # invalid: one retry allowed
-            failed = await pool.step(started.episode, "   ")
-            assert isinstance(failed, EpisodeFailure) and failed.reason == "env_error"
-            assert "ThreeCardMonte" in failed.detail and "not a number" in failed.detail
-            assert not isinstance(await pool.reset(seed=1), EpisodeFailure)
+    def with_opponent(opponent):
         spec = envhub.spec("textarena/TicTacToe-v0")
-        spec = replace(spec, kwargs={**spec.kwargs, "opponent": url})
-        async with EnvPool(spec, num_workers=1) as pool:
+        return replace(spec, kwargs={**spec.kwargs, "opponent": opponent})
+
+    async def main(url):
+        script = "tests.envhub.adapters.scripted_players:broken_player"
+        async with EnvPool(with_opponent(script), num_workers=1) as pool:
+            started = await pool.reset(seed=0)  # the agent moves first: the script not yet run
+            failed = await pool.step(started.episode, "[0]")
+            assert isinstance(failed, EpisodeFailure) and failed.reason == "env_error"
+            assert "TicTacToe" in failed.detail and "the script broke" in failed.detail
+            assert not isinstance(await pool.reset(seed=1), EpisodeFailure)
+        async with EnvPool(with_opponent(url), num_workers=1) as pool:
             started = await pool.reset(seed=0)  # the agent moves first: nothing asked yet
             failed = await pool.step(started.episode, "[0]")
             assert isinstance(failed, EpisodeFailure) and failed.reason == "env_error"
@@ -224,6 +212,157 @@ def test_a_failing_source_fails_the_episode_and_the_pool_heals():
 
     with scripted_server(broken) as server:
         asyncio.run(asyncio.wait_for(main(server.url), 120))
+
+
+def test_a_game_that_fails_in_its_reset_fails_as_the_source(monkeypatch):
+    from textarena.envs.TicTacToe.env import TicTacToeEnv
+
+    def broken_reset(self, num_players, seed=None):
+        raise KeyError("board")
+
+    env = envhub.make("textarena/TicTacToe-v0")
+    monkeypatch.setattr(TicTacToeEnv, "reset", broken_reset)
+    with pytest.raises(SourceError, match=r"TicTacToe-v0 raised KeyError in its reset"):
+        env.reset(seed=0)
+
+
+def agent_view(env_id: str, seed: int, choose: Callable[[str], str]) -> list[str]:
+    """Every message the agent reads in one episode where it plays ``choose(observation)``,
+    then the final reward."""
+    env = envhub.make(env_id)
+    messages, _ = env.reset(seed=seed)
+    seen = [messages[-1]["content"]]
+    while True:
+        messages, reward, terminated, truncated, _ = env.step(choose(seen[-1]))
+        seen.append(messages[-1]["content"])
+        if terminated or truncated:
+            return [*seen, str(reward)]
+
+
+def tic_tac_toe_move(observation: str) -> str:
+    return re.findall(r"'(\[\d\])'", observation)[-1]
+
+
+def kuhn_poker_move(observation: str) -> str:
+    return "[bet]" if "'[bet]'" in observation.split("available actions")[-1] else "[call]"
+
+
+@pytest.mark.parametrize(
+    ("env_id", "choose", "planted"),
+    [
+        ("textarena/TicTacToe-v0", tic_tac_toe_move, "'[1]' " * 150),
+        ("textarena/KuhnPoker-v0", kuhn_poker_move, "'[fold]' " * 150),
+    ],
+)
+def test_the_agents_text_does_not_choose_the_random_opponents_moves(env_id, choose, planted):
+    """TextArena shows both players the agent's move as written; the random opponent picks only
+    among the moves the game lists, so moves planted in the agent's text change nothing (they
+    used to steer it: a fixed TicTacToe line won 40 of 40 games instead of 24)."""
+    for seed in range(6):
+        honest = agent_view(env_id, seed, choose)
+        assert agent_view(env_id, seed, lambda text: f"{choose(text)} {planted}") == honest
+
+
+def test_the_random_opponent_moves_from_the_latest_board():
+    """After the agent takes the centre, the opponent's first board still lists it; the
+    opponent picks from the board the game showed last, so it never tries the taken cell."""
+    replies = []
+    for seed in range(40):
+        env = envhub.make("textarena/TicTacToe-v0")
+        env.reset(seed=seed)
+        replies.append(env.step("[4]")[0][-1]["content"])
+    assert not [reply for reply in replies if "[Player 1] [4]" in reply]
+
+
+def test_a_seed_deals_the_same_game_on_a_fresh_env_and_after_another_episode():
+    fresh = envhub.make("textarena/KuhnPoker-v0").reset(seed=5)[0]
+    used = envhub.make("textarena/KuhnPoker-v0")
+    used.reset(seed=1)
+    used.step("[bet]")
+    assert used.reset(seed=5)[0] == fresh  # KuhnPoker shuffles its deck in place
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env_id", ["textarena/Stratego-v0", "textarena/SpiteAndMalice-v0"])
+def test_every_reset_starts_a_new_game(env_id):
+    """Games keep their board and deck in the game object: reused, Stratego's second setup
+    never ended and SpiteAndMalice's raised AttributeError."""
+    env = envhub.make(env_id)
+    first = env.reset(seed=1)
+    env.reset(seed=5)
+    assert env.reset(seed=1) == first
+
+
+@pytest.mark.parametrize(
+    "env_id",
+    [
+        "textarena/Countdown-v0",
+        "textarena/Cryptarithm-v0",
+        "textarena/Slitherlink-v0",
+        "textarena/ThreeCardMonte-v0",
+    ],
+)
+def test_a_second_malformed_move_loses_where_the_game_reports_a_text_as_the_reward(env_id):
+    """These games pass set_invalid_move its arguments swapped (TextArena 0.7.4): the game
+    ends with the message as the reward, which the adapter scores as the invalid-move loss."""
+    env = envhub.make(env_id)
+    env.reset(seed=0)
+    _, _, terminated, _, info = env.step("hello")
+    assert info["invalid_action"] and not terminated
+    _, reward, terminated, _, info = env.step("hello")
+    assert (reward, terminated, info["success"], info["invalid_action"]) == (
+        -1.0,
+        True,
+        False,
+        True,
+    )
+
+
+@pytest.mark.parametrize(
+    "env_id", ["textarena/TicTacToe-v0", "textarena/Othello-v0", "textarena/GuessTheNumber-v0"]
+)
+def test_a_number_too_long_for_python_is_an_invalid_move(env_id):
+    """The game's int() refuses more than 4300 digits (ValueError): that is the agent's
+    malformed move, with TextArena's one retry, not a failure of the game."""
+    env = envhub.make(env_id, action_max_length=10_000)
+    env.reset(seed=3)
+    move = "[" + "9" * 5000 + "]"
+    messages, _, terminated, _, info = env.step(move)
+    assert info["invalid_action"] and not terminated
+    assert "digits" in messages[-1]["content"]
+    _, reward, terminated, _, info = env.step(move)
+    assert (reward, terminated, info["success"], info["invalid_action"]) == (
+        -1.0,
+        True,
+        False,
+        True,
+    )
+
+
+def test_a_move_is_bounded_to_what_every_game_reads_quickly():
+    """ConnectFour's move pattern is quadratic in the text's length (100,000 characters: 5 s a
+    step); the action space bounds a move, so a longer text is an invalid action the game
+    never reads, and the bound is an argument."""
+    env = envhub.make("textarena/ConnectFour-v0")
+    env.reset(seed=3)
+    messages, _, terminated, _, info = env.step("x" * 100_000)
+    assert info["invalid_action"] and not terminated
+    assert "at most 8000" in messages[-1]["content"]
+    wider = envhub.make("textarena/ConnectFour-v0", action_max_length=20_000)
+    assert wider.action_space.max_length == 20_000
+
+
+def test_games_that_score_wrongly_or_reset_for_too_long_are_not_listed(tmp_path, monkeypatch):
+    """Bandit pays the worst button (TextArena 0.7.4 compares the button's name with the
+    ground-truth dict); Sokoban-medium's reset takes tens of seconds (36 s at seed 5)."""
+    monkeypatch.setenv("ENVHUB_CACHE_DIR", str(tmp_path))  # the catalog as computed now
+    registry = Registry()
+    assert not registry.load_plugins()
+    assert "textarena/Sokoban-v0" in registry
+    for env_id in ("Bandit-v0", "Bandit-hard-v0", "Sokoban-medium-v0"):
+        assert f"textarena/{env_id}" not in registry
+    with pytest.raises(SourceConfigError, match="best button scores 0"):
+        envhub.make("textarena/TicTacToe-v0", game="Bandit-v0")
 
 
 def test_unknown_games_say_what_exists():
