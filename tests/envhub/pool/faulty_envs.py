@@ -22,6 +22,11 @@ NOOP = EnvSpec(
 
 
 class FaultyEnv(TextEnv):
+    def __init__(self, **kwargs):
+        # the pool and hub tests send actions of megabytes through sockets and frames
+        kwargs.setdefault("action_max_length", 10_000_000)
+        super().__init__(**kwargs)
+
     def on_reset(self, options):
         self.secret = int(self.np_random.integers(0, 1_000_000))
         return f"secret {self.secret} pid {os.getpid()}", {"pid": os.getpid()}
