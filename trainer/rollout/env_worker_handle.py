@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from envhub.pool.procs import ExitWatch
-from trainer.rollout.env_worker_replay import HeldEpisode
+from trainer.rollout.env_worker_replay import EnvCalls, HeldEpisode
 from trainer.rollout.wire import Channel
 
 __all__ = ["WorkerHandle"]
@@ -28,6 +28,8 @@ class WorkerHandle:
     channel: Channel
     ready: asyncio.Future[bool]
     """Set once the worker answered its setup (True) or failed it (False)."""
+    calls: EnvCalls
+    """The episodes the worker has in an env call (read once it died: those are the culprits)."""
     relay: Channel | None = None
     """The relayed engines' own socket (``RelayEngines``), if any."""
     next_answer: int = 0
@@ -42,7 +44,8 @@ class WorkerHandle:
     requests: set[str] = field(default_factory=set)
     """Generation requests the worker is waiting for (aborted in the router if it dies)."""
     waiting: set[str] = field(default_factory=set)
-    """Once it died: the play keys of its episodes that waited for a generation (replayed)."""
+    """Once it died: the play keys of its episodes that waited for a generation (not culprits
+    even when its record of env calls overflowed)."""
     last_turn: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
     """Episode key -> its last prompt and generated ids (an ``extend`` goes on from them)."""
     sent_at: collections.deque[float] = field(default_factory=collections.deque)

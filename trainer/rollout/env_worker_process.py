@@ -1,13 +1,14 @@
 """An env worker process (``trainer.rollout.env_workers``): its event loop and the engine it
 generates through.
 
-The driver starts ``python -m trainer.rollout.env_worker_process FD [--lockstep]`` with one
-end of a socket pair as ``FD`` and its own ``sys.path`` in ``PYTHONPATH``. The first frame
-carries ``("init", setup, routing)``: the worker calls ``setup(engine)`` and answers
-``("ready",)``, or ``("fatal", traceback)`` and exits. ``engine`` is a ``RemoteEngine`` (the
-driver routes every turn), or, with ``routing`` (``WorkerRouters.init_message``: the engines'
-setup, the version, paused or not), a ``LocalRoute``: an ``EngineRouter`` of the worker's own
-over the engines it builds (``trainer.rollout.worker_routing``). Then:
+The driver starts ``python -m trainer.rollout.env_worker_process FD [--env-calls FD2]
+[--relay FD3] [--lockstep]`` with one end of a socket pair as ``FD`` and its own ``sys.path`` in
+``PYTHONPATH``. The first frame carries ``("init", setup, routing)``: the worker calls
+``setup(engine)`` and answers ``("ready",)``, or ``("fatal", traceback)`` and exits.
+``engine`` is a ``RemoteEngine`` (the driver routes every turn), or, with ``routing``
+(``WorkerRouters.init_message``: the engines' setup, the version, paused or not), a
+``LocalRoute``: an ``EngineRouter`` of the worker's own over the engines it builds
+(``trainer.rollout.worker_routing``). Then:
 
     driver -> worker   ("play", key, spec, sampling, max_retries)  play_episode in a task
                        ("result", *result) / ("failed", request_id, error)
@@ -31,6 +32,11 @@ requests in flight (``WorkerRouters.on_report``).
 
 Frames and the messages' encodings: ``trainer.rollout.wire``.
 
+Around each env call of an episode (making, resetting, stepping, closing its env) the worker
+records the episode's key in memory it shares with the driver (``--env-calls FD``:
+``trainer.rollout.env_worker_replay.EnvCalls``), so that, if the call kills the process, the
+driver fails only that episode and replays the others.
+
 The worker exits when the socket closes (its driver closed it or is gone), after cancelling
 its episodes and closing its env source.
 """
@@ -43,9 +49,10 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from trainer.rollout.env_worker_replay import EnvCalls
 from trainer.rollout.router import EngineRouter, episode_key
 from trainer.rollout.trajectory import Trajectory
 from trainer.rollout.wire import (
@@ -59,7 +66,13 @@ from trainer.strategies.base import GenerationRequest, GenerationResult
 from trainer.weights.versioned import PolicyVersion
 
 if TYPE_CHECKING:
-    from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
+    from trainer.rollout.env_manager import (
+        EnvManager,
+        EnvSession,
+        EnvSource,
+        Sampling,
+        StepOutcome,
+    )
     from trainer.rollout.groups import EpisodeSpec
     from trainer.rollout.worker_routing import EngineSetup
 
@@ -67,6 +80,8 @@ __all__ = ["LocalRoute", "RemoteEngine", "WorkerSetup"]
 
 WorkerSetup = Callable[["RemoteEngine | LocalRoute"], "tuple[EnvManager, EnvSource]"]
 """Builds a worker's ``EnvManager`` (generating through the given engine) and ``EnvSource``."""
+
+_T = TypeVar("_T")
 
 
 class RemoteEngine:
@@ -133,8 +148,12 @@ class _WorkerLoop:
     """A worker process's event loop: plays the episodes the driver sends (``WorkerLink`` of
     the engines it builds when it routes its turns itself)."""
 
-    def __init__(self, lockstep: bool, relay: socket.socket | None = None) -> None:
+    def __init__(
+        self, lockstep: bool, relay: socket.socket | None = None, calls: EnvCalls | None = None
+    ) -> None:
         self.lockstep = lockstep
+        self.calls = calls
+        """Where the episodes in an env call are recorded for the driver (``EnvCalls``)."""
         self.channel = Channel(self.on_frame, self.on_lost, auto_flush=not lockstep)
         self.relay: Channel | None = None
         """The relayed engines' own socket to the driver (``RelayEngines``), if any."""
@@ -256,10 +275,13 @@ class _WorkerLoop:
         if self.manager is None or self.source is None:
             raise RuntimeError("an episode arrived before the worker's setup (the init frame)")
         failed: list[Trajectory] = []
+        source = self.source
+        if self.calls is not None:
+            source = _RecordedSource(source, key, self.calls)
         try:
             trajectory = await play_episode(
                 self.manager,
-                self.source,
+                source,
                 spec,
                 sampling,
                 max_retries=retries,
@@ -328,6 +350,50 @@ class _WorkerLoop:
                     await self.source.aclose()
 
 
+class _RecordedSource:
+    """The worker's env source as one episode (``key``) plays it: each of its env calls (making,
+    resetting, stepping, closing its env) is in ``calls`` while it runs, so that the driver can
+    tell which episode's env killed the worker (``EnvCalls``)."""
+
+    def __init__(self, source: EnvSource, key: str, calls: EnvCalls) -> None:
+        self._source, self._key, self._calls = source, key, calls
+
+    async def session(self, env_id: str) -> EnvSession:
+        session = await _recorded(self._calls, self._key, self._source.session, env_id)
+        return _RecordedSession(session, self._key, self._calls)
+
+    async def aclose(self) -> None:
+        await self._source.aclose()
+
+
+class _RecordedSession:
+    """An episode's env session, its calls recorded (``_RecordedSource``)."""
+
+    def __init__(self, session: EnvSession, key: str, calls: EnvCalls) -> None:
+        self._session, self._key, self._calls = session, key, calls
+
+    async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        return await _recorded(self._calls, self._key, self._session.reset, seed)
+
+    async def step(self, action: str | dict[str, Any]) -> StepOutcome:
+        return await _recorded(self._calls, self._key, self._session.step, action)
+
+    async def close(self) -> None:
+        await _recorded(self._calls, self._key, self._session.close)
+
+
+async def _recorded(
+    calls: EnvCalls, key: str, call: Callable[..., Awaitable[_T]], *args: Any
+) -> _T:
+    """``call(*args)`` awaited with ``key`` in ``calls`` meanwhile (until it returns, raises, or
+    is given up on)."""
+    calls.begin(key)
+    try:
+        return await call(*args)
+    finally:
+        calls.end(key)
+
+
 def main(argv: list[str]) -> None:
     """A worker process: play episodes until the driver's socket closes."""
     from envhub.gc_tuning import relax_gc
@@ -337,9 +403,12 @@ def main(argv: list[str]) -> None:
     relay = None
     if "--relay" in argv:
         relay = socket.socket(fileno=int(argv[argv.index("--relay") + 1]))
+    calls = None
+    if "--env-calls" in argv:
+        calls = EnvCalls.attach(int(argv[argv.index("--env-calls") + 1]))
 
     async def main() -> None:
-        await _WorkerLoop(lockstep="--lockstep" in argv, relay=relay).serve(sock)
+        await _WorkerLoop(lockstep="--lockstep" in argv, relay=relay, calls=calls).serve(sock)
 
     asyncio.run(main())
 

@@ -27,9 +27,9 @@ its previous prompt and generation travel (the driver holds those and rebuilds t
 Guarantees: an episode is played by one worker from its start to its end (its replays on a
 fresh env too) unless that worker dies; ``stop(keys)`` ends the episodes' replays after the
 running attempt (the scheduler then aborts their generations in the router). A worker that dies
-fails the episodes it was working on (``failure`` names the worker and its exit code) and
-replays on a live worker those that waited for the engine (``trainer.rollout.env_worker_replay``);
-their generations are aborted in the router, and a fresh worker takes its place; nothing hangs:
+fails the episodes that were in an env call (``failure`` names the worker and its exit code) and
+replays every other one on a live worker (``trainer.rollout.env_worker_replay``); their
+generations are aborted in the router, and a fresh worker takes its place; nothing hangs:
 its death is seen when its process exits (even while a helper its env forked holds the socket),
 and its process group, helpers included, dies with it. ``close()`` ends every worker process
 (killed if it does not exit within ``close_timeout_s``), and a worker whose driver is gone exits
@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 from envhub.pool.procs import ExitWatch, describe_exit, kill_group
 from trainer.rollout.env_worker_handle import WorkerHandle
 from trainer.rollout.env_worker_process import LocalRoute, RemoteEngine, WorkerSetup
-from trainer.rollout.env_worker_replay import HeldEpisode, bystanders, settle_held
+from trainer.rollout.env_worker_replay import EnvCalls, HeldEpisode, bystanders, settle_held
 from trainer.rollout.router import episode_key
 from trainer.rollout.trajectory import Trajectory
 from trainer.rollout.wire import (
@@ -284,6 +284,7 @@ class EnvWorkers:
             kill_group(worker.process)  # the helpers its envs started
             settle_held(worker.episodes, set(), "EnvWorkers closed", None)
             worker.episodes = {}
+            worker.calls.close()
             if worker.watch is not None:
                 worker.watch.cancel()
         for waiting in [*self._tasks, *self._answers]:
@@ -298,6 +299,8 @@ class EnvWorkers:
         mine.setblocking(False)
         command = [sys.executable, "-m", "trainer.rollout.env_worker_process", str(theirs.fileno())]
         passed = [theirs]
+        calls, calls_fd = EnvCalls.create()  # which episodes are in an env call, if it dies
+        command += ["--env-calls", str(calls_fd)]
         relay = self.routing.relay if self.routing is not None else None
         if relay is not None:  # the relayed engines' traffic gets a socket of its own
             relay_mine, relay_theirs = socket.socketpair()
@@ -306,19 +309,20 @@ class EnvWorkers:
         path = os.pathsep.join(p or os.getcwd() for p in sys.path)
         process = subprocess.Popen(
             command + (["--lockstep"] if self.lockstep else []),
-            pass_fds=[s.fileno() for s in passed],
+            pass_fds=[calls_fd, *(s.fileno() for s in passed)],
             env={**os.environ, "PYTHONPATH": path},
             start_new_session=True,  # its own group: kill_group takes its envs' helpers too
         )
         for sock in passed:
             sock.close()
+        os.close(calls_fd)
         holder: list[WorkerHandle] = []
         channel = Channel(
             lambda frame: self._on_frame(holder[0], frame),
             lambda: self._on_lost(holder[0]),
             auto_flush=not self.lockstep,
         )
-        worker = WorkerHandle(index, process, channel, loop.create_future())
+        worker = WorkerHandle(index, process, channel, loop.create_future(), calls)
         worker.watch = ExitWatch(process, functools.partial(self._on_lost, worker), sock=mine)
         if relay is not None:
             worker.relay = Channel(
@@ -556,10 +560,12 @@ class EnvWorkers:
         why = f"was killed: {worker.killed}" if worker.killed else f"died ({describe_exit(code)})"
         _log.warning("env worker %d %s", worker.index, why)
         episodes, worker.episodes = worker.episodes, {}
+        culprits = worker.calls.running()
+        worker.calls.close()
+        if culprits is None:  # the record overflowed: every episode not waiting may be one
+            culprits = set(episodes) - worker.waiting
         replay = None if self._closed or self._broken is not None else self._replay
-        settle_held(
-            episodes, worker.waiting, self._broken or f"env worker {worker.index} {why}", replay
-        )
+        settle_held(episodes, culprits, self._broken or f"env worker {worker.index} {why}", replay)
 
     async def _reap(self, worker: WorkerHandle) -> int | None:
         """The worker's exit code, once it exited (killed after ``close_timeout_s``)."""

@@ -13,6 +13,7 @@ pytest.importorskip("transformers", reason="needs the train extra: pip install -
 
 from tests.trainer.rollout.sim_workload import (
     DYING_SEED,
+    FAST,
     budgets,
     engines,
     manager,
@@ -21,6 +22,7 @@ from tests.trainer.rollout.sim_workload import (
 )
 from trainer.rollout import sim_clock
 from trainer.rollout.env_manager import Sampling
+from trainer.rollout.env_worker_replay import EnvCalls, HeldEpisode, settle_held
 from trainer.rollout.env_workers import EnvWorkers
 from trainer.rollout.groups import EpisodeSpec
 from trainer.rollout.router import EngineRouter
@@ -86,13 +88,14 @@ def test_a_turn_that_stalls_after_a_weight_update_still_times_out() -> None:
     assert "no generation within 2.0 s (rollout.generate_timeout_s)" in trajectory.failure
 
 
-def test_a_dying_worker_fails_only_the_episode_that_killed_it() -> None:
-    """Seed 13's env ends its worker's process at its first step; the worker's other episodes
-    were still waiting for the engine (longer first turns): they are replayed and trained."""
-    long_first_turn = [s for s in range(100) if budgets(s)[0] >= budgets(DYING_SEED)[0] + 8][:4]
+def play_on_one_worker(
+    seeds: list[int], cost: Any = None
+) -> tuple[list[Trajectory], list[Trajectory], int]:
+    """Play ``seeds`` on one env worker behind one simulated engine (``cost``: its step cost;
+    7B-sized by default): ``(trajectories, those given to on_failure, worker restarts)``."""
 
     async def main() -> tuple[list[Trajectory], list[Trajectory], int]:
-        router = EngineRouter(engines(1))  # 7B-sized simulated steps: turns end apart
+        router = EngineRouter(engines(1) if cost is None else engines(1, cost=cost))
         workers = EnvWorkers(router, worker_setup, workers=1)
         lost: list[Trajectory] = []
         try:
@@ -101,15 +104,78 @@ def test_a_dying_worker_fails_only_the_episode_that_killed_it() -> None:
                     workers.play(
                         EpisodeSpec("t/planned-v0", seed, i), SAMPLING, on_failure=lost.append
                     )
-                    for i, seed in enumerate([DYING_SEED, *long_first_turn])
+                    for i, seed in enumerate(seeds)
                 )
             )
         finally:
             await workers.close()
         return played, lost, workers.restarts
 
-    played, lost, restarts = asyncio.run(asyncio.wait_for(main(), 60))
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_dying_worker_fails_only_the_episode_that_killed_it() -> None:
+    """Seed 13's env ends its worker's process at its first step; the worker's other episodes
+    were still waiting for the engine (longer first turns): they are replayed and trained."""
+    long_first_turn = [s for s in range(100) if budgets(s)[0] >= budgets(DYING_SEED)[0] + 8][:4]
+    played, lost, restarts = play_on_one_worker([DYING_SEED, *long_first_turn])
     assert [t.seed for t in played if t.failed] == [DYING_SEED]
     assert "env worker 0 died (exit code 3)" in (played[0].failure or "")
     assert lost == []  # a replayed bystander is not a failed episode: its group is not charged
     assert restarts == 1
+
+
+def test_a_dying_worker_replays_the_episodes_it_stepped_beside_the_culprit() -> None:
+    """A fast engine: the episodes' first turns end together and every episode the worker holds
+    is past its generation (stepping its env, or about to) when seed 13's env ends the process.
+    The worker's record of its env calls names the culprit: only it fails; the others are
+    replayed on the replacement and trained."""
+    same_first_turn = [s for s in range(200) if budgets(s)[0] == budgets(DYING_SEED)[0]][1:4]
+    played, lost, restarts = play_on_one_worker([*same_first_turn, DYING_SEED], FAST)
+    assert [t.seed for t in played if t.failed] == [DYING_SEED]
+    assert "env worker 0 died (exit code 3)" in (played[-1].failure or "")
+    assert lost == []
+    assert restarts == 1
+
+
+def test_the_record_of_env_calls_names_the_episodes_in_one() -> None:
+    """What a worker writes around its env calls is what its driver reads after its death: the
+    episodes in a call (several with threaded envs), none once they returned."""
+    driver, fd = EnvCalls.create()
+    worker = EnvCalls.attach(fd)
+    try:
+        assert driver.running() == set()
+        worker.begin("w1")
+        worker.begin("w2")
+        worker.begin("w2")
+        worker.end("w2")
+        assert driver.running() == {"w1", "w2"}
+        worker.end("w1")
+        worker.end("w2")
+        assert driver.running() == set()
+    finally:
+        worker.close()
+        driver.close()
+
+
+def test_a_dead_workers_episodes_fail_only_if_in_an_env_call_or_out_of_replays() -> None:
+    """The culprit fails; an episode with no replay left fails too; the others are replayed
+    with one replay fewer; without a replay (closing) every episode fails."""
+
+    async def main() -> tuple[dict[str, str], list[tuple[str, int]]]:
+        loop = asyncio.get_running_loop()
+        held = {
+            key: HeldEpisode(
+                EpisodeSpec("t/planned-v0", i, i), SAMPLING, retries, loop.create_future(), None
+            )
+            for i, (key, retries) in enumerate([("culprit", 2), ("spent", 0), ("bystander", 2)])
+        }
+        replayed: list[tuple[str, int]] = []
+        settle_held(held, {"culprit"}, "died", lambda k, e: replayed.append((k, e.max_retries)))
+        return {
+            k: (e.future.result().failure or "") for k, e in held.items() if e.future.done()
+        }, replayed
+
+    failed, replayed = asyncio.run(main())
+    assert failed == {"culprit": "died", "spent": "died"}
+    assert replayed == [("bystander", 1)]
