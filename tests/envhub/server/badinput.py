@@ -19,6 +19,25 @@ LIMIT = 4096
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
+def bad_input_hub(**overrides: object):
+    """A running hub (context manager) of test/faulty-v0 on one worker, with small limits and
+    short timeouts to run into; ``overrides`` change settings."""
+    from tests.envhub.server.hubtools import running_hub
+
+    settings: dict[str, object] = {
+        "envs": ["test/faulty-v0"],
+        "workers": 1,
+        "max_sessions": 6,
+        "max_sessions_per_client": 4,
+        "max_message_bytes": LIMIT,
+        "hello_timeout_s": 0.5,
+        "grace_s": 0.3,
+        "reset_wait_s": 1.0,
+        "request_timeout_s": 1.0,
+    }
+    return running_hub(**{**settings, **overrides})
+
+
 def hello(ws, env="test/faulty-v0"):
     reply = ask(ws, {"type": "hello", "env": env})
     assert reply["type"] == "welcome", reply

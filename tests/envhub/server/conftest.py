@@ -12,18 +12,7 @@ import pytest
 @pytest.fixture(scope="module")
 def hub():
     """test/faulty-v0 on one worker, with small limits and short timeouts to run into."""
-    from tests.envhub.server.badinput import LIMIT
-    from tests.envhub.server.hubtools import running_hub
+    from tests.envhub.server.badinput import bad_input_hub
 
-    with running_hub(
-        envs=["test/faulty-v0"],
-        workers=1,
-        max_sessions=6,
-        max_sessions_per_client=4,
-        max_message_bytes=LIMIT,
-        hello_timeout_s=0.5,
-        grace_s=0.3,
-        reset_wait_s=1.0,
-        request_timeout_s=1.0,
-    ) as running:
+    with bad_input_hub() as running:
         yield running

@@ -18,6 +18,7 @@ from websockets.exceptions import ConnectionClosed
 
 from envhub.client import RemoteEnv
 from tests.envhub.server.badinput import (
+    bad_input_hub,
     closed_with,
     episodes,
     nested,
@@ -27,6 +28,15 @@ from tests.envhub.server.badinput import (
     settle,
 )
 from tests.envhub.server.hubtools import TOKEN, raw_connect
+
+
+@pytest.fixture(scope="module")
+def hub():
+    """The bad-input hub (``conftest.py``) with 10 s for a hello instead of 0.5 s: a burst's
+    hello reaches the hub after hypothesis and the hub's own thread have shared this process, and
+    on a loaded machine that took longer than 0.5 s once (the hub rightly closed with 1008)."""
+    with bad_input_hub(hello_timeout_s=10.0) as running:
+        yield running
 
 
 # ---------------------------------------------------------------------- schemathesis: the HTTP API
