@@ -124,7 +124,7 @@ class WarmExecutor:
         self.keep: set[int] = set()
         """The zygote, the spawner and the launcher's processes: what every sweep spares."""
         self._baseline: dict[int, dict[str, str]] = {}
-        self._dev = b""
+        self._dev: _host.DirListing = ()
         self._proc_fd: int | None = None
         self._swept = False
         """No process of a run is left: every one since was forked by the zygote for itself."""
@@ -266,9 +266,12 @@ class WarmExecutor:
         symlink: nothing of what a run left is ever read inside the sandbox."""
         if not self.alive or self._retired:
             return False
-        spare = set() if self._spare_seen else self._spare(self._cgroup.pids())
-        if not self._cgroup.kill_all(exclude=self.keep | spare, timeout=1.0):
-            return False  # (nothing runs from here on: what runs left is still as they left it)
+        present = self._cgroup.pids()
+        spare = set() if self._spare_seen else self._spare(present)
+        if present - self.keep - spare:  # what a run left (its own sweep failed)
+            if not self._cgroup.kill_all(exclude=self.keep | spare, timeout=1.0):
+                return False  # (nothing runs from here on: what runs left is as they left it)
+            present = self._cgroup.pids()
         self._spare_seen = False  # it is dead if a run saw it
         if _seccomp.program() is None:  # SysV IPC is not denied: remove what runs made
             try:
@@ -277,6 +280,7 @@ class WarmExecutor:
                 return False
             if cap.returncode != 0 or cap.timed_out:
                 return False
+            present = self._cgroup.pids()
         try:
             root = self._root()
             try:
@@ -289,7 +293,8 @@ class WarmExecutor:
                 return False
         except OSError:  # the zygote is gone, or a path was replaced by a symlink
             return False
-        if self.verify() is not None:
+        # (only the zygote, for itself, could have forked since ``present`` was read)
+        if self.verify(present) is not None:
             return False
         self._swept = True
         if self._python_ran:  # a spare for the next user's first Python run, forked now
@@ -306,7 +311,7 @@ class WarmExecutor:
         """The sandbox's ``/`` (the zygote's root, as the host sees it); the caller closes it."""
         return os.open("root", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._fd())
 
-    def _dev_listing(self) -> bytes:
+    def _dev_listing(self) -> _host.DirListing:
         root = self._root()
         try:
             dev = _host.open_dir_at(root, "dev")
@@ -348,17 +353,18 @@ class WarmExecutor:
             text = proc(pid, "status")
         except OSError:
             return False
-        fields = status_fields(text)
+        fields = status_fields(text, ("State", "SigPnd", "ShdPnd"))
         pending = int(fields.get("SigPnd", "0"), 16) | int(fields.get("ShdPnd", "0"), 16)
         return fields.get("State", "X").strip()[:1] in _RUNNING and not pending
 
-    def verify(self) -> str | None:
+    def verify(self, present: set[int] | None = None) -> str | None:
         """Why the processes a reset spares (the zygote, its spawner, its launcher and a spare
         child no run has seen) cannot be trusted with the next user (None if they can). Zygote
-        and spawner must be under a seccomp filter where this host has one."""
+        and spawner must be under a seccomp filter where this host has one. ``present``: the
+        sandbox's processes, when the caller has just read them with nothing of a run left."""
         if not self.alive or not self.host_pid:
             return "the executor is not running"
-        present = self._cgroup.pids()
+        present = self._cgroup.pids() if present is None else present
         spare = set() if self._spare_seen else self._spare(present)
         seccomp = _seccomp.program() is not None
         if present != self.keep | spare:
@@ -369,7 +375,7 @@ class WarmExecutor:
                 text = proc(pid, "status")
             except OSError:
                 return f"spared process {pid} is gone"
-            status = status_fields(text)
+            status = status_fields(text, ("TracerPid", "State", "Seccomp"))
             if status.get("TracerPid", "0").strip() != "0":
                 return f"spared process {pid} is being traced by {status['TracerPid'].strip()}"
             if status.get("State", "").strip()[:1] in ("T", "t", "Z"):

@@ -21,10 +21,9 @@ import ctypes
 import functools
 import os
 import platform
-import re
 import socket
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 __all__ = [
@@ -114,9 +113,16 @@ def proc(pid: int, name: str) -> str:
         os.close(fd)
 
 
-def status_fields(text: str) -> dict[str, str]:
-    """``/proc/PID/status`` text as ``{field: value}`` (``State``, ``TracerPid``, ``SigPnd``...)."""
-    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+def status_fields(text: str, names: Iterable[str]) -> dict[str, str]:
+    """The fields ``names`` (``State``, ``TracerPid``, ``SigPnd``...) of ``/proc/PID/status``
+    text as ``{field: value}``, leaving out those it lacks. Only the fields asked for: parsing
+    all ~55 lines was a third of what checking a warm sandbox between users cost."""
+    found = {}
+    for name in names:
+        line = _line_of(text, f"{name}:\t")
+        if line:
+            found[name] = line[len(name) + 2 :]
+    return found
 
 
 def proc_stat(pid: int) -> list[str]:
@@ -173,8 +179,14 @@ def inherited(pid: int, status: str | None = None) -> dict[str, str]:
 
 def _line_of(text: str, prefix: str) -> str:
     """The first line of ``text`` that starts with ``prefix`` ("" if none)."""
-    found = re.search(f"^{re.escape(prefix)}.*", text, re.MULTILINE)
-    return found.group() if found else ""
+    if text.startswith(prefix):
+        start = 0
+    else:
+        start = text.find(f"\n{prefix}") + 1
+        if not start:
+            return ""
+    end = text.find("\n", start)
+    return text[start:] if end < 0 else text[start:end]
 
 
 def descendants(pid: int) -> list[int]:

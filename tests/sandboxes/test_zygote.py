@@ -119,6 +119,32 @@ def test_a_background_process_of_a_run_is_gone_before_the_next(sandbox):
     assert sandbox._executor.verify() is None  # only the zygote (and its spare child) is left
 
 
+def test_the_host_counts_every_process_of_a_sandbox_that_holds_hundreds():
+    """One read of ``cgroup.procs`` gives about a page (~500 pids): the host must read on."""
+    with LocalSandbox(limits=Limits(wall_time_s=20, max_processes=900), warm_exec=True) as sb:
+        thread, _ = _run_in_thread(
+            sb,
+            """
+            import os, time
+            for _ in range(700):
+                if os.fork() == 0:
+                    time.sleep(60)
+                    os._exit(0)
+            open("/tmp/ready", "w").close()
+            time.sleep(60)
+            """,
+            timeout=15,
+        )
+        ready = Path(f"/proc/{sb._executor.host_pid}/root/tmp/ready")
+        while not ready.exists() and thread.is_alive():
+            os.sched_yield()
+        counted = len(sb._executor._cgroup.pids())
+        sb._executor._kill_others(set(sb._executor.keep))
+        thread.join()
+        assert counted >= 700 + 2, counted  # (and the zygote, its spawner, the run itself)
+        assert sb.run(["echo", "still works"]).stdout == "still works\n"
+
+
 def test_files_a_run_leaves_do_not_reach_the_next_user(sandbox):
     leave = """
     import os
