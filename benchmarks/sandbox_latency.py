@@ -27,7 +27,7 @@ For each: p50/p99 latency of one call at concurrency 1, and calls/s at concurren
 (threads). Docker paths use ``--docker-host`` or a private dockerd this script starts (root).
 
     python benchmarks/sandbox_latency.py [--ops 40] [--command true] [--docker-host unix:///...]
-        [--paths local-warm,local-reset] [--no-seccomp] [--no-docker]
+        [--paths local-warm,local-reset] [--no-seccomp] [--no-docker] [--caller-mib 0]
 
 Last line: ``local_warm_p50: X ms``.
 """
@@ -105,8 +105,18 @@ def main() -> None:
     parser.add_argument(
         "--paths", default="", help="comma-separated subset of paths to measure (default: all)"
     )
+    parser.add_argument(
+        "--caller-mib",
+        type=int,
+        default=0,
+        help="first touch this many MiB in this process: sandboxes are started from trainer and "
+        "hub processes of GiBs, and a launch that forks its caller pays for its page tables",
+    )
     args = parser.parse_args()
     argv = args.command.split()
+    ballast = bytearray(args.caller_mib << 20)
+    for page in range(0, len(ballast), 4096):
+        ballast[page] = 1
     if args.no_seccomp:
         from sandboxes import _seccomp
 

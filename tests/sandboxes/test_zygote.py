@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import textwrap
 import threading
 import time
@@ -143,6 +144,28 @@ def test_the_host_counts_every_process_of_a_sandbox_that_holds_hundreds():
         thread.join()
         assert counted >= 700 + 2, counted  # (and the zygote, its spawner, the run itself)
         assert sb.run(["echo", "still works"]).stdout == "still works\n"
+
+
+def test_the_sandbox_runs_as_its_private_uid_and_the_caller_is_never_forked(monkeypatch):
+    """bwrap runs as the leased uid with no groups; the launch is a vfork: ``Popen`` with
+    ``user=`` forks the caller, whose page tables a trainer-sized process pays for per launch."""
+    launches: list[dict] = []
+    popen_init = subprocess.Popen.__init__
+
+    def spy(self, *args, **kwargs):
+        launches.append(kwargs)
+        popen_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", spy)
+    with LocalSandbox(limits=Limits(wall_time_s=20), warm_exec=True) as sb:
+        assert sb.run(["true"]).exit_code == 0
+        fields = dict(
+            line.split(":", 1)
+            for line in Path(f"/proc/{sb._executor.host_pid}/status").read_text().splitlines()
+        )
+        assert fields["Uid"].split() == [str(sb.uid)] * 4 != [str(os.getuid())] * 4
+        assert fields["Gid"].split() == [str(sb.uid)] * 4 and fields["Groups"].split() == []
+    assert launches and all(kw.get("user") is None and kw.get("group") is None for kw in launches)
 
 
 def test_files_a_run_leaves_do_not_reach_the_next_user(sandbox):
