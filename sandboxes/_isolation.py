@@ -92,10 +92,13 @@ def bwrap_argv(
     Host paths stay out of the sandbox's view: scratch is bound from an open fd and
     ``/etc/passwd``/``group`` are copied from memfds, so neither ``/proc/1/cmdline`` nor
     ``/proc/self/mountinfo`` names a host directory. ``as_pid_1`` (the warm executor): the
-    command itself is PID 1, with no bubblewrap init that later runs could attach to and rewrite;
-    PID 1 ignores signals from inside that it has no handler for. A one-shot command keeps
-    bubblewrap's init, which lives and dies with it (as PID 1 it would lose default signal
-    actions: no SIGXCPU at the CPU limit, no SIGPIPE).
+    command itself is PID 1, with no init that later runs could attach to and rewrite; PID 1
+    ignores signals from inside that it has no handler for. A one-shot command runs under a
+    shell that is PID 1 and waits for it (as PID 1 the command would lose default signal
+    actions: no SIGXCPU at the CPU limit, no SIGPIPE). Not bubblewrap's own init: it reports
+    the exit status and its monitor exits without reaping it, so each run left a zombie for the
+    host's PID 1, counted against the sandbox uid's process cap until then (late on some hosts,
+    never in a container whose PID 1 does not reap).
     """
     argv = [
         shutil.which("bwrap") or "bwrap",
@@ -109,8 +112,7 @@ def bwrap_argv(
         argv.append("--share-net")
     if userns:
         argv += ["--unshare-user", "--uid", "1000", "--gid", "1000", "--disable-userns"]
-    if as_pid_1:
-        argv.append("--as-pid-1")
+    argv.append("--as-pid-1")
     if fds.seccomp is not None:
         argv += ["--seccomp", str(fds.seccomp)]
     argv += ["--ro-bind", "/usr", "/usr"]
@@ -163,7 +165,12 @@ def bwrap_argv(
         "/",
         "--",
     ]
-    return argv
+    return argv if as_pid_1 else [*argv, *ONE_SHOT_INIT]
+
+
+ONE_SHOT_INIT = ("/bin/sh", "-c", '"$@"; exit $?', "envhub-init")
+"""PID 1 of a one-shot bwrap run: runs the command as its child and exits with its status (the
+``exit`` keeps the shell from exec'ing the command in its place)."""
 
 
 @dataclasses.dataclass(frozen=True)
