@@ -30,6 +30,10 @@ The driver starts ``python -m trainer.rollout.env_worker_process FD [--env-calls
 A ``report`` is None when the driver routes, else the worker's router counters and its
 requests in flight (``WorkerRouters.on_report``).
 
+``pause`` / ``resume`` also come when the driver routes: its router paused for a weight update
+and went on (the ``RemoteEngine`` tells the turn deadlines, which do not count a pause; no
+``paused`` answer).
+
 Frames and the messages' encodings: ``trainer.rollout.wire``.
 
 Around each env call of an episode (making, resetting, stepping, closing its env) the worker
@@ -85,10 +89,23 @@ _T = TypeVar("_T")
 
 
 class RemoteEngine:
-    """The driver's router as a worker's ``EnvManager`` sees it (``RolloutEngine``)."""
+    """The driver's router as a worker's ``EnvManager`` sees it (``RolloutEngine``).
+
+    ``paused`` and ``version`` follow the driver's router as it tells them (``("pause",)`` and
+    ``("resume", version)`` around a weight update): a turn's ``rollout.generate_timeout_s``
+    does not count the time the driver held it (``trainer.rollout.turn_deadline``)."""
 
     def __init__(self, worker: _WorkerLoop) -> None:
         self._worker = worker
+        self.paused = False
+        self.version = 0
+        """The policy version of the driver's last resume this worker was told of (0 before)."""
+
+    def gate(self, message: tuple[Any, ...]) -> None:
+        """The driver's router paused (``("pause",)``) or resumed (``("resume", version)``)."""
+        self.paused = message[0] == "pause"
+        if not self.paused:
+            self.version = message[1]
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         worker = self._worker
@@ -168,6 +185,8 @@ class _WorkerLoop:
         """Episode key -> its last prompt + generated ids, as the driver holds them."""
         self.router: EngineRouter | None = None
         """The worker's own router (routing here), else None: the driver routes."""
+        self.remote: RemoteEngine | None = None
+        """The driver's router as the episodes see it, when it routes (else None)."""
         self.on_relay: Callable[[bytes], None] | None = None
         """Relayed engines' results handler (``trainer.rollout.worker_routing.RelayEngines``)."""
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -193,8 +212,10 @@ class _WorkerLoop:
         """Build the manager with ``setup`` (and the router with ``routing``); answer ``ready``,
         or ``fatal`` and stop."""
         try:
-            engine: RemoteEngine | LocalRoute = RemoteEngine(self)
-            if routing is not None:
+            engine: RemoteEngine | LocalRoute
+            if routing is None:
+                engine = self.remote = RemoteEngine(self)
+            else:
                 engines, version, paused = routing
                 self.router = EngineRouter(engines(self), policy=PolicyVersion(version))
                 engine = LocalRoute(self, self.router)
@@ -238,6 +259,8 @@ class _WorkerLoop:
                 self.on_relay(message[1])
             elif self.router is not None:
                 self.route(self.router, message)
+            elif kind in ("pause", "resume") and self.remote is not None:
+                self.remote.gate(message)
         self.settle()
 
     def route(self, router: EngineRouter, message: tuple[Any, ...]) -> None:

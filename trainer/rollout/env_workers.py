@@ -145,6 +145,8 @@ class EnvWorkers:
         """The workers route their own turns (None: the driver's router does)."""
         self._router = None if isinstance(router, WorkerRouters) else router
         """The driver's router, when it routes the workers' turns."""
+        if self._router is not None:  # its pauses reach the workers' turn deadlines
+            self._router.gate_watchers.append(self._tell_gate)
         if self.routing is not None:
             self.routing.attach(self)
             if self.routing.relay is not None:
@@ -263,6 +265,13 @@ class EnvWorkers:
         if worker is not None:
             self._send(worker, message)
 
+    def _tell_gate(self, paused: bool) -> None:
+        """The driver's router paused (or resumed) for a weight update: so do the workers'
+        turn deadlines (``RemoteEngine``)."""
+        version = self.engine.version
+        for uid in self.live():
+            self.send_to(uid, ("pause",) if paused else ("resume", version))
+
     def worker_of(self, play_key: str) -> int | None:
         """The worker playing the episode ``play_key`` (None: none does)."""
         for worker in self._workers:
@@ -273,6 +282,8 @@ class EnvWorkers:
     async def close(self) -> None:
         """End every worker (their envs are closed by them); episodes still held fail."""
         self._closed = True
+        if self._router is not None and self._tell_gate in self._router.gate_watchers:
+            self._router.gate_watchers.remove(self._tell_gate)
         workers, self._workers = self._workers, []
         self._by_uid.clear()
         for worker in workers:
@@ -520,6 +531,8 @@ class EnvWorkers:
             self._send(worker, ("resume", routing.version))
         elif answer[0] == "ready" and routing is not None and not worker.init_paused:
             self._send(worker, ("pause",))
+        elif answer[0] == "ready" and self._router is not None and self._router.paused:
+            self._send(worker, ("pause",))  # (it was not "live" when the pause began)
 
     def kill_worker(self, uid: int, reason: str) -> None:
         """Kill a worker that stopped answering; its episodes fail with ``reason``."""

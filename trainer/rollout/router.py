@@ -22,10 +22,11 @@ Preemption (partial rollouts)
     ``update_weights_live(weights)`` closes the gate for new requests, aborts every
     in-flight generation, waits until the engines are idle, loads the weights, reopens the
     gate, and each preempted generation *resumes* under the new weights with the tokens it
-    already had (prompt + partial tokens, remaining budget). A result's ``policy_version`` is
-    read from the router's ``policy`` (a ``PolicyVersion``) when it was issued, so it is right
-    whatever the engines report; a resumed one also carries ``extra["token_versions"]``, the
-    version of every generated token (without it, every token has ``policy_version``).
+    already had (prompt + partial tokens, remaining budget: ``trainer.rollout.preempted``). A
+    result's ``policy_version`` is read from the router's ``policy`` (a ``PolicyVersion``) when
+    it was issued, so it is right whatever the engines report; a resumed one also carries
+    ``extra["token_versions"]``, the version of every generated token (without it, every token
+    has ``policy_version``). ``gate_watchers`` are told as the gate closes and reopens.
 Accounting
     Busy time per engine (time with at least one request in flight), requests, tokens,
     aborts, preemptions and errors; ``take_stats()`` returns them since the last call.
@@ -53,6 +54,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from trainer.rollout.preempted import joined_result, resumed_part
 from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult, Weights
 from trainer.weights.versioned import PolicyVersion, SharedVersion
 
@@ -167,34 +169,6 @@ class _Answer(asyncio.Future[GenerationResult]):
         return True
 
 
-def _joined(flight: _Flight, reason: FinishReason, version: int) -> GenerationResult:
-    """One result of a generation over its parts (preempted and resumed), with per-token
-    versions; ``version`` when it never reached an engine (aborted first)."""
-    parts = flight.parts
-    versions = [v for r, v in parts for _ in r.token_ids]
-    return GenerationResult(
-        flight.request.request_id,
-        [t for r, _ in parts for t in r.token_ids],
-        [p for r, _ in parts for p in r.logprobs],
-        reason,
-        versions[-1] if versions else version,
-        {"token_versions": versions},
-    )
-
-
-def _resumed(request: GenerationRequest, part: int, ids: list[int]) -> GenerationRequest:
-    """Part ``part`` of a preempted ``request``: its prompt plus the ``ids`` generated so far,
-    with the rest of its token budget."""
-    return GenerationRequest(
-        f"{request.request_id}.{part}",
-        request.prompt_ids + ids,
-        request.max_new_tokens - len(ids),
-        request.temperature,
-        request.top_p,
-        request.stop_token_ids,
-    )
-
-
 class EngineRouter:
     """Routes, aborts and preempts requests over ``engines`` (see the module docstring)."""
 
@@ -237,6 +211,9 @@ class EngineRouter:
         """Requests (new, or preempted parts) waiting for ``resume``."""
         self._idle: asyncio.Event | None = None
         self.paused = False  # a weight update holds every turn (``pause`` to ``resume``)
+        self.gate_watchers: list[Callable[[bool], None]] = []
+        """Called with ``paused`` as ``pause`` begins and ``resume`` ends it (``EnvWorkers``
+        tells its workers: their turn deadlines do not count a pause: ``turn_deadline``)."""
         self._stats = RouterStats(busy_s=[0.0] * len(self.engines))
         self._clock = clock
         self._busy_since: list[float | None] = [None] * len(self.engines)
@@ -326,6 +303,8 @@ class EngineRouter:
         idle."""
         idle = self._ensure_idle()
         self.paused = True
+        for watcher in self.gate_watchers:
+            watcher(True)
         preempted = [f for f in self._flights.values() if not f.cancelled and f.submitted]
         for flight in preempted:
             flight.preempted = True
@@ -337,6 +316,8 @@ class EngineRouter:
     def resume(self) -> None:
         """Reopen the gate closed by ``pause``: the requests held meanwhile go out, in order."""
         self.paused = False
+        for watcher in self.gate_watchers:
+            watcher(False)
         held, self._held = self._held, []
         for flight in held:
             self._submit(flight)
@@ -440,7 +421,7 @@ class EngineRouter:
         request, parts = flight.request, flight.parts
         sub = request
         if parts:
-            sub = _resumed(request, len(parts), [t for r, _ in parts for t in r.token_ids])
+            sub = resumed_part(request, len(parts), [t for r, _ in parts for t in r.token_ids])
         index = self._route(flight.key)
         flight.engine, flight.sub_id, flight.preempted = index, sub.request_id, False
         flight.issued = self.policy.value  # weights change only while paused and idle
@@ -511,7 +492,7 @@ class EngineRouter:
             result, issued = parts[0]  # the engine's own result: every token has one version
             result.policy_version = issued
         else:
-            result = _joined(flight, reason, self.policy.value)
+            result = joined_result(flight.request.request_id, parts, reason, self.policy.value)
         flight.answer.set_result(result)
 
     def _fail(self, flight: _Flight, error: BaseException) -> None:

@@ -9,9 +9,11 @@ whole ``generate_timeout_s``, when it finds that the router is paused, was pause
 looked, or went through an update (its policy version moved) since then: a turn is failed only
 after ``generate_timeout_s`` of generation with no weight update in it.
 
-The router is looked at only when a deadline falls due (no polling). An engine that tells
-neither a pause nor a version (a worker's ``RemoteEngine``, whose pauses happen in the driver)
-gets the plain deadline.
+The router is looked at only when a deadline falls due (no polling). In an env worker it is
+the worker's own router (``rollout.route_in_workers``: paused by the driver's
+``WorkerRouters``), or the ``RemoteEngine`` that stands for the driver's router, which the
+driver tells of each pause and resume (``EngineRouter.gate_watchers``). An engine that tells
+neither a pause nor a version gets the plain deadline.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ __all__ = ["bounded_generate", "pause_state"]
 
 
 def pause_state(engine: Any) -> tuple[bool, int] | None:
-    """``(paused now, policy version)`` of the router behind ``engine`` (an ``EngineRouter``, or a
-    worker's ``LocalRoute`` over one); None when it tells neither."""
+    """``(paused now, policy version)`` of the router behind ``engine`` (an ``EngineRouter``, a
+    worker's ``LocalRoute`` over one, or its ``RemoteEngine``); None when it tells neither."""
     router = getattr(engine, "router", engine)
     paused = getattr(router, "paused", None)
     version = getattr(router, "version", None)

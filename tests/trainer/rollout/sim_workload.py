@@ -3,6 +3,7 @@ seed fixes its turns and per-turn token budgets."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import envhub
@@ -10,6 +11,7 @@ from trainer.rollout.env_manager import EnvManager, LocalEnvSource
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.sim_engine import QWEN2_5_7B, SimEngine, StepCost
 from trainer.rollout.trajectory import ChatRenderer
+from trainer.strategies.base import GenerationRequest, GenerationResult
 
 COST = StepCost.for_model(QWEN2_5_7B)
 
@@ -79,6 +81,24 @@ FAST = StepCost(
 )
 """Steps of ten simulated microseconds: a real-time loop runs the workload in moments."""
 
+
+class GateEngine(SimEngine):
+    """Sets ``started`` once ``wanted`` requests (over all gates sharing ``seen``) came in."""
+
+    def __init__(
+        self, *args: Any, started: asyncio.Event, wanted: int, seen: list[int], **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.started, self.wanted, self.seen = started, wanted, seen
+
+    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        future = super().start_generate(request)
+        self.seen[0] += 1
+        if self.seen[0] >= self.wanted:
+            self.started.set()
+        return future
+
+
 DYING_SEED = 13
 """``PlannedEnv`` in a worker ends the worker's process when stepped on this task seed."""
 
@@ -96,12 +116,19 @@ class _DyingEnv(PlannedEnv):
         return super().on_step(action)
 
 
-def worker_setup(engine: Any) -> tuple[EnvManager, LocalEnvSource]:
-    """An env worker's manager and envs (``EnvWorkers``' ``setup``: built in the worker)."""
-    return (
-        EnvManager(engine, renderer(), max_turns=10, max_context_tokens=4096),
-        LocalEnvSource(make=lambda env_id, **kwargs: _DyingEnv()),
+def worker_setup(
+    engine: Any, generate_timeout_s: float | None = None
+) -> tuple[EnvManager, LocalEnvSource]:
+    """An env worker's manager and envs (``EnvWorkers``' ``setup``: built in the worker; a
+    ``functools.partial`` of it passes ``generate_timeout_s``)."""
+    manager = EnvManager(
+        engine,
+        renderer(),
+        max_turns=10,
+        max_context_tokens=4096,
+        generate_timeout_s=generate_timeout_s,
     )
+    return manager, LocalEnvSource(make=lambda env_id, **kwargs: _DyingEnv())
 
 
 def broken_setup(engine: Any) -> tuple[EnvManager, LocalEnvSource]:

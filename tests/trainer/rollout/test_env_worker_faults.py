@@ -1,10 +1,14 @@
 """Faults that are not the episode's own must not fail it: a weight update that holds turns
-longer than ``rollout.generate_timeout_s`` (the turns are paused, not late), and an env worker
-killed by another episode's env (its co-hosted episodes are replayed on the replacement)."""
+longer than ``rollout.generate_timeout_s`` (the turns are paused, not late; in the driver and in
+env workers, whichever routes their turns), and an env worker killed by another episode's env
+(its co-hosted episodes are replayed on the replacement)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import functools
+import time
 from typing import Any
 
 import pytest
@@ -14,6 +18,7 @@ pytest.importorskip("transformers", reason="needs the train extra: pip install -
 from tests.trainer.rollout.sim_workload import (
     DYING_SEED,
     FAST,
+    GateEngine,
     budgets,
     engines,
     manager,
@@ -24,10 +29,12 @@ from trainer.rollout import sim_clock
 from trainer.rollout.env_manager import Sampling
 from trainer.rollout.env_worker_replay import EnvCalls, HeldEpisode, settle_held
 from trainer.rollout.env_workers import EnvWorkers
-from trainer.rollout.groups import EpisodeSpec
+from trainer.rollout.groups import EpisodeSpec, run_episodes
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.scheduler import RolloutScheduler, SchedulerConfig
 from trainer.rollout.trajectory import Trajectory
+from trainer.rollout.worker_routing import RelayEngines, RelayHost, WorkerRouters
+from trainer.strategies.base import GenerationRequest, GenerationResult
 
 TIMEOUT_S = 2.0  # simulated seconds; turns take well under one
 LOAD_S = 10.0  # simulated seconds a weight load holds the paused turns
@@ -179,3 +186,89 @@ def test_a_dead_workers_episodes_fail_only_if_in_an_env_call_or_out_of_replays()
     failed, replayed = asyncio.run(main())
     assert failed == {"culprit": "died", "spent": "died"}
     assert replayed == [("bystander", 1)]
+
+
+REAL_TIMEOUT_S = 1.0  # real seconds: the workers' loops run on the wall clock
+REAL_LOAD_S = 2.5  # real seconds a weight load holds the workers' turns (the fault itself)
+GATE_COST = dataclasses.replace(FAST, step_overhead_s=2e-3)
+"""Turns of at most 40 steps of 2 ms: well within REAL_TIMEOUT_S, and still running when the
+update begins."""
+
+
+@pytest.mark.parametrize("route_in_workers", [False, True], ids=["driver-routes", "workers-route"])
+def test_worker_turns_held_by_a_weight_update_slower_than_the_timeout_do_not_fail(
+    route_in_workers: bool,
+) -> None:
+    """Episodes played in env workers (``rollout.env_workers``), with the turns routed by the
+    driver's router or by the workers' own (``rollout.route_in_workers``): an update that holds
+    their turns longer than their ``generate_timeout_s`` is a pause, not a late engine."""
+
+    async def main() -> tuple[list[Trajectory], list[Trajectory], int]:
+        started = asyncio.Event()
+        sim = engines(2, GATE_COST, kind=GateEngine, started=started, wanted=6, seen=[0])
+        router: Any = EngineRouter(sim)
+        if route_in_workers:
+            router = WorkerRouters(RelayEngines(2), 2, relay=RelayHost(sim))
+        setup = functools.partial(worker_setup, generate_timeout_s=REAL_TIMEOUT_S)
+        workers = EnvWorkers(router, setup, workers=2)
+        await workers.start()
+        try:
+            specs = [EpisodeSpec("t/planned-v0", 2 + 3 * i, i) for i in range(6)]  # 3 turns each
+            playing = asyncio.ensure_future(run_episodes(specs, workers, source(), SAMPLING))
+            await started.wait()  # every episode's first turn is in an engine
+            # a load slower than the workers' deadline, in a thread as the pipeline's sync runs
+            await router.update_weights_live(lambda: time.sleep(REAL_LOAD_S))
+            finished, failed = await playing
+            preempted = router.totals().preempted
+        finally:
+            await workers.close()
+        return finished, failed, preempted
+
+    finished, failed, preempted = asyncio.run(asyncio.wait_for(main(), 120))
+    assert [t.failure for t in failed] == []
+    assert [t.failure for t in finished if t.failed] == []
+    assert sorted(t.seed for t in finished) == [2 + 3 * i for i in range(6)]
+    assert preempted > 0  # the update did hold turns in flight
+    for t in finished:  # whole episodes, every turn at its budget
+        assert sum(t.response_mask) == sum(budgets(t.seed))
+
+
+class _Counting(EngineRouter):
+    """Sets ``asked`` once ``wanted`` requests came in (held or not)."""
+
+    def __init__(self, *args: Any, asked: asyncio.Event, wanted: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.asked, self.wanted, self.count = asked, wanted, 0
+
+    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        self.count += 1
+        if self.count >= self.wanted:
+            self.asked.set()
+        return super().start_generate(request)
+
+
+def test_a_worker_started_during_a_weight_update_holds_its_turns_without_failing_them() -> None:
+    """The pause began before the worker was ready (a replacement, or the first start): it is
+    told at once, and its turns held past its ``generate_timeout_s`` are not late."""
+
+    async def main() -> tuple[list[Trajectory], list[Trajectory]]:
+        asked = asyncio.Event()
+        router = _Counting(engines(1, GATE_COST), asked=asked, wanted=3)
+        await router.pause()  # an update under way
+        setup = functools.partial(worker_setup, generate_timeout_s=REAL_TIMEOUT_S)
+        workers = EnvWorkers(router, setup, workers=1)
+        await workers.start()
+        try:
+            specs = [EpisodeSpec("t/planned-v0", seed, i) for i, seed in enumerate([2, 5, 8])]
+            playing = asyncio.ensure_future(run_episodes(specs, workers, source(), SAMPLING))
+            await asyncio.wait_for(asked.wait(), 60)  # every first turn is held in the router
+            await asyncio.sleep(REAL_LOAD_S)  # the rest of the slow load (the fault itself)
+            router.resume()
+            return await playing
+        finally:
+            await workers.close()
+
+    finished, failed = asyncio.run(asyncio.wait_for(main(), 120))
+    assert [t.failure for t in failed] == []
+    assert [t.failure for t in finished if t.failed] == []
+    assert sorted(t.seed for t in finished) == [2, 5, 8]

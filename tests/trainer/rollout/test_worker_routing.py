@@ -16,6 +16,7 @@ pytest.importorskip("transformers", reason="needs the train extra: pip install -
 from tests.trainer.rollout.sim_workload import (
     DYING_SEED,
     FAST,
+    GateEngine,
     budgets,
     engines,
     manager,
@@ -111,28 +112,11 @@ def test_a_relayed_prompt_reaches_the_hosted_engine_whole_as_one_int_array() -> 
         assert any(t.token_ids[: len(ids)] == ids.tolist() for t in played)
 
 
-class _Gate(SimEngine):
-    """Sets ``started`` once ``wanted`` requests (over all gates sharing ``seen``) came in."""
-
-    def __init__(
-        self, *args: Any, started: asyncio.Event, wanted: int, seen: list[int], **kwargs: Any
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.started, self.wanted, self.seen = started, wanted, seen
-
-    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
-        future = super().start_generate(request)
-        self.seen[0] += 1
-        if self.seen[0] >= self.wanted:
-            self.started.set()
-        return future
-
-
 def test_a_weight_update_preempts_the_workers_turns_and_they_resume_under_the_new_version() -> None:
     async def main() -> tuple[list[Any], list[Any], WorkerRouters, int]:
         loop = asyncio.get_running_loop()
         started = asyncio.Event()
-        sim = engines(2, kind=_Gate, sync_s=0.5, started=started, wanted=6, seen=[0])
+        sim = engines(2, kind=GateEngine, sync_s=0.5, started=started, wanted=6, seen=[0])
         routers = routed(sim, off_clock=loop.uncharged)
         workers = EnvWorkers(routers, worker_setup, workers=2, lockstep=True)
         await workers.start()
