@@ -24,9 +24,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+if TYPE_CHECKING:
+    from trainer.resume import ResumePoint
 
 __all__ = ["train"]
 
@@ -45,7 +48,8 @@ def _fmt(value: Any) -> str:
     "--dry-run",
     is_flag=True,
     help="Print the plan (roles, devices, memory per device, weight-sync buckets) and exit: "
-    "0 when it fits, 1 when it does not. Needs the model's config.json, not its weights.",
+    "0 when it fits, 1 when it does not. Needs the model's config.json, not its weights. With "
+    "--resume, first the checkpoint it would continue (1 when --resume would be refused).",
 )
 def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool) -> None:
     """Train a policy on envhub environments as CONFIG (YAML) says.
@@ -64,7 +68,7 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
 
     console, errors = Console(), Console(stderr=True)
     if dry_run:
-        sys.exit(_dry_run(config, overrides, console, errors))
+        sys.exit(_dry_run(config, overrides, console, errors, resume=resume))
     try:
         from trainer.config import load_config
 
@@ -74,11 +78,15 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
         sys.exit(2)
     out = Path(cfg.output_dir)
     try:  # refusals that cost nothing come before anything is built, moved or created
-        drift = _check_resume(cfg) if resume else []
+        point = _check_resume(cfg) if resume else None
         moved = [] if resume else _move_previous_run_aside(out, Path(cfg.checkpoint_dir))
     except TrainerError as error:
         _print_error(errors, error)
         sys.exit(1)
+    resuming, builds = point.describe(cfg) if point is not None else ("", True)
+    if not builds:  # the run is complete: nothing was asked that it has not done (exit 0)
+        console.print(resuming, highlight=False, soft_wrap=True)
+        return
     for what, folder, aside in moved:
         console.print(
             f"moved {what} in {folder} to {aside} (use --resume to continue a run)",
@@ -86,7 +94,9 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
             soft_wrap=True,
         )
     console.print(f"output: {out.resolve()}", highlight=False)
-    for line in drift:
+    if resuming:
+        console.print(resuming, highlight=False, soft_wrap=True)
+    for line in point.drift if point is not None else []:
         errors.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
     try:
         with _put_back_unless_saved(moved, out, Path(cfg.checkpoint_dir), errors):
@@ -216,15 +226,16 @@ def _put_back_unless_saved(
         raise
 
 
-def _check_resume(cfg: Any) -> list[str]:
+def _check_resume(cfg: Any) -> ResumePoint:
     """Before ``--resume`` builds anything or creates a folder: refuse when a live run still
     writes ``output_dir`` (its pid), when there is no checkpoint to continue (naming the run a
-    fresh start moved aside, if any) or when a setting changes the shape of its saved state
-    (``trainer.resume.resume_conflicts``); returns the :func:`config_drift` warnings otherwise."""
+    fresh start moved aside, if any), when a setting changes the shape of its saved state
+    (``trainer.resume.resume_conflicts``) or when ``train.steps`` is below the steps it did
+    (``steps_behind``); returns what it would resume otherwise."""
     from trainer.checkpoint import CheckpointManager
     from trainer.errors import CheckpointError
     from trainer.folder_lock import FolderLock
-    from trainer.resume import RUN_LOCK, resume_conflicts
+    from trainer.resume import RUN_LOCK, ResumePoint, resume_conflicts, steps_behind
 
     if (Path(cfg.output_dir) / RUN_LOCK).is_file():  # a run started there: is it still live?
         FolderLock(cfg.output_dir, name=RUN_LOCK, setting="output_dir").release()
@@ -236,19 +247,23 @@ def _check_resume(cfg: Any) -> list[str]:
             for p in root.iterdir()
         )
         if interrupted:  # a kill mid-save left it half renamed: the run's manager puts it back
-            return config_drift(cfg)
+            return ResumePoint(None, 0, config_drift(cfg))
         raise CheckpointError(
             f"no checkpoint in {root}; run without --resume to start fresh"
             f"{_moved_aside_hint(Path(cfg.output_dir), root)}"
         )
     checkpoint = manager.load()
     conflicts = resume_conflicts(checkpoint.config, cfg.model_dump(mode="json"))
+    behind = steps_behind(checkpoint.step, cfg.train.steps)
+    conflicts += [behind] if behind else []
+    if len(conflicts) == 1 and behind:
+        raise CheckpointError(f"cannot resume from {checkpoint.path}: {behind}")
     if conflicts:  # (the number of inference ranks is checked once the engines run)
         raise CheckpointError(
             f"cannot resume from {checkpoint.path} with this config:\n"
             + "\n".join(f"  - {line}" for line in conflicts)
         )
-    return config_drift(cfg)
+    return ResumePoint(checkpoint.path, checkpoint.step, config_drift(cfg))
 
 
 def _moved_aside_hint(out: Path, checkpoints: Path) -> str:
@@ -398,9 +413,12 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
 # --------------------------------------------------------------------------- --dry-run
 
 
-def _dry_run(config: Path, overrides: tuple[str, ...], console: Any, errors: Any) -> int:
-    """Print the plan of CONFIG; 0 when it fits, 1 when a device does not, 2 when the config is
-    invalid or there is no model config to estimate from."""
+def _dry_run(
+    config: Path, overrides: tuple[str, ...], console: Any, errors: Any, *, resume: bool = False
+) -> int:
+    """Print the plan of CONFIG (with ``resume``, first what ``--resume`` would continue); 0 when
+    it fits, 1 when a device does not or ``--resume`` is refused, 2 when the config is invalid or
+    there is no model config to estimate from."""
     from trainer.config import load_config
     from trainer.errors import TrainerError
     from trainer.memory import estimate
@@ -411,6 +429,8 @@ def _dry_run(config: Path, overrides: tuple[str, ...], console: Any, errors: Any
     except TrainerError as error:
         errors.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
         return 2
+    if resume and not _dry_resume(cfg, config, overrides, console, errors):
+        return 1
     try:
         plan = estimate(cfg)
     except (OSError, ValueError) as error:  # UnknownModelShape, StrategyArgError
@@ -439,6 +459,33 @@ def _dry_run(config: Path, overrides: tuple[str, ...], console: Any, errors: Any
     for problem in problems:
         errors.print(f"  - {problem}", highlight=False, soft_wrap=True)
     return 1 if strict else 0
+
+
+def _dry_resume(
+    cfg: Any, config: Path, overrides: tuple[str, ...], console: Any, errors: Any
+) -> bool:
+    """``--resume --dry-run``: the run's own checks before it builds (:func:`_check_resume`, on
+    the config as the run loads it) and what it would resume; False when it would be refused."""
+    from rich.markup import escape
+
+    from trainer.errors import TrainerError
+
+    as_run = cfg.model_copy(
+        update={
+            "cluster": cfg.cluster.model_copy(
+                update={"check_memory": _memory_check_refuses(config, overrides)}
+            )
+        }
+    )  # the plan's config has the memory check off: that is no drift of the run's
+    try:
+        point = _check_resume(as_run)
+    except TrainerError as error:
+        _print_error(errors, error)
+        return False
+    console.print(point.describe(as_run)[0], highlight=False, soft_wrap=True)
+    for line in point.drift:
+        errors.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    return True
 
 
 def _memory_check_refuses(config: Path, overrides: tuple[str, ...]) -> bool:

@@ -20,6 +20,10 @@ lists every setting that differs first). Three rules make that true and safe:
 4. **A run continues only itself.** Each run has an id (``{output_dir}/run.json``, and every
    checkpoint's ``meta.json``); a checkpoint of another run is refused, and a fresh start into
    a checkpoint folder that holds checkpoints is refused (:func:`start_run`).
+5. **A resumed run goes forward.** ``train.steps`` counts every step of the run: below the
+   checkpoint's step it is refused up front (:func:`steps_behind`); equal to it the run is
+   complete, and nothing is built unless the final policy is missing (a kill between the last
+   checkpoint and it: :func:`wrote_final_policy`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,13 +43,16 @@ from trainer.errors import CheckpointError
 __all__ = [
     "RUN_FILE",
     "RUN_LOCK",
+    "ResumePoint",
     "check_saved_strategy",
     "keep_optimizer_settings",
     "resume_conflicts",
     "run_id_of",
     "start_run",
+    "steps_behind",
     "strategy_stamp",
     "write_run_id",
+    "wrote_final_policy",
 ]
 
 _HYPERPARAMETERS = ("lr", "weight_decay", "betas", "eps")
@@ -164,6 +172,63 @@ def resume_conflicts(
             "the saved device_mapping"
         )
     return problems
+
+
+def steps_behind(done: int, steps: int) -> str | None:
+    """Why ``train.steps`` = ``steps`` cannot resume a checkpoint of step ``done`` (rule 5), naming
+    the fix; None when it can."""
+    if steps >= done:
+        return None
+    return (
+        f"train.steps={steps} is below the {done} steps the run already did; raise train.steps "
+        f"above {done} to train further (it counts every step of the run, not the steps left)"
+    )
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """What ``--resume`` would continue (``envhub train`` finds it before building anything)."""
+
+    checkpoint: Path | None
+    """The run's latest checkpoint; None for one a kill left half saved (the run puts it back)."""
+    step: int
+    """The steps the run already did (0 when ``checkpoint`` is None: not known yet)."""
+    drift: list[str]
+    """Lines naming the settings that differ from the checkpoint's config (warnings)."""
+
+    def describe(self, cfg: Any) -> tuple[str, bool]:
+        """What resuming under ``cfg`` does, in one line, and whether it builds the run: not when
+        the run is complete (``train.steps`` done and its final policy written: rule 5)."""
+        out, steps, checkpoint = Path(cfg.output_dir), cfg.train.steps, self.checkpoint
+        if checkpoint is None:
+            return (
+                f"resume: from the checkpoint a kill left half saved in {cfg.checkpoint_dir}",
+                True,
+            )
+        if self.step < steps:
+            first = self.step + 1
+            span = f"step {first}" if first == steps else f"steps {first}-{steps}"
+            return (
+                f"resume: from {checkpoint} (step {self.step}): {span} of train.steps={steps}",
+                True,
+            )
+        done = f"the run in {out} already did all its train.steps={steps} steps ({checkpoint.name})"
+        if wrote_final_policy(out, checkpoint):
+            fix = f"raise train.steps above {steps} to train further"
+            return f"nothing to resume: {done} and wrote its final policy; {fix}", False
+        return f"resume: {done}; it only writes its final policy (it stopped before that)", True
+
+
+def wrote_final_policy(output_dir: Path, checkpoint: Path) -> bool:
+    """Whether ``output_dir/final_policy`` was written after ``checkpoint`` was saved: the run
+    ended there (rule 5). A run writes it after its last checkpoint; one killed in between has
+    none, or the one of an earlier end (before ``train.steps`` was raised)."""
+    try:
+        saved = (checkpoint / "meta.json").stat().st_mtime_ns  # written last, then renamed
+        written = [p.stat().st_mtime_ns for p in (output_dir / "final_policy").iterdir()]
+    except OSError:
+        return False
+    return bool(written) and min(written) >= saved
 
 
 RUN_FILE = "run.json"

@@ -10,6 +10,7 @@ pin what the CLI decides before it.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +150,7 @@ def test_a_start_refused_while_building_puts_the_previous_run_back(
     assert not (out / "initial_policy").exists()  # what the failed start wrote is gone
     assert not list(tmp_path.glob("run.old-*"))
     resumes = record_runs(monkeypatch)
-    resumed = train(f"output_dir={out}", "--resume")  # finds the run where it was
+    resumed = train(f"output_dir={out}", "train.steps=8", "--resume")  # finds the run in place
     assert resumed.exit_code == 0 and [r for _, r in resumes] == [True], resumed.output
 
 
@@ -219,6 +220,60 @@ def test_resume_of_a_run_goes_on_to_build_it(tmp_path: Path, started: Runs) -> N
     result = train(f"output_dir={out}", "train.steps=8", "--resume")
     assert result.exit_code == 0, result.output
     assert len(started) == 1 and "train.steps: 120 in step_00000004 -> 8 now" in result.output
+    step_4 = out / "checkpoints" / "step_00000004"
+    assert f"resume: from {step_4} (step 4): steps 5-8 of train.steps=8" in result.output
+
+
+def final_policy(out: Path) -> None:
+    """The final policy a run writes once its last step is checkpointed (``finish``)."""
+    (out / "final_policy").mkdir()
+    (out / "final_policy" / "config.json").write_text("{}")
+
+
+def test_resume_with_fewer_steps_than_the_run_did_is_refused_before_building(
+    tmp_path: Path, started: Runs
+) -> None:
+    """train.steps counts every step of the run: 2 after 4 done cannot be trained, and a run
+    that says "done" having trained nothing would hide that (train.steps=2 meant "2 more")."""
+    out = previous_run(tmp_path / "run")
+    result = train(f"output_dir={out}", "train.steps=2", "--resume")
+    assert result.exit_code == 1, result.output
+    assert result.output.strip() == (
+        f"error: cannot resume from {out / 'checkpoints' / 'step_00000004'}: train.steps=2 is "
+        "below the 4 steps the run already did; raise train.steps above 4 to train further (it "
+        "counts every step of the run, not the steps left)"
+    )
+    assert not started
+
+
+def test_resume_of_a_finished_run_says_so_and_builds_nothing(tmp_path: Path, started: Runs) -> None:
+    out = previous_run(tmp_path / "run")
+    final_policy(out)
+    result = train(f"output_dir={out}", "train.steps=4", "--resume")
+    assert result.exit_code == 0, result.output  # nothing was asked that it has not done
+    assert result.output.strip() == (
+        f"nothing to resume: the run in {out} already did all its train.steps=4 steps "
+        "(step_00000004) and wrote its final policy; raise train.steps above 4 to train further"
+    )
+    assert not started
+
+
+def test_resume_of_a_run_killed_before_its_final_policy_goes_on_to_write_it(
+    tmp_path: Path, started: Runs
+) -> None:
+    """Killed between its last checkpoint and its final policy (or with the final policy of an
+    earlier end, before train.steps was raised): the resume builds the run to write it."""
+    out = previous_run(tmp_path / "run")
+    final_policy(out)
+    meta = (out / "checkpoints" / "step_00000004" / "meta.json").stat()
+    os.utime(out / "final_policy" / "config.json", ns=(meta.st_atime_ns, meta.st_mtime_ns - 10**9))
+    result = train(f"output_dir={out}", "train.steps=4", "--resume")
+    assert result.exit_code == 0, result.output
+    assert [resume for _, resume in started] == [True]
+    assert (
+        f"resume: the run in {out} already did all its train.steps=4 steps (step_00000004); it "
+        "only writes its final policy (it stopped before that)" in result.output
+    )
 
 
 # --------------------------------------------------------------------------- 4: --dry-run
@@ -236,6 +291,38 @@ def test_dry_run_exit_code_follows_the_loaded_check_memory(tmp_path: Path) -> No
     on = CliRunner().invoke(main, ["train", str(nocheck), *tiny, "cluster.check_memory=true"])
     assert on.exit_code == 1, on.output  # the override turns the check on: the run is refused
     assert "does not fit:" in on.output
+
+
+def test_dry_run_with_resume_names_the_checkpoint_it_would_continue(tmp_path: Path) -> None:
+    out = previous_run(tmp_path / "run")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    result = train(f"output_dir={out}", "train.steps=8", "--resume", "--dry-run")
+    assert result.exit_code == 0, result.output
+    step_4 = out / "checkpoints" / "step_00000004"
+    assert f"resume: from {step_4} (step 4): steps 5-8 of train.steps=8" in result.output
+    assert "train.steps: 120 in step_00000004 -> 8 now" in result.output  # what the run warns
+    assert "check_memory" not in result.output  # the dry run's own setting is no drift
+    assert "fits: nothing started (--dry-run)" in result.output
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    ("setting", "refusal"),
+    [
+        ("output_dir={tmp}/nosuchrun", "no checkpoint in {tmp}/nosuchrun/checkpoints"),
+        ("model.lora.rank=8", "model.lora: the run was saved with LoRA off, it is on now"),
+        ("train.steps=2", "train.steps=2 is below the 4 steps the run already did"),
+    ],
+)
+def test_dry_run_with_resume_refuses_what_resume_refuses(
+    setting: str, refusal: str, tmp_path: Path
+) -> None:
+    out = previous_run(tmp_path / "run")
+    args = [f"output_dir={out}", setting.format(tmp=tmp_path), "--resume", "--dry-run"]
+    result = train(*args)
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("error: ") and refusal.format(tmp=tmp_path) in result.output
+    assert "fits" not in result.output and not (tmp_path / "nosuchrun").exists()
 
 
 # --------------------------------------------------------------------------- 5: refused late
