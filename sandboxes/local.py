@@ -104,14 +104,14 @@ Does NOT protect against: kernel exploits through syscalls the filter allows (it
 list, as Docker's default profile does; namespaces widen the kernel surface a little); CPU
 starvation of the host beyond one run's CPU limit (no cpu cgroup quota); side channels.
 ``Limits(network=True)`` shares the host's network namespace: host loopback services and
-abstract UNIX sockets are reachable then. A one-shot (not warm) run keeps bubblewrap's init as
-its PID 1, which the run can write through ``/proc/1/mem``; it lives only as long as that run
-and is swept with its cgroup. Without root: no private uid (RLIMIT_NPROC then counts all of
-your processes), no cgroups (so no sweep: that init is only bound by ``--die-with-parent``), no
-tmpfs scratch (``disk_mb`` unenforced there; ``max_file_size_mb`` still holds), no
-``warm_exec``. Only cgroup v1 controllers are used: on a cgroup-v2-only host the memory cap is
-RLIMIT_AS per process, the process cap RLIMIT_NPROC on the private uid, and ``warm_exec``
-falls back to a fresh sandbox per run. Without libseccomp there is no syscall filter
+abstract UNIX sockets are reachable then. A one-shot (not warm) run has a shell as its PID 1
+(``_isolation.ONE_SHOT_INIT``), which the run can write through ``/proc/1/mem``; it lives only
+as long as that run and is swept with its cgroup. Without root: no private uid (RLIMIT_NPROC
+then counts all of your processes), no cgroups (so no sweep: that init is only bound by
+``--die-with-parent``), no tmpfs scratch (``disk_mb`` unenforced there; ``max_file_size_mb``
+still holds), no ``warm_exec``. Only cgroup v1 controllers are used: on a cgroup-v2-only host
+the memory cap is RLIMIT_AS per process, the process cap RLIMIT_NPROC on the private uid, and
+``warm_exec`` falls back to a fresh sandbox per run. Without libseccomp there is no syscall filter
 (``protections`` says so). With ``warm_exec``, Python runs forked from one zygote share its
 ``str`` hash seed and address-space layout (a run can learn both; they say nothing about
 another run's data), see the pre-imported modules in ``sys.modules``, and differ from a fresh
@@ -340,7 +340,7 @@ class LocalSandbox(Sandbox):
             "pid 1": (
                 "the zygote, a fork server (non-dumpable, verified on reset)"
                 if self.warm_exec and self._cgroup
-                else "bubblewrap's init, one per run"
+                else "a shell that waits for the command, one per run"
                 if self.isolation == "bwrap"
                 else "root setup shell, one per run"
             ),
