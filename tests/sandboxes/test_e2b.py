@@ -4,18 +4,35 @@ plus one live test that runs only with E2B_API_KEY."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 pytest.importorskip("e2b_code_interpreter", reason="E2B SDK missing: pip install 'envhub[e2b]'")
 
-from sandboxes import Limits, SandboxFileError, SandboxUnavailableError, make_sandbox
+from sandboxes import (
+    Limits,
+    SandboxError,
+    SandboxFileError,
+    SandboxPool,
+    SandboxUnavailableError,
+    SessionError,
+    make_sandbox,
+)
+from sandboxes import e2b as e2b_backend
 from tests.sandboxes.fake_e2b import FakeE2B
 
 
 @pytest.fixture
-def fake():
-    with FakeE2B() as server:
+def fake(monkeypatch):
+    """The fake E2B, sharing its clock with the adapter: ``fake.advance(s)`` moves both, so a
+    test sees VMs expire without waiting for them."""
+    try:
+        server = FakeE2B()
+    except RuntimeError as e:  # no bubblewrap: the fake will not run commands unconfined
+        pytest.skip(str(e))
+    monkeypatch.setattr(e2b_backend, "_now", server.now)
+    with server:
         yield server
 
 
@@ -103,6 +120,95 @@ def test_missing_or_wrong_key_is_a_clear_error(fake, monkeypatch):
         make_sandbox("e2b", **options).start()
     with pytest.raises(SandboxUnavailableError, match="Invalid API key|401"):
         make_sandbox("e2b", api_key="wrong", **options).start()
+
+
+def test_reset_kills_background_processes(fake, sb):
+    spy = (
+        "(while :; do cat /home/user/secret.txt >> /tmp/loot 2>/dev/null; sleep 0.1; done)"
+        " >/dev/null 2>&1 & echo started"
+    )
+    assert sb.run(["sh", "-c", spy]).stdout == "started\n"
+    first_vm = sb.remote.sandbox_id
+    assert fake.running(first_vm), "the spy must be running before the reset"
+    sb.reset()
+    # Both hold as soon as reset() returns, so no waiting: nothing of user A runs any more,
+    # and B's file lives where no process of A's VM could ever read it.
+    assert fake.running(first_vm) == [], "user A's process survived the reset"
+    sb.write_file("secret.txt", "B's private answer")
+    assert sb.remote.sandbox_id != first_vm
+    assert not any(b"private" in data for data in fake.files(first_vm).values())
+    assert "/home/user/secret.txt" in fake.files(sb.remote.sandbox_id)
+
+
+def test_reset_leaves_no_files_anywhere(sb):
+    plant = (
+        "mkdir -p locked && echo a > locked/f && chmod 000 locked && echo b > /tmp/t"
+        " && echo c > /var/tmp/v && echo d > /dev/shm/s && echo e > .profile_a"
+    )
+    assert sb.run(plant).ok
+    sb.reset()
+    r = sb.run("ls -A /home/user /tmp /var/tmp /dev/shm")
+    assert r.ok and not any(n in r.stdout for n in ("locked", "t\n", "v\n", "s\n", "profile_a"))
+
+
+def test_idle_pooled_sandbox_past_its_lifetime_is_replaced_not_handed_out_dead(fake):
+    with SandboxPool("e2b", size=1, lifetime_s=600, **fake.options) as pool:
+        (idle_vm,) = fake.alive
+        fake.advance(601)  # idle in the pool longer than E2B's timer: the VM is gone
+        assert fake.alive == []
+        with pool.acquire(timeout=30) as sandbox:
+            assert sandbox.run("echo alive").stdout == "alive\n"
+            assert sandbox.remote.sandbox_id != idle_vm and len(fake.created) == 2
+
+
+def test_runs_keep_a_busy_sandbox_alive(fake):
+    with make_sandbox("e2b", lifetime_s=600, **fake.options) as sandbox:
+        sandbox.write_file("state.txt", "kept")
+        for _ in range(3):  # 1200 s in all: E2B's 600 s timer would fire without extensions
+            fake.advance(400)
+            assert sandbox.run("cat state.txt").stdout == "kept"
+        assert len(fake.created) == 1 and len(fake.timeouts) == 3
+
+
+def test_used_sandbox_past_its_lifetime_fails_clearly(fake):
+    with make_sandbox("e2b", lifetime_s=600, **fake.options) as sandbox:
+        sandbox.write_file("state.txt", "lost")
+        fake.advance(601)
+        with pytest.raises(SandboxError, match="lifetime_s=600"):
+            sandbox.run("cat state.txt")
+
+
+def test_session_timeout_restarts_the_kernel(sb):
+    with sb.session("python") as py:
+        assert py.run("x = 1").ok
+        hung = py.run("import time\nwhile True:\n    time.sleep(0.05)\n    print('.')", timeout=1)
+        assert hung.timed_out and py.restarts == 1, hung
+        after = py.run("print('next')", timeout=3)
+        assert after.ok and after.stdout == "next\n", after
+        assert "NameError" in py.run("print(x)").stderr, "state is lost with the restart"
+
+
+def test_session_output_flood_is_cut_and_stopped(sb):
+    with sb.session("python") as py:
+        t0 = time.monotonic()
+        r = py.run("while True:\n    print('x' * 1000)", timeout=20)
+        assert r.output_truncated and len(r.stdout) <= 20_000, r.describe()
+        assert time.monotonic() - t0 < 10 and py.restarts == 1
+        assert py.run("print('next')", timeout=3).stdout == "next\n"
+
+
+def test_session_sdk_failures_are_session_errors(fake, sb):
+    with sb.session("python") as py:
+        fake.boxes[sb.remote.sandbox_id].kill()  # the VM dies under the session
+        with pytest.raises(SessionError, match="python session"):
+            py.run("print(1)")
+
+
+def test_create_failing_after_the_vm_exists_kills_it(fake):
+    fake.break_create_response = True
+    with pytest.raises(SandboxUnavailableError, match="could not create"):
+        make_sandbox("e2b", **fake.options).start()
+    assert len(fake.created) == 1 and fake.alive == []
 
 
 @pytest.mark.e2b
