@@ -11,6 +11,14 @@ from __future__ import annotations
 import os
 import re
 
+# Threads of torch's OpenMP pool (libgomp) that wait between parallel regions sleep instead of
+# spinning. On a 2-core machine with any other load, spinning waiters take the cores the working
+# threads need, and the tiny models' many small ops ran several times slower (the in-process
+# tests of test_grad_equivalence.py: 36 s spinning, 6 s passive). Set before torch is imported
+# (libgomp reads it once); the ranks, servers and runs the tests start inherit it. Only the
+# waiting changes: torch keeps its thread count, and a value set outside wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 from envhub.registry import Registry

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -49,73 +50,89 @@ def test_envs_share_chromium_and_the_last_close_leaves_none_behind():
     assert chromium_alive(pids) == []
 
 
-def test_oracle_solves_every_task_kind_and_random_rarely_does():
-    env = envhub.make("web/browser-v0")
-    try:
-        for kind in ("signup", "contact", "member-id", "store-hours"):
-            messages, _ = env.reset(options={"task_id": f"{kind}-002"})
-            assert "Task:" in messages[-1]["content"] and "[1] link" in messages[-1]["content"]
-            while not env.done:
-                _, reward, terminated, _, info = env.step(env.expert_action())
-            assert terminated and info["success"] and reward == 1.0, kind
-        forms = envhub.make("web/browser-forms-v0", max_turns=6)
+@pytest.fixture(scope="class")
+def warm_chromium() -> Iterator[None]:
+    """One Chromium for a class of tests: an extra user of this thread's pool keeps it running
+    between them, so each test's last ``close()`` does not reap it and the next launch it again.
+    Each episode still gets a fresh browser context (what the pool gives every ``reset``)."""
+    pool = BrowserPool.for_this_thread()
+    pool.attach()
+    yield
+    pool.detach()
+
+
+@pytest.mark.usefixtures("warm_chromium")
+class TestOnOneChromium:
+    """Tasks and observations; they do not need a Chromium of their own (the tests of starting
+    and reaping it, and of its crash, are outside this class)."""
+
+    def test_oracle_solves_every_task_kind_and_random_rarely_does(self) -> None:
+        env = envhub.make("web/browser-v0")
         try:
-            random = [run_episode(forms, AGENTS["random"], seed=s) for s in range(3)]
+            for kind in ("signup", "contact", "member-id", "store-hours"):
+                messages, _ = env.reset(options={"task_id": f"{kind}-002"})
+                assert "Task:" in messages[-1]["content"] and "[1] link" in messages[-1]["content"]
+                while not env.done:
+                    _, reward, terminated, _, info = env.step(env.expert_action())
+                assert terminated and info["success"] and reward == 1.0, kind
+            forms = envhub.make("web/browser-forms-v0", max_turns=6)
+            try:
+                random = [run_episode(forms, AGENTS["random"], seed=s) for s in range(3)]
+            finally:
+                forms.close()
+            assert not any(r.success for r in random)
         finally:
-            forms.close()
-        assert not any(r.success for r in random)
-    finally:
-        env.close()
+            env.close()
 
+    def test_a_navigation_task_is_not_solved_by_typing_the_pages_address(self) -> None:
+        """Navigation tasks train finding a page through the site's links: ``goto`` to a guessed
+        path is refused there (home stays reachable), so it earns nothing."""
+        env = envhub.make("web/browser-navigation-v0")
+        try:
+            for task_id, guess in (
+                ("store-hours-002", None),
+                ("member-id-002", "/settings/profile"),
+            ):
+                env.reset(options={"task_id": task_id})
+                path = guess or f"/stores/{env.unwrapped.task['city'].lower()}"
+                reply, reward, terminated, _, info = env.step(f"<answer>goto [{path}]</answer>")
+                assert "goto" in reply[-1]["content"] and "links" in reply[-1]["content"]
+                assert (reward <= 0, terminated, info["success"]) == (True, False, False)
+                assert env.unwrapped._path() != path
+                _, _, _, _, info = env.step("<answer>goto [/]</answer>")
+                assert env.unwrapped._path() == "/" and not info.get("invalid_action")
+        finally:
+            env.close()
 
-def test_a_navigation_task_is_not_solved_by_typing_the_pages_address():
-    """Navigation tasks train finding a page through the site's links: ``goto`` to a guessed
-    path is refused there (home stays reachable), so it earns nothing."""
-    env = envhub.make("web/browser-navigation-v0")
-    try:
-        for task_id, guess in (("store-hours-002", None), ("member-id-002", "/settings/profile")):
-            env.reset(options={"task_id": task_id})
-            path = guess or f"/stores/{env.unwrapped.task['city'].lower()}"
-            reply, reward, terminated, _, info = env.step(f"<answer>goto [{path}]</answer>")
-            assert "goto" in reply[-1]["content"] and "links" in reply[-1]["content"]
-            assert (reward <= 0, terminated, info["success"]) == (True, False, False)
-            assert env.unwrapped._path() != path
-            _, _, _, _, info = env.step("<answer>goto [/]</answer>")
-            assert env.unwrapped._path() == "/" and not info.get("invalid_action")
-    finally:
-        env.close()
+    def test_observation_has_element_ids_roles_and_values(self) -> None:
+        env = envhub.make("web/browser-v0")
+        try:
+            env.reset(options={"task_id": "signup-000"})
+            env.step("<answer>goto [/signup]</answer>")
+            reply, *_ = env.step("<answer>type [6] [Ada Park]</answer>")
+            text = reply[0]["content"]
+            assert '[6] textbox "Full name" value="Ada Park"' in text
+            assert (
+                'combobox "Plan" value="Choose a plan" options=[Choose a plan, Basic, Plus, Pro]'
+                in text
+            )
+            assert 'checkbox "I accept the terms" unchecked' in text
+            reply, _, _, _, info = env.step("<answer>click [99]</answer>")
+            assert "There is no element [99]" in reply[0]["content"] and info["invalid_action"]
+            reply, _, _, _, info = env.step("<answer>goto [http://example.com/]</answer>")
+            assert "limited to this site" in reply[0]["content"]
+        finally:
+            env.close()
 
-
-def test_observation_has_element_ids_roles_and_values():
-    env = envhub.make("web/browser-v0")
-    try:
-        env.reset(options={"task_id": "signup-000"})
-        env.step("<answer>goto [/signup]</answer>")
-        reply, *_ = env.step("<answer>type [6] [Ada Park]</answer>")
-        text = reply[0]["content"]
-        assert '[6] textbox "Full name" value="Ada Park"' in text
-        assert (
-            'combobox "Plan" value="Choose a plan" options=[Choose a plan, Basic, Plus, Pro]'
-            in text
-        )
-        assert 'checkbox "I accept the terms" unchecked' in text
-        reply, _, _, _, info = env.step("<answer>click [99]</answer>")
-        assert "There is no element [99]" in reply[0]["content"] and info["invalid_action"]
-        reply, _, _, _, info = env.step("<answer>goto [http://example.com/]</answer>")
-        assert "limited to this site" in reply[0]["content"]
-    finally:
-        env.close()
-
-
-def test_a_page_that_never_loads_is_an_observation_not_a_hang():
-    env = envhub.make("web/browser-v0", page_timeout_s=1.5)
-    try:
-        env.reset(seed=0)
-        env._site.slow_seconds = 4
-        reply, _, terminated, _, _ = env.step("<answer>goto [/slow]</answer>")
-        assert "did not load within 1.5s" in reply[0]["content"] and not terminated
-    finally:
-        env.close()
+    def test_a_page_that_never_loads_is_an_observation_not_a_hang(self) -> None:
+        env = envhub.make("web/browser-v0", page_timeout_s=1.5)
+        try:
+            env.reset(seed=0)
+            env._site.slow_seconds = 4
+            reply, _, terminated, _, _ = env.step("<answer>goto [/slow]</answer>")
+            assert "did not load within 1.5s" in reply[0]["content"] and not terminated
+        finally:
+            env.close()
 
 
 def test_a_browser_crash_mid_episode_is_a_failed_episode_and_the_pool_recovers():
