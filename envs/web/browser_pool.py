@@ -20,6 +20,7 @@ import contextlib
 import os
 import shutil
 import threading
+import time
 import weakref
 from typing import Any
 
@@ -161,13 +162,29 @@ class BrowserPool:
         for pid in self._pids:
             try:
                 process = psutil.Process(pid)
-                if "chrom" in process.name().lower():
+                if "chrom" in process.name().lower() and not _dead(process):
                     process.kill()
                     survivors.append(process)
             except psutil.Error:
                 pass
-        psutil.wait_procs(survivors, timeout=5)
+        # until each is gone or a zombie: Chromium's helpers are not our children, and a zombie
+        # waits for the host's PID 1 to reap it (1.4-2 s of every last close on a host whose
+        # init reaps late, forever in a container whose PID 1 does not reap)
+        deadline = time.monotonic() + 5
+        while survivors and time.monotonic() < deadline:
+            _, running = psutil.wait_procs(survivors, timeout=0.05)
+            survivors = [process for process in running if not _dead(process)]
         self._pids.clear()
+
+
+def _dead(process: Any) -> bool:
+    """``process`` (a ``psutil.Process``) has exited: gone, or a zombie nobody reaped yet."""
+    import psutil
+
+    try:
+        return bool(process.status() == psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return True
 
 
 @atexit.register
