@@ -118,3 +118,16 @@ def test_a_missing_optional_package_names_the_extra(monkeypatch):
     assert (
         "optional package 'ray'" in result.output and "pip install 'envhub[ray]'" in result.output
     )
+
+
+def test_commands_run_torch_with_passive_openmp_waits(cli, monkeypatch):
+    """Spinning OpenMP waiters took the cores of a loaded CPU machine from the working threads;
+    every command sets the passive policy before torch loads, unless the user set one."""
+    import os
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    cli("list")
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    cli("list")
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
