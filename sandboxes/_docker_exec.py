@@ -10,16 +10,24 @@ What it guarantees:
 1. **Bounded time**: whatever the program does, :meth:`ContainerExecs.run` stops reading it
    ``_GRACE_S`` after ``timeout`` (or after the kill of guarantee 3) and then waits about a
    second at most for the engine's exit code; past the deadline the run is ``timed_out``.
+   Every engine call is bounded too (:func:`engine_call`): an engine that does not answer by
+   the run's deadline plus ``ENGINE_GRACE_S`` raises ``SandboxError``, whatever it is doing.
 2. **Bounded output**: at most ``max_bytes`` per stream are kept; past them the run is killed
    and reported ``output_truncated``.
 3. **Kill from outside**: a program that timed out, flooded its output, or exited while
    something it started still holds the output open, is killed by a *second* exec of
    ``KILL_ALL`` as ``kill_user``, so nothing the program did to itself can stop the kill; the
    first exec's output keeps being read meanwhile (the engine stalls new execs while an exec's
-   output is left unread).
-4. **Honest status**: the exit code is the engine's (128+N for signal N, 137 when the engine
-   never reports one); ``oom_killed`` only when the engine logged an ``oom`` event for the
-   container during the run; ``cpu_time_exceeded`` for SIGXCPU.
+   output is left unread). A kill that has not finished ``_KILL_BOUND_S`` later was stopped
+   by the program (``kill(-1, SIGSTOP)`` stops the killer too, in ``runc init``, and the
+   engine then blocks on the container): the container is *compromised*. Its processes are
+   SIGKILLed from the host where we can (:class:`~sandboxes._docker_host.HostCgroup`), every
+   later exec is refused, and ``SandboxError`` is raised, so its owner (or a pool) stops it.
+4. **Honest status**: the exit code is the engine's (128+N for signal N); a run the engine
+   gives no exit code for raises ``SandboxError``, unless we killed it (timeout, output cap:
+   137). ``oom_killed`` only when the container's cgroup counted an OOM kill during the run
+   (from the host; elsewhere, when the engine logged an ``oom`` event since the run began);
+   ``cpu_time_exceeded`` for SIGXCPU.
 5. **Environment**: an exec gets the ``env`` it is given and nothing of the host's.
 """
 
@@ -33,13 +41,16 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
-from typing import IO, Any
+from collections.abc import Callable, Mapping
+from typing import IO, Any, TypeVar
 
+from sandboxes._docker_host import HostCgroup
 from sandboxes.base import ExecResult, _decode
 from sandboxes.errors import SandboxError
 
-__all__ = ["KILL_ALL", "ContainerExecs", "ExecProcess", "ExecStream"]
+__all__ = ["KILL_ALL", "ContainerExecs", "ExecProcess", "ExecStream", "engine_call"]
+
+T = TypeVar("T")
 
 KILL_ALL = (
     "kill -9 -1 2>/dev/null; "
@@ -56,6 +67,39 @@ builtins only) until none of them runs any more: each is gone or a zombie. (``ki
 cannot tell: it succeeds while any process of the namespace exists, signalable or not.)"""
 _GRACE_S = 2.0
 """How long a killed run's output is still drained before the run is given up on."""
+_KILL_BOUND_S = 5.0
+"""How long a kill from outside may take before the container counts as compromised."""
+ENGINE_GRACE_S = 10.0
+"""How long past a run's deadline the engine may take to answer before ``SandboxError``."""
+ENGINE_HINT = (
+    "is dockerd running, and not hung or overloaded? Start it (e.g. `sudo dockerd` or "
+    "`systemctl start docker`) or point DOCKER_HOST / base_url= at a running engine"
+)
+"""The fix an error about an unreachable engine suggests."""
+
+
+def engine_call(what: str, within: float, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)``, an engine call, or ``SandboxError`` if it has not answered
+    within ``within`` seconds (the SDK's own timeout is per socket read, 60 s, and a hung engine
+    keeps a connection open without answering). The call goes on in a daemon thread meanwhile."""
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+
+    thread = threading.Thread(target=call, daemon=True, name="docker-engine-call")
+    thread.start()
+    thread.join(max(0.0, within))
+    if thread.is_alive():
+        raise SandboxError(
+            f"the Docker engine did not answer {what} within {within:.1f} s; {ENGINE_HINT}"
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 class ExecStream:
@@ -64,9 +108,11 @@ class ExecStream:
     Writes stdin and reads (stream, bytes) frames with a deadline.
     """
 
-    def __init__(self, api: Any, exec_id: str) -> None:
+    def __init__(self, api: Any, exec_id: str, *, within: float = ENGINE_GRACE_S) -> None:
         self.exec_id = exec_id
-        self._wrapper = api.exec_start(exec_id, socket=True, demux=False)
+        self._wrapper = engine_call(
+            "exec_start", within, api.exec_start, exec_id, socket=True, demux=False
+        )
         self.sock: socket.socket = getattr(self._wrapper, "_sock", self._wrapper)
         self.sock.setblocking(False)
         self._buf = bytearray()
@@ -121,18 +167,45 @@ class ExecStream:
 class ContainerExecs:
     """Execs in one container (``container_id``) through ``api``, a ``docker.APIClient``.
 
-    ``name`` says which sandbox in error messages; every exec starts in ``workdir``.
+    ``name`` says which sandbox in error messages; every exec starts in ``workdir``. ``host``:
+    the container's cgroup on this host, where we can reach it (kills and OOM counts that need
+    no exec).
     """
 
-    def __init__(self, api: Any, container_id: str, *, workdir: str, name: str) -> None:
+    def __init__(
+        self,
+        api: Any,
+        container_id: str,
+        *,
+        workdir: str,
+        name: str,
+        host: HostCgroup | None = None,
+    ) -> None:
         self.api, self.container_id = api, container_id
-        self.workdir, self.name = workdir, name
+        self.workdir, self.name, self.host = workdir, name, host
+        self.compromised = ""
+        """Why the container cannot be trusted any more ("" while it can): no exec runs in it."""
+        self.stopping = False
+        """Set by ``stop()`` before it kills the container: a run it interrupts then returns
+        as killed (137) instead of raising because its exec vanished."""
 
-    def open(self, argv: list[str], *, env: Mapping[str, str], user: str) -> ExecStream:
+    def open(
+        self,
+        argv: list[str],
+        *,
+        env: Mapping[str, str],
+        user: str,
+        within: float = ENGINE_GRACE_S,
+    ) -> ExecStream:
         """Start ``argv`` as ``user`` and return its stream; ``SandboxError`` if the engine
-        refuses (container gone, engine down)."""
+        refuses (container gone, engine down) or does not answer within ``within`` s."""
+        if self.compromised:
+            raise SandboxError(f"{self.name} is compromised ({self.compromised}); stop() it")
         try:
-            created = self.api.exec_create(
+            created = engine_call(
+                "exec_create",
+                within,
+                self.api.exec_create,
                 self.container_id,
                 argv,
                 stdin=True,
@@ -143,18 +216,44 @@ class ContainerExecs:
                 workdir=self.workdir,
                 user=user,
             )
-            return ExecStream(self.api, created["Id"])
+            return ExecStream(self.api, created["Id"], within=within)
+        except SandboxError:
+            raise
         except Exception as e:  # container gone, engine down
-            raise SandboxError(f"docker exec in {self.name} failed: {e}") from e
+            raise SandboxError(f"docker exec in {self.name} failed: {e}. {ENGINE_HINT}") from e
 
     def kill_user(self, user: str) -> None:
-        """SIGKILL every process of ``user``; returns once none of them runs (5 s at most)."""
-        with contextlib.suppress(SandboxError):
-            stream = self.open(["/bin/sh", "-c", KILL_ALL], env={}, user=user)
-            deadline = time.monotonic() + 5
-            while not stream.eof and time.monotonic() < deadline:
-                stream.frames(0.2)
-            stream.close()
+        """SIGKILL every process of ``user``; returns once none of them runs. ``SandboxError``
+        if the kill does not finish within ``_KILL_BOUND_S`` (the container is compromised)."""
+        killer = self.open(["/bin/sh", "-c", KILL_ALL], env={}, user=user)
+        killer.close_stdin()
+        self._await_kill(killer, user)
+
+    def _await_kill(self, killer: ExecStream, user: str) -> None:
+        """Wait for a ``KILL_ALL`` exec to end; past ``_KILL_BOUND_S``, :meth:`_compromise`."""
+        deadline = time.monotonic() + _KILL_BOUND_S
+        try:
+            while not killer.eof and time.monotonic() < deadline:
+                killer.frames(0.2)
+        finally:
+            killer.close()
+        if not killer.eof:
+            self._compromise(user, f"the kill of uid {user.partition(':')[0]} was stopped")
+
+    def _compromise(self, user: str, why: str) -> None:
+        """Refuse every later exec, SIGKILL ``user``'s processes from the host where we can
+        (which also frees the engine from the stopped exec), and raise ``SandboxError``."""
+        self.compromised = why
+        killed = self.host is not None and self.host.kill(int(user.partition(":")[0]))
+        raise SandboxError(
+            f"{self.name} is compromised: {why} (not done within {_KILL_BOUND_S:.0f} s); "
+            + (
+                "its processes were killed from the host. "
+                if killed
+                else "they may still run until the container is removed. "
+            )
+            + "stop() the sandbox and use a new one (a SandboxPool replaces it by itself)"
+        )
 
     def run(
         self,
@@ -170,8 +269,9 @@ class ContainerExecs:
         """Run ``argv`` as ``user`` to its end (guarantees 1-4); ``kill_user``'s processes are
         what a kill from outside SIGKILLs."""
         t0 = time.monotonic()
-        stream = self.open(argv, env=env, user=user)
         deadline = t0 + timeout
+        oom_before = self.host.oom_kills() if self.host is not None else None
+        stream = self.open(argv, env=env, user=user, within=timeout + ENGINE_GRACE_S)
         if stdin:
             stream.send(stdin, deadline)
         stream.close_stdin()
@@ -187,14 +287,13 @@ class ContainerExecs:
                     timed_out = True
                 if killer is None and not (timed_out or truncated) and now >= next_poll:
                     # the program exited but something it started still holds the output open
-                    exited = not self._running(stream.exec_id)
+                    exited = not self._running(stream.exec_id, deadline + ENGINE_GRACE_S)
                     poll_every = min(0.25, poll_every * 2)
                     next_poll = now + poll_every
                 if killer is None and (timed_out or truncated or exited):
                     # kill from a second exec, and keep draining this one (guarantee 3)
-                    with contextlib.suppress(SandboxError):
-                        killer = self.open(["/bin/sh", "-c", KILL_ALL], env={}, user=kill_user)
-                        killer.close_stdin()
+                    killer = self.open(["/bin/sh", "-c", KILL_ALL], env={}, user=kill_user)
+                    killer.close_stdin()
                     give_up = time.monotonic() + _GRACE_S
                 if give_up is not None and now >= give_up:
                     break
@@ -206,13 +305,25 @@ class ContainerExecs:
                     truncated = truncated or len(data) > room
                 if killer is not None and not killer.eof:
                     killer.frames(0)
+            if killer is not None:
+                self._await_kill(killer, kill_user)
+        except SandboxError:
+            if not self.stopping:
+                raise
         finally:
             stream.close()
             if killer is not None:
                 killer.close()
-        code = self.exit_code(stream.exec_id)
+        try:
+            code = self.exit_code(stream.exec_id, killed=timed_out or truncated or self.stopping)
+        except SandboxError:
+            if not self.stopping:
+                raise
+            code = 137  # stop() killed the container under the run: a result, not an error
+        if code in (137, 143) and not (timed_out or truncated or self.stopping):
+            self._require_container_running()
         wall = time.monotonic() - t0
-        oom = code == 137 and not timed_out and not truncated and self._oom_since(wall)
+        oom = code == 137 and not timed_out and not truncated and self._oom(oom_before, wall)
         return ExecResult(
             exit_code=code,
             stdout=_decode(bytes(bufs[1])),
@@ -224,25 +335,69 @@ class ContainerExecs:
             cpu_time_exceeded=code == 152 and not timed_out,
         )
 
-    def _running(self, exec_id: str) -> bool:
+    def _running(self, exec_id: str, by: float) -> bool:
+        """Whether the exec still runs; ``SandboxError`` if the engine does not say by ``by``."""
         try:
-            info = self.api.exec_inspect(exec_id)
+            info = engine_call(
+                "exec_inspect", by - time.monotonic(), self.api.exec_inspect, exec_id
+            )
+        except SandboxError:
+            raise
         except Exception:  # noqa: BLE001 - engine hiccup: keep waiting for the stream or the deadline
             return True
         # an exec the engine has not started yet is "Running: False" too, with no exit code
         return bool(info.get("Running")) or info.get("ExitCode") is None
 
-    def exit_code(self, exec_id: str) -> int:
-        """The exec's exit code, once the engine has one (137 if it never says, ~1 s)."""
-        for _ in range(100):
-            info = self.api.exec_inspect(exec_id)
-            if not info.get("Running") and info.get("ExitCode") is not None:
-                return int(info["ExitCode"])
-            time.sleep(0.01)
-        return 137
+    def exit_code(self, exec_id: str, *, killed: bool = False) -> int:
+        """The exec's exit code, once the engine has one (~1 s at most). One it never gives is
+        137 for a run we ``killed``, else ``SandboxError``: a status not read is never made up."""
+        info: dict[str, Any] = {}
+        try:
+            for _ in range(100):
+                info = engine_call("exec_inspect", ENGINE_GRACE_S, self.api.exec_inspect, exec_id)
+                if not info.get("Running") and info.get("ExitCode") is not None:
+                    return int(info["ExitCode"])
+                time.sleep(0.01)
+        except SandboxError:
+            raise
+        except Exception as e:
+            raise SandboxError(
+                f"the Docker engine lost the exec in {self.name} ({e}): the run's status is "
+                f"unknown. {ENGINE_HINT}"
+            ) from e
+        if killed:
+            return 137
+        raise SandboxError(
+            f"the Docker engine reports no exit code for a run in {self.name} "
+            f"(Running: {info.get('Running')}); its status is unknown"
+        )
 
-    def _oom_since(self, wall: float) -> bool:
-        """Whether the engine logged an ``oom`` event for the container in the last ``wall`` s."""
+    def _require_container_running(self) -> None:
+        """A run killed by a signal we did not send: ``SandboxError`` if the whole container
+        went down with it (an engine stopping or restarting kills every container)."""
+        try:
+            info = engine_call(
+                "container inspect", ENGINE_GRACE_S, self.api.inspect_container, self.container_id
+            )
+            running = bool(info["State"]["Running"])
+        except SandboxError:
+            raise
+        except Exception as e:
+            raise SandboxError(
+                f"{self.name}'s container is gone ({e}); the run was killed with it. {ENGINE_HINT}"
+            ) from e
+        if not running:
+            raise SandboxError(
+                f"{self.name}'s container stopped during the run (did the engine restart?); "
+                "the run was killed with it: stop() this sandbox and use a new one"
+            )
+
+    def _oom(self, before: int | None, wall: float) -> bool:
+        """Whether the kernel OOM-killed something in the container during the run: its cgroup's
+        counter moved (from the host), else an engine ``oom`` event within the last ``wall`` s."""
+        if self.host is not None and before is not None:
+            after = self.host.oom_kills()
+            return after is not None and after > before
         since = time.time() - wall - 1.0
         try:
             events = self.api.events(

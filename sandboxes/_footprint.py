@@ -7,8 +7,8 @@ A started ``LocalSandbox`` holds one :class:`Footprint`:
   and the scratch inside is a tmpfs of its own anyway; else the temp dir), mode 0711 so that
   the sandbox uid can traverse it to its scratch, with
 
-  - ``scratch/``: what the program sees as ``/sandbox``. As root a tmpfs of ``disk_mb`` owned
-    by the sandbox uid; otherwise (or where mounting fails) a plain directory, mode 0700;
+  - ``scratch/``: what the program sees as ``/sandbox``. As root a tmpfs of ``Limits.place_mb``
+    owned by the sandbox uid; otherwise (or where mounting fails) a plain directory, mode 0700;
   - ``root/``: the mount point of ``unshare``'s root; ``etc/``: the ``passwd`` and ``group``
     it copies in (``_launch.etc_files``; bwrap gets the same bytes through memfds);
   - ``owner.json``: the owner pid, the uid, whether it is leased, the cgroup directories;
@@ -90,7 +90,7 @@ class Footprint:
         if root:
             try:
                 _host.mount_tmpfs(
-                    self.scratch, size_mb=self.limits.disk_mb, uid=self.uid, gid=self.uid
+                    self.scratch, size_mb=self.limits.place_mb, uid=self.uid, gid=self.uid
                 )
                 self.scratch_is_tmpfs = True
             except OSError:
@@ -126,7 +126,8 @@ class Footprint:
         """Delete everything in scratch (a tmpfs is mounted afresh, so its cap holds again)."""
         if self.scratch_is_tmpfs:
             _host.unmount(self.scratch)
-            _host.mount_tmpfs(self.scratch, size_mb=self.limits.disk_mb, uid=self.uid, gid=self.uid)
+            size = self.limits.place_mb
+            _host.mount_tmpfs(self.scratch, size_mb=size, uid=self.uid, gid=self.uid)
             return
         for child in self.scratch.iterdir():
             if child.is_dir() and not child.is_symlink():

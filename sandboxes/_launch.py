@@ -187,7 +187,7 @@ class Launcher:
             steps.append(f"ulimit -p {lim.max_processes + 2} || exit 125")
             isolation = bwrap_argv(
                 fds=fds,
-                tmp_mb=lim.disk_mb,
+                tmp_mb=lim.place_mb,
                 network=lim.network,
                 userns=True,
                 ro_binds=self.ro_binds,
@@ -195,7 +195,7 @@ class Launcher:
             )
         else:  # unshare: RLIMIT_NPROC is set for the sandbox uid only, after the root setup
             isolation = unshare_argv(
-                tmp_mb=lim.disk_mb,
+                tmp_mb=lim.place_mb,
                 network=lim.network,
                 uid=self.uid,
                 ro_binds=self.ro_binds,

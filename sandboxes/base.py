@@ -85,8 +85,9 @@ class Limits:
     network: bool = False
     """Whether the program may use the network at all."""
     disk_mb: int = 256
-    """Size of each writable tmpfs (scratch, ``/tmp``, ``/dev/shm``); SysV shared memory and
-    POSIX message queues are capped by it too where a backend allows them."""
+    """Size of each writable tmpfs (scratch, ``/tmp``, ``/dev/shm``), but ``memory_mb / 8`` at
+    most (``place_mb``); SysV shared memory and POSIX message queues are capped by it too where
+    a backend allows them."""
 
     def __post_init__(self) -> None:
         for name in ("wall_time_s", "cpu_time_s"):
@@ -112,6 +113,15 @@ class Limits:
             )
         if not isinstance(self.network, bool):
             raise SandboxConfigError(f"Limits.network must be True or False, got {self.network!r}")
+
+    @property
+    def place_mb(self) -> int:
+        """The cap of each writable place (scratch, ``/tmp``, ``/dev/shm``, SysV shared memory):
+        ``disk_mb``, but at most ``memory_mb / 8``. Their pages are the sandbox's memory, so four
+        full places hold half of ``memory_mb`` at most and a full disk is never a memory bomb
+        that OOM-kills the runs after it (three of the default ``disk_mb=256`` are more than the
+        default ``memory_mb=512``)."""
+        return max(1, min(self.disk_mb, self.memory_mb // 8))
 
     def replace(self, **changes: Any) -> Limits:
         """A copy with some fields changed (validated again)."""

@@ -1,15 +1,23 @@
 """``docker``: one container per sandbox, through the ``docker`` SDK (``pip install docker``).
 
-``start()`` creates a container from ``image`` that just sleeps (under ``docker-init``, uid
-65534); each ``run`` is a ``docker exec`` of the program itself as uid 1000, with no wrapper
-process it could kill or stop. When the run ends (exit, timeout, output cap), a second exec
-SIGKILLs every process of uid 1000 and returns once none runs. ``reset()`` does the same for
-both uids and deletes everything they own; what it cannot delete or verify costs a new container.
-How an exec is streamed, bounded and killed from outside is ``_docker_exec.py``.
+``start()`` creates a container from ``image`` whose main process (under ``docker-init``, uid
+65534) lives as long as our attached stdin: the container dies with its owner, even one that
+is SIGKILLed, and the engine removes it (``auto_remove``). Each ``run`` is a ``docker exec`` of
+the program itself as uid 1000, with no wrapper process it could kill or stop. When the run
+ends (exit, timeout, output cap), a second exec SIGKILLs every process of uid 1000 and returns
+once none runs; a kill the run managed to stop (``kill(-1, SIGSTOP)`` in a loop stops it too)
+makes the sandbox *compromised*: its processes are SIGKILLed from the host (as root with the
+engine on this host), ``SandboxError`` is raised, and ``stop()`` removes the container within
+a bounded time (a pool replaces it). ``reset()`` kills both uids' processes and deletes
+everything they own; what it cannot delete or verify costs a new container. Every engine call
+is bounded: an engine that hangs, restarts or is gone is a ``SandboxError`` that says to start
+dockerd or set ``DOCKER_HOST``, never a made-up result. How an exec is streamed, bounded and
+killed from outside is ``_docker_exec.py``; the scripts run inside, ``_docker_inside.py``.
 
 Protects against (``DockerSandbox.PROTECTS`` is the same list; ``envhub sandbox info`` prints
 it). Tests are in ``tests/sandboxes/`` (docker params, marked ``docker``): ``adv`` =
-``test_adversarial.py``, ``reuse`` = ``test_reuse.py``, ``contract`` = ``test_contract.py``.
+``test_adversarial.py``, ``reuse`` = ``test_reuse.py``, ``contract`` = ``test_contract.py``,
+``docker`` = ``test_docker.py``.
 
 - **Infinite loops**: wall-clock deadline, then SIGKILL of every process of the run's uid;
   RLIMIT_CPU (``ulimits``) as a second bound.
@@ -17,15 +25,19 @@ it). Tests are in ``tests/sandboxes/`` (docker params, marked ``docker``): ``adv
   adv::test_cpu_time_limit_kills_a_busy_program)
 - **Fork bombs**: ``pids_limit`` (cgroup) = ``max_processes`` + docker-init and the sleep.
   (adv::test_fork_bomb_is_capped_and_returns_in_bounded_time)
-- **Memory bombs**: ``mem_limit`` = ``memswap_limit`` (cgroup, no swap); OOM kills are read
-  from the engine's ``oom`` events. (adv::test_memory_bomb_is_oom_killed_and_reported)
+- **Memory bombs**: ``mem_limit`` = ``memswap_limit`` (cgroup, no swap); an OOM kill is the
+  container's cgroup counter moving during the run (read from the host; elsewhere, engine
+  ``oom`` events). (adv::test_memory_bomb_is_oom_killed_and_reported,
+  adv::test_an_oom_kill_is_reported_for_its_own_run_only)
 - **Disk fill**: root filesystem read-only; every writable place (``/sandbox``, ``/tmp``,
-  ``/dev/shm``) is a tmpfs of ``disk_mb`` each; RLIMIT_FSIZE caps each file. SysV shared
-  memory is capped at ``disk_mb`` in all (``kernel.shmmax``/``shmall`` of the container's own
+  ``/dev/shm``) is a tmpfs of ``disk_mb`` each, but ``memory_mb / 8`` at most (``Limits.place_mb``:
+  tmpfs is memory, so full places never OOM-kill later runs); RLIMIT_FSIZE caps each file. SysV
+  shared memory is capped the same in all (``kernel.shmmax``/``shmall`` of the container's own
   IPC namespace) and destroyed once no process holds it (``kernel.shm_rmid_forced``); POSIX
   message queues hold at most ``min(disk_mb, 800 KiB)`` (RLIMIT_MSGQUEUE).
   (adv::test_disk_fill_in_scratch_and_tmp_stops_at_the_cap,
   reuse::test_every_writable_tmpfs_is_capped_at_disk_mb,
+  reuse::test_filling_every_writable_place_leaves_memory_for_the_next_run,
   reuse::test_sysv_shared_memory_is_capped_at_disk_mb,
   reuse::test_posix_message_queues_hold_at_most_disk_mb)
 - **Output floods**: ``max_output_bytes`` per stream, then the run is killed.
@@ -42,17 +54,28 @@ it). Tests are in ``tests/sandboxes/`` (docker params, marked ``docker``): ``adv
   reuse::test_a_process_left_behind_is_dead_when_the_run_returns)
 - **Signals and tampering**: the container's PID namespace; the run's uid owns no process but
   the run's own, so stopping, killing or ptrace-ing everything it sees touches only itself, and
-  the run is reported as what it was, not as a timeout.
+  the run is reported as what it was, not as a timeout. Stopping its own clean-up exec is
+  caught (bounded wait) and answered from outside the container, as above.
   (adv::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill,
+  adv::test_a_run_that_stops_every_process_of_its_uid_cannot_outlive_its_timeout,
   adv::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten,
   adv::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next,
   adv::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user)
 - **Kernel objects across ``reset()``**: an IPC namespace per container (``ipc_mode="private"``);
   ``reset()`` removes SysV message queues, semaphores and shared memory (``ipcrm``), POSIX
   message queues and the files in every writable place (``find -delete``), then checks.
-  (reuse::test_ipc_objects_do_not_reach_the_next_user,
+  Scratch itself is root's (group 1000, mode 3770, checked by ``reset()``), so its mode, ACLs
+  and xattrs are out of a run's reach. (reuse::test_ipc_objects_do_not_reach_the_next_user,
   reuse::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user,
+  reuse::test_what_a_run_sets_on_scratch_itself_does_not_reach_the_next_user,
   contract::test_reset_empties_scratch)
+- **Leaks and engine failures**: the container dies with its owner process (SIGKILL and SIGTERM
+  included) and is removed; an engine that hangs ends a run by its deadline plus a grace, with
+  ``SandboxError``; a run the engine restarts under is a ``SandboxError``; ``stop()`` while the
+  engine is down returns, and the container is gone once it is back.
+  (docker::test_container_is_removed_when_its_owner_is_killed,
+  docker::test_a_run_ends_by_its_deadline_when_the_engine_hangs,
+  docker::test_an_engine_restart_is_an_error_and_stop_while_down_still_removes)
 - **Keyrings** (not namespaced: uid 1000's user keyring is shared by every container and the
   host's uid 1000): the engine's default seccomp profile denies ``add_key``/``keyctl``/
   ``request_key``; ``start()`` refuses a container that has no seccomp filter, no
@@ -76,18 +99,40 @@ Persistent sessions run as uid 1001 (group 1000) so a ``run``'s cleanup does not
 ``exit_code`` follows the 128+N convention like every backend. Interrupting one session
 command (instead of restarting the session) needs the engine on this host (it finds the
 process via ``/proc``). A run costs two execs (the program, then its cleanup), ``reset()`` two.
+Killing from the host (a stopped clean-up) and exact OOM attribution need root and the engine
+on this host; elsewhere a stopped clean-up still raises ``SandboxError``, but the container's
+removal waits for the engine. The sticky bit on scratch means a run cannot delete a file a
+session made in scratch's top level (nor the reverse); with ``fs.protected_regular=2`` neither
+can reopen the other's file there with ``O_CREAT``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from sandboxes._docker_exec import KILL_ALL, ContainerExecs, ExecProcess
+from sandboxes._docker_exec import (
+    ENGINE_GRACE_S,
+    ENGINE_HINT,
+    ContainerExecs,
+    ExecProcess,
+    engine_call,
+)
+from sandboxes._docker_host import HostCgroup
+from sandboxes._docker_inside import (
+    CLEAN,
+    NO_IPC_LEFT,
+    RUN_USER,
+    SCRATCH_OK,
+    SCRATCH_OWNER,
+    SESSION_USER,
+    SETUP,
+    WRAP,
+    container_spec,
+)
 from sandboxes.base import ExecResult, Limits, Protection, Sandbox, Session, _decode
 from sandboxes.errors import (
     SandboxConfigError,
@@ -98,32 +143,6 @@ from sandboxes.errors import (
 )
 
 __all__ = ["DockerSandbox"]
-
-RUN_USER, SESSION_USER, KEEPALIVE_USER = "1000:1000", "1001:1000", "65534:65534"
-"""Runs, sessions and the container's sleeping main process each have a uid, so ``kill -9 -1``
-as one of them (a run's cleanup) never touches the others."""
-_WRAP = 'umask 002; exec "$@"'
-"""The program *is* the exec's process: no wrapper of its uid that it could kill or stop."""
-WRITABLE = (Sandbox.workdir, "/tmp", "/dev/shm", "/dev/mqueue")
-"""Everything a run can write (each size-capped); ``reset()`` empties all of them."""
-_CLEAN = (
-    KILL_ALL + "; ipcrm --all 2>/dev/null; find " + " ".join(WRITABLE) + " -mindepth 1 -delete 2>&1"
-)
-_NO_IPC_LEFT = (
-    "n=0; for f in /proc/sysvipc/msg /proc/sysvipc/sem /proc/sysvipc/shm; do "
-    "while read -r line; do n=$((n+1)); done < $f; done; "
-    '[ $n -le 3 ] || { echo "SysV IPC objects left"; exit 1; }'
-)
-"""Each /proc/sysvipc file has one header line: more than three lines in all means objects."""
-_SETUP = (
-    'chmod 2770 "$1" || exit 1; '
-    "while read -r k v _; do case $k in Seccomp:) s=$v;; NoNewPrivs:) n=$v;; CapBnd:) b=$v;; esac; "
-    'done < /proc/self/status; [ "$s" = 2 ] && [ "$n" = 1 ] && [ "$b" = 0000000000000000 ] || '
-    '{ echo "Seccomp: ${s:-?}, NoNewPrivs: ${n:-?}, CapBnd: ${b:-?}"; exit 3; }'
-)
-"""Group-writable scratch (sessions, uid 1001 group 1000, share it with runs), and proof that
-the engine applied what the docstring promises: a seccomp filter (mode 2), no-new-privileges,
-an empty capability bounding set."""
 
 
 def _import_docker() -> Any:
@@ -165,18 +184,22 @@ class DockerSandbox(Sandbox):
             ),
             (
                 "memory bombs",
-                "memory cgroup, no swap; OOM read from engine events",
-                ("test_adversarial.py::test_memory_bomb_is_oom_killed_and_reported",),
+                "memory cgroup, no swap; OOM from the cgroup's counter (else engine events)",
+                (
+                    "test_adversarial.py::test_memory_bomb_is_oom_killed_and_reported",
+                    "test_adversarial.py::test_an_oom_kill_is_reported_for_its_own_run_only",
+                ),
             ),
             (
                 "disk fill",
                 (
-                    "read-only root; /sandbox, /tmp, /dev/shm: tmpfs of disk_mb; "
-                    "SysV shm <= disk_mb; RLIMIT_MSGQUEUE; RLIMIT_FSIZE"
+                    "read-only root; /sandbox, /tmp, /dev/shm: tmpfs of disk_mb (at most "
+                    "memory_mb/8); SysV shm the same; RLIMIT_MSGQUEUE; RLIMIT_FSIZE"
                 ),
                 (
                     "test_adversarial.py::test_disk_fill_in_scratch_and_tmp_stops_at_the_cap",
                     "test_reuse.py::test_every_writable_tmpfs_is_capped_at_disk_mb",
+                    "test_reuse.py::test_filling_every_writable_place_leaves_memory_for_the_next_run",
                     "test_reuse.py::test_sysv_shared_memory_is_capped_at_disk_mb",
                     "test_reuse.py::test_posix_message_queues_hold_at_most_disk_mb",
                 ),
@@ -211,9 +234,13 @@ class DockerSandbox(Sandbox):
             ),
             (
                 "signals and tampering",
-                "PID namespace; the run's uid owns no process but the run's own",
+                (
+                    "PID namespace; the run's uid owns no process but the run's own; "
+                    "a stopped clean-up is answered from the host, SandboxError"
+                ),
                 (
                     "test_adversarial.py::test_signals_cannot_reach_the_host_and_cannot_stop_the_kill",
+                    "test_adversarial.py::test_a_run_that_stops_every_process_of_its_uid_cannot_outlive_its_timeout",
                     "test_adversarial.py::test_processes_that_outlive_a_run_cannot_be_attached_or_rewritten",
                     "test_adversarial.py::test_a_run_that_stops_or_kills_everything_it_sees_does_not_break_the_next",
                     "test_adversarial.py::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user",
@@ -223,11 +250,12 @@ class DockerSandbox(Sandbox):
                 "kernel objects across reset",
                 (
                     "IPC namespace per container; reset() removes SysV IPC, POSIX "
-                    "queues and files, then checks"
+                    "queues and files, then checks; scratch itself is root's (mode 3770)"
                 ),
                 (
                     "test_reuse.py::test_ipc_objects_do_not_reach_the_next_user",
                     "test_reuse.py::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user",
+                    "test_reuse.py::test_what_a_run_sets_on_scratch_itself_does_not_reach_the_next_user",
                     "test_contract.py::test_reset_empties_scratch",
                 ),
             ),
@@ -241,6 +269,18 @@ class DockerSandbox(Sandbox):
                     "test_adversarial.py::test_the_host_session_keyring_is_out_of_reach",
                     "test_reuse.py::test_keyring_syscalls_are_denied",
                     "test_reuse.py::test_keys_do_not_reach_the_next_user_or_a_later_sandbox",
+                ),
+            ),
+            (
+                "leaks and engine failures",
+                (
+                    "the container dies with its owner (auto-removed); engine calls bounded "
+                    "by the run's deadline; a hung or restarted engine raises SandboxError"
+                ),
+                (
+                    "test_docker.py::test_container_is_removed_when_its_owner_is_killed",
+                    "test_docker.py::test_a_run_ends_by_its_deadline_when_the_engine_hangs",
+                    "test_docker.py::test_an_engine_restart_is_an_error_and_stop_while_down_still_removes",
                 ),
             ),
             (
@@ -294,6 +334,7 @@ class DockerSandbox(Sandbox):
         self._client, self._base_url = client, base_url
         self.container: Any = None
         self._container_execs: ContainerExecs | None = None
+        self._lifeline: Any = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -309,8 +350,7 @@ class DockerSandbox(Sandbox):
         except Exception as e:  # noqa: BLE001 - any failure to reach the engine
             where = self._base_url or os.environ.get("DOCKER_HOST", "default socket")
             raise SandboxUnavailableError(
-                f"no Docker engine reachable ({where}): "
-                f"{e}. Start dockerd or set DOCKER_HOST / base_url=."
+                f"no Docker engine reachable ({where}): {e}. {ENGINE_HINT}"
             ) from None
         self.api = self._client.api
         try:
@@ -323,68 +363,35 @@ class DockerSandbox(Sandbox):
                     "or pass pull=True"
                 ) from None
             self._client.images.pull(self.image)
-        lim = self.limits
-        cpu = max(1, math.ceil(lim.cpu_time_s))
-        ulimits = [
-            docker.types.Ulimit(name="cpu", soft=cpu, hard=cpu + 1),
-            docker.types.Ulimit(
-                name="fsize", soft=lim.max_file_size_mb << 20, hard=lim.max_file_size_mb << 20
-            ),
-            docker.types.Ulimit(name="core", soft=0, hard=0),
-            docker.types.Ulimit(name="nofile", soft=1024, hard=1024),
-        ]
-        disk = lim.disk_mb << 20
-        ulimits.append(
-            docker.types.Ulimit(
-                name="msgqueue", soft=min(disk, 800 << 10), hard=min(disk, 800 << 10)
-            )
-        )
-        # SysV shm: disk_mb in all; gone once no process holds it
-        ipc_caps = {
-            "kernel.shmmax": str(disk),
-            "kernel.shmall": str(disk // os.sysconf("SC_PAGE_SIZE")),
-            "kernel.shm_rmid_forced": "1",
-        }
         try:
-            self.container = self._client.containers.run(
+            self.container = self._client.containers.create(
                 self.image,
-                ["sleep", "infinity"],
-                detach=True,
-                init=True,
-                user=KEEPALIVE_USER,
-                working_dir=self.workdir,
-                hostname="sandbox",
-                read_only=True,
-                network_mode=None if lim.network else "none",
-                ipc_mode="private",
-                shm_size=f"{lim.disk_mb}m",
-                sysctls=ipc_caps,
-                mem_limit=f"{lim.memory_mb}m",
-                memswap_limit=f"{lim.memory_mb}m",
-                pids_limit=lim.max_processes + 2,  # + docker-init and the keep-alive sleep
-                nano_cpus=int(self.cpus * 1e9),
-                cap_drop=["ALL"],
-                security_opt=["no-new-privileges"],
-                ulimits=ulimits,
-                environment={},
-                labels={"envhub.sandbox": self.id},
-                volumes=self.volumes,
-                tmpfs={
-                    self.workdir: f"rw,exec,size={lim.disk_mb}m,uid=1000,gid=1000",
-                    "/tmp": f"rw,exec,size={lim.disk_mb}m,mode=1777",
-                },
+                **container_spec(
+                    docker, self.limits, cpus=self.cpus, volumes=self.volumes, label=self.id
+                ),
             )
+            self._lifeline = self.api.attach_socket(
+                self.container.id, params={"stdin": 1, "stream": 1}
+            )
+            self.container.start()
         except Exception as e:
             for leftover in self._client.containers.list(
                 all=True, filters={"label": f"envhub.sandbox={self.id}"}
             ):
                 with contextlib.suppress(Exception):
                     leftover.remove(force=True)
+            self._cut_lifeline()
             raise SandboxError(f"could not start a container from {self.image!r}: {e}") from e
+        self.container.reload()
+        host = HostCgroup.find(self.container.id, int(self.container.attrs["State"]["Pid"] or 0))
         self._container_execs = ContainerExecs(
-            self.api, self.container.id, workdir=self.workdir, name=f"docker sandbox {self.id}"
+            self.api,
+            self.container.id,
+            workdir=self.workdir,
+            name=f"docker sandbox {self.id}",
+            host=host,
         )
-        setup = self._quick(["/bin/sh", "-c", _SETUP, "envhub", self.workdir], user=RUN_USER)
+        setup = self._quick(["/bin/sh", "-c", SETUP], user=SCRATCH_OWNER)
         if setup.exit_code == 3:
             self._stop()
             raise SandboxUnavailableError(
@@ -403,24 +410,55 @@ class DockerSandbox(Sandbox):
             )
 
     def _kill_running(self) -> None:
-        container = self.container
+        """Kill every process of the container, from the host where we can (nothing inside can
+        stop that), else through the engine (SIGKILL to its init), never waiting past
+        ``ENGINE_GRACE_S`` for it."""
+        container, execs = self.container, self._container_execs
+        if execs is not None:
+            execs.stopping = True
+            if execs.host is not None:
+                execs.host.kill()
         if container is not None:
             with contextlib.suppress(Exception):
-                container.kill()
+                engine_call("container kill", ENGINE_GRACE_S, container.kill)
 
     def _stop(self) -> None:
+        """Remove the container (forced) and wait until it is gone, waiting ``ENGINE_GRACE_S``
+        at most for each engine call; one the engine misses is done once it sees our end of
+        the container's stdin closed (``LIVE_WHILE_STDIN``)."""
+        self._kill_running()
         self._container_execs = None
         if self.container is not None:
             with contextlib.suppress(Exception):
-                self.container.remove(force=True)
+                engine_call("container remove", ENGINE_GRACE_S, self.container.remove, force=True)
+            with contextlib.suppress(Exception):  # "already being removed" (auto_remove): wait
+                engine_call(
+                    "container wait",
+                    ENGINE_GRACE_S,
+                    self.api.wait,
+                    self.container.id,
+                    condition="removed",
+                )
             self.container = None
+        self._cut_lifeline()
+
+    def _cut_lifeline(self) -> None:
+        """Close our end of the container's stdin: its keep-alive ends, the engine removes it."""
+        lifeline, self._lifeline = self._lifeline, None
+        if lifeline is not None:
+            with contextlib.suppress(Exception):
+                getattr(lifeline, "_sock", lifeline).close()
+            with contextlib.suppress(Exception):
+                lifeline.close()
 
     def _reset(self) -> None:
         """Kill both users' processes and delete what each owns (files, SysV IPC, POSIX queues);
         if anything is left (a file it cannot delete, no ``ipcrm`` in the image), start a new
         container."""
-        self._quick(["/bin/sh", "-c", _CLEAN], user=SESSION_USER)
-        r = self._quick(["/bin/sh", "-c", f"{_CLEAN} && {_NO_IPC_LEFT}"], user=RUN_USER)
+        self._quick(["/bin/sh", "-c", CLEAN], user=SESSION_USER)
+        r = self._quick(
+            ["/bin/sh", "-c", f"{CLEAN} && {NO_IPC_LEFT} && {SCRATCH_OK}"], user=RUN_USER
+        )
         if r.exit_code != 0:
             self._stop()
             self._start()
@@ -455,18 +493,21 @@ class DockerSandbox(Sandbox):
     def _exec(
         self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]
     ) -> ExecResult:
-        try:
-            return self._execs.run(
-                ["/bin/sh", "-c", _WRAP, "envhub", *argv],
-                user=RUN_USER,
-                env=env,
-                stdin=stdin,
-                timeout=timeout,
-                max_bytes=self.limits.max_output_bytes,
-                kill_user=RUN_USER,
-            )
-        finally:  # from outside the run: nothing it did can skip this
-            self._execs.kill_user(RUN_USER)
+        execs = self._execs  # stop() from another thread may drop it meanwhile
+        result = execs.run(
+            ["/bin/sh", "-c", WRAP, "envhub", *argv],
+            user=RUN_USER,
+            env=env,
+            stdin=stdin,
+            timeout=timeout,
+            max_bytes=self.limits.max_output_bytes,
+            kill_user=RUN_USER,
+        )
+        # from outside the run: nothing it did can skip this; a run that raised (the engine
+        # failed, or the kill was stopped) leaves a sandbox that must be stopped anyway
+        if not execs.stopping:
+            execs.kill_user(RUN_USER)
+        return result
 
     # ---- files -----------------------------------------------------------------------------
     def _write_bytes(self, parts: tuple[str, ...], data: bytes) -> None:
@@ -514,7 +555,8 @@ class DockerSandbox(Sandbox):
             return ExecProcess(self.api, stream)
 
         def kill(proc: SessionProcess) -> None:
-            self._execs.kill_user(SESSION_USER)
+            with contextlib.suppress(SandboxError):  # the session restarts either way
+                self._execs.kill_user(SESSION_USER)
             proc.kill()
 
         return PipeSession(

@@ -28,11 +28,13 @@ Python taking the zygote's in-process path (``local-fork``).
 - **Memory bombs**: cgroup ``memory.limit_in_bytes`` for the sandbox (OOM kills are counted
   and reported as ``oom_killed``); RLIMIT_AS per process where cgroups are not writable.
   (adv::test_memory_bomb_is_oom_killed_and_reported)
-- **Disk fill**: scratch, ``/tmp`` and ``/dev/shm`` are tmpfs capped at ``disk_mb``; ``/dev``
-  itself is read-only; RLIMIT_FSIZE caps each file; POSIX message queues are bounded by
-  RLIMIT_MSGQUEUE and SysV IPC is denied (seccomp).
+- **Disk fill**: scratch, ``/tmp`` and ``/dev/shm`` are tmpfs capped at ``disk_mb``, but
+  ``memory_mb / 8`` at most (``Limits.place_mb``: tmpfs is memory, so full places never
+  OOM-kill later runs); ``/dev`` itself is read-only; RLIMIT_FSIZE caps each file; POSIX
+  message queues are bounded by RLIMIT_MSGQUEUE and SysV IPC is denied (seccomp).
   (adv::test_disk_fill_in_scratch_and_tmp_stops_at_the_cap,
   reuse::test_every_writable_tmpfs_is_capped_at_disk_mb,
+  reuse::test_filling_every_writable_place_leaves_memory_for_the_next_run,
   reuse::test_posix_message_queues_hold_at_most_disk_mb,
   reuse::test_sysv_shared_memory_is_capped_at_disk_mb)
 - **Output floods**: output is read up to ``max_output_bytes`` per stream, then the run is killed.

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes import Sandbox, SandboxFileError
+from sandboxes import Sandbox, SandboxError, SandboxFileError
 from tests.helpers import host_processes_with
 
 PROJECT = Path(__file__).resolve().parents[2]
@@ -279,7 +279,7 @@ def test_planted_symlinks_do_not_expose_host_files(make_sandbox_for):
     still_works(sb)
 
 
-# ---- what outlives a run: the warm executor, bubblewrap's init, the leased uid ----------------
+# ---- what outlives a run: the warm executor, a one-shot run's init, the leased uid ------------
 TAMPER = r"""
 import ctypes, json, os
 libc = ctypes.CDLL(None, use_errno=True)
@@ -457,4 +457,48 @@ def test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user(make_sandbo
     assert after.ok and after.stdout == before.stdout, (
         f"user 1 changed what user 2 inherits: {after.stdout} (was {before.stdout})"
     )
+    still_works(sb)
+
+
+STOP_EVERYTHING = (
+    "import os, signal, sys, time\nprint('up', flush=True)\nstart = time.process_time()\n"
+    "while True:\n    try: os.kill(-1, signal.SIGSTOP)\n    except OSError: pass\n"
+    "    if time.process_time() - start > 0.5:  # a fresh child dodges RLIMIT_CPU\n"
+    "        if os.fork(): os._exit(0)\n        start = time.process_time()\n"
+)
+
+
+def test_a_run_that_stops_every_process_of_its_uid_cannot_outlive_its_timeout(make_sandbox_for):
+    """``kill(-1, SIGSTOP)`` in a loop stops every process of the run's uid, a clean-up of the
+    same uid too; handing over to fresh children dodges RLIMIT_CPU. The run must still end near
+    its timeout with nothing of it left: reported ``timed_out``, or (a clean-up it stopped means
+    a compromised sandbox) a ``SandboxError``, after which ``stop()`` frees everything."""
+    sb = make_sandbox_for(cpu_time_s=2)
+    marker = f"stopper-{uuid.uuid4().hex[:10]}"
+    deadline = time.monotonic() + 3 + 30  # generous: the defect was 66 s, then 120 s to stop
+    try:
+        r = sb.run(["python3", "-c", STOP_EVERYTHING, marker], timeout=3)
+    except SandboxError:
+        sb.stop()
+        assert time.monotonic() < deadline, "stop() of the compromised sandbox took too long"
+        assert not host_processes_with(marker), host_processes_with(marker)
+        if make_sandbox_for.kind == "docker":
+            client = sb._client  # type: ignore[attr-defined]
+            left = client.containers.list(all=True, filters={"label": f"envhub.sandbox={sb.id}"})
+            assert not left, "stop() left the compromised container behind"
+        return
+    assert time.monotonic() < deadline, f"the run outlived its 3 s timeout by far: {r}"
+    # its first process exits 0 once it handed over, so only what is left says it was stopped
+    assert not host_processes_with(marker), (r, host_processes_with(marker))
+    still_works(sb)
+
+
+def test_an_oom_kill_is_reported_for_its_own_run_only(make_sandbox_for):
+    """The run after a memory bomb, killed by SIGKILL too but using no memory, is not
+    ``oom_killed`` (an engine's OOM events, with whole-second bounds, would say it was)."""
+    sb = make_sandbox_for(memory_mb=128)
+    r = sb.run(["python3", "-c", "b = bytearray(300 << 20)"], timeout=20)
+    assert r.oom_killed and r.exit_code == 137, r
+    r = sb.run("kill -9 $$", timeout=20)
+    assert r.exit_code == 137 and not r.oom_killed, r
     still_works(sb)

@@ -316,6 +316,51 @@ def _key_syscalls_or_skip() -> None:
         pytest.skip(f"keyring syscall numbers unknown for {platform.machine()}")
 
 
+LEAVE_ON_THE_PLACES = """\
+import os, struct
+# a default ACL user::---, group::---, other::--- (header version 2, then three entries)
+acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", t, 0, 0xFFFFFFFF) for t in (1, 4, 0x20))
+for place in ("/sandbox", "/tmp"):
+    for name, value in (("user.note", b"from user 1"), ("system.posix_acl_default", acl)):
+        try:
+            os.setxattr(place, name, value)
+        except OSError:
+            pass
+    try:
+        os.chmod(place, 0o700)
+    except OSError:
+        pass
+print("ok")
+"""
+LOOK_AT_THE_PLACES = """\
+import os
+for place in ("/sandbox", "/tmp"):
+    st = os.stat(place)
+    print(place, oct(st.st_mode), sorted(os.listxattr(place)))
+    with open(f"{place}/mine", "w") as f:
+        f.write("written")
+    print(oct(os.stat(f"{place}/mine").st_mode), open(f"{place}/mine").read())
+    os.unlink(f"{place}/mine")
+"""
+
+
+def test_what_a_run_sets_on_scratch_itself_does_not_reach_the_next_user(make_sandbox_for):
+    """Emptying scratch is not enough: its own mode, extended attributes and default ACL (a
+    note for the next user; files of the next user created mode 000, or a scratch it cannot
+    enter) are as the sandbox started them after ``reset()``, and the next user's files work."""
+    sb = make_sandbox_for()
+    before = sb.run(["python3", "-c", LOOK_AT_THE_PLACES], timeout=20)
+    assert before.ok, before
+    assert sb.run(["python3", "-c", LEAVE_ON_THE_PLACES], timeout=20).stdout == "ok\n"
+    sb.reset()
+    after = sb.run(["python3", "-c", LOOK_AT_THE_PLACES], timeout=20)
+    assert after.ok and after.stdout == before.stdout, after
+    sb.write_file("sol.py", "print('user 2 ok')")
+    r = sb.run(["python3", "sol.py"], timeout=20)
+    assert r.ok and r.stdout == "user 2 ok\n", r
+    assert sb.read_file("sol.py") == "print('user 2 ok')"
+
+
 @pytest.mark.usefixtures("private_session_keyring")
 def test_keys_do_not_reach_the_next_user_or_a_later_sandbox(make_sandbox_for):
     sb = make_sandbox_for()
@@ -352,6 +397,18 @@ def test_every_writable_tmpfs_is_capped_at_disk_mb(make_sandbox_for):
     over = {place: got for place, got in report.items() if got[0] > 16 << 20}
     assert not over, f"writes past disk_mb=16 MiB succeeded in {over} (all: {report})"
     still_works(sb)
+
+
+def test_filling_every_writable_place_leaves_memory_for_the_next_run(make_sandbox_for):
+    """Writable tmpfs is memory: were its caps together above ``memory_mb`` (three of the
+    default ``disk_mb=256`` against ``memory_mb=512``), filling them would be a memory bomb
+    that OOM-kills every later run until ``reset()``. A disk fill must stop at its cap."""
+    sb = make_sandbox_for(memory_mb=128, max_file_size_mb=1024)  # default disk_mb: 256
+    fill = "for d in . /tmp /dev/shm; do head -c 300M /dev/zero > $d/fill 2>/dev/null; done"
+    r = sb.run(fill + "; echo filled", timeout=60)
+    assert r.stdout == "filled\n" and not r.oom_killed, r
+    r = sb.run(["python3", "-c", "b = bytearray(32 << 20); print('ok')"], timeout=20)
+    assert r.ok and r.stdout == "ok\n" and not r.oom_killed, r
 
 
 def test_posix_message_queues_hold_at_most_disk_mb(make_sandbox_for):

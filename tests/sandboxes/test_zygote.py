@@ -272,10 +272,9 @@ def test_a_run_that_exhausts_the_sandbox_memory_costs_a_restart():
     limits = Limits(wall_time_s=30, memory_mb=64, disk_mb=256)
     with LocalSandbox(limits=limits, warm_exec=True) as sb:
         fill = """
-        chunk = b"x" * (1 << 20)
         with open("/dev/shm/fill", "wb") as f:   # tmpfs pages count against the memory limit
-            for _ in range(200):
-                f.write(chunk)
+            f.write(b"x" * (4 << 20))            # (each place is capped at memory_mb / 8)
+        hog = b"x" * (200 << 20)                 # past memory_mb: the cgroup's OOM killer
         """
         r = py(sb, fill)
         assert not r.ok and (r.oom_killed or "zygote" in r.stderr), r
