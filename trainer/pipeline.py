@@ -409,7 +409,7 @@ class AgenticPipeline:
         Settings a saved state cannot be loaded with are refused first (``trainer.resume``)."""
         from trainer.checkpoint import restore_rng
         from trainer.errors import CheckpointError
-        from trainer.resume import resume_conflicts, write_run_id
+        from trainer.resume import resume_conflicts, steps_behind, write_run_id
 
         checkpoint = self.checkpoints.load()
         if self.checkpoints.run_id is None and checkpoint.run_id is not None:
@@ -421,6 +421,8 @@ class AgenticPipeline:
             self.cfg.model_dump(mode="json"),
             engine_ranks=(len(engine["ranks"]), self.roles.infer.world_size),
         )
+        behind = steps_behind(checkpoint.step, self.cfg.train.steps)
+        conflicts += [behind] if behind else []  # (else fit() trains nothing, as if done)
         if conflicts:
             raise CheckpointError(
                 f"cannot resume from {checkpoint.path} with this config:\n"

@@ -406,3 +406,21 @@ def test_resume_refuses_a_setting_that_changes_a_saved_states_shape(
         resumed.close()
     assert str(error.value).startswith("cannot resume from ")
     assert f"  - {refusal}" in str(error.value)
+
+
+def test_resuming_a_run_with_fewer_train_steps_than_it_did_is_refused(tmp_path: Path) -> None:
+    """``AgenticPipeline(cfg, resume=True).fit()`` with ``train.steps`` below the steps the run
+    already did trained nothing and returned as if it were done (``envhub train`` refuses it
+    before building; the Python API must refuse it too, naming the fix)."""
+    from trainer.errors import CheckpointError
+    from trainer.pipeline import AgenticPipeline
+
+    run = AgenticPipeline(quick_config(tmp_path))
+    try:
+        run.step = 3  # as if it had trained three steps
+        run.save_checkpoint()
+    finally:
+        run.close()
+    resumed = AgenticPipeline(quick_config(tmp_path, "train.steps=2"), resume=True)
+    with pytest.raises(CheckpointError, match="train.steps=2 is below the 3 steps"):
+        resumed.fit()
