@@ -164,7 +164,11 @@ def main() -> None:
 def list_command(
     as_json: bool, namespace: str | None, source: str | None, no_variants: bool
 ) -> None:
-    """List registered environments (built-in and from installed plugins)."""
+    """List registered environments (built-in and from installed plugins).
+
+    A table on a terminal; piped, one tab-separated line per env (id, max turns, source,
+    description), for grep and cut.
+    """
     from envhub.registry import list_envs, plugin_errors
 
     specs = list_envs(namespace, variants=not no_variants)
@@ -195,21 +199,29 @@ def list_command(
             )
         )
         return
-    table = Table(title=f"{len(specs)} environments", title_justify="left")
-    table.add_column("id", no_wrap=True)
-    table.add_column("max turns", justify="right")
-    table.add_column("source")
-    table.add_column("description", overflow="fold")
-    for s in specs:
-        description = (
+    rows = [
+        (
+            s.id,
+            str(s.kwargs.get("max_turns", s.max_turns) or "-"),
+            s.source,
             s.description
             if s.variant is None
-            else f"variant of {s.family}: " + ", ".join(f"{k}={v}" for k, v in s.kwargs.items())
+            else f"variant of {s.family}: " + ", ".join(f"{k}={v}" for k, v in s.kwargs.items()),
         )
-        table.add_row(
-            s.id, str(s.kwargs.get("max_turns", s.max_turns) or "-"), s.source, description
-        )
-    console.print(table)
+        for s in specs
+    ]
+    if not console.is_terminal:  # piped (`envhub list | grep ...`): one whole line per env
+        for row in rows:
+            click.echo("\t".join(" ".join(cell.split()) for cell in row))
+    else:
+        table = Table(title=f"{len(specs)} environments", title_justify="left")
+        table.add_column("id", no_wrap=True)
+        table.add_column("max turns", justify="right")
+        table.add_column("source")
+        table.add_column("description", overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
     for failure in failures:
         err_console.print(
             (

@@ -131,3 +131,17 @@ def test_commands_run_torch_with_passive_openmp_waits(cli, monkeypatch):
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     cli("list")
     assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
+def test_list_piped_prints_one_whole_line_per_env(cli):
+    """`envhub list | grep ...`: piped, a table squeezed to 80 columns broke every description
+    over many lines; each env is one line (id, max turns, source, description, tab-separated)."""
+    from envhub.registry import list_envs
+
+    output = cli("list", "--namespace", "games").output
+    specs = {s.id: s for s in list_envs("games")}
+    lines = {line.split("\t")[0]: line.split("\t") for line in output.splitlines()}
+    assert set(lines) == set(specs)
+    sokoban = lines["games/sokoban-v0"]
+    assert sokoban[3] == specs["games/sokoban-v0"].description
+    assert lines["games/sokoban-8x8-v0"][3].startswith("variant of games/sokoban-v0: ")
