@@ -177,6 +177,7 @@ class BrowserEnv(TextEnv):
         self._pool: BrowserPool | None = None
         self._context: Any = None
         self._page: Any = None
+        self._cdp: Any = None
 
     # ------------------------------------------------------------------ browser plumbing
     def _ensure_server(self) -> str:
@@ -193,12 +194,41 @@ class BrowserEnv(TextEnv):
         self._page = self._context.new_page()
         self._page.set_default_timeout(self.action_timeout_s * 1000)
         self._page.set_default_navigation_timeout(self.page_timeout_s * 1000)
+        self._cdp = self._context.new_cdp_session(self._page)
+
+    def _open_home(self, base: str) -> str | None:
+        """Show the site's home page in a tab that holds nothing of an earlier episode; return a
+        note if it did not load.
+
+        The env keeps its tab between episodes: a new context and page start a renderer
+        process, most of what a reset used to cost. What a tab keeps is cleared instead: the
+        site's storage and cookies and the HTTP cache before the page loads, the history after
+        it (a fresh tab's history would hold ``about:blank``, where ``back`` used to lead)."""
+        if self._page is None:
+            self._new_page()
+        else:
+            try:
+                self._cdp.send(
+                    "Storage.clearDataForOrigin", {"origin": base, "storageTypes": "all"}
+                )
+                self._cdp.send("Network.clearBrowserCache")
+                self._context.clear_cookies()
+            except Exception as error:  # a dead browser: a new one; anything else: a new tab
+                if self._browser_dead(error):
+                    raise BrowserFailure(str(error)) from error
+                self._new_page()
+        note = self._goto(base + "/")
+        try:
+            self._cdp.send("Page.resetNavigationHistory")
+        except Exception as error:  # (the caller retries once in a new tab)
+            raise BrowserFailure(str(error)) from error
+        return note
 
     def _drop_context(self) -> None:
         if self._context is not None:
             with contextlib.suppress(Exception):  # its browser may have crashed
                 self._context.close()
-        self._context = self._page = None
+        self._context = self._page = self._cdp = None
 
     def _snapshot(self) -> str:
         try:
@@ -261,12 +291,11 @@ class BrowserEnv(TextEnv):
         base = self._ensure_server()
         self._answer = None
         try:
-            self._new_page()
-            note = self._goto(base + "/")
+            note = self._open_home(base)
             page = self._snapshot()
         except BrowserFailure:  # a crashed pooled browser: the pool relaunches on retry
             self._new_page()
-            note, page = self._goto(base + "/"), self._snapshot()
+            note, page = self._open_home(base), self._snapshot()
         text = f"Task: {self.task['instruction']}\n\n{page}" + (f"\n{note}" if note else "")
         return text, {"task_id": chosen["id"], "kind": self.task["kind"], **self._screenshot_info()}
 
@@ -489,7 +518,7 @@ class BrowserEnv(TextEnv):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_pool", "_context", "_page", "_stop_server", "_base_url"):
+        for key in ("_pool", "_context", "_page", "_cdp", "_stop_server", "_base_url"):
             state[key] = None  # a copy opens its own browser context and site
         state["_site"] = TaskSite()
         return state

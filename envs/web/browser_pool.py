@@ -2,10 +2,11 @@
 
 Starting Chromium costs ~0.5 s; a new browser *context* (fresh cookies and storage) costs a
 few milliseconds. ``BrowserPool`` therefore keeps a few browser processes warm and hands out
-one context per episode, round-robin. Envs ``attach()`` on first use and ``detach()`` on
-close; when the last env detaches, the pool closes its browsers, stops the Playwright
-driver and kills any Chromium process it started that is still alive — so closing envs
-never leaves a browser behind. A browser that crashed is replaced on the next ``context()``.
+contexts round-robin (an env keeps its own, and its tab, clearing both between episodes). Envs
+``attach()`` on first use and ``detach()`` on close; when the last env detaches, the pool
+closes its browsers, stops the Playwright driver and kills any Chromium process it started
+that is still alive — so closing envs never leaves a browser behind. A browser that crashed
+is replaced on the next ``context()``.
 
 Playwright's sync API is bound to the thread that started it, so there is one pool per
 thread (``BrowserPool.for_this_thread()``). Chromium comes from the system

@@ -54,7 +54,7 @@ def test_envs_share_chromium_and_the_last_close_leaves_none_behind():
 def warm_chromium() -> Iterator[None]:
     """One Chromium for a class of tests: an extra user of this thread's pool keeps it running
     between them, so each test's last ``close()`` does not reap it and the next launch it again.
-    Each episode still gets a fresh browser context (what the pool gives every ``reset``)."""
+    Each env still gets a browser context of its own, cleared at every ``reset``."""
     pool = BrowserPool.for_this_thread()
     pool.attach()
     yield
@@ -134,6 +134,31 @@ class TestOnOneChromium:
         finally:
             env.close()
 
+    def test_nothing_of_an_episode_reaches_the_next(self) -> None:
+        """An env keeps its tab between episodes (a new one costs a renderer process); what a
+        tab keeps - history, cookies, storage - is cleared at reset, so ``back`` at the start of
+        an episode stays home and no page reads what the last one stored."""
+        env = envhub.make("web/browser-v0")
+        try:
+            env.reset(options={"task_id": "contact-000"})
+            env.step("<answer>goto [/contact]</answer>")
+            env.unwrapped._page.evaluate(
+                "() => { localStorage.setItem('k', 'v'); sessionStorage.setItem('k', 'v');"
+                " document.cookie = 'k=v; path=/'; }"
+            )
+            first, _ = env.reset(options={"task_id": "contact-000"})
+            page = env.unwrapped._page
+            assert page.evaluate(
+                "() => [localStorage.length, sessionStorage.length, document.cookie]"
+            ) == [0, 0, ""]
+            assert env.unwrapped._context.cookies() == []
+            env.step("<answer>back</answer>")
+            assert env.unwrapped._path() == "/"
+            again, _ = env.reset(options={"task_id": "contact-000"})
+            assert again == first  # a reused tab shows what a new one shows
+        finally:
+            env.close()
+
 
 def test_a_browser_crash_mid_episode_is_a_failed_episode_and_the_pool_recovers():
     env = envhub.make("web/browser-v0")
@@ -145,6 +170,13 @@ def test_a_browser_crash_mid_episode_is_a_failed_episode_and_the_pool_recovers()
         assert terminated and info["failed"] and reward == 0.0
         messages, _ = env.reset(seed=1)
         assert "[1] link" in messages[-1]["content"]
+        # a browser that dies between episodes: the next reset opens a tab on a new one
+        for pid in chromium_alive(BrowserPool.for_this_thread().pids):
+            os.kill(pid, signal.SIGKILL)
+        messages, _ = env.reset(seed=2)
+        assert "[1] link" in messages[-1]["content"]
+        _, _, terminated, _, info = env.step("<answer>scroll [down]</answer>")
+        assert not terminated and not info.get("failed")
     finally:
         env.close()
     assert chromium_alive(BrowserPool.for_this_thread().pids) == []
