@@ -29,6 +29,7 @@ __all__ = [
     "EnvhubError",
     "EpisodeError",
     "EpisodeOverError",
+    "EvalOutputError",
     "RegistrationError",
     "RegistryError",
     "ResetNeededError",
@@ -99,6 +100,11 @@ class EnvCheckError(EnvhubError, AssertionError):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(f"{env_name} failed {len(self.problems)} check(s):\n{lines}")
+
+
+class EvalOutputError(EnvhubError, ValueError):
+    """``envhub eval --out`` names a folder that cannot take the run (unwritable, or holding
+    another run: ``--resume`` or ``--overwrite``)."""
 
 
 class SourceError(EnvhubError):

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import click
 from rich.markup import escape
@@ -23,9 +25,10 @@ from rich.table import Table
 
 from envhub.cli import _fail, _parse_kwargs, console, err_console
 from envhub.errors import EnvhubError
+from envhub.model_agent import KEY_HINT, URL_HINT
 
 if TYPE_CHECKING:
-    from envhub.evaluation import EvalSummary
+    from envhub.evaluation import EpisodeStats, EvalSummary
 
 __all__ = ["eval_command", "summary_table"]
 
@@ -98,7 +101,9 @@ def _latency(p50: float, p95: float) -> str:
 )
 @click.option("--episodes", default=10, show_default=True, help="Seeds per env (and agent).")
 @click.option("--samples", default=1, show_default=True, help="Tries per seed (pass@k, k=this).")
-@click.option("--seed", default=0, show_default=True, help="First episode seed.")
+@click.option(
+    "--seed", default=0, show_default=True, type=click.IntRange(min=0), help="First episode seed."
+)
 @click.option(
     "--concurrency",
     default=None,
@@ -107,7 +112,21 @@ def _latency(p50: float, p95: float) -> str:
 )
 @click.option("--temperature", default=0.7, show_default=True, type=float)
 @click.option("--max-tokens", default=512, show_default=True, help="Tokens per model turn.")
-@click.option("--max-turns", default=None, type=int, help="Stop episodes after this many turns.")
+@click.option(
+    "--max-turns",
+    default=None,
+    type=click.IntRange(min=1),
+    help="Stop episodes after this many turns.",
+)
+@click.option(
+    "--episode-timeout",
+    default=900.0,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    metavar="SECONDS",
+    help="Record an episode still running after this long as failed (episode_timeout) and go "
+    "on; its env is abandoned, never reused (0: no bound).",
+)
 @click.option(
     "--tools",
     "tools_mode",
@@ -122,9 +141,10 @@ def _latency(p50: float, p95: float) -> str:
     "--out",
     default=None,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Write episodes.jsonl and summary.json here.",
+    help="Write episodes.jsonl, summary.json and the run's settings (eval.json) here.",
 )
 @click.option("--resume", is_flag=True, help="Skip the episodes --out already holds.")
+@click.option("--overwrite", is_flag=True, help="Replace the run --out already holds.")
 @click.option("--kwarg", "-k", "kwargs", multiple=True, help="Env constructor override key=value.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 def eval_command(
@@ -140,11 +160,13 @@ def eval_command(
     temperature: float,
     max_tokens: int,
     max_turns: int | None,
+    episode_timeout: float,
     tools_mode: str,
     timeout: float,
     retries: int,
     out: Path | None,
     resume: bool,
+    overwrite: bool,
     kwargs: tuple[str, ...],
     as_json: bool,
 ) -> None:
@@ -153,12 +175,17 @@ def eval_command(
     Without --model: the built-in random and expert agents. With --model URL: any model
     behind an OpenAI-compatible chat-completions endpoint (vLLM, a hosted API), with each
     env's tools passed as tools=. Prints a table per env; --out keeps every episode.
+
+    Exits 1 when an env (or the endpoint) failed every one of its episodes, 2 on a usage
+    error, and 130 on Ctrl-C (the finished episodes are kept: run again with --resume).
     """
     from envhub.evaluation import evaluate
     from envhub.registry import list_envs, spec
 
     if resume and out is None:
         raise click.UsageError("--resume needs --out DIR (the run to resume)")
+    if overwrite and (out is None or resume):
+        raise click.UsageError("--overwrite needs --out DIR and no --resume (it replaces the run)")
     if samples < 1 or episodes < 1:
         raise click.UsageError("--episodes and --samples must be at least 1")
     client = None
@@ -172,33 +199,37 @@ def eval_command(
             max_retries=retries,
         )
     try:
-        ids = [spec(i).id for i in env_ids] or [s.id for s in list_envs("games", variants=False)]
+        ids = list(dict.fromkeys(spec(i).id for i in env_ids))  # an id given twice: played once
+        ids = ids or [s.id for s in list_envs("games", variants=False)]
         env_kwargs = _parse_kwargs(kwargs)
     except EnvhubError as error:
         _fail(error)
     names = ["model"] if client is not None else list(agents or ("random", "expert"))
     total = len(ids) * len(names) * episodes * samples
     wins = {"done": 0, "success": 0, "failed": 0}
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("success {task.fields[rate]}  failed {task.fields[failed]}"),
-        TimeElapsedColumn(),
-        console=err_console,
-        transient=True,
-        disable=as_json,
-    ) as progress:
-        task = progress.add_task("evaluating", total=total, rate="-", failed=0)
+    details: dict[tuple[str, str], str] = {}  # the first failure of each (env, agent)
+    try:
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("success {task.fields[rate]}  failed {task.fields[failed]}"),
+            TimeElapsedColumn(),
+            console=err_console,
+            transient=True,
+            disable=as_json,
+        ) as progress:
+            task = progress.add_task("evaluating", total=total, rate="-", failed=0)
 
-        def advance(episode: object) -> None:
-            wins["done"] += 1
-            wins["success"] += bool(getattr(episode, "success", False))
-            wins["failed"] += bool(getattr(episode, "failure", None))
-            rate = f"{wins['success'] / wins['done']:.0%}"
-            progress.update(task, advance=1, rate=rate, failed=wins["failed"])
+            def advance(episode: EpisodeStats) -> None:
+                wins["done"] += 1
+                wins["success"] += episode.success
+                wins["failed"] += bool(episode.failure)
+                if episode.failure:
+                    details.setdefault((episode.env_id, episode.agent), episode.detail)
+                rate = f"{wins['success'] / wins['done']:.0%}"
+                progress.update(task, advance=1, rate=rate, failed=wins["failed"])
 
-        try:
             summaries = evaluate(
                 ids,
                 names if client is None else (),
@@ -212,21 +243,79 @@ def eval_command(
                 tools=tools_mode,  # type: ignore[arg-type]  # click.Choice checked it
                 max_turns=max_turns,
                 concurrency=concurrency,
+                episode_timeout=episode_timeout or None,
                 out=out,
                 resume=resume,
+                overwrite=overwrite,
                 env_kwargs=env_kwargs,
                 on_episode=advance,
             )
-        except EnvhubError as error:
-            _fail(error)
+    except EnvhubError as error:
+        _fail(error)
+    except KeyboardInterrupt:
+        _interrupted(out, wins["done"])
     if as_json:
         click.echo(json.dumps([s.as_dict() for s in summaries], indent=2))
-        return
-    tries = f" x {samples} tries" if samples > 1 else ""
-    console.print(
-        summary_table(
-            summaries, f"{episodes} seeds{tries} per env (seeds {seed}..{seed + episodes - 1})"
+    else:
+        tries = f" x {samples} tries" if samples > 1 else ""
+        seeds = f"seeds {seed}..{seed + episodes - 1}"
+        console.print(summary_table(summaries, f"{episodes} seeds{tries} per env ({seeds})"))
+        if out is not None:
+            console.print(f"episodes: {out / 'episodes.jsonl'}  summary: {out / 'summary.json'}")
+    problem = _nothing_measured(summaries, details, url)
+    if problem is not None:
+        err_console.print(f"[bold red]error:[/] {escape(problem)}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
+_RUN_FAILURES = {"env_error", "episode_timeout", "agent_error"}
+"""Failure reasons that are not the model endpoint's (``envhub.model_agent._reason``)."""
+_HINTS = {
+    "http_401": KEY_HINT,
+    "http_403": KEY_HINT,
+    "http_404": URL_HINT,
+    "connection": "is the server running?",
+    "timeout": "a slow server needs a larger --timeout",
+    "episode_timeout": "a slow env needs a larger --episode-timeout",
+}
+
+
+def _nothing_measured(
+    summaries: list[EvalSummary], details: dict[tuple[str, str], str], url: str | None
+) -> str | None:
+    """What to say when some (env, agent) had every episode fail (None: each measured some):
+    the run cannot stand for those rows, so the command fails."""
+    empty = [s for s in summaries if s.episodes and sum(s.failures.values()) == s.episodes]
+    if not empty:
+        return None
+    reasons: Counter[str] = Counter()
+    for s in empty:
+        reasons.update(s.failures)
+    counts = ", ".join(f"{reason} {n}" for reason, n in sorted(reasons.items()))
+    hint = "; ".join(sorted({_HINTS[r] for r in reasons if r in _HINTS}))
+    if url is not None and len(empty) == len(summaries) and not set(reasons) & _RUN_FAILURES:
+        first = next(iter(details.values()), "")[:300]
+        return f"every episode failed at the endpoint {url} ({counts}; first: {first})" + (
+            f"; {hint}" if hint else ""
         )
-    )
-    if out is not None:
-        console.print(f"episodes: {out / 'episodes.jsonl'}  summary: {out / 'summary.json'}")
+    by_env: dict[str, list[EvalSummary]] = {}
+    for s in empty:
+        by_env.setdefault(s.env_id, []).append(s)
+    rows = []
+    for env_id, ours in by_env.items():
+        agents = ", ".join(s.agent for s in ours)
+        detail = next((details[k] for s in ours if (k := (env_id, s.agent)) in details), "")
+        rows.append(f"{env_id} ({agents}): {detail[:300]}")
+    return f"every episode failed ({counts}) for " + "; ".join(rows) + (f"; {hint}" if hint else "")
+
+
+def _interrupted(out: Path | None, done: int) -> NoReturn:
+    if out is None:
+        kept = "nothing was kept: pass --out DIR to keep episodes as they finish"
+    else:
+        kept = (
+            f"finished episodes are kept in {out / 'episodes.jsonl'} ({done} from this run); "
+            "run the same command with --resume to play the rest"
+        )
+    err_console.print(f"[bold red]interrupted:[/] {escape(kept)}", highlight=False, soft_wrap=True)
+    sys.exit(130)

@@ -14,21 +14,20 @@ any callable ``(env, observation) -> str``
 
 Episodes are ``(env, agent, seed, sample)``: ``episodes`` seeds, each played ``samples`` times
 (pass@k needs several tries of one task). ``concurrency`` worker threads play them, each
-with its own env per id (envs are not shared between threads; Playwright's are thread-bound)
-and closing them itself; the bounded queue is the back-pressure. With ``out=DIR`` every
-episode is appended to ``DIR/episodes.jsonl`` as it finishes (messages, rewards, final
-info, tokens, latencies, failure) and ``DIR/summary.json`` (and, with pyarrow, the trajectory
-store part ``DIR/trajectories/envhub-eval-000000000.parquet``) is written at the end;
-``resume=True`` reads the file back, skips the episodes it holds and counts them in the
-summary (a torn last line of a killed run is ignored).
+with its own env per id, and an env that cannot be built, raises (even ``SystemExit``) or
+hangs past ``episode_timeout`` fails its episodes, not the run (``envhub.eval_workers``).
+With ``out=DIR`` the run's settings go to ``DIR/eval.json``, every episode is appended to
+``DIR/episodes.jsonl`` as it finishes (messages, rewards, final info, tokens, latencies,
+failure) and ``DIR/summary.json`` (and, with pyarrow, the trajectory store part) is written
+at the end; ``resume=True`` reads the file back, skips the episodes it holds and counts them
+in the summary (a torn last line of a killed run is ignored), and refuses other settings;
+``overwrite=True`` replaces the run (``envhub.eval_output``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from envhub.core import Observation
+from envhub.eval_output import json_safe, open_run, store
+from envhub.eval_workers import Job, describe, play_jobs
 from envhub.model_agent import (
     AgentError,
     AgentTurn,
@@ -93,7 +94,12 @@ class _CallableAgent:
         self, env: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> AgentTurn:
         start = time.perf_counter()
-        action = self.fn(env, messages)
+        try:
+            action = self.fn(env, messages)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # noqa: BLE001 - built-in agents run env code (expert_action)
+            raise AgentError("agent_error", describe(error)) from None
         return AgentTurn(
             action, {"role": "assistant", "content": action}, seconds=time.perf_counter() - start
         )
@@ -209,23 +215,27 @@ def run_episode(
 ) -> EpisodeStats:
     """Play one episode of ``agent`` on ``env`` from ``reset(seed=seed)``.
 
-    ``max_turns`` stops early (a truncation, not a failure); an ``AgentError`` or an env that
-    raises ends the episode with ``failure`` set instead of raising."""
+    ``max_turns`` stops early (a truncation, not a failure); an ``AgentError``, or an env that
+    raises anything but ``KeyboardInterrupt`` (``SystemExit`` included), ends the episode
+    with ``failure`` set instead of raising."""
     turn_agent = agent if hasattr(agent, "act") else _CallableAgent("callable", agent)
     start = time.perf_counter()
-    env.action_space.seed(seed + 1_000_003 * sample)  # each try of a seed samples differently
     messages: list[dict[str, Any]] = []
     rewards: list[float] = []
     latencies: list[float] = []
     tokens_in = tokens_out = invalid = 0
     truncated, failure, detail = False, None, ""
     info: dict[str, Any] = {}
+    tools = None
     try:
+        env.action_space.seed(seed + 1_000_003 * sample)  # each try of a seed samples differently
         observation, info = env.reset(seed=seed)
         messages.extend(observation)
-    except Exception as error:  # noqa: BLE001 - env code may raise anything: the episode's data
-        failure, detail = "env_error", f"reset: {type(error).__name__}: {error}"[:500]
-    tools = info.get("tools") or None
+        tools = info.get("tools") or None
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001 - env code may raise anything: the episode's data
+        failure, detail = "env_error", f"reset: {describe(error)}"
     while failure is None:
         if max_turns is not None and len(rewards) >= max_turns:
             truncated = True
@@ -240,12 +250,14 @@ def run_episode(
         messages.append(turn.message)
         try:
             observation, reward, terminated, truncated, info = env.step(turn.action)
-        except Exception as error:  # noqa: BLE001 - env code may raise anything: the episode's data
-            failure, detail = "env_error", f"{type(error).__name__}: {error}"[:500]
+            messages.extend(link_tool_answers(turn.message, list(observation)))
+            rewards.append(float(reward))
+            invalid += bool(info.get("invalid_action", False))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # noqa: BLE001 - env code may raise anything
+            failure, detail = "env_error", describe(error)
             break
-        messages.extend(link_tool_answers(turn.message, list(observation)))
-        rewards.append(float(reward))
-        invalid += bool(info.get("invalid_action", False))
         if terminated or truncated:
             break
     return EpisodeStats(
@@ -266,14 +278,27 @@ def run_episode(
         latencies=tuple(latencies),
         messages=messages,
         rewards=rewards,
-        info=_json_safe(info),
+        info=json_safe(info if isinstance(info, dict) else {"info": info}),
     )
 
 
-def _json_safe(info: dict[str, Any]) -> dict[str, Any]:
-    import orjson
-
-    return orjson.loads(orjson.dumps(info, default=str, option=orjson.OPT_SERIALIZE_NUMPY))
+def failed_episode(job: Job, failure: str, detail: str, seconds: float) -> EpisodeStats:
+    """The record of an episode that could not be played (its env not built, its time up)."""
+    env_id, agent, seed, sample = job
+    return EpisodeStats(
+        env_id=env_id,
+        seed=seed,
+        episode_return=0.0,
+        turns=0,
+        success=False,
+        invalid_actions=0,
+        truncated=False,
+        seconds=seconds,
+        agent=agent,
+        sample=sample,
+        failure=failure,
+        detail=detail,
+    )
 
 
 def summarise(env_id: str, agent: str, episodes: list[EpisodeStats]) -> EvalSummary:
@@ -310,133 +335,26 @@ def summarise(env_id: str, agent: str, episodes: list[EpisodeStats]) -> EvalSumm
 
 
 def read_episodes(path: str | Path) -> list[EpisodeStats]:
-    """The episodes of an ``episodes.jsonl`` (lines that do not parse, such as the torn last
-    line of a killed run, are skipped with a warning)."""
+    """The episodes of an ``episodes.jsonl`` (lines that hold no episode, such as the torn last
+    line of a killed run, are skipped with a warning that counts them)."""
     import orjson
 
     episodes, bad = [], 0
     with open(path, "rb") as lines:
         for line in lines:
             try:
-                episodes.append(EpisodeStats.from_record(orjson.loads(line)))
-            except (orjson.JSONDecodeError, TypeError):
+                record = orjson.loads(line)
+                if not isinstance(record, dict):
+                    raise TypeError(f"not an object: {type(record).__name__}")
+                episode = EpisodeStats.from_record(record)
+                hash(episode.key)  # a key that cannot index the run is no episode either
+            except (orjson.JSONDecodeError, TypeError, ValueError):
                 bad += 1
+                continue
+            episodes.append(episode)
     if bad:
         _log.warning("%s: skipped %d unreadable line(s)", path, bad)
     return episodes
-
-
-def _drop_torn_tail(path: Path) -> None:
-    """Cut a last line without its newline (a run killed mid-write), so the next line appended
-    starts a line of its own instead of being glued to the fragment."""
-    with open(path, "rb+") as f:
-        size = f.seek(0, 2)
-        if size == 0:
-            return
-        f.seek(size - 1)
-        if f.read(1) == b"\n":
-            return
-        start = max(0, size - (1 << 20))  # a line is far shorter than this
-        f.seek(start)
-        cut = f.read().rfind(b"\n")
-        if cut >= 0 or start == 0:
-            f.truncate(start + cut + 1)
-        else:
-            f.write(b"\n")
-
-
-class _Writer:
-    """Appends one JSONL line per episode and flushes it, so a killed run loses none."""
-
-    def __init__(self, out: Path | None) -> None:
-        self.file = None
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            path = out / "episodes.jsonl"
-            self.file = open(path, "ab")  # noqa: SIM115 - closed by close()
-            _drop_torn_tail(path)
-
-    def write(self, episode: EpisodeStats) -> None:
-        import orjson
-
-        if self.file is not None:
-            line = orjson.dumps(episode.as_record(), default=str, option=orjson.OPT_SERIALIZE_NUMPY)
-            self.file.write(line + b"\n")
-            self.file.flush()
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-
-
-Job = tuple[str, str, int, int]  # env id, agent name, seed, sample
-
-
-def _play_jobs(
-    jobs: list[Job],
-    agents: dict[str, TurnAgent],
-    make_env: Callable[[str], Any],
-    concurrency: int,
-    max_turns: int | None,
-    on_done: Callable[[EpisodeStats], None],
-) -> None:
-    """Play ``jobs`` on ``concurrency`` threads; ``on_done`` runs in this thread, in finishing
-        order. On Ctrl-C the workers take no new job; every finished episode is already written,
-    and ``resume`` replays the ones that were in flight."""
-    todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-    done: queue.SimpleQueue[EpisodeStats | BaseException] = queue.SimpleQueue()
-    stop = threading.Event()
-    for job in jobs:
-        todo.put(job)
-    workers = max(1, min(concurrency, len(jobs)))
-    for _ in range(workers):
-        todo.put(None)
-
-    def work() -> None:
-        envs: dict[str, Any] = {}
-        try:
-            while not stop.is_set() and (job := todo.get()) is not None:
-                env_id, agent, seed, sample = job
-                try:
-                    env = envs.get(env_id) or envs.setdefault(env_id, make_env(env_id))
-                    done.put(
-                        run_episode(
-                            env,
-                            agents[agent],
-                            seed=seed,
-                            env_id=env_id,
-                            sample=sample,
-                            max_turns=max_turns,
-                        )
-                    )
-                except BaseException as error:  # noqa: BLE001 - reported to the caller's thread
-                    done.put(error)
-                    return
-        finally:
-            for env in envs.values():
-                try:
-                    env.close()
-                except Exception as error:  # noqa: BLE001 - a failed close must not hide results
-                    _log.warning("closing an env failed: %s", error)
-            done.put(StopIteration())
-
-    threads = [threading.Thread(target=work, daemon=True) for _ in range(workers)]
-    for thread in threads:
-        thread.start()
-    running = workers
-    try:
-        while running:
-            item = done.get()
-            if isinstance(item, StopIteration):
-                running -= 1
-            elif isinstance(item, BaseException):
-                stop.set()
-                raise item
-            else:
-                on_done(item)
-    except BaseException:
-        stop.set()
-        raise
 
 
 def evaluate(
@@ -453,94 +371,93 @@ def evaluate(
     tools: ToolsMode = "auto",
     max_turns: int | None = None,
     concurrency: int | None = None,
+    episode_timeout: float | None = None,
     out: str | Path | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     env_kwargs: dict[str, Any] | None = None,
     on_episode: Callable[[EpisodeStats], None] | None = None,
 ) -> list[EvalSummary]:
     """Play ``episodes`` seeds x ``samples`` tries of each agent on each env; one summary per
-    (env, agent), in the order given.
+    (env, agent), in the order given (an id given twice is played once).
 
     With ``client`` (an ``openai.OpenAI``) the agent is the served ``model`` (default: the
     server's only model) instead of ``agents``. Every agent sees the same seeds, so their
-    numbers compare like for like. ``concurrency`` defaults to 8 for a model, 1 otherwise."""
+    numbers compare like for like. ``concurrency`` defaults to 8 for a model, 1 otherwise.
+    An episode still running after ``episode_timeout`` seconds is recorded as failed
+    (``episode_timeout``; see ``envhub.eval_workers``). ``out`` keeps the run (see
+    ``envhub.eval_output``: a folder holding one needs ``resume`` or ``overwrite``)."""
     from envhub.registry import make, spec
 
-    env_ids = [spec(env_id).id for env_id in env_ids]  # an unknown id fails before any play
-    players: dict[str, TurnAgent] = {}
-    if client is not None:
-        name = resolve_model(client, model)
-        players[name] = ModelAgent(
-            client,
-            name,
-            temperature=temperature,
-            max_tokens=max_tokens,
-            tools=tools,
-        )
-    else:
-        for agent_name in agents:
-            players[agent_name] = _CallableAgent(agent_name, AGENTS[agent_name])
+    # an unknown id fails before any play
+    env_ids = list(dict.fromkeys(spec(env_id).id for env_id in env_ids))
+    players, settings = _players(agents, client, model, temperature, max_tokens, tools)
+    settings |= {"env_kwargs": env_kwargs or {}, "max_turns": max_turns}
     out_dir = Path(out) if out is not None else None
+    writer = None
     finished: dict[tuple[str, str, int, int], EpisodeStats] = {}
-    if resume and out_dir is not None and (out_dir / "episodes.jsonl").exists():
-        finished = {e.key: e for e in read_episodes(out_dir / "episodes.jsonl")}
-    jobs = [
-        (env_id, name, seed + i, s)
-        for env_id in env_ids
-        for name in players
-        for i in range(episodes)
-        for s in range(samples)
-        if (env_id, name, seed + i, s) not in finished
-    ]
+    if out_dir is not None:
+        run: dict[str, Any] = {"settings": settings, "envs": env_ids, "agents": list(players)}
+        run |= {"episodes": episodes, "samples": samples, "seed": seed}
+        writer = open_run(out_dir, run, resume=resume, overwrite=overwrite)
+        if resume:
+            finished = {e.key: e for e in read_episodes(out_dir / "episodes.jsonl")}
+
+    def keys(env_id: str, name: str) -> list[Job]:
+        return [(env_id, name, seed + i, s) for i in range(episodes) for s in range(samples)]
+
+    rows = [(env_id, name) for env_id in env_ids for name in players]
+    jobs = [key for row in rows for key in keys(*row) if key not in finished]
     played = dict(finished)
-    writer = _Writer(out_dir)
 
     def on_done(episode: EpisodeStats) -> None:
-        writer.write(episode)
+        if writer is not None:
+            writer.write(episode.as_record())
         played[episode.key] = episode
         if on_episode is not None:
             on_episode(episode)
 
+    def play(env: Any, job: Job) -> EpisodeStats:
+        env_id, agent, job_seed, sample = job
+        return run_episode(
+            env, players[agent], seed=job_seed, env_id=env_id, sample=sample, max_turns=max_turns
+        )
+
     try:
-        _play_jobs(
+        play_jobs(
             jobs,
-            players,
-            lambda env_id: make(env_id, **(env_kwargs or {})),
-            concurrency or (8 if client is not None else 1),
-            max_turns,
-            on_done,
+            make_env=lambda env_id: make(env_id, **(env_kwargs or {})),
+            play=play,
+            fail=failed_episode,
+            on_done=on_done,
+            concurrency=concurrency or (8 if client is not None else 1),
+            episode_timeout=episode_timeout,
         )
     finally:
-        writer.close()
-    summaries = []
-    for env_id in env_ids:
-        for name in players:
-            ours = [
-                played[key]
-                for i in range(episodes)
-                for s in range(samples)
-                if (key := (env_id, name, seed + i, s)) in played
-            ]
-            summaries.append(summarise(env_id, name, ours))
+        if writer is not None:
+            writer.close()
+    summaries = [
+        summarise(*row, [played[key] for key in keys(*row) if key in played]) for row in rows
+    ]
     if out_dir is not None:
-        import json
-
-        (out_dir / "summary.json").write_text(
-            json.dumps([s.as_dict() for s in summaries], indent=2)
-        )
-        _store(out_dir, list(played.values()))
+        summary = [s.as_dict() for s in summaries]
+        store(out_dir, summary, [e.as_record() for e in played.values()])
     return summaries
 
 
-def _store(out_dir: Path, played: list[EpisodeStats]) -> None:
-    """Every episode as the run's trajectory-store part (``envhub view`` reads it), when
-    pyarrow is installed (``envhub[view]``); the viewer reads ``episodes.jsonl`` otherwise."""
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        return
-    from envhub.runs.reader import eval_record
-    from envhub.runs.store import write_part
-
-    records = [eval_record(e.as_record(), i) for i, e in enumerate(played)]
-    write_part(out_dir / "trajectories", "envhub-eval", 0, records)
+def _players(
+    agents: Iterable[str],
+    client: Any,
+    model: str | None,
+    temperature: float,
+    max_tokens: int,
+    tools: ToolsMode,
+) -> tuple[dict[str, TurnAgent], dict[str, Any]]:
+    """The agents to play by name (the served model, with ``client``), and the settings that
+    make its episodes comparable (what a resumed run must not change)."""
+    if client is None:
+        return {name: _CallableAgent(name, AGENTS[name]) for name in agents}, {}
+    name = resolve_model(client, model)
+    agent = ModelAgent(client, name, temperature=temperature, max_tokens=max_tokens, tools=tools)
+    settings = {"model": name, "temperature": temperature, "max_tokens": max_tokens}
+    return {name: agent}, settings | {"tools": tools}

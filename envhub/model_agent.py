@@ -36,6 +36,8 @@ from envhub.errors import EnvhubError
 from envhub.parsing import message_text
 
 __all__ = [
+    "KEY_HINT",
+    "URL_HINT",
     "AgentError",
     "AgentTurn",
     "ModelAgent",
@@ -54,6 +56,12 @@ _KEYS = {
     "assistant": ("role", "content", "tool_calls"),
     "tool": ("role", "content", "tool_call_id"),
 }
+
+
+KEY_HINT = (
+    "set a valid key in $OPENAI_API_KEY, or name the variable that holds it with --api-key-env"
+)
+URL_HINT = "does the URL end in /v1? (e.g. http://127.0.0.1:8000/v1)"
 
 
 class ModelEndpointError(EnvhubError):
@@ -107,34 +115,50 @@ def link_tool_answers(
 
 def resolve_model(client: Any, model: str | None) -> str:
     """The model name to request: ``model`` if the server serves it, the server's only model if
-    ``model`` is None; otherwise ``ModelEndpointError`` naming what the server has."""
+    ``model`` is None; otherwise ``ModelEndpointError`` naming what the server has, or why it
+    cannot be used (unreachable, a refused API key, not an OpenAI API)."""
     import openai
 
+    url = client.base_url
     try:
-        served = [m.id for m in client.models.list()]
+        ids = [m.id for m in client.models.list()]
     except openai.APIConnectionError as error:
         raise ModelEndpointError(
-            f"cannot reach {client.base_url} ({error}); is the server running? "
+            f"cannot reach {url} ({error}); is the server running? "
             "(vLLM: python -m vllm.entrypoints.openai.api_server --model DIR)"
         ) from None
     except openai.APIStatusError as error:
+        status = error.status_code
+        if status in (401, 403):
+            raise ModelEndpointError(
+                f"{url} refused the API key (HTTP {status}); {KEY_HINT}"
+            ) from None
+        if status == 404 and (model is None or not str(url).rstrip("/").endswith("/v1")):
+            raise ModelEndpointError(f"{url} has no /models (HTTP 404); {URL_HINT}") from None
         if model is not None:  # some hosted APIs do not list models: trust the name
             return model
         raise ModelEndpointError(
-            f"{client.base_url} did not list its models (HTTP {error.status_code}); "
-            "pass --model-name"
+            f"{url} did not list its models (HTTP {status}); pass --model-name"
         ) from None
+    except Exception as error:  # noqa: BLE001 - an HTML page, a JSON list: anything but the API
+        raise ModelEndpointError(
+            f"{url} did not answer like an OpenAI /v1 API ({type(error).__name__}: {error}); "
+            f"{URL_HINT}"
+        ) from None
+    served = [i for i in ids if isinstance(i, str) and i]
     if model is None:
         if len(served) == 1:
             return served[0]
+        if ids and not served:
+            raise ModelEndpointError(
+                f"{url} lists {len(ids)} model(s) without an id; name one with --model-name"
+            )
         raise ModelEndpointError(
-            f"{client.base_url} serves {len(served)} models {served[:20]}; "
-            "pick one with --model-name"
+            f"{url} serves {len(served)} models {served[:20]}; pick one with --model-name"
         )
     if served and model not in served:
         raise ModelEndpointError(
-            f"{client.base_url} does not serve model {model!r}; it serves {served[:20]} "
-            "(--model-name)"
+            f"{url} does not serve model {model!r}; it serves {served[:20]} (--model-name)"
         )
     return model
 

@@ -1,0 +1,171 @@
+"""The ``--out`` folder of an ``envhub eval`` run, and how a run starts, resumes or replaces it.
+
+A run folder holds:
+
+``eval.json``
+    The run's settings (``settings``: what changes how an episode plays: env kwargs,
+    ``max_turns``, and for a model its name, sampling and tools mode) and what was asked for
+    (envs, agents, episodes, samples, first seed); written before the first episode.
+``episodes.jsonl``
+    One line per finished episode, appended and flushed as it finishes (a killed run loses
+    none; the torn last line of one is cut before appending).
+``summary.json``, ``trajectories/envhub-eval-000000000.parquet``
+    Written at the end: one row per (env, agent), and every episode for ``envhub view``.
+
+``open_run`` guarantees that one folder never mixes runs: a folder holding episodes is played
+into again only with ``resume`` (and then only with the same settings) or ``overwrite``
+(which first removes the old run's files, and only those). Every problem with the folder is
+an ``EvalOutputError`` naming the folder and the option that fixes it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from envhub.errors import EvalOutputError
+
+__all__ = ["EpisodeWriter", "EvalOutputError", "dumps", "json_safe", "open_run", "store"]
+
+_RUN_FILES = ("episodes.jsonl", "summary.json", "eval.json")
+
+
+def dumps(value: Any) -> bytes:
+    """One JSON line of env data, whatever the env put in it: keys that are not strings and
+    values JSON has no type for (numpy arrays, ints past 64 bits, objects) are stringified."""
+    import orjson
+
+    options = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
+    try:
+        return orjson.dumps(value, default=str, option=options)
+    except TypeError:  # an int past 64 bits, a tuple key, nesting too deep
+        return orjson.dumps(_plain(value, depth=0), option=options)
+
+
+def json_safe(value: dict[str, Any]) -> dict[str, Any]:
+    """``value`` as it reads back from its JSON line (see ``dumps``)."""
+    import orjson
+
+    loaded: dict[str, Any] = orjson.loads(dumps(value))
+    return loaded
+
+
+def _plain(value: Any, depth: int) -> Any:
+    if depth > 64:
+        return str(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v, depth + 1) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 1 << 63:
+        return str(value)
+    if value is None or isinstance(value, str | int | float):
+        return value
+    return str(value)
+
+
+def open_run(
+    out: Path, run: dict[str, Any], *, resume: bool = False, overwrite: bool = False
+) -> EpisodeWriter:
+    """Make ``out`` ready for the run described by ``run`` (``eval.json``'s content) and open
+    its ``episodes.jsonl`` for appending; ``EvalOutputError`` if it cannot take the run."""
+    episodes = out / "episodes.jsonl"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if episodes.exists() and not (resume or overwrite):
+            raise EvalOutputError(
+                f"--out {out} already holds an eval run (episodes.jsonl); pass --resume to "
+                "play only what it is missing, or --overwrite to replace it"
+            )
+        if overwrite:
+            _remove_run(out)
+        elif resume:
+            _check_same_settings(out, run["settings"])
+        (out / "eval.json").write_text(json.dumps(run, indent=2, default=str) + "\n")
+        return EpisodeWriter(episodes)
+    except OSError as error:
+        raise EvalOutputError(
+            f"cannot write the run to --out {out}: {error.strerror or error}; "
+            "choose a folder you can create and write"
+        ) from None
+
+
+def _remove_run(out: Path) -> None:
+    for name in _RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    for part in (out / "trajectories").glob("envhub-eval-*.parquet"):
+        part.unlink()
+
+
+def _check_same_settings(out: Path, settings: dict[str, Any]) -> None:
+    path = out / "eval.json"
+    if not path.exists():  # a run from before eval.json: nothing to compare
+        return
+    try:
+        before = json.loads(path.read_text())["settings"]
+    except (ValueError, KeyError, TypeError):
+        raise EvalOutputError(
+            f"{path} is not an eval run's settings file; pass --overwrite to start the run "
+            "again, or use another --out"
+        ) from None
+    now = json.loads(json.dumps(settings, default=str))  # as it reads back from eval.json
+    differ = [
+        f"{key} {before.get(key)!r} (now {now.get(key)!r})"
+        for key in sorted({*before, *now})
+        if before.get(key) != now.get(key)
+    ]
+    if differ:
+        raise EvalOutputError(
+            f"--out {out} was played with other settings: {', '.join(differ)}; resume with the "
+            "options it was started with, or pass --overwrite (or another --out) to start again"
+        )
+
+
+class EpisodeWriter:
+    """Appends one JSONL line per episode and flushes it, so a killed run loses none."""
+
+    def __init__(self, path: Path) -> None:
+        self.file = open(path, "ab")  # noqa: SIM115 - closed by close()
+        _drop_torn_tail(path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.file.write(dumps(record) + b"\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Cut a last line without its newline (a run killed mid-write), so the next line appended
+    starts a line of its own instead of being glued to the fragment."""
+    with open(path, "rb+") as f:
+        size = f.seek(0, 2)
+        if size == 0:
+            return
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return
+        start = max(0, size - (1 << 20))  # a line is far shorter than this
+        f.seek(start)
+        cut = f.read().rfind(b"\n")
+        if cut >= 0 or start == 0:
+            f.truncate(start + cut + 1)
+        else:
+            f.write(b"\n")
+
+
+def store(out: Path, summaries: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:
+    """Write ``summary.json`` and, when pyarrow is installed (``envhub[view]``), every episode
+    as the run's trajectory-store part (``envhub view`` reads it; else ``episodes.jsonl``)."""
+    (out / "summary.json").write_text(json.dumps(summaries, indent=2))
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        return
+    from envhub.runs.reader import eval_record
+    from envhub.runs.store import write_part
+
+    rows = [eval_record(record, i) for i, record in enumerate(records)]
+    write_part(out / "trajectories", "envhub-eval", 0, rows)
