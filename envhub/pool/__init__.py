@@ -24,8 +24,8 @@ ray_options=None, restart_attempts=5, retry_after_s=30, max_message_bytes=64 MiB
     the default spreads workers across nodes). ``restart_attempts``: starts of a crashed
     worker's replacement tried in a row (0.2 s, 0.4 s, ... apart) before its slot is given up;
     ``retry_after_s``: how long a given-up pool refuses resets before one tries again.
-    ``max_message_bytes``: the largest answer (one reset's or step's JSON) a process worker
-    sends; a larger one fails its episode as ``env_error``.
+    ``max_message_bytes``: the largest answer (one reset's or step's JSON) a process or Ray
+    worker sends; a larger one fails its episode as ``env_error``.
 ``start()``
     Start the workers (``reset`` starts them on first use). Raises ``WorkerStartError``
     with the worker's traceback when the env cannot be built.

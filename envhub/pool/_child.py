@@ -4,8 +4,8 @@ The parent passes one end of a socketpair as ``FD``. The first frame is the pick
 ``(env, env_kwargs, max_message_bytes)`` to host; every later frame is a request (see
 ``envhub.pool.framing``). Each request is answered as soon as it is handled, so the parent
 times (and, on a hang, blames) the request that is actually running, never one queued behind
-it. An answer over ``max_message_bytes`` is replaced by an ``env_error`` naming the limit. The
-child dies with its parent (``PR_SET_PDEATHSIG``) and when the socket closes.
+it. An answer over ``max_message_bytes`` is replaced (by the host) with an ``env_error`` naming
+the limit. The child dies with its parent (``PR_SET_PDEATHSIG``) and when the socket closes.
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ def main(fd: int) -> None:
 
     reader = FrameReader()
     host: EnvHost | None = None
-    limit = 0
     pack = RESPONSE.pack
     unpack_from = REQUEST.unpack_from
     hsize = REQUEST.size
@@ -51,7 +50,7 @@ def main(fd: int) -> None:
             if host is None:  # the setup frame
                 try:
                     env, env_kwargs, limit = pickle.loads(body)
-                    host = EnvHost(spec_factory(env, env_kwargs))
+                    host = EnvHost(spec_factory(env, env_kwargs), max_answer_bytes=limit)
                     host.idle.append(host.factory())  # fail fast on a bad env, reuse it later
                     status, result = STATUS_OK, dumps({"pid": os.getpid()})
                 except BaseException as exc:  # noqa: BLE001 - report, then exit: the parent raises
@@ -66,21 +65,6 @@ def main(fd: int) -> None:
                     return
                 continue
             status, result = host.handle(op, episode, body)
-            if len(result) > limit:
-                host.discard(episode)
-                status, result = (
-                    STATUS_ENV_ERROR,
-                    dumps(
-                        {
-                            "error": "AnswerTooLarge",
-                            "message": (
-                                f"the env's answer is {len(result)} bytes of JSON, over the pool's "
-                                f"max_message_bytes={limit}; return a smaller observation or raise "
-                                "EnvPool(max_message_bytes=...)"
-                            ),
-                        }
-                    ),
-                )
             sock.sendall(pack(5 + len(result), req_id, status) + result)
     if host is not None:
         host.close()

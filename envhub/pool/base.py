@@ -53,7 +53,8 @@ STATUS_OK = 0
 STATUS_ENV_ERROR = 1
 """The env raised; ``body`` is ``{"error": type, "message": str}``; the episode is lost."""
 STATUS_USAGE_ERROR = 2
-"""A caller mistake the env refused (step after the end, non-str action); the env is fine."""
+"""A caller mistake the env refused (step after the end, non-str action), or a request the
+worker could not take (Ray refused the call); the env is fine."""
 STATUS_LOST = 3
 """The worker died or was killed before answering; ``body`` is ``{"reason", "detail"}``."""
 
@@ -178,7 +179,13 @@ class Worker(Protocol):
         ...
 
     def submit(self, op: int, episode: int, body: bytes) -> asyncio.Future[tuple[int, bytes]]:
-        """Queue one request; the future resolves to ``(status, body)``, never raises."""
+        """Queue one request; the future resolves to ``(status, body)``, never raises (a request
+        that cannot be sent resolves at once with ``STATUS_USAGE_ERROR`` and is not queued)."""
+        ...
+
+    def probe(self) -> None:
+        """Check that an idle worker is still there: one found dead dies as if it crashed
+        (the pool replaces it). The watchdog calls it about once a second."""
         ...
 
     def kill(self, reason: str, detail: str) -> None:

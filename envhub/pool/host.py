@@ -4,7 +4,9 @@ A host builds env instances from a factory, keeps one per live episode, and turn
 request into ``(status, body)`` where ``body`` is JSON bytes (see ``envhub.pool.base``).
 Process workers run a host in a child process, Ray workers inside an actor, and the
 ``inline`` backend calls it directly in the caller's event loop. Closed episodes hand their
-env back to a small free list, so the next episode skips construction.
+env back to a small free list, so the next episode skips construction. The host checks what an
+env returns (chat messages, a finite reward, bool flags, a dict of info) and, in a worker, the
+size of each answer: a bad one fails its episode as ``env_error`` and never reaches the pool.
 """
 
 from __future__ import annotations
@@ -31,7 +33,14 @@ from envhub.pool.base import (
     dumps,
 )
 
-__all__ = ["RUNNING_PREFIX", "BadEnvOutputError", "EnvHost", "spec_factory", "step_output_problem"]
+__all__ = [
+    "RUNNING_PREFIX",
+    "BadEnvOutputError",
+    "EnvHost",
+    "observation_problem",
+    "spec_factory",
+    "step_output_problem",
+]
 
 _MAX_IDLE = 8
 RUNNING_PREFIX = b'{"terminated":false,"truncated":false'
@@ -52,6 +61,24 @@ def spec_factory(env: Any, env_kwargs: dict[str, Any]) -> Callable[[], Any]:
 
 class BadEnvOutputError(ValueError):
     """An env's ``reset``/``step`` returned a value of the wrong kind (the message names it)."""
+
+
+_CHAT = 'an observation must be a list of chat messages ({"role": str, "content": str} dicts)'
+
+
+def observation_problem(observation: Any) -> str:
+    """What is wrong with an observation ("" if nothing): it must be a list of chat messages,
+    dicts with a str ``role`` and a str ``content`` (other keys may come along), as
+    ``TextEnv`` returns it."""
+    if not isinstance(observation, list):
+        return f"observation of type {type(observation).__name__}; {_CHAT}"
+    for i, message in enumerate(observation):
+        if not isinstance(message, dict):
+            return f"observation[{i}] of type {type(message).__name__}; {_CHAT}"
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                return f"observation[{i}] has no str {key!r} ({message!r:.60}); {_CHAT}"
+    return ""
 
 
 def step_output_problem(reward: Any, terminated: Any, truncated: Any, info: Any) -> str:
@@ -76,16 +103,42 @@ class EnvHost:
     ``isolated``: the host runs in a worker of its own (a process or an actor), so whatever the
     env raises, ``SystemExit`` and ``KeyboardInterrupt`` included, fails only its episode and
     the worker goes on. The ``inline`` backend (the caller's own process) passes False: there a
-    ``KeyboardInterrupt`` is the user's Ctrl-C and must reach them."""
+    ``KeyboardInterrupt`` is the user's Ctrl-C and must reach them. ``max_answer_bytes``: an
+    answer longer than this (the pool's ``max_message_bytes``) fails its episode instead of
+    crossing to the pool (None: no limit, for the ``inline`` backend, which copies nothing)."""
 
-    def __init__(self, factory: Callable[[], Any], *, isolated: bool = True) -> None:
+    def __init__(
+        self,
+        factory: Callable[[], Any],
+        *,
+        isolated: bool = True,
+        max_answer_bytes: int | None = None,
+    ) -> None:
         self.factory = factory
         self.isolated = isolated
+        self.max_answer_bytes = max_answer_bytes
         self.envs: dict[int, Any] = {}
         self.idle: list[Any] = []
 
     def handle(self, op: int, episode: int, body: bytes) -> tuple[int, bytes]:
         """Run one request; never raises (errors become a status and a JSON body)."""
+        status, result = self._handle(op, episode, body)
+        limit = self.max_answer_bytes
+        if limit is not None and len(result) > limit:
+            self.discard(episode)
+            return STATUS_ENV_ERROR, dumps(
+                {
+                    "error": "AnswerTooLarge",
+                    "message": (
+                        f"the env's answer is {len(result)} bytes of JSON, over the pool's "
+                        f"max_message_bytes={limit}; return a smaller observation or raise "
+                        "EnvPool(max_message_bytes=...)"
+                    ),
+                }
+            )
+        return status, result
+
+    def _handle(self, op: int, episode: int, body: bytes) -> tuple[int, bytes]:
         try:
             if op == OP_STEP:
                 return self._step(episode, body.decode())
@@ -120,7 +173,9 @@ class EnvHost:
                 }
             )
         observation, reward, terminated, truncated, info = env.step(action)
-        problem = step_output_problem(reward, terminated, truncated, info)
+        problem = observation_problem(observation) or step_output_problem(
+            reward, terminated, truncated, info
+        )
         if problem:
             raise BadEnvOutputError(f"{type(env).__name__}.step returned {problem}")
         return STATUS_OK, dumps(
@@ -140,11 +195,11 @@ class EnvHost:
             env = self.idle.pop() if self.idle else self.factory()
             self.envs[episode] = env
         observation, info = env.reset(seed=seed, options=options)
-        if not isinstance(info, dict):
-            raise BadEnvOutputError(
-                f"{type(env).__name__}.reset returned info of type {type(info).__name__}; "
-                "info must be a dict"
-            )
+        problem = observation_problem(observation)
+        if not problem and not isinstance(info, dict):
+            problem = f"info of type {type(info).__name__}; info must be a dict"
+        if problem:
+            raise BadEnvOutputError(f"{type(env).__name__}.reset returned {problem}")
         return STATUS_OK, dumps({"observation": observation, "info": info})
 
     def _close(self, episode: int) -> None:

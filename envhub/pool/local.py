@@ -24,6 +24,7 @@ import itertools
 import os
 import pickle
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -32,7 +33,7 @@ from typing import Any
 
 import orjson
 
-from envhub.pool.base import STATUS_LOST, STATUS_OK, dumps
+from envhub.pool.base import STATUS_LOST, STATUS_OK, STATUS_USAGE_ERROR, dumps
 from envhub.pool.errors import WorkerStartError
 from envhub.pool.framing import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -48,6 +49,8 @@ __all__ = ["InlineWorker", "ProcessWorker", "WorkerBase"]
 
 _FRAME_SLACK = 1024
 """Bytes a response frame may carry beyond ``max_message_bytes`` (its header)."""
+_REQUEST_IDS = 1 << 32
+"""Request ids travel as 32-bit numbers, so they wrap around (only their order matters)."""
 
 DeathCallback = Callable[[Any, str, str], None]
 """``on_dead(worker, reason, detail)``, called once, before pending requests resolve."""
@@ -86,10 +89,21 @@ class WorkerBase:
     def head_episode(self) -> int:
         return self._pending[0][1] if self._pending else -1
 
+    def probe(self) -> None:
+        """Nothing to do: a process's exit is seen at once, and an inline worker cannot die."""
+
     def _lost_future(self) -> asyncio.Future[tuple[int, bytes]]:
         future = self._loop.create_future()
         reason, detail = self._dead_reason or ("worker_lost", f"worker {self.name} is not running")
         future.set_result((STATUS_LOST, dumps({"reason": reason, "detail": detail})))
+        return future
+
+    def _refused_future(self, detail: str) -> asyncio.Future[tuple[int, bytes]]:
+        """A request that could not be sent: the call raises ``EpisodeError`` with ``detail``;
+        the worker and the episode's env are as they were."""
+        future = self._loop.create_future()
+        body = dumps({"error": "RequestRefusedError", "message": detail})
+        future.set_result((STATUS_USAGE_ERROR, body))
         return future
 
     def _die(self, reason: str, detail: str) -> None:
@@ -221,12 +235,19 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
     def submit(self, op: int, episode: int, body: bytes) -> asyncio.Future[tuple[int, bytes]]:
         if not self._alive:
             return self._lost_future()
-        req_id = next(self._ids) if op else 0
+        req_id = next(self._ids) % _REQUEST_IDS if op else 0
+        try:  # before it is queued: a request that cannot be sent must not wait for an answer
+            header = REQUEST.pack(9 + len(body), req_id, op, episode)
+        except struct.error as exc:
+            return self._refused_future(
+                f"worker {self.name} cannot send a request of {len(body)} bytes for episode "
+                f"{episode}: {exc} (a request body must be under 4 GiB)"
+            )
         future = self._loop.create_future()
         if not self._pending:
             self._head_since = self._loop.time()
         self._pending.append((req_id, episode, future))
-        self._out.append(REQUEST.pack(9 + len(body), req_id, op, episode))
+        self._out.append(header)
         self._out.append(body)
         if not self._flush_scheduled:
             self._flush_scheduled = True

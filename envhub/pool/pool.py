@@ -27,6 +27,7 @@ from envhub.pool.base import (
     STATUS_ENV_ERROR,
     STATUS_LOST,
     STATUS_OK,
+    STATUS_USAGE_ERROR,
     EpisodeFailure,
     PoolStats,
     ResetResult,
@@ -46,6 +47,7 @@ __all__ = ["Backend", "EnvPool"]
 
 Backend = Literal["process", "local", "inline", "ray"]
 _BACKENDS = ("process", "local", "inline", "ray")
+_PROBE_EVERY_S = 1.0  # how often the watchdog asks each idle worker whether it is still there
 _USAGE_ERRORS: dict[str, type[EpisodeError]] = {
     "ResetNeededError": ResetNeededError,
     "EpisodeOverError": EpisodeOverError,
@@ -169,6 +171,15 @@ class EnvPool:
                 raise errors[0]
             self._started = True
             self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+            for slot, worker in enumerate(self._slots):  # it died while its siblings started
+                if worker is None and not self._closed:
+                    self._replace(slot)
+
+    def _replace(self, slot: int) -> None:
+        """Start replacing the worker of ``slot`` (once: a replacement being started stays)."""
+        if slot not in self._respawns:
+            self._restarts += 1
+            self._respawns[slot] = asyncio.get_running_loop().create_task(self._respawn(slot))
 
     def _worker_class(self) -> Any:
         if self.backend == "process":
@@ -191,7 +202,7 @@ class EnvPool:
         options: dict[str, Any] = {"start_timeout_s": self.start_timeout_s}
         if self.backend == "ray":
             options["ray_options"] = self.ray_options
-        if self.backend == "process":
+        if self.backend != "inline":
             options["max_message_bytes"] = self.max_message_bytes
         worker = self._worker_class()(name, self.spec, self.env_kwargs, self._on_dead, **options)
         worker.slot = slot
@@ -261,10 +272,8 @@ class EnvPool:
                     ep.turn,
                 )
                 self._failures += 1
-        if self._started and slot not in self._respawns:
-            self._restarts += 1
-            task = asyncio.get_running_loop().create_task(self._respawn(slot))
-            self._respawns[slot] = task
+        if self._started:  # (one that dies while the pool starts is replaced by ``start``)
+            self._replace(slot)
 
     def _notify(self) -> None:
         """Wake every reset waiting in ``_place`` (a worker or a slot freed up, or gave up)."""
@@ -273,12 +282,18 @@ class EnvPool:
             wakeup.set_result(None)
 
     async def _watch(self) -> None:
-        """Kill a worker whose head request has run longer than its timeout."""
+        """Kill a worker whose head request ran past its timeout; probe the idle ones."""
         tick = max(0.01, min(0.25, self.step_timeout_s / 4, self.reset_timeout_s / 4))
         loop = asyncio.get_running_loop()
+        next_probe = loop.time() + _PROBE_EVERY_S
         while not self._closed:
             await asyncio.sleep(tick)
             now = loop.time()
+            if now >= next_probe:
+                next_probe = now + _PROBE_EVERY_S
+                for worker in self._slots:
+                    if worker is not None and worker.alive and not worker.inflight:
+                        worker.probe()
             for worker in self._slots:
                 if worker is None or not worker.alive or not worker.inflight:
                     continue
@@ -400,8 +415,7 @@ class EnvPool:
             for slot, why in enumerate(self._given_up):
                 if why and slot not in self._respawns:
                     self._given_up[slot] = ""
-                    self._restarts += 1
-                    self._respawns[slot] = loop.create_task(self._respawn(slot))
+                    self._replace(slot)
             return True
         errors = [e for e in self._given_up if e]
         raise WorkerStartError(
@@ -459,6 +473,8 @@ class EnvPool:
         if status == STATUS_OK:
             self._resets += 1
             return ep.id, body
+        if placed and status == STATUS_USAGE_ERROR:  # it raises: nobody learns the episode's id
+            self._abandon(ep)
         return self._not_ok(ep, status, body)
 
     async def reset(

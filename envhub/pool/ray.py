@@ -7,7 +7,12 @@ By default actors take one CPU each and are spread across nodes
 ``num_cpus``, a placement group). An actor whose process or node dies fails its pending
 calls with ``ActorDiedError``: the pool turns its episodes into ``EpisodeFailure`` records
 and starts a replacement wherever the cluster has room. A worker that dies while idle is
-noticed at its next call (which then fails as above). Ray is imported only here.
+noticed by the ping the pool sends each idle worker about once a second (not under a
+``max_pending_calls`` limit, where a ping would take one of the calls: there the next call
+fails as above). As on a process worker, an answer over the pool's ``max_message_bytes`` fails
+its episode (``env_error``) in the actor. A call Ray refuses at submit (past
+``max_pending_calls``) raises ``EpisodeError`` and leaves the episode as it was. Ray is
+imported only here.
 
 Joining a cluster: :func:`connect` (used by ``envhub serve --backend ray --address``) turns
 Ray's connection failures into a :class:`RayConnectError` that names the fix. The common one:
@@ -26,7 +31,9 @@ import contextlib
 import os
 from typing import Any
 
+from envhub.pool.base import OP_PING
 from envhub.pool.errors import RayConnectError, WorkerStartError
+from envhub.pool.framing import DEFAULT_MAX_MESSAGE_BYTES
 from envhub.pool.host import EnvHost, spec_factory
 from envhub.pool.local import DeathCallback, WorkerBase
 
@@ -42,8 +49,8 @@ DEFAULT_RAY_OPTIONS: dict[str, Any] = {
 class RayEnvHost:
     """The actor body: an ``EnvHost`` plus a report of where it runs."""
 
-    def __init__(self, env: Any, env_kwargs: dict[str, Any]) -> None:
-        self.host = EnvHost(spec_factory(env, env_kwargs))
+    def __init__(self, env: Any, env_kwargs: dict[str, Any], max_message_bytes: int) -> None:
+        self.host = EnvHost(spec_factory(env, env_kwargs), max_answer_bytes=max_message_bytes)
         self.host.idle.append(self.host.factory())  # fail fast on a bad env
 
     def where(self) -> dict[str, Any]:
@@ -154,9 +161,11 @@ class RayWorker(WorkerBase):
         *,
         start_timeout_s: float = 60.0,
         ray_options: dict[str, Any] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         super().__init__(name, on_dead)
         self._env, self._env_kwargs = env, env_kwargs
+        self._max_message_bytes = max_message_bytes
         self._options = {**DEFAULT_RAY_OPTIONS, **(ray_options or {})}
         self._start_timeout_s = start_timeout_s
         self._actor: Any = None
@@ -169,7 +178,9 @@ class RayWorker(WorkerBase):
 
         connect(os.environ.get("RAY_ADDRESS"))
         self._actor = (
-            _remote_class().options(name=None, **self._options).remote(self._env, self._env_kwargs)
+            _remote_class()
+            .options(name=None, **self._options)
+            .remote(self._env, self._env_kwargs, self._max_message_bytes)
         )
         try:
             where = await asyncio.wait_for(
@@ -194,17 +205,28 @@ class RayWorker(WorkerBase):
     def submit(self, op: int, episode: int, body: bytes) -> asyncio.Future[tuple[int, bytes]]:
         if not self._alive:
             return self._lost_future()
+        try:  # before it is queued: a call Ray refuses must not wait for an answer
+            ref = self._actor.handle.remote(op, episode, body)
+        except Exception as exc:  # noqa: BLE001 - PendingCallsLimitExceeded (max_pending_calls)...
+            return self._refused_future(
+                f"ray worker {self.name} refused the call for episode {episode} "
+                f"({type(exc).__name__}: {str(exc)[:300]}); nothing ran: call again later"
+            )
         future = self._loop.create_future()
         if not self._pending:
             self._head_since = self._loop.time()
         entry = (0, episode, future)
         self._pending.append(entry)
-        ref = self._actor.handle.remote(op, episode, body)
-        loop = self._loop
-        ref.future().add_done_callback(
-            lambda done: loop.call_soon_threadsafe(self._finish, entry, done)
-        )
+        ref.future().add_done_callback(lambda done: self._deliver(entry, done))
         return future
+
+    def _deliver(
+        self, entry: tuple[int, int, asyncio.Future[tuple[int, bytes]]], done: Any
+    ) -> None:
+        """(In Ray's callback thread.) Hand a finished call to the event loop; once that loop is
+        closed (the pool was closed, a killed actor's call ended later) nobody waits for it."""
+        with contextlib.suppress(RuntimeError):  # the event loop is closed
+            self._loop.call_soon_threadsafe(self._finish, entry, done)
 
     def _finish(self, entry: tuple[int, int, asyncio.Future[tuple[int, bytes]]], done: Any) -> None:
         future = entry[2]
@@ -230,6 +252,12 @@ class RayWorker(WorkerBase):
                 pass
         self._head_since = self._loop.time()
         future.set_result(result)
+
+    def probe(self) -> None:
+        """Ping the idle actor: one that died with nothing in flight fails the ping, and the pool
+        replaces it before a reset lands on it."""
+        if self._alive and not self._pending and self._options.get("max_pending_calls", -1) == -1:
+            self.submit(OP_PING, -1, b"")
 
     def kill(self, reason: str, detail: str) -> None:
         if self._actor is not None:
