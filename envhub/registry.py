@@ -25,6 +25,7 @@ import importlib
 import importlib.metadata
 import inspect
 import re
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -57,6 +58,9 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "envhub.code": "envs.code:register",
 }
 """envhub's own environment packages, loaded before third-party plugins."""
+
+SLOW_PLUGIN_SECONDS = 5.0
+"""A plugin still loading after this long is named on stderr (it may hang every command)."""
 
 _ID = re.compile(
     r"^(?P<ns>[a-z0-9][a-z0-9_.-]*)/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)-v(?P<version>\d+)$"
@@ -161,7 +165,15 @@ class EnvSpec:
 
     def make(self, **kwargs: Any) -> Any:
         """Build the environment with this spec's kwargs overridden by ``kwargs``."""
-        merged = {**self.kwargs, **kwargs}
+        env = self.load_entry_point()(**self.constructor_kwargs(kwargs))
+        _attach_gymnasium_spec(env, self, kwargs)
+        return env
+
+    def constructor_kwargs(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        """What ``make(**overrides)`` passes the entry point: this spec's kwargs, ``overrides``
+        on top, and ``max_turns`` where accepted; raises ``EnvKwargsError`` naming any key the
+        entry point does not accept."""
+        merged = {**self.kwargs, **overrides}
         accepted = self.accepted_kwargs()
         if (
             self.max_turns is not None
@@ -183,9 +195,7 @@ class EnvSpec:
                     f"{', '.join(repr(k) for k in unknown)}{hint}; "
                     f"it accepts: {', '.join(accepted) or '(none)'}"
                 )
-        env = self.load_entry_point()(**merged)
-        _attach_gymnasium_spec(env, self, kwargs)
-        return env
+        return merged
 
 
 @dataclass(frozen=True)
@@ -269,6 +279,14 @@ class Registry:
                         f"{old.entry_point!r}); choose another id or version, or pass override=True"
                     )
             for new in specs:
+                old = self._specs.get(new.id)
+                if old is not None and old != new and self._loading not in (None, old.source):
+                    warnings.warn(
+                        f"envhub: the plugin {new.source!r} replaces {new.id} (registered by "
+                        f"{old.source!r}) with entry point {new.entry_point!r}",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                 self._specs[new.id] = new
                 _mirror_to_gymnasium(new)
         return base
@@ -281,32 +299,78 @@ class Registry:
                 return list(self._failures)
             self._discovered = True
             targets = list(BUILTIN_PLUGINS.items())
-            for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+            for entry in self._entry_points():
                 if entry.value not in dict(targets).values():
                     targets.append((entry.name, entry.value))
             for name, target in targets:
                 self._load_one(name, target)
             return list(self._failures)
 
+    def _entry_points(self) -> list[importlib.metadata.EntryPoint]:
+        """The ``envhub.envs`` entry points of the installed distributions."""
+        try:
+            return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
+        except Exception:  # noqa: BLE001 - some package's entry_points.txt is malformed
+            return self._entry_points_one_by_one()
+
+    def _entry_points_one_by_one(self) -> list[importlib.metadata.EntryPoint]:
+        """``_entry_points`` read from each distribution in turn (the first of a name on the
+        path, as ``entry_points`` takes): one whose entry points cannot be read is a failure
+        naming it, and the others still count."""
+        found: list[importlib.metadata.EntryPoint] = []
+        seen: set[str] = set()
+        for distribution in importlib.metadata.distributions():
+            where = name = str(getattr(distribution, "_path", distribution))
+            try:
+                name = distribution.metadata["Name"] or where
+                key = re.sub(r"[-_.]+", "-", name).lower()
+                if key in seen:
+                    continue
+                seen.add(key)
+                found += [e for e in distribution.entry_points if e.group == ENTRY_POINT_GROUP]
+            except Exception as exc:  # noqa: BLE001 - one broken package must not hide the rest
+                self._fail(
+                    PluginFailure(
+                        name=name,
+                        target=where,
+                        error=(
+                            f"its entry_points.txt cannot be read ({type(exc).__name__}: {exc})"
+                        ),
+                    )
+                )
+        return found
+
     def _load_one(self, name: str, target: str) -> None:
         self._loading = name
         token = _ACTIVE.set(self)  # the plugin's envhub.register() calls land here
+        before = dict(self._specs)
+        slow = threading.Timer(SLOW_PLUGIN_SECONDS, _say_slow, (name, target))
+        slow.daemon = True
+        slow.start()
         try:
             plugin = import_target(target)
             if callable(plugin):
                 plugin()
-        except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the others
-            failure = PluginFailure(name=name, target=target, error=f"{type(exc).__name__}: {exc}")
-            self._failures.append(failure)
-            warnings.warn(
-                f"envhub: plugin {name!r} ({target}) failed to load and its environments are "
-                f"unavailable: {failure.error}. Fix or uninstall the package that provides it.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a broken plugin must not break the others
+            self._specs = before  # none of its ids, as the failure says (even those registered)
+            error = f"{type(exc).__name__}: {exc}"
+            self._fail(PluginFailure(name=name, target=target, error=error))
         finally:
+            slow.cancel()
             _ACTIVE.reset(token)
             self._loading = None
+
+    def _fail(self, failure: PluginFailure) -> None:
+        self._failures.append(failure)
+        warnings.warn(
+            f"envhub: plugin {failure.name!r} ({failure.target}) failed to load and its "
+            f"environments are unavailable: {failure.error}. Fix or uninstall the package that "
+            "provides it.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def plugin_errors(self) -> list[PluginFailure]:
         self.load_plugins()
@@ -337,6 +401,11 @@ class Registry:
             matches = [s for s in self._specs.values() if s.id.split("/", 1)[1] == id]
             if len(matches) == 1:
                 return matches[0]
+            if matches:
+                raise UnknownEnvError(
+                    f"{id!r} is ambiguous: it is {' or '.join(sorted(s.id for s in matches))}; "
+                    "give the full id"
+                )
         raise UnknownEnvError(self._unknown_message(id))
 
     def _unknown_message(self, id: str) -> str:
@@ -414,6 +483,15 @@ def _attach_gymnasium_spec(env: Any, spec: EnvSpec, overrides: dict[str, Any]) -
         )
     except AttributeError:  # a read-only spec property on some custom env
         pass
+
+
+def _say_slow(name: str, target: str) -> None:
+    print(
+        f"envhub: loading plugin {name!r} ({target}) is taking long (over "
+        f"{SLOW_PLUGIN_SECONDS:g} s); if it hangs, fix or uninstall the package that provides it",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 registry = Registry()

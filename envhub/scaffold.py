@@ -38,6 +38,8 @@ def scaffold(name: str, parent: Path) -> Path:
             "starting with a letter (it becomes the id namespace and the module name), e.g. acme"
         )
     root = parent / name
+    if root.exists() and not root.is_dir():
+        raise ScaffoldError(f"{root} is a file; pick another name, or another folder with --dir")
     if root.exists() and any(root.iterdir()):
         raise ScaffoldError(f"{root} already exists and is not empty; pick another name or folder")
     files = {
@@ -49,8 +51,14 @@ def scaffold(name: str, parent: Path) -> Path:
     }
     for relative, template in files.items():
         path = root / relative
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(template.replace("{{name}}", name))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(template.replace("{{name}}", name))
+        except OSError as exc:
+            raise ScaffoldError(
+                f"cannot create {root} ({exc.strerror}: {exc.filename}); pick a folder you can "
+                "write to with --dir"
+            ) from exc
     return root
 
 
