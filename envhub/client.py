@@ -126,7 +126,7 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
         self._seq = 0
         self._ws: Any = None
         self._closed = False
-        welcome = self._connect({"type": "hello", "env": env_id}, connect_timeout_s)
+        welcome = self._open(env_id, hub)
         self.session, self.resume_key = welcome.session, welcome.resume_key
         self.max_turns: int | None = welcome.max_turns
         self.resume_timeout_s = welcome.grace_s if resume_timeout_s is None else resume_timeout_s
@@ -205,6 +205,23 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
                 self._ws.close()
 
     # ------------------------------------------------------------------ transport
+    def _open(self, env_id: str, hub: str) -> Welcome:
+        """The first connection: a hub that cannot be reached, or is not a hub, is a
+        ``RemoteError("unreachable")`` naming the URL (a resume retries such failures)."""
+        from websockets.exceptions import InvalidHandshake, InvalidURI
+
+        try:
+            return self._connect({"type": "hello", "env": env_id}, self.connect_timeout_s)
+        except (OSError, InvalidHandshake, InvalidURI) as exc:  # (TimeoutError is an OSError)
+            raise RemoteError(
+                "unreachable",
+                (
+                    f"could not open a session at {self.url} ({type(exc).__name__}: {exc}); "
+                    f"the hub address is what `envhub serve` prints, ws://HOST:PORT with no "
+                    f"path (got {hub!r}), and the hub must be running and reachable from here"
+                ),
+            ) from exc
+
     def _connect(self, hello: dict[str, Any], timeout_s: float) -> Welcome:
         """Open a socket, send ``hello`` and return the hub's welcome, all within ``timeout_s``;
         on any failure the socket is closed."""

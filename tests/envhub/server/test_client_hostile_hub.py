@@ -333,3 +333,22 @@ def test_a_bad_welcome_raises_bad_message_and_closes_the_socket(fake_hub, reply)
     assert raised.value.code == "bad_message"
     assert hub.url in raised.value.message
     assert closed.wait(10), "the socket of a RemoteEnv that failed to start is left open"
+
+
+@pytest.mark.timeout(60)
+def test_a_wrong_hub_address_is_an_error_naming_the_url_and_the_fix():
+    """Nothing listening, a path appended to the hub's address (the hub refuses the upgrade
+    with HTTP 403, which read like a wrong token): ``RemoteError("unreachable")`` naming the URL
+    and what the address should be, never a bare websockets or socket exception."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        nothing = f"ws://127.0.0.1:{free.getsockname()[1]}"
+    with pytest.raises(RemoteError) as raised:
+        RemoteEnv("test/faulty-v0", nothing, connect_timeout_s=5)
+    assert raised.value.code == "unreachable" and nothing in raised.value.message
+    with running_hub(envs=["test/faulty-v0"], backend="inline") as hub:
+        wrong = hub.url + "/v1"
+        with pytest.raises(RemoteError) as raised:
+            RemoteEnv("test/faulty-v0", wrong, token=TOKEN, connect_timeout_s=5)
+        assert raised.value.code == "unreachable" and f"{wrong}/v1/session" in raised.value.message
+        assert "envhub serve" in raised.value.message and "403" in raised.value.message
