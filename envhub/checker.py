@@ -18,6 +18,7 @@ envhub check below requires that refusal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import pickle
@@ -422,7 +423,12 @@ def check_env(
         if on_result is not None:
             on_result(result)
         if check is check_spaces and not result.passed:
-            break  # nothing else can run on something that is not an env
+            # nothing else can run on something that is not an env; what it holds is freed
+            close = getattr(env, "close", None)
+            if callable(close):
+                with contextlib.suppress(Exception):
+                    close()
+            break
     if raise_on_failure:
         report.raise_for_failures()
     return report

@@ -129,6 +129,24 @@ def test_things_that_are_not_envs_stop_after_the_first_check():
     assert "subclass envhub.TextEnv" in report.results[0].message
 
 
+def test_an_env_that_fails_the_first_check_is_still_closed():
+    """``check_env`` closes the env it was given, also when it stops after ``check_spaces``
+    (an env holding a browser or a sandbox would leak it)."""
+
+    class WrongSpaces(CountdownEnv):
+        closed = 0
+
+        def close(self):
+            type(self).closed += 1
+            super().close()
+
+    env = WrongSpaces()
+    env.observation_space = None  # (forgot super().__init__(), say)
+    report = check_env(env, raise_on_failure=False)
+    assert [r.name for r in report.results] == ["check_spaces"] and not report.ok
+    assert WrongSpaces.closed == 1
+
+
 def test_gymnasium_checks_can_be_skipped():
     names = [r.name for r in check_env(CountdownEnv(), gymnasium_checks=False).results]
     assert "check_gymnasium" not in names
