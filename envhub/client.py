@@ -388,12 +388,18 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
     def _check_size(self, frame: str, kind: str) -> None:
         """Refuse a request the hub would refuse as too large, before sending it."""
         limit = self.hub_max_message_bytes
-        # the hub measures the frame's text (envhub.server.ws), so this check does too
-        if limit is not None and len(frame) > limit:
+        if limit is None:
+            return
+        # the hub measures a frame in UTF-8 bytes (envhub.server.ws.oversize); a frame of at
+        # most limit / 4 characters fits whatever they are, and is not encoded to be measured
+        size = (
+            len(frame) if len(frame) * 4 <= limit else len(frame.encode("utf-8", "surrogatepass"))
+        )
+        if size > limit:
             raise RemoteError(
                 "message_too_large",
                 (
-                    f"this {kind} is {len(frame)} characters as JSON, over the hub's "
+                    f"this {kind} is {size} bytes as JSON, over the hub's "
                     f"max_message_bytes={limit} (stated in its welcome); send a shorter action, "
                     "or serve the hub with a larger --max-message-bytes"
                 ),

@@ -51,6 +51,7 @@ from envhub.server.openenv_wire import (
 )
 from envhub.server.sessions import Session
 from envhub.server.wire import ErrorMessage
+from envhub.server.ws import oversize
 
 __all__ = ["add_openenv_routes"]
 
@@ -237,10 +238,11 @@ async def _serve(ws: WebSocket, hub: Hub, session: Session, state: _State) -> No
         raw = message.get("text") or message.get("bytes") or b""
         session.last_active = time.monotonic()
         reply: str | None
-        if len(raw) > limit:
-            reply = _error(hub, "VALIDATION_ERROR", f"message of {len(raw)} bytes is over {limit}")
+        if (size := oversize(raw, limit)) is not None:
+            reply = _error(hub, "VALIDATION_ERROR", f"message of {size} bytes is over {limit}")
         else:
-            reply = await _answer(hub, session, state, raw)
+            with session.busy(-1):  # spared by the idle reaper while it runs
+                reply = await _answer(hub, session, state, raw)
         if reply is None:  # close
             with contextlib.suppress(Exception):
                 await ws.close(1000)

@@ -7,7 +7,8 @@ a request resent after a resume is answered again without being applied again, a
 request still running when the socket dropped is awaited, not repeated.
 
 ``SessionManager`` enforces the global and per-client limits and reaps sessions that are
-idle (connected, silent for ``idle_timeout_s``) or abandoned (detached past ``grace_s``).
+idle (connected, running no request, silent for ``idle_timeout_s`` since its last answer) or
+abandoned (detached past ``grace_s``).
 A session holds at most one episode, and a one-shot HTTP rollout counts as a session of
 its client while it runs (``hold``/``release``), so one client's episodes, over both
 surfaces, stay within ``max_sessions_per_client``.
@@ -20,7 +21,7 @@ import contextlib
 import hmac
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
 
 import orjson
@@ -86,6 +87,18 @@ class Session:
         self.detached_at: float | None = None
         self.closed = False
 
+    @contextlib.contextmanager
+    def busy(self, seq: int) -> Iterator[None]:
+        """Mark request ``seq`` running (OpenEnv's requests, which carry none, pass -1): the
+        reaper spares a busy session however long the request runs, and its idle time counts
+        from when the request ended."""
+        self.busy_seq = seq
+        try:
+            yield
+        finally:
+            self.busy_seq = 0
+            self.last_active = time.monotonic()
+
     async def execute(self, seq: int, work: Callable[[], Awaitable[str]]) -> str:
         """Run request ``seq`` at most once; a repeat of the last one gets the same answer."""
         if seq == self.last_seq and self.last_reply is not None:
@@ -109,13 +122,14 @@ class Session:
                 ),
                 seq,
             )
-        self.busy_seq = seq
+        self.busy_seq = seq  # as ``busy`` does, inline: this is every step's path
         try:
             reply = await work()
         except Exception as exc:  # noqa: BLE001 - a bug in the hub: answer, keep the session usable
             reply = error_reply("internal", f"{type(exc).__name__}: {exc}", seq)
         finally:
             self.busy_seq = 0
+            self.last_active = time.monotonic()
         self.last_seq = seq
         self.last_reply = reply
         if self.waiters:

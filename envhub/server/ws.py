@@ -44,7 +44,7 @@ from envhub.server.wire import (
     client_message,
 )
 
-__all__ = ["SessionSockets", "WsConnection", "session_endpoint"]
+__all__ = ["SessionSockets", "WsConnection", "oversize", "session_endpoint"]
 
 
 class SessionSockets:
@@ -359,10 +359,10 @@ async def _serve(ws: AsgiSocket, hub: Hub, session: Session, conn: WsConnection)
         if session.closed:
             return 1000
         session.last_active = time.monotonic()
-        if len(raw) > limit:
+        if (size := oversize(raw, limit)) is not None:
             reply = error_reply(
                 "message_too_large",
-                f"message of {len(raw)} bytes is over the {limit} byte limit; send shorter actions",
+                f"message of {size} bytes is over the {limit} byte limit; send shorter actions",
             )
             errors.labels("message_too_large").inc()
         elif (step := _plain_step(raw)) is not None:  # the hot path: no model, no dispatch
@@ -416,6 +416,17 @@ async def _dispatch(hub: Hub, session: Session, request: Any) -> str:
     if isinstance(request, CloseRequest):
         return await session.execute(request.seq, lambda: _close(hub, session, request))
     return error_reply("bad_message", "hello is only valid as the first message of a connection")
+
+
+def oversize(raw: str | bytes, limit: int) -> int | None:
+    """The size in bytes of a frame over ``limit`` (a text frame's in UTF-8), or None when it
+    fits. A text frame of at most ``limit // 4`` characters fits whatever they are, so the
+    commonest frames are not encoded to be measured."""
+    if isinstance(raw, bytes) or len(raw) * 4 <= limit:
+        size = len(raw)
+    else:
+        size = len(raw.encode("utf-8", "surrogatepass"))
+    return size if size > limit else None
 
 
 def _plain_step(raw: str | bytes) -> tuple[int, str] | None:

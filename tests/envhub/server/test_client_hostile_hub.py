@@ -137,13 +137,14 @@ def test_an_action_over_the_hubs_limit_is_refused_before_it_is_sent():
         for action in (
             "x" * 6000,  # over the hub's check
             "x" * 30_000,  # over its frame limit too
-            "\U0001f600" * 2040,  # under its check (characters), over its frame limit (bytes)
+            "\U0001f600" * 2040,  # 2,040 characters, 8,160 bytes: the hub counts bytes
         ):
             with pytest.raises(RemoteError) as raised:
                 env.step(action)
             assert raised.value.code == "message_too_large"
             assert "max_message_bytes" in raised.value.message
             assert "4096" in raised.value.message
+            assert "stated in its welcome" in raised.value.message, "refused before sending"
         assert env.reconnects == 0
         assert env.step("ok")[4]["turn"] == 1, "the refused actions were never applied"
         env.close()
