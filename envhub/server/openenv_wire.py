@@ -57,7 +57,7 @@ class _Strict(BaseModel):
 class ResetData(_Strict):
     """What a reset may carry."""
 
-    seed: int | None = Field(default=None, ge=0, le=2**64 - 1)
+    seed: int | None = Field(default=None, ge=0, le=2**64 - 1, strict=True)
     episode_id: str | None = Field(default=None, max_length=255)
     options: dict[str, Any] = Field(default_factory=dict)
 

@@ -121,6 +121,8 @@ def test_bad_messages_get_openenvs_error_codes_and_the_session_goes_on(openenv_h
             ({"type": "step", "data": {"text": "hi"}}, "VALIDATION_ERROR", "message"),
             ({"type": "reset", "data": {"sed": 1}}, "VALIDATION_ERROR", "sed"),
             ({"type": "reset", "data": {"seed": -1}}, "VALIDATION_ERROR", "seed"),
+            ({"type": "reset", "data": {"seed": True}}, "VALIDATION_ERROR", "seed"),
+            ({"type": "reset", "data": {"seed": 1.0}}, "VALIDATION_ERROR", "seed"),
             ({"type": "step", "data": {"message": "hi"}}, "EXECUTION_ERROR", "before reset"),
         ]
         for message, code, words in cases:
