@@ -31,19 +31,27 @@ their env's ``reset`` only if that ``reset`` takes a ``seed`` (OpenEnv drops the
 env does not declare), so episodes are reproducible exactly when the server's env is.
 
 Errors: a server that cannot be reached, or that does not speak the protocol openenv-core
-0.3 speaks (no ``GET /schema``, no ``/ws`` route, answers of another shape), raises
-``SourceConnectionError`` naming the URL and what was missing.
+0.3 speaks (no ``GET /schema``, no ``/ws`` route, answers of another shape: not JSON, a
+reward that is not a finite number or null, a ``done`` that is not true or false), raises
+``SourceConnectionError`` naming the URL and what was missing. ``connect_timeout_s`` bounds
+the whole ``GET /schema`` answer (at most 4 MiB); ``message_timeout_s`` bounds each answer on
+the session. After a connection-level error (the server closed the session, died, or did not
+answer in time) the adapter closes its client, and the next reset opens a new session; a
+session the server closed between episodes (envhub's hub reaps idle ones) is reopened by the
+reset without an error.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import importlib.metadata
 import importlib.util
 import json
 import math
 import re
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -63,6 +71,7 @@ __all__ = ["OpenEnvEnv", "discover", "register"]
 
 SOURCE = "openenv"
 _PROTOCOL = "the OpenEnv protocol of openenv-core 0.3 (GET /schema, WebSocket /ws)"
+_SCHEMA_LIMIT_BYTES = 4 * 2**20
 
 
 class OpenEnvEnv(TextEnv):
@@ -106,8 +115,15 @@ class OpenEnvEnv(TextEnv):
 
     # ----------------------------------------------------------------- TextEnv
     def on_reset(self, options: dict[str, Any]) -> tuple[str | list[Message], dict[str, Any]]:
-        client = self._connect()
-        result = self._call(client.reset, seed=int(self.np_random.integers(2**31)))
+        seed = int(self.np_random.integers(2**31))
+        reused = self._client is not None
+        try:
+            result = self._reset(seed)
+        except _SessionClosed:
+            if not reused:
+                raise
+            # the server closed the session since the last episode: once more, on a new one
+            result = self._reset(seed)
         return self._render(result.observation), {"openenv": self.app or _redacted(self._url())}
 
     def on_step(self, action: str) -> Turn:
@@ -115,12 +131,17 @@ class OpenEnvEnv(TextEnv):
             payload = self._action(action)
         except _BadAction as error:
             return self.invalid_action(str(error))
+        if self._client is None:
+            raise SourceConnectionError(
+                f"the connection to the OpenEnv server at {_redacted(self._url())} was lost "
+                "earlier in this episode; call env.reset() to start a new one"
+            )
         try:
             result = self._call(self._client.step, payload)
         except _ValidationError as error:
             return self.invalid_action(f"The server refused that action: {error}")
-        reward = float(result.reward) if isinstance(result.reward, (int, float)) else 0.0
-        done = bool(result.done)
+        reward = 0.0 if result.reward is None else float(result.reward)
+        done = result.done
         return Turn(
             self._render(result.observation),
             reward=reward,
@@ -133,10 +154,7 @@ class OpenEnvEnv(TextEnv):
         return " ".join(str(np_random.choice(words)) for _ in range(int(np_random.integers(1, 4))))
 
     def on_close(self) -> None:
-        if self._client is not None:
-            with contextlib.suppress(Exception):  # the server may be gone already
-                self._client.close()
-            self._client = None
+        self._drop_client()
         if self._server is not None:
             self._server.stop()
             self._server = None
@@ -178,25 +196,62 @@ class OpenEnvEnv(TextEnv):
         self._client = client
         return client
 
+    def _drop_client(self) -> None:
+        """Close the client (its thread, its socket, the server's session) and forget it."""
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):  # the server may be gone already
+                client.close()
+
+    def _reset(self, seed: int) -> Any:
+        client = self._connect()
+        try:
+            return self._call(client.reset, seed=seed)
+        except SourceError:
+            # no episode to keep the session for (a hub at capacity refuses, then closes)
+            self._drop_client()
+            raise
+
     def _call(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        """``method`` of the client with its answer checked; after a connection-level error
+        or an answer out of step, the client is closed and the next reset opens a new one."""
+        url, what = _redacted(self._url()), f"a {getattr(method, '__name__', 'message')}"
+        closed = require(SOURCE, "websockets.exceptions").ConnectionClosed
         try:
             result = method(*args, **kwargs)
+        except closed as error:
+            self._drop_client()
+            raise _SessionClosed(
+                f"the OpenEnv server at {url} closed the connection during {what} ({error}); "
+                "the next reset opens a new session"
+            ) from error
+        except TimeoutError as error:
+            self._drop_client()
+            raise SourceConnectionError(
+                f"the OpenEnv server at {url} did not answer {what} within "
+                f"message_timeout_s={self.message_timeout_s}; is the server stuck? (raise "
+                "message_timeout_s for an env that is slow on purpose)"
+            ) from error
         except RuntimeError as error:  # the client's rendering of an ``error`` message
             if "VALIDATION_ERROR" in str(error):
                 raise _ValidationError(str(error)) from error
-            raise SourceError(
-                f"the OpenEnv server at {_redacted(self._url())} failed: {error}"
-            ) from error
-        except (ConnectionError, OSError, TimeoutError) as error:
-            self._client = None
+            raise SourceError(f"the OpenEnv server at {url} failed: {error}") from error
+        except (ConnectionError, OSError) as error:
+            self._drop_client()
             raise SourceConnectionError(
-                f"lost the OpenEnv server at {_redacted(self._url())} ({type(error).__name__}: "
-                f"{error})"
+                f"lost the OpenEnv server at {url} ({type(error).__name__}: {error})"
             ) from error
-        if not isinstance(getattr(result, "observation", None), dict):
+        # not JSON (ValueError), or JSON of another shape (the client's .get on a list)
+        except (ValueError, AttributeError, TypeError) as error:
+            self._drop_client()
             raise SourceConnectionError(
-                f"the server at {_redacted(self._url())} answered without an observation "
-                f"object; it does not speak {_PROTOCOL}"
+                f"the server at {url} answered {what} with something that is not an OpenEnv "
+                f"answer ({type(error).__name__}: {error}); it does not speak {_PROTOCOL}"
+            ) from error
+        problem = _answer_problem(result)
+        if problem:
+            raise SourceConnectionError(
+                f"the server at {url} answered {what} with {problem}; it does not speak {_PROTOCOL}"
             )
         return result
 
@@ -231,6 +286,26 @@ class OpenEnvEnv(TextEnv):
         return json.dumps(observation, sort_keys=True, default=str)
 
 
+def _answer_problem(result: Any) -> str:
+    """What makes ``result`` (a parsed answer) not an OpenEnv answer, or ``""``."""
+    if not isinstance(getattr(result, "observation", None), dict):
+        return "no observation object"
+    reward = result.reward
+    if reward is not None and (
+        not isinstance(reward, (int, float))
+        or isinstance(reward, bool)
+        or not math.isfinite(reward)
+    ):
+        return f"reward={reward!r}, not a finite number or null"
+    if not isinstance(result.done, bool):
+        return f"done={result.done!r}, not true or false"
+    return ""
+
+
+class _SessionClosed(SourceConnectionError):
+    """The server closed the WebSocket session (it died, or reaped or refused the session)."""
+
+
 class _ValidationError(Exception):
     """The server refused an action as invalid for its schema (the model's mistake)."""
 
@@ -263,15 +338,23 @@ def _schema(url: str, timeout_s: float) -> dict[str, Any]:
         url = urllib.parse.urlunsplit(parts._replace(netloc=netloc))
     shown = _redacted(urllib.parse.urlunsplit(parts))
     request = urllib.request.Request(f"{url}/schema", headers=headers)
+    deadline = time.monotonic() + timeout_s
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = json.loads(response.read())
+            body = json.loads(_read_schema(response, shown, timeout_s, deadline))
+    except SourceConnectionError:
+        raise
     except urllib.error.HTTPError as error:
         raise SourceConnectionError(
             f"the server at {shown} answered GET /schema with HTTP {error.code}; it does not speak "
             f"{_PROTOCOL} (another OpenEnv version, or not an OpenEnv server)"
         ) from error
-    except (urllib.error.URLError, OSError, TimeoutError) as error:
+    except TimeoutError as error:
+        raise SourceConnectionError(
+            f"the server at {shown} did not answer GET /schema within "
+            f"connect_timeout_s={timeout_s}; is it running, and an OpenEnv server?"
+        ) from error
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
         reason = getattr(error, "reason", error)
         raise SourceConnectionError(
             f"cannot reach the OpenEnv server at {shown} ({reason}); is it running? (check "
@@ -288,6 +371,28 @@ def _schema(url: str, timeout_s: float) -> dict[str, Any]:
             f"speak {_PROTOCOL}"
         )
     return body
+
+
+def _read_schema(response: Any, shown: str, timeout_s: float, deadline: float) -> bytes:
+    """The body of ``response``, read by ``deadline`` (each read waits at most ``timeout_s``)
+    and at most ``_SCHEMA_LIMIT_BYTES`` long, or a ``SourceConnectionError``."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := response.read1(65536):
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > _SCHEMA_LIMIT_BYTES:
+            raise SourceConnectionError(
+                f"the server at {shown} answered GET /schema with more than "
+                f"{_SCHEMA_LIMIT_BYTES >> 20} MiB; an OpenEnv schema is a few KiB (is base_url "
+                "an OpenEnv server?)"
+            )
+        if time.monotonic() > deadline:
+            raise SourceConnectionError(
+                f"the server at {shown} did not finish its answer to GET /schema within "
+                f"connect_timeout_s={timeout_s}; is it an OpenEnv server, and not overloaded?"
+            )
+    return b"".join(chunks)
 
 
 def _only_string_field(schema: dict[str, Any]) -> str | None:
