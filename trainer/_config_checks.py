@@ -295,6 +295,15 @@ def _lora_problems(cfg: TrainerConfig) -> list[Problem]:
                 f"weight); use one of {able} or drop model.lora",
             )
         )
+    train = cfg.roles.actor_train
+    if strategy == "fsdp2" and int(train.strategy_args.get("tensor_parallel_size", 1)) > 1:
+        problems.append(
+            Problem(
+                "model.lora",
+                "fsdp2 cannot split adapter-wrapped layers over tensor-parallel ranks; drop "
+                "model.lora or roles.actor_train.strategy_args.tensor_parallel_size",
+            )
+        )
     if lora.sync == "adapter" and not engine_spec(cfg.rollout.engine).adapters:
         problems.append(
             Problem(
@@ -361,6 +370,22 @@ def _parallel_problems(cfg: TrainerConfig) -> list[Problem]:
     from trainer.weights.buckets import largest_tensor
 
     problems = []
+    for name in type(cfg.roles).model_fields:
+        role = getattr(cfg.roles, name)
+        if (
+            "num_workers" in role.model_fields_set
+            and role.device_mapping
+            and (role.num_workers != role.world_size)
+        ):
+            problems.append(
+                Problem(
+                    f"roles.{name}.num_workers",
+                    f"counts device-less workers only; with device_mapping "
+                    f"{role.device_mapping} this role runs {role.world_size} worker(s): map one "
+                    f"device per worker (e.g. device_mapping: {list(range(role.num_workers))}) "
+                    "or set device_mapping: [] to run num_workers on CPU",
+                )
+            )
     for name in TRAIN_ROLES:
         role = getattr(cfg.roles, name)
         if name in cfg.active_roles and (

@@ -109,6 +109,11 @@ class TinyModelConfig(Section):
             raise ValueError(
                 f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}"
             )
+        if self.architecture == "llama" and (head := self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"hidden_size / num_heads = {head} must be even for llama (rotary embeddings "
+                "rotate pairs of each head's dimensions); change hidden_size or num_heads"
+            )
         return self
 
 
@@ -138,8 +143,7 @@ class LoraConfig(Section):
     one); either way it is folded into the base and RL trains fresh adapters."""
     sync: Literal["adapter", "merged"] = "adapter"
     """What each weight sync sends: ``adapter`` (the engines keep the base and load only the
-    adapters) or ``merged`` (full weights with the adapters merged in, for engines without LoRA
-    support)."""
+    adapters) or ``merged`` (full weights, adapters merged in: for engines without LoRA)."""
     export: Literal["merged", "adapter"] = "merged"
     """``final_policy/`` as a plain HF model with the adapters merged in, or as a peft adapter
     folder (``adapter_config.json`` + ``adapter_model.safetensors``) beside its base."""
@@ -279,8 +283,7 @@ class TrainConfig(Section):
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     """Final learning rate of a decaying schedule, as a fraction of ``lr``."""
     warmup_steps: int = Field(default=0, ge=0)
-    """Steps of linear warm-up from ``lr / (warmup_steps + 1)`` to ``lr`` before the schedule
-    starts; at most ``steps``."""
+    """Steps of linear warm-up from ``lr / (warmup_steps + 1)`` to ``lr`` (at most ``steps``)."""
 
     @model_validator(mode="after")
     def _warmup_within_the_run(self) -> TrainConfig:

@@ -273,3 +273,35 @@ def test_a_hub_that_is_not_a_websocket_address_is_refused(hub: str) -> None:
 
 def test_a_hub_address_loads() -> None:
     assert load_config(None, ["env.hub=wss://hub.example:443"]).env.hub == "wss://hub.example:443"
+
+
+def test_a_tiny_llama_with_an_odd_head_width_is_refused_at_load() -> None:
+    """RoPE needs an even width per head: hidden 30 over 2 heads (15 each) passed --dry-run and
+    failed at build inside transformers."""
+    [problem] = problems_of(QUICKSTART, ["model.tiny.hidden_size=30", "model.tiny.num_heads=2"])
+    assert "hidden_size / num_heads" in problem and "even" in problem and "15" in problem
+    load_config(QUICKSTART, ["model.tiny.hidden_size=30", "model.tiny.num_heads=2",
+                       "model.tiny.architecture=gpt2"])  # fmt: skip
+
+
+def test_lora_with_fsdp2_tensor_parallelism_is_refused() -> None:
+    """The tensor-parallel split met LoRA-wrapped layers: NotImplementedError inside torch."""
+    problems = problems_of(QUICKSTART, [
+        "cluster.backend=ray", "roles.actor_train.strategy=fsdp2",
+        "roles.actor_train.device_mapping=[0,1]",
+        "roles.actor_train.strategy_args.tensor_parallel_size=2", "model.lora.rank=8",
+    ])  # fmt: skip
+    assert any("model.lora" in p and "tensor_parallel_size" in p for p in problems), problems
+
+
+def test_num_workers_beside_a_device_mapping_is_refused_not_ignored() -> None:
+    """num_workers counts only device-less workers; beside a device mapping it was dropped
+    without a word (fsdp2 ran dp=1)."""
+    problems = problems_of(QUICKSTART, [
+        "cluster.backend=ray", "roles.actor_train.strategy=fsdp2",
+        "roles.actor_train.num_workers=2",
+    ])  # fmt: skip
+    assert any(
+        p.startswith("roles.actor_train.num_workers") and "device_mapping" in p for p in problems
+    ), problems
+    load_config(QUICKSTART, ["roles.actor_train.num_workers=1"])  # the default, said out loud: fine
