@@ -9,8 +9,9 @@ A started ``LocalSandbox`` holds one :class:`Footprint`:
 
   - ``scratch/``: what the program sees as ``/sandbox``. As root a tmpfs of ``Limits.place_mb``
     owned by the sandbox uid; otherwise (or where mounting fails) a plain directory, mode 0700;
-  - ``root/``: the mount point of ``unshare``'s root; ``etc/``: the ``passwd`` and ``group``
-    it copies in (``_launch.etc_files``; bwrap gets the same bytes through memfds);
+  - ``root/``: the mount point of ``unshare``'s root; ``etc/`` (``unshare`` only): the
+    ``passwd`` and ``group`` it copies in (``_launch.etc_files``; bwrap binds ``_etc_view``'s
+    copy instead);
   - ``owner.json``: the owner pid, the uid, whether it is leased, the cgroup directories;
 
 - as root, a private uid (``_host.UidLease``), so RLIMIT_NPROC, signals and keys are per sandbox;
@@ -27,7 +28,8 @@ What it guarantees:
 3. ``empty_scratch()`` leaves scratch empty and as capped as it was at the start.
 4. ``collect_stale()`` gives back the footprints whose owner died without ``release()`` (a
    process killed with SIGKILL, or SIGTERM without handler, cannot clean up): those whose uid
-   lease no process holds (root) or whose owner pid is gone.
+   lease no process holds (root) or whose owner pid is gone; and such a process's copies of
+   ``/etc`` (``_etc_view.py``).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from sandboxes import _host
+from sandboxes import _etc_view, _host
 from sandboxes._launch import etc_files, launch_uid
 from sandboxes.base import Limits
 
@@ -99,12 +101,13 @@ class Footprint:
             os.chmod(self.scratch, 0o700)
         (self.dir / "root").mkdir()
         self.etc = etc_files(isolation, self.uid)
-        etc_dir = self.dir / "etc"
-        etc_dir.mkdir()
-        for name, data in self.etc.items():
-            (etc_dir / name).write_bytes(data)
-            os.chmod(etc_dir / name, 0o644)
-        os.chmod(etc_dir, 0o755)
+        if isolation == "unshare":
+            etc_dir = self.dir / "etc"
+            etc_dir.mkdir()
+            for name, data in self.etc.items():
+                (etc_dir / name).write_bytes(data)
+                os.chmod(etc_dir / name, 0o644)
+            os.chmod(etc_dir, 0o755)
         if root and _host.cgroups_available():
             self.cgroup = _host.Cgroup(
                 f"envhub-{sandbox_id}",
@@ -187,4 +190,4 @@ def collect_stale(base_dir: str | None = None) -> list[str]:
                 Path(cg).rmdir()
         shutil.rmtree(path, ignore_errors=True)
         removed.append(str(path))
-    return removed
+    return removed + _etc_view.collect_stale(places)

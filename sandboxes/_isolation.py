@@ -32,10 +32,12 @@ from sandboxes._seccomp import LOADER_SOURCE
 
 __all__ = [
     "ETC_FILES",
+    "NETWORK_ETC_FILES",
     "ROOT_LINKS",
     "UNSHARE_DIR_ENV",
     "LaunchFds",
     "bwrap_argv",
+    "etc_entries",
     "probe",
     "unshare_argv",
 ]
@@ -72,7 +74,8 @@ def _root_layout() -> tuple[list[tuple[str, str]], list[str]]:
 ROOT_LINKS, ROOT_DIRS = _root_layout()
 
 
-def _etc_entries(network: bool) -> list[str]:
+def etc_entries(network: bool) -> list[str]:
+    """The public ``/etc`` entries a sandbox sees that this host has."""
     names = ETC_FILES + (NETWORK_ETC_FILES if network else ())
     return [n for n in names if os.path.lexists(f"/etc/{n}")]
 
@@ -89,9 +92,9 @@ def bwrap_argv(
 ) -> list[str]:
     """``bwrap ... --`` (the caller appends the command and passes ``fds`` to the child).
 
-    Host paths stay out of the sandbox's view: scratch is bound from an open fd and
-    ``/etc/passwd``/``group`` are copied from memfds, so neither ``/proc/1/cmdline`` nor
-    ``/proc/self/mountinfo`` names a host directory. ``as_pid_1`` (the warm executor): the
+    Host paths stay out of the sandbox's view: scratch and ``/etc`` (``_etc_view.py``) are
+    bound from open fds, so ``/proc/1/cmdline`` names no host path and
+    ``/proc/self/mountinfo`` no sandbox's directory. ``as_pid_1`` (the warm executor): the
     command itself is PID 1, with no init that later runs could attach to and rewrite; PID 1
     ignores signals from inside that it has no handler for. A one-shot command runs under a
     shell that is PID 1 and waits for it (as PID 1 the command would lose default signal
@@ -120,20 +123,10 @@ def bwrap_argv(
         argv += ["--symlink", target, f"/{name}"]
     for name in ROOT_DIRS:
         argv += ["--ro-bind", f"/{name}", f"/{name}"]
-    for name in _etc_entries(network):
-        argv += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
-    argv += [
-        "--perms",
-        "0644",
-        "--ro-bind-data",
-        str(fds.passwd),
-        "/etc/passwd",
-        "--perms",
-        "0644",
-        "--ro-bind-data",
-        str(fds.group),
-        "/etc/group",
-    ]
+    argv += ["--ro-bind-fd", str(fds.etc), "/etc"]  # see _etc_view.py
+    for name in etc_entries(network):
+        if name in NETWORK_ETC_FILES:
+            argv += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
     for path in ro_binds:
         argv += ["--ro-bind", path, path]
     size = str(tmp_mb << 20)
@@ -178,14 +171,12 @@ class LaunchFds:
     """Open fds a bwrap launch reads (each is passed to the child and closed after the spawn)."""
 
     scratch: int
-    passwd: int
-    group: int
+    etc: int
+    """The directory of ``_etc_view.etc_view``."""
     seccomp: int | None
 
     def all(self) -> tuple[int, ...]:
-        return tuple(
-            fd for fd in (self.scratch, self.passwd, self.group, self.seccomp) if fd is not None
-        )
+        return tuple(fd for fd in (self.scratch, self.etc, self.seccomp) if fd is not None)
 
 
 _UNSHARE_SCRIPT = r"""
@@ -261,7 +252,7 @@ def unshare_argv(
     script = _UNSHARE_SCRIPT.format(
         links=links,
         dirs=" ".join(ROOT_DIRS) or "",
-        etc=" ".join(map(q, _etc_entries(network))),
+        etc=" ".join(map(q, etc_entries(network))),
         ro_binds=binds,
         tmp_mb=int(tmp_mb),
         uid=int(uid),

@@ -11,17 +11,22 @@ What it guarantees (``LocalSandbox`` and its tests rely on each):
 
 1. **No Python runs in the child** between the fork and the isolation tool; the shell steps
    are the only code that runs outside the namespaces.
-2. **Limits before isolation**: the process joins its cgroups and sets RLIMIT_CPU (unless
-   ``cpu_limit=False``), RLIMIT_FSIZE, RLIMIT_CORE, RLIMIT_NOFILE, RLIMIT_AS (when memory is
-   not capped by a cgroup) and RLIMIT_NPROC, or exits with status 125 without running the
-   command: there is never a run with fewer limits than asked for. (bwrap gets RLIMIT_NPROC
-   plus two, for its monitor and its init or the executor; under ``unshare`` it is set for the
-   sandbox uid only, after the root setup.)
+2. **Limits before the command**: the process sets RLIMIT_CPU (unless ``cpu_limit=False``),
+   RLIMIT_FSIZE, RLIMIT_CORE, RLIMIT_NOFILE, RLIMIT_AS (when memory is not capped by a cgroup)
+   and RLIMIT_NPROC before isolation, or exits with status 125 without running the command.
+   Cgroups: under ``unshare`` the launcher joins them first (or exits 125); bwrap's sandbox
+   process waits (``--block-fd``) until :meth:`Launcher.popen` has moved it into them, and is
+   killed if that fails. Either way there is never a run with fewer limits than asked for.
+   (bwrap gets RLIMIT_NPROC plus two, for its monitor and its init or the executor; under
+   ``unshare`` it is set for the sandbox uid only, after the root setup.) Why bwrap's move is
+   done from outside: a cgroup v1 move waits for an RCU grace period (5-8 ms here when no
+   other move happened in the last few ms), which then overlaps bwrap's mount setup instead
+   of preceding it.
 3. **Environment**: the child gets exactly ``env``, never the host's (plus the sandbox's
    host directory for the ``unshare`` script, which unsets it before the command runs).
 4. **File descriptors**: the child inherits its three pipes, ``pass_fds`` and, for bwrap, the
-   fds it reads (scratch directory, ``/etc/passwd`` and ``/etc/group`` as memfds, the seccomp
-   program); the parent closes the latter whether or not the spawn succeeds.
+   fds it reads (the scratch and ``/etc`` directories, the seccomp program, the cgroup gate's
+   pipes); the parent closes the latter whether or not the spawn succeeds.
 5. **Killable as a whole**: the child leads a new process group, so :func:`kill_tree` reaches
    what it forked even where no cgroup sweeps (not root).
 6. **Privileges**: with a leased uid (root), bwrap itself runs as the sandbox uid with no
@@ -37,16 +42,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import os
+import select
 import shlex
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 from sandboxes import _host, _seccomp
+from sandboxes._etc_view import etc_view
 from sandboxes._isolation import UNSHARE_DIR_ENV, LaunchFds, bwrap_argv, unshare_argv
 from sandboxes.base import Limits
 
@@ -137,11 +146,16 @@ class Launcher:
         fds = self._open_fds()
         # without setpriv (guarantee 7 lost, not 6): Popen drops the uid, in a fork
         drop = self._drops_uid and _setpriv() is None
+        gate: _CgroupGate | None = None
         try:
-            argv = self.argv(command, cgroup, fds, cpu_limit=cpu_limit, as_pid_1=as_pid_1)
+            if cgroup is not None and fds is not None:
+                gate = _CgroupGate()
+            argv = self.argv(
+                command, cgroup, fds, cpu_limit=cpu_limit, as_pid_1=as_pid_1, gate=gate
+            )
             if fds is None:
                 env = {**env, UNSHARE_DIR_ENV: str(self.home)}
-            return subprocess.Popen(
+            proc = subprocess.Popen(
                 argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -149,15 +163,22 @@ class Launcher:
                 env=env,
                 cwd="/",
                 close_fds=True,
-                pass_fds=pass_fds + (fds.all() if fds else ()),
+                pass_fds=pass_fds + (fds.all() if fds else ()) + (gate.child_fds if gate else ()),
                 process_group=0,
                 user=self.uid if drop else None,
                 group=self.uid if drop else None,
                 extra_groups=[] if drop else None,
             )
+        except BaseException:
+            if gate is not None:
+                gate.close()
+            raise
         finally:
-            for fd in fds.all() if fds else ():
+            for fd in (fds.all() if fds else ()) + (gate.child_fds if gate else ()):
                 os.close(fd)
+        if gate is not None and cgroup is not None:
+            gate.admit(proc, cgroup)
+        return proc
 
     def argv(
         self,
@@ -167,12 +188,14 @@ class Launcher:
         *,
         cpu_limit: bool = True,
         as_pid_1: bool = False,
+        gate: _CgroupGate | None = None,
     ) -> list[str]:
-        """``sh -c 'join cgroups; set rlimits; exec ISOLATION COMMAND'`` (guarantees 1 and 2)."""
+        """``sh -c 'join cgroups; set rlimits; exec ISOLATION COMMAND'`` (guarantees 1 and 2);
+        with a ``gate``, bwrap's process is moved into ``cgroup`` from outside instead."""
         lim = self.limits
         steps = [
             f"echo $$ > {shlex.quote(f)} || exit 125"
-            for f in (cgroup.procs_files if cgroup else [])
+            for f in (cgroup.procs_files if cgroup and gate is None else [])
         ]
         if cpu_limit:
             cpu = cpu_seconds(lim)
@@ -193,6 +216,8 @@ class Launcher:
                 ro_binds=self.ro_binds,
                 as_pid_1=as_pid_1,
             )
+            if gate is not None:
+                isolation[1:1] = gate.bwrap_options
         else:  # unshare: RLIMIT_NPROC is set for the sandbox uid only, after the root setup
             isolation = unshare_argv(
                 tmp_mb=lim.place_mb,
@@ -234,8 +259,8 @@ class Launcher:
             return None
         opened: list[int] = []
         try:
-            opened.append(os.open(self.scratch, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-            opened += [_seccomp.memfd(f"envhub-{name}", data) for name, data in self.etc.items()]
+            for path in (self.scratch, self._etc_view()):
+                opened.append(os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
             program = _seccomp.program()
             if program is not None:
                 opened.append(_seccomp.memfd("envhub-seccomp", program))
@@ -244,8 +269,137 @@ class Launcher:
                 os.close(fd)
             raise
         return LaunchFds(
-            scratch=opened[0],
-            passwd=opened[1],
-            group=opened[2],
-            seccomp=opened[3] if len(opened) > 3 else None,
+            scratch=opened[0], etc=opened[1], seccomp=opened[2] if len(opened) > 2 else None
         )
+
+    def _etc_view(self) -> Path:
+        return etc_view(
+            network=self.limits.network, generated=self.etc, base_dir=str(self.home.parent)
+        )
+
+
+class _CgroupGate:
+    """Moves bwrap's sandbox process into its cgroups while bwrap sets up its mounts.
+
+    bwrap writes its child's pid to ``--info-fd`` right after the clone, and the child reads
+    one byte from ``--block-fd`` after its mount setup, before seccomp and the command.
+    :meth:`admit` moves the child in and lets it go; on any failure it kills the launch first,
+    since the child would also go on at end of file on ``--block-fd``.
+    """
+
+    TIMEOUT_S = 30.0
+    """How long bwrap may take to report its child (a few ms normally)."""
+
+    def __init__(self) -> None:
+        self._info_r, info_w = os.pipe2(os.O_CLOEXEC)
+        block_r, self._block_w = os.pipe2(os.O_CLOEXEC)
+        self.child_fds = (info_w, block_r)
+        """The child's ends: passed to the launch, closed by the caller right after it."""
+        self.bwrap_options = ["--info-fd", str(info_w), "--block-fd", str(block_r)]
+
+    def admit(self, proc: subprocess.Popen[bytes], cgroup: _host.Cgroup) -> None:
+        """Move bwrap's monitor and child into ``cgroup`` and let the child run its command.
+
+        Raises ``OSError`` (the launch killed) when the move fails or bwrap never reports.
+        """
+        pidfd: int | None = None
+        try:
+            # the monitor first, while it execs its way to bwrap: the move's grace period
+            # passes meanwhile, and the child's own move later is quick (or not needed, when
+            # the monitor was in before its clone: the child is born in the cgroup)
+            if not self._move(proc.pid, cgroup):
+                return self._let_fail(proc, None)  # the launcher already exited
+            child = self._child_pid(proc)
+            if child is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    pidfd = os.pidfd_open(child)
+                if pidfd is not None and _parent_pid(child) != proc.pid:  # gone, pid reused
+                    os.close(pidfd)
+                    pidfd = None
+            if child is not None and pidfd is not None and self._move(child, cgroup):
+                with contextlib.suppress(BrokenPipeError):  # it died in its setup meanwhile
+                    os.write(self._block_w, b"1")
+                return None
+            return self._let_fail(proc, pidfd)
+        except BaseException:
+            _kill_launch(proc, pidfd)
+            raise
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+            self.close()
+
+    @staticmethod
+    def _let_fail(proc: subprocess.Popen[bytes], pidfd: int | None) -> None:
+        """No child to let go (bwrap failed before or during its setup): bwrap exits on its own
+        with its message; kill it if it does not, before ``--block-fd`` closes."""
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            _kill_launch(proc, pidfd)
+
+    @staticmethod
+    def _move(pid: int, cgroup: _host.Cgroup) -> bool:
+        """Move ``pid`` into ``cgroup``; False when it died meanwhile (bwrap's child in its
+        setup: bwrap reports why and exits)."""
+        for path in cgroup.procs_files:
+            try:
+                with open(path, "w") as f:
+                    f.write(str(pid))
+            except ProcessLookupError:
+                return False
+            except OSError as e:
+                raise OSError(
+                    e.errno, f"could not move the sandbox into its cgroup {path}: {e}"
+                ) from e
+        return True
+
+    def _child_pid(self, proc: subprocess.Popen[bytes]) -> int | None:
+        """The pid bwrap reports on ``--info-fd``; None when it exits without one."""
+        data = b""
+        deadline = time.monotonic() + self.TIMEOUT_S
+        poller = select.poll()  # not select(): fds past 1024 in a hub or trainer process
+        poller.register(self._info_r, select.POLLIN)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
+                raise OSError(f"bwrap did not start its sandbox within {self.TIMEOUT_S:.0f} s")
+            chunk = os.read(self._info_r, 4096)
+            if not chunk:
+                break
+            data += chunk
+        if not data:
+            return None
+        try:
+            return int(json.loads(data)["child-pid"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise OSError(f"bwrap reported {data[:200]!r} on --info-fd: {e}") from e
+
+    def close(self) -> None:
+        for fd in (self._info_r, self._block_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _parent_pid(pid: int) -> int | None:
+    """``pid``'s parent, None when it is gone (read before moving a pid into a cgroup: a pid
+    that died and was reused must not be moved)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    return int(stat.rsplit(b")", 1)[1].split()[1])
+
+
+def _kill_launch(proc: subprocess.Popen[bytes], pidfd: int | None) -> None:
+    """SIGKILL a launch whose child is still blocked, and wait for both: bwrap's child leaves
+    the launcher's process group only after ``--block-fd`` (``--new-session``), so the group
+    holds both; ``pidfd`` is the child's (not ours to wait for: the monitor's child)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    if pidfd is not None:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        poller.poll(5000)
