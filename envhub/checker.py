@@ -32,7 +32,7 @@ import gymnasium as gym
 import numpy as np
 
 from envhub.core import ChatSpace, TextEnv
-from envhub.errors import EnvCheckError, EpisodeError
+from envhub.errors import EnvCheckError, EpisodeError, describe_error
 
 __all__ = [
     "CHECKS",
@@ -111,13 +111,6 @@ def _json_problem(value: Any, what: str) -> str | None:
             "values so it can cross the network"
         )
     return None
-
-
-def describe_error(exc: BaseException) -> str:
-    """``"ValueError: bad"``; for ``SystemExit``, that the code called ``sys.exit``."""
-    if isinstance(exc, SystemExit):
-        return f"SystemExit: it called sys.exit({exc.code!r})"
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _check_reset_output(result: Any, space: gym.Space) -> None:

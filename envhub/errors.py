@@ -38,6 +38,7 @@ __all__ = [
     "SourceError",
     "SourceNotInstalledError",
     "UnknownEnvError",
+    "describe_error",
 ]
 
 
@@ -121,3 +122,13 @@ class SourceConfigError(SourceError, ValueError):
 
 class SourceConnectionError(SourceError, ConnectionError):
     """A remote source (an OpenEnv server) is unreachable, or answers in another protocol."""
+
+
+def describe_error(exc: BaseException, limit: int = 500) -> str:
+    """How envhub quotes an exception raised by an env's or an agent's code: ``"ValueError:
+    bad"``, the type alone when there is no message, that the code called ``sys.exit`` for a
+    ``SystemExit``; at most ``limit`` characters (a message may hold a whole observation)."""
+    if isinstance(exc, SystemExit):
+        return f"SystemExit: it called sys.exit({exc.code!r})"[:limit]
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}"[:limit] if text else type(exc).__name__

@@ -28,19 +28,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from envhub.errors import EnvKwargsError
+from envhub.errors import EnvKwargsError, describe_error
 
-__all__ = ["Job", "describe", "play_jobs"]
+__all__ = ["Job", "play_jobs"]
 
 Job = tuple[str, str, int, int]  # env id, agent name, seed, sample
 _log = logging.getLogger(__name__)
 _EXITED = object()  # a worker's last message
-
-
-def describe(error: BaseException) -> str:
-    """``"RuntimeError: no data"``, or the type alone when there is no message (``SystemExit``)."""
-    text = str(error)
-    return f"{type(error).__name__}: {text}"[:500] if text else type(error).__name__
 
 
 def play_jobs(
@@ -115,7 +109,7 @@ class _Worker:
             except (KeyboardInterrupt, EnvKwargsError):
                 raise
             except BaseException as error:  # noqa: BLE001 - env code may raise anything
-                broken[env_id] = f"make: {describe(error)}"
+                broken[env_id] = f"make: {describe_error(error)}"
         if env_id in broken:
             return self.pool.fail(job, "env_error", broken[env_id], 0.0)
         return self.pool.play(envs[env_id], job)

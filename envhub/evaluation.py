@@ -36,8 +36,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from envhub.core import Observation
+from envhub.errors import describe_error
 from envhub.eval_output import json_safe, open_run, store
-from envhub.eval_workers import Job, describe, play_jobs
+from envhub.eval_workers import Job, play_jobs
 from envhub.model_agent import (
     AgentError,
     AgentTurn,
@@ -99,7 +100,7 @@ class _CallableAgent:
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # noqa: BLE001 - built-in agents run env code (expert_action)
-            raise AgentError("agent_error", describe(error)) from None
+            raise AgentError("agent_error", describe_error(error)) from None
         return AgentTurn(
             action, {"role": "assistant", "content": action}, seconds=time.perf_counter() - start
         )
@@ -235,7 +236,7 @@ def run_episode(
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # noqa: BLE001 - env code may raise anything: the episode's data
-        failure, detail = "env_error", f"reset: {describe(error)}"
+        failure, detail = "env_error", f"reset: {describe_error(error)}"
     while failure is None:
         if max_turns is not None and len(rewards) >= max_turns:
             truncated = True
@@ -256,7 +257,7 @@ def run_episode(
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # noqa: BLE001 - env code may raise anything
-            failure, detail = "env_error", describe(error)
+            failure, detail = "env_error", describe_error(error)
             break
         if terminated or truncated:
             break
