@@ -11,8 +11,10 @@ What it guarantees:
 1. **The same content as the binds**: each top-level entry is copied as a bind showed it (a
    symlink at the top is followed, as bwrap follows it; links inside a directory stay links,
    resolved inside the sandbox as before), keeping its mode (never readable by more users than
-   on the host); ``passwd`` and ``group`` are the generated ones. With the network on, the
-   entries bwrap binds from the host on top (``NETWORK_ETC_FILES``) are empty placeholders.
+   on the host); ``passwd`` and ``group`` are the generated ones. What bwrap binds from the
+   host on top (``NETWORK_ETC_FILES`` with the network on, a ``LocalSandbox(ro_binds=...)``
+   path under ``/etc``) gets an empty placeholder of its type to be mounted on (bwrap cannot
+   make one in the read-only copy).
 2. **Not stale past the next launch**: :func:`etc_view` compares each source's ``stat``
    (device, inode, size, mtime) with the copy's at every call and copies afresh when one
    changed (a package install rewrites ``ld.so.cache``, an admin edits ``hosts``). Inside a
@@ -36,10 +38,10 @@ import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from sandboxes._isolation import NETWORK_ETC_FILES, etc_entries
+from sandboxes._isolation import etc_entries
 
 __all__ = ["PREFIX", "etc_view"]
 
@@ -48,20 +50,24 @@ PREFIX = "envhub-etc-"
 
 _lock = threading.Lock()
 _views: dict[tuple[object, ...], Path] = {}
-"""(owner pid, base dir, network, generated files, sources' stat) -> the copy's ``etc``."""
+"""(owner pid, base dir, generated files, sources' stat, mount points) -> the copy's ``etc``."""
 
 
-def etc_view(*, network: bool, generated: Mapping[str, bytes], base_dir: str) -> Path:
-    """The directory to bind at ``/etc`` for a sandbox (see the module docstring)."""
-    names = etc_entries(network)
+def etc_view(
+    *, generated: Mapping[str, bytes], base_dir: str, mount_points: Sequence[str] = ()
+) -> Path:
+    """The directory to bind at ``/etc`` for a sandbox (see the module docstring);
+    ``mount_points``: host paths under ``/etc/`` that bwrap binds over it."""
+    names = etc_entries(network=False)
     sources = tuple(_stat_key(name) for name in names)
-    key = (os.getpid(), base_dir, network, tuple(sorted(generated.items())), sources)
+    points = tuple(sorted((path, os.path.isdir(path)) for path in mount_points))
+    key = (os.getpid(), base_dir, tuple(sorted(generated.items())), sources, points)
     with _lock:
         view = _views.get(key)
         if view is None or not view.is_dir():
             if not _views:
                 atexit.register(_remove_own)
-            view = _views[key] = _copy(names, network, generated, base_dir)
+            view = _views[key] = _copy(names, generated, points, base_dir)
     return view
 
 
@@ -73,7 +79,12 @@ def _stat_key(name: str) -> tuple[object, ...]:
     return (name, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def _copy(names: list[str], network: bool, generated: Mapping[str, bytes], base_dir: str) -> Path:
+def _copy(
+    names: list[str],
+    generated: Mapping[str, bytes],
+    points: tuple[tuple[str, bool], ...],
+    base_dir: str,
+) -> Path:
     top = Path(tempfile.mkdtemp(prefix=PREFIX, dir=base_dir))
     try:
         (top / "owner.json").write_text(json.dumps({"pid": os.getpid()}))
@@ -81,17 +92,20 @@ def _copy(names: list[str], network: bool, generated: Mapping[str, bytes], base_
         etc.mkdir()
         for name in names:
             source, target = Path("/etc", name), etc / name
-            if network and name in NETWORK_ETC_FILES:  # bound from the host over it
-                target.mkdir() if source.is_dir() else target.touch()
-            elif source.is_dir():
+            if source.is_dir():
                 shutil.copytree(source, target, symlinks=True)
             else:
                 shutil.copy2(source, target)
         for name, data in generated.items():
             (etc / name).write_bytes(data)
             os.chmod(etc / name, 0o644)
-        for path in (etc, top):
-            os.chmod(path, 0o755)
+        for point, is_dir in points:  # what bwrap binds over the copy: a place to mount on
+            target = etc / Path(point).relative_to("/etc")
+            if not os.path.lexists(target):
+                target.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+                target.mkdir(mode=0o755) if is_dir else target.touch(mode=0o644)
+        for made in (etc, top):
+            os.chmod(made, 0o755)
     except BaseException:
         shutil.rmtree(top, ignore_errors=True)
         raise

@@ -38,6 +38,7 @@ __all__ = [
     "LaunchFds",
     "bwrap_argv",
     "etc_entries",
+    "etc_mount_points",
     "probe",
     "unshare_argv",
 ]
@@ -78,6 +79,13 @@ def etc_entries(network: bool) -> list[str]:
     """The public ``/etc`` entries a sandbox sees that this host has."""
     names = ETC_FILES + (NETWORK_ETC_FILES if network else ())
     return [n for n in names if os.path.lexists(f"/etc/{n}")]
+
+
+def etc_mount_points(network: bool, ro_binds: Sequence[str]) -> list[str]:
+    """Host paths under ``/etc/`` that bwrap binds over the ``/etc`` copy (``_etc_view.py``):
+    the network entries and the sandbox's own ``ro_binds`` there."""
+    network_entries = [f"/etc/{n}" for n in etc_entries(network) if n in NETWORK_ETC_FILES]
+    return network_entries + [path for path in ro_binds if path.startswith("/etc/")]
 
 
 def bwrap_argv(
@@ -125,7 +133,7 @@ def bwrap_argv(
         argv += ["--ro-bind", f"/{name}", f"/{name}"]
     argv += ["--ro-bind-fd", str(fds.etc), "/etc"]  # see _etc_view.py
     for name in etc_entries(network):
-        if name in NETWORK_ETC_FILES:
+        if name in NETWORK_ETC_FILES:  # on a placeholder in the copy: etc_mount_points
             argv += ["--ro-bind", f"/etc/{name}", f"/etc/{name}"]
     for path in ro_binds:
         argv += ["--ro-bind", path, path]

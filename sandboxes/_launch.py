@@ -56,7 +56,13 @@ from pathlib import Path
 
 from sandboxes import _host, _seccomp
 from sandboxes._etc_view import etc_view
-from sandboxes._isolation import UNSHARE_DIR_ENV, LaunchFds, bwrap_argv, unshare_argv
+from sandboxes._isolation import (
+    UNSHARE_DIR_ENV,
+    LaunchFds,
+    bwrap_argv,
+    etc_mount_points,
+    unshare_argv,
+)
 from sandboxes.base import Limits
 
 __all__ = ["Launcher", "cpu_seconds", "etc_files", "kill_tree", "launch_uid"]
@@ -274,7 +280,9 @@ class Launcher:
 
     def _etc_view(self) -> Path:
         return etc_view(
-            network=self.limits.network, generated=self.etc, base_dir=str(self.home.parent)
+            generated=self.etc,
+            base_dir=str(self.home.parent),
+            mount_points=etc_mount_points(self.limits.network, self.ro_binds),
         )
 
 

@@ -129,3 +129,18 @@ def test_the_etc_copies_of_a_process_go_when_it_exits_or_at_gc_when_it_was_kille
     removed = collect_stale()
     assert [str(p) for p in left] == [r for r in removed if _etc_view.PREFIX in r]
     assert copies() == before
+
+
+@pytest.mark.parametrize("path", ["/etc/ssl", "/etc/ssl/certs", "/etc/hosts"])
+def test_a_read_only_bind_under_etc_shows_the_host_entry(path):
+    """``ro_binds`` under ``/etc`` are bound over the read-only copy: each needs a place to be
+    mounted on there (bwrap failed "Can't mkdir /etc/ssl: Read-only file system")."""
+    if not os.path.exists(path):
+        pytest.skip(f"this host has no {path}")
+    with LocalSandbox(limits=Limits(wall_time_s=10), isolation="bwrap", ro_binds=[path]) as sb:
+        if os.path.isdir(path):
+            r = sb.run(["ls", "-A", path])
+            assert r.ok and sorted(r.stdout.split()) == sorted(os.listdir(path)), r
+        else:
+            r = sb.run(["cat", path])
+            assert r.ok and r.stdout == Path(path).read_text(), r
