@@ -4,17 +4,21 @@ A single section validates itself (pydantic field constraints and its own valida
 ``trainer.config``); what needs two sections - the engine named twice, the training strategies
 (their names, layouts and ``strategy_args``, asked of ``trainer.strategies``), a batch that must
 split over the trainer ranks, groups a group baseline can compare, device mappings, parallel
-layouts (``registry.layout_problem``, ``registry.process_problem``), weight-sync buckets against
-the model, env ids and kwargs against the registry, env kwargs with a remote hub, reward domains
-against the env ids, the checkpoint folder against the run's, the agent's code, and whether the
-run fits its devices' memory (``trainer.memory``) - is here, reported with its key path and the
-fix.
+layouts (``registry.layout_problem``, ``registry.process_problem``), what a strategy or engine
+refuses of this model when it builds (megatron's layouts and converter, the ``hf`` engine's
+options, LoRA on a tied output head), weight-sync buckets against the model, env ids and kwargs
+against the registry, env kwargs with a remote hub, reward domains against the env ids, the
+checkpoint folder against the run's, the agent's code, and whether the run fits its devices'
+memory (``trainer.memory``) - is here, reported with its key path and the fix. ``envhub train
+--dry-run`` loads the config as the run does, so it refuses all of these too.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from trainer.config_lifecycle import shared_folder
@@ -40,6 +44,13 @@ TRAIN_ROLES = ("actor_train", "reference", "critic")
 """Roles built by a training strategy (``TRAIN_STRATEGIES``); the others run an engine or
 plain functions."""
 
+OUTPUT_HEAD = "lm_head"
+"""The output head's module name in every family the trainer loads (``*ForCausalLM.lm_head``)."""
+
+ENGINE_ARGS_OF_THE_WORKER = ("model_path", "dtype", "seed", "lora_rank")
+"""Engine factory arguments the ``actor_infer`` worker passes itself (``InferWorker``): not
+``strategy_args``."""
+
 
 def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
     """Every cross-section problem of ``cfg`` (empty when fine)."""
@@ -54,6 +65,8 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
         )
     strategy_problems = _strategy_problems(cfg)
     problems.extend(strategy_problems)
+    problems.extend(_megatron_problems(cfg, {p.path for p in strategy_problems}))
+    problems.extend(_engine_option_problems(cfg))
     dp = cfg.roles.actor_train.world_size
     actor_runs = not any(p.path.startswith("roles.actor_train.") for p in strategy_problems)
     if actor_runs and cfg.batch_size % dp and len(set(cfg.env.group_sizes)) == 1:
@@ -170,6 +183,129 @@ def _strategy_problems(cfg: TrainerConfig) -> list[Problem]:
                 problems.append(Problem(f"roles.{name}.device_mapping", str(error)))
                 continue
         problems.extend(_unknown_options(name, spec.name, role.strategy_args, strategy.options()))
+    return problems
+
+
+def _policy_config(cfg: TrainerConfig) -> SimpleNamespace | None:
+    """The policy's HF config as far as it is known before any model is built, with attributes
+    as ``from_pretrained`` gives them: what ``model.tiny`` builds, or ``model.path``'s config.json
+    over the sizes ``trainer.model_shape`` reads from it. None when there is no config.json to
+    read (the run says so when it loads the model)."""
+    from trainer.model_shape import ModelShape
+
+    written: dict[str, Any] = {}
+    if cfg.model.tiny is not None:  # what the run builds (a policy in output_dir may be older)
+        shape = ModelShape.from_tiny(cfg.model.tiny)
+    elif cfg.model.path is not None:
+        try:
+            read = json.loads((Path(cfg.model.path).expanduser() / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        written = read if isinstance(read, dict) else {}
+        try:
+            shape = ModelShape.from_config(written)
+        except ValueError:  # UnknownModelShape: what the file says is all there is
+            return SimpleNamespace(**written) if written else None
+    else:
+        return None
+    sizes = {
+        "model_type": shape.model_type,
+        "vocab_size": shape.vocab_size,
+        "hidden_size": shape.hidden_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.head_dim,
+        "intermediate_size": shape.intermediate_size,
+        "max_position_embeddings": shape.max_positions,
+        "tie_word_embeddings": shape.tied_embeddings,
+        "rms_norm_eps": 1e-6,  # not a size; no check here reads it
+    }
+    return SimpleNamespace(**{**sizes, **written})
+
+
+def _megatron_problems(cfg: TrainerConfig, refused: set[str]) -> list[Problem]:
+    """What the megatron strategy refuses when its workers build it, asked at load (and so by
+    ``--dry-run``) for the roles whose strategy passed ``_strategy_problems`` (``refused``: the
+    paths it reported): a critic (``MegatronTrainStrategy`` trains causal LMs only), a model the
+    converter does not map, and a tensor or pipeline parallel size that the model's attention
+    heads, KV heads, MLP width or layers do not divide (``megatron_convert.layout_from_hf_config``,
+    with its own messages, at the key to change)."""
+    names = [
+        name
+        for name in TRAIN_ROLES
+        if name in cfg.active_roles
+        and getattr(cfg.roles, name).strategy == "megatron"
+        and not any(path.startswith(f"roles.{name}.") for path in refused)
+    ]
+    problems = []
+    if "critic" in names:
+        names.remove("critic")
+        problems.append(
+            Problem(
+                "roles.critic.strategy",
+                "the megatron strategy trains causal LMs only; use 'fsdp2' or 'hf' for a critic",
+            )
+        )
+    config = _policy_config(cfg) if names else None
+    if config is None:
+        return problems
+    from trainer.strategies.megatron_convert import layout_from_hf_config
+    from trainer.strategies.parallel_errors import ParallelConfigError, UnsupportedModelError
+
+    for name in names:
+        args = getattr(cfg.roles, name).strategy_args
+        try:
+            layout_from_hf_config(config)
+        except UnsupportedModelError as error:
+            problems.append(Problem(f"roles.{name}.strategy", str(error)))
+            continue
+        except (AttributeError, TypeError, ValueError):
+            continue  # a config.json without a field the converter reads: the build names it
+        tp, pp = args.get("tensor_parallel_size", 1), args.get("pipeline_parallel_size", 1)
+        for key, sizes in (("tensor_parallel_size", (tp, 1)), ("pipeline_parallel_size", (1, pp))):
+            try:
+                layout_from_hf_config(config, tp=sizes[0], pp=sizes[1])
+            except ParallelConfigError as error:
+                problems.append(Problem(f"roles.{name}.strategy_args.{key}", str(error)))
+    return problems
+
+
+def _engine_option_problems(cfg: TrainerConfig) -> list[Problem]:
+    """``roles.actor_infer.strategy_args`` the ``hf`` engine does not take, or a
+    ``prefix_cache_gib`` it refuses: its factory (``HFEngine.from_pretrained``) refuses them when
+    the workers build it. (vLLM hands keys it does not name to vLLM's own engine arguments.)"""
+    if cfg.rollout.engine != "hf":
+        return []
+    import inspect
+
+    factory = engine_spec("hf").load()
+    params = inspect.signature(factory).parameters.values()
+    options = sorted(
+        p.name
+        for p in params
+        if p.kind is inspect.Parameter.KEYWORD_ONLY and p.name not in ENGINE_ARGS_OF_THE_WORKER
+    )
+    args = cfg.roles.actor_infer.strategy_args
+    problems = []
+    for key in sorted(set(args) - set(options)):
+        close = difflib.get_close_matches(key, options, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        problems.append(
+            Problem(
+                f"roles.actor_infer.strategy_args.{key}",
+                f"not an option of the 'hf' inference engine (its options: {', '.join(options)}); "
+                f"{hint}remove it, or set rollout.engine: vllm if it is a vLLM engine argument",
+            )
+        )
+    cache = args.get("prefix_cache_gib", 0)
+    if isinstance(cache, bool) or not isinstance(cache, int | float) or cache < 0:
+        problems.append(
+            Problem(
+                "roles.actor_infer.strategy_args.prefix_cache_gib",
+                f"must be a number >= 0 (GiB; 0 keeps no turn's KV cache), got {cache!r}",
+            )
+        )
     return problems
 
 
@@ -304,6 +440,13 @@ def _lora_problems(cfg: TrainerConfig) -> list[Problem]:
                 "model.lora or roles.actor_train.strategy_args.tensor_parallel_size",
             )
         )
+    if lora.target_modules != "all-linear" and OUTPUT_HEAD in lora.target_modules:
+        config = _policy_config(cfg)
+        if config is not None and getattr(config, "tie_word_embeddings", False):
+            from trainer.strategies.lora import tied_head_refusal
+
+            why = tied_head_refusal(OUTPUT_HEAD).removeprefix("model.lora.target_modules ")
+            problems.append(Problem("model.lora.target_modules", why))
     if lora.sync == "adapter" and not engine_spec(cfg.rollout.engine).adapters:
         problems.append(
             Problem(

@@ -305,3 +305,49 @@ def test_num_workers_beside_a_device_mapping_is_refused_not_ignored() -> None:
         p.startswith("roles.actor_train.num_workers") and "device_mapping" in p for p in problems
     ), problems
     load_config(QUICKSTART, ["roles.actor_train.num_workers=1"])  # the default, said out loud: fine
+
+
+@pytest.mark.parametrize("targets", ["[all-linear, lm_head]", "[q_proj, lm_head]"])
+def test_lora_on_an_output_head_tied_to_the_embedding_is_refused(
+    tmp_path: Path, targets: str
+) -> None:
+    """The tiny llama ties its head to the input embedding: the head's adapter trained, and then
+    final_policy re-tied the head (the adapter was lost) and a merged sync wrote it into the
+    engine's embedding. A checkpoint with untied embeddings may adapt its head."""
+    lora = ["model.lora.rank=8", f"model.lora.target_modules={targets}"]
+    [problem] = problems_of(QUICKSTART, lora)
+    assert problem.startswith("model.lora.target_modules: ")
+    assert "tie_word_embeddings" in problem and "drop lm_head from target_modules" in problem
+    assert "use a model with untied embeddings" in problem
+    untied = tmp_path / "untied"
+    untied.mkdir()
+    (untied / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, '
+        '"num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 1024, '
+        '"tie_word_embeddings": false}'
+    )
+    cfg = load_config(QUICKSTART, [*lora, f"model.path={untied}", "model.tiny=null"])
+    assert cfg.model.lora is not None and "lm_head" in cfg.model.lora.target_modules
+
+
+def test_a_built_model_with_a_tied_head_refuses_an_adapter_on_it() -> None:
+    """Where config.json does not say (a family the load check cannot read), building the
+    adapters refuses it with the same fix."""
+    pytest.importorskip("peft", reason="needs the train extra: pip install -e '.[train]'")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.config import LoraConfig
+    from trainer.errors import ModelError
+    from trainer.strategies.lora import apply_lora
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=32,
+        tie_word_embeddings=True,
+    )
+    lora = LoraConfig(rank=2, target_modules=["all-linear", "lm_head"])
+    with pytest.raises(ModelError, match="drop lm_head from target_modules"):
+        apply_lora(LlamaForCausalLM(config), lora)

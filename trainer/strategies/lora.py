@@ -55,6 +55,7 @@ __all__ = [
     "is_lora",
     "save_plain",
     "scaling_of",
+    "tied_head_refusal",
     "ties_embeddings",
     "train_base",
     "vllm_max_rank",
@@ -106,6 +107,20 @@ def ties_embeddings(model: Any) -> bool:
     return head is not None and embed is not None and head.weight is embed.weight
 
 
+def tied_head_refusal(head: str) -> str:
+    """Why an adapter on the output head ``head`` is refused where the head shares its weight with
+    the input embedding (tied embeddings), and the fix: said at config load
+    (``trainer._config_checks``) and, for a model whose config.json does not tell, by
+    :func:`apply_lora`."""
+    return (
+        f"model.lora.target_modules adapts {head}, the output head, whose weight this model "
+        "shares with its input embedding (tie_word_embeddings): the exported final_policy "
+        "re-ties the head and loses its adapter, and a merged weight sync would write the "
+        f"adapted head into the engine's embedding; drop {head} from target_modules "
+        "(all-linear leaves the head alone), or use a model with untied embeddings"
+    )
+
+
 def _targets(model: Any, cfg: LoraConfig) -> str | list[str]:
     """``cfg.target_modules`` with an ``all-linear`` entry of a list expanded (every linear layer
     but the output head), checked against the model's layers."""
@@ -133,12 +148,17 @@ def apply_lora(model: Any, cfg: LoraConfig) -> Any:
     adapted input embedding changes the input side only, also where the output head shares its
     weight (tied embeddings): there, adding it into the shared weight would change the head too,
     so what needs that (``warm_start: adapters``, ``sync: merged``) is refused, and a merged
-    export unties the head (``export_config``).
+    export unties the head (``export_config``). An adapted output head that shares the
+    embedding's weight is refused (:func:`tied_head_refusal`; the config check refuses it at
+    load where config.json says the embeddings are tied).
     """
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
     targets = _targets(model, cfg)
+    head_name = _embedding_name(model, "output")
+    if head_name and targets != "all-linear" and head_name in targets and ties_embeddings(model):
+        raise ModelError(tied_head_refusal(head_name))
     embed_name = _embedding_name(model, "input")
     if targets != "all-linear" and embed_name in targets and ties_embeddings(model):
         refused = [
