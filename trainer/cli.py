@@ -419,6 +419,8 @@ def _dry_run(
     """Print the plan of CONFIG (with ``resume``, first what ``--resume`` would continue); 0 when
     it fits, 1 when a device does not or ``--resume`` is refused, 2 when the config is invalid or
     there is no model config to estimate from."""
+    from rich.markup import escape as markup_escape
+
     from trainer.config import load_config
     from trainer.errors import TrainerError
     from trainer.memory import estimate
@@ -427,7 +429,7 @@ def _dry_run(
     try:  # every other problem still refuses the config; the memory ones are shown with the plan
         cfg = load_config(config, [*overrides, "cluster.check_memory=false"])
     except TrainerError as error:
-        errors.print(f"[bold red]error:[/] {error}", highlight=False, soft_wrap=True)
+        _print_error(errors, error)
         return 2
     if resume and not _dry_resume(cfg, config, overrides, console, errors):
         return 1
@@ -443,7 +445,7 @@ def _dry_run(
             if isinstance(error, UnknownModelShape)
             else f"{getattr(error, 'path', 'roles')}: {error}"
         )
-        errors.print(f"[bold red]error:[/] {why}", highlight=False, soft_wrap=True)
+        _print_error(errors, ValueError(why))
         return 2
     for renderable in plan_view(cfg, plan):
         console.print(renderable)
@@ -457,7 +459,7 @@ def _dry_run(
     )
     errors.print(f"[bold red]{head}:[/]", highlight=False)
     for problem in problems:
-        errors.print(f"  - {problem}", highlight=False, soft_wrap=True)
+        errors.print(f"  - {markup_escape(str(problem))}", highlight=False, soft_wrap=True)
     return 1 if strict else 0
 
 
