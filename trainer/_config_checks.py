@@ -5,12 +5,13 @@ A single section validates itself (pydantic field constraints and its own valida
 (their names, layouts and ``strategy_args``, asked of ``trainer.strategies``), a batch that must
 split over the trainer ranks, groups a group baseline can compare, device mappings, parallel
 layouts (``registry.layout_problem``, ``registry.process_problem``), what a strategy or engine
-refuses of this model when it builds (megatron's layouts and converter, the ``hf`` engine's
-options, LoRA on a tied output head), weight-sync buckets against the model, env ids and kwargs
-against the registry, env kwargs with a remote hub, reward domains against the env ids, the
-checkpoint folder against the run's, the agent's code, and whether the run fits its devices'
-memory (``trainer.memory``) - is here, reported with its key path and the fix. ``envhub train
---dry-run`` loads the config as the run does, so it refuses all of these too.
+refuses of this model when it builds (megatron's layouts and converter, fsdp2's tensor
+parallelism, the ``hf`` engine's options, engine arguments the worker passes itself, LoRA on a
+tied output head or embedding: ``trainer._config_layout_checks``), weight-sync buckets against
+the model, env ids and kwargs against the registry, env kwargs with a remote hub, reward domains
+against the env ids, the checkpoint folder against the run's, the agent's code, and whether the
+run fits its devices' memory (``trainer.memory``) - is here, reported with its key path and the
+fix. ``envhub train --dry-run`` loads the config as the run does, so it refuses all of these too.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from trainer._config_layout_checks import (
+    WORKER_ENGINE_ARGS,
+    engine_argument_problems,
+    fsdp2_tensor_parallel_problems,
+    tied_embedding_problems,
+)
 from trainer.config_lifecycle import shared_folder
 from trainer.errors import Problem
 from trainer.strategies.registry import (
@@ -47,9 +54,9 @@ plain functions."""
 OUTPUT_HEAD = "lm_head"
 """The output head's module name in every family the trainer loads (``*ForCausalLM.lm_head``)."""
 
-ENGINE_ARGS_OF_THE_WORKER = ("model_path", "dtype", "seed", "lora_rank")
+ENGINE_ARGS_OF_THE_WORKER = tuple(WORKER_ENGINE_ARGS)
 """Engine factory arguments the ``actor_infer`` worker passes itself (``InferWorker``): not
-``strategy_args``."""
+``strategy_args`` (``engine_argument_problems`` refuses them there, naming the key to set)."""
 
 
 def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
@@ -65,8 +72,12 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
         )
     strategy_problems = _strategy_problems(cfg)
     problems.extend(strategy_problems)
-    problems.extend(_megatron_problems(cfg, {p.path for p in strategy_problems}))
+    refused = {p.path for p in strategy_problems}
+    problems.extend(_megatron_problems(cfg, refused))
+    policy = _policy_config(cfg) if cfg.model.lora is not None or _fsdp2_tp(cfg) else None
+    problems.extend(fsdp2_tensor_parallel_problems(cfg, policy, refused))
     problems.extend(_engine_option_problems(cfg))
+    problems.extend(engine_argument_problems(cfg))
     dp = cfg.roles.actor_train.world_size
     actor_runs = not any(p.path.startswith("roles.actor_train.") for p in strategy_problems)
     if actor_runs and cfg.batch_size % dp and len(set(cfg.env.group_sizes)) == 1:
@@ -113,6 +124,7 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
     problems.extend(_checkpoint_problems(cfg))
     problems.extend(_agent_problems(cfg))
     problems.extend(_lora_problems(cfg))
+    problems.extend(tied_embedding_problems(cfg, policy))
     if cfg.train.packing:
         for name in ("actor_train", "reference", "critic"):
             spec = TRAIN_STRATEGIES.get(getattr(cfg.roles, name).strategy or "hf")
@@ -184,6 +196,14 @@ def _strategy_problems(cfg: TrainerConfig) -> list[Problem]:
                 continue
         problems.extend(_unknown_options(name, spec.name, role.strategy_args, strategy.options()))
     return problems
+
+
+def _fsdp2_tp(cfg: TrainerConfig) -> bool:
+    """Whether a training role runs fsdp2 with tensor parallelism (its model's sizes matter)."""
+    roles = [getattr(cfg.roles, name) for name in TRAIN_ROLES]
+    return any(
+        r.strategy == "fsdp2" and r.strategy_args.get("tensor_parallel_size", 1) != 1 for r in roles
+    )
 
 
 def _policy_config(cfg: TrainerConfig) -> SimpleNamespace | None:
@@ -288,7 +308,7 @@ def _engine_option_problems(cfg: TrainerConfig) -> list[Problem]:
     )
     args = cfg.roles.actor_infer.strategy_args
     problems = []
-    for key in sorted(set(args) - set(options)):
+    for key in sorted(set(args) - set(options) - set(ENGINE_ARGS_OF_THE_WORKER)):
         close = difflib.get_close_matches(key, options, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         problems.append(

@@ -104,3 +104,97 @@ def test_a_refusal_that_quotes_brackets_prints_them(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, [*args, "--dry-run"])
     assert result.exit_code == 2, result.output
     assert target in " ".join(result.stderr.split()), result.stderr
+
+
+FSDP2_TP = [
+    "cluster.backend=ray",
+    "roles.actor_train.strategy=fsdp2",
+    "roles.actor_train.device_mapping=[0,1]",
+    "roles.actor_train.strategy_args.tensor_parallel_size=2",
+]
+"""The quickstart's tiny llama (4 heads, MLP 128) trained by fsdp2 on two tensor-parallel ranks."""
+
+
+@pytest.mark.parametrize(
+    ("sizes", "what"),
+    [
+        (["model.tiny.num_heads=1"], "num_attention_heads=1 is not divisible"),
+        (["model.tiny.num_kv_heads=1"], "num_key_value_heads=1 is not divisible"),
+        (["model.tiny.intermediate_size=129"], "intermediate_size=129 is not divisible"),
+    ],
+)
+def test_fsdp2_sizes_that_tensor_parallelism_cannot_split_are_refused(
+    tmp_path: Path, sizes: list[str], what: str
+) -> None:
+    """fsdp2 refused them only when its workers set up the tensor-parallel mesh."""
+    [problem] = refusals(tmp_path, *FSDP2_TP, *sizes)
+    assert problem.startswith(
+        "roles.actor_train.strategy_args.tensor_parallel_size: fsdp2 tensor parallelism "
+        "impossible for this model"
+    )
+    assert f"{what} by tensor_parallel_size=2" in problem
+    assert "choose a tensor_parallel_size that divides them and the role's 2 workers (1)" in problem
+    cfg = load_config(QUICKSTART, FSDP2_TP)  # the quickstart's sizes split in two: it loads
+    assert cfg.roles.actor_train.strategy_args == {"tensor_parallel_size": 2}
+
+
+def test_fsdp2_tensor_parallelism_of_a_model_without_llama_blocks_is_refused(
+    tmp_path: Path,
+) -> None:
+    [problem] = refusals(tmp_path, *FSDP2_TP, "model.tiny.architecture=gpt2")
+    assert problem.startswith("roles.actor_train.strategy_args.tensor_parallel_size: ")
+    assert "gpt2 has no Llama/Qwen2-style blocks" in problem
+
+
+@pytest.mark.parametrize(
+    "combination", ["model.lora.warm_start=adapters", "model.lora.sync=merged"]
+)
+def test_lora_on_an_input_embedding_tied_to_the_head_refuses_what_would_adapt_the_head(
+    tmp_path: Path, combination: str
+) -> None:
+    """The quickstart adapts embed_tokens, which its tiny llama's head shares: folding a
+    warm-started adapter into the base, or merging it for a sync, changes the head too. Building
+    the adapters refused it (``apply_lora``), after ``--dry-run`` had said "fits"."""
+    [problem] = refusals(tmp_path, "model.lora.rank=8", combination)
+    setting = combination.removeprefix("model.lora.").replace("=", ": ")
+    assert problem.startswith("model.lora.target_modules: ")
+    assert "adapts embed_tokens" in problem and "tied embeddings" in problem
+    assert f"{setting} would add the adapter into the head too" in problem
+    assert "use model.lora.warm_start: full and sync: adapter" in problem
+    assert "or drop embed_tokens from model.lora.target_modules" in problem
+    cfg = load_config(QUICKSTART, ["model.lora.rank=8"])  # warm_start: full, sync: adapter
+    assert cfg.model.lora is not None and "embed_tokens" in cfg.model.lora.target_modules
+    untied = tmp_path / "untied"  # a head of its own: the adapter changes the input side only
+    untied.mkdir()
+    (untied / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "num_hidden_layers": 2, '
+        '"num_attention_heads": 4, "intermediate_size": 128, "tie_word_embeddings": false}'
+    )
+    model = [f"model.path={untied}", "model.tiny=null"]
+    cfg = load_config(QUICKSTART, [*model, "model.lora.rank=8", combination])
+    assert cfg.model.lora is not None and "embed_tokens" in cfg.model.lora.target_modules
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize(
+    ("arg", "key"),
+    [
+        ("dtype=bfloat16", "model.dtype"),
+        ("seed=3", "seed"),
+        ("lora_rank=8", "model.lora.rank"),
+        ("model_path=/tmp/policy", "model.path"),
+    ],
+)
+def test_engine_arguments_the_worker_passes_itself_are_refused(
+    tmp_path: Path, engine: str, arg: str, key: str
+) -> None:
+    """``InferWorker`` passes these to the engine itself, so the start failed with "got multiple
+    values for keyword argument" (or, for ``lora_rank`` without adapters, gave vLLM a LoRA
+    setting no adapter would use)."""
+    [problem] = refusals(
+        tmp_path, f"rollout.engine={engine}", f"roles.actor_infer.strategy_args.{arg}"
+    )
+    name = arg.partition("=")[0]
+    assert problem.startswith(f"roles.actor_infer.strategy_args.{name}: ")
+    assert "the actor_infer worker passes it to the engine itself" in problem
+    assert f"set {key}" in problem and "remove it from strategy_args" in problem

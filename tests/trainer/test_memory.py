@@ -109,8 +109,9 @@ def test_parameters_gradients_and_adam_moments_are_exact_for_each_layout() -> No
     assert parts(lora, "actor_train")["optimizer"] == 2 * adapters * 4
     assert parts(lora, "actor_train")["weights"] == TINY_PARAMS * 4  # the frozen base
     targets = "model.lora.target_modules=[all-linear,embed_tokens]"
+    full = "model.lora.warm_start=full"  # adapters on a tied embedding cannot warm-start
     with_embedding = estimate(
-        load_config(None, ["model.tiny={}", "model.lora.rank=4", targets]), shape
+        load_config(None, ["model.tiny={}", "model.lora.rank=4", targets, full]), shape
     )
     embedding = 4 * (256 + 64)  # r x (vocab + hidden)
     assert parts(with_embedding, "actor_train")["adapters"] == (adapters + embedding) * 4

@@ -1,0 +1,143 @@
+"""What a strategy, the adapters or the generation worker refuse of this model when the workers
+build it, asked at config load (``trainer._config_checks.cross_section_problems``, so by
+``envhub train --dry-run`` too): fsdp2 tensor parallelism the model's sizes or blocks cannot take,
+LoRA on an input embedding that the output head shares where the adapters would be added into
+the weights, and engine arguments the ``actor_infer`` worker passes itself. Each is reported at
+the key to change, with the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from trainer.errors import Problem
+
+if TYPE_CHECKING:
+    from types import SimpleNamespace
+
+    from trainer.config import TrainerConfig
+
+__all__ = ["engine_argument_problems", "fsdp2_tensor_parallel_problems", "tied_embedding_problems"]
+
+TENSOR_PARALLEL_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+"""The sizes fsdp2's tensor parallelism splits (``fsdp2._tensor_parallel``): each must be a
+multiple of ``tensor_parallel_size``."""
+
+LLAMA_BLOCKS = ("llama", "mistral", "qwen2", "qwen3")
+"""Families (``model_type``) whose blocks have the layers fsdp2's ``TP_PLAN`` splits
+(``self_attn.q_proj`` ... ``mlp.down_proj``); of the others the trainer loads, gpt2 has not."""
+
+INPUT_EMBEDDING = {"gpt2": "wte"}
+"""The input embedding's module name where it is not ``embed_tokens`` (``model_shape.FAMILIES``)."""
+
+WORKER_ENGINE_ARGS = {
+    "model_path": "model.path (or the model built from model.tiny)",
+    "dtype": "model.dtype",
+    "seed": "seed (rank r's engine gets seed + 7 x r)",
+    "lora_rank": "model.lora.rank (with model.lora.sync: adapter)",
+}
+"""Where the ``actor_infer`` worker takes each engine argument it passes itself (``InferWorker``,
+``roles.start_roles``); its keys are ``_config_checks.ENGINE_ARGS_OF_THE_WORKER``."""
+
+
+def fsdp2_tensor_parallel_problems(
+    cfg: TrainerConfig, config: SimpleNamespace | None, refused: set[str]
+) -> list[Problem]:
+    """A ``tensor_parallel_size`` of an fsdp2 role that the policy's attention heads, KV heads or
+    MLP width do not divide, or a policy without Llama/Qwen2-style blocks: what
+    ``fsdp2._tensor_parallel`` refuses when the workers set up the mesh. ``config``: the policy's
+    (``_config_checks._policy_config``); roles with a path in ``refused`` are already refused."""
+    from trainer.model_shape import FAMILIES
+
+    problems: list[Problem] = []
+    for name in ("actor_train", "reference", "critic"):
+        role = getattr(cfg.roles, name)
+        tp = role.strategy_args.get("tensor_parallel_size", 1)
+        if (
+            config is None
+            or name not in cfg.active_roles
+            or role.strategy != "fsdp2"
+            or tp == 1
+            or any(path.startswith(f"roles.{name}.") for path in refused)
+        ):
+            continue
+        model_type = getattr(config, "model_type", None)
+        if model_type in FAMILIES and model_type not in LLAMA_BLOCKS:
+            why = (
+                f"{model_type} has no Llama/Qwen2-style blocks (self_attn.q_proj ... mlp.down_proj)"
+            )
+            fix = "drop tensor_parallel_size (one rank per model copy), or use a llama/qwen model"
+        else:
+            sizes = {what: getattr(config, what, None) for what in TENSOR_PARALLEL_SIZES}
+            known = {what: size for what, size in sizes.items() if isinstance(size, int)}
+            why = "; ".join(
+                f"{what}={size} is not divisible by tensor_parallel_size={tp}"
+                for what, size in known.items()
+                if size % tp
+            )
+            common = math.gcd(*known.values(), role.world_size)
+            able = ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
+            fix = (
+                "choose a tensor_parallel_size that divides them and the role's "
+                f"{role.world_size} workers ({able}), or drop it"
+            )
+        if not why:
+            continue
+        problems.append(
+            Problem(
+                f"roles.{name}.strategy_args.tensor_parallel_size",
+                f"fsdp2 tensor parallelism impossible for this model: {why}; {fix}",
+            )
+        )
+    return problems
+
+
+def tied_embedding_problems(cfg: TrainerConfig, config: SimpleNamespace | None) -> list[Problem]:
+    """LoRA on the input embedding of a policy whose output head shares its weight, with
+    ``warm_start: adapters`` or ``sync: merged``: adding that adapter into the weights changes the
+    head too, so ``lora.apply_lora`` refuses the pair when the workers build the model."""
+    lora = cfg.model.lora
+    model_type = getattr(config, "model_type", None)
+    if lora is None or lora.target_modules == "all-linear" or config is None:
+        return []
+    from trainer.model_shape import FAMILIES
+
+    embed = INPUT_EMBEDDING.get(str(model_type), "embed_tokens")
+    if model_type not in FAMILIES or not getattr(config, "tie_word_embeddings", False):
+        return []  # the embedding's name is not known here: apply_lora refuses it if need be
+    adding = [
+        what
+        for what, used in (
+            ("warm_start: adapters", lora.warm_start == "adapters"),
+            ("sync: merged", lora.sync == "merged"),
+        )
+        if used
+    ]
+    if embed not in lora.target_modules or not adding:
+        return []
+    return [
+        Problem(
+            "model.lora.target_modules",
+            f"adapts {embed}, the input embedding, whose weight this model's output head shares "
+            f"(tied embeddings): {' and '.join(adding)} would add the adapter into the head too "
+            "(a warm start folds the adapters into the weights, a merged sync merges them in); "
+            f"use model.lora.warm_start: full and sync: adapter, or drop {embed} from "
+            "model.lora.target_modules",
+        )
+    ]
+
+
+def engine_argument_problems(cfg: TrainerConfig) -> list[Problem]:
+    """``roles.actor_infer.strategy_args`` keys the ``actor_infer`` worker passes the engine
+    itself (``WORKER_ENGINE_ARGS``): given twice, the start fails with "got multiple values for
+    keyword argument". Every engine."""
+    return [
+        Problem(
+            f"roles.actor_infer.strategy_args.{key}",
+            f"the actor_infer worker passes it to the engine itself, from {source}; set "
+            f"{source.split(' ')[0]} instead and remove it from strategy_args",
+        )
+        for key, source in WORKER_ENGINE_ARGS.items()
+        if key in cfg.roles.actor_infer.strategy_args
+    ]
