@@ -28,8 +28,9 @@ What it guarantees:
 3. ``empty_scratch()`` leaves scratch empty and as capped as it was at the start.
 4. ``collect_stale()`` gives back the footprints whose owner died without ``release()`` (a
    process killed with SIGKILL, or SIGTERM without handler, cannot clean up): those whose uid
-   lease no process holds (root) or whose owner pid is gone; and such a process's copies of
-   ``/etc`` (``_etc_view.py``).
+   lease no process holds (root) or whose owner pid is gone, first killing what their
+   sandboxes left running under their leased uid (a sandbox may outlive a killed owner); and
+   the copies of ``/etc`` no live process holds (``_etc_view.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from sandboxes import _etc_view, _host
 from sandboxes._launch import etc_files, launch_uid
@@ -162,6 +164,18 @@ class Footprint:
             self.lease = None
 
 
+def _release_stale(path: Path, owner: dict[str, Any]) -> None:
+    with contextlib.suppress(OSError):
+        _host.unmount(path / "scratch")
+    for cg in sorted(owner["cgroups"], key=len, reverse=True):
+        for child in Path(cg).glob("*/"):
+            with contextlib.suppress(OSError):
+                child.rmdir()
+        with contextlib.suppress(OSError):
+            Path(cg).rmdir()
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def collect_stale(base_dir: str | None = None) -> list[str]:
     """Give back what local sandboxes of dead processes left behind (guarantee 4): their scratch
     mounts, cgroups and directories. Returns the directories removed. ``envhub sandbox gc``
@@ -174,20 +188,13 @@ def collect_stale(base_dir: str | None = None) -> list[str]:
             owner = json.loads((path / "owner.json").read_text())
         except (OSError, ValueError):
             continue  # still starting, or not ours
-        if owner["leased"]:
-            alive = _host.uid_lease_held(owner["uid"])
-        else:
-            alive = Path(f"/proc/{owner['pid']}").exists()
-        if alive:
-            continue
-        with contextlib.suppress(OSError):
-            _host.unmount(path / "scratch")
-        for cg in sorted(owner["cgroups"], key=len, reverse=True):
-            for child in Path(cg).glob("*/"):
-                with contextlib.suppress(OSError):
-                    child.rmdir()
-            with contextlib.suppress(OSError):
-                Path(cg).rmdir()
-        shutil.rmtree(path, ignore_errors=True)
+        with contextlib.ExitStack() as held:
+            if owner["leased"]:  # held while cleaning: nobody leases the uid meanwhile
+                if not held.enter_context(_host.stale_uid_lease(owner["uid"])):
+                    continue
+                _host.kill_uid(owner["uid"])  # what its sandboxes left, in their cgroups or not
+            elif Path(f"/proc/{owner['pid']}").exists():
+                continue
+            _release_stale(path, owner)
         removed.append(str(path))
     return removed + _etc_view.collect_stale(places)

@@ -102,19 +102,25 @@ class UidLease:
             self._fd = -1
 
 
-def uid_lease_held(uid: int) -> bool:
-    """Whether some live process holds the lease on ``uid``."""
+@contextlib.contextmanager
+def stale_uid_lease(uid: int) -> Iterator[bool]:
+    """Holds the lease on ``uid`` for the block if no live process does (yields True), so that
+    nothing leases it while what a dead holder left is cleaned up; yields False if held."""
     try:
         fd = os.open(LEASE_DIR / f"{uid}.lock", os.O_RDWR | os.O_CLOEXEC)
     except FileNotFoundError:
-        return False
+        yield True
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return True
+        os.close(fd)
+        yield False
+        return
+    try:
+        yield True
     finally:
-        os.close(fd)  # closing drops the probe lock if we took it
-    return False
+        os.close(fd)
 
 
 def _own_cgroup(controller: str) -> Path | None:
@@ -254,6 +260,33 @@ class Cgroup:
                     if e.errno != errno.EBUSY:
                         raise
                     time.sleep(0.005)
+
+
+def kill_uid(uid: int, timeout: float = 5.0) -> bool:
+    """SIGKILL every process whose real or effective uid is ``uid`` until none is left (a
+    private leased uid: what a dead owner's sandbox left running, also outside its cgroups).
+    False if some survived ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = []
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/status", "rb") as f:
+                    uids = next(line for line in f if line.startswith(b"Uid:")).split()[1:3]
+            except (OSError, StopIteration):
+                continue
+            if str(uid).encode() in uids:
+                found.append(int(entry.name))
+        if not found:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.01)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -32,6 +32,9 @@ from sandboxes._seccomp import LOADER_SOURCE
 
 __all__ = [
     "ETC_FILES",
+    "GATED_ONE_SHOT_INIT",
+    "GATE_INIT",
+    "GO",
     "NETWORK_ETC_FILES",
     "ROOT_LINKS",
     "UNSHARE_DIR_ENV",
@@ -97,8 +100,10 @@ def bwrap_argv(
     ro_binds: Sequence[str],
     as_pid_1: bool = False,
     hostname: str = "sandbox",
+    gated: bool = False,
 ) -> list[str]:
     """``bwrap ... --`` (the caller appends the command and passes ``fds`` to the child).
+    ``gated``: the one-shot init waits for ``GO`` on stdin (``_launch._CgroupGate``).
 
     Host paths stay out of the sandbox's view: scratch and ``/etc`` (``_etc_view.py``) are
     bound from open fds, so ``/proc/1/cmdline`` names no host path and
@@ -166,12 +171,20 @@ def bwrap_argv(
         "/",
         "--",
     ]
-    return argv if as_pid_1 else [*argv, *ONE_SHOT_INIT]
+    return argv if as_pid_1 else [*argv, *(GATED_ONE_SHOT_INIT if gated else ONE_SHOT_INIT)]
 
 
 ONE_SHOT_INIT = ("/bin/sh", "-c", '"$@"; exit $?', "envhub-init")
 """PID 1 of a one-shot bwrap run: runs the command as its child and exits with its status (the
 ``exit`` keeps the shell from exec'ing the command in its place)."""
+
+GO = b"go\n"
+"""The line a gated launch's PID 1 reads on stdin before it runs anything (``_launch.py``)."""
+_WAIT_FOR_GO = 'IFS= read -r go && [ "$go" = go ] || exit 125'
+GATED_ONE_SHOT_INIT = ("/bin/sh", "-c", f'{_WAIT_FOR_GO}; "$@"; exit $?', "envhub-init")
+"""``ONE_SHOT_INIT`` that first waits for ``GO`` (end of file: exits 125, running nothing)."""
+GATE_INIT = ("/bin/sh", "-c", f'{_WAIT_FOR_GO}; exec "$@"', "envhub-init")
+"""For a command that is PID 1 itself (the warm executor): waits for ``GO``, then becomes it."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,8 +15,13 @@ What it guarantees (``LocalSandbox`` and its tests rely on each):
    RLIMIT_FSIZE, RLIMIT_CORE, RLIMIT_NOFILE, RLIMIT_AS (when memory is not capped by a cgroup)
    and RLIMIT_NPROC before isolation, or exits with status 125 without running the command.
    Cgroups: under ``unshare`` the launcher joins them first (or exits 125); bwrap's sandbox
-   process waits (``--block-fd``) until :meth:`Launcher.popen` has moved it into them, and is
-   killed if that fails. Either way there is never a run with fewer limits than asked for.
+   process (its PID 1, a shell) reads a ``go`` line on its stdin before it runs the command,
+   which :meth:`Launcher.popen` writes only once it has moved that process into them; it is
+   killed if that fails, and end of file (its owner died) makes it exit 125 without running
+   the command. Either way there is never a run with fewer limits than asked for. (Its
+   cgroup namespace is made at bwrap's clone: ``/proc/self/cgroup`` inside shows ``/`` when the
+   monitor was moved before it cloned, as usual, else the path below the owner's cgroup, e.g.
+   ``/envhub-ID/run``; neither lets it write anything.)
    (bwrap gets RLIMIT_NPROC plus two, for its monitor and its init or the executor; under
    ``unshare`` it is set for the sandbox uid only, after the root setup.) Why bwrap's move is
    done from outside: a cgroup v1 move waits for an RCU grace period (5-8 ms here when no
@@ -57,6 +62,8 @@ from pathlib import Path
 from sandboxes import _host, _seccomp
 from sandboxes._etc_view import etc_view
 from sandboxes._isolation import (
+    GATE_INIT,
+    GO,
     UNSHARE_DIR_ENV,
     LaunchFds,
     bwrap_argv,
@@ -221,9 +228,11 @@ class Launcher:
                 userns=True,
                 ro_binds=self.ro_binds,
                 as_pid_1=as_pid_1,
+                gated=gate is not None,
             )
             if gate is not None:
                 isolation[1:1] = gate.bwrap_options
+                command = [*GATE_INIT, *command] if as_pid_1 else command
         else:  # unshare: RLIMIT_NPROC is set for the sandbox uid only, after the root setup
             isolation = unshare_argv(
                 tmp_mb=lim.place_mb,
@@ -289,10 +298,12 @@ class Launcher:
 class _CgroupGate:
     """Moves bwrap's sandbox process into its cgroups while bwrap sets up its mounts.
 
-    bwrap writes its child's pid to ``--info-fd`` right after the clone, and the child reads
-    one byte from ``--block-fd`` after its mount setup, before seccomp and the command.
-    :meth:`admit` moves the child in and lets it go; on any failure it kills the launch first,
-    since the child would also go on at end of file on ``--block-fd``.
+    bwrap writes its child's pid to ``--info-fd`` right after the clone; the child's PID 1
+    shell (``_isolation.GATE_INIT``) reads one line on its stdin before the command. :meth:`admit`
+    moves the monitor (as soon as it is spawned: a cgroup move's grace period then passes while
+    it execs its way to bwrap, and the child is usually born in the cgroups) and the child,
+    then writes ``go``. On any failure it kills the launch; if its process dies instead, the
+    shell reads end of file and exits 125 without running the command.
     """
 
     TIMEOUT_S = 30.0
@@ -300,10 +311,9 @@ class _CgroupGate:
 
     def __init__(self) -> None:
         self._info_r, info_w = os.pipe2(os.O_CLOEXEC)
-        block_r, self._block_w = os.pipe2(os.O_CLOEXEC)
-        self.child_fds = (info_w, block_r)
-        """The child's ends: passed to the launch, closed by the caller right after it."""
-        self.bwrap_options = ["--info-fd", str(info_w), "--block-fd", str(block_r)]
+        self.child_fds = (info_w,)
+        """The child's end: passed to the launch, closed by the caller right after it."""
+        self.bwrap_options = ["--info-fd", str(info_w)]
 
     def admit(self, proc: subprocess.Popen[bytes], cgroup: _host.Cgroup) -> None:
         """Move bwrap's monitor and child into ``cgroup`` and let the child run its command.
@@ -312,9 +322,6 @@ class _CgroupGate:
         """
         pidfd: int | None = None
         try:
-            # the monitor first, while it execs its way to bwrap: the move's grace period
-            # passes meanwhile, and the child's own move later is quick (or not needed, when
-            # the monitor was in before its clone: the child is born in the cgroup)
             if not self._move(proc.pid, cgroup):
                 return self._let_fail(proc, None)  # the launcher already exited
             child = self._child_pid(proc)
@@ -325,8 +332,9 @@ class _CgroupGate:
                     os.close(pidfd)
                     pidfd = None
             if child is not None and pidfd is not None and self._move(child, cgroup):
+                assert proc.stdin is not None
                 with contextlib.suppress(BrokenPipeError):  # it died in its setup meanwhile
-                    os.write(self._block_w, b"1")
+                    os.write(proc.stdin.fileno(), GO)
                 return None
             return self._let_fail(proc, pidfd)
         except BaseException:
@@ -337,10 +345,14 @@ class _CgroupGate:
                 os.close(pidfd)
             self.close()
 
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._info_r)
+
     @staticmethod
     def _let_fail(proc: subprocess.Popen[bytes], pidfd: int | None) -> None:
         """No child to let go (bwrap failed before or during its setup): bwrap exits on its own
-        with its message; kill it if it does not, before ``--block-fd`` closes."""
+        with its message; kill it if it does not."""
         try:
             proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
@@ -363,30 +375,33 @@ class _CgroupGate:
         return True
 
     def _child_pid(self, proc: subprocess.Popen[bytes]) -> int | None:
-        """The pid bwrap reports on ``--info-fd``; None when it exits without one."""
+        """The pid bwrap reports on ``--info-fd``; None when it exits without one. Read up to
+        the end of the report, not of the pipe: a process forked meanwhile (in another
+        thread) may hold the pipe's other end open."""
         data = b""
         deadline = time.monotonic() + self.TIMEOUT_S
         poller = select.poll()  # not select(): fds past 1024 in a hub or trainer process
         poller.register(self._info_r, select.POLLIN)
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(left * 1000):
+            if left <= 0 or not poller.poll(min(left, 0.5) * 1000):
+                if left > 0 and proc.poll() is None:
+                    continue
+                if proc.poll() is not None and not data:
+                    return None  # exited without a report
                 raise OSError(f"bwrap did not start its sandbox within {self.TIMEOUT_S:.0f} s")
             chunk = os.read(self._info_r, 4096)
             if not chunk:
                 break
             data += chunk
+            if data.rstrip().endswith(b"}"):
+                break
         if not data:
             return None
         try:
             return int(json.loads(data)["child-pid"])
         except (ValueError, KeyError, TypeError) as e:
             raise OSError(f"bwrap reported {data[:200]!r} on --info-fd: {e}") from e
-
-    def close(self) -> None:
-        for fd in (self._info_r, self._block_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
 
 
 def _parent_pid(pid: int) -> int | None:
@@ -401,11 +416,18 @@ def _parent_pid(pid: int) -> int | None:
 
 
 def _kill_launch(proc: subprocess.Popen[bytes], pidfd: int | None) -> None:
-    """SIGKILL a launch whose child is still blocked, and wait for both: bwrap's child leaves
-    the launcher's process group only after ``--block-fd`` (``--new-session``), so the group
-    holds both; ``pidfd`` is the child's (not ours to wait for: the monitor's child)."""
+    """SIGKILL a launch that was not let go, and wait for it: the launcher's process group
+    (bwrap's monitor) and bwrap's child (``pidfd``; it leaves the group with
+    ``--new-session``); closing its stdin first, so a child the signal misses reads end of
+    file instead of ``go``."""
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)
+    if pidfd is not None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     proc.wait()
     if pidfd is not None:
         poller = select.poll()

@@ -44,8 +44,9 @@ Python taking the zygote's in-process path (``local-fork``).
 - **Reading host files**: only ``/usr``, public ``/etc`` files and scratch are visible; the
   project checkout, ``/root``, ``/home`` and ``/etc/shadow`` do not exist inside.
   (adv::test_host_files_are_not_readable)
-- **Host paths**: scratch is bound from an fd and ``/etc/passwd`` copied from a memfd, so
-  ``/proc/self/mountinfo`` and ``/proc/*/cmdline`` name no host directory.
+- **Host paths**: scratch and ``/etc`` (a shared read-only copy, ``_etc_view.py``) are bound
+  from fds, so ``/proc/*/cmdline`` names no host path and ``/proc/self/mountinfo`` no
+  sandbox's directory (it names the ``/etc`` copy's, a digest of its content).
   (adv::test_no_host_path_shows_in_mounts_or_process_lines)
 - **Writing outside scratch**: everything but scratch, ``/tmp`` and ``/dev/shm`` is read-only,
   and the program is an unprivileged uid without capabilities.

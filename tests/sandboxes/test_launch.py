@@ -5,7 +5,10 @@ command only once it is in them."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -14,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from sandboxes import ExecResult, Limits, SandboxError, _etc_view, _host, _isolation
-from sandboxes._footprint import collect_stale, default_base_dir
+from sandboxes import ExecResult, Limits, SandboxError, _etc_view, _host, _isolation, _launch
+from sandboxes._footprint import collect_stale
 from sandboxes.local import LocalSandbox
 from tests.sandboxes.conftest import _local_skip_reason
 
@@ -92,6 +95,7 @@ def test_an_etc_file_changed_on_the_host_shows_in_the_next_sandbox(monkeypatch):
     name = f"envhub-test-{os.getpid()}"
     source = Path("/etc", name)
     monkeypatch.setattr(_isolation, "ETC_FILES", (*_isolation.ETC_FILES, name))
+    held = set(_etc_view._held)
     try:
         source.write_text("first\n")
         with LocalSandbox(limits=Limits(wall_time_s=10), isolation="bwrap") as sb:
@@ -102,13 +106,23 @@ def test_an_etc_file_changed_on_the_host_shows_in_the_next_sandbox(monkeypatch):
             assert "Read-only" in sb.run(f"echo x > /etc/{name}").stderr
     finally:
         source.unlink()
+        _release_copies_made_since(held, remove=True)  # with this test's file: nobody else's
+
+
+def _release_copies_made_since(held: set[tuple[object, ...]], *, remove: bool) -> None:
+    """Let go of the /etc copies this process took since ``held`` (a test's own)."""
+    for key in set(_etc_view._held) - held:
+        fd, etc = _etc_view._held.pop(key)
+        os.close(fd)
+        if remove:
+            shutil.rmtree(etc.parent, ignore_errors=True)
 
 
 PROGRAM = """
 import os, signal, sys
 from sandboxes import Limits
 from sandboxes.local import LocalSandbox
-sb = LocalSandbox(limits=Limits(wall_time_s=10), isolation="bwrap").start()
+sb = LocalSandbox(limits=Limits(wall_time_s=10), isolation="bwrap", base_dir=sys.argv[2]).start()
 assert sb.run("true").exit_code == 0
 if sys.argv[1] == "killed":
     os.kill(os.getpid(), signal.SIGKILL)
@@ -116,19 +130,29 @@ sb.stop()
 """
 
 
-def test_the_etc_copies_of_a_process_go_when_it_exits_or_at_gc_when_it_was_killed():
-    def copies() -> set[Path]:
-        return set(Path(default_base_dir()).glob(f"{_etc_view.PREFIX}*"))
+def test_processes_share_one_etc_copy_which_gc_removes_once_none_holds_it():
+    base = Path(tempfile.mkdtemp(prefix="envhub-test-base-"))
+    os.chmod(base, 0o755)  # the sandbox uid reaches its scratch and /etc through it
 
-    before = copies()
-    subprocess.run([sys.executable, "-c", PROGRAM, "exits"], check=True)
-    assert copies() == before
-    subprocess.run([sys.executable, "-c", PROGRAM, "killed"], check=False)
-    left = copies() - before
-    assert len(left) == 1, left
-    removed = collect_stale()
-    assert [str(p) for p in left] == [r for r in removed if _etc_view.PREFIX in r]
-    assert copies() == before
+    def copies() -> list[Path]:
+        return list(base.glob(f"{_etc_view.PREFIX}*"))
+
+    try:
+        subprocess.run([sys.executable, "-c", PROGRAM, "exits", str(base)], check=True)
+        subprocess.run([sys.executable, "-c", PROGRAM, "killed", str(base)], check=False)
+        [copy] = copies()  # one per content, whoever made or used it
+        limits = Limits(wall_time_s=10)
+        held = set(_etc_view._held)
+        with LocalSandbox(limits=limits, isolation="bwrap", base_dir=str(base)) as sb:
+            assert sb.run("cat /etc/passwd").stdout.startswith("root:x:0:0:")
+            assert str(copy) not in collect_stale(str(base))  # held by this process
+        assert copies() == [copy]
+        _release_copies_made_since(held, remove=False)  # as if this process had exited
+        assert str(copy) in collect_stale(str(base))
+        assert copies() == []
+        assert list(base.iterdir()) == []  # the killed owner's sandbox is gone too
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 @pytest.mark.parametrize("path", ["/etc/ssl", "/etc/ssl/certs", "/etc/hosts"])
@@ -144,3 +168,87 @@ def test_a_read_only_bind_under_etc_shows_the_host_entry(path):
         else:
             r = sb.run(["cat", path])
             assert r.ok and r.stdout == Path(path).read_text(), r
+
+
+DIES_WHILE_LAUNCHING = """
+import json, os, signal, sys
+from sandboxes import Limits, _launch
+from sandboxes.local import LocalSandbox
+point = sys.argv[1]
+moves = []
+real_move, real_child_pid = _launch._CgroupGate._move, _launch._CgroupGate._child_pid
+def move(pid, cgroup):
+    moves.append(pid)
+    if point == "before the child's move" and len(moves) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_move(pid, cgroup)
+def child_pid(self, proc):
+    if point == "before bwrap's report":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_child_pid(self, proc)
+_launch._CgroupGate._move = staticmethod(move)
+_launch._CgroupGate._child_pid = child_pid
+sb = LocalSandbox(limits=Limits(wall_time_s=10), isolation="bwrap").start()
+print(json.dumps({"scratch": str(sb.dir / "scratch"), "uid": sb.uid}), flush=True)
+sb.run("touch /sandbox/ran; sleep 30")
+"""
+
+
+def test_a_sandbox_whose_owner_never_lets_it_go_runs_nothing(monkeypatch):
+    """The sandbox's PID 1 runs the command only after its owner's ``go`` (sent once the
+    process is in its cgroups); end of file instead (its owner died) runs nothing, where
+    bwrap took end of file on ``--block-fd`` for go."""
+    monkeypatch.setattr(_launch, "GO", b"")  # the owner writes nothing, then its end closes
+    with LocalSandbox(limits=Limits(wall_time_s=10), isolation="bwrap") as sb:
+        r = sb.run("touch /sandbox/ran")
+        assert r.exit_code == 125 and not (sb.dir / "scratch" / "ran").exists(), r
+
+
+@pytest.mark.parametrize("point", ["before bwrap's report", "before the child's move"])
+def test_gc_clears_what_an_owner_killed_while_launching_left(point):
+    """Killed before bwrap reported its child, the owner leaves bwrap's monitor to die of
+    SIGPIPE and its child waiting forever; killed before the child's move, a child outside
+    its cgroups: ``envhub sandbox gc`` kills every process of the dead owner's sandbox uid."""
+    out = subprocess.run(
+        [sys.executable, "-c", DIES_WHILE_LAUNCHING, point],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == -signal.SIGKILL, out
+    left = json.loads(out.stdout)
+    collect_stale()
+    assert not Path(left["scratch"]).exists()
+    assert _processes_of(left["uid"]) == [], "gc left a process of the sandbox running"
+
+
+def _processes_of(uid: int) -> list[str]:
+    """The names of the processes whose real uid is ``uid``."""
+    found = []
+    for status in Path("/proc").glob("[0-9]*/status"):
+        with contextlib.suppress(OSError):
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines())
+            if fields["Uid"].split()[0] == str(uid):
+                found.append(fields["Name"].strip())
+    return found
+
+
+def test_a_launch_goes_on_while_a_forked_process_holds_the_report_pipe(monkeypatch):
+    """A process forked (without exec) in another thread during a launch holds the write end
+    of bwrap's report pipe: the owner reads the report, not up to end of file (the launch
+    failed after 30 s: "bwrap did not start its sandbox")."""
+    held: list[int] = []
+    gate_init = _launch._CgroupGate.__init__
+
+    def init(self: _launch._CgroupGate) -> None:
+        gate_init(self)
+        held.append(os.dup(self.child_fds[0]))  # as a fork at that moment would
+
+    monkeypatch.setattr(_launch._CgroupGate, "TIMEOUT_S", 5.0)
+    monkeypatch.setattr(_launch._CgroupGate, "__init__", init)
+    try:
+        with LocalSandbox(limits=Limits(wall_time_s=10), isolation="bwrap") as sb:
+            assert sb.run("echo ran").stdout == "ran\n"
+    finally:
+        for fd in held:
+            os.close(fd)
