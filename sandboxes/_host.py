@@ -29,7 +29,7 @@ import random
 import signal
 import stat
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from sandboxes.errors import SandboxError, SandboxFileError
@@ -230,19 +230,7 @@ class Cgroup:
     ) -> bool:
         """SIGKILL every process in the cgroup (but ``exclude``) until none is left; forks race
         us, and pids.max bounds how many."""
-        deadline = time.monotonic() + timeout
-        pause = 0.0001  # a killed process leaves the cgroup within microseconds when a CPU is free
-        while True:
-            pids = self.pids() - exclude
-            if not pids:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(pause)
-            pause = min(pause * 2, 0.005)
+        return kill_until_gone(lambda: self.pids() - exclude, timeout)
 
     def remove(self) -> None:
         if self._oom_control is not None:
@@ -262,31 +250,44 @@ class Cgroup:
                     time.sleep(0.005)
 
 
+def kill_until_gone(find: Callable[[], set[int]], timeout: float) -> bool:
+    """SIGKILL the pids ``find()`` returns until it returns none (forks race us); False if
+    some survived ``timeout``."""
+    deadline = time.monotonic() + timeout
+    pause = 0.0001  # a killed process is gone within microseconds when a CPU is free
+    while True:
+        pids = find()
+        if not pids:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(pause)
+        pause = min(pause * 2, 0.005)
+
+
 def kill_uid(uid: int, timeout: float = 5.0) -> bool:
     """SIGKILL every process whose real or effective uid is ``uid`` until none is left (a
     private leased uid: what a dead owner's sandbox left running, also outside its cgroups).
     False if some survived ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = []
+    wanted = str(uid).encode()
+
+    def processes() -> set[int]:
+        found = set()
         for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/status", "rb") as f:
-                    uids = next(line for line in f if line.startswith(b"Uid:")).split()[1:3]
-            except (OSError, StopIteration):
-                continue
-            if str(uid).encode() in uids:
-                found.append(int(entry.name))
-        if not found:
-            return True
-        if time.monotonic() > deadline:
-            return False
-        for pid in found:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.01)
+            if entry.name.isdigit():
+                try:
+                    with open(f"/proc/{entry.name}/status", "rb") as f:
+                        uids = next(line for line in f if line.startswith(b"Uid:")).split()[1:3]
+                except (OSError, StopIteration):
+                    continue
+                if wanted in uids:
+                    found.add(int(entry.name))
+        return found
+
+    return kill_until_gone(processes, timeout)
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
