@@ -176,10 +176,11 @@ def _release_stale(path: Path, owner: dict[str, Any]) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def collect_stale(base_dir: str | None = None) -> list[str]:
+def collect_stale(base_dir: str | None = None, *, leased_only: bool = False) -> list[str]:
     """Give back what local sandboxes of dead processes left behind (guarantee 4): their scratch
     mounts, cgroups and directories. Returns the directories removed. ``envhub sandbox gc``
-    runs this.
+    runs this. ``leased_only``: only footprints with a leased uid (root), whose owner is known
+    dead by its lease, not by a pid another PID namespace could reuse.
     """
     removed = []
     places = [base_dir] if base_dir else sorted({default_base_dir(), tempfile.gettempdir()})
@@ -193,7 +194,7 @@ def collect_stale(base_dir: str | None = None) -> list[str]:
                 if not held.enter_context(_host.stale_uid_lease(owner["uid"])):
                     continue
                 _host.kill_uid(owner["uid"])  # what its sandboxes left, in their cgroups or not
-            elif Path(f"/proc/{owner['pid']}").exists():
+            elif leased_only or Path(f"/proc/{owner['pid']}").exists():
                 continue
             _release_stale(path, owner)
         removed.append(str(path))

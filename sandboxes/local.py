@@ -12,6 +12,10 @@ until ``reset()``, but nothing else: each is a fresh process, and neither the zy
 spawner ever runs code of a run.
 How each process is launched, with which limits, is ``_launch.py``; what a sandbox holds on
 the host and how it is given back (``envhub sandbox gc`` after a crash) is ``_footprint.py``.
+The first sandbox a process starts first gives back what sandboxes of dead processes left
+(``collect_stale`` for leased uids, whose owners are known dead by their leases: their
+processes, mounts, cgroups, uids, directories), so a crashed trainer or hub heals at its next
+start without anyone running ``gc``.
 
 Protects against (``LocalSandbox.PROTECTS`` is the same list with the tests that attack each
 property; ``envhub sandbox info`` prints it with what is active on this host). Tests are in
@@ -125,6 +129,8 @@ another run's data), see the pre-imported modules in ``sys.modules``, and differ
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import signal
 import subprocess
@@ -134,7 +140,7 @@ from pathlib import Path
 
 from sandboxes import _host, _seccomp
 from sandboxes._executor import WarmExecutor
-from sandboxes._footprint import Footprint
+from sandboxes._footprint import Footprint, collect_stale
 from sandboxes._isolation import probe
 from sandboxes._launch import Launcher, cpu_seconds, kill_tree, launch_uid
 from sandboxes._proc import communicate, exit_status
@@ -150,6 +156,20 @@ from sandboxes.errors import (
 __all__ = ["LocalSandbox", "local_isolation"]
 
 _ISOLATIONS = ("auto", "bwrap", "unshare")
+_log = logging.getLogger(__name__)
+
+
+@functools.cache
+def _collect_stale_once(base_dir: str | None) -> None:
+    """``collect_stale`` at the first start of this process in ``base_dir`` (see the module
+    docstring); a failure is logged, never the start's."""
+    try:
+        removed = collect_stale(base_dir, leased_only=True)
+    except OSError as e:  # a host that refuses the cleanup still starts sandboxes
+        _log.warning("could not give back what dead processes' sandboxes left: %s", e)
+        return
+    if removed:
+        _log.info("gave back %d leftovers of dead processes' sandboxes", len(removed))
 
 
 def local_isolation(requested: str = "auto") -> str:
@@ -240,6 +260,7 @@ class LocalSandbox(Sandbox):
     # ---- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
         self.isolation = local_isolation(self.requested_isolation)
+        _collect_stale_once(self._base_dir)
         fp = self._footprint = Footprint(
             self.id, self.limits, isolation=self.isolation, base_dir=self._base_dir
         )

@@ -32,6 +32,7 @@ INPUT_EMBEDDING = {"gpt2": "wte"}
 """The input embedding's module name where it is not ``embed_tokens`` (``model_shape.FAMILIES``)."""
 
 WORKER_ENGINE_ARGS = {
+    "name": "rollout.engine",
     "model_path": "model.path (or the model built from model.tiny)",
     "dtype": "model.dtype",
     "seed": "seed (rank r's engine gets seed + 7 x r)",

@@ -252,3 +252,34 @@ def test_a_launch_goes_on_while_a_forked_process_holds_the_report_pipe(monkeypat
     finally:
         for fd in held:
             os.close(fd)
+
+
+def test_the_first_sandbox_a_process_starts_gives_back_what_a_killed_one_left():
+    """Self-healing: a trainer or hub killed with its sandboxes running leaves their processes,
+    cgroups, uids and directories; the next process to start a sandbox gives them back."""
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_WITH_A_COMMAND_RUNNING],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed
+    left = json.loads(killed.stdout)
+    assert Path(left["dir"]).exists() and _processes_of(left["uid"]), "nothing was left"
+    starts = "from sandboxes.local import LocalSandbox\nLocalSandbox().start().stop()"
+    subprocess.run([sys.executable, "-c", starts], check=True)
+    assert not Path(left["dir"]).exists()
+    assert _processes_of(left["uid"]) == []
+
+
+KILLED_WITH_A_COMMAND_RUNNING = """
+import json, os, signal, threading
+from sandboxes import Limits
+from sandboxes.local import LocalSandbox
+sb = LocalSandbox(limits=Limits(wall_time_s=60), isolation="bwrap").start()
+threading.Thread(target=sb.run, args=("touch /sandbox/started; sleep 50",), daemon=True).start()
+while not (sb.dir / "scratch" / "started").exists():
+    os.sched_yield()
+print(json.dumps({"dir": str(sb.dir), "uid": sb.uid}), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""

@@ -183,6 +183,7 @@ def test_lora_on_an_input_embedding_tied_to_the_head_refuses_what_would_adapt_th
         ("seed=3", "seed"),
         ("lora_rank=8", "model.lora.rank"),
         ("model_path=/tmp/policy", "model.path"),
+        ("name=vllm", "rollout.engine"),
     ],
 )
 def test_engine_arguments_the_worker_passes_itself_are_refused(
