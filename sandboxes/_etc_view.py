@@ -27,8 +27,9 @@ What it guarantees:
    uses one holds a shared ``flock`` on its ``lock`` file for its lifetime (its forked
    children with it), and only :func:`collect_stale` (``envhub sandbox gc``) removes a copy,
    holding the exclusive lock no process then holds. Sandboxes cannot write it (a read-only
-   bind; as root it is owned by root, not by any sandbox uid). So the host keeps one copy per
-   ``/etc`` content, not one per process.
+   bind; as root it is owned by root, not by any sandbox uid), nor another user of the host (a
+   copy's name includes its maker's uid in its digest, and one not made by this uid is never
+   used). So the host keeps one copy per ``/etc`` content and user, not one per process.
 
 Seen from inside, ``/proc/self/mountinfo`` names the copy's directory as the source of
 ``/etc``, where the binds named the host's ``/etc`` files.
@@ -40,6 +41,7 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -71,7 +73,9 @@ def etc_view(
     with _lock:
         held = _held.get(key)
         if held is None or not held[1].is_dir():
-            digest = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+            if held is not None:
+                os.close(held[0])
+            digest = hashlib.sha256(repr((os.geteuid(), key)).encode()).hexdigest()[:24]
             held = _held[key] = _hold(Path(base_dir, f"{PREFIX}{digest}"), names, generated, points)
     return held[1]
 
@@ -82,8 +86,13 @@ def _hold(
     generated: Mapping[str, bytes],
     points: tuple[tuple[str, bool], ...],
 ) -> tuple[int, Path]:
-    """A shared lock on ``top``'s copy, made first if missing (see guarantee 3)."""
+    """A shared lock on ``top``'s copy, made first if missing (see guarantee 3). A ``top``
+    this user did not make (the base directory may be world-writable, as ``/dev/shm`` and
+    ``/tmp`` are, and the name predictable) is never used: a private copy is made instead."""
     for _ in range(5):  # a gc may remove an unheld copy between our finding and locking it
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(top).st_uid != os.geteuid() or not top.is_dir() or top.is_symlink():
+                top = top.with_name(f"{top.name}-{os.getpid()}-{secrets.token_hex(4)}")
         if not top.is_dir():
             fd = _copy(top, names, generated, points)
             if fd is not None:

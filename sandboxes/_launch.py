@@ -332,9 +332,9 @@ class _CgroupGate:
                     os.close(pidfd)
                     pidfd = None
             if child is not None and pidfd is not None and self._move(child, cgroup):
-                assert proc.stdin is not None
-                with contextlib.suppress(BrokenPipeError):  # it died in its setup meanwhile
-                    os.write(proc.stdin.fileno(), GO)
+                if proc.stdin is not None:  # (always a pipe: without, it reads end of file)
+                    with contextlib.suppress(BrokenPipeError):  # it died in its setup meanwhile
+                        os.write(proc.stdin.fileno(), GO)
                 return None
             return self._let_fail(proc, pidfd)
         except BaseException:

@@ -283,3 +283,25 @@ while not (sb.dir / "scratch" / "started").exists():
 print(json.dumps({"dir": str(sb.dir), "uid": sb.uid}), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
+
+
+def test_an_etc_copy_another_user_planted_at_the_shared_name_is_not_used():
+    """The copies' names are predictable and their base (``/dev/shm``, ``/tmp``) writable by
+    every user of the host: one not made by this uid must never become a sandbox's /etc."""
+    base = Path(tempfile.mkdtemp(prefix="envhub-test-base-"))
+    os.chmod(base, 0o755)
+    held = set(_etc_view._held)
+    limits = Limits(wall_time_s=10)
+    try:
+        with LocalSandbox(limits=limits, isolation="bwrap", base_dir=str(base)) as sb:
+            assert sb.run("true").ok
+        [copy] = base.glob(f"{_etc_view.PREFIX}*")
+        _release_copies_made_since(held, remove=False)
+        (copy / "etc" / "passwd").write_text("planted:x:0:0::/:/bin/sh\n")
+        for path in (copy, copy / "etc", copy / "etc" / "passwd", copy / "lock"):
+            os.chown(path, 12345, 12345)  # as if another user had made it first
+        with LocalSandbox(limits=limits, isolation="bwrap", base_dir=str(base)) as sb:
+            assert sb.run("cat /etc/passwd").stdout.startswith("root:x:0:0:")
+    finally:
+        _release_copies_made_since(held, remove=False)
+        shutil.rmtree(base, ignore_errors=True)
