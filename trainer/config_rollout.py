@@ -207,6 +207,27 @@ class EnvConfig(Section):
         return self
 
 
+class ServerLimits(Section):
+    """What one client may hold of the agent proxy's server (``rollout.agent.limits``). An
+    agent is anyone's code (and the port anyone's on the host), so every connection and body
+    is bounded in size and time."""
+
+    max_body_bytes: int = Field(default=32 * 2**20, gt=0)
+    """A larger body is refused (413) from its ``Content-Length``, or once that much arrived."""
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    """A body that has not fully arrived this long after its headers is answered 408."""
+    header_timeout_s: float = Field(default=30.0, gt=0)
+    """A connection that has not sent a request's headers this long after it opened (or after
+    the first byte of its next request) is closed."""
+    keep_alive_s: int = Field(default=120, gt=0)
+    """An idle kept-alive connection is closed after this (an agent may think between calls;
+    the ``openai`` SDK reconnects on its own)."""
+    shutdown_timeout_s: float = Field(default=5.0, gt=0)
+    """Closing the proxy cancels requests still running this long after it began."""
+    max_connections: int = Field(default=4096, gt=0)
+    """A request arriving while this many connections are open is answered 503."""
+
+
 class AgentConfig(Section):
     """A black-box agent that plays every episode through the trainer's OpenAI-compatible proxy
     (``trainer.rollout.proxy``); exactly one of ``callable`` and ``command``."""
@@ -231,6 +252,9 @@ class AgentConfig(Section):
     """Where the proxy listens; loopback by default (agents run on the driver's machine)."""
     port: int = Field(default=0, ge=0, le=65535)
     """The proxy's port; 0 picks a free one."""
+    limits: ServerLimits = Field(default_factory=ServerLimits)
+    """What one client may hold of the proxy's server: body size, header / body / idle
+    timeouts, open connections."""
 
     @model_validator(mode="after")
     def _one_agent(self) -> AgentConfig:
@@ -328,6 +352,12 @@ class RolloutConfig(Section):
     and the weight updates' pause and resume, not every turn. Needs ``cluster.backend: ray``.
     For runs whose driver cannot keep up even with ``env_workers`` (benchmarks/README.md,
     ``rollout_scale``)."""
+    pause_timeout_s: float = Field(default=120.0, gt=0)
+    """With ``route_in_workers``: how long a weight update waits for each env worker to pause
+    its router; a worker that does not answer in time (its event loop is blocked, e.g. by a
+    slow env call) is killed and its episodes fail. Raise it for envs whose calls block longer,
+    or take such calls off the loop (``env_timeout_s`` runs them in threads, ``env.pool_workers``
+    in processes)."""
     generate_timeout_s: float | None = Field(default=None, gt=0)
     """Fail an episode whose turn is not generated within this many seconds, queueing in the
     engine included (the request is aborted in the engine; the episode is replayed, then its

@@ -217,6 +217,15 @@ def test_colocated_role_that_cannot_offload_is_refused() -> None:
             ["rollout.agent.command=no-such-program --flag"],
             "rollout.agent.command: 'no-such-program' is not an executable on PATH",
         ),
+        (
+            ["rollout.agent.callable=json:dumps", "rollout.agent.limits.max_body_bytes=0"],
+            "rollout.agent.limits.max_body_bytes: Input should be greater than 0",
+        ),
+        (
+            ["rollout.agent.callable=json:dumps", "rollout.agent.limits.max_body=1024"],
+            "rollout.agent.limits.max_body: unknown key; did you mean max_body_bytes?",
+        ),
+        (["rollout.pause_timeout_s=0"], "rollout.pause_timeout_s: Input should be greater than 0"),
     ],
 )
 def test_an_agent_that_cannot_run_is_a_config_problem(overrides: list[str], problem: str) -> None:

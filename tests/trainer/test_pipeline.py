@@ -117,6 +117,7 @@ def test_a_run_whose_env_workers_route_their_own_turns(tmp_path: Path) -> None:
             "rollout.mode=async",
             "rollout.env_workers=2",
             "rollout.route_in_workers=true",
+            "rollout.pause_timeout_s=45",
         )
         rows = pipeline.fit()
     finally:
@@ -126,6 +127,7 @@ def test_a_run_whose_env_workers_route_their_own_turns(tmp_path: Path) -> None:
     assert_policy_trained(rows[-1])
     routing, driver = pipeline.rollouts.routing, pipeline.rollouts.router
     assert routing is not None and routing.version == 2  # the workers' routers followed the sync
+    assert routing.pause_timeout_s == 45
     # every training turn went through the workers' own routers; the driver's router served
     # only the evaluation episodes
     trained = sum(

@@ -18,7 +18,7 @@ Where envs live is an ``EnvSource``:
                     Not an env call that holds the GIL (a C extension, a catastrophic regex):
                     the timeout fires only once it returns, and the event loop stands still
                     meanwhile (in ``EnvWorkers`` too: a stuck worker process is alive, and only
-                    a weight update's ``pause_timeout_s`` ends it). Only process isolation
+                    a weight update's ``rollout.pause_timeout_s`` ends it). Only process isolation
                     bounds such envs: ``PoolEnvSource``, whose watchdog kills the worker
 ``PoolEnvSource``   an ``envhub.pool.EnvPool`` of worker processes / Ray actors (crash- and
                     hang-isolated), or a remote ``envhub serve`` through the pool's client

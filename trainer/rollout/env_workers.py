@@ -34,7 +34,7 @@ its death is seen when its process exits (even while a helper its env forked hol
 and its process group, helpers included, dies with it. ``close()`` ends every worker process
 (killed if it does not exit within ``close_timeout_s``), and a worker whose driver is gone exits
 on its own (its socket closes). A worker stuck in an env call that holds the GIL is not detected
-(only a weight update's ``WorkerRouters(pause_timeout_s=...)`` kills it): such envs belong in an
+(only a weight update's ``rollout.pause_timeout_s`` kills it): such envs belong in an
 ``EnvPool``.
 
 With a ``WorkerRouters`` in place of the router, each worker routes its own turns to the

@@ -41,7 +41,7 @@ A generation aborted under the agent (its group was cancelled) fails the episode
 A call past ``rollout.max_turns``, or one whose prompt leaves no room in the context, ends the
 episode as truncated (the env manager's limits), answering 400; a request whose text is far
 longer than the context holds (16 characters a token) is refused so before it is tokenised.
-Bodies, connections and shutdown are bounded by ``proxy_http.ServerLimits``.
+Bodies, connections and shutdown are bounded by ``ServerLimits`` (``rollout.agent.limits``).
 
 The HTTP side (routes, error bodies, streaming, the uvicorn server) is
 ``trainer.rollout.proxy_http``; this module is what the routes do.

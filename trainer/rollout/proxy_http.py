@@ -22,6 +22,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from trainer.config_rollout import ServerLimits
+
 if TYPE_CHECKING:
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -43,26 +45,6 @@ _log = logging.getLogger("trainer.rollout.proxy")
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 """The chat roles a message may have (OpenAI's)."""
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """What one client may hold of the proxy's server. An agent is anyone's code (and the port
-    anyone's on the host), so every connection and body is bounded in size and time."""
-
-    max_body_bytes: int = 32 * 2**20
-    """A larger body is refused (413) from its ``Content-Length``, or once that much arrived."""
-    body_timeout_s: float = 60.0
-    """A body that has not fully arrived this long after its headers is answered 408."""
-    header_timeout_s: float = 30.0
-    """A connection that has not sent a request's headers this long after it opened (or after
-    the first byte of its next request) is closed."""
-    keep_alive_s: int = 120
-    """An idle kept-alive connection is closed after this (an agent may think between calls)."""
-    shutdown_timeout_s: float = 5.0
-    """``aclose`` cancels requests still running this long after it began."""
-    max_connections: int = 4096
-    """A request arriving while this many connections are open is answered 503."""
 
 
 class ProxyError(Exception):

@@ -97,6 +97,7 @@ class Rollouts:
                 model_name=rollout.agent.model_name,
                 host=rollout.agent.host,
                 port=rollout.agent.port,
+                limits=rollout.agent.limits,
             )
             self.manager = AgentRunner(
                 self.proxy,
@@ -134,6 +135,7 @@ class Rollouts:
                     len(engines),
                     policy=policy,
                     alongside=self.router,  # evaluation episodes pause with the workers'
+                    pause_timeout_s=rollout.pause_timeout_s,
                 )
             self.workers = EnvWorkers(
                 self.routing or self.router,

@@ -204,8 +204,10 @@ class WorkerRouters:
             if not ack.done():  # killing it answers for it (``on_lost``)
                 attached.kill_worker(
                     worker,
-                    f"it did not pause for a weight update within pause_timeout_s="
-                    f"{self.pause_timeout_s:g} s (its event loop is blocked, e.g. by an env call)",
+                    f"it did not pause for a weight update within {self.pause_timeout_s:g} s (its "
+                    "event loop is blocked, e.g. by an env call); raise rollout.pause_timeout_s, "
+                    "or take slow env calls off the loop (rollout.env_timeout_s runs them in "
+                    "threads, env.pool_workers in processes)",
                 )
                 self.on_paused(worker)
         await asyncio.gather(*self._acks.values())

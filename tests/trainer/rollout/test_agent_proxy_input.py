@@ -23,10 +23,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
+from trainer.config import load_config
 from trainer.models import build_tokenizer, env_corpus
 from trainer.rollout.env_manager import LocalEnvSource, Sampling
 from trainer.rollout.proxy import AgentProxy, ProxyEpisode
 from trainer.rollout.proxy_http import ServerLimits
+from trainer.rollout.rollouts import Rollouts
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
@@ -395,6 +397,44 @@ def test_a_body_over_the_limit_is_a_413_with_or_without_its_length(tokenizer: An
             assert engine.prompts == [] and episode.rows == []
 
     asyncio.run(main())
+
+
+def test_the_run_configs_limits_bound_the_proxy_it_serves(tokenizer: Any) -> None:
+    """``rollout.agent.limits`` in a run's config is what the run's proxy enforces."""
+    cfg = load_config(
+        None,
+        [
+            f"env.id={CALC}",
+            "rollout.agent.callable=tests.trainer.rollout.proxy_agents:play",
+            "rollout.agent.limits.max_body_bytes=2048",
+        ],
+    )
+    engine = Engine(tokenizer)
+    rollouts = Rollouts(
+        cfg, [engine], ChatRenderer(tokenizer), LocalEnvSource(), max_context_tokens=4096
+    )
+    proxy = rollouts.proxy
+    assert proxy is not None
+
+    async def open_episode() -> ProxyEpisode:
+        session = await LocalEnvSource().session(CALC)
+        messages, info = await session.reset(1)
+        return proxy.open("g0e0a0", Trajectory(CALC, 1), session, Sampling(32), messages, info)
+
+    try:
+        episode = rollouts.thread.run(open_episode())
+        big = {"messages": [{"role": "user", "content": "12+34 " * 1000}]}
+        answer = httpx.post(
+            f"{proxy.base_url}/chat/completions",
+            json=big,
+            headers={"Authorization": f"Bearer {episode.api_key}"},
+            timeout=HANG_GUARD_S,
+        )
+        status, _, message = error_of(answer)
+        assert status == 413 and "2048 bytes" in message
+        assert engine.prompts == [] and episode.rows == []
+    finally:
+        rollouts.close()
 
 
 def test_text_too_long_for_the_context_is_refused_before_it_is_tokenised(tokenizer: Any) -> None:
