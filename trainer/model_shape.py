@@ -318,15 +318,20 @@ class ModelShape:
                     return module
         return None
 
+    def lora_head(self, target_modules: list[str] | str) -> bool:
+        """Whether ``target_modules`` names the output head (``lm_head``; never ``all-linear``,
+        which peft applies to the blocks only)."""
+        return target_modules != "all-linear" and "lm_head" in target_modules
+
     def lora_params(self, rank: int, target_modules: list[str] | str) -> int:
         """Adapter parameters: rank x (in + out) per adapted linear, in every layer, and rank x
-        (vocab + hidden) for an adapted input embedding."""
+        (vocab + hidden) for an adapted input embedding or output head."""
         return sum(n for _, n in self.lora_tensors(rank, target_modules))
 
     def lora_tensors(self, rank: int, target_modules: list[str] | str) -> list[tuple[str, int]]:
-        """``(name, numel)`` of every adapter tensor in peft's names (``lora_A``: rank x in,
-        ``lora_B``: out x rank; an embedding's ``lora_embedding_A``: rank x vocab,
-        ``lora_embedding_B``: hidden x rank)."""
+        """``(name, numel)`` of every adapter tensor in peft's names, in peft's order
+        (``lora_A``: rank x in, ``lora_B``: out x rank; an embedding's ``lora_embedding_A``:
+        rank x vocab, ``lora_embedding_B``: hidden x rank)."""
         block, _ = self._prefix()
         out = []
         for layer in range(self.num_layers):
@@ -339,6 +344,9 @@ class ModelShape:
             name = f"base_model.model.{embedding}"
             out.append((f"{name}.lora_embedding_A", rank * self.vocab_size))
             out.append((f"{name}.lora_embedding_B", self.hidden_size * rank))
+        if self.lora_head(target_modules):
+            out.append(("base_model.model.lm_head.lora_A.weight", rank * self.hidden_size))
+            out.append(("base_model.model.lm_head.lora_B.weight", self.vocab_size * rank))
         return out
 
 

@@ -74,11 +74,20 @@ def test_qwen2_5_sizes_are_the_published_ones() -> None:
     assert large.kv_bytes_per_token(2) == 28 * 4 * 128 * 2 * 2
 
 
+TARGETS: list[Any] = [
+    "all-linear",
+    ["q_proj", "v_proj"],
+    ["mlp.down_proj"],
+    ["q_proj", "v_proj", "embed_tokens"],
+]
+
+
 @pytest.mark.parametrize(
-    "targets",
-    ["all-linear", ["q_proj", "v_proj"], ["mlp.down_proj"], ["q_proj", "v_proj", "embed_tokens"]],
+    ("name", "targets"),
+    [(name, t) for name in ("qwen2", "gpt2") for t in TARGETS]
+    # an output head: only untied (LoRA on a tied one is refused, lora.tied_head_refusal)
+    + [("llama-biases-untied", ["q_proj", "lm_head"])],
 )
-@pytest.mark.parametrize("name", ["qwen2", "gpt2"])
 def test_lora_adapters_are_the_ones_peft_adds(name: str, targets: Any) -> None:
     peft = pytest.importorskip("peft")
     if name == "gpt2" and targets != "all-linear":
