@@ -92,7 +92,11 @@ def memcpy_seconds(nbytes: int, repeats: int) -> float:
     return best(lambda: dst.copy_(src), repeats)
 
 
-def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path) -> dict[str, Any]:
+def measure(
+    strategy: str, folder: Path, infer: Any, policy: Any, repeats: int, scratch: Path
+) -> dict[str, Any]:
+    """Time each path from a fresh ``strategy`` trainer into ``infer``, whose weights version
+    ``policy`` tracks (one per engine cluster: engines refuse a version they already served)."""
     from trainer.config import RoleConfig
     from trainer.weights.sync import WeightSync
     from trainer.workers.actor import ActorCluster
@@ -106,7 +110,7 @@ def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path
     )
     out: dict[str, Any] = {"start_s": time.perf_counter() - started}
     try:
-        shm = WeightSync(actor, infer, transport="shared_memory", bucket_mb=256)
+        shm = WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=256)
         reports = []
         out["shm_s"] = best(lambda: reports.append(shm.sync()), repeats)
         out["nbytes"] = reports[-1].nbytes
@@ -124,15 +128,17 @@ def measure(strategy: str, folder: Path, infer: Any, repeats: int, scratch: Path
 
         out["disk_s"] = best(disk, repeats)
         shutil.rmtree(target, ignore_errors=True)
+        policy.restore(max(infer.weights_version()))  # each disk load served a new version
     finally:
         actor.shutdown()
     return out
 
 
 def measure_lora(
-    strategy: str, folder: Path, infer: Any, repeats: int, rank: int
+    strategy: str, folder: Path, infer: Any, policy: Any, repeats: int, rank: int
 ) -> dict[str, Any]:
-    """Full sync vs adapter-only sync of a LoRA policy (same trainer ranks, same engine)."""
+    """Full sync vs adapter-only sync of a LoRA policy (same trainer ranks, same engine, whose
+    weights version ``policy`` tracks)."""
     from trainer.config import LoraConfig, RoleConfig
     from trainer.weights.sync import WeightSync
     from trainer.workers.actor import ActorCluster
@@ -148,7 +154,7 @@ def measure_lora(
     )
     out: dict[str, Any] = {}
     try:
-        full = WeightSync(actor, infer, transport="shared_memory", bucket_mb=256)
+        full = WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=256)
         reports: list[Any] = []
         out["full_s"] = best(lambda: reports.append(full.sync()), repeats)
         out["full_bytes"] = reports[-1].nbytes
@@ -167,6 +173,7 @@ def measure_lora(
 def main_lora(args: argparse.Namespace, scratch: Path) -> None:
     """``--lora``: the adapter-only sync against a full sync, per model size."""
     from trainer.config import RoleConfig
+    from trainer.weights.versioned import PolicyVersion
     from trainer.workers.infer import InferCluster
 
     print(
@@ -183,9 +190,10 @@ def main_lora(args: argparse.Namespace, scratch: Path) -> None:
             backend="ray",
             worker_kwargs={"model_path": str(folder), "adapter_rank": args.rank},
         )
+        policy = PolicyVersion()
         try:
             for strategy in args.strategies:
-                row = measure_lora(strategy, folder, infer, args.repeats, args.rank)
+                row = measure_lora(strategy, folder, infer, policy, args.repeats, args.rank)
                 headline = row["full_s"] / row["adapter_s"]
                 print(
                     f"{size:>6} {params / 1e6:>7.1f}M {strategy:>9} | "
@@ -219,6 +227,7 @@ def main() -> None:
 
     from trainer.config import RoleConfig
     from trainer.controller.resources import init_local_ray
+    from trainer.weights.versioned import PolicyVersion
     from trainer.workers.infer import InferCluster
 
     init_local_ray(0, num_cpus=2, env_vars={"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]})
@@ -246,9 +255,10 @@ def main() -> None:
                 backend="ray",
                 worker_kwargs={"model_path": str(folder)},
             )
+            policy = PolicyVersion()
             try:
                 for strategy in args.strategies:
-                    row = measure(strategy, folder, infer, args.repeats, scratch)
+                    row = measure(strategy, folder, infer, policy, args.repeats, scratch)
                     nbytes = row["nbytes"]
                     memcpy = nbytes / 1e9 / memcpy_seconds(nbytes, args.repeats + 1)
                     gbps = {k: nbytes / 1e9 / row[f"{k}_s"] for k in ("shm", "broadcast", "disk")}

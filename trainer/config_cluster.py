@@ -117,3 +117,8 @@ class WeightSyncConfig(Section):
     tensor when that is bigger."""
     only_changed: bool = False
     """Send only tensors that changed since the last sync (costs one host copy of the model)."""
+    timeout_s: float = Field(default=300.0, gt=0)
+    """Seconds a sync waits on any one step: the broadcast group's rendezvous and each
+    collective, an engine taking a shared-memory bucket, an engine completing its update. A
+    step that takes longer fails the sync with an error naming the engine and bucket; the
+    engines then refuse to generate until a later sync completes."""

@@ -233,6 +233,12 @@ class HFEngine(BatchingFrontend):
                     raise KeyError(
                         f"update_weights got {name!r}, which the inference model does not have"
                     )
+                if tensor.shape != target.shape:  # copy_ would broadcast a smaller tensor into it
+                    raise ValueError(
+                        f"update_weights got {name!r} of shape {tuple(tensor.shape)} but the "
+                        f"inference model's is {tuple(target.shape)}; the trainer and the engine "
+                        "must load the same model (vocabulary size, checkpoint)"
+                    )
                 target.copy_(tensor.to(target.device, target.dtype))
             if self.prefixes is not None:  # keys and values of the old weights
                 self.prefixes.clear()

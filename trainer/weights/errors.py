@@ -4,6 +4,7 @@ TrainerError
 └── WeightSyncError            a sync could not complete
     ├── BucketTooSmallError    a single tensor does not fit in one bucket
     ├── StaleWeightsError      an engine's weights are older than, or only partly, the trainer's
+    │   └── VersionReusedError a sync announced a version an engine already served
     └── TransportError         the other side of a transport died or broke the protocol
 """
 
@@ -11,7 +12,13 @@ from __future__ import annotations
 
 from trainer.errors import TrainerError
 
-__all__ = ["BucketTooSmallError", "StaleWeightsError", "TransportError", "WeightSyncError"]
+__all__ = [
+    "BucketTooSmallError",
+    "StaleWeightsError",
+    "TransportError",
+    "VersionReusedError",
+    "WeightSyncError",
+]
 
 
 class WeightSyncError(TrainerError, RuntimeError):
@@ -24,6 +31,10 @@ class BucketTooSmallError(WeightSyncError, ValueError):
 
 class StaleWeightsError(WeightSyncError):
     """An engine holds weights other than the trainer's latest complete version."""
+
+
+class VersionReusedError(StaleWeightsError):
+    """A sync announced a weights version that an engine already served (or an older one)."""
 
 
 class TransportError(WeightSyncError):

@@ -29,7 +29,7 @@ from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.weights.buckets import Bucket
 from trainer.weights.transport import BroadcastGroup, SegmentPool, SharedBucket, open_bucket
-from trainer.weights.versioned import VersionedEngine
+from trainer.weights.versioned import DEFAULT_TIMEOUT_S, VersionedEngine
 
 if TYPE_CHECKING:
     import torch
@@ -62,9 +62,15 @@ class WeightReceiver:
         return engine
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
-    def begin_weight_load(self, version: int) -> None:
-        """A sync to ``version`` starts: stop serving until it completes."""
-        self._versioned().begin(version)
+    def begin_weight_load(
+        self, version: int, timeout_s: float = DEFAULT_TIMEOUT_S, again: bool = False
+    ) -> None:
+        """A sync to ``version`` starts: stop serving until it completes.
+
+        ``timeout_s`` bounds each later wait on the engine; ``again``: the retry of a failed
+        sync, which this engine may have completed (``VersionedEngine.begin``).
+        """
+        self._versioned().begin(version, timeout_s=timeout_s, again=again)
         self._weight_segments_used = frozenset()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
@@ -108,9 +114,15 @@ class WeightReceiver:
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def receive_weights(
-        self, address: tuple[str, int], world_size: int, timeout_s: float = 300.0
+        self,
+        address: tuple[str, int],
+        world_size: int,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        version: int | None = None,
+        again: bool = False,
     ) -> int:
-        """Load one whole sync from the broadcast group.
+        """Load one whole sync (announcing ``version``; ``again``: a retry) from the broadcast
+        group.
 
         Joins the group as rank ``1 + self.rank`` once per address (a broken group is rejoined).
         """
@@ -121,7 +133,7 @@ class WeightReceiver:
             group = BroadcastGroup(key[0], key[1], 1 + self.rank, world_size, timeout_s=timeout_s)
             self._weight_group, self._weight_group_address = group, key
         try:
-            return group.receive_into(self._versioned())
+            return group.receive_into(self._versioned(), version=version, again=again)
         except BaseException:
             self._weight_group_address = None  # a broken group is never reused
             raise
@@ -144,7 +156,7 @@ class WeightReceiver:
         engine = self._versioned()
         engine.load(
             [_MappingBucket(weights)],
-            version=(engine.weights_version or 0) + 1,
+            version=engine.last_served + 1,
             expected_names=list(weights),
         )
 

@@ -6,18 +6,25 @@ They mirror ``trainer.weights.receiver`` on the inference side. Three ways a ran
 driver picks one per sync (``trainer.weights.sync`` says when):
 
 shard-direct (shared memory, trainer on CPU)
-    ``weight_sizes`` -> ``begin_shard_sync`` -> per bucket ``write_weight_bucket`` (after a
-    failure ``reset_shard_sync``). Every rank copies the pieces of full HF tensors it already
+    ``weight_sizes`` -> ``begin_shard_sync`` -> per bucket ``write_weight_bucket`` ->
+    ``confirm_weight_sync`` once every engine took the version (after a failure
+    ``reset_weight_sync``). Every rank copies the pieces of full HF tensors it already
     holds (``shards.shard_layout``) straight into shared-memory segments laid out as full
     tensors (:class:`ShardSender`); nothing is gathered.
 gathered (shared memory or CUDA IPC, trainer on GPUs)
-    ``begin_weight_sync`` -> ``next_weight_bucket`` until it returns None -> ``end_weight_sync``.
-    Each bucket is a collective gather; rank 0 packs it into one reusable segment or CUDA
-    buffer and returns its handle (:meth:`SenderState.shared_buckets`).
+    ``begin_weight_sync`` -> ``next_weight_bucket`` until it returns None -> ``end_weight_sync``
+    -> ``confirm_weight_sync`` (after a failure ``reset_weight_sync``). Each bucket is a
+    collective gather; rank 0 packs it into one reusable segment or CUDA buffer and returns its
+    handle (:meth:`SenderState.shared_buckets`).
 broadcast (disaggregated)
     ``open_weight_group`` (rank 0 listens on a port the OS picks) -> ``broadcast_weights``:
     rank 0 forms a broadcast group with every inference worker and streams the buckets; the
     other ranks only take part in the gathers.
+
+``only_changed`` skips a tensor only if the last *confirmed* sync delivered it: what a sync
+sends counts once every engine served its version (the driver's ``confirm_weight_sync``, or
+the broadcast's closing acknowledgement); a sync that failed, or was never confirmed, is
+forgotten, so the next one sends every tensor again.
 
 ``close_weight_sync`` unlinks this rank's segments (the cluster calls it before shutdown: a
 killed Ray worker would leak them).
@@ -60,16 +67,35 @@ __all__ = [
 class SenderState:
     """What a trainer rank keeps between syncs: the last-sent copy and the broadcast group.
 
-    The copy lets ``only_changed`` syncs skip tensors that are bitwise what was sent before.
+    The copy lets ``only_changed`` syncs skip tensors that are bitwise what was sent before;
+    it is trusted only once the sync that recorded it was confirmed (module docstring).
     """
 
     def __init__(self) -> None:
         self.sent: dict[str, torch.Tensor] = {}
+        self.confirmed = True
+        """Every engine took what ``sent`` records (False from a sync's start to its confirm)."""
         self.group: BroadcastGroup | None = None
         self.group_address: tuple[str, int] | None = None
         self.listening: tuple[tuple[str, int], Any] | None = None
         """The address and store :meth:`listen` opened for the next group."""
         self.segment = SharedSegment()
+
+    def begin(self, only_changed: bool) -> None:
+        """A sync starts: what an unconfirmed (failed) earlier sync recorded is forgotten."""
+        if not only_changed or not self.confirmed:
+            self.sent.clear()
+        self.confirmed = False
+
+    def confirm(self) -> None:
+        """Every engine serves the sync's version: the next ``only_changed`` sync may skip
+        what it sent."""
+        self.confirmed = True
+
+    def forget(self) -> None:
+        """A sync failed: the next one sends every tensor again."""
+        self.sent.clear()
+        self.confirmed = True
 
     def _changed(
         self, group: list[tuple[str, torch.Tensor]], only_changed: bool
@@ -130,7 +156,8 @@ class SenderState:
     ) -> int:
         """Sender: join the group (once per address) and stream the buckets; others only gather.
 
-        Returns how many tensors were sent (0 on the other ranks).
+        Returns how many tensors were sent (0 on the other ranks). ``send_weights`` returns only
+        after every engine acknowledged the version, so what it sent is confirmed then.
         """
         if not is_sender:
             for _ in weights:  # take part in every gather collective
@@ -149,11 +176,15 @@ class SenderState:
             for group in group_tensors(weights, bucket_bytes):
                 yield from self._changed(group, only_changed)
 
+        self.begin(only_changed)
         try:
-            return group.send_weights(stream(), version=version, bucket_bytes=bucket_bytes)
+            sent = group.send_weights(stream(), version=version, bucket_bytes=bucket_bytes)
         except BaseException:
             self.group, self.group_address = None, None  # a broken group is never reused
+            self.forget()
             raise
+        self.confirm()
+        return sent
 
 
 def plan_shared_buckets(layout: ShardLayout, bucket_bytes: int) -> list[SharedBucket]:
@@ -192,8 +223,10 @@ class ShardSender:
         self.layout: ShardLayout | None = None
         self.only_changed = False
         self.written: set[tuple[str, int, str]] = set()
-        """``(segment, offset, name)`` this rank wrote since the segment was created (and the
-        engines confirmed)."""
+        """``(segment, offset, name)`` this rank wrote since the segment was created; trusted
+        only while ``confirmed``."""
+        self.confirmed = True
+        """Every engine took the last sync's writes (False from ``begin`` to ``confirm``)."""
 
     def begin(
         self, strategy: Any, *, rank: int, bucket_bytes: int, only_changed: bool = False
@@ -207,7 +240,9 @@ class ShardSender:
             return None  # GPU shards: the gathered CUDA-IPC path (WeightSync._sync_gathered)
         layout = shard_layout(strategy, rank=rank)
         handles = plan_shared_buckets(layout, bucket_bytes)  # too small: raised before any move
-        self.layout, self.only_changed = layout, only_changed
+        if not self.confirmed:  # the last sync failed or was never confirmed: resend everything
+            self.written.clear()
+        self.layout, self.only_changed, self.confirmed = layout, only_changed, False
         if rank != 0:
             return None
         names = self.pool.ensure([handle.nbytes for handle in handles])
@@ -257,9 +292,14 @@ class ShardSender:
                 written.append(meta.name)
         return written
 
+    def confirm(self) -> None:
+        """Every engine serves the sync's version: its writes may be skipped when unchanged."""
+        self.confirmed = True
+
     def reset(self) -> None:
         """Forget what was written (a failed sync: the next one sends every tensor again)."""
         self.written.clear()
+        self.confirmed = True
 
     def close(self) -> None:
         self.pool.close()
@@ -308,6 +348,7 @@ class WeightSender:
     def begin_weight_sync(self, bucket_bytes: int, only_changed: bool = False) -> None:
         """Start streaming full weights in buckets of at most ``bucket_bytes``."""
         self.end_weight_sync()
+        self._state().begin(only_changed)
         self._weight_stream = self._state().shared_buckets(
             self._full_weights(),
             bucket_bytes,
@@ -375,11 +416,22 @@ class WeightSender:
         """Copy this rank's shards of one bucket's tensors into its segment; returns the names."""
         return self._shards().write(handle)
 
+    # -- both shared-memory paths: the driver's verdict on the sync
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
-    def reset_shard_sync(self) -> None:
-        """A sync failed: forget what was written (the next ``only_changed`` sync sends all)."""
+    def confirm_weight_sync(self) -> None:
+        """Every engine serves the sync's version: ``only_changed`` may skip what it sent."""
+        if self._shard_sender is not None:
+            self._shard_sender.confirm()
+        if self._sender_state is not None:
+            self._sender_state.confirm()
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def reset_weight_sync(self) -> None:
+        """A sync failed: forget what was sent (the next ``only_changed`` sync sends all)."""
         if self._shard_sender is not None:
             self._shard_sender.reset()
+        if self._sender_state is not None:
+            self._sender_state.forget()
 
     # -- broadcast: rank 0 streams to every inference worker
     @register(Dispatch.RANK_ZERO)
@@ -421,7 +473,8 @@ class WeightSenderCluster:
     weight_sizes = remote(WeightSender.weight_sizes)
     begin_shard_sync = remote(WeightSender.begin_shard_sync)
     write_weight_bucket = remote(WeightSender.write_weight_bucket, per_rank=True)
-    reset_shard_sync = remote(WeightSender.reset_shard_sync)
+    confirm_weight_sync = remote(WeightSender.confirm_weight_sync)
+    reset_weight_sync = remote(WeightSender.reset_weight_sync)
     open_weight_group = remote(WeightSender.open_weight_group)
     """Trainer rank 0 listens for the weight broadcast group; its host and port."""
     broadcast_weights_async = remote(WeightSender.broadcast_weights, future=True)

@@ -25,14 +25,15 @@ Transports (``weight_sync.transport``)
                    loads bucket k while the trainer writes bucket k+1. No segment is
                    rewritten before the engines finished (``finish_weight_load``), so the
                    engine's own load is the only copy on its side. Host memory: one model
-                   copy in shared memory while the trainer lives. A trainer on GPUs takes
+                   copy in shared memory while the trainer lives (checked against the free
+                   space of /dev/shm before any segment is made). A trainer on GPUs takes
                    the gathered path instead: rank 0 gathers each bucket into one CUDA
                    buffer whose CUDA IPC handle the engine maps (``_sync_gathered``).
 ``broadcast``      disaggregated: a gloo/NCCL group of trainer rank 0 and every inference
                    worker (``transport.BroadcastGroup``); rank 0 broadcasts each bucket and
                    a MIN all-reduce of the served versions closes the sync.
-``auto``           ``shared_memory`` when trainer rank 0 and every inference worker share a
-                   host, else ``broadcast``.
+``auto``           ``shared_memory`` when every trainer rank and every inference worker
+                   share a host, else ``broadcast``.
 
 Versions: the sync owns the run's :class:`~trainer.weights.versioned.PolicyVersion`
 (``WeightSync.policy``; pass one in to share it). Each sync announces ``policy.value + 1``.
@@ -41,13 +42,17 @@ bucket until every announced tensor arrived they refuse to generate, and afterwa
 the version; the driver checks that every worker serves exactly the new version
 (``confirm_versions``) and only then advances the policy version, before rollouts resume.
 A failure in the middle (an engine died) raises ``WeightSyncError`` and leaves the version
-where it was; the engines keep refusing to serve until a later sync completes.
+where it was; the engines that did not complete it refuse to serve until a later sync does.
+``timeout_s`` (``weight_sync.timeout_s``) bounds every wait on a peer: the broadcast's
+collectives, an engine taking a bucket or completing its update. Versions only go up: an
+engine refuses a version it already served, except the retry of this sync's failed one.
 
 ``only_changed``: shared memory - each rank compares its pieces with what the segment holds
 from the last confirmed sync and skips bitwise-equal ones (frozen layers, LoRA bases); a
-tensor is sent when any rank wrote to it; after a failed sync everything is sent again.
-Broadcast - trainer rank 0 keeps a CPU copy of what it last sent (one model copy of host
-memory). Engines that reload whole layers (vLLM) need every tensor, so leave it off for them.
+tensor is sent when any rank wrote to it. Broadcast and gathered - trainer rank 0 keeps a CPU
+copy of what it last sent (one model copy of host memory). Either way what a sync sent counts
+only once every engine confirmed it: after a failed sync everything is sent again. Engines
+that reload whole layers (vLLM) need every tensor, so leave it off for them.
 """
 
 from __future__ import annotations
@@ -59,10 +64,16 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.errors import WorkerCallError
 from trainer.weights.buckets import ALIGN, plan_buckets
-from trainer.weights.errors import BucketTooSmallError, TransportError, WeightSyncError
+from trainer.weights.errors import (
+    BucketTooSmallError,
+    TransportError,
+    VersionReusedError,
+    WeightSyncError,
+)
 from trainer.weights.versioned import PolicyVersion, SharedVersion, confirm_versions
 
 if TYPE_CHECKING:
+    from trainer.controller.cluster import CallFuture
     from trainer.weights.transport import SharedBucket
     from trainer.workers.actor import ActorCluster
     from trainer.workers.infer import InferCluster
@@ -70,6 +81,10 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_BUCKET_MB", "SyncReport", "Transport", "WeightSync", "auto_bucket_bytes"]
 
 Transport = Literal["auto", "shared_memory", "broadcast"]
+
+_ENGINE_ERROR_GRACE_S = 10.0
+"""How long a failed broadcast waits for the engines' own errors (they end right after the
+trainer's) before it reports the trainer's."""
 
 DEFAULT_BUCKET_MB = 256.0
 """The bucket size when ``weight_sync.bucket_mb`` is unset and every tensor fits in it."""
@@ -159,6 +174,9 @@ class WeightSync:
         """LoRA (``model.lora.sync: adapter``): after one full sync of the base, syncs send only
         the adapters (``_sync_adapter``)."""
         self._base_sent = False
+        self._failed_version: int | None = None
+        """The version of the last sync, if it failed: the retry announces it again, and an
+        engine that completed it before another failed must accept it (``VersionedEngine``)."""
 
     @classmethod
     def from_config(
@@ -173,6 +191,7 @@ class WeightSync:
             transport=config.transport,
             bucket_mb=config.bucket_mb,
             only_changed=config.only_changed,
+            timeout_s=config.timeout_s,
             adapters=adapters,
         )
 
@@ -181,7 +200,8 @@ class WeightSync:
             return transport
         if self.actor.backend == "local" and self.infer.backend == "local":
             return "shared_memory"
-        hosts = {info["hostname"] for info in self.actor.node_info()[:1] + self.infer.node_info()}
+        # every trainer rank: the shard-direct path has each of them map the segments
+        hosts = {info["hostname"] for info in self.actor.node_info() + self.infer.node_info()}
         return "shared_memory" if len(hosts) == 1 else "broadcast"
 
     def sync(self) -> SyncReport:
@@ -192,23 +212,14 @@ class WeightSync:
         version = self.policy.value + 1
         started = time.perf_counter()
         self._phases = {}
-        transport = self.transport
-        if self.adapters and self._base_sent:
-            moved, transport = self._sync_adapter(version), "adapter"
-        else:
-            if self.bucket_mb is None and self._sizes is None:
-                self.check_buckets()  # automatic: large enough for the largest tensor
-            if self.transport == "shared_memory":
-                moved = self._sync_shared(version)
-            else:
-                moved = self._sync_broadcast(version)
-            if self.adapters:  # the base went over; the adapters follow in the same version
-                adapter = self._sync_adapter(version)
-                moved.tensors, moved.nbytes = (
-                    moved.tensors + adapter.tensors,
-                    moved.nbytes + adapter.nbytes,
-                )
-                self._base_sent = True
+        try:
+            moved, transport = self._move(version)
+        except VersionReusedError:
+            raise  # refused before any engine changed: retrying it must be refused again
+        except BaseException:
+            self._failed_version = version
+            raise
+        self._failed_version = None
         self.policy.advance()  # every engine confirmed ``version``
         return SyncReport(
             version,
@@ -220,10 +231,34 @@ class WeightSync:
             self._phases,
         )
 
+    def _retry(self, version: int) -> bool:
+        """``version`` is the retry of this sync's last, failed, sync (some engines may have
+        completed it: they accept it again)."""
+        return version == self._failed_version
+
+    def _move(self, version: int) -> tuple[_Moved, str]:
+        """Move the weights as ``version`` by this sync's transport; what moved, and how."""
+        if self.adapters and self._base_sent:
+            return self._sync_adapter(version), "adapter"
+        if self.bucket_mb is None and self._sizes is None:
+            self.check_buckets()  # automatic: large enough for the largest tensor
+        if self.transport == "shared_memory":
+            moved = self._sync_shared(version)
+        else:
+            moved = self._sync_broadcast(version)
+        if self.adapters:  # the base went over; the adapters follow in the same version
+            adapter = self._sync_adapter(version)
+            moved.tensors, moved.nbytes = (
+                moved.tensors + adapter.tensors,
+                moved.nbytes + adapter.nbytes,
+            )
+            self._base_sent = True
+        return moved, self.transport
+
     def _sync_adapter(self, version: int) -> _Moved:
         """LoRA: the trainer's adapters to every engine, which keeps its base weights."""
         clock = time.perf_counter()
-        adapter = self._trainer_call(self.actor.adapter_weights)
+        adapter = self._call(self.actor.adapter_weights)
         if adapter is None:
             raise WeightSyncError(
                 "an adapter sync was asked of a policy without adapters; set model.lora or "
@@ -250,17 +285,16 @@ class WeightSync:
 
     def _sync_shared(self, version: int) -> _Moved:
         clock = time.perf_counter()
-        handles = self._trainer_call(
-            self.actor.begin_shard_sync, self.bucket_bytes, self.only_changed
-        )
+        handles = self._call(self.actor.begin_shard_sync, self.bucket_bytes, self.only_changed)
         if handles is None:  # the trainer's shards live on GPUs: gathered buckets through CUDA IPC
             return self._sync_gathered(version)
         moved = _Moved()
-        self.infer.begin_weight_load(version)  # only now: a bad plan above left the engines serving
+        # only now: a bad plan above left the engines serving
+        self._call(self.infer.begin_weight_load, version, self.timeout_s, self._retry(version))
         clock = self._timed("plan", clock)
         try:
             for handle in handles:
-                written = self._trainer_call(self.actor.write_weight_bucket, handle)
+                written = self._call(self.actor.write_weight_bucket, handle)
                 clock = self._timed("write", clock)
                 if self.only_changed:
                     any_rank = set().union(*written)
@@ -276,8 +310,9 @@ class WeightSync:
             self._finish(version, moved)
             self._timed("finish", clock)
         except BaseException:
-            self.actor.reset_shard_sync()  # only_changed: the next sync sends everything again
+            self.actor.reset_weight_sync()  # only_changed: the next sync sends everything again
             raise
+        self.actor.confirm_weight_sync()
         return moved
 
     def _sync_gathered(self, version: int) -> _Moved:
@@ -285,14 +320,19 @@ class WeightSync:
         and hands its CUDA IPC handle over (the engine maps it; no host round trip)."""
         moved = _Moved()
         self.check_buckets()
-        self.infer.begin_weight_load(version)
+        self._call(self.infer.begin_weight_load, version, self.timeout_s, self._retry(version))
         self.actor.begin_weight_sync(self.bucket_bytes, self.only_changed)
         try:
-            while (handle := self._trainer_call(self.actor.next_weight_bucket)) is not None:
-                self._hand_over(handle, version, moved, handle.nbytes)
-        finally:
-            self.actor.end_weight_sync()
-        self._finish(version, moved)
+            try:
+                while (handle := self._call(self.actor.next_weight_bucket)) is not None:
+                    self._hand_over(handle, version, moved, handle.nbytes)
+            finally:
+                self.actor.end_weight_sync()
+            self._finish(version, moved)
+        except BaseException:
+            self.actor.reset_weight_sync()  # only_changed: the next sync sends everything again
+            raise
+        self.actor.confirm_weight_sync()
         return moved
 
     def _hand_over(self, handle: SharedBucket, version: int, moved: _Moved, nbytes: int) -> None:
@@ -326,8 +366,8 @@ class WeightSync:
             ) from error
         confirm_versions(served, version)
 
-    def _trainer_call(self, method: Callable[..., Any], *args: Any) -> Any:
-        """A call on every trainer rank; a sync error raised there surfaces as itself."""
+    def _call(self, method: Callable[..., Any], *args: Any) -> Any:
+        """A call on every rank of a cluster; a sync error raised there surfaces as itself."""
         try:
             return method(*args)
         except WorkerCallError as error:
@@ -343,12 +383,27 @@ class WeightSync:
         """
         if self._sizes is None:
             self._sizes = [
-                (str(name), int(nbytes))
-                for name, nbytes in self._trainer_call(self.actor.weight_sizes)
+                (str(name), int(nbytes)) for name, nbytes in self._call(self.actor.weight_sizes)
             ]
             if self.bucket_mb is None:
                 self.bucket_bytes = auto_bucket_bytes(self._sizes)
         plan_buckets(self._sizes, self.bucket_bytes)
+
+    @staticmethod
+    def _engine_error(receivers: CallFuture[list[int]]) -> WorkerCallError | None:
+        """An engine's own failure in a broadcast that failed, if one reports it promptly.
+
+        A failing engine drains the stream and acknowledges -1, so by the time the trainer saw
+        the failure that engine's call is ending with the error that explains it (a KeyError, a
+        shape mismatch), which says more than the trainer's "an engine serves -1".
+        """
+        try:
+            receivers.result(timeout=_ENGINE_ERROR_GRACE_S)
+        except WorkerCallError as error:
+            return error
+        except TimeoutError:
+            pass
+        return None
 
     def _sync_broadcast(self, version: int) -> _Moved:
         self.check_buckets()
@@ -357,7 +412,9 @@ class WeightSync:
         if address is None:
             host, port = self.actor.open_weight_group(world, self.timeout_s)  # a list via Ray
             address = self._address = (str(host), int(port))
-        receivers = self.infer.receive_weights_async(address, world, self.timeout_s)
+        receivers = self.infer.receive_weights_async(
+            address, world, self.timeout_s, version, self._retry(version)
+        )
         sender = self.actor.broadcast_weights_async(
             address,
             world,
@@ -373,9 +430,12 @@ class WeightSync:
             self._address = None  # the group is broken: the next sync builds a fresh one
             if isinstance(error.__cause__, BucketTooSmallError):
                 raise error.__cause__ from error
+            cause = self._engine_error(receivers) or error
+            if isinstance(cause.__cause__, VersionReusedError):
+                raise cause.__cause__ from cause  # every engine refused before loading
             raise TransportError(
-                f"weight broadcast of version {version} failed ({error}); the engines refuse to "
-                "generate until a complete sync - rerun the sync, or restart the failed worker"
-            ) from error
+                f"weight broadcast of version {version} failed ({cause}); the engines refuse to "
+                "generate until a complete sync - fix the failed worker and rerun the sync"
+            ) from cause
         confirm_versions(served, version)
         return _Moved(tensors=tensors)  # the broadcast reports a count only (no bytes or buckets)

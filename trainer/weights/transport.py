@@ -29,6 +29,7 @@ Versioning (``VersionedEngine``, ``confirm_versions``, ``PolicyVersion``) is in
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -48,10 +49,12 @@ __all__ = [
     "SegmentPool",
     "SharedBucket",
     "SharedSegment",
+    "check_shm_space",
     "listen_for_group",
     "open_bucket",
     "pack_shared",
     "share_bucket",
+    "shm_free_bytes",
 ]
 
 
@@ -73,6 +76,34 @@ class SharedBucket:
     the engine views of it without copying. Otherwise it is reused once the load call returns."""
 
 
+def shm_free_bytes() -> int | None:
+    """Bytes free in ``/dev/shm``, where Linux keeps POSIX shared memory; None without one."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return stats.f_bavail * stats.f_frsize
+
+
+def check_shm_space(nbytes: int, what: str) -> None:
+    """Raise ``TransportError`` unless ``/dev/shm`` has room for ``nbytes`` more.
+
+    A shared-memory segment gets its pages only when written; a write past a full ``/dev/shm``
+    kills the writer with SIGBUS, no Python error. So every segment is checked before it is
+    created: the sync fails with the sizes and the fixes, and nothing is half-created.
+    """
+    free = shm_free_bytes()
+    if free is None or nbytes <= free:
+        return
+    gib = -(-nbytes // 2**30) + 1  # the need, rounded up, plus room for everything else
+    raise TransportError(
+        f"/dev/shm has {free:,} bytes ({free / 2**20:.1f} MiB) free but the colocated weight sync "
+        f"needs {nbytes:,} bytes ({nbytes / 2**20:.1f} MiB) for {what}; set "
+        "weight_sync.transport: broadcast, or give /dev/shm more room (docker run "
+        f"--shm-size={gib}g, or a Kubernetes emptyDir with medium: Memory at /dev/shm)"
+    )
+
+
 def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
     """A handle another process can open, and ``release()`` to call once it acknowledged."""
     if bucket.buffer.is_cuda:
@@ -85,6 +116,7 @@ def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
 
     import torch
 
+    check_shm_space(bucket.nbytes, f"bucket {bucket.index}")
     segment = shared_memory.SharedMemory(create=True, size=max(bucket.nbytes, 1))
     _CREATED.add(segment.name)
     torch.frombuffer(segment.buf, dtype=torch.uint8, count=bucket.nbytes).copy_(bucket.buffer)
@@ -121,6 +153,8 @@ class SharedSegment:
 
         nbytes = sum(_aligned(t.numel() * t.element_size()) for _, t in named)
         if self.segment is None or self.segment.size < nbytes:
+            held = 0 if self.segment is None else self.segment.size
+            check_shm_space(nbytes - held, f"bucket {index} (grown from {held:,} bytes)")
             self.close()
             self.segment = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
             _CREATED.add(self.segment.name)
@@ -176,12 +210,25 @@ class SegmentPool:
         atexit.register(self.close)
 
     def ensure(self, sizes: Sequence[int]) -> list[str]:
-        """Segment names for buckets of ``sizes`` bytes (existing ones reused when big enough)."""
+        """Segment names for buckets of ``sizes`` bytes (existing ones reused when big enough).
+
+        Raises ``TransportError`` before creating any when ``/dev/shm`` lacks room for the new
+        ones (``check_shm_space``); a replaced segment's room is not counted, since an engine
+        may still map it.
+        """
         from multiprocessing import shared_memory
 
-        for index, size in enumerate(sizes):
-            if index < len(self.owned) and self.owned[index].size >= size:
-                continue
+        new = [
+            index
+            for index, size in enumerate(sizes)
+            if index >= len(self.owned) or self.owned[index].size < size
+        ]
+        check_shm_space(
+            sum(max(sizes[index], 1) for index in new),
+            f"{len(new)} of its {len(sizes)} buckets (one copy of the model's weights)",
+        )
+        for index in new:
+            size = sizes[index]
             segment = shared_memory.SharedMemory(create=True, size=max(size, 1))
             _CREATED.add(segment.name)
             if index < len(self.owned):
@@ -206,8 +253,10 @@ class SegmentPool:
                 segment = own if own is not None else _attach(name)
             except FileNotFoundError as error:
                 raise TransportError(
-                    f"shared-memory segment {name!r} is gone; the trainer rank that owns the "
-                    "weight-sync segments exited or recreated them - rerun the sync"
+                    f"this process cannot see the weight-sync shared-memory segment {name!r}: it "
+                    "runs on another host than trainer rank 0, or in a container without that "
+                    "/dev/shm (or that trainer rank exited); set weight_sync.transport: "
+                    "broadcast, or run trainer and engines on one host with a shared /dev/shm"
                 ) from error
             self.mapped[name] = (
                 segment,
@@ -477,23 +526,38 @@ class BroadcastGroup:
             self._broadcast(buffer)
             yield Bucket(buffer, metas, header["index"])
 
-    def receive_into(self, engine: VersionedEngine) -> int:
+    def receive_into(
+        self, engine: VersionedEngine, *, version: int | None = None, again: bool = False
+    ) -> int:
         """Ranks 1..N: stream one whole sync into ``engine``, one bucket held at a time.
 
-        Returns the version the engine serves afterwards.
+        Returns the version the engine serves afterwards; ``version``, when the caller knows it,
+        is refused up front if the engine served it already (unless ``again``: a retry).
+
+        When the engine fails, this rank still takes part in every remaining broadcast
+        (receiving and discarding the buckets) and then acknowledges -1, so the sync fails as
+        soon as the stream ends, with the engine's error raised here, instead of the group
+        waiting out its timeout.
         """
         end: dict[str, Any] = {}
+        stream = self.receive()  # kept here: the engine may drop ``buckets()`` half way
 
         def buckets() -> Iterator[Bucket]:
-            for item in self.receive():
+            for item in stream:
                 if isinstance(item, Bucket):
                     yield item
                 else:
                     end.update(item)
 
         try:
+            if version is not None:  # a used version is refused before the engine changes
+                engine.check_announced(version, again=again)
             served = engine.load_stream(buckets(), lambda: (end["version"], end["names"]))
+        except TransportError:
+            raise  # the group itself broke: no collective of it can complete any more
         except Exception:
+            for _ in stream:  # drain: stay in step with rank 0 until its end marker
+                pass
             self._min_version(-1)  # tell the trainer this engine did not take the version
             raise
         self._min_version(served)

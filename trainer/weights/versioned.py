@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, overload
 
-from trainer.weights.errors import StaleWeightsError
+from trainer.weights.errors import StaleWeightsError, VersionReusedError
 
 if TYPE_CHECKING:
     import torch
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 __all__ = ["PolicyVersion", "SharedVersion", "TensorSource", "VersionedEngine", "confirm_versions"]
 
 _END = object()  # end of a multi-call weight update
+
+DEFAULT_TIMEOUT_S = 300.0
+"""How long a sync waits on an engine by default (``weight_sync.timeout_s``)."""
 
 
 class TensorSource(Protocol):
@@ -110,12 +114,21 @@ def _version(value: int) -> int:
 
 
 class VersionedEngine:
-    """An ``InferenceEngine`` that serves only complete, announced weight versions."""
+    """An ``InferenceEngine`` that serves only complete, announced weight versions.
+
+    Versions only go up: a sync announcing a version this engine already served (or an older
+    one) is refused before anything changes - two ``WeightSync``s of one run that do not share
+    its ``PolicyVersion`` would otherwise label a different policy with a used number. Two
+    exceptions: ``again=True`` (the driver retries a sync that failed on other engines after
+    this one completed it) and ``set_state`` (restoring a saved engine state).
+    """
 
     def __init__(self, engine: Any, *, weights_version: int = 0) -> None:
         self.engine = engine
         self.weights_version: int | None = weights_version
         """The version being served; None during a sync and after a failed one."""
+        self.last_served = weights_version
+        """The newest version this engine served (kept through a failed sync)."""
         self._version_before = 0
         """The engine's own ``version`` when the running sync began (it must bump it)."""
         # a sync spread over several calls (``begin`` ... ``finish``); None when none runs
@@ -124,21 +137,32 @@ class VersionedEngine:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=2)
         self._seen: list[str] = []
         self._error: BaseException | None = None
+        self._timeout_s = DEFAULT_TIMEOUT_S
+        self._cancelled = threading.Event()
+        """Set when the running multi-call update is abandoned: its stream raises at the next
+        read, so an engine that was stuck cannot complete it later."""
 
     @property
     def version(self) -> int:
         return self.engine.version
 
     def load(
-        self, buckets: Iterable[TensorSource], *, version: int, expected_names: Sequence[str]
+        self,
+        buckets: Iterable[TensorSource],
+        *,
+        version: int,
+        expected_names: Sequence[str],
+        again: bool = False,
     ) -> int:
         """Apply all ``buckets`` as one update; serve ``version`` only if every tensor arrived."""
+        self.check_announced(version, again=again)
         return self.load_stream(buckets, lambda: (version, expected_names))
 
     def load_stream(
         self, buckets: Iterable[TensorSource], closing: Callable[[], tuple[int, Sequence[str]]]
     ) -> int:
-        """Like ``load``, but the version and names are known only once ``buckets`` ran out."""
+        """Like ``load``, but the version and names are known only once ``buckets`` ran out
+        (a caller that knows the version earlier checks it first: ``check_announced``)."""
         self.abandon_sync()
         self.weights_version = None
         self._version_before = self.engine.version
@@ -160,8 +184,17 @@ class VersionedEngine:
     # that ``load_part`` feeds bucket by bucket (copies: the caller frees its buffer after),
     # and ``finish`` ends the iterator, waits for the engine and checks what arrived.
 
-    def begin(self, version: int) -> None:
-        """Start an update to ``version``; generation is refused until ``finish`` succeeds."""
+    def begin(
+        self, version: int, *, timeout_s: float = DEFAULT_TIMEOUT_S, again: bool = False
+    ) -> None:
+        """Start an update to ``version``; generation is refused until ``finish`` succeeds.
+
+        ``timeout_s`` (``weight_sync.timeout_s``) bounds each wait on the engine: taking a
+        bucket (``load_part``) and completing the update (``finish``). An engine that does not
+        is abandoned - the call raises ``StaleWeightsError`` and the engine refuses to generate.
+        ``again``: the retry of a failed sync (``check_announced``).
+        """
+        self.check_announced(version, again=again)
         self.abandon_sync()
         self.weights_version = None
         self._target = version
@@ -169,13 +202,19 @@ class VersionedEngine:
         self._version_before = self.engine.version
         self._queue = queue.Queue(maxsize=2)
         self._error = None
+        self._timeout_s = timeout_s
+        self._cancelled = cancelled = threading.Event()
         channel = self._queue
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
             while (item := channel.get()) is not _END:
+                if cancelled.is_set():
+                    raise StaleWeightsError("the weight sync was abandoned")
                 if isinstance(item, BaseException):
                     raise item
                 yield from item
+            if cancelled.is_set():
+                raise StaleWeightsError("the weight sync was abandoned")
 
         def run() -> None:
             try:
@@ -196,18 +235,40 @@ class VersionedEngine:
         if self._target is None:
             raise StaleWeightsError("load_part outside a sync; call begin(version) first")
         items = [(name, tensor.clone() if copy else tensor) for name, tensor in named]
-        self._put(items)
+        self._put(items, "take a bucket")
         self._seen.extend(name for name, _ in items)
         return len(items)
 
-    def _put(self, item: Any) -> None:
+    def _put(self, item: Any, what: str) -> None:
+        deadline = time.monotonic() + self._timeout_s
         while True:
             self._raise_engine_error()
             try:
-                self._queue.put(item, timeout=0.1)
+                self._queue.put(item, timeout=min(0.1, max(deadline - time.monotonic(), 0.0)))
                 return
             except queue.Full:
-                continue
+                if time.monotonic() >= deadline:
+                    self._give_up(what)
+
+    def _give_up(self, what: str) -> None:
+        """The engine did not ``what`` within the timeout: abandon the sync and raise."""
+        version = self._target
+        self._cancel()
+        self._target = None
+        raise StaleWeightsError(
+            f"the engine did not {what} of weights version {version} within "
+            f"weight_sync.timeout_s={self._timeout_s:g} s (its update_weights is stuck or slow); "
+            "it refuses to generate until a complete sync - raise weight_sync.timeout_s if "
+            "loading is just slow, else restart the inference worker"
+        )
+
+    def _cancel(self) -> None:
+        """Make the running update's stream fail at its next read (it may be blocked on one)."""
+        self._cancelled.set()
+        try:
+            self._queue.put_nowait(_END)  # wakes a stream waiting for the next bucket
+        except queue.Full:
+            pass  # the stream is not waiting: it sees the flag at its next read
 
     def _raise_engine_error(self) -> None:
         if self._error is None and self._thread is not None and self._thread.is_alive():
@@ -231,8 +292,10 @@ class VersionedEngine:
                 f"finish(version={version}) but the running sync began for version {target}; "
                 "the engine will not serve until a complete sync"
             )
-        self._put(_END)
-        thread.join()
+        self._put(_END, "take the end of the update")
+        thread.join(timeout=self._timeout_s)
+        if thread.is_alive():
+            self._give_up("complete the update")
         self._target = None
         if self._error is not None:
             raise StaleWeightsError(
@@ -244,13 +307,36 @@ class VersionedEngine:
 
     def abandon_sync(self) -> None:
         """Abandon a running multi-call update: the engine's update fails, nothing is served
-        until a full sync."""
+        until a full sync.
+
+        Raises ``StaleWeightsError`` when the engine is still stuck in that update after
+        ``timeout_s``: a new update beside it would race it for the same weights.
+        """
         thread = self._thread
-        if thread is not None and thread.is_alive():
-            self._queue.put(StaleWeightsError("the weight sync was abandoned"))
-            thread.join()
         self._target = None
+        if thread is not None and thread.is_alive():
+            self._cancel()
+            thread.join(timeout=self._timeout_s)
+            if thread.is_alive():
+                raise StaleWeightsError(
+                    "the engine is still stuck in an abandoned weight update after "
+                    f"weight_sync.timeout_s={self._timeout_s:g} s; restart the inference worker"
+                )
         self._thread = None
+
+    def check_announced(self, version: int, *, again: bool = False) -> None:
+        """Raise ``VersionReusedError`` unless ``version`` is newer than any this engine served.
+
+        ``again`` also allows the newest one: the retry of a sync that this engine completed but
+        another did not, or the adapters that follow their base in the same version.
+        """
+        if version > self.last_served or (again and version == self.last_served):
+            return
+        raise VersionReusedError(
+            f"a sync announces weights version {version} but this engine already served "
+            f"{self.last_served}; versions only go up - give every WeightSync of a run the run's "
+            "PolicyVersion (WeightSync(policy=...)), or restore() it to the checkpoint's version"
+        )
 
     def _close(self, version: int, expected_names: Sequence[str], seen: Sequence[str]) -> int:
         missing = sorted(set(expected_names) - set(seen))
@@ -267,12 +353,13 @@ class VersionedEngine:
                 f"({self._version_before}); the engine may not have taken the weights - fix the "
                 "engine's update_weights"
             )
-        self.weights_version = version
+        self.weights_version = self.last_served = version
         return version
 
     def load_adapter(self, adapter: AdapterWeights, *, version: int) -> int:
         """Serve the engine's base with ``adapter`` (LoRA) as ``version``; generation is refused
         while it loads, and after a failed load until a later sync completes."""
+        self.check_announced(version, again=True)
         self.abandon_sync()
         self.weights_version = None
         before = self.engine.version
@@ -282,7 +369,7 @@ class VersionedEngine:
                 f"{type(self.engine).__name__}.load_adapter did not bump its version ({before}); "
                 "fix the engine's load_adapter"
             )
-        self.weights_version = version
+        self.weights_version = self.last_served = version
         return version
 
     def check(self, expected: int | None = None) -> int:
@@ -330,7 +417,7 @@ class VersionedEngine:
         items = list(weights.items() if isinstance(weights, Mapping) else weights)
         self.load(
             [_NamedTensors(items)],
-            version=(self.weights_version or 0) + 1,
+            version=self.last_served + 1,
             expected_names=[name for name, _ in items],
         )
 
@@ -346,6 +433,8 @@ class VersionedEngine:
     def set_state(self, state: dict[str, Any]) -> None:
         self.engine.set_state(state)
         self.weights_version = state.get("weights_version", self.weights_version)
+        if self.weights_version is not None:  # a restore: the one way a version goes back
+            self.last_served = self.weights_version
 
 
 class _NamedTensors:

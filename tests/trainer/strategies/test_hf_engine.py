@@ -432,3 +432,21 @@ def test_the_registry_engine_takes_its_prefix_cache_size_and_refuses_other_optio
         HFEngine.from_pretrained(str(policy_dir), max_num_seqs=8)
     with pytest.raises(ValueError, match="prefix_cache_gib must be a number >= 0"):
         HFEngine.from_pretrained(str(policy_dir), prefix_cache_gib=-1)
+
+
+def test_a_tensor_of_another_shape_is_refused_naming_it_and_both_shapes(policy) -> None:
+    """``copy_`` would broadcast a (1, cols) row into every row of the weight and serve that."""
+    from trainer.weights.errors import StaleWeightsError
+    from trainer.weights.versioned import VersionedEngine
+
+    model, _ = policy
+    name, weight = next((n, p) for n, p in model.named_parameters() if p.dim() == 2)
+    before = weight.detach().clone()
+    engine = VersionedEngine(make_engine(policy))
+    engine.begin(1)
+    engine.load_part([(name, torch.randn(1, weight.shape[1]))])
+    with pytest.raises(StaleWeightsError, match=name) as caught:
+        engine.finish(1, [name])
+    assert f"(1, {weight.shape[1]})" in str(caught.value)
+    assert str(tuple(weight.shape)) in str(caught.value)
+    assert torch.equal(weight.detach(), before) and engine.weights_version is None

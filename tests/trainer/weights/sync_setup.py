@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,52 @@ def spread_policy(source: Path, target: Path, seed: int = 0) -> Path:
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     return target
+
+
+def make_clusters(model_dir: Path, **actor_kwargs: Any) -> tuple[Any, Any]:
+    """A one-rank hf trainer and two hf engines, in this process (the local backend)."""
+    from trainer.config import RoleConfig
+    from trainer.workers.actor import ActorCluster
+    from trainer.workers.infer import InferCluster
+
+    common = {"model_path": str(model_dir)}
+    actor = ActorCluster(
+        "actor_train",
+        RoleConfig(strategy="hf", device_mapping=[]),
+        backend="local",
+        worker_kwargs={**common, "optim": {"lr": 0.05}, **actor_kwargs},
+    )
+    infer = InferCluster(
+        "actor_infer",
+        RoleConfig(strategy="hf", device_mapping=[], num_workers=2),
+        backend="local",
+        worker_kwargs=common,
+    )
+    return actor, infer
+
+
+def dying_at(update_weights: Callable[[Any], None], index: int) -> Callable[[Any], None]:
+    """``update_weights`` that raises "engine process died" when it reaches tensor ``index``."""
+
+    def dying_update(weights: Any) -> None:
+        def first_few() -> Any:
+            for at, item in enumerate(weights):
+                if at == index:
+                    raise RuntimeError("engine process died")
+                yield item
+
+        update_weights(first_few())
+
+    return dying_update
+
+
+def train_away(actor: Any, model_dir: Path) -> None:
+    """Three behaviour-cloning steps: the trainer's weights move away from the engines'."""
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    for _ in range(3):
+        actor.sft_step(random_batch(vocab))
 
 
 def random_batch(vocab: int, rows: int = 8, width: int = 10, seed: int = 3) -> Any:
@@ -104,4 +151,23 @@ def trainer_logprobs(actor: Any, results: list[Any]) -> list[list[float]]:
     return [
         out[i, len(p) : len(p) + len(r.token_ids)].tolist()
         for i, (p, r) in enumerate(zip(PROMPTS, results))
+    ]
+
+
+def trainer_engine_weights(actor: Any) -> dict[str, Any]:
+    """The tensors the trainer sends an engine (LoRA merged in), as its rank 0 computes them."""
+    return {name: tensor.detach().clone() for name, tensor in actor._workers[0]._full_weights()}
+
+
+def differing(trainer: dict[str, Any], infer: Any, rank: int) -> list[str]:
+    """Names of ``trainer`` tensors that inference worker ``rank``'s engine does not hold
+    bitwise (local backend: the engine is in this process)."""
+    import torch
+
+    engine = infer._workers[rank].engine
+    held = getattr(engine, "engine", engine).model.state_dict()
+    return [
+        name
+        for name, tensor in trainer.items()
+        if name not in held or not torch.equal(tensor.to(held[name].dtype), held[name])
     ]

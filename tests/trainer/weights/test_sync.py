@@ -11,12 +11,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.trainer.weights import sync_setup as S
-from trainer.config import RoleConfig
 from trainer.weights.errors import BucketTooSmallError, StaleWeightsError, TransportError
 from trainer.weights.sync import WeightSync
 from trainer.weights.versioned import PolicyVersion
-from trainer.workers.actor import ActorCluster
-from trainer.workers.infer import InferCluster
 
 
 @pytest.fixture(scope="module")
@@ -26,19 +23,7 @@ def model_dir(policy_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 @pytest.fixture
 def clusters(model_dir: Path):
-    common = {"model_path": str(model_dir)}
-    actor = ActorCluster(
-        "actor_train",
-        RoleConfig(strategy="hf", device_mapping=[]),
-        backend="local",
-        worker_kwargs={**common, "optim": {"lr": 0.05}},
-    )
-    infer = InferCluster(
-        "actor_infer",
-        RoleConfig(strategy="hf", device_mapping=[], num_workers=2),
-        backend="local",
-        worker_kwargs=common,
-    )
+    actor, infer = S.make_clusters(model_dir)
     try:
         # the run's policy version: every sync of a test advances it
         yield actor, infer, PolicyVersion()
@@ -47,20 +32,12 @@ def clusters(model_dir: Path):
         infer.shutdown()
 
 
-def train_away(actor: ActorCluster, model_dir: Path) -> None:
-    from transformers import AutoConfig
-
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
-    for _ in range(3):
-        actor.sft_step(S.random_batch(vocab))
-
-
 @pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])
 def test_sync_makes_every_engine_generate_what_the_trainer_would(
     clusters, model_dir: Path, transport: str
 ) -> None:
     actor, infer, policy = clusters
-    train_away(actor, model_dir)
+    S.train_away(actor, model_dir)
     weights = actor.get_weights()
     expected = S.trainer_greedy(weights, model_dir)
     # the engines still hold the old weights
@@ -90,7 +67,7 @@ def test_only_changed_sends_nothing_when_nothing_trained(clusters, model_dir: Pa
     assert first.tensors > 0
     again = sync.sync()
     assert again.tensors == 0 and again.version == 2 and infer.weights_version() == [2, 2]
-    train_away(actor, model_dir)
+    S.train_away(actor, model_dir)
     third = sync.sync()
     assert 0 < third.tensors and [r.token_ids for r in S.engine_greedy(infer)] == S.trainer_greedy(
         actor.get_weights(), model_dir
@@ -121,18 +98,7 @@ def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(
 ) -> None:
     actor, infer, policy = clusters
     worker = infer._workers[1]
-    real_update = worker.engine.update_weights
-
-    def dying_update(weights):
-        def first_few():
-            for index, item in enumerate(weights):
-                if index == 12:
-                    raise RuntimeError("engine process died")
-                yield item
-
-        return real_update(first_few())
-
-    worker.engine.update_weights = dying_update
+    worker.engine.update_weights = S.dying_at(worker.engine.update_weights, 12)
     with pytest.raises(TransportError, match="engine process died"):
         WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1).sync()
     with pytest.raises(StaleWeightsError, match="half-updated"):
@@ -141,37 +107,38 @@ def test_an_engine_that_dies_during_the_sync_is_reported_and_refuses_to_serve(
     assert policy.value == 0  # a failed sync does not advance the run's version
 
 
+@pytest.mark.parametrize(
+    ("transport", "lora"),
+    [("shared_memory", None), ("broadcast", None), ("shared_memory", "merged")],
+    ids=["shared_memory", "broadcast", "lora_merged_gathered"],
+)
 def test_after_a_failed_only_changed_sync_the_next_one_resends_every_tensor(
-    clusters, model_dir: Path
+    model_dir: Path, transport: str, lora: str | None
 ) -> None:
-    actor, infer, policy = clusters
-    sync = WeightSync(
-        actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.1, only_changed=True
-    )
-    sync.sync()
-    train_away(actor, model_dir)
-    inner = infer._workers[1].engine.engine  # the engine inside the worker's VersionedEngine
-    real_update = inner.update_weights
+    """A retry after a failed sync must not trust what the failed one "sent": every engine ends
+    up holding exactly the trainer's weights (LoRA ``sync: merged`` takes the gathered path)."""
+    from trainer.config import LoraConfig
 
-    def dying_update(weights):
-        def first_few():
-            for index, item in enumerate(weights):
-                if index == 3:
-                    raise RuntimeError("engine process died")
-                yield item
-
-        return real_update(first_few())
-
-    inner.update_weights = dying_update
-    with pytest.raises(TransportError, match="engine process died"):
-        sync.sync()  # the trainer's segments now hold the new weights, engine 1 does not
-    inner.update_weights = real_update
-    healed = sync.sync()
-    # everything again, though the segments already match
-    assert healed.tensors == len(actor.get_weights())
-    assert [r.token_ids for r in S.engine_greedy(infer)] == S.trainer_greedy(
-        actor.get_weights(), model_dir
-    )
+    extra = {"lora": LoraConfig(rank=4, sync=lora)} if lora else {}
+    actor, infer = S.make_clusters(model_dir, **extra)
+    try:
+        sync = WeightSync(
+            actor, infer, transport=transport, bucket_mb=0.1, only_changed=True, timeout_s=30
+        )
+        sync.sync()
+        S.train_away(actor, model_dir)
+        inner = infer._workers[1].engine.engine  # the engine inside the worker's VersionedEngine
+        inner.update_weights = S.dying_at(inner.update_weights, 3)
+        with pytest.raises(TransportError):
+            sync.sync()  # engine 1 took only its first tensors
+        del inner.update_weights  # the real method again
+        healed = sync.sync()
+        trainer = S.trainer_engine_weights(actor)
+        assert healed.tensors == len(trainer)  # everything again
+        assert [S.differing(trainer, infer, rank) for rank in (0, 1)] == [[], []]
+    finally:
+        actor.shutdown()
+        infer.shutdown()
 
 
 def test_a_restored_policy_version_is_where_the_next_sync_continues(clusters) -> None:
@@ -184,3 +151,21 @@ def test_a_restored_policy_version_is_where_the_next_sync_continues(clusters) ->
     ).sync()
     assert report.version == policy.value == 8 and infer.weights_version() == [8, 8]
     assert {r.policy_version for r in S.engine_greedy(infer)} == {8}
+
+
+def test_an_engine_failing_mid_broadcast_fails_the_sync_with_its_own_error(
+    clusters, model_dir: Path
+) -> None:
+    """The failing engine stays in the protocol until the stream ends, so the sync fails with
+    the engine's error at once rather than a group timeout (60 s here) blaming the trainer."""
+    actor, infer, policy = clusters
+    inner = infer._workers[1].engine
+    inner.update_weights = S.dying_at(inner.update_weights, 3)
+    sync = WeightSync(
+        actor, infer, policy=policy, transport="broadcast", bucket_mb=0.1, timeout_s=60
+    )
+    with pytest.raises(TransportError, match="engine process died"):
+        sync.sync()
+    assert infer.weights_version()[1] is None and policy.value == 0
+    del inner.update_weights  # the real method again: the next sync heals the engine
+    assert sync.sync().version == 1 and infer.weights_version() == [1, 1]

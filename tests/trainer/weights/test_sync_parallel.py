@@ -19,6 +19,7 @@ ray = pytest.importorskip("ray", reason="sharded strategies run one Ray worker p
 from tests.trainer.weights import sync_setup as S
 from trainer.config import RoleConfig
 from trainer.weights.sync import WeightSync
+from trainer.weights.versioned import PolicyVersion
 from trainer.workers.actor import ActorCluster
 from trainer.workers.infer import InferCluster
 
@@ -76,12 +77,19 @@ def infer(local_ray, model_dir: Path):
     cluster.shutdown()
 
 
+@pytest.fixture(scope="module")
+def policy(infer: InferCluster) -> PolicyVersion:
+    """The version the module's engines serve: each test's syncs continue it (engines refuse a
+    version they already served)."""
+    return PolicyVersion()
+
+
 # Ray + two gloo ranks + a vLLM engine: ~1-2 min on the 2-core VM; in the default tier because CI
 # must prove the sync
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_sharded_trainer_syncs_into_the_engine_exactly(
-    strategy: str, infer: InferCluster, model_dir: Path
+    strategy: str, infer: InferCluster, policy: PolicyVersion, model_dir: Path
 ) -> None:
     from transformers import AutoConfig
 
@@ -99,7 +107,7 @@ def test_sharded_trainer_syncs_into_the_engine_exactly(
         for rows in (7, 8, 8):  # 7: a ragged split (4 + 3 rows) runs too
             actor.sft_step(S.random_batch(vocab, rows=rows))
         expected = S.trainer_greedy(actor.get_weights(), model_dir)
-        sync = WeightSync(actor, infer, transport="shared_memory", bucket_mb=0.2)
+        sync = WeightSync(actor, infer, policy=policy, transport="shared_memory", bucket_mb=0.2)
         report = sync.sync()
         assert report.buckets > 1
         results = S.engine_greedy(infer)
@@ -109,14 +117,14 @@ def test_sharded_trainer_syncs_into_the_engine_exactly(
 
         actor.sft_step(S.random_batch(vocab, seed=4))  # and again over the broadcast group
         expected = S.trainer_greedy(actor.get_weights(), model_dir)
-        WeightSync(actor, infer, transport="broadcast", bucket_mb=0.2).sync()
+        WeightSync(actor, infer, policy=policy, transport="broadcast", bucket_mb=0.2).sync()
         assert [r.token_ids for r in S.engine_greedy(infer)] == expected
 
         # shared memory again: the same segments, rewritten
         actor.sft_step(S.random_batch(vocab, seed=5))
         expected = S.trainer_greedy(actor.get_weights(), model_dir)
         again = sync.sync()
-        assert again.version == report.version + 1 and again.nbytes == report.nbytes
+        assert again.version == report.version + 2 and again.nbytes == report.nbytes
         assert [r.token_ids for r in S.engine_greedy(infer)] == expected
     finally:
         actor.shutdown()

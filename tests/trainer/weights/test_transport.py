@@ -114,3 +114,33 @@ def test_engine_that_ignores_updates_is_caught() -> None:
         VersionedEngine(Deaf()).load(
             iter_buckets(named, 1 << 20), version=1, expected_names=[n for n, _ in named]
         )
+
+
+def test_a_segment_this_process_cannot_see_points_to_the_broadcast_transport() -> None:
+    """Another host, or a container without the trainer's /dev/shm: rerunning cannot help."""
+    from trainer.weights.transport import SegmentPool
+
+    with pytest.raises(TransportError, match=r"weight_sync\.transport: broadcast") as caught:
+        SegmentPool().buffer("psm_envhub_test_missing")
+    assert "rerun the sync" not in str(caught.value)
+
+
+def test_auto_picks_broadcast_when_any_trainer_rank_is_on_another_host() -> None:
+    """The shard-direct sync needs every trainer rank to map the segments, not rank 0 alone."""
+    from trainer.weights.sync import WeightSync
+
+    class Cluster:
+        backend = "ray"
+
+        def __init__(self, hosts: list[str]) -> None:
+            self.hosts = hosts
+
+        def node_info(self) -> list[dict[str, str]]:
+            return [{"hostname": host} for host in self.hosts]
+
+    def resolved(trainer_hosts: list[str]) -> str:
+        actor, infer = Cluster(trainer_hosts), Cluster(["a", "a"])
+        return WeightSync(actor, infer, transport="auto").transport  # type: ignore[arg-type]
+
+    assert resolved(["a", "a"]) == "shared_memory"
+    assert resolved(["a", "b"]) == "broadcast"
