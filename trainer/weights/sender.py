@@ -26,8 +26,8 @@ sends counts once every engine served its version (the driver's ``confirm_weight
 the broadcast's closing acknowledgement); a sync that failed, or was never confirmed, is
 forgotten, so the next one sends every tensor again.
 
-``close_weight_sync`` unlinks this rank's segments (the cluster calls it before shutdown: a
-killed Ray worker would leak them).
+``close_weight_sync`` unlinks this rank's segments (the cluster calls it before shutdown); what a
+killed worker left, the next process to make a segment removes (``trainer.weights.segments``).
 """
 
 from __future__ import annotations

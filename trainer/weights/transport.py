@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.weights.buckets import Bucket, TensorMeta, iter_buckets
 from trainer.weights.errors import StaleWeightsError, TransportError
+from trainer.weights.segments import attach_segment, create_segment
 
 if TYPE_CHECKING:
     import torch
@@ -112,13 +113,11 @@ def share_bucket(bucket: Bucket) -> tuple[SharedBucket, Callable[[], None]]:
         return SharedBucket(
             bucket.metas, bucket.index, bucket.nbytes, cuda_ipc=reduce_tensor(bucket.buffer)
         ), lambda: None
-    from multiprocessing import shared_memory
 
     import torch
 
     check_shm_space(bucket.nbytes, f"bucket {bucket.index}")
-    segment = shared_memory.SharedMemory(create=True, size=max(bucket.nbytes, 1))
-    _CREATED.add(segment.name)
+    segment = create_segment(bucket.nbytes)
     torch.frombuffer(segment.buf, dtype=torch.uint8, count=bucket.nbytes).copy_(bucket.buffer)
 
     def release() -> None:
@@ -145,7 +144,6 @@ class SharedSegment:
 
     def pack(self, named: list[tuple[str, torch.Tensor]], *, index: int = 0) -> SharedBucket:
         """Pack host tensors into the segment (grown when too small); returns the handle to send."""
-        from multiprocessing import shared_memory
 
         import torch
 
@@ -156,8 +154,7 @@ class SharedSegment:
             held = 0 if self.segment is None else self.segment.size
             check_shm_space(nbytes - held, f"bucket {index} (grown from {held:,} bytes)")
             self.close()
-            self.segment = shared_memory.SharedMemory(create=True, size=max(nbytes, 1))
-            _CREATED.add(self.segment.name)
+            self.segment = create_segment(nbytes)
         buffer = torch.frombuffer(self.segment.buf, dtype=torch.uint8, count=max(nbytes, 1))
         bucket = pack(named, index=index, buffer=buffer)
         handle = SharedBucket(bucket.metas, index, bucket.nbytes, shm_name=self.segment.name)
@@ -169,26 +166,6 @@ class SharedSegment:
             self.segment.close()
             self.segment.unlink()
             self.segment = None
-
-
-_CREATED: set[str] = set()  # segments this process created (and must keep registered for cleanup)
-
-
-def _attach(name: str) -> Any:
-    """Open an existing segment without adopting it: Python < 3.13 registers every opened segment
-    with this process's resource tracker, which would unlink it when this process exits."""
-    from multiprocessing import resource_tracker, shared_memory
-
-    segment = shared_memory.SharedMemory(name=name)
-    if name in _CREATED:  # our own (a receiver thread of the same process): registered already
-        return segment
-    # ``_name`` (private): the name with its leading "/", as ``SharedMemory`` registered it
-    name_registered = segment._name  # type: ignore[attr-defined]
-    try:
-        resource_tracker.unregister(name_registered, "shared_memory")
-    except OSError:  # the tracker process is gone: nothing is registered to undo
-        pass
-    return segment
 
 
 class SegmentPool:
@@ -216,7 +193,6 @@ class SegmentPool:
         ones (``check_shm_space``); a replaced segment's room is not counted, since an engine
         may still map it.
         """
-        from multiprocessing import shared_memory
 
         new = [
             index
@@ -229,8 +205,7 @@ class SegmentPool:
         )
         for index in new:
             size = sizes[index]
-            segment = shared_memory.SharedMemory(create=True, size=max(size, 1))
-            _CREATED.add(segment.name)
+            segment = create_segment(size)
             if index < len(self.owned):
                 old, self.owned[index] = self.owned[index], segment
                 self.mapped.pop(old.name, None)
@@ -250,7 +225,7 @@ class SegmentPool:
         if name not in self.mapped:
             own = next((s for s in self.owned if s.name == name), None)
             try:
-                segment = own if own is not None else _attach(name)
+                segment = own if own is not None else attach_segment(name)
             except FileNotFoundError as error:
                 raise TransportError(
                     f"this process cannot see the weight-sync shared-memory segment {name!r}: it "
@@ -337,7 +312,7 @@ def open_bucket(handle: SharedBucket) -> tuple[Bucket, Callable[[], None]]:
             "segment; build handles with share_bucket / pack_shared"
         )
     try:
-        segment = _attach(handle.shm_name)
+        segment = attach_segment(handle.shm_name)
     except FileNotFoundError as error:
         raise TransportError(
             f"shared-memory segment {handle.shm_name!r} of bucket {handle.index} is gone; the "

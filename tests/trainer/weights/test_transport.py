@@ -144,3 +144,55 @@ def test_auto_picks_broadcast_when_any_trainer_rank_is_on_another_host() -> None
 
     assert resolved(["a", "a"]) == "shared_memory"
     assert resolved(["a", "b"]) == "broadcast"
+
+
+OWNER = """
+import sys
+from multiprocessing import resource_tracker
+
+import torch
+
+from trainer.weights.transport import SharedSegment
+
+# as in a Ray worker killed with the driver: no resource tracker survives to unlink the segment
+resource_tracker.register = lambda name, rtype: None
+segment = SharedSegment()
+print(segment.pack([("w", torch.ones(1000))]).shm_name, flush=True)
+sys.stdin.read()  # holds the segment until its stdin closes
+"""
+
+
+def test_segments_a_killed_trainer_left_are_removed_by_the_next_one_and_live_ones_kept() -> None:
+    """A trainer rank killed hard (``kill -9`` of a Ray run's driver kills its worker and the
+    worker's resource tracker) leaves a model-sized segment in /dev/shm; the next process that
+    makes a segment removes it, and never one whose owner is alive."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    shm = Path("/dev/shm")
+    owners: list[subprocess.Popen[str]] = []
+
+    def owner() -> tuple[subprocess.Popen[str], str]:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", OWNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        owners.append(proc)
+        assert proc.stdout is not None
+        return proc, proc.stdout.readline().strip()
+
+    try:
+        killed, killed_segment = owner()
+        _, live_segment = owner()
+        killed.send_signal(signal.SIGKILL)
+        killed.wait(timeout=60)
+        assert (shm / killed_segment).exists()  # left behind
+
+        _, later_segment = owner()  # a later trainer: its first segment collects what was left
+        assert not (shm / killed_segment).exists()
+        assert (shm / live_segment).exists()
+    finally:
+        for proc in owners:
+            proc.communicate(timeout=60)
+    assert not (shm / live_segment).exists() and not (shm / later_segment).exists()
