@@ -26,6 +26,7 @@ from trainer._config_layout_checks import (
     WORKER_ENGINE_ARGS,
     engine_argument_problems,
     fsdp2_tensor_parallel_problems,
+    sink_problems,
     tied_embedding_problems,
 )
 from trainer.config_lifecycle import shared_folder
@@ -78,6 +79,7 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
     problems.extend(fsdp2_tensor_parallel_problems(cfg, policy, refused))
     problems.extend(_engine_option_problems(cfg))
     problems.extend(engine_argument_problems(cfg))
+    problems.extend(sink_problems(cfg))
     dp = cfg.roles.actor_train.world_size
     actor_runs = not any(p.path.startswith("roles.actor_train.") for p in strategy_problems)
     if actor_runs and cfg.batch_size % dp and len(set(cfg.env.group_sizes)) == 1:

@@ -2,8 +2,14 @@
 build it, asked at config load (``trainer._config_checks.cross_section_problems``, so by
 ``envhub train --dry-run`` too): fsdp2 tensor parallelism the model's sizes or blocks cannot take,
 LoRA on an input embedding that the output head shares where the adapters would be added into
-the weights, and engine arguments the ``actor_infer`` worker passes itself. Each is reported at
-the key to change, with the fix.
+the weights, engine arguments the ``actor_infer`` worker passes itself, and a metric sink whose
+package is missing (found before any worker starts, not minutes later). Each is reported at the
+key to change, with the fix.
+
+``local_device_problems`` asks the machine, not the config: GPUs a local run maps but this
+machine lacks (or ids beyond ``cluster.num_devices``). It runs where a run starts its local Ray
+(``resources_for``) and in ``--dry-run``, not at config load: GPU recipes are loaded and planned
+on machines without GPUs.
 """
 
 from __future__ import annotations
@@ -18,7 +24,14 @@ if TYPE_CHECKING:
 
     from trainer.config import TrainerConfig
 
-__all__ = ["engine_argument_problems", "fsdp2_tensor_parallel_problems", "tied_embedding_problems"]
+__all__ = [
+    "engine_argument_problems",
+    "fsdp2_tensor_parallel_problems",
+    "local_device_problems",
+    "local_gpu_problems",
+    "sink_problems",
+    "tied_embedding_problems",
+]
 
 TENSOR_PARALLEL_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
 """The sizes fsdp2's tensor parallelism splits (``fsdp2._tensor_parallel``): each must be a
@@ -141,4 +154,72 @@ def engine_argument_problems(cfg: TrainerConfig) -> list[Problem]:
         )
         for key, source in WORKER_ENGINE_ARGS.items()
         if key in cfg.roles.actor_infer.strategy_args
+    ]
+
+
+def local_device_problems(cfg: TrainerConfig, *, planning: bool = False) -> list[Problem]:
+    """Mapped devices a run that starts its own Ray (ray backend, no ``cluster.address``) lacks:
+    GPUs this machine does not have (``local_gpu_problems``), or ids beyond
+    ``cluster.num_devices``. ``planning``: as ``local_gpu_problems``."""
+    if cfg.cluster.backend != "ray" or cfg.cluster.address is not None:
+        return []
+    if cfg.cluster.device_resource == "GPU":
+        return local_gpu_problems(cfg, planning=planning)
+    return cfg.device_mapping().problems([cfg.local_num_devices])
+
+
+def local_gpu_problems(cfg: TrainerConfig, *, planning: bool = False) -> list[Problem]:
+    """Each active role whose ``device_mapping`` names a GPU this machine lacks, when the run
+    starts its own Ray on GPUs (``cluster.device_resource: GPU``, no ``cluster.address``): Ray
+    would otherwise declare the GPUs the mapping names, and the ranks without one would fall
+    back to the CPU beside CUDA ranks. ``planning`` (``--dry-run``): a machine with no GPU is
+    taken for a planning host, where nothing is refused."""
+    import os
+
+    from trainer import devices
+
+    if cfg.cluster.device_resource != "GPU" or cfg.cluster.address is not None:
+        return []  # a custom resource stands for host memory; a joined cluster counts its own
+    gpus = devices.local_gpu_count()
+    if planning and gpus == 0:
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+    have = f"this machine has {gpus} GPU{'' if gpus == 1 else 's'}{shown}"
+    fix = (
+        f"map GPUs 0-{gpus - 1}, or set cluster.address to join a Ray cluster that has them"
+        if gpus
+        else "run it on a GPU machine, or set cluster.address to join a Ray cluster with GPUs"
+    )
+    problems = []
+    for role in cfg.active_roles:
+        mapped = getattr(cfg.roles, role).device_mapping
+        if mapped and max(mapped) >= gpus:
+            problems.append(
+                Problem(
+                    f"roles.{role}.device_mapping", f"names GPU {max(mapped)} but {have}; {fix}"
+                )
+            )
+    return problems
+
+
+def sink_problems(cfg: TrainerConfig) -> list[Problem]:
+    """``logging.wandb`` without the ``wandb`` package (``MetricsLog`` imports it once the workers
+    are built; the check looks the package up without importing it)."""
+    import importlib.util
+
+    if not cfg.logging.wandb:
+        return []
+    try:
+        installed = importlib.util.find_spec("wandb") is not None
+    except ValueError:  # in sys.modules as None: imports of it are blocked
+        installed = False
+    if installed:
+        return []
+    return [
+        Problem(
+            "logging.wandb",
+            "needs the wandb package, which is not installed; pip install wandb, or set "
+            "logging.wandb=false",
+        )
     ]

@@ -421,6 +421,7 @@ def _dry_run(
     there is no model config to estimate from."""
     from rich.markup import escape as markup_escape
 
+    from trainer._config_layout_checks import local_device_problems
     from trainer.config import load_config
     from trainer.errors import TrainerError
     from trainer.memory import estimate
@@ -449,11 +450,12 @@ def _dry_run(
         return 2
     for renderable in plan_view(cfg, plan):
         console.print(renderable)
-    problems = plan.problems()
+    device_problems = local_device_problems(cfg, planning=True)  # devices a run here lacks
+    problems = [*plan.problems(), *device_problems]
     if not problems:
         console.print("[bold green]fits[/]: nothing started (--dry-run)", highlight=False)
         return 0
-    strict = _memory_check_refuses(config, overrides)
+    strict = bool(device_problems) or _memory_check_refuses(config, overrides)
     head = (
         "does not fit" if strict else "does not fit (cluster.check_memory is off: it would start)"
     )

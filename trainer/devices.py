@@ -45,6 +45,18 @@ __all__ = [
 ]
 
 
+def local_gpu_count() -> int:
+    """The GPUs this process can use (``torch.cuda.device_count()``, which counts only those
+    ``CUDA_VISIBLE_DEVICES`` shows); 0 without torch or CUDA. A locally started Ray is told
+    this many, so a mapping naming more is refused before it starts (see
+    ``trainer._config_layout_checks.local_gpu_problems``)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return int(torch.cuda.device_count())
+
+
 def default_can_offload(strategy: str) -> bool | None:
     """Whether ``strategy`` can offload, as ``trainer.strategies.registry`` declares it; None when
     the registry does not know the strategy. A caller may pass its own

@@ -91,8 +91,17 @@ class AgenticPipeline:
             raise
         _quiet_transformers()
         self.start_time, self.time_offset, self.step = time.monotonic(), 0.0, 0
+        try:
+            self._build(config)
+        except BaseException:  # a notebook retries in this process: free what was built
+            self.close()
+            raise
+
+    def _build(self, config: TrainerConfig) -> None:
+        """Start the workers, then what drives them (weight sync, envs, rewards, sinks)."""
         self.model_path = prepare_policy(config)
         self.renderer = self._renderer()
+        self.file_demos = [] if self.resume else self._file_demos()  # refused before workers
         self.roles = start_roles(config, self.model_path)
         self.colocation: Any = None
         """``trainer.devices.Colocation`` switching colocated roles around phases (built on
@@ -317,7 +326,7 @@ class AgenticPipeline:
         from trainer import sft as demos
 
         if sft.source == "file":
-            data = demos.load_jsonl(str(sft.path), self.renderer)
+            data = self.file_demos or self._file_demos()
         else:
             data = demos.expert_trajectories(
                 self.cfg.env.ids,
@@ -458,17 +467,20 @@ class AgenticPipeline:
         return rows
 
     def close(self) -> None:
-        """Stop everything the run started; then release its folders to the next run."""
+        """Stop everything the run started; then release its folders to the next run. After a
+        build that failed part-way, what was not built yet is skipped."""
+        built = vars(self)
         try:
-            with contextlib.suppress(
-                Exception
-            ):  # aborts what runs, closes envs, cancels leftover tasks
-                self.rollouts.close()
-            self.log.close()
-            self.store.close()
-            if self.rewards is not None:
+            with contextlib.suppress(Exception):  # aborts what runs, closes envs, cancels tasks
+                if "rollouts" in built:
+                    self.rollouts.close()
+            for name in ("log", "store"):
+                if name in built:
+                    built[name].close()
+            if built.get("rewards") is not None:
                 self.rewards.shutdown()
-            self.roles.shutdown()
+            if "roles" in built:
+                self.roles.shutdown()
         finally:
             self.checkpoints.close()
             self.run_lock.release()
@@ -517,6 +529,17 @@ class AgenticPipeline:
             tokenizer.pad_token = tokenizer.eos_token
         rollout = self.cfg.rollout
         return ChatRenderer(tokenizer, rollout.tool_parser, rollout.max_tool_calls)
+
+    def _file_demos(self) -> list[Trajectory]:
+        """``sft.path``'s demonstrations when the warm start reads a file (else none), each
+        within the model's context: read before any worker starts, so a bad line costs no
+        setup."""
+        sft = self.cfg.sft
+        if sft.epochs == 0 or sft.source != "file":
+            return []
+        from trainer.sft import load_jsonl
+
+        return load_jsonl(str(sft.path), self.renderer, max_tokens=self._context_limit())
 
     def _context_limit(self) -> int:
         from transformers import AutoConfig

@@ -26,7 +26,7 @@ from typing import Any
 
 from trainer.errors import TrainerError
 from trainer.rollout.env_manager import Context, prompt_context
-from trainer.rollout.tool_parsers import env_action, message_turn
+from trainer.rollout.tool_parsers import content_text, env_action, message_turn
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 
 __all__ = ["SFT_SEED_BASE", "expert_trajectories", "from_messages", "load_jsonl", "write_jsonl"]
@@ -163,8 +163,16 @@ def _assistant_text(message: dict[str, Any]) -> str:
         raise TrainerError(f"an assistant message's tool call is unreadable: {error}") from None
 
 
-def load_jsonl(path: str | Path, renderer: ChatRenderer) -> list[Trajectory]:
-    """Trajectories from a JSONL file of ``{"messages": [...]}`` lines (see module docstring)."""
+def load_jsonl(
+    path: str | Path, renderer: ChatRenderer, *, max_tokens: int | None = None
+) -> list[Trajectory]:
+    """Trajectories from a JSONL file of ``{"messages": [...]}`` lines (see module docstring).
+
+    A malformed record is refused as ``TrainerError("file:line: what is wrong")``; so is, with
+    ``max_tokens`` (the model's context), a record longer than that. It is refused, not
+    truncated or dropped (as verl's SFT data does by default, ``truncation: error``): a cut
+    transcript would train an answer that stops mid-way, and a silently dropped one shrinks the
+    data behind the user's back; the message names the line to shorten or remove."""
     source = Path(path).expanduser()
     if not source.is_file():
         raise TrainerError(
@@ -175,23 +183,76 @@ def load_jsonl(path: str | Path, renderer: ChatRenderer) -> list[Trajectory]:
     for number, line in enumerate(source.read_text().splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{source}:{number}"
         try:
-            record = json.loads(line)
-            messages = record.pop("messages")
-        except (json.JSONDecodeError, KeyError, AttributeError) as error:
+            messages, known = _checked_record(json.loads(line))
+        except ValueError as error:  # json.JSONDecodeError is one
+            raise TrainerError(f"{where}: {error}") from None
+        try:
+            trajectory = from_messages(messages, renderer, **known)
+        except TrainerError as error:
+            raise TrainerError(f"{where}: {error}") from None
+        except Exception as error:  # noqa: BLE001 - the chat template's own refusal, named
             raise TrainerError(
-                f'{source}:{number}: each line must be a JSON object with "messages" ({error})'
+                f"{where}: the chat template cannot render this conversation "
+                f"({type(error).__name__}: {error})"
             ) from None
-        known = {k: record[k] for k in ("env_id", "seed", "success", "tools") if k in record}
-        trajectory = from_messages(messages, renderer, **known)
         if trajectory.num_turns == 0:
+            raise TrainerError(f"{where}: the conversation has no assistant message to learn from")
+        longest = max(len(rows.token_ids) for rows in [trajectory, *trajectory.samples])
+        if max_tokens is not None and longest > max_tokens:
             raise TrainerError(
-                f"{source}:{number}: the conversation has no assistant message to learn from"
+                f"{where}: the conversation is {longest} tokens, longer than the model's context "
+                f"of {max_tokens} tokens (max_position_embeddings); shorten or split it, or "
+                "remove the line"
             )
         trajectories.append(trajectory)
     if not trajectories:
         raise TrainerError(f"{source} holds no conversations")
     return trajectories
+
+
+class _RecordError(ValueError):
+    """A JSONL record that is not a conversation ``load_jsonl`` can train."""
+
+
+def _checked_record(record: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A decoded line's messages (list content as its text: ``content_text``) and the extra keys
+    ``from_messages`` takes; ``_RecordError`` says what is wrong, at which key."""
+    if not isinstance(record, dict) or "messages" not in record:
+        raise _RecordError('each line must be a JSON object with "messages"')
+    messages = record["messages"]
+    if not isinstance(messages, list):
+        raise _RecordError(f'"messages" must be a list of messages, got {type(messages).__name__}')
+    checked = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _RecordError(
+                f'messages[{index}] must be an object with "role" and "content", got '
+                f"{type(message).__name__}"
+            )
+        if not isinstance(message.get("role"), str):
+            raise _RecordError(f'messages[{index}] has no "role" (user, assistant, tool, ...)')
+        try:
+            text = content_text(message.get("content"))
+        except (TypeError, ValueError) as error:
+            raise _RecordError(f"messages[{index}].{error}") from None
+        checked.append(
+            {**message, "content": text} if isinstance(message.get("content"), list) else message
+        )
+    known = {k: record[k] for k in ("env_id", "seed", "success", "tools") if k in record}
+    kinds = {
+        "env_id": (str, "a string"),
+        "success": (bool, "true or false"),
+        "tools": (list, "a list of tool schemas"),
+    }
+    for key, (kind, what) in kinds.items():
+        if key in known and known[key] is not None and not isinstance(known[key], kind):
+            raise _RecordError(f'"{key}" must be {what}, got {known[key]!r}')
+    seed = known.get("seed", 0)
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise _RecordError(f'"seed" must be an integer, got {seed!r}')
+    return checked, known
 
 
 def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> Path:

@@ -67,6 +67,27 @@ class CountingWorker(Worker):
     def environ(self, name: str) -> str | None:
         return os.environ.get(name)
 
+    gate = threading.Event()
+    """What ``stall_unless_failing`` waits on (a test sets it to free in-process ranks)."""
+
+    @register(Dispatch.ONE_TO_ALL)
+    def stall_unless_failing(self, rank: int) -> None:
+        """Rank ``rank`` fails, the others wait for a peer that never comes (``gate``): a
+        collective in which one rank died."""
+        if self.rank == rank:
+            raise ValueError(f"rank {rank} was told to fail")
+        CountingWorker.gate.wait()
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def setup(self) -> None:
+        """What ``ActorCluster`` calls on every rank once they started."""
+        self.calls.append("setup")
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def close_weight_sync(self) -> None:
+        """What ``ActorCluster`` asks of every rank before it stops them."""
+        self.calls.append("close_weight_sync")
+
     def offload(self) -> None:  # inherits Worker.offload's registration
         self.calls.append("offload")
         super().offload()

@@ -76,3 +76,35 @@ def test_cpu_examples_report_host_memory(recipe: str, tmp_path: Path) -> None:
     code, stdout, stderr = dry_run(str(EXAMPLES / recipe), f"output_dir={tmp_path / 'run'}")
     assert code == 0, stderr
     assert "host memory" in stdout and "vocabulary at its bound" in stdout
+
+
+def test_on_a_gpu_host_with_fewer_gpus_the_dry_run_refuses_the_mapping(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A machine with 4 GPUs cannot run the 8-GPU recipe locally: the plan is printed, then
+    refused naming the role, the highest GPU id and the count."""
+    from trainer import devices
+
+    monkeypatch.setattr(devices, "local_gpu_count", lambda: 4, raising=False)
+    folder = config_json(tmp_path / "qwen", QWEN2_5_0_5B)
+    code, stdout, stderr = dry_run(
+        str(EXAMPLES / "qwen2.5-0.5b-sokoban-8gpu.yaml"), f"model.path={folder}"
+    )
+    assert code == 1
+    assert "device 0-7" in stdout  # the plan is still shown
+    assert "roles.actor_train.device_mapping: names GPU 7 but this machine has 4 GPUs" in stderr
+
+
+def test_the_dry_run_refuses_devices_beyond_cluster_num_devices_as_the_run_does(
+    tmp_path: Path,
+) -> None:
+    code, _, stderr = dry_run(
+        str(EXAMPLES / "quickstart.yaml"),
+        "cluster.backend=ray",
+        "cluster.num_devices=1",
+        "roles.actor_train.device_mapping=[0,1]",
+        "roles.actor_train.strategy=fsdp2",
+        f"output_dir={tmp_path / 'run'}",
+    )
+    assert code == 1
+    assert "roles.actor_train.device_mapping: device 1 does not exist" in stderr

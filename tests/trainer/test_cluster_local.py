@@ -6,15 +6,18 @@ import asyncio
 import inspect
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from tests.trainer.fake_workers import CountingCluster, CountingWorker
 from trainer.config import RoleConfig
 from trainer.controller.batch import Batch
-from trainer.controller.cluster import Cluster, RemoteMethod, cluster_method_problems, remote
+from trainer.controller.cluster import Cluster, RemoteMethod, remote
 from trainer.controller.dispatch import Dispatch, register
+from trainer.controller.method_checks import cluster_method_problems
 from trainer.errors import DispatchError, WorkerCallError
+from trainer.workers.actor import ActorCluster
 
 
 @pytest.fixture
@@ -92,6 +95,26 @@ def test_timeouts_and_shutdown(cluster: CountingCluster) -> None:
     cluster.shutdown()
     with pytest.raises(DispatchError, match="is shut down"):
         cluster.add(1)
+
+
+def test_shutdown_gives_up_on_a_rank_stuck_in_a_call_and_names_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Rank 1 fails while rank 0 waits for it forever (a collective): the failure is reported,
+    and shutdown returns (a Ctrl-C or the error path is not stuck behind rank 0) with a warning
+    naming what was still running."""
+    cluster = ActorCluster("actor_train", worker_cls=CountingWorker, world_size=2)
+    cluster.shutdown_timeout_s = 0.2
+    try:
+        with pytest.raises(WorkerCallError, match=r"rank 1 failed in stall_unless_failing"):
+            cluster._call_async("stall_unless_failing", 1).result(timeout=60)
+        stopper = threading.Thread(target=cluster.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(timeout=60)
+        assert not stopper.is_alive(), "shutdown waited for the stuck rank"
+        assert "actor_train worker rank 0 is still running stall_unless_failing()" in caplog.text
+    finally:
+        CountingWorker.gate.set()
 
 
 def test_offload_reload_and_placement_from_role_config() -> None:

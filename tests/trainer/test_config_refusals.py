@@ -351,3 +351,20 @@ def test_a_built_model_with_a_tied_head_refuses_an_adapter_on_it() -> None:
     lora = LoraConfig(rank=2, target_modules=["all-linear", "lm_head"])
     with pytest.raises(ModelError, match="drop lm_head from target_modules"):
         apply_lora(LlamaForCausalLM(config), lora)
+
+
+# --------------------------------------------------------------------------- metric sinks
+
+
+def test_wandb_without_the_package_is_refused_at_load_not_after_the_workers_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not importable, installed or not
+    assert problems_of(QUICKSTART, ["logging.wandb=true"]) == [
+        (
+            "logging.wandb: needs the wandb package, which is not installed; pip install wandb, "
+            "or set logging.wandb=false (at override 'logging.wandb=true')"
+        )
+    ]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainer.config import RoleConfig
@@ -134,3 +136,55 @@ def test_colocation_offloads_the_others_and_reloads_the_active_role() -> None:
     }
     with pytest.raises(KeyError, match="roles \\['nobody'\\] have no cluster here"):
         colocation.activate("nobody")
+
+
+GPU_RECIPE = Path(__file__).resolve().parents[2] / "examples" / "qwen2.5-0.5b-sokoban-8gpu.yaml"
+
+
+def test_a_local_gpu_run_naming_more_gpus_than_the_machine_has_is_refused_before_ray_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The 8-GPU recipe on a 1-GPU machine (no cluster.address): refused naming the roles, the
+    highest GPU id and the count, before a local Ray is started with GPUs that do not exist."""
+    from tests.gpu.recipe_models import QWEN2_5_0_5B, config_json
+    from trainer import devices
+    from trainer.config import load_config
+    from trainer.controller import resources
+
+    def started(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a local Ray was started with {args} {kwargs}")
+
+    monkeypatch.setattr(devices, "local_gpu_count", lambda: 1, raising=False)
+    monkeypatch.setattr(resources, "init_local_ray", started)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    cfg = load_config(GPU_RECIPE, [f"model.path={config_json(tmp_path, QWEN2_5_0_5B)}"])
+    with pytest.raises(DeviceMappingError) as refused:
+        resources.resources_for(cfg)
+    messages = [str(problem) for problem in refused.value.problems]
+    assert messages[0] == (
+        "roles.actor_train.device_mapping: names GPU 7 but this machine has 1 GPU "
+        "(CUDA_VISIBLE_DEVICES=3); map GPUs 0-0, or set cluster.address to join a Ray cluster "
+        "that has them"
+    )
+    assert [m.split(":")[0] for m in messages] == [
+        "roles.actor_train.device_mapping",
+        "roles.actor_infer.device_mapping",
+        "roles.reference.device_mapping",
+    ]
+
+
+def test_the_gpu_count_is_not_asked_for_cpu_devices_or_a_joined_cluster(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainer import devices
+    from trainer._config_layout_checks import local_gpu_problems
+    from trainer.config import load_config
+
+    def counted() -> int:
+        raise AssertionError("the GPUs were counted")
+
+    monkeypatch.setattr(devices, "local_gpu_count", counted)
+    wide = ["roles.actor_train.device_mapping=[0]", "roles.actor_infer.device_mapping=[2]"]
+    assert local_gpu_problems(load_config(None, wide)) == []  # envhub_device: host memory
+    joined = [*wide, "cluster.device_resource=GPU", "cluster.address=10.0.0.1:6379"]
+    assert local_gpu_problems(load_config(None, joined)) == []

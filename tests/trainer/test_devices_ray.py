@@ -14,6 +14,7 @@ seconds to start):
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,13 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.trainer.fake_workers import CountingCluster
+from tests.trainer.fake_workers import CountingCluster, CountingWorker
 from tests.trainer.ray_nodes import start_ray_nodes, wait_for_nodes
 from trainer.config import RoleConfig
 from trainer.controller.batch import Batch
 from trainer.controller.resources import ResourceManager
 from trainer.devices import AutoDeviceMapping, Colocation
 from trainer.errors import DeviceMappingError, WorkerCallError
+from trainer.workers.actor import ActorCluster
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
 pytest.importorskip("psutil", reason="psutil is needed to stop the test's own Ray processes")
@@ -199,6 +201,23 @@ def test_mappings_that_do_not_fit_are_refused_before_anything_starts(ray_session
     ]
     with pytest.raises(DeviceMappingError, match="no Ray node offers the resource 'tpu'"):
         ResourceManager(AutoDeviceMapping({"actor_train": role([0])}), device_resource="tpu")
+
+
+def test_a_rank_failing_beside_a_stuck_peer_is_reported_and_shutdown_returns(
+    ray_session: None,
+) -> None:
+    """Rank 1 fails while rank 0 waits for it in a "collective": the error names rank 1, and
+    shutdown (whose ``close_weight_sync`` call rank 0 never takes) gives rank 0 up and kills it."""
+    cluster = ActorCluster("actor_train", worker_cls=CountingWorker, backend="ray", world_size=2)
+    cluster.shutdown_timeout_s = 1.0
+    with pytest.raises(WorkerCallError, match=r"actor_train worker rank 1 failed in stall_unless"):
+        cluster._call_async("stall_unless_failing", 1).result(timeout=120)
+    stopper = threading.Thread(target=cluster.shutdown, daemon=True)
+    stopper.start()
+    stopper.join(timeout=120)
+    assert not stopper.is_alive(), "shutdown waited for the stuck rank"
+    with pytest.raises(ray.exceptions.RayActorError):  # killed: it no longer holds its device
+        ray.get(cluster._workers[0].history.remote(), timeout=60)
 
 
 def test_shutdown_releases_every_device(layout: Layout) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,55 @@ def test_a_run_config_starts_local_ray_that_talks_only_over_loopback(
     finally:
         manager.shutdown()
         ray.shutdown()
+
+
+def command(process: psutil.Process) -> str:
+    """``process``'s command line ("" once it ended or became a zombie)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def still_running(processes: list[psutil.Process]) -> list[str]:
+    return [command(p)[:80] for p in processes if command(p)]
+
+
+@pytest.mark.slow
+def test_a_run_killed_with_sigkill_leaves_no_process_of_its_ray_session(tmp_path: Path) -> None:
+    """``kill -9`` (or the OOM killer) of a ray-backend run: Ray's agents, children of its
+    raylet, would outlive the driver forever; nothing the run started may survive it."""
+    import signal
+
+    from tests.trainer.killed_runs import KILL_AFTER, RUN_DIR, envhub_train
+    from tests.trainer.test_cli import QUICKSTART, TINY
+
+    out = tmp_path / "run"
+    proc = envhub_train(
+        str(QUICKSTART),
+        *TINY,
+        "env.id=test/frozen-lake-v0",
+        "logging.progress=false",
+        "cluster.backend=ray",
+        "cluster.num_cpus=2",
+        "sft.epochs=0",
+        "train.steps=3",
+        "eval.every=0",
+        f"output_dir={out}",
+        cwd=tmp_path,
+        test_envs=True,
+        **{RUN_DIR: str(out), KILL_AFTER: "0"},
+    )
+    assert proc.stdout is not None
+    started = []
+    for line in proc.stdout:  # the workers are up once the run says what it evaluates
+        if line.startswith("eval:"):
+            started = psutil.Process(proc.pid).children(recursive=True)
+            break
+    log, _ = proc.communicate(timeout=240)
+    assert proc.returncode == -signal.SIGKILL, f"the run was to be killed, it exited:\n{log}"
+    assert any("DashboardAgent" in command(p) for p in started), log
+    deadline = time.monotonic() + 60  # a hang guard: all is gone within seconds
+    while still_running(started) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert still_running(started) == []

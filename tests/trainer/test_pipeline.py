@@ -135,3 +135,31 @@ def test_a_run_whose_env_workers_route_their_own_turns(tmp_path: Path) -> None:
     )
     assert routing.totals().requests >= trained > 0
     assert driver.totals().requests <= 4 * cfg.rollout.max_turns * (1 + cfg.train.steps)
+
+
+def test_a_build_that_fails_after_the_workers_started_stops_them_and_frees_the_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook user whose pipeline fails to build (here: its metric sink) fixes the cause and
+    builds again in the same process: the first attempt's workers were stopped and its run
+    folder released, so the retry starts."""
+    from trainer import pipeline
+
+    started: list = []
+    real_start_roles = pipeline.start_roles
+
+    def start_roles(*args, **kwargs):
+        started.append(roles := real_start_roles(*args, **kwargs))
+        return roles
+
+    def broken_sink(*args, **kwargs):
+        raise RuntimeError("the metric sink broke")
+
+    monkeypatch.setattr(pipeline, "start_roles", start_roles)
+    with monkeypatch.context() as broken:
+        broken.setattr(pipeline, "MetricsLog", broken_sink)
+        with pytest.raises(RuntimeError, match="the metric sink broke"):
+            build(tmp_path)
+    [roles] = started
+    assert all(cluster._closed for cluster in roles.clusters), "the workers were left running"
+    build(tmp_path).close()  # the run folder's lock was released

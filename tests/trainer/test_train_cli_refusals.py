@@ -348,3 +348,27 @@ def test_a_bug_while_building_keeps_its_traceback(
     monkeypatch.setattr(trainer.pipeline, "AgenticPipeline", broken)
     result = train(f"output_dir={tmp_path / 'run'}")
     assert isinstance(result.exception, ZeroDivisionError), result.output
+
+
+def test_a_malformed_sft_file_is_an_error_line_naming_the_record(tmp_path: Path) -> None:
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text('{"seed": "abc", "messages": [{"role": "user", "content": "x"}]}\n')
+    result = train(
+        f"output_dir={tmp_path / 'run'}", "sft.epochs=1", "sft.source=file", f"sft.path={demos}"
+    )
+    assert result.exit_code == 1, result.output
+    assert f'error: {demos}:1: "seed" must be an integer' in result.output
+    assert not isinstance(result.exception, ValueError)  # SystemExit: no traceback
+
+
+def test_a_ray_cluster_that_cannot_be_joined_is_an_error_line_naming_the_address(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+    result = train(
+        f"output_dir={tmp_path / 'run'}", "cluster.backend=ray", "cluster.address=127.0.0.1:1"
+    )
+    assert result.exit_code == 1, result.output
+    assert "error: cluster.address '127.0.0.1:1': cannot join the Ray cluster" in result.output
+    assert "ray status" in result.output
+    assert isinstance(result.exception, SystemExit)  # no traceback

@@ -38,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures as cf
 import inspect
+import logging
 import time
 import types
 from collections.abc import Callable, Generator, Mapping
@@ -55,13 +56,12 @@ from typing import (
 )
 
 from trainer.controller.dispatch import (
-    Collect,
     MethodSpec,
     collect_results,
     dispatch_call,
     method_spec,
-    registered_methods,
 )
+from trainer.controller.rank_thread import RankThread
 from trainer.controller.worker import Worker, WorkerContext
 from trainer.devices import AutoDeviceMapping, RolePlacement, WorkerSlot
 from trainer.errors import DispatchError, WorkerCallError
@@ -69,7 +69,9 @@ from trainer.errors import DispatchError, WorkerCallError
 if TYPE_CHECKING:
     from trainer.controller.resources import ResourceManager
 
-__all__ = ["Backend", "CallFuture", "Cluster", "RemoteMethod", "cluster_method_problems", "remote"]
+__all__ = ["Backend", "CallFuture", "Cluster", "RemoteMethod", "remote"]
+
+_log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -194,7 +196,7 @@ def remote(
     ``CONCAT``, ``MEAN`` and ``NONE``. ``per_rank=True`` declares ``Collect.ALL``: the call returns
     a list, one result per rank. ``future=True`` returns a :class:`CallFuture` of that at once.
     The cluster class is checked against its ``worker_cls`` when it is built
-    (:func:`cluster_method_problems`).
+    (:func:`~trainer.controller.method_checks.cluster_method_problems`).
     """
     return RemoteMethod(fn, per_rank=per_rank, future=future)
 
@@ -211,71 +213,6 @@ def _derived_signature(
     text = returns if isinstance(returns, str) else inspect.formatannotation(returns)
     text = f"list[{text}]" if per_rank else text
     return signature.replace(return_annotation=f"CallFuture[{text}]" if future else text)
-
-
-def cluster_method_problems(cluster_cls: type[Cluster]) -> list[str]:
-    """Every way ``cluster_cls`` disagrees with its ``worker_cls`` (empty: none).
-
-    Each :func:`remote` method must name a registered worker method, declare ``per_rank``
-    exactly when that method collects ``Collect.ALL``, and take the parameters the cluster's
-    worker class gives the method (a subclass may override it). A hand-written public method
-    named like a registered worker method must take the same parameters as well.
-    """
-    worker_cls = cluster_cls.worker_cls
-    registered = registered_methods(worker_cls)
-    problems: list[str] = []
-    seen: set[str] = set()
-    for klass in cluster_cls.__mro__:
-        for name, attr in vars(klass).items():
-            if name in seen:
-                continue
-            seen.add(name)
-            where = f"{cluster_cls.__name__}.{name}"
-            if isinstance(attr, RemoteMethod):
-                problems += _remote_problems(where, attr, worker_cls)
-            elif inspect.isfunction(attr) and not name.startswith("_") and name in registered:
-                problems += _parameter_problems(where, attr, getattr(worker_cls, name))
-    return problems
-
-
-def _remote_problems(
-    where: str, attr: RemoteMethod[Any, Any], worker_cls: type[Worker]
-) -> list[str]:
-    try:
-        spec = method_spec(worker_cls, attr.method)
-    except DispatchError as error:
-        return [f"{where}: {error}"]
-    target = f"{worker_cls.__name__}.{attr.method}"
-    if attr.per_rank and spec.collect is not Collect.ALL:
-        return [
-            (
-                f"{where} is declared per_rank=True but {target} collects "
-                f"Collect.{spec.collect.name} (one result, not a list per rank); drop per_rank=True"
-            )
-        ]
-    if not attr.per_rank and spec.collect is Collect.ALL:
-        return [
-            (
-                f"{where} returns a list, one result per rank ({target} collects Collect.ALL); "
-                "declare it remote(..., per_rank=True)"
-            )
-        ]
-    return _parameter_problems(where, attr.__wrapped__, getattr(worker_cls, attr.method))
-
-
-def _parameter_problems(
-    where: str, ours: Callable[..., Any], worker_method: Callable[..., Any]
-) -> list[str]:
-    mine = list(inspect.signature(ours).parameters.values())[1:]  # without self
-    theirs = list(inspect.signature(worker_method).parameters.values())[1:]
-    if mine == theirs:
-        return []
-    return [
-        (
-            f"{where} takes {inspect.Signature(mine)} but {worker_method.__qualname__} takes "
-            f"{inspect.Signature(theirs)}; give both the same parameters"
-        )
-    ]
 
 
 class Cluster:
@@ -303,7 +240,9 @@ class Cluster:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         """Refuse a role cluster whose methods disagree with its worker
-        (:func:`cluster_method_problems`)."""
+        (:func:`~trainer.controller.method_checks.cluster_method_problems`)."""
+        from trainer.controller.method_checks import cluster_method_problems
+
         super().__init_subclass__(**kwargs)
         problems = cluster_method_problems(cls)
         if problems:
@@ -342,10 +281,7 @@ class Cluster:
         kwargs = dict(worker_kwargs or {})
         if backend == "local":
             self._workers: list[Any] = [self.worker_cls(ctx, config, **kwargs) for ctx in contexts]
-            self._threads = [
-                cf.ThreadPoolExecutor(1, thread_name_prefix=f"{role}-{r}")
-                for r in range(len(contexts))
-            ]
+            self._threads = [RankThread(f"{role}-{r}") for r in range(len(contexts))]
         else:
             self._workers = self._spawn_ray(contexts, config, kwargs)
             if self.world_size > 1:
@@ -365,19 +301,36 @@ class Cluster:
     _rendezvous_address = remote(Worker._rendezvous_address)
     _set_distributed_env = remote(Worker._set_distributed_env)
 
+    shutdown_calls: ClassVar[tuple[str, ...]] = ()
+    """Methods every rank runs before the workers stop (``ActorCluster``: free shared memory)."""
+    shutdown_timeout_s: float = 10.0
+    """How long shutdown waits for a rank to answer a ``shutdown_calls`` method, or (local) to end
+    the call it is running, before it gives the rank up (and, on Ray, kills it)."""
+
     def shutdown(self) -> None:
-        """Stop the workers (kill the Ray actors / the local threads). Safe to call twice."""
+        """Stop the workers (kill the Ray actors / end the local threads). Safe to call twice.
+
+        Bounded, so that a failure or a Ctrl-C always ends the run: a rank stuck in a call (a
+        collective whose peer died, a reward function that never returns) does not take the
+        ``shutdown_calls`` queued behind it; it is given up after ``shutdown_timeout_s`` with a
+        warning naming what it was running."""
         if self._closed:
             return
+        for method in self.shutdown_calls:
+            try:
+                self._call_async(method).result(timeout=self.shutdown_timeout_s)
+            except WorkerCallError:
+                pass  # a worker that died or failed here has nothing left to free
+            except TimeoutError:
+                _log.warning(
+                    "%s: not every rank answered %s() within %s s; stopping them anyway",
+                    self.role,
+                    method,
+                    self.shutdown_timeout_s,
+                )
         self._closed = True
         if self.backend == "local":
-            for pool in self._threads:
-                pool.shutdown(wait=True, cancel_futures=True)
-            # in-process workers may hold engines with threads and memory
-            for worker in self._workers:
-                close = getattr(worker, "close", None)
-                if callable(close):
-                    close()
+            self._stop_local()
         else:
             import ray
 
@@ -386,6 +339,24 @@ class Cluster:
                     ray.kill(handle)
                 except ray.exceptions.RayError:
                     pass  # the actor is gone already, or Ray was shut down: nothing to stop
+
+    def _stop_local(self) -> None:
+        """End each rank's thread (waiting ``shutdown_timeout_s`` in all), then close the idle
+        workers; a rank still running is named and left to its daemon thread."""
+        deadline = time.monotonic() + self.shutdown_timeout_s
+        for rank, (worker, thread) in enumerate(zip(self._workers, self._threads, strict=True)):
+            running = thread.close(max(0.0, deadline - time.monotonic()))
+            if running is not None:
+                _log.warning(
+                    "%s worker rank %d is still running %s(); exiting anyway",
+                    self.role,
+                    rank,
+                    running,
+                )
+                continue
+            close = getattr(worker, "close", None)  # engines with threads and memory
+            if callable(close):
+                close()
 
     def __enter__(self) -> Self:
         return self

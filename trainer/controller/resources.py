@@ -22,12 +22,17 @@ no dashboard) declaring the devices as a custom resource.
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.devices import AutoDeviceMapping, DevicePlan, WorkerSlot
-from trainer.errors import DeviceMappingError, Problem
+from trainer.errors import DeviceMappingError, Problem, TrainerError
 
 if TYPE_CHECKING:
     from trainer.config import TrainerConfig
@@ -237,6 +242,7 @@ def init_local_ray(
 
     if ray.is_initialized():
         return
+    _start_reaper()
     runtime_env = {"env_vars": dict(env_vars)} if env_vars else None
     if device_resource == "GPU":  # Ray declares GPUs itself, never as a custom resource
         devices: dict[str, Any] = {"num_gpus": num_devices}
@@ -253,6 +259,23 @@ def init_local_ray(
     )
 
 
+_reaper: subprocess.Popen[bytes] | None = None
+
+
+def _start_reaper() -> None:
+    """Start ``ray_reaper`` beside this process (once): a ``kill -9`` of it would otherwise
+    leave Ray's agents running forever (see that module)."""
+    global _reaper
+    if _reaper is None and sys.platform.startswith("linux"):
+        _reaper = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("ray_reaper.py")), str(os.getpid())],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
 def resources_for(config: TrainerConfig, **mapping_kwargs: Any) -> ResourceManager | None:
     """The resource manager a run of ``config`` uses; None for ``cluster.backend: local``.
 
@@ -267,13 +290,56 @@ def resources_for(config: TrainerConfig, **mapping_kwargs: Any) -> ResourceManag
     cluster = config.cluster
     if not ray.is_initialized():
         if cluster.address is None:
+            from trainer._config_layout_checks import local_device_problems
+
+            problems = local_device_problems(config)
+            if problems:  # before Ray declares GPUs this machine lacks
+                raise DeviceMappingError(problems)
             init_local_ray(
                 config.local_num_devices,
                 device_resource=cluster.device_resource,
                 num_cpus=cluster.num_cpus,
             )
         else:
-            ray.init(address=cluster.address)
-    return ResourceManager(
-        config.device_mapping(**mapping_kwargs), device_resource=cluster.device_resource
+            _join_ray(cluster.address)
+    try:
+        return ResourceManager(
+            config.device_mapping(**mapping_kwargs), device_resource=cluster.device_resource
+        )
+    except TimeoutError as error:  # the devices stay taken
+        where = f"cluster.address {cluster.address!r}" if cluster.address else "the local Ray"
+        raise TrainerError(
+            f"{where}: {error}; wait for that job to end, or map devices that are free "
+            "(roles.*.device_mapping)"
+        ) from None
+
+
+def _join_ray(address: str) -> None:
+    """``ray.init(address=...)``, refused as one ``TrainerError`` naming the address and the fix.
+
+    A ``host:port`` that answers no TCP connection is refused at once: Ray itself retries such
+    an address for minutes, printing a warning every few seconds."""
+    import ray
+
+    fix = (
+        "check the address (`ray status` on the cluster's head node prints it), that this machine "
+        "may join it (RAY_AUTH_TOKEN), or remove cluster.address to start a local Ray"
     )
+    host, _, port = address.rpartition(":")
+    if "://" not in address and host and port.isdigit():
+        try:
+            socket.create_connection((host, int(port)), timeout=5).close()
+        except OSError as error:
+            raise TrainerError(
+                f"cluster.address {address!r}: cannot join the Ray cluster (nothing answers "
+                f"there: {error}); {fix}"
+            ) from None
+    try:
+        ray.init(address=address)
+    except (ConnectionError, RuntimeError, ValueError) as error:
+        ray.shutdown()  # a half-made connection would make the next ray.init a no-op
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise TrainerError(
+            f"cluster.address {address!r}: cannot join the Ray cluster "
+            f"({type(error).__name__}: {first}); {fix}"
+        ) from None

@@ -45,6 +45,7 @@ __all__ = [
     "TOOL_PARSERS",
     "ParsedTurn",
     "ToolParser",
+    "content_text",
     "detect_tool_parser",
     "env_action",
     "make_tool_parser",
@@ -72,11 +73,35 @@ class ParsedTurn:
         return out
 
 
+def content_text(content: Any) -> str:
+    """A message's ``content`` as text: a string as it is, None as "", OpenAI's list of content
+    parts (``[{"type": "text", "text": ...}, ...]``) as its text parts joined. Anything else raises
+    ``TypeError``, a part that is not text (an image cannot be trained as tokens) ``ValueError``
+    naming it (``content[i]``)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise TypeError(
+            f"content must be a string or a list of text parts, got {type(content).__name__}"
+        )
+    texts = []
+    for index, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(
+                f"content[{index}] is a {kind!r} part without text; only text parts can be "
+                'trained ({"type": "text", "text": "..."})'
+            )
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def message_turn(message: dict[str, Any]) -> ParsedTurn:
     """An OpenAI-format assistant message (``content`` + ``tool_calls``) as a ``ParsedTurn``, so
     ``env_action`` gives the text the policy would write for it (SFT files). A call that is not
-    an object with a name and JSON arguments raises ``ValueError`` saying which."""
-    content = str(message.get("content") or "")
+    an object with a name and JSON arguments raises ``ValueError`` saying which; content that is
+    not text, as ``content_text`` does."""
+    content = content_text(message.get("content"))
     calls = tuple(_call(raw, i) for i, raw in enumerate(message.get("tool_calls") or []))
     return ParsedTurn(content=content, tool_calls=calls, raw=content)
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 __all__ = [
     "all_max",
     "backend_for",
+    "dummy_row",
     "ensure_process_group",
     "free_port",
     "gather_group_rows",
@@ -145,13 +146,30 @@ def pad_micro_count(
 ) -> list[dict[str, torch.Tensor]]:
     """``micros`` padded with one-row dummies (marked ``_dummy``, which losses ignore) up to the
     largest count over ranks, so every rank runs the same number of forward/backward
-    collectives."""
+    collectives. A rank given no rows at all (a ragged split of a chunk smaller than the world
+    size) still takes part: its dummy is ``dummy_row`` of the batch's width."""
     total = all_max(len(micros), device)
     while len(micros) < total:
-        dummy = {k: v[:1].to(device) for k, v in batch.items()}
+        source = batch if batch["input_ids"].shape[0] else dummy_row(batch)
+        dummy = {k: v[:1].to(device) for k, v in source.items()}
         dummy["_dummy"] = dummy["input_ids"].new_ones(())
         micros.append(dummy)
     return micros
+
+
+def dummy_row(batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One all-zero row with ``batch``'s keys, dtypes and width (at least 1), attending to its first
+    token only: a forward over a row that attends to nothing could give NaN, which a zero
+    weight does not cancel."""
+    import torch
+
+    width = max(1, batch["input_ids"].shape[1]) if batch["input_ids"].dim() >= 2 else 1
+    row: dict[str, torch.Tensor] = {}
+    for key, value in batch.items():
+        shape = (1, width, *value.shape[2:]) if value.dim() >= 2 else (1, *value.shape[1:])
+        row[key] = torch.zeros(shape, dtype=value.dtype, device=value.device)
+    row["attention_mask"][:, 0] = 1
+    return row
 
 
 def micro_batch_scales(

@@ -26,7 +26,6 @@ from trainer.controller.batch import Batch
 from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
-from trainer.errors import WorkerCallError
 from trainer.strategies.base import ForwardOutput, LossFn, TrainOptions, TrainStrategy
 from trainer.strategies.registry import make_train_strategy
 from trainer.weights.sender import WeightSender, WeightSenderCluster
@@ -368,15 +367,7 @@ class ActorCluster(WeightSenderCluster, StrategyCluster):
     """Typed calls to the ``actor_train`` workers (batches of any size split over the ranks)."""
 
     worker_cls = ActorWorker
-
-    def shutdown(self) -> None:
-        """Free the workers' shared-memory segments, then stop them."""
-        if not self._closed:
-            try:
-                self.close_weight_sync()
-            except WorkerCallError:
-                pass  # a worker that died or failed here has nothing left to free
-        super().shutdown()
+    shutdown_calls = ("close_weight_sync",)  # free the workers' shared-memory segments first
 
     compute_logprobs = remote(ActorWorker.compute_logprobs)
     compute_ref_logprobs = remote(ActorWorker.compute_ref_logprobs)

@@ -91,6 +91,21 @@ def fsdp2_rank(rank: int, world: int, port: int, out: Any) -> None:
     shutdown_process_group()
 
 
+def fsdp2_empty_rank(rank: int, world: int, port: int, out: Any) -> None:
+    """FSDP2 where rank 1 gets no rows at all (a chunk smaller than the world size)."""
+    join(rank, world, port)
+    from trainer.strategies.distributed import shutdown_process_group
+    from trainer.strategies.fsdp2 import FSDP2TrainStrategy
+
+    batch = tiny_batch(rows=1)
+    mine = {k: v[:1] if rank == 0 else v[:0] for k, v in batch.items()}
+    strategy = FSDP2TrainStrategy(tiny_qwen2(), lr=1e-2, micro_batch_size=1, device="cpu")
+    out[(rank, "logprobs")] = strategy.forward(mine).logprobs
+    out[(rank, "metrics")] = strategy.train_step(mine, nll_loss)
+    out[(rank, "weights")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
+    shutdown_process_group()
+
+
 def megatron_rank(rank: int, world: int, port: int, out: Any) -> None:
     """Megatron on 2 gloo ranks: TP=2 (both ranks see half the rows each), then TP=1 x DP=2."""
     join(rank, world, port)

@@ -81,6 +81,24 @@ def test_ragged_split_runs_dummy_micro_batches_and_trains_like_one_process(
         )
 
 
+def test_a_rank_given_no_rows_runs_a_zero_weight_dummy_and_trains_like_one_process() -> None:
+    """An SFT chunk of 1 row on 2 ranks: rank 1 gets 0 rows, yet both ranks finish the step
+    and it equals plain torch's on the one real row."""
+    from trainer.strategies.hf import HFTrainStrategy
+
+    out = run_ranks(W.fsdp2_empty_rank, 2)
+    assert out[(0, "logprobs")].shape == (1, 12) and out[(1, "logprobs")].shape == (0, 12)
+    plain = HFTrainStrategy(W.tiny_qwen2(), lr=1e-2, micro_batch_size=1)
+    plain.train_step(W.tiny_batch(rows=1), W.nll_loss)
+    for name, tensor in plain.model.state_dict().items():
+        torch.testing.assert_close(
+            out[(0, "weights")][name], tensor, atol=2e-5, rtol=1e-4, msg=name
+        )
+        torch.testing.assert_close(
+            out[(1, "weights")][name], out[(0, "weights")][name], atol=0, rtol=0, msg=name
+        )
+
+
 def test_cpu_offload_on_cpu_is_refused_with_the_fix() -> None:
     from trainer.strategies.parallel_errors import ParallelConfigError
 
