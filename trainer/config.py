@@ -178,6 +178,12 @@ class ModelConfig(Section):
                 "checkpoint folder (with config.json; nothing is downloaded), or use model.tiny "
                 "to build a tiny policy"
             )
+        if path is not None:
+            from trainer.models import weights_problem
+
+            problem = weights_problem(path)
+            if problem is not None:
+                raise ValueError(problem)
         return path
 
     @model_validator(mode="after")

@@ -310,6 +310,35 @@ def build_policy(
     return out
 
 
+def weights_problem(path: str | Path) -> str | None:
+    """Why the weight files in the folder ``path`` cannot load, from what is cheap to read: the
+    shard index and each safetensors file's header (no weights are read). A truncated or
+    half-downloaded checkpoint is then refused where the config is loaded (and by
+    ``--dry-run``), not in a worker after the cluster started. None: they look whole (or there
+    are none to check)."""
+    from safetensors import safe_open
+
+    folder = Path(path).expanduser()
+    again = "the checkpoint is incomplete or corrupt: copy or download it again"
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+            return f"{index} cannot be read ({type(error).__name__}: {error}); {again}"
+        missing = sorted(str(shard) for shard in shards if not (folder / str(shard)).is_file())
+        if missing:
+            lacking = ", ".join(missing[:3])
+            return f"{index.name} lists weight files {folder} lacks ({lacking}); {again}"
+    for file in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
+        try:
+            with safe_open(str(file), framework="pt"):
+                pass
+        except Exception as error:  # noqa: BLE001 - SafetensorError, OSError: all say "unreadable"
+            return f"{file} is not a readable safetensors file ({error}); {again}"
+    return None
+
+
 def load_policy(
     path: str | Path, *, dtype: str = "float32"
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -336,8 +365,17 @@ def load_policy(
     torch_dtype = getattr(torch, dtype, None)
     if not isinstance(torch_dtype, torch.dtype):
         raise ModelError(f"unknown dtype {dtype!r}; use float32, bfloat16 or float16")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    problem = weights_problem(folder)
+    if problem is not None:
+        raise ModelError(f"model.path: {problem}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
+    except (OSError, ValueError, RuntimeError) as error:
+        raise ModelError(
+            f"model.path {str(folder)!r} cannot be loaded ({type(error).__name__}: {error}); "
+            "check that it is a complete save_pretrained folder of a causal LM"
+        ) from error
     if tokenizer.eos_token_id is None:
         raise ModelError(
             f"the tokenizer in {str(folder)!r} has no eos_token; set one in tokenizer_config.json"

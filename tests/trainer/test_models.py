@@ -68,6 +68,9 @@ def test_missing_model_path_names_the_fix(tmp_path: Path) -> None:
         load_policy(tmp_path / "nope")
     with pytest.raises(ModelError, match="has no config.json"):
         load_policy(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "no-such-family"}')
+    with pytest.raises(ModelError, match="(?s)cannot be loaded .*complete save_pretrained folder"):
+        load_policy(tmp_path)
 
 
 def test_qwen2_tiny_build_explains_why_not() -> None:

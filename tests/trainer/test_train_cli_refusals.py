@@ -372,3 +372,31 @@ def test_a_ray_cluster_that_cannot_be_joined_is_an_error_line_naming_the_address
     assert "error: cluster.address '127.0.0.1:1': cannot join the Ray cluster" in result.output
     assert "ray status" in result.output
     assert isinstance(result.exception, SystemExit)  # no traceback
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing_shard"])
+def test_a_damaged_checkpoint_is_refused_at_load_naming_the_file(
+    policy_dir: Path, tmp_path: Path, started: Runs, damage: str
+) -> None:
+    """A half-copied or half-downloaded model.path is an error line before any worker starts (a
+    worker found it while building the model: a raw traceback, or Ray's with colour codes)."""
+    import json
+    import shutil
+
+    damaged = tmp_path / "policy"
+    shutil.copytree(policy_dir, damaged)
+    weights = damaged / "model.safetensors"
+    if damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+        expected = "model.safetensors is not a readable safetensors file"
+    else:
+        weights.rename(damaged / "model-00001-of-00002.safetensors")
+        shards = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+        (damaged / "model.safetensors.index.json").write_text(json.dumps({"weight_map": shards}))
+        expected = "lacks (model-00002-of-00002.safetensors)"
+    for extra in ([], ["--dry-run"]):
+        result = train("model.tiny=null", f"model.path={damaged}", *extra)
+        assert result.exit_code != 0 and not started
+        assert "model.path" in result.output and expected in result.output, result.output
+        assert "copy or download it again" in result.output
+        assert "Traceback" not in result.output
