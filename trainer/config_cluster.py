@@ -98,6 +98,9 @@ class ClusterConfig(Section):
     """Memory of one device in GiB, for the fit check (``trainer.memory``): a run whose estimate
     exceeds it on any device is refused before it starts. None: 80 when ``device_resource`` is
     ``GPU``; otherwise devices stand for host memory and nothing is refused."""
+    reserve_timeout_s: float = Field(default=60.0, gt=0)
+    """How long the run waits for Ray to reserve its mapped devices (another job may hold them
+    on a shared cluster) before it stops with an error."""
     check_memory: bool = True
     """Refuse a run whose memory estimate does not fit its devices; false skips the refusal
     (``envhub train --dry-run`` still prints the estimate)."""

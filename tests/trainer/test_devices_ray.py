@@ -177,6 +177,29 @@ def test_reserved_devices_cannot_be_taken_twice(layout: Layout) -> None:
         )
 
 
+def test_a_run_whose_devices_stay_taken_stops_after_reserve_timeout_s_naming_it(
+    layout: Layout,
+) -> None:
+    """A run on a cluster whose devices another job holds waits ``cluster.reserve_timeout_s``,
+    then stops with an error that names it (not a bare TimeoutError)."""
+    from trainer.config import load_config
+    from trainer.controller.resources import resources_for
+    from trainer.errors import TrainerError
+
+    config = load_config(
+        None,
+        [
+            "model.tiny={}",
+            "cluster.address=auto",  # Ray is already up: nothing is joined or started
+            "cluster.reserve_timeout_s=1",
+            "roles.actor_train.device_mapping=[0]",
+            "roles.actor_infer.device_mapping=[0]",
+        ],
+    )
+    with pytest.raises(TrainerError, match=r"within 1 s.*cluster\.reserve_timeout_s"):
+        resources_for(config)
+
+
 def test_mappings_that_do_not_fit_are_refused_before_anything_starts(ray_session: None) -> None:
     mapping = AutoDeviceMapping(
         {"actor_train": role([1, 2], per_worker=2), "critic": role([4, 5], per_worker=3)}

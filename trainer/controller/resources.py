@@ -304,13 +304,15 @@ def resources_for(config: TrainerConfig, **mapping_kwargs: Any) -> ResourceManag
             _join_ray(cluster.address)
     try:
         return ResourceManager(
-            config.device_mapping(**mapping_kwargs), device_resource=cluster.device_resource
+            config.device_mapping(**mapping_kwargs),
+            device_resource=cluster.device_resource,
+            timeout_s=cluster.reserve_timeout_s,
         )
     except TimeoutError as error:  # the devices stay taken
         where = f"cluster.address {cluster.address!r}" if cluster.address else "the local Ray"
         raise TrainerError(
-            f"{where}: {error}; wait for that job to end, or map devices that are free "
-            "(roles.*.device_mapping)"
+            f"{where}: {error}; wait for that job to end, map devices that are free "
+            "(roles.*.device_mapping), or wait longer (cluster.reserve_timeout_s)"
         ) from None
 
 
