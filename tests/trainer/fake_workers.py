@@ -112,3 +112,10 @@ class CountingCluster(Cluster):
     whoami = remote(CountingWorker.whoami)
     fail_on = remote(CountingWorker.fail_on, per_rank=True)
     environ = remote(CountingWorker.environ, per_rank=True)
+
+
+class BrokenWorker(CountingWorker):
+    """Fails in ``__init__``, as a worker whose model cannot load does."""
+
+    def __init__(self, ctx, config=None, **kwargs) -> None:
+        raise ValueError(f"rank {ctx.rank} cannot load /no/such/model")

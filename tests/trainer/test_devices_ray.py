@@ -226,6 +226,24 @@ def test_mappings_that_do_not_fit_are_refused_before_anything_starts(ray_session
         ResourceManager(AutoDeviceMapping({"actor_train": role([0])}), device_resource="tpu")
 
 
+def test_a_worker_that_fails_while_starting_is_reported_by_its_own_error_line(
+    ray_session: None,
+) -> None:
+    """Ray reports a worker whose ``__init__`` raised as ``ActorDiedError`` carrying the whole
+    remote traceback in terminal colours; the run's error is the worker's own exception."""
+    from tests.trainer.fake_workers import BrokenWorker
+
+    cluster = CountingCluster("actor_train", worker_cls=BrokenWorker, backend="ray", world_size=1)
+    try:
+        with pytest.raises(WorkerCallError) as info:
+            cluster.add(1)
+    finally:
+        cluster.shutdown()
+    message = str(info.value)
+    assert "it failed while starting: ValueError: rank 0 cannot load /no/such/model" in message
+    assert "\x1b[" not in message and "Traceback" not in message
+
+
 def test_a_rank_failing_beside_a_stuck_peer_is_reported_and_shutdown_returns(
     ray_session: None,
 ) -> None:

@@ -39,6 +39,7 @@ import asyncio
 import concurrent.futures as cf
 import inspect
 import logging
+import re
 import time
 import types
 from collections.abc import Callable, Generator, Mapping
@@ -485,7 +486,10 @@ class Cluster:
 
     def _fail(self, method: str, rank: int, err: BaseException) -> WorkerCallError:
         cause = getattr(err, "cause", None) or err  # RayTaskError wraps the worker's exception
-        error = WorkerCallError(self.role, rank, method, f"{type(cause).__name__}: {cause}")
+        text = f"{type(cause).__name__}: {cause}"
+        if getattr(cause, "actor_init_failed", False):  # Ray's text: the whole remote traceback
+            text = f"it failed while starting: {_last_line(str(cause))}"
+        error = WorkerCallError(self.role, rank, method, text)
         error.__cause__ = cause
         return error
 
@@ -569,3 +573,13 @@ class Cluster:
 
         one = one_local if self.backend == "local" else one_ray
         return list(await asyncio.gather(*(one(r, h) for r, h in zip(ranks, handles))))
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _last_line(text: str) -> str:
+    """The last non-empty line of ``text`` without terminal colours: the exception's own line at
+    the end of a formatted traceback (what the worker raised, e.g. ``ValueError: ...``)."""
+    lines = [line.strip() for line in _ANSI.sub("", text).splitlines() if line.strip()]
+    return lines[-1] if lines else text
