@@ -19,6 +19,7 @@ import glob
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -68,7 +69,9 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
 
     console, errors = Console(), Console(stderr=True)
     if dry_run:
-        sys.exit(_dry_run(config, overrides, console, errors, resume=resume))
+        from trainer import cli_dry_run
+
+        sys.exit(cli_dry_run.dry_run(config, overrides, console, errors, resume=resume))
     try:
         from trainer.config import load_config
 
@@ -99,11 +102,19 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
     for line in point.drift if point is not None else []:
         errors.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
     try:
-        with _put_back_unless_saved(moved, out, Path(cfg.checkpoint_dir), errors):
+        with _put_back_unless_saved(moved, out, Path(cfg.checkpoint_dir), errors), _sigterm_stops():
             rows = _run(cfg, resume, console)
     except (TrainerError, EnvhubError) as error:  # raised on purpose: the message names the fix
         _print_error(errors, error)
         sys.exit(1)
+    except Terminated:
+        errors.print(
+            f"stopped by SIGTERM: workers shut down; the last checkpoint is in "
+            f"{cfg.checkpoint_dir} (continue with --resume)",
+            highlight=False,
+            soft_wrap=True,
+        )
+        sys.exit(128 + signal.SIGTERM)
     evals = [row for row in rows if row.get("eval/success") is not None]
     first_eval: dict[str, Any] = evals[0] if evals else {}
     last_eval: dict[str, Any] = evals[-1] if evals else {}
@@ -118,6 +129,26 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
         highlight=False,
         soft_wrap=True,  # paths and commands are copied: never wrapped mid-word
     )
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived (a scheduler's preemption, ``kill``): the run stops as for Ctrl-C."""
+
+
+@contextmanager
+def _sigterm_stops() -> Iterator[None]:
+    """SIGTERM raises :class:`Terminated` in the main thread, so the run shuts its workers down
+    as for Ctrl-C (Python's default ends the process at once; ``ray.init`` would install Ray's,
+    which aborts with a stack dump: ``trainer.controller.resources`` keeps this one)."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _print_error(errors: Any, error: BaseException) -> None:
@@ -408,170 +439,3 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
             status="",
         )
         return pipeline.fit()
-
-
-# --------------------------------------------------------------------------- --dry-run
-
-
-def _dry_run(
-    config: Path, overrides: tuple[str, ...], console: Any, errors: Any, *, resume: bool = False
-) -> int:
-    """Print the plan of CONFIG (with ``resume``, first what ``--resume`` would continue); 0 when
-    it fits, 1 when a device does not or ``--resume`` is refused, 2 when the config is invalid or
-    there is no model config to estimate from."""
-    from rich.markup import escape as markup_escape
-
-    from trainer._config_layout_checks import local_device_problems
-    from trainer.config import load_config
-    from trainer.errors import TrainerError
-    from trainer.memory import estimate
-    from trainer.model_shape import UnknownModelShape
-
-    try:  # every other problem still refuses the config; the memory ones are shown with the plan
-        cfg = load_config(config, [*overrides, "cluster.check_memory=false"])
-    except TrainerError as error:
-        _print_error(errors, error)
-        return 2
-    if resume and not _dry_resume(cfg, config, overrides, console, errors):
-        return 1
-    try:
-        plan = estimate(cfg)
-    except (OSError, ValueError) as error:  # UnknownModelShape, StrategyArgError
-        why = (
-            f"model.path {cfg.model.path!r} has no config.json; the dry run sizes the model from "
-            "it (no weights needed): point model.path at a folder holding the checkpoint's "
-            "config.json"
-            if isinstance(error, OSError)
-            else str(error)
-            if isinstance(error, UnknownModelShape)
-            else f"{getattr(error, 'path', 'roles')}: {error}"
-        )
-        _print_error(errors, ValueError(why))
-        return 2
-    for renderable in plan_view(cfg, plan):
-        console.print(renderable)
-    device_problems = local_device_problems(cfg, planning=True)  # devices a run here lacks
-    problems = [*plan.problems(), *device_problems]
-    if not problems:
-        console.print("[bold green]fits[/]: nothing started (--dry-run)", highlight=False)
-        return 0
-    strict = bool(device_problems) or _memory_check_refuses(config, overrides)
-    head = (
-        "does not fit" if strict else "does not fit (cluster.check_memory is off: it would start)"
-    )
-    errors.print(f"[bold red]{head}:[/]", highlight=False)
-    for problem in problems:
-        errors.print(f"  - {markup_escape(str(problem))}", highlight=False, soft_wrap=True)
-    return 1 if strict else 0
-
-
-def _dry_resume(
-    cfg: Any, config: Path, overrides: tuple[str, ...], console: Any, errors: Any
-) -> bool:
-    """``--resume --dry-run``: the run's own checks before it builds (:func:`_check_resume`, on
-    the config as the run loads it) and what it would resume; False when it would be refused."""
-    from rich.markup import escape
-
-    from trainer.errors import TrainerError
-
-    as_run = cfg.model_copy(
-        update={
-            "cluster": cfg.cluster.model_copy(
-                update={"check_memory": _memory_check_refuses(config, overrides)}
-            )
-        }
-    )  # the plan's config has the memory check off: that is no drift of the run's
-    try:
-        point = _check_resume(as_run)
-    except TrainerError as error:
-        _print_error(errors, error)
-        return False
-    console.print(point.describe(as_run)[0], highlight=False, soft_wrap=True)
-    for line in point.drift:
-        errors.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
-    return True
-
-
-def _memory_check_refuses(config: Path, overrides: tuple[str, ...]) -> bool:
-    """Whether the run itself would be refused for memory: CONFIG with OVERRIDES loaded as the
-    run loads it (the plan was loaded with the check off), so ``cluster.check_memory`` counts as
-    the config says it, whatever its spelling and whether the YAML or an override sets it."""
-    from trainer.config import load_config
-    from trainer.errors import TrainerError
-
-    try:
-        return load_config(config, overrides).cluster.check_memory
-    except TrainerError:  # loads with the check off: refused by the check
-        return True
-
-
-def plan_view(cfg: Any, plan: Any) -> list[Any]:
-    """The dry run's output: a summary, the roles, the memory of each kind of device (devices
-    alike shown once) by role and component, and the weight sync."""
-    from rich.table import Table
-
-    from trainer.devices import id_ranges
-    from trainer.memory import sync_buckets
-    from trainer.memory_roles import GIB
-
-    shape = plan.shape
-    capacity = f"{plan.capacity / GIB:g} GiB" if plan.capacity else None
-    host = f"; this machine has {plan.host_memory / GIB:.0f} GiB" if plan.host_memory else ""
-    model = (
-        f"[bold]model[/]    {shape.model_type}, {shape.num_params / 1e6:,.1f}M parameters "
-        f"({shape.num_layers} layers, hidden {shape.hidden_size}, vocabulary "
-        f"{shape.vocab_size:,}) in {cfg.model.dtype}, from {plan.shape_source}"
-    )
-    tokens = (
-        f"[bold]tokens[/]   rows up to {plan.sequence_tokens:,} ({plan.sequence_note}); "
-        f"{plan.micro_tokens:,} per micro-batch"
-    )
-    summary = [model, tokens, f"[bold]devices[/]  {plan.capacity_note}{host}"]
-    roles = Table(title="roles", title_justify="left")
-    for column in ("role", "layout", "devices", "offloaded when idle", "notes"):
-        roles.add_column(column, overflow="fold")
-    for name, memory in plan.roles.items():
-        role = memory.config
-        away = [f for f in ("params", "optimizer") if getattr(role, f"offload_{f}")]
-        if memory.strategy == "vllm":
-            away = ["sleeps"] if role.offload_params or role.offload_optimizer else []
-        roles.add_row(
-            name,
-            memory.layout,
-            id_ranges(memory.devices) if memory.devices else "none (CPU workers)",
-            ", ".join(away) or "-",
-            "; ".join(memory.notes) or "-",
-        )
-    out: list[Any] = ["\n".join(summary), roles]
-    alike: dict[tuple[Any, ...], list[int]] = {}
-    for load in plan.devices:
-        key = (load.phase, tuple((r, p.name, p.nbytes) for r, p in load.parts))
-        alike.setdefault(key, []).append(load.device)
-    loads = {load.device: load for load in plan.devices}
-    for ids in alike.values():
-        load = loads[ids[0]]
-        limit = f" of {capacity}" if capacity else ""
-        fits = "" if not plan.capacity else (" fits" if load.total <= plan.capacity else " OVER")
-        phases = ", ".join(f"{p} {n / GIB:.1f}" for p, n in load.phases.items())
-        out.append(
-            f"[bold]device {id_ranges(ids)}[/]: {load.total / GIB:.1f} GiB{limit} in its fullest "
-            f"phase, {load.phase}{fits} (phases in GiB: {phases})"
-        )
-        table = Table()
-        table.add_column("role")
-        table.add_column("component")
-        table.add_column("GiB", justify="right")
-        for role, part in sorted(load.parts, key=lambda rp: -rp[1].nbytes):
-            table.add_row(role, part.name, f"{part.nbytes / GIB:.2f}")
-        out.append(table)
-    bucket, count, total, what = sync_buckets(cfg, shape)
-    setting = (
-        f"weight_sync.bucket_mb={cfg.weight_sync.bucket_mb:g}"
-        if cfg.weight_sync.bucket_mb
-        else "weight_sync.bucket_mb unset: 256 MiB or the largest tensor"
-    )
-    out.append(
-        f"[bold]weight sync[/]  {what}: {total / 2**20:,.1f} MiB in {count} bucket(s) of "
-        f"{bucket / 2**20:.1f} MiB ({setting}; transport {cfg.weight_sync.transport})"
-    )
-    return out

@@ -82,6 +82,38 @@ def envhub_view(*run_dirs: Path) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
+@pytest.mark.parametrize("backend", ["local", "ray"])
+def test_sigterm_stops_a_run_in_order_and_says_so(tmp_path: Path, backend: str) -> None:
+    """A scheduler's preemption (SIGTERM) stops the run as Ctrl-C does: the run shuts its
+    workers down and says how it ended (Ray's own handler, installed by ``ray.init``, aborted
+    the process with a C++ stack dump and skipped the shutdown)."""
+    psutil = pytest.importorskip("psutil")
+    out = tmp_path / "run"
+    proc = envhub_train(
+        str(QUICKSTART),
+        *TINY,
+        "train.steps=50",
+        "eval.every=0",
+        f"cluster.backend={backend}",
+        f"output_dir={out}",
+        cwd=tmp_path,
+    )
+    assert proc.stdout is not None
+    seen = []
+    for line in proc.stdout:  # RL under way: every worker is up
+        seen.append(line)
+        if line.startswith("step 1:"):
+            break
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    log = "".join(seen) + rest
+    assert proc.returncode == 143, log
+    assert "stopped by SIGTERM" in log and "SIGTERM received" not in log, log
+    _, alive = psutil.wait_procs(workers, timeout=60)
+    assert not alive, [p.info for p in alive]
+
+
 def test_short_run_writes_metrics_curve_checkpoints_store_and_policy(tmp_path: Path) -> None:
     out = tmp_path / "run"
     proc = envhub_train(

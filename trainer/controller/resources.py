@@ -22,11 +22,15 @@ no dashboard) declaring the devices as a custom resource.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -248,15 +252,29 @@ def init_local_ray(
         devices: dict[str, Any] = {"num_gpus": num_devices}
     else:
         devices = {"resources": {device_resource: float(num_devices)}}
-    ray.init(
-        address="local",
-        num_cpus=num_cpus,
-        **devices,
-        include_dashboard=False,
-        _node_ip_address=LOOPBACK_NODE_IP,
-        runtime_env=runtime_env,
-        **kwargs,
-    )
+    with keep_sigterm_handler():
+        ray.init(
+            address="local",
+            num_cpus=num_cpus,
+            **devices,
+            include_dashboard=False,
+            _node_ip_address=LOOPBACK_NODE_IP,
+            runtime_env=runtime_env,
+            **kwargs,
+        )
+
+
+@contextlib.contextmanager
+def keep_sigterm_handler() -> Iterator[None]:
+    """Around ``ray.init``: a SIGTERM handler this process set in Python stays. Ray installs its
+    own, which aborts the process with a stack dump, so ``envhub train``'s orderly stop (workers
+    shut down, as for Ctrl-C) would never run."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 _reaper: subprocess.Popen[bytes] | None = None
@@ -337,7 +355,8 @@ def _join_ray(address: str) -> None:
                 f"there: {error}); {fix}"
             ) from None
     try:
-        ray.init(address=address)
+        with keep_sigterm_handler():
+            ray.init(address=address)
     except (ConnectionError, RuntimeError, ValueError) as error:
         ray.shutdown()  # a half-made connection would make the next ray.init a no-op
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
