@@ -108,9 +108,16 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
         _print_error(errors, error)
         sys.exit(1)
     except Terminated:
+        from trainer.checkpoint import CheckpointManager
+
+        latest = CheckpointManager(cfg.checkpoint_dir, lock=False).latest()
+        where = (
+            f"continue from {latest} with --resume"
+            if latest is not None
+            else "no checkpoint was saved yet (checkpoint.every)"
+        )
         errors.print(
-            f"stopped by SIGTERM: workers shut down; the last checkpoint is in "
-            f"{cfg.checkpoint_dir} (continue with --resume)",
+            f"stopped by SIGTERM: workers shut down; {escape(where)}",
             highlight=False,
             soft_wrap=True,
         )

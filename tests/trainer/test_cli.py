@@ -110,6 +110,7 @@ def test_sigterm_stops_a_run_in_order_and_says_so(tmp_path: Path, backend: str) 
     log = "".join(seen) + rest
     assert proc.returncode == 143, log
     assert "stopped by SIGTERM" in log and "SIGTERM received" not in log, log
+    assert f"continue from {out / 'checkpoints' / 'step_00000000'} with --resume" in log
     _, alive = psutil.wait_procs(workers, timeout=60)
     assert not alive, [p.info for p in alive]
 
