@@ -13,23 +13,6 @@ pytest.importorskip("transformers")
 from tests.trainer.weights import sync_setup as S
 from trainer.weights.errors import BucketTooSmallError, StaleWeightsError, TransportError
 from trainer.weights.sync import WeightSync
-from trainer.weights.versioned import PolicyVersion
-
-
-@pytest.fixture(scope="module")
-def model_dir(policy_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return S.spread_policy(policy_dir, tmp_path_factory.mktemp("spread"))
-
-
-@pytest.fixture
-def clusters(model_dir: Path):
-    actor, infer = S.make_clusters(model_dir)
-    try:
-        # the run's policy version: every sync of a test advances it
-        yield actor, infer, PolicyVersion()
-    finally:
-        actor.shutdown()
-        infer.shutdown()
 
 
 @pytest.mark.parametrize("transport", ["shared_memory", "broadcast"])

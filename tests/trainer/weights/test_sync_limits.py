@@ -5,7 +5,6 @@ engine serving a half-loaded or mislabelled policy."""
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,25 +12,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.trainer.weights import sync_setup as S
 from trainer.weights.errors import StaleWeightsError, TransportError
 from trainer.weights.sync import WeightSync
 from trainer.weights.versioned import PolicyVersion
-
-
-@pytest.fixture(scope="module")
-def model_dir(policy_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return S.spread_policy(policy_dir, tmp_path_factory.mktemp("spread"))
-
-
-@pytest.fixture
-def clusters(model_dir: Path):
-    actor, infer = S.make_clusters(model_dir)
-    try:
-        yield actor, infer
-    finally:
-        actor.shutdown()
-        infer.shutdown()
 
 
 def wedged_at(update_weights: Any, index: int, release: threading.Event) -> Any:
@@ -50,7 +33,7 @@ def wedged_at(update_weights: Any, index: int, release: threading.Event) -> Any:
 
 
 def test_a_wedged_engine_fails_the_shared_memory_sync_after_timeout_s(clusters) -> None:
-    actor, infer = clusters
+    actor, infer, _ = clusters
     sync = WeightSync(actor, infer, transport="shared_memory", bucket_mb=0.1, timeout_s=2)
     sync.sync()  # engines wrapped, both at version 1
     inner = infer._workers[1].engine.engine
@@ -76,7 +59,7 @@ def test_a_wedged_engine_fails_the_shared_memory_sync_after_timeout_s(clusters) 
 def test_timeout_s_is_set_from_the_config(clusters) -> None:
     from trainer.config_cluster import WeightSyncConfig
 
-    actor, infer = clusters
+    actor, infer, _ = clusters
     roles = type("Roles", (), {"actor": actor, "infer": infer})()
     sync = WeightSync.from_config(roles, WeightSyncConfig(timeout_s=42))
     assert sync.timeout_s == 42
@@ -89,7 +72,7 @@ def test_a_dev_shm_too_small_for_the_model_is_refused_before_anything_moves(
     """Unchecked, the first write past a full /dev/shm kills the trainer with SIGBUS."""
     from trainer.weights import transport
 
-    actor, infer = clusters
+    actor, infer, _ = clusters
     monkeypatch.setattr(transport, "shm_free_bytes", lambda: 50_000)
     sync = WeightSync(actor, infer, transport="shared_memory", bucket_mb=0.1)
     with pytest.raises(TransportError, match="shm-size") as caught:
@@ -103,7 +86,7 @@ def test_a_dev_shm_too_small_for_the_model_is_refused_before_anything_moves(
 
 def test_a_second_sync_without_the_runs_policy_cannot_reuse_a_version(clusters) -> None:
     """Two ``WeightSync``s each starting at 1 would label a different policy as version 1."""
-    actor, infer = clusters
+    actor, infer, _ = clusters
     policy = PolicyVersion()
     WeightSync(actor, infer, policy=policy, transport="shared_memory").sync()
     WeightSync(actor, infer, policy=policy, transport="shared_memory").sync()
