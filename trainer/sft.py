@@ -26,7 +26,7 @@ from typing import Any
 
 from trainer.errors import TrainerError
 from trainer.rollout.env_manager import Context, prompt_context
-from trainer.rollout.tool_parsers import content_text, env_action, message_turn
+from trainer.rollout.tool_parsers import CHAT_ROLES, content_text, env_action, message_turn
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 
 __all__ = ["SFT_SEED_BASE", "expert_trajectories", "from_messages", "load_jsonl", "write_jsonl"]
@@ -233,6 +233,11 @@ def _checked_record(record: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             )
         if not isinstance(message.get("role"), str):
             raise _RecordError(f'messages[{index}] has no "role" (user, assistant, tool, ...)')
+        if message["role"] not in CHAT_ROLES:
+            raise _RecordError(
+                f"messages[{index}].role {message['role']!r} is not a chat role; use one of "
+                + ", ".join(CHAT_ROLES)
+            )
         try:
             text = content_text(message.get("content"))
         except (TypeError, ValueError) as error:

@@ -57,6 +57,10 @@ ANSWER = {"role": "assistant", "content": "up"}
         ({"messages": None}, '"messages" must be a list of messages, got NoneType'),
         ({"messages": ["hi", ANSWER]}, "messages[0] must be an object"),
         ({"messages": [{"content": "x"}, ANSWER]}, 'messages[0] has no "role"'),
+        (
+            {"messages": [{"role": "robot", "content": "x"}, ANSWER]},
+            "messages[0].role 'robot' is not a chat role; use one of system, developer, user",
+        ),
         ({"messages": [USER, {"role": "assistant", "content": 5}]}, "messages[1].content"),
         ({"seed": "abc", "messages": [USER, ANSWER]}, '"seed" must be an integer'),
         ({"tools": "nope", "messages": [USER, ANSWER]}, '"tools" must be a list'),

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from trainer.config_rollout import ServerLimits
+from trainer.rollout.tool_parsers import CHAT_ROLES
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -42,9 +43,6 @@ __all__ = [
 ]
 
 _log = logging.getLogger("trainer.rollout.proxy")
-
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-"""The chat roles a message may have (OpenAI's)."""
 
 
 class ProxyError(Exception):
@@ -195,8 +193,8 @@ def _message(message: Any, where: str) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise _bad(where, "must be a chat message (an object with a role)", message)
     role = message.get("role")
-    if role not in ROLES:
-        raise _bad(f"{where}.role", f"must be one of {', '.join(ROLES)}", role)
+    if role not in CHAT_ROLES:
+        raise _bad(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}", role)
     checked = dict(message)
     if "content" in message:
         checked["content"] = _content(message["content"], f"{where}.content")

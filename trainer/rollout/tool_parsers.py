@@ -42,6 +42,7 @@ from envhub.errors import ActionParseError
 from envhub.parsing import ToolCall, ToolCallParser, format_tool_call
 
 __all__ = [
+    "CHAT_ROLES",
     "TOOL_PARSERS",
     "ParsedTurn",
     "ToolParser",
@@ -71,6 +72,10 @@ class ParsedTurn:
         if self.tool_calls:
             out["tool_calls"] = [call.as_message() for call in self.tool_calls]
         return out
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+"""The roles a chat message may have (OpenAI's)."""
 
 
 def content_text(content: Any) -> str:
