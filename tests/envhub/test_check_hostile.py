@@ -183,7 +183,9 @@ class Hangs(envhub.TextEnv):
 
     def on_step(self, action):
         child = subprocess.Popen(["sleep", "300"])
-        print("hanging", os.getpid(), child.pid, flush=True)
+        # one write: print() makes one per piece when PYTHONUNBUFFERED is set, and the two
+        # workers' pieces would interleave on the shared pipe
+        os.write(1, f"hanging {os.getpid()} {child.pid}\\n".encode())
         threading.Event().wait()
 
 
