@@ -277,14 +277,18 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
     def full_weights(self, device: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: every parameter/buffer gathered to a full tensor, HF names, one at a time.
 
-        Every rank must iterate to the end (each ``full_tensor()`` is an all-gather). Tensors are
-        on ``device`` (default: the training device; ``"cpu"`` for host copies).
+        Every rank must iterate to the end (each ``full_tensor()`` is an all-gather; a tied
+        parameter is gathered once, ``trainer.strategies.tied``). Tensors are on ``device``
+        (default: the training device; ``"cpu"`` for host copies).
         """
+        from trainer.strategies.tied import full_state
+
+        def full(tensor: Any) -> torch.Tensor:
+            whole = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            return whole.detach().to(device) if device is not None else whole.detach()
+
         self.residency.require("params")
-        for name, tensor in self.model.state_dict().items():
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            full = full.detach()
-            yield name, (full.to(device) if device is not None else full)
+        yield from full_state(self.model, full)
 
     def full_state_dict(self) -> dict[str, Any]:
         """Collective: the whole model as full CPU tensors on rank 0 (empty dict on other ranks).

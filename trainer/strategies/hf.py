@@ -110,9 +110,10 @@ class HFTrainStrategy(BaseTrainStrategy):
 
     # ------------------------------------------------------------------ weights and state
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        from trainer.strategies.tied import full_state
+
         self.residency.require("params")
-        for name, tensor in self.model.state_dict().items():
-            yield name, tensor.detach()
+        yield from full_state(self.model, lambda tensor: tensor.detach())
 
     def state_dict(self) -> dict[str, Any]:
         from trainer.resume import strategy_stamp

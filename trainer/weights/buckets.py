@@ -32,6 +32,7 @@ __all__ = [
     "iter_buckets",
     "largest_tensor",
     "pack",
+    "packed_bytes",
     "plan_buckets",
 ]
 
@@ -134,26 +135,43 @@ def pack(
     device: torch.device | str | None = None,
     buffer: torch.Tensor | None = None,
 ) -> Bucket:
-    """Copy ``named`` tensors into one flat buffer (on ``device``, default the first tensor's)."""
+    """Copy ``named`` tensors into one flat buffer (on ``device``, default the first tensor's).
+
+    A tensor object listed under several names (a tied parameter, ``trainer.strategies.tied``)
+    is stored once; each name gets a meta at the same offset.
+    """
     import torch
 
     metas: list[TensorMeta] = []
-    offset = 0
+    offsets: dict[int, int] = {}  # id(tensor) -> its offset: a tied name is a second meta
+    copies: list[tuple[torch.Tensor, int]] = []
+    end = 0
     for name, tensor in named:
         nbytes = tensor.numel() * tensor.element_size()
+        offset = offsets.get(id(tensor))
+        if offset is None:
+            offset = offsets[id(tensor)] = end
+            copies.append((tensor, len(metas)))
+            end += _aligned(nbytes)
         metas.append(
             TensorMeta(
                 name, str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape), offset, nbytes
             )
         )
-        offset += _aligned(nbytes)
     target = device if device is not None else (named[0][1].device if named else "cpu")
-    if buffer is None or buffer.numel() < offset:
-        buffer = torch.empty(offset, dtype=torch.uint8, device=target)
-    bucket = Bucket(buffer[:offset], metas, index)
-    for (_, tensor), (_, view) in zip(named, bucket.tensors(), strict=True):
-        view.copy_(tensor.detach().reshape(view.shape), non_blocking=True)
+    if buffer is None or buffer.numel() < end:
+        buffer = torch.empty(end, dtype=torch.uint8, device=target)
+    bucket = Bucket(buffer[:end], metas, index)
+    views = list(bucket.tensors())
+    for tensor, at in copies:
+        views[at][1].copy_(tensor.detach().reshape(views[at][1].shape), non_blocking=True)
     return bucket
+
+
+def packed_bytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """The buffer :func:`pack` needs for ``named`` (a tensor object listed twice counts once)."""
+    sizes = {id(t): _aligned(t.numel() * t.element_size()) for _, t in named}
+    return sum(sizes.values())
 
 
 def group_tensors(
@@ -163,11 +181,16 @@ def group_tensors(
 
     The grouping depends only on tensor sizes, so every rank of a sharded trainer that
     iterates the same full tensors forms the same groups (they step through a sync in lockstep).
+    A name carrying the previous item's tensor object (a tied parameter's second name) joins its
+    group at no cost.
     """
     items = weights.items() if isinstance(weights, Mapping) else weights
     pending: list[tuple[str, torch.Tensor]] = []
     used = 0
     for name, tensor in items:
+        if pending and tensor is pending[-1][1]:  # a tied name: same bytes, packed once
+            pending.append((name, tensor))
+            continue
         nbytes = _aligned(tensor.numel() * tensor.element_size())
         if nbytes > bucket_bytes:
             raise _too_small(name, tensor.numel() * tensor.element_size(), bucket_bytes)

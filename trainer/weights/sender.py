@@ -46,6 +46,7 @@ from trainer.weights.transport import (
     SegmentPool,
     SharedBucket,
     SharedSegment,
+    check_shm_space,
     listen_for_group,
     pack_shared,
 )
@@ -81,6 +82,16 @@ class SenderState:
         """The address and store :meth:`listen` opened for the next group."""
         self.segment = SharedSegment()
 
+    def check_room(self, model: Any, bucket_bytes: int) -> None:
+        """Raise ``TransportError`` unless /dev/shm can take the largest bucket of ``model``'s
+        host weights (at most the whole model) beyond the segment already held."""
+        tensors = list(model.state_dict().values()) if hasattr(model, "state_dict") else []
+        if not tensors or tensors[0].device.type != "cpu":
+            return  # CUDA IPC: no shared memory
+        whole = sum(t.numel() * t.element_size() for t in tensors)
+        held = 0 if self.segment.segment is None else self.segment.segment.size
+        check_shm_space(min(bucket_bytes, whole) - held, "the largest weight bucket")
+
     def begin(self, only_changed: bool) -> None:
         """A sync starts: what an unconfirmed (failed) earlier sync recorded is forgotten."""
         if not only_changed or not self.confirmed:
@@ -105,12 +116,22 @@ class SenderState:
         import torch
 
         out = []
+        decided: dict[int, bool] = {}  # id(tensor) -> changed: a tied name goes with its first
         for name, tensor in group:
-            previous = self.sent.get(name)
-            host = tensor.detach().to("cpu")
-            if previous is None or previous.shape != host.shape or not torch.equal(previous, host):
+            changed = decided.get(id(tensor))
+            if changed is None:
+                previous = self.sent.get(name)
+                host = tensor.detach().to("cpu")
+                changed = (
+                    previous is None
+                    or previous.shape != host.shape
+                    or not torch.equal(previous, host)
+                )
+                if changed:
+                    self.sent[name] = host.clone()
+                decided[id(tensor)] = changed
+            if changed:
                 out.append((name, tensor))
-                self.sent[name] = host.clone()
         return out
 
     def shared_buckets(
@@ -346,8 +367,14 @@ class WeightSender:
     # -- gathered: a collective gather per bucket, rank 0 hands out one handle at a time
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def begin_weight_sync(self, bucket_bytes: int, only_changed: bool = False) -> None:
-        """Start streaming full weights in buckets of at most ``bucket_bytes``."""
+        """Start streaming full weights in buckets of at most ``bucket_bytes``.
+
+        Rank 0 with host weights first checks that /dev/shm has room for a bucket, so the
+        driver can call this before the engines stop serving (``TransportError`` if not).
+        """
         self.end_weight_sync()
+        if self.rank == 0:
+            self._state().check_room(getattr(self.strategy, "model", None), bucket_bytes)
         self._state().begin(only_changed)
         self._weight_stream = self._state().shared_buckets(
             self._full_weights(),

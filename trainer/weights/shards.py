@@ -116,17 +116,11 @@ def shard_layout(strategy: Any, *, rank: int = 0, gather: bool = True) -> ShardL
 
 
 def _unique(model: Any, layout: ShardLayout) -> Iterator[tuple[str, Any]]:
-    """``model.state_dict()`` items, each tied parameter once (the others go to ``layout.aliases``).
+    """``model.state_dict()`` items, each tied parameter once (the others: ``layout.aliases``)."""
+    from trainer.strategies.tied import tied_names
 
-    Ties are found on the parameters themselves: a sharded ``state_dict`` may hand out a new
-    wrapper per name for one parameter.
-    """
-    first: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            layout.aliases[name] = first[id(param)]
-        else:
-            first[id(param)] = name
+    for name, aliases in tied_names(model).items():
+        layout.aliases.update(dict.fromkeys(aliases, name))
     for name, tensor in model.state_dict().items():
         if name not in layout.aliases:
             yield name, tensor

@@ -320,10 +320,13 @@ class WeightSync:
         and hands its CUDA IPC handle over (the engine maps it; no host round trip)."""
         moved = _Moved()
         self.check_buckets()
-        self._call(self.infer.begin_weight_load, version, self.timeout_s, self._retry(version))
-        self.actor.begin_weight_sync(self.bucket_bytes, self.only_changed)
+        # first: a /dev/shm too small is refused while the engines still serve
+        self._call(self.actor.begin_weight_sync, self.bucket_bytes, self.only_changed)
         try:
             try:
+                self._call(
+                    self.infer.begin_weight_load, version, self.timeout_s, self._retry(version)
+                )
                 while (handle := self._call(self.actor.next_weight_bucket)) is not None:
                     self._hand_over(handle, version, moved, handle.nbytes)
             finally:

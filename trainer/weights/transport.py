@@ -147,9 +147,9 @@ class SharedSegment:
 
         import torch
 
-        from trainer.weights.buckets import _aligned, pack
+        from trainer.weights.buckets import pack, packed_bytes
 
-        nbytes = sum(_aligned(t.numel() * t.element_size()) for _, t in named)
+        nbytes = packed_bytes(named)
         if self.segment is None or self.segment.size < nbytes:
             held = 0 if self.segment is None else self.segment.size
             check_shm_space(nbytes - held, f"bucket {index} (grown from {held:,} bytes)")

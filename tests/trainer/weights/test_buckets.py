@@ -56,3 +56,21 @@ def test_pack_views_alias_the_one_buffer() -> None:
     _, first = next(bucket.tensors())
     first.zero_()
     assert int(bucket.buffer[:4].sum()) == 0
+
+
+def test_a_tied_head_travels_once_in_the_bucket_under_both_names() -> None:
+    pytest.importorskip("transformers")
+    from tests.trainer.strategies.dist_workers import tiny_qwen2
+    from trainer.strategies.hf import HFTrainStrategy
+
+    strategy = HFTrainStrategy(tiny_qwen2(tie=True), trainable=False)
+    names = [name for name, _ in strategy.full_weights()]
+    assert sorted(names) == sorted(strategy.model.state_dict())  # every name, the head's too
+    unique = {id(p): p.numel() * p.element_size() for p in strategy.model.parameters()}
+    buckets = list(iter_buckets(strategy.full_weights(), 1 << 20))
+    sent = sum(bucket.nbytes for bucket in buckets)
+    assert sent < sum(unique.values()) + ALIGN * len(names)  # the embedding's bytes once
+    views = dict(item for bucket in buckets for item in bucket.tensors())
+    embedding = strategy.model.get_input_embeddings().weight
+    assert torch.equal(views["lm_head.weight"], embedding)
+    assert torch.equal(views["model.embed_tokens.weight"], embedding)

@@ -5,6 +5,7 @@ engine serving a half-loaded or mislabelled policy."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
+from tests.trainer.weights import sync_setup as S
 from trainer.weights.errors import StaleWeightsError, TransportError
 from trainer.weights.sync import WeightSync
 from trainer.weights.versioned import PolicyVersion
@@ -82,6 +84,28 @@ def test_a_dev_shm_too_small_for_the_model_is_refused_before_anything_moves(
     assert infer.weights_version() == [0, 0] and sync.version == 0  # engines still serve
     monkeypatch.undo()
     assert sync.sync().version == 1 and infer.weights_version() == [1, 1]
+
+
+def test_a_dev_shm_too_small_for_a_gathered_bucket_leaves_the_engines_serving(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The gathered path (LoRA ``sync: merged``) is refused before the engines stop serving."""
+    from trainer.config import LoraConfig
+    from trainer.weights import transport
+
+    actor, infer = S.make_clusters(model_dir, lora=LoraConfig(rank=4, sync="merged"))
+    try:
+        monkeypatch.setattr(transport, "shm_free_bytes", lambda: 50_000)
+        sync = WeightSync(actor, infer, transport="shared_memory", bucket_mb=0.1)
+        with pytest.raises(TransportError, match="shm-size"):
+            sync.sync()
+        assert infer.weights_version() == [0, 0]
+        assert all(result.token_ids for result in S.engine_greedy(infer))  # still serving
+        monkeypatch.undo()
+        assert sync.sync().version == 1 and infer.weights_version() == [1, 1]
+    finally:
+        actor.shutdown()
+        infer.shutdown()
 
 
 def test_a_second_sync_without_the_runs_policy_cannot_reuse_a_version(clusters) -> None:
