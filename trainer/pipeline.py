@@ -448,8 +448,8 @@ class AgenticPipeline:
         self.weight_sync.policy.restore(
             int(engine.get("version", 0))
         )  # the re-sync below is the next version
+        self.roles.infer.set_state(engine["ranks"])  # sampling RNGs, before async rollouts start
         self.sync_weights()
-        self.roles.infer.set_state(engine["ranks"])  # sampling RNGs
         restore_rng(checkpoint.rng)
         self.step, self.time_offset = checkpoint.step, float(checkpoint.extra.get("time_s", 0.0))
         self.log.truncate_after(self.step)

@@ -95,8 +95,9 @@ def check_saved_strategy(
     *,
     role: str | None = None,
 ) -> None:
-    """Refuse ``state`` unless strategy ``name`` with ``layout`` saved it (rule 2); the message
-    names ``roles.<role>.strategy`` (any role when ``role`` is None)."""
+    """Refuse ``state`` unless strategy ``name`` saved it and, when ``layout`` is given, with that
+    layout (rule 2); the message names ``roles.<role>.strategy`` (any role when ``role`` is
+    None)."""
     saved = _saved_strategy(state)
     where = f"roles.{role or '<role>'}"
     if saved is not None and saved != name:
@@ -105,11 +106,13 @@ def check_saved_strategy(
             f"trains with {name!r}: its optimizer state cannot be carried across strategies. "
             f"Resume with {where}.strategy={saved} (or start a fresh run to switch strategy)"
         )
+    if layout is None:  # (the strategy itself checks its layout)
+        return
     saved_layout = dict(state.get("layout") or {})
     changed = {
-        key: (value, dict(layout or {}).get(key))
+        key: (value, layout.get(key))
         for key, value in saved_layout.items()
-        if dict(layout or {}).get(key) != value
+        if layout.get(key) != value
     }
     if changed:
         settings = ", ".join(

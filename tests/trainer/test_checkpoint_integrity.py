@@ -306,6 +306,20 @@ def test_a_state_saved_by_another_strategy_is_refused_naming_the_setting() -> No
         strategy.load_state_dict(megatron_state)
 
 
+def test_a_megatron_state_passes_the_workers_check_and_only_its_layout_check_refuses() -> None:
+    """The actor worker checks the strategy's name (it knows no layout); megatron then checks its
+    layout. Checking the layout against none refused every megatron resume ("ranks 2 (now
+    None)")."""
+    from trainer.resume import check_saved_strategy, strategy_stamp
+
+    layout = {"ranks": 2, "tensor_parallel_size": 2, "pipeline_parallel_size": 1}
+    state = {"model": {}, **strategy_stamp("megatron", layout)}
+    check_saved_strategy(state, "megatron", role="actor_train")
+    check_saved_strategy(state, "megatron", layout)
+    with pytest.raises(CheckpointError, match=r"tensor_parallel_size 2 \(now 1\)"):
+        check_saved_strategy(state, "megatron", {**layout, "tensor_parallel_size": 1})
+
+
 # --------------------------------------------------------------------------- 6: no code on load
 
 
@@ -424,3 +438,19 @@ def test_resuming_a_run_with_fewer_train_steps_than_it_did_is_refused(tmp_path: 
     resumed = AgenticPipeline(quick_config(tmp_path, "train.steps=2"), resume=True)
     with pytest.raises(CheckpointError, match="train.steps=2 is below the 3 steps"):
         resumed.fit()
+
+
+def test_after_a_resume_the_engines_report_the_version_they_serve(tmp_path: Path) -> None:
+    from trainer.pipeline import AgenticPipeline
+
+    AgenticPipeline(quick_config(tmp_path)).fit()
+    resumed = AgenticPipeline(quick_config(tmp_path), resume=True)
+    try:
+        resumed.restore()  # loads the saved version v, then the re-sync serves v + 1
+        policy = resumed.weight_sync.policy.value
+        states = resumed.roles.infer.get_state()
+        assert [(s["version"], s["weights_version"]) for s in states] == [(policy, policy)] * len(
+            states
+        )
+    finally:
+        resumed.close()
