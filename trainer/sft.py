@@ -73,7 +73,10 @@ def expert_trajectories(
             messages, reset_info = env.reset(seed=SFT_SEED_BASE + seed_offset + i)
             tools = reset_info.get("tools") or None  # rendered as in RL (native tool calling)
             trajectory = Trajectory(
-                env_id=env_id, seed=SFT_SEED_BASE + seed_offset + i, messages=list(messages)
+                env_id=env_id,
+                seed=SFT_SEED_BASE + seed_offset + i,
+                info=dict(reset_info),
+                messages=list(messages),
             )
             if not per_turn:  # else (history rewritten) one sample per turn, as in RL
                 trajectory.append_context(renderer.prompt(messages, tools))
@@ -127,6 +130,7 @@ def from_messages(
     trajectory = Trajectory(
         env_id=str(fields.pop("env_id", "file")),
         seed=int(fields.pop("seed", 0)),
+        info={"tools": tools} if tools else {},
         messages=list(messages),
         success=bool(fields.pop("success", False)),
     )
@@ -246,6 +250,7 @@ def _checked_record(record: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             {**message, "content": text} if isinstance(message.get("content"), list) else message
         )
     known = {k: record[k] for k in ("env_id", "seed", "success", "tools") if k in record}
+    _check_declared_calls(checked, known.get("tools"))
     kinds = {
         "env_id": (str, "a string"),
         "success": (bool, "true or false"),
@@ -260,21 +265,36 @@ def _checked_record(record: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return checked, known
 
 
+def _check_declared_calls(messages: list[dict[str, Any]], tools: Any) -> None:
+    """Every assistant tool call names a tool the record's ``tools`` declares: the policy is
+    trained to call only what its prompt shows, as in RL (a call to an undeclared tool would
+    teach it to call tools it was never told of)."""
+    declared = set()
+    for schema in tools if isinstance(tools, list) else []:
+        if isinstance(schema, dict):
+            function = schema.get("function", schema)
+            declared.add(function.get("name") if isinstance(function, dict) else None)
+    for index, message in enumerate(messages):
+        calls = message.get("tool_calls") if message.get("role") == "assistant" else None
+        for number, call in enumerate(calls if isinstance(calls, list) else []):
+            function = call.get("function", call) if isinstance(call, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if isinstance(name, str) and name not in declared:
+                raise _RecordError(
+                    f"messages[{index}].tool_calls[{number}] calls {name!r}, which the record's "
+                    f'"tools" does not declare; add its schema to "tools" (a list of OpenAI '
+                    "function schemas: the prompt shows the tools the policy may call)"
+                )
+
+
 def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> Path:
-    """Write transcripts as ``load_jsonl`` reads them."""
+    """Write transcripts as ``load_jsonl`` reads them (with the tool schemas they were shown)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("w") as f:
         for t in trajectories:
-            f.write(
-                json.dumps(
-                    {
-                        "env_id": t.env_id,
-                        "seed": t.seed,
-                        "success": t.success,
-                        "messages": t.messages,
-                    }
-                )
-                + "\n"
-            )
+            record = {"env_id": t.env_id, "seed": t.seed, "success": t.success}
+            if t.info.get("tools"):
+                record["tools"] = t.info["tools"]
+            f.write(json.dumps({**record, "messages": t.messages}) + "\n")
     return target

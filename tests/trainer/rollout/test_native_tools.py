@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 import envhub
 from trainer.config import load_config
-from trainer.errors import ConfigError
+from trainer.errors import ConfigError, TrainerError
 from trainer.models import build_tokenizer, env_corpus
 from trainer.rollout.env_manager import EnvManager, LocalEnvSource, Sampling
 from trainer.rollout.trajectory import ChatRenderer
@@ -225,3 +225,35 @@ def test_a_run_of_ever_new_tool_sets_keeps_a_bounded_cache(tokenizer) -> None:
         tool = {"type": "function", "function": {"name": f"tool_{episode}", "parameters": {}}}
         renderer.prompt([{"role": "user", "content": "hi"}], tools=[tool])
     assert len(renderer._bases) <= ChatRenderer.max_tool_sets
+
+
+def test_tool_demos_written_to_jsonl_load_back_as_the_same_tokens(tokenizer, tmp_path) -> None:
+    """``sft_demos.jsonl`` (``write_jsonl``) keeps the tool schemas its calls were shown with."""
+    from trainer.sft import load_jsonl, write_jsonl
+
+    renderer = ChatRenderer(tokenizer)
+    demos = expert_trajectories([CALC], {}, renderer, episodes=2, max_turns=6)
+    again = load_jsonl(write_jsonl(demos, tmp_path / "demos.jsonl"), renderer)
+    assert [t.token_ids for t in again] == [t.token_ids for t in demos]
+
+
+def test_a_record_calling_a_tool_it_does_not_declare_is_refused_naming_it(
+    tokenizer, tmp_path
+) -> None:
+    from trainer.sft import load_jsonl
+
+    call = {"type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    messages = [
+        {"role": "user", "content": "1 + 2?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "3"},
+        {"role": "assistant", "content": "3"},
+    ]
+    other = {"type": "function", "function": {"name": "multiply", "parameters": {}}}
+    path = tmp_path / "calls.jsonl"
+    for record in ({"messages": messages}, {"messages": messages, "tools": [other]}):
+        path.write_text(json.dumps(record) + "\n")
+        with pytest.raises(TrainerError) as refused:
+            load_jsonl(path, ChatRenderer(tokenizer))
+        assert str(refused.value).startswith(f"{path}:1: messages[1].tool_calls[0] calls 'add'")
+        assert '"tools"' in str(refused.value)
