@@ -188,6 +188,24 @@ def test_the_declaration_says_the_return_type(cluster: CountingCluster) -> None:
     )
 
 
+def test_a_worker_class_ray_made_an_actor_still_matches_its_cluster() -> None:
+    """``ray.remote(cls)`` adds a ``_ray_trace_ctx`` parameter to the class's methods in place,
+    so a cluster built later in the same process (a local run after a Ray run, in one notebook)
+    was refused as not matching its worker."""
+    ray = pytest.importorskip("ray")
+
+    class TracedWorker(CountingWorker):
+        pass
+
+    ray.remote(TracedWorker)
+    assert "_ray_trace_ctx" in str(inspect.signature(TracedWorker.add))  # what Ray does
+
+    class TracedCluster(CountingCluster):
+        worker_cls = TracedWorker
+
+    assert cluster_method_problems(TracedCluster) == []
+
+
 def test_a_cluster_that_drifts_from_its_worker_is_refused_when_defined() -> None:
     class NewerWorker(CountingWorker):
         @register(Dispatch.ONE_TO_ALL)

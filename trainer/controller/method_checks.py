@@ -75,8 +75,8 @@ def _remote_problems(
 def _parameter_problems(
     where: str, ours: Callable[..., Any], worker_method: Callable[..., Any]
 ) -> list[str]:
-    mine = list(inspect.signature(ours).parameters.values())[1:]  # without self
-    theirs = list(inspect.signature(worker_method).parameters.values())[1:]
+    mine = _parameters(ours)
+    theirs = _parameters(worker_method)
     if mine == theirs:
         return []
     return [
@@ -85,3 +85,14 @@ def _parameter_problems(
             f"{inspect.Signature(theirs)}; give both the same parameters"
         )
     ]
+
+
+RAY_TRACE_PARAMETER = "_ray_trace_ctx"
+"""What ``ray.remote(cls)`` adds to every method of an actor class, in place (Ray's tracing
+hook): a worker class once made a Ray actor in this process carries it from then on."""
+
+
+def _parameters(method: Callable[..., Any]) -> list[inspect.Parameter]:
+    """A method's parameters without ``self`` and without Ray's tracing parameter."""
+    parameters = list(inspect.signature(method).parameters.values())[1:]
+    return [p for p in parameters if p.name != RAY_TRACE_PARAMETER]
