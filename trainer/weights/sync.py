@@ -29,9 +29,12 @@ Transports (``weight_sync.transport``)
                    space of /dev/shm before any segment is made). A trainer on GPUs takes
                    the gathered path instead: rank 0 gathers each bucket into one CUDA
                    buffer whose CUDA IPC handle the engine maps (``_sync_gathered``).
-``broadcast``      disaggregated: a gloo/NCCL group of trainer rank 0 and every inference
+``broadcast``      disaggregated: a gloo group of trainer rank 0 and every inference
                    worker (``transport.BroadcastGroup``); rank 0 broadcasts each bucket and
-                   a MIN all-reduce of the served versions closes the sync.
+                   a MIN all-reduce of the served versions closes the sync. The buckets go
+                   through host memory even between GPUs: the group can run NCCL
+                   (``device="cuda"``), but the run does not choose it yet (not verified: it
+                   needs two GPUs).
 ``auto``           ``shared_memory`` when every trainer rank and every inference worker
                    share a host, else ``broadcast``.
 
