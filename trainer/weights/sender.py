@@ -44,6 +44,7 @@ from trainer.weights.shards import ShardLayout, equal_piece, shard_layout, write
 from trainer.weights.transport import (
     BroadcastGroup,
     SegmentPool,
+    SentWeights,
     SharedBucket,
     SharedSegment,
     check_shm_space,
@@ -174,16 +175,16 @@ class SenderState:
         bucket_bytes: int,
         only_changed: bool = False,
         timeout_s: float = 300.0,
-    ) -> int:
+    ) -> SentWeights:
         """Sender: join the group (once per address) and stream the buckets; others only gather.
 
-        Returns how many tensors were sent (0 on the other ranks). ``send_weights`` returns only
+        Returns what was sent (nothing on the other ranks). ``send_weights`` returns only
         after every engine acknowledged the version, so what it sent is confirmed then.
         """
         if not is_sender:
             for _ in weights:  # take part in every gather collective
                 pass
-            return 0
+            return SentWeights()
         host, port = address  # a list when it came through an RPC
         key = (str(host), int(port))
         group = self.group
@@ -476,7 +477,7 @@ class WeightSender:
         bucket_bytes: int,
         only_changed: bool = False,
         timeout_s: float = 300.0,
-    ) -> int:
+    ) -> SentWeights:
         """Collective: rank 0 joins the weight broadcast group as its rank 0 and streams."""
         return self._state().broadcast(
             self._full_weights(),

@@ -430,7 +430,7 @@ class WeightSync:
             timeout_s=self.timeout_s,
         )
         try:
-            tensors = sender.result()
+            sent = sender.result()
             served = receivers.result()
         except WorkerCallError as error:
             self._address = None  # the group is broken: the next sync builds a fresh one
@@ -444,4 +444,4 @@ class WeightSync:
                 "generate until a complete sync - fix the failed worker and rerun the sync"
             ) from cause
         confirm_versions(served, version)
-        return _Moved(tensors=tensors)  # the broadcast reports a count only (no bytes or buckets)
+        return _Moved(tensors=sent.tensors, nbytes=sent.nbytes, buckets=sent.buckets)

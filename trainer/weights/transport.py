@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BroadcastGroup",
     "SegmentPool",
+    "SentWeights",
     "SharedBucket",
     "SharedSegment",
     "check_shm_space",
@@ -358,6 +359,16 @@ def listen_for_group(host: str, world_size: int, *, timeout_s: float = 300.0) ->
         ) from error
 
 
+@dataclass(frozen=True)
+class SentWeights:
+    """What one broadcast sync sent: tensors (names), their bytes (a tied tensor's once) and
+    buckets; what the shared-memory path counts for ``SyncReport``."""
+
+    tensors: int = 0
+    nbytes: int = 0
+    buckets: int = 0
+
+
 class BroadcastGroup:
     """Rank 0 (the trainer) broadcasts buckets to ranks 1..N (inference workers); module doc.
 
@@ -446,22 +457,22 @@ class BroadcastGroup:
         *,
         version: int,
         bucket_bytes: int,
-    ) -> int:
-        """Rank 0: stream ``weights`` as buckets, then an end marker with ``version``.
-
-        Returns how many tensors were sent.
-        """
+    ) -> SentWeights:
+        """Rank 0: stream ``weights`` as buckets, then an end marker with ``version``."""
         if self.rank != 0:
             raise TransportError(
                 f"send_weights on rank {self.rank}; only rank 0 (the trainer) sends"
             )
         names: list[str] = []
+        nbytes = buckets = 0
         for bucket in iter_buckets(weights, bucket_bytes, device=self.device):
             self._send_header(
                 {"kind": "bucket", "index": bucket.index, "metas": bucket.metas, "version": version}
             )
             self._broadcast(bucket.buffer)
             names.extend(meta.name for meta in bucket.metas)
+            nbytes += sum({meta.offset: meta.nbytes for meta in bucket.metas}.values())
+            buckets += 1
         self._send_header({"kind": "end", "version": version, "names": names})
         served = self._min_version(version)
         if served != version:
@@ -470,7 +481,7 @@ class BroadcastGroup:
                 f"{served} (-1: its load failed); it refuses to generate until a complete sync - "
                 "rerun the sync or restart it"
             )
-        return len(names)
+        return SentWeights(len(names), nbytes, buckets)
 
     def _min_version(self, mine: int) -> int:
         """All members' served versions, reduced by MIN (the acknowledgement closing a sync)."""

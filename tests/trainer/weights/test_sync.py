@@ -41,6 +41,18 @@ def test_sync_makes_every_engine_generate_what_the_trainer_would(
         assert got == pytest.approx(want, abs=1e-4)
 
 
+def test_both_transports_report_the_same_tensors_bytes_and_buckets(clusters) -> None:
+    """``sync/megabytes`` and ``sync/buckets`` read 0 for every broadcast sync."""
+    actor, infer, policy = clusters
+    reports = [
+        WeightSync(actor, infer, policy=policy, transport=transport, bucket_mb=0.1).sync()
+        for transport in ("shared_memory", "broadcast")
+    ]
+    moved = [(r.tensors, r.nbytes, r.buckets) for r in reports]
+    assert moved[0] == moved[1] and moved[0][1] > 0 and moved[0][2] > 1
+    assert all(r.metrics()["timing/sync_gb_per_s"] > 0 for r in reports)
+
+
 def test_only_changed_sends_nothing_when_nothing_trained(clusters, model_dir: Path) -> None:
     actor, infer, policy = clusters
     sync = WeightSync(

@@ -58,7 +58,7 @@ def test_shared_memory_and_broadcast_syncs_reproduce_the_trainer_outputs() -> No
         store = listen_for_group("127.0.0.1", 2, timeout_s=30)
         inbox.put(store.port)
         group = BroadcastGroup("127.0.0.1", store.port, 0, 2, timeout_s=30, store=store)
-        assert group.send_weights(second, version=2, bucket_bytes=8192) == len(second)
+        assert group.send_weights(second, version=2, bucket_bytes=8192).tensors == len(second)
         message = outbox.get(timeout=120)
         assert message[0] == "broadcast", message
         assert message[1] == 2 and message[2] == second_out
