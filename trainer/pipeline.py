@@ -33,7 +33,7 @@ from trainer.rollout.env_manager import (
     PoolEnvSource,
     Sampling,
 )
-from trainer.rollout.groups import EpisodeSpec, plan_eval
+from trainer.rollout.groups import EpisodeSpec, eval_failures, plan_eval
 from trainer.rollout.rollouts import Rollouts
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 
@@ -300,9 +300,9 @@ class AgenticPipeline:
         sampling = Sampling(
             self.cfg.rollout.max_new_tokens, self.cfg.eval.temperature, self.cfg.rollout.top_p
         )
-        episodes, _ = self.rollouts.play(specs, sampling)
+        episodes, failed = self.rollouts.play(specs, sampling)
         self.store_episodes("eval", self.step, episodes)
-        return summarise(episodes, "eval")
+        return {**summarise(episodes, "eval"), **eval_failures(specs, episodes, failed)}
 
     def store_episodes(
         self, kind: str, step: int, episodes: list[Trajectory], batch: Batch | None = None

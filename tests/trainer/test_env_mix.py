@@ -147,3 +147,47 @@ def test_each_env_of_a_mix_has_its_own_group_size_and_held_out_eval(tmp_path: Pa
     assert evaluated and all(r["env_id"] == LAKE for r in evaluated)
     first = json.loads(evaluated[0]["messages"])[0]["content"]
     assert "3x3" in first  # the held-out maps are 3x3; training plays 2x2
+
+
+def test_an_env_of_a_mix_none_of_whose_eval_episodes_finish_stops_the_run_naming_it(
+    tmp_path: Path,
+) -> None:
+    """Its evaluation was dropped in silence: the run reported the other env's only."""
+    from trainer.errors import RolloutError
+
+    base = yaml.safe_load(QUICKSTART.read_text())
+    broken = {"id": LAKE, "eval": {"episodes": 2, "kwargs": {"size": 1}}}  # no lake is 1x1
+    base["env"]["id"] = [{"id": GUESS, "eval": {"episodes": 2}}, broken]
+    base["env"]["kwargs"] = {"max_turns": 4}
+    config = tmp_path / "mix.yaml"
+    config.write_text(yaml.safe_dump(base))
+    cfg = load_config(
+        config, [*TINY, "train.steps=0", "sft.epochs=0", f"output_dir={tmp_path / 'run'}"]
+    )
+    pipeline = AgenticPipeline(cfg)
+    try:
+        with pytest.raises(RolloutError) as refused:
+            pipeline.evaluate()
+    finally:
+        pipeline.close()
+    message = str(refused.value)
+    assert message.startswith(f"evaluation of {LAKE}: all 2 episodes failed")
+    assert "size must be an int >= 2, got 1" in message and "eval kwargs" in message
+
+
+def test_eval_episodes_that_fail_every_retry_are_counted_and_named(caplog) -> None:
+    from trainer.rollout.groups import EpisodeSpec, eval_failures
+    from trainer.rollout.trajectory import Trajectory
+
+    specs = [EpisodeSpec(env_id, seed, seed) for env_id in (LAKE, GUESS) for seed in range(3)]
+    finished = [Trajectory(LAKE, 0), Trajectory(LAKE, 1), *(Trajectory(GUESS, s) for s in range(3))]
+    failed = [Trajectory(LAKE, 2, failed=True, failure="the env's server went away")]
+    with caplog.at_level("WARNING"):
+        metrics = eval_failures(specs, finished, failed)
+    assert metrics == {
+        "eval/failed_episodes": 1.0,
+        f"eval/{LAKE}/failed_episodes": 1.0,
+        f"eval/{GUESS}/failed_episodes": 0.0,
+    }
+    assert "1 of 6 episodes failed every retry" in caplog.text
+    assert "the env's server went away" in caplog.text

@@ -14,6 +14,8 @@ at once (asyncio; the engine batches their generation requests): the evaluation 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +29,7 @@ __all__ = [
     "EpisodeSpec",
     "describe_eval",
     "env_for_group",
+    "eval_failures",
     "plan_eval",
     "plan_groups",
     "play_episode",
@@ -35,6 +38,8 @@ __all__ = [
 
 EVAL_SEED_BASE = 1_000_000_000
 """Evaluation seeds start here; training seeds stay below it."""
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -208,3 +213,38 @@ async def run_episodes(
             f"reasons: {reasons}. Run `envhub check ENV_ID` to see what breaks the env"
         )
     return finished, failed
+
+
+def eval_failures(
+    specs: Sequence[EpisodeSpec], finished: Sequence[Trajectory], failed: Sequence[Trajectory]
+) -> dict[str, float]:
+    """What an evaluation lost: ``eval/failed_episodes`` (planned episodes that failed every
+    retry; per env too in a mix), with a warning naming the first reason. Such episodes are not
+    in the success rate, so a few lost ones would inflate it unseen.
+
+    Raises ``RolloutError`` when none of an env's evaluation episodes finished (its eval kwargs
+    or the env itself are broken: a mix would report the other envs only, silently).
+    """
+    planned = Counter(spec.env_id for spec in specs)
+    lost = planned - Counter(t.env_id for t in finished)
+    reasons = {t.env_id: t.failure or "unknown" for t in reversed(failed)}  # the first per env
+    for env_id, count in lost.items():
+        if count == planned[env_id]:
+            raise RolloutError(
+                f"evaluation of {env_id}: all {count} episodes failed (after retries); first "
+                f"reason: {reasons.get(env_id, 'unknown')}. Fix its eval kwargs (env.eval or "
+                f"the env's own eval: entry) or run `envhub check {env_id}`"
+            )
+    if lost:
+        _log.warning(
+            "evaluation: %d of %d episodes failed every retry and are left out of eval/success "
+            "(%s); first reason: %s",
+            sum(lost.values()),
+            len(specs),
+            ", ".join(f"{env_id}: {count}" for env_id, count in sorted(lost.items())),
+            reasons.get(min(lost), "unknown"),
+        )
+    metrics = {"eval/failed_episodes": float(sum(lost.values()))}
+    if len(planned) > 1:
+        metrics |= {f"eval/{env_id}/failed_episodes": float(lost[env_id]) for env_id in planned}
+    return metrics
