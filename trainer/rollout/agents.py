@@ -337,9 +337,16 @@ class AgentRunner(EnvManager):
         return await self._program(view)
 
     async def _program(self, view: AgentEpisode) -> None:
-        """The agent program, in its own session (killed with its children when cancelled)."""
+        """The agent program, in its own session (killed with its children when cancelled).
+
+        The trainer's interpreter directory leads its ``PATH``: ``python my_agent.py`` runs on the
+        interpreter that has envhub and the agent's SDK (a venv need not be activated), as
+        ``uv run`` and tox do; a full path still picks another one."""
         env = {
             **os.environ,
+            "PATH": os.pathsep.join(
+                filter(None, [os.path.dirname(sys.executable), os.environ.get("PATH")])
+            ),
             "OPENAI_BASE_URL": view.base_url,
             "OPENAI_API_KEY": view.api_key,
             "ENVHUB_AGENT_MODEL": view.model,

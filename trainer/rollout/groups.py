@@ -30,6 +30,7 @@ __all__ = [
     "describe_eval",
     "env_for_group",
     "eval_failures",
+    "failure_hint",
     "plan_eval",
     "plan_groups",
     "play_episode",
@@ -210,9 +211,21 @@ async def run_episodes(
         reasons = sorted({t.failure or "unknown" for t in failed})[:3]
         raise RolloutError(
             f"all {len(specs)} episodes failed (after {max_retries} retries each); first "
-            f"reasons: {reasons}. Run `envhub check ENV_ID` to see what breaks the env"
+            f"reasons: {reasons}. {failure_hint([t.failure or '' for t in failed])}"
         )
     return finished, failed
+
+
+def failure_hint(failures: Sequence[str]) -> str:
+    """Where to look, for episodes that failed for ``failures`` (their reasons): the agent when
+    every one is the agent's own failure, else the env."""
+    agent = ("agent raised", "agent timeout", "the agent returned")  # AgentRunner's reasons
+    if failures and all(reason.startswith(agent) for reason in failures):
+        return (
+            "The agent failed in every episode (its own errors above): fix rollout.agent's "
+            "command or callable (docs/train-your-agent.md, 'Limits and errors')"
+        )
+    return "Run `envhub check ENV_ID` to see what breaks the env"
 
 
 def eval_failures(

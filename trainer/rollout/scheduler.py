@@ -52,7 +52,13 @@ from trainer.config import RolloutConfig, TrainerConfig
 from trainer.errors import RolloutError
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
 from trainer.rollout.env_workers import EnvWorkers
-from trainer.rollout.groups import EVAL_SEED_BASE, EpisodeSpec, env_for_group, play_episode
+from trainer.rollout.groups import (
+    EVAL_SEED_BASE,
+    EpisodeSpec,
+    env_for_group,
+    failure_hint,
+    play_episode,
+)
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.trajectory import Trajectory
 from trainer.rollout.worker_routing import WorkerRouters
@@ -311,7 +317,7 @@ class RolloutScheduler:
                 "that still answers gets the episodes): read the engine's log (vLLM/CUDA "
                 "errors), fix or restart it, and resume from the last checkpoint"
             )
-        return RolloutError(f"{head} Run `envhub check ENV_ID` to see what breaks the env")
+        return RolloutError(f"{head} {failure_hint(failures)}")
 
     # ------------------------------------------------------------------ groups
     def _fill(self) -> None:

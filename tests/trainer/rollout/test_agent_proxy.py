@@ -235,6 +235,18 @@ def test_a_program_agent_and_a_final_answer_play_like_a_function_agent(policy) -
     assert [m["role"] for m in answered.messages][-2:] == ["assistant", "user"]
 
 
+def test_a_program_agent_started_as_python_runs_on_the_trainers_interpreter(
+    policy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``command: python my_agent.py`` from a shell where the venv is not activated ran the
+    system Python, which cannot import the agent's SDK or envhub: every episode failed."""
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")  # no venv on it, as `.venv/bin/envhub train`
+    specs = [EpisodeSpec(LAKE, 5, 0)]
+    renderer = ChatRenderer(policy[1])
+    (t,) = with_agent(engine_for(policy), renderer, specs, command=f"python -m {AGENTS}")
+    assert t.failure is None and t.num_turns >= 1
+
+
 def test_the_proxy_refuses_bad_calls_with_errors_that_name_the_fix(policy) -> None:
     renderer = ChatRenderer(policy[1])
 
@@ -392,3 +404,23 @@ def test_surplus_agent_episodes_are_aborted_and_their_keys_refused(policy) -> No
     assert all(not t.failed for t in batch.trajectories)
     assert state == (0, 0, 0)  # nothing in flight, running, or open on the proxy
     assert batch.metrics["rollout/aborted_surplus"] == 6  # three surplus groups of two
+
+
+def test_a_run_whose_agent_fails_every_episode_points_at_the_agent_not_the_env(policy) -> None:
+    from trainer.errors import RolloutError
+    from trainer.rollout.groups import run_episodes
+
+    async def main() -> None:
+        renderer = ChatRenderer(policy[1])
+        proxy = AgentProxy(engine_for(policy), renderer, max_turns=4, max_context_tokens=1024)
+        await proxy.start()
+        runner = AgentRunner(proxy, AgentConfig(callable=f"{AGENTS}:raises"))
+        try:
+            await run_episodes([EpisodeSpec(LAKE, 5, 0)], runner, LocalEnvSource(), Sampling(8))
+        finally:
+            await proxy.aclose()
+
+    with pytest.raises(RolloutError) as failed:
+        asyncio.run(main())
+    assert "fix rollout.agent's command or callable" in str(failed.value)
+    assert "envhub check" not in str(failed.value)
