@@ -32,6 +32,7 @@ from trainer.rollout.env_manager import (
     LocalEnvSource,
     PoolEnvSource,
     Sampling,
+    check_held_out_builds,
 )
 from trainer.rollout.groups import EpisodeSpec, eval_failures, plan_eval
 from trainer.rollout.rollouts import Rollouts
@@ -581,6 +582,7 @@ class AgenticPipeline:
         held_out = self.cfg.env.eval_kwargs()
         if not held_out or self.cfg.env.hub is not None:
             return None
+        check_held_out_builds({e: {**self.cfg.env.kwargs, **kw} for e, kw in held_out.items()})
         return HeldOutEnvSource(self.envs, self._env_source(held_out), set(held_out))
 
     def _reward_router(self) -> Any:

@@ -149,22 +149,43 @@ def test_each_env_of_a_mix_has_its_own_group_size_and_held_out_eval(tmp_path: Pa
     assert "3x3" in first  # the held-out maps are 3x3; training plays 2x2
 
 
-def test_an_env_of_a_mix_none_of_whose_eval_episodes_finish_stops_the_run_naming_it(
-    tmp_path: Path,
-) -> None:
-    """Its evaluation was dropped in silence: the run reported the other env's only."""
-    from trainer.errors import RolloutError
-
+def mix_with_held_out(tmp_path: Path, held_out: dict) -> TrainerConfig:
+    """Guess-number and a lake evaluated with ``held_out`` (its eval kwargs)."""
     base = yaml.safe_load(QUICKSTART.read_text())
-    broken = {"id": LAKE, "eval": {"episodes": 2, "kwargs": {"size": 1}}}  # no lake is 1x1
-    base["env"]["id"] = [{"id": GUESS, "eval": {"episodes": 2}}, broken]
+    lake = {"id": LAKE, "eval": {"episodes": 2, "kwargs": held_out}}
+    base["env"]["id"] = [{"id": GUESS, "eval": {"episodes": 2}}, lake]
     base["env"]["kwargs"] = {"max_turns": 4}
     config = tmp_path / "mix.yaml"
     config.write_text(yaml.safe_dump(base))
-    cfg = load_config(
+    return load_config(
         config, [*TINY, "train.steps=0", "sft.epochs=0", f"output_dir={tmp_path / 'run'}"]
     )
-    pipeline = AgenticPipeline(cfg)
+
+
+def test_eval_kwargs_an_env_cannot_be_built_with_stop_the_run_before_it_starts(
+    tmp_path: Path,
+) -> None:
+    """The run found out at its first evaluation (after the warm start) and then left the env
+    out of its evaluation in silence."""
+    with pytest.raises(ConfigError) as refused:
+        AgenticPipeline(mix_with_held_out(tmp_path, {"size": 1}))  # no lake is 1x1
+    message = str(refused.value)
+    assert f"env {LAKE}: its eval kwargs {{'max_turns': 4, 'size': 1}} do not build it" in message
+    assert "size must be an int >= 2, got 1" in message
+
+
+def test_an_env_of_a_mix_none_of_whose_eval_episodes_finish_stops_the_run_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its evaluation was dropped in silence: the run reported the other env's only."""
+    from envs.games.frozen_lake import FrozenLakeEnv
+    from trainer.errors import RolloutError
+
+    def failing_reset(self: FrozenLakeEnv, options: dict) -> None:
+        raise RuntimeError("the held-out maps are missing")
+
+    pipeline = AgenticPipeline(mix_with_held_out(tmp_path, {"size": 3}))
+    monkeypatch.setattr(FrozenLakeEnv, "on_reset", failing_reset)
     try:
         with pytest.raises(RolloutError) as refused:
             pipeline.evaluate()
@@ -172,7 +193,7 @@ def test_an_env_of_a_mix_none_of_whose_eval_episodes_finish_stops_the_run_naming
         pipeline.close()
     message = str(refused.value)
     assert message.startswith(f"evaluation of {LAKE}: all 2 episodes failed")
-    assert "size must be an int >= 2, got 1" in message and "eval kwargs" in message
+    assert "the held-out maps are missing" in message and "eval kwargs" in message
 
 
 def test_eval_episodes_that_fail_every_retry_are_counted_and_named(caplog) -> None:

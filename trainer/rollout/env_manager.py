@@ -55,6 +55,7 @@ __all__ = [
     "Sampling",
     "StepOutcome",
     "TurnEngine",
+    "check_held_out_builds",
     "prompt_context",
 ]
 
@@ -106,6 +107,22 @@ class HeldOutEnvSource:
 
     async def aclose(self) -> None:
         await self.held_out.aclose()
+
+
+def check_held_out_builds(held_out: dict[str, dict[str, Any]]) -> None:
+    """Build (and close) each env with its evaluation kwargs once: a value its constructor
+    refuses (a split it lacks, a size out of range) is a ``ConfigError`` at the run's start, not
+    at its first evaluation, after the warm start. Names pass the config's own check already."""
+    import envhub
+    from trainer.errors import ConfigError
+
+    for env_id, kwargs in held_out.items():
+        try:
+            envhub.make(env_id, **kwargs).close()
+        except Exception as error:  # noqa: BLE001 - the env's own refusal, named
+            why = f"{type(error).__name__}: {error}"
+            problem = f"env {env_id}: its eval kwargs {kwargs} do not build it ({why})"
+            raise ConfigError([f"{problem}; fix the env's eval: {{kwargs: ...}} entry"]) from None
 
 
 def prompt_context(
