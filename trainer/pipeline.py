@@ -582,7 +582,8 @@ class AgenticPipeline:
         held_out = self.cfg.env.eval_kwargs()
         if not held_out or self.cfg.env.hub is not None:
             return None
-        check_held_out_builds({e: {**self.cfg.env.kwargs, **kw} for e, kw in held_out.items()})
+        shared = self.cfg.env.kwargs
+        check_held_out_builds({e: {**shared, **kw} for e, kw in held_out.items()}, self.cfg.env.ids)
         return HeldOutEnvSource(self.envs, self._env_source(held_out), set(held_out))
 
     def _reward_router(self) -> Any:

@@ -170,7 +170,9 @@ def test_eval_kwargs_an_env_cannot_be_built_with_stop_the_run_before_it_starts(
     with pytest.raises(ConfigError) as refused:
         AgenticPipeline(mix_with_held_out(tmp_path, {"size": 1}))  # no lake is 1x1
     message = str(refused.value)
-    assert f"env {LAKE}: its eval kwargs {{'max_turns': 4, 'size': 1}} do not build it" in message
+    assert f"env.id[1].eval.kwargs: {LAKE} cannot be built with {{'max_turns': 4, 'size': 1}}" in (
+        message
+    )
     assert "size must be an int >= 2, got 1" in message
 
 

@@ -109,20 +109,21 @@ class HeldOutEnvSource:
         await self.held_out.aclose()
 
 
-def check_held_out_builds(held_out: dict[str, dict[str, Any]]) -> None:
+def check_held_out_builds(held_out: dict[str, dict[str, Any]], env_ids: list[str]) -> None:
     """Build (and close) each env with its evaluation kwargs once: a value its constructor
     refuses (a split it lacks, a size out of range) is a ``ConfigError`` at the run's start, not
-    at its first evaluation, after the warm start. Names pass the config's own check already."""
+    at its first evaluation, after the warm start. (Names pass the config's own check already.)
+    ``env_ids``: the mix's ids in order, to name the entry (``env.id[i].eval.kwargs``)."""
     import envhub
-    from trainer.errors import ConfigError
+    from trainer.errors import ConfigError, Problem
 
     for env_id, kwargs in held_out.items():
         try:
             envhub.make(env_id, **kwargs).close()
         except Exception as error:  # noqa: BLE001 - the env's own refusal, named
-            why = f"{type(error).__name__}: {error}"
-            problem = f"env {env_id}: its eval kwargs {kwargs} do not build it ({why})"
-            raise ConfigError([f"{problem}; fix the env's eval: {{kwargs: ...}} entry"]) from None
+            path = f"env.id[{env_ids.index(env_id)}].eval.kwargs"
+            why = f"{env_id} cannot be built with {kwargs} ({type(error).__name__}: {error})"
+            raise ConfigError([Problem(path, f"{why}; fix the evaluation's kwargs")]) from None
 
 
 def prompt_context(
