@@ -209,3 +209,72 @@ def test_message_text_writes_arguments_too_deep_for_json():
         deep = [deep]
     text = message_text(structured({"expression": deep}))
     assert text.startswith("<tool_call>") and "cannot be written as JSON" in text
+
+
+@pytest.mark.parametrize(
+    "text, feedback",
+    [
+        ('<tool_call>{"name": "f", "arguments": {[1]: 2}}</tool_call>', "not valid JSON"),
+        ('<tool_call>{"name": "f", "arguments": {"a": {[1]}}}</tool_call>', "not valid JSON"),
+        ('<tool_call>{"name": "f", "arguments": {("a",): 1}}</tool_call>', "keys must be strings"),
+        ("<tool_call>{'name': 'f', 'arguments': {1: 2}}</tool_call>", "keys must be strings"),
+        ("<tool_call>{'name': 'f', 'arguments': {'a': {1, 2}}}</tool_call>", "write a list"),
+        ("<tool_call>{'name': 'f', 'arguments': {'a': b'x'}}</tool_call>", "write a string"),
+        ("<tool_call>{'name': 'f', 'arguments': {'a': 1j}}</tool_call>", "write a number"),
+        (
+            '<tool_call>{"name": "f", "arguments": "{\'a\': {1, 2}}"}</tool_call>',
+            "write a list",
+        ),
+    ],
+    ids=["list-key", "list-in-set", "tuple-key", "int-key", "set", "bytes", "complex", "args"],
+)
+def test_python_literals_json_cannot_write_are_refused_with_feedback(text, feedback):
+    """The Python-literal fallback reads only what JSON can hold, so a call never carries a value
+    that fails when written back (``as_message``, ``format_tool_call``)."""
+    with pytest.raises(ActionParseError) as caught:
+        parse_tool_calls(text)
+    assert feedback in caught.value.feedback
+
+
+def test_python_literal_tuples_are_read_as_lists():
+    (call,) = parse_tool_calls("<tool_call>{'name': 'f', 'arguments': {'a': (1, 2)}}</tool_call>")
+    assert call.arguments == {"a": [1, 2]}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        (
+            '<think>Try <tool_call>{"name": "lookup", "arguments": {"key": "x"}}</tool_call>.'
+            "</think>The answer is 4."
+        ),
+        # a template that writes <think> itself: the turn opens inside thinking
+        (
+            'Maybe <tool_call>{"name": "lookup", "arguments": {"key": "x"}}</tool_call>?\n'
+            "</think>\nThe answer is 4."
+        ),
+    ],
+    ids=["closed", "prefilled-think"],
+)
+def test_a_call_only_mentioned_in_thinking_is_not_a_call(text):
+    assert parse_tool_calls(text, TOOLS) == []
+
+
+def test_a_call_after_thinking_is_read():
+    text = (
+        '<think>Not <tool_call>{"name": "calculate", "arguments": {}}</tool_call>.</think>'
+        '<tool_call>{"name": "lookup", "arguments": {"key": "x"}}</tool_call>'
+    )
+    assert [(c.name, c.arguments) for c in parse_tool_calls(text, TOOLS)] == [
+        ("lookup", {"key": "x"})
+    ]
+
+
+def test_a_closing_tag_inside_a_json_string_does_not_cut_the_call():
+    text = (
+        '<tool_call>\n{"name": "lookup", "arguments": {"key": "a </tool_call> b"}}\n</tool_call>'
+        '<tool_call>{"name": "lookup", "arguments": {"key": "</tool_call>"}}'
+    )
+    calls = parse_tool_calls(text, TOOLS)
+    assert [c.arguments for c in calls] == [{"key": "a </tool_call> b"}, {"key": "</tool_call>"}]
+    assert [c.id for c in calls] == ["call_0", "call_1"]

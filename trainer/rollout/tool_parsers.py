@@ -10,11 +10,14 @@ and a tool env receives its calls whatever syntax the model used.
 name           what the model writes
 =============  ======================================================================
 ``hermes``     ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen2.5/3,
-               Hermes, envhub's own tool envs)
+               Hermes, envhub's own tool envs); tags inside ``<think>...</think>`` are
+               thinking, not calls
 ``llama3_json`` ``<|python_tag|>{"name": ..., "parameters": {...}}`` or a bare JSON object
-               (several separated by ``;``)
-``mistral``    ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``
-``pythonic``   ``[get_weather(city="Paris"), add(a=1, b=2)]`` (Llama 3.2/4 pythonic)
+               (several separated by ``;``; prose after them is content)
+``mistral``    ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`` (prose after the list
+               is content)
+``pythonic``   ``[get_weather(city="Paris"), add(a=1, b=2)]`` (Llama 3.2/4 pythonic; keyword
+               arguments only)
 ``none``       no tool calls: the whole text is content
 ``auto``       chosen from the chat template (``detect``), ``none`` when it renders no tools
 =============  ======================================================================
@@ -23,9 +26,10 @@ Where vLLM is installed, ``make_tool_parser(..., prefer_vllm=True)`` wraps vLLM'
 that name (vLLM ships parsers for ~50 families and keeps them current); the embedded parsers
 here are the default without vLLM and for tokenizers that lack the family's special tokens.
 
-A malformed call (bad JSON, no name) is never an exception: the turn comes back with
-``error`` set and no calls, and the env gets the raw text (its own parser then answers with
-feedback and the invalid-action penalty). Calls beyond ``max_calls`` are an error too.
+A malformed call (bad JSON, no name, arguments JSON cannot hold, nesting too deep to read) is
+never an exception, whatever the text: the turn comes back with ``error`` set and no calls, and
+the env gets the raw text (its own parser then answers with feedback and the invalid-action
+penalty). Calls beyond ``max_calls`` are an error too.
 """
 
 from __future__ import annotations
@@ -34,12 +38,11 @@ import ast
 import difflib
 import json
 import logging
-import re
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from envhub.errors import ActionParseError
-from envhub.parsing import ToolCall, ToolCallParser, format_tool_call
+from envhub.parsing import ToolCall, ToolCallParser, format_tool_call, json_problem
 
 __all__ = [
     "CHAT_ROLES",
@@ -136,7 +139,8 @@ class _ParseError(ValueError):
 
 
 def _call(raw: Any, index: int) -> ToolCall:
-    """A ``ToolCall`` from a decoded JSON object ``{"name", "arguments"|"parameters"}``."""
+    """A ``ToolCall`` from a decoded object ``{"name", "arguments"|"parameters"}`` whose
+    arguments JSON can hold (``json_problem``), so writing the call back cannot raise."""
     if isinstance(raw, dict) and isinstance(raw.get("function"), dict):
         raw = raw["function"]
     if not isinstance(raw, dict) or not isinstance(raw.get("name"), str) or not raw["name"]:
@@ -147,18 +151,45 @@ def _call(raw: Any, index: int) -> ToolCall:
             arguments = json.loads(arguments) if arguments.strip() else {}
         except ValueError as error:
             raise _ParseError(f"arguments of {raw['name']!r} are not JSON: {error}") from None
+        except (RecursionError, MemoryError):
+            raise _ParseError(_TOO_DEEP) from None
     if not isinstance(arguments, dict):
         raise _ParseError(f"arguments of {raw['name']!r} must be an object, got {arguments!r:.80}")
+    problem = json_problem(arguments)
+    if problem is not None:
+        raise _ParseError(f"arguments of {raw['name']!r} cannot be written as JSON: {problem}")
     return ToolCall(name=raw["name"], arguments=arguments, id=f"call_{index}")
 
 
-def _json_objects(text: str) -> list[Any]:
-    """Every JSON value in ``text`` (a list is spread into its items)."""
-    try:
-        value = json.loads(text)
-    except ValueError as error:
-        raise _ParseError(f"tool call is not JSON: {error}") from None
-    return list(value) if isinstance(value, list) else [value]
+_TOO_DEEP = "tool call is nested too deeply to read; write flatter arguments"
+_JSON_DECODER = json.JSONDecoder()
+
+
+def _json_values(text: str, separators: str = "") -> tuple[list[Any], str]:
+    """The JSON values ``text`` starts with, one after another (whitespace and ``separators``
+    may stand between them; a list is spread into its items), and the prose after the last.
+    Decoding value by value (``raw_decode``) leaves a separator inside a string alone. Text
+    with no value, or a value that starts (``{``/``[`` after the first) but does not parse,
+    raises ``_ParseError``."""
+    values: list[Any] = []
+    position = 0
+    while True:
+        while position < len(text) and (text[position].isspace() or text[position] in separators):
+            position += 1
+        if values and (position == len(text) or text[position] not in "{["):
+            return values, text[position:]
+        try:
+            value, position = _JSON_DECODER.raw_decode(text, position)
+        except ValueError as error:
+            raise _ParseError(f"tool call is not JSON: {error}") from None
+        except (RecursionError, MemoryError):
+            raise _ParseError(_TOO_DEEP) from None
+        values.extend(value if isinstance(value, list) else [value])
+
+
+def _prose(*parts: str) -> str:
+    """The non-empty ``parts``, stripped, one per line (the content around the calls)."""
+    return "\n".join(part.strip() for part in parts if part.strip())
 
 
 @dataclass(frozen=True)
@@ -174,6 +205,8 @@ class _Embedded:
             calls = tuple(_call(raw, i) for i, raw in enumerate(raws))
         except _ParseError as error:
             return ParsedTurn(content=text, error=str(error), raw=text)
+        except (RecursionError, MemoryError):  # e.g. repr or unparse of a deep value
+            return ParsedTurn(content=text, error=_TOO_DEEP, raw=text)
         if len(calls) > self.max_calls:
             problem = f"{len(calls)} tool calls in one turn; at most {self.max_calls}"
             return ParsedTurn(content=text, error=problem, raw=text)
@@ -184,28 +217,27 @@ class _Embedded:
         raise NotImplementedError
 
 
-_HERMES_TAG = re.compile(r"<tool_call\s*>.*?(?:</\s*tool_call\s*>|$)", re.IGNORECASE | re.DOTALL)
-
-
 @dataclass(frozen=True)
 class _Hermes:
     """envhub's own reader (``envhub.parsing.ToolCallParser``, the one every tool env uses), so
-    the trainer and the env agree on what a hermes call is."""
+    the trainer and the env agree on what a hermes call is (calls inside thinking are not)."""
 
     name: str = "hermes"
     max_calls: int = 16
 
     def parse(self, text: str) -> ParsedTurn:
         try:
-            calls = ToolCallParser(max_calls=self.max_calls).parse(text)
+            content, calls = ToolCallParser(max_calls=self.max_calls).split(text)
         except ActionParseError as error:
             return ParsedTurn(content=text, error=error.feedback or str(error), raw=text)
-        content = _HERMES_TAG.sub("", text).strip() if calls else text.strip()
-        return ParsedTurn(content=content, tool_calls=tuple(calls), raw=text)
+        return ParsedTurn(content=content.strip(), tool_calls=tuple(calls), raw=text)
 
 
 @dataclass(frozen=True)
 class _Llama3Json(_Embedded):
+    """Calls after ``<|python_tag|>``, or a turn that starts with a bare JSON call; prose
+    after the calls is content."""
+
     name: str = "llama3_json"
 
     def _split(self, text: str) -> tuple[str, list[Any]]:
@@ -215,21 +247,30 @@ class _Llama3Json(_Embedded):
             if not (stripped.startswith("{") and '"name"' in stripped):
                 return text, []
             head, body = "", stripped
-        raws = [raw for part in body.split(";") if part.strip() for raw in _json_objects(part)]
-        return head, raws
+        raws, tail = _json_values(body, separators=";")
+        return _prose(head, tail), raws
 
 
 @dataclass(frozen=True)
 class _Mistral(_Embedded):
+    """The JSON list after ``[TOOL_CALLS]``; prose after it is content."""
+
     name: str = "mistral"
 
     def _split(self, text: str) -> tuple[str, list[Any]]:
         head, tag, body = text.partition("[TOOL_CALLS]")
-        return (head, _json_objects(body.strip())) if tag else (text, [])
+        if not tag:
+            return text, []
+        raws, tail = _json_values(body)
+        return _prose(head, tail), raws
 
 
 @dataclass(frozen=True)
 class _Pythonic(_Embedded):
+    """A turn that is a Python list of calls with literal keyword arguments. Anything else in
+    such a list (positional arguments, ``**`` splats, non-literals, values JSON cannot hold) is
+    an error that says how to write it, never a call with arguments dropped or changed."""
+
     name: str = "pythonic"
 
     def _split(self, text: str) -> tuple[str, list[Any]]:
@@ -240,17 +281,34 @@ class _Pythonic(_Embedded):
             tree = ast.parse(stripped, mode="eval").body
         except SyntaxError as error:
             raise _ParseError(f"tool call list is not Python: {error.msg}") from None
+        except (ValueError, RecursionError, MemoryError):  # NUL bytes, nesting too deep
+            raise _ParseError("tool call list is not Python that can be read") from None
         if not isinstance(tree, ast.List):
             return text, []
         raws = []
         for node in tree.elts:
             if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name):
                 raise _ParseError(f"not a call: {ast.unparse(node)[:80]}")
-            try:
-                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
-            except ValueError:
-                raise _ParseError(f"arguments of {node.func.id} must be literals") from None
-            raws.append({"name": node.func.id, "arguments": arguments})
+            name = node.func.id
+            if node.args:
+                raise _ParseError(
+                    f"{name} has positional arguments; use keyword arguments: {name}(x=1)"
+                )
+            arguments = {}
+            for keyword in node.keywords:
+                if keyword.arg is None:
+                    raise _ParseError(
+                        f"{name}(**...) cannot be read; write each argument as name=value"
+                    )
+                try:
+                    arguments[keyword.arg] = ast.literal_eval(keyword.value)
+                except Exception:  # noqa: BLE001 - model text: ValueError, TypeError ({[1]: 2})
+                    raise _ParseError(
+                        f"argument {keyword.arg} of {name} must be one of the literals JSON "
+                        "holds (strings, numbers, True/False/None, lists, dicts with string "
+                        "keys)"
+                    ) from None
+            raws.append({"name": name, "arguments": arguments})
         return "", raws
 
 
@@ -289,7 +347,9 @@ def detect_tool_parser(chat_template: str | None) -> str:
 class _VLLMParser:
     """vLLM's parser of the same name (non-streaming ``extract_tool_calls``). When vLLM finds no
     call, the embedded parser of that name says whether the text held a malformed one (vLLM
-    logs and swallows that case), so the turn carries the same ``error`` either way."""
+    logs and swallows that case), so the turn carries the same ``error`` either way. A hermes
+    turn that thinks (``</think>``) is read by the embedded parser alone: it is the env's own
+    reader, which skips calls only mentioned while thinking, where vLLM's runs them."""
 
     def __init__(self, name: str, parser: Any, max_calls: int) -> None:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
@@ -301,6 +361,8 @@ class _VLLMParser:
         self._embedded: ToolParser | None = embedded(max_calls=max_calls) if embedded else None
 
     def parse(self, text: str) -> ParsedTurn:
+        if self.name == "hermes" and "</think>" in text:
+            return self._embedded_parse(text)
         level = self._logger.level
         self._logger.setLevel(logging.CRITICAL)  # a model's bad JSON is data, not a log traceback
         try:
@@ -315,11 +377,21 @@ class _VLLMParser:
         finally:
             self._logger.setLevel(level)
         if not calls and self._embedded is not None:
-            return self._embedded.parse(text)
+            return self._embedded_parse(text)
         if len(calls) > self.max_calls:
             problem = f"{len(calls)} tool calls in one turn; at most {self.max_calls}"
             return ParsedTurn(content=text, error=problem, raw=text)
         return ParsedTurn(content=(info.content or "").strip(), tool_calls=calls, raw=text)
+
+    def _embedded_parse(self, text: str) -> ParsedTurn:
+        """The embedded parser's reading (none: the whole text is content); like vLLM's part, it
+        can never raise out of a rollout."""
+        if self._embedded is None:
+            return ParsedTurn(content=text, raw=text)
+        try:
+            return self._embedded.parse(text)
+        except Exception as error:  # noqa: BLE001 - a model's text must never crash a rollout
+            return ParsedTurn(content=text, error=f"{type(error).__name__}: {error}", raw=text)
 
 
 def _vllm_parser(name: str, tokenizer: Any, max_calls: int) -> ToolParser | None:
