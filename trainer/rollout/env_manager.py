@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import re
 import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -62,7 +61,6 @@ __all__ = [
 StepOutcome = tuple[list[dict[str, Any]], float, bool, bool, dict[str, Any]]
 SampleUnit = Literal["episode", "turn", "auto"]
 Context = Literal["full", "last_k_turns", "strip_thinking"]
-_THINKING = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 _log = logging.getLogger(__name__)
 _request_ids = itertools.count()
 
@@ -134,7 +132,7 @@ def prompt_context(
     message and the env's replies to it); or all, earlier assistant turns without thinking."""
     if context == "strip_thinking":
         return [
-            {**m, "content": _THINKING.sub("", m.get("content") or "")}
+            {**m, "content": strip_thinking(m.get("content") or "")}
             if m.get("role") == "assistant"
             else m
             for m in messages
@@ -144,6 +142,23 @@ def prompt_context(
         if len(starts) > turns:
             return messages[: starts[0]] + messages[starts[-turns] :]
     return list(messages)
+
+
+def strip_thinking(text: str) -> str:
+    """``text`` without its ``<think>...</think>`` blocks and the whitespace after each (what
+    the regex ``<think>.*?</think>\\s*`` removes), in one pass: that regex is quadratic on a
+    degenerate turn repeating ``<think>`` with no closing tag, and runs on the event loop."""
+    out, at = [], 0
+    while (start := text.find("<think>", at)) >= 0:
+        end = text.find("</think>", start + len("<think>"))
+        if end < 0:  # no block closes after here: nothing more to strip
+            break
+        out.append(text[at:start])
+        at = end + len("</think>")
+        while at < len(text) and text[at].isspace():
+            at += 1
+    out.append(text[at:])
+    return "".join(out)
 
 
 async def in_daemon_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -427,10 +442,14 @@ class EnvManager:
                 break
             if per_turn:
                 continue
-            stopped = bool(result.token_ids) and result.token_ids[-1] == self.renderer.eos_token_id
-            trajectory.append_context(
-                self.renderer.continuation(messages, stopped_on_eos=stopped, tools=tools)
-            )
+            stopped = self.renderer.ended(result.token_ids)
+            try:
+                ids = self.renderer.continuation(messages, stopped_on_eos=stopped, tools=tools)
+            except Exception as error:  # noqa: BLE001 - a template rewriting history, or refusing
+                trajectory.failed = True  # the env's messages: this episode cannot be one sequence
+                trajectory.failure = f"chat template: {type(error).__name__}: {error}"[:500]
+                return trajectory
+            trajectory.append_context(ids)
         else:
             trajectory.truncated = True
         if self.on_episode_end is not None and not trajectory.failed:
@@ -463,6 +482,7 @@ class EnvManager:
             budget,
             sampling.temperature,
             sampling.top_p,
+            stop_token_ids=self.renderer.stop_token_ids,  # the template's end-of-turn
         )
         try:
             result = await self._bounded_generate(request)
@@ -498,7 +518,7 @@ class EnvManager:
         tokens = tokens or trajectory  # the episode's sequence, or this turn's own sample
         tokens.append_generation(result)
         trajectory.policy_versions.append(result.policy_version)
-        turn = self.renderer.parse(self.renderer.decode(result.token_ids), tools)
+        turn = self.renderer.read_turn(result.token_ids, tools)  # never raises
         message = turn.message()
         trajectory.messages.append(message)
         if structured and turn.error is None and turn.tool_calls:

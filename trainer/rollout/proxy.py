@@ -58,6 +58,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from trainer.rollout.chat_messages import same_message
 from trainer.rollout.proxy_http import ChatRequest, ProxyError, ServerLimits, listen, proxy_app
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
@@ -71,41 +72,6 @@ if TYPE_CHECKING:
 __all__ = ["AgentProxy", "ProxyEpisode", "ProxyError", "same_message"]
 
 _log = logging.getLogger(__name__)
-
-
-def _text(content: Any) -> str:
-    """A message's content as text: a string, or the text parts of a content list."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
-    return str(content)
-
-
-def _calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
-    out = []
-    for call in message.get("tool_calls") or []:
-        function = (call.get("function") or {}) if isinstance(call, Mapping) else {}
-        arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass
-        out.append((str(function.get("name")), arguments))
-    return out
-
-
-def same_message(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Whether two chat messages say the same: role, text and tool calls (name + arguments).
-    Keys an SDK adds (``refusal: null``, call ids, ``type``) do not count."""
-    return (
-        a.get("role") == b.get("role")
-        and _text(a.get("content")) == _text(b.get("content"))
-        and _calls(a) == _calls(b)
-    )
 
 
 @dataclass
@@ -359,14 +325,12 @@ class AgentProxy:
             row.append_context(context)
             row.append_generation(result)
             episode.trajectory.policy_versions.append(result.policy_version)
-            turn = self.renderer.parse(self.renderer.decode(result.token_ids), request.tools)
+            turn = self.renderer.read_turn(result.token_ids, request.tools)  # never raises
             reply = turn.message()
             episode.calls += 1
             episode._seen = [*request.messages, reply]
             episode._row_tools = json.dumps(request.tools, sort_keys=True)
-            episode._stopped_on_eos = (
-                bool(result.token_ids) and result.token_ids[-1] == self.renderer.eos_token_id
-            )
+            episode._stopped_on_eos = self.renderer.ended(result.token_ids)
             episode._last_reply = reply
             episode.trajectory.messages = [dict(m) for m in request.messages] + [reply]
             episode.latencies.append(time.monotonic() - started)
@@ -446,7 +410,12 @@ class AgentProxy:
             self._out_of_context(episode, f"the prompt is {len(prompt)} tokens")
         request_id = f"{episode.key}/{episode.calls}"
         request = GenerationRequest(
-            request_id, prompt, budget, sampling.temperature, sampling.top_p
+            request_id,
+            prompt,
+            budget,
+            sampling.temperature,
+            sampling.top_p,
+            stop_token_ids=self.renderer.stop_token_ids,  # the template's end-of-turn
         )
         episode.generating = request_id
         try:

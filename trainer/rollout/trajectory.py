@@ -23,15 +23,19 @@ from __future__ import annotations
 import array
 import itertools
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from trainer.rollout.chat_messages import dict_arguments
+from trainer.rollout.fast_text import FastText
 from trainer.rollout.tool_parsers import (
     TOOL_PARSERS,
     ParsedTurn,
     ToolParser,
     detect_tool_parser,
+    env_action,
     make_tool_parser,
 )
 
@@ -39,6 +43,8 @@ if TYPE_CHECKING:
     from trainer.strategies.base import GenerationResult
 
 __all__ = ["ChatRenderer", "Counts", "Trajectory"]
+
+_log = logging.getLogger(__name__)
 
 _ARRAY_CODES = {"token_ids": "q", "response_mask": "b", "logprobs": "d"}
 """The ``array`` type of each per-token list ``collate`` reads (``Trajectory.token_array``)."""
@@ -269,7 +275,14 @@ class ChatRenderer:
             make_tool_parser(tool_parser)  # ValueError: the choices and the closest name
         self.tokenizer = tokenizer
         self.eos_token_id = int(tokenizer.eos_token_id)
-        self._fast = _FastText(tokenizer, self._BASE)
+        self._fast = FastText(tokenizer, self._BASE)
+        self.end_of_turn_id = self._end_of_turn()  # a template that cannot render fails here
+        """The token the template closes an assistant turn with: ``<end_of_turn>`` (Gemma),
+        ``<|im_end|>`` (ChatML, even where ``eos_token`` is ``<|endoftext|>``); else EOS."""
+        self.turn_end_ids = frozenset({self.eos_token_id, self.end_of_turn_id})
+        """A turn that ends with one of these was not cut off (it stopped)."""
+        self.stop_token_ids = tuple(sorted(self.turn_end_ids - {self.eos_token_id}))
+        """What generation requests stop on besides EOS (``GenerationRequest.stop_token_ids``)."""
         self.native_tools = tool_parser != "none" and self._renders_tools()
         """Tools go to the template and turns are parsed (off for ``none`` or a template
         that renders no tools)."""
@@ -292,12 +305,61 @@ class ChatRenderer:
         """Growing a conversation only appends to its rendering (the delta trick holds); False
         for templates that rewrite history (Qwen3 drops earlier turns' thinking), which need
         ``rollout.sample_unit: turn``."""
+        if self.append_only:
+            self._check_appended()
+
+    def _check_appended(self) -> None:
+        """Warn when a dummy episode built as the env manager builds it (prompt, answer,
+        continuation) is not the template's rendering tokenised whole: then every episode's
+        turn boundaries would hold tokens the model never sees served."""
+        grown = [*self._BASE, {"role": "user", "content": "z"}]
+        try:
+            built = self.prompt(grown[:1]) + self.answer("y")
+            built += self.continuation(grown[2:], stopped_on_eos=True)
+            expected = self.encode(self._render(grown, generation_prompt=True))
+        except Exception:  # noqa: BLE001 - a check only: rendering errors surface where used
+            return
+        if built != expected:
+            _log.warning(
+                "the chat template and tokenizer do not give the same tokens when an episode is "
+                "appended turn by turn as when it is tokenised whole (%s vs %s); consider "
+                "rollout.sample_unit: turn",
+                self.tokenizer.convert_ids_to_tokens(built),
+                self.tokenizer.convert_ids_to_tokens(expected),
+            )
+
+    def _end_of_turn(self) -> int:
+        """The first token of what the template writes after an assistant turn's content when
+        it is a special (added) token, else EOS."""
+        base = self._render(self._BASE, generation_prompt=False)
+        ids = self.encode(base[base.rindex("y") + 1 :])
+        added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        special = set(getattr(self.tokenizer, "all_special_ids", None) or ())
+        return ids[0] if ids and (ids[0] in added or ids[0] in special) else self.eos_token_id
 
     def _appends_only(self) -> bool:
+        """Whether a grown conversation's rendering starts with the shorter one's: probed with
+        thinking (Qwen3 drops it from earlier turns), with a system message and, when tools
+        are rendered, with tools (Mistral writes both into the *last* user turn)."""
         thought = {"role": "assistant", "content": "<think>\nplan\n</think>\n\ny"}
-        shown = self._render([self._BASE[0], thought], generation_prompt=False)
-        grown = [self._BASE[0], thought, {"role": "user", "content": "z"}]
-        return self._render(grown, generation_prompt=True).startswith(shown)
+        system = {"role": "system", "content": "s"}
+        tool_sets: list[list[dict[str, Any]] | None] = [None]
+        if self.native_tools:
+            tool_sets.append(FastText._PROBE_TOOLS)
+        for tools in tool_sets:
+            for opening in ([], [system]):
+                shown = [*opening, self._BASE[0], thought]
+                grown = [*shown, {"role": "user", "content": "z"}]
+                try:
+                    before = self._render(shown, generation_prompt=False, tools=tools)
+                    after = self._render(grown, generation_prompt=True, tools=tools)
+                except Exception:  # a template refusing system messages (Gemma) or tools
+                    if opening or tools:
+                        continue  # never renders them: nothing to probe
+                    raise
+                if not after.startswith(before):
+                    return False
+        return True
 
     def _renders_tools(self) -> bool:
         probe = [{"type": "function", "function": {"name": "envhub_probe", "parameters": {}}}]
@@ -316,6 +378,7 @@ class ChatRenderer:
         generation_prompt: bool,
         tools: Sequence[dict[str, Any]] | None = None,
     ) -> str:
+        messages = [dict_arguments(m) for m in messages]
         fast = self._fast.render(messages, generation_prompt, tools)
         if fast is not None:
             return fast
@@ -325,20 +388,40 @@ class ChatRenderer:
         )
 
     def _base(self, tools: list[dict[str, Any]] | None) -> tuple[str, str, str]:
-        """(base text, closing after an EOS, closing without one) for the tool set ``tools``."""
+        """(base text, closing after the turn's end-of-turn token, closing without one) for the
+        tool set ``tools``."""
         key = json.dumps(tools, sort_keys=True) if tools else ""
         found = self._bases.pop(key, None)  # (re-inserted: the newest used)
         if found is None:
             base = self._render(self._BASE, generation_prompt=False, tools=tools)
             closing = base[base.rindex("y") + 1 :]
-            eos = self.tokenizer.eos_token or ""
-            after_eos = closing[len(eos) :] if eos and closing.startswith(eos) else closing
-            without_eos = closing if closing.startswith(eos) else eos + closing
+            end = self.end_of_turn_text
+            after_eos = closing[len(end) :] if end and closing.startswith(end) else closing
+            without_eos = closing if closing.startswith(end) else end + closing
             found = (base, after_eos, without_eos)
             while len(self._bases) >= self.max_tool_sets:
                 del self._bases[next(iter(self._bases))]
         self._bases[key] = found
         return found
+
+    @property
+    def end_of_turn_text(self) -> str:
+        """``end_of_turn_id`` as text."""
+        return self.decode([self.end_of_turn_id], skip_special_tokens=False)
+
+    def ended(self, ids: Sequence[int]) -> bool:
+        """Whether a generated turn ended with a stop token (EOS or the end-of-turn token)
+        rather than being cut off: ``continuation``'s ``stopped_on_eos``."""
+        return bool(ids) and ids[-1] in self.turn_end_ids
+
+    def encode_delta(self, text: str) -> list[int]:
+        """Ids of ``text`` as they are inside a longer rendering: encoded after EOS (a special
+        token that splits it off), whose id is then dropped. On its own, a sentencepiece-style
+        tokenizer (``Metaspace(prepend_scheme="first")``: Mistral v0.3, Llama 2) would begin
+        the text with ``▁``, a token the whole conversation's encoding never has there."""
+        prefix = self.tokenizer.eos_token or ""
+        ids = self.encode(prefix + text) if prefix else []
+        return ids[1:] if ids[:1] == [self.eos_token_id] else self.encode(text)
 
     def encode(self, text: str) -> list[int]:
         if self._fast.backend is not None:
@@ -358,6 +441,8 @@ class ChatRenderer:
         tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Ids to append after a policy turn: close the turn, the new messages, the next prompt.
+        ``stopped_on_eos``: the turn ended with its stop token (``ended``), so only the rest of
+        the template's closing follows; a turn cut off gets the end-of-turn token first.
 
         ``tools`` must be the episode's tools as given to ``prompt`` (the base conversation of
         the delta trick is rendered with them, so a tools block is not repeated)."""
@@ -371,7 +456,7 @@ class ChatRenderer:
                 "rollout.sample_unit: turn (or auto) to train each turn as its own sample"
             )
         closing = after_eos if stopped_on_eos else without_eos
-        return self.encode(closing + full[len(base) :])
+        return self.encode_delta(closing + full[len(base) :])
 
     def parse(self, text: str, tools: Sequence[dict[str, Any]] | None = None) -> ParsedTurn:
         """One generated turn as an assistant message: tool calls read with ``tool_parser``
@@ -379,6 +464,22 @@ class ChatRenderer:
         if self._tools(tools) is None:
             return ParsedTurn(content=text, raw=text)
         return self.tool_parser.parse(text)
+
+    def read_turn(
+        self, token_ids: Sequence[int], tools: Sequence[dict[str, Any]] | None = None
+    ) -> ParsedTurn:
+        """A generated turn's ids read as an assistant message (``parse`` of their text). Never
+        raises: a parser, or the message or env action built from its calls, that fails on the
+        model's text (any exception) makes the turn a malformed call, the text as content and
+        the error said, so one odd sample is an invalid action, not a crashed episode."""
+        text = self.parse_text(token_ids)
+        try:
+            turn = self.parse(text, tools)
+            turn.message(), env_action(turn)  # both serialise the calls: checked here
+        except Exception as error:  # noqa: BLE001 - a model's text may make a parser raise
+            why = f"the tool call could not be read ({type(error).__name__}: {error})"[:500]
+            return ParsedTurn(content=text, error=why, raw=text)
+        return turn
 
     @property
     def tool_parser(self) -> ToolParser:
@@ -390,91 +491,37 @@ class ChatRenderer:
         return self._parser
 
     def answer(self, content: str) -> list[int]:
-        """Ids of an assistant answer as the template writes it, EOS included (for SFT data)."""
-        return self.encode(content + (self.tokenizer.eos_token or ""))
+        """Ids of an assistant answer as the template writes it after its generation prompt,
+        up to its end-of-turn token (for SFT data): the delta trick, so a leading space
+        (Mistral), trimmed content (Llama 3) or an empty think block (Qwen3) is trained as the
+        template renders it. A template whose answer does not follow its generation prompt
+        gets the content and the end-of-turn token."""
+        end = self.end_of_turn_text
+        try:
+            head = self._render(self._BASE[:1], generation_prompt=True)
+            turn = {"role": "assistant", "content": content}
+            full = self._render([self._BASE[0], turn], generation_prompt=False)
+        except Exception:  # noqa: BLE001 - a template that refuses the dummy turn: the fallback
+            head = full = ""
+        cut = full.rfind(end) if end else -1
+        if head and full.startswith(head) and cut >= len(head):
+            return self.encode_delta(full[len(head) : cut + len(end)])
+        return self.encode_delta(content + end)
 
-    def decode(self, ids: Sequence[int]) -> str:
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; special tokens left out by default (for logs and transcripts)."""
         backend = self._fast.backend if self._fast.decodes else None
         if backend is not None:
-            return str(backend.decode(list(ids), skip_special_tokens=True))
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+            return str(backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-
-class _FastText:
-    """The direct paths ``ChatRenderer`` uses when they give ``transformers``' exact output.
-
-    ``render`` is the tokenizer's compiled chat template rendered with the variables
-    ``apply_chat_template`` passes (the special tokens; messages, tools, no documents);
-    ``backend`` is a fast tokenizer's Rust tokenizer, used to encode when it has no truncation
-    or padding of its own (``encode`` turns those off) and to decode (``decodes``) when no
-    clean-up of spaces applies. Each is checked against the wrapper on probe texts and is
-    None / False when it differs or cannot be built (another ``transformers`` version)."""
-
-    _PROBE_TOOLS: ClassVar[list[dict[str, Any]]] = [
-        {"type": "function", "function": {"name": "probe", "parameters": {"type": "object"}}}
-    ]
-
-    def __init__(self, tokenizer: Any, base: Sequence[dict[str, str]]) -> None:
-        self.tokenizer = tokenizer
-        self._templates: dict[bool, Any] = {}
-        self._variables: dict[str, Any] = {}
-        self.backend: Any = None
-        self.decodes = False
-        try:
-            self._build_templates(base)
-        except Exception:  # noqa: BLE001 - any failure keeps apply_chat_template
-            self._templates = {}
-        try:
-            self._build_backend(base)
-        except Exception:  # noqa: BLE001 - any failure keeps encode/decode
-            self.backend, self.decodes = None, False
-
-    def render(
-        self,
-        messages: Sequence[dict[str, Any]],
-        generation_prompt: bool,
-        tools: Sequence[dict[str, Any]] | None,
-    ) -> str | None:
-        template = self._templates.get(bool(tools))
-        if template is None:
-            return None
-        return str(
-            template.render(
-                messages=list(messages),
-                tools=list(tools) if tools else None,
-                documents=None,
-                add_generation_prompt=generation_prompt,
-                **self._variables,
-            )
-        )
-
-    def _build_templates(self, base: Sequence[dict[str, str]]) -> None:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-
-        self._variables = dict(self.tokenizer.special_tokens_map)
-        for with_tools in (False, True):
-            tools = self._PROBE_TOOLS if with_tools else None
-            source = self.tokenizer.get_chat_template(None, tools)
-            self._templates[with_tools] = _compile_jinja_template(source)
-            extra = {"tools": tools} if tools else {}
-            for prompt in (False, True):
-                expected = self.tokenizer.apply_chat_template(
-                    list(base), add_generation_prompt=prompt, tokenize=False, **extra
-                )
-                if self.render(base, prompt, tools) != expected:
-                    del self._templates[with_tools]
-                    break
-
-    def _build_backend(self, base: Sequence[dict[str, str]]) -> None:
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None or backend.truncation is not None or backend.padding is not None:
-            return
-        text = self.tokenizer.apply_chat_template(list(base), tokenize=False) + " x\n  y z!"
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
-        if list(backend.encode(text, add_special_tokens=False).ids) != ids:
-            return
-        self.backend = backend
-        self.decodes = not getattr(self.tokenizer, "clean_up_tokenization_spaces", False) and (
-            backend.decode(ids, skip_special_tokens=True)
-            == self.tokenizer.decode(ids, skip_special_tokens=True)
-        )
+    def parse_text(self, ids: Sequence[int]) -> str:
+        """The text a generated turn is parsed from: its trailing stop / end-of-turn / pad ids
+        removed, every other special token kept. Tool-call tags are special tokens in many
+        tokenizers (Mistral's ``[TOOL_CALLS]``, Llama 3.1's ``<|python_tag|>``, Hermes-3's
+        ``<tool_call>``); a decode that skips them leaves calls no parser can see."""
+        ends = {*self.turn_end_ids, getattr(self.tokenizer, "pad_token_id", None)}
+        end = len(ids)
+        while end and ids[end - 1] in ends:
+            end -= 1
+        return self.decode(ids[:end], skip_special_tokens=False)

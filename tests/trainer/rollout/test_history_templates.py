@@ -35,8 +35,9 @@ _TOOLS = (
 )
 _CALLS = (
     "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set arguments = call['function']['arguments'] %}"
     "{{- '\\n<tool_call>{\"name\": \"' + call['function']['name'] + '\", \"arguments\": '"
-    " + call['function']['arguments'] + '}</tool_call>' }}"
+    " + (arguments if arguments is string else arguments | tojson) + '}</tool_call>' }}"
     "{%- endfor %}"
 )
 STRIPS_THINKING = (
@@ -154,10 +155,11 @@ def test_episode_mode_with_a_rewriting_template_appends_or_names_the_setting(cor
     trajectory, engine, _ = play(tokenizer, thinking_turns(seed=0), sample_unit="episode")
     assert not trajectory.samples and trajectory.success
     assert trajectory.token_ids[: len(engine.prompts[-1])] == engine.prompts[-1]
-    # a template whose every earlier turn changes cannot be appended to: the error says what to set
+    # a template whose every earlier turn changes cannot be appended to: the episode fails (it
+    # is not trained on) and its reason says what to set
     tokenizer = tokenizer_with(corpus, MARKS_EARLIER_TURNS)
-    with pytest.raises(ValueError, match="rollout.sample_unit: turn"):
-        play(tokenizer, thinking_turns(seed=0), sample_unit="episode")
+    trajectory, _, _ = play(tokenizer, thinking_turns(seed=0), sample_unit="episode")
+    assert trajectory.failed and "rollout.sample_unit: turn" in (trajectory.failure or "")
 
 
 def test_group_baselines_count_episodes_not_turns() -> None:
