@@ -283,6 +283,9 @@ class ChatRenderer:
         """A turn that ends with one of these was not cut off (it stopped)."""
         self.stop_token_ids = tuple(sorted(self.turn_end_ids - {self.eos_token_id}))
         """What generation requests stop on besides EOS (``GenerationRequest.stop_token_ids``)."""
+        self._trailing = frozenset({*self.turn_end_ids, getattr(tokenizer, "pad_token_id", None)})
+        """Ids ``parse_text`` strips from a turn's end (read once: tokenizer properties cost)."""
+        self._eos_text = tokenizer.eos_token or ""
         self.native_tools = tool_parser != "none" and self._renders_tools()
         """Tools go to the template and turns are parsed (off for ``none`` or a template
         that renders no tools)."""
@@ -419,7 +422,7 @@ class ChatRenderer:
         token that splits it off), whose id is then dropped. On its own, a sentencepiece-style
         tokenizer (``Metaspace(prepend_scheme="first")``: Mistral v0.3, Llama 2) would begin
         the text with ``▁``, a token the whole conversation's encoding never has there."""
-        prefix = self.tokenizer.eos_token or ""
+        prefix = self._eos_text
         ids = self.encode(prefix + text) if prefix else []
         return ids[1:] if ids[:1] == [self.eos_token_id] else self.encode(text)
 
@@ -475,7 +478,8 @@ class ChatRenderer:
         text = self.parse_text(token_ids)
         try:
             turn = self.parse(text, tools)
-            turn.message(), env_action(turn)  # both serialise the calls: checked here
+            if turn.tool_calls:  # (text alone cannot fail to serialise)
+                turn.message(), env_action(turn)  # both serialise the calls: checked here
         except Exception as error:  # noqa: BLE001 - a model's text may make a parser raise
             why = f"the tool call could not be read ({type(error).__name__}: {error})"[:500]
             return ParsedTurn(content=text, error=why, raw=text)
@@ -520,8 +524,7 @@ class ChatRenderer:
         removed, every other special token kept. Tool-call tags are special tokens in many
         tokenizers (Mistral's ``[TOOL_CALLS]``, Llama 3.1's ``<|python_tag|>``, Hermes-3's
         ``<tool_call>``); a decode that skips them leaves calls no parser can see."""
-        ends = {*self.turn_end_ids, getattr(self.tokenizer, "pad_token_id", None)}
         end = len(ids)
-        while end and ids[end - 1] in ends:
+        while end and ids[end - 1] in self._trailing:
             end -= 1
         return self.decode(ids[:end], skip_special_tokens=False)
