@@ -100,3 +100,29 @@ def test_a_run_killed_with_sigkill_leaves_no_process_of_its_ray_session(tmp_path
     assert any("DashboardAgent" in command(p) for p in started), log
     _, alive = psutil.wait_procs(started, timeout=60)  # a hang guard: all is gone in seconds
     assert [command(p)[:80] for p in alive] == []
+
+
+def test_a_run_naming_another_cluster_in_a_process_already_on_ray_is_refused_naming_both(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A second run in one process (a notebook) with ``cluster.address`` ran on the Ray the first
+    run had started, silently: ``ray.init`` is done once per process."""
+    from trainer.controller.resources import init_local_ray
+    from trainer.errors import TrainerError
+
+    if ray.is_initialized():
+        ray.shutdown()
+    # (a token-auth local Ray leaves this process unable to start actors on another cluster
+    # after ray.shutdown(): Ray's own state; the later tests join `ray start` clusters)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    init_local_ray(1, num_cpus=1)
+    try:
+        current = ray.get_runtime_context().gcs_address
+        config = load_config(None, ["cluster.address=127.0.0.1:1", "cluster.num_cpus=1"])
+        with pytest.raises(TrainerError) as refused:
+            resources_for(config)
+        message = str(refused.value)
+        assert "cluster.address '127.0.0.1:1'" in message and current in message
+        assert "ray.shutdown()" in message
+    finally:
+        ray.shutdown()

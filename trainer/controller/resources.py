@@ -320,6 +320,8 @@ def resources_for(config: TrainerConfig, **mapping_kwargs: Any) -> ResourceManag
             )
         else:
             _join_ray(cluster.address)
+    elif cluster.address is not None:
+        _check_joined(cluster.address)
     try:
         return ResourceManager(
             config.device_mapping(**mapping_kwargs),
@@ -332,6 +334,30 @@ def resources_for(config: TrainerConfig, **mapping_kwargs: Any) -> ResourceManag
             f"{where}: {error}; wait for that job to end, map devices that are free "
             "(roles.*.device_mapping), or wait longer (cluster.reserve_timeout_s)"
         ) from None
+
+
+def _check_joined(address: str) -> None:
+    """In a process already on Ray (an earlier run, or the user's ``ray.init``), refuse a
+    ``host:port`` ``cluster.address`` naming another cluster: Ray joins once per process, so the
+    run would go to the connected one, silently. ``auto`` and ``ray://`` addresses are not
+    compared (they name no GCS address)."""
+    import ray
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return
+    current = str(ray.get_runtime_context().gcs_address)
+    here_host, _, here_port = current.rpartition(":")
+    try:
+        same = (socket.gethostbyname(host), port) == (socket.gethostbyname(here_host), here_port)
+    except OSError:
+        same = False
+    if not same:
+        raise TrainerError(
+            f"cluster.address {address!r}: this process is already connected to the Ray "
+            f"cluster at {current} (an earlier run or ray.init here), and Ray joins one cluster "
+            "per process; call ray.shutdown() first, or start the run in a new process"
+        )
 
 
 def _join_ray(address: str) -> None:
