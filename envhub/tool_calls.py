@@ -31,6 +31,7 @@ __all__ = [
     "json_problem",
     "message_text",
     "parse_tool_calls",
+    "thinking_spans",
 ]
 
 _FENCE = re.compile(r"^```[\w-]*\s*\n?(.*?)\n?```$", re.DOTALL)
@@ -163,15 +164,15 @@ def _skip_space(text: str, position: int) -> int:
     return position
 
 
-def _blank_thinking(text: str) -> str:
-    """``text`` with its thinking blanked out (same length, so indices still point into
-    ``text``): each closed ``<think>...</think>`` block, and the text before a first
-    ``</think>`` that no ``<think>`` opens (templates that write the opening tag themselves).
-    An unclosed ``<think>`` is left as it is. ``str.find`` keeps this linear in the text."""
+def thinking_spans(text: str, *, leading: bool = False) -> list[tuple[int, int]]:
+    """``(start, end)`` of each closed ``<think>...</think>`` block of ``text``, in order; with
+    ``leading``, first the text before a first ``</think>`` that no ``<think>`` opens (templates
+    that write the opening tag themselves). An unclosed ``<think>`` ends the scan. ``str.find``
+    keeps it linear in the text (a lazy regex is quadratic on a repeated unclosed tag)."""
     spans: list[tuple[int, int]] = []
     first_open, first_close = text.find(_THINK_OPEN), text.find(_THINK_CLOSE)
     position = 0
-    if first_close != -1 and (first_open == -1 or first_close < first_open):
+    if leading and first_close != -1 and (first_open == -1 or first_close < first_open):
         position = first_close + len(_THINK_CLOSE)
         spans.append((0, position))
     while (start := text.find(_THINK_OPEN, position)) != -1:
@@ -180,6 +181,13 @@ def _blank_thinking(text: str) -> str:
             break
         position = end + len(_THINK_CLOSE)
         spans.append((start, position))
+    return spans
+
+
+def _blank_thinking(text: str) -> str:
+    """``text`` with its thinking (``thinking_spans(leading=True)``) blanked out: same length,
+    so indices still point into ``text``."""
+    spans = thinking_spans(text, leading=True)
     if not spans:
         return text
     parts, position = [], 0

@@ -26,16 +26,21 @@ def dict_arguments(message: dict[str, Any]) -> dict[str, Any]:
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         arguments = function.get("arguments") if isinstance(function, dict) else None
-        if isinstance(arguments, str):
-            try:
-                loaded = json.loads(arguments)
-            except ValueError:
-                loaded = None
-            if isinstance(loaded, dict):
-                call = {**call, "function": {**function, "arguments": loaded}}  # type: ignore[dict-item]
-                changed = True
+        if isinstance(arguments, str) and isinstance(loaded := _loaded(arguments), dict):
+            call = {**call, "function": {**function, "arguments": loaded}}  # type: ignore[dict-item]
+            changed = True
         copied.append(call)
     return {**message, "tool_calls": copied} if changed else message
+
+
+def _loaded(arguments: Any) -> Any:
+    """Tool-call ``arguments`` as their JSON value when they are a JSON string, else as given."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
 
 
 def _text(content: Any) -> str:
@@ -54,12 +59,7 @@ def _calls(message: Mapping[str, Any]) -> list[tuple[str, Any]]:
     for call in message.get("tool_calls") or []:
         function = (call.get("function") or {}) if isinstance(call, Mapping) else {}
         arguments = function.get("arguments")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError:
-                pass
-        out.append((str(function.get("name")), arguments))
+        out.append((str(function.get("name")), _loaded(arguments)))
     return out
 
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from envhub.pool.host import BadEnvOutputError, step_output_problem
+from envhub.tool_calls import thinking_spans
 from trainer.rollout.tool_parsers import env_action
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.rollout.turn_deadline import bounded_generate
@@ -145,16 +146,13 @@ def prompt_context(
 
 
 def strip_thinking(text: str) -> str:
-    """``text`` without its ``<think>...</think>`` blocks and the whitespace after each (what
-    the regex ``<think>.*?</think>\\s*`` removes), in one pass: that regex is quadratic on a
-    degenerate turn repeating ``<think>`` with no closing tag, and runs on the event loop."""
+    """``text`` without its ``<think>...</think>`` blocks (``envhub.tool_calls.thinking_spans``:
+    linear, where the regex ``<think>.*?</think>\\s*`` it replaces is quadratic on a turn
+    repeating ``<think>`` unclosed) and the whitespace after each."""
     out, at = [], 0
-    while (start := text.find("<think>", at)) >= 0:
-        end = text.find("</think>", start + len("<think>"))
-        if end < 0:  # no block closes after here: nothing more to strip
-            break
+    for start, end in thinking_spans(text):
         out.append(text[at:start])
-        at = end + len("</think>")
+        at = end
         while at < len(text) and text[at].isspace():
             at += 1
     out.append(text[at:])

@@ -21,6 +21,7 @@ How trajectories become a training batch: ``trainer.rollout.collate``.
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 import json
 import logging
@@ -407,10 +408,19 @@ class ChatRenderer:
         self._bases[key] = found
         return found
 
-    @property
+    @functools.cached_property
     def end_of_turn_text(self) -> str:
         """``end_of_turn_id`` as text."""
         return self.decode([self.end_of_turn_id], skip_special_tokens=False)
+
+    @functools.cached_property
+    def _answer_head(self) -> str:
+        """The rendering an SFT answer follows (a user turn and the generation prompt); "" for a
+        template that refuses it (``answer`` then falls back)."""
+        try:
+            return self._render(self._BASE[:1], generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that refuses the dummy turn: the fallback
+            return ""
 
     def ended(self, ids: Sequence[int]) -> bool:
         """Whether a generated turn ended with a stop token (EOS or the end-of-turn token)
@@ -500,13 +510,12 @@ class ChatRenderer:
         (Mistral), trimmed content (Llama 3) or an empty think block (Qwen3) is trained as the
         template renders it. A template whose answer does not follow its generation prompt
         gets the content and the end-of-turn token."""
-        end = self.end_of_turn_text
+        end, head = self.end_of_turn_text, self._answer_head
         try:
-            head = self._render(self._BASE[:1], generation_prompt=True)
             turn = {"role": "assistant", "content": content}
-            full = self._render([self._BASE[0], turn], generation_prompt=False)
+            full = self._render([self._BASE[0], turn], generation_prompt=False) if head else ""
         except Exception:  # noqa: BLE001 - a template that refuses the dummy turn: the fallback
-            head = full = ""
+            full = ""
         cut = full.rfind(end) if end else -1
         if head and full.startswith(head) and cut >= len(head):
             return self.encode_delta(full[len(head) : cut + len(end)])

@@ -28,6 +28,7 @@ __all__ = [
     "ALIGN",
     "Bucket",
     "TensorMeta",
+    "distinct_nbytes",
     "group_tensors",
     "iter_buckets",
     "largest_tensor",
@@ -166,6 +167,11 @@ def pack(
     for tensor, at in copies:
         views[at][1].copy_(tensor.detach().reshape(views[at][1].shape), non_blocking=True)
     return bucket
+
+
+def distinct_nbytes(metas: Iterable[TensorMeta]) -> int:
+    """The bytes of a bucket's tensors, each counted once (a tied name shares its offset)."""
+    return sum({meta.offset: meta.nbytes for meta in metas}.values())
 
 
 def packed_bytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.errors import WorkerCallError
-from trainer.weights.buckets import ALIGN, plan_buckets
+from trainer.weights.buckets import ALIGN, distinct_nbytes, plan_buckets
 from trainer.weights.errors import (
     BucketTooSmallError,
     TransportError,
@@ -305,10 +305,7 @@ class WeightSync:
                     handle = replace(
                         handle, metas=[m for m in handle.metas if (m.offset, m.nbytes) in changed]
                     )
-                # tied names share their bytes: counted once
-                self._hand_over(
-                    handle, version, moved, sum({m.offset: m.nbytes for m in handle.metas}.values())
-                )
+                self._hand_over(handle, version, moved, distinct_nbytes(handle.metas))
                 clock = self._timed("hand_over", clock)
             self._finish(version, moved)
             self._timed("finish", clock)

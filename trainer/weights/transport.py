@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from trainer.weights.buckets import Bucket, TensorMeta, iter_buckets
+from trainer.weights.buckets import Bucket, TensorMeta, distinct_nbytes, iter_buckets
 from trainer.weights.errors import StaleWeightsError, TransportError
 from trainer.weights.segments import attach_segment, create_segment
 
@@ -471,7 +471,7 @@ class BroadcastGroup:
             )
             self._broadcast(bucket.buffer)
             names.extend(meta.name for meta in bucket.metas)
-            nbytes += sum({meta.offset: meta.nbytes for meta in bucket.metas}.values())
+            nbytes += distinct_nbytes(bucket.metas)
             buckets += 1
         self._send_header({"kind": "end", "version": version, "names": names})
         served = self._min_version(version)
