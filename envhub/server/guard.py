@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import socket
 import struct
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ from envhub.server.wire import ErrorMessage
 __all__ = [
     "MAX_HEAD_BYTES",
     "ConnectionGuard",
+    "Inbox",
     "guarded_protocol",
     "raise_fd_limit",
     "ws_protocol",
@@ -251,6 +253,48 @@ def raise_fd_limit() -> int:
     return target
 
 
+class Inbox:
+    """A connection's received ASGI messages, for uvicorn's WebSocket protocol (its ``queue``).
+
+    ``asyncio.Queue`` does work per message that this path never needs (unfinished-task
+    counting, a ``finished`` event, bounded-size bookkeeping); this is a deque and the readers
+    waiting on it, with what uvicorn uses of a queue: ``put_nowait``, ``get`` and ``empty``.
+    A reader cancelled after a message woke it passes the wake-up on, so nothing is lost."""
+
+    __slots__ = ("_items", "_waiters")
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def put_nowait(self, item: Any) -> None:
+        self._items.append(item)
+        self._wake_one()
+
+    async def get(self) -> Any:
+        while not self._items:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():  # woken, then cancelled: pass it on
+                    self._wake_one()
+                raise
+        return self._items.popleft()
+
+    def _wake_one(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
 def ws_protocol(stall_s: float) -> type[asyncio.Protocol]:
     """uvicorn's sans-io WebSocket protocol, for ``uvicorn.Config(ws=...)``, as a hub facing
     hostile clients needs it:
@@ -261,23 +305,57 @@ def ws_protocol(stall_s: float) -> type[asyncio.Protocol]:
       queued: forever, for a client that never does, holding the socket and megabytes of send
       buffer (its session is reaped meanwhile, so no session limit bounds them);
     - a text message that is not UTF-8 closes the connection with 1007 and one log line, where
-      uvicorn logs a traceback for each (a client could fill the hub's log with them)."""
+      uvicorn logs a traceback for each (a client could fill the hub's log with them).
+
+    And each message costs less, as every step is a receive and a send: received messages go
+    through an ``Inbox`` rather than an ``asyncio.Queue``, a text message is decoded once (the
+    UTF-8 check was a second decode), and an answer on a writable connection is framed and
+    written without awaiting the ``writable`` event (what that saves per step:
+    benchmarks/README.md, ``hub_throughput``)."""
+    from uvicorn.protocols.utils import ClientDisconnected
     from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
+    from websockets.exceptions import InvalidState
 
     class HubWebSocketProtocol(WebSocketsSansIOProtocol):
         stall_timer: asyncio.TimerHandle | None = None
 
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.queue = Inbox()  # type: ignore[assignment]
+
         def send_receive_event_to_app(self) -> None:
-            if self.curr_msg_data_type == "text" and not self.close_sent:
-                try:
-                    b"".join(self.frames).decode()
-                except UnicodeDecodeError:
-                    self.frames = []
-                    self.logger.warning("closed a WebSocket that sent text not in UTF-8 (1007)")
-                    self.conn.send_close(1007)
-                    self.handle_parser_exception()
-                    return
-            super().send_receive_event_to_app()
+            if self.curr_msg_data_type != "text" or self.close_sent:
+                super().send_receive_event_to_app()
+                return
+            frames, self.frames = self.frames, []
+            try:
+                text = (frames[0] if len(frames) == 1 else b"".join(frames)).decode()
+            except UnicodeDecodeError:
+                self.logger.warning("closed a WebSocket that sent text not in UTF-8 (1007)")
+                self.conn.send_close(1007)
+                self.handle_parser_exception()
+                return
+            self.queue.put_nowait({"type": "websocket.receive", "text": text})
+
+        async def send(self, message: Any) -> None:
+            text = message.get("text")
+            if (  # the hot path, an answer on an open, writable connection: no Event to await
+                text is None
+                or message["type"] != "websocket.send"
+                or message.get("bytes") is not None
+                or not self.handshake_complete
+                or self.close_sent
+                or self.initial_response is not None
+                or self.disconnected
+                or not self.writable.is_set()
+            ):
+                await super().send(message)
+                return
+            try:
+                self.conn.send_text(text.encode())
+            except InvalidState:
+                raise ClientDisconnected() from None
+            self.transport.write(b"".join(self.conn.data_to_send()))
 
         def pause_writing(self) -> None:
             super().pause_writing()
