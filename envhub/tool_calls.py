@@ -164,15 +164,22 @@ def _skip_space(text: str, position: int) -> int:
     return position
 
 
-def thinking_spans(text: str, *, leading: bool = False) -> list[tuple[int, int]]:
-    """``(start, end)`` of each closed ``<think>...</think>`` block of ``text``, in order; with
-    ``leading``, first the text before a first ``</think>`` that no ``<think>`` opens (templates
-    that write the opening tag themselves). An unclosed ``<think>`` ends the scan. ``str.find``
-    keeps it linear in the text (a lazy regex is quadratic on a repeated unclosed tag)."""
+def thinking_spans(text: str) -> list[tuple[int, int]]:
+    """``(start, end)`` of each stretch of thinking in ``text``, in order, closing tag included:
+
+    1. the text before a first ``</think>`` that no ``<think>`` comes before: a generation
+       prompt that ends with ``<think>`` (DeepSeek-R1, Qwen3-Thinking-2507) makes the model
+       write only the rest of its block (vLLM's ``deepseek_r1`` reasoning parser reads it so);
+    2. each ``<think>...</think>`` block after that (to the first ``</think>`` after it).
+
+    A ``</think>`` that closes nothing once thinking ended (after a block or the rule-1 span) is
+    text; an unclosed ``<think>`` ends the scan (its text is kept); a text without ``</think>``
+    has no thinking. ``str.find`` keeps it linear in the text (a lazy regex is quadratic on a
+    repeated unclosed tag)."""
     spans: list[tuple[int, int]] = []
     first_open, first_close = text.find(_THINK_OPEN), text.find(_THINK_CLOSE)
     position = 0
-    if leading and first_close != -1 and (first_open == -1 or first_close < first_open):
+    if first_close != -1 and (first_open == -1 or first_close < first_open):
         position = first_close + len(_THINK_CLOSE)
         spans.append((0, position))
     while (start := text.find(_THINK_OPEN, position)) != -1:
@@ -185,9 +192,9 @@ def thinking_spans(text: str, *, leading: bool = False) -> list[tuple[int, int]]
 
 
 def _blank_thinking(text: str) -> str:
-    """``text`` with its thinking (``thinking_spans(leading=True)``) blanked out: same length,
-    so indices still point into ``text``."""
-    spans = thinking_spans(text, leading=True)
+    """``text`` with its thinking (``thinking_spans``) blanked out: same length, so indices
+    still point into ``text``."""
+    spans = thinking_spans(text)
     if not spans:
         return text
     parts, position = [], 0

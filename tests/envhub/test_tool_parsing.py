@@ -278,3 +278,20 @@ def test_a_closing_tag_inside_a_json_string_does_not_cut_the_call():
     calls = parse_tool_calls(text, TOOLS)
     assert [c.arguments for c in calls] == [{"key": "a </tool_call> b"}, {"key": "</tool_call>"}]
     assert [c.id for c in calls] == ["call_0", "call_1"]
+
+
+@pytest.mark.parametrize(
+    ("text", "thinking"),
+    [
+        ("a</think>b", ["a</think>"]),  # the generation prompt opened it (DeepSeek-R1)
+        ("a</think>b<think>c</think>d", ["a</think>", "<think>c</think>"]),
+        ("<think>a</think>b</think>c", ["<think>a</think>"]),  # a later stray close is text
+        ("a <think>b", []),  # unclosed: no thinking ends
+        ("a", []),
+    ],
+    ids=["prefilled", "prefilled-then-block", "stray-close", "unclosed", "plain"],
+)
+def test_thinking_spans_include_reasoning_the_template_opened(text, thinking):
+    from envhub.tool_calls import thinking_spans
+
+    assert [text[start:end] for start, end in thinking_spans(text)] == thinking

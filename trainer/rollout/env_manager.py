@@ -146,9 +146,10 @@ def prompt_context(
 
 
 def strip_thinking(text: str) -> str:
-    """``text`` without its ``<think>...</think>`` blocks (``envhub.tool_calls.thinking_spans``:
-    linear, where the regex ``<think>.*?</think>\\s*`` it replaces is quadratic on a turn
-    repeating ``<think>`` unclosed) and the whitespace after each."""
+    """``text`` without its thinking and the whitespace after it: ``<think>...</think>``
+    blocks, and the reasoning before a first ``</think>`` that a generation prompt ending in
+    ``<think>`` opened (``envhub.tool_calls.thinking_spans``, its rules; linear, where the
+    regex ``<think>.*?</think>\\s*`` it replaced is quadratic on a repeated unclosed tag)."""
     out, at = [], 0
     for start, end in thinking_spans(text):
         out.append(text[at:start])

@@ -53,6 +53,12 @@ _ARRAY_CODES = {"token_ids": "q", "response_mask": "b", "logprobs": "d"}
 Counts = tuple[int | None, int, int]
 """A row's own oldest policy version, policy tokens and tokens (``Trajectory._counted``)."""
 
+_ALTERNATIVE_TURN_ENDS = ("<|eom_id|>",)
+"""Tokens a template may close an assistant turn with in place of its end-of-turn token: Llama
+3.1's ``<|eom_id|>`` ends a tool call that waits for its result (ipython mode), and the result's
+header follows it directly. Used where the tokenizer has one as a special token and the
+template writes it."""
+
 
 @dataclass
 class Trajectory:
@@ -280,7 +286,9 @@ class ChatRenderer:
         self.end_of_turn_id = self._end_of_turn()  # a template that cannot render fails here
         """The token the template closes an assistant turn with: ``<end_of_turn>`` (Gemma),
         ``<|im_end|>`` (ChatML, even where ``eos_token`` is ``<|endoftext|>``); else EOS."""
-        self.turn_end_ids = frozenset({self.eos_token_id, self.end_of_turn_id})
+        self.closing_ids = frozenset({self.end_of_turn_id, *self._alternative_turn_ends()})
+        """A turn that ends with one of these is closed as the template closes it (``ended``)."""
+        self.turn_end_ids = frozenset({self.eos_token_id, *self.closing_ids})
         """A turn that ends with one of these was not cut off (it stopped)."""
         self.stop_token_ids = tuple(sorted(self.turn_end_ids - {self.eos_token_id}))
         """What generation requests stop on besides EOS (``GenerationRequest.stop_token_ids``)."""
@@ -337,9 +345,19 @@ class ChatRenderer:
         it is a special (added) token, else EOS."""
         base = self._render(self._BASE, generation_prompt=False)
         ids = self.encode(base[base.rindex("y") + 1 :])
+        return ids[0] if ids and self._is_special(ids[0]) else self.eos_token_id
+
+    def _alternative_turn_ends(self) -> list[int]:
+        """The ids of the ``_ALTERNATIVE_TURN_ENDS`` this template writes and this tokenizer
+        has as one special token."""
+        template = str(getattr(self.tokenizer, "chat_template", None) or "")
+        found = [self.encode(text) for text in _ALTERNATIVE_TURN_ENDS if text in template]
+        return [ids[0] for ids in found if len(ids) == 1 and self._is_special(ids[0])]
+
+    def _is_special(self, token_id: int) -> bool:
         added = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
-        special = set(getattr(self.tokenizer, "all_special_ids", None) or ())
-        return ids[0] if ids and (ids[0] in added or ids[0] in special) else self.eos_token_id
+        special = getattr(self.tokenizer, "all_special_ids", None) or ()
+        return token_id in added or token_id in special
 
     def _appends_only(self) -> bool:
         """Whether a grown conversation's rendering starts with the shorter one's: probed with
@@ -423,9 +441,11 @@ class ChatRenderer:
             return ""
 
     def ended(self, ids: Sequence[int]) -> bool:
-        """Whether a generated turn ended with a stop token (EOS or the end-of-turn token)
-        rather than being cut off: ``continuation``'s ``stopped_on_eos``."""
-        return bool(ids) and ids[-1] in self.turn_end_ids
+        """Whether a generated turn ends as the template ends a turn (``closing_ids``: the
+        end-of-turn token, or ``<|eom_id|>`` where the template writes it in its place):
+        ``continuation``'s ``stopped_on_eos``. A turn cut off, or stopped by a token the template
+        does not close a turn with (Gemma's ``<eos>``), has not: the end-of-turn token follows."""
+        return bool(ids) and ids[-1] in self.closing_ids
 
     def encode_delta(self, text: str) -> list[int]:
         """Ids of ``text`` as they are inside a longer rendering: encoded after EOS (a special
@@ -454,8 +474,9 @@ class ChatRenderer:
         tools: Sequence[dict[str, Any]] | None = None,
     ) -> list[int]:
         """Ids to append after a policy turn: close the turn, the new messages, the next prompt.
-        ``stopped_on_eos``: the turn ended with its stop token (``ended``), so only the rest of
-        the template's closing follows; a turn cut off gets the end-of-turn token first.
+        ``stopped_on_eos``: the turn ends as the template ends a turn (``ended``), so only the
+        rest of the template's closing follows; any other turn (cut off, or stopped by EOS where
+        EOS is not the end-of-turn token) gets the end-of-turn token first.
 
         ``tools`` must be the episode's tools as given to ``prompt`` (the base conversation of
         the delta trick is rendered with them, so a tools block is not repeated)."""

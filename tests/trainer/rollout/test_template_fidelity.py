@@ -150,10 +150,14 @@ def whole(tokenizer: Any, messages: list[dict[str, Any]], prompt: bool = True) -
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def test_turns_that_end_with_the_templates_end_of_turn_token_are_stopped(corpus) -> None:
-    specials = ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
-    tokenizer = with_specials(corpus, specials, GEMMA)
+def gemma(corpus: list[str]) -> Any:
+    tokenizer = with_specials(corpus, ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"], GEMMA)
     tokenizer.eos_token, tokenizer.bos_token = "<eos>", "<bos>"
+    return tokenizer
+
+
+def test_turns_that_end_with_the_templates_end_of_turn_token_are_stopped(corpus) -> None:
+    tokenizer = gemma(corpus)
     renderer = ChatRenderer(tokenizer)
     end_of_turn = tokenizer.convert_tokens_to_ids("<end_of_turn>")
     ids = [*tokenizer.encode("down", add_special_tokens=False), end_of_turn]
@@ -162,6 +166,54 @@ def test_turns_that_end_with_the_templates_end_of_turn_token_are_stopped(corpus)
     assert episode.token_ids == whole(tokenizer, episode.messages)  # no stray <eos>
     assert all(end_of_turn in request.stop_token_ids for request in engine.requests)
     assert renderer.answer("down") == ids  # SFT teaches the stop the template writes
+
+
+def test_a_turn_that_stops_on_eos_is_closed_with_the_end_of_turn_token(corpus) -> None:
+    """Gemma may stop on ``<eos>`` (a stop token too), which is not how the template closes a
+    turn: ``<end_of_turn>`` still follows it, so the sequence is the template's rendering with
+    only the sampled ``<eos>`` added, never a turn left without its end-of-turn token."""
+    tokenizer = gemma(corpus)
+    renderer = ChatRenderer(tokenizer)
+    eos = tokenizer.eos_token_id
+    episode, _ = play(renderer, [*tokenizer.encode("down", add_special_tokens=False), eos], turns=2)
+    policy = zip(episode.token_ids, episode.response_mask, strict=True)
+    sampled_eos = {i for i, (t, sampled) in enumerate(policy) if t == eos and sampled}
+    shown = [t for i, t in enumerate(episode.token_ids) if i not in sampled_eos]
+    assert shown == whole(tokenizer, episode.messages)
+    assert len(sampled_eos) == 2 and not renderer.ended([eos])
+
+
+LLAMA31_IPYTHON = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- set role = 'ipython' if message['role'] == 'tool' else message['role'] %}"
+    "{{- '<|start_header_id|>' + role + '<|end_header_id|>\\n\\n' + message['content'] | trim }}"
+    "{%- if message['role'] == 'assistant' and builtin_tools is defined %}{{- '<|eom_id|>' }}"
+    "{%- else %}{{- '<|eot_id|>' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+"""Llama 3.1's turn format (abridged): with ``builtin_tools`` (ipython mode) an assistant turn
+that calls a tool ends with ``<|eom_id|>`` (end of message: a tool result follows), not
+``<|eot_id|>``; its generation config lists both, and ``<|end_of_text|>``, as EOS."""
+
+
+def test_a_llama_turn_that_ends_with_eom_is_stopped_and_not_closed_again(corpus) -> None:
+    specials = [*LLAMA_SPECIALS, "<|end_of_text|>", "<|eom_id|>", "<|python_tag|>"]
+    tokenizer = with_specials(corpus, specials, LLAMA31_IPYTHON)
+    tokenizer.eos_token, tokenizer.bos_token = "<|eot_id|>", "<|begin_of_text|>"
+    renderer = ChatRenderer(tokenizer)
+    eom = tokenizer.convert_tokens_to_ids("<|eom_id|>")
+    call = '<|python_tag|>calculate.call(expression="2 + 2")'
+    episode, engine = play(renderer, [*tokenizer.encode(call, add_special_tokens=False), eom], 2)
+    text = tokenizer.apply_chat_template(
+        episode.messages, add_generation_prompt=True, tokenize=False, builtin_tools=["x"]
+    )  # the template's ipython-mode rendering: <|eom_id|>, then the next header
+    assert tokenizer.decode(episode.token_ids) == text
+    assert episode.token_ids == tokenizer.encode(text, add_special_tokens=False)
+    assistant = next(m for m in episode.messages if m["role"] == "assistant")
+    assert assistant["content"] == call  # read without its stop token
+    assert all(eom in request.stop_token_ids for request in engine.requests)
+    assert renderer.ended([eom])
 
 
 # ---------------------------------------------------------------- 6: tool arguments as a dict
@@ -211,6 +263,37 @@ def test_stripping_thinking_is_linear_in_a_degenerate_turn() -> None:
     assert shown[1]["content"] == degenerate  # nothing to strip without a closing tag
     assert shown[2]["content"] == "c"
     assert turns[2]["content"].startswith("<think>")  # the transcript is untouched
+
+
+@pytest.mark.parametrize(
+    ("content", "shown"),
+    [  # the generation prompt pre-filled <think> (DeepSeek-R1, Qwen3-Thinking-2507)
+        ("plan <tool_call>{}</tool_call>\n</think>\n\nIt is 4.", "It is 4."),
+        ("plan </think> It is 4. <think>again</think>\nDone.", "It is 4. Done."),
+        ("It is 4.", "It is 4."),  # no </think>: unchanged
+        ("It is 4. <think>unclosed", "It is 4. <think>unclosed"),
+        ("<think>a</think>\n\nIt is 4, not </think>.", "It is 4, not </think>."),  # stray
+    ],
+    ids=["prefilled", "prefilled-then-block", "plain", "unclosed", "stray-close-later"],
+)
+def test_stripping_thinking_drops_reasoning_the_generation_prompt_opened(content, shown) -> None:
+    from trainer.rollout.env_manager import prompt_context
+
+    turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": content}]
+    assert prompt_context(turns, "strip_thinking")[1]["content"] == shown
+
+
+def test_a_call_in_reasoning_the_generation_prompt_opened_is_not_read(corpus) -> None:
+    tokenizer = build_tokenizer(corpus, kind="bpe")
+    tokenizer.chat_template = QWEN25
+    renderer = ChatRenderer(tokenizer, tool_parser="hermes")
+    tools = [{"type": "function", "function": {"name": "calculate", "parameters": {}}}]
+    thought = f"Maybe {CALL}? No.\n</think>\n\nIt is 4."
+    turn = renderer.read_turn(tokenizer.encode(thought, add_special_tokens=False), tools)
+    assert not turn.tool_calls and turn.error is None
+    called = f"plan</think>\n{CALL}"
+    turn = renderer.read_turn(tokenizer.encode(called, add_special_tokens=False), tools)
+    assert [call["function"]["name"] for call in turn.message()["tool_calls"]] == ["calculate"]
 
 
 # ---------------------------------------------------------------- 5: system prompt moves
