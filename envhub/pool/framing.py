@@ -43,8 +43,9 @@ class FrameReader:
         self._frame: bytearray | None = None  # the frame being filled, at its full size
         self._filled = 0
 
-    def feed(self, data: bytes) -> list[bytes | bytearray | memoryview]:
-        """The frames ``data`` completes, in order; raises ``FrameTooLargeError``."""
+    def feed(self, data: bytes | bytearray | memoryview) -> list[bytes | bytearray | memoryview]:
+        """The frames ``data`` completes, in order; raises ``FrameTooLargeError``. A frame that
+        came whole in ``data`` is a view of it (no copy): use it before ``data`` is reused."""
         frames: list[bytes | bytearray | memoryview] = []
         view = memoryview(data)
         pos, end = 0, len(data)

@@ -85,6 +85,13 @@ def step_output_problem(reward: Any, terminated: Any, truncated: Any, info: Any)
     """What is wrong with a step's reward, flags and info ("" if nothing): a reward must be a
     finite number (NaN would become JSON ``null`` and poison training), the flags bools (numpy's
     too), info a dict."""
+    if (
+        (type(reward) is float and math.isfinite(reward) or type(reward) is int)
+        and type(terminated) is bool
+        and type(truncated) is bool
+        and type(info) is dict
+    ):
+        return ""  # the common case, without the ABC checks below (every step comes here)
     if not isinstance(reward, numbers.Real):
         return f"reward={reward!r:.40} ({type(reward).__name__}); a reward must be a number"
     if not math.isfinite(reward):
