@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 LAKE = "games/frozen-lake-v0"
 LAKE_KWARGS = {"action_format": "raw", "size": 3}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def ray_without_token_auth() -> Iterator[None]:
+    """Every Ray these tests start listens on loopback only, and the `ray start` clusters they
+    join run with ``RAY_AUTH_MODE=disabled``. A process whose first ``ray.init`` started a local
+    Ray in token mode cannot start actors on another cluster after ``ray.shutdown()`` (Ray's
+    own state; a plain-Ray script shows it), so a run's local Ray must not be the first in token
+    mode either, whatever order the tests run in."""
+    previous = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = previous or "disabled"
+    yield
+    if previous is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
 
 
 @pytest.fixture(scope="session")
