@@ -99,7 +99,10 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
     console.print(f"output: {out.resolve()}", highlight=False)
     if resuming:
         console.print(resuming, highlight=False, soft_wrap=True)
-    for line in point.drift if point is not None else []:
+    from trainer.strategies.lora import dropout_warning
+
+    lines = [*(point.drift if point is not None else []), dropout_warning(cfg)]
+    for line in filter(None, lines):
         errors.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
     try:
         with _put_back_unless_saved(moved, out, Path(cfg.checkpoint_dir), errors), _sigterm_stops():

@@ -132,12 +132,14 @@ class LoraConfig(Section):
     """Scaling numerator (``lora_alpha``; the update is scaled by alpha / rank); None: 2 x rank."""
     dropout: float = Field(default=0.0, ge=0, lt=1)
     """Dropout on the adapters' input while training. Under PPO it makes the ratio noisy even
-    on-policy (the training forward drops, the old log-probs were computed without): keep 0
-    unless you want that regularisation."""
+    on-policy (the training forward drops, the old log-probs were computed without), and an RL
+    run (``train.steps`` > 0) warns so as it starts: keep 0 unless you want that regularisation
+    (an SFT-only run is not warned)."""
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     """Module names (or name suffixes) to adapt, e.g. ``[q_proj, v_proj]``; ``all-linear`` adapts
-    every linear layer but the output head, and may start a list: ``[all-linear, embed_tokens]``
-    also adapts the input embedding (input side only, also where the head shares its weight)."""
+    every linear layer (GPT-2's ``Conv1D`` too) but the output head, and may start a list:
+    ``[all-linear, embed_tokens]`` also adapts the input embedding (input side only, also where
+    the head shares its weight). An empty list is refused (it would adapt nothing)."""
     lr: float | None = Field(default=None, gt=0)
     """The adapters' learning rate (RL and, unless ``sft.lr`` is set, the warm start); None:
     ``train.lr``. Adapters usually want a larger rate than full fine-tuning."""
@@ -151,6 +153,16 @@ class LoraConfig(Section):
     export: Literal["merged", "adapter"] = "merged"
     """``final_policy/`` as a plain HF model with the adapters merged in, or as a peft adapter
     folder (``adapter_config.json`` + ``adapter_model.safetensors``) beside its base."""
+
+    @field_validator("target_modules")
+    @classmethod
+    def _adapts_something(cls, targets: list[str] | str) -> list[str] | str:
+        if not targets:
+            raise ValueError(
+                "[] adapts nothing; name the layers to adapt (e.g. [q_proj, v_proj]), use "
+                "all-linear, or set model.lora.rank: 0 to train every weight instead"
+            )
+        return targets
 
 
 class ModelConfig(Section):
@@ -278,7 +290,10 @@ class TrainConfig(Section):
     ranks. A row longer than this is its own micro-batch."""
     packing: bool = False
     """Pack several sequences into each row (positions restart per sequence; attention never
-    crosses sequences) for training, reference and critic passes: no compute on padding."""
+    crosses sequences, sliding-window layers keep their window) for training, reference and
+    critic passes: no compute on padding. Needs ``eager``, ``sdpa`` or FlashAttention-2/3
+    attention and full or sliding-window layers: anything else is refused when the model first
+    runs (``trainer.strategies.packing``)."""
     grad_accumulation: int | None = Field(default=None, gt=0)
     """Micro-batches per optimiser step; None accumulates the whole per-rank batch (one step)."""
     max_grad_norm: float | None = Field(default=1.0, gt=0)

@@ -193,8 +193,7 @@ def test_merged_weights_and_folding_keep_the_policy(policy: Any) -> None:
     ids = torch.tensor([[1, 4, 7, 10, 13]])
     with torch.no_grad():
         policy_logits = wrapped(ids).logits
-    scaling = lora.scaling_of(wrapped)
-    merged = dict(lora.engine_weights(wrapped.state_dict().items(), scaling=scaling))
+    merged = dict(lora.engine_weights(wrapped.state_dict().items(), merge=lora.merge_of(wrapped)))
     plain = copy.deepcopy(model)
     plain.load_state_dict(merged)
     with torch.no_grad():
@@ -243,8 +242,7 @@ def test_an_adapted_embedding_serves_exports_and_folds_like_the_policy(
     with torch.no_grad():
         assert torch.allclose(engine.model(ids).logits, policy_logits, atol=1e-5)
     # the merged export: a plain HF model with its head untied from the changed embedding
-    scaling = lora.scaling_of(wrapped)
-    merged = dict(lora.engine_weights(wrapped.state_dict().items(), scaling=scaling))
+    merged = dict(lora.engine_weights(wrapped.state_dict().items(), merge=lora.merge_of(wrapped)))
     lora.save_plain(lora.export_config(wrapped), merged, tmp_path / "merged")
     plain = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
     assert not plain.config.tie_word_embeddings
@@ -331,3 +329,103 @@ def test_vllm_rollouts_receive_adapters_only_and_serve_the_trained_policy(tmp_pa
     ).fit()
     keys = ("eval/success", "eval/reward", "eval/turns", "eval/response_tokens")
     assert {k: rows[-1][k] for k in keys} == {k: reference[0][k] for k in keys}
+
+
+def tiny_gpt2(tie: bool = True) -> Any:
+    """A small random GPT-2: its linears are ``Conv1D`` layers, weights stored (in, out), and its
+    attention output ``c_proj`` is square (a merge that forgets the transpose still fits)."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=61,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_inner=48,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=tie,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("targets", ["all-linear", ["c_proj"], ["all-linear", "wte"]])
+def test_merged_weights_of_a_gpt2_policy_give_its_logits(targets: Any) -> None:
+    """``sync: merged`` and the merged ``final_policy`` of a GPT-2 (Conv1D) policy: the plain
+    model holding the merged weights computes the adapted policy's logits."""
+    import copy
+
+    model = tiny_gpt2(tie=False)
+    wrapped = lora.apply_lora(copy.deepcopy(model), LoraConfig(rank=RANK, target_modules=targets))
+    for name, param in wrapped.named_parameters():
+        if "lora_B" in name or "lora_embedding_A" in name:
+            param.data.normal_(0, 0.3)  # adapters that do something
+    ids = torch.tensor([[1, 4, 7, 10, 13, 2]])
+    merged = dict(lora.engine_weights(wrapped.state_dict().items(), merge=lora.merge_of(wrapped)))
+    plain = copy.deepcopy(model)
+    plain.load_state_dict(merged)
+    with torch.no_grad():
+        policy_logits = wrapped(ids).logits
+        assert not torch.allclose(model(ids).logits, policy_logits, atol=1e-3)
+        torch.testing.assert_close(plain(ids).logits, policy_logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "targets", ["all-linear", ["all-linear"], ["all-linear", "wte"], ["c_attn", "c_proj"]]
+)
+def test_gpt2_conv1d_layers_are_linear_layers_to_adapt(targets: Any) -> None:
+    """GPT-2's Conv1D layers are what ``all-linear`` (alone or in a list) and their own names
+    adapt, and the dry run's adapter count is what peft creates."""
+    from trainer.model_shape import ModelShape
+
+    model = tiny_gpt2(tie=False)
+    assert {"c_attn", "c_proj", "c_fc"} <= set(lora.adaptable_module_names(model))
+    wrapped = lora.apply_lora(model, LoraConfig(rank=RANK, target_modules=targets))
+    params = {n: p.numel() for n, p in wrapped.named_parameters() if ".lora_" in n}
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in params}
+    assert {"c_attn", "c_proj"} <= adapted and "lm_head" not in adapted
+    shape = ModelShape.from_config(model.config.to_dict())
+    assert sum(params.values()) == shape.lora_params(RANK, targets)
+
+
+def test_an_empty_target_modules_list_is_refused_when_the_config_loads() -> None:
+    from trainer.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules.*adapts nothing"):
+        load_config(QUICKSTART, [*TINY, "model.lora.rank=4", "model.lora.target_modules=[]"])
+
+
+@pytest.mark.parametrize(
+    ("steps", "dropout", "warned"), [(2, 0.1, True), (2, 0.0, False), (0, 0.1, False)]
+)
+def test_adapter_dropout_in_rl_is_warned_once_at_start(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, steps: int, dropout: float, warned: bool
+) -> None:
+    """Adapter dropout makes an on-policy PPO ratio noisy (the training forward drops, the old
+    log-probs did not): an RL run says so as it starts; an SFT-only run (no RL steps) does not."""
+    from tests.trainer.test_train_cli_refusals import record_runs
+
+    runs = record_runs(monkeypatch)
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            str(QUICKSTART),
+            *TINY,
+            "model.lora.rank=4",
+            f"model.lora.dropout={dropout}",
+            f"train.steps={steps}",
+            "logging.progress=false",
+            f"output_dir={tmp_path / 'run'}",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert len(runs) == 1
+    assert result.output.count("ratio") == int(warned), result.output
+    if warned:
+        assert "warning:" in result.output and "set model.lora.dropout: 0" in result.output

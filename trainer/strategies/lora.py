@@ -41,20 +41,22 @@ from trainer.errors import ModelError
 if TYPE_CHECKING:
     import torch
 
-    from trainer.config import LoraConfig
+    from trainer.config import LoraConfig, TrainerConfig
 
 __all__ = [
     "AdapterWeights",
+    "Merge",
     "adaptable_module_names",
     "adapter_state",
     "apply_lora",
+    "dropout_warning",
     "engine_weights",
     "export_config",
     "fold_adapters",
     "freeze_adapters",
     "is_lora",
+    "merge_of",
     "save_plain",
-    "scaling_of",
     "tied_head_refusal",
     "ties_embeddings",
     "train_base",
@@ -85,10 +87,13 @@ class AdapterWeights:
 
 def adaptable_module_names(model: Any, *, linear_only: bool = False) -> list[str]:
     """The distinct last name parts of the model's linear and embedding layers (what
-    ``target_modules`` may name), e.g. ``['down_proj', 'embed_tokens', 'gate_proj', ...]``."""
+    ``target_modules`` may name), e.g. ``['down_proj', 'embed_tokens', 'gate_proj', ...]``.
+    GPT-2's ``Conv1D`` layers are linear layers stored transposed: peft adapts them as such."""
     import torch
+    from transformers.pytorch_utils import Conv1D
 
-    kinds = torch.nn.Linear if linear_only else (torch.nn.Linear, torch.nn.Embedding)
+    linear = (torch.nn.Linear, Conv1D)
+    kinds = linear if linear_only else (*linear, torch.nn.Embedding)
     modules = model.named_modules()
     return sorted({name.rsplit(".", 1)[-1] for name, m in modules if isinstance(m, kinds)})
 
@@ -187,6 +192,8 @@ def apply_lora(model: Any, cfg: LoraConfig) -> Any:
     try:
         with warnings.catch_warnings():  # tied embeddings: handled above and in export_config
             warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*")
+            # Conv1D (GPT-2): peft adapts it transposed, and so does the merge (merge_of)
+            warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
             return get_peft_model(model, config)
     except ValueError as error:  # peft's own "Target modules ... not found"
         raise ModelError(
@@ -295,20 +302,23 @@ def _hf_name(name: str) -> str | None:
 
 
 def engine_weights(
-    named: Iterable[tuple[str, torch.Tensor]], *, scaling: float | None = None
+    named: Iterable[tuple[str, torch.Tensor]], *, merge: Merge | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A wrapped model's full tensors (``strategy.full_weights()``) as the base model's HF-named
-    tensors: the base alone, or with ``scaling`` (alpha / rank) the adapters merged in
-    (``W + scaling * B @ A`` per adapted layer).
+    tensors: the base alone, or with ``merge`` (:func:`merge_of`) the adapters merged in
+    (``W + scaling * B @ A`` per adapted layer), as peft's own merge computes them.
 
     An adapted layer's merged weight is yielded once its base weight, ``lora_A`` and ``lora_B``
     have all passed (the state dict lists them together). An embedding's adapter
-    (``lora_embedding_A``: rank x vocab, ``lora_embedding_B``: dim x rank) merges transposed.
+    (``lora_embedding_A``: rank x vocab, ``lora_embedding_B``: dim x rank) merges transposed, and
+    so does that of a layer storing its weight (in, out) (GPT-2's ``Conv1D``, peft's
+    ``fan_in_fan_out``; ``Merge.transposed``). A delta that does not fit its weight is refused.
     """
+    scaling, transposed = (merge.scaling, merge.transposed) if merge else (0.0, frozenset())
     pending: dict[str, dict[str, torch.Tensor]] = {}  # adapted module -> W, A, B seen so far
     for name, tensor in named:
         if ".lora_" in name:
-            if scaling is None:
+            if merge is None:
                 continue
             module, _, rest = name.partition(".lora_")
             part = rest.split(".", 1)[0]
@@ -316,7 +326,7 @@ def engine_weights(
                 raise ModelError(
                     f"{name}: only linear and embedding LoRA layers can be merged for the engines"
                 )
-        elif scaling is not None and name.endswith(".base_layer.weight"):
+        elif merge is not None and name.endswith(".base_layer.weight"):
             module, part = name.removesuffix(".base_layer.weight"), "W"
         else:
             hf = _hf_name(name)
@@ -330,17 +340,41 @@ def engine_weights(
             weight = slot["W"]
             parts = {k.removeprefix("embedding_"): v.to(weight.dtype) for k, v in slot.items()}
             delta = parts["B"] @ parts["A"]
-            if "embedding_A" in slot:
+            hf = module.removeprefix("base_model.model.")
+            if "embedding_A" in slot or hf in transposed:
                 delta = delta.T
-            yield f"{module.removeprefix('base_model.model.')}.weight", weight + scaling * delta
+            if delta.shape != weight.shape:
+                raise ModelError(
+                    f"{hf}: the adapter's delta {tuple(delta.shape)} does not fit the weight "
+                    f"{tuple(weight.shape)}; merge with merge_of(model), which names the layers "
+                    "stored (in, out) (Conv1D)"
+                )
+            yield f"{hf}.weight", weight + scaling * delta
     if pending:
         raise ModelError(f"incomplete adapted layers in the merged weights: {sorted(pending)[:3]}")
 
 
-def scaling_of(model: Any) -> float:
-    """``alpha / rank`` of the wrapped model's adapter (what merging multiplies ``B @ A`` by)."""
+@dataclass(frozen=True)
+class Merge:
+    """How :func:`engine_weights` merges a wrapped model's adapters (:func:`merge_of`)."""
+
+    scaling: float
+    """``alpha / rank``: what ``B @ A`` is multiplied by."""
+    transposed: frozenset[str] = frozenset()
+    """HF names of the adapted layers that store their weight (in, out) (GPT-2's ``Conv1D``,
+    which peft adapts with ``fan_in_fan_out``): their delta merges transposed."""
+
+
+def merge_of(model: Any) -> Merge:
+    """The wrapped model's :class:`Merge`: its adapter's ``alpha / rank`` and the layers stored
+    (in, out), read per layer as peft decides it per layer."""
     config = model.peft_config[ADAPTER]
-    return float(config.lora_alpha) / float(config.r)
+    transposed = frozenset(
+        name.removeprefix("base_model.model.")
+        for name, module in model.named_modules()
+        if ".lora_" not in name and getattr(module, "fan_in_fan_out", False)
+    )
+    return Merge(float(config.lora_alpha) / float(config.r), transposed)
 
 
 def export_config(model: Any) -> Any:
@@ -412,6 +446,22 @@ def fold_adapters(model: Any, optimizer: Any = None) -> None:
             if optimizer is not None:
                 for param in params:
                     optimizer.state.pop(param, None)
+
+
+def dropout_warning(cfg: TrainerConfig) -> str | None:
+    """What adapter dropout does to an RL run (``trainer.cli`` warns with it as the run starts);
+    None without dropout or RL steps (an SFT-only run keeps it as a regulariser)."""
+    lora = cfg.model.lora
+    if lora is None or lora.dropout == 0 or cfg.train.steps == 0:
+        return None
+    loss = cfg.algorithm.loss
+    return (
+        f"model.lora.dropout={lora.dropout} drops adapter inputs in the training forward but "
+        "not in the old log-probs it is compared with (computed in eval mode), so the PPO ratio "
+        "is noisy even on-policy and the clip (algorithm.loss.clip_low/clip_high = "
+        f"{loss.clip_low}/{loss.clip_high}) cuts gradient from tokens of an on-policy step; set "
+        "model.lora.dropout: 0 for RL"
+    )
 
 
 def vllm_max_rank(rank: int) -> int:

@@ -19,11 +19,22 @@ short ones). Two settings change how a strategy cuts it into micro-batches
     weights (``distributed.micro_batch_scales``) are untouched.
 
 Each micro-batch keeps its rows' original indices (``_rows``) so that ``forward`` returns rows
-in the caller's order whatever the grouping. The mask is an additive float mask of shape
-``(packed rows, 1, width, width)``, which transformers' ``sdpa`` and ``eager`` attention both take
-as given; with FlashAttention-2 (``attn_implementation="flash_attention_2"`` on a GPU) the mask is
-left out, the packed rows go as one flat row, and transformers runs varlen attention from the
-restarting positions instead (it does so only for a batch of one row).
+in the caller's order whatever the grouping. How the model is told where sequences start depends
+on its attention implementation (``config._attn_implementation``), from an allow-list:
+
+``eager``, ``sdpa`` (:data:`MASKED_ATTENTION`)
+    An additive float mask of shape ``(packed rows, 1, width, width)``, which transformers takes
+    as given. A sliding-window layer (Mistral; Qwen2 with ``use_sliding_window``; any
+    ``layer_types`` entry ``sliding_attention``) also masks keys ``sliding_window`` or more
+    positions back, as transformers' own window does; a model mixing full and sliding layers gets
+    one mask per layer type (a dict keyed by layer type, which transformers' decoders take).
+``flash_attention_2``, ``flash_attention_3`` (:data:`VARLEN_ATTENTION`)
+    No mask: the packed rows go as one flat row, and transformers runs varlen attention from the
+    restarting positions instead (it does so only for a batch of one row).
+
+Anything else - another attention implementation, a layer type other than full or sliding
+attention, mixed layers in a model that takes one mask for all - is refused with a
+``ModelError`` naming ``train.packing``: packed rows would give wrong log-probs.
 """
 
 from __future__ import annotations
@@ -32,10 +43,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from trainer.errors import ModelError
+
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "MASKED_ATTENTION",
+    "VARLEN_ATTENTION",
     "MicroPlan",
     "build_micro",
     "pack_bins",
@@ -43,6 +58,13 @@ __all__ = [
     "plan_micro_batches",
     "unpack",
 ]
+
+MASKED_ATTENTION = ("eager", "sdpa")
+"""Attention implementations given the packed rows' 4-D mask (they use it as it is)."""
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
+"""Attention implementations given ONE flat row whose restarting positions delimit sequences."""
+FULL, SLIDING = "full_attention", "sliding_attention"
+"""The layer types (``config.layer_types``) a packed mask can be built for."""
 
 PACKED_KEYS = ("_packed_ids", "_packed_positions", "_packed_mask", "_unpack")
 """What a packed micro-batch adds to the rows it keeps (meta keys start with ``_``)."""
@@ -191,26 +213,114 @@ def _pack(micro: Mapping[str, torch.Tensor], bins: list[list[int]]) -> dict[str,
 
 def packed_model_inputs(model: Any, micro: Mapping[str, torch.Tensor]) -> dict[str, Any]:
     """Keyword arguments for an HF model's forward over a micro-batch: its rows, or its packed
-    rows (block-diagonal additive mask in the model's dtype). FlashAttention takes no mask: its
-    packed rows go as ONE row whose positions restart at each sequence (transformers runs
-    varlen attention only for a batch of one; given several rows it attends across sequences),
-    and the caller reshapes the outputs back to ``_packed_ids``' shape."""
+    rows (block-diagonal additive mask in the model's dtype, banded on sliding-window layers).
+    FlashAttention takes no mask: its packed rows go as ONE row whose positions restart at each
+    sequence (transformers runs varlen attention only for a batch of one; given several rows it
+    attends across sequences), and the caller reshapes the outputs back to ``_packed_ids``' shape.
+    Raises ``ModelError`` for a model whose attention packed rows cannot reproduce."""
     if "_packed_ids" not in micro:
         return {"input_ids": micro["input_ids"], "attention_mask": micro["attention_mask"]}
-    import torch
-
     inputs: dict[str, Any] = {
         "input_ids": micro["_packed_ids"],
         "position_ids": micro["_packed_positions"],
     }
-    config = getattr(model, "config", None)
-    if str(getattr(config, "_attn_implementation", "")).startswith("flash"):
+    lm = _language_model(model)
+    attention = lm.config._attn_implementation
+    if attention in VARLEN_ATTENTION:
         return {name: value.reshape(1, -1) for name, value in inputs.items()}
-    dtype = next(model.parameters()).dtype
-    allowed = micro["_packed_mask"]
-    inputs["attention_mask"] = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    inputs["attention_mask"].masked_fill_(~allowed, torch.finfo(dtype).min)
+    if attention not in MASKED_ATTENTION:
+        raise ModelError(
+            f"train.packing cannot tell attn_implementation={attention!r} where packed sequences "
+            f"start; packing runs {', '.join(MASKED_ATTENTION)} (a 4-D mask) and "
+            f"{', '.join(VARLEN_ATTENTION)} (varlen); load the model with one of them or set "
+            "train.packing: false"
+        )
+    windows = _windows(lm)
+    dtype = next(lm.parameters()).dtype
+    masks = {kind: _additive(micro["_packed_mask"], window, dtype) for kind, window in windows}
+    if len(masks) > 1 and not _takes_mask_per_layer_type(lm):
+        raise ModelError(
+            f"train.packing: {type(lm).__name__} mixes {sorted(masks)} layers but takes one "
+            "attention mask for all of them, so packed rows would attend wrongly on some; set "
+            "train.packing: false for this model"
+        )
+    inputs["attention_mask"] = masks if len(masks) > 1 else next(iter(masks.values()))
     return inputs
+
+
+def _language_model(model: Any) -> Any:
+    """The transformers model in ``model`` (itself, or e.g. a critic's backbone): its config
+    names the attention implementation and layer types."""
+    from transformers import PretrainedConfig
+
+    for module in model.modules():
+        if isinstance(getattr(module, "config", None), PretrainedConfig):
+            return module
+    raise ModelError(
+        f"train.packing needs a transformers model (whose config names its attention); "
+        f"{type(model).__name__} holds none: set train.packing: false"
+    )
+
+
+def _windows(lm: Any) -> list[tuple[str, int | None]]:
+    """``(layer type, sliding window or None)`` for each kind of attention layer the model has
+    (``config.layer_types``; without them, every layer slides if ``sliding_window`` is set, as
+    in Mistral)."""
+    config = lm.config
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if not types:
+        sliding = window is not None and getattr(config, "use_sliding_window", True) is not False
+        types = [SLIDING if sliding else FULL]
+    unknown = sorted(set(types) - {FULL, SLIDING})
+    if unknown:
+        raise ModelError(
+            f"train.packing builds masks for {FULL} and {SLIDING} layers only; "
+            f"{type(lm).__name__} has {unknown} layers (config.layer_types), whose packed mask "
+            "would be wrong; set train.packing: false for this model"
+        )
+    if SLIDING in types and window is None:
+        raise ModelError(
+            f"train.packing: {type(lm).__name__} has {SLIDING} layers but no "
+            "config.sliding_window; set train.packing: false for this model"
+        )
+    return [(kind, window if kind == SLIDING else None) for kind in sorted(set(types))]
+
+
+def _additive(allowed: torch.Tensor, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of the boolean ``allowed`` ``(packed rows, 1, width, width)``; with a
+    ``window``, also masking keys ``window`` or more positions before the query (transformers'
+    ``sliding_window_overlay``: ``k > q - window``). Query and key of one sequence are as far
+    apart in its packed row as in its own row."""
+    import torch
+
+    if window is not None:
+        column = torch.arange(allowed.shape[-1], device=allowed.device)
+        allowed = allowed & (column[:, None] - column[None, :] < window)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def _takes_mask_per_layer_type(lm: Any) -> bool:
+    """Whether the model's decoder reads a dict of masks keyed by layer type as its
+    ``attention_mask`` (``if not isinstance(causal_mask_mapping := attention_mask, dict)`` in
+    transformers' decoders); read once per decoder class."""
+    import inspect
+    import re
+
+    decoder = type(lm.get_decoder() if hasattr(lm, "get_decoder") else lm)
+    if decoder not in _READS_MASK_DICT:
+        try:
+            source = inspect.getsource(decoder.forward)
+        except (OSError, TypeError):
+            source = ""
+        pattern = r"isinstance\(\s*(\w+\s*:=\s*)?attention_mask\s*,\s*dict\s*\)"
+        _READS_MASK_DICT[decoder] = re.search(pattern, source) is not None
+    return _READS_MASK_DICT[decoder]
+
+
+_READS_MASK_DICT: dict[type, bool] = {}
+"""Decoder class -> whether its forward takes a dict of masks (``_takes_mask_per_layer_type``)."""
 
 
 def unpack(

@@ -244,11 +244,10 @@ class ActorWorker(WeightSender, StrategyWorker):
         carry the adapters) or, with ``model.lora.sync: merged``, the adapters merged in."""
         if self.lora is None:
             return self.strategy.full_weights()
-        from trainer.strategies.lora import engine_weights, scaling_of
+        from trainer.strategies.lora import engine_weights, merge_of
 
-        merged = self.lora.sync == "merged"
-        scaling = scaling_of(self.strategy.model) if merged else None
-        return engine_weights(self.strategy.full_weights(), scaling=scaling)
+        merge = merge_of(self.strategy.model) if self.lora.sync == "merged" else None
+        return engine_weights(self.strategy.full_weights(), merge=merge)
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def weight_sizes(self) -> list[tuple[str, int]]:
@@ -337,8 +336,8 @@ class ActorWorker(WeightSender, StrategyWorker):
             adapter_state,
             engine_weights,
             export_config,
+            merge_of,
             save_plain,
-            scaling_of,
             write_adapter,
         )
 
@@ -346,8 +345,8 @@ class ActorWorker(WeightSender, StrategyWorker):
             return
         model = self.strategy.model
         as_adapter = self.lora.export == "adapter"
-        scaling = None if as_adapter else scaling_of(model)
-        tensors = dict(engine_weights(self.strategy.full_weights(), scaling=scaling))  # collective
+        merge = None if as_adapter else merge_of(model)
+        tensors = dict(engine_weights(self.strategy.full_weights(), merge=merge))  # collective
         adapter = adapter_state(model) if as_adapter else None  # collective
         if self.rank != 0:
             return

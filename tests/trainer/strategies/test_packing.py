@@ -154,3 +154,66 @@ def test_plans_hold_every_row_once_within_their_budget() -> None:
     assert sorted(i for b in bins for i in b) == list(range(len(LENGTHS)))
     assert all(sum(LENGTHS[i] for i in b) <= 40 for b in bins)
     assert len(bins) == -(-sum(LENGTHS) // 40)  # first fit decreasing fills them here
+
+
+def sliding_model(kind: str, attn: str) -> Any:
+    """A tiny model whose attention sees only the last 4 positions: Mistral (every layer), Qwen2
+    with every layer sliding, or with full and sliding layers mixed (``layer_types``)."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
+
+    shape = {
+        "vocab_size": 61,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "sliding_window": 4,
+    }
+    if kind == "mistral":
+        config = MistralConfig(**shape)
+    else:  # layers from max_window_layers on slide
+        config = Qwen2Config(
+            **shape, use_sliding_window=True, max_window_layers=0 if kind == "qwen2" else 1
+        )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "qwen2-mixed"])
+def test_packed_rows_keep_the_models_sliding_window(kind: str, attn: str) -> None:
+    """A sliding-window model's packed log-probs are its padded ones: each token attends to the
+    window's last positions of its own sequence, as in its own row."""
+    model = sliding_model(kind, attn)
+    if kind == "qwen2-mixed":
+        assert set(model.config.layer_types) == {"full_attention", "sliding_attention"}
+    batch = ragged_batch([12, 3, 7, 5, 9, 2], seed=1)
+    mask = batch["attention_mask"].bool()
+    expected = strategy(model).forward(batch).logprobs
+    got = strategy(model, packing=True).forward(batch).logprobs
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("attn", ["flex_attention", "kernels-community/flash-attn"])
+def test_packing_refuses_an_attention_implementation_it_does_not_know(attn: str) -> None:
+    from trainer.errors import ModelError
+    from trainer.strategies.packing import packed_model_inputs
+
+    packed = strategy(W.tiny_qwen2(), packing=True)
+    (micro, *_) = packed._micro_batches(ragged_batch([6, 2, 3, 5], seed=5))
+    packed.model.config._attn_implementation = attn
+    with pytest.raises(ModelError, match=f"train.packing.*{attn}.*eager, sdpa"):
+        packed_model_inputs(packed.model, micro)
+
+
+def test_packing_refuses_layers_whose_mask_it_cannot_build() -> None:
+    from trainer.errors import ModelError
+    from trainer.strategies.packing import packed_model_inputs
+
+    packed = strategy(W.tiny_qwen2(), packing=True)
+    (micro, *_) = packed._micro_batches(ragged_batch([6, 2, 3, 5], seed=5))
+    packed.model.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ModelError, match="train.packing.*chunked_attention"):
+        packed_model_inputs(packed.model, micro)
