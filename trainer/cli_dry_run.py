@@ -50,6 +50,12 @@ def dry_run(
         return 2
     for renderable in plan_view(cfg, plan):
         console.print(renderable)
+    from trainer.strategies.lora import dropout_warning
+
+    if warning := dropout_warning(cfg):  # what the run would warn as it starts
+        errors.print(
+            f"[bold yellow]warning:[/] {markup_escape(warning)}", highlight=False, soft_wrap=True
+        )
     device_problems = local_device_problems(cfg, planning=True)  # devices a run here lacks
     problems = [*plan.problems(), *device_problems]
     if not problems:

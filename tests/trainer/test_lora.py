@@ -429,3 +429,21 @@ def test_adapter_dropout_in_rl_is_warned_once_at_start(
     assert result.output.count("ratio") == int(warned), result.output
     if warned:
         assert "warning:" in result.output and "set model.lora.dropout: 0" in result.output
+
+
+def test_a_dry_run_shows_the_adapter_dropout_warning_the_run_would_give() -> None:
+    """``--dry-run`` is where a user checks a config before a long run: it warns as the run
+    would."""
+    result = CliRunner().invoke(
+        main,
+        [
+            "train",
+            str(QUICKSTART),
+            *TINY,
+            "model.lora.rank=4",
+            "model.lora.dropout=0.1",
+            "--dry-run",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "warning:" in result.output and "set model.lora.dropout: 0" in result.output
