@@ -25,8 +25,10 @@ stepping the env makes that string the episode's last action (the env, and any r
 function, scores it).
 
 ``AgentRunner`` is the env manager's stand-in for the scheduler (same ``run``): it runs the
-agent (a daemon thread, or a subprocess in its own session), bounded by
-``rollout.agent.timeout_s``, and returns the proxy's recording as the episode's trajectory. An
+agent (a daemon thread, or a subprocess in its own session, whose process group is killed when
+it exits, so helpers it left behind do not outlive the episode; the last 64 KiB of its stderr
+are kept for the failure reason), bounded by ``rollout.agent.timeout_s``, and returns the
+proxy's recording as the episode's trajectory. An
 agent that raises, exits non-zero, hangs past its timeout or is cancelled with its group fails
 the episode with the reason (replayed, then replaced, like any failed episode); the proxy then
 refuses its key, so an abandoned agent cannot touch a later episode.
@@ -35,6 +37,7 @@ refuses its key, so an abandoned agent cannot touch a later episode.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import importlib
 import json
@@ -44,16 +47,25 @@ import signal
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from trainer.rollout.env_manager import EnvManager, EnvSession, Sampling, in_daemon_thread
 from trainer.rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
     from trainer.config_rollout import AgentConfig
-    from trainer.rollout.proxy import AgentProxy, ProxyEpisode
+    from trainer.rollout.proxy import AgentProxy
+    from trainer.rollout.proxy_episode import ProxyEpisode
 
-__all__ = ["AgentEpisode", "AgentRunner", "EnvHandle", "EpisodeEnded", "StepResult", "load_agent"]
+__all__ = [
+    "AgentEpisode",
+    "AgentRunner",
+    "EnvHandle",
+    "EpisodeEnded",
+    "StderrTail",
+    "StepResult",
+    "load_agent",
+]
 
 AgentFn = Callable[["AgentEpisode"], Any]
 
@@ -323,7 +335,7 @@ class AgentRunner(EnvManager):
             view.close()
 
     async def _final_answer(self, episode: ProxyEpisode, answer: str) -> None:
-        from trainer.rollout.proxy import ProxyError
+        from trainer.rollout.proxy_http import ProxyError
 
         try:
             await self.proxy.step(episode, answer)
@@ -337,7 +349,9 @@ class AgentRunner(EnvManager):
         return await self._program(view)
 
     async def _program(self, view: AgentEpisode) -> None:
-        """The agent program, in its own session (killed with its children when cancelled).
+        """The agent program, in its own session: when it exits or is cancelled, its process
+        group is killed (a helper it left running, holding its stderr, is not waited for),
+        and of its stderr only the tail is kept (``StderrTail``).
 
         The trainer's interpreter directory leads its ``PATH``: ``python my_agent.py`` runs on the
         interpreter that has envhub and the agent's SDK (a venv need not be activated), as
@@ -351,8 +365,10 @@ class AgentRunner(EnvManager):
             "OPENAI_API_KEY": view.api_key,
             "ENVHUB_AGENT_MODEL": view.model,
         }
+        loop = asyncio.get_running_loop()
         try:
-            process = await asyncio.create_subprocess_exec(
+            transport, protocol = await loop.subprocess_exec(
+                lambda: _ExitProtocol(loop),
                 *self.command,
                 env=env,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -362,13 +378,61 @@ class AgentRunner(EnvManager):
             )
         except OSError as error:
             raise RuntimeError(f"rollout.agent.command {self.command} cannot start: {error}")
+        tail = StderrTail()
+        reading = asyncio.ensure_future(tail.read(cast(asyncio.StreamReader, protocol.stderr)))
         try:
-            _, stderr = await process.communicate()
-        finally:
-            if process.returncode is None:
+            await asyncio.shield(protocol.exited)  # not wait(): that waits for stderr's EOF
+        finally:  # exited, or cancelled: what it left running goes with it (its session)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(transport.get_pid(), signal.SIGKILL)
+            if transport.get_returncode() is None:  # it left its process group
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                await process.wait()
-        if process.returncode != 0:
-            tail = stderr.decode(errors="replace").strip().splitlines()[-3:]
-            raise RuntimeError(f"exited with status {process.returncode}: {' | '.join(tail)}")
+                    transport.kill()
+            await protocol.exited
+            # the pipe closes once its holders are dead; one that escaped is not waited for
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(reading), 0.5)
+            reading.cancel()
+            await asyncio.gather(reading, return_exceptions=True)
+            transport.close()
+        status = transport.get_returncode()
+        if status != 0:
+            raise RuntimeError(f"exited with status {status}: {tail.last_lines()}")
+
+
+class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):
+    """asyncio's protocol for a subprocess with streams, saying when the process exits
+    (``exited``), before the pipes its children may still hold are closed."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(limit=2**16, loop=loop)
+        self.exited: asyncio.Future[None] = loop.create_future()
+
+    def process_exited(self) -> None:
+        super().process_exited()
+        if not self.exited.done():
+            self.exited.set_result(None)
+
+
+class StderrTail:
+    """The last ``limit`` bytes an agent program wrote to stderr (for the reason it failed):
+    however much it logs, the trainer holds no more."""
+
+    def __init__(self, limit: int = 64 * 1024) -> None:
+        self.limit = limit
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._size = 0
+
+    async def read(self, stream: asyncio.StreamReader) -> None:
+        """Keep the tail of ``stream`` until its end."""
+        while chunk := await stream.read(65536):
+            self._chunks.append(chunk)
+            self._size += len(chunk)
+            while self._size - len(self._chunks[0]) >= self.limit:
+                self._size -= len(self._chunks.popleft())
+
+    def last_lines(self, lines: int = 3, chars: int = 300) -> str:
+        """The last ``lines`` non-empty lines, ``|``-joined, their last ``chars`` characters."""
+        text = b"".join(self._chunks)[-self.limit :].decode(errors="replace")
+        joined = " | ".join([line for line in text.splitlines() if line.strip()][-lines:])
+        return joined if len(joined) <= chars else "..." + joined[-chars:]

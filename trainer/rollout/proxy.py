@@ -14,28 +14,37 @@ The api key (``Authorization: Bearer``) names the episode; a key the proxy never
 refused (401), one whose episode has ended gets 410, so an abandoned agent cannot write into
 another episode.
 
-What is recorded (``ProxyEpisode``): a call renders its messages (and ``tools``) with the
-policy's chat template into prompt ids, the engine generates, and the generated ids and their
-log-probs are kept exactly as sampled (never re-tokenised). When a call's messages are the last
-call's messages, the reply the proxy gave, and new messages (the usual agent loop), the call
-*extends* the sample: only the new messages are rendered, with the env manager's delta trick,
-and appended as context, so the sample is the same token sequence the built-in env manager
-builds. A call that does not extend the last (the agent rewrote history, dropped the reply, or
-changed tools) starts a new sample, prompted with its own rendering; so does every call when the
-chat template rewrites history (``ChatRenderer.append_only`` False, e.g. Qwen3 dropping earlier
-thinking), as the env manager then trains each turn as its own sample. Env steps credit their
-reward to the latest call's last token. Every call is tagged with the engine's policy version.
+What is recorded (``proxy_episode.ProxyEpisode``): a call renders its messages (and ``tools``)
+with the policy's chat template into prompt ids, the engine generates, and the generated ids
+and their log-probs are kept exactly as sampled (never re-tokenised). When a call's messages are
+the last call's messages, the reply the proxy gave, and new messages (the usual agent loop), the
+call *extends* the sample: only the new messages are rendered, with the env manager's delta
+trick, and appended as context, so the sample is the same token sequence the built-in env
+manager builds. A call that does not extend the last (the agent rewrote history, dropped the
+reply, or changed tools) starts a new sample, prompted with its own rendering; so does every
+call when the chat template rewrites history (``ChatRenderer.append_only`` False, e.g. Qwen3
+dropping earlier thinking), as the env manager then trains each turn as its own sample. An env
+step credits its reward to the last token of the call whose reply it acted on
+(``ProxyEpisode.credited``: never a reply the agent discarded). Every call is tagged with the
+engine's policy version. ``stop`` strings end the turn where OpenAI would; the tokens after are
+neither trained nor returned (``proxy_reply.cut_at_stop``).
 
-Nothing is recorded until a call has its generation: the body is checked first
-(``proxy_http.chat_request``: a bad field, a non-text content part, a template that refuses the
-messages is a 400 naming it), and a call or step that finishes after its episode ended (the
+Only replies the agent received are trained, each once: nothing is recorded until a call has
+its generation and its client is still there (a client that disconnects, a timeout of the
+``openai`` SDK say, cancels the call and aborts its generation: ``proxy_http``), and an SDK
+retry of a call whose reply went out as its client gave up takes that reply back
+(``ProxyEpisode.retract``). The body is checked first (``proxy_http.chat_request``: a bad
+field, a non-text content part, an option that needs guided decoding, a template that refuses
+the messages is a 400 naming it), and a call or step that finishes after its episode ended (the
 agent returned, timed out, was cancelled) answers 410 and leaves the trajectory the scheduler
 already has untouched; closing the episode aborts its generation in flight. Once the env has
 ended the episode, model calls answer 409 (their tokens would follow the episode's score).
 
 Sampling is the run's (``rollout.temperature``, ``top_p``; a request's own are ignored, said
 once in the log) so the recorded log-probs are the policy's; ``max_tokens`` may only lower
-``rollout.max_new_tokens``. ``n > 1`` is refused (each call is one sample; make n calls).
+``rollout.max_new_tokens``. ``n > 1`` is refused (each call is one sample; make n calls), and
+so are ``tool_choice`` that forces a call, ``response_format`` other than text and
+``top_logprobs``; ``tool_choice: "none"`` renders the tools and parses no call (as vLLM).
 A generation aborted under the agent (its group was cancelled) fails the episode and answers
 503; a weight update in ``async`` mode preempts the call and resumes it (the agent only waits).
 A call past ``rollout.max_turns``, or one whose prompt leaves no room in the context, ends the
@@ -55,11 +64,12 @@ import logging
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from trainer.rollout.chat_messages import same_message
+from trainer.rollout.proxy_episode import ProxyCall, ProxyEpisode
 from trainer.rollout.proxy_http import ChatRequest, ProxyError, ServerLimits, listen, proxy_app
+from trainer.rollout.proxy_reply import completion_body, cut_at_stop, cut_content
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
@@ -69,72 +79,9 @@ if TYPE_CHECKING:
     from trainer.rollout.env_manager import EnvSession, Sampling
     from trainer.rollout.router import RolloutEngine
 
-__all__ = ["AgentProxy", "ProxyEpisode", "ProxyError", "same_message"]
+__all__ = ["AgentProxy"]
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass
-class ProxyEpisode:
-    """One episode's recording: its samples (token rows) and the conversation they extend."""
-
-    key: str
-    """The episode key: request ids are ``{key}/{call}`` (router stickiness and aborts)."""
-    api_key: str
-    trajectory: Trajectory
-    session: EnvSession
-    sampling: Sampling
-    tools: list[dict[str, Any]] | None
-    """The env's tool schemas (from its reset info)."""
-    first_messages: list[dict[str, Any]]
-    info: dict[str, Any] = field(default_factory=dict)
-    """The env's latest info (``max_new_tokens`` caps the next call)."""
-    rows: list[Trajectory] = field(default_factory=list)
-    calls: int = 0
-    env_done: bool = False
-    ended: asyncio.Event = field(default_factory=asyncio.Event)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    generating: str | None = None
-    """The request id of the call in the engine now (aborted when the episode closes)."""
-    _seen: list[dict[str, Any]] = field(default_factory=list)
-    """The current row's conversation: the last call's messages and the proxy's reply."""
-    _row_tools: str = ""
-    _stopped_on_eos: bool = True
-    _last_reply: dict[str, Any] | None = None
-    latencies: list[float] = field(default_factory=list)
-    """Seconds per call, engine included."""
-
-    def end(self, failure: str | None = None) -> None:
-        """No more calls or steps (410 from now on); ``failure`` fails the episode."""
-        if failure is not None and not self.trajectory.failed:
-            self.trajectory.failed, self.trajectory.failure = True, failure[:500]
-        self.ended.set()
-
-    def finish(self) -> Trajectory:
-        """The episode for the scheduler: one row is the episode's own token sequence, several
-        become its ``samples``; rows without a sampled token are dropped, and an episode left
-        without any cannot be trained on (failed). Ends the episode: nothing writes into the
-        rows or the trajectory after this (a late call or step answers 410)."""
-        self.end()
-        t = self.trajectory
-        rows = [row for row in self.rows if any(row.response_mask)]
-        if not rows and not t.failed:
-            t.failed = True
-            t.failure = (
-                "the agent made no model call"
-                if not self.rows
-                else "no model call sampled a token (every generation was empty)"
-            )
-        if len(rows) == 1:
-            row = rows[0]
-            t.token_ids, t.response_mask = list(row.token_ids), list(row.response_mask)
-            t.logprobs, t.token_versions = list(row.logprobs), list(row.token_versions)
-            t.turn_ends, t.turn_rewards = list(row.turn_ends), list(row.turn_rewards)
-            t.prompt_length = row.prompt_length
-        elif rows:
-            t.samples = rows
-            t.prompt_length = rows[0].prompt_length
-        return t
 
 
 class AgentProxy:
@@ -169,6 +116,7 @@ class AgentProxy:
         self._task: asyncio.Task[None] | None = None
         self._aborts: set[asyncio.Task[None]] = set()
         self._warned_sampling = False
+        self._warned_credit = False
         self._max_chars: int | None = None
         if not renderer.append_only:
             _log.warning(
@@ -229,18 +177,22 @@ class AgentProxy:
         is aborted in the engine (its tokens would be recorded nowhere)."""
         episode.end()
         if episode.generating is not None:
-            aborting = asyncio.ensure_future(self.engine.abort(episode.generating))
-            self._aborts.add(aborting)
-            aborting.add_done_callback(self._aborted)
+            self._abort(episode.generating)
         if self._episodes.pop(episode.api_key, None) is not None:
             self._ended[episode.api_key] = episode.key
             if len(self._ended) > 65_536:  # remember the latest ended keys only
                 self._ended.pop(next(iter(self._ended)))
 
+    def _abort(self, request_id: str) -> None:
+        """Abort ``request_id`` in the engine, in the background."""
+        aborting = asyncio.ensure_future(self.engine.abort(request_id))
+        self._aborts.add(aborting)
+        aborting.add_done_callback(self._aborted)
+
     def _aborted(self, task: asyncio.Task[None]) -> None:
         self._aborts.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            _log.warning("aborting a closed episode's generation failed: %r", task.exception())
+            _log.warning("aborting an abandoned generation failed: %r", task.exception())
 
     def episode(self, authorization: str | None) -> ProxyEpisode:
         """The open episode an ``Authorization: Bearer KEY`` header names (else a ProxyError)."""
@@ -285,8 +237,14 @@ class AgentProxy:
             )
 
     # ------------------------------------------------------------------ a policy turn
-    async def complete(self, episode: ProxyEpisode, request: ChatRequest) -> dict[str, Any]:
-        """One chat completion for ``episode`` (``request``: the checked body)."""
+    async def complete(
+        self, episode: ProxyEpisode, request: ChatRequest, retry: bool = False
+    ) -> dict[str, Any]:
+        """One chat completion for ``episode`` (``request``: the checked body). ``retry``: the
+        client says this is a retry (the SDK's ``x-stainless-retry-count``), so a reply to the
+        same request that it never received is taken back first (``ProxyEpisode.retract``).
+        Recorded only once its generation is back; cancelled before that (the client went
+        away), nothing is recorded and the engine's generation is aborted."""
         if request.model not in (None, self.model_name):
             raise ProxyError(
                 404,
@@ -295,6 +253,7 @@ class AgentProxy:
                 "model_not_found",
             )
         self._warn_sampling(request.sampling)
+        tools = json.dumps(request.tools, sort_keys=True)
         async with episode.lock:
             self._check_open(episode, "model call")
             if request.chars > self._prompt_chars():
@@ -303,6 +262,8 @@ class AgentProxy:
                     f"the messages hold {request.chars} characters of text, longer than the "
                     f"context of {self.max_context_tokens} tokens can hold",
                 )
+            if retry:
+                episode.retract(request.messages, tools)
             if episode.calls >= self.max_turns:  # truncated, as the env manager ends it ...
                 row, context = self._context(episode, request)
                 if row is not None:  # ... with the env's last reply appended as context
@@ -318,23 +279,58 @@ class AgentProxy:
             row, context = self._context(episode, request)
             prompt = [*(row.token_ids if row is not None else ()), *context]
             result = await self._generate(episode, prompt, request.max_tokens)
-            if row is None:  # a sample of its own, recorded now that it has its generation
-                row = Trajectory(episode.trajectory.env_id, episode.trajectory.seed)
-                row.group_id, row.prompt_length = episode.trajectory.group_id, len(context)
-                episode.rows.append(row)
-            row.append_context(context)
-            row.append_generation(result)
-            episode.trajectory.policy_versions.append(result.policy_version)
-            turn = self.renderer.read_turn(result.token_ids, request.tools)  # never raises
-            reply = turn.message()
-            episode.calls += 1
-            episode._seen = [*request.messages, reply]
-            episode._row_tools = json.dumps(request.tools, sort_keys=True)
-            episode._stopped_on_eos = self.renderer.ended(result.token_ids)
-            episode._last_reply = reply
-            episode.trajectory.messages = [dict(m) for m in request.messages] + [reply]
-            episode.latencies.append(time.monotonic() - started)
-        return self._completion(episode, reply, result, len(prompt), request.logprobs)
+            result = cut_at_stop(self.renderer, result, request.stop)
+            call = self._record(episode, request, row, context, result, tools)
+            episode.record(call, time.monotonic() - started)
+        return completion_body(
+            self.renderer,
+            completion_id=f"chatcmpl-{episode.key}-{episode.calls}",
+            model=self.model_name,
+            reply=call.seen[-1],
+            result=result,
+            prompt_tokens=len(prompt),
+            logprobs=request.logprobs,
+        )
+
+    def _record(
+        self,
+        episode: ProxyEpisode,
+        request: ChatRequest,
+        row: Trajectory | None,
+        context: list[int],
+        result: GenerationResult,
+        tools: str,
+    ) -> ProxyCall:
+        """Append the call's context and generation to its row (a new one when ``row`` is
+        None) and read the reply the agent gets: tool calls parsed unless ``tool_choice`` is
+        ``"none"`` (then the text is the content, as vLLM answers), each with an id unique in
+        the episode, the content cut before a stop string."""
+        from envhub.tool_calls import message_text
+
+        new_row = row is None
+        if row is None:  # a sample of its own, recorded now that it has its generation
+            row = Trajectory(episode.trajectory.env_id, episode.trajectory.seed)
+            row.group_id, row.prompt_length = episode.trajectory.group_id, len(context)
+        start = len(row.token_ids)
+        row.append_context(context)
+        row.append_generation(result)
+        episode.trajectory.policy_versions.append(result.policy_version)
+        parsed = request.tools if request.tool_choice != "none" else None
+        reply = self.renderer.read_turn(result.token_ids, parsed).message()  # never raises
+        if reply.get("tool_calls"):
+            reply["tool_calls"] = [{**c, "id": episode.call_id()} for c in reply["tool_calls"]]
+        reply = cut_content(reply, request.stop)
+        episode.trajectory.messages = [dict(m) for m in request.messages] + [reply]
+        return ProxyCall(
+            row,
+            start,
+            len(row.token_ids),
+            new_row,
+            [*request.messages, reply],
+            tools,
+            self.renderer.ended(result.token_ids),
+            message_text({"content": reply.get("content"), "tool_calls": reply.get("tool_calls")}),
+        )
 
     def _warn_sampling(self, asked: Mapping[str, float]) -> None:
         if asked and not self._warned_sampling:
@@ -372,19 +368,20 @@ class AgentProxy:
     ) -> tuple[Trajectory | None, list[int]]:
         """The row this call extends (None: a sample of its own) and the ids to append to it;
         a template or tokenizer that refuses the messages is a 400 (nothing recorded)."""
-        messages, tools, seen = request.messages, request.tools, episode._seen
+        messages, tools, last = request.messages, request.tools, episode.last
         extends = (
             self.renderer.append_only
-            and episode.rows
-            and len(messages) >= len(seen)
-            and json.dumps(tools, sort_keys=True) == episode._row_tools
-            and all(same_message(a, b) for a, b in zip(messages, seen, strict=False))
+            and last is not None
+            and len(last.row.token_ids) == last.end
+            and len(messages) >= len(last.seen)
+            and json.dumps(tools, sort_keys=True) == last.tools
+            and all(same_message(a, b) for a, b in zip(messages, last.seen, strict=False))
         )
         try:
-            if extends:
-                new = messages[len(seen) :]
-                ids = self.renderer.continuation(new, episode._stopped_on_eos, tools)
-                return episode.rows[-1], ids
+            if extends and last is not None:
+                new = messages[len(last.seen) :]
+                ids = self.renderer.continuation(new, last.stopped_on_eos, tools)
+                return last.row, ids
             return None, self.renderer.prompt(messages, tools)
         except Exception as error:  # noqa: BLE001 - a template may raise anything on odd input
             raise ProxyError(
@@ -408,7 +405,8 @@ class AgentProxy:
         )
         if budget <= 0:
             self._out_of_context(episode, f"the prompt is {len(prompt)} tokens")
-        request_id = f"{episode.key}/{episode.calls}"
+        request_id = f"{episode.key}/{episode.generations}"  # never reused in the episode
+        episode.generations += 1
         request = GenerationRequest(
             request_id,
             prompt,
@@ -420,6 +418,9 @@ class AgentProxy:
         episode.generating = request_id
         try:
             result = await self.engine.generate(request)
+        except asyncio.CancelledError:  # the client went away: nothing recorded
+            self._abort(request_id)
+            raise
         except Exception as error:  # noqa: BLE001 - an engine error fails this episode only
             self._check_open(episode, "model call")  # ended meanwhile: 410, the episode as it was
             episode.end(f"engine error {type(error).__name__}: {error}")
@@ -437,60 +438,19 @@ class AgentProxy:
             )
         return result
 
-    def _completion(
-        self,
-        episode: ProxyEpisode,
-        reply: dict[str, Any],
-        result: GenerationResult,
-        prompt: int,
-        logprobs: bool,
-    ) -> dict[str, Any]:
-        """The OpenAI ``chat.completion`` answer, plus vLLM's ``token_ids`` extension and the
-        ``policy_version`` that sampled it."""
-        finish = "tool_calls" if reply.get("tool_calls") else result.finish_reason
-        message: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or None}
-        if reply.get("tool_calls"):
-            message["tool_calls"] = reply["tool_calls"]
-        tokens = self.renderer.tokenizer.convert_ids_to_tokens(list(result.token_ids))
-        content = [
-            {"token": token, "logprob": logprob, "bytes": None, "top_logprobs": []}
-            for token, logprob in zip(tokens, result.logprobs, strict=True)
-        ]
-        return {
-            "id": f"chatcmpl-{episode.key}-{episode.calls}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": finish,
-                    "logprobs": {"content": content} if logprobs else None,
-                    "token_ids": list(result.token_ids),
-                }
-            ],
-            "usage": {
-                "prompt_tokens": prompt,
-                "completion_tokens": len(result.token_ids),
-                "total_tokens": prompt + len(result.token_ids),
-            },
-            "policy_version": result.policy_version,
-        }
-
     # ------------------------------------------------------------------ the env
     async def step(self, episode: ProxyEpisode, action: str | dict[str, Any]) -> dict[str, Any]:
         """Step the episode's env with ``action`` (text, or an assistant message, checked by
         ``proxy_http.step_action``, whose tool calls become envhub's ``<tool_call>`` text; a
-        call without an id gets one); the reward goes to the latest call. The step is recorded
-        as soon as the env answers."""
+        call without an id gets one); the reward goes to the call whose reply the agent acted
+        on (``ProxyEpisode.credited``). The step is recorded as soon as the env answers."""
         from envhub.model_agent import link_tool_answers
         from envhub.parsing import message_text
 
         if isinstance(action, dict):
             calls = [
-                {**call, "id": call.get("id") or f"call_{episode.calls}_{j}"}
-                for j, call in enumerate(action.get("tool_calls") or [])
+                {**call, "id": call.get("id") or episode.call_id()}
+                for call in action.get("tool_calls") or []
             ]
             action = {**action, "tool_calls": calls} if calls else action
             text = message_text({"content": action.get("content"), "tool_calls": calls})
@@ -498,7 +458,7 @@ class AgentProxy:
             text = action
         async with episode.lock:
             self._check_open(episode, "step")
-            if not episode.rows:
+            if episode.last is None:
                 raise ProxyError(
                     409,
                     "no model call yet: a step's reward is credited to the model call before "
@@ -523,7 +483,7 @@ class AgentProxy:
             self._check_open(episode, "step")
             if isinstance(action, dict) and action.get("tool_calls"):
                 messages = link_tool_answers(action, messages)
-            self._record_step(episode, messages, reward, info)
+            self._record_step(episode, text, messages, reward, info)
             episode.env_done = bool(terminated or truncated)
             t = episode.trajectory
             t.terminated, t.truncated = bool(terminated), bool(truncated)
@@ -535,13 +495,27 @@ class AgentProxy:
             "info": json.loads(json.dumps(info, default=repr)),
         }
 
-    @staticmethod
     def _record_step(
-        episode: ProxyEpisode, messages: list[dict[str, Any]], reward: float, info: dict[str, Any]
+        self,
+        episode: ProxyEpisode,
+        action: str,
+        messages: list[dict[str, Any]],
+        reward: float,
+        info: dict[str, Any],
     ) -> None:
         t = episode.trajectory
         t.end_turn(reward)
-        episode.rows[-1].end_turn(reward)
+        call = episode.credited(action)
+        if call is not None:  # the reward for the turn whose tokens end at the call's end
+            call.row.turn_rewards.append(reward)
+            call.row.turn_ends.append(call.end - 1)
+        elif not self._warned_credit:
+            self._warned_credit = True
+            _log.warning(
+                "a step's action is none of the replies of the model calls made since the last "
+                "step, so its reward is credited to none of them (said once); step with the "
+                "reply you act on"
+            )
         t.messages.extend(messages)
         t.invalid_actions += int(bool(info.get("invalid_action")))
         t.success = bool(info.get("success"))

@@ -6,8 +6,11 @@ The routes and what they answer are listed in ``trainer.rollout.proxy``'s docstr
 module maps them to ``AgentProxy`` methods (``complete``, ``describe``, ``step``). Every body
 is read within ``ServerLimits`` and checked (``chat_request``, ``step_action``) before the
 proxy sees it, so a malformed field is a 400 that names it and never a half-recorded call.
-A ``ProxyError`` is its own status and OpenAI-style body; anything else is one logged 500 that
-keeps the server up; an unknown route or method answers 404/405 in the same form. Plain
+A ``ProxyError`` is its own status and OpenAI-style body with ``x-should-retry: false`` (the
+``openai`` SDK would retry a 409 or 5xx and show the agent the retry's 410; only a late body's
+408 may be retried); anything else is one logged 500 that keeps the server up; an unknown route
+or method answers 404/405 in the same form. A model call whose client disconnects before its
+answer is cancelled (``_unless_disconnected``: nothing is recorded). Plain
 Starlette (what FastAPI is built on): no dependency injection or response encoding to pay
 for on every call of every episode.
 """
@@ -20,7 +23,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from trainer.config_rollout import ServerLimits
 from trainer.rollout.tool_parsers import CHAT_ROLES
@@ -43,6 +46,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("trainer.rollout.proxy")
+T = TypeVar("T")
 
 
 class ProxyError(Exception):
@@ -76,11 +80,18 @@ class ChatRequest:
     """The ``temperature``/``top_p`` asked for (ignored: the run samples; said once)."""
     chars: int = 0
     """Characters of text in the messages and tools (bounds the prompt before encoding)."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the turn ends at the first (``proxy_reply.cut_at_stop``)."""
+    tool_choice: str = "auto"
+    """``"auto"`` or ``"none"`` (tools rendered, no call parsed: the text is the content)."""
 
 
 def chat_request(body: Mapping[str, Any]) -> ChatRequest:
     """``body`` checked field by field (a ``ProxyError`` 400 naming the first bad one), with
-    content parts joined into text. Fields the proxy does not use are ignored."""
+    content parts joined into text. Options the proxy cannot honour without changing what the
+    policy samples (``tool_choice`` that forces a call, ``response_format`` other than text:
+    guided decoding; ``top_logprobs``: the engines do not return them) are refused by name;
+    other fields the proxy does not use (``seed``, ``user``, ...) are ignored."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ProxyError(400, "messages must be a non-empty list of chat messages", "messages")
@@ -108,6 +119,13 @@ def chat_request(body: Mapping[str, Any]) -> ChatRequest:
     top = body.get("top_logprobs")
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
         raise _bad("top_logprobs", "must be a non-negative integer", top)
+    if top:
+        raise _unsupported(
+            "top_logprobs",
+            "the engines return the sampled token's log-prob only; ask for "
+            "logprobs without top_logprobs",
+        )
+    _response_format(body.get("response_format"))
     chars = sum(len(m.get("content") or "") for m in checked)
     chars += sum(len(json.dumps(m.get("tool_calls"))) for m in checked if m.get("tool_calls"))
     return ChatRequest(
@@ -120,6 +138,55 @@ def chat_request(body: Mapping[str, Any]) -> ChatRequest:
         _flag(options or {}, "include_usage", "stream_options.include_usage"),
         sampling,
         chars + (len(json.dumps(tools)) if tools else 0),
+        _stop(body.get("stop")),
+        _tool_choice(body.get("tool_choice")),
+    )
+
+
+def _unsupported(where: str, why: str) -> ProxyError:
+    return ProxyError(
+        400, f"{where} is not supported by the training proxy: {why}", f"unsupported_{where}"
+    )
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    """``stop``: a string or a list of up to 4 (OpenAI's limit) non-empty strings."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        return ()
+    if (
+        not isinstance(stops, list)
+        or len(stops) > 4
+        or not all(isinstance(s, str) and s for s in stops)
+    ):
+        raise _bad("stop", "must be a non-empty string or a list of up to 4 of them", stop)
+    for i, text in enumerate(stops):
+        _unicode(text, f"stop[{i}]")
+    return tuple(stops)
+
+
+def _tool_choice(choice: Any) -> str:
+    """``"auto"`` (or absent) and ``"none"``; a forced call would need guided decoding."""
+    if choice in (None, "auto", "none"):
+        return choice or "auto"
+    if choice == "required" or isinstance(choice, dict):
+        raise _unsupported(
+            "tool_choice",
+            f"{_show(choice)} forces a tool call, which needs guided decoding (it changes what "
+            'the policy samples and its log-probs); use "auto" and check the reply, or "none"',
+        )
+    raise _bad("tool_choice", 'must be "auto", "none", "required" or a function', choice)
+
+
+def _response_format(response_format: Any) -> None:
+    """Only ``{"type": "text"}`` (or absent): a JSON mode would need guided decoding."""
+    if response_format is None or response_format == {"type": "text"}:
+        return
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+    raise _unsupported(
+        "response_format",
+        f"{_show(kind)} needs guided decoding (it changes what the policy samples and its "
+        "log-probs); ask for JSON in the prompt and parse the text",
     )
 
 
@@ -284,7 +351,8 @@ def proxy_app(proxy: AgentProxy) -> Starlette:
     async def chat(request: Request) -> Response:
         episode = proxy.episode(request.headers.get("authorization"))
         body = chat_request(await read_json(request, limits))
-        completion = await proxy.complete(episode, body)
+        retry = request.headers.get("x-stainless-retry-count", "0").strip() not in ("", "0")
+        completion = await _unless_disconnected(request, proxy.complete(episode, body, retry))
         if not body.stream:
             return JSONResponse(completion)
         events = _sse(completion, body.include_usage)
@@ -331,14 +399,41 @@ def _answering(
         try:
             return await route(request)
         except ProxyError as error:
-            closing = {"Connection": "close"} if error.status == 408 else None
-            return JSONResponse(error.body(), status_code=error.status, headers=closing)
+            # a 408 (the body was late) may succeed if sent again; no other answer would: the
+            # SDK must not retry it (it retries 409 and 5xx by default) and hide the reason
+            late = error.status == 408
+            headers = {"Connection": "close"} if late else {"x-should-retry": "false"}
+            return JSONResponse(error.body(), status_code=error.status, headers=headers)
         except Exception as error:  # noqa: BLE001 - the server stays up; the log has it
             _log.exception("agent proxy error on %s %s", request.method, request.url.path)
             known = ProxyError(500, f"{type(error).__name__}: {error}", "internal", "server_error")
             return JSONResponse(known.body(), status_code=500)
 
     return answer
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result, or, if the client disconnects first (its timeout, a cancelled
+    task), ``work`` cancelled and a 499 nobody reads: a model call whose client is gone is
+    not recorded (``AgentProxy.complete``). Called once the body has been read, so the next
+    ASGI message is the disconnect."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    gone = asyncio.ensure_future(disconnect())
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():  # the client went away, or this route was cancelled
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    if task.cancelled():
+        raise ProxyError(499, "the client went away; the call was not recorded", "client_gone")
+    return task.result()
 
 
 async def read_json(request: Request, limits: ServerLimits) -> dict[str, Any]:
@@ -380,7 +475,7 @@ async def read_json(request: Request, limits: ServerLimits) -> dict[str, Any]:
     raw = b"".join(chunks)
     try:
         body = json.loads(raw)
-    except ValueError as error:
+    except (ValueError, RecursionError) as error:  # RecursionError: nested too deep
         raise ProxyError(400, f"the body is not JSON: {error}", "invalid_json") from None
     if not isinstance(body, dict):
         raise ProxyError(400, "the body must be a JSON object", "invalid_json")

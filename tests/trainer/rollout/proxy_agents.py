@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import threading
 from typing import Any
@@ -76,11 +78,27 @@ def forgetful(episode: AgentEpisode) -> None:
 
 
 def main() -> None:
-    """``python -m tests.trainer.rollout.proxy_agents [fail]``: ``play`` as a program agent."""
-    if sys.argv[1:] == ["fail"]:
+    """``python -m tests.trainer.rollout.proxy_agents [fail|orphan|noisy]``: ``play`` as a
+    program agent. ``fail`` exits 3; ``orphan`` plays one turn, starts a child that holds its
+    stderr (pid in ``$ORPHAN_PID_FILE``) and exits 0; ``noisy`` logs 32 MB and exits 3."""
+    mode = sys.argv[1:2]
+    if mode == ["fail"]:
         print("cannot reach the model", file=sys.stderr)
         raise SystemExit(3)
-    play(AgentEpisode.from_environ())
+    if mode == ["noisy"]:
+        for _ in range(32 * 1024):
+            sys.stderr.write("debug: " + "x" * 1016 + "\n")
+        print("the last words", file=sys.stderr)
+        raise SystemExit(3)
+    episode = AgentEpisode.from_environ()
+    if mode != ["orphan"]:
+        play(episode)
+        return
+    client = episode.openai_client(max_retries=0)
+    episode.env.step(_reply(client, episode, list(episode.messages)))
+    child = subprocess.Popen(["sleep", "60"])  # a helper (a tool server, say); inherits stderr
+    with open(os.environ["ORPHAN_PID_FILE"], "w") as out:
+        out.write(str(child.pid))
 
 
 if __name__ == "__main__":

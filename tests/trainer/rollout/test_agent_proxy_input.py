@@ -26,7 +26,8 @@ pytest.importorskip("transformers")
 from trainer.config import load_config
 from trainer.models import build_tokenizer, env_corpus
 from trainer.rollout.env_manager import LocalEnvSource, Sampling
-from trainer.rollout.proxy import AgentProxy, ProxyEpisode
+from trainer.rollout.proxy import AgentProxy
+from trainer.rollout.proxy_episode import ProxyEpisode
 from trainer.rollout.proxy_http import ServerLimits
 from trainer.rollout.rollouts import Rollouts
 from trainer.rollout.trajectory import ChatRenderer, Trajectory

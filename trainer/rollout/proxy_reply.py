@@ -1,0 +1,124 @@
+"""What the agent proxy tells the agent about a generation (``trainer.rollout.proxy``): the
+turn cut at a ``stop`` string, and the OpenAI ``chat.completion`` body.
+
+1. **Stop strings** (``cut_at_stop``): the turn ends with the first token whose text completes
+   a stop string; the tokens after it are dropped from the result (never trained, never
+   returned), and the returned content ends before the stop string, as OpenAI's does, with
+   ``finish_reason`` ``"stop"``. The kept tokens were sampled exactly as they would have been
+   had the engine stopped there (each token depends only on those before it), so their
+   log-probs stay the policy's. The engines take stop *token ids* only, so they generate past
+   the string until the end of the turn or the budget; that costs time, not fidelity.
+2. **Log-probs** list the tokens of the returned text: each token's text (``decode`` of it
+   alone) and its UTF-8 ``bytes``; the end-of-turn token that closes the turn is trained but
+   not listed (it is not in the content). ``top_logprobs`` are empty (refused when asked for:
+   ``proxy_http.chat_request``).
+3. ``token_ids`` (vLLM's extension) and ``usage`` count the tokens trained for the call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trainer.rollout.trajectory import ChatRenderer
+    from trainer.strategies.base import GenerationResult
+
+__all__ = ["completion_body", "cut_at_stop", "cut_content"]
+
+
+def cut_at_stop(
+    renderer: ChatRenderer, result: GenerationResult, stops: tuple[str, ...]
+) -> GenerationResult:
+    """``result`` ending with the token that completes the first of ``stops`` in its text
+    (guarantee 1), or ``result`` itself when its text holds none."""
+    ids = list(result.token_ids)
+    if not stops or not ids:
+        return result
+
+    def holds(count: int) -> bool:
+        text = renderer.decode(ids[:count], skip_special_tokens=False)
+        return any(stop in text for stop in stops)
+
+    if not holds(len(ids)):
+        return result
+    low, high = 1, len(ids)  # the shortest prefix that holds a stop string: monotone in length
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if holds(middle) else (middle + 1, high)
+    extra = dict(result.extra)
+    resumed = extra.get("token_versions")
+    if resumed:  # the versions of the generation's last len(resumed) tokens
+        extra["token_versions"] = list(resumed)[: max(0, len(resumed) - (len(ids) - low))]
+    return replace(
+        result,
+        token_ids=ids[:low],
+        logprobs=list(result.logprobs)[:low],
+        finish_reason="stop",
+        extra=extra,
+    )
+
+
+def cut_content(reply: dict[str, Any], stops: tuple[str, ...]) -> dict[str, Any]:
+    """``reply`` whose content ends before the first stop string in it (OpenAI's semantics)."""
+    content = reply.get("content")
+    if not stops or not isinstance(content, str):
+        return reply
+    found = [content.find(stop) for stop in stops if stop in content]
+    return {**reply, "content": content[: min(found)]} if found else reply
+
+
+def completion_body(
+    renderer: ChatRenderer,
+    *,
+    completion_id: str,
+    model: str,
+    reply: dict[str, Any],
+    result: GenerationResult,
+    prompt_tokens: int,
+    logprobs: bool,
+) -> dict[str, Any]:
+    """The OpenAI ``chat.completion`` answer, plus vLLM's ``token_ids`` extension and the
+    ``policy_version`` that sampled it."""
+    finish = "tool_calls" if reply.get("tool_calls") else result.finish_reason
+    message: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or None}
+    if reply.get("tool_calls"):
+        message["tool_calls"] = reply["tool_calls"]
+    ids = list(result.token_ids)
+    return {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": finish,
+                "logprobs": {"content": _logprobs(renderer, result)} if logprobs else None,
+                "token_ids": ids,
+            }
+        ],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(ids),
+            "total_tokens": prompt_tokens + len(ids),
+        },
+        "policy_version": result.policy_version,
+    }
+
+
+def _logprobs(renderer: ChatRenderer, result: GenerationResult) -> list[dict[str, Any]]:
+    """Guarantee 2: the returned text's tokens, as text and bytes, with their log-probs."""
+    ids = list(result.token_ids)
+    end = len(ids)
+    while end and ids[end - 1] in renderer.turn_end_ids:
+        end -= 1
+    out = []
+    for token_id, logprob in zip(ids[:end], result.logprobs[:end], strict=True):
+        text = renderer.decode([token_id], skip_special_tokens=False)
+        out.append(
+            {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+        )
+    return out
