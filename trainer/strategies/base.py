@@ -490,9 +490,11 @@ class BaseTrainStrategy(abc.ABC):
             replicas=self.dp_size,
         )
         # the metrics describe the step as its loss does: each micro-batch weighs its share of
-        # this rank's units (tokens or sequences) in its optimiser step, steps weigh alike
-        shares = micro_batch_scales(micros, per_step, getattr(loss_fn, "agg_mode", "token-mean"))
-        n_steps = len({i // per_step for i, m in enumerate(micros) if "_dummy" not in m}) or 1
+        # the units (tokens or sequences) of its optimiser step on every data-parallel rank (its
+        # scale without the replicas), steps weigh alike; the ranks' parts are summed below, so
+        # every rank reports the whole batch's figures. Ranks hold equally many micro-batches,
+        # and the fullest rank has real rows in every step.
+        n_steps = -(-len(micros) // per_step) or 1
         totals: dict[str, float] = {}
         steps = 0
         self.model.train()
@@ -509,7 +511,7 @@ class BaseTrainStrategy(abc.ABC):
                         "Lower train.lr, raise algorithm.loss.clip/grad clipping, or check the "
                         "rewards",
                     )
-                weight = shares[first + offset] / n_steps
+                weight = scales[first + offset] / self.dp_size / n_steps
                 for key, metric in metrics.items():
                     totals[key] = totals.get(key, 0.0) + metric * weight
             self._reduce_gradients()
@@ -521,9 +523,26 @@ class BaseTrainStrategy(abc.ABC):
             self.optimizer.step()
             steps += 1
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm
+        if self.dp_size > 1:
+            totals = self._summed_over_dp(totals)
         totals["grad_norm"] = totals.get("grad_norm", 0.0) / max(steps, 1)
         totals["optimizer_steps"] = float(steps)
         return totals
+
+    def _summed_over_dp(self, totals: dict[str, float]) -> dict[str, float]:
+        """``totals``' loss metrics summed over the data-parallel ranks (each holds its rows'
+        weighted part; the gradient norm is already the global one). Gathered as dicts: a rank
+        whose micro-batches are all dummies has no loss metrics of its own to name."""
+        import torch.distributed as dist
+
+        parts: list[dict[str, float] | None] = [None] * self.dp_size
+        mine = {name: value for name, value in totals.items() if name != "grad_norm"}
+        dist.all_gather_object(parts, mine, group=self.dp_group)
+        summed: dict[str, float] = {}
+        for part in parts:
+            for name, value in (part or {}).items():
+                summed[name] = summed.get(name, 0.0) + value
+        return {**totals, **summed}
 
     def _refuse(self, what: str, fix: str) -> None:
         """Drop this step's gradients and raise: model and optimiser keep their last good state."""

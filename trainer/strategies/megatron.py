@@ -122,15 +122,18 @@ class MegatronTrainStrategy(BaseTrainStrategy):
             raise ParallelConfigError(
                 "the megatron strategy trains causal LMs only; use 'fsdp2' or 'hf' for a critic"
             )
-        on_cuda = self._use_device(
-            device,
-            cpu_refusal=(
+        needs_cuda = []  # options megatron runs on CUDA only: refused here, not at the first step
+        if activation_checkpointing:
+            needs_cuda.append(
                 "megatron activation_checkpointing needs CUDA (its recompute saves CUDA RNG "
                 "states); drop strategy_args.activation_checkpointing on CPU"
             )
-            if activation_checkpointing
-            else None,
-        )
+        if attention == "local":
+            needs_cuda.append(
+                "megatron's own attention (strategy_args.attention: local) needs CUDA; use "
+                "attention: sdpa on CPU"
+            )
+        on_cuda = self._use_device(device, cpu_refusal="; ".join(needs_cuda) or None)
         self.layout = layout_from_hf_config(
             model.config, tp=tensor_parallel_size, pp=pipeline_parallel_size
         )

@@ -150,7 +150,7 @@ def build_gpt_model(
         max_sequence_length=layout.max_positions,
         share_embeddings_and_output_weights=layout.tied_embeddings and layout.pp == 1,
         position_embedding_type="rope",
-        rotary_base=int(layout.rope_theta),
+        rotary_base=layout.rope_theta,  # a float base too (2.5): int() changed the model
         parallel_output=True,
         pre_process=pre_process,
         post_process=post_process,

@@ -11,7 +11,13 @@ from typing import Any
 
 
 def tiny_qwen2(
-    seed: int = 0, *, layers: int = 2, vocab: int = 61, tie: bool = False, bias: bool = True
+    seed: int = 0,
+    *,
+    layers: int = 2,
+    vocab: int = 61,
+    tie: bool = False,
+    bias: bool = True,
+    rope_theta: float = 10000.0,
 ) -> Any:
     """A small random Qwen2 (GQA: 4 query heads, 2 KV heads) built from a config."""
     import torch
@@ -27,7 +33,7 @@ def tiny_qwen2(
         max_position_embeddings=64,
         tie_word_embeddings=tie,
         rms_norm_eps=1e-6,
-        rope_theta=10000.0,
+        rope_theta=rope_theta,
     )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
@@ -134,6 +140,27 @@ def megatron_rank(rank: int, world: int, port: int, out: Any) -> None:
         out[(tag, rank, "metrics")] = strategy.train_step(mine, nll_loss)
         out[(tag, rank, "weights")] = {k: v.clone() for k, v in strategy.full_weights(device="cpu")}
         mpu.destroy_model_parallel()
+    shutdown_process_group()
+
+
+def megatron_forward_rank(rank: int, world: int, port: int, out: Any, **model: Any) -> None:
+    """One megatron rank (world 1): the log-probs of ``tiny_qwen2(**model)`` on ``tiny_batch``,
+    and whether ``attention="local"`` is refused on this CPU."""
+    join(rank, world, port)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from trainer.strategies.distributed import shutdown_process_group
+    from trainer.strategies.megatron import MegatronTrainStrategy
+    from trainer.strategies.parallel_errors import ParallelConfigError
+
+    strategy = MegatronTrainStrategy(tiny_qwen2(**model), lr=1e-2, micro_batch_size=4, device="cpu")
+    out[(rank, "logprobs")] = strategy.forward(tiny_batch(rows=4)).logprobs
+    try:
+        MegatronTrainStrategy(tiny_qwen2(), lr=1e-2, device="cpu", attention="local")
+        out[(rank, "local")] = "built"
+    except ParallelConfigError as error:
+        out[(rank, "local")] = str(error)
     shutdown_process_group()
 
 

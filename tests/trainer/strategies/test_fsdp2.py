@@ -71,7 +71,10 @@ def test_ragged_split_runs_dummy_micro_batches_and_trains_like_one_process(
         atol=1e-6,
         rtol=0,
     )
-    plain.train_step(batch, W.nll_loss)
+    whole = plain.train_step(batch, W.nll_loss)
+    # the step's metrics are the whole batch's on every rank, not each rank's own rows'
+    assert out[(0, "metrics")][0]["nll"] == pytest.approx(whole["nll"], rel=1e-6)
+    assert out[(1, "metrics")][0]["nll"] == pytest.approx(whole["nll"], rel=1e-6)
     for name, tensor in plain.model.state_dict().items():
         torch.testing.assert_close(
             out[(0, "weights")][name], tensor, atol=2e-5, rtol=1e-4, msg=name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -139,6 +141,31 @@ def test_two_ranks_match_the_unsharded_model(two_rank_run: dict, tag: str) -> No
         )
     if tag == "tp2":  # each rank really held half of the MLP
         assert two_rank_run[(tag, 0, "shard_rows")] == two_rank_run[(tag, 1, "shard_rows")] == 48
+
+
+@pytest.fixture(scope="module")
+def fractional_rope_run() -> dict:
+    pytest.importorskip("megatron.core")
+    from tests.trainer.strategies.ranks import run_ranks
+
+    return run_ranks(functools.partial(W.megatron_forward_rank, rope_theta=2.5), 1)
+
+
+def test_a_fractional_rope_theta_gives_the_hf_models_log_probs(fractional_rope_run: dict) -> None:
+    """rope_theta went to megatron as an int (2.5 -> 2): other rotary frequencies than the HF
+    model's and the inference engine's."""
+    from trainer.strategies.hf import HFTrainStrategy
+
+    batch = W.tiny_batch(rows=4)
+    plain = HFTrainStrategy(W.tiny_qwen2(rope_theta=2.5), lr=1e-2, micro_batch_size=4)
+    expected = plain.forward(batch).logprobs
+    torch.testing.assert_close(fractional_rope_run[(0, "logprobs")], expected, atol=1e-5, rtol=0)
+
+
+def test_megatron_local_attention_on_cpu_is_refused_naming_sdpa(fractional_rope_run: dict) -> None:
+    """megatron's own attention needs CUDA (it failed at the first forward, inside megatron)."""
+    said = fractional_rope_run[(0, "local")]
+    assert "attention" in said and "sdpa" in said, said
 
 
 def test_pp_stages_hold_their_layers_renumbered_from_zero() -> None:
