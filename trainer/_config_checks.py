@@ -28,6 +28,7 @@ from trainer._config_layout_checks import (
     fsdp2_tensor_parallel_problems,
     sink_problems,
     tied_embedding_problems,
+    vllm_option_problems,
 )
 from trainer.config_lifecycle import shared_folder
 from trainer.errors import Problem
@@ -296,9 +297,9 @@ def _megatron_problems(cfg: TrainerConfig, refused: set[str]) -> list[Problem]:
 def _engine_option_problems(cfg: TrainerConfig) -> list[Problem]:
     """``roles.actor_infer.strategy_args`` the ``hf`` engine does not take, or a
     ``prefix_cache_gib`` it refuses: its factory (``HFEngine.from_pretrained``) refuses them when
-    the workers build it. (vLLM hands keys it does not name to vLLM's own engine arguments.)"""
+    the workers build it; for vLLM, keys that are not its engine arguments."""
     if cfg.rollout.engine != "hf":
-        return []
+        return vllm_option_problems(cfg)
     import inspect
 
     factory = engine_spec("hf").load()

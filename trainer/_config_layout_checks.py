@@ -31,6 +31,7 @@ __all__ = [
     "local_gpu_problems",
     "sink_problems",
     "tied_embedding_problems",
+    "vllm_option_problems",
 ]
 
 TENSOR_PARALLEL_SIZES = ("num_attention_heads", "num_key_value_heads", "intermediate_size")
@@ -155,6 +156,32 @@ def engine_argument_problems(cfg: TrainerConfig) -> list[Problem]:
         for key, source in WORKER_ENGINE_ARGS.items()
         if key in cfg.roles.actor_infer.strategy_args
     ]
+
+
+def vllm_option_problems(cfg: TrainerConfig) -> list[Problem]:
+    """``roles.actor_infer.strategy_args`` keys neither ``VLLMEngine`` nor ``vllm.EngineArgs``
+    takes (the engine start would fail with a TypeError once the cluster is up), with the
+    closest valid key. Checked only where vLLM is installed (its arguments change with it)."""
+    import difflib
+
+    from trainer.strategies.vllm_platform import engine_options
+
+    options = engine_options()
+    if cfg.rollout.engine != "vllm" or options is None:
+        return []
+    valid = sorted(options - set(WORKER_ENGINE_ARGS))
+    problems = []
+    for key in sorted(set(cfg.roles.actor_infer.strategy_args) - options):
+        close = difflib.get_close_matches(key, valid, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        problems.append(
+            Problem(
+                f"roles.actor_infer.strategy_args.{key}",
+                "not an argument of the 'vllm' inference engine (a keyword of VLLMEngine or a "
+                f"field of vllm.EngineArgs); {hint}otherwise remove it",
+            )
+        )
+    return problems
 
 
 def local_device_problems(cfg: TrainerConfig, *, planning: bool = False) -> list[Problem]:

@@ -37,6 +37,7 @@ from trainer.rollout.env_manager import (
 from trainer.rollout.groups import EpisodeSpec, eval_failures, plan_eval
 from trainer.rollout.rollouts import Rollouts
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
+from trainer.strategies.vllm_platform import configured_max_model_len
 
 if TYPE_CHECKING:
     from trainer.algos.advantages import AdvantageEstimator
@@ -549,7 +550,8 @@ class AgenticPipeline:
         limit = getattr(config, "max_position_embeddings", None) or getattr(
             config, "n_positions", None
         )
-        return int(limit) if limit else 2048
+        positions = int(limit) if limit else 2048
+        return min(positions, configured_max_model_len(self.cfg) or positions)
 
     def _env_source(self, mix: dict[str, dict[str, Any]] | None = None) -> Any:
         """Where episodes' envs come from; ``mix``: per-env kwargs (default: the entries')."""

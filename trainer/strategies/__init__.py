@@ -5,8 +5,8 @@ the one table of names (``make_train_strategy`` / ``make_engine`` build by name)
 ``hf`` (plain torch, CPU or one GPU; the embedded default), ``fsdp2``, ``megatron`` (with
 ``megatron_convert``, ``megatron_model``, ``megatron_cpu_shim``); inference: ``hf_engine``
 (the default, with ``decode_batch``) and ``vllm_engine`` (with ``vllm_weights``,
-``vllm_platform``, ``vllm_worker``); ``batching`` is the async front they and the driver's
-per-rank engines share.
+``vllm_platform``, ``vllm_worker``, ``vllm_lora``, ``vllm_sampling``); ``batching`` is the async
+front they and the driver's per-rank engines share.
 ``distributed``, ``offload`` and ``parallel_errors`` are what the strategies share.
 """
 

@@ -22,10 +22,14 @@ ended the turn (the tokenizer's EOS, the model's generation-config EOS ids, or a
 ``request.stop_token_ids``); ``logprobs`` are vLLM's *processed* log-probs of those tokens
 (``logprobs_mode="processed_logprobs"``): ``log_softmax(logits / temperature)`` after top-p,
 so with ``top_p=1`` exactly what the trainer recomputes for the PPO ratio (greedy requests
-report plain ``log_softmax(logits)``, like ``HFEngine``). ``finish_reason`` is ``stop``,
+report plain ``log_softmax(logits)``, like ``HFEngine``); with ``top_p < 1`` they are
+renormalised over the nucleus, and the engine warns once (``vllm_sampling``). A request the
+engine cannot serve (``HFEngine``'s checks: bad ``top_p``/``temperature``, no prompt, a prompt
+filling ``max_model_len``) fails alone, at once. ``finish_reason`` is ``stop``,
 ``length`` or ``abort``; ``policy_version`` is the weight version the request started
 under (a request that was running across a weight update finishes on the new weights,
-its running KV recomputed; ``extra["final_version"]`` says so).
+its running KV recomputed; ``extra["final_version"]`` says so; across a LoRA adapter swap it
+finishes on its own adapter: ``vllm_lora``).
 
 Sampling is reproducible: request number ``n`` (counted in the order ``generate`` /
 ``generate_batch`` are called) samples with vLLM's per-request generator seeded from
@@ -36,14 +40,16 @@ Weights
 -------
 ``update_weights`` takes full HF-named tensors (a mapping, or any iterator of
 ``(name, tensor)``, e.g. one that gathers bucket by bucket) and streams them into vLLM's
-``reload_weights`` on every worker, then clears the prefix cache and bumps ``version``
-(``vllm_weights``: the name checks and how the tensors travel). Each call must carry *every*
-tensor of the checkpoint (a tied ``lm_head.weight`` is optional): a mapping with unknown or
-missing names is refused before anything is loaded (``KeyError`` / ``ValueError``); an
-iterator that fails or falls short part-way leaves the engine refusing to generate
-(``StaleWeightsError``) until a complete update succeeds, so it never serves half-updated
-weights silently. Requests in flight keep running across an update (their KV is recomputed
-on the new weights).
+``reload_weights`` on every worker, then clears the prefix cache, zeroes the KV cache (stale
+NaN there would reach new requests) and bumps ``version`` (``vllm_weights``: the checks and
+how the tensors travel). Each call must carry *every* tensor of the checkpoint (a tied
+``lm_head.weight`` is optional): a mapping with unknown or missing names, a tensor of another
+shape than the checkpoint's or with NaN/inf is refused before anything is loaded (``KeyError``
+/ ``ValueError``; the previous weights keep serving); an iterator refused, failing or falling
+short part-way, or a load vLLM itself fails, leaves the engine refusing to generate
+(``StaleWeightsError``) until the next complete update, which then succeeds, so it never
+serves half-updated weights silently. Requests in flight keep running across an update
+(their KV is recomputed on the new weights).
 
 Platform notes (sleep mode, CPU head sizes, chunked prefill, start-up time): see
 ``trainer.strategies.vllm_platform``.
@@ -57,8 +63,6 @@ import json
 import logging
 import os
 import queue
-import shutil
-import tempfile
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -67,12 +71,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainer.errors import ModelError
 from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult, Weights
+from trainer.strategies.vllm_lora import AdapterSlots
 from trainer.strategies.vllm_platform import (
     check_cpu_head_size,
     engine_arguments,
     no_compile_while_building,
     vllm_environment,
 )
+from trainer.strategies.vllm_sampling import request_error, sampling_params, warn_top_p
 from trainer.strategies.vllm_weights import CheckpointNames, safetensors_blob, stream_to_engine
 from trainer.weights.errors import StaleWeightsError
 
@@ -103,6 +109,8 @@ class _Pending:
     seed: int
     version: int
     future: concurrent.futures.Future[GenerationResult]
+    served: int = 0  # the version it is computed under now (a base reload moves it on)
+    lora: Any = None  # the LoRARequest it holds (released when it finishes)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -165,6 +173,10 @@ class VLLMEngine:
             tensor_parallel_size == 1 and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
         )
         context = max_model_len or int(config.get("max_position_embeddings") or 4096)
+        self.max_model_len = context
+        """Positions a request may use in all (prompt and new tokens)."""
+        text = config.get("text_config", config)
+        self._vocab_size = int(text.get("vocab_size") or config.get("vocab_size") or 2**31)
         args = engine_arguments(
             self.model_path,
             dtype=dtype,
@@ -190,10 +202,8 @@ class VLLMEngine:
         )
 
         self.version = 0
-        self._lora: Any = None
-        """The ``LoRARequest`` every request is served with (the latest adapter), or None."""
-        self._lora_ids = 0
-        self._lora_dir = Path(tempfile.mkdtemp(prefix="envhub-lora-")) if lora_rank else None
+        self._adapters = AdapterSlots(bool(lora_rank))
+        self._warned_top_p = False
         self.seed = int(seed)
         self._counter = 0
         self._counter_lock = threading.Lock()
@@ -291,18 +301,18 @@ class VLLMEngine:
 
         ``weights`` is a mapping or an iterator of ``(name, tensor)`` (consumed in this
         thread and streamed to the engine, so a bucketed gather never holds the whole model
-        twice). A name the checkpoint does not have raises ``KeyError`` before anything is
-        loaded for a mapping; for an iterator, any failure part-way leaves the engine
-        refusing to generate until a later update succeeds.
+        twice). A mapping with a name the checkpoint does not have (``KeyError``), a missing
+        one, a wrong shape or NaN/inf (``ValueError``) is refused before anything is loaded;
+        for an iterator, any failure part-way leaves the engine refusing to generate until a
+        later full update succeeds.
         """
         self._check_open()
         items: Iterator[tuple[str, Any]] = iter(
             weights.items() if isinstance(weights, Mapping) else weights
         )
         if isinstance(weights, Mapping):
-            self._names.check_known(weights.keys())
-            self._names.check_complete(weights.keys())
-        checked = self._names.checked(items)
+            self._names.check_mapping(weights)
+        checked = self._names.checked(items, tensors_checked=isinstance(weights, Mapping))
         if not self._in_process:  # worker processes: ship one safetensors blob
             blob = safetensors_blob(checked)
             self._post(lambda: self._reload({"safetensors_bytes": blob})).result()
@@ -313,31 +323,15 @@ class VLLMEngine:
 
     def load_adapter(self, adapter: AdapterWeights) -> None:
         """Serve the base weights with ``adapter`` from the next request on: written as a ``peft``
-        folder and registered as a vLLM LoRA adapter of its own id; the previous one is removed.
-        Bumps ``version``. Needs an engine built with ``lora_rank``."""
-        from vllm.lora.request import LoRARequest
-
-        from trainer.strategies.lora import write_adapter
-
+        folder and registered as a vLLM LoRA adapter of its own id; requests running finish on
+        the adapter they started with (``vllm_lora``). Bumps ``version``. Needs an engine built
+        with ``lora_rank``; an adapter with NaN/inf values is refused (``ValueError``)."""
         self._check_open()
-        if self._lora_dir is None:
-            raise ModelError(
-                "this vLLM engine was built without LoRA; build it with lora_rank (model.lora "
-                "with sync: adapter does) or sync merged weights (model.lora.sync: merged)"
-            )
-        self._lora_ids += 1
-        folder = write_adapter(self._lora_dir / f"v{self._lora_ids}", adapter, self.model_path)
-        request = LoRARequest(f"envhub-v{self._lora_ids}", self._lora_ids, str(folder))
+        request = self._adapters.prepare(adapter, self.model_path)
         self._post(lambda: self._swap_adapter(request)).result()
 
     def _swap_adapter(self, request: Any) -> None:
-        if not self._llm.add_lora(request):
-            raise RuntimeError(f"vLLM refused the LoRA adapter {request.lora_path}")
-        old, self._lora = self._lora, request
-        if old is not None:
-            self._llm.remove_lora(old.lora_int_id)
-            shutil.rmtree(old.lora_path, ignore_errors=True)
-        self._llm.reset_prefix_cache(reset_running_requests=True)
+        self._adapters.swap(self._llm, request)
         self.version += 1
         self.stats["weight_updates"] += 1
         self.stats["adapter_loads"] += 1
@@ -394,8 +388,7 @@ class VLLMEngine:
             self._llm.engine_core.shutdown()
         finally:
             del self._llm
-            if self._lora_dir is not None:
-                shutil.rmtree(self._lora_dir, ignore_errors=True)
+            self._adapters.close()
 
     # ================================================================== caller side
     def _submit(self, request: GenerationRequest) -> _Pending:
@@ -404,12 +397,12 @@ class VLLMEngine:
             raise RuntimeError(self._dead)
         if self._broken:
             raise StaleWeightsError(self._broken)
-        if not request.prompt_ids:
-            raise ValueError(
-                "a generation request has no prompt tokens; render the chat template first"
-            )
-        if request.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        refused = request_error(request, vocab_size=self._vocab_size, context=self.max_model_len)
+        if refused is not None:  # fails alone, at once (vLLM's own check would go unheard)
+            failed: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
+            failed.set_exception(refused)
+            return _Pending(request, request.request_id, 0, self.version, failed)
+        self._warned_top_p = warn_top_p(request, self._warned_top_p)
         with self._counter_lock:
             number = self._counter
             self._counter += 1
@@ -420,6 +413,7 @@ class VLLMEngine:
             seed,
             self.version,
             concurrent.futures.Future(),
+            self.version,
         )
         self._post(lambda: self._add(pending))
         return pending
@@ -487,29 +481,25 @@ class VLLMEngine:
             )
             return
         request = pending.request
-        greedy = request.temperature <= 0
-        params = self._sampling_params(
-            n=1,
-            max_tokens=request.max_new_tokens,
-            temperature=0.0 if greedy else request.temperature,
-            top_p=request.top_p,
-            seed=None if greedy else pending.seed,
-            logprobs=0,
-            stop_token_ids=sorted({self.eos_token_id, *request.stop_token_ids}),
-            detokenize=False,
-            skip_special_tokens=False,
-            output_kind=self._delta,
-        )
         try:
+            params = sampling_params(
+                self._sampling_params,
+                request,
+                seed=pending.seed,
+                eos=self.eos_token_id,
+                delta=self._delta,
+            )
+            lora = self._adapters.current
             self._llm.add_request(
                 pending.key,
                 {"prompt_token_ids": list(request.prompt_ids)},
                 params,
-                lora_request=self._lora,
+                lora_request=lora,
             )
-        except Exception as error:  # noqa: BLE001 - e.g. a prompt longer than max_model_len
+        except Exception as error:  # noqa: BLE001 - e.g. settings vLLM refuses
             _resolve(pending.future, error)
             return
+        pending.lora = self._adapters.acquire()
         self._pending[pending.key] = pending
         self._keys.setdefault(request.request_id, set()).add(pending.key)
         self.stats["requests"] += 1
@@ -535,7 +525,8 @@ class VLLMEngine:
             if not keys:
                 del self._keys[pending.request.request_id]
         self.stats["new_tokens"] += len(pending.token_ids)
-        extra = {"final_version": self.version} if self.version != pending.version else {}
+        self._adapters.release(self._llm, pending.lora)
+        extra = {"final_version": pending.served} if pending.served != pending.version else {}
         _resolve(
             pending.future,
             error
@@ -574,16 +565,22 @@ class VLLMEngine:
             raise RuntimeError(self._dead)
         try:
             self._llm.collective_rpc("envhub_reload_weights", kwargs=payload)
+            # running requests are preempted (their KV recomputed on the new weights), so no
+            # block is in use and stale contents can be zeroed
             self._llm.reset_prefix_cache(reset_running_requests=True)
+            self._llm.collective_rpc("envhub_zero_kv_cache")
         except BaseException as error:
             self._broken = (
                 f"a weight update failed part-way ({error!r}); the engine holds partly updated "
-                "weights and refuses to generate until update_weights succeeds with a full set"
+                "weights and refuses to generate until update_weights succeeds with a full set "
+                "(the next full update loads cleanly)"
             )
             self._fail_all(StaleWeightsError(self._broken))
             raise
         self._broken = None
         self.version += 1
+        for pending in self._pending.values():
+            pending.served = self.version
         self.stats["weight_updates"] += 1
         self.stats["base_loads"] += 1
 

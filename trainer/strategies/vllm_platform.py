@@ -20,13 +20,19 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from trainer.errors import ModelError
 
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
+
 __all__ = [
     "check_cpu_head_size",
+    "configured_max_model_len",
     "engine_arguments",
+    "engine_options",
     "no_compile_while_building",
     "vllm_environment",
 ]
@@ -132,8 +138,9 @@ def engine_arguments(
         args["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     if lora_rank is not None:  # adapters arrive with each sync (load_adapter)
         from trainer.strategies.lora import vllm_max_rank
+        from trainer.strategies.vllm_lora import MAX_LORAS
 
-        args.update(enable_lora=True, max_lora_rank=vllm_max_rank(lora_rank), max_loras=2)
+        args.update(enable_lora=True, max_lora_rank=vllm_max_rank(lora_rank), max_loras=MAX_LORAS)
     if not cuda:
         # No chunked prefill on CPU: when a step's prompts exceed the token budget vLLM
         # splits one, discards that step's sample and rewinds the request's seeded
@@ -143,3 +150,44 @@ def engine_arguments(
         args["max_num_batched_tokens"] = max(4096, context)
     args.update(overrides)
     return args
+
+
+def configured_max_model_len(cfg: TrainerConfig) -> int | None:
+    """The ``max_model_len`` a config gives the vLLM rollout engine (None: another engine, or
+    unset, when the model's positions are the limit). The rollout's context limit is the
+    smaller of the two: a turn past it would fail in vLLM instead of ending truncated."""
+    args = cfg.roles.actor_infer.strategy_args
+    if cfg.rollout.engine != "vllm" or not args.get("max_model_len"):
+        return None
+    return int(args["max_model_len"])
+
+
+def engine_options() -> frozenset[str] | None:
+    """The ``strategy_args`` keys a ``VLLMEngine`` takes: its own keywords and
+    ``vllm.EngineArgs``' fields, read from vLLM's source without importing it (that takes
+    seconds); None when vLLM is not installed here or its source moved (nothing to check
+    against)."""
+    import ast
+    import importlib.util
+    import inspect
+
+    from trainer.strategies.vllm_engine import VLLMEngine
+
+    spec = importlib.util.find_spec("vllm")  # the package only: a submodule would import it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    source = Path(next(iter(spec.submodule_search_locations))) / "engine" / "arg_utils.py"
+    if not source.is_file():
+        return None
+    tree = ast.parse(source.read_text(encoding="utf-8"))
+    fields = {
+        statement.target.id
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and node.name == "EngineArgs"
+        for statement in node.body
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+    }
+    if not fields:
+        return None
+    own = inspect.signature(VLLMEngine).parameters.values()
+    return frozenset(fields | {p.name for p in own if p.kind is inspect.Parameter.KEYWORD_ONLY})

@@ -2,9 +2,13 @@
 
 vLLM reloads whole layers (fused q/k/v, gate/up), so every update must carry *every* tensor
 of the checkpoint the engine was started from (a tied ``lm_head.weight`` is optional).
-:class:`CheckpointNames` knows those names and checks an update against them: a mapping
-with unknown names (``KeyError``) or missing ones (``ValueError``) is refused before anything
-is loaded; an iterator is checked tensor by tensor as it is consumed, and once it ran out.
+:class:`CheckpointNames` knows those names and their shapes (read from the safetensors headers,
+no tensor data) and checks an update against them: a mapping with unknown names (``KeyError``),
+missing ones, a tensor of another shape or with NaN/inf values (``ValueError``) is refused
+before anything is loaded; an iterator is checked tensor by tensor as it is consumed (before
+a tensor reaches vLLM), and once it ran out. vLLM itself would narrow a wider tensor into its
+parameter silently, or fail half-way, and NaN weights would be served as NaN log-probs.
+Refusing non-finite tensors costs one read of each tensor, small next to vLLM's copy.
 
 Two ways the tensors travel, chosen by the engine:
 
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +50,11 @@ class CheckpointNames:
     """
 
     def __init__(self, folder: Path, *, tied_embeddings: bool) -> None:
-        self.required = frozenset(_checkpoint_names(folder))
+        self.shapes = _checkpoint_shapes(folder)
+        self.required = frozenset(self.shapes)
         self.accepted = self.required | ({"lm_head.weight"} if tied_embeddings else set())
+        if tied_embeddings and "model.embed_tokens.weight" in self.shapes:
+            self.shapes.setdefault("lm_head.weight", self.shapes["model.embed_tokens.weight"])
 
     def check_known(self, names: Iterable[str]) -> None:
         """``KeyError`` naming the tensors the inference model does not have."""
@@ -70,15 +77,60 @@ class CheckpointNames:
                 "one call's iterator are fine)"
             )
 
-    def checked(self, items: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        """``items`` with each name checked as it comes (tensors detached), and the whole set
-        checked once they ran out."""
+    def check_tensor(self, name: str, tensor: Any) -> None:
+        """``ValueError`` when ``tensor`` has another shape than the checkpoint's ``name``, or
+        NaN/inf values."""
+        import torch
+
+        shape, expected = tuple(tensor.shape), self.shapes.get(name)
+        if expected is not None and shape != expected:
+            raise ValueError(
+                f"update_weights got {name} of shape {shape}; the inference model has "
+                f"{expected} ({_likely_cause(name, shape, expected)}); nothing of it was loaded"
+            )
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"update_weights got {name}, which has non-finite values (NaN or inf): the "
+                "training diverged (check the loss and grad_norm of the last steps, lower the "
+                "learning rate or resume from an earlier checkpoint)"
+            )
+
+    def check_mapping(self, weights: Mapping[str, Any]) -> None:
+        """Every check of a whole update, before anything is loaded."""
+        self.check_known(weights.keys())
+        self.check_complete(weights.keys())
+        for name, tensor in weights.items():
+            self.check_tensor(name, tensor)
+
+    def checked(
+        self, items: Iterator[tuple[str, Any]], *, tensors_checked: bool = False
+    ) -> Iterator[tuple[str, Any]]:
+        """``items`` with each name and tensor checked as it comes (tensors detached; a mapping
+        ``check_mapping`` already checked: ``tensors_checked``), and the whole set checked once
+        they ran out."""
         seen: set[str] = set()
         for name, tensor in items:
             self.check_known([name])
+            if not tensors_checked:
+                self.check_tensor(name, tensor)
             seen.add(name)
             yield name, tensor.detach()
         self.check_complete(seen)
+
+
+def _likely_cause(name: str, shape: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    """A guess at why a tensor's shape differs from the checkpoint's, for the error."""
+    if ("embed_tokens" in name or "lm_head" in name) and shape[1:] == expected[1:]:
+        return (
+            "vocabulary resized? start the engine from the resized model's save_pretrained folder"
+        )
+    if len(shape) == len(expected) and shape == expected[::-1]:
+        return "transposed? pass HF-layout tensors (out_features, in_features)"
+    if len(shape) == len(expected) and any(
+        e % s == 0 and e > s for s, e in zip(shape, expected, strict=True)
+    ):
+        return "a tensor-parallel shard? gather full tensors before update_weights"
+    return "the trainer's model config differs from the engine's model folder?"
 
 
 def safetensors_blob(items: Iterable[tuple[str, Any]]) -> bytes:
@@ -149,11 +201,11 @@ def _put_until_done(
             continue
 
 
-def _checkpoint_names(folder: Path) -> set[str]:
-    """HF tensor names of the checkpoint in ``folder``."""
+def _checkpoint_shapes(folder: Path) -> dict[str, tuple[int, ...]]:
+    """HF tensor names of the checkpoint in ``folder`` and their shapes (headers only)."""
     from safetensors import safe_open
 
-    names: set[str] = set()
+    shapes: dict[str, tuple[int, ...]] = {}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ModelError(
@@ -161,5 +213,6 @@ def _checkpoint_names(folder: Path) -> set[str]:
         )
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
-            names.update(handle.keys())
-    return names
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes

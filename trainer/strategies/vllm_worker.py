@@ -10,14 +10,25 @@ kernel layouts after loading, and a second ``load_weights`` into the repacked la
 ``model_runner.reload_weights`` restores the checkpoint layout layer by layer, loads the new
 tensors and repacks again. The method is not called ``update_weights`` because vLLM's
 worker already has a method of that name (its own weight-transfer API).
+
+A reload that raises inside vLLM (its loader refusing a tensor) would leave layers half-way
+between the checkpoint and the kernel layout, and every later reload would fail with the same
+error: the extension then finishes vLLM's layer-wise reload itself (the layers go back to the
+kernel layout, holding a mix of old and new weights) before re-raising, so the next full
+update loads cleanly. ``envhub_zero_kv_cache`` clears the KV cache after a reload: vLLM's
+prefix-cache reset frees blocks but keeps their contents, and NaN left there (by NaN weights)
+reaches later requests whose attention reads a block's unused slots (0 x NaN is NaN).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
 __all__ = ["EnvhubWorkerExtension"]
+
+_log = logging.getLogger(__name__)
 
 
 class EnvhubWorkerExtension:
@@ -69,13 +80,41 @@ class EnvhubWorkerExtension:
             from safetensors.torch import load
 
             weights = load(safetensors_bytes).items()
-        if weights is not None:
-            self.model_runner.reload_weights(weights_iterator=guarded(weights))
-            if failure is not None:
-                raise failure
-        elif path is not None:
-            self.model_runner.reload_weights(weights_path=path)
-            count = -1
-        else:
-            raise ValueError("envhub_reload_weights needs weights, safetensors_bytes or path")
+        try:
+            if weights is not None:
+                self.model_runner.reload_weights(weights_iterator=guarded(weights))
+            elif path is not None:
+                self.model_runner.reload_weights(weights_path=path)
+                count = -1
+            else:
+                raise ValueError("envhub_reload_weights needs weights, safetensors_bytes or path")
+        except Exception:
+            try:
+                self._finish_failed_reload()
+            except Exception:  # noqa: BLE001 - the loader's error below says what failed
+                _log.warning("could not finish vLLM's failed reload", exc_info=True)
+            raise
+        if failure is not None:
+            raise failure
         return count
+
+    def _finish_failed_reload(self) -> None:
+        """Finish vLLM's layer-wise reload after its loader raised (see the module docstring)."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+
+        runner = self.model_runner
+        finalize_layerwise_reload(runner.get_model(), runner.model_config)
+
+    def envhub_zero_kv_cache(self) -> None:
+        """Zero every KV-cache block (call it when no request holds blocks: after a prefix-cache
+        reset that preempted the running ones)."""
+        import torch
+
+        def zero(caches: Any) -> None:
+            if isinstance(caches, torch.Tensor):
+                caches.zero_()
+            elif isinstance(caches, list | tuple):
+                for cache in caches:
+                    zero(cache)
+
+        zero(self.model_runner.kv_caches)
