@@ -4,10 +4,14 @@
 ``Opponent``:
 
 ``"random"`` (the default)
-    Picks uniformly, with the env's seeded RNG, among the moves the game lists in the
-    opponent's observation (TextArena boards say ``Available Moves: '[0]', '[4]'``), else
-    among any ``[...]`` tokens it shows. Deterministic for a seed. The adapter shows it only
-    the game's latest message that showed it moves, never a player's text, in which the agent
+    A random *legal* move of its own seat. ``RandomOpponent.candidates`` orders the moves to
+    try, with the env's seeded RNG: first those the game lists in the opponent's observation
+    (TextArena boards say ``Available Moves: '[0]', '[4]'``) in random order, then moves
+    shaped like the ``[...]`` examples the game showed (``[a2 a3]``, ``[0 3]``) with their
+    board coordinates and numbers varied (``shaped_moves``), in random order. The adapter
+    plays the first one the game accepts on a copy of itself, so a listed move of the other
+    seat, or the rules' format example, is never played. Deterministic for a seed. The
+    adapter shows it only the game's own messages, never a player's text, in which the agent
     could list the moves it wants the opponent to play.
 ``"module:attr"``
     A scripted player: ``attr`` is a callable, or a class built with no arguments, taking the
@@ -23,8 +27,9 @@
 
 from __future__ import annotations
 
+import itertools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 import numpy as np
@@ -39,11 +44,19 @@ __all__ = [
     "ScriptedOpponent",
     "listed_moves",
     "make_opponent",
+    "move_shapes",
     "random_move",
+    "shaped_moves",
 ]
 
 _LISTED_MOVE = re.compile(r"'(\[[^\[\]\n']{1,40}\])'")
 _ANY_MOVE = re.compile(r"\[[^\[\]\n]{1,40}\]")
+_PART = re.compile(r"(?<![a-z])([a-z])(\d{1,2})(?!\d)|(\d+)", re.IGNORECASE)
+"""A board coordinate (``a2``) or a number (``3``) inside a move."""
+_FILES = re.compile(r"^\s*a(?:\s+[b-z])+\s*$", re.MULTILINE)  # a board's file axis: a b c d e
+_RANKS = re.compile(r"^\s*(\d{1,2})\s*\|", re.MULTILINE)  # a board row's label: "5 |"
+MAX_SHAPED = 4_000
+"""Most moves ``shaped_moves`` returns (more are sampled, not enumerated)."""
 
 
 class Opponent(Protocol):
@@ -67,6 +80,15 @@ class RandomOpponent:
     def act(self, observation: str, rng: np.random.Generator) -> str:
         return random_move(observation, rng)
 
+    def candidates(
+        self, listing: str, shapes: list[str], board: str, rng: np.random.Generator
+    ) -> list[str]:
+        """The moves to try, in order: ``listing``'s listed moves, then ``shaped_moves`` of
+        ``shapes`` (the move examples the game showed so far) on ``board``."""
+        listed = listed_moves(listing)
+        order = [listed[i] for i in rng.permutation(len(listed))]
+        return order + [m for m in shaped_moves(shapes, board, rng) if m not in listed]
+
 
 def random_move(observation: str, rng: np.random.Generator) -> str:
     """A random move for ``observation``: one of its ``listed_moves``, else ``[0]``."""
@@ -77,6 +99,46 @@ def random_move(observation: str, rng: np.random.Generator) -> str:
 def listed_moves(text: str) -> list[str]:
     """The moves ``text`` lists in quotes (TextArena boards: ``'[4]'``), else any ``[...]``."""
     return [str(move) for move in _LISTED_MOVE.findall(text) or _ANY_MOVE.findall(text)]
+
+
+def move_shapes(text: str) -> list[str]:
+    """One ``[...]`` example of each move shape in ``text`` that holds a coordinate or a
+    number (``[a2 a3]`` and ``[b7 b6]`` are one shape, ``[0 3]`` another)."""
+    shapes: dict[str, str] = {}
+    for move in _ANY_MOVE.findall(text):
+        if _PART.search(move):
+            shape = _PART.sub(lambda part: "@" if part[1] else "#", move)
+            shapes.setdefault(shape, move)
+    return list(shapes.values())
+
+
+def shaped_moves(shapes: Iterable[str], text: str, rng: np.random.Generator) -> list[str]:
+    """Moves shaped like ``shapes`` with each coordinate varied over the board ``text`` draws
+    (files ``a``.. its last axis letter, ranks 1.. its last row label; ``a``-``h`` and 1-8
+    when it draws none) and each number over 0-9, in random order, at most ``MAX_SHAPED``."""
+    files = max((line.split()[-1] for line in _FILES.findall(text)), default="h")
+    ranks = max((int(rank) for rank in _RANKS.findall(text)), default=8)
+    coordinates = [
+        f"{chr(f)}{r}" for f in range(ord("a"), ord(files) + 1) for r in range(1, ranks + 1)
+    ]
+    moves: list[str] = []
+    for shape in shapes:
+        pieces = _PART.split(shape)
+        fixed = pieces[0::4]  # re.split: text, then the 3 groups of each match
+        choices = [
+            coordinates if letter else [str(n) for n in range(10)] for letter in pieces[1::4]
+        ]
+        total = int(np.prod([len(c) for c in choices]))
+        if total <= MAX_SHAPED:
+            combos: Iterable[tuple[str, ...]] = itertools.product(*choices)
+        else:
+            combos = (
+                tuple(c[int(rng.integers(len(c)))] for c in choices) for _ in range(MAX_SHAPED)
+            )
+        for combo in combos:
+            moves.append("".join(f + v for f, v in zip(fixed, combo, strict=False)) + fixed[-1])
+    order = rng.permutation(len(moves))[:MAX_SHAPED]
+    return [moves[i] for i in order]
 
 
 class ScriptedOpponent:

@@ -13,20 +13,29 @@ moves), as one user message. In a two-player game the agent is ``agent_player`` 
 ``"random"``) and the other seat is played by ``opponent`` (``envhub.adapters.opponents``:
 random, a script, or a model at an OpenAI-compatible URL); a ``step`` applies the agent's move
 and then the opponent's, so each step returns at the agent's next turn or at the end. The
-random opponent reads only the game's latest message that showed it moves: TextArena shows
-both players each move as written, in which an agent could list the moves it wants played.
+random opponent reads only the game's own messages (TextArena shows both players each move as
+written, in which an agent could list the moves it wants played) and plays a *legal* move of
+its seat: its candidates (``RandomOpponent.candidates``) are tried on a copy of the game and
+the first the game accepts is played. (It used to play the first listed move it read, which
+in Alquerque, Breakthrough, LinesOfAction, MemoryGame, Nim and UltimateTicTacToe was the
+rules' format example or the agent's piece: refused twice, it forfeited after one agent move.)
 
 Mapping to the TextEnv contract: the reward is the game's final reward for the agent (given
 on the last step; 0 before): a single-player game's score in [0, 1], a two-player game's
 +1 win / 0 draw / -1 loss; ``success`` is a score of 1 or a win. A move the game refuses is
 ``invalid_action`` (TextArena allows one retry, then the player loses, and that loss is the
 episode's end). So is a move the game cannot even read (a number over Python's 4300 digits,
-on which games raise ``ValueError``), and a loss the game reports with a text as the reward
-(Countdown, Cryptarithm, Slitherlink and ThreeCardMonte pass ``set_invalid_move`` its
-arguments swapped) scores -1, TextArena's invalid-move loss. Anything else the game raises is
-``SourceError``. A move is at most ``action_max_length`` characters (8,000 unless given: some
-games match moves with patterns quadratic in the text, 5 s a step at 100,000). ``max_turns``
-(200 unless given) bounds games without their own limit.
+on which games raise ``ValueError``). A game the agent ends with invalid moves scores -1,
+TextArena's invalid-move loss, whatever the game pays: many single-player games pay their
+progress score there (RushHour paid 0.5 for two junk moves at the start), and Countdown,
+Cryptarithm, Slitherlink and ThreeCardMonte pass ``set_invalid_move`` its arguments swapped
+and report a text as the reward. A game the *opponent* loses by invalid moves (any opponent;
+the random one only when no candidate was accepted) is no win: it ends with reward 0,
+``success`` False and ``info["opponent_forfeit"] = True`` (``terminated``: the game is
+over). Anything else the game raises is ``SourceError``. A move is at most
+``action_max_length`` characters (8,000 unless given: some games match moves with patterns
+quadratic in the text, 5 s a step at 100,000). ``max_turns`` (200 unless given) bounds games
+without their own limit.
 
 Determinism: each reset draws a seed from the env's RNG and passes it to TextArena, which
 seeds Python's global ``random`` with it; so an episode is fixed by the reset seed as long as
@@ -37,6 +46,8 @@ NLTK corpora fail offline and are not in the checked sample (see the README).
 
 from __future__ import annotations
 
+import copy
+import random
 import re
 import sys
 from pathlib import Path
@@ -51,6 +62,7 @@ from envhub.adapters.opponents import (
     RandomOpponent,
     listed_moves,
     make_opponent,
+    move_shapes,
     random_move,
 )
 from envhub.core import TextEnv, Turn
@@ -66,6 +78,7 @@ _PLAYER_ACTION = 2  # textarena.core.ObservationType.PLAYER_ACTION
 _GAME_ADMIN = 6  # textarena.core.ObservationType.GAME_ADMIN (invalid-move notices)
 _REDEALS = 10
 _MAX_OPPONENT_MOVES = 500
+_MAX_TRIALS = 2_000  # candidate moves the random opponent tries on copies of the game, per move
 _INVALID_MOVE_LOSS = -1.0  # what TextArena's set_invalid_move pays a player who loses by it
 _UNREADABLE_NUMBER = "integer string conversion"  # in Python's ValueError past 4300 digits
 
@@ -143,6 +156,8 @@ class TextArenaEnv(TextEnv):
         self._rng = np.random.default_rng(0)
         self._me = 0
         self._listing = ""  # the game's latest message that showed the opponent moves
+        self._shapes: list[str] = []  # the move examples the game showed the opponent
+        self._board = ""  # the game's latest message to the opponent
         self._build()  # a bad game_kwargs fails here, not at the first reset
         if players == 2:
             self._opponent = make_opponent(opponent, model=opponent_model, api_key=opponent_api_key)
@@ -170,7 +185,7 @@ class TextArenaEnv(TextEnv):
                     f"TextArena {self.game} raised {type(error).__name__} in its reset: {error}; "
                     "a bug in the game, which cannot start this episode (try another seed)"
                 ) from error
-            self._done, self._listing = False, ""
+            self._done, self._listing, self._shapes, self._board = False, "", [], ""
             self._play_opponent()
             if not self._done:
                 return self._news(), {"game": self.game, "player": self._me}
@@ -205,13 +220,16 @@ class TextArenaEnv(TextEnv):
                 invalid_action=invalid,
             )
         rewards, game_info = self._source.close()
-        mine = game_info.get(self._me, {}) if isinstance(game_info, dict) else {}
+        game_info = game_info if isinstance(game_info, dict) else {}
+        mine = game_info.get(self._me, {})
         reward = (rewards or {}).get(self._me, 0.0)
         invalid = invalid or bool(mine.get("invalid_move"))
-        if not isinstance(reward, (int, float)) and invalid:
-            # a game that passes set_invalid_move its arguments swapped ends on the agent's
-            # invalid move with the reason as the reward: scored as that loss
+        lost = self.players == 2 and bool(game_info.get(1 - self._me, {}).get("invalid_move"))
+        forfeit = lost and not invalid
+        if invalid:  # whatever the game pays for it (module docstring)
             reward = _INVALID_MOVE_LOSS
+        elif forfeit:
+            reward = 0.0
         if not isinstance(reward, (int, float)):
             raise SourceError(
                 f"TextArena {self.game} ended with a reward that is not a number ({reward!r:.80}); "
@@ -224,7 +242,7 @@ class TextArenaEnv(TextEnv):
             terminated=True,
             success=success,
             invalid_action=invalid,
-            info={"reason": str(mine.get("reason", ""))},
+            info={"reason": str(mine.get("reason", "")), "opponent_forfeit": forfeit},
         )
 
     def sample_action(self, np_random: np.random.Generator) -> str:
@@ -282,7 +300,10 @@ class TextArenaEnv(TextEnv):
                 raise SourceError(f"TextArena {self.game} gave the turn to another player")
             player, observation = self._source.get_observation()
             try:
-                move = self._opponent.act(self._opponent_view(observation, player), self._rng)
+                if isinstance(self._opponent, RandomOpponent):
+                    move = self._random_move(self._opponent, observation, player)
+                else:
+                    move = self._opponent.act(_render(observation, player), self._rng)
             except SourceError:
                 raise
             except Exception as error:
@@ -295,19 +316,45 @@ class TextArenaEnv(TextEnv):
             except Exception as error:
                 raise self._failure(error, "the opponent's move", move) from error
 
-    def _opponent_view(self, observation: list[Any], player: int) -> str:
-        """What the opponent reads. A script or a model reads what a TextArena player would.
-        The random opponent plays a move of what it reads, and TextArena shows both players
-        each move as written, in which the agent could list any move: so it reads only the
-        latest message of the game's that showed it moves (a board, this turn or before; an
-        invalid-move notice does not count), else this turn's messages of the game's."""
-        if not isinstance(self._opponent, RandomOpponent):
-            return _render(observation, player)
+    def _random_move(self, opponent: RandomOpponent, observation: list[Any], player: int) -> str:
+        """The random opponent's move: the first of its candidates that the game accepts on a
+        copy of itself (at most ``_MAX_TRIALS`` tried), else its first candidate, which the
+        game will refuse. It reads only the game's own messages (TextArena shows both players
+        each move as written, in which the agent could list any move): its listed moves come
+        from the latest message that listed some (a board, this turn or before; an
+        invalid-move notice does not count), its move shapes from all of them."""
         from_game = [(str(text), kind) for sender, text, kind in observation if _from_game(sender)]
         for text, kind in from_game:
-            if getattr(kind, "value", kind) != _GAME_ADMIN and listed_moves(text):
-                self._listing = text
-        return self._listing or "\n\n".join(text for text, _ in from_game)
+            if getattr(kind, "value", kind) != _GAME_ADMIN:
+                self._shapes = move_shapes(" ".join([*self._shapes, text]))
+                self._board = text
+                if listed_moves(text):
+                    self._listing = text
+        listing = self._listing or "\n\n".join(text for text, _ in from_game)
+        candidates = opponent.candidates(listing, self._shapes, self._board, self._rng) or ["[0]"]
+        state = random.getstate()  # trials must not move the episode's random stream
+        try:
+            accepted = (m for m in candidates[:_MAX_TRIALS] if self._accepts(m, player))
+            return next(accepted, candidates[0])
+        finally:
+            random.setstate(state)
+
+    def _accepts(self, move: str, player: int) -> bool:
+        """Whether the game accepts ``move`` from ``player`` now, tried on a copy of it (its
+        message history is left out of the copy: trials cost the same all game long)."""
+        state = self._source.state
+        memo = {
+            id(state.observations): {pid: [] for pid in state.observations},
+            id(state.logs): [],
+        }
+        try:
+            trial = copy.deepcopy(self._source, memo)
+            errors = trial.state.error_count
+            trial.step(action=move)
+        except Exception:  # noqa: BLE001 - a move the game cannot take is not accepted
+            return False
+        refused = trial.state.game_info.get(player, {}).get("invalid_move")
+        return trial.state.error_count <= errors and not refused
 
     def _failure(self, error: Exception, whose: str, move: str) -> SourceError:
         """The ``SourceError`` for ``error``, which the game raised on a move."""

@@ -9,9 +9,19 @@ process. Inside it the code runs in a process of its own that never holds the te
 process runs the tests and calls the code's function, exchanging only plain values with it
 (``envs/code/runner.py``): the code cannot patch the runner, forge its report, read the tests,
 return an object that decides its own equality, or replace what the tests call.
-The sandbox is reset (scratch, ``/tmp`` emptied) at every episode's start. The reply lists
-which tests failed, with truncated tracebacks; the model may revise up to
-``max_revisions`` times.
+The sandbox is reset (scratch, ``/tmp`` emptied) at every episode's start.
+
+Feedback: the model may revise up to ``max_revisions`` times, and the reply to an attempt
+says how many tests passed and what went wrong *in its code*, never what a test expected:
+the tests that give feedback are the ones that decide the reward, so a test shown with its
+expected value could be passed next time by a lookup table of the values shown (that earned
+96 of 164 HumanEval tasks with no solving). Per failing test it says one of: the function's
+result failed the test's check (with the check's exception type when it is not an
+``AssertionError``, never its message), the code raised (the code's own traceback and
+message), or the test ran out of time / the code's process ended. Not the test's source, not
+the arguments, not which test: the code can print its arguments, and with which test failed
+a function with a yes/no answer would learn each expected value by flipping it. The code's
+printed output (capped) is shown.
 
 Reward: each submission scores the fraction of tests passed (``reward_mode="partial"``) or
 1/0 for all passed (``"binary"``); a turn's reward is how much it raised the best score so
@@ -83,6 +93,40 @@ def extract_code(text: str) -> str:
     return text.strip("\n")
 
 
+_KINDS = ("passed", "raised", "wrong", "stopped")
+"""A test result's ``kind`` in the runner's report (``envs/code/runner.py``)."""
+
+
+def _failures(results: list[dict[str, Any]]) -> str:
+    """What the failing tests say about the code, grouped (the module docstring: never a
+    test's source, arguments or expected value, nor which test it was)."""
+    groups: dict[str, int] = {}
+    for result in results:
+        if not result["passed"]:
+            shown = _failure(result)
+            groups[shown] = groups.get(shown, 0) + 1
+    lines = ["The tests are hidden; failures:"]
+    for shown, count in list(groups.items())[:3]:
+        lines.append(f"- {count} test(s): {shown}")
+    if len(groups) > 3:
+        lines.append(f"... and {sum(list(groups.values())[3:])} more failing test(s)")
+    return "\n".join(lines)
+
+
+def _failure(result: dict[str, Any]) -> str:
+    """One failing test's line: the code's own error, a time limit, or a failed check."""
+    error = (result["error"] or "").strip()
+    if result["kind"] == "raised":
+        return f"your code raised:\n  {error}"
+    if result["kind"] == "stopped":
+        return error
+    last = error.splitlines()[-1] if error else ""
+    kind = last.split(":", 1)[0].strip()
+    if kind in ("", "AssertionError") or not kind.isidentifier():
+        return "your function's result failed the test's check"
+    return f"the test's check raised {kind} on your function's result"
+
+
 class ProgrammingEnv(TextEnv):
     """Function-writing tasks graded by hidden tests in a sandbox (see the module docstring)."""
 
@@ -138,7 +182,8 @@ class ProgrammingEnv(TextEnv):
         self.system_prompt = (
             "Complete the Python function. "
             "Reply with the complete function in a ```python code block. "
-            "Hidden tests will run it; you will see which tests fail and may revise."
+            "Hidden tests will run it; you will see how many fail and the errors your code "
+            "raises (not the tests' expected values), and may revise."
         )
         self.task: Task = {}
         self._setup = ""
@@ -204,7 +249,9 @@ class ProgrammingEnv(TextEnv):
                 isinstance(results, list)
                 and (len(results) in (0, len(self._tests)))
                 and all(
-                    type(r["passed"]) is bool and isinstance(r["error"], str | None)
+                    type(r["passed"]) is bool
+                    and isinstance(r["error"], str | None)
+                    and r["kind"] in _KINDS
                     for r in results
                 )
                 and isinstance(report["solution_error"], str | None)
@@ -271,13 +318,7 @@ class ProgrammingEnv(TextEnv):
         elif passed == total:
             return f"All {total} tests passed."
         else:
-            lines = [f"{passed}/{total} tests passed. Failures:"]
-            failures = [r for r in report["results"] if not r["passed"]]
-            for result in failures[:3]:
-                lines.append(f"- {result['test'][:200]}\n  {result['error'].strip()}")
-            if len(failures) > 3:
-                lines.append(f"... and {len(failures) - 3} more failing test(s)")
-            text = "\n".join(lines)
+            text = f"{passed}/{total} tests passed. " + _failures(report["results"])
         output = report.get("output") or ""
         if output:
             shown = (

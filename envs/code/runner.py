@@ -22,9 +22,13 @@ What this costs a task: tests call the entry point with plain values and get pla
 back (one that returns an object of its own fails the test, saying so), and an argument the
 solution mutates in place is not seen mutated by the test.
 
-Report: ``{"solution_error", "results": [{"test", "passed", "error"}], "output"}``: the
-solution's output capped at ``output_cap`` bytes; one hung test ends the run (the rest are
-"not run"), as does the solution process's end.
+Report: ``{"solution_error", "results": [{"test", "passed", "error", "kind"}], "output"}``:
+the solution's output capped at ``output_cap`` bytes; one hung test ends the run (the rest are
+"not run"), as does the solution process's end. ``kind`` says whose failure a test's is:
+``"passed"``; ``"raised"``, the solution raised (``error`` is its own traceback); ``"wrong"``,
+the test's check failed on what the solution returned (``error`` is the test's traceback, which
+may quote the test's expected value: the env decides what to show); ``"stopped"``, a time
+limit or the solution process's end (``error`` says which).
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ _INT_TEXT = 4000
 """Integers with more digits travel in hex (decimal text of those is refused by Python)."""
 _SCALARS = (type(None), bool, float, str)
 _NOT_RAISED = (SystemExit, KeyboardInterrupt, GeneratorExit)
+_CONTROL_FLOW = (StopIteration, StopAsyncIteration)
+"""Raised inside a test's ``map()``/``filter()`` (C iterators, outside PEP 479) these would end
+the iteration early and pass the test: the judge raises them as ``SolutionError``."""
 
 
 # ---- plain values ------------------------------------------------------------------------------
@@ -351,11 +358,16 @@ class Remote:
 
 def _as_exception(answer: dict[str, Any]) -> BaseException:
     """The exception the solution raised, as the test can catch it: a builtin exception of the
-    same type, else ``SolutionError``; it carries the solution's traceback for the report."""
+    same type, else ``SolutionError`` (always for ``_CONTROL_FLOW``); it carries the solution's
+    traceback for the report."""
     name, message = str(answer.get("raised")), str(answer.get("message", ""))
     kind = getattr(builtins, name, None)
     exc: BaseException = SolutionError(f"{name}: {message}")
-    if isinstance(kind, type) and issubclass(kind, Exception) and not issubclass(kind, _NOT_RAISED):
+    if (
+        isinstance(kind, type)
+        and issubclass(kind, Exception)
+        and not issubclass(kind, _NOT_RAISED + _CONTROL_FLOW)
+    ):
         try:
             exc = kind(message)
         except BaseException:  # noqa: BLE001, S110 - a constructor with other arguments
@@ -379,26 +391,29 @@ def judge(pid: int, calls: int, answers: int, out: int) -> None:
     real_stdout = sys.stdout
     signal.signal(signal.SIGALRM, _on_alarm)
 
-    def run(step: Any, seconds: float) -> str | None:
+    def run(step: Any, seconds: float) -> tuple[str | None, str]:
+        """``step``'s error (None if it ran) and its kind (see the module docstring)."""
         sys.stdout = sys.stderr = _Discard()
         signal.setitimer(signal.ITIMER_REAL, seconds)
         try:
             step()
-            return None
+            return None, "passed"
         except TestTimeout:
             solution._end("was stopped: it ran out of time")
-            return f"timed out after {seconds:g}s"
+            return f"timed out after {seconds:g}s", "stopped"
         except SolutionGone as exc:
-            return str(exc)
+            return str(exc), "stopped"
         except BaseException as exc:  # noqa: BLE001 - the test's failure
-            text = getattr(exc, "solution_traceback", None) or short_traceback(exc, chars)
-            return text if len(text) <= chars else "... " + text[-chars:]
+            raised = getattr(exc, "solution_traceback", None)
+            text = raised or short_traceback(exc, chars)
+            text = text if len(text) <= chars else "... " + text[-chars:]
+            return text, "raised" if raised else "wrong"
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             sys.stdout, sys.stderr = real_stdout, sys.__stderr__
 
     hello: dict[str, Any] = {}
-    solution_error = run(lambda: hello.update(solution.ready()), spec["solution_timeout_s"])
+    solution_error, _ = run(lambda: hello.update(solution.ready()), spec["solution_timeout_s"])
     results = []
     if solution_error is None and hello["error"] is not None:
         solution_error = str(hello["error"])[-chars:]
@@ -413,18 +428,18 @@ def judge(pid: int, calls: int, answers: int, out: int) -> None:
         # the task's own helpers (the tests call them), then the solution's entry point
         run(code(spec.get("prompt") or ""), spec["test_timeout_s"])
         namespace[spec["entry_point"]] = Remote(solution, spec["entry_point"])
-        setup_error = run(code(spec["setup"]), spec["test_timeout_s"])
+        setup = run(code(spec["setup"]), spec["test_timeout_s"])
         stopped = None
         for test in spec["tests"]:
             if stopped is not None:  # one hung test (or the solution's end) ends the run
-                results.append({"test": test, "passed": False, "error": stopped})
+                results.append({"test": test, "passed": False, "error": stopped, "kind": "stopped"})
                 continue
-            error = setup_error or run(code(test), spec["test_timeout_s"])
+            error, kind = setup if setup[0] is not None else run(code(test), spec["test_timeout_s"])
             if error is not None and error.startswith("timed out"):
                 stopped = "not run: an earlier test timed out"
             elif solution.gone is not None:
                 stopped = f"not run: {solution.gone} in an earlier test"
-            results.append({"test": test, "passed": error is None, "error": error})
+            results.append({"test": test, "passed": error is None, "error": error, "kind": kind})
     report = {"solution_error": solution_error, "results": results, "output": output.text()}
     print(token + " " + json.dumps(report), file=real_stdout, flush=True)
 

@@ -51,7 +51,7 @@ def test_every_dataset_that_loads_offline_passes():
     assert len(datasets) - len(failed) == 102
 
 
-def test_the_expert_answer_scores_one_and_a_wrong_one_is_told_its_score():
+def test_the_expert_answer_scores_one_and_a_wrong_one_is_told_it_is_wrong():
     env = envhub.make("reasoning-gym/basic_arithmetic-v0")
     messages, info = env.reset(seed=3)
     assert messages[0]["role"] == "system" and "<answer>" in messages[0]["content"]
@@ -64,10 +64,11 @@ def test_the_expert_answer_scores_one_and_a_wrong_one_is_told_its_score():
     messages, reward, terminated, _, info = retry.step("<answer>-123456789</answer>")
     assert (reward, terminated, info["success"]) == (0.0, False, False)
     assert "2 attempt(s) left" in messages[0]["content"]
+    assert "score" not in messages[0]["content"]  # no closeness to search by
     _, reward, terminated, _, info = retry.step("no tags at all")
     assert info["invalid_action"] and not terminated
     _, reward, terminated, _, info = retry.step(retry.expert_action())
-    assert (reward, terminated, info["success"]) == (1.0, True, True)
+    assert (reward, terminated, info["success"]) == (pytest.approx(1 / 3), True, True)
 
 
 def test_tasks_follow_the_dataset_binding_rules():
@@ -218,7 +219,7 @@ def test_a_retry_after_a_check_that_ran_out_of_time_is_told_why():
     assert (reward, terminated) == (0.0, False)
     assert "took too long to check" in messages[0]["content"]
     assert "2 attempt(s) left" in messages[0]["content"]
-    assert env.step(env.expert_action())[1] == 1.0
+    assert env.step(env.expert_action())[1] == 0.5  # the second attempt earns half
 
 
 @pytest.mark.parametrize(
@@ -324,3 +325,48 @@ def test_a_composite_scores_each_entry_as_the_dataset_it_came_from_would(tmp_pat
     assert seen == set(junk) and not proof.exists()
     with pytest.raises(SourceError, match="propositional_logic is not offered"):
         envhub.make("reasoning-gym/composite-v0", config=mix("countdown", "propositional_logic"))
+
+
+@pytest.mark.parametrize(
+    ("name", "answers"),
+    [("course_schedule", ["True", "False"]), ("acre", ["on", "off", "undetermined"])],
+)
+def test_trying_every_answer_in_the_retry_variant_earns_less_than_answering_right(name, answers):
+    """With 2-3 possible answers, three attempts cover them all: a success at attempt k pays
+    1/k, so enumerating earns less than answering right at once (0.75 on yes/no), not 1."""
+    env = envhub.make(f"reasoning-gym/{name}-retry-v0")
+    returns = []
+    for seed in range(20):
+        env.reset(seed=seed)
+        done, ret, attempt = False, 0.0, 0
+        while not done:
+            _, reward, terminated, truncated, info = env.step(
+                f"<answer>{answers[attempt % len(answers)]}</answer>"
+            )
+            attempt, ret, done = attempt + 1, ret + reward, terminated or truncated
+        assert info["success"] and ret == pytest.approx(1 / attempt)
+        returns.append(ret)
+    assert sum(returns) / len(returns) < 0.8
+    single = envhub.make(f"reasoning-gym/{name}-v0")  # one attempt: the dataset's score
+    single.reset(seed=0)
+    assert single.step(single.expert_action())[1] == 1.0
+
+
+def test_success_only_reward_pays_nothing_to_a_close_constant_answer():
+    """time_intervals scores closeness: the constant '04:00' earns most of the reward on time
+    questions. reward='success' pays 1 for a full-score answer and 0 otherwise."""
+    default = envhub.make("reasoning-gym/time_intervals-v0", size=60)
+    strict = envhub.make("reasoning-gym/time_intervals-v0", size=60, reward="success")
+    constant, strict_constant = [], []
+    for index in range(60):
+        for env, into in ((default, constant), (strict, strict_constant)):
+            env.reset(seed=0, options={"task_index": index})
+            if env.unwrapped.task["metadata"]["task_type"].startswith("time"):
+                into.append(env.step("<answer>04:00</answer>")[1])
+    assert sum(constant) / len(constant) > 0.5  # the dataset's own score stays the default
+    assert strict_constant and set(strict_constant) == {0.0}
+    strict.reset(seed=0, options={"task_index": 3})
+    _, reward, _, _, info = strict.step(strict.expert_action())
+    assert (reward, info["success"]) == (1.0, True)
+    with pytest.raises(SourceConfigError, match="reward must be"):
+        envhub.make("reasoning-gym/time_intervals-v0", reward="binary")

@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from fastapi.responses import JSONResponse
 
@@ -370,3 +371,52 @@ def test_unknown_games_say_what_exists():
         envhub.make("textarena/TicTacToo-v0")
     with pytest.raises(SourceConfigError, match="Did you mean 'TicTacToe-v0'"):
         envhub.make("textarena/TicTacToe-v0", game="TicTacToo-v0")
+
+
+FORFEITING_OPPONENT = [  # the random opponent played the rules' example move and forfeited
+    "textarena/Alquerque-v0",
+    "textarena/Breakthrough-v0",
+    "textarena/LinesOfAction-v0",
+    "textarena/MemoryGame-v0",
+    "textarena/UltimateTicTacToe-v0",
+    "textarena/Nim-v0",
+]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("env_id", FORFEITING_OPPONENT)
+def test_one_agent_move_does_not_win_by_the_random_opponents_forfeit(env_id):
+    """The agent plays a move its observation lists; the random opponent plays a legal move
+    of its own seat, and a game the opponent still loses by invalid moves is no win."""
+    from envhub.adapters.opponents import random_move
+
+    env = envhub.make(env_id)
+    one_move_wins, forfeit_wins = 0, 0
+    for seed in range(10):
+        messages, _ = env.reset(seed=seed)
+        rng, steps, done = np.random.default_rng(seed), 0, False
+        while not done:
+            messages, reward, terminated, truncated, info = env.step(
+                random_move(messages[-1]["content"], rng)
+            )
+            steps, done = steps + 1, terminated or truncated
+        one_move_wins += steps == 1 and reward > 0
+        forfeit_wins += reward > 0 and info.get("opponent_forfeit", False)
+    assert (one_move_wins, forfeit_wins) == (0, 0)
+
+
+@pytest.mark.parametrize("env_id", ["textarena/RushHour-v0", "textarena/PegJump-v0"])
+def test_a_game_the_agent_ends_with_invalid_moves_pays_no_progress_score(env_id):
+    """RushHour and PegJump pay their progress score to a game ended by invalid moves: junk
+    twice earned 0.5 in RushHour. The adapter scores that end as TextArena's invalid-move loss."""
+    env = envhub.make(env_id)
+    for seed in range(2):
+        env.reset(seed=seed)
+        assert env.step("pass")[1] == 0.0
+        _, reward, terminated, _, info = env.step("pass")
+        assert (reward, terminated, info["success"], info["invalid_action"]) == (
+            -1.0,
+            True,
+            False,
+            True,
+        )

@@ -62,14 +62,13 @@ def test_partial_credit_feedback_and_revision(tmp_path):
             "```python\ndef add(a, b):\n    return a + b if a < 0 else 0\n```"
         )
         assert info["passed"] == 2 and reward == pytest.approx(0.5) and not terminated
-        assert (
-            "2/4 tests passed" in reply[0]["content"]
-            and "assert add(1, 2) == 3" in reply[0]["content"]
-        )
-        assert (
-            "AssertionError" in reply[0]["content"]
-            and "Revise your code (2 attempt(s) left)" in reply[0]["content"]
-        )
+        text = reply[0]["content"]  # how many failed and how, never what a test expected
+        assert "2/4 tests passed" in text and "2 test(s): your function's result failed" in text
+        assert "add(1, 2)" not in text and "== 3" not in text and "15" not in text
+        assert "Revise your code (2 attempt(s) left)" in text
+        reply = env.step("```python\ndef add(a, b):\n    return [][a]\n```")[0]
+        assert "4 test(s): your code raised:" in reply[0]["content"]
+        assert "IndexError: list index out of range" in reply[0]["content"]
         _, reward, terminated, _, info = env.step(env.expert_action())
         assert terminated and reward == pytest.approx(0.5) and info["best_score"] == 1.0
     finally:

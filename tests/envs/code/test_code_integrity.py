@@ -192,3 +192,76 @@ def test_the_runner_runs_compiled_or_from_source(tmp_path, same_python):
         text=True,
     )
     assert out.stdout == "ran __main__ runner.py\n", out.stderr
+
+
+def _cases_from_feedback(text: str, table: dict[str, object]) -> None:
+    """What a memorising policy reads from feedback: each ``assert candidate(ARGS) == WANT``
+    it is shown, as a lookup table entry (the reviewer's policy, /tmp/review-reward)."""
+    import ast
+    import re
+
+    for found in re.finditer(r"^- (assert .*)$", text, re.MULTILINE):
+        try:
+            node = ast.parse(found.group(1)).body[0].test  # type: ignore[attr-defined]
+        except (SyntaxError, AttributeError):
+            continue
+        call, want = None, None
+        if isinstance(node, ast.Compare) and len(node.ops) == 1 and isinstance(node.ops[0], ast.Eq):
+            call, want = node.left, node.comparators[0]
+        elif isinstance(node, ast.Call):
+            call, want = node, ast.Constant(True)
+        if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name)):
+            continue
+        try:
+            args = tuple(ast.literal_eval(a) for a in call.args)
+            table[repr(args)] = ast.literal_eval(want)
+        except (ValueError, SyntaxError, TypeError):
+            continue
+
+
+def test_feedback_does_not_hand_out_the_expected_values_of_the_tests_that_score():
+    """A policy that only copies the failing tests shown in feedback into a lookup table
+    earns what its first (constant) attempt earned: the revisions gain nothing."""
+    env = envhub.make("code/humaneval-v0")
+    try:
+        gained, successes = [], 0
+        for index in range(0, 164, 4):
+            env.reset(seed=0, options={"task_index": index})
+            entry, table, first, ret = env.unwrapped.task["entry_point"], {}, None, 0.0
+            while not env.unwrapped.done:
+                code = (
+                    f"_T = {table!r}\ndef {entry}(*args):\n    return _T.get(repr(args), False)\n"
+                )
+                reply, reward, _, _, info = env.step(f"```python\n{code}```")
+                first = reward if first is None else first
+                ret += reward
+                _cases_from_feedback(reply[-1]["content"], table)
+            gained.append(ret - first)
+            successes += info["success"]
+        assert successes == 0 and max(gained) == 0.0, (successes, sum(gained))
+    finally:
+        env.close()
+
+
+def test_a_solution_raising_stopiteration_fails_tests_that_iterate_with_map():
+    """StopIteration from the solution must not end the test's map()/filter() early."""
+    task = {
+        "id": "sq",
+        "prompt": 'def square(x):\n    """x squared."""\n',
+        "entry_point": "square",
+        "tests": [
+            "assert all(map(lambda x: square(x) == x * x, range(10)))",
+            "for got, x in zip(map(square, [1, 2, 3]), [1, 2, 3]):\n    assert got == x * x",
+            "assert list(filter(lambda x: square(x) == 4, [1, 2, 3])) == [2]",
+        ],
+    }
+    env = envhub.make("code/humaneval-v0", dataset=[task])
+    try:
+        env.reset(seed=0)
+        reply, reward, *_, info = env.step(
+            "```python\ndef square(x):\n    raise StopIteration\n```"
+        )
+        assert (reward, info["passed"]) == (0.0, 0), reply[0]["content"]
+        assert "StopIteration" in reply[0]["content"]
+    finally:
+        env.close()
