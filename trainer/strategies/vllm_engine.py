@@ -38,18 +38,18 @@ draws the same tokens as the run it continues, independently of how requests wer
 
 Weights
 -------
-``update_weights`` takes full HF-named tensors (a mapping, or any iterator of
-``(name, tensor)``, e.g. one that gathers bucket by bucket) and streams them into vLLM's
-``reload_weights`` on every worker, then clears the prefix cache, zeroes the KV cache (stale
-NaN there would reach new requests) and bumps ``version`` (``vllm_weights``: the checks and
-how the tensors travel). Each call must carry *every* tensor of the checkpoint (a tied
-``lm_head.weight`` is optional): a mapping with unknown or missing names, a tensor of another
-shape than the checkpoint's or with NaN/inf is refused before anything is loaded (``KeyError``
-/ ``ValueError``; the previous weights keep serving); an iterator refused, failing or falling
-short part-way, or a load vLLM itself fails, leaves the engine refusing to generate
-(``StaleWeightsError``) until the next complete update, which then succeeds, so it never
-serves half-updated weights silently. Requests in flight keep running across an update
-(their KV is recomputed on the new weights).
+``update_weights`` takes full HF-named tensors (a mapping, or any iterator of ``(name,
+tensor)``, e.g. one that gathers bucket by bucket) and streams them into vLLM's
+``reload_weights`` on every worker, then clears the prefix cache and bumps ``version``
+(``vllm_weights``: the checks and how the tensors travel; refusing NaN/inf weights also keeps
+NaN out of the KV cache, whose freed blocks keep their contents). Each call must carry *every*
+tensor of the checkpoint (a tied ``lm_head.weight`` is optional): a mapping with unknown or
+missing names, a tensor of another shape than the checkpoint's or with NaN/inf is refused
+before anything is loaded (``KeyError`` / ``ValueError``; the previous weights keep serving);
+an iterator refused, failing or falling short part-way, or a load vLLM itself fails, leaves the
+engine refusing to generate (``StaleWeightsError``) until the next complete update, which then
+succeeds, so it never serves half-updated weights silently. Requests in flight keep running
+across an update (their KV is recomputed on the new weights).
 
 Platform notes (sleep mode, CPU head sizes, chunked prefill, start-up time): see
 ``trainer.strategies.vllm_platform``.
@@ -565,10 +565,8 @@ class VLLMEngine:
             raise RuntimeError(self._dead)
         try:
             self._llm.collective_rpc("envhub_reload_weights", kwargs=payload)
-            # running requests are preempted (their KV recomputed on the new weights), so no
-            # block is in use and stale contents can be zeroed
+            # running requests are preempted: their KV is recomputed on the new weights
             self._llm.reset_prefix_cache(reset_running_requests=True)
-            self._llm.collective_rpc("envhub_zero_kv_cache")
         except BaseException as error:
             self._broken = (
                 f"a weight update failed part-way ({error!r}); the engine holds partly updated "

@@ -15,9 +15,7 @@ A reload that raises inside vLLM (its loader refusing a tensor) would leave laye
 between the checkpoint and the kernel layout, and every later reload would fail with the same
 error: the extension then finishes vLLM's layer-wise reload itself (the layers go back to the
 kernel layout, holding a mix of old and new weights) before re-raising, so the next full
-update loads cleanly. ``envhub_zero_kv_cache`` clears the KV cache after a reload: vLLM's
-prefix-cache reset frees blocks but keeps their contents, and NaN left there (by NaN weights)
-reaches later requests whose attention reads a block's unused slots (0 x NaN is NaN).
+update loads cleanly.
 """
 
 from __future__ import annotations
@@ -104,17 +102,3 @@ class EnvhubWorkerExtension:
 
         runner = self.model_runner
         finalize_layerwise_reload(runner.get_model(), runner.model_config)
-
-    def envhub_zero_kv_cache(self) -> None:
-        """Zero every KV-cache block (call it when no request holds blocks: after a prefix-cache
-        reset that preempted the running ones)."""
-        import torch
-
-        def zero(caches: Any) -> None:
-            if isinstance(caches, torch.Tensor):
-                caches.zero_()
-            elif isinstance(caches, list | tuple):
-                for cache in caches:
-                    zero(cache)
-
-        zero(self.model_runner.kv_caches)
