@@ -48,10 +48,10 @@ class AdapterSlots:
 
     def prepare(self, adapter: AdapterWeights, model_path: str) -> Any:
         """Write ``adapter`` to a folder of its own (caller's thread); its ``LoRARequest``."""
-        import torch
         from vllm.lora.request import LoRARequest
 
         from trainer.strategies.lora import write_adapter
+        from trainer.strategies.vllm_weights import all_finite
 
         if self.folder is None:
             raise ModelError(
@@ -59,7 +59,7 @@ class AdapterSlots:
                 "with sync: adapter does) or sync merged weights (model.lora.sync: merged)"
             )
         for name, tensor in adapter.tensors.items():
-            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            if not all_finite(tensor):
                 raise ValueError(
                     f"load_adapter got {name}, which has non-finite values (NaN or inf): the "
                     "training diverged; the engine keeps serving the previous adapter"

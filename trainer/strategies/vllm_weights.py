@@ -8,7 +8,8 @@ missing ones, a tensor of another shape or with NaN/inf values (``ValueError``) 
 before anything is loaded; an iterator is checked tensor by tensor as it is consumed (before
 a tensor reaches vLLM), and once it ran out. vLLM itself would narrow a wider tensor into its
 parameter silently, or fail half-way, and NaN weights would be served as NaN log-probs.
-Refusing non-finite tensors costs one read of each tensor, small next to vLLM's copy.
+Refusing non-finite tensors costs one sum per tensor (:func:`all_finite`), small next to vLLM's
+copy.
 
 Two ways the tensors travel, chosen by the engine:
 
@@ -27,6 +28,7 @@ What the workers do with them is ``vllm_worker.EnvhubWorkerExtension``.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import queue
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -35,10 +37,21 @@ from typing import Any
 
 from trainer.errors import ModelError
 
-__all__ = ["CheckpointNames", "safetensors_blob", "stream_to_engine"]
+__all__ = ["CheckpointNames", "all_finite", "safetensors_blob", "stream_to_engine"]
 
 _AHEAD = 8
 """Tensors the producer may run ahead of the engine thread."""
+
+
+def all_finite(tensor: Any) -> bool:
+    """Whether ``tensor`` holds no NaN or inf. A sum is finite only if every element is (NaN and
+    inf propagate), and it reads the tensor once without the mask ``isfinite`` builds (several
+    times faster on CPU); only a sum that overflowed is checked element by element."""
+    import torch
+
+    if not tensor.is_floating_point() or math.isfinite(float(tensor.sum())):
+        return True
+    return bool(torch.isfinite(tensor).all())
 
 
 class CheckpointNames:
@@ -80,7 +93,6 @@ class CheckpointNames:
     def check_tensor(self, name: str, tensor: Any) -> None:
         """``ValueError`` when ``tensor`` has another shape than the checkpoint's ``name``, or
         NaN/inf values."""
-        import torch
 
         shape, expected = tuple(tensor.shape), self.shapes.get(name)
         if expected is not None and shape != expected:
@@ -88,7 +100,7 @@ class CheckpointNames:
                 f"update_weights got {name} of shape {shape}; the inference model has "
                 f"{expected} ({_likely_cause(name, shape, expected)}); nothing of it was loaded"
             )
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        if not all_finite(tensor):
             raise ValueError(
                 f"update_weights got {name}, which has non-finite values (NaN or inf): the "
                 "training diverged (check the loss and grad_norm of the last steps, lower the "

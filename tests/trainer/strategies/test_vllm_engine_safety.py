@@ -169,3 +169,13 @@ def test_adapters_swapped_while_requests_run_keep_serving_them(
         assert folders == [f"v{engine._adapters.ids}"]  # old adapters gone once unused
     finally:
         engine.shutdown()
+
+
+def test_all_finite_reads_nan_and_inf_and_not_an_overflowing_sum() -> None:
+    from trainer.strategies.vllm_weights import all_finite
+
+    big = torch.full((4,), 3e38)  # finite elements whose sum overflows to inf
+    assert all_finite(torch.zeros(3)) and all_finite(big) and all_finite(torch.arange(3))
+    for bad in (math.nan, math.inf, -math.inf):
+        assert not all_finite(torch.tensor([1.0, bad, 2.0]))
+    assert not all_finite(torch.tensor([math.inf, -math.inf]))  # a sum of nan
