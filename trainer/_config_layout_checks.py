@@ -171,7 +171,8 @@ def vllm_option_problems(cfg: TrainerConfig) -> list[Problem]:
         return []
     valid = sorted(options - set(WORKER_ENGINE_ARGS))
     problems = []
-    for key in sorted(set(cfg.roles.actor_infer.strategy_args) - options):
+    given = set(cfg.roles.actor_infer.strategy_args) - set(WORKER_ENGINE_ARGS)  # said apart
+    for key in sorted(given - options):
         close = difflib.get_close_matches(key, valid, n=1)
         hint = f"did you mean {close[0]}? " if close else ""
         problems.append(
