@@ -17,6 +17,7 @@ Infrastructure
     ``trainer.controller``   dispatch modes and ``@register`` (no Ray), ``Batch``, ``Worker``,
                              ``Cluster`` (local or Ray), ``ResourceManager`` (placement groups)
     ``trainer.checkpoint``   atomic checkpoints with RNG state, seeds and extra state
+                             (``trainer.checkpoint_read``: reading and checking one back)
     ``trainer.errors``       the exception tree (messages name the path, the value, the fix)
 
 Learning

@@ -3,19 +3,25 @@
 A checkpoint is a folder written in full under a temporary name, every file fsync'ed, then
 renamed into place (the commit); a ``latest`` file naming it is then replaced atomically.
 
-1. **A kill never loses a committed checkpoint.** The next :class:`CheckpointManager` removes
-   half-written folders, puts back a checkpoint a kill caught between the two renames of a
-   re-save of its step, and repairs ``latest``.
+1. **A kill never loses a committed checkpoint, nor brings a deleted one back.** The next
+   :class:`CheckpointManager` removes half-written folders (``.tmp-``) and half-deleted ones
+   (pruned: ``.pruned-``, never put back), puts back a checkpoint a kill caught between the two
+   renames of a save (``.tmp-``, or a re-save's old copy in ``.trash-``), and repairs
+   ``latest``. A save that fails (a full disk) is a :class:`CheckpointError` naming the
+   checkpoint to continue from (:func:`resume_hint`).
 2. **One writer per folder.** A manager holds an exclusive ``fcntl.flock`` on ``root/.lock``
    until :meth:`CheckpointManager.close` or its process ends; a second one is refused naming
    the pid, so it can neither delete a live writer's temporary folder nor prune its
    checkpoints. ``CheckpointManager(root, lock=False)`` only reads.
-3. **Complete or invisible.** ``meta.json`` is written last, once every state it lists is on
-   disk. A ``meta.json`` without its keys, or a state file that cannot be read, is refused
-   naming the file and the older complete checkpoint to continue from.
+3. **Complete or invisible.** ``meta.json`` is written last, once every state and file it
+   lists is on disk. A ``meta.json`` without its keys, a listed file that is missing, or a state
+   file that cannot be read (or holds the wrong kind of data) is refused naming the file and the
+   older complete checkpoint to continue from (``trainer.checkpoint_read``). A ``step_N`` that
+   is a symbolic link is not a checkpoint.
 4. **One run per folder.** A manager's ``run_id`` goes into ``meta.json``; :meth:`load`
-   refuses a checkpoint of another run. :meth:`latest` follows ``latest`` when it names a
-   complete checkpoint (else the highest step).
+   refuses a checkpoint of another run. :meth:`latest` is the highest complete step
+   unless ``latest`` names a complete checkpoint of another run: the one rule the run, the CLI
+   and its messages use.
 5. **Loading runs no code.** ``.pt`` files are read with ``torch.load(weights_only=True)``
    (tensors, containers, numbers, strings, numpy RNG arrays); a file needing any other type is
    refused naming it, since unpickling it could run code from whoever wrote it.
@@ -24,7 +30,7 @@ After a save the newest ``keep`` complete checkpoints are kept. Layout under ``r
 
     .lock  latest              the writer's lock (its pid); "step_00000042"
     step_00000042/
-        meta.json              format, step, time, run id, state names, seeds (written last)
+        meta.json              format, step, time, run id, states, files, seeds (written last)
         config.json            the run's config, if given (for humans and for --resume)
         rng.pt / extra.pt      the saving process's RNG states / plain extra data
         states/<name>.pt       one torch.save'd object per name ("actor", "engine", ...)
@@ -37,9 +43,9 @@ must see the same filesystem).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import pickle
 import random
 import re
 import shutil
@@ -47,21 +53,32 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from envhub.runs.store import sync_folder
+from trainer.checkpoint_read import (
+    ALWAYS_WRITTEN,
+    FORMAT_VERSION,
+    STEP_DIR,
+    Checkpoint,
+    complete_steps,
+    open_checkpoint,
+    read_meta,
+    readable_meta,
+    symlinked_steps,
+)
 from trainer.errors import CheckpointError
 from trainer.folder_lock import FolderLock
 
-__all__ = ["Checkpoint", "CheckpointManager", "CheckpointWriter", "capture_rng", "restore_rng"]
+__all__ = ["CheckpointManager", "CheckpointWriter", "capture_rng", "restore_rng", "resume_hint"]
 
-FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _PARTIAL = re.compile(r"^\.(tmp|trash)-(step_\d{8,})-")
-_PARTIAL_PREFIXES = (".tmp-", ".trash-")
-_META_KEYS = {"format": int, "step": int, "states": list}
+"""A save not yet renamed in (``.tmp-``) or a re-saved step's old copy moved aside (``.trash-``):
+put back at start-up when complete (:meth:`CheckpointManager._restore_interrupted`)."""
+_PRUNED = ".pruned-"
+"""A checkpoint being deleted (pruned): never put back, removed at start-up."""
+_PARTIAL_PREFIXES = (".tmp-", ".trash-", _PRUNED)
 
 
 # --------------------------------------------------------------------------- RNG
@@ -122,152 +139,6 @@ def _torch_save(obj: Any, path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _torch_load(path: Path, map_location: Any, fallback: str = "") -> Any:
-    """``torch.load(weights_only=True)``, numpy's RNG state (a uint32 ndarray: data, no code)
-    allowed; a refused type or a damaged file is a CheckpointError naming ``path`` (and
-    ``fallback``: what to do instead)."""
-    import numpy as np
-    import torch
-    from torch.serialization import safe_globals
-
-    reconstruct: Any = np.zeros(0, np.uint32).__reduce__()[0]  # numpy 1.x/2.x _reconstruct
-    try:
-        with safe_globals([reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]):
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as err:
-        if "Weights only load failed" not in str(err):
-            raise CheckpointError(f"{path} is damaged ({err}).{fallback}") from None
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(err))
-        raise CheckpointError(
-            f"{path} holds a {found[1] if found else 'Python object'}, not only tensors and plain "
-            "data; refused, since loading it would run code from whoever wrote the file. Use "
-            "checkpoints written by this trainer" + (f".{fallback}" if fallback else "")
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise CheckpointError(f"{path} cannot be read ({err}).{fallback}") from None
-
-
-# --------------------------------------------------------------------------- reading
-
-
-@dataclass
-class Checkpoint:
-    """One complete checkpoint on disk. States are loaded on demand."""
-
-    path: Path
-    step: int
-    state_names: list[str]
-    seeds: dict[str, Any]
-    meta: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def run_id(self) -> str | None:
-        """The id of the run that wrote it (None in checkpoints older than run ids)."""
-        return self.meta.get("run_id")
-
-    def load_state(self, name: str, map_location: Any = "cpu") -> Any:
-        """The object saved under ``name`` (e.g. a model or optimizer state dict)."""
-        if name not in self.state_names:
-            raise CheckpointError(
-                f"checkpoint {self.path} has no state {name!r}; it has {self.state_names}"
-            )
-        return self._load(self.path / "states" / f"{name}.pt", map_location)
-
-    def states(self, map_location: Any = "cpu") -> dict[str, Any]:
-        """Every saved state, by name."""
-        return {name: self.load_state(name, map_location) for name in self.state_names}
-
-    @property
-    def rng(self) -> dict[str, Any]:
-        """The saving process's RNG states (pass to :func:`restore_rng`)."""
-        path = self.path / "rng.pt"
-        return self._load(path, "cpu") if path.exists() else {}
-
-    @property
-    def extra(self) -> dict[str, Any]:
-        """The extra state saved with it."""
-        path = self.path / "extra.pt"
-        return self._load(path, "cpu") if path.exists() else {}
-
-    @property
-    def config(self) -> dict[str, Any] | None:
-        """The run config saved with it, if any."""
-        path = self.path / "config.json"
-        if not path.exists():
-            return None
-        try:
-            return dict(json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{path} is unreadable ({err}).{_fallback(self.path)}") from None
-
-    def _load(self, path: Path, map_location: Any) -> Any:
-        return _torch_load(path, map_location, _fallback(self.path))
-
-
-def _fallback(damaged: Path) -> str:
-    """What to do about a damaged checkpoint: the older complete one to continue from, and how."""
-    older = [p for p in _complete(damaged.parent) if p.name < damaged.name]
-    if not older:
-        return (
-            f" No older complete checkpoint is in {damaged.parent}; start a fresh run "
-            "(without --resume)"
-        )
-    return (
-        f" To continue from the older complete checkpoint {older[-1].name}, move the damaged one "
-        f"aside (mv {damaged} {damaged}.damaged) and run with --resume again"
-    )
-
-
-def _complete(root: Path) -> list[Path]:
-    """The complete checkpoints (``step_N`` folders with ``meta.json``) in ``root``, oldest
-    first."""
-    found = []
-    for path in root.iterdir() if root.is_dir() else ():
-        match = _STEP_DIR.match(path.name)
-        if match and (path / "meta.json").is_file():
-            found.append((int(match[1]), path))
-    return [p for _, p in sorted(found)]
-
-
-def _readable_meta(target: Path) -> bool:
-    """``target`` has a meta.json that ``_read_meta`` accepts (a kill may have cut an older
-    trainer's meta.json short: it was written in place)."""
-    try:
-        _read_meta(target)
-    except CheckpointError:
-        return False
-    return True
-
-
-def _read_meta(target: Path) -> dict[str, Any]:
-    """``target/meta.json``, checked for the keys every checkpoint has."""
-    path = target / "meta.json"
-    try:
-        meta = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{target} is not a complete checkpoint (no meta.json)") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is unreadable ({err}).{_fallback(target)}") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path} is not a JSON object.{_fallback(target)}")
-    if meta.get("format", FORMAT_VERSION) != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{target} has checkpoint format {meta.get('format')!r}; this trainer reads "
-            f"format {FORMAT_VERSION}"
-        )
-    bad = [
-        f"{key} ({kind.__name__})"
-        for key, kind in _META_KEYS.items()
-        if not isinstance(meta.get(key), kind)
-    ]
-    if bad:
-        raise CheckpointError(
-            f"{path} lacks {', '.join(bad)}: not a checkpoint this trainer wrote, or edited."
-            f"{_fallback(target)}"
-        )
-    return meta
-
-
 # --------------------------------------------------------------------------- writing
 
 
@@ -309,11 +180,14 @@ class CheckpointWriter:
                 f"{self.path} lost states {missing} before its commit; the checkpoint of step "
                 f"{self.step} was not written (is another process using {self.path.parent}?)"
             )
+        files = [ALWAYS_WRITTEN]
         if self.rng is not None:
             _torch_save(self.rng, self.path / "rng.pt")
-        _torch_save(self.extra, self.path / "extra.pt")
+            files.append("rng.pt")
+        _torch_save(self.extra, self.path / ALWAYS_WRITTEN)
         if self.config is not None:
             (self.path / "config.json").write_text(json.dumps(self.config, indent=2, default=str))
+            files.append("config.json")
         _fsync_tree(self.path)
         meta = {
             "format": FORMAT_VERSION,
@@ -322,6 +196,7 @@ class CheckpointWriter:
             "run_id": self.run_id,
             "states": self.state_names,
             "seeds": self.seeds,
+            "files": files,  # a checkpoint lacking one of them is refused (checkpoint_read)
         }
         written = self.path / ".meta.json.tmp"  # renamed: a meta.json is never half written
         with open(written, "w") as f:
@@ -377,10 +252,22 @@ class CheckpointManager:
         try:
             yield writer
             writer._finish()
-        except BaseException:
+        except BaseException as err:
             shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(err, OSError):  # disk full, quota, permissions: say what to do
+                raise CheckpointError(self._save_failed(step, err)) from err
             raise
         self._commit(tmp, step)
+
+    def _save_failed(self, step: int, err: OSError) -> str:
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        where = f" ({err.filename})" if err.filename else ""
+        return (
+            f"saving the checkpoint of step {step} failed: {err.strerror or err}{where}. Nothing "
+            "of it was kept; the checkpoints before it are intact. "
+            + (f"Free space in {self.root}, then " if full else "Fix that, then ")
+            + resume_hint(self.root)
+        )
 
     def save(
         self,
@@ -438,37 +325,48 @@ class CheckpointManager:
         for path in complete[: max(0, len(complete) - self.keep)]:
             if path.name == keep_name:
                 continue
-            aside = self.root / f".trash-{path.name}-{uuid.uuid4().hex[:8]}"
-            os.rename(path, aside)  # never leave a half-deleted folder under a step_ name
-            shutil.rmtree(aside, ignore_errors=True)
+            aside = self.root / f"{_PRUNED}{path.name}-{uuid.uuid4().hex[:8]}"
+            os.rename(path, aside)  # never leave a half-deleted folder under a step_ name, nor
+            shutil.rmtree(aside, ignore_errors=True)  # under one start-up puts back (.trash-)
 
     # -- start-up repairs (under the lock) ----------------------------------------------
 
     def _restore_interrupted(self) -> list[Path]:
-        """Put back ``step_N`` when a kill left it only as a complete ``.tmp-`` (finished, not yet
-        renamed in: preferred, it is the newer save) or ``.trash-`` folder (moved aside)."""
-        candidates: dict[str, list[tuple[int, Path]]] = {}
-        for path in self.root.iterdir():
-            match = _PARTIAL.match(path.name)
-            if match and (path / "meta.json").is_file() and _readable_meta(path):
-                order = 0 if match[1] == "tmp" else 1
-                candidates.setdefault(match[2], []).append((order, path))
+        """Put back what :meth:`interrupted` names (a kill between the renames of a save)."""
         restored = []
-        for name, found in sorted(candidates.items()):
-            final = self.root / name
-            if final.exists():
-                continue
-            os.rename(min(found)[1], final)
-            restored.append(final)
+        for name, found in self._restorable().items():
+            os.rename(found, self.root / name)
+            restored.append(self.root / name)
         if restored:
             sync_folder(self.root)
         return restored
+
+    def _restorable(self) -> dict[str, Path]:
+        """``step_N`` -> the folder that puts it back: a complete ``.tmp-`` (finished, not yet
+        renamed in: preferred, it is the newer save) or ``.trash-`` one (a re-save's old copy
+        moved aside), when no ``step_N`` is there. Pruned folders (``.pruned-``) never are."""
+        candidates: dict[str, list[tuple[int, Path]]] = {}
+        for path in self.root.iterdir() if self.root.is_dir() else ():
+            match = _PARTIAL.match(path.name)
+            if match and not path.is_symlink() and readable_meta(path):
+                order = 0 if match[1] == "tmp" else 1
+                candidates.setdefault(match[2], []).append((order, path))
+        return {
+            name: min(found)[1]
+            for name, found in sorted(candidates.items())
+            if not (self.root / name).exists()
+        }
+
+    def interrupted(self) -> list[str]:
+        """The checkpoints (``step_N``) a kill left half renamed, which the next writing manager
+        puts back at start-up (read-only: nothing is moved)."""
+        return list(self._restorable())
 
     def _remove_partial(self) -> list[Path]:
         removed = []
         for path in self.root.iterdir():
             if path.name.startswith(_PARTIAL_PREFIXES):
-                if path.is_dir():
+                if path.is_dir() and not path.is_symlink():
                     shutil.rmtree(path, ignore_errors=True)
                 else:
                     path.unlink(missing_ok=True)
@@ -476,17 +374,10 @@ class CheckpointManager:
         return removed
 
     def _repair_pointer(self) -> None:
-        """Point ``latest`` at the newest checkpoint, unless it names a complete one of another
-        run (then the newest belongs to someone else: :meth:`load` refuses it)."""
-        complete = self.list()
-        if not complete:
-            return
-        pointed = self._pointed()
-        if pointed == complete[-1]:
-            return
-        if pointed in complete and _run_of(pointed) != _run_of(complete[-1]):
-            return
-        self._write_pointer(complete[-1].name)
+        """Point ``latest`` at the checkpoint :meth:`latest` resolves to."""
+        target = self.latest()
+        if target is not None and target != self._pointed():
+            self._write_pointer(target.name)
 
     def _require_lock(self, what: str) -> None:
         if self._lock is None or self._lock._handle is None:
@@ -497,9 +388,13 @@ class CheckpointManager:
 
     # -- reading ----------------------------------------------------------------------
 
+    def symlinked(self) -> list[Path]:
+        """``step_N`` entries that are symbolic links: never loaded, listed or pruned."""
+        return symlinked_steps(self.root)
+
     def list(self) -> list[Path]:
-        """Complete checkpoints (those with ``meta.json``), oldest first."""
-        return _complete(self.root)
+        """Complete checkpoints (``step_N`` folders with ``meta.json``), oldest first."""
+        return complete_steps(self.root)
 
     def _pointed(self) -> Path | None:
         pointer = self.root / "latest"
@@ -507,51 +402,56 @@ class CheckpointManager:
             name = pointer.read_text().strip()
         except (OSError, UnicodeDecodeError):
             return None
-        return self.root / name if _STEP_DIR.match(name) else None
+        return self.root / name if STEP_DIR.match(name) else None
 
     def latest(self) -> Path | None:
-        """The checkpoint to continue from: the one ``latest`` names when it is complete, else the
-        highest step with ``meta.json``; None if there is none."""
+        """The checkpoint to continue from (the one rule for every reader and writer): the
+        highest complete step, unless ``latest`` names a complete checkpoint of another run
+        than that one (then the highest belongs to someone else: :meth:`load` refuses it, and
+        ``latest`` is followed). A pointer naming an older checkpoint of the same run is stale (a
+        kill between a commit and the pointer's rewrite). None if there is no checkpoint."""
         complete = self.list()
+        if not complete:
+            return None
         pointed = self._pointed()
-        if pointed in complete:
+        if pointed in complete and _run_of(pointed) != _run_of(complete[-1]):
             return pointed
-        return complete[-1] if complete else None
+        return complete[-1]
 
     def load(self, path: str | Path | None = None) -> Checkpoint:
         """Open ``path`` (default: :meth:`latest`). Raises CheckpointError if there is none, if
-        its ``meta.json`` is unreadable or incomplete, or if it belongs to another run."""
+        it is a symbolic link, if its ``meta.json`` is unreadable or a state or file it lists is
+        missing (``trainer.checkpoint_read``), or if it belongs to another run."""
         target = Path(path) if path is not None else self.latest()
         if target is None:
             raise CheckpointError(
                 f"no checkpoint in {self.root}; run without --resume to start fresh"
             )
-        meta = _read_meta(target)
-        found = meta.get("run_id")
+        found = read_meta(target).get("run_id") if not target.is_symlink() else None
         if self.run_id is not None and found is not None and found != self.run_id:
             raise CheckpointError(
                 f"{target} belongs to run {found}, not to this run ({self.run_id}): checkpoint.dir "
                 f"{self.root} holds another run's checkpoints. Resume that run with its own "
                 "output_dir, or point checkpoint.dir at this run's checkpoints"
             )
-        missing = [n for n in meta["states"] if not (target / "states" / f"{n}.pt").is_file()]
-        if missing:
-            raise CheckpointError(
-                f"{target} lists states {missing} that are not in {target / 'states'}."
-                f"{_fallback(target)}"
-            )
-        return Checkpoint(
-            path=target,
-            step=int(meta["step"]),
-            state_names=list(meta["states"]),
-            seeds=dict(meta.get("seeds") or {}),
-            meta=meta,
-        )
+        return open_checkpoint(target)
+
+
+def resume_hint(root: str | Path) -> str:
+    """How to go on after a run stopped (a signal, a failed save): the checkpoint
+    :meth:`CheckpointManager.latest` resolves to, as the next ``--resume`` loads it."""
+    manager = CheckpointManager(root, lock=False)
+    latest = manager.latest()
+    if latest is not None:
+        return f"continue from {latest} with --resume"
+    if manager.interrupted():
+        return f"continue with --resume (it puts back {manager.interrupted()[-1]} first)"
+    return "no checkpoint was saved yet (checkpoint.every): start again without --resume"
 
 
 def _run_of(path: Path) -> Any:
     try:
-        return _read_meta(path).get("run_id")
+        return read_meta(path).get("run_id")
     except CheckpointError:  # a damaged one is reported when it is loaded
         return None
 

@@ -110,21 +110,17 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
     except (TrainerError, EnvhubError) as error:  # raised on purpose: the message names the fix
         _print_error(errors, error)
         sys.exit(1)
-    except Terminated:
-        from trainer.checkpoint import CheckpointManager
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (Terminated): the same way out
+        from trainer.checkpoint import resume_hint
 
-        latest = CheckpointManager(cfg.checkpoint_dir, lock=False).latest()
-        where = (
-            f"continue from {latest} with --resume"
-            if latest is not None
-            else "no checkpoint was saved yet (checkpoint.every)"
-        )
+        signum = signal.SIGTERM if isinstance(stop, Terminated) else signal.SIGINT
+        said = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C (SIGINT)"
         errors.print(
-            f"stopped by SIGTERM: workers shut down; {escape(where)}",
+            f"stopped by {said}: workers shut down; {escape(resume_hint(cfg.checkpoint_dir))}",
             highlight=False,
             soft_wrap=True,
         )
-        sys.exit(128 + signal.SIGTERM)
+        sys.exit(128 + signum)
     evals = [row for row in rows if row.get("eval/success") is not None]
     first_eval: dict[str, Any] = evals[0] if evals else {}
     last_eval: dict[str, Any] = evals[-1] if evals else {}
@@ -172,9 +168,11 @@ _RUN_FILES = ("metrics.jsonl", "checkpoints", "initial_policy")
 """With ``trainer.resume.RUN_FILE`` and ``RUN_LOCK``, what a run writes into ``output_dir``
 first (the metrics log, the default checkpoint folder, the built tiny policy): a folder
 holding one of them is a previous run; one holding none is someone's files, never moved."""
-_CHECKPOINT_FILES = re.compile(r"^(\.lock|latest|step_\d+|\.(tmp|trash)-(step_|latest).*)$")
+_CHECKPOINT_FILES = re.compile(
+    r"^(\.lock|latest|step_\d+|\.(tmp|trash)-(step_|latest).*|\.pruned-step_.*)$"
+)
 """What a ``CheckpointManager`` writes into ``checkpoint.dir`` (its lock, the ``latest``
-pointer, ``step_N`` folders and their half-written ``.tmp-``/``.trash-`` forms)."""
+pointer, ``step_N`` folders and their half-written ``.tmp-``/``.trash-``/``.pruned-`` forms)."""
 
 
 def _move_previous_run_aside(out: Path, checkpoints: Path) -> list[tuple[str, Path, Path]]:
@@ -281,19 +279,21 @@ def _check_resume(cfg: Any) -> ResumePoint:
     if (Path(cfg.output_dir) / RUN_LOCK).is_file():  # a run started there: is it still live?
         FolderLock(cfg.output_dir, name=RUN_LOCK, setting="output_dir").release()
     manager = CheckpointManager(cfg.checkpoint_dir, lock=False)
-    root = Path(cfg.checkpoint_dir)
-    if manager.latest() is None:
-        interrupted = root.is_dir() and any(
-            re.match(r"\.(tmp|trash)-step_", p.name) and (p / "meta.json").is_file()
-            for p in root.iterdir()
-        )
-        if interrupted:  # a kill mid-save left it half renamed: the run's manager puts it back
-            return ResumePoint(None, 0, config_drift(cfg))
+    root, latest = Path(cfg.checkpoint_dir), manager.latest()  # what the run's manager loads
+    odd = [
+        f"{link} is a symbolic link (to {link.resolve()}): ignored, a checkpoint must be a "
+        f"folder in {root}"
+        for link in manager.symlinked()
+    ]
+    interrupted = manager.interrupted()
+    if interrupted and (latest is None or interrupted[-1] > latest.name):
+        return ResumePoint(None, 0, [*odd, *config_drift(cfg)])  # the run's manager puts it back
+    if latest is None:
         raise CheckpointError(
             f"no checkpoint in {root}; run without --resume to start fresh"
             f"{_moved_aside_hint(Path(cfg.output_dir), root)}"
         )
-    checkpoint = manager.load()
+    checkpoint = manager.load(latest)
     conflicts = resume_conflicts(checkpoint.config, cfg.model_dump(mode="json"))
     behind = steps_behind(checkpoint.step, cfg.train.steps)
     conflicts += [behind] if behind else []
@@ -304,7 +304,8 @@ def _check_resume(cfg: Any) -> ResumePoint:
             f"cannot resume from {checkpoint.path} with this config:\n"
             + "\n".join(f"  - {line}" for line in conflicts)
         )
-    return ResumePoint(checkpoint.path, checkpoint.step, config_drift(cfg))
+    warnings = [*odd, *checkpoint.warnings, *config_drift(cfg)]
+    return ResumePoint(checkpoint.path, checkpoint.step, warnings)
 
 
 def _moved_aside_hint(out: Path, checkpoints: Path) -> str:

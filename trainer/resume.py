@@ -15,8 +15,12 @@ lists every setting that differs first). Three rules make that true and safe:
    naming the setting to put back, instead of dropping the optimizer state or failing deep
    inside torch.
 3. **Settings that change the shape of a saved state are refused up front**
-   (:func:`resume_conflicts`): LoRA on/off, its rank and targets, and the number of inference
-   engine ranks (whose sampling RNG states are saved one per rank).
+   (:func:`resume_conflicts`): the model (any ``model.tiny`` setting: the run would go on
+   training the tiny model it built, ``{output_dir}/initial_policy``; a ``model.path`` at
+   another model, told by :func:`model_identity`: architecture, sizes, vocabulary, tokenizer
+   files; the same model moved to another folder resumes), LoRA on/off, its rank and targets,
+   and the number of inference engine ranks (whose sampling RNG states are saved one per
+   rank). A checkpoint without its ``config.json`` is refused: these checks need it.
 4. **A run continues only itself.** Each run has an id (``{output_dir}/run.json``, and every
    checkpoint's ``meta.json``); a checkpoint of another run is refused, and a fresh start into
    a checkpoint folder that holds checkpoints is refused (:func:`start_run`).
@@ -28,6 +32,7 @@ lists every setting that differs first). Three rules make that true and safe:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -46,6 +51,7 @@ __all__ = [
     "ResumePoint",
     "check_saved_strategy",
     "keep_optimizer_settings",
+    "model_identity",
     "resume_conflicts",
     "run_id_of",
     "start_run",
@@ -135,6 +141,101 @@ def _get(tree: Mapping[str, Any] | None, path: str) -> Any:
 
 
 _SHAPE_SETTINGS = ("model.lora.rank", "model.lora.target_modules")
+_NO_CONFIG = (
+    "config.json: the checkpoint has none (deleted, or saved without it), and the checks of the "
+    "settings its states need (the model, LoRA) read it; copy it back from an older checkpoint "
+    "of this run, or start a new run (another output_dir)"
+)
+_NEW_RUN = "or start a new run (another output_dir) to train another model"
+_IDENTITY_KEYS = (
+    "model_type",
+    "hidden_size",
+    "n_embd",
+    "num_hidden_layers",
+    "n_layer",
+    "num_attention_heads",
+    "n_head",
+    "num_key_value_heads",
+    "intermediate_size",
+    "n_inner",
+    "vocab_size",
+    "n_positions",
+    "tie_word_embeddings",
+)
+"""The entries of a model's config.json that tell it apart (its weights' shapes)."""
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model", "vocab.txt")
+
+
+def model_identity(folder: Path) -> dict[str, Any] | None:
+    """What identifies the model in ``folder`` (cheap: its config.json and a hash of its
+    tokenizer files, no weights read); None when it has no readable config.json."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    identity = {key: config[key] for key in _IDENTITY_KEYS if key in config}
+    digest = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        if (folder / name).is_file():
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes())
+    identity["tokenizer"] = digest.hexdigest()[:16]
+    return identity
+
+
+def _model_folder(config: Mapping[str, Any], output_dir: Path) -> Path:
+    """The folder the run of ``config`` loads its model from (``roles.prepare_policy``)."""
+    path = _get(config, "model.path")
+    return Path(os.path.abspath(Path(path).expanduser())) if path else output_dir / "initial_policy"
+
+
+def _model_conflicts(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """The model of ``now`` unless it is the one the checkpoint's weights belong to (rule 3)."""
+    tiny_then, tiny_now = _get(saved, "model.tiny"), _get(now, "model.tiny")
+    if isinstance(tiny_then, Mapping) and isinstance(tiny_now, Mapping):
+        return [
+            f"model.tiny.{key}: {tiny_then.get(key)!r} in the checkpoint, {tiny_now.get(key)!r} "
+            f"now (the run trains the model it built then); resume with "
+            f"model.tiny.{key}={tiny_then.get(key)}, {_NEW_RUN}"
+            for key in sorted(set(tiny_then) | set(tiny_now))
+            if tiny_then.get(key) != tiny_now.get(key)
+        ]
+    output_dir = Path(os.path.abspath(str(_get(now, "output_dir"))))
+    then, later = _model_folder(saved, output_dir), _model_folder(now, output_dir)
+    if then == later:
+        return []
+    setting = "model.path" if _get(now, "model.path") else "model.tiny"
+    restore = (
+        f"model.path={_get(saved, 'model.path')}" + (" model.tiny=null" if tiny_now else "")
+        if _get(saved, "model.path")
+        else "model.path=null and model.tiny as saved"
+    )
+    saved_id, now_id = model_identity(then), model_identity(later)
+    if saved_id is None or now_id is None:
+        missing = then if saved_id is None else later
+        return [
+            (
+                f"{setting}: the run was saved with the model in {then}; {missing} holds no model "
+                f"(yet), so the model now cannot be checked to be that one; resume with {restore}, "
+                f"{_NEW_RUN}"
+            )
+        ]
+    differ = [
+        f"{key} {saved_id.get(key)} in the saved model, {now_id.get(key)} in this one"
+        if key != "tokenizer"
+        else "the tokenizer files differ"
+        for key in sorted(set(saved_id) | set(now_id))
+        if saved_id.get(key) != now_id.get(key)
+    ]
+    if not differ:  # the same model in another folder
+        return []
+    return [
+        (
+            f"{setting}: {later} is another model than the one the run was saved with ({then}): "
+            f"{'; '.join(differ)}; resume with {restore}, {_NEW_RUN}"
+        )
+    ]
 
 
 def resume_conflicts(
@@ -146,7 +247,9 @@ def resume_conflicts(
     """The settings of ``now`` (a dumped config) that a checkpoint saved under ``saved`` cannot
     be loaded with, one line each naming the setting and both values (rule 3); ``engine_ranks``:
     ``(saved, now)`` numbers of inference engine ranks."""
-    problems = []
+    if saved is None:
+        return [_NO_CONFIG]
+    problems = _model_conflicts(saved, now)
     lora_then, lora_now = _get(saved, "model.lora"), _get(now, "model.lora")
     if saved is not None and (lora_then is None) != (lora_now is None):
         then, later = ("on", "off") if lora_then is not None else ("off", "on")
@@ -197,7 +300,8 @@ class ResumePoint:
     step: int
     """The steps the run already did (0 when ``checkpoint`` is None: not known yet)."""
     drift: list[str]
-    """Lines naming the settings that differ from the checkpoint's config (warnings)."""
+    """Warning lines: the settings that differ from the checkpoint's config, what the checkpoint
+    lacks that a resume can do without, ``step_N`` links that are ignored."""
 
     def describe(self, cfg: Any) -> tuple[str, bool]:
         """What resuming under ``cfg`` does, in one line, and whether it builds the run: not when

@@ -1,7 +1,8 @@
 """Turn a config into running roles: the policy folder and the clusters.
 
 ``prepare_policy`` resolves ``model.path`` (checked to exist) or builds the tiny policy of
-``model.tiny`` once into ``{output_dir}/initial_policy`` (reused on ``--resume``), so every
+``model.tiny`` once into ``{output_dir}/initial_policy`` (reused on ``--resume``, which
+refuses a changed ``model.tiny`` or another model: ``trainer.resume``), so every
 role then loads the same folder through ``from_pretrained``. ``start_roles`` creates one
 cluster per active role: in-process workers (``cluster.backend: local``) placed by the
 config's device plan, or Ray actors in placement groups from a ``ResourceManager``.

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -193,3 +194,139 @@ def test_kill_9_at_an_arbitrary_moment_of_a_save_loop(tmp_path: Path) -> None:
     assert float(ckpt.load_state("model")["w"][0]) == float(ckpt.step) and ckpt.seeds == {
         "step": ckpt.step
     }
+
+
+# --------------------------------------------------------------------------- damaged or odd folders
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL in the middle of a deletion (nothing after it runs)."""
+
+
+def test_a_kill_while_pruning_never_brings_the_pruned_checkpoint_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    import trainer.checkpoint
+
+    manager = CheckpointManager(tmp_path, keep=1)
+    manager.save(1, states={"actor": torch.ones(1)}, config={"seed": 1})
+    real_rmtree = shutil.rmtree
+
+    def killed_mid_delete(path: Any, ignore_errors: bool = False) -> None:
+        if "step_00000001" in str(path):  # the pruned one: its small files go first
+            for name in ("rng.pt", "extra.pt", "config.json"):
+                (Path(path) / name).unlink(missing_ok=True)
+            raise Killed
+        real_rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(trainer.checkpoint.shutil, "rmtree", killed_mid_delete)
+    with pytest.raises(Killed):
+        manager.save(2, states={"actor": torch.zeros(1)}, config={"seed": 1})
+    manager.close()
+    monkeypatch.setattr(trainer.checkpoint.shutil, "rmtree", real_rmtree)
+    after = CheckpointManager(tmp_path, keep=1)
+    assert after.restored == []
+    assert [p.name for p in after.list()] == ["step_00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "latest", "step_00000002"]
+
+
+@pytest.mark.parametrize("name", ["rng.pt", "extra.pt", "config.json"])
+def test_a_checkpoint_missing_a_file_it_was_saved_with_is_refused_naming_it(
+    tmp_path: Path, name: str
+) -> None:
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, states={"actor": torch.ones(1)}, config={"seed": 1})
+    manager.save(2, states={"actor": torch.ones(1)}, config={"seed": 1})
+    (tmp_path / "step_00000002" / name).unlink()
+    with pytest.raises(CheckpointError) as error:
+        manager.load()
+    assert f"{tmp_path / 'step_00000002'} lacks {name}" in str(error.value)
+    assert "older complete checkpoint step_00000001" in str(error.value)
+
+
+def test_a_checkpoint_saved_without_rng_or_config_loads_without_them(tmp_path: Path) -> None:
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, states={"actor": torch.ones(1)}, rng=False)
+    checkpoint = manager.load()
+    assert checkpoint.rng == {} and checkpoint.config is None and checkpoint.warnings == []
+
+
+def test_an_older_checkpoint_without_its_rng_file_loads_with_a_warning(tmp_path: Path) -> None:
+    import json
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, states={"actor": torch.ones(1)})
+    meta = json.loads((tmp_path / "step_00000001" / "meta.json").read_text())
+    meta.pop("files", None)  # written before meta.json listed its files
+    (tmp_path / "step_00000001" / "meta.json").write_text(json.dumps(meta))
+    (tmp_path / "step_00000001" / "rng.pt").unlink()
+    checkpoint = manager.load()
+    assert checkpoint.rng == {}
+    assert any("rng.pt" in line for line in checkpoint.warnings), checkpoint.warnings
+
+
+def test_a_disk_full_during_a_save_names_the_checkpoint_to_continue_from(tmp_path: Path) -> None:
+    import errno
+
+    def disk_full(folder: Path) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(folder / "model.bin"))
+
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, states={"actor": torch.ones(1)})
+    with pytest.raises(CheckpointError) as error:
+        manager.save(2, states={"actor": torch.ones(1)}, files={"hf": disk_full})
+    message = str(error.value)
+    assert message.startswith("saving the checkpoint of step 2 failed: No space left on device")
+    assert f"continue from {tmp_path / 'step_00000001'} with --resume" in message
+    assert "Free space in" in message
+    assert [p.name for p in manager.list()] == ["step_00000001"]
+
+
+@pytest.mark.parametrize(
+    ("name", "data"),
+    [
+        ("rng.pt", {"python": "n"}),
+        ("rng.pt", {"numpy": [1, 2]}),
+        ("rng.pt", {"torch": torch.zeros(3)}),
+        ("rng.pt", [1, 2]),
+        ("extra.pt", [1, 2]),
+    ],
+)
+def test_rng_or_extra_of_the_wrong_type_is_refused_naming_the_file(
+    tmp_path: Path, name: str, data: Any
+) -> None:
+    manager = CheckpointManager(tmp_path)
+    manager.save(1, states={"actor": torch.ones(1)})
+    torch.save(data, tmp_path / "step_00000001" / name)
+    checkpoint = manager.load()
+    with pytest.raises(CheckpointError, match=f"step_00000001/{name} holds"):
+        restore_rng(checkpoint.rng)
+        checkpoint.extra.get("time_s")
+
+
+def test_a_symlinked_step_folder_is_not_a_checkpoint(tmp_path: Path) -> None:
+    outside = CheckpointManager(tmp_path / "outside")
+    outside.save(9, states={"actor": torch.ones(1)})
+    outside.close()
+    manager = CheckpointManager(tmp_path / "run")
+    manager.save(1, states={"actor": torch.ones(1)})
+    link = tmp_path / "run" / "step_00000009"
+    link.symlink_to(tmp_path / "outside" / "step_00000009")
+    assert manager.list() == [tmp_path / "run" / "step_00000001"]
+    assert manager.latest() == tmp_path / "run" / "step_00000001"
+    assert manager.symlinked() == [link]
+    with pytest.raises(CheckpointError, match="is a symbolic link"):
+        manager.load(link)
+
+
+def test_rng_states_saved_on_a_gpu_machine_pass_the_check(tmp_path: Path) -> None:
+    """CUDA generator states are not CPU ones (16 bytes): checked by type, not by a CPU
+    generator, so a GPU run's checkpoint is not refused."""
+    manager = CheckpointManager(tmp_path)
+    cuda_states = [torch.zeros(16, dtype=torch.uint8)]
+    manager.save(
+        1, states={"actor": torch.ones(1)}, rng={**capture_rng(), "torch_cuda": cuda_states}
+    )
+    assert torch.equal(manager.load().rng["torch_cuda"][0], cuda_states[0])

@@ -53,12 +53,12 @@ def started(monkeypatch: pytest.MonkeyPatch) -> Runs:
     return record_runs(monkeypatch)
 
 
-def previous_run(out: Path, step: int = 4) -> Path:
+def previous_run(out: Path, step: int = 4, *overrides: str) -> Path:
     """A run folder as ``envhub train`` leaves it: run.json, metrics and a checkpoint of ``step``
-    saved with the quickstart's config (LoRA off, 120 steps)."""
+    saved with the quickstart's config (LoRA off, 120 steps) and ``overrides``."""
     from trainer.config import load_config
 
-    saved = load_config(QUICKSTART, [f"output_dir={out}"])
+    saved = load_config(QUICKSTART, [f"output_dir={out}", *overrides])
     out.mkdir(parents=True)
     (out / "run.json").write_text('{"run_id": "previous"}\n')
     (out / "metrics.jsonl").write_text(f'{{"step": {step}}}\n')
@@ -400,3 +400,112 @@ def test_a_damaged_checkpoint_is_refused_at_load_naming_the_file(
         assert "model.path" in result.output and expected in result.output, result.output
         assert "copy or download it again" in result.output
         assert "Traceback" not in result.output
+
+
+# --------------------------------------------------------------------------- 5: which checkpoint
+
+
+def test_resume_with_another_tiny_model_size_is_refused_naming_the_setting(
+    tmp_path: Path, started: Runs
+) -> None:
+    """The run would go on training the saved 64-wide model (its initial_policy is reused) while
+    saying it resumes with hidden_size 32, and its next checkpoint would record 32."""
+    out = previous_run(tmp_path / "run")
+    result = train(f"output_dir={out}", "train.steps=8", "model.tiny.hidden_size=32", "--resume")
+    assert result.exit_code == 1, result.output
+    assert "model.tiny.hidden_size: 64 in the checkpoint, 32 now" in result.output
+    assert "resume with model.tiny.hidden_size=64" in result.output
+    assert "another output_dir" in result.output
+    assert not started
+
+
+def test_resume_with_model_path_at_another_model_is_refused_naming_what_differs(
+    policy_dir: Path, tmp_path: Path, started: Runs
+) -> None:
+    import json
+    import shutil
+
+    out = previous_run(tmp_path / "run", 4, "model.tiny=null", f"model.path={policy_dir}")
+    other = tmp_path / "other"
+    shutil.copytree(policy_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    config["num_hidden_layers"] = 3
+    (other / "config.json").write_text(json.dumps(config))
+    result = train(
+        f"output_dir={out}", "train.steps=8", "model.tiny=null", f"model.path={other}", "--resume"
+    )
+    assert result.exit_code == 1, result.output
+    assert f"model.path: {other} is another model than the one the run was saved with" in (
+        result.output
+    )
+    assert "num_hidden_layers 2 in the saved model, 3 in this one" in result.output
+    assert f"resume with model.path={policy_dir}" in result.output
+    assert "size mismatch" not in result.output and not started
+    moved = tmp_path / "moved"  # the same model in another folder resumes
+    shutil.copytree(policy_dir, moved)
+    result = train(
+        f"output_dir={out}", "train.steps=8", "model.tiny=null", f"model.path={moved}", "--resume"
+    )
+    assert result.exit_code == 0, result.output
+    assert len(started) == 1
+
+
+def test_resume_names_the_checkpoint_the_run_loads_when_latest_is_stale(
+    tmp_path: Path, started: Runs
+) -> None:
+    """A kill between committing step_5 and rewriting ``latest``: the run loads step_5."""
+    out = previous_run(tmp_path / "run")
+    manager = CheckpointManager(out / "checkpoints")
+    manager.save(5, states={"actor": {}}, config=manager.load().config, rng=False)
+    manager.close()
+    (out / "checkpoints" / "latest").write_text("step_00000004\n")
+    result = train(f"output_dir={out}", "train.steps=8", "--resume")
+    assert result.exit_code == 0, result.output
+    step_5 = out / "checkpoints" / "step_00000005"
+    assert f"resume: from {step_5} (step 5): steps 6-8 of train.steps=8" in result.output
+
+
+@pytest.mark.parametrize(
+    ("stop", "said", "code"),
+    [(trainer.cli.Terminated, "SIGTERM", 143), (KeyboardInterrupt, "Ctrl-C (SIGINT)", 130)],
+)
+def test_a_stopped_run_names_the_checkpoint_to_continue_from(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stop: type, said: str, code: int
+) -> None:
+    out = previous_run(tmp_path / "run")
+    manager = CheckpointManager(out / "checkpoints")
+    manager.save(5, states={"actor": {}}, config=manager.load().config, rng=False)
+    manager.close()
+    (out / "checkpoints" / "latest").write_text("step_00000004\n")  # stale, as after a kill
+
+    def stopped(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
+        raise stop()
+
+    monkeypatch.setattr(trainer.cli, "_run", stopped)
+    result = train(f"output_dir={out}", "train.steps=8", "--resume")
+    assert result.exit_code == code, result.output
+    step_5 = out / "checkpoints" / "step_00000005"
+    assert f"stopped by {said}: workers shut down; continue from {step_5} with --resume" in (
+        result.output
+    )
+    assert "Aborted!" not in result.output
+
+
+@pytest.mark.parametrize("listed", [True, False])
+def test_resume_of_a_checkpoint_without_its_config_is_refused(
+    tmp_path: Path, started: Runs, listed: bool
+) -> None:
+    """Without config.json the conflict checks cannot run: LoRA on a run saved without it would
+    end in a raw torch state-dict dump."""
+    import json
+
+    out = previous_run(tmp_path / "run")
+    step_4 = out / "checkpoints" / "step_00000004"
+    (step_4 / "config.json").unlink()
+    if not listed:  # a checkpoint written before meta.json listed its files
+        meta = json.loads((step_4 / "meta.json").read_text())
+        meta.pop("files", None)
+        (step_4 / "meta.json").write_text(json.dumps(meta))
+    result = train(f"output_dir={out}", "train.steps=8", "model.lora.rank=8", "--resume")
+    assert result.exit_code == 1, result.output
+    assert "config.json" in result.output and not started
