@@ -36,20 +36,6 @@ TEXTS = [
 
 
 @pytest.fixture(scope="module")
-def hf_policy(vllm_policy_dir: Path):
-    from trainer.models import load_policy
-
-    return load_policy(vllm_policy_dir)
-
-
-@pytest.fixture(scope="module")
-def engine(vllm_policy_dir: Path):
-    engine = VLLMEngine(str(vllm_policy_dir), seed=5, max_model_len=512, kv_cache_gib=0.125)
-    yield engine
-    engine.shutdown()
-
-
-@pytest.fixture(scope="module")
 def prompts(hf_policy) -> list[list[int]]:
     _, tokenizer = hf_policy
     return [

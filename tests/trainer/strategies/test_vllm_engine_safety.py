@@ -1,6 +1,6 @@
 """VLLMEngine under bad input and live changes: invalid sampling settings, wrongly shaped or
-non-finite weights, a load that fails inside vLLM, stale KV-cache contents, and LoRA adapters
-swapped while requests run. Each test states the behaviour a trainer run relies on."""
+non-finite weights, a load that fails inside vLLM, and LoRA adapters swapped while requests
+run. Each test states the behaviour a trainer run relies on."""
 
 from __future__ import annotations
 
@@ -27,13 +27,6 @@ TIMEOUT = 120  # a request that never resolves fails the test instead of hanging
 
 
 @pytest.fixture(scope="module")
-def hf_policy(vllm_policy_dir: Path):
-    from trainer.models import load_policy
-
-    return load_policy(vllm_policy_dir)
-
-
-@pytest.fixture(scope="module")
 def prompt(hf_policy) -> list[int]:
     _, tokenizer = hf_policy
     text = tokenizer.apply_chat_template(
@@ -42,13 +35,6 @@ def prompt(hf_policy) -> list[int]:
         tokenize=False,
     )
     return tokenizer.encode(text, add_special_tokens=False)
-
-
-@pytest.fixture(scope="module")
-def engine(vllm_policy_dir: Path):
-    engine = VLLMEngine(str(vllm_policy_dir), seed=5, max_model_len=512, kv_cache_gib=0.125)
-    yield engine
-    engine.shutdown()
 
 
 @pytest.fixture(scope="module")
