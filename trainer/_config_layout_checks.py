@@ -170,8 +170,18 @@ def vllm_option_problems(cfg: TrainerConfig) -> list[Problem]:
     if cfg.rollout.engine != "vllm" or options is None:
         return []
     valid = sorted(options - set(WORKER_ENGINE_ARGS))
-    problems = []
-    given = set(cfg.roles.actor_infer.strategy_args) - set(WORKER_ENGINE_ARGS)  # said apart
+    problems: list[Problem] = []
+    args = cfg.roles.actor_infer.strategy_args
+    if "gpu_memory_utilization" in args and args.get("kv_cache_gib", 1.0) is not None:
+        problems.append(
+            Problem(
+                "roles.actor_infer.strategy_args.gpu_memory_utilization",
+                f"is ignored while kv_cache_gib sizes the KV cache ({args.get('kv_cache_gib', 1.0)}"
+                " GiB; 1 unless set): set kv_cache_gib: null to size it by "
+                "gpu_memory_utilization, or drop gpu_memory_utilization",
+            )
+        )
+    given = set(args) - set(WORKER_ENGINE_ARGS)  # said apart
     for key in sorted(given - options):
         close = difflib.get_close_matches(key, valid, n=1)
         hint = f"did you mean {close[0]}? " if close else ""

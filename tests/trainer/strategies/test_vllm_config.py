@@ -54,3 +54,20 @@ def test_the_rollout_context_limit_is_the_engines_max_model_len_when_smaller(
     hf = load_config(QUICKSTART, [*TINY, "model.tiny.num_heads=1"])  # hf: the model's positions
     stub.cfg = hf
     assert AgenticPipeline._context_limit(stub) > 512
+
+
+@pytest.mark.parametrize("cache", ["", "kv_cache_gib: 2, "])
+def test_gpu_memory_utilization_under_a_set_kv_cache_size_is_refused_naming_the_fix(
+    cache: str,
+) -> None:
+    """vLLM sizes the KV cache from ``kv_cache_gib`` (1 GiB unless given) and then ignores
+    ``gpu_memory_utilization``: a user's setting must not vanish silently."""
+    args = f"roles.actor_infer.strategy_args={{{cache}gpu_memory_utilization: 0.8}}"
+    with pytest.raises(ConfigError) as refused:
+        load_config(QUICKSTART, [*VLLM, args])
+    message = str(refused.value)
+    assert "roles.actor_infer.strategy_args.gpu_memory_utilization" in message
+    assert "kv_cache_gib: null" in message
+    sized_by_it = "roles.actor_infer.strategy_args={kv_cache_gib: null, gpu_memory_utilization: 1}"
+    # with the cache sized by it, it counts (the memory check, off here, sizes a GPU's cache)
+    load_config(QUICKSTART, [*VLLM, sized_by_it, "cluster.check_memory=false"])
