@@ -230,6 +230,7 @@ class LocalSandbox(Sandbox):
         self.warm_exec = warm_exec
         self._executor: WarmExecutor | None = None
         self._current: subprocess.Popen[bytes] | None = None
+        self._stopping = False  # set by stop() before it sweeps (see _kill_running)
         self._launcher: Launcher | None = None
 
     # ---- host resources (see _footprint.py) ------------------------------------------------
@@ -283,6 +284,9 @@ class LocalSandbox(Sandbox):
             raise
 
     def _kill_running(self) -> None:
+        # first: a run still launching its command (not in the cgroup, not recorded yet) sees
+        # this once its process is recorded, and kills it (_exec); one of the two always does
+        self._stopping = True
         if self._run_cgroup is not None:
             self._run_cgroup.kill_all(timeout=1.0)
         proc = self._current
@@ -421,6 +425,8 @@ class LocalSandbox(Sandbox):
         else:
             t0 = time.monotonic()
             proc = self._current = self._popen(argv, env, cg)
+            if self._stopping:  # stop() swept while it launched: it would not be killed
+                kill_tree(proc.pid, cg)
             try:
                 cap = communicate(
                     proc,

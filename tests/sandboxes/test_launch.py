@@ -305,3 +305,34 @@ def test_an_etc_copy_another_user_planted_at_the_shared_name_is_not_used():
     finally:
         _release_copies_made_since(held, remove=False)
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_stop_while_a_run_is_still_launching_kills_the_command(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``stop()`` from another thread sweeps the run cgroup and the recorded process, then waits
+    for the run: a command still being launched then (not in the cgroup yet, not recorded) was
+    missed and slept out (the contract test caught it about once in 50 runs, stopping as soon as
+    the launcher's argv showed the command)."""
+    with LocalSandbox(limits=Limits(wall_time_s=60), isolation="bwrap") as sb:
+        launching, swept = threading.Event(), threading.Event()
+        popen, kill_running = sb._popen, sb._kill_running
+
+        def slow_popen(*args: object, **kwargs: object) -> subprocess.Popen[bytes]:
+            launching.set()
+            swept.wait(30)  # stop() sweeps now, before the command exists
+            return popen(*args, **kwargs)  # type: ignore[arg-type]
+
+        def sweep() -> None:
+            kill_running()
+            swept.set()
+
+        monkeypatch.setattr(sb, "_popen", slow_popen)
+        monkeypatch.setattr(sb, "_kill_running", sweep)
+        results: list[ExecResult] = []
+        runner = threading.Thread(target=lambda: results.append(sb.run("sleep 20")))
+        runner.start()
+        assert launching.wait(30), "the run never started launching"
+        sb.stop()
+        runner.join(60)
+        assert results and not results[0].ok, results  # killed, not slept out (exit 0)
