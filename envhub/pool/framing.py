@@ -2,7 +2,7 @@
 
 ::
 
-    request  = u32 length | u32 request id | u8 op | u32 episode | body
+    request  = u32 length | u32 request id | u8 op | u64 episode | body
     response = u32 length | u32 request id | u8 status | body (JSON)
 
 ``length`` counts the bytes after itself. ``FrameReader`` cuts a byte stream into frames in
@@ -23,7 +23,7 @@ __all__ = [
     "FrameTooLargeError",
 ]
 
-REQUEST = struct.Struct("<IIBI")  # length (of what follows), request id, op, episode
+REQUEST = struct.Struct("<IIBQ")  # length (of what follows), request id, op, episode
 RESPONSE = struct.Struct("<IIB")  # length (of what follows), request id, status
 DEFAULT_MAX_MESSAGE_BYTES = 64 << 20
 """The largest answer (JSON of one reset or step) a worker sends: 64 MiB."""

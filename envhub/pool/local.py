@@ -237,7 +237,7 @@ class ProcessWorker(WorkerBase, asyncio.Protocol):
             return self._lost_future()
         req_id = next(self._ids) % _REQUEST_IDS if op else 0
         try:  # before it is queued: a request that cannot be sent must not wait for an answer
-            header = REQUEST.pack(9 + len(body), req_id, op, episode)
+            header = REQUEST.pack(REQUEST.size - 4 + len(body), req_id, op, episode)
         except struct.error as exc:
             return self._refused_future(
                 f"worker {self.name} cannot send a request of {len(body)} bytes for episode "

@@ -1,7 +1,7 @@
-"""EnvPool at the edges of its bookkeeping: a worker dying while the pool starts, request ids past
-2**32, observations that are not chat messages, and on the Ray backend the answer cap, a call
-Ray refuses, a close with a call in flight and an actor dying while idle. One property per test,
-asserted as a user sees it.
+"""EnvPool at the edges of its bookkeeping: a worker dying while the pool starts, request and
+episode ids past 2**32, observations that are not chat messages, and on the Ray backend the
+answer cap, a call Ray refuses, a close with a call in flight and an actor dying while idle. One
+property per test, asserted as a user sees it.
 
 The envs the worker processes build live here too (importable as
 ``tests.envhub.pool.test_pool_edge_cases``). The Ray tests share one local Ray instance.
@@ -138,6 +138,26 @@ def test_a_worker_keeps_answering_past_two_to_the_32_requests():
             assert worker.inflight == 0
             assert not (await pool.step(b.episode, "x")).failed
             assert pool.stats().worker_restarts == 0
+
+    run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_keeps_starting_episodes_past_two_to_the_32():
+    """A long-lived hub numbers its episodes past 2**32 (50 days at 1,000 episodes/s): those
+    episodes reset, step and close like the first ones, each under its own id."""
+
+    async def main():
+        async with EnvPool(FAULTY, num_workers=1) as pool:
+            pool._ids = itertools.count(2**32 - 1)  # as after ~4.3e9 episodes
+            started = [await pool.reset(seed=i) for i in range(3)]
+            assert [r.episode for r in started] == [2**32 - 1, 2**32, 2**32 + 1]
+            for r in started:
+                assert (await pool.step(r.episode, f"e{r.episode}")).observation[-1][
+                    "content"
+                ] == f"echo e{r.episode}"
+                await pool.close_episode(r.episode)
+            assert pool.stats().episodes == 0 and pool.stats().worker_restarts == 0
 
     run(main())
 
