@@ -280,10 +280,17 @@ class RolloutConfig(Section):
     """Most policy turns per episode; the episode is truncated after that."""
     max_new_tokens: int = Field(default=32, gt=0)
     """Most tokens the policy may generate in one turn."""
-    temperature: float = Field(default=1.0, ge=0)
-    """Sampling temperature for training rollouts (0 is greedy)."""
+    temperature: float = 1.0
+    """Sampling temperature for training rollouts, > 0. The trainer takes its log-probs (the
+    actor's old and new, the reference's) and entropy under ``softmax(logits / temperature)``,
+    so the policy trained is the one sampled. Greedy (0) tokens cannot be trained on-policy:
+    use ``eval.temperature: 0`` for greedy evaluation."""
     top_p: float = Field(default=1.0, gt=0, le=1)
-    """Nucleus sampling mass."""
+    """Nucleus sampling mass. Below 1 the loss still uses full-vocabulary log-probs at
+    ``temperature`` (tokens outside the nucleus are never sampled, so never credited), and the
+    actor recomputes the old log-probs every step (vLLM reports them renormalised over the
+    nucleus); in ``async`` mode the importance weights and PPO's bound around the sampling
+    policy are then off."""
     engine: str = "hf"
     """Inference engine for ``actor_infer`` (``trainer.strategies.registry.INFERENCE_ENGINES``):
     ``hf`` (embedded torch generation) or ``vllm``."""
@@ -373,6 +380,18 @@ class RolloutConfig(Section):
                 "sequence per episode cannot do; set rollout.sample_unit: turn (or auto)"
             )
         return self
+
+    @field_validator("temperature")
+    @classmethod
+    def _trainable_temperature(cls, value: float) -> float:
+        if not value > 0 or value == float("inf"):  # NaN too
+            raise ValueError(
+                f"must be > 0 and finite, got {value}: the trainer takes log-probs under "
+                "softmax(logits / temperature), and greedy tokens (0) have none to train "
+                "on-policy; set rollout.temperature > 0 (1 samples the policy itself) and use "
+                "eval.temperature: 0 for greedy evaluation"
+            )
+        return value
 
     @field_validator("tool_parser")
     @classmethod

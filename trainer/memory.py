@@ -146,7 +146,7 @@ def _phases(cfg: TrainerConfig) -> dict[str, tuple[dict[str, Work], bool]]:
                 work["actor_infer"] = "generate"
         if phase == "sync":
             work = {"actor_train": "sync", "actor_infer": "sync"}
-        if phase == "reference" and (cfg.rollout.temperature != 1.0 or cfg.rollout.top_p != 1.0):
+        if phase == "reference" and cfg.rollout.top_p != 1.0:
             work["actor_train"] = "forward"  # old log-probs recomputed: its parameters reload
         phases[phase] = (work, swaps)
     return phases

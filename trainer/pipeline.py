@@ -204,16 +204,15 @@ class AgenticPipeline:
         )
 
     def reference_logprobs(self, batch: Batch) -> None:
-        """Log-probs of the frozen reference (only when a KL term is on), and recomputed old
-        log-probs when rollouts were not sampled at temperature 1."""
+        """Log-probs of the frozen reference (only when a KL term is on). With ``top_p < 1`` the
+        actor recomputes the old log-probs: the loss uses full-vocabulary log-probs at
+        ``rollout.temperature``, while vLLM's sampled ones are renormalised over the nucleus."""
         reference = self.roles.reference_logprobs(batch)
         if reference is not None:
             batch["ref_logprobs"] = reference
-        if self.cfg.rollout.temperature != 1.0 or self.cfg.rollout.top_p != 1.0:
+        if self.cfg.rollout.top_p != 1.0:
             batch["old_logprobs"] = self.roles.actor.compute_logprobs(batch)["logprobs"]
-        self.rollouts.off_policy_correction(
-            batch, self.roles.actor
-        )  # async: stale tokens' IS weights
+        self.rollouts.off_policy_correction(batch, self.roles.actor)  # async: IS weights
 
     def values(self, batch: Batch) -> None:
         """Critic values of every policy token (GAE only)."""
@@ -234,6 +233,7 @@ class AgenticPipeline:
                 batch["response_mask"],
                 loss.kl_coef,
                 loss.kl_estimator,
+                batch.get("episode_ids"),
             )
         advantages, returns = compute_advantages(
             _ESTIMATORS[algo.advantage_estimator],
@@ -245,6 +245,7 @@ class AgenticPipeline:
             values=batch.get("values"),
             gamma=algo.gamma,
             lam=algo.lam,
+            normalize_std=algo.normalize_std,
             state_ids=batch.get("state_ids"),
             step_returns=batch.get("step_returns"),
             step_weight=algo.gigpo_step_weight,

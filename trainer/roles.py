@@ -5,7 +5,9 @@
 refuses a changed ``model.tiny`` or another model: ``trainer.resume``), so every
 role then loads the same folder through ``from_pretrained``. ``start_roles`` creates one
 cluster per active role: in-process workers (``cluster.backend: local``) placed by the
-config's device plan, or Ray actors in placement groups from a ``ResourceManager``.
+config's device plan, or Ray actors in placement groups from a ``ResourceManager``. The actor
+and the reference take their log-probs at ``rollout.temperature``, the one the engines sample at
+(never ``eval.temperature``: evaluation episodes are not trained on).
 """
 
 from __future__ import annotations
@@ -139,6 +141,7 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
             seed=cfg.seed,
             optim=cfg.train.options(cfg.policy_lr),
             loss=cfg.algorithm.loss,
+            temperature=cfg.rollout.temperature,
             lora=cfg.model.lora,
             full_warm_start=(
                 cfg.model.lora is not None
@@ -153,7 +156,11 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
         )
         reference = (
             start(
-                ReferenceCluster, "reference", **common, micro_batch_size=cfg.train.micro_batch_size
+                ReferenceCluster,
+                "reference",
+                **common,
+                micro_batch_size=cfg.train.micro_batch_size,
+                temperature=cfg.rollout.temperature,
             )
             if "reference" in cfg.active_roles
             else None

@@ -49,7 +49,7 @@ def test_yaml_and_overrides_with_yaml_typed_values(tmp_path: Path) -> None:
             "roles.actor_train.device_mapping=[0,1]",
             "algorithm.loss.kl_coef=0.05",
             "algorithm.advantage_estimator=gae",
-            "rollout.temperature=0",
+            "rollout.temperature=0.5",
             "checkpoint.dir=null",
         ],
     )
@@ -57,7 +57,7 @@ def test_yaml_and_overrides_with_yaml_typed_values(tmp_path: Path) -> None:
     assert cfg.env.id == "games/sokoban-v0" and cfg.env.group_size == 4
     assert cfg.roles.actor_train.device_mapping == [0, 1] and cfg.roles.actor_train.world_size == 2
     assert cfg.active_roles == ["actor_train", "actor_infer", "reference", "critic"]
-    assert cfg.rollout.temperature == 0.0
+    assert cfg.rollout.temperature == 0.5
 
 
 def test_override_into_a_scalar_from_the_file_is_refused(tmp_path: Path) -> None:
@@ -303,3 +303,12 @@ def test_every_shipped_example_config_loads(path: str, tmp_path: Path) -> None:
     assert first.startswith("#") and "envhub train" in first, (
         f"{path} must start with a comment giving the command that runs it (STYLE.md 9)"
     )
+
+
+def test_greedy_training_rollouts_are_refused_naming_eval_temperature(tmp_path: Path) -> None:
+    """The trainer takes its log-probs under softmax(logits / rollout.temperature): greedy
+    tokens have none, so 0 is refused at load (greedy evaluation is eval.temperature's)."""
+    path = write(tmp_path, "env:\n  id: games/sokoban-v0\n")
+    [problem] = problems_of(path, ["rollout.temperature=0"])
+    assert problem.startswith("rollout.temperature")
+    assert "greedy" in problem and "eval.temperature: 0" in problem

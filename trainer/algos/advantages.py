@@ -13,6 +13,14 @@ Shapes and conventions (shared with ``losses.py``):
 Every function returns ``advantages`` of shape ``(B, T)``, zero outside ``response_mask``.
 Multi-turn GAE and Reinforce++ treat the policy tokens of a row as *the* time axis: env
 tokens between turns are skipped (they are transitions of the environment, not actions).
+
+Per-turn samples (``rollout.sample_unit: turn``): an episode is several rows, in the order of
+its turns, with ``episode_ids`` (B,) naming the episode of each; ``token_rewards`` then hold
+each row's own rewards (``collate`` puts the final reward on the episode's last row). Both
+layouts credit a policy token alike: the group estimators count episodes, not rows, and a KL
+penalty costs every row its episode's whole KL; for GAE and Reinforce++, ``later_returns``
+puts on each row's last policy token the discounted return of the episode's later rows (``gamma``
+per policy token, as across the turns of one row).
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ __all__ = [
     "gigpo",
     "grpo",
     "kl_penalised_rewards",
+    "later_returns",
     "masked_whiten",
     "reinforce_plus_plus",
     "rloo",
@@ -204,6 +213,52 @@ def reinforce_plus_plus(
     return masked_whiten(returns, mask) if whiten else returns
 
 
+def later_returns(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    episode_ids: torch.Tensor,
+    gamma: float = 1.0,
+) -> torch.Tensor:
+    """``token_rewards`` plus, on each row's last policy token, the return of the later rows of
+    its episode: per-turn samples, credited as one row per episode would credit them.
+
+    Rows of an episode (equal ``episode_ids``) must come in the order of its turns (``collate``
+    keeps it). One row per episode would discount a later reward by ``gamma`` per policy token
+    between them; so a row receives ``gamma * C``, where ``C`` is the discounted return from the
+    first policy token of the next row on: ``C_k = sum_t gamma^t r_(k+1, t) + gamma^n C_(k+1)``
+    over that row's ``n`` policy tokens. A row without policy tokens passes the return on.
+    Reinforce++ (and GAE with ``lam = 1``) then give every policy token the advantage one row
+    would; GAE with ``lam < 1`` credits a row's end with this return where one row would also
+    bootstrap from the critic's values of the later tokens.
+    Returns a new ``(B, T)`` tensor; with one row per episode, ``token_rewards`` unchanged.
+    """
+    import torch
+
+    mask = response_mask > 0
+    if not mask.any():
+        return token_rewards.clone()
+    rewards = token_rewards.double()
+    position = mask.cumsum(-1) - 1  # per policy token: the policy tokens before it in the row
+    discount = torch.where(mask, gamma ** position.clamp(min=0).double(), torch.zeros_like(rewards))
+    own = (rewards * discount).sum(-1).tolist()  # each row's return from its first policy token
+    lengths = mask.sum(-1).tolist()
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, columns, -1).max(-1).values.tolist()
+    episodes = episode_ids.tolist()
+    after: dict[int, float] = {}  # per episode: the return from the row after the current one
+    credit = [0.0] * len(own)
+    for r in reversed(range(len(own))):
+        carried = after.get(episodes[r], 0.0)
+        credit[r] = gamma * carried
+        after[episodes[r]] = own[r] + gamma ** lengths[r] * carried
+    out = token_rewards.clone()
+    rows = [r for r in range(len(own)) if lengths[r] and credit[r]]
+    if rows:
+        received = torch.tensor([credit[r] for r in rows], dtype=out.dtype, device=out.device)
+        out[rows, [last[r] for r in rows]] += received
+    return out
+
+
 def kl_penalised_rewards(
     token_rewards: torch.Tensor,
     scores: torch.Tensor,
@@ -212,12 +267,16 @@ def kl_penalised_rewards(
     response_mask: torch.Tensor,
     kl_coef: float,
     estimator: KLEstimator = "k3",
+    episode_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``algorithm.loss.kl_mode: penalty``: the KL to the reference folded into the rewards.
 
     Per policy token ``r_t - kl_coef * KL_t`` (``losses.kl_estimate`` of the sampling log-probs
-    against the reference's); each episode's score loses ``kl_coef * sum_t KL_t``, so
-    score-based estimators (GRPO, RLOO) see the same penalty as token-reward ones (GAE).
+    against the reference's); each episode's score loses ``kl_coef * sum_t KL_t`` over all its
+    policy tokens, so score-based estimators (GRPO, RLOO, GiGPO) see the same penalty as
+    token-reward ones (GAE, Reinforce++). With ``episode_ids`` (per-turn samples) the sum runs
+    over every row of the episode, and each of its rows' scores loses it whole; the KL of later
+    rows reaches a row's tokens through ``later_returns``, as their rewards do.
     Returns ``(token_rewards, scores)``, both new tensors.
     """
     import torch
@@ -227,7 +286,12 @@ def kl_penalised_rewards(
     on = response_mask > 0  # (what masked positions hold may be far apart: exp() overflows)
     kl = kl_estimate(old_logprobs, torch.where(on, ref_logprobs, old_logprobs), estimator)
     kl = kl * response_mask
-    return token_rewards - kl_coef * kl, scores - kl_coef * kl.sum(-1)
+    total = kl.sum(-1)
+    if episode_ids is not None and episode_ids.numel():
+        _, episode = torch.unique(episode_ids, return_inverse=True)
+        per_episode = torch.zeros(int(episode.max()) + 1, dtype=total.dtype, device=total.device)
+        total = per_episode.index_add_(0, episode, total)[episode]
+    return token_rewards - kl_coef * kl, scores - kl_coef * total.to(scores.dtype)
 
 
 def compute_advantages(
@@ -248,9 +312,13 @@ def compute_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dispatch on ``estimator``; returns ``(advantages, returns)`` (returns only for GAE).
 
-    ``episode_ids`` (rows of one episode: per-turn samples) make the group estimators count
-    episodes, not rows; ``state_ids`` and ``step_returns`` (``collate`` makes them for
-    per-turn samples) are GiGPO's anchor states and turn returns."""
+    ``episode_ids`` (rows of one episode: per-turn samples, in turn order) make the group
+    estimators count episodes, not rows, and give GAE and Reinforce++ the later rows' returns
+    (``later_returns``); ``state_ids`` and ``step_returns`` (``collate`` makes them for
+    per-turn samples) are GiGPO's anchor states and turn returns. ``normalize_std=False`` is
+    Dr. GRPO (grpo and gigpo)."""
+    if estimator in ("gae", "reinforce_plus_plus") and episode_ids is not None:
+        token_rewards = later_returns(token_rewards, response_mask, episode_ids, gamma)
     if estimator == "gae":
         if values is None:
             raise ValueError(

@@ -6,10 +6,11 @@
     old_logprobs   (B, T) float   token_rewards  (B, T) float   scores        (B,)   float
     group_ids      (B,)   long    episode_ids    (B,)   long
 
-``token_rewards`` holds each turn's reward on that turn's last policy token; ``scores`` is
-the episode return. Episodes from env workers (``trainer.rollout.wire.PackedTrajectory``) are
-read from their packed bytes (``Trajectory.token_array``). ``episode_advantages`` maps a
-batch's advantages back to episodes; ``turn_states`` gives GiGPO its per-turn states.
+``token_rewards`` holds each turn's reward on that turn's last policy token (the final reward
+on the episode's last one); ``scores`` is the episode return. Episodes from env workers
+(``trainer.rollout.wire.PackedTrajectory``) are read from their packed bytes
+(``Trajectory.token_array``). ``episode_advantages`` maps a batch's advantages back to
+episodes; ``turn_states`` gives GiGPO its per-turn states.
 """
 
 from __future__ import annotations
@@ -48,10 +49,12 @@ def collate(
     """Right-padded training tensors for ``trajectories`` (shapes in the module docstring).
 
     An episode with ``samples`` (one per turn, or per agent call that did not extend the last
-    one) gives one row per sample: each turn's reward on that turn's last policy token, plus
-    the later samples' rewards and the final reward on the sample's last one, and
-    the episode return as every row's score; ``episode_ids`` (B,) says which episode a row
-    came from, so group baselines count each episode once however many turns it took. With
+    one) gives one row per sample, in their order: each turn's reward on that turn's last
+    policy token, the final reward beside the episode's last turn reward (on the last sample
+    that ended a turn), and the episode return as every row's score; ``episode_ids`` (B,)
+    says which episode a row came from, so group baselines count each episode once however
+    many turns it took, and GAE and Reinforce++ credit a row with its episode's later rows
+    (``trainer.algos.advantages.later_returns``, discounted as one row would be). With
     samples and ``step_gamma`` (GiGPO's discount; only GiGPO asks), ``state_ids`` and
     ``step_returns`` (B,) are its inputs (``turn_states``)."""
     import torch
@@ -69,12 +72,13 @@ def collate(
     attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
     response_mask = torch.zeros((len(rows), width))
     old_logprobs = torch.zeros((len(rows), width))
-    # each turn's reward on its last policy token, then on a row's last one the final reward
-    # (and, for a sample, the later samples' rewards), added in one go in that order
+    # each turn's reward on its last policy token, and the final reward beside the episode's
+    # last one (the later rows' rewards reach a sample's row through the estimators)
+    last_row = {i: r for r, (i, _, row) in enumerate(rows) if row.turn_ends}
     at_rows: list[int] = []
     at_tokens: list[int] = []
     rewards: list[float] = []
-    for r, (i, k, row) in enumerate(rows):
+    for r, (i, _, row) in enumerate(rows):
         episode, n = trajectories[i], len(arrays[r][0])
         if n:
             for tensor, values in zip(
@@ -89,13 +93,12 @@ def collate(
             )
         if not row.turn_ends:
             continue
-        at_rows += [r] * (len(row.turn_ends) + 1)
-        at_tokens += [*row.turn_ends, row.turn_ends[-1]]
-        rewards += row.turn_rewards
-        later = episode.final_reward
-        if row is not episode:  # a sample: the later samples' rewards on its end too
-            later += sum(sum(after.turn_rewards) for after in episode.samples[k + 1 :])
-        rewards.append(later)
+        ends, earned = list(row.turn_ends), list(row.turn_rewards)
+        if last_row[i] == r:
+            ends, earned = [*ends, ends[-1]], [*earned, episode.final_reward]
+        at_rows += [r] * len(ends)
+        at_tokens += ends
+        rewards += earned
     token_rewards = torch.zeros((len(rows), width))
     token_rewards.index_put_(
         (torch.tensor(at_rows, dtype=torch.long), torch.tensor(at_tokens, dtype=torch.long)),

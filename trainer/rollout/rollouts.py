@@ -31,9 +31,16 @@ cannot move the policy further than the trust region around the policy that samp
 With ``rollout.is_truncation`` set, the decoupled form is used instead: the ratio is taken
 against the policy at the start of this step (recomputed, the "proximal" policy) and every
 token's loss is weighted by ``min(pi_prox / pi_behaviour, is_truncation)`` (column
-``is_weights``); benchmarks/README.md records how the two compare on the quickstart. With
-``temperature`` or ``top_p`` other than 1 the engine's log-probs are not the policy's, so the
-pipeline recomputes them and no correction is added.
+``is_weights``); benchmarks/README.md records how the two compare on the quickstart.
+
+Both hold at any ``rollout.temperature``: the trainer takes its log-probs under
+``softmax(logits / temperature)`` (``trainer.strategies.base.ForwardOutput``), the distribution
+the engines sample from and report log-probs of. ``top_p < 1`` is the exception: the loss uses
+full-vocabulary log-probs at the temperature and does not model the nucleus (tokens outside it
+are never sampled, so never credited: the usual approximation), and vLLM reports log-probs
+renormalised over the nucleus, so the pipeline recomputes ``old_logprobs`` with the current actor
+and no correction is added: a stale token's ratio starts at 1, and PPO's clip no longer bounds
+the step away from the policy that sampled it.
 """
 
 from __future__ import annotations
@@ -189,12 +196,13 @@ class Rollouts:
     def off_policy_correction(self, batch: Batch, actor: Any) -> None:
         """``async`` with ``rollout.is_truncation`` set: recompute ``old_logprobs`` with the
         current (proximal) policy and add truncated ``is_weights``; otherwise the behaviour
-        log-probs stay the PPO anchor (see the module docstring)."""
+        log-probs stay the PPO anchor. Both at any temperature, with ``top_p`` 1 (see the module
+        docstring)."""
         rollout = self.cfg.rollout
         if rollout.mode != "async" or rollout.is_truncation is None:
             return
-        if rollout.temperature != 1.0 or rollout.top_p != 1.0:
-            # the pipeline already recomputed old_logprobs: sampled log-probs are not the policy's
+        if rollout.top_p != 1.0:
+            # the pipeline already recomputed old_logprobs: the sampled ones are not comparable
             return
         import torch
 

@@ -32,9 +32,10 @@ The strategy owns the model, optimiser, precision and parallel layout; the worke
 *loss*. ``forward(batch) -> ForwardOutput`` gives per-token log-probs (and optionally
 entropy / hidden states) for a padded batch; ``train_step(batch, loss_fn)`` runs the
 micro-batches, accumulates, clips and steps, and raises ``NonFiniteLossError`` instead of
-applying a NaN update. ``state_dict()`` / ``load_state_dict()`` cover model + optimiser for
-checkpoints; ``full_weights()`` yields full tensors for the weight sync; ``save_pretrained(path)``
-writes an HF folder (``from_pretrained`` loads it); ``offload(params=, optimizer=)`` / ``reload()``
+applying a NaN update. Both take log-probs at a sampling ``temperature`` (``ForwardOutput``).
+``state_dict()`` / ``load_state_dict()`` cover model + optimiser for checkpoints;
+``full_weights()`` yields full tensors for the weight sync; ``save_pretrained(path)`` writes an
+HF folder (``from_pretrained`` loads it); ``offload(params=, optimizer=)`` / ``reload()``
 move state off and back onto the device around colocated phases (``trainer.strategies.offload``:
 tracked no-ops on CPU; a call that needs an offloaded state reloads it first). In a sharded
 strategy (``fsdp2``, ``megatron``) ``full_weights``, ``state_dict`` and ``save_pretrained`` are
@@ -50,8 +51,8 @@ What a strategy module implements:
 ``__init__(model, *, device=..., <its options>, **common)``
     ``super().__init__(**common)`` (``TrainOptions``), lay the model out, set ``self.model`` and
     ``self.device``, then ``self._init_optimizer(owner)``: AdamW, freezing and ``residency``.
-``_run(micro, with_entropy) -> ForwardOutput``
-    One micro-batch forward (gradients recorded when enabled).
+``_run(micro, with_entropy, temperature) -> ForwardOutput``
+    One micro-batch forward (gradients recorded when enabled), log-probs at ``temperature``.
 ``_clip() -> float``
     The global gradient norm before clipping, after clipping to ``max_grad_norm``.
 ``full_weights`` / ``state_dict`` / ``load_state_dict`` / ``save_pretrained``
@@ -89,6 +90,7 @@ from trainer.strategies.distributed import (
     pad_micro_count,
     resolve_device,
     split_micro_batches,
+    summed_over_group,
 )
 from trainer.strategies.offload import Residency, state_movers
 from trainer.strategies.parallel_errors import ParallelConfigError
@@ -167,7 +169,10 @@ class InferenceEngine(Protocol):
 class ForwardOutput:
     """Per-token outputs aligned with ``input_ids``: ``logprobs[:, t] = log p(token_t | <t)``.
 
-    Position 0 (no context) is 0. ``entropy`` and ``values`` are present only when asked.
+    ``p = softmax(logits / temperature)``, the distribution rollouts sampled at that temperature
+    draw from: the actor and reference pass ``rollout.temperature`` (SFT keeps 1), so the PPO ratio
+    compares the policy that sampled; ``entropy`` is that distribution's too. Position 0 (no
+    context) is 0. ``entropy`` and ``values`` are present only when asked.
     """
 
     logprobs: torch.Tensor
@@ -197,11 +202,20 @@ class TrainStrategy(Protocol):
     """Which states are on the device, and the history of offload/reload moves."""
 
     def forward(
-        self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False
+        self,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
     ) -> ForwardOutput: ...
 
     def train_step(
-        self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False
+        self,
+        batch: Mapping[str, torch.Tensor],
+        loss_fn: LossFn,
+        *,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, float]: ...
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]: ...
@@ -357,8 +371,10 @@ class BaseTrainStrategy(abc.ABC):
 
     # ------------------------------------------------------------------ hooks
     @abc.abstractmethod
-    def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
-        """One micro-batch forward."""
+    def _run(
+        self, micro: Mapping[str, torch.Tensor], with_entropy: bool, temperature: float
+    ) -> ForwardOutput:
+        """One micro-batch forward, log-probs (and entropy) at ``temperature``."""
 
     @abc.abstractmethod
     def _clip(self) -> float:
@@ -390,10 +406,10 @@ class BaseTrainStrategy(abc.ABC):
         return pad_micro_count(micros, batch, self.device) if self.collective else micros
 
     def _forward_micros(
-        self, micros: list[dict[str, torch.Tensor]], with_entropy: bool
+        self, micros: list[dict[str, torch.Tensor]], with_entropy: bool, temperature: float
     ) -> list[ForwardOutput]:
         """Outputs of every micro-batch (no gradients), dummies included."""
-        return [self._run(micro, with_entropy) for micro in micros]
+        return [self._run(micro, with_entropy, temperature) for micro in micros]
 
     def _on_micro_batch(self, index: int, count: int) -> None:
         """Called before micro-batch ``index`` of the ``count`` in one optimiser step."""
@@ -418,13 +434,15 @@ class BaseTrainStrategy(abc.ABC):
         scales: list[float],
         loss_fn: LossFn,
         with_entropy: bool,
+        temperature: float,
     ) -> list[tuple[float, dict[str, float]]]:
         """Forward and backward of one optimiser step's micro-batches, each loss times its scale;
         the ``(loss, metrics)`` of each, stopping after the first non-finite loss (no backward)."""
         losses: list[tuple[float, dict[str, float]]] = []
         for index, micro in enumerate(group):
             self._on_micro_batch(index, len(group))
-            loss, metrics = self._micro_loss(self._run(micro, with_entropy), micro, loss_fn)
+            out = self._run(micro, with_entropy, temperature)
+            loss, metrics = self._micro_loss(out, micro, loss_fn)
             losses.append((float(loss.detach()), metrics))
             if not math.isfinite(losses[-1][0]):
                 break  # the step is refused: the rest would be wasted work
@@ -436,9 +454,14 @@ class BaseTrainStrategy(abc.ABC):
 
     # ------------------------------------------------------------------ forward / train
     def forward(
-        self, batch: Mapping[str, torch.Tensor], *, with_entropy: bool = False
+        self,
+        batch: Mapping[str, torch.Tensor],
+        *,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
     ) -> ForwardOutput:
-        """Per-token outputs for this rank's rows, no gradients, padded back to the batch width."""
+        """Per-token outputs for this rank's rows at ``temperature``, no gradients, padded back
+        to the batch width."""
         import torch
 
         self.residency.require("params")
@@ -448,7 +471,7 @@ class BaseTrainStrategy(abc.ABC):
         self.model.eval()
         with torch.no_grad():
             micros = self._micro_batches(union)
-            outs = self._forward_micros(micros, with_entropy)
+            outs = self._forward_micros(micros, with_entropy, temperature)
             real = [(o, m) for o, m in zip(outs, micros, strict=True) if "_dummy" not in m]
         self.model.train(was_training)
         full = union["input_ids"].shape[1]
@@ -471,9 +494,15 @@ class BaseTrainStrategy(abc.ABC):
         return ForwardOutput(logprobs=logprobs, entropy=cat("entropy"), values=cat("values"))
 
     def train_step(
-        self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False
+        self,
+        batch: Mapping[str, torch.Tensor],
+        loss_fn: LossFn,
+        *,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, float]:
-        """Optimiser steps over this rank's rows (``grad_accumulation`` micro-batches each)."""
+        """Optimiser steps over this rank's rows (``grad_accumulation`` micro-batches each); the
+        loss sees log-probs at ``temperature``."""
         if self.optimizer is None:
             raise RuntimeError(
                 "train_step on a frozen model; build the strategy with trainable=True"
@@ -502,7 +531,7 @@ class BaseTrainStrategy(abc.ABC):
             step = slice(first, first + per_step)
             self.optimizer.zero_grad(set_to_none=True)
             for offset, (value, metrics) in enumerate(
-                self._accumulate(micros[step], scales[step], loss_fn, with_entropy)
+                self._accumulate(micros[step], scales[step], loss_fn, with_entropy, temperature)
             ):
                 if not math.isfinite(value):
                     where = f" on rank {self.rank}" if self.collective else ""
@@ -524,25 +553,10 @@ class BaseTrainStrategy(abc.ABC):
             steps += 1
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm
         if self.dp_size > 1:
-            totals = self._summed_over_dp(totals)
+            totals = summed_over_group(totals, self.dp_group, self.dp_size)
         totals["grad_norm"] = totals.get("grad_norm", 0.0) / max(steps, 1)
         totals["optimizer_steps"] = float(steps)
         return totals
-
-    def _summed_over_dp(self, totals: dict[str, float]) -> dict[str, float]:
-        """``totals``' loss metrics summed over the data-parallel ranks (each holds its rows'
-        weighted part; the gradient norm is already the global one). Gathered as dicts: a rank
-        whose micro-batches are all dummies has no loss metrics of its own to name."""
-        import torch.distributed as dist
-
-        parts: list[dict[str, float] | None] = [None] * self.dp_size
-        mine = {name: value for name, value in totals.items() if name != "grad_norm"}
-        dist.all_gather_object(parts, mine, group=self.dp_group)
-        summed: dict[str, float] = {}
-        for part in parts:
-            for name, value in (part or {}).items():
-                summed[name] = summed.get(name, 0.0) + value
-        return {**totals, **summed}
 
     def _refuse(self, what: str, fix: str) -> None:
         """Drop this step's gradients and raise: model and optimiser keep their last good state."""

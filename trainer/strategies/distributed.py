@@ -33,6 +33,7 @@ __all__ = [
     "resolve_device",
     "shutdown_process_group",
     "split_micro_batches",
+    "summed_over_group",
 ]
 
 
@@ -243,3 +244,19 @@ def gather_group_rows(
     }
     start = sum(counts[:me])
     return union, slice(start, start + counts[me])
+
+
+def summed_over_group(totals: dict[str, float], group: Any, size: int) -> dict[str, float]:
+    """``totals``' loss metrics summed over the ``size`` ranks of ``group`` (each holds its rows'
+    weighted part; the gradient norm is already the global one). Gathered as dicts: a rank
+    whose micro-batches are all dummies has no loss metrics of its own to name."""
+    import torch.distributed as dist
+
+    parts: list[dict[str, float] | None] = [None] * size
+    mine = {name: value for name, value in totals.items() if name != "grad_norm"}
+    dist.all_gather_object(parts, mine, group=group)
+    summed: dict[str, float] = {}
+    for part in parts:
+        for name, value in (part or {}).items():
+            summed[name] = summed.get(name, 0.0) + value
+    return {**totals, **summed}

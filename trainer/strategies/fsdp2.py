@@ -225,21 +225,30 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         """TP peers run the union of their rows (every row on its own without TP)."""
         return gather_group_rows(batch, self.tp_group, self.tp_size)
 
-    def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
+    def _run(
+        self, micro: Mapping[str, torch.Tensor], with_entropy: bool, temperature: float
+    ) -> ForwardOutput:
         from trainer.strategies.hf import hf_outputs
 
-        return hf_outputs(self.model, micro, self.kind, with_entropy)
+        return hf_outputs(self.model, micro, self.kind, with_entropy, temperature)
 
     def _on_micro_batch(self, index: int, count: int) -> None:
         """Reduce-scatter gradients only on the last micro-batch of an optimiser step."""
         self.model.set_requires_gradient_sync(index == count - 1)
 
     def train_step(
-        self, batch: Mapping[str, torch.Tensor], loss_fn: LossFn, *, with_entropy: bool = False
+        self,
+        batch: Mapping[str, torch.Tensor],
+        loss_fn: LossFn,
+        *,
+        with_entropy: bool = False,
+        temperature: float = 1.0,
     ) -> dict[str, float]:
         """The shared loop (``BaseTrainStrategy.train_step``); gradient sync is on again after."""
         try:
-            return super().train_step(batch, loss_fn, with_entropy=with_entropy)
+            return super().train_step(
+                batch, loss_fn, with_entropy=with_entropy, temperature=temperature
+            )
         finally:
             self.model.set_requires_gradient_sync(True)
 

@@ -2,7 +2,8 @@
 
 The embedded default ``TrainStrategy`` (see ``base.py``). It splits a padded batch into
 micro-batches, trims each to its longest real sequence (right padding, so short episodes
-cost no compute), computes per-token log-probs (and entropy, or values for a critic),
+cost no compute), computes per-token log-probs (and entropy, or values for a critic) under
+``softmax(logits / temperature)`` (``token_logprobs``: the distribution rollouts sample from),
 accumulates gradients over the micro-batches, clips the global norm and steps AdamW.
 A non-finite loss or gradient norm raises ``NonFiniteLossError`` *before* the optimiser
 step, so the model and optimiser keep their last good state.
@@ -14,6 +15,7 @@ logits.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Unpack
 
@@ -28,14 +30,31 @@ __all__ = ["HFTrainStrategy", "hf_outputs", "token_logprobs"]
 
 
 def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, with_entropy: bool = False
+    logits: torch.Tensor,
+    input_ids: torch.Tensor,
+    with_entropy: bool = False,
+    *,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(B, T)`` log p(token_t | <t) from ``(B, T, V)`` logits (column 0 is 0), and entropy."""
+    """``(B, T)`` log p_T(token_t | <t) from ``(B, T, V)`` logits (column 0 is 0), and entropy.
+
+    ``p_T = softmax(logits / temperature)``: the distribution an engine sampling at that
+    temperature draws from and reports log-probs of (``rollout.temperature``), so the PPO ratio,
+    the policy gradient and the KL compare the policy that sampled. The entropy is p_T's too.
+    A temperature of 0 (greedy) has no such distribution and is refused.
+    """
     import torch
 
     from trainer.algos.losses import entropy_from_logits
 
+    if not (temperature > 0 and math.isfinite(temperature)):  # NaN too
+        raise ValueError(
+            f"temperature must be > 0 to take log-probs under softmax(logits / temperature), got "
+            f"{temperature}; greedy (0) sampling has no distribution to train on"
+        )
     shifted = logits[:, :-1].float()
+    if temperature != 1.0:
+        shifted = shifted / temperature
     logprobs = torch.log_softmax(shifted, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
     logprobs = torch.nn.functional.pad(logprobs, (1, 0))
     entropy = (
@@ -45,10 +64,15 @@ def token_logprobs(
 
 
 def hf_outputs(
-    model: Any, micro: Mapping[str, torch.Tensor], kind: str, with_entropy: bool
+    model: Any,
+    micro: Mapping[str, torch.Tensor],
+    kind: str,
+    with_entropy: bool,
+    temperature: float = 1.0,
 ) -> ForwardOutput:
     """An HF model's per-token outputs for one micro-batch (its rows, or its packed rows
-    unpacked back to them: ``trainer.strategies.packing``); ``kind="value"``: a critic's values."""
+    unpacked back to them: ``trainer.strategies.packing``), log-probs and entropy at
+    ``temperature`` (``token_logprobs``); ``kind="value"``: a critic's values."""
     import torch
 
     from trainer.strategies.packing import packed_model_inputs, unpack
@@ -65,7 +89,9 @@ def hf_outputs(
             values = unpack(values, micro)
         return ForwardOutput(logprobs=values * 0.0, values=values)
     ids = micro["_packed_ids"] if packed else micro["input_ids"]
-    logprobs, entropy = token_logprobs(out.logits.reshape(*shape, -1), ids, with_entropy)
+    logprobs, entropy = token_logprobs(
+        out.logits.reshape(*shape, -1), ids, with_entropy, temperature=temperature
+    )
     if packed:
         logprobs = unpack(logprobs, micro)
         entropy = unpack(entropy, micro) if entropy is not None else None
@@ -96,8 +122,10 @@ class HFTrainStrategy(BaseTrainStrategy):
             )
         common.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
 
-    def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
-        return hf_outputs(self.model, micro, self.kind, with_entropy)
+    def _run(
+        self, micro: Mapping[str, torch.Tensor], with_entropy: bool, temperature: float
+    ) -> ForwardOutput:
+        return hf_outputs(self.model, micro, self.kind, with_entropy, temperature)
 
     def _clip(self) -> float:
         import torch

@@ -20,10 +20,10 @@ engine's own CPU ``torch.Generator`` (seeded; saved by ``get_state``) and is inv
 the row's cumulative distribution, so only the sampled ids and their log-probs leave the
 device and the random stream is the same whatever the device (a resumed run, given the same
 batches, generates what the run it continues did). The reported log-prob of a token is
-``log_softmax(logits / temperature)`` at that token (plain ``log_softmax`` when greedy),
-which is what the training side recomputes for the PPO ratio. A weight update waits for
-the running step and applies to the steps after it (a row's ``policy_version`` is the one
-it started under, like vLLM's).
+``log_softmax(logits / temperature)`` over the whole vocabulary (plain ``log_softmax`` when
+greedy): the trainer's log-probs at ``rollout.temperature`` (``hf.token_logprobs``), so valid
+old log-probs for the PPO ratio. A weight update waits for the running step and applies to
+the steps after it (a row's ``policy_version`` is the one it started under, like vLLM's).
 """
 
 from __future__ import annotations

@@ -207,7 +207,9 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         """The union of the model-parallel (TP x PP) group's rows, and where this rank's sit."""
         return gather_group_rows(batch, self.mp_group, self.tp_size * self.pp_size)
 
-    def _run(self, micro: Mapping[str, torch.Tensor], with_entropy: bool) -> ForwardOutput:
+    def _run(
+        self, micro: Mapping[str, torch.Tensor], with_entropy: bool, temperature: float
+    ) -> ForwardOutput:
         import torch
 
         from trainer.strategies.hf import token_logprobs
@@ -221,15 +223,15 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         if self.tp_size > 1:
             logits = _GatherLastDim.apply(logits, self.tp_group)
         logits = logits[..., : self.layout.vocab_size]
-        logprobs, entropy = token_logprobs(logits, ids, with_entropy)
+        logprobs, entropy = token_logprobs(logits, ids, with_entropy, temperature=temperature)
         return ForwardOutput(logprobs=logprobs, entropy=entropy)
 
     def _forward_micros(
-        self, micros: list[dict[str, torch.Tensor]], with_entropy: bool
+        self, micros: list[dict[str, torch.Tensor]], with_entropy: bool, temperature: float
     ) -> list[ForwardOutput]:
         if self.pp_size > 1:
-            return self._pipeline(micros, with_entropy, loss_fn=None)[0]
-        return super()._forward_micros(micros, with_entropy)
+            return self._pipeline(micros, with_entropy, temperature, loss_fn=None)[0]
+        return super()._forward_micros(micros, with_entropy, temperature)
 
     def _accumulate(
         self,
@@ -237,10 +239,12 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         scales: list[float],
         loss_fn: LossFn,
         with_entropy: bool,
+        temperature: float,
     ) -> list[tuple[float, dict[str, float]]]:
         if self.pp_size > 1:
-            return self._pipeline(group, with_entropy, loss_fn=loss_fn, scales=scales)[1]
-        return super()._accumulate(group, scales, loss_fn, with_entropy)
+            run = self._pipeline(group, with_entropy, temperature, loss_fn=loss_fn, scales=scales)
+            return run[1]
+        return super()._accumulate(group, scales, loss_fn, with_entropy, temperature)
 
     def _reduce_gradients(self) -> None:
         self._reduce_tied_embedding()
@@ -250,6 +254,7 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         self,
         micros: list[dict[str, torch.Tensor]],
         with_entropy: bool,
+        temperature: float,
         loss_fn: LossFn | None,
         scales: list[float] | None = None,
     ) -> tuple[list[ForwardOutput], list[tuple[float, dict[str, float]]]]:
@@ -281,7 +286,10 @@ class MegatronTrainStrategy(BaseTrainStrategy):
             if self.tp_size > 1:
                 logits = _GatherLastDim.apply(logits, self.tp_group)
             logprobs, entropy = token_logprobs(
-                logits[..., : self.layout.vocab_size], micro["input_ids"], with_entropy
+                logits[..., : self.layout.vocab_size],
+                micro["input_ids"],
+                with_entropy,
+                temperature=temperature,
             )
             out = ForwardOutput(logprobs=logprobs, entropy=entropy)
             if loss_fn is None:

@@ -21,7 +21,7 @@ What a request gets
 ended the turn (the tokenizer's EOS, the model's generation-config EOS ids, or a
 ``request.stop_token_ids``); ``logprobs`` are vLLM's *processed* log-probs of those tokens
 (``logprobs_mode="processed_logprobs"``): ``log_softmax(logits / temperature)`` after top-p,
-so with ``top_p=1`` exactly what the trainer recomputes for the PPO ratio (greedy requests
+so with ``top_p=1`` exactly the trainer's log-probs at ``rollout.temperature`` (greedy requests
 report plain ``log_softmax(logits)``, like ``HFEngine``); with ``top_p < 1`` they are
 renormalised over the nucleus, and the engine warns once (``vllm_sampling``). A request the
 engine cannot serve (``HFEngine``'s checks: bad ``top_p``/``temperature``, no prompt, a prompt

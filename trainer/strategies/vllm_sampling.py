@@ -12,11 +12,12 @@ Log-probs with ``top_p < 1``: vLLM 0.32's ``logprobs_mode`` offers the raw log-p
 top-k/top-p, renormalised over the nucleus); none is ``log_softmax(logits / T)`` over the
 whole vocabulary, which ``HFEngine`` reports. The engine uses ``processed_logprobs``, exact at
 ``top_p=1``; with ``top_p < 1`` a token's reported log-prob is higher by ``-log(nucleus
-mass)``. Training is not affected: whenever ``rollout.top_p`` (or ``temperature``) is not 1
-the pipeline recomputes ``old_logprobs`` with the actor (``AgenticPipeline.reference_logprobs``)
-and the async importance weights are skipped, so the PPO ratio compares the trainer's own
-log-probs. What differs is what callers read from ``GenerationResult.logprobs`` (the rollout
-proxy's ``logprobs`` too): :func:`warn_top_p` says so once per engine.
+mass)``. The PPO ratio is not affected: whenever ``rollout.top_p`` is not 1 the pipeline
+recomputes ``old_logprobs`` with the actor (full-vocabulary log-probs at ``rollout.temperature``:
+``AgenticPipeline.reference_logprobs``) and the async importance weights are skipped, so the
+ratio compares the trainer's own log-probs. What differs is what callers read from
+``GenerationResult.logprobs`` (the rollout proxy's ``logprobs`` too): :func:`warn_top_p` says so
+once per engine.
 """
 
 from __future__ import annotations

@@ -14,6 +14,11 @@ collective). Gathering full weights is a collective too, so ``get_weights``,
 answer (the full HF-named tensors). The weight sync's RPCs (gathered or shard-direct buckets,
 the broadcast) come from the ``trainer.weights.sender.WeightSender`` mixin, as the inference
 worker's come from ``WeightReceiver``; the driver's ``trainer.weights.sync.WeightSync`` calls them.
+
+The policy trained is the one rollouts sample: log-probs (old, new, the adapters-off reference)
+and entropy are those of ``softmax(logits / rollout.temperature)``, which is what the engines
+draw tokens from and report log-probs of; so a fresh token's PPO ratio starts at 1 and the async
+importance weights compare like with like. SFT steps fit the model's own distribution (T = 1).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from trainer.controller.worker import WorkerContext
 from trainer.strategies.base import ForwardOutput, LossFn, TrainOptions, TrainStrategy
 from trainer.strategies.registry import make_train_strategy
 from trainer.weights.sender import WeightSender, WeightSenderCluster
-from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
+from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker, training_temperature
 
 if TYPE_CHECKING:
     import torch
@@ -162,8 +167,11 @@ class ActorWorker(WeightSender, StrategyWorker):
         loss: LossConfig | None = None,
         lora: LoraConfig | None = None,
         full_warm_start: bool = False,
+        temperature: float = 1.0,
     ) -> None:
         super().__init__(ctx, config)
+        self.temperature = training_temperature(temperature)
+        """``rollout.temperature``: RL log-probs are those of ``softmax(logits / temperature)``."""
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self.optim: TrainOptions = optim or {}
         self.loss = loss if loss is not None else LossConfig()
@@ -206,7 +214,9 @@ class ActorWorker(WeightSender, StrategyWorker):
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:
-        out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
+        """The policy's log-probs at the rollout temperature (old or proximal log-probs)."""
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+        out = self.strategy.forward(inputs, temperature=self.temperature)
         return Batch({"logprobs": out.logprobs})
 
     # -- LoRA (``trainer.strategies.lora``): adapters, the adapters-off reference, what syncs
@@ -217,9 +227,11 @@ class ActorWorker(WeightSender, StrategyWorker):
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_ref_logprobs(self, batch: Batch) -> Batch:
-        """The reference policy's log-probs: this model with its adapters switched off."""
+        """The reference policy's log-probs: this model with its adapters switched off, at the
+        rollout temperature like the policy's."""
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
         with self.strategy.model.disable_adapter():
-            out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
+            out = self.strategy.forward(inputs, temperature=self.temperature)
         return Batch({"ref_logprobs": out.logprobs})
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
@@ -272,15 +284,20 @@ class ActorWorker(WeightSender, StrategyWorker):
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.MEAN)
     def train_step(self, batch: Batch, epochs: int = 1) -> dict[str, float]:
-        """``epochs`` passes of PPO/GSPO updates over this rank's part of the batch."""
+        """``epochs`` passes of PPO/GSPO updates over this rank's part of the batch, with
+        log-probs and entropy at the rollout temperature."""
         tensors = {k: batch[k] for k in TRAIN_COLUMNS if k in batch}
+        loss_fn = ppo_loss_fn(self.loss)
         metrics: dict[str, float] = {}
         for _ in range(epochs):
-            metrics = self.strategy.train_step(tensors, ppo_loss_fn(self.loss), with_entropy=True)
+            metrics = self.strategy.train_step(
+                tensors, loss_fn, with_entropy=True, temperature=self.temperature
+            )
         return _namespaced(metrics, "actor")
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.MEAN)
     def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:
+        """One pass of behaviour cloning; the NLL is the model's own (temperature 1)."""
         if lr is not None:
             self.strategy.set_lr(lr)
         tensors = {k: batch[k] for k in ("input_ids", "attention_mask", "response_mask")}

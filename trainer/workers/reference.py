@@ -5,7 +5,8 @@ Its strategy is chosen like the actor's (``roles.reference.strategy``: ``hf``, `
 Ray worker process per rank: the cluster exports the rendezvous variables, then calls
 ``setup`` on all ranks at once (joining the process group is a collective), exactly like
 ``actor_train``. ``get_weights`` and ``load_weights`` are collectives for sharded strategies,
-so every rank takes part and the caller gets rank 0's answer.
+so every rank takes part and the caller gets rank 0's answer. Its log-probs are taken at the
+rollout temperature, like the actor's (``ActorWorker``), so the KL compares like with like.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from trainer.controller.batch import Batch
 from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
-from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
+from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker, training_temperature
 
 __all__ = ["ReferenceCluster", "ReferenceWorker"]
 
@@ -33,9 +34,12 @@ class ReferenceWorker(StrategyWorker):
         model_path: str,
         dtype: str = "float32",
         micro_batch_size: int = 8,
+        temperature: float = 1.0,
     ) -> None:
         super().__init__(ctx, config)
         self.model_path, self.dtype, self.micro_batch_size = model_path, dtype, micro_batch_size
+        self.temperature = training_temperature(temperature)
+        """``rollout.temperature``: log-probs are those of ``softmax(logits / temperature)``."""
         self._setup_unless_collective()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
@@ -59,7 +63,9 @@ class ReferenceWorker(StrategyWorker):
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.CONCAT)
     def compute_logprobs(self, batch: Batch) -> Batch:
-        out = self.strategy.forward({k: batch[k] for k in ("input_ids", "attention_mask")})
+        """The reference's log-probs at the rollout temperature."""
+        inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+        out = self.strategy.forward(inputs, temperature=self.temperature)
         return Batch({"ref_logprobs": out.logprobs})
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)

@@ -5,22 +5,25 @@ strategy with several ranks is built by a collective, so it needs one process pe
 Ray backend) and is built when the driver calls ``setup()`` on all ranks at once; a single
 rank or an unsharded strategy is built right away. Around colocated phases the worker
 offloads what its role's ``offload_params`` / ``offload_optimizer`` flags say and reloads
-before use (moves are tracked no-ops on CPU; ``trainer.strategies.offload``).
+before use (moves are tracked no-ops on CPU; ``trainer.strategies.offload``). The actor and
+the reference take their log-probs at the rollout temperature (``training_temperature``).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from trainer.config import RoleConfig
 from trainer.controller.cluster import Cluster, remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import Worker, WorkerContext
+from trainer.errors import ConfigError, Problem
 from trainer.strategies.base import TrainStrategy
 from trainer.strategies.parallel_errors import ParallelConfigError
 from trainer.strategies.registry import TRAIN_STRATEGIES, process_problem
 
-__all__ = ["StrategyCluster", "StrategyWorker", "offload_flags"]
+__all__ = ["StrategyCluster", "StrategyWorker", "offload_flags", "training_temperature"]
 
 
 def _sharded(name: str | None) -> bool:
@@ -33,6 +36,24 @@ def _sharded(name: str | None) -> bool:
 def offload_flags(config: RoleConfig) -> dict[str, bool]:
     """``roles.<role>.offload_params/offload_optimizer`` as ``strategy.offload`` keywords."""
     return {"params": config.offload_params, "optimizer": config.offload_optimizer}
+
+
+def training_temperature(temperature: float) -> float:
+    """``rollout.temperature`` as the temperature RL log-probs are taken at (``softmax(logits /
+    temperature)``, what the engines sample from); 0 (greedy) is refused with the fix."""
+    if temperature > 0 and math.isfinite(temperature):
+        return float(temperature)
+    raise ConfigError(
+        [
+            Problem(
+                "rollout.temperature",
+                f"{temperature} samples greedily, and greedy tokens cannot be trained on-policy: "
+                "the trainer takes log-probs under softmax(logits / temperature), which needs a "
+                "temperature > 0; set rollout.temperature > 0 (1 samples the policy itself) and "
+                "use eval.temperature: 0 for greedy evaluation",
+            )
+        ]
+    )
 
 
 class StrategyWorker(Worker):

@@ -77,6 +77,38 @@ def test_gspo_sequence_ratio_by_hand() -> None:
         policy_loss("trpo", logp, old, adv, mask, 0.2, 0.2)  # type: ignore[arg-type]
 
 
+def test_gspo_dual_clip_caps_negative_advantage_by_hand() -> None:
+    # one sequence, log-ratio ln 5 on both tokens -> s = 5 ; A = -1: plain loss = max(5, 1.0004)
+    # = 5 ; dual clip c = 3 caps it at -A * c = 3, as PPO's does (and GSPO's own settings)
+    logp = torch.full((1, 2), math.log(5.0), requires_grad=True)
+    mask, adv = torch.ones(1, 2), -torch.ones(1, 2)
+    loss, _ = policy_loss("gspo", logp, torch.zeros(1, 2), adv, mask, 3e-4, 4e-4, dual_clip=3.0)
+    torch.testing.assert_close(loss, torch.tensor([[3.0, 3.0]]))
+    loss.sum().backward()  # capped: a constant, no gradient pushing the bad action further
+    assert logp.grad.abs().max().item() == 0.0
+    ppo, _ = policy_loss("ppo", logp, torch.zeros(1, 2), adv, mask, 0.2, 0.2, dual_clip=3.0)
+    torch.testing.assert_close(ppo, loss)
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        gspo_loss(logp, torch.zeros(1, 2), adv, mask, dual_clip=0.5)
+
+
+@pytest.mark.parametrize("kind", ["ppo", "gspo"])
+@pytest.mark.parametrize("advantage", [0.0, -1.0, 1.0])
+def test_an_overflowing_ratio_gives_a_finite_loss_and_gradient(kind: str, advantage: float) -> None:
+    """A log-ratio of 100 nats (exp overflows float32): a token of a zero-variance GRPO group
+    (A = 0) must add 0, not 0 * inf = NaN, which would stop the run; the log-ratio is clamped
+    to [-20, 20] before exp, as verl does."""
+    logp = torch.zeros(2, 2, requires_grad=True)
+    old = torch.tensor([[-100.0, -100.0], [100.0, 100.0]])  # ratios e^100 and e^-100
+    mask, adv = torch.ones(2, 2), torch.full((2, 2), advantage)
+    loss, _ = policy_loss(kind, logp, old, adv, mask, 0.2, 0.2)  # type: ignore[arg-type]
+    assert torch.isfinite(loss).all(), loss
+    aggregate(loss, mask).backward()
+    assert torch.isfinite(logp.grad).all(), logp.grad
+    if advantage == 0.0:
+        assert loss.abs().max().item() == 0.0
+
+
 def test_kl_estimators_by_hand() -> None:
     # logp - ref = d = [0.5, -0.5]
     logp = torch.tensor([0.0, -1.0])

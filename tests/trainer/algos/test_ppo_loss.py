@@ -1,20 +1,22 @@
 """``ppo_loss_fn`` as a whole and the KL penalty in the rewards, against numbers worked by hand.
 
-A 2x3 batch, the last column padding. Per response token (ratio = exp(logp - old), clip 0.2/0.28):
+A 2x3 batch, the last column padding. Per response token (ratio = exp(logp - old), clip 0.2/0.28,
+d = logp - ref, so k1 = d and k2 = d^2 / 2):
 
-======  =====  ====  ======  ==============================  =========  ====  =======
-token   ratio  A     IS w    PPO term                        clipped?   k1    entropy
-======  =====  ====  ======  ==============================  =========  ====  =======
-(0,0)   1.0    1.0   1.0     -1.0                            no         0.5   1
-(0,1)   1.5    1.0   1.0     -1.28  (= -A * 1.28)            yes        0.2   2
-(1,0)   0.5    -2.0  1.0     1.6    (= -A * 0.8)             yes        -0.1  3
-(1,1)   1.0    0.5   0.5     -0.25  (= -A * 1 * w)           no         0.3   4
-======  =====  ====  ======  ==============================  =========  ====  =======
+======  =====  ====  ======  ==============================  =========  ====  =====  =======
+token   ratio  A     IS w    PPO term                        clipped?   d     k2     entropy
+======  =====  ====  ======  ==============================  =========  ====  =====  =======
+(0,0)   1.0    1.0   1.0     -1.0                            no         0.5   0.125  1
+(0,1)   1.5    1.0   1.0     -1.28  (= -A * 1.28)            yes        0.2   0.02   2
+(1,0)   0.5    -2.0  1.0     1.6    (= -A * 0.8)             yes        -0.1  0.005  3
+(1,1)   1.0    0.5   0.5     -0.25  (= -A * 1 * w)           no         0.3   0.045  4
+======  =====  ====  ======  ==============================  =========  ====  =====  =======
 
-token-mean: pg = -0.93 / 4 = -0.2325; KL = 0.9 / 4 = 0.225; entropy = 10 / 4 = 2.5;
-with kl_coef 0.1 and entropy_coef 0.01: total = -0.2325 + 0.0225 - 0.025 = -0.235.
-d total / d logp: -A * ratio * w / 4 where unclipped, 0 where clipped, plus kl_coef / 4 (k1):
-[[-0.25 + 0.025, 0 + 0.025, 0], [0 + 0.025, -0.0625 + 0.025, 0]].
+token-mean: pg = -0.93 / 4 = -0.2325; KL (k2) = 0.195 / 4 = 0.04875; entropy = 10 / 4 = 2.5;
+with kl_coef 0.1 and entropy_coef 0.01: total = -0.2325 + 0.004875 - 0.025 = -0.252625.
+d total / d logp: -A * ratio * w / 4 where unclipped, 0 where clipped, plus kl_coef * d / 4 (k2):
+[[-0.25 + 0.0125, 0 + 0.005, 0], [0 - 0.0025, -0.0625 + 0.0075, 0]].
+(As a penalty, k1: KL = 0.9 / 4 = 0.225.)
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ LOSS = {
     "clip_low": 0.2,
     "clip_high": 0.28,
     "kl_coef": 0.1,
-    "kl_estimator": "k1",
+    "kl_estimator": "k2",
     "kl_mode": "loss",
     "entropy_coef": 0.01,
     "agg_mode": "token-mean",
@@ -67,9 +69,9 @@ def test_ppo_loss_fn_adds_policy_kl_and_entropy_terms_as_worked_by_hand() -> Non
     total, metrics = ppo_loss_fn(LossConfig(**LOSS))(
         ForwardOutput(logprobs=logprobs, entropy=entropy), micro
     )
-    assert total.item() == pytest.approx(-0.235, abs=1e-12)
+    assert total.item() == pytest.approx(-0.252625, abs=1e-12)
     assert metrics["actor/pg_loss"] == pytest.approx(-0.2325, abs=1e-12)
-    assert metrics["actor/kl_ref"] == pytest.approx(0.225, abs=1e-12)
+    assert metrics["actor/kl_ref"] == pytest.approx(0.04875, abs=1e-12)
     assert metrics["actor/entropy"] == pytest.approx(2.5, abs=1e-12)
     assert metrics["actor/clipfrac"] == pytest.approx(0.5, abs=1e-12)  # (0,1) and (1,0)
 
@@ -80,7 +82,7 @@ def test_clipped_and_padding_tokens_get_only_the_kl_gradient() -> None:
         ForwardOutput(logprobs=logprobs, entropy=entropy), micro
     )
     total.backward()
-    want = torch.tensor([[-0.225, 0.025, 0.0], [0.025, -0.0375, 0.0]], dtype=torch.float64)
+    want = torch.tensor([[-0.2375, 0.005, 0.0], [-0.0025, -0.055, 0.0]], dtype=torch.float64)
     torch.testing.assert_close(logprobs.grad, want, atol=1e-12, rtol=0)
 
 
@@ -126,9 +128,9 @@ def test_without_kl_and_entropy_the_loss_is_the_policy_term_alone() -> None:
 
 def test_kl_penalty_mode_leaves_the_loss_and_folds_kl_into_the_rewards() -> None:
     logprobs, micro, entropy = hand_batch()
-    total, metrics = ppo_loss_fn(LossConfig(**{**LOSS, "kl_mode": "penalty"}))(
-        ForwardOutput(logprobs=logprobs, entropy=entropy), micro
-    )
+    total, metrics = ppo_loss_fn(
+        LossConfig(**{**LOSS, "kl_mode": "penalty", "kl_estimator": "k1"})
+    )(ForwardOutput(logprobs=logprobs, entropy=entropy), micro)
     assert total.item() == pytest.approx(-0.2325 - 0.025, abs=1e-12) and metrics[
         "actor/kl_ref"
     ] == pytest.approx(0.225)

@@ -325,3 +325,32 @@ def fsdp2_lora_rank(rank: int, world: int, port: int, out: Any) -> None:
     )
     torch.distributed.barrier()
     shutdown_process_group()
+
+
+def temperature_rank(
+    rank: int, world: int, port: int, out: Any, name: str, temperature: float, pp: int = 1
+) -> None:
+    """``name`` (fsdp2 or megatron, ``pp`` pipeline stages) at a sampling ``temperature``: this
+    rank's rows' log-probs and entropy, and the NLL one train step sees (at that temperature)."""
+    join(rank, world, port)
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    from trainer.strategies.distributed import shutdown_process_group
+    from trainer.strategies.registry import make_train_strategy
+
+    per = 4 // world
+    mine = {k: v[per * rank : per * rank + per] for k, v in tiny_batch(rows=4).items()}
+    layout = {"pipeline_parallel_size": pp} if pp > 1 else {}
+    strategy = make_train_strategy(
+        name,
+        tiny_qwen2(layers=4),
+        world_size=world,
+        strategy_args={"device": "cpu", **layout},
+        lr=1e-2,
+        micro_batch_size=1,
+    )
+    forward = strategy.forward(mine, with_entropy=True, temperature=temperature)
+    out[(rank, "logprobs")], out[(rank, "entropy")] = forward.logprobs, forward.entropy
+    out[(rank, "metrics")] = strategy.train_step(mine, nll_loss, temperature=temperature)
+    shutdown_process_group()

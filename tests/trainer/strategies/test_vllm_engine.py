@@ -23,7 +23,7 @@ if importlib.util.find_spec("vllm") is None:  # found without importing it (that
 
 from trainer.errors import ModelError
 from trainer.strategies.base import GenerationRequest, InferenceEngine
-from trainer.strategies.hf import HFTrainStrategy, token_logprobs
+from trainer.strategies.hf import HFTrainStrategy
 from trainer.strategies.vllm_engine import VLLMEngine
 from trainer.weights.errors import StaleWeightsError
 
@@ -82,12 +82,9 @@ def test_logprobs_agree_with_the_trainer_on_the_same_tokens(
         ),
         "attention_mask": torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows]),
     }
-    if temperature == 1.0:  # exactly what the actor recomputes for the PPO ratio
-        trainer = HFTrainStrategy(model, trainable=False).forward(batch).logprobs
-    else:
-        # log_softmax(logits / T): what the pipeline recomputes for rollouts at another temperature
-        with torch.no_grad():
-            trainer, _ = token_logprobs(model(**batch).logits / temperature, batch["input_ids"])
+    # log_softmax(logits / T): the actor's log-probs for rollouts sampled at T (old and new)
+    strategy = HFTrainStrategy(model, trainable=False)
+    trainer = strategy.forward(batch, temperature=temperature).logprobs
     for i, (prompt, result) in enumerate(zip(prompts, results, strict=True)):
         assert (
             result.finish_reason in ("stop", "length") and result.policy_version == engine.version
