@@ -360,11 +360,13 @@ class RolloutConfig(Section):
     For runs whose driver cannot keep up even with ``env_workers`` (benchmarks/README.md,
     ``rollout_scale``)."""
     pause_timeout_s: float = Field(default=120.0, gt=0)
-    """With ``route_in_workers``: how long a weight update waits for each env worker to pause
-    its router; a worker that does not answer in time (its event loop is blocked, e.g. by a
-    slow env call) is killed and its episodes fail. Raise it for envs whose calls block longer,
-    or take such calls off the loop (``env_timeout_s`` runs them in threads, ``env.pool_workers``
-    in processes)."""
+    """How long a weight update waits for the engines to answer its aborts: an engine still
+    busy after it is hung (it ignores aborts), its turns fail (their episodes are replayed
+    elsewhere) and the weights load. With ``route_in_workers`` also how long it waits for each
+    env worker to pause its router; a worker that does not answer in time (its event loop is
+    blocked, e.g. by a slow env call) is killed and its episodes fail. Raise it for envs whose
+    calls block longer, or take such calls off the loop (``env_timeout_s`` runs them in
+    threads, ``env.pool_workers`` in processes)."""
     generate_timeout_s: float | None = Field(default=None, gt=0)
     """Fail an episode whose turn is not generated within this many seconds, queueing in the
     engine included (the request is aborted in the engine; the episode is replayed, then its

@@ -5,8 +5,9 @@ request into ``(status, body)`` where ``body`` is JSON bytes (see ``envhub.pool.
 Process workers run a host in a child process, Ray workers inside an actor, and the
 ``inline`` backend calls it directly in the caller's event loop. Closed episodes hand their
 env back to a small free list, so the next episode skips construction. The host checks what an
-env returns (chat messages, a finite reward, bool flags, a dict of info) and, in a worker, the
-size of each answer: a bad one fails its episode as ``env_error`` and never reaches the pool.
+env returns (chat messages, a finite reward within float32's range, bool flags, a dict of info)
+and, in a worker, the size of each answer: a bad one fails its episode as ``env_error`` and never
+reaches the pool.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from envhub.pool.base import (
 )
 
 __all__ = [
+    "FLOAT32_MAX",
     "RUNNING_PREFIX",
     "BadEnvOutputError",
     "EnvHost",
@@ -43,6 +45,8 @@ __all__ = [
 ]
 
 _MAX_IDLE = 8
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest float32: a reward beyond it is ``inf`` in a trainer's tensors (NaN advantages)."""
 RUNNING_PREFIX = b'{"terminated":false,"truncated":false'
 """How a step body starts while the episode goes on."""
 
@@ -63,30 +67,45 @@ class BadEnvOutputError(ValueError):
     """An env's ``reset``/``step`` returned a value of the wrong kind (the message names it)."""
 
 
-_CHAT = 'an observation must be a list of chat messages ({"role": str, "content": str} dicts)'
+_CHAT = (
+    'an observation must be a list of chat messages ({"role": str, "content": str} dicts; '
+    'content may also be a list of text parts {"type": "text", "text": str})'
+)
+
+
+def _text_parts(content: Any) -> bool:
+    """``content`` is OpenAI's list of text parts (a trainer joins them into one string)."""
+    return isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+        for part in content
+    )
 
 
 def observation_problem(observation: Any) -> str:
     """What is wrong with an observation ("" if nothing): it must be a list of chat messages,
-    dicts with a str ``role`` and a str ``content`` (other keys may come along), as
-    ``TextEnv`` returns it."""
+    dicts with a str ``role`` and a str ``content`` (or a list of text parts, as chat APIs
+    write it; other keys may come along), as ``TextEnv`` returns it."""
     if not isinstance(observation, list):
         return f"observation of type {type(observation).__name__}; {_CHAT}"
     for i, message in enumerate(observation):
         if not isinstance(message, dict):
             return f"observation[{i}] of type {type(message).__name__}; {_CHAT}"
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                return f"observation[{i}] has no str {key!r} ({message!r:.60}); {_CHAT}"
+        if not isinstance(message.get("role"), str):
+            return f"observation[{i}] has no str 'role' ({message!r:.60}); {_CHAT}"
+        content = message.get("content")
+        if not isinstance(content, str) and not _text_parts(content):
+            return f"observation[{i}] has no str 'content' ({message!r:.60}); {_CHAT}"
     return ""
 
 
 def step_output_problem(reward: Any, terminated: Any, truncated: Any, info: Any) -> str:
     """What is wrong with a step's reward, flags and info ("" if nothing): a reward must be a
-    finite number (NaN would become JSON ``null`` and poison training), the flags bools (numpy's
-    too), info a dict."""
+    finite number (NaN would become JSON ``null`` and poison training) within float32's range
+    (a trainer's tensors: ``1e39`` would be ``inf`` there), the flags bools (numpy's too), info a
+    dict."""
     if (
-        (type(reward) is float and math.isfinite(reward) or type(reward) is int)
+        type(reward) in (float, int)
+        and -FLOAT32_MAX <= reward <= FLOAT32_MAX  # (False for NaN)
         and type(terminated) is bool
         and type(truncated) is bool
         and type(info) is dict
@@ -94,10 +113,20 @@ def step_output_problem(reward: Any, terminated: Any, truncated: Any, info: Any)
         return ""  # the common case, without the ABC checks below (every step comes here)
     if not isinstance(reward, numbers.Real):
         return f"reward={reward!r:.40} ({type(reward).__name__}); a reward must be a number"
-    if not math.isfinite(reward):
+    try:
+        value = float(reward)
+    except OverflowError:  # an int beyond every float
+        value = 2 * FLOAT32_MAX
+    if not math.isfinite(value):
         return f"reward={reward!r}; a reward must be a finite number"
+    if abs(value) > FLOAT32_MAX:
+        return (
+            f"reward={reward!r:.40}; a reward must fit float32 (|reward| <= {FLOAT32_MAX:.4g}): "
+            "training's tensors would hold inf"
+        )
     for name, flag in (("terminated", terminated), ("truncated", truncated)):
-        if not isinstance(flag, bool) and type(flag).__name__ != "bool_":
+        numpy_bool = type(flag).__module__ == "numpy" and type(flag).__name__ in ("bool", "bool_")
+        if not isinstance(flag, bool) and not numpy_bool:
             return f"{name}={flag!r:.40} ({type(flag).__name__}); it must be a bool"
     if not isinstance(info, dict):
         return f"info of type {type(info).__name__}; info must be a dict"

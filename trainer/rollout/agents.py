@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from trainer.rollout.env_manager import EnvManager, EnvSession, Sampling, in_daemon_thread
+from trainer.rollout.env_output import checked_reset, score_episode
 from trainer.rollout.trajectory import Trajectory
 
 if TYPE_CHECKING:
@@ -269,10 +270,11 @@ class AgentRunner(EnvManager):
         *,
         episode_key: str | None = None,
     ) -> Trajectory:
-        """One episode played by the agent; never raises for what the agent or env does."""
+        """One episode played by the agent, scored by ``on_episode_end``; never raises for what
+        the agent, the env or the reward function does (the episode fails, naming it)."""
         trajectory = Trajectory(env_id=env_id, seed=seed, group_id=group_id)
         try:
-            messages, info = await self._env_call(session.reset(seed))
+            messages, info = checked_reset(await self._env_call(session.reset(seed)), env_id)
         except Exception as error:  # noqa: BLE001 - env code may raise any exception
             return self._failed(trajectory, "reset", error)
         trajectory.info = dict(info)
@@ -293,12 +295,13 @@ class AgentRunner(EnvManager):
             await self._play(episode, view)
         finally:
             self.proxy.close(episode)
+            forget = getattr(self.engine, "forget", None)
+            if episode_key is None and forget is not None:  # (a caller's key is its to forget)
+                forget(key)
         trajectory = episode.finish()
         if not (trajectory.terminated or trajectory.truncated or trajectory.failed):
             trajectory.truncated = True  # the agent stopped before the env ended the episode
-        if self.on_episode_end is not None and not trajectory.failed:
-            await self.on_episode_end(trajectory)
-        return trajectory
+        return await score_episode(trajectory, self.on_episode_end)
 
     async def _play(self, episode: ProxyEpisode, view: AgentEpisode) -> None:
         """Run the agent until it returns, fails, times out or the proxy ends the episode."""

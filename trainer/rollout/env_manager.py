@@ -5,9 +5,12 @@
 a run, the ``EngineRouter``), appends the generated ids (policy tokens) unchanged, decodes
 them to the action text, steps the env, and appends the tokens of the env's reply (context).
 A crashed env ends the episode as ``failed`` (the caller drops or replaces it); it never
-raises into the batch. So does an env whose output is malformed (a reward that is not a finite
-number, flags that are not bools, info that is not a dict, messages that are not a list of
-dicts): the failure names the env and the field, and nothing of it reaches training.
+raises into the batch. So does an env whose output is malformed (messages that are not chat
+messages, a reward that is not a finite float32 number, flags that are not bools, info that is
+not a dict) and a reward function that raises or scores NaN (``trainer.rollout.env_output``):
+the failure names the env or the reward function and the field, and nothing of it reaches
+training. An env reply that would overflow ``max_context_tokens`` ends the episode
+``truncated`` without it (no trained row is longer than the context).
 
 Where envs live is an ``EnvSource``:
 
@@ -36,8 +39,15 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from envhub.pool.host import BadEnvOutputError, step_output_problem
+from envhub.pool.host import BadEnvOutputError
 from envhub.tool_calls import thinking_spans
+from trainer.rollout.env_output import (
+    StepOutcome,
+    checked_reset,
+    checked_step,
+    rendered,
+    score_episode,
+)
 from trainer.rollout.tool_parsers import env_action
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.rollout.turn_deadline import bounded_generate
@@ -53,13 +63,11 @@ __all__ = [
     "LocalEnvSource",
     "PoolEnvSource",
     "Sampling",
-    "StepOutcome",
     "TurnEngine",
     "check_held_out_builds",
     "prompt_context",
 ]
 
-StepOutcome = tuple[list[dict[str, Any]], float, bool, bool, dict[str, Any]]
 SampleUnit = Literal["episode", "turn", "auto"]
 Context = Literal["full", "last_k_turns", "strip_thinking"]
 _log = logging.getLogger(__name__)
@@ -390,33 +398,58 @@ class EnvManager:
         *,
         episode_key: str | None = None,
     ) -> Trajectory:
-        """Play one episode to its end (or ``max_turns``/context limit); an env that crashes
-        fails the episode and never raises here.
+        """Play one episode to its end (or ``max_turns``/context limit) and score it
+        (``on_episode_end``); an env or reward function that crashes or returns what cannot be
+        used fails the episode (the reason names it) and never raises here.
 
-        ``episode_key`` (unique per episode; default: a fresh one) prefixes the request ids."""
+        ``episode_key`` (unique per episode; default: a fresh one, forgotten by the engine at
+        the episode's end) prefixes the request ids."""
         trajectory = Trajectory(env_id=env_id, seed=seed, group_id=group_id)
         key = episode_key or f"ep{next(_request_ids)}"
+        try:
+            await self._play_turns(session, trajectory, key, sampling)
+        finally:
+            forget = getattr(self.engine, "forget", None)
+            if episode_key is None and forget is not None:  # (a caller's key is its to forget)
+                forget(key)
+        return await score_episode(trajectory, self.on_episode_end)
+
+    async def _play_turns(
+        self, session: EnvSession, trajectory: Trajectory, key: str, sampling: Sampling
+    ) -> None:
+        """``run``'s turns: they fill ``trajectory`` and set its end (``failed``, ``truncated``,
+        ``terminated``)."""
+        env_id = trajectory.env_id
         # env code is anyone's (a registered env, a pool worker, a hub): whatever it raises,
         # the crashed env is data for this episode, not a crash of the run
         try:
-            messages, info = checked_reset(await self._env_call(session.reset(seed)), env_id)
+            messages, info = checked_reset(
+                await self._env_call(session.reset(trajectory.seed)), env_id
+            )
         except Exception as error:  # noqa: BLE001 - env code may raise any exception
-            return self._failed(trajectory, "reset", error)
+            self._failed(trajectory, "reset", error)
+            return
         trajectory.info = dict(info)
         tools = info.get("tools") or None  # the env's tool schemas: rendered natively if possible
         trajectory.messages.extend(messages)
         per_turn = self.sample_unit == "turn"
         if not per_turn:
-            trajectory.append_context(self.renderer.prompt(messages, tools))
+            prompt = rendered(trajectory, self.renderer.prompt, messages, tools)
+            if prompt is None or self._over_context(trajectory, prompt):
+                return
+            trajectory.append_context(prompt)
             trajectory.prompt_length = len(trajectory.token_ids)
         for turn in range(self.max_turns):
             tokens = trajectory
             if per_turn:  # this turn's own sample, prompted with the conversation so far
                 context = prompt_context(trajectory.messages, self.context, self.context_turns)
-                tokens = trajectory.turn_sample(self.renderer.prompt(context, tools))
+                prompt = rendered(trajectory, self.renderer.prompt, context, tools)
+                if prompt is None:
+                    return
+                tokens = trajectory.turn_sample(prompt)
             result = await self._generate(trajectory, f"{key}/{turn}", sampling, info, tokens)
             if result is None:  # out of context, aborted, or the engine failed (flags are set)
-                break
+                return
             action = self._append_turn(
                 trajectory,
                 result,
@@ -427,7 +460,8 @@ class EnvManager:
             try:
                 outcome = checked_step(await self._env_call(session.step(action)), env_id)
             except Exception as error:  # noqa: BLE001 - as for reset: any env error is data
-                return self._failed(trajectory, "step", error)
+                self._failed(trajectory, "step", error)
+                return
             messages, reward, terminated, truncated, info = outcome
             trajectory.end_turn(reward)
             if per_turn:
@@ -438,22 +472,35 @@ class EnvManager:
             trajectory.success = bool(info.get("success"))
             if terminated or truncated:
                 trajectory.terminated, trajectory.truncated = terminated, truncated
-                break
+                return
             if per_turn:
                 continue
             stopped = self.renderer.ended(result.token_ids)
-            try:
-                ids = self.renderer.continuation(messages, stopped_on_eos=stopped, tools=tools)
-            except Exception as error:  # noqa: BLE001 - a template rewriting history, or refusing
-                trajectory.failed = True  # the env's messages: this episode cannot be one sequence
-                trajectory.failure = f"chat template: {type(error).__name__}: {error}"[:500]
-                return trajectory
+            continuation = self.renderer.continuation
+            ids = rendered(trajectory, continuation, messages, stopped_on_eos=stopped, tools=tools)
+            if ids is None:
+                return
+            if len(trajectory.token_ids) + len(ids) > self.max_context_tokens:
+                # the reply does not fit the context: the episode ends without it (it is context
+                # after the last policy token, so nothing trained is lost; a row longer than the
+                # model's context would not train: absolute positions end, memory runs out)
+                trajectory.truncated = True
+                return
             trajectory.append_context(ids)
-        else:
-            trajectory.truncated = True
-        if self.on_episode_end is not None and not trajectory.failed:
-            await self.on_episode_end(trajectory)
-        return trajectory
+        trajectory.truncated = True
+
+    def _over_context(self, trajectory: Trajectory, prompt: list[int]) -> bool:
+        """The first prompt alone overflows ``max_context_tokens``: the episode fails (it could
+        hold no policy token; cut, it would be another task)."""
+        if len(prompt) <= self.max_context_tokens:
+            return False
+        trajectory.failed = True
+        trajectory.failure = (
+            f"env {trajectory.env_id!r} reset: its prompt is {len(prompt)} tokens, over "
+            f"max_context_tokens={self.max_context_tokens} (the model's context); shorten the "
+            "env's first observation or use a model with a longer context"
+        )
+        return True
 
     async def _generate(
         self,
@@ -546,47 +593,6 @@ class EnvManager:
         if isinstance(error, BadEnvOutputError):  # the message says which env and what it returned
             trajectory.failure = str(error)[:500]
         else:
-            trajectory.failure = f"env {where} raised {type(error).__name__}: {error}"[:500]
+            raised = f"{type(error).__name__}: {error}"
+            trajectory.failure = f"env {trajectory.env_id!r} {where} raised {raised}"[:500]
         return trajectory
-
-
-def _messages_problem(messages: Any) -> str:
-    if not isinstance(messages, list):
-        return (
-            f"messages of type {type(messages).__name__}; an observation must be a list of chat "
-            "messages (dicts)"
-        )
-    for message in messages:
-        if not isinstance(message, dict):
-            return f"a message of type {type(message).__name__}; each message must be a dict"
-    return ""
-
-
-def checked_reset(output: Any, env_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """``(messages, info)`` of a reset, or ``BadEnvOutputError`` naming the env and the field."""
-    if not isinstance(output, (tuple, list)) or len(output) != 2:
-        problem = f"{type(output).__name__} {output!r:.60}, not (messages, info)"
-    else:
-        problem = _messages_problem(output[0])
-        if not problem and not isinstance(output[1], dict):
-            problem = f"info of type {type(output[1]).__name__}; info must be a dict"
-    if problem:
-        raise BadEnvOutputError(f"env {env_id!r} reset returned {problem}")
-    return output[0], output[1]
-
-
-def checked_step(output: Any, env_id: str) -> StepOutcome:
-    """``(messages, reward, terminated, truncated, info)`` of a step, or ``BadEnvOutputError``
-    naming the env and the field (a NaN reward would poison the advantages; through a pool's
-    JSON a NaN arrives as ``None``)."""
-    if not isinstance(output, (tuple, list)) or len(output) != 5:
-        problem = f"{type(output).__name__} {output!r:.60}, not a 5-tuple"
-    else:
-        messages, reward, terminated, truncated, info = output
-        problem = _messages_problem(messages) or step_output_problem(
-            reward, terminated, truncated, info
-        )
-    if problem:
-        raise BadEnvOutputError(f"env {env_id!r} step returned {problem}")
-    messages, reward, terminated, truncated, info = output
-    return messages, float(reward), bool(terminated), bool(truncated), info

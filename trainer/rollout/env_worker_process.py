@@ -70,13 +70,8 @@ from trainer.strategies.base import GenerationRequest, GenerationResult
 from trainer.weights.versioned import PolicyVersion
 
 if TYPE_CHECKING:
-    from trainer.rollout.env_manager import (
-        EnvManager,
-        EnvSession,
-        EnvSource,
-        Sampling,
-        StepOutcome,
-    )
+    from trainer.rollout.env_manager import EnvManager, EnvSession, EnvSource, Sampling
+    from trainer.rollout.env_output import StepOutcome
     from trainer.rollout.groups import EpisodeSpec
     from trainer.rollout.worker_routing import EngineSetup
 

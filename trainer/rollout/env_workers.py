@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from envhub.pool.procs import ExitWatch, describe_exit, kill_group
+from trainer.rollout.env_output import score_episode
 from trainer.rollout.env_worker_handle import WorkerHandle
 from trainer.rollout.env_worker_process import LocalRoute, RemoteEngine, WorkerSetup
 from trainer.rollout.env_worker_replay import EnvCalls, HeldEpisode, bystanders, settle_held
@@ -476,12 +477,9 @@ class EnvWorkers:
     async def _finish(
         episode: HeldEpisode, trajectory: Trajectory, hook: Callable[[Trajectory], Any]
     ) -> None:
-        try:
-            await hook(trajectory)
-        except Exception as error:  # noqa: BLE001 - raised by play, as EnvManager.run would
-            if not episode.future.done():
-                episode.future.set_exception(error)
-            return
+        """Score a worker's episode here (a hook that raises or scores NaN fails it, as in
+        ``EnvManager.run``: ``env_output.score_episode``), then hand it to ``play``."""
+        await score_episode(trajectory, hook)
         if not episode.future.done():
             episode.future.set_result(trajectory)
 

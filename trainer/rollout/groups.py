@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from trainer.errors import RolloutError
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
+from trainer.rollout.env_output import REWARD_FAILURE
 from trainer.rollout.env_workers import EnvWorkers
 from trainer.rollout.trajectory import Trajectory
 
@@ -159,7 +160,7 @@ async def play_episode(
                 spec.seed,
                 spec.group_id,
                 failed=True,
-                failure=f"env start raised {type(error).__name__}: {error}"[:500],
+                failure=f"env {spec.env_id!r} start raised {type(error).__name__}: {error}"[:500],
             )
         else:
             try:
@@ -209,23 +210,31 @@ async def run_episodes(
     failed += [t for t in results if t.failed]
     if specs and not finished:
         reasons = sorted({t.failure or "unknown" for t in failed})[:3]
+        hint = failure_hint([t.failure or "" for t in failed], sorted({s.env_id for s in specs}))
         raise RolloutError(
             f"all {len(specs)} episodes failed (after {max_retries} retries each); first "
-            f"reasons: {reasons}. {failure_hint([t.failure or '' for t in failed])}"
+            f"reasons: {reasons}. {hint}"
         )
     return finished, failed
 
 
-def failure_hint(failures: Sequence[str]) -> str:
-    """Where to look, for episodes that failed for ``failures`` (their reasons): the agent when
-    every one is the agent's own failure, else the env."""
+def failure_hint(failures: Sequence[str], env_ids: Sequence[str] = ()) -> str:
+    """Where to look, for episodes of ``env_ids`` that failed for ``failures`` (their reasons):
+    the agent when every one is the agent's own failure, the reward function when every one is
+    its, else the env (``envhub check`` of each id)."""
     agent = ("agent raised", "agent timeout", "the agent returned")  # AgentRunner's reasons
     if failures and all(reason.startswith(agent) for reason in failures):
         return (
             "The agent failed in every episode (its own errors above): fix rollout.agent's "
             "command or callable (docs/train-your-agent.md, 'Limits and errors')"
         )
-    return "Run `envhub check ENV_ID` to see what breaks the env"
+    if failures and all(reason.startswith(REWARD_FAILURE) for reason in failures):
+        return (
+            "The reward function failed in every episode (its errors above): fix the scorer "
+            "of env.rewards it names"
+        )
+    checks = " and ".join(f"`envhub check {env_id}`" for env_id in env_ids) or "`envhub check`"
+    return f"Run {checks} to see what breaks the env"
 
 
 def eval_failures(

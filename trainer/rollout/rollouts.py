@@ -90,7 +90,9 @@ class Rollouts:
         self.cfg = cfg
         self.eval_envs = eval_envs if eval_envs is not None else envs
         self.thread = LoopThread()
-        self.router = EngineRouter(engines, policy=policy)
+        self.router = EngineRouter(
+            engines, policy=policy, pause_timeout_s=cfg.rollout.pause_timeout_s
+        )
         rollout = cfg.rollout
         self.proxy: AgentProxy | None = None
         self.manager: EnvManager

@@ -22,7 +22,10 @@ Preemption (partial rollouts)
     ``update_weights_live(weights)`` closes the gate for new requests, aborts every
     in-flight generation, waits until the engines are idle, loads the weights, reopens the
     gate, and each preempted generation *resumes* under the new weights with the tokens it
-    already had (prompt + partial tokens, remaining budget: ``trainer.rollout.preempted``). A
+    already had (prompt + partial tokens, remaining budget: ``trainer.rollout.preempted``). An
+    engine still not idle after ``pause_timeout_s`` is hung (it ignores aborts): its requests
+    fail (their episodes are replayed elsewhere), it gets no new episodes while others answer
+    (as one given up on), and the weights load; the wait is not endless. A
     result's ``policy_version`` is read from the router's ``policy`` (a ``PolicyVersion``) when
     it was issued, so it is right whatever the engines report; a resumed one also carries
     ``extra["token_versions"]``, the version of every generated token (without it, every token
@@ -51,16 +54,14 @@ import collections
 import functools
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from trainer.rollout.preempted import joined_result, resumed_part
+from trainer.rollout.router_stats import RouterAccounts, RouterStats
 from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult, Weights
 from trainer.weights.versioned import PolicyVersion, SharedVersion
 
-__all__ = ["COUNTS", "EngineRouter", "RolloutEngine", "RouterStats", "episode_key", "starter"]
-
-COUNTS = ("requests", "new_tokens", "aborted", "preempted", "errors")
+__all__ = ["EngineRouter", "RolloutEngine", "episode_key", "starter"]
 
 _STICKY_CAPACITY = 1 << 20
 """Episodes remembered for sticky routing (oldest forgotten first). Episodes are forgotten when
@@ -104,26 +105,6 @@ class RolloutEngine(Protocol):
     def wake_up(self) -> None: ...
     def get_state(self) -> dict[str, Any]: ...
     def set_state(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class RouterStats:
-    """Counters since the last ``take_stats`` (busy seconds per engine, wall seconds)."""
-
-    wall_s: float = 0.0
-    busy_s: list[float] = field(default_factory=list)
-    requests: int = 0
-    new_tokens: int = 0
-    aborted: int = 0
-    preempted: int = 0
-    errors: int = 0
-
-    @property
-    def busy_fraction(self) -> float:
-        """Mean over engines of the share of wall time with at least one request in flight."""
-        if not self.busy_s or self.wall_s <= 0:
-            return 0.0
-        return min(1.0, sum(self.busy_s) / (len(self.busy_s) * self.wall_s))
 
 
 class _Flight:
@@ -182,11 +163,18 @@ class EngineRouter:
         update: Callable[[Weights], None] | None = None,
         policy: PolicyVersion | None = None,
         clock: Callable[[], float] = time.monotonic,
+        pause_timeout_s: float = 120.0,
     ) -> None:
         """``clock``: what busy time is measured with (a simulation passes its loop's
-        ``time``: ``trainer.rollout.sim_clock``)."""
+        ``time``: ``trainer.rollout.sim_clock``). ``pause_timeout_s``: how long a weight
+        update's pause waits for the engines to answer its aborts (a live engine answers within
+        a step) before it gives up on the requests a hung engine holds (``rollout.
+        pause_timeout_s``: the same bound as for env workers)."""
         if not engines:
             raise ValueError("EngineRouter needs at least one engine")
+        if not pause_timeout_s > 0:
+            raise ValueError(f"pause_timeout_s must be a positive number, got {pause_timeout_s!r}")
+        self.pause_timeout_s = pause_timeout_s
         self.engines = list(engines)
         self._starts: list[Callable[[GenerationRequest], asyncio.Future[GenerationResult]]]
         self._starts = [starter(e) for e in self.engines]
@@ -214,11 +202,8 @@ class EngineRouter:
         self.gate_watchers: list[Callable[[bool], None]] = []
         """Called with ``paused`` as ``pause`` begins and ``resume`` ends it (``EnvWorkers``
         tells its workers: their turn deadlines do not count a pause: ``turn_deadline``)."""
-        self._stats = RouterStats(busy_s=[0.0] * len(self.engines))
         self._clock = clock
-        self._busy_since: list[float | None] = [None] * len(self.engines)
-        self._stats_since = clock()
-        self._total = RouterStats(busy_s=[0.0] * len(self.engines))
+        self._accounts = RouterAccounts(len(self.engines), clock)
 
     # ------------------------------------------------------------------ RolloutEngine
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -300,7 +285,9 @@ class EngineRouter:
 
     async def pause(self) -> None:
         """Stop new requests, abort in-flight ones for resumption, wait until every engine is
-        idle."""
+        idle: ``pause_timeout_s`` at most, then the requests still in an engine are given up
+        on (``_give_up_hung``). Bounded, so a hung engine cannot hold a weight update (and,
+        through it, the run: a paused router holds every turn deadline) for good."""
         idle = self._ensure_idle()
         self.paused = True
         for watcher in self.gate_watchers:
@@ -310,8 +297,32 @@ class EngineRouter:
             flight.preempted = True
         # all at once: an engine takes the whole set between two of its steps (one by one, each
         # abort would wait for a step of its own)
-        await asyncio.gather(*(self.engines[f.engine].abort(f.sub_id) for f in preempted))
-        await idle.wait()
+        aborts = asyncio.gather(*(self.engines[f.engine].abort(f.sub_id) for f in preempted))
+        try:
+            await asyncio.wait_for(asyncio.gather(aborts, idle.wait()), self.pause_timeout_s)
+        except TimeoutError:
+            self._give_up_hung()
+
+    def _give_up_hung(self) -> None:
+        """The pause's wait ran out: each request still in an engine fails (its episode records
+        an engine error and is replayed on a fresh attempt, routed elsewhere), its part is
+        cancelled, and its engine is avoided until it answers again (``_silent``)."""
+        for flight in [f for f in self._flights.values() if f.submitted]:
+            part, index = flight.part, flight.engine
+            self._leave(flight)
+            flight.part = None  # its late answer, if any, is ignored (``_landed``)
+            self._silent[index] = True
+            self._accounts.current.errors += 1
+            if part is not None:
+                part.cancel()
+            self._fail(
+                flight,
+                TimeoutError(
+                    f"engine {index} did not answer within {self.pause_timeout_s:g} s of a "
+                    "weight update's pause (it ignored the abort: a hung inference worker?); the "
+                    "turn was given up"
+                ),
+            )
 
     def resume(self) -> None:
         """Reopen the gate closed by ``pause``: the requests held meanwhile go out, in order."""
@@ -370,36 +381,16 @@ class EngineRouter:
 
     def take_stats(self) -> RouterStats:
         """Counters since the previous call (busy time of running requests is split at now)."""
-        now = self._clock()
-        stats = self._stats
-        for i, since in enumerate(self._busy_since):
-            if since is not None:
-                stats.busy_s[i] += now - since
-                self._busy_since[i] = now
-        stats.wall_s = now - self._stats_since
-        self._stats, self._stats_since = RouterStats(busy_s=[0.0] * len(self.engines)), now
-        total = self._total
-        total.wall_s += stats.wall_s
-        total.busy_s = [a + b for a, b in zip(total.busy_s, stats.busy_s, strict=True)]
-        for name in COUNTS:
-            setattr(total, name, getattr(total, name) + getattr(stats, name))
-        return stats
+        return self._accounts.take()
 
     def totals(self) -> RouterStats:
         """Counters since the router was made (or ``reset_totals``), up to now; does not
         disturb ``take_stats`` intervals (the scheduler's per-batch metrics)."""
-        now, total, current = self._clock(), self._total, self._stats
-        busy = [
-            t + c + (now - since if since is not None else 0.0)
-            for t, c, since in zip(total.busy_s, current.busy_s, self._busy_since, strict=True)
-        ]
-        counts = {name: getattr(total, name) + getattr(current, name) for name in COUNTS}
-        return RouterStats(wall_s=total.wall_s + now - self._stats_since, busy_s=busy, **counts)
+        return self._accounts.totals()
 
     def reset_totals(self) -> None:
         """Start ``totals`` afresh (from now)."""
-        self.take_stats()
-        self._total = RouterStats(busy_s=[0.0] * len(self.engines))
+        self._accounts.reset()
 
     # ------------------------------------------------------------------ internals
     def _ensure_idle(self) -> asyncio.Event:
@@ -438,6 +429,8 @@ class EngineRouter:
 
     def _landed(self, flight: _Flight, part: asyncio.Future[GenerationResult]) -> None:
         """A part's engine answered: the flight ends, or goes on after a preemption."""
+        if flight.part is not part:  # given up on by a pause (``_give_up_hung``)
+            return
         self._leave(flight)
         flight.part = None
         if part.cancelled():  # given up on (rollout.generate_timeout_s), or the engine closed
@@ -454,13 +447,13 @@ class EngineRouter:
         self._silent[flight.engine] = False
         self._errors_in_a_row[flight.engine] = 0
         self._failing.discard(flight.engine)
-        self._stats.new_tokens += len(result.token_ids)
+        self._accounts.current.new_tokens += len(result.token_ids)
         flight.parts.append((result, flight.issued))
         reason = result.finish_reason
         if reason != "abort" or flight.cancelled or not flight.preempted:
             self._finish(flight, reason)
             return
-        self._stats.preempted += 1
+        self._accounts.current.preempted += 1
         if sum(len(r.token_ids) for r, _ in flight.parts) >= flight.request.max_new_tokens:
             self._finish(flight, "length")  # preempted as its budget ran out
         else:
@@ -484,9 +477,9 @@ class EngineRouter:
         self._drop(flight)
         if flight.answer.done():
             return
-        self._stats.requests += 1
+        self._accounts.current.requests += 1
         if reason == "abort":
-            self._stats.aborted += 1
+            self._accounts.current.aborted += 1
         parts = flight.parts
         if len(parts) == 1 and parts[0][0].finish_reason == reason:
             result, issued = parts[0]  # the engine's own result: every token has one version
@@ -513,7 +506,7 @@ class EngineRouter:
 
     def _errored(self, index: int) -> None:
         """A request on engine ``index`` raised: count it; avoid the engine after a few."""
-        self._stats.errors += 1
+        self._accounts.current.errors += 1
         self._errors_in_a_row[index] += 1
         if self._errors_in_a_row[index] >= _FAILING_AFTER:
             self._failing.add(index)
@@ -548,7 +541,7 @@ class EngineRouter:
     def _enter(self, flight: _Flight) -> None:
         index, flight.submitted = flight.engine, True
         if self._load[index] == 0:
-            self._busy_since[index] = self._clock()
+            self._accounts.busy(index)
         self._load[index] += 1
         self._in_flight += 1
         if self._idle is not None:
@@ -558,10 +551,8 @@ class EngineRouter:
         index, flight.submitted = flight.engine, False
         self._load[index] -= 1
         self._in_flight -= 1
-        since = self._busy_since[index]
-        if self._load[index] == 0 and since is not None:
-            self._stats.busy_s[index] += self._clock() - since
-            self._busy_since[index] = None
+        if self._load[index] == 0:
+            self._accounts.idle(index)
         if self.in_flight == 0 and self._idle is not None:
             self._idle.set()
 

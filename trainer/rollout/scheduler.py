@@ -14,8 +14,9 @@ Modes:
 
 ``sync``  (on-policy) groups run only while a batch is being collected;
           ``ceil(num_groups * redundancy)`` start at once, and when the batch is full the
-          surplus is aborted in the engine and its envs closed. Weights change only
-          between batches, so every token has the version being trained.
+          surplus is aborted in the engine and its envs closed (in the background: an env
+          call still running does not hold the batch). Weights change only between batches,
+          so every token has the version being trained.
 ``async`` rollouts keep running while the trainer trains (up to
           ``ceil(num_groups * redundancy) + num_groups * (max_staleness - 1)`` groups in play).
           A weight update preempts in-flight generations, which resume under the new
@@ -29,7 +30,14 @@ no redundancy, no filter and no failures plays the same tasks, with the same gro
 the plain batched rollout, step by step. Failures never hang the run: an episode whose env
 raised, timed out or whose generation errored is replayed on a fresh env (``max_retries``),
 then its group is replaced; ``RolloutError`` stops the run when ``max_failed_groups`` groups
-in a row failed.
+of one env in a row failed (an env of a mix that always fails stops the run too, named; the
+first failed group of each env is logged as a warning, with its reason).
+
+Cancelled groups (the sync surplus, groups doomed by a weight update, those running at
+``close``) *drain*: their requests are aborted at once, and their episodes end and close their
+envs in the background, counted among the groups in play until they have (so an env call that
+takes long never holds a batch or a weight update, and never lets more envs open than
+``capacity`` allows); ``close`` waits ``close_timeout_s`` for them, then cancels them.
 
 ``LoopThread`` runs the scheduler's event loop in a background thread so a blocking
 trainer (``AgenticPipeline.fit``) can train while rollouts continue.
@@ -49,16 +57,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from trainer.config import RolloutConfig, TrainerConfig
-from trainer.errors import RolloutError
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
 from trainer.rollout.env_workers import EnvWorkers
-from trainer.rollout.groups import (
-    EVAL_SEED_BASE,
-    EpisodeSpec,
-    env_for_group,
-    failure_hint,
-    play_episode,
-)
+from trainer.rollout.group_failures import GroupFailures
+from trainer.rollout.groups import EVAL_SEED_BASE, EpisodeSpec, env_for_group, play_episode
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.trajectory import Trajectory
 from trainer.rollout.worker_routing import WorkerRouters
@@ -100,7 +102,7 @@ class SchedulerConfig:
     max_retries: int = 2
     """Replays of a failed episode (fresh env, same task) before its group is replaced."""
     max_failed_groups: int | None = None
-    """Consecutive failed groups that stop the run (default ``2 * num_groups + 2``)."""
+    """Consecutive failed groups of one env that stop the run (default ``2 * num_groups + 2``)."""
 
     @classmethod
     def from_config(cls, cfg: TrainerConfig) -> SchedulerConfig:
@@ -200,7 +202,10 @@ class RolloutScheduler:
         sampling: Sampling,
         *,
         first_group: int = 0,
+        close_timeout_s: float = 10.0,
     ) -> None:
+        """``close_timeout_s``: how long ``close`` waits for cancelled episodes to end and close
+        their envs before it cancels them (an env call that hangs is abandoned)."""
         if manager.engine is not router:
             raise ValueError(
                 "the EnvManager (or EnvWorkers) must generate through the scheduler's "
@@ -215,14 +220,21 @@ class RolloutScheduler:
         )
         self.next_group = first_group
         """The next task number to start (checkpointed so a resumed run does not repeat tasks)."""
+        self.close_timeout_s = close_timeout_s
         self._running: dict[int, _Group] = {}
         self._ready: list[_Group] = []
+        self._draining: dict[int, _Group] = {}
+        """Cancelled groups whose episodes have not ended yet (in play for ``capacity``)."""
         self._fresh = (-1, 0)
         """(version, n): the first n ready groups met the staleness bound at that version."""
         self._failed: list[Trajectory] = []
         self._collecting = config.mode == "async"
         self._changed: asyncio.Event | None = None
-        self._failed_in_a_row = 0
+        self._failures = GroupFailures(
+            config.max_failed_groups or 2 * config.num_groups + 2,
+            max_retries=config.max_retries,
+            mix=len(config.env_ids) > 1,
+        )
         self._filtered_this_batch = 0
         self._counts: collections.Counter[str] = collections.Counter()
         """Events since the last batch's metrics (groups filtered, failed, aborted, ...)."""
@@ -242,8 +254,10 @@ class RolloutScheduler:
             self._drop_stale_ready()
             if len(self._ready) >= self.cfg.num_groups:
                 break
-            if self._failed_in_a_row >= (self.cfg.max_failed_groups or 2 * self.cfg.num_groups + 2):
-                raise self._failed_run_error()
+            failing = self._failures.stopping()
+            if failing is not None:
+                failures = [t.failure or "unknown" for t in self._failed if t.env_id == failing]
+                raise self._failures.error(failing, failures[-20:])
             self._changed.clear()
             self._fill()
             await self._changed.wait()
@@ -279,10 +293,18 @@ class RolloutScheduler:
         return paused
 
     async def close(self) -> None:
-        """Abort everything still running (engine requests and envs)."""
+        """Abort everything still running (engine requests and envs): wait ``close_timeout_s``
+        for the episodes to end and close their envs, then cancel those that have not."""
         self._closed = True
         self._collecting = False
         await self._cancel_all(list(self._running.values()), "aborted_at_close")
+        tasks = [task for group in self._draining.values() for task in group.tasks]
+        if tasks:
+            _, late = await asyncio.wait(tasks, timeout=self.close_timeout_s)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late, timeout=self.close_timeout_s)
 
     def state_dict(self) -> dict[str, int]:
         return {"next_group": self.next_group}
@@ -297,27 +319,16 @@ class RolloutScheduler:
         self._restarting = True  # an aborted group's end would start a replacement: not yet
         try:
             await self._cancel_all(in_play, "aborted_at_resume")
+            tasks = [task for group in in_play for task in group.tasks]
+            if tasks:  # drained before the counter moves (a group ending later would start one)
+                await asyncio.wait(tasks)
+            for group in in_play:  # (their ``_group_done`` may come later: it finds them gone)
+                if self._draining.pop(group.number, None) is not None:
+                    self._forget(group)
         finally:
             self._restarting = False
         self._counts.pop("aborted_at_resume", None)
         self.next_group = next_group
-
-    def _failed_run_error(self) -> RolloutError:
-        """Why the run stops after too many failed groups: the inference engine when every
-        recent failure is an engine error (every engine failing), else the env."""
-        failures = [t.failure or "unknown" for t in self._failed[-20:]]
-        reasons = sorted(set(failures))[:3]
-        head = (
-            f"{self._failed_in_a_row} groups in a row failed (an episode is retried up to "
-            f"{self.cfg.max_retries} times); first reasons: {reasons}."
-        )
-        if failures and all(f.startswith("engine error") for f in failures):
-            return RolloutError(
-                f"{head} An inference engine is failing (every engine behind the router: one "
-                "that still answers gets the episodes): read the engine's log (vLLM/CUDA "
-                "errors), fix or restart it, and resume from the last checkpoint"
-            )
-        return RolloutError(f"{head} {failure_hint(failures)}")
 
     # ------------------------------------------------------------------ groups
     def _fill(self) -> None:
@@ -325,7 +336,7 @@ class RolloutScheduler:
             self._collecting
             and not self._closed
             and not self._restarting
-            and len(self._running) + len(self._ready) < self.cfg.capacity
+            and len(self._running) + len(self._ready) + len(self._draining) < self.cfg.capacity
         ):
             self._start_group()
 
@@ -371,7 +382,12 @@ class RolloutScheduler:
     def _group_done(self, group: _Group) -> None:
         self._running.pop(group.number, None)
         group.finished_at = time.monotonic()
-        if not group.cancelled:
+        if any(task.cancelled() for task in group.tasks):  # the loop shut down under it
+            group.cancelled = True
+        if group.number in self._draining:  # cancelled while it played: it has drained now
+            del self._draining[group.number]
+            self._forget(group)
+        elif not group.cancelled:
             self._judge(group)
         self._fill()
         if self._changed is not None:
@@ -379,25 +395,24 @@ class RolloutScheduler:
 
     def _judge(self, group: _Group) -> None:
         errors = [task.exception() for task in group.tasks if task.exception() is not None]
-        if errors:  # a bug, not an env failure: surface it rather than loop forever
-            self._counts["failed_groups"] += 1
-            self._failed_in_a_row += 1
+        for error in errors:  # a bug, not an env failure: surface it rather than loop forever
+            self._counts["failed_episodes"] += 1
             self._failed.append(
                 Trajectory(
                     group.env_id,
                     group.seed,
                     group.number,
                     failed=True,
-                    failure=f"scheduler error {type(errors[0]).__name__}: {errors[0]}",
+                    failure=f"scheduler error {type(error).__name__}: {error}"[:500],
                 )
             )
-            return
-        trajectories = group.trajectories()
-        if any(t.failed for t in trajectories):
+        trajectories = [] if errors else group.trajectories()
+        if errors or any(t.failed for t in trajectories):
             self._counts["failed_groups"] += 1
-            self._failed_in_a_row += 1
+            failed = [t.failure for t in self._failed if t.env_id == group.env_id]
+            self._failures.failed(group.env_id, failed[-1] if failed else None)
             return
-        self._failed_in_a_row = 0
+        self._failures.succeeded(group.env_id)
         rewards = {round(t.episode_reward, 9) for t in trajectories}
         if self.cfg.dynamic_sampling and len(rewards) == 1 and len(trajectories) > 1:
             limit = self.cfg.max_filtered_per_batch
@@ -409,15 +424,17 @@ class RolloutScheduler:
         self._ready.append(group)
 
     async def _cancel_all(self, groups: list[_Group], reason: str) -> None:
-        """Cancel ``groups`` and wait until their episodes ended. They are marked cancelled at
-        once, before anything else runs: a group that ends while the others' aborts go out is
-        then not judged ready (it would enter a later batch, generated by an older policy)."""
+        """Cancel ``groups``: abort their requests; their episodes drain in the background
+        (module docstring). They are marked cancelled at once, before anything else runs: a
+        group that ends while the others' aborts go out is then not judged ready (it would
+        enter a later batch, generated by an older policy)."""
         for group in groups:
             group.cancelled = True
         await asyncio.gather(*(self._cancel(group, reason) for group in groups))
 
     async def _cancel(self, group: _Group, reason: str) -> None:
-        """Abort a group's generations in the engine and let its episodes close their envs."""
+        """Abort a group's generations in the engine; its episodes end and close their envs in
+        the background (``_draining`` until ``_group_done``)."""
         group.cancelled = True
         self._running.pop(group.number, None)
         if reason == "aborted_surplus":  # every episode thrown away, played out or cut short
@@ -435,10 +452,16 @@ class RolloutScheduler:
                 for attempt in range(1 + self.cfg.max_retries)
             )
         )
-        if group.tasks:
-            await asyncio.wait(group.tasks)
-        if isinstance(self.router, EngineRouter):  # an attempt that never reached the router
-            for key in group.keys:  # (its env did not start) left its marks: drop them
+        if all(task.done() for task in group.tasks):
+            self._forget(group)
+        else:
+            self._draining[group.number] = group
+
+    def _forget(self, group: _Group) -> None:
+        """Drop the abort marks of an ended cancelled group: an attempt that never reached the
+        router (its env did not start, or its episode had ended) left them."""
+        if isinstance(self.router, EngineRouter):
+            for key in group.keys:
                 self.router.forget(f"{key}a0")
 
     def _drop_stale_ready(self) -> None:
@@ -473,6 +496,7 @@ class RolloutScheduler:
             "timing/weight_pause_s": round(paused, 4),
             "rollout/ready_groups": float(len(self._ready)),
             "rollout/running_groups": float(len(self._running)),
+            "rollout/draining_groups": float(len(self._draining)),
             "rollout/engine_in_flight": float(self.router.in_flight),
             "rollout/turns_mean": statistics.fmean(turns),
             "rollout/turns_p90": float(turns[int(0.9 * (len(turns) - 1))]),

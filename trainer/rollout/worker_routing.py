@@ -49,8 +49,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from trainer.rollout.router import COUNTS as _COUNTS
-from trainer.rollout.router import RouterStats, starter
+from trainer.rollout.router import starter
+from trainer.rollout.router_stats import COUNTS as _COUNTS
+from trainer.rollout.router_stats import RouterStats
 from trainer.rollout.wire import (
     request_from_wire,
     request_to_wire,

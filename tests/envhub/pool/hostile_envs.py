@@ -11,8 +11,8 @@ signal 40), ``sysexit`` / ``kbint`` (raise ``SystemExit`` / ``KeyboardInterrupt`
 (an observation of N characters); anything else is echoed.
 
 ``RawEnv`` is not a ``TextEnv``: a user env with its own ``step`` whose output is wrong in the
-way ``bad`` names (``reward_nan``, ``reward_none``, ``info_list``, ``messages_str``,
-``flag_str``), as the registry accepts any class.
+way ``bad`` names (``reward_nan``, ``reward_none``, ``reward_huge`` (1e39: finite, but ``inf``
+in float32), ``info_list``, ``messages_str``, ``flag_str``), as the registry accepts any class.
 """
 
 from __future__ import annotations
@@ -112,6 +112,8 @@ class RawEnv:
             reward = float("nan")
         elif self.bad == "reward_none":
             reward = None
+        elif self.bad == "reward_huge":
+            reward = 1e39
         elif self.bad == "info_list":
             info = ["not", "a", "dict"]
         elif self.bad == "messages_str":

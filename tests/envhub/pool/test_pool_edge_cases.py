@@ -173,6 +173,11 @@ def test_a_pool_keeps_starting_episodes_past_two_to_the_32():
         ("step", [{"role": "user"}], "observation[0] has no str 'content'"),
         ("step", [{"role": "user", "content": 3}], "observation[0] has no str 'content'"),
         ("step", [{"content": "ok"}], "observation[0] has no str 'role'"),
+        (
+            "step",
+            [{"role": "user", "content": [{"type": "image_url"}]}],
+            "observation[0] has no str 'content'",
+        ),
     ],
 )
 def test_an_observation_that_is_not_chat_messages_fails_its_episode(bad, observation, problem):
@@ -204,6 +209,31 @@ def test_chat_messages_with_extra_keys_pass_the_observation_check():
             assert stepped.observation[0]["tool_call_id"] == "1"
 
     run(main())
+
+
+def test_text_content_parts_pass_the_observation_check():
+    """OpenAI's content parts (text only), as a chat-API user writes a message: a trainer reads
+    them as their joined text, so the pool lets them through unchanged."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+
+    async def main():
+        kwargs = {"bad": "reset", "observation": parts}
+        async with EnvPool(CHATLESS, num_workers=1, backend="inline", env_kwargs=kwargs) as pool:
+            started = await pool.reset(seed=0)
+            assert not isinstance(started, EpisodeFailure), started
+            assert started.observation == parts
+
+    run(main())
+
+
+@pytest.mark.parametrize("reward", [1e39, -1e39, 10**40, 10**400])
+def test_a_reward_beyond_float32_fails_its_episode_naming_it(reward):
+    """Finite in Python, ``inf`` in a trainer's float32 tensors (NaN advantages): refused."""
+    from envhub.pool.host import step_output_problem
+
+    problem = step_output_problem(reward, False, False, {})
+    assert problem.startswith(f"reward={reward!r}"[:12]) and "must fit float32" in problem
+    assert step_output_problem(3.0e38, False, False, {}) == ""  # the largest float32s pass
 
 
 # ---------------------------------------------------------------------- ray

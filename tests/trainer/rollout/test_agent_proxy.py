@@ -92,6 +92,7 @@ def with_agent(
     specs: list[EpisodeSpec],
     *,
     max_retries: int = 0,
+    on_episode_end: Any = None,
     **agent: Any,
 ) -> list[Trajectory]:
     """Play ``specs`` with the agent through a proxy started for the call."""
@@ -99,7 +100,7 @@ def with_agent(
     async def main() -> list[Trajectory]:
         proxy = AgentProxy(engine, renderer, max_turns=4, max_context_tokens=1024)
         await proxy.start()
-        runner = AgentRunner(proxy, AgentConfig(**agent))
+        runner = AgentRunner(proxy, AgentConfig(**agent), on_episode_end=on_episode_end)
         source = LocalEnvSource(LAKE_KWARGS)
         try:
             return list(
@@ -219,6 +220,24 @@ def test_a_failing_agent_is_a_failed_episode_with_its_reason(
     specs = [EpisodeSpec(LAKE, 5, 0)]
     (t,) = with_agent(engine_for(policy), ChatRenderer(policy[1]), specs, **agent)
     assert t.failed and reason in (t.failure or ""), t.failure
+
+
+def test_a_reward_function_that_raises_fails_the_agents_episode_naming_it(policy) -> None:
+    """The run's reward function (``env.rewards``) raising on an agent's episode fails that
+    episode with the reason, as for a policy-played one: it never escapes the runner."""
+
+    async def scorer(trajectory: Trajectory) -> None:
+        raise ValueError("could not parse the answer")
+
+    specs = [EpisodeSpec(LAKE, 5, 0)]
+    (t,) = with_agent(
+        engine_for(policy),
+        ChatRenderer(policy[1]),
+        specs,
+        on_episode_end=scorer,
+        callable=f"{AGENTS}:play",
+    )
+    assert t.failed and "reward function raised ValueError" in (t.failure or ""), t.failure
 
 
 def test_a_program_agent_and_a_final_answer_play_like_a_function_agent(policy) -> None:
@@ -395,6 +414,9 @@ def test_surplus_agent_episodes_are_aborted_and_their_keys_refused(policy) -> No
     async def go():
         await proxy.start()
         batch = await scheduler.next_batch()
+        draining = [task for group in scheduler._draining.values() for task in group.tasks]
+        if draining:  # the surplus drains in the background (next_batch did not wait for it)
+            await asyncio.wait(draining)
         state = (router.in_flight, len(scheduler._running), len(proxy._episodes))
         await proxy.aclose()
         return batch, state
@@ -402,7 +424,7 @@ def test_surplus_agent_episodes_are_aborted_and_their_keys_refused(policy) -> No
     batch, state = run(go())
     assert {t.group_id for t in batch.trajectories} == {0, 1, 2}
     assert all(not t.failed for t in batch.trajectories)
-    assert state == (0, 0, 0)  # nothing in flight, running, or open on the proxy
+    assert state == (0, 0, 0)  # once drained: nothing in flight, running, or open on the proxy
     assert batch.metrics["rollout/aborted_surplus"] == 6  # three surplus groups of two
 
 

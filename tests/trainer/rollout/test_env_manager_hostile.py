@@ -72,6 +72,7 @@ def test_a_reset_past_the_env_timeout_leaves_no_episode_behind() -> None:
     [
         ("reward_nan", "reward=nan"),
         ("reward_none", "reward=None"),
+        ("reward_huge", "reward=1e+39; a reward must fit float32"),
         ("info_list", "info of type list"),
         ("messages_str", "messages of type str"),
         ("flag_str", "terminated='no'"),

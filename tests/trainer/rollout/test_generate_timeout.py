@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformers", reason="needs the train extra: pip install -e '.[train]'")
 
-from tests.trainer.rollout.sim_workload import engines, manager, source
+from tests.trainer.rollout.sim_workload import GateEngine, engines, manager, source
 from trainer.errors import RolloutError
 from trainer.rollout import sim_clock
 from trainer.rollout.env_manager import Sampling
@@ -123,3 +123,35 @@ def test_every_engine_stalled_stops_the_run_with_the_timeout_as_the_reason() -> 
 
     with pytest.raises(RolloutError, match=r"rollout\.generate_timeout_s"):
         run(main())
+
+
+def test_a_weight_update_gives_up_on_the_turns_a_hung_engine_holds() -> None:
+    """``async``: an engine hangs (answers nothing, aborts included) while it holds turns. The
+    next weight update must not wait for it forever (its pause held every turn deadline, so
+    nothing else ended the wait): the turns it holds fail and are replayed on the engine that
+    answers, the weights load, and the batch comes."""
+
+    async def main():
+        started = asyncio.Event()
+        sims = engines(2, kind=GateEngine, started=started, wanted=4, seen=[0])
+        router = EngineRouter(sims, clock=asyncio.get_running_loop().time)
+        scheduler = scheduler_for(router, mode="async", max_staleness=1)
+        collecting = asyncio.ensure_future(scheduler.next_batch())
+        await started.wait()  # every episode's first turn is in an engine: two in each
+        sims[1].stall()
+        try:
+            await asyncio.wait_for(scheduler.update_weights({}), 100 * TIMEOUT_S)
+        except TimeoutError:  # it never returns (asserted below; a close would wait as well)
+            return None
+        batch = await collecting
+        await scheduler.close()
+        await sims[0].close()
+        return batch, router.version, sims[1].stats.requests
+
+    outcome = run(main())
+    assert outcome is not None, "the weight update waited for the hung engine for good"
+    batch, version, hung_requests = outcome
+    assert version == 1  # the weights loaded
+    assert len(batch.trajectories) == 4 and not any(t.failed for t in batch.trajectories)
+    assert batch.failed and all("weight update" in t.failure for t in batch.failed)
+    assert hung_requests == 2  # the replays went to the engine that answers

@@ -194,6 +194,9 @@ def test_surplus_is_aborted_in_the_engine_and_its_envs_closed(policy) -> None:
 
     async def go():
         batch = await scheduler.next_batch()
+        draining = [task for group in scheduler._draining.values() for task in group.tasks]
+        if draining:  # the surplus drains in the background (next_batch did not wait for it)
+            await asyncio.wait(draining)
         state = (router.in_flight, len(engine._queue), len(scheduler._running))
         await asyncio.sleep(0.2)  # give a wrongly still-running episode the chance to ask again
         tokens_after = engine.stats["new_tokens"]
@@ -202,7 +205,7 @@ def test_surplus_is_aborted_in_the_engine_and_its_envs_closed(policy) -> None:
 
     batch, state, tokens_after = run(go())
     assert {t.group_id for t in batch.trajectories} == {0, 1, 2}
-    assert state == (0, 0, 0)  # nothing left in flight, queued, or running
+    assert state == (0, 0, 0)  # once drained: nothing left in flight, queued, or running
     # the engine stopped generating for the surplus
     assert engine.stats["new_tokens"] == tokens_after
     assert batch.metrics["rollout/aborted_surplus"] == 6  # three surplus groups of two
@@ -449,12 +452,16 @@ def batches_across_updates(scheduler: RolloutScheduler, weights: Any, count: int
     return run(go())
 
 
+PADDED = "Say anything." + " pad" * 40
+
+
 class PaddedPromptEnv(ScriptedEnv):
-    """An even task's first observation is long: its prompt alone can fill a small context."""
+    """An even task's first observation is long (``PADDED``): its prompt alone can fill a
+    small context."""
 
     def on_reset(self, options: dict[str, Any]):
         text, info = super().on_reset(options)
-        return text + " pad" * (40 if self.seed_value % 2 == 0 else 0), info
+        return (PADDED if self.seed_value % 2 == 0 else text), info
 
 
 def test_sync_batches_are_on_policy_across_weight_updates(policy) -> None:
@@ -466,13 +473,9 @@ def test_sync_batches_are_on_policy_across_weight_updates(policy) -> None:
     model, tokenizer = policy
     weights = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
     router = EngineRouter([make_engine(policy)])
-    prompt = len(
-        ChatRenderer(tokenizer).prompt([{"role": "user", "content": "Task 0. Say anything."}])
-    )
-    # room for one turn of an odd task; an even task's prompt fills the context (no policy token)
-    manager = EnvManager(
-        router, ChatRenderer(tokenizer), max_turns=4, max_context_tokens=prompt + 6
-    )
+    prompt = len(ChatRenderer(tokenizer).prompt([{"role": "user", "content": PADDED}]))
+    # room for turns of an odd task; an even task's prompt fills the context (no policy token)
+    manager = EnvManager(router, ChatRenderer(tokenizer), max_turns=4, max_context_tokens=prompt)
     cfg = SchedulerConfig(num_groups=2, group_size=2, env_ids=("test/scripted-v0",), redundancy=1.5)
     source = LocalEnvSource(make=lambda env_id, **kw: PaddedPromptEnv(turns=lambda seed: 2))
     scheduler = RolloutScheduler(cfg, manager, router, source, Sampling(3))

@@ -173,3 +173,145 @@ def test_restart_from_starts_no_group_and_numbers_the_next_ones_from_its_counter
     in_play, next_group, trained = sim_clock.run(go())
     assert in_play == 0  # nothing numbered from the old counter started meanwhile
     assert min(trained) >= 100 and next_group > 100
+
+
+# ------------------------------------------------------------ groups cancelled mid env call
+class HeldEnvs:
+    """An env source whose sessions' steps wait for ``release`` on the task seeds in ``held``
+    (a long env call: tests running in a sandbox, a hub env, a slow judge); counts the sessions
+    open now and at most, and tells ``entered`` when a held step began."""
+
+    def __init__(self, held: set[int]) -> None:
+        self.held, self.release, self.entered = held, asyncio.Event(), asyncio.Event()
+        self.open = self.peak = 0
+
+    async def session(self, env_id: str) -> HeldSession:
+        self.open += 1
+        self.peak = max(self.peak, self.open)
+        return HeldSession(self)
+
+    async def aclose(self) -> None:
+        """Sessions close themselves."""
+
+
+class HeldSession:
+    def __init__(self, envs: HeldEnvs) -> None:
+        self.envs, self.env, self.seed = envs, w.PlannedEnv(), 0
+
+    async def reset(self, seed: int) -> Any:
+        self.seed = seed
+        return self.env.reset(seed=seed)
+
+    async def step(self, action: Any) -> Any:
+        if self.seed in self.envs.held:
+            self.envs.entered.set()
+            await self.envs.release.wait()
+        return self.env.step(action)
+
+    async def close(self) -> None:
+        self.envs.open -= 1
+
+
+GUARD_S = 10_000.0  # simulated; a wait this long is a hang (nothing asserts on time)
+
+
+def held_scheduler(cfg: SchedulerConfig, envs: HeldEnvs) -> tuple[RolloutScheduler, list[Any]]:
+    engines = w.engines(1)
+    router = EngineRouter(engines, clock=asyncio.get_running_loop().time)
+    return RolloutScheduler(cfg, w.manager(router), router, envs, Sampling(64)), engines
+
+
+def test_the_sync_surplus_does_not_hold_the_batch_while_its_env_calls_run() -> None:
+    """``sync`` with redundancy: the batch is full while surplus episodes are inside an env call
+    that takes long. ``next_batch`` returns without waiting for it (the surplus is aborted and
+    closes its envs in the background), the groups still draining count against the groups in
+    play, and ``close`` does not wait for them for good either."""
+
+    async def go() -> tuple[Any, ...] | None:
+        envs = HeldEnvs(held={2, 3})  # groups 2 and 3 (of 0-3 started) are the slow ones
+        cfg = SchedulerConfig(2, 2, ("t/p-v0",), mode="sync", redundancy=2.0)
+        sched, engines = held_scheduler(cfg, envs)
+        try:
+            first = await asyncio.wait_for(sched.next_batch(), GUARD_S)
+            second = await asyncio.wait_for(sched.next_batch(), GUARD_S)
+            await asyncio.wait_for(sched.close(), GUARD_S)  # the held calls never return
+        except TimeoutError:
+            return None
+        for engine in engines:
+            await engine.close()
+        groups = [sorted({t.group_id for t in b.trajectories}) for b in (first, second)]
+        return groups, first.metrics["rollout/aborted_surplus"], envs.peak, envs.open
+
+    outcome = sim_clock.run(go())
+    assert outcome is not None, "the batch (or close) waited for the surplus's env calls"
+    groups, aborted, peak, still_open = outcome
+    assert groups == [[0, 1], [4, 5]]  # the draining groups 2-3 left room for two new ones
+    assert aborted == 4
+    assert peak <= 4 * 2  # never more groups' envs open than the groups in play allow
+    assert still_open == 0  # close ended the held calls and closed their envs
+
+
+def test_a_weight_update_does_not_wait_for_a_doomed_groups_env_call() -> None:
+    """``async``: a weight update aborts the groups that can no longer meet ``max_staleness``;
+    one of them inside a long env call must not hold the update (the trainer waits for it)."""
+
+    async def go() -> tuple[Any, ...] | None:
+        envs = HeldEnvs(held={1})
+        cfg = SchedulerConfig(2, 2, ("t/p-v0",), mode="async", max_staleness=0)
+        sched, engines = held_scheduler(cfg, envs)
+        collecting = asyncio.ensure_future(sched.next_batch())
+        await envs.entered.wait()  # group 1 is inside its env call
+        try:
+            await asyncio.wait_for(sched.update_weights({}), GUARD_S)
+        except TimeoutError:
+            return None
+        envs.release.set()
+        batch = await collecting
+        await closed(sched, engines)
+        return batch.metrics["rollout/stale_aborted_groups"], batch.version, envs.open
+
+    outcome = sim_clock.run(go())
+    assert outcome is not None, "the weight update waited for a doomed group's env call"
+    stale_aborted, version, still_open = outcome
+    assert stale_aborted >= 1 and version == 1
+    assert still_open == 0
+
+
+# ---------------------------------------------------------------------- a broken env in a mix
+class MissingDatasetEnv(w.PlannedEnv):
+    """Every reset fails, as an env whose dataset file is missing."""
+
+    def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        raise RuntimeError("dataset file not found")
+
+
+def test_an_env_of_a_mix_that_always_fails_is_warned_about_and_stops_the_run_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``env: [good, bad]``: the good env's successes must not hide the bad one, whose groups
+    all fail (half the rollout work wasted, every batch the good env only)."""
+
+    def make(env_id: str, **kwargs: Any) -> w.PlannedEnv:
+        return MissingDatasetEnv() if env_id == "acme/bad-v0" else w.PlannedEnv()
+
+    async def go() -> None:
+        engines = w.engines(1)
+        router = EngineRouter(engines, clock=asyncio.get_running_loop().time)
+        cfg = SchedulerConfig(2, 2, ("acme/good-v0", "acme/bad-v0"), max_retries=1)
+        sched = RolloutScheduler(
+            cfg, w.manager(router), router, LocalEnvSource(make=make), Sampling(64)
+        )
+        try:
+            for _ in range(50):
+                await sched.next_batch()
+        finally:
+            await closed(sched, engines)
+
+    with caplog.at_level("WARNING"), pytest.raises(RolloutError) as error:
+        sim_clock.run(go())
+    message = str(error.value)
+    assert "of env 'acme/bad-v0' in a row failed" in message
+    assert "env 'acme/bad-v0' reset raised RuntimeError: dataset file not found" in message
+    assert "`envhub check acme/bad-v0`" in message
+    warned = [r.getMessage() for r in caplog.records if "acme/bad-v0" in r.getMessage()]
+    assert len(warned) == 1 and "dataset file not found" in warned[0]
