@@ -26,6 +26,7 @@ __all__ = [
     "cache_joins",
     "growing_cache",
     "length_groups",
+    "prefill_split_tokens",
     "request_error",
 ]
 
@@ -211,6 +212,24 @@ def length_groups(lengths: list[int], min_tokens: int = 2048) -> list[list[int]]
                 continue
         groups.append([i])
     return groups
+
+
+PREFILL_SPLIT_FLOPS = {"cpu": 5e8, "cuda": 1e12}
+"""What one more prefill forward pass costs besides its tokens' compute, as the FLOPs of padding
+it is worth, per device type. CPU: about 1.5 ms of Python and dispatch per forward at the
+~300 GFLOP/s that the matmuls reach on two cores (measured for ``benchmarks/hf_engine.py``'s
+models). CUDA: an estimate, not measured here (a 24-layer model's kernel launches, ~5 ms, at
+~200 TFLOP/s)."""
+
+
+def prefill_split_tokens(model: Any, device: str) -> int:
+    """``length_groups``' ``min_tokens`` for ``model`` on ``device``: the padded tokens a
+    forward pass of its own would cost (``PREFILL_SPLIT_FLOPS`` over ``2 * parameters`` FLOPs a
+    token), at most 4,096. A 0.1M-parameter model on CPU pads ~2,000 tokens rather than start
+    another pass; a 30M one ~8, so its short prompts are not padded to its long ones."""
+    params = sum(p.numel() for p in model.parameters())
+    budget = PREFILL_SPLIT_FLOPS["cuda" if str(device).startswith("cuda") else "cpu"]
+    return int(min(4096, budget / (2 * max(params, 1))))
 
 
 def growing_cache(cache: Any) -> Any:

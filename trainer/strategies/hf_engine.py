@@ -46,6 +46,7 @@ from trainer.strategies.decode_batch import (
     cache_joins,
     growing_cache,
     length_groups,
+    prefill_split_tokens,
     request_error,
 )
 
@@ -59,10 +60,6 @@ __all__ = ["HFEngine"]
 
 class HFEngine(BatchingFrontend):
     """Torch generation for any ``AutoModelForCausalLM`` (see the module docstring)."""
-
-    prefill_group_tokens = 2048
-    """Prompts admitted together are prefilled in groups of similar length; a group smaller
-    than this many padded tokens takes any prompt rather than start another forward pass."""
 
     def __init__(
         self,
@@ -82,6 +79,9 @@ class HFEngine(BatchingFrontend):
         super().__init__(max_batch_size=max_batch_size)
         self.model = model.to(device).eval()
         self.device = device
+        self.prefill_group_tokens = prefill_split_tokens(model, device)
+        """Prompts admitted together are prefilled in groups of similar length; a group of
+        fewer padded tokens than this takes any prompt rather than start another pass."""
         self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.context: int | None = getattr(model.config, "max_position_embeddings", None)

@@ -291,6 +291,20 @@ def test_prompts_of_different_lengths_are_prefilled_in_groups_and_joined(policy)
     assert_plain_forward_logprobs(model, ids, results)
 
 
+def test_larger_models_pad_fewer_prompt_tokens_rather_than_start_a_prefill() -> None:
+    """Padding costs a model's per-token compute, another forward pass a fixed overhead: a
+    0.1M-parameter model on CPU groups prompts up to ~2,000 padded tokens, a 30M one nearly never
+    pads a short prompt to a long one, and a GPU, whose passes cost more, pads more."""
+    import torch
+
+    from trainer.strategies.decode_batch import prefill_split_tokens
+
+    tiny, medium = torch.nn.Linear(350, 350), torch.nn.Linear(5000, 6000)  # ~0.12M, ~30M
+    assert 1024 <= prefill_split_tokens(tiny, "cpu") <= 4096
+    assert prefill_split_tokens(medium, "cpu") < 16
+    assert prefill_split_tokens(medium, "cuda:0") > 100 * prefill_split_tokens(medium, "cpu")
+
+
 def test_rows_leaving_the_batch_keep_the_caches_spare_room(policy) -> None:
     """A row that ends leaves the KV cache by a row selection of the cache's buffers, spare room
     included, so the next step still writes its keys and values in place rather than copying
