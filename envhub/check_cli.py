@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.markup import escape
 
-from envhub.cli import _fail, _from_source, _parse_kwargs, console
+from envhub.cli import _fail, _from_source, _parse_kwargs, console, import_option
 from envhub.errors import EnvhubError, EnvKwargsError
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ DEFAULT_TIMEOUT = 300.0
     type=click.FloatRange(min=0, min_open=True),
     help="Seconds each id's checks may take; an env still busy then fails the check it is in.",
 )
+@import_option
 def check_command(
     env_ids: tuple[str, ...],
     check_all: bool,
@@ -75,7 +76,10 @@ def check_command(
     """Check that environments keep the TextEnv contract; exit code 1 on any failure.
 
     Each id runs in a worker process of its own: one that hangs (past --timeout), exits,
-    crashes or cannot be built fails, and the others are still checked.
+    crashes or cannot be built fails, and the others are still checked. Besides random play on
+    several seeds (one near 1e9, where the trainer's eval seeds are), the env's expert plays to
+    the end, each seed is replayed after another and on a fresh env, and once per entry point
+    in a new Python process with another PYTHONHASHSEED.
     """
     from envhub.check_workers import check_ids
 

@@ -8,7 +8,14 @@ runs them all and reports every problem at once::
     report = envhub.check_env(env, raise_on_failure=False)    # or inspect report.failures
 
 ``envhub check`` runs ``check_env`` on registered ids in worker processes, each within a time
-limit (``envhub.check_workers.check_ids``).
+limit (``envhub.check_workers.check_ids``), and replays one episode of each family in a new
+Python process with another ``PYTHONHASHSEED`` (``check_new_process``).
+
+The episodes played are those real use plays, so a bug on any of those paths fails here first:
+random actions on the first seeds, on seeds after them and on far seeds (the trainer evaluates
+on seeds from 1e9), the env's expert to the end (the winning path random play rarely reaches),
+the same seed on a used env after another seed and on a fresh env (pools and hubs reuse env
+objects), and, from ``envhub check``, in another process.
 
 Gymnasium's own ``gymnasium.utils.env_checker.check_env`` runs too (``check_gymnasium``).
 One deliberate difference: Gymnasium's checker treats a step after the episode ended as
@@ -39,16 +46,36 @@ __all__ = [
     "CheckFailed",
     "CheckReport",
     "CheckResult",
+    "CheckSkipped",
+    "Replay",
     "check_env",
     "describe_error",
+    "transcript",
 ]
 
 MAX_EPISODE_STEPS = 1_000
 """An episode that has not ended after this many steps fails ``check_episode_ends``."""
 
+FAR_SEED_OFFSET = 1_000_000_000
+"""``check_more_seeds`` also plays ``seed`` plus this: the trainer's
+evaluation seeds start at 1e9 (``trainer.rollout.groups.EVAL_SEED_BASE``), so an env that breaks
+on large seeds fails here instead of in every evaluation."""
+
+MORE_SEED_OFFSETS = (2, FAR_SEED_OFFSET)
+"""The seeds (after ``seed``) of the random episodes ``check_more_seeds`` plays; the earlier
+checks play ``seed`` and ``seed + 1``."""
+
+Replay = Callable[[int], str]
+"""Plays ``seed`` in a new Python process and returns the episode as JSON (``transcript``);
+raises ``CheckSkipped`` when that process cannot build the env."""
+
 
 class CheckFailed(Exception):
     """Raised by a ``check_*`` function; the message says what is wrong and how to fix it."""
+
+
+class CheckSkipped(Exception):
+    """Raised by a ``check_*`` function (or a ``Replay``) that cannot run here; says why."""
 
 
 @dataclass(frozen=True)
@@ -88,12 +115,17 @@ class _Context:
     factory: Callable[[], gym.Env] | None
     seed: int
     actions: np.random.Generator
+    replay: Replay | None = None
     reference: str | None = None
     """The episode ``_play`` gives at ``seed`` (as JSON), once ``check_seed_determinism`` saw it
     twice: later checks compare against it instead of playing it again (a web env's episode
     costs seconds)."""
+    other_episode: list[Any] | None = None
+    """The episode at ``seed + 1`` that ``check_seed_determinism`` played on ``env``;
+    ``check_episode_ends`` judges it instead of playing another."""
     ended: bool = False
-    """The check that just ran left ``env`` at the end of an episode."""
+    """``env`` sits at the end of an episode (``_play`` ended one on it, and no check since
+    touched it)."""
 
     def sample_action(self, env: gym.Env) -> str:
         sampler = getattr(env.action_space, "sampler", None)
@@ -167,13 +199,74 @@ def _play(ctx: _Context, env: gym.Env, seed: int, max_steps: int = MAX_EPISODE_S
     """Play one episode with sampled actions; return everything observed."""
     ctx.actions = np.random.default_rng(seed)
     env.action_space.seed(seed)
-    transcript: list[Any] = [env.reset(seed=seed)]
+    played: list[Any] = [env.reset(seed=seed)]
     for _ in range(max_steps):
         result = env.step(ctx.sample_action(env))
-        transcript.append(result)
+        played.append(result)
         if result[2] or result[3]:
             break
-    return transcript
+    if env is ctx.env:
+        ctx.ended = _over(played)
+    return played
+
+
+def _over(played: list[Any]) -> bool:
+    return len(played) > 1 and bool(played[-1][2] or played[-1][3])
+
+
+def _as_json(played: list[Any]) -> str:
+    return json.dumps(played, default=repr)
+
+
+def transcript(env: gym.Env, seed: int) -> str:
+    """The episode the checker's random player plays on ``env`` at ``seed``, as JSON: what a
+    new process returns for ``check_new_process`` (same seed, same actions, same text)."""
+    ctx = _Context(env=env, factory=None, seed=seed, actions=np.random.default_rng(seed))
+    return _as_json(_play(ctx, env, seed))
+
+
+def _first_difference(a: list[Any], b: list[Any]) -> str:
+    """Where two episodes first differ: ``reset()``, ``step N`` or their lengths."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if _as_json(x) != _as_json(y):
+            return "reset()" if i == 0 else f"step {i}"
+    return "their length"
+
+
+def _play_checked(ctx: _Context, seed: int, *, expert: bool) -> None:
+    """Play one episode on ``ctx.env`` to its end, checking every output as ``check_reset`` and
+    ``check_step`` do: the expert's actions (random ones where it has none), or random ones."""
+    env = ctx.env
+    who = "the expert's episode" if expert else "a random episode"
+    ctx.actions = np.random.default_rng(seed)
+    env.action_space.seed(seed)
+    where = "reset()"
+    try:
+        _check_reset_output(env.reset(seed=seed), env.observation_space)
+        for turn in range(1, MAX_EPISODE_STEPS + 1):
+            action = _expert_action(env) if expert else None
+            action = ctx.sample_action(env) if action is None else action
+            where = f"step {turn} ({action[:30]!r})"
+            result = _check_step_output(env.step(action), env.observation_space)
+            if result[2] or result[3]:
+                return
+    except CheckFailed as failure:
+        raise CheckFailed(f"{who} with seed={seed}, at {where}: {failure}") from failure
+    except (Exception, SystemExit) as exc:
+        raise CheckFailed(
+            f"{who} with seed={seed} raised {describe_error(exc)} at {where}; reset(), step() "
+            "and expert_action() must work on every seed and on the winning turn (envhub check "
+            f"--seed {seed} plays this seed first)"
+        ) from exc
+    raise CheckFailed(
+        f"{who} with seed={seed} did not end within {MAX_EPISODE_STEPS} steps; register the env "
+        "with max_turns=N so episodes truncate"
+    )
+
+
+def _expert_action(env: gym.Env) -> str | None:
+    expert = getattr(env.unwrapped, "expert_action", None)
+    return expert() if callable(expert) else None
 
 
 # ---------------------------------------------------------------------------- checks
@@ -231,29 +324,40 @@ def check_step(ctx: _Context) -> None:
 
 
 def check_seed_determinism(ctx: _Context) -> None:
-    """The same seed and actions give the same episode (observations, rewards, flags)."""
-    first = _play(ctx, ctx.env, ctx.seed)
-    second = _play(ctx, ctx.env, ctx.seed)
-    ctx.reference = json.dumps(first, default=repr)
-    if ctx.reference != json.dumps(second, default=repr):
-        ctx.reference = None
-        for i, (a, b) in enumerate(zip(first, second)):
-            if json.dumps(a, default=repr) != json.dumps(b, default=repr):
-                where = "reset()" if i == 0 else f"step {i}"
-                raise CheckFailed(
-                    f"two episodes with seed={ctx.seed} and the same actions differ at {where}; "
-                    "draw every random choice from self.np_random (seeded by reset)"
-                )
+    """A seed gives the same episode whatever ran before it: on the same env after another seed,
+    and on a fresh env (pools and hubs reuse env objects; eval plays seeds in any order)."""
+    seed, other = ctx.seed, ctx.seed + 1
+    first = _play(ctx, ctx.env, seed)
+    ctx.other_episode = _play(ctx, ctx.env, other)
+    again = _play(ctx, ctx.env, seed)
+    if _as_json(first) != _as_json(again):
         raise CheckFailed(
-            f"two episodes with seed={ctx.seed} and the same actions had different lengths"
+            f"two episodes with seed={seed} and the same actions differ at "
+            f"{_first_difference(first, again)}, one played before and one after an episode with "
+            f"seed={other} on the same env: reset every per-episode field in on_reset, and draw "
+            "every random choice from self.np_random (seeded by reset)"
         )
+    if ctx.factory is not None:
+        fresh = ctx.factory()
+        try:
+            alone = _play(ctx, fresh, other)
+        finally:
+            fresh.close()
+        if _as_json(alone) != _as_json(ctx.other_episode):
+            raise CheckFailed(
+                f"seed={other} on a fresh env and seed={other} played after seed={seed} on a used "
+                f"env differ at {_first_difference(alone, ctx.other_episode)}: state from an "
+                "earlier episode leaks into the next; reset every per-episode field in on_reset, "
+                "and draw every random choice from self.np_random (seeded by reset)"
+            )
+    ctx.reference = _as_json(first)
 
 
 def check_episode_ends(ctx: _Context) -> None:
     """Episodes end (terminated or truncated) within a bounded number of steps."""
-    transcript = _play(ctx, ctx.env, ctx.seed + 1)
-    last = transcript[-1]
-    if len(transcript) == 1 or not (last[2] or last[3]):
+    played = ctx.other_episode or _play(ctx, ctx.env, ctx.seed + 1)
+    last = played[-1]
+    if not _over(played):
         raise CheckFailed(
             f"an episode of random actions did not end within {MAX_EPISODE_STEPS} steps; "
             "register the env with max_turns=N (or pass max_turns) so episodes truncate"
@@ -261,12 +365,11 @@ def check_episode_ends(ctx: _Context) -> None:
     info = last[4]
     if isinstance(ctx.env.unwrapped, TextEnv) and not isinstance(info.get("success"), bool):
         raise CheckFailed("the final info must carry success: bool; set Turn(success=...)")
-    ctx.ended = True
 
 
 def check_step_after_end(ctx: _Context) -> None:
     """step() after the episode ended is refused with a clear error."""
-    if not ctx.ended:  # (check_episode_ends, run just before, leaves an ended episode)
+    if not ctx.ended:  # (the checks run just before usually leave an ended episode)
         _play(ctx, ctx.env, ctx.seed + 2)
     try:
         ctx.env.step(ctx.sample_action(ctx.env))
@@ -287,7 +390,7 @@ def check_step_after_end(ctx: _Context) -> None:
 def check_step_before_reset(ctx: _Context) -> None:
     """step() on a fresh env is refused, and a non-str action is a TypeError."""
     if ctx.factory is None:
-        raise _Skip("needs a factory for a fresh env")
+        raise CheckSkipped("needs a factory for a fresh env")
     fresh = ctx.factory()
     try:
         try:
@@ -318,14 +421,56 @@ def check_picklable(ctx: _Context) -> None:
             "out of __init__ or implement __getstate__/__setstate__"
         ) from exc
     try:
-        played = json.dumps(_play(ctx, copy, ctx.seed), default=repr)
-        original = ctx.reference or json.dumps(_play(ctx, ctx.env, ctx.seed), default=repr)
+        played = _as_json(_play(ctx, copy, ctx.seed))
+        original = ctx.reference or _as_json(_play(ctx, ctx.env, ctx.seed))
         if played != original:
             raise CheckFailed(
                 "the unpickled copy plays a different episode for the same seed and actions"
             )
     finally:
         copy.close()
+
+
+def check_new_process(ctx: _Context) -> None:
+    """A new Python process with another ``PYTHONHASHSEED`` plays the same episode for the seed
+    (every pool, hub and trainer worker is such a process)."""
+    if ctx.replay is None:
+        raise CheckSkipped("needs a registered id: envhub check ID runs it in a new process")
+    if ctx.reference is None:
+        raise CheckSkipped("the seed determinism check failed")
+    theirs = ctx.replay(ctx.seed)
+    if theirs != ctx.reference:
+        where = _first_difference(json.loads(ctx.reference), json.loads(theirs))
+        raise CheckFailed(
+            f"seed={ctx.seed} played in a new Python process (another PYTHONHASHSEED) differs at "
+            f"{where} from the same seed here: the env depends on something besides the seed, "
+            "such as the order of a set or hash() of a str; sort before drawing (sorted(...)) "
+            "and draw every random choice from self.np_random"
+        )
+
+
+def check_expert_episode(ctx: _Context) -> None:
+    """The env's expert (``expert_action``) plays to the end with outputs as well-formed as
+    random play's: the winning turn, which random play rarely reaches, is where eval and
+    training go."""
+    ctx.env.reset(seed=ctx.seed)
+    try:
+        has_expert = _expert_action(ctx.env) is not None
+    except (Exception, SystemExit) as exc:
+        raise CheckFailed(
+            f"expert_action() after reset(seed={ctx.seed}) raised {describe_error(exc)}; return "
+            "a good next action, or None when the env has no expert"
+        ) from exc
+    if not has_expert:
+        raise CheckSkipped("the env has no expert (expert_action() returned None)")
+    _play_checked(ctx, ctx.seed, expert=True)
+
+
+def check_more_seeds(ctx: _Context) -> None:
+    """Random episodes on more seeds, one far away (``FAR_SEED_OFFSET``), end with well-formed
+    outputs and raise nothing."""
+    for offset in MORE_SEED_OFFSETS:
+        _play_checked(ctx, ctx.seed + offset, expert=False)
 
 
 def check_gymnasium(ctx: _Context) -> None:
@@ -353,10 +498,6 @@ def check_close_twice(ctx: _Context) -> None:
             ) from exc
 
 
-class _Skip(Exception):
-    pass
-
-
 CHECKS: list[Callable[[_Context], None]] = [
     check_spaces,
     check_reset,
@@ -366,10 +507,16 @@ CHECKS: list[Callable[[_Context], None]] = [
     check_step_after_end,
     check_step_before_reset,
     check_picklable,
+    check_new_process,
+    check_expert_episode,
+    check_more_seeds,
     check_gymnasium,
     check_close_twice,
 ]
 """The checks ``check_env`` runs, in order (``check_close_twice`` must stay last)."""
+
+_KEEP_ENV_AS_PLAYED = (check_seed_determinism, check_episode_ends)
+"""Checks after which ``env`` is where ``_play`` left it (the rest use it, or may)."""
 
 
 def check_env(
@@ -380,15 +527,20 @@ def check_env(
     raise_on_failure: bool = True,
     gymnasium_checks: bool = True,
     on_result: Callable[[CheckResult], None] | None = None,
+    replay: Replay | None = None,
 ) -> CheckReport:
     """Run every check against ``env`` and report all problems at once.
 
-    ``factory`` builds a fresh env (enables the step-before-reset check); ``on_result`` is
-    called after each check (the CLI prints them live). Closes ``env`` at the end. Raises
-    ``EnvCheckError`` listing every failure unless ``raise_on_failure=False``.
+    ``factory`` builds a fresh env (enables the step-before-reset check and the fresh-env half
+    of the determinism check); ``replay`` plays a seed in a new process (``envhub check`` passes
+    one; without it ``check_new_process`` is skipped); ``on_result`` is called after each check
+    (the CLI prints them live). Closes ``env`` at the end. Raises ``EnvCheckError`` listing
+    every failure unless ``raise_on_failure=False``.
     """
     name = getattr(getattr(env, "spec", None), "id", None) or type(env).__name__
-    ctx = _Context(env=env, factory=factory, seed=seed, actions=np.random.default_rng(seed))
+    ctx = _Context(
+        env=env, factory=factory, seed=seed, actions=np.random.default_rng(seed), replay=replay
+    )
     report = CheckReport(env_name=name)
     for check in CHECKS:
         if check is check_gymnasium and not gymnasium_checks:
@@ -397,7 +549,7 @@ def check_env(
         try:
             check(ctx)
             result = CheckResult(check.__name__, True, seconds=time.perf_counter() - start)
-        except _Skip as skip:
+        except CheckSkipped as skip:
             result = CheckResult(
                 check.__name__, True, f"skipped: {skip}", time.perf_counter() - start, skipped=True
             )
@@ -411,7 +563,7 @@ def check_env(
                 "for any text (answer bad actions with self.invalid_action(feedback))"
             )
             result = CheckResult(check.__name__, False, message, time.perf_counter() - start)
-        ctx.ended = ctx.ended and check is check_episode_ends
+        ctx.ended = ctx.ended and check in _KEEP_ENV_AS_PLAYED
         report.results.append(result)
         if on_result is not None:
             on_result(result)

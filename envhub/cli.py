@@ -8,12 +8,13 @@ commands (``serve``, ``train``, ``bench``) to the ``main`` group.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
 import sys
 import warnings
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TextIO
 
 import click
 from rich.console import Console
@@ -94,6 +95,66 @@ def _fail(error: Exception) -> NoReturn:
     sys.exit(2)
 
 
+def _import_plugins(ctx: click.Context, param: click.Parameter, targets: tuple[str, ...]) -> None:
+    """``--import``: load the modules now (one that fails is an error, exit 2), and name them in
+    ``ENVHUB_PLUGINS`` for the processes the command starts."""
+    if not targets:
+        return
+    from envhub.plugins import import_plugins
+
+    for failure in import_plugins(targets):
+        if not failure.collision:  # (a collision is reported where its ids are used)
+            _fail(
+                EnvhubError(
+                    f"--import {failure.target}: {failure.error} (a module is looked up on "
+                    "PYTHONPATH, then in the current folder)"
+                )
+            )
+
+
+import_option = click.option(
+    "--import",
+    "plugin_modules",
+    multiple=True,
+    metavar="MODULE",
+    expose_value=False,
+    callback=_import_plugins,
+    help="Import MODULE (or call MODULE:FUNC) first, for the ids it registers with "
+    "envhub.register (repeatable; the same as ENVHUB_PLUGINS=MODULE,...).",
+)
+"""The ``--import MODULE`` option of the commands that use env ids (check, play, info, eval,
+serve, list): ids a script registers reach the CLI without a package."""
+
+
+def _show_envhub_warnings() -> None:
+    """Print envhub's own warnings (a plugin collided, an id's namespace has a failed plugin)
+    as one ``warning:`` line on stderr; other warnings print as Python prints them."""
+    shown = warnings.showwarning
+    if getattr(shown, "envhub", False):
+        return
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        text = str(message)
+        if not text.startswith("envhub: "):
+            shown(message, category, filename, lineno, file, line)
+            return
+        err_console.print(
+            f"[yellow]warning:[/] {escape(text.removeprefix('envhub: '))}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    show.envhub = True  # type: ignore[attr-defined]
+    warnings.showwarning = show
+
+
 @click.group(
     cls=LazyGroup,
     context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
@@ -112,9 +173,11 @@ def main() -> None:
       envhub eval ENV --model URL         any OpenAI-compatible model on any env
       envhub init acme                    start a package of your own envs
     """
-    # Plugin failures are shown by `envhub list` (and named in unknown-id errors), not as
-    # Python warnings in the middle of every command's output.
+    # Plugin failures are shown by `envhub list` (and named in unknown-id errors, and in one
+    # warning when a command uses an id of their namespace), not as Python warnings in the
+    # middle of every command's output.
     warnings.filterwarnings("ignore", message="envhub: plugin", category=RuntimeWarning)
+    _show_envhub_warnings()
     # torch's OpenMP threads (and those of the workers and engines a command starts) wait
     # between parallel regions by sleeping, not spinning: spinning waiters took the cores from
     # the working threads on a small or shared CPU machine (in-process GRPO on 2 loaded cores
@@ -132,6 +195,7 @@ def main() -> None:
     help="Only ids from this source (textarena, gem, reasoning-gym, openenv, envhub.games, ...).",
 )
 @click.option("--no-variants", is_flag=True, help="Hide size/difficulty variants.")
+@import_option
 def list_command(
     as_json: bool, namespace: str | None, source: str | None, no_variants: bool
 ) -> None:
@@ -194,12 +258,14 @@ def list_command(
             table.add_row(*map(escape, row))  # plugin text is text, not markup
         console.print(table)
     for failure in failures:
+        what = "refused an id" if failure.collision else "failed to load"
         err_console.print(
             (
-                f"[yellow]plugin {escape(repr(failure.name))} ({escape(failure.target)}) failed "
-                f"to load:[/] {escape(failure.error)}"
+                f"[yellow]plugin {escape(repr(failure.name))} ({escape(failure.target)}) {what}:"
+                f"[/] {escape(failure.error)}"
             ),
             highlight=False,
+            soft_wrap=True,
         )
 
 
@@ -231,6 +297,7 @@ def _from_source(specs: list[Any], source: str, failures: list[Any]) -> list[Any
 @main.command("info")
 @click.argument("env_id")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@import_option
 def info_command(env_id: str, as_json: bool) -> None:
     """Describe one environment: entry point, kwargs, variants, first observation."""
     import inspect
@@ -241,11 +308,24 @@ def info_command(env_id: str, as_json: bool) -> None:
         s = spec(env_id)
         accepted = s.accepted_kwargs()
         target = s.load_entry_point()
-        env = s.make()
-        messages, info = env.reset(seed=0)
-        env.close()
     except (EnvhubError, ImportError) as error:
         _fail(error)
+    env = _build(s)
+    try:
+        messages, info = env.reset(seed=0)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # noqa: BLE001 - the env's error, said in one line
+        from envhub.play import describe_env_error
+
+        _fail(
+            EnvhubError(
+                f"{describe_env_error(error, 'reset(seed=0)')}; envhub check {s.id} says more"
+            )
+        )
+    finally:
+        with contextlib.suppress(Exception):
+            env.close()
     variants = [v.id for v in list_envs() if v.family == s.family and v.id != s.id]
     doc = inspect.getdoc(target) or ""
     data = {
@@ -319,6 +399,7 @@ def init_command(name: str, parent: str) -> None:
 )
 @click.option("--replay", "replay_run", default=None, help="Run folder of an episode to replay.")
 @click.option("--episode", "episode_key", default=None, help="The episode's key (kind:step:index).")
+@import_option
 def play_command(
     env_id: str,
     seed: int | None,
@@ -329,7 +410,7 @@ def play_command(
     """Play an environment yourself: read observations, type actions; or replay a stored
     episode's actions (``--replay RUN_DIR --episode KEY``, the command ``envhub view`` shows)."""
     from envhub.play import play
-    from envhub.registry import make
+    from envhub.registry import spec
 
     read_line = None
     options = _parse_kwargs(kwargs)
@@ -338,13 +419,30 @@ def play_command(
         seed = stored_seed if seed is None else seed  # the stored episode's task, unless told
         options = {**run_kwargs, **options}
     try:
-        env = make(env_id, **options)
+        found = spec(env_id)
+        found.constructor_kwargs(options)
     except (EnvhubError, ImportError) as error:
         _fail(error)
+    env = _build(found, **options)
     try:
         play(env, seed=seed, console=console, read_line=read_line)
     finally:
-        env.close()
+        with contextlib.suppress(Exception):
+            env.close()
+
+
+def _build(found: Any, **options: Any) -> Any:
+    """The env ``found`` (an ``EnvSpec``) builds; any error it raises is one line, exit 2."""
+    from envhub.check_workers import why_build_failed
+
+    try:
+        return found.make(**options)
+    except KeyboardInterrupt:
+        raise
+    except EnvhubError as error:
+        _fail(error)
+    except BaseException as error:  # noqa: BLE001 - the env's error, said in one line
+        _fail(EnvhubError(why_build_failed(error)))
 
 
 def _replayed_actions(

@@ -2,7 +2,15 @@
 
 ``envhub.make("games/sokoban-v0", hub="ws://host:8000", token=...)`` returns one. It
 behaves like the local env: same observations, rewards and info; ``step`` before
-``reset`` raises ``ResetNeededError`` and ``step`` after the end ``EpisodeOverError``.
+``reset`` raises ``ResetNeededError`` and ``step`` after the end ``EpisodeOverError``. It
+reads like a ``TextEnv`` too: ``tools`` (from reset info, so ``[]`` until the first reset),
+``done``, ``turn`` and ``messages`` (the transcript, kept by the client). ``expert_action``
+is not offered: the protocol carries no such request, and a ``None`` would wrongly say the
+env has no expert; play the expert on a local env (``envhub.make(id)``).
+
+Env kwargs cannot travel: the hub builds its envs when it starts, so ``make(id, hub=...,
+size=8)`` raises ``EnvKwargsError`` naming the fix, ``envhub serve --env ID -k size=8``
+(or a variant id registered with those kwargs).
 
 Dropped sockets
 ---------------
@@ -54,7 +62,8 @@ import orjson
 from pydantic import ValidationError
 
 from envhub.core import ChatSpace, TextSpace, assistant_message
-from envhub.errors import EpisodeOverError, ResetNeededError
+from envhub.errors import EnvKwargsError, EpisodeOverError, ResetNeededError
+from envhub.server.config import serve_command
 from envhub.server.errors import RemoteError, SessionLostError
 from envhub.server.wire import ErrorMessage, Welcome, server_message
 
@@ -84,7 +93,8 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
     a connection and be welcomed; ``resume_timeout_s``, how long to try to resume after a
     dropped socket (default: the hub's ``grace_s``); ``request_timeout_s``, how long to wait
     for each answer before reconnecting once and then raising; ``max_message_bytes``, the
-    largest answer this client accepts.
+    largest answer this client accepts. Any other keyword is taken for an env kwarg and refused
+    (see the module docstring).
     """
 
     metadata = {"render_modes": []}  # noqa: RUF012 - gymnasium declares it an instance attribute
@@ -99,7 +109,17 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
         resume_timeout_s: float | None = None,
         request_timeout_s: float = 300.0,
         max_message_bytes: int = 16 << 20,
+        **env_kwargs: Any,
     ) -> None:
+        if env_kwargs:
+            raise EnvKwargsError(
+                f"{env_id} cannot be given env kwargs through a hub (got "
+                f"{', '.join(f'{k}={v!r:.40}' for k, v in env_kwargs.items())}): the hub builds "
+                f"its envs itself. Serve it with them: `{serve_command(env_id, env_kwargs)}`, or "
+                "register a variant with them (envhub.register(..., variants={NAME: {...}})) and "
+                "serve that id. RemoteEnv's own options are token, connect_timeout_s, "
+                "resume_timeout_s, request_timeout_s and max_message_bytes"
+            )
         super().__init__()
         base = hub.rstrip("/")
         if base.startswith(("http://", "https://")):
@@ -126,6 +146,10 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
         self._seq = 0
         self._ws: Any = None
         self._closed = False
+        self._turn = 0
+        self._done = False
+        self._history: list[dict[str, Any]] = []
+        self._tools: list[dict[str, Any]] = []
         welcome = self._open(env_id, hub)
         self.session, self.resume_key = welcome.session, welcome.resume_key
         self.max_turns: int | None = welcome.max_turns
@@ -147,8 +171,11 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
                 ),
             )
         self.episode = reply.episode
-        result = reply.result
-        return result["observation"], result["info"]
+        observation, info = reply.result["observation"], reply.result["info"]
+        self._turn, self._done = 0, False
+        self._history = list(observation)
+        self._tools = list(info.get("tools") or [])
+        return observation, info
 
     def step(
         self, action: str | dict[str, Any]
@@ -157,6 +184,9 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
         if not isinstance(action, str):
             action = assistant_message(action, "RemoteEnv")
         reply = self._request({"type": "step", "action": action})
+        self._history.append(
+            {"role": "assistant", "content": action} if isinstance(action, str) else action
+        )
         if reply.type == "episode_failed":
             failure = reply.failure
             info = {
@@ -166,9 +196,36 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
                 "episode_failed": True,
                 "failure": failure,
             }
+            self._turn, self._done = info["turn"], True
             return [], 0.0, False, True, info
         r = reply.result
+        self._turn = r["info"].get("turn", self._turn + 1)
+        self._done = bool(r["terminated"] or r["truncated"])
+        self._history.extend(r["observation"])
         return r["observation"], r["reward"], r["terminated"], r["truncated"], r["info"]
+
+    # ------------------------------------------------------------------ read-only state
+    @property
+    def tools(self) -> list[dict[str, Any]]:
+        """The env's tool schemas, as the last reset's info carried them (``[]`` before the
+        first reset, or when the env publishes none)."""
+        return list(self._tools)
+
+    @property
+    def turn(self) -> int:
+        """Turns taken in the current episode (the hub's count, from each step's info)."""
+        return self._turn
+
+    @property
+    def done(self) -> bool:
+        """Whether the current episode has ended (terminated, truncated, or failed on the hub)."""
+        return self._done
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The whole transcript of the current episode, the actions included (kept here, as
+        ``TextEnv.messages`` has it)."""
+        return list(self._history)
 
     def close(self) -> None:
         """End the session on the hub (frees its env at once). Safe to call twice."""

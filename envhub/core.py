@@ -37,7 +37,10 @@ What ``TextEnv`` guarantees to its callers
 3. ``info`` always carries ``turn`` (turns taken so far), ``success`` (``bool``) and
    ``invalid_action`` (``bool``: the action could not be parsed or was illegal). Reset info
    also carries ``tools`` when the environment publishes tool schemas, and
-   ``structured_actions: True`` when it reads assistant messages as data.
+   ``structured_actions: True`` when it reads assistant messages as data. Those schemas are
+   well formed: ``reset`` raises ``envhub.errors.ToolSchemaError``, naming every problem,
+   for tools that are not OpenAI function schemas with unique names and a valid JSON Schema
+   ``parameters`` object (checked once per distinct tool list).
 4. After ``max_turns`` steps an episode that has not terminated first ends the way the
    class's ``out_of_turns`` says: ``truncated=True`` by default (a time limit outside the
    task: the last state was not terminal), or ``terminated=True`` when the budget is a rule
@@ -204,7 +207,8 @@ def function_tool(name: str, description: str, parameters: dict[str, Any]) -> di
     """A tool schema in the OpenAI function-calling format.
 
     ``parameters`` is a JSON Schema object, e.g. ``{"type": "object", "properties": {...},
-    "required": [...]}``.
+    "required": [...]}``. Nothing is checked here (tool lists are built in class bodies, where an
+    error would stop the env's module from importing): ``TextEnv.reset`` checks an env's tools.
     """
     return {
         "type": "function",
@@ -244,7 +248,8 @@ class TextEnv(gym.Env[Observation, str]):
     """Sent as the first message of every episode when set."""
 
     tools: list[dict[str, Any]] = []  # noqa: RUF012 - a read-only default; envs assign their own
-    """OpenAI-format tool schemas the model may call (see ``function_tool``)."""
+    """OpenAI-format tool schemas the model may call (see ``function_tool``); ``reset`` refuses
+    malformed ones (guarantee 3)."""
 
     invalid_action_penalty: float = -0.1
     """Reward given by ``invalid_action()`` unless a penalty is passed explicitly."""
@@ -281,6 +286,8 @@ class TextEnv(gym.Env[Observation, str]):
         self._end_reason = ""
         self._history: Observation = []
         self._closed = False
+        self._tools_checked: object = None
+        """The ``tools`` list ``reset`` last found well formed (checked again once replaced)."""
 
     # ----------------------------------------------------------------- to implement
     def on_reset(
@@ -345,6 +352,11 @@ class TextEnv(gym.Env[Observation, str]):
         super().reset(seed=seed)
         self._turn = 0
         observation, info = self.on_reset(dict(options or {}))
+        if self.tools and self.tools is not getattr(self, "_tools_checked", None):
+            from envhub.tool_schemas import validate_tools
+
+            validate_tools(self.tools, type(self).__name__)
+            self._tools_checked = self.tools
         messages = as_messages(observation)
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})

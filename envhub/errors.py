@@ -12,6 +12,7 @@ wording of the ones users meet most (unknown id, bad kwargs, step after the end)
     │   ├── ResetNeededError       step() before the first reset()
     │   └── EpisodeOverError       step() after terminated/truncated
     ├── ActionParseError           model text could not be parsed (envs turn it into feedback)
+    ├── ToolSchemaError            an env's tool schemas are malformed (lists every problem)
     ├── EnvCheckError              check_env() found problems (lists all of them)
     └── SourceError                an adapted ecosystem (envhub.adapters) cannot serve the env
         ├── SourceNotInstalledError   its package is missing (names the extra to install)
@@ -37,6 +38,7 @@ __all__ = [
     "SourceConnectionError",
     "SourceError",
     "SourceNotInstalledError",
+    "ToolSchemaError",
     "UnknownEnvError",
     "describe_error",
 ]
@@ -91,6 +93,11 @@ class ActionParseError(EnvhubError, ValueError):
     def __init__(self, message: str, *, feedback: str | None = None) -> None:
         super().__init__(message)
         self.feedback = feedback or message
+
+
+class ToolSchemaError(EnvhubError, ValueError):
+    """An env's tool schemas are malformed (``envhub.tool_schemas``); the message lists every
+    problem with its place (``tools[2] 'search'.parameters.properties.k.type``) and the fix."""
 
 
 class EnvCheckError(EnvhubError, AssertionError):

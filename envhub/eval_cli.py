@@ -23,7 +23,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from envhub.cli import _fail, _parse_kwargs, console, err_console
+from envhub.cli import _fail, _parse_kwargs, console, err_console, import_option
 from envhub.errors import EnvhubError
 from envhub.model_agent import KEY_HINT, URL_HINT
 
@@ -147,6 +147,7 @@ def _latency(p50: float, p95: float) -> str:
 @click.option("--overwrite", is_flag=True, help="Replace the run --out already holds.")
 @click.option("--kwarg", "-k", "kwargs", multiple=True, help="Env constructor override key=value.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
+@import_option
 def eval_command(
     env_ids: tuple[str, ...],
     agents: tuple[str, ...],

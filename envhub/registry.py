@@ -11,10 +11,18 @@ calls ``envhub.register``; in the plugin's ``pyproject.toml``::
     [project.entry-points."envhub.envs"]
     acme = "acme_envs:register"
 
+Modules named in ``ENVHUB_PLUGINS`` (the CLI's ``--import MODULE`` adds to it) load after
+them, the same way (``envhub.plugins``): so ids a script registers reach the CLI and its workers.
+
 A plugin that fails to load is reported (a warning, ``plugin_errors()``, and a footer in
-``envhub list``) and never stops the others. Every registered id is mirrored into
-Gymnasium's registry, so after any envhub lookup (or ``load_plugins()``) ``gymnasium.make``
-accepts the same ids.
+``envhub list``) and never stops the others. Each id a plugin registers stands alone: an id
+that collides with another registration is kept out and reported, and the plugin's other ids
+load. Nobody owns a namespace, and no plugin may take another's id: an id two plugins register
+is refused for both (install order must not pick the env), and using it is an error naming
+both packages; a built-in or a run-time ``register()`` keeps its id unless the plugin passes
+``override=True`` (warned). Using any id of a namespace where a plugin failed or collided
+warns, naming the problem. Every registered id is mirrored into Gymnasium's registry, so after
+any envhub lookup (or ``load_plugins()``) ``gymnasium.make`` accepts the same ids.
 """
 
 from __future__ import annotations
@@ -22,22 +30,29 @@ from __future__ import annotations
 import contextvars
 import difflib
 import importlib
-import importlib.metadata
-import inspect
 import re
-import sys
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from envhub.errors import EnvKwargsError, RegistrationError, UnknownEnvError
+from envhub.plugins import (
+    PLUGINS_VARIABLE,
+    PYTHON_IDS_HINT,
+    SLOW_PLUGIN_SECONDS,
+    PluginFailure,
+    installed_entry_points,
+    say_slow,
+    search_current_folder,
+    variable_plugins,
+)
+from envhub.signatures import accepted_keywords
 
 __all__ = [
     "ENTRY_POINT_GROUP",
     "EnvSpec",
-    "PluginFailure",
     "Registry",
     "import_target",
     "list_envs",
@@ -58,9 +73,6 @@ BUILTIN_PLUGINS: dict[str, str] = {
     "envhub.code": "envs.code:register",
 }
 """envhub's own environment packages, loaded before third-party plugins."""
-
-SLOW_PLUGIN_SECONDS = 5.0
-"""A plugin still loading after this long is named on stderr (it may hang every command)."""
 
 _ID = re.compile(
     r"^(?P<ns>[a-z0-9][a-z0-9_.-]*)/(?P<name>[A-Za-z0-9][A-Za-z0-9_.-]*?)-v(?P<version>\d+)$"
@@ -132,36 +144,9 @@ class EnvSpec:
         return target
 
     def accepted_kwargs(self) -> list[str] | None:
-        """Keyword arguments the entry point accepts, or ``None`` if it takes any.
-
-        For a class whose ``__init__`` forwards ``**kwargs`` to its parent (the usual
-        ``super().__init__(**kwargs)``), the parents' parameters are followed up the MRO.
-        """
-        target = self.load_entry_point()
-        initialisers: list[Callable[..., Any]] = []
-        if inspect.isclass(target):
-            initialisers = [
-                k.__dict__["__init__"]
-                for k in target.__mro__
-                if "__init__" in k.__dict__ and k is not object
-            ]
-        else:
-            initialisers = [target]
-        names: list[str] = []
-        for initialiser in initialisers:
-            forwards = False
-            for parameter in inspect.signature(initialiser).parameters.values():
-                by_name = parameter.kind in (
-                    inspect.Parameter.KEYWORD_ONLY,
-                    inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                )
-                if parameter.kind is inspect.Parameter.VAR_KEYWORD:
-                    forwards = True
-                elif by_name and parameter.name != "self" and parameter.name not in names:
-                    names.append(parameter.name)
-            if not forwards:
-                return names
-        return None if not inspect.isclass(target) else names
+        """Keyword arguments the entry point accepts, or ``None`` if it takes any (read from
+        its signatures: ``envhub.signatures``)."""
+        return accepted_keywords(self.load_entry_point())[0]
 
     def make(self, **kwargs: Any) -> Any:
         """Build the environment with this spec's kwargs overridden by ``kwargs``."""
@@ -174,7 +159,7 @@ class EnvSpec:
         on top, and ``max_turns`` where accepted; raises ``EnvKwargsError`` naming any key the
         entry point does not accept."""
         merged = {**self.kwargs, **overrides}
-        accepted = self.accepted_kwargs()
+        accepted, inferred = accepted_keywords(self.load_entry_point())
         if (
             self.max_turns is not None
             and "max_turns" not in merged
@@ -190,21 +175,19 @@ class EnvSpec:
                     if close:
                         hints.append(f"{key!r} -> did you mean {close[0]!r}?")
                 hint = f" ({'; '.join(hints)})" if hints else ""
+                how = (
+                    " (read from the signatures of its __init__ and of the parents it passes "
+                    "**kwargs to; if it takes other keywords, register a function that takes "
+                    "**kwargs and builds the env as its entry point)"
+                    if inferred
+                    else ""
+                )
                 raise EnvKwargsError(
                     f"{self.id} got unexpected keyword argument(s) "
                     f"{', '.join(repr(k) for k in unknown)}{hint}; "
-                    f"it accepts: {', '.join(accepted) or '(none)'}"
+                    f"it accepts: {', '.join(accepted) or '(none)'}{how}"
                 )
         return merged
-
-
-@dataclass(frozen=True)
-class PluginFailure:
-    """A plugin that could not be loaded, and why."""
-
-    name: str
-    target: str
-    error: str
 
 
 class Registry:
@@ -216,10 +199,16 @@ class Registry:
 
     def __init__(self, *, discover: bool = True) -> None:
         self._specs: dict[str, EnvSpec] = {}
+        self._contested: dict[str, list[EnvSpec]] = {}  # id -> the plugins' specs: all refused
         self._failures: list[PluginFailure] = []
         self._namespace_notes: dict[str, str] = {}
+        self._origins: dict[str, str] = {}
+        """A plugin's name -> where it comes from (``package acme-envs``), for messages."""
+        self._loaded: set[str] = set()
+        self._warned: set[str] = set()
         self._discovered = not discover
         self._loading: str | None = None
+        self._loading_target = ""
         self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ registration
@@ -271,25 +260,72 @@ class Registry:
                 )
             )
         with self._lock:
-            for new in specs:
+            for new in specs:  # (a plugin's clash with its own ids fails the whole plugin)
                 old = self._specs.get(new.id)
-                if old is not None and old != new and not override:
+                mine = self._loading is None or (old is not None and old.source == self._loading)
+                if old is not None and old != new and not override and mine:
                     raise RegistrationError(
                         f"{new.id} is already registered (by {old.source}, entry point "
                         f"{old.entry_point!r}); choose another id or version, or pass override=True"
                     )
             for new in specs:
-                old = self._specs.get(new.id)
-                if old is not None and old != new and self._loading not in (None, old.source):
-                    warnings.warn(
-                        f"envhub: the plugin {new.source!r} replaces {new.id} (registered by "
-                        f"{old.source!r}) with entry point {new.entry_point!r}",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
-                self._specs[new.id] = new
-                _mirror_to_gymnasium(new)
+                if self._loading is None:
+                    self._contested.pop(new.id, None)  # this process chose, on purpose
+                    self._put(new)
+                else:
+                    self._claim(new, override=override)
         return base
+
+    def _put(self, spec: EnvSpec) -> None:
+        self._specs[spec.id] = spec
+        _mirror_to_gymnasium(spec)
+
+    def _claim(self, new: EnvSpec, *, override: bool) -> None:
+        """Register a loading plugin's spec, unless another registration holds its id."""
+        old = self._specs.get(new.id)
+        claimants = self._contested.get(new.id)
+        if claimants is not None:
+            if all(c.source != new.source for c in claimants):
+                claimants.append(new)
+                self._refuse(new.id, self._contested_message(new.id))
+        elif old is None or old == new or old.source == new.source:
+            self._put(new)
+        elif old.source == "user" or old.source in BUILTIN_PLUGINS:
+            if override:
+                warnings.warn(
+                    f"envhub: the plugin {new.source!r} replaces {new.id} (registered by "
+                    f"{old.source!r}) with entry point {new.entry_point!r}",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self._put(new)
+                return
+            self._refuse(
+                new.id,
+                f"{new.id} is already registered by {self._who(old)}, so this plugin's "
+                "registration of it is refused (its other ids are loaded); choose another id or "
+                "version, or pass override=True to replace it on purpose",
+            )
+        else:  # two third-party plugins: refused for both, so install order picks nothing
+            del self._specs[new.id]
+            self._contested[new.id] = [old, new]
+            self._refuse(new.id, self._contested_message(new.id))
+
+    def _refuse(self, id: str, error: str) -> None:
+        self._fail(PluginFailure(self._loading or "", self._loading_target, error, (id,), True))
+
+    def _contested_message(self, id: str) -> str:
+        names = [self._who(c) for c in self._contested[id]]
+        listed = ", ".join(names[:-1]) + f" and {names[-1]}"
+        return (
+            f"{id} is registered by {len(names)} plugins, {listed}; envhub refuses it for all of "
+            "them rather than let the install order pick one. Uninstall all but one of these "
+            "packages, or give the env another id in one of them (its own namespace or version)"
+        )
+
+    def _who(self, spec: EnvSpec) -> str:
+        origin = self._origins.get(spec.source, "registered at run time")
+        return f"{spec.source!r} ({origin}, entry point {spec.entry_point!r})"
 
     # ------------------------------------------------------------------ discovery
     def load_plugins(self) -> list[PluginFailure]:
@@ -299,52 +335,43 @@ class Registry:
                 return list(self._failures)
             self._discovered = True
             targets = list(BUILTIN_PLUGINS.items())
-            for entry in self._entry_points():
+            self._origins.update((name, "envhub's own") for name in BUILTIN_PLUGINS)
+            for entry in installed_entry_points(ENTRY_POINT_GROUP, self._fail):
                 if entry.value not in dict(targets).values():
                     targets.append((entry.name, entry.value))
+                    dist = getattr(entry, "dist", None)
+                    self._origins[entry.name] = f"package {getattr(dist, 'name', '?')}"
+            variable = variable_plugins()
+            if variable:
+                search_current_folder()
+            for name, target in variable:
+                if target not in dict(targets).values():
+                    targets.append((name, target))
             for name, target in targets:
                 self._load_one(name, target)
             return list(self._failures)
 
-    def _entry_points(self) -> list[importlib.metadata.EntryPoint]:
-        """The ``envhub.envs`` entry points of the installed distributions."""
-        try:
-            return list(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP))
-        except Exception:  # noqa: BLE001 - some package's entry_points.txt is malformed
-            return self._entry_points_one_by_one()
-
-    def _entry_points_one_by_one(self) -> list[importlib.metadata.EntryPoint]:
-        """``_entry_points`` read from each distribution in turn (the first of a name on the
-        path, as ``entry_points`` takes): one whose entry points cannot be read is a failure
-        naming it, and the others still count."""
-        found: list[importlib.metadata.EntryPoint] = []
-        seen: set[str] = set()
-        for distribution in importlib.metadata.distributions():
-            where = name = str(getattr(distribution, "_path", distribution))
-            try:
-                name = distribution.metadata["Name"] or where
-                key = re.sub(r"[-_.]+", "-", name).lower()
-                if key in seen:
-                    continue
-                seen.add(key)
-                found += [e for e in distribution.entry_points if e.group == ENTRY_POINT_GROUP]
-            except Exception as exc:  # noqa: BLE001 - one broken package must not hide the rest
-                self._fail(
-                    PluginFailure(
-                        name=name,
-                        target=where,
-                        error=(
-                            f"its entry_points.txt cannot be read ({type(exc).__name__}: {exc})"
-                        ),
-                    )
-                )
-        return found
+    def load_more(self, targets: Sequence[tuple[str, str]]) -> list[PluginFailure]:
+        """Load more ``(name, "module[:func]")`` plugins now (``import_plugins``), once each;
+        return their failures (collisions included)."""
+        with self._lock:
+            if not self._discovered:
+                self.load_plugins()  # (which loads ENVHUB_PLUGINS, where they are named)
+            search_current_folder()
+            for name, target in targets:
+                if target not in self._loaded:
+                    self._load_one(name, target)
+            wanted = {target for _, target in targets}
+            return [f for f in self._failures if f.target in wanted]
 
     def _load_one(self, name: str, target: str) -> None:
-        self._loading = name
+        self._loading, self._loading_target = name, target
+        self._loaded.add(target)
+        self._origins.setdefault(name, f"--import or {PLUGINS_VARIABLE}")
         token = _ACTIVE.set(self)  # the plugin's envhub.register() calls land here
-        before = dict(self._specs)
-        slow = threading.Timer(SLOW_PLUGIN_SECONDS, _say_slow, (name, target))
+        before = (dict(self._specs), {k: list(v) for k, v in self._contested.items()})
+        failed_before = len(self._failures)
+        slow = threading.Timer(SLOW_PLUGIN_SECONDS, say_slow, (name, target))
         slow.daemon = True
         slow.start()
         try:
@@ -354,9 +381,12 @@ class Registry:
         except KeyboardInterrupt:
             raise
         except BaseException as exc:  # noqa: BLE001 - a broken plugin must not break the others
-            self._specs = before  # none of its ids, as the failure says (even those registered)
+            dropped = tuple(sorted(set(self._specs) - set(before[0])))
+            # none of its ids, as the failure says (even those registered), nor its collisions
+            self._specs, self._contested = before
+            del self._failures[failed_before:]
             error = f"{type(exc).__name__}: {exc}"
-            self._fail(PluginFailure(name=name, target=target, error=error))
+            self._fail(PluginFailure(name=name, target=target, error=error, ids=dropped))
         finally:
             slow.cancel()
             _ACTIVE.reset(token)
@@ -364,10 +394,16 @@ class Registry:
 
     def _fail(self, failure: PluginFailure) -> None:
         self._failures.append(failure)
+        what = (
+            f"{failure.error}."
+            if failure.collision
+            else (
+                f"failed to load and its environments are unavailable: {failure.error}. Fix or "
+                "uninstall the package that provides it."
+            )
+        )
         warnings.warn(
-            f"envhub: plugin {failure.name!r} ({failure.target}) failed to load and its "
-            f"environments are unavailable: {failure.error}. Fix or uninstall the package that "
-            "provides it.",
+            f"envhub: plugin {failure.name!r} ({failure.target}) {what}",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -395,23 +431,43 @@ class Registry:
         """The spec registered under ``id``; the namespace may be left out when unambiguous."""
         self.load_plugins()
         found = self._specs.get(id)
-        if found is not None:
-            return found
-        if isinstance(id, str) and "/" not in id:
+        if found is None and isinstance(id, str) and "/" not in id:
             matches = [s for s in self._specs.values() if s.id.split("/", 1)[1] == id]
-            if len(matches) == 1:
-                return matches[0]
-            if matches:
+            if len(matches) > 1:
                 raise UnknownEnvError(
                     f"{id!r} is ambiguous: it is {' or '.join(sorted(s.id for s in matches))}; "
                     "give the full id"
                 )
-        raise UnknownEnvError(self._unknown_message(id))
+            found = matches[0] if matches else None
+        if found is None:
+            raise UnknownEnvError(self._unknown_message(id))
+        self._warn_about(found)
+        return found
+
+    def _warn_about(self, found: EnvSpec) -> None:
+        """Warn (once per namespace) that a plugin failed or collided in ``found``'s namespace:
+        the env the user gets may not be the one they meant."""
+        namespace = found.namespace
+        related = [f for f in self._failures if f.concerns(namespace)]
+        if not related or namespace in self._warned:
+            return
+        self._warned.add(namespace)
+        problems = "; ".join(f"plugin {f.name!r}: {f.error}" for f in related)
+        warnings.warn(
+            f"envhub: {found.id} is in namespace {namespace!r}, where a plugin failed or "
+            f"collided ({problems}); make sure {found.id} is the env you mean (envhub list -n "
+            f"{namespace})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _unknown_message(self, id: str) -> str:
+        if id in self._contested:
+            return self._contested_message(id) + "."
         known = sorted(self._specs)
         message = f"no environment registered under {id!r}."
-        note = self._namespace_notes.get(id.split("/", 1)[0]) if isinstance(id, str) else None
+        namespace = id.split("/", 1)[0] if isinstance(id, str) and "/" in id else None
+        note = self._namespace_notes.get(namespace or "")
         if note is not None:
             return f"{message} {note}"
         if isinstance(id, str):
@@ -424,9 +480,16 @@ class Registry:
             close = list(dict.fromkeys(close))[:3]
             if close:
                 message += f" Did you mean {' or '.join(repr(c) for c in close)}?"
+        related = [f for f in self._failures if namespace and f.concerns(namespace)]
+        for failure in related:
+            what = "has a collision" if failure.collision else "failed to load"
+            message += f" The plugin {failure.name!r} ({failure.target}) {what}: {failure.error}."
+        if namespace and not related and not any(k.startswith(f"{namespace}/") for k in known):
+            message += f" {PYTHON_IDS_HINT}"
         message += " Run `envhub list` to see every id"
-        if self._failures:
-            message += f" ({len(self._failures)} plugin(s) failed to load; see `envhub list`)"
+        others = len(self._failures) - len(related)
+        if others:
+            message += f" ({others} plugin(s) failed to load; see `envhub list`)"
         return message + "."
 
     def make(self, id: str, **kwargs: Any) -> Any:
@@ -485,15 +548,6 @@ def _attach_gymnasium_spec(env: Any, spec: EnvSpec, overrides: dict[str, Any]) -
         pass
 
 
-def _say_slow(name: str, target: str) -> None:
-    print(
-        f"envhub: loading plugin {name!r} ({target}) is taking long (over "
-        f"{SLOW_PLUGIN_SECONDS:g} s); if it hangs, fix or uninstall the package that provides it",
-        file=sys.stderr,
-        flush=True,
-    )
-
-
 registry = Registry()
 _ACTIVE: contextvars.ContextVar[Registry | None] = contextvars.ContextVar(
     "envhub_active_registry", default=None
@@ -542,5 +596,5 @@ def load_plugins() -> list[PluginFailure]:
 
 
 def plugin_errors() -> list[PluginFailure]:
-    """Plugins that failed to load, with the error each raised."""
+    """Plugins that failed to load, and ids refused for a collision, with the reason for each."""
     return registry.plugin_errors()

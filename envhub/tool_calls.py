@@ -5,8 +5,9 @@ read calls from the model's text as JSON inside ``<tool_call>...</tool_call>`` t
 Hermes/Qwen convention). Models get the JSON slightly wrong all the time, so the parser is
 lenient about what does not change the meaning (code fences, trailing commas, Python-style
 quotes and literals, ``arguments`` given as a JSON string, a list of calls in one tag) and
-strict about what does (unknown tool, missing or mistyped arguments), answering with
-feedback that names the problem and shows the expected form.
+strict about what does (unknown tool, arguments that break the tool's JSON Schema at any depth,
+NaN or Infinity, which JSON has not), answering with feedback that names the problem and shows
+the expected form. The schemas themselves are checked once (``envhub.tool_schemas``).
 
 ``envhub.parsing`` re-exports every name here (its action parsing is the other half).
 """
@@ -16,12 +17,14 @@ from __future__ import annotations
 import ast as _ast
 import difflib
 import json as _json
+import math
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any as _Any
 
 from envhub.errors import ActionParseError
+from envhub.tool_schemas import schema_key, validate_tools, validator_for_key
 
 __all__ = [
     "MAX_NESTING",
@@ -48,15 +51,6 @@ def _strip(text: str) -> str:
 _TRAILING_COMMA = re.compile(r",\s*([}\]])")
 MAX_NESTING = 32
 """How deep a call's JSON may nest: deeper JSON overflows the stack when parsed or written."""
-_JSON_TYPES: dict[str, tuple[type, ...]] = {
-    "string": (str,),
-    "integer": (int,),
-    "number": (int, float),
-    "boolean": (bool,),
-    "object": (dict,),
-    "array": (list,),
-    "null": (type(None),),
-}
 
 
 @dataclass(frozen=True)
@@ -240,9 +234,11 @@ def json_problem(value: _Any) -> str | None:
 
 def _text_problem(value: _Any) -> str | None:
     """Why ``value`` (decoded JSON) cannot be passed on, or ``None``: nested deeper than
-    ``MAX_NESTING`` (writing it back would overflow the stack), or a string that is not valid
+    ``MAX_NESTING`` (writing it back would overflow the stack), a string that is not valid
     Unicode text (a lone surrogate such as ``"\\udcff"``: it cannot be encoded as UTF-8, so a
-    tool server reading UTF-8 fails). Walks iteratively, so the walk itself cannot overflow."""
+    tool server reading UTF-8 fails), or NaN or an infinity (Python's JSON reader takes ``NaN``,
+    ``Infinity`` and ``1e999``; JSON has no such numbers and a strict reader refuses them).
+    Walks iteratively, so the walk itself cannot overflow."""
     stack: list[tuple[_Any, int, str]] = [(value, 0, "")]
     while stack:
         item, depth, where = stack.pop()
@@ -257,6 +253,11 @@ def _text_problem(value: _Any) -> str | None:
                     f"{where or 'the call'} contains {bad!r}, a lone surrogate that is not valid "
                     "Unicode text; write the character itself or leave it out"
                 )
+        elif isinstance(item, float) and not math.isfinite(item):
+            return (
+                f"{where or 'the call'} is {item!r}, which is not a JSON number; write a finite "
+                "number"
+            )
         elif isinstance(item, dict):
             for key, child in item.items():
                 stack.append((key, depth + 1, f"a key in {where or 'the call'}"))
@@ -266,20 +267,6 @@ def _text_problem(value: _Any) -> str | None:
     return None
 
 
-def _type_ok(value: _Any, schema: dict[str, _Any]) -> bool:
-    expected = schema.get("type")
-    if expected is None:
-        return True
-    names = expected if isinstance(expected, list) else [expected]
-    for name in names:
-        kinds = _JSON_TYPES.get(name, (object,))
-        if isinstance(value, bool) and name in ("integer", "number"):
-            continue
-        if isinstance(value, kinds):
-            return True
-    return False
-
-
 @dataclass(frozen=True)
 class ToolCallParser:
     """Read tool calls from model text and check them against the published schemas.
@@ -287,7 +274,12 @@ class ToolCallParser:
     ``parse(text)`` returns every call in the text (several tags, or a list in one tag);
     an empty list means the text holds no call. A malformed or invalid call raises
     ``ActionParseError`` whose ``feedback`` says what is wrong and how to write it.
-    ``tools`` are OpenAI-format schemas; when empty, names and arguments are not checked.
+    ``tools`` are OpenAI-format schemas, checked when the parser is made (``ToolSchemaError``
+    names every problem, see ``envhub.tool_schemas``); when empty, names and arguments are not
+    checked. Arguments are checked against a tool's ``parameters`` by a JSON Schema validator,
+    compiled once per schema; in addition, when a tool declares ``properties`` and leaves
+    ``additionalProperties`` unset, a top-level argument it does not declare is refused (models
+    invent arguments; the tool would ignore them silently).
     Whatever the text, parsing ends in calls or ``ActionParseError``: JSON longer than
     ``max_call_chars``, nested deeper than ``MAX_NESTING`` or holding strings that are not
     valid Unicode (lone surrogates) is refused with feedback, never passed on or raised.
@@ -299,15 +291,28 @@ class ToolCallParser:
     max_call_chars: int = 2_000_000
     """The longest JSON one call (a tag's body, or a structured call's arguments) may be; tool
     envs pass a tighter one (``ToolEnv(max_call_chars=...)``)."""
+    _schemas: dict[str, dict[str, _Any]] = field(init=False, repr=False, compare=False)
+    _validator_keys: dict[str, str] = field(init=False, repr=False, compare=False)
+    """Each tool's ``schema_key``: its compiled validator is looked up by it (validators are
+    shared and not pickled with the parser)."""
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[A-Za-z_][\w-]*", self.tag):
             raise ValueError(f"tool-call tag {self.tag!r} must be a plain name like 'tool_call'")
         object.__setattr__(self, "tools", tuple(self.tools))
+        if self.tools:
+            validate_tools(self.tools, "ToolCallParser")
+        schemas = {t["function"]["name"]: t["function"] for t in self.tools}
+        object.__setattr__(self, "_schemas", schemas)
+        keys = {
+            name: schema_key(s["parameters"]) for name, s in schemas.items() if "parameters" in s
+        }
+        object.__setattr__(self, "_validator_keys", keys)
 
     @property
     def schemas(self) -> dict[str, dict[str, _Any]]:
-        return {t["function"]["name"]: t["function"] for t in self.tools}
+        """The ``function`` part of each tool, by name."""
+        return self._schemas
 
     @property
     def instructions(self) -> str:
@@ -512,7 +517,10 @@ class ToolCallParser:
                 feedback=f"Tool {name!r} needs the argument(s) {', '.join(missing)}; "
                 f"its parameters are {_json.dumps(properties)}.",
             )
-        if parameters.get("additionalProperties") is False or properties:
+        extra = parameters.get("additionalProperties")
+        if extra is False or (
+            extra is None and properties and "patternProperties" not in parameters
+        ):
             unknown = [a for a in arguments if a not in properties]
             if unknown:
                 raise ActionParseError(
@@ -520,24 +528,12 @@ class ToolCallParser:
                     feedback=f"Tool {name!r} has no argument(s) {', '.join(unknown)}; "
                     f"it takes {', '.join(properties) or 'none'}.",
                 )
-        for key, value in arguments.items():
-            spec = properties.get(key, {})
-            if not _type_ok(value, spec):
-                raise ActionParseError(
-                    f"{name}: argument {key}={value!r:.60} is not {spec.get('type')}",
-                    feedback=(
-                        f"Argument {key!r} of {name!r} must be of type {spec.get('type')}, got "
-                        f"{value!r:.60}."
-                    ),
-                )
-            if "enum" in spec and value not in spec["enum"]:
-                raise ActionParseError(
-                    f"{name}: argument {key}={value!r:.60} not in {spec['enum']}",
-                    feedback=(
-                        f"Argument {key!r} of {name!r} must be one of {spec['enum']}, got "
-                        f"{value!r:.60}."
-                    ),
-                )
+        key = self._validator_keys.get(name)
+        if key is None:
+            return
+        problem = validator_for_key(key).problem(name, arguments)
+        if problem is not None:
+            raise ActionParseError(problem[0], feedback=problem[1])
 
 
 def parse_tool_calls(

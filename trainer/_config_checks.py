@@ -98,11 +98,15 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
         unknown = _unknown_env_ids(cfg.env.ids)
         problems.extend(unknown or _env_kwargs_problems(cfg))
     elif cfg.env.kwargs or cfg.env.eval_kwargs() or any(e.kwargs for e in cfg.env.entries):
+        from envhub.server.config import serve_command  # a hub builds its envs: serve -k
+
+        serve = [serve_command(i, k) for i in cfg.env.ids if (k := cfg.env.kwargs_for(i))]
         problems.append(
             Problem(
                 "env.kwargs",
-                f"env kwargs cannot be sent to the remote hub {cfg.env.hub!r}; "
-                "configure the env where the hub serves it, or remove env.kwargs",
+                f"env kwargs cannot be sent to the remote hub {cfg.env.hub!r}, which builds its "
+                f"envs itself: serve them there ({'; '.join(serve) or 'a variant id'}) and clear "
+                "them here (the override env.kwargs={} empties the file's env.kwargs)",
             )
         )
     if cfg.algorithm.advantage_estimator == "gigpo" and cfg.rollout.sample_unit != "turn":
@@ -379,13 +383,12 @@ def _env_kwargs_problems(cfg: TrainerConfig) -> list[Problem]:
         for path, key in given.items():
             if key not in accepted:
                 close = difflib.get_close_matches(key, accepted, n=1)
-                hint = f"did you mean {close[0]}? " if close else ""
+                hint = f"; did you mean {close[0]}?" if close else ""
+                accepts = f" (it accepts: {', '.join(accepted) or 'none'})"
+                if path.startswith("env.kwargs."):
+                    accepts += "; the override env.kwargs={} empties the file's env.kwargs"
                 problems.append(
-                    Problem(
-                        path,
-                        f"{entry.id} takes no keyword argument {key!r}; {hint}(it accepts: "
-                        f"{', '.join(accepted) or 'none'})",
-                    )
+                    Problem(path, f"{entry.id} takes no keyword argument {key!r}{hint}{accepts}")
                 )
     return list({problem.path: problem for problem in problems}.values())
 

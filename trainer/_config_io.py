@@ -2,7 +2,11 @@
 pydantic's validation errors into one :class:`~trainer.errors.Problem` per bad value.
 
 Kept apart from ``trainer.config`` so the tree stays readable; ``trainer.config.load_config``
-is the public entry point. Every problem names its dotted path, says what is wrong in plain
+is the public entry point. Overrides apply in order over the file: a dotted key sets one value
+(``env.kwargs.size=4`` keeps the file's other kwargs), a mapping value replaces the mapping
+whole (``env.kwargs={size: 4}`` sets exactly those, ``env.kwargs={}`` clears them), as any
+other value replaces the one in the file; so a mapping in a file can always be emptied from
+the command line. Every problem names its dotted path, says what is wrong in plain
 words (``unknown key; did you mean group_size?``), shows the bad value, and points at its
 origin: ``file.yaml:LINE`` or ``override 'a.b=value'``.
 
@@ -126,10 +130,20 @@ def _index_nodes(
 
 def overrides_to_tree(overrides: list[str]) -> tuple[dict[str, Any], list[Problem]]:
     """``["a.b=1"]`` -> ``{"a": {"b": 1}}``; values are parsed as YAML (``[0,1]``, ``null``)."""
+    tree, problems, _ = _override_tree(overrides)
+    return tree, problems
+
+
+def _override_tree(
+    overrides: list[str],
+) -> tuple[dict[str, Any], list[Problem], frozenset[str]]:
+    """``overrides_to_tree``, and the dotted keys whose value is a mapping (``a.b={...}``): those
+    replace the file's mapping instead of merging into it (see the module docstring)."""
     import yaml
 
     tree: dict[str, Any] = {}
     problems: list[Problem] = []
+    replaced: set[str] = set()
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -166,17 +180,35 @@ def overrides_to_tree(overrides: list[str]) -> tuple[dict[str, Any], list[Proble
             node = child
         else:
             node[parts[-1]] = value
-    return tree, problems
+            if isinstance(value, dict):
+                replaced.add(key)
+    return tree, problems, frozenset(replaced)
 
 
-def merge(base: dict[str, Any], over: dict[str, Any], prefix: str = "") -> list[Problem]:
-    """Merge ``over`` into ``base`` in place (dicts recursively, anything else replaced)."""
+def merge(
+    base: dict[str, Any],
+    over: dict[str, Any],
+    prefix: str = "",
+    replace: frozenset[str] = frozenset(),
+) -> list[Problem]:
+    """Merge ``over`` into ``base`` in place: dicts recursively, except at the dotted keys in
+    ``replace`` (mapping overrides), which replace ``base``'s value whole like anything else."""
     problems = []
     for key, value in over.items():
         dotted = f"{prefix}.{key}" if prefix else key
-        if isinstance(value, dict) and key in base and isinstance(base[key], dict):
-            problems += merge(base[key], value, dotted)
-        elif isinstance(value, dict) and key in base and base[key] is not None:
+        if (
+            isinstance(value, dict)
+            and dotted not in replace
+            and key in base
+            and isinstance(base[key], dict)
+        ):
+            problems += merge(base[key], value, dotted, replace)
+        elif (
+            isinstance(value, dict)
+            and dotted not in replace
+            and key in base
+            and base[key] is not None
+        ):
             problems.append(
                 Problem(
                     dotted,
@@ -204,9 +236,9 @@ def load_validated(cls: type[BaseModel], path: str | Path | None, overrides: lis
     source = str(path) if path is not None else None
     if path is not None:
         data, lines, problems = read_yaml(Path(path))
-    tree, override_problems = overrides_to_tree(overrides)
+    tree, override_problems, replaced = _override_tree(overrides)
     problems += override_problems
-    problems += merge(data, tree)
+    problems += merge(data, tree, replace=replaced)
     try:
         config = cls.model_validate(data)
     except ValidationError as err:

@@ -24,6 +24,7 @@ the corpus contains; anything else becomes ``<unk>``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections import Counter
 from collections.abc import Iterable
@@ -89,20 +90,39 @@ _CHAR_PIECES = r"[\s\S]"
 _BPE_ISOLATED = r" ?\d|^\S(?: \S)+$"
 
 
+MAX_MESSAGE_CHARS = 20_000
+"""The corpus keeps at most this much of one text (a message's content or an action)."""
+MAX_EPISODE_CHARS = 200_000
+"""...and of one episode; ``MAX_EPISODE_STEPS`` steps at most (an env that never ends)."""
+MAX_EPISODE_STEPS = 500
+MAX_CORPUS_CHARS = 4_000_000
+"""...and of one env's whole corpus. The built-in envs' corpora (300 episodes: 0.3-0.8 M
+characters, messages under 1,000) stay well inside these bounds; an env with huge observations
+(36 MB per reset) once made the corpus 10 GB and the tokenizer trainer 11 GB of RAM."""
+
+
 def env_corpus(
     env_id: str, env_kwargs: dict[str, Any] | None = None, episodes: int = 200, seed: int = 0
 ) -> list[str]:
     """Texts an env produces (observations and actions) over seeded episodes.
 
     Plays the env's expert and its random ``sample_action`` alternately so feedback for
-    invalid actions is covered too; the result is the tokenizer's training corpus.
+    invalid actions is covered too; the result is the tokenizer's training corpus, bounded by
+    ``MAX_MESSAGE_CHARS``, ``MAX_EPISODE_CHARS``/``MAX_EPISODE_STEPS`` and ``MAX_CORPUS_CHARS``
+    (the episodes stop once it is full). The env is played in this process, so an env that
+    raises or returns an observation that is not chat messages is a ``ModelError`` naming the
+    env, the seed and the ``envhub check`` command that shows the problem.
     """
     import numpy as np
 
     import envhub
 
+    kwargs = dict(env_kwargs or {})
     rng = np.random.default_rng(seed)
-    env = envhub.make(env_id, **(env_kwargs or {}))
+    try:
+        env = envhub.make(env_id, **kwargs)
+    except Exception as exc:
+        raise _corpus_error(env_id, kwargs, None, f"building the env raised {_quote(exc)}") from exc
     env.action_space.seed(
         seed
     )  # random actions too: the same corpus (and tokenizer) in every process
@@ -112,25 +132,126 @@ def env_corpus(
         "assistant\n",
         "tool\n",
     ] * episodes  # chat-template glue
+    room = MAX_CORPUS_CHARS - sum(map(len, texts))
+    episode_seed: int | None = None
     try:
         for episode in range(episodes):
-            messages, _ = env.reset(seed=seed + episode)
-            texts += [m["content"] for m in messages]
-            done = False
-            while not done:
-                expert = env.expert_action()
-                action = (
-                    expert
-                    if expert is not None and rng.random() < 0.7
-                    else env.action_space.sample()
-                )
-                texts.append(action)
-                messages, _, terminated, truncated, _ = env.step(action)
-                texts += [m["content"] for m in messages]
-                done = terminated or truncated
-    finally:
-        env.close()
+            if room <= 0:
+                break
+            episode_seed = seed + episode
+            played = _episode_texts(env, episode_seed, rng, min(room, MAX_EPISODE_CHARS))
+            texts += played
+            room -= sum(map(len, played))
+        episode_seed = None
+        _call("close()", env.close)
+    except _EnvFault as fault:
+        with contextlib.suppress(Exception):  # the fault is what to report
+            env.close()
+        raise _corpus_error(env_id, kwargs, episode_seed, str(fault)) from fault.__cause__
     return texts
+
+
+class _EnvFault(Exception):
+    """An env call failed, or returned what is not chat messages (the message says which)."""
+
+
+def _episode_texts(env: Any, seed: int, rng: Any, room: int) -> list[str]:
+    """The texts of the episode at ``seed``, in order (opening messages, then each action and
+    the env's reply), each cut to ``MAX_MESSAGE_CHARS``, all together to ``room`` characters."""
+    texts: list[str] = []
+
+    def keep(new: list[str]) -> bool:  # False once the room is used up
+        nonlocal room
+        for text in new:
+            text = text[: min(MAX_MESSAGE_CHARS, room)]
+            texts.append(text)
+            room -= len(text)
+            if room <= 0:
+                return False
+        return True
+
+    messages, _ = _call("reset", env.reset, seed=seed)
+    if not keep(_contents(messages, "reset")):
+        return texts
+    for _ in range(MAX_EPISODE_STEPS):
+        expert = _call("expert_action()", env.expert_action)
+        action = (
+            expert
+            if expert is not None and rng.random() < 0.7
+            else _call("action_space.sample()", env.action_space.sample)
+        )
+        messages, _, terminated, truncated, _ = _call("step", env.step, action)
+        if not keep([_action_text(action), *_contents(messages, "step")]):
+            break
+        if terminated or truncated:
+            break
+    return texts
+
+
+def _call(what: str, function: Any, *args: Any, **kwargs: Any) -> Any:
+    """``function(*args, **kwargs)``; what it raises becomes an ``_EnvFault`` naming ``what``."""
+    try:
+        return function(*args, **kwargs)
+    except Exception as exc:
+        raise _EnvFault(f"{what} raised {_quote(exc)}") from exc
+
+
+def _contents(messages: Any, what: str) -> list[str]:
+    """The contents of an observation, or ``_EnvFault`` when it is not a list of messages."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise _EnvFault(
+            f"{what} returned an observation that is not a list of chat messages "
+            f"({{'role': ..., 'content': str}}): {messages!r:.120}"
+        )
+    return [m["content"] for m in messages]
+
+
+def _action_text(action: Any) -> str:
+    if isinstance(action, str):
+        return action
+    if isinstance(action, dict):  # an assistant message (a structured action)
+        from envhub.parsing import message_text
+
+        return message_text(action)
+    raise _EnvFault(
+        f"expert_action() returned {type(action).__name__} {action!r:.60}; it must return the "
+        "model's text (a str), an assistant message or None"
+    )
+
+
+def _quote(exc: BaseException) -> str:
+    """``"KeyError: 'best' (at envs.py:50)"``: the error and the line of the env that raised
+    (envhub's own errors say what to fix without it)."""
+    import traceback
+
+    from envhub.errors import EnvhubError, describe_error
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return describe_error(exc, limit=300) + ("" if isinstance(exc, EnvhubError) else where)
+
+
+def _corpus_error(env_id: str, kwargs: dict[str, Any], seed: int | None, what: str) -> ModelError:
+    from envhub.server.config import kwarg_flags
+
+    check = " ".join(
+        filter(
+            None,
+            [
+                "envhub check",
+                env_id,
+                f"--seed {seed}" if seed is not None else "",
+                kwarg_flags(kwargs),
+            ],
+        )
+    )
+    episode = f"seed {seed} " if seed is not None else ""
+    return ModelError(
+        f"building the tokenizer corpus from {env_id}: {episode}{what}; run `{check}` to see "
+        "the problem (the corpus plays the env's expert and random actions), and fix the env"
+    )
 
 
 def build_tokenizer(corpus: Iterable[str], kind: str = "bpe", max_vocab: int = 2048) -> Any:

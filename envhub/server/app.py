@@ -293,7 +293,7 @@ def create_app(config: HubConfig) -> FastAPI:
                 EnvInfo(
                     id=env_id,
                     description=spec.description,
-                    max_turns=spec.kwargs.get("max_turns", spec.max_turns),
+                    max_turns=hub.max_turns(env_id),
                     workers=stats.workers,
                     workers_alive=stats.workers_alive,
                     episodes=stats.episodes,

@@ -1,6 +1,10 @@
 """``envhub serve``: serve env pools over WebSocket sessions and HTTP.
 
 Only click is imported at module level; FastAPI, uvicorn and Ray load when the command runs.
+``-k [ID:]KEY=VALUE`` sets an env's constructor kwargs (as ``envhub check -k``; with several
+``--env``, each flag names its env). Before serving, one env per ``--env`` is built in this
+process (not with ``--backend ray``, whose workers may have packages this machine lacks): an
+env that cannot be built is one ``error: cannot serve ID: ...`` line and exit code 2.
 SIGTERM (or a first Ctrl-C) drains: new sessions and resets are refused, running episodes
 get ``--drain-timeout`` seconds to finish, then every session and worker is closed and the
 process exits 0. A second signal forces an immediate exit.
@@ -15,11 +19,24 @@ from typing import Any
 
 import click
 
-__all__ = ["run", "serve", "uvicorn_config"]
+from envhub.cli import import_option
+
+__all__ = ["env_kwargs", "run", "serve", "unbuildable", "uvicorn_config"]
 
 
 @click.command("serve")
 @click.option("--env", "envs", multiple=True, required=True, help="Env id to serve (repeatable).")
+@click.option(
+    "--kwarg",
+    "-k",
+    "kwarg_flags",
+    multiple=True,
+    metavar="[ID:]KEY=VALUE",
+    help=(
+        "Constructor kwarg of a served env (repeatable; VALUE is JSON, else text); with several "
+        "--env, name the env: -k games/guess-number-v0:high=1000."
+    ),
+)
 @click.option("--workers", default=2, show_default=True, help="Workers per env.")
 @click.option(
     "--backend",
@@ -128,15 +145,24 @@ __all__ = ["run", "serve", "uvicorn_config"]
     show_default=True,
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
-def serve(envs: tuple[str, ...], port: int, log_level: str, no_auth: bool, **settings: Any) -> None:
+@import_option
+def serve(
+    envs: tuple[str, ...],
+    kwarg_flags: tuple[str, ...],
+    port: int,
+    log_level: str,
+    no_auth: bool,
+    **settings: Any,
+) -> None:
     """Serve environments to remote clients: envhub.make(ID, hub="ws://HOST:PORT", token=...)."""
     from pydantic import ValidationError
 
     from envhub.errors import EnvhubError
     from envhub.server.config import HubConfig
 
+    kwargs = env_kwargs(envs, kwarg_flags)
     try:
-        config = HubConfig(envs=list(envs), allow_no_auth=no_auth, **settings)
+        config = HubConfig(envs=list(envs), env_kwargs=kwargs, allow_no_auth=no_auth, **settings)
     except ValidationError as exc:
         problems = "; ".join(
             (
@@ -146,11 +172,76 @@ def serve(envs: tuple[str, ...], port: int, log_level: str, no_auth: bool, **set
             for e in exc.errors()
         )
         raise click.UsageError(problems) from None
+    if config.backend != "ray":
+        problem = unbuildable(config)
+        if problem is not None:
+            click.echo(f"error: cannot serve {problem}", err=True)
+            sys.exit(2)
     try:
         run(config, port=port, log_level=log_level)
     except EnvhubError as error:
         click.echo(f"error: {error}", err=True)
         sys.exit(2)
+
+
+def env_kwargs(envs: tuple[str, ...], flags: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """``-k`` flags as kwargs per env id: ``KEY=VALUE`` for the only ``--env``, ``ID:KEY=VALUE``
+    for any; values read as ``envhub check -k`` reads them (JSON, else text)."""
+    from envhub.cli import _parse_kwargs
+
+    kwargs: dict[str, dict[str, Any]] = {}
+    for flag in flags:
+        head, sep, value = flag.partition("=")
+        env_id, colon, key = head.rpartition(":")
+        if not colon:
+            if len(envs) != 1:
+                raise click.UsageError(
+                    f"-k {flag!r}: with several --env, name the env the kwarg is for: "
+                    f"-k {envs[0]}:{flag}"
+                )
+            env_id = envs[0]
+        elif env_id not in envs:
+            raise click.UsageError(
+                f"-k {flag!r} names {env_id}, which is not served (--env {' --env '.join(envs)})"
+            )
+        kwargs.setdefault(env_id, {}).update(_parse_kwargs((f"{key}{sep}{value}",)))
+    return kwargs
+
+
+def unbuildable(config: Any) -> str | None:
+    """``"ID: why"`` for the first env of ``config`` that cannot be built with its kwargs, on one
+    line (the error, and where the env's code raised it), or ``None`` when each builds."""
+    for env_id in config.envs:
+        why = _why_unbuildable(env_id, config.env_kwargs.get(env_id, {}))
+        if why is not None:
+            return f"{env_id}: " + " / ".join(filter(None, map(str.strip, why.splitlines())))
+    return None
+
+
+def _why_unbuildable(env_id: str, kwargs: dict[str, Any]) -> str | None:
+    """Build ``env_id`` once and close it; why that failed, or ``None``."""
+    import traceback
+
+    from envhub.errors import EnvhubError, describe_error
+    from envhub.extras import install_command, missing_module
+    from envhub.registry import make
+
+    try:
+        make(env_id, **kwargs).close()
+    except EnvhubError as exc:  # the registry's own errors say what to fix
+        return describe_error(exc)
+    except Exception as exc:  # noqa: BLE001 - an env's constructor may raise anything
+        module = missing_module(exc)
+        if module is not None:
+            return (
+                f"it needs the package {module!r}, which is not installed; install it with: "
+                f"{install_command(module)}"
+            )
+        frames = traceback.extract_tb(exc.__traceback__)
+        last = frames[-1] if frames else None
+        where = f" (at {os.path.basename(last.filename)}:{last.lineno})" if last else ""
+        return f"{describe_error(exc)}{where}"
+    return None
 
 
 def run(config: Any, *, port: int, log_level: str = "warning") -> None:

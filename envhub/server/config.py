@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import ipaddress
-from typing import Literal
+import json
+import shlex
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from envhub.server.wire import Strict
 
-__all__ = ["HubConfig", "is_loopback"]
+__all__ = ["HubConfig", "is_loopback", "kwarg_flags", "serve_command"]
 
 
 def is_loopback(host: str) -> bool:
@@ -22,10 +24,40 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def serve_command(env_id: str, kwargs: dict[str, Any]) -> str:
+    """The ``envhub serve`` command line that serves ``env_id`` built with ``kwargs`` (for error
+    messages that tell a client how to get an env configured: a hub builds its envs itself)."""
+    return " ".join(filter(None, ["envhub serve --env", shlex.quote(env_id), kwarg_flags(kwargs)]))
+
+
+def kwarg_flags(kwargs: dict[str, Any]) -> str:
+    """``kwargs`` as the ``-k KEY=VALUE`` flags of ``envhub serve``/``check``/``play``, each value
+    written so ``-k`` reads it back as it is (JSON, or text that is not JSON), shell-quoted."""
+    flags = []
+    for key, value in kwargs.items():
+        text = value if isinstance(value, str) and not _reads_as_json(value) else None
+        if text is None:
+            text = json.dumps(value, default=str)
+        flags.append(f"-k {shlex.quote(f'{key}={text}')}")
+    return " ".join(flags)
+
+
+def _reads_as_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
 class HubConfig(Strict):
     """Settings of one hub (the CLI flags of ``envhub serve`` map onto these fields)."""
 
     envs: list[str] = Field(min_length=1, description="Env ids to serve (one pool each).")
+    env_kwargs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Constructor kwargs per served env id (`envhub serve -k [ID:]KEY=VALUE`).",
+    )
     workers: int = Field(default=2, ge=1, le=1024, description="Workers per env pool.")
     backend: Literal["local", "process", "inline", "ray"] = "local"
     ray_address: str | None = Field(
@@ -127,6 +159,12 @@ class HubConfig(Strict):
                 f"--protocol openenv serves one env at the root, got {len(self.envs)} (--env "
                 f"{' --env '.join(self.envs)}); serve one per hub, or reach each under "
                 "/openenv/<env id> on a hub with the default protocol"
+            )
+        stray = sorted(set(self.env_kwargs) - set(self.envs))
+        if stray:
+            raise ValueError(
+                f"env kwargs are given for {', '.join(stray)}, which is not served; add --env "
+                f"{stray[0]} or drop its -k flags"
             )
         if self.ray_address is not None and self.backend != "ray":
             raise ValueError(

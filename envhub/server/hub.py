@@ -11,6 +11,7 @@ import base64
 import contextlib
 import hashlib
 import hmac
+from typing import Any
 
 from envhub.pool import EnvPool
 from envhub.server.config import HubConfig
@@ -68,6 +69,7 @@ class Hub:
                 env_spec,
                 num_workers=self.config.workers,
                 backend=self.config.backend,
+                env_kwargs=self.config.env_kwargs.get(env_id),
                 step_timeout_s=self.config.step_timeout_s,
                 max_episodes=self.config.max_sessions,
                 restart_attempts=self.config.worker_restarts,
@@ -106,6 +108,14 @@ class Hub:
 
     def _on_session_closed(self, session: Session, reason: str) -> None:
         self.metrics.sessions_closed.labels(reason).inc()
+
+    def max_turns(self, env_id: str) -> Any:
+        """The turn limit ``env_id`` is served with (an int or None): its ``-k max_turns``, else
+        its spec's; the wire types check it."""
+        spec = self.specs[env_id]
+        return {**spec.kwargs, **self.config.env_kwargs.get(env_id, {})}.get(
+            "max_turns", spec.max_turns
+        )
 
     # ------------------------------------------------------------------ health
     def problems(self) -> list[str]:

@@ -317,9 +317,7 @@ async def _hello(
             grace_s=config.grace_s,
             idle_timeout_s=config.idle_timeout_s,
             max_message_bytes=config.max_message_bytes,
-            max_turns=hub.specs[session.env_id].kwargs.get(
-                "max_turns", hub.specs[session.env_id].max_turns
-            ),
+            max_turns=hub.max_turns(session.env_id),
         )
     except Exception:  # never leave a session attached to a connection that is about to be refused
         if resumed:

@@ -65,9 +65,38 @@ def test_bad_kwargs_name_the_accepted_ones():
     assert str(caught.value) == (
         "games/guess-number-v0 got unexpected keyword argument(s) 'hihg' ('hihg' -> did you mean "
         "'high'?); it accepts: low, high, max_turns, action_format, action_tag, "
-        "invalid_action_penalty, render_mode"
+        "invalid_action_penalty, render_mode (read from the signatures of its __init__ and of "
+        "the parents it passes **kwargs to; if it takes other keywords, register a function "
+        "that takes **kwargs and builds the env as its entry point)"
     )
     assert isinstance(caught.value, TypeError)
+
+
+def test_an_env_that_keeps_its_own_config_kwargs_accepts_them(fresh_registry):
+    """``__init__(self, max_turns=None, **config)`` that keeps ``config`` (passes none of it to
+    ``TextEnv``) is configured as its author wrote it, not refused."""
+    fresh_registry.register("acme/config-v0", "tests.envhub.author_bugs:KeepsConfig")
+    env = fresh_registry.make("acme/config-v0", difficulty=3, max_turns=2)
+    assert env.config == {"difficulty": 3} and env.max_turns == 2
+    assert fresh_registry.spec("acme/config-v0").accepted_kwargs() is None
+
+
+def test_an_env_that_passes_kwargs_on_still_has_typos_refused_saying_how_it_knows(fresh_registry):
+    fresh_registry.register("acme/forwards-v0", "tests.envhub.author_bugs:ForwardsConfig")
+    assert fresh_registry.make("acme/forwards-v0", level=2, max_turns=4).level == 2
+    with pytest.raises(EnvKwargsError) as caught:
+        fresh_registry.make("acme/forwards-v0", levle=2)
+    message = str(caught.value)
+    assert "'levle' -> did you mean 'level'?" in message
+    assert "read from the signatures of its __init__" in message
+    assert "register a function that takes **kwargs" in message
+
+
+def test_an_env_without_kwargs_gets_no_note_about_inference(fresh_registry):
+    fresh_registry.register("acme/countdown-v0", COUNTDOWN)
+    with pytest.raises(EnvKwargsError) as caught:
+        fresh_registry.make("acme/countdown-v0", gaol="x")
+    assert str(caught.value).endswith("it accepts: goal, max_turns, system_prompt")
 
 
 def test_malformed_ids_and_entry_points_are_refused(fresh_registry):
