@@ -219,11 +219,10 @@ def unbuildable(config: Any) -> str | None:
 
 
 def _why_unbuildable(env_id: str, kwargs: dict[str, Any]) -> str | None:
-    """Build ``env_id`` once and close it; why that failed, or ``None``."""
-    import traceback
-
+    """Build ``env_id`` once and close it; why that failed (as ``envhub check`` says it), or
+    ``None``."""
+    from envhub.check_workers import why_build_failed
     from envhub.errors import EnvhubError, describe_error
-    from envhub.extras import install_command, missing_module
     from envhub.registry import make
 
     try:
@@ -231,16 +230,7 @@ def _why_unbuildable(env_id: str, kwargs: dict[str, Any]) -> str | None:
     except EnvhubError as exc:  # the registry's own errors say what to fix
         return describe_error(exc)
     except Exception as exc:  # noqa: BLE001 - an env's constructor may raise anything
-        module = missing_module(exc)
-        if module is not None:
-            return (
-                f"it needs the package {module!r}, which is not installed; install it with: "
-                f"{install_command(module)}"
-            )
-        frames = traceback.extract_tb(exc.__traceback__)
-        last = frames[-1] if frames else None
-        where = f" (at {os.path.basename(last.filename)}:{last.lineno})" if last else ""
-        return f"{describe_error(exc)}{where}"
+        return why_build_failed(exc)
     return None
 
 

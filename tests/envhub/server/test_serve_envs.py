@@ -68,7 +68,9 @@ def test_an_env_that_cannot_be_built_is_one_error_line_before_serving(tmp_path):
     assert code == 2
     lines = output.strip().splitlines()
     assert len(lines) == 1, output
-    assert lines[0].startswith("error: cannot serve test/ctor-fails-v0: RuntimeError: the env ")
+    assert lines[0].startswith(
+        "error: cannot serve test/ctor-fails-v0: building the env raised RuntimeError: the env "
+    )
     assert "(at hostile_envs.py:" in lines[0]
     assert "serving" not in output and "Traceback" not in output
 
