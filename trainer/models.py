@@ -109,9 +109,10 @@ def env_corpus(
     Plays the env's expert and its random ``sample_action`` alternately so feedback for
     invalid actions is covered too; the result is the tokenizer's training corpus, bounded by
     ``MAX_MESSAGE_CHARS``, ``MAX_EPISODE_CHARS``/``MAX_EPISODE_STEPS`` and ``MAX_CORPUS_CHARS``
-    (the episodes stop once it is full). The env is played in this process, so an env that
-    raises or returns an observation that is not chat messages is a ``ModelError`` naming the
-    env, the seed and the ``envhub check`` command that shows the problem.
+    (the episodes stop once it is full). The env is played in this process, so an env whose
+    reset or step raises or returns an observation that is not chat messages is a
+    ``ModelError`` naming the env, the seed and the ``envhub check`` command that shows the
+    problem; a constructor's error (a refused setting) is raised as it is.
     """
     import numpy as np
 
@@ -119,13 +120,8 @@ def env_corpus(
 
     kwargs = dict(env_kwargs or {})
     rng = np.random.default_rng(seed)
-    try:
-        env = envhub.make(env_id, **kwargs)
-    except Exception as exc:
-        raise _corpus_error(env_id, kwargs, None, f"building the env raised {_quote(exc)}") from exc
-    env.action_space.seed(
-        seed
-    )  # random actions too: the same corpus (and tokenizer) in every process
+    env = envhub.make(env_id, **kwargs)  # a refused setting: the constructor's own error, as is
+    env.action_space.seed(seed)  # random actions too: the same corpus (and tokenizer) everywhere
     texts: list[str] = [
         "system\n",
         "user\n",
