@@ -69,7 +69,7 @@ def gspo_departures(settings: Mapping[str, Any]) -> list[tuple[str, str]]:
             why = (
                 "GSPO's sequence ratio stays within about 1e-3 of 1, so a clip this wide almost "
                 f"never fires and the update is in effect unclipped (GSPO uses {gspo[key]:g}); "
-                "leave it unset"
+                f"leave it unset, or override it with algorithm.loss.{key}=null"
             )
             departures.append((key, why))
     mode = settings.get("agg_mode")
@@ -77,7 +77,7 @@ def gspo_departures(settings: Mapping[str, Any]) -> list[tuple[str, str]]:
         why = (
             "GSPO's objective is a mean over sequences (seq-mean-token-mean); another mode weighs "
             "sequences by their length, which GSPO's length-normalised ratio is there to undo; "
-            "leave it unset"
+            "leave it unset, or override it with algorithm.loss.agg_mode=null"
         )
         departures.append(("agg_mode", why))
     return departures
@@ -125,7 +125,9 @@ MAX_LOG_RATIO = 20.0
 """Log-ratios are clamped to ``[-20, 20]`` before ``exp`` (as verl does): ``exp`` overflows
 float32 above about 88.7 nats, and a token with advantage 0 (every token of a GRPO group whose
 scores are all equal) would give ``0 * inf = NaN`` in the loss or its gradient, which stops
-the run. Past 20 nats the clip has long taken the token's gradient away anyway."""
+the run. Past the clamp a token has no gradient: for a positive advantage the clip had taken
+it away long before; a negative-advantage token so far above its old probability (e^20 times)
+is not pushed down by this step (without ``dual_clip``, PPO would push it, without bound)."""
 
 
 def _clipped_surrogate(

@@ -6,9 +6,9 @@ The driver starts ``python -m trainer.rollout.env_worker_process FD [--env-calls
 ``PYTHONPATH``. The first frame carries ``("init", setup, routing)``: the worker calls
 ``setup(engine)`` and answers ``("ready",)``, or ``("fatal", traceback)`` and exits.
 ``engine`` is a ``RemoteEngine`` (the driver routes every turn), or, with ``routing``
-(``WorkerRouters.init_message``: the engines' setup, the version, paused or not), a
-``LocalRoute``: an ``EngineRouter`` of the worker's own over the engines it builds
-(``trainer.rollout.worker_routing``). Then:
+(``WorkerRouters.init_message``: the engines' setup, the version, paused or not, the pause
+timeout), a ``LocalRoute``: an ``EngineRouter`` of the worker's own over the engines it
+builds (``trainer.rollout.worker_routing``). Then:
 
     driver -> worker   ("play", key, spec, sampling, max_retries)  play_episode in a task
                        ("result", *result) / ("failed", request_id, error)
@@ -202,7 +202,7 @@ class _WorkerLoop:
             self.channel.send(message)
 
     def init(
-        self, setup: WorkerSetup, routing: tuple[EngineSetup, int, bool] | None = None
+        self, setup: WorkerSetup, routing: tuple[EngineSetup, int, bool, float] | None = None
     ) -> None:
         """Build the manager with ``setup`` (and the router with ``routing``); answer ``ready``,
         or ``fatal`` and stop."""
@@ -211,8 +211,10 @@ class _WorkerLoop:
             if routing is None:
                 engine = self.remote = RemoteEngine(self)
             else:
-                engines, version, paused = routing
-                self.router = EngineRouter(engines(self), policy=PolicyVersion(version))
+                engines, version, paused, pause_timeout_s = routing
+                self.router = EngineRouter(
+                    engines(self), policy=PolicyVersion(version), pause_timeout_s=pause_timeout_s
+                )
                 engine = LocalRoute(self, self.router)
                 if paused:  # nothing in flight yet: it only holds requests until "resume"
                     self.spawn(self.router.pause())

@@ -67,6 +67,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from trainer.rollout.chat_messages import same_message
+from trainer.rollout.env_output import checked_step
 from trainer.rollout.proxy_episode import ProxyCall, ProxyEpisode
 from trainer.rollout.proxy_http import ChatRequest, ProxyError, ServerLimits, listen, proxy_app
 from trainer.rollout.proxy_reply import completion_body, cut_at_stop, cut_content
@@ -469,8 +470,8 @@ class AgentProxy:
                 call = episode.session.step(text)
                 if self.step_timeout_s is not None:
                     call = asyncio.wait_for(call, self.step_timeout_s)
-                messages, reward, terminated, truncated, info = await call
-                messages, reward, info = list(messages), float(reward), dict(info)
+                outcome = checked_step(await call, episode.trajectory.env_id)
+                messages, reward, terminated, truncated, info = outcome
             except Exception as error:  # noqa: BLE001 - env code may raise anything: data
                 self._check_open(episode, "step")  # ended meanwhile: 410, the episode as it was
                 reason = (

@@ -8,11 +8,12 @@ Routing
     its later turns go to the same engine (sticky), so the engine's prefix cache already
     holds the conversation. The episode is read from the request id, which env managers
     write as ``"{episode_key}/{turn}"`` (everything before the last ``/``).
-    An engine whose request was given up on (cancelled: ``rollout.generate_timeout_s``) gets
-    no new episodes while others answer, until it returns a result again. So does an engine
-    whose last ``_FAILING_AFTER`` requests raised (a dead vLLM: its requests end at once, so
-    it would always be the least loaded), but for a trial episode every ``_PROBE_EVERY``: a
-    result clears it (a transient fault does not retire it). All avoided: least-loaded.
+    An engine whose request was given up on (cancelled: ``rollout.generate_timeout_s``, or a
+    weight update's pause that ran out) gets no new episodes while others answer, until it
+    returns a result again. So does an engine whose last ``_FAILING_AFTER`` requests raised (a
+    dead vLLM: its requests end at once, so it would always be the least loaded). Either gets
+    a trial episode every ``_PROBE_EVERY`` new ones: a result clears it (a transient fault or
+    a stall does not retire it). All avoided: least-loaded.
 Abort
     ``abort(request_id)`` goes to the engine that holds the request (a real engine abort:
     the slot is freed); the caller's ``generate`` returns ``finish_reason="abort"``.
@@ -530,12 +531,13 @@ class EngineRouter:
     def _route_around(self, load: list[int]) -> int:
         """A new episode's engine while some are avoided (hung or failing): module docstring."""
         failing, silent = self._failing, self._silent
-        if all(silent[i] or i in failing for i in range(len(load))):
+        avoided = [i for i in range(len(load)) if silent[i] or i in failing]
+        if len(avoided) == len(load):
             return load.index(min(load))
-        self._since_probe += bool(failing)
-        if self._since_probe >= _PROBE_EVERY:  # a failing engine's trial episode
+        self._since_probe += 1
+        if self._since_probe >= _PROBE_EVERY:  # an avoided engine's trial episode
             self._since_probe = 0
-            return min(failing, key=lambda i: (load[i], i))
+            return min(avoided, key=lambda i: (load[i], i))
         return min(range(len(load)), key=lambda i: (silent[i] or i in failing, load[i], i))
 
     def _enter(self, flight: _Flight) -> None:

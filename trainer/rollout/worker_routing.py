@@ -265,8 +265,9 @@ class WorkerRouters:
         self._workers = workers
 
     def init_message(self) -> tuple[Any, ...]:
-        """What a starting worker builds its router from."""
-        return (self.engines, self.version, self._paused)
+        """What a starting worker builds its router from (its engines, the version, paused or
+        not, and how long its pauses wait for a hung engine)."""
+        return (self.engines, self.version, self._paused, self.pause_timeout_s)
 
     def on_report(self, worker: int, wire: tuple[Any, ...], in_flight: int) -> None:
         """A worker's counters (with a finished episode, or its ``paused``)."""

@@ -142,6 +142,33 @@ def test_giving_up_on_a_turn_cancels_it_in_the_engine_and_new_episodes_go_elsewh
     assert router.in_flight == 0
 
 
+def test_an_engine_given_up_on_gets_a_trial_episode_and_its_share_once_it_answers() -> None:
+    """A hung engine is avoided, not retired: one new episode in ``_PROBE_EVERY`` tries it, and
+    an answer makes it an engine like the others (a recovered engine stayed unused for good)."""
+    from trainer.rollout.router import _PROBE_EVERY
+
+    slow, other = StepEngine(), StepEngine()
+    router = EngineRouter([slow, other])
+
+    async def go() -> list[int | None]:
+        answer = router.start_generate(GenerationRequest("ep0/0", [1, 2, 3], 5))
+        while not slow.running:
+            await asyncio.sleep(0)
+        answer.cancel()  # given up on (rollout.generate_timeout_s, or a weight update's pause)
+        while router.loads != [0, 0]:
+            await asyncio.sleep(0)
+        engines = []
+        for i in range(1, 2 * _PROBE_EVERY + 1):  # '.' in the id: the engine ends it at once
+            await router.generate(GenerationRequest(f"ep{i}/0.", [1], 2))
+            engines.append(router.engine_of(f"ep{i}"))
+        return engines
+
+    engines = asyncio.run(asyncio.wait_for(go(), HANG_GUARD_S))
+    assert 0 in engines[:_PROBE_EVERY]  # a trial episode
+    after = engines[engines.index(0) + 1 :]
+    assert after and set(after) == {0}  # answered: the first of equally loaded engines again
+
+
 def test_an_aborted_turn_held_by_a_weight_update_ends_at_once() -> None:
     engine = StepEngine()
     router = EngineRouter([engine])
