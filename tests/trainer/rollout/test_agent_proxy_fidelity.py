@@ -5,8 +5,9 @@ What a user relies on: a reply the agent never got (its client timed out or went
 reply the agent acted on; ``stop`` ends the turn where OpenAI would, and nothing after it is
 trained; options the proxy cannot honour faithfully (``tool_choice: required``,
 ``response_format``, ``top_logprobs``) are refused by name instead of ignored; the SDK does not
-retry an error a retry cannot fix; tool-call ids are unique in an episode; and log-probs list
-the returned text's tokens as text.
+retry an error a retry cannot fix; tool-call ids are unique in an episode; log-probs list
+the returned text's tokens as text; and a step whose reward training cannot hold (NaN, beyond
+float32) fails the episode instead of being trained.
 """
 
 from __future__ import annotations
@@ -295,5 +296,33 @@ def test_tool_call_ids_are_unique_and_logprobs_list_the_returned_texts_tokens(
             assert choice["token_ids"][-1] == tokenizer.eos_token_id
             assert len(tokens) == len(choice["token_ids"]) - 1
             assert json.loads(json.dumps(tokens))  # plain JSON
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- env output
+
+
+@pytest.mark.parametrize("reward", [float("nan"), 1e39])
+def test_an_env_step_with_a_reward_training_cannot_hold_fails_the_episode(
+    tokenizer: Any, reward: float
+) -> None:
+    """A step the agent takes through the proxy is checked like a policy-played one: a reward
+    that is not a finite float32 ends the episode as an env failure, never reaching training."""
+    from trainer.rollout.proxy_http import ProxyError
+
+    async def main() -> None:
+        async with serving(Engine(tokenizer), ChatRenderer(tokenizer)) as (proxy, episode, client):
+            assert (await client.post("/chat/completions", json={"messages": QUESTION})).is_success
+
+            async def step(action: str) -> Any:
+                return [{"role": "user", "content": "ok"}], reward, False, False, {}
+
+            episode.session.step = step  # type: ignore[method-assign]
+            with pytest.raises(ProxyError) as refused:
+                await proxy.step(episode, "the answer")
+            assert refused.value.status == 502
+            t = episode.trajectory
+            assert t.failed and "reward" in (t.failure or "") and reward not in t.turn_rewards
 
     asyncio.run(main())

@@ -203,31 +203,6 @@ def test_a_refused_call_leaves_the_history_of_the_next_call_intact(tokenizer: An
     asyncio.run(main())
 
 
-@pytest.mark.parametrize("reward", [float("nan"), 1e39])
-def test_an_env_step_with_a_reward_training_cannot_hold_fails_the_episode(
-    tokenizer: Any, reward: float
-) -> None:
-    """A step the agent takes through the proxy is checked like a policy-played one: a reward
-    that is not a finite float32 ends the episode as an env failure, never reaching training."""
-    from trainer.rollout.proxy_http import ProxyError
-
-    async def main() -> None:
-        async with serving(Engine(tokenizer), ChatRenderer(tokenizer)) as (proxy, episode, client):
-            assert (await client.post("/chat/completions", json={"messages": QUESTION})).is_success
-
-            async def step(action: str) -> Any:
-                return [{"role": "user", "content": "ok"}], reward, False, False, {}
-
-            episode.session.step = step  # type: ignore[method-assign]
-            with pytest.raises(ProxyError) as refused:
-                await proxy.step(episode, "the answer")
-            assert refused.value.status == 502
-            t = episode.trajectory
-            assert t.failed and "reward" in (t.failure or "") and reward not in t.turn_rewards
-
-    asyncio.run(main())
-
-
 def test_a_template_that_refuses_the_messages_is_a_400_and_records_nothing(
     tokenizer: Any,
 ) -> None:
