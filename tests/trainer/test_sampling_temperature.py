@@ -16,7 +16,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
 
-from tests.trainer.test_cli import QUICKSTART, TINY
+from tests.trainer.rollout.test_scheduler_pipeline import run
 from trainer.config import load_config
 from trainer.controller.batch import Batch
 from trainer.pipeline import AgenticPipeline
@@ -92,25 +92,15 @@ def test_async_run_at_temperature_weighs_stale_tokens_only(tmp_path: Path, monke
         )
 
     monkeypatch.setattr(Rollouts, "off_policy_correction", recording)
-    cfg = load_config(
-        QUICKSTART,
-        [
-            *TINY,
-            "train.steps=3",
-            "train.ppo_epochs=1",
-            "sft.epochs=0",
-            "eval.episodes=4",
-            "eval.every=0",
-            "eval.temperature=0.3",
-            f"output_dir={tmp_path / 'run'}",
-            "rollout.mode=async",
-            "rollout.max_staleness=1",
-            "rollout.is_truncation=2.0",
-            "rollout.temperature=0.7",
-            "algorithm.loss.entropy_coef=0.05",
-        ],
+    rows = run(
+        tmp_path,
+        "eval.temperature=0.3",
+        "rollout.mode=async",
+        "rollout.max_staleness=1",
+        "rollout.is_truncation=2.0",
+        "rollout.temperature=0.7",
+        "algorithm.loss.entropy_coef=0.05",
     )
-    rows = AgenticPipeline(cfg).fit()
     steps = [r for r in rows if r["step"] >= 1]
     assert len(deviation) == 3 and steps[0]["rollout/staleness_1"] == 0
     assert deviation[0] < 1e-4  # step 1: every token is the current policy's
