@@ -319,8 +319,8 @@ class Registry:
         listed = ", ".join(names[:-1]) + f" and {names[-1]}"
         return (
             f"{id} is registered by {len(names)} plugins, {listed}; envhub refuses it for all of "
-            "them rather than let the install order pick one. Uninstall all but one of these "
-            "packages, or give the env another id in one of them (its own namespace or version)"
+            "them rather than let the install order pick one. Keep one (uninstall the package, "
+            "or drop the module from --import / ENVHUB_PLUGINS), or rename the id in one of them"
         )
 
     def _who(self, spec: EnvSpec) -> str:

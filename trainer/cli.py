@@ -56,7 +56,8 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
     """Train a policy on envhub environments as CONFIG (YAML) says.
 
     \b
-    OVERRIDES are a.b.c=value pairs (YAML values), e.g.:
+    OVERRIDES are a.b.c=value pairs (YAML values); a mapping value replaces the file's mapping
+    ('env.kwargs={size: 4}'; env.kwargs={} clears it), a dotted key sets one entry, e.g.:
       envhub train examples/quickstart.yaml train.steps=20 output_dir=runs/try
       envhub train examples/quickstart.yaml --resume      # after a crash or kill -9
       envhub train examples/qwen2.5-0.5b-sokoban-8gpu.yaml --dry-run   # will it fit?

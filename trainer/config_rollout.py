@@ -371,8 +371,10 @@ class RolloutConfig(Section):
     """Fail an episode whose turn is not generated within this many seconds, queueing in the
     engine included (the request is aborted in the engine; the episode is replayed, then its
     group replaced, as for an env failure), so a hung inference worker cannot hang the run;
-    the router then sends new episodes to the engines that still answer. Set it well above the
-    slowest turn under load. None waits as long as it takes."""
+    the router then sends new episodes to the engines that still answer (and a trial episode
+    every 32 to one that did not). Set it well above the slowest turn under load. None waits
+    as long as it takes, unless a weight update gives up on the engine first
+    (``pause_timeout_s``)."""
 
     @model_validator(mode="after")
     def _context_needs_turn_samples(self) -> RolloutConfig:

@@ -73,7 +73,7 @@ def test_an_id_two_packages_register_is_refused_for_both_naming_both(both):
     message = str(caught.value)
     assert "'acme' (package acme-envs" in message and "'clash' (package clash-envs" in message
     assert "refuses it for all of them rather than let the install order pick one" in message
-    assert "Uninstall all but one of these packages" in message
+    assert "Keep one (uninstall the package" in message
 
 
 def test_the_other_ids_of_both_packages_stay_usable(both):
@@ -164,6 +164,6 @@ def test_an_unknown_id_in_a_namespace_no_plugin_knows_says_python_ids_stay_in_th
         registry.spec("acme/echo-v0")
     message = str(caught.value)
     assert "registered with envhub.register() in Python code exist only in the process" in message
-    assert "--import MODULE (or ENVHUB_PLUGINS=MODULE)" in message
+    assert "--import MODULE (envhub train: ENVHUB_PLUGINS=MODULE)" in message
     assert "`envhub.envs` entry point (envhub init NAME)" in message
     assert message.endswith("Run `envhub list` to see every id.")

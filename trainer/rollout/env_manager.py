@@ -328,7 +328,8 @@ class EnvManager:
 
     Request ids are ``"{episode_key}/{turn}"`` so a router can keep an episode on one
     inference worker (prefix-cache reuse; see ``trainer.rollout.router``). An env may cap the
-    next turn's generation length with ``info["max_new_tokens"]`` (reset or step info).
+    next turn's generation length with ``info["max_new_tokens"]`` (reset or step info): None
+    or a positive int (anything else fails the episode: ``trainer.rollout.env_output``).
     ``step_timeout_s`` bounds every env call that yields to the event loop (hub, pool and
     threaded envs: ``LocalEnvSource(threaded=True)`` for a local env whose ``step`` may block);
     a timeout, an env exception or an engine error ends the episode as ``failed`` with the
