@@ -132,7 +132,7 @@ def plan_view(cfg: Any, plan: Any) -> list[Any]:
         f"[bold]tokens[/]   rows up to {plan.sequence_tokens:,} ({plan.sequence_note}); "
         f"{plan.micro_tokens:,} per micro-batch"
     )
-    summary = [model, tokens, f"[bold]devices[/]  {plan.capacity_note}{host}"]
+    summary = [model, tokens, algorithm_line(cfg), f"[bold]devices[/]  {plan.capacity_note}{host}"]
     roles = Table(title="roles", title_justify="left")
     for column in ("role", "layout", "devices", "offloaded when idle", "notes"):
         roles.add_column(column, overflow="fold")
@@ -181,3 +181,23 @@ def plan_view(cfg: Any, plan: Any) -> list[Any]:
         f"{bucket / 2**20:.1f} MiB ({setting}; transport {cfg.weight_sync.transport})"
     )
     return out
+
+
+def algorithm_line(cfg: Any) -> str:
+    """The advantages, policy loss and sampling the run will use, as resolved at load (GSPO's
+    own clip and aggregation when unset; the temperature log-probs are taken at)."""
+    algo, loss, rollout = cfg.algorithm, cfg.algorithm.loss, cfg.rollout
+    estimator = algo.advantage_estimator
+    if estimator in ("grpo", "gigpo") and not algo.normalize_std:
+        estimator += " (mean only: Dr. GRPO)"
+    policy = (
+        f"{'GSPO' if loss.gspo else 'PPO'} clip {loss.clip_low:g}/{loss.clip_high:g}, "
+        f"{loss.agg_mode}" + (f", dual clip {loss.dual_clip:g}" if loss.dual_clip else "")
+    )
+    kl = f"KL {loss.kl_coef:g} ({loss.kl_estimator} as {loss.kl_mode})" if loss.kl_coef else "no KL"
+    entropy = f", entropy {loss.entropy_coef:g}" if loss.entropy_coef else ""
+    return (
+        f"[bold]loss[/]     {estimator} advantages, {policy}, {kl}{entropy}; sampling at "
+        f"temperature {rollout.temperature:g}, top_p {rollout.top_p:g} (log-probs at that "
+        "temperature)"
+    )

@@ -108,3 +108,21 @@ def test_the_dry_run_refuses_devices_beyond_cluster_num_devices_as_the_run_does(
     )
     assert code == 1
     assert "roles.actor_train.device_mapping: device 1 does not exist" in stderr
+
+
+def test_the_plan_shows_the_loss_and_sampling_the_run_will_use(tmp_path: Path) -> None:
+    """Settings resolved at load (GSPO's own clip and aggregation when unset, the temperature
+    log-probs are taken at) are printed, so a user sees what turning GSPO on changed."""
+    args = [str(EXAMPLES / "quickstart.yaml"), f"output_dir={tmp_path / 'run'}"]
+    code, stdout, stderr = dry_run(*args, "rollout.temperature=0.7")
+    assert code == 0, stderr
+    assert "PPO clip 0.2/0.28, token-mean" in stdout and "temperature 0.7" in stdout
+    gspo = [
+        "algorithm.loss.gspo=true",
+        "algorithm.loss.clip_low=null",
+        "algorithm.loss.clip_high=null",
+        "algorithm.loss.agg_mode=null",
+    ]
+    code, stdout, stderr = dry_run(*args, *gspo)
+    assert code == 0, stderr
+    assert "GSPO clip 0.0003/0.0004, seq-mean-token-mean" in stdout
