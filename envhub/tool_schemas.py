@@ -27,6 +27,7 @@ and ``envhub train`` alike, and is cached, so it costs one dictionary lookup per
 
 from __future__ import annotations
 
+import abc
 import functools
 import json
 import re
@@ -152,15 +153,15 @@ def _parameter_problems(parameters: Any) -> list[str]:
 
 
 # ---------------------------------------------------------------------- argument checks
-class ArgumentsCheck:
+class ArgumentsCheck(abc.ABC):
     """A compiled check of call arguments against one tool's ``parameters``.
 
     ``problem(tool, arguments)`` is ``(message, feedback)`` for the most relevant way the
     arguments break the schema, or ``None`` when they are valid; ``feedback`` is written for the
     model: which argument (``to.x``, ``steps[1]``), what it must be, what it got."""
 
-    def problem(self, tool: str, arguments: dict[str, Any]) -> tuple[str, str] | None:
-        raise NotImplementedError
+    @abc.abstractmethod
+    def problem(self, tool: str, arguments: dict[str, Any]) -> tuple[str, str] | None: ...
 
 
 class _SchemaCheck(ArgumentsCheck):
