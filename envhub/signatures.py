@@ -18,6 +18,8 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
+from envhub import safe_ast
+
 __all__ = ["accepted_keywords"]
 
 
@@ -63,7 +65,7 @@ def _passes_on(initialiser: Callable[..., Any], var_keyword: str) -> bool:
     """Whether an ``__init__`` passes its ``**var_keyword`` to another ``__init__`` (a
     ``super().__init__(..., **x)`` call in its source); ``True`` when there is no source."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(initialiser)))
+        tree = safe_ast.parse(textwrap.dedent(inspect.getsource(initialiser)))
     except (OSError, TypeError, SyntaxError):
         return True
     return any(

@@ -14,7 +14,6 @@ the expected form. The schemas themselves are checked once (``envhub.tool_schema
 
 from __future__ import annotations
 
-import ast as _ast
 import difflib
 import json as _json
 import math
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any as _Any
 
 from envhub.errors import ActionParseError
+from envhub.safe_ast import literal_eval as _literal_eval
 from envhub.tool_schemas import schema_key, validate_tools, validator_for_key
 
 __all__ = [
@@ -134,7 +134,7 @@ def _loads_lenient(text: str) -> _Any:
     except (RecursionError, MemoryError):
         raise ValueError(_TOO_DEEP) from None
     try:
-        value = _ast.literal_eval(cleaned)
+        value = _literal_eval(cleaned)
     except Exception:  # noqa: BLE001 - model text: TypeError ({[1]: 2}), MemoryError, ...
         raise json_error from None
     problem = json_problem(value)

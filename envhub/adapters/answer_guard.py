@@ -50,6 +50,7 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from typing import Any
 
+from envhub import safe_ast
 from envhub.errors import SourceError
 
 __all__ = [
@@ -104,7 +105,7 @@ def literal(source: Any, globals: Any = None, locals: Any = None) -> Any:
     """``eval`` for scorers that meant a Python literal: ``ast.literal_eval``, nothing else."""
     if not isinstance(source, str) or len(source) > MAX_ANSWER:
         raise ValueError("the answer is not a literal of at most 10,000 characters")
-    return ast.literal_eval(source)
+    return safe_ast.literal_eval(source)
 
 
 def check_expression(text: str, names: Iterable[str] = ()) -> None:
@@ -113,7 +114,7 @@ def check_expression(text: str, names: Iterable[str] = ()) -> None:
     if len(text) > MAX_ANSWER:
         raise ValueError(f"the expression is longer than {MAX_ANSWER} characters")
     try:
-        tree = ast.parse(text.replace("^", "**"), mode="eval")
+        tree = safe_ast.parse(text.replace("^", "**"), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as error:
         raise ValueError(f"not an expression: {error}") from None
     known = set(names) | FUNCTIONS | CONSTANTS

@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from envhub import safe_ast
+
 __all__ = ["RUNNER", "code_sandbox", "runner_files", "split_tests"]
 
 
@@ -57,7 +59,7 @@ def split_tests(tests: str | list[str], entry_point: str) -> tuple[str, list[str
     if isinstance(tests, list):
         return "", [str(t) for t in tests if str(t).strip()]
     try:
-        module = ast.parse(textwrap.dedent(tests))
+        module = safe_ast.parse(textwrap.dedent(tests))
     except SyntaxError as exc:
         raise ValueError(
             f"the task's tests are not valid Python ({exc.msg} at line {exc.lineno})"

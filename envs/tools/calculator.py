@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from envhub import safe_ast
 from envhub.core import function_tool
 from envhub.parsing import format_tool_call
 from envs.datasets import Task
@@ -64,7 +65,7 @@ def safe_eval(expression: str) -> float | int:
             f"expression of {len(expression)} characters is too long (max {MAX_EXPRESSION_CHARS})"
         )
     try:
-        tree = ast.parse(
+        tree = safe_ast.parse(
             _THOUSANDS.sub("", expression.replace("^", "**").replace("×", "*")), mode="eval"
         )
     except SyntaxError as exc:

@@ -41,6 +41,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from envhub import safe_ast
 from envhub.errors import ActionParseError
 from envhub.parsing import ToolCall, ToolCallParser, format_tool_call, json_problem
 
@@ -278,7 +279,7 @@ class _Pythonic(_Embedded):
         if not (stripped.startswith("[") and stripped.endswith("]") and "(" in stripped):
             return text, []
         try:
-            tree = ast.parse(stripped, mode="eval").body
+            tree = safe_ast.parse(stripped, mode="eval").body
         except SyntaxError as error:
             raise _ParseError(f"tool call list is not Python: {error.msg}") from None
         except (ValueError, RecursionError, MemoryError):  # NUL bytes, nesting too deep
@@ -308,6 +309,8 @@ class _Pythonic(_Embedded):
                         "holds (strings, numbers, True/False/None, lists, dicts with string "
                         "keys)"
                     ) from None
+            if json_problem(arguments) is None:  # else _call names the problem
+                arguments = json.loads(json.dumps(arguments))  # tuples as lists, as JSON reads
             raws.append({"name": name, "arguments": arguments})
         return "", raws
 

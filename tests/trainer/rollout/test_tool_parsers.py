@@ -267,6 +267,14 @@ def test_pythonic_positional_arguments_are_an_error_not_dropped() -> None:
     assert "use keyword arguments: add(x=1)" in (turn.error or "")
 
 
+def test_pythonic_tuples_reach_the_tool_as_the_lists_a_json_schema_accepts() -> None:
+    from jsonschema import Draft202012Validator
+
+    [call] = make_tool_parser("pythonic", prefer_vllm=False).parse("[f(at=(1, 2))]").tool_calls
+    assert call.arguments == {"at": [1, 2]}
+    assert Draft202012Validator({"type": "array"}).is_valid(call.arguments["at"])
+
+
 def test_a_hermes_call_only_mentioned_in_thinking_does_not_run() -> None:
     text = (
         '<think>The format is <tool_call>{"name": "delete_all", "arguments": {}}</tool_call>, '
