@@ -40,19 +40,9 @@ from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.vllm_platform import configured_max_model_len
 
 if TYPE_CHECKING:
-    from trainer.algos.advantages import AdvantageEstimator
     from trainer.weights.sync import SyncReport
 
 __all__ = ["AgenticPipeline"]
-
-_ESTIMATORS: dict[str, AdvantageEstimator] = {
-    "gae": "gae",
-    "gigpo": "gigpo",
-    "grpo": "grpo",
-    "reinforce_pp": "reinforce_plus_plus",
-    "rloo": "rloo",
-}
-"""``algorithm.advantage_estimator`` (the config's names) -> ``trainer.algos.advantages``'s."""
 
 
 def _quiet_transformers() -> None:
@@ -220,36 +210,9 @@ class AgenticPipeline:
             batch["values"] = self.roles.critic.compute_values(batch)["values"]
 
     def compute_advantages(self, batch: Batch) -> None:
-        from trainer.algos.advantages import compute_advantages, kl_penalised_rewards
+        from trainer.algos.advantages import batch_advantages
 
-        algo, loss = self.cfg.algorithm, self.cfg.algorithm.loss
-        token_rewards, scores = batch["token_rewards"], batch["scores"]
-        if loss.kl_coef > 0 and loss.kl_mode == "penalty":
-            token_rewards, scores = kl_penalised_rewards(
-                token_rewards,
-                scores,
-                batch["old_logprobs"],
-                batch["ref_logprobs"],
-                batch["response_mask"],
-                loss.kl_coef,
-                loss.kl_estimator,
-                batch.get("episode_ids"),
-            )
-        advantages, returns = compute_advantages(
-            _ESTIMATORS[algo.advantage_estimator],
-            response_mask=batch["response_mask"],
-            token_rewards=token_rewards,
-            scores=scores,
-            group_ids=batch["group_ids"],
-            episode_ids=batch.get("episode_ids"),
-            values=batch.get("values"),
-            gamma=algo.gamma,
-            lam=algo.lam,
-            normalize_std=algo.normalize_std,
-            state_ids=batch.get("state_ids"),
-            step_returns=batch.get("step_returns"),
-            step_weight=algo.gigpo_step_weight,
-        )
+        advantages, returns = batch_advantages(batch, self.cfg.algorithm)
         batch["advantages"] = advantages
         if returns is not None:
             batch["returns"] = returns

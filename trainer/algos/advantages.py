@@ -25,15 +25,19 @@ per policy token, as across the turns of one row).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 if TYPE_CHECKING:
     import torch
 
     from trainer.algos.losses import KLEstimator
+    from trainer.config import AlgorithmConfig
+    from trainer.controller.batch import Batch
 
 __all__ = [
     "AdvantageEstimator",
+    "KLPenalised",
+    "batch_advantages",
     "compute_advantages",
     "gae",
     "gigpo",
@@ -46,6 +50,15 @@ __all__ = [
 ]
 
 AdvantageEstimator = Literal["gae", "gigpo", "grpo", "reinforce_plus_plus", "rloo"]
+
+_ESTIMATORS: dict[str, AdvantageEstimator] = {
+    "gae": "gae",
+    "gigpo": "gigpo",
+    "grpo": "grpo",
+    "reinforce_pp": "reinforce_plus_plus",
+    "rloo": "rloo",
+}
+"""``algorithm.advantage_estimator`` (the config's names) -> this module's."""
 
 
 def masked_whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -259,6 +272,15 @@ def later_returns(
     return out
 
 
+class KLPenalised(NamedTuple):
+    """What ``kl_penalised_rewards`` returns: new tensors, the KL taken off."""
+
+    token_rewards: torch.Tensor
+    scores: torch.Tensor
+    step_returns: torch.Tensor | None
+    """GiGPO's per-turn returns less ``kl_coef`` times the KL to go (``None`` if none given)."""
+
+
 def kl_penalised_rewards(
     token_rewards: torch.Tensor,
     scores: torch.Tensor,
@@ -268,7 +290,9 @@ def kl_penalised_rewards(
     kl_coef: float,
     estimator: KLEstimator = "k3",
     episode_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    step_returns: torch.Tensor | None = None,
+    gamma: float = 1.0,
+) -> KLPenalised:
     """``algorithm.loss.kl_mode: penalty``: the KL to the reference folded into the rewards.
 
     Per policy token ``r_t - kl_coef * KL_t`` (``losses.kl_estimate`` of the sampling log-probs
@@ -276,8 +300,9 @@ def kl_penalised_rewards(
     policy tokens, so score-based estimators (GRPO, RLOO, GiGPO) see the same penalty as
     token-reward ones (GAE, Reinforce++). With ``episode_ids`` (per-turn samples) the sum runs
     over every row of the episode, and each of its rows' scores loses it whole; the KL of later
-    rows reaches a row's tokens through ``later_returns``, as their rewards do.
-    Returns ``(token_rewards, scores)``, both new tensors.
+    rows reaches a row's tokens through ``later_returns``, as their rewards do, and GiGPO's
+    ``step_returns`` (a turn's return to the episode's end, discounted by ``gamma`` per turn)
+    lose the KL of their row and the later ones, discounted alike.
     """
     import torch
 
@@ -286,12 +311,31 @@ def kl_penalised_rewards(
     on = response_mask > 0  # (what masked positions hold may be far apart: exp() overflows)
     kl = kl_estimate(old_logprobs, torch.where(on, ref_logprobs, old_logprobs), estimator)
     kl = kl * response_mask
-    total = kl.sum(-1)
+    rows = kl.sum(-1)
+    total = rows
     if episode_ids is not None and episode_ids.numel():
         _, episode = torch.unique(episode_ids, return_inverse=True)
-        per_episode = torch.zeros(int(episode.max()) + 1, dtype=total.dtype, device=total.device)
-        total = per_episode.index_add_(0, episode, total)[episode]
-    return token_rewards - kl_coef * kl, scores - kl_coef * total.to(scores.dtype)
+        per_episode = torch.zeros(int(episode.max()) + 1, dtype=rows.dtype, device=rows.device)
+        total = per_episode.index_add_(0, episode, rows)[episode]
+    if step_returns is not None:
+        to_go = _to_go(rows, episode_ids, gamma) if episode_ids is not None else rows
+        step_returns = step_returns - kl_coef * to_go.to(step_returns.dtype)
+    return KLPenalised(
+        token_rewards - kl_coef * kl, scores - kl_coef * total.to(scores.dtype), step_returns
+    )
+
+
+def _to_go(values: torch.Tensor, episode_ids: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Per row, ``values`` of it and its episode's later rows, discounted by ``gamma`` per row
+    (rows of an episode in the order of its turns)."""
+    import torch
+
+    out: list[float] = values.tolist()
+    running: dict[int, float] = {}
+    for row, episode in reversed(list(enumerate(episode_ids.tolist()))):
+        out[row] += gamma * running.get(episode, 0.0)
+        running[episode] = out[row]
+    return torch.tensor(out, dtype=values.dtype, device=values.device)
 
 
 def compute_advantages(
@@ -353,4 +397,42 @@ def compute_advantages(
     raise ValueError(
         f"unknown advantage estimator {estimator!r}; use one of 'gae', 'gigpo', 'grpo', "
         "'reinforce_plus_plus', 'rloo'"
+    )
+
+
+def batch_advantages(
+    batch: Batch, algorithm: AlgorithmConfig
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(advantages, returns)`` of a collated batch as ``algorithm`` (the config's section)
+    asks: the KL penalty folded in first (``kl_mode: penalty``), then ``compute_advantages``."""
+    loss = algorithm.loss
+    token_rewards, scores = batch["token_rewards"], batch["scores"]
+    step_returns = batch.get("step_returns")
+    if loss.kl_coef > 0 and loss.kl_mode == "penalty":
+        token_rewards, scores, step_returns = kl_penalised_rewards(
+            token_rewards,
+            scores,
+            batch["old_logprobs"],
+            batch["ref_logprobs"],
+            batch["response_mask"],
+            loss.kl_coef,
+            loss.kl_estimator,
+            batch.get("episode_ids"),
+            step_returns,
+            algorithm.gamma,
+        )
+    return compute_advantages(
+        _ESTIMATORS[algorithm.advantage_estimator],
+        response_mask=batch["response_mask"],
+        token_rewards=token_rewards,
+        scores=scores,
+        group_ids=batch["group_ids"],
+        episode_ids=batch.get("episode_ids"),
+        values=batch.get("values"),
+        gamma=algorithm.gamma,
+        lam=algorithm.lam,
+        normalize_std=algorithm.normalize_std,
+        state_ids=batch.get("state_ids"),
+        step_returns=step_returns,
+        step_weight=algorithm.gigpo_step_weight,
     )

@@ -13,6 +13,7 @@ from trainer.algos.advantages import (
     gae,
     gigpo,
     grpo,
+    kl_penalised_rewards,
     masked_whiten,
     reinforce_plus_plus,
     rloo,
@@ -128,3 +129,31 @@ def test_gigpo_adds_a_step_advantage_among_turns_that_answered_the_same_state() 
             "gigpo", response_mask=mask, token_rewards=torch.zeros(4, 2), scores=scores,
             group_ids=groups,
         )  # fmt: skip
+
+
+def test_under_a_kl_penalty_gigpo_turns_pay_the_kl_of_their_turn_and_the_later_ones() -> None:
+    # rows: ep0 t0, ep0 t1, ep1 t0, ep1 t1, one policy token each; k1 KL = old - ref per token:
+    # [0.5, 2, 0, 1]. With gamma 0.5 each turn's KL to go is [0.5 + 0.5*2, 2, 0 + 0.5*1, 1]
+    # = [1.5, 2, 0.5, 1]; kl_coef 0.1 takes a tenth of it off each step return [1, 1, 0, 0].
+    # (Both first turns answered one state: without it, ep0 t0's step advantage ignored the
+    # 2.0 its episode paid later.)
+    kl = torch.tensor([[0.5], [2.0], [0.0], [1.0]], dtype=torch.float64)
+    penalised = kl_penalised_rewards(
+        torch.zeros(4, 1, dtype=torch.float64),
+        torch.tensor([1.0, 1.0, 0.0, 0.0], dtype=torch.float64),
+        torch.zeros(4, 1, dtype=torch.float64),
+        -kl,
+        torch.ones(4, 1, dtype=torch.float64),
+        0.1,
+        "k1",
+        episode_ids=torch.tensor([0, 0, 1, 1]),
+        step_returns=torch.tensor([1.0, 1.0, 0.0, 0.0]),
+        gamma=0.5,
+    )
+    torch.testing.assert_close(
+        penalised.step_returns, torch.tensor([0.85, 0.8, -0.05, -0.1]), atol=1e-6, rtol=0
+    )
+    # each row's score loses its episode's whole KL (2.5 and 1.0), as before
+    torch.testing.assert_close(
+        penalised.scores, torch.tensor([0.75, 0.75, -0.1, -0.1], dtype=torch.float64)
+    )

@@ -105,7 +105,7 @@ def test_padding_far_from_the_old_and_reference_log_probs_changes_nothing(gspo) 
     assert total.item() == pytest.approx(want, abs=1e-12)
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     torch.testing.assert_close(logprobs.grad, want_grad, atol=1e-12, rtol=0)
-    rewards, _ = kl_penalised_rewards(
+    rewards, _, _ = kl_penalised_rewards(
         torch.zeros(2, 3, dtype=torch.float64),
         torch.zeros(2, dtype=torch.float64),
         logprobs.detach(),
@@ -136,7 +136,7 @@ def test_kl_penalty_mode_leaves_the_loss_and_folds_kl_into_the_rewards() -> None
     ] == pytest.approx(0.225)
     token_rewards = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     scores = torch.tensor([1.0, 0.0], dtype=torch.float64)
-    rewards, new_scores = kl_penalised_rewards(
+    rewards, new_scores, _ = kl_penalised_rewards(
         token_rewards,
         scores,
         logprobs.detach(),
