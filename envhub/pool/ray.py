@@ -31,6 +31,7 @@ import contextlib
 import os
 from typing import Any
 
+from envhub.errors import describe_error
 from envhub.pool.base import OP_PING
 from envhub.pool.errors import RayConnectError, WorkerStartError
 from envhub.pool.framing import DEFAULT_MAX_MESSAGE_BYTES
@@ -138,6 +139,16 @@ def _connect_problem(address: str | None, exc: BaseException) -> str:
 _actor_class: Any = None
 
 
+def _first_cause(error: BaseException) -> str:
+    """What went wrong in an actor, in one line: the exception its ``__init__`` raised (Ray
+    wraps it with the remote traceback), else Ray's own error's last line."""
+    cause = getattr(error, "cause", None)
+    if isinstance(cause, BaseException) and cause is not error:
+        return describe_error(cause)
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
 def _remote_class() -> Any:
     global _actor_class
     if _actor_class is None:
@@ -196,7 +207,7 @@ class RayWorker(WorkerBase):
         except Exception as exc:
             ray.kill(self._actor, no_restart=True)
             raise WorkerStartError(
-                f"ray worker {self.name} could not build the env: {exc}"
+                f"ray worker {self.name} could not build the env: {_first_cause(exc)}"
             ) from exc
         self.node_id, self.pid = where["node_id"], where["pid"]
         self.location = self.node_id

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from envhub.pool import EnvPool, EpisodeFailure
+from tests.envhub.pool.faulty_envs import FAULTY
 from tests.envhub.pool.raycluster import TwoNodeCluster, free_port
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install -e '.[ray]')")
@@ -96,6 +97,25 @@ def test_workers_spread_over_both_nodes_and_heal_when_a_nodes_workers_die(cluste
                 assert not (await pool.step(again.episode, "<answer>10</answer>")).failed
 
     asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_an_env_an_actor_cannot_build_is_one_line_naming_the_cause(cluster):
+    async def main():
+        with pytest.raises(Exception) as caught:
+            async with EnvPool(
+                FAULTY,
+                env_kwargs={"no_such_option": 1},
+                num_workers=1,
+                backend="ray",
+                start_timeout_s=60,
+            ):
+                pass
+        return caught.value
+
+    error = asyncio.run(asyncio.wait_for(main(), 120))
+    message = str(error)
+    assert "no_such_option" in message and "Traceback" not in message, message
+    assert len(message.splitlines()) == 1, message
 
 
 def test_envhub_serve_places_ray_workers_on_both_nodes(cluster):
