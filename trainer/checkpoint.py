@@ -8,7 +8,8 @@ renamed into place (the commit); a ``latest`` file naming it is then replaced at
    (pruned: ``.pruned-``, never put back), puts back a checkpoint a kill caught between the two
    renames of a save (``.tmp-``, or a re-save's old copy in ``.trash-``), and repairs
    ``latest``. A save that fails (a full disk) is a :class:`CheckpointError` naming the
-   checkpoint to continue from (:func:`resume_hint`).
+   checkpoint to continue from (:func:`resume_hint`); one that fails after its commit (the
+   ``latest`` rewrite, pruning) says that the step was saved.
 2. **One writer per folder.** A manager holds an exclusive ``fcntl.flock`` on ``root/.lock``
    until :meth:`CheckpointManager.close` or its process ends; a second one is refused naming
    the pid, so it can neither delete a live writer's temporary folder nor prune its
@@ -247,9 +248,9 @@ class CheckpointManager:
         """Write one checkpoint; it becomes visible (and ``latest``) only if the block succeeds."""
         self._require_lock("write")
         tmp = self.root / f".tmp-{_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(parents=True)
-        writer = CheckpointWriter(tmp, step, self.run_id)
         try:
+            tmp.mkdir(parents=True)  # (a disk that filled up since the last save fails here)
+            writer = CheckpointWriter(tmp, step, self.run_id)
             yield writer
             writer._finish()
         except BaseException as err:
@@ -260,13 +261,26 @@ class CheckpointManager:
         self._commit(tmp, step)
 
     def _save_failed(self, step: int, err: OSError) -> str:
-        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
         where = f" ({err.filename})" if err.filename else ""
         return (
             f"saving the checkpoint of step {step} failed: {err.strerror or err}{where}. Nothing "
-            "of it was kept; the checkpoints before it are intact. "
-            + (f"Free space in {self.root}, then " if full else "Fix that, then ")
-            + resume_hint(self.root)
+            "of it was kept; the checkpoints before it are intact. " + self._what_next(err)
+        )
+
+    def _saved_but(self, step: int, final: Path, err: OSError) -> str:
+        """An ``OSError`` after the commit: the checkpoint is complete, what failed is repaired
+        by the next manager (``latest``) or the next save (pruning)."""
+        where = f" ({err.filename})" if err.filename else ""
+        return (
+            f"the checkpoint of step {step} was saved ({final}), but updating "
+            f"{self.root} after it failed: {err.strerror or err}{where}; the next start repairs "
+            "it. " + self._what_next(err)
+        )
+
+    def _what_next(self, err: OSError) -> str:
+        full = err.errno in (errno.ENOSPC, errno.EDQUOT)
+        return (f"Free space in {self.root}, then " if full else "Fix that, then ") + resume_hint(
+            self.root
         )
 
     def save(
@@ -299,17 +313,26 @@ class CheckpointManager:
         return self.root / _name(step)
 
     def _commit(self, tmp: Path, step: int) -> None:
+        """Rename ``tmp`` in as the checkpoint of ``step``, then point ``latest`` at it and
+        prune; an ``OSError`` is a :class:`CheckpointError` saying whether the step was saved."""
         final = self.root / _name(step)
-        if final.exists():  # re-saving a step: move the old one aside first (a kill in between
-            aside = self.root / f".trash-{final.name}-{uuid.uuid4().hex[:8]}"  # is repaired by
-            os.rename(final, aside)  # the next manager: _restore_interrupted)
-            os.rename(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        sync_folder(self.root)  # committed
-        self._write_pointer(final.name)
-        self._prune(keep_name=final.name)
+        try:
+            if final.exists():  # re-saving a step: move the old one aside first (a kill or a
+                aside = self.root / f".trash-{final.name}-{uuid.uuid4().hex[:8]}"  # failure in
+                os.rename(final, aside)  # between is repaired by the next manager:
+                os.rename(tmp, final)  # _restore_interrupted)
+                shutil.rmtree(aside, ignore_errors=True)
+            else:
+                os.rename(tmp, final)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(self._save_failed(step, err)) from err
+        try:
+            sync_folder(self.root)  # committed
+            self._write_pointer(final.name)
+            self._prune(keep_name=final.name)
+        except OSError as err:
+            raise CheckpointError(self._saved_but(step, final, err)) from err
 
     def _write_pointer(self, name: str) -> None:
         tmp = self.root / f".tmp-latest-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -4,7 +4,11 @@
 the run started, warm start included), rollout statistics under ``train/``, evaluation
 under ``eval/`` (when evaluated), losses under ``actor/``/``critic/``/``sft/`` and the time
 of each phase under ``timing/``. On ``--resume`` lines after the checkpoint's step are
-dropped, so the file reads as one uninterrupted run.
+dropped, so the file reads as one uninterrupted run. So is each sink: TensorBoard's older event
+files cannot be rewritten, so the resumed run's writer starts with a ``SessionLog START`` at the
+first step it writes again (``purge_step``), from which TensorBoard discards what they hold; W&B
+continues the W&B run of the same id (the run's id, ``run.json``), and keeps the values it had
+for the steps written again (it logs steps in increasing order only).
 
 ``logging.tensorboard`` writes scalar event files under ``{output_dir}/tensorboard``: through
 ``torch.utils.tensorboard`` when the ``tensorboard`` package is installed, otherwise through
@@ -68,19 +72,14 @@ class MetricsLog:
         wandb: bool = False,
         wandb_project: str = "envhub",
         config: dict[str, Any] | None = None,
+        run_id: str | None = None,
     ) -> None:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._tb: Any = None
+        self._tb_dir = self.path.parent / "tensorboard" if tensorboard else None
+        self._purge_step: int | None = None
         self._wandb: Any = None
-        if tensorboard:
-            logdir = self.path.parent / "tensorboard"
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:  # no tensorboard package: the built-in writer of the same format
-                self._tb = EventFileWriter(logdir)
-            else:
-                self._tb = SummaryWriter(str(logdir))
         if wandb:
             try:
                 import wandb as wandb_module
@@ -89,9 +88,22 @@ class MetricsLog:
                     "logging.wandb needs the wandb package; pip install wandb, "
                     "or set logging.wandb=false"
                 ) from None
+            resume = {"id": run_id, "resume": "allow"} if run_id else {}  # --resume: the same run
             self._wandb = wandb_module.init(
-                project=wandb_project, config=config, dir=str(self.path.parent)
+                project=wandb_project, config=config, dir=str(self.path.parent), **resume
             )
+
+    def _tensorboard(self, logdir: Path) -> Any:
+        """The TensorBoard writer, opened at the first write (after :meth:`truncate_after`, one
+        that purges the older files' steps from there on)."""
+        if self._tb is None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # no tensorboard package: the built-in writer of the same format
+                self._tb = EventFileWriter(logdir, purge_step=self._purge_step)
+            else:
+                self._tb = SummaryWriter(str(logdir), purge_step=self._purge_step)
+        return self._tb
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
@@ -101,7 +113,8 @@ class MetricsLog:
     def truncate_after(self, step: int) -> list[dict[str, Any]]:
         """Drop lines of steps after ``step`` (written by a run killed before its next
         checkpoint), and a line cut short by that kill (or a full disk) that no longer parses.
-        The file is replaced atomically: a kill meanwhile leaves the old one."""
+        The file is replaced atomically: a kill meanwhile leaves the old one. TensorBoard drops
+        those steps of the older event files once this log writes again (module docstring)."""
         kept = []
         if self.path.exists():
             for line in self.path.read_text().splitlines():
@@ -117,6 +130,10 @@ class MetricsLog:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        self._purge_step = step + 1
+        if self._tb is not None:  # the next write opens a writer that purges
+            self._tb.close()
+            self._tb = None
         return kept
 
     def write(self, metrics: dict[str, Any]) -> None:
@@ -128,10 +145,11 @@ class MetricsLog:
             f.write(json.dumps(clean) + "\n")
         step = int(metrics.get("step", 0))
         numbers = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k != "step"}
-        if self._tb is not None:
+        if self._tb_dir is not None:
+            tb = self._tensorboard(self._tb_dir)
             for key, value in numbers.items():
-                self._tb.add_scalar(key, value, step)
-            self._tb.flush()
+                tb.add_scalar(key, value, step)
+            tb.flush()
         if self._wandb is not None:
             self._wandb.log(numbers, step=step)
 
@@ -189,19 +207,25 @@ class EventFileWriter:
     CRC-32C of data``) of ``tensorflow.Event`` protobufs: first ``file_version:
     "brain.Event:2"``, then one event per ``add_scalar`` holding ``summary.value {tag,
     simple_value}``, the fields TensorBoard's scalar dashboard reads. The protobuf bytes are
-    encoded here by field number (wall_time=1, step=2, file_version=3, summary=5; Summary.value=1;
-    Value.tag=1, Value.simple_value=2). Same ``add_scalar``/``flush``/``close`` calls as
-    ``torch.utils.tensorboard.SummaryWriter``.
+    encoded here by field number (wall_time=1, step=2, file_version=3, summary=5,
+    session_log=7; Summary.value=1; Value.tag=1, Value.simple_value=2; SessionLog.status=1,
+    START=1). Same ``add_scalar``/``flush``/``close`` calls and ``purge_step`` as
+    ``torch.utils.tensorboard.SummaryWriter``: with ``purge_step``, a ``session_log {status:
+    START}`` event at that step follows the version, and TensorBoard then drops the data of the
+    earlier files from that step on (a resumed run writing those steps again).
     """
 
-    def __init__(self, logdir: str | Path) -> None:
+    def __init__(self, logdir: str | Path, *, purge_step: int | None = None) -> None:
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         stamp = f"{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}"
         name = f"events.out.tfevents.{stamp}.envhub"
         self.path = self.logdir / name
         self._file = self.path.open("ab")
-        self._write_event(_length_delimited(3, b"brain.Event:2"), step=0)
+        self._write_event(_length_delimited(3, b"brain.Event:2"), step=purge_step or 0)
+        if purge_step is not None:
+            start = _varint(1 << 3) + _varint(1)  # SessionLog.status = START
+            self._write_event(_length_delimited(7, start), step=purge_step)
         self.flush()
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import random
 import time
@@ -43,6 +44,17 @@ if TYPE_CHECKING:
     from trainer.weights.sync import SyncReport
 
 __all__ = ["AgenticPipeline"]
+
+_log = logging.getLogger(__name__)
+_STOPS = (
+    ("rollouts", "close"),
+    ("log", "close"),
+    ("store", "close"),
+    ("rewards", "shutdown"),
+    ("roles", "shutdown"),
+)
+"""What ``AgenticPipeline.close`` stops, in order: ``(attribute, its stop method)``. The rollouts'
+close aborts what still runs, closes envs and cancels tasks: its failures are only logged."""
 
 
 def _quiet_transformers() -> None:
@@ -85,8 +97,8 @@ class AgenticPipeline:
         self.start_time, self.time_offset, self.step = time.monotonic(), 0.0, 0
         try:
             self._build(config)
-        except BaseException:  # a notebook retries in this process: free what was built
-            self.close()
+        except BaseException as error:  # a notebook retries in this process: free what was built
+            self.close(error=error)
             raise
 
     def _build(self, config: TrainerConfig) -> None:
@@ -123,6 +135,7 @@ class AgenticPipeline:
             wandb=config.logging.wandb,
             wandb_project=config.logging.wandb_project,
             config=config.model_dump(mode="json"),
+            run_id=self.checkpoints.run_id,
         )
         policy = self.weight_sync.policy  # the run's one policy version (its writer: the sync)
         self.rollouts = Rollouts(
@@ -180,9 +193,12 @@ class AgenticPipeline:
                 self.log_step(metrics)
                 if self.checkpoint_due(step):
                     self.save_checkpoint()
-            return self.finish()
-        finally:
-            self.close()
+            rows = self.finish()
+        except BaseException as error:
+            self.close(error=error)
+            raise
+        self.close()
+        return rows
 
     # ================================================================== phases
     def to_batch(self, episodes: list[Trajectory]) -> Batch:
@@ -432,24 +448,32 @@ class AgenticPipeline:
         self.roles.actor.save_pretrained(str(self.out / "final_policy"))
         return rows
 
-    def close(self) -> None:
-        """Stop everything the run started; then release its folders to the next run. After a
-        build that failed part-way, what was not built yet is skipped."""
+    def close(self, *, error: BaseException | None = None) -> None:
+        """Stop everything the run started, each part even when another fails to stop; then
+        release its folders to the next run. After a build that failed part-way, what was not
+        built yet is skipped. ``error``: the one stopping the run, which a failing stop must not
+        replace (it is logged then); otherwise the first failure is raised once all stopped."""
         built = vars(self)
+        stops = [
+            (name, getattr(built[name], method))
+            for name, method in _STOPS
+            if built.get(name) is not None
+        ]
+        first: Exception | None = None
         try:
-            with contextlib.suppress(Exception):  # aborts what runs, closes envs, cancels tasks
-                if "rollouts" in built:
-                    self.rollouts.close()
-            for name in ("log", "store"):
-                if name in built:
-                    built[name].close()
-            if built.get("rewards") is not None:
-                self.rewards.shutdown()
-            if "roles" in built:
-                self.roles.shutdown()
+            for name, stop in stops:
+                try:
+                    stop()
+                except Exception as failure:  # noqa: BLE001 - the next parts still stop
+                    if error is None and first is None and name != "rollouts":
+                        first = failure  # (raised below)
+                    else:
+                        _log.error("closing the run's %s failed", name, exc_info=failure)
         finally:
             self.checkpoints.close()
             self.run_lock.release()
+        if first is not None:
+            raise first
 
     # ================================================================== helpers
     def _balanced(self, batch: Batch) -> Batch:

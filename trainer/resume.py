@@ -19,8 +19,10 @@ lists every setting that differs first). Three rules make that true and safe:
    training the tiny model it built, ``{output_dir}/initial_policy``; a ``model.path`` at
    another model, told by :func:`model_identity`: architecture, sizes, vocabulary, tokenizer
    files; the same model moved to another folder resumes), LoRA on/off, its rank and targets,
-   and the number of inference engine ranks (whose sampling RNG states are saved one per
-   rank). A checkpoint without its ``config.json`` is refused: these checks need it.
+   the number of inference engine ranks (whose sampling RNG states are saved one per
+   rank), and a role whose state the run never saved: a critic (GAE after GRPO), or a KL term
+   added to a warm-started run (its anchor, the warm-started policy, was not kept). A
+   checkpoint without its ``config.json`` is refused: these checks need it.
 4. **A run continues only itself.** Each run has an id (``{output_dir}/run.json``, and every
    checkpoint's ``meta.json``); a checkpoint of another run is refused, and a fresh start into
    a checkpoint folder that holds checkpoints is refused (:func:`start_run`).
@@ -269,6 +271,7 @@ def resume_conflicts(
                     f"{path}: {_get(saved, path)!r} in the checkpoint, {_get(now, path)!r} now "
                     f"(the adapters' shapes differ); resume with {path}={_get(saved, path)!r}"
                 )
+    problems += _algorithm_conflicts(saved, now)
     if engine_ranks is not None and engine_ranks[0] != engine_ranks[1]:
         mapping = _get(saved, "roles.actor_infer.device_mapping")
         problems.append(
@@ -276,6 +279,39 @@ def resume_conflicts(
             f"inference rank(s){f' ({mapping})' if mapping is not None else ''}, this one has "
             f"{engine_ranks[1]}; each rank's sampling state is saved on its own, so resume with "
             "the saved device_mapping"
+        )
+    return problems
+
+
+def _algorithm_conflicts(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """A role ``now`` needs whose saved state the checkpoint cannot hold (rule 3): a critic (GAE)
+    the run did not train, and a KL term the run did not have after a warm start. A fresh run
+    anchors the KL to its warm-started policy (``Roles.adopt_warm_start``), which is saved only
+    when a KL term needs it; without it the resumed reference would be the untrained initial
+    policy. As in verl and ROLL, the reference is never silently another model than the one RL
+    started from. Settings saved by an older version (absent) are not refused."""
+    problems = []
+    estimator = _get(saved, "algorithm.advantage_estimator")
+    if (
+        estimator is not None
+        and estimator != "gae"
+        and _get(now, "algorithm.advantage_estimator") == "gae"
+    ):
+        problems.append(
+            f"algorithm.advantage_estimator: the run was saved with {estimator} (no critic: no "
+            "value model in the checkpoint), it is gae now; resume with "
+            f"algorithm.advantage_estimator={estimator}, or start a new run (another output_dir) "
+            "to train with a critic"
+        )
+    kl_then, kl_now = _get(saved, "algorithm.loss.kl_coef"), _get(now, "algorithm.loss.kl_coef")
+    warm_started = (_get(saved, "sft.epochs") or 0) > 0
+    if kl_then == 0 and (kl_now or 0) > 0 and warm_started and _get(now, "model.lora") is None:
+        problems.append(
+            f"algorithm.loss.kl_coef: the run was saved without a KL term, it is {kl_now} now; a "
+            f"KL term measures against the warm-started policy (sft.epochs="
+            f"{_get(saved, 'sft.epochs')}), which a run without one does not save, so the resumed "
+            "run would pull towards the untrained initial policy instead; resume with "
+            "algorithm.loss.kl_coef=0, or start a new run (another output_dir) with the KL term"
         )
     return problems
 

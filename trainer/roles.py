@@ -12,6 +12,7 @@ and the reference take their log-probs at ``rollout.temperature``, the one the e
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,9 @@ if TYPE_CHECKING:
     from trainer.workers.infer import InferCluster
     from trainer.workers.reference import ReferenceCluster
 
-__all__ = ["Roles", "prepare_policy", "start_roles"]
+__all__ = ["Roles", "prepare_policy", "start_roles", "stop_all"]
+
+_log = logging.getLogger(__name__)
 
 
 def prepare_policy(cfg: TrainerConfig) -> Path:
@@ -100,10 +103,28 @@ class Roles:
             self.reference.load_weights(self.actor.get_weights())
 
     def shutdown(self) -> None:
-        for cluster in self.clusters:
-            cluster.shutdown()
-        if self.resources is not None:
-            self.resources.shutdown()
+        """Stop every cluster, then release the placement groups (``stop_all``)."""
+        stop_all(self.clusters, self.resources)
+
+
+def stop_all(clusters: list[Any], resources: Any) -> None:
+    """Stop each of ``clusters``, then release ``resources`` (the placement groups), even when
+    one of them fails to stop: a failure must not leak the workers after it. The first failure
+    is raised once all ran (any later ones are logged)."""
+    failures: list[Exception] = []
+    try:
+        for cluster in clusters:
+            try:
+                cluster.shutdown()
+            except Exception as error:  # noqa: BLE001 - the next clusters still stop
+                if failures:
+                    _log.error("stopping %r failed too", cluster, exc_info=error)
+                failures.append(error)
+    finally:
+        if resources is not None:
+            resources.shutdown()
+    if failures:
+        raise failures[0]
 
 
 def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
@@ -176,11 +197,11 @@ def start_roles(cfg: TrainerConfig, model_path: Path) -> Roles:
             if "critic" in cfg.active_roles
             else None
         )
-    except BaseException:
-        for cluster in clusters:
-            cluster.shutdown()
-        if resources is not None:
-            resources.shutdown()
+    except BaseException as error:
+        try:
+            stop_all(clusters, resources)
+        except Exception:  # noqa: BLE001 - the build's error is the one to see
+            _log.exception("stopping the roles after a failed start failed (%s)", error)
         raise
     adapter_reference = cfg.model.lora is not None and cfg.algorithm.needs_reference
     return Roles(actor, infer, reference, critic, resources, clusters, adapter_reference)

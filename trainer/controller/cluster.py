@@ -343,7 +343,9 @@ class Cluster:
 
     def _stop_local(self) -> None:
         """End each rank's thread (waiting ``shutdown_timeout_s`` in all), then close the idle
-        workers; a rank still running is named and left to its daemon thread."""
+        workers; a rank still running is named and left to its daemon thread. A ``close`` that
+        fails (an engine already dead) is logged naming the rank, and the other ranks still close:
+        shutdown runs on the error path, where raising would leak them and hide the run's error."""
         deadline = time.monotonic() + self.shutdown_timeout_s
         for rank, (worker, thread) in enumerate(zip(self._workers, self._threads, strict=True)):
             running = thread.close(max(0.0, deadline - time.monotonic()))
@@ -356,8 +358,12 @@ class Cluster:
                 )
                 continue
             close = getattr(worker, "close", None)  # engines with threads and memory
-            if callable(close):
+            if not callable(close):
+                continue
+            try:
                 close()
+            except Exception:  # noqa: BLE001 - the other ranks still close
+                _log.exception("%s worker rank %d failed to close", self.role, rank)
 
     def __enter__(self) -> Self:
         return self

@@ -160,6 +160,15 @@ class WeightReceiver:
             expected_names=list(weights),
         )
 
+    def close_weight_receiver(self) -> None:
+        """Unmap the trainer's segments (the worker's ``close``). Their creator unlinks them, but
+        a mapping keeps a deleted segment's pages (a host copy of the model) and its file open
+        until this process exits: on the local backend, the driver, which may run more runs."""
+        if self._weight_segments is not None:
+            self._weight_segments.close()
+            self._weight_segments = None
+        self._weight_segments_used = frozenset()
+
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def weights_version(self) -> int | None:
         """The version this worker serves (0 before its first sync; None: half-updated)."""

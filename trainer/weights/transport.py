@@ -29,6 +29,7 @@ Versioning (``VersionedEngine``, ``confirm_versions``, ``PolicyVersion``) is in
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -177,15 +178,20 @@ class SegmentPool:
     across syncs, a segment's pages are faulted in once, not per sync; and since no segment is
     rewritten before the engine finished the whole update, the engine reads views of it with no
     copy of its own. The price: one copy of the model in host shared memory while the trainer lives.
-    ``close()`` unlinks what this process created and unmaps the rest.
+    ``close()`` unlinks what this process created and unmaps the rest; the interpreter's exit
+    closes a pool not closed before, and forgets a closed one (nothing then keeps it alive).
     """
 
     def __init__(self) -> None:
-        import atexit
-
         self.owned: list[Any] = []
         self.mapped: dict[str, tuple[Any, Any]] = {}  # name -> (SharedMemory, uint8 tensor over it)
-        atexit.register(self.close)
+        self._closed_at_exit = False
+
+    def _close_at_exit(self) -> None:
+        """Have the interpreter's exit close this pool (once it makes or maps a segment)."""
+        if not self._closed_at_exit:
+            atexit.register(self.close)
+            self._closed_at_exit = True
 
     def ensure(self, sizes: Sequence[int]) -> list[str]:
         """Segment names for buckets of ``sizes`` bytes (existing ones reused when big enough).
@@ -204,6 +210,7 @@ class SegmentPool:
             sum(max(sizes[index], 1) for index in new),
             f"{len(new)} of its {len(sizes)} buckets (one copy of the model's weights)",
         )
+        self._close_at_exit()
         for index in new:
             size = sizes[index]
             segment = create_segment(size)
@@ -224,6 +231,7 @@ class SegmentPool:
         import torch
 
         if name not in self.mapped:
+            self._close_at_exit()
             own = next((s for s in self.owned if s.name == name), None)
             try:
                 segment = own if own is not None else attach_segment(name)
@@ -273,6 +281,9 @@ class SegmentPool:
             except FileNotFoundError:
                 pass
         self.owned = []
+        if self._closed_at_exit:  # a registered close would keep the pool alive until exit
+            atexit.unregister(self.close)
+            self._closed_at_exit = False
 
 
 def pack_shared(

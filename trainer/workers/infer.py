@@ -161,10 +161,14 @@ class InferWorker(WeightReceiver, Worker):
         super().offload()
 
     def close(self) -> None:
-        """Release the engine (a vLLM engine's thread and KV cache) when the cluster shuts down."""
+        """Release the engine (a vLLM engine's thread and KV cache) when the cluster shuts down,
+        then the weight sync's shared memory (also when the engine fails to stop)."""
         shutdown = getattr(getattr(self.engine, "engine", self.engine), "shutdown", None)
-        if callable(shutdown):
-            shutdown()
+        try:
+            if callable(shutdown):
+                shutdown()
+        finally:
+            self.close_weight_receiver()
 
     def reload(self) -> None:
         self.engine.wake_up()
