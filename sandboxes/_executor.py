@@ -256,7 +256,8 @@ class WarmExecutor:
         """Make the sandbox fit for its next user without new namespaces: sweep every process but
         the zygote, its spawner (and a spare no run has seen), empty ``writable`` and SysV IPC,
         check that those places themselves (mode, owner, attributes) and ``/dev`` look as they
-        did at the start and that no internet socket is left in the network namespace, and
+        did at the start and that no socket is left in the network namespace (internet, or UNIX
+        held by no spared process: ``_sockets_left``), and
         ``verify()`` what was spared. False if anything is left or untrustworthy (a directory
         too big to empty, a traced zygote, a spawner that retired...): the caller then starts
         over in fresh namespaces.
@@ -288,8 +289,9 @@ class WarmExecutor:
                     return False
             finally:
                 os.close(root)
-            # /dev is read-only inside, but a tampered /dev/null must never reach the next user
-            if self._dev_listing() != self._dev or _host.inet_sockets(self._fd()):
+            # /dev is read-only inside, but a tampered /dev/null must never reach the next user;
+            # a socket left in the network namespace would (a name bound, memory in flight)
+            if self._dev_listing() != self._dev or self._sockets_left():
                 return False
         except OSError:  # the zygote is gone, or a path was replaced by a symlink
             return False
@@ -301,6 +303,13 @@ class WarmExecutor:
             self._prefork()
         self._python_ran = False
         return True
+
+    def _sockets_left(self) -> bool:
+        """Any internet socket in the namespace, or UNIX socket no spared process holds (one
+        in an SCM_RIGHTS cycle outlives its processes until the kernel collects it, at a time
+        nothing bounds): fresh namespaces then, where the next user sees none of them."""
+        fd = self._fd()
+        return bool(_host.inet_sockets(fd) or _host.unix_sockets_left(fd, self._cgroup.pids()))
 
     def _fd(self) -> int:
         if self._proc_fd is None:

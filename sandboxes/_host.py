@@ -29,7 +29,7 @@ import random
 import signal
 import stat
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from sandboxes.errors import SandboxError, SandboxFileError
@@ -548,3 +548,29 @@ def inet_sockets(proc_fd: int) -> int:
                 if key in ("inuse", "tw"):  # (orphan, alloc, mem: the host's, not its own)
                     count += int(value)
     return count
+
+
+def unix_sockets_left(proc_fd: int, holders: Iterable[int]) -> int:
+    """How many UNIX sockets the network namespace of the process whose ``/proc`` directory is
+    ``proc_fd`` lists (``net/unix``: the namespace's own table) that no process of ``holders``
+    has open: sockets held only by the kernel (a socket whose own fd is in flight in it, an
+    SCM_RIGHTS cycle, lives with its name bound and what else is in flight until the kernel's
+    unix garbage collector frees it, some time after its last process died), or by a process
+    that should not be there. 0 when the namespace is the host's own, as ``inet_sockets``."""
+    if os.readlink("ns/net", dir_fd=proc_fd) == os.readlink("/proc/self/ns/net"):
+        return 0
+    fd = os.open("net/unix", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd)
+    try:
+        text = b"".join(iter(functools.partial(os.read, fd, 1 << 16), b"")).decode()
+    finally:
+        os.close(fd)
+    # "Num RefCount Protocol Flags Type St Inode [Path]": the inode is what an fd links to
+    listed = {fields[6] for fields in map(str.split, text.splitlines()[1:]) if len(fields) > 6}
+    for pid in holders if listed else ():
+        with contextlib.suppress(OSError):  # (a process that is gone holds nothing)
+            for name in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    link = os.readlink(f"/proc/{pid}/fd/{name}")  # "socket:[INODE]"
+                    if link.startswith("socket:["):
+                        listed.discard(link[len("socket:[") : -1])
+    return len(listed)

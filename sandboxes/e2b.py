@@ -26,6 +26,12 @@ What protects you, and who enforces it:
 - **Orphans**: killing a timed-out command signals its process only; what a run leaves
   behind (background processes) lives on while the same caller keeps the sandbox, until
   ``reset()`` or ``stop()`` kills the VM.
+- **stdin**: written to a file of an unguessable name in scratch, which the command opens as
+  its stdin and deletes before the program starts: it is in no command line and not left in
+  scratch (``test_checker_secrets.py::test_e2b_stdin_leaves_no_file_and_no_command_line_behind``).
+  A process left running in the VM (an orphan, a session's) that watches scratch can still read
+  it in that moment, and the template's user may have sudo: inside one VM nothing is private
+  from another process of that VM.
 - **Reuse by the next user** (``reset()``, which :class:`~sandboxes.SandboxPool` calls
   between users): the VM is killed and a new one created from the template, so no process,
   file (``/home/user``, ``/tmp``, ``/var/tmp``, ``/dev/shm``, unreadable dirs included) or
@@ -61,6 +67,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import secrets
 import shlex
 import time
 from typing import Any
@@ -161,6 +168,10 @@ class E2BSandbox(Sandbox):
     NOT_PROTECTED = (
         "memory, processes and disk: bounded only by the template's VM size, not by Limits",
         "orphans between the runs of one user: they live until reset() or stop()",
+        (
+            "stdin travels as a file in scratch (a random name, deleted before the program "
+            "starts): a process left running in the VM can read it in that moment"
+        ),
         "the live E2B path is untested here (no route to E2B); tests use a local fake",
     )
 
@@ -192,7 +203,6 @@ class E2BSandbox(Sandbox):
         """``_now()`` by which E2B will have killed the VM unless extended."""
         self._pristine = True
         """Nothing was done in the VM since it was created: replacing it loses nothing."""
-        self._stdin_count = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def _start(self) -> None:
@@ -292,11 +302,16 @@ class E2BSandbox(Sandbox):
 
     # ---- exec ------------------------------------------------------------------------------
     def _shell_command(self, argv: list[str], stdin_path: str | None) -> str:
+        """The shell line that runs ``argv`` with the limits; ``stdin_path`` is opened as its
+        stdin and deleted before ``argv`` starts (a check's script, say, is not left in scratch
+        for the sandbox's other processes to read)."""
         lim = self.limits
         cpu = max(1, math.ceil(lim.cpu_time_s))
         ulimits = f"ulimit -t {cpu} -f {lim.max_file_size_mb * 2048} 2>/dev/null; "
-        redirect = f" < {shlex.quote(stdin_path)}" if stdin_path else " < /dev/null"
-        return ulimits + "exec " + shlex.join(argv) + redirect
+        if stdin_path is None:
+            return ulimits + "exec " + shlex.join(argv) + " < /dev/null"
+        path = shlex.quote(stdin_path)
+        return ulimits + f"exec 0< {path} && rm -f -- {path} && exec " + shlex.join(argv)
 
     def _exec(
         self, argv: list[str], *, timeout: float, stdin: bytes | None, env: dict[str, str]
@@ -305,9 +320,8 @@ class E2BSandbox(Sandbox):
 
         remote = self._use(timeout)
         stdin_path = None
-        if stdin is not None:
-            self._stdin_count += 1
-            stdin_path = f"{self.workdir}/.envhub/stdin-{self._stdin_count}"
+        if stdin is not None:  # an unguessable name: nothing can be planted there beforehand
+            stdin_path = f"{self.workdir}/.envhub/stdin-{secrets.token_hex(16)}"
             try:
                 remote.files.write(stdin_path, stdin, user=self.user)
             except Exception as e:

@@ -92,9 +92,12 @@ Python taking the zygote's in-process path (``local-fork``).
   adv::test_a_run_cannot_lower_the_limits_or_cpu_share_of_the_next_user,
   zyg::test_reset_replaces_a_spawner_it_cannot_verify)
 - **Kernel objects across ``reset()``**: POSIX message queues (a private ``/dev/mqueue``),
-  ``/dev/shm`` and ``/tmp`` are emptied, or the namespaces are new; SysV IPC is denied.
-  (reuse::test_ipc_objects_do_not_reach_the_next_user,
-  reuse::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user)
+  ``/dev/shm`` and ``/tmp`` are emptied, or the namespaces are new; SysV IPC is denied. A
+  socket left in the network namespace (a TCP connection in TIME_WAIT, a UNIX socket that only
+  the kernel holds, its name bound, in an SCM_RIGHTS cycle) means new namespaces, where the next
+  user sees none of it. (reuse::test_ipc_objects_do_not_reach_the_next_user,
+  reuse::test_files_in_dev_shm_and_tmp_do_not_reach_the_next_user,
+  ``test_reuse_unix_sockets.py``::test_unix_sockets_held_only_by_the_kernel_do_not_reach_the_next_user)
 - **Keyrings**: ``add_key``/``keyctl``/``request_key`` are denied by seccomp, and ``unshare``
   mode joins a fresh session keyring, so neither the host's session keyring nor a key left on
   the leased uid is reachable. (adv::test_the_host_session_keyring_is_out_of_reach,
@@ -122,7 +125,12 @@ the memory cap is RLIMIT_AS per process, the process cap RLIMIT_NPROC on the pri
 (``protections`` says so). With ``warm_exec``, Python runs forked from one zygote share its
 ``str`` hash seed and address-space layout (a run can learn both; they say nothing about
 another run's data), see the pre-imported modules in ``sys.modules``, and differ from a fresh
-``python3 -I`` in interpreter teardown past what ``_zygote._run_python`` reproduces.
+``python3 -I`` in interpreter teardown past what ``_zygote._run_python`` reproduces. Memory a
+run leaves in flight in a UNIX socket cycle (a memfd sent over a socket that holds itself) is
+charged to the sandbox until the kernel's unix garbage collector frees it: the reset that finds
+the cycle starts fresh namespaces, and the old ones' closing sockets schedule the collector,
+which in practice runs before the new zygote is up, but nothing waits for it (the kernel offers
+no way to await it short of polling).
 ``protections`` lists what is active on this host.
 """
 

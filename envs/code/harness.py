@@ -15,7 +15,10 @@ interpreter start-up).
 runs in a process of its own that never sees the tests or the report channel, and the tests
 run in a judge process that only exchanges plain values with it (see that module).
 ``runner_files(RUNNER)`` is what a run writes: a small loader, the runner compiled here, and its
-source for a sandbox whose Python reads other bytecode.
+source for a sandbox whose Python reads other bytecode. The loader runs in the directory it is
+in, so the env writes each run's files (these and ``solution.py``) to a fresh directory of an
+unguessable name: nothing an earlier run's code planted (a directory, FIFO or symlink at one of
+these names) is in the way of the next.
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ def split_tests(tests: str | list[str], entry_point: str) -> tuple[str, list[str
 RUNNER = (Path(__file__).parent / "runner.py").read_text(encoding="utf-8")
 """The source of ``envs.code.runner``."""
 
-_LOADER = """import marshal, sys
+_LOADER = """import marshal, os, sys
+os.chdir(os.path.dirname(os.path.abspath(__file__)))  # the run's own directory: its files
 if sys.implementation.cache_tag == {tag!r}:
     with open("runner.bin", "rb") as compiled:
         code = marshal.loads(compiled.read())
@@ -100,9 +104,10 @@ exec(code, {{"__name__": "__main__", "__builtins__": __builtins__}})
 
 @functools.cache
 def runner_files(source: str) -> dict[str, bytes]:
-    """The files that run ``source`` as ``python3 -I runner.py`` in a sandbox: a loader, the
-    source compiled here (a sandbox whose Python has this one's bytecode runs it without
-    compiling it: that costs every run several milliseconds) and the source (for any other)."""
+    """The files that run ``source`` as ``python3 -I DIR/runner.py`` in a sandbox (in ``DIR``,
+    where they are written, whatever the cwd): a loader, the source compiled here (a sandbox
+    whose Python has this one's bytecode runs it without compiling it: that costs every run
+    several milliseconds) and the source (for any other)."""
     return {
         "runner.py": _LOADER.format(tag=sys.implementation.cache_tag).encode(),
         "runner.bin": marshal.dumps(compile(source, "runner.py", "exec", dont_inherit=True)),

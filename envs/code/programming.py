@@ -9,7 +9,11 @@ process. Inside it the code runs in a process of its own that never holds the te
 process runs the tests and calls the code's function, exchanging only plain values with it
 (``envs/code/runner.py``): the code cannot patch the runner, forge its report, read the tests,
 return an object that decides its own equality, or replace what the tests call.
-The sandbox is reset (scratch, ``/tmp`` emptied) at every episode's start.
+The sandbox is reset (scratch, ``/tmp`` emptied) at every episode's start. Each test run
+writes the runner and the code to a fresh directory of an unguessable name (the code's cwd), so
+what one attempt's code leaves in scratch is never in the way of the next; what still stops a
+run from being set up (a scratch the code filled) is that code's failure, scored 0 with the
+reason, never an env error (which a trainer would replay unscored: a free re-roll).
 
 Feedback: the model may revise up to ``max_revisions`` times, and the reply to an attempt
 says how many tests passed and what went wrong *in its code*, never what a test expected:
@@ -221,11 +225,25 @@ class ProgrammingEnv(TextEnv):
             "output_cap": 2_000,
             "traceback_chars": 600,
         }
-        result = self.sandbox().run(  # the tests travel on stdin: no file the code could read
-            ["python3", "-I", "runner.py"],
-            stdin=token + "\n" + json.dumps(spec) + "\n",
-            files={**runner_files(RUNNER), "solution.py": code.encode(errors="replace")},
-        )
+        from sandboxes import SandboxFileError
+
+        sandbox = self.sandbox()
+        # a fresh directory no earlier code can have planted anything in (see harness)
+        run_dir = f".run-{secrets.token_hex(16)}"
+        files = {**runner_files(RUNNER), "solution.py": code.encode(errors="replace")}
+        try:
+            result = sandbox.run(  # the tests travel on stdin: no file the code could read
+                ["python3", "-I", f"{sandbox.workdir}/{run_dir}/runner.py"],
+                stdin=token + "\n" + json.dumps(spec) + "\n",
+                files={f"{run_dir}/{name}": data for name, data in files.items()},
+            )
+        except SandboxFileError as e:  # the code's doing (a full scratch): its failure, not ours
+            why = (
+                f"the test runner could not be set up ({e}): code submitted in this episode "
+                "filled or broke the sandbox's working directory, which lasts until the "
+                "episode ends"
+            )
+            return {"solution_error": why, "results": [], "output": ""}
         for line in reversed(result.stdout.splitlines()):
             if line.startswith(token + " "):
                 return self._checked(line[len(token) + 1 :])

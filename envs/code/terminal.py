@@ -8,7 +8,9 @@ The model sends one command (or a short script) per turn — in a ```bash block,
 ``<answer>...</answer>``, or bare — and sees its output (truncated) and exit code. After
 every command the task's checker script runs in the same sandbox; when it passes the
 episode ends with reward 1. A command that runs too long is killed (``command_timeout_s``)
-and reported; the shell stays usable.
+and reported; the shell stays usable. The checker gets its script on stdin, so the expected
+values are in no process's command line, environment or open file that the agent's session
+could read (``terminal_tasks`` says what that covers).
 
 Built-in tasks (``terminal_tasks``): counting log errors, summing a CSV column, renaming
 files, fixing a failing script, editing a config, deduplicating, extracting from JSON,
@@ -32,6 +34,15 @@ __all__ = ["TerminalEnv", "extract_command"]
 
 _FENCE = re.compile(r"```(?:bash|sh|shell|console)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL | re.IGNORECASE)
+
+_CHECK_FROM_STDIN = 'IFS= read -r -d "" _envhub_check; exec 0</dev/null; eval "$_envhub_check"'
+"""The checker's whole command line: read the check script from stdin with a builtin (no
+child process holds it), swap stdin for ``/dev/null``, run the script. ``/proc/PID/cmdline``
+is readable by every process of a PID namespace (the docker backend's session shares the
+checker's), so the expected values must not be in it; and with stdin empty and closed, a
+program the check runs (the agent's, in ``fix-script``) cannot read the rest of the script from
+it, nor reopen it through ``/proc/PID/fd/0``. The variable is not exported: no environment
+holds it either."""
 
 
 def extract_command(text: str) -> str:
@@ -120,8 +131,12 @@ class TerminalEnv(TextEnv):
         return self._sandbox
 
     def _checked(self) -> bool:
+        """Whether the task's check passes now; its script (which holds the expected values)
+        travels on stdin, never in a command line (see ``_CHECK_FROM_STDIN``)."""
         result = self._sandbox.run(
-            ["bash", "-c", self.task["check"]], timeout=self.command_timeout_s
+            ["bash", "-c", _CHECK_FROM_STDIN],
+            stdin=self.task["check"],
+            timeout=self.command_timeout_s,
         )
         return result.exit_code == 0 and not result.timed_out
 

@@ -24,9 +24,18 @@ attacks each):
   environment, not in the session, so its aliases, functions, ``PATH`` and rc files do not
   reach them; the system directories on ``PATH`` are read-only.
 
-Not covered: a checker's expected values are in its command line, which processes inside the
-sandbox could read if they ran beside it (the local backend runs checkers apart from the
-session's processes).
+- **Reading the expected values.** A checker's script reaches its sandbox on stdin, is read
+  into the checker shell's memory and stdin is then ``/dev/null`` (``terminal.py``,
+  ``_CHECK_FROM_STDIN``): it is in no command line, environment or open file, so a watcher the
+  agent leaves in its session finds nothing in ``/proc``; nor could it read the checker's
+  memory: the local backend runs the session in a PID namespace of its own, docker runs it as
+  another uid (``tests/sandboxes/test_checker_secrets.py``).
+
+Not covered: a program the check itself runs (``fix-script`` runs the agent's ``fix.py``) has
+the checker's uid and could read the checker shell's memory through ``/proc/PPID/mem``, so a
+check that runs the agent's code must not hold a secret it compares against: compute the
+expected value after the program ran, as ``fix-script`` does. On e2b, a process of the VM
+(any the agent left running, with the template's sudo) can read anything in it.
 """
 
 from __future__ import annotations

@@ -1,0 +1,95 @@
+"""UNIX sockets one user of a warm local sandbox leaves in the kernel do not reach the next.
+
+A socket whose own fd is in flight inside itself (SCM_RIGHTS) outlives every process of the
+run: only the kernel's unix garbage collector frees it, some time later. Until then it keeps
+its abstract name bound (a channel to the next user, and a name the next user cannot bind)
+and whatever else is in flight with it (a memfd's memory, charged to the sandbox). So the
+reset between users must not hand over the network namespace that lists it.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+
+from sandboxes import Limits
+from sandboxes.local import LocalSandbox
+from tests.sandboxes.conftest import _local_skip_reason
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or bool(_local_skip_reason("bwrap")),
+    reason="the warm executor needs root (cgroups) and bubblewrap",
+)
+
+LEAVE = """
+import array, os, socket
+
+def in_flight(sock, *fds, to=None):
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [sock.fileno(), *fds]))]
+    sock.sendmsg([b"x"], rights, 0, *([to] if to else []))
+
+stream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+stream.bind("\\0userA-stream"); stream.listen()
+client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM); client.connect("\\0userA-stream")
+peer, _ = stream.accept()
+in_flight(client, stream.fileno(), peer.fileno())
+in_flight(peer, stream.fileno(), client.fileno())
+dgram = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+dgram.bind("\\0userA-dgram")
+in_flight(dgram, to="\\0userA-dgram")
+pinned = os.memfd_create("pinned")
+os.write(pinned, b"x" * 4096)
+left, right = socket.socketpair()  # no name at all: memory in flight
+in_flight(left, right.fileno(), pinned)
+in_flight(right, left.fileno())
+sockets = (stream, client, peer, dgram, left, right)
+print(" ".join(str(os.fstat(s.fileno()).st_ino) for s in sockets))
+"""
+LOOK = """
+import json, socket, sys
+listed = open("/proc/net/unix").read().splitlines()[1:]  # first: before any socket of ours
+inodes = {line.split()[6] for line in listed}
+bound = []
+for name, kind in (("userA-stream", socket.SOCK_STREAM), ("userA-dgram", socket.SOCK_DGRAM)):
+    with socket.socket(socket.AF_UNIX, kind) as probe:
+        try:
+            probe.bind("\\0" + name)
+        except OSError:
+            bound.append(name)
+left = sorted(inodes & set(sys.argv[1:]))
+print(json.dumps({"listed": left, "names": [l for l in listed if "@userA" in l], "bound": bound}))
+"""
+
+
+def py(sb: LocalSandbox, code: str, *args: str):
+    return sb.run(["python3", "-I", "-c", textwrap.dedent(code), *args])
+
+
+def test_unix_sockets_held_only_by_the_kernel_do_not_reach_the_next_user():
+    with LocalSandbox(limits=Limits(wall_time_s=20), warm_exec=True) as sandbox:
+        left = py(sandbox, LEAVE)
+        assert left.ok, left
+        sandbox.reset()
+        look = py(sandbox, LOOK, *left.stdout.split())
+        assert look.ok, look
+        assert look.stdout.strip() == '{"listed": [], "names": [], "bound": []}', look.stdout
+
+
+def test_a_reset_after_ordinary_socket_use_keeps_the_zygote():
+    """The check costs a restart only when something is left: sockets a run closed are gone,
+    and the zygote's own (the spare child's socketpair) are not the run's."""
+    use = """
+    import socket
+    a, b = socket.socketpair(); a.send(b"x"); b.recv(1); a.close(); b.close()
+    s = socket.socket(socket.AF_UNIX); s.bind("\\0closed-before-the-end"); s.close()
+    print("ok")
+    """
+    with LocalSandbox(limits=Limits(wall_time_s=20), warm_exec=True) as sandbox:
+        assert py(sandbox, use).stdout == "ok\n"
+        assert sandbox._executor is not None
+        zygote = sandbox._executor.host_pid
+        sandbox.reset()
+        assert py(sandbox, "print('next')").stdout == "next\n"
+        assert sandbox._executor.host_pid == zygote, "a clean run must not cost a restart"
