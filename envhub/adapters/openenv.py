@@ -18,6 +18,15 @@ with the schema as feedback). The observation becomes text: its ``messages`` if 
 chat messages, else ``observation_field``, else its only string field, else its JSON. The
 server's reward (``None`` is 0) and ``done`` (terminated) pass through.
 
+``messages``, new or history: some servers send only the new messages each step, others
+(OpenEnv's own chat_env) the whole conversation so far. A step returns what is new either way
+(``TextEnv`` guarantee 2: the transcript holds each message once): when a step's ``messages``
+extends the list the server sent last (is longer and starts with all of it), it is a
+history, and the step returns what
+follows the last ``assistant`` message in the added part (the server's echo of the agent's
+own turn is in the transcript already); any other list is taken as new messages. A reset
+returns its ``messages`` whole.
+
 Success: OpenEnv's protocol has no success signal (a step answers observation, reward and
 done; ``serialize_observation`` strips the env's metadata), so an episode is a success when
 it ends with a reward of at least ``success_threshold``: 1.0 by default, a full reward, as
@@ -112,6 +121,8 @@ class OpenEnvEnv(TextEnv):
         self._server: LocalServer | None = None
         self._client: Any = None
         self._schema: dict[str, Any] = {}
+        self._sent: list[Message] = []
+        """The ``messages`` the server sent last (to tell a history from new messages)."""
 
     # ----------------------------------------------------------------- TextEnv
     def on_reset(self, options: dict[str, Any]) -> tuple[str | list[Message], dict[str, Any]]:
@@ -124,7 +135,8 @@ class OpenEnvEnv(TextEnv):
                 raise
             # the server closed the session since the last episode: once more, on a new one
             result = self._reset(seed)
-        return self._render(result.observation), {"openenv": self.app or _redacted(self._url())}
+        observation = self._render(result.observation, reset=True)
+        return observation, {"openenv": self.app or _redacted(self._url())}
 
     def on_step(self, action: str) -> Turn:
         try:
@@ -143,7 +155,7 @@ class OpenEnvEnv(TextEnv):
         reward = 0.0 if result.reward is None else float(result.reward)
         done = result.done
         return Turn(
-            self._render(result.observation),
+            self._render(result.observation, reset=False),
             reward=reward,
             terminated=done,
             success=done and reward >= self.success_threshold,
@@ -270,20 +282,36 @@ class OpenEnvEnv(TextEnv):
             )
         return payload
 
-    def _render(self, observation: dict[str, Any]) -> str | list[Message]:
+    def _render(self, observation: dict[str, Any], *, reset: bool) -> str | list[Message]:
+        """The observation as this turn's new messages or text (module docstring)."""
         messages = observation.get("messages")
+        previous, self._sent = self._sent, []
         if (
             isinstance(messages, list)
             and messages
             and all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
         ):
-            return [{"role": str(m.get("role", "user")), "content": m["content"]} for m in messages]
+            sent: list[Message] = [
+                {"role": str(m.get("role", "user")), "content": m["content"]} for m in messages
+            ]
+            self._sent = sent
+            return sent if reset else _new_messages(previous, sent)
         if self.observation_field is not None:
             return str(observation.get(self.observation_field, ""))
         strings = [value for value in observation.values() if isinstance(value, str)]
         if len(strings) == 1:
             return strings[0] or "(empty)"
         return json.dumps(observation, sort_keys=True, default=str)
+
+
+def _new_messages(previous: list[Message], sent: list[Message]) -> list[Message]:
+    """What ``sent`` adds to the conversation: all of it, unless it extends ``previous`` (a
+    history), then what follows the last ``assistant`` message of the part it adds."""
+    if not previous or len(sent) <= len(previous) or sent[: len(previous)] != previous:
+        return sent
+    added = sent[len(previous) :]
+    last = max((i for i, m in enumerate(added) if m["role"] == "assistant"), default=-1)
+    return added[last + 1 :]
 
 
 def _answer_problem(result: Any) -> str:

@@ -20,9 +20,13 @@
 ``"http://host:port/v1"`` (any ``http(s)`` URL)
     A model behind an OpenAI-compatible endpoint, played through ``envhub.model_agent``
     (``opponent_model=`` picks the model when the server has several). It sees its own
-    conversation (the game's messages to it and its earlier moves). A request that fails after
-    the client's retries raises ``SourceError``: the episode fails, and a pool reports it as a
-    failed episode. Not deterministic unless the server samples greedily with a seed.
+    conversation (the game's messages to it and its earlier moves). Each request waits at most
+    ``timeout_s`` and is tried ``retries`` more times (``OPPONENT_TIMEOUT_S`` and
+    ``OPPONENT_RETRIES`` by default: 12 s x 2 tries, under the step timeout of an ``EnvPool``'s
+    and a hub's defaults, 30 s and 60 s, so a hung server fails as itself rather than as a
+    killed worker). A request that fails after its retries raises ``SourceError`` ("the
+    opponent model at URL failed"): the episode fails, and a pool reports it as a failed
+    episode. Not deterministic unless the server samples greedily with a seed.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from envhub.errors import SourceConfigError, SourceError
 from envhub.registry import import_target
 
 __all__ = [
+    "OPPONENT_RETRIES",
+    "OPPONENT_TIMEOUT_S",
     "ModelOpponent",
     "Opponent",
     "RandomOpponent",
@@ -57,6 +63,10 @@ _FILES = re.compile(r"^\s*a(?:\s+[b-z])+\s*$", re.MULTILINE)  # a board's file a
 _RANKS = re.compile(r"^\s*(\d{1,2})\s*\|", re.MULTILINE)  # a board row's label: "5 |"
 MAX_SHAPED = 4_000
 """Most moves ``shaped_moves`` returns (more are sampled, not enumerated)."""
+OPPONENT_TIMEOUT_S = 12.0
+"""How long one request to a model opponent waits by default."""
+OPPONENT_RETRIES = 1
+"""How many more times a failed request to a model opponent is tried by default."""
 
 
 class Opponent(Protocol):
@@ -157,13 +167,24 @@ class ScriptedOpponent:
 class ModelOpponent:
     """A model served behind an OpenAI-compatible URL, with its own conversation."""
 
-    def __init__(self, url: str, model: str | None, api_key: str, max_tokens: int = 256) -> None:
+    def __init__(
+        self,
+        url: str,
+        model: str | None,
+        api_key: str,
+        max_tokens: int = 256,
+        *,
+        timeout_s: float = OPPONENT_TIMEOUT_S,
+        retries: int = OPPONENT_RETRIES,
+    ) -> None:
         import openai
 
         from envhub.model_agent import ModelAgent, resolve_model
 
-        client = openai.OpenAI(base_url=url, api_key=api_key, max_retries=2, timeout=60.0)
-        self.url = url
+        client = openai.OpenAI(
+            base_url=url, api_key=api_key, max_retries=retries, timeout=timeout_s
+        )
+        self.url, self.timeout_s, self.retries = url, timeout_s, retries
         self.agent = ModelAgent(client, resolve_model(client, model), max_tokens=max_tokens)
         self.messages: list[dict[str, Any]] = []
 
@@ -178,19 +199,29 @@ class ModelOpponent:
             turn = self.agent.act(None, self.messages, None)
         except AgentError as error:
             raise SourceError(
-                f"the opponent model at {self.url} failed ({error.reason}: {error.detail}); "
-                "the episode cannot go on"
+                f"the opponent model at {self.url} failed ({error.reason}: {error.detail}) in "
+                f"{self.retries + 1} tries of up to opponent_timeout_s={self.timeout_s:g} s; the "
+                "episode cannot go on (for a slow server, raise opponent_timeout_s or "
+                "opponent_retries, and a pool's step timeout to cover them)"
             ) from error
         self.messages.append(turn.message)
         return turn.action
 
 
-def make_opponent(spec: Any, *, model: str | None = None, api_key: str = "EMPTY") -> Opponent:
-    """The ``Opponent`` for an ``opponent=`` argument (see the module docstring)."""
+def make_opponent(
+    spec: Any,
+    *,
+    model: str | None = None,
+    api_key: str = "EMPTY",
+    timeout_s: float = OPPONENT_TIMEOUT_S,
+    retries: int = OPPONENT_RETRIES,
+) -> Opponent:
+    """The ``Opponent`` for an ``opponent=`` argument (see the module docstring); ``timeout_s``
+    and ``retries`` bound a model opponent's requests."""
     if spec == "random":
         return RandomOpponent()
     if isinstance(spec, str) and spec.startswith(("http://", "https://")):
-        return ModelOpponent(spec, model, api_key)
+        return ModelOpponent(spec, model, api_key, timeout_s=timeout_s, retries=retries)
     if isinstance(spec, str) and ":" in spec:
         try:
             target = import_target(spec)

@@ -58,6 +58,8 @@ import numpy as np
 from envhub.adapters import did_you_mean, require
 from envhub.adapters.catalog import register_source
 from envhub.adapters.opponents import (
+    OPPONENT_RETRIES,
+    OPPONENT_TIMEOUT_S,
     Opponent,
     RandomOpponent,
     listed_moves,
@@ -107,7 +109,16 @@ def envhub_id(game: str) -> str | None:
 
 
 class TextArenaEnv(TextEnv):
-    """One TextArena game, with the opponent seat played for the agent (module docstring)."""
+    """One TextArena game, with the opponent seat played for the agent (module docstring).
+
+    A model opponent (``opponent="http://host:port/v1"``, ``opponent_model=``,
+    ``opponent_api_key=``) waits at most ``opponent_timeout_s`` per request, tried
+    ``opponent_retries`` more times; then the step fails as "the opponent model failed"
+    (``SourceError``). A pool or hub kills a worker whose step outlasts its step timeout, so
+    serve such a game with a ``--step-timeout`` (an ``EnvPool``'s ``step_timeout_s``) above
+    ``opponent_timeout_s x (opponent_retries + 1)`` plus the game's own time; the defaults
+    (12 s x 2) fit under an ``EnvPool``'s 30 s and a hub's 60 s.
+    """
 
     def __init__(
         self,
@@ -117,6 +128,8 @@ class TextArenaEnv(TextEnv):
         opponent: Any = "random",
         opponent_model: str | None = None,
         opponent_api_key: str = "EMPTY",
+        opponent_timeout_s: float = OPPONENT_TIMEOUT_S,
+        opponent_retries: int = OPPONENT_RETRIES,
         agent_player: int | Literal["random"] = 0,
         game_kwargs: dict[str, Any] | None = None,
         invalid_action_penalty: float = 0.0,
@@ -140,6 +153,23 @@ class TextArenaEnv(TextEnv):
             )
         if players not in (1, 2):
             raise SourceConfigError(f"players must be 1 or 2, got {players!r}")
+        if (
+            isinstance(opponent_timeout_s, bool)
+            or not isinstance(opponent_timeout_s, int | float)
+            or not 0 < opponent_timeout_s < float("inf")
+        ):
+            raise SourceConfigError(
+                f"opponent_timeout_s must be a positive number of seconds, got "
+                f"{opponent_timeout_s!r}"
+            )
+        if isinstance(opponent_retries, bool) or not isinstance(opponent_retries, int):
+            raise SourceConfigError(
+                f"opponent_retries must be an int >= 0, got {opponent_retries!r}"
+            )
+        if opponent_retries < 0:
+            raise SourceConfigError(
+                f"opponent_retries must be an int >= 0, got {opponent_retries!r}"
+            )
         if agent_player not in (0, 1, "random") or (players == 1 and agent_player not in (0,)):
             raise SourceConfigError(
                 f"agent_player must be 0, 1 or 'random' (0 in a 1-player game), got "
@@ -148,6 +178,7 @@ class TextArenaEnv(TextEnv):
         self.game, self.players = game, players
         self.opponent_spec = opponent
         self.opponent_model, self.opponent_api_key = opponent_model, opponent_api_key
+        self.opponent_timeout_s, self.opponent_retries = float(opponent_timeout_s), opponent_retries
         self.agent_player = agent_player
         self.game_kwargs = dict(game_kwargs or {})
         self.invalid_action_penalty = invalid_action_penalty
@@ -160,7 +191,7 @@ class TextArenaEnv(TextEnv):
         self._board = ""  # the game's latest message to the opponent
         self._build()  # a bad game_kwargs fails here, not at the first reset
         if players == 2:
-            self._opponent = make_opponent(opponent, model=opponent_model, api_key=opponent_api_key)
+            self._opponent = self._make_opponent()
 
     # ----------------------------------------------------------------- TextEnv
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -171,9 +202,7 @@ class TextArenaEnv(TextEnv):
         else:
             self._me = int(self.agent_player)
         if self.players == 2 and self._opponent is None:
-            self._opponent = make_opponent(
-                self.opponent_spec, model=self.opponent_model, api_key=self.opponent_api_key
-            )
+            self._opponent = self._make_opponent()
         for _ in range(_REDEALS):  # a game the opponent loses before the agent moves is re-dealt
             if self._opponent is not None:
                 self._opponent.reset()
@@ -285,6 +314,15 @@ class TextArenaEnv(TextEnv):
                 f"{' '.join(line.strip() for line in first)}); games that download NLTK corpora "
                 "or call a hosted model need network access"
             ) from error
+
+    def _make_opponent(self) -> Opponent:
+        return make_opponent(
+            self.opponent_spec,
+            model=self.opponent_model,
+            api_key=self.opponent_api_key,
+            timeout_s=self.opponent_timeout_s,
+            retries=self.opponent_retries,
+        )
 
     def _play_opponent(self) -> None:
         """Let the opponent move until it is the agent's turn or the game is over."""

@@ -5,7 +5,7 @@
         ├── HubConfigError     a server setting is invalid (names the flag and the fix)
         ├── SessionLimitError  a global or per-client session limit is reached
         └── RemoteError        the hub answered a client request with an error code
-            └── SessionLostError  the session could not be resumed within the grace period
+            └── SessionLostError  the session is gone (not resumable, reaped, hub shut down)
 
 ``RemoteEnv`` raises the foundation's ``ResetNeededError``/``EpisodeOverError`` for
 ``reset_needed``/``episode_over``, so remote and local envs fail the same way.
@@ -44,4 +44,7 @@ class RemoteError(HubError, RuntimeError):
 
 
 class SessionLostError(RemoteError):
-    """The connection dropped and the session could not be resumed in time."""
+    """The session is gone: it could not be resumed after a dropped connection (in time, or
+    the hub no longer has it), or the hub closed it (``idle_timeout``, ``draining``); ``code``
+    says which. ``RemoteEnv.reset()`` opens a new session where the hub no longer has this
+    one."""

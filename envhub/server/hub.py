@@ -86,16 +86,20 @@ class Hub:
         self._reaper = asyncio.get_running_loop().create_task(self._reap_forever())
 
     async def stop(self) -> None:
-        """Close every session and pool (after a drain, or at once)."""
+        """Close every session and pool (after a drain, or at once). The sessions' envs are
+        closed in the background (``SessionManager.discard``): their workers get the closes
+        before they are stopped, and nothing waits behind a busy worker's queue."""
         if self._reaper is not None:
             self._reaper.cancel()
         for session in list(self.sessions.sessions.values()):
             if session.conn is not None:
                 session.conn.kick(1001, _going_away())
-            await self.sessions.close(session, "shutdown")
+            self.sessions.discard(session, "shutdown")
         await asyncio.gather(
             *(pool.aclose() for pool in self.pools.values()), return_exceptions=True
         )
+        # the workers are stopped: every close left has its answer (or never will)
+        await self.sessions.wait_closed(timeout_s=1.0)
 
     async def _reap_forever(self) -> None:
         while True:
@@ -183,7 +187,7 @@ class Hub:
                 if not session.running and not session.busy_seq:
                     if session.conn is not None:
                         session.conn.kick(1001, notice)
-                    await self.sessions.close(session, "drained")
+                    self.sessions.discard(session, "drained")
             if not self.sessions.sessions or loop.time() >= deadline:
                 break
             await asyncio.sleep(0.05)

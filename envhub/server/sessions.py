@@ -8,7 +8,10 @@ request still running when the socket dropped is awaited, not repeated.
 
 ``SessionManager`` enforces the global and per-client limits and reaps sessions that are
 idle (connected, running no request, silent for ``idle_timeout_s`` since its last answer) or
-abandoned (detached past ``grace_s``).
+abandoned (detached past ``grace_s``). A reaped (or drained, or shut down) session is gone at
+once, its slot and per-client count freed; its env is closed in the background
+(``discard``), because a worker answers in order and the close would wait behind every step
+queued on that worker, stalling the reaper for every session on the hub.
 A session holds at most one episode, and a one-shot HTTP rollout counts as a session of
 its client while it runs (``hold``/``release``), so one client's episodes, over both
 surfaces, stay within ``max_sessions_per_client``.
@@ -40,7 +43,9 @@ class Connection(Protocol):
     """What the manager needs from the socket a session is attached to."""
 
     def kick(self, code: int, reply: str) -> None:
-        """Send ``reply`` and close the socket with ``code`` (from any task)."""
+        """Send ``reply`` and close the socket with ``code`` (from any task); the close frame's
+        reason is ``reply``'s message, so a client that never reads ``reply`` still learns
+        why."""
         ...
 
     def notify(self, reply: str) -> None:
@@ -159,6 +164,8 @@ class SessionManager:
         self.sessions: dict[str, Session] = {}
         self.per_client: dict[str, int] = {}
         self.on_close = on_close
+        self._closing: set[asyncio.Task[None]] = set()
+        """Env closes running in the background (``discard``)."""
 
     def open(self, env_id: str, client: str, pool: Any) -> Session:
         """A new session; ``SessionLimitError`` when a limit is reached."""
@@ -223,20 +230,43 @@ class SessionManager:
         session.detached_at = time.monotonic()
 
     async def close(self, session: Session, reason: str) -> None:
-        """Close the session and free its episode. Idempotent."""
+        """Close the session and free its episode, waiting for its worker to close the env (a
+        client's own close: only that client waits). Idempotent."""
+        if self._forget(session, reason) and session.episode is not None:
+            await _close_episode(session)
+
+    def discard(self, session: Session, reason: str) -> None:
+        """Close the session now and close its env in the background (see the module
+        docstring): for the reaper, the drain and shutdown, which must not wait on a busy
+        worker. Idempotent."""
+        if self._forget(session, reason) and session.episode is not None:
+            task = asyncio.get_running_loop().create_task(_close_episode(session))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    async def wait_closed(self, timeout_s: float | None = None) -> None:
+        """Wait for the background closes (at most ``timeout_s``), then cancel any left."""
+        if self._closing:
+            _, left = await asyncio.wait(set(self._closing), timeout=timeout_s)
+            for task in left:
+                task.cancel()
+            if left:
+                await asyncio.gather(*left, return_exceptions=True)
+
+    def _forget(self, session: Session, reason: str) -> bool:
+        """Drop the session from the books; False if it was closed already."""
         if session.closed:
-            return
+            return False
         session.closed = True
         self.sessions.pop(session.id, None)
         self.release(session.client)
         if self.on_close is not None:
             self.on_close(session, reason)
-        if session.episode is not None:
-            with contextlib.suppress(Exception):  # the episode may be gone with its worker
-                await session.pool.close_episode(session.episode)
+        return True
 
     async def reap(self) -> int:
-        """Close idle and abandoned sessions once; return how many were closed."""
+        """Close idle and abandoned sessions once (their envs in the background: ``discard``);
+        return how many were closed."""
         now = time.monotonic()
         doomed: list[tuple[Session, str]] = []
         for session in self.sessions.values():
@@ -254,13 +284,22 @@ class SessionManager:
                     4408,
                     error_reply(
                         "idle_timeout",
-                        f"no message for {self.idle_timeout_s:g} s; the session was closed",
+                        (
+                            f"no request for idle_timeout_s={self.idle_timeout_s:g} s (the hub's "
+                            "--idle-timeout); the session was closed"
+                        ),
                     ),
                 )
-            await self.close(session, reason)
+            self.discard(session, reason)
         return len(doomed)
 
     def counts(self) -> tuple[int, int]:
         """``(attached, detached)`` sessions."""
         attached = sum(1 for s in self.sessions.values() if s.conn is not None)
         return attached, len(self.sessions) - attached
+
+
+async def _close_episode(session: Session) -> None:
+    """Free the session's episode on its pool (its worker closes the env)."""
+    with contextlib.suppress(Exception):  # the episode may be gone with its worker
+        await session.pool.close_episode(session.episode)

@@ -18,7 +18,8 @@ WebSocket session protocol (``/v1/session``; text frames, one JSON object each)
    refused. WebSocket close codes: 1000 closed by request, 1001 server shut down,
    1008 unauthorized, 1009 message too big, 1013 over a session limit or draining,
    4408 idle timeout, 4404 unknown session on resume, 4409 the session was resumed on
-   another connection.
+   another connection. A close the hub makes carries its ``error`` message as the close
+   frame's reason too (a client whose send fails first still learns why).
 
 Every integer a client sends is bounded (``seq`` to 63 bits, ``seed`` to 64) and every
 ``options`` object must encode as the worker will encode it (integers within 64 bits,

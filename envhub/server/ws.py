@@ -44,7 +44,7 @@ from envhub.server.wire import (
     client_message,
 )
 
-__all__ = ["SessionSockets", "WsConnection", "oversize", "session_endpoint"]
+__all__ = ["SessionSockets", "WsConnection", "close_reason", "oversize", "session_endpoint"]
 
 
 class SessionSockets:
@@ -89,8 +89,8 @@ class AsgiSocket:
     async def send_text(self, text: str) -> None:
         await self._send({"type": "websocket.send", "text": text})
 
-    async def close(self, code: int = 1000) -> None:
-        await self._send({"type": "websocket.close", "code": code})
+    async def close(self, code: int = 1000, reason: str = "") -> None:
+        await self._send({"type": "websocket.close", "code": code, "reason": reason})
 
 
 class WsConnection:
@@ -123,7 +123,19 @@ class WsConnection:
     async def _close(self, code: int, reply: str) -> None:
         await self._send(reply)
         with contextlib.suppress(Exception):  # the client may be gone already
-            await self.ws.close(code)
+            await self.ws.close(code, close_reason(reply))
+
+
+def close_reason(reply: str) -> str:
+    """``reply``'s message, cut to fit a close frame (123 bytes of UTF-8): a client that fails
+    to send before it reads ``reply`` learns the reason from the close itself."""
+    try:
+        message = orjson.loads(reply).get("message")
+    except (orjson.JSONDecodeError, AttributeError):
+        return ""
+    if not isinstance(message, str):
+        return ""
+    return message.encode("utf-8", "replace")[:123].decode("utf-8", "ignore")
 
 
 async def _refuse(ws: AsgiSocket, hub: Hub, code: str, message: str, close_code: int) -> None:
@@ -257,8 +269,9 @@ async def _hello(
                 hub,
                 "unknown_session",
                 (
-                    f"no session {hello.session!r} with that resume key (expired after "
-                    f"{config.grace_s:g} s, or closed); open a new one"
+                    f"no session {hello.session!r} with that resume key: it expired (its link "
+                    f"was down over {config.grace_s:g} s), it was closed, or the hub restarted "
+                    "since; open a new session"
                 ),
                 4404,
             )

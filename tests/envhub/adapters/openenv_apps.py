@@ -9,6 +9,7 @@ from fastapi import FastAPI
 from openenv.core.env_server.http_server import create_app
 from openenv.core.env_server.interfaces import Environment
 from openenv.core.env_server.types import Action, Observation, State
+from pydantic import Field
 
 
 class GuessAction(Action):
@@ -98,3 +99,62 @@ no_websocket_app = FastAPI()
 @no_websocket_app.get("/schema")
 def _schema() -> dict[str, object]:
     return {"action": GuessAction.model_json_schema(), "observation": {}, "state": {}}
+
+
+class ChatAction(Action):
+    message: str
+
+
+class ChatObservation(Observation):
+    messages: list[dict[str, str]] = Field(default_factory=list)
+
+
+class HistoryChatEnvironment(Environment):
+    """OpenEnv's chat_env style: every observation's ``messages`` is the whole conversation so
+    far (the system prompt, the agent's turns echoed back, the env's replies)."""
+
+    SUPPORTS_CONCURRENT_SESSIONS = True
+
+    def __init__(self) -> None:
+        self._state = State(step_count=0)
+        self.history: list[dict[str, str]] = []
+
+    def reset(self, seed: int | None = None, episode_id: str | None = None) -> ChatObservation:
+        self.history = [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "Say hi."},
+        ]
+        self._state = State(episode_id=episode_id, step_count=0)
+        return ChatObservation(messages=list(self.history))
+
+    def step(self, action: ChatAction) -> ChatObservation:  # type: ignore[override]
+        self._state.step_count += 1
+        self.history += [
+            {"role": "assistant", "content": action.message},
+            {"role": "user", "content": f"reply {self._state.step_count}"},
+        ]
+        done = self._state.step_count >= 3
+        return ChatObservation(messages=list(self.history), done=done, reward=0.0)
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+
+history_chat_app = create_app(
+    HistoryChatEnvironment, ChatAction, ChatObservation, max_concurrent_envs=64
+)
+"""Sends the whole conversation in ``messages`` at every step."""
+
+
+class NewMessagesChatEnvironment(HistoryChatEnvironment):
+    """Sends only the new messages at each step (the env's reply), as most envs do."""
+
+    def step(self, action: ChatAction) -> ChatObservation:  # type: ignore[override]
+        full = super().step(action)
+        return ChatObservation(messages=full.messages[-1:], done=full.done, reward=full.reward)
+
+
+new_messages_chat_app = create_app(
+    NewMessagesChatEnvironment, ChatAction, ChatObservation, max_concurrent_envs=64
+)

@@ -34,9 +34,9 @@ class RunningHub:
 
 
 @contextlib.contextmanager
-def running_hub(**settings: Any) -> Iterator[RunningHub]:
-    """A hub (``create_app`` + uvicorn as ``envhub serve`` configures it) on a free loopback
-    port."""
+def running_hub(port: int | None = None, **settings: Any) -> Iterator[RunningHub]:
+    """A hub (``create_app`` + uvicorn as ``envhub serve`` configures it) on loopback, on
+    ``port`` (a free one by default; pass the last hub's port to restart it there)."""
     import asyncio
 
     import uvicorn
@@ -50,7 +50,7 @@ def running_hub(**settings: Any) -> Iterator[RunningHub]:
     settings.setdefault("workers", 1)
     config = HubConfig(**settings)
     app = create_app(config)
-    port = free_port()
+    port = port or free_port()
     server = uvicorn.Server(uvicorn_config(app, port=port))
     holder: dict[str, Any] = {}
 

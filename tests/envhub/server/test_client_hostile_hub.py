@@ -289,6 +289,22 @@ GARBAGE = {
         {"type": "episode_failed", "seq": seq}
     ),
     "an answer to another request": lambda seq: json.dumps({"type": "closed", "seq": seq}),
+    "an observation that is a string": lambda seq: json.dumps(
+        {
+            "type": "reset_result",
+            "seq": seq,
+            "episode": 1,
+            "result": {"observation": "hi", "info": {}},
+        }
+    ),
+    "info that is a list": lambda seq: json.dumps(
+        {
+            "type": "reset_result",
+            "seq": seq,
+            "episode": 1,
+            "result": {"observation": [], "info": []},
+        }
+    ),
 }
 
 
@@ -307,6 +323,58 @@ def test_a_reply_off_the_protocol_raises_bad_message_naming_the_hub(fake_hub, ca
     assert raised.value.code == "bad_message"
     assert hub.url in raised.value.message
     assert "version" in raised.value.message, "the message names the likely cause"
+
+
+OPENING = [{"role": "user", "content": "hi"}]
+GOOD_STEP = {"observation": OPENING, "reward": 0.0, "terminated": False, "truncated": False}
+WRONGLY_TYPED_STEPS = {
+    "reward as a string": ({"reward": "1.0"}, "reward"),
+    "reward null": ({"reward": None}, "reward"),
+    "reward true": ({"reward": True}, "reward"),
+    "terminated as the string 'false'": ({"terminated": "false"}, "terminated"),
+    "truncated as 0": ({"truncated": 0}, "truncated"),
+    "observation as a string": ({"observation": "hello"}, "observation"),
+    "a message without a role": ({"observation": [{"content": "x"}]}, "observation[0]"),
+    "info as a list": ({"info": []}, "info"),
+}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", list(WRONGLY_TYPED_STEPS))
+def test_a_step_result_of_the_wrong_types_raises_bad_message_naming_the_field(fake_hub, case):
+    """The right keys with the wrong types (a hub of another version, a proxy): ``bad_message``
+    naming the field, never a str reward, a truthy ``'false'`` or a bare AttributeError."""
+    fields, named = WRONGLY_TYPED_STEPS[case]
+
+    def handler(ws, hello):
+        welcome(ws)
+        for raw in ws:
+            request = json.loads(raw)
+            if request["type"] == "reset":
+                result = {"observation": OPENING, "info": {}}
+                ws.send(
+                    json.dumps(
+                        {
+                            "type": "reset_result",
+                            "seq": request["seq"],
+                            "episode": 1,
+                            "result": result,
+                        }
+                    )
+                )
+            else:
+                result = {**GOOD_STEP, "info": {"turn": 1}, **fields}
+                ws.send(
+                    json.dumps({"type": "step_result", "seq": request["seq"], "result": result})
+                )
+
+    env = RemoteEnv("e", fake_hub(handler).url)
+    env.reset(seed=0)
+    with pytest.raises(RemoteError) as raised:
+        env.step("x")
+    assert raised.value.code == "bad_message"
+    assert named in raised.value.message and "version" in raised.value.message
+    assert env.messages == OPENING, "nothing of the refused step reached the transcript"
 
 
 @pytest.mark.timeout(30)

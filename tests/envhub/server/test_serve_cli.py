@@ -93,8 +93,8 @@ def test_serve_returns_to_baseline_and_drains_on_sigterm(served):
         if i % 3 == 1:
             env.close()
         else:  # vanish: the hub reaps it after --grace
-            env._ws.socket.shutdown(2)
-            env._closed = True
+            env._link.ws.socket.shutdown(2)
+            env._link.closed = True
     deadline = time.monotonic() + 10
     while httpx.get(f"{http}/health").json()["sessions"] and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -80,7 +80,9 @@ def test_reaper_closes_abandoned_sessions_and_frees_episodes():
         m.detach(session, None)  # never attached: detach is a no-op for another conn
         session.detached_at = 0.0
         assert await m.reap() == 1
-        assert pool.closed == [7] and not m.sessions and not m.per_client
+        assert not m.sessions and not m.per_client
+        await m.wait_closed()  # the env is closed in the background (test_reaper_busy_workers)
+        assert pool.closed == [7]
 
     asyncio.run(main())
 
