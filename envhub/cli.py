@@ -206,8 +206,10 @@ def list_command(
     """
     from envhub.registry import list_envs, plugin_errors
 
-    specs = list_envs(namespace, variants=not no_variants)
     failures = plugin_errors()
+    specs = list_envs(None, variants=not no_variants)
+    if namespace is not None:
+        specs = _in_namespace(specs, namespace, failures)
     if source is not None:
         specs = _from_source(specs, source, failures)
     if as_json:
@@ -267,6 +269,32 @@ def list_command(
             highlight=False,
             soft_wrap=True,
         )
+
+
+def _in_namespace(specs: list[Any], namespace: str, failures: list[Any]) -> list[Any]:
+    """The specs in ``namespace``; one that holds no ids is an error, as for ``--source``: why
+    it is empty (an adapter not installed, a plugin that failed) or the namespaces there are."""
+    from envhub.adapters import SOURCES, did_you_mean
+    from envhub.registry import registry
+
+    chosen = [s for s in specs if s.namespace == namespace]
+    if chosen:
+        return chosen
+    note = registry.namespace_notes().get(namespace)
+    if note is not None:
+        _fail(EnvhubError(note))
+    failed = next((f for f in failures if f.name == namespace), None)
+    if failed is not None:
+        _fail(EnvhubError(f"the plugin {namespace!r} failed to load: {failed.error}"))
+    if namespace in SOURCES:
+        return chosen  # installed, with no ids (openenv with no env package installed)
+    known = sorted({s.namespace for s in registry.list_envs()} | set(SOURCES))
+    _fail(
+        EnvhubError(
+            f"no namespace named {namespace!r}.{did_you_mean(namespace, known)} "
+            f"Namespaces: {', '.join(known)}"
+        )
+    )
 
 
 def _from_source(specs: list[Any], source: str, failures: list[Any]) -> list[Any]:

@@ -14,65 +14,38 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
+from urllib.parse import urlsplit
 
 import click
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from envhub.cli import _fail, _parse_kwargs, console, err_console, import_option
 from envhub.errors import EnvhubError
+from envhub.eval_report import notes, show
 from envhub.model_agent import KEY_HINT, URL_HINT
 
 if TYPE_CHECKING:
     from envhub.evaluation import EpisodeStats, EvalSummary
 
-__all__ = ["eval_command", "summary_table"]
+__all__ = ["eval_command"]
 
 
-def summary_table(summaries: list[EvalSummary], title: str) -> Table:
-    """One row per (env, agent): success, pass@k with its 95% interval (several tries per
-    seed), return, turns, invalid actions per turn, and for a model tokens, request latency
-    and failures by reason; columns that would hold nothing for these summaries are left out."""
-    k = max((s.samples for s in summaries), default=1)
-    model = any(s.mean_tokens_in or s.mean_tokens_out for s in summaries)
-    failed = any(s.failures for s in summaries)
-    columns: dict[str, Callable[[EvalSummary], str]] = {
-        "env": lambda s: s.env_id,
-        "agent": lambda s: escape(s.agent),
-        "episodes": lambda s: str(s.episodes),
-        "success": lambda s: f"{s.success_rate:.0%}",
-    }
-    if k > 1:
-        columns[f"pass@{k} (95% CI)"] = lambda s: (
-            f"{s.pass_at_k:.0%} ({s.pass_at_k_low:.0%}-{s.pass_at_k_high:.0%})"
-        )
-    columns["return"] = lambda s: f"{s.mean_return:+.2f}"
-    columns["turns"] = lambda s: f"{s.mean_turns:.1f}"
-    columns["invalid"] = lambda s: f"{s.invalid_rate:.2f}"
-    if model:
-        columns["tokens in/out"] = lambda s: f"{s.mean_tokens_in:,.0f}/{s.mean_tokens_out:,.0f}"
-        columns["latency p50/p95"] = lambda s: _latency(s.latency_p50_s, s.latency_p95_s)
-    if failed:
-        columns["failures"] = lambda s: escape(
-            ", ".join(f"{reason} {n}" for reason, n in sorted(s.failures.items())) or "-"
-        )
-    table = Table(title=title, title_justify="left")
-    for name in columns:
-        left = name in ("env", "agent", "failures")
-        table.add_column(name, justify="left" if left else "right", no_wrap=name == "env")
-    for s in summaries:
-        table.add_row(*(cell(s) for cell in columns.values()))
-    return table
-
-
-def _latency(p50: float, p95: float) -> str:
-    if p95 >= 0.1:
-        return f"{p50:.2f}/{p95:.2f} s"
-    return f"{p50 * 1e3:.1f}/{p95 * 1e3:.1f} ms"
+def _model_url(ctx: click.Context, param: click.Parameter, url: str | None) -> str | None:
+    """``--model``: an http(s) URL; without a scheme the client would take it for a path, and
+    every request would fail as if no server were running."""
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if parts.scheme in ("http", "https") and parts.netloc:
+        return url
+    bare = "://" not in url and not url.startswith(("http:", "https:"))  # host:port/v1
+    fix = f"; did you mean --model http://{url}?" if bare else ""
+    raise click.UsageError(
+        f"--model needs http:// or https:// (e.g. http://127.0.0.1:8000/v1), got {url!r}{fix}"
+    )
 
 
 @click.command("eval")
@@ -89,6 +62,7 @@ def _latency(p50: float, p95: float) -> str:
     "url",
     default=None,
     metavar="URL",
+    callback=_model_url,
     help="An OpenAI-compatible endpoint to play instead, e.g. http://127.0.0.1:8000/v1.",
 )
 @click.option("--model-name", default=None, help="Model to request (default: the server's only).")
@@ -209,6 +183,8 @@ def eval_command(
     total = len(ids) * len(names) * episodes * samples
     wins = {"done": 0, "success": 0, "failed": 0}
     details: dict[tuple[str, str], str] = {}  # the first failure of each (env, agent)
+    said: dict[tuple[str, str], str] = {}  # the env's answer to a first invalid action of each
+    tool_envs: set[str] = set()
     try:
         with Progress(
             TextColumn("{task.description}"),
@@ -228,6 +204,10 @@ def eval_command(
                 wins["failed"] += bool(episode.failure)
                 if episode.failure:
                     details.setdefault((episode.env_id, episode.agent), episode.detail)
+                if episode.invalid_feedback:
+                    said.setdefault((episode.env_id, episode.agent), episode.invalid_feedback)
+                if episode.has_tools:
+                    tool_envs.add(episode.env_id)
                 rate = f"{wins['success'] / wins['done']:.0%}"
                 progress.update(task, advance=1, rate=rate, failed=wins["failed"])
 
@@ -260,9 +240,22 @@ def eval_command(
     else:
         tries = f" x {samples} tries" if samples > 1 else ""
         seeds = f"seeds {seed}..{seed + episodes - 1}"
-        console.print(summary_table(summaries, f"{episodes} seeds{tries} per env ({seeds})"))
+        show(console, summaries, f"{episodes} seeds{tries} per env ({seeds})")
         if out is not None:
-            console.print(f"episodes: {out / 'episodes.jsonl'}  summary: {out / 'summary.json'}")
+            kept = f"episodes: {out / 'episodes.jsonl'}  summary: {out / 'summary.json'}"
+            shown = kept if console.is_terminal else f"# {kept}"
+            console.print(shown, soft_wrap=True, markup=False, highlight=False)
+    lines = notes(
+        summaries,
+        model=client is not None,
+        said=said,
+        tool_envs=tool_envs,
+        tools_mode=tools_mode,
+        max_tokens=max_tokens,
+        out=out,
+    )
+    for line in lines:  # rows that are not what they look like
+        err_console.print(line, markup=False, highlight=False, soft_wrap=True)
     problem = _nothing_measured(summaries, details, url)
     if problem is not None:
         err_console.print(f"[bold red]error:[/] {escape(problem)}", highlight=False, soft_wrap=True)

@@ -5,7 +5,8 @@ An agent is one of:
 ``random``
     ``env.action_space.sample()``: the env's own mix of well-formed and malformed actions.
 ``expert``
-    ``env.expert_action()`` where the env provides one (games do), else random.
+    ``env.expert_action()`` where the env provides one (games do), else a random action; the
+    summary's ``random_turn_rate`` says how much of its row was random play.
 a model
     ``evaluate(..., client=openai.OpenAI(base_url=...))``: any OpenAI-compatible chat endpoint,
     played by ``envhub.model_agent.ModelAgent`` (the env's tools as ``tools=``).
@@ -68,8 +69,12 @@ def random_agent(env: Any, messages: Observation) -> str:
 
 
 def expert_agent(env: Any, messages: Observation) -> str:
-    action = getattr(env.unwrapped, "expert_action", lambda: None)()
+    action = _expert_move(env)
     return action if action is not None else env.action_space.sample()
+
+
+def _expert_move(env: Any) -> str | None:
+    return getattr(env.unwrapped, "expert_action", lambda: None)()
 
 
 AGENTS: dict[str, Agent] = {"random": random_agent, "expert": expert_agent}
@@ -96,14 +101,36 @@ class _CallableAgent:
     ) -> AgentTurn:
         start = time.perf_counter()
         try:
-            action = self.fn(env, messages)
+            action, fallback = self.choose(env, messages)
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # noqa: BLE001 - built-in agents run env code (expert_action)
             raise AgentError("agent_error", describe_error(error)) from None
         return AgentTurn(
-            action, {"role": "assistant", "content": action}, seconds=time.perf_counter() - start
+            action,
+            {"role": "assistant", "content": action},
+            seconds=time.perf_counter() - start,
+            fallback=fallback,
         )
+
+    def choose(self, env: Any, messages: Observation) -> tuple[str, bool]:
+        """The action, and whether it is a random stand-in for a move the agent did not have."""
+        return self.fn(env, messages), False
+
+
+class _ExpertAgent(_CallableAgent):
+    """``expert`` as ``envhub eval`` plays it: ``expert_agent``, with each turn that had no
+    expert move (``expert_action()`` returned None) marked ``fallback``, so that a row of random
+    play is not passed off as the expert's."""
+
+    def __init__(self) -> None:
+        super().__init__("expert", expert_agent)
+
+    def choose(self, env: Any, messages: Observation) -> tuple[str, bool]:
+        action = _expert_move(env)
+        if action is None:
+            return env.action_space.sample(), True
+        return action, False
 
 
 @dataclass(frozen=True)
@@ -127,6 +154,12 @@ class EpisodeStats:
     tokens_out: int = 0
     latencies: tuple[float, ...] = ()
     """Seconds per agent call (per request, for a model)."""
+    random_turns: int = 0
+    """Turns the agent played at random for want of a move of its own (``AgentTurn.fallback``)."""
+    has_tools: bool = False
+    """The env published tools (its reset info's ``tools``)."""
+    invalid_feedback: str = ""
+    """The env's answer to the episode's first invalid action (why it was refused)."""
     messages: list[dict[str, Any]] = field(default_factory=list, repr=False)
     rewards: list[float] = field(default_factory=list, repr=False)
     info: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -175,6 +208,9 @@ class EvalSummary:
     latency_p95_s: float = 0.0
     failures: dict[str, int] = field(default_factory=dict)
     """Episodes that could not be played to their end, by reason."""
+    random_turn_rate: float = 0.0
+    """Share of the turns played at random for want of a move of the agent's own (``expert`` on
+    an env whose ``expert_action()`` returned None): 1.0 means the row is random play."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -213,8 +249,9 @@ def run_episode(
     env_id: str = "",
     sample: int = 0,
     max_turns: int | None = None,
+    options: dict[str, Any] | None = None,
 ) -> EpisodeStats:
-    """Play one episode of ``agent`` on ``env`` from ``reset(seed=seed)``.
+    """Play one episode of ``agent`` on ``env`` from ``reset(seed=seed, options=options)``.
 
     ``max_turns`` stops early (a truncation, not a failure); an ``AgentError``, or an env that
     raises anything but ``KeyboardInterrupt`` (``SystemExit`` included), ends the episode
@@ -224,13 +261,13 @@ def run_episode(
     messages: list[dict[str, Any]] = []
     rewards: list[float] = []
     latencies: list[float] = []
-    tokens_in = tokens_out = invalid = 0
-    truncated, failure, detail = False, None, ""
+    tokens_in = tokens_out = invalid = random_turns = 0
+    truncated, failure, detail, feedback = False, None, "", ""
     info: dict[str, Any] = {}
     tools = None
     try:
         env.action_space.seed(seed + 1_000_003 * sample)  # each try of a seed samples differently
-        observation, info = env.reset(seed=seed)
+        observation, info = env.reset(seed=seed, options=options)
         messages.extend(observation)
         tools = info.get("tools") or None
     except KeyboardInterrupt:
@@ -247,13 +284,16 @@ def run_episode(
             failure, detail = error.reason, error.detail
             break
         latencies.append(turn.seconds)
+        random_turns += turn.fallback
         tokens_in, tokens_out = tokens_in + turn.tokens_in, tokens_out + turn.tokens_out
         messages.append(turn.message)
         try:
             observation, reward, terminated, truncated, info = env.step(turn.action)
             messages.extend(link_tool_answers(turn.message, list(observation)))
             rewards.append(float(reward))
-            invalid += bool(info.get("invalid_action", False))
+            if info.get("invalid_action", False):
+                invalid += 1
+                feedback = feedback or _said(observation)
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # noqa: BLE001 - env code may raise anything
@@ -277,10 +317,22 @@ def run_episode(
         tokens_in=tokens_in,
         tokens_out=tokens_out,
         latencies=tuple(latencies),
+        random_turns=random_turns,
+        has_tools=bool(tools),
+        invalid_feedback=feedback,
         messages=messages,
         rewards=rewards,
         info=json_safe(info if isinstance(info, dict) else {"info": info}),
     )
+
+
+def _said(observation: Any) -> str:
+    """The text of an env's reply (its messages' contents), on one line, cut to 300 characters."""
+    messages = observation if isinstance(observation, list) else [observation]
+    text = " ".join(
+        str(m.get("content") or "") if isinstance(m, dict) else str(m) for m in messages
+    )
+    return " ".join(text.split())[:300]
 
 
 def failed_episode(job: Job, failure: str, detail: str, seconds: float) -> EpisodeStats:
@@ -332,6 +384,7 @@ def summarise(env_id: str, agent: str, episodes: list[EpisodeStats]) -> EvalSumm
         latency_p50_s=_percentile(latencies, 0.50),
         latency_p95_s=_percentile(latencies, 0.95),
         failures=dict(Counter(e.failure for e in episodes if e.failure)),
+        random_turn_rate=sum(e.random_turns for e in episodes) / max(turns, 1),
     )
 
 
@@ -418,10 +471,19 @@ def evaluate(
         if on_episode is not None:
             on_episode(episode)
 
+    # tools sent as tools= are listed by the server's chat template: envs need not list them
+    options = {"describe_tools": False} if client is not None and tools == "native" else None
+
     def play(env: Any, job: Job) -> EpisodeStats:
         env_id, agent, job_seed, sample = job
         return run_episode(
-            env, players[agent], seed=job_seed, env_id=env_id, sample=sample, max_turns=max_turns
+            env,
+            players[agent],
+            seed=job_seed,
+            env_id=env_id,
+            sample=sample,
+            max_turns=max_turns,
+            options=options,
         )
 
     try:
@@ -457,7 +519,8 @@ def _players(
     """The agents to play by name (the served model, with ``client``), and the settings that
     make its episodes comparable (what a resumed run must not change)."""
     if client is None:
-        return {name: _CallableAgent(name, AGENTS[name]) for name in agents}, {}
+        built: dict[str, TurnAgent] = {"expert": _ExpertAgent()}
+        return {name: built.get(name) or _CallableAgent(name, AGENTS[name]) for name in agents}, {}
     name = resolve_model(client, model)
     agent = ModelAgent(client, name, temperature=temperature, max_tokens=max_tokens, tools=tools)
     settings = {"model": name, "temperature": temperature, "max_tokens": max_tokens}

@@ -86,6 +86,9 @@ class AgentTurn:
     tokens_out: int = 0
     seconds: float = 0.0
     """Wall time of the request (0 for agents that make none)."""
+    fallback: bool = False
+    """The agent had no move of its own and played a random action (``expert`` on a state whose
+    ``expert_action()`` returned None)."""
 
 
 def api_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -4,16 +4,22 @@ Only click is imported at module level; FastAPI, uvicorn and Ray load when the c
 ``-k [ID:]KEY=VALUE`` sets an env's constructor kwargs (as ``envhub check -k``; with several
 ``--env``, each flag names its env). Before serving, one env per ``--env`` is built in this
 process (not with ``--backend ray``, whose workers may have packages this machine lacks): an
-env that cannot be built is one ``error: cannot serve ID: ...`` line and exit code 2.
+env that cannot be built is one ``error: cannot serve ID: ...`` line and exit code 2. Then
+the port is bound, before anything starts: a port in use is one ``error: cannot listen on
+HOST:PORT (...); pick another --port`` line and exit code 2.
+
 SIGTERM (or a first Ctrl-C) drains: new sessions and resets are refused, running episodes
-get ``--drain-timeout`` seconds to finish, then every session and worker is closed and the
-process exits 0. A second signal forces an immediate exit.
+get ``--drain-timeout`` seconds to finish (the line it prints says how many and how long),
+then every session and worker is closed and the process exits 0. A second signal stops now:
+every connected client is told the hub is going away (close code 1001: ``RemoteEnv`` raises
+``SessionLostError`` instead of trying to resume), the workers are stopped, and the process
+prints ``stopped`` and exits 128 + the signal's number (130 for Ctrl-C). A third signal skips
+the workers' shutdown.
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from typing import Any
 
@@ -22,6 +28,9 @@ import click
 from envhub.cli import import_option
 
 __all__ = ["env_kwargs", "run", "serve", "unbuildable", "uvicorn_config"]
+
+BACKLOG = 4096
+"""Connections the listening socket queues before the hub accepts them."""
 
 
 @click.command("serve")
@@ -124,7 +133,7 @@ __all__ = ["env_kwargs", "run", "serve", "unbuildable", "uvicorn_config"]
     "drain_timeout_s",
     default=30.0,
     show_default=True,
-    help="On SIGTERM, time running episodes get to finish (s).",
+    help="On SIGTERM or Ctrl-C, time running episodes get to finish (s); a second one stops now.",
 )
 @click.option(
     "--request-timeout",
@@ -235,11 +244,15 @@ def _why_unbuildable(env_id: str, kwargs: dict[str, Any]) -> str | None:
 
 
 def run(config: Any, *, port: int, log_level: str = "warning") -> None:
-    """Run a hub until SIGTERM/SIGINT, then drain and exit."""
+    """Run a hub on ``config.host`` and ``port`` until SIGTERM/SIGINT, then drain and return;
+    a second signal stops it at once and exits 128 + its number (module docstring).
+    ``EnvhubError`` naming the fix when the port cannot be bound (before anything starts)."""
     from envhub.gc_tuning import relax_gc
+    from envhub.ports import listen
     from envhub.server.app import create_app
     from envhub.server.guard import raise_fd_limit
 
+    sock = listen(config.host, port, BACKLOG)  # bound first: a port in use is one error line
     if config.backend == "ray":
         # Join before uvicorn starts: a failure is a clean error (exit 2) instead of a lifespan
         # traceback, and uvicorn installs its SIGTERM handler (the drain) after ray.init installed
@@ -267,14 +280,18 @@ def run(config: Any, *, port: int, log_level: str = "warning") -> None:
     server = DrainingServer(
         uvicorn_config(app, port=port, log_level=log_level, loop="uvloop"), hub=app.state.hub
     )
+    host = f"[{config.host}]" if ":" in config.host else config.host  # (IPv6, bracketed)
     click.echo(
         (
-            f"envhub: serving {', '.join(config.envs)} on ws://{config.host}:{port} "
+            f"envhub: serving {', '.join(config.envs)} on ws://{host}:{sock.getsockname()[1]} "
             f"(pid {os.getpid()})"
         ),
         err=True,
     )
-    server.run()
+    server.run(sockets=[sock])
+    if server.stopped_by is not None:
+        click.echo("envhub: stopped", err=True)
+        sys.exit(128 + server.stopped_by)
 
 
 def uvicorn_config(app: Any, *, port: int, log_level: str = "warning", loop: str = "auto") -> Any:
@@ -304,7 +321,7 @@ def uvicorn_config(app: Any, *, port: int, log_level: str = "warning", loop: str
         log_level=log_level,
         lifespan="on",
         timeout_graceful_shutdown=5,
-        backlog=4096,
+        backlog=BACKLOG,
     )
 
 
@@ -312,29 +329,55 @@ def _server_class() -> Any:
     import uvicorn
 
     class _DrainingServer(uvicorn.Server):
-        """uvicorn, with a first SIGTERM/SIGINT starting the hub's drain instead of exiting."""
+        """uvicorn, with a first SIGTERM/SIGINT starting the hub's drain instead of exiting, and
+        a second one stopping at once after telling every client (module docstring).
+
+        Signals are handled here, not passed to ``uvicorn.Server.handle_exit``: uvicorn would
+        raise them again once stopped, and a Ctrl-C then ends as click's ``Aborted!``."""
 
         def __init__(self, config: Any, hub: Any) -> None:
             super().__init__(config)
             self.hub = hub
-            self._drain_requested = False
+            self.signals: list[int] = []
+            self.stopped_by: int | None = None
+            """The signal that stopped the hub without a drain (None: it drained)."""
             self._drain_task: Any = None
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            if sig in (signal.SIGTERM, signal.SIGINT) and not self._drain_requested:
-                self._drain_requested = True
-                return
-            super().handle_exit(sig, frame)
+            self.signals.append(sig)
+            if len(self.signals) == 2:
+                self.stopped_by = sig  # (on_tick tells the clients, then stops)
+            elif len(self.signals) > 2:  # stop without waiting for the workers' shutdown
+                self.should_exit = self.force_exit = True
 
         async def on_tick(self, counter: int) -> bool:
-            if self._drain_requested and self._drain_task is None:
+            if self.stopped_by is not None:
+                if self._drain_task is not None:
+                    self._drain_task.cancel()
+                click.echo(
+                    "envhub: stopping now: telling every client the hub is going away", err=True
+                )
+                await self.hub.go_away()
+                return True
+            if self.signals and self._drain_task is None:
                 import asyncio
 
-                click.echo("envhub: draining (finishing running episodes)", err=True)
+                click.echo(f"envhub: draining: {self._waits_for()}", err=True)
                 self._drain_task = asyncio.get_running_loop().create_task(self.hub.drain())
             if self._drain_task is not None and self._drain_task.done():
                 return True
             return await super().on_tick(counter)
+
+        def _waits_for(self) -> str:
+            running = self.hub.running_episodes()
+            if not running:
+                return "no episode is running; closing the sessions"
+            them = "it" if running == 1 else "them"
+            return (
+                f"{running} episode{'s' if running != 1 else ''} running; waiting up to "
+                f"{self.hub.config.drain_timeout_s:g} s (--drain-timeout) for {them} to finish; "
+                "Ctrl-C again to stop now"
+            )
 
     return _DrainingServer
 

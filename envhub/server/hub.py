@@ -91,15 +91,29 @@ class Hub:
         before they are stopped, and nothing waits behind a busy worker's queue."""
         if self._reaper is not None:
             self._reaper.cancel()
+        await self.go_away()
         for session in list(self.sessions.sessions.values()):
-            if session.conn is not None:
-                session.conn.kick(1001, _going_away())
             self.sessions.discard(session, "shutdown")
         await asyncio.gather(
             *(pool.aclose() for pool in self.pools.values()), return_exceptions=True
         )
         # the workers are stopped: every close left has its answer (or never will)
         await self.sessions.wait_closed(timeout_s=1.0)
+
+    async def go_away(self, timeout_s: float = 2.0) -> None:
+        """Tell every connected client that the hub is shutting down now: the ``draining`` error,
+        then close code 1001, on which ``RemoteEnv`` raises ``SessionLostError`` at once instead
+        of trying to resume a session for its ``resume_timeout_s``. Waits (at most
+        ``timeout_s``) for those frames to be sent: the server closes its sockets next."""
+        connections = [s.conn for s in self.sessions.sessions.values() if s.conn is not None]
+        for connection in connections:
+            connection.kick(1001, _going_away())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*(c.sent() for c in connections)), timeout_s)
+
+    def running_episodes(self) -> int:
+        """Sessions in the middle of an episode (what a drain waits for)."""
+        return sum(s.running or bool(s.busy_seq) for s in self.sessions.sessions.values())
 
     async def _reap_forever(self) -> None:
         while True:

@@ -84,6 +84,9 @@ class OpenEnvConnection:
     def notify(self, reply: str) -> None:
         pass
 
+    async def sent(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     async def _close(self, code: int, reason: str) -> None:
         with contextlib.suppress(Exception):  # the client may be gone already
             await self.ws.close(code, reason)

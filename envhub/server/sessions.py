@@ -52,6 +52,10 @@ class Connection(Protocol):
         """Send ``reply`` without closing (from any task)."""
         ...
 
+    async def sent(self) -> None:
+        """Return once what ``kick`` and ``notify`` queued has been sent (or failed to be)."""
+        ...
+
 
 class Session:
     """One client's env session (see the module docstring)."""

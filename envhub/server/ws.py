@@ -116,6 +116,9 @@ class WsConnection:
     def notify(self, reply: str) -> None:
         self._spawn(self._send(reply))
 
+    async def sent(self) -> None:
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
     async def _send(self, reply: str) -> None:
         with contextlib.suppress(Exception):  # the client may be gone already
             await self.ws.send_text(reply)

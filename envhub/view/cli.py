@@ -3,32 +3,15 @@
 from __future__ import annotations
 
 import secrets
-import socket
 
 import click
 
 from envhub.cli import _fail, console
 from envhub.errors import EnvhubError
+from envhub.ports import listen
 from envhub.view.security import LOOPBACK
 
-__all__ = ["listen", "view_command"]
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host`` (a name, an IPv4 or an IPv6 address) and ``port``;
-    requests queue from here on, before the server has started. OSError when it cannot bind."""
-    family, kind, protocol, _, address = socket.getaddrinfo(
-        host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP
-    )[0]
-    sock = socket.socket(family, kind, protocol)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-        sock.listen(512)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+__all__ = ["view_command"]
 
 
 @click.command("view")
@@ -61,8 +44,8 @@ def view_command(run_dirs: tuple[str, ...], host: str, port: int, token: str | N
         _fail(error)
     try:
         sock = listen(host, port)
-    except OSError as error:
-        _fail(EnvhubError(f"cannot listen on {host}:{port} ({error}); pick another --port"))
+    except EnvhubError as error:
+        _fail(error)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL is bracketed
     url = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")

@@ -19,6 +19,13 @@ A subclass implements four things:
     The oracle's actions for the current task (tool calls, then the answer), computed at
     ``start``; ``expert_action()`` walks it.
 
+The system prompt lists the tools (JSON) and says how to call them in text: the protocol for a
+model whose chat template renders no tools. Where the tools go through the template
+(``apply_chat_template(..., tools=...)``: the trainer's native tool calling, ``envhub eval
+--tools native``), the template lists them in its own format, so a caller turns the env's
+listing off with ``reset(options={"describe_tools": False})`` (or ``describe_tools=False`` as
+the default), keeping only the task and how to answer.
+
 Rewards: the graded score on the answer turn, ``invalid_action_penalty`` for text that is
 neither a valid call nor an answer, 0 for tool turns. Tool output is truncated to
 ``max_tool_chars`` so a flood never reaches the model whole; a call longer than
@@ -59,6 +66,12 @@ def truncate(text: str, limit: int) -> str:
     return text[:limit] + f"\n... [truncated {len(text) - limit} characters]"
 
 
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
 _BUILTIN_TASKSETS: dict[tuple[Any, ...], TaskSet] = {}
 """Built-in task sets by (env class, ``builtin_key()``, eval fraction)."""
 
@@ -84,6 +97,7 @@ class ToolEnv(TextEnv):
         max_call_chars: int = 100_000,
         max_tool_chars: int = 2_000,
         invalid_action_penalty: float = -0.1,
+        describe_tools: bool = True,
         render_mode: Any = None,
     ) -> None:
         super().__init__(max_turns=max_turns, render_mode=render_mode)
@@ -103,6 +117,10 @@ class ToolEnv(TextEnv):
         )
         self.max_tool_chars = max_tool_chars
         self.invalid_action_penalty = invalid_action_penalty
+        self.describe_tools = _flag(describe_tools, "describe_tools")
+        """List the tools in the system prompt unless a reset's options say otherwise."""
+        self._describing = self.describe_tools
+        """Whether this episode's system prompt lists the tools."""
         self.system_prompt = self._system_prompt()
         self.task: Task = {}
         self._plan: list[str] = []
@@ -161,14 +179,23 @@ class ToolEnv(TextEnv):
 
     # ----------------------------------------------------------------- TextEnv
     def _system_prompt(self) -> str:
-        listing = "\n".join(json.dumps(tool["function"], sort_keys=True) for tool in self.tools)
-        return (
-            f"{self.intro}\nYou can call these tools:\n{listing}\n{self.parser.instructions} "
+        ending = (
             "Each result comes back as a tool message. When you know the answer, write it as "
             "<answer>...</answer>; that ends the episode."
         )
+        if not self._describing:  # the chat template lists the tools and how to call them
+            return f"{self.intro}\n{ending}"
+        listing = "\n".join(json.dumps(tool["function"], sort_keys=True) for tool in self.tools)
+        return (
+            f"{self.intro}\nYou can call these tools:\n{listing}\n{self.parser.instructions} "
+            + ending
+        )
 
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        describing = _flag(options.get("describe_tools", self.describe_tools), "describe_tools")
+        if describing != self._describing:
+            self._describing = describing
+            self.system_prompt = self._system_prompt()
         self.task = self.tasks.select(options, self.np_random)
         question = self.start(self.task)
         self._plan = self.plan()

@@ -212,13 +212,14 @@ def test_view_listens_on_the_ipv6_loopback() -> None:
     """``--host ::1`` is loopback like 127.0.0.1: it binds (an IPv4 socket cannot)."""
     import socket
 
-    from envhub.view.cli import listen
+    from envhub.errors import EnvhubError
+    from envhub.ports import listen
 
     if not socket.has_ipv6:
         pytest.skip("this machine has no IPv6")
     try:
         sock = listen("::1", 0)
-    except OSError as error:  # an IPv6 stack without a loopback address
+    except EnvhubError as error:  # an IPv6 stack without a loopback address
         pytest.skip(f"no ::1 here ({error})")
     with sock:
         assert sock.family == socket.AF_INET6 and sock.getsockname()[0] == "::1"
