@@ -9,9 +9,10 @@ refuses of this model when it builds (megatron's layouts and converter, fsdp2's 
 parallelism, the ``hf`` engine's options, engine arguments the worker passes itself, LoRA on a
 tied output head or embedding: ``trainer._config_layout_checks``), weight-sync buckets against
 the model, env ids and kwargs against the registry, env kwargs with a remote hub, reward domains
-against the env ids, the checkpoint folder against the run's, the agent's code, and whether the
-run fits its devices' memory (``trainer.memory``) - is here, reported with its key path and the
-fix. ``envhub train --dry-run`` loads the config as the run does, so it refuses all of these too.
+against the env ids, the checkpoint folder against the run's, the agent's code, the model's
+tokenizer and the envs' experts (``trainer._config_start_checks``), and whether the run fits its
+devices' memory (``trainer.memory``) - is here, reported with its key path and the fix.
+``envhub train --dry-run`` loads the config as the run does, so it refuses all of these too.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from trainer._config_layout_checks import (
     tied_embedding_problems,
     vllm_option_problems,
 )
+from trainer._config_start_checks import start_problems
 from trainer.config_lifecycle import shared_folder
 from trainer.errors import Problem
 from trainer.strategies.registry import (
@@ -131,6 +133,7 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
     problems.extend(_checkpoint_problems(cfg))
     problems.extend(_agent_problems(cfg))
     problems.extend(_lora_problems(cfg))
+    problems.extend(start_problems(cfg))  # the model's tokenizer, the warm start's expert
     problems.extend(tied_embedding_problems(cfg, policy))
     if cfg.train.packing:
         for name in ("actor_train", "reference", "critic"):

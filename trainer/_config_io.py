@@ -252,10 +252,15 @@ def load_validated(cls: type[BaseModel], path: str | Path | None, overrides: lis
 
 
 def _locate(problem: Problem, sources: dict[str, str], lines: dict[str, str]) -> Problem:
-    """Attach where the value came from: the longest override or file key that covers its path."""
+    """Attach where the value came from: an override of its path, else the overrides below it (a
+    section's validator reports at the section's path a value set by ``a.b.c=...``), else the
+    longest override or file key that covers its path."""
     if problem.where or not problem.path:
         return problem
     path = problem.path
+    below = [where for key, where in sources.items() if key.startswith((f"{path}.", f"{path}["))]
+    if path not in sources and below:
+        return Problem(problem.path, problem.message, ", ".join(below))
     while path:
         for table in (sources, lines):
             if path in table:

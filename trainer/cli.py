@@ -2,9 +2,11 @@
 line, or print its plan (``--dry-run``: roles, devices, per-device memory, weight-sync buckets)
 and exit without starting anything.
 
-Only click is imported at module level (``envhub --help`` stays instant); the config, torch
-and the pipeline load when the command runs. The run folder (``output_dir``) is printed
-first; a live progress bar shows the train/eval success and reward of each step; the folder
+Only click and ``envhub.cli`` (its ``--import`` option, shared with the other commands) are
+imported at module level (``envhub --help`` stays instant); the config, torch and the pipeline
+load when the command runs. The run folder (``output_dir``) is printed
+first; a live progress bar shows the train/eval success, reward and invalid-action rate of each
+step (plain ``step N: ...`` lines when the output is not a terminal); the folder
 ends up with ``metrics.jsonl``, checkpoints, ``reward_curve.png``, the trajectory store
 (``trajectories/``, browsed with ``envhub view``) and ``final_policy/``.
 Starting again without ``--resume`` moves an existing run folder aside (nothing of it is
@@ -29,6 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from envhub.cli import import_option
+
 if TYPE_CHECKING:
     from trainer.resume import ResumePoint
 
@@ -42,6 +46,7 @@ def _fmt(value: Any) -> str:
 @click.command("train", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("config", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("overrides", nargs=-1)
+@import_option
 @click.option(
     "--resume", is_flag=True, help="Continue the run in output_dir from its latest checkpoint."
 )
@@ -61,6 +66,7 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
       envhub train examples/quickstart.yaml train.steps=20 output_dir=runs/try
       envhub train examples/quickstart.yaml --resume      # after a crash or kill -9
       envhub train examples/qwen2.5-0.5b-sokoban-8gpu.yaml --dry-run   # will it fit?
+      envhub train --import my_envs run.yaml env.id=acme/echo-v0   # ids my_envs.py registers
     """
     from rich.console import Console
     from rich.markup import escape
@@ -106,7 +112,11 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
     for line in filter(None, lines):
         errors.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
     try:
-        with _put_back_unless_saved(moved, out, Path(cfg.checkpoint_dir), errors), _sigterm_stops():
+        with (
+            _put_back_unless_saved(moved, out, Path(cfg.checkpoint_dir), errors),
+            _sigterm_stops(),
+            _warnings_to(errors),
+        ):
             rows = _run(cfg, resume, console)
     except (TrainerError, EnvhubError) as error:  # raised on purpose: the message names the fix
         _print_error(errors, error)
@@ -156,6 +166,35 @@ def _sigterm_stops() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextmanager
+def _warnings_to(errors: Any) -> Iterator[None]:
+    """During the run, the trainer's log records of level WARNING and above (a run without a
+    learning signal, a worker that failed to stop) are ``warning: ...`` / ``error: ...`` lines
+    on stderr, as the command's own are (above the progress bar), instead of Python's bare
+    last-resort lines."""
+    import logging
+
+    from rich.markup import escape
+
+    class Printer(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            level = "bold yellow" if record.levelno < logging.ERROR else "bold red"
+            errors.print(
+                f"[{level}]{record.levelname.lower()}:[/] {escape(self.format(record))}",
+                highlight=False,
+                soft_wrap=True,
+            )
+
+    logger, printer = logging.getLogger("trainer"), Printer(logging.WARNING)
+    logger.addHandler(printer)
+    propagated, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(printer)
+        logger.propagate = propagated
 
 
 def _print_error(errors: Any, error: BaseException) -> None:
@@ -399,6 +438,13 @@ def _diff(old: Any, new: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
     return [] if old == new else [(prefix.rstrip("."), old, new)]
 
 
+PLAIN_LINE_EVERY_S = 30.0
+"""Without a terminal (output into a file: nohup, sbatch, CI), where a live bar would draw
+nothing until the run ends, ``envhub train`` prints a plain ``step N: ...`` line for the warm
+start, every evaluated step and the last, and one at least this often (``logging.progress:
+false``: one per step, terminal or not)."""
+
+
 def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -407,6 +453,7 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
     from trainer.pipeline import AgenticPipeline
 
     relax_gc()  # this process will hold every episode in play
+    bar = cfg.logging.progress and console.is_terminal  # else plain lines (a log file)
     columns = [
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -414,13 +461,12 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
         TimeElapsedColumn(),
         TextColumn("{task.fields[status]}"),
     ]
-    with Progress(
-        *columns, console=console, disable=not cfg.logging.progress, transient=False
-    ) as progress:
+    with Progress(*columns, console=console, disable=not bar, transient=False) as progress:
         task = progress.add_task(
             "starting", total=cfg.train.steps, status="building policy and workers"
         )
         eval_success: list[Any] = [None]
+        printed = [time.monotonic()]
 
         def on_step(metrics: dict[str, Any]) -> None:
             if metrics.get("eval/success") is not None:
@@ -429,13 +475,20 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
             status = (
                 f"train success {_fmt(metrics.get('train/success'))}"
                 f"  reward {_fmt(metrics.get('train/reward'))}"
+                f"  invalid {_fmt(metrics.get('train/invalid_rate'))}"
                 f"  eval success {_fmt(eval_success[0])}"
             )
             progress.update(
                 task, completed=step, description="RL" if step else "warm start", status=status
             )
-            if not cfg.logging.progress:
+            due = (  # without a terminal: the milestones, and a line every PLAIN_LINE_EVERY_S
+                step in (0, cfg.train.steps)
+                or "eval/success" in metrics
+                or time.monotonic() - printed[0] >= PLAIN_LINE_EVERY_S
+            )
+            if not cfg.logging.progress or (not bar and due):
                 console.print(f"step {step}: {status}", highlight=False)
+                printed[0] = time.monotonic()
 
         try:
             pipeline = AgenticPipeline(cfg, resume=resume, on_step=on_step)

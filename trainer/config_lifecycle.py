@@ -166,6 +166,8 @@ class LoggingConfig(Section):
     wandb_project: str = "envhub"
     """W&B project name."""
     progress: bool = True
-    """Show the live progress bar."""
+    """Show the live progress bar (output that is not a terminal gets plain ``step N: ...`` lines:
+    the warm start, each evaluation, the last step, and one at least every 30 s); false: a plain
+    line per step."""
     trajectories: TrajectoryLogConfig = Field(default_factory=TrajectoryLogConfig)
     """The trajectory store: every episode's messages, tokens, masks, log-probs, rewards."""

@@ -31,7 +31,14 @@ from typing import Any
 from trainer.errors import TrainerError
 from trainer.rollout.trajectory import Trajectory
 
-__all__ = ["EventFileWriter", "MetricsLog", "plot_curves", "summarise"]
+__all__ = [
+    "EventFileWriter",
+    "MetricsLog",
+    "SignalWatch",
+    "learning_signal",
+    "plot_curves",
+    "summarise",
+]
 
 
 def summarise(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
@@ -59,6 +66,93 @@ def summarise(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, floa
         f"{prefix}/sequence_tokens": sum(t.num_tokens for t in trajectories) / n,
         f"{prefix}/episodes": float(len(trajectories)),
     }
+
+
+def learning_signal(trajectories: Sequence[Trajectory], max_new_tokens: int) -> dict[str, float]:
+    """What a training batch gives the policy to learn from: ``train/zero_variance_groups``, the
+    share of groups whose episodes all got the same return (a group baseline gives each of them
+    advantage 0), and ``train/turns_at_max_new_tokens``, the share of policy turns that used all
+    ``rollout.max_new_tokens`` tokens (cut short, unless the last one ended the turn)."""
+    groups: dict[int, set[float]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, set()).add(round(t.episode_reward, 9))  # (summation order)
+    turns = [length for t in trajectories for length in _turn_lengths(t)]
+    return {
+        "train/zero_variance_groups": sum(len(r) == 1 for r in groups.values())
+        / max(len(groups), 1),
+        "train/turns_at_max_new_tokens": sum(n >= max_new_tokens for n in turns)
+        / max(len(turns), 1),
+    }
+
+
+def _turn_lengths(trajectory: Trajectory) -> list[int]:
+    """Policy tokens of each turn of ``trajectory`` (its rows' ``response_mask`` between turn
+    ends)."""
+    lengths = []
+    for row in trajectory.rows:
+        start = 0
+        for end in row.turn_ends:
+            lengths.append(sum(row.response_mask[start : end + 1]))
+            start = end + 1
+    return lengths
+
+
+class SignalWatch:
+    """Says once when ``patience`` RL steps in a row had no learning signal: every group's
+    episodes got the same return, or the gradient was exactly 0. A run in that state (every turn
+    an invalid action, every answer cut at ``rollout.max_new_tokens``, a task every episode
+    wins or loses) would otherwise train to its end without a word; the warning names the likely
+    cause from the step's metrics and where to look."""
+
+    def __init__(self, run_dir: Path, max_new_tokens: int, patience: int = 3) -> None:
+        self.run_dir, self.max_new_tokens, self.patience = run_dir, max_new_tokens, patience
+        self.steps_without, self.warned = 0, False
+
+    def observe(self, metrics: dict[str, Any]) -> str | None:
+        """The warning line, the first time ``patience`` steps in a row lacked a signal."""
+        if metrics.get("step", 0) == 0 or "train/zero_variance_groups" not in metrics:
+            return None  # the warm start, or a step without rollouts
+        silent = (
+            metrics["train/zero_variance_groups"] >= 1.0 or metrics.get("actor/grad_norm") == 0.0
+        )
+        self.steps_without = self.steps_without + 1 if silent else 0
+        if self.warned or self.steps_without < self.patience:
+            return None
+        self.warned = True
+        return self._warning(metrics)
+
+    def _warning(self, metrics: dict[str, Any]) -> str:
+        invalid = metrics.get("train/invalid_rate", 0.0)
+        cut = metrics.get("train/turns_at_max_new_tokens", 0.0)
+        success = metrics.get("train/success", 0.0)
+        causes = []
+        if invalid >= 0.5:
+            causes.append(
+                f"train/invalid_rate {invalid:.2f}: the policy's turns are not valid actions "
+                "(the env's feedback in the episodes says why: the answer format, the tools)"
+            )
+        if cut >= 0.5:
+            causes.append(
+                f"{cut:.0%} of turns used all rollout.max_new_tokens={self.max_new_tokens} "
+                "tokens: raise it"
+            )
+        if success in (0.0, 1.0):
+            causes.append(
+                f"train/success {success:.2f}: every episode "
+                f"{'won' if success else 'lost'}, the task is too "
+                f"{'easy' if success else 'hard'} for this policy"
+            )
+        causes.append("a warm start (sft.epochs > 0) teaches the answer format first")
+        why = (
+            "every group's episodes got the same reward, so every advantage is 0"
+            if metrics["train/zero_variance_groups"] >= 1.0
+            else "the policy's gradient was exactly 0"
+        )
+        return (
+            f"no learning signal for {self.steps_without} steps: {why} and the policy learns "
+            f"nothing. Likely: {'; '.join(causes)}. See the episodes with "
+            f"`envhub view {self.run_dir}`"
+        )
 
 
 class MetricsLog:

@@ -45,6 +45,8 @@ __all__ = [
     "count_parameters",
     "env_corpus",
     "load_policy",
+    "load_tokenizer",
+    "tokenizer_problem",
 ]
 
 TokenizerKind = Literal["bpe", "word", "char"]
@@ -456,16 +458,113 @@ def weights_problem(path: str | Path) -> str | None:
     return None
 
 
-def load_policy(
-    path: str | Path, *, dtype: str = "float32"
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """``AutoModelForCausalLM`` + ``AutoTokenizer`` from a local folder, with clear errors.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+    "tekken.json",
+)
+"""Files that hold a tokenizer's vocabulary (fast, SentencePiece, BPE, WordPiece, Mistral's;
+``*.tiktoken`` too): a model folder without one has no tokenizer, and ``AutoTokenizer`` then
+quietly builds one of length 1 from the model's config."""
 
-    The tokenizer must define an EOS token and a chat template (instruct checkpoints do);
-    a missing pad token falls back to EOS.
-    """
+
+def _has_vocabulary(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES) or any(
+        folder.glob("*.tiktoken")
+    )
+
+
+def _has_chat_template(folder: Path) -> bool:
+    """Whether the folder's tokenizer files carry a chat template, where transformers reads one:
+    ``chat_template.jinja``, ``additional_chat_templates/``, ``chat_template.json`` or the
+    ``chat_template`` of ``tokenizer_config.json``."""
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    if any((folder / "additional_chat_templates").glob("*.jinja")):
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def _no_tokenizer(folder: Path) -> str:
+    return (
+        f"{str(folder)!r} has no tokenizer files (tokenizer.json / tokenizer_config.json); copy "
+        "them from the checkpoint the weights came from (a save_pretrained folder holds both)"
+    )
+
+
+def _no_chat_template(folder: Path) -> str:
+    return (
+        f"{str(folder)!r} has no chat template (a base checkpoint?): use an instruct checkpoint "
+        "or set model.chat_template"
+    )
+
+
+def tokenizer_problem(path: str | Path, chat_template: str | None = None) -> str | None:
+    """Why the tokenizer in the folder ``path`` cannot render the policy's chats, from its files
+    (nothing is loaded): no vocabulary file, or no chat template while ``chat_template`` (the
+    run's ``model.chat_template``) is not given. Checked where the config is loaded (and by
+    ``--dry-run``), so a base checkpoint is refused before anything starts. A folder holding
+    neither weights nor tokenizer files (a checkpoint's ``config.json`` alone, which ``--dry-run``
+    plans from) has nothing to check: None."""
+    folder = Path(path).expanduser()
+    if not _has_vocabulary(folder):
+        if not (folder / "tokenizer_config.json").is_file() and not any(
+            any(folder.glob(pattern)) for pattern in ("*.safetensors", "*.bin")
+        ):
+            return None
+        return _no_tokenizer(folder)
+    if chat_template or _has_chat_template(folder):
+        return None
+    return _no_chat_template(folder)
+
+
+def load_tokenizer(
+    path: str | Path, *, chat_template: str | None = None, chat: bool = True
+) -> PreTrainedTokenizerBase:
+    """``AutoTokenizer`` of the local folder ``path``, with clear errors: its files must hold a
+    vocabulary and it must define an EOS token (a missing pad token falls back to EOS).
+    ``chat_template`` (``model.chat_template``) replaces its own template. With ``chat`` (who
+    renders chats: the driver's renderer, a judge) it must then have a template; the workers,
+    which only take token ids, pass False (the driver refused a template-less folder first)."""
+    from transformers import AutoTokenizer
+
+    folder = Path(path).expanduser()
+    if not _has_vocabulary(folder):
+        raise ModelError(_no_tokenizer(folder))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, RuntimeError) as error:
+        raise ModelError(
+            f"the tokenizer in {str(folder)!r} cannot be loaded ({type(error).__name__}: "
+            f"{error}); check that it is a complete save_pretrained folder of a causal LM"
+        ) from error
+    if tokenizer.eos_token_id is None:
+        raise ModelError(
+            f"the tokenizer in {str(folder)!r} has no eos_token; set one in tokenizer_config.json"
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ModelError(_no_chat_template(folder))
+    return tokenizer
+
+
+def load_policy(
+    path: str | Path, *, dtype: str = "float32", chat: bool = True
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``AutoModelForCausalLM`` + its tokenizer (``load_tokenizer``, ``chat`` as there) from a
+    local folder, with clear errors."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder = Path(path).expanduser()
     if not folder.is_dir():
@@ -486,24 +585,13 @@ def load_policy(
     if problem is not None:
         raise ModelError(f"model.path: {problem}")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch_dtype)
     except (OSError, ValueError, RuntimeError) as error:
         raise ModelError(
             f"model.path {str(folder)!r} cannot be loaded ({type(error).__name__}: {error}); "
             "check that it is a complete save_pretrained folder of a causal LM"
         ) from error
-    if tokenizer.eos_token_id is None:
-        raise ModelError(
-            f"the tokenizer in {str(folder)!r} has no eos_token; set one in tokenizer_config.json"
-        )
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    if not getattr(tokenizer, "chat_template", None):
-        raise ModelError(
-            f"the tokenizer in {str(folder)!r} has no chat_template; use an instruct checkpoint"
-        )
-    return model, tokenizer
+    return model, load_tokenizer(folder, chat=chat)
 
 
 def count_parameters(model: Any) -> int:

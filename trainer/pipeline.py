@@ -25,7 +25,8 @@ from trainer.config import TrainerConfig, scheduled_lr
 from trainer.controller.batch import Batch
 from trainer.devices import PHASE_ROLES
 from trainer.errors import NonFiniteLossError, WorkerCallError
-from trainer.metrics import MetricsLog, plot_curves, summarise
+from trainer.local_copies import check_local_copies
+from trainer.metrics import MetricsLog, SignalWatch, learning_signal, plot_curves, summarise
 from trainer.roles import prepare_policy, start_roles
 from trainer.rollout.collate import collate, episode_advantages
 from trainer.rollout.env_manager import (
@@ -57,12 +58,15 @@ _STOPS = (
 close aborts what still runs, closes envs and cancels tasks: its failures are only logged."""
 
 
-def _quiet_transformers() -> None:
-    """No per-load progress bars or advisory warnings in the run's output (workers load models)."""
-    from transformers.utils import logging
+def _quiet_libraries() -> None:
+    """No per-load progress bars or advisory warnings of transformers in the run's output
+    (in-process workers load models; Ray's get ``resources.QUIET_WORKERS``), nor vLLM's notice
+    that Triton has no CPU backend (its tool parsers import it): that module alone, below ERROR."""
+    from transformers.utils import logging as hf_logging
 
-    logging.disable_progress_bar()
-    logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 
 
 class AgenticPipeline:
@@ -93,8 +97,9 @@ class AgenticPipeline:
         except BaseException:
             self.run_lock.release()
             raise
-        _quiet_transformers()
+        _quiet_libraries()
         self.start_time, self.time_offset, self.step = time.monotonic(), 0.0, 0
+        self.signal = SignalWatch(self.out, config.rollout.max_new_tokens)
         try:
             self._build(config)
         except BaseException as error:  # a notebook retries in this process: free what was built
@@ -103,6 +108,7 @@ class AgenticPipeline:
 
     def _build(self, config: TrainerConfig) -> None:
         """Start the workers, then what drives them (weight sync, envs, rewards, sinks)."""
+        check_local_copies(config, warm_start=not self.resume)  # with a hub: the hub's envs
         self.model_path = prepare_policy(config)
         self.renderer = self._renderer()
         self.file_demos = [] if self.resume else self._file_demos()  # refused before workers
@@ -181,6 +187,7 @@ class AgenticPipeline:
                 metrics = {
                     "step": step,
                     **summarise(episodes, "train"),
+                    **learning_signal(episodes, self.cfg.rollout.max_new_tokens),
                     "train/failed_episodes": len(failed),
                     **losses,
                     **timing,
@@ -369,6 +376,9 @@ class AgenticPipeline:
         metrics = {"step": metrics["step"], "time_s": round(self.elapsed, 3), **metrics}
         self.log.write(metrics)
         self.on_step(metrics)
+        warning = self.signal.observe(metrics)
+        if warning:
+            _log.warning(warning)
 
     @contextlib.contextmanager
     def phase(self, name: str, timing: dict[str, Any]) -> Iterator[None]:
@@ -446,6 +456,8 @@ class AgenticPipeline:
             title=f"envhub train: {', '.join(self.cfg.env.ids)}",
         )
         self.roles.actor.save_pretrained(str(self.out / "final_policy"))
+        if self.cfg.model.chat_template:  # the template it was trained with, for who serves it
+            self.renderer.tokenizer.save_pretrained(self.out / "final_policy")
         return rows
 
     def close(self, *, error: BaseException | None = None) -> None:
@@ -510,13 +522,9 @@ class AgenticPipeline:
         self.colocation.activate(*[r for r in roles if r in self.colocation.members])
 
     def _renderer(self) -> ChatRenderer:
-        from transformers import AutoTokenizer
+        from trainer.models import load_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        if self.cfg.model.chat_template:
-            tokenizer.chat_template = self.cfg.model.chat_template
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = load_tokenizer(self.model_path, chat_template=self.cfg.model.chat_template)
         rollout = self.cfg.rollout
         return ChatRenderer(tokenizer, rollout.tool_parser, rollout.max_tool_calls)
 

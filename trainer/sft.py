@@ -86,7 +86,9 @@ def expert_trajectories(
                 if action is None:
                     if trajectory.num_turns == 0:
                         raise TrainerError(
-                            f"{env_id} has no expert_action(); use sft.source: file with sft.path"
+                            f"{env_id} has no expert (its expert_action() returned None); set "
+                            "sft.epochs=0 to skip the warm start, or sft.source: file with "
+                            "sft.path (a JSONL of demonstrations)"
                         )
                     break
                 seen.setdefault(action, None)

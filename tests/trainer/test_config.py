@@ -148,11 +148,14 @@ def test_duplicate_yaml_keys_are_reported(tmp_path: Path) -> None:
 
 def test_section_level_rules(tmp_path: Path) -> None:
     assert problems_of(None, [f"model.path={tmp_path}", "model.tiny={}", "sft.source=file"]) == [
-        "model: set model.path (a local checkpoint) or model.tiny (build one), not both",
-        "sft: source 'file' needs path: a JSONL of trajectories",
+        (
+            "model: set model.path (a local checkpoint) or model.tiny (build one), not both (at "
+            f"override 'model.path={tmp_path}', override 'model.tiny={{}}')"
+        ),
+        "sft: source 'file' needs path: a JSONL of trajectories (at override 'sft.source=file')",
     ]
     assert problems_of(None, ["model.tiny.num_heads=3"]) == [
-        "model.tiny: num_heads=3 must divide hidden_size=64"
+        "model.tiny: num_heads=3 must divide hidden_size=64 (at override 'model.tiny.num_heads=3')"
     ]
 
 

@@ -227,6 +227,12 @@ class ResourceManager:
         self._bundle_of = {}
 
 
+QUIET_WORKERS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+"""The environment every worker of a local Ray starts with: no per-load progress bars ("Loading
+weights") or advisory warnings of transformers in the run's output, as in the driver
+(``trainer.pipeline._quiet_libraries``); errors still show."""
+
+
 def init_local_ray(
     num_devices: int,
     *,
@@ -239,20 +245,25 @@ def init_local_ray(
 
     It listens on :data:`LOOPBACK_NODE_IP` only, with no dashboard, and never joins a Ray
     another process started (``address="local"``). No-op if Ray is already initialised in
-    this process. ``env_vars`` reach every worker process (via the job's runtime env);
-    ``kwargs`` go to ``ray.init``.
+    this process. ``env_vars`` reach every worker process (via the job's runtime env), over
+    :data:`QUIET_WORKERS`; ``kwargs`` go to ``ray.init``. Ray's own INFO lines ("Started a local
+    Ray instance") are left out (``logging_level`` WARNING), and so is its notice, on every
+    start, that a new local cluster authenticates with a token (its default, kept).
     """
+    import logging
+
     import ray
 
     if ray.is_initialized():
         return
     _start_reaper()
-    runtime_env = {"env_vars": dict(env_vars)} if env_vars else None
+    kwargs.setdefault("logging_level", logging.WARNING)
+    runtime_env = {"env_vars": {**QUIET_WORKERS, **(env_vars or {})}}
     if device_resource == "GPU":  # Ray declares GPUs itself, never as a custom resource
         devices: dict[str, Any] = {"num_gpus": num_devices}
     else:
         devices = {"resources": {device_resource: float(num_devices)}}
-    with keep_sigterm_handler():
+    with keep_sigterm_handler(), _quiet_logger(AUTH_NOTICES):
         ray.init(
             address="local",
             num_cpus=num_cpus,
@@ -262,6 +273,24 @@ def init_local_ray(
             runtime_env=runtime_env,
             **kwargs,
         )
+
+
+AUTH_NOTICES = "ray._private.authentication.authentication_token_setup"
+"""The Ray module that announces the authentication mode a new cluster starts with."""
+
+
+@contextlib.contextmanager
+def _quiet_logger(name: str) -> Iterator[None]:
+    """Around a call: the logger ``name`` passes errors only."""
+    import logging
+
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 @contextlib.contextmanager

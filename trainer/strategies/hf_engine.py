@@ -128,7 +128,7 @@ class HFEngine(BatchingFrontend):
 
         from trainer.models import load_policy
 
-        model, tokenizer = load_policy(model_path, dtype=dtype)
+        model, tokenizer = load_policy(model_path, dtype=dtype, chat=False)
         return cls(
             model,
             eos_token_id=tokenizer.eos_token_id,

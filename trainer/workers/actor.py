@@ -194,7 +194,7 @@ class ActorWorker(WeightSender, StrategyWorker):
 
         hf_logging.disable_progress_bar()  # no per-rank "Loading weights" bars in the run's output
         torch.manual_seed(self.seed + self.ctx.rank)
-        model, self.tokenizer = load_policy(self.model_path, dtype=self.dtype)
+        model, self.tokenizer = load_policy(self.model_path, dtype=self.dtype, chat=False)
         if self.lora is not None:
             from trainer.strategies.lora import apply_lora, train_base
 

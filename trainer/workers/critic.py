@@ -59,7 +59,7 @@ def build_value_model(model_path: str, dtype: str = "float32") -> Any:
             )
             return self.value_head(out.hidden_states[-1].float()).squeeze(-1)
 
-    lm, _ = load_policy(model_path, dtype=dtype)
+    lm, _ = load_policy(model_path, dtype=dtype, chat=False)
     return ValueModel(lm)
 
 

@@ -51,7 +51,7 @@ class ReferenceWorker(StrategyWorker):
         from trainer.models import load_policy
         from trainer.strategies.registry import make_train_strategy
 
-        model, _ = load_policy(self.model_path, dtype=self.dtype)
+        model, _ = load_policy(self.model_path, dtype=self.dtype, chat=False)
         self._strategy = make_train_strategy(
             self.config.strategy,
             model,
