@@ -70,7 +70,9 @@ def expert_trajectories(
         kwargs = env_kwargs(env_id) if callable(env_kwargs) else env_kwargs
         env = envhub.make(env_id, **kwargs)
         try:
-            messages, reset_info = env.reset(seed=SFT_SEED_BASE + seed_offset + i)
+            messages, reset_info = env.reset(  # the tools described once, as in RL
+                seed=SFT_SEED_BASE + seed_offset + i, options=renderer.reset_options
+            )
             tools = reset_info.get("tools") or None  # rendered as in RL (native tool calling)
             trajectory = Trajectory(
                 env_id=env_id,

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from envhub.pool.host import BadEnvOutputError
 from envhub.tool_calls import thinking_spans
 from trainer.rollout.env_output import (
+    ResetOutcome,
     StepOutcome,
     checked_reset,
     checked_step,
@@ -75,9 +76,9 @@ _request_ids = itertools.count()
 
 
 class EnvSession(Protocol):
-    """One env instance for one episode at a time."""
+    """One env instance for one episode at a time (``options``: the env's ``reset`` options)."""
 
-    async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]: ...
+    async def reset(self, seed: int, options: dict[str, Any] | None = None) -> ResetOutcome: ...
 
     async def step(self, action: str | dict[str, Any]) -> StepOutcome: ...
 
@@ -206,8 +207,8 @@ class _LocalSession:
     async def _run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return await in_daemon_thread(fn, *args, **kwargs) if self.threaded else fn(*args, **kwargs)
 
-    async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        return await self._run(self.env.reset, seed=seed)
+    async def reset(self, seed: int, options: dict[str, Any] | None = None) -> ResetOutcome:
+        return await self._run(self.env.reset, seed=seed, options=options)
 
     async def step(self, action: str | dict[str, Any]) -> StepOutcome:
         outcome = await self._run(self.env.step, action)
@@ -258,8 +259,8 @@ class _PoolSession:
     def __init__(self, pool: Any) -> None:
         self.pool, self.episode = pool, None
 
-    async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        result = await self.pool.reset(seed=seed)
+    async def reset(self, seed: int, options: dict[str, Any] | None = None) -> ResetOutcome:
+        result = await self.pool.reset(seed=seed, options=options)
         self.episode = result.episode  # a failed reset's episode too: ``close`` frees it
         if result.failed:
             raise RuntimeError(f"env reset failed: {result.reason}: {result.detail}")
@@ -424,9 +425,8 @@ class EnvManager:
         # env code is anyone's (a registered env, a pool worker, a hub): whatever it raises,
         # the crashed env is data for this episode, not a crash of the run
         try:
-            messages, info = checked_reset(
-                await self._env_call(session.reset(trajectory.seed)), env_id
-            )
+            reset = session.reset(trajectory.seed, self.renderer.reset_options)
+            messages, info = checked_reset(await self._env_call(reset), env_id)
         except Exception as error:  # noqa: BLE001 - env code may raise any exception
             self._failed(trajectory, "reset", error)
             return

@@ -34,6 +34,7 @@ from trainer.rollout.trajectory import Trajectory
 
 __all__ = [
     "REWARD_FAILURE",
+    "ResetOutcome",
     "StepOutcome",
     "chat_messages",
     "checked_reset",
@@ -42,6 +43,7 @@ __all__ = [
     "score_episode",
 ]
 
+ResetOutcome = tuple[list[dict[str, Any]], dict[str, Any]]
 StepOutcome = tuple[list[dict[str, Any]], float, bool, bool, dict[str, Any]]
 REWARD_FAILURE = "reward function"
 """How the reason of an episode failed by its reward function starts (``groups.failure_hint``)."""
@@ -99,7 +101,7 @@ def _info_problem(info: Any) -> str:
     return ""
 
 
-def checked_reset(output: Any, env_id: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def checked_reset(output: Any, env_id: str) -> ResetOutcome:
     """``(messages, info)`` of a reset (contents as strings: ``chat_messages``), or
     ``BadEnvOutputError`` naming the env and the field."""
     messages: list[dict[str, Any]] = []

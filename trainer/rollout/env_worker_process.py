@@ -71,7 +71,7 @@ from trainer.weights.versioned import PolicyVersion
 
 if TYPE_CHECKING:
     from trainer.rollout.env_manager import EnvManager, EnvSession, EnvSource, Sampling
-    from trainer.rollout.env_output import StepOutcome
+    from trainer.rollout.env_output import ResetOutcome, StepOutcome
     from trainer.rollout.groups import EpisodeSpec
     from trainer.rollout.worker_routing import EngineSetup
 
@@ -392,8 +392,8 @@ class _RecordedSession:
     def __init__(self, session: EnvSession, key: str, calls: EnvCalls) -> None:
         self._session, self._key, self._calls = session, key, calls
 
-    async def reset(self, seed: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        return await _recorded(self._calls, self._key, self._session.reset, seed)
+    async def reset(self, seed: int, options: dict[str, Any] | None = None) -> ResetOutcome:
+        return await _recorded(self._calls, self._key, self._session.reset, seed, options)
 
     async def step(self, action: str | dict[str, Any]) -> StepOutcome:
         return await _recorded(self._calls, self._key, self._session.step, action)

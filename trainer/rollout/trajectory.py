@@ -391,6 +391,13 @@ class ChatRenderer:
             return False
         return "envhub_probe" in with_tools
 
+    @property
+    def reset_options(self) -> dict[str, Any] | None:
+        """The ``reset`` options of an episode rendered here: with tools rendered natively, the
+        template lists them, so tool envs leave their own listing out (``describe_tools``;
+        envs without tools ignore it)."""
+        return {"describe_tools": False} if self.native_tools else None
+
     def _tools(self, tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         return list(tools) if tools and self.native_tools else None
 

@@ -198,9 +198,9 @@ class HeldSession:
     def __init__(self, envs: HeldEnvs) -> None:
         self.envs, self.env, self.seed = envs, w.PlannedEnv(), 0
 
-    async def reset(self, seed: int) -> Any:
+    async def reset(self, seed: int, options: Any = None) -> Any:
         self.seed = seed
-        return self.env.reset(seed=seed)
+        return self.env.reset(seed=seed, options=options)
 
     async def step(self, action: Any) -> Any:
         if self.seed in self.envs.held:
