@@ -4,8 +4,19 @@ The env connects to an MCP server with the official ``mcp`` SDK, over stdio
 (``command=["python", "my_server.py"]``) or streamable HTTP (``url="http://127.0.0.1:8000/mcp"``),
 lists its tools, publishes them as OpenAI-format schemas and forwards every parsed
 ``<tool_call>`` to the server; results come back as ``tool`` messages. Calls are bounded by
-``call_timeout_s``; a server that dies mid-episode ends the episode as a failed one
-(``info["failed"] = True``) instead of hanging or raising.
+``call_timeout_s``. A server that dies mid-episode fails the episode: ``step`` raises
+``McpError``, which ``envhub eval``, pool workers and the trainer all record as a failed
+episode (``env_error``), never as a reward-0 loss; the next ``reset`` starts it again.
+
+Episodes are independent: with ``restart_server="episode"`` (the default) nothing one episode
+leaves in a stdio server (notes, files, rows, a graded answer) reaches the next, because
+``reset`` restarts the server after an episode that called any tool the server does not mark
+read-only (``readOnlyHint``) or a call that did not return in time. A restart costs one server
+start (~0.5 s for a Python server written with the SDK); an episode of read-only calls costs
+none (every tool of the built-in server is read-only). ``restart_server="never"`` keeps one
+server for the env's life. A ``url=`` server is not ours to restart: "episode" opens a new
+session instead, and whatever the server keeps itself is shared by every env and episode
+that uses it (reset it in the server if your tasks need that).
 
 Tasks are ``{"question", "answer"}`` records (``dataset=``); an optional ``"plan"`` — a list
 of ``{"name", "arguments"}`` calls — lets the oracle solve them. With no server given, the
@@ -18,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -99,8 +110,14 @@ class McpEnv(ToolEnv):
         hidden_tools: Sequence[str] | None = None,
         call_timeout_s: float = 10.0,
         connect_timeout_s: float = 30.0,
+        restart_server: Literal["episode", "never"] = "episode",
         **options: Any,
     ) -> None:
+        if restart_server not in ("episode", "never"):
+            raise ValueError(
+                f"restart_server must be 'episode' or 'never', got {restart_server!r}: "
+                "'episode' keeps episodes independent (the default), 'never' keeps one server"
+            )
         if command is not None and url is not None:
             raise ValueError(
                 "give command=[...] (stdio) or url='http://...' (streamable HTTP), not both"
@@ -123,7 +140,14 @@ class McpEnv(ToolEnv):
         )
         self.call_timeout_s = call_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.restart_server = restart_server
         self._connection: McpConnection | None = None
+        self._read_only: set[str] = set()
+        """Tools the server marks read-only: calling them leaves nothing to undo."""
+        self._dirty = False
+        """This episode may have changed the server's state (a restart is due at reset)."""
+        self._failure: str | None = None
+        """Why this episode's server failed (then every step raises until the next reset)."""
         super().__init__(dataset=dataset, **options)
 
     def builtin_tasks(self) -> list[Task]:
@@ -142,7 +166,7 @@ class McpEnv(ToolEnv):
                 connect_timeout_s=self.connect_timeout_s,
                 call_timeout_s=self.call_timeout_s,
             )
-            self.tools = [
+            tools = [
                 function_tool(
                     t.name,
                     t.description or "",
@@ -151,28 +175,46 @@ class McpEnv(ToolEnv):
                 for t in sorted(self._connection.tools, key=lambda t: t.name)
                 if t.name not in self.hidden_tools
             ]
-            self.parser = dataclasses.replace(self.parser, tools=tuple(self.tools))
-            self.system_prompt = self._system_prompt()
+            self._read_only = {t.name for t in self._connection.tools if _read_only(t)}
+            if tools != self.tools:  # (an unchanged list is not checked again at reset)
+                self.tools = tools
+                self.parser = dataclasses.replace(self.parser, tools=tuple(self.tools))
+                self.system_prompt = self._system_prompt()
         return self._connection
 
     def start(self, task: Task) -> str:
+        """Open the episode on a server no earlier episode changed (see the module docstring)."""
+        self._failure = None
+        if self._connection is not None and self._dirty and self.restart_server == "episode":
+            self._connection.close()
+            self._connection = None
+        self._dirty = False
         self.connection()
         return str(task["question"])
 
     def on_message(self, message: Message) -> Turn:
-        """``ToolEnv.on_message`` (which text actions reach through ``on_step`` too), with a
-        server that died turned into a failed episode on both paths."""
+        """``ToolEnv.on_message`` (which text actions reach through ``on_step`` too); a server
+        that died fails the episode on both paths (``McpError``, see the module docstring)."""
+        if self._failure is not None:
+            raise McpError(
+                f"tools/mcp-v0: {self._failure} earlier in this episode; "
+                "call reset() to start a new one"
+            )
         try:
             return super().on_message(message)
-        except McpError as error:  # the server died: a failed episode, reported as data
-            return Turn(
-                f"The tool server stopped responding ({error}). The episode ends.",
-                terminated=True,
-                info={"failed": True, "error": str(error)},
-            )
+        except McpError as error:
+            self._failure = f"the MCP server went away ({error})"
+            raise McpError(
+                f"tools/mcp-v0: {error}; the episode cannot go on. The next reset() starts "
+                "the server again (or reconnects to it, for url=)."
+            ) from error
 
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
+        if name not in self._read_only:
+            self._dirty = True
         result = self.connection_for_call().call_tool(name, arguments)
+        if result.timed_out:  # it may still be running (or blocking the server)
+            self._dirty = True
         if result.is_error:
             raise ToolError(result.text)
         return result.text
@@ -181,7 +223,7 @@ class McpEnv(ToolEnv):
         if self._connection is None:  # e.g. an unpickled copy: connect now
             return self.connection()
         if not self._connection.alive:
-            raise McpError(f"the MCP server {self._connection.describe()} is no longer connected")
+            raise McpError(f"the MCP server {self._connection.describe()} went away")
         return self._connection
 
     def grade(self, answer: str) -> float:
@@ -219,3 +261,10 @@ class McpEnv(ToolEnv):
         state = self.__dict__.copy()
         state["_connection"] = None  # reconnected on the next reset
         return state
+
+
+def _read_only(tool: Any) -> bool:
+    """Whether the server marks ``tool`` read-only (``annotations.readOnlyHint``)."""
+    annotations = getattr(tool, "annotations", None)
+    hint = getattr(annotations, "read_only_hint", getattr(annotations, "readOnlyHint", None))
+    return hint is True

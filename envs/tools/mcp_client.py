@@ -5,19 +5,37 @@ and left in the same task. ``McpConnection`` therefore runs one event loop in a 
 thread: a single long-lived coroutine opens the transport and the ``ClientSession`` and
 holds them until ``close()``; calls are submitted to that loop and waited for with a
 timeout, so a tool that never returns costs the caller ``call_timeout_s`` seconds, never a
-hang. Closing leaves the contexts in order, which stops a stdio server process.
+hang. Closing leaves the contexts in order, which stops a stdio server process (the SDK
+closes its stdin, then terminates its process group); ``close`` waits for that before it
+stops the loop.
+
+The handshake (``initialize`` and the tool list) is bounded by ``connect_timeout_s``, counted
+from the start. A stdio server that has not finished it by then (a wrong entry point, an
+npx/uvx server still installing itself) is killed with every process it started, found by a
+marker in their environment (``ENVHUB_MCP_SERVER``), before the constructor raises: a failed
+connect leaves nothing running and costs about ``connect_timeout_s``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["McpConnection", "McpError", "McpToolResult"]
+
+MARKER_VAR = "ENVHUB_MCP_SERVER"
+"""Set in a stdio server's environment (a value per connection), so the connection can find
+the server and everything it started when it must kill them."""
+_UNWIND_S = 10.0
+"""How long the constructor waits, past ``connect_timeout_s``, for a failed connect to unwind
+(the SDK's shutdown is bounded itself; this only guards against a stuck loop)."""
 
 
 class McpError(RuntimeError):
@@ -28,6 +46,8 @@ class McpError(RuntimeError):
 class McpToolResult:
     text: str
     is_error: bool
+    timed_out: bool = False
+    """The call did not return within its timeout (the server may still be running it)."""
 
 
 def _result_text(result: Any) -> str:
@@ -70,21 +90,28 @@ class McpConnection:
         self.env = env
         self.connect_timeout_s = connect_timeout_s
         self.call_timeout_s = call_timeout_s
+        self._marker = uuid.uuid4().hex
         self._loop = asyncio.new_event_loop()
         self._session: Any = None
-        self._stop: asyncio.Event | None = None
-        self._ready = threading.Event()
+        self._stop = asyncio.Event()
+        self._ready = threading.Event()  # connected, or failed (and unwound)
+        self._finished = threading.Event()  # ``_hold`` has left the session and transport
         self._error: BaseException | None = None
+        self._timed_out = False
         self._broken: BaseException | None = None
         self._thread = threading.Thread(target=self._run_loop, name="envhub-mcp", daemon=True)
         self._lifetime: Any = None
         self.tools: list[Any] = []
         self._thread.start()
         self._lifetime = asyncio.run_coroutine_threadsafe(self._hold(), self._loop)
-        if not self._ready.wait(connect_timeout_s):
+        if not self._ready.wait(connect_timeout_s + _UNWIND_S):
+            self._timed_out = True
+        if self._timed_out:
             self.close()
             raise McpError(
-                f"the MCP server ({self.describe()}) did not answer within {connect_timeout_s:.0f}s"
+                f"the MCP server ({self.describe()}) did not complete the MCP handshake within "
+                f"{connect_timeout_s:g}s, so it was stopped. If it is only slow to start (an "
+                "npx/uvx server installs itself on its first run), raise connect_timeout_s."
             )
         if self._error is not None:
             error = self._error
@@ -103,11 +130,15 @@ class McpConnection:
 
     def _transport(self) -> Any:
         if self.command is not None:
-            from mcp.client.stdio import StdioServerParameters, stdio_client
-
-            params = StdioServerParameters(
-                command=self.command[0], args=self.command[1:], env=self.env
+            from mcp.client.stdio import (
+                StdioServerParameters,
+                get_default_environment,
+                stdio_client,
             )
+
+            # the SDK's default environment, as before: the marker must not replace it
+            env = {**get_default_environment(), **(self.env or {}), MARKER_VAR: self._marker}
+            params = StdioServerParameters(command=self.command[0], args=self.command[1:], env=env)
             return stdio_client(params)
         from mcp.client.streamable_http import streamable_http_client
 
@@ -116,15 +147,22 @@ class McpConnection:
         return streamable_http_client(self.url)
 
     async def _hold(self) -> None:
+        import anyio
         from mcp import ClientSession
 
-        self._stop = asyncio.Event()
+        deadline = time.monotonic() + self.connect_timeout_s
         try:
             async with self._transport() as streams:
                 read_stream, write_stream = streams[0], streams[1]
                 async with ClientSession(read_stream, write_stream) as session:
-                    await session.initialize()
-                    listing = await session.list_tools()
+                    try:
+                        with anyio.fail_after(max(0.0, deadline - time.monotonic())):
+                            await session.initialize()
+                            listing = await session.list_tools()
+                    except TimeoutError:
+                        self._timed_out = True
+                        self._kill_server()  # before the SDK's polite shutdown waits on it
+                        raise
                     self.tools = list(listing.tools)
                     self._session = session
                     self._ready.set()
@@ -135,7 +173,31 @@ class McpConnection:
                 raise
         finally:
             self._session = None
+            self._finished.set()
             self._ready.set()
+
+    def _kill_server(self) -> None:
+        """SIGKILL the stdio server and every process it started (those that carry this
+        connection's marker, and their descendants), and wait until each has exited."""
+        if self.command is None:
+            return
+        import psutil
+
+        found: dict[int, Any] = {}
+        for process in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if process.environ().get(MARKER_VAR) == self._marker:
+                    for member in (process, *process.children(recursive=True)):
+                        found[member.pid] = member
+        for process in found.values():
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        # polled, not waited for: reaping the server would steal its exit from the SDK's watcher
+        deadline = time.monotonic() + 5
+        waiting = [p for p in found.values() if _running(p)]
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.02)
+            waiting = [p for p in waiting if _running(p)]
 
     @property
     def alive(self) -> bool:
@@ -161,7 +223,9 @@ class McpConnection:
             result = future.result(timeout)
         except FutureTimeout:
             future.cancel()
-            return McpToolResult(f"the tool {name!r} did not return within {timeout:g}s", True)
+            return McpToolResult(
+                f"the tool {name!r} did not return within {timeout:g}s", True, timed_out=True
+            )
         except Exception as exc:  # protocol error from the server, e.g. invalid params
             if "connection closed" in str(exc).lower():
                 self._broken = exc
@@ -171,19 +235,29 @@ class McpConnection:
         return McpToolResult(_result_text(result), bool(getattr(result, "is_error", False)))
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Leave the session and transport (stopping a stdio server) and the loop thread."""
+        """Leave the session and transport (stopping a stdio server), then the loop thread.
+
+        The loop stops only once ``_hold`` has left its contexts: the SDK's shutdown of a stdio
+        server (close its stdin, then terminate its process group) needs the loop to run. A
+        ``_hold`` that does not finish within ``timeout_s`` is cancelled, which runs the same
+        shutdown."""
         if not self._thread.is_alive():
             return
-        if self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        elif self._lifetime is not None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        if not self._finished.wait(timeout_s) and self._lifetime is not None:
             self._lifetime.cancel()
-        if self._lifetime is not None:
-            try:
-                self._lifetime.result(timeout_s)
-            except BaseException:  # noqa: BLE001 - already reported, or cancelled
-                self._lifetime.cancel()
+            self._finished.wait(timeout_s)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout_s)
         if not self._thread.is_alive():
             self._loop.close()
+
+
+def _running(process: Any) -> bool:
+    """``process`` (a ``psutil.Process``) runs: neither gone nor a zombie nobody reaped yet."""
+    import psutil
+
+    try:
+        return bool(process.is_running() and process.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False

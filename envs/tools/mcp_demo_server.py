@@ -1,7 +1,9 @@
 """A small, deterministic MCP server (written with the official ``mcp`` SDK) for ``tools/mcp-v0``.
 
 It plays a warehouse: stock counts and prices of fictional items, and fixed currency rates,
-so the bridge env has tasks with known answers. Two extra tools exist to test robustness:
+so the bridge env has tasks with known answers. Every tool only reads (each is marked
+``readOnlyHint``), so the env never has to restart this server between episodes. Two extra
+tools exist to test robustness:
 ``slow_echo`` (takes as long as asked, for timeouts) and ``flood`` (returns a huge text, for
 output truncation). Run it::
 
@@ -56,24 +58,28 @@ def _sdk() -> tuple[Any, type[Exception]]:
 
 def build_server() -> Any:
     """The demo server with its tools registered (not started)."""
+    from mcp.types import ToolAnnotations
+
     server_class, ToolError = _sdk()
     server = server_class("envhub-warehouse", log_level="CRITICAL")
+    # nothing an episode does changes the server (by alias: mcp 1.x names the field so)
+    read_only = ToolAnnotations.model_validate({"readOnlyHint": True})
 
-    @server.tool()
+    @server.tool(annotations=read_only)
     def get_inventory(item: str) -> str:
         """How many units of an item are in stock."""
         if item.lower() not in INVENTORY:
             raise ToolError(f"unknown item {item!r}; items: {', '.join(INVENTORY)}")
         return str(INVENTORY[item.lower()])
 
-    @server.tool()
+    @server.tool(annotations=read_only)
     def get_price(item: str) -> str:
         """The unit price of an item in US dollars."""
         if item.lower() not in PRICES_USD:
             raise ToolError(f"unknown item {item!r}; items: {', '.join(PRICES_USD)}")
         return str(PRICES_USD[item.lower()])
 
-    @server.tool()
+    @server.tool(annotations=read_only)
     def convert_currency(amount: float, from_currency: str, to_currency: str) -> str:
         """Convert an amount between currencies (USD, EUR, GBP, JPY); rounded to 2 decimals."""
         for code in (from_currency, to_currency):
@@ -81,18 +87,18 @@ def build_server() -> Any:
                 raise ToolError(f"unknown currency {code!r}; use one of {', '.join(RATES)}")
         return f"{amount / RATES[from_currency.upper()] * RATES[to_currency.upper()]:.2f}"
 
-    @server.tool()
+    @server.tool(annotations=read_only)
     def list_items() -> str:
         """Every item the warehouse stocks."""
         return ", ".join(INVENTORY)
 
-    @server.tool()
+    @server.tool(annotations=read_only)
     async def slow_echo(text: str, seconds: float) -> str:
         """Echo text after waiting (for timeout tests)."""
         await anyio.sleep(min(max(seconds, 0.0), 3600.0))
         return text
 
-    @server.tool()
+    @server.tool(annotations=read_only)
     def flood(size: int) -> str:
         """Return a text of `size` characters (for truncation tests)."""
         return "x" * max(0, min(size, 10_000_000))

@@ -15,16 +15,30 @@ Actions (inside ``<answer>...</answer>`` or alone)::
 Built-in tasks (``envs.web.browser_site``): a sign-up form, a contact form, finding a member
 ID under Settings, reaching a store's opening-hours page. A checker looks at what the site
 recorded, the URL or the answer after every step; success gives reward 1 and ends the
-episode. A page that does not load within ``page_timeout_s`` is an observation saying so;
-a browser that crashes ends the episode as failed (``info["failed"]``), never a hang.
-Navigation is confined to the local site; in the navigation tasks (member ID, store hours)
-``goto`` goes home only, since typing a guessed address would skip the task.
+episode. Navigation is confined to the local site; in the navigation tasks (member ID, store
+hours) ``goto`` goes home only, since typing a guessed address would skip the task.
+
+Failures, and what they cost:
+
+- A page that does not load within ``page_timeout_s`` is an observation saying so.
+- Every call to the browser is bounded (``page_timeout_s`` for pages, ``action_timeout_s`` for
+  actions, plus a 2 s grace where Playwright bounds the call itself): a renderer that stops
+  answering costs a step about that long, never a hang; the env's tab is closed (its renderer
+  killed with it) or, if the browser itself is stuck, that Chromium is killed.
+- A browser that crashed or stopped answering fails the episode: ``step`` raises
+  ``BrowserCrashed``, which ``envhub eval``, pool workers and the trainer all record as a
+  failed episode (``env_error``), never as a reward-0 loss. The next ``reset`` opens a new tab,
+  on a new Chromium if it died.
+
+The env can be called from any thread, each call from a different one if need be (the
+trainer's ``rollout.env_timeout_s`` does that): its tab (``envs.web.browser_tab``) runs every
+Playwright call on the thread of the process's ``BrowserPool``, which every browser env shares
+(``envs.web.browser_pool``).
 """
 
 from __future__ import annotations
 
 import base64
-import contextlib
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -36,95 +50,26 @@ from envhub.core import TextEnv, Turn
 from envhub.errors import ActionParseError
 from envhub.parsing import ActionParser
 from envs.datasets import Split, TaskSet, as_taskset
-from envs.web.browser_pool import BrowserPool
 from envs.web.browser_site import NAVIGATION_KINDS, TASK_KINDS, TaskSite, check, make_task
+from envs.web.browser_snapshot import SNAPSHOT_JS
+from envs.web.browser_tab import GRACE_S, BrowserFailure, BrowserTab
 from envs.web.shop_site import serve_site
 
-__all__ = ["SNAPSHOT_JS", "BrowserEnv"]
+__all__ = ["BrowserCrashed", "BrowserEnv"]
 
-SNAPSHOT_JS = r"""
-() => {
-  const lines = [], elements = [];
-  let next = 0;
-  const clean = (s) => (s || '').replace(/\s+/g, ' ').trim().slice(0, 100);
-  const visible = (el) => {
-    const s = getComputedStyle(el);
-    return s.display !== 'none' && s.visibility !== 'hidden';
-  };
-  const roleOf = (el) => {
-    if (el.getAttribute('role')) return el.getAttribute('role');
-    const t = el.tagName;
-    if (t === 'A') return 'link';
-    if (t === 'BUTTON') return 'button';
-    if (t === 'SELECT') return 'combobox';
-    if (t === 'TEXTAREA') return 'textbox';
-    const type = (el.getAttribute('type') || 'text').toLowerCase();
-    const roles = {checkbox: 'checkbox', radio: 'radio', submit: 'button', button: 'button'};
-    return roles[type] || 'textbox';
-  };
-  const nameOf = (el) => clean(el.getAttribute('aria-label')
-      || (el.labels && el.labels.length ? el.labels[0].innerText : '')
-      || el.getAttribute('placeholder') || (el.tagName === 'SELECT' ? '' : el.innerText)
-      || el.getAttribute('name') || '');
-  document.querySelectorAll('[data-envhub-id]')
-    .forEach((el) => el.removeAttribute('data-envhub-id'));
-  const walk = (node, depth) => {
-    for (const child of node.childNodes) {
-      if (child.nodeType === 3) {
-        const text = clean(child.textContent);
-        if (text && !child.parentElement.closest('a,button,label,select,textarea,option')) {
-          lines.push('  '.repeat(depth) + 'text "' + text + '"');
-        }
-        continue;
-      }
-      if (child.nodeType !== 1 || !visible(child)) continue;
-      if (['SCRIPT', 'STYLE', 'NOSCRIPT'].includes(child.tagName)) continue;
-      const tag = child.tagName;
-      const control = ['A', 'BUTTON', 'INPUT', 'SELECT', 'TEXTAREA'].includes(tag);
-      if (control && !(tag === 'INPUT' && child.type === 'hidden')) {
-        next += 1;
-        child.setAttribute('data-envhub-id', String(next));
-        const role = roleOf(child), name = nameOf(child);
-        let line = '  '.repeat(depth) + '[' + next + '] ' + role + ' "' + name + '"';
-        let value = '';
-        if (role === 'checkbox' || role === 'radio') {
-          line += child.checked ? ' checked' : ' unchecked';
-        } else if (tag === 'SELECT') {
-          value = child.selectedIndex >= 0 ? clean(child.options[child.selectedIndex].text) : '';
-          const options = Array.from(child.options).map((o) => clean(o.text)).join(', ');
-          line += ' value="' + value + '" options=[' + options + ']';
-        } else if (tag === 'INPUT' || tag === 'TEXTAREA') {
-          value = child.value;
-          line += ' value="' + clean(value) + '"';
-        }
-        lines.push(line);
-        elements.push({id: next, role: role, name: name, value: value, checked: !!child.checked});
-        continue;
-      }
-      if (/^H[1-6]$/.test(tag)) {
-        lines.push('  '.repeat(depth) + 'heading "' + clean(child.innerText) + '"');
-        continue;
-      }
-      if (tag === 'LABEL') {
-        const own = Array.from(child.childNodes).filter((n) => n.nodeType === 3);
-        const text = clean(own.map((n) => n.textContent).join(' '));
-        if (text && !child.control) lines.push('  '.repeat(depth) + 'text "' + text + '"');
-      }
-      walk(child, ['FORM', 'UL', 'NAV', 'MAIN', 'SECTION'].includes(tag) ? depth + 1 : depth);
-    }
-  };
-  walk(document.body, 0);
-  return {text: lines.join('\n'), elements: elements, title: document.title};
-}
-"""
 _ACTION = re.compile(
     r"^(click|type|select|goto|scroll|back|answer)\b\s*(?:\[(.*?)\])?\s*(?:\[(.*)\])?\s*$",
     re.IGNORECASE | re.DOTALL,
 )
 
 
-class BrowserFailure(Exception):
-    """The browser died or stopped answering; the episode cannot go on."""
+class BrowserCrashed(RuntimeError):
+    """The episode's browser crashed or stopped answering: the episode cannot go on.
+
+    Raised from ``step`` (and from ``reset`` when a new tab fails too), the way every envhub
+    consumer reads an env failure: ``envhub eval`` records ``failure="env_error"``, a pool
+    worker fails the episode, the trainer drops or replaces the trajectory; none of them
+    scores it as a loss. The next ``reset()`` opens a new tab, on a new Chromium if it died."""
 
 
 class BrowserEnv(TextEnv):
@@ -171,30 +116,18 @@ class BrowserEnv(TextEnv):
         self.task: dict[str, Any] = {}
         self.elements: list[dict[str, Any]] = []
         self._answer: str | None = None
+        self._failure: str | None = None
+        """Why this episode's browser failed (then every step raises until the next reset)."""
         self._site = TaskSite()
         self._base_url: str | None = None
         self._stop_server: Callable[[], None] | None = None
-        self._pool: BrowserPool | None = None
-        self._context: Any = None
-        self._page: Any = None
-        self._cdp: Any = None
+        self._tab = BrowserTab(page_timeout_s=page_timeout_s, action_timeout_s=action_timeout_s)
 
     # ------------------------------------------------------------------ browser plumbing
     def _ensure_server(self) -> str:
         if self._base_url is None:
             self._base_url, self._stop_server = serve_site(self._site)
         return self._base_url
-
-    def _new_page(self) -> None:
-        if self._pool is None:
-            self._pool = BrowserPool.for_this_thread()
-            self._pool.attach()
-        self._drop_context()
-        self._context = self._pool.context(viewport={"width": 1024, "height": 768})
-        self._page = self._context.new_page()
-        self._page.set_default_timeout(self.action_timeout_s * 1000)
-        self._page.set_default_navigation_timeout(self.page_timeout_s * 1000)
-        self._cdp = self._context.new_cdp_session(self._page)
 
     def _open_home(self, base: str) -> str | None:
         """Show the site's home page in a tab that holds nothing of an earlier episode; return a
@@ -204,37 +137,21 @@ class BrowserEnv(TextEnv):
         process, most of what a reset used to cost. What a tab keeps is cleared instead: the
         site's storage and cookies and the HTTP cache before the page loads, the history after
         it (a fresh tab's history would hold ``about:blank``, where ``back`` used to lead)."""
-        if self._page is None:
-            self._new_page()
-        else:
-            try:
-                self._cdp.send(
-                    "Storage.clearDataForOrigin", {"origin": base, "storageTypes": "all"}
-                )
-                self._cdp.send("Network.clearBrowserCache")
-                self._context.clear_cookies()
-            except Exception as error:  # a dead browser: a new one; anything else: a new tab
-                if self._browser_dead(error):
-                    raise BrowserFailure(str(error)) from error
-                self._new_page()
-        note = self._goto(base + "/")
-        try:
-            self._cdp.send("Page.resetNavigationHistory")
-        except Exception as error:  # (the caller retries once in a new tab)
-            raise BrowserFailure(str(error)) from error
+        self._tab.clear(base)
+        note = self._tab.goto(base + "/")
+        self._tab.reset_history()
         return note
 
-    def _drop_context(self) -> None:
-        if self._context is not None:
-            with contextlib.suppress(Exception):  # its browser may have crashed
-                self._context.close()
-        self._context = self._page = self._cdp = None
-
     def _snapshot(self) -> str:
+        page = self._tab.page
         try:
-            data = self._page.evaluate(SNAPSHOT_JS)
+            data = self._tab.call(
+                lambda: page.evaluate(SNAPSHOT_JS), self.page_timeout_s, "reading the page"
+            )
+        except BrowserFailure:
+            raise
         except Exception as error:
-            if self._browser_dead(error):
+            if self._tab.dead(error):
                 raise BrowserFailure(str(error)) from error
             return f"(the page could not be read: {str(error).splitlines()[0][:200]})"
         self.elements = data["elements"]
@@ -243,42 +160,8 @@ class BrowserEnv(TextEnv):
             text = text[: self.max_observation_chars] + "\n... [page truncated]"
         return text
 
-    def _browser_dead(self, error: BaseException) -> bool:
-        message = str(error).lower()
-        try:
-            connected = (
-                self._context is not None
-                and self._context.browser is not None
-                and self._context.browser.is_connected()
-            )
-        except Exception:  # noqa: BLE001 - a browser that cannot answer counts as disconnected
-            connected = False
-        return (
-            not connected or "closed" in message or "crash" in message or "disconnected" in message
-        )
-
     def _path(self) -> str:
-        try:
-            return urlsplit(self._page.url).path or "/"
-        except Exception:  # noqa: BLE001 - a closed or crashed page has no URL to show
-            return "/"
-
-    def _goto(self, url: str) -> str | None:
-        """Navigate; return a note if the page did not load (the episode goes on)."""
-        try:
-            self._page.goto(url, wait_until="domcontentloaded")
-        except Exception as error:
-            if self._browser_dead(error):
-                raise BrowserFailure(str(error)) from error
-            if "timeout" in str(error).lower():
-                return (
-                    f"The page {urlsplit(url).path} did not load within {self.page_timeout_s:g}s."
-                )
-            return (
-                f"The page {urlsplit(url).path} could not be opened: "
-                f"{str(error).splitlines()[0][:200]}"
-            )
-        return None
+        return self._tab.path
 
     # ------------------------------------------------------------------ episode
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -289,39 +172,60 @@ class BrowserEnv(TextEnv):
         }
         self._site.reset(member_id=self.task.get("member_id", "M-000000"))
         base = self._ensure_server()
-        self._answer = None
+        self._answer = self._failure = None
         try:
-            note = self._open_home(base)
-            page = self._snapshot()
-        except BrowserFailure:  # a crashed pooled browser: the pool relaunches on retry
-            self._new_page()
-            note, page = self._open_home(base), self._snapshot()
+            try:
+                note = self._open_home(base)
+                page = self._snapshot()
+            except BrowserFailure:  # a crashed or stuck browser: a new tab, on a new one if dead
+                self._tab.new()
+                note, page = self._open_home(base), self._snapshot()
+            shot = self._screenshot_info()
+        except BrowserFailure as failure:
+            self._tab.close_context()
+            raise BrowserCrashed(
+                f"web/browser-v0 could not open its page: the browser crashed or stopped "
+                f"answering twice ({_first_line(failure)}). Check that Chromium runs "
+                "(`chromium --headless=new --dump-dom about:blank`); reset() tries again."
+            ) from None
         text = f"Task: {self.task['instruction']}\n\n{page}" + (f"\n{note}" if note else "")
-        return text, {"task_id": chosen["id"], "kind": self.task["kind"], **self._screenshot_info()}
+        return text, {"task_id": chosen["id"], "kind": self.task["kind"], **shot}
 
     def _screenshot_info(self) -> dict[str, Any]:
-        if not self.screenshot or self._page is None:
+        if not self.screenshot or self._tab.page is None:
             return {}
+        page = self._tab.page
         try:
-            return {"screenshot_png": base64.b64encode(self._page.screenshot()).decode()}
+            png = self._tab.call(page.screenshot, self.action_timeout_s + GRACE_S, "screenshotting")
+        except BrowserFailure:
+            raise
         except Exception:  # noqa: BLE001 - the screenshot is optional: the step goes on without it
             return {}
+        return {"screenshot_png": base64.b64encode(png).decode()}
 
     def on_step(self, action: str) -> Turn:
+        if self._failure is not None:
+            raise BrowserCrashed(
+                f"web/browser-v0: {self._failure} earlier in this episode; "
+                "call reset() to start a new one"
+            )
         try:
             verb, first, second = self._parse(action)
         except ActionParseError as error:
             return self.invalid_action(error.feedback)
         try:
-            problem = self._act(verb, first, second)
-            observation = self._snapshot()
+            return self._play(verb, first, second)
         except BrowserFailure as failure:
-            self._drop_context()
-            return Turn(
-                f"The browser crashed ({str(failure).splitlines()[0][:200]}). The episode ends.",
-                terminated=True,
-                info={"failed": True, "error": str(failure)[:500]},
-            )
+            self._tab.close_context()
+            self._failure = f"the browser crashed or stopped answering ({_first_line(failure)})"
+            raise BrowserCrashed(
+                f"web/browser-v0: {self._failure}; the episode cannot go on. The next reset() "
+                "opens a new tab (and starts a new Chromium if this one died)."
+            ) from None
+
+    def _play(self, verb: str, first: str, second: str) -> Turn:
+        problem = self._act(verb, first, second)
+        observation = self._snapshot()
         if problem is not None and problem.startswith("!"):
             return self.invalid_action(problem[1:] + "\n\n" + observation)
         done = check(self.task, self._site, self._path(), self._answer)
@@ -384,24 +288,31 @@ class BrowserEnv(TextEnv):
             )
         return verb, first, second
 
-    def _element(self, ref: str) -> Any:
+    def _element(self, ref: str) -> str | None:
+        """The selector of element ``[ref]`` of the latest observation, or None."""
         if not ref.isdigit() or not any(e["id"] == int(ref) for e in self.elements):
             return None
-        return self._page.locator(f'[data-envhub-id="{int(ref)}"]')
+        return f'[data-envhub-id="{int(ref)}"]'
 
     def _act(self, verb: str, first: str, second: str) -> str | None:
         """Do the action; return None, a note, or '!feedback' for an invalid action."""
+        tab, page, action_s = self._tab, self._tab.page, self.action_timeout_s + GRACE_S
         try:
             if verb == "answer":
                 self._answer = first
                 return None
             if verb == "back":
-                self._page.go_back(wait_until="domcontentloaded")
+                tab.call(
+                    lambda: page.go_back(wait_until="domcontentloaded"),
+                    self.page_timeout_s + GRACE_S,
+                    "going back",
+                )
                 return None
             if verb == "scroll":
                 if first.lower() not in ("up", "down"):
                     return f"!scroll takes [up] or [down], not [{first[:20]}]."
-                self._page.mouse.wheel(0, 600 if first.lower() == "down" else -600)
+                delta = 600 if first.lower() == "down" else -600
+                tab.call(lambda: page.mouse.wheel(0, delta), self.action_timeout_s, "scrolling")
                 return None
             if verb == "goto":
                 base = self._ensure_server()
@@ -413,32 +324,44 @@ class BrowserEnv(TextEnv):
                         "!goto is off in navigation tasks (finding the page is the task): "
                         "follow the site's links; goto [/] returns to the home page."
                     )
-                return self._goto(url)
-            element = self._element(first)
-            if element is None:
+                return tab.goto(url)
+            selector = self._element(first)
+            if selector is None:
                 return (
                     f"!There is no element [{first[:20]}] on this page; "
                     "use an id from the latest observation."
                 )
+            doing = f"{verb}ing [{first[:20]}]".replace("typeing", "typing")
             if verb == "click":
-                element.click()
+                tab.call(lambda: page.locator(selector).click(), action_s, doing)
                 try:
-                    self._page.wait_for_load_state(
-                        "domcontentloaded", timeout=self.page_timeout_s * 1000
+                    tab.call(
+                        lambda: page.wait_for_load_state(
+                            "domcontentloaded", timeout=self.page_timeout_s * 1000
+                        ),
+                        self.page_timeout_s + GRACE_S,
+                        "waiting for the page to load",
                     )
+                except BrowserFailure:
+                    raise
                 except Exception as error:
                     if "timeout" in str(error).lower():
+                        tab.stop_loading()
                         return f"The page did not load within {self.page_timeout_s:g}s."
                     raise
             elif verb == "type":
-                element.fill(second)
+                tab.call(lambda: page.locator(selector).fill(second), action_s, doing)
             else:
-                element.select_option(label=second)
+                tab.call(
+                    lambda: page.locator(selector).select_option(label=second), action_s, doing
+                )
         except BrowserFailure:
             raise
         except Exception as error:
-            if self._browser_dead(error):
+            if tab.dead(error):
                 raise BrowserFailure(str(error)) from error
+            if "timeout" in str(error).lower():
+                tab.stop_loading()  # e.g. ``back`` to a page that did not load
             return f"!The {verb} did not work: {str(error).splitlines()[0][:200]}"
         return None
 
@@ -508,17 +431,21 @@ class BrowserEnv(TextEnv):
 
     # ------------------------------------------------------------------ lifecycle
     def on_close(self) -> None:
-        self._drop_context()
-        if self._pool is not None:
-            self._pool.detach()
-            self._pool = None
+        self._tab.close()
         if self._stop_server is not None:
             self._stop_server()
             self._stop_server, self._base_url = None, None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        for key in ("_pool", "_context", "_page", "_cdp", "_stop_server", "_base_url"):
+        for key in ("_stop_server", "_base_url", "_failure"):
             state[key] = None  # a copy opens its own browser context and site
         state["_site"] = TaskSite()
+        state["_tab"] = BrowserTab(
+            page_timeout_s=self.page_timeout_s, action_timeout_s=self.action_timeout_s
+        )
         return state
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0][:200] if str(error) else type(error).__name__

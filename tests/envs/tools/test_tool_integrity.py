@@ -150,10 +150,12 @@ def test_mcp_lone_surrogate_is_refused_and_the_server_lives_on(mcp_env, action):
 
 
 def test_mcp_server_gone_on_the_structured_path_is_a_failed_episode(mcp_env):
+    from envs.tools.mcp_client import McpError
+
     mcp_env.reset(seed=0)
     mcp_env.unwrapped._connection.close()
-    _, reward, terminated, _, info = mcp_env.step(structured("get_inventory", '{"item": "widget"}'))
-    assert terminated and info["failed"] and reward == 0.0
+    with pytest.raises(McpError, match=r"went away.*the episode cannot go on"):
+        mcp_env.step(structured("get_inventory", '{"item": "widget"}'))
     mcp_env.reset(seed=0)  # reconnects for the tests after this one
 
 

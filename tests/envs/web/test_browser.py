@@ -38,16 +38,25 @@ def test_envs_share_chromium_and_the_last_close_leaves_none_behind():
     # (the env contract itself is checked with every built-in id in tests/envhub/test_check_all.py)
     first, second = envhub.make("web/browser-v0"), envhub.make("web/browser-forms-v0")
     first.reset(seed=0)
-    pids = BrowserPool.for_this_thread().pids
+    pids = BrowserPool.shared().pids
     assert pids, "the pool should have started Chromium"
     second.reset(seed=1)
-    assert BrowserPool.for_this_thread().pids == pids, "the second env started its own Chromium"
+    browsers = psutil.Process(BrowserPool.shared().driver_pid).children()  # one per Chromium
+    assert len(browsers) == 1, "the second env started its own Chromium"
+    pids |= BrowserPool.shared().pids
     first.close()
     assert chromium_alive(pids), "closing one env killed the browser the other one uses"
     second.step("<answer>scroll [down]</answer>")
+    driver = BrowserPool.shared().driver_pid
     second.close()
     second.close()
-    assert chromium_alive(pids) == []
+    assert chromium_alive(pids) == [] and chromium_alive([driver]) == []
+
+
+def in_page(env, script):
+    """``script`` evaluated in the env's tab (on the browser pool's thread, as the env does)."""
+    page = env.unwrapped._tab.page
+    return env.unwrapped._tab.call(lambda: page.evaluate(script), 5, "a test script")
 
 
 @pytest.fixture(scope="class")
@@ -55,7 +64,7 @@ def warm_chromium() -> Iterator[None]:
     """One Chromium for a class of tests: an extra user of this thread's pool keeps it running
     between them, so each test's last ``close()`` does not reap it and the next launch it again.
     Each env still gets a browser context of its own, cleared at every ``reset``."""
-    pool = BrowserPool.for_this_thread()
+    pool = BrowserPool.shared()
     pool.attach()
     yield
     pool.detach()
@@ -142,16 +151,17 @@ class TestOnOneChromium:
         try:
             env.reset(options={"task_id": "contact-000"})
             env.step("<answer>goto [/contact]</answer>")
-            env.unwrapped._page.evaluate(
+            in_page(
+                env,
                 "() => { localStorage.setItem('k', 'v'); sessionStorage.setItem('k', 'v');"
-                " document.cookie = 'k=v; path=/'; }"
+                " document.cookie = 'k=v; path=/'; }",
             )
             first, _ = env.reset(options={"task_id": "contact-000"})
-            page = env.unwrapped._page
-            assert page.evaluate(
-                "() => [localStorage.length, sessionStorage.length, document.cookie]"
+            assert in_page(
+                env, "() => [localStorage.length, sessionStorage.length, document.cookie]"
             ) == [0, 0, ""]
-            assert env.unwrapped._context.cookies() == []
+            context = env.unwrapped._tab.context
+            assert env.unwrapped._tab.call(context.cookies, 5, "reading cookies") == []
             env.step("<answer>back</answer>")
             assert env.unwrapped._path() == "/"
             again, _ = env.reset(options={"task_id": "contact-000"})
@@ -160,23 +170,20 @@ class TestOnOneChromium:
             env.close()
 
 
-def test_a_browser_crash_mid_episode_is_a_failed_episode_and_the_pool_recovers():
+def test_a_browser_that_dies_between_episodes_is_replaced_at_reset():
+    """(A crash mid-episode: tests/envs/web/test_browser_failures.py.)"""
     env = envhub.make("web/browser-v0")
     try:
         env.reset(seed=0)
-        for pid in chromium_alive(BrowserPool.for_this_thread().pids):
-            os.kill(pid, signal.SIGKILL)
-        _, reward, terminated, _, info = env.step("<answer>click [2]</answer>")
-        assert terminated and info["failed"] and reward == 0.0
-        messages, _ = env.reset(seed=1)
-        assert "[1] link" in messages[-1]["content"]
-        # a browser that dies between episodes: the next reset opens a tab on a new one
-        for pid in chromium_alive(BrowserPool.for_this_thread().pids):
+        pids = BrowserPool.shared().pids
+        for pid in chromium_alive(pids):
             os.kill(pid, signal.SIGKILL)
         messages, _ = env.reset(seed=2)
         assert "[1] link" in messages[-1]["content"]
+        assert BrowserPool.shared().pids.isdisjoint(pids), "the dead Chromium is still in use"
         _, _, terminated, _, info = env.step("<answer>scroll [down]</answer>")
-        assert not terminated and not info.get("failed")
+        assert not terminated and not info["invalid_action"]
+        pids |= BrowserPool.shared().pids
     finally:
         env.close()
-    assert chromium_alive(BrowserPool.for_this_thread().pids) == []
+    assert chromium_alive(pids) == []
