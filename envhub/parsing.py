@@ -16,6 +16,10 @@ Formats
 ``"raw"``
     The whole text, stripped.
 
+Thinking is never the action: with ``"tag"`` and ``"last_line"``, what a reasoning model wrote
+inside ``<think>...</think>`` (``thinking_spans``) is left out, as it is for tool calls, so an
+answer it only mused about ("maybe <answer>0</answer>?") is not graded.
+
 Tool calls (``<tool_call>`` JSON, ``ToolCallParser``) are read by ``envhub.tool_calls``; its
 names are importable from here too.
 """
@@ -32,6 +36,7 @@ from envhub.tool_calls import (  # the tool-call half, importable from here as b
     ToolCall,
     ToolCallParser,
     _strip,
+    blank_thinking,
     format_tool_call,
     json_problem,
     message_text,
@@ -88,6 +93,8 @@ class ActionParser:
         """Return the action in ``text`` or raise ``ActionParseError`` with model feedback."""
         if not isinstance(text, str):
             raise ActionParseError(f"expected text, got {type(text).__name__}")
+        if self.format != "raw":
+            text = blank_thinking(text)  # (thinking is not the action: module docstring)
         if self.format == "tag":
             action = self._parse_tag(text)
         elif self.format == "last_line":

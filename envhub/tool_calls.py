@@ -30,6 +30,7 @@ __all__ = [
     "MAX_NESTING",
     "ToolCall",
     "ToolCallParser",
+    "blank_thinking",
     "format_tool_call",
     "json_problem",
     "message_text",
@@ -185,7 +186,7 @@ def thinking_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def _blank_thinking(text: str) -> str:
+def blank_thinking(text: str) -> str:
     """``text`` with its thinking (``thinking_spans``) blanked out: same length, so indices
     still point into ``text``."""
     spans = thinking_spans(text)
@@ -393,7 +394,7 @@ class ToolCallParser:
 
     def _tags(self, text: str) -> Iterator[tuple[int, int, str]]:
         """(start, end, body) of each call tag in ``text`` outside thinking (see ``split``)."""
-        masked = _blank_thinking(text)
+        masked = blank_thinking(text)
         tag = re.escape(self.tag)
         opening = re.compile(rf"<{tag}\s*>", re.IGNORECASE)
         closing = re.compile(rf"</\s*{tag}\s*>", re.IGNORECASE)

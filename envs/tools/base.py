@@ -54,6 +54,13 @@ from envs.datasets import Split, Task, TaskSet, as_taskset
 
 __all__ = ["ToolEnv", "ToolError", "truncate"]
 
+ANSWER_WITH_CALLS = (
+    "Your <answer> was not taken: a reply that calls tools gets their results first. Give the "
+    "answer in a reply of its own, once you have what you need."
+)
+"""What a reply with both tool calls and an answer hears after the results (the calls run,
+the answer waits: it may depend on them)."""
+
 
 class ToolError(Exception):
     """A well-formed tool call that failed; the message is shown to the model as the result."""
@@ -218,6 +225,8 @@ class ToolEnv(TextEnv):
         if calls:
             messages = [self._run(call) for call in calls]
             errors = sum(message["content"].startswith("Error:") for message in messages)
+            if extract_answer(action) is not None:  # said, not ignored in silence
+                messages.append({"role": "user", "content": ANSWER_WITH_CALLS})
             return Turn(
                 messages, info={"tool_calls": [c.name for c in calls], "tool_errors": errors}
             )

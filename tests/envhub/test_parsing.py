@@ -58,3 +58,21 @@ def test_bad_parser_config_is_refused():
         ActionParser(format="xml")
     with pytest.raises(ValueError, match="must be a plain name"):
         ActionParser(tag="a b")
+
+
+@pytest.mark.parametrize(
+    "text, action",
+    [
+        ("<think>maybe <answer>0</answer>? no.</think><answer>5</answer>", "5"),
+        ("<think>is it <answer>up</answer>?</think>\ndown", "down"),  # lenient: the last line
+        ("it could be <answer>2</answer>... </think><answer>3</answer>", "3"),  # prompt's <think>
+    ],
+)
+def test_an_answer_written_while_thinking_is_not_the_action(text, action):
+    assert ActionParser().parse(text) == action
+
+
+def test_a_reply_that_only_thinks_has_no_action():
+    with pytest.raises(ActionParseError):
+        ActionParser(lenient=False).parse("<think>so <answer>0</answer> then</think>")
+    assert extract_answer("<think><answer>0</answer></think>") is None

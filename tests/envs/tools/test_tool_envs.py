@@ -96,3 +96,19 @@ def test_tool_output_is_truncated():
         f'<tool_call>{{"name": "run_sql", "arguments": {{"query": "{query}"}}}}</tool_call>'
     )[0]
     assert len(reply[0]["content"]) < 200 and "[truncated" in reply[0]["content"]
+
+
+def test_an_answer_mused_while_thinking_does_not_end_the_episode():
+    env = envhub.make("tools/calculator-v0")
+    env.reset(seed=0)
+    reply, reward, terminated, _, info = env.step("<think>maybe <answer>-1</answer>?</think>")
+    assert not terminated and reward < 0 and info["invalid_action"], reply
+
+
+def test_an_answer_sent_with_tool_calls_is_not_dropped_silently():
+    env = envhub.make("tools/calculator-v0")
+    env.reset(seed=0)
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "1 + 1"}}</tool_call>'
+    reply, _, terminated, _, _ = env.step(call + "<answer>2</answer>")
+    assert not terminated and reply[0]["role"] == "tool"
+    assert "answer" in reply[-1]["content"] and "not taken" in reply[-1]["content"], reply
