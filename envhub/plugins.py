@@ -37,8 +37,8 @@ and hub workers too."""
 
 PYTHON_IDS_HINT = (
     "Ids registered with envhub.register() in Python code exist only in the process that ran "
-    "it: load that module with --import MODULE (envhub train: ENVHUB_PLUGINS=MODULE), or ship "
-    "it in a package with an `envhub.envs` entry point (envhub init NAME)."
+    "it: load that module with --import MODULE (or ENVHUB_PLUGINS=MODULE in the environment), "
+    "or ship it in a package with an `envhub.envs` entry point (envhub init NAME)."
 )
 """Added to an unknown id's error when no plugin registers or failed in its namespace."""
 

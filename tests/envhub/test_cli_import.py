@@ -65,7 +65,7 @@ def test_without_import_the_unknown_id_error_says_why_and_what_to_do(folder):
     result = envhub_cli(folder, "check", "acme/echo-v0")
     assert result.returncode == 2, result.stdout + result.stderr
     assert "exist only in the process that ran it" in result.stderr
-    assert "--import MODULE (envhub train: ENVHUB_PLUGINS=MODULE)" in result.stderr
+    assert "--import MODULE (or ENVHUB_PLUGINS=MODULE in the environment)" in result.stderr
 
 
 @pytest.mark.timeout(180)

@@ -164,6 +164,6 @@ def test_an_unknown_id_in_a_namespace_no_plugin_knows_says_python_ids_stay_in_th
         registry.spec("acme/echo-v0")
     message = str(caught.value)
     assert "registered with envhub.register() in Python code exist only in the process" in message
-    assert "--import MODULE (envhub train: ENVHUB_PLUGINS=MODULE)" in message
+    assert "--import MODULE (or ENVHUB_PLUGINS=MODULE in the environment)" in message
     assert "`envhub.envs` entry point (envhub init NAME)" in message
     assert message.endswith("Run `envhub list` to see every id.")
