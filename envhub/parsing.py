@@ -17,8 +17,10 @@ Formats
     The whole text, stripped.
 
 Thinking is never the action: with ``"tag"`` and ``"last_line"``, what a reasoning model wrote
-inside ``<think>...</think>`` (``thinking_spans``) is left out, as it is for tool calls, so an
-answer it only mused about ("maybe <answer>0</answer>?") is not graded.
+inside ``<think>...</think>`` blocks is left out, as it is for tool calls, so an answer it only
+mused about ("maybe <answer>0</answer>?") is not graded. Only blocks the text opens count
+(``thinking_spans(leading=False)``): a parser cannot know whether the prompt opened one, and a
+``</think>`` in an answer (``print('</think>')``) must stay the answer's.
 
 Tool calls (``<tool_call>`` JSON, ``ToolCallParser``) are read by ``envhub.tool_calls``; its
 names are importable from here too.
@@ -49,6 +51,7 @@ __all__ = [
     "ActionParser",
     "ToolCall",
     "ToolCallParser",
+    "blank_thinking",
     "extract_answer",
     "format_tool_call",
     "json_problem",
@@ -94,7 +97,7 @@ class ActionParser:
         if not isinstance(text, str):
             raise ActionParseError(f"expected text, got {type(text).__name__}")
         if self.format != "raw":
-            text = blank_thinking(text)  # (thinking is not the action: module docstring)
+            text = blank_thinking(text, leading=False)  # (not the action: module docstring)
         if self.format == "tag":
             action = self._parse_tag(text)
         elif self.format == "last_line":

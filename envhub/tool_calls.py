@@ -159,12 +159,15 @@ def _skip_space(text: str, position: int) -> int:
     return position
 
 
-def thinking_spans(text: str) -> list[tuple[int, int]]:
+def thinking_spans(text: str, *, leading: bool = True) -> list[tuple[int, int]]:
     """``(start, end)`` of each stretch of thinking in ``text``, in order, closing tag included:
 
-    1. the text before a first ``</think>`` that no ``<think>`` comes before: a generation
-       prompt that ends with ``<think>`` (DeepSeek-R1, Qwen3-Thinking-2507) makes the model
-       write only the rest of its block (vLLM's ``deepseek_r1`` reasoning parser reads it so);
+    1. (with ``leading``) the text before a first ``</think>`` that no ``<think>`` comes before:
+       a generation prompt that ends with ``<think>`` (DeepSeek-R1, Qwen3-Thinking-2507) makes
+       the model write only the rest of its block (vLLM's ``deepseek_r1`` reasoning parser reads
+       it so). Without ``leading`` (a reader that cannot know the prompt opened a block: an
+       env's answer parser), such a ``</think>`` is text: ``<answer>print('</think>')</answer>``
+       stays an answer;
     2. each ``<think>...</think>`` block after that (to the first ``</think>`` after it).
 
     A ``</think>`` that closes nothing once thinking ended (after a block or the rule-1 span) is
@@ -174,7 +177,7 @@ def thinking_spans(text: str) -> list[tuple[int, int]]:
     spans: list[tuple[int, int]] = []
     first_open, first_close = text.find(_THINK_OPEN), text.find(_THINK_CLOSE)
     position = 0
-    if first_close != -1 and (first_open == -1 or first_close < first_open):
+    if leading and first_close != -1 and (first_open == -1 or first_close < first_open):
         position = first_close + len(_THINK_CLOSE)
         spans.append((0, position))
     while (start := text.find(_THINK_OPEN, position)) != -1:
@@ -186,10 +189,10 @@ def thinking_spans(text: str) -> list[tuple[int, int]]:
     return spans
 
 
-def blank_thinking(text: str) -> str:
-    """``text`` with its thinking (``thinking_spans``) blanked out: same length, so indices
-    still point into ``text``."""
-    spans = thinking_spans(text)
+def blank_thinking(text: str, *, leading: bool = True) -> str:
+    """``text`` with its thinking (``thinking_spans``, ``leading`` as there) blanked out: same
+    length, so indices still point into ``text``."""
+    spans = thinking_spans(text, leading=leading)
     if not spans:
         return text
     parts, position = [], 0

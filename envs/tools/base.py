@@ -36,6 +36,7 @@ action (``ToolCallParser``), never passed to a tool.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -209,6 +210,12 @@ class ToolEnv(TextEnv):
         self._plan_position = 0
         return question, {"task_id": self.task["id"]}
 
+    def _outside_calls(self, text: str) -> str:
+        """``text`` without its tool-call blocks (an ``<answer>`` in a call's arguments is the
+        call's)."""
+        tag = re.escape(self.parser.tag)
+        return re.sub(rf"<{tag}>.*?(?:</{tag}>|$)", " ", text, flags=re.DOTALL | re.IGNORECASE)
+
     def on_step(self, action: str) -> Turn:
         return self.on_message({"role": "assistant", "content": action})
 
@@ -225,7 +232,7 @@ class ToolEnv(TextEnv):
         if calls:
             messages = [self._run(call) for call in calls]
             errors = sum(message["content"].startswith("Error:") for message in messages)
-            if extract_answer(action) is not None:  # said, not ignored in silence
+            if extract_answer(self._outside_calls(action)) is not None:  # said, not dropped
                 messages.append({"role": "user", "content": ANSWER_WITH_CALLS})
             return Turn(
                 messages, info={"tool_calls": [c.name for c in calls], "tool_errors": errors}

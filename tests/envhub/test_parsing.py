@@ -66,6 +66,8 @@ def test_bad_parser_config_is_refused():
         ("<think>maybe <answer>0</answer>? no.</think><answer>5</answer>", "5"),
         ("<think>is it <answer>up</answer>?</think>\ndown", "down"),  # lenient: the last line
         ("it could be <answer>2</answer>... </think><answer>3</answer>", "3"),  # prompt's <think>
+        ("<answer>print('</think>')</answer>", "print('</think>')"),  # a close tag is text
+        ("<answer>a</answer> note: the tag </think> is fine", "a"),
     ],
 )
 def test_an_answer_written_while_thinking_is_not_the_action(text, action):

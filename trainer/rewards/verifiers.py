@@ -44,15 +44,17 @@ Scorer = Callable[[EpisodeView], float]
 
 
 def final_answer(episode: EpisodeView) -> str:
-    """The last assistant message's action (``<answer>`` content, else its last line)."""
-    from envhub.parsing import ActionParser
+    """The last assistant message's action (``<answer>`` content, else its last line), never
+    what it wrote while thinking (``ActionParser``); no action: its text outside thinking."""
+    from envhub.parsing import ActionParser, blank_thinking
 
     for message in reversed(episode.messages):
         if message.get("role") == "assistant":
+            text = str(message.get("content", ""))
             try:
-                return ActionParser().parse(str(message.get("content", "")))
+                return ActionParser().parse(text)
             except ValueError:
-                return str(message.get("content", "")).strip()
+                return blank_thinking(text, leading=False).strip()
     return ""
 
 

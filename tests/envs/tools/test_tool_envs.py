@@ -112,3 +112,11 @@ def test_an_answer_sent_with_tool_calls_is_not_dropped_silently():
     reply, _, terminated, _, _ = env.step(call + "<answer>2</answer>")
     assert not terminated and reply[0]["role"] == "tool"
     assert "answer" in reply[-1]["content"] and "not taken" in reply[-1]["content"], reply
+
+
+def test_an_answer_inside_a_calls_arguments_is_the_calls():
+    env = envhub.make("tools/calculator-v0")
+    env.reset(seed=0)
+    call = '<tool_call>{"name": "calculate", "arguments": {"expression": "<answer>2</answer>"}}'
+    reply, _, terminated, _, _ = env.step(call + "</tool_call>")
+    assert not terminated and all("not taken" not in m["content"] for m in reply), reply

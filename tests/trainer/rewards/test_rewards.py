@@ -35,6 +35,12 @@ def view(reply: str, **info) -> EpisodeView:
     )
 
 
+def test_an_answer_only_mused_while_thinking_scores_nothing() -> None:
+    scorer = make_scorer({"kind": "numeric", "target": "answer"})
+    assert scorer(view("<think>maybe <answer>42</answer>?</think>", answer=42)) == 0.0
+    assert scorer(view("<think>maybe 41</think><answer>42</answer>", answer=42)) == 1.0
+
+
 def test_verifiers() -> None:
     assert final_answer(view("I think <answer> Paris </answer>")) == "Paris"
     assert exact_match("paris ", "Paris") == 1.0 and exact_match("Lyon", "Paris") == 0.0
