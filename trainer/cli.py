@@ -173,7 +173,7 @@ def _warnings_to(errors: Any) -> Iterator[None]:
     """During the run, the trainer's log records of level WARNING and above (a run without a
     learning signal, a worker that failed to stop) are ``warning: ...`` / ``error: ...`` lines
     on stderr, as the command's own are (above the progress bar), instead of Python's bare
-    last-resort lines."""
+    last-resort lines; they still propagate to handlers a caller configured."""
     import logging
 
     from rich.markup import escape
@@ -188,13 +188,11 @@ def _warnings_to(errors: Any) -> Iterator[None]:
             )
 
     logger, printer = logging.getLogger("trainer"), Printer(logging.WARNING)
-    logger.addHandler(printer)
-    propagated, logger.propagate = logger.propagate, False
+    logger.addHandler(printer)  # (records still reach the user's own handlers, if any)
     try:
         yield
     finally:
         logger.removeHandler(printer)
-        logger.propagate = propagated
 
 
 def _print_error(errors: Any, error: BaseException) -> None:

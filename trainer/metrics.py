@@ -87,12 +87,12 @@ def learning_signal(trajectories: Sequence[Trajectory], max_new_tokens: int) -> 
 
 def _turn_lengths(trajectory: Trajectory) -> list[int]:
     """Policy tokens of each turn of ``trajectory`` (its rows' ``response_mask`` between turn
-    ends)."""
+    ends), read through ``token_array``: a row an env worker sent stays packed."""
     lengths = []
     for row in trajectory.rows:
-        start = 0
+        mask, start = row.token_array("response_mask"), 0
         for end in row.turn_ends:
-            lengths.append(sum(row.response_mask[start : end + 1]))
+            lengths.append(sum(mask[start : end + 1]))
             start = end + 1
     return lengths
 

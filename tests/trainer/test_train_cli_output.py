@@ -33,7 +33,7 @@ def same_reward(episode) -> float:
 
 
 def test_a_run_into_a_file_prints_plain_steps_and_warns_once_of_no_learning_signal(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     out = tmp_path / "run"
     args = [o for o in TINY if not o.startswith("logging.progress")]
@@ -56,6 +56,25 @@ def test_a_run_into_a_file_prints_plain_steps_and_warns_once_of_no_learning_sign
     assert warning.startswith("warning: no learning signal for 3 steps: ")
     assert "every group's episodes got the same reward" in warning
     assert f"envhub view {out}" in warning
+    # and it still reaches logging handlers of the caller's own (pytest's, here)
+    assert any("no learning signal" in r.getMessage() for r in caplog.records), caplog.records
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(row["train/zero_variance_groups"] == 1.0 for row in rows[1:])
     assert all(0.0 <= row["train/turns_at_max_new_tokens"] <= 1.0 for row in rows[1:])
+
+
+def test_the_learning_signal_metrics_leave_env_workers_rows_packed() -> None:
+    from trainer.metrics import learning_signal
+    from trainer.rollout.trajectory import Trajectory
+    from trainer.rollout.wire import trajectory_from_wire, trajectory_to_wire
+
+    episodes = []
+    for group in range(2):
+        trajectory = Trajectory("x", 0, group)
+        trajectory.append_context([1, 2, 3])
+        trajectory.append_policy([4, 5], [0.0, 0.0])
+        trajectory.end_turn(float(group))
+        episodes.append(trajectory_from_wire(trajectory_to_wire(trajectory)))
+    metrics = learning_signal(episodes, max_new_tokens=2)
+    assert metrics["train/turns_at_max_new_tokens"] == 1.0
+    assert all(e._counted() is not None for e in episodes), "a row was unpacked"
