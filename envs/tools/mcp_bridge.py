@@ -27,6 +27,7 @@ The connection opens on the first ``reset`` and is dropped when the env is pickl
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -42,6 +43,8 @@ from envs.tools.mcp_client import McpConnection, McpError
 from envs.tools.mcp_demo_server import INVENTORY, PRICES_USD, RATES
 
 __all__ = ["McpEnv", "demo_tasks"]
+
+_log = logging.getLogger(__name__)
 
 DEMO_COMMAND = [sys.executable, "-m", "envs.tools.mcp_demo_server"]
 
@@ -146,6 +149,10 @@ class McpEnv(ToolEnv):
         """Tools the server marks read-only: calling them leaves nothing to undo."""
         self._dirty = False
         """This episode may have changed the server's state (a restart is due at reset)."""
+        self._changed_by: str | None = None
+        """The first tool not marked read-only that this episode called."""
+        self._said_restart = False
+        """Whether the restarts' warning was logged (once per env)."""
         self._failure: str | None = None
         """Why this episode's server failed (then every step raises until the next reset)."""
         super().__init__(dataset=dataset, **options)
@@ -186,9 +193,18 @@ class McpEnv(ToolEnv):
         """Open the episode on a server no earlier episode changed (see the module docstring)."""
         self._failure = None
         if self._connection is not None and self._dirty and self.restart_server == "episode":
+            if not self._said_restart and self._changed_by is not None:
+                self._said_restart = True
+                _log.warning(
+                    "tools/mcp-v0: restarting the MCP server between episodes (one server start "
+                    "each) because the episode called %r, which the server does not mark "
+                    "read-only (readOnlyHint); mark the tools that change nothing so, or make "
+                    "the env with restart_server='never' if episodes cannot change the server",
+                    self._changed_by,
+                )
             self._connection.close()
             self._connection = None
-        self._dirty = False
+        self._dirty, self._changed_by = False, None
         self.connection()
         return str(task["question"])
 
@@ -212,6 +228,7 @@ class McpEnv(ToolEnv):
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
         if name not in self._read_only:
             self._dirty = True
+            self._changed_by = self._changed_by or name
         result = self.connection_for_call().call_tool(name, arguments)
         if result.timed_out:  # it may still be running (or blocking the server)
             self._dirty = True

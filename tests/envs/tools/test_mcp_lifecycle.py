@@ -111,17 +111,23 @@ def test_a_server_that_never_completes_the_handshake_is_stopped_with_its_childre
     assert "connect_timeout_s" in str(raised.value)  # the fix for a server that is only slow
 
 
-def test_nothing_one_episode_leaves_in_the_server_reaches_the_next():
+def test_nothing_one_episode_leaves_in_the_server_reaches_the_next(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     env = McpEnv(command=NOTES_SERVER, dataset=NOTES_TASKS)
     try:
+        for _ in range(2):
+            env.reset(seed=0)
+            assert env.step(call("recall"))[0][0]["content"] == "(no notes)"
+            assert env.step(call("remember", note="secret-7319"))[0][0]["content"] == "stored"
+            env.step("<answer>ok</answer>")
         env.reset(seed=0)
-        assert env.step(call("remember", note="secret-7319"))[0][0]["content"] == "stored"
-        env.step("<answer>ok</answer>")
-        env.reset(seed=0)
-        assert env.step(call("recall"))[0][0]["content"] == "(no notes)"
     finally:
         env.close()
     assert server_pids("mcp_notes_server") == []
+    # the restarts' cost is said once, with the tool that caused it and how to avoid it
+    said = [r.getMessage() for r in caplog.records if "restarting the MCP server" in r.getMessage()]
+    assert len(said) == 1 and "'remember'" in said[0] and "readOnlyHint" in said[0], said
 
 
 def test_restart_server_never_keeps_one_server_for_every_episode():
