@@ -34,6 +34,7 @@ from sandboxes.errors import (
     SandboxFileError,
     SandboxStateError,
     SandboxUnavailableError,
+    ScratchFullError,
     SessionError,
 )
 from sandboxes.pool import SandboxPool
@@ -51,6 +52,7 @@ __all__ = [
     "SandboxPool",
     "SandboxStateError",
     "SandboxUnavailableError",
+    "ScratchFullError",
     "Session",
     "SessionError",
     "backend_class",

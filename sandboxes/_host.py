@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from sandboxes.errors import SandboxError, SandboxFileError
+from sandboxes.errors import SandboxError, SandboxFileError, ScratchFullError
 
 __all__ = [
     "Cgroup",
@@ -352,7 +352,8 @@ def write_at(
 ) -> None:
     """Write ``root/parts`` without following any symlink.
 
-    New directories and the file are chowned to ``owner``.
+    New directories and the file are chowned to ``owner``. A full scratch (``ENOSPC``) raises
+    ``ScratchFullError``, a symlink, directory or device in the way ``SandboxFileError``.
     """
     with _parent_dir(root, parts, create=True, owner=owner) as dfd:
         try:
@@ -366,7 +367,7 @@ def write_at(
                     f"{'/'.join(parts)!r} is a symlink, directory or device; cannot write it"
                 ) from None
             if e.errno == errno.ENOSPC:
-                raise SandboxFileError(
+                raise ScratchFullError(
                     f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb"
                 ) from None
             raise
@@ -382,7 +383,7 @@ def write_at(
                 view = view[os.write(fd, view) :]
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise SandboxFileError(
+                raise ScratchFullError(
                     f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb"
                 ) from None
             raise

@@ -140,6 +140,7 @@ from sandboxes.errors import (
     SandboxFileError,
     SandboxStateError,
     SandboxUnavailableError,
+    ScratchFullError,
 )
 
 __all__ = ["DockerSandbox"]
@@ -517,8 +518,9 @@ class DockerSandbox(Sandbox):
             user=RUN_USER,
             stdin=data,
         )
-        if r.exit_code != 0:
-            raise SandboxFileError(
+        if r.exit_code != 0:  # a full scratch (the program's doing?) or anything else (ours)
+            full = "No space left on device" in r.stderr
+            raise (ScratchFullError if full else SandboxFileError)(
                 f"could not write {path!r} in {self!r}: {r.stderr.strip() or r.describe()}"
             )
 

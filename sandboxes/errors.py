@@ -14,6 +14,7 @@ __all__ = [
     "SandboxFileError",
     "SandboxStateError",
     "SandboxUnavailableError",
+    "ScratchFullError",
     "SessionError",
 ]
 
@@ -35,7 +36,19 @@ class SandboxStateError(SandboxError):
 
 
 class SandboxFileError(SandboxError):
-    """A file path is outside the scratch directory, missing, or not a regular file."""
+    """A file path is outside the scratch directory, missing, or not a regular file; or a
+    write failed (e2b, docker: for any reason, a network error or a dead VM included)."""
+
+
+class ScratchFullError(SandboxFileError):
+    """A write failed because scratch is full (``ENOSPC``; ``Limits.disk_mb`` reached).
+
+    Its own class because, unlike the other write failures, it can be the sandboxed program's
+    doing: code that filled scratch. A caller that scores programs (``code/humaneval-v0``)
+    blames the program for this one only, and treats every other ``SandboxFileError`` as the
+    machinery's failure. Raised by the ``local`` and ``docker`` backends; ``e2b`` cannot tell
+    a full disk from its other write errors and raises plain ``SandboxFileError``.
+    """
 
 
 class SessionError(SandboxError):

@@ -1,10 +1,10 @@
 """``code/humaneval-v0``: write a function, hidden tests run in a sandbox, revise from feedback.
 
-The model sees a function signature and docstring and answers with code (a fenced
-```python block, ``<answer>...</answer>``, or bare code). The code and the task's tests run
-in a sandbox from the ``sandboxes`` package (``local`` by default: bubblewrap namespaces,
-no network, memory/CPU/process/output limits; warm, so each test run is a fork of a
-pre-imported interpreter inside it, see ``harness.code_sandbox``), never in the env's
+The model sees a function signature and docstring and answers with code (a fenced ```python block,
+``<answer>...</answer>``, or bare code; code inside ``<think>...</think>`` is never taken). The
+code and the task's tests run in a sandbox from the ``sandboxes`` package (``local`` by default:
+bubblewrap namespaces, no network, memory/CPU/process/output limits; warm, so each test run is a
+fork of a pre-imported interpreter inside it, see ``harness.code_sandbox``), never in the env's
 process. Inside it the code runs in a process of its own that never holds the tests; a judge
 process runs the tests and calls the code's function, exchanging only plain values with it
 (``envs/code/runner.py``): the code cannot patch the runner, forge its report, read the tests,
@@ -12,8 +12,11 @@ return an object that decides its own equality, or replace what the tests call.
 The sandbox is reset (scratch, ``/tmp`` emptied) at every episode's start. Each test run
 writes the runner and the code to a fresh directory of an unguessable name (the code's cwd), so
 what one attempt's code leaves in scratch is never in the way of the next; what still stops a
-run from being set up (a scratch the code filled) is that code's failure, scored 0 with the
-reason, never an env error (which a trainer would replay unscored: a free re-roll).
+run from being set up (a scratch the code filled: ``sandboxes.ScratchFullError``) is that code's
+failure, scored 0 with the reason, never an env error (which a trainer would replay unscored: a
+free re-roll). Any other failure to write the files (``SandboxFileError``: a network error, an
+expired VM, a dead container) is not the code's doing and propagates from ``step``: an env
+error, so an outage is replayed rather than trained on as reward 0.
 
 Feedback: the model may revise up to ``max_revisions`` times, and the reply to an attempt
 says how many tests passed and what went wrong *in its code*, never what a test expected:
@@ -52,6 +55,7 @@ from typing import Any, Literal
 import numpy as np
 
 from envhub.core import TextEnv, Turn
+from envhub.tool_calls import blank_thinking
 from envs.code.harness import RUNNER, code_sandbox, runner_files, split_tests
 from envs.datasets import Split, Task, TaskSet, as_taskset
 
@@ -85,7 +89,10 @@ def humaneval_tasks() -> list[Task]:
 
 
 def extract_code(text: str) -> str:
-    """The code in a model reply: the last fenced block, else an <answer> block, else the text."""
+    """The code in a model reply: the last fenced block, else an <answer> block, else the text,
+    all outside its ``<think>...</think>`` blocks (blanked first): code only drafted while
+    thinking is never run, and a reply with no other code gets the "no code" feedback."""
+    text = blank_thinking(text, leading=False)  # no env knows whether the prompt opened one
     fenced = _FENCE.findall(text)
     if fenced:
         return fenced[-1].strip("\n")
@@ -225,7 +232,7 @@ class ProgrammingEnv(TextEnv):
             "output_cap": 2_000,
             "traceback_chars": 600,
         }
-        from sandboxes import SandboxFileError
+        from sandboxes import ScratchFullError
 
         sandbox = self.sandbox()
         # a fresh directory no earlier code can have planted anything in (see harness)
@@ -237,12 +244,11 @@ class ProgrammingEnv(TextEnv):
                 stdin=token + "\n" + json.dumps(spec) + "\n",
                 files={f"{run_dir}/{name}": data for name, data in files.items()},
             )
-        except SandboxFileError as e:  # the code's doing (a full scratch): its failure, not ours
+        except ScratchFullError as e:  # the code's doing: its failure, not ours
             why = (
                 f"the test runner could not be set up ({e}): code submitted in this episode "
-                "filled or broke the sandbox's working directory, which lasts until the "
-                "episode ends"
-            )
+                "filled the sandbox's working directory, which lasts until the episode ends"
+            )  # any other SandboxFileError (network, a dead VM or container) is an env error
             return {"solution_error": why, "results": [], "output": ""}
         for line in reversed(result.stdout.splitlines()):
             if line.startswith(token + " "):

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from envhub.core import TextEnv, Turn
+from envhub.tool_calls import blank_thinking
 from envs.code.harness import code_sandbox
 from envs.code.terminal_tasks import TERMINAL_KINDS, make_terminal_task
 from envs.datasets import Split, Task, TaskSet, as_taskset
@@ -46,7 +47,10 @@ holds it either."""
 
 
 def extract_command(text: str) -> str:
-    """The command in a reply: the last ```bash block, else an <answer> block, else the text."""
+    """The command in a reply: the last ```bash block, else an <answer> block, else the text,
+    all outside its ``<think>...</think>`` blocks (blanked first): a command only drafted while
+    thinking is never run, and a reply with no other command is an invalid action."""
+    text = blank_thinking(text, leading=False)  # no env knows whether the prompt opened one
     fenced = _FENCE.findall(text)
     if fenced:
         return fenced[-1].strip()

@@ -1,7 +1,8 @@
 """An attempt's code cannot break the next attempt's test run into an env error (which the
 trainer replays on a fresh env and never scores: a free re-roll for the policy): each run
 writes the runner's files where no earlier code can have planted anything, and what the code
-did to the sandbox that still stops them is scored as the code's failure."""
+did to the sandbox that still stops them (a full scratch) is scored as the code's failure; any
+other failure to write them is the sandbox's, and raises (an env error)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,20 @@ def test_a_scratch_filled_by_earlier_code_is_that_codes_failure_not_an_env_error
     reply, reward, info = attempt(env, RIGHT)  # nothing raised: a score of 0, and why
     assert (reward, info["passed"], info["success"]) == (0.0, 0, False)
     assert "scratch" in reply and "full" in reply, reply
+
+
+def test_a_sandbox_write_failure_that_is_not_a_full_scratch_is_an_env_error(env, monkeypatch):
+    """e2b and docker raise ``SandboxFileError`` for any failed write (network, expired VM,
+    daemon): not the code's doing, so the step raises (the trainer replays the episode)
+    instead of scoring the code 0."""
+    from sandboxes import SandboxFileError
+
+    env.reset(seed=0)
+    sandbox = env.unwrapped.sandbox()
+
+    def broken(parts: tuple[str, ...], data: bytes) -> None:
+        raise SandboxFileError("network")
+
+    monkeypatch.setattr(sandbox, "_write_bytes", broken)
+    with pytest.raises(SandboxFileError, match="network"):
+        attempt(env, RIGHT)
