@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import click
 from rich.markup import escape
 
-from envhub.cli import _fail, _from_source, _parse_kwargs, console, import_option
+from envhub.cli import _chosen, _fail, _parse_kwargs, console, import_option
 from envhub.errors import EnvhubError, EnvKwargsError
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def _selected_ids(
     if check_all and sources:
         specs: list[Any] = []
         for source in sources:
-            specs += _from_source(list_envs(), source, [])
+            specs += _chosen(list_envs(), "source", source, [])
     elif check_all:
         specs = list_envs()
     else:

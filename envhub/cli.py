@@ -209,9 +209,9 @@ def list_command(
     failures = plugin_errors()
     specs = list_envs(None, variants=not no_variants)
     if namespace is not None:
-        specs = _in_namespace(specs, namespace, failures)
+        specs = _chosen(specs, "namespace", namespace, failures)
     if source is not None:
-        specs = _from_source(specs, source, failures)
+        specs = _chosen(specs, "source", source, failures)
     if as_json:
         listing = [
             {
@@ -271,53 +271,29 @@ def list_command(
         )
 
 
-def _in_namespace(specs: list[Any], namespace: str, failures: list[Any]) -> list[Any]:
-    """The specs in ``namespace``; one that holds no ids is an error, as for ``--source``: why
-    it is empty (an adapter not installed, a plugin that failed) or the namespaces there are."""
+def _chosen(specs: list[Any], field: str, value: str, failures: list[Any]) -> list[Any]:
+    """The specs whose ``field`` (``namespace`` or ``source``) is ``value``; one that holds no
+    ids is an error saying why it is empty (an adapter not installed, a plugin that failed) or
+    naming the values there are."""
     from envhub.adapters import SOURCES, did_you_mean
     from envhub.registry import registry
 
-    chosen = [s for s in specs if s.namespace == namespace]
+    chosen = [s for s in specs if getattr(s, field) == value]
     if chosen:
         return chosen
-    note = registry.namespace_notes().get(namespace)
+    note = registry.namespace_notes().get(value)
     if note is not None:
         _fail(EnvhubError(note))
-    failed = next((f for f in failures if f.name == namespace), None)
+    failed = next((f for f in failures if f.name == value), None)
     if failed is not None:
-        _fail(EnvhubError(f"the plugin {namespace!r} failed to load: {failed.error}"))
-    if namespace in SOURCES:
+        _fail(EnvhubError(f"the plugin {value!r} failed to load: {failed.error}"))
+    if value in SOURCES:
         return chosen  # installed, with no ids (openenv with no env package installed)
-    known = sorted({s.namespace for s in registry.list_envs()} | set(SOURCES))
+    known = sorted({getattr(s, field) for s in registry.list_envs()} | set(SOURCES))
     _fail(
         EnvhubError(
-            f"no namespace named {namespace!r}.{did_you_mean(namespace, known)} "
-            f"Namespaces: {', '.join(known)}"
-        )
-    )
-
-
-def _from_source(specs: list[Any], source: str, failures: list[Any]) -> list[Any]:
-    """The specs registered by ``source``; an unknown or uninstalled source is an error that
-    names the sources there are (or the extra to install)."""
-    from envhub.adapters import SOURCES, did_you_mean
-    from envhub.registry import registry
-
-    chosen = [s for s in specs if s.source == source]
-    if chosen:
-        return chosen
-    note = registry.namespace_notes().get(source)
-    if note is not None:
-        _fail(EnvhubError(note))
-    failed = next((f for f in failures if f.name == source), None)
-    if failed is not None:
-        _fail(EnvhubError(f"the plugin {source!r} failed to load: {failed.error}"))
-    if source in SOURCES:
-        return chosen  # installed, with no ids (openenv with no env package installed)
-    known = sorted({s.source for s in specs} | set(SOURCES))
-    _fail(
-        EnvhubError(
-            f"no source named {source!r}.{did_you_mean(source, known)} Sources: {', '.join(known)}"
+            f"no {field} named {value!r}.{did_you_mean(value, known)} "
+            f"{field.capitalize()}s: {', '.join(known)}"
         )
     )
 

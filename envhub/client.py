@@ -74,7 +74,14 @@ from typing import Any
 import gymnasium as gym
 
 from envhub.client_session import HubSession
-from envhub.core import ChatSpace, TextEnv, TextSpace, assistant_message, messages_to_text
+from envhub.core import (
+    ChatSpace,
+    TextEnv,
+    TextSpace,
+    assistant_message,
+    messages_to_text,
+    render_transcript,
+)
 from envhub.errors import EnvKwargsError, EpisodeOverError, ResetNeededError
 from envhub.server.config import serve_command
 from envhub.server.errors import RemoteError
@@ -213,13 +220,7 @@ class RemoteEnv(gym.Env[list[dict[str, Any]], str]):
     def render(self) -> str | None:
         """``ansi``: the whole transcript as text; ``human``: print it; ``None``: nothing (as
         ``TextEnv.render``)."""
-        if self.render_mode is None:
-            return None
-        text = messages_to_text(self._history, with_roles=True)
-        if self.render_mode == "human":
-            print(text)
-            return None
-        return text
+        return render_transcript(self._history, self.render_mode)
 
     def _refuse_step(self) -> None:
         """Raise what a local env raises for a step it cannot take, without asking the hub."""

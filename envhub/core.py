@@ -79,6 +79,7 @@ __all__ = [
     "assistant_message",
     "function_tool",
     "messages_to_text",
+    "render_transcript",
 ]
 
 Message: TypeAlias = dict[str, Any]
@@ -201,6 +202,19 @@ def messages_to_text(messages: Sequence[Message], *, with_roles: bool = False) -
     if with_roles:
         return "\n\n".join(f"[{m['role']}] {m['content']}" for m in messages)
     return "\n\n".join(str(m["content"]) for m in messages)
+
+
+def render_transcript(history: Sequence[Message], mode: str | None) -> str | None:
+    """What ``render()`` gives in ``mode`` for an episode's transcript ``history``: ``ansi``,
+    the text with roles; ``human``, that text printed (None returned); ``None``, nothing. Local
+    and remote envs (``envhub.client.RemoteEnv``) render alike through it."""
+    if mode is None:
+        return None
+    text = messages_to_text(history, with_roles=True)
+    if mode == "human":
+        print(text)
+        return None
+    return text
 
 
 def function_tool(name: str, description: str, parameters: dict[str, Any]) -> dict[str, Any]:
@@ -425,13 +439,7 @@ class TextEnv(gym.Env[Observation, str]):
 
     def render(self) -> str | None:
         """``ansi``: the whole transcript as text; ``human``: print it; ``None``: nothing."""
-        if self.render_mode is None:
-            return None
-        text = messages_to_text(self._history, with_roles=True)
-        if self.render_mode == "human":
-            print(text)
-            return None
-        return text
+        return render_transcript(self._history, self.render_mode)
 
     def close(self) -> None:
         if self._closed:
