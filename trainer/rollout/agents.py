@@ -274,7 +274,10 @@ class AgentRunner(EnvManager):
         the agent, the env or the reward function does (the episode fails, naming it)."""
         trajectory = Trajectory(env_id=env_id, seed=seed, group_id=group_id)
         try:
-            messages, info = checked_reset(await self._env_call(session.reset(seed)), env_id)
+            # as the built-in loop resets (tools listed once where the template renders them):
+            # the agent gets them as info["tools"], to send as the request's tools=
+            reset = session.reset(seed, self.proxy.renderer.reset_options)
+            messages, info = checked_reset(await self._env_call(reset), env_id)
         except Exception as error:  # noqa: BLE001 - env code may raise any exception
             return self._failed(trajectory, "reset", error)
         trajectory.info = dict(info)
