@@ -77,6 +77,16 @@ def envhub_view(*run_dirs: Path) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
+CHATTER = (
+    "Started a local Ray instance",
+    "Token authentication is",
+    "Loading weights",
+    "Triton is installed",
+)
+"""Libraries' lines ``envhub train`` quiets: Ray's start and token notices, the workers'
+per-load bars, vLLM's Triton notice (their sources only: real errors still show)."""
+
+
 @pytest.mark.parametrize("backend", ["local", "ray"])
 def test_sigterm_stops_a_run_in_order_and_says_so(tmp_path: Path, backend: str) -> None:
     """A scheduler's preemption (SIGTERM) stops the run as Ctrl-C does: the run shuts its
@@ -92,6 +102,7 @@ def test_sigterm_stops_a_run_in_order_and_says_so(tmp_path: Path, backend: str) 
         f"cluster.backend={backend}",
         f"output_dir={out}",
         cwd=tmp_path,
+        HOME=str(tmp_path),  # (a first Ray start here writes its token: its notice shows)
     )
     assert proc.stdout is not None
     seen = []
@@ -108,6 +119,8 @@ def test_sigterm_stops_a_run_in_order_and_says_so(tmp_path: Path, backend: str) 
     assert f"continue from {out / 'checkpoints' / 'step_00000000'} with --resume" in log
     _, alive = psutil.wait_procs(workers, timeout=60)
     assert not alive, [p.info for p in alive]
+    # and it printed its own lines, not the libraries' chatter a new user reads first
+    assert not [line for line in log.splitlines() if any(c in line for c in CHATTER)], log
 
 
 def test_short_run_writes_metrics_curve_checkpoints_store_and_policy(tmp_path: Path) -> None:
