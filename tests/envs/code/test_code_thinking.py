@@ -13,17 +13,9 @@ import pytest
 import envhub
 from envs.code.programming import extract_code
 from envs.code.terminal import extract_command
+from tests.envs.code.test_code_sabotage import RIGHT, TASK, WRONG
 
 pytest.importorskip("sandboxes.local", reason="the sandboxes package is not available")
-
-TASK = {
-    "id": "add",
-    "prompt": 'def add(a, b):\n    """Return a + b."""\n',
-    "entry_point": "add",
-    "tests": ["assert add(1, 2) == 3", "assert add(2, 2) == 4"],
-}
-RIGHT = "def add(a, b):\n    return a + b\n"
-WRONG = "def add(a, b):\n    return 0\n"
 
 
 def test_extractors_ignore_code_inside_thinking():
