@@ -93,6 +93,15 @@ def on_new_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return box["result"]
 
 
+def plays_again(env: Any, leftovers: dict[int, Any]) -> None:
+    """The next reset opens a working page and a step acts on it (the env recovered)."""
+    messages, _ = env.reset(seed=1)
+    assert "[1] link" in messages[-1]["content"]
+    leftovers.update(playwright_processes())
+    _, _, terminated, _, info = env.step("<answer>scroll [down]</answer>")
+    assert not terminated and not info["invalid_action"]
+
+
 def test_reset_step_and_close_on_threads_of_their_own_play_and_leave_nothing(leftovers):
     env = envhub.make("web/browser-v0")
     try:
@@ -191,11 +200,7 @@ def test_a_browser_crash_fails_the_episode_with_a_clear_error_and_reset_recovers
             env.step("<answer>click [2]</answer>")
         with pytest.raises(BrowserCrashed, match=r"call reset\(\)"):  # the episode stays over
             env.step("<answer>scroll [down]</answer>")
-        messages, _ = env.reset(seed=1)
-        assert "[1] link" in messages[-1]["content"]
-        leftovers.update(playwright_processes())
-        _, _, terminated, _, info = env.step("<answer>scroll [down]</answer>")
-        assert not terminated and not info["invalid_action"]
+        plays_again(env, leftovers)
     finally:
         env.close()
     assert alive(leftovers) == []
@@ -236,11 +241,7 @@ def test_a_renderer_that_stops_answering_fails_the_step_and_reset_recovers(lefto
         watchdog.start()
         with pytest.raises(BrowserCrashed, match=r"did not answer within"):
             env.step("<answer>scroll [down]</answer>")
-        messages, _ = env.reset(seed=1)
-        assert "[1] link" in messages[-1]["content"]
-        leftovers.update(playwright_processes())
-        _, _, terminated, _, info = env.step("<answer>scroll [down]</answer>")
-        assert not terminated and not info["invalid_action"]
+        plays_again(env, leftovers)
     finally:
         if watchdog is not None:
             watchdog.cancel()
