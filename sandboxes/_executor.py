@@ -309,7 +309,7 @@ class WarmExecutor:
         in an SCM_RIGHTS cycle outlives its processes until the kernel collects it, at a time
         nothing bounds): fresh namespaces then, where the next user sees none of them."""
         fd = self._fd()
-        return bool(_host.inet_sockets(fd) or _host.unix_sockets_left(fd, self._cgroup.pids()))
+        return bool(_host.inet_sockets(fd) or _host.unix_sockets_left(fd, self._cgroup.pids))
 
     def _fd(self) -> int:
         if self._proc_fd is None:

@@ -551,15 +551,29 @@ def inet_sockets(proc_fd: int) -> int:
     return count
 
 
-def unix_sockets_left(proc_fd: int, holders: Iterable[int]) -> int:
+def unix_sockets_left(proc_fd: int, holders: Callable[[], Iterable[int]]) -> int:
     """How many UNIX sockets the network namespace of the process whose ``/proc`` directory is
-    ``proc_fd`` lists (``net/unix``: the namespace's own table) that no process of ``holders``
-    has open: sockets held only by the kernel (a socket whose own fd is in flight in it, an
+    ``proc_fd`` lists (``net/unix``: the namespace's own table) that no process ``holders()``
+    names has open: sockets held only by the kernel (a socket whose own fd is in flight in it, an
     SCM_RIGHTS cycle, lives with its name bound and what else is in flight until the kernel's
     unix garbage collector frees it, some time after its last process died), or by a process
-    that should not be there. 0 when the namespace is the host's own, as ``inet_sockets``."""
+    that should not be there. 0 when the namespace is the host's own, as ``inet_sockets``.
+
+    Two readings, each asking ``holders()`` after the table, and only what both find unheld
+    counts: a spared process that forks or opens or closes a socket meanwhile (the zygote
+    forking its spare: a socketpair, one end for a child no earlier reading knew) holds what
+    it holds by the second reading; a socket only the kernel holds is unheld in both."""
     if os.readlink("ns/net", dir_fd=proc_fd) == os.readlink("/proc/self/ns/net"):
         return 0
+    unheld = _unheld_unix_sockets(proc_fd, holders)
+    if unheld:
+        unheld &= _unheld_unix_sockets(proc_fd, holders)
+    return len(unheld)
+
+
+def _unheld_unix_sockets(proc_fd: int, holders: Callable[[], Iterable[int]]) -> set[str]:
+    """The inodes ``net/unix`` lists that no process ``holders()`` names (asked after the
+    table is read) has an fd on."""
     fd = os.open("net/unix", os.O_RDONLY | os.O_CLOEXEC, dir_fd=proc_fd)
     try:
         text = b"".join(iter(functools.partial(os.read, fd, 1 << 16), b"")).decode()
@@ -567,11 +581,11 @@ def unix_sockets_left(proc_fd: int, holders: Iterable[int]) -> int:
         os.close(fd)
     # "Num RefCount Protocol Flags Type St Inode [Path]": the inode is what an fd links to
     listed = {fields[6] for fields in map(str.split, text.splitlines()[1:]) if len(fields) > 6}
-    for pid in holders if listed else ():
+    for pid in holders():
         with contextlib.suppress(OSError):  # (a process that is gone holds nothing)
             for name in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     link = os.readlink(f"/proc/{pid}/fd/{name}")  # "socket:[INODE]"
                     if link.startswith("socket:["):
                         listed.discard(link[len("socket:[") : -1])
-    return len(listed)
+    return listed

@@ -9,12 +9,14 @@ reset between users must not hand over the network namespace that lists it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import textwrap
+import time
 
 import pytest
 
-from sandboxes import Limits
+from sandboxes import Limits, _host
 from sandboxes.local import LocalSandbox
 from tests.sandboxes.conftest import _local_skip_reason
 
@@ -93,3 +95,49 @@ def test_a_reset_after_ordinary_socket_use_keeps_the_zygote():
         sandbox.reset()
         assert py(sandbox, "print('next')").stdout == "next\n"
         assert sandbox._executor.host_pid == zygote, "a clean run must not cost a restart"
+
+
+def _sockets(pid: int) -> set[str]:
+    names = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            names.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    return {name for name in names if name.startswith("socket:")}
+
+
+def test_a_spare_forked_while_the_reset_looks_is_not_a_leftover(monkeypatch):
+    """The zygote forks its spare when it likes (after a Python run, while the reset between
+    users is under way): a socketpair, one end in a child no earlier look at the processes
+    knew. The reset must not take that end for a socket only the kernel holds (CI saw the
+    needless restart). Here the spare is forked right after the reset reads the processes."""
+    with LocalSandbox(limits=Limits(wall_time_s=20), warm_exec=True) as sandbox:
+        assert sandbox.run(["true"]).exit_code == 0  # (a command: no spare is asked for)
+        executor = sandbox._executor
+        assert executor is not None
+        zygote, pids = executor.host_pid, executor._cgroup.pids
+        state = {"fork": "no"}
+
+        def spare_right_after(*args):  # the next reading of the processes forks the spare
+            state["fork"] = "next reading"
+            return inet_sockets(*args)
+
+        def pids_then_fork():
+            seen = pids()
+            if state["fork"] != "next reading":
+                return seen
+            state["fork"] = "forked"
+            executor._prefork()
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # until the spare holds an end the zygote does not
+                spare = pids() - seen
+                if spare and _sockets(next(iter(spare))) - _sockets(zygote):
+                    return seen
+            raise AssertionError("the zygote forked no spare")
+
+        inet_sockets = _host.inet_sockets
+        monkeypatch.setattr(_host, "inet_sockets", spare_right_after)
+        monkeypatch.setattr(executor._cgroup, "pids", pids_then_fork)
+        sandbox.reset()
+        assert state["fork"] == "forked", "the reset never looked for sockets"
+        assert py(sandbox, "print('next')").stdout == "next\n"
+        assert executor.host_pid == zygote and sandbox._executor is executor, "a restart"
