@@ -312,7 +312,7 @@ def _check_resume(cfg: Any) -> ResumePoint:
     from trainer.checkpoint import CheckpointManager
     from trainer.errors import CheckpointError
     from trainer.folder_lock import FolderLock
-    from trainer.resume import RUN_LOCK, ResumePoint, resume_conflicts, steps_behind
+    from trainer.resume import RUN_LOCK, ResumePoint, refuse_unresumable
 
     if (Path(cfg.output_dir) / RUN_LOCK).is_file():  # a run started there: is it still live?
         FolderLock(cfg.output_dir, name=RUN_LOCK, setting="output_dir").release()
@@ -332,16 +332,7 @@ def _check_resume(cfg: Any) -> ResumePoint:
             f"{_moved_aside_hint(Path(cfg.output_dir), root)}"
         )
     checkpoint = manager.load(latest)
-    conflicts = resume_conflicts(checkpoint.config, cfg.model_dump(mode="json"))
-    behind = steps_behind(checkpoint.step, cfg.train.steps)
-    conflicts += [behind] if behind else []
-    if len(conflicts) == 1 and behind:
-        raise CheckpointError(f"cannot resume from {checkpoint.path}: {behind}")
-    if conflicts:  # (the number of inference ranks is checked once the engines run)
-        raise CheckpointError(
-            f"cannot resume from {checkpoint.path} with this config:\n"
-            + "\n".join(f"  - {line}" for line in conflicts)
-        )
+    refuse_unresumable(checkpoint, cfg.model_dump(mode="json"))  # (engine ranks: by the run)
     warnings = [*odd, *checkpoint.warnings, *config_drift(cfg)]
     return ResumePoint(checkpoint.path, checkpoint.step, warnings)
 

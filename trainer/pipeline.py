@@ -81,7 +81,7 @@ class AgenticPipeline:
     ) -> None:
         from trainer.checkpoint import CheckpointManager
         from trainer.folder_lock import FolderLock
-        from trainer.resume import RUN_LOCK, start_run
+        from trainer.resume import RUN_LOCK, refuse_unresumable, start_run
 
         self.cfg, self.resume, self.on_step = config, resume, on_step or (lambda metrics: None)
         self.out = Path(config.output_dir)
@@ -94,6 +94,8 @@ class AgenticPipeline:
                 keep=config.checkpoint.keep,
                 run_id=start_run(self.out, config.checkpoint_dir, resume=resume),
             )
+            if resume:  # refused before anything is built, as by ``envhub train --resume``
+                refuse_unresumable(self.checkpoints.load(), config.model_dump(mode="json"))
         except BaseException:
             self.run_lock.release()
             raise
@@ -409,26 +411,18 @@ class AgenticPipeline:
         """Continue from the latest checkpoint: weights, optimiser, sampling RNGs, step, clock.
         Settings a saved state cannot be loaded with are refused first (``trainer.resume``)."""
         from trainer.checkpoint import restore_rng
-        from trainer.errors import CheckpointError
-        from trainer.resume import resume_conflicts, steps_behind, write_run_id
+        from trainer.resume import refuse_unresumable, write_run_id
 
         checkpoint = self.checkpoints.load()
         if self.checkpoints.run_id is None and checkpoint.run_id is not None:
             self.checkpoints.run_id = checkpoint.run_id  # a run.json-less folder adopts its run
             write_run_id(self.out, checkpoint.run_id)
         engine = checkpoint.load_state("engine")
-        conflicts = resume_conflicts(
-            checkpoint.config,
+        refuse_unresumable(
+            checkpoint,
             self.cfg.model_dump(mode="json"),
             engine_ranks=(len(engine["ranks"]), self.roles.infer.world_size),
         )
-        behind = steps_behind(checkpoint.step, self.cfg.train.steps)
-        conflicts += [behind] if behind else []  # (else fit() trains nothing, as if done)
-        if conflicts:
-            raise CheckpointError(
-                f"cannot resume from {checkpoint.path} with this config:\n"
-                + "\n".join(f"  - {line}" for line in conflicts)
-            )
         self.rollouts.load_state_dict(
             checkpoint.extra, step=checkpoint.step
         )  # first: the sync below starts async rollouts from this counter

@@ -43,9 +43,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from trainer.checkpoint_read import Checkpoint
 
 __all__ = [
     "RUN_FILE",
@@ -325,6 +328,25 @@ def steps_behind(done: int, steps: int) -> str | None:
         f"train.steps={steps} is below the {done} steps the run already did; raise train.steps "
         f"above {done} to train further (it counts every step of the run, not the steps left)"
     )
+
+
+def refuse_unresumable(
+    checkpoint: Checkpoint, now: Mapping[str, Any], *, engine_ranks: tuple[int, int] | None = None
+) -> None:
+    """Raise ``CheckpointError`` when ``checkpoint`` cannot be resumed under ``now`` (a dumped
+    config): every setting ``resume_conflicts`` names, and ``train.steps`` below the steps done
+    (``steps_behind``; alone, it is one line). ``envhub train --resume`` and the Python API
+    call it before building anything, the run again once its engines tell ``engine_ranks``."""
+    conflicts = resume_conflicts(checkpoint.config, now, engine_ranks=engine_ranks)
+    behind = steps_behind(checkpoint.step, int(_get(now, "train.steps")))
+    if behind and not conflicts:
+        raise CheckpointError(f"cannot resume from {checkpoint.path}: {behind}")
+    conflicts += [behind] if behind else []
+    if conflicts:
+        raise CheckpointError(
+            f"cannot resume from {checkpoint.path} with this config:\n"
+            + "\n".join(f"  - {line}" for line in conflicts)
+        )
 
 
 @dataclass(frozen=True)

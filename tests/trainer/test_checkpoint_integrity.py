@@ -407,25 +407,34 @@ def test_a_cut_off_metrics_line_does_not_block_resume(tmp_path: Path) -> None:
     ],
 )
 def test_resume_refuses_a_setting_that_changes_a_saved_states_shape(
-    tmp_path: Path, change: str, refusal: str
+    tmp_path: Path, change: str, refusal: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Refused before any worker is built where the config alone tells (the Python API as
+    ``envhub train --resume``); the number of inference ranks once the engines run."""
+    import trainer.pipeline
     from trainer.pipeline import AgenticPipeline
 
     AgenticPipeline(quick_config(tmp_path, "model.lora.rank=8")).fit()
-    resumed = AgenticPipeline(quick_config(tmp_path, "model.lora.rank=8", change), resume=True)
-    try:
-        with pytest.raises(CheckpointError) as error:
+    engines = change.startswith("roles.actor_infer")
+    if not engines:
+        monkeypatch.setattr(trainer.pipeline, "start_roles", _never_built)
+    with pytest.raises(CheckpointError) as error:
+        resumed = AgenticPipeline(quick_config(tmp_path, "model.lora.rank=8", change), resume=True)
+        try:
             resumed.restore()
-    finally:
-        resumed.close()
+        finally:
+            resumed.close()
     assert str(error.value).startswith("cannot resume from ")
     assert f"  - {refusal}" in str(error.value)
 
 
-def test_resuming_a_run_with_fewer_train_steps_than_it_did_is_refused(tmp_path: Path) -> None:
+def test_resuming_a_run_with_fewer_train_steps_than_it_did_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``AgenticPipeline(cfg, resume=True).fit()`` with ``train.steps`` below the steps the run
     already did trained nothing and returned as if it were done (``envhub train`` refuses it
-    before building; the Python API must refuse it too, naming the fix)."""
+    before building; the Python API must refuse it too, naming the fix, before building)."""
+    import trainer.pipeline
     from trainer.errors import CheckpointError
     from trainer.pipeline import AgenticPipeline
 
@@ -435,9 +444,13 @@ def test_resuming_a_run_with_fewer_train_steps_than_it_did_is_refused(tmp_path: 
         run.save_checkpoint()
     finally:
         run.close()
-    resumed = AgenticPipeline(quick_config(tmp_path, "train.steps=2"), resume=True)
+    monkeypatch.setattr(trainer.pipeline, "start_roles", _never_built)
     with pytest.raises(CheckpointError, match="train.steps=2 is below the 3 steps"):
-        resumed.fit()
+        AgenticPipeline(quick_config(tmp_path, "train.steps=2"), resume=True).fit()
+
+
+def _never_built(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("a resume the checkpoint refuses built the run's workers first")
 
 
 def test_after_a_resume_the_engines_report_the_version_they_serve(tmp_path: Path) -> None:

@@ -119,7 +119,11 @@ def test_a_resumed_run_continues_its_wandb_run(
         QUICKSTART,
         [*TINY, "sft.epochs=0", "train.steps=1", "logging.wandb=true", f"output_dir={out}"],
     )
-    AgenticPipeline(cfg).close()
+    first = AgenticPipeline(cfg)
+    try:
+        first.save_checkpoint()  # (a resume without a checkpoint is refused)
+    finally:
+        first.close()
     AgenticPipeline(cfg, resume=True).close()
     run_id = run_id_of(out)
     assert run_id is not None
