@@ -328,7 +328,12 @@ def _parent_dir(
                     raise SandboxFileError(
                         f"{'/'.join(parts)!r}: directory {missing!r} does not exist"
                     ) from None
-                os.mkdir(name, 0o755, dir_fd=fd)
+                try:
+                    os.mkdir(name, 0o755, dir_fd=fd)
+                except OSError as e:  # (tmpfs: out of inodes)
+                    if e.errno == errno.ENOSPC:
+                        raise _full(parts) from None
+                    raise
                 if owner:
                     os.chown(name, *owner, dir_fd=fd, follow_symlinks=False)
                 nfd = os.open(name, _DIR_FLAGS, dir_fd=fd)
@@ -345,6 +350,10 @@ def _parent_dir(
         yield fd
     finally:
         os.close(fd)
+
+
+def _full(parts: tuple[str, ...]) -> ScratchFullError:
+    return ScratchFullError(f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb")
 
 
 def write_at(
@@ -367,9 +376,7 @@ def write_at(
                     f"{'/'.join(parts)!r} is a symlink, directory or device; cannot write it"
                 ) from None
             if e.errno == errno.ENOSPC:
-                raise ScratchFullError(
-                    f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb"
-                ) from None
+                raise _full(parts) from None
             raise
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -383,9 +390,7 @@ def write_at(
                 view = view[os.write(fd, view) :]
         except OSError as e:
             if e.errno == errno.ENOSPC:
-                raise ScratchFullError(
-                    f"scratch is full writing {'/'.join(parts)!r}; raise Limits.disk_mb"
-                ) from None
+                raise _full(parts) from None
             raise
         finally:
             os.close(fd)

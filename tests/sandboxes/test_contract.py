@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -50,6 +51,25 @@ def test_run_code_and_files_round_trip(make_sandbox_for):
     for bad in ("../escape.txt", "/etc/passwd", "a/../../b", ""):
         with pytest.raises(SandboxFileError):
             sb.write_file(bad, "x")
+
+
+def test_a_directory_a_full_scratch_cannot_make_is_scratch_full():
+    """Out of room (tmpfs: out of inodes) while making a file's directory: the same
+    ``ScratchFullError`` naming the limit as for the file itself, not a bare ``OSError``."""
+    from sandboxes import ScratchFullError, _host
+
+    root = Path(os.environ.get("TMPDIR", "/tmp"))
+    made = []
+
+    def no_room(name, *args, **kwargs):
+        made.append(name)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_host.os, "mkdir", no_room)
+        with pytest.raises(ScratchFullError, match="raise Limits.disk_mb"):
+            _host.write_at(root, ("envhub-no-such-dir", "x.txt"), b"x", owner=None)
+    assert made == ["envhub-no-such-dir"]
 
 
 def test_bash_session_keeps_state_and_survives_a_timeout(make_sandbox_for):
