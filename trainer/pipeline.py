@@ -391,6 +391,7 @@ class AgenticPipeline:
         timing[f"timing/{name}_s"] = round(time.monotonic() - started, 4)
 
     def save_checkpoint(self) -> Path:
+        self.store.flush()  # a resume from it plays no step it covers: their episodes first
         states: dict[str, Any] = {
             "actor": self.roles.actor.state_dict(),
             "engine": {"ranks": self.roles.infer.get_state(), "version": self.weight_sync.version},

@@ -389,6 +389,37 @@ def test_a_cut_off_metrics_line_does_not_block_resume(tmp_path: Path) -> None:
     assert names(tmp_path) == ["metrics.jsonl"]
 
 
+def test_a_checkpoint_comes_after_the_episodes_of_its_steps_are_stored(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store writes off the run's thread; a kill right after checkpoint N must not lose
+    step N's episodes (a resume plays only the steps after N, and nothing writes them again)."""
+    import time
+
+    import envhub.runs.store
+    from trainer.pipeline import AgenticPipeline
+
+    write_part = envhub.runs.store.write_part
+
+    def slow_disk(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.5)  # (a disk slower than the run: the writer lags behind it)
+        return write_part(*args, **kwargs)
+
+    monkeypatch.setattr(envhub.runs.store, "write_part", slow_disk)
+    run = AgenticPipeline(quick_config(tmp_path, "train.steps=1", "checkpoint.every=1"))
+    stored_at_save: dict[int, list[str]] = {}
+    save = run.checkpoints.save
+
+    def saved_with(step: int, **kwargs: Any) -> Path:
+        stored_at_save[step] = sorted(p.name for p in run.store.folder.glob("*.parquet"))
+        return save(step, **kwargs)
+
+    run.checkpoints.save = saved_with  # type: ignore[method-assign]
+    run.fit()
+    parts = [envhub.runs.store.PART.match(name) for name in stored_at_save[1]]
+    assert ("train", 1) in {(part["kind"], int(part["step"])) for part in parts if part}
+
+
 # --------------------------------------------------------------------------- 9: shapes
 
 
