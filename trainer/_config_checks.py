@@ -7,7 +7,9 @@ split over the trainer ranks, groups a group baseline can compare, device mappin
 layouts (``registry.layout_problem``, ``registry.process_problem``), what a strategy or engine
 refuses of this model when it builds (megatron's layouts and converter, fsdp2's tensor
 parallelism, the ``hf`` engine's options, engine arguments the worker passes itself, LoRA on a
-tied output head or embedding: ``trainer._config_layout_checks``), weight-sync buckets against
+tied output head or embedding: ``trainer._config_layout_checks``), what the adapters and packing
+need of the strategies, the engine and the model (``trainer._config_model_checks``: LoRA targets
+the model has, vLLM's largest LoRA rank, no packing of ALiBi attention), weight-sync buckets against
 the model, env ids and kwargs against the registry, env kwargs with a remote hub, reward domains
 against the env ids, the checkpoint folder against the run's, the agent's code, the model's
 tokenizer and the envs' experts (``trainer._config_start_checks``), and whether the run fits its
@@ -31,11 +33,11 @@ from trainer._config_layout_checks import (
     tied_embedding_problems,
     vllm_option_problems,
 )
+from trainer._config_model_checks import lora_problems, packing_problems
 from trainer._config_start_checks import start_problems
 from trainer.config_lifecycle import shared_folder
 from trainer.errors import Problem
 from trainer.strategies.registry import (
-    TRAIN_STRATEGIES,
     engine_spec,
     layout_problem,
     process_problem,
@@ -54,9 +56,6 @@ GROUP_ESTIMATORS = ("grpo", "rloo", "gigpo")
 TRAIN_ROLES = ("actor_train", "reference", "critic")
 """Roles built by a training strategy (``TRAIN_STRATEGIES``); the others run an engine or
 plain functions."""
-
-OUTPUT_HEAD = "lm_head"
-"""The output head's module name in every family the trainer loads (``*ForCausalLM.lm_head``)."""
 
 ENGINE_ARGS_OF_THE_WORKER = tuple(WORKER_ENGINE_ARGS)
 """Engine factory arguments the ``actor_infer`` worker passes itself (``InferWorker``): not
@@ -78,7 +77,8 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
     problems.extend(strategy_problems)
     refused = {p.path for p in strategy_problems}
     problems.extend(_megatron_problems(cfg, refused))
-    policy = _policy_config(cfg) if cfg.model.lora is not None or _fsdp2_tp(cfg) else None
+    needs_policy = cfg.model.lora is not None or cfg.train.packing or _fsdp2_tp(cfg)
+    policy = _policy_config(cfg) if needs_policy else None
     problems.extend(fsdp2_tensor_parallel_problems(cfg, policy, refused))
     problems.extend(_engine_option_problems(cfg))
     problems.extend(engine_argument_problems(cfg))
@@ -132,21 +132,10 @@ def cross_section_problems(cfg: TrainerConfig) -> list[Problem]:
     problems.extend(_reward_problems(cfg))
     problems.extend(_checkpoint_problems(cfg))
     problems.extend(_agent_problems(cfg))
-    problems.extend(_lora_problems(cfg))
+    problems.extend(lora_problems(cfg, policy))
     problems.extend(start_problems(cfg))  # the model's tokenizer, the warm start's expert
     problems.extend(tied_embedding_problems(cfg, policy))
-    if cfg.train.packing:
-        for name in ("actor_train", "reference", "critic"):
-            spec = TRAIN_STRATEGIES.get(getattr(cfg.roles, name).strategy or "hf")
-            if name in cfg.active_roles and spec is not None and not spec.packing:
-                able = [n for n, s in TRAIN_STRATEGIES.items() if s.packing]
-                problems.append(
-                    Problem(
-                        "train.packing",
-                        f"roles.{name}.strategy={spec.name!r} does not run packed rows; use one "
-                        f"of {able} or set train.packing: false",
-                    )
-                )
+    problems.extend(packing_problems(cfg, policy))
     if not problems:  # the estimate needs a valid device plan and layouts
         problems.extend(_memory_problems(cfg))
     return problems
@@ -441,50 +430,6 @@ def _checkpoint_problems(cfg: TrainerConfig) -> list[Problem]:
             "({output_dir}/checkpoints)",
         )
     ]
-
-
-def _lora_problems(cfg: TrainerConfig) -> list[Problem]:
-    """``model.lora``: a training strategy that can hold adapters, an engine that can load them."""
-    lora = cfg.model.lora
-    if lora is None:
-        return []
-    problems = []
-    strategy = cfg.roles.actor_train.strategy or "hf"
-    spec = TRAIN_STRATEGIES.get(strategy)
-    if spec is not None and not spec.lora:
-        able = [name for name, s in TRAIN_STRATEGIES.items() if s.lora]
-        problems.append(
-            Problem(
-                "model.lora",
-                f"roles.actor_train.strategy={strategy!r} cannot train adapters (it trains every "
-                f"weight); use one of {able} or drop model.lora",
-            )
-        )
-    train = cfg.roles.actor_train
-    if strategy == "fsdp2" and int(train.strategy_args.get("tensor_parallel_size", 1)) > 1:
-        problems.append(
-            Problem(
-                "model.lora",
-                "fsdp2 cannot split adapter-wrapped layers over tensor-parallel ranks; drop "
-                "model.lora or roles.actor_train.strategy_args.tensor_parallel_size",
-            )
-        )
-    if lora.target_modules != "all-linear" and OUTPUT_HEAD in lora.target_modules:
-        config = _policy_config(cfg)
-        if config is not None and getattr(config, "tie_word_embeddings", False):
-            from trainer.strategies.lora import tied_head_refusal
-
-            why = tied_head_refusal(OUTPUT_HEAD).removeprefix("model.lora.target_modules ")
-            problems.append(Problem("model.lora.target_modules", why))
-    if lora.sync == "adapter" and not engine_spec(cfg.rollout.engine).adapters:
-        problems.append(
-            Problem(
-                "model.lora.sync",
-                f"the {cfg.rollout.engine!r} engine cannot load adapters; set "
-                "model.lora.sync: merged",
-            )
-        )
-    return problems
 
 
 def _memory_problems(cfg: TrainerConfig) -> list[Problem]:

@@ -186,11 +186,13 @@ def sequence_tokens(cfg: TrainerConfig, shape: ModelShape) -> tuple[int, str]:
 
 
 def micro_batch(cfg: TrainerConfig, seq: int) -> tuple[int, int]:
-    """(tokens, row width) of the largest micro-batch when rows are ``seq`` tokens at most."""
+    """(tokens, row width) of the largest micro-batch when sequences are ``seq`` tokens at most.
+    Rows are ``seq`` wide packed or not: a packed row is as wide as the longest sequence packed
+    into it (``packing._pack``), not the token budget, so packing fills the same budget with
+    fewer padding tokens at the same cost."""
     train = cfg.train
     if train.micro_batch_tokens is not None:
-        tokens = max(train.micro_batch_tokens, seq)
-        return tokens, tokens if train.packing else seq
+        return max(train.micro_batch_tokens, seq), seq
     return train.micro_batch_size * seq, seq
 
 

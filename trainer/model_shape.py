@@ -302,6 +302,18 @@ class ModelShape:
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * dtype_bytes
 
     # ------------------------------------------------------------------ LoRA
+    def adaptable_module_names(self) -> list[str]:
+        """The distinct last name parts of the model's linear and embedding layers, sorted: what
+        ``model.lora.target_modules`` may name (``lora.adaptable_module_names`` reads the same
+        off a built model). The output head (``lm_head``) is a linear layer, tied or not."""
+        embeddings = [
+            name.removesuffix(".weight").rsplit(".", 1)[-1]
+            for name, _ in self.top_tensors()
+            if name.endswith(("wte.weight", "wpe.weight", "embed_tokens.weight"))
+        ]
+        blocks = [linear.name.rsplit(".", 1)[-1] for linear in self.linears]
+        return sorted({*blocks, *embeddings, "lm_head"})
+
     def lora_linears(self, target_modules: list[str] | str) -> list[Linear]:
         """The block linears LoRA adapts: ``all-linear`` is every one (the head is never adapted),
         a list matches a linear whose name equals an entry or ends with ``.entry`` (peft's rule)."""

@@ -127,19 +127,23 @@ def test_the_engine_serves_what_the_trainer_holds(tmp_path: Path) -> None:
     assert not torch.allclose(base_logits, merged_logits, atol=1e-3)  # the adapters matter
 
 
-def test_adapter_export_loads_back_with_peft(tmp_path: Path) -> None:
-    from peft import PeftModel
+def test_adapter_export_loads_back_with_peft(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``model.lora.export: adapter`` writes a peft folder that peft's one-line loader
+    (``AutoPeftModelForCausalLM``, which loads the base ``adapter_config.json`` names) loads from
+    any working directory, and it computes the trained policy's logits exactly, not the base's."""
+    from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    result = CliRunner().invoke(
-        main,
+    cfg = load_config(
+        QUICKSTART,
         [
-            "train",
-            str(QUICKSTART),
             *TINY,
             f"model.lora.rank={RANK}",
             "model.lora.export=adapter",
+            "model.lora.lr=0.05",
             "train.steps=1",
             "sft.epochs=1",
             "eval.every=0",
@@ -147,17 +151,26 @@ def test_adapter_export_loads_back_with_peft(tmp_path: Path) -> None:
             f"output_dir={out}",
         ],
     )
-    assert result.exit_code == 0, result.output
+    pipeline = AgenticPipeline(cfg)
+    pipeline.on_step = lambda metrics: None
+    pipeline.fit()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    trained = pipeline.roles.actor._workers[0].strategy.model.eval()  # the exported policy
+    with torch.no_grad():
+        policy_logits = trained(ids).logits
     folder = out / "final_policy"
     config = json.loads((folder / "adapter_config.json").read_text())
-    assert config["r"] == RANK and config["base_model_name_or_path"] == "base"
-    base = AutoModelForCausalLM.from_pretrained(folder / "base")
-    model = PeftModel.from_pretrained(base, folder).eval()
-    ids = torch.tensor([[1, 5, 9, 13]])
-    plain = AutoModelForCausalLM.from_pretrained(out / "final_policy" / "base")
+    assert config["r"] == RANK
+    assert Path(config["base_model_name_or_path"]) == (folder / "base").resolve()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # not the export's folder: the base is found all the same
+    model = AutoPeftModelForCausalLM.from_pretrained(folder).eval()
+    plain = AutoModelForCausalLM.from_pretrained(folder / "base").eval()
     with torch.no_grad():
         adapted, without = model(ids).logits, plain(ids).logits
-    assert torch.isfinite(adapted).all() and adapted.shape == without.shape
+    torch.testing.assert_close(adapted, policy_logits, atol=0, rtol=0)
+    assert (adapted - without).abs().max() > 1e-4  # the adapters it loaded do something
 
 
 def test_bad_lora_settings_name_the_fix(tmp_path: Path) -> None:
@@ -178,8 +191,12 @@ def test_bad_lora_settings_name_the_fix(tmp_path: Path) -> None:
             f"output_dir={tmp_path / 'run'}",
         ],
     )
+    # refused where the config loads, before any worker starts, each entry named
     assert result.exit_code != 0
-    assert "match no linear or embedding layer" in result.output and "q_proj" in result.output
+    assert "invalid trainer config" in result.output, result.output
+    for typo in ("qkv", "c_attn"):
+        assert f"{typo!r} matches no linear or embedding layer" in result.output
+    assert "q_proj" in result.output  # the layers it has
 
 
 def test_merged_weights_and_folding_keep_the_policy(policy: Any) -> None:
@@ -208,6 +225,35 @@ def test_merged_weights_and_folding_keep_the_policy(policy: Any) -> None:
             assert torch.allclose(wrapped(ids).logits, policy_logits, atol=1e-5)
     with pytest.raises(ModelError, match="match no linear or embedding layer"):
         lora.apply_lora(copy.deepcopy(model), LoraConfig(rank=2, target_modules=["nope"]))
+
+
+def test_a_bf16_merge_adds_the_fp32_delta_and_rounds_once(policy: Any) -> None:
+    """A bf16 base with fp32 adapters (``sync: merged``, the merged ``final_policy``, the warm
+    start's fold): each merged weight is ``W + scaling * B @ A`` computed in fp32 and rounded to
+    bf16 once, not the adapters or the delta rounded to bf16 first and the sum rounded again."""
+    import copy
+
+    model, _ = policy
+    wrapped = lora.apply_lora(copy.deepcopy(model).to(torch.bfloat16), LoraConfig(rank=RANK))
+    torch.manual_seed(0)
+    for name, param in wrapped.named_parameters():
+        if "lora_" in name:
+            assert param.dtype == torch.float32  # peft keeps the adapters in fp32
+            param.data.normal_(0, 0.3)  # adapters that do something, not bf16-representable
+    merge = lora.merge_of(wrapped)
+    merged = dict(lora.engine_weights(wrapped.state_dict().items(), merge=merge))
+    state = wrapped.state_dict()
+    layer = "base_model.model.model.layers.0.self_attn.q_proj"
+    parts = ("base_layer", "lora_A.default", "lora_B.default")
+    weight, a, b = (state[f"{layer}.{part}.weight"] for part in parts)
+    expected = (weight.float() + merge.scaling * (b @ a)).to(torch.bfloat16)
+    got = merged["model.layers.0.self_attn.q_proj.weight"]
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, expected)
+    # folding (the warm start's) adds the same delta into the base weight, rounded once too
+    lora.fold_adapters(wrapped)
+    folded = wrapped.state_dict()[f"{layer}.base_layer.weight"]
+    assert torch.equal(folded, expected)
 
 
 def test_an_adapted_embedding_serves_exports_and_folds_like_the_policy(

@@ -274,6 +274,21 @@ def test_the_tiny_quickstart_estimate_against_a_measured_train_step(tmp_path: Pa
     assert 1.0 <= ratio <= 1.3, f"estimate {estimated:,} B vs measured {measured:,} B"
 
 
+def test_packing_is_charged_rows_as_wide_as_a_sequence_not_the_token_budget() -> None:
+    """Packed rows are as wide as the longest sequence packed into them (``packing._pack``), so
+    at the same ``train.micro_batch_tokens`` packing costs the activations and logits that rows
+    of the same tokens unpacked do (the dry run and the start's memory check must not push a
+    user off packing)."""
+    quickstart = EXAMPLES / "quickstart.yaml"
+    budget = "train.micro_batch_tokens=8192"
+    plans = {
+        packing: estimate(load_config(quickstart, [budget, f"train.packing={packing}"]))
+        for packing in ("false", "true")
+    }
+    assert parts(plans["true"], "actor_train") == parts(plans["false"], "actor_train")
+    assert plans["true"].micro_tokens == plans["false"].micro_tokens == 8192
+
+
 @pytest.mark.parametrize(
     ("section", "checkpointing"), [("plain", False), ("activation_checkpointing", True)]
 )

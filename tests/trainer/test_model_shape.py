@@ -105,6 +105,16 @@ def test_lora_adapters_are_the_ones_peft_adds(name: str, targets: Any) -> None:
     }
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_layer_names_lora_may_target_are_the_models(name: str) -> None:
+    """What ``model.lora.target_modules`` may name, from config.json alone: the names the adapter
+    code reads off the built model (``lora.adaptable_module_names``)."""
+    from trainer.strategies.lora import adaptable_module_names
+
+    model, config = hf_model(*CONFIGS[name])
+    assert ModelShape.from_config(config).adaptable_module_names() == adaptable_module_names(model)
+
+
 def test_another_family_is_refused_with_the_ones_known() -> None:
     with pytest.raises(UnknownModelShape, match="qwen2_moe.*llama, mistral, qwen2, qwen3, gpt2"):
         ModelShape.from_config({"model_type": "qwen2_moe", "hidden_size": 8})

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from trainer.config import LoraConfig, TrainerConfig
 
 __all__ = [
+    "VLLM_RANKS",
     "AdapterWeights",
     "Merge",
     "adaptable_module_names",
@@ -56,6 +57,7 @@ __all__ = [
     "freeze_adapters",
     "is_lora",
     "merge_of",
+    "policy_dropout",
     "save_plain",
     "tied_head_refusal",
     "ties_embeddings",
@@ -67,8 +69,8 @@ __all__ = [
 ADAPTER = "default"
 """The one adapter every wrapped policy has (``peft``'s default name)."""
 
-_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-"""The ``max_lora_rank`` values vLLM accepts."""
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ``max_lora_rank`` values vLLM accepts (its ``MaxLoRARanks``)."""
 
 
 @dataclass
@@ -269,7 +271,8 @@ def _gather_row_shards(state: dict[str, Any]) -> dict[str, torch.Tensor]:
 def write_adapter(folder: str | Path, adapter: AdapterWeights, base_path: str) -> Path:
     """``adapter`` as a ``peft`` adapter folder (``adapter_model.safetensors`` and
     ``adapter_config.json`` naming ``base_path``): what ``PeftModel.from_pretrained`` and vLLM's
-    ``LoRARequest`` load."""
+    ``LoRARequest`` load. ``AutoPeftModelForCausalLM`` loads the base ``base_path`` names as it
+    is: give a folder's absolute path (peft takes a relative one for a Hub repo id)."""
     from safetensors.torch import save_file
 
     folder = Path(folder)
@@ -306,7 +309,8 @@ def engine_weights(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """A wrapped model's full tensors (``strategy.full_weights()``) as the base model's HF-named
     tensors: the base alone, or with ``merge`` (:func:`merge_of`) the adapters merged in
-    (``W + scaling * B @ A`` per adapted layer), as peft's own merge computes them.
+    (``W + scaling * B @ A`` per adapted layer), as peft's own merge computes them, in fp32 and
+    rounded to the base's dtype once (a bf16 base is not rounded again through bf16 adapters).
 
     An adapted layer's merged weight is yielded once its base weight, ``lora_A`` and ``lora_B``
     have all passed (the state dict lists them together). An embedding's adapter
@@ -338,8 +342,8 @@ def engine_weights(
         if len(slot) == 3:
             del pending[module]
             weight = slot["W"]
-            parts = {k.removeprefix("embedding_"): v.to(weight.dtype) for k, v in slot.items()}
-            delta = parts["B"] @ parts["A"]
+            parts = {k.removeprefix("embedding_"): v.float() for k, v in slot.items()}
+            delta = parts["B"] @ parts["A"]  # fp32, whatever the base's dtype: rounded once
             hf = module.removeprefix("base_model.model.")
             if "embedding_A" in slot or hf in transposed:
                 delta = delta.T
@@ -349,7 +353,7 @@ def engine_weights(
                     f"{tuple(weight.shape)}; merge with merge_of(model), which names the layers "
                     "stored (in, out) (Conv1D)"
                 )
-            yield f"{hf}.weight", weight + scaling * delta
+            yield f"{hf}.weight", (parts["W"] + scaling * delta).to(weight.dtype)
     if pending:
         raise ModelError(f"incomplete adapted layers in the merged weights: {sorted(pending)[:3]}")
 
@@ -411,8 +415,9 @@ def freeze_adapters(model: Any) -> None:
 def fold_adapters(model: Any, optimizer: Any = None) -> None:
     """Add every adapter into its base weight and restart the adapters at zero (``lora_B = 0``,
     ``lora_A`` re-initialised), dropping their optimiser moments; a base that trained too (a
-    full warm start) is frozen again and its moments dropped. The policy is unchanged, the base
-    now is the policy, and training continues from fresh adapters."""
+    full warm start) is frozen again and its moments dropped. The policy is unchanged (up to one
+    rounding of each sum to the base's dtype), the base now is the policy, and training
+    continues from fresh adapters."""
     import torch
     from peft.tuners.lora import LoraLayer
 
@@ -434,14 +439,15 @@ def fold_adapters(model: Any, optimizer: Any = None) -> None:
                 continue
             layer: Any = module  # a concrete LoRA layer (Linear, Embedding) has get_delta_weight
             base = layer.get_base_layer()
-            delta = layer.get_delta_weight(ADAPTER).to(base.weight.dtype)
+            delta = layer.get_delta_weight(ADAPTER).float()
             if tied and model.get_input_embeddings() in (module, base) and delta.any():
                 raise ModelError(
                     "cannot fold an input-embedding adapter into a weight the output head shares "
                     "(tied embeddings): it would change the head too (apply_lora refuses the "
                     "settings that need this)"
                 )
-            base.weight.add_(delta)
+            # summed in fp32 and rounded to the base's dtype once, as engine_weights merges
+            base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))
             module.reset_lora_parameters(ADAPTER, True)
             if optimizer is not None:
                 for param in params:
@@ -449,24 +455,78 @@ def fold_adapters(model: Any, optimizer: Any = None) -> None:
 
 
 def dropout_warning(cfg: TrainerConfig) -> str | None:
-    """What adapter dropout does to an RL run (``trainer.cli`` warns with it as the run starts);
-    None without dropout or RL steps (an SFT-only run keeps it as a regulariser)."""
-    lora = cfg.model.lora
-    if lora is None or lora.dropout == 0 or cfg.train.steps == 0:
+    """What dropout in the training forward does to an RL run: adapter dropout
+    (``model.lora.dropout``) and dropout the policy's own config sets (:func:`policy_dropout`).
+    ``trainer.cli`` warns with it as the run starts, and so does ``--dry-run``. None without
+    dropout or RL steps (an SFT-only run keeps it as a regulariser).
+
+    The run keeps the dropout it is configured with, as verl's and OpenRLHF's actors load the
+    checkpoint's config as it is (verl zeroes dropout for its critic only; TRL's PPO trainer
+    zeroes every dropout layer): the user is told what it costs and which setting to change."""
+    if cfg.train.steps == 0:
         return None
     loss = cfg.algorithm.loss
-    return (
-        f"model.lora.dropout={lora.dropout} drops adapter inputs in the training forward but "
-        "not in the old log-probs it is compared with (computed in eval mode), so the PPO ratio "
-        "is noisy even on-policy and the clip (algorithm.loss.clip_low/clip_high = "
-        f"{loss.clip_low}/{loss.clip_high}) cuts gradient from tokens of an on-policy step; set "
-        "model.lora.dropout: 0 for RL"
+    cost = (
+        "(computed in eval mode), so the PPO ratio is noisy even on-policy and the clip "
+        f"(algorithm.loss.clip_low/clip_high = {loss.clip_low}/{loss.clip_high}) cuts gradient "
+        "from tokens of an on-policy step"
     )
+    said = []
+    lora = cfg.model.lora
+    if lora is not None and lora.dropout > 0:
+        said.append(
+            f"model.lora.dropout={lora.dropout} drops adapter inputs in the training forward but "
+            f"not in the old log-probs it is compared with {cost}; set model.lora.dropout: 0 for "
+            "RL"
+        )
+    base = policy_dropout(cfg)
+    if base:
+        settings = ", ".join(f"{key}={value:g}" for key, value in base.items())
+        said.append(
+            f"the policy's config.json (model.path {cfg.model.path}) sets {settings} "
+            "(transformers' defaults where the file is silent): the training forward runs with "
+            f"that dropout, the old log-probs it is compared with do not {cost}; set them to 0 in "
+            "that config.json for RL"
+        )
+    return "; also, ".join(said) or None
+
+
+UNUSED_DROPOUT = ("classifier_", "summary_")
+"""Prefixes of HF config dropout fields a causal LM's forward does not use (classification
+heads, GPT-2's double-heads summary)."""
+
+
+def policy_dropout(cfg: TrainerConfig) -> dict[str, float]:
+    """The dropout probabilities above 0 in the policy's own HF config (``*dropout*``,
+    ``*pdrop*``): ``model.path``'s config.json as transformers reads it, with the class's
+    defaults for the fields the file leaves out (GPT-2's 0.1s are not written). Empty for
+    ``model.tiny`` (built without dropout) and for a config transformers cannot read (loading
+    the model says why)."""
+    if cfg.model.path is None:
+        return {}
+    try:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(Path(cfg.model.path).expanduser()).to_dict()
+    except Exception:  # noqa: BLE001 - any reason it cannot be read: the model load says which
+        return {}
+    found = {}
+    for key, value in sorted(config.items()):
+        named = "dropout" in key or "pdrop" in key
+        if not named or key.startswith(UNUSED_DROPOUT) or isinstance(value, bool):
+            continue
+        try:
+            probability = float(value)
+        except (TypeError, ValueError):
+            continue
+        if probability > 0:
+            found[key] = probability
+    return found
 
 
 def vllm_max_rank(rank: int) -> int:
     """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
-    for allowed in _VLLM_RANKS:
+    for allowed in VLLM_RANKS:
         if allowed >= rank:
             return allowed
-    raise ModelError(f"model.lora.rank={rank} is above vLLM's largest LoRA rank {_VLLM_RANKS[-1]}")
+    raise ModelError(f"model.lora.rank={rank} is above vLLM's largest LoRA rank {VLLM_RANKS[-1]}")

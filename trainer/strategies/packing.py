@@ -33,8 +33,11 @@ on its attention implementation (``config._attn_implementation``), from an allow
     restarting positions instead (it does so only for a batch of one row).
 
 Anything else - another attention implementation, a layer type other than full or sliding
-attention, mixed layers in a model that takes one mask for all - is refused with a
-``ModelError`` naming ``train.packing``: packed rows would give wrong log-probs.
+attention, mixed layers in a model that takes one mask for all, ALiBi position biases
+(:func:`uses_alibi`: Bloom, MPT, Falcon with ``alibi``; they are built from a 2-D padding mask,
+one sequence per row) - is refused with a ``ModelError`` naming ``train.packing``: packed rows
+would give wrong log-probs. What the model's config.json tells is refused at config load
+(``trainer._config_model_checks``).
 """
 
 from __future__ import annotations
@@ -49,20 +52,26 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "ALIBI_FAMILIES",
     "MASKED_ATTENTION",
     "VARLEN_ATTENTION",
     "MicroPlan",
+    "alibi_refusal",
     "build_micro",
     "pack_bins",
     "packed_model_inputs",
     "plan_micro_batches",
     "unpack",
+    "uses_alibi",
 ]
 
 MASKED_ATTENTION = ("eager", "sdpa")
 """Attention implementations given the packed rows' 4-D mask (they use it as it is)."""
 VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
 """Attention implementations given ONE flat row whose restarting positions delimit sequences."""
+ALIBI_FAMILIES = ("bloom", "mpt")
+"""``model_type`` values whose attention always adds ALiBi position biases (Falcon does with its
+``alibi`` flag): packed rows are refused (:func:`uses_alibi`)."""
 FULL, SLIDING = "full_attention", "sliding_attention"
 """The layer types (``config.layer_types``) a packed mask can be built for."""
 
@@ -225,6 +234,8 @@ def packed_model_inputs(model: Any, micro: Mapping[str, torch.Tensor]) -> dict[s
         "position_ids": micro["_packed_positions"],
     }
     lm = _language_model(model)
+    if uses_alibi(lm.config):
+        raise ModelError(alibi_refusal(str(lm.config.model_type)))
     attention = lm.config._attn_implementation
     if attention in VARLEN_ATTENTION:
         return {name: value.reshape(1, -1) for name, value in inputs.items()}
@@ -246,6 +257,25 @@ def packed_model_inputs(model: Any, micro: Mapping[str, torch.Tensor]) -> dict[s
         )
     inputs["attention_mask"] = masks if len(masks) > 1 else next(iter(masks.values()))
     return inputs
+
+
+def uses_alibi(config: Any) -> bool:
+    """Whether a model of this HF config (or config.json's fields as attributes) adds ALiBi
+    position biases to its attention scores: ``model_type`` in :data:`ALIBI_FAMILIES`, or an
+    ``alibi`` flag set (Falcon)."""
+    return getattr(config, "model_type", None) in ALIBI_FAMILIES or (
+        getattr(config, "alibi", False) is True
+    )
+
+
+def alibi_refusal(model_type: str) -> str:
+    """Why ``train.packing`` is refused for a model with ALiBi attention, and the fix."""
+    return (
+        f"train.packing cannot run {model_type}'s ALiBi attention on packed rows: its position "
+        "biases are built from a 2-D padding mask, one sequence per row, so they would not "
+        "restart at each packed sequence (transformers fails or attends wrongly); set "
+        "train.packing: false for this model"
+    )
 
 
 def _language_model(model: Any) -> Any:

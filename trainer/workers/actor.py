@@ -338,7 +338,10 @@ class ActorWorker(WeightSender, StrategyWorker):
     def save_pretrained(self, path: str) -> None:
         """Collective: rank 0 writes the policy (model + tokenizer) as an HF folder; with LoRA the
         adapters merged in, or (``model.lora.export: adapter``) a ``peft`` adapter folder with the
-        base it needs in ``path/base`` (HF weights, as the engines were given them)."""
+        base it needs in ``path/base`` (HF weights, as the engines were given them), which
+        ``adapter_config.json`` names by its absolute path: ``AutoPeftModelForCausalLM.
+        from_pretrained(path)`` loads it from any directory (after moving the folder, load the base
+        and ``PeftModel.from_pretrained(base, path)``)."""
         if self.lora is not None:
             self._export_lora(path)
         else:
@@ -370,7 +373,9 @@ class ActorWorker(WeightSender, StrategyWorker):
         target = os.path.join(path, "base") if as_adapter else path
         save_plain(model.config if as_adapter else export_config(model), tensors, target)
         if adapter is not None:
-            write_adapter(path, adapter, "base")
+            # absolute: peft's AutoPeftModelForCausalLM.from_pretrained(path) loads the base it
+            # names as given (a relative name is taken as a Hub repo id), from any directory
+            write_adapter(path, adapter, os.path.abspath(target))
             self.tokenizer.save_pretrained(target)
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)

@@ -217,3 +217,31 @@ def test_packing_refuses_layers_whose_mask_it_cannot_build() -> None:
     packed.model.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ModelError, match="train.packing.*chunked_attention"):
         packed_model_inputs(packed.model, micro)
+
+
+@pytest.mark.parametrize("kind", ["bloom", "falcon-alibi"])
+def test_packing_refuses_alibi_position_biases(kind: str) -> None:
+    """ALiBi biases attention by key position (Bloom, Falcon with ``alibi``): packed rows would
+    need them per sequence, which the models cannot take; refused naming the setting, while the
+    padded rows still run."""
+    import transformers
+
+    from trainer.errors import ModelError
+
+    if kind == "bloom":
+        config: Any = transformers.BloomConfig(vocab_size=61, hidden_size=32, n_layer=2, n_head=4)
+    else:
+        config = transformers.FalconConfig(
+            vocab_size=61,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            alibi=True,
+            new_decoder_architecture=False,
+        )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    batch = ragged_batch([4, 2, 3], seed=5)
+    assert strategy(model).forward(batch).logprobs.shape == (3, 4)
+    with pytest.raises(ModelError, match="train.packing.*ALiBi.*set train.packing: false"):
+        strategy(model, packing=True).forward(batch)
