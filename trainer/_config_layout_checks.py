@@ -161,7 +161,9 @@ def engine_argument_problems(cfg: TrainerConfig) -> list[Problem]:
 def vllm_option_problems(cfg: TrainerConfig) -> list[Problem]:
     """``roles.actor_infer.strategy_args`` keys neither ``VLLMEngine`` nor ``vllm.EngineArgs``
     takes (the engine start would fail with a TypeError once the cluster is up), with the
-    closest valid key. Checked only where vLLM is installed (its arguments change with it)."""
+    closest valid key, and a step token budget below ``max_model_len`` where prefill is not
+    chunked (vLLM refuses it as the engine starts). Checked only where vLLM is installed (its
+    arguments change with it)."""
     import difflib
 
     from trainer.strategies.vllm_platform import engine_options
@@ -179,6 +181,17 @@ def vllm_option_problems(cfg: TrainerConfig) -> list[Problem]:
                 f"is ignored while kv_cache_gib sizes the KV cache ({args.get('kv_cache_gib', 1.0)}"
                 " GiB; 1 unless set): set kv_cache_gib: null to size it by "
                 "gpu_memory_utilization, or drop gpu_memory_utilization",
+            )
+        )
+    budget, context = args.get("max_num_batched_tokens"), args.get("max_model_len")
+    chunked = args.get("enable_chunked_prefill", cfg.cluster.device_resource == "GPU")
+    if isinstance(budget, int) and isinstance(context, int) and not chunked and budget < context:
+        problems.append(
+            Problem(
+                "roles.actor_infer.strategy_args.max_num_batched_tokens",
+                f"{budget} is below max_model_len {context}, and without chunked prefill (the "
+                "engine turns it off unless cluster.device_resource is GPU) one step must hold a "
+                f"whole prompt: raise it to {context} or more, or lower max_model_len",
             )
         )
     given = set(args) - set(WORKER_ENGINE_ARGS)  # said apart

@@ -174,6 +174,27 @@ def test_an_unknown_strategy_arg_is_refused_with_a_suggestion() -> None:
     )
 
 
+def test_a_vllm_token_budget_below_its_context_without_chunked_prefill_is_refused() -> None:
+    """Off a GPU the engine runs without chunked prefill: vLLM refuses a step budget smaller
+    than one prompt, in the worker once the cluster is up; the config names it instead."""
+    pytest.importorskip("vllm", reason="vLLM checks its own arguments: needs vllm installed")
+    args = "{max_model_len: 512, max_num_batched_tokens: 256}"
+    engine = ["rollout.engine=vllm", f"roles.actor_infer.strategy_args={args}"]
+    [problem] = problems_of(QUICKSTART, engine)
+    assert problem.startswith(
+        "roles.actor_infer.strategy_args.max_num_batched_tokens: 256 is below max_model_len "
+        "512, and without chunked prefill"
+    )
+    cfg = load_config(
+        QUICKSTART,
+        [
+            *engine[:1],
+            "roles.actor_infer.strategy_args={max_model_len: 512, max_num_batched_tokens: 512}",
+        ],
+    )
+    assert cfg.roles.actor_infer.strategy_args["max_num_batched_tokens"] == 512
+
+
 # --------------------------------------------------------------------------- env kwargs, numbers
 
 
