@@ -307,8 +307,12 @@ def sync_tensors(cfg: TrainerConfig, shape: ModelShape) -> tuple[list[tuple[str,
             for n, k in shape.lora_tensors(lora.rank, lora.target_modules)
         ]
         return sizes, f"LoRA adapters (rank {lora.rank}, fp32)"
-    e = DTYPE_BYTES[cfg.model.dtype]
-    return [(n, k * e) for n, k in shape.tensors()], f"full weights ({cfg.model.dtype})"
+    if (cfg.roles.actor_train.strategy or "hf") == "megatron":  # its fp32 master weights
+        dtype = "float32 (megatron's master weights)"
+        e = 4
+    else:
+        dtype, e = cfg.model.dtype, DTYPE_BYTES[cfg.model.dtype]
+    return [(n, k * e) for n, k in shape.tensors()], f"full weights ({dtype})"
 
 
 def sync_buckets(cfg: TrainerConfig, shape: ModelShape) -> tuple[int, int, int, str]:
