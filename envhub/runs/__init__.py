@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from envhub.runs.reader import EpisodePage, NotARunError, Run, episode_key, open_run
+from envhub.runs.reader import EpisodePage, NotARunError, Run, episode_key, find_runs, open_run
 from envhub.runs.store import COLUMNS, LIGHT_COLUMNS, TrajectoryWriter, write_part
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "Run",
     "TrajectoryWriter",
     "episode_key",
+    "find_runs",
     "open",
     "open_run",
     "write_part",

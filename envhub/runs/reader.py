@@ -7,11 +7,19 @@ read (``keep_last`` pruning) is read around, and what cannot be read is left out
 ``episodes.jsonl`` line that is no episode, and anything that is not a regular file (a FIFO or
 a device under a run's file name would block a reader forever; it is never opened).
 
+A part is checked twice: its footer when it is listed, its data when its columns are read
+(``envhub.runs.parts``). A part whose footer is whole but whose data is not (bit rot, a copy cut
+short, another tool's file with other column types) is left out and named when the read fails;
+the other parts still read.
+
 ``Run.episodes`` filters, sorts and pages with Arrow over the small columns only
-(``LIGHT_COLUMNS``), so a store of a million episodes is never loaded whole; those columns are
-kept per part (keyed by its size and mtime), so a poll after a new step reads only the new part.
-``Run.episode`` reads one episode's tokens and messages. A ``Run`` may be read from several
-threads at once (the viewer's requests).
+(``LIGHT_COLUMNS``, ``envhub.runs.query``), so a store of a million episodes is never loaded
+whole; those columns are kept per part (keyed by its size and mtime), so a poll after a new step
+reads only the new part. ``Run.episode`` reads one episode's tokens and messages from the one
+part its key names (``kind:step:index`` -> ``trajectories/kind-step.parquet``), never listing the
+store. ``Run.version`` changes whenever the set of parts or their files does (a poll compares
+it; the total alone stays the same when ``keep_last`` adds one part and prunes one). A ``Run``
+may be read from several threads at once (the viewer's requests).
 
 An ``envhub eval --out`` folder written before the store existed (``episodes.jsonl`` only) is
 read from its JSONL.
@@ -19,20 +27,21 @@ read from its JSONL.
 
 from __future__ import annotations
 
+import hashlib
 import json
-import math
 import os
 import stat
 import threading
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from envhub.errors import EnvhubError
-from envhub.runs.store import COLUMNS, LIGHT_COLUMNS, PART, schema, to_table
+from envhub.runs.parts import UnreadablePartError, read_episode, read_light, reason
+from envhub.runs.query import sort_table, where, whole
+from envhub.runs.store import LIGHT_COLUMNS, PART, part_name, schema, to_table
 
-__all__ = ["EpisodePage", "NotARunError", "Run", "open_run"]
+__all__ = ["EpisodePage", "NotARunError", "Run", "find_runs", "open_run"]
 
 SORTABLE = frozenset(LIGHT_COLUMNS)
 
@@ -56,6 +65,17 @@ def episode_key(kind: str, step: int, index: int) -> str:
     return f"{kind}:{int(step)}:{int(index)}"
 
 
+def parse_key(key: str) -> tuple[str, int, int]:
+    """``(kind, step, index)`` of an episode key; KeyError when ``key`` is none (a kind that
+    cannot name a part, a step or index that is no int64)."""
+    try:
+        kind, step, index = key.rsplit(":", 2)
+        part_name(kind, 0)
+        return kind, whole("step", step), whole("index", index)
+    except ValueError:
+        raise KeyError(f"{key!r} is not an episode key (kind:step:index)") from None
+
+
 @dataclass
 class Run:
     """A run folder (see the module docstring); build with ``open_run``."""
@@ -66,6 +86,8 @@ class Run:
     _checked: dict[Path, tuple[int, int, bool]] = field(default_factory=dict, repr=False)
     _light: dict[Path, tuple[tuple[int, int], Any]] = field(default_factory=dict, repr=False)
     _jsonl: tuple[tuple[int, int], Any] | None = field(default=None, repr=False)
+    _metrics: tuple[tuple[int, ...], list[dict[str, Any]]] | None = field(default=None, repr=False)
+    _values: dict[str, tuple[str, list[Any]]] = field(default_factory=dict, repr=False)
     _lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @property
@@ -93,8 +115,20 @@ class Run:
 
     # ------------------------------------------------------------------ metrics
     def metrics(self) -> list[dict[str, Any]]:
-        """``metrics.jsonl``'s rows (a line being written, or torn by a kill, is skipped)."""
-        text = self.read_text(self.path / "metrics.jsonl")
+        """``metrics.jsonl``'s rows (a line being written, or torn by a kill, is skipped).
+
+        Parsed once per version of the file (its size and mtime): a page that polls every few
+        seconds re-reads it only after the run wrote a row."""
+        path = self.path / "metrics.jsonl"
+        try:
+            status = path.stat()
+        except OSError:
+            return []
+        version = (status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns)
+        with self._lock:
+            if self._metrics is not None and self._metrics[0] == version:
+                return list(self._metrics[1])
+        text = self.read_text(path)
         rows = []
         for line in (text or "").splitlines():
             try:
@@ -103,7 +137,18 @@ class Run:
                 continue
             if isinstance(row, dict):
                 rows.append(row)
-        return rows
+        with self._lock:
+            self._metrics = (version, rows)
+        return list(rows)
+
+    def metrics_file(self) -> str | None:
+        """Which ``metrics.jsonl`` the run has (its device and inode), or None: a resumed run
+        rewrites the file under a new one, so a reader that kept rows knows to read it all."""
+        try:
+            status = (self.path / "metrics.jsonl").stat()
+        except OSError:
+            return None
+        return f"{status.st_dev}:{status.st_ino}"
 
     def summary(self) -> list[dict[str, Any]]:
         """An ``envhub eval`` run's ``summary.json`` rows (empty for a training run)."""
@@ -166,36 +211,76 @@ class Run:
                 self._light.pop(gone, None)
         return good
 
-    def _table(self, columns: Sequence[str], where: Any = None) -> Any:
-        """``columns`` of the episodes matching ``where``, from the store or ``episodes.jsonl``.
+    def version(self) -> str:
+        """A short hash of the store's parts (name, size, mtime) and ``episodes.jsonl``: it
+        changes whenever an episode may have been added, replaced or pruned (a poll compares
+        it; the total alone misses a ``keep_last`` step that adds one part and prunes one)."""
+        folder = self.path / "trajectories"
+        try:
+            names = sorted(os.listdir(folder))
+        except OSError:
+            names = []
+        entries = []
+        files = [folder / n for n in names if PART.match(n)] + [self.path / "episodes.jsonl"]
+        for path in files:
+            try:
+                status = path.stat()
+            except OSError:
+                continue  # pruned since the listing, or no such file
+            entries.append((path.name, status.st_size, status.st_mtime_ns))
+        return hashlib.sha1(repr(entries).encode()).hexdigest()[:16]
 
-        A part deleted between listing and reading (``keep_last`` pruning) is read around: the
-        parts are listed again, up to three times."""
+    def values(self, column: str, *, version: str | None = None) -> list[Any]:
+        """The distinct values of one of the table's columns over the whole run, sorted (what
+        a filter can choose from: env ids, agents); kept until the store changes. ``version``:
+        the run's ``version()`` when the caller has it (saves listing the store again)."""
+        import pyarrow.compute as pc
+
+        if column not in LIGHT_COLUMNS:
+            raise ValueError(f"no column {column!r}; the table has {', '.join(LIGHT_COLUMNS)}")
+        version = version or self.version()
+        with self._lock:
+            kept = self._values.get(column)
+        if kept is not None and kept[0] == version:
+            return list(kept[1])
+        found = sorted(pc.unique(self._light_table()[column]).drop_null().to_pylist())
+        with self._lock:
+            self._values[column] = (version, found)
+        return list(found)
+
+    def _light_table(self) -> Any:
+        """``LIGHT_COLUMNS`` of every episode, from the store or ``episodes.jsonl``.
+
+        A part pruned since the listing (``keep_last``) is read around; one whose data cannot
+        be read is left out and named. With no part read, an ``envhub eval`` folder's
+        ``episodes.jsonl`` is the table."""
         import pyarrow as pa
 
-        for attempt in range(3):
-            parts = self.parts()
-            if not parts:
-                break
+        tables = []
+        for path in self.parts():
             try:
-                return self._read_parts(parts, columns, where)
-            except OSError:
-                if attempt == 2 or all(p.exists() for p in parts):
-                    raise
+                tables.append(self._light_part(path))
+            except FileNotFoundError:
+                continue  # pruned between the listing and the read
+            except Exception as error:  # noqa: BLE001 - any unreadable part is a problem
+                self._unreadable(path, error)
+        if tables:
+            return pa.concat_tables(tables)
         jsonl = self._from_jsonl()
         if jsonl is None:
-            return pa.Table.from_pylist([], schema=schema()).select(list(columns))
-        return (jsonl.filter(where) if where is not None else jsonl).select(list(columns))
+            return pa.Table.from_pylist([], schema=schema()).select(list(LIGHT_COLUMNS))
+        return jsonl.select(list(LIGHT_COLUMNS))
 
-    def _read_parts(self, parts: list[Path], columns: Sequence[str], where: Any) -> Any:
-        import pyarrow as pa
-        import pyarrow.dataset as ds
-
-        if tuple(columns) != LIGHT_COLUMNS:  # one episode's every column: read, not kept
-            dataset = ds.dataset([str(p) for p in parts], format="parquet", schema=schema())
-            return dataset.to_table(columns=list(columns), filter=where)
-        table = pa.concat_tables([self._light_part(p) for p in parts])
-        return table.filter(where) if where is not None else table
+    def _unreadable(self, path: Path, error: BaseException) -> None:
+        """Name ``path`` as unreadable and leave it out until its file changes."""
+        self.problem(f"{path.name}: unreadable ({reason(error)})")
+        with self._lock:
+            try:
+                status = path.stat()
+                self._checked[path] = (status.st_size, status.st_mtime_ns, False)
+            except OSError:
+                self._checked.pop(path, None)
+            self._light.pop(path, None)
 
     def _light_part(self, path: Path) -> Any:
         """``LIGHT_COLUMNS`` of one part, read once per version of the file."""
@@ -263,7 +348,9 @@ class Run:
         kind: str | None = None,
         step: int | None = None,
         env_id: str | None = None,
+        env_contains: str | None = None,
         seed: int | None = None,
+        agent: str | None = None,
         success: bool | None = None,
         failed: bool | None = None,
         failure: str | None = None,
@@ -278,89 +365,93 @@ class Run:
     ) -> EpisodePage:
         """A page of the episodes that match every given filter, sorted by ``sort``.
 
-        ``failure`` matches failure reasons containing that text."""
+        ``env_contains`` matches env ids that contain its text and ``failure`` failure reasons
+        that do (any case); ``env_id`` and the rest match exactly. NaN and infinity sort after
+        every number in either direction, null last (``envhub.runs.query``); rows hold them as
+        they are stored. ``ValueError`` names a filter whose value its column cannot hold."""
         import pyarrow.compute as pc
-        import pyarrow.dataset as ds
 
         if sort not in SORTABLE:
             raise ValueError(f"cannot sort by {sort!r}; sortable: {', '.join(sorted(SORTABLE))}")
-        where = None
-        for name, value in (
-            ("kind", kind),
-            ("step", step),
-            ("env_id", env_id),
-            ("seed", seed),
-            ("success", success),
-            ("failed", failed),
-        ):
-            if value is not None:
-                where = _and(where, ds.field(name) == value)
-        ranges = (("return", min_return, max_return), ("tokens", min_tokens, max_tokens))
-        for name, low, high in ranges:
-            if low is not None:
-                where = _and(where, ds.field(name) >= low)
-            if high is not None:
-                where = _and(where, ds.field(name) <= high)
-        table = self._table(LIGHT_COLUMNS, where)
+        expression = where(
+            {
+                "kind": kind,
+                "step": step,
+                "env_id": env_id,
+                "env_contains": env_contains,
+                "seed": seed,
+                "agent": agent,
+                "success": success,
+                "failed": failed,
+                "min_return": min_return,
+                "max_return": max_return,
+                "min_tokens": min_tokens,
+                "max_tokens": max_tokens,
+            }
+        )
+        table = self._light_table()
+        if expression is not None:
+            table = table.filter(expression)
         if failure:
             reasons = pc.fill_null(table["failure"], "")
             table = table.filter(pc.match_substring(reasons, failure, ignore_case=True))
         total = table.num_rows
-        order = "descending" if descending else "ascending"
-        table = table.sort_by([(sort, order), ("step", "ascending"), ("index", "ascending")])
-        page = table.slice(max(0, offset), limit if limit is not None else total)
-        rows = page.to_pylist()
+        table = sort_table(table, sort, descending)
+        rows = table.slice(max(0, offset), limit if limit is not None else total).to_pylist()
         for row in rows:
             row["key"] = episode_key(row["kind"], row["step"], row["index"])
-            for name in ("return", "advantage"):
-                if isinstance(row[name], float) and not math.isfinite(row[name]):
-                    row[name] = None
         return EpisodePage(total, rows)
 
     def episode(self, key: str) -> dict[str, Any]:
-        """Every column of the episode ``key`` (``kind:step:index``); KeyError if absent."""
-        import pyarrow.dataset as ds
+        """Every column of the episode ``key`` (``kind:step:index``), read from the one part
+        the key names (an ``envhub eval`` folder without it: from ``episodes.jsonl``).
 
+        KeyError when there is no such episode, or its part cannot be read (the reason, also
+        named in ``problems``)."""
+        kind, step, index = parse_key(key)
+        row, unreadable = None, None
         try:
-            kind, step, index = key.rsplit(":", 2)
-            where = (
-                (ds.field("kind") == kind)
-                & (ds.field("step") == int(step))
-                & (ds.field("index") == int(index))
-            )
-        except ValueError:
-            raise KeyError(f"{key!r} is not an episode key (kind:step:index)") from None
-        rows = self._table(COLUMNS, where).to_pylist()
-        if not rows:
+            row = self._episode_from_part(kind, step, index)
+        except UnreadablePartError as error:
+            unreadable = str(error)
+        if row is None and kind == "envhub-eval" and step == 0:
+            row = self._episode_from_jsonl(index)
+        if row is None:
+            if unreadable is not None:
+                raise KeyError(f"{key}: {unreadable}")
             raise KeyError(f"no episode {key!r} in {self.path}")
-        row = rows[0]
         row["key"] = key
         row["messages"] = _json_or_text(row["messages"], [])
         row["info"] = _json_or_text(row["info"], {})
         return row
+
+    def _episode_from_part(self, kind: str, step: int, index: int) -> dict[str, Any] | None:
+        """The episode's row from ``trajectories/kind-step.parquet``; None when the part or
+        the row is not there; ``UnreadablePartError`` (also named in ``problems``) when the
+        part cannot be read."""
+        path = self.path / "trajectories" / part_name(kind, step)
+        try:
+            return read_episode(path, kind, step, index)
+        except FileNotFoundError:
+            return None  # no such part, or pruned by keep_last
+        except UnreadablePartError as error:
+            self.problem(f"{error.name}: unreadable ({error.why})")
+            raise
+
+    def _episode_from_jsonl(self, index: int) -> dict[str, Any] | None:
+        import pyarrow.dataset as ds
+
+        jsonl = self._from_jsonl()
+        if jsonl is None:
+            return None
+        rows = jsonl.filter(ds.field("index") == index).to_pylist()
+        return rows[0] if rows else None
 
     def steps(self, kind: str = "train") -> list[int]:
         """The steps with stored episodes of ``kind``."""
         return sorted(
             int(m["step"]) for p in self.parts() if (m := PART.match(p.name)) and m["kind"] == kind
         )
-
-
-def read_light(path: Path) -> Any:
-    """One part's ``LIGHT_COLUMNS`` as a table of the store's types."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    full = schema()
-    light = pa.schema([full.field(name) for name in LIGHT_COLUMNS])
-    with pq.ParquetFile(path) as part:  # (cheaper than pq.read_table, which builds a dataset)
-        if set(LIGHT_COLUMNS) <= set(part.schema_arrow.names):
-            return part.read(columns=list(LIGHT_COLUMNS), use_threads=False).cast(light)
-    return pq.read_table(path, columns=list(LIGHT_COLUMNS), schema=full)  # an older part
-
-
-def _and(where: Any, clause: Any) -> Any:
-    return clause if where is None else where & clause
 
 
 def _json_or_text(text: str | None, empty: Any) -> Any:
@@ -411,15 +502,43 @@ def eval_record(record: dict[str, Any], index: int) -> dict[str, Any]:
     }
 
 
+_MARKERS = ("metrics.jsonl", "trajectories", "episodes.jsonl", "summary.json")
+"""What a run folder holds (any of them)."""
+
+
+def _not_a_run(folder: Path) -> str:
+    return (
+        f"{folder} is not a run: it has none of {', '.join(_MARKERS)} (an envhub train "
+        "output_dir or an envhub eval --out folder)"
+    )
+
+
 def open_run(path: str | Path) -> Run:
     """The run in ``path`` (``NotARunError`` naming what a run folder holds otherwise)."""
     folder = Path(path)
     if not folder.is_dir():
         raise NotARunError(f"{folder} is not a folder; pass a run folder (output_dir of a run)")
-    markers = ("metrics.jsonl", "trajectories", "episodes.jsonl", "summary.json")
-    if not any((folder / m).exists() for m in markers):
-        raise NotARunError(
-            f"{folder} is not a run: it has none of {', '.join(markers)} (an envhub train "
-            "output_dir or an envhub eval --out folder)"
-        )
+    if not any((folder / m).exists() for m in _MARKERS):
+        raise NotARunError(_not_a_run(folder))
     return Run(folder)
+
+
+def find_runs(path: str | Path) -> list[Path]:
+    """``[path]`` when it is a run, else the runs in its sub-folders (sorted by name; a
+    sub-folder that is no run, notes or logs beside the runs, is skipped): ``envhub view
+    runs/`` shows every run under ``runs/``. ``NotARunError`` when there is none."""
+    folder = Path(path)
+    try:
+        open_run(folder)
+        return [folder]
+    except NotARunError:
+        if not folder.is_dir():
+            raise
+    runs = sorted(
+        child
+        for child in folder.iterdir()
+        if child.is_dir() and any((child / m).exists() for m in _MARKERS)
+    )
+    if not runs:
+        raise NotARunError(_not_a_run(folder) + ", and no folder in it is a run")
+    return runs

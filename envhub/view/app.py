@@ -10,9 +10,15 @@ HTML: an env that prints ``<script>`` shows that text.
 API (all ``GET``; ``run`` is the index of a run folder on the command line)::
 
     /api/runs                         the runs: name, path, kinds, problems
-    /api/metrics?run=                 metrics.jsonl rows (numbers only) and their keys
-    /api/episodes?run=&kind=&step=&env_id=&seed=&success=&failed=&failure=
+    /api/metrics?run=&after=&file=    metrics.jsonl rows (numbers, and NaN/inf as gaps), their
+                                      keys, and which file they came from; with ``after`` and
+                                      the ``file`` of the last answer, only the rows after
+                                      that step (all of them, ``full``, if the file changed)
+    /api/episodes?run=&kind=&step=&env_id=&env=&seed=&agent=&success=&failed=&failure=
                  &min_return=&max_return=&min_tokens=&max_tokens=&sort=&desc=&offset=&limit=
+                                      a page of the table, its ``version`` (changes with the
+                                      store's parts: what a poll compares) and the env ids
+                                      and agents to choose from
     /api/episode?run=&key=            one episode: messages, tokens (text, policy or not,
                                       log-prob, advantage) and the replay command
     /api/summary?run=                 an ``envhub eval`` run's summary table
@@ -21,9 +27,13 @@ Bound to ``127.0.0.1`` by default; another host needs ``--token``, which every r
 carries (``?token=`` or ``Authorization: Bearer``; the page passes on its own). What the app
 protects against (DNS rebinding, framing, ...) is listed in ``envhub.view.security``.
 
-Answers are JSON with NaN and infinity as ``null`` (a run's log-probs, rewards and env info may
-hold them; JSON has no such numbers). Handlers are plain functions, which Starlette runs in its
-thread pool: a slow read of a large run does not hold up the page's other requests.
+JSON has no NaN or infinity. Where the page shows a value as text (the episode table, an
+episode's return and rewards, the eval summary, metric gaps) they are sent as the strings
+``"NaN"``, ``"inf"`` and ``"-inf"``, so a diverged value is seen, not blank; elsewhere (log-probs,
+advantages per token, env info) as ``null``. A bad parameter is a 400 naming it, an absent run
+or episode a 404, and anything else a 500 whose JSON says what failed: never a bare error page.
+Handlers are plain functions, which Starlette runs in its thread pool: a slow read of a large
+run does not hold up the page's other requests.
 """
 
 from __future__ import annotations
@@ -38,7 +48,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from envhub.runs.reader import Run, open_run
+from envhub.runs.query import whole
+from envhub.runs.reader import Run, find_runs, open_run
+from envhub.runs.store import LIGHT_COLUMNS
 from envhub.view.security import SecurityHeaders, allowed_hosts
 
 if TYPE_CHECKING:
@@ -55,7 +67,8 @@ class Viewer:
     """The runs a page shows, and what the API reads from them."""
 
     def __init__(self, paths: Sequence[str | Path]) -> None:
-        self.runs: list[Run] = [open_run(p) for p in paths]  # NotARunError: not a run folder
+        # a folder of runs (runs/) stands for its runs; NotARunError: neither a run nor that
+        self.runs: list[Run] = [open_run(run) for p in paths for run in find_runs(p)]
         self._tokenizers: dict[int, Any] = {}
         self._tokenizer_lock = threading.Lock()
 
@@ -90,14 +103,33 @@ class Viewer:
             for i, run in enumerate(self.runs)
         ]
 
-    def metrics(self, run: Run) -> dict[str, Any]:
+    def metrics(
+        self, run: Run, after: int | None = None, file: str | None = None
+    ) -> dict[str, Any]:
+        """The run's metrics rows: numbers, and a value that is no number (NaN or infinity,
+        null in ``metrics.jsonl``) as ``"NaN"``/``"inf"``/``"-inf"``/null, a gap the chart
+        marks. With ``after`` and the ``file`` of an earlier answer, only the rows after step
+        ``after`` (a poll); all of them, with ``full``, when the file is another one (a
+        resumed run rewrote it)."""
+        current = run.metrics_file()
+        full = after is None or file != current
         rows = []
         keys: set[str] = set()
         for row in run.metrics():
-            numbers = {k: v for k, v in row.items() if _plottable(v)}
-            keys.update(numbers)
-            rows.append(numbers)
-        return {"rows": rows, "keys": sorted(keys - {"step", "time_s"})}
+            step = row.get("step")
+            newer = isinstance(step, int | float) and after is not None and step > after
+            if not full and not newer:
+                continue
+            values = {k: v for k, v in row.items() if _plottable(v)}
+            values.update({k: _text(v) for k, v in row.items() if _gap(v)})
+            keys.update(values)
+            rows.append(values)
+        return {
+            "rows": rows,
+            "keys": sorted(keys - {"step", "time_s"}),
+            "file": current,
+            "full": full,
+        }
 
     def tokenizer(self, index: int) -> Any:
         """The run's tokenizer (its final or initial policy folder), or None."""
@@ -125,6 +157,8 @@ class Viewer:
         mask = record.pop("response_mask") or []
         logprobs = record.pop("logprobs") or []
         advantages = record.pop("advantages") or []
+        for name in (*LIGHT_COLUMNS, "turn_rewards"):  # what the page shows as text
+            record[name] = shown(record.get(name))
         tokenizer = self.tokenizer(index)
         # each token decoded on its own: " up" and "\n" rather than BPE's "Ġup" and "Ċ"
         texts = tokenizer.batch_decode([[i] for i in ids]) if tokenizer is not None else None
@@ -155,28 +189,41 @@ class Viewer:
         return shlex.join(parts)
 
 
-def _flag(value: str | None) -> bool | None:
+def _flag(value: str | None, name: str) -> bool | None:
     if value in (None, ""):
         return None
     if value.lower() in ("true", "1", "yes"):
         return True
     if value.lower() in ("false", "0", "no"):
         return False
-    raise ValueError(f"expected true or false, got {value!r}")
+    raise ValueError(f"{name}={value!r} is not true or false")
 
 
-def _number(value: str | None, kind: type) -> Any:
-    return None if value in (None, "") else kind(value)
+def _whole(params: Any, name: str) -> int | None:
+    """Parameter ``name`` as an int64 (None when absent); ValueError naming it otherwise."""
+    value = params.get(name)
+    return None if value in (None, "") else whole(name, value.strip())
 
 
-def _count(value: str | None, name: str, default: int) -> int:
+def _real(params: Any, name: str) -> float | None:
+    """Parameter ``name`` as a number (None when absent); ValueError naming it otherwise."""
+    value = params.get(name)
+    if value in (None, ""):
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+
+
+def _count(params: Any, name: str, default: int) -> int:
     """A page parameter (``offset``, ``limit``): a whole number >= 0."""
-    number = _number(value, int)
+    number = _whole(params, name)
     if number is None:
         return default
     if number < 0:
         raise ValueError(f"{name} must be >= 0, got {number}")
-    return int(number)
+    return number
 
 
 def _plottable(value: Any) -> bool:
@@ -187,6 +234,29 @@ def _plottable(value: Any) -> bool:
         return math.isfinite(value)
     except OverflowError:  # an integer past float's range (400 digits in metrics.jsonl)
         return False
+
+
+def _gap(value: Any) -> bool:
+    """Whether a metrics value stands for a number that is none (NaN or infinity; the
+    trainer writes them as null)."""
+    return value is None or (isinstance(value, float) and not math.isfinite(value))
+
+
+def _text(value: Any) -> Any:
+    """A non-finite float as the text the page shows (``NaN``, ``inf``, ``-inf``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return value
+
+
+def shown(value: Any) -> Any:
+    """``value`` with every NaN and infinity (in dicts and lists, at any depth) as the text
+    ``"NaN"``, ``"inf"`` or ``"-inf"``: for what the page shows as text."""
+    if isinstance(value, dict):
+        return {key: shown(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [shown(item) for item in value]
+    return _text(value)
 
 
 def finite(value: Any) -> Any:
@@ -244,7 +314,11 @@ def create_app(
                 return FiniteJSON(handler(request))
             except (LookupError, ValueError) as error:
                 status = 404 if isinstance(error, LookupError) else 400
-                return FiniteJSON({"error": str(error).strip("'\"")}, status)
+                text = error.args[0] if isinstance(error, KeyError) and error.args else error
+                return FiniteJSON({"error": str(text)}, status)
+            except Exception as error:  # noqa: BLE001 - the page shows why, not a bare 500
+                _log.exception("envhub view: %s failed", request.url.path)
+                return FiniteJSON({"error": f"{type(error).__name__}: {error}"}, 500)
 
         return endpoint
 
@@ -252,36 +326,47 @@ def create_app(
         return viewer.describe()
 
     def metrics(request: Request) -> Any:
-        return viewer.metrics(viewer.run(request.query_params.get("run")))
+        q = request.query_params
+        run = viewer.run(q.get("run"))
+        return viewer.metrics(run, after=_whole(q, "after"), file=q.get("file") or None)
 
     def episodes(request: Request) -> Any:
         q = request.query_params
         run = viewer.run(q.get("run"))
+        version = run.version()  # before the read: a change during it shows at the next poll
         page = run.episodes(
             kind=q.get("kind") or None,
-            step=_number(q.get("step"), int),
+            step=_whole(q, "step"),
             env_id=q.get("env_id") or None,
-            seed=_number(q.get("seed"), int),
-            success=_flag(q.get("success")),
-            failed=_flag(q.get("failed")),
+            env_contains=q.get("env") or None,
+            seed=_whole(q, "seed"),
+            agent=q.get("agent") or None,
+            success=_flag(q.get("success"), "success"),
+            failed=_flag(q.get("failed"), "failed"),
             failure=q.get("failure") or None,
-            min_return=_number(q.get("min_return"), float),
-            max_return=_number(q.get("max_return"), float),
-            min_tokens=_number(q.get("min_tokens"), int),
-            max_tokens=_number(q.get("max_tokens"), int),
+            min_return=_real(q, "min_return"),
+            max_return=_real(q, "max_return"),
+            min_tokens=_whole(q, "min_tokens"),
+            max_tokens=_whole(q, "max_tokens"),
             sort=q.get("sort") or "step",
-            descending=_flag(q.get("desc")) or False,
-            offset=_count(q.get("offset"), "offset", 0),
-            limit=min(_count(q.get("limit"), "limit", 50), _MAX_PAGE),
+            descending=_flag(q.get("desc"), "desc") or False,
+            offset=_count(q, "offset", 0),
+            limit=min(_count(q, "limit", 50), _MAX_PAGE),
         )
-        return {"total": page.total, "rows": page.rows, "problems": run.problems}
+        return {
+            "total": page.total,
+            "rows": shown(page.rows),
+            "problems": run.problems,
+            "version": version,
+            "choices": {name: run.values(name, version=version) for name in ("agent", "env_id")},
+        }
 
     def episode(request: Request) -> Any:
         index = viewer.index(request.query_params.get("run"))
         return viewer.episode(index, request.query_params.get("key") or "")
 
     def summary(request: Request) -> Any:
-        return viewer.run(request.query_params.get("run")).summary()
+        return shown(viewer.run(request.query_params.get("run")).summary())
 
     def page(request: Request) -> Response:
         if not allowed(request):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import secrets
+import socket
 
 import click
 
@@ -11,7 +12,19 @@ from envhub.errors import EnvhubError
 from envhub.ports import listen
 from envhub.view.security import LOOPBACK
 
-__all__ = ["view_command"]
+__all__ = ["link", "view_command"]
+
+_ANY = ("0.0.0.0", "::", "")
+"""Hosts that bind every interface: no address another machine can open."""
+
+
+def link(host: str, port: int, token: str | None) -> str:
+    """The URL to open the page at. Bound to every interface (``0.0.0.0``, ``::``), it names
+    this machine (its host name) instead: ``http://0.0.0.0:8080/`` opens nothing on the machine
+    of a colleague it is sent to."""
+    name = socket.gethostname() if host in _ANY else host
+    shown = f"[{name}]" if ":" in name else name  # an IPv6 address in a URL is bracketed
+    return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
 
 
 @click.command("view")
@@ -24,7 +37,9 @@ __all__ = ["view_command"]
     help="Needed by every request; required to bind anywhere but loopback ('auto' makes one).",
 )
 def view_command(run_dirs: tuple[str, ...], host: str, port: int, token: str | None) -> None:
-    """Browse runs in a web page: curves, episodes, transcripts token by token (read-only)."""
+    """Browse runs in a web page: curves, episodes, transcripts token by token (read-only).
+
+    A folder of runs (runs/) shows every run in it."""
     import uvicorn
 
     from envhub.view.app import create_app
@@ -46,9 +61,7 @@ def view_command(run_dirs: tuple[str, ...], host: str, port: int, token: str | N
         sock = listen(host, port)
     except EnvhubError as error:
         _fail(error)
-    bound = sock.getsockname()[1]
-    shown = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL is bracketed
-    url = f"http://{shown}:{bound}/" + (f"?token={token}" if token else "")
+    url = link(host, sock.getsockname()[1], token)
     console.print(f"envhub view: {', '.join(run_dirs)} at {url}", soft_wrap=True, highlight=False)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
     server.run(sockets=[sock])

@@ -73,11 +73,13 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         # curves: both runs overlaid, one point per metrics row
         chart = "svg.chart[data-key='train/success']"
         page.locator("#runs input[data-run='1']").check()
-        page.wait_for_selector(f"{chart} polyline[data-run='1']")
-        real = page.locator(f"{chart} polyline[data-run='0']")
+        page.wait_for_selector(f"{chart} path.series[data-run='1']")
+        real = page.locator(f"{chart} path.series[data-run='0']")
         assert real.get_attribute("data-points") == str(len(trained)) == "4"
-        assert page.locator(f"{chart} polyline[data-run='1']").get_attribute("data-points") == "4"
-        evals = page.locator("svg.chart[data-key='eval/success'] polyline[data-run='0']")
+        assert (
+            page.locator(f"{chart} path.series[data-run='1']").get_attribute("data-points") == "4"
+        )
+        evals = page.locator("svg.chart[data-key='eval/success'] path.series[data-run='0']")
         assert evals.get_attribute("data-points") == "3"  # steps 0, 2, 4
         shots.mkdir(parents=True, exist_ok=True)
         page.screenshot(path=str(shots / "curves.png"))
@@ -85,7 +87,7 @@ def test_the_page_shows_curves_failures_tokens_and_env_text_as_text(
         with (hostile / "metrics.jsonl").open("a") as metrics:
             metrics.write("\n" + json.dumps({"step": 4, "time_s": 8.0, "train/success": 0.5}))
         # (selectors, not wait_for_function: the page's CSP refuses the eval that one uses)
-        page.wait_for_selector(f"{chart} polyline[data-run='1'][data-points='5']")
+        page.wait_for_selector(f"{chart} path.series[data-run='1'][data-points='5']")
 
         # the episode table: success = no lists exactly the run's failures
         page.click("nav button[data-tab='episodes']")
