@@ -82,6 +82,7 @@ def open_run(
             _remove_run(out)
         elif resume:
             _check_same_settings(out, run["settings"])
+            _remove_parts(out)  # stale until the run ends: episodes.jsonl is read meanwhile
         (out / "eval.json").write_text(json.dumps(run, indent=2, default=str) + "\n")
         return EpisodeWriter(episodes)
     except OSError as error:
@@ -94,6 +95,11 @@ def open_run(
 def _remove_run(out: Path) -> None:
     for name in _RUN_FILES:
         (out / name).unlink(missing_ok=True)
+    _remove_parts(out)
+
+
+def _remove_parts(out: Path) -> None:
+    """The store's parts of an earlier run (``store`` writes them again as the run ends)."""
     for part in (out / "trajectories").glob("envhub-eval-*.parquet"):
         part.unlink()
 

@@ -245,6 +245,24 @@ def test_resume_with_other_settings_is_refused_naming_what_differs(tmp_path: Pat
 
 
 @pytest.mark.timeout(60)
+def test_a_resumed_eval_is_viewed_with_its_new_episodes(tmp_path: Path) -> None:
+    """A finished run's store part is its episodes then; while a resume plays more, the viewer
+    reads ``episodes.jsonl`` (the part is written again at the end), not the stale part."""
+    from envhub.eval_output import open_run as open_eval_out
+    from envhub.runs import open_run
+
+    evaluate([COUNTDOWN], ["random"], episodes=2, out=tmp_path)
+    assert open_run(tmp_path).episodes().total == 2
+    first = json.loads((tmp_path / "episodes.jsonl").read_text().splitlines()[0])
+    writer = open_eval_out(tmp_path, json.loads((tmp_path / "eval.json").read_text()), resume=True)
+    try:
+        writer.write({**first, "seed": 12345})  # the resumed run's first new episode
+    finally:
+        writer.close()
+    assert 12345 in {row["seed"] for row in open_run(tmp_path).episodes().rows}
+
+
+@pytest.mark.timeout(60)
 def test_resume_skips_lines_that_are_json_but_no_episode(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
