@@ -34,6 +34,7 @@ from typing import Any, Literal
 
 from envhub.errors import EnvhubError
 from envhub.parsing import message_text
+from envhub.tool_calls import ToolCall
 
 __all__ = [
     "KEY_HINT",
@@ -242,7 +243,7 @@ class ModelAgent:
             message = response.choices[0].message
             calls = [
                 {
-                    "id": call.id or f"call_{i}",
+                    "id": call.id or ToolCall.numbered_id(i),
                     "type": "function",
                     "function": {
                         "name": call.function.name,

@@ -54,13 +54,31 @@ MAX_NESTING = 32
 """How deep a call's JSON may nest: deeper JSON overflows the stack when parsed or written."""
 
 
+_ID_DIGITS = "0123456789abcdefghijklmnopqrstuvwxyz"
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One parsed call: the tool's ``name``, its ``arguments`` and a stable ``id``."""
 
     name: str
     arguments: dict[str, _Any]
-    id: str = "call_0"
+    id: str = "call00000"
+
+    @staticmethod
+    def numbered_id(index: int) -> str:
+        """The id of the ``index``-th call: ``call`` and ``index`` in base 36, five digits
+        (``call00000``, ``call00001``, ..., ``call0000a``). Nine letters and digits, as Mistral's
+        chat template and API require (any other id is refused there), and numbered rather than
+        random, so a replayed or resumed episode gets the same ids. ``ValueError`` past the
+        36**5 - 1 that five digits hold."""
+        if not 0 <= index < len(_ID_DIGITS) ** 5:
+            raise ValueError(f"tool call index {index} is out of range: at most {36**5 - 1}")
+        digits = []
+        for _ in range(5):
+            index, digit = divmod(index, len(_ID_DIGITS))
+            digits.append(_ID_DIGITS[digit])
+        return "call" + "".join(reversed(digits))
 
     def as_message(self) -> dict[str, _Any]:
         """The call as an OpenAI ``tool_calls`` entry (arguments JSON-encoded)."""
@@ -497,7 +515,7 @@ class ToolCallParser:
         schemas = self.schemas
         if schemas:
             self._check_against_schema(name, arguments, schemas)
-        return ToolCall(name=name, arguments=arguments, id=f"call_{index}")
+        return ToolCall(name=name, arguments=arguments, id=ToolCall.numbered_id(index))
 
     def _check_against_schema(
         self, name: str, arguments: dict[str, _Any], schemas: dict[str, dict[str, _Any]]

@@ -237,7 +237,8 @@ class AgentConfig(Section):
     ``trainer.rollout.agents.AgentEpisode``: ``base_url``, ``api_key`` and ``model`` for the
     ``openai`` SDK, the env's first ``messages`` and ``tools``, and ``env`` (``step(action)``).
     It returns None when it stepped the env itself, or its final answer (a string), which
-    then is the episode's last action."""
+    then is the episode's last action. An ``async def`` function is run to completion on an
+    event loop of its own in that thread (``openai.AsyncOpenAI`` agents)."""
     command: str | list[str] | None = None
     """A command line run once per episode (a string is split like a shell would), with
     ``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and ``ENVHUB_AGENT_MODEL`` set; it reads the episode

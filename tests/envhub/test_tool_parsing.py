@@ -61,7 +61,9 @@ TOOLS = (
     ],
 )
 def test_lenient_forms_parse_to_the_same_call(text):
-    assert parse_tool_calls(text, TOOLS) == [ToolCall("calculate", {"expression": "1+2"}, "call_0")]
+    assert parse_tool_calls(text, TOOLS) == [
+        ToolCall("calculate", {"expression": "1+2"}, "call00000")
+    ]
 
 
 def test_several_calls_in_tags_or_one_list_keep_their_order_and_ids():
@@ -76,7 +78,10 @@ def test_several_calls_in_tags_or_one_list_keep_their_order_and_ids():
     )
     for text in (two_tags, one_list):
         calls = parse_tool_calls(text, TOOLS)
-        assert [(c.name, c.id) for c in calls] == [("calculate", "call_0"), ("lookup", "call_1")]
+        assert [(c.name, c.id) for c in calls] == [
+            ("calculate", "call00000"),
+            ("lookup", "call00001"),
+        ]
 
 
 def test_text_without_a_call_gives_no_calls():
@@ -130,9 +135,27 @@ def test_too_many_calls_are_refused():
 
 def test_without_schemas_any_name_passes_and_instructions_show_the_format():
     assert parse_tool_calls('<tool_call>{"name": "anything"}</tool_call>') == [
-        ToolCall("anything", {}, "call_0")
+        ToolCall("anything", {}, "call00000")
     ]
     assert '<tool_call>{"name": "calculate"' in ToolCallParser(tools=TOOLS).instructions
+
+
+def test_call_ids_are_nine_letters_and_digits_numbered_in_order():
+    """Mistral's chat template and API refuse any other id; numbered, not random, so a replayed
+    or resumed episode gets the same ids."""
+    ids = [ToolCall.numbered_id(i) for i in (0, 1, 9, 10, 35, 36, 36**5 - 1)]
+    assert ids == [
+        "call00000",
+        "call00001",
+        "call00009",
+        "call0000a",
+        "call0000z",
+        "call00010",
+        "callzzzzz",
+    ]
+    assert ToolCall("calculate", {}).id == "call00000"
+    with pytest.raises(ValueError, match="at most 60466175"):
+        ToolCall.numbered_id(36**5)
 
 
 def test_openai_message_form_round_trips():
@@ -277,7 +300,7 @@ def test_a_closing_tag_inside_a_json_string_does_not_cut_the_call():
     )
     calls = parse_tool_calls(text, TOOLS)
     assert [c.arguments for c in calls] == [{"key": "a </tool_call> b"}, {"key": "</tool_call>"}]
-    assert [c.id for c in calls] == ["call_0", "call_1"]
+    assert [c.id for c in calls] == ["call00000", "call00001"]
 
 
 @pytest.mark.parametrize(

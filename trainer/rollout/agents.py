@@ -18,11 +18,15 @@ For each episode the trainer resets the env, opens the episode on the proxy
                 return None
 
 (``openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key)`` works too, at ~20 ms per
-client built for its TLS context: ``openai_client`` builds one without.) A program gets
-the same object from ``AgentEpisode.from_environ()`` (``OPENAI_BASE_URL``,
-``OPENAI_API_KEY`` and ``ENVHUB_AGENT_MODEL`` are set for it). Returning a string instead of
-stepping the env makes that string the episode's last action (the env, and any reward
-function, scores it).
+client built for its TLS context: ``openai_client`` builds one without, that ignores
+``HTTP_PROXY`` (the proxy is on loopback) and is closed when the episode ends.) An ``async
+def`` agent (``openai.AsyncOpenAI``, LangGraph, the openai-agents SDK) runs the same way, on an
+event loop of its own in its thread (``asyncio.run``). A program gets the same object from
+``AgentEpisode.from_environ()`` (``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
+``ENVHUB_AGENT_MODEL`` are set for it, and the proxy's host is added to ``NO_PROXY``, so its
+own clients reach it on a host whose HTTP goes through an HTTP proxy). Returning a string
+instead of stepping the env makes that string the episode's last action (the env, and any
+reward function, scores it).
 
 ``AgentRunner`` is the env manager's stand-in for the scheduler (same ``run``): it runs the
 agent (a daemon thread, or a subprocess in its own session, whose process group is killed when
@@ -40,6 +44,7 @@ import asyncio
 import collections
 import contextlib
 import importlib
+import inspect
 import json
 import os
 import shlex
@@ -48,6 +53,7 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
+from urllib.parse import urlsplit
 
 from trainer.rollout.env_manager import EnvManager, EnvSession, Sampling, in_daemon_thread
 from trainer.rollout.env_output import checked_reset, score_episode
@@ -93,11 +99,12 @@ class StepResult:
 
 def loopback_http() -> Any:
     """An ``httpx.Client`` for the proxy: plain HTTP on loopback, so no TLS context is built
-    (that costs ~20 ms per client, more than a call); one per episode, never shared between
-    agent threads."""
+    (that costs ~20 ms per client, more than a call) and no ``HTTP_PROXY`` from the environment
+    is used (``trust_env=False``: an HTTP proxy cannot reach this host's loopback); one per
+    episode, never shared between agent threads."""
     import httpx
 
-    return httpx.Client(verify=False, timeout=httpx.Timeout(600.0, connect=30.0))
+    return httpx.Client(verify=False, trust_env=False, timeout=httpx.Timeout(600.0, connect=30.0))
 
 
 class EnvHandle:
@@ -161,6 +168,8 @@ class AgentEpisode:
     info: dict[str, Any] = field(default_factory=dict)
     """The env's reset info."""
     _env: EnvHandle | None = field(default=None, repr=False)
+    _http: list[Any] = field(default_factory=list, repr=False)
+    """The HTTP clients ``openai_client`` built (closed with the episode)."""
 
     @property
     def env(self) -> EnvHandle:
@@ -171,16 +180,24 @@ class AgentEpisode:
 
     def openai_client(self, **kwargs: Any) -> Any:
         """An ``openai.OpenAI`` client for this episode (``kwargs`` go to the client), over a
-        loopback HTTP client (``loopback_http``) unless ``http_client`` is given."""
+        loopback HTTP client (``loopback_http``, closed with the episode) unless
+        ``http_client`` is given."""
         import openai
 
-        kwargs.setdefault("http_client", loopback_http())
+        if "http_client" not in kwargs:
+            kwargs["http_client"] = loopback_http()
+            self._http.append(kwargs["http_client"])
         return openai.OpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
 
     def close(self) -> None:
-        """Close the env handle's connections (the trainer does, when the episode ends)."""
+        """Close the connections of the env handle and of the clients ``openai_client`` built
+        (the trainer does, when the episode ends: the SDK's clients hold reference cycles, so
+        garbage collection alone leaves their connections open for a while)."""
         if self._env is not None:
             self._env.close()
+        http, self._http = self._http, []
+        for client in http:
+            client.close()
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> AgentEpisode:
@@ -351,7 +368,7 @@ class AgentRunner(EnvManager):
 
     async def _agent(self, view: AgentEpisode) -> Any:
         if self.fn is not None:
-            return await in_daemon_thread(self.fn, view)
+            return await in_daemon_thread(_run_agent, self.fn, view)
         return await self._program(view)
 
     async def _program(self, view: AgentEpisode) -> None:
@@ -367,6 +384,7 @@ class AgentRunner(EnvManager):
             "PATH": os.pathsep.join(
                 filter(None, [os.path.dirname(sys.executable), os.environ.get("PATH")])
             ),
+            **_no_proxy(view.base_url, os.environ),
             "OPENAI_BASE_URL": view.base_url,
             "OPENAI_API_KEY": view.api_key,
             "ENVHUB_AGENT_MODEL": view.model,
@@ -404,6 +422,33 @@ class AgentRunner(EnvManager):
         status = transport.get_returncode()
         if status != 0:
             raise RuntimeError(f"exited with status {status}: {tail.last_lines()}")
+
+
+def _run_agent(fn: AgentFn, view: AgentEpisode) -> Any:
+    """``fn(view)`` in the agent's thread; an ``async def`` agent's coroutine runs to its end
+    on an event loop of its own there (``asyncio.run``), never on the rollout loop."""
+    result = fn(view)
+    if inspect.iscoroutine(result):
+        return asyncio.run(result)
+    if inspect.isawaitable(result):  # an awaitable that is not a coroutine (a Future-like)
+        return asyncio.run(_awaited(result))
+    return result
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _no_proxy(base_url: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """``NO_PROXY`` and ``no_proxy`` with the proxy's host (and loopback) added, so a program
+    agent's own HTTP clients, which read ``HTTP_PROXY`` from the environment they inherit,
+    reach the proxy directly: an HTTP proxy cannot reach this host's loopback."""
+    hosts = ["127.0.0.1", "localhost", urlsplit(base_url).hostname or ""]
+    out = {}
+    for name in ("NO_PROXY", "no_proxy"):
+        listed = [h.strip() for h in environ.get(name, "").split(",") if h.strip()]
+        out[name] = ",".join(dict.fromkeys([*listed, *filter(None, hosts)]))
+    return out
 
 
 class _ExitProtocol(asyncio.subprocess.SubprocessStreamProtocol):

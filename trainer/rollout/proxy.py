@@ -33,12 +33,14 @@ Only replies the agent received are trained, each once: nothing is recorded unti
 its generation and its client is still there (a client that disconnects, a timeout of the
 ``openai`` SDK say, cancels the call and aborts its generation: ``proxy_http``), and an SDK
 retry of a call whose reply went out as its client gave up takes that reply back
-(``ProxyEpisode.retract``). The body is checked first (``proxy_http.chat_request``: a bad
-field, a non-text content part, an option that needs guided decoding, a template that refuses
-the messages is a 400 naming it), and a call or step that finishes after its episode ended (the
-agent returned, timed out, was cancelled) answers 410 and leaves the trajectory the scheduler
-already has untouched; closing the episode aborts its generation in flight. Once the env has
-ended the episode, model calls answer 409 (their tokens would follow the episode's score).
+(``ProxyEpisode.retract``; a retry of a call abandoned before its reply takes nothing back).
+The body is checked first (``proxy_request.chat_request``: a bad field, a non-text content
+part, an option that needs guided decoding, a template that refuses the messages is a 400
+naming it; a ``developer`` message is a ``system`` one), and a call or step that finishes
+after its episode ended (the agent returned, timed out, was cancelled) answers 410 and leaves
+the trajectory the scheduler already has untouched; closing the episode aborts its generation
+in flight. Once the env has ended the episode, model calls answer 409 (their tokens would
+follow the episode's score).
 
 Sampling is the run's (``rollout.temperature``, ``top_p``; a request's own are ignored, said
 once in the log) so the recorded log-probs are the policy's; ``max_tokens`` may only lower
@@ -48,8 +50,9 @@ so are ``tool_choice`` that forces a call, ``response_format`` other than text a
 A generation aborted under the agent (its group was cancelled) fails the episode and answers
 503; a weight update in ``async`` mode preempts the call and resumes it (the agent only waits).
 A call past ``rollout.max_turns``, or one whose prompt leaves no room in the context, ends the
-episode as truncated (the env manager's limits), answering 400; a request whose text is far
-longer than the context holds (16 characters a token) is refused so before it is tokenised.
+episode as truncated (the env manager's limits), answering 400; a request far larger than the
+context holds (16 characters of text a token, a token a message) is refused so before it is
+rendered.
 Bodies, connections and shutdown are bounded by ``ServerLimits`` (``rollout.agent.limits``).
 
 The HTTP side (routes, error bodies, streaming, the uvicorn server) is
@@ -69,8 +72,9 @@ from typing import TYPE_CHECKING, Any
 from trainer.rollout.chat_messages import same_message
 from trainer.rollout.env_output import checked_step
 from trainer.rollout.proxy_episode import ProxyCall, ProxyEpisode
-from trainer.rollout.proxy_http import ChatRequest, ProxyError, ServerLimits, listen, proxy_app
+from trainer.rollout.proxy_http import ServerLimits, listen, proxy_app
 from trainer.rollout.proxy_reply import completion_body, cut_at_stop, cut_content
+from trainer.rollout.proxy_request import ChatRequest, ProxyError, chat_request
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
 
@@ -118,7 +122,8 @@ class AgentProxy:
         self._aborts: set[asyncio.Task[None]] = set()
         self._warned_sampling = False
         self._warned_credit = False
-        self._max_chars: int | None = None
+        self._token_chars: int | None = None
+        """Characters a token is taken to hold (``_chars_per_token``), read once."""
         if not renderer.append_only:
             _log.warning(
                 "the chat template rewrites earlier turns as a conversation grows, so every "
@@ -238,6 +243,18 @@ class AgentProxy:
             )
 
     # ------------------------------------------------------------------ a policy turn
+    def request(self, episode: ProxyEpisode, body: Mapping[str, Any]) -> ChatRequest:
+        """``body`` checked (``proxy_request.chat_request``). More messages than the context
+        has tokens are refused before any is checked, and end the episode as truncated, as a
+        prompt too long for the context does (``complete``)."""
+        try:
+            return chat_request(body, max_messages=self.max_context_tokens)
+        except ProxyError as error:
+            if error.code == "context_length_exceeded" and not episode.env_done:
+                episode.trajectory.truncated = True
+                episode.end()
+            raise
+
     async def complete(
         self, episode: ProxyEpisode, request: ChatRequest, retry: bool = False
     ) -> dict[str, Any]:
@@ -245,7 +262,8 @@ class AgentProxy:
         client says this is a retry (the SDK's ``x-stainless-retry-count``), so a reply to the
         same request that it never received is taken back first (``ProxyEpisode.retract``).
         Recorded only once its generation is back; cancelled before that (the client went
-        away), nothing is recorded and the engine's generation is aborted."""
+        away), nothing is recorded, the engine's generation is aborted, and the call is noted
+        as abandoned (``ProxyEpisode.abandon``: its retry takes no delivered reply back)."""
         if request.model not in (None, self.model_name):
             raise ProxyError(
                 404,
@@ -255,34 +273,45 @@ class AgentProxy:
             )
         self._warn_sampling(request.sampling)
         tools = json.dumps(request.tools, sort_keys=True)
-        async with episode.lock:
-            self._check_open(episode, "model call")
-            if request.chars > self._prompt_chars():
-                self._out_of_context(
-                    episode,
-                    f"the messages hold {request.chars} characters of text, longer than the "
-                    f"context of {self.max_context_tokens} tokens can hold",
-                )
-            if retry:
-                episode.retract(request.messages, tools)
-            if episode.calls >= self.max_turns:  # truncated, as the env manager ends it ...
-                row, context = self._context(episode, request)
-                if row is not None:  # ... with the env's last reply appended as context
-                    row.append_context(context)
-                episode.trajectory.truncated = True
-                episode.end()
-                raise ProxyError(
-                    400,
-                    f"the episode has used its {self.max_turns} model calls (rollout.max_turns)",
-                    "max_turns_exceeded",
-                )
-            started = time.monotonic()
+        try:
+            async with episode.lock:
+                return await self._turn(episode, request, tools, retry)
+        except asyncio.CancelledError:  # the client went away (or the server is stopping)
+            episode.abandon(request.messages, tools)
+            raise
+
+    async def _turn(
+        self, episode: ProxyEpisode, request: ChatRequest, tools: str, retry: bool
+    ) -> dict[str, Any]:
+        """``complete``'s work, under the episode's lock."""
+        self._check_open(episode, "model call")
+        size = request.chars + len(request.messages) * self._chars_per_token()
+        if size > self._prompt_chars():
+            self._out_of_context(
+                episode,
+                f"the {len(request.messages)} messages hold {request.chars} characters of "
+                f"text, longer than the context of {self.max_context_tokens} tokens can hold",
+            )
+        if retry:
+            episode.retract(request.messages, tools)
+        if episode.calls >= self.max_turns:  # truncated, as the env manager ends it ...
             row, context = self._context(episode, request)
-            prompt = [*(row.token_ids if row is not None else ()), *context]
-            result = await self._generate(episode, prompt, request.max_tokens)
-            result = cut_at_stop(self.renderer, result, request.stop)
-            call = self._record(episode, request, row, context, result, tools)
-            episode.record(call, time.monotonic() - started)
+            if row is not None:  # ... with the env's last reply appended as context
+                row.append_context(context)
+            episode.trajectory.truncated = True
+            episode.end()
+            raise ProxyError(
+                400,
+                f"the episode has used its {self.max_turns} model calls (rollout.max_turns)",
+                "max_turns_exceeded",
+            )
+        started = time.monotonic()
+        row, context = self._context(episode, request)
+        prompt = [*(row.token_ids if row is not None else ()), *context]
+        result = await self._generate(episode, prompt, request.max_tokens)
+        result = cut_at_stop(self.renderer, result, request.stop)
+        call = self._record(episode, request, row, context, result, tools)
+        episode.record(call, time.monotonic() - started)
         return completion_body(
             self.renderer,
             completion_id=f"chatcmpl-{episode.key}-{episode.calls}",
@@ -291,6 +320,7 @@ class AgentProxy:
             result=result,
             prompt_tokens=len(prompt),
             logprobs=request.logprobs,
+            stops=request.stop,
         )
 
     def _record(
@@ -342,16 +372,22 @@ class AgentProxy:
                 dict(asked),
             )
 
-    def _prompt_chars(self) -> int:
-        """The most characters of text a prompt within the context is taken to hold: 16 per
-        token (text averages about 4; a run of spaces or dashes reaches 16 only in long runs)
-        or the tokenizer's longest token if shorter. Longer text is refused before it is
-        tokenised, which would hold the rollout loop for seconds per megabyte."""
-        if self._max_chars is None:
+    def _chars_per_token(self) -> int:
+        """The most characters of text one token is taken to hold: 16 (text averages about 4;
+        a run of spaces or dashes reaches 16 only in long runs), or the tokenizer's longest
+        token if shorter."""
+        if self._token_chars is None:
             vocab = getattr(self.renderer.tokenizer, "get_vocab", None)
             longest = max(map(len, vocab()), default=16) if callable(vocab) else 16
-            self._max_chars = min(max(longest, 1), 16) * self.max_context_tokens
-        return self._max_chars
+            self._token_chars = min(max(longest, 1), 16)
+        return self._token_chars
+
+    def _prompt_chars(self) -> int:
+        """The most characters a prompt within the context is taken to hold. A request holding
+        more (its text, and a token's worth for each message: every message renders to a
+        token at least) is refused before it is rendered and tokenised, which would hold the
+        rollout loop for seconds per megabyte."""
+        return self._chars_per_token() * self.max_context_tokens
 
     def _out_of_context(self, episode: ProxyEpisode, why: str) -> None:
         """End the episode as truncated, as the env manager does when the context is full."""

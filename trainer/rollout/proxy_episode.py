@@ -5,10 +5,12 @@ Guarantees (what ``AgentProxy`` relies on, and through it the trainer):
 
 1. **Only replies the agent received are trained, each once.** A call is recorded
    (``record``) only once its generation is back and its client is still there (the HTTP side
-   cancels a call whose client went away, and nothing is recorded). A reply can still be sent
-   to a client that has just given up; the ``openai`` SDK then retries the same request with
-   ``x-stainless-retry-count`` > 0, and ``retract`` takes the unreceived reply back (its tokens,
-   its turn of ``rollout.max_turns``) before the retry is recorded.
+   cancels a call whose client went away, and nothing is recorded: ``abandon`` notes it). A
+   reply can still be sent to a client that has just given up; the ``openai`` SDK then retries
+   the same request with ``x-stainless-retry-count`` > 0, and ``retract`` takes the unreceived
+   reply back (its tokens, its turn of ``rollout.max_turns``) before the retry is recorded;
+   unless an abandoned call with the same messages is waiting for its retry: that is the call
+   retried, and the latest reply (an identical call's, best-of-n, that the agent holds) stays.
 2. **A step's reward goes to the reply the agent acted on** (``credited``): among the calls
    since the last step, the latest whose reply is the action (the env's text of it, so a text
    action or the reply message both match); with no match, the one call since the last step
@@ -26,6 +28,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from envhub.tool_calls import ToolCall
 from trainer.rollout.chat_messages import same_message
 
 if TYPE_CHECKING:
@@ -87,11 +90,16 @@ class ProxyEpisode:
     """The calls since the last step (guarantee 2)."""
     latencies: list[float] = field(default_factory=list)
     """Seconds per call, engine included."""
+    abandoned: list[tuple[list[dict[str, Any]], str]] = field(default_factory=list)
+    """Messages and tools of calls whose client went away before their reply, which no retry
+    has claimed yet (guarantee 1; the latest 16, and none from before the last step)."""
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def call_id(self) -> str:
-        """A tool-call id no other call of this episode has (``call_0``, ``call_1``, ...)."""
-        return f"call_{next(self._ids)}"
+        """A tool-call id no other call of this episode has, numbered (``call00000``,
+        ``call00001``, ...: ``ToolCall.numbered_id``, 9 letters and digits as Mistral's
+        template requires), so a replayed episode gets the same ids."""
+        return ToolCall.numbered_id(next(self._ids))
 
     def record(self, call: ProxyCall, latency: float) -> None:
         """``call`` has written its tokens into ``call.row`` and its reply went out."""
@@ -103,18 +111,27 @@ class ProxyEpisode:
         self.pending.append(call)
         self.latencies.append(latency)
 
+    def abandon(self, messages: list[dict[str, Any]], tools: str) -> None:
+        """A call with ``messages`` and ``tools`` was given up before its reply (its client
+        went away): an SDK retry of it is a retry of this, not of a delivered call."""
+        self.abandoned = [*self.abandoned[-15:], (messages, tools)]
+
     def retract(self, messages: list[dict[str, Any]], tools: str) -> bool:
-        """Take back the latest call if a retry of it is asking again (guarantee 1): it is the
-        last recorded, not stepped on, nothing was appended after it, and it had ``messages``
-        and ``tools``. Returns whether it did."""
+        """A retry with ``messages`` and ``tools`` is asking again (guarantee 1): the abandoned
+        call it retries, if one had them, is settled and nothing taken back; else the latest
+        call is taken back if it is the last recorded, not stepped on, nothing was appended
+        after it, and it had ``messages`` and ``tools``. Returns whether a call was taken back."""
+        for i, (asked, asked_tools) in enumerate(self.abandoned):
+            if asked_tools == tools and _same(asked, messages):
+                del self.abandoned[i]
+                return False
         call = self.pending[-1] if self.pending else None
         if (
             call is None
             or call is not self.last
             or call.tools != tools
             or len(call.row.token_ids) != call.end
-            or len(messages) != len(call.seen) - 1
-            or not all(same_message(a, b) for a, b in zip(messages, call.seen, strict=False))
+            or not _same(messages, call.seen[:-1])
         ):
             return False
         row = call.row
@@ -131,7 +148,7 @@ class ProxyEpisode:
     def credited(self, action: str) -> ProxyCall | None:
         """The call a step with ``action`` (env text) rewards (guarantee 2); the calls since the
         last step are settled."""
-        pending, self.pending = self.pending, []
+        pending, self.pending, self.abandoned = self.pending, [], []
         if not pending:
             return self.last
         matching = [call for call in pending if call.action == action]
@@ -171,3 +188,8 @@ class ProxyEpisode:
             t.samples = rows
             t.prompt_length = rows[0].prompt_length
         return t
+
+
+def _same(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
+    """Whether two conversations say the same, message by message (``same_message``)."""
+    return len(a) == len(b) and all(same_message(x, y) for x, y in zip(a, b, strict=True))

@@ -1,18 +1,19 @@
-"""The agent proxy's HTTP surface (``trainer.rollout.proxy``): its routes, the checks a request
-passes before anything happens, OpenAI-style error bodies, server-sent events, and the uvicorn
-server with the limits that keep one client from holding it.
+"""The agent proxy's HTTP surface (``trainer.rollout.proxy``): its routes, reading bodies,
+OpenAI-style error bodies, server-sent events, and the uvicorn server with the limits that keep
+one client from holding it.
 
 The routes and what they answer are listed in ``trainer.rollout.proxy``'s docstring; this
-module maps them to ``AgentProxy`` methods (``complete``, ``describe``, ``step``). Every body
-is read within ``ServerLimits`` and checked (``chat_request``, ``step_action``) before the
-proxy sees it, so a malformed field is a 400 that names it and never a half-recorded call.
-A ``ProxyError`` is its own status and OpenAI-style body with ``x-should-retry: false`` (the
-``openai`` SDK would retry a 409 or 5xx and show the agent the retry's 410; only a late body's
-408 may be retried); anything else is one logged 500 that keeps the server up; an unknown route
-or method answers 404/405 in the same form. A model call whose client disconnects before its
-answer is cancelled (``_unless_disconnected``: nothing is recorded). Plain
-Starlette (what FastAPI is built on): no dependency injection or response encoding to pay
-for on every call of every episode.
+module maps them to ``AgentProxy`` methods (``request``, ``complete``, ``describe``, ``step``).
+Every body is read within ``ServerLimits`` and checked (``trainer.rollout.proxy_request``)
+before the proxy acts on it, so a malformed field is a 400 that names it and never a
+half-recorded call. A ``ProxyError`` is its own status and OpenAI-style body with
+``x-should-retry: false`` (the ``openai`` SDK would retry a 409 or 5xx and show the agent the
+retry's 410; only a late body's 408 may be retried); anything else is one logged 500 that keeps
+the server up; an unknown route or method answers 404/405 in the same form. A model call whose
+client disconnects before its answer is cancelled (``_unless_disconnected``: nothing is
+recorded). A streamed answer is the finished completion as chunks (``_sse``), its log-probs and
+``token_ids`` on the content chunk. Plain Starlette (what FastAPI is built on): no dependency
+injection or response encoding to pay for on every call of every episode.
 """
 
 from __future__ import annotations
@@ -21,12 +22,11 @@ import asyncio
 import json
 import logging
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from trainer.config_rollout import ServerLimits
-from trainer.rollout.tool_parsers import CHAT_ROLES
+from trainer.rollout.proxy_request import ProxyError, step_action
 
 if TYPE_CHECKING:
     from starlette.applications import Starlette
@@ -35,301 +35,10 @@ if TYPE_CHECKING:
 
     from trainer.rollout.proxy import AgentProxy
 
-__all__ = [
-    "ChatRequest",
-    "ProxyError",
-    "ServerLimits",
-    "chat_request",
-    "listen",
-    "proxy_app",
-    "step_action",
-]
+__all__ = ["ServerLimits", "listen", "proxy_app"]
 
 _log = logging.getLogger("trainer.rollout.proxy")
 T = TypeVar("T")
-
-
-class ProxyError(Exception):
-    """An OpenAI-style error answer: HTTP ``status``, ``type`` and ``code``."""
-
-    def __init__(self, status: int, message: str, code: str, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.code, self.kind = status, message, code, kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "code": self.code}}
-
-
-# --------------------------------------------------------------------------- request checks
-
-
-@dataclass(frozen=True)
-class ChatRequest:
-    """A ``POST /v1/chat/completions`` body, checked and normalised by ``chat_request``."""
-
-    messages: list[dict[str, Any]]
-    """The chat messages; a content given as text parts is their text joined."""
-    tools: list[dict[str, Any]] | None = None
-    model: str | None = None
-    max_tokens: int | None = None
-    """``max_completion_tokens`` or ``max_tokens``: may only lower the run's budget."""
-    logprobs: bool = False
-    stream: bool = False
-    include_usage: bool = False
-    sampling: dict[str, float] = field(default_factory=dict)
-    """The ``temperature``/``top_p`` asked for (ignored: the run samples; said once)."""
-    chars: int = 0
-    """Characters of text in the messages and tools (bounds the prompt before encoding)."""
-    stop: tuple[str, ...] = ()
-    """Stop strings: the turn ends at the first (``proxy_reply.cut_at_stop``)."""
-    tool_choice: str = "auto"
-    """``"auto"`` or ``"none"`` (tools rendered, no call parsed: the text is the content)."""
-
-
-def chat_request(body: Mapping[str, Any]) -> ChatRequest:
-    """``body`` checked field by field (a ``ProxyError`` 400 naming the first bad one), with
-    content parts joined into text. Options the proxy cannot honour without changing what the
-    policy samples (``tool_choice`` that forces a call, ``response_format`` other than text:
-    guided decoding; ``top_logprobs``: the engines do not return them) are refused by name;
-    other fields the proxy does not use (``seed``, ``user``, ...) are ignored."""
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ProxyError(400, "messages must be a non-empty list of chat messages", "messages")
-    checked = [_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-    tools = _tools(body.get("tools"))
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise _bad("model", "must be a string (AgentEpisode.model)", model)
-    n = body.get("n")
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int)):
-        raise _bad("n", "must be an integer (and 1)", n)
-    if n not in (None, 1):
-        raise ProxyError(
-            400,
-            "n > 1 is not supported by the training proxy: each call is one sample of the "
-            "episode; make n calls",
-            "unsupported_n",
-        )
-    limit = _positive(body, "max_completion_tokens")
-    limit = limit if limit is not None else _positive(body, "max_tokens")
-    options = body.get("stream_options")
-    if options is not None and not isinstance(options, dict):
-        raise _bad("stream_options", 'must be an object ({"include_usage": true})', options)
-    sampling = {k: _number(body, k) for k in ("temperature", "top_p") if body.get(k) is not None}
-    top = body.get("top_logprobs")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or top < 0):
-        raise _bad("top_logprobs", "must be a non-negative integer", top)
-    if top:
-        raise _unsupported(
-            "top_logprobs",
-            "the engines return the sampled token's log-prob only; ask for "
-            "logprobs without top_logprobs",
-        )
-    _response_format(body.get("response_format"))
-    chars = sum(len(m.get("content") or "") for m in checked)
-    chars += sum(len(json.dumps(m.get("tool_calls"))) for m in checked if m.get("tool_calls"))
-    return ChatRequest(
-        checked,
-        tools,
-        model,
-        limit,
-        _flag(body, "logprobs"),
-        _flag(body, "stream"),
-        _flag(options or {}, "include_usage", "stream_options.include_usage"),
-        sampling,
-        chars + (len(json.dumps(tools)) if tools else 0),
-        _stop(body.get("stop")),
-        _tool_choice(body.get("tool_choice")),
-    )
-
-
-def _unsupported(where: str, why: str) -> ProxyError:
-    return ProxyError(
-        400, f"{where} is not supported by the training proxy: {why}", f"unsupported_{where}"
-    )
-
-
-def _stop(stop: Any) -> tuple[str, ...]:
-    """``stop``: a string or a list of up to 4 (OpenAI's limit) non-empty strings."""
-    stops = [stop] if isinstance(stop, str) else stop
-    if stops is None:
-        return ()
-    if (
-        not isinstance(stops, list)
-        or len(stops) > 4
-        or not all(isinstance(s, str) and s for s in stops)
-    ):
-        raise _bad("stop", "must be a non-empty string or a list of up to 4 of them", stop)
-    for i, text in enumerate(stops):
-        _unicode(text, f"stop[{i}]")
-    return tuple(stops)
-
-
-def _tool_choice(choice: Any) -> str:
-    """``"auto"`` (or absent) and ``"none"``; a forced call would need guided decoding."""
-    if choice in (None, "auto", "none"):
-        return choice or "auto"
-    if choice == "required" or isinstance(choice, dict):
-        raise _unsupported(
-            "tool_choice",
-            f"{_show(choice)} forces a tool call, which needs guided decoding (it changes what "
-            'the policy samples and its log-probs); use "auto" and check the reply, or "none"',
-        )
-    raise _bad("tool_choice", 'must be "auto", "none", "required" or a function', choice)
-
-
-def _response_format(response_format: Any) -> None:
-    """Only ``{"type": "text"}`` (or absent): a JSON mode would need guided decoding."""
-    if response_format is None or response_format == {"type": "text"}:
-        return
-    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
-    raise _unsupported(
-        "response_format",
-        f"{_show(kind)} needs guided decoding (it changes what the policy samples and its "
-        "log-probs); ask for JSON in the prompt and parse the text",
-    )
-
-
-def step_action(body: Mapping[str, Any]) -> str | dict[str, Any]:
-    """The ``action`` of a ``POST /v1/envhub/step`` body: text, or an assistant message whose
-    content parts are joined and whose tool calls are checked."""
-    if "action" not in body:
-        raise ProxyError(400, 'the body needs "action": text or a message', "action")
-    action = body["action"]
-    if isinstance(action, str):
-        _unicode(action, "action")
-        return action
-    if not isinstance(action, dict):
-        raise ProxyError(400, "action must be text or an assistant message", "action")
-    return _message({**action, "role": "assistant"}, "action")
-
-
-def _show(value: Any) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 60 else shown[:57] + "..."
-
-
-def _bad(where: str, what: str, value: Any) -> ProxyError:
-    return ProxyError(400, f"{where} {what} (got {_show(value)})", "invalid_request")
-
-
-def _unicode(value: Any, where: str) -> None:
-    """Every string in ``value`` encodes as UTF-8 (JSON lets a lone surrogate through)."""
-    try:
-        (value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)).encode()
-    except UnicodeEncodeError as error:
-        raise ProxyError(
-            400,
-            f"{where} is not valid Unicode (a lone surrogate at character {error.start}); send "
-            "UTF-8 text",
-            "invalid_unicode",
-        ) from None
-
-
-def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise _bad(where, "must be a string", value)
-    _unicode(value, where)
-    return value
-
-
-def _content(content: Any, where: str) -> str | None:
-    """A message's content as text: a string, null, or text parts (joined)."""
-    if content is None or isinstance(content, str):
-        _unicode(content or "", where)
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, "must be text, a list of text parts or null", content)
-    texts = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if isinstance(part, dict) and kind != "text":
-            raise ProxyError(
-                400,
-                f"{where}[{j}] is a {kind!r} part; the training proxy takes text parts only "
-                '({"type": "text", "text": ...}): the policy reads text',
-                "unsupported_content",
-            )
-        if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{j}]", 'must be a text part {"type": "text", "text": ...}', part)
-        texts.append(_string(part["text"], f"{where}[{j}].text"))
-    return "".join(texts)
-
-
-def _message(message: Any, where: str) -> dict[str, Any]:
-    if not isinstance(message, dict):
-        raise _bad(where, "must be a chat message (an object with a role)", message)
-    role = message.get("role")
-    if role not in CHAT_ROLES:
-        raise _bad(f"{where}.role", f"must be one of {', '.join(CHAT_ROLES)}", role)
-    checked = dict(message)
-    if "content" in message:
-        checked["content"] = _content(message["content"], f"{where}.content")
-    for key in ("name", "tool_call_id"):
-        if message.get(key) is not None:
-            _string(message[key], f"{where}.{key}")
-    if message.get("tool_calls") is not None:
-        checked["tool_calls"] = _tool_calls(message["tool_calls"], f"{where}.tool_calls")
-    _unicode({k: v for k, v in message.items() if k not in ("content", "tool_calls")}, where)
-    return checked
-
-
-def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
-    if not isinstance(calls, list):
-        raise _bad(where, "must be a list of tool calls", calls)
-    for j, call in enumerate(calls):
-        at = f"{where}[{j}]"
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict):
-            raise _bad(f"{at}.function", 'must be an object {"name": ..., "arguments": ...}', call)
-        _string(function.get("name"), f"{at}.function.name")
-        arguments = function.get("arguments")
-        if arguments is not None and not isinstance(arguments, str | dict):
-            raise _bad(f"{at}.function.arguments", "must be a JSON string or an object", arguments)
-        if call.get("id") is not None:
-            _string(call["id"], f"{at}.id")
-        _unicode(call, at)
-    return calls
-
-
-def _tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None or tools == []:
-        return None
-    shape = '{"type": "function", "function": {"name": ..., "parameters": {...}}}'
-    if not isinstance(tools, list):
-        raise _bad("tools", f"must be a list of function tools {shape}", tools)
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(function, dict) or tool.get("type", "function") != "function":
-            raise _bad(f"tools[{i}]", f"must be a function tool {shape}", tool)
-        _string(function.get("name"), f"tools[{i}].function.name")
-        for key, kind in (("description", str), ("parameters", dict)):
-            value = function.get(key)
-            if value is not None and not isinstance(value, kind):
-                raise _bad(f"tools[{i}].function.{key}", f"must be a {kind.__name__}", value)
-    _unicode(tools, "tools")
-    return tools
-
-
-def _positive(body: Mapping[str, Any], key: str) -> int | None:
-    value = body.get(key)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise _bad(key, "must be a positive integer", value)
-    return value
-
-
-def _number(body: Mapping[str, Any], key: str) -> float:
-    value = body[key]
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise _bad(key, "must be a number", value)
-    return float(value)
-
-
-def _flag(body: Mapping[str, Any], key: str, where: str | None = None) -> bool:
-    value = body.get(key)
-    if value is not None and not isinstance(value, bool):
-        raise _bad(where or key, "must be true or false", value)
-    return bool(value)
 
 
 # --------------------------------------------------------------------------- the app
@@ -350,7 +59,7 @@ def proxy_app(proxy: AgentProxy) -> Starlette:
 
     async def chat(request: Request) -> Response:
         episode = proxy.episode(request.headers.get("authorization"))
-        body = chat_request(await read_json(request, limits))
+        body = proxy.request(episode, await read_json(request, limits))
         retry = request.headers.get("x-stainless-retry-count", "0").strip() not in ("", "0")
         completion = await _unless_disconnected(request, proxy.complete(episode, body, retry))
         if not body.stream:
@@ -568,17 +277,24 @@ def _with_header_timeout(timeout_s: float) -> type[asyncio.Protocol]:
 
 
 async def _sse(completion: dict[str, Any], usage: bool) -> AsyncIterator[bytes]:
-    """A finished completion as chat.completion.chunk events (role+content, calls, finish)."""
+    """A finished completion as chat.completion.chunk events: role and content (with the
+    choice's ``logprobs`` and ``token_ids``, as vLLM streams them), tool calls, finish, usage.
+    Every chunk carries the ``policy_version``."""
     choice = completion["choices"][0]
     message = choice["message"]
     base = {k: completion[k] for k in ("id", "created", "model")}
     base["object"] = "chat.completion.chunk"
+    base["policy_version"] = completion["policy_version"]
 
     def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
-        chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        return f"data: {json.dumps({**chunk, **extra})}\n\n".encode()
+        chunk = {
+            **base,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}],
+        }
+        return f"data: {json.dumps(chunk)}\n\n".encode()
 
-    yield event({"role": "assistant", "content": message.get("content") or ""})
+    content = {"role": "assistant", "content": message.get("content") or ""}
+    yield event(content, logprobs=choice["logprobs"], token_ids=choice["token_ids"])
     calls: Sequence[dict[str, Any]] = message.get("tool_calls") or []
     if calls:
         yield event({"tool_calls": [{"index": i, **call} for i, call in enumerate(calls)]})

@@ -8,11 +8,16 @@ turn cut at a ``stop`` string, and the OpenAI ``chat.completion`` body.
    had the engine stopped there (each token depends only on those before it), so their
    log-probs stay the policy's. The engines take stop *token ids* only, so they generate past
    the string until the end of the turn or the budget; that costs time, not fidelity.
-2. **Log-probs** list the tokens of the returned text: each token's text (``decode`` of it
-   alone) and its UTF-8 ``bytes``; the end-of-turn token that closes the turn is trained but
-   not listed (it is not in the content). ``top_logprobs`` are empty (refused when asked for:
-   ``proxy_http.chat_request``).
-3. ``token_ids`` (vLLM's extension) and ``usage`` count the tokens trained for the call.
+2. **Log-probs** list the tokens of the returned text, one entry per token in order: its
+   text (``token_texts``: what it adds to the text before it, so the entries' texts, and their
+   UTF-8 ``bytes``, join to the text even where a character spans several tokens) and its
+   log-prob. Not listed, though trained: the end-of-turn token that closes the turn, and with
+   ``stop`` the tokens from the one where the stop string begins (OpenAI's content ends before
+   it; a token holding the content's end and the stop string's start goes with the stop
+   string). ``top_logprobs`` are empty (refused when asked for: ``proxy_request``).
+3. ``token_ids`` (vLLM's extension) and ``usage`` count the tokens trained for the call: the
+   stop string's tokens included (the policy ended its turn with them, and the conversation
+   the next call extends holds them), as vLLM's ``token_ids`` do.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ if TYPE_CHECKING:
     from trainer.rollout.trajectory import ChatRenderer
     from trainer.strategies.base import GenerationResult
 
-__all__ = ["completion_body", "cut_at_stop", "cut_content"]
+__all__ = ["completion_body", "cut_at_stop", "cut_content", "token_texts"]
 
 
 def cut_at_stop(
@@ -78,9 +83,10 @@ def completion_body(
     result: GenerationResult,
     prompt_tokens: int,
     logprobs: bool,
+    stops: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The OpenAI ``chat.completion`` answer, plus vLLM's ``token_ids`` extension and the
-    ``policy_version`` that sampled it."""
+    ``policy_version`` that sampled it; ``stops``: the request's stop strings (guarantee 2)."""
     finish = "tool_calls" if reply.get("tool_calls") else result.finish_reason
     message: dict[str, Any] = {"role": "assistant", "content": reply.get("content") or None}
     if reply.get("tool_calls"):
@@ -96,7 +102,7 @@ def completion_body(
                 "index": 0,
                 "message": message,
                 "finish_reason": finish,
-                "logprobs": {"content": _logprobs(renderer, result)} if logprobs else None,
+                "logprobs": {"content": _logprobs(renderer, result, stops)} if logprobs else None,
                 "token_ids": ids,
             }
         ],
@@ -109,16 +115,60 @@ def completion_body(
     }
 
 
-def _logprobs(renderer: ChatRenderer, result: GenerationResult) -> list[dict[str, Any]]:
+def _logprobs(
+    renderer: ChatRenderer, result: GenerationResult, stops: tuple[str, ...]
+) -> list[dict[str, Any]]:
     """Guarantee 2: the returned text's tokens, as text and bytes, with their log-probs."""
     ids = list(result.token_ids)
     end = len(ids)
     while end and ids[end - 1] in renderer.turn_end_ids:
         end -= 1
-    out = []
-    for token_id, logprob in zip(ids[:end], result.logprobs[:end], strict=True):
-        text = renderer.decode([token_id], skip_special_tokens=False)
-        out.append(
-            {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
-        )
-    return out
+    texts = token_texts(renderer, ids[:end])
+    listed = _before_stop(texts, stops)
+    return [
+        {"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
+        for text, logprob in zip(texts[:listed], result.logprobs[:listed], strict=True)
+    ]
+
+
+def _before_stop(texts: list[str], stops: tuple[str, ...]) -> int:
+    """How many of the tokens (``texts``) end before the first stop string in their text
+    begins (all of them when it holds none)."""
+    joined = "".join(texts)
+    found = [joined.find(stop) for stop in stops if stop in joined]
+    if not found:
+        return len(texts)
+    stop_at, position = min(found), 0
+    for index, text in enumerate(texts):
+        position += len(text)
+        if position > stop_at or (not text and position == stop_at):
+            return index
+    return len(texts)
+
+
+_PENDING = "\ufffd"
+"""What a decoder shows for a character whose bytes have not all come yet."""
+
+
+def token_texts(renderer: ChatRenderer, ids: list[int]) -> list[str]:
+    """The text each of ``ids`` adds to the text of the tokens before it, so the parts join to
+    the text of ``ids`` whatever the tokenizer: a character whose bytes span several tokens
+    (byte-level BPE: Qwen, Llama 3, GPT-2) goes with the token that completes it, the ones
+    before it add ""; a sentencepiece token keeps the leading space that decoding it alone
+    drops. As vLLM's incremental detokenizer, each token decodes a window of a few tokens, so
+    this is linear in the text."""
+    texts: list[str] = []
+    prefix = read = 0  # ids[prefix:read]: tokens already given out, kept as context
+    before = ""
+    for end in range(1, len(ids) + 1):
+        after = renderer.decode(ids[prefix:end], skip_special_tokens=False)
+        # a character is 4 bytes at most: pending after 4 tokens, the text holds a real U+FFFD
+        if len(after) > len(before) and (not after.endswith(_PENDING) or end - read >= 4):
+            texts.append(after[len(before) :])
+            prefix, read = read, end
+            before = renderer.decode(ids[prefix:read], skip_special_tokens=False)
+        else:
+            texts.append("")
+    if read < len(ids):  # the text ends inside a character: the last token gives what is left
+        texts[-1] = renderer.decode(ids[prefix:], skip_special_tokens=False)[len(before) :]
+    return texts

@@ -3,8 +3,9 @@
 Instruct models are post-trained to write tool calls in their family's own syntax; the chat
 template renders them back from structured ``tool_calls`` messages. A ``ToolParser`` reads one
 generated turn and returns a ``ParsedTurn``: the prose ``content`` and the ``ToolCall``\\ s (name,
-JSON arguments, an id), so the transcript holds the assistant message the model was trained on
-and a tool env receives its calls whatever syntax the model used.
+JSON arguments, an id numbered in the turn as the env numbers it: ``ToolCall.numbered_id``), so
+the transcript holds the assistant message the model was trained on and a tool env receives its
+calls whatever syntax the model used.
 
 =============  ======================================================================
 name           what the model writes
@@ -159,7 +160,7 @@ def _call(raw: Any, index: int) -> ToolCall:
     problem = json_problem(arguments)
     if problem is not None:
         raise _ParseError(f"arguments of {raw['name']!r} cannot be written as JSON: {problem}")
-    return ToolCall(name=raw["name"], arguments=arguments, id=f"call_{index}")
+    return ToolCall(name=raw["name"], arguments=arguments, id=ToolCall.numbered_id(index))
 
 
 _TOO_DEEP = "tool call is nested too deeply to read; write flatter arguments"

@@ -211,7 +211,7 @@ def test_gems_python_tool_is_an_envhub_tool_schema():
     call = '<tool_call>{"name": "python", "arguments": {"code": "print(6 * 7)"}}</tool_call>'
     messages, _, terminated, _, _ = env.step(call)
     (answer,) = messages
-    assert answer["role"] == "tool" and answer["tool_call_id"] == "call_0"
+    assert answer["role"] == "tool" and answer["tool_call_id"] == "call00000"
     assert "Code execution result: 42" in answer["content"] and not terminated
     bad = '<tool_call>{"name": "python", "arguments": {"script": "1"}}</tool_call>'
     _, _, _, _, info = env.step(bad)

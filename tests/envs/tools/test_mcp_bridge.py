@@ -49,7 +49,7 @@ def test_stdio_server_tools_become_openai_schemas(stdio_env):
     assert set(schema["required"]) == {"amount", "from_currency", "to_currency"}
     reply = stdio_env.step(call("get_price", item="gizmo"))[0]
     assert reply == [
-        {"role": "tool", "name": "get_price", "tool_call_id": "call_0", "content": "19.99"}
+        {"role": "tool", "name": "get_price", "tool_call_id": "call00000", "content": "19.99"}
     ]
 
 

@@ -40,7 +40,7 @@ def test_tool_results_are_tool_messages_and_schemas_are_openai_format(env_id):
     for tool in info["tools"]:
         assert tool["type"] == "function" and tool["function"]["parameters"]["type"] == "object"
     reply, reward, terminated, _, step_info = env.step(env.expert_action())
-    assert [m["role"] for m in reply] == ["tool"] and reply[0]["tool_call_id"] == "call_0"
+    assert [m["role"] for m in reply] == ["tool"] and reply[0]["tool_call_id"] == "call00000"
     assert reply[0]["name"] == step_info["tool_calls"][0] and reward == 0.0 and not terminated
 
 

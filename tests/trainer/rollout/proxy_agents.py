@@ -64,6 +64,35 @@ def returns_a_number(episode: AgentEpisode) -> int:
     return 7
 
 
+CLIENTS: list[Any] = []
+"""The clients ``keeps_its_client`` got (a test checks they were closed with the episode)."""
+
+
+def keeps_its_client(episode: AgentEpisode) -> str:
+    """``answer``, keeping the client ``openai_client`` gave it in ``CLIENTS``."""
+    client = episode.openai_client(max_retries=0)
+    CLIENTS.append(client)
+    return str(_reply(client, episode, list(episode.messages)).content or "")
+
+
+def steps(episode: AgentEpisode) -> None:
+    """One model call through ``openai_client``, acted on through ``episode.env``."""
+    client = episode.openai_client(max_retries=0)
+    episode.env.step(_reply(client, episode, list(episode.messages)))
+
+
+async def answers_async(episode: AgentEpisode) -> str:
+    """``answer`` as an ``async def`` agent (``openai.AsyncOpenAI``, LangGraph, ...)."""
+    async with openai.AsyncOpenAI(
+        base_url=episode.base_url, api_key=episode.api_key, max_retries=0
+    ) as client:
+        tools = {"tools": episode.tools} if episode.tools else {}
+        completion = await client.chat.completions.create(
+            model=episode.model, messages=list(episode.messages), **tools
+        )
+    return str(completion.choices[0].message.content or "")
+
+
 def forgetful(episode: AgentEpisode) -> None:
     """Keeps no history: each call sends the first messages and the env's latest reply only,
     so no call extends the one before (each is a sample of its own)."""

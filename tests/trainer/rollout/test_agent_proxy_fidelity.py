@@ -46,20 +46,28 @@ class Scripted(Engine):
         super().__init__(tokenizer)
         self.tokenizer, self.texts, self.slow = tokenizer, texts, slow
         self.cancelled: list[str] = []
+        self.abort_seen = asyncio.Event()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         self.prompts.append(list(request.prompt_ids))
+        self.started.set()
         call = len(self.prompts) - 1
-        if call == 0 and self.slow:
-            try:
+        try:
+            if call == 0 and self.slow:
                 await asyncio.sleep(self.slow)
-            except asyncio.CancelledError:
-                self.cancelled.append(request.request_id)
-                raise
+            if self.gate is not None:
+                await self.gate.wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(request.request_id)
+            raise
         text = self.texts[min(call, len(self.texts) - 1)]
         ids = [*self.tokenizer.encode(text, add_special_tokens=False), self.tokenizer.eos_token_id]
         ids = ids[: request.max_new_tokens]
         return GenerationResult(request.request_id, ids, [-0.5] * len(ids), "stop")
+
+    async def abort(self, request_id: str) -> None:
+        await super().abort(request_id)
+        self.abort_seen.set()
 
 
 def generated(renderer: ChatRenderer, row: Any) -> str:
@@ -114,6 +122,41 @@ def test_an_sdk_retry_of_a_delivered_call_replaces_it(tokenizer: Any) -> None:
             assert episode.calls == 1
             assert (await client.post("/chat/completions", json=body)).is_success
             assert len(episode.rows) == 2 and episode.calls == 2
+
+    asyncio.run(main())
+
+
+def test_an_sdk_retry_of_an_abandoned_call_takes_back_no_reply_the_agent_received(
+    tokenizer: Any,
+) -> None:
+    """Best-of-n by n calls on the same messages: A is delivered, B's client gives up while it
+    generates and the SDK retries it. The retry takes nothing back: A, which the agent holds
+    and acts on, stays trained and gets the step's reward."""
+    renderer = ChatRenderer(tokenizer)
+    texts = ["<answer>A</answer>", "<answer>B</answer>", "<answer>C</answer>"]
+
+    async def main() -> None:
+        engine = Scripted(tokenizer, texts)
+        async with serving(engine, renderer) as (_, episode, client):
+            body = {"messages": QUESTION}
+            a = (await client.post("/chat/completions", json=body)).json()["choices"][0]
+            engine.gate, engine.started = asyncio.Event(), asyncio.Event()
+            b = asyncio.ensure_future(client.post("/chat/completions", json=body))
+            await engine.started.wait()  # B is generating
+            b.cancel()  # the SDK's timeout: the connection closes
+            await asyncio.gather(b, return_exceptions=True)
+            await engine.abort_seen.wait()  # the proxy saw the client go and gave B up
+            engine.gate = None
+            retry = {"x-stainless-retry-count": "1"}
+            answer = await client.post("/chat/completions", json=body, headers=retry)
+            assert answer.json()["choices"][0]["message"]["content"] == "<answer>C</answer>"
+            assert [generated(renderer, r) for r in episode.rows] == [
+                "<answer>A</answer><|im_end|>",
+                "<answer>C</answer><|im_end|>",
+            ]
+            step = await client.post("/envhub/step", json={"action": a["message"]})
+            assert step.is_success, step.text
+            assert [len(row.turn_rewards) for row in episode.rows] == [1, 0]
 
     asyncio.run(main())
 
@@ -324,5 +367,100 @@ def test_an_env_step_with_a_reward_training_cannot_hold_fails_the_episode(
             assert refused.value.status == 502
             t = episode.trajectory
             assert t.failed and "reward" in (t.failure or "") and reward not in t.turn_rewards
+
+    asyncio.run(main())
+
+
+# --------------------------------------------------------------------------- log-probs as OpenAI's
+
+
+def byte_level_tokenizer() -> Any:
+    """A tiny byte-level BPE tokenizer (as Qwen, Llama 3 and GPT-2 are) with the ChatML template
+    of the other tests: a character outside its merges is split over several tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    ref = build_tokenizer(env_corpus(CALC, episodes=4), kind="bpe")
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(
+        vocab_size=600,
+        special_tokens=list(ref.all_special_tokens),
+        initial_alphabet=alphabet,
+        show_progress=False,
+    )
+    backend.train_from_iterator(["hello world the answer is 4 " * 3, "user assistant"], trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.eos_token, tokenizer.pad_token = ref.eos_token, ref.pad_token
+    others = [t for t in ref.all_special_tokens if t not in (ref.eos_token, ref.pad_token)]
+    tokenizer.add_special_tokens({"additional_special_tokens": others})
+    tokenizer.chat_template = ref.chat_template
+    return tokenizer
+
+
+def test_logprobs_bytes_join_to_the_content_when_characters_span_tokens() -> None:
+    tokenizer = byte_level_tokenizer()
+    text = "héllo 😀 日本"
+
+    async def main() -> None:
+        engine = Scripted(tokenizer, [text])
+        async with serving(engine, ChatRenderer(tokenizer)) as (_, __, client):
+            body = {"messages": QUESTION, "logprobs": True}
+            choice = (await client.post("/chat/completions", json=body)).json()["choices"][0]
+            tokens = choice["logprobs"]["content"]
+            assert choice["message"]["content"] == text
+            assert len(tokens) == len(choice["token_ids"]) - 1 > len(text)  # split characters
+            assert b"".join(bytes(t["bytes"]) for t in tokens).decode() == text
+            assert "".join(t["token"] for t in tokens) == text
+
+    asyncio.run(main())
+
+
+def test_with_a_stop_string_logprobs_list_the_returned_texts_tokens(tokenizer: Any) -> None:
+    """OpenAI's content ends before the stop string; so do the listed tokens. The tokens that
+    wrote the stop string are trained (the policy ended its turn with them) and counted in
+    ``token_ids`` and ``usage``."""
+
+    async def main() -> None:
+        engine = Scripted(tokenizer, ["the answer is 4. more text"])
+        async with serving(engine, ChatRenderer(tokenizer)) as (_, episode, client):
+            body = {"messages": QUESTION, "logprobs": True, "stop": ["is"]}
+            answer = (await client.post("/chat/completions", json=body)).json()
+            choice = answer["choices"][0]
+            tokens = [t["token"] for t in choice["logprobs"]["content"]]
+            assert choice["message"]["content"] == "the answer " == "".join(tokens)
+            assert len(choice["token_ids"]) == sum(episode.rows[0].response_mask) > len(tokens)
+            assert answer["usage"]["completion_tokens"] == len(choice["token_ids"])
+
+    asyncio.run(main())
+
+
+def test_a_streamed_reply_carries_the_logprobs_of_the_same_reply_unstreamed(
+    tokenizer: Any,
+) -> None:
+    async def main() -> None:
+        engine = Scripted(tokenizer, ["hello world"])
+        async with serving(engine, ChatRenderer(tokenizer)) as (proxy, episode, _):
+            client = openai.AsyncOpenAI(
+                base_url=proxy.base_url, api_key=episode.api_key, max_retries=0
+            )
+            async with client:
+                chat = client.chat.completions
+                whole = await chat.create(model="policy", messages=QUESTION, logprobs=True)
+                stream = await chat.create(
+                    model="policy", messages=QUESTION, logprobs=True, stream=True
+                )
+                chunks = [chunk async for chunk in stream]
+            expected = whole.choices[0].logprobs.content
+            streamed = [
+                token
+                for chunk in chunks
+                for choice in chunk.choices
+                if choice.logprobs is not None
+                for token in choice.logprobs.content or []
+            ]
+            assert expected and streamed == expected
 
     asyncio.run(main())

@@ -168,21 +168,6 @@ def test_a_bad_request_is_a_400_that_names_the_field_and_records_nothing(
     asyncio.run(main())
 
 
-def test_text_parts_are_the_text_they_hold(tokenizer: Any) -> None:
-    renderer = ChatRenderer(tokenizer)
-    parts = [{"type": "text", "text": "what is "}, {"type": "text", "text": "2+2"}]
-
-    async def main() -> None:
-        engine = Engine(tokenizer)
-        async with serving(engine, renderer) as (_, __, client):
-            body = {"messages": [{"role": "user", "content": parts}]}
-            answer = await client.post("/chat/completions", json=body)
-            assert answer.status_code == 200, answer.text
-        assert engine.prompts == [renderer.prompt(QUESTION)]
-
-    asyncio.run(main())
-
-
 def test_a_refused_call_leaves_the_history_of_the_next_call_intact(tokenizer: Any) -> None:
     renderer = ChatRenderer(tokenizer)
 

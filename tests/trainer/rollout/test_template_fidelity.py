@@ -7,6 +7,7 @@ tokenizer (no downloads) and compares with the template's own rendering tokenise
 from __future__ import annotations
 
 import asyncio
+import re
 from typing import Any
 
 import pytest
@@ -86,7 +87,7 @@ def test_a_parser_that_raises_is_an_invalid_turn_not_a_crashed_episode(corpus) -
 
 def test_a_parser_that_raises_in_the_proxy_answers_the_text(corpus) -> None:
     from trainer.rollout.proxy import AgentProxy
-    from trainer.rollout.proxy_http import ChatRequest
+    from trainer.rollout.proxy_request import ChatRequest
     from trainer.rollout.trajectory import Trajectory
 
     tokenizer = build_tokenizer(corpus, kind="bpe")
@@ -297,6 +298,9 @@ def test_a_call_in_reasoning_the_generation_prompt_opened_is_not_read(corpus) ->
 
 
 # ---------------------------------------------------------------- 5: system prompt moves
+MISTRAL_ID_CHECK = (
+    '{{- raise_exception("Tool call IDs should be alphanumeric strings with length 9!") }}'
+)
 MISTRAL = (
     '{%- if messages[0]["role"] == "system" %}{%- set system_message = messages[0]["content"] %}'
     "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}"
@@ -311,14 +315,20 @@ MISTRAL = (
     '{{- "[INST] " + system_message + "\\n\\n" + message["content"] + "[/INST]" }}'
     '{%- else %}{{- "[INST] " + message["content"] + "[/INST]" }}{%- endif %}'
     "{%- elif message.tool_calls is defined and message.tool_calls is not none %}"
-    '{{- "[TOOL_CALLS] [" }}{%- for c in message.tool_calls %}{{- c.function | tojson }}'
-    '{%- endfor %}{{- "]" + eos_token }}'
+    '{{- "[TOOL_CALLS] [" }}{%- for c in message.tool_calls %}'
+    "{%- if not c.id is defined or c.id|length != 9 %}" + MISTRAL_ID_CHECK + "{%- endif %}"
+    '{{- c.function | tojson }}{%- endfor %}{{- "]" + eos_token }}'
     '{%- elif message["role"] == "assistant" %}{{- " " + message["content"]|trim + eos_token}}'
     '{%- elif message["role"] == "tool" %}'
+    "{%- if not message.tool_call_id is defined or message.tool_call_id|length != 9 %}"
+    + MISTRAL_ID_CHECK
+    + "{%- endif %}"
     '{{- \'[TOOL_RESULTS] {"content": \' + message.content|string + "}[/TOOL_RESULTS]" }}'
     "{%- endif %}{%- endfor %}"
 )
-"""Mistral v0.3's way (abridged): the system prompt and the tools go with the *last* user turn."""
+"""Mistral v0.3's way (abridged): the system prompt and the tools go with the *last* user turn,
+and a tool call's id, or a tool answer's ``tool_call_id``, that is not 9 characters long is
+refused (as Mistral's API refuses one that is not 9 letters and digits)."""
 MISTRAL_SPECIALS = ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]"]
 MISTRAL_SPECIALS += ["[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]
 
@@ -341,6 +351,22 @@ def test_a_template_that_moves_the_system_prompt_trains_each_turn_on_its_own(cor
         episode.messages[:4], tools=tools, add_generation_prompt=True, tokenize=False
     )
     assert engine.requests[1].prompt_ids == tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_a_mistral_tool_call_and_its_answer_render_back_through_its_template(corpus) -> None:
+    """The calls the parser reads and the env answers carry ids Mistral's template takes (9
+    letters and digits), so the turn after a tool call renders."""
+    tokenizer = mistral(corpus)
+    renderer = ChatRenderer(tokenizer, tool_parser="mistral")
+    call = '[TOOL_CALLS] [{"name": "calculate", "arguments": {"expression": "2 + 2"}}]'
+    ids = [*tokenizer.encode(call, add_special_tokens=False), tokenizer.eos_token_id]
+    episode, engine = play(renderer, ids, turns=2)
+    assert not episode.failed, episode.failure
+    assert len(engine.requests) == 2
+    calls = [c for m in episode.messages for c in m.get("tool_calls") or []]
+    answers = [m["tool_call_id"] for m in episode.messages if m["role"] == "tool"]
+    assert calls and [c["id"] for c in calls] == answers
+    assert all(re.fullmatch(r"[A-Za-z0-9]{9}", i) for i in answers)
 
 
 def test_a_template_that_cannot_grow_fails_the_episode_instead_of_raising(corpus) -> None:
