@@ -106,10 +106,9 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
     console.print(f"output: {out.resolve()}", highlight=False)
     if resuming:
         console.print(resuming, highlight=False, soft_wrap=True)
-    from trainer.strategies.lora import dropout_warning
+    from trainer.start_warnings import start_warnings
 
-    lines = [*(point.drift if point is not None else []), dropout_warning(cfg)]
-    for line in filter(None, lines):
+    for line in [*(point.drift if point is not None else []), *start_warnings(cfg)]:
         errors.print(f"[bold yellow]warning:[/] {escape(line)}", highlight=False, soft_wrap=True)
     try:
         with (

@@ -50,9 +50,9 @@ def dry_run(
         return 2
     for renderable in plan_view(cfg, plan):
         console.print(renderable)
-    from trainer.strategies.lora import dropout_warning
+    from trainer.start_warnings import start_warnings
 
-    if warning := dropout_warning(cfg):  # what the run would warn as it starts
+    for warning in start_warnings(cfg):  # what the run would warn as it starts
         errors.print(
             f"[bold yellow]warning:[/] {markup_escape(warning)}", highlight=False, soft_wrap=True
         )

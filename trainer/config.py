@@ -247,7 +247,7 @@ class LossConfig(Section):
     kl_coef: float = Field(default=0.0, ge=0)
     """Weight of the KL to the reference policy; 0 disables the reference role."""
     kl_mode: Literal["penalty", "loss"] = "loss"
-    """``penalty``: subtract KL from rewards; ``loss``: add KL as a loss term."""
+    """``penalty``: KL off the rewards (grpo's std then cancels kl_coef); ``loss``: a loss term."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator per token (Schulman's k1, k2, k3; ``trainer.algos.losses.kl_estimate``). As a
     reward penalty each estimates KL(policy || reference) (k1, k3 unbiased). As a loss term its

@@ -126,3 +126,28 @@ def test_the_plan_shows_the_loss_and_sampling_the_run_will_use(tmp_path: Path) -
     code, stdout, stderr = dry_run(*args, *gspo)
     assert code == 0, stderr
     assert "GSPO clip 0.0003/0.0004, seq-mean-token-mean" in stdout
+
+
+@pytest.mark.parametrize(
+    ("estimator", "warned"), [("grpo", True), ("gigpo", True), ("rloo", False)]
+)
+def test_a_kl_penalty_that_group_std_normalising_cancels_is_warned(
+    tmp_path: Path, estimator: str, warned: bool
+) -> None:
+    """With ``kl_mode: penalty`` the KL is taken from the scores before GRPO/GiGPO divide by
+    the group's std (as verl does): ``kl_coef`` then scales nothing, and a group whose episodes
+    all scored alike gets full-size advantages from KL noise alone. Said before a run starts."""
+    args = [
+        str(EXAMPLES / "quickstart.yaml"),
+        f"output_dir={tmp_path / 'run'}",
+        f"algorithm.advantage_estimator={estimator}",
+        "algorithm.loss.kl_mode=penalty",
+        "algorithm.loss.kl_coef=0.01",
+    ]
+    if estimator == "gigpo":
+        args.append("rollout.sample_unit=turn")
+    code, _, stderr = dry_run(*args)
+    assert code == 0, stderr
+    assert ("warning: algorithm.loss.kl_mode=penalty" in stderr) == warned, stderr
+    if warned:
+        assert "kl_mode: loss" in stderr and "normalize_std: false" in stderr

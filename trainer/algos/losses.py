@@ -221,17 +221,23 @@ def policy_loss(
     raise ValueError(f"unknown policy loss {kind!r}; use 'ppo' or 'gspo'")
 
 
+K3_GAP, K3_MAX = 20.0, 10.0
+"""k3's bounds: the log-ratio is clamped to +-``K3_GAP`` nats and the estimate to ``K3_MAX``
+(verl's), so a token far from the reference (a policy that drifted, a reference in another
+dtype) neither overflows nor dominates the loss; beyond them its gradient is 0."""
+
+
 def kl_estimate(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: KLEstimator = "k3"
 ) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens (Schulman's k1/k2/k3).
 
     ``k1 = logp - ref`` (unbiased); ``k2 = (logp - ref)^2 / 2`` (biased, low variance);
-    ``k3 = exp(ref - logp) - (ref - logp) - 1`` (unbiased and always >= 0). As a reward penalty
-    each is an estimate of the KL. As a loss term (differentiated through ``logp``, tokens
-    sampled from the policy) what matters is the expected gradient: k1's is 0 (``E[grad logp]
-    = 0``: the term does nothing), k2's is the gradient of KL(policy || reference), k3's that
-    of the forward KL(reference || policy).
+    ``k3 = exp(ref - logp) - (ref - logp) - 1`` (unbiased and always >= 0; bounded by
+    ``K3_GAP``/``K3_MAX``). As a reward penalty each is an estimate of the KL. As a loss term
+    (differentiated through ``logp``, tokens sampled from the policy) what matters is the
+    expected gradient: k1's is 0 (``E[grad logp] = 0``: the term does nothing), k2's is the
+    gradient of KL(policy || reference), k3's that of the forward KL(reference || policy).
     """
     import torch
 
@@ -240,8 +246,9 @@ def kl_estimate(
         return diff
     if kind == "k2":
         return 0.5 * diff**2
-    if kind == "k3":
-        return torch.exp(-diff) + diff - 1.0
+    if kind == "k3":  # bounded as verl bounds it: exp() of a gap of ~89 nats is inf in fp32
+        diff = diff.clamp(-K3_GAP, K3_GAP)
+        return (torch.exp(-diff) + diff - 1.0).clamp(max=K3_MAX)
     raise ValueError(f"unknown KL estimator {kind!r}; use 'k1', 'k2' or 'k3'")
 
 

@@ -140,3 +140,16 @@ def test_value_loss_clipped_by_hand() -> None:
     torch.testing.assert_close(
         value_loss(v, v, torch.zeros(2), clip=None), torch.tensor([2.0, 0.02])
     )
+
+
+def test_k3_is_bounded_where_policy_and_reference_are_far_apart() -> None:
+    """``exp`` of a gap of tens of nats overflows: k3 is clamped (as verl clamps it to 10), so
+    a token the policy has moved far from the reference cannot make the loss inf and stop a
+    run."""
+    logprobs = torch.tensor([-0.1, -30.0, -100.0, -0.1], requires_grad=True)
+    ref = torch.tensor([-0.2, -0.1, -0.1, -90.0])
+    kl = kl_estimate(logprobs, ref, "k3")
+    assert torch.isfinite(kl).all() and kl.max() <= 10.0
+    assert float(kl[0]) == pytest.approx(float(torch.exp(torch.tensor(-0.1)) + 0.1 - 1), rel=1e-5)
+    kl.sum().backward()
+    assert torch.isfinite(logprobs.grad).all()

@@ -1,0 +1,38 @@
+"""What a run warns about as it starts (``envhub train``) and ``--dry-run`` prints alike:
+settings that are valid, and that some runs want, but that quietly cost learning signal.
+Refusals are ``TrainerConfig.problems()``'s; these only inform."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
+
+__all__ = ["start_warnings"]
+
+
+def start_warnings(cfg: TrainerConfig) -> list[str]:
+    """One line per warning (empty when there is nothing to say)."""
+    from trainer.strategies.lora import dropout_warning
+
+    return [line for line in (dropout_warning(cfg), _kl_penalty_warning(cfg)) if line]
+
+
+def _kl_penalty_warning(cfg: TrainerConfig) -> str | None:
+    """``kl_mode: penalty`` takes the KL from the scores before GRPO/GiGPO divide by the group's
+    std (``trainer.algos.advantages.kl_penalised_rewards``, as verl does): ``kl_coef`` then scales
+    nothing (the std divides it out), and a group whose episodes all scored alike gets
+    full-size advantages from the KL's noise alone."""
+    algo, loss = cfg.algorithm, cfg.algorithm.loss
+    if cfg.train.steps == 0 or loss.kl_coef == 0 or loss.kl_mode != "penalty":
+        return None
+    if algo.advantage_estimator not in ("grpo", "gigpo") or not algo.normalize_std:
+        return None
+    return (
+        f"algorithm.loss.kl_mode=penalty with {algo.advantage_estimator}: the KL is taken from "
+        "the scores before the group's std divides them, so kl_coef="
+        f"{loss.kl_coef:g} scales nothing and a group whose episodes all scored alike is "
+        "trained on the KL's noise at full size; use kl_mode: loss (GRPO's own), or "
+        "algorithm.normalize_std: false (Dr. GRPO)"
+    )
