@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from trainer.errors import Problem
 from trainer.model_shape import ModelShape, lora_matches
+from trainer.strategies.vllm_platform import scheduler_limits
 
 if TYPE_CHECKING:
     from trainer.config import RoleConfig, TrainerConfig
@@ -90,8 +91,9 @@ VLLM_KV_CACHE_GIB = 1.0
 """``VLLMEngine``'s KV cache when ``strategy_args`` do not set ``kv_cache_gib``."""
 VLLM_GPU_MEMORY_UTILIZATION = 0.9
 """vLLM's default share of the device when it sizes the KV cache itself."""
-VLLM_BATCHED_TOKENS, VLLM_MAX_SEQS, CUDA_GRAPHS_GIB = 8192, 256, 0.5
-"""vLLM's scheduler defaults (tokens per step, sequences per step) and its CUDA-graph pool."""
+(VLLM_BATCHED_TOKENS, VLLM_MAX_SEQS), CUDA_GRAPHS_GIB = scheduler_limits(), 0.5
+"""The scheduler limits ``VLLMEngine`` runs with (tokens per step, sequences per step:
+``vllm_platform.scheduler_limits``) and vLLM's CUDA-graph pool."""
 HF_ENGINE_MAX_BATCH = 512
 """``HFEngine``'s largest generation batch."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -35,7 +35,7 @@ TARGETS = "[all-linear, embed_tokens]"
 def engine_base(pipeline: AgenticPipeline) -> dict[str, torch.Tensor]:
     """Copies of the HF engine's base weights (its own names, whatever peft wraps around them)."""
     engine = pipeline.roles.infer._workers[0].engine.engine  # VersionedEngine -> HFEngine
-    params = engine._params or dict(engine.model.state_dict(keep_vars=True))
+    params = engine._weights.params or dict(engine.model.state_dict(keep_vars=True))
     return {name: tensor.detach().clone() for name, tensor in params.items()}
 
 

@@ -39,6 +39,7 @@ from trainer.rollout.tool_parsers import (
     env_action,
     make_tool_parser,
 )
+from trainer.strategies.model_eos import model_eos_ids
 
 if TYPE_CHECKING:
     from trainer.strategies.base import GenerationResult
@@ -288,10 +289,14 @@ class ChatRenderer:
         ``<|im_end|>`` (ChatML, even where ``eos_token`` is ``<|endoftext|>``); else EOS."""
         self.closing_ids = frozenset({self.end_of_turn_id, *self._alternative_turn_ends()})
         """A turn that ends with one of these is closed as the template closes it (``ended``)."""
-        self.turn_end_ids = frozenset({self.eos_token_id, *self.closing_ids})
-        """A turn that ends with one of these was not cut off (it stopped)."""
+        model_eos = model_eos_ids(getattr(tokenizer, "name_or_path", None) or "")
+        self.turn_end_ids = frozenset({self.eos_token_id, *self.closing_ids, *model_eos})
+        """A turn that ends with one of these was not cut off (it stopped): EOS, the template's
+        closing tokens, and the model's generation-config EOS ids (read once here, from the
+        tokenizer's folder: ``trainer.strategies.model_eos``; vLLM stops on those anyway)."""
         self.stop_token_ids = tuple(sorted(self.turn_end_ids - {self.eos_token_id}))
-        """What generation requests stop on besides EOS (``GenerationRequest.stop_token_ids``)."""
+        """What generation requests stop on besides EOS (``GenerationRequest.stop_token_ids``):
+        so both engines end a turn on the same tokens."""
         self._trailing = frozenset({*self.turn_end_ids, getattr(tokenizer, "pad_token_id", None)})
         """Ids ``parse_text`` strips from a turn's end (read once: tokenizer properties cost)."""
         self._eos_text = tokenizer.eos_token or ""

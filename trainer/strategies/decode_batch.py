@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,15 +41,17 @@ class Row:
     def __init__(
         self,
         request: GenerationRequest,
-        eos_token_id: int,
+        stops: Iterable[int],
         future: concurrent.futures.Future[GenerationResult] | None = None,
         *,
         context: int | None = None,
     ) -> None:
-        """``context``: the model's positions; the row ends (``length``) when they are full,
-        however many tokens the request allows."""
+        """``stops``: the ids every request of the engine stops on (EOS, the model's
+        generation-config EOS ids), besides the request's own ``stop_token_ids``. ``context``:
+        the model's positions; the row ends (``length``) when they are full, however many tokens
+        the request allows."""
         self.request, self.future = request, future
-        self.stops = {eos_token_id, *request.stop_token_ids}
+        self.stops = {*stops, *request.stop_token_ids}
         self.limit = request.max_new_tokens
         if context is not None:
             self.limit = min(self.limit, context - len(request.prompt_ids))

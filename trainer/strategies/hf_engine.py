@@ -6,7 +6,8 @@ until no new request shows up, so every episode whose turn just ended comes toge
 handed to the engine's decoding thread, which admits them between two decoding steps: their
 prompts are prefilled as left-padded batches of similar length and their KV caches joined to
 the running rows'. Every step then decodes one token for every running row; a row leaves the
-batch (and its cache) as soon as it ends, at EOS, at a request's stop tokens, at its own
+batch (and its cache) as soon as it ends, at EOS (the tokenizer's, and the model's
+generation-config EOS ids: ``model_eos``), at a request's stop tokens, at its own
 ``max_new_tokens``, or when aborted, so no step computes a finished row and a short turn
 never waits for a long one. A turn that ended whole leaves its KV cache for its episode's
 next turn (requests named ``episode/turn``, as rollouts and the proxy name them; kept within
@@ -23,7 +24,9 @@ batches, generates what the run it continues did). The reported log-prob of a to
 ``log_softmax(logits / temperature)`` over the whole vocabulary (plain ``log_softmax`` when
 greedy): the trainer's log-probs at ``rollout.temperature`` (``hf.token_logprobs``), so valid
 old log-probs for the PPO ratio. A weight update waits for the running step and applies to
-the steps after it (a row's ``policy_version`` is the one it started under, like vLLM's).
+the steps after it (a row's ``policy_version`` is the one it started under, like vLLM's). An
+update is all or nothing: a bad tensor loads none of a mapping, and an iterator failing part-way
+leaves the engine refusing to generate until a complete update (``hf_weights``).
 """
 
 from __future__ import annotations
@@ -32,8 +35,7 @@ import asyncio
 import concurrent.futures
 import functools
 import threading
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from trainer.strategies.base import GenerationRequest, GenerationResult, Weights
@@ -49,6 +51,8 @@ from trainer.strategies.decode_batch import (
     prefill_split_tokens,
     request_error,
 )
+from trainer.strategies.hf_weights import EngineWeights, with_adapter
+from trainer.weights.errors import StaleWeightsError
 
 if TYPE_CHECKING:
     import torch
@@ -71,9 +75,12 @@ class HFEngine(BatchingFrontend):
         max_batch_size: int = 512,
         device: str = "cpu",
         prefix_cache_gib: float = 1.0,
+        stop_token_ids: Iterable[int] = (),
     ) -> None:
         """``prefix_cache_gib``: memory (on ``device``) for the KV caches ended turns leave for
-        their episode's next turn (``PrefixCache``; 0 turns it off)."""
+        their episode's next turn (``PrefixCache``; 0 turns it off). ``stop_token_ids``: ids
+        every request stops on besides ``eos_token_id`` (the model's generation-config EOS ids:
+        ``from_pretrained`` reads them)."""
         import torch
 
         super().__init__(max_batch_size=max_batch_size)
@@ -83,12 +90,14 @@ class HFEngine(BatchingFrontend):
         """Prompts admitted together are prefilled in groups of similar length; a group of
         fewer padded tokens than this takes any prompt rather than start another pass."""
         self.eos_token_id, self.pad_token_id = int(eos_token_id), int(pad_token_id)
+        self.stop_token_ids = tuple(sorted(set(map(int, stop_token_ids))))
+        """What every request stops on besides EOS and its own ``stop_token_ids``."""
         self.vocab_size = int(model.get_input_embeddings().num_embeddings)
         self.context: int | None = getattr(model.config, "max_position_embeddings", None)
         """The model's positions: longer prompts are refused, rows end when they are full."""
         self._joins = cache_joins(model.config)  # else prompts admitted together: one prefill
         self.generator = torch.Generator(device="cpu").manual_seed(seed)
-        self._params: dict[str, torch.Tensor] | None = None
+        self._weights = EngineWeights(self.model)
         self.stats = {"batches": 0, "requests": 0, "new_tokens": 0, "prefix_hit_tokens": 0}
         self.prefixes = PrefixCache(int(prefix_cache_gib * 2**30)) if prefix_cache_gib else None
         self._compute = threading.Lock()  # one forward at a time; weight updates between them
@@ -127,6 +136,7 @@ class HFEngine(BatchingFrontend):
         import torch
 
         from trainer.models import load_policy
+        from trainer.strategies.model_eos import model_eos_ids
 
         model, tokenizer = load_policy(model_path, dtype=dtype, chat=False)
         return cls(
@@ -136,6 +146,7 @@ class HFEngine(BatchingFrontend):
             seed=seed,
             device="cuda" if torch.cuda.is_available() else "cpu",
             prefix_cache_gib=float(prefix_cache_gib),
+            stop_token_ids=model_eos_ids(model_path),
         )
 
     async def run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -169,9 +180,10 @@ class HFEngine(BatchingFrontend):
         """``submit`` for several requests that are admitted together (one prefill). A request
         the engine cannot serve (``request_error``) gets a future failed with why; the others
         go on. The futures are running already: ``abort_sync`` ends a request, not
-        ``cancel()``."""
+        ``cancel()``. Raises ``StaleWeightsError`` after a weight update failed part-way."""
+        self._check_weights()
         futures: list[concurrent.futures.Future[GenerationResult]] = []
-        rows = []
+        rows, stops = [], {self.eos_token_id, *self.stop_token_ids}
         for request in requests:
             future: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
             future.set_running_or_notify_cancel()
@@ -180,7 +192,7 @@ class HFEngine(BatchingFrontend):
             if error is not None:
                 future.set_exception(error)
             else:
-                rows.append(Row(request, self.eos_token_id, future, context=self.context))
+                rows.append(Row(request, stops, future, context=self.context))
         if not rows:
             return futures
         with self._admit:
@@ -198,6 +210,10 @@ class HFEngine(BatchingFrontend):
 
     def _refusal(self, request: GenerationRequest) -> ValueError | None:
         return request_error(request, vocab_size=self.vocab_size, context=self.context)
+
+    def _check_weights(self) -> None:
+        if self._weights.broken is not None:
+            raise StaleWeightsError(self._weights.broken)
 
     def abort_sync(self, request_ids: list[str]) -> None:
         """``abort`` for threads: a waiting request ends with no tokens, a running one at its
@@ -221,56 +237,29 @@ class HFEngine(BatchingFrontend):
             thread.join()
 
     def update_weights(self, weights: Weights) -> None:
-        import torch
-
-        if self._params is None:
-            self._params = dict(self.model.state_dict(keep_vars=True))
-        items = weights.items() if isinstance(weights, Mapping) else weights
-        with torch.no_grad(), self._compute:
-            for name, tensor in items:
-                target = self._params.get(name)
-                if target is None:
-                    raise KeyError(
-                        f"update_weights got {name!r}, which the inference model does not have"
-                    )
-                if tensor.shape != target.shape:  # copy_ would broadcast a smaller tensor into it
-                    raise ValueError(
-                        f"update_weights got {name!r} of shape {tuple(tensor.shape)} but the "
-                        f"inference model's is {tuple(target.shape)}; the trainer and the engine "
-                        "must load the same model (vocabulary size, checkpoint)"
-                    )
-                target.copy_(tensor.to(target.device, target.dtype))
-            if self.prefixes is not None:  # keys and values of the old weights
-                self.prefixes.clear()
+        """Load full HF-named tensors (a mapping or an iterator of ``(name, tensor)``, all of
+        the model's or some) between two steps; bumps ``version``. All or nothing: see
+        ``hf_weights`` (``KeyError`` / ``ValueError``, and ``StaleWeightsError`` for
+        generation after an iterator failed part-way)."""
+        with self._compute:
+            try:
+                self._weights.load(weights)
+            finally:  # keys and values of the old weights
+                if self.prefixes is not None:
+                    self.prefixes.clear()
             self.policy.advance()  # before any forward can run on the new weights
+        with self._admit:  # a failed load: the decoding thread fails what it runs
+            self._admit.notify()
 
     def load_adapter(self, adapter: AdapterWeights) -> None:
         """Serve the base weights with ``adapter`` (LoRA): the first call wraps the model with the
         adapter's ``peft`` config, every call loads its tensors; bumps the version. Base syncs
         (``update_weights``) keep reaching the base weights."""
         with self._compute:
-            self._load_adapter(adapter)
+            self.model = with_adapter(self.model, adapter)
             if self.prefixes is not None:
                 self.prefixes.clear()
             self.policy.advance()
-
-    def _load_adapter(self, adapter: AdapterWeights) -> None:
-        from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-
-        from trainer.strategies.lora import ADAPTER
-
-        if self._params is None:  # the base's own names, before peft renames its layers
-            self._params = dict(self.model.state_dict(keep_vars=True))
-        if not hasattr(self.model, "peft_config"):
-            known = set(LoraConfig.__dataclass_fields__)
-            config = LoraConfig(**{k: v for k, v in adapter.config.items() if k in known})
-            with warnings.catch_warnings():  # a tied embedding's adapter: see lora.apply_lora
-                warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*")
-                self.model = get_peft_model(self.model, config, adapter_name=ADAPTER).eval()
-        result: Any = set_peft_model_state_dict(self.model, adapter.tensors, adapter_name=ADAPTER)
-        unexpected = [k for k in result.unexpected_keys if "lora_" in k]
-        if unexpected:
-            raise KeyError(f"load_adapter got tensors the model has no place for: {unexpected[:3]}")
 
     def sleep(self) -> None:
         """Drop the ended turns' KV caches (the next weight update would; training, which may
@@ -293,10 +282,12 @@ class HFEngine(BatchingFrontend):
     def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         """Generate for ``requests`` as one batch, to the end (synchronous, in this thread);
         raises ``ValueError`` (running none) if one cannot be served."""
+        self._check_weights()
         for error in map(self._refusal, requests):
             if error is not None:
                 raise error
-        rows = [Row(r, self.eos_token_id, context=self.context) for r in requests]
+        stops = {self.eos_token_id, *self.stop_token_ids}
+        rows = [Row(r, stops, context=self.context) for r in requests]
         batch, _ = self._prefill(rows)
         while batch.rows:
             self._step(batch)
@@ -322,8 +313,13 @@ class HFEngine(BatchingFrontend):
                     room = 0  # a cache this engine cannot join rows into: admit when it is empty
                 room = max(room, 0)
                 ended: list[Row] = []
+                if self._weights.broken is not None:  # a load failed part-way: none goes on
+                    ended = self._waiting + (running.rows if running is not None else [])
+                    for row in ended:
+                        row.fail(StaleWeightsError(self._weights.broken))
+                    self._waiting, running = [], None
                 if self._aborted:  # aborted rows leave the queue now, however long it is
-                    ended = [
+                    ended += [
                         row.end("abort")
                         for row in self._waiting
                         if row.request.request_id in self._aborted

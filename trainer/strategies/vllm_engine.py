@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainer.errors import ModelError
 from trainer.strategies.base import FinishReason, GenerationRequest, GenerationResult, Weights
+from trainer.strategies.model_eos import model_eos_ids
 from trainer.strategies.vllm_lora import AdapterSlots
 from trainer.strategies.vllm_platform import (
     check_cpu_head_size,
@@ -197,6 +198,7 @@ class VLLMEngine:
         self._threads = torch.get_num_threads()  # what vLLM's CPU worker settled on while building
         tokenizer = self._llm.get_tokenizer()
         self.eos_token_id = int(tokenizer.eos_token_id)
+        self._eos_ids = {self.eos_token_id, *model_eos_ids(folder)}  # as HFEngine stops
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
             logging.ERROR
         )
@@ -217,6 +219,7 @@ class VLLMEngine:
         self._closed = False
         self.stats = {
             "steps": 0,
+            "most_running": 0,  # requests one engine step advanced, at most
             "requests": 0,
             "new_tokens": 0,
             "aborted": 0,
@@ -470,6 +473,7 @@ class VLLMEngine:
                     self._fail_all(RuntimeError(self._dead))
                     continue
                 self.stats["steps"] += 1
+                self.stats["most_running"] = max(self.stats["most_running"], len(outputs))
                 for output in outputs:
                     self._collect(output)
 
@@ -486,7 +490,7 @@ class VLLMEngine:
                 self._sampling_params,
                 request,
                 seed=pending.seed,
-                eos=self.eos_token_id,
+                eos=self._eos_ids,
                 delta=self._delta,
             )
             lora = self._adapters.current

@@ -13,6 +13,11 @@ sampler cannot rewind a seeded request after a partial prefill). The in-process 
 initialises a one-rank ``torch.distributed`` group of its own in this process. Start-up takes
 ~4-5 s on a quiet 2-core CPU, up to a minute when the machine is busy (most of it importing
 vLLM; later engines in the same process start in a few seconds).
+
+The scheduler's limits per step (``max_num_seqs``, ``max_num_batched_tokens``) are set
+explicitly (``scheduler_limits``: vLLM's ``LLM``-class defaults), since the bare
+``LLMEngine.from_engine_args`` would give 128 sequences and 2048 tokens a step, and the memory
+estimate reads the same numbers; ``strategy_args`` override them.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = [
     "engine_arguments",
     "engine_options",
     "no_compile_while_building",
+    "scheduler_limits",
     "vllm_environment",
 ]
 
@@ -104,6 +110,27 @@ def check_cpu_head_size(config: dict[str, Any]) -> None:
         )
 
 
+MAX_NUM_SEQS = 256
+"""Sequences one vLLM step runs at most (``max_num_seqs``): vLLM's ``LLM``-class default
+(``UsageContext.LLM_CLASS``) on GPUs under 70 GiB and on CPU; its bare ``LLMEngine`` (the
+engine-context default this engine would get otherwise) allows 128."""
+MAX_BATCHED_TOKENS = 8192
+"""Tokens one vLLM step computes at most (``max_num_batched_tokens``) with chunked prefill:
+the ``LLM`` class's default on GPUs under 70 GiB (the bare engine's is 2048)."""
+CPU_MIN_BATCHED_TOKENS = 4096
+"""The same on CPU (vLLM's CPU default), where a step must also hold a whole prompt."""
+
+
+def scheduler_limits(context: int = 0, *, chunked_prefill: bool = True) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` a ``VLLMEngine`` runs with unless
+    ``strategy_args`` set them; the memory estimate (``trainer.memory_roles``) sizes vLLM's
+    runtime with the same numbers. Without chunked prefill (CPU) a step holds a whole prompt,
+    so at least ``context`` tokens (the model's positions)."""
+    if chunked_prefill:
+        return MAX_BATCHED_TOKENS, MAX_NUM_SEQS
+    return max(CPU_MIN_BATCHED_TOKENS, context), MAX_NUM_SEQS
+
+
 def engine_arguments(
     model_path: str,
     *,
@@ -147,7 +174,10 @@ def engine_arguments(
         # generator with ``set_offset``, which CPU generators lack (the engine dies with
         # "CPU Generator does not use offset"). Unchunked, a prompt waits for the next step.
         args["enable_chunked_prefill"] = False
-        args["max_num_batched_tokens"] = max(4096, context)
+    # explicit: ``LLMEngine.from_engine_args`` would give the bare engine's 128 sequences a step
+    chunked = overrides.get("enable_chunked_prefill", cuda) is not False
+    tokens, sequences = scheduler_limits(context, chunked_prefill=chunked)
+    args.update(max_num_batched_tokens=tokens, max_num_seqs=sequences)
     args.update(overrides)
     return args
 

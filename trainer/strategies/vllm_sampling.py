@@ -23,6 +23,7 @@ once per engine.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from trainer.strategies.base import GenerationRequest
@@ -34,10 +35,12 @@ _log = logging.getLogger(__name__)
 
 
 def sampling_params(
-    make: Any, request: GenerationRequest, *, seed: int, eos: int, delta: Any
+    make: Any, request: GenerationRequest, *, seed: int, eos: Iterable[int], delta: Any
 ) -> Any:
     """vLLM ``SamplingParams`` (``make``) for a checked ``request``: one sample, the sampled
-    token's log-prob, ids only (no detokenising), delivered as deltas."""
+    token's log-prob, ids only (no detokenising), delivered as deltas; it stops on ``eos``
+    (the tokenizer's and the model's generation-config EOS ids: ``model_eos``) and on the
+    request's ``stop_token_ids``."""
     greedy = request.temperature == 0
     return make(
         n=1,
@@ -46,7 +49,7 @@ def sampling_params(
         top_p=request.top_p,
         seed=None if greedy else seed,
         logprobs=0,
-        stop_token_ids=sorted({eos, *request.stop_token_ids}),
+        stop_token_ids=sorted({*eos, *request.stop_token_ids}),
         detokenize=False,
         skip_special_tokens=False,
         output_kind=delta,

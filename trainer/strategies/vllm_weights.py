@@ -3,7 +3,8 @@
 vLLM reloads whole layers (fused q/k/v, gate/up), so every update must carry *every* tensor
 of the checkpoint the engine was started from (a tied ``lm_head.weight`` is optional).
 :class:`CheckpointNames` knows those names and their shapes (read from the safetensors headers,
-no tensor data) and checks an update against them: a mapping with unknown names (``KeyError``),
+no tensor data) and checks an update against them (:class:`TensorChecks`, which ``HFEngine``
+uses too): a mapping with unknown names (``KeyError``),
 missing ones, a tensor of another shape or with NaN/inf values (``ValueError``) is refused
 before anything is loaded; an iterator is checked tensor by tensor as it is consumed (before
 a tensor reaches vLLM), and once it ran out. vLLM itself would narrow a wider tensor into its
@@ -37,7 +38,13 @@ from typing import Any
 
 from trainer.errors import ModelError
 
-__all__ = ["CheckpointNames", "all_finite", "safetensors_blob", "stream_to_engine"]
+__all__ = [
+    "CheckpointNames",
+    "TensorChecks",
+    "all_finite",
+    "safetensors_blob",
+    "stream_to_engine",
+]
 
 _AHEAD = 8
 """Tensors the producer may run ahead of the engine thread."""
@@ -54,20 +61,14 @@ def all_finite(tensor: Any) -> bool:
     return bool(torch.isfinite(tensor).all())
 
 
-class CheckpointNames:
-    """The HF tensor names of the checkpoint in ``folder``, and the checks of an update.
+class TensorChecks:
+    """The checks of tensors an inference model is updated with, before any is loaded: each
+    name must be one the model has (``accepted``), each tensor of its shape (``shapes``) and
+    finite. ``HFEngine`` checks its updates with these too (``hf_weights``)."""
 
-    ``required``: what every update must carry; ``accepted``: what it may carry (``required``,
-    plus ``lm_head.weight`` for a model with tied embeddings: a trainer's state dict lists
-    the tied head too, and vLLM skips it).
-    """
-
-    def __init__(self, folder: Path, *, tied_embeddings: bool) -> None:
-        self.shapes = _checkpoint_shapes(folder)
-        self.required = frozenset(self.shapes)
-        self.accepted = self.required | ({"lm_head.weight"} if tied_embeddings else set())
-        if tied_embeddings and "model.embed_tokens.weight" in self.shapes:
-            self.shapes.setdefault("lm_head.weight", self.shapes["model.embed_tokens.weight"])
+    def __init__(self, shapes: Mapping[str, tuple[int, ...]], accepted: Iterable[str]) -> None:
+        self.shapes = dict(shapes)
+        self.accepted = frozenset(accepted)
 
     def check_known(self, names: Iterable[str]) -> None:
         """``KeyError`` naming the tensors the inference model does not have."""
@@ -79,19 +80,8 @@ class CheckpointNames:
                 f"{sorted(self.accepted)[:2]})"
             )
 
-    def check_complete(self, names: Iterable[str]) -> None:
-        """``ValueError`` when ``names`` lack a tensor of the checkpoint."""
-        missing = sorted(self.required - set(names))
-        if missing:
-            raise ValueError(
-                f"update_weights got {len(self.required) - len(missing)} of the model's "
-                f"{len(self.required)} tensors (missing e.g. {missing[:3]}); vLLM reloads whole "
-                "layers, so every update must carry the full set of HF-named tensors (buckets of "
-                "one call's iterator are fine)"
-            )
-
     def check_tensor(self, name: str, tensor: Any) -> None:
-        """``ValueError`` when ``tensor`` has another shape than the checkpoint's ``name``, or
+        """``ValueError`` when ``tensor`` has another shape than the model's ``name``, or
         NaN/inf values."""
 
         shape, expected = tuple(tensor.shape), self.shapes.get(name)
@@ -105,6 +95,39 @@ class CheckpointNames:
                 f"update_weights got {name}, which has non-finite values (NaN or inf): the "
                 "training diverged (check the loss and grad_norm of the last steps, lower the "
                 "learning rate or resume from an earlier checkpoint)"
+            )
+
+    def check_tensors(self, weights: Mapping[str, Any]) -> None:
+        """The names and every tensor of a whole update, before anything is loaded."""
+        self.check_known(weights.keys())
+        for name, tensor in weights.items():
+            self.check_tensor(name, tensor)
+
+
+class CheckpointNames(TensorChecks):
+    """The HF tensor names of the checkpoint in ``folder``, and the checks of an update.
+
+    ``required``: what every update must carry; ``accepted``: what it may carry (``required``,
+    plus ``lm_head.weight`` for a model with tied embeddings: a trainer's state dict lists
+    the tied head too, and vLLM skips it).
+    """
+
+    def __init__(self, folder: Path, *, tied_embeddings: bool) -> None:
+        shapes = _checkpoint_shapes(folder)
+        self.required = frozenset(shapes)
+        super().__init__(shapes, self.required | ({"lm_head.weight"} if tied_embeddings else set()))
+        if tied_embeddings and "model.embed_tokens.weight" in self.shapes:
+            self.shapes.setdefault("lm_head.weight", self.shapes["model.embed_tokens.weight"])
+
+    def check_complete(self, names: Iterable[str]) -> None:
+        """``ValueError`` when ``names`` lack a tensor of the checkpoint."""
+        missing = sorted(self.required - set(names))
+        if missing:
+            raise ValueError(
+                f"update_weights got {len(self.required) - len(missing)} of the model's "
+                f"{len(self.required)} tensors (missing e.g. {missing[:3]}); vLLM reloads whole "
+                "layers, so every update must carry the full set of HF-named tensors (buckets of "
+                "one call's iterator are fine)"
             )
 
     def check_mapping(self, weights: Mapping[str, Any]) -> None:

@@ -4,34 +4,53 @@ Each ``InferWorker`` holds an engine (``HFEngine`` by default, ``VLLMEngine`` wi
 vllm``) and answers batches of ``GenerationRequest`` sent to its rank. The driver's rollouts
 (``trainer.rollout.rollouts``) talk to one ``RankEngine`` per rank through the
 ``EngineRouter``: the same batching front as ``HFEngine`` (requests gathered from all
-running episodes), whose batches run on that rank. Weight updates and sampling-RNG state go
-to every rank through the cluster.
+running episodes), whose batches run on that rank, several at once (``BATCHES_IN_FLIGHT``):
+each joins the engine's running batch, and each request is answered as it ends, so a short
+turn never waits for a long one. A request the rank cannot serve fails alone (its own error;
+the others of its batch go on). Weight updates and sampling-RNG state go to every rank
+through the cluster.
 
 An abort of a request that is already in the rank's running batch stops it inside the
 engine at once (vLLM's real abort frees its slot; ``hf`` ends its row at the next token), on
 both backends: a Ray worker actor runs ``abort_requests`` in a concurrency group of its own,
-alongside the batch.
+alongside the batches (which run in the ``generate`` group); on the local backend the driver's
+thread hands batches to the in-process engine and aborts there directly.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures as cf
 import logging
 import threading
+from collections.abc import AsyncIterator, Iterator
 from typing import Any, ClassVar
 
 from trainer.config import RoleConfig
 from trainer.controller.cluster import CallFuture, Cluster, remote
 from trainer.controller.dispatch import Collect, Dispatch, method_spec, register
 from trainer.controller.worker import Worker, WorkerContext
+from trainer.errors import DispatchError, WorkerCallError
 from trainer.strategies.base import GenerationRequest, GenerationResult, InferenceEngine, Weights
-from trainer.strategies.batching import BatchingFrontend
+from trainer.strategies.batching import BatchingFrontend, Outcome
 from trainer.strategies.registry import make_engine
 from trainer.weights.receiver import WeightReceiver, WeightReceiverCluster
 from trainer.weights.versioned import PolicyVersion
+from trainer.workers.served_batch import (
+    ServedBatch,
+    as_they_end,
+    chain,
+    run_whole,
+    settled,
+    submitter,
+)
 
-__all__ = ["InferCluster", "InferWorker", "RankEngine"]
+__all__ = ["BATCHES_IN_FLIGHT", "InferCluster", "InferWorker", "RankEngine"]
 
+BATCHES_IN_FLIGHT = 16
+"""Batches the driver's ``RankEngine`` keeps in flight on its rank (the rank's Ray actor runs
+them in its ``generate`` concurrency group, one thread each; each joins the running engine)."""
 _ROUTED_BATCHES = 16
 """Batches one rank runs at once for env workers that route their own turns (each worker has
 one batch in flight per rank; ``generate_requests`` hands them all to the running engine)."""
@@ -69,53 +88,91 @@ class InferWorker(WeightReceiver, Worker):
         self._abort_lock = threading.Lock()
         self._early_aborts: collections.OrderedDict[str, None] = collections.OrderedDict()
         """Aborted ids not in a running batch yet: refused when their batch arrives."""
-        self._running_ids: set[str] = set()
+        self._running_ids: collections.Counter[str] = collections.Counter()
+        """Ids in the batches running here (a count: batches run side by side)."""
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def update_weights(self, weights: dict[str, Any]) -> None:
         self.engine.update_weights(weights)
 
     @register(Dispatch.ONE_TO_ALL)
-    def generate_requests(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        """This rank's batch (``InferCluster.generate_on`` sends it to one rank only).
+    def generate_requests(self, requests: list[GenerationRequest]) -> list[Outcome]:
+        """This rank's batch (``InferCluster.generate_on`` sends it to one rank only): one
+        outcome per request, in order, once all ended: its result, or the error that failed it
+        alone (a request the engine cannot serve; the others go on).
 
-        ``abort_requests`` may run while this does (see there); a request aborted before its
-        batch got here is answered ``finish_reason="abort"`` with no tokens."""
+        ``abort_requests`` may run while this does (see there), and so may other batches: each
+        joins the running engine. A request aborted before its batch got here is answered
+        ``finish_reason="abort"`` with no tokens."""
+        batch = self.start_batch(requests)
+        try:
+            cf.wait(batch.futures)
+            return [batch.outcome(index) for index in range(len(requests))]
+        finally:
+            self.end_batch(batch)
+
+    def generate_each(self, requests: list[GenerationRequest]) -> Iterator[tuple[int, Outcome]]:
+        """``generate_requests``, each ``(index, outcome)`` as its request ends (a Ray
+        streaming call: the driver's ``RankEngine`` answers every request on its own)."""
+        batch = self.start_batch(requests)
+        try:
+            index_of = {id(future): index for index, future in enumerate(batch.futures)}
+            for future in cf.as_completed(batch.futures):
+                index = index_of[id(future)]
+                yield index, batch.outcome(index)
+        finally:
+            self.end_batch(batch)
+
+    def start_batch(self, requests: list[GenerationRequest]) -> ServedBatch:
+        """Hand ``requests`` to the running engine and return at once, with a future per
+        request (``end_batch`` once they are all done). Any thread may call it, several at
+        once: the local backend's driver does (``InferCluster.stream_on``). Raises only when
+        the engine serves no complete weights (``VersionedEngine``: a sync half done)."""
         requests = list(requests)
         engine = self._inner_engine()
         # vLLM, HFEngine: requests join the running engine (HFEngine's in one admission)
-        submit = getattr(engine, "submit_many", None)
-        if submit is None and getattr(engine, "submit", None) is not None:
-            submit = lambda batch: [engine.submit(r) for r in batch]
-        futures: list[Any] = []
+        submit = submitter(engine)
+        futures: list[cf.Future[GenerationResult]] = []
+        ran: list[bool] = []
         version: int | None = None
         with self._abort_lock:
-            refused = {r.request_id for r in requests if r.request_id in self._early_aborts}
-            for request_id in refused:
-                del self._early_aborts[request_id]
-            run = [r for r in requests if r.request_id not in refused]
-            if submit is not None and run:
-                version = self._served_version()
-                futures = submit(run)  # in the engine before any later abort reaches it
+            if submit is not None and any(r.request_id not in self._early_aborts for r in requests):
+                version = self._served_version()  # before an early abort is used up
+            for request in requests:
+                ran.append(request.request_id not in self._early_aborts)
+                if ran[-1]:
+                    futures.append(cf.Future())
+                    continue
+                del self._early_aborts[request.request_id]
+                aborted = GenerationResult(request.request_id, [], [], "abort", self.engine.version)
+                futures.append(settled(aborted))
+            run = [r for r, went in zip(requests, ran, strict=True) if went]
+            waiting = [f for f, went in zip(futures, ran, strict=True) if went]
+            if submit is not None and run:  # in the engine before any later abort reaches it
+                for submitted, future in zip(submit(run), waiting, strict=True):
+                    chain(submitted, future)
             self._running_ids.update(r.request_id for r in run)
-        try:
-            if submit is None:
-                results = self.engine.generate_batch(run) if run else []
-            else:
-                results = [f.result() for f in futures]
-                if version is not None:
-                    for result in results:
-                        result.policy_version = version
-        finally:
-            with self._abort_lock:
-                self._running_ids.difference_update(r.request_id for r in run)
-        by_id = iter(results)
-        return [
-            GenerationResult(r.request_id, [], [], "abort", self.engine.version)
-            if r.request_id in refused
-            else next(by_id)
-            for r in requests
-        ]
+        if submit is None and run:  # a blocking engine: the batch runs on a thread of its own
+            threading.Thread(
+                target=run_whole,
+                args=(self.engine, run, waiting),
+                name="infer-batch",
+                daemon=True,
+            ).start()
+        return ServedBatch(requests, futures, version, ran)
+
+    def end_batch(self, batch: ServedBatch) -> None:
+        """``batch`` ends here: its requests still running (its caller gave them up) are aborted
+        in the engine; an abort of any of its ids from now on is kept for a later batch."""
+        engine = self._inner_engine()
+        with self._abort_lock:
+            given_up = batch.unfinished()
+            if given_up and hasattr(engine, "abort_sync"):
+                engine.abort_sync(given_up)
+            for request_id in batch.running:
+                self._running_ids[request_id] -= 1
+                if self._running_ids[request_id] <= 0:
+                    del self._running_ids[request_id]
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -179,27 +236,89 @@ class InferCluster(WeightReceiverCluster, Cluster):
     """Typed calls to the ``actor_infer`` workers."""
 
     worker_cls = InferWorker
-    ray_concurrency_groups: ClassVar[dict[str, int]] = {"abort": 1, "routed": _ROUTED_BATCHES}
-    # abort_requests runs while a batch is in flight; "routed": the env workers' batches when
-    # they route their own turns (``worker_engines``), several at once
-    ray_method_groups: ClassVar[dict[str, str]] = {"abort_requests": "abort"}
+    ray_concurrency_groups: ClassVar[dict[str, int]] = {
+        "abort": 1,
+        "generate": BATCHES_IN_FLIGHT,
+        "routed": _ROUTED_BATCHES,
+    }
+    # abort_requests runs while batches are in flight; "generate": the driver's batches
+    # (``RankEngine``), several at once; "routed": the env workers' batches when they route
+    # their own turns (``worker_engines``), several at once
+    ray_method_groups: ClassVar[dict[str, str]] = {
+        "abort_requests": "abort",
+        "generate_requests": "generate",
+        "generate_each": "generate",
+    }
 
     update_weights = remote(InferWorker.update_weights)
     get_state = remote(InferWorker.get_state, per_rank=True)
     set_state = remote(InferWorker.set_state)
 
     # by hand: the router's calls go to one rank, not to all as InferWorker's modes say
+    async def stream_on(
+        self, rank: int, requests: list[GenerationRequest]
+    ) -> AsyncIterator[tuple[int, GenerationResult | WorkerCallError]]:
+        """Generate ``requests`` on rank ``rank`` only (the router's per-worker path), yielding
+        ``(index, outcome)`` as each request ends: its result, or a ``WorkerCallError`` for a
+        request the rank could not serve (the others go on). Batches run side by side there:
+        in-process workers get them from this thread, straight into the engine
+        (``InferWorker.start_batch``); a Ray actor runs each as a streaming call in its
+        ``generate`` concurrency group. Raises ``WorkerCallError`` when the whole batch
+        failed (the worker died, or serves a half-done weight sync)."""
+        if self._closed:
+            raise DispatchError(f"{self!r} is shut down; create a new cluster")
+        if self.backend == "ray":
+            outcomes = self._stream_ray(rank, requests)
+        else:
+            worker = self._workers[rank]
+            try:
+                batch = worker.start_batch(requests)
+            except Exception as error:
+                raise self._fail("generate_requests", rank, error) from error
+            outcomes = as_they_end(batch, worker.end_batch)
+        async for index, outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                outcome = self._fail("generate_requests", rank, outcome)
+            yield index, outcome
+
     async def generate_on(
         self, rank: int, requests: list[GenerationRequest]
     ) -> list[GenerationResult]:
-        """Generate ``requests`` on rank ``rank`` only (the router's per-worker path)."""
-        return (await self._on_rank(rank, "generate_requests", requests))[0]
+        """``stream_on``'s results in order, once all ended; the first failed request's
+        ``WorkerCallError`` is raised."""
+        outcomes: dict[int, GenerationResult | WorkerCallError] = {}
+        async for index, outcome in self.stream_on(rank, requests):
+            outcomes[index] = outcome
+        results = [outcomes[index] for index in range(len(requests))]
+        for outcome in results:
+            if isinstance(outcome, WorkerCallError):
+                raise outcome
+        return [r for r in results if isinstance(r, GenerationResult)]
+
+    async def _stream_ray(
+        self, rank: int, requests: list[GenerationRequest]
+    ) -> AsyncIterator[tuple[int, Outcome]]:
+        import ray
+
+        call = self._workers[rank].generate_each.options(concurrency_group="generate")
+        left = {index: request.request_id for index, request in enumerate(requests)}
+        try:
+            async for ref in call.remote(requests):
+                index, outcome = await ref
+                left.pop(index, None)
+                yield index, outcome
+        except ray.exceptions.RayError as error:
+            raise self._fail("generate_requests", rank, error) from error
+        except (asyncio.CancelledError, GeneratorExit):  # given up: stop them on the rank too
+            if left and not self._closed:
+                self.abort_on(rank, list(left.values()))
+            raise
 
     def abort_on(self, rank: int, request_ids: list[str]) -> CallFuture[None] | None:
-        """Abort requests sent to ``rank``, also inside its running batch
+        """Abort requests sent to ``rank``, also inside its running batches
         (``InferWorker.abort_requests``). In-process workers get it at once, from this thread; a
-        Ray actor runs it in its ``abort`` concurrency group, alongside the batch (returns that
-        call's future)."""
+        Ray actor runs it in its ``abort`` concurrency group, alongside the batches (returns
+        that call's future)."""
         if self.backend == "local":
             self._workers[rank].abort_requests(request_ids)
             return None
@@ -242,8 +361,9 @@ class InferCluster(WeightReceiverCluster, Cluster):
 
 class RankEngine(BatchingFrontend):
     """``RolloutEngine`` (``trainer.rollout.router``) in the driver for ONE rank of an
-    ``InferCluster``: requests queued here run as batches on that rank; ``abort`` also reaches
-    a batch already running there."""
+    ``InferCluster``: requests queued here run as batches on that rank, up to ``max_batches``
+    at once, each request answered as it ends; ``abort`` also reaches a request in any batch
+    running there."""
 
     def __init__(
         self,
@@ -251,26 +371,42 @@ class RankEngine(BatchingFrontend):
         rank: int,
         *,
         max_batch_size: int = 512,
+        max_batches: int = BATCHES_IN_FLIGHT,
         policy: PolicyVersion | None = None,
     ) -> None:
-        super().__init__(max_batch_size=max_batch_size, policy=policy)
+        super().__init__(max_batch_size=max_batch_size, max_batches=max_batches, policy=policy)
         self.cluster, self.rank = cluster, rank
-        self._running: set[str] = set()
+        self._running: collections.Counter[str] = collections.Counter()
+        """Ids of the requests running on the rank (a count: batches run side by side)."""
 
-    async def run_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        self._running = {r.request_id for r in requests}
+    async def answers(
+        self, requests: list[GenerationRequest]
+    ) -> AsyncIterator[tuple[int, Outcome]]:
+        """Each request's outcome as the rank says it ended (a batch given up, on ``close``,
+        is aborted on the rank: ``InferCluster.stream_on``)."""
+        left = {index: r.request_id for index, r in enumerate(requests)}
+        self._running.update(left.values())
         try:
-            return await self._generate(requests)
+            async for index, outcome in self._outcomes(requests):
+                if left.pop(index, None) is not None:
+                    self._leave([requests[index].request_id])
+                yield index, outcome
         finally:
-            self._running = set()
+            self._leave(list(left.values()))
 
     async def abort(self, request_id: str) -> None:
         await super().abort(request_id)
         if request_id in self._running:
             self._abort_running([request_id])
 
-    async def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        return await self.cluster.generate_on(self.rank, requests)
+    def _leave(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._running[request_id] -= 1
+            if self._running[request_id] <= 0:
+                del self._running[request_id]
+
+    def _outcomes(self, requests: list[GenerationRequest]) -> AsyncIterator[tuple[int, Outcome]]:
+        return self.cluster.stream_on(self.rank, requests)
 
     def _abort_running(self, request_ids: list[str]) -> None:
         self.cluster.abort_on(self.rank, request_ids)
@@ -326,18 +462,23 @@ class WorkerRankEngines:
 class RoutedRankEngine(RankEngine):
     """``RankEngine`` in an env worker: the same batching front, calling the rank's Ray actor
     directly (its batches run in the actor's ``routed`` concurrency group, alongside other
-    workers'). Weight loads and engine state are the driver's (``WorkerRouters``)."""
+    workers'), one batch at a time per rank: the group's threads are shared by every env
+    worker, and a batch is answered whole. Weight loads and engine state are the driver's
+    (``WorkerRouters``)."""
 
     def __init__(self, actor: Any, rank: int, *, max_batch_size: int = 512) -> None:
         BatchingFrontend.__init__(self, max_batch_size=max_batch_size)
         self.actor, self.rank = actor, rank
-        self._running = set()
+        self._running = collections.Counter()
 
-    async def _generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        results: list[GenerationResult] = await self.actor.generate_requests.options(
+    async def _outcomes(
+        self, requests: list[GenerationRequest]
+    ) -> AsyncIterator[tuple[int, Outcome]]:
+        outcomes: list[Outcome] = await self.actor.generate_requests.options(
             concurrency_group="routed"
         ).remote(requests)
-        return results
+        for index, outcome in enumerate(outcomes):
+            yield index, outcome
 
     def _abort_running(self, request_ids: list[str]) -> None:
         self.actor.abort_requests.options(concurrency_group="abort").remote(request_ids)

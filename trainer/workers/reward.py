@@ -33,12 +33,16 @@ def _judge_scorer(spec: dict[str, Any]) -> Any:
     from trainer.models import load_policy
     from trainer.rewards.judge import DEFAULT_PROMPT, LLMJudge
     from trainer.strategies.hf_engine import HFEngine
+    from trainer.strategies.model_eos import model_eos_ids
 
     if not spec.get("model_path"):
         raise RewardError("a judge reward needs model_path (a local chat model folder)")
     model, tokenizer = load_policy(str(spec["model_path"]))
-    engine = HFEngine(
-        model, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    engine = HFEngine(  # stops where the model's generation config says, as a served one
+        model,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        stop_token_ids=model_eos_ids(str(spec["model_path"])),
     )
     judge = LLMJudge(
         engine,

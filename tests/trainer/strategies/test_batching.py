@@ -37,3 +37,31 @@ def test_aborts_answer_queued_requests_and_a_long_runs_aborts_are_not_kept() -> 
         assert grown < 200_000, f"{grown} bytes kept for 20,000 aborts of requests not held"
 
     asyncio.run(scenario())
+
+
+def test_batches_run_side_by_side_up_to_max_batches_and_the_rest_queue() -> None:
+    """A front hands a batch over and gathers the next while it runs, up to ``max_batches`` at
+    once; later requests wait in the queue (a front over a worker rank, ``RankEngine``, keeps
+    a short turn from waiting for a long one this way)."""
+    started: list[list[str]] = []
+    release = asyncio.Event()
+
+    async def run_batch(requests: list[GenerationRequest]) -> list[GenerationResult]:
+        started.append([r.request_id for r in requests])
+        await release.wait()
+        return [GenerationResult(r.request_id, [7], [-0.5], "stop", 0) for r in requests]
+
+    async def scenario() -> list[GenerationResult]:
+        front = BatchingFrontend(run_batch, max_batch_size=1, max_batches=2)
+        calls = [front.start_generate(GenerationRequest(f"r{i}", [1], 1)) for i in range(4)]
+        for _ in range(50):  # the front gathers and hands over all it may
+            await asyncio.sleep(0)
+        assert started == [["r0"], ["r1"]]  # two in flight, the others queued
+        release.set()
+        results = list(await asyncio.gather(*calls))
+        await front.close()
+        return results
+
+    results = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert [r.request_id for r in results] == ["r0", "r1", "r2", "r3"]
+    assert started == [["r0"], ["r1"], ["r2"], ["r3"]]

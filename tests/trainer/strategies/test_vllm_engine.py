@@ -10,6 +10,7 @@ import asyncio
 import concurrent.futures
 import importlib.util
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from trainer.errors import ModelError
 from trainer.strategies.base import GenerationRequest, InferenceEngine
 from trainer.strategies.hf import HFTrainStrategy
 from trainer.strategies.vllm_engine import VLLMEngine
+from trainer.strategies.vllm_platform import scheduler_limits
 from trainer.weights.errors import StaleWeightsError
 
 TEXTS = [
@@ -203,6 +205,24 @@ def test_many_concurrent_requests_share_engine_steps(engine: VLLMEngine, prompts
     # continuous batching: many requests per engine step
     assert engine.stats["steps"] - steps < new_tokens / 8
     assert engine.num_unfinished() == 0
+
+
+def test_more_than_128_requests_run_in_one_engine_step(engine: VLLMEngine) -> None:
+    """vLLM's bare ``LLMEngine`` runs at most 128 sequences a step; this engine gets the
+    ``LLM`` class's 256 (``vllm_platform.scheduler_limits``, what the memory estimate sizes),
+    and runs no more than that."""
+    _, sequences = scheduler_limits()
+    hold = threading.Event()
+    engine._post(hold.wait)  # every request below reaches the engine before its next step
+    engine.stats["most_running"] = 0
+    futures = [
+        engine.submit(GenerationRequest(f"many{i}", [5, 6, 7, 8, 9], 8, temperature=1.0))
+        for i in range(300)
+    ]
+    hold.set()
+    results = [future.result(timeout=300) for future in futures]
+    assert all(result.token_ids for result in results)
+    assert 128 < engine.stats["most_running"] <= sequences == 256
 
 
 def test_saved_sampling_state_replays_the_same_samples(engine: VLLMEngine, prompts) -> None:
