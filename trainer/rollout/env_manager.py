@@ -470,7 +470,7 @@ class EnvManager:
                 trajectory.samples.append(tokens)
             trajectory.messages.extend(messages)
             trajectory.invalid_actions += int(bool(info.get("invalid_action")))
-            trajectory.success = bool(info.get("success"))
+            trajectory.success, trajectory.step_info = bool(info.get("success")), dict(info)
             if terminated or truncated:
                 trajectory.terminated, trajectory.truncated = terminated, truncated
                 return

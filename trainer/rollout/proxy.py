@@ -555,7 +555,7 @@ class AgentProxy:
             )
         t.messages.extend(messages)
         t.invalid_actions += int(bool(info.get("invalid_action")))
-        t.success = bool(info.get("success"))
+        t.success, t.step_info = bool(info.get("success")), dict(info)
         episode.info = dict(info)
 
     def describe(self, episode: ProxyEpisode) -> dict[str, Any]:

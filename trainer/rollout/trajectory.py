@@ -79,6 +79,10 @@ class Trajectory:
     prompt_length: int = 0
     info: dict[str, Any] = field(default_factory=dict)
     """The env's reset info (task-driven envs put the task / expected answer here)."""
+    step_info: dict[str, Any] = field(default_factory=dict)
+    """The info of the episode's last step (its outcome: ``success``, scores, stats). The store
+    records ``info`` updated by it: the task and how the episode ended, as ``envhub eval``'s
+    episodes record their last info."""
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The transcript (env messages and the decoded actions), for logs, judges and SFT files."""
     success: bool = False
@@ -233,7 +237,7 @@ class Trajectory:
             "policy_versions": list(self.policy_versions),
             "turn_rewards": list(self.turn_rewards),
             "messages": json.dumps(self.messages, default=repr),
-            "info": json.dumps(self.info, default=repr),
+            "info": json.dumps({**self.info, **self.step_info}, default=repr),
             "token_ids": [t for row in rows for t in row.token_ids],
             "response_mask": mask,
             "logprobs": [lp for row in rows for lp in row.logprobs],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -95,6 +96,9 @@ def test_a_crashed_env_episode_is_replaced_not_fatal(policy) -> None:
     assert len(finished) == 4 and all(t.success for t in finished)
     assert len(failed) == 2 and all("simulated env crash" in (t.failure or "") for t in failed)
     assert finished[0].info == {"secret": 7, "turn": 0, "success": False, "invalid_action": False}
+    # what the store records (and envhub view shows): the reset's info, as the last step left it
+    recorded = json.loads(finished[0].as_record(None, 0.0)["info"])
+    assert recorded["secret"] == 7 and recorded["success"] is True and recorded["turn"] == 1
 
     always = LocalEnvSource(make=lambda env_id, **kw: _AlwaysCrash())
     with pytest.raises(RolloutError, match="all 4 episodes failed"):
