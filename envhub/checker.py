@@ -13,14 +13,10 @@ Python process with another ``PYTHONHASHSEED`` (``check_new_process``).
 
 The episodes played are those real use plays, so a bug on any of those paths fails here first:
 random actions on the first seeds, on seeds after them and on far seeds (the trainer evaluates
-on seeds from 1e9), the env's expert to the end (the winning path random play rarely reaches),
-the same seed on a used env after another seed and on a fresh env (pools and hubs reuse env
-objects), and, from ``envhub check``, in another process.
-
+on seeds from 1e9), the env's expert to a win (a path random play rarely reaches; each expert
+action must be valid, its episode a success), the same seed on a used env after another seed
+and on a fresh env (pools and hubs reuse env objects), and (``envhub check``) in a new process.
 Gymnasium's own ``gymnasium.utils.env_checker.check_env`` runs too (``check_gymnasium``).
-One deliberate difference: Gymnasium's checker treats a step after the episode ended as
-the caller's problem, while a ``TextEnv`` refuses it with ``EpisodeOverError``; the
-envhub check below requires that refusal.
 """
 
 from __future__ import annotations
@@ -60,6 +56,10 @@ FAR_SEED_OFFSET = 1_000_000_000
 """``check_more_seeds`` also plays ``seed`` plus this: the trainer's
 evaluation seeds start at 1e9 (``trainer.rollout.groups.EVAL_SEED_BASE``), so an env that breaks
 on large seeds fails here instead of in every evaluation."""
+
+EXPERT_EPISODES = 20
+"""``check_expert_episode`` fails if the expert wins none of this many episodes (from ``seed``,
+played while it loses): chance may beat it (slippery ice wins 1 in 5), but it must win some."""
 
 MORE_SEED_OFFSETS = (2, FAR_SEED_OFFSET)
 """The seeds (after ``seed``) of the random episodes ``check_more_seeds`` plays; the earlier
@@ -121,17 +121,14 @@ class _Context:
     twice: later checks compare against it instead of playing it again (a web env's episode
     costs seconds)."""
     other_episode: list[Any] | None = None
-    """The episode at ``seed + 1`` that ``check_seed_determinism`` played on ``env``;
-    ``check_episode_ends`` judges it instead of playing another."""
+    """The episode at ``seed + 1`` ``check_seed_determinism`` played; ``check_episode_ends``
+    judges it instead of playing another."""
     ended: bool = False
-    """``env`` sits at the end of an episode (``_play`` ended one on it, and no check since
-    touched it)."""
+    """``env`` sits at the end of an episode ``_play`` ended (no check has touched it since)."""
 
     def sample_action(self, env: gym.Env) -> str:
         sampler = getattr(env.action_space, "sampler", None)
-        if sampler is not None:
-            return sampler(self.actions)
-        return env.action_space.sample()
+        return sampler(self.actions) if sampler is not None else env.action_space.sample()
 
 
 def _json_problem(value: Any, what: str) -> str | None:
@@ -233,23 +230,27 @@ def _first_difference(a: list[Any], b: list[Any]) -> str:
     return "their length"
 
 
-def _play_checked(ctx: _Context, seed: int, *, expert: bool) -> None:
+def _play_checked(ctx: _Context, seed: int, *, expert: bool) -> str | None:
     """Play one episode on ``ctx.env`` to its end, checking every output as ``check_reset`` and
-    ``check_step`` do: the expert's actions (random ones where it has none), or random ones."""
+    ``check_step`` do: the expert's actions (random ones where it has none), or random ones.
+    Until it hands over, each expert action must be valid (``_judge_expert_turn``); returns how
+    its episode ended if that was without ``success``, else None."""
     env = ctx.env
     who = "the expert's episode" if expert else "a random episode"
     ctx.actions = np.random.default_rng(seed)
     env.action_space.seed(seed)
-    where = "reset()"
+    where, handed_over = "reset()", not expert
     try:
         _check_reset_output(env.reset(seed=seed), env.observation_space)
         for turn in range(1, MAX_EPISODE_STEPS + 1):
             action = _expert_action(env) if expert else None
+            handed_over = handed_over or action is None
             action = ctx.sample_action(env) if action is None else action
             where = f"step {turn} ({action[:30]!r})"
             result = _check_step_output(env.step(action), env.observation_space)
+            lost = None if handed_over else _judge_expert_turn(result)
             if result[2] or result[3]:
-                return
+                return lost
     except CheckFailed as failure:
         raise CheckFailed(f"{who} with seed={seed}, at {where}: {failure}") from failure
     except (Exception, SystemExit) as exc:
@@ -262,6 +263,20 @@ def _play_checked(ctx: _Context, seed: int, *, expert: bool) -> None:
         f"{who} with seed={seed} did not end within {MAX_EPISODE_STEPS} steps; register the env "
         "with max_turns=N so episodes truncate"
     )
+
+
+def _judge_expert_turn(result: tuple[Any, float, bool, bool, dict]) -> str | None:
+    """Raise if the expert's action was refused; say how its episode ended if it lost, else None."""
+    observation, reward, terminated, truncated, info = result
+    said = observation[-1]["content"] if isinstance(observation, list) and observation else ""
+    if info.get("invalid_action") is True:
+        raise CheckFailed(
+            f"the expert's action was refused as invalid ({said!r:.200}): make the env accept "
+            "what its own expert plays (a parser cap below its answers?), or fix expert_action()"
+        )
+    if (terminated or truncated) and info.get("success") is False:
+        return f"reward {reward:g}, {'truncated' if truncated else 'terminated'}: {said!r:.200}"
+    return None
 
 
 def _expert_action(env: gym.Env) -> str | None:
@@ -368,7 +383,8 @@ def check_episode_ends(ctx: _Context) -> None:
 
 
 def check_step_after_end(ctx: _Context) -> None:
-    """step() after the episode ended is refused with a clear error."""
+    """step() after the episode ended is refused with a clear error (``EpisodeOverError``): a
+    deliberate difference from Gymnasium's checker, which leaves that to the caller."""
     if not ctx.ended:  # (the checks run just before usually leave an ended episode)
         _play(ctx, ctx.env, ctx.seed + 2)
     try:
@@ -450,9 +466,10 @@ def check_new_process(ctx: _Context) -> None:
 
 
 def check_expert_episode(ctx: _Context) -> None:
-    """The env's expert (``expert_action``) plays to the end with outputs as well-formed as
-    random play's: the winning turn, which random play rarely reaches, is where eval and
-    training go."""
+    """The env's expert (``expert_action``) plays to the end, outputs well-formed, every action
+    valid, and wins (within ``EXPERT_EPISODES`` seeds): the winning turn, which random play rarely
+    reaches, is where eval and training go. An expert that returns None mid-episode hands over
+    to random actions, whose episode need not win."""
     ctx.env.reset(seed=ctx.seed)
     try:
         has_expert = _expert_action(ctx.env) is not None
@@ -463,7 +480,14 @@ def check_expert_episode(ctx: _Context) -> None:
         ) from exc
     if not has_expert:
         raise CheckSkipped("the env has no expert (expert_action() returned None)")
-    _play_checked(ctx, ctx.seed, expert=True)
+    first = _play_checked(ctx, ctx.seed, expert=True)
+    seeds = range(ctx.seed + 1, ctx.seed + EXPERT_EPISODES)
+    if first is not None and all(_play_checked(ctx, s, expert=True) for s in seeds):
+        raise CheckFailed(
+            f"the expert's episodes with seeds {ctx.seed} to {seeds[-1]} all ended without "
+            f"success (seed={ctx.seed}: {first}): fix the env's scoring or expert_action(), or "
+            "return None from expert_action() where the env has no expert"
+        )
 
 
 def check_more_seeds(ctx: _Context) -> None:
@@ -568,11 +592,8 @@ def check_env(
         if on_result is not None:
             on_result(result)
         if check is check_spaces and not result.passed:
-            # nothing else can run on something that is not an env; what it holds is freed
-            close = getattr(env, "close", None)
-            if callable(close):
-                with contextlib.suppress(Exception):
-                    close()
+            with contextlib.suppress(Exception):  # nothing else can run on what is not an env
+                env.close()  # (what it holds is freed)
             break
     if raise_on_failure:
         report.raise_for_failures()

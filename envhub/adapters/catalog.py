@@ -20,7 +20,7 @@ from typing import Any
 
 __all__ = ["CATALOG_FORMAT", "cache_dir", "catalog", "register_source"]
 
-CATALOG_FORMAT = 3
+CATALOG_FORMAT = 4
 """Bumped when an adapter changes what it stores (the file name includes it)."""
 
 

@@ -9,26 +9,32 @@ env (``envs/datasets.py``), ``split=``/``eval_fraction=``. GEM's ``rg:*`` ids ar
 the reasoning-gym adapter serves those datasets directly; so are the ids GEM registers but
 cannot build (``_UNBUILDABLE``).
 
-Mapping to the TextEnv contract: observations are GEM's (its per-turn hint ``suffix`` is
-appended); GEM's rewards pass through unchanged; ``success`` is GEM's own verdict
-(``_succeeded``): a right answer in its one-answer envs, a win its games announce (not a final
-reward of 1: most games pay theirs move by move); a GEM format error (its -0.1 reward) is
-``invalid_action``. GEM's turn limits are rules its prompts state, so running out ends the
-episode as ``terminated`` (and is no success). ``tools=("python",)`` wraps the env in GEM's
-own ``ToolEnvWrapper`` with its Python tool, published as an envhub tool schema
-(``envhub.adapters.gem_tools``); code runs in an envhub sandbox (``sandbox=`` names the
+Mapping to the TextEnv contract: observations are GEM's, framed as GEM's own observation
+wrappers frame them: its ``info["prefix"]`` before and its ``info["suffix"]`` (the board,
+"Enter your move.") after, on the reset as on every step; GEM's rewards pass through unchanged;
+``success`` is GEM's own verdict (``_succeeded``): a right answer in its one-answer envs, a win
+its games announce (not a final reward of 1: most games pay theirs move by move); a GEM format
+error (its -0.1 reward) is ``invalid_action``. GEM's turn limits are rules its prompts state,
+so running out ends the episode as ``terminated`` (and is no success). ``tools=("python",)``
+wraps the env in GEM's own ``ToolEnvWrapper`` with its Python tool, published as an envhub tool
+schema (``envhub.adapters.gem_tools``); code runs in an envhub sandbox (``sandbox=`` names the
 backend, ``local`` by default). GEM's code envs grade a solution by running it on each test
 input; the adapter runs those in an envhub ``local`` sandbox too, instead of GEM's runner
 (whose default runs model code unisolated).
 
 Determinism: each reset draws a seed from the env's RNG and passes it to GEM, which seeds
-Python's and NumPy's global RNGs with it; an episode is fixed by the reset seed as long as
-nothing else draws from those during the episode in the same process (envhub's pools run one
-env per worker).
+Python's and NumPy's global RNGs with it. Each env keeps its own copy of both global streams
+(``envhub.adapters.global_rng``): every call into GEM that may draw holds one process-wide lock
+and runs on that env's streams, and the caller's are restored after. So an episode is fixed by
+the reset seed even when other GEM or TextArena envs play in the same process, in the same
+thread or others (the trainer's ``LocalEnvSource``). GEM 0.1.0's dataset envs (math, code, QA,
+logic, eval) draw only in their reset, so their steps (grading, code runs in a sandbox) run
+outside the lock and do not wait on one another; a game's steps, which draw, hold it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import sys
@@ -40,6 +46,7 @@ import numpy as np
 from envhub.adapters import did_you_mean, require
 from envhub.adapters.catalog import register_source
 from envhub.adapters.gem_tools import GemTools, sandboxed_run_python
+from envhub.adapters.global_rng import GlobalRNG
 from envhub.core import TextEnv, Turn
 from envhub.errors import ActionParseError, SourceConfigError, SourceError
 from envs.datasets import Split, TaskSet, as_taskset
@@ -129,18 +136,22 @@ class GemEnv(TextEnv):
         self.tools = list(self.gem_tools.schemas) if self.gem_tools else []
         self._source: Any = None
         self._tool: Any = None
+        self._globals = GlobalRNG()  # GEM's draws from random, this env's own (docstring)
 
     # ----------------------------------------------------------------- TextEnv
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        if self._source is None:
-            self._source = self._build()
-        try:
-            observation, _ = self._source.reset(seed=int(self.np_random.integers(2**31)))
-        except Exception as error:
-            raise SourceError(
-                f"GEM {self.env} failed to start an episode ({type(error).__name__}: {error})"
-            ) from error
-        return str(observation), {"gem_env": self.env}
+        seed = int(self.np_random.integers(2**31))
+        self._globals.seed(seed)
+        with self._globals.active():
+            if self._source is None:
+                self._source = self._build()
+            try:
+                observation, info = self._source.reset(seed=seed)
+            except Exception as error:
+                raise SourceError(
+                    f"GEM {self.env} failed to start an episode ({type(error).__name__}: {error})"
+                ) from error
+        return _framed(str(observation), info), {"gem_env": self.env}
 
     def on_step(self, action: str) -> Turn:
         call_id = None
@@ -150,7 +161,8 @@ class GemEnv(TextEnv):
             except ActionParseError as error:
                 return self.invalid_action(error.feedback)
         try:
-            observation, reward, terminated, truncated, info = self._source.step(action)
+            with self._globals.active() if self._rows is None else contextlib.nullcontext():
+                observation, reward, terminated, truncated, info = self._source.step(action)
         except Exception as error:
             raise SourceError(
                 f"GEM {self.env} raised {type(error).__name__}: {error}; the episode cannot go on "
@@ -161,8 +173,8 @@ class GemEnv(TextEnv):
         success = _succeeded(text, reward, bool(terminated), bool(truncated), info)
         if text == _TERMINAL_STATE:
             text = "Correct." if success else f"Not correct (reward {reward:g})."
-        elif not done and isinstance(info, dict) and info.get("suffix"):
-            text = f"{text}\n{info['suffix']}"
+        elif not done:
+            text = _framed(text, info)
         return Turn(
             GemTools.answer(text, call_id) if call_id is not None else text,
             reward=reward,
@@ -176,7 +188,8 @@ class GemEnv(TextEnv):
         if np_random.random() < 0.2 or self._source is None:
             return "I am not sure."
         try:
-            return str(self._source.sample_random_action())
+            with self._globals.active():
+                return str(self._source.sample_random_action())
         except (NotImplementedError, AttributeError):
             return "\\boxed{42}"
 
@@ -232,6 +245,16 @@ def _succeeded(
             return bool(info["correct"])
         return reward >= 1.0
     return terminated and not truncated and observation.startswith(_WIN)
+
+
+def _framed(observation: str, info: Any) -> str:
+    """``observation`` with GEM's ``info["prefix"]`` before it and ``info["suffix"]`` after it
+    (what GEM's observation wrappers show), on lines of their own."""
+    if not isinstance(info, dict):
+        return observation
+    prefix, suffix = info.get("prefix"), info.get("suffix")
+    parts = [str(prefix) if prefix else "", observation, str(suffix) if suffix else ""]
+    return "\n".join(part for part in parts if part)
 
 
 def _entry_class(env: str, entry_point: Any) -> Any:

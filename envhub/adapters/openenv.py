@@ -7,7 +7,9 @@ this adapter plays one through OpenEnv's own client library (``openenv-core``'s
 
 - ``openenv/remote-v0`` with ``base_url="http://host:port"``: a server already running;
 - ``openenv/local-v0`` with ``app="module:attr"``: the adapter starts the app in a child
-  process on a loopback port (``envhub.adapters.local_server``) and stops it at ``close()``;
+  process on a loopback port (``envhub.adapters.local_server``), starts it again at the next
+  reset if it died, and stops it at ``close()`` (it dies with its owner process, even one
+  killed by SIGKILL);
 - ``openenv/<key>-v0``: every installed OpenEnv env package (``openenv-<key>_env``, as
   OpenEnv's own discovery finds them; its ``openenv.yaml`` names the app), run locally.
 
@@ -181,13 +183,16 @@ class OpenEnvEnv(TextEnv):
         return self._server.url if self._server is not None else str(self.base_url)
 
     def _connect(self) -> Any:
-        if self._client is not None:
-            return self._client
-        if self.app is not None and self._server is None:
+        if self.app is not None and (self._server is None or not self._server.running):
+            self._drop_client()  # a local server that died (or never ran) is started anew
+            if self._server is not None:
+                self._server.stop()
             self._server = LocalServer(self.app, start_timeout_s=self.start_timeout_s)
             self._server.start()
+        if self._client is not None:
+            return self._client
         url = self._url().rstrip("/")
-        self._schema = _schema(url, self.connect_timeout_s)
+        self._schema = _schema(url, self.connect_timeout_s, local=self._server)
         if self.action_field is None:
             self.action_field = _only_string_field(self._schema.get("action", {}))
         generic = require(SOURCE, "openenv.core.generic_client").GenericEnvClient
@@ -351,8 +356,9 @@ def _redacted(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
-def _schema(url: str, timeout_s: float) -> dict[str, Any]:
-    """``GET /schema``: the action/observation JSON Schemas, or a ``SourceConnectionError``.
+def _schema(url: str, timeout_s: float, *, local: LocalServer | None = None) -> dict[str, Any]:
+    """``GET /schema``: the action/observation JSON Schemas, or a ``SourceConnectionError``
+    (naming the ``local`` server envhub started, with its last output, when there is one).
 
     Credentials in the URL (``http://user:TOKEN@host``) go as HTTP Basic auth, as OpenEnv's
     WebSocket client sends them.
@@ -384,6 +390,12 @@ def _schema(url: str, timeout_s: float) -> dict[str, Any]:
         ) from error
     except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
         reason = getattr(error, "reason", error)
+        if local is not None:
+            raise SourceConnectionError(
+                f"the local OpenEnv server {local.app!r} envhub started at {shown} does not "
+                f"answer ({reason}; exit code {local.exit_code}); the next reset starts it "
+                f"again. Its last output:\n{local.output}"
+            ) from error
         raise SourceConnectionError(
             f"cannot reach the OpenEnv server at {shown} ({reason}); is it running? (check "
             "base_url)"

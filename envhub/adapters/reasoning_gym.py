@@ -1,17 +1,34 @@
 """reasoning-gym datasets as envhub task envs: ``reasoning-gym/<dataset>-v0``.
 
-Every dataset of reasoning-gym (procedural reasoning tasks with verifiers) is one id. An
-episode is one question; the model answers inside ``<answer>...</answer>`` and the
-dataset's own ``score_answer`` is the reward (in [0, 1]; 1 is a success); scorers that would
-read the answer with ``eval`` or sympy's ``parse_expr`` read it through ``answer_guard``
-instead, so an answer is never run as code. The ``retry`` variant
+Every dataset of reasoning-gym (procedural reasoning tasks with verifiers) is one id, but those
+in ``REFUSED``; ``composite`` mixes datasets named in its config (``config={"datasets":
+[{"name": "leg_counting", "weight": 1.0, "config": {}}, ...]}``, as YAML or ``-k config=...``
+give it: ``weight`` defaults to 1 and ``config`` to the dataset's defaults). An episode is one
+question; the model answers inside ``<answer>...</answer>`` and the dataset's own
+``score_answer`` is the reward (in [0, 1]; 1 is a success).
+
+The answer is read as reasoning-gym reads it (``parse="reasoning-gym"``, the default): its own
+``reasoning_gym.utils.extract_answer`` takes the last closed ``<answer>...</answer>`` (lower
+case; an upper-case or unclosed tag, or none, is no answer: reward 0 and ``invalid_action``,
+where countdown, fraction_simplification and puzzle24 would pay 0.01), stripped; a code fence
+inside stays part of the answer, as the library scores it. No length limit but the action's own
+(100,000 characters, ``action_max_length``): tower_of_hanoi and palindrome_partitioning answer
+in thousands of characters. envhub adds one rule, its rule for every env: what the reply writes
+inside ``<think>...</think>`` blocks it opens is not read (an answer only mused about there is
+no answer). ``parse="lenient"`` reads more, as ``envhub.parsing.ActionParser`` does (tags in
+any case, an unclosed tag, code fences and backticks stripped): such replies then score more
+than reasoning-gym pays them, so scores no longer compare with its harness or published
+numbers.
+
+Scorers that would read the answer with ``eval`` or sympy's ``parse_expr`` read it through
+``answer_guard`` instead, so an answer is never run as code. The ``retry`` variant
 (``reasoning-gym/<dataset>-retry-v0``, ``attempts=3``) is multi-turn: a wrong answer is told
 that it is wrong (not its score, which would guide a search by closeness) and may try again
-until the attempts run out. The answer given at attempt ``k`` earns its score divided by
-``k``: many datasets have two or three possible answers (True/False, Yes/No, on/off/
-undetermined), which three attempts at full pay would enumerate for a sure 1.0; discounted,
-trying each in turn earns 0.6-0.83 (1/2 + 1/4 = 0.75 on a balanced yes/no dataset), against
-1.0 for the right answer at once. With ``attempts=1`` nothing changes.
+until the attempts run out. The answer given at attempt ``k`` earns its score divided by ``k``:
+many datasets have two or three possible answers (True/False, Yes/No, on/off/undetermined),
+which three attempts at full pay would enumerate for a sure 1.0; discounted, trying each in
+turn earns 0.6-0.83 (1/2 + 1/4 = 0.75 on a balanced yes/no dataset), against 1.0 for the right
+answer at once. With ``attempts=1`` nothing changes.
 
 Reward: the dataset's own score is the default (``reward="score"``), what users of
 reasoning-gym expect; but several scorers pay for closeness or format, so a constant answer
@@ -63,7 +80,7 @@ from envhub.adapters.answer_guard import (
 from envhub.adapters.catalog import register_source
 from envhub.core import TextEnv, Turn
 from envhub.errors import ActionParseError, SourceConfigError, SourceError
-from envhub.parsing import ActionParser
+from envhub.parsing import ActionParser, blank_thinking
 from envs.datasets import Split, Task, TaskSet, as_taskset, stable_hash
 
 __all__ = ["REFUSED", "ProceduralTasks", "ReasoningGymEnv", "register"]
@@ -76,12 +93,19 @@ REFUSED = {
         "and a quarter of its premise sets contradict themselves (so anything follows)"
     ),
 }
-"""Datasets whose scorer cannot tell a right answer from junk, and why: refused at make()."""
+"""Datasets whose scorer cannot tell a right answer from junk, and why: not listed, and
+refused at make() (alone or in a composite)."""
 _SCORING: dict[str, ScoringProcess] = {}
 """One scoring process per dataset and config, shared by its envs in this process (a trainer
 makes an env per episode: one process per env would fork it per episode)."""
 _FEEDBACK = "Give your final answer inside <answer>...</answer>."
-_ANSWER = ActionParser(format="tag", tag="answer", lenient=False)
+_LENIENT = ActionParser(format="tag", tag="answer", lenient=False, max_length=100_000)
+"""``parse="lenient"``'s reader (module docstring); its cap is the action's own limit."""
+_COMPOSITE = (
+    "config={'datasets': [{'name': 'leg_counting', 'weight': 1.0, 'config': {}}, ...]} (weight "
+    "defaults to 1, config to the dataset's defaults)"
+)
+"""The composite's config format, shown in its errors and its description."""
 
 
 class ProceduralTasks:
@@ -169,6 +193,7 @@ class ReasoningGymEnv(TextEnv):
         dataset_seed: int = 0,
         attempts: int = 1,
         reward: Literal["score", "success"] = "score",
+        parse: Literal["reasoning-gym", "lenient"] = "reasoning-gym",
         score_time_limit_s: float | None = 2.0,
         system_prompt: str | None = "default",
         invalid_action_penalty: float = 0.0,
@@ -181,6 +206,11 @@ class ReasoningGymEnv(TextEnv):
             raise SourceConfigError(
                 f"reward must be 'score' (the dataset's own score) or 'success' (1 for a "
                 f"full-score answer, else 0), got {reward!r}"
+            )
+        if parse not in ("reasoning-gym", "lenient"):
+            raise SourceConfigError(
+                f"parse must be 'reasoning-gym' (read answers as reasoning-gym does) or "
+                f"'lenient' (any case, unclosed tags, fences stripped), got {parse!r}"
             )
         if score_time_limit_s is not None and not 0 < score_time_limit_s <= 86_400:
             raise SourceConfigError(
@@ -202,8 +232,12 @@ class ReasoningGymEnv(TextEnv):
         self.name, self.attempts = name, attempts
         self.reward = reward
         """``"score"``: the dataset's score; ``"success"``: 1 for a full score, else 0."""
+        self.parse = parse
+        """How answers are read: ``"reasoning-gym"`` as the library does, or ``"lenient"``."""
         self.invalid_action_penalty = invalid_action_penalty
         self._config = _config_fields(name, factory.DATASETS[name][1], dict(config or {}))
+        if name == "composite":
+            self._config["datasets"] = _dataset_specs(self._config.get("datasets"))
         prompts = require(SOURCE, "reasoning_gym.utils").SYSTEM_PROMPTS
         self.system_prompt = prompts.get(system_prompt, system_prompt) if system_prompt else None
         self.source = _Dataset(name, {**self._config, "seed": dataset_seed, "size": size})
@@ -234,9 +268,8 @@ class ReasoningGymEnv(TextEnv):
         return str(self.task["question"]), {"task_id": self.task["id"], "dataset": self.name}
 
     def on_step(self, action: str) -> Turn:
-        try:
-            answer = _ANSWER.parse(action)
-        except ActionParseError:
+        answer = self.read_answer(action)
+        if answer is None:
             return self.invalid_action(f"I found no answer. {_FEEDBACK}")
         checked = self._score(answer)
         score = 0.0 if checked is None else checked
@@ -260,6 +293,17 @@ class ReasoningGymEnv(TextEnv):
         return Turn(
             f"Your answer {verdict}. Try again; {left} attempt(s) left. {_FEEDBACK}", info=info
         )
+
+    def read_answer(self, text: str) -> str | None:
+        """The answer in the model's ``text`` as ``parse`` reads it, or None if it gave none."""
+        text = blank_thinking(text, leading=False)  # thinking is never the answer (docstring)
+        if self.parse == "lenient":
+            try:
+                return _LENIENT.parse(text)
+            except ActionParseError:
+                return None
+        answer = require(SOURCE, "reasoning_gym.utils").extract_answer(text)
+        return None if answer is None else str(answer)
 
     def score(self, answer: str | None) -> float:
         """The dataset's own ``score_answer`` for the current task, clipped to [0, 1]; 0 for
@@ -320,6 +364,39 @@ def _refuse(name: str) -> None:
         )
 
 
+def _dataset_specs(datasets: Any) -> list[Any]:
+    """A composite's ``datasets`` as reasoning-gym's ``DatasetSpec``s, from the plain dicts a
+    YAML file or ``-k config=...`` gives (``weight`` 1 and ``config`` {} by default)."""
+    spec_cls = require(SOURCE, "reasoning_gym.composite").DatasetSpec
+    if not datasets:
+        raise SourceConfigError(
+            f"reasoning-gym/composite needs the datasets it mixes, {_COMPOSITE}"
+        )
+    if not isinstance(datasets, list | tuple):
+        raise SourceConfigError(
+            f"reasoning-gym/composite: datasets must be a list, got {datasets!r:.80}; {_COMPOSITE}"
+        )
+    specs = []
+    for index, item in enumerate(datasets):
+        if isinstance(item, spec_cls):
+            specs.append(item)
+            continue
+        where = f"reasoning-gym/composite: datasets[{index}]"
+        if not isinstance(item, dict):
+            raise SourceConfigError(f"{where} must be a dict, got {item!r:.80}; {_COMPOSITE}")
+        for key in item:
+            if key not in ("name", "weight", "config"):
+                raise SourceConfigError(f"{where} has no field {key!r}; {_COMPOSITE}")
+        if not isinstance(item.get("name"), str):
+            raise SourceConfigError(f"{where} needs a dataset's name as 'name'; {_COMPOSITE}")
+        specs.append(
+            spec_cls(
+                name=item["name"], weight=item.get("weight", 1.0), config=item.get("config", {})
+            )
+        )
+    return specs
+
+
 def _config_fields(name: str, config_cls: Any, config: dict[str, Any]) -> dict[str, Any]:
     """``config`` checked against the dataset's config dataclass (``seed``/``size`` are ours)."""
     fields = [f.name for f in dataclasses.fields(config_cls) if f.name not in ("seed", "size")]
@@ -346,10 +423,13 @@ class _Dataset:
         if self._dataset is None:
             try:
                 dataset = require(SOURCE).create_dataset(self.name, **self.config)
-            except (AssertionError, ValueError, TypeError) as error:
+            except SourceError:
+                raise
+            except Exception as error:  # any failure to build from the config is the config's
+                form = f"; {_COMPOSITE}" if self.name == "composite" else ""
                 raise SourceConfigError(
                     f"reasoning-gym/{self.name}: its config refused {self.config} "
-                    f"({type(error).__name__}: {error})"
+                    f"({type(error).__name__}: {error}){form}"
                 ) from error
             for name, part in _parts(self.name, dataset).items():
                 _refuse(name)
@@ -391,16 +471,23 @@ def _parts(name: str, dataset: Any) -> dict[str, Any]:
 
 
 def _catalog() -> list[dict[str, Any]]:
+    """One entry per dataset but those in ``REFUSED`` (which cannot be made)."""
     factory = require(SOURCE, "reasoning_gym.factory")
+    described = {
+        "composite": f"reasoning-gym composite: a mix of datasets; needs {_COMPOSITE}.",
+    }
     return [
         {
             "id": f"reasoning-gym/{name}-v0",
             "kwargs": {"name": name},
             "max_turns": 1,
-            "description": f"reasoning-gym {name}: one question, scored by its score_answer.",
+            "description": described.get(
+                name, f"reasoning-gym {name}: one question, scored by its score_answer."
+            ),
             "variants": {"retry": {"attempts": 3, "max_turns": 3}},
         }
         for name in sorted(factory.DATASETS)
+        if name not in REFUSED
     ]
 
 

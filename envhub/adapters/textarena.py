@@ -20,28 +20,34 @@ the first the game accepts is played. (It used to play the first listed move it 
 in Alquerque, Breakthrough, LinesOfAction, MemoryGame, Nim and UltimateTicTacToe was the
 rules' format example or the agent's piece: refused twice, it forfeited after one agent move.)
 
-Mapping to the TextEnv contract: the reward is the game's final reward for the agent (given
-on the last step; 0 before): a single-player game's score in [0, 1], a two-player game's
-+1 win / 0 draw / -1 loss; ``success`` is a score of 1 or a win. A move the game refuses is
+Mapping to the TextEnv contract: the reward is the game's final reward for the agent (given on
+the last step; 0 before): a single-player game's score in [0, 1], a two-player game's +1 win /
+0 draw / -1 loss; ``success`` is a score of 1 or a win. A move the game refuses is
 ``invalid_action`` (TextArena allows one retry, then the player loses, and that loss is the
-episode's end). So is a move the game cannot even read (a number over Python's 4300 digits,
-on which games raise ``ValueError``). A game the agent ends with invalid moves scores -1,
+episode's end). So is a move the game cannot even read (a number over Python's 4300 digits, on
+which games raise ``ValueError``). A game the agent ends with invalid moves scores -1,
 TextArena's invalid-move loss, whatever the game pays: many single-player games pay their
 progress score there (RushHour paid 0.5 for two junk moves at the start), and Countdown,
-Cryptarithm, Slitherlink and ThreeCardMonte pass ``set_invalid_move`` its arguments swapped
-and report a text as the reward. A game the *opponent* loses by invalid moves (any opponent;
-the random one only when no candidate was accepted) is no win: it ends with reward 0,
-``success`` False and ``info["opponent_forfeit"] = True`` (``terminated``: the game is
-over). Anything else the game raises is ``SourceError``. A move is at most
-``action_max_length`` characters (8,000 unless given: some games match moves with patterns
-quadratic in the text, 5 s a step at 100,000). ``max_turns`` (200 unless given) bounds games
-without their own limit.
+Cryptarithm, Slitherlink and ThreeCardMonte pass ``set_invalid_move`` its arguments swapped and
+report a text as the reward. This is a deliberate difference from TextArena: a single-player
+game's reward here spans [-1, 1], not TextArena's [0, 1], and on episodes that end by invalid
+moves envhub's numbers do not match TextArena's own (which pays the game's score, e.g.
+Minesweeper 0.08 where envhub pays -1). A game the *opponent* loses by invalid moves (any
+opponent; the random one only when no candidate was accepted) is no win: it ends with reward 0,
+``success`` False and ``info["opponent_forfeit"] = True`` (``terminated``: the game is over).
+Anything else the game raises is ``SourceError``. A move is at most ``action_max_length``
+characters (8,000 unless given: some games match moves with patterns quadratic in the text, 5 s
+a step at 100,000). ``max_turns`` (200 unless given) bounds games without their own limit.
 
 Determinism: each reset draws a seed from the env's RNG and passes it to TextArena, which
-seeds Python's global ``random`` with it; so an episode is fixed by the reset seed as long as
-nothing else draws from ``random`` during the episode in the same process (envhub's pools run
-one env per worker). Games that ask a hosted model (TwentyQuestions, GuessWho) or download
-NLTK corpora fail offline and are not in the checked sample (see the README).
+seeds Python's global ``random`` with it (some games draw from ``numpy.random`` too). Each env
+keeps its own copy of both global streams (``envhub.adapters.global_rng``): every call into
+TextArena holds one process-wide lock and runs on that env's streams, and the caller's are
+restored after. So an episode is fixed by the reset seed even when other TextArena or GEM envs
+play in the same process, in the same thread or others (the trainer's ``LocalEnvSource``); a
+model opponent's request runs outside the lock. Games that ask a hosted model (TwentyQuestions,
+GuessWho) or download NLTK corpora fail offline and are not in the checked sample (see the
+README).
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ import numpy as np
 
 from envhub.adapters import did_you_mean, require
 from envhub.adapters.catalog import register_source
+from envhub.adapters.global_rng import GlobalRNG
 from envhub.adapters.opponents import (
     OPPONENT_RETRIES,
     OPPONENT_TIMEOUT_S,
@@ -189,7 +196,9 @@ class TextArenaEnv(TextEnv):
         self._listing = ""  # the game's latest message that showed the opponent moves
         self._shapes: list[str] = []  # the move examples the game showed the opponent
         self._board = ""  # the game's latest message to the opponent
-        self._build()  # a bad game_kwargs fails here, not at the first reset
+        self._globals = GlobalRNG()  # TextArena's draws from random, this env's own (docstring)
+        with self._globals.active():
+            self._build()  # a bad game_kwargs fails here, not at the first reset
         if players == 2:
             self._opponent = self._make_opponent()
 
@@ -206,9 +215,13 @@ class TextArenaEnv(TextEnv):
         for _ in range(_REDEALS):  # a game the opponent loses before the agent moves is re-dealt
             if self._opponent is not None:
                 self._opponent.reset()
-            self._build()  # a new game: a reused one keeps the last episode's board and deck
+            self._globals.seed(seed)
             try:
-                self._source.reset(num_players=self.players, seed=seed)
+                with self._globals.active():
+                    self._build()  # a new game: a reused one keeps the last episode's board
+                    self._source.reset(num_players=self.players, seed=seed)
+            except SourceError:
+                raise
             except Exception as error:
                 raise SourceError(
                     f"TextArena {self.game} raised {type(error).__name__} in its reset: {error}; "
@@ -228,7 +241,8 @@ class TextArenaEnv(TextEnv):
         state = self._source.state
         errors_before = int(getattr(state, "error_count", 0) or 0)
         try:
-            self._done, _ = self._source.step(action=action)
+            with self._globals.active():
+                self._done, _ = self._source.step(action=action)
         except ValueError as error:
             if _UNREADABLE_NUMBER not in str(error):
                 raise self._failure(error, "the agent's move", action) from error
@@ -236,7 +250,8 @@ class TextArenaEnv(TextEnv):
                 reason=f"The move holds a number of more than {sys.get_int_max_str_digits()} "
                 "digits, which the game cannot read. Write the move as the rules show."
             )
-            self._done, _ = state.step()
+            with self._globals.active():
+                self._done, _ = state.step()
         except Exception as error:
             raise self._failure(error, "the agent's move", action) from error
         invalid = int(getattr(state, "error_count", 0) or 0) > errors_before
@@ -248,7 +263,8 @@ class TextArenaEnv(TextEnv):
                 reward=self.invalid_action_penalty if invalid else 0.0,
                 invalid_action=invalid,
             )
-        rewards, game_info = self._source.close()
+        with self._globals.active():
+            rewards, game_info = self._source.close()
         game_info = game_info if isinstance(game_info, dict) else {}
         mine = game_info.get(self._me, {})
         reward = (rewards or {}).get(self._me, 0.0)
@@ -336,11 +352,13 @@ class TextArenaEnv(TextEnv):
                 )
             if self._opponent is None:
                 raise SourceError(f"TextArena {self.game} gave the turn to another player")
-            player, observation = self._source.get_observation()
+            with self._globals.active():
+                player, observation = self._source.get_observation()
             try:
                 if isinstance(self._opponent, RandomOpponent):
-                    move = self._random_move(self._opponent, observation, player)
-                else:
+                    with self._globals.active():
+                        move = self._random_move(self._opponent, observation, player)
+                else:  # (a model's request: outside the lock, other envs go on meanwhile)
                     move = self._opponent.act(_render(observation, player), self._rng)
             except SourceError:
                 raise
@@ -350,7 +368,8 @@ class TextArenaEnv(TextEnv):
                     f"{type(error).__name__}: {error}; fix the opponent's script"
                 ) from error
             try:
-                self._done, _ = self._source.step(action=move)
+                with self._globals.active():
+                    self._done, _ = self._source.step(action=move)
             except Exception as error:
                 raise self._failure(error, "the opponent's move", move) from error
 
@@ -434,7 +453,11 @@ def _catalog() -> list[dict[str, Any]]:
         env_id, players = envhub_id(game), _players(spec.entry_point)
         if env_id is None or players is None:
             continue
-        who = "1 player" if players == 1 else "2 players; opponent= plays the other seat"
+        who = (
+            "1 player; a game ended by invalid moves pays -1, not the game's own score"
+            if players == 1
+            else "2 players; opponent= plays the other seat"
+        )
         entries.append(
             {
                 "id": env_id,

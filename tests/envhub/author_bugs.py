@@ -79,6 +79,36 @@ class RaisesOnFarSeeds(Win):
         return super().on_step(action)
 
 
+class ExpertRefused(Win):
+    """Its expert answers at length, past what its parser reads: every answer is refused (the
+    review's reasoning-gym bug: a parser cap below the dataset's longest answers)."""
+
+    def on_step(self, action):
+        if len(action) > 100:
+            return self.invalid_action("I found no answer. Write <answer>win</answer>.")
+        return super().on_step(action)
+
+    def expert_action(self) -> str | None:
+        return None if self.done else "<answer>win</answer>" + " " * 200
+
+
+class ExpertNeverWins(Win):
+    """Its expert's answer is accepted, and the episode ends, but never in a success."""
+
+    def win(self) -> envhub.Turn:
+        return envhub.Turn("Out of luck.", reward=0.0, terminated=True, success=False)
+
+
+class ExpertLosesToChance(Win):
+    """Its expert's answer wins only where the dice allow (a seed in four), as on slippery ice:
+    no bug, the env is random."""
+
+    def win(self) -> envhub.Turn:
+        if self.np_random.random() < 0.25:
+            return super().win()
+        return envhub.Turn("The ice gave way.", reward=0.0, terminated=True, success=False)
+
+
 class LeaksAcrossEpisodes(Win):
     """Counts episodes per object and shows the count: seed s depends on what ran before."""
 
