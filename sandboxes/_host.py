@@ -81,7 +81,9 @@ class UidLease:
 
     def __init__(self) -> None:
         LEASE_DIR.mkdir(mode=0o700, parents=True, exist_ok=True)
-        start = random.randrange(UID_COUNT)
+        # (never the process's global random: envs that seed it, TextArena's and GEM's, keep
+        # their own streams swapped in while they run: envhub.adapters.global_rng)
+        start = random.SystemRandom().randrange(UID_COUNT)
         for i in range(UID_COUNT):
             uid = UID_BASE + (start + i) % UID_COUNT
             fd = os.open(LEASE_DIR / f"{uid}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
