@@ -295,6 +295,13 @@ class RolloutConfig(Section):
     engine: str = "hf"
     """Inference engine for ``actor_infer`` (``trainer.strategies.registry.INFERENCE_ENGINES``):
     ``hf`` (embedded torch generation) or ``vllm``."""
+    batches_in_flight: int | None = Field(default=None, gt=0)
+    """Batches each inference rank runs at once for the driver's episodes (each joins the
+    running engine and each request is answered as it ends, so a short turn need not wait for a
+    rank's longest; ``trainer.workers.infer.RankEngine``). None: 1 with ``hf``, whose batches
+    are then the same in every run, so a run and one resumed after a kill sample the same
+    tokens (rows that share a forward pass change the logits' last bits); 16 with ``vllm``,
+    whose batches vary with timing anyway. More than 1 with ``hf`` trades that for speed."""
     tool_parser: str = "auto"
     """How a generated turn becomes tool calls (``trainer.rollout.tool_parsers``): ``auto``
     (from the chat template; ``none`` when it renders no tools), ``hermes``, ``llama3_json``,
@@ -376,6 +383,14 @@ class RolloutConfig(Section):
     every 32 to one that did not). Set it well above the slowest turn under load. None waits
     as long as it takes, unless a weight update gives up on the engine first
     (``pause_timeout_s``)."""
+
+    def rank_batches(self) -> int:
+        """``batches_in_flight`` as the run uses it (its engine's default when None)."""
+        from trainer.workers.infer import BATCHES_IN_FLIGHT
+
+        if self.batches_in_flight is not None:
+            return self.batches_in_flight
+        return 1 if self.engine == "hf" else BATCHES_IN_FLIGHT
 
     @model_validator(mode="after")
     def _context_needs_turn_samples(self) -> RolloutConfig:

@@ -148,7 +148,7 @@ class AgenticPipeline:
         policy = self.weight_sync.policy  # the run's one policy version (its writer: the sync)
         self.rollouts = Rollouts(
             config,
-            self.roles.infer.rank_engines(policy=policy),
+            self.roles.infer.rank_engines(policy=policy, max_batches=config.rollout.rank_batches()),
             self.renderer,
             self.envs,
             max_context_tokens=self._context_limit(),

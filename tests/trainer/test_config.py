@@ -315,3 +315,14 @@ def test_greedy_training_rollouts_are_refused_naming_eval_temperature(tmp_path: 
     [problem] = problems_of(path, ["rollout.temperature=0"])
     assert problem.startswith("rollout.temperature")
     assert "greedy" in problem and "eval.temperature: 0" in problem
+
+
+def test_batches_in_flight_keep_hf_runs_reproducible_unless_asked() -> None:
+    """With ``hf`` a rank runs one batch at a time unless ``rollout.batches_in_flight`` says
+    otherwise (the same batches in every run: ``test_cli``'s kill -9 resume gives the same
+    next step); vLLM's batches vary with timing anyway, so it runs several."""
+    quickstart = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+    assert load_config(quickstart).rollout.rank_batches() == 1
+    assert load_config(quickstart, ["rollout.engine=vllm"]).rollout.rank_batches() == 16
+    asked = load_config(quickstart, ["rollout.batches_in_flight=4"])
+    assert asked.rollout.rank_batches() == 4

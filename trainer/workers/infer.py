@@ -325,13 +325,20 @@ class InferCluster(WeightReceiverCluster, Cluster):
         return self._on_rank(rank, "abort_requests", request_ids)
 
     def rank_engines(
-        self, *, max_batch_size: int = 512, policy: PolicyVersion | None = None
+        self,
+        *,
+        max_batch_size: int = 512,
+        max_batches: int = BATCHES_IN_FLIGHT,
+        policy: PolicyVersion | None = None,
     ) -> list[RankEngine]:
-        """One ``RolloutEngine`` per rank, for ``trainer.rollout.router.EngineRouter``; they all
+        """One ``RolloutEngine`` per rank, for ``trainer.rollout.router.EngineRouter``, each
+        with up to ``max_batches`` batches in flight (``rollout.batches_in_flight``); they all
         report ``policy`` (the run's ``WeightSync.policy``) as their version."""
         policy = policy if policy is not None else PolicyVersion()
         return [
-            RankEngine(self, rank, max_batch_size=max_batch_size, policy=policy)
+            RankEngine(
+                self, rank, max_batch_size=max_batch_size, max_batches=max_batches, policy=policy
+            )
             for rank in range(self.world_size)
         ]
 
