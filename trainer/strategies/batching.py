@@ -118,6 +118,15 @@ class BatchingFrontend:
                 self._queue.remove((request, future))
                 future.set_result(GenerationResult(request_id, [], [], "abort", self.version))
 
+    def dispatched(self, request_id: str) -> bool:
+        """Whether ``request_id`` is in a batch handed over and not answered yet (its task may
+        not have run yet: then it is neither queued here nor running in the engine)."""
+        return any(
+            request.request_id == request_id and not future.done()
+            for batch in self._batches.values()
+            for request, future in batch
+        )
+
     async def close(self) -> None:
         """Stop the batching task and the batches in flight (their requests, and the pending
         ones, are answered ``abort``)."""

@@ -402,8 +402,10 @@ class RankEngine(BatchingFrontend):
             self._leave(list(left.values()))
 
     async def abort(self, request_id: str) -> None:
+        """Also on the rank when the request may be there: running, or in a batch handed over
+        whose task has not sent it yet (the rank refuses an id aborted before it arrives)."""
         await super().abort(request_id)
-        if request_id in self._running:
+        if request_id in self._running or self.dispatched(request_id):
             self._abort_running([request_id])
 
     def _leave(self, request_ids: list[str]) -> None:

@@ -57,8 +57,8 @@ class HeldEngine:
 
     def abort_sync(self, request_ids: list[str]) -> None:
         with self._lock:
-            ended = [self.held.pop(rid) for rid in request_ids if rid in self.held]
-        for rid, future in zip(request_ids, ended, strict=False):
+            ended = [(rid, self.held.pop(rid)) for rid in request_ids if rid in self.held]
+        for rid, future in ended:
             future.set_result(GenerationResult(rid, [1], [-0.1], "abort", 0))
 
     def update_weights(self, weights: Any) -> None:
@@ -207,3 +207,33 @@ def test_a_request_the_rank_cannot_serve_fails_alone(policy_dir: Path) -> None:
     ]
     assert isinstance(bad, WorkerCallError) and "'bad/0'" in str(bad)
     assert "outside the model's vocabulary" in str(bad)
+
+
+def test_an_abort_right_after_its_batch_left_the_queue_reaches_the_rank(policy_dir: Path) -> None:
+    """Between the front taking a batch off its queue and the batch's task first running, its
+    requests are neither queued nor running on the rank: an abort then (an episode's callback
+    already in the loop's ready queue; a weight load's pause) must still stop them."""
+    cluster = held_cluster(policy_dir, "local")
+    [engine] = cluster.rank_engines()
+    dispatch = engine._dispatch
+
+    async def dispatch_then_abort(batch: Any) -> None:
+        await dispatch(batch)  # the batch's task is made, and has not run yet
+        for request, _ in batch:
+            await engine.abort(request.request_id)
+
+    engine._dispatch = dispatch_then_abort  # type: ignore[method-assign]
+
+    async def play() -> tuple[str, list[str]]:
+        result = await asyncio.wait_for(
+            engine.start_generate(GenerationRequest("long1/0", PROMPT, 10**6)), GUARD_S
+        )
+        still = holding(cluster)
+        await engine.close()
+        return result.finish_reason, still
+
+    try:
+        finish, still = asyncio.run(play())
+    finally:
+        cluster.shutdown()
+    assert finish == "abort" and still == []
