@@ -19,7 +19,8 @@ For each episode the trainer resets the env, opens the episode on the proxy
 
 (``openai.OpenAI(base_url=episode.base_url, api_key=episode.api_key)`` works too, at ~20 ms per
 client built for its TLS context: ``openai_client`` builds one without, that ignores
-``HTTP_PROXY`` (the proxy is on loopback) and is closed when the episode ends.) An ``async
+``HTTP_PROXY`` (the proxy is on loopback) and is closed when the episode ends; for an agent's
+own clients the trainer adds loopback to its ``NO_PROXY``.) An ``async
 def`` agent (``openai.AsyncOpenAI``, LangGraph, the openai-agents SDK) runs the same way, on an
 event loop of its own in its thread (``asyncio.run``). A program gets the same object from
 ``AgentEpisode.from_environ()`` (``OPENAI_BASE_URL``, ``OPENAI_API_KEY`` and
@@ -274,6 +275,8 @@ class AgentRunner(EnvManager):
         )
         self.proxy, self.agent = proxy, agent
         self.fn = load_agent(agent.callable) if agent.callable else None
+        if self.fn is not None:  # its own clients (openai.AsyncOpenAI...) read this process's
+            os.environ.update(_no_proxy(proxy.base_url, os.environ))  # (loopback only added)
         command = agent.command or []
         self.command = shlex.split(command) if isinstance(command, str) else list(command)
 

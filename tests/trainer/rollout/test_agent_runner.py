@@ -86,6 +86,14 @@ def test_a_function_agents_loopback_clients_bypass_an_http_proxy(tokenizer: Any)
 
 
 @pytest.mark.usefixtures("behind_an_http_proxy")
+def test_a_function_agents_own_async_client_bypasses_an_http_proxy(tokenizer: Any) -> None:
+    """An ``async def`` agent with its own ``openai.AsyncOpenAI``, as the docs suggest."""
+    t = play(tokenizer, callable=f"{AGENTS}:answers_async")
+    assert not t.failed, t.failure
+    assert t.num_turns == 1 and t.terminated
+
+
+@pytest.mark.usefixtures("behind_an_http_proxy")
 def test_a_program_agents_own_openai_client_bypasses_an_http_proxy(tokenizer: Any) -> None:
     """``proxy_agents.play`` builds its own client, which reads ``HTTP_PROXY`` as any would."""
     t = play(tokenizer, command=[sys.executable, "-m", AGENTS])
