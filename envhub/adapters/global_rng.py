@@ -57,12 +57,17 @@ class GlobalRNG:
 
     @contextmanager
     def active(self) -> Iterator[None]:
-        """Run the body with this env's streams as the globals (module docstring)."""
+        """Run the body with this env's streams as the globals (module docstring). Entered
+        inside another env's ``active()``, that env's streams are kept as they are now and
+        put back after."""
         with _LOCK:
             if _ACTIVE and _ACTIVE[-1] is self:
                 yield
                 return
-            saved = random.getstate(), np.random.get_state()
+            outer = _ACTIVE[-1] if _ACTIVE else None
+            saved = None if outer is not None else (random.getstate(), np.random.get_state())
+            if outer is not None:
+                outer._keep()
             random.setstate(self._python)
             np.random.set_state(self._numpy)
             _ACTIVE.append(self)
@@ -70,6 +75,14 @@ class GlobalRNG:
                 yield
             finally:
                 _ACTIVE.pop()
-                self._python, self._numpy = random.getstate(), np.random.get_state()
-                random.setstate(saved[0])
-                np.random.set_state(saved[1])
+                self._keep()
+                if outer is not None:
+                    random.setstate(outer._python)
+                    np.random.set_state(outer._numpy)
+                elif saved is not None:
+                    random.setstate(saved[0])
+                    np.random.set_state(saved[1])
+
+    def _keep(self) -> None:
+        """The globals are this env's streams: store them as they are now."""
+        self._python, self._numpy = random.getstate(), np.random.get_state()

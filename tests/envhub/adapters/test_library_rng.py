@@ -103,3 +103,22 @@ def test_gems_first_observation_shows_the_starting_board_and_the_prompt_to_move(
     assert "current board layout" in first and "R1" in first
     guess = envhub.make("gem/game.GuessTheNumber-easy-v0")
     assert guess.reset(seed=3)[0][-1]["content"].rstrip().endswith("Enter your next guess.")
+
+
+def test_an_env_entered_again_inside_another_keeps_its_stream() -> None:
+    """A -> B -> A nested (allowed): every draw of A comes from A's one stream, in order."""
+    import random
+
+    from envhub.adapters.global_rng import GlobalRNG
+
+    a, b = GlobalRNG(1), GlobalRNG(2)
+    reference = random.Random(1)
+    expected = [reference.random() for _ in range(3)]
+    drawn = []
+    with a.active():
+        drawn.append(random.random())
+        with b.active(), a.active():
+            drawn.append(random.random())
+    with a.active():
+        drawn.append(random.random())
+    assert drawn == expected
