@@ -326,3 +326,21 @@ def test_curves_grow_from_polls_that_ask_only_for_new_rows(browser: Any, tmp_pat
         page.wait_for_selector(f"{chart}[data-points='4']", timeout=WAIT_MS)
         assert any("after=2" in u for u in asked), asked
         page.close()
+
+
+def test_a_metric_filter_from_a_link_cannot_freeze_the_page(browser: Any, tmp_path: Path) -> None:
+    """The metrics filter comes from the URL too (a shared link): it is words to look for,
+    not a regular expression, so ``(.*)*x`` over a long metric name is no catastrophic
+    backtracking, and ``|`` still separates words."""
+    run = tmp_path / "run"
+    long_key = "rollout/a_metric_name_long_enough_to_backtrack_for_ever"
+    rows = [{"step": s, long_key: float(s), "actor/pg_loss": 1.0} for s in range(3)]
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with serve_app(create_app([run])) as url:
+        page = open_page(browser, url + "/?poll=600000")
+        page.fill("#metric-filter", "(.*)*x")
+        page.get_by_text("No metric matches the filter").wait_for()
+        page.fill("#metric-filter", "nothing|LOSS")
+        page.locator("svg.chart[data-key='actor/pg_loss']").wait_for()
+        page.close()

@@ -46,12 +46,15 @@ function drawCharts() {
   const box = document.getElementById("charts");
   const x = document.getElementById("x-axis").value;
   const alpha = Number(document.getElementById("smoothing").value);
-  let pattern;
-  try { pattern = new RegExp(document.getElementById("metric-filter").value || "."); }
-  catch { pattern = /./; }
+  // words separated by "|", any of which a name contains (case aside): never a regular
+  // expression, since the filter also comes from a link, and a pattern can backtrack for ever
+  const words = document.getElementById("metric-filter").value.toLowerCase().split("|")
+    .map((word) => word.trim()).filter(Boolean);
   const keys = new Set();
   for (const id of state.shown) for (const key of state.metrics[id]?.keys || []) keys.add(key);
-  const chosen = [...keys].filter((key) => pattern.test(key)).sort();
+  const chosen = [...keys]
+    .filter((key) => !words.length || words.some((word) => key.toLowerCase().includes(word)))
+    .sort();
   box.replaceChildren();
   for (const key of chosen) box.append(chart(key, x, alpha));
   if (!chosen.length) box.append(el("p", { text: "No metric matches the filter (yet)." }));
