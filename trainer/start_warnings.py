@@ -21,9 +21,9 @@ def start_warnings(cfg: TrainerConfig) -> list[str]:
 
 def _kl_penalty_warning(cfg: TrainerConfig) -> str | None:
     """``kl_mode: penalty`` takes the KL from the scores before GRPO/GiGPO divide by the group's
-    std (``trainer.algos.advantages.kl_penalised_rewards``, as verl does): ``kl_coef`` then scales
-    nothing (the std divides it out), and a group whose episodes all scored alike gets
-    full-size advantages from the KL's noise alone."""
+    std (``trainer.algos.advantages.kl_penalised_rewards``, as verl does): the std divides
+    ``kl_coef`` out where the KL is what differs, and a group whose episodes all scored alike
+    gets full-size advantages from the KL's noise alone."""
     algo, loss = cfg.algorithm, cfg.algorithm.loss
     if cfg.train.steps == 0 or loss.kl_coef == 0 or loss.kl_mode != "penalty":
         return None
@@ -31,8 +31,9 @@ def _kl_penalty_warning(cfg: TrainerConfig) -> str | None:
         return None
     return (
         f"algorithm.loss.kl_mode=penalty with {algo.advantage_estimator}: the KL is taken from "
-        "the scores before the group's std divides them, so kl_coef="
-        f"{loss.kl_coef:g} scales nothing and a group whose episodes all scored alike is "
-        "trained on the KL's noise at full size; use kl_mode: loss (GRPO's own), or "
+        "the scores before the group's std divides them, so the std divides kl_coef="
+        f"{loss.kl_coef:g} out where the KL is what differs, and a group whose episodes all "
+        "scored alike is trained on the KL's noise at full size; use kl_mode: loss (GRPO's "
+        "own), or "
         "algorithm.normalize_std: false (Dr. GRPO)"
     )
