@@ -203,18 +203,7 @@ def test_dropout_in_the_policys_own_config_is_warned_once_at_start(
 
     runs = record_runs(monkeypatch)
     folder = checkpoint(tmp_path, config)
-    result = CliRunner().invoke(
-        main,
-        [
-            "train",
-            str(QUICKSTART),
-            *TINY,
-            "model.tiny=null",
-            f"model.path={folder}",
-            "logging.progress=false",
-            f"output_dir={tmp_path / 'run'}",
-        ],
-    )
+    result = train_from(folder, tmp_path)
     assert result.exit_code == 0, result.output
     assert len(runs) == 1
     assert result.output.count("PPO ratio") == int(bool(named)), result.output
@@ -231,7 +220,15 @@ def test_an_sft_only_run_keeps_the_policys_dropout_unwarned(
 
     record_runs(monkeypatch)
     folder = checkpoint(tmp_path, {**LLAMA, "attention_dropout": 0.1})
-    result = CliRunner().invoke(
+    result = train_from(folder, tmp_path, "train.steps=0")
+    assert result.exit_code == 0, result.output
+    assert "PPO ratio" not in result.output
+
+
+def train_from(folder: Path, tmp_path: Path, *overrides: str) -> Any:
+    """``envhub train`` of the quickstart on the policy in ``folder`` (its workers recorded,
+    not started: ``record_runs``)."""
+    return CliRunner().invoke(
         main,
         [
             "train",
@@ -239,10 +236,8 @@ def test_an_sft_only_run_keeps_the_policys_dropout_unwarned(
             *TINY,
             "model.tiny=null",
             f"model.path={folder}",
-            "train.steps=0",
+            *overrides,
             "logging.progress=false",
             f"output_dir={tmp_path / 'run'}",
         ],
     )
-    assert result.exit_code == 0, result.output
-    assert "PPO ratio" not in result.output
