@@ -588,7 +588,8 @@ def _unheld_unix_sockets(proc_fd: int, holders: Callable[[], Iterable[int]]) -> 
         os.close(fd)
     # "Num RefCount Protocol Flags Type St Inode [Path]": the inode is what an fd links to
     listed = {fields[6] for fields in map(str.split, text.splitlines()[1:]) if len(fields) > 6}
-    for pid in holders():
+    named = holders()  # (asked either way: what it names is after the table)
+    for pid in named if listed else ():
         with contextlib.suppress(OSError):  # (a process that is gone holds nothing)
             for name in os.listdir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
