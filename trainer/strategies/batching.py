@@ -119,12 +119,13 @@ class BatchingFrontend:
                 future.set_result(GenerationResult(request_id, [], [], "abort", self.version))
 
     def dispatched(self, request_id: str) -> bool:
-        """Whether ``request_id`` is in a batch handed over and not answered yet (its task may
-        not have run yet: then it is neither queued here nor running in the engine)."""
+        """Whether ``request_id`` is in a batch handed over whose task has not ended (it may
+        not have run yet: then the request is neither queued here nor running in the engine;
+        or its caller gave it up while the engine still runs it)."""
         return any(
-            request.request_id == request_id and not future.done()
+            request.request_id == request_id
             for batch in self._batches.values()
-            for request, future in batch
+            for request, _ in batch
         )
 
     async def close(self) -> None:

@@ -405,6 +405,20 @@ class RankEngine(BatchingFrontend):
         """Also on the rank when the request may be there: running, or in a batch handed over
         whose task has not sent it yet (the rank refuses an id aborted before it arrives)."""
         await super().abort(request_id)
+        self._stop_on_rank(request_id)
+
+    def start_generate(self, request: GenerationRequest) -> asyncio.Future[GenerationResult]:
+        """``BatchingFrontend.start_generate``; a request whose caller gives it up (cancels the
+        future: ``rollout.generate_timeout_s``) is aborted on the rank too, not left generating
+        there to ``max_new_tokens``."""
+        future = super().start_generate(request)
+        request_id = request.request_id
+        future.add_done_callback(
+            lambda done: self._stop_on_rank(request_id) if done.cancelled() else None
+        )
+        return future
+
+    def _stop_on_rank(self, request_id: str) -> None:
         if request_id in self._running or self.dispatched(request_id):
             self._abort_running([request_id])
 

@@ -237,3 +237,29 @@ def test_an_abort_right_after_its_batch_left_the_queue_reaches_the_rank(policy_d
     finally:
         cluster.shutdown()
     assert finish == "abort" and still == []
+
+
+def test_a_request_its_caller_gave_up_stops_on_the_rank(policy_dir: Path) -> None:
+    """A turn given up (``rollout.generate_timeout_s``: the router cancels its part) must not
+    keep generating on the rank, holding its slot to ``max_new_tokens``."""
+    cluster = held_cluster(policy_dir, "local")
+    [engine] = cluster.rank_engines()
+    router = EngineRouter([engine])
+
+    async def released() -> None:
+        while "long1/0" in await asyncio.to_thread(holding, cluster):
+            await asyncio.sleep(0.01)
+
+    async def play() -> None:
+        answer = router.start_generate(GenerationRequest("long1/0", PROMPT, 10**6))
+        await until_held(cluster, "long1/0")
+        answer.cancel()
+        try:
+            await asyncio.wait_for(released(), GUARD_S)
+        finally:
+            await engine.close()
+
+    try:
+        asyncio.run(play())
+    finally:
+        cluster.shutdown()
