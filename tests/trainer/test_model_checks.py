@@ -29,15 +29,8 @@ LLAMA = {
     "intermediate_size": 64,
     "max_position_embeddings": 256,
 }
-PHI = {  # a family trainer.model_shape does not know: read off the model built on the meta device
-    "model_type": "phi",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "intermediate_size": 64,
-    "max_position_embeddings": 256,
-}
+PHI = {**LLAMA, "model_type": "phi"}
+"""A family ``trainer.model_shape`` does not know: read off the model built on the meta device."""
 BLOOM = {"model_type": "bloom", "vocab_size": 64, "hidden_size": 32, "n_layer": 2, "n_head": 4}
 FALCON = {
     "model_type": "falcon",
