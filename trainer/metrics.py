@@ -42,9 +42,10 @@ __all__ = [
 
 
 def summarise(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
-    """Success rate, mean return, turns, invalid-action rate and lengths of ``trajectories``;
-    with several envs also ``{prefix}/{env id}/success`` and ``/reward`` per env (the pooled
-    figures stay, weighted by episodes)."""
+    """Success rate, mean return, turns, invalid-action rate, the share of episodes cut short
+    (``truncated``: ``rollout.max_turns``, the context, or the env's time limit) and lengths of
+    ``trajectories``; with several envs also ``{prefix}/{env id}/success`` and ``/reward`` per
+    env (the pooled figures stay, weighted by episodes)."""
     n = max(len(trajectories), 1)
     turns = sum(t.num_turns for t in trajectories)
     by_env: dict[str, list[Trajectory]] = {}
@@ -62,6 +63,7 @@ def summarise(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, floa
         f"{prefix}/reward": sum(t.episode_reward for t in trajectories) / n,
         f"{prefix}/turns": turns / n,
         f"{prefix}/invalid_rate": sum(t.invalid_actions for t in trajectories) / max(turns, 1),
+        f"{prefix}/truncated": sum(t.truncated for t in trajectories) / n,
         f"{prefix}/response_tokens": sum(t.num_policy_tokens for t in trajectories) / n,
         f"{prefix}/sequence_tokens": sum(t.num_tokens for t in trajectories) / n,
         f"{prefix}/episodes": float(len(trajectories)),

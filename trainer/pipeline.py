@@ -214,7 +214,12 @@ class AgenticPipeline:
         algo = self.cfg.algorithm
         step_gamma = algo.gamma if algo.advantage_estimator == "gigpo" else None
         return Batch(
-            collate(episodes, self.renderer.tokenizer.pad_token_id, step_gamma),
+            collate(
+                episodes,
+                self.renderer.tokenizer.pad_token_id,
+                step_gamma,
+                mask_truncated=algo.mask_truncated,
+            ),
             meta={"episodes": len(episodes)},
         )
 

@@ -125,3 +125,48 @@ def test_normalize_std_with_an_estimator_it_does_not_change_is_refused() -> None
     [problem] = problems_of(["algorithm.advantage_estimator=rloo", "algorithm.normalize_std=false"])
     assert problem.startswith("algorithm.normalize_std: false (Dr. GRPO) changes grpo and gigpo")
     assert "algorithm.advantage_estimator=rloo" in problem
+
+
+# --------------------------------------------------------------------------- truncated episodes
+
+
+def cut_group(truncated: tuple[bool, ...]) -> list:
+    """One group of episodes of one policy token each, scoring 3, 0, 0, ...; some cut short."""
+    from trainer.rollout.trajectory import Trajectory
+
+    episodes = []
+    for i, cut in enumerate(truncated):
+        episode = Trajectory("e", i, group_id=0)
+        episode.append_context([10])
+        episode.append_policy([11], [-0.5])
+        episode.end_turn(3.0 if i == 0 else 0.0)
+        episode.truncated = cut
+        episodes.append(episode)
+    return episodes
+
+
+def advantages_of(episodes: list, overrides: list[str]) -> tuple[list[float], list[float]]:
+    """(the advantage of each episode's policy token, its response mask) as the pipeline
+    collates and scores them."""
+    from trainer.pipeline import AgenticPipeline
+
+    cfg = load_config(None, overrides)
+    fake = SimpleNamespace(
+        cfg=cfg, renderer=SimpleNamespace(tokenizer=SimpleNamespace(pad_token_id=0))
+    )
+    batch = AgenticPipeline.to_batch(fake, episodes)  # type: ignore[arg-type]
+    AgenticPipeline.compute_advantages(fake, batch)  # type: ignore[arg-type]
+    return batch["advantages"][:, 1].tolist(), batch["response_mask"][:, 1].tolist()
+
+
+def test_mask_truncated_trains_nothing_of_a_cut_episode_and_keeps_its_score_in_the_baseline() -> (
+    None
+):
+    """DAPO's overlong filtering: an episode cut short (here the second) gives no loss tokens;
+    the others' advantages are what they were, the cut one still in their group's mean."""
+    episodes = cut_group((False, True, False))
+    plain, plain_mask = advantages_of(episodes, [])
+    masked, mask = advantages_of(episodes, ["algorithm.mask_truncated=true"])
+    assert plain_mask == [1.0, 1.0, 1.0] and plain[1] != 0  # by default it trains as ended
+    assert mask == [1.0, 0.0, 1.0] and masked[1] == 0.0
+    assert masked[0] == pytest.approx(plain[0]) and masked[2] == pytest.approx(plain[2])

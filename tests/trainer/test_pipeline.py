@@ -163,3 +163,18 @@ def test_a_build_that_fails_after_the_workers_started_stops_them_and_frees_the_f
     [roles] = started
     assert all(cluster._closed for cluster in roles.clusters), "the workers were left running"
     build(tmp_path).close()  # the run folder's lock was released
+
+
+def test_truncated_episodes_are_counted_and_with_mask_truncated_not_trained(tmp_path: Path) -> None:
+    """One move per episode cuts every episode that has not fallen in a hole: the share shows
+    as ``train/truncated``, and with ``algorithm.mask_truncated`` none of their tokens gets an
+    advantage (the stored episodes, as the viewer shows them)."""
+    import envhub.runs
+
+    rows = run(tmp_path, "rollout.max_turns=1", "algorithm.mask_truncated=true")
+    stored = envhub.runs.open(tmp_path / "run")
+    page = stored.episodes(kind="train", step=1, limit=None)
+    cut = [row for row in page.rows if row["truncated"]]
+    assert cut and rows[-1]["train/truncated"] == pytest.approx(len(cut) / page.total)
+    for row in cut:
+        assert not any(stored.episode(row["key"])["advantages"]), row["key"]

@@ -44,7 +44,11 @@ def episode_advantages(
 
 
 def collate(
-    trajectories: Sequence[Trajectory], pad_token_id: int, step_gamma: float | None = None
+    trajectories: Sequence[Trajectory],
+    pad_token_id: int,
+    step_gamma: float | None = None,
+    *,
+    mask_truncated: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Right-padded training tensors for ``trajectories`` (shapes in the module docstring).
 
@@ -56,7 +60,9 @@ def collate(
     many turns it took, and GAE and Reinforce++ credit a row with its episode's later rows
     (``trainer.algos.advantages.later_returns``, discounted as one row would be). With
     samples and ``step_gamma`` (GiGPO's discount; only GiGPO asks), ``state_ids`` and
-    ``step_returns`` (B,) are its inputs (``turn_states``)."""
+    ``step_returns`` (B,) are its inputs (``turn_states``). ``mask_truncated``
+    (``algorithm.mask_truncated``): the rows of an episode that was cut short have an all-zero
+    ``response_mask`` (nothing of them is trained) and keep their score (group baselines)."""
     import torch
 
     dtypes = {"q": torch.int64, "i": torch.int32, "b": torch.int8, "d": torch.float64}
@@ -86,6 +92,8 @@ def collate(
             ):
                 tensor[r, :n] = torch.frombuffer(values, dtype=dtypes[values.typecode])
         attention_mask[r, :n] = 1
+        if mask_truncated and episode.truncated:
+            response_mask[r] = 0.0
         if len(row.turn_ends) != len(row.turn_rewards):
             raise ValueError(
                 f"a trajectory of {row.env_id!r} has {len(row.turn_rewards)} turn rewards for "
