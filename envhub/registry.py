@@ -21,8 +21,9 @@ load. Nobody owns a namespace, and no plugin may take another's id: an id two pl
 is refused for both (install order must not pick the env), and using it is an error naming
 both packages; a built-in or a run-time ``register()`` keeps its id unless the plugin passes
 ``override=True`` (warned). Using any id of a namespace where a plugin failed or collided
-warns, naming the problem. Every registered id is mirrored into Gymnasium's registry, so after
-any envhub lookup (or ``load_plugins()``) ``gymnasium.make`` accepts the same ids.
+warns, naming the problem. Every registered id is mirrored into Gymnasium's registry
+(``envhub.gymnasium_mirror``), so after any envhub lookup (or ``load_plugins()``)
+``gymnasium.make`` accepts the same ids.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from envhub import gymnasium_mirror
 from envhub.errors import EnvKwargsError, RegistrationError, UnknownEnvError
 from envhub.plugins import (
     PLUGINS_VARIABLE,
@@ -90,6 +92,15 @@ def import_target(path: str) -> Any:
     return target
 
 
+def _turn_limit(id: str, kwargs: dict[str, Any], max_turns: Any) -> int | None:
+    """The ``max_turns`` a spec builds with: its kwargs' when they hold one (``make`` passes
+    them as given), else the registered one; a ``RegistrationError`` unless a positive int."""
+    value = kwargs.get("max_turns", max_turns)
+    if value is not None and (type(value) is not int or value < 1):
+        raise RegistrationError(f"{id}: max_turns must be a positive int, got {value!r}")
+    return value
+
+
 def _parse_id(env_id: str) -> tuple[str, str, int]:
     match = _ID.match(env_id) if isinstance(env_id, str) else None
     if match is None:
@@ -110,7 +121,9 @@ class EnvSpec:
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Default constructor kwargs; ``make(id, **overrides)`` layers on top."""
     max_turns: int | None = None
-    """Passed as ``max_turns`` when the env accepts it and the caller gave none."""
+    """The turn limit ``make(id)`` builds with (``kwargs["max_turns"]`` where the kwargs hold
+    one, a variant's included); passed as ``max_turns`` when the env accepts it and neither the
+    kwargs nor the caller give one. ``None``: the env picks its own."""
     description: str = ""
     family: str = ""
     """The id this spec was registered under; variants share their family's id."""
@@ -151,7 +164,7 @@ class EnvSpec:
     def make(self, **kwargs: Any) -> Any:
         """Build the environment with this spec's kwargs overridden by ``kwargs``."""
         env = self.load_entry_point()(**self.constructor_kwargs(kwargs))
-        _attach_gymnasium_spec(env, self, kwargs)
+        gymnasium_mirror.attach_spec(env, self, kwargs)
         return env
 
     def constructor_kwargs(self, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -233,13 +246,12 @@ class Registry:
             raise RegistrationError(
                 f"{id}: entry_point must be 'module:ClassName' or a callable, got {entry_point!r}"
             )
-        if max_turns is not None and (not isinstance(max_turns, int) or max_turns < 1):
-            raise RegistrationError(f"{id}: max_turns must be a positive int, got {max_turns!r}")
+        family = dict(kwargs or {})
         base = EnvSpec(
             id=id,
             entry_point=entry_point,
-            kwargs=dict(kwargs or {}),
-            max_turns=max_turns,
+            kwargs=family,
+            max_turns=_turn_limit(id, family, max_turns),
             description=description,
             family=id,
             source=self._loading or "user",
@@ -251,11 +263,15 @@ class Registry:
                     f"{id}: variant name {variant!r} must be letters, digits, '_' or '.' (e.g. "
                     "'8x8', 'hard')"
                 )
+            variant_id, merged = f"{namespace}/{name}-{variant}-v{version}", {**family, **overrides}
+            changes = ", ".join(f"{key}={value}" for key, value in overrides.items())
             specs.append(
                 replace(
                     base,
-                    id=f"{namespace}/{name}-{variant}-v{version}",
-                    kwargs={**base.kwargs, **overrides},
+                    id=variant_id,
+                    kwargs=merged,
+                    max_turns=_turn_limit(variant_id, merged, max_turns),
+                    description=f"{description} Variant {variant}: {changes}.".lstrip(),
                     variant=variant,
                 )
             )
@@ -278,7 +294,7 @@ class Registry:
 
     def _put(self, spec: EnvSpec) -> None:
         self._specs[spec.id] = spec
-        _mirror_to_gymnasium(spec)
+        gymnasium_mirror.mirror(spec)
 
     def _claim(self, new: EnvSpec, *, override: bool) -> None:
         """Register a loading plugin's spec, unless another registration holds its id."""
@@ -515,37 +531,6 @@ class Registry:
 
     def __len__(self) -> int:
         return len(self.list_envs())
-
-
-_GYMNASIUM_ENTRY = "envhub.registry:_make_for_gymnasium"
-
-
-def _make_for_gymnasium(envhub_id: str, **kwargs: Any) -> Any:
-    """What ``gymnasium.make`` calls for an envhub id (a string entry point, so picklable)."""
-    return registry.make(envhub_id, **kwargs)
-
-
-def _mirror_to_gymnasium(spec: EnvSpec) -> None:
-    """Register ``spec`` with Gymnasium too, so ``gymnasium.make(spec.id)`` works."""
-    import gymnasium
-
-    if spec.id not in gymnasium.registry:
-        gymnasium.register(id=spec.id, entry_point=_GYMNASIUM_ENTRY, kwargs={"envhub_id": spec.id})
-
-
-def _attach_gymnasium_spec(env: Any, spec: EnvSpec, overrides: dict[str, Any]) -> None:
-    """Give the env a Gymnasium ``spec`` that rebuilds it (``gymnasium.make(env.spec)``)."""
-    import gymnasium
-
-    unwrapped = getattr(env, "unwrapped", None)
-    if unwrapped is None:
-        return
-    try:
-        unwrapped.spec = gymnasium.envs.registration.EnvSpec(
-            id=spec.id, entry_point=_GYMNASIUM_ENTRY, kwargs={"envhub_id": spec.id, **overrides}
-        )
-    except AttributeError:  # a read-only spec property on some custom env
-        pass
 
 
 registry = Registry()

@@ -5,6 +5,13 @@ the interpreter runs it *in its own state* (``eval`` in bash, ``exec`` in one gl
 Python) with stdin from ``/dev/null``, then prints an end marker carrying the exit status on
 stdout and a second one on stderr. We read both streams until both markers arrive.
 
+The interpreter keeps copies of its stdout and stderr pipes, made when it starts, and points
+fds 1 and 2 back at them after every command before it writes the markers: a command that
+redirects or closes the shell's own streams (``exec 2>&1``, ``exec >/dev/null``, ``exec 2>&-``)
+changes them for the rest of that command only, as far as the caller can tell. Should the exit
+status come but the stderr marker not (a command that reached the saved copies themselves),
+the interpreter is restarted at once rather than the finished command reported killed.
+
 On timeout we first interrupt just the command (SIGKILL to the shell's descendants; SIGINT
 to the Python interpreter, which raises ``KeyboardInterrupt`` in the cell), so cwd, variables
 and imports survive. If the marker still does not come, the interpreter is killed and
@@ -28,7 +35,14 @@ from typing import IO, Protocol
 from sandboxes.base import ExecResult, Limits, Session, _decode
 from sandboxes.errors import SessionError
 
-__all__ = ["PYTHON_DRIVER", "PipeSession", "SessionProcess", "bash_frame", "python_frame"]
+__all__ = [
+    "BASH_PRELUDE",
+    "PYTHON_DRIVER",
+    "PipeSession",
+    "SessionProcess",
+    "bash_frame",
+    "python_frame",
+]
 
 _MARK = b"__ENVHUB_END_"
 _GRACE_S = 2.0
@@ -37,6 +51,7 @@ PYTHON_DRIVER = r"""
 import ast, os, signal, sys, traceback
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a background launch may have ignored it
 proto = os.fdopen(os.dup(0), "rb", buffering=0)
+saved_out, saved_err = os.dup(1), os.dup(2)  # the protocol's pipes, whatever a cell does to 1, 2
 null = os.open(os.devnull, os.O_RDONLY); os.dup2(null, 0); os.close(null)
 sys.stdin = open(os.devnull)
 g = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -83,19 +98,31 @@ while True:
             stream.flush()
         except Exception:
             pass
+    os.dup2(saved_out, 1); os.dup2(saved_err, 2)
     os.write(1, b"\n__ENVHUB_END_" + nonce + b"_RC_" + str(rc).encode() + b"\n")
     os.write(2, b"\n__ENVHUB_END_" + nonce + b"\n")
 """
 
 
-def bash_frame(code: str, nonce: str) -> bytes:
-    """``eval $'<code as \\xHH>' </dev/null`` + end markers.
+_SAVED_OUT, _SAVED_ERR = 62, 63
+"""Where a bash session keeps copies of its stdout and stderr pipes: clear of the 3-9 scripts
+use and of the 10 and up that bash hands out (``exec {fd}>file``) and saves fds on."""
+BASH_PRELUDE = f"exec {_SAVED_OUT}>&1 {_SAVED_ERR}>&2\n".encode()
+"""Sent once when a bash session starts."""
 
-    Any text, even broken syntax, is safe to send this way.
+
+def bash_frame(code: str, nonce: str) -> bytes:
+    """``eval $'<code as \\xHH>' </dev/null``, fds 1 and 2 restored, then the end markers.
+
+    Any text, even broken syntax, is safe to send this way. The saved pipes are closed for the
+    command (bash puts them back after it), so it cannot touch them, and nothing it starts in
+    the background holds the session's pipes open once it has redirected its own output.
     """
     quoted = "".join(f"\\x{b:02x}" for b in code.encode())
+    saved = f"{_SAVED_OUT}>&- {_SAVED_ERR}>&-"
     return (
-        f"eval $'{quoted}' </dev/null\n__envhub_rc=$?\n"
+        f"eval $'{quoted}' </dev/null {saved}\n__envhub_rc=$?\n"
+        f"exec 1>&{_SAVED_OUT} 2>&{_SAVED_ERR}\n"
         f"printf '\\n{_MARK.decode()}{nonce}_RC_%d\\n' \"$__envhub_rc\"\n"
         f"printf '\\n{_MARK.decode()}{nonce}\\n' >&2\n"
     ).encode()
@@ -107,8 +134,8 @@ def python_frame(code: str, nonce: str) -> bytes:
 
 
 _COMMANDS = {
-    "bash": (["bash", "--noprofile", "--norc"], bash_frame, "bash"),
-    "python": (["python3", "-I", "-u", "-c", PYTHON_DRIVER], python_frame, "python3"),
+    "bash": (["bash", "--noprofile", "--norc"], BASH_PRELUDE, bash_frame, "bash"),
+    "python": (["python3", "-I", "-u", "-c", PYTHON_DRIVER], b"", python_frame, "python3"),
 }
 
 
@@ -190,7 +217,7 @@ class PipeSession(Session):
         workdir: str,
     ) -> None:
         self.language = language
-        self._argv, self._frame, self._comm = _COMMANDS[language]
+        self._argv, self._prelude, self._frame, self._comm = _COMMANDS[language]
         self._spawn, self._kill, self._cleanup = spawn, kill, cleanup
         self._limits, self.workdir = limits, workdir
         self._proc: SessionProcess | None = None
@@ -207,6 +234,10 @@ class PipeSession(Session):
                     f"the {self.language} interpreter was started without output pipes"
                 )
             os.set_blocking(stream.fileno(), False)
+        if self._prelude and self._proc.stdin is not None:
+            with contextlib.suppress(BrokenPipeError, OSError):  # (then the first run restarts)
+                self._proc.stdin.write(self._prelude)
+                self._proc.stdin.flush()
 
     @property
     def alive(self) -> bool:
@@ -295,7 +326,7 @@ class PipeSession(Session):
         while rc is None or not err_done:
             now = time.monotonic()
             if now >= give_up:
-                if interrupted:
+                if interrupted or rc is not None:
                     break
                 timed_out = interrupted = True
                 self._interrupt()
@@ -313,7 +344,8 @@ class PipeSession(Session):
                 if key.fd == out_fd:
                     found = stream.feed(chunk, out_marker)
                     if found:
-                        rc = int(found.group(1))
+                        rc = int(found.group(1))  # (the stderr marker follows at once, or never)
+                        give_up = min(give_up, time.monotonic() + _GRACE_S)
                 else:
                     err_done = err_done or stream.feed(chunk, err_marker) is not None
                 if stream.truncated and not interrupted:
@@ -323,7 +355,13 @@ class PipeSession(Session):
             if not sel.get_map():
                 break  # the interpreter exited (e.g. `exit` in bash)
         note = b""
-        if rc is None:
+        if rc is not None and not err_done:
+            self._restart()  # the command finished, but its stderr can no longer be delimited
+            note = (
+                b"\n[envhub: the session lost its stderr end marker (the command redirected the "
+                b"interpreter's own streams); session restarted, state lost]\n"
+            )
+        elif rc is None:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 if not sel.get_map():
                     proc.wait(timeout=1)

@@ -18,7 +18,9 @@ def register() -> None:
         "games/guess-number-v0",
         "envs.games.guess_number:GuessNumberEnv",
         max_turns=10,
-        description="Find a hidden integer from higher/lower hints (1..100, 10 guesses).",
+        description=(
+            "Find a hidden integer from higher/lower hints (1..100 in 10 guesses by default)."
+        ),
         variants={
             "easy": {"low": 1, "high": 20},
             "hard": {"low": 1, "high": 1000, "max_turns": 12},

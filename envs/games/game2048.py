@@ -2,10 +2,27 @@
 
 A longer-horizon game with stochastic transitions: every move slides all tiles one way,
 equal neighbours merge into their sum (each tile at most once per move), and a new 2
-(probability 0.9) or 4 appears in a random empty cell, drawn from ``np_random``. Reward per
-move: the value of the tiles merged divided by ``target`` (so rewards stay O(1)), plus 1
-for making the target tile, which ends the episode with success. A full board with no
-possible merge ends it in failure. A move that changes nothing is legal but wasted.
+(probability 0.9) or 4 appears in a random empty cell, drawn from ``np_random``. Making the
+``target`` tile ends the episode with success; a full board with no possible merge ends it in
+failure. A move that changes nothing is legal but wasted.
+
+Reward: potential-based shaping (Ng, Harada & Russell, 1999) on the best tile,
+``progress = log2(best tile) / log2(target)`` (0.5 for a 16 when the target is 256, 1 at the
+target). A move pays ``progress(after) - progress(before)``, the spawned tile included, and the
+move that makes the target adds 1. Why this shape:
+
+- Over an episode the shaping adds up to ``progress(last) - progress(first)``, whatever the
+  path: merging small tiles, stalling and putting off the win earn nothing. A win returns
+  ``2 - progress(first)``, more than 1; an episode that does not win returns less than
+  ``1 - progress(first)`` (its best tile is at most half the target). So winning is always the
+  best return (invalid-action penalties aside). Paying merged values (the game's score) would
+  pay more for merging small tiles and keeping the target from forming than for winning.
+- The best tile never shrinks, so no move's reward is negative.
+- It is dense where a success-only reward is not: each doubling of the best tile pays
+  ``1 / log2(target)``, so a policy that cannot win yet still sees which play makes progress
+  (the target takes a good player about 75 moves on the default board).
+
+The game's score (merged values) is still shown and reported in ``info["score"]``.
 
 ``reset(options={"board": [[2, 2, 0, 0], ...]})`` starts from a given grid (for puzzles,
 evaluation and tests); otherwise two random tiles are placed.
@@ -213,20 +230,21 @@ class Game2048Env(GameEnv):
                 f"Try another direction.\n\n{self._render()}",
                 info=self._info(direction=direction, moved=False),
             )
+        before = self._progress()
         self._board = after
         self._score += gained
-        reward = gained / self.target
         merged = f", merging tiles worth {gained}" if gained else ""
         if _max_tile(after) >= self.target:
             return Turn(
                 f"Moved {direction}{merged}. You made the {self.target} tile and won!\n\n"
                 f"{self._render()}",
-                reward=reward + 1.0,
+                reward=self._progress() - before + 1.0,
                 terminated=True,
                 success=True,
                 info=self._info(direction=direction, moved=True, merged=gained),
             )
         self._spawn()
+        reward = self._progress() - before
         info = self._info(direction=direction, moved=True, merged=gained)
         if not can_move(self._board):
             return Turn(
@@ -237,6 +255,10 @@ class Game2048Env(GameEnv):
                 info=info,
             )
         return Turn(f"Moved {direction}{merged}.\n\n{self._render()}", reward=reward, info=info)
+
+    def _progress(self) -> float:
+        """log2(best tile) / log2(target): the potential the reward is shaped on (see above)."""
+        return (_max_tile(self._board).bit_length() - 1) / (self.target.bit_length() - 1)
 
     def _spawn(self) -> None:
         """Put a 2 (p=0.9) or a 4 in a uniformly random empty cell."""

@@ -2,9 +2,11 @@
 
 ``TaskSite`` is a small WSGI app (a members' club site: home, sign-up form, settings with a
 profile page, contact form, store pages) that records every form submission, so task
-checkers can look at what the agent really submitted. ``/slow`` never answers in time, to
-test page-load timeouts. Each task is a dict ``{"kind", "instruction", ...}`` drawn from a
-seed; ``check(task, site, url, answer)`` says whether it is done.
+checkers can look at what the agent really submitted. A site built with ``slow_seconds``
+also serves ``/slow``, which answers only after that long, for tests of page-load timeouts; the
+env's site has none (an agent's ``goto [/slow]`` finds "Not found", not a step that waits out
+the page timeout while a server thread sleeps). Each task is a dict ``{"kind", "instruction",
+...}`` drawn from a seed; ``check(task, site, url, answer)`` says whether it is done.
 """
 
 from __future__ import annotations
@@ -120,9 +122,11 @@ def _page(title: str, body: str) -> bytes:
 
 
 class TaskSite:
-    """The members' club site; ``submissions`` maps a form path to the records posted to it."""
+    """The members' club site; ``submissions`` maps a form path to the records posted to it.
 
-    def __init__(self, member_id: str = "M-000000", slow_seconds: float = 120.0) -> None:
+    ``slow_seconds``: serve ``/slow`` after sleeping that long (tests of page timeouts only)."""
+
+    def __init__(self, member_id: str = "M-000000", slow_seconds: float | None = None) -> None:
         self.member_id = member_id
         self.slow_seconds = slow_seconds
         self.submissions: dict[str, list[dict[str, str]]] = {}
@@ -204,7 +208,7 @@ class TaskSite:
                 f"{path[8:].capitalize()} store",
                 "<p>Opening hours: Mon-Fri 9:00-18:00, Sat 10:00-14:00.</p>",
             )
-        if path == "/slow":
+        if path == "/slow" and self.slow_seconds is not None:  # a test page only
             time.sleep(self.slow_seconds)
             return 200, _page("Finally", "<p>Loaded.</p>")
         return 404, _page("Not found", "<p>There is no such page.</p>")

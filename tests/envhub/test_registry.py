@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
 import gymnasium
 import pytest
+from click.testing import CliRunner
 
 import envhub
+from envhub.cli import main
 from envhub.errors import EnvKwargsError, RegistrationError, UnknownEnvError
 from envhub.registry import Registry
 
@@ -35,6 +38,43 @@ def test_variants_layer_kwargs_on_the_family(fresh_registry):
     env = fresh_registry.make("acme/countdown-stop-v1")
     assert (env.goal, env.max_turns) == ("stop", 9)
     assert [s.id for s in fresh_registry.list_envs(variants=False)] == ["acme/countdown-v1"]
+
+
+def test_a_variant_reports_the_max_turns_and_description_it_is_made_with(fresh_registry):
+    """Rollouts are sized from the spec (as from Gymnasium's ``max_episode_steps``): a variant
+    that sets ``max_turns`` says so in its spec, and its description says what it changes."""
+    fresh_registry.register(
+        "acme/countdown-v2",
+        COUNTDOWN,
+        kwargs={"goal": "go"},
+        max_turns=5,
+        description="Say go (in 5 turns by default).",
+        variants={"long": {"max_turns": 9}, "stop": {"goal": "stop"}},
+    )
+    fresh_registry.register("acme/countdown-v3", COUNTDOWN, kwargs={"max_turns": 7}, max_turns=5)
+    for id, turns in (("countdown-long-v2", 9), ("countdown-stop-v2", 5), ("countdown-v3", 7)):
+        spec = fresh_registry.spec(f"acme/{id}")
+        assert (spec.max_turns, fresh_registry.make(spec.id).max_turns) == (turns, turns), id
+    long = fresh_registry.spec("acme/countdown-long-v2").description
+    assert long == "Say go (in 5 turns by default). Variant long: max_turns=9."
+
+
+def test_spec_and_list_json_give_each_builtin_id_the_max_turns_make_builds():
+    from envhub.registry import BUILTIN_PLUGINS
+
+    result = CliRunner().invoke(main, ["list", "--json"])
+    listed = {row["id"]: row for row in json.loads(result.stdout)["envs"]}
+    builtin = [s for s in envhub.list_envs() if s.source in BUILTIN_PLUGINS]
+    assert sum(s.variant is not None for s in builtin) >= 10
+    for spec in builtin:
+        assert listed[spec.id]["max_turns"] == spec.max_turns, spec.id
+        if spec.max_turns is not None:  # None: the env picks its own (see EnvSpec.max_turns)
+            env = envhub.make(spec.id)
+            assert env.max_turns == spec.max_turns, spec.id
+            env.close()
+    hard = envhub.spec("games/guess-number-hard-v0").description
+    assert "high=1000" in hard and "max_turns=12" in hard, hard
+    assert "target=256" in envhub.spec("games/2048-256-v0").description
 
 
 def test_namespace_may_be_omitted_when_unambiguous(fresh_registry):

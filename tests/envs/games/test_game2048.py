@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import envhub
-from envs.games.game2048 import Game2048Env, can_move, merge_line, slide
+from envhub.checker import check_env
+from envs.games.game2048 import DIRECTIONS, Game2048Env, best_move, can_move, merge_line, slide
 
 ENV_ID = "games/2048-v0"
 
@@ -77,7 +80,8 @@ def test_move_merges_scores_and_spawns_one_tile():
     messages, reward, terminated, truncated, info = env.step("<answer>left</answer>")
     board = info["board"]
     assert board[0] == [4, 4, 0, 0]
-    assert reward == pytest.approx(8 / 128) and info["merged"] == 8 and info["score"] == 8
+    # the best tile stays 4: merging pays only as far as it makes a larger best tile
+    assert reward == 0.0 and info["merged"] == 8 and info["score"] == 8
     assert (terminated, truncated, info["moved"]) == (False, False, True)
     old = {(0, 0), (0, 1), (3, 0)}
     new = [(r, c) for r in range(4) for c in range(4) if board[r][c] and (r, c) not in old]
@@ -101,7 +105,7 @@ def test_reaching_the_target_wins():
     env.reset(seed=0, options={"board": [[64, 64, 0, 0], [0] * 4, [0] * 4, [2, 0, 0, 0]]})
     messages, reward, terminated, truncated, info = env.step("<answer>LEFT</answer>")
     assert (terminated, truncated, info["success"]) == (True, False, True)
-    assert reward == pytest.approx(128 / 128 + 1.0) and info["max_tile"] == 128
+    assert reward == pytest.approx(1 / 7 + 1.0) and info["max_tile"] == 128  # 64 -> 128, won
     assert "won" in messages[0]["content"]
 
 
@@ -217,5 +221,65 @@ def test_expert_reaches_the_target():
             _, reward, _, _, info = env.step(env.expert_action())
             total += reward
         wins += info["success"] and info["turn"] <= 200
-        assert total < 20  # rewards stay O(1): merged values are divided by the target
+        assert total <= 2  # the shaping adds up to at most 1, plus 1 for the win
     assert wins >= 16
+
+
+# ------------------------------------------------------------------ the return points at the win
+def avoider(env: Game2048Env) -> str:
+    """A player that makes the target tile only when no other move is legal: it keeps merging
+    smaller tiles (largest merge first) and keeps a non-winning move in reserve for the next turn
+    for as long as the game allows."""
+    board, target = env.board, env.target
+    legal = [(d, after) for d in DIRECTIONS if (after := slide(board, d)[0]) != board]
+    safe = [(d, after) for d, after in legal if max(map(max, after)) < target]
+
+    def room(after) -> int:  # non-winning moves left after this one (spawns ignored)
+        return sum(
+            1
+            for d in DIRECTIONS
+            if (nxt := slide(after, d)[0]) != after and max(map(max, nxt)) < target
+        )
+
+    if not safe:
+        return best_move(board) or "up"
+    return max(safe, key=lambda move: (min(room(move[1]), 2), slide(board, move[0])[1]))[0]
+
+
+def play(env: Game2048Env, seed: int, policy) -> tuple[float, bool, int]:
+    """One episode: its return, whether it won, and the largest tile it started with."""
+    _, info = env.reset(seed=seed)
+    start, total = info["max_tile"], 0.0
+    while not env.done:
+        _, reward, _, _, info = env.step(policy(env))
+        total += reward
+    return total, info["success"], start
+
+
+def test_winning_returns_more_than_any_play_that_does_not_win():
+    """Putting off the last merge to keep merging smaller tiles must not pay: RL maximises the
+    return, so the return has to rank a win above every episode that does not win."""
+    env = make()
+    wins, losses, starts = [], [], []
+    for seed in range(6):
+        for policy in (lambda e: e.expert_action(), avoider):
+            total, won, start = play(env, seed, policy)
+            (wins if won else losses).append(total)
+            starts += [start] if won else []
+    assert wins and losses
+    assert min(wins) > 1 > max(losses), (wins, losses)
+    # a win's shaping adds up to the progress from the first board's best tile, plus the bonus
+    assert wins == pytest.approx([2 - math.log2(start) / math.log2(128) for start in starts])
+
+
+def test_a_move_pays_for_the_larger_best_tile_not_for_merging():
+    env = make()
+    env.reset(seed=0, options={"board": [[8, 8, 0, 0], [2, 2, 0, 0], [0] * 4, [0] * 4]})
+    _, reward, _, _, info = env.step("left")  # best tile 8 -> 16
+    assert info["merged"] == 20 and reward == pytest.approx(1 / 7)
+    _, reward, _, _, info = env.step("right")  # 16 stays the best tile
+    assert info["max_tile"] == 16 and reward == 0.0
+
+
+def test_envhub_check_passes():
+    check_env(make(), factory=make)  # raises EnvCheckError listing what failed (the expert wins)

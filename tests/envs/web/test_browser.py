@@ -133,11 +133,23 @@ class TestOnOneChromium:
         finally:
             env.close()
 
+    def test_the_slow_test_page_is_not_part_of_the_site_an_agent_browses(self) -> None:
+        """``/slow`` exists to test page-load timeouts; an agent's ``goto [/slow]`` must not cost
+        a step the whole page timeout (and park a server thread asleep)."""
+        env = envhub.make("web/browser-v0", page_timeout_s=1.5)
+        try:
+            env.reset(options={"task_id": "signup-000"})
+            reply, _, terminated, _, _ = env.step("<answer>goto [/slow]</answer>")
+            text = reply[0]["content"]
+            assert "Title: Not found" in text and "did not load" not in text and not terminated
+        finally:
+            env.close()
+
     def test_a_page_that_never_loads_is_an_observation_not_a_hang(self) -> None:
         env = envhub.make("web/browser-v0", page_timeout_s=1.5)
         try:
             env.reset(seed=0)
-            env._site.slow_seconds = 4
+            env._site.slow_seconds = 4  # turns /slow on: a page that answers after 4 s
             reply, _, terminated, _, _ = env.step("<answer>goto [/slow]</answer>")
             assert "did not load within 1.5s" in reply[0]["content"] and not terminated
         finally:
