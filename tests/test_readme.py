@@ -121,3 +121,17 @@ def run_snippet(where: str, source: str) -> None:
         check=False,  # the assert below shows the output
     )
     assert proc.returncode == 0, f"the snippet at {where} failed:\n{source}\n{proc.stderr[-3000:]}"
+
+
+def test_the_served_policy_is_evaluated_on_the_trainers_evaluation_seeds() -> None:
+    """The README's ``envhub eval`` of a served quickstart policy plays the seeds the trainer's
+    ``eval/success`` is measured on (from ``EVAL_SEED_BASE``; training seeds stay below it),
+    as many as the quickstart evaluates, so the two figures compare."""
+    from trainer.config import load_config
+    from trainer.rollout.groups import EVAL_SEED_BASE
+
+    text = README.read_text()
+    start = text.index("**Serve the policy you trained.**")
+    command = text[start : text.index("```\n", text.index("```console", start) + 10)]
+    episodes = load_config(README.parent / "examples" / "quickstart.yaml").eval.episodes
+    assert f"--seed {EVAL_SEED_BASE} --episodes {episodes}" in command, command

@@ -273,19 +273,23 @@ def _locate(problem: Problem, sources: dict[str, str], lines: dict[str, str]) ->
 
 
 def validation_problems(err: ValidationError, cls: type[BaseModel], data: Any) -> list[Problem]:
-    """One Problem per bad path; union-branch errors at the same path are merged."""
+    """One Problem per bad path; union-branch errors at the same path are merged, and a branch
+    the value is not (``str`` for a mapping) is dropped when another branch took it further."""
     merged: dict[str, list[str]] = {}
     got: dict[str, str] = {}
     extra: list[Problem] = []
-    for e in err.errors(include_url=False):
+    errors = err.errors(include_url=False)
+    for e in errors:
         cause = (e.get("ctx") or {}).get("error")
         if isinstance(cause, ConfigError):  # cross-section checks, already with paths
             extra += cause.problems
             continue
+        if _wrong_branch(e, data, [other["loc"] for other in errors]):
+            continue
         segments = _real_segments(e["loc"], data, keep_last=e["type"] == "missing")
         dotted = _dotted(segments)
         if e["type"] == "extra_forbidden":
-            message = _unknown_key_message(cls, segments)
+            message = _unknown_key_message(cls, e["loc"])
         else:
             message = e["msg"].removeprefix("Value error, ")
             if (
@@ -319,6 +323,32 @@ def _real_segments(loc: tuple[Any, ...], data: Any, keep_last: bool) -> list[str
     return out
 
 
+def _wrong_branch(e: Any, data: Any, locs: list[tuple[Any, ...]]) -> bool:
+    """``e`` is a union branch's refusal of the value's shape (its location ends in the branch's
+    tag: ``('env', 'id', 'str')``) while a sibling branch's error lies deeper
+    (``('env', 'id', 'list[...]', 0, ...)``: the value has that branch's shape and something
+    inside it is wrong, which is the one to report)."""
+    loc = e["loc"]
+    if e["type"] == "missing" or not loc or _real_count(loc, data) > _real_count(loc[:-1], data):
+        return False
+    branch = len(loc) - 1
+    return any(
+        len(other) > len(loc) and other[:branch] == loc[:branch] and other[branch] != loc[-1]
+        for other in locs
+    )
+
+
+def _real_count(loc: tuple[Any, ...], data: Any) -> int:
+    """How many of ``loc``'s segments are keys or indices of the input (not branch tags)."""
+    count, node = 0, data
+    for seg in loc:
+        in_dict = isinstance(node, dict) and seg in node
+        in_list = isinstance(node, list) and isinstance(seg, int) and 0 <= seg < len(node)
+        if in_dict or in_list:
+            count, node = count + 1, node[seg]
+    return count
+
+
 def _dotted(segments: list[str | int]) -> str:
     text = ""
     for seg in segments:
@@ -335,22 +365,43 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _model_at(cls: type[BaseModel], segments: list[str | int]) -> type[BaseModel] | None:
-    """The section class that the dotted path ``segments`` lives in (None if not a section)."""
-    current: type[BaseModel] | None = cls
-    for seg in segments:
-        if current is None or not isinstance(seg, str) or seg not in current.model_fields:
-            return None
-        current = _section_class(current.model_fields[seg].annotation)
-    return current
+def _model_at(cls: type[BaseModel], loc: tuple[Any, ...] | list[Any]) -> type[BaseModel] | None:
+    """The section class that pydantic's location ``loc`` lives in (None if not a section): a
+    field name steps into that field, a list index into the list's items, and any other segment
+    (a union-branch tag such as ``'list[union[str,EnvEntry]]'``) stays where it is."""
+    annotation: Any = cls
+    for seg in loc:
+        if isinstance(seg, int):
+            annotation = _item_annotation(annotation)
+            continue
+        section = _section_class(annotation, having=seg)
+        if section is not None:
+            annotation = section.model_fields[seg].annotation
+        elif _section_class(annotation) is None and _item_annotation(annotation) is None:
+            return None  # below a free-form value (a dict of kwargs): no section
+    return _section_class(annotation)
 
 
-def _section_class(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
+def _item_annotation(annotation: Any) -> Any:
+    """The item type of a list in ``annotation`` (a union's list member), or None."""
+    if typing.get_origin(annotation) in (list, tuple):
+        return (typing.get_args(annotation) or (None,))[0]
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         for arg in typing.get_args(annotation):
-            found = _section_class(arg)
+            found = _item_annotation(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _section_class(annotation: Any, having: str | None = None) -> type[BaseModel] | None:
+    """The section class in ``annotation`` (itself or a union member); with ``having``, the one
+    with that field."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation if having is None or having in annotation.model_fields else None
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            found = _section_class(arg, having)
             if found is not None:
                 return found
     return None
@@ -367,9 +418,9 @@ def _all_fields(cls: type[BaseModel], prefix: str = "") -> list[str]:
     return out
 
 
-def _unknown_key_message(cls: type[BaseModel], segments: list[str | int]) -> str:
-    key = str(segments[-1]) if segments else ""
-    section = _model_at(cls, segments[:-1])
+def _unknown_key_message(cls: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    key = str(loc[-1]) if loc else ""
+    section = _model_at(cls, loc[:-1])
     fields = list(section.model_fields) if section is not None else []
     close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
     if close:

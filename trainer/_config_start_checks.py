@@ -7,7 +7,10 @@ started with a library's own message:
   then loads it through ``trainer.models.load_tokenizer``, which says the same);
 - a warm start that plays the envs' expert (``sft.source: expert``) has an expert to play: an
   env class that does not implement ``expert_action()`` has none (an entry point that is a
-  function hides its class; ``trainer.sft.expert_trajectories`` says it as it plays).
+  function hides its class; ``trainer.sft.expert_trajectories`` says it as it plays);
+- vLLM on CPU (``rollout.engine: vllm``, devices that are not GPUs, none on this machine) takes
+  the model's attention head size: ``trainer.strategies.vllm_platform.check_cpu_head_size``,
+  which the engine runs as it starts, on the config ``model.tiny`` builds or ``model.path``'s.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ __all__ = ["start_problems"]
 
 def start_problems(cfg: TrainerConfig) -> list[Problem]:
     """Every problem of ``cfg``'s start this module checks (empty when fine)."""
-    return [*_tokenizer_problems(cfg), *_expert_problems(cfg)]
+    return [*_tokenizer_problems(cfg), *_expert_problems(cfg), *_vllm_cpu_problems(cfg)]
 
 
 def _tokenizer_problems(cfg: TrainerConfig) -> list[Problem]:
@@ -63,3 +66,23 @@ def _expert_problems(cfg: TrainerConfig) -> list[Problem]:
         )
         for env_id, name in lacking
     ]
+
+
+def _vllm_cpu_problems(cfg: TrainerConfig) -> list[Problem]:
+    engines = {cfg.rollout.engine, cfg.roles.actor_infer.strategy}  # two: refused elsewhere
+    if engines != {"vllm"} or cfg.cluster.device_resource == "GPU":
+        return []
+    from trainer import devices
+
+    if devices.local_gpu_count() > 0:  # the engine may find a GPU here: it checks as it starts
+        return []
+    from trainer._config_checks import _policy_config
+    from trainer.errors import ModelError
+    from trainer.strategies.vllm_platform import check_cpu_head_size
+
+    policy = _policy_config(cfg)
+    try:
+        check_cpu_head_size(vars(policy) if policy is not None else {})
+    except ModelError as error:
+        return [Problem("rollout.engine", str(error))]
+    return []

@@ -65,7 +65,8 @@ def train(config: Path, overrides: tuple[str, ...], resume: bool, dry_run: bool)
     ('env.kwargs={size: 4}'; env.kwargs={} clears it), a dotted key sets one entry, e.g.:
       envhub train examples/quickstart.yaml train.steps=20 output_dir=runs/try
       envhub train examples/quickstart.yaml --resume      # after a crash or kill -9
-      envhub train examples/qwen2.5-0.5b-sokoban-8gpu.yaml --dry-run   # will it fit?
+      envhub train examples/qwen2.5-0.5b-sokoban-8gpu.yaml model.path=DIR --dry-run
+          # will it fit? DIR: a folder holding the checkpoint's config.json (weights unneeded)
       envhub train --import my_envs run.yaml env.id=acme/echo-v0   # ids my_envs.py registers
     """
     from rich.console import Console

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.cli import _check_resume, _print_error
+from trainer.errors import ConfigError, Problem
 
 __all__ = ["dry_run", "plan_view"]
 
@@ -29,6 +30,9 @@ def dry_run(
 
     try:  # every other problem still refuses the config; the memory ones are shown with the plan
         cfg = load_config(config, [*overrides, "cluster.check_memory=false"])
+    except ConfigError as error:
+        _print_error(errors, _config_json_is_enough(error))
+        return 2
     except TrainerError as error:
         _print_error(errors, error)
         return 2
@@ -69,6 +73,19 @@ def dry_run(
     for problem in problems:
         errors.print(f"  - {markup_escape(str(problem))}", highlight=False, soft_wrap=True)
     return 1 if strict else 0
+
+
+def _config_json_is_enough(error: ConfigError) -> ConfigError:
+    """``error`` with a missing ``model.path`` told what the dry run needs of it: the
+    checkpoint's config.json alone (it sizes the model; no weights are read)."""
+    hint = "; for --dry-run, a folder holding only the checkpoint's config.json is enough"
+    problems = [
+        Problem(p.path, p.message + hint, p.where)
+        if p.path == "model.path" and "does not exist" in p.message
+        else p
+        for p in error.problems
+    ]
+    return ConfigError(problems, source=error.source) if problems != error.problems else error
 
 
 def _dry_resume(
@@ -123,10 +140,17 @@ def plan_view(cfg: Any, plan: Any) -> list[Any]:
     shape = plan.shape
     capacity = f"{plan.capacity / GIB:g} GiB" if plan.capacity else None
     host = f"; this machine has {plan.host_memory / GIB:.0f} GiB" if plan.host_memory else ""
+    bound = plan.shape_source.startswith("model.tiny")  # sized at model.tiny.vocab_size
+    vocabulary = (
+        f"vocabulary up to {shape.vocab_size:,}: model.tiny's tokenizer is learnt at start"
+        if bound
+        else f"vocabulary {shape.vocab_size:,}"
+    )
     model = (
-        f"[bold]model[/]    {shape.model_type}, {shape.num_params / 1e6:,.1f}M parameters "
-        f"({shape.num_layers} layers, hidden {shape.hidden_size}, vocabulary "
-        f"{shape.vocab_size:,}) in {cfg.model.dtype}, from {plan.shape_source}"
+        f"[bold]model[/]    {shape.model_type}, {'at most ' if bound else ''}"
+        f"{shape.num_params / 1e6:,.1f}M parameters ({shape.num_layers} layers, hidden "
+        f"{shape.hidden_size}, {vocabulary}) in {cfg.model.dtype}, from "
+        f"{'model.tiny' if bound else plan.shape_source}"
     )
     tokens = (
         f"[bold]tokens[/]   rows up to {plan.sequence_tokens:,} ({plan.sequence_note}); "

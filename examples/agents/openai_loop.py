@@ -18,7 +18,7 @@ from trainer.rollout.agents import AgentEpisode
 
 def run_agent(episode: AgentEpisode) -> None:
     """Play one episode: the model's reply is the action until the env ends the episode."""
-    client = episode.openai_client(max_retries=0)
+    client = episode.openai_client()  # the SDK's retries on, as in any harness
     messages: list[dict[str, Any]] = list(episode.messages)
     tools = {"tools": episode.tools} if episode.tools else {}
     while True:

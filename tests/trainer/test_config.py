@@ -93,6 +93,29 @@ def test_unknown_key_suggests_the_right_section(tmp_path: Path) -> None:
     ]
 
 
+def test_a_typo_in_an_env_mix_entry_is_one_problem_with_a_suggestion(tmp_path: Path) -> None:
+    """``env.id`` is ``str | list[str | EnvEntry]``: the branches the entry is not (a string) are
+    not reported beside the one it is, and the suggestion comes from the entry's own keys."""
+    path = write(tmp_path, "env:\n  - id: games/frozen-lake-v0\n    wieght: 2\n")
+    assert problems_of(path) == [f"env[0].wieght: unknown key; did you mean weight? (at {path}:3)"]
+    lake = "games/frozen-lake-v0"
+    override = f"env.id=[{lake}, {{id: {lake}, group_sise: 3}}]"
+    assert problems_of(None, [override]) == [
+        f"env.id[1].group_sise: unknown key; did you mean group_size? (at override {override!r})"
+    ]
+    [problem] = problems_of(None, [f"env.id=[{{id: {lake}, eval: {{bogus: 1}}}}]"])
+    assert problem.startswith("env.id[0].eval.bogus: unknown key; valid keys here: episodes,")
+    [problem] = problems_of(None, [f"env.id=[{{id: {lake}, eval: {{episodes: -1}}}}]"])
+    assert problem.startswith("env.id[0].eval.episodes: Input should be greater than or equal")
+
+
+def test_a_value_no_branch_of_a_union_takes_names_every_branch() -> None:
+    [problem] = problems_of(None, ["env.id=[5]"])
+    assert problem.startswith(
+        "env.id[0]: Input should be a valid string; or Input should be a valid dictionary"
+    )
+
+
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     path = write(
         tmp_path,
@@ -323,6 +346,7 @@ def test_batches_in_flight_keep_hf_runs_reproducible_unless_asked() -> None:
     next step); vLLM's batches vary with timing anyway, so it runs several."""
     quickstart = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
     assert load_config(quickstart).rollout.rank_batches() == 1
-    assert load_config(quickstart, ["rollout.engine=vllm"]).rollout.rank_batches() == 16
+    vllm = ["rollout.engine=vllm", "model.tiny.num_heads=2"]  # head size 32: vLLM on CPU takes it
+    assert load_config(quickstart, vllm).rollout.rank_batches() == 16
     asked = load_config(quickstart, ["rollout.batches_in_flight=4"])
     assert asked.rollout.rank_batches() == 4

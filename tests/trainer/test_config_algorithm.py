@@ -170,3 +170,58 @@ def test_mask_truncated_trains_nothing_of_a_cut_episode_and_keeps_its_score_in_t
     assert plain_mask == [1.0, 1.0, 1.0] and plain[1] != 0  # by default it trains as ended
     assert mask == [1.0, 0.0, 1.0] and masked[1] == 0.0
     assert masked[0] == pytest.approx(plain[0]) and masked[2] == pytest.approx(plain[2])
+
+
+# --------------------------------------------------------------------------- a NaN step's advice
+
+
+def refusal_of(policy, loss_fn) -> str:
+    """The message of the step a NaN loss or gradient stops (HFTrainStrategy, tiny policy)."""
+    import copy
+    import re
+
+    from trainer.errors import NonFiniteLossError
+    from trainer.strategies.hf import HFTrainStrategy
+
+    model, _ = policy
+    strategy = HFTrainStrategy(copy.deepcopy(model), lr=1e-3, max_grad_norm=0.5)
+    ids = torch.tensor([[5, 6, 7]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    batch["response_mask"] = torch.ones(1, 3)
+    with pytest.raises(NonFiniteLossError) as info:
+        strategy.train_step(batch, loss_fn)
+    return re.sub(r"\s+", " ", str(info.value))
+
+
+def nan_loss(out, mb):
+    return out.logprobs.sum() * float("nan"), {}
+
+
+def nan_gradient(out, mb):
+    """A finite loss (0) whose gradient is NaN."""
+    out.logprobs.register_hook(lambda grad: torch.full_like(grad, float("nan")))
+    return out.logprobs.sum() * 0.0, {}
+
+
+@pytest.mark.parametrize("loss_fn", [nan_loss, nan_gradient])
+def test_a_nan_step_names_config_keys_that_exist_and_says_which_way_to_turn_them(
+    policy, loss_fn
+) -> None:
+    """The advice names only keys the config loads, each to be lowered (a wider clip range or a
+    higher gradient clip lets an update move further, not less)."""
+    import re
+
+    message = refusal_of(policy, loss_fn)
+    keys = re.findall(r"\b(?:train|algorithm|model|rollout)\.[a-z_]+(?:\.[a-z_]+)*", message)
+    assert keys and "train.lr" in keys, message
+    defaults = load_config(None, [])
+    for key in keys:
+        value = defaults
+        for part in key.split("."):
+            value = getattr(value, part, None)
+        load_config(None, [f"{key}={value}"])  # an unknown key would be a ConfigError
+    assert "raise" not in message.lower() and "Lower train.lr" in message
+    assert "train.max_grad_norm (now 0.5)" in message  # the value to lower from
+    if loss_fn is nan_loss:
+        assert "algorithm.loss.clip_low" in keys and "algorithm.loss.clip_high" in keys
+        assert "check the rewards" in message

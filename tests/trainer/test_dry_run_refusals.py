@@ -193,9 +193,30 @@ def test_engine_arguments_the_worker_passes_itself_are_refused(
     values for keyword argument" (or, for ``lora_rank`` without adapters, gave vLLM a LoRA
     setting no adapter would use)."""
     [problem] = refusals(
-        tmp_path, f"rollout.engine={engine}", f"roles.actor_infer.strategy_args.{arg}"
+        tmp_path,
+        f"rollout.engine={engine}",
+        "model.tiny.num_heads=2",  # head size 32: one vLLM's CPU attention takes
+        f"roles.actor_infer.strategy_args.{arg}",
     )
     name = arg.partition("=")[0]
     assert problem.startswith(f"roles.actor_infer.strategy_args.{name}: ")
     assert "the actor_infer worker passes it to the engine itself" in problem
     assert f"set {key}" in problem and "remove it from strategy_args" in problem
+
+
+def test_vllm_on_cpu_with_a_head_size_its_kernels_lack_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The quickstart's tiny llama has head_dim 16 (hidden 64 / 4 heads); vLLM's CPU attention
+    takes 32, 64, ...: the dry run says what the engine would say 5 s into the run."""
+    from trainer import devices
+    from trainer.errors import ModelError
+    from trainer.strategies.vllm_platform import check_cpu_head_size
+
+    monkeypatch.setattr(devices, "local_gpu_count", lambda: 0)
+    [problem] = refusals(tmp_path, "rollout.engine=vllm")
+    with pytest.raises(ModelError) as engine:
+        check_cpu_head_size({"hidden_size": 64, "num_attention_heads": 4})
+    assert problem == f"rollout.engine: {engine.value} (at override 'rollout.engine=vllm')"
+    assert "model.tiny.num_heads=2 for head_dim 32" in problem
+    load_config(QUICKSTART, ["rollout.engine=vllm", "model.tiny.num_heads=2"])  # head_dim 32

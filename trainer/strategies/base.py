@@ -527,6 +527,9 @@ class BaseTrainStrategy(abc.ABC):
         totals: dict[str, float] = {}
         steps = 0
         self.model.train()
+        grad_clip = "train.max_grad_norm (now " + (
+            f"{self.max_grad_norm:g})" if self.max_grad_norm else "off; 1.0 is the default)"
+        )
         for first in range(0, len(micros), per_step):
             step = slice(first, first + per_step)
             self.optimizer.zero_grad(set_to_none=True)
@@ -537,8 +540,8 @@ class BaseTrainStrategy(abc.ABC):
                     where = f" on rank {self.rank}" if self.collective else ""
                     self._refuse(
                         f"the loss became {value}{where} (metrics {metrics})",
-                        "Lower train.lr, raise algorithm.loss.clip/grad clipping, or check the "
-                        "rewards",
+                        "Lower train.lr, algorithm.loss.clip_low / algorithm.loss.clip_high or "
+                        f"{grad_clip}, or check the rewards",
                     )
                 weight = scales[first + offset] / self.dp_size / n_steps
                 for key, metric in metrics.items():
@@ -546,9 +549,7 @@ class BaseTrainStrategy(abc.ABC):
             self._reduce_gradients()
             norm = self._clip()
             if not math.isfinite(norm):
-                self._refuse(
-                    f"the gradient norm became {norm}", "Lower train.lr or set train.max_grad_norm"
-                )
+                self._refuse(f"the gradient norm became {norm}", f"Lower train.lr or {grad_clip}")
             self.optimizer.step()
             steps += 1
             totals["grad_norm"] = totals.get("grad_norm", 0.0) + norm
