@@ -166,12 +166,25 @@ class TaskSet(Sequence[Task]):
         """A task drawn with ``rng`` (the env's seeded ``np_random``)."""
         return dict(self._tasks[int(rng.integers(len(self._tasks)))])
 
-    def select(self, options: Mapping[str, Any], rng: np.random.Generator) -> Task:
-        """The task for ``reset(options=...)``, by the precedence in the module docstring."""
+    def select(
+        self,
+        options: Mapping[str, Any],
+        rng: np.random.Generator,
+        *,
+        required: Sequence[str] = (),
+        generated: Sequence[str] = (),
+    ) -> Task:
+        """The task for ``reset(options=...)``, by the precedence in the module docstring.
+
+        A custom ``options["task"]`` must have every field of ``required`` (what a dataset's
+        record needs) or, where the env generates tasks from a seed, every field of
+        ``generated`` (the built-in tasks' own form, e.g. ``("kind",)``); else ``TaskSetError``
+        names the missing fields and what a task needs, before the env reads any of them."""
         if options.get("task") is not None:
             task = options["task"]
             if not isinstance(task, Mapping):
                 raise TaskSetError(f"options['task'] must be a dict, got {type(task).__name__}")
+            self._check_custom(task, required, generated)
             task = dict(task)
             task.setdefault("id", "custom")
             task.setdefault(
@@ -187,6 +200,20 @@ class TaskSet(Sequence[Task]):
                 raise TaskSetError(f"task_index {index!r} is out of range for {len(self)} tasks")
             return dict(self._tasks[index])
         return self.sample(rng)
+
+    def _check_custom(
+        self, task: Mapping[str, Any], required: Sequence[str], generated: Sequence[str]
+    ) -> None:
+        """Refuse a custom task that has neither every ``required`` field nor every
+        ``generated`` one, naming what it lacks."""
+        missing = [key for key in required if key not in task]
+        if not missing or (generated and all(key in task for key in generated)):
+            return
+        alternative = f", or {list(generated)} to draw one from its seed" if generated else ""
+        raise TaskSetError(
+            f"{self.name}: options['task'] lacks the field(s) {missing}; a task needs "
+            f"{list(required)}{alternative} (got keys {sorted(map(str, task))})"
+        )
 
     @property
     def ids(self) -> list[str]:

@@ -6,6 +6,9 @@ asserts — and returns ``(setup, [test, ...])``: setup code run once, then each
 own, so the reward can be the fraction passed. A statement that asserts something (other than
 a constant) is a test; everything else is setup.
 
+``fenced_blocks(text)`` lists a reply's fenced code blocks with their language labels; each
+code env picks its code from them (``extract_code``, ``extract_command``).
+
 ``code_sandbox(backend, limits, options)`` starts the sandbox both code envs run in: a local
 one is warm by default (``warm_exec=True``: a fork server inside the sandbox forks each run,
 and runs ``python3 -I FILE`` in its own pre-imported interpreter, so a test run pays no
@@ -26,6 +29,7 @@ from __future__ import annotations
 import ast
 import functools
 import marshal
+import re
 import sys
 import textwrap
 from collections.abc import Mapping
@@ -34,7 +38,16 @@ from typing import Any
 
 from envhub import safe_ast
 
-__all__ = ["RUNNER", "code_sandbox", "runner_files", "split_tests"]
+__all__ = ["RUNNER", "code_sandbox", "fenced_blocks", "runner_files", "split_tests"]
+
+_FENCE = re.compile(r"```([\w+#.-]*)[ \t]*\n(.*?)```", re.DOTALL)
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """The fenced blocks of ``text`` in order, each ``(label, body)``: ``label`` is the
+    fence's language in lower case, ``""`` when it has none. Fences pair up in order, so the
+    closing fence of a block in another language (```` ```text ````) never opens a block."""
+    return [(label.lower(), body) for label, body in _FENCE.findall(text)]
 
 
 def code_sandbox(backend: str, limits: Any, options: Mapping[str, Any] | None = None) -> Any:

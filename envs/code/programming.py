@@ -44,6 +44,7 @@ strings, containers of them), comparing the plain values it returns.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import re
@@ -54,14 +55,27 @@ from typing import Any, Literal
 
 import numpy as np
 
+from envhub import safe_ast
 from envhub.core import TextEnv, Turn
 from envhub.tool_calls import blank_thinking
-from envs.code.harness import RUNNER, code_sandbox, runner_files, split_tests
+from envs.code.harness import RUNNER, code_sandbox, fenced_blocks, runner_files, split_tests
 from envs.datasets import Split, Task, TaskSet, as_taskset
 
 __all__ = ["ProgrammingEnv", "extract_code", "humaneval_tasks"]
 
-_FENCE = re.compile(r"```(?:python|py|python3)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+TASK_FIELDS = ("prompt", "tests", "entry_point")
+"""The fields every task needs (a dataset's record or ``reset(options={"task": ...})``)."""
+_PYTHON = ("", "python", "py", "python3")
+"""The fence labels whose blocks are Python code (an unlabelled block is taken for code)."""
+_DEFINITIONS = (
+    ast.Import,
+    ast.ImportFrom,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Assign,
+    ast.AnnAssign,
+)
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL | re.IGNORECASE)
 
 
@@ -88,20 +102,66 @@ def humaneval_tasks() -> list[Task]:
     ]
 
 
-def extract_code(text: str) -> str:
-    """The code in a model reply: the last fenced block, else an <answer> block, else the text,
-    all outside its ``<think>...</think>`` blocks (blanked first): code only drafted while
-    thinking is never run, and a reply with no other code gets the "no code" feedback."""
+def extract_code(text: str, entry_point: str | None = None) -> str:
+    """The code in a model reply, all outside its ``<think>...</think>`` blocks (blanked first):
+    code only drafted while thinking is never run, and a reply with no other code gets the
+    "no code" feedback. Only ```python (or unlabelled) blocks hold code, never a block in
+    another language (```text output). Of those:
+
+    1. the last block that defines ``entry_point``, after the earlier blocks that only define
+       things and never name it (a helper in a block of its own, not a first draft): a usage
+       example or test after it never runs;
+    2. else, given an ``entry_point``, the blocks joined in order (a completion written in
+       parts), leaving out interpreter transcripts (``>>> f(1)``);
+    3. else the last block.
+
+    With no block: an ``<answer>`` block (its blocks by the same rules), else the whole text."""
     text = blank_thinking(text, leading=False)  # no env knows whether the prompt opened one
-    fenced = _FENCE.findall(text)
-    if fenced:
-        return fenced[-1].strip("\n")
+    code = _from_blocks(text, entry_point)
+    if code is not None:
+        return code
     answer = _ANSWER.findall(text)
     if answer:
-        inner = answer[-1]
-        fenced = _FENCE.findall(inner)
-        return (fenced[-1] if fenced else inner).strip("\n")
+        code = _from_blocks(answer[-1], entry_point)
+        return code if code is not None else answer[-1].strip("\n")
     return text.strip("\n")
+
+
+def _from_blocks(text: str, entry_point: str | None) -> str | None:
+    """The code ``text``'s fenced blocks hold, by the rules of ``extract_code``; None when it
+    has no Python block."""
+    blocks = [body.strip("\n") for label, body in fenced_blocks(text) if label in _PYTHON]
+    if not blocks:
+        return None
+    if entry_point is None:
+        return blocks[-1]
+    defining = [i for i, block in enumerate(blocks) if _defines(block, entry_point)]
+    if defining:
+        last = defining[-1]
+        named = re.compile(rf"(?<!\w){re.escape(entry_point)}(?!\w)")
+        helpers = [
+            block for block in blocks[:last] if _definitions_only(block) and not named.search(block)
+        ]
+        return "\n\n".join([*helpers, blocks[last]])
+    return "\n\n".join(block for block in blocks if not block.lstrip().startswith(">>>"))
+
+
+def _defines(code: str, name: str) -> bool:
+    """Whether ``code`` has a ``def name(`` at the start of a line."""
+    return (
+        re.search(rf"(?m)^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(name)}[ \t]*\(", code)
+        is not None
+    )
+
+
+def _definitions_only(code: str) -> bool:
+    """Whether ``code`` parses and only imports, defines functions or classes and assigns: a
+    helper block, not an example that calls something."""
+    try:
+        tree = safe_ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return bool(tree.body) and all(isinstance(node, _DEFINITIONS) for node in tree.body)
 
 
 _KINDS = ("passed", "raised", "wrong", "stopped")
@@ -175,7 +235,7 @@ class ProgrammingEnv(TextEnv):
             default=humaneval_tasks() if dataset is None else (),
             split=split,
             eval_fraction=eval_fraction,
-            required=("prompt", "tests", "entry_point"),
+            required=TASK_FIELDS,
             name="humaneval",
         )
         self.max_revisions, self.reward_mode = max_revisions, reward_mode
@@ -294,7 +354,7 @@ class ProgrammingEnv(TextEnv):
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         if self._sandbox is not None:  # nothing one episode's code left reaches the next
             self._sandbox.reset()
-        self.task = self.tasks.select(options, self.np_random)
+        self.task = self.tasks.select(options, self.np_random, required=TASK_FIELDS)
         self._setup, self._tests = split_tests(self.task["tests"], self.task["entry_point"])
         self._best = 0.0
         return f"```python\n{self.task['prompt'].rstrip()}\n```", {
@@ -303,7 +363,7 @@ class ProgrammingEnv(TextEnv):
         }
 
     def on_step(self, action: str) -> Turn:
-        code = extract_code(action)
+        code = extract_code(action, self.task["entry_point"])
         if not code.strip():
             return self.invalid_action(
                 "Your reply contained no code. "

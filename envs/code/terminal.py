@@ -27,13 +27,17 @@ import numpy as np
 
 from envhub.core import TextEnv, Turn
 from envhub.tool_calls import blank_thinking
-from envs.code.harness import code_sandbox
+from envs.code.harness import code_sandbox, fenced_blocks
 from envs.code.terminal_tasks import TERMINAL_KINDS, make_terminal_task
-from envs.datasets import Split, Task, TaskSet, as_taskset
+from envs.datasets import Split, Task, TaskSet, TaskSetError, as_taskset
 
 __all__ = ["TerminalEnv", "extract_command"]
 
-_FENCE = re.compile(r"```(?:bash|sh|shell|console)?[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+TASK_FIELDS = ("instruction", "files", "check")
+"""The fields of a task of a dataset (or ``reset(options={"task": ...})``); a built-in task is
+``{"kind", "seed"}`` instead."""
+_SHELL = ("bash", "sh", "shell", "console")
+"""The fence labels of a shell block, preferred to an unlabelled block."""
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL | re.IGNORECASE)
 
 _CHECK_FROM_STDIN = 'IFS= read -r -d "" _envhub_check; exec 0</dev/null; eval "$_envhub_check"'
@@ -47,13 +51,17 @@ holds it either."""
 
 
 def extract_command(text: str) -> str:
-    """The command in a reply: the last ```bash block, else an <answer> block, else the text,
-    all outside its ``<think>...</think>`` blocks (blanked first): a command only drafted while
-    thinking is never run, and a reply with no other command is an invalid action."""
+    """The command in a reply: the last ```bash (``sh``, ``shell``, ``console``) block, else
+    the last unlabelled block (often the output a reply expects, so a labelled one wins),
+    else an ``<answer>`` block, else the text; all outside its ``<think>...</think>`` blocks
+    (blanked first): a command only drafted while thinking is never run, and a reply with
+    no other command is an invalid action. Blocks in other languages are never run."""
     text = blank_thinking(text, leading=False)  # no env knows whether the prompt opened one
-    fenced = _FENCE.findall(text)
-    if fenced:
-        return fenced[-1].strip()
+    blocks = fenced_blocks(text)
+    for labels in (_SHELL, ("",)):
+        chosen = [body for label, body in blocks if label in labels]
+        if chosen:
+            return chosen[-1].strip()
     answer = _ANSWER.findall(text)
     return (answer[-1] if answer else text).strip()
 
@@ -94,7 +102,7 @@ class TerminalEnv(TextEnv):
             dataset,
             default=builtin,
             split=split,
-            required=("instruction", "files", "check") if dataset is not None else (),
+            required=TASK_FIELDS if dataset is not None else (),
         )
         self.sandbox_backend, self.command_timeout_s, self.memory_mb = (
             sandbox_backend,
@@ -146,12 +154,10 @@ class TerminalEnv(TextEnv):
 
     # ------------------------------------------------------------------ episode
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-        chosen = self.tasks.select(options, self.np_random)
-        task = (
-            make_terminal_task(chosen["kind"], int(chosen["seed"]))
-            if "check" not in chosen
-            else dict(chosen)
+        chosen = self.tasks.select(
+            options, self.np_random, required=TASK_FIELDS, generated=("kind",)
         )
+        task = dict(chosen) if all(key in chosen for key in TASK_FIELDS) else self._built(chosen)
         self.task = {**task, "id": chosen["id"]}
         sandbox = self._fresh_sandbox()
         for path, text in self.task["files"].items():
@@ -162,6 +168,15 @@ class TerminalEnv(TextEnv):
         return f"Goal: {self.task['instruction']}\nFiles in the current directory: {listing}", {
             "task_id": chosen["id"]
         }
+
+    @staticmethod
+    def _built(chosen: Task) -> Task:
+        """The built-in task ``chosen`` names by ``kind``, drawn from its seed."""
+        if chosen["kind"] not in TERMINAL_KINDS:
+            raise TaskSetError(
+                f"unknown terminal task kind {chosen['kind']!r}; use one of {list(TERMINAL_KINDS)}"
+            )
+        return make_terminal_task(chosen["kind"], int(chosen["seed"]))
 
     def on_step(self, action: str) -> Turn:
         command = extract_command(action)

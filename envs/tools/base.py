@@ -14,7 +14,9 @@ A subclass implements four things:
     Run one (already schema-checked) call; raise ``ToolError`` for a call that is well formed
     but fails (bad SQL, unknown document): its message goes back to the model.
 ``grade(answer) -> float``
-    Score the final answer in ``[0, 1]``; ``1.0`` is a success.
+    Score the final answer in ``[0, 1]``; ``1.0`` is a success. Graders read the answer with
+    ``envs.tools.answers`` (one normaliser, one rule for numbers and one for names), so every
+    env accepts the same forms of a right answer and refuses an answer listing candidates.
 ``plan() -> list[str]``
     The oracle's actions for the current task (tool calls, then the answer), computed at
     ``start``; ``expert_action()`` walks it.
@@ -91,7 +93,10 @@ class ToolEnv(TextEnv):
     """The OpenAI-format schemas of this env's tools (subclasses set it, or set ``self.tools``)."""
     structured_actions = True  # tool calls as data too: an assistant message's tool_calls
     required_fields: tuple[str, ...] = ()
-    """Fields every task of a user dataset must have."""
+    """Fields every task of a user dataset (or ``reset(options={"task": ...})``) must have."""
+    generated_fields: tuple[str, ...] = ()
+    """The fields of a task the env generates from its seed (the built-in tasks' own form):
+    a custom task that has them needs none of ``required_fields``."""
     intro = "Answer the question using the tools."
 
     def __init__(
@@ -131,6 +136,8 @@ class ToolEnv(TextEnv):
         """Whether this episode's system prompt lists the tools."""
         self.system_prompt = self._system_prompt()
         self.task: Task = {}
+        self.question = ""
+        """This episode's question as the model sees it (graders ignore numbers it states)."""
         self._plan: list[str] = []
         self._plan_position = 0
 
@@ -204,11 +211,13 @@ class ToolEnv(TextEnv):
         if describing != self._describing:
             self._describing = describing
             self.system_prompt = self._system_prompt()
-        self.task = self.tasks.select(options, self.np_random)
-        question = self.start(self.task)
+        self.task = self.tasks.select(
+            options, self.np_random, required=self.required_fields, generated=self.generated_fields
+        )
+        self.question = self.start(self.task)
         self._plan = self.plan()
         self._plan_position = 0
-        return question, {"task_id": self.task["id"]}
+        return self.question, {"task_id": self.task["id"]}
 
     def _outside_calls(self, text: str) -> str:
         """``text`` without its tool-call blocks (an ``<answer>`` in a call's arguments is the

@@ -15,6 +15,7 @@ expressions the oracle should calculate, and ``tolerance``).
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import operator
 import re
@@ -27,6 +28,7 @@ from envhub import safe_ast
 from envhub.core import function_tool
 from envhub.parsing import format_tool_call
 from envs.datasets import Task
+from envs.tools.answers import number_matches
 from envs.tools.base import ToolEnv, ToolError
 
 __all__ = ["CalculatorEnv", "make_problem", "safe_eval"]
@@ -59,15 +61,50 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {
 
 
 def safe_eval(expression: str) -> float | int:
-    """Evaluate arithmetic; raise ``ToolError`` naming what is not allowed."""
+    """Evaluate arithmetic; raise ``ToolError`` naming what is not allowed.
+
+    Thousands commas (``1,234``): a comma outside every bracket cannot separate arguments, so
+    there it is always read as a thousands separator. Inside brackets the expression is read
+    as written, so ``max(2,500,3)`` is 500 and ``min(12,345)`` is 12, as in Python and as the
+    tool's schema promises. Only when that reading has no value (``sqrt(1,000,000)`` does not
+    parse, ``round(1,234.5678, 2)`` has one argument too many) is every thousands comma
+    dropped and the expression read again: a reading that gives a number is never replaced.
+    """
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise ToolError(
             f"expression of {len(expression)} characters is too long (max {MAX_EXPRESSION_CHARS})"
         )
+    written = _top_level_thousands(expression.replace("^", "**").replace("×", "*"))
     try:
-        tree = safe_ast.parse(
-            _THOUSANDS.sub("", expression.replace("^", "**").replace("×", "*")), mode="eval"
-        )
+        return _evaluate(written, expression)
+    except ToolError as error:
+        as_written = error  # the error its author can act on, if no other reading has a value
+    without_commas = _THOUSANDS.sub("", written)
+    if without_commas != written:
+        with contextlib.suppress(ToolError):
+            return _evaluate(without_commas, expression)
+    raise as_written
+
+
+def _top_level_thousands(expression: str) -> str:
+    """``expression`` without the thousands commas that stand outside every bracket."""
+    kept, depth = [], 0
+    for index, char in enumerate(expression):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth <= 0 and _THOUSANDS.match(expression, index):
+            continue
+        kept.append(char)
+    return "".join(kept)
+
+
+def _evaluate(source: str, expression: str) -> float | int:
+    """The value of ``source`` (``expression`` rewritten), or ``ToolError`` quoting
+    ``expression`` as the model wrote it."""
+    try:
+        tree = safe_ast.parse(source, mode="eval")
     except SyntaxError as exc:
         raise ToolError(f"cannot parse {expression!r}: {exc.msg}") from None
     except ValueError as exc:  # a lone surrogate (UnicodeEncodeError) or a NUL byte
@@ -224,15 +261,6 @@ def make_problem(index: int, seed: int) -> Task:
     }
 
 
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
-
-
-def parse_number(text: str) -> float | None:
-    """The last number in ``text`` (``$1,234.50 dollars`` -> 1234.5), or ``None``."""
-    found = _NUMBER.findall(text.replace(",", "").replace("$", ""))
-    return float(found[-1]) if found else None
-
-
 class CalculatorEnv(ToolEnv):
     """Multi-step maths word problems with a ``calculate`` tool (see the module docstring)."""
 
@@ -274,12 +302,12 @@ class CalculatorEnv(ToolEnv):
         return str(safe_eval(arguments["expression"]))
 
     def grade(self, answer: str) -> float:
-        value = parse_number(answer)
-        if value is None:
-            return 0.0
+        """1.0 when the answer's one value (``$1,234.50``, ``**345.6**``; numbers the question
+        states are ignored) is within the task's ``tolerance`` (0.01) of the expected one."""
         target = float(self.task["answer"])
-        tolerance = float(self.task.get("tolerance", 0.01))
-        return 1.0 if abs(value - target) <= max(tolerance, abs(target) * 1e-6) else 0.0
+        tolerance = max(float(self.task.get("tolerance", 0.01)), abs(target) * 1e-6)
+        matched = number_matches(answer, target, stated=self.question, tolerance=tolerance)
+        return 1.0 if matched else 0.0
 
     def plan(self) -> list[str]:
         calls = [

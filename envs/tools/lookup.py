@@ -20,6 +20,7 @@ model learns on some seeds only; the task is otherwise the same (two calls, both
 
 from __future__ import annotations
 
+import re
 from typing import Any, ClassVar
 
 import numpy as np
@@ -27,10 +28,13 @@ import numpy as np
 from envhub.core import function_tool
 from envhub.parsing import format_tool_call
 from envs.datasets import Task
+from envs.tools.answers import normalise
 from envs.tools.base import ToolEnv, ToolError
 
 __all__ = ["NAMES", "LookupEnv", "make_task"]
 
+_SEPARATORS = re.compile(r"(?:[\s,;]|\band\b)+")
+"""What may stand between the two codes of an answer (``3 7``, ``3, 7``, ``3,7``, ``3 and 7``)."""
 NAMES = ("red", "blue", "green", "black", "white", "pink", "gold", "grey")
 
 
@@ -84,7 +88,9 @@ class LookupEnv(ToolEnv):
         return f"{key}={table[key]}" if self.named else str(table[key])
 
     def grade(self, answer: str) -> float:
-        given = answer.split()
+        """0.5 per code in its place; the codes may be separated by blanks, commas,
+        semicolons or "and" (``3, 7``), and an answer of more than two codes scores 0."""
+        given = [part for part in _SEPARATORS.split(normalise(answer)) if part]
         wanted = [self._code(name) for name in self.task["names"]]
         if len(given) != len(wanted):  # the two codes and nothing else: no credit for rambling
             return 0.0

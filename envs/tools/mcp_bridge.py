@@ -37,8 +37,8 @@ import numpy as np
 from envhub.core import Message, Turn, function_tool
 from envhub.parsing import format_tool_call
 from envs.datasets import Task
+from envs.tools.answers import normalise, number, number_matches
 from envs.tools.base import ToolEnv, ToolError
-from envs.tools.calculator import parse_number
 from envs.tools.mcp_client import McpConnection, McpError
 from envs.tools.mcp_demo_server import INVENTORY, PRICES_USD, RATES
 
@@ -244,17 +244,14 @@ class McpEnv(ToolEnv):
         return self._connection
 
     def grade(self, answer: str) -> float:
-        expected = str(self.task["answer"]).strip()
-        if answer.strip().lower() == expected.lower():
-            return 1.0
-        given, target = parse_number(answer), parse_number(expected)
-        if (
-            given is not None
-            and target is not None
-            and expected.replace(".", "").lstrip("-").isdigit()
-        ):
-            return 1.0 if abs(given - target) <= 0.005 + abs(target) * 1e-9 else 0.0
-        return 0.0
+        """1.0 for the expected answer (``envs.tools.answers``): a number as its one value within
+        half a cent, anything else as the same text once normalised."""
+        expected = str(self.task["answer"])
+        target = number(expected)
+        if target is not None:
+            matched = number_matches(answer, target, stated=self.question, tolerance=0.005)
+            return 1.0 if matched else 0.0
+        return 1.0 if normalise(answer) == normalise(expected) else 0.0
 
     def plan(self) -> list[str]:
         calls = [

@@ -24,6 +24,7 @@ import numpy as np
 from envhub.core import function_tool
 from envhub.parsing import format_tool_call
 from envs.datasets import Task, TaskSet
+from envs.tools.answers import name_matches, normalise, number, number_matches
 from envs.tools.base import ToolEnv, ToolError
 
 __all__ = ["Bm25Index", "RetrievalEnv", "build_corpus"]
@@ -53,18 +54,6 @@ _SYLLABLES = [
 _SUFFIX = ["Systems", "Labs", "Works", "Dynamics", "Foods", "Textiles", "Motors", "Optics"]
 _COUNTRIES = ["Norvania", "Estrelia", "Kalmar Union", "Ostravia", "Seluria"]
 _WORD = re.compile(r"[a-z0-9]+")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
-_DIGIT_COMMA = re.compile(r"(?<=\d),(?=\d)")
-
-
-def _normalise(text: str) -> str:
-    """Lower case, outer blanks dropped, thousands commas removed (``1,234`` -> ``1234``)."""
-    return _DIGIT_COMMA.sub("", text.strip().lower())
-
-
-def _whole(text: str) -> str:
-    """A pattern matching ``text`` as whole words (not inside a longer word or number)."""
-    return rf"(?<!\w){re.escape(text)}(?!\w)"
 
 
 def _tokens(text: str) -> list[str]:
@@ -317,33 +306,33 @@ class RetrievalEnv(ToolEnv):
         return f"{doc['title']}\n{doc['text']}"
 
     def grade(self, answer: str) -> float:
-        """1.0 for the expected answer alone or in a short sentence ("born in 1953"), 0.0 for a
-        hedge that names more than one candidate of the kind asked ("1953 1954 1955", every
-        country at once): a number question takes exactly one number, a name question no other
-        answer of the task set."""
-        expected = _normalise(str(self.task["answer"]))
-        given = _normalise(answer).strip(".")
-        if given == expected:
-            return 1.0
-        if len(given) >= 3 * len(expected) + 20:
-            return 0.0
-        if _NUMBER.fullmatch(expected):
-            numbers = {float(n) for n in _NUMBER.findall(given)}
-            return 1.0 if numbers == {float(expected)} else 0.0
-        if not re.search(_whole(expected), given):
-            return 0.0
-        rest = re.sub(_whole(expected), " ", given)  # a rival inside the answer is no rival
-        rivals = self._candidate_answers() - {expected}
-        return 0.0 if any(re.search(_whole(rival), rest) for rival in rivals) else 1.0
+        """1.0 for the expected answer alone or in a sentence ("The founder was born in
+        1953."), 0.0 for a hedge that names more than one candidate of the kind asked
+        ("1953 1954 1955", every country at once): a number question takes exactly one number
+        besides those the question states, a name question no other answer of the task set
+        and few words beyond the question's (``envs.tools.answers``)."""
+        expected = str(self.task["answer"])
+        target = number(expected)
+        if target is not None:
+            return 1.0 if number_matches(answer, target, stated=self.question) else 0.0
+        if len(self._beyond_question(answer, expected)) >= 3 * len(normalise(expected)) + 20:
+            return 0.0  # a long list of names the rival set may not hold
+        return 1.0 if name_matches(answer, expected, self._candidate_answers()) else 0.0
+
+    def _beyond_question(self, answer: str, expected: str) -> str:
+        """The words of ``answer`` that neither the question nor the expected answer holds: a
+        sentence that restates the question adds almost none, a list of candidates many."""
+        known = set(_tokens(self.question)) | set(_tokens(expected))
+        return " ".join(word for word in _tokens(normalise(answer)) if word not in known)
 
     def _candidate_answers(self) -> frozenset[str]:
         """Every non-numeric answer of the task set (and the built-in countries): what a hedge
         would list to cover a name question. Computed once per env."""
         if self._candidates is None:
-            answers = {_normalise(str(task["answer"])) for task in self.tasks}
+            answers = {normalise(str(task["answer"])) for task in self.tasks}
             if self._facts:
-                answers |= {_normalise(country) for country in _COUNTRIES}
-            self._candidates = frozenset(a for a in answers if a and not _NUMBER.fullmatch(a))
+                answers |= {normalise(country) for country in _COUNTRIES}
+            self._candidates = frozenset(a for a in answers if a and number(a) is None)
         return self._candidates
 
     def plan(self) -> list[str]:

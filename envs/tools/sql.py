@@ -3,7 +3,11 @@
 Each task has its own company database (departments, employees, projects, assignments)
 generated from the task's seed, so the answer cannot be memorised: the model must look at
 the schema (``list_tables``, ``describe_table``) and query it (``run_sql``). The oracle
-runs the gold query and answers with its result.
+runs the gold query and answers with its result. Every built-in question has one right
+answer: a draw that would have two (a tie at the top of a ranking) or none (an average over
+an empty department) is replaced by the draw of a seed derived from the task's. The answer is
+graded as a number (``$96,859``) or a name (``Sales department``) by ``envs.tools.answers``;
+naming two candidates scores 0.
 
 Queries run read-only: an authorizer allows only reads (SELECT, column reads, functions and
 the schema PRAGMAs such as ``table_info``) and refuses writes, DDL, transactions, ``ATTACH``
@@ -20,6 +24,7 @@ a SQLite file, opened read-only) or nothing (the generated database of the task'
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from typing import Any, ClassVar
 
@@ -27,7 +32,8 @@ import numpy as np
 
 from envhub.core import function_tool
 from envhub.parsing import format_tool_call
-from envs.datasets import Task
+from envs.datasets import Task, stable_hash
+from envs.tools.answers import name_matches, number, number_matches
 from envs.tools.base import ToolEnv, ToolError
 
 __all__ = ["QUESTIONS", "SqlEnv", "build_company_db"]
@@ -136,6 +142,27 @@ QUESTIONS: list[tuple[str, str]] = [
         ),
     ),
 ]
+
+
+_TOP_TWO: dict[int, str] = {
+    0: (
+        "SELECT SUM(e.salary) FROM departments d JOIN employees e ON e.dept_id = d.id "
+        "GROUP BY d.id ORDER BY 1 DESC LIMIT 2"
+    ),
+    2: (
+        "SELECT a.hours FROM assignments a JOIN projects p ON a.project_id = p.id "
+        "WHERE p.name = '{project}' ORDER BY 1 DESC LIMIT 2"
+    ),
+    4: (
+        "SELECT p.budget * 1.0 / COUNT(DISTINCT a.employee_id) FROM projects p "
+        "JOIN assignments a ON a.project_id = p.id GROUP BY p.id ORDER BY 1 DESC LIMIT 2"
+    ),
+}
+"""For each question that asks for the top of a ranking (by its index in ``QUESTIONS``), the
+two best values it ranks by: equal, the question has two right answers and is drawn again."""
+MAX_DRAWS = 50
+"""How many databases a built-in task may draw before one gives its question a single answer
+(a few tasks in a thousand need a second)."""
 
 
 def build_company_db(seed: int) -> sqlite3.Connection:
@@ -266,12 +293,15 @@ class SqlEnv(ToolEnv):
         ),
     ]
     required_fields = ("question", "answer")
+    generated_fields = ("template",)
     intro = "Answer the question about the company database by querying it with SQL."
 
     def __init__(self, *, num_builtin: int = 200, max_rows: int = 50, **options: Any) -> None:
         self.num_builtin = num_builtin
         self.max_rows = max_rows
         self._db: sqlite3.Connection | None = None
+        self._answers: frozenset[str] | None = None
+        """The non-numeric answers of the task set (rivals of a name answer), read once."""
         super().__init__(**options)
 
     # ------------------------------------------------------------------ tasks
@@ -292,7 +322,8 @@ class SqlEnv(ToolEnv):
                 except sqlite3.Error as exc:
                     raise ToolError(f"cannot open database {path!r}: {exc}") from None
             else:
-                self._db = build_company_db(int(self.task["seed"]))
+                seed = self.task["database_seed" if "database_seed" in self.task else "seed"]
+                self._db = build_company_db(int(seed))
             _readonly(self._db)
         return self._db
 
@@ -337,14 +368,33 @@ class SqlEnv(ToolEnv):
         return columns, rows
 
     def start(self, task: Task) -> str:
-        if self._db is not None:
-            self._db.close()
-            self._db = None
+        """The question: the task's own, or one drawn from ``QUESTIONS`` with the database of
+        the task's seed. A draw whose question has no single answer (two rows tied at the top
+        of a ranking, an average over an empty department) is replaced by the draw of a seed
+        derived from the task's (``database_seed``), so a seed still gives one task."""
+        self._close_database()
         if "question" in task:
             return str(task["question"])
-        rng = np.random.default_rng(int(task["seed"]))
-        db = self._database()
-        template, gold = QUESTIONS[int(task["template"])]
+        seed = int(task["seed"])
+        for attempt in range(MAX_DRAWS):
+            drawn = seed if attempt == 0 else stable_hash("sql-redraw", seed, attempt) % 2**31
+            self.task["database_seed"] = drawn
+            question = self._draw(self._database(), int(task["template"]), drawn)
+            if question is not None:
+                if drawn == seed:
+                    del self.task["database_seed"]  # the task's own seed: nothing to record
+                return question
+            self._close_database()
+        raise RuntimeError(
+            f"no database of {MAX_DRAWS} drawn for task {task['id']!r} gives its "
+            "question a single answer"
+        )
+
+    def _draw(self, db: sqlite3.Connection, template: int, seed: int) -> str | None:
+        """Question ``template`` filled in from ``seed`` for ``db``, its gold query and answer
+        stored in the task; None when the question has no single answer in ``db``."""
+        rng = np.random.default_rng(seed)
+        text, gold = QUESTIONS[template]
         fill = {
             "year": int(rng.integers(2010, 2020)),
             "city": str(
@@ -364,9 +414,16 @@ class SqlEnv(ToolEnv):
                 )
             ),
         }
-        self.task["sql"] = gold.format(**fill)
-        self.task["answer"] = str(db.execute(self.task["sql"]).fetchone()[0])
-        return template.format(**fill)
+        sql = gold.format(**fill)
+        row = db.execute(sql).fetchone()
+        if row is None or row[0] is None:  # no rows, or an average over none
+            return None
+        if template in _TOP_TWO:
+            best = [value for (value,) in db.execute(_TOP_TWO[template].format(**fill))]
+            if len(best) == 2 and best[0] == best[1]:
+                return None
+        self.task["sql"], self.task["answer"] = sql, str(row[0])
+        return text.format(**fill)
 
     # ------------------------------------------------------------------ tools
     def call_tool(self, name: str, arguments: dict[str, Any]) -> str:
@@ -393,14 +450,42 @@ class SqlEnv(ToolEnv):
         return "\n".join(lines) if rows else " | ".join(columns) + "\n(no rows)"
 
     def grade(self, answer: str) -> float:
-        expected = str(self.task["answer"]).strip().lower()
-        given = answer.strip().strip(".'\"").lower()
-        if given == expected:
-            return 1.0
-        try:
-            return 1.0 if abs(float(given.replace(",", "")) - float(expected)) < 1e-6 else 0.0
-        except ValueError:
-            return 0.0
+        """1.0 for the expected answer in any common form (``envs.tools.answers``): a number
+        as the answer's one value besides those the question states (``$96,859``, ``96859
+        dollars``), a name as whole words with no rival (``**Sales**``, ``Sales department``);
+        0.0 for an answer that names two candidates (``Sales or Research``)."""
+        expected = str(self.task["answer"])
+        target = number(expected)
+        if target is not None:
+            return 1.0 if number_matches(answer, target, stated=self.question) else 0.0
+        return 1.0 if name_matches(answer, expected, self._rivals(expected)) else 0.0
+
+    def _rivals(self, expected: str) -> set[str]:
+        """What a hedge would list beside ``expected``: the other values of each text column
+        that holds it (every department for a department, every employee for an employee)
+        and the other answers of the task set. Queries run within the usual budgets; a
+        column too big to read adds nothing."""
+        if self._answers is None:
+            answers = {str(task["answer"]) for task in self.tasks if "answer" in task}
+            self._answers = frozenset(a for a in answers if number(a) is None)
+        rivals = set(self._answers)
+        literal = "'" + expected.strip().lower().replace("'", "''") + "'"
+        with contextlib.suppress(ToolError):
+            _, tables = self._query("SELECT name FROM sqlite_master WHERE type = 'table'")
+            for (table,) in tables:
+                _, info = self._query(f"PRAGMA table_info({_quote(table)})", max_rows=10_000)
+                for column in (_quote(row[1]) for row in info):
+                    with contextlib.suppress(ToolError):
+                        where = f"FROM {_quote(table)} WHERE typeof({column}) = 'text'"
+                        _, hit = self._query(
+                            f"SELECT 1 {where} AND lower({column}) = {literal} LIMIT 1"
+                        )
+                        if hit:
+                            _, values = self._query(
+                                f"SELECT DISTINCT {column} {where}", max_rows=10_000
+                            )
+                            rivals.update(str(value) for (value,) in values)
+        return rivals
 
     def plan(self) -> list[str]:
         if "sql" not in self.task:
@@ -427,6 +512,9 @@ class SqlEnv(ToolEnv):
 
     # ------------------------------------------------------------------ lifecycle
     def on_close(self) -> None:
+        self._close_database()
+
+    def _close_database(self) -> None:
         if self._db is not None:
             self._db.close()
             self._db = None

@@ -13,7 +13,9 @@ where ``type_match`` is 1 for the requested category and 0.1 otherwise: the WebS
 reward, simplified. The site is the WSGI app in ``shop_site``; pages are fetched
 in-process by default, or over real HTTP from a local server with ``transport="http"``
 (same observations). Tasks can be bound with ``dataset=`` (records with ``instruction``
-and ``goal``: ``{"category", "attributes", "options", "max_price"}``).
+and ``goal``: ``{"category", "attributes", "options", "max_price"}``), and so can one task
+with ``reset(options={"task": ...})``: both fields, or neither (then the instruction and its
+goal are drawn from the task's ``seed``); an instruction without its goal is refused.
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ import numpy as np
 from envhub.core import TextEnv, Turn
 from envhub.errors import ActionParseError
 from envhub.parsing import ActionParser
-from envs.datasets import Split, TaskSet, as_taskset
+from envs.datasets import Split, TaskSet, TaskSetError, as_taskset
 from envs.web.page_text import PageText, page_to_text
 from envs.web.shop_site import Catalogue, Product, ShopSite, serve_site
 
 __all__ = ["ShopEnv", "shop_reward"]
 
+TASK_FIELDS = ("instruction", "goal")
+"""A custom task's fields: the instruction shown and the goal it is graded against."""
+GOAL_FIELDS = '{"category", "attributes", "options", "max_price"}'
 _ACTION = re.compile(r"^(search|click)\s*\[(.*)\]$", re.IGNORECASE | re.DOTALL)
 
 
@@ -114,7 +119,7 @@ class ShopEnv(TextEnv):
             dataset,
             default=builtin,
             split=split,
-            required=("instruction", "goal") if dataset is not None else (),
+            required=TASK_FIELDS if dataset is not None else (),
         )
         self.parser = ActionParser(format="tag", max_length=500)
         self.system_prompt = (
@@ -152,7 +157,15 @@ class ShopEnv(TextEnv):
     # ------------------------------------------------------------------ episode
     def on_reset(self, options: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         task = self.tasks.select(options, self.np_random)
-        if "goal" in task:
+        given = [key for key in TASK_FIELDS if key in task]
+        if given and len(given) < len(TASK_FIELDS):  # a dataset's records were checked when bound
+            missing = [key for key in TASK_FIELDS if key not in task]
+            raise TaskSetError(
+                f"options['task'] has {given} but lacks {missing}: a shop "
+                f"instruction is graded against its goal {GOAL_FIELDS}; give both, or neither "
+                "to draw an instruction and its goal from the task's seed"
+            )
+        if given:
             instruction, self.goal = str(task["instruction"]), dict(task["goal"])
         else:
             rng = np.random.default_rng(int(task["seed"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -68,3 +69,47 @@ def test_an_env_plays_a_bound_jsonl_split(tmp_path):
     assert messages[-1]["content"] == problem["question"]
     _, reward, terminated, _, _ = env.step(env.expert_action())
     assert terminated and reward == 1.0
+
+
+def test_a_custom_task_missing_a_field_names_it_and_what_a_task_needs():
+    tasks, rng = TaskSet(PROBLEMS, name="sums"), np.random.default_rng(0)
+    needs = ("question", "answer")
+    with pytest.raises(TaskSetError) as error:
+        tasks.select({"task": {"question": "q"}}, rng, required=needs)
+    assert str(error.value).startswith(
+        "sums: options['task'] lacks the field(s) ['answer']; a task needs "
+        "['question', 'answer'] (got keys ['question'])"
+    )
+    with pytest.raises(TaskSetError, match=re.escape(", or ['kind'] to draw one from its seed")):
+        tasks.select({"task": {"question": "q"}}, rng, required=needs, generated=("kind",))
+    # the env's own generated form needs none of the fields a dataset's record needs
+    drawn = tasks.select({"task": {"kind": "k"}}, rng, required=needs, generated=("kind",))
+    assert drawn["kind"] == "k" and drawn["id"] == "custom"
+
+
+@pytest.mark.parametrize(
+    "env_id, task, missing",
+    [
+        ("tools/calculator-v0", {"question": "What is 2+2?"}, ["answer"]),
+        ("tools/sql-v0", {"question": "How many employees?"}, ["answer"]),
+        ("tools/retrieval-v0", {"answer": "1935"}, ["question"]),
+        ("tools/lookup-v0", {"names": ["red", "blue"]}, ["table"]),
+        ("tools/mcp-v0", {"question": "How many widgets?"}, ["answer"]),
+    ],
+)
+def test_a_tool_env_refuses_a_custom_task_missing_a_field(env_id, task, missing):
+    env = envhub.make(env_id)
+    try:
+        with pytest.raises(TaskSetError, match=re.escape(f"lacks the field(s) {missing}")):
+            env.reset(options={"task": task})
+    finally:
+        env.close()
+
+
+def test_sql_still_plays_a_task_in_its_generated_form():
+    env = envhub.make("tools/sql-v0")
+    messages, _ = env.reset(options={"task": {"template": 2, "seed": 7}})
+    assert messages[-1]["content"].startswith("Who logged the most hours on project")
+    while not env.done:
+        _, reward, *_ = env.step(env.expert_action())
+    assert reward == 1.0

@@ -8,6 +8,7 @@ import pytest
 
 import envhub
 from envhub.evaluation import AGENTS, run_episode
+from envs.datasets import TaskSetError
 from envs.web.shop import shop_reward
 from envs.web.shop_site import Catalogue
 
@@ -74,3 +75,36 @@ def test_http_transport_serves_the_same_pages():
         assert served._base_url.startswith("http://127.0.0.1:")
     finally:
         served.close()
+
+
+def test_a_custom_instruction_without_a_goal_is_refused_not_replaced():
+    """An instruction alone cannot be graded: refused with what a task needs, never swapped
+    for a generated instruction about another product."""
+    env = envhub.make("web/shop-v0")
+    instruction = "i need a red coffee mug under 20 dollars"
+    for task in ({"instruction": instruction}, {"instruction": instruction, "seed": 3}):
+        with pytest.raises(TaskSetError) as error:
+            env.reset(options={"task": task})
+        assert "'goal'" in str(error.value) and "max_price" in str(error.value), error.value
+    with pytest.raises(TaskSetError, match="'instruction'"):
+        env.reset(options={"task": {"goal": {"category": "mug"}, "seed": 3}})
+
+
+def test_a_custom_instruction_with_its_goal_is_shown_and_graded():
+    env = envhub.make("web/shop-v0")
+    product = Catalogue(0).products[0]
+    goal = {
+        "category": product.category,
+        "attributes": [],
+        "options": {},
+        "max_price": product.price + 1,
+        "target": product.id,
+    }
+    instruction = f"i need {product.title}"
+    _, info = env.reset(options={"task": {"instruction": instruction, "goal": goal}})
+    assert info["instruction"] == instruction
+    while not env.done:
+        *_, reward_info = env.step(env.expert_action())
+    assert reward_info["success"]
+    _, info = env.reset(options={"task": {"seed": 3}})  # a task drawn from its seed still plays
+    assert info["instruction"].startswith("i need ")

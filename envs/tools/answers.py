@@ -1,0 +1,91 @@
+"""Reading a final answer: the one normaliser and the matching rules every ``tools/`` grader uses.
+
+Models write a right answer in many forms: ``**Sales**``, ``$\\boxed{Sales}$``, ``$96,859``,
+``96859 dollars``, ``The founder was born in 1935.``. ``normalise`` reduces each to the text a
+grader compares; the rules then decide what counts as giving the answer:
+
+``number_matches``
+    Every number in the answer, apart from those the question itself states (``7 employees
+    were hired after 2015`` restates 2015), is the expected value: exactly one value, so
+    ``1935 1936 1937`` scores nothing.
+``name_matches``
+    The expected name as whole words (``Sales department``), and no rival name (another answer
+    of the same kind) outside it: ``Sales or Research`` scores nothing.
+
+So a grader accepts the common forms of one answer and refuses an answer that lists several
+candidates: hedging never pays more than committing to one.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+
+__all__ = ["name_matches", "normalise", "number", "number_matches", "numbers"]
+
+_WRAPPER = re.compile(r"\\(?:boxed|text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
+"""A LaTeX wrapper around the answer (``\\boxed{42}``, ``\\text{Sales}``): its content stays."""
+_EMPHASIS = re.compile(r"(?<!\w)[*_`~]+(?=\S)|(?<=\S)[*_`~]+(?!\w)")
+"""Markdown emphasis and code marks that open or close a word (``**x**``, ``_x_``, `` `x` ``);
+a mark between words or digits (``2 * 3``, ``snake_case``) stays."""
+_CURRENCY = re.compile(r"[$€£¥]")
+_THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+"""A comma followed by exactly three digits (``1,234``; not ``1,4`` nor ``1,2345``)."""
+_EDGES = " .,;:!?\"'()[]{}"
+_NUMBER = re.compile(r"(?<![\d.])-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+
+
+def normalise(text: str) -> str:
+    """``text`` as graders compare it: LaTeX wrappers, markdown emphasis, currency signs and
+    thousands commas removed, blanks collapsed, lower case, surrounding punctuation dropped."""
+    previous = None
+    while previous != text:  # \\boxed{\\text{x}}
+        previous, text = text, _WRAPPER.sub(r"\1", text)
+    text = _CURRENCY.sub("", text)
+    text = _EMPHASIS.sub("", text)
+    text = _THOUSANDS.sub("", text)
+    return " ".join(text.split()).lower().strip(_EDGES)
+
+
+def numbers(text: str) -> list[float]:
+    """The numbers in ``text``, in order, read after ``normalise`` (``$1,234.50`` -> 1234.5)."""
+    return [float(found) for found in _NUMBER.findall(normalise(text))]
+
+
+def number(text: str) -> float | None:
+    """The value of ``text`` when it is one number and nothing else (``"96,859"``), else None."""
+    found = normalise(text)
+    return float(found) if _NUMBER.fullmatch(found) else None
+
+
+def number_matches(
+    answer: str, expected: float, *, stated: str = "", tolerance: float = 0.0
+) -> bool:
+    """Whether ``answer`` gives ``expected`` and no other value: every number in it, except
+    those ``stated`` (the question) holds, is within ``tolerance`` of ``expected`` (and
+    relatively within 1e-9, so ``96859.0`` is ``96859``)."""
+
+    def close(value: float) -> bool:
+        return math.isclose(value, expected, rel_tol=1e-9, abs_tol=tolerance)
+
+    restated = {value for value in numbers(stated) if not close(value)}
+    given = [value for value in numbers(answer) if value not in restated]
+    return bool(given) and all(close(value) for value in given)
+
+
+def _whole(text: str) -> str:
+    """A pattern matching ``text`` as whole words (not inside a longer word or number)."""
+    return rf"(?<!\w){re.escape(text)}(?!\w)"
+
+
+def name_matches(answer: str, expected: str, rivals: Iterable[str]) -> bool:
+    """Whether ``answer`` names ``expected`` (as whole words, after ``normalise``) and none of
+    ``rivals`` besides: the other answers a hedge would list. A rival inside the expected
+    name is no rival (``Kalmar`` in ``Kalmar Union``)."""
+    given, wanted = normalise(answer), normalise(expected)
+    if not wanted or not re.search(_whole(wanted), given):
+        return False
+    rest = re.sub(_whole(wanted), " ", given)
+    others = {normalise(rival) for rival in rivals} - {wanted, ""}
+    return not any(re.search(_whole(rival), rest) for rival in others)
