@@ -44,7 +44,8 @@ class EnvEntry(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Constructor kwargs for this env, over ``env.kwargs``."""
     weight: float = Field(default=1.0, gt=0)
-    """Share of each step's groups (partitioned by weight; equal weights alternate)."""
+    """Share of each step's trained groups (partitioned by weight; equal weights alternate),
+    however fast its episodes end, with ``rollout.redundancy`` and dynamic sampling too."""
     group_size: int | None = Field(default=None, gt=0)
     """Episodes per group of this env (a harder env may want more tries per task); None:
     ``env.group_size``."""
@@ -331,9 +332,11 @@ class RolloutConfig(Section):
     trainer trains, within ``max_staleness`` (``trainer.rollout.scheduler``). A group whose
     episode still fails after its replays is replaced in every mode."""
     max_staleness: int = Field(default=1, ge=0)
-    """``async``: most policy versions a trained token may lag the policy being trained."""
+    """``async``: most policy versions a trained token may lag the policy being trained (>= 1:
+    what is played while the trainer trains is a version behind once trained)."""
     redundancy: float = Field(default=1.0, ge=1.0)
-    """Scheduler modes: groups started per group a batch needs; the surplus is aborted. In
+    """Scheduler modes: groups started per group a batch needs; the first of each env to end
+    fill its share of the batch (``env.id`` weights), the surplus is aborted. In
     ``async`` a run whose rollouts, not training, are the bound wants some (e.g. 1.25): at 1.0
     each batch waits for its slowest group (``benchmarks/rollout_scale.py``, ``MODE@R``)."""
     dynamic_sampling: bool = False
@@ -444,6 +447,17 @@ class RolloutConfig(Section):
                 "rollout.env_workers plays episodes with the built-in env manager, and "
                 "rollout.agent plays them through the trainer's proxy in the driver; unset one"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _async_may_lag(self) -> RolloutConfig:
+        if self.mode == "async" and self.max_staleness == 0:
+            message = (
+                "rollout.mode: async plays episodes while the trainer trains, and with "
+                "max_staleness 0 every one of them is a version behind by its batch and thrown "
+                "away; set rollout.mode: sync for on-policy training, or rollout.max_staleness >= 1"
+            )
+            raise ConfigError([Problem("rollout.max_staleness", message)])
         return self
 
     @model_validator(mode="after")

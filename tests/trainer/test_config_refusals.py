@@ -179,8 +179,8 @@ def test_a_vllm_token_budget_below_its_context_without_chunked_prefill_is_refuse
     than one prompt, in the worker once the cluster is up; the config names it instead."""
     pytest.importorskip("vllm", reason="vLLM checks its own arguments: needs vllm installed")
     args = "{max_model_len: 512, max_num_batched_tokens: 256}"
-    engine = ["rollout.engine=vllm", f"roles.actor_infer.strategy_args={args}"]
-    [problem] = problems_of(QUICKSTART, engine)
+    vllm = ["rollout.engine=vllm", "model.tiny.num_heads=2"]  # head size 32: vLLM on CPU takes it
+    [problem] = problems_of(QUICKSTART, [*vllm, f"roles.actor_infer.strategy_args={args}"])
     assert problem.startswith(
         "roles.actor_infer.strategy_args.max_num_batched_tokens: 256 is below max_model_len "
         "512, and without chunked prefill"
@@ -188,11 +188,31 @@ def test_a_vllm_token_budget_below_its_context_without_chunked_prefill_is_refuse
     cfg = load_config(
         QUICKSTART,
         [
-            *engine[:1],
+            *vllm,
             "roles.actor_infer.strategy_args={max_model_len: 512, max_num_batched_tokens: 512}",
         ],
     )
     assert cfg.roles.actor_infer.strategy_args["max_num_batched_tokens"] == 512
+
+
+# --------------------------------------------------------------------------- rollout modes
+
+
+def test_async_rollouts_that_may_not_lag_are_refused_naming_sync_and_max_staleness() -> None:
+    """``async`` with ``max_staleness: 0`` would throw away every group played while the trainer
+    trains (each is a version behind once trained): the async mode's cost, none of its gain."""
+    overrides = ["rollout.mode=async", "rollout.max_staleness=0"]
+    assert problems_of(None, overrides) == [
+        (
+            "rollout.max_staleness: rollout.mode: async plays episodes while the trainer trains, "
+            "and with max_staleness 0 every one of them is a version behind by its batch and "
+            "thrown away; set rollout.mode: sync for on-policy training, or "
+            "rollout.max_staleness >= 1 (at override 'rollout.max_staleness=0')"
+        )
+    ]
+    on_policy = load_config(None, ["rollout.mode=sync", "rollout.max_staleness=0"])
+    assert on_policy.rollout.mode == "sync"
+    assert load_config(None, [overrides[0], "rollout.max_staleness=1"]).rollout.max_staleness == 1
 
 
 # --------------------------------------------------------------------------- env kwargs, numbers

@@ -564,7 +564,7 @@ class EnvManager:
         the env as the raw text, whose parser answers it with feedback and the penalty."""
         tokens = tokens or trajectory  # the episode's sequence, or this turn's own sample
         tokens.append_generation(result)
-        trajectory.policy_versions.append(result.policy_version)
+        trajectory.record_versions(result)
         turn = self.renderer.read_turn(result.token_ids, tools)  # never raises
         message = turn.message()
         trajectory.messages.append(message)

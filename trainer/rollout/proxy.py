@@ -345,7 +345,7 @@ class AgentProxy:
         start = len(row.token_ids)
         row.append_context(context)
         row.append_generation(result)
-        episode.trajectory.policy_versions.append(result.policy_version)
+        episode.trajectory.record_versions(result)
         parsed = request.tools if request.tool_choice != "none" else None
         reply = self.renderer.read_turn(result.token_ids, parsed).message()  # never raises
         if reply.get("tool_calls"):

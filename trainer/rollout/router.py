@@ -33,7 +33,9 @@ Preemption (partial rollouts)
     has ``policy_version``). ``gate_watchers`` are told as the gate closes and reopens.
 Accounting
     Busy time per engine (time with at least one request in flight), requests, tokens,
-    aborts, preemptions and errors; ``take_stats()`` returns them since the last call.
+    aborts (counted as sent: stats taken right after aborting hold them), preemptions and
+    errors; ``take_stats()`` returns them since the last call. ``oldest_version(play)``: the
+    version of an episode's oldest token so far (the scheduler's staleness bound).
 
 Per turn, without a task: ``start_generate(request)`` is ``generate`` as a future (what the
 env workers' driver side calls once per turn; ``generate`` awaits it). The router is callbacks
@@ -196,6 +198,8 @@ class EngineRouter:
         """Episode key -> ids of its requests in ``_flights`` (an episode's abort is a lookup)."""
         self._cancelled: set[str] = set()
         self._cancelled_of: dict[str, list[str]] = {}  # play (``_play_of``) -> its marks
+        self._oldest: dict[str, int] = {}
+        """Play (``_play_of``) -> the version of its current attempt's oldest token."""
         self._held: list[_Flight] = []
         """Requests (new, or preempted parts) waiting for ``resume``."""
         self._idle: asyncio.Event | None = None
@@ -230,10 +234,13 @@ class EngineRouter:
         return answer
 
     async def abort(self, request_id: str) -> None:
-        """Abort in the engine that holds the request; unknown or finished ids are ignored."""
+        """Abort in the engine that holds the request; unknown or finished ids are ignored.
+        Counted now (``take_stats``), not when the engine answers."""
         flight = self._flights.get(request_id)
         if flight is None:
             return
+        if not flight.cancelled and not flight.answer.done():
+            self._count("abort")
         flight.cancelled = True
         if flight.submitted:
             await self.engines[flight.engine].abort(flight.sub_id)
@@ -251,9 +258,12 @@ class EngineRouter:
             await asyncio.gather(*(self.abort(r) for r in list(running)))
 
     def forget(self, key: str) -> None:
-        """The episode ended: drop its sticky engine and its play's cancelled marks."""
-        for marked in self._cancelled_of.pop(_play_of(key), ()):
+        """The episode ended: drop its sticky engine, its play's cancelled marks and oldest
+        version (a replay's tokens start afresh)."""
+        play = _play_of(key)
+        for marked in self._cancelled_of.pop(play, ()):
             self._cancelled.discard(marked)
+        self._oldest.pop(play, None)
         self._sticky.pop(key, None)
 
     def update_weights(self, weights: Weights) -> None:
@@ -380,6 +390,12 @@ class EngineRouter:
         """The engine an episode is pinned to (None before its first request)."""
         return self._sticky.get(key)
 
+    def oldest_version(self, play: str) -> int | None:
+        """The version of the oldest token the current attempt of ``play`` (an episode key, or
+        the play of attempt keys ``"{play}a{n}"``) has generated: None before one came back, or
+        after ``forget``. Parts come back at a weight update's pause, so it is exact after one."""
+        return self._oldest.get(play)
+
     def take_stats(self) -> RouterStats:
         """Counters since the previous call (busy time of running requests is split at now)."""
         return self._accounts.take()
@@ -450,6 +466,10 @@ class EngineRouter:
         self._failing.discard(flight.engine)
         self._accounts.current.new_tokens += len(result.token_ids)
         flight.parts.append((result, flight.issued))
+        if result.token_ids and (play := _play_of(flight.key)) not in self._oldest:
+            self._oldest[play] = flight.issued
+            if len(self._oldest) > _STICKY_CAPACITY:  # a caller that never calls ``forget``
+                del self._oldest[next(iter(self._oldest))]
         reason = result.finish_reason
         if reason != "abort" or flight.cancelled or not flight.preempted:
             self._finish(flight, reason)
@@ -478,9 +498,8 @@ class EngineRouter:
         self._drop(flight)
         if flight.answer.done():
             return
-        self._accounts.current.requests += 1
-        if reason == "abort":
-            self._accounts.current.aborted += 1
+        if not flight.cancelled:  # (a cancelled one was counted as its abort was sent)
+            self._count(reason)
         parts = flight.parts
         if len(parts) == 1 and parts[0][0].finish_reason == reason:
             result, issued = parts[0]  # the engine's own result: every token has one version
@@ -488,6 +507,12 @@ class EngineRouter:
         else:
             result = joined_result(flight.request.request_id, parts, reason, self.policy.value)
         flight.answer.set_result(result)
+
+    def _count(self, reason: FinishReason) -> None:
+        """A request ended (or its abort was sent) with ``reason``."""
+        self._accounts.current.requests += 1
+        if reason == "abort":
+            self._accounts.current.aborted += 1
 
     def _fail(self, flight: _Flight, error: BaseException) -> None:
         self._drop(flight)

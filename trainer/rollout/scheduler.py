@@ -8,7 +8,7 @@ scheduler keeps groups running on an ``EngineRouter`` and hands out a batch of
         -> failed?   (an episode still failed after retries)  -> recorded, replaced
         -> filtered? (dynamic sampling: all rewards equal)    -> recorded, replaced
         -> stale?    (async: oldest token > max_staleness)    -> recorded, replaced
-        -> ready queue -> next_batch() takes num_groups groups
+        -> ready queue -> next_batch() takes each env's quota of num_groups groups
 
 Modes:
 
@@ -27,11 +27,16 @@ Modes:
 Task seeds are drawn in order from ``(seed, group number)`` exactly like ``plan_groups``
 (the pipeline starts at ``first_group=num_groups``, step 1's first group), so ``sync`` with
 no redundancy, no filter and no failures plays the same tasks, with the same group ids, as
-the plain batched rollout, step by step. Failures never hang the run: an episode whose env
-raised, timed out or whose generation errored is replayed on a fresh env (``max_retries``),
-then its group is replaced; ``RolloutError`` stops the run when ``max_failed_groups`` groups
-of one env in a row failed (an env of a mix that always fails stops the run too, named; the
-first failed group of each env is logged as a warning, with its reason).
+the plain batched rollout, step by step. With a mix of envs every batch holds each env's
+quota, its step's ``plan_groups`` partition, and groups beyond the plan (replacements,
+redundancy, ``async``'s next batches) play the envs short of theirs (``env_quotas``): the
+fastest env does not fill the batch. A batch's groups are in group order, not the order they
+finished (gradient accumulation does not depend on timing). Failures never hang the run: an
+episode whose env raised, timed out or whose generation errored is replayed on a fresh env
+(``max_retries``), then its group is replaced; ``RolloutError`` stops the run when
+``max_failed_groups`` groups of one env in a row failed (an env of a mix that always fails
+stops the run too, named; the first failed group of each env is logged as a warning, with its
+reason).
 
 Cancelled groups (the sync surplus, groups doomed by a weight update, those running at
 ``close``) *drain*: their requests are aborted at once, and their episodes end and close their
@@ -48,7 +53,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
-import statistics
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -57,10 +61,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 from trainer.config import RolloutConfig, TrainerConfig
+from trainer.rollout.batch_metrics import batch_metrics
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
+from trainer.rollout.env_quotas import EnvQuotas
 from trainer.rollout.env_workers import EnvWorkers
 from trainer.rollout.group_failures import GroupFailures
-from trainer.rollout.groups import EVAL_SEED_BASE, EpisodeSpec, env_for_group, play_episode
+from trainer.rollout.groups import EVAL_SEED_BASE, EpisodeSpec, play_episode
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.trajectory import Trajectory
 from trainer.rollout.worker_routing import WorkerRouters
@@ -85,13 +91,15 @@ class SchedulerConfig:
     env_ids: tuple[str, ...]
     """Tasks are spread over these envs (``groups.env_for_group``)."""
     env_weights: tuple[float, ...] = ()
-    """Each env's share of the groups; empty or equal: round-robin."""
+    """Each env's share of every batch's groups (partitioned as ``plan_groups`` does:
+    ``trainer.rollout.env_quotas``); empty or equal: round-robin."""
     env_group_sizes: tuple[int, ...] = ()
     """Each env's episodes per group (``env_ids`` order); empty: ``group_size`` for all."""
     seed: int = 0
     mode: Mode = "sync"
     redundancy: float = _ROLLOUT_DEFAULTS["redundancy"]
-    """Groups started per group needed (>= 1); the first to finish fill the batch."""
+    """Groups started per group needed (>= 1); the first of each env to finish fill its quota
+    of the batch."""
     max_staleness: int = _ROLLOUT_DEFAULTS["max_staleness"]
     """``async``: most policy versions a trained token may lag the trained policy."""
     dynamic_sampling: bool = _ROLLOUT_DEFAULTS["dynamic_sampling"]
@@ -175,6 +183,8 @@ class _Group:
     """Policy version when the group started: no token of it is older."""
     finished_at: float = 0.0
     cancelled: bool = False
+    counted: bool = False
+    """Counted among its env's groups in play (``EnvQuotas.in_play``): running or ready."""
     _oldest: list[int | None] = field(default_factory=list, repr=False)
     """``[oldest_version()]`` once computed."""
 
@@ -220,6 +230,9 @@ class RolloutScheduler:
         )
         self.next_group = first_group
         """The next task number to start (checkpointed so a resumed run does not repeat tasks)."""
+        self._quotas = EnvQuotas(
+            config.env_ids, config.env_weights, config.num_groups, first_group=first_group
+        )
         self.close_timeout_s = close_timeout_s
         self._running: dict[int, _Group] = {}
         self._ready: list[_Group] = []
@@ -246,13 +259,14 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ public
     async def next_batch(self) -> RolloutBatch:
-        """Wait until ``num_groups`` groups are ready and return them as one batch."""
+        """Wait until every env's quota of groups is ready and return them as one batch (in
+        group order)."""
         self._changed = self._changed or asyncio.Event()
         self._collecting = True
         self._fill()
         while True:
             self._drop_stale_ready()
-            if len(self._ready) >= self.cfg.num_groups:
+            if self._quotas.met(self._ready):
                 break
             failing = self._failures.stopping()
             if failing is not None:
@@ -262,8 +276,12 @@ class RolloutScheduler:
             self._fill()
             await self._changed.wait()
         self._ready.sort(key=lambda g: (g.oldest_version() or 0, g.finished_at))
-        taken, self._ready = self._ready[: self.cfg.num_groups], self._ready[self.cfg.num_groups :]
+        taken, self._ready = self._quotas.take(self._ready)
         self._fresh = (self._fresh[0], len(self._ready))  # what is left was checked just now
+        self._quotas.next_window()
+        for group in taken:
+            self._count(group, False)
+        taken.sort(key=lambda g: g.number)
         if self.cfg.mode == "sync":
             self._collecting = False
             surplus = list(self._running.values()) + self._ready
@@ -281,12 +299,18 @@ class RolloutScheduler:
 
         ``weights``: tensors for every engine, or a callable that loads them itself (see
         ``EngineRouter.update_weights_live``). Then aborts running groups that can no longer
-        meet ``max_staleness``."""
+        meet ``max_staleness``: those with a token older than it allows (``_oldest_token``).
+        No group starts while the weights load (the router holds its turns meanwhile); those
+        due start once they have loaded."""
         paused = await self.router.update_weights_live(weights)
         self._weight_pause_s += paused
         if self.cfg.mode == "async":
             bound = self.router.version - self.cfg.max_staleness
-            doomed = [g for g in self._running.values() if g.started_version < bound]
+            doomed = [
+                group
+                for group in self._running.values()
+                if (oldest := self._oldest_token(group)) is not None and oldest < bound
+            ]
             await self._cancel_all(doomed, "stale_aborted_groups")
             self._drop_stale_ready()
             self._fill()
@@ -309,11 +333,13 @@ class RolloutScheduler:
     def state_dict(self) -> dict[str, int]:
         return {"next_group": self.next_group}
 
-    async def restart_from(self, next_group: int) -> None:
+    async def restart_from(self, next_group: int, *, window: int | None = None) -> None:
         """Continue numbering tasks at ``next_group`` (a resumed run's counter). Groups already
         in play were numbered from the old counter (they would repeat trained tasks): they
         are aborted and dropped. New groups start at the next ``update_weights`` or
-        ``next_batch`` (a resume loads the checkpoint's weights first)."""
+        ``next_batch`` (a resume loads the checkpoint's weights first). ``window``: the next
+        step's first ``plan_groups`` number, whose envs set its quotas (default ``next_group``,
+        which is it unless groups were replaced or started beyond the plan)."""
         in_play = list(self._running.values()) + self._ready
         self._ready, self._fresh = [], (-1, 0)
         self._restarting = True  # an aborted group's end would start a replacement: not yet
@@ -329,13 +355,18 @@ class RolloutScheduler:
             self._restarting = False
         self._counts.pop("aborted_at_resume", None)
         self.next_group = next_group
+        self._quotas.restart(next_group if window is None else window)
 
     # ------------------------------------------------------------------ groups
     def _fill(self) -> None:
+        """Start groups up to ``capacity``; none while a weight update holds the router (a group
+        started then would count as started under the old version, its first turn waiting for
+        the new one: ``update_weights`` fills once the weights have loaded)."""
         while (
             self._collecting
             and not self._closed
             and not self._restarting
+            and not self.router.paused
             and len(self._running) + len(self._ready) + len(self._draining) < self.cfg.capacity
         ):
             self._start_group()
@@ -345,10 +376,11 @@ class RolloutScheduler:
         self.next_group += 1
         group = _Group(
             number,
-            env_for_group(number, self.cfg.env_ids, self.cfg.env_weights),
+            self._quotas.env_for(number),
             (self.cfg.seed * 7_919 + number) % EVAL_SEED_BASE,
             started_version=self.router.version,
         )
+        self._count(group, True)
         for index in range(self.cfg.group_size_of(group.env_id)):
             key = f"g{number}e{index}"
             group.keys.append(key)
@@ -384,16 +416,23 @@ class RolloutScheduler:
         group.finished_at = time.monotonic()
         if any(task.cancelled() for task in group.tasks):  # the loop shut down under it
             group.cancelled = True
+        ready = False
         if group.number in self._draining:  # cancelled while it played: it has drained now
             del self._draining[group.number]
             self._forget(group)
         elif not group.cancelled:
-            self._judge(group)
+            ready = self._judge(group)
+        if ready:
+            self._ready.append(group)
+        else:  # failed, filtered or cancelled: out of play
+            self._count(group, False)
         self._fill()
         if self._changed is not None:
             self._changed.set()
 
-    def _judge(self, group: _Group) -> None:
+    def _judge(self, group: _Group) -> bool:
+        """Whether a finished group is ready for a batch: not when it failed, nor when dynamic
+        sampling filters it (each recorded)."""
         errors = [task.exception() for task in group.tasks if task.exception() is not None]
         for error in errors:  # a bug, not an env failure: surface it rather than loop forever
             self._counts["failed_episodes"] += 1
@@ -411,7 +450,7 @@ class RolloutScheduler:
             self._counts["failed_groups"] += 1
             failed = [t.failure for t in self._failed if t.env_id == group.env_id]
             self._failures.failed(group.env_id, failed[-1] if failed else None)
-            return
+            return False
         self._failures.succeeded(group.env_id)
         rewards = {round(t.episode_reward, 9) for t in trajectories}
         if self.cfg.dynamic_sampling and len(rewards) == 1 and len(trajectories) > 1:
@@ -419,9 +458,9 @@ class RolloutScheduler:
             if self._filtered_this_batch < (4 * self.cfg.num_groups if limit is None else limit):
                 self._filtered_this_batch += 1
                 self._counts["filtered_groups"] += 1
-                return
+                return False
             self._counts["filter_passed_over_limit"] += 1
-        self._ready.append(group)
+        return True
 
     async def _cancel_all(self, groups: list[_Group], reason: str) -> None:
         """Cancel ``groups``: abort their requests; their episodes drain in the background
@@ -437,6 +476,7 @@ class RolloutScheduler:
         the background (``_draining`` until ``_group_done``)."""
         group.cancelled = True
         self._running.pop(group.number, None)
+        self._count(group, False)
         if reason == "aborted_surplus":  # every episode thrown away, played out or cut short
             self._counts[reason] += len(group.tasks)
         elif reason == "stale_aborted_groups":
@@ -456,6 +496,27 @@ class RolloutScheduler:
             self._forget(group)
         else:
             self._draining[group.number] = group
+
+    def _count(self, group: _Group, in_play: bool) -> None:
+        """Count ``group`` in (or out of) its env's groups in play, once either way."""
+        if group.counted != in_play:
+            group.counted = in_play
+            (self._quotas.started if in_play else self._quotas.ended)(group.env_id)
+
+    def _oldest_token(self, group: _Group) -> int | None:
+        """The version of the oldest token a running group has generated (None before one):
+        its ended episodes' and, of the others, what the router saw. Not the version it started
+        under: its first token may come much later (a slow env reset). A router in the env
+        workers (``WorkerRouters``) does not say: then that version (no token is older)."""
+        if not isinstance(self.router, EngineRouter):
+            return group.started_version
+        versions = []
+        for task, key in zip(group.tasks, group.keys, strict=True):
+            if not task.done():
+                versions.append(self.router.oldest_version(key))
+            elif not task.cancelled() and task.exception() is None:
+                versions.append(task.result().oldest_version)
+        return min((version for version in versions if version is not None), default=None)
 
     def _forget(self, group: _Group) -> None:
         """Drop the abort marks of an ended cancelled group: an attempt that never reached the
@@ -478,6 +539,7 @@ class RolloutScheduler:
             oldest = group.oldest_version()
             if oldest is not None and oldest < bound:
                 self._counts["stale_dropped_groups"] += 1
+                self._count(group, False)
             else:
                 keep.append(group)
         self._ready = keep
@@ -485,46 +547,22 @@ class RolloutScheduler:
 
     # ------------------------------------------------------------------ metrics
     def _metrics(self, trajectories: list[Trajectory]) -> dict[str, float]:
-        stats = self.router.take_stats()
-        turns = sorted(t.num_turns for t in trajectories)
-        tokens = sorted(t.num_policy_tokens for t in trajectories)
-        version = self.router.version
         paused, self._weight_pause_s = self._weight_pause_s, 0.0
-        metrics: dict[str, float] = {
-            # wall-clock measures: timing/
-            "timing/engine_busy_frac": round(stats.busy_fraction, 4),
-            "timing/weight_pause_s": round(paused, 4),
+        in_play = {
             "rollout/ready_groups": float(len(self._ready)),
             "rollout/running_groups": float(len(self._running)),
             "rollout/draining_groups": float(len(self._draining)),
             "rollout/engine_in_flight": float(self.router.in_flight),
-            "rollout/turns_mean": statistics.fmean(turns),
-            "rollout/turns_p90": float(turns[int(0.9 * (len(turns) - 1))]),
-            "rollout/turns_max": float(turns[-1]),
-            "rollout/policy_tokens_mean": statistics.fmean(tokens),
-            "rollout/policy_tokens_p90": float(tokens[int(0.9 * (len(tokens) - 1))]),
-            "rollout/policy_tokens_max": float(tokens[-1]),
-            "rollout/preempted_turns": float(stats.preempted),
-            "rollout/engine_aborts": float(stats.aborted),
-            "rollout/engine_errors": float(stats.errors),
         }
-        for name in (
-            "aborted_surplus",
-            "filtered_groups",
-            "failed_episodes",
-            "failed_groups",
-            "stale_dropped_groups",
-            "stale_aborted_groups",
-            "filter_passed_over_limit",
-        ):
-            metrics[f"rollout/{name}"] = float(self._counts.pop(name, 0))
-        lags = collections.Counter(
-            version - (oldest if (oldest := t.oldest_version) is not None else version)
-            for t in trajectories
+        return batch_metrics(
+            trajectories,
+            self.router.take_stats(),
+            self._counts,
+            in_play=in_play,
+            version=self.router.version,
+            max_staleness=self.cfg.max_staleness,
+            weight_pause_s=paused,
         )
-        for lag in range(max(self.cfg.max_staleness, max(lags, default=0)) + 1):
-            metrics[f"rollout/staleness_{lag}"] = float(lags.get(lag, 0))
-        return metrics
 
 
 class LoopThread:

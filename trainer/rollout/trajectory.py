@@ -96,7 +96,8 @@ class Trajectory:
     """Reward added at the end by reward workers (verifiers, judges, user functions)."""
     policy_versions: list[int] = field(default_factory=list)
     """Engine weight version of each generation call (one per turn, more when a turn was
-    preempted by a weight update and resumed)."""
+    preempted by a weight update and resumed: each part's, oldest first;
+    ``record_versions``)."""
     token_versions: list[int] = field(default_factory=list)
     """Per token: the policy version that generated it (-1 on context tokens). With partial
     rollouts one turn can mix versions; staleness is measured from the oldest."""
@@ -133,6 +134,13 @@ class Trajectory:
         resumed = result.extra.get("token_versions")
         if resumed:
             self.token_versions[len(self.token_versions) - len(resumed) :] = resumed
+
+    def record_versions(self, result: GenerationResult) -> None:
+        """Add the versions that generated a turn's ``result`` to ``policy_versions``: its one
+        version, or, for a turn preempted by weight updates, the version of each part that
+        generated tokens (the trajectory store shows the turn's staleness, not only its end)."""
+        resumed = result.extra.get("token_versions")
+        self.policy_versions.extend(dict.fromkeys(resumed) if resumed else [result.policy_version])
 
     def turn_sample(self, prompt_ids: Sequence[int]) -> Trajectory:
         """A per-turn sample of this episode (``samples``) whose prompt is ``prompt_ids``: the

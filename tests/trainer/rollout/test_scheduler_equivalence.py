@@ -157,8 +157,8 @@ def test_scheduler_batch_equals_the_batch_mode_batch_row_by_row(policy, mode: st
     finally:
         scheduled.close()
     assert not failed and len(trajectories) == NUM_GROUPS * GROUP_SIZE
-    finish_order = list(dict.fromkeys(t.group_id for t in trajectories))
-    assert sorted(finish_order) == sorted({s.group_id for s in specs})  # the same groups: step 1's
+    batch_order = list(dict.fromkeys(t.group_id for t in trajectories))
+    assert batch_order == sorted({s.group_id for s in specs})  # step 1's groups, in order
 
     a = tensors(by_row(played), tokenizer.pad_token_id)
     b = tensors(by_row(trajectories), tokenizer.pad_token_id)
@@ -170,8 +170,8 @@ def test_scheduler_batch_equals_the_batch_mode_batch_row_by_row(policy, mode: st
     # the groups carry signal, so the comparison means something
     assert a["advantages"].abs().sum() > 0
 
-    # the scheduler's own row order (group after group, by finishing time) gives every row
-    # the advantage it has in batch mode: group ids, not positions, define the groups
+    # the scheduler's own row order (group after group, by group number; within a group, by
+    # episode) gives every row the advantage it has in batch mode: group ids define the groups
     rows = tensors(trajectories, tokenizer.pad_token_id)
     order = sorted(
         range(len(trajectories)),
