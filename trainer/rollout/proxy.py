@@ -345,6 +345,7 @@ class AgentProxy:
         start = len(row.token_ids)
         row.append_context(context)
         row.append_generation(result)
+        versions = len(episode.trajectory.policy_versions)
         episode.trajectory.record_versions(result)
         parsed = request.tools if request.tool_choice != "none" else None
         reply = self.renderer.read_turn(result.token_ids, parsed).message()  # never raises
@@ -361,6 +362,7 @@ class AgentProxy:
             tools,
             self.renderer.ended(result.token_ids),
             message_text({"content": reply.get("content"), "tool_calls": reply.get("tool_calls")}),
+            versions=len(episode.trajectory.policy_versions) - versions,
         )
 
     def _warn_sampling(self, asked: Mapping[str, float]) -> None:

@@ -57,6 +57,9 @@ class ProxyCall:
     """The reply as the env reads an action (``message_text``): what a step is matched on."""
     before: ProxyCall | None = None
     """The call a next call extended before this one was recorded (restored by ``retract``)."""
+    versions: int = 1
+    """Entries it added to ``policy_versions`` (a call a weight update preempted adds one per
+    part): what ``retract`` takes back."""
 
 
 @dataclass
@@ -141,7 +144,7 @@ class ProxyEpisode:
             self.rows.remove(row)
         self.pending.pop()
         self.last, self.calls = call.before, self.calls - 1
-        del self.trajectory.policy_versions[-1:]
+        del self.trajectory.policy_versions[len(self.trajectory.policy_versions) - call.versions :]
         del self.latencies[-1:]
         return True
 

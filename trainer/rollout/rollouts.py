@@ -235,9 +235,11 @@ class Rollouts:
     def load_state_dict(self, state: dict[str, Any], *, step: int) -> None:
         """Continue the task counter of a checkpoint taken after ``step`` (groups already in play
         are dropped). A checkpoint without the counter (written by ``batch`` mode before it ran
-        on the scheduler) continues where ``plan_groups`` would: step ``step + 1``'s first group."""
-        next_group = int(state.get("rollout_next_group", (step + 1) * self.cfg.env.num_groups))
-        self.thread.run(self.scheduler.restart_from(next_group))
+        on the scheduler) continues where ``plan_groups`` would: step ``step + 1``'s first group,
+        which also sets the envs' quotas of the next batch, as in the uninterrupted run."""
+        window = (step + 1) * self.cfg.env.num_groups
+        next_group = int(state.get("rollout_next_group", window))
+        self.thread.run(self.scheduler.restart_from(next_group, window=window))
 
     def close(self) -> None:
         """Abort what still runs, close envs and engine front-ends, stop the loop thread. Each

@@ -126,6 +126,38 @@ def test_an_sdk_retry_of_a_delivered_call_replaces_it(tokenizer: Any) -> None:
     asyncio.run(main())
 
 
+def test_a_retried_call_that_a_weight_update_split_leaves_no_version_behind(
+    tokenizer: Any,
+) -> None:
+    """A call whose generation a weight update preempted records each part's version (0 and
+    1); the SDK's retry that replaces it takes all of them back, so the episode's versions are
+    the retry's alone."""
+    renderer = ChatRenderer(tokenizer)
+
+    class Preempted(Scripted):
+        async def generate(self, request: GenerationRequest) -> GenerationResult:
+            result = await super().generate(request)
+            if len(self.prompts) == 1:  # the first call: tokens of versions 0 and then 1
+                half = len(result.token_ids) // 2
+                versions = [0] * half + [1] * (len(result.token_ids) - half)
+                result.extra["token_versions"], result.policy_version = versions, 1
+            else:
+                result.policy_version = 2
+            return result
+
+    async def main() -> None:
+        engine = Preempted(tokenizer, ["first answer", "retried"])
+        async with serving(engine, renderer) as (_, episode, client):
+            body = {"messages": QUESTION}
+            assert (await client.post("/chat/completions", json=body)).is_success
+            assert episode.trajectory.policy_versions == [0, 1]
+            retry = {"x-stainless-retry-count": "1"}
+            assert (await client.post("/chat/completions", json=body, headers=retry)).is_success
+            assert episode.trajectory.policy_versions == [2]
+
+    asyncio.run(main())
+
+
 def test_an_sdk_retry_of_an_abandoned_call_takes_back_no_reply_the_agent_received(
     tokenizer: Any,
 ) -> None:
