@@ -2,7 +2,8 @@
 build it, asked at config load (``trainer._config_checks.cross_section_problems``, so by
 ``envhub train --dry-run`` too): fsdp2 tensor parallelism the model's sizes or blocks cannot take,
 LoRA on an input embedding that the output head shares where the adapters would be added into
-the weights, engine arguments the ``actor_infer`` worker passes itself, and a metric sink whose
+the weights, engine arguments the ``actor_infer`` worker passes itself, a vLLM engine spanning
+another number of devices than each ``actor_infer`` worker holds, and a metric sink whose
 package is missing (found before any worker starts, not minutes later). Each is reported at the
 key to change, with the fix.
 
@@ -31,6 +32,7 @@ __all__ = [
     "local_gpu_problems",
     "sink_problems",
     "tied_embedding_problems",
+    "vllm_devices_problems",
     "vllm_option_problems",
 ]
 
@@ -146,8 +148,8 @@ def tied_embedding_problems(cfg: TrainerConfig, config: SimpleNamespace | None) 
 def engine_argument_problems(cfg: TrainerConfig) -> list[Problem]:
     """``roles.actor_infer.strategy_args`` keys the ``actor_infer`` worker passes the engine
     itself (``WORKER_ENGINE_ARGS``): given twice, the start fails with "got multiple values for
-    keyword argument". Every engine."""
-    return [
+    keyword argument". Every engine; and a vLLM engine's layout (``vllm_devices_problems``)."""
+    passed_twice = [
         Problem(
             f"roles.actor_infer.strategy_args.{key}",
             f"the actor_infer worker passes it to the engine itself, from {source}; set "
@@ -155,6 +157,39 @@ def engine_argument_problems(cfg: TrainerConfig) -> list[Problem]:
         )
         for key, source in WORKER_ENGINE_ARGS.items()
         if key in cfg.roles.actor_infer.strategy_args
+    ]
+    return passed_twice + vllm_devices_problems(cfg)
+
+
+def vllm_devices_problems(cfg: TrainerConfig) -> list[Problem]:
+    """A vLLM engine spans ``tensor_parallel_size`` x ``pipeline_parallel_size`` devices, and each
+    ``actor_infer`` worker runs one engine on the ``num_devices_per_worker`` devices it holds:
+    when the two differ, each worker would try to start an engine wider than its devices (or
+    leave some idle). Refused naming both keys; device-less (CPU) workers are not checked."""
+    infer = cfg.roles.actor_infer
+    args = infer.strategy_args
+    if cfg.rollout.engine != "vllm" or not infer.device_mapping:
+        return []
+    tp, pp = args.get("tensor_parallel_size", 1), args.get("pipeline_parallel_size", 1)
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in (tp, pp)):
+        return []  # not a layout at all: vLLM refuses its own argument
+    span = tp * pp
+    held = infer.num_devices_per_worker
+    if span == held:
+        return []
+    key = "roles.actor_infer.strategy_args"
+    if pp > 1:
+        layout = f"{key}.tensor_parallel_size={tp} x pipeline_parallel_size={pp}"
+        other = f"tensor_parallel_size x pipeline_parallel_size = {held}"
+    else:
+        layout, other = f"{key}.tensor_parallel_size={tp}", f"{key}.tensor_parallel_size: {held}"
+    return [
+        Problem(
+            "roles.actor_infer.num_devices_per_worker",
+            f"is {held}, but each actor_infer worker's vLLM engine spans {span} device(s) "
+            f"({layout}): set roles.actor_infer.num_devices_per_worker: {span} (with a "
+            f"device_mapping of a multiple of {span} devices), or {other}",
+        )
     ]
 
 

@@ -38,10 +38,12 @@ from trainer.memory_roles import (
     LORA_ADAPTER_BYTES,
     Part,
     RoleMemory,
+    StrategyArgError,
     Work,
     engine_role,
     micro_batch,
     sequence_tokens,
+    sft_sequence_tokens,
     train_role,
 )
 from trainer.model_shape import ModelShape, UnknownModelShape
@@ -54,6 +56,7 @@ __all__ = [
     "DEFAULT_GPU_MEMORY_GIB",
     "DeviceLoad",
     "MemoryPlan",
+    "demonstration_problems",
     "estimate",
     "host_memory_bytes",
     "model_shape",
@@ -99,6 +102,9 @@ class MemoryPlan:
     capacity_note: str
     host_memory: int | None = None
     found: tuple[Problem, ...] = ()
+    sft_tokens: int | None = None
+    """The warm start's longest row where it is not a rollout's (``sft.source: file``)."""
+    sft_note: str = ""
 
     def problems(self) -> list[Problem]:
         """Devices over capacity (with the knobs to turn) and an engine that cannot start."""
@@ -260,14 +266,20 @@ def host_memory_bytes() -> int | None:
     return None
 
 
-def estimate(cfg: TrainerConfig, shape: ModelShape | None = None) -> MemoryPlan:
+def estimate(
+    cfg: TrainerConfig, shape: ModelShape | None = None, *, sft_tokens: int | None = None
+) -> MemoryPlan:
     """The memory plan of ``cfg`` (its model's shape is read from ``model.path``'s config.json,
-    or ``model.tiny``); raises OSError/``UnknownModelShape`` when there is no shape to read."""
+    or ``model.tiny``); raises OSError/``UnknownModelShape`` when there is no shape to read.
+    ``sft_tokens``: the longest demonstration of ``sft.path`` as the tokenizer counted it (else
+    estimated from the file: ``memory_roles.sft_sequence_tokens``)."""
     source = "given"
     if shape is None:
         shape, source = model_shape(cfg)
     capacity, on_gpu, capacity_note = _capacity(cfg)
     seq, seq_note = sequence_tokens(cfg, shape)
+    sft_seq, sft_note = sft_sequence_tokens(cfg, shape, sft_tokens)
+    from_file = (sft_seq, sft_note) != (seq, seq_note)  # sft.path's rows, not the rollouts'
     roles: dict[str, RoleMemory] = {}
     problems: list[Problem] = []
     for name in cfg.active_roles:
@@ -278,11 +290,12 @@ def estimate(cfg: TrainerConfig, shape: ModelShape | None = None) -> MemoryPlan:
             )
             problems += engine_problems
         else:
-            roles[name] = train_role(name, role, cfg, shape, on_gpu=on_gpu)
+            sft = sft_seq if from_file and name == "actor_train" else None
+            roles[name] = train_role(name, role, cfg, shape, on_gpu=on_gpu, sft_seq=sft)
     _add_sync_bucket(cfg, shape, roles)
     loads = _device_loads(cfg, roles, on_gpu)
     if capacity is not None:
-        problems += _over_capacity(cfg, loads, capacity)
+        problems += _over_capacity(cfg, loads, capacity, sft_note if from_file else None)
     return MemoryPlan(
         shape=shape,
         shape_source=source,
@@ -295,7 +308,22 @@ def estimate(cfg: TrainerConfig, shape: ModelShape | None = None) -> MemoryPlan:
         capacity_note=capacity_note,
         host_memory=None if on_gpu else host_memory_bytes(),
         found=tuple(problems),
+        sft_tokens=sft_seq if from_file else None,
+        sft_note=sft_note if from_file else "",
     )
+
+
+def demonstration_problems(cfg: TrainerConfig, demo_tokens: int) -> list[Problem]:
+    """The memory check again, now that the tokenizer has counted ``sft.path``'s longest
+    demonstration (``demo_tokens``), which the config check could only estimate from the file's
+    bytes: a device the warm start's rows do not fit (``trainer.sft.load_demo_file`` refuses the
+    run with it before any worker starts). Empty with ``cluster.check_memory: false``."""
+    if not cfg.cluster.check_memory:
+        return []
+    try:
+        return estimate(cfg, sft_tokens=demo_tokens).problems()
+    except (OSError, UnknownModelShape, StrategyArgError):  # refused (or not) at config load
+        return []
 
 
 def sync_tensors(cfg: TrainerConfig, shape: ModelShape) -> tuple[list[tuple[str, int]], str]:
@@ -307,12 +335,9 @@ def sync_tensors(cfg: TrainerConfig, shape: ModelShape) -> tuple[list[tuple[str,
             for n, k in shape.lora_tensors(lora.rank, lora.target_modules)
         ]
         return sizes, f"LoRA adapters (rank {lora.rank}, fp32)"
-    if (cfg.roles.actor_train.strategy or "hf") == "megatron":  # its fp32 master weights
-        dtype = "float32 (megatron's master weights)"
-        e = 4
-    else:
-        dtype, e = cfg.model.dtype, DTYPE_BYTES[cfg.model.dtype]
-    return [(n, k * e) for n, k in shape.tensors()], f"full weights ({dtype})"
+    # every strategy casts its fp32 master weights to the engines' dtype as it sends them
+    e = DTYPE_BYTES[cfg.model.dtype]
+    return [(n, k * e) for n, k in shape.tensors()], f"full weights ({cfg.model.dtype})"
 
 
 def sync_buckets(cfg: TrainerConfig, shape: ModelShape) -> tuple[int, int, int, str]:
@@ -344,10 +369,11 @@ def _add_sync_bucket(cfg: TrainerConfig, shape: ModelShape, roles: dict[str, Rol
 
 
 def _over_capacity(
-    cfg: TrainerConfig, loads: tuple[DeviceLoad, ...], capacity: int
+    cfg: TrainerConfig, loads: tuple[DeviceLoad, ...], capacity: int, demos: str | None = None
 ) -> list[Problem]:
     """One problem per kind of device over capacity (devices alike are named together), naming
-    the largest role there and the knobs to turn."""
+    the largest role there and the knobs to turn; ``demos``: how long the warm start's file
+    demonstrations are (``sft_sequence_tokens``' note), where they size the ``sft`` phase."""
     found: dict[tuple[str, str], list[DeviceLoad]] = {}
     for load in loads:
         if load.total <= capacity:
@@ -363,6 +389,8 @@ def _over_capacity(
         biggest = ", ".join(f"{role} {p.name} {p.nbytes / GIB:.1f}" for role, p in parts[:3])
         cap = f"{capacity / GIB:g} GiB (cluster.device_memory_gib)"
         knobs = _knobs(cfg, culprit, [p for role, p in parts if role == culprit], load.phase)
+        if demos is not None and load.phase == "sft":
+            knobs.append(f"shorten or split the longest demonstrations ({demos})")
         message = (
             f"{load.total / GIB:.1f} GiB on {{devices}} in the {load.phase} phase > {cap} "
             f"({biggest} GiB); {'; '.join(knobs)}"
@@ -377,14 +405,18 @@ def _over_capacity(
     return problems
 
 
-def _smaller_micro_batch(cfg: TrainerConfig) -> str:
-    """The knob that makes a micro-batch hold fewer tokens."""
+def _smaller_micro_batch(cfg: TrainerConfig, *, sft: bool = False) -> str | None:
+    """The knob that makes a micro-batch hold fewer tokens (``sft``: the warm start's; None when
+    one demonstration of ``sft.path`` is a micro-batch: only shorter ones help, which
+    ``_over_capacity`` says with their length)."""
     train, rollout = cfg.train, cfg.rollout
     if train.micro_batch_tokens is not None:
         return f"lower train.micro_batch_tokens ({train.micro_batch_tokens})"
     if train.micro_batch_size > 1:
         size = train.micro_batch_size
         return f"lower train.micro_batch_size ({size}) or set train.micro_batch_tokens"
+    if sft and cfg.sft.source == "file":
+        return None
     return (
         f"shorter episodes (one is a micro-batch): rollout.max_turns ({rollout.max_turns}), "
         f"rollout.max_new_tokens ({rollout.max_new_tokens}) or rollout.context: last_k_turns"
@@ -398,7 +430,8 @@ def _knobs(cfg: TrainerConfig, role: str, parts: list[Part], phase: str) -> list
     knobs: list[str] = []
     for part in sorted(parts, key=lambda p: -p.nbytes)[:2]:
         if part.name in ("activations", "logits", "forward pass", "gathered blocks"):
-            knobs.append(_smaller_micro_batch(cfg))
+            smaller = _smaller_micro_batch(cfg, sft=phase == "sft")
+            knobs += [smaller] if smaller else []
             if (
                 part.name == "activations"
                 and config.strategy in ("fsdp2", "megatron")

@@ -4,9 +4,13 @@ Sizes come from the model's shape (``trainer.model_shape``) and the role's confi
 loaded and torch is not imported. Each role is a list of :class:`Part` for its worst rank.
 
 Training roles (``hf``, ``fsdp2``, ``megatron``)
-    weights in ``model.dtype`` (megatron keeps fp32 master weights); gradients and AdamW's two
-    moments of the trainable parameters in their dtype (``torch.optim.AdamW`` keeps moments
-    like the parameter; LoRA adapters are fp32, peft's default), sharded by the layout (fsdp2:
+    weights: fp32 master weights for a role that trains (``actor_train``, ``critic``: 4 bytes a
+    parameter whatever ``model.dtype``; ``workers.strategy_worker.master_dtype``), ``model.dtype``
+    for the frozen reference and a LoRA base that never trains (megatron builds fp32 either way);
+    gradients and AdamW's two moments of the trainable parameters in their dtype, so fp32
+    (``torch.optim.AdamW`` keeps moments like the parameter; LoRA adapters are fp32, peft's
+    default); compute (activations) in ``model.dtype`` under fsdp2/megatron mixed precision or hf
+    autocast on GPUs, else in the parameters' dtype; all sharded by the layout (fsdp2:
     everything over all ranks, block linears over tensor x data parallel; megatron: blocks
     over pipeline stages, linears over tensor parallel, the first stage holding every
     in-flight micro-batch); fsdp2's gathered blocks; and, while the role runs, one
@@ -35,6 +39,8 @@ Engines
 A micro-batch is ``train.micro_batch_size`` rows of the longest sequence a rollout can make
 (``PROMPT_TOKENS`` + turns x (``rollout.max_new_tokens`` + ``ENV_TOKENS_PER_TURN``), at most the
 model's context), or ``train.micro_batch_tokens`` tokens (a longer row is its own micro-batch).
+The warm start's (``sft`` work) are rows of its longest demonstration: for ``sft.source: file``
+the file's (``sft_sequence_tokens``), for expert demonstrations a rollout's.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ __all__ = [
     "LOGITS_TRAIN_METRIC_BYTES",
     "LORA_ADAPTER_BYTES",
     "PROMPT_TOKENS",
+    "SFT_BYTES_PER_TOKEN",
     "Part",
     "RoleMemory",
     "StrategyArgError",
@@ -67,6 +74,7 @@ __all__ = [
     "engine_role",
     "micro_batch",
     "sequence_tokens",
+    "sft_sequence_tokens",
     "train_role",
 ]
 
@@ -97,6 +105,11 @@ VLLM_GPU_MEMORY_UTILIZATION = 0.9
 HF_ENGINE_MAX_BATCH = 512
 """``HFEngine``'s largest generation batch."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+SFT_BYTES_PER_TOKEN = 4
+"""Bytes of a demonstration file's line per token, for the estimate made before the tokenizer
+has read the file (config load, ``--dry-run``): about what BPE tokenizers make of English text in
+JSON. Code, other scripts and unusual text take fewer bytes a token, so the run counts the real
+tokens before any worker starts and refuses then (``trainer.sft.load_demo_file``)."""
 
 
 class StrategyArgError(ValueError):
@@ -174,17 +187,63 @@ def sequence_tokens(cfg: TrainerConfig, shape: ModelShape) -> tuple[int, str]:
         f"{PROMPT_TOKENS} prompt + {turns} turns x ({rollout.max_new_tokens} generated + "
         f"{ENV_TOKENS_PER_TURN} env) = {tokens}"
     )
+    limit, what = _context(cfg, shape)
+    if tokens > limit:
+        return limit, f"{note}, capped at {what} {limit}"
+    return tokens, note
+
+
+def _longest_line_bytes(path: str) -> int | None:
+    """The byte length of the longest line of the file at ``path`` (None: it cannot be read)."""
+    from pathlib import Path
+
+    try:
+        with Path(path).expanduser().open("rb") as lines:
+            return max((len(line.rstrip(b"\n")) for line in lines), default=0)
+    except OSError:
+        return None
+
+
+def sft_sequence_tokens(
+    cfg: TrainerConfig, shape: ModelShape, demo_tokens: int | None = None
+) -> tuple[int, str]:
+    """The longest row the warm start trains, and how it was found: expert demonstrations are
+    played as rollouts are (``sequence_tokens``); a file's (``sft.source: file``) is its longest
+    demonstration, ``demo_tokens`` where the tokenizer has counted it (the run, before any worker
+    starts: ``trainer.sft.load_demo_file``), else estimated from its longest line's bytes
+    (``SFT_BYTES_PER_TOKEN``, at config load and ``--dry-run``); at most the model's context."""
+    rollouts = sequence_tokens(cfg, shape)
+    if cfg.sft.epochs == 0 or cfg.sft.source != "file" or cfg.sft.path is None:
+        return rollouts
+    if demo_tokens is not None:
+        tokens, note = demo_tokens, f"sft.path's longest demonstration: {demo_tokens} tokens"
+    else:
+        longest = _longest_line_bytes(str(cfg.sft.path))
+        if longest is None:  # (a missing file is refused by the config check)
+            return rollouts
+        tokens = math.ceil(longest / SFT_BYTES_PER_TOKEN)
+        note = (
+            f"sft.path's longest line: {longest:,} bytes, ~{tokens} tokens at "
+            f"~{SFT_BYTES_PER_TOKEN} bytes a token (the run counts them with the tokenizer)"
+        )
+    limit, what = _context(cfg, shape)
+    if tokens > limit:
+        return limit, f"{note}, capped at {what} {limit}"
+    return tokens, note
+
+
+def _context(cfg: TrainerConfig, shape: ModelShape) -> tuple[int, str]:
+    """The longest sequence the run takes: the vLLM engine's ``max_model_len`` where set, else
+    the model's context."""
     infer = cfg.roles.actor_infer
     engine_limit = (
         _number("actor_infer", infer.strategy_args, "max_model_len", None)
         if infer.strategy == "vllm"
         else None
     )
-    if engine_limit and int(engine_limit) < min(tokens, shape.max_positions):
-        return int(engine_limit), f"{note}, capped at the engine's max_model_len {engine_limit}"
-    if tokens > shape.max_positions:
-        return shape.max_positions, f"{note}, capped at the model's {shape.max_positions}"
-    return tokens, note
+    if engine_limit and int(engine_limit) < shape.max_positions:
+        return int(engine_limit), "the engine's max_model_len"
+    return shape.max_positions, "the model's"
 
 
 def micro_batch(cfg: TrainerConfig, seq: int) -> tuple[int, int]:
@@ -285,22 +344,34 @@ class _Layout:
 
 
 def train_role(
-    name: str, role: RoleConfig, cfg: TrainerConfig, shape: ModelShape, *, on_gpu: bool
+    name: str,
+    role: RoleConfig,
+    cfg: TrainerConfig,
+    shape: ModelShape,
+    *,
+    on_gpu: bool,
+    sft_seq: int | None = None,
 ) -> RoleMemory:
-    """What ``actor_train``, ``critic`` or ``reference`` (frozen) keeps on one device."""
+    """What ``actor_train``, ``critic`` or ``reference`` (frozen) keeps on one device;
+    ``sft_seq``: the warm start's longest row (``sft_sequence_tokens``; None: the rollouts')."""
     strategy, args, layout = role.strategy or "hf", role.strategy_args, _Layout.of(role)
-    store = 4 if strategy == "megatron" else DTYPE_BYTES[cfg.model.dtype]
-    mixed = strategy in ("fsdp2", "megatron") and bool(args.get("mixed_precision", on_gpu))
-    a = 2 if mixed else DTYPE_BYTES[cfg.model.dtype]
-    on_device = 0.0 if strategy == "fsdp2" and args.get("cpu_offload") else 1.0
-    params = layout.params_per_rank(shape, strategy)
     lora = cfg.model.lora if name == "actor_train" else None
     trainable = name != "reference"
+    full_warm_start = lora is not None and lora.warm_start == "full" and cfg.sft.epochs > 0
+    frozen = not trainable or (lora is not None and not full_warm_start)  # (the LoRA base)
+    dtype_bytes = DTYPE_BYTES[cfg.model.dtype]
+    store = 4 if strategy == "megatron" or not frozen else dtype_bytes  # fp32 master weights
+    mixed = strategy in ("fsdp2", "megatron") and bool(args.get("mixed_precision", on_gpu))
+    autocast = strategy == "hf" and on_gpu and trainable  # (the hf strategy on CUDA)
+    a = 2 if mixed else dtype_bytes if autocast else store
+    on_device = 0.0 if strategy == "fsdp2" and args.get("cpu_offload") else 1.0
+    params = layout.params_per_rank(shape, strategy)
     notes: list[str] = []
+    if trainable and store == 4 and dtype_bytes < 4:
+        notes.append(f"fp32 master weights, {cfg.model.dtype} compute")
     parts = [Part("weights", int(params * store * on_device), "params")]
     if trainable:
         trained, trained_bytes = params, store
-        full_warm_start = lora is not None and lora.warm_start == "full" and cfg.sft.epochs > 0
         if lora is not None:
             adapters = shape.lora_params(lora.rank, lora.target_modules) / (layout.tp * layout.dp)
             parts.append(Part("adapters", int(adapters * LORA_ADAPTER_BYTES * on_device), "params"))
@@ -317,13 +388,20 @@ def train_role(
     tokens, width = micro_batch(cfg, sequence_tokens(cfg, shape)[0])
     # 1F1B: the first pipeline stage holds as many micro-batches as there are stages
     layers = math.ceil(shape.num_layers / layout.pp) * layout.pp
-    per_block = block_activation_bytes(shape, a, row_width=width, lora=lora, tp=layout.tp)
-    if args.get("activation_checkpointing"):
-        saved = (layers * a * shape.hidden_size + per_block) * tokens
+    checkpointing = bool(args.get("activation_checkpointing"))
+    if checkpointing:
         notes.append("activation checkpointing")
-    else:
-        saved = layers * per_block * tokens
-    saved += (4 + 2 * a) * shape.hidden_size * tokens  # the final norm
+
+    def saved_for(tokens: int, width: int) -> float:
+        """Activations saved for backward by a micro-batch of ``tokens`` in rows ``width`` wide."""
+        per_block = block_activation_bytes(shape, a, row_width=width, lora=lora, tp=layout.tp)
+        if checkpointing:
+            saved = (layers * a * shape.hidden_size + per_block) * tokens
+        else:
+            saved = layers * per_block * tokens
+        return saved + (4 + 2 * a) * shape.hidden_size * tokens  # the final norm
+
+    saved = saved_for(tokens, width)
     works: list[Work] = ["forward"]
     if trainable:
         works += ["train", "sft"] if name == "actor_train" else ["train"]
@@ -336,8 +414,10 @@ def train_role(
             per_entry = LOGITS_TRAIN_BYTES if bonus else LOGITS_TRAIN_METRIC_BYTES
             logits = tokens * shape.vocab_size * per_entry
             parts.append(Part("logits", int(logits), "work", "train"))
-            parts.append(Part("activations", int(saved), "work", "sft"))
-            sft = tokens * shape.vocab_size * LOGITS_FORWARD_BYTES  # no entropy in the SFT loss
+            # the warm start's rows: its demonstrations' (sft_sequence_tokens), not the rollouts'
+            sft_tokens, sft_width = micro_batch(cfg, sft_seq) if sft_seq else (tokens, width)
+            parts.append(Part("activations", int(saved_for(sft_tokens, sft_width)), "work", "sft"))
+            sft = sft_tokens * shape.vocab_size * LOGITS_FORWARD_BYTES  # no entropy in SFT
             parts.append(Part("logits", int(sft), "work", "sft"))
     one_layer = 2 * shape.hidden_size + (4 * shape.q_dim + 3 * shape.intermediate_size) / layout.tp
     forward = tokens * (LOGITS_FORWARD_BYTES * shape.vocab_size + a * (one_layer + width))

@@ -530,14 +530,14 @@ class AgenticPipeline:
 
     def _file_demos(self) -> list[Trajectory]:
         """``sft.path``'s demonstrations when the warm start reads a file (else none), each
-        within the model's context: read before any worker starts, so a bad line costs no
-        setup."""
+        within the model's context and the devices' memory: read before any worker starts, so
+        a bad line or a demonstration too long to train costs no setup."""
         sft = self.cfg.sft
         if sft.epochs == 0 or sft.source != "file":
             return []
-        from trainer.sft import load_jsonl
+        from trainer.sft import load_demo_file
 
-        return load_jsonl(str(sft.path), self.renderer, max_tokens=self._context_limit())
+        return load_demo_file(self.cfg, self.renderer, max_tokens=self._context_limit())
 
     def _context_limit(self) -> int:
         from transformers import AutoConfig

@@ -7,7 +7,9 @@ role then loads the same folder through ``from_pretrained``. ``start_roles`` cre
 cluster per active role: in-process workers (``cluster.backend: local``) placed by the
 config's device plan, or Ray actors in placement groups from a ``ResourceManager``. The actor
 and the reference take their log-probs at ``rollout.temperature``, the one the engines sample at
-(never ``eval.temperature``: evaluation episodes are not trained on).
+(never ``eval.temperature``: evaluation episodes are not trained on). Every role is given
+``model.dtype``: the engines and the frozen reference hold it, while the roles that train keep
+fp32 master weights and compute in it (``workers.strategy_worker.master_dtype``).
 """
 
 from __future__ import annotations
@@ -96,11 +98,14 @@ class Roles:
     def adopt_warm_start(self) -> None:
         """The warm-started policy becomes the reference the KL term measures against: the
         reference workers load it, or (LoRA) the adapters are folded into the base, which the
-        adapters-off reference then is, and RL starts from fresh adapters."""
+        adapters-off reference then is, and RL starts from fresh adapters. Either way RL starts
+        from a fresh optimiser: the warm start's AdamW moments and step counts are dropped, so
+        its momentum is not applied at the RL rate (with or without LoRA alike)."""
         if self.actor.uses_lora():
             self.actor.fold_adapters()
         elif self.reference is not None:
             self.reference.load_weights(self.actor.get_weights())
+        self.actor.reset_optimizer()
 
     def shutdown(self) -> None:
         """Stop every cluster, then release the placement groups (``stop_all``)."""

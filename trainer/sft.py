@@ -14,6 +14,10 @@ moves are in the data often enough for RL to find and amplify them (RL then beat
 ...}, ...]}`` (extra keys such as ``env_id``, ``seed``, ``success``, ``tools`` are kept when
 present; assistant ``tool_calls`` are trained in the ``<tool_call>`` form);
 ``write_jsonl`` writes that same format, so collected demonstrations can be reused.
+Both kinds are prompted as RL prompts each turn (``rollout.context``: ``last_k_turns`` and
+``strip_thinking`` make one sample per turn, as the rollouts do). ``load_demo_file`` reads a
+run's ``sft.path`` so, and refuses a file whose longest demonstration the devices cannot train
+(the memory check with the tokens counted, before any worker starts).
 """
 
 from __future__ import annotations
@@ -22,14 +26,25 @@ import json
 import random
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from trainer.errors import TrainerError
+from trainer.errors import ConfigError, TrainerError
 from trainer.rollout.env_manager import Context, prompt_context
 from trainer.rollout.tool_parsers import CHAT_ROLES, content_text, env_action, message_turn
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 
-__all__ = ["SFT_SEED_BASE", "expert_trajectories", "from_messages", "load_jsonl", "write_jsonl"]
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
+
+__all__ = [
+    "SFT_SEED_BASE",
+    "expert_trajectories",
+    "from_messages",
+    "load_demo_file",
+    "load_jsonl",
+    "longest_row",
+    "write_jsonl",
+]
 
 SFT_SEED_BASE = 1_500_000_000
 """Seeds of expert demonstrations: disjoint from training (< 1e9) and evaluation (1e9 + i)."""
@@ -124,13 +139,21 @@ def expert_trajectories(
 
 
 def from_messages(
-    messages: Sequence[dict[str, Any]], renderer: ChatRenderer, **fields: Any
+    messages: Sequence[dict[str, Any]],
+    renderer: ChatRenderer,
+    *,
+    context: Context = "full",
+    context_turns: int = 4,
+    **fields: Any,
 ) -> Trajectory:
     """A trajectory from a chat transcript: assistant messages are the trained tokens.
 
     ``tools`` (a record's OpenAI-format schemas) are rendered as in RL; an assistant message's
-    ``tool_calls`` are trained in envhub's ``<tool_call>`` form after its content."""
+    ``tool_calls`` are trained in envhub's ``<tool_call>`` form after its content. Each turn is
+    prompted with what ``rollout.context`` (``context``, ``context_turns``) shows RL
+    (``prompt_context``): one sample per turn unless that is the whole, appended history."""
     tools = fields.pop("tools", None) or None
+    per_turn = not renderer.append_only or context != "full"  # as the rollouts sample
     trajectory = Trajectory(
         env_id=str(fields.pop("env_id", "file")),
         seed=int(fields.pop("seed", 0)),
@@ -144,8 +167,9 @@ def from_messages(
             pending.append(message)
             continue
         tokens = trajectory
-        if not renderer.append_only:  # history rewritten: one sample per turn, as in RL
-            tokens = trajectory.turn_sample(renderer.prompt(messages[:at], tools))
+        if per_turn:  # history rewritten or shortened: one sample per turn, as in RL
+            shown = prompt_context(list(messages[:at]), context, context_turns)
+            tokens = trajectory.turn_sample(renderer.prompt(shown, tools))
             trajectory.samples.append(tokens)
         elif trajectory.num_turns == 0:
             trajectory.append_context(renderer.prompt(pending, tools))
@@ -171,10 +195,44 @@ def _assistant_text(message: dict[str, Any]) -> str:
         raise TrainerError(f"an assistant message's tool call is unreadable: {error}") from None
 
 
-def load_jsonl(
-    path: str | Path, renderer: ChatRenderer, *, max_tokens: int | None = None
+def longest_row(trajectory: Trajectory) -> int:
+    """The tokens of the longest row ``trajectory`` trains (itself, or its longest turn sample)."""
+    return max(len(rows.token_ids) for rows in [trajectory, *trajectory.samples])
+
+
+def load_demo_file(
+    cfg: TrainerConfig, renderer: ChatRenderer, *, max_tokens: int
 ) -> list[Trajectory]:
-    """Trajectories from a JSONL file of ``{"messages": [...]}`` lines (see module docstring).
+    """``sft.path``'s demonstrations as a run trains them: prompted as ``rollout.context`` says,
+    each within ``max_tokens`` (the model's context). A file whose longest demonstration the
+    devices cannot train is refused (``ConfigError``: the memory check of the ``sft`` phase, now
+    with the tokens counted; the config check could only estimate them from the file's bytes)."""
+    from trainer.memory import demonstration_problems
+
+    rollout = cfg.rollout
+    demos = load_jsonl(
+        str(cfg.sft.path),
+        renderer,
+        max_tokens=max_tokens,
+        context=rollout.context,
+        context_turns=rollout.context_turns,
+    )
+    problems = demonstration_problems(cfg, max(longest_row(t) for t in demos))
+    if problems:
+        raise ConfigError(problems)
+    return demos
+
+
+def load_jsonl(
+    path: str | Path,
+    renderer: ChatRenderer,
+    *,
+    max_tokens: int | None = None,
+    context: Context = "full",
+    context_turns: int = 4,
+) -> list[Trajectory]:
+    """Trajectories from a JSONL file of ``{"messages": [...]}`` lines (see module docstring),
+    each turn prompted with what ``context`` / ``context_turns`` show (``from_messages``).
 
     A malformed record is refused as ``TrainerError("file:line: what is wrong")``; so is, with
     ``max_tokens`` (the model's context), a record longer than that. It is refused, not
@@ -197,7 +255,9 @@ def load_jsonl(
         except ValueError as error:  # json.JSONDecodeError is one
             raise TrainerError(f"{where}: {error}") from None
         try:
-            trajectory = from_messages(messages, renderer, **known)
+            trajectory = from_messages(
+                messages, renderer, context=context, context_turns=context_turns, **known
+            )
         except TrainerError as error:
             raise TrainerError(f"{where}: {error}") from None
         except Exception as error:  # noqa: BLE001 - the chat template's own refusal, named
@@ -207,7 +267,7 @@ def load_jsonl(
             ) from None
         if trajectory.num_turns == 0:
             raise TrainerError(f"{where}: the conversation has no assistant message to learn from")
-        longest = max(len(rows.token_ids) for rows in [trajectory, *trajectory.samples])
+        longest = longest_row(trajectory)
         if max_tokens is not None and longest > max_tokens:
             raise TrainerError(
                 f"{where}: the conversation is {longest} tokens, longer than the model's context "

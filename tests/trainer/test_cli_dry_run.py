@@ -38,7 +38,8 @@ def test_the_8gpu_recipe_prints_a_plan_that_fits(tmp_path: Path) -> None:
         ("reference", "fsdp2 dp=8"),
     ]:
         assert role in stdout and layout in stdout
-    assert "device 0-7: 61.9 GiB of 80 GiB in its fullest phase, train fits" in stdout
+    # fp32 master weights (model.dtype bfloat16 computes): 0.5 GiB more than bf16 ones
+    assert "device 0-7: 62.4 GiB of 80 GiB in its fullest phase, train fits" in stdout
     for component in ("logits", "activations", "weights", "optimizer", "context"):
         assert component in stdout
     assert "full weights (bfloat16): 942.3 MiB in 4 bucket(s) of 259.7 MiB" in stdout

@@ -289,22 +289,6 @@ def test_packing_is_charged_rows_as_wide_as_a_sequence_not_the_token_budget() ->
     assert plans["true"].micro_tokens == plans["false"].micro_tokens == 8192
 
 
-def test_a_megatron_sync_is_sized_in_the_fp32_master_weights_it_sends() -> None:
-    """Megatron keeps (and sends the engines) fp32 master weights whatever ``model.dtype``
-    says (``megatron_layout`` takes its tensors' dtype); the hf strategy sends ``model.dtype``."""
-    from trainer.memory import model_shape, sync_buckets
-
-    quickstart = EXAMPLES / "quickstart.yaml"
-    sent = {}
-    for strategy in ("hf", "megatron"):
-        cfg = load_config(
-            quickstart, ["model.dtype=bfloat16", f"roles.actor_train.strategy={strategy}"]
-        )
-        _, _, sent[strategy], what = sync_buckets(cfg, model_shape(cfg)[0])
-        assert ("float32" in what) == (strategy == "megatron"), what
-    assert sent["megatron"] == 2 * sent["hf"]
-
-
 @pytest.mark.parametrize(
     ("section", "checkpointing"), [("plain", False), ("activation_checkpointing", True)]
 )

@@ -9,8 +9,11 @@ holds ``1/world`` of every parameter, gradient and AdamW state.
 
 Options (``roles.actor_train.strategy_args``)
 -------------------------------------------
-``mixed_precision``          bf16 compute with fp32 master weights and fp32 gradient
-                             reduction (``MixedPrecisionPolicy``); default on for CUDA, off on CPU.
+``mixed_precision``          compute in ``model.dtype`` (bf16 when that is float32) over the
+                             parameters, gathered in that dtype, with fp32 gradient reduction
+                             (``MixedPrecisionPolicy(param_dtype, reduce_dtype=fp32)``); default on
+                             for CUDA, off on CPU (compute in the parameters' dtype).
+``compute_dtype``            that dtype: ``model.dtype`` unless set here (the worker passes it).
 ``activation_checkpointing`` recompute each block in backward (HF gradient checkpointing,
                              non-reentrant); trades ~30% compute for activation memory.
 ``cpu_offload``              keep parameters, gradients and optimiser state in host memory
@@ -22,6 +25,11 @@ Options (``roles.actor_train.strategy_args``)
                              then FSDP2 over the data-parallel dimension. The TP ranks of one
                              group run the same rows (their union, like Megatron's TP); the
                              gradient norm is summed per mesh. Llama/Qwen2-style blocks only.
+
+Master weights: a trainable role is loaded in fp32 whatever ``model.dtype`` says
+(``workers.strategy_worker.master_dtype``), so the shards, their gradients and AdamW's moments are
+fp32 and a small-lr update is not rounded away; mixed precision gathers them in ``compute_dtype``
+for compute only. A frozen model (the reference) keeps the dtype it was loaded in.
 
 Gradient accumulation: ``grad_accumulation`` micro-batches per optimiser step; gradient
 reduce-scatter runs only on the last micro-batch of a step (``set_requires_gradient_sync``).
@@ -139,9 +147,11 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         cpu_offload: bool = False,
         reshard_after_forward: bool = True,
         tensor_parallel_size: int = 1,
+        compute_dtype: str | None = None,
         **common: Unpack[TrainOptions],
     ) -> None:
         super().__init__(**common)
+        self.compute_dtype = compute_dtype
         on_cuda = self._use_device(
             device,
             cpu_refusal=(
@@ -196,8 +206,11 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
             fully_shard,
         )
 
+        from trainer.strategies.hf import half_dtype
+
+        param_dtype = half_dtype(self.compute_dtype) or torch.bfloat16
         policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
             if self.mixed_precision
             else MixedPrecisionPolicy()
         )
@@ -312,14 +325,18 @@ class FSDP2TrainStrategy(BaseTrainStrategy):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        """Collective: model + optimiser as full tensors (rank 0 receives them; others empty)."""
+        """Collective: model + optimiser as full tensors (rank 0 receives them; others empty).
+
+        An optimiser without state (none trained yet, or reset after the warm start) is left
+        out: torch's ``get_state_dict`` would create its state with a zero-gradient step, and the
+        next real update would then be AdamW's second, not its first."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
         from trainer.resume import strategy_stamp
 
         self.residency.require("params", "optimizer")
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        if self.optimizer is None:
+        if self.optimizer is None or not self.optimizer.state:  # (the same on every rank)
             return {"model": self.full_state_dict(), **strategy_stamp(self.name)}
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
         return {"model": model_state, "optimizer": optim_state, **strategy_stamp(self.name)}

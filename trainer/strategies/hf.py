@@ -11,6 +11,12 @@ step, so the model and optimiser keep their last good state.
 A critic is any module whose forward returns ``values`` of shape ``(B, T)`` (see
 ``workers.critic.ValueModel``); ``kind="value"`` makes the strategy read those instead of
 logits.
+
+Precision: the model trains in the dtype it was loaded in, which for a trainable role is fp32
+(master weights and AdamW moments: ``workers.strategy_worker.master_dtype``). ``compute_dtype``
+(``model.dtype``, set by the worker) is what forward and backward run in on CUDA, under
+``torch.autocast``; on CPU they run in the parameters' dtype (fp32), which is exact and, unlike
+bf16 autocast on a CPU without native bf16 (AVX512-BF16/AMX), not slower.
 """
 
 from __future__ import annotations
@@ -26,7 +32,15 @@ if TYPE_CHECKING:
 
     import torch
 
-__all__ = ["HFTrainStrategy", "hf_outputs", "token_logprobs"]
+__all__ = ["HFTrainStrategy", "half_dtype", "hf_outputs", "token_logprobs"]
+
+
+def half_dtype(name: str | None) -> torch.dtype | None:
+    """``torch.bfloat16`` / ``torch.float16`` for a ``model.dtype`` of that name; None for
+    ``float32`` (or None): the dtype mixed-precision compute runs in, if any."""
+    import torch
+
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(name or "")
 
 
 def token_logprobs(
@@ -103,10 +117,19 @@ class HFTrainStrategy(BaseTrainStrategy):
 
     name = "hf"
 
-    def __init__(self, model: Any, *, device: str = "cpu", **common: Unpack[TrainOptions]) -> None:
+    def __init__(
+        self,
+        model: Any,
+        *,
+        device: str = "cpu",
+        compute_dtype: str | None = None,
+        **common: Unpack[TrainOptions],
+    ) -> None:
         super().__init__(**common)
         self.model = model.to(device)
         self.device = device
+        self.autocast = half_dtype(compute_dtype) if device.startswith("cuda") else None
+        """What forward/backward run in on CUDA (``model.dtype``); None: the parameters' dtype."""
         self._init_optimizer(owner="hf")
 
     @classmethod
@@ -125,7 +148,12 @@ class HFTrainStrategy(BaseTrainStrategy):
     def _run(
         self, micro: Mapping[str, torch.Tensor], with_entropy: bool, temperature: float
     ) -> ForwardOutput:
-        return hf_outputs(self.model, micro, self.kind, with_entropy, temperature)
+        if self.autocast is None:
+            return hf_outputs(self.model, micro, self.kind, with_entropy, temperature)
+        import torch
+
+        with torch.autocast("cuda", dtype=self.autocast):
+            return hf_outputs(self.model, micro, self.kind, with_entropy, temperature)
 
     def _clip(self) -> float:
         import torch

@@ -9,7 +9,10 @@ A ``TrainStrategy`` (see ``base.py``). Each rank is handed the same HF model; th
 2. builds a Megatron-Core ``GPTModel`` with the *local* layer spec (no Transformer Engine or
    Apex needed) from the HF config, and loads this TP rank's shard of the HF weights through
    ``megatron_convert.hf_to_megatron`` (exact);
-3. trains it: fp32 master weights and AdamW, bf16 autocast on CUDA, per-token log-probs from
+3. trains it: fp32 master weights and AdamW (the ``GPTModel`` is built in fp32 and
+   ``torch.optim.AdamW`` steps it: no Megatron ``Float16Module`` or distributed optimiser, so no
+   separate main-param copy is needed), autocast to ``compute_dtype`` (``model.dtype``; bf16 when
+   that is float32) on CUDA, per-token log-probs from
    vocab-parallel logits gathered over the TP group, gradients averaged over data-parallel
    replicas and the global norm clipped over TP shards and PP stages;
 4. gives the weight sync full HF-named tensors (``full_weights``, a collective over the TP
@@ -115,6 +118,7 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         activation_checkpointing: bool = False,
         attention: Literal["sdpa", "local"] = "sdpa",
         seed: int = 0,
+        compute_dtype: str | None = None,
         **common: Unpack[TrainOptions],
     ) -> None:
         super().__init__(**common)
@@ -148,6 +152,12 @@ class MegatronTrainStrategy(BaseTrainStrategy):
 
             megatron_cpu_shim.activate(seed, self.tp_rank)
         self.mixed_precision = on_cuda if mixed_precision is None else bool(mixed_precision)
+        import torch
+
+        from trainer.strategies.hf import half_dtype
+
+        self.autocast_dtype = half_dtype(compute_dtype) or torch.bfloat16
+        """What compute runs in under mixed precision (on CUDA)."""
         self.hf_config = model.config
         self.model = build_gpt_model(
             self.layout,
@@ -217,7 +227,7 @@ class MegatronTrainStrategy(BaseTrainStrategy):
         ids = micro["input_ids"]
         positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
         with torch.autocast(
-            "cuda", dtype=torch.bfloat16, enabled=self.mixed_precision and ids.is_cuda
+            "cuda", dtype=self.autocast_dtype, enabled=self.mixed_precision and ids.is_cuda
         ):
             logits = self.model(input_ids=ids, position_ids=positions, attention_mask=None)
         if self.tp_size > 1:
@@ -315,7 +325,7 @@ class MegatronTrainStrategy(BaseTrainStrategy):
             ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1], 0, rows - ids.shape[0]))
             positions = torch.arange(width, device=ids.device).expand_as(ids)
             with torch.autocast(
-                "cuda", dtype=torch.bfloat16, enabled=self.mixed_precision and ids.is_cuda
+                "cuda", dtype=self.autocast_dtype, enabled=self.mixed_precision and ids.is_cuda
             ):
                 output = model(input_ids=ids, position_ids=positions, attention_mask=None)
             return output, lambda logits: finish(micro, logits, index)

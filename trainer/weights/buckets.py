@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from trainer.weights.errors import BucketTooSmallError
 
@@ -30,6 +30,7 @@ __all__ = [
     "TensorMeta",
     "distinct_nbytes",
     "group_tensors",
+    "in_dtype",
     "iter_buckets",
     "largest_tensor",
     "pack",
@@ -178,6 +179,26 @@ def packed_bytes(named: Iterable[tuple[str, torch.Tensor]]) -> int:
     """The buffer :func:`pack` needs for ``named`` (a tensor object listed twice counts once)."""
     sizes = {id(t): _aligned(t.numel() * t.element_size()) for _, t in named}
     return sum(sizes.values())
+
+
+def in_dtype(
+    named: Iterable[tuple[str, torch.Tensor]], dtype: str | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named`` with every floating tensor in ``dtype`` (None: as they are): the trainer's fp32
+    master weights as the engines hold them (``model.dtype``), cast one tensor at a time. A
+    tensor object repeated at once under another name (a tied parameter:
+    ``strategies.tied.full_state``) stays one object, so a bucket still stores it once."""
+    import torch
+
+    target = getattr(torch, dtype) if dtype else None
+    last: tuple[Any, Any] = (None, None)  # (the tensor given, its cast)
+    for name, tensor in named:
+        if target is None or not tensor.is_floating_point() or tensor.dtype == target:
+            yield name, tensor
+            continue
+        if last[0] is not tensor:
+            last = (tensor, tensor.to(target))
+        yield name, last[1]
 
 
 def group_tensors(

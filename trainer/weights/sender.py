@@ -21,6 +21,10 @@ broadcast (disaggregated)
     rank 0 forms a broadcast group with every inference worker and streams the buckets; the
     other ranks only take part in the gathers.
 
+Every path sends floating tensors in the engines' dtype (``engine_dtype``: ``model.dtype``), cast
+one tensor at a time from the fp32 master weights the trainer keeps
+(``trainer.workers.strategy_worker.master_dtype``); sizes and buckets are planned in it.
+
 ``only_changed`` skips a tensor only if the last *confirmed* sync delivered it: what a sync
 sends counts once every engine served its version (the driver's ``confirm_weight_sync``, or
 the broadcast's closing acknowledgement); a sync that failed, or was never confirmed, is
@@ -38,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import node_address
-from trainer.weights.buckets import ALIGN, TensorMeta, group_tensors, plan_buckets
+from trainer.weights.buckets import ALIGN, TensorMeta, group_tensors, in_dtype, plan_buckets
 from trainer.weights.errors import WeightSyncError
 from trainer.weights.shards import ShardLayout, equal_piece, shard_layout, write_piece
 from trainer.weights.transport import (
@@ -251,16 +255,23 @@ class ShardSender:
         """Every engine took the last sync's writes (False from ``begin`` to ``confirm``)."""
 
     def begin(
-        self, strategy: Any, *, rank: int, bucket_bytes: int, only_changed: bool = False
+        self,
+        strategy: Any,
+        *,
+        rank: int,
+        bucket_bytes: int,
+        only_changed: bool = False,
+        dtype: str | None = None,
     ) -> list[SharedBucket] | None:
         """Plan this sync; rank 0 returns the bucket handles (segments created), other ranks None.
 
-        None on rank 0 too when the strategy trains on a GPU: its shards are device memory, and
-        the driver then takes the gathered CUDA-IPC path instead.
+        ``dtype``: the engines' (the full tensors are laid out in it; pieces are cast as they are
+        written). None on rank 0 too when the strategy trains on a GPU: its shards are device
+        memory, and the driver then takes the gathered CUDA-IPC path instead.
         """
         if str(getattr(strategy, "device", "cpu")).startswith("cuda"):
             return None  # GPU shards: the gathered CUDA-IPC path (WeightSync._sync_gathered)
-        layout = shard_layout(strategy, rank=rank)
+        layout = shard_layout(strategy, rank=rank, dtype=dtype)
         handles = plan_shared_buckets(layout, bucket_bytes)  # too small: raised before any move
         if not self.confirmed:  # the last sync failed or was never confirmed: resend everything
             self.written.clear()
@@ -339,6 +350,9 @@ class WeightSender:
     # provided by the worker class this is mixed into (``ActorWorker``)
     strategy: TrainStrategy
     rank: int
+    engine_dtype: str | None = None
+    """The engines' dtype (``model.dtype``): floating tensors are sent in it, whatever the
+    strategy trains in (fp32 master weights); None sends them as they are."""
 
     _weight_stream: Iterator[tuple[SharedBucket | None, Any]] | None = None
     """The gathered path's bucket stream between ``begin_weight_sync`` and ``end_weight_sync``."""
@@ -349,6 +363,10 @@ class WeightSender:
 
     def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self.strategy.full_weights()
+
+    def _engine_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``_full_weights`` as the engines hold them (``engine_dtype``)."""
+        return in_dtype(self._full_weights(), self.engine_dtype)
 
     def _state(self) -> SenderState:
         if self._sender_state is None:
@@ -378,7 +396,7 @@ class WeightSender:
             self._state().check_room(getattr(self.strategy, "model", None), bucket_bytes)
         self._state().begin(only_changed)
         self._weight_stream = self._state().shared_buckets(
-            self._full_weights(),
+            self._engine_weights(),
             bucket_bytes,
             is_sender=self.rank == 0,
             only_changed=only_changed,
@@ -422,7 +440,8 @@ class WeightSender:
 
         The driver checks the bucket size against them before any sync starts.
         """
-        return shard_layout(self.strategy, rank=self.rank, gather=False).sizes()
+        layout = shard_layout(self.strategy, rank=self.rank, gather=False, dtype=self.engine_dtype)
+        return layout.sizes()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def begin_shard_sync(
@@ -437,6 +456,7 @@ class WeightSender:
             rank=self.rank,
             bucket_bytes=bucket_bytes,
             only_changed=only_changed,
+            dtype=self.engine_dtype,
         )
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
@@ -480,7 +500,7 @@ class WeightSender:
     ) -> SentWeights:
         """Collective: rank 0 joins the weight broadcast group as its rank 0 and streams."""
         return self._state().broadcast(
-            self._full_weights(),
+            self._engine_weights(),
             address,
             world_size,
             is_sender=self.rank == 0,

@@ -95,24 +95,43 @@ def _dtype(tensor: torch.Tensor) -> str:
     return str(tensor.dtype).removeprefix("torch.")
 
 
-def shard_layout(strategy: Any, *, rank: int = 0, gather: bool = True) -> ShardLayout:
+def shard_layout(
+    strategy: Any, *, rank: int = 0, gather: bool = True, dtype: str | None = None
+) -> ShardLayout:
     """This rank's :class:`ShardLayout` for ``strategy``: ``fsdp2``, ``megatron`` or unsharded.
 
     ``gather=False`` skips the collective gathers of tensors that are not shard-direct (2-D
     FSDP2 meshes): their specs are listed, their pieces are not (for size checks only).
+    ``dtype``: the full tensors' dtype where they are floating (the engines' ``model.dtype``;
+    the fp32 master pieces are cast as they are written); None keeps the strategy's.
     """
     kind = type(strategy).__name__
     if kind == "MegatronTrainStrategy":
-        return _megatron(strategy)
-    if kind == "FSDP2TrainStrategy":
-        return _fsdp2(strategy, gather=gather)
-    model = getattr(strategy, "model", None)
-    if model is None:
-        raise TypeError(
-            f"the shared-memory weight sync cannot read the shards of {kind} (no .model); use "
-            "weight_sync.transport=broadcast"
-        )
-    return _whole(model, write=rank == 0)
+        layout = _megatron(strategy)
+    elif kind == "FSDP2TrainStrategy":
+        layout = _fsdp2(strategy, gather=gather)
+    else:
+        model = getattr(strategy, "model", None)
+        if model is None:
+            raise TypeError(
+                f"the shared-memory weight sync cannot read the shards of {kind} (no .model); "
+                "use weight_sync.transport=broadcast"
+            )
+        layout = _whole(model, write=rank == 0)
+    if dtype is not None:
+        layout.specs = [_in_dtype(spec, dtype) for spec in layout.specs]
+    return layout
+
+
+def _in_dtype(spec: TensorSpec, dtype: str) -> TensorSpec:
+    """``spec`` in ``dtype`` if it is floating (integer buffers keep theirs)."""
+    import torch
+
+    return (
+        TensorSpec(spec.name, spec.shape, dtype)
+        if spec.dtype != dtype and getattr(torch, spec.dtype).is_floating_point
+        else spec
+    )
 
 
 def _unique(model: Any, layout: ShardLayout) -> Iterator[tuple[str, Any]]:
@@ -344,7 +363,8 @@ def _layer_pieces(
 
 
 def write_piece(target: torch.Tensor, index: Index, source: torch.Tensor) -> None:
-    """``target[index] = source``; a row block is viewed to ``source``'s shape (per-group q/k/v)."""
+    """``target[index] = source`` (cast to ``target``'s dtype); a row block is viewed to
+    ``source``'s shape (per-group q/k/v)."""
     view = target[index] if index else target
     if view.shape != source.shape:
         view = view.view(source.shape)
@@ -352,10 +372,11 @@ def write_piece(target: torch.Tensor, index: Index, source: torch.Tensor) -> Non
 
 
 def equal_piece(target: torch.Tensor, index: Index, source: torch.Tensor) -> bool:
-    """Whether ``target[index]`` already holds ``source`` bitwise (``only_changed``)."""
+    """Whether ``target[index]`` already holds ``source`` (in ``target``'s dtype) bitwise
+    (``only_changed``)."""
     import torch
 
     view = target[index] if index else target
     if view.shape != source.shape:
         view = view.view(source.shape)
-    return bool(torch.equal(view, source))
+    return bool(torch.equal(view, source.to(view.dtype)))

@@ -34,7 +34,12 @@ from trainer.controller.worker import WorkerContext
 from trainer.strategies.base import ForwardOutput, LossFn, TrainOptions, TrainStrategy
 from trainer.strategies.registry import make_train_strategy
 from trainer.weights.sender import WeightSender, WeightSenderCluster
-from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker, training_temperature
+from trainer.workers.strategy_worker import (
+    StrategyCluster,
+    StrategyWorker,
+    master_dtype,
+    training_temperature,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -173,6 +178,9 @@ class ActorWorker(WeightSender, StrategyWorker):
         self.temperature = training_temperature(temperature)
         """``rollout.temperature``: RL log-probs are those of ``softmax(logits / temperature)``."""
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
+        """``model.dtype``: what compute runs in and the engines hold (the weights train in fp32:
+        ``strategy_worker.master_dtype``)."""
+        self.engine_dtype = dtype  # the weight sync casts the fp32 masters to it (WeightSender)
         self.optim: TrainOptions = optim or {}
         self.loss = loss if loss is not None else LossConfig()
         self.lora = lora
@@ -194,7 +202,11 @@ class ActorWorker(WeightSender, StrategyWorker):
 
         hf_logging.disable_progress_bar()  # no per-rank "Loading weights" bars in the run's output
         torch.manual_seed(self.seed + self.ctx.rank)
-        model, self.tokenizer = load_policy(self.model_path, dtype=self.dtype, chat=False)
+        # fp32 masters for what trains; a LoRA base that never trains stays in model.dtype (peft
+        # keeps the adapters in fp32 over it)
+        frozen = self.lora is not None and not self.full_warm_start
+        dtype = master_dtype(self.dtype, frozen=frozen)
+        model, self.tokenizer = load_policy(self.model_path, dtype=dtype, chat=False)
         if self.lora is not None:
             from trainer.strategies.lora import apply_lora, train_base
 
@@ -205,6 +217,7 @@ class ActorWorker(WeightSender, StrategyWorker):
             model,
             world_size=self.ctx.world_size,
             strategy_args=self.config.strategy_args,
+            compute_dtype=self.dtype,
             **self.optim,
         )
         if self.lora is not None and self.full_warm_start:
@@ -267,10 +280,11 @@ class ActorWorker(WeightSender, StrategyWorker):
         if self.lora is None:
             return super().weight_sizes()
         from trainer.strategies.lora import engine_weights
+        from trainer.weights.buckets import in_dtype
 
-        model = self.strategy.model
-        named = ((name, tensor) for name, tensor in model.state_dict().items())
-        return [(name, t.numel() * t.element_size()) for name, t in engine_weights(named)]
+        named = self.strategy.model.state_dict().items()
+        sent = in_dtype(engine_weights(named), self.engine_dtype)
+        return [(name, t.numel() * t.element_size()) for name, t in sent]
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.FIRST)
     def begin_shard_sync(
@@ -306,6 +320,15 @@ class ActorWorker(WeightSender, StrategyWorker):
     @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
     def set_lr(self, lr: float) -> None:
         self.strategy.set_lr(lr)
+
+    @register(Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def reset_optimizer(self) -> None:
+        """Drop the optimiser's state (AdamW's moments and step counts): after the warm start,
+        RL's first update is AdamW's first, not the warm start's momentum at the RL rate (what
+        ``fold_adapters`` does for LoRA, for every strategy)."""
+        optimizer = getattr(self.strategy, "optimizer", None)
+        if optimizer is not None:
+            optimizer.state.clear()
 
     @register(Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def state_dict(self) -> dict[str, Any]:
@@ -398,6 +421,7 @@ class ActorCluster(WeightSenderCluster, StrategyCluster):
     train_step = remote(ActorWorker.train_step)
     sft_step = remote(ActorWorker.sft_step)
     set_lr = remote(ActorWorker.set_lr)
+    reset_optimizer = remote(ActorWorker.reset_optimizer)
     residency = remote(ActorWorker.residency, per_rank=True)
     load_state_dict = remote(ActorWorker.load_state_dict)
     save_pretrained = remote(ActorWorker.save_pretrained)

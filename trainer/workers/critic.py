@@ -2,7 +2,8 @@
 
 ``ValueModel`` loads the same checkpoint as the policy (``from_pretrained``), reads the last
 hidden state and maps it through a zero-initialised linear head, so training starts from
-values of 0. The critic trains with the clipped value loss of ``trainer.algos.losses``.
+values of 0. The critic trains with the clipped value loss of ``trainer.algos.losses``, on fp32
+master weights whatever ``model.dtype`` (its compute dtype; ``strategy_worker.master_dtype``).
 
 Its strategy is ``roles.critic.strategy`` (``hf`` or ``fsdp2``; ``megatron`` trains causal LMs
 only). A multi-rank ``fsdp2`` critic runs one Ray worker process per rank and, like
@@ -21,7 +22,7 @@ from trainer.controller.cluster import remote
 from trainer.controller.dispatch import Collect, Dispatch, register
 from trainer.controller.worker import WorkerContext
 from trainer.strategies.base import ForwardOutput, LossFn, TrainOptions
-from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker
+from trainer.workers.strategy_worker import StrategyCluster, StrategyWorker, master_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -123,10 +124,11 @@ class CriticWorker(StrategyWorker):
         torch.manual_seed(self.seed + 1000 + self.ctx.rank)
         self._strategy = make_train_strategy(
             self.config.strategy,
-            build_value_model(self.model_path, self.dtype),
+            build_value_model(self.model_path, master_dtype(self.dtype)),  # fp32 masters
             kind="value",
             world_size=self.ctx.world_size,
             strategy_args=self.config.strategy_args,
+            compute_dtype=self.dtype,
             **self.optim,
         )
 

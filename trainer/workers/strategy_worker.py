@@ -7,6 +7,11 @@ rank or an unsharded strategy is built right away. Around colocated phases the w
 offloads what its role's ``offload_params`` / ``offload_optimizer`` flags say and reloads
 before use (moves are tracked no-ops on CPU; ``trainer.strategies.offload``). The actor and
 the reference take their log-probs at the rollout temperature (``training_temperature``).
+
+Precision: what trains (``actor_train``, ``critic``) is loaded in fp32 whatever ``model.dtype``
+says (``master_dtype``): fp32 master weights, gradients and AdamW moments, as verl and ROLL keep
+them, while compute runs in ``model.dtype`` where the strategy can (``compute_dtype``: autocast or
+fsdp2 mixed precision on CUDA). The frozen reference and the engines hold ``model.dtype``.
 """
 
 from __future__ import annotations
@@ -23,7 +28,13 @@ from trainer.strategies.base import TrainStrategy
 from trainer.strategies.parallel_errors import ParallelConfigError
 from trainer.strategies.registry import TRAIN_STRATEGIES, process_problem
 
-__all__ = ["StrategyCluster", "StrategyWorker", "offload_flags", "training_temperature"]
+__all__ = [
+    "StrategyCluster",
+    "StrategyWorker",
+    "master_dtype",
+    "offload_flags",
+    "training_temperature",
+]
 
 
 def _sharded(name: str | None) -> bool:
@@ -36,6 +47,14 @@ def _sharded(name: str | None) -> bool:
 def offload_flags(config: RoleConfig) -> dict[str, bool]:
     """``roles.<role>.offload_params/offload_optimizer`` as ``strategy.offload`` keywords."""
     return {"params": config.offload_params, "optimizer": config.offload_optimizer}
+
+
+def master_dtype(dtype: str, *, frozen: bool = False) -> str:
+    """The dtype a role loads the policy's weights in for ``model.dtype`` = ``dtype``: fp32 for
+    weights that train (AdamW's moments take the parameters' dtype, and a bf16 weight of ~0.02
+    rounds away any update below ~4e-5, so lr=1e-6 would change almost nothing), ``dtype`` for
+    weights that stay ``frozen`` (a reference, a LoRA base: they need no master copy)."""
+    return dtype if frozen else "float32"
 
 
 def training_temperature(temperature: float) -> float:
