@@ -179,7 +179,10 @@ class ModelConfig(Section):
     tiny: TinyModelConfig | None = None
     """Build a small model from this spec instead of loading one (exclusive with ``path``)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Parameter dtype for training and inference."""
+    """What the engines and the frozen reference hold, each weight sync sends, and training
+    computes in on GPUs; the roles that train keep fp32 master weights and AdamW moments
+    (``workers.strategy_worker.master_dtype``). ``float16`` trains without loss scaling
+    (warned at start: prefer ``bfloat16``)."""
     chat_template: str | None = None
     """Jinja chat template overriding the tokenizer's own (None: the tokenizer's)."""
     lora: LoraConfig | None = None

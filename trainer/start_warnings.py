@@ -16,7 +16,21 @@ def start_warnings(cfg: TrainerConfig) -> list[str]:
     """One line per warning (empty when there is nothing to say)."""
     from trainer.strategies.lora import dropout_warning
 
-    return [line for line in (dropout_warning(cfg), _kl_penalty_warning(cfg)) if line]
+    warnings = (dropout_warning(cfg), _kl_penalty_warning(cfg), _float16_warning(cfg))
+    return [line for line in warnings if line]
+
+
+def _float16_warning(cfg: TrainerConfig) -> str | None:
+    """``model.dtype: float16`` computes the training forward and backward in fp16 (over fp32
+    master weights) with no loss scaling: gradients below fp16's ~6e-8 become 0 and large
+    activations overflow. bf16 has fp32's range and needs neither."""
+    if cfg.train.steps == 0 or cfg.model.dtype != "float16":
+        return None
+    return (
+        "model.dtype=float16: training computes in fp16 without loss scaling (no GradScaler), "
+        "so small gradients underflow to 0; use model.dtype: bfloat16 where the GPU has it "
+        "(Ampere or newer), or float32"
+    )
 
 
 def _kl_penalty_warning(cfg: TrainerConfig) -> str | None:

@@ -172,3 +172,17 @@ def test_a_kl_penalty_that_group_std_normalising_cancels_is_warned(
     assert ("warning: algorithm.loss.kl_mode=penalty" in stderr) == warned, stderr
     if warned:
         assert "kl_mode: loss" in stderr and "normalize_std: false" in stderr
+
+
+@pytest.mark.parametrize(("dtype", "warned"), [("float16", True), ("bfloat16", False)])
+def test_float16_training_without_loss_scaling_is_warned(
+    tmp_path: Path, dtype: str, warned: bool
+) -> None:
+    """fp16 compute over fp32 masters without a GradScaler underflows small gradients to 0;
+    bf16 has fp32's range. Said before a run starts, with the fix."""
+    args = [str(EXAMPLES / "quickstart.yaml"), f"output_dir={tmp_path / 'run'}"]
+    code, _, stderr = dry_run(*args, f"model.dtype={dtype}")
+    assert code == 0, stderr
+    assert ("warning: model.dtype=float16" in stderr) == warned, stderr
+    if warned:
+        assert "bfloat16" in stderr
