@@ -178,3 +178,24 @@ def test_truncated_episodes_are_counted_and_with_mask_truncated_not_trained(tmp_
     assert cut and rows[-1]["train/truncated"] == pytest.approx(len(cut) / page.total)
     for row in cut:
         assert not any(stored.episode(row["key"])["advantages"]), row["key"]
+
+
+def test_a_bfloat16_run_exports_its_policy_in_bfloat16(tmp_path: Path) -> None:
+    """The roles train fp32 masters, but ``final_policy/`` is what a user serves: in
+    ``model.dtype`` (half the size; vLLM's ``--dtype auto`` would serve a float32 folder in fp16),
+    and loadable as it says."""
+    import json
+
+    import torch
+
+    from trainer.models import load_policy
+
+    run(tmp_path, "model.dtype=bfloat16")
+    folder = tmp_path / "run" / "final_policy"
+    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
+    from safetensors.torch import load_file
+
+    stored = load_file(str(folder / "model.safetensors"))
+    assert {t.dtype for t in stored.values()} == {torch.bfloat16}
+    model, _ = load_policy(folder, dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}

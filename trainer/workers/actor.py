@@ -364,12 +364,19 @@ class ActorWorker(WeightSender, StrategyWorker):
         base it needs in ``path/base`` (HF weights, as the engines were given them), which
         ``adapter_config.json`` names by its absolute path: ``AutoPeftModelForCausalLM.
         from_pretrained(path)`` loads it from any directory (after moving the folder, load the base
-        and ``PeftModel.from_pretrained(base, path)``)."""
+        and ``PeftModel.from_pretrained(base, path)``). Weights in ``model.dtype``, not in the fp32
+        masters (``trainer.policy_export``)."""
         if self.lora is not None:
             self._export_lora(path)
         else:
             self.strategy.save_pretrained(path)
         if self.rank == 0:
+            import os
+
+            from trainer.policy_export import in_model_dtype
+
+            adapter = self.lora is not None and self.lora.export == "adapter"
+            in_model_dtype(os.path.join(path, "base") if adapter else path, self.engine_dtype)
             self.tokenizer.save_pretrained(path)
 
     def _export_lora(self, path: str) -> None:
