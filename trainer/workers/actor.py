@@ -376,7 +376,7 @@ class ActorWorker(WeightSender, StrategyWorker):
             from trainer.policy_export import in_model_dtype
 
             adapter = self.lora is not None and self.lora.export == "adapter"
-            in_model_dtype(os.path.join(path, "base") if adapter else path, self.engine_dtype)
+            in_model_dtype(os.path.join(path, "base") if adapter else path, self.dtype)
             self.tokenizer.save_pretrained(path)
 
     def _export_lora(self, path: str) -> None:
