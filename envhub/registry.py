@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextvars
 import difflib
 import importlib
+import numbers
 import re
 import threading
 import warnings
@@ -94,11 +95,14 @@ def import_target(path: str) -> Any:
 
 def _turn_limit(id: str, kwargs: dict[str, Any], max_turns: Any) -> int | None:
     """The ``max_turns`` a spec builds with: its kwargs' when they hold one (``make`` passes
-    them as given), else the registered one; a ``RegistrationError`` unless a positive int."""
+    them as given), else the registered one, as an ``int``; a ``RegistrationError`` unless a
+    positive whole number (``numbers.Integral`` such as ``numpy.int64``, not ``bool``)."""
     value = kwargs.get("max_turns", max_turns)
-    if value is not None and (type(value) is not int or value < 1):
+    if value is None:
+        return None
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
         raise RegistrationError(f"{id}: max_turns must be a positive int, got {value!r}")
-    return value
+    return int(value)
 
 
 def _parse_id(env_id: str) -> tuple[str, str, int]:

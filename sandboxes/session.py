@@ -11,6 +11,12 @@ redirects or closes the shell's own streams (``exec 2>&1``, ``exec >/dev/null``,
 changes them for the rest of that command only, as far as the caller can tell. Should the exit
 status come but the stderr marker not (a command that reached the saved copies themselves),
 the interpreter is restarted at once rather than the finished command reported killed.
+A Python cell that closes fd 1 or 2 and then opens a file (or socket) that takes the number
+cannot have its fd pointed back at the pipe: the file's later writes would silently reach the
+output. The interpreter sees that (fd 1 or 2 is no longer the pipe, and a file object of the
+cell's holds it), says so in stderr and is restarted; a plain redirect (``os.dup2(null, 1)``) is
+undone as in bash. (A bare fd number the cell keeps in an ``int`` is not seen.) In bash no
+command can own fd 1 that way: ``exec {fd}>file`` gets a number of 10 or more.
 
 On timeout we first interrupt just the command (SIGKILL to the shell's descendants; SIGINT
 to the Python interpreter, which raises ``KeyboardInterrupt`` in the cell), so cwd, variables
@@ -48,10 +54,32 @@ _MARK = b"__ENVHUB_END_"
 _GRACE_S = 2.0
 
 PYTHON_DRIVER = r"""
-import ast, os, signal, sys, traceback
+import ast, gc, io, os, signal, sys, traceback
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a background launch may have ignored it
 proto = os.fdopen(os.dup(0), "rb", buffering=0)
 saved_out, saved_err = os.dup(1), os.dup(2)  # the protocol's pipes, whatever a cell does to 1, 2
+pipes = {fd: (os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2)}
+std = [s for t in (sys.stdout, sys.stderr) for s in (t, t.buffer, getattr(t.buffer, "raw", None))]
+def holder(fd):
+    # what of the cell's own (a file object or socket) holds fd: it took the number after the
+    # cell closed fd; pointing fd back at the pipe would send its writes to the output
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    if (st.st_dev, st.st_ino) == pipes[fd]:
+        return None
+    sock = sys.modules.get("socket")
+    kinds = (io.FileIO, sock.socket) if sock is not None else (io.FileIO,)
+    for obj in gc.get_objects():
+        kind = next((k for k in kinds if issubclass(type(obj), k)), None)
+        if kind is not None and not any(obj is s for s in std):
+            try:
+                if kind.fileno(obj) == fd:
+                    return obj
+            except (OSError, ValueError):
+                pass
+    return None
 null = os.open(os.devnull, os.O_RDONLY); os.dup2(null, 0); os.close(null)
 sys.stdin = open(os.devnull)
 g = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -98,6 +126,19 @@ while True:
             stream.flush()
         except Exception:
             pass
+    held = [(fd, holder(fd)) for fd in (1, 2)]
+    held = [(fd, obj) for fd, obj in held if obj is not None]
+    if held:  # say so, ask for a restart, and end here: no dup2 redirects the cell's file
+        for fd, obj in held:
+            name = repr(getattr(obj, "name", type(obj).__name__))[:80]
+            os.write(saved_err, (
+                f"\n[envhub: the cell left fd {fd} open on its own {name} (it closed fd {fd}, "
+                f"and what it opened next took that number); pointing fd {fd} back at the "
+                "output would send that file's writes there, so the session restarted, "
+                "state lost]\n").encode())
+        os.write(saved_out, b"\n__ENVHUB_END_" + nonce + b"_RC_" + str(rc).encode() + b"_RESTART\n")
+        os.write(saved_err, b"\n__ENVHUB_END_" + nonce + b"\n")
+        os._exit(0)
     os.dup2(saved_out, 1); os.dup2(saved_err, 2)
     os.write(1, b"\n__ENVHUB_END_" + nonce + b"_RC_" + str(rc).encode() + b"\n")
     os.write(2, b"\n__ENVHUB_END_" + nonce + b"\n")
@@ -117,14 +158,19 @@ def bash_frame(code: str, nonce: str) -> bytes:
     Any text, even broken syntax, is safe to send this way. The saved pipes are closed for the
     command (bash puts them back after it), so it cannot touch them, and nothing it starts in
     the background holds the session's pipes open once it has redirected its own output.
+    ``eval``, ``exec`` and ``printf`` are called as ``\\command NAME``: the builtin itself, past
+    any function or alias of that name a command defined (``printf() { :; }``, or an alias
+    once it ran ``shopt -s expand_aliases``), which stays defined for the commands after it.
+    (``command exec``, unlike ``builtin exec``, keeps its redirections.) A function named
+    ``command`` itself still breaks the frame: the call times out and the session restarts.
     """
     quoted = "".join(f"\\x{b:02x}" for b in code.encode())
     saved = f"{_SAVED_OUT}>&- {_SAVED_ERR}>&-"
     return (
-        f"eval $'{quoted}' </dev/null {saved}\n__envhub_rc=$?\n"
-        f"exec 1>&{_SAVED_OUT} 2>&{_SAVED_ERR}\n"
-        f"printf '\\n{_MARK.decode()}{nonce}_RC_%d\\n' \"$__envhub_rc\"\n"
-        f"printf '\\n{_MARK.decode()}{nonce}\\n' >&2\n"
+        f"\\command eval $'{quoted}' </dev/null {saved}\n__envhub_rc=$?\n"
+        f"\\command exec 1>&{_SAVED_OUT} 2>&{_SAVED_ERR}\n"
+        f"\\command printf '\\n{_MARK.decode()}{nonce}_RC_%d\\n' \"$__envhub_rc\"\n"
+        f"\\command printf '\\n{_MARK.decode()}{nonce}\\n' >&2\n"
     ).encode()
 
 
@@ -304,7 +350,7 @@ class PipeSession(Session):
             )
         wall = timeout if timeout is not None else self._limits.wall_time_s
         nonce = uuid.uuid4().hex
-        out_marker = re.compile(b"\n" + _MARK + nonce.encode() + rb"_RC_(-?\d+)\n")
+        out_marker = re.compile(b"\n" + _MARK + nonce.encode() + rb"_RC_(-?\d+)(_RESTART)?\n")
         err_marker = re.compile(b"\n" + _MARK + nonce.encode() + b"\n")
         out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
         streams = {
@@ -318,7 +364,7 @@ class PipeSession(Session):
         except (BrokenPipeError, OSError):
             pass
         rc: int | None = None
-        err_done = timed_out = interrupted = False
+        err_done = timed_out = interrupted = restart_asked = False
         give_up = t0 + wall
         sel = selectors.DefaultSelector()
         for fd in streams:
@@ -345,6 +391,7 @@ class PipeSession(Session):
                     found = stream.feed(chunk, out_marker)
                     if found:
                         rc = int(found.group(1))  # (the stderr marker follows at once, or never)
+                        restart_asked = found.group(2) is not None
                         give_up = min(give_up, time.monotonic() + _GRACE_S)
                 else:
                     err_done = err_done or stream.feed(chunk, err_marker) is not None
@@ -355,7 +402,9 @@ class PipeSession(Session):
             if not sel.get_map():
                 break  # the interpreter exited (e.g. `exit` in bash)
         note = b""
-        if rc is not None and not err_done:
+        if rc is not None and err_done and restart_asked:
+            self._restart()  # the interpreter said why in stderr, and exited
+        elif rc is not None and not err_done:
             self._restart()  # the command finished, but its stderr can no longer be delimited
             note = (
                 b"\n[envhub: the session lost its stderr end marker (the command redirected the "

@@ -265,7 +265,10 @@ def _locate(problem: Problem, sources: dict[str, str], lines: dict[str, str]) ->
         for table in (sources, lines):
             if path in table:
                 return Problem(problem.path, problem.message, table[path])
-        path = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", path) if ("." in path or "[" in path) else ""
+        shorter = re.sub(r"(\.[^.\[]+|\[\d+\])$", "", path) if ("." in path or "[" in path) else ""
+        if shorter == path:  # a segment the pattern cannot strip: stop rather than spin
+            break
+        path = shorter
     return problem
 
 
@@ -286,7 +289,8 @@ def validation_problems(err: ValidationError, cls: type[BaseModel], data: Any) -
             continue
         if _wrong_branch(e, data, [other["loc"] for other in errors]):
             continue
-        segments = _real_segments(e["loc"], data, keep_last=e["type"] == "missing")
+        keep_last = e["type"] == "missing" or _is_field(cls, e["loc"])
+        segments = _real_segments(e["loc"], data, keep_last=keep_last)
         dotted = _dotted(segments)
         if e["type"] == "extra_forbidden":
             message = _unknown_key_message(cls, e["loc"])
@@ -307,7 +311,9 @@ def validation_problems(err: ValidationError, cls: type[BaseModel], data: Any) -
 
 
 def _real_segments(loc: tuple[Any, ...], data: Any, keep_last: bool) -> list[str | int]:
-    """Drop pydantic's union-branch tags (``'str'``, ``'list[str]'``) by walking the input."""
+    """Drop pydantic's union-branch tags (``'str'``, ``'list[union[str,EnvEntry]]'``) by walking
+    the input: a segment is kept when it is a key or index of the input, or (``keep_last``) when
+    it is the last one and names a field the input lacks (a missing key)."""
     out: list[str | int] = []
     node = data
     for i, seg in enumerate(loc):
@@ -318,9 +324,15 @@ def _real_segments(loc: tuple[Any, ...], data: Any, keep_last: bool) -> list[str
             node = node[seg]
         elif keep_last and i == len(loc) - 1 and isinstance(seg, str):
             out.append(seg)
-        elif isinstance(node, dict) and isinstance(seg, str) and i == len(loc) - 1:
-            out.append(seg)  # a key pydantic reports under a dict that the input lacks
     return out
+
+
+def _is_field(cls: type[BaseModel], loc: tuple[Any, ...]) -> bool:
+    """``loc`` ends in a field of the section it lies in (not in a union-branch tag)."""
+    if not loc or not isinstance(loc[-1], str):
+        return False
+    section = _model_at(cls, loc[:-1])
+    return section is not None and loc[-1] in section.model_fields
 
 
 def _wrong_branch(e: Any, data: Any, locs: list[tuple[Any, ...]]) -> bool:

@@ -120,6 +120,23 @@ class EnvConfig(Section):
     (checked key by key), kept as the dict the reward workers read (``trainer.rewards``).
     Empty: the envs' own rewards only."""
 
+    @field_validator("id", mode="before")
+    @classmethod
+    def _id_is_an_id_or_a_list(cls, value: Any) -> Any:
+        if isinstance(value, dict):  # one entry written without its list dash
+            got = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+            raise ValueError(  # noqa: TRY004 - pydantic reports a ValueError at env.id
+                "takes an env id or a list of env ids and/or entries, not a mapping; write the "
+                "entry as a list item (`- id: ...` on the line under `id:`, or "
+                f"env.id=[{{id: ...}}] as an override) (got {got})"
+            )
+        if isinstance(value, list) and not value:
+            raise ValueError(
+                "is an empty list; give at least one env id (env.id: games/frozen-lake-v0), or "
+                "remove env.id for the default"
+            )
+        return value
+
     @field_validator("hub")
     @classmethod
     def _hub_address(cls, hub: str | None) -> str | None:

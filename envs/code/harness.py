@@ -40,14 +40,17 @@ from envhub import safe_ast
 
 __all__ = ["RUNNER", "code_sandbox", "fenced_blocks", "runner_files", "split_tests"]
 
-_FENCE = re.compile(r"```([\w+#.-]*)[ \t]*\n(.*?)```", re.DOTALL)
+_FENCE = re.compile(r"```[ \t]*([^\s`]*)[^\n`]*\n(.*?)```", re.DOTALL)
 
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
-    """The fenced blocks of ``text`` in order, each ``(label, body)``: ``label`` is the
-    fence's language in lower case, ``""`` when it has none. Fences pair up in order, so the
-    closing fence of a block in another language (```` ```text ````) never opens a block."""
-    return [(label.lower(), body) for label, body in _FENCE.findall(text)]
+    """The fenced blocks of ``text`` in order, each ``(label, body)``. An opening fence is
+    ```` ``` ```` and an info string to the end of its line: the first word is the language
+    (``label``, lower case, ``""`` when there is none; ``{.python}`` is ``python``), spaces
+    before it and anything after it (```` ```python title=sol.py ````) are allowed and ignored.
+    A block ends at the next ```` ``` ````, so fences pair up in order: the closing fence of a
+    block in any language never opens a block, and the prose between blocks is never taken."""
+    return [(info.strip("{}").lstrip(".").lower(), body) for info, body in _FENCE.findall(text)]
 
 
 def code_sandbox(backend: str, limits: Any, options: Mapping[str, Any] | None = None) -> Any:

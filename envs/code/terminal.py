@@ -36,8 +36,10 @@ __all__ = ["TerminalEnv", "extract_command"]
 TASK_FIELDS = ("instruction", "files", "check")
 """The fields of a task of a dataset (or ``reset(options={"task": ...})``); a built-in task is
 ``{"kind", "seed"}`` instead."""
-_SHELL = ("bash", "sh", "shell", "console")
+_SHELL = ("bash", "sh", "shell", "zsh", "console", "shell-session")
 """The fence labels of a shell block, preferred to an unlabelled block."""
+_TRANSCRIPTS = ("console", "shell-session")
+"""The labels of a terminal transcript: ``$ `` opens each command line, other lines are output."""
 _ANSWER = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL | re.IGNORECASE)
 
 _CHECK_FROM_STDIN = 'IFS= read -r -d "" _envhub_check; exec 0</dev/null; eval "$_envhub_check"'
@@ -51,19 +53,33 @@ holds it either."""
 
 
 def extract_command(text: str) -> str:
-    """The command in a reply: the last ```bash (``sh``, ``shell``, ``console``) block, else
-    the last unlabelled block (often the output a reply expects, so a labelled one wins),
-    else an ``<answer>`` block, else the text; all outside its ``<think>...</think>`` blocks
-    (blanked first): a command only drafted while thinking is never run, and a reply with
-    no other command is an invalid action. Blocks in other languages are never run."""
+    """The command in a reply: the last shell block (```` ```bash ````, ``sh``, ``shell``,
+    ``zsh``, ``console``, ``shell-session``; the fence's first word is its language, the rest
+    of the line is ignored), else the last unlabelled block (often the output a reply expects,
+    so a labelled one wins), else an ``<answer>`` block, else the text; all outside its
+    ``<think>...</think>`` blocks (blanked first): a command only drafted while thinking is
+    never run, and a reply with no other command is an invalid action. Blocks in other
+    languages are never run.
+
+    ``console`` and ``shell-session`` blocks are transcripts by convention (``$ ls`` then what
+    it printed): when such a block has ``$ `` lines, its command is those lines without the
+    prompt, and the output lines are left out. Other shell blocks run as written (``$HOME``
+    at a line's start is a variable there, not a prompt)."""
     text = blank_thinking(text, leading=False)  # no env knows whether the prompt opened one
     blocks = fenced_blocks(text)
     for labels in (_SHELL, ("",)):
-        chosen = [body for label, body in blocks if label in labels]
+        chosen = [(label, body) for label, body in blocks if label in labels]
         if chosen:
-            return chosen[-1].strip()
+            label, body = chosen[-1]
+            return (_commands(body) if label in _TRANSCRIPTS else body).strip()
     answer = _ANSWER.findall(text)
     return (answer[-1] if answer else text).strip()
+
+
+def _commands(transcript: str) -> str:
+    """The ``$ `` lines of a transcript without their prompt; the transcript itself if none."""
+    lines = [line[2:] for line in transcript.splitlines() if line.startswith("$ ")]
+    return "\n".join(lines) if lines else transcript
 
 
 class TerminalEnv(TextEnv):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+import unicodedata
 from collections.abc import Iterable
 
 __all__ = ["name_matches", "normalise", "number", "number_matches", "numbers"]
@@ -33,19 +34,38 @@ _CURRENCY = re.compile(r"[$€£¥]")
 _THOUSANDS = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 """A comma followed by exactly three digits (``1,234``; not ``1,4`` nor ``1,2345``)."""
 _EDGES = " .,;:!?\"'()[]{}"
-_NUMBER = re.compile(r"(?<![\d.])-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")
+_LEADING = re.compile(r"^(?:[ ,;:!?\"'()\[\]{}]|\.(?!\d))+")
+"""``_EDGES`` at the start, except a dot that begins a number (``.5``)."""
+_UNIT_POWER = re.compile(r"(?<=[^\W\d_])[²³](?![⁰¹²³⁴⁵⁶⁷⁸⁹])")
+"""The power of a unit (``km²``, ``m³``): one superscript 2 or 3 right after a letter, not a
+value (every other superscript digit is read as a digit)."""
+_NUMBER = re.compile(r"(?<!\d)(?<!\d\.)-?(?:\d+(?:\.\d+)?|\.\d+)(?:e[-+]?\d+)?")
+"""A number, ``.5`` included; it does not start inside another (``1.2.3`` is 1.2, not also 3)
+but may follow dots that end a sentence or trail off (``...14`` is 0.14: a value, not nothing)."""
 
 
 def normalise(text: str) -> str:
     """``text`` as graders compare it: LaTeX wrappers, markdown emphasis, currency signs and
-    thousands commas removed, blanks collapsed, lower case, surrounding punctuation dropped."""
+    thousands commas removed, blanks collapsed, lower case, surrounding punctuation dropped.
+    Digits are read in any script (Unicode NFKC: ``¹⁹³⁶``, ``１９３６`` and ``⑦`` are digits;
+    a unit's power such as ``km²`` is dropped) and ``−`` (U+2212) is a minus sign, so a value
+    cannot hide from ``numbers`` in an unusual form."""
+    text = unicodedata.normalize("NFKC", _UNIT_POWER.sub("", text)).replace("\u2212", "-")
+    text = "".join(_digit(char) for char in text)
     previous = None
     while previous != text:  # \\boxed{\\text{x}}
         previous, text = text, _WRAPPER.sub(r"\1", text)
     text = _CURRENCY.sub("", text)
     text = _EMPHASIS.sub("", text)
     text = _THOUSANDS.sub("", text)
-    return " ".join(text.split()).lower().strip(_EDGES)
+    return _LEADING.sub("", " ".join(text.split()).lower().rstrip(_EDGES))
+
+
+def _digit(char: str) -> str:
+    """``char``, or the ASCII digit of a digit NFKC leaves alone (Ethiopic ``፫``): ``float``
+    reads decimal digits of any script, but not these."""
+    value = unicodedata.digit(char, None)
+    return str(value) if value is not None and not char.isdecimal() else char
 
 
 def numbers(text: str) -> list[float]:

@@ -59,6 +59,19 @@ def test_a_variant_reports_the_max_turns_and_description_it_is_made_with(fresh_r
     assert long == "Say go (in 5 turns by default). Variant long: max_turns=9."
 
 
+def test_max_turns_in_kwargs_may_be_any_integral_number_and_nothing_else(fresh_registry):
+    """A plugin that computes ``max_turns`` with numpy registers, and its spec holds an int; a
+    turn limit that is not a positive whole number is refused at registration."""
+    np = pytest.importorskip("numpy")
+    fresh_registry.register("acme/countdown-v4", COUNTDOWN, kwargs={"max_turns": np.int64(5)})
+    spec = fresh_registry.spec("acme/countdown-v4")
+    assert spec.max_turns == 5 and type(spec.max_turns) is int
+    assert fresh_registry.make(spec.id).max_turns == 5
+    for n, bad in enumerate([0, -1, np.int64(0), 2.0, 2.5, True, "5"]):
+        with pytest.raises(RegistrationError, match="max_turns must be a positive int, got"):
+            fresh_registry.register(f"acme/bad{n}-v0", COUNTDOWN, kwargs={"max_turns": bad})
+
+
 def test_spec_and_list_json_give_each_builtin_id_the_max_turns_make_builds():
     from envhub.registry import BUILTIN_PLUGINS
 

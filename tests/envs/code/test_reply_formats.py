@@ -68,6 +68,42 @@ def test_extract_command_prefers_a_shell_block_to_an_unlabelled_one(reply, comma
     assert extract_command(reply).startswith(command)
 
 
+@pytest.mark.parametrize(
+    "opening",
+    ["```python title=solution.py", "``` python", "```py {linenos=true}", "```{.python}"],
+)
+def test_extract_code_pairs_a_fence_that_says_more_than_its_language(opening):
+    """A fence line is ```` ``` ```` and an info string: its first word is the language, the rest
+    is ignored. Each block closes where it ends, so the prose between blocks never runs."""
+    reply = f"{opening}\n{RIGHT}```\nExample:\n```\n>>> add(2, 3)\n5\n```"
+    assert extract_code(reply, entry_point="add") == RIGHT.strip("\n")
+
+
+@pytest.mark.parametrize(
+    "reply, command",
+    [
+        ("x\n``` bash\nls -la\n```\nthen\n```\nout\n```", "ls -la"),
+        ("```bash title=run.sh\nls -la\n```\nthen\n```\nout\n```", "ls -la"),
+        ("```zsh\nls -la\n```\nPrints:\n```\ntotal 0\n```", "ls -la"),
+        ("```shell-session\n$ ls -la\ntotal 0\n$ pwd\n/work\n```", "ls -la\npwd"),
+        ("```console\n$ wc -l a.txt\n3 a.txt\n```", "wc -l a.txt"),
+        ("```shell-session\nls -la\n```", "ls -la"),  # no prompts: the block as written
+        ("```bash\n$HOME/bin/run\n```", "$HOME/bin/run"),  # bash is never unprompted
+    ],
+    ids=[
+        "space-before-label",
+        "info-string",
+        "zsh",
+        "shell-session-prompts",
+        "console-prompt",
+        "shell-session-no-prompt",
+        "bash-dollar",
+    ],
+)
+def test_extract_command_runs_the_shell_block_whatever_its_fence_says(reply, command):
+    assert extract_command(reply) == command
+
+
 @pytest.fixture(scope="module")
 def humaneval() -> Iterator[Any]:
     made = envhub.make("code/humaneval-v0", dataset=[TASK], max_revisions=0, test_timeout_s=2.0)

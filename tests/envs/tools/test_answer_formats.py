@@ -158,3 +158,46 @@ def test_mcp_refuses_a_list_of_candidates_and_accepts_a_formatted_number():
         assert answer(env, "value-widget-eur", f"{value - 1:.2f} or {value:.2f}") == 0.0
     finally:
         env.close()
+
+
+def calculator_reward(text: str, value: float) -> float:
+    """The calculator's reward for answering ``text`` to a question whose answer is ``value``."""
+    env = envhub.make("tools/calculator-v0")
+    env.reset(options={"task": {"question": "What is 32 * 24214 / 7?", "answer": value}})
+    _, reward, *_ = env.step(f"<answer>{text}</answer>")
+    env.close()
+    return reward
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("13 or .14", 13),  # a second value written after a dot
+        ("1935 or .1936 or .1937", 1935),
+        ("13 or ...14", 13),
+        ("1935 or ¹⁹³⁶", 1935),  # superscript digits
+        ("1935 or １９３６", 1935),  # full-width digits
+        ("42 or −42", 42),  # U+2212 minus sign
+        ("8 or ⑨", 8),  # a circled digit
+    ],
+)
+def test_a_hedge_written_with_unusual_numbers_scores_nothing(text, value):
+    assert calculator_reward(text, value) == 0.0
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        (".5", 0.5),
+        ("-.5", -0.5),
+        ("−42", -42),  # U+2212 minus sign
+        ("１９３６", 1936),  # full-width digits
+        ("The answer is 1936.", 1936),
+        ("1936. That is the year.", 1936),
+        ("**13**", 13),
+        ("1.5", 1.5),
+        ("An area of 357,022 km².", 357022),  # a unit's power is not a second value
+    ],
+)
+def test_a_right_answer_in_an_unusual_number_form_scores(text, value):
+    assert calculator_reward(text, value) == 1.0
