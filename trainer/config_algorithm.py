@@ -118,7 +118,8 @@ class AlgorithmConfig(Section):
     gives no loss tokens: its return is not the outcome of its actions, so it neither rewards
     nor punishes them (DAPO's overlong filtering; TRL's ``mask_truncated_completions``). Its
     return still counts in its group's baseline, and ``train/truncated`` shows the share
-    masked. False trains it as one that ended, with the rewards it earned."""
+    masked; a batch masked whole takes no optimiser step. False trains it as one that ended,
+    with the rewards it earned."""
     loss: LossConfig = Field(default_factory=LossConfig)
     """The policy loss."""
 

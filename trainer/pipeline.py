@@ -248,7 +248,8 @@ class AgenticPipeline:
             batch["returns"] = returns
 
     def train_step(self, batch: Batch, step: int) -> dict[str, float]:
-        """Update the critic (GAE) and the policy; a NaN loss stops the run, nothing is applied."""
+        """Update the critic (GAE) and the policy; a NaN loss stops the run, nothing is applied;
+        a batch with no token to train (every episode masked) steps nothing."""
         metrics: dict[str, float] = {}
         train = self.cfg.train
         if (
@@ -256,6 +257,8 @@ class AgenticPipeline:
         ):  # from the step alone, so resume agrees
             metrics["actor/lr"] = train.lr_at(step, self.cfg.policy_lr)
             self.roles.actor.set_lr(metrics["actor/lr"])
+        if not bool(batch["response_mask"].any()):  # all masked (algorithm.mask_truncated)
+            return {**metrics, "actor/optimizer_steps": 0.0}  # (zero gradients still move AdamW)
         try:
             if self.roles.critic is not None:
                 metrics.update(self.roles.critic.train_step(batch))

@@ -199,3 +199,13 @@ def test_a_bfloat16_run_exports_its_policy_in_bfloat16(tmp_path: Path) -> None:
     assert {t.dtype for t in stored.values()} == {torch.bfloat16}
     model, _ = load_policy(folder, dtype="bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+def test_a_batch_whose_every_episode_is_masked_takes_no_optimizer_step(tmp_path: Path) -> None:
+    """One move can never reach the goal of a 3x3 map without holes, so every episode is cut
+    short; with ``mask_truncated`` nothing of the batch is trained, and AdamW is not stepped
+    either (a step on zero gradients would still move the weights by its momentum and decay)."""
+    kwargs = "env.kwargs={action_format: raw, size: 3, hole_fraction: 0.0, max_turns: 6}"
+    rows = run(tmp_path, kwargs, "rollout.max_turns=1", "algorithm.mask_truncated=true")
+    assert rows[-1]["train/truncated"] == 1.0
+    assert rows[-1]["actor/optimizer_steps"] == 0
