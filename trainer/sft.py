@@ -12,7 +12,10 @@ format and some play while the greedy policy stays as weak as the habit, yet the
 moves are in the data often enough for RL to find and amplify them (RL then beats its teacher);
 ``load_jsonl`` reads one conversation per line, ``{"messages": [{"role": ..., "content":
 ...}, ...]}`` (extra keys such as ``env_id``, ``seed``, ``success``, ``tools`` are kept when
-present; assistant ``tool_calls`` are trained in the ``<tool_call>`` form);
+present); an assistant message's ``tool_calls`` (and an expert's ``<tool_call>`` text) are
+trained as the chat template writes the calls when it renders tools natively (Mistral
+``[TOOL_CALLS]``, Llama 3 JSON, hermes: the syntax ``rollout.tool_parser`` reads back in RL),
+and in envhub's ``<tool_call>`` form for the plain-text protocol (``_answer_ids``);
 ``write_jsonl`` writes that same format, so collected demonstrations can be reused.
 Both kinds are prompted as RL prompts each turn (``rollout.context``: ``last_k_turns`` and
 ``strip_thinking`` make one sample per turn, as the rollouts do). ``load_demo_file`` reads a
@@ -30,7 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.errors import ConfigError, TrainerError
 from trainer.rollout.env_manager import Context, prompt_context
-from trainer.rollout.tool_parsers import CHAT_ROLES, content_text, env_action, message_turn
+from trainer.rollout.tool_parsers import (
+    CHAT_ROLES,
+    ParsedTurn,
+    content_text,
+    env_action,
+    make_tool_parser,
+    message_turn,
+)
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 
 if TYPE_CHECKING:
@@ -112,14 +122,18 @@ def expert_trajectories(
                 noisy = noise_turns is None or trajectory.num_turns < noise_turns
                 if noise and noisy and rng.random() < noise:
                     action = noise_action if noise_action is not None else rng.choice(list(seen))
-                ids = renderer.answer(action)
-                tokens = trajectory
+                turn = _expert_turn(renderer, action, tools)
+                tokens, shown = trajectory, trajectory.messages
                 if per_turn:
                     shown = prompt_context(trajectory.messages, context, context_turns)
                     tokens = trajectory.turn_sample(renderer.prompt(shown, tools))
                     trajectory.samples.append(tokens)
+                if turn.tool_calls:  # as the template writes the calls (native tools)
+                    ids = _answer_ids(renderer, shown, turn.message(), tools)
+                else:
+                    ids = renderer.answer(action)
                 tokens.append_policy(ids, [0.0] * len(ids))
-                trajectory.messages.append(renderer.parse(action, tools).message())
+                trajectory.messages.append(turn.message())
                 messages, reward, terminated, truncated, info = env.step(action)
                 trajectory.end_turn(reward)
                 if per_turn:
@@ -149,7 +163,8 @@ def from_messages(
     """A trajectory from a chat transcript: assistant messages are the trained tokens.
 
     ``tools`` (a record's OpenAI-format schemas) are rendered as in RL; an assistant message's
-    ``tool_calls`` are trained in envhub's ``<tool_call>`` form after its content. Each turn is
+    ``tool_calls`` are trained as the template writes them (``_answer_ids``: the family's own
+    syntax with native tools, else envhub's ``<tool_call>`` form after its content). Each turn is
     prompted with what ``rollout.context`` (``context``, ``context_turns``) shows RL
     (``prompt_context``): one sample per turn unless that is the whole, appended history."""
     tools = fields.pop("tools", None) or None
@@ -166,9 +181,9 @@ def from_messages(
         if message.get("role") != "assistant":
             pending.append(message)
             continue
-        tokens = trajectory
+        tokens, shown = trajectory, list(messages[:at])
         if per_turn:  # history rewritten or shortened: one sample per turn, as in RL
-            shown = prompt_context(list(messages[:at]), context, context_turns)
+            shown = prompt_context(shown, context, context_turns)
             tokens = trajectory.turn_sample(renderer.prompt(shown, tools))
             trajectory.samples.append(tokens)
         elif trajectory.num_turns == 0:
@@ -178,13 +193,73 @@ def from_messages(
             trajectory.append_context(
                 renderer.continuation(pending, stopped_on_eos=True, tools=tools)
             )
-        ids = renderer.answer(_assistant_text(message))
+        ids = _answer_ids(renderer, shown, message, tools)
         tokens.append_policy(ids, [0.0] * len(ids))
         trajectory.end_turn(0.0)
         if tokens is not trajectory:
             tokens.end_turn(0.0)
         pending = []
     return trajectory
+
+
+def _expert_turn(
+    renderer: ChatRenderer, action: str, tools: Sequence[dict[str, Any]] | None
+) -> ParsedTurn:
+    """An expert's action as the assistant message RL would keep: read by the model family's
+    parser (``ChatRenderer.parse``); with tools rendered natively and no call found that way,
+    by envhub's ``<tool_call>`` parser (the form tool envs' experts write), so its calls become
+    structured calls that ``_answer_ids`` trains in the template's own syntax."""
+    turn = renderer.parse(action, tools)
+    if turn.tool_calls or not (tools and renderer.native_tools):
+        return turn
+    hermes = make_tool_parser("hermes", prefer_vllm=False, max_calls=renderer.max_tool_calls)
+    tagged = hermes.parse(action)
+    return tagged if tagged.tool_calls and tagged.error is None else turn
+
+
+def _answer_ids(
+    renderer: ChatRenderer,
+    context: Sequence[dict[str, Any]],
+    message: dict[str, Any],
+    tools: Sequence[dict[str, Any]] | None,
+) -> list[int]:
+    """The ids SFT trains for the assistant ``message`` after ``context``, up to and with the
+    template's end-of-turn token.
+
+    A message with ``tool_calls``, under a template that renders ``tools`` natively: the
+    template's rendering of the structured calls, the delta between ``context`` with the
+    generation prompt and ``context`` plus ``message`` (the trick ``ChatRenderer.answer`` uses),
+    so the trained ids are the family's own call syntax (Mistral ``[TOOL_CALLS]``, Llama 3 JSON,
+    hermes ...) and its ``rollout.tool_parser`` reads them back in RL. A template that rewrites
+    the context once the turn is added (Mistral moves the system prompt to the last user turn)
+    is asked for the turn after a one-message placeholder context instead, as ``answer`` does.
+    Otherwise (no calls, no tools, or the plain-text protocol) ``ChatRenderer.answer`` of the
+    content followed by each call in envhub's ``<tool_call>`` form, the text tool envs read."""
+    text = _assistant_text(message)  # (refuses a call it cannot read, whatever the protocol)
+    if not (message.get("tool_calls") and tools and renderer.native_tools):
+        return renderer.answer(text)
+    ends = [renderer.decode([i], skip_special_tokens=False) for i in renderer.closing_ids]
+    for shown in (context, _PLACEHOLDER):
+        try:
+            head = renderer.render(shown, generation_prompt=True, tools=tools)
+            full = renderer.render([*shown, message], generation_prompt=False, tools=tools)
+        except Exception:  # the placeholder refused: the error below
+            if shown is context:
+                raise  # (load_jsonl names the template's refusal and the line)
+            continue
+        turn = full[len(head) :] if full.startswith(head) else ""
+        cut = max((turn.rfind(end) + len(end) for end in ends if end and end in turn), default=0)
+        if cut:
+            return renderer.encode_delta(turn[:cut])
+    raise TrainerError(
+        "the chat template does not write an assistant turn with tool calls after its "
+        "generation prompt, closed by its end-of-turn token, so the calls cannot be trained "
+        "as it writes them; set rollout.tool_parser: none to train them as <tool_call> text"
+    )
+
+
+_PLACEHOLDER = ({"role": "user", "content": "x"},)
+"""The context ``_answer_ids`` renders a turn after when the real one is rewritten."""
 
 
 def _assistant_text(message: dict[str, Any]) -> str:

@@ -418,6 +418,15 @@ class ChatRenderer:
     def _tools(self, tools: Sequence[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         return list(tools) if tools and self.native_tools else None
 
+    def render(
+        self,
+        messages: Sequence[dict[str, Any]],
+        generation_prompt: bool,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """The template's text of ``messages``, ``tools`` rendered as ``prompt`` renders them."""
+        return self._render(messages, generation_prompt, tools=self._tools(tools))
+
     def _render(
         self,
         messages: Sequence[dict[str, Any]],
