@@ -66,7 +66,6 @@ __all__ = [
     "LOGITS_TRAIN_METRIC_BYTES",
     "LORA_ADAPTER_BYTES",
     "PROMPT_TOKENS",
-    "SFT_BYTES_PER_TOKEN",
     "Part",
     "RoleMemory",
     "StrategyArgError",
@@ -105,11 +104,6 @@ VLLM_GPU_MEMORY_UTILIZATION = 0.9
 HF_ENGINE_MAX_BATCH = 512
 """``HFEngine``'s largest generation batch."""
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-SFT_BYTES_PER_TOKEN = 4
-"""Bytes of a demonstration file's line per token, for the estimate made before the tokenizer
-has read the file (config load, ``--dry-run``): about what BPE tokenizers make of English text in
-JSON. Code, other scripts and unusual text take fewer bytes a token, so the run counts the real
-tokens before any worker starts and refuses then (``trainer.sft.load_demo_file``)."""
 
 
 class StrategyArgError(ValueError):
@@ -193,39 +187,22 @@ def sequence_tokens(cfg: TrainerConfig, shape: ModelShape) -> tuple[int, str]:
     return tokens, note
 
 
-def _longest_line_bytes(path: str) -> int | None:
-    """The byte length of the longest line of the file at ``path`` (None: it cannot be read)."""
-    from pathlib import Path
-
-    try:
-        with Path(path).expanduser().open("rb") as lines:
-            return max((len(line.rstrip(b"\n")) for line in lines), default=0)
-    except OSError:
-        return None
-
-
 def sft_sequence_tokens(
     cfg: TrainerConfig, shape: ModelShape, demo_tokens: int | None = None
 ) -> tuple[int, str]:
     """The longest row the warm start trains, and how it was found: expert demonstrations are
     played as rollouts are (``sequence_tokens``); a file's (``sft.source: file``) is its longest
-    demonstration, ``demo_tokens`` where the tokenizer has counted it (the run, before any worker
-    starts: ``trainer.sft.load_demo_file``), else estimated from its longest line's bytes
-    (``SFT_BYTES_PER_TOKEN``, at config load and ``--dry-run``); at most the model's context."""
+    demonstration as the tokenizer counts it, ``demo_tokens`` (the run, before any worker
+    starts: ``trainer.sft.load_demo_file``), at most the model's context. Before it is counted
+    (config load, ``--dry-run``) the rollouts' bound stands: a line's bytes are no token count
+    (keys the loader ignores, JSON escapes and turns ``rollout.context`` leaves out are never
+    trained), and refusing on them refused files that fit."""
     rollouts = sequence_tokens(cfg, shape)
     if cfg.sft.epochs == 0 or cfg.sft.source != "file" or cfg.sft.path is None:
         return rollouts
-    if demo_tokens is not None:
-        tokens, note = demo_tokens, f"sft.path's longest demonstration: {demo_tokens} tokens"
-    else:
-        longest = _longest_line_bytes(str(cfg.sft.path))
-        if longest is None:  # (a missing file is refused by the config check)
-            return rollouts
-        tokens = math.ceil(longest / SFT_BYTES_PER_TOKEN)
-        note = (
-            f"sft.path's longest line: {longest:,} bytes, ~{tokens} tokens at "
-            f"~{SFT_BYTES_PER_TOKEN} bytes a token (the run counts them with the tokenizer)"
-        )
+    if demo_tokens is None:
+        return rollouts[0], f"{rollouts[1]}; sft.path's rows are counted as the run starts"
+    tokens, note = demo_tokens, f"sft.path's longest demonstration: {demo_tokens} tokens"
     limit, what = _context(cfg, shape)
     if tokens > limit:
         return limit, f"{note}, capped at {what} {limit}"
