@@ -361,7 +361,7 @@ class AgenticPipeline:
                     ),
                 )
         self.roles.actor.set_lr(self.cfg.policy_lr)
-        self.roles.adopt_warm_start()  # the KL anchor; LoRA folds the adapters into the base
+        self.roles.adopt_warm_start(reset_optimizer=sft.reset_optimizer)  # the KL anchor
         self.sync_weights()
         return {
             **stats,

@@ -95,17 +95,18 @@ class Roles:
             return self.actor.compute_ref_logprobs(batch)["ref_logprobs"]
         return None
 
-    def adopt_warm_start(self) -> None:
+    def adopt_warm_start(self, *, reset_optimizer: bool = False) -> None:
         """The warm-started policy becomes the reference the KL term measures against: the
         reference workers load it, or (LoRA) the adapters are folded into the base, which the
-        adapters-off reference then is, and RL starts from fresh adapters. Either way RL starts
-        from a fresh optimiser: the warm start's AdamW moments and step counts are dropped, so
-        its momentum is not applied at the RL rate (with or without LoRA alike)."""
+        adapters-off reference then is, and RL starts from fresh adapters and moments. After a
+        full-weight warm start RL continues its AdamW moments unless ``reset_optimizer``
+        (``sft.reset_optimizer``) drops them and their step counts."""
         if self.actor.uses_lora():
             self.actor.fold_adapters()
         elif self.reference is not None:
             self.reference.load_weights(self.actor.get_weights())
-        self.actor.reset_optimizer()
+        if reset_optimizer:
+            self.actor.reset_optimizer()
 
     def shutdown(self) -> None:
         """Stop every cluster, then release the placement groups (``stop_all``)."""

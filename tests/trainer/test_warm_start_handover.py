@@ -1,6 +1,6 @@
-"""What the warm start hands RL: the policy, not the warm start's optimiser. RL's first update is
-AdamW's first (fresh moments and step count) after a full-weight warm start, as after a LoRA one,
-for every strategy; and file demonstrations are prompted as RL prompts (``rollout.context``)."""
+"""What the warm start hands RL: the policy, and its optimiser unless ``sft.reset_optimizer``
+(then RL's first update is AdamW's first, as after a LoRA warm start, for every strategy); and
+file demonstrations are prompted as RL prompts (``rollout.context``)."""
 
 from __future__ import annotations
 
@@ -27,16 +27,21 @@ def adam_steps(state: dict[str, Any]) -> set[float]:
     return {float(param["step"]) for param in optimizer["state"].values()}
 
 
-def test_rl_starts_from_fresh_adam_moments_after_a_full_warm_start(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("reset", "steps"), [(True, {1.0}), (False, {9.0})])
+def test_sft_reset_optimizer_decides_whether_rl_continues_the_warm_starts_moments(
+    tmp_path: Path, reset: bool, steps: set[float]
+) -> None:
     from trainer.checkpoint import CheckpointManager
     from trainer.pipeline import AgenticPipeline
 
     overrides = ["train.steps=1", "train.ppo_epochs=1", "checkpoint.every=1", "eval.every=0"]
-    cfg = load_config(QUICKSTART, [*TINY, *overrides, f"output_dir={tmp_path}"])
+    cfg = load_config(
+        QUICKSTART, [*TINY, *overrides, f"sft.reset_optimizer={reset}", f"output_dir={tmp_path}"]
+    )
     AgenticPipeline(cfg).fit()  # 8 warm-start steps (4 epochs of 2 batches), then 1 RL step
     checkpoints = CheckpointManager(cfg.checkpoint_dir, lock=False)
     state = checkpoints.load(checkpoints.latest()).load_state("actor")
-    assert adam_steps(state) == {1.0}  # the RL step's own, not the warm start's 8 + 1
+    assert adam_steps(state) == steps  # the RL step's own, or the warm start's 8 + 1
 
 
 def sft_batch(rows: int = 4, width: int = 10) -> Batch:
