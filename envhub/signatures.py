@@ -13,6 +13,7 @@ function's ``**kwargs`` does. An author whose class is misread registers a funct
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from collections.abc import Callable
@@ -25,7 +26,23 @@ __all__ = ["accepted_keywords"]
 
 def accepted_keywords(target: Callable[..., Any]) -> tuple[list[str] | None, bool]:
     """The keywords ``target`` (a class or function) accepts (``None``: any), and whether the
-    answer was inferred by following a ``**kwargs`` up the MRO (messages then say so)."""
+    answer was inferred by following a ``**kwargs`` up the MRO (messages then say so). Read once
+    per target (``make`` asks for every env it builds: rollouts build one per episode, and the
+    source parse runs under ``safe_ast``'s process-wide lock)."""
+    try:
+        names, followed = _accepted(target)
+    except TypeError:  # an unhashable callable: read it each time
+        names, followed = _accepted.__wrapped__(target)
+    return (list(names) if names is not None else None), followed
+
+
+@functools.lru_cache(maxsize=512)
+def _accepted(target: Callable[..., Any]) -> tuple[tuple[str, ...] | None, bool]:
+    names, followed = _read(target)
+    return (tuple(names) if names is not None else None), followed
+
+
+def _read(target: Callable[..., Any]) -> tuple[list[str] | None, bool]:
     if not inspect.isclass(target):
         names, var_keyword = _parameters(target)
         return (names if var_keyword is None else None), False

@@ -219,3 +219,21 @@ def test_broken_plugin_is_reported_and_others_still_load(monkeypatch):
     assert len(registry.list_envs("games")) >= 4  # the built-ins loaded too
     with pytest.raises(UnknownEnvError, match=r"1 plugin\(s\) failed to load"):
         registry.spec("helpers/nothing-v0")
+
+
+def test_making_an_env_again_reads_its_classes_source_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which keywords an env takes is read from its source (``envhub.signatures``) once per
+    class, not per ``make``: rollouts build an env per episode, and the parse runs under a
+    process-wide lock (``envhub.safe_ast``)."""
+    import inspect
+
+    from envhub import signatures
+
+    read: list[object] = []
+    real = inspect.getsource
+    monkeypatch.setattr(signatures.inspect, "getsource", lambda o: read.append(o) or real(o))
+    envhub.make("games/frozen-lake-v0").close()
+    first = len(read)
+    for _ in range(3):
+        envhub.make("games/frozen-lake-v0").close()
+    assert len(read) == first
