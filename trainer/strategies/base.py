@@ -89,7 +89,6 @@ from trainer.strategies.distributed import (
     micro_batch_scales,
     pad_micro_count,
     resolve_device,
-    split_micro_batches,
     summed_over_group,
 )
 from trainer.strategies.offload import Residency, state_movers
@@ -387,13 +386,10 @@ class BaseTrainStrategy(abc.ABC):
         return dict(batch), slice(None)
 
     def _micro_batches(self, batch: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """``batch`` in micro-batches on the device (``micro_batch_size`` rows, or about
-        ``micro_batch_tokens`` tokens; packed with ``packing``: ``trainer.strategies.packing``);
-        counts padded to agree when ``collective``."""
-        if self.micro_batch_tokens is None and not self.packing:
-            return split_micro_batches(
-                batch, self.micro_batch_size, self.device, same_count_on_all_ranks=self.collective
-            )
+        """``batch`` in micro-batches on the device (``micro_batch_size`` rows of like length
+        within each optimiser step's rows, or about ``micro_batch_tokens`` tokens; packed with
+        ``packing``: ``trainer.strategies.packing``); counts padded to agree when
+        ``collective``."""
         from trainer.strategies.packing import build_micro, plan_micro_batches
 
         plans = plan_micro_batches(
@@ -401,6 +397,7 @@ class BaseTrainStrategy(abc.ABC):
             rows_per_micro=self.micro_batch_size,
             tokens_per_micro=self.micro_batch_tokens,
             packing=self.packing,
+            rows_per_step=(self.grad_accumulation or 0) * self.micro_batch_size or None,
         )
         micros = [build_micro(batch, plan, self.device) for plan in plans]
         return pad_micro_count(micros, batch, self.device) if self.collective else micros

@@ -32,7 +32,6 @@ __all__ = [
     "pad_micro_count",
     "resolve_device",
     "shutdown_process_group",
-    "split_micro_batches",
     "summed_over_group",
 ]
 
@@ -115,31 +114,6 @@ def all_max(value: int, device: torch.device | str = "cpu") -> int:
     return int(tensor.item())
 
 
-def split_micro_batches(
-    batch: Mapping[str, torch.Tensor],
-    size: int,
-    device: torch.device | str,
-    *,
-    same_count_on_all_ranks: bool = False,
-) -> list[dict[str, torch.Tensor]]:
-    """``batch`` cut into micro-batches of ``size`` rows, each right-trimmed to its longest row and
-    moved to ``device``; with ``same_count_on_all_ranks``, padded by ``pad_micro_count``."""
-    rows, width = batch["input_ids"].shape
-    micros = []
-    for start in range(0, rows, size):
-        micro = {k: v[start : start + size] for k, v in batch.items()}
-        used = max(1, int(micro["attention_mask"].sum(-1).max()))  # right padding: trim the tail
-        micros.append(
-            {
-                k: (v[:, :used] if v.dim() >= 2 and v.shape[1] == width else v).to(device)
-                for k, v in micro.items()
-            }
-        )
-    if same_count_on_all_ranks:
-        return pad_micro_count(micros, batch, device)
-    return micros
-
-
 def pad_micro_count(
     micros: list[dict[str, torch.Tensor]],
     batch: Mapping[str, torch.Tensor],
@@ -187,7 +161,7 @@ def micro_batch_scales(
     ``scale = units / units of its step * replicas``: ``units`` is what ``mode`` averages over
     (response tokens, or sequences), summed over the ``per_step`` micro-batches of the same
     optimiser step on every rank of ``group`` (one ``all_reduce``; ranks hold equally many
-    micro-batches, see ``split_micro_batches``); ``replicas`` undoes the gradient *average* over
+    micro-batches, see ``pad_micro_count``); ``replicas`` undoes the gradient *average* over
     data-parallel replicas (FSDP's reduce-scatter, Megatron's all-reduce). Dummy micro-batches
     weigh 0. Per-micro-batch means averaged instead would weigh a 2-token row like a 200-token one.
     """

@@ -1,8 +1,11 @@
 """Micro-batches by token budget, and sequence packing: no compute spent on padding.
 
 A rollout batch is right-padded rows of very different lengths (a few long episodes among many
-short ones). Two settings change how a strategy cuts it into micro-batches
-(``BaseTrainStrategy._micro_batches``); neither changes what the loss sees:
+short ones), each micro-batch trimmed to its longest row. By default a micro-batch is
+``train.micro_batch_size`` rows taken longest first within the rows of its optimiser step (all
+the batch, or ``train.grad_accumulation`` micro-batches' worth), so short rows are not padded to a
+long one's width and each step trains the rows it would in batch order. Two settings change how a
+strategy cuts the batch (``BaseTrainStrategy._micro_batches``); neither changes what the loss sees:
 
 ``train.micro_batch_tokens: N``
     Rows are grouped, longest first, so that each micro-batch holds about ``N`` tokens (rows x
@@ -113,15 +116,18 @@ def plan_micro_batches(
     rows_per_micro: int,
     tokens_per_micro: int | None = None,
     packing: bool = False,
+    rows_per_step: int | None = None,
 ) -> list[MicroPlan]:
     """How a batch whose rows have ``lengths`` real tokens is cut into micro-batches.
 
-    Without a token budget: ``rows_per_micro`` consecutive rows each (packed when ``packing``).
-    With ``tokens_per_micro``: rows longest first, each micro-batch filled while its cost (rows x
-    longest row; packed: packed rows x width) stays within the budget.
+    Without a token budget: ``rows_per_micro`` rows each (packed when ``packing``), taken longest
+    first within each optimiser step's ``rows_per_step`` consecutive rows (None: the whole
+    batch), so a micro-batch's rows are of like length while every step trains the rows it
+    would in batch order. With ``tokens_per_micro``: rows longest first, each micro-batch filled
+    while its cost (rows x longest row; packed: packed rows x width) stays within the budget.
     """
     if tokens_per_micro is None:
-        return _by_rows(lengths, rows_per_micro, packing)
+        return _by_rows(lengths, rows_per_micro, rows_per_step or len(lengths), packing)
     if packing:
         return _packed_by_tokens(lengths, tokens_per_micro)
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
@@ -138,12 +144,14 @@ def plan_micro_batches(
     return plans
 
 
-def _by_rows(lengths: Sequence[int], rows: int, packing: bool) -> list[MicroPlan]:
-    """``rows`` consecutive rows per micro-batch, packed into rows as wide as the longest."""
-    plans = [
-        MicroPlan(list(range(start, min(start + rows, len(lengths)))))
-        for start in range(0, len(lengths), rows)
-    ]
+def _by_rows(lengths: Sequence[int], rows: int, per_step: int, packing: bool) -> list[MicroPlan]:
+    """``rows`` rows per micro-batch, longest first within each step's ``per_step`` rows
+    (deterministic: ties keep batch order), packed into rows as wide as the longest."""
+    plans = []
+    for first in range(0, len(lengths), max(per_step, 1)):
+        step = range(first, min(first + per_step, len(lengths)))
+        order = sorted(step, key=lambda i: (-lengths[i], i))
+        plans += [MicroPlan(order[k : k + rows]) for k in range(0, len(order), rows)]
     if packing:
         for plan in plans:
             sub = [lengths[i] for i in plan.rows]

@@ -245,3 +245,29 @@ def test_packing_refuses_alibi_position_biases(kind: str) -> None:
     assert strategy(model).forward(batch).logprobs.shape == (3, 4)
     with pytest.raises(ModelError, match="train.packing.*ALiBi.*set train.packing: false"):
         strategy(model, packing=True).forward(batch)
+
+
+def test_row_micro_batches_take_rows_of_like_length_within_each_optimizer_step() -> None:
+    """``micro_batch_size`` rows per micro-batch, each trimmed to its longest row: rows are
+    grouped by length (longest first) within the rows of one optimiser step, so a short row
+    is not padded to a long one's width, while each step still trains the rows it would in
+    batch order (its gradient is unchanged) and forward returns rows in the caller's order."""
+    batch = ragged_batch()
+    padded_tokens = {}
+    for accumulation in (None, 1, 2):
+        cut = strategy(W.tiny_qwen2(), grad_accumulation=accumulation)
+        micros = cut._micro_batches(batch)
+        padded_tokens[accumulation] = sum(m["input_ids"].numel() for m in micros)
+        per_step = accumulation or len(micros)
+        for k, first in enumerate(range(0, len(micros), per_step)):
+            rows = sorted(int(r) for m in micros[first : first + per_step] for r in m["_rows"])
+            assert rows == list(range(4 * per_step * k, min(4 * per_step * (k + 1), 12)))
+    # whole batch one step: widths 40, 9, 4 (in batch order 40, 33, 25); a step per micro-batch:
+    # batch order; two micro-batches a step: sorted within rows 0-7 and within rows 8-11
+    assert padded_tokens == {None: 4 * (40 + 9 + 4), 1: 4 * (40 + 33 + 25), 2: 4 * (40 + 5 + 25)}
+    cut = strategy(W.tiny_qwen2())
+    alone = HFTrainStrategy(copy.deepcopy(cut.model), micro_batch_size=1)
+    mask = batch["attention_mask"].bool()
+    torch.testing.assert_close(
+        cut.forward(batch).logprobs[mask], alone.forward(batch).logprobs[mask], atol=1e-5, rtol=0
+    )
