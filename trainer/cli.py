@@ -479,8 +479,27 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
                 console.print(f"step {step}: {status}", highlight=False)
                 printed[0] = time.monotonic()
 
+        epoch_nll: list[float] = []
+
+        def on_sft_step(done: int, total: int, nll: float) -> None:
+            """The warm start's place (SFT steps, epoch, the epoch's mean NLL so far); without a
+            terminal, a line per epoch (``logging.progress: false``) or as ``on_step``'s."""
+            per_epoch = max(total // max(cfg.sft.epochs, 1), 1)
+            epoch_nll.append(nll)
+            epoch, mean = -(-done // per_epoch), sum(epoch_nll) / len(epoch_nll)
+            status = f"epoch {epoch}/{cfg.sft.epochs}, SFT step {done}/{total}, nll {mean:.3f}"
+            progress.update(task, description="warm start", status=status)
+            if done % per_epoch and done != total:
+                return
+            epoch_nll.clear()
+            if not cfg.logging.progress or (
+                not bar and (done == total or time.monotonic() - printed[0] >= PLAIN_LINE_EVERY_S)
+            ):
+                console.print(f"warm start: {status}", highlight=False)
+                printed[0] = time.monotonic()
+
         try:
-            pipeline = AgenticPipeline(cfg, resume=resume, on_step=on_step)
+            pipeline = AgenticPipeline(cfg, resume=resume, on_step=on_step, on_sft_step=on_sft_step)
         except TrainerError:
             raise
         except ValueError as error:  # a setting only the build checks (an env's kwarg values):

@@ -14,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import math
-import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,6 +40,7 @@ from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.vllm_platform import configured_max_model_len
 
 if TYPE_CHECKING:
+    from trainer.sft import SFTProgress
     from trainer.weights.sync import SyncReport
 
 __all__ = ["AgenticPipeline"]
@@ -78,12 +77,15 @@ class AgenticPipeline:
         *,
         resume: bool = False,
         on_step: Callable[[dict[str, Any]], None] | None = None,
+        on_sft_step: SFTProgress | None = None,
     ) -> None:
         from trainer.checkpoint import CheckpointManager
         from trainer.folder_lock import FolderLock
         from trainer.resume import RUN_LOCK, refuse_unresumable, start_run
 
         self.cfg, self.resume, self.on_step = config, resume, on_step or (lambda metrics: None)
+        self.on_sft_step = on_sft_step
+        """Told ``(steps done, steps in all, NLL)`` after each warm-start batch (the CLI's bar)."""
         self.out = Path(config.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.run_lock = FolderLock(self.out, name=RUN_LOCK, setting="output_dir")
@@ -327,39 +329,29 @@ class AgenticPipeline:
         if sft.source == "file":
             data = self.file_demos or self._file_demos()
         else:
-            data = demos.expert_trajectories(
-                self.cfg.env.ids,
-                self.cfg.env.kwargs_for,
-                self.renderer,
-                episodes=sft.episodes,
-                max_turns=self.cfg.rollout.max_turns,
-                noise=sft.expert_noise,
-                noise_action=sft.noise_action,
-                noise_turns=sft.noise_turns,
-                seed=self.cfg.seed,
-                context=self.cfg.rollout.context,
-                context_turns=self.cfg.rollout.context_turns,
-            )
+            data = demos.configured_expert_demos(self.cfg, self.renderer)
             demos.write_jsonl(data, self.out / "sft_demos.jsonl")
-        order, rng, stats = list(range(len(data))), random.Random(self.cfg.seed), {}
-        per_epoch = math.ceil(len(order) / sft.batch_size)
-        total, lr = sft.epochs * per_epoch, sft.lr or self.cfg.policy_lr
-        for epoch in range(sft.epochs):
-            rng.shuffle(order)
-            for batch, first in enumerate(range(0, len(order), sft.batch_size)):
-                chunk = [data[i] for i in order[first : first + sft.batch_size]]
-                step = epoch * per_epoch + batch + 1
-                stats = self.roles.actor.sft_step(
-                    Batch(collate(chunk, self.renderer.tokenizer.pad_token_id)),
-                    scheduled_lr(
-                        step,
-                        total,
-                        lr,
-                        sft.lr_schedule,
-                        min_ratio=sft.min_lr_ratio,
-                        warmup=sft.warmup_steps,
-                    ),
-                )
+        lr, pad = sft.lr or self.cfg.policy_lr, self.renderer.tokenizer.pad_token_id
+
+        def train(chunk: list[Trajectory], step: int, total: int) -> float:
+            rate = scheduled_lr(
+                step,
+                total,
+                lr,
+                sft.lr_schedule,
+                min_ratio=sft.min_lr_ratio,
+                warmup=sft.warmup_steps,
+            )
+            return self.roles.actor.sft_step(Batch(collate(chunk, pad)), rate)["sft/nll"]
+
+        stats = demos.clone(
+            data,
+            train,
+            epochs=sft.epochs,
+            batch_size=sft.batch_size,
+            seed=self.cfg.seed,
+            on_step=self.on_sft_step,
+        )
         self.roles.actor.set_lr(self.cfg.policy_lr)
         self.roles.adopt_warm_start(reset_optimizer=sft.reset_optimizer)  # the KL anchor
         self.sync_weights()

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SFT_SEED_BASE",
+    "SFTProgress",
+    "clone",
+    "configured_expert_demos",
     "expert_trajectories",
     "from_messages",
     "load_demo_file",
@@ -55,6 +58,9 @@ __all__ = [
     "longest_row",
     "write_jsonl",
 ]
+
+SFTProgress = Callable[[int, int, float], None]
+"""Told after each warm-start batch: ``(steps done, steps in all, that batch's NLL)``."""
 
 SFT_SEED_BASE = 1_500_000_000
 """Seeds of expert demonstrations: disjoint from training (< 1e9) and evaluation (1e9 + i)."""
@@ -150,6 +156,24 @@ def expert_trajectories(
             env.close()
         demos.append(trajectory)
     return demos
+
+
+def configured_expert_demos(cfg: TrainerConfig, renderer: ChatRenderer) -> list[Trajectory]:
+    """``expert_trajectories`` as a run's ``sft`` and ``rollout`` sections ask for them."""
+    sft = cfg.sft
+    return expert_trajectories(
+        cfg.env.ids,
+        cfg.env.kwargs_for,
+        renderer,
+        episodes=sft.episodes,
+        max_turns=cfg.rollout.max_turns,
+        noise=sft.expert_noise,
+        noise_action=sft.noise_action,
+        noise_turns=sft.noise_turns,
+        seed=cfg.seed,
+        context=cfg.rollout.context,
+        context_turns=cfg.rollout.context_turns,
+    )
 
 
 def from_messages(
@@ -437,3 +461,41 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> Path:
                 record["tools"] = t.info["tools"]
             f.write(json.dumps({**record, "messages": t.messages}) + "\n")
     return target
+
+
+def clone(
+    data: Sequence[Trajectory],
+    train: Callable[[list[Trajectory], int, int], float],
+    *,
+    epochs: int,
+    batch_size: int,
+    seed: int,
+    on_step: SFTProgress | None = None,
+) -> dict[str, float]:
+    """Behaviour cloning: ``epochs`` passes over ``data`` in ``batch_size`` chunks, reshuffled
+    each pass (``random.Random(seed)``); ``train(chunk, step, total)`` runs one optimiser step
+    (1-based ``step``) and returns its NLL. Returns ``sft/nll`` (the last epoch's mean NLL over
+    its batches: what the warm start ends on, not one batch's luck), ``sft/nll_first_epoch``
+    (where it started) and ``sft/steps``."""
+    order, rng = list(range(len(data))), random.Random(seed)
+    per_epoch = -(-len(order) // batch_size)
+    total = epochs * per_epoch
+    epoch_nlls: list[float] = []
+    first = 0.0
+    for epoch in range(epochs):
+        rng.shuffle(order)
+        epoch_nlls = []
+        for batch, start in enumerate(range(0, len(order), batch_size)):
+            step = epoch * per_epoch + batch + 1
+            epoch_nlls.append(
+                train([data[i] for i in order[start : start + batch_size]], step, total)
+            )
+            if on_step is not None:
+                on_step(step, total, epoch_nlls[-1])
+        if epoch == 0:
+            first = sum(epoch_nlls) / len(epoch_nlls)
+    return {
+        "sft/nll": sum(epoch_nlls) / max(len(epoch_nlls), 1),
+        "sft/nll_first_epoch": first,
+        "sft/steps": float(total),
+    }

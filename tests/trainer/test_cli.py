@@ -138,6 +138,12 @@ def test_short_run_writes_metrics_curve_checkpoints_store_and_policy(tmp_path: P
     assert [r["step"] for r in metrics] == [0, 1, 2]
     # evaluated before any RL update
     assert metrics[0]["eval/success"] is not None and "sft/nll" in metrics[0]
+    # the warm start says where it is: a line per epoch here (logging.progress=false)
+    epochs = [line for line in log.splitlines() if line.startswith("warm start: epoch")]
+    assert [line.split(",")[0] for line in epochs] == [
+        f"warm start: epoch {k}/4" for k in (1, 2, 3, 4)
+    ]
+    assert "SFT step 8/8" in epochs[-1] and "nll" in epochs[-1], epochs
     assert metrics[-1]["eval/success"] is not None  # and at the end
     for key in (
         "time_s",

@@ -44,6 +44,23 @@ def test_sft_reset_optimizer_decides_whether_rl_continues_the_warm_starts_moment
     assert adam_steps(state) == steps  # the RL step's own, or the warm start's 8 + 1
 
 
+def test_the_warm_start_reports_its_progress_and_each_epochs_mean_nll(tmp_path: Path) -> None:
+    """A long warm start shows where it is (``on_sft_step``: the CLI's bar and lines), and
+    ``sft/nll`` is the last epoch's mean, not whichever batch came last."""
+    from trainer.pipeline import AgenticPipeline
+
+    overrides = ["train.steps=1", "eval.every=0", "checkpoint.every=0", f"output_dir={tmp_path}"]
+    seen: list[tuple[int, int, float]] = []
+    cfg = load_config(QUICKSTART, [*TINY, *overrides])
+    rows = AgenticPipeline(cfg, on_sft_step=lambda *report: seen.append(report)).fit()
+    assert [(done, total) for done, total, _ in seen] == [(k, 8) for k in range(1, 9)]
+    nlls = [nll for *_, nll in seen]  # 4 epochs of 2 batches
+    assert rows[0]["sft/nll"] == pytest.approx(sum(nlls[-2:]) / 2)
+    assert rows[0]["sft/nll_first_epoch"] == pytest.approx(sum(nlls[:2]) / 2)
+    assert rows[0]["sft/nll_first_epoch"] > rows[0]["sft/nll"]  # it learnt
+    assert rows[0]["sft/steps"] == 8
+
+
 def sft_batch(rows: int = 4, width: int = 10) -> Batch:
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(1, 40, (rows, width), generator=g)
