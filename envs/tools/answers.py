@@ -12,6 +12,9 @@ grader compares; the rules then decide what counts as giving the answer:
     The expected name as whole words (``Sales department``), and no rival name (another answer
     of the same kind) outside it: ``Sales or Research`` scores nothing.
 
+A candidate the answer denies is not given: ``not Finance``, ``it isn't 1935`` and ``neither 5
+nor 6`` give nothing, while ``Finance, not Sales`` commits to Finance (``_affirmed``).
+
 So a grader accepts the common forms of one answer and refuses an answer that lists several
 candidates: hedging never pays more than committing to one.
 """
@@ -61,6 +64,19 @@ def normalise(text: str) -> str:
     return _LEADING.sub("", " ".join(text.split()).lower().rstrip(_EDGES))
 
 
+_DENIAL = re.compile(
+    r"(?<!\w)(?:not|never|neither|nor|\w+n't)"
+    r"(?:\s+(?!but\b|rather\b|instead\b|it\b|its\b|it's\b)[^\s,;]+){1,3}"
+)
+"""A negation and what it denies: up to three words, up to a comma or ``but``/``rather``/``it``
+(``not the finance department``; ``not sales but finance`` denies only sales)."""
+
+
+def _affirmed(text: str) -> str:
+    """``normalise(text)`` without what it denies (``_DENIAL``)."""
+    return _DENIAL.sub(" ", normalise(text))
+
+
 def _digit(char: str) -> str:
     """``char``, or the ASCII digit of a digit NFKC leaves alone (Ethiopic ``፫``): ``float``
     reads decimal digits of any script, but not these."""
@@ -90,7 +106,8 @@ def number_matches(
         return math.isclose(value, expected, rel_tol=1e-9, abs_tol=tolerance)
 
     restated = {value for value in numbers(stated) if not close(value)}
-    given = [value for value in numbers(answer) if value not in restated]
+    given = [float(n) for n in _NUMBER.findall(_affirmed(answer))]
+    given = [value for value in given if value not in restated]
     return bool(given) and all(close(value) for value in given)
 
 
@@ -101,9 +118,10 @@ def _whole(text: str) -> str:
 
 def name_matches(answer: str, expected: str, rivals: Iterable[str]) -> bool:
     """Whether ``answer`` names ``expected`` (as whole words, after ``normalise``) and none of
-    ``rivals`` besides: the other answers a hedge would list. A rival inside the expected
-    name is no rival (``Kalmar`` in ``Kalmar Union``)."""
-    given, wanted = normalise(answer), normalise(expected)
+    ``rivals`` besides: the other answers a hedge would list; what it denies counts for neither
+    (``_affirmed``). A rival inside the expected name is no rival (``Kalmar`` in
+    ``Kalmar Union``)."""
+    given, wanted = _affirmed(answer), normalise(expected)
     if not wanted or not re.search(_whole(wanted), given):
         return False
     rest = re.sub(_whole(wanted), " ", given)

@@ -201,3 +201,20 @@ def test_a_hedge_written_with_unusual_numbers_scores_nothing(text, value):
 )
 def test_a_right_answer_in_an_unusual_number_form_scores(text, value):
     assert calculator_reward(text, value) == 1.0
+
+
+def test_an_answer_that_denies_a_candidate_is_read_as_denying_it(sql, retrieval):
+    """``not X`` does not give X (it scored 1 as a whole-word match); ``X, not Y`` commits to X
+    (it scored 0: Y looked like a hedge)."""
+    department, _ = gold(sql, "sql-0000")
+    other = next(name for name in column(sql, "SELECT name FROM departments") if name != department)
+    assert answer(sql, "sql-0000", f"not {department}") == 0.0
+    assert answer(sql, "sql-0000", f"It is not the {department} department.") == 0.0
+    assert answer(sql, "sql-0000", f"It isn't {department}") == 0.0
+    assert answer(sql, "sql-0000", f"{department}, not {other}") == 1.0
+    assert answer(sql, "sql-0000", f"Not {other} but {department}") == 1.0
+    year = int(gold(retrieval, "doc-00-0")[0])
+    assert answer(retrieval, "doc-00-0", f"not {year}") == 0.0
+    assert answer(retrieval, "doc-00-0", f"neither {year} nor {year + 1}") == 0.0
+    assert answer(retrieval, "doc-00-0", f"{year}, not {year + 1}") == 1.0
+    assert answer(retrieval, "doc-00-0", f"Born in {year}, not long after the war.") == 1.0
