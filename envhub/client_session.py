@@ -254,6 +254,8 @@ class HubSession:
             elif getattr(message, "seq", None) == seq:
                 return message
             elif isinstance(message, ErrorMessage) and message.seq is None:
+                if message.code == "idle_timeout":  # the reaper's notice, before its close
+                    raise self._idle_closed()
                 self.seq = seq - 1  # refused unread (e.g. too large): the hub used no seq
                 raise RemoteError(message.code, message.message)
 
@@ -419,16 +421,7 @@ class HubSession:
                 ),
             ) from exc
         if rcvd is not None and rcvd.code == _IDLE_CLOSE:
-            idle = "" if self.idle_timeout_s is None else f"={self.idle_timeout_s:g} s"
-            raise SessionLostError(
-                "idle_timeout",
-                (
-                    f"the hub closed session {self.session} after idle_timeout_s{idle} without "
-                    "a request (its --idle-timeout); call reset() to start a new episode on a new "
-                    "session, and serve the hub with a larger --idle-timeout if the agent takes "
-                    "longer than that between steps"
-                ),
-            ) from exc
+            raise self._idle_closed() from exc
         if rcvd is not None and rcvd.code in _FINAL_CLOSE_CODES:
             raise RemoteError(
                 "closed",
@@ -439,6 +432,19 @@ class HubSession:
                 "draining",
                 "the hub shut down; reset() opens a new session if a hub is back at this address",
             ) from exc
+
+    def _idle_closed(self) -> SessionLostError:
+        """The error for a session the hub reaped as idle (its notice or its close frame)."""
+        idle = "" if self.idle_timeout_s is None else f"={self.idle_timeout_s:g} s"
+        return SessionLostError(
+            "idle_timeout",
+            (
+                f"the hub closed session {self.session} after idle_timeout_s{idle} without "
+                "a request (its --idle-timeout); call reset() to start a new episode on a new "
+                "session, and serve the hub with a larger --idle-timeout if the agent takes "
+                "longer than that between steps"
+            ),
+        )
 
     def _parse(self, raw: str | bytes) -> Any:
         """The hub's message ``raw`` as its wire type, or ``bad_message`` saying what is off

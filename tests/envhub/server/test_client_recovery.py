@@ -140,3 +140,25 @@ def test_after_a_hub_restart_reset_opens_a_new_session():
         assert env.step("c")[4]["turn"] == 1
         env.reset(seed=2)  # and again, on the new session
         env.close()
+
+
+def test_the_hubs_idle_notice_read_before_its_close_frame_says_what_to_do():
+    """The reaper sends an ``idle_timeout`` message, then closes: a client that reads the
+    message first (a race with the close frame) gets the same advice as from the close."""
+    from envhub.client_session import HubSession
+    from envhub.server.sessions import error_reply
+
+    notice = error_reply("idle_timeout", "no request for idle_timeout_s=0.5 s; closed")
+
+    class Socket:
+        def recv(self, timeout: float) -> str:
+            return notice
+
+    session = object.__new__(HubSession)  # as a session reaped between two steps
+    session.ws, session.session, session.idle_timeout_s = Socket(), "s1", 0.5
+    session.request_timeout_s, session.draining, session.seq = 5.0, False, 3
+    with pytest.raises(SessionLostError) as idle:
+        session._answer(4)
+    assert idle.value.code == "idle_timeout"
+    assert "idle_timeout_s=0.5" in idle.value.message
+    assert "--idle-timeout" in idle.value.message and "reset()" in idle.value.message
