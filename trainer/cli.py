@@ -454,18 +454,18 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
         task = progress.add_task(
             "starting", total=cfg.train.steps, status="building policy and workers"
         )
-        eval_success: list[Any] = [None]
+        last_eval = ["-"]  # the latest evaluation, with its step: it is carried forward
         printed = [time.monotonic()]
 
         def on_step(metrics: dict[str, Any]) -> None:
-            if metrics.get("eval/success") is not None:
-                eval_success[0] = metrics["eval/success"]
             step = metrics["step"]
+            if metrics.get("eval/success") is not None:
+                last_eval[0] = f"{_fmt(metrics['eval/success'])} (step {step})"
             status = (
                 f"train success {_fmt(metrics.get('train/success'))}"
                 f"  reward {_fmt(metrics.get('train/reward'))}"
                 f"  invalid {_fmt(metrics.get('train/invalid_rate'))}"
-                f"  eval success {_fmt(eval_success[0])}"
+                f"  eval success {last_eval[0]}"
             )
             progress.update(
                 task, completed=step, description="RL" if step else "warm start", status=status

@@ -106,15 +106,21 @@ class SFTConfig(Section):
     lr: float | None = Field(default=None, gt=0)
     """Learning rate of the warm start; None means ``train.lr``."""
     batch_size: int = Field(default=32, gt=0)
-    """Demonstrations per SFT optimiser step."""
+    """Demonstrations per SFT batch. A batch is one optimiser step, cut into micro-batches of
+    ``train.micro_batch_size`` rows (or ``train.micro_batch_tokens``) whose gradients add up;
+    with ``train.grad_accumulation`` it is ``ceil(micro-batches of a trainer rank /
+    grad_accumulation)`` steps instead, as in RL (16 one-row demonstrations on one rank,
+    micro-batches of 4, accumulation 2: 2 steps). ``sft/steps`` counts the optimiser steps."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    """How the warm start's learning rate moves over its optimiser steps (epochs x batches):
-    ``constant``, or a ``linear``/``cosine`` decay to ``lr * min_lr_ratio`` at the last one."""
+    """How the warm start's learning rate moves over its batches (epochs x batches; the steps
+    of one batch share its rate): ``constant``, or a ``linear``/``cosine`` decay to
+    ``lr * min_lr_ratio`` at the last one."""
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
     """Final learning rate of a decaying schedule, as a fraction of the warm start's rate."""
     warmup_steps: int = Field(default=0, ge=0)
-    """Optimiser steps of linear warm-up before the schedule starts (a randomly initialised
-    model's first large steps are where a warm start can diverge)."""
+    """Batches of linear warm-up before the schedule starts (optimiser steps unless
+    ``train.grad_accumulation`` cuts a batch into several; a randomly initialised model's first
+    large steps are where a warm start can diverge)."""
     expert_noise: float = Field(default=0.0, ge=0, le=1)
     """Probability that an expert demonstration move is replaced (a sloppy demonstrator; ``source:
     expert``): by ``noise_action``, or by a random move the expert has made when that is None."""

@@ -3,8 +3,10 @@
 ``metrics.jsonl`` is the run's record: every line has ``step`` and ``time_s`` (seconds since
 the run started, warm start included), rollout statistics under ``train/``, evaluation
 under ``eval/`` (when evaluated), losses under ``actor/``/``critic/``/``sft/`` and the time
-of each phase under ``timing/``. On ``--resume`` lines after the checkpoint's step are
-dropped, so the file reads as one uninterrupted run. So is each sink: TensorBoard's older event
+of each phase under ``timing/``. A NaN or infinite value is ``null`` there (JSON has neither)
+and reaches TensorBoard and W&B as itself, so a diverged metric shows in every sink. On
+``--resume`` lines after the checkpoint's step are dropped, so the file reads as one
+uninterrupted run. So is each sink: TensorBoard's older event
 files cannot be rewritten, so the resumed run's writer starts with a ``SessionLog START`` at the
 first step it writes again (``purge_step``), from which TensorBoard discards what they hold; W&B
 continues the W&B run of the same id (the run's id, ``run.json``), and keeps the values it had
@@ -41,22 +43,31 @@ __all__ = [
 ]
 
 
-def summarise(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, float]:
+def summarise(
+    trajectories: Sequence[Trajectory], prefix: str, env_ids: Sequence[str] = ()
+) -> dict[str, float]:
     """Success rate, mean return, turns, invalid-action rate, the share of episodes cut short
     (``truncated``: ``rollout.max_turns``, the context, or the env's time limit) and lengths of
-    ``trajectories``; with several envs also ``{prefix}/{env id}/success`` and ``/reward`` per
-    env (the pooled figures stay, weighted by episodes)."""
+    ``trajectories``, pooled over envs (weighted by episodes).
+
+    With several envs, also per env ``{prefix}/{env id}/episodes``, ``/success`` and ``/reward``:
+    for every env of ``env_ids`` (the run's ``env.ids``), so each env of a mix has its keys on
+    every step, also on a step whose batch happened to hold another env alone. An env with no
+    episode in ``trajectories`` gets ``/episodes`` 0 and no success or reward (a rate over no
+    episodes: the curve has a gap there). Without ``env_ids``, the envs ``trajectories`` hold."""
     n = max(len(trajectories), 1)
     turns = sum(t.num_turns for t in trajectories)
-    by_env: dict[str, list[Trajectory]] = {}
+    by_env: dict[str, list[Trajectory]] = {env_id: [] for env_id in env_ids}
     for t in trajectories:
         by_env.setdefault(t.env_id, []).append(t)
     per_env: dict[str, float] = {}
     for env_id, episodes in sorted(by_env.items()) if len(by_env) > 1 else ():
-        per_env[f"{prefix}/{env_id}/success"] = sum(t.success for t in episodes) / len(episodes)
-        per_env[f"{prefix}/{env_id}/reward"] = sum(t.episode_reward for t in episodes) / len(
-            episodes
-        )
+        per_env[f"{prefix}/{env_id}/episodes"] = float(len(episodes))
+        if episodes:
+            per_env[f"{prefix}/{env_id}/success"] = sum(t.success for t in episodes) / len(episodes)
+            per_env[f"{prefix}/{env_id}/reward"] = sum(t.episode_reward for t in episodes) / len(
+                episodes
+            )
     return {
         **per_env,
         f"{prefix}/success": sum(t.success for t in trajectories) / n,
@@ -70,21 +81,33 @@ def summarise(trajectories: Sequence[Trajectory], prefix: str) -> dict[str, floa
     }
 
 
-def learning_signal(trajectories: Sequence[Trajectory], max_new_tokens: int) -> dict[str, float]:
-    """What a training batch gives the policy to learn from: ``train/zero_variance_groups``, the
-    share of groups whose episodes all got the same return (a group baseline gives each of them
-    advantage 0), and ``train/turns_at_max_new_tokens``, the share of policy turns that used all
+def learning_signal(
+    trajectories: Sequence[Trajectory], max_new_tokens: int, estimator: str = "grpo"
+) -> dict[str, float]:
+    """What a training batch gives the policy to learn from.
+
+    ``train/zero_variance_groups``: the share of groups whose episodes all got the same return,
+    reported only when ``estimator`` (``algorithm.advantage_estimator``) has a group baseline
+    (grpo, rloo, gigpo), which gives each of them advantage 0 (a group of one episode too: it
+    has no other episode to compare with; for gigpo only the episode part is 0, a step advantage
+    may remain). gae and reinforce_pp compare an episode with a critic or with the whole batch,
+    so a tied or one-episode group still teaches: the key is left out.
+    ``train/turns_at_max_new_tokens``: the share of policy turns that used all
     ``rollout.max_new_tokens`` tokens (cut short, unless the last one ended the turn)."""
-    groups: dict[int, set[float]] = {}
-    for t in trajectories:
-        groups.setdefault(t.group_id, set()).add(round(t.episode_reward, 9))  # (summation order)
+    from trainer._config_checks import GROUP_ESTIMATORS
+
     turns = [length for t in trajectories for length in _turn_lengths(t)]
-    return {
-        "train/zero_variance_groups": sum(len(r) == 1 for r in groups.values())
-        / max(len(groups), 1),
+    signal = {
         "train/turns_at_max_new_tokens": sum(n >= max_new_tokens for n in turns)
-        / max(len(turns), 1),
+        / max(len(turns), 1)
     }
+    if estimator in GROUP_ESTIMATORS:
+        groups: dict[int, set[float]] = {}
+        for t in trajectories:
+            groups.setdefault(t.group_id, set()).add(round(t.episode_reward, 9))  # (sum order)
+        tied = sum(len(returns) == 1 for returns in groups.values())
+        signal["train/zero_variance_groups"] = tied / max(len(groups), 1)
+    return signal
 
 
 def _turn_lengths(trajectory: Trajectory) -> list[int]:
@@ -100,11 +123,14 @@ def _turn_lengths(trajectory: Trajectory) -> list[int]:
 
 
 class SignalWatch:
-    """Says once when ``patience`` RL steps in a row had no learning signal: every group's
-    episodes got the same return, or the gradient was exactly 0. A run in that state (every turn
-    an invalid action, every answer cut at ``rollout.max_new_tokens``, a task every episode
-    wins or loses) would otherwise train to its end without a word; the warning names the likely
-    cause from the step's metrics and where to look."""
+    """Says once when ``patience`` RL steps in a row had no learning signal, naming the likely
+    cause from the step's metrics and where to look. A step is silent when it took no optimiser
+    step (``actor/optimizer_steps`` 0: every episode masked, e.g. all truncated under
+    ``algorithm.mask_truncated``), when every group's episodes got the same return under a
+    group baseline (``train/zero_variance_groups`` 1.0: ``learning_signal``), or when the
+    policy's gradient was exactly 0. A run in that state (every turn an invalid action, every
+    answer cut at ``rollout.max_new_tokens``, a task every episode wins or loses, every episode
+    cut at ``rollout.max_turns``) would otherwise train to its end without a word."""
 
     def __init__(self, run_dir: Path, max_new_tokens: int, patience: int = 3) -> None:
         self.run_dir, self.max_new_tokens, self.patience = run_dir, max_new_tokens, patience
@@ -112,22 +138,44 @@ class SignalWatch:
 
     def observe(self, metrics: dict[str, Any]) -> str | None:
         """The warning line, the first time ``patience`` steps in a row lacked a signal."""
-        if metrics.get("step", 0) == 0 or "train/zero_variance_groups" not in metrics:
+        if metrics.get("step", 0) == 0 or "train/episodes" not in metrics:
             return None  # the warm start, or a step without rollouts
-        silent = (
-            metrics["train/zero_variance_groups"] >= 1.0 or metrics.get("actor/grad_norm") == 0.0
-        )
-        self.steps_without = self.steps_without + 1 if silent else 0
-        if self.warned or self.steps_without < self.patience:
+        why = self._silence(metrics)
+        self.steps_without = self.steps_without + 1 if why else 0
+        if why is None or self.warned or self.steps_without < self.patience:
             return None
         self.warned = True
-        return self._warning(metrics)
+        return self._warning(metrics, why)
 
-    def _warning(self, metrics: dict[str, Any]) -> str:
+    @staticmethod
+    def _silence(metrics: dict[str, Any]) -> str | None:
+        """Why this step's policy update learnt nothing from its episodes; None if it did."""
+        if metrics.get("actor/optimizer_steps") == 0.0:
+            if metrics.get("train/truncated", 0.0) >= 1.0:
+                return (
+                    "every episode was truncated (train/truncated 1.00) and "
+                    "algorithm.mask_truncated gives such episodes no loss tokens, so no "
+                    "optimiser step was taken"
+                )
+            return "no episode had a token to train, so no optimiser step was taken"
+        if metrics.get("train/zero_variance_groups", 0.0) >= 1.0:
+            return "every group's episodes got the same reward, so every advantage is 0"
+        if metrics.get("actor/grad_norm") == 0.0:
+            return "the policy's gradient was exactly 0"
+        return None
+
+    def _warning(self, metrics: dict[str, Any], why: str) -> str:
         invalid = metrics.get("train/invalid_rate", 0.0)
         cut = metrics.get("train/turns_at_max_new_tokens", 0.0)
         success = metrics.get("train/success", 0.0)
+        truncated = metrics.get("train/truncated", 0.0)
         causes = []
+        if truncated >= 0.5:
+            causes.append(
+                f"train/truncated {truncated:.2f}: episodes end at rollout.max_turns or the "
+                "context before the env ends them: raise rollout.max_turns, or set "
+                "algorithm.mask_truncated=false to train them with the rewards they earned"
+            )
         if invalid >= 0.5:
             causes.append(
                 f"train/invalid_rate {invalid:.2f}: the policy's turns are not valid actions "
@@ -145,11 +193,6 @@ class SignalWatch:
                 f"{'easy' if success else 'hard'} for this policy"
             )
         causes.append("a warm start (sft.epochs > 0) teaches the answer format first")
-        why = (
-            "every group's episodes got the same reward, so every advantage is 0"
-            if metrics["train/zero_variance_groups"] >= 1.0
-            else "the policy's gradient was exactly 0"
-        )
         return (
             f"no learning signal for {self.steps_without} steps: {why} and the policy learns "
             f"nothing. Likely: {'; '.join(causes)}. See the episodes with "
@@ -240,7 +283,8 @@ class MetricsLog:
         with self.path.open("a") as f:
             f.write(json.dumps(clean) + "\n")
         step = int(metrics.get("step", 0))
-        numbers = {k: v for k, v in clean.items() if isinstance(v, (int, float)) and k != "step"}
+        # NaN and inf as they are: a sink that drops them shows a diverged metric as no point
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         if self._tb_dir is not None:
             tb = self._tensorboard(self._tb_dir)
             for key, value in numbers.items():
@@ -356,26 +400,37 @@ class EventFileWriter:
 def plot_curves(
     rows: Sequence[dict[str, Any]], png: str | Path, title: str = "envhub train"
 ) -> Path:
-    """Training reward/success and eval success against wall time, as a PNG (matplotlib, Agg)."""
+    """Training and eval success (left axis, fixed at [0, 1]) and the training mean return
+    (``train/reward``, right axis, its limits from the data: returns are not rates and may lie
+    anywhere) against wall time, as a PNG (matplotlib, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, style in (("train/success", "-"), ("train/reward", ":"), ("eval/success", "o-")):
+    fig, rates = plt.subplots(figsize=(7, 4))
+    curves = (
+        ("train/success", "-", "C0", rates),
+        ("eval/success", "o-", "C2", rates),
+        ("train/reward", ":", "C1", None),  # None: on the returns' own axis
+    )
+    lines, top = [], rates  # the legend goes on the axis drawn last, over every line
+    for key, style, color, axis in curves:
         points = [
             (r["time_s"] / 60, r[key]) for r in rows if r.get(key) is not None and "time_s" in r
         ]
         if points:
             xs, ys = zip(*points, strict=True)
-            ax.plot(xs, ys, style, label=key)
-    ax.set_xlabel("wall time (minutes, warm start included)")
-    ax.set_ylabel("rate / mean return")
-    ax.set_ylim(-0.15, 1.05)
-    ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
-    ax.set_title(title)
+            if axis is None:
+                axis = top = rates.twinx()
+                axis.set_ylabel("mean return (train/reward)")
+            lines += axis.plot(xs, ys, style, color=color, label=key)
+    rates.set_xlabel("wall time (minutes, warm start included)")
+    rates.set_ylabel("success rate")
+    rates.set_ylim(-0.05, 1.05)
+    rates.grid(alpha=0.3)
+    top.legend(handles=lines, loc="lower right")
+    rates.set_title(title)
     fig.tight_layout()
     target = Path(png)
     fig.savefig(target, dpi=100)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 SFTProgress = Callable[[int, int, float], None]
-"""Told after each warm-start batch: ``(steps done, steps in all, that batch's NLL)``."""
+"""Told after each warm-start batch: ``(batches done, batches in all, that batch's NLL)``."""
 
 SFT_SEED_BASE = 1_500_000_000
 """Seeds of expert demonstrations: disjoint from training (< 1e9) and evaluation (1e9 + i)."""
@@ -465,7 +465,7 @@ def write_jsonl(trajectories: Iterable[Trajectory], path: str | Path) -> Path:
 
 def clone(
     data: Sequence[Trajectory],
-    train: Callable[[list[Trajectory], int, int], float],
+    train: Callable[[list[Trajectory], int, int], float | Mapping[str, float]],
     *,
     epochs: int,
     batch_size: int,
@@ -473,23 +473,30 @@ def clone(
     on_step: SFTProgress | None = None,
 ) -> dict[str, float]:
     """Behaviour cloning: ``epochs`` passes over ``data`` in ``batch_size`` chunks, reshuffled
-    each pass (``random.Random(seed)``); ``train(chunk, step, total)`` runs one optimiser step
-    (1-based ``step``) and returns its NLL. Returns ``sft/nll`` (the last epoch's mean NLL over
-    its batches: what the warm start ends on, not one batch's luck), ``sft/nll_first_epoch``
-    (where it started) and ``sft/steps``."""
+    each pass (``random.Random(seed)``). ``train(chunk, step, total)`` trains on one chunk
+    (1-based ``step`` of ``total`` batches, which the progress and the LR schedule count) and
+    returns the worker's metrics: ``sft/nll`` and ``sft/optimizer_steps`` (more than one when
+    ``train.grad_accumulation`` cuts the chunk into several optimiser steps), or the NLL alone
+    for one step. Returns ``sft/nll`` (the last epoch's mean NLL over its batches: what the warm
+    start ends on, not one batch's luck), ``sft/nll_first_epoch`` (where it started) and
+    ``sft/steps``, the optimiser steps taken."""
     order, rng = list(range(len(data))), random.Random(seed)
     per_epoch = -(-len(order) // batch_size)
     total = epochs * per_epoch
     epoch_nlls: list[float] = []
-    first = 0.0
+    first, steps = 0.0, 0.0
     for epoch in range(epochs):
         rng.shuffle(order)
         epoch_nlls = []
         for batch, start in enumerate(range(0, len(order), batch_size)):
             step = epoch * per_epoch + batch + 1
-            epoch_nlls.append(
-                train([data[i] for i in order[start : start + batch_size]], step, total)
-            )
+            metrics = train([data[i] for i in order[start : start + batch_size]], step, total)
+            if isinstance(metrics, Mapping):
+                epoch_nlls.append(metrics["sft/nll"])
+                steps += metrics.get("sft/optimizer_steps", 1.0)
+            else:
+                epoch_nlls.append(metrics)
+                steps += 1.0
             if on_step is not None:
                 on_step(step, total, epoch_nlls[-1])
         if epoch == 0:
@@ -497,5 +504,5 @@ def clone(
     return {
         "sft/nll": sum(epoch_nlls) / max(len(epoch_nlls), 1),
         "sft/nll_first_epoch": first,
-        "sft/steps": float(total),
+        "sft/steps": steps,
     }

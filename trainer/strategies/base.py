@@ -97,6 +97,8 @@ from trainer.strategies.parallel_errors import ParallelConfigError
 if TYPE_CHECKING:
     import torch
 
+    from trainer.algos.losses import AggregationMode
+
 __all__ = [
     "BaseTrainStrategy",
     "FinishReason",
@@ -188,7 +190,8 @@ The loss is the micro-batch's own aggregate (``trainer.algos.losses.aggregate``)
 ``loss_fn.agg_mode`` attribute names the mode (default ``token-mean``). The strategy weighs each
 micro-batch by its share of the step's tokens (or sequences) over every micro-batch,
 accumulation step and data-parallel rank (``distributed.micro_batch_scales``), so the step's
-gradient is that of the mean over the whole step."""
+gradient is that of the mean over the whole step. Metrics weigh alike, but those an optional
+``loss_fn.token_metrics`` names (token means: a clipped share) weigh by tokens in every mode."""
 
 
 @runtime_checkable
@@ -508,18 +511,21 @@ class BaseTrainStrategy(abc.ABC):
         union, _ = self._group_rows(batch)  # model-parallel peers train on the same rows
         micros = self._micro_batches(union)
         per_step = self.grad_accumulation or len(micros)
+        mode: AggregationMode = getattr(loss_fn, "agg_mode", "token-mean")
         scales = micro_batch_scales(
-            micros,
-            per_step,
-            getattr(loss_fn, "agg_mode", "token-mean"),
-            group=self.dp_group,
-            replicas=self.dp_size,
+            micros, per_step, mode, group=self.dp_group, replicas=self.dp_size
         )
-        # the metrics describe the step as its loss does: each micro-batch weighs its share of
-        # the units (tokens or sequences) of its optimiser step on every data-parallel rank (its
-        # scale without the replicas), steps weigh alike; the ranks' parts are summed below, so
-        # every rank reports the whole batch's figures. Ranks hold equally many micro-batches,
-        # and the fullest rank has real rows in every step.
+        # the metrics describe the step as its loss does: each micro-batch weighs its share of the
+        # units (tokens or sequences; tokens for ``token_metrics``) of its optimiser step on every
+        # data-parallel rank (its scale without the replicas), steps alike; the ranks' parts are
+        # summed below, so every rank reports the whole batch's figures (ranks hold equally many
+        # micro-batches, and the fullest rank has real rows in every step)
+        token_metrics = set(getattr(loss_fn, "token_metrics", ()))
+        by_tokens = scales
+        if token_metrics and mode != "token-mean":
+            by_tokens = micro_batch_scales(
+                micros, per_step, "token-mean", group=self.dp_group, replicas=self.dp_size
+            )
         n_steps = -(-len(micros) // per_step) or 1
         totals: dict[str, float] = {}
         steps = 0
@@ -540,9 +546,9 @@ class BaseTrainStrategy(abc.ABC):
                         "Lower train.lr, algorithm.loss.clip_low / algorithm.loss.clip_high or "
                         f"{grad_clip}, or check the rewards",
                     )
-                weight = scales[first + offset] / self.dp_size / n_steps
                 for key, metric in metrics.items():
-                    totals[key] = totals.get(key, 0.0) + metric * weight
+                    weight = (by_tokens if key in token_metrics else scales)[first + offset]
+                    totals[key] = totals.get(key, 0.0) + metric * weight / self.dp_size / n_steps
             self._reduce_gradients()
             norm = self._clip()
             if not math.isfinite(norm):

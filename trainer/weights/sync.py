@@ -117,11 +117,14 @@ class SyncReport:
     check)."""
 
     def metrics(self) -> dict[str, float]:
+        """The step's ``sync/*`` metrics: tensors, megabytes and buckets moved, and
+        ``sync/gb_per_s``, the rate they moved at (a rate, so not under ``timing/``, whose keys
+        are seconds)."""
         return {
             "sync/tensors": float(self.tensors),
             "sync/megabytes": self.nbytes / 2**20,
             "sync/buckets": float(self.buckets),
-            "timing/sync_gb_per_s": self.nbytes / 1e9 / max(self.seconds, 1e-9),
+            "sync/gb_per_s": self.nbytes / 1e9 / max(self.seconds, 1e-9),
         }
 
 

@@ -137,8 +137,11 @@ def ppo_loss_fn(loss: LossConfig) -> LossFn:
                 total = total - loss.entropy_coef * entropy
         return total, metrics
 
-    # LossFn's optional attribute (trainer.strategies.base): how the strategy weighs micro-batches
-    compute.agg_mode = loss.agg_mode  # type: ignore[attr-defined]  # a function has no such field
+    # LossFn's optional attributes (trainer.strategies.base): how the strategy weighs micro-batches
+    # for the loss, and which metrics are token means whatever the mode (a function has no such
+    # fields)
+    compute.agg_mode = loss.agg_mode  # type: ignore[attr-defined]
+    compute.token_metrics = ("actor/clipfrac", "actor/approx_kl_old")  # type: ignore[attr-defined]
     return compute
 
 
@@ -150,6 +153,21 @@ def sft_loss_fn(
 
     nll = aggregate(-out.logprobs, mb["response_mask"], "token-mean")
     return nll, {"sft/nll": float(nll.detach())}
+
+
+def _over_epochs(passes: list[dict[str, float]]) -> dict[str, float]:
+    """One RL step's metrics from its ``train.ppo_epochs`` passes over the batch:
+    ``optimizer_steps`` added up (every step the optimiser took), every other metric the mean
+    of the passes' figures (each pass ran the same batch, so they weigh alike; a pass that
+    lacks a metric is left out of its mean)."""
+    values: dict[str, list[float]] = {}
+    for metrics in passes:
+        for key, value in metrics.items():
+            values.setdefault(key, []).append(value)
+    return {
+        key: sum(seen) if key == "optimizer_steps" else sum(seen) / len(seen)
+        for key, seen in values.items()
+    }
 
 
 def _namespaced(metrics: dict[str, float], prefix: str) -> dict[str, float]:
@@ -298,16 +316,20 @@ class ActorWorker(WeightSender, StrategyWorker):
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.MEAN)
     def train_step(self, batch: Batch, epochs: int = 1) -> dict[str, float]:
-        """``epochs`` passes of PPO/GSPO updates over this rank's part of the batch, with
-        log-probs and entropy at the rollout temperature."""
+        """``epochs`` passes (``train.ppo_epochs``) of PPO/GSPO updates over this rank's part of
+        the batch, with log-probs and entropy at the rollout temperature. The metrics cover every
+        pass (``_over_epochs``): ``actor/optimizer_steps`` is the steps of all passes, the others
+        (``pg_loss``, ``clipfrac``, ``approx_kl_old``, ``entropy``, ``kl_ref``, ``grad_norm``)
+        the mean over the passes."""
         tensors = {k: batch[k] for k in TRAIN_COLUMNS if k in batch}
         loss_fn = ppo_loss_fn(self.loss)
-        metrics: dict[str, float] = {}
-        for _ in range(epochs):
-            metrics = self.strategy.train_step(
+        passes = [
+            self.strategy.train_step(
                 tensors, loss_fn, with_entropy=True, temperature=self.temperature
             )
-        return _namespaced(metrics, "actor")
+            for _ in range(epochs)
+        ]
+        return _namespaced(_over_epochs(passes), "actor")
 
     @register(Dispatch.DP_SPLIT_RAGGED, collect=Collect.MEAN)
     def sft_step(self, batch: Batch, lr: float | None = None) -> dict[str, float]:

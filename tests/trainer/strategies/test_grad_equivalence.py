@@ -78,21 +78,26 @@ def test_hf_micro_batches_give_the_full_batch_gradient(
 @pytest.mark.parametrize("mode", MODES)
 def test_the_logged_losses_do_not_depend_on_how_the_batch_is_cut(batch, mode: str) -> None:
     """``actor/pg_loss`` and the other metrics describe the step, weighed like its loss: a
-    2-token micro-batch does not count as much as a 12-token one (``clipfrac``, a token mean,
-    is weighed by tokens only under ``token-mean``)."""
+    2-token micro-batch does not count as much as a 12-token one. ``clipfrac`` and
+    ``approx_kl_old`` are shares and means of the step's response tokens under every mode."""
+    shifted = dict(batch)  # rows 0 and 2 (12 and 8 tokens) far from their old policy: clipped
+    shifted["old_logprobs"] = batch["old_logprobs"] - 0.5 * batch["response_mask"] * torch.tensor(
+        [[1.0], [0.0], [1.0], [0.0], [0.0]]
+    )
 
     def metrics(micro_batch_size: int) -> dict[str, float]:
         strategy = HFTrainStrategy(
             W.tiny_qwen2(), lr=0.0, max_grad_norm=None, micro_batch_size=micro_batch_size
         )
         loss = ppo_loss_fn(LossConfig(**G.LOSS, agg_mode=mode))
-        return strategy.train_step(batch, loss, with_entropy=True)
+        return strategy.train_step(shifted, loss, with_entropy=True)
 
     whole = metrics(len(LENGTHS))
+    assert whole["actor/clipfrac"] > 0.1
     for size in (1, 2):
         cut = metrics(size)
         keys = ["actor/pg_loss", "actor/kl_ref", "actor/entropy"]
-        for key in keys + (["actor/clipfrac"] if mode == "token-mean" else []):
+        for key in keys + ["actor/clipfrac", "actor/approx_kl_old"]:
             assert cut[key] == pytest.approx(whole[key], abs=1e-5), (size, key)
 
 
