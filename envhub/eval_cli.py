@@ -28,7 +28,7 @@ from envhub.eval_report import notes, show
 from envhub.model_agent import KEY_HINT, URL_HINT
 
 if TYPE_CHECKING:
-    from envhub.evaluation import EpisodeStats, EvalSummary
+    from envhub.eval_records import EpisodeStats, EvalSummary
 
 __all__ = ["eval_command"]
 
@@ -73,8 +73,20 @@ def _model_url(ctx: click.Context, param: click.Parameter, url: str | None) -> s
     metavar="VAR",
     help="Environment variable holding the API key (unset: a placeholder, for local servers).",
 )
-@click.option("--episodes", default=10, show_default=True, help="Seeds per env (and agent).")
-@click.option("--samples", default=1, show_default=True, help="Tries per seed (pass@k, k=this).")
+@click.option(
+    "--episodes",
+    default=10,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Seeds per env (and agent).",
+)
+@click.option(
+    "--samples",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tries per seed (pass@k, k=this; needs --temperature above 0).",
+)
 @click.option(
     "--seed", default=0, show_default=True, type=click.IntRange(min=0), help="First episode seed."
 )
@@ -84,8 +96,14 @@ def _model_url(ctx: click.Context, param: click.Parameter, url: str | None) -> s
     type=click.IntRange(1, 1024),
     help="Episodes played at once [default: 8 with --model, else 1].",
 )
-@click.option("--temperature", default=0.7, show_default=True, type=float)
-@click.option("--max-tokens", default=512, show_default=True, help="Tokens per model turn.")
+@click.option("--temperature", default=0.7, show_default=True, type=click.FloatRange(min=0))
+@click.option(
+    "--max-tokens",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Tokens per model turn.",
+)
 @click.option(
     "--max-turns",
     default=None,
@@ -109,17 +127,42 @@ def _model_url(ctx: click.Context, param: click.Parameter, url: str | None) -> s
     type=click.Choice(["auto", "native", "text"]),
     help="Send env tools as tools= (native), never (text), or unless the server refuses (auto).",
 )
-@click.option("--timeout", default=60.0, show_default=True, help="Seconds per request.")
-@click.option("--retries", default=3, show_default=True, help="Retries per request (429/5xx).")
+@click.option(
+    "--timeout",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds per request.",
+)
+@click.option(
+    "--retries",
+    default=3,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Retries per request (429/5xx).",
+)
 @click.option(
     "--out",
     default=None,
     type=click.Path(file_okay=False, path_type=Path),
     help="Write episodes.jsonl, summary.json and the run's settings (eval.json) here.",
 )
-@click.option("--resume", is_flag=True, help="Skip the episodes --out already holds.")
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Play only what --out lacks, and again the episodes it holds that failed at the "
+    "endpoint or in the env (connection, timeout, http_*, bad_response, episode_timeout, "
+    "env_error).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace the run --out already holds.")
-@click.option("--kwarg", "-k", "kwargs", multiple=True, help="Env constructor override key=value.")
+@click.option(
+    "--kwarg",
+    "-k",
+    "kwargs",
+    multiple=True,
+    help="Env constructor override key=value, for every env of the command (envs that take "
+    "other kwargs: one command per env).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
 @import_option
 def eval_command(
@@ -151,6 +194,13 @@ def eval_command(
     behind an OpenAI-compatible chat-completions endpoint (vLLM, a hosted API), with each
     env's tools passed as tools=. Prints a table per env; --out keeps every episode.
 
+    How episodes that failed count: success, pass@k, return, turns and tokens are over every
+    episode, one that failed counting as a loss. Where episodes failed at the endpoint or in
+    the env rather than in the agent's play (connection, timeout, http_*, bad_response,
+    episode_timeout, env_error), the table adds 'measured' (the other episodes) and 'success
+    (measured)' (success over those alone), and a 'warning:' line names a row when a fifth or
+    more of its episodes failed so; --resume plays them again.
+
     Exits 1 when an env (or the endpoint) failed every one of its episodes, 2 on a usage
     error, and 130 on Ctrl-C (the finished episodes are kept: run again with --resume).
     """
@@ -161,8 +211,6 @@ def eval_command(
         raise click.UsageError("--resume needs --out DIR (the run to resume)")
     if overwrite and (out is None or resume):
         raise click.UsageError("--overwrite needs --out DIR and no --resume (it replaces the run)")
-    if samples < 1 or episodes < 1:
-        raise click.UsageError("--episodes and --samples must be at least 1")
     client = None
     if url is not None:
         import openai

@@ -8,9 +8,13 @@ A run folder holds:
     (envs, agents, episodes, samples, first seed); written before the first episode.
 ``episodes.jsonl``
     One line per finished episode, appended and flushed as it finishes (a killed run loses
-    none; the torn last line of one is cut before appending).
+    none; the torn last line of one is cut before appending). A resumed run appends the
+    episodes it plays again after their failed lines, and the newest line of an episode
+    wins; once it ends, ``compact`` leaves one line per episode.
 ``summary.json``, ``trajectories/envhub-eval-000000000.parquet``
-    Written at the end: one row per (env, agent), and every episode for ``envhub view``.
+    Written at the end: one row per (env, agent), and every episode for ``envhub view``. A
+    resumed run removes them as it starts, so a resume that is interrupted leaves no summary
+    of the earlier run beside episodes it no longer describes.
 
 ``open_run`` guarantees that one folder never mixes runs: a folder holding episodes is played
 into again only with ``resume`` (and then only with the same settings) or ``overwrite``
@@ -21,25 +25,41 @@ an ``EvalOutputError`` naming the folder and the option that fixes it.
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 from envhub.errors import EvalOutputError
 
-__all__ = ["EpisodeWriter", "EvalOutputError", "dumps", "json_safe", "open_run", "store"]
+__all__ = [
+    "EpisodeWriter",
+    "EvalOutputError",
+    "compact",
+    "dumps",
+    "json_safe",
+    "open_run",
+    "store",
+]
 
 _RUN_FILES = ("episodes.jsonl", "summary.json", "eval.json")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def dumps(value: Any) -> bytes:
-    """One JSON line of env data, whatever the env put in it: keys that are not strings and
-    values JSON has no type for (numpy arrays, ints past 64 bits, objects) are stringified."""
+    """One JSON line of env data, whatever the env or the model put in it: keys that are not
+    strings and values JSON has no type for (numpy arrays, ints past 64 bits, objects) are
+    stringified, and lone surrogates in text (which a model's JSON reply can carry, and UTF-8
+    cannot) become U+FFFD, as ``envhub.runs.store`` writes them: the episode is kept, the run
+    goes on."""
     import orjson
 
     options = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS
     try:
         return orjson.dumps(value, default=str, option=options)
-    except TypeError:  # an int past 64 bits, a tuple key, nesting too deep
+    except TypeError:  # an int past 64 bits, a tuple key, nesting too deep, a lone surrogate
         return orjson.dumps(_plain(value, depth=0), option=options)
 
 
@@ -53,16 +73,18 @@ def json_safe(value: dict[str, Any]) -> dict[str, Any]:
 
 def _plain(value: Any, depth: int) -> Any:
     if depth > 64:
-        return str(value)
+        return _SURROGATE.sub("\ufffd", str(value))
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
     if isinstance(value, dict):
-        return {str(k): _plain(v, depth + 1) for k, v in value.items()}
+        return {_plain(str(k), depth): _plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [_plain(v, depth + 1) for v in value]
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 1 << 63:
         return str(value)
-    if value is None or isinstance(value, str | int | float):
+    if value is None or isinstance(value, int | float):
         return value
-    return str(value)
+    return _SURROGATE.sub("\ufffd", str(value))
 
 
 def open_run(
@@ -82,7 +104,7 @@ def open_run(
             _remove_run(out)
         elif resume:
             _check_same_settings(out, run["settings"])
-            _remove_parts(out)  # stale until the run ends: episodes.jsonl is read meanwhile
+            _remove_results(out)  # stale until the run ends: episodes.jsonl is read meanwhile
         (out / "eval.json").write_text(json.dumps(run, indent=2, default=str) + "\n")
         return EpisodeWriter(episodes)
     except OSError as error:
@@ -95,11 +117,13 @@ def open_run(
 def _remove_run(out: Path) -> None:
     for name in _RUN_FILES:
         (out / name).unlink(missing_ok=True)
-    _remove_parts(out)
+    _remove_results(out)
 
 
-def _remove_parts(out: Path) -> None:
-    """The store's parts of an earlier run (``store`` writes them again as the run ends)."""
+def _remove_results(out: Path) -> None:
+    """What the end of an earlier run wrote: ``summary.json`` and the store's parts (``store``
+    writes them again as the run ends)."""
+    (out / "summary.json").unlink(missing_ok=True)
     for part in (out / "trajectories").glob("envhub-eval-*.parquet"):
         part.unlink()
 
@@ -160,6 +184,28 @@ def _drop_torn_tail(path: Path) -> None:
             f.truncate(start + cut + 1)
         else:
             f.write(b"\n")
+
+
+def compact(path: Path) -> None:
+    """Rewrite ``episodes.jsonl`` with the newest line of each episode only (env, agent, seed,
+    sample), in the order of those lines, dropping lines that hold no episode; replaced in one
+    rename, so a kill leaves the old file or the new one, never half of one."""
+    import orjson
+
+    newest: dict[Any, bytes] = {}
+    with open(path, "rb") as lines:
+        for line in lines:
+            try:
+                record = orjson.loads(line)
+                key = tuple(record[k] for k in ("env_id", "agent", "seed", "sample"))
+                hash(key)
+            except (orjson.JSONDecodeError, TypeError, KeyError):
+                continue
+            newest.pop(key, None)  # (re-inserted last: the order of the newest lines)
+            newest[key] = line if line.endswith(b"\n") else line + b"\n"
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_bytes(b"".join(newest.values()))
+    os.replace(temporary, path)
 
 
 def store(out: Path, summaries: list[dict[str, Any]], records: list[dict[str, Any]]) -> None:

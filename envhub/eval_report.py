@@ -10,15 +10,21 @@ One row per (env, agent), in one of three layouts:
   first, as ``envhub list`` prints, whatever ``COLUMNS`` says.
 
 ``notes`` are the lines printed under it when a row is not what its numbers suggest: an
-``expert`` row that was random play (its env has no expert), and a model whose turns were
-(nearly) all invalid actions, with what the env answered them and the likely causes.
+``expert`` row that was random play (its env has no expert), a model whose turns were
+(nearly) all invalid actions, with what the env answered them and the likely causes (replies
+cut off at ``--max-tokens`` only where the server said so; else a ``note:`` says how many
+were), and a ``warning:`` for a row
+where at least ``FAILED_WARN_SHARE`` of the episodes failed at the endpoint or in the env.
+
+Every figure counts every episode, one that failed as a loss. Where episodes failed at the
+endpoint or in the env (``failed_outside_agent``), the table adds ``measured`` (the episodes
+that measured the agent) and ``success (measured)`` (its success over those alone).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 from rich.cells import cell_len
@@ -26,8 +32,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from envhub.evaluation import EvalSummary
+from envhub.eval_records import EvalSummary, failed_outside_agent
 
 __all__ = ["notes", "show", "summary_table"]
 
@@ -39,12 +44,16 @@ MIN_TEXT_WIDTH = 12
 ``show`` prints records instead."""
 INVALID_HINT_RATE = 0.9
 """A model whose invalid actions per turn reach this gets a ``hint:`` line (``notes``)."""
+FAILED_WARN_SHARE = 0.2
+"""A row whose episodes failed at the endpoint or in the env in at least this share (but not
+all: that is an error) gets a ``warning:`` line (``notes``): its success says little."""
 
 
 def _columns(summaries: list[EvalSummary]) -> dict[str, Cell]:
-    """Header -> plain-text cell: success, pass@k with its 95% interval (several tries per
-    seed), return, turns, invalid actions per turn, and for a model tokens, request latency
-    and failures by reason; columns that would hold nothing for these summaries are left out."""
+    """Header -> plain-text cell: success, the measured episodes and their success (where some
+    failed at the endpoint or env), pass@k with its 95% interval (several tries per seed),
+    return, turns, invalid actions per turn, and for a model tokens, request latency and
+    failures by reason; columns that would hold nothing for these summaries are left out."""
     k = max((s.samples for s in summaries), default=1)
     model = any(s.mean_tokens_in or s.mean_tokens_out for s in summaries)
     cells: dict[str, Cell] = {
@@ -53,6 +62,11 @@ def _columns(summaries: list[EvalSummary]) -> dict[str, Cell]:
         "episodes": lambda s: str(s.episodes),
         "success": lambda s: f"{s.success_rate:.0%}",
     }
+    if any(s.measured < s.episodes for s in summaries):
+        cells["measured"] = lambda s: str(s.measured)
+        cells["success (measured)"] = lambda s: (
+            f"{s.measured_success_rate:.0%}" if s.measured else "-"
+        )
     if k > 1:
         cells[f"pass@{k} (95% CI)"] = lambda s: (
             f"{s.pass_at_k:.0%} ({s.pass_at_k_low:.0%}-{s.pass_at_k_high:.0%})"
@@ -171,10 +185,10 @@ def notes(
     max_tokens: int,
     out: Path | None,
 ) -> list[str]:
-    """The ``note:``/``hint:`` lines for rows that are not what they look like (module
-    docstring). ``model``: the rows are a served model's; ``said``: per (env, agent), what the
-    env answered a first invalid action (``EpisodeStats.invalid_feedback``); ``tool_envs``: the
-    envs that published tools."""
+    """The ``note:``/``hint:``/``warning:`` lines for rows that are not what they look like
+    (module docstring). ``model``: the rows are a served model's; ``said``: per (env, agent),
+    what the env answered a first invalid action (``EpisodeStats.invalid_feedback``);
+    ``tool_envs``: the envs that published tools."""
     lines = []
     for s in summaries:
         if s.random_turn_rate >= 1.0:
@@ -191,7 +205,34 @@ def notes(
             feedback = said.get((s.env_id, s.agent), "")
             tools = s.env_id in tool_envs
             lines.append(_invalid_hint(s, feedback, tools, tools_mode, max_tokens, out))
+        elif s.cut_off_rate > 0:
+            lines.append(
+                f"note: {s.env_id}: {s.cut_off_rate:.0%} of the replies were cut off at "
+                f'--max-tokens {max_tokens} (finish_reason "length"); raise it if the model '
+                "needs the room"
+            )
+        unmeasured = s.episodes - s.measured
+        if 0 < unmeasured < s.episodes and unmeasured >= FAILED_WARN_SHARE * s.episodes:
+            lines.append(_unmeasured_warning(s, out))
     return lines
+
+
+def _unmeasured_warning(s: EvalSummary, out: Path | None) -> str:
+    unmeasured = s.episodes - s.measured
+    counts = ", ".join(
+        f"{reason} {n}" for reason, n in sorted(s.failures.items()) if failed_outside_agent(reason)
+    )
+    again = (
+        "fix the cause and run the same command with --resume to play them again"
+        if out is not None
+        else "fix the cause and run again (with --out DIR, a later --resume plays only those)"
+    )
+    return (
+        f"warning: {s.env_id} ({s.agent}): {unmeasured} of {s.episodes} episodes failed at the "
+        f"endpoint or in the env, not in the agent's play ({counts}); success is "
+        f"{s.success_rate:.0%} counting them as losses, {s.measured_success_rate:.0%} over the "
+        f"{s.measured} measured; {again}"
+    )
 
 
 def _invalid_hint(
@@ -204,7 +245,12 @@ def _invalid_hint(
     )
     if said:
         what += f' (the env said: "{said if len(said) <= 200 else said[:200] + "..."}")'
-    causes = f"the reply format the env asks for, replies cut off at --max-tokens {max_tokens}"
+    causes = "the reply format the env asks for"
+    if s.cut_off_rate > 0:  # (the server said so: finish_reason "length")
+        causes += (
+            f", {s.cut_off_rate:.0%} of the replies were cut off at --max-tokens {max_tokens} "
+            "(raise it)"
+        )
     if tools:
         causes += f", or the tools mode (--tools {tools_mode}: try text or native)"
     where = f"envhub view {out} shows" if out is not None else "--out DIR keeps"

@@ -21,44 +21,46 @@ With ``out=DIR`` the run's settings go to ``DIR/eval.json``, every episode is ap
 ``DIR/episodes.jsonl`` as it finishes (messages, rewards, final info, tokens, latencies,
 failure) and ``DIR/summary.json`` (and, with pyarrow, the trajectory store part) is written
 at the end; ``resume=True`` reads the file back, skips the episodes it holds and counts them
-in the summary (a torn last line of a killed run is ignored), and refuses other settings;
-``overwrite=True`` replaces the run (``envhub.eval_output``).
+in the summary (a torn last line of a killed run is ignored), except those that failed at the
+endpoint or in the env (``failed_outside_agent``: an outage is not the agent's result), which
+it plays again; it refuses other settings. ``overwrite=True`` replaces the run
+(``envhub.eval_output``).
+
+Every summary figure counts every episode, one that failed as a loss; ``measured`` and
+``measured_success_rate`` leave out those that failed at the endpoint or in the env.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import math
 import time
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
 from envhub.core import Observation
-from envhub.errors import describe_error
-from envhub.eval_output import json_safe, open_run, store
+from envhub.errors import EnvKwargsError, describe_error
+from envhub.eval_output import compact, json_safe, open_run, store
+from envhub.eval_records import (
+    EpisodeStats,
+    EvalSummary,
+    failed_outside_agent,
+    read_episodes,
+    summarise,
+)
 from envhub.eval_workers import Job, play_jobs
 from envhub.model_agent import (
     AgentError,
     AgentTurn,
     ModelAgent,
     ToolsMode,
-    link_tool_answers,
+    answer_tool_calls,
     resolve_model,
+    sampling_seed,
 )
 
-__all__ = [
-    "AGENTS",
-    "Agent",
-    "EpisodeStats",
-    "EvalSummary",
-    "evaluate",
-    "pass_at_k",
-    "run_episode",
-    "summarise",
-]
+__all__ = ["AGENTS", "Agent", "TurnAgent", "evaluate", "run_episode"]
 
 Agent = Callable[[Any, Observation], str]
 _log = logging.getLogger(__name__)
@@ -86,8 +88,14 @@ class TurnAgent(Protocol):
     name: str
 
     def act(
-        self, env: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-    ) -> AgentTurn: ...
+        self,
+        env: Any,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        seed: int | None = None,
+    ) -> AgentTurn:
+        """``seed``: one per (episode seed, try) (``sampling_seed``), for agents that sample."""
 
 
 class _CallableAgent:
@@ -97,7 +105,12 @@ class _CallableAgent:
         self.name, self.fn = name, fn
 
     def act(
-        self, env: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        env: Any,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        seed: int | None = None,
     ) -> AgentTurn:
         start = time.perf_counter()
         try:
@@ -133,114 +146,6 @@ class _ExpertAgent(_CallableAgent):
         return action, False
 
 
-@dataclass(frozen=True)
-class EpisodeStats:
-    """One played episode: its outcome and (for the JSONL) its transcript."""
-
-    env_id: str
-    seed: int
-    episode_return: float
-    turns: int
-    success: bool
-    invalid_actions: int
-    truncated: bool
-    seconds: float
-    agent: str = ""
-    sample: int = 0
-    failure: str | None = None
-    """Why the episode could not be played to its end (``AgentError.reason``, ``env_error``)."""
-    detail: str = ""
-    tokens_in: int = 0
-    tokens_out: int = 0
-    latencies: tuple[float, ...] = ()
-    """Seconds per agent call (per request, for a model)."""
-    random_turns: int = 0
-    """Turns the agent played at random for want of a move of its own (``AgentTurn.fallback``)."""
-    has_tools: bool = False
-    """The env published tools (its reset info's ``tools``)."""
-    invalid_feedback: str = ""
-    """The env's answer to the episode's first invalid action (why it was refused)."""
-    messages: list[dict[str, Any]] = field(default_factory=list, repr=False)
-    rewards: list[float] = field(default_factory=list, repr=False)
-    info: dict[str, Any] = field(default_factory=dict, repr=False)
-
-    @property
-    def key(self) -> tuple[str, str, int, int]:
-        return self.env_id, self.agent, self.seed, self.sample
-
-    def as_record(self) -> dict[str, Any]:
-        """A JSON-friendly dict (one JSONL line)."""
-        record = asdict(self)
-        record["latencies"] = list(self.latencies)
-        return record
-
-    @classmethod
-    def from_record(cls, record: dict[str, Any]) -> EpisodeStats:
-        names = cls.__dataclass_fields__
-        values = {k: v for k, v in record.items() if k in names}
-        values["latencies"] = tuple(values.get("latencies", ()))
-        return cls(**values)
-
-
-@dataclass(frozen=True)
-class EvalSummary:
-    """Aggregate of the episodes of one agent on one env."""
-
-    env_id: str
-    agent: str
-    episodes: int
-    success_rate: float
-    mean_return: float
-    mean_turns: float
-    invalid_rate: float
-    """Invalid actions per turn taken."""
-    steps_per_second: float
-    samples: int = 1
-    """Tries per seed (the ``k`` of ``pass_at_k``)."""
-    pass_at_k: float = 0.0
-    """Mean over seeds of the unbiased pass@k estimate (``pass_at_k``)."""
-    pass_at_k_low: float = 0.0
-    pass_at_k_high: float = 1.0
-    """The 95% Wilson score interval of ``pass_at_k`` over seeds."""
-    mean_tokens_in: float = 0.0
-    mean_tokens_out: float = 0.0
-    latency_p50_s: float = 0.0
-    latency_p95_s: float = 0.0
-    failures: dict[str, int] = field(default_factory=dict)
-    """Episodes that could not be played to their end, by reason."""
-    random_turn_rate: float = 0.0
-    """Share of the turns played at random for want of a move of the agent's own (``expert`` on
-    an env whose ``expert_action()`` returned None): 1.0 means the row is random play."""
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased estimate of P(at least one of k tries succeeds) from n tries, c successes:
-    ``1 - C(n-c, k) / C(n, k)`` (Chen et al., 2021)."""
-    if n < k:
-        raise ValueError(f"pass@{k} needs at least {k} tries, got {n}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def _wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 1.0
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
-def _percentile(values: Sequence[float], q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
-
-
 def run_episode(
     env: Any,
     agent: Agent | TurnAgent,
@@ -255,13 +160,16 @@ def run_episode(
 
     ``max_turns`` stops early (a truncation, not a failure); an ``AgentError``, or an env that
     raises anything but ``KeyboardInterrupt`` (``SystemExit`` included), ends the episode
-    with ``failure`` set instead of raising."""
+    with ``failure`` set instead of raising. The agent is asked for each turn with
+    ``seed=sampling_seed(seed, sample)``, and the env's answer to a reply with tool calls is
+    recorded as ``answer_tool_calls`` makes it (every call id answered: what a strict API
+    needs of the next request)."""
     turn_agent = agent if hasattr(agent, "act") else _CallableAgent("callable", agent)
     start = time.perf_counter()
     messages: list[dict[str, Any]] = []
     rewards: list[float] = []
     latencies: list[float] = []
-    tokens_in = tokens_out = invalid = random_turns = 0
+    tokens_in = tokens_out = invalid = random_turns = cut_off = 0
     truncated, failure, detail, feedback = False, None, "", ""
     info: dict[str, Any] = {}
     tools = None
@@ -279,17 +187,20 @@ def run_episode(
             truncated = True
             break
         try:
-            turn = turn_agent.act(env, messages, tools)
+            turn = turn_agent.act(env, messages, tools, seed=sampling_seed(seed, sample))
         except AgentError as error:
             failure, detail = error.reason, error.detail
+            if error.seconds is not None:
+                latencies.append(error.seconds)
             break
         latencies.append(turn.seconds)
         random_turns += turn.fallback
+        cut_off += turn.finish_reason == "length"
         tokens_in, tokens_out = tokens_in + turn.tokens_in, tokens_out + turn.tokens_out
         messages.append(turn.message)
         try:
-            observation, reward, terminated, truncated, info = env.step(turn.action)
-            messages.extend(link_tool_answers(turn.message, list(observation)))
+            observation, reward, terminated, truncated, info = env.step(_action(turn))
+            messages.extend(answer_tool_calls(turn.message, list(observation)))
             rewards.append(float(reward))
             if info.get("invalid_action", False):
                 invalid += 1
@@ -320,10 +231,20 @@ def run_episode(
         random_turns=random_turns,
         has_tools=bool(tools),
         invalid_feedback=feedback,
+        cut_off=cut_off,
         messages=messages,
         rewards=rewards,
         info=json_safe(info if isinstance(info, dict) else {"info": info}),
     )
+
+
+def _action(turn: AgentTurn) -> str | dict[str, Any]:
+    """What the env is stepped with: a reply with tool calls as the assistant message (an env
+    that reads calls as data keeps the server's ids), any other as its text."""
+    calls = turn.message.get("tool_calls")
+    if not calls:
+        return turn.action
+    return {"role": "assistant", "content": turn.message.get("content") or "", "tool_calls": calls}
 
 
 def _said(observation: Any) -> str:
@@ -352,63 +273,6 @@ def failed_episode(job: Job, failure: str, detail: str, seconds: float) -> Episo
         failure=failure,
         detail=detail,
     )
-
-
-def summarise(env_id: str, agent: str, episodes: list[EpisodeStats]) -> EvalSummary:
-    n = max(len(episodes), 1)
-    turns = sum(e.turns for e in episodes)
-    seconds = sum(e.seconds for e in episodes)
-    by_seed: dict[int, list[bool]] = {}
-    for e in episodes:
-        by_seed.setdefault(e.seed, []).append(e.success)
-    k = min((len(tries) for tries in by_seed.values()), default=1)
-    per_seed = [pass_at_k(len(t), sum(t), k) for t in by_seed.values()]
-    mean_pass = sum(per_seed) / len(per_seed) if per_seed else 0.0
-    low, high = _wilson(mean_pass, len(per_seed))
-    latencies = [s for e in episodes for s in e.latencies]
-    return EvalSummary(
-        env_id=env_id,
-        agent=agent,
-        episodes=len(episodes),
-        success_rate=sum(e.success for e in episodes) / n,
-        mean_return=sum(e.episode_return for e in episodes) / n,
-        mean_turns=turns / n,
-        invalid_rate=sum(e.invalid_actions for e in episodes) / max(turns, 1),
-        steps_per_second=turns / seconds if seconds > 0 else float("inf"),
-        samples=k,
-        pass_at_k=mean_pass,
-        pass_at_k_low=low,
-        pass_at_k_high=high,
-        mean_tokens_in=sum(e.tokens_in for e in episodes) / n,
-        mean_tokens_out=sum(e.tokens_out for e in episodes) / n,
-        latency_p50_s=_percentile(latencies, 0.50),
-        latency_p95_s=_percentile(latencies, 0.95),
-        failures=dict(Counter(e.failure for e in episodes if e.failure)),
-        random_turn_rate=sum(e.random_turns for e in episodes) / max(turns, 1),
-    )
-
-
-def read_episodes(path: str | Path) -> list[EpisodeStats]:
-    """The episodes of an ``episodes.jsonl`` (lines that hold no episode, such as the torn last
-    line of a killed run, are skipped with a warning that counts them)."""
-    import orjson
-
-    episodes, bad = [], 0
-    with open(path, "rb") as lines:
-        for line in lines:
-            try:
-                record = orjson.loads(line)
-                if not isinstance(record, dict):
-                    raise TypeError(f"not an object: {type(record).__name__}")
-                episode = EpisodeStats.from_record(record)
-                hash(episode.key)  # a key that cannot index the run is no episode either
-            except (orjson.JSONDecodeError, TypeError, ValueError):
-                bad += 1
-                continue
-            episodes.append(episode)
-    if bad:
-        _log.warning("%s: skipped %d unreadable line(s)", path, bad)
-    return episodes
 
 
 def evaluate(
@@ -440,11 +304,33 @@ def evaluate(
     numbers compare like for like. ``concurrency`` defaults to 8 for a model, 1 otherwise.
     An episode still running after ``episode_timeout`` seconds is recorded as failed
     (``episode_timeout``; see ``envhub.eval_workers``). ``out`` keeps the run (see
-    ``envhub.eval_output``: a folder holding one needs ``resume`` or ``overwrite``)."""
+    ``envhub.eval_output``: a folder holding one needs ``resume`` or ``overwrite``);
+    ``resume`` plays what the folder lacks and, again, the episodes it holds that failed at the
+    endpoint or in the env (``failed_outside_agent``): the newest line of an episode wins.
+
+    Raises before playing anything: ``ValueError`` for ``episodes`` or ``samples`` below 1 or
+    a negative ``seed`` (a run of no episodes would read as a 0% row), ``UnknownEnvError``
+    for an unknown id, and ``EnvKwargsError`` when an env does not take ``env_kwargs`` (which
+    every env of the call gets). Logs a warning for several ``samples`` of a model at
+    temperature 0: greedy tries are the same try, so pass@k is success again."""
     from envhub.registry import make, spec
 
-    # an unknown id fails before any play
+    counts = {"episodes": (episodes, 1), "samples": (samples, 1), "seed": (seed, 0)}
+    for name, (value, least) in counts.items():
+        if not (isinstance(value, int) and value >= least):
+            raise ValueError(f"{name} must be an int of at least {least}, got {value!r}")
+    # an unknown id, or kwargs an env does not take, fail before any play
     env_ids = list(dict.fromkeys(spec(env_id).id for env_id in env_ids))
+    _check_env_kwargs(env_ids, env_kwargs or {})
+    if client is not None and samples > 1 and temperature == 0:
+        _log.warning(
+            "%d tries per seed at temperature 0 are one try %d times (greedy decoding): pass@%d "
+            "is success again; sample at a temperature above 0 (e.g. --temperature 0.7) to "
+            "measure pass@k",
+            samples,
+            samples,
+            samples,
+        )
     players, settings = _players(agents, client, model, temperature, max_tokens, tools)
     settings |= {"env_kwargs": env_kwargs or {}, "max_turns": max_turns}
     out_dir = Path(out) if out is not None else None
@@ -454,8 +340,9 @@ def evaluate(
         run: dict[str, Any] = {"settings": settings, "envs": env_ids, "agents": list(players)}
         run |= {"episodes": episodes, "samples": samples, "seed": seed}
         writer = open_run(out_dir, run, resume=resume, overwrite=overwrite)
-        if resume:
-            finished = {e.key: e for e in read_episodes(out_dir / "episodes.jsonl")}
+        if resume:  # (the newest line of an episode wins: a replay's comes after the failure)
+            held = {e.key: e for e in read_episodes(out_dir / "episodes.jsonl")}
+            finished = {k: e for k, e in held.items() if not failed_outside_agent(e.failure)}
 
     def keys(env_id: str, name: str) -> list[Job]:
         return [(env_id, name, seed + i, s) for i in range(episodes) for s in range(samples)]
@@ -499,6 +386,8 @@ def evaluate(
     finally:
         if writer is not None:
             writer.close()
+    if out_dir is not None and resume:  # one line per episode again (the replays superseded some)
+        compact(out_dir / "episodes.jsonl")
     summaries = [
         summarise(*row, [played[key] for key in keys(*row) if key in played]) for row in rows
     ]
@@ -506,6 +395,38 @@ def evaluate(
         summary = [s.as_dict() for s in summaries]
         store(out_dir, summary, [e.as_record() for e in played.values()])
     return summaries
+
+
+def _check_env_kwargs(env_ids: list[str], env_kwargs: dict[str, Any]) -> None:
+    """``EnvKwargsError`` when an env does not take ``env_kwargs`` (checked against its
+    constructor, building nothing), before any episode is played; for several envs, the message
+    says that ``-k`` applies to every one and how to run each on its own."""
+    from envhub.registry import spec
+
+    misfits: dict[str, EnvKwargsError] = {}
+    for env_id in env_ids if env_kwargs else ():
+        try:
+            spec(env_id).constructor_kwargs(env_kwargs)
+        except EnvKwargsError as error:
+            misfits[env_id] = error
+        except Exception:  # noqa: BLE001, S112 - an entry point that cannot load: make() fails
+            continue  # its episodes (env_error), as for any env that cannot be built
+    if not misfits:
+        return
+    if len(env_ids) == 1:
+        raise misfits[env_ids[0]]
+    pairs = " ".join(
+        f"-k {key}={value if isinstance(value, str) else json.dumps(value)}"
+        for key, value in env_kwargs.items()
+    )
+    fits = [env_id for env_id in env_ids if env_id not in misfits]
+    example = f"envhub eval {fits[0] if fits else 'ENV'} {pairs}"
+    raise EnvKwargsError(
+        "; ".join(str(error) for error in misfits.values())
+        + f". -k (env_kwargs) applies to every env evaluated together, and "
+        f"{', '.join(misfits)} {'does' if len(misfits) == 1 else 'do'} not take it: evaluate "
+        f"each env in a command of its own, with the -k it takes (e.g. {example})"
+    )
 
 
 def _players(

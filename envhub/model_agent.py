@@ -5,17 +5,40 @@ hosted API, the trainer's own policy served by vLLM). Each turn it sends the con
 far (the env's messages and its own earlier turns) to ``client.chat.completions.create``, with
 the env's tool schemas as ``tools=`` when the env publishes them, and hands the env the reply:
 
-- a reply with ``tool_calls`` becomes those calls in envhub's ``<tool_call>`` form, the text
-  every tool env parses (arguments that are not JSON reach the env as written, and the env
-  answers them with its feedback and penalty, as it would the trainer's policy);
-- the env's ``role: tool`` answers are linked back to the call ids the server gave, so the
-  next request is a well-formed tool conversation;
+- a reply with ``tool_calls`` goes to ``env.step`` as the assistant message itself
+  (``envhub.evaluate`` steps with ``AgentTurn.message``), so an env that reads tool calls as
+  data (``structured_actions``: every ``ToolEnv``) answers with the ids the server gave;
+  other envs read it as text, the calls in envhub's ``<tool_call>`` form
+  (arguments that are not JSON reach the env as written, and the env answers them with its
+  feedback and penalty, as it would the trainer's policy);
 - a reply without calls is its text (text envs, and models that write calls as text).
+
+The conversation sent back obeys the chat-completions rules that strict APIs (api.openai.com,
+DeepSeek, DashScope, litellm in front of them) enforce with a 400, which vLLM does not check:
+
+1. every call id of an assistant message is answered by one ``role: tool`` message right
+   after it (``answer_tool_calls``): a call the env refused (an unknown tool, arguments that
+   are not JSON, too many calls) is answered by a tool message saying it was not run, and the
+   env's feedback follows as it wrote it, so a bad call is an invalid action the model can
+   recover from, not an endpoint failure;
+2. a ``role: tool`` message that answers no call of the assistant message before it (text
+   calls: ``--tools text``, or ``auto`` once a server refused ``tools=``) is sent as a ``user``
+   message holding the result in ``<tool_response>`` tags (``api_messages``);
+3. only the keys each role may carry are sent: the ``finish_reason`` and
+   ``reasoning_content`` that the record keeps on each assistant message are not (DeepSeek
+   refuses ``reasoning_content`` sent back);
+4. text is sent as valid UTF-8: a lone surrogate (a JSON reply can carry one; the env sees it
+   as the model wrote it, and refuses it) is sent as U+FFFD, else the request could not be
+   encoded.
 
 ``tools="auto"`` (the default) sends tools and, if the server refuses them (vLLM started
 without ``--enable-auto-tool-choice``), plays on without them for the rest of the run: tool
 envs describe their tools in the prompt, and the model writes calls as text. ``"native"``
 keeps refusing servers an error; ``"text"`` never sends tools.
+
+Each request carries a ``seed`` (``sampling_seed``: one per episode seed and try), so a run
+at temperature > 0 asks for the same samples again where the server honours it (vLLM and
+OpenAI do; others ignore it).
 
 Retries with exponential backoff on 408/409/429/5xx and connection errors, and the per-request
 timeout, are the ``openai`` client's own (``OpenAI(max_retries=..., timeout=...)``). What still
@@ -27,6 +50,7 @@ episode's failure: ``timeout``, ``connection``, ``http_<status>``, ``context_len
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -44,9 +68,11 @@ __all__ = [
     "ModelAgent",
     "ModelEndpointError",
     "ToolsMode",
+    "answer_tool_calls",
     "api_messages",
     "link_tool_answers",
     "resolve_model",
+    "sampling_seed",
 ]
 
 ToolsMode = Literal["auto", "native", "text"]
@@ -70,11 +96,15 @@ class ModelEndpointError(EnvhubError):
 
 
 class AgentError(Exception):
-    """One request failed after the client's retries; ends the episode as failed."""
+    """One request failed after the client's retries; ends the episode as failed.
 
-    def __init__(self, reason: str, detail: str) -> None:
+    ``seconds``: how long the failed request took (its retries included), for the latency
+    figures, which would otherwise hide a slow or hanging server; None where no request was
+    made (a built-in agent's error)."""
+
+    def __init__(self, reason: str, detail: str, seconds: float | None = None) -> None:
         super().__init__(f"{reason}: {detail}")
-        self.reason, self.detail = reason, detail[:500]
+        self.reason, self.detail, self.seconds = reason, detail[:500], seconds
 
 
 @dataclass(frozen=True)
@@ -82,6 +112,8 @@ class AgentTurn:
     """One turn of an agent: the env's action and the assistant message for the transcript."""
 
     action: str
+    """The reply as text, its calls in envhub's ``<tool_call>`` form (``message_text``).
+    ``envhub.evaluate`` steps the env with ``message`` instead when it has ``tool_calls``."""
     message: dict[str, Any]
     tokens_in: int = 0
     tokens_out: int = 0
@@ -90,16 +122,50 @@ class AgentTurn:
     fallback: bool = False
     """The agent had no move of its own and played a random action (``expert`` on a state whose
     ``expert_action()`` returned None)."""
+    finish_reason: str | None = None
+    """Why the model's reply ended, as the server said (``"length"``: cut off at
+    ``max_tokens``); None for agents that make no request."""
 
 
 def api_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The transcript as chat-completions messages: only the keys each role may carry."""
-    out = []
+    """The transcript as chat-completions messages: only the keys each role may carry, and a
+    ``role: tool`` message that answers no call of the assistant message before it sent as a
+    ``user`` message holding ``<tool_response>`` blocks (consecutive ones merged), since strict
+    APIs refuse it as a tool message (module docstring, rule 2)."""
+    out: list[dict[str, Any]] = []
+    calls: set[str] = set()  # the ids of the last assistant message's calls
     for message in messages:
-        keys = _KEYS.get(str(message.get("role")), ("role", "content"))
-        out.append({k: message[k] for k in keys if message.get(k) is not None})
+        role = str(message.get("role"))
+        if role == "tool" and message.get("tool_call_id") not in calls:
+            text = _sendable(str(message.get("content") or ""))
+            block = f"<tool_response>\n{text}\n</tool_response>"
+            if out and out[-1].get("tool_responses"):
+                out[-1]["content"] += "\n" + block
+            else:
+                out.append({"role": "user", "content": block, "tool_responses": True})
+            continue
+        if role == "assistant":
+            calls = {str(c.get("id")) for c in message.get("tool_calls") or [] if c.get("id")}
+        keys = _KEYS.get(role, ("role", "content"))
+        out.append({k: _sendable(message[k]) for k in keys if message.get(k) is not None})
         out[-1].setdefault("content", "")
+    for message in out:
+        message.pop("tool_responses", None)
     return out
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _sendable(value: Any) -> Any:
+    """``value`` with lone surrogates in its text replaced by U+FFFD (rule 4)."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [_sendable(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _sendable(item) for key, item in value.items()}
+    return value
 
 
 def link_tool_answers(
@@ -115,6 +181,43 @@ def link_tool_answers(
             position += 1
         linked.append(message)
     return linked
+
+
+NOT_RUN = "Not run: this call was refused; see the message that follows."
+"""The tool message answering a call the env did not run (``answer_tool_calls``)."""
+
+
+def answer_tool_calls(
+    assistant: dict[str, Any], answers: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The env's reply to ``assistant`` as a strict API takes it: every call id of the
+    assistant message answered by exactly one ``role: tool`` message, and those first.
+
+    A tool message carrying an id of the calls keeps it; one carrying another id (an env that
+    reads calls as text numbers them its own way) takes the next id not yet answered, in
+    order; a call left unanswered (the env refused the reply, answering with feedback
+    instead) gets a tool message saying it was not run (``NOT_RUN``). The env's other messages
+    (its feedback) follow, in their order. Without calls, ``answers`` is returned as it is."""
+    ids = [str(call["id"]) for call in assistant.get("tool_calls") or []]
+    if not ids:
+        return answers
+    tools = [m for m in answers if m.get("role") == "tool"]
+    rest = [m for m in answers if m.get("role") != "tool"]
+    open_ids = [i for i in ids if i not in {m.get("tool_call_id") for m in tools}]
+    linked = []
+    for message in tools:
+        if message.get("tool_call_id") not in ids and open_ids:
+            message = {**message, "tool_call_id": open_ids.pop(0)}
+        linked.append(message)
+    linked += [{"role": "tool", "tool_call_id": i, "content": NOT_RUN} for i in open_ids]
+    return linked + rest
+
+
+def sampling_seed(seed: int, sample: int) -> int:
+    """The ``seed`` sent with the requests of try ``sample`` of episode ``seed``: one per
+    (seed, try), so each try samples differently and a rerun asks for the same samples; kept
+    below 2**31, which every server that takes a seed accepts."""
+    return (seed * 1_000_003 + sample) % (2**31 - 1)
 
 
 def resolve_model(client: Any, model: str | None) -> str:
@@ -182,6 +285,20 @@ def _reason(error: Exception) -> str:
     return "bad_response"
 
 
+def _since(start: float) -> float:
+    return time.perf_counter() - start
+
+
+def _reasoning(message: Any) -> str:
+    """The model's thinking, where the server returns it apart from the content (vLLM's
+    reasoning parsers and DeepSeek: ``reasoning_content``; OpenRouter: ``reasoning``)."""
+    for name in ("reasoning_content", "reasoning"):
+        value = getattr(message, name, None)
+        if isinstance(value, str) and value:
+            return value
+    return ""
+
+
 def _refuses_tools(error: Exception) -> bool:
     text = str(error).lower()
     return "tool" in text and ("auto" in text or "not support" in text or "parser" in text)
@@ -211,9 +328,15 @@ class ModelAgent:
         self._lock = threading.Lock()
 
     def act(
-        self, env: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+        self,
+        env: Any,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        *,
+        seed: int | None = None,
     ) -> AgentTurn:
-        """The model's next turn after ``messages``; ``AgentError`` if the server fails it."""
+        """The model's next turn after ``messages``; ``AgentError`` if the server fails it.
+        ``seed`` is sent as the request's ``seed`` (``sampling_seed``; None: not sent)."""
         import openai
 
         send_tools = bool(tools) and self._send_tools
@@ -224,6 +347,8 @@ class ModelAgent:
             "top_p": self.top_p,
             "max_tokens": self.max_tokens,
         }
+        if seed is not None:
+            request["seed"] = seed
         if send_tools:
             request["tools"] = tools
         if self.extra_body:
@@ -234,13 +359,15 @@ class ModelAgent:
         except openai.BadRequestError as error:
             if send_tools and self.tools_mode == "auto" and _refuses_tools(error):
                 self._play_without_tools(error)
-                return self.act(env, messages, tools)
-            raise AgentError(_reason(error), str(error)) from None
+                return self.act(env, messages, tools, seed=seed)
+            raise AgentError(_reason(error), str(error), _since(start)) from None
         except (openai.OpenAIError, ValueError) as error:  # ValueError: a body that is not JSON
-            raise AgentError(_reason(error), f"{type(error).__name__}: {error}") from None
-        seconds = time.perf_counter() - start
+            detail = f"{type(error).__name__}: {error}"
+            raise AgentError(_reason(error), detail, _since(start)) from None
+        seconds = _since(start)
         try:
-            message = response.choices[0].message
+            choice = response.choices[0]
+            message = choice.message
             calls = [
                 {
                     "id": call.id or ToolCall.numbered_id(i),
@@ -255,16 +382,23 @@ class ModelAgent:
             content = message.content or ""
             usage = response.usage
         except (AttributeError, IndexError, TypeError) as error:
-            raise AgentError("bad_response", f"not a chat completion: {error}") from None
+            detail = f"not a chat completion: {error}"
+            raise AgentError("bad_response", detail, seconds) from None
         assistant: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             assistant["tool_calls"] = calls
+        finish = getattr(choice, "finish_reason", None)
+        assistant["finish_reason"] = finish if isinstance(finish, str) else None
+        reasoning = _reasoning(message)
+        if reasoning:
+            assistant["reasoning_content"] = reasoning
         return AgentTurn(
             action=message_text({"content": content, "tool_calls": calls}),
             message=assistant,
             tokens_in=int(getattr(usage, "prompt_tokens", 0) or 0),
             tokens_out=int(getattr(usage, "completion_tokens", 0) or 0),
             seconds=seconds,
+            finish_reason=assistant["finish_reason"],
         )
 
     def _play_without_tools(self, error: Exception) -> None:

@@ -18,7 +18,8 @@ from click.testing import CliRunner, Result
 
 import envhub
 from envhub.cli import main
-from envhub.evaluation import evaluate, read_episodes
+from envhub.eval_records import read_episodes
+from envhub.evaluation import evaluate
 from tests.helpers import CountdownEnv
 
 COUNTDOWN = "evaltest/countdown-v0"

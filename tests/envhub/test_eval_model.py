@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 import envhub
 from envhub.cli import main
-from envhub.evaluation import evaluate, pass_at_k, read_episodes
+from envhub.eval_records import pass_at_k, read_episodes
+from envhub.evaluation import evaluate
 from envhub.model_agent import ModelEndpointError
 from tests.envhub.openai_servers import completion, scripted_server, tool_call
 
