@@ -64,17 +64,32 @@ def normalise(text: str) -> str:
     return _LEADING.sub("", " ".join(text.split()).lower().rstrip(_EDGES))
 
 
+_WORD = r"[\w'’]+(?:\.\d+)*"
+"""A word of a normalised line, a decimal number included (``42.5``)."""
 _DENIAL = re.compile(
-    r"(?<!\w)(?:not|never|neither|nor|\w+n't)"
-    r"(?:\s+(?!but\b|rather\b|instead\b|it\b|its\b|it's\b)[^\s,;]+){1,3}"
+    r"(?<!\w)(?:not|never|neither|nor|cannot|\w+n['’]t)"
+    rf"(?: (?!but\b|rather\b|instead\b|it\b|its\b|it['’]s\b){_WORD}){{1,3}}"
 )
-"""A negation and what it denies: up to three words, up to a comma or ``but``/``rather``/``it``
-(``not the finance department``; ``not sales but finance`` denies only sales)."""
+"""A negation and what it denies: up to three words of its clause, which punctuation, a line's
+end or ``but``/``rather``/``it`` ends (``not the finance department``; ``not sales: finance``
+and ``not sales but finance`` deny only sales)."""
+_NAME = "zqz{}zqz"
+"""A known name while denials are read: one word, whatever words it holds."""
 
 
-def _affirmed(text: str) -> str:
-    """``normalise(text)`` without what it denies (``_DENIAL``)."""
-    return _DENIAL.sub(" ", normalise(text))
+def _affirmed(text: str, names: Iterable[str] = ()) -> str:
+    """``normalise(text)``, line by line, without what it denies (``_DENIAL``). ``names``
+    (normalised) are read as one word each, longest first, so a negation inside one (``never
+    let me go``) denies nothing and a denied one goes whole."""
+    known = sorted({name for name in names if name}, key=len, reverse=True)
+    lines = []
+    for line in text.splitlines() or [""]:
+        line = normalise(line)
+        for index, name in enumerate(known):
+            line = re.sub(_whole(name), _NAME.format(index), line)
+        line = _DENIAL.sub(" ", line)
+        lines.append(re.sub(_NAME.format(r"(\d+)"), lambda m: known[int(m.group(1))], line))
+    return " ".join(lines)
 
 
 def _digit(char: str) -> str:
@@ -121,9 +136,10 @@ def name_matches(answer: str, expected: str, rivals: Iterable[str]) -> bool:
     ``rivals`` besides: the other answers a hedge would list; what it denies counts for neither
     (``_affirmed``). A rival inside the expected name is no rival (``Kalmar`` in
     ``Kalmar Union``)."""
-    given, wanted = _affirmed(answer), normalise(expected)
+    wanted = normalise(expected)
+    others = {normalise(rival) for rival in rivals} - {wanted, ""}
+    given = _affirmed(answer, [wanted, *others])
     if not wanted or not re.search(_whole(wanted), given):
         return False
     rest = re.sub(_whole(wanted), " ", given)
-    others = {normalise(rival) for rival in rivals} - {wanted, ""}
     return not any(re.search(_whole(rival), rest) for rival in others)
