@@ -361,7 +361,11 @@ async def run_mode(
     started = time.perf_counter()
     trained = 0
     staleness: list[int] = []
-    discarded = {"stale_dropped_groups": 0.0, "stale_aborted_groups": 0.0, "aborted_surplus": 0.0}
+    discarded = {
+        "stale_dropped_groups": 0.0,
+        "stale_aborted_groups": 0.0,
+        "aborted_surplus_episodes": 0.0,
+    }
     if mode == "batch":
         for step in range(args.steps):
             specs = plan_groups(
@@ -386,7 +390,11 @@ async def run_mode(
                     for t in batch.trajectories
                     if t.oldest_version is not None
                 ]
-                for name in ("stale_dropped_groups", "stale_aborted_groups", "aborted_surplus"):
+                for name in (
+                    "stale_dropped_groups",
+                    "stale_aborted_groups",
+                    "aborted_surplus_episodes",
+                ):
                     discarded[name] += batch.metrics[f"rollout/{name}"]
                 # rollouts go on meanwhile (async)
                 await asyncio.to_thread(trainer.step, batch.trajectories)
@@ -506,7 +514,7 @@ def main() -> None:
                         f"{r['traj_per_s']:6.2f} traj/s, {r['tokens'] / r['wall_s']:6.0f} tok/s, "
                         f"engine idle {100 * r['engine_idle']:5.1f}%, oldest trained token "
                         f"{r['max_staleness_seen']} versions behind, discarded: "
-                        f"{r['aborted_surplus']:.0f} surplus episodes, "
+                        f"{r['aborted_surplus_episodes']:.0f} surplus episodes, "
                         f"{r['stale_aborted_groups']:.0f}+{r['stale_dropped_groups']:.0f} stale "
                         f"groups; speedup {r['traj_per_s'] / base:5.2f} x (round {round_ + 1}, "
                         f"load average {os.getloadavg()[0]:.1f})",

@@ -355,9 +355,13 @@ class RolloutConfig(Section):
     """Scheduler modes: groups started per group a batch needs; the first of each env to end
     fill its share of the batch (``env.id`` weights), the surplus is aborted. In
     ``async`` a run whose rollouts, not training, are the bound wants some (e.g. 1.25): at 1.0
-    each batch waits for its slowest group (``benchmarks/rollout_scale.py``, ``MODE@R``)."""
+    each batch waits for its slowest group (``benchmarks/rollout_scale.py``, ``MODE@R``).
+    ``train/*`` is then over the first groups to finish (biased toward short episodes);
+    ``rollout/played_*`` reports every group played."""
     dynamic_sampling: bool = False
-    """Scheduler modes: drop groups whose rewards are all equal and play replacements."""
+    """Scheduler modes: drop groups whose rewards are all equal and play replacements.
+    ``train/*`` is then over the groups let through; ``rollout/played_*`` over every group
+    played, the filtered ones included."""
     is_truncation: float | None = Field(default=None, gt=0)
     """``async``: None (default) takes the PPO ratio against the behaviour policy's log-probs, so
     PPO's clip truncates the off-policy importance ratio; a number switches to the decoupled

@@ -28,10 +28,13 @@ import struct
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from trainer.errors import TrainerError
 from trainer.rollout.trajectory import Trajectory
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
 
 __all__ = [
     "EventFileWriter",
@@ -39,6 +42,7 @@ __all__ = [
     "SignalWatch",
     "learning_signal",
     "plot_curves",
+    "run_summary",
     "summarise",
 ]
 
@@ -79,6 +83,18 @@ def summarise(
         f"{prefix}/sequence_tokens": sum(t.num_tokens for t in trajectories) / n,
         f"{prefix}/episodes": float(len(trajectories)),
     }
+
+
+def run_summary(
+    trajectories: Sequence[Trajectory], prefix: str, cfg: TrainerConfig
+) -> dict[str, float]:
+    """A run's row figures for ``trajectories``: ``summarise`` over the run's envs, and for a
+    training batch (``prefix`` ``train``) its ``learning_signal`` under the run's estimator."""
+    row = summarise(trajectories, prefix, cfg.env.ids)
+    if prefix == "train":
+        estimator = cfg.algorithm.advantage_estimator
+        row.update(learning_signal(trajectories, cfg.rollout.max_new_tokens, estimator))
+    return row
 
 
 def learning_signal(

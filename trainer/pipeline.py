@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ from trainer.controller.batch import Batch
 from trainer.devices import PHASE_ROLES
 from trainer.errors import NonFiniteLossError, WorkerCallError
 from trainer.local_copies import check_local_copies
-from trainer.metrics import MetricsLog, SignalWatch, learning_signal, plot_curves, summarise
+from trainer.metrics import MetricsLog, SignalWatch, plot_curves, run_summary
 from trainer.roles import prepare_policy, start_roles
 from trainer.rollout.collate import collate, episode_advantages
 from trainer.rollout.env_manager import (
@@ -167,12 +168,11 @@ class AgenticPipeline:
             if self.resume:
                 self.restore()
             else:
-                self.log_step({"step": 0, **self.warm_start(), **self.evaluate()})
-                self.save_checkpoint()
+                self.end_step(self.step_zero(), checkpoint=True)
             for step in range(self.step + 1, self.cfg.train.steps + 1):
                 timing: dict[str, float] = {}
                 with self.phase("rollout", timing):
-                    episodes, failed = self.rollouts.next_batch()
+                    episodes, _ = self.rollouts.next_batch()  # (failures: rollout/*)
                 batch = self.to_batch(episodes)
                 with self.phase("reference", timing):
                     self.reference_logprobs(batch)
@@ -190,9 +190,7 @@ class AgenticPipeline:
                 self.step = step
                 metrics = {
                     "step": step,
-                    **summarise(episodes, "train"),
-                    **learning_signal(episodes, self.cfg.rollout.max_new_tokens),
-                    "train/failed_episodes": len(failed),
+                    **run_summary(episodes, "train", self.cfg),
                     **losses,
                     **timing,
                     **moved,
@@ -201,9 +199,7 @@ class AgenticPipeline:
                 if self.eval_due(step):
                     with self.phase("eval", metrics):
                         metrics.update(self.evaluate())
-                self.log_step(metrics)
-                if self.checkpoint_due(step):
-                    self.save_checkpoint()
+                self.end_step(metrics, checkpoint=self.checkpoint_due(step))
             rows = self.finish()
         except BaseException as error:
             self.close(error=error)
@@ -212,6 +208,15 @@ class AgenticPipeline:
         return rows
 
     # ================================================================== phases
+    def step_zero(self) -> dict[str, Any]:
+        """Step 0's row: the warm start and the evaluation of the policy it left, each timed."""
+        row: dict[str, Any] = {"step": 0}
+        with self.phase("sft", row):
+            row.update(self.warm_start())
+        with self.phase("eval", row, swap=False):  # as the warm start's weight sync left them
+            row.update(self.evaluate())
+        return row
+
     def to_batch(self, episodes: list[Trajectory]) -> Batch:
         algo = self.cfg.algorithm
         step_gamma = algo.gamma if algo.advantage_estimator == "gigpo" else None
@@ -254,9 +259,7 @@ class AgenticPipeline:
         a batch with no token to train (every episode masked) steps nothing."""
         metrics: dict[str, float] = {}
         train = self.cfg.train
-        if (
-            train.lr_schedule != "constant" or train.warmup_steps
-        ):  # from the step alone, so resume agrees
+        if train.lr_schedule != "constant" or train.warmup_steps:  # (from the step: resume agrees)
             metrics["actor/lr"] = train.lr_at(step, self.cfg.policy_lr)
             self.roles.actor.set_lr(metrics["actor/lr"])
         if not bool(batch["response_mask"].any()):  # all masked (algorithm.mask_truncated)
@@ -303,17 +306,15 @@ class AgenticPipeline:
         )
         episodes, failed = self.rollouts.play(specs, sampling)
         self.store_episodes("eval", self.step, episodes)
-        return {**summarise(episodes, "eval"), **eval_failures(specs, episodes, failed)}
+        return {**run_summary(episodes, "eval", self.cfg), **eval_failures(specs, episodes, failed)}
 
     def store_episodes(
         self, kind: str, step: int, episodes: list[Trajectory], batch: Batch | None = None
     ) -> None:
         """Queue ``episodes`` for the trajectory store (with their advantages when trained)."""
-        advantages = (
-            episode_advantages(episodes, batch["advantages"])
-            if batch is not None
-            else [None] * len(episodes)
-        )
+        advantages: list[Any] = [None] * len(episodes)
+        if batch is not None:
+            advantages = episode_advantages(episodes, batch["advantages"])
         now = self.elapsed
         self.store.write(
             kind, step, [t.as_record(a, now) for t, a in zip(episodes, advantages, strict=True)]
@@ -333,7 +334,7 @@ class AgenticPipeline:
             demos.write_jsonl(data, self.out / "sft_demos.jsonl")
         lr, pad = sft.lr or self.cfg.policy_lr, self.renderer.tokenizer.pad_token_id
 
-        def train(chunk: list[Trajectory], step: int, total: int) -> float:
+        def train(chunk: list[Trajectory], step: int, total: int) -> dict[str, float]:
             rate = scheduled_lr(
                 step,
                 total,
@@ -342,7 +343,7 @@ class AgenticPipeline:
                 min_ratio=sft.min_lr_ratio,
                 warmup=sft.warmup_steps,
             )
-            return self.roles.actor.sft_step(Batch(collate(chunk, pad)), rate)["sft/nll"]
+            return self.roles.actor.sft_step(Batch(collate(chunk, pad)), rate)
 
         stats = demos.clone(
             data,
@@ -374,6 +375,14 @@ class AgenticPipeline:
     def elapsed(self) -> float:
         return self.time_offset + time.monotonic() - self.start_time
 
+    def end_step(self, metrics: dict[str, Any], *, checkpoint: bool) -> None:
+        """Save the step's checkpoint if due (timed: ``timing/checkpoint_s``), then log its row,
+        which the checkpoint holds too: a run killed between the two gets it back (``restore``)."""
+        if checkpoint:
+            with self.phase("checkpoint", metrics):
+                self.save_checkpoint(row=metrics)
+        self.log_step(metrics)
+
     def log_step(self, metrics: dict[str, Any]) -> None:
         metrics = {"step": metrics["step"], "time_s": round(self.elapsed, 3), **metrics}
         self.log.write(metrics)
@@ -383,14 +392,15 @@ class AgenticPipeline:
             _log.warning(warning)
 
     @contextlib.contextmanager
-    def phase(self, name: str, timing: dict[str, Any]) -> Iterator[None]:
-        """Time a phase; around colocated roles, offload the others and reload the ones used."""
-        self._swap_in(PHASE_ROLES.get(name, ()))
+    def phase(self, name: str, timing: dict[str, Any], *, swap: bool = True) -> Iterator[None]:
+        """Time a phase; around colocated roles (``swap``), offload the others and reload the
+        ones used."""
+        self._swap_in(PHASE_ROLES.get(name, ()) if swap else ())
         started = time.monotonic()
         yield
         timing[f"timing/{name}_s"] = round(time.monotonic() - started, 4)
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self, row: dict[str, Any] | None = None) -> Path:
         self.store.flush()  # a resume from it plays no step it covers: their episodes first
         states: dict[str, Any] = {
             "actor": self.roles.actor.state_dict(),
@@ -404,7 +414,7 @@ class AgenticPipeline:
             self.step,
             states=states,
             seeds={"seed": self.cfg.seed, "next_step": self.step + 1},
-            extra={"time_s": self.elapsed, **self.rollouts.state_dict()},
+            extra={"time_s": self.elapsed, "row": json.dumps(row), **self.rollouts.state_dict()},
             config=self.cfg.model_dump(mode="json"),
         )
 
@@ -424,22 +434,23 @@ class AgenticPipeline:
             self.cfg.model_dump(mode="json"),
             engine_ranks=(len(engine["ranks"]), self.roles.infer.world_size),
         )
-        self.rollouts.load_state_dict(
-            checkpoint.extra, step=checkpoint.step
-        )  # first: the sync below starts async rollouts from this counter
+        # first: the sync below starts async rollouts from this counter
+        self.rollouts.load_state_dict(checkpoint.extra, step=checkpoint.step)
         self.roles.actor.load_state_dict(checkpoint.load_state("actor"))
         if self.roles.critic is not None:
             self.roles.critic.load_state_dict(checkpoint.load_state("critic"))
         if self.roles.reference is not None and "reference" in checkpoint.state_names:
             self.roles.reference.load_weights(checkpoint.load_state("reference"))
-        self.weight_sync.policy.restore(
-            int(engine.get("version", 0))
-        )  # the re-sync below is the next version
+        # the re-sync below is the next version
+        self.weight_sync.policy.restore(int(engine.get("version", 0)))
         self.roles.infer.set_state(engine["ranks"])  # sampling RNGs, before async rollouts start
         self.sync_weights()
         restore_rng(checkpoint.rng)
         self.step, self.time_offset = checkpoint.step, float(checkpoint.extra.get("time_s", 0.0))
-        self.log.truncate_after(self.step)
+        kept = self.log.truncate_after(self.step)
+        row = json.loads(checkpoint.extra.get("row", "null"))  # (end_step)
+        if row and all(line.get("step") != self.step for line in kept):  # killed before logging it
+            self.log.write({"step": self.step, "time_s": self.time_offset, **row})
         self.store.truncate_after(self.step)
 
     def finish(self) -> list[dict[str, Any]]:

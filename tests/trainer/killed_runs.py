@@ -55,9 +55,13 @@ def rows(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+WALL_CLOCK = ("time_s", "sync/gb_per_s")
+"""Metrics that are wall-clock readings, besides every ``timing/*``."""
+
+
 def comparable(row: dict[str, Any]) -> dict[str, Any]:
-    """A metrics row without wall-clock values (``time_s``, ``timing/*``)."""
-    return {k: v for k, v in row.items() if not k.startswith("timing/") and k != "time_s"}
+    """A metrics row without wall-clock values (``time_s``, ``timing/*``, rates)."""
+    return {k: v for k, v in row.items() if not k.startswith("timing/") and k not in WALL_CLOCK}
 
 
 def resets(out: Path) -> list[tuple[int, int, int]]:

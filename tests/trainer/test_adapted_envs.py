@@ -55,7 +55,7 @@ def test_a_reasoning_gym_dataset_and_a_textarena_game_train_two_steps(tmp_path: 
     assert len(trained) == 2 and all(row["actor/grad_norm"] > 0 for row in trained)
     for env_id in ADAPTED:  # each env played its group and its eval episodes
         assert {f"train/{env_id}/reward", f"eval/{env_id}/success"} <= set(rows[-1])
-    assert all(row["rollout/failed_episodes"] == 0 for row in trained)
+    assert all(row["rollout/failed_attempts"] == 0 for row in trained)
 
 
 def test_envhub_eval_plays_adapted_envs_with_the_built_in_agents() -> None:

@@ -59,5 +59,5 @@ def test_tool_code_and_web_envs_train_two_steps(tmp_path: Path, engine: str) -> 
     for env_id in AGENT_ENVS:  # each env played its group and its eval episode
         assert {f"train/{env_id}/reward", f"eval/{env_id}/success"} <= set(rows[-1])
     assert all(
-        row["train/episodes"] == 12 and row["rollout/failed_episodes"] == 0 for row in trained
+        row["train/episodes"] == 12 and row["rollout/failed_attempts"] == 0 for row in trained
     )

@@ -55,7 +55,7 @@ def train_one_step(
 def assert_trained(rows: list[dict], episodes: int) -> None:
     assert [row["step"] for row in rows] == [0, 1]
     step = rows[-1]
-    assert step["train/episodes"] == episodes and step["train/failed_episodes"] == 0
+    assert step["train/episodes"] == episodes and step["rollout/failed_attempts"] == 0
     assert step["train/turns"] >= 1 and step["actor/optimizer_steps"] >= 1
     assert rows[0]["eval/episodes"] == 4 and step["eval/episodes"] == 4
 

@@ -149,5 +149,5 @@ def test_grpo_learns_the_task_with_async_rollouts(tmp_path: Path, point_env: str
 def test_grpo_learns_the_task_through_a_black_box_agent(tmp_path: Path, point_env: str) -> None:
     """The same run, every episode played by an ``openai`` SDK agent through the proxy."""
     rows = train(tmp_path / "run", "rollout.agent.callable=tests.trainer.rollout.proxy_agents:play")
-    assert all(r.get("rollout/failed_episodes", 0) == 0 for r in rows if "step" in r)
+    assert all(r.get("rollout/failed_attempts", 0) == 0 for r in rows if "step" in r)
     assert_learnt(rows)

@@ -3,7 +3,15 @@
 What the episodes of the batch look like (turns and policy tokens: mean, p90, max), how far
 their oldest tokens lag the policy they are trained at (``rollout/staleness_<lag>``: episodes
 per lag), what the engines did since the previous batch (``RouterStats``: busy fraction,
-preempted turns, aborts sent, errors) and what the scheduler recorded meanwhile (``EVENTS``).
+preempted turns, aborts sent, errors), what the scheduler recorded meanwhile (``EVENTS``), and
+what the policy played meanwhile (``PlayedGroups``: ``rollout/played_*``).
+
+``train/*`` describes the trained batch only. With ``rollout.dynamic_sampling`` that batch is
+what the filter let through (groups whose episodes all got the same reward are dropped: the
+better the policy, the more all-win groups it drops, so ``train/success`` falls behind it); with
+``rollout.redundancy > 1`` it is the groups that finished first (often the short episodes). The
+``rollout/played_*`` figures are the same statistics over every group played since the previous
+batch: what the policy really does.
 """
 
 from __future__ import annotations
@@ -15,18 +23,54 @@ from collections.abc import Mapping, Sequence
 from trainer.rollout.router_stats import RouterStats
 from trainer.rollout.trajectory import Trajectory
 
-__all__ = ["EVENTS", "batch_metrics"]
+__all__ = ["EVENTS", "PlayedGroups", "batch_metrics"]
 
-EVENTS = (
-    "aborted_surplus",
-    "filtered_groups",
-    "failed_episodes",
-    "failed_groups",
-    "stale_dropped_groups",
-    "stale_aborted_groups",
-    "filter_passed_over_limit",
-)
-"""The scheduler's counts reported in every row (``rollout/<name>``; 0 when none happened)."""
+EVENTS = {
+    "aborted_surplus_episodes": "episodes of the sync surplus thrown away (played out or cut)",
+    "filtered_groups": "groups dynamic sampling dropped (all rewards equal)",
+    "filter_passed_over_limit": "such groups let through (max_filtered_per_batch reached)",
+    "failed_attempts": "failed attempts of episodes, replays included, made good or not",
+    "lost_episodes": "episodes whose every attempt failed (max_retries replays)",
+    "failed_groups": "groups replaced because they lost an episode",
+    "stale_dropped_groups": "ready groups dropped, their oldest token beyond max_staleness",
+    "stale_aborted_groups": "running groups aborted, unable to meet max_staleness",
+}
+"""The scheduler's counts since the previous batch, reported in every row (``rollout/<name>``; 0
+when none happened), and what each counts."""
+
+
+class PlayedGroups:
+    """The groups played out since the previous batch (``GroupInPlay.played_out``), whatever
+    became of them: trained now or in a later batch, filtered, thrown away as surplus or stale.
+    Not failed groups. ``take`` gives their row: ``rollout/played_groups``,
+    ``rollout/played_episodes`` and, as ``train/*`` defines them (``trainer.metrics.summarise``)
+    but over all these episodes, ``rollout/played_success``, ``rollout/played_reward`` (the mean
+    episode return) and ``rollout/played_turns`` (when a group was played)."""
+
+    def __init__(self) -> None:
+        self.groups = self.episodes = self.wins = self.turns = 0
+        self.reward = 0.0
+        """Sums over the groups added since the last ``take``."""
+
+    def add(self, trajectories: Sequence[Trajectory]) -> None:
+        """A group that played out, its episodes ``trajectories``."""
+        self.groups += 1
+        self.episodes += len(trajectories)
+        self.wins += sum(t.success for t in trajectories)
+        self.turns += sum(t.num_turns for t in trajectories)
+        self.reward += sum(t.episode_reward for t in trajectories)
+
+    def take(self) -> dict[str, float]:
+        """The row of the groups added since the last ``take`` (then forgotten)."""
+        row = {"rollout/played_groups": float(self.groups)}
+        row["rollout/played_episodes"] = float(self.episodes)
+        if self.episodes:
+            row["rollout/played_success"] = self.wins / self.episodes
+            row["rollout/played_reward"] = self.reward / self.episodes
+            row["rollout/played_turns"] = self.turns / self.episodes
+        self.groups = self.episodes = self.wins = self.turns = 0
+        self.reward = 0.0
+        return row
 
 
 def batch_metrics(
@@ -35,13 +79,15 @@ def batch_metrics(
     events: collections.Counter[str],
     *,
     in_play: Mapping[str, float],
+    played: PlayedGroups,
     version: int,
     max_staleness: int,
     weight_pause_s: float,
 ) -> dict[str, float]:
     """The row of a batch of ``trajectories`` trained at ``version``: ``stats`` are the engines'
     counters since the previous batch, ``events`` the scheduler's (taken: the ``EVENTS`` are
-    popped), ``in_play`` its gauges now (groups ready, running, ...). A staleness column for
+    popped), ``in_play`` its gauges now (groups ready, running, ...), ``played`` the groups played
+    out since the previous batch (taken: ``rollout/played_*``). A staleness column for
     every lag up to ``max_staleness`` (and any beyond it), so a run's columns do not vary."""
     turns = sorted(t.num_turns for t in trajectories)
     tokens = sorted(t.num_policy_tokens for t in trajectories)
@@ -62,6 +108,7 @@ def batch_metrics(
     }
     for name in EVENTS:
         metrics[f"rollout/{name}"] = float(events.pop(name, 0))
+    metrics |= played.take()
     lags = collections.Counter(
         version - (oldest if (oldest := t.oldest_version) is not None else version)
         for t in trajectories

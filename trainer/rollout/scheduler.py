@@ -38,6 +38,11 @@ episode whose env raised, timed out or whose generation errored is replayed on a
 stops the run too, named; the first failed group of each env is logged as a warning, with its
 reason).
 
+What the policy played is reported beside what is trained: every group that played out
+(``group_in_play``: no episode failed or was cut short), trained or not, counts in the next
+batch's ``rollout/played_*`` (``batch_metrics``), since the trained groups are a filtered or a
+first-finished sample of them.
+
 Cancelled groups (the sync surplus, groups doomed by a weight update, those running at
 ``close``) *drain*: their requests are aborted at once, and their episodes end and close their
 envs in the background, counted among the groups in play until they have (so an env call that
@@ -57,15 +62,16 @@ import threading
 import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from trainer.config import RolloutConfig, TrainerConfig
-from trainer.rollout.batch_metrics import batch_metrics
+from trainer.rollout.batch_metrics import PlayedGroups, batch_metrics
 from trainer.rollout.env_manager import EnvManager, EnvSource, Sampling
 from trainer.rollout.env_quotas import EnvQuotas
 from trainer.rollout.env_workers import EnvWorkers
 from trainer.rollout.group_failures import GroupFailures
+from trainer.rollout.group_in_play import GroupInPlay
 from trainer.rollout.groups import EVAL_SEED_BASE, EpisodeSpec, play_episode
 from trainer.rollout.router import EngineRouter
 from trainer.rollout.trajectory import Trajectory
@@ -172,34 +178,6 @@ class RolloutBatch:
     """The policy version this batch is trained at (staleness is measured against it)."""
 
 
-@dataclass
-class _Group:
-    number: int
-    env_id: str
-    seed: int
-    tasks: list[asyncio.Task[Trajectory]] = field(default_factory=list)
-    keys: list[str] = field(default_factory=list)
-    started_version: int = 0
-    """Policy version when the group started: no token of it is older."""
-    finished_at: float = 0.0
-    cancelled: bool = False
-    counted: bool = False
-    """Counted among its env's groups in play (``EnvQuotas.in_play``): running or ready."""
-    _oldest: list[int | None] = field(default_factory=list, repr=False)
-    """``[oldest_version()]`` once computed."""
-
-    def trajectories(self) -> list[Trajectory]:
-        return [task.result() for task in self.tasks]
-
-    def oldest_version(self) -> int | None:
-        """The oldest policy version among its tokens (asked of finished groups only, whose
-        trajectories no longer change: computed once)."""
-        if not self._oldest:
-            versions = [v for t in self.trajectories() if (v := t.oldest_version) is not None]
-            self._oldest.append(min(versions) if versions else None)
-        return self._oldest[0]
-
-
 class RolloutScheduler:
     """Keeps groups playing and hands out batches (see the module docstring)."""
 
@@ -234,9 +212,9 @@ class RolloutScheduler:
             config.env_ids, config.env_weights, config.num_groups, first_group=first_group
         )
         self.close_timeout_s = close_timeout_s
-        self._running: dict[int, _Group] = {}
-        self._ready: list[_Group] = []
-        self._draining: dict[int, _Group] = {}
+        self._running: dict[int, GroupInPlay] = {}
+        self._ready: list[GroupInPlay] = []
+        self._draining: dict[int, GroupInPlay] = {}
         """Cancelled groups whose episodes have not ended yet (in play for ``capacity``)."""
         self._fresh = (-1, 0)
         """(version, n): the first n ready groups met the staleness bound at that version."""
@@ -251,6 +229,8 @@ class RolloutScheduler:
         self._filtered_this_batch = 0
         self._counts: collections.Counter[str] = collections.Counter()
         """Events since the last batch's metrics (groups filtered, failed, aborted, ...)."""
+        self._played = PlayedGroups()
+        """Groups played out since the last batch's metrics (``rollout/played_*``)."""
         self._weight_pause_s = 0.0
         """Seconds rollouts were paused for weight updates since the last batch's metrics."""
         self._closed = False
@@ -286,7 +266,7 @@ class RolloutScheduler:
             self._collecting = False
             surplus = list(self._running.values()) + self._ready
             self._ready, self._fresh = [], (-1, 0)
-            await self._cancel_all(surplus, "aborted_surplus")
+            await self._cancel_all(surplus, "aborted_surplus_episodes")
         trajectories = [t for g in taken for t in g.trajectories()]
         failed, self._failed = self._failed, []
         metrics = self._metrics(trajectories)
@@ -354,6 +334,7 @@ class RolloutScheduler:
         finally:
             self._restarting = False
         self._counts.pop("aborted_at_resume", None)
+        self._played = PlayedGroups()  # (none of them will be trained)
         self.next_group = next_group
         self._quotas.restart(next_group if window is None else window)
 
@@ -374,7 +355,7 @@ class RolloutScheduler:
     def _start_group(self) -> None:
         number = self.next_group
         self.next_group += 1
-        group = _Group(
+        group = GroupInPlay(
             number,
             self._quotas.env_for(number),
             (self.cfg.seed * 7_919 + number) % EVAL_SEED_BASE,
@@ -389,13 +370,13 @@ class RolloutScheduler:
         gathered = asyncio.gather(*group.tasks, return_exceptions=True)
         gathered.add_done_callback(lambda _: self._group_done(group))
 
-    async def _play(self, group: _Group, key: str) -> Trajectory:
+    async def _play(self, group: GroupInPlay, key: str) -> Trajectory:
         """One episode with replays on fresh envs (``groups.play_episode``); returns the last
         attempt."""
 
         def failed(trajectory: Trajectory) -> None:
             self._failed.append(trajectory)
-            self._counts["failed_episodes"] += 1
+            self._counts["failed_attempts"] += 1
 
         trajectory = await play_episode(
             self.manager,
@@ -407,11 +388,12 @@ class RolloutScheduler:
             on_failure=failed,
             stop=lambda: group.cancelled,
         )
-        if trajectory.failed and not group.cancelled:
+        if trajectory.failed and not group.cancelled:  # every replay failed: the episode is lost
             failed(trajectory)
+            self._counts["lost_episodes"] += 1
         return trajectory
 
-    def _group_done(self, group: _Group) -> None:
+    def _group_done(self, group: GroupInPlay) -> None:
         self._running.pop(group.number, None)
         group.finished_at = time.monotonic()
         if any(task.cancelled() for task in group.tasks):  # the loop shut down under it
@@ -422,6 +404,8 @@ class RolloutScheduler:
             self._forget(group)
         elif not group.cancelled:
             ready = self._judge(group)
+        if group.cancelled and group.played_out():  # it ended before its abort could cut it
+            self._played.add(group.trajectories())
         if ready:
             self._ready.append(group)
         else:  # failed, filtered or cancelled: out of play
@@ -430,12 +414,12 @@ class RolloutScheduler:
         if self._changed is not None:
             self._changed.set()
 
-    def _judge(self, group: _Group) -> bool:
+    def _judge(self, group: GroupInPlay) -> bool:
         """Whether a finished group is ready for a batch: not when it failed, nor when dynamic
-        sampling filters it (each recorded)."""
+        sampling filters it (each recorded). Every group not failed played out."""
         errors = [task.exception() for task in group.tasks if task.exception() is not None]
         for error in errors:  # a bug, not an env failure: surface it rather than loop forever
-            self._counts["failed_episodes"] += 1
+            self._counts.update(("failed_attempts", "lost_episodes"))
             self._failed.append(
                 Trajectory(
                     group.env_id,
@@ -452,6 +436,7 @@ class RolloutScheduler:
             self._failures.failed(group.env_id, failed[-1] if failed else None)
             return False
         self._failures.succeeded(group.env_id)
+        self._played.add(trajectories)
         rewards = {round(t.episode_reward, 9) for t in trajectories}
         if self.cfg.dynamic_sampling and len(rewards) == 1 and len(trajectories) > 1:
             limit = self.cfg.max_filtered_per_batch
@@ -462,7 +447,7 @@ class RolloutScheduler:
             self._counts["filter_passed_over_limit"] += 1
         return True
 
-    async def _cancel_all(self, groups: list[_Group], reason: str) -> None:
+    async def _cancel_all(self, groups: list[GroupInPlay], reason: str) -> None:
         """Cancel ``groups``: abort their requests; their episodes drain in the background
         (module docstring). They are marked cancelled at once, before anything else runs: a
         group that ends while the others' aborts go out is then not judged ready (it would
@@ -471,13 +456,13 @@ class RolloutScheduler:
             group.cancelled = True
         await asyncio.gather(*(self._cancel(group, reason) for group in groups))
 
-    async def _cancel(self, group: _Group, reason: str) -> None:
+    async def _cancel(self, group: GroupInPlay, reason: str) -> None:
         """Abort a group's generations in the engine; its episodes end and close their envs in
         the background (``_draining`` until ``_group_done``)."""
         group.cancelled = True
         self._running.pop(group.number, None)
         self._count(group, False)
-        if reason == "aborted_surplus":  # every episode thrown away, played out or cut short
+        if reason == "aborted_surplus_episodes":  # every episode thrown away, played out or cut
             self._counts[reason] += len(group.tasks)
         elif reason == "stale_aborted_groups":
             self._counts[reason] += 1
@@ -497,13 +482,13 @@ class RolloutScheduler:
         else:
             self._draining[group.number] = group
 
-    def _count(self, group: _Group, in_play: bool) -> None:
+    def _count(self, group: GroupInPlay, in_play: bool) -> None:
         """Count ``group`` in (or out of) its env's groups in play, once either way."""
         if group.counted != in_play:
             group.counted = in_play
             (self._quotas.started if in_play else self._quotas.ended)(group.env_id)
 
-    def _oldest_token(self, group: _Group) -> int | None:
+    def _oldest_token(self, group: GroupInPlay) -> int | None:
         """The version of the oldest token a running group has generated (None before one):
         its ended episodes' and, of the others, what the router saw. Not the version it started
         under: its first token may come much later (a slow env reset). A router in the env
@@ -518,7 +503,7 @@ class RolloutScheduler:
                 versions.append(task.result().oldest_version)
         return min((version for version in versions if version is not None), default=None)
 
-    def _forget(self, group: _Group) -> None:
+    def _forget(self, group: GroupInPlay) -> None:
         """Drop the abort marks of an ended cancelled group: an attempt that never reached the
         router (its env did not start, or its episode had ended) left them."""
         if isinstance(self.router, EngineRouter):
@@ -559,6 +544,7 @@ class RolloutScheduler:
             self.router.take_stats(),
             self._counts,
             in_play=in_play,
+            played=self._played,
             version=self.router.version,
             max_staleness=self.cfg.max_staleness,
             weight_pause_s=paused,

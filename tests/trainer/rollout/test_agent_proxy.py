@@ -425,7 +425,7 @@ def test_surplus_agent_episodes_are_aborted_and_their_keys_refused(policy) -> No
     assert {t.group_id for t in batch.trajectories} == {0, 1, 2}
     assert all(not t.failed for t in batch.trajectories)
     assert state == (0, 0, 0)  # once drained: nothing in flight, running, or open on the proxy
-    assert batch.metrics["rollout/aborted_surplus"] == 6  # three surplus groups of two
+    assert batch.metrics["rollout/aborted_surplus_episodes"] == 6  # three surplus groups of two
 
 
 def test_a_run_whose_agent_fails_every_episode_points_at_the_agent_not_the_env(policy) -> None:

@@ -250,7 +250,7 @@ def test_training_replays_and_counts_episodes_whose_reward_function_failed() -> 
             await scheduler.close()
 
     batch = run(main(parse_fails_on_seed_1))
-    assert batch.failed and batch.metrics["rollout/failed_episodes"] == len(batch.failed)
+    assert batch.failed and batch.metrics["rollout/failed_attempts"] == len(batch.failed)
     assert all(t.failure.startswith("reward function raised ValueError") for t in batch.failed)
     assert all(t.seed != 1 for t in batch.trajectories)  # its group was replaced
 

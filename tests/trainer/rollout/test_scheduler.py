@@ -208,7 +208,7 @@ def test_surplus_is_aborted_in_the_engine_and_its_envs_closed(policy) -> None:
     assert state == (0, 0, 0)  # once drained: nothing left in flight, queued, or running
     # the engine stopped generating for the surplus
     assert engine.stats["new_tokens"] == tokens_after
-    assert batch.metrics["rollout/aborted_surplus"] == 6  # three surplus groups of two
+    assert batch.metrics["rollout/aborted_surplus_episodes"] == 6  # three surplus groups of two
     # aborted in a running batch (cut short) or taken off the queue before it ran: never finished
     aborted = [(req, res) for req, res in engine.results if res.finish_reason == "abort"]
     assert all(len(res.token_ids) < req.max_new_tokens for req, res in aborted)

@@ -126,7 +126,7 @@ def test_aborted_episodes_are_not_remembered_after_their_groups_end() -> None:
         remembered = []
         for _ in range(6):
             batch = await sched.next_batch()
-            assert batch.metrics["rollout/aborted_surplus"] > 0  # there was something to abort
+            assert batch.metrics["rollout/aborted_surplus_episodes"] > 0  # something to abort
             await sched.update_weights({})
             remembered.append(len(router._cancelled))
         await closed(sched, engines)
@@ -154,7 +154,7 @@ def test_surplus_groups_that_finished_playing_count_as_discarded() -> None:
         return batch.metrics
 
     metrics = sim_clock.run(go())
-    assert metrics["rollout/aborted_surplus"] == 8  # four played groups of two, thrown away
+    assert metrics["rollout/aborted_surplus_episodes"] == 8  # four played groups of two
 
 
 # ---------------------------------------------------------------------- restart_from
@@ -240,7 +240,7 @@ def test_the_sync_surplus_does_not_hold_the_batch_while_its_env_calls_run() -> N
         for engine in engines:
             await engine.close()
         groups = [sorted({t.group_id for t in b.trajectories}) for b in (first, second)]
-        return groups, first.metrics["rollout/aborted_surplus"], envs.peak, envs.open
+        return groups, first.metrics["rollout/aborted_surplus_episodes"], envs.peak, envs.open
 
     outcome = sim_clock.run(go())
     assert outcome is not None, "the batch (or close) waited for the surplus's env calls"

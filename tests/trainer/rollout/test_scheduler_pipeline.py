@@ -88,7 +88,7 @@ def test_sync_scheduler_with_redundancy_and_dynamic_sampling(tmp_path: Path) -> 
         assert {k for k, v in r.items() if k.startswith("rollout/staleness_") and v > 0} <= {
             "rollout/staleness_0"
         }
-        assert "rollout/aborted_surplus" in r and "rollout/filtered_groups" in r
+        assert "rollout/aborted_surplus_episodes" in r and "rollout/filtered_groups" in r
 
 
 def test_async_resume_trains_new_groups_only_and_does_not_hang(tmp_path: Path, monkeypatch) -> None:

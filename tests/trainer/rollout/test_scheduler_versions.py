@@ -104,7 +104,7 @@ def test_a_batchs_row_counts_the_engine_aborts_that_batch_sent() -> None:
         return rows
 
     rows = run(go())
-    assert [row["rollout/aborted_surplus"] for row in rows] == [1, 1, 1]
+    assert [row["rollout/aborted_surplus_episodes"] for row in rows] == [1, 1, 1]
     assert [row["rollout/engine_aborts"] for row in rows] == [1, 1, 1]
 
 

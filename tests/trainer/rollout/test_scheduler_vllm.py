@@ -75,7 +75,7 @@ def test_surplus_requests_are_aborted_inside_vllm(
     assert {t.group_id for t in batch.trajectories} == {0, 1, 2}
     assert left == 0 and router.in_flight == 0  # nothing of the surplus still runs in vLLM
     assert engine.stats["aborted"] > aborted_before  # it was running there and was stopped
-    assert batch.metrics["rollout/aborted_surplus"] == 6
+    assert batch.metrics["rollout/aborted_surplus_episodes"] == 6
 
 
 def test_async_rollouts_on_vllm_respect_the_bound_and_resume_preempted_turns(

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("torch", reason="needs the train extra: pip install -e '.[train]'")
 ray = pytest.importorskip("ray", reason="sharded strategies run one Ray worker process per rank")
 
+from tests.trainer.killed_runs import comparable
 from tests.trainer.test_cli import QUICKSTART, TINY
 from trainer.config import load_config
 from trainer.pipeline import AgenticPipeline
@@ -48,9 +49,7 @@ def test_quickstart_trains_and_resumes_with_a_sharded_actor(tmp_path: Path, stra
         "roles.actor_train.device_mapping=[0,1]",
         *PARALLEL[strategy],
     ]
-    same = lambda row: {
-        k: v for k, v in row.items() if not k.startswith("timing/") and k != "time_s"
-    }
+    same = comparable
     try:
         rows = AgenticPipeline(load_config(QUICKSTART, [*overrides, "train.steps=1"])).fit()
         assert [r["step"] for r in rows] == [0, 1]
