@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 from envhub.errors import EvalOutputError
+from envhub.parsing import LONE_SURROGATE
 
 __all__ = [
     "EpisodeWriter",
@@ -43,9 +43,6 @@ __all__ = [
 ]
 
 _RUN_FILES = ("episodes.jsonl", "summary.json", "eval.json")
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def dumps(value: Any) -> bytes:
@@ -73,9 +70,9 @@ def json_safe(value: dict[str, Any]) -> dict[str, Any]:
 
 def _plain(value: Any, depth: int) -> Any:
     if depth > 64:
-        return _SURROGATE.sub("\ufffd", str(value))
+        return LONE_SURROGATE.sub("\ufffd", str(value))
     if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
+        return LONE_SURROGATE.sub("\ufffd", value)
     if isinstance(value, dict):
         return {_plain(str(k), depth): _plain(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -84,7 +81,7 @@ def _plain(value: Any, depth: int) -> Any:
         return str(value)
     if value is None or isinstance(value, int | float):
         return value
-    return _SURROGATE.sub("\ufffd", str(value))
+    return LONE_SURROGATE.sub("\ufffd", str(value))
 
 
 def open_run(

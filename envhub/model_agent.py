@@ -50,14 +50,13 @@ episode's failure: ``timeout``, ``connection``, ``http_<status>``, ``context_len
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from envhub.errors import EnvhubError
-from envhub.parsing import message_text
+from envhub.parsing import message_text, valid_text
 from envhub.tool_calls import ToolCall
 
 __all__ = [
@@ -137,7 +136,7 @@ def api_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for message in messages:
         role = str(message.get("role"))
         if role == "tool" and message.get("tool_call_id") not in calls:
-            text = _sendable(str(message.get("content") or ""))
+            text = valid_text(str(message.get("content") or ""))
             block = f"<tool_response>\n{text}\n</tool_response>"
             if out and out[-1].get("tool_responses"):
                 out[-1]["content"] += "\n" + block
@@ -147,25 +146,11 @@ def api_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if role == "assistant":
             calls = {str(c.get("id")) for c in message.get("tool_calls") or [] if c.get("id")}
         keys = _KEYS.get(role, ("role", "content"))
-        out.append({k: _sendable(message[k]) for k in keys if message.get(k) is not None})
+        out.append({k: valid_text(message[k]) for k in keys if message.get(k) is not None})
         out[-1].setdefault("content", "")
     for message in out:
         message.pop("tool_responses", None)
     return out
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _sendable(value: Any) -> Any:
-    """``value`` with lone surrogates in its text replaced by U+FFFD (rule 4)."""
-    if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
-    if isinstance(value, list):
-        return [_sendable(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _sendable(item) for key, item in value.items()}
-    return value
 
 
 def link_tool_answers(

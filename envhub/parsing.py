@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from envhub.errors import ActionParseError
 from envhub.tool_calls import (  # the tool-call half, importable from here as before
@@ -57,6 +57,7 @@ __all__ = [
     "json_problem",
     "message_text",
     "parse_tool_calls",
+    "valid_text",
 ]
 
 ActionFormat = Literal["tag", "last_line", "raw"]
@@ -146,3 +147,20 @@ def extract_answer(text: str, tag: str = "answer") -> str | None:
         return ActionParser(format="tag", tag=tag, lenient=False).parse(text)
     except ActionParseError:
         return None
+
+
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate on its own: a JSON string can carry one, UTF-8 cannot encode it."""
+
+
+def valid_text(value: Any) -> Any:
+    """``value`` with every lone surrogate in its text (in its lists and dicts too) replaced by
+    U+FFFD, so that it can be written as UTF-8 or sent as JSON: what a model's reply held is
+    kept, as near as UTF-8 allows, rather than failing the write or the request."""
+    if isinstance(value, str):
+        return LONE_SURROGATE.sub("\ufffd", value)
+    if isinstance(value, list):
+        return [valid_text(item) for item in value]
+    if isinstance(value, dict):
+        return {key: valid_text(item) for key, item in value.items()}
+    return value

@@ -37,6 +37,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from envhub.parsing import valid_text
+
 __all__ = [
     "COLUMNS",
     "LIGHT_COLUMNS",
@@ -202,7 +204,7 @@ def _fitting(row: Mapping[str, Any], name: str, types: Any, problems: list[str])
     for column, value in row.items():
         if column not in types.names:
             continue
-        value = _valid_text(value)
+        value = valid_text(value)
         try:
             pa.array([value], type=types.field(column).type)
         except (pa.ArrowException, TypeError, ValueError, OverflowError):
@@ -212,18 +214,6 @@ def _fitting(row: Mapping[str, Any], name: str, types: Any, problems: list[str])
             value = None
         out[column] = value
     return out
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _valid_text(value: Any) -> Any:
-    """``value`` with lone surrogates in its text (and its lists' text) replaced by U+FFFD."""
-    if isinstance(value, str):
-        return _SURROGATE.sub("\ufffd", value)
-    if isinstance(value, list):
-        return [_valid_text(item) for item in value]
-    return value
 
 
 def sync_folder(folder: Path) -> None:
