@@ -476,7 +476,7 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
                 or time.monotonic() - printed[0] >= PLAIN_LINE_EVERY_S
             )
             if not cfg.logging.progress or (not bar and due):
-                console.print(f"step {step}: {status}", highlight=False)
+                console.print(f"step {step}: {status}", highlight=False, soft_wrap=True)
                 printed[0] = time.monotonic()
 
         epoch_nll: list[float] = []
@@ -495,7 +495,7 @@ def _run(cfg: Any, resume: bool, console: Any) -> list[dict[str, Any]]:
             if not cfg.logging.progress or (
                 not bar and (done == total or time.monotonic() - printed[0] >= PLAIN_LINE_EVERY_S)
             ):
-                console.print(f"warm start: {status}", highlight=False)
+                console.print(f"warm start: {status}", highlight=False, soft_wrap=True)
                 printed[0] = time.monotonic()
 
         try:

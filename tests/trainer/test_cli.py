@@ -138,6 +138,9 @@ def test_short_run_writes_metrics_curve_checkpoints_store_and_policy(tmp_path: P
     assert [r["step"] for r in metrics] == [0, 1, 2]
     # evaluated before any RL update
     assert metrics[0]["eval/success"] is not None and "sft/nll" in metrics[0]
+    # each progress line is one line whatever its length (a log file is no 80-column terminal)
+    steps = [line for line in log.splitlines() if line.startswith("step ")]
+    assert len(steps) == 3 and all(line.endswith(")") for line in steps), steps
     # the warm start says where it is: a line per epoch here (logging.progress=false)
     epochs = [line for line in log.splitlines() if line.startswith("warm start: epoch")]
     assert [line.split(",")[0] for line in epochs] == [
