@@ -318,7 +318,10 @@ _HINTS = {
     "http_404": URL_HINT,
     "connection": "is the server running?",
     "timeout": "a slow server needs a larger --timeout",
-    "episode_timeout": "a slow env needs a larger --episode-timeout",
+    "episode_timeout": (
+        "an episode ran past --episode-timeout: a slow env, or a server slow to answer (each "
+        "request may wait --timeout), needs a larger --episode-timeout"
+    ),
 }
 
 
