@@ -7,12 +7,12 @@ CPU-bound tests in ``BESIDE`` (the trainer's algorithms, strategies, rollout mac
 workers and weight syncs on fake engines and tiny models, in-process training runs, the game
 envs) run in a second process beside the rest. They touch nothing the others look at: no
 sandbox, Docker, browser, MCP server or multi-node Ray cluster, and no scan of the host's
-processes (a local Ray is each process's own; ports are free ones; shared-memory segments are
-removed only when their owner is gone).
+processes (a local Ray is each process's own; ports are free ones). The few tests that watch
+state every process shares (``ALONE``) run by themselves after both.
 
-Both processes get the same pytest arguments; the first streams its output, the second's follows
-it. The exit code is the first failing one, and a process that ran no test (pytest's 5) fails.
-With paths, ``-k`` or another selection among the arguments, one pytest runs exactly as asked.
+Every process gets the same pytest arguments; the first streams its output, the others' follow.
+The exit code is the first failing one, and a process that ran no test (pytest's 5) fails. With
+paths, ``-k`` or another selection among the arguments, one pytest runs exactly as asked.
 
     python tests/run_tier.py [PYTEST_ARGS...]
 """
@@ -30,7 +30,7 @@ BESIDE = (
     "tests/trainer/algos",
     "tests/trainer/strategies",
     "tests/trainer/rollout",
-    "tests/trainer/weights/test_[bps]*.py",  # not test_transport.py: it watches /dev/shm
+    "tests/trainer/weights/test_[bps]*.py",
     "tests/trainer/workers",
     "tests/envs/games",
     "tests/trainer/test_config*.py",
@@ -45,6 +45,9 @@ BESIDE = (
     "tests/trainer/test_warm_start*.py",
 )
 """What runs in the second process (directories, files, globs from the repository root)."""
+ALONE = ("tests/trainer/weights/test_transport.py",)
+"""What runs after both, alone: tests that watch state every process shares (a segment a killed
+trainer left in /dev/shm, which any process that makes one collects)."""
 SELECTING = ("-k", "--lf", "--last-failed", "--ff", "--sw", "--stepwise", "--deselect")
 """Arguments that choose tests: with one of them, the tier runs as one pytest."""
 
@@ -60,9 +63,13 @@ def _chooses_tests(args: list[str]) -> bool:
     return False
 
 
-def _beside() -> list[str]:
-    paths = [match for pattern in BESIDE for match in sorted(glob.glob(str(ROOT / pattern)))]
+def _paths(patterns: tuple[str, ...]) -> list[str]:
+    paths = [match for pattern in patterns for match in sorted(glob.glob(str(ROOT / pattern)))]
     return [str(Path(path).relative_to(ROOT)) for path in paths]
+
+
+def _beside() -> list[str]:
+    return _paths(BESIDE)
 
 
 def _status(code: int, which: str) -> int:
@@ -81,8 +88,9 @@ def main(args: list[str]) -> int:
         second = subprocess.Popen(
             [*pytest, *args, *beside], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT
         )
+        alone = _paths(ALONE)
         try:
-            ignored = [f"--ignore={path}" for path in beside]
+            ignored = [f"--ignore={path}" for path in [*beside, *alone]]
             first = subprocess.call([*pytest, *args, *ignored], cwd=ROOT)
         except BaseException:  # Ctrl-C: the second goes too
             second.kill()
@@ -93,7 +101,9 @@ def main(args: list[str]) -> int:
         print(f"\n===== the tests run beside the rest ({', '.join(BESIDE)}) =====", flush=True)
         sys.stdout.write(log.read())
         sys.stdout.flush()
-    return _status(first, "the rest") or _status(second_code, "beside")
+    print(f"\n===== the tests run alone ({', '.join(ALONE)}) =====", flush=True)
+    last = subprocess.call([*pytest, *args, *alone], cwd=ROOT) if alone else 0
+    return _status(first, "the rest") or _status(second_code, "beside") or _status(last, "alone")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ spec.loader.exec_module(run_tier)
 def test_every_pattern_of_the_second_process_names_tests():
     """A renamed folder would leave its pattern matching nothing (its tests would then run in
     the first process, as before, but the split would drift unseen)."""
-    for pattern in run_tier.BESIDE:
+    for pattern in (*run_tier.BESIDE, *run_tier.ALONE):
         assert list(run_tier.ROOT.glob(pattern)), pattern
+    assert not set(run_tier._paths(run_tier.ALONE)) & set(run_tier._beside())
     assert all(path.startswith("tests/") for path in run_tier._beside())
 
 
