@@ -8,7 +8,8 @@ with the plain ``openai`` SDK and to the env through two more routes on the same
     GET  /v1/models                the one model (``rollout.agent.model_name``)
     POST /v1/chat/completions      a policy turn; ``stream: true`` answers as server-sent events
     GET  /v1/envhub/episode        the episode: env id, seed, first messages, tools
-    POST /v1/envhub/step           ``{"action": text | assistant message}`` -> the env's reply
+    POST /v1/envhub/step           ``{"action": text | assistant message}`` -> the env's reply,
+                                   each tool call answered (``proxy_reply.answer_calls``)
 
 The api key (``Authorization: Bearer``) names the episode; a key the proxy never handed out is
 refused (401), one whose episode has ended gets 410, so an abandoned agent cannot write into
@@ -73,7 +74,7 @@ from trainer.rollout.chat_messages import same_message
 from trainer.rollout.env_output import checked_step
 from trainer.rollout.proxy_episode import ProxyCall, ProxyEpisode
 from trainer.rollout.proxy_http import ServerLimits, listen, proxy_app
-from trainer.rollout.proxy_reply import completion_body, cut_at_stop, cut_content
+from trainer.rollout.proxy_reply import answer_calls, completion_body, cut_at_stop, cut_content
 from trainer.rollout.proxy_request import ChatRequest, ProxyError, chat_request
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
@@ -480,18 +481,15 @@ class AgentProxy:
     # ------------------------------------------------------------------ the env
     async def step(self, episode: ProxyEpisode, action: str | dict[str, Any]) -> dict[str, Any]:
         """Step the episode's env with ``action`` (text, or an assistant message, checked by
-        ``proxy_http.step_action``, whose tool calls become envhub's ``<tool_call>`` text; a
+        ``proxy_request.step_action``, whose tool calls become envhub's ``<tool_call>`` text; a
         call without an id gets one); the reward goes to the call whose reply the agent acted
-        on (``ProxyEpisode.credited``). The step is recorded as soon as the env answers."""
-        from envhub.model_agent import link_tool_answers
+        on (``ProxyEpisode.credited``). The env's reply answers each call (``proxy_reply.
+        answer_calls``) and is recorded, as the agent gets it, as soon as the env answers."""
         from envhub.parsing import message_text
 
+        calls: list[dict[str, Any]] = []
         if isinstance(action, dict):
-            calls = [
-                {**call, "id": call.get("id") or episode.call_id()}
-                for call in action.get("tool_calls") or []
-            ]
-            action = {**action, "tool_calls": calls} if calls else action
+            calls = episode.named_calls(action.get("tool_calls") or [])
             text = message_text({"content": action.get("content"), "tool_calls": calls})
         else:
             text = action
@@ -520,8 +518,7 @@ class AgentProxy:
                 episode.end(f"env step raised {reason}")
                 raise ProxyError(502, f"the env failed: {reason}", "env_error", "server_error")
             self._check_open(episode, "step")
-            if isinstance(action, dict) and action.get("tool_calls"):
-                messages = link_tool_answers(action, messages)
+            messages = answer_calls([str(call["id"]) for call in calls], messages)
             self._record_step(episode, text, messages, reward, info)
             episode.env_done = bool(terminated or truncated)
             t = episode.trajectory

@@ -104,6 +104,20 @@ class ProxyEpisode:
         template requires), so a replayed episode gets the same ids."""
         return ToolCall.numbered_id(next(self._ids))
 
+    def named_calls(self, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """A step's ``calls``, each with an id: one given keeps it, one without gets the next
+        ``call_id()`` that no call of ``calls`` has (ids are unique in a step: ``step_action``)."""
+        given = {call.get("id") for call in calls}
+        named = []
+        for call in calls:
+            if not call.get("id"):
+                new_id = self.call_id()
+                while new_id in given:
+                    new_id = self.call_id()
+                call = {**call, "id": new_id}
+            named.append(call)
+        return named
+
     def record(self, call: ProxyCall, latency: float) -> None:
         """``call`` has written its tokens into ``call.row`` and its reply went out."""
         call.before = self.last

@@ -207,7 +207,7 @@ def _response_format(response_format: Any) -> None:
 
 def step_action(body: Mapping[str, Any]) -> str | dict[str, Any]:
     """The ``action`` of a ``POST /v1/envhub/step`` body: text, or an assistant message whose
-    content parts are joined and whose tool calls are checked."""
+    content parts are joined and whose tool calls are checked, no two sharing an id."""
     if "action" not in body:
         raise ProxyError(400, 'the body needs "action": text or a message', "action")
     action = body["action"]
@@ -216,7 +216,25 @@ def step_action(body: Mapping[str, Any]) -> str | dict[str, Any]:
         return action
     if not isinstance(action, dict):
         raise ProxyError(400, "action must be text or an assistant message", "action")
-    return _message({**action, "role": "assistant"}, "action")
+    message = _message({**action, "role": "assistant"}, "action")
+    _unique_ids(message.get("tool_calls") or [], "action.tool_calls")
+    return message
+
+
+def _unique_ids(calls: list[dict[str, Any]], where: str) -> None:
+    """No two of ``calls`` share an id: the env's answers could not say which call each
+    answers (a call without an id gets one of its own)."""
+    first: dict[str, int] = {}
+    for j, call in enumerate(calls):
+        if call.get("id"):
+            i = first.setdefault(call["id"], j)
+            if i != j:
+                raise ProxyError(
+                    400,
+                    f"{where}[{j}].id {call['id']!r} is also {where}[{i}]'s; give each call its "
+                    "own id (the model's reply has them) or none (the proxy numbers it)",
+                    "duplicate_tool_call_id",
+                )
 
 
 def _show(value: Any) -> str:
