@@ -116,8 +116,9 @@ def _model_url(ctx: click.Context, param: click.Parameter, url: str | None) -> s
     show_default=True,
     type=click.FloatRange(min=0),
     metavar="SECONDS",
-    help="Record an episode still running after this long as failed (episode_timeout) and go "
-    "on; its env is abandoned, never reused (0: no bound).",
+    help="Record an episode still running after this long as failed and go on: env_timeout "
+    "when the env's calls held most of its time, else episode_timeout (the agent's); its env "
+    "is abandoned, never reused (0: no bound).",
 )
 @click.option(
     "--tools",
@@ -151,7 +152,7 @@ def _model_url(ctx: click.Context, param: click.Parameter, url: str | None) -> s
     "--resume",
     is_flag=True,
     help="Play only what --out lacks, and again the episodes it holds that failed at the "
-    "endpoint or in the env (connection, timeout, http_*, bad_response, episode_timeout, "
+    "endpoint or in the env (connection, timeout, http_*, bad_response, env_timeout, "
     "env_error).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace the run --out already holds.")
@@ -197,9 +198,11 @@ def eval_command(
     How episodes that failed count: success, pass@k, return, turns and tokens are over every
     episode, one that failed counting as a loss. Where episodes failed at the endpoint or in
     the env rather than in the agent's play (connection, timeout, http_*, bad_response,
-    episode_timeout, env_error), the table adds 'measured' (the other episodes) and 'success
+    env_timeout, env_error), the table adds 'measured' (the other episodes) and 'success
     (measured)' (success over those alone), and a 'warning:' line names a row when a fifth or
-    more of its episodes failed so; --resume plays them again.
+    more of its episodes failed so; --resume plays them again. An episode that ran past
+    --episode-timeout in the agent's turns (episode_timeout) counts as the agent's, with a
+    'note:' saying why: a slow server and a slow model look the same from here.
 
     Exits 1 when an env (or the endpoint) failed every one of its episodes, 2 on a usage
     error, and 130 on Ctrl-C (the finished episodes are kept: run again with --resume).
@@ -310,7 +313,7 @@ def eval_command(
         sys.exit(1)
 
 
-_RUN_FAILURES = {"env_error", "episode_timeout", "agent_error"}
+_RUN_FAILURES = {"env_error", "env_timeout", "episode_timeout", "agent_error"}
 """Failure reasons that are not the model endpoint's (``envhub.model_agent._reason``)."""
 _HINTS = {
     "http_401": KEY_HINT,
@@ -318,9 +321,13 @@ _HINTS = {
     "http_404": URL_HINT,
     "connection": "is the server running?",
     "timeout": "a slow server needs a larger --timeout",
+    "env_timeout": (
+        "an env's calls ran past --episode-timeout: it hangs, or a slow env needs a larger "
+        "--episode-timeout"
+    ),
     "episode_timeout": (
-        "an episode ran past --episode-timeout: a slow env, or a server slow to answer (each "
-        "request may wait --timeout), needs a larger --episode-timeout"
+        "the agent's turns ran past --episode-timeout: a server slow to answer (each request "
+        "may wait --timeout), or a model that needs the time, needs a larger --episode-timeout"
     ),
 }
 

@@ -16,18 +16,28 @@ A run folder holds:
     resumed run removes them as it starts, so a resume that is interrupted leaves no summary
     of the earlier run beside episodes it no longer describes.
 
-``open_run`` guarantees that one folder never mixes runs: a folder holding episodes is played
-into again only with ``resume`` (and then only with the same settings) or ``overwrite``
-(which first removes the old run's files, and only those). Every problem with the folder is
-an ``EvalOutputError`` naming the folder and the option that fixes it.
+``.eval.lock``
+    Locked (an exclusive ``flock``) by the run playing into the folder, from ``open_run`` to
+    ``EpisodeWriter.close``; the system lets go of it when that process dies, and a process an
+    env forks closes its copy (a helper that outlives the run does not hold the folder). Left
+    in place.
+
+``open_run`` guarantees that one folder never mixes runs: one run at a time plays into it (a
+second, even with ``resume`` or ``overwrite``, fails at once rather than interleave its lines
+or remove the first run's files), and a folder holding episodes is played into again only with
+``resume`` (and then only with the same settings) or ``overwrite`` (which first removes the
+old run's files, and only those). Every problem with the folder is an ``EvalOutputError``
+naming the folder and the option that fixes it.
 """
 
 from __future__ import annotations
 
+import fcntl
+import functools
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from envhub.errors import EvalOutputError
 from envhub.parsing import LONE_SURROGATE
@@ -43,6 +53,9 @@ __all__ = [
 ]
 
 _RUN_FILES = ("episodes.jsonl", "summary.json", "eval.json")
+LOCK_FILE = ".eval.lock"
+_held: set[IO[bytes]] = set()
+"""The ``LOCK_FILE``s this process has locked."""
 
 
 def dumps(value: Any) -> bytes:
@@ -87,28 +100,70 @@ def _plain(value: Any, depth: int) -> Any:
 def open_run(
     out: Path, run: dict[str, Any], *, resume: bool = False, overwrite: bool = False
 ) -> EpisodeWriter:
-    """Make ``out`` ready for the run described by ``run`` (``eval.json``'s content) and open
-    its ``episodes.jsonl`` for appending; ``EvalOutputError`` if it cannot take the run."""
-    episodes = out / "episodes.jsonl"
+    """Lock ``out`` for the run described by ``run`` (``eval.json``'s content), make it ready
+    and open its ``episodes.jsonl`` for appending; ``EvalOutputError`` if it cannot take the
+    run. The lock is held until the writer is closed."""
     try:
         out.mkdir(parents=True, exist_ok=True)
-        if episodes.exists() and not (resume or overwrite):
-            raise EvalOutputError(
-                f"--out {out} already holds an eval run (episodes.jsonl); pass --resume to "
-                "play only what it is missing, or --overwrite to replace it"
-            )
-        if overwrite:
-            _remove_run(out)
-        elif resume:
-            _check_same_settings(out, run["settings"])
-            _remove_results(out)  # stale until the run ends: episodes.jsonl is read meanwhile
-        (out / "eval.json").write_text(json.dumps(run, indent=2, default=str) + "\n")
-        return EpisodeWriter(episodes)
+        lock = _lock(out)
+        try:
+            _start_run(out, run, resume=resume, overwrite=overwrite)
+            return EpisodeWriter(out / "episodes.jsonl", lock)
+        except BaseException:
+            _unlock(lock)  # (the run did not start: the folder is free again)
+            raise
     except OSError as error:
         raise EvalOutputError(
             f"cannot write the run to --out {out}: {error.strerror or error}; "
             "choose a folder you can create and write"
         ) from None
+
+
+def _lock(out: Path) -> IO[bytes]:
+    """``out``'s lock file, locked for this run; ``EvalOutputError`` if a run holds it."""
+    _close_locks_in_forked_children()
+    lock = open(out / LOCK_FILE, "ab")  # noqa: SIM115 - held until the run's writer closes
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise EvalOutputError(
+            f"--out {out} is in use by another envhub eval run (it holds {out / LOCK_FILE}); "
+            "wait for it to end (then --resume plays what it left), or use another --out"
+        ) from None
+    _held.add(lock)
+    return lock
+
+
+def _unlock(lock: IO[bytes]) -> None:
+    _held.discard(lock)
+    lock.close()  # (closing the file lets go of its flock)
+
+
+@functools.cache
+def _close_locks_in_forked_children() -> None:
+    """A ``flock`` is the open file's, which a forked child shares: have every child this
+    process forks from now on close its copies, so only the run's own process holds them."""
+
+    def close_copies() -> None:
+        for lock in list(_held):
+            _unlock(lock)
+
+    os.register_at_fork(after_in_child=close_copies)
+
+
+def _start_run(out: Path, run: dict[str, Any], *, resume: bool, overwrite: bool) -> None:
+    if (out / "episodes.jsonl").exists() and not (resume or overwrite):
+        raise EvalOutputError(
+            f"--out {out} already holds an eval run (episodes.jsonl); pass --resume to "
+            "play only what it is missing, or --overwrite to replace it"
+        )
+    if overwrite:
+        _remove_run(out)
+    elif resume:
+        _check_same_settings(out, run["settings"])
+        _remove_results(out)  # stale until the run ends: episodes.jsonl is read meanwhile
+    (out / "eval.json").write_text(json.dumps(run, indent=2, default=str) + "\n")
 
 
 def _remove_run(out: Path) -> None:
@@ -150,10 +205,12 @@ def _check_same_settings(out: Path, settings: dict[str, Any]) -> None:
 
 
 class EpisodeWriter:
-    """Appends one JSONL line per episode and flushes it, so a killed run loses none."""
+    """Appends one JSONL line per episode and flushes it, so a killed run loses none; ``close``
+    lets go of the folder's lock too (``lock``: the locked ``LOCK_FILE``, from ``open_run``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, lock: IO[bytes] | None = None) -> None:
         self.file = open(path, "ab")  # noqa: SIM115 - closed by close()
+        self.lock = lock
         _drop_torn_tail(path)
 
     def write(self, record: dict[str, Any]) -> None:
@@ -162,6 +219,8 @@ class EpisodeWriter:
 
     def close(self) -> None:
         self.file.close()
+        if self.lock is not None:
+            _unlock(self.lock)
 
 
 def _drop_torn_tail(path: Path) -> None:

@@ -3,9 +3,15 @@ episode (a line of ``episodes.jsonl``) and one ``EvalSummary`` per (env, agent).
 
 The rule behind the figures: every episode counts, and one that could not be played to its
 end counts as a loss. Some failures say nothing of the agent: the endpoint was down or refused
-the request, or the env crashed (``failed_outside_agent``). ``EvalSummary.measured`` and
-``measured_success_rate`` leave those out, so a run an outage hit still says how the agent
+the request, or the env crashed or hung (``failed_outside_agent``). ``EvalSummary.measured``
+and ``measured_success_rate`` leave those out, so a run an outage hit still says how the agent
 did where it could play, and ``envhub.evaluate(resume=True)`` plays them again.
+
+An episode that ran out of time is charged to the side that held most of it
+(``envhub.eval_workers``): ``env_timeout`` to the env; ``episode_timeout`` to the agent, since
+for a model a server slow to answer and a model whose replies take that long look the same
+from here (a request with no answer within the client's timeout fails as ``timeout``, the
+endpoint's, instead).
 """
 
 from __future__ import annotations
@@ -20,8 +26,10 @@ from typing import Any
 
 __all__ = [
     "NOT_THE_AGENTS",
+    "RECORD_TEXT_CHARS",
     "EpisodeStats",
     "EvalSummary",
+    "cut_text",
     "failed_outside_agent",
     "pass_at_k",
     "read_episodes",
@@ -30,12 +38,19 @@ __all__ = [
 
 _log = logging.getLogger(__name__)
 
-NOT_THE_AGENTS = frozenset(
-    {"connection", "timeout", "bad_response", "episode_timeout", "env_error"}
-)
+RECORD_TEXT_CHARS = 250_000
+"""The most characters of one text of a message (its content, reasoning, a call's arguments)
+that an episode's record keeps (``EpisodeStats.as_record``, hence ``episodes.jsonl`` and the
+trajectory store): a longer text keeps its start and ends in ``…[cut: N chars]``, N the
+characters cut, the whole at most this long. Far above what a reply within ``max_tokens`` holds
+(about 60k tokens); without it a broken server's 50 MB reply would be written whole. The env
+saw the text whole, and the episode's figures are its."""
+
+NOT_THE_AGENTS = frozenset({"connection", "timeout", "bad_response", "env_timeout", "env_error"})
 """Failure reasons that say nothing of the agent's play (with every ``http_<status>``): the
-endpoint or the env failed. ``context_length`` (the model's conversation outgrew its window)
-and ``agent_error`` (a built-in agent raised) are the agent's own."""
+endpoint or the env failed. ``context_length`` (the model's conversation outgrew its window),
+``agent_error`` (a built-in agent raised) and ``episode_timeout`` (its turns held most of an
+episode that ran out of time: module docstring) are the agent's own."""
 
 
 def failed_outside_agent(failure: str | None) -> bool:
@@ -84,9 +99,11 @@ class EpisodeStats:
         return self.env_id, self.agent, self.seed, self.sample
 
     def as_record(self) -> dict[str, Any]:
-        """A JSON-friendly dict (one JSONL line)."""
+        """A JSON-friendly dict (one JSONL line), each text of its messages cut to
+        ``RECORD_TEXT_CHARS``."""
         record = asdict(self)
         record["latencies"] = list(self.latencies)
+        record["messages"] = [_cut_texts(message, depth=0) for message in record["messages"]]
         return record
 
     @classmethod
@@ -138,6 +155,30 @@ class EvalSummary:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def cut_text(text: str, limit: int = RECORD_TEXT_CHARS) -> str:
+    """``text`` if it is at most ``limit`` characters long; else its start and
+    ``…[cut: N chars]`` (N: the characters cut), ``limit`` characters in all, so cutting it
+    again changes nothing."""
+    if len(text) <= limit:
+        return text
+    room = len(f"…[cut: {len(text)} chars]")  # (the marker is at most this long)
+    kept = text[: max(0, limit - room)]
+    return f"{kept}…[cut: {len(text) - len(kept)} chars]"
+
+
+def _cut_texts(value: Any, depth: int) -> Any:
+    """``value`` (a message, or a part of one) with each text in it cut by ``cut_text``."""
+    if isinstance(value, str):
+        return cut_text(value)
+    if depth > 64:  # (deeper than any message: ``envhub.eval_output.dumps`` stringifies it)
+        return value
+    if isinstance(value, dict):
+        return {key: _cut_texts(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_cut_texts(item, depth + 1) for item in value]
+    return value
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

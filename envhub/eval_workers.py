@@ -5,8 +5,11 @@ threads and hands each result to ``on_done``. What it guarantees:
 
 1. Every job ends as exactly one result, passed to ``on_done`` in the caller's thread in
    finishing order: the episode ``play`` returned, or a failed one made by ``fail``:
-   ``env_error`` when the env could not be built, ``episode_timeout`` when the episode ran
-   past ``episode_timeout`` seconds.
+   ``env_error`` when the env could not be built; for an episode that ran past
+   ``episode_timeout`` seconds, the side that held most of its time by its ``EpisodeClock``
+   (building the env counts as the env's): ``env_timeout`` for the env's calls (the env hung
+   or crawls), ``episode_timeout`` for the agent's turns (for a model, a server slow to answer
+   and a model whose replies take that long look the same from here).
 2. Envs are not shared between threads (Playwright's are thread-bound): a worker builds one
    per env id on first use, reuses it, and closes its envs when it runs out of jobs. An env
    whose constructor failed is not built again by that worker; its other jobs fail at once.
@@ -21,34 +24,70 @@ threads and hands each result to ``on_done``. What it guarantees:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, Literal
 
 from envhub.errors import EnvKwargsError, describe_error
 
-__all__ = ["Job", "play_jobs"]
+__all__ = ["EpisodeClock", "Job", "play_jobs"]
 
 Job = tuple[str, str, int, int]  # env id, agent name, seed, sample
+Side = Literal["env", "agent"]
 _log = logging.getLogger(__name__)
 _EXITED = object()  # a worker's last message
+
+
+class EpisodeClock:
+    """Where the time of one episode goes: into the env's calls or the agent's turns. The thread
+    playing it times each call (``timing``); another reads the totals (``spent``) to say which
+    side held an episode that ran out of time (the module's guarantee 1)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._spent = {"env": 0.0, "agent": 0.0}
+        self._running: tuple[Side, float] | None = None  # the call under way, since when
+
+    @contextlib.contextmanager
+    def timing(self, side: Side) -> Iterator[None]:
+        """Count the time of the block as ``side``'s."""
+        start = time.monotonic()
+        with self._lock:
+            self._running = side, start
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._spent[side] += time.monotonic() - start
+                self._running = None
+
+    def spent(self) -> dict[Side, float]:
+        """Seconds in each side's calls so far, the call under way included."""
+        with self._lock:
+            spent: dict[Side, float] = {"env": self._spent["env"], "agent": self._spent["agent"]}
+            if self._running is not None:
+                side, since = self._running
+                spent[side] += time.monotonic() - since
+        return spent
 
 
 def play_jobs(
     jobs: list[Job],
     *,
     make_env: Callable[[str], Any],
-    play: Callable[[Any, Job], Any],
+    play: Callable[[Any, Job, EpisodeClock], Any],
     fail: Callable[[Job, str, str, float], Any],
     on_done: Callable[[Any], None],
     concurrency: int,
     episode_timeout: float | None = None,
 ) -> None:
-    """Play ``jobs``: ``play(env, job)`` on a worker's env for ``job[0]``; ``fail(job, reason,
-    detail, seconds)`` for a job that could not be played (see the module's guarantees)."""
+    """Play ``jobs``: ``play(env, job, clock)`` on a worker's env for ``job[0]``, timing the
+    env's calls and the agent's turns on ``clock``; ``fail(job, reason, detail, seconds)`` for
+    a job that could not be played (see the module's guarantees)."""
     if episode_timeout is not None and not episode_timeout > 0:
         raise ValueError(f"episode_timeout must be > 0 seconds or None, got {episode_timeout!r}")
     pool = _Pool(jobs, make_env, play, fail, max(1, min(concurrency, len(jobs))))
@@ -65,6 +104,7 @@ class _Worker:
     def __init__(self, pool: _Pool) -> None:
         self.pool = pool
         self.job: Job | None = None
+        self.clock = EpisodeClock()  # the job's
         self.closing = False
         self.started = 0.0
         self.abandoned = False
@@ -79,6 +119,7 @@ class _Worker:
             while not pool.stop.is_set() and (job := pool.todo.get()) is not None:
                 with pool.lock:
                     self.job, self.started = job, time.monotonic()
+                    self.clock = EpisodeClock()
                 result = self.play(job, envs, broken)
                 with pool.lock:
                     if self.abandoned:  # timed out: already reported, envs never reused
@@ -105,14 +146,15 @@ class _Worker:
         env_id = job[0]
         if env_id not in envs and env_id not in broken:
             try:
-                envs[env_id] = self.pool.make_env(env_id)
+                with self.clock.timing("env"):
+                    envs[env_id] = self.pool.make_env(env_id)
             except (KeyboardInterrupt, EnvKwargsError):
                 raise
             except BaseException as error:  # noqa: BLE001 - env code may raise anything
                 broken[env_id] = f"make: {describe_error(error)}"
         if env_id in broken:
             return self.pool.fail(job, "env_error", broken[env_id], 0.0)
-        return self.pool.play(envs[env_id], job)
+        return self.pool.play(envs[env_id], job, self.clock)
 
 
 class _Pool:
@@ -120,7 +162,7 @@ class _Pool:
         self,
         jobs: list[Job],
         make_env: Callable[[str], Any],
-        play: Callable[[Any, Job], Any],
+        play: Callable[[Any, Job, EpisodeClock], Any],
         fail: Callable[[Job, str, str, float], Any],
         workers: int,
     ) -> None:
@@ -165,22 +207,32 @@ class _Pool:
         now = time.monotonic()
         with self.lock:
             overdue = [
-                (w, w.job, now - w.started)
+                (w, w.job, w.clock, now - w.started)
                 for w in self.workers
                 if (w.job is not None or w.closing) and now - w.started >= episode_timeout
             ]
-            for worker, _, _ in overdue:
+            for worker, _, _, _ in overdue:
                 worker.abandoned = True
                 self.workers.discard(worker)
-        detail = (
-            f"the episode ran past --episode-timeout {episode_timeout:g} s; its thread was "
-            "abandoned and its env is not reused"
-        )
         results = []
-        for _, job, seconds in overdue:
+        for _, job, clock, seconds in overdue:
             if job is None:  # done with its jobs, stuck in an env's close(): leave it be
                 _log.warning("an env's close() did not return in %g s; left running", seconds)
                 continue
-            results.append(self.fail(job, "episode_timeout", detail, seconds))
+            results.append(self.fail(job, *_out_of_time(clock, episode_timeout), seconds))
             self.workers.add(_Worker(self))
         return results
+
+
+def _out_of_time(clock: EpisodeClock, episode_timeout: float) -> tuple[str, str]:
+    """The failure reason and detail of an episode that ran past ``episode_timeout``: the side
+    that held most of its time (the module's guarantee 1)."""
+    spent = clock.spent()
+    if spent["env"] > spent["agent"]:
+        reason, held, seconds = "env_timeout", "the env's calls", spent["env"]
+    else:
+        reason, held, seconds = "episode_timeout", "the agent's turns", spent["agent"]
+    return reason, (
+        f"the episode ran past --episode-timeout {episode_timeout:g} s, {seconds:.1f} s of it "
+        f"in {held}; its thread was abandoned and its env is not reused"
+    )

@@ -17,11 +17,12 @@ Episodes are ``(env, agent, seed, sample)``: ``episodes`` seeds, each played ``s
 (pass@k needs several tries of one task). ``concurrency`` worker threads play them, each
 with its own env per id, and an env that cannot be built, raises (even ``SystemExit``) or
 hangs past ``episode_timeout`` fails its episodes, not the run (``envhub.eval_workers``).
-With ``out=DIR`` the run's settings go to ``DIR/eval.json``, every episode is appended to
-``DIR/episodes.jsonl`` as it finishes (messages, rewards, final info, tokens, latencies,
-failure) and ``DIR/summary.json`` (and, with pyarrow, the trajectory store part) is written
-at the end; ``resume=True`` reads the file back, skips the episodes it holds and counts them
-in the summary (a torn last line of a killed run is ignored), except those that failed at the
+With ``out=DIR`` (one run at a time: it is locked) the run's settings go to ``DIR/eval.json``,
+every episode is appended to ``DIR/episodes.jsonl`` as it finishes (messages, each text cut to
+``RECORD_TEXT_CHARS``, rewards, final info, tokens, latencies, failure) and
+``DIR/summary.json`` (and, with pyarrow, the trajectory store part) is written at the end;
+``resume=True`` reads the file back, skips the episodes it holds and counts them in the
+summary (a torn last line of a killed run is ignored), except those that failed at the
 endpoint or in the env (``failed_outside_agent``: an outage is not the agent's result), which
 it plays again; it refuses other settings. ``overwrite=True`` replaces the run
 (``envhub.eval_output``).
@@ -36,6 +37,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,7 +51,7 @@ from envhub.eval_records import (
     read_episodes,
     summarise,
 )
-from envhub.eval_workers import Job, play_jobs
+from envhub.eval_workers import EpisodeClock, Job, play_jobs
 from envhub.model_agent import (
     AgentError,
     AgentTurn,
@@ -155,6 +157,7 @@ def run_episode(
     sample: int = 0,
     max_turns: int | None = None,
     options: dict[str, Any] | None = None,
+    clock: EpisodeClock | None = None,
 ) -> EpisodeStats:
     """Play one episode of ``agent`` on ``env`` from ``reset(seed=seed, options=options)``.
 
@@ -163,8 +166,10 @@ def run_episode(
     with ``failure`` set instead of raising. The agent is asked for each turn with
     ``seed=sampling_seed(seed, sample)``, and the env's answer to a reply with tool calls is
     recorded as ``answer_tool_calls`` makes it (every call id answered: what a strict API
-    needs of the next request)."""
+    needs of the next request). ``clock`` times the env's calls and the agent's turns (for
+    ``envhub.eval_workers``, to say which side held an episode that ran out of time)."""
     turn_agent = agent if hasattr(agent, "act") else _CallableAgent("callable", agent)
+    clock = clock or EpisodeClock()
     start = time.perf_counter()
     messages: list[dict[str, Any]] = []
     rewards: list[float] = []
@@ -174,8 +179,9 @@ def run_episode(
     info: dict[str, Any] = {}
     tools = None
     try:
-        env.action_space.seed(seed + 1_000_003 * sample)  # each try of a seed samples differently
-        observation, info = env.reset(seed=seed, options=options)
+        with clock.timing("env"):
+            env.action_space.seed(seed + 1_000_003 * sample)  # each try samples differently
+            observation, info = env.reset(seed=seed, options=options)
         messages.extend(observation)
         tools = info.get("tools") or None
     except KeyboardInterrupt:
@@ -187,7 +193,8 @@ def run_episode(
             truncated = True
             break
         try:
-            turn = turn_agent.act(env, messages, tools, seed=sampling_seed(seed, sample))
+            with clock.timing("agent"):
+                turn = turn_agent.act(env, messages, tools, seed=sampling_seed(seed, sample))
         except AgentError as error:
             failure, detail = error.reason, error.detail
             if error.seconds is not None:
@@ -199,7 +206,8 @@ def run_episode(
         tokens_in, tokens_out = tokens_in + turn.tokens_in, tokens_out + turn.tokens_out
         messages.append(turn.message)
         try:
-            observation, reward, terminated, truncated, info = env.step(_action(turn))
+            with clock.timing("env"):
+                observation, reward, terminated, truncated, info = env.step(_action(turn))
             messages.extend(answer_tool_calls(turn.message, list(observation)))
             rewards.append(float(reward))
             if info.get("invalid_action", False):
@@ -303,8 +311,9 @@ def evaluate(
     server's only model) instead of ``agents``. Every agent sees the same seeds, so their
     numbers compare like for like. ``concurrency`` defaults to 8 for a model, 1 otherwise.
     An episode still running after ``episode_timeout`` seconds is recorded as failed
-    (``episode_timeout``; see ``envhub.eval_workers``). ``out`` keeps the run (see
-    ``envhub.eval_output``: a folder holding one needs ``resume`` or ``overwrite``);
+    (``env_timeout`` or ``episode_timeout``: the side that held its time; see
+    ``envhub.eval_workers``). ``out`` keeps the run (see ``envhub.eval_output``: a folder
+    holding one needs ``resume`` or ``overwrite``, and one another run plays into is refused);
     ``resume`` plays what the folder lacks and, again, the episodes it holds that failed at the
     endpoint or in the env (``failed_outside_agent``): the newest line of an episode wins.
 
@@ -352,16 +361,17 @@ def evaluate(
     played = dict(finished)
 
     def on_done(episode: EpisodeStats) -> None:
+        record = episode.as_record()  # (its texts cut to RECORD_TEXT_CHARS)
         if writer is not None:
-            writer.write(episode.as_record())
-        played[episode.key] = episode
+            writer.write(record)
+        played[episode.key] = replace(episode, messages=record["messages"])  # no more than that
         if on_episode is not None:
             on_episode(episode)
 
     # tools sent as tools= are listed by the server's chat template: envs need not list them
     options = {"describe_tools": False} if client is not None and tools == "native" else None
 
-    def play(env: Any, job: Job) -> EpisodeStats:
+    def play(env: Any, job: Job, clock: EpisodeClock) -> EpisodeStats:
         env_id, agent, job_seed, sample = job
         return run_episode(
             env,
@@ -371,6 +381,7 @@ def evaluate(
             sample=sample,
             max_turns=max_turns,
             options=options,
+            clock=clock,
         )
 
     try:
@@ -383,17 +394,17 @@ def evaluate(
             concurrency=concurrency or (8 if client is not None else 1),
             episode_timeout=episode_timeout,
         )
+        if out_dir is not None and resume:  # one line per episode again (replays superseded some)
+            compact(out_dir / "episodes.jsonl")
+        summaries = [
+            summarise(*row, [played[key] for key in keys(*row) if key in played]) for row in rows
+        ]
+        if out_dir is not None:
+            summary = [s.as_dict() for s in summaries]
+            store(out_dir, summary, [e.as_record() for e in played.values()])
     finally:
         if writer is not None:
-            writer.close()
-    if out_dir is not None and resume:  # one line per episode again (the replays superseded some)
-        compact(out_dir / "episodes.jsonl")
-    summaries = [
-        summarise(*row, [played[key] for key in keys(*row) if key in played]) for row in rows
-    ]
-    if out_dir is not None:
-        summary = [s.as_dict() for s in summaries]
-        store(out_dir, summary, [e.as_record() for e in played.values()])
+            writer.close()  # (and lets go of the folder's lock, its files now whole)
     return summaries
 
 

@@ -29,7 +29,10 @@ DeepSeek, DashScope, litellm in front of them) enforce with a 400, which vLLM do
    refuses ``reasoning_content`` sent back);
 4. text is sent as valid UTF-8: a lone surrogate (a JSON reply can carry one; the env sees it
    as the model wrote it, and refuses it) is sent as U+FFFD, else the request could not be
-   encoded.
+   encoded;
+5. every call of a reply has an id of its own (``unique_call_ids``): a server that gives two
+   calls one id would leave their answers ambiguous, and a strict API refuses the second
+   answer of an id. The env, the record and the next request all see the ids made unique.
 
 ``tools="auto"`` (the default) sends tools and, if the server refuses them (vLLM started
 without ``--enable-auto-tool-choice``), plays on without them for the rest of the run: tool
@@ -72,6 +75,7 @@ __all__ = [
     "link_tool_answers",
     "resolve_model",
     "sampling_seed",
+    "unique_call_ids",
 ]
 
 ToolsMode = Literal["auto", "native", "text"]
@@ -196,6 +200,25 @@ def answer_tool_calls(
         linked.append(message)
     linked += [{"role": "tool", "tool_call_id": i, "content": NOT_RUN} for i in open_ids]
     return linked + rest
+
+
+def unique_call_ids(ids: list[str | None]) -> list[str]:
+    """One id per call of a reply, each its own (module docstring, rule 5): the server's, where
+    no earlier call of the reply has it; else ``ToolCall.numbered_id`` of the call's place, or
+    the next number no id of the reply holds."""
+    given = {i for i in ids if i}
+    unique: list[str] = []
+    taken: set[str] = set()
+    for index, server_id in enumerate(ids):
+        call_id = server_id or ""
+        number = index
+        while not call_id or call_id in taken:  # (the numbers from the call's place up)
+            numbered = ToolCall.numbered_id(number)
+            call_id = "" if numbered in given else numbered
+            number += 1
+        unique.append(call_id)
+        taken.add(call_id)
+    return unique
 
 
 def sampling_seed(seed: int, sample: int) -> int:
@@ -353,16 +376,18 @@ class ModelAgent:
         try:
             choice = response.choices[0]
             message = choice.message
+            server_calls = message.tool_calls or []
+            ids = unique_call_ids([call.id for call in server_calls])
             calls = [
                 {
-                    "id": call.id or ToolCall.numbered_id(i),
+                    "id": call_id,
                     "type": "function",
                     "function": {
                         "name": call.function.name,
                         "arguments": call.function.arguments or "{}",
                     },
                 }
-                for i, call in enumerate(message.tool_calls or [])
+                for call_id, call in zip(ids, server_calls, strict=True)
             ]
             content = message.content or ""
             usage = response.usage

@@ -152,7 +152,7 @@ def test_a_hung_episode_times_out_and_the_run_goes_on(tmp_path: Path) -> None:
     assert result.exit_code == 1, result.output
     assert "--episode-timeout" in result.stderr
     rows = summary_rows(tmp_path)
-    assert rows["evaltest/hangs-v0"]["failures"] == {"episode_timeout": 2}
+    assert rows["evaltest/hangs-v0"]["failures"] == {"env_timeout": 2}
     assert rows[COUNTDOWN]["episodes"] == 2 and rows[COUNTDOWN]["failures"] == {}
 
 
@@ -193,7 +193,7 @@ def test_the_process_exits_when_its_envs_are_still_hung() -> None:
         cwd=Path(__file__).parents[2],
     )
     assert done.returncode == 1, done.stderr
-    assert json.loads(done.stdout)[0]["failures"] == {"episode_timeout": 2}
+    assert json.loads(done.stdout)[0]["failures"] == {"env_timeout": 2}
 
 
 @pytest.mark.timeout(60)

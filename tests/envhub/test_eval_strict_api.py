@@ -28,6 +28,7 @@ import envhub
 from envhub.cli import main
 from envhub.eval_records import read_episodes
 from envhub.evaluation import evaluate
+from envhub.model_agent import unique_call_ids
 from tests.envhub.openai_servers import Reply, completion, scripted_server, tool_call
 from tests.helpers import CountdownEnv
 
@@ -272,3 +273,47 @@ def test_latency_counts_the_requests_that_failed() -> None:
         [summary] = evaluate([COUNTDOWN], client=client(server.url), episodes=2)
     assert summary.failures == {"http_500": 2}
     assert summary.latency_p50_s > 0 and summary.latency_p95_s > 0
+
+
+@pytest.mark.timeout(60)
+def test_tool_calls_that_share_an_id_are_each_answered_under_an_id_of_their_own(
+    tmp_path: Path,
+) -> None:
+    def same_ids(body: dict[str, Any]) -> Any:
+        """Gives both calls the id call_0; answers from the tool messages of the ids sent
+        back, in the order of its calls."""
+        messages = body["messages"]
+        replies = [m for m in messages if m["role"] == "assistant"]
+        if not replies:
+            first, second = names_asked(body)
+            return completion("", [lookup("call_0", first), lookup("call_0", second)])
+        answers = {m["tool_call_id"]: m["content"] for m in messages if m["role"] == "tool"}
+        codes = [answers[call["id"]] for call in replies[-1]["tool_calls"]]
+        return completion(f"<answer>{' '.join(codes)}</answer>")
+
+    with scripted_server(strict(same_ids)) as server:
+        [summary] = evaluate(
+            [LOOKUP], client=client(server.url), episodes=2, concurrency=1, out=tmp_path
+        )
+    assert summary.failures == {} and summary.success_rate == 1.0, summary
+    [sent] = [m for m in server.requests[1]["messages"] if m["role"] == "assistant"]
+    ids = [call["id"] for call in sent["tool_calls"]]
+    assert ids[0] == "call_0" and len(set(ids)) == 2  # the server's id kept where it can be
+    recorded = read_episodes(tmp_path / "episodes.jsonl")[0].messages
+    [reply] = [m for m in recorded if m["role"] == "assistant" and m.get("tool_calls")]
+    assert [call["id"] for call in reply["tool_calls"]] == ids
+
+
+@pytest.mark.parametrize(
+    ("given", "sent"),
+    [
+        (["a", "a", "b"], ["a", "call00001", "b"]),
+        ([None, None], ["call00000", "call00001"]),
+        (["call00001", "call00001", None], ["call00001", "call00002", "call00003"]),
+        (["x", "call00001", "x"], ["x", "call00001", "call00002"]),
+    ],
+)
+def test_call_ids_are_made_unique_keeping_the_servers_where_they_are(
+    given: list[str | None], sent: list[str]
+) -> None:
+    assert unique_call_ids(given) == sent
