@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from envhub.pool.host import BadEnvOutputError
 from envhub.tool_calls import thinking_spans
+from trainer.rollout.chat_messages import answer_calls, call_ids
 from trainer.rollout.env_output import (
     ResetOutcome,
     StepOutcome,
@@ -451,19 +452,16 @@ class EnvManager:
             result = await self._generate(trajectory, f"{key}/{turn}", sampling, info, tokens)
             if result is None:  # out of context, aborted, or the engine failed (flags are set)
                 return
-            action = self._append_turn(
-                trajectory,
-                result,
-                tools,
-                tokens,
-                structured=bool(trajectory.info.get("structured_actions")),
-            )
+            structured = bool(trajectory.info.get("structured_actions"))
+            action = self._append_turn(trajectory, result, tools, tokens, structured=structured)
             try:
                 outcome = checked_step(await self._env_call(session.step(action)), env_id)
             except Exception as error:  # noqa: BLE001 - as for reset: any env error is data
                 self._failed(trajectory, "step", error)
                 return
             messages, reward, terminated, truncated, info = outcome
+            # every call answered, a refused one "Not run" (as in eval and behind the proxy)
+            messages = answer_calls(call_ids(trajectory.messages[-1]), messages)
             trajectory.end_turn(reward)
             if per_turn:
                 tokens.end_turn(reward)

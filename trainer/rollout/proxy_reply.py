@@ -1,6 +1,6 @@
 """What the agent proxy tells the agent (``trainer.rollout.proxy``): of a generation, the turn
 cut at a ``stop`` string and the OpenAI ``chat.completion`` body; of an env step, its answers
-to the action's tool calls.
+to the action's tool calls (``chat_messages.answer_calls``, which the env manager uses too).
 
 1. **Stop strings** (``cut_at_stop``): the turn ends with the first token whose text completes
    a stop string; the tokens after it are dropped from the result (never trained, never
@@ -19,19 +19,15 @@ to the action's tool calls.
 3. ``token_ids`` (vLLM's extension) and ``usage`` count the tokens trained for the call: the
    stop string's tokens included (the policy ended its turn with them, and the conversation
    the next call extends holds them), as vLLM's ``token_ids`` do.
-4. **Every tool call of a step is answered once** (``answer_calls``), as strict chat APIs
-   (api.openai.com) and the agent frameworks that check for them require: a ``tool`` message
-   for each call id, right after the action, then the env's other messages (its feedback) as it
-   wrote them. The env read the action as text, so its tool messages carry its own numbering
-   of the calls (``ToolCall.numbered_id`` of a call's position), never the agent's ids: one
-   numbered ``k`` answers the ``k``-th call, one with another id the first call not yet
-   answered. A call the env left unanswered (it refused the reply: an unknown tool, arguments
-   off the schema, too many calls) is answered ``NOT_RUN``, as ``envhub eval`` answers it
-   (``envhub.model_agent.answer_tool_calls``). The answers are in the order of the calls: a
-   template that renders them without ids (ChatML's ``<tool_response>``) pairs them by
-   position. A tool message beyond the calls is kept as the env wrote it. The agent sends the
-   answers back with its next call, which renders them into the policy's prompt: they are
-   trained as context exactly as rendered, like any message of a call.
+4. **Every tool call of a step is answered once** (``chat_messages.answer_calls``), as strict
+   chat APIs (api.openai.com) and the agent frameworks that check for them require: a ``tool``
+   message for each call id, in the order of the calls, right after the action, then the env's
+   other messages (its feedback); a call the env refused is answered ``NOT_RUN``, as ``envhub
+   eval`` and the env manager answer it. The env read the action as text, so its tool messages
+   carry its own numbering of the calls (``ToolCall.numbered_id`` of a call's position), never
+   the agent's ids: ``answer_calls`` maps them by position. The agent sends the answers back
+   with its next call, which renders them into the policy's prompt: they are trained as
+   context exactly as rendered, like any message of a call.
 """
 
 from __future__ import annotations
@@ -40,14 +36,11 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from envhub.model_agent import NOT_RUN
-from envhub.tool_calls import ToolCall
-
 if TYPE_CHECKING:
     from trainer.rollout.trajectory import ChatRenderer
     from trainer.strategies.base import GenerationResult
 
-__all__ = ["answer_calls", "completion_body", "cut_at_stop", "cut_content", "token_texts"]
+__all__ = ["completion_body", "cut_at_stop", "cut_content", "token_texts"]
 
 
 def cut_at_stop(
@@ -189,27 +182,3 @@ def token_texts(renderer: ChatRenderer, ids: list[int]) -> list[str]:
     if read < len(ids):  # the text ends inside a character: the last token gives what is left
         texts[-1] = renderer.decode(ids[prefix:], skip_special_tokens=False)[len(before) :]
     return texts
-
-
-def answer_calls(ids: list[str], answers: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The env's ``answers`` to a step whose action made calls with ``ids`` (in order), each id
-    answered by one tool message (guarantee 4); ``answers`` as they are without calls."""
-    if not ids:
-        return answers
-    numbered = {ToolCall.numbered_id(k): k for k in range(len(ids))}
-    answered: dict[int, dict[str, Any]] = {}  # call position -> its tool message
-    extra, rest = [], []
-    for message in answers:
-        if message.get("role") != "tool":
-            rest.append(message)
-            continue
-        position = numbered.get(str(message.get("tool_call_id")))
-        if position is None or position in answered:
-            position = next((k for k in range(len(ids)) if k not in answered), None)
-        if position is None:
-            extra.append(message)
-        else:
-            answered[position] = {**message, "tool_call_id": ids[position]}
-    not_run = {"role": "tool", "content": NOT_RUN}
-    linked = [answered.get(k, {**not_run, "tool_call_id": i}) for k, i in enumerate(ids)]
-    return linked + extra + rest

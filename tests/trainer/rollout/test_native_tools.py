@@ -176,6 +176,30 @@ def test_malformed_and_unknown_calls_are_env_feedback_not_errors(tokenizer) -> N
     assert sum(trajectory.turn_rewards) < 0  # the invalid-action penalty reached the rewards
 
 
+def test_a_call_the_env_refused_is_answered_not_run_as_eval_and_the_proxy_answer_it(
+    tokenizer,
+) -> None:
+    from envhub.model_agent import NOT_RUN
+
+    turns = [
+        '<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>',
+        *expert_turns(0),
+    ]
+    trajectory, engine = play(tokenizer, turns)
+    calls = [i for i, m in enumerate(trajectory.messages) if m.get("tool_calls")]
+    refused = trajectory.messages[calls[0] : calls[0] + 3]
+    call_id = refused[0]["tool_calls"][0]["id"]
+    assert refused[1] == {"role": "tool", "tool_call_id": call_id, "content": NOT_RUN}
+    assert refused[2]["role"] == "user"
+    assert "no tool named 'launch_rockets'" in refused[2]["content"]
+    for i in calls:  # every call id answered right after its message, as strict APIs require
+        ids = [c["id"] for c in trajectory.messages[i]["tool_calls"]]
+        after = trajectory.messages[i + 1 : i + 1 + len(ids)]
+        assert [m.get("tool_call_id") for m in after] == ids
+    # the policy's next prompt shows the answer it was given (trained as context, as rendered)
+    assert NOT_RUN in tokenizer.decode(engine.prompts[1])
+
+
 def test_a_template_without_tools_keeps_the_text_protocol(tokenizer) -> None:
     tokenizer.chat_template, saved = PLAIN_TEMPLATE, tokenizer.chat_template
     try:
