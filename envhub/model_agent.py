@@ -72,7 +72,6 @@ __all__ = [
     "ToolsMode",
     "answer_tool_calls",
     "api_messages",
-    "link_tool_answers",
     "resolve_model",
     "sampling_seed",
     "unique_call_ids",
@@ -155,21 +154,6 @@ def api_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for message in out:
         message.pop("tool_responses", None)
     return out
-
-
-def link_tool_answers(
-    assistant: dict[str, Any], answers: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """The env's reply with its ``role: tool`` messages carrying the ids of the assistant's
-    calls, in order (the env numbers calls its own way; the server needs its own ids back)."""
-    ids = [call["id"] for call in assistant.get("tool_calls") or []]
-    linked, position = [], 0
-    for message in answers:
-        if message.get("role") == "tool" and position < len(ids):
-            message = {**message, "tool_call_id": ids[position]}
-            position += 1
-        linked.append(message)
-    return linked
 
 
 NOT_RUN = "Not run: this call was refused; see the message that follows."
