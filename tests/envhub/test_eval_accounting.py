@@ -14,13 +14,12 @@ pytest.importorskip("openai", reason="needs the openai extra: pip install -e '.[
 pytest.importorskip("fastapi", reason="needs the server extra: pip install -e '.[server]'")
 
 import openai
-from click.testing import CliRunner, Result
 from fastapi.responses import JSONResponse, Response
 
 import envhub
-from envhub.cli import main
 from envhub.eval_records import read_episodes
 from envhub.evaluation import evaluate
+from tests.envhub.eval_cli_helpers import eval_cli
 from tests.envhub.openai_servers import completion, scripted_server
 from tests.helpers import CountdownEnv
 
@@ -54,10 +53,6 @@ DOWN = JSONResponse({"error": {"message": "engine died"}}, status_code=500)
 
 def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url, api_key="test", max_retries=0, timeout=10)
-
-
-def eval_cli(*args: str) -> Result:
-    return CliRunner().invoke(main, ["eval", *args], env={"COLUMNS": "200"})
 
 
 # ------------------------------------------------------------------ --resume replays outages

@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from click.testing import CliRunner, Result
+from click.testing import Result
 
 import envhub
-from envhub.cli import main
 from envhub.eval_records import read_episodes
 from envhub.evaluation import evaluate
+from tests.envhub.eval_cli_helpers import eval_cli, summary_rows
 from tests.helpers import CountdownEnv
 
 COUNTDOWN = "evaltest/countdown-v0"
@@ -90,14 +90,6 @@ def release_hung_envs() -> Iterator[None]:
     RELEASE.clear()
     yield
     RELEASE.set()
-
-
-def eval_cli(*args: str) -> Result:
-    return CliRunner().invoke(main, ["eval", *args], env={"COLUMNS": "200"})
-
-
-def summary_rows(out: Path) -> dict[str, dict[str, Any]]:
-    return {row["env_id"]: row for row in json.loads((out / "summary.json").read_text())}
 
 
 # -------------------------------------------------------------------- envs that misbehave

@@ -5,7 +5,6 @@ a user would see: the summary's figures, the ``note:`` lines, the record, the ex
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -18,14 +17,13 @@ pytest.importorskip("openai", reason="needs the openai extra: pip install -e '.[
 pytest.importorskip("fastapi", reason="needs the server extra: pip install -e '.[server]'")
 
 import openai
-from click.testing import CliRunner, Result
 from fastapi import FastAPI
 
 import envhub
-from envhub.cli import main
 from envhub.core import TextSpace
 from envhub.eval_records import RECORD_TEXT_CHARS, read_episodes
 from envhub.evaluation import evaluate
+from tests.envhub.eval_cli_helpers import eval_cli, summary_rows
 from tests.envhub.openai_servers import completion, scripted_server, serve_app
 from tests.helpers import CountdownEnv
 
@@ -97,14 +95,6 @@ def release_what_waits() -> Iterator[None]:
     STARTED.clear()
     yield
     RELEASE.set()
-
-
-def eval_cli(*args: str) -> Result:
-    return CliRunner().invoke(main, ["eval", *args], env={"COLUMNS": "200"})
-
-
-def summary_rows(out: Path) -> dict[str, dict[str, Any]]:
-    return {row["env_id"]: row for row in json.loads((out / "summary.json").read_text())}
 
 
 @contextlib.contextmanager
