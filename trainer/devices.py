@@ -88,7 +88,8 @@ class WorkerSlot:
     node: int | None = None
     """Index of the node in the cluster's node order; None before binding or when device-less."""
     local_devices: tuple[int, ...] | None = None
-    """Device ids within the node (what ``CUDA_VISIBLE_DEVICES`` would list)."""
+    """Device ids within the node, in this plan's numbering; on GPU clusters Ray picks the GPU
+    of each (``ResourceManager.gpu_ids`` gives those ids, what ``CUDA_VISIBLE_DEVICES`` lists)."""
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,9 @@ Backends:
   ordering and concurrency match Ray's). No Ray needed: unit tests and small CPU runs.
 - ``ray``: each worker is a named Ray actor placed by a
   :class:`~trainer.controller.resources.ResourceManager` into the placement-group bundle of
-  its first device (``ENVHUB_DEVICES``: its node-local device ids). Ray is imported only
-  here, only when this backend is used.
+  its first device (``ENVHUB_DEVICES``: its node-local device ids; on GPU clusters
+  ``CUDA_VISIBLE_DEVICES`` lists the GPUs of all its devices). Ray is imported only here, only
+  when this backend is used.
 
 A worker that raises surfaces as :class:`~trainer.errors.WorkerCallError` naming the role, rank
 and method, with the worker's exception chained.
@@ -430,6 +431,7 @@ class Cluster:
                     devices=slot.devices,
                     local_devices=slot.local_devices,
                     node=slot.node,
+                    gpu_ids=None if self.resources is None else self.resources.gpu_ids(slot),
                     local_rank=local_rank,
                     backend=self.backend,
                     extra=extra,

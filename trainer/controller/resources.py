@@ -11,10 +11,14 @@ Each worker is scheduled into the bundle of its first device and asks for a sliv
 device resource, so colocated roles share bundles while Ray still keeps other jobs off the
 reserved devices. ``actor_options(slot)`` gives the ``.options(...)`` for one worker.
 
-On GPU clusters (``device_resource="GPU"``) Ray makes only the first bundle's GPU visible
-to a worker; a worker that holds several devices (tensor-parallel inference) must look up
-the physical ids of its other bundles itself. That belongs to the parallel strategies;
-the seam is ``WorkerSlot.local_devices``.
+On GPU clusters (``device_resource="GPU"``) Ray makes only the first bundle's GPU visible to
+a worker (``CUDA_VISIBLE_DEVICES``), and which physical GPU each bundle got is Ray's choice,
+not the node-local device id. So once the groups are reserved, a tiny probe task in each
+bundle asks Ray for that bundle's GPU id, once per device; ``gpu_ids(slot)`` gives a worker
+the ids of all its devices, first device first, and the worker shows exactly those GPUs to
+its process (``trainer.controller.worker``): a tensor-parallel engine sees all of its GPUs,
+and colocated workers on one device see the same GPU. Custom device resources have no
+GPU ids: there ``gpu_ids`` is None and nothing is probed.
 
 :func:`init_local_ray` starts a single-node Ray for a run on this machine (loopback only,
 no dashboard) declaring the devices as a custom resource.
@@ -157,8 +161,12 @@ class ResourceManager:
         self.plan: DevicePlan = mapping.plan([n.num_devices for n in self.nodes])
         self._id = uuid.uuid4().hex[:8]
         self._bundle_of: dict[tuple[int, int], tuple[Any, int]] = {}
+        self._gpu_of: dict[tuple[int, int], str] = {}
+        """(node index, node-local device id) -> Ray's id of that device's GPU (GPU clusters)."""
         self.placement_groups: list[Any] = []
         self._reserve(_node_local_devices(self.plan), timeout_s)
+        if device_resource == "GPU":
+            self._probe_gpu_ids(timeout_s)
 
     def _reserve(self, used: dict[int, list[int]], timeout_s: float) -> None:
         """One ``STRICT_PACK`` placement group per node in ``used`` (node index -> its used
@@ -184,6 +192,56 @@ class ResourceManager:
                     f"Ray could not reserve the mapped devices within {timeout_s:.0f} s (placement "
                     f"group {pg.bundle_specs}); another job may hold them: check `ray status`"
                 )
+
+    def _probe_gpu_ids(self, timeout_s: float) -> None:
+        """Learn each bundle's GPU id: one task per bundle, asking Ray what it assigned there
+        (``ray.get_gpu_ids()``, the id Ray would put in ``CUDA_VISIBLE_DEVICES``)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        probe = ray.remote(num_cpus=0, num_gpus=WORKER_DEVICE_SHARE)(_bundle_gpu_ids)
+        devices = list(self._bundle_of)
+        answers = [
+            probe.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle_index
+                )
+            ).remote()
+            for pg, bundle_index in self._bundle_of.values()
+        ]
+        try:
+            found = ray.get(answers, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise TimeoutError(
+                f"Ray did not run a task in the reserved GPU bundles within {timeout_s:.0f} s "
+                "(it asks each bundle's GPU id); check `ray status` for pending tasks"
+            ) from None
+        for (node_index, local), ids in zip(devices, found, strict=True):
+            if len(ids) != 1:
+                self.shutdown()
+                raise DeviceMappingError(
+                    [
+                        Problem(
+                            "cluster.device_resource",
+                            f"node {node_index} device {local}: Ray assigned GPU ids {ids} to its "
+                            "bundle of one GPU, expected one id; check the node's GPUs "
+                            "(`ray status`, CUDA_VISIBLE_DEVICES of the raylet)",
+                        )
+                    ]
+                )
+            self._gpu_of[(node_index, local)] = ids[0]
+
+    def gpu_ids(self, slot: WorkerSlot) -> tuple[str, ...] | None:
+        """Ray's GPU ids of the devices of the worker in ``slot``, in its device order (what its
+        ``CUDA_VISIBLE_DEVICES`` lists); None off GPU clusters or for a device-less worker."""
+        if self.device_resource != "GPU" or not slot.devices:
+            return None
+        if slot.node is None or slot.local_devices is None:
+            raise DeviceMappingError(
+                [Problem(f"roles.{slot.role}", f"worker {slot.rank} is not bound to a node")]
+            )
+        return tuple(self._gpu_of[(slot.node, local)] for local in slot.local_devices)
 
     def actor_options(self, slot: WorkerSlot) -> dict[str, Any]:
         """``ray.remote(...).options(**actor_options(slot))`` for the worker in ``slot``."""
@@ -225,6 +283,14 @@ class ResourceManager:
                     pass  # removed already (Ray says "not found"), or the GCS is gone with it
         self.placement_groups = []
         self._bundle_of = {}
+        self._gpu_of = {}
+
+
+def _bundle_gpu_ids() -> list[str]:
+    """In a probe task: the GPU ids Ray assigned it (those of its placement-group bundle)."""
+    import ray
+
+    return [str(gpu) for gpu in ray.get_gpu_ids()]
 
 
 QUIET_WORKERS = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}

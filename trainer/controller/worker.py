@@ -24,10 +24,12 @@ from typing import Any
 
 from trainer.controller.dispatch import Collect, Dispatch, register
 
-__all__ = ["DEVICES_ENV", "Worker", "WorkerContext", "node_address"]
+__all__ = ["DEVICES_ENV", "GPUS_ENV", "Worker", "WorkerContext", "node_address"]
 
 DEVICES_ENV = "ENVHUB_DEVICES"
 """Environment variable holding a worker's node-local device ids, comma-separated."""
+GPUS_ENV = "CUDA_VISIBLE_DEVICES"
+"""The GPUs a worker's process (and the processes it starts) may use, comma-separated."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,9 @@ class WorkerContext:
     """Node-local device ids, once bound to a cluster; None in-process without a binding."""
     node: int | None = None
     """Node index in the resource manager's node order (None when not bound)."""
+    gpu_ids: tuple[str, ...] | None = None
+    """Ray's ids of the GPUs of ``local_devices``, in that order (on GPU clusters: not always
+    the local ids); None off GPU clusters (``ResourceManager.gpu_ids``)."""
     local_rank: int = 0
     """Rank among this role's workers on the same node."""
     backend: str = "local"
@@ -70,6 +75,8 @@ class Worker:
         if ctx.backend == "ray":  # own process: publish the devices before any library reads them
             local = ctx.local_devices if ctx.local_devices is not None else ctx.devices
             os.environ[DEVICES_ENV] = ",".join(map(str, local))
+            if ctx.gpu_ids:  # Ray showed only the first device's GPU: show all, first device first
+                os.environ[GPUS_ENV] = ",".join(ctx.gpu_ids)
 
     @property
     def rank(self) -> int:
