@@ -58,6 +58,7 @@ from envhub.model_agent import (
     ModelAgent,
     ToolsMode,
     answer_tool_calls,
+    call_ids,
     resolve_model,
     sampling_seed,
 )
@@ -208,7 +209,8 @@ def run_episode(
         try:
             with clock.timing("env"):
                 observation, reward, terminated, truncated, info = env.step(_action(turn))
-            messages.extend(answer_tool_calls(turn.message, list(observation)))
+            ids, refused = call_ids(turn.message), bool(info.get("invalid_action"))
+            messages.extend(answer_tool_calls(ids, list(observation), refused=refused))
             rewards.append(float(reward))
             if info.get("invalid_action", False):
                 invalid += 1

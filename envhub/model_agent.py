@@ -55,6 +55,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -63,7 +64,9 @@ from envhub.parsing import message_text, valid_text
 from envhub.tool_calls import ToolCall
 
 __all__ = [
+    "ANSWERED_BELOW",
     "KEY_HINT",
+    "NOT_RUN",
     "URL_HINT",
     "AgentError",
     "AgentTurn",
@@ -72,6 +75,7 @@ __all__ = [
     "ToolsMode",
     "answer_tool_calls",
     "api_messages",
+    "call_ids",
     "resolve_model",
     "sampling_seed",
     "unique_call_ids",
@@ -157,33 +161,62 @@ def api_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 NOT_RUN = "Not run: this call was refused; see the message that follows."
-"""The tool message answering a call the env did not run (``answer_tool_calls``)."""
+"""The tool message answering a call of a reply the env refused (``answer_tool_calls``)."""
+
+ANSWERED_BELOW = "See the message that follows."
+"""The tool message answering a call the env answered in its other messages, not by a tool
+message of its own (``answer_tool_calls``)."""
+
+
+def call_ids(message: Mapping[str, Any]) -> list[str]:
+    """The ids of ``message``'s tool calls, in order (none for a message without calls)."""
+    calls = message.get("tool_calls") if isinstance(message, Mapping) else None
+    return [str(call.get("id")) for call in calls or [] if isinstance(call, Mapping)]
 
 
 def answer_tool_calls(
-    assistant: dict[str, Any], answers: list[dict[str, Any]]
+    ids: list[str], answers: list[dict[str, Any]], *, refused: bool = True
 ) -> list[dict[str, Any]]:
-    """The env's reply to ``assistant`` as a strict API takes it: every call id of the
-    assistant message answered by exactly one ``role: tool`` message, and those first.
+    """The env's ``answers`` to a reply whose calls have ``ids`` (in order), as a strict API
+    takes them: every call answered by exactly one ``role: tool`` message, the answers first
+    and in the order of the calls (a template that renders them without ids, ChatML's
+    ``<tool_response>``, pairs them by position), then the env's other messages (its feedback)
+    in their order. Without calls, ``answers`` is returned as it is.
 
-    A tool message carrying an id of the calls keeps it; one carrying another id (an env that
-    reads calls as text numbers them its own way) takes the next id not yet answered, in
-    order; a call left unanswered (the env refused the reply, answering with feedback
-    instead) gets a tool message saying it was not run (``NOT_RUN``). The env's other messages
-    (its feedback) follow, in their order. Without calls, ``answers`` is returned as it is."""
-    ids = [str(call["id"]) for call in assistant.get("tool_calls") or []]
+    Which call a tool message answers: the call with its id; else the ``k``-th call when its id
+    is ``ToolCall.numbered_id(k)`` (an env that read the calls as text numbers them so); else
+    the first call not yet answered. A second answer to a call, or one beyond the calls, joins
+    the other messages as a ``user`` message (a tool message that answers no call is refused).
+    A call left unanswered gets ``NOT_RUN`` when the env flagged the reply invalid
+    (``refused``: it was not run), else ``ANSWERED_BELOW`` (the env answered in prose)."""
     if not ids:
         return answers
-    tools = [m for m in answers if m.get("role") == "tool"]
-    rest = [m for m in answers if m.get("role") != "tool"]
-    open_ids = [i for i in ids if i not in {m.get("tool_call_id") for m in tools}]
-    linked = []
-    for message in tools:
-        if message.get("tool_call_id") not in ids and open_ids:
-            message = {**message, "tool_call_id": open_ids.pop(0)}
-        linked.append(message)
-    linked += [{"role": "tool", "tool_call_id": i, "content": NOT_RUN} for i in open_ids]
+    numbered = {ToolCall.numbered_id(k): k for k in range(len(ids))}
+    own = {call_id: k for k, call_id in enumerate(ids)}
+    answered: dict[int, dict[str, Any]] = {}  # call position -> its tool message
+    rest = []
+    for message in answers:
+        if message.get("role") != "tool":
+            rest.append(message)
+            continue
+        said = str(message.get("tool_call_id"))
+        position = own.get(said, numbered.get(said))
+        if position is None or position in answered:
+            position = None if said in own or said in numbered else _first_open(ids, answered)
+        if position is None:
+            rest.append({"role": "user", "content": message.get("content", "")})
+        else:
+            answered[position] = {**message, "tool_call_id": ids[position]}
+    unanswered = NOT_RUN if refused else ANSWERED_BELOW
+    linked = [
+        answered.get(k, {"role": "tool", "tool_call_id": call_id, "content": unanswered})
+        for k, call_id in enumerate(ids)
+    ]
     return linked + rest
+
+
+def _first_open(ids: list[str], answered: dict[int, Any]) -> int | None:
+    return next((k for k in range(len(ids)) if k not in answered), None)
 
 
 def unique_call_ids(ids: list[str | None]) -> list[str]:

@@ -39,9 +39,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from envhub.model_agent import answer_tool_calls, call_ids
 from envhub.pool.host import BadEnvOutputError
 from envhub.tool_calls import thinking_spans
-from trainer.rollout.chat_messages import answer_calls, call_ids
 from trainer.rollout.env_output import (
     ResetOutcome,
     StepOutcome,
@@ -461,7 +461,8 @@ class EnvManager:
                 return
             messages, reward, terminated, truncated, info = outcome
             # every call answered, a refused one "Not run" (as in eval and behind the proxy)
-            messages = answer_calls(call_ids(trajectory.messages[-1]), messages)
+            asked, refused = call_ids(trajectory.messages[-1]), bool(info.get("invalid_action"))
+            messages = answer_tool_calls(asked, messages, refused=refused)
             trajectory.end_turn(reward)
             if per_turn:
                 tokens.end_turn(reward)

@@ -9,7 +9,7 @@ with the plain ``openai`` SDK and to the env through two more routes on the same
     POST /v1/chat/completions      a policy turn; ``stream: true`` answers as server-sent events
     GET  /v1/envhub/episode        the episode: env id, seed, first messages, tools
     POST /v1/envhub/step           ``{"action": text | assistant message}`` -> the env's reply,
-                                   each tool call answered (``chat_messages.answer_calls``)
+                                   each tool call answered (``proxy_reply.answered``)
 
 The api key (``Authorization: Bearer``) names the episode; a key the proxy never handed out is
 refused (401), one whose episode has ended gets 410, so an abandoned agent cannot write into
@@ -70,11 +70,11 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from trainer.rollout.chat_messages import answer_calls, same_message
+from trainer.rollout.chat_messages import same_message
 from trainer.rollout.env_output import checked_step
 from trainer.rollout.proxy_episode import ProxyCall, ProxyEpisode
 from trainer.rollout.proxy_http import ServerLimits, listen, proxy_app
-from trainer.rollout.proxy_reply import completion_body, cut_at_stop, cut_content
+from trainer.rollout.proxy_reply import answered, completion_body, cut_at_stop, cut_content
 from trainer.rollout.proxy_request import ChatRequest, ProxyError, chat_request
 from trainer.rollout.trajectory import ChatRenderer, Trajectory
 from trainer.strategies.base import GenerationRequest, GenerationResult
@@ -483,8 +483,8 @@ class AgentProxy:
         """Step the episode's env with ``action`` (text, or an assistant message, checked by
         ``proxy_request.step_action``, whose tool calls become envhub's ``<tool_call>`` text; a
         call without an id gets one); the reward goes to the call whose reply the agent acted
-        on (``ProxyEpisode.credited``). The env's reply answers each call (``chat_messages.
-        answer_calls``) and is recorded, as the agent gets it, as soon as the env answers."""
+        on (``ProxyEpisode.credited``). The env's reply answers each call (``proxy_reply.
+        answered``) and is recorded, as the agent gets it, as soon as the env answers."""
         from envhub.parsing import message_text
 
         calls: list[dict[str, Any]] = []
@@ -518,7 +518,7 @@ class AgentProxy:
                 episode.end(f"env step raised {reason}")
                 raise ProxyError(502, f"the env failed: {reason}", "env_error", "server_error")
             self._check_open(episode, "step")
-            messages = answer_calls([str(call["id"]) for call in calls], messages)
+            messages = answered(calls, messages, refused=bool(info.get("invalid_action")))
             self._record_step(episode, text, messages, reward, info)
             episode.env_done = bool(terminated or truncated)
             t = episode.trajectory

@@ -19,13 +19,14 @@ to the action's tool calls (``chat_messages.answer_calls``, which the env manage
 3. ``token_ids`` (vLLM's extension) and ``usage`` count the tokens trained for the call: the
    stop string's tokens included (the policy ended its turn with them, and the conversation
    the next call extends holds them), as vLLM's ``token_ids`` do.
-4. **Every tool call of a step is answered once** (``chat_messages.answer_calls``), as strict
+4. **Every tool call of a step is answered once** (``answered``), as strict
    chat APIs (api.openai.com) and the agent frameworks that check for them require: a ``tool``
    message for each call id, in the order of the calls, right after the action, then the env's
-   other messages (its feedback); a call the env refused is answered ``NOT_RUN``, as ``envhub
-   eval`` and the env manager answer it. The env read the action as text, so its tool messages
-   carry its own numbering of the calls (``ToolCall.numbered_id`` of a call's position), never
-   the agent's ids: ``answer_calls`` maps them by position. The agent sends the answers back
+   other messages (its feedback), by ``envhub.model_agent.answer_tool_calls`` as ``envhub
+   eval`` and the env manager answer them (a call the env refused: ``NOT_RUN``). The env read
+   the action as text, so its tool messages carry its own numbering of the calls
+   (``ToolCall.numbered_id`` of a call's position), never the agent's ids: the calls are
+   answered under those numbers, then renamed to the agent's ids. The agent sends the answers back
    with its next call, which renders them into the policy's prompt: they are trained as
    context exactly as rendered, like any message of a call.
 """
@@ -36,11 +37,14 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from envhub.model_agent import answer_tool_calls
+from envhub.tool_calls import ToolCall
+
 if TYPE_CHECKING:
     from trainer.rollout.trajectory import ChatRenderer
     from trainer.strategies.base import GenerationResult
 
-__all__ = ["completion_body", "cut_at_stop", "cut_content", "token_texts"]
+__all__ = ["answered", "completion_body", "cut_at_stop", "cut_content", "token_texts"]
 
 
 def cut_at_stop(
@@ -182,3 +186,16 @@ def token_texts(renderer: ChatRenderer, ids: list[int]) -> list[str]:
     if read < len(ids):  # the text ends inside a character: the last token gives what is left
         texts[-1] = renderer.decode(ids[prefix:], skip_special_tokens=False)[len(before) :]
     return texts
+
+
+def answered(
+    calls: list[dict[str, Any]], answers: list[dict[str, Any]], *, refused: bool
+) -> list[dict[str, Any]]:
+    """The env's ``answers`` to a step whose action made ``calls`` (each with its id), every
+    call answered once (guarantee 4; ``refused``: the env flagged the action invalid)."""
+    numbers = [ToolCall.numbered_id(k) for k in range(len(calls))]
+    agents = dict(zip(numbers, (str(call["id"]) for call in calls), strict=True))
+    return [
+        {**m, "tool_call_id": agents[m["tool_call_id"]]} if m.get("role") == "tool" and calls else m
+        for m in answer_tool_calls(numbers, answers, refused=refused)
+    ]

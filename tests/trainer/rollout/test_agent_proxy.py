@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+from envhub.model_agent import NOT_RUN
 from tests.trainer.conftest import LAKE, LAKE_KWARGS
 from tests.trainer.rollout import proxy_agents
 from tests.trainer.rollout.test_native_tools import CALC, ScriptedEngine, expert_turns
@@ -150,10 +151,15 @@ def test_an_openai_sdk_agent_records_the_env_managers_token_sequences(policy) ->
     assert all(not t.samples and t.policy_versions == [0] * t.num_turns for t in agent)
 
 
-def test_native_tool_calls_reach_the_agent_and_train_the_env_managers_tokens() -> None:
+@pytest.mark.parametrize("refused_first", [False, True], ids=["calls", "a refused call first"])
+def test_native_tool_calls_reach_the_agent_and_train_the_env_managers_tokens(
+    refused_first: bool,
+) -> None:
     tokenizer = build_tokenizer(env_corpus(CALC, episodes=12), kind="bpe")  # ChatML with tools
     renderer = ChatRenderer(tokenizer)
     turns = expert_turns(seed=1)  # tool calls, then the answer
+    if refused_first:  # an unknown tool: answered "Not run" before the env's feedback, both ways
+        turns = ['<tool_call>{"name": "launch_rockets", "arguments": {}}</tool_call>', *turns]
     built_in = EnvManager(
         ScriptedEngine(tokenizer, turns),  # type: ignore[arg-type]
         renderer,
@@ -182,6 +188,7 @@ def test_native_tool_calls_reach_the_agent_and_train_the_env_managers_tokens() -
     results = [m for m in agent.messages if m["role"] == "tool"]
     assert len(calls) == len(turns) - 1 == len(results)  # structured calls, linked answers
     assert [r["tool_call_id"] for r in results] == [c["tool_calls"][0]["id"] for c in calls]
+    assert (results[0]["content"] == NOT_RUN) is refused_first
 
 
 def test_calls_that_do_not_extend_each_other_are_samples_of_their_own(policy) -> None:

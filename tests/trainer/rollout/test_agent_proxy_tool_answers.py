@@ -130,7 +130,8 @@ def test_each_answer_goes_to_the_call_it_answers_in_the_order_of_the_calls(
             async def second_call_only(action: str) -> Any:
                 ran = {"role": "tool", "name": "calculate", "tool_call_id": "call00001"}
                 refused = {"role": "user", "content": "The first call was not run."}
-                return [{**ran, "content": "9"}, refused], 0.0, False, False, {}
+                invalid = {"invalid_action": True}  # (an env that refuses a call says so)
+                return [{**ran, "content": "9"}, refused], 0.0, False, False, invalid
 
             episode.session.step = second_call_only  # type: ignore[method-assign]
             answers = await step(client, made)
