@@ -178,6 +178,18 @@ def _strategy_problems(cfg: TrainerConfig) -> list[Problem]:
             continue
         if name not in cfg.active_roles:
             continue
+        if role.num_devices_per_worker > 1:  # a worker would see devices it never uses
+            held = role.num_devices_per_worker
+            problems.append(
+                Problem(
+                    f"roles.{name}.num_devices_per_worker",
+                    f"is {held}, but each {name} worker is one rank on one device (the "
+                    "strategy shards over workers; only actor_infer's vLLM engine spans several "
+                    f"devices): set roles.{name}.num_devices_per_worker: 1, which starts a "
+                    f"worker per device of the same device_mapping",
+                )
+            )
+            continue
         layout = layout_problem(spec.name, role.world_size, role.strategy_args)
         if layout is not None:
             problems.append(Problem(f"roles.{name}.strategy_args.{layout[0]}", layout[1]))

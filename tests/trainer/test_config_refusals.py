@@ -155,6 +155,21 @@ def test_a_layout_the_strategy_cannot_run_is_the_one_problem_reported() -> None:
     ]
 
 
+def test_a_training_role_with_several_devices_per_worker_is_refused() -> None:
+    # one rank per device: only actor_infer's vLLM engine spans several devices in one worker
+    overrides = [
+        "roles.actor_train.strategy=fsdp2",
+        "roles.actor_train.device_mapping=[0,1]",
+        "roles.actor_train.num_devices_per_worker=2",
+    ]
+    [problem] = problems_of(None, overrides)
+    assert problem.startswith(
+        "roles.actor_train.num_devices_per_worker: is 2, but each actor_train worker is one rank "
+        "on one device"
+    )
+    assert "set roles.actor_train.num_devices_per_worker: 1" in problem
+
+
 def test_a_frozen_hf_reference_may_run_several_copies() -> None:
     cfg = load_config(None, ["algorithm.loss.kl_coef=0.1", "roles.reference.device_mapping=[0,1]"])
     assert cfg.roles.reference.world_size == 2

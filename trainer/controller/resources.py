@@ -211,11 +211,18 @@ class ResourceManager:
         ]
         try:
             found = ray.get(answers, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
+        except BaseException as error:  # a worker that cannot start, Ctrl-C: free the devices
             self.shutdown()
-            raise TimeoutError(
-                f"Ray did not run a task in the reserved GPU bundles within {timeout_s:.0f} s "
-                "(it asks each bundle's GPU id); check `ray status` for pending tasks"
+            if isinstance(error, ray.exceptions.GetTimeoutError):
+                why = f"it did not run within {timeout_s:.0f} s; see `ray status` for pending tasks"
+            elif isinstance(error, Exception):
+                said = str(error).strip().splitlines() or [type(error).__name__]
+                why = f"it failed: {said[-1]}; check the GPU nodes"
+            else:
+                raise
+            raise TrainerError(
+                f"Ray's task that asks each reserved GPU bundle its GPU id (for the workers' "
+                f"CUDA_VISIBLE_DEVICES) could not answer, so the devices were freed: {why}"
             ) from None
         for (node_index, local), ids in zip(devices, found, strict=True):
             if len(ids) != 1:

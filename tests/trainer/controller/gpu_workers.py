@@ -30,3 +30,8 @@ class GpuCluster(Cluster):
     worker_cls = GpuWorker
 
     gpus = remote(GpuWorker.gpus, per_rank=True)
+
+
+def failing_gpu_probe() -> list[str]:
+    """Stands in for the GPU-id probe when its worker cannot run (a broken driver, say)."""
+    raise RuntimeError("no CUDA driver in this worker")

@@ -138,3 +138,19 @@ def test_a_cluster_of_custom_resource_devices_leaves_cuda_visible_devices_alone(
     for worker in [*layout.infer, *layout.train]:
         assert worker["visible"] is None and worker["ray"] == []
     assert [worker["devices"] for worker in layout.infer] == ["0,1", "2,3"]
+
+
+def test_a_gpu_probe_that_fails_names_itself_and_frees_the_devices(
+    local_ray: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.trainer.controller.gpu_workers import failing_gpu_probe
+    from trainer.controller import resources
+    from trainer.errors import TrainerError
+
+    monkeypatch.setattr(resources, "_bundle_gpu_ids", failing_gpu_probe)
+    with pytest.raises(TrainerError, match="GPU id") as refused:
+        ResourceManager(AutoDeviceMapping(ROLES), device_resource="GPU", timeout_s=30)
+    assert "no CUDA driver in this worker" in str(refused.value)
+    monkeypatch.undo()
+    again = ResourceManager(AutoDeviceMapping(ROLES), device_resource="GPU", timeout_s=30)
+    again.shutdown()  # (the failed start left the four devices free to reserve)
