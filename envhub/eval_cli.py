@@ -117,8 +117,9 @@ def _model_url(ctx: click.Context, param: click.Parameter, url: str | None) -> s
     type=click.FloatRange(min=0),
     metavar="SECONDS",
     help="Record an episode still running after this long as failed and go on: env_timeout "
-    "when the env's calls held most of its time, else episode_timeout (the agent's); its env "
-    "is abandoned, never reused (0: no bound).",
+    "when an env call was under way (the env hung or crawls), episode_timeout (the agent's) "
+    "when an agent's turn was; the episode plays no further call and its env is never reused "
+    "(0: no bound).",
 )
 @click.option(
     "--tools",
@@ -201,7 +202,7 @@ def eval_command(
     env_timeout, env_error), the table adds 'measured' (the other episodes) and 'success
     (measured)' (success over those alone), and a 'warning:' line names a row when a fifth or
     more of its episodes failed so; --resume plays them again. An episode that ran past
-    --episode-timeout in the agent's turns (episode_timeout) counts as the agent's, with a
+    --episode-timeout during the agent's turn (episode_timeout) counts as the agent's, with a
     'note:' saying why: a slow server and a slow model look the same from here.
 
     Exits 1 when an env (or the endpoint) failed every one of its episodes, 2 on a usage
@@ -322,12 +323,13 @@ _HINTS = {
     "connection": "is the server running?",
     "timeout": "a slow server needs a larger --timeout",
     "env_timeout": (
-        "an env's calls ran past --episode-timeout: it hangs, or a slow env needs a larger "
-        "--episode-timeout"
+        "an env call was under way when the episode ran past --episode-timeout: the env hangs, "
+        "or a slow env needs a larger --episode-timeout"
     ),
     "episode_timeout": (
-        "the agent's turns ran past --episode-timeout: a server slow to answer (each request "
-        "may wait --timeout), or a model that needs the time, needs a larger --episode-timeout"
+        "the agent's turn was under way when the episode ran past --episode-timeout: a server "
+        "slow to answer (each request may wait --timeout), or a model that needs the time, "
+        "needs a larger --episode-timeout"
     ),
 }
 

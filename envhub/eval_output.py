@@ -20,14 +20,16 @@ A run folder holds:
     Locked (an exclusive ``flock``) by the run playing into the folder, from ``open_run`` to
     ``EpisodeWriter.close``; the system lets go of it when that process dies, and a process an
     env forks closes its copy (a helper that outlives the run does not hold the folder). Left
-    in place.
+    in place. On a filesystem without locks (``flock`` fails other than "held": NFS without
+    lockd, some FUSE or SMB mounts) the run plays into the folder unlocked, with a warning that
+    two runs into it at once are then not prevented.
 
 ``open_run`` guarantees that one folder never mixes runs: one run at a time plays into it (a
 second, even with ``resume`` or ``overwrite``, fails at once rather than interleave its lines
-or remove the first run's files), and a folder holding episodes is played into again only with
-``resume`` (and then only with the same settings) or ``overwrite`` (which first removes the
-old run's files, and only those). Every problem with the folder is an ``EvalOutputError``
-naming the folder and the option that fixes it.
+or remove the first run's files; where the filesystem has locks), and a folder holding
+episodes is played into again only with ``resume`` (and then only with the same settings) or
+``overwrite`` (which first removes the old run's files, and only those). Every problem with
+the folder is an ``EvalOutputError`` naming the folder and the option that fixes it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import fcntl
 import functools
 import json
+import logging
 import os
 from pathlib import Path
 from typing import IO, Any
@@ -52,6 +55,7 @@ __all__ = [
     "store",
 ]
 
+_log = logging.getLogger(__name__)
 _RUN_FILES = ("episodes.jsonl", "summary.json", "eval.json")
 LOCK_FILE = ".eval.lock"
 _held: set[IO[bytes]] = set()
@@ -110,7 +114,8 @@ def open_run(
             _start_run(out, run, resume=resume, overwrite=overwrite)
             return EpisodeWriter(out / "episodes.jsonl", lock)
         except BaseException:
-            _unlock(lock)  # (the run did not start: the folder is free again)
+            if lock is not None:
+                _unlock(lock)  # (the run did not start: the folder is free again)
             raise
     except OSError as error:
         raise EvalOutputError(
@@ -119,8 +124,9 @@ def open_run(
         ) from None
 
 
-def _lock(out: Path) -> IO[bytes]:
-    """``out``'s lock file, locked for this run; ``EvalOutputError`` if a run holds it."""
+def _lock(out: Path) -> IO[bytes] | None:
+    """``out``'s lock file, locked for this run; ``EvalOutputError`` if a run holds it; None,
+    with a warning, where the filesystem has no locks (the run plays unlocked)."""
     _close_locks_in_forked_children()
     lock = open(out / LOCK_FILE, "ab")  # noqa: SIM115 - held until the run's writer closes
     try:
@@ -131,6 +137,17 @@ def _lock(out: Path) -> IO[bytes]:
             f"--out {out} is in use by another envhub eval run (it holds {out / LOCK_FILE}); "
             "wait for it to end (then --resume plays what it left), or use another --out"
         ) from None
+    except OSError as error:  # ENOLCK, EOPNOTSUPP, ENOSYS: the filesystem has no locks
+        lock.close()
+        _log.warning(
+            "--out %s: cannot lock %s (%s), so this run plays into it unlocked: two envhub eval "
+            "runs into this folder at once are not prevented (their lines would mix); start "
+            "one at a time, or use an --out on a filesystem with locks (a local disk)",
+            out,
+            out / LOCK_FILE,
+            error.strerror or error,
+        )
+        return None
     _held.add(lock)
     return lock
 
@@ -206,7 +223,8 @@ def _check_same_settings(out: Path, settings: dict[str, Any]) -> None:
 
 class EpisodeWriter:
     """Appends one JSONL line per episode and flushes it, so a killed run loses none; ``close``
-    lets go of the folder's lock too (``lock``: the locked ``LOCK_FILE``, from ``open_run``)."""
+    lets go of the folder's lock too (``lock``: the locked ``LOCK_FILE``, from ``open_run``;
+    None where the run plays unlocked)."""
 
     def __init__(self, path: Path, lock: IO[bytes] | None = None) -> None:
         self.file = open(path, "ab")  # noqa: SIM115 - closed by close()

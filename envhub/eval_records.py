@@ -7,11 +7,14 @@ the request, or the env crashed or hung (``failed_outside_agent``). ``EvalSummar
 and ``measured_success_rate`` leave those out, so a run an outage hit still says how the agent
 did where it could play, and ``envhub.evaluate(resume=True)`` plays them again.
 
-An episode that ran out of time is charged to the side that held most of it
-(``envhub.eval_workers``): ``env_timeout`` to the env; ``episode_timeout`` to the agent, since
-for a model a server slow to answer and a model whose replies take that long look the same
-from here (a request with no answer within the client's timeout fails as ``timeout``, the
-endpoint's, instead).
+An episode that ran out of time is charged to the side whose call was under way then (a hang
+is the call under way; ``envhub.eval_workers``): ``env_timeout`` to the env; ``episode_timeout``
+to the agent, since for a model a server slow to answer and a model whose replies take that
+long look the same from here (a request with no answer within the client's timeout fails as
+``timeout``, the endpoint's, instead). Runs written before the sides were told apart recorded
+every episode out of time, a hung env's included, as ``episode_timeout``: such a record is
+still left out of ``measured`` and played again by ``resume``
+(``EpisodeStats.failed_outside_agent``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CHARGED_TO_AGENT",
     "NOT_THE_AGENTS",
     "RECORD_TEXT_CHARS",
     "EpisodeStats",
@@ -49,14 +53,21 @@ saw the text whole, and the episode's figures are its."""
 NOT_THE_AGENTS = frozenset({"connection", "timeout", "bad_response", "env_timeout", "env_error"})
 """Failure reasons that say nothing of the agent's play (with every ``http_<status>``): the
 endpoint or the env failed. ``context_length`` (the model's conversation outgrew its window),
-``agent_error`` (a built-in agent raised) and ``episode_timeout`` (its turns held most of an
-episode that ran out of time: module docstring) are the agent's own."""
+``agent_error`` (a built-in agent raised) and ``episode_timeout`` (its turn was under way when
+the episode ran out of time: module docstring) are the agent's own; but an ``episode_timeout``
+record of the old form is not (``EpisodeStats.failed_outside_agent``)."""
+
+CHARGED_TO_AGENT = "in the agent's turn"
+"""In the detail of every ``episode_timeout`` written since that failure is the agent's
+(``envhub.eval_workers``; "... s of it in the agent's turns" at first); the detail of one
+written before, when it meant any episode out of time, lacks it."""
 
 
 def failed_outside_agent(failure: str | None) -> bool:
     """Whether an episode's ``failure`` was the endpoint's or the env's, not the agent's
     (``NOT_THE_AGENTS``, ``http_*``): such an episode measured nothing of the agent, so the
-    summary's ``measured`` figures leave it out and ``resume`` plays it again."""
+    summary's ``measured`` figures leave it out and ``resume`` plays it again. A record is
+    judged by ``EpisodeStats.failed_outside_agent``, which also reads its detail."""
     return failure is not None and (failure in NOT_THE_AGENTS or failure.startswith("http_"))
 
 
@@ -97,6 +108,18 @@ class EpisodeStats:
     @property
     def key(self) -> tuple[str, str, int, int]:
         return self.env_id, self.agent, self.seed, self.sample
+
+    @property
+    def failed_outside_agent(self) -> bool:
+        """Whether the episode failed at the endpoint or in the env (``failed_outside_agent`` of
+        its reason), so that it measured nothing of the agent: ``summarise`` leaves it out of
+        ``measured`` and ``resume`` plays it again. So is an ``episode_timeout`` whose detail
+        lacks ``CHARGED_TO_AGENT`` (which every one has had since that reason is the agent's):
+        a record written when it meant any episode out of time, a hung env's included, and
+        was replayed."""
+        if self.failure == "episode_timeout":
+            return not (isinstance(self.detail, str) and CHARGED_TO_AGENT in self.detail)
+        return failed_outside_agent(self.failure)
 
     def as_record(self) -> dict[str, Any]:
         """A JSON-friendly dict (one JSONL line), each text of its messages cut to
@@ -209,7 +232,7 @@ def _percentile(values: Sequence[float], q: float) -> float:
 def summarise(env_id: str, agent: str, episodes: list[EpisodeStats]) -> EvalSummary:
     """One row from ``episodes`` (of ``agent`` on ``env_id``): every figure over every episode,
     a failed one as a loss, but ``measured`` and ``measured_success_rate``, which leave out the
-    episodes that failed at the endpoint or in the env (``failed_outside_agent``)."""
+    episodes that failed at the endpoint or in the env (``EpisodeStats.failed_outside_agent``)."""
     n = max(len(episodes), 1)
     turns = sum(e.turns for e in episodes)
     seconds = sum(e.seconds for e in episodes)
@@ -221,7 +244,7 @@ def summarise(env_id: str, agent: str, episodes: list[EpisodeStats]) -> EvalSumm
     mean_pass = sum(per_seed) / len(per_seed) if per_seed else 0.0
     low, high = _wilson(mean_pass, len(per_seed))
     latencies = [s for e in episodes for s in e.latencies]
-    measured = [e for e in episodes if not failed_outside_agent(e.failure)]
+    measured = [e for e in episodes if not e.failed_outside_agent]
     return EvalSummary(
         env_id=env_id,
         agent=agent,

@@ -13,7 +13,7 @@ One row per (env, agent), in one of three layouts:
 ``expert`` row that was random play (its env has no expert), a model whose turns were
 (nearly) all invalid actions, with what the env answered them and the likely causes (replies
 cut off at ``--max-tokens`` only where the server said so; else a ``note:`` says how many
-were), a ``note:`` for a row with episodes that ran out of time in the agent's turns
+were), a ``note:`` for a row with episodes that ran out of time during the agent's turn
 (``episode_timeout``: counted as the agent's, since a slow server and a slow model look the
 same from here), and a ``warning:`` for a row where at least ``FAILED_WARN_SHARE`` of the
 episodes failed at the endpoint or in the env.
@@ -226,12 +226,12 @@ def _out_of_time_note(s: EvalSummary, model: bool) -> str:
     said = f"note: {s.env_id} ({s.agent}): {timed_out} of {s.episodes} episodes ran past "
     if not model:
         return said + (
-            "--episode-timeout, most of their time in the agent's turns (episode_timeout): "
-            "they count as its failures in every figure, the measured ones included"
+            "--episode-timeout during the agent's turn (episode_timeout): they count as its "
+            "failures in every figure, the measured ones included"
         )
     return said + (
-        "--episode-timeout, most of their time in the model's turns (episode_timeout): they "
-        "count as its failures in every figure, the measured ones included, since envhub cannot "
+        "--episode-timeout during the model's turn (episode_timeout): they count as its "
+        "failures in every figure, the measured ones included, since envhub cannot "
         "tell a server slow to answer from a model whose replies take that long (a request the "
         "server does not answer within --timeout fails as timeout, the endpoint's, instead); "
         "raise --episode-timeout if the model needs the time"

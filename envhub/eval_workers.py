@@ -6,17 +6,22 @@ threads and hands each result to ``on_done``. What it guarantees:
 1. Every job ends as exactly one result, passed to ``on_done`` in the caller's thread in
    finishing order: the episode ``play`` returned, or a failed one made by ``fail``:
    ``env_error`` when the env could not be built; for an episode that ran past
-   ``episode_timeout`` seconds, the side that held most of its time by its ``EpisodeClock``
-   (building the env counts as the env's): ``env_timeout`` for the env's calls (the env hung
-   or crawls), ``episode_timeout`` for the agent's turns (for a model, a server slow to answer
-   and a model whose replies take that long look the same from here).
+   ``episode_timeout`` seconds, the side whose call was under way then by its ``EpisodeClock``
+   (a hang is always the call under way, whatever the other side used before; building the
+   env is the env's), or, caught between two calls, the side that used most of its time:
+   ``env_timeout`` for the env (it hung or crawls), ``episode_timeout`` for the agent (for a
+   model, a server slow to answer and a model whose replies take that long look the same from
+   here). The failure's detail names the call under way and how long it had run, and each
+   side's total.
 2. Envs are not shared between threads (Playwright's are thread-bound): a worker builds one
    per env id on first use, reuses it, and closes its envs when it runs out of jobs. An env
    whose constructor failed is not built again by that worker; its other jobs fail at once.
 3. A thread cannot be killed, so the worker of an overrun episode is *abandoned*: a daemon
    thread, it never keeps the process from exiting; what it returns is dropped, it takes no
    further job, and its envs are never used again (it closes them itself if its call ever
-   returns). A fresh worker takes its place, so the run goes on at the same concurrency.
+   returns). Its episode stops: the call under way runs to its end, but no further call starts
+   (its clock refuses: no request to the model, no env step after the episode was reported
+   failed). A fresh worker takes its place, so the run goes on at the same concurrency.
 4. On Ctrl-C, or an error that is not the episode's (``EnvKwargsError``: the command line
    gave the env arguments it does not take), the workers take no new job and the error is
    raised here; every finished episode has already been handed to ``on_done``.
@@ -33,6 +38,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from envhub.errors import EnvKwargsError, describe_error
+from envhub.eval_records import CHARGED_TO_AGENT
 
 __all__ = ["EpisodeClock", "Job", "play_jobs"]
 
@@ -42,37 +48,58 @@ _log = logging.getLogger(__name__)
 _EXITED = object()  # a worker's last message
 
 
+class _Abandoned(BaseException):
+    """Raised in the thread of an episode given up on as its next call would start (the
+    module's guarantee 3). A ``BaseException``: code that catches everything (``run_episode``
+    around an env call) ends the episode on it too, and its result is dropped."""
+
+
 class EpisodeClock:
     """Where the time of one episode goes: into the env's calls or the agent's turns. The thread
-    playing it times each call (``timing``); another reads the totals (``spent``) to say which
-    side held an episode that ran out of time (the module's guarantee 1)."""
+    playing it times each call (``timing``); another reads the call under way and the totals
+    (``read``) to say whose call an episode that ran out of time was stuck in (the module's
+    guarantee 1), and ``abandon``s it, so that it starts no further call (guarantee 3)."""
 
-    def __init__(self) -> None:
+    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+        """``now``: the clock read (seconds; a test's own)."""
+        self._now = now
         self._lock = threading.Lock()
         self._spent = {"env": 0.0, "agent": 0.0}
         self._running: tuple[Side, float] | None = None  # the call under way, since when
+        self._abandoned = False
 
     @contextlib.contextmanager
     def timing(self, side: Side) -> Iterator[None]:
-        """Count the time of the block as ``side``'s."""
-        start = time.monotonic()
+        """Count the time of the block as ``side``'s; once the episode is abandoned, raise
+        ``_Abandoned`` instead of starting it."""
         with self._lock:
+            if self._abandoned:
+                raise _Abandoned
+            start = self._now()
             self._running = side, start
         try:
             yield
         finally:
             with self._lock:
-                self._spent[side] += time.monotonic() - start
+                self._spent[side] += self._now() - start
                 self._running = None
 
-    def spent(self) -> dict[Side, float]:
-        """Seconds in each side's calls so far, the call under way included."""
+    def abandon(self) -> None:
+        """The episode was given up on: no block starts from now on (a call under way runs on)."""
+        with self._lock:
+            self._abandoned = True
+
+    def read(self) -> tuple[dict[Side, float], tuple[Side, float] | None]:
+        """Seconds in each side's calls so far, the call under way included; and the call under
+        way (its side, seconds so far), or None between calls."""
         with self._lock:
             spent: dict[Side, float] = {"env": self._spent["env"], "agent": self._spent["agent"]}
+            running = None
             if self._running is not None:
                 side, since = self._running
-                spent[side] += time.monotonic() - since
-        return spent
+                running = side, self._now() - since
+                spent[side] += running[1]
+        return spent, running
 
 
 def play_jobs(
@@ -120,7 +147,10 @@ class _Worker:
                 with pool.lock:
                     self.job, self.started = job, time.monotonic()
                     self.clock = EpisodeClock()
-                result = self.play(job, envs, broken)
+                try:
+                    result = self.play(job, envs, broken)
+                except _Abandoned:  # given up on (already reported): plays no further call
+                    return
                 with pool.lock:
                     if self.abandoned:  # timed out: already reported, envs never reused
                         return
@@ -211,8 +241,9 @@ class _Pool:
                 for w in self.workers
                 if (w.job is not None or w.closing) and now - w.started >= episode_timeout
             ]
-            for worker, _, _, _ in overdue:
+            for worker, _, clock, _ in overdue:
                 worker.abandoned = True
+                clock.abandon()
                 self.workers.discard(worker)
         results = []
         for _, job, clock, seconds in overdue:
@@ -226,13 +257,21 @@ class _Pool:
 
 def _out_of_time(clock: EpisodeClock, episode_timeout: float) -> tuple[str, str]:
     """The failure reason and detail of an episode that ran past ``episode_timeout``: the side
-    that held most of its time (the module's guarantee 1)."""
-    spent = clock.spent()
-    if spent["env"] > spent["agent"]:
-        reason, held, seconds = "env_timeout", "the env's calls", spent["env"]
+    whose call was under way (a hang is the call under way), or between calls the side that used
+    most of its time (the module's guarantee 1)."""
+    spent, running = clock.read()
+    totals = (
+        f"in all: the agent's turns {spent['agent']:.1f} s, the env's calls {spent['env']:.1f} s"
+    )
+    if running is not None:
+        side, seconds = running
+        call = CHARGED_TO_AGENT if side == "agent" else "in the env's call"
+        when = f"{call}, under way for {seconds:.1f} s ({totals})"
     else:
-        reason, held, seconds = "episode_timeout", "the agent's turns", spent["agent"]
-    return reason, (
-        f"the episode ran past --episode-timeout {episode_timeout:g} s, {seconds:.1f} s of it "
-        f"in {held}; its thread was abandoned and its env is not reused"
+        side = "env" if spent["env"] > spent["agent"] else "agent"
+        calls = f"{CHARGED_TO_AGENT}s" if side == "agent" else "in the env's calls"
+        when = f"between two calls, most of it {calls} ({totals})"
+    return "env_timeout" if side == "env" else "episode_timeout", (
+        f"the episode ran past --episode-timeout {episode_timeout:g} s {when}; its thread was "
+        "abandoned and its env is not reused"
     )

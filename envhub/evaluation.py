@@ -23,8 +23,8 @@ every episode is appended to ``DIR/episodes.jsonl`` as it finishes (messages, ea
 ``DIR/summary.json`` (and, with pyarrow, the trajectory store part) is written at the end;
 ``resume=True`` reads the file back, skips the episodes it holds and counts them in the
 summary (a torn last line of a killed run is ignored), except those that failed at the
-endpoint or in the env (``failed_outside_agent``: an outage is not the agent's result), which
-it plays again; it refuses other settings. ``overwrite=True`` replaces the run
+endpoint or in the env (``EpisodeStats.failed_outside_agent``: an outage is not the agent's
+result), which it plays again; it refuses other settings. ``overwrite=True`` replaces the run
 (``envhub.eval_output``).
 
 Every summary figure counts every episode, one that failed as a loss; ``measured`` and
@@ -43,14 +43,8 @@ from typing import Any, Protocol
 
 from envhub.core import Observation
 from envhub.errors import EnvKwargsError, describe_error
-from envhub.eval_output import compact, json_safe, open_run, store
-from envhub.eval_records import (
-    EpisodeStats,
-    EvalSummary,
-    failed_outside_agent,
-    read_episodes,
-    summarise,
-)
+from envhub.eval_output import EpisodeWriter, compact, json_safe, open_run, store
+from envhub.eval_records import EpisodeStats, EvalSummary, read_episodes, summarise
 from envhub.eval_workers import EpisodeClock, Job, play_jobs
 from envhub.model_agent import (
     AgentError,
@@ -168,7 +162,8 @@ def run_episode(
     ``seed=sampling_seed(seed, sample)``, and the env's answer to a reply with tool calls is
     recorded as ``answer_tool_calls`` makes it (every call id answered: what a strict API
     needs of the next request). ``clock`` times the env's calls and the agent's turns (for
-    ``envhub.eval_workers``, to say which side held an episode that ran out of time)."""
+    ``envhub.eval_workers``, to say whose call an episode that ran out of time was stuck in, and
+    to stop an episode it gave up on before its next call)."""
     turn_agent = agent if hasattr(agent, "act") else _CallableAgent("callable", agent)
     clock = clock or EpisodeClock()
     start = time.perf_counter()
@@ -313,11 +308,12 @@ def evaluate(
     server's only model) instead of ``agents``. Every agent sees the same seeds, so their
     numbers compare like for like. ``concurrency`` defaults to 8 for a model, 1 otherwise.
     An episode still running after ``episode_timeout`` seconds is recorded as failed
-    (``env_timeout`` or ``episode_timeout``: the side that held its time; see
-    ``envhub.eval_workers``). ``out`` keeps the run (see ``envhub.eval_output``: a folder
-    holding one needs ``resume`` or ``overwrite``, and one another run plays into is refused);
-    ``resume`` plays what the folder lacks and, again, the episodes it holds that failed at the
-    endpoint or in the env (``failed_outside_agent``): the newest line of an episode wins.
+    (``env_timeout`` or ``episode_timeout``: the side whose call was under way; see
+    ``envhub.eval_workers``) and plays no further call. ``out`` keeps the run (see
+    ``envhub.eval_output``: a folder holding one needs ``resume`` or ``overwrite``, and one
+    another run plays into is refused); ``resume`` plays what the folder lacks and, again, the
+    episodes it holds that failed at the endpoint or in the env
+    (``EpisodeStats.failed_outside_agent``): the newest line of an episode wins.
 
     Raises before playing anything: ``ValueError`` for ``episodes`` or ``samples`` below 1 or
     a negative ``seed`` (a run of no episodes would read as a 0% row), ``UnknownEnvError``
@@ -345,22 +341,13 @@ def evaluate(
     players, settings = _players(agents, client, model, temperature, max_tokens, tools)
     settings |= {"env_kwargs": env_kwargs or {}, "max_turns": max_turns}
     out_dir = Path(out) if out is not None else None
-    writer = None
-    finished: dict[tuple[str, str, int, int], EpisodeStats] = {}
-    if out_dir is not None:
-        run: dict[str, Any] = {"settings": settings, "envs": env_ids, "agents": list(players)}
-        run |= {"episodes": episodes, "samples": samples, "seed": seed}
-        writer = open_run(out_dir, run, resume=resume, overwrite=overwrite)
-        if resume:  # (the newest line of an episode wins: a replay's comes after the failure)
-            held = {e.key: e for e in read_episodes(out_dir / "episodes.jsonl")}
-            finished = {k: e for k, e in held.items() if not failed_outside_agent(e.failure)}
+    writer: EpisodeWriter | None = None
+    played: dict[tuple[str, str, int, int], EpisodeStats] = {}  # kept on resume, then played
 
     def keys(env_id: str, name: str) -> list[Job]:
         return [(env_id, name, seed + i, s) for i in range(episodes) for s in range(samples)]
 
     rows = [(env_id, name) for env_id in env_ids for name in players]
-    jobs = [key for row in rows for key in keys(*row) if key not in finished]
-    played = dict(finished)
 
     def on_done(episode: EpisodeStats) -> None:
         record = episode.as_record()  # (its texts cut to RECORD_TEXT_CHARS)
@@ -386,7 +373,16 @@ def evaluate(
             clock=clock,
         )
 
-    try:
+    if out_dir is not None:
+        run: dict[str, Any] = {"settings": settings, "envs": env_ids, "agents": list(players)}
+        run |= {"episodes": episodes, "samples": samples, "seed": seed}
+        writer = open_run(out_dir, run, resume=resume, overwrite=overwrite)
+    try:  # (from here on, whatever happens, the writer is closed and --out's lock let go of)
+        if out_dir is not None and resume:
+            # (the newest line of an episode wins: a replay's comes after the failure)
+            held = {e.key: e for e in read_episodes(out_dir / "episodes.jsonl")}
+            played |= {k: e for k, e in held.items() if not e.failed_outside_agent}
+        jobs = [key for row in rows for key in keys(*row) if key not in played]
         play_jobs(
             jobs,
             make_env=lambda env_id: make(env_id, **(env_kwargs or {})),

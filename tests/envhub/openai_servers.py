@@ -134,9 +134,12 @@ class _SignallingServer(uvicorn.Server):
 
 @contextlib.contextmanager
 def scripted_server(
-    reply: Reply, models: tuple[str, ...] = ("scripted",)
+    reply: Reply, models: tuple[str, ...] = ("scripted",), *, blocking: bool = False
 ) -> Iterator[ScriptedServer]:
+    """Serve ``reply``; ``blocking``: it may block (wait on an event, take its time), so it runs
+    in a worker thread and the server answers other requests meanwhile."""
     from fastapi import FastAPI
+    from starlette.concurrency import run_in_threadpool
 
     app = FastAPI()
     port = free_port()
@@ -152,7 +155,7 @@ def scripted_server(
         body = await request.json()
         with lock:
             state.requests.append(body)
-        answer = reply(body)
+        answer = await run_in_threadpool(reply, body) if blocking else reply(body)
         return answer if isinstance(answer, Response) else JSONResponse(answer)
 
     with serve_app(app, port):

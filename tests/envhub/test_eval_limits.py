@@ -1,6 +1,7 @@
 """``envhub eval`` at its limits: an episode that runs out of time (whose side held it), a reply
-too large to keep whole in ``--out``, and two runs at once into one ``--out``. Each test is what
-a user would see: the summary's figures, the ``note:`` lines, the record, the exit code."""
+too large to keep whole in ``--out``, two runs at once into one ``--out``, a resume interrupted
+as it reads the folder, and a folder on a filesystem without locks. Each test is what a user
+would see: the summary's figures, the ``note:`` lines, the record, the exit code."""
 
 from __future__ import annotations
 
@@ -233,3 +234,58 @@ def test_a_process_an_env_forked_does_not_keep_the_out_locked_after_the_run(
         for pid in HELPERS:
             os.waitpid(pid, 0)
         HELPERS.clear()
+
+
+@pytest.mark.timeout(60)
+def test_a_resume_interrupted_while_it_reads_the_episodes_leaves_the_out_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C while ``--resume`` reads a large ``episodes.jsonl`` (in a notebook, say): the
+    next run into the folder in that process is not refused as if another run held it."""
+    evaluate([COUNTDOWN], ["random"], episodes=2, out=tmp_path)
+
+    def interrupted(path: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("envhub.evaluation.read_episodes", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        evaluate([COUNTDOWN], ["random"], episodes=2, out=tmp_path, resume=True)
+    monkeypatch.undo()
+    [summary] = evaluate([COUNTDOWN], ["random"], episodes=3, out=tmp_path, resume=True)
+    assert summary.episodes == 3
+
+
+def lock_handles(out: Path) -> list[str]:
+    """This process's open files that are ``out``'s lock file."""
+    fds = Path("/proc/self/fd")
+    found = []
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) == str(out / ".eval.lock"):
+                found.append(fd.name)
+    return found
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts open files in /proc")
+@pytest.mark.parametrize("code", ["ENOLCK", "EOPNOTSUPP", "ENOSYS"])
+def test_an_out_on_a_filesystem_without_locks_is_played_into_unlocked_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: str
+) -> None:
+    """NFS without lockd, some FUSE or SMB mounts: ``flock`` fails with an error other than
+    'held'. The run goes on, a warning says the folder is not protected from a second run, and
+    the lock file is not left open."""
+    import errno
+    import fcntl
+    import logging
+
+    def no_locks(file: Any, operation: int) -> None:
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    with caplog.at_level(logging.WARNING):
+        [summary] = evaluate([COUNTDOWN], ["random"], episodes=2, out=tmp_path)
+    assert summary.episodes == 2 and len(read_episodes(tmp_path / "episodes.jsonl")) == 2
+    [warning] = [r.getMessage() for r in caplog.records if ".eval.lock" in r.getMessage()]
+    assert str(tmp_path) in warning and "not prevented" in warning, warning
+    assert lock_handles(tmp_path) == []
