@@ -134,6 +134,9 @@ class EpisodeStats:
         names = cls.__dataclass_fields__
         values = {k: v for k, v in record.items() if k in names}
         values["latencies"] = tuple(values.get("latencies", ()))
+        for key in ("failure", "detail"):  # read as text by the summary and by --resume
+            if values.get(key) is not None and not isinstance(values[key], str):
+                raise TypeError(f"{key} is not text: {type(values[key]).__name__}")
         return cls(**values)
 
 

@@ -262,10 +262,13 @@ def test_resume_skips_lines_that_are_json_but_no_episode(
     evaluate([COUNTDOWN], ["random"], episodes=2, out=tmp_path)
     with open(tmp_path / "episodes.jsonl", "ab") as f:
         f.write(b'[1, 2]\n"an episode"\nnull\n')
+        bad = {**json.loads((tmp_path / "episodes.jsonl").read_text().splitlines()[0])}
+        edited = [{**bad, "seed": 7, "failure": failure} for failure in (1, ["x"])]  # no reason
+        f.writelines(json.dumps(record).encode() + b"\n" for record in edited)
     with caplog.at_level(logging.WARNING):
         [summary] = evaluate([COUNTDOWN], ["random"], episodes=3, out=tmp_path, resume=True)
     assert summary.episodes == 3
-    assert "skipped 3 unreadable line(s)" in caplog.text
+    assert "skipped 5 unreadable line(s)" in caplog.text
 
 
 @pytest.mark.timeout(60)
