@@ -17,12 +17,14 @@ A run folder holds:
     of the earlier run beside episodes it no longer describes.
 
 ``.eval.lock``
-    Locked (an exclusive ``flock``) by the run playing into the folder, from ``open_run`` to
-    ``EpisodeWriter.close``; the system lets go of it when that process dies, and a process an
-    env forks closes its copy (a helper that outlives the run does not hold the folder). Left
-    in place. On a filesystem without locks (``flock`` fails other than "held": NFS without
-    lockd, some FUSE or SMB mounts) the run plays into the folder unlocked, with a warning that
-    two runs into it at once are then not prevented.
+    Locked by the run playing into the folder, from ``open_run`` to ``EpisodeWriter.close``: a
+    POSIX record lock (``lockf``), which is the process's own, so a child an env forks, sharing
+    the file until it closes it, never holds the folder (a ``flock`` would be that child's too,
+    until it closed its copy); the system lets go of it when the process dies. Runs of one
+    process are told apart by the folders it holds (a record lock does not). Left in place. On
+    a filesystem without locks (``lockf`` fails other than "held": NFS without lockd, some FUSE
+    or SMB mounts) the run plays into the folder with only this process's runs kept out, and a
+    warning that runs of other processes are then not.
 
 ``open_run`` guarantees that one folder never mixes runs: one run at a time plays into it (a
 second, even with ``resume`` or ``overwrite``, fails at once rather than interleave its lines
@@ -35,10 +37,10 @@ the folder is an ``EvalOutputError`` naming the folder and the option that fixes
 from __future__ import annotations
 
 import fcntl
-import functools
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import IO, Any
 
@@ -58,8 +60,9 @@ __all__ = [
 _log = logging.getLogger(__name__)
 _RUN_FILES = ("episodes.jsonl", "summary.json", "eval.json")
 LOCK_FILE = ".eval.lock"
-_held: set[IO[bytes]] = set()
-"""The ``LOCK_FILE``s this process has locked."""
+_held: set[str] = set()
+"""The folders (real paths) this process's runs play into."""
+_guard = threading.Lock()
 
 
 def dumps(value: Any) -> bytes:
@@ -114,8 +117,7 @@ def open_run(
             _start_run(out, run, resume=resume, overwrite=overwrite)
             return EpisodeWriter(out / "episodes.jsonl", lock)
         except BaseException:
-            if lock is not None:
-                _unlock(lock)  # (the run did not start: the folder is free again)
+            lock.release()  # (the run did not start: the folder is free again)
             raise
     except OSError as error:
         raise EvalOutputError(
@@ -124,49 +126,63 @@ def open_run(
         ) from None
 
 
-def _lock(out: Path) -> IO[bytes] | None:
-    """``out``'s lock file, locked for this run; ``EvalOutputError`` if a run holds it; None,
-    with a warning, where the filesystem has no locks (the run plays unlocked)."""
-    _close_locks_in_forked_children()
-    lock = open(out / LOCK_FILE, "ab")  # noqa: SIM115 - held until the run's writer closes
+def _lock(out: Path) -> _FolderLock:
+    """``out`` locked for this run; ``EvalOutputError`` if a run holds it (in this process or
+    another). Where the filesystem has no locks, only this process's runs are kept out, with a
+    warning."""
+    key = os.path.realpath(out)
+    with _guard:  # a run of this process: known here (a record lock is the process's own)
+        if key in _held:
+            raise _in_use(out)
+        _held.add(key)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        lock = open(out / LOCK_FILE, "ab")  # noqa: SIM115 - held until the run's writer closes
+    except BaseException:
+        _release(key)
+        raise
+    try:
+        fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
         lock.close()
-        raise EvalOutputError(
-            f"--out {out} is in use by another envhub eval run (it holds {out / LOCK_FILE}); "
-            "wait for it to end (then --resume plays what it left), or use another --out"
-        ) from None
+        _release(key)
+        raise _in_use(out) from None
     except OSError as error:  # ENOLCK, EOPNOTSUPP, ENOSYS: the filesystem has no locks
         lock.close()
         _log.warning(
             "--out %s: cannot lock %s (%s), so this run plays into it unlocked: two envhub eval "
-            "runs into this folder at once are not prevented (their lines would mix); start "
-            "one at a time, or use an --out on a filesystem with locks (a local disk)",
+            "processes running into this folder at once are not prevented (their lines would "
+            "mix); start one at a time, or use an --out on a filesystem with locks (a local disk)",
             out,
             out / LOCK_FILE,
             error.strerror or error,
         )
-        return None
-    _held.add(lock)
-    return lock
+        return _FolderLock(key, None)
+    return _FolderLock(key, lock)
 
 
-def _unlock(lock: IO[bytes]) -> None:
-    _held.discard(lock)
-    lock.close()  # (closing the file lets go of its flock)
+class _FolderLock:
+    """A run's hold on its folder: this process's mark (``_held``) and the locked file."""
+
+    def __init__(self, key: str, file: IO[bytes] | None) -> None:
+        self.key, self.file = key, file
+
+    def release(self) -> None:
+        if self.file is not None:
+            self.file.close()  # (closing it lets go of the record lock)
+            self.file = None
+        _release(self.key)
 
 
-@functools.cache
-def _close_locks_in_forked_children() -> None:
-    """A ``flock`` is the open file's, which a forked child shares: have every child this
-    process forks from now on close its copies, so only the run's own process holds them."""
+def _release(key: str) -> None:
+    with _guard:
+        _held.discard(key)
 
-    def close_copies() -> None:
-        for lock in list(_held):
-            _unlock(lock)
 
-    os.register_at_fork(after_in_child=close_copies)
+def _in_use(out: Path) -> EvalOutputError:
+    return EvalOutputError(
+        f"--out {out} is in use by another envhub eval run (it holds {out / LOCK_FILE}); "
+        "wait for it to end (then --resume plays what it left), or use another --out"
+    )
 
 
 def _start_run(out: Path, run: dict[str, Any], *, resume: bool, overwrite: bool) -> None:
@@ -226,7 +242,7 @@ class EpisodeWriter:
     lets go of the folder's lock too (``lock``: the locked ``LOCK_FILE``, from ``open_run``;
     None where the run plays unlocked)."""
 
-    def __init__(self, path: Path, lock: IO[bytes] | None = None) -> None:
+    def __init__(self, path: Path, lock: _FolderLock | None = None) -> None:
         self.file = open(path, "ab")  # noqa: SIM115 - closed by close()
         self.lock = lock
         _drop_torn_tail(path)
@@ -238,7 +254,7 @@ class EpisodeWriter:
     def close(self) -> None:
         self.file.close()
         if self.lock is not None:
-            _unlock(self.lock)
+            self.lock.release()
 
 
 def _drop_torn_tail(path: Path) -> None:

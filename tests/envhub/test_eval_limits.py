@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +24,7 @@ from fastapi import FastAPI
 
 import envhub
 from envhub.core import TextSpace
+from envhub.eval_output import LOCK_FILE
 from envhub.eval_records import RECORD_TEXT_CHARS, read_episodes
 from envhub.evaluation import evaluate
 from tests.envhub.eval_cli_helpers import eval_cli, summary_rows
@@ -81,11 +84,35 @@ class Forks(CountdownEnv):
         return super().on_reset(options)
 
 
+WAIT_ON_FD = "import os, sys; os.read(int(sys.argv[1]), 1)"
+
+
+class SharesTheLock(CountdownEnv):
+    """On reset, starts a process that holds a copy of every open file of this process's on
+    ``.eval.lock`` (what a child an env forks holds until it closes them) and lives on after
+    the run, until the test closes the write end of ``HELPER_PIPE``."""
+
+    def on_reset(self, options: dict[str, Any]) -> Any:
+        fds = [
+            int(fd)
+            for fd in os.listdir("/proc/self/fd")
+            if os.path.realpath(f"/proc/self/fd/{fd}").endswith(LOCK_FILE)
+        ]
+        child = subprocess.Popen(
+            [sys.executable, "-c", WAIT_ON_FD, str(HELPER_PIPE[0])],
+            pass_fds=[*fds, HELPER_PIPE[0]],
+        )
+        HOLDERS.append(child)
+        return super().on_reset(options)
+
+
 HELPER_PIPE: tuple[int, int] = (-1, -1)
 HELPERS: list[int] = []
+HOLDERS: list[subprocess.Popen[bytes]] = []
 HANGS, PAUSED, LONG = "evallimits/hangs-v0", "evallimits/paused-v0", "evallimits/long-v0"
-FORKS = "evallimits/forks-v0"
-ENVS = {COUNTDOWN: CountdownEnv, HANGS: Hangs, PAUSED: Paused, LONG: LongWinded, FORKS: Forks}
+FORKS, SHARES = "evallimits/forks-v0", "evallimits/shares-v0"
+ENVS = {COUNTDOWN: CountdownEnv, HANGS: Hangs, PAUSED: Paused, LONG: LongWinded}
+ENVS |= {FORKS: Forks, SHARES: SharesTheLock}
 for _id, _entry in ENVS.items():
     envhub.register(_id, _entry, max_turns=3)
 
@@ -237,6 +264,29 @@ def test_a_process_an_env_forked_does_not_keep_the_out_locked_after_the_run(
 
 
 @pytest.mark.timeout(60)
+def test_another_process_holding_a_copy_of_the_lock_file_does_not_hold_the_out(
+    tmp_path: Path,
+) -> None:
+    """A child an env forks shares the run's open files until it closes them (the run's own
+    process may end its run first): the folder is this run's, not theirs."""
+    global HELPER_PIPE
+    HELPER_PIPE = os.pipe()
+    args = [SHARES, "--agent", "random", "--episodes", "1", "--out", str(tmp_path)]
+    try:
+        first = eval_cli(*args)
+        assert first.exit_code == 0, first.output
+        assert HOLDERS and HOLDERS[0].poll() is None, "no process holds a copy"
+        again = eval_cli(*args, "--overwrite")  # the copy is still open in the other process
+        assert again.exit_code == 0, again.output
+    finally:
+        os.close(HELPER_PIPE[1])
+        os.close(HELPER_PIPE[0])
+        for child in HOLDERS:
+            child.wait(30)
+        HOLDERS.clear()
+
+
+@pytest.mark.timeout(60)
 def test_a_resume_interrupted_while_it_reads_the_episodes_leaves_the_out_free(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -272,17 +322,17 @@ def lock_handles(out: Path) -> list[str]:
 def test_an_out_on_a_filesystem_without_locks_is_played_into_unlocked_with_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: str
 ) -> None:
-    """NFS without lockd, some FUSE or SMB mounts: ``flock`` fails with an error other than
-    'held'. The run goes on, a warning says the folder is not protected from a second run, and
-    the lock file is not left open."""
+    """NFS without lockd, some FUSE or SMB mounts: ``lockf`` fails with an error other than
+    'held'. The run goes on, a warning says the folder is not protected from another process's
+    run, and the lock file is not left open."""
     import errno
     import fcntl
     import logging
 
-    def no_locks(file: Any, operation: int) -> None:
+    def no_locks(file: Any, operation: int, *args: Any) -> None:
         raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
 
-    monkeypatch.setattr(fcntl, "flock", no_locks)
+    monkeypatch.setattr(fcntl, "lockf", no_locks)
     with caplog.at_level(logging.WARNING):
         [summary] = evaluate([COUNTDOWN], ["random"], episodes=2, out=tmp_path)
     assert summary.episodes == 2 and len(read_episodes(tmp_path / "episodes.jsonl")) == 2
